@@ -1,0 +1,43 @@
+# bayesfuse set-up: `make demo` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch is pinned here (a CPU build that lies on disk) and installed before the package, so
+# that pip never resolves the open range in pyproject.toml to a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.bayesfuse-installed
+DEMO_OUT ?= bayesfuse-demo
+FASHION_DIR := /usr/share/datasets/fashion-mnist
+
+.PHONY: venv demo test bench data clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet '$(TORCH)'
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+demo: venv
+	$(BIN)/bayesfuse demo --out $(DEMO_OUT) --force
+
+test: venv
+	$(BIN)/python -m pytest
+
+bench: venv
+	$(BIN)/python benchmarks/run_all.py
+
+data:
+	@if [ -d $(FASHION_DIR) ]; then \
+		echo "Fashion-MNIST already present in $(FASHION_DIR)"; \
+	elif [ "$$(id -u)" = "0" ]; then \
+		apt-get install -y dataset-fashion-mnist || { apt-get update && apt-get install -y dataset-fashion-mnist; }; \
+	else \
+		echo "Fashion-MNIST is provided by a Debian package; install it with:"; \
+		echo "    sudo apt-get install -y dataset-fashion-mnist"; \
+	fi
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .hypothesis *.egg-info

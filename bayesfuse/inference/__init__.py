@@ -1,0 +1,1 @@
+"""Fusion algorithms over arrays: BBP-MAP matching (PFNM, NAFI), layer-wise matching, KL-fusion."""

@@ -1,0 +1,1 @@
+"""Pyro generative models (Beta-Bernoulli process over neurons, horseshoe BNNs, mixtures)."""

@@ -1,0 +1,65 @@
+"""Multi-layer perceptrons as plain ``torch.nn.Module``s with predictable state_dict keys."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MLP"]
+
+
+class MLP(nn.Module):
+    """Fully connected ReLU network ``in_features -> hidden[0] -> ... -> n_classes``.
+
+    The linear layers live in ``self.layers`` so the state_dict keys are
+    ``layers.{i}.weight`` (shape ``[out, in]``) and ``layers.{i}.bias``; ``forward`` returns
+    logits. Initialisation follows PFNM supplement Table 1: weights ~ N(0, 0.01) (read as a
+    variance, i.e. standard deviation 0.1) and biases 0.1.
+
+    Parameters
+    ----------
+    in_features : int
+    hidden : sequence of int
+        Widths of the hidden layers; empty for multinomial logistic regression.
+    n_classes : int
+    """
+
+    def __init__(self, in_features: int, hidden: Sequence[int], n_classes: int) -> None:
+        super().__init__()
+        widths = [int(in_features), *(int(h) for h in hidden), int(n_classes)]
+        if min(widths) < 1:
+            raise ValueError(f"all layer widths must be positive, got {widths}")
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.reset_parameters()
+
+    @property
+    def widths(self) -> list[int]:
+        """Layer widths from input to output."""
+        return [self.layers[0].in_features, *(layer.out_features for layer in self.layers)]
+
+    def reset_parameters(self, weight_std: float = 0.1, bias: float = 0.1) -> None:
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.normal_(0.0, weight_std)
+                layer.bias.fill_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.relu(layer(x))
+        return self.layers[-1](x)
+
+    @classmethod
+    def from_state_dict(cls, state_dict: dict[str, torch.Tensor]) -> MLP:
+        """Build an MLP whose widths are read off ``state_dict`` and load it."""
+        n_layers = len([k for k in state_dict if k.startswith("layers.") and k.endswith(".weight")])
+        if n_layers == 0:
+            raise ValueError("state_dict has no 'layers.{i}.weight' entries")
+        shapes = [tuple(state_dict[f"layers.{i}.weight"].shape) for i in range(n_layers)]
+        for (out_prev, _), (_, in_next) in zip(shapes[:-1], shapes[1:]):
+            if out_prev != in_next:
+                raise ValueError(f"inconsistent layer shapes {shapes}")
+        model = cls(shapes[0][1], [s[0] for s in shapes[:-1]], shapes[-1][0])
+        model.load_state_dict(state_dict)
+        return model
