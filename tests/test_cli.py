@@ -1,0 +1,69 @@
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bayesfuse.cli import main
+
+SMALL = ["demo", "--clients", "4", "--epochs", "2", "--hidden", "20", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    return out, main([*SMALL, "--out", str(out)])
+
+
+def test_demo_writes_table_and_files(demo_run, capsys):
+    out, code = demo_run
+    assert code == 0
+    with open(out / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["method"] for r in rows] == ["local (mean of 4)", "ensemble", "fedavg"]
+    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
+    assert [int(r["hidden"]) for r in rows] == [20, 80, 20]
+    report = json.loads((out / "results.json").read_text())
+    assert report["config"]["n_clients"] == 4 and len(report["local_models"]) == 4
+    assert sum(map(sum, report["client_class_counts"])) == report["data"]["n_train"]
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_refuses_non_empty_out_without_force(demo_run, capsys):
+    out, _ = demo_run
+    before = (out / "results.json").read_bytes()
+    (out / "notes.txt").write_text("mine")
+    assert main([*SMALL, "--seed", "1", "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (out / "results.json").read_bytes() == before
+    assert main([*SMALL, "--seed", "1", "--out", str(out), "--force"]) == 0
+    assert json.loads((out / "results.json").read_text())["config"]["seed"] == 1
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_demo_prints_the_table(tmp_path, capsys):
+    assert main([*SMALL, "--out", str(tmp_path / "o")]) == 0
+    text = capsys.readouterr().out
+    for word in ("method", "accuracy", "nll", "hidden", "seconds", "ensemble", "fedavg"):
+        assert word in text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--alpha", "0"], "alpha must be a positive"),
+        (["--clients", "5000"], "more clients than examples"),
+        (["--dataset", "fashion-mnist", "--data-path", "/nonexistent/fmnist"], "/nonexistent/fmnist"),
+    ],
+)
+def test_demo_bad_inputs_exit_cleanly(tmp_path, capsys, args, message):
+    assert main([*SMALL, *args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_console_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "bayesfuse.cli", "demo", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--clients" in out and "--force" in out
