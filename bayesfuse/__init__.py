@@ -16,3 +16,7 @@ __all__ = [
     "train_clients",
     "train_mlp",
 ]
+
+from bayesfuse.fusion import FusionResult, fuse  # noqa: E402
+
+__all__ += ["FusionResult", "fuse"]

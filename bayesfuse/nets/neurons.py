@@ -1,0 +1,80 @@
+"""Neurons out of torch MLPs, and fused MLPs back from global neurons.
+
+A hidden unit l of a one-hidden-layer network is the vector ``[W1[l, :], b1[l], W2[:, l]]``
+of its incoming weights, bias and outgoing weights (PFNM's ``v_jl``; NAFI's ``w_sj``).
+Permuting hidden units permutes these rows and leaves the network's function unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from bayesfuse.nets.mlp import MLP
+
+__all__ = ["OneHiddenLayer", "one_hidden_layer", "mlp_from_neurons"]
+
+
+@dataclass(frozen=True)
+class OneHiddenLayer:
+    """The parameters of a one-hidden-layer MLP as float64 arrays.
+
+    Attributes
+    ----------
+    neurons : (L, D_in + 1 + K) hidden units as rows ``[W1[l], b1[l], W2[:, l]]``.
+    out_bias : (K,) output bias.
+    """
+
+    neurons: np.ndarray
+    out_bias: np.ndarray
+    in_features: int
+
+    @property
+    def n_classes(self) -> int:
+        return self.out_bias.shape[0]
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def one_hidden_layer(model: nn.Module) -> OneHiddenLayer:
+    """Read the hidden units of a Linear-ReLU-Linear network (such as ``MLP(d, [L], K)``)."""
+    linears = _linears(model)
+    if len(linears) != 2:
+        raise ValueError(
+            f"expected a one-hidden-layer MLP (2 Linear layers), found {len(linears)}; "
+            "deeper networks need layer-wise matching"
+        )
+    first, second = linears
+    if second.in_features != first.out_features:
+        raise ValueError(f"layer shapes do not chain: {first} then {second}")
+    if first.bias is None or second.bias is None:
+        raise ValueError("both Linear layers must have biases")
+    with torch.no_grad():
+        w1 = first.weight.double().cpu().numpy()
+        b1 = first.bias.double().cpu().numpy()
+        w2 = second.weight.double().cpu().numpy()
+        b2 = second.bias.double().cpu().numpy()
+    neurons = np.hstack([w1, b1[:, None], w2.T])
+    if not np.isfinite(neurons).all() or not np.isfinite(b2).all():
+        raise ValueError("model parameters contain NaN or infinite values")
+    return OneHiddenLayer(neurons, b2, first.in_features)
+
+
+def mlp_from_neurons(neurons: np.ndarray, out_bias: np.ndarray, in_features: int) -> MLP:
+    """Build ``MLP(in_features, [G], K)`` whose hidden units are the rows of ``neurons``."""
+    neurons = np.asarray(neurons, dtype=np.float64)
+    k = len(out_bias)
+    if neurons.ndim != 2 or neurons.shape[1] != in_features + 1 + k:
+        raise ValueError(f"neurons must have shape (G, {in_features + 1 + k}), got {neurons.shape}")
+    model = MLP(in_features, [neurons.shape[0]], k)
+    with torch.no_grad():
+        model.layers[0].weight.copy_(torch.from_numpy(neurons[:, :in_features]))
+        model.layers[0].bias.copy_(torch.from_numpy(neurons[:, in_features]))
+        model.layers[1].weight.copy_(torch.from_numpy(neurons[:, in_features + 1 :].T.copy()))
+        model.layers[1].bias.copy_(torch.from_numpy(np.asarray(out_bias, dtype=np.float64)))
+    return model
