@@ -284,6 +284,42 @@ def _setup(layers, noise_var, prior_var, prior_mean, gamma0):
 # --------------------------------------------------------------------------- cost
 
 
+def _gain_terms(h, lam, v, p, with_kl: bool):
+    """Per (atom, neuron): ``Delta`` (G, L), ``sum_d log(1 + p_d/lam_id)`` (G,), KL (G, L) or None."""
+    D = v.shape[1]
+    if lam.shape[1] == 1 and p.shape[0] == 1:  # isotropic: one GEMM serves every term
+        lam_i, pp = lam[:, 0], float(p[0])
+        hv = h @ v.T
+        hh = np.einsum("gd,gd->g", h, h)
+        vv = np.einsum("ld,ld->l", v, v)
+        a = 1.0 / (lam_i + pp)
+        delta = a[:, None] * (hh[:, None] + 2 * pp * hv + pp * pp * vv[None, :]) - (hh / lam_i)[:, None]
+        log_ratio = D * np.log1p(pp / lam_i)
+        kl = None
+        if with_kl:
+            sq = vv[None, :] - 2 * hv / lam_i[:, None] + (hh / lam_i**2)[:, None]  # ||v - mu_i||^2
+            kl = 0.5 * D * (pp / lam_i - np.log1p(pp / lam_i))[:, None] + 0.5 * (pp * pp * a)[:, None] * sq
+        return delta, log_ratio, kl
+    lam_d = np.broadcast_to(lam, h.shape)
+    pd = np.broadcast_to(p, (D,))
+    a = 1.0 / (lam_d + pd)
+    v2 = v * v
+    delta = (
+        np.einsum("gd,gd->g", a * h, h)[:, None]
+        + 2 * (a * h * pd) @ v.T
+        + (a * pd * pd) @ v2.T
+        - np.einsum("gd,gd->g", h / lam_d, h)[:, None]
+    )
+    log_ratio = np.log1p(pd / lam_d).sum(1)
+    kl = None
+    if with_kl:
+        b = pd * pd * a
+        mu = h / lam_d
+        sq = b @ v2.T - 2 * (b * mu) @ v.T + np.einsum("gd,gd->g", b * mu, mu)[:, None]
+        kl = 0.5 * (pd / lam_d - np.log1p(pd / lam_d)).sum(1)[:, None] + 0.5 * sq
+    return delta, log_ratio, kl
+
+
 def assignment_cost(
     v: np.ndarray,
     p: np.ndarray,
@@ -324,60 +360,94 @@ def assignment_cost(
             - \\log\\Big(1 + \\frac{p_d}{\\lambda_{id}}\\Big)
             + \\frac{p_d^2}{\\lambda_{id} + p_d} (v_{ld} - \\mu_{id})^2\\Big].
     """
-    J, D, L = prior.n_clients, prior.dim, v.shape[0]
-    # Row G is the prior: the "atom" a new neuron starts from.
-    h_all = np.vstack([h, prior.h0[None, :]])
-    lam_all = np.vstack([lam, prior.lam0[None, :]])
-    if lam_all.shape[1] == 1 and p.shape[0] == 1:  # isotropic: one GEMM serves every term
-        lam_i, pp = lam_all[:, 0], float(p[0])
-        hv = h_all @ v.T  # (G+1, L)
-        hh = np.einsum("gd,gd->g", h_all, h_all)
-        vv = np.einsum("ld,ld->l", v, v)
-        a = 1.0 / (lam_i + pp)
-        delta = a[:, None] * (hh[:, None] + 2 * pp * hv + pp * pp * vv[None, :]) - (hh / lam_i)[:, None]
-        log_ratio = D * np.log1p(pp / lam_i)
-        if kl_weight:
-            sq = vv[None, :] - 2 * hv / lam_i[:, None] + (hh / lam_i**2)[:, None]  # ||v - mu_i||^2
-            kl = 0.5 * D * (pp / lam_i - np.log1p(pp / lam_i))[:, None] + 0.5 * (pp * pp * a)[:, None] * sq
-    else:
-        lam_d = np.broadcast_to(lam_all, h_all.shape)
-        pd = np.broadcast_to(p, (D,))
-        a = 1.0 / (lam_d + pd)
-        v2 = v * v
-        delta = (
-            np.einsum("gd,gd->g", a * h_all, h_all)[:, None]
-            + 2 * (a * h_all * pd) @ v.T
-            + (a * pd * pd) @ v2.T
-            - np.einsum("gd,gd->g", h_all / lam_d, h_all)[:, None]
-        )
-        log_ratio = np.log1p(pd / lam_d).sum(1)
-        if kl_weight:
-            b = pd * pd * a
-            mu = h_all / lam_d
-            sq = b @ v2.T - 2 * (b * mu) @ v.T + np.einsum("gd,gd->g", b * mu, mu)[:, None]
-            kl = 0.5 * (pd / lam_d - np.log1p(pd / lam_d)).sum(1)[:, None] + 0.5 * sq
-    # delta, kl: (G+1, L) -> per (l, i) below.
-    popularity = np.log(m / (J - m)) if len(m) else np.zeros(0)
+    J, L = prior.n_clients, v.shape[0]
+    # The existing atoms, and the prior as the "atom" a new neuron starts from.
+    delta, log_ratio, kl = _gain_terms(h, lam, v, p, bool(kl_weight))
+    delta0, log_ratio0, kl0 = _gain_terms(prior.h0[None, :], prior.lam0[None, :], v, p, bool(kl_weight))
+    popularity = np.log(m / (J - m))
     new_prior = math.log(prior.gamma0 / J)
     if cost == "pfnm":
-        score_old = delta[:-1] + 2 * popularity[:, None]
-        score_new = delta[-1][None, :] + 2 * new_prior - 2 * np.log(np.arange(1, L + 1))[:, None]
+        score_old = delta + 2 * popularity[:, None]
+        # row k-1: opening the k-th new atom
+        score_new = delta0 + 2 * new_prior - 2 * np.log(np.arange(1, L + 1))[:, None]
     elif cost == "marginal":
-        score_old = 0.5 * delta[:-1] - 0.5 * log_ratio[:-1, None] + popularity[:, None]
-        score_new = np.broadcast_to((0.5 * delta[-1] - 0.5 * log_ratio[-1] + new_prior)[None, :], (L, L))
+        score_old = 0.5 * delta - 0.5 * log_ratio[:, None] + popularity[:, None]
+        score_new = np.broadcast_to(0.5 * delta0 - 0.5 * log_ratio0[:, None] + new_prior, (L, L))
     else:
         raise ValueError(f"cost must be 'pfnm' or 'marginal', got {cost!r}")
-    # score_new[k, l]: neuron l opening the (k+1)-th new atom.
-    out = np.empty((L, len(m) + L))
-    out[:, : len(m)] = -score_old.T
-    out[:, len(m) :] = -score_new.T
+    G = len(m)
+    out = np.empty((L, G + L))
+    out[:, :G] = -score_old.T
+    out[:, G:] = -score_new.T
     if kl_weight:
-        out[:, : len(m)] += kl_weight * kl[:-1].T
-        out[:, len(m) :] += kl_weight * kl[-1][:, None]
+        out[:, :G] += kl_weight * kl.T
+        out[:, G:] += kl_weight * kl0.T
     return out
 
 
 # --------------------------------------------------------------------------- alternation
+
+
+class _AtomBuffer:
+    """Natural parameters of the atoms in growable arrays; ``h``, ``lam``, ``m`` are views."""
+
+    def __init__(self, dim: int, width: int, capacity: int):
+        self._h = np.zeros((capacity, dim))
+        self._lam = np.zeros((capacity, width))
+        self._m = np.zeros(capacity, dtype=np.int64)
+        self.n = 0
+
+    @property
+    def h(self) -> np.ndarray:
+        return self._h[: self.n]
+
+    @property
+    def lam(self) -> np.ndarray:
+        return self._lam[: self.n]
+
+    @property
+    def m(self) -> np.ndarray:
+        return self._m[: self.n]
+
+    def _reserve(self, size: int) -> None:
+        if size > len(self._m):
+            cap = max(2 * len(self._m), size)
+            for name in ("_h", "_lam", "_m"):
+                old = getattr(self, name)
+                new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+                new[: self.n] = old[: self.n]
+                setattr(self, name, new)
+
+    def grow(self, k: int, prior: _Prior) -> None:
+        """Append k atoms holding only the prior."""
+        self._reserve(self.n + k)
+        self._h[self.n : self.n + k] = prior.h0
+        self._lam[self.n : self.n + k] = prior.lam0
+        self._m[self.n : self.n + k] = 0
+        self.n += k
+
+    def compact(self, keep: np.ndarray) -> np.ndarray:
+        """Drop atoms where ``keep`` is false by moving the last live atoms into the holes.
+
+        Copies only as many rows as are dropped. Returns the old -> new index map (-1: dropped).
+        """
+        n_keep = int(keep.sum())
+        dead = np.flatnonzero(~keep)
+        holes = dead[dead < n_keep]
+        movers = np.flatnonzero(keep[n_keep:]) + n_keep
+        remap = np.arange(self.n)
+        remap[dead] = -1
+        remap[movers] = holes
+        for arr in (self._h, self._lam, self._m):
+            arr[holes] = arr[movers]
+        self.n = n_keep
+        return remap
+
+    def reset(self, h: np.ndarray, lam: np.ndarray, m: np.ndarray) -> None:
+        """Replace the contents by freshly computed statistics."""
+        self._reserve(len(m))
+        self.n = len(m)
+        self._h[: self.n], self._lam[: self.n], self._m[: self.n] = h, lam, m
 
 
 def match_neurons(
@@ -470,12 +540,10 @@ def match_neurons(
         raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     data_const = _data_constant(layers, prec)
+    weighted = [v * prec[j] for j, v in enumerate(layers)]  # v / sigma_j^2, added to h
 
     assignments: list[np.ndarray | None] = [None] * J
-    width = prec.shape[1]
-    h = np.zeros((0, D))
-    lam = np.zeros((0, width))
-    m = np.zeros(0, dtype=np.int64)
+    atoms = _AtomBuffer(D, prec.shape[1], capacity=max(len(v) for v in layers) * 2)
     objective: list[float] = []
     converged = False
     bar = tqdm(range(int(n_iter)), desc="matching", unit="sweep", disable=not verbose)
@@ -483,44 +551,39 @@ def match_neurons(
     for sweep in bar:
         changed = 0
         for j in rng.permutation(J):
-            v, p = layers[j], prec[j]
+            v, p, vp = layers[j], prec[j], weighted[j]
             old = assignments[j]
-            if old is not None:  # remove client j
-                h[old] -= v * p
-                lam[old] -= p
-                m[old] -= 1
-                keep = m > 0
-                remap = np.cumsum(keep) - 1
-                old_kept = np.where(keep[old], remap[old], -1)
+            if old is not None:  # take client j out
+                atoms.h[old] -= vp
+                atoms.lam[old] -= p
+                atoms.m[old] -= 1
+                keep = atoms.m > 0
+                old_kept = old
                 if not keep.all():
-                    h, lam, m = h[keep], lam[keep], m[keep]
+                    remap = atoms.compact(keep)
+                    old_kept = remap[old]
                     for k in range(J):
                         if k != j and assignments[k] is not None:
                             assignments[k] = remap[assignments[k]]
-            C = assignment_cost(v, p, h, lam, m, prior, cost=cost, kl_weight=kl_weight)
+            g = atoms.n
+            C = assignment_cost(v, p, atoms.h, atoms.lam, atoms.m, prior, cost=cost, kl_weight=kl_weight)
             rows, cols = linear_sum_assignment(C)
-            g = len(m)
             new_cols = np.sort(cols[cols >= g])
-            new_index = np.empty(C.shape[1], dtype=np.int64)
-            new_index[:g] = np.arange(g)
-            new_index[new_cols] = g + np.arange(len(new_cols))
+            index = np.arange(C.shape[1])
+            index[new_cols] = g + np.arange(len(new_cols))
             a = np.empty(v.shape[0], dtype=np.int64)
-            a[rows] = new_index[cols]
+            a[rows] = index[cols]
             if old is not None:
                 changed += int(np.any(np.where(a < g, a, -1) != old_kept))
-            # add client j back
-            n_new = len(new_cols)
-            if n_new:
-                h = np.vstack([h, np.tile(prior.h0, (n_new, 1))])
-                lam = np.vstack([lam, np.tile(prior.lam0, (n_new, 1))])
-                m = np.concatenate([m, np.zeros(n_new, dtype=np.int64)])
-            h[a] += v * p
-            lam[a] += p
-            m[a] += 1
+            atoms.grow(len(new_cols), prior)  # put client j back
+            atoms.h[a] += vp
+            atoms.lam[a] += p
+            atoms.m[a] += 1
             assignments[j] = a
         sweeps = sweep + 1
         # Recompute from the assignments: removes round-off accumulated by the updates.
-        h, lam, m = _posterior_stats(layers, prec, assignments, len(m), prior)
+        h, lam, m = _posterior_stats(layers, prec, assignments, atoms.n, prior)
+        atoms.reset(h, lam, m)
         objective.append(_objective(h, lam, m, prior) + data_const)
         bar.set_postfix(atoms=len(m), objective=f"{objective[-1]:.1f}")
         if sweep > 0 and changed == 0:
@@ -528,6 +591,7 @@ def match_neurons(
             break
         if tol is not None and sweep > 0 and objective[-1] - objective[-2] < tol:
             break
+    h, lam, m = atoms.h, atoms.lam, atoms.m
     lam_full = np.broadcast_to(lam, h.shape)
     return MatchResult(
         assignments=[np.asarray(a) for a in assignments],
