@@ -23,6 +23,7 @@ from bayesfuse._io import atomic_write_bytes, atomic_write_text, prepare_output_
 from bayesfuse.baselines import Ensemble, evaluate_locals, fedavg
 from bayesfuse.data.datasets import DataSplit, load_dataset
 from bayesfuse.data.partition import Partition, dirichlet_partition
+from bayesfuse.fusion import fuse
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.train import TrainConfig, train_clients
@@ -146,6 +147,12 @@ def run_demo(
     seconds = time.perf_counter() - start
     rows.append(_row("fedavg", evaluate(predict_proba(averaged, x_test), y_test), width, seconds))
 
+    if len(config.hidden) == 1:  # matching of deeper nets is layer-wise (not in the demo yet)
+        for method in ("pfnm", "nafi"):
+            fused = fuse(models, method, class_counts=partition.counts, seed=config.seed)
+            rows.append(_row(method, evaluate(predict_proba(fused.model, x_test), y_test),
+                             fused.sizes[0], fused.seconds))
+
     result = DemoResult(rows, local_metrics, partition, config, train_seconds)
     if out_dir is not None:
         result.files = _write_outputs(result, out_dir, split)
@@ -194,7 +201,7 @@ def _figure_png(result: DemoResult, split: DataSplit) -> bytes:
 
     names = [r["method"] for r in result.rows]
     accs = [r["accuracy"] for r in result.rows]
-    ax_acc.bar(range(len(names)), accs, color=["#9e9e9e", "#4c72b0", "#dd8452", "#55a868"][: len(names)])
+    ax_acc.bar(range(len(names)), accs, color=["#9e9e9e", "#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(names)])
     local_accs = [m["accuracy"] for m in result.local_metrics]
     jitter = np.linspace(-0.25, 0.25, len(local_accs))
     ax_acc.scatter(jitter, local_accs, s=12, color="black", zorder=3, label="each local model")

@@ -21,9 +21,11 @@ def test_demo_writes_table_and_files(demo_run, capsys):
     assert code == 0
     with open(out / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["method"] for r in rows] == ["local (mean of 4)", "ensemble", "fedavg"]
+    assert [r["method"] for r in rows] == ["local (mean of 4)", "ensemble", "fedavg", "pfnm", "nafi"]
     assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
-    assert [int(r["hidden"]) for r in rows] == [20, 80, 20]
+    assert [int(r["hidden"]) for r in rows[:3]] == [20, 80, 20]
+    # A matched model has at least the widest local layer and at most all units.
+    assert all(20 <= int(r["hidden"]) <= 80 for r in rows[3:])
     report = json.loads((out / "results.json").read_text())
     assert report["config"]["n_clients"] == 4 and len(report["local_models"]) == 4
     assert sum(map(sum, report["client_class_counts"])) == report["data"]["n_train"]
@@ -45,7 +47,7 @@ def test_demo_refuses_non_empty_out_without_force(demo_run, capsys):
 def test_demo_prints_the_table(tmp_path, capsys):
     assert main([*SMALL, "--out", str(tmp_path / "o")]) == 0
     text = capsys.readouterr().out
-    for word in ("method", "accuracy", "nll", "hidden", "seconds", "ensemble", "fedavg"):
+    for word in ("method", "accuracy", "nll", "hidden", "seconds", "ensemble", "fedavg", "pfnm", "nafi"):
         assert word in text
 
 

@@ -134,8 +134,8 @@ def _positive(value, name: str, shape_ok: tuple[int, ...], allow_inf: bool = Fal
     return a
 
 
-def _client_precisions(noise_var, n_clients: int, dim: int) -> np.ndarray:
-    """Precisions ``1 / sigma_j^2``: (J, 1) when isotropic per client, else (J, D).
+def _client_variances(noise_var, n_clients: int, dim: int) -> np.ndarray:
+    """Noise variances ``sigma_j^2``: (J, 1) when isotropic per client, else (J, D).
 
     An infinite variance (precision 0) says a client carries no information on a coordinate.
     """
@@ -146,7 +146,7 @@ def _client_precisions(noise_var, n_clients: int, dim: int) -> np.ndarray:
         v = np.full((n_clients, 1), float(v))
     elif v.ndim == 1:
         v = v[:, None]
-    return 1.0 / v
+    return v
 
 
 # --------------------------------------------------------------------------- model pieces
@@ -210,6 +210,7 @@ def log_marginal_posterior(
     prior_var=1.0,
     prior_mean=0.0,
     gamma0: float = 1.0,
+    local_vars: Sequence | None = None,
 ) -> float:
     """``log p(neurons, assignments)`` under the BBP model, atoms integrated out.
 
@@ -225,7 +226,7 @@ def log_marginal_posterior(
     Occam terms ``log(sigma0^2 lambda_i)`` it drops); ``-log L_j!`` is the uniform order of
     each client's neurons. Assignments count as partitions: relabelling atoms changes nothing.
     """
-    layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0)
+    layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars)
     if len(assignments) != len(layers):
         raise ValueError(f"need one assignment array per client ({len(layers)}), got {len(assignments)}")
     assignments = [np.asarray(a, dtype=np.int64) for a in assignments]
@@ -251,9 +252,9 @@ def _objective(h, lam, m, prior: _Prior) -> float:
 def _data_constant(layers, prec) -> float:
     total = 0.0
     for j, v in enumerate(layers):
-        p = np.broadcast_to(prec[j], (v.shape[1],))
+        p = np.broadcast_to(prec[j], v.shape)
         seen = p > 0  # a coordinate of precision 0 carries no information: no factor
-        total += -0.5 * v.shape[0] * np.sum(np.log(2 * np.pi / p[seen])) - 0.5 * np.sum(v[:, seen] ** 2 * p[seen])
+        total += -0.5 * np.sum(np.log(2 * np.pi / p[seen])) - 0.5 * np.sum((v * v)[seen] * p[seen])
         total -= gammaln(v.shape[0] + 1)
     return float(total)
 
@@ -271,13 +272,28 @@ def _make_prior(prior_var, prior_mean, gamma0, J, D, width) -> _Prior:
     return _Prior(h0=h0, lam0=lam0, gamma0=float(gamma0), n_clients=J, dim=D)
 
 
-def _setup(layers, noise_var, prior_var, prior_mean, gamma0):
-    """Checked neurons, precisions (J, width) and prior with a common width (1 or D)."""
+def _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars=None):
+    """Checked neurons, per-client precisions and the prior, all of one width (1 or D).
+
+    ``prec[j]`` has shape (1, width) when client j's neurons share one noise variance, or
+    (L_j, width) when ``local_vars`` gives each neuron its own (added to ``noise_var``).
+    """
     layers = _check_layers(layers)
     J, D = len(layers), layers[0].shape[1]
-    prec = _client_precisions(noise_var, J, D)
-    width = 1 if (prec.shape[1] == 1 and np.ndim(prior_var) == 0) else D
-    prec = np.broadcast_to(prec, (J, width)).copy()
+    variances = list(_client_variances(noise_var, J, D)[:, None, :])  # J x (1, 1|D)
+    if local_vars is not None:
+        if len(local_vars) != J:
+            raise ValueError(f"local_vars needs one array per client ({J}), got {len(local_vars)}")
+        for j, (lv, v) in enumerate(zip(local_vars, layers)):
+            lv = _as_array(lv, f"local_vars[{j}]")
+            if lv.shape not in ((v.shape[0],), v.shape):
+                raise ValueError(f"local_vars[{j}] must have shape ({v.shape[0]},) or {v.shape}, got {lv.shape}")
+            if (lv < 0).any():
+                raise ValueError(f"local_vars[{j}] must be non-negative")
+            variances[j] = variances[j] + (lv[:, None] if lv.ndim == 1 else lv)
+    width = 1 if (all(x.shape[1] == 1 for x in variances) and np.ndim(prior_var) == 0) else D
+    with np.errstate(divide="ignore"):  # infinite variance -> precision 0
+        prec = [np.broadcast_to(1.0 / x, (x.shape[0], width)).copy() for x in variances]
     return layers, prec, _make_prior(prior_var, prior_mean, gamma0, J, D, width)
 
 
@@ -285,23 +301,28 @@ def _setup(layers, noise_var, prior_var, prior_mean, gamma0):
 
 
 def _gain_terms(h, lam, v, p, with_kl: bool):
-    """Per (atom, neuron): ``Delta`` (G, L), ``sum_d log(1 + p_d/lam_id)`` (G,), KL (G, L) or None."""
+    """Per (atom, neuron): ``Delta`` (G, L), ``sum_d log(1 + p_d/lam_id)`` (G, 1|L), KL (G, L) or None.
+
+    ``p`` is (1, width) (one precision for the client's neurons) or (L, width) (per neuron).
+    """
     D = v.shape[1]
-    if lam.shape[1] == 1 and p.shape[0] == 1:  # isotropic: one GEMM serves every term
-        lam_i, pp = lam[:, 0], float(p[0])
+    if lam.shape[1] == 1:  # isotropic: one GEMM serves every term
+        lam_i, pp = lam[:, :1], p[:, 0][None, :]  # (G, 1), (1, 1|L)
         hv = h @ v.T
-        hh = np.einsum("gd,gd->g", h, h)
-        vv = np.einsum("ld,ld->l", v, v)
+        hh = np.einsum("gd,gd->g", h, h)[:, None]
+        vv = np.einsum("ld,ld->l", v, v)[None, :]
         a = 1.0 / (lam_i + pp)
-        delta = a[:, None] * (hh[:, None] + 2 * pp * hv + pp * pp * vv[None, :]) - (hh / lam_i)[:, None]
+        delta = a * (hh + 2 * pp * hv + pp * pp * vv) - hh / lam_i
         log_ratio = D * np.log1p(pp / lam_i)
         kl = None
         if with_kl:
-            sq = vv[None, :] - 2 * hv / lam_i[:, None] + (hh / lam_i**2)[:, None]  # ||v - mu_i||^2
-            kl = 0.5 * D * (pp / lam_i - np.log1p(pp / lam_i))[:, None] + 0.5 * (pp * pp * a)[:, None] * sq
+            sq = vv - 2 * hv / lam_i + hh / lam_i**2  # ||v - mu_i||^2
+            kl = 0.5 * D * (pp / lam_i - np.log1p(pp / lam_i)) + 0.5 * pp * pp * a * sq
         return delta, log_ratio, kl
     lam_d = np.broadcast_to(lam, h.shape)
-    pd = np.broadcast_to(p, (D,))
+    if p.shape[0] > 1:
+        return _gain_terms_per_neuron(h, lam_d, v, p, with_kl)
+    pd = p[0]
     a = 1.0 / (lam_d + pd)
     v2 = v * v
     delta = (
@@ -310,13 +331,36 @@ def _gain_terms(h, lam, v, p, with_kl: bool):
         + (a * pd * pd) @ v2.T
         - np.einsum("gd,gd->g", h / lam_d, h)[:, None]
     )
-    log_ratio = np.log1p(pd / lam_d).sum(1)
+    log_ratio = np.log1p(pd / lam_d).sum(1)[:, None]
     kl = None
     if with_kl:
         b = pd * pd * a
         mu = h / lam_d
         sq = b @ v2.T - 2 * (b * mu) @ v.T + np.einsum("gd,gd->g", b * mu, mu)[:, None]
         kl = 0.5 * (pd / lam_d - np.log1p(pd / lam_d)).sum(1)[:, None] + 0.5 * sq
+    return delta, log_ratio, kl
+
+
+def _gain_terms_per_neuron(h, lam_d, v, p, with_kl: bool, max_elements: int = 1 << 22):
+    """:func:`_gain_terms` when every neuron has its own per-entry precision (no GEMM form).
+
+    Works on blocks of atoms so that a block's (atoms, L, D) array stays below ``max_elements``.
+    """
+    G, (L, D) = h.shape[0], v.shape
+    pv = p * v
+    base = np.einsum("gd,gd->g", h / lam_d, h)
+    delta, log_ratio = np.empty((G, L)), np.empty((G, L))
+    kl = np.empty((G, L)) if with_kl else None
+    step = max(1, max_elements // (L * D))
+    for s in range(0, G, step):
+        hc, lc = h[s : s + step, None, :], lam_d[s : s + step, None, :]
+        den = lc + p[None]
+        delta[s : s + step] = ((hc + pv[None]) ** 2 / den).sum(-1) - base[s : s + step, None]
+        ratio = p[None] / lc
+        log_ratio[s : s + step] = np.log1p(ratio).sum(-1)
+        if with_kl:
+            sq = p[None] ** 2 / den * (v[None] - hc / lc) ** 2
+            kl[s : s + step] = 0.5 * (ratio - np.log1p(ratio) + sq).sum(-1)
     return delta, log_ratio, kl
 
 
@@ -335,7 +379,8 @@ def assignment_cost(
 
     Parameters
     ----------
-    v : (L, D) the client's neurons. p : (1,) or (D,) their precision ``1/sigma_j^2``.
+    v : (L, D) the client's neurons. p : (1, 1|D) their precision ``1/sigma_j^2``, or
+        (L, 1|D) one per neuron.
     h, lam, m : natural parameters (G, D), (G, 1|D) and counts (G,) of the atoms of the
         other clients (all counts >= 1).
 
@@ -371,8 +416,8 @@ def assignment_cost(
         # row k-1: opening the k-th new atom
         score_new = delta0 + 2 * new_prior - 2 * np.log(np.arange(1, L + 1))[:, None]
     elif cost == "marginal":
-        score_old = 0.5 * delta - 0.5 * log_ratio[:, None] + popularity[:, None]
-        score_new = np.broadcast_to(0.5 * delta0 - 0.5 * log_ratio0[:, None] + new_prior, (L, L))
+        score_old = 0.5 * delta - 0.5 * log_ratio + popularity[:, None]
+        score_new = np.broadcast_to(0.5 * delta0 - 0.5 * log_ratio0 + new_prior, (L, L))
     else:
         raise ValueError(f"cost must be 'pfnm' or 'marginal', got {cost!r}")
     G = len(m)
@@ -459,6 +504,7 @@ def match_neurons(
     prior_mean=0.0,
     kl_weight: float = 0.0,
     cost: Cost = "pfnm",
+    local_vars: Sequence | None = None,
     n_iter: int = 10,
     tol: float | None = None,
     seed: int | np.random.Generator | None = None,
@@ -491,6 +537,10 @@ def match_neurons(
         ``"pfnm"``: the paper's Prop. 2 cost as written, which drops the Occam terms of the
         marginal likelihood. ``"marginal"``: the exact change of the collapsed log posterior
         (:func:`log_marginal_posterior`), as in SPAHM (Yurochkin et al., NeurIPS 2019).
+    local_vars : sequence of (L_j,) or (L_j, D) arrays, optional
+        Per-neuron variances of local posteriors (Bayesian networks); neuron l of client j is
+        then ``N(theta_i, noise_var_j + local_vars[j][l])``. Per-entry arrays take a slower
+        path (no matrix-product form), in blocks of atoms.
     n_iter : int
         Maximum number of sweeps.
     tol : float, optional
@@ -530,7 +580,7 @@ def match_neurons(
       the atom's mean; it discourages poor matches and so grows the global model slightly.
     """
     start = time.perf_counter()
-    layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0)
+    layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars)
     J, D = len(layers), layers[0].shape[1]
     if cost not in ("pfnm", "marginal"):
         raise ValueError(f"cost must be 'pfnm' or 'marginal', got {cost!r}")
@@ -543,7 +593,7 @@ def match_neurons(
     weighted = [v * prec[j] for j, v in enumerate(layers)]  # v / sigma_j^2, added to h
 
     assignments: list[np.ndarray | None] = [None] * J
-    atoms = _AtomBuffer(D, prec.shape[1], capacity=max(len(v) for v in layers) * 2)
+    atoms = _AtomBuffer(D, prec[0].shape[1], capacity=max(len(v) for v in layers) * 2)
     objective: list[float] = []
     converged = False
     bar = tqdm(range(int(n_iter)), desc="matching", unit="sweep", disable=not verbose)
@@ -604,6 +654,7 @@ def match_neurons(
         hyper=dict(noise_var=noise_var if np.ndim(noise_var) == 0 else np.asarray(noise_var).tolist(),
                    prior_var=prior_var if np.ndim(prior_var) == 0 else np.asarray(prior_var).tolist(),
                    prior_mean=prior_mean if np.ndim(prior_mean) == 0 else np.asarray(prior_mean).tolist(),
-                   gamma0=gamma0, kl_weight=kl_weight, cost=cost, n_iter=n_iter, seed=None if isinstance(seed, np.random.Generator) else seed),
+                   gamma0=gamma0, kl_weight=kl_weight, cost=cost, n_iter=n_iter, local_vars=local_vars is not None,
+                   seed=None if isinstance(seed, np.random.Generator) else seed),
         seconds=time.perf_counter() - start,
     )

@@ -37,11 +37,11 @@ def _loop_cost(v, p, h, lam, m, prior, J, cost, kl_weight):
     """The cost of PFNM supplement Prop. 2 / the marginal change / NAFI eq. 14, entry by entry."""
     L, D = v.shape
     G = len(m)
-    pd = np.broadcast_to(p, (D,))
     atoms = [(h[i], np.broadcast_to(lam[i], (D,)), m[i]) for i in range(G)]
     h0, lam0 = prior.h0, np.broadcast_to(prior.lam0, (D,))
     out = np.zeros((L, G + L))
     for l in range(L):
+        pd = np.broadcast_to(p[l if len(p) > 1 else 0], (D,))
         for col in range(G + L):
             hi, li, mi = atoms[col] if col < G else (h0, lam0, None)
             new_h, new_l = hi + pd * v[l], li + pd
@@ -59,14 +59,18 @@ def _loop_cost(v, p, h, lam, m, prior, J, cost, kl_weight):
 
 @pytest.mark.parametrize("cost", ["pfnm", "marginal"])
 @pytest.mark.parametrize("per_entry", [False, True])
+@pytest.mark.parametrize("per_neuron", [False, True])
 @pytest.mark.parametrize("kl_weight", [0.0, 0.7])
-def test_cost_matrix_equals_loop_formula(cost, per_entry, kl_weight):
+def test_cost_matrix_equals_loop_formula(cost, per_entry, per_neuron, kl_weight):
     rng = np.random.default_rng(0)
     J, D = 4, 5
     layers = [rng.normal(size=(L, D)) for L in (3, 4, 2, 3)]
     noise = rng.uniform(0.2, 2.0, size=(J, D)) if per_entry else [0.5, 1.0, 2.0, 0.7]
     prior_var = rng.uniform(1, 3, size=D) if per_entry else 2.0
-    layers_c, prec, prior = _setup(layers, noise, prior_var, rng.normal(size=D), 1.5)
+    local_vars = None
+    if per_neuron:  # each neuron's own variance: per entry, or one per neuron
+        local_vars = [rng.uniform(0, 1, size=v.shape if per_entry else len(v)) for v in layers]
+    layers_c, prec, prior = _setup(layers, noise, prior_var, rng.normal(size=D), 1.5, local_vars)
     others = [np.array([0, 1, 2]), np.array([2, 0, 3, 1]), None, np.array([4, 0, 1])]
     h, lam, m = _posterior_stats(layers_c, prec, others, 5, prior)
     got = assignment_cost(layers_c[2], prec[2], h, lam, m, prior, cost=cost, kl_weight=kl_weight)
@@ -257,3 +261,22 @@ def test_bad_inputs():
         match_neurons([])
     with pytest.raises(ValueError, match="2-D"):
         match_neurons([np.ones(4)])
+
+
+def test_local_vars_paths_agree():
+    # Zero local variances change nothing, whether given per neuron or per entry (the latter
+    # runs the blockwise path instead of the matrix-product one).
+    fed = simulate_federation(5, 6, gamma0=3.0, prior_var=1.0, noise_var=0.05, seed=6)
+    hyper = dict(noise_var=0.05, prior_var=1.0, gamma0=3.0, kl_weight=0.2, seed=0)
+    base = match_neurons(fed.layers, **hyper)
+    per_neuron = match_neurons(fed.layers, local_vars=[np.zeros(len(v)) for v in fed.layers], **hyper)
+    per_entry = match_neurons(fed.layers, local_vars=[np.zeros_like(v) for v in fed.layers], **hyper)
+    for res in (per_neuron, per_entry):
+        assert _partition(res.assignments) == _partition(base.assignments)
+        np.testing.assert_allclose(res.objective, base.objective, rtol=1e-12)
+    # Uncertain neurons pull their atoms less: a larger local variance lowers their weight.
+    noisy = [np.full(len(v), 10.0) if j == 0 else np.zeros(len(v)) for j, v in enumerate(fed.layers)]
+    res = match_neurons(fed.layers, local_vars=noisy, **hyper)
+    assert res.objective[-1] != pytest.approx(base.objective[-1])
+    with pytest.raises(ValueError, match="local_vars"):
+        match_neurons(fed.layers, local_vars=[np.zeros(3)] * 5, **hyper)
