@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of split, initialisation and training (default: 0)")
     demo.add_argument("--hidden", type=_widths, default=(100,), help="hidden widths, e.g. 100 or 200,100 (default: 100)")
     demo.add_argument("--epochs", type=_positive_int, default=10, help="local training epochs (default: 10)")
-    demo.add_argument("--independent-init", action="store_true",
-                      help="clients draw their own initial weights instead of sharing one")
+    demo.add_argument("--shared-init", action="store_true",
+                      help="all clients start from one initial network (as FedAvg assumes); "
+                      "default: each client draws its own, as separately trained models do")
     demo.add_argument("--out", default="bayesfuse-demo", help="output directory (default: ./bayesfuse-demo)")
     demo.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing the demo's files")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -62,7 +63,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     config = DemoConfig(
         dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=args.seed,
-        hidden=args.hidden, epochs=args.epochs, shared_init=not args.independent_init,
+        hidden=args.hidden, epochs=args.epochs, shared_init=args.shared_init,
         data_path=args.data_path,
     )
     result = run_demo(config, out=args.out, force=args.force, verbose=False if args.quiet else None)

@@ -43,7 +43,7 @@ class DemoConfig:
     seed: int = 0
     hidden: tuple[int, ...] = (100,)
     epochs: int = 10
-    shared_init: bool = True
+    shared_init: bool = False
     data_path: str | None = None
 
 

@@ -1,7 +1,7 @@
 """Local models, ensemble, one-shot FedAvg, PFNM and NAFI on a heterogeneous federation.
 
 Usage: python benchmarks/bench_baselines.py [--dataset fashion-mnist] [--clients 10] [--alpha 0.5]
-       [--seeds 0 1 2] [--hidden 100] [--independent-init]
+       [--seeds 0 1 2] [--hidden 100] [--shared-init]
 For each seed: Dirichlet split of the training set, one 784-100-10 MLP per client (PFNM Table 1
 settings), metrics on the full test set. Prints the per-seed table and mean +- sd over seeds.
 """
@@ -23,13 +23,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--hidden", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--independent-init", action="store_true",
-                        help="clients draw their own initial weights (default: one shared initialisation)")
+    parser.add_argument("--shared-init", action="store_true",
+                        help="clients start from one shared initialisation (default: each its own)")
     args = parser.parse_args()
     per_method: dict[str, list[dict]] = {}
     for seed in args.seeds:
         config = DemoConfig(dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=seed,
-                            hidden=(args.hidden,), epochs=args.epochs, shared_init=not args.independent_init)
+                            hidden=(args.hidden,), epochs=args.epochs, shared_init=args.shared_init)
         result = run_demo(config, verbose=False)
         print(f"\nseed {seed} (local training {result.train_seconds:.1f} s)")
         print(result.table())
@@ -42,7 +42,7 @@ def main() -> None:
         nll = np.array([r["nll"] for r in rows])
         summary.append({"method": method, "accuracy": f"{acc.mean():.4f} +- {acc.std():.4f}",
                         "nll": f"{nll.mean():.4f} +- {nll.std():.4f}", "hidden": rows[0]["hidden"]})
-    init = "independent" if args.independent_init else "shared"
+    init = "shared" if args.shared_init else "independent"
     print(f"\n{args.dataset}, J={args.clients}, alpha={args.alpha}, {init} init, seeds {args.seeds}: mean +- sd")
     print(format_table(summary, ["method", "accuracy", "nll", "hidden"]))
 
