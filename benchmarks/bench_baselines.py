@@ -41,10 +41,12 @@ def main() -> None:
         acc = np.array([r["accuracy"] for r in rows])
         nll = np.array([r["nll"] for r in rows])
         summary.append({"method": method, "accuracy": f"{acc.mean():.4f} +- {acc.std():.4f}",
-                        "nll": f"{nll.mean():.4f} +- {nll.std():.4f}", "hidden": rows[0]["hidden"]})
+                        "nll": f"{nll.mean():.4f} +- {nll.std():.4f}",
+                        "hidden": "/".join(str(r["hidden"]) for r in rows)})
     init = "shared" if args.shared_init else "independent"
     print(f"\n{args.dataset}, J={args.clients}, alpha={args.alpha}, {init} init, seeds {args.seeds}: mean +- sd")
     print(format_table(summary, ["method", "accuracy", "nll", "hidden"]))
+    print("hidden: global hidden units for each seed")
 
 
 if __name__ == "__main__":
