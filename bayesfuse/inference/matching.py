@@ -252,10 +252,11 @@ def _objective(h, lam, m, prior: _Prior) -> float:
 def _data_constant(layers, prec) -> float:
     total = 0.0
     for j, v in enumerate(layers):
-        p = np.broadcast_to(prec[j], v.shape)
+        p = np.broadcast_to(prec[j], (prec[j].shape[0], v.shape[1]))  # (1 | L, D)
         seen = p > 0  # a coordinate of precision 0 carries no information: no factor
-        total += -0.5 * np.sum(np.log(2 * np.pi / p[seen])) - 0.5 * np.sum((v * v)[seen] * p[seen])
-        total -= gammaln(v.shape[0] + 1)
+        log_norm = np.sum(np.log(2 * np.pi / p[seen])) * (v.shape[0] if p.shape[0] == 1 else 1)
+        quad = (v * v).sum(0) @ p[0] if p.shape[0] == 1 else np.sum(v * v * p)
+        total += -0.5 * log_norm - 0.5 * quad - gammaln(v.shape[0] + 1)
     return float(total)
 
 
@@ -431,6 +432,20 @@ def assignment_cost(
 
 
 # --------------------------------------------------------------------------- alternation
+
+
+def _solve_assignment(C: np.ndarray, n_existing: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hungarian solution of the (L, G + L) cost, skipping atoms no neuron can take.
+
+    Among the L new-atom columns at least one is free in any assignment, so a neuron never
+    takes an existing atom that costs more than its dearest new column: such atoms (most of
+    them, once atoms are well separated) are dropped before solving. Exact.
+    """
+    worst_new = C[:, n_existing:].max(axis=1, keepdims=True)
+    keep = np.flatnonzero((C[:, :n_existing] <= worst_new).any(axis=0))
+    cols_kept = np.concatenate([keep, np.arange(n_existing, C.shape[1])])
+    rows, cols = linear_sum_assignment(C[:, cols_kept])
+    return rows, cols_kept[cols]
 
 
 class _AtomBuffer:
@@ -617,7 +632,7 @@ def match_neurons(
                             assignments[k] = remap[assignments[k]]
             g = atoms.n
             C = assignment_cost(v, p, atoms.h, atoms.lam, atoms.m, prior, cost=cost, kl_weight=kl_weight)
-            rows, cols = linear_sum_assignment(C)
+            rows, cols = _solve_assignment(C, g)
             new_cols = np.sort(cols[cols >= g])
             index = np.arange(C.shape[1])
             index[new_cols] = g + np.arange(len(new_cols))
