@@ -1,0 +1,168 @@
+from dataclasses import fields
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch.distributions import Beta as TBeta
+from torch.distributions import Dirichlet as TDirichlet
+from torch.distributions import Gamma as TGamma
+from torch.distributions import MultivariateNormal, Normal, kl_divergence
+
+from bayesfuse.inference.expfam import Beta, DiagNormal, Dirichlet, FullNormal, Gamma, NormalWishart
+
+RNG = np.random.default_rng(0)
+
+
+def _spd(n, d, rng):
+    a = rng.normal(size=(n, d, d))
+    return a @ np.swapaxes(a, 1, 2) + d * np.eye(d)
+
+
+def make(family, n, rng=RNG, d=3):
+    if family is DiagNormal:
+        return DiagNormal(loc=rng.normal(size=(n, d)), var=rng.uniform(0.2, 2, size=(n, d)))
+    if family is FullNormal:
+        return FullNormal(loc=rng.normal(size=(n, d)), cov=_spd(n, d, rng) / d)
+    if family is NormalWishart:
+        return NormalWishart(mean=rng.normal(size=(n, d)), kappa=rng.uniform(0.5, 3, n),
+                             dof=rng.uniform(d + 1, d + 6, n), scale=_spd(n, d, rng) / (3 * d))
+    if family is Gamma:
+        return Gamma(shape=rng.uniform(0.5, 4, size=(n, d)), rate=rng.uniform(0.5, 3, size=(n, d)))
+    if family is Beta:
+        return Beta(a=rng.uniform(0.5, 4, size=(n, d)), b=rng.uniform(0.5, 4, size=(n, d)))
+    return Dirichlet(concentration=rng.uniform(0.5, 5, size=(n, d + 1)))
+
+
+def _torch(q, i):
+    t = lambda x: torch.as_tensor(x[i])  # noqa: E731
+    if isinstance(q, DiagNormal):
+        return Normal(t(q.loc), t(q.var).sqrt())
+    if isinstance(q, FullNormal):
+        return MultivariateNormal(t(q.loc), covariance_matrix=t(q.cov))
+    if isinstance(q, Gamma):
+        return TGamma(t(q.shape), t(q.rate))
+    if isinstance(q, Beta):
+        return TBeta(t(q.a), t(q.b))
+    return TDirichlet(t(q.concentration))
+
+
+FAMILIES = [DiagNormal, FullNormal, NormalWishart, Gamma, Beta, Dirichlet]
+
+
+@pytest.mark.parametrize("family", [DiagNormal, FullNormal, Gamma, Beta, Dirichlet])
+def test_kl_matrix_matches_torch(family):
+    qa, qb = make(family, 4), make(family, 5)
+    got = qa.kl(qb)
+    want = np.array([[kl_divergence(_torch(qa, i), _torch(qb, k)).sum().item() for k in range(5)] for i in range(4)])
+    np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
+
+
+def _nw_logpdf(q, i, mu, lam):
+    cov = np.linalg.inv(q.kappa[i] * lam)
+    return (stats.wishart.logpdf(lam, df=q.dof[i], scale=q.scale[i])
+            + stats.multivariate_normal.logpdf(mu, q.mean[i], cov))
+
+
+def test_normal_wishart_kl_by_monte_carlo():
+    # KL(a || b) = E_a[log a - log b]; 4000 draws. The tolerance is 4 Monte Carlo standard
+    # errors of the mean, estimated from the same draws.
+    rng = np.random.default_rng(1)
+    qa, qb = make(NormalWishart, 1, rng, d=2), make(NormalWishart, 1, rng, d=2)
+    lams = stats.wishart.rvs(df=qa.dof[0], scale=qa.scale[0], size=4000, random_state=2)
+    diffs = []
+    for lam in lams:
+        mu = rng.multivariate_normal(qa.mean[0], np.linalg.inv(qa.kappa[0] * lam))
+        diffs.append(_nw_logpdf(qa, 0, mu, lam) - _nw_logpdf(qb, 0, mu, lam))
+    diffs = np.array(diffs)
+    se = diffs.std() / np.sqrt(len(diffs))
+    assert abs(qa.kl(qb)[0, 0] - diffs.mean()) < 4 * se
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kl_is_zero_on_itself_and_nonnegative(family):
+    q = make(family, 6)
+    k = q.kl(q)
+    np.testing.assert_allclose(np.diag(k), 0, atol=1e-9)
+    assert (k >= 0).all() and (k[~np.eye(6, dtype=bool)] > 1e-6).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_natural_round_trip(family):
+    q = make(family, 5)
+    back = family.from_natural(q.natural(), q.event_shape)
+    for f in fields(q):
+        np.testing.assert_allclose(getattr(back, f.name), getattr(q, f.name), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mean_params_are_the_gradient_of_the_log_normalizer(family):
+    q = make(family, 1)
+    eta = q.natural()
+    grad = q.mean_params(eta, q.event_shape)[0]
+    num = np.empty(eta.shape[1])
+    for p in range(eta.shape[1]):  # central differences
+        e = np.zeros_like(eta)
+        e[0, p] = 1e-6
+        num[p] = (q.log_normalizer(eta + e, q.event_shape) - q.log_normalizer(eta - e, q.event_shape))[0] / 2e-6
+    if family in (FullNormal, NormalWishart):
+        # A symmetric matrix parameter: the gradient wrt entry (i, j) of the flattened
+        # matrix equals the mean parameter when both (i, j) and (j, i) are perturbed
+        # together, so compare symmetrised numerical gradients.
+        d = q.event_shape[0]
+        off = d if family is FullNormal else d + 1
+        block = num[off : off + d * d].reshape(d, d)
+        num[off : off + d * d] = (0.5 * (block + block.T)).ravel()
+    np.testing.assert_allclose(num, grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_barycenter_minimises_weighted_kl(family):
+    q = make(family, 4)
+    w = np.array([0.1, 0.4, 0.3, 0.2])
+    bary = q.barycenter(w)
+    objective = lambda c: float((c.kl(q)[0] * w).sum())  # noqa: E731
+    best = objective(bary)
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        eta = bary.natural() + 1e-3 * rng.normal(size=bary.natural().shape)
+        if family in (FullNormal, NormalWishart):  # keep matrix parameters symmetric
+            d = q.event_shape[0]
+            off = d if family is FullNormal else d + 1
+            m = eta[0, off : off + d * d].reshape(d, d)
+            eta[0, off : off + d * d] = (0.5 * (m + m.T)).ravel()
+        assert objective(family.from_natural(eta, q.event_shape)) >= best - 1e-12
+
+
+def test_gaussian_barycenter_closed_form():
+    q = make(DiagNormal, 3)
+    w = np.array([[1.0, 2.0, 1.0], [0.0, 1.0, 3.0]])
+    bary = q.barycenter(w)
+    wn = w / w.sum(1, keepdims=True)
+    prec = wn @ (1 / q.var)
+    np.testing.assert_allclose(bary.var, 1 / prec, rtol=1e-12)
+    np.testing.assert_allclose(bary.loc, (wn @ (q.loc / q.var)) / prec, rtol=1e-12)
+
+
+def test_indexing_and_concat():
+    q = make(Dirichlet, 5)
+    both = Dirichlet.concat([q[:2], q[2:]])
+    np.testing.assert_array_equal(both.concentration, q.concentration)
+    assert len(q[np.array([True, False, True, False, False])]) == 2
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="var must be positive"):
+        DiagNormal(loc=np.zeros((2, 3)), var=-np.ones((2, 3)))
+    with pytest.raises(ValueError, match="shape"):
+        DiagNormal(loc=np.zeros((2, 3)), var=np.ones((2, 4)))
+    with pytest.raises(ValueError, match="positive definite"):
+        FullNormal(loc=np.zeros((1, 2)), cov=np.array([[[1.0, 2.0], [2.0, 1.0]]]))
+    with pytest.raises(ValueError, match="dof"):
+        NormalWishart(mean=np.zeros((1, 3)), kappa=[1.0], dof=[1.5], scale=np.eye(3)[None])
+    with pytest.raises(TypeError, match="cannot mix"):
+        make(Gamma, 2).kl(make(Beta, 2))
+    with pytest.raises(ValueError, match="event shape"):
+        make(DiagNormal, 2, d=3).kl(make(DiagNormal, 2, d=4))
+    with pytest.raises(ValueError, match="NaN"):
+        Dirichlet(concentration=[[1.0, np.nan]])
