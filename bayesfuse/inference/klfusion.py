@@ -315,6 +315,7 @@ def kl_fuse(
     n_iter: int = 20,
     solver: Solver = "auto",
     init: ExpFamily | None = None,
+    cost_scale: Literal["std"] | float = "std",
     verbose: bool = False,
 ) -> KLFusionResult:
     """Fuse J mean-field posteriors of one exponential family into one (KL-fusion, eq. 3 / 9).
@@ -334,6 +335,11 @@ def kl_fuse(
         Maximum number of alternation steps.
     solver : {"auto", "cvxpy", "fast"}
         For the relaxed problem; see :func:`solve_relaxed`.
+    cost_scale : "std" or float
+        What the KL costs are divided by: their standard deviation over all entries of the
+        first step ("Choosing lambda", the default), or a fixed number. The std makes
+        ``reg`` relative to the spread of all KLs, so when a few pairs are very far apart
+        (well separated components, many samples) it grows and ``reg = 0.1`` merges more.
     init : ExpFamily, optional
         Initial global components. Default: homogeneous, the first client's components;
         heterogeneous, all clients' components (G = sum_j L_j, an upper bound that the
@@ -395,7 +401,9 @@ def kl_fuse(
         t0 = time.perf_counter()
         kl = glob.kl(pooled).T  # (N, G): KL(global_g || local_n)
         if scale is None:
-            scale = float(kl.std()) or 1.0
+            scale = (float(kl.std()) or 1.0) if cost_scale == "std" else float(cost_scale)
+            if not scale > 0:
+                raise ValueError(f"cost_scale must be 'std' or a positive number, got {cost_scale!r}")
         costs = _split(kl / scale, sizes)
         P_list, used_solver = solve_relaxed(costs, reg, solver=solver, init=P_list or None)
         objective.append(relaxed_objective(costs, P_list, reg))
