@@ -79,7 +79,7 @@ def _class_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
 
 def fuse(
     models: Sequence[nn.Module],
-    method: Literal["pfnm", "nafi"] = "pfnm",
+    method: Literal["pfnm", "nafi", "kl"] = "pfnm",
     *,
     class_counts: np.ndarray | None = None,
     noise_var: float | None = None,
@@ -87,19 +87,30 @@ def fuse(
     gamma0: float | None = None,
     kl_weight: float | None = None,
     cost: Literal["pfnm", "marginal"] = "pfnm",
+    reg: float = 0.1,
+    solver: str = "auto",
     n_iter: int = 10,
     seed: int | None = 0,
     verbose: bool = False,
 ) -> FusionResult:
-    """Fuse one-hidden-layer MLPs into one by matching their hidden units.
+    """Fuse one-hidden-layer networks into one by matching their hidden units.
+
+    Point-estimate MLPs are fused by PFNM or NAFI. Horseshoe BNNs
+    (:class:`~bayesfuse.models.bnn.HorseshoeBNN`) are fused as posteriors: ``"kl"`` runs
+    KL-fusion on the units' mean-field Gaussians (Claici et al. 2020, section 5.4);
+    ``"pfnm"``/``"nafi"`` match the units' posterior means with their posterior variances as
+    per-neuron noise (``local_vars``); either way the result is a BNN whose guide is the fused
+    posterior (see :func:`_fuse_bnns`).
 
     Parameters
     ----------
     models : sequence of nn.Module
         Linear-ReLU-Linear networks with the same input and output sizes (hidden widths may
-        differ).
-    method : {"pfnm", "nafi"}
-        PFNM (Yurochkin et al. 2019) or NAFI (PFNM cost plus ``kl_weight`` x KL penalty).
+        differ), or HorseshoeBNNs.
+    method : {"pfnm", "nafi", "kl"}
+        PFNM (Yurochkin et al. 2019), NAFI (PFNM cost plus ``kl_weight`` x KL penalty), or
+        KL-fusion (BNNs only).
+    reg, solver : KL-fusion's ``lambda`` and solver (``method="kl"``).
     class_counts : (J, K) array, optional
         Examples of each class per client (``Partition.counts``); weights outgoing weights and
         output biases by class shares as the PFNM reference does. Uniform when omitted.
@@ -110,10 +121,19 @@ def fuse(
         Passed to :func:`~bayesfuse.inference.matching.match_neurons`.
     """
     start = time.perf_counter()
-    if method not in DEFAULTS:
-        raise ValueError(f"method must be one of {sorted(DEFAULTS)}, got {method!r}")
     if len(models) == 0:
         raise ValueError("fuse needs at least one model")
+    from bayesfuse.models.bnn import HorseshoeBNN
+
+    n_bnn = sum(isinstance(m, HorseshoeBNN) for m in models)
+    if 0 < n_bnn < len(models):
+        raise TypeError("cannot fuse Bayesian and point-estimate networks together")
+    if n_bnn:
+        return _fuse_bnns(models, method, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
+                          kl_weight=kl_weight, cost=cost, reg=reg, solver=solver, n_iter=n_iter,
+                          seed=seed, verbose=verbose, start=start)
+    if method not in DEFAULTS:
+        raise ValueError(f"method must be one of {sorted(DEFAULTS)} for point-estimate networks, got {method!r}")
     hyper = dict(DEFAULTS[method])
     for key, value in dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight).items():
         if value is not None:
@@ -159,3 +179,59 @@ def fuse(
         hyper={**hyper, "cost": cost, "n_iter": n_iter, "seed": seed},
         seconds=time.perf_counter() - start,
     )
+
+
+#: Defaults for BNN units matched by PFNM/NAFI: the units' own posterior variances carry most
+#: of the noise, so the extra noise variance is small.
+BNN_MATCH_DEFAULTS = dict(noise_var=0.01, prior_var=10.0, gamma0=1.0)
+
+
+def _fuse_bnns(bnns, method, *, noise_var, prior_var, gamma0, kl_weight, cost, reg, solver, n_iter, seed,
+               verbose, start) -> FusionResult:
+    """Fuse horseshoe BNNs as mean-field posteriors.
+
+    Hidden units are the (D + 2 + K)-dimensional Gaussians of
+    :class:`~bayesfuse.nets.bnn_posterior.BNNPosterior` (incoming weights, bias, log-scale,
+    outgoing weights), so the output layer is fused through the same assignment. ``"kl"``:
+    :func:`~bayesfuse.inference.klfusion.kl_fuse` (heterogeneous, L2,2,1, ``reg``); each global
+    unit is the KL barycenter of its local units. ``"pfnm"``/``"nafi"``:
+    :func:`~bayesfuse.inference.matching.match_neurons` on the posterior means with the
+    posterior variances as ``local_vars``; a global unit's Gaussian is the atom's posterior.
+    The output bias and the global scale ``log tau`` are the equal-weight KL barycenters of the
+    clients' (natural parameters averaged).
+    """
+    from bayesfuse.inference.expfam import DiagNormal
+    from bayesfuse.inference.klfusion import kl_fuse
+    from bayesfuse.nets.bnn_posterior import BNNPosterior
+
+    posts = [BNNPosterior.from_bnn(b) for b in bnns]
+    ref = posts[0]
+    for j, p in enumerate(posts):
+        if (p.in_features, p.n_classes) != (ref.in_features, ref.n_classes):
+            raise ValueError(f"BNN {j} maps {p.in_features} -> {p.n_classes}, BNN 0 maps "
+                             f"{ref.in_features} -> {ref.n_classes}")
+    if method == "kl":
+        layer = kl_fuse([p.units for p in posts], reg=reg, solver=solver, n_iter=max(n_iter, 20), verbose=verbose)
+        units = layer.components
+        hyper = {"reg": reg, "solver": layer.solver}
+    elif method in ("pfnm", "nafi"):
+        hyper = dict(BNN_MATCH_DEFAULTS, kl_weight=DEFAULTS[method]["kl_weight"])
+        for key, value in dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight).items():
+            if value is not None:
+                hyper[key] = float(value)
+        layer = match_neurons([p.units.loc for p in posts], local_vars=[p.units.var for p in posts],
+                              cost=cost, n_iter=n_iter, seed=seed, verbose=verbose, **hyper)
+        units = DiagNormal(loc=layer.mean, var=layer.var)
+        hyper["cost"] = cost
+    else:
+        raise ValueError(f"method must be 'kl', 'pfnm' or 'nafi' for BNNs, got {method!r}")
+    equal = np.ones(len(posts))
+    fused = BNNPosterior(
+        units=units,
+        out_bias=DiagNormal.concat([p.out_bias for p in posts]).barycenter(equal),
+        log_tau=DiagNormal.concat([p.log_tau for p in posts]).barycenter(equal),
+        in_features=ref.in_features, n_classes=ref.n_classes,
+        global_scale=ref.global_scale, weight_scale=ref.weight_scale,
+    )
+    return FusionResult(model=fused.to_bnn(), layers=[layer], sizes=[len(units)], method=method, hyper=hyper,
+                        seconds=time.perf_counter() - start)

@@ -274,16 +274,23 @@ def _merge_duplicates(P_list: list[np.ndarray], costs: list[np.ndarray]) -> tupl
     with its share), so the relaxation leaves such splits; merging removes the tie before
     rounding. Columns are compared after normalising to unit mass, to 3 decimals (the fast
     solver leaves entries of order 1e-5 of noise; distinct components have distinct supports).
+    A merge that would give one client more than unit mass in the merged column is skipped.
     """
     stacked = np.vstack(P_list)
     unit = stacked / stacked.sum(0, keepdims=True)
-    _, first, groups = np.unique(np.round(unit.T, 3), axis=0, return_index=True, return_inverse=True)
-    if len(first) == stacked.shape[1]:
-        return P_list, costs
+    _, groups = np.unique(np.round(unit.T, 3), axis=0, return_inverse=True)
     groups = groups.ravel()
-    merge = np.zeros((stacked.shape[1], len(first)))
-    merge[np.arange(stacked.shape[1]), groups] = 1.0
-    keep_cols = np.array([np.flatnonzero(groups == k)[0] for k in range(len(first))])
+    if len(np.unique(groups)) == stacked.shape[1]:
+        return P_list, costs
+    per_client = np.vstack([p.sum(0) for p in P_list])  # (J, G)
+    label = np.arange(stacked.shape[1])
+    for k in np.unique(groups):
+        members = np.flatnonzero(groups == k)
+        if len(members) > 1 and (per_client[:, members].sum(1) <= 1 + 1e-6).all():
+            label[members] = members[0]
+    keep_cols, target = np.unique(label, return_inverse=True)
+    merge = np.zeros((stacked.shape[1], len(keep_cols)))
+    merge[np.arange(stacked.shape[1]), target.ravel()] = 1.0
     return [p @ merge for p in P_list], [c[:, keep_cols] for c in costs]
 
 

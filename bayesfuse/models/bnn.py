@@ -1,0 +1,223 @@
+"""Bayesian MLP with a node-wise horseshoe prior, in Pyro, with a mean-field Gaussian guide.
+
+Model (Ghosh, Yao & Doshi-Velez, JMLR 2019, section 3; one hidden layer of H units):
+
+.. math::
+
+    \\tau \\sim C^+(0, b_g), \\quad \\lambda_k \\sim C^+(0, 1), \\quad
+    \\tilde w_k \\sim N(0, I), \\quad \\tilde b_k \\sim N(0, 1), \\quad
+    W_2 \\sim N(0, s^2), \\; b_2 \\sim N(0, s^2),
+
+    h_k(x) = \\mathrm{relu}\\big(\\tau \\lambda_k (\\tilde w_k^\\top x + \\tilde b_k)\\big), \\qquad
+    y \\mid x \\sim \\mathrm{Categorical}(\\mathrm{softmax}(W_2 h(x) + b_2)).
+
+The non-centred form (incoming weights ``tau * lambda_k * w~_k``) lets the unit scale
+``tau * lambda_k`` switch a whole unit off. The guide is mean-field: Gaussian on ``w~``, ``b~``,
+``W_2``, ``b_2`` and on ``log tau``, ``log lambda`` (log-normal scales), i.e. Gaussian in the
+unconstrained space where the guide's parameters live. Guide parameters are ordinary
+``nn.Parameter``s of the module (nothing goes through Pyro's global parameter store), so many
+networks can be trained in one process.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import Trace_ELBO
+from torch import nn
+from tqdm.auto import tqdm
+
+__all__ = ["HorseshoeBNN", "BNNConfig", "train_bnn"]
+
+#: Guide sites: name -> (shape function of (H, D, K), positive?)
+SITES = ("w1", "b1", "log_lam", "log_tau", "w2", "b2")
+
+
+@dataclass(frozen=True)
+class BNNConfig:
+    """Training settings of :func:`train_bnn`."""
+
+    epochs: int = 30
+    batch_size: int = 128
+    lr: float = 0.01
+    num_particles: int = 1
+    seed: int = 0
+    num_threads: int | None = 1
+
+
+class HorseshoeBNN(nn.Module):
+    """One-hidden-layer horseshoe BNN (module docstring) holding its mean-field guide.
+
+    Parameters
+    ----------
+    in_features, hidden, n_classes : int
+    global_scale : float
+        ``b_g``, scale of the half-Cauchy prior on ``tau``.
+    weight_scale : float
+        ``s``, prior standard deviation of the output layer.
+    init_scale : float
+        Initial standard deviation of the guide's Gaussians.
+
+    Attributes
+    ----------
+    loc, log_scale : nn.ParameterDict
+        Guide means and log standard deviations per site: ``w1`` (H, D), ``b1`` (H,),
+        ``log_lam`` (H,), ``log_tau`` (1,), ``w2`` (K, H), ``b2`` (K,).
+    """
+
+    def __init__(self, in_features: int, hidden: int, n_classes: int, *, global_scale: float = 0.1,
+                 weight_scale: float = 1.0, init_scale: float = 1e-2):
+        super().__init__()
+        if min(in_features, hidden, n_classes) < 1:
+            raise ValueError("in_features, hidden and n_classes must be positive")
+        if global_scale <= 0 or weight_scale <= 0:
+            raise ValueError("global_scale and weight_scale must be positive")
+        self.in_features, self.hidden, self.n_classes = int(in_features), int(hidden), int(n_classes)
+        self.global_scale, self.weight_scale = float(global_scale), float(weight_scale)
+        shapes = self.site_shapes()
+        self.loc = nn.ParameterDict({k: nn.Parameter(torch.zeros(s, dtype=torch.float64)) for k, s in shapes.items()})
+        self.log_scale = nn.ParameterDict(
+            {k: nn.Parameter(torch.full(s, math.log(init_scale), dtype=torch.float64)) for k, s in shapes.items()})
+        with torch.no_grad():
+            self.loc["w1"].normal_(0.0, 1.0 / math.sqrt(in_features))
+            self.loc["w2"].normal_(0.0, 1.0 / math.sqrt(hidden))
+            self.loc["log_tau"].fill_(math.log(global_scale))
+            self.loc["log_lam"].fill_(0.0)
+
+    def site_shapes(self) -> dict[str, tuple[int, ...]]:
+        H, D, K = self.hidden, self.in_features, self.n_classes
+        return {"w1": (H, D), "b1": (H,), "log_lam": (H,), "log_tau": (1,), "w2": (K, H), "b2": (K,)}
+
+    # ------------------------------------------------------------------ Pyro model and guide
+    def model(self, x: torch.Tensor, y: torch.Tensor | None = None, n_data: int | None = None):
+        H, D, K = self.hidden, self.in_features, self.n_classes
+        f64 = dict(dtype=torch.float64)
+        tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(self.global_scale, **f64)).expand([1]).to_event(1))
+        with pyro.plate("units", H):
+            lam = pyro.sample("lam", dist.HalfCauchy(torch.tensor(1.0, **f64)))
+            w1 = pyro.sample("w1", dist.Normal(torch.tensor(0.0, **f64), 1.0).expand([D]).to_event(1))
+            b1 = pyro.sample("b1", dist.Normal(torch.tensor(0.0, **f64), 1.0))
+        w2 = pyro.sample("w2", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale).expand([K, H]).to_event(2))
+        b2 = pyro.sample("b2", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale).expand([K]).to_event(1))
+        logits = _forward(x, w1, b1, tau * lam, w2, b2)
+        with pyro.plate("data", n_data or len(x), subsample=torch.arange(len(x))):
+            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
+
+    def guide(self, x: torch.Tensor, y: torch.Tensor | None = None, n_data: int | None = None):
+        q = self._q
+        pyro.sample("tau", dist.LogNormal(*q("log_tau")).to_event(1))
+        with pyro.plate("units", self.hidden):
+            pyro.sample("lam", dist.LogNormal(*q("log_lam")))
+            pyro.sample("w1", dist.Normal(*q("w1")).to_event(1))
+            pyro.sample("b1", dist.Normal(*q("b1")))
+        pyro.sample("w2", dist.Normal(*q("w2")).to_event(2))
+        pyro.sample("b2", dist.Normal(*q("b2")).to_event(1))
+
+    def _q(self, site: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loc[site], self.log_scale[site].exp()
+
+    # ------------------------------------------------------------------ prediction
+    @torch.no_grad()
+    def sample_params(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Draws from the guide, each site with a leading sample dimension."""
+        out = {}
+        for site in SITES:
+            loc, scale = self._q(site)
+            eps = torch.randn((num_samples, *loc.shape), dtype=loc.dtype, generator=generator)
+            out[site] = loc + scale * eps
+        return out
+
+    @torch.no_grad()
+    def predict(self, x, num_samples: int = 100, *, seed: int = 0, batch_size: int = 4096) -> np.ndarray:
+        """Monte Carlo predictive ``(1/S) sum_s softmax(f(x; theta_s))``, theta_s from the guide.
+
+        Returns float64 probabilities of shape (n, K). The same seed gives the same draws.
+        """
+        x = torch.as_tensor(np.asarray(x), dtype=torch.float64)
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x must be (n, {self.in_features}), got {tuple(x.shape)}")
+        gen = torch.Generator().manual_seed(seed)
+        p = self.sample_params(num_samples, gen)
+        scale = torch.exp(p["log_tau"] + p["log_lam"])  # (S, H)
+        chunks = []
+        for i in range(0, len(x), batch_size):
+            logits = _forward(x[i : i + batch_size], p["w1"], p["b1"], scale, p["w2"], p["b2"])  # (S, n, K)
+            chunks.append(torch.softmax(logits, -1).mean(0))
+        return torch.cat(chunks).numpy()
+
+    def unit_scales(self) -> np.ndarray:
+        """Posterior median of each unit's scale ``tau * lambda_k`` (log-normal: exp of the loc)."""
+        with torch.no_grad():
+            return torch.exp(self.loc["log_tau"] + self.loc["log_lam"]).numpy()
+
+
+def _forward(x, w1, b1, scale, w2, b2):
+    """Logits for parameters with an optional leading sample dimension."""
+    pre = torch.matmul(x, w1.transpose(-1, -2)) + b1.unsqueeze(-2)  # (..., n, H)
+    h = torch.relu(pre * scale.unsqueeze(-2))
+    return torch.matmul(h, w2.transpose(-1, -2)) + b2.unsqueeze(-2)
+
+
+def train_bnn(
+    x: np.ndarray,
+    y: np.ndarray,
+    n_classes: int,
+    hidden: int = 150,
+    config: BNNConfig | None = None,
+    *,
+    verbose: bool | None = None,
+    name: str = "bnn",
+    **model_kwargs,
+) -> HorseshoeBNN:
+    """Fit a :class:`HorseshoeBNN` by SVI (ELBO, Adam, minibatches with the likelihood rescaled).
+
+    Returns the network with ``elbo_history`` (mean negative ELBO per example, per epoch) and
+    ``train_seconds``. Raises ``FloatingPointError`` if the ELBO becomes NaN.
+    """
+    from bayesfuse.train import torch_threads
+
+    config = config or BNNConfig()
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y)
+    if x.ndim != 2 or len(x) == 0 or y.shape != (len(x),):
+        raise ValueError(f"need x (n, d) with n > 0 and y (n,), got {x.shape} and {y.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError("training inputs contain NaN or infinite values")
+    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= n_classes:
+        raise ValueError(f"labels must be integers in 0..{n_classes - 1}")
+    start = time.perf_counter()
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))
+    with torch_threads(config.num_threads), pyro.validation_enabled(False):
+        torch.manual_seed(config.seed)
+        bnn = HorseshoeBNN(x.shape[1], hidden, n_classes, **model_kwargs)
+        opt = torch.optim.Adam(bnn.parameters(), lr=config.lr)
+        loss_fn = Trace_ELBO(num_particles=config.num_particles, vectorize_particles=False).differentiable_loss
+        gen = torch.Generator().manual_seed(config.seed)
+        history = []
+        show = sys.stderr.isatty() if verbose is None else bool(verbose)
+        bar = tqdm(range(config.epochs), desc=name, unit="epoch", disable=not show, leave=False)
+        for epoch in bar:
+            order = torch.randperm(len(xt), generator=gen)
+            total = 0.0
+            for i in range(0, len(xt), config.batch_size):
+                idx = order[i : i + config.batch_size]
+                loss = loss_fn(bnn.model, bnn.guide, xt[idx], yt[idx], len(xt))
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"{name}: the ELBO became {loss.item()} at epoch {epoch + 1}; "
+                                             f"lower the learning rate (now {config.lr})")
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total += loss.item() * len(idx) / len(xt)
+            history.append(total / len(xt))
+            bar.set_postfix(neg_elbo=f"{history[-1]:.4f}")
+    bnn.elbo_history = history
+    bnn.train_seconds = time.perf_counter() - start
+    return bnn
