@@ -49,6 +49,9 @@ class BNNPosterior:
 
     @classmethod
     def from_bnn(cls, bnn: HorseshoeBNN) -> BNNPosterior:
+        """Read the guide of ``bnn`` (a :class:`HorseshoeBNN`, whose guide is mean-field)."""
+        if not isinstance(bnn, HorseshoeBNN):
+            raise TypeError(f"expected a HorseshoeBNN (mean-field guide), got {type(bnn).__name__}")
         with torch.no_grad():
             loc = {k: v.numpy().copy() for k, v in bnn.loc.items()}
             var = {k: np.exp(2 * v.numpy()) for k, v in bnn.log_scale.items()}

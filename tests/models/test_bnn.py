@@ -1,0 +1,75 @@
+import numpy as np
+import pytest
+import torch
+
+from bayesfuse.data import load_digits
+from bayesfuse.metrics import accuracy
+from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits().standardize()
+
+
+@pytest.fixture(scope="module")
+def wide_bnn(digits):
+    # 100 units for a task that needs few: the horseshoe should switch most of them off.
+    return train_bnn(digits.train.x, digits.train.y, 10, 100, BNNConfig(epochs=120, seed=0), verbose=False)
+
+
+def test_trains_well_above_chance(wide_bnn, digits):
+    p = wide_bnn.predict(digits.test.x, 50)
+    assert p.shape == (len(digits.test.x), 10)
+    np.testing.assert_allclose(p.sum(1), 1.0, rtol=1e-12)
+    assert accuracy(p, digits.test.y) > 0.9  # chance is 0.1
+    assert wide_bnn.elbo_history[-1] < wide_bnn.elbo_history[0]
+
+
+def test_horseshoe_shrinks_unneeded_units(wide_bnn):
+    scales = np.sort(wide_bnn.unit_scales())[::-1]
+    # Most units are shrunk towards zero: the median unit's scale is a small fraction of the
+    # largest ones', while a handful stay active.
+    assert np.median(scales) < 0.1 * scales[:5].mean()
+    assert (scales > 0.2 * scales[0]).sum() >= 5
+
+
+def test_predict_is_seeded(wide_bnn, digits):
+    a = wide_bnn.predict(digits.test.x[:20], 10, seed=1)
+    b = wide_bnn.predict(digits.test.x[:20], 10, seed=1)
+    c = wide_bnn.predict(digits.test.x[:20], 10, seed=2)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_guide_is_the_models_mean_field_family(digits):
+    # The model's sites and the guide's sites coincide, and the ELBO is finite.
+    from pyro import poutine
+    from pyro.poutine.util import site_is_subsample
+
+    bnn = HorseshoeBNN(64, 7, 10)
+    x = torch.from_numpy(digits.train.x[:5].astype(np.float64))
+    y = torch.from_numpy(digits.train.y[:5])
+    guide_trace = poutine.trace(bnn.guide).get_trace(x, y, 100)
+    model_trace = poutine.trace(poutine.replay(bnn.model, trace=guide_trace)).get_trace(x, y, 100)
+    def latent_sites(trace):
+        return {n for n, s in trace.nodes.items()
+                if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s)}
+
+    latent, guided = latent_sites(model_trace), latent_sites(guide_trace)
+    assert latent == guided == {"tau", "lam", "w1", "b1", "w2", "b2"}
+    assert np.isfinite(model_trace.log_prob_sum().item())
+
+
+@pytest.mark.filterwarnings("ignore:Encountered NaN")
+def test_bad_inputs(digits):
+    with pytest.raises(ValueError, match="NaN"):
+        x = digits.train.x[:10].copy()
+        x[0, 0] = np.nan
+        train_bnn(x, digits.train.y[:10], 10, 5, BNNConfig(epochs=1))
+    with pytest.raises(ValueError, match="labels"):
+        train_bnn(digits.train.x[:10], digits.train.y[:10] + 10, 10, 5, BNNConfig(epochs=1))
+    with pytest.raises(FloatingPointError, match="ELBO"):
+        train_bnn(digits.train.x[:50], digits.train.y[:50], 10, 5, BNNConfig(epochs=3, lr=1e6))
+    with pytest.raises(ValueError, match="x must be"):
+        HorseshoeBNN(64, 5, 10).predict(np.zeros((3, 7)))
