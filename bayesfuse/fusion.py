@@ -64,6 +64,12 @@ class FusionResult:
     hyper: dict = field(default_factory=dict)
     seconds: float = 0.0
 
+    def to_arviz(self, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):
+        """Draws of the fused posterior and the assignments as an ArviZ object (see :mod:`bayesfuse.analysis`)."""
+        from bayesfuse.analysis import fusion_to_arviz
+
+        return fusion_to_arviz(self, num_draws=num_draws, chains=chains, seed=seed)
+
 
 def _class_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
     if class_counts is None:

@@ -83,36 +83,19 @@ def main() -> None:
 
 
 def _figure(args, split, fonts, entropies, fused):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    import matplotlib
 
-    fig = Figure(figsize=(12, 7.5), layout="constrained")
-    FigureCanvasAgg(fig)
+    matplotlib.use("Agg")
+    from bayesfuse.plot import plot_centred_entropy, plot_sorted_images
+
+    fig = matplotlib.pyplot.figure(figsize=(12, 7.5), layout="constrained")
     top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, 1])
     ax = top.subplots()
-    names = list(entropies)
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        h_in, h_out = entropies[name]
-        centred = [h_out[fonts.y == k].mean() - h_in.mean() for k in range(10)]
-        ax.bar(np.arange(10) + (i - len(names) / 2) * width, centred, width, label=name)
-    ax.axhline(0, color="black", lw=0.8)
-    ax.set_xticks(range(10))
-    ax.set_xlabel("font digit")
-    ax.set_ylabel("entropy on fonts - mean test entropy")
+    plot_centred_entropy(entropies, fonts.y, ax=ax)
     ax.set_title(f"{args.dataset}: uncertainty on out-of-distribution font digits (Figure 5)")
-    ax.legend(fontsize=7, ncols=4)
     h = predictive_entropy(fused.predict(split.test.x, args.samples))
-    order = np.argsort(h)
-    picks = np.concatenate([order[:10], order[-10:]])
-    axes = bottom.subplots(2, 10)
-    shape = split.test.image_shape
     raw = split.standardizer.scale * split.test.x + split.standardizer.mean
-    for a, k in zip(axes.ravel(), picks):
-        a.imshow(raw[k].reshape(shape), cmap="gray_r")
-        a.set_title(f"H={h[k]:.2f}", fontsize=7)
-        a.axis("off")
-    bottom.suptitle("test images the fused BNN is most (top) and least (bottom) sure of (Figure 1)", fontsize=9)
+    plot_sorted_images(raw, h, split.test.image_shape, fig=bottom)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     return atomic_write_bytes(Path(args.out) / f"bnn_fusion_{args.dataset}.png", buf.getvalue(), overwrite=True)

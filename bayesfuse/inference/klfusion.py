@@ -74,6 +74,12 @@ class KLFusionResult:
     seconds: float = 0.0
     cost_scale: float = 1.0
 
+    def to_arviz(self, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):
+        """Draws of the fused posterior and the assignments as an ArviZ object (see :mod:`bayesfuse.analysis`)."""
+        from bayesfuse.analysis import klfusion_to_arviz
+
+        return klfusion_to_arviz(self, num_draws=num_draws, chains=chains, seed=seed)
+
     @property
     def n_components(self) -> int:
         return len(self.components)

@@ -74,6 +74,12 @@ class MatchResult:
     hyper: dict = field(default_factory=dict)
     seconds: float = 0.0
 
+    def to_arviz(self, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):
+        """Draws of the fused posterior and the assignments as an ArviZ object (see :mod:`bayesfuse.analysis`)."""
+        from bayesfuse.analysis import match_to_arviz
+
+        return match_to_arviz(self, num_draws=num_draws, chains=chains, seed=seed)
+
     @property
     def n_global(self) -> int:
         """Number of global atoms G."""

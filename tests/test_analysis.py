@@ -1,0 +1,49 @@
+import numpy as np
+import pytest
+
+from bayesfuse.analysis import _arviz, gaussian_to_arviz
+from bayesfuse.inference.expfam import DiagNormal
+from bayesfuse.inference.klfusion import kl_fuse
+from bayesfuse.inference.matching import match_neurons
+from bayesfuse.models.bbp import simulate_federation
+
+N = 4000  # draws
+
+
+def _check_moments(idata, mean, var):
+    draws = np.asarray(idata.posterior["theta"]).reshape(N, *mean.shape)
+    # Sample mean: sd sqrt(var / N); sample variance: relative sd sqrt(2 / (N - 1)).
+    # 5 sd bounds on each of <= 60 entries fail with probability < 1e-4 in all.
+    assert (np.abs(draws.mean(0) - mean) < 5 * np.sqrt(var / N)).all()
+    assert (np.abs(draws.var(0, ddof=1) / var - 1) < 5 * np.sqrt(2 / (N - 1))).all()
+
+
+def test_match_result_round_trip():
+    fed = simulate_federation(4, 5, gamma0=3.0, prior_var=1.0, noise_var=0.05, seed=0)
+    res = match_neurons(fed.layers, noise_var=0.05, prior_var=1.0, gamma0=3.0, cost="marginal")
+    idata = res.to_arviz(num_draws=N)
+    _check_moments(idata, res.mean, res.var)
+    cd = idata.constant_data
+    for j, a in enumerate(res.assignments):
+        np.testing.assert_array_equal(np.asarray(cd["assigned_global_unit"])[np.asarray(cd["client"]) == j], a)
+    np.testing.assert_array_equal(np.asarray(cd["counts"]), res.counts)
+    np.testing.assert_allclose(np.asarray(cd["objective"]), res.objective)
+
+
+def test_klfusion_round_trip_and_arviz_tools():
+    rng = np.random.default_rng(0)
+    clients = [DiagNormal(loc=rng.normal(size=(3, 4)) * 3, var=rng.uniform(0.1, 0.3, size=(3, 4))) for _ in range(2)]
+    res = kl_fuse(clients, reg=0.1)
+    idata = res.to_arviz(num_draws=N)
+    _check_moments(idata, res.components.loc, res.components.var)
+    az = _arviz()
+    summary = az.summary(idata, var_names=["theta"])
+    assert len(summary) == res.n_components * 4
+    az.plot_forest(idata, var_names=["theta"], coords={"global_unit": [0]})
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="multiple"):
+        gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), num_draws=10, chains=4)
+    with pytest.raises(ValueError, match="non-negative"):
+        gaussian_to_arviz(np.zeros((2, 2)), -np.ones((2, 2)))
