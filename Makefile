@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.bayesfuse-installed
 DEMO_OUT ?= bayesfuse-demo
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: venv demo test bench data clean
+.PHONY: venv demo test bench data clean docs-figures
 
 venv: $(STAMP)
 
@@ -28,6 +28,9 @@ test: venv
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py
+
+docs-figures: venv
+	$(BIN)/python docs/make_figures.py
 
 data:
 	@if [ -d $(FASHION_DIR) ]; then \
