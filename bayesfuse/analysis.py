@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["match_to_arviz", "klfusion_to_arviz", "fusion_to_arviz", "gaussian_to_arviz"]
+__all__ = ["match_to_arviz", "klfusion_to_arviz", "fusion_to_arviz", "gaussian_to_arviz", "local_to_arviz"]
 
 
 def _arviz():
@@ -138,3 +138,20 @@ def fusion_to_arviz(result, *, num_draws: int = 1000, chains: int = 4, seed: int
     if isinstance(layer, KLFusionResult):
         return klfusion_to_arviz(layer, num_draws=num_draws, chains=chains, seed=seed)
     return match_to_arviz(layer, num_draws=num_draws, chains=chains, seed=seed)
+
+
+def local_to_arviz(mean, var, assignment, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):
+    """One client's local posterior (units as rows) labelled by the global units they were assigned.
+
+    The ``global_unit`` coordinate of local unit l is ``assignment[l]``, so the result lines
+    up with the fused export: ``az.plot_forest([fused, local_0, local_1], coords={"global_unit":
+    [g]})`` compares a global unit with the local units merged into it.
+    """
+    mean = np.asarray(mean, float)
+    assignment = np.asarray(assignment)
+    if assignment.shape != (mean.shape[0],) or len(np.unique(assignment)) != len(assignment):
+        raise ValueError("assignment must give each local unit a distinct global unit")
+    order = np.argsort(assignment)
+    return gaussian_to_arviz(mean[order], np.broadcast_to(np.asarray(var, float), mean.shape)[order],
+                             num_draws=num_draws, chains=chains, seed=seed,
+                             extra_coords={"global_unit": assignment[order]})

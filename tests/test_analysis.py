@@ -42,6 +42,27 @@ def test_klfusion_round_trip_and_arviz_tools():
     az.plot_forest(idata, var_names=["theta"], coords={"global_unit": [0]})
 
 
+def test_local_exports_line_up_with_the_fused_one():
+    from bayesfuse.analysis import local_to_arviz
+
+    rng = np.random.default_rng(1)
+    base = DiagNormal(loc=rng.normal(size=(3, 4)) * 3, var=rng.uniform(0.1, 0.3, size=(3, 4)))
+    perm = np.array([2, 0, 1])
+    clients = [base, DiagNormal(loc=base.loc[perm] + 0.01, var=base.var[perm])]  # the same units, reordered
+    res = kl_fuse(clients, reg=0.1)
+    assert res.n_components == 3
+    fused = res.to_arviz(num_draws=400)
+    locals_ = [local_to_arviz(c.loc, c.var, a, num_draws=400) for c, a in zip(clients, res.assignments)]
+    g = int(res.assignments[0][0])  # client 0's unit 0 and its match in client 1
+    got = np.asarray(locals_[0].posterior["theta"].sel(global_unit=g)).reshape(400, 4).mean(0)
+    assert (np.abs(got - clients[0].loc[0]) < 5 * np.sqrt(clients[0].var[0] / 400)).all()
+    az = _arviz()
+    az.plot_forest([fused, *locals_], model_names=["fused", "client 0", "client 1"], var_names=["theta"],
+                   coords={"global_unit": [g]}, combined=True)
+    with pytest.raises(ValueError, match="distinct"):
+        local_to_arviz(clients[0].loc, clients[0].var, [0, 0, 1])
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="multiple"):
         gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), num_draws=10, chains=4)
