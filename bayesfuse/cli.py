@@ -55,6 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="bayesfuse-demo", help="output directory (default: ./bayesfuse-demo)")
     demo.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing the demo's files")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    from bayesfuse.fuse_files import HYPER_KEYS, METHODS
+
+    fz = sub.add_parser(
+        "fuse",
+        help="fuse model files (state_dicts) into one",
+        description="Fuse one-hidden-layer MLP or HorseshoeBNN checkpoints (.pt/.pth read with "
+        "torch.load(weights_only=True), or .safetensors) into one file, plus a JSON report "
+        "(OUT.json). The order of the files does not matter.",
+        epilog="hyper-parameters: " + "; ".join(f"{m}: {', '.join(k) or '-'}" for m, k in HYPER_KEYS.items()),
+    )
+    fz.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint files")
+    fz.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
+    fz.add_argument("--hyper", nargs="*", default=[], metavar="KEY=VALUE", help="hyper-parameters of the method")
+    fz.add_argument("--out", required=True, help="fused model file (.pt, .pth or .safetensors)")
+    fz.add_argument("--format", choices=["pt", "safetensors"], default=None, help="output format (default: from --out)")
+    fz.add_argument("--seed", type=int, default=0)
+    fz.add_argument("--force", action="store_true", help="replace existing output files")
     return parser
 
 
@@ -78,14 +96,29 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_fuse(args: argparse.Namespace) -> int:
+    from bayesfuse.fuse_files import METHODS, fuse_files, parse_hyper
+
+    if args.method not in METHODS:
+        raise ValueError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
+    report = fuse_files(args.models, args.method, args.out, hyper=parse_hyper(args.method, args.hyper),
+                        fmt=args.format, force=args.force, seed=args.seed)
+    print(f"fused {len(args.models)} models with {args.method}: global sizes {report['global_sizes']}; "
+          f"wrote {args.out} and {args.out}.json ({report['seconds']:.1f} s)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return _run_demo(args)
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RuntimeError) as err:
-        print(f"bayesfuse {args.command}: error: {err}", file=sys.stderr)
+        if args.command == "fuse":
+            return _run_fuse(args)
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, RuntimeError) as err:
+        message = " ".join(str(err).split())  # one line
+        print(f"bayesfuse {args.command}: error: {message}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command}")
     return 2

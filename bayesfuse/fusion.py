@@ -17,6 +17,7 @@ PFNM Table 1; weights have prior mean 0.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -69,6 +70,12 @@ class FusionResult:
         from bayesfuse.analysis import fusion_to_arviz
 
         return fusion_to_arviz(self, num_draws=num_draws, chains=chains, seed=seed)
+
+
+def _warn_single(models) -> None:
+    if len(models) == 1:
+        warnings.warn("only one model: fusion returns it (its posterior, shrunk by the prior)", UserWarning,
+                      stacklevel=3)
 
 
 def _class_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
@@ -145,6 +152,7 @@ def fuse(
                           seed=seed, verbose=verbose, start=start, average_outputs=average_outputs)
     if method not in DEFAULTS:
         raise ValueError(f"method must be one of {sorted(DEFAULTS)} for point-estimate networks, got {method!r}")
+    _warn_single(models)
     hyper = dict(DEFAULTS[method])
     for key, value in dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight).items():
         if value is not None:
@@ -247,6 +255,7 @@ def _fuse_bnns(bnns, method, *, noise_var, prior_var, gamma0, kl_weight, cost, r
         hyper["cost"] = cost
     else:
         raise ValueError(f"method must be 'kl', 'pfnm' or 'nafi' for BNNs, got {method!r}")
+    _warn_single(bnns)
     equal = np.ones(len(posts))
     if average_outputs:
         counts = np.zeros(len(units))

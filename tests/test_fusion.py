@@ -10,6 +10,10 @@ from bayesfuse.nets import MLP, predict_proba
 from bayesfuse.nets.neurons import mlp_from_neurons, one_hidden_layer
 from bayesfuse.train import TrainConfig, train_clients
 
+# Single-model cases are part of these tests; the warning they raise is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:only one model")
+
+
 
 def _shuffled(model: MLP, seed: int) -> MLP:
     """The same function with its hidden units in another order."""

@@ -8,6 +8,10 @@ from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
 from bayesfuse.nets import MLP
 from bayesfuse.nets.bnn_posterior import BNNPosterior
 
+# Single-model cases are part of these tests; the warning they raise is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:only one model")
+
+
 
 @pytest.fixture(scope="module")
 def data():

@@ -1,0 +1,86 @@
+"""Reading and writing model files safely: ``.pt``/``.pth`` state_dicts and ``.safetensors``.
+
+``.pt``/``.pth`` files are read with ``torch.load(weights_only=True)``, which refuses pickled
+code; ``.safetensors`` holds nothing but tensors. Writes are atomic and never replace a file
+unless asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from bayesfuse._io import atomic_write_bytes
+
+__all__ = ["load_state_dict", "save_state_dict", "file_sha256", "FORMATS"]
+
+FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_state_dict(path: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]":
+    """The tensors of a checkpoint file, in file order.
+
+    Raises
+    ------
+    FileNotFoundError
+        The file does not exist.
+    ValueError
+        Unknown suffix, unreadable or truncated file, a payload ``weights_only`` refuses, or
+        something that is not a flat mapping of names to tensors.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"{path}: unknown model file type {path.suffix!r}; expected one of {sorted(FORMATS)}")
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            sd = load_file(str(path))
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+        return OrderedDict(sd)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            f"{path}: not a plain state_dict checkpoint (torch.load with weights_only=True failed: "
+            f"{str(err).splitlines()[0]})"
+        ) from None
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path}: expected a state_dict (a mapping of parameter names to tensors)")
+    return OrderedDict(obj)
+
+
+def save_state_dict(state_dict: dict, path: str | os.PathLike, *, fmt: str | None = None,
+                    overwrite: bool = False) -> Path:
+    """Write a state_dict as ``.pt`` (torch.save) or ``.safetensors``, atomically."""
+    path = Path(path)
+    fmt = fmt or FORMATS.get(path.suffix.lower())
+    if fmt not in ("pt", "safetensors"):
+        raise ValueError(f"{path}: choose a format, 'pt' or 'safetensors' (got {fmt!r})")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    if fmt == "safetensors":
+        from safetensors.torch import save
+
+        payload = save(tensors)
+    else:
+        buf = io.BytesIO()
+        torch.save(tensors, buf)
+        payload = buf.getvalue()
+    return atomic_write_bytes(path, payload, overwrite=overwrite)

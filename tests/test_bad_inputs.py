@@ -1,0 +1,139 @@
+"""A catalogue of bad inputs across the API and the CLI: each fails clearly and leaves nothing behind."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfuse import fuse
+from bayesfuse.checkpoints import load_state_dict, save_state_dict
+from bayesfuse.cli import main
+from bayesfuse.data import dirichlet_partition
+from bayesfuse.inference.expfam import DiagNormal, Gamma
+from bayesfuse.inference.klfusion import kl_fuse
+from bayesfuse.inference.matching import match_neurons
+from bayesfuse.nets import MLP
+
+
+def _mlp_sd(d=6, h=4, k=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"fc1.weight": torch.randn(h, d, generator=g), "fc1.bias": torch.randn(h, generator=g),
+            "fc2.weight": torch.randn(k, h, generator=g), "fc2.bias": torch.randn(k, generator=g)}
+
+
+@pytest.fixture
+def files(tmp_path):
+    good = [save_state_dict(_mlp_sd(seed=s), tmp_path / f"good{s}.pt") for s in range(2)]
+    bad = {}
+    (tmp_path / "notes.txt").write_text("hello")
+    bad["text file"] = tmp_path / "notes.txt"
+    (tmp_path / "garbage.pt").write_bytes(b"\x00\x01 not a checkpoint")
+    bad["garbage .pt"] = tmp_path / "garbage.pt"
+    truncated = good[0].read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(truncated[: len(truncated) // 2])
+    bad["truncated"] = tmp_path / "truncated.pt"
+    with open(tmp_path / "pickled.pt", "wb") as fh:  # weights_only must refuse arbitrary objects
+        pickle.dump({"fc1.weight": torch.zeros(2, 2), "extra": MLP(2, [2], 2)}, fh)
+    bad["pickled object"] = tmp_path / "pickled.pt"
+    nan = _mlp_sd()
+    nan["fc1.weight"][0, 0] = float("nan")
+    bad["nan weights"] = save_state_dict(nan, tmp_path / "nan.pt")
+    bad["other classes"] = save_state_dict(_mlp_sd(k=5), tmp_path / "k5.pt")
+    bad["other inputs"] = save_state_dict(_mlp_sd(d=7), tmp_path / "d7.pt")
+    zero = _mlp_sd(h=4)
+    zero["fc1.weight"], zero["fc1.bias"], zero["fc2.weight"] = torch.zeros(0, 6), torch.zeros(0), torch.zeros(3, 0)
+    bad["zero width"] = save_state_dict(zero, tmp_path / "zero.pt")
+    renamed = {k.replace("fc", "dense"): v for k, v in _mlp_sd().items()}
+    bad["other names"] = save_state_dict(renamed, tmp_path / "renamed.pt")
+    nobias = _mlp_sd()
+    del nobias["fc1.bias"]
+    bad["missing bias"] = save_state_dict(nobias, tmp_path / "nobias.pt")
+    (tmp_path / "weights.h5").write_bytes(b"x")
+    bad["unknown suffix"] = tmp_path / "weights.h5"
+    return good, bad
+
+
+CLI_CASES = [
+    ("text file", "unknown model file type"),
+    ("garbage .pt", "not a plain state_dict"),
+    ("truncated", "not a plain state_dict"),
+    ("pickled object", "weights_only"),
+    ("nan weights", "NaN"),
+    ("other classes", "does not match"),
+    ("other inputs", "does not match"),
+    ("zero width", "zero width"),
+    ("other names", "parameter names differ"),
+    ("missing bias", "no matching bias"),
+    ("unknown suffix", "unknown model file type"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("case, message", CLI_CASES)
+def test_cli_rejects_bad_files(files, tmp_path, capsys, case, message):
+    good, bad = files
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", str(good[0]), str(bad[case]), "--method", "pfnm", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists() and not (tmp_path / "fused.pt.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "fedma"], "unknown method 'fedma'"),
+    (["--method", "pfnm", "--hyper", "sigma=2"], "unknown hyper-parameter 'sigma'"),
+    (["--method", "pfnm", "--hyper", "noise_var"], "key=value"),
+    (["--method", "pfnm", "--hyper", "noise_var=-1"], "noise_var must be positive"),
+    (["--method", "pfnm", "--hyper", "gamma0=0"], "gamma0 must be positive"),
+    (["--method", "kl"], "HorseshoeBNN"),
+    (["--method", "pfnm", "--format", "pt", "--hyper", "n_iter=two"], "must be int"),
+])
+def test_cli_rejects_bad_options(files, tmp_path, capsys, argv, message):
+    good, _ = files
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, good), *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_cli_never_overwrites_without_force(files, tmp_path, capsys):
+    good, _ = files
+    out = tmp_path / "fused.pt"
+    out.write_bytes(b"precious")
+    assert main(["fuse", *map(str, good), "--method", "fedavg", "--out", str(out)]) == 2
+    assert out.read_bytes() == b"precious" and "--force" in capsys.readouterr().err
+    assert main(["fuse", *map(str, good), "--method", "fedavg", "--out", str(good[0])]) == 2
+
+
+API_CASES = [
+    (lambda: match_neurons([np.ones((2, 3)), np.ones((2, 4))]), ValueError, "dimension"),
+    (lambda: match_neurons([np.ones((2, 3)), np.ones((0, 3))]), ValueError, "empty client"),
+    (lambda: match_neurons([np.full((2, 3), np.nan)]), ValueError, "NaN"),
+    (lambda: match_neurons([np.ones((2, 3))], gamma0=0.0), ValueError, "gamma0"),
+    (lambda: match_neurons([np.ones((2, 3))], noise_var=0.0), ValueError, "noise_var"),
+    (lambda: kl_fuse([DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2)))], reg=-1.0), ValueError, "reg"),
+    (lambda: kl_fuse([DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2))),
+                      Gamma(shape=np.ones((2, 2)), rate=np.ones((2, 2)))]), TypeError, "cannot mix"),
+    (lambda: DiagNormal(loc=np.zeros((2, 2)), var=-np.ones((2, 2))), ValueError, "positive"),
+    (lambda: fuse([MLP(4, [3], 2), MLP(4, [3], 5)]), ValueError, "maps 4 -> 5"),
+    (lambda: fuse([MLP(4, [3], 2)], "hungarian"), ValueError, "method must be one of"),
+    (lambda: fuse([]), ValueError, "at least one"),
+    (lambda: dirichlet_partition(np.arange(10) % 2, 3, 0.0), ValueError, "alpha"),
+    (lambda: load_state_dict("/nonexistent/model.pt"), FileNotFoundError, "not found"),
+]
+
+
+@pytest.mark.parametrize("call, exc, message", API_CASES)
+def test_api_rejects_bad_inputs(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
+
+
+def test_single_model_returns_itself_with_a_warning():
+    model = MLP(4, [3], 2)
+    with pytest.warns(UserWarning, match="only one model"):
+        res = fuse([model], prior_var=1e8)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(res.model(x), model(x), rtol=1e-4, atol=1e-5)
