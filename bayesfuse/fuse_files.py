@@ -30,7 +30,8 @@ HYPER_KEYS = {
     "kl": {"reg": float, "solver": str, "n_iter": int},
     "fedavg": {},
 }
-_BNN_KEYS = {f"{p}.{s}" for p in ("loc", "log_scale") for s in ("w1", "b1", "log_lam", "log_tau", "w2", "b2")}
+_BNN_KEYS = {f"{p}.{s}" for p in ("loc", "log_scale") for s in ("w1", "b1", "log_lam", "log_tau", "w2", "b2")} | {
+    "prior_scales"}
 
 
 def parse_hyper(method: str, items: Sequence[str]) -> dict:
@@ -96,7 +97,8 @@ def _to_bnn(sd: dict, name: str):
 
     H, D = sd["loc.w1"].shape
     K = sd["loc.w2"].shape[0]
-    bnn = HorseshoeBNN(D, H, K)
+    global_scale, weight_scale = (float(v) for v in sd["prior_scales"])
+    bnn = HorseshoeBNN(D, H, K, global_scale=global_scale, weight_scale=weight_scale)
     try:
         bnn.load_state_dict(sd)
     except RuntimeError as err:

@@ -80,7 +80,8 @@ class HorseshoeBNN(nn.Module):
         if global_scale <= 0 or weight_scale <= 0:
             raise ValueError("global_scale and weight_scale must be positive")
         self.in_features, self.hidden, self.n_classes = int(in_features), int(hidden), int(n_classes)
-        self.global_scale, self.weight_scale = float(global_scale), float(weight_scale)
+        # The prior's scales travel with the state_dict, so a saved network rebuilds exactly.
+        self.register_buffer("prior_scales", torch.tensor([global_scale, weight_scale], dtype=torch.float64))
         shapes = self.site_shapes()
         self.loc = nn.ParameterDict({k: nn.Parameter(torch.zeros(s, dtype=torch.float64)) for k, s in shapes.items()})
         self.log_scale = nn.ParameterDict(
@@ -90,6 +91,14 @@ class HorseshoeBNN(nn.Module):
             self.loc["w2"].normal_(0.0, 1.0 / math.sqrt(hidden))
             self.loc["log_tau"].fill_(math.log(global_scale))
             self.loc["log_lam"].fill_(0.0)
+
+    @property
+    def global_scale(self) -> float:
+        return float(self.prior_scales[0])
+
+    @property
+    def weight_scale(self) -> float:
+        return float(self.prior_scales[1])
 
     def site_shapes(self) -> dict[str, tuple[int, ...]]:
         H, D, K = self.hidden, self.in_features, self.n_classes

@@ -73,3 +73,10 @@ def test_bad_inputs(digits):
         train_bnn(digits.train.x[:50], digits.train.y[:50], 10, 5, BNNConfig(epochs=3, lr=1e6))
     with pytest.raises(ValueError, match="x must be"):
         HorseshoeBNN(64, 5, 10).predict(np.zeros((3, 7)))
+
+
+def test_prior_scales_travel_with_the_state_dict():
+    saved = HorseshoeBNN(5, 3, 2, global_scale=0.05, weight_scale=2.0).state_dict()
+    fresh = HorseshoeBNN(5, 3, 2)
+    fresh.load_state_dict(saved)
+    assert (fresh.global_scale, fresh.weight_scale) == (0.05, 2.0)
