@@ -126,9 +126,10 @@ def fusion_to_arviz(result, *, num_draws: int = 1000, chains: int = 4, seed: int
     scale, outgoing weights); for fused MLPs, of the matching's atom posterior.
     """
     from bayesfuse.inference.klfusion import KLFusionResult
+    from bayesfuse.models.bnn import HorseshoeBNN
 
     layer = result.layers[0]
-    if hasattr(result.model, "loc") and hasattr(result.model, "log_scale"):  # a HorseshoeBNN
+    if isinstance(result.model, HorseshoeBNN):
         from bayesfuse.nets.bnn_posterior import BNNPosterior
 
         units = BNNPosterior.from_bnn(result.model).units

@@ -17,21 +17,18 @@ import torch
 
 from bayesfuse._io import atomic_write_bytes
 
-__all__ = ["load_state_dict", "save_state_dict", "file_sha256", "FORMATS"]
+__all__ = ["load_state_dict", "read_checkpoint", "save_state_dict", "FORMATS"]
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_state_dict(path: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]":
-    """The tensors of a checkpoint file, in file order.
+    """The tensors of a checkpoint file, in file order (see :func:`read_checkpoint`)."""
+    return read_checkpoint(path)[0]
+
+
+def read_checkpoint(path: str | os.PathLike) -> "tuple[OrderedDict[str, torch.Tensor], str]":
+    """The tensors of a checkpoint file, in file order, and the file's sha256 (one read).
 
     Raises
     ------
@@ -47,16 +44,18 @@ def load_state_dict(path: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]"
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"{path}: unknown model file type {path.suffix!r}; expected one of {sorted(FORMATS)}")
+    raw = path.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
     if fmt == "safetensors":
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         try:
-            sd = load_file(str(path))
+            sd = load(raw)
         except Exception as err:  # safetensors raises its own error types
             raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
-        return OrderedDict(sd)
+        return OrderedDict(sd), digest
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as err:
         raise ValueError(
             f"{path}: not a plain state_dict checkpoint (torch.load with weights_only=True failed: "
@@ -64,7 +63,7 @@ def load_state_dict(path: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]"
         ) from None
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{path}: expected a state_dict (a mapping of parameter names to tensors)")
-    return OrderedDict(obj)
+    return OrderedDict(obj), digest
 
 
 def save_state_dict(state_dict: dict, path: str | os.PathLike, *, fmt: str | None = None,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from bayesfuse._io import atomic_write_text
-from bayesfuse.checkpoints import FORMATS, file_sha256, load_state_dict, save_state_dict
+from bayesfuse.checkpoints import FORMATS, read_checkpoint, save_state_dict
 
 __all__ = ["fuse_files", "METHODS", "HYPER_KEYS"]
 
@@ -145,8 +145,9 @@ def fuse_files(
     if any(Path(p).resolve() == out.resolve() for p in paths):
         raise ValueError(f"the output {out} is also an input")
 
-    files = [{"path": str(p), "sha256": file_sha256(p) if Path(p).is_file() else None} for p in paths]
-    state_dicts = [load_state_dict(p) for p in paths]
+    loaded = [read_checkpoint(p) for p in paths]
+    state_dicts = [sd for sd, _ in loaded]
+    files = [{"path": str(p), "sha256": digest} for p, (_, digest) in zip(paths, loaded)]
     order = sorted(range(len(paths)), key=lambda i: (files[i]["sha256"], str(paths[i])))
     state_dicts = [state_dicts[i] for i in order]
     names = [str(paths[i]) for i in order]

@@ -24,23 +24,11 @@ from typing import ClassVar, Sequence, TypeVar
 import numpy as np
 from scipy.special import digamma, gammaln, multigammaln
 
+from bayesfuse._validation import finite_array, positive_array
+
 __all__ = ["ExpFamily", "DiagNormal", "FullNormal", "NormalWishart", "Gamma", "Beta", "Dirichlet"]
 
 F = TypeVar("F", bound="ExpFamily")
-
-
-def _arr(x, name: str) -> np.ndarray:
-    a = np.asarray(x, dtype=np.float64)
-    if not np.isfinite(a).all():
-        raise ValueError(f"{name} contains NaN or infinite values")
-    return a
-
-
-def _positive(x, name: str) -> np.ndarray:
-    a = _arr(x, name)
-    if (a <= 0).any():
-        raise ValueError(f"{name} must be positive")
-    return a
 
 
 def _logdet(m: np.ndarray) -> np.ndarray:
@@ -109,7 +97,7 @@ class ExpFamily:
 
         ``argmin_q sum_l w_gl KL(q || q_l)`` has natural parameter ``sum_l w_gl eta_l / sum_l w_gl``.
         """
-        w = _arr(weights, "weights")
+        w = finite_array(weights, "weights")
         if w.ndim == 1:
             w = w[None, :]
         if w.shape[1] != len(self) or (w < 0).any():
@@ -147,7 +135,7 @@ class DiagNormal(ExpFamily):
     name: ClassVar[str] = "diagonal Gaussian"
 
     def __post_init__(self):
-        loc, var = _arr(self.loc, "loc"), _positive(self.var, "var")
+        loc, var = finite_array(self.loc, "loc"), positive_array(self.var, "var")
         if loc.ndim != 2 or loc.shape != var.shape:
             raise ValueError(f"loc and var must both have shape (L, D), got {loc.shape} and {var.shape}")
         object.__setattr__(self, "loc", loc)
@@ -194,7 +182,7 @@ class FullNormal(ExpFamily):
     name: ClassVar[str] = "Gaussian"
 
     def __post_init__(self):
-        loc, cov = _arr(self.loc, "loc"), _arr(self.cov, "cov")
+        loc, cov = finite_array(self.loc, "loc"), finite_array(self.cov, "cov")
         if loc.ndim != 2 or cov.shape != (*loc.shape, loc.shape[1]):
             raise ValueError(f"loc must be (L, D) and cov (L, D, D), got {loc.shape} and {cov.shape}")
         if not np.allclose(cov, np.swapaxes(cov, 1, 2)):
@@ -258,9 +246,9 @@ class NormalWishart(ExpFamily):
     name: ClassVar[str] = "Normal-Wishart"
 
     def __post_init__(self):
-        mean = _arr(self.mean, "mean")
-        kappa, dof = _positive(self.kappa, "kappa"), _arr(self.dof, "dof")
-        scale = _arr(self.scale, "scale")
+        mean = finite_array(self.mean, "mean")
+        kappa, dof = positive_array(self.kappa, "kappa"), finite_array(self.dof, "dof")
+        scale = finite_array(self.scale, "scale")
         if mean.ndim != 2 or kappa.shape != (len(mean),) or dof.shape != (len(mean),):
             raise ValueError("mean must be (L, D); kappa and dof (L,)")
         d = mean.shape[1]
@@ -334,7 +322,7 @@ class Gamma(ExpFamily):
     name: ClassVar[str] = "Gamma"
 
     def __post_init__(self):
-        a, b = _positive(self.shape, "shape"), _positive(self.rate, "rate")
+        a, b = positive_array(self.shape, "shape"), positive_array(self.rate, "rate")
         if a.ndim != 2 or a.shape != b.shape:
             raise ValueError(f"shape and rate must both be (L, D), got {a.shape} and {b.shape}")
         object.__setattr__(self, "shape", a)
@@ -377,7 +365,7 @@ class Beta(ExpFamily):
     name: ClassVar[str] = "Beta"
 
     def __post_init__(self):
-        a, b = _positive(self.a, "a"), _positive(self.b, "b")
+        a, b = positive_array(self.a, "a"), positive_array(self.b, "b")
         if a.ndim != 2 or a.shape != b.shape:
             raise ValueError(f"a and b must both be (L, D), got {a.shape} and {b.shape}")
         object.__setattr__(self, "a", a)
@@ -419,7 +407,7 @@ class Dirichlet(ExpFamily):
     name: ClassVar[str] = "Dirichlet"
 
     def __post_init__(self):
-        c = _positive(self.concentration, "concentration")
+        c = positive_array(self.concentration, "concentration")
         if c.ndim != 2 or c.shape[1] < 2:
             raise ValueError(f"concentration must be (L, K) with K >= 2, got {c.shape}")
         object.__setattr__(self, "concentration", c)

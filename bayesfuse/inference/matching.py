@@ -33,6 +33,8 @@ from scipy.optimize import linear_sum_assignment
 from scipy.special import gammaln
 from tqdm.auto import tqdm
 
+from bayesfuse._validation import finite_array, positive_array
+
 __all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost"]
 
 Cost = Literal["pfnm", "marginal"]
@@ -103,22 +105,12 @@ class MatchResult:
 # --------------------------------------------------------------------------- inputs
 
 
-def _as_array(x, name: str, allow_inf: bool = False) -> np.ndarray:
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    a = np.asarray(x, dtype=np.float64)
-    bad = np.isnan(a) if allow_inf else ~np.isfinite(a)
-    if bad.any():
-        raise ValueError(f"{name} contains NaN{'' if allow_inf else ' or infinite'} values")
-    return a
-
-
 def _check_layers(layers: Sequence) -> list[np.ndarray]:
     if len(layers) == 0:
         raise ValueError("need at least one client's neurons")
     out = []
     for j, w in enumerate(layers):
-        a = _as_array(w, f"client {j}'s neurons")
+        a = finite_array(w, f"client {j}'s neurons")
         if a.ndim != 2:
             raise ValueError(f"client {j}'s neurons must be a 2-D array (L_j, D), got shape {a.shape}")
         if a.shape[0] == 0:
@@ -132,11 +124,9 @@ def _check_layers(layers: Sequence) -> list[np.ndarray]:
 
 
 def _positive(value, name: str, shape_ok: tuple[int, ...], allow_inf: bool = False) -> np.ndarray:
-    a = _as_array(value, name, allow_inf)
+    a = positive_array(value, name, allow_inf=allow_inf)
     if a.ndim > 0 and a.shape not in shape_ok:
         raise ValueError(f"{name} must be a scalar or have shape {' or '.join(map(str, shape_ok))}, got {a.shape}")
-    if (a <= 0).any():
-        raise ValueError(f"{name} must be positive, got {value}")
     return a
 
 
@@ -269,7 +259,7 @@ def _data_constant(layers, prec) -> float:
 def _make_prior(prior_var, prior_mean, gamma0, J, D, width) -> _Prior:
     """Prior natural parameters; ``lam0`` has shape (width,), width 1 (isotropic) or D."""
     v0 = _positive(prior_var, "prior_var", ((D,),))
-    mu0 = _as_array(prior_mean, "prior_mean")
+    mu0 = finite_array(prior_mean, "prior_mean")
     if mu0.ndim > 0 and mu0.shape != (D,):
         raise ValueError(f"prior_mean must be a scalar or have shape ({D},), got {mu0.shape}")
     if not np.isfinite(gamma0) or gamma0 <= 0:
@@ -292,7 +282,7 @@ def _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars=None):
         if len(local_vars) != J:
             raise ValueError(f"local_vars needs one array per client ({J}), got {len(local_vars)}")
         for j, (lv, v) in enumerate(zip(local_vars, layers)):
-            lv = _as_array(lv, f"local_vars[{j}]")
+            lv = finite_array(lv, f"local_vars[{j}]")
             if lv.shape not in ((v.shape[0],), v.shape):
                 raise ValueError(f"local_vars[{j}] must have shape ({v.shape[0]},) or {v.shape}, got {lv.shape}")
             if (lv < 0).any():

@@ -22,7 +22,6 @@ networks can be trained in one process.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 
@@ -190,7 +189,7 @@ def train_bnn(
     Returns the network with ``elbo_history`` (mean negative ELBO per example, per epoch) and
     ``train_seconds``. Raises ``FloatingPointError`` if the ELBO becomes NaN.
     """
-    from bayesfuse.train import torch_threads
+    from bayesfuse.train import _progress, torch_threads
 
     config = config or BNNConfig()
     x = np.asarray(x, dtype=np.float64)
@@ -210,8 +209,7 @@ def train_bnn(
         loss_fn = Trace_ELBO(num_particles=config.num_particles, vectorize_particles=False).differentiable_loss
         gen = torch.Generator().manual_seed(config.seed)
         history = []
-        show = sys.stderr.isatty() if verbose is None else bool(verbose)
-        bar = tqdm(range(config.epochs), desc=name, unit="epoch", disable=not show, leave=False)
+        bar = tqdm(range(config.epochs), desc=name, unit="epoch", disable=not _progress(verbose), leave=False)
         for epoch in bar:
             order = torch.randperm(len(xt), generator=gen)
             total = 0.0
