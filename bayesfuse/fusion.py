@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import numpy as np
+import torch
 from torch import nn
 
+from bayesfuse.inference.layerwise import match_layerwise
 from bayesfuse.inference.matching import MatchResult, match_neurons
-from bayesfuse.nets.mlp import MLP
-from bayesfuse.nets.neurons import mlp_from_neurons, one_hidden_layer
+from bayesfuse.nets.arch import rebuild
+from bayesfuse.nets.spec import PermutationSpec, spec_from_module
 
 __all__ = ["FusionResult", "fuse"]
 
@@ -38,7 +40,6 @@ DEFAULTS = {
     "pfnm": dict(noise_var=1.0, prior_var=10.0, gamma0=1.0, kl_weight=0.0),
     "nafi": dict(noise_var=1.0, prior_var=10.0, gamma0=1.0, kl_weight=0.01),
 }
-HIDDEN_BIAS_PRIOR_MEAN = 0.1
 
 
 @dataclass
@@ -56,6 +57,8 @@ class FusionResult:
     method : str
     hyper : dict
     seconds : float
+    groups : tuple of str
+        The permutation group of each entry of ``layers`` (see :mod:`bayesfuse.nets.spec`).
     """
 
     model: nn.Module
@@ -64,6 +67,7 @@ class FusionResult:
     method: str
     hyper: dict = field(default_factory=dict)
     seconds: float = 0.0
+    groups: tuple = ()
 
     def to_arviz(self, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):
         """Draws of the fused posterior and the assignments as an ArviZ object (see :mod:`bayesfuse.analysis`)."""
@@ -76,18 +80,6 @@ def _warn_single(models) -> None:
     if len(models) == 1:
         warnings.warn("only one model: fusion returns it (its posterior, shrunk by the prior)", UserWarning,
                       stacklevel=3)
-
-
-def _class_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
-    if class_counts is None:
-        return np.ones((n_clients, n_classes))
-    counts = np.asarray(class_counts, dtype=np.float64)
-    if counts.shape != (n_clients, n_classes):
-        raise ValueError(f"class_counts must have shape ({n_clients}, {n_classes}), got {counts.shape}")
-    if (counts < 0).any() or not np.isfinite(counts).all():
-        raise ValueError("class_counts must be finite and non-negative")
-    total = counts.sum(0)
-    return counts / np.where(total > 0, total, 1.0)
 
 
 def fuse(
@@ -106,8 +98,10 @@ def fuse(
     n_iter: int = 10,
     seed: int | None = 0,
     verbose: bool = False,
+    spec: PermutationSpec | None = None,
+    direction: Literal["bottom-up", "top-down"] = "bottom-up",
 ) -> FusionResult:
-    """Fuse one-hidden-layer networks into one by matching their hidden units.
+    """Fuse networks into one by matching their hidden units, layer by layer.
 
     Point-estimate MLPs are fused by PFNM or NAFI. Horseshoe BNNs
     (:class:`~bayesfuse.models.bnn.HorseshoeBNN`) are fused as posteriors: ``"kl"`` runs
@@ -119,8 +113,9 @@ def fuse(
     Parameters
     ----------
     models : sequence of nn.Module
-        Linear-ReLU-Linear networks with the same input and output sizes (hidden widths may
-        differ), or HorseshoeBNNs.
+        Networks of one architecture (hidden widths may differ): :class:`MLP` of any depth,
+        ``nn.Sequential`` ConvNets/MLPs (:func:`~bayesfuse.nets.arch.make_cnn`), the LSTM
+        classifier, anything ``spec`` describes; or HorseshoeBNNs (one hidden layer).
     method : {"pfnm", "nafi", "kl"}
         PFNM (Yurochkin et al. 2019), NAFI (PFNM cost plus ``kl_weight`` x KL penalty), or
         KL-fusion (BNNs only).
@@ -137,6 +132,13 @@ def fuse(
     cost : {"pfnm", "marginal"}
     n_iter, seed, verbose
         Passed to :func:`~bayesfuse.inference.matching.match_neurons`.
+    spec : PermutationSpec, optional
+        Which axes each hidden permutation acts on; derived from ``models[0]`` when omitted
+        (:func:`~bayesfuse.nets.spec.spec_from_module`).
+    direction : {"bottom-up", "top-down"}
+        Order of the layers (:func:`~bayesfuse.inference.layerwise.match_layerwise`):
+        bottom-up expresses each layer's incoming weights in the matched layer below;
+        top-down is PFNM supplement Algorithm 1. One hidden layer: the same.
     """
     start = time.perf_counter()
     if len(models) == 0:
@@ -159,45 +161,29 @@ def fuse(
             hyper[key] = float(value)
     if method == "pfnm" and hyper["kl_weight"] != 0.0:
         raise ValueError("method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
-    parts = [one_hidden_layer(m) for m in models]
-    d_in, k = parts[0].in_features, parts[0].n_classes
-    for j, part in enumerate(parts):
-        if part.in_features != d_in or part.n_classes != k:
-            raise ValueError(
-                f"model {j} maps {part.in_features} -> {part.n_classes}, model 0 maps {d_in} -> {k}"
-            )
-    J = len(parts)
-    shares = _class_shares(class_counts, J, k)
-    sigma2, sigma02 = hyper["noise_var"], hyper["prior_var"]
-    dim = d_in + 1 + k
-    # Per-client, per-coordinate noise variance; inf where a client never saw a class.
-    with np.errstate(divide="ignore"):
-        noise = np.hstack([np.full((J, d_in + 1), sigma2), sigma2 / shares])
-    prior_mean = np.zeros(dim)
-    prior_mean[d_in] = HIDDEN_BIAS_PRIOR_MEAN
-    result = match_neurons(
-        [p.neurons for p in parts],
-        noise_var=noise if class_counts is not None else sigma2,
-        prior_var=sigma02,
-        prior_mean=prior_mean,
-        gamma0=hyper["gamma0"],
-        kl_weight=hyper["kl_weight"],
-        cost=cost,
-        n_iter=n_iter,
-        seed=seed,
-        verbose=verbose,
+    spec = spec if spec is not None else spec_from_module(models[0])
+    states = [_numpy_state(m) for m in models]
+    if not spec.groups:
+        raise ValueError("the networks have no hidden units to match (no hidden layer)")
+    result = match_layerwise(
+        states, spec, direction=direction, class_counts=class_counts, noise_var=hyper["noise_var"],
+        prior_var=hyper["prior_var"], gamma0=hyper["gamma0"], kl_weight=hyper["kl_weight"], cost=cost,
+        n_iter=n_iter, seed=seed, verbose=verbose,
     )
-    precision = shares / sigma2  # (J, K)
-    out_bias = (precision * np.stack([p.out_bias for p in parts])).sum(0) / (1.0 / sigma02 + precision.sum(0))
-    model: MLP = mlp_from_neurons(result.mean, out_bias, d_in)
+    model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in result.state_dict.items()}).eval()
     return FusionResult(
         model=model,
-        layers=[result],
-        sizes=[result.n_global],
+        layers=[result.layers[g] for g in spec.groups],
+        sizes=[result.sizes[g] for g in spec.groups],
         method=method,
-        hyper={**hyper, "cost": cost, "n_iter": n_iter, "seed": seed},
+        hyper={**hyper, "cost": cost, "n_iter": n_iter, "seed": seed, "direction": direction},
         seconds=time.perf_counter() - start,
+        groups=tuple(spec.groups),
     )
+
+
+def _numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
 
 #: Defaults for BNN units matched by PFNM/NAFI: the units' own posterior variances carry most

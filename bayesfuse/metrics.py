@@ -6,6 +6,8 @@ All functions take ``probs`` of shape (n, K) whose rows are distributions and in
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 from scipy.stats import rankdata
 
@@ -16,6 +18,7 @@ __all__ = [
     "expected_calibration_error",
     "ood_auroc",
     "evaluate",
+    "assignment_accuracy",
 ]
 
 #: Probabilities are clipped below at this value inside the log of the NLL, so a single
@@ -107,3 +110,24 @@ def evaluate(probs: np.ndarray, y: np.ndarray) -> dict[str, float]:
         "ece": expected_calibration_error(probs, y),
         "entropy": float(predictive_entropy(probs).mean()),
     }
+
+
+def assignment_accuracy(truth: Sequence[np.ndarray], found: Sequence[np.ndarray]) -> float:
+    """Fraction of units assigned to their true atom, under the best one-to-one atom labelling.
+
+    Found atoms are paired with true atoms by the Hungarian algorithm on their contingency
+    table (maximum total overlap); a unit counts as correct when its found atom is paired with
+    its true atom. Split or merged atoms lose the units outside the paired part.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    if len(truth) != len(found):
+        raise ValueError(f"truth has {len(truth)} clients, found has {len(found)}")
+    t = np.concatenate([np.asarray(a, dtype=np.int64) for a in truth])
+    f = np.concatenate([np.asarray(a, dtype=np.int64) for a in found])
+    if t.shape != f.shape:
+        raise ValueError(f"truth labels {t.shape[0]} units, found labels {f.shape[0]}")
+    table = np.zeros((t.max() + 1, f.max() + 1))
+    np.add.at(table, (t, f), 1)
+    rows, cols = linear_sum_assignment(table, maximize=True)
+    return float(table[rows, cols].sum() / len(t))

@@ -111,10 +111,12 @@ def test_fusion_beats_fedavg_on_heterogeneous_digits():
 def test_bad_inputs():
     with pytest.raises(ValueError, match="method"):
         fuse([_net()], "fedma")
-    with pytest.raises(ValueError, match="maps 6 -> 4"):
+    with pytest.raises(ValueError, match="client 1 has 4 classes in 'layers.1.weight', client 0 has 3"):
         fuse([_net(), _net(d=6, k=4)])
-    with pytest.raises(ValueError, match="one-hidden-layer"):
-        fuse([MLP(6, [4, 4], 3)])
+    with pytest.raises(ValueError, match=r"client 1\['layers.0.weight'\] has shape \(5, 7\).*differ beyond hidden widths"):
+        fuse([_net(), MLP(7, [5], 3)])
+    with pytest.raises(ValueError, match="no hidden units"):
+        fuse([MLP(6, [], 3)])
     with pytest.raises(ValueError, match="class_counts"):
         fuse([_net(), _net(1)], class_counts=np.ones((3, 3)))
     with pytest.raises(ValueError, match="nafi"):

@@ -337,3 +337,74 @@ def log_joint(
         prior_mean=prior_mean, selection=z,
     )
     return float(trace.log_prob_sum())
+
+
+@dataclass
+class DeepFederation:
+    """A simulated federation of deep MLPs with its ground truth.
+
+    Attributes
+    ----------
+    states : list of dict
+        Client j's state_dict in :class:`~bayesfuse.nets.mlp.MLP` layout
+        (``layers.{i}.weight`` of shape ``[out, in]``, ``layers.{i}.bias``), NumPy float64.
+    assignments : list of list of (L_jn,) int arrays
+        ``assignments[n][j]``: true atom of each of client j's units in hidden layer n.
+    atoms : list of arrays
+        ``atoms[n]``: (K_n, K_{n-1} + 1) incoming weights and bias of hidden layer n's atoms
+        (K_0 the input size); the last entry is the (K, K_top + 1) output layer.
+    """
+
+    states: list[dict]
+    assignments: list[list[np.ndarray]]
+    atoms: list[np.ndarray]
+    hyper: dict
+
+
+def simulate_deep_federation(
+    n_clients: int,
+    in_features: int,
+    n_hidden: int,
+    n_classes: int,
+    *,
+    gamma0: float = 1.0,
+    prior_var: float = 1.0,
+    noise_var: float = 0.01,
+    seed: int = 0,
+) -> DeepFederation:
+    """Deep MLPs whose every hidden layer is a BBP draw (PFNM supplement section 2's model).
+
+    Hidden layer n's units follow :func:`federation_model`: the IBP (mass ``gamma0``) picks the
+    atoms each client uses, in a uniformly random order. An atom of layer n holds one weight
+    from every atom of layer n-1 (plus a bias), ``~ N(0, prior_var)``; client j's unit of atom
+    i keeps the weights from the atoms it has below, in its own order, plus ``N(0, noise_var)``
+    noise. The output layer (not permuted) holds one weight per atom of the top layer.
+    """
+    if n_hidden < 1:
+        raise ValueError("n_hidden must be >= 1")
+    rng = np.random.default_rng(seed)
+    assignments: list[list[np.ndarray]] = []
+    atoms: list[np.ndarray] = []
+    prev_assign = [np.arange(in_features)] * n_clients
+    prev_size = in_features
+    sd = np.sqrt(prior_var)
+    noise = np.sqrt(noise_var)
+    states: list[dict] = [{} for _ in range(n_clients)]
+    for n in range(n_hidden):
+        structure = simulate_federation(n_clients, 1, gamma0=gamma0, seed=seed * 1009 + n)
+        theta = rng.normal(0.0, sd, size=(structure.n_atoms, prev_size + 1))
+        for j, a in enumerate(structure.assignments):
+            w = theta[a][:, prev_assign[j]] + rng.normal(0.0, noise, size=(len(a), len(prev_assign[j])))
+            b = theta[a, -1] + rng.normal(0.0, noise, size=len(a))
+            states[j][f"layers.{n}.weight"], states[j][f"layers.{n}.bias"] = w, b
+        assignments.append(structure.assignments)
+        atoms.append(theta)
+        prev_assign, prev_size = structure.assignments, structure.n_atoms
+    theta = rng.normal(0.0, sd, size=(n_classes, prev_size + 1))
+    for j in range(n_clients):
+        states[j][f"layers.{n_hidden}.weight"] = theta[:, prev_assign[j]] + rng.normal(
+            0.0, noise, size=(n_classes, len(prev_assign[j])))
+        states[j][f"layers.{n_hidden}.bias"] = theta[:, -1] + rng.normal(0.0, noise, size=n_classes)
+    atoms.append(theta)
+    hyper = dict(gamma0=gamma0, prior_var=prior_var, noise_var=noise_var, seed=seed)
+    return DeepFederation(states, assignments, atoms, hyper)

@@ -7,6 +7,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from bayesfuse.nets.pans import PANConfig, PositionAware
+from bayesfuse.nets.spec import PermutationSpec, chain, dense
+
 __all__ = ["MLP"]
 
 
@@ -26,15 +29,27 @@ class MLP(nn.Module):
     hidden : sequence of int
         Widths of the hidden layers; empty for multinomial logistic regression.
     n_classes : int
+    pan : PANConfig, optional
+        Position-aware neurons in every hidden layer (:mod:`bayesfuse.nets.pans`); they add no
+        state_dict entries.
     """
 
-    def __init__(self, in_features: int, hidden: Sequence[int], n_classes: int) -> None:
+    def __init__(self, in_features: int, hidden: Sequence[int], n_classes: int, *, pan: PANConfig | None = None) -> None:
         super().__init__()
         widths = [int(in_features), *(int(h) for h in hidden), int(n_classes)]
         if min(widths) < 1:
             raise ValueError(f"all layer widths must be positive, got {widths}")
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.pan = pan
+        self.pans = nn.ModuleList(PositionAware(w, pan) for w in widths[1:-1]) if pan is not None else None
         self.reset_parameters()
+
+    def permutation_spec(self) -> PermutationSpec:
+        """Hidden layer i is group ``P{i+1}``: ``layers.i.weight`` is ``(P{i+1}, P{i})``."""
+        n = len(self.layers)
+        groups = [None, *(f"P{i}" for i in range(1, n)), None]
+        return chain(*(dense(f"layers.{i}", groups[i], groups[i + 1]) for i in range(n)),
+                     output=(f"layers.{n - 1}.weight", f"layers.{n - 1}.bias"))
 
     @property
     def widths(self) -> list[int]:
@@ -48,12 +63,15 @@ class MLP(nn.Module):
                 layer.bias.fill_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers[:-1]:
-            x = torch.relu(layer(x))
+        for i, layer in enumerate(self.layers[:-1]):
+            x = layer(x)
+            if self.pans is not None:
+                x = self.pans[i](x)
+            x = torch.relu(x)
         return self.layers[-1](x)
 
     @classmethod
-    def from_state_dict(cls, state_dict: dict[str, torch.Tensor]) -> MLP:
+    def from_state_dict(cls, state_dict: dict[str, torch.Tensor], *, pan: PANConfig | None = None) -> MLP:
         """Build an MLP whose widths are read off ``state_dict`` and load it."""
         n_layers = len([k for k in state_dict if k.startswith("layers.") and k.endswith(".weight")])
         if n_layers == 0:
@@ -62,6 +80,6 @@ class MLP(nn.Module):
         for (out_prev, _), (_, in_next) in zip(shapes[:-1], shapes[1:]):
             if out_prev != in_next:
                 raise ValueError(f"inconsistent layer shapes {shapes}")
-        model = cls(shapes[0][1], [s[0] for s in shapes[:-1]], shapes[-1][0])
+        model = cls(shapes[0][1], [s[0] for s in shapes[:-1]], shapes[-1][0], pan=pan)
         model.load_state_dict(state_dict)
         return model

@@ -1,0 +1,567 @@
+"""Matching deep networks layer by layer: one-shot multilayer PFNM/NAFI, and FedMA.
+
+Every hidden permutation group of a :class:`~bayesfuse.nets.spec.PermutationSpec` (the
+neurons of a dense layer, the channels of a convolution, the hidden states of an LSTM) is
+matched with :func:`~bayesfuse.inference.matching.match_neurons`, one group at a time.
+
+Which numbers describe a unit. When group ``g`` is matched, a unit's vector gathers every
+state_dict entry that ``g`` permutes exactly once and whose other permuted axes belong to groups
+matched already. Those other axes are first written in the *global* basis of their group
+(:func:`~bayesfuse.nets.spec.to_global_basis`): client j's column for its local unit ``l`` goes
+to global position ``B_j(l)``, and positions of global units client j lacks are *unobserved*
+(noise variance infinite, precision 0), FedMA's "dummy neurons ... discounted when taking
+average" (FedMA section 2.1). Entries that ``g`` permutes twice (an LSTM's hidden-to-hidden
+weights) never describe a unit; they are averaged in the global basis at the end, FedMA's
+``H = 1/J sum_j Pi_j H_j Pi_j^T`` (section 2.2) over the clients that have each entry.
+
+Order. ``direction="bottom-up"`` matches groups from the input upwards (FedMA's recursion,
+eq. 4): a dense layer's neuron is its incoming weights in the matched basis below, its bias
+and, for the top hidden layer, its outgoing weights to the (unpermuted) classes.
+``direction="top-down"`` is PFNM supplement Algorithm 1: groups from the output downwards,
+each described by its bias and outgoing weights in the matched basis above, and the bottom
+layer by its incoming and outgoing weights. Both follow from the same rule; only the order
+differs. Top-down describes a middle layer's neuron by few numbers (10 outgoing weights for
+10 upper units...), which is why it merges distinct neurons (see ``benchmarks/bench_deep.py``).
+
+Output layer. Its weights into class k from client j get noise variance ``sigma^2 / f_jk``
+(``f_jk`` client j's share of class k), as in :func:`bayesfuse.fuse`; its bias is the
+precision-weighted posterior mean. Batch-norm layers are folded into the layer before them
+first (NAFI appendix E, eq. 47) and left as identities.
+
+All functions here take and return NumPy arrays; :func:`fedma` calls back into torch only
+through the ``client_update`` function it is given.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Mapping, Sequence
+
+import numpy as np
+
+from bayesfuse._validation import finite_array
+from bayesfuse.inference.matching import MatchResult, match_neurons
+from bayesfuse.nets.spec import Axis, PermutationSpec, to_global_basis
+
+__all__ = ["LayerwiseResult", "fold_batchnorm", "match_layerwise", "match_group", "global_entries",
+           "fedma", "FedMAResult", "HIDDEN_BIAS_PRIOR_MEAN"]
+
+State = Mapping[str, np.ndarray]
+#: Prior mean of hidden biases: the initial bias 0.1 of PFNM supplement Table 1.
+HIDDEN_BIAS_PRIOR_MEAN = 0.1
+
+
+@dataclass
+class _Basis:
+    """How the clients' units of one group map to its global units."""
+
+    assignments: list[np.ndarray]
+    n_global: int
+
+
+@dataclass
+class LayerwiseResult:
+    """Outcome of :func:`match_layerwise`.
+
+    Attributes
+    ----------
+    state_dict : dict of str to ndarray
+        The global network's entries (float64; integer buffers keep their dtype).
+    layers : dict of str to MatchResult
+        The matching of each hidden group.
+    order : tuple of str
+        Groups in the order they were matched.
+    sizes : dict of str to int
+        Global units per group.
+    seconds : float
+    """
+
+    state_dict: dict
+    layers: dict
+    order: tuple
+    sizes: dict
+    hyper: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def assignments(self) -> dict[str, list[np.ndarray]]:
+        return {g: r.assignments for g, r in self.layers.items()}
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence[str] | None = None) -> list[dict]:
+    """Float64 copies of the clients' state_dicts, checked against ``spec`` and for NaN/Inf."""
+    if len(states) == 0:
+        raise ValueError("need at least one client's network")
+    names = names or [f"client {j}" for j in range(len(states))]
+    out = []
+    for name, sd in zip(names, states):
+        spec.check(sd, name)
+        arrays = {}
+        for k, v in sd.items():
+            a = np.asarray(v)
+            if np.issubdtype(a.dtype, np.floating):
+                a = finite_array(a, f"{name}[{k!r}]")
+            arrays[k] = a
+        out.append(arrays)
+    ref = out[0]
+    for name, sd in zip(names[1:], out[1:]):
+        for k in spec.output:
+            if sd[k].shape[0] != ref[k].shape[0]:
+                raise ValueError(f"{name} has {sd[k].shape[0]} classes in {k!r}, {names[0]} has {ref[k].shape[0]}")
+        for k, axes in spec.axes.items():
+            fixed = [d for d, a in enumerate(axes) if a is None]
+            if any(sd[k].shape[d] != ref[k].shape[d] for d in fixed):
+                raise ValueError(f"{name}[{k!r}] has shape {sd[k].shape}, {names[0]}'s is {ref[k].shape}: "
+                                 "the clients' architectures differ beyond hidden widths")
+    return out
+
+
+def fold_batchnorm(state: State, spec: PermutationSpec, eps: float = 1e-5) -> dict:
+    """Fold each batch norm of ``spec.folds`` into the layer before it (NAFI appendix E, eq. 47).
+
+    ``W' = gamma W / sqrt(var + eps)``, ``b' = gamma (b - mu) / sqrt(var + eps) + beta``; the
+    batch norm becomes the identity in eval mode (weight 1, bias 0, mean 0, variance
+    ``1 - eps``).
+    """
+    out = {k: np.array(v, dtype=np.float64) if np.issubdtype(np.asarray(v).dtype, np.floating) else np.asarray(v)
+           for k, v in state.items()}
+    for bn, layer in spec.folds.items():
+        if f"{layer}.bias" not in out:
+            raise ValueError(f"cannot fold batch norm {bn!r}: layer {layer!r} has no bias")
+        scale = out[f"{bn}.weight"] / np.sqrt(out[f"{bn}.running_var"] + eps)
+        w = out[f"{layer}.weight"]
+        out[f"{layer}.weight"] = w * scale.reshape(-1, *([1] * (w.ndim - 1)))
+        out[f"{layer}.bias"] = scale * (out[f"{layer}.bias"] - out[f"{bn}.running_mean"]) + out[f"{bn}.bias"]
+        n = len(scale)
+        out[f"{bn}.weight"], out[f"{bn}.bias"] = np.ones(n), np.zeros(n)
+        out[f"{bn}.running_mean"], out[f"{bn}.running_var"] = np.zeros(n), np.full(n, 1.0 - eps)
+    return out
+
+
+def _folded_entries(spec: PermutationSpec) -> set[str]:
+    return {f"{bn}.{p}" for bn in spec.folds for p in ("weight", "bias", "running_mean", "running_var")}
+
+
+def _group_seed(seed: int | None, i: int) -> int | None:
+    """Seed of the i-th group's matching: ``seed + i`` (a one-group network matches with ``seed``)."""
+    return None if seed is None else int(seed) + i
+
+
+def _class_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
+    """Client j's share of class k, ``n_jk / sum_j n_jk``; all ones when counts are not given."""
+    if class_counts is None:
+        return np.ones((n_clients, n_classes))
+    counts = np.asarray(class_counts, dtype=np.float64)
+    if counts.shape != (n_clients, n_classes):
+        raise ValueError(f"class_counts must have shape ({n_clients}, {n_classes}), got {counts.shape}")
+    if (counts < 0).any() or not np.isfinite(counts).all():
+        raise ValueError("class_counts must be finite and non-negative")
+    total = counts.sum(0)
+    return counts / np.where(total > 0, total, 1.0)
+
+
+# --------------------------------------------------------------------------- one group
+
+
+def _group_axis(spec: PermutationSpec, name: str, group: str) -> tuple[int, Axis]:
+    return next((d, a) for d, a in enumerate(spec.axes[name]) if a is not None and a.group == group)
+
+
+def _unit_entries(spec: PermutationSpec, group: str, matched: Mapping[str, _Basis], skip: set[str]) -> list[str]:
+    """Entries that describe ``group``'s units given the groups matched so far."""
+    out = []
+    for k in spec.axes:
+        groups = spec.groups_of(k)
+        if k in skip or groups.count(group) != 1:
+            continue
+        if all(g == group or g in matched for g in groups):
+            out.append(k)
+    return out
+
+
+def _in_basis(a: np.ndarray, spec: PermutationSpec, name: str, j: int, matched: Mapping[str, _Basis],
+              keep: str | None = None, fill: float = np.nan) -> np.ndarray:
+    """Entry ``name`` of client j with every matched axis except ``keep`` in the global basis."""
+    a = np.asarray(a, dtype=np.float64)
+    for d, axis in enumerate(spec.axes[name]):
+        if axis is not None and axis.group != keep and axis.group in matched:
+            basis = matched[axis.group]
+            a = to_global_basis(a, d, axis, basis.assignments[j], basis.n_global, fill=fill)
+    return a
+
+
+def _to_rows(a: np.ndarray, d: int, axis: Axis) -> np.ndarray:
+    """(n, rest): unit i's numbers of an entry whose axis ``d`` is the group's."""
+    n = axis.size(a.shape[d])
+    blocks = a.reshape(*a.shape[:d], axis.outer, n, axis.inner, *a.shape[d + 1 :])
+    return np.moveaxis(blocks, d + 1, 0).reshape(n, -1)
+
+
+def _from_rows(rows: np.ndarray, shape: tuple, d: int, axis: Axis) -> np.ndarray:
+    """Inverse of :func:`_to_rows` for ``G = len(rows)`` units; ``shape`` is the local entry shape with other axes global."""
+    g = rows.shape[0]
+    n = axis.size(shape[d])
+    block_shape = (*shape[:d], axis.outer, n, axis.inner, *shape[d + 1 :])
+    moved = list(np.moveaxis(np.empty(block_shape), d + 1, 0).shape)
+    moved[0] = g
+    out = np.moveaxis(rows.reshape(moved), 0, d + 1)
+    return out.reshape(*shape[:d], axis.outer * g * axis.inner, *shape[d + 1 :])
+
+
+def match_group(
+    states: Sequence[State],
+    spec: PermutationSpec,
+    group: str,
+    matched: Mapping[str, _Basis],
+    *,
+    class_shares: np.ndarray | None = None,
+    noise_var: float = 1.0,
+    prior_var: float = 10.0,
+    gamma0: float = 1.0,
+    kl_weight: float = 0.0,
+    cost: str = "pfnm",
+    n_iter: int = 10,
+    seed=0,
+    bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
+    verbose: bool = False,
+) -> tuple[MatchResult, dict[str, np.ndarray]]:
+    """Match the units of one group (BBP-MAP, PFNM supplement eqs. 1-8; NAFI eq. 14).
+
+    Returns the matching and the global value of every entry that described the units (its
+    other axes in their global bases).
+    """
+    skip = _folded_entries(spec)
+    entries = _unit_entries(spec, group, matched, skip)
+    if not entries:
+        raise ValueError(f"no parameter describes the units of group {group!r}")
+    J = len(states)
+    rows, noise, prior_mean, layout = [], [], [], []
+    for j, sd in enumerate(states):
+        blocks, variances = [], []
+        for k in entries:
+            a = _in_basis(sd[k], spec, k, j, matched, keep=group)
+            d, axis = _group_axis(spec, k, group)
+            r = _to_rows(a, d, axis)
+            v = np.full(r.shape[1], float(noise_var))
+            if class_shares is not None and k in spec.output and d == 1:
+                n_classes = a.shape[0]
+                with np.errstate(divide="ignore"):
+                    v = noise_var / np.repeat(class_shares[j], r.shape[1] // n_classes)
+            blocks.append(r)
+            variances.append(v)
+            if j == 0:
+                layout.append((k, a.shape, d, axis, r.shape[1]))
+                is_bias = k.endswith(".bias") or k.rsplit(".", 1)[-1].startswith("bias_")
+                mean = bias_prior_mean if (is_bias and k not in spec.output) else 0.0
+                prior_mean.append(np.full(r.shape[1], mean))
+        r = np.hstack(blocks)
+        v = np.hstack(variances)
+        unseen = np.isnan(r)
+        if unseen.any():
+            if not (unseen == unseen[0]).all():
+                raise AssertionError("unobserved coordinates differ between units of one client")
+            v = np.where(unseen[0], np.inf, v)
+            r = np.where(unseen, 0.0, r)
+        rows.append(r)
+        noise.append(v)
+    noise = np.vstack(noise)
+    uniform = (noise == noise[0, 0]).all()
+    result = match_neurons(rows, noise_var=float(noise[0, 0]) if uniform else noise, prior_var=prior_var,
+                           prior_mean=np.hstack(prior_mean), gamma0=gamma0, kl_weight=kl_weight, cost=cost,
+                           n_iter=n_iter, seed=seed, verbose=verbose)
+    values, start = {}, 0
+    for k, shape, d, axis, width in layout:
+        values[k] = _from_rows(result.mean[:, start : start + width], shape, d, axis)
+        start += width
+    return result, values
+
+
+def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapping[str, _Basis], done: set[str],
+                   *, class_shares: np.ndarray | None, noise_var: float, prior_var: float) -> dict[str, np.ndarray]:
+    """Global values of the entries no group's matching produced.
+
+    Folded batch norms: identities. Entries permuted twice by a group (LSTM hidden-to-hidden)
+    or otherwise left: mean over the clients that have each entry, in the global bases (0
+    where none has it). The output bias: Gaussian posterior mean with class-share precisions.
+    Unpermuted entries: the mean, or client 0's value for integer buffers.
+    """
+    out = {}
+    folded = _folded_entries(spec)
+    for k, axes in spec.axes.items():
+        if k in done:
+            continue
+        first = np.asarray(states[0][k])
+        if k in folded:
+            bn, _, what = k.rpartition(".")
+            n = matched[spec.axes[k][0].group].n_global
+            eps = 1.0 - float(first[0]) if what == "running_var" else 0.0
+            out[k] = {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n),
+                      "running_var": np.full(n, 1.0 - eps)}[what]
+        elif not np.issubdtype(first.dtype, np.floating):
+            out[k] = first.copy()
+        elif k in spec.output and class_shares is not None and first.ndim == 1:
+            b = np.stack([np.asarray(sd[k], dtype=np.float64) for sd in states])
+            precision = class_shares / noise_var
+            out[k] = (precision * b).sum(0) / (1.0 / prior_var + precision.sum(0))
+        else:
+            stacked = np.stack([_in_basis(sd[k], spec, k, j, matched) for j, sd in enumerate(states)])
+            seen = ~np.isnan(stacked)
+            total = np.where(seen, stacked, 0.0).sum(0)
+            count = seen.sum(0)
+            out[k] = np.where(count > 0, total / np.maximum(count, 1), 0.0)
+    return out
+
+
+# --------------------------------------------------------------------------- one shot
+
+
+def match_layerwise(
+    states: Sequence[State],
+    spec: PermutationSpec,
+    *,
+    direction: Literal["bottom-up", "top-down"] = "bottom-up",
+    class_counts: np.ndarray | None = None,
+    noise_var: float = 1.0,
+    prior_var: float = 10.0,
+    gamma0: float = 1.0,
+    kl_weight: float = 0.0,
+    cost: str = "pfnm",
+    n_iter: int = 10,
+    seed: int | None = 0,
+    fold_bn: bool = True,
+    bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
+    verbose: bool = False,
+) -> LayerwiseResult:
+    """One-shot matching of deep networks: multilayer PFNM (NAFI with ``kl_weight > 0``).
+
+    Each group is matched by :func:`match_group`, in ``spec.groups`` order (``"bottom-up"``,
+    FedMA eq. 4 without retraining) or reversed (``"top-down"``, PFNM supplement Algorithm 1).
+    Every group's global width is its number of atoms. See the module docstring for what
+    describes a unit.
+
+    Parameters
+    ----------
+    states : sequence of dict
+        The clients' state_dicts (NumPy arrays or tensors), hidden widths free.
+    spec : PermutationSpec
+    direction : {"bottom-up", "top-down"}
+    class_counts : (J, K) array, optional
+        Weights the output layer by class shares.
+    noise_var, prior_var, gamma0, kl_weight, cost, n_iter, seed
+        As in :func:`~bayesfuse.inference.matching.match_neurons`, the same for every group.
+    fold_bn : bool
+        Fold batch norms first (NAFI appendix E); needed when clients have batch norms.
+
+    Returns
+    -------
+    LayerwiseResult
+    """
+    start = time.perf_counter()
+    if direction not in ("bottom-up", "top-down"):
+        raise ValueError(f"direction must be 'bottom-up' or 'top-down', got {direction!r}")
+    arrays = check_states(states, spec)
+    if spec.folds:
+        if not fold_bn:
+            raise ValueError("the networks have batch norms; matching needs them folded (fold_bn=True)")
+        arrays = [fold_batchnorm(sd, spec) for sd in arrays]
+    n_classes = arrays[0][spec.output[0]].shape[0] if spec.output else 0
+    shares = _class_shares(class_counts, len(arrays), n_classes)
+    order = tuple(spec.groups) if direction == "bottom-up" else tuple(reversed(spec.groups))
+    matched: dict[str, _Basis] = {}
+    layers: dict[str, MatchResult] = {}
+    values: dict[str, np.ndarray] = {}
+    for i, group in enumerate(order):
+        result, vals = match_group(arrays, spec, group, matched, class_shares=shares, noise_var=noise_var,
+                                   prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
+                                   n_iter=n_iter, seed=_group_seed(seed, i), bias_prior_mean=bias_prior_mean,
+                                   verbose=verbose)
+        matched[group] = _Basis(result.assignments, result.n_global)
+        layers[group] = result
+        values.update(vals)
+    values.update(global_entries(arrays, spec, matched, set(values), class_shares=shares, noise_var=noise_var,
+                                 prior_var=prior_var))
+    return LayerwiseResult(
+        state_dict={k: values[k] for k in spec.axes},
+        layers=layers,
+        order=order,
+        sizes={g: layers[g].n_global for g in spec.groups},
+        hyper=dict(direction=direction, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
+                   kl_weight=kl_weight, cost=cost, n_iter=n_iter, seed=seed),
+        seconds=time.perf_counter() - start,
+    )
+
+
+# --------------------------------------------------------------------------- FedMA
+
+
+@dataclass
+class FedMAResult:
+    """Outcome of :func:`fedma`.
+
+    Attributes
+    ----------
+    state_dict : dict
+        The global network.
+    layers : dict of str to MatchResult
+        The matching of each hidden group.
+    sizes : dict of str to int
+    rounds : int
+        Communication rounds (one per group, plus one for the output layer).
+    bytes_up, bytes_down : int
+        Bytes the clients sent and received (float32 entries).
+    history : list of dict
+        Per round: the group, global width, seconds, bytes.
+    """
+
+    state_dict: dict
+    layers: dict
+    sizes: dict
+    rounds: int
+    bytes_up: int
+    bytes_down: int
+    history: list = field(default_factory=list)
+    hyper: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+ClientUpdate = Callable[[int, dict, set], dict]
+
+
+def fedma(
+    states: Sequence[State],
+    spec: PermutationSpec,
+    client_update: ClientUpdate,
+    *,
+    class_counts: np.ndarray | None = None,
+    noise_var: float = 1.0,
+    prior_var: float = 10.0,
+    gamma0: float = 1.0,
+    kl_weight: float = 0.0,
+    cost: str = "pfnm",
+    n_iter: int = 10,
+    seed: int | None = 0,
+    bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
+    verbose: bool = False,
+) -> FedMAResult:
+    """Federated matched averaging (FedMA Algorithm 1; NAFI Algorithm 2 with ``kl_weight > 0``).
+
+    For each group ``g`` in forward order: the server matches the clients' units of ``g``
+    (:func:`match_group`, BBP-MAP with the PFNM cost, plus NAFI's KL penalty) and forms the
+    global layer ``W_n = 1/J sum_j W_{j,n} Pi_j^T`` (as the atoms' posterior means); each client
+    receives the global layers so far, maps its next layer's inputs onto the global units
+    (``W_{j,n+1} <- Pi_j W_{j,n+1}``, zero for global units it lacks) and retrains every entry
+    not yet matched with the matched ones frozen, through ``client_update``. The output layer is
+    finally the class-proportion weighted average ``W_N = sum_j p_jk W_{j,N}`` (FedMA Alg. 1).
+
+    Parameters
+    ----------
+    states : sequence of dict
+        The clients' trained state_dicts.
+    client_update : callable ``(j, state_dict, frozen) -> state_dict``
+        Retrains client j's network from ``state_dict`` (NumPy arrays, global widths below
+        and at the matched group, the client's own above) keeping the entries in ``frozen``
+        fixed, and returns its new state_dict. Batch norms that were folded are identities
+        and must stay in eval mode.
+    class_counts : (J, K) array, optional
+        Examples of each class per client: the output layer's weights ``p_jk``.
+    noise_var, prior_var, gamma0, kl_weight, cost, n_iter, seed
+        BBP-MAP settings (FedMA appendix D.2 uses sigma0^2 = 1, sigma^2 = 1, gamma0 in 1e-3..7).
+
+    Returns
+    -------
+    FedMAResult
+    """
+    start = time.perf_counter()
+    arrays = check_states(states, spec)
+    J = len(arrays)
+    n_classes = arrays[0][spec.output[0]].shape[0] if spec.output else 0
+    shares = _class_shares(class_counts, J, n_classes)
+    matched: dict[str, _Basis] = {}
+    layers: dict[str, MatchResult] = {}
+    frozen_values: dict[str, np.ndarray] = {}
+    history: list[dict] = []
+    bytes_up = bytes_down = 0
+    for i, group in enumerate(spec.groups):
+        t0 = time.perf_counter()
+        # fold the batch norms of this group (their layer is being matched now)
+        bns = {bn: layer for bn, layer in spec.folds.items() if spec.axes[f"{bn}.weight"][0].group == group}
+        if bns:
+            sub = PermutationSpec(spec.axes, spec.groups, bns, spec.output)
+            arrays = [fold_batchnorm(sd, sub) for sd in arrays]
+        skip = _folded_entries(spec) | set(frozen_values)
+        entries = _unit_entries(spec, group, matched, skip)
+        bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in entries)
+        sub_spec = PermutationSpec({k: spec.axes[k] for k in spec.axes if k not in skip or k in entries},
+                                   spec.groups, {}, spec.output)
+        result, vals = match_group(arrays, sub_spec, group, matched, class_shares=shares, noise_var=noise_var,
+                                   prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
+                                   n_iter=n_iter, seed=_group_seed(seed, i), bias_prior_mean=bias_prior_mean,
+                                   verbose=verbose)
+        layers[group] = result
+        for k in spec.output:  # the output layer is retrained in the global basis, then averaged
+            vals.pop(k, None)
+        G = result.n_global
+        # entries permuted twice by this group (LSTM hidden-to-hidden): averaged in the new basis
+        basis = dict(matched, **{group: _Basis(result.assignments, G)})
+        twice = [k for k in spec.axes if k not in skip and spec.groups_of(k).count(group) == 2
+                 and all(g in basis for g in spec.groups_of(k))]
+        vals.update(global_entries(arrays, PermutationSpec({k: spec.axes[k] for k in twice}, spec.groups),
+                                   basis, set(), class_shares=None, noise_var=noise_var, prior_var=prior_var))
+        for bn in bns:
+            for p in ("weight", "bias", "running_mean", "running_var"):
+                vals[f"{bn}.{p}"] = _identity_bn(p, G, arrays[0][f"{bn}.running_var"])
+        frozen_values.update(vals)
+        bytes_down += J * sum(4 * int(np.prod(v.shape)) for v in vals.values())
+        # clients: global entries so far, next layers mapped onto the global units, retrain the rest
+        new_arrays = []
+        for j, sd in enumerate(arrays):
+            local = {}
+            for k in spec.axes:
+                if k in frozen_values:
+                    local[k] = frozen_values[k]
+                else:
+                    local[k] = _in_basis(sd[k], spec, k, j, {group: basis[group]}, fill=0.0) \
+                        if group in spec.groups_of(k) else np.asarray(sd[k])
+            new_arrays.append(client_update(j, local, set(frozen_values)))
+        arrays = check_states(new_arrays, spec)
+        matched = {g: _Basis([np.arange(b.n_global)] * J, b.n_global) for g, b in basis.items()}
+        history.append(dict(group=group, n_global=G, seconds=time.perf_counter() - t0))
+    # the output layer: class-proportion weighted average of the retrained clients' entries
+    t0 = time.perf_counter()
+    rest = [k for k in spec.axes if k not in frozen_values]
+    bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in rest)
+    weights = shares if class_counts is not None else np.full((J, n_classes), 1.0 / J)
+    final = dict(frozen_values)
+    for k in rest:
+        stacked = np.stack([np.asarray(sd[k]) for sd in arrays])
+        if not np.issubdtype(stacked.dtype, np.floating):
+            final[k] = stacked[0]
+        elif k in spec.output:
+            w = weights.reshape(J, n_classes, *([1] * (stacked.ndim - 2)))
+            final[k] = (w * stacked).sum(0)
+        else:
+            final[k] = stacked.mean(0)
+    bytes_down += J * sum(4 * int(np.prod(final[k].shape)) for k in rest)
+    history.append(dict(group="output", n_global=n_classes, seconds=time.perf_counter() - t0))
+    return FedMAResult(
+        state_dict={k: final[k] for k in spec.axes},
+        layers=layers,
+        sizes={g: layers[g].n_global for g in spec.groups},
+        rounds=len(history),
+        bytes_up=int(bytes_up),
+        bytes_down=int(bytes_down),
+        history=history,
+        hyper=dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
+                   n_iter=n_iter, seed=seed),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _identity_bn(what: str, n: int, running_var: np.ndarray) -> np.ndarray:
+    eps = 1.0 - float(np.asarray(running_var).reshape(-1)[0])
+    return {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n),
+            "running_var": np.full(n, 1.0 - eps)}[what]

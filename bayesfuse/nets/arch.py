@@ -1,0 +1,155 @@
+"""Architectures used in federation simulations, and rebuilding a network at new widths.
+
+* :func:`make_cnn`: a small ConvNet (conv-BN-ReLU-maxpool blocks, then dense layers) as an
+  ``nn.Sequential`` taking flat images, so every dataset here feeds it unchanged.
+* :class:`LSTMClassifier`: reads an image row by row (FedMA's LSTM case, section 2.2).
+* :func:`make_model`: ``"mlp" | "cnn" | "lstm"`` by name.
+* :func:`rebuild`: a copy of a network whose layers take the shapes of a (fused, wider)
+  state_dict, loaded with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from bayesfuse.nets.mlp import MLP
+from bayesfuse.nets.pans import PANConfig, PositionAware
+from bayesfuse.nets.spec import PermutationSpec, chain, dense, lstm
+
+__all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "image_shape"]
+
+ARCHITECTURES = ("mlp", "cnn", "lstm")
+
+
+def image_shape(n_features: int) -> tuple[int, int, int]:
+    """``(1, side, side)`` for square greyscale images flattened to ``n_features``."""
+    side = math.isqrt(n_features)
+    if side * side != n_features:
+        raise ValueError(f"{n_features} features are not a square greyscale image; cnn and lstm need one")
+    return (1, side, side)
+
+
+def make_cnn(n_features: int, n_classes: int, *, channels: Sequence[int] = (16, 32), hidden: Sequence[int] = (64,),
+             batchnorm: bool = True, pan: PANConfig | None = None) -> nn.Sequential:
+    """``Unflatten -> [Conv3x3 (+BN) (+PAN) -> ReLU -> MaxPool2]* -> Flatten -> [Linear -> ReLU]* -> Linear``."""
+    shape = image_shape(n_features)
+    layers: list[nn.Module] = [nn.Unflatten(1, shape)]
+    c_in, side = shape[0], shape[1]
+    for c in channels:
+        layers.append(nn.Conv2d(c_in, int(c), 3, padding=1))
+        if batchnorm:
+            layers.append(nn.BatchNorm2d(int(c)))
+        if pan is not None:
+            layers.append(PositionAware(int(c), pan))
+        layers += [nn.ReLU(), nn.MaxPool2d(2)]
+        c_in, side = int(c), side // 2
+        if side < 1:
+            raise ValueError(f"{len(channels)} pooling blocks shrink a {shape[1]}-pixel image to nothing")
+    layers.append(nn.Flatten())
+    width = c_in * side * side
+    for h in hidden:
+        layers.append(nn.Linear(width, int(h)))
+        if pan is not None:
+            layers.append(PositionAware(int(h), pan))
+        layers.append(nn.ReLU())
+        width = int(h)
+    layers.append(nn.Linear(width, n_classes))
+    return nn.Sequential(*layers)
+
+
+class LSTMClassifier(nn.Module):
+    """Reads a flat ``side x side`` image as ``side`` steps of ``side`` features; classifies the last hidden state."""
+
+    def __init__(self, n_features: int, n_classes: int, hidden: int = 64, num_layers: int = 1) -> None:
+        super().__init__()
+        _, self.steps, self.step_features = image_shape(n_features)
+        self.lstm = nn.LSTM(self.step_features, int(hidden), num_layers=int(num_layers), batch_first=True)
+        self.fc = nn.Linear(int(hidden), n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, (h, _) = self.lstm(x.reshape(len(x), self.steps, self.step_features))
+        return self.fc(h[-1])
+
+    def permutation_spec(self) -> PermutationSpec:
+        n = self.lstm.num_layers
+        top = "H" if n == 1 else f"H_{n - 1}"
+        return chain(lstm("lstm", None, "H", num_layers=n), dense("fc", top, None), output=("fc.weight", "fc.bias"))
+
+
+def make_model(arch: str, n_features: int, n_classes: int, *, hidden: Sequence[int] = (100,),
+               channels: Sequence[int] = (16, 32), pan: PANConfig | None = None) -> nn.Module:
+    """A fresh network by name: ``"mlp"`` (:class:`MLP`), ``"cnn"`` (:func:`make_cnn`), ``"lstm"``."""
+    if arch == "mlp":
+        return MLP(n_features, hidden, n_classes, pan=pan)
+    if arch == "cnn":
+        return make_cnn(n_features, n_classes, channels=channels, hidden=hidden, pan=pan)
+    if arch == "lstm":
+        if pan is not None:
+            raise ValueError("position-aware neurons are not defined for the LSTM here")
+        return LSTMClassifier(n_features, n_classes, hidden=hidden[0] if hidden else 64, num_layers=max(len(hidden), 1))
+    raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+
+
+def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.Module:
+    """A module of ``module``'s type and settings with the parameter shapes in ``shapes``."""
+    def shape(name):
+        return tuple(shapes[f"{prefix}{name}"])
+
+    if isinstance(module, nn.Linear):
+        out, inp = shape("weight")
+        return nn.Linear(inp, out, bias=module.bias is not None)
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        w = shape("weight")
+        new = copy.deepcopy(module)
+        new.in_channels, new.out_channels = w[1] * module.groups, w[0]
+        new.weight = nn.Parameter(torch.empty(w))
+        if module.bias is not None:
+            new.bias = nn.Parameter(torch.empty(w[0]))
+        return new
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        return type(module)(shape("weight")[0], eps=module.eps, momentum=module.momentum,
+                            affine=module.affine, track_running_stats=module.track_running_stats)
+    if isinstance(module, nn.LSTM):
+        hidden = shape("weight_hh_l0")[1]
+        inp = shape("weight_ih_l0")[1]
+        return nn.LSTM(inp, hidden, num_layers=module.num_layers, bias=module.bias, batch_first=module.batch_first)
+    if isinstance(module, PositionAware):
+        return module  # re-created from the next layer's width below
+    return module
+
+
+def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A copy of ``model`` whose layers have ``state_dict``'s shapes, loaded with it.
+
+    Linear, Conv, BatchNorm and LSTM layers are re-created at the new widths; position-aware
+    layers get the encoding of their new width.
+    """
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+    new = copy.deepcopy(model)
+    previous_width = None
+    for name, module in list(new.named_modules()):
+        if name == "" or len(list(module.children())) > 0:
+            continue
+        prefix = f"{name}."
+        if isinstance(module, PositionAware):
+            if previous_width is None:
+                raise ValueError(f"position-aware layer {name!r} follows no weighted layer")
+            replacement = PositionAware(previous_width, module.config)
+        elif any(k.startswith(prefix) for k in shapes):
+            replacement = _resized(module, prefix, shapes)
+            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+                previous_width = shapes[f"{prefix}weight"][0]
+        else:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = new.get_submodule(parent_name) if parent_name else new
+        setattr(parent, child, replacement)
+    if isinstance(new, MLP) and new.pans is not None:
+        new.pans = nn.ModuleList(PositionAware(layer.out_features, new.pan) for layer in new.layers[:-1])
+    new.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
+    return new

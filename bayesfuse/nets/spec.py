@@ -1,0 +1,386 @@
+"""Permutation specs: which axes of which parameters each hidden permutation acts on.
+
+A network's hidden units (neurons of a dense layer, channels of a convolution, hidden states
+of an LSTM) can be reordered without changing its function, provided every parameter that
+touches them is reordered the same way (FedMA section 2.2, eqs. 4-6; PANs eq. 1). A
+:class:`PermutationSpec` names these permutation *groups* and says, for every entry of a
+state_dict, which group permutes each of its axes::
+
+    spec = chain(dense("fc1", None, "P1"), dense("fc2", "P1", "P2"), dense("fc3", "P2", None))
+    spec.axes["fc2.weight"]  # (Axis("P2"), Axis("P1"))
+
+An axis may hold a permuted group in blocks (:class:`Axis` ``outer``/``inner``): the input of a
+dense layer after ``Flatten`` holds channel c's ``H*W`` pixels contiguously (``inner=H*W``); an
+LSTM's ``weight_ih`` stacks the four gates' rows (``outer=4``).
+
+The spec and the array functions here (:func:`permute`, :func:`to_global_basis`) are pure:
+names, shapes and NumPy arrays. :func:`spec_from_module` derives a spec from an
+``nn.Sequential`` (or a module with a ``permutation_spec()`` method) by running one example
+input through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Axis",
+    "PermutationSpec",
+    "dense",
+    "conv",
+    "batchnorm",
+    "lstm",
+    "chain",
+    "permute",
+    "to_global_basis",
+    "random_permutations",
+    "spec_from_module",
+    "UnsupportedLayerError",
+]
+
+
+class UnsupportedLayerError(TypeError):
+    """A module whose permutation symmetry bayesfuse does not know."""
+
+
+@dataclass(frozen=True)
+class Axis:
+    """An axis of length ``outer * n * inner`` permuted by group ``group`` of size ``n``.
+
+    Index ``(o, i, k)`` (row-major) holds unit ``i``; a permutation moves the middle index.
+    """
+
+    group: str
+    outer: int = 1
+    inner: int = 1
+
+    def __post_init__(self) -> None:
+        if self.outer < 1 or self.inner < 1:
+            raise ValueError(f"outer and inner must be >= 1, got {self.outer}, {self.inner}")
+
+    def size(self, length: int) -> int:
+        """Number of units ``n`` given the axis length."""
+        n, rest = divmod(length, self.outer * self.inner)
+        if rest:
+            raise ValueError(f"axis of length {length} is not {self.outer} x n x {self.inner}")
+        return n
+
+
+AxisLike = "Axis | str | None"
+
+
+def _axis(a) -> Axis | None:
+    if a is None or isinstance(a, Axis):
+        return a
+    if isinstance(a, str):
+        return Axis(a)
+    raise TypeError(f"an axis is None, a group name or an Axis, got {a!r}")
+
+
+@dataclass(frozen=True)
+class PermutationSpec:
+    """Permutation groups of a network and the parameter axes they act on.
+
+    Attributes
+    ----------
+    axes : dict
+        ``name -> tuple`` with one entry per dimension of the state_dict entry: ``None``
+        (not permuted) or an :class:`Axis`.
+    groups : tuple of str
+        The hidden permutation groups in forward order (input to output).
+    folds : dict
+        ``batchnorm name -> name of the layer before it`` (a Linear/Conv whose output it
+        normalises), for batch-norm folding (NAFI appendix E).
+    output : tuple of str
+        The output layer's entries (``weight``, ``bias``): their first axis is the classes.
+    """
+
+    axes: dict
+    groups: tuple
+    folds: dict = field(default_factory=dict)
+    output: tuple = ()
+
+    def __post_init__(self) -> None:
+        fixed = {k: tuple(_axis(a) for a in v) for k, v in self.axes.items()}
+        object.__setattr__(self, "axes", fixed)
+        seen = {a.group for v in fixed.values() for a in v if a is not None}
+        order = tuple(self.groups) if self.groups else tuple(sorted(seen))
+        unknown = seen - set(order)
+        if unknown:
+            raise ValueError(f"groups {sorted(unknown)} are used by parameters but not listed in groups")
+        object.__setattr__(self, "groups", order)
+
+    def members(self, group: str) -> list[tuple[str, int]]:
+        """``(name, dim)`` of every axis permuted by ``group``."""
+        return [(k, d) for k, v in self.axes.items() for d, a in enumerate(v) if a is not None and a.group == group]
+
+    def groups_of(self, name: str) -> list[str]:
+        """The groups acting on entry ``name``, one per permuted axis."""
+        return [a.group for a in self.axes[name] if a is not None]
+
+    def sizes(self, state_dict: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """Size of each group in ``state_dict``; checks the spec against it."""
+        self.check(state_dict)
+        out: dict[str, int] = {}
+        for k, v in self.axes.items():
+            shape = np.shape(state_dict[k])
+            for d, a in enumerate(v):
+                if a is not None:
+                    out.setdefault(a.group, a.size(shape[d]))
+        return out
+
+    def check(self, state_dict: Mapping[str, np.ndarray], name: str = "state_dict") -> None:
+        """Raise ``ValueError`` naming the entry when ``state_dict`` does not fit the spec."""
+        missing = [k for k in self.axes if k not in state_dict]
+        if missing:
+            raise ValueError(f"{name} lacks entries {missing[:5]} that the architecture spec describes")
+        extra = [k for k in state_dict if k not in self.axes]
+        if extra:
+            raise ValueError(f"{name} has entries {extra[:5]} that the architecture spec does not describe")
+        sizes: dict[str, tuple[int, str]] = {}
+        for k, v in self.axes.items():
+            shape = np.shape(state_dict[k])
+            if len(shape) != len(v):
+                raise ValueError(f"{name}[{k!r}] has {len(shape)} dimensions, the spec describes {len(v)}")
+            for d, a in enumerate(v):
+                if a is None:
+                    continue
+                try:
+                    n = a.size(shape[d])
+                except ValueError as err:
+                    raise ValueError(f"{name}[{k!r}] dimension {d}: {err}") from None
+                if a.group in sizes and sizes[a.group][0] != n:
+                    other_n, other = sizes[a.group]
+                    raise ValueError(
+                        f"{name}: group {a.group} has {n} units in {k!r} (shape {shape}) but {other_n} in {other!r}"
+                    )
+                sizes.setdefault(a.group, (n, k))
+
+
+def dense(name: str, in_group, out_group, *, bias: bool = True) -> PermutationSpec:
+    """``nn.Linear``: ``weight`` is ``(out, in)``, ``bias`` is ``(out,)``."""
+    axes = {f"{name}.weight": (out_group, in_group)}
+    if bias:
+        axes[f"{name}.bias"] = (out_group,)
+    return PermutationSpec(axes, ())
+
+
+def conv(name: str, in_group, out_group, *, bias: bool = True, ndim: int = 2) -> PermutationSpec:
+    """``nn.Conv{ndim}d``: ``weight`` is ``(C_out, C_in, *kernel)``; channels are the units."""
+    axes = {f"{name}.weight": (out_group, in_group, *([None] * ndim))}
+    if bias:
+        axes[f"{name}.bias"] = (out_group,)
+    return PermutationSpec(axes, ())
+
+
+def batchnorm(name: str, group, *, after: str | None = None) -> PermutationSpec:
+    """``nn.BatchNorm*d`` over the units of ``group``; ``after`` names the layer it follows."""
+    axes = {f"{name}.{p}": (group,) for p in ("weight", "bias", "running_mean", "running_var")}
+    axes[f"{name}.num_batches_tracked"] = ()
+    return PermutationSpec(axes, (), folds={name: after} if after else {})
+
+
+def lstm(name: str, in_group, hidden_group: str, *, num_layers: int = 1, bias: bool = True) -> PermutationSpec:
+    """``nn.LSTM`` (unidirectional): gates stacked as 4 blocks of the hidden units.
+
+    Layer k's input is layer k-1's hidden state, so each layer gets its own group
+    ``f"{hidden_group}_{k}"`` for k > 0 (FedMA section 2.2: deep LSTMs layer by layer).
+    """
+    axes: dict = {}
+    groups = []
+    prev = in_group
+    for k in range(num_layers):
+        h = hidden_group if k == 0 else f"{hidden_group}_{k}"
+        gates = Axis(h, outer=4)
+        axes[f"{name}.weight_ih_l{k}"] = (gates, prev)
+        axes[f"{name}.weight_hh_l{k}"] = (gates, Axis(h))
+        if bias:
+            axes[f"{name}.bias_ih_l{k}"] = (gates,)
+            axes[f"{name}.bias_hh_l{k}"] = (gates,)
+        groups.append(h)
+        prev = h
+    return PermutationSpec(axes, tuple(groups))
+
+
+def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: Sequence[str] = ()) -> PermutationSpec:
+    """Combine specs in forward order; groups are ordered by first appearance unless given."""
+    axes: dict = {}
+    folds: dict = {}
+    order: list[str] = []
+    for part in parts:
+        for k, v in part.axes.items():
+            if k in axes:
+                raise ValueError(f"entry {k!r} described twice")
+            axes[k] = v
+            for a in v:
+                if a is not None and a.group not in order:
+                    order.append(a.group)
+        for g in part.groups:
+            if g not in order:
+                order.append(g)
+        folds.update(part.folds)
+    return PermutationSpec(axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output))
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def _take(a: np.ndarray, dim: int, axis: Axis, index: np.ndarray) -> np.ndarray:
+    n = axis.size(a.shape[dim])
+    shape = a.shape
+    blocks = a.reshape(*shape[:dim], axis.outer, n, axis.inner, *shape[dim + 1 :])
+    out = np.take(blocks, index, axis=dim + 1)
+    return out.reshape(*shape[:dim], axis.outer * len(index) * axis.inner, *shape[dim + 1 :])
+
+
+def permute(state_dict: Mapping[str, np.ndarray], spec: PermutationSpec, perms: Mapping[str, np.ndarray]) -> dict:
+    """Reorder units: new unit ``i`` of group ``g`` is old unit ``perms[g][i]``.
+
+    Groups missing from ``perms`` stay as they are. Arrays keep their type (NumPy or torch).
+    """
+    out = {}
+    for k, value in state_dict.items():
+        a = value
+        for d, axis in enumerate(spec.axes.get(k, ())):
+            if axis is not None and axis.group in perms:
+                a = _take_any(a, d, axis, np.asarray(perms[axis.group]))
+        out[k] = a
+    return out
+
+
+def _take_any(a, dim: int, axis: Axis, index: np.ndarray):
+    if isinstance(a, np.ndarray):
+        return _take(a, dim, axis, index)
+    import torch
+
+    n = axis.size(a.shape[dim])
+    shape = tuple(a.shape)
+    blocks = a.reshape(*shape[:dim], axis.outer, n, axis.inner, *shape[dim + 1 :])
+    out = torch.index_select(blocks, dim + 1, torch.as_tensor(index, dtype=torch.long))
+    return out.reshape(*shape[:dim], axis.outer * len(index) * axis.inner, *shape[dim + 1 :]).clone()
+
+
+def to_global_basis(a: np.ndarray, dim: int, axis: Axis, assignment: np.ndarray, n_global: int,
+                    fill: float = np.nan) -> np.ndarray:
+    """Place local unit ``l`` of an axis at global position ``assignment[l]``.
+
+    Positions of global units the client does not have hold ``fill`` (NaN marks them as
+    unobserved; FedMA pads with zero "dummy" units, ``fill=0``).
+    """
+    a = np.asarray(a, dtype=np.float64)
+    n = axis.size(a.shape[dim])
+    assignment = np.asarray(assignment)
+    if assignment.shape != (n,):
+        raise ValueError(f"assignment has shape {assignment.shape}, the axis has {n} units")
+    shape = a.shape
+    blocks = a.reshape(*shape[:dim], axis.outer, n, axis.inner, *shape[dim + 1 :])
+    out_shape = list(blocks.shape)
+    out_shape[dim + 1] = n_global
+    out = np.full(out_shape, fill, dtype=np.float64)
+    index = [slice(None)] * out.ndim
+    index[dim + 1] = assignment
+    out[tuple(index)] = blocks
+    return out.reshape(*shape[:dim], axis.outer * n_global * axis.inner, *shape[dim + 1 :])
+
+
+def random_permutations(sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One uniformly random permutation per group."""
+    return {g: rng.permutation(n) for g, n in sizes.items()}
+
+
+# --------------------------------------------------------------------------- modules
+
+#: Modules that act within each unit (channel) and so pass a permutation through unchanged.
+_PASSTHROUGH = ("ReLU", "LeakyReLU", "Tanh", "Sigmoid", "GELU", "ELU", "SiLU", "Dropout", "Dropout2d", "Identity",
+                "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d")
+SUPPORTED = ("Linear", "Conv1d", "Conv2d", "BatchNorm1d", "BatchNorm2d", "Flatten", "Unflatten",
+             "PositionAware") + _PASSTHROUGH
+
+
+def spec_from_module(model, example_input=None) -> PermutationSpec:
+    """Derive the permutation spec of a network.
+
+    A module with a ``permutation_spec()`` method (the LSTM classifier, :class:`MLP`) supplies
+    its own. An ``nn.Sequential`` is traced: one forward pass of ``example_input`` records the
+    shape entering each module; every Linear/Conv but the last opens a new group ``P1, P2, ...``,
+    BatchNorm joins the group before it, ``Flatten`` turns channels into blocks of ``H*W`` inputs,
+    and element-wise activations, pooling and dropout pass the group through. Anything else
+    raises :class:`UnsupportedLayerError` naming the module and the supported types.
+    """
+    import torch
+    from torch import nn
+
+    if hasattr(model, "permutation_spec"):
+        return model.permutation_spec()
+    if not isinstance(model, nn.Sequential):
+        raise UnsupportedLayerError(
+            f"cannot derive a permutation spec for {type(model).__name__}: give an nn.Sequential of "
+            f"{', '.join(SUPPORTED)}, or a module with a permutation_spec() method, or build one with "
+            "bayesfuse.nets.spec.chain(dense(...), conv(...), ...)"
+        )
+    leaves = [(n, m) for n, m in model.named_modules() if len(list(m.children())) == 0]
+    for n, m in leaves:
+        if type(m).__name__ not in SUPPORTED:
+            raise UnsupportedLayerError(
+                f"layer {n!r} ({type(m).__name__}) is not supported for matching; supported: {', '.join(SUPPORTED)}"
+            )
+    shapes: dict[str, tuple] = {}
+    if example_input is None:
+        first = next((m for _, m in leaves if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))), None)
+        if not isinstance(first, nn.Linear):
+            raise ValueError("give example_input to trace a network that does not start with nn.Linear")
+        example_input = torch.zeros(2, first.in_features)
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=n: shapes.__setitem__(name, tuple(args[0].shape)))
+             for n, m in leaves]
+    try:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            model(example_input)
+        model.train(was_training)
+    finally:
+        for h in hooks:
+            h.remove()
+    weighted = [n for n, m in leaves if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]
+    if not weighted:
+        raise ValueError("the network has no Linear or Conv layers")
+    parts = []
+    current: Axis | None = None  # the group of the feature axis of the current activations
+    last_layer = None
+    counter = 0
+    for n, m in leaves:
+        kind = type(m).__name__
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            out = None
+            if n != weighted[-1]:
+                counter += 1
+                out = f"P{counter}"
+            if isinstance(m, nn.Linear):
+                parts.append(dense(n, current, out, bias=m.bias is not None))
+            else:
+                if current is not None and (current.inner != 1 or current.outer != 1):
+                    raise UnsupportedLayerError(f"layer {n!r}: a convolution after Flatten is not supported")
+                parts.append(conv(n, current, out, bias=m.bias is not None, ndim=m.weight.dim() - 2))
+            current = _axis(out)
+            last_layer = n
+        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            if current is None or current.inner != 1:
+                raise UnsupportedLayerError(f"layer {n!r}: BatchNorm must follow a hidden Linear/Conv layer")
+            parts.append(batchnorm(n, current.group, after=last_layer))
+        elif kind == "Flatten":
+            shape = shapes[n]
+            if current is not None:
+                if m.start_dim != 1 or len(shape) < 3:
+                    raise UnsupportedLayerError(f"layer {n!r}: only Flatten(start_dim=1) of (N, C, ...) is supported")
+                current = Axis(current.group, inner=int(np.prod(shape[2:])))
+        elif kind == "Unflatten":
+            if current is not None:
+                raise UnsupportedLayerError(f"layer {n!r}: Unflatten is supported only before the first layer")
+        # pass-through modules keep `current`; PositionAware layers are not permutation-invariant
+        # by design (that is what they are for) and have no state_dict entries.
+    spec = chain(*parts, output=tuple(k for k in (f"{weighted[-1]}.weight", f"{weighted[-1]}.bias")
+                                      if k in dict(model.state_dict())))
+    return spec

@@ -1,0 +1,108 @@
+"""Permutation specs: permuting every group leaves the network's function unchanged."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bayesfuse.nets.arch import LSTMClassifier, make_cnn, rebuild
+from bayesfuse.nets.mlp import MLP
+from bayesfuse.nets.spec import (
+    Axis,
+    UnsupportedLayerError,
+    chain,
+    dense,
+    permute,
+    random_permutations,
+    spec_from_module,
+    to_global_basis,
+)
+
+
+def _randomise(model: nn.Module, seed: int) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+                if "running_var" in name:
+                    t.abs_().add_(0.1)
+    return model.eval()
+
+
+def _check_invariance(model: nn.Module, x: torch.Tensor, seed: int = 0) -> dict:
+    spec = spec_from_module(model, x[:2])
+    state = model.state_dict()
+    sizes = spec.sizes({k: v.numpy() for k, v in state.items()})
+    perms = random_permutations(sizes, np.random.default_rng(seed))
+    assert all((p != np.arange(len(p))).any() for p in perms.values())
+    shuffled = rebuild(model, permute(state, spec, perms)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(shuffled(x), model(x), rtol=1e-5, atol=1e-5)
+        # the permutation really moved weights
+        assert any(not torch.equal(shuffled.state_dict()[k], v) for k, v in state.items() if v.dim() > 0)
+    return sizes
+
+
+def test_mlp_permutation_invariance():
+    model = _randomise(MLP(12, [9, 7, 5], 4), 0)
+    sizes = _check_invariance(model, torch.randn(20, 12))
+    assert sizes == {"P1": 9, "P2": 7, "P3": 5}
+
+
+def test_cnn_with_batchnorm_permutation_invariance():
+    model = _randomise(make_cnn(64, 10, channels=(6, 5), hidden=(7,)), 1)
+    sizes = _check_invariance(model, torch.randn(16, 64))
+    assert sizes == {"P1": 6, "P2": 5, "P3": 7}
+    spec = spec_from_module(model, torch.zeros(2, 64))
+    assert spec.axes["10.weight"][1] == Axis("P2", inner=4)  # 2x2 pixels per channel after two pools
+    assert spec.folds == {"2": "1", "6": "5"}
+
+
+def test_lstm_permutation_invariance():
+    model = _randomise(LSTMClassifier(64, 10, hidden=11, num_layers=2), 2)
+    sizes = _check_invariance(model, torch.randn(8, 64))
+    assert sizes == {"H": 11, "H_1": 11}
+
+
+def test_permutation_without_matching_groups_breaks_function():
+    """Control: permuting only the rows of fc1 (not fc2's columns) changes the outputs."""
+    model = _randomise(MLP(6, [8], 3), 3)
+    state = model.state_dict()
+    bad = dict(state)
+    p = torch.as_tensor(np.random.default_rng(0).permutation(8))
+    bad["layers.0.weight"] = state["layers.0.weight"][p]
+    bad["layers.0.bias"] = state["layers.0.bias"][p]
+    broken = rebuild(model, bad)
+    x = torch.randn(10, 6)
+    with torch.no_grad():
+        assert (broken(x) - model(x)).abs().max() > 1e-3
+
+
+def test_to_global_basis_places_units_and_marks_missing():
+    a = np.arange(12.0).reshape(2, 3, 2)  # axis 1: 3 units, inner 2
+    out = to_global_basis(a.reshape(2, 6), 1, Axis("P", inner=2), np.array([4, 0, 2]), 5)
+    assert out.shape == (2, 10)
+    blocks = out.reshape(2, 5, 2)
+    np.testing.assert_array_equal(blocks[:, 4], a[:, 0])
+    np.testing.assert_array_equal(blocks[:, 0], a[:, 1])
+    assert np.isnan(blocks[:, [1, 3]]).all()
+
+
+def test_unsupported_layer_is_named():
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 2))
+    with pytest.raises(UnsupportedLayerError, match=r"'1' \(LayerNorm\).*supported: Linear"):
+        spec_from_module(model)
+    with pytest.raises(UnsupportedLayerError, match="permutation_spec"):
+        spec_from_module(nn.GRU(3, 4))
+
+
+def test_spec_check_names_entry_and_shapes():
+    spec = chain(dense("a", None, "P"), dense("b", "P", None))
+    good = {"a.weight": np.zeros((5, 3)), "a.bias": np.zeros(5), "b.weight": np.zeros((2, 5)), "b.bias": np.zeros(2)}
+    assert spec.sizes(good) == {"P": 5}
+    bad = dict(good, **{"b.weight": np.zeros((2, 6))})
+    with pytest.raises(ValueError, match=r"group P has 6 units in 'b.weight'"):
+        spec.check(bad)
+    with pytest.raises(ValueError, match="lacks entries"):
+        spec.check({k: v for k, v in good.items() if k != "a.bias"})
