@@ -12,6 +12,11 @@ client that saw few examples of a class has little say on the weights into it (a
 saw none: precision 0). The output bias of class k is the Gaussian posterior mean with the same
 precisions and prior ``N(0, prior_var)``. Hidden biases have prior mean 0.1, the initial bias of
 PFNM Table 1; weights have prior mean 0.
+
+Deeper networks, ConvNets (with batch norms folded in) and LSTMs are matched layer by layer as
+their :class:`~bayesfuse.nets.spec.PermutationSpec` describes
+(:func:`bayesfuse.inference.layerwise.match_layerwise`); ``method="fedma"`` retrains the
+clients between layers (FedMA, :mod:`bayesfuse.federated`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ DEFAULTS = {
     "pfnm": dict(noise_var=1.0, prior_var=10.0, gamma0=1.0, kl_weight=0.0),
     "nafi": dict(noise_var=1.0, prior_var=10.0, gamma0=1.0, kl_weight=0.01),
 }
+#: Every method ``fuse`` knows for point-estimate networks.
+METHODS = ("pfnm", "nafi", "fedma", "fedavg")
 
 
 @dataclass
@@ -84,7 +91,7 @@ def _warn_single(models) -> None:
 
 def fuse(
     models: Sequence[nn.Module],
-    method: Literal["pfnm", "nafi", "kl"] = "pfnm",
+    method: Literal["pfnm", "nafi", "fedma", "fedavg", "kl"] = "pfnm",
     *,
     class_counts: np.ndarray | None = None,
     noise_var: float | None = None,
@@ -100,6 +107,8 @@ def fuse(
     verbose: bool = False,
     spec: PermutationSpec | None = None,
     direction: Literal["bottom-up", "top-down"] = "bottom-up",
+    data: tuple | None = None,
+    retrain=None,
 ) -> FusionResult:
     """Fuse networks into one by matching their hidden units, layer by layer.
 
@@ -116,9 +125,10 @@ def fuse(
         Networks of one architecture (hidden widths may differ): :class:`MLP` of any depth,
         ``nn.Sequential`` ConvNets/MLPs (:func:`~bayesfuse.nets.arch.make_cnn`), the LSTM
         classifier, anything ``spec`` describes; or HorseshoeBNNs (one hidden layer).
-    method : {"pfnm", "nafi", "kl"}
-        PFNM (Yurochkin et al. 2019), NAFI (PFNM cost plus ``kl_weight`` x KL penalty), or
-        KL-fusion (BNNs only).
+    method : {"pfnm", "nafi", "fedma", "fedavg", "kl"}
+        PFNM (Yurochkin et al. 2019), NAFI (PFNM cost plus ``kl_weight`` x KL penalty), FedMA
+        (Wang et al. 2020; needs ``data``), one-shot FedAvg (same widths; weighted by client
+        sizes from ``class_counts``), or KL-fusion (BNNs only).
     reg, solver : KL-fusion's ``lambda`` and solver (``method="kl"``).
     average_outputs : bool
         BNNs only: scale each global unit's outgoing weights by ``m_g / J`` (the share of
@@ -139,6 +149,10 @@ def fuse(
         Order of the layers (:func:`~bayesfuse.inference.layerwise.match_layerwise`):
         bottom-up expresses each layer's incoming weights in the matched layer below;
         top-down is PFNM supplement Algorithm 1. One hidden layer: the same.
+    data : (Dataset, partition), optional
+        ``method="fedma"`` only: the clients' training data, for the retraining between
+        layers (:func:`bayesfuse.federated.run_fedma`); ``retrain`` is its
+        :class:`~bayesfuse.train.TrainConfig`. ``kl_weight > 0`` matches with NAFI's penalty.
     """
     start = time.perf_counter()
     if len(models) == 0:
@@ -152,8 +166,16 @@ def fuse(
         return _fuse_bnns(models, method, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
                           kl_weight=kl_weight, cost=cost, reg=reg, solver=solver, n_iter=n_iter,
                           seed=seed, verbose=verbose, start=start, average_outputs=average_outputs)
+    if method == "fedavg":
+        return _fuse_fedavg(models, class_counts, start)
+    if method == "fedma":
+        return _fuse_fedma(models, data, retrain, class_counts=class_counts, noise_var=noise_var,
+                           prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, spec=spec, seed=seed,
+                           verbose=verbose, start=start)
+    if data is not None:
+        raise ValueError(f"method={method!r} fuses the models alone; data is used by method='fedma' only")
     if method not in DEFAULTS:
-        raise ValueError(f"method must be one of {sorted(DEFAULTS)} for point-estimate networks, got {method!r}")
+        raise ValueError(f"method must be one of {sorted(METHODS)} for point-estimate networks, got {method!r}")
     _warn_single(models)
     hyper = dict(DEFAULTS[method])
     for key, value in dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight).items():
@@ -180,6 +202,42 @@ def fuse(
         seconds=time.perf_counter() - start,
         groups=tuple(spec.groups),
     )
+
+
+def _fuse_fedavg(models, class_counts, start) -> FusionResult:
+    from bayesfuse.baselines import fedavg
+
+    _warn_single(models)
+    weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
+    model = fedavg(models, weights).eval()
+    spec = spec_from_module(models[0])
+    sizes = spec.sizes(_numpy_state(model))
+    return FusionResult(model=model, layers=[], sizes=[sizes[g] for g in spec.groups], method="fedavg",
+                        hyper={"weights": "class_counts" if weights is not None else "uniform"},
+                        seconds=time.perf_counter() - start, groups=tuple(spec.groups))
+
+
+def _fuse_fedma(models, data, retrain, *, class_counts, noise_var, prior_var, gamma0, kl_weight, spec, seed,
+                verbose, start) -> FusionResult:
+    from bayesfuse.federated import run_fedma
+
+    if data is None:
+        raise ValueError("method='fedma' retrains the clients between layers: pass data=(train, partition) with "
+                         "each client's training data")
+    train, partition = data
+    if class_counts is not None:
+        raise ValueError("method='fedma' takes the class counts from data; do not pass class_counts")
+    method = "nafi" if kl_weight else "pfnm"
+    run = run_fedma(models, train, partition, retrain, method=method,
+                    noise_var=DEFAULTS["pfnm"]["noise_var"] if noise_var is None else noise_var,
+                    prior_var=DEFAULTS["pfnm"]["prior_var"] if prior_var is None else prior_var,
+                    gamma0=DEFAULTS["pfnm"]["gamma0"] if gamma0 is None else gamma0,
+                    kl_weight=kl_weight or None, spec=spec, seed=seed or 0, verbose=verbose)
+    r = run.result
+    return FusionResult(model=run.model, layers=[r.layers[g] for g in run.spec.groups], sizes=run.sizes,
+                        method="fedma", hyper={**r.hyper, "rounds": r.rounds, "bytes_up": r.bytes_up,
+                                               "bytes_down": r.bytes_down},
+                        seconds=time.perf_counter() - start, groups=tuple(run.spec.groups))
 
 
 def _numpy_state(model: nn.Module) -> dict[str, np.ndarray]:

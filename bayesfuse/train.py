@@ -19,9 +19,11 @@ from tqdm.auto import tqdm
 
 from bayesfuse.data.datasets import Dataset
 from bayesfuse.data.partition import Partition
-from bayesfuse.nets.mlp import MLP
+from bayesfuse.nets.arch import ARCHITECTURES, make_model
+from bayesfuse.nets.pans import PANConfig
 
-__all__ = ["TrainConfig", "TrainingDivergedError", "torch_threads", "train_mlp", "train_clients"]
+__all__ = ["TrainConfig", "TrainingDivergedError", "torch_threads", "new_model", "train_model", "train_mlp",
+           "train_clients"]
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -32,12 +34,19 @@ class TrainingDivergedError(FloatingPointError):
 class TrainConfig:
     """Hyper-parameters of local training (PFNM supplement Table 1, MNIST column).
 
+    ``arch`` picks the network (:func:`bayesfuse.nets.arch.make_model`): ``"mlp"`` with
+    ``hidden`` widths, ``"cnn"`` with ``channels`` then ``hidden``, ``"lstm"`` with
+    ``hidden[0]`` states; ``pan`` adds position-aware neurons (:mod:`bayesfuse.nets.pans`).
+
     ``num_threads=1`` is the default because these small networks train faster on one thread
     than on two on a 2-core machine (see ``benchmarks/bench_training.py``); ``None`` leaves
     torch's setting alone.
     """
 
     hidden: tuple[int, ...] = (100,)
+    arch: str = "mlp"
+    channels: tuple[int, ...] = (16, 32)
+    pan: PANConfig | None = None
     epochs: int = 10
     lr: float = 0.01
     weight_decay: float = 1e-6
@@ -48,6 +57,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+        object.__setattr__(self, "channels", tuple(int(c) for c in self.channels))
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.arch!r}; known: {', '.join(ARCHITECTURES)}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if not self.lr > 0:
@@ -100,15 +112,22 @@ def _fit(
     generator: torch.Generator,
     on_epoch=None,
     name: str = "model",
+    eval_modules: Sequence[nn.Module] = (),
 ) -> list[float]:
-    """Minibatch training loop; returns the mean loss of each epoch."""
-    opt = torch.optim.Adam(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, amsgrad=config.amsgrad
-    )
+    """Minibatch training loop over the parameters that require grad; returns each epoch's mean loss.
+
+    ``eval_modules`` stay in eval mode (frozen batch norms keep their running statistics).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{name}: every parameter is frozen; nothing to train")
+    opt = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay, amsgrad=config.amsgrad)
     loss_fn = nn.CrossEntropyLoss()
     n = len(x)
     history = []
     model.train()
+    for m in eval_modules:
+        m.eval()
     for epoch in range(config.epochs):
         order = torch.randperm(n, generator=generator)
         total = 0.0
@@ -131,17 +150,70 @@ def _fit(
     return history
 
 
+def new_model(n_features: int, n_classes: int, config: TrainConfig) -> nn.Module:
+    """A freshly initialised network of ``config.arch`` (seeded by the caller).
+
+    MLPs keep PFNM's initialisation (weights N(0, 0.01), biases 0.1); ConvNets and LSTMs keep
+    torch's defaults, which they need to train at all at these depths.
+    """
+    return make_model(config.arch, n_features, n_classes, hidden=config.hidden, channels=config.channels,
+                      pan=config.pan)
+
+
+def train_model(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    n_classes: int,
+    config: TrainConfig | None = None,
+    *,
+    frozen: Sequence[str] = (),
+    verbose: bool | None = None,
+    name: str = "model",
+) -> nn.Module:
+    """Train ``model`` in place with cross-entropy, keeping the state_dict entries ``frozen`` fixed.
+
+    Frozen parameters get ``requires_grad=False``; a batch norm whose weight is frozen stays in
+    eval mode so its running statistics do not move either (FedMA's frozen matched layers).
+    ``config.hidden``/``arch`` are ignored: the network is given.
+    """
+    config = config or TrainConfig()
+    xt, yt = _as_tensors(x, y, n_classes)
+    frozen = set(frozen)
+    unknown = frozen - set(model.state_dict())
+    if unknown:
+        raise ValueError(f"{name}: frozen entries {sorted(unknown)[:5]} are not in the network")
+    eval_modules = []
+    for pname, p in model.named_parameters():
+        p.requires_grad_(pname not in frozen)
+    for mname, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and f"{mname}.weight" in frozen:
+            eval_modules.append(m)
+    with torch_threads(config.num_threads):
+        gen = torch.Generator().manual_seed(config.seed)
+        with tqdm(total=config.epochs, desc=name, disable=not _progress(verbose), leave=False) as bar:
+
+            def on_epoch(epoch: int, loss: float) -> None:
+                bar.set_postfix(loss=f"{loss:.4f}")
+                bar.update()
+
+            model.loss_history = _fit(model, xt, yt, config, gen, on_epoch, name, eval_modules)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
 def train_mlp(
     x: np.ndarray,
     y: np.ndarray,
     n_classes: int,
     config: TrainConfig | None = None,
     *,
-    init: MLP | None = None,
+    init: nn.Module | None = None,
     verbose: bool | None = None,
     name: str = "model",
-) -> MLP:
-    """Train one MLP with cross-entropy on ``(x, y)``.
+) -> nn.Module:
+    """Train one network of ``config.arch`` (an MLP by default) with cross-entropy on ``(x, y)``.
 
     Parameters
     ----------
@@ -150,14 +222,14 @@ def train_mlp(
     n_classes : int
     config : TrainConfig, optional
         Hyper-parameters; the defaults of :class:`TrainConfig` when omitted.
-    init : MLP, optional
+    init : nn.Module, optional
         Start from a copy of this network instead of a fresh seeded initialisation.
     verbose : bool, optional
         Show a progress bar; default: only when stderr is a terminal.
 
     Returns
     -------
-    MLP
+    nn.Module
         In eval mode; ``model.loss_history`` holds the mean loss per epoch.
 
     Raises
@@ -166,23 +238,19 @@ def train_mlp(
         If the loss becomes NaN or infinite.
     """
     config = config or TrainConfig()
-    xt, yt = _as_tensors(x, y, n_classes)
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D (n, d), got shape {x.shape}")
     with torch_threads(config.num_threads):
         torch.manual_seed(config.seed)
-        model = MLP(xt.shape[1], config.hidden, n_classes)
-        if init is not None:
-            if init.widths != model.widths:
-                raise ValueError(f"init widths {init.widths} differ from {model.widths}")
-            model.load_state_dict(init.state_dict())
-        gen = torch.Generator().manual_seed(config.seed)
-        with tqdm(total=config.epochs, desc=name, disable=not _progress(verbose), leave=False) as bar:
-
-            def on_epoch(epoch: int, loss: float) -> None:
-                bar.set_postfix(loss=f"{loss:.4f}")
-                bar.update()
-
-            model.loss_history = _fit(model, xt, yt, config, gen, on_epoch, name)
-    return model
+        model = new_model(x.shape[1], n_classes, config)
+    if init is not None:
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        given = {k: tuple(v.shape) for k, v in init.state_dict().items()}
+        if shapes != given:
+            raise ValueError(f"init's parameter shapes {given} differ from the configured network's {shapes}")
+        model.load_state_dict(init.state_dict())
+    return train_model(model, x, y, n_classes, config, verbose=verbose, name=name)
 
 
 def train_clients(
@@ -192,8 +260,8 @@ def train_clients(
     *,
     shared_init: bool = True,
     verbose: bool | None = None,
-) -> list[MLP]:
-    """Train one MLP per client on its part of ``train``.
+) -> list[nn.Module]:
+    """Train one network per client on its part of ``train``.
 
     Parameters
     ----------
@@ -209,7 +277,7 @@ def train_clients(
 
     Returns
     -------
-    list of MLP
+    list of nn.Module
         ``models[j].train_seconds`` holds client j's training time.
     """
     config = config or TrainConfig()
@@ -223,7 +291,7 @@ def train_clients(
     if shared_init:
         with torch_threads(config.num_threads):
             torch.manual_seed(config.seed)
-            init = MLP(train.n_features, config.hidden, train.n_classes)
+            init = new_model(train.n_features, train.n_classes, config)
     models = []
     bar = tqdm(parts, desc="local training", unit="client", disable=not _progress(verbose))
     for j, idx in enumerate(bar):

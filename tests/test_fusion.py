@@ -110,7 +110,9 @@ def test_fusion_beats_fedavg_on_heterogeneous_digits():
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="method"):
-        fuse([_net()], "fedma")
+        fuse([_net()], "bogus")
+    with pytest.raises(ValueError, match=r"data=\(train, partition\)"):
+        fuse([_net(), _net(1)], "fedma")
     with pytest.raises(ValueError, match="client 1 has 4 classes in 'layers.1.weight', client 0 has 3"):
         fuse([_net(), _net(d=6, k=4)])
     with pytest.raises(ValueError, match=r"client 1\['layers.0.weight'\] has shape \(5, 7\).*differ beyond hidden widths"):

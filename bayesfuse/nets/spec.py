@@ -329,10 +329,13 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
             )
     shapes: dict[str, tuple] = {}
     if example_input is None:
-        first = next((m for _, m in leaves if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))), None)
-        if not isinstance(first, nn.Linear):
-            raise ValueError("give example_input to trace a network that does not start with nn.Linear")
-        example_input = torch.zeros(2, first.in_features)
+        first = leaves[0][1] if leaves else None
+        if isinstance(first, nn.Linear):
+            example_input = torch.zeros(2, first.in_features)
+        elif isinstance(first, nn.Unflatten):
+            example_input = torch.zeros(2, int(np.prod(first.unflattened_size)))
+        else:
+            raise ValueError("give example_input to trace a network that starts with neither nn.Linear nor nn.Unflatten")
     hooks = [m.register_forward_pre_hook(lambda mod, args, name=n: shapes.__setitem__(name, tuple(args[0].shape)))
              for n, m in leaves]
     try:

@@ -1,0 +1,134 @@
+"""Layer-wise matching of deep networks: recovery, invariances, batch-norm folding, missing units."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bayesfuse import fuse
+from bayesfuse.inference.layerwise import fold_batchnorm, match_layerwise
+from bayesfuse.metrics import assignment_accuracy
+from bayesfuse.models.bbp import simulate_deep_federation
+from bayesfuse.nets.arch import LSTMClassifier, make_cnn, rebuild
+from bayesfuse.nets.mlp import MLP
+from bayesfuse.nets.spec import chain, dense, permute, random_permutations, spec_from_module
+
+
+def _randomise(model: nn.Module, seed: int) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+                if "running_var" in name:
+                    t.abs_().add_(0.1)
+    return model.eval()
+
+
+def _np(model: nn.Module) -> dict:
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def _shuffled_copies(model: nn.Module, x: torch.Tensor, n: int) -> list[nn.Module]:
+    spec = spec_from_module(model, x[:2])
+    sizes = spec.sizes(_np(model))
+    copies = []
+    for s in range(n):
+        perms = random_permutations(sizes, np.random.default_rng(100 + s))
+        copies.append(rebuild(model, permute(model.state_dict(), spec, perms)).eval())
+    return copies
+
+
+@pytest.mark.parametrize("make, n_in", [
+    (lambda: MLP(10, [9, 8, 7], 4), 10),
+    (lambda: make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 64),
+    (lambda: LSTMClassifier(36, 3, hidden=8), 36),
+])
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_shuffled_copies_of_a_deep_net_fuse_back_to_its_function(make, n_in, method):
+    model = _randomise(make(), 0)
+    x = torch.randn(32, n_in)
+    copies = _shuffled_copies(model, x, 3)
+    # A vague prior (variance 1e8) leaves each atom the plain average of its identical copies
+    # (shrinkage J/(J + 1e-8)); batch norms are folded, which is exact in eval mode.
+    res = fuse(copies, method, prior_var=1e8, noise_var=1.0)
+    spec = spec_from_module(model, x[:2])
+    assert res.sizes == list(spec.sizes(_np(model)).values())
+    with torch.no_grad():
+        torch.testing.assert_close(res.model(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_batchnorm_folding_leaves_outputs_unchanged_in_eval_mode():
+    model = _randomise(make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 1)
+    x = torch.randn(16, 64)
+    spec = spec_from_module(model, x[:2])
+    folded = rebuild(model, {k: torch.as_tensor(v) for k, v in fold_batchnorm(_np(model), spec).items()}).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), model(x), rtol=1e-5, atol=1e-5)
+    bn = folded[2]
+    assert torch.equal(bn.weight, torch.ones(6)) and torch.equal(bn.running_mean, torch.zeros(6))
+
+
+@pytest.mark.parametrize("cost, noise_var", [("marginal", 0.01), ("pfnm", 1.0)])
+def test_bottom_up_recovers_every_layer_of_a_simulated_deep_federation(cost, noise_var):
+    fed = simulate_deep_federation(10, 100, 2, 10, gamma0=30.0, noise_var=0.01, seed=0)
+    spec = MLP(1, [1, 1], 1).permutation_spec()
+    res = match_layerwise(fed.states, spec, cost=cost, noise_var=noise_var, prior_var=1.0, gamma0=30.0,
+                          bias_prior_mean=0.0)
+    for n, group in enumerate(spec.groups):
+        true_atoms = fed.atoms[n].shape[0]
+        acc = assignment_accuracy(fed.assignments[n], res.layers[group].assignments)
+        assert acc >= 0.95, (group, acc, res.sizes[group], true_atoms)
+        assert abs(res.sizes[group] - true_atoms) <= 0.05 * true_atoms
+
+
+def test_top_down_describes_upper_units_by_few_numbers_and_merges_them():
+    """PFNM Algorithm 1 matches the top layer on its 10 outgoing weights and bias only."""
+    fed = simulate_deep_federation(10, 100, 2, 10, gamma0=30.0, noise_var=0.01, seed=0)
+    spec = MLP(1, [1, 1], 1).permutation_spec()
+    kw = dict(cost="pfnm", noise_var=1.0, prior_var=1.0, gamma0=30.0, bias_prior_mean=0.0)
+    up = match_layerwise(fed.states, spec, direction="bottom-up", **kw)
+    down = match_layerwise(fed.states, spec, direction="top-down", **kw)
+    acc = lambda r: assignment_accuracy(fed.assignments[1], r.layers["P2"].assignments)  # noqa: E731
+    assert down.order == ("P2", "P1")
+    assert acc(down) < acc(up)
+
+
+def test_unobserved_inputs_do_not_pull_the_global_weights():
+    """Client 1 lacks lower unit 2: its upper units' weights from it are unobserved, not zero."""
+    spec = chain(dense("a", None, "P"), dense("b", "P", "Q"), dense("c", "Q", None), output=("c.weight", "c.bias"))
+    rng = np.random.default_rng(0)
+    a_w, a_b = rng.normal(size=(3, 4)) * 3, rng.normal(size=3) * 3
+    b_w, b_b = rng.normal(size=(2, 3)) * 3, rng.normal(size=2) * 3
+    c_w, c_b = rng.normal(size=(2, 2)), rng.normal(size=2)
+    full = {"a.weight": a_w, "a.bias": a_b, "b.weight": b_w, "b.bias": b_b, "c.weight": c_w, "c.bias": c_b}
+    part = {"a.weight": a_w[:2], "a.bias": a_b[:2], "b.weight": b_w[:, :2] + 0.5, "b.bias": b_b,
+            "c.weight": c_w, "c.bias": c_b}
+    res = match_layerwise([full, part], spec, prior_var=1e8, noise_var=1.0, bias_prior_mean=0.0)
+    assert res.sizes == {"P": 3, "Q": 2}
+    p_order = np.argsort(res.layers["P"].assignments[0])  # global P unit -> client 0's unit
+    q_order = np.argsort(res.layers["Q"].assignments[0])
+    got = res.state_dict["b.weight"][np.ix_(np.argsort(q_order), np.argsort(p_order))]
+    # unit 2's column: only client 0 saw it; the others average the two clients
+    np.testing.assert_allclose(got[:, 2], b_w[:, 2], rtol=1e-6)
+    np.testing.assert_allclose(got[:, :2], b_w[:, :2] + 0.25, rtol=1e-6)
+
+
+def test_one_hidden_layer_is_the_same_in_both_directions():
+    fed = simulate_deep_federation(4, 20, 1, 3, gamma0=5.0, noise_var=0.01, seed=3)
+    spec = MLP(1, [1], 1).permutation_spec()
+    up = match_layerwise(fed.states, spec, direction="bottom-up")
+    down = match_layerwise(fed.states, spec, direction="top-down")
+    for k in up.state_dict:
+        np.testing.assert_array_equal(up.state_dict[k], down.state_dict[k])
+
+
+def test_mismatched_architectures_are_named():
+    a = _np(MLP(6, [5, 4], 3))
+    b = _np(make_cnn(36, 3, channels=(2,), hidden=(4,)))
+    spec = MLP(6, [5, 4], 3).permutation_spec()
+    with pytest.raises(ValueError, match="client 1 lacks entries"):
+        match_layerwise([a, b], spec)
+    nan = dict(a, **{"layers.1.weight": np.full((4, 5), np.nan)})
+    with pytest.raises(ValueError, match=r"client 1\['layers.1.weight'\].*NaN"):
+        match_layerwise([a, nan], spec)

@@ -1,0 +1,122 @@
+"""FedMA and multi-round FedAvg on small digits federations."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfuse import fuse
+from bayesfuse.data import dirichlet_partition
+from bayesfuse.data.datasets import load_digits
+from bayesfuse.federated import run_fedavg, run_fedma
+from bayesfuse.metrics import accuracy
+from bayesfuse.nets.predict import predict_proba
+from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.train import TrainConfig, train_clients, train_model
+from bayesfuse.nets.mlp import MLP
+
+
+@pytest.fixture(scope="module")
+def digits():
+    split = load_digits(seed=0).standardize()
+    part = dirichlet_partition(split.train.y, 4, 0.5, seed=0)
+    return split, part
+
+
+CONFIGS = {
+    "mlp": TrainConfig(arch="mlp", hidden=(24, 24), epochs=5),
+    "cnn": TrainConfig(arch="cnn", channels=(6, 8), hidden=(24,), epochs=5),
+    "lstm": TrainConfig(arch="lstm", hidden=(24,), epochs=5),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_fedma_builds_a_working_model_whose_widths_are_the_matching(digits, arch):
+    split, part = digits
+    cfg = CONFIGS[arch]
+    models = train_clients(split.train, part, cfg, shared_init=False, verbose=False)
+    run = run_fedma(models, split.train, part, replace(cfg, epochs=3), verbose=False)
+    spec = run.spec
+    state = {k: v.numpy() for k, v in run.model.state_dict().items()}
+    assert spec.sizes(state) == run.result.sizes
+    for g, layer in run.result.layers.items():
+        assert layer.n_global == run.result.sizes[g]
+        assert max(max(a) for a in layer.assignments) == layer.n_global - 1
+        for a, m in zip(layer.assignments, models):
+            assert len(np.unique(a)) == len(a)
+    assert run.result.rounds == len(spec.groups) + 1
+    assert run.result.bytes_up > 0 and run.result.bytes_down > 0
+    acc = accuracy(predict_proba(run.model, split.test.x), split.test.y)
+    local = np.mean([accuracy(predict_proba(m, split.test.x), split.test.y) for m in models])
+    # each client sees about half the classes (alpha = 0.5), so locals sit near 0.5-0.6;
+    # the federated model must do clearly better than the average client
+    assert acc > local + 0.1, (acc, local)
+
+
+def test_fedma_freezes_matched_layers(digits):
+    """The global first layer is the matching's posterior mean: retraining did not move it."""
+    split, part = digits
+    cfg = CONFIGS["mlp"]
+    models = train_clients(split.train, part, cfg, shared_init=False, verbose=False)
+    seen = []
+
+    from bayesfuse.inference import layerwise
+
+    original = layerwise.match_group
+
+    def spy(*args, **kwargs):
+        result, values = original(*args, **kwargs)
+        seen.append(values)
+        return result, values
+
+    layerwise.match_group = spy
+    try:
+        run = run_fedma(models, split.train, part, replace(cfg, epochs=2), verbose=False)
+    finally:
+        layerwise.match_group = original
+    first = seen[0]
+    np.testing.assert_allclose(run.model.state_dict()["layers.0.weight"].numpy(), first["layers.0.weight"],
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_fuse_fedma_and_fedavg_methods(digits):
+    split, part = digits
+    cfg = CONFIGS["mlp"]
+    models = train_clients(split.train, part, cfg, shared_init=True, verbose=False)
+    res = fuse(models, "fedma", data=(split.train, part), retrain=replace(cfg, epochs=1))
+    assert res.method == "fedma" and res.hyper["rounds"] == 3 and len(res.sizes) == 2
+    avg = fuse(models, "fedavg")
+    assert avg.sizes == [24, 24]
+    with pytest.raises(ValueError, match="data is used by method='fedma' only"):
+        fuse(models, "pfnm", data=(split.train, part))
+
+
+def test_fedavg_rounds_improve_on_one_round(digits):
+    split, part = digits
+    cfg = replace(CONFIGS["mlp"], epochs=2)
+    torch.manual_seed(0)
+    init = MLP(64, (24, 24), 10)
+    one = run_fedavg(init, split.train, part, cfg, rounds=1, verbose=False)
+    three = run_fedavg(init, split.train, part, cfg, rounds=3, verbose=False)
+    acc = lambda m: accuracy(predict_proba(m, split.test.x), split.test.y)  # noqa: E731
+    assert three.rounds == 3 and three.bytes_up == 3 * one.bytes_up
+    assert acc(three.model) > acc(one.model)
+
+
+def test_train_model_keeps_frozen_entries_and_batchnorm_statistics():
+    from bayesfuse.nets.arch import make_cnn
+
+    model = make_cnn(64, 3, channels=(4,), hidden=(5,))
+    spec = spec_from_module(model)
+    frozen = {k for k in spec.axes if k.startswith(("1.", "2."))}  # conv and its batch norm
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 64)).astype(np.float32), rng.integers(0, 3, 64)
+    train_model(model, x, y, 3, TrainConfig(epochs=2), frozen=frozen)
+    after = model.state_dict()
+    for k in frozen:
+        assert torch.equal(before[k], after[k]), k
+    assert not torch.equal(before["6.weight"], after["6.weight"])
+    with pytest.raises(ValueError, match="not in the network"):
+        train_model(model, x, y, 3, TrainConfig(epochs=1), frozen={"nope.weight"})
