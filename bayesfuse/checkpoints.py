@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import struct
 from collections import OrderedDict
 from pathlib import Path
 
@@ -53,7 +55,7 @@ def read_checkpoint(path: str | os.PathLike) -> "tuple[OrderedDict[str, torch.Te
             sd = load(raw)
         except Exception as err:  # safetensors raises its own error types
             raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
-        return OrderedDict(sd), digest
+        return OrderedDict((k, sd[k]) for k in _safetensors_order(raw, sd)), digest
     try:
         obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as err:
@@ -64,6 +66,25 @@ def read_checkpoint(path: str | os.PathLike) -> "tuple[OrderedDict[str, torch.Te
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{path}: expected a state_dict (a mapping of parameter names to tensors)")
     return OrderedDict(obj), digest
+
+
+ORDER_KEY = "bayesfuse.order"
+
+
+def _safetensors_order(raw: bytes, sd: dict) -> list[str]:
+    """Entry order of a safetensors file: as saved by :func:`save_state_dict` (kept in the
+    header's metadata), else numerically-aware name order (the format itself keeps none)."""
+    from bayesfuse.nets.spec import entry_order
+
+    try:
+        (size,) = struct.unpack("<Q", raw[:8])
+        meta = json.loads(raw[8 : 8 + size]).get("__metadata__") or {}
+        order = json.loads(meta[ORDER_KEY]) if ORDER_KEY in meta else None
+    except (struct.error, ValueError, TypeError):
+        order = None
+    if isinstance(order, list) and sorted(order) == sorted(sd):
+        return order
+    return entry_order(sorted(sd))
 
 
 def save_state_dict(state_dict: dict, path: str | os.PathLike, *, fmt: str | None = None,
@@ -77,7 +98,7 @@ def save_state_dict(state_dict: dict, path: str | os.PathLike, *, fmt: str | Non
     if fmt == "safetensors":
         from safetensors.torch import save
 
-        payload = save(tensors)
+        payload = save(tensors, metadata={ORDER_KEY: json.dumps(list(tensors))})
     else:
         buf = io.BytesIO()
         torch.save(tensors, buf)

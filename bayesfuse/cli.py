@@ -26,6 +26,16 @@ def _widths(text: str) -> tuple[int, ...]:
     return widths
 
 
+def _methods(text: str) -> tuple[str, ...]:
+    from bayesfuse.demo import DEMO_METHODS
+
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in DEMO_METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown methods {unknown}; choose from {', '.join(DEMO_METHODS)}")
+    return methods
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bayesfuse import __version__
 
@@ -52,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shared-init", action="store_true",
                       help="all clients start from one initial network (as FedAvg assumes); "
                       "default: each client draws its own, as separately trained models do")
+    demo.add_argument("--arch", default="mlp", choices=["mlp", "cnn", "lstm"],
+                      help="local networks: MLP (--hidden), ConvNet (--channels, then --hidden dense layers) "
+                      "or LSTM over image rows (first --hidden width) (default: mlp)")
+    demo.add_argument("--channels", type=_widths, default=(16, 32),
+                      help="cnn: channels of the conv-BN-ReLU-maxpool blocks (default: 16,32)")
+    demo.add_argument("--methods", type=_methods, default=("pfnm", "nafi"),
+                      help="comma-separated methods after local/ensemble/fedavg, from pfnm, nafi, fedma, "
+                      "fedma-nafi, fedavg-rounds (FedAvg with as many rounds as FedMA) (default: pfnm,nafi)")
+    demo.add_argument("--retrain-epochs", type=_positive_int, default=None,
+                      help="epochs of client training per FedMA/FedAvg round (default: --epochs)")
     demo.add_argument("--out", default="bayesfuse-demo", help="output directory (default: ./bayesfuse-demo)")
     demo.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing the demo's files")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -61,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     fz = sub.add_parser(
         "fuse",
         help="fuse model files (state_dicts) into one",
-        description="Fuse one-hidden-layer MLP or HorseshoeBNN checkpoints (.pt/.pth read with "
+        description="Fuse MLP, ConvNet, LSTM or HorseshoeBNN checkpoints (.pt/.pth read with "
         "torch.load(weights_only=True), or .safetensors) into one file, plus a JSON report "
         "(OUT.json). The order of the files does not matter.",
         epilog="hyper-parameters: " + "; ".join(f"{m}: {', '.join(k) or '-'}" for m, k in HYPER_KEYS.items()),
@@ -71,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--hyper", nargs="*", default=[], metavar="KEY=VALUE", help="hyper-parameters of the method")
     fz.add_argument("--out", required=True, help="fused model file (.pt, .pth or .safetensors)")
     fz.add_argument("--format", choices=["pt", "safetensors"], default=None, help="output format (default: from --out)")
+    fz.add_argument("--arch", default="auto", choices=["auto", "mlp", "cnn", "lstm"],
+                    help="how to read the files' layers when no --arch-spec is given (default: auto)")
+    fz.add_argument("--arch-spec", default=None, metavar="FILE",
+                    help="JSON permutation spec naming which axes of which entries each hidden permutation acts on "
+                    "(see bayesfuse.nets.spec.spec_to_dict)")
     fz.add_argument("--seed", type=int, default=0)
     fz.add_argument("--force", action="store_true", help="replace existing output files")
     return parser
@@ -82,7 +107,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     config = DemoConfig(
         dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=args.seed,
         hidden=args.hidden, epochs=args.epochs, shared_init=args.shared_init,
-        data_path=args.data_path,
+        data_path=args.data_path, arch=args.arch, channels=args.channels, methods=args.methods,
+        retrain_epochs=args.retrain_epochs,
     )
     result = run_demo(config, out=args.out, force=args.force, verbose=False if args.quiet else None)
     p = result.partition
@@ -91,7 +117,8 @@ def _run_demo(args: argparse.Namespace) -> int:
           f"classes per client {int((p.counts > 0).sum(1).min())}..{int((p.counts > 0).sum(1).max())}")
     print(f"local training: {result.train_seconds:.1f} s in all\n")
     print(result.table())
-    print("\nhidden: hidden units of the global model; seconds: time to build it from the local models")
+    print("\nhidden: hidden units (and channels) of the global model; rounds: communication rounds after "
+          "local training; seconds: time to build the global model")
     print("wrote " + ", ".join(str(f) for f in result.files.values()))
     return 0
 
@@ -102,7 +129,8 @@ def _run_fuse(args: argparse.Namespace) -> int:
     if args.method not in METHODS:
         raise ValueError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
     report = fuse_files(args.models, args.method, args.out, hyper=parse_hyper(args.method, args.hyper),
-                        fmt=args.format, force=args.force, seed=args.seed)
+                        fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
+                        spec_path=args.arch_spec)
     print(f"fused {len(args.models)} models with {args.method}: global sizes {report['global_sizes']}; "
           f"wrote {args.out} and {args.out}.json ({report['seconds']:.1f} s)")
     return 0

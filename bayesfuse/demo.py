@@ -1,9 +1,11 @@
-"""The demo job: split a dataset across clients, train local MLPs, fuse, compare, report.
+"""The demo job: split a dataset across clients, train local networks, fuse, compare, report.
 
-``bayesfuse demo`` calls :func:`run_demo`. Each method builds one global model from the local
-models alone; the table lists its test accuracy, NLL, ECE, the number of hidden units of the
-global model, and the seconds spent building it from the local models (for "local", the mean
-training time of one client).
+``bayesfuse demo`` calls :func:`run_demo`. One-shot methods (ensemble, FedAvg, PFNM, NAFI)
+build one global model from the local models alone; FedMA (and FedAvg run for as many rounds)
+also retrain on the clients. The table lists test accuracy, NLL, ECE, the number of hidden
+units (channels included) of the global model, the communication rounds after local training
+(0 for the local models themselves), and the seconds spent building the global model (for
+"local", the mean training time of one client).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import io
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from bayesfuse._io import atomic_write_bytes, atomic_write_text, prepare_output_dir
 from bayesfuse.baselines import Ensemble, evaluate_locals, fedavg
@@ -26,11 +29,16 @@ from bayesfuse.data.partition import Partition, dirichlet_partition
 from bayesfuse.fusion import fuse
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
-from bayesfuse.train import TrainConfig, train_clients
+from bayesfuse.federated import run_fedavg
+from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 
-__all__ = ["DemoConfig", "DemoResult", "run_demo", "format_table"]
+__all__ = ["DemoConfig", "DemoResult", "run_demo", "format_table", "DEMO_METHODS"]
 
-COLUMNS = ("method", "accuracy", "nll", "ece", "hidden", "seconds")
+COLUMNS = ("method", "accuracy", "nll", "ece", "hidden", "rounds", "seconds")
+#: Methods the demo can add after local/ensemble/fedavg. "fedavg-rounds" is FedAvg run for as
+#: many communication rounds as FedMA uses (one per hidden layer, plus the output layer).
+DEMO_METHODS = ("pfnm", "nafi", "fedma", "fedma-nafi", "fedavg-rounds")
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,21 @@ class DemoConfig:
     epochs: int = 10
     shared_init: bool = False
     data_path: str | None = None
+    arch: str = "mlp"
+    channels: tuple[int, ...] = (16, 32)
+    methods: tuple[str, ...] = ("pfnm", "nafi")
+    retrain_epochs: int | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in DEMO_METHODS]
+        if unknown:
+            raise ValueError(f"unknown demo methods {unknown}; known: {', '.join(DEMO_METHODS)}")
+
+    def train_config(self) -> TrainConfig:
+        """Local training settings. ConvNets train faster on every core (large matrix
+        products), MLPs and LSTMs on one (see ``benchmarks/bench_training.py``)."""
+        return TrainConfig(arch=self.arch, hidden=self.hidden, channels=self.channels, epochs=self.epochs,
+                           seed=self.seed, num_threads=None if self.arch == "cnn" else 1)
 
 
 @dataclass
@@ -88,13 +111,14 @@ def format_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def _row(method: str, metrics: dict, hidden: int, seconds: float) -> dict:
+def _row(method: str, metrics: dict, hidden: int, seconds: float, rounds: int = 1) -> dict:
     return {
         "method": method,
         "accuracy": metrics["accuracy"],
         "nll": metrics["nll"],
         "ece": metrics["ece"],
         "hidden": int(hidden),
+        "rounds": int(rounds),
         "seconds": float(seconds),
     }
 
@@ -125,17 +149,18 @@ def run_demo(
     out_dir = prepare_output_dir(out, force=force) if out is not None else None
     split = (data or load_dataset(config.dataset, seed=config.seed, path=config.data_path)).standardize()
     partition = dirichlet_partition(split.train.y, config.n_clients, config.alpha, seed=config.seed)
-    train_config = TrainConfig(hidden=config.hidden, epochs=config.epochs, seed=config.seed)
+    train_config = config.train_config()
 
     start = time.perf_counter()
     models = train_clients(split.train, partition, train_config, shared_init=config.shared_init, verbose=verbose)
     train_seconds = time.perf_counter() - start
     x_test, y_test = split.test.x, split.test.y
-    width = sum(config.hidden)
+    spec = spec_from_module(models[0])
+    width = sum(spec.sizes({k: v.numpy() for k, v in models[0].state_dict().items()}).values())
 
     local_metrics = evaluate_locals(models, x_test, y_test)
     local_mean = {k: float(np.mean([m[k] for m in local_metrics])) for k in local_metrics[0]}
-    rows = [_row(f"local (mean of {len(models)})", local_mean, width, train_seconds / len(models))]
+    rows = [_row(f"local (mean of {len(models)})", local_mean, width, train_seconds / len(models), rounds=0)]
 
     start = time.perf_counter()
     ensemble = Ensemble(models)
@@ -147,11 +172,25 @@ def run_demo(
     seconds = time.perf_counter() - start
     rows.append(_row("fedavg", evaluate(predict_proba(averaged, x_test), y_test), width, seconds))
 
-    if len(config.hidden) == 1:  # matching of deeper nets is layer-wise (not in the demo yet)
-        for method in ("pfnm", "nafi"):
+    retrain = replace(train_config, epochs=config.retrain_epochs or config.epochs)
+    n_rounds = len(spec.groups) + 1  # FedMA: one round per hidden layer, one for the output layer
+    for method in config.methods:
+        if method in ("pfnm", "nafi"):
             fused = fuse(models, method, class_counts=partition.counts, seed=config.seed)
-            rows.append(_row(method, evaluate(predict_proba(fused.model, x_test), y_test),
-                             fused.sizes[0], fused.seconds))
+        elif method in ("fedma", "fedma-nafi"):
+            fused = fuse(models, "fedma", data=(split.train, partition), retrain=retrain, seed=config.seed,
+                         kl_weight=0.01 if method == "fedma-nafi" else None, verbose=verbose)
+        else:  # FedAvg from one shared initialisation, as many rounds as FedMA
+            start = time.perf_counter()
+            with torch_threads(train_config.num_threads):
+                torch.manual_seed(config.seed)
+                init = new_model(split.n_features, split.n_classes, train_config)
+            run = run_fedavg(init, split.train, partition, retrain, rounds=n_rounds, verbose=verbose)
+            rows.append(_row(f"fedavg x{n_rounds} rounds", evaluate(predict_proba(run.model, x_test), y_test),
+                             width, time.perf_counter() - start, rounds=n_rounds))
+            continue
+        rows.append(_row(method, evaluate(predict_proba(fused.model, x_test), y_test), sum(fused.sizes),
+                         fused.seconds, rounds=fused.hyper.get("rounds", 1)))
 
     result = DemoResult(rows, local_metrics, partition, config, train_seconds)
     if out_dir is not None:
@@ -201,7 +240,8 @@ def _figure_png(result: DemoResult, split: DataSplit) -> bytes:
 
     names = [r["method"] for r in result.rows]
     accs = [r["accuracy"] for r in result.rows]
-    ax_acc.bar(range(len(names)), accs, color=["#9e9e9e", "#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(names)])
+    ax_acc.bar(range(len(names)), accs, color=[["#9e9e9e", "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
+                    "#da8bc3"][i % 8] for i in range(len(names))])
     local_accs = [m["accuracy"] for m in result.local_metrics]
     jitter = np.linspace(-0.25, 0.25, len(local_accs))
     ax_acc.scatter(jitter, local_accs, s=12, color="black", zorder=3, label="each local model")

@@ -1,8 +1,9 @@
 """``bayesfuse fuse``: fuse model files from collaborators into one file plus a JSON report.
 
-Inputs are one-hidden-layer MLP state_dicts (any parameter names: the Linear layers are read in
-file order as ``weight``/``bias`` pairs) or :class:`~bayesfuse.models.bnn.HorseshoeBNN`
-state_dicts. Files are put in a canonical order (by content hash) before fusing, so the order
+Inputs are state_dicts of MLPs of any depth (any parameter names: layers are read in file
+order as ``weight``/``bias`` pairs), ConvNets with batch norms, LSTM classifiers, or anything an
+architecture spec file describes (:mod:`bayesfuse.nets.spec`); or
+:class:`~bayesfuse.models.bnn.HorseshoeBNN` state_dicts. Files are put in a canonical order (by content hash) before fusing, so the order
 they are given in never changes the result; the same files and seed give a bit-identical output.
 """
 
@@ -23,13 +24,16 @@ from bayesfuse.checkpoints import FORMATS, read_checkpoint, save_state_dict
 
 __all__ = ["fuse_files", "METHODS", "HYPER_KEYS"]
 
-METHODS = ("pfnm", "nafi", "kl", "fedavg")
+METHODS = ("pfnm", "nafi", "fedma", "kl", "fedavg")
 HYPER_KEYS = {
-    "pfnm": {"noise_var": float, "prior_var": float, "gamma0": float, "cost": str, "n_iter": int},
-    "nafi": {"noise_var": float, "prior_var": float, "gamma0": float, "kl_weight": float, "cost": str, "n_iter": int},
+    "pfnm": {"noise_var": float, "prior_var": float, "gamma0": float, "cost": str, "n_iter": int, "direction": str},
+    "nafi": {"noise_var": float, "prior_var": float, "gamma0": float, "kl_weight": float, "cost": str, "n_iter": int,
+             "direction": str},
+    "fedma": {},
     "kl": {"reg": float, "solver": str, "n_iter": int},
     "fedavg": {},
 }
+ARCHS = ("auto", "mlp", "cnn", "lstm")
 _BNN_KEYS = {f"{p}.{s}" for p in ("loc", "log_scale") for s in ("w1", "b1", "log_lam", "log_tau", "w2", "b2")} | {
     "prior_scales"}
 
@@ -53,8 +57,11 @@ def parse_hyper(method: str, items: Sequence[str]) -> dict:
 
 def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
     """(weight key, bias key) of each Linear layer, in file order."""
+    from bayesfuse.nets.spec import entry_order
+
     pairs = []
-    for key, t in sd.items():
+    for key in entry_order(sd):
+        t = sd[key]
         if t.ndim == 2:
             bias = key[: -len("weight")] + "bias" if key.endswith("weight") else None
             if bias not in sd or sd[bias].shape != (t.shape[0],):
@@ -80,16 +87,65 @@ def _check_finite(sd: dict, name: str) -> None:
             raise ValueError(f"{name}: parameter {key!r} contains NaN or infinite values")
 
 
-def _to_mlp(sd: dict, pairs):
-    from bayesfuse.nets.mlp import MLP
+def _load_spec(path, names):
+    from bayesfuse.nets.spec import spec_from_dict
 
-    widths = [sd[pairs[0][0]].shape[1], *(sd[w].shape[0] for w, _ in pairs)]
-    model = MLP(widths[0], widths[1:-1], widths[-1])
-    with torch.no_grad():
-        for layer, (w, b) in zip(model.layers, pairs):
-            layer.weight.copy_(sd[w].float())
-            layer.bias.copy_(sd[b].float())
-    return model
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"architecture spec {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"architecture spec {path} is not JSON ({err})") from None
+    return spec_from_dict(data)
+
+
+def _fuse_point_estimates(state_dicts, names, method, hyper, seed, arch, spec_path):
+    """Match (pfnm/nafi) or average (fedavg) state_dicts described by a permutation spec."""
+    from bayesfuse.baselines import fedavg_state_dicts
+    from bayesfuse.fusion import DEFAULTS
+    from bayesfuse.inference.layerwise import match_layerwise
+    from bayesfuse.nets.spec import spec_for_state_dict
+
+    if spec_path is not None:
+        spec = _load_spec(spec_path, names)
+    else:
+        if arch in ("auto", "mlp") and not any(t.ndim in (3, 4) for t in state_dicts[0].values()) and not any(
+                k.endswith("running_mean") or "weight_ih_l" in k for k in state_dicts[0]):
+            for sd, n in zip(state_dicts, names):
+                _linear_pairs(sd, n)  # clearest messages for plain MLP files
+        spec = spec_for_state_dict(state_dicts[0], arch, names[0])
+    for sd, n in zip(state_dicts, names):
+        spec.check(sd, n)
+        for k, t in sd.items():
+            if 0 in t.shape:
+                raise ValueError(f"{n}: layer entry {k!r} has zero width {tuple(t.shape)}")
+    if not spec.groups:
+        raise ValueError(f"{names[0]}: the network has no hidden layer to match")
+    if method == "fedavg":
+        for sd, n in zip(state_dicts[1:], names[1:]):
+            for k, t in sd.items():
+                if t.shape != state_dicts[0][k].shape:
+                    raise ValueError(f"{n}: fedavg needs identical widths, {k!r} has shape {tuple(t.shape)} and "
+                                     f"{tuple(state_dicts[0][k].shape)} in {names[0]}")
+        fused = fedavg_state_dicts(state_dicts)
+        sizes = spec.sizes({k: v.numpy() for k, v in fused.items()})
+        return OrderedDict(fused), [], [sizes[g] for g in spec.groups], spec
+    settings = dict(DEFAULTS[method])
+    settings.update({k: v for k, v in hyper.items() if k in settings})
+    if method == "pfnm" and settings["kl_weight"] != 0.0:
+        raise ValueError("method 'pfnm' has no KL penalty; use nafi for kl_weight > 0")
+    arrays = [{k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
+              for sd in state_dicts]
+    if len(arrays) == 1:
+        import warnings
+
+        warnings.warn("only one model: fusion returns it (its posterior, shrunk by the prior)", UserWarning,
+                      stacklevel=3)
+    res = match_layerwise(arrays, spec, cost=hyper.get("cost", "pfnm"), n_iter=hyper.get("n_iter", 10), seed=seed,
+                          direction=hyper.get("direction", "bottom-up"), names=names, **settings)
+    fused = OrderedDict((k, torch.as_tensor(res.state_dict[k]).to(state_dicts[0][k].dtype)) for k in state_dicts[0])
+    return fused, [res.layers[g] for g in spec.groups], [res.sizes[g] for g in spec.groups], spec
 
 
 def _to_bnn(sd: dict, name: str):
@@ -115,19 +171,28 @@ def fuse_files(
     fmt: str | None = None,
     force: bool = False,
     seed: int = 0,
+    arch: str = "auto",
+    spec_path: str | Path | None = None,
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
-    Nothing is written unless fusion succeeds; existing outputs are replaced only with ``force``.
-    Returns the report.
+    Point-estimate networks are described by a permutation spec: read from ``spec_path`` (JSON,
+    :func:`~bayesfuse.nets.spec.spec_to_dict`) or derived from the first file's entries for
+    ``arch`` (:func:`~bayesfuse.nets.spec.spec_for_state_dict`). Nothing is written unless
+    fusion succeeds; existing outputs are replaced only with ``force``. Returns the report.
     """
     from bayesfuse import __version__
-    from bayesfuse.baselines import fedavg
     from bayesfuse.fusion import fuse
 
     start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "fedma":
+        raise ValueError("fedma retrains each client between layers, so it needs the clients' data, not only their "
+                         "files; run it where the data is (bayesfuse.fuse(models, 'fedma', data=...) or "
+                         "`bayesfuse demo --methods fedma`), or fuse the files in one shot with pfnm or nafi")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     hyper = dict(hyper or {})
     unknown = set(hyper) - set(HYPER_KEYS[method])
     if unknown:
@@ -167,30 +232,11 @@ def fuse_files(
         fused_sd = result.model.state_dict()
         layers = result.layers
     else:
-        pairs = [_linear_pairs(sd, n) for sd, n in zip(state_dicts, names)]
-        ref_keys = [k for pair in pairs[0] for k in pair]
-        for p, n in zip(pairs[1:], names[1:]):
-            if [k for pair in p for k in pair] != ref_keys:
-                raise ValueError(f"{n}: parameter names differ from {names[0]}'s ({ref_keys})")
-        models = [_to_mlp(sd, p) for sd, p in zip(state_dicts, pairs)]
-        for model, n in zip(models[1:], names[1:]):
-            w0, w = models[0].widths, model.widths
-            if (w[0], w[-1]) != (w0[0], w0[-1]) or len(w) != len(w0):
-                raise ValueError(f"{n}: architecture {w} does not match {names[0]}'s {w0}")
-            if method == "fedavg" and w != w0:
-                raise ValueError(f"{n}: fedavg needs identical widths, got {w} and {w0}")
-        if method == "fedavg":
-            fused_model, layers, sizes = fedavg(models), [], models[0].widths[1:-1]
-        else:
-            result = fuse(models, method, seed=seed, **hyper)
-            fused_model, layers = result.model, result.layers
-        fused_sd = OrderedDict()
-        for layer, (w, b) in zip(fused_model.layers, pairs[0]):
-            fused_sd[w] = layer.weight.detach().to(state_dicts[0][w].dtype)
-            fused_sd[b] = layer.bias.detach().to(state_dicts[0][b].dtype)
-
+        fused_sd, layers, sizes, spec = _fuse_point_estimates(state_dicts, names, method, hyper, seed, arch, spec_path)
     report = {
         "method": method,
+        "architecture": None if all(is_bnn) else {"groups": list(spec.groups), "spec_file": str(spec_path) if spec_path
+                                                  else None},
         "hyper": hyper,
         "seed": seed,
         "inputs": files,

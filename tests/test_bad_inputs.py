@@ -60,10 +60,10 @@ CLI_CASES = [
     ("truncated", "not a plain state_dict"),
     ("pickled object", "weights_only"),
     ("nan weights", "NaN"),
-    ("other classes", "does not match"),
-    ("other inputs", "does not match"),
+    ("other classes", "has 5 classes in 'fc2.weight'"),
+    ("other inputs", "differ beyond hidden widths"),
     ("zero width", "zero width"),
-    ("other names", "parameter names differ"),
+    ("other names", "lacks entries"),
     ("missing bias", "no matching bias"),
     ("unknown suffix", "unknown model file type"),
 ]
@@ -81,7 +81,8 @@ def test_cli_rejects_bad_files(files, tmp_path, capsys, case, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "fedma"], "unknown method 'fedma'"),
+    (["--method", "fedma"], "needs the clients' data"),
+    (["--method", "magic"], "unknown method 'magic'"),
     (["--method", "pfnm", "--hyper", "sigma=2"], "unknown hyper-parameter 'sigma'"),
     (["--method", "pfnm", "--hyper", "noise_var"], "key=value"),
     (["--method", "pfnm", "--hyper", "noise_var=-1"], "noise_var must be positive"),

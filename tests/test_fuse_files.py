@@ -77,3 +77,87 @@ def test_safetensors_round_trip(tmp_path):
     back = load_state_dict(tmp_path / "m.safetensors")
     for k in sd:
         assert torch.equal(back[k], sd[k])
+
+
+@pytest.fixture(scope="module")
+def deep_files(tmp_path_factory, split):
+    """Checkpoints of three architectures, three clients each, saved under torch's own names."""
+    d = tmp_path_factory.mktemp("deep")
+    part = dirichlet_partition(split.train.y, 3, 0.5, seed=1)
+    out = {}
+    for arch, cfg in {"mlp": TrainConfig(hidden=(16, 12), epochs=2),
+                      "cnn": TrainConfig(arch="cnn", channels=(4, 6), hidden=(12,), epochs=2),
+                      "lstm": TrainConfig(arch="lstm", hidden=(10,), epochs=2)}.items():
+        models = train_clients(split.train, part, cfg, shared_init=False, verbose=False)
+        out[arch] = (models, [save_state_dict(m.state_dict(), d / f"{arch}{j}.safetensors")
+                              for j, m in enumerate(models)])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "lstm"])
+def test_deep_checkpoints_fuse_like_the_library_and_are_order_free(deep_files, tmp_path, arch):
+    from bayesfuse import fuse
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.spec import spec_for_state_dict
+
+    models, paths = deep_files[arch]
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    report = fuse_files(paths, "nafi", a, arch=arch)
+    fuse_files(paths[::-1], "nafi", b)  # auto-detected architecture, reversed order
+    assert a.read_bytes() == b.read_bytes()
+    fused = rebuild(models[0], load_state_dict(a))
+    fused_sd = load_state_dict(a)
+    sizes = spec_for_state_dict(fused_sd).sizes({k: v.numpy() for k, v in fused_sd.items()})
+    assert report["global_sizes"] == list(sizes.values())
+    # same as bayesfuse.fuse on the models in the files' canonical order
+    order = [[str(p) for p in paths].index(p) for p in report["fused_order"]]
+    lib = fuse([models[i] for i in order], "nafi")
+    x = torch.randn(20, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused.eval()(x), lib.model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_arch_spec_file(deep_files, tmp_path):
+    from bayesfuse.nets.spec import spec_from_module, spec_to_dict
+
+    models, paths = deep_files["cnn"]
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec_to_dict(spec_from_module(models[0]))))
+    out = tmp_path / "f.safetensors"
+    assert main(["fuse", *map(str, paths), "--method", "pfnm", "--arch-spec", str(spec_file), "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "f.safetensors.json").read_text())
+    assert report["architecture"]["groups"] == ["P1", "P2", "P3"]
+
+
+def test_safetensors_keep_entry_order(tmp_path):
+    from safetensors.torch import save
+
+    names = ["10.weight", "2.weight", "1.weight"]
+    sd = {k: torch.zeros(1) for k in names}
+    save_state_dict(sd, tmp_path / "ours.safetensors")
+    assert list(load_state_dict(tmp_path / "ours.safetensors")) == names
+    (tmp_path / "plain.safetensors").write_bytes(save(sd))  # no order recorded: numeric name order
+    assert list(load_state_dict(tmp_path / "plain.safetensors")) == ["1.weight", "2.weight", "10.weight"]
+
+
+@pytest.mark.parametrize("content, arch, message", [
+    ("not json", None, "is not JSON"),
+    ('{"layers": []}', None, "needs an 'axes' object"),
+    ('{"axes": {"1.weight": "P1"}}', None, "must be a list"),
+    ('{"axes": {"1.weight": [{"group": 3}]}}', None, "an axis is null, a group name"),
+    ('{"axes": {"1.weight": ["P1", null, null, null]}}', None, "has entries"),
+    (None, "mlp", "--arch mlp but the file holds convolutions"),
+    (None, "lstm", "no LSTM entries"),
+])
+def test_bad_architecture_specs(deep_files, tmp_path, capsys, content, arch, message):
+    _, paths = deep_files["cnn"]
+    argv = ["fuse", *map(str, paths), "--method", "pfnm", "--out", str(tmp_path / "f.pt")]
+    if content is not None:
+        (tmp_path / "spec.json").write_text(content)
+        argv += ["--arch-spec", str(tmp_path / "spec.json")]
+    if arch is not None:
+        argv += ["--arch", arch]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "f.pt").exists() and not (tmp_path / "f.pt.json").exists()

@@ -227,9 +227,15 @@ def match_group(
     n_iter: int = 10,
     seed=0,
     bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
+    absent: str = "zero",
     verbose: bool = False,
 ) -> tuple[MatchResult, dict[str, np.ndarray]]:
     """Match the units of one group (BBP-MAP, PFNM supplement eqs. 1-8; NAFI eq. 14).
+
+    Weights from global units a client lacks are unobserved in the matching cost (precision
+    0). In the returned global values they count as zeros (``absent="zero"``, the client's
+    network function; see :func:`_mean_with_zeros`) or stay unobserved (``"unobserved"``: the
+    atom posterior mean of the BBP model, where each client sees part of an atom's inputs).
 
     Returns the matching and the global value of every entry that described the units (its
     other axes in their global bases).
@@ -239,7 +245,9 @@ def match_group(
     if not entries:
         raise ValueError(f"no parameter describes the units of group {group!r}")
     J = len(states)
-    rows, noise, prior_mean, layout = [], [], [], []
+    if absent not in ("zero", "unobserved"):
+        raise ValueError(f"absent must be 'zero' or 'unobserved', got {absent!r}")
+    rows, noise, prior_mean, layout, missing = [], [], [], [], []
     for j, sd in enumerate(states):
         blocks, variances = [], []
         for k in entries:
@@ -255,8 +263,8 @@ def match_group(
             variances.append(v)
             if j == 0:
                 layout.append((k, a.shape, d, axis, r.shape[1]))
-                is_bias = k.endswith(".bias") or k.rsplit(".", 1)[-1].startswith("bias_")
-                mean = bias_prior_mean if (is_bias and k not in spec.output) else 0.0
+                # 1-D entries of hidden units are biases (batch norms are folded out beforehand)
+                mean = bias_prior_mean if (np.ndim(sd[k]) == 1 and k not in spec.output) else 0.0
                 prior_mean.append(np.full(r.shape[1], mean))
         r = np.hstack(blocks)
         v = np.hstack(variances)
@@ -264,20 +272,44 @@ def match_group(
         if unseen.any():
             if not (unseen == unseen[0]).all():
                 raise AssertionError("unobserved coordinates differ between units of one client")
-            v = np.where(unseen[0], np.inf, v)
             r = np.where(unseen, 0.0, r)
         rows.append(r)
         noise.append(v)
+        missing.append(unseen[0] if len(r) else np.zeros(r.shape[1], dtype=bool))
     noise = np.vstack(noise)
-    uniform = (noise == noise[0, 0]).all()
-    result = match_neurons(rows, noise_var=float(noise[0, 0]) if uniform else noise, prior_var=prior_var,
-                           prior_mean=np.hstack(prior_mean), gamma0=gamma0, kl_weight=kl_weight, cost=cost,
+    missing = np.vstack(missing)
+    match_noise = np.where(missing, np.inf, noise)
+    uniform = (match_noise == match_noise[0, 0]).all()
+    mu0 = np.hstack(prior_mean)
+    result = match_neurons(rows, noise_var=float(match_noise[0, 0]) if uniform else match_noise, prior_var=prior_var,
+                           prior_mean=mu0, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
                            n_iter=n_iter, seed=seed, verbose=verbose)
+    mean = result.mean
+    if missing.any() and absent == "zero":
+        mean = _mean_with_zeros(rows, noise, result.assignments, result.n_global, mu0, prior_var)
     values, start = {}, 0
     for k, shape, d, axis, width in layout:
-        values[k] = _from_rows(result.mean[:, start : start + width], shape, d, axis)
+        values[k] = _from_rows(mean[:, start : start + width], shape, d, axis)
         start += width
     return result, values
+
+
+def _mean_with_zeros(rows, noise, assignments, n_global, mu0, prior_var) -> np.ndarray:
+    """Atom means when a client's weight from a unit it lacks counts as an observed 0.
+
+    That is its network's function: the unit is not there, so nothing flows from it. A merged
+    upper unit then gets the *average* of its clients' incoming weights, zeros included
+    (FedMA's ``1/J sum_j W_j Pi_j^T`` with zero "dummy" units), and its pre-activation is the
+    average of theirs instead of their sum.
+    """
+    with np.errstate(divide="ignore"):
+        prec = 1.0 / noise  # (J, D); inf variance (a class a client never saw) -> 0
+    h = np.tile(mu0 / prior_var, (n_global, 1))
+    lam = np.full((n_global, rows[0].shape[1]), 1.0 / prior_var)
+    for j, a in enumerate(assignments):
+        h[a] += rows[j] * prec[j]
+        lam[a] += prec[j]
+    return h / lam
 
 
 def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapping[str, _Basis], done: set[str],
@@ -335,6 +367,8 @@ def match_layerwise(
     fold_bn: bool = True,
     bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
     verbose: bool = False,
+    names: Sequence[str] | None = None,
+    absent: Literal["zero", "unobserved"] = "zero",
 ) -> LayerwiseResult:
     """One-shot matching of deep networks: multilayer PFNM (NAFI with ``kl_weight > 0``).
 
@@ -355,6 +389,12 @@ def match_layerwise(
         As in :func:`~bayesfuse.inference.matching.match_neurons`, the same for every group.
     fold_bn : bool
         Fold batch norms first (NAFI appendix E); needed when clients have batch norms.
+    names : sequence of str, optional
+        How error messages call the clients (file names); ``"client j"`` by default.
+    absent : {"zero", "unobserved"}
+        How a client's (absent) weights from global units it lacks enter the global weights:
+        as zeros, which averages the merged units' pre-activations (the default, function
+        preserving), or not at all, the BBP posterior mean (see :func:`match_group`).
 
     Returns
     -------
@@ -363,7 +403,7 @@ def match_layerwise(
     start = time.perf_counter()
     if direction not in ("bottom-up", "top-down"):
         raise ValueError(f"direction must be 'bottom-up' or 'top-down', got {direction!r}")
-    arrays = check_states(states, spec)
+    arrays = check_states(states, spec, names)
     if spec.folds:
         if not fold_bn:
             raise ValueError("the networks have batch norms; matching needs them folded (fold_bn=True)")
@@ -378,7 +418,7 @@ def match_layerwise(
         result, vals = match_group(arrays, spec, group, matched, class_shares=shares, noise_var=noise_var,
                                    prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
                                    n_iter=n_iter, seed=_group_seed(seed, i), bias_prior_mean=bias_prior_mean,
-                                   verbose=verbose)
+                                   absent=absent, verbose=verbose)
         matched[group] = _Basis(result.assignments, result.n_global)
         layers[group] = result
         values.update(vals)
@@ -389,7 +429,7 @@ def match_layerwise(
         layers=layers,
         order=order,
         sizes={g: layers[g].n_global for g in spec.groups},
-        hyper=dict(direction=direction, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
+        hyper=dict(direction=direction, absent=absent, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
                    kl_weight=kl_weight, cost=cost, n_iter=n_iter, seed=seed),
         seconds=time.perf_counter() - start,
     )

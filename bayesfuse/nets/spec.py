@@ -38,6 +38,10 @@ __all__ = [
     "to_global_basis",
     "random_permutations",
     "spec_from_module",
+    "spec_for_state_dict",
+    "entry_order",
+    "spec_to_dict",
+    "spec_from_dict",
     "UnsupportedLayerError",
 ]
 
@@ -386,4 +390,152 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
         # by design (that is what they are for) and have no state_dict entries.
     spec = chain(*parts, output=tuple(k for k in (f"{weighted[-1]}.weight", f"{weighted[-1]}.bias")
                                       if k in dict(model.state_dict())))
+    return spec
+
+
+# --------------------------------------------------------------------------- files and state_dicts
+
+
+def spec_to_dict(spec: PermutationSpec) -> dict:
+    """A JSON-ready description: ``{"axes": {name: [null | "P1" | {"group", "outer", "inner"}]}, ...}``."""
+    def axis(a):
+        if a is None:
+            return None
+        if a.outer == 1 and a.inner == 1:
+            return a.group
+        return {"group": a.group, "outer": a.outer, "inner": a.inner}
+
+    return {"axes": {k: [axis(a) for a in v] for k, v in spec.axes.items()}, "groups": list(spec.groups),
+            "folds": dict(spec.folds), "output": list(spec.output)}
+
+
+def spec_from_dict(data: Mapping) -> PermutationSpec:
+    """Inverse of :func:`spec_to_dict`; raises ``ValueError`` naming what is malformed."""
+    if not isinstance(data, Mapping) or "axes" not in data or not isinstance(data["axes"], Mapping):
+        raise ValueError("an architecture spec needs an 'axes' object mapping parameter names to lists of axes")
+
+    def axis(name, a):
+        if a is None or isinstance(a, str):
+            return a
+        if isinstance(a, Mapping) and isinstance(a.get("group"), str):
+            try:
+                return Axis(a["group"], int(a.get("outer", 1)), int(a.get("inner", 1)))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"spec entry {name!r}: bad axis {a!r} ({err})") from None
+        raise ValueError(f"spec entry {name!r}: an axis is null, a group name or {{'group', 'outer', 'inner'}}, got {a!r}")
+
+    axes = {}
+    for name, v in data["axes"].items():
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"spec entry {name!r} must be a list with one axis per dimension, got {v!r}")
+        axes[name] = tuple(axis(name, a) for a in v)
+    return PermutationSpec(axes, tuple(data.get("groups", ())), dict(data.get("folds", {})),
+                           tuple(data.get("output", ())))
+
+
+def entry_order(keys) -> list[str]:
+    """The entries in forward order as far as names tell.
+
+    A state_dict saved by torch lists entries in module order; keep it. Formats that sort
+    names (safetensors) lose it: then sort numerically-aware, so that ``"10.weight"`` follows
+    ``"9.weight"`` (the order of ``nn.Sequential`` and ``nn.ModuleList`` children).
+    """
+    import re
+
+    keys = list(keys)
+    if keys != sorted(keys):
+        return keys
+    natural = lambda k: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", k)]  # noqa: E731
+    return sorted(keys, key=natural)
+
+
+def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "state_dict") -> PermutationSpec:
+    """Derive the spec of a plain feed-forward or LSTM network from its entries' names and shapes.
+
+    Entries are read in order. ``"lstm"``: ``<p>.weight_ih_l<k>`` ... of one ``nn.LSTM`` then one
+    dense output layer. ``"mlp"``/``"cnn"``: 4-D weights are convolutions, 2-D weights dense
+    layers, each followed by its ``bias``; a batch norm (``weight``, ``bias``, ``running_mean``,
+    ``running_var``, ``num_batches_tracked``) follows its layer; a dense layer after a
+    convolution reads its channels flattened (``inner = in_features / channels``). The last
+    weighted layer is the output. ``"auto"`` picks ``"lstm"`` when LSTM entries are present.
+    """
+    import re
+
+    keys = entry_order(state_dict)
+    shapes = {k: tuple(np.shape(state_dict[k])) for k in keys}
+    lstm_keys = [k for k in keys if re.search(r"\.weight_ih_l\d+$", k)]
+    if arch not in ("auto", "mlp", "cnn", "lstm"):
+        raise ValueError(f"unknown architecture {arch!r}; known: auto, mlp, cnn, lstm")
+    if arch == "auto":
+        arch = "lstm" if lstm_keys else ("cnn" if any(len(s) == 4 for s in shapes.values()) else "mlp")
+    if arch == "lstm":
+        if not lstm_keys:
+            raise ValueError(f"{name}: no LSTM entries ('<name>.weight_ih_l0') found")
+        prefix = lstm_keys[0].rsplit(".", 1)[0]
+        n_layers = len(lstm_keys)
+        rest = [k for k in keys if not k.startswith(prefix + ".")]
+        weights = [k for k in rest if len(shapes[k]) == 2]
+        if len(weights) != 1 or not weights[0].endswith("weight"):
+            raise ValueError(f"{name}: an LSTM spec needs exactly one dense output layer after the LSTM, found {weights}")
+        out = weights[0][: -len("weight")]
+        top = "H" if n_layers == 1 else f"H_{n_layers - 1}"
+        parts = [lstm(prefix, None, "H", num_layers=n_layers, bias=f"{prefix}.bias_ih_l0" in shapes),
+                 dense(out.rstrip("."), top, None, bias=f"{out}bias" in shapes)]
+        spec = chain(*parts, output=tuple(k for k in (f"{out}weight", f"{out}bias") if k in shapes))
+        spec.check(state_dict, name)
+        return spec
+    layers: list[tuple[str, str]] = []  # (prefix, kind)
+    i = 0
+    while i < len(keys):
+        k = keys[i]
+        s = shapes[k]
+        if k.endswith("weight") and len(s) in (2, 3, 4):
+            layers.append((k[: -len("weight")].rstrip("."), "dense" if len(s) == 2 else "conv"))
+        elif k.endswith("running_mean"):
+            layers.append((k[: -len("running_mean")].rstrip("."), "bn"))
+        elif k.endswith(("bias", "weight", "running_var", "num_batches_tracked")):
+            pass
+        else:
+            raise ValueError(f"{name}: entry {k!r} {s} is neither a Linear/Conv weight, a bias nor batch-norm "
+                             "state; give an architecture spec (--arch-spec) for this network")
+        i += 1
+    weighted = [p for p, kind in layers if kind != "bn"]
+    if not weighted:
+        raise ValueError(f"{name}: no Linear or Conv weights found")
+    parts = []
+    current: Axis | None = None
+    channels = None
+    counter = 0
+    last = None
+    for p, kind in layers:
+        w = f"{p}.weight" if p else "weight"
+        if kind == "bn":
+            if current is None:
+                raise ValueError(f"{name}: batch norm {p!r} does not follow a hidden layer")
+            parts.append(batchnorm(p, current.group, after=last))
+            continue
+        out = None
+        if p != weighted[-1]:
+            counter += 1
+            out = f"P{counter}"
+        has_bias = f"{p}.bias" in shapes
+        if kind == "conv":
+            parts.append(conv(p, current, out, bias=has_bias, ndim=len(shapes[w]) - 2))
+            channels = shapes[w][0]
+        else:
+            inp = current
+            if current is not None and channels is not None:
+                inner, rest = divmod(shapes[w][1], channels)
+                if rest or inner == 0:
+                    raise ValueError(f"{name}: dense layer {p!r} takes {shapes[w][1]} inputs, not a multiple of the "
+                                     f"{channels} channels before it")
+                inp = Axis(current.group, inner=inner)
+            parts.append(dense(p, inp, out, bias=has_bias))
+            channels = None
+        current = _axis(out)
+        last = p
+    spec = chain(*parts, output=tuple(k for k in (f"{weighted[-1]}.weight", f"{weighted[-1]}.bias") if k in shapes))
+    if arch == "mlp" and any(kind != "dense" for _, kind in layers):
+        raise ValueError(f"{name}: --arch mlp but the file holds convolutions or batch norms; use --arch cnn")
+    spec.check(state_dict, name)
     return spec

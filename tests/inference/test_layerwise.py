@@ -94,8 +94,8 @@ def test_top_down_describes_upper_units_by_few_numbers_and_merges_them():
     assert acc(down) < acc(up)
 
 
-def test_unobserved_inputs_do_not_pull_the_global_weights():
-    """Client 1 lacks lower unit 2: its upper units' weights from it are unobserved, not zero."""
+def test_absent_inputs_in_the_cost_and_in_the_global_weights():
+    """Client 1 lacks lower unit 2: its upper units' weights from it are unobserved in the cost."""
     spec = chain(dense("a", None, "P"), dense("b", "P", "Q"), dense("c", "Q", None), output=("c.weight", "c.bias"))
     rng = np.random.default_rng(0)
     a_w, a_b = rng.normal(size=(3, 4)) * 3, rng.normal(size=3) * 3
@@ -104,13 +104,20 @@ def test_unobserved_inputs_do_not_pull_the_global_weights():
     full = {"a.weight": a_w, "a.bias": a_b, "b.weight": b_w, "b.bias": b_b, "c.weight": c_w, "c.bias": c_b}
     part = {"a.weight": a_w[:2], "a.bias": a_b[:2], "b.weight": b_w[:, :2] + 0.5, "b.bias": b_b,
             "c.weight": c_w, "c.bias": c_b}
-    res = match_layerwise([full, part], spec, prior_var=1e8, noise_var=1.0, bias_prior_mean=0.0)
+    res = match_layerwise([full, part], spec, prior_var=1e8, noise_var=1.0, bias_prior_mean=0.0, absent="unobserved")
     assert res.sizes == {"P": 3, "Q": 2}
     p_order = np.argsort(res.layers["P"].assignments[0])  # global P unit -> client 0's unit
     q_order = np.argsort(res.layers["Q"].assignments[0])
     got = res.state_dict["b.weight"][np.ix_(np.argsort(q_order), np.argsort(p_order))]
     # unit 2's column: only client 0 saw it; the others average the two clients
     np.testing.assert_allclose(got[:, 2], b_w[:, 2], rtol=1e-6)
+    np.testing.assert_allclose(got[:, :2], b_w[:, :2] + 0.25, rtol=1e-6)
+    # absent="zero" (the default): client 1's network has no weight from unit 2, i.e. 0, so
+    # the merged units average b_w[:, 2] with 0 and their pre-activation is the clients' mean
+    zero = match_layerwise([full, part], spec, prior_var=1e8, noise_var=1.0, bias_prior_mean=0.0)
+    assert [a.tolist() for a in zero.layers["Q"].assignments] == [a.tolist() for a in res.layers["Q"].assignments]
+    got = zero.state_dict["b.weight"][np.ix_(np.argsort(q_order), np.argsort(p_order))]
+    np.testing.assert_allclose(got[:, 2], b_w[:, 2] / 2, rtol=1e-6)
     np.testing.assert_allclose(got[:, :2], b_w[:, :2] + 0.25, rtol=1e-6)
 
 
