@@ -119,16 +119,27 @@ def klfusion_to_arviz(result, *, num_draws: int = 1000, chains: int = 4, seed: i
                              constant_data=data, extra_coords=coords, extra_dims=dims, weight_names=weight_names)
 
 
-def fusion_to_arviz(result, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):
-    """:class:`~bayesfuse.fusion.FusionResult` -> ArviZ, for its (single) hidden layer.
+def fusion_to_arviz(result, *, layer: int | str = 0, num_draws: int = 1000, chains: int = 4, seed: int = 0):
+    """:class:`~bayesfuse.fusion.FusionResult` -> ArviZ, for one matched hidden layer.
 
-    For a fused BNN the draws are of its guide's unit posterior (incoming weights, bias, log
-    scale, outgoing weights); for fused MLPs, of the matching's atom posterior.
+    ``layer`` is an index into ``result.layers`` or a group name of ``result.groups``
+    (``"P2"``: the second hidden layer of a deep MLP). For a fused BNN the draws are of its
+    guide's unit posterior (incoming weights, bias, log scale, outgoing weights); for fused
+    networks, of the matching's atom posterior (the numbers that described each unit).
     """
     from bayesfuse.inference.klfusion import KLFusionResult
     from bayesfuse.models.bnn import HorseshoeBNN
 
-    layer = result.layers[0]
+    if not result.layers:
+        raise ValueError(f"a {result.method} result has no matched layers to export")
+    if isinstance(layer, str):
+        groups = list(getattr(result, "groups", ()))
+        if layer not in groups:
+            raise ValueError(f"no layer {layer!r}; the matched groups are {groups}")
+        layer = groups.index(layer)
+    if not -len(result.layers) <= layer < len(result.layers):
+        raise IndexError(f"layer {layer} out of range: the result has {len(result.layers)} matched layers")
+    layer = result.layers[layer]
     if isinstance(result.model, HorseshoeBNN):
         from bayesfuse.nets.bnn_posterior import BNNPosterior
 

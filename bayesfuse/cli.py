@@ -36,6 +36,20 @@ def _methods(text: str) -> tuple[str, ...]:
     return methods
 
 
+def _pan(text: str):
+    from bayesfuse.nets.pans import PANConfig
+
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        mode, period, amplitude = parts[0], float(parts[1]), float(parts[2])
+        if len(parts) != 3:
+            raise IndexError
+        return PANConfig(mode, period, amplitude)
+    except (IndexError, ValueError) as err:
+        detail = f" ({err})" if isinstance(err, ValueError) and "float" not in str(err) else ""
+        raise argparse.ArgumentTypeError(f"expected MODE,T,A such as mul,1,0.1, got {text!r}{detail}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bayesfuse import __version__
 
@@ -72,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "fedma-nafi, fedavg-rounds (FedAvg with as many rounds as FedMA) (default: pfnm,nafi)")
     demo.add_argument("--retrain-epochs", type=_positive_int, default=None,
                       help="epochs of client training per FedMA/FedAvg round (default: --epochs)")
+    demo.add_argument("--pan", type=_pan, default=None, metavar="MODE,T,A",
+                      help="position-aware neurons in the hidden layers, e.g. mul,1,0.1 (mode add or mul, "
+                      "period T, amplitude A); default: plain neurons")
     demo.add_argument("--out", default="bayesfuse-demo", help="output directory (default: ./bayesfuse-demo)")
     demo.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing the demo's files")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -108,7 +125,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=args.seed,
         hidden=args.hidden, epochs=args.epochs, shared_init=args.shared_init,
         data_path=args.data_path, arch=args.arch, channels=args.channels, methods=args.methods,
-        retrain_epochs=args.retrain_epochs,
+        retrain_epochs=args.retrain_epochs, pan=args.pan,
     )
     result = run_demo(config, out=args.out, force=args.force, verbose=False if args.quiet else None)
     p = result.partition

@@ -30,6 +30,7 @@ from bayesfuse.fusion import fuse
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.federated import run_fedavg
+from bayesfuse.nets.pans import PANConfig
 from bayesfuse.nets.spec import spec_from_module
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 
@@ -57,6 +58,7 @@ class DemoConfig:
     channels: tuple[int, ...] = (16, 32)
     methods: tuple[str, ...] = ("pfnm", "nafi")
     retrain_epochs: int | None = None
+    pan: PANConfig | None = None
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in DEMO_METHODS]
@@ -67,7 +69,7 @@ class DemoConfig:
         """Local training settings. ConvNets train faster on every core (large matrix
         products), MLPs and LSTMs on one (see ``benchmarks/bench_training.py``)."""
         return TrainConfig(arch=self.arch, hidden=self.hidden, channels=self.channels, epochs=self.epochs,
-                           seed=self.seed, num_threads=None if self.arch == "cnn" else 1)
+                           seed=self.seed, num_threads=None if self.arch == "cnn" else 1, pan=self.pan)
 
 
 @dataclass

@@ -76,11 +76,12 @@ class FusionResult:
     seconds: float = 0.0
     groups: tuple = ()
 
-    def to_arviz(self, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):
-        """Draws of the fused posterior and the assignments as an ArviZ object (see :mod:`bayesfuse.analysis`)."""
+    def to_arviz(self, *, layer: int | str = 0, num_draws: int = 1000, chains: int = 4, seed: int = 0):
+        """Draws of one layer's fused posterior and its assignments as an ArviZ object (see
+        :func:`bayesfuse.analysis.fusion_to_arviz`)."""
         from bayesfuse.analysis import fusion_to_arviz
 
-        return fusion_to_arviz(self, num_draws=num_draws, chains=chains, seed=seed)
+        return fusion_to_arviz(self, layer=layer, num_draws=num_draws, chains=chains, seed=seed)
 
 
 def _warn_single(models) -> None:

@@ -68,3 +68,25 @@ def test_bad_inputs():
         gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), num_draws=10, chains=4)
     with pytest.raises(ValueError, match="non-negative"):
         gaussian_to_arviz(np.zeros((2, 2)), -np.ones((2, 2)))
+
+
+def test_deep_fusion_exports_each_layer():
+    import torch
+
+    from bayesfuse import fuse
+    from bayesfuse.nets.mlp import MLP
+
+    torch.manual_seed(0)
+    models = [MLP(6, [5, 4], 3) for _ in range(2)]
+    for m in models:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, 1.0)
+    res = fuse(models, "pfnm")
+    for key, layer in (("P2", res.layers[1]), (1, res.layers[1]), (0, res.layers[0])):
+        idata = res.to_arviz(layer=key, num_draws=N)
+        _check_moments(idata, layer.mean, layer.var)
+    with pytest.raises(ValueError, match=r"no layer 'P9'; the matched groups are \['P1', 'P2'\]"):
+        res.to_arviz(layer="P9")
+    with pytest.raises(ValueError, match="no matched layers"):
+        fuse(models, "fedavg").to_arviz()

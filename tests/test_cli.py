@@ -69,3 +69,36 @@ def test_console_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "bayesfuse.cli", "demo", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--clients" in out and "--force" in out
+
+
+@pytest.mark.parametrize("arch, extra", [("cnn", ["--channels", "4,6"]), ("lstm", []), ("mlp", ["--hidden", "20,16"])])
+def test_demo_deep_architectures_with_fedma(tmp_path, arch, extra):
+    out = tmp_path / "o"
+    argv = [*SMALL, "--arch", arch, *extra, "--methods", "pfnm,fedma,fedavg-rounds", "--retrain-epochs", "1",
+            "--out", str(out)]
+    assert main(argv) == 0
+    with open(out / "results.csv") as fh:
+        rows = {r["method"]: r for r in csv.DictReader(fh)}
+    groups = {"cnn": 3, "lstm": 1, "mlp": 2}[arch]
+    assert int(rows["fedma"]["rounds"]) == groups + 1
+    assert rows[f"fedavg x{groups + 1} rounds"]["rounds"] == str(groups + 1)
+    assert rows["pfnm"]["rounds"] == "1" and rows["local (mean of 4)"]["rounds"] == "0"
+
+
+def test_demo_with_position_aware_neurons(tmp_path):
+    out = tmp_path / "o"
+    assert main([*SMALL, "--pan", "mul,1,0.1", "--methods", "fedavg-rounds", "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["config"]["pan"] == {"mode": "mul", "period": 1.0, "amplitude": 0.1}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pan", "mul,1"], "expected MODE,T,A"),
+    (["--pan", "sideways,1,0.1"], "PAN mode must be 'add' or 'mul'"),
+    (["--methods", "pfnm,magic"], "unknown methods ['magic']"),
+])
+def test_demo_bad_options_are_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*SMALL, *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
