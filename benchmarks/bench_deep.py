@@ -48,7 +48,7 @@ def synthetic(seed: int) -> None:
         for cost, nv in (("pfnm", 1.0), ("marginal", 0.01)):
             start = time.perf_counter()
             res = match_layerwise(fed.states, spec, direction=direction, cost=cost, noise_var=nv, prior_var=1.0,
-                                  gamma0=100.0, bias_prior_mean=0.0)
+                                  gamma0=100.0, bias_prior_mean=0.0, absent="unobserved")
             seconds = time.perf_counter() - start
             acc = [assignment_accuracy(fed.assignments[n], res.layers[g].assignments) for n, g in enumerate(spec.groups)]
             rows.append({"order": direction, "cost": f"{cost} s2={nv}",
