@@ -37,6 +37,12 @@ def _client_data(train: Dataset, partition) -> list[np.ndarray]:
     return parts
 
 
+def tensors(state: dict) -> dict:
+    """NumPy state_dict -> tensors (floating entries as float32)."""
+    return {k: torch.as_tensor(np.asarray(v), dtype=torch.float32) if np.issubdtype(np.asarray(v).dtype, np.floating)
+            else torch.as_tensor(np.asarray(v)) for k, v in state.items()}
+
+
 def _state_bytes(state) -> int:
     return int(sum(4 * v.numel() for v in state.values() if v.is_floating_point()))
 
@@ -97,14 +103,16 @@ def run_fedma(
     bar = tqdm(total=len(spec.groups) * len(models), desc="FedMA retraining", unit="client",
                disable=not _progress(verbose))
 
-    def client_update(j: int, state: dict, frozen: set) -> dict:
-        net = rebuild(models[j], {k: torch.as_tensor(v, dtype=torch.float32) if np.issubdtype(v.dtype, np.floating)
-                                  else torch.as_tensor(v) for k, v in state.items()})
+    def retrain(j: int, state: dict, frozen: set) -> dict:
+        net = rebuild(models[j], tensors(state))
         cfg = replace(config, seed=config.seed + 1000 * (len(frozen) + 1) + j)
         train_model(net, train.x[parts[j]], train.y[parts[j]], train.n_classes, cfg, frozen=frozen,
                     verbose=False, name=f"client {j}")
         bar.update()
         return {k: v.detach().cpu().numpy() for k, v in net.state_dict().items()}
+
+    def client_update(jobs: list, frozen: set) -> list:
+        return [retrain(j, state, frozen) for j, state in jobs]
 
     states = [{k: v.detach().cpu().numpy() for k, v in m.state_dict().items()} for m in models]
     try:

@@ -442,7 +442,9 @@ class FedMAResult:
     bytes_up, bytes_down : int
         Bytes the clients sent and received (float32 entries).
     history : list of dict
-        Per round: the group, global width, seconds, bytes.
+        Per round: the group, global width, seconds, clients dropped.
+    dropped : list of int
+        Clients (indices into the input) dropped after failing to retrain.
     """
 
     state_dict: dict
@@ -454,9 +456,10 @@ class FedMAResult:
     history: list = field(default_factory=list)
     hyper: dict = field(default_factory=dict)
     seconds: float = 0.0
+    dropped: list = field(default_factory=list)
 
 
-ClientUpdate = Callable[[int, dict, set], dict]
+ClientUpdate = Callable[[list, set], list]
 
 
 def fedma(
@@ -489,11 +492,14 @@ def fedma(
     ----------
     states : sequence of dict
         The clients' trained state_dicts.
-    client_update : callable ``(j, state_dict, frozen) -> state_dict``
-        Retrains client j's network from ``state_dict`` (NumPy arrays, global widths below
-        and at the matched group, the client's own above) keeping the entries in ``frozen``
-        fixed, and returns its new state_dict. Batch norms that were folded are identities
-        and must stay in eval mode.
+    client_update : callable ``(jobs, frozen) -> states``
+        ``jobs`` is a list of ``(j, state_dict)``: client j (its index in ``states``) is to
+        retrain its network from ``state_dict`` (NumPy arrays, global widths below and at the
+        matched group, its own above) keeping the entries in ``frozen`` fixed; batch norms
+        that were folded are identities and must stay in eval mode. Return the new
+        state_dicts in the same order, or ``None`` for a client that failed or timed out:
+        it is dropped from the later rounds and reported in ``history``/``dropped``. All
+        clients of a round come in one call, so a federated runtime can train them at once.
     class_counts : (J, K) array, optional
         Examples of each class per client: the output layer's weights ``p_jk``.
     noise_var, prior_var, gamma0, kl_weight, cost, n_iter, seed
@@ -508,6 +514,8 @@ def fedma(
     J = len(arrays)
     n_classes = arrays[0][spec.output[0]].shape[0] if spec.output else 0
     shares = _class_shares(class_counts, J, n_classes)
+    clients = list(range(J))  # original indices of the clients still taking part
+    dropped: list[int] = []
     matched: dict[str, _Basis] = {}
     layers: dict[str, MatchResult] = {}
     frozen_values: dict[str, np.ndarray] = {}
@@ -545,7 +553,7 @@ def fedma(
         frozen_values.update(vals)
         bytes_down += J * sum(4 * int(np.prod(v.shape)) for v in vals.values())
         # clients: global entries so far, next layers mapped onto the global units, retrain the rest
-        new_arrays = []
+        jobs = []
         for j, sd in enumerate(arrays):
             local = {}
             for k in spec.axes:
@@ -554,10 +562,22 @@ def fedma(
                 else:
                     local[k] = _in_basis(sd[k], spec, k, j, {group: basis[group]}, fill=0.0) \
                         if group in spec.groups_of(k) else np.asarray(sd[k])
-            new_arrays.append(client_update(j, local, set(frozen_values)))
-        arrays = check_states(new_arrays, spec)
+            jobs.append((clients[j], local))
+        updated = list(client_update(jobs, set(frozen_values)))
+        if len(updated) != len(jobs):
+            raise ValueError(f"client_update returned {len(updated)} states for {len(jobs)} clients")
+        keep = [j for j, u in enumerate(updated) if u is not None]
+        lost = [clients[j] for j, u in enumerate(updated) if u is None]
+        if not keep:
+            raise RuntimeError(f"every client failed to retrain after matching group {group!r}")
+        dropped += lost
+        arrays = check_states([updated[j] for j in keep], spec, [f"client {clients[j]}" for j in keep])
+        clients, shares = [clients[j] for j in keep], shares[keep]
+        if class_counts is not None and lost:
+            shares = _class_shares(np.asarray(class_counts)[clients], len(clients), n_classes)
+        J = len(clients)
         matched = {g: _Basis([np.arange(b.n_global)] * J, b.n_global) for g, b in basis.items()}
-        history.append(dict(group=group, n_global=G, seconds=time.perf_counter() - t0))
+        history.append(dict(group=group, n_global=G, seconds=time.perf_counter() - t0, dropped=lost))
     # the output layer: class-proportion weighted average of the retrained clients' entries
     t0 = time.perf_counter()
     rest = [k for k in spec.axes if k not in frozen_values]
@@ -586,6 +606,7 @@ def fedma(
         hyper=dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
                    n_iter=n_iter, seed=seed),
         seconds=time.perf_counter() - start,
+        dropped=dropped,
     )
 
 
