@@ -6,6 +6,7 @@ BIN    := $(VENV)/bin
 # that pip never resolves the open range in pyproject.toml to a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.bayesfuse-installed
+FLOWER_STAMP := $(VENV)/.bayesfuse-flower-installed
 DEMO_OUT ?= bayesfuse-demo
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
@@ -23,7 +24,12 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(BIN)/bayesfuse demo --out $(DEMO_OUT) --force
 
-test: venv
+# The test suite also covers the optional Flower integration, so it installs that extra.
+$(FLOWER_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,flower]'
+	@touch $(FLOWER_STAMP)
+
+test: venv $(FLOWER_STAMP)
 	$(BIN)/python -m pytest
 
 bench: venv

@@ -1,0 +1,1 @@
+"""Adapters to federated-learning runtimes; each needs its optional extra (``bayesfuse[flower]``)."""

@@ -1,0 +1,1 @@
+"""A Flower app that fuses clients' networks with bayesfuse (matched averaging, FedMA)."""

@@ -1,0 +1,84 @@
+"""ClientApp: trains locally, retrains FedMA's unfrozen layers, evaluates."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from bayesfuse.integrations.flower import record_to_state, state_to_record
+from bayesfuse.metrics import evaluate as score
+from bayesfuse.nets.predict import predict_proba
+
+from bayesfuse_flower.task import config, fresh_model, load_data, model_from_state, settings, train
+
+
+def _node_data(context: Context, run: dict):
+    pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    return pid, load_data(pid, n, int(run["seed"]))
+
+
+def _reply(msg: Message, model, x, y) -> Message:
+    metrics = MetricRecord({"num-examples": len(x), "class-counts": np.bincount(y, minlength=10).tolist()})
+    return Message(RecordDict({"arrays": state_to_record(model.state_dict()), "metrics": metrics}), reply_to=msg)
+
+
+def make_client_app(overrides: dict | None = None) -> ClientApp:
+    """The ClientApp, with settings ``overrides`` on top of the run config."""
+    overrides = dict(overrides or {})
+    app = ClientApp()
+
+    @app.train()
+    def train_round(msg: Message, context: Context) -> Message:
+        """Matched averaging: round 1 trains the node's own network from its own initialisation
+        (separately trained models); later rounds start from the server's fused model."""
+        run = settings(context, overrides)
+        pid, (x, y, _) = _node_data(context, run)
+        cfg = config(run)
+        record = msg.content.array_records.get("arrays")
+        if record is not None and int(msg.content["config"].get("server-round", 1)) > 1:
+            model = model_from_state(cfg, record_to_state(record))
+            cfg = replace(cfg, epochs=int(run["round-epochs"]))
+        else:
+            model = fresh_model(cfg, cfg.seed + pid)
+        train(model, x, y, replace(cfg, seed=cfg.seed + pid))
+        return _reply(msg, model, x, y)
+
+    @app.train("local")
+    def fedma_local(msg: Message, context: Context) -> Message:
+        """FedMA, round 0: train the node's own network."""
+        run = settings(context, overrides)
+        pid, (x, y, _) = _node_data(context, run)
+        cfg = config(run)
+        model = fresh_model(cfg, cfg.seed + pid)
+        train(model, x, y, replace(cfg, seed=cfg.seed + pid))
+        return _reply(msg, model, x, y)
+
+    @app.train("fedma")
+    def fedma_round(msg: Message, context: Context) -> Message:
+        """FedMA, later rounds: retrain what the server did not freeze."""
+        run = settings(context, overrides)
+        pid, (x, y, _) = _node_data(context, run)
+        cfg = config(run)
+        frozen = json.loads(msg.content["config"]["frozen"])
+        model = model_from_state(cfg, record_to_state(msg.content["arrays"]))
+        train(model, x, y, replace(cfg, epochs=int(run["round-epochs"]), seed=cfg.seed + 100 * len(frozen) + pid),
+              frozen=frozen)
+        return _reply(msg, model, x, y)
+
+    @app.evaluate()
+    def evaluate_round(msg: Message, context: Context) -> Message:
+        run = settings(context, overrides)
+        _, (x, y, _) = _node_data(context, run)
+        model = model_from_state(config(run), record_to_state(msg.content["arrays"]))
+        m = score(predict_proba(model, x), y)
+        metrics = MetricRecord({"num-examples": len(x), "accuracy": m["accuracy"], "nll": m["nll"]})
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+app = make_client_app()
