@@ -1,6 +1,7 @@
 """Execute the notebooks at full size and save the figure of each cell tagged "docs-figure".
 
-Usage: python docs/make_figures.py   (or `make docs-figures`); writes docs/<notebook>.png.
+Usage: python docs/make_figures.py [NOTEBOOK_STEM ...]   (or `make docs-figures`); writes
+docs/<notebook>.png for every notebook, or for the named ones.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from bayesfuse._io import atomic_write_bytes  # noqa: E402
 def main() -> int:
     env_ci = os.environ.pop("CI", None)  # full sizes, not the smoke test
     try:
+        wanted = set(sys.argv[1:])
         for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+            if wanted and path.stem not in wanted:
+                continue
             nb = nbformat.read(path, as_version=4)
             NotebookClient(nb, timeout=1800, kernel_name="python3",
                            resources={"metadata": {"path": str(path.parent)}}).execute()
