@@ -5,6 +5,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from bayesfuse import fuse
 from bayesfuse.checkpoints import load_state_dict, save_state_dict
@@ -13,7 +14,12 @@ from bayesfuse.data import dirichlet_partition
 from bayesfuse.inference.expfam import DiagNormal, Gamma
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.matching import match_neurons
+from bayesfuse.inference.layerwise import fedma
 from bayesfuse.nets import MLP
+from bayesfuse.nets.arch import make_cnn
+from bayesfuse.nets.pans import PANConfig
+from bayesfuse.nets.spec import UnsupportedLayerError
+from bayesfuse.train import TrainConfig
 
 
 def _mlp_sd(d=6, h=4, k=3, seed=0):
@@ -123,6 +129,18 @@ API_CASES = [
     (lambda: fuse([]), ValueError, "at least one"),
     (lambda: dirichlet_partition(np.arange(10) % 2, 3, 0.0), ValueError, "alpha"),
     (lambda: load_state_dict("/nonexistent/model.pt"), FileNotFoundError, "not found"),
+    # deep networks
+    (lambda: fuse([nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 2))] * 2), UnsupportedLayerError,
+     r"layer '1' \(LayerNorm\) is not supported.*supported: Linear"),
+    (lambda: fuse([make_cnn(64, 3, channels=(2,), hidden=(4,)), MLP(64, [4], 3)]), ValueError, "client 1 lacks entries"),
+    (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma"), ValueError, r"data=\(train, partition\)"),
+    (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "pfnm", direction="sideways"), ValueError, "direction"),
+    (lambda: fuse([nn.Sequential(nn.Linear(4, 3, bias=False), nn.BatchNorm1d(3), nn.Linear(3, 2))] * 2),
+     ValueError, "cannot fold batch norm '1': layer '0' has no bias"),
+    (lambda: fedma([MLP(4, [3], 2).state_dict()] * 2, MLP(4, [3], 2).permutation_spec(), lambda jobs, frozen: []),
+     ValueError, "returned 0 states for 2 clients"),
+    (lambda: PANConfig("add", 1.0, -0.1), ValueError, "amplitude"),
+    (lambda: TrainConfig(arch="transformer"), ValueError, "unknown architecture 'transformer'"),
 ]
 
 
