@@ -12,17 +12,7 @@ from bayesfuse.models.bbp import simulate_deep_federation
 from bayesfuse.nets.arch import LSTMClassifier, make_cnn, rebuild
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.spec import chain, dense, permute, random_permutations, spec_from_module
-
-
-def _randomise(model: nn.Module, seed: int) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if t.is_floating_point():
-                t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
-                if "running_var" in name:
-                    t.abs_().add_(0.1)
-    return model.eval()
+from tests.nets_helpers import randomise
 
 
 def _np(model: nn.Module) -> dict:
@@ -46,7 +36,7 @@ def _shuffled_copies(model: nn.Module, x: torch.Tensor, n: int) -> list[nn.Modul
 ])
 @pytest.mark.parametrize("method", ["pfnm", "nafi"])
 def test_shuffled_copies_of_a_deep_net_fuse_back_to_its_function(make, n_in, method):
-    model = _randomise(make(), 0)
+    model = randomise(make(), 0)
     x = torch.randn(32, n_in)
     copies = _shuffled_copies(model, x, 3)
     # A vague prior (variance 1e8) leaves each atom the plain average of its identical copies
@@ -59,7 +49,7 @@ def test_shuffled_copies_of_a_deep_net_fuse_back_to_its_function(make, n_in, met
 
 
 def test_batchnorm_folding_leaves_outputs_unchanged_in_eval_mode():
-    model = _randomise(make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 1)
+    model = randomise(make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 1)
     x = torch.randn(16, 64)
     spec = spec_from_module(model, x[:2])
     folded = rebuild(model, {k: torch.as_tensor(v) for k, v in fold_batchnorm(_np(model), spec).items()}).eval()

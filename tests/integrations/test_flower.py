@@ -186,10 +186,10 @@ def test_three_node_simulation_beats_one_shot_fedavg(monkeypatch):
     from bayesfuse_flower.client_app import make_client_app
     from bayesfuse_flower.server_app import RESULTS, make_server_app
 
-    settings = {"method": "pfnm", "num-nodes": 3, "local-epochs": 5, "timeout": 120}
+    settings = {"method": "pfnm", "num-nodes": 3, "local-epochs": 5, "timeout": 300}
     start = time.perf_counter()
     run_simulation(server_app=make_server_app(settings), client_app=make_client_app(settings), num_supernodes=3,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    assert RESULTS["pfnm"].get("fused-replies") == 3, RESULTS
     assert time.perf_counter() - start < 120
-    assert RESULTS["pfnm"]["fused-replies"] == 3
     assert RESULTS["pfnm"]["accuracy"] > RESULTS["fedavg"]["accuracy"], RESULTS

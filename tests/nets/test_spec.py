@@ -17,17 +17,7 @@ from bayesfuse.nets.spec import (
     spec_from_module,
     to_global_basis,
 )
-
-
-def _randomise(model: nn.Module, seed: int) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if t.is_floating_point():
-                t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
-                if "running_var" in name:
-                    t.abs_().add_(0.1)
-    return model.eval()
+from tests.nets_helpers import randomise
 
 
 def _check_invariance(model: nn.Module, x: torch.Tensor, seed: int = 0) -> dict:
@@ -45,13 +35,13 @@ def _check_invariance(model: nn.Module, x: torch.Tensor, seed: int = 0) -> dict:
 
 
 def test_mlp_permutation_invariance():
-    model = _randomise(MLP(12, [9, 7, 5], 4), 0)
+    model = randomise(MLP(12, [9, 7, 5], 4), 0)
     sizes = _check_invariance(model, torch.randn(20, 12))
     assert sizes == {"P1": 9, "P2": 7, "P3": 5}
 
 
 def test_cnn_with_batchnorm_permutation_invariance():
-    model = _randomise(make_cnn(64, 10, channels=(6, 5), hidden=(7,)), 1)
+    model = randomise(make_cnn(64, 10, channels=(6, 5), hidden=(7,)), 1)
     sizes = _check_invariance(model, torch.randn(16, 64))
     assert sizes == {"P1": 6, "P2": 5, "P3": 7}
     spec = spec_from_module(model, torch.zeros(2, 64))
@@ -60,14 +50,14 @@ def test_cnn_with_batchnorm_permutation_invariance():
 
 
 def test_lstm_permutation_invariance():
-    model = _randomise(LSTMClassifier(64, 10, hidden=11, num_layers=2), 2)
+    model = randomise(LSTMClassifier(64, 10, hidden=11, num_layers=2), 2)
     sizes = _check_invariance(model, torch.randn(8, 64))
     assert sizes == {"H": 11, "H_1": 11}
 
 
 def test_permutation_without_matching_groups_breaks_function():
     """Control: permuting only the rows of fc1 (not fc2's columns) changes the outputs."""
-    model = _randomise(MLP(6, [8], 3), 3)
+    model = randomise(MLP(6, [8], 3), 3)
     state = model.state_dict()
     bad = dict(state)
     p = torch.as_tensor(np.random.default_rng(0).permutation(8))

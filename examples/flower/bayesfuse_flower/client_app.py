@@ -31,31 +31,29 @@ def make_client_app(overrides: dict | None = None) -> ClientApp:
     overrides = dict(overrides or {})
     app = ClientApp()
 
-    @app.train()
-    def train_round(msg: Message, context: Context) -> Message:
-        """Matched averaging: round 1 trains the node's own network from its own initialisation
-        (separately trained models); later rounds start from the server's fused model."""
+    def own_or_global(msg: Message, context: Context, from_global: bool) -> Message:
         run = settings(context, overrides)
         pid, (x, y, _) = _node_data(context, run)
         cfg = config(run)
-        record = msg.content.array_records.get("arrays")
-        if record is not None and int(msg.content["config"].get("server-round", 1)) > 1:
-            model = model_from_state(cfg, record_to_state(record))
+        if from_global:
+            model = model_from_state(cfg, record_to_state(msg.content["arrays"]))
             cfg = replace(cfg, epochs=int(run["round-epochs"]))
         else:
             model = fresh_model(cfg, cfg.seed + pid)
         train(model, x, y, replace(cfg, seed=cfg.seed + pid))
         return _reply(msg, model, x, y)
 
+    @app.train()
+    def train_round(msg: Message, context: Context) -> Message:
+        """Matched averaging: round 1 trains the node's own network from its own initialisation
+        (separately trained models); later rounds start from the server's fused model."""
+        later = "arrays" in msg.content.array_records and int(msg.content["config"].get("server-round", 1)) > 1
+        return own_or_global(msg, context, later)
+
     @app.train("local")
     def fedma_local(msg: Message, context: Context) -> Message:
         """FedMA, round 0: train the node's own network."""
-        run = settings(context, overrides)
-        pid, (x, y, _) = _node_data(context, run)
-        cfg = config(run)
-        model = fresh_model(cfg, cfg.seed + pid)
-        train(model, x, y, replace(cfg, seed=cfg.seed + pid))
-        return _reply(msg, model, x, y)
+        return own_or_global(msg, context, False)
 
     @app.train("fedma")
     def fedma_round(msg: Message, context: Context) -> Message:

@@ -53,6 +53,10 @@ def main(grid: Grid, run: dict) -> None:
                                     seed=seed)
         result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=1,
                                 timeout=float(run.get("timeout", 600)))
+        if 1 not in result.train_metrics_clientapp:
+            RESULTS[method] = {"error": "no node replied in time; nothing was fused"}
+            print("bayesfuse results:", json.dumps(RESULTS, default=str))
+            return
         RESULTS[method] = {**_test_accuracy(cfg, record_to_state(result.arrays), seed),
                            **{k: v for k, v in result.train_metrics_clientapp[1].items()}}
         if bool(run.get("compare-fedavg", True)):
