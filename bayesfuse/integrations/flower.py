@@ -21,6 +21,7 @@ replies whose arrays do not fit the architecture are rejected with the node name
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
 from bayesfuse.inference.layerwise import FedMAResult, fedma, match_layerwise
 from bayesfuse.nets.spec import PermutationSpec, spec_for_state_dict
 
-__all__ = ["MatchedAveraging", "fedma_server", "FedMAServerResult", "state_to_record", "record_to_state",
+__all__ = ["MatchedAveraging", "fedma_server", "FedMAServerResult", "state_to_record", "record_to_state", "state_digest",
            "FEDMA_LOCAL", "FEDMA_ROUND"]
 
 log = logging.getLogger("bayesfuse.flower")
@@ -96,7 +97,8 @@ class MatchedAveraging(FedAvg):
     class_counts_key : str
         Key of a reply's per-class example counts in its MetricRecord.
     seed : int
-        Matching seed; replies are put in node-id order first, so arrival order never matters.
+        Matching seed. Replies are put in the order of their contents' hashes first, so neither
+        the arrival order nor the node ids (drawn afresh in each simulation) change the result.
     **kwargs
         Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
     """
@@ -139,25 +141,48 @@ class MatchedAveraging(FedAvg):
             counts = metrics.get(self.class_counts_key)
             collected.append(_Reply(node, record_to_state(record), float(metrics.get(self.weighted_by_key, 1.0)),
                                     None if counts is None else np.asarray(counts, dtype=np.float64)))
-        return collected
+        return sorted(collected, key=_digest)
 
     def _check(self, replies: list[_Reply]) -> tuple[PermutationSpec | None, list[_Reply]]:
-        spec = self.spec
-        good = []
+        """Replies that fit the architecture: the strategy's spec, or else the one most nodes
+        share (a single odd node cannot reject all the others by arriving first)."""
+        def reject(r: _Reply, reason: str) -> None:
+            self.rejected.append((r.node, reason))
+            log.warning("node %d: reply rejected: %s", r.node, reason)
+
+        if self.method == "kl":
+            good = []
+            for r in replies:
+                try:
+                    _bnn_from_state(r.state, f"node {r.node}")
+                    good.append(r)
+                except (ValueError, TypeError) as err:
+                    reject(r, str(err))
+            return None, good
+        specs = {}
         for r in replies:
             try:
-                if self.method == "kl":
-                    _bnn_from_state(r.state, f"node {r.node}")
-                else:
-                    spec = spec or spec_for_state_dict(r.state, name=f"node {r.node}")
-                    spec.check(r.state, f"node {r.node}")
-                    if good:
-                        _same_fixed_shapes(spec, good[0], r)
-                good.append(r)
+                spec = self.spec or spec_for_state_dict(r.state, name=f"node {r.node}")
+                spec.check(r.state, f"node {r.node}")
+                specs[r.node] = (spec, _signature(spec, r.state))
             except (ValueError, TypeError) as err:
-                self.rejected.append((r.node, str(err)))
-                log.warning("node %d: reply rejected: %s", r.node, err)
-        return spec, good
+                reject(r, str(err))
+        if not specs:
+            return self.spec, []
+        signatures = [sig for _, sig in specs.values()]
+        common = max(signatures, key=signatures.count)  # ties: the first in canonical order
+        n_common = signatures.count(common)
+        good = []
+        for r in replies:
+            if r.node not in specs:
+                continue
+            spec, sig = specs[r.node]
+            if sig == common:
+                good.append(r)
+            else:
+                reject(r, f"node {r.node}: a different architecture from the one {n_common} of "
+                          f"{len(specs)} nodes share ({_difference(sig, common)})")
+        return specs[good[0].node][0], good
 
     # ------------------------------------------------------------------ aggregation
 
@@ -202,12 +227,32 @@ class MatchedAveraging(FedAvg):
         return state_to_record({k: np.asarray(fused[k]).astype(ref[k].dtype) for k in ref}), metrics
 
 
-def _same_fixed_shapes(spec: PermutationSpec, first: _Reply, other: _Reply) -> None:
-    for k, axes in spec.axes.items():
-        a, b = first.state[k].shape, other.state[k].shape
-        if any(a[d] != b[d] for d, ax in enumerate(axes) if ax is None):
-            raise ValueError(f"node {other.node}: {k!r} has shape {b}, node {first.node}'s is {a}: "
-                             "a different architecture")
+def state_digest(state) -> str:
+    """sha256 of a state_dict's names and bytes: the canonical order of replies."""
+    h = hashlib.sha256()
+    for k, v in state.items():
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(np.asarray(v, dtype=np.float32 if np.issubdtype(np.asarray(v).dtype, np.floating)
+                                                 else None)).tobytes())
+    return h.hexdigest()
+
+
+def _digest(reply: _Reply) -> str:
+    return state_digest(reply.state)
+
+
+def _signature(spec: PermutationSpec, state: dict) -> tuple:
+    """Entry names and their unpermuted dimensions: what must agree between clients."""
+    return tuple((k, tuple(None if ax is not None else state[k].shape[d] for d, ax in enumerate(axes)))
+                 for k, axes in spec.axes.items())
+
+
+def _difference(sig: tuple, common: tuple) -> str:
+    mine, theirs = dict(sig), dict(common)
+    if mine.keys() != theirs.keys():
+        return f"entries {sorted(set(mine) ^ set(theirs))[:4]}"
+    k = next(k for k in mine if mine[k] != theirs[k])
+    return f"{k!r} has fixed dimensions {mine[k]} instead of {theirs[k]}"
 
 
 def _bnn_from_state(state: dict, name: str):
