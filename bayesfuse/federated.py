@@ -9,7 +9,7 @@ rounds is the baseline FedMA is compared with at equal communication (FedMA sect
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -21,7 +21,7 @@ from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
 from bayesfuse.inference.layerwise import FedMAResult, fedma
 from bayesfuse.nets.arch import rebuild
-from bayesfuse.nets.spec import PermutationSpec, spec_from_module
+from bayesfuse.nets.spec import PermutationSpec, permute, spec_from_module
 from bayesfuse.train import TrainConfig, _progress, train_model
 
 __all__ = ["FedMARun", "run_fedma", "FedAvgRun", "run_fedavg"]
@@ -49,15 +49,41 @@ def _state_bytes(state) -> int:
 
 @dataclass
 class FedMARun:
-    """A FedMA run: the global network and the server's record (:class:`FedMAResult`)."""
+    """A FedMA run: the global network and the server's record of each pass.
+
+    Attributes
+    ----------
+    model : nn.Module
+    result : FedMAResult
+        The last pass.
+    spec : PermutationSpec
+    passes : list of FedMAResult
+        Every pass (one unless ``passes > 1``, FedMA "with communication").
+    """
 
     model: nn.Module
     result: FedMAResult
     spec: PermutationSpec
+    passes: list = field(default_factory=list)
 
     @property
     def sizes(self) -> list[int]:
         return list(self.result.sizes.values())
+
+    @property
+    def rounds(self) -> int:
+        """Communication rounds of all passes (a later pass also sends the global model down)."""
+        return sum(p.rounds for p in self.passes) + (len(self.passes) - 1)
+
+    @property
+    def bytes_up(self) -> int:
+        return sum(p.bytes_up for p in self.passes)
+
+    @property
+    def bytes_down(self) -> int:
+        return sum(p.bytes_down for p in self.passes) + self._broadcast_bytes
+
+    _broadcast_bytes: int = 0
 
 
 def run_fedma(
@@ -73,9 +99,15 @@ def run_fedma(
     kl_weight: float | None = None,
     spec: PermutationSpec | None = None,
     seed: int = 0,
+    passes: int = 1,
     verbose: bool | None = None,
 ) -> FedMARun:
     """FedMA (Algorithm 1) from the clients' trained networks, retraining on their data.
+
+    With ``passes > 1`` this is "FedMA with communication" (FedMA section 2.3): after a pass,
+    every client receives the global model and rebuilds a network of its *original* widths
+    from it, keeping the global units its own units were matched to (so the global model does
+    not snowball), trains it ``config.epochs`` epochs, and a new layer-wise pass follows.
 
     Parameters
     ----------
@@ -87,7 +119,12 @@ def run_fedma(
     method : {"pfnm", "nafi"}
         BBP-MAP cost: PFNM, or NAFI's KL penalty (``kl_weight``, default 0.01; NAFI Alg. 2).
     noise_var, prior_var, gamma0 : float
-        BBP-MAP settings for every layer.
+        BBP-MAP settings for every layer. ``noise_var`` sets the global widths: the paper's
+        sigma^2 = 1 merges almost no 785-dimensional first-layer units of Fashion-MNIST MLPs
+        (5.9x growth); sigma^2 = 10 grows them 1.04x at the same accuracy
+        (``benchmarks/bench_fedma_sizes.py``).
+    passes : int
+        Layer-wise passes (FedMA with communication when > 1).
     """
     if method not in ("pfnm", "nafi"):
         raise ValueError(f"FedMA matches with 'pfnm' or 'nafi', got {method!r}")
@@ -114,14 +151,41 @@ def run_fedma(
     def client_update(jobs: list, frozen: set) -> list:
         return [retrain(j, state, frozen) for j, state in jobs]
 
+    if int(passes) != passes or passes < 1:
+        raise ValueError(f"passes must be a positive integer, got {passes}")
     states = [{k: v.detach().cpu().numpy() for k, v in m.state_dict().items()} for m in models]
+    done: list[FedMAResult] = []
+    broadcast = 0
     try:
-        result = fedma(states, spec, client_update, class_counts=counts, noise_var=noise_var, prior_var=prior_var,
-                       gamma0=gamma0, kl_weight=kl, seed=seed)
+        for p in range(int(passes)):
+            if p > 0:
+                states, sent = _restart_clients(done[-1], spec, models, train, parts, config, p)
+                broadcast += sent
+            done.append(fedma(states, spec, client_update, class_counts=counts, noise_var=noise_var,
+                              prior_var=prior_var, gamma0=gamma0, kl_weight=kl, seed=seed + p))
     finally:
         bar.close()
+    result = done[-1]
     model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in result.state_dict.items()}).eval()
-    return FedMARun(model=model, result=result, spec=spec)
+    return FedMARun(model=model, result=result, spec=spec, passes=done, _broadcast_bytes=broadcast)
+
+
+def _restart_clients(result: FedMAResult, spec: PermutationSpec, models, train: Dataset, parts, config: TrainConfig,
+                     p: int) -> tuple[list[dict], int]:
+    """Each client's network of its original widths cut out of the global one, trained anew."""
+    if result.dropped:
+        raise RuntimeError(f"clients {result.dropped} dropped out; FedMA with communication needs every client")
+    sent = 0
+    states = []
+    for j, model in enumerate(models):
+        keep = {g: result.layers[g].assignments[j] for g in spec.groups}
+        local = permute(result.state_dict, spec, keep)  # global unit a_j[l] becomes local unit l
+        net = rebuild(model, tensors(local))
+        sent += _state_bytes(net.state_dict())
+        train_model(net, train.x[parts[j]], train.y[parts[j]], train.n_classes,
+                    replace(config, seed=config.seed + 100_000 * p + j), verbose=False, name=f"client {j}")
+        states.append({k: v.detach().cpu().numpy() for k, v in net.state_dict().items()})
+    return states, sent
 
 
 @dataclass

@@ -120,3 +120,20 @@ def test_train_model_keeps_frozen_entries_and_batchnorm_statistics():
     assert not torch.equal(before["6.weight"], after["6.weight"])
     with pytest.raises(ValueError, match="not in the network"):
         train_model(model, x, y, 3, TrainConfig(epochs=1), frozen={"nope.weight"})
+
+
+def test_fedma_with_communication_restarts_clients_at_their_own_widths(digits):
+    split, part = digits
+    cfg = CONFIGS["mlp"]
+    models = train_clients(split.train, part, cfg, shared_init=False, verbose=False)
+    run = run_fedma(models, split.train, part, replace(cfg, epochs=2), passes=2, verbose=False)
+    assert len(run.passes) == 2 and run.result is run.passes[-1]
+    assert run.rounds == 2 * 3 + 1  # two passes of (2 layers + output) and one broadcast between them
+    # in the second pass the clients came back at their original widths, 24 units per layer
+    assert all(len(a) == 24 for layer in run.result.layers.values() for a in layer.assignments)
+    assert run.bytes_down > run.passes[0].bytes_down + run.passes[1].bytes_down
+    acc = accuracy(predict_proba(run.model, split.test.x), split.test.y)
+    local = np.mean([accuracy(predict_proba(m, split.test.x), split.test.y) for m in models])
+    assert acc > local + 0.1, (acc, local)
+    with pytest.raises(ValueError, match="passes"):
+        run_fedma(models, split.train, part, cfg, passes=0)
