@@ -30,6 +30,7 @@ from bayesfuse.fusion import fuse
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.federated import run_fedavg
+from bayesfuse.nets.arch import numpy_state
 from bayesfuse.nets.pans import PANConfig
 from bayesfuse.nets.spec import spec_from_module
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
@@ -158,7 +159,7 @@ def run_demo(
     train_seconds = time.perf_counter() - start
     x_test, y_test = split.test.x, split.test.y
     spec = spec_from_module(models[0])
-    width = sum(spec.sizes({k: v.numpy() for k, v in models[0].state_dict().items()}).values())
+    width = sum(spec.sizes(numpy_state(models[0])).values())
 
     local_metrics = evaluate_locals(models, x_test, y_test)
     local_mean = {k: float(np.mean([m[k] for m in local_metrics])) for k in local_metrics[0]}

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
 from bayesfuse.inference.layerwise import FedMAResult, fedma
-from bayesfuse.nets.arch import rebuild
+from bayesfuse.nets.arch import numpy_state, rebuild, tensor_state
 from bayesfuse.nets.spec import PermutationSpec, permute, spec_from_module
 from bayesfuse.train import TrainConfig, _progress, train_model
 
@@ -35,12 +35,6 @@ def _client_data(train: Dataset, partition) -> list[np.ndarray]:
     if empty:
         raise ValueError(f"clients {empty} hold no examples")
     return parts
-
-
-def tensors(state: dict) -> dict:
-    """NumPy state_dict -> tensors (floating entries as float32)."""
-    return {k: torch.as_tensor(np.asarray(v), dtype=torch.float32) if np.issubdtype(np.asarray(v).dtype, np.floating)
-            else torch.as_tensor(np.asarray(v)) for k, v in state.items()}
 
 
 def _state_bytes(state) -> int:
@@ -141,19 +135,19 @@ def run_fedma(
                disable=not _progress(verbose))
 
     def retrain(j: int, state: dict, frozen: set) -> dict:
-        net = rebuild(models[j], tensors(state))
+        net = rebuild(models[j], tensor_state(state))
         cfg = replace(config, seed=config.seed + 1000 * (len(frozen) + 1) + j)
         train_model(net, train.x[parts[j]], train.y[parts[j]], train.n_classes, cfg, frozen=frozen,
                     verbose=False, name=f"client {j}")
         bar.update()
-        return {k: v.detach().cpu().numpy() for k, v in net.state_dict().items()}
+        return numpy_state(net)
 
     def client_update(jobs: list, frozen: set) -> list:
         return [retrain(j, state, frozen) for j, state in jobs]
 
     if int(passes) != passes or passes < 1:
         raise ValueError(f"passes must be a positive integer, got {passes}")
-    states = [{k: v.detach().cpu().numpy() for k, v in m.state_dict().items()} for m in models]
+    states = [numpy_state(m) for m in models]
     done: list[FedMAResult] = []
     broadcast = 0
     try:
@@ -180,11 +174,11 @@ def _restart_clients(result: FedMAResult, spec: PermutationSpec, models, train: 
     for j, model in enumerate(models):
         keep = {g: result.layers[g].assignments[j] for g in spec.groups}
         local = permute(result.state_dict, spec, keep)  # global unit a_j[l] becomes local unit l
-        net = rebuild(model, tensors(local))
+        net = rebuild(model, tensor_state(local))
         sent += _state_bytes(net.state_dict())
         train_model(net, train.x[parts[j]], train.y[parts[j]], train.n_classes,
                     replace(config, seed=config.seed + 100_000 * p + j), verbose=False, name=f"client {j}")
-        states.append({k: v.detach().cpu().numpy() for k, v in net.state_dict().items()})
+        states.append(numpy_state(net))
     return states, sent
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from bayesfuse.inference.layerwise import match_layerwise
 from bayesfuse.inference.matching import MatchResult, match_neurons
-from bayesfuse.nets.arch import rebuild
+from bayesfuse.nets.arch import numpy_state, rebuild
 from bayesfuse.nets.spec import PermutationSpec, spec_from_module
 
 __all__ = ["FusionResult", "fuse"]
@@ -185,7 +185,7 @@ def fuse(
     if method == "pfnm" and hyper["kl_weight"] != 0.0:
         raise ValueError("method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
     spec = spec if spec is not None else spec_from_module(models[0])
-    states = [_numpy_state(m) for m in models]
+    states = [numpy_state(m) for m in models]
     if not spec.groups:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
     result = match_layerwise(
@@ -212,7 +212,7 @@ def _fuse_fedavg(models, class_counts, start) -> FusionResult:
     weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
     model = fedavg(models, weights).eval()
     spec = spec_from_module(models[0])
-    sizes = spec.sizes(_numpy_state(model))
+    sizes = spec.sizes(numpy_state(model))
     return FusionResult(model=model, layers=[], sizes=[sizes[g] for g in spec.groups], method="fedavg",
                         hyper={"weights": "class_counts" if weights is not None else "uniform"},
                         seconds=time.perf_counter() - start, groups=tuple(spec.groups))
@@ -239,10 +239,6 @@ def _fuse_fedma(models, data, retrain, *, class_counts, noise_var, prior_var, ga
                         method="fedma", hyper={**r.hyper, "rounds": r.rounds, "bytes_up": r.bytes_up,
                                                "bytes_down": r.bytes_down},
                         seconds=time.perf_counter() - start, groups=tuple(run.spec.groups))
-
-
-def _numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
 
 #: Defaults for BNN units matched by PFNM/NAFI: the units' own posterior variances carry most

@@ -136,10 +136,19 @@ def fold_batchnorm(state: State, spec: PermutationSpec, eps: float = 1e-5) -> di
         w = out[f"{layer}.weight"]
         out[f"{layer}.weight"] = w * scale.reshape(-1, *([1] * (w.ndim - 1)))
         out[f"{layer}.bias"] = scale * (out[f"{layer}.bias"] - out[f"{bn}.running_mean"]) + out[f"{bn}.bias"]
-        n = len(scale)
-        out[f"{bn}.weight"], out[f"{bn}.bias"] = np.ones(n), np.zeros(n)
-        out[f"{bn}.running_mean"], out[f"{bn}.running_var"] = np.zeros(n), np.full(n, 1.0 - eps)
+        for p, value in _identity_bn(len(scale), eps).items():
+            out[f"{bn}.{p}"] = value
     return out
+
+
+def _identity_bn(n: int, eps: float) -> dict[str, np.ndarray]:
+    """Entries that make a batch norm of ``n`` units the identity in eval mode."""
+    return {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n), "running_var": np.full(n, 1.0 - eps)}
+
+
+def _folded_eps(state: State, bn: str) -> float:
+    """The ``eps`` of a folded batch norm, read back from its running variance ``1 - eps``."""
+    return 1.0 - float(np.asarray(state[f"{bn}.running_var"]).reshape(-1)[0])
 
 
 def _folded_entries(spec: PermutationSpec) -> set[str]:
@@ -317,10 +326,7 @@ def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapp
         first = np.asarray(states[0][k])
         if k in folded:
             bn, _, what = k.rpartition(".")
-            n = matched[spec.axes[k][0].group].n_global
-            eps = 1.0 - float(first[0]) if what == "running_var" else 0.0
-            out[k] = {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n),
-                      "running_var": np.full(n, 1.0 - eps)}[what]
+            out[k] = _identity_bn(matched[spec.axes[k][0].group].n_global, _folded_eps(states[0], bn))[what]
         elif not np.issubdtype(first.dtype, np.floating):
             out[k] = first.copy()
         elif k in spec.output and class_shares is not None and first.ndim == 1:
@@ -548,8 +554,8 @@ def fedma(
         vals.update(global_entries(arrays, PermutationSpec({k: spec.axes[k] for k in twice}, spec.groups),
                                    basis, set(), class_shares=None, noise_var=noise_var, prior_var=prior_var))
         for bn in bns:
-            for p in ("weight", "bias", "running_mean", "running_var"):
-                vals[f"{bn}.{p}"] = _identity_bn(p, G, arrays[0][f"{bn}.running_var"])
+            for p, value in _identity_bn(G, _folded_eps(arrays[0], bn)).items():
+                vals[f"{bn}.{p}"] = value
         frozen_values.update(vals)
         bytes_down += J * sum(4 * int(np.prod(v.shape)) for v in vals.values())
         # clients: global entries so far, next layers mapped onto the global units, retrain the rest
@@ -608,9 +614,3 @@ def fedma(
         seconds=time.perf_counter() - start,
         dropped=dropped,
     )
-
-
-def _identity_bn(what: str, n: int, running_var: np.ndarray) -> np.ndarray:
-    eps = 1.0 - float(np.asarray(running_var).reshape(-1)[0])
-    return {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n),
-            "running_var": np.full(n, 1.0 - eps)}[what]

@@ -39,6 +39,7 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
     ) from err
 
 from bayesfuse.inference.layerwise import FedMAResult, fedma, match_layerwise
+from bayesfuse.nets.arch import numpy_state
 from bayesfuse.nets.spec import PermutationSpec, spec_for_state_dict
 
 __all__ = ["MatchedAveraging", "fedma_server", "FedMAServerResult", "state_to_record", "record_to_state", "state_digest",
@@ -63,7 +64,7 @@ def state_to_record(state) -> ArrayRecord:
 
 def record_to_state(record: ArrayRecord) -> dict[str, np.ndarray]:
     """An ArrayRecord as a NumPy state_dict (in its order)."""
-    return {k: v.detach().cpu().numpy() for k, v in record.to_torch_state_dict().items()}
+    return numpy_state(record.to_torch_state_dict())
 
 
 def _metric_record(content: RecordDict) -> MetricRecord | None:
@@ -199,7 +200,7 @@ class MatchedAveraging(FedAvg):
             from bayesfuse.fusion import fuse
 
             result = fuse([_bnn_from_state(s, f"node {r.node}") for s, r in zip(states, good)], "kl", **self.hyper)
-            fused = {k: v.detach().cpu().numpy() for k, v in result.model.state_dict().items()}
+            fused = numpy_state(result.model)
             sizes, objective = result.sizes, [float(layer.objective[-1]) for layer in result.layers]
             self.last_fusion = result
         else:

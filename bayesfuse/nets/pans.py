@@ -93,12 +93,13 @@ def shuffle_error(model: nn.Module, x: torch.Tensor, *, seed: int = 0, n_trials:
     """
     import copy
 
+    from bayesfuse.nets.arch import numpy_state
     from bayesfuse.nets.spec import permute, random_permutations, spec_from_module
 
     spec = spec if spec is not None else spec_from_module(model, x[:2])
     rng = np.random.default_rng(seed)
     state = model.state_dict()
-    sizes = spec.sizes({k: v.detach().cpu().numpy() for k, v in state.items()})
+    sizes = spec.sizes(numpy_state(state))
     shuffled = copy.deepcopy(model).eval()
     model = model.eval()
     errors = []
