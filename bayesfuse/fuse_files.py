@@ -103,7 +103,7 @@ def _load_spec(path, names):
 def _fuse_point_estimates(state_dicts, names, method, hyper, seed, arch, spec_path):
     """Match (pfnm/nafi) or average (fedavg) state_dicts described by a permutation spec."""
     from bayesfuse.baselines import fedavg_state_dicts
-    from bayesfuse.fusion import DEFAULTS
+    from bayesfuse.fusion import _warn_single, resolve_hyper
     from bayesfuse.inference.layerwise import match_layerwise
     from bayesfuse.nets.spec import spec_for_state_dict
 
@@ -131,17 +131,11 @@ def _fuse_point_estimates(state_dicts, names, method, hyper, seed, arch, spec_pa
         fused = fedavg_state_dicts(state_dicts)
         sizes = spec.sizes({k: v.numpy() for k, v in fused.items()})
         return OrderedDict(fused), [], [sizes[g] for g in spec.groups], spec
-    settings = dict(DEFAULTS[method])
-    settings.update({k: v for k, v in hyper.items() if k in settings})
-    if method == "pfnm" and settings["kl_weight"] != 0.0:
-        raise ValueError("method 'pfnm' has no KL penalty; use nafi for kl_weight > 0")
+    settings = resolve_hyper(method, **{k: v for k, v in hyper.items() if k in ("noise_var", "prior_var", "gamma0",
+                                                                                 "kl_weight")})
     arrays = [{k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
               for sd in state_dicts]
-    if len(arrays) == 1:
-        import warnings
-
-        warnings.warn("only one model: fusion returns it (its posterior, shrunk by the prior)", UserWarning,
-                      stacklevel=3)
+    _warn_single(arrays, stacklevel=4)
     res = match_layerwise(arrays, spec, cost=hyper.get("cost", "pfnm"), n_iter=hyper.get("n_iter", 10), seed=seed,
                           direction=hyper.get("direction", "bottom-up"), names=names, **settings)
     fused = OrderedDict((k, torch.as_tensor(res.state_dict[k]).to(state_dicts[0][k].dtype)) for k in state_dicts[0])

@@ -84,10 +84,28 @@ class FusionResult:
         return fusion_to_arviz(self, layer=layer, num_draws=num_draws, chains=chains, seed=seed)
 
 
-def _warn_single(models) -> None:
+def _warn_single(models, stacklevel: int = 3) -> None:
     if len(models) == 1:
         warnings.warn("only one model: fusion returns it (its posterior, shrunk by the prior)", UserWarning,
-                      stacklevel=3)
+                      stacklevel=stacklevel)
+
+
+def resolve_hyper(method: str, **given) -> dict:
+    """``DEFAULTS[method]`` with the given values (``None`` keeps the default) as floats.
+
+    Every entry point (``fuse``, ``bayesfuse fuse``, the Flower strategy) resolves its
+    matching hyper-parameters here. Raises when PFNM is given a KL penalty.
+    """
+    if method not in DEFAULTS:
+        raise ValueError(f"method must be one of {sorted(DEFAULTS)} for matching, got {method!r}")
+    hyper = dict(DEFAULTS[method])
+    unknown = set(given) - set(hyper)
+    if unknown:
+        raise ValueError(f"unknown hyper-parameters {sorted(unknown)}; known: {sorted(hyper)}")
+    hyper.update({k: float(v) for k, v in given.items() if v is not None})
+    if method == "pfnm" and hyper["kl_weight"] != 0.0:
+        raise ValueError("method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
+    return hyper
 
 
 def fuse(
@@ -178,21 +196,13 @@ def fuse(
     if method not in DEFAULTS:
         raise ValueError(f"method must be one of {sorted(METHODS)} for point-estimate networks, got {method!r}")
     _warn_single(models)
-    hyper = dict(DEFAULTS[method])
-    for key, value in dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight).items():
-        if value is not None:
-            hyper[key] = float(value)
-    if method == "pfnm" and hyper["kl_weight"] != 0.0:
-        raise ValueError("method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
+    hyper = resolve_hyper(method, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight)
     spec = spec if spec is not None else spec_from_module(models[0])
     states = [numpy_state(m) for m in models]
     if not spec.groups:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
-    result = match_layerwise(
-        states, spec, direction=direction, class_counts=class_counts, noise_var=hyper["noise_var"],
-        prior_var=hyper["prior_var"], gamma0=hyper["gamma0"], kl_weight=hyper["kl_weight"], cost=cost,
-        n_iter=n_iter, seed=seed, verbose=verbose,
-    )
+    result = match_layerwise(states, spec, direction=direction, class_counts=class_counts, cost=cost, n_iter=n_iter,
+                             seed=seed, verbose=verbose, **hyper)
     model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in result.state_dict.items()}).eval()
     return FusionResult(
         model=model,
@@ -229,11 +239,10 @@ def _fuse_fedma(models, data, retrain, *, class_counts, noise_var, prior_var, ga
     if class_counts is not None:
         raise ValueError("method='fedma' takes the class counts from data; do not pass class_counts")
     method = "nafi" if kl_weight else "pfnm"
-    run = run_fedma(models, train, partition, retrain, method=method,
-                    noise_var=DEFAULTS["pfnm"]["noise_var"] if noise_var is None else noise_var,
-                    prior_var=DEFAULTS["pfnm"]["prior_var"] if prior_var is None else prior_var,
-                    gamma0=DEFAULTS["pfnm"]["gamma0"] if gamma0 is None else gamma0,
-                    kl_weight=kl_weight or None, spec=spec, seed=seed or 0, verbose=verbose)
+    hyper = resolve_hyper(method, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight)
+    run = run_fedma(models, train, partition, retrain, method=method, noise_var=hyper["noise_var"],
+                    prior_var=hyper["prior_var"], gamma0=hyper["gamma0"], kl_weight=kl_weight or None, spec=spec,
+                    seed=seed or 0, verbose=verbose)
     r = run.result
     return FusionResult(model=run.model, layers=[r.layers[g] for g in run.spec.groups], sizes=run.sizes,
                         method="fedma", hyper={**r.hyper, "rounds": r.rounds, "bytes_up": r.bytes_up,

@@ -38,6 +38,7 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
         "bayesfuse.integrations.flower needs Flower (flwr >= 1.21): pip install 'bayesfuse[flower]'"
     ) from err
 
+from bayesfuse.fusion import resolve_hyper
 from bayesfuse.inference.layerwise import FedMAResult, fedma, match_layerwise
 from bayesfuse.nets.arch import numpy_state
 from bayesfuse.nets.spec import PermutationSpec, spec_for_state_dict
@@ -78,6 +79,7 @@ class _Reply:
     state: dict
     num_examples: float
     class_counts: np.ndarray | None
+    bnn: object = None  # the HorseshoeBNN of a "kl" reply, built once when it is checked
 
 
 class MatchedAveraging(FedAvg):
@@ -155,7 +157,7 @@ class MatchedAveraging(FedAvg):
             good = []
             for r in replies:
                 try:
-                    _bnn_from_state(r.state, f"node {r.node}")
+                    r.bnn = _bnn_from_state(r.state, f"node {r.node}")
                     good.append(r)
                 except (ValueError, TypeError) as err:
                     reject(r, str(err))
@@ -199,7 +201,7 @@ class MatchedAveraging(FedAvg):
         if self.method == "kl":
             from bayesfuse.fusion import fuse
 
-            result = fuse([_bnn_from_state(s, f"node {r.node}") for s, r in zip(states, good)], "kl", **self.hyper)
+            result = fuse([r.bnn for r in good], "kl", **self.hyper)
             fused = numpy_state(result.model)
             sizes, objective = result.sizes, [float(layer.objective[-1]) for layer in result.layers]
             self.last_fusion = result
@@ -207,11 +209,11 @@ class MatchedAveraging(FedAvg):
             counts = None
             if all(r.class_counts is not None for r in good):
                 counts = np.stack([r.class_counts for r in good])
-            hyper = dict(self.hyper)
-            if self.method == "nafi":
-                hyper.setdefault("kl_weight", 0.01)
+            matching = {k: v for k, v in self.hyper.items() if k in ("noise_var", "prior_var", "gamma0", "kl_weight")}
+            rest = {k: v for k, v in self.hyper.items() if k not in matching}
             result = match_layerwise(states, spec, class_counts=counts, seed=self.seed,
-                                     names=[f"node {r.node}" for r in good], **hyper)
+                                     names=[f"node {r.node}" for r in good],
+                                     **resolve_hyper(self.method, **matching), **rest)
             fused = result.state_dict
             sizes = [result.sizes[g] for g in spec.groups]
             objective = [float(result.layers[g].objective[-1]) for g in spec.groups]

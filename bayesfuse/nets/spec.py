@@ -232,14 +232,6 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
 # --------------------------------------------------------------------------- arrays
 
 
-def _take(a: np.ndarray, dim: int, axis: Axis, index: np.ndarray) -> np.ndarray:
-    n = axis.size(a.shape[dim])
-    shape = a.shape
-    blocks = a.reshape(*shape[:dim], axis.outer, n, axis.inner, *shape[dim + 1 :])
-    out = np.take(blocks, index, axis=dim + 1)
-    return out.reshape(*shape[:dim], axis.outer * len(index) * axis.inner, *shape[dim + 1 :])
-
-
 def permute(state_dict: Mapping[str, np.ndarray], spec: PermutationSpec, perms: Mapping[str, np.ndarray]) -> dict:
     """Reorder units: new unit ``i`` of group ``g`` is old unit ``perms[g][i]``.
 
@@ -256,15 +248,17 @@ def permute(state_dict: Mapping[str, np.ndarray], spec: PermutationSpec, perms: 
 
 
 def _take_any(a, dim: int, axis: Axis, index: np.ndarray):
-    if isinstance(a, np.ndarray):
-        return _take(a, dim, axis, index)
-    import torch
-
+    """Units ``index`` of axis ``dim`` (NumPy array or torch tensor, which stays one)."""
     n = axis.size(a.shape[dim])
     shape = tuple(a.shape)
     blocks = a.reshape(*shape[:dim], axis.outer, n, axis.inner, *shape[dim + 1 :])
-    out = torch.index_select(blocks, dim + 1, torch.as_tensor(index, dtype=torch.long))
-    return out.reshape(*shape[:dim], axis.outer * len(index) * axis.inner, *shape[dim + 1 :]).clone()
+    if isinstance(a, np.ndarray):
+        out = np.take(blocks, index, axis=dim + 1)
+    else:
+        import torch
+
+        out = torch.index_select(blocks, dim + 1, torch.as_tensor(index, dtype=torch.long))
+    return out.reshape(*shape[:dim], axis.outer * len(index) * axis.inner, *shape[dim + 1 :])
 
 
 def to_global_basis(a: np.ndarray, dim: int, axis: Axis, assignment: np.ndarray, n_global: int,
