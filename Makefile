@@ -30,6 +30,7 @@ $(FLOWER_STAMP): $(STAMP)
 	@touch $(FLOWER_STAMP)
 
 test: venv $(FLOWER_STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 bench: venv

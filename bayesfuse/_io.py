@@ -54,8 +54,8 @@ def prepare_output_dir(path: str | os.PathLike, *, force: bool = False) -> Path:
         raise NotADirectoryError(f"output path {path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not force:
         raise FileExistsError(
-            f"output directory {path} exists and is not empty; choose another --out "
-            "or pass --force to replace the files this command writes there"
+            f"output directory {path} exists and is not empty; choose another one "
+            "or replace the files written there with force=True (--force on the command line)"
         )
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -6,6 +6,10 @@ the local units assigned to it and carries usage counts and the objective trace.
 built with ``arviz.from_dict``, which exists in the 0.2x line (``InferenceData``, Python 3.11)
 and in 1.x (``DataTree``, newer Pythons), so ``az.summary``, ``az.plot_forest`` and ArviZ's
 diagnostics work on the result with whichever ArviZ pip installed.
+
+Results are read through what they share (:class:`~bayesfuse.inference.result.LayerResult`:
+``assignments``, ``objective``, ...; a fusion's ``posteriors``), so this module imports no
+result class.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["match_to_arviz", "klfusion_to_arviz", "fusion_to_arviz", "gaussian_to_arviz", "local_to_arviz"]
+__all__ = ["to_arviz", "match_to_arviz", "klfusion_to_arviz", "fusion_to_arviz", "gaussian_to_arviz", "local_to_arviz"]
 
 
 def _arviz():
@@ -85,6 +89,18 @@ def _assignment_data(assignments: Sequence[np.ndarray], n_global: int) -> tuple[
     return data, coords, dims
 
 
+def _layer_to_arviz(layer, mean, var, *, num_draws, chains, seed, weight_names=None):
+    """A layer result (the :class:`~bayesfuse.inference.result.LayerResult` protocol) and its
+    global units' Gaussians ``N(mean, var)`` -> ArviZ."""
+    data, coords, dims = _assignment_data(layer.assignments, len(mean))
+    data["objective"] = np.asarray(layer.objective)
+    step = "sweep" if hasattr(layer, "n_sweeps") else "step"
+    coords[step] = np.arange(1, len(layer.objective) + 1)
+    dims["objective"] = [step]
+    return gaussian_to_arviz(mean, var, num_draws=num_draws, chains=chains, seed=seed,
+                             constant_data=data, extra_coords=coords, extra_dims=dims, weight_names=weight_names)
+
+
 def match_to_arviz(result, *, num_draws: int = 1000, chains: int = 4, seed: int = 0, weight_names=None):
     """:class:`~bayesfuse.inference.matching.MatchResult` -> ArviZ.
 
@@ -93,12 +109,8 @@ def match_to_arviz(result, *, num_draws: int = 1000, chains: int = 4, seed: int 
     ``client``, ``local_index`` and ``assigned_global_unit``; ``counts`` per global unit; the
     ``objective`` per sweep.
     """
-    data, coords, dims = _assignment_data(result.assignments, result.n_global)
-    data["objective"] = np.asarray(result.objective)
-    coords["sweep"] = np.arange(1, len(result.objective) + 1)
-    dims["objective"] = ["sweep"]
-    return gaussian_to_arviz(result.mean, result.var, num_draws=num_draws, chains=chains, seed=seed,
-                             constant_data=data, extra_coords=coords, extra_dims=dims, weight_names=weight_names)
+    return _layer_to_arviz(result, result.mean, result.var, num_draws=num_draws, chains=chains, seed=seed,
+                           weight_names=weight_names)
 
 
 def klfusion_to_arviz(result, *, num_draws: int = 1000, chains: int = 4, seed: int = 0, weight_names=None):
@@ -106,30 +118,24 @@ def klfusion_to_arviz(result, *, num_draws: int = 1000, chains: int = 4, seed: i
 
     Same layout as :func:`match_to_arviz`, with ``objective`` per alternation step.
     """
-    from bayesfuse.inference.expfam import DiagNormal
-
     comp = result.components
-    if not isinstance(comp, DiagNormal):
+    loc, var = getattr(comp, "loc", None), getattr(comp, "var", None)
+    if loc is None or var is None or np.shape(var) != np.shape(loc):
         raise TypeError(f"ArviZ export supports diagonal-Gaussian components, got {type(comp).__name__}")
-    data, coords, dims = _assignment_data(result.assignments, len(comp))
-    data["objective"] = np.asarray(result.objective)
-    coords["step"] = np.arange(1, len(result.objective) + 1)
-    dims["objective"] = ["step"]
-    return gaussian_to_arviz(comp.loc, comp.var, num_draws=num_draws, chains=chains, seed=seed,
-                             constant_data=data, extra_coords=coords, extra_dims=dims, weight_names=weight_names)
+    return _layer_to_arviz(result, loc, var, num_draws=num_draws, chains=chains, seed=seed,
+                           weight_names=weight_names)
 
 
 def fusion_to_arviz(result, *, layer: int | str = 0, num_draws: int = 1000, chains: int = 4, seed: int = 0):
-    """:class:`~bayesfuse.fusion.FusionResult` -> ArviZ, for one matched hidden layer.
+    """:class:`~bayesfuse.fusion.FusionResult` (or :class:`~bayesfuse.core.StateFusion`) -> ArviZ,
+    for one matched hidden layer.
 
     ``layer`` is an index into ``result.layers`` or a group name of ``result.groups``
-    (``"P2"``: the second hidden layer of a deep MLP). For a fused BNN the draws are of its
-    guide's unit posterior (incoming weights, bias, log scale, outgoing weights); for fused
-    networks, of the matching's atom posterior (the numbers that described each unit).
+    (``"P2"``: the second hidden layer of a deep MLP). The draws are of the layer's global units
+    as ``result.posteriors`` gives them: for a fused BNN its guide's unit posterior (incoming
+    weights, bias, log scale, outgoing weights); for fused networks, the matching's atom
+    posterior (the numbers that described each unit).
     """
-    from bayesfuse.inference.klfusion import KLFusionResult
-    from bayesfuse.models.bnn import HorseshoeBNN
-
     if not result.layers:
         raise ValueError(f"a {result.method} result has no matched layers to export")
     if isinstance(layer, str):
@@ -139,17 +145,17 @@ def fusion_to_arviz(result, *, layer: int | str = 0, num_draws: int = 1000, chai
         layer = groups.index(layer)
     if not -len(result.layers) <= layer < len(result.layers):
         raise IndexError(f"layer {layer} out of range: the result has {len(result.layers)} matched layers")
-    layer = result.layers[layer]
-    if isinstance(result.model, HorseshoeBNN):
-        from bayesfuse.nets.bnn_posterior import BNNPosterior
+    mean, var = result.posteriors[layer]
+    return _layer_to_arviz(result.layers[layer], mean, var, num_draws=num_draws, chains=chains, seed=seed)
 
-        units = BNNPosterior.from_bnn(result.model).units
-        data, coords, dims = _assignment_data(layer.assignments, len(units))
-        return gaussian_to_arviz(units.loc, units.var, num_draws=num_draws, chains=chains, seed=seed,
-                                 constant_data=data, extra_coords=coords, extra_dims=dims)
-    if isinstance(layer, KLFusionResult):
-        return klfusion_to_arviz(layer, num_draws=num_draws, chains=chains, seed=seed)
-    return match_to_arviz(layer, num_draws=num_draws, chains=chains, seed=seed)
+
+def to_arviz(result, *, layer: int | str = 0, num_draws: int = 1000, chains: int = 4, seed: int = 0):
+    """Any result -> ArviZ: a fusion (one ``layer`` of it), a matching or a KL-fusion."""
+    if hasattr(result, "posteriors"):
+        return fusion_to_arviz(result, layer=layer, num_draws=num_draws, chains=chains, seed=seed)
+    if hasattr(result, "components"):
+        return klfusion_to_arviz(result, num_draws=num_draws, chains=chains, seed=seed)
+    return match_to_arviz(result, num_draws=num_draws, chains=chains, seed=seed)
 
 
 def local_to_arviz(mean, var, assignment, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):

@@ -74,7 +74,7 @@ ORDER_KEY = "bayesfuse.order"
 def _safetensors_order(raw: bytes, sd: dict) -> list[str]:
     """Entry order of a safetensors file: as saved by :func:`save_state_dict` (kept in the
     header's metadata), else numerically-aware name order (the format itself keeps none)."""
-    from bayesfuse.nets.spec import entry_order
+    from bayesfuse.inference.spec import entry_order
 
     try:
         (size,) = struct.unpack("<Q", raw[:8])

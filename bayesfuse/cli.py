@@ -1,9 +1,10 @@
-"""Command line: ``bayesfuse demo``."""
+"""Command line: ``bayesfuse demo`` and ``bayesfuse fuse``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Sequence
 
 __all__ = ["main"]
@@ -93,18 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing the demo's files")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    from bayesfuse.fuse_files import HYPER_KEYS, METHODS
+    from bayesfuse import methods
 
     fz = sub.add_parser(
         "fuse",
         help="fuse model files (state_dicts) into one",
         description="Fuse MLP, ConvNet, LSTM or HorseshoeBNN checkpoints (.pt/.pth read with "
         "torch.load(weights_only=True), or .safetensors) into one file, plus a JSON report "
-        "(OUT.json). The order of the files does not matter.",
-        epilog="hyper-parameters: " + "; ".join(f"{m}: {', '.join(k) or '-'}" for m, k in HYPER_KEYS.items()),
+        "(OUT.json) that records every hyper-parameter used. The order of the files does not matter.",
+        epilog="methods and their hyper-parameters (--hyper KEY=VALUE; defaults per kind of input: "
+        "network = point-estimate networks, bnn = HorseshoeBNNs):\n\n" + methods.describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     fz.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint files")
-    fz.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
+    fz.add_argument("--method", required=True, help=f"one of {', '.join(methods.names())} (see below)")
     fz.add_argument("--hyper", nargs="*", default=[], metavar="KEY=VALUE", help="hyper-parameters of the method")
     fz.add_argument("--out", required=True, help="fused model file (.pt, .pth or .safetensors)")
     fz.add_argument("--format", choices=["pt", "safetensors"], default=None, help="output format (default: from --out)")
@@ -112,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how to read the files' layers when no --arch-spec is given (default: auto)")
     fz.add_argument("--arch-spec", default=None, metavar="FILE",
                     help="JSON permutation spec naming which axes of which entries each hidden permutation acts on "
-                    "(see bayesfuse.nets.spec.spec_to_dict)")
+                    "(see bayesfuse.inference.spec.spec_to_dict)")
     fz.add_argument("--seed", type=int, default=0)
     fz.add_argument("--force", action="store_true", help="replace existing output files")
     return parser
@@ -141,16 +144,34 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_fuse(args: argparse.Namespace) -> int:
-    from bayesfuse.fuse_files import METHODS, fuse_files, parse_hyper
+    from bayesfuse.fuse_files import fuse_files
+    from bayesfuse.inference.result import ConvergenceWarning
+    from bayesfuse.methods import parse_assignments
 
-    if args.method not in METHODS:
-        raise ValueError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
-    report = fuse_files(args.models, args.method, args.out, hyper=parse_hyper(args.method, args.hyper),
-                        fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
-                        spec_path=args.arch_spec)
+    with warnings.catch_warnings():  # the report records convergence; said once below
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        report = fuse_files(args.models, args.method, args.out, hyper=parse_assignments(args.method, args.hyper),
+                            fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
+                            spec_path=args.arch_spec)
     print(f"fused {len(args.models)} models with {args.method}: global sizes {report['global_sizes']}; "
           f"wrote {args.out} and {args.out}.json ({report['seconds']:.1f} s)")
+    if not report["converged"]:
+        late = [layer["group"] for layer in report["layers"] if not layer["converged"]]
+        print(f"warning: the matching of {', '.join(late)} did not converge; raise n_iter (--hyper n_iter=...)",
+              file=sys.stderr)
     return 0
+
+
+#: Library messages name Python arguments; on the command line they are flags.
+_FLAGS = (("force=True (--force on the command line)", "--force"), ("force=True", "--force"), ("overwrite=True", "--force"), ("fmt='pt' or 'safetensors'",
+          "--format pt or safetensors"), ("arch='mlp'", "--arch mlp"), ("arch='cnn'", "--arch cnn"),
+          ("arch='lstm'", "--arch lstm"), ("spec_path=", "--arch-spec "))
+
+
+def _in_cli_words(message: str) -> str:
+    for python, flag in _FLAGS:
+        message = message.replace(python, flag)
+    return message
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "fuse":
             return _run_fuse(args)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, RuntimeError) as err:
-        message = " ".join(str(err).split())  # one line
+        message = _in_cli_words(" ".join(str(err).split()))  # one line, in the command line's words
         print(f"bayesfuse {args.command}: error: {message}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command}")

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from bayesfuse import methods
 from bayesfuse._io import atomic_write_bytes, atomic_write_text, prepare_output_dir
 from bayesfuse.baselines import Ensemble, evaluate_locals, fedavg
 from bayesfuse.data.datasets import DataSplit, load_dataset
@@ -30,7 +31,7 @@ from bayesfuse.fusion import fuse
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.federated import run_fedavg
-from bayesfuse.nets.arch import numpy_state
+from bayesfuse.nets.state import numpy_state
 from bayesfuse.nets.pans import PANConfig
 from bayesfuse.nets.spec import spec_from_module
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
@@ -40,7 +41,9 @@ __all__ = ["DemoConfig", "DemoResult", "run_demo", "format_table", "DEMO_METHODS
 COLUMNS = ("method", "accuracy", "nll", "ece", "hidden", "rounds", "seconds")
 #: Methods the demo can add after local/ensemble/fedavg. "fedavg-rounds" is FedAvg run for as
 #: many communication rounds as FedMA uses (one per hidden layer, plus the output layer).
-DEMO_METHODS = ("pfnm", "nafi", "fedma", "fedma-nafi", "fedavg-rounds")
+#: The demo's methods: every method of the table for networks (FedAvg always runs), then FedMA
+#: matching with NAFI's penalty and FedAvg at as many rounds as FedMA.
+DEMO_METHODS = tuple(m for m in methods.names("network") if m != "fedavg") + ("fedma-nafi", "fedavg-rounds")
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,8 @@ def run_demo(
             fused = fuse(models, method, class_counts=partition.counts, seed=config.seed)
         elif method in ("fedma", "fedma-nafi"):
             fused = fuse(models, "fedma", data=(split.train, partition), retrain=retrain, seed=config.seed,
-                         kl_weight=0.01 if method == "fedma-nafi" else None, verbose=verbose)
+                         kl_weight=methods.defaults("nafi")["kl_weight"] if method == "fedma-nafi" else None,
+                         verbose=verbose)
         else:  # FedAvg from one shared initialisation, as many rounds as FedMA
             start = time.perf_counter()
             with torch_threads(train_config.num_threads):

@@ -1,6 +1,6 @@
 """Multi-round federated training in simulation: FedMA and FedAvg on the same clients.
 
-The server side of FedMA is :func:`bayesfuse.inference.layerwise.fedma` (arrays only); here it
+The server side of FedMA is :func:`bayesfuse.inference.fedma.fedma` (arrays only); here it
 gets a ``client_update`` that rebuilds client j's network at its new widths and retrains the
 unmatched layers on client j's data (:func:`bayesfuse.train.train_model`). FedAvg with as many
 rounds is the baseline FedMA is compared with at equal communication (FedMA section 3).
@@ -17,12 +17,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from bayesfuse._runtime import progress as _progress
+from bayesfuse import methods
 from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
-from bayesfuse.inference.layerwise import FedMAResult, fedma
-from bayesfuse.nets.arch import numpy_state, rebuild, tensor_state
-from bayesfuse.nets.spec import PermutationSpec, permute, spec_from_module
-from bayesfuse.train import TrainConfig, _progress, train_model
+from bayesfuse.inference.fedma import FedMAResult, fedma
+from bayesfuse.inference.spec import PermutationSpec, permute
+from bayesfuse.nets.arch import rebuild
+from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.nets.state import numpy_state, tensor_state
+from bayesfuse.train import TrainConfig, train_model
 
 __all__ = ["FedMARun", "run_fedma", "FedAvgRun", "run_fedavg"]
 
@@ -87,14 +91,10 @@ def run_fedma(
     config: TrainConfig | None = None,
     *,
     method: str = "pfnm",
-    noise_var: float = 1.0,
-    prior_var: float = 10.0,
-    gamma0: float = 1.0,
-    kl_weight: float | None = None,
     spec: PermutationSpec | None = None,
     seed: int = 0,
-    passes: int = 1,
     verbose: bool | None = None,
+    **hyper,
 ) -> FedMARun:
     """FedMA (Algorithm 1) from the clients' trained networks, retraining on their data.
 
@@ -111,20 +111,25 @@ def run_fedma(
         Local retraining after each matched layer (``config.epochs`` epochs; FedMA retrains
         for as many epochs as local training).
     method : {"pfnm", "nafi"}
-        BBP-MAP cost: PFNM, or NAFI's KL penalty (``kl_weight``, default 0.01; NAFI Alg. 2).
-    noise_var, prior_var, gamma0 : float
-        BBP-MAP settings for every layer. ``noise_var`` sets the global widths: the paper's
-        sigma^2 = 1 merges almost no 785-dimensional first-layer units of Fashion-MNIST MLPs
-        (5.9x growth); sigma^2 = 10 grows them 1.04x at the same accuracy
+        BBP-MAP cost: PFNM, or NAFI's KL penalty (NAFI Alg. 2); ``kl_weight`` defaults to the
+        method's in the method table (:mod:`bayesfuse.methods`).
+    **hyper
+        The ``"fedma"`` row of the method table: ``noise_var``, ``prior_var``, ``gamma0``,
+        ``kl_weight``, ``cost``, ``n_iter`` (BBP-MAP settings for every layer) and ``passes``
+        (layer-wise passes; FedMA with communication when > 1). ``noise_var`` sets the global
+        widths: the paper's sigma^2 = 1 merges almost no 785-dimensional first-layer units of
+        Fashion-MNIST MLPs (5.9x growth); sigma^2 = 10 grows them 1.04x at the same accuracy
         (``benchmarks/bench_fedma_sizes.py``).
-    passes : int
-        Layer-wise passes (FedMA with communication when > 1).
     """
     if method not in ("pfnm", "nafi"):
         raise ValueError(f"FedMA matches with 'pfnm' or 'nafi', got {method!r}")
-    kl = (0.01 if kl_weight is None else float(kl_weight)) if method == "nafi" else 0.0
-    if method == "pfnm" and kl_weight:
+    given = dict(hyper)
+    if given.get("kl_weight") is None:
+        given["kl_weight"] = methods.defaults(method)["kl_weight"]
+    elif method == "pfnm" and given["kl_weight"]:
         raise ValueError("method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
+    settings = methods.resolve("fedma", "network", given)
+    passes = settings.pop("passes")
     config = config or TrainConfig()
     parts = _client_data(train, partition)
     if len(parts) != len(models):
@@ -145,8 +150,6 @@ def run_fedma(
     def client_update(jobs: list, frozen: set) -> list:
         return [retrain(j, state, frozen) for j, state in jobs]
 
-    if int(passes) != passes or passes < 1:
-        raise ValueError(f"passes must be a positive integer, got {passes}")
     states = [numpy_state(m) for m in models]
     done: list[FedMAResult] = []
     broadcast = 0
@@ -155,8 +158,7 @@ def run_fedma(
             if p > 0:
                 states, sent = _restart_clients(done[-1], spec, models, train, parts, config, p)
                 broadcast += sent
-            done.append(fedma(states, spec, client_update, class_counts=counts, noise_var=noise_var,
-                              prior_var=prior_var, gamma0=gamma0, kl_weight=kl, seed=seed + p))
+            done.append(fedma(states, spec, client_update, class_counts=counts, seed=seed + p, **settings))
     finally:
         bar.close()
     result = done[-1]

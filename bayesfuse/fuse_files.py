@@ -2,7 +2,7 @@
 
 Inputs are state_dicts of MLPs of any depth (any parameter names: layers are read in file
 order as ``weight``/``bias`` pairs), ConvNets with batch norms, LSTM classifiers, or anything an
-architecture spec file describes (:mod:`bayesfuse.nets.spec`); or
+architecture spec file describes (:mod:`bayesfuse.inference.spec`); or
 :class:`~bayesfuse.models.bnn.HorseshoeBNN` state_dicts. Files are put in a canonical order (by content hash) before fusing, so the order
 they are given in never changes the result; the same files and seed give a bit-identical output.
 """
@@ -22,42 +22,14 @@ import torch
 from bayesfuse._io import atomic_write_text
 from bayesfuse.checkpoints import FORMATS, read_checkpoint, save_state_dict
 
-__all__ = ["fuse_files", "METHODS", "HYPER_KEYS"]
+__all__ = ["fuse_files", "ARCHS"]
 
-METHODS = ("pfnm", "nafi", "fedma", "kl", "fedavg")
-HYPER_KEYS = {
-    "pfnm": {"noise_var": float, "prior_var": float, "gamma0": float, "cost": str, "n_iter": int, "direction": str},
-    "nafi": {"noise_var": float, "prior_var": float, "gamma0": float, "kl_weight": float, "cost": str, "n_iter": int,
-             "direction": str},
-    "fedma": {},
-    "kl": {"reg": float, "solver": str, "n_iter": int},
-    "fedavg": {},
-}
 ARCHS = ("auto", "mlp", "cnn", "lstm")
-_BNN_KEYS = {f"{p}.{s}" for p in ("loc", "log_scale") for s in ("w1", "b1", "log_lam", "log_tau", "w2", "b2")} | {
-    "prior_scales"}
-
-
-def parse_hyper(method: str, items: Sequence[str]) -> dict:
-    """``["noise_var=2", "cost=marginal"]`` -> typed dict, checked against the method's keys."""
-    known = HYPER_KEYS[method]
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--hyper expects key=value, got {item!r}")
-        if key not in known:
-            raise ValueError(f"unknown hyper-parameter {key!r} for {method}; known: {sorted(known) or 'none'}")
-        try:
-            out[key] = known[key](value)
-        except ValueError:
-            raise ValueError(f"hyper-parameter {key} must be {known[key].__name__}, got {value!r}") from None
-    return out
 
 
 def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
     """(weight key, bias key) of each Linear layer, in file order."""
-    from bayesfuse.nets.spec import entry_order
+    from bayesfuse.inference.spec import entry_order
 
     pairs = []
     for key in entry_order(sd):
@@ -88,7 +60,7 @@ def _check_finite(sd: dict, name: str) -> None:
 
 
 def _load_spec(path, names):
-    from bayesfuse.nets.spec import spec_from_dict
+    from bayesfuse.inference.spec import spec_from_dict
 
     path = Path(path)
     if not path.is_file():
@@ -100,12 +72,9 @@ def _load_spec(path, names):
     return spec_from_dict(data)
 
 
-def _fuse_point_estimates(state_dicts, names, method, hyper, seed, arch, spec_path):
-    """Match (pfnm/nafi) or average (fedavg) state_dicts described by a permutation spec."""
-    from bayesfuse.baselines import fedavg_state_dicts
-    from bayesfuse.fusion import _warn_single, resolve_hyper
-    from bayesfuse.inference.layerwise import match_layerwise
-    from bayesfuse.nets.spec import spec_for_state_dict
+def _network_spec(state_dicts, names, arch, spec_path):
+    """The permutation spec of point-estimate files, checked against every file."""
+    from bayesfuse.inference.spec import spec_for_state_dict
 
     if spec_path is not None:
         spec = _load_spec(spec_path, names)
@@ -122,38 +91,7 @@ def _fuse_point_estimates(state_dicts, names, method, hyper, seed, arch, spec_pa
                 raise ValueError(f"{n}: layer entry {k!r} has zero width {tuple(t.shape)}")
     if not spec.groups:
         raise ValueError(f"{names[0]}: the network has no hidden layer to match")
-    if method == "fedavg":
-        for sd, n in zip(state_dicts[1:], names[1:]):
-            for k, t in sd.items():
-                if t.shape != state_dicts[0][k].shape:
-                    raise ValueError(f"{n}: fedavg needs identical widths, {k!r} has shape {tuple(t.shape)} and "
-                                     f"{tuple(state_dicts[0][k].shape)} in {names[0]}")
-        fused = fedavg_state_dicts(state_dicts)
-        sizes = spec.sizes({k: v.numpy() for k, v in fused.items()})
-        return OrderedDict(fused), [], [sizes[g] for g in spec.groups], spec
-    settings = resolve_hyper(method, **{k: v for k, v in hyper.items() if k in ("noise_var", "prior_var", "gamma0",
-                                                                                 "kl_weight")})
-    arrays = [{k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
-              for sd in state_dicts]
-    _warn_single(arrays, stacklevel=4)
-    res = match_layerwise(arrays, spec, cost=hyper.get("cost", "pfnm"), n_iter=hyper.get("n_iter", 10), seed=seed,
-                          direction=hyper.get("direction", "bottom-up"), names=names, **settings)
-    fused = OrderedDict((k, torch.as_tensor(res.state_dict[k]).to(state_dicts[0][k].dtype)) for k in state_dicts[0])
-    return fused, [res.layers[g] for g in spec.groups], [res.sizes[g] for g in spec.groups], spec
-
-
-def _to_bnn(sd: dict, name: str):
-    from bayesfuse.models.bnn import HorseshoeBNN
-
-    H, D = sd["loc.w1"].shape
-    K = sd["loc.w2"].shape[0]
-    global_scale, weight_scale = (float(v) for v in sd["prior_scales"])
-    bnn = HorseshoeBNN(D, H, K, global_scale=global_scale, weight_scale=weight_scale)
-    try:
-        bnn.load_state_dict(sd)
-    except RuntimeError as err:
-        raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ({str(err).splitlines()[0]})") from None
-    return bnn
+    return spec
 
 
 def fuse_files(
@@ -171,36 +109,38 @@ def fuse_files(
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
     Point-estimate networks are described by a permutation spec: read from ``spec_path`` (JSON,
-    :func:`~bayesfuse.nets.spec.spec_to_dict`) or derived from the first file's entries for
-    ``arch`` (:func:`~bayesfuse.nets.spec.spec_for_state_dict`). Nothing is written unless
+    :func:`~bayesfuse.inference.spec.spec_to_dict`) or derived from the first file's entries for
+    ``arch`` (:func:`~bayesfuse.inference.spec.spec_for_state_dict`). Nothing is written unless
     fusion succeeds; existing outputs are replaced only with ``force``. Returns the report.
     """
-    from bayesfuse import __version__
-    from bayesfuse.fusion import fuse
+    from bayesfuse import __version__, methods
+    from bayesfuse.core import fuse_states
+    from bayesfuse.models.bnn_sites import is_bnn_state
 
     start = time.perf_counter()
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method == "fedma":
+    if method not in methods.METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(methods.names())}")
+    if methods.METHODS[method].needs_data:
         raise ValueError("fedma retrains each client between layers, so it needs the clients' data, not only their "
                          "files; run it where the data is (bayesfuse.fuse(models, 'fedma', data=...) or "
                          "`bayesfuse demo --methods fedma`), or fuse the files in one shot with pfnm or nafi")
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     hyper = dict(hyper or {})
-    unknown = set(hyper) - set(HYPER_KEYS[method])
+    known = methods.METHODS[method].keys()
+    unknown = set(hyper) - set(known)
     if unknown:
-        raise ValueError(f"unknown hyper-parameters {sorted(unknown)} for {method}; known: {sorted(HYPER_KEYS[method])}")
+        raise ValueError(f"unknown hyper-parameters {sorted(unknown)} for {method}; known: {sorted(known)}")
     if not paths:
         raise ValueError("no model files given")
     out = Path(out)
     report_path = out.with_name(out.name + ".json")
     fmt = fmt or FORMATS.get(out.suffix.lower()) or FORMATS.get(Path(paths[0]).suffix.lower())
     if fmt not in ("pt", "safetensors"):
-        raise ValueError(f"cannot tell the output format from {out.name!r}; pass --format pt or safetensors")
+        raise ValueError(f"cannot tell the output format from {out.name!r}; give fmt='pt' or 'safetensors'")
     for p in (out, report_path):
         if p.exists() and not force:
-            raise FileExistsError(f"{p} exists; pass --force to replace it")
+            raise FileExistsError(f"{p} exists; replace it with force=True")
     if any(Path(p).resolve() == out.resolve() for p in paths):
         raise ValueError(f"the output {out} is also an input")
 
@@ -213,7 +153,7 @@ def fuse_files(
     for sd, name in zip(state_dicts, names):
         _check_finite(sd, name)
 
-    is_bnn = [set(sd) == _BNN_KEYS for sd in state_dicts]
+    is_bnn = [is_bnn_state(sd) for sd in state_dicts]
     if any(is_bnn) and not all(is_bnn):
         raise ValueError("cannot fuse Bayesian (HorseshoeBNN) and point-estimate checkpoints together")
     if method == "kl" and not all(is_bnn):
@@ -221,29 +161,39 @@ def fuse_files(
     if all(is_bnn):
         if method == "fedavg":
             raise ValueError("method 'fedavg' is for point-estimate networks; use kl, nafi or pfnm for BNNs")
-        models = [_to_bnn(sd, n) for sd, n in zip(state_dicts, names)]
-        result = fuse(models, method, seed=seed, **hyper)
-        fused_sd = result.model.state_dict()
-        layers = result.layers
+        from bayesfuse.models.bnn import HorseshoeBNN
+
+        states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
+        fused = fuse_states(states, method, names=names, seed=seed, **hyper)
+        fused_sd = HorseshoeBNN.from_state_dict(fused.state).state_dict()
     else:
-        fused_sd, layers, sizes, spec = _fuse_point_estimates(state_dicts, names, method, hyper, seed, arch, spec_path)
+        spec = _network_spec(state_dicts, names, arch, spec_path)
+        states = state_dicts if method == "fedavg" else [
+            {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
+            for sd in state_dicts]
+        fused = fuse_states(states, method, spec=spec, names=names, seed=seed, **hyper)
+        fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype))
+                               for k in state_dicts[0])
     report = {
         "method": method,
         "architecture": None if all(is_bnn) else {"groups": list(spec.groups), "spec_file": str(spec_path) if spec_path
                                                   else None},
-        "hyper": hyper,
+        "hyper": _jsonable(fused.hyper),
+        "hyper_given": _jsonable(hyper),
         "seed": seed,
         "inputs": files,
         "fused_order": names,
-        "global_sizes": [int(l.n_global if hasattr(l, "n_global") else l.n_components) for l in layers]
-        if layers else [int(s) for s in sizes],
+        "global_sizes": [int(s) for s in fused.sizes],
+        "converged": fused.converged,
         "layers": [
             {
-                "global_units": int(l.n_global if hasattr(l, "n_global") else l.n_components),
-                "assignments": [np.asarray(a).tolist() for a in l.assignments],
-                "objective": [float(v) for v in l.objective],
+                "group": group,
+                "global_units": int(layer.n_global),
+                "converged": bool(layer.converged),
+                "assignments": [np.asarray(a).tolist() for a in layer.assignments],
+                "objective": [float(v) for v in layer.objective],
             }
-            for l in layers  # noqa: E741
+            for group, layer in zip(fused.groups, fused.layers)
         ],
         "versions": {"bayesfuse": __version__, "torch": torch.__version__, "numpy": np.__version__,
                      "python": platform.python_version()},
@@ -256,3 +206,15 @@ def fuse_files(
         out.unlink(missing_ok=True)
         raise
     return report
+
+
+def _jsonable(values: dict) -> dict:
+    """Hyper-parameters as JSON values (arrays as lists, NumPy scalars as numbers)."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, np.ndarray):
+            v = v.tolist()
+        elif isinstance(v, np.generic):
+            v = v.item()
+        out[k] = v
+    return out

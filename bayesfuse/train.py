@@ -6,17 +6,17 @@ regularisation 1e-6, minibatches of 32, 10 epochs, weights ~ N(0, 0.01), biases 
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from bayesfuse._runtime import progress as _progress
+from bayesfuse._runtime import torch_threads
 from bayesfuse.data.datasets import Dataset
 from bayesfuse.data.partition import Partition
 from bayesfuse.nets.arch import ARCHITECTURES, make_model
@@ -68,24 +68,6 @@ class TrainConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run a block with ``torch.set_num_threads(n)``, restoring the previous value after."""
-    if n is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(int(n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def _progress(verbose: bool | None) -> bool:
-    return sys.stderr.isatty() if verbose is None else bool(verbose)
 
 
 def _as_tensors(x: np.ndarray, y: np.ndarray, n_classes: int) -> tuple[torch.Tensor, torch.Tensor]:

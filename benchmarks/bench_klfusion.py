@@ -21,7 +21,8 @@ import numpy as np
 
 from bayesfuse.demo import format_table
 from bayesfuse.inference.expfam import DiagNormal
-from bayesfuse.inference.klfusion import kl_fuse, relaxed_objective, solve_relaxed
+from bayesfuse.inference.klfusion import kl_fuse
+from bayesfuse.inference.relaxed import relaxed_objective, solve_relaxed
 
 
 def simulate(n_clients, n_local, n_true, dim, seed=0):

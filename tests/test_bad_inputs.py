@@ -12,9 +12,9 @@ from bayesfuse.checkpoints import load_state_dict, save_state_dict
 from bayesfuse.cli import main
 from bayesfuse.data import dirichlet_partition
 from bayesfuse.inference.expfam import DiagNormal, Gamma
+from bayesfuse.inference.fedma import fedma
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.matching import match_neurons
-from bayesfuse.inference.layerwise import fedma
 from bayesfuse.nets import MLP
 from bayesfuse.nets.arch import make_cnn
 from bayesfuse.nets.pans import PANConfig

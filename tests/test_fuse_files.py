@@ -98,7 +98,7 @@ def deep_files(tmp_path_factory, split):
 def test_deep_checkpoints_fuse_like_the_library_and_are_order_free(deep_files, tmp_path, arch):
     from bayesfuse import fuse
     from bayesfuse.nets.arch import rebuild
-    from bayesfuse.nets.spec import spec_for_state_dict
+    from bayesfuse.inference.spec import spec_for_state_dict
 
     models, paths = deep_files[arch]
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
@@ -118,7 +118,8 @@ def test_deep_checkpoints_fuse_like_the_library_and_are_order_free(deep_files, t
 
 
 def test_arch_spec_file(deep_files, tmp_path):
-    from bayesfuse.nets.spec import spec_from_module, spec_to_dict
+    from bayesfuse.inference.spec import spec_to_dict
+    from bayesfuse.nets.spec import spec_from_module
 
     models, paths = deep_files["cnn"]
     spec_file = tmp_path / "spec.json"

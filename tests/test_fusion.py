@@ -7,8 +7,8 @@ import torch
 from bayesfuse import fuse
 from bayesfuse.data import Dataset, dirichlet_partition
 from bayesfuse.nets import MLP, predict_proba
-from bayesfuse.nets.neurons import mlp_from_neurons, one_hidden_layer
 from bayesfuse.train import TrainConfig, train_clients
+from tests.helpers import mlp_from_neurons, one_hidden_layer
 
 # Single-model cases are part of these tests; the warning they raise is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:only one model")

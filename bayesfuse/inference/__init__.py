@@ -1,8 +1,20 @@
 """Fusion algorithms over arrays: BBP-MAP matching (PFNM, NAFI) and KL-fusion of mean-field posteriors."""
 
-from bayesfuse.inference import expfam
-from bayesfuse.inference.klfusion import KLFusionResult, kl_fuse, solve_relaxed
-from bayesfuse.inference.matching import MatchResult, assignment_cost, log_marginal_posterior, match_neurons
+from __future__ import annotations
+
+from bayesfuse._lazy import lazy_exports
+
+#: Public name -> the module that defines it; imported on first use (PEP 562).
+_EXPORTS = {
+    "KLFusionResult": "bayesfuse.inference.klfusion",
+    "MatchResult": "bayesfuse.inference.matching",
+    "assignment_cost": "bayesfuse.inference.matching",
+    "expfam": "bayesfuse.inference.expfam",
+    "kl_fuse": "bayesfuse.inference.klfusion",
+    "log_marginal_posterior": "bayesfuse.inference.matching",
+    "match_neurons": "bayesfuse.inference.matching",
+    "solve_relaxed": "bayesfuse.inference.relaxed",
+}
 
 __all__ = [
     "KLFusionResult",
@@ -14,3 +26,5 @@ __all__ = [
     "match_neurons",
     "solve_relaxed",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

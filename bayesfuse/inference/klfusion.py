@@ -14,13 +14,13 @@ matrices ``P_j`` (L_j x G) say which global component explains which local one.
             + \\lambda \\sum_g \\Big(\\sum_j \\sum_l (P^j_{lg})^2\\Big)^{1/2}
 
   drives whole global components out of use; those are dropped, the components are updated as
-  P-weighted barycenters, and the two steps alternate.
+  P-weighted barycenters, and the two steps alternate. The relaxed problem's solvers live in
+  :mod:`bayesfuse.inference.relaxed`.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -29,12 +29,11 @@ from scipy.optimize import linear_sum_assignment
 from tqdm.auto import tqdm
 
 from bayesfuse.inference.expfam import ExpFamily, _check_same_family
+from bayesfuse.inference.relaxed import Solver, relaxed_objective, solve_relaxed
+from bayesfuse.inference.result import warn_not_converged
 
-__all__ = ["KLFusionResult", "kl_fuse", "solve_relaxed", "relaxed_objective"]
+__all__ = ["KLFusionResult", "kl_fuse"]
 
-Solver = Literal["auto", "cvxpy", "fast"]
-#: ``solver="auto"`` uses cvxpy when the relaxed problem has at most this many entries.
-AUTO_CVXPY_MAX_ENTRIES = 20_000
 #: A global component whose column of P (all clients) carries less mass than this is unused
 #: and dropped. Iterative solvers leave entries of order their tolerance in unused columns.
 UNUSED = 1e-3
@@ -84,6 +83,11 @@ class KLFusionResult:
     def n_components(self) -> int:
         return len(self.components)
 
+    @property
+    def n_global(self) -> int:
+        """Number of global components G (the :class:`~bayesfuse.inference.result.LayerResult` protocol)."""
+        return len(self.components)
+
     def __repr__(self) -> str:
         sizes = [len(a) for a in self.assignments]
         return (f"KLFusionResult({len(sizes)} clients with {sum(sizes)} {self.components.name} components "
@@ -91,185 +95,7 @@ class KLFusionResult:
                 f"{self.seconds:.2f} s)")
 
 
-# ------------------------------------------------------------------------ relaxed problem
-
-
-def relaxed_objective(costs: Sequence[np.ndarray], P: Sequence[np.ndarray], reg: float) -> float:
-    """``sum_j <C_j, P_j> + reg * sum_g ||P[:, g]||_2`` with the clients' P stacked (eq. 8-9)."""
-    stacked = np.vstack(P)
-    return float(sum(np.sum(c * p) for c, p in zip(costs, P)) + reg * np.linalg.norm(stacked, axis=0).sum())
-
-
-def _check_costs(costs: Sequence[np.ndarray], reg: float) -> list[np.ndarray]:
-    if not np.isfinite(reg) or reg < 0:
-        raise ValueError(f"reg must be >= 0, got {reg}")
-    costs = [np.asarray(c, dtype=np.float64) for c in costs]
-    if not costs:
-        raise ValueError("need at least one client")
-    g = costs[0].shape[1]
-    for j, c in enumerate(costs):
-        if c.ndim != 2 or c.shape[1] != g:
-            raise ValueError(f"cost {j} must be (L_j, {g}), got {c.shape}")
-        if c.shape[0] > g:
-            raise ValueError(f"client {j} has {c.shape[0]} components but only {g} global ones can take them")
-        if not np.isfinite(c).all():
-            raise ValueError(f"cost {j} contains NaN or infinite values")
-    return costs
-
-
-def solve_relaxed(
-    costs: Sequence[np.ndarray],
-    reg: float,
-    *,
-    solver: Solver = "auto",
-    tol: float = 1e-5,
-    max_iter: int = 20_000,
-    init: Sequence[np.ndarray] | None = None,
-) -> tuple[list[np.ndarray], str]:
-    """Solve the convex relaxation of eq. 9 for fixed global components.
-
-    Parameters
-    ----------
-    costs : list of (L_j, G) arrays
-        ``C_j[l, g]`` (scaled) cost of giving local component l to global component g.
-    reg : float
-        ``lambda`` of the L2,2,1 norm.
-    solver : {"auto", "cvxpy", "fast"}
-        ``"cvxpy"``: one stacked variable, whole-matrix expressions, Clarabel (ECOS first when
-        installed, SCS last); each solver's status is checked and a failed or inaccurate solve
-        falls back to the next with a warning. ``"fast"``: consensus ADMM with exact proximal
-        steps (see :func:`_solve_admm`). ``"auto"``: cvxpy up to
-        :data:`AUTO_CVXPY_MAX_ENTRIES` entries, fast beyond.
-    tol, max_iter : fast solver's stopping rule.
-    init : list of (L_j, G) arrays, optional
-        Warm start for the fast solver (the previous step's P).
-
-    Returns
-    -------
-    P : list of (L_j, G) arrays
-    used : str
-        The solver that produced P.
-    """
-    costs = _check_costs(costs, reg)
-    entries = sum(c.size for c in costs)
-    if solver == "auto":
-        solver = "cvxpy" if entries <= AUTO_CVXPY_MAX_ENTRIES else "fast"
-    if solver == "cvxpy":
-        return _solve_cvxpy(costs, reg)
-    if solver == "fast":
-        x0 = None if init is None else np.vstack(init)
-        return _solve_admm(costs, reg, tol=tol, max_iter=max_iter, x0=x0), "fast"
-    raise ValueError(f"solver must be 'auto', 'cvxpy' or 'fast', got {solver!r}")
-
-
-def _solve_cvxpy(costs: list[np.ndarray], reg: float) -> tuple[list[np.ndarray], str]:
-    import cvxpy as cp
-
-    sizes = [c.shape[0] for c in costs]
-    n, g = sum(sizes), costs[0].shape[1]
-    C = np.vstack(costs)
-    block = np.zeros((len(costs), n))  # block[j] sums client j's rows
-    for j, (start, size) in enumerate(zip(np.cumsum([0, *sizes[:-1]]), sizes)):
-        block[j, start : start + size] = 1.0
-    P = cp.Variable((n, g), nonneg=True)
-    objective = cp.sum(cp.multiply(C, P)) + reg * cp.sum(cp.norm(P, 2, axis=0))
-    problem = cp.Problem(cp.Minimize(objective), [cp.sum(P, axis=1) == 1, block @ P <= 1])
-    order = [s for s in ("ECOS", "CLARABEL", "SCS") if s in cp.installed_solvers()]
-    failures = []
-    for name in order:
-        try:
-            problem.solve(solver=name)
-        except cp.SolverError as err:
-            failures.append(f"{name}: {err}")
-            continue
-        if problem.status == cp.OPTIMAL:
-            if failures:
-                warnings.warn(f"cvxpy fell back to {name} after: {'; '.join(failures)}", RuntimeWarning, stacklevel=3)
-            value = np.clip(P.value, 0.0, 1.0)
-            starts = np.cumsum([0, *sizes])
-            return [value[a:b] for a, b in zip(starts[:-1], starts[1:])], f"cvxpy:{name}"
-        failures.append(f"{name}: status {problem.status}")
-    raise RuntimeError(
-        f"no cvxpy solver solved the relaxed assignment ({n} x {g} = {n * g} entries): {'; '.join(failures)}; "
-        "try solver='fast'"
-    )
-
-
-def _project_rows_to_simplex(Y: np.ndarray) -> np.ndarray:
-    """Euclidean projection of each row onto the probability simplex (sort-based, exact)."""
-    u = -np.sort(-Y, axis=1)
-    css = np.cumsum(u, axis=1) - 1.0
-    k = np.arange(1, Y.shape[1] + 1)
-    rho = np.count_nonzero(u - css / k > 0, axis=1)
-    theta = css[np.arange(len(Y)), rho - 1] / rho
-    return np.maximum(Y - theta[:, None], 0.0)
-
-
-def _project_capped_columns(Y: np.ndarray) -> np.ndarray:
-    """Projection of each column onto ``{x >= 0, sum x <= 1}`` (exact)."""
-    X = np.maximum(Y, 0.0)
-    over = X.sum(0) > 1.0
-    if over.any():
-        X[:, over] = _project_rows_to_simplex(Y[:, over].T).T
-    return X
-
-
-def _group_shrink(Y: np.ndarray, t: float) -> np.ndarray:
-    """Prox of ``t * sum_g ||Y[:, g]||_2``: shrink each column's norm by t."""
-    norms = np.linalg.norm(Y, axis=0)
-    return Y * np.maximum(0.0, 1.0 - t / np.maximum(norms, 1e-300))[None, :]
-
-
-def _solve_admm(costs: list[np.ndarray], reg: float, *, tol: float, max_iter: int, rho: float = 1.0,
-                x0: np.ndarray | None = None) -> list[np.ndarray]:
-    """Consensus ADMM for the relaxed eq. 9, every proximal step exact.
-
-    Splits the objective into three functions of copies of the stacked P (N x G):
-    ``<C, P1> + [rows of P1 on the simplex]``, ``[P2 >= 0, each client's columns sum <= 1]`` and
-    ``reg * sum_g ||P3[:, g]||``; ADMM drives the copies to agreement (Boyd et al. 2011,
-    section 7.1) with residual balancing of ``rho``. Stops when the primal and dual residuals
-    fall below ``tol`` (scaled by sqrt of the number of entries). Returns the row-feasible copy
-    with each client's columns projected to capacity, i.e. a feasible point.
-    """
-    sizes = [c.shape[0] for c in costs]
-    starts = np.cumsum([0, *sizes])
-    C = np.vstack(costs)
-    n, g = C.shape
-    X = np.full((n, g), 1.0 / g) if x0 is None or x0.shape != (n, g) else x0.copy()
-    U = np.zeros((3, n, g))
-    scale = np.sqrt(n * g)
-
-    def capped(Y):
-        return np.vstack([_project_capped_columns(Y[a:b]) for a, b in zip(starts[:-1], starts[1:])])
-
-    for it in range(max_iter):
-        P1 = _project_rows_to_simplex(X - U[0] - C / rho)
-        P2 = capped(X - U[1])
-        P3 = _group_shrink(X - U[2], reg / rho)
-        X_old = X
-        X = (P1 + P2 + P3 + U.sum(0)) / 3.0
-        U[0] += P1 - X
-        U[1] += P2 - X
-        U[2] += P3 - X
-        primal = np.sqrt(sum(np.sum((P - X) ** 2) for P in (P1, P2, P3))) / scale
-        dual = rho * np.sqrt(3.0) * np.linalg.norm(X - X_old) / scale
-        if primal < tol and dual < tol:
-            break
-        if it % 10 == 9:  # residual balancing (Boyd et al. 2011, eq. 3.13)
-            if primal > 10 * dual:
-                rho *= 2.0
-                U /= 2.0
-            elif dual > 10 * primal:
-                rho /= 2.0
-                U *= 2.0
-    # A feasible answer: rows on the simplex, then client columns within capacity, alternated
-    # a few times from the consensus point (both sets convex; this polishes tiny violations).
-    P = X
-    for _ in range(50):
-        P = _project_rows_to_simplex(capped(P))
-        if (np.vstack([P[a:b].sum(0) for a, b in zip(starts[:-1], starts[1:])]) <= 1 + 1e-9).all():
-            break
-    return [P[a:b] for a, b in zip(starts[:-1], starts[1:])]
+# ------------------------------------------------------------------------ rounding the relaxed P
 
 
 def _merge_duplicates(P_list: list[np.ndarray], costs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -347,7 +173,7 @@ def kl_fuse(
     n_iter : int
         Maximum number of alternation steps.
     solver : {"auto", "cvxpy", "fast"}
-        For the relaxed problem; see :func:`solve_relaxed`.
+        For the relaxed problem; see :func:`~bayesfuse.inference.relaxed.solve_relaxed`.
     cost_scale : "std" or float
         What the KL costs are divided by: their standard deviation over all entries of the
         first step ("Choosing lambda", the default), or a fixed number. The std makes
@@ -442,8 +268,8 @@ def kl_fuse(
     weights[flat, np.arange(len(flat))] = 1.0
     assignments = _split(flat, sizes)
     P_list = [p[:, used] for p in P_list]
-    return KLFusionResult(pooled.barycenter(weights), assignments, P_list, objective, converged, used_solver,
-                          step_seconds, time.perf_counter() - start, scale)
+    return _warned(KLFusionResult(pooled.barycenter(weights), assignments, P_list, objective, converged, used_solver,
+                                  step_seconds, time.perf_counter() - start, scale))
 
 
 def _homogeneous(posteriors, pooled, sizes, glob, n_iter, verbose, start) -> KLFusionResult:
@@ -474,5 +300,10 @@ def _homogeneous(posteriors, pooled, sizes, glob, n_iter, verbose, start) -> KLF
             converged = True
             break
     relaxed = [np.eye(L)[a] for a in assignments]
-    return KLFusionResult(glob, assignments, relaxed, objective, converged, "hungarian", step_seconds,
-                          time.perf_counter() - start, 1.0)
+    return _warned(KLFusionResult(glob, assignments, relaxed, objective, converged, "hungarian", step_seconds,
+                                  time.perf_counter() - start, 1.0))
+
+
+def _warned(result: KLFusionResult) -> KLFusionResult:
+    warn_not_converged({"KL-fusion": result}, "KL-fusion", stacklevel=4)
+    return result

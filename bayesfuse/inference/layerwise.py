@@ -1,13 +1,13 @@
-"""Matching deep networks layer by layer: one-shot multilayer PFNM/NAFI, and FedMA.
+"""Matching deep networks layer by layer: one-shot multilayer PFNM/NAFI, and FedMA's building blocks.
 
-Every hidden permutation group of a :class:`~bayesfuse.nets.spec.PermutationSpec` (the
+Every hidden permutation group of a :class:`~bayesfuse.inference.spec.PermutationSpec` (the
 neurons of a dense layer, the channels of a convolution, the hidden states of an LSTM) is
 matched with :func:`~bayesfuse.inference.matching.match_neurons`, one group at a time.
 
 Which numbers describe a unit. When group ``g`` is matched, a unit's vector gathers every
 state_dict entry that ``g`` permutes exactly once and whose other permuted axes belong to groups
 matched already. Those other axes are first written in the *global* basis of their group
-(:func:`~bayesfuse.nets.spec.to_global_basis`): client j's column for its local unit ``l`` goes
+(:func:`~bayesfuse.inference.spec.to_global_basis`): client j's column for its local unit ``l`` goes
 to global position ``B_j(l)``, and positions of global units client j lacks are *unobserved*
 (noise variance infinite, precision 0), FedMA's "dummy neurons ... discounted when taking
 average" (FedMA section 2.1). Entries that ``g`` permutes twice (an LSTM's hidden-to-hidden
@@ -28,24 +28,27 @@ Output layer. Its weights into class k from client j get noise variance ``sigma^
 precision-weighted posterior mean. Batch-norm layers are folded into the layer before them
 first (NAFI appendix E, eq. 47) and left as identities.
 
-All functions here take and return NumPy arrays; :func:`fedma` calls back into torch only
-through the ``client_update`` function it is given.
+All functions here take and return NumPy arrays. FedMA (:mod:`bayesfuse.inference.fedma`)
+matches group by group with the same :func:`match_group`, with retraining between groups.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
 from bayesfuse._validation import finite_array
 from bayesfuse.inference.matching import MatchResult, match_neurons
-from bayesfuse.nets.spec import Axis, PermutationSpec, to_global_basis
+from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
+from bayesfuse.inference.spec import Axis, PermutationSpec, to_global_basis
 
 __all__ = ["LayerwiseResult", "fold_batchnorm", "match_layerwise", "match_group", "global_entries",
-           "fedma", "FedMAResult", "HIDDEN_BIAS_PRIOR_MEAN"]
+           "HIDDEN_BIAS_PRIOR_MEAN", "Basis", "check_states", "class_share_matrix", "folded_entries", "folded_eps",
+           "group_seed", "identity_bn", "in_basis", "unit_entries"]
 
 State = Mapping[str, np.ndarray]
 #: Prior mean of hidden biases: the initial bias 0.1 of PFNM supplement Table 1.
@@ -53,7 +56,7 @@ HIDDEN_BIAS_PRIOR_MEAN = 0.1
 
 
 @dataclass
-class _Basis:
+class Basis:
     """How the clients' units of one group map to its global units."""
 
     assignments: list[np.ndarray]
@@ -136,31 +139,32 @@ def fold_batchnorm(state: State, spec: PermutationSpec, eps: float = 1e-5) -> di
         w = out[f"{layer}.weight"]
         out[f"{layer}.weight"] = w * scale.reshape(-1, *([1] * (w.ndim - 1)))
         out[f"{layer}.bias"] = scale * (out[f"{layer}.bias"] - out[f"{bn}.running_mean"]) + out[f"{bn}.bias"]
-        for p, value in _identity_bn(len(scale), eps).items():
+        for p, value in identity_bn(len(scale), eps).items():
             out[f"{bn}.{p}"] = value
     return out
 
 
-def _identity_bn(n: int, eps: float) -> dict[str, np.ndarray]:
+def identity_bn(n: int, eps: float) -> dict[str, np.ndarray]:
     """Entries that make a batch norm of ``n`` units the identity in eval mode."""
     return {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n), "running_var": np.full(n, 1.0 - eps)}
 
 
-def _folded_eps(state: State, bn: str) -> float:
+def folded_eps(state: State, bn: str) -> float:
     """The ``eps`` of a folded batch norm, read back from its running variance ``1 - eps``."""
     return 1.0 - float(np.asarray(state[f"{bn}.running_var"]).reshape(-1)[0])
 
 
-def _folded_entries(spec: PermutationSpec) -> set[str]:
+def folded_entries(spec: PermutationSpec) -> set[str]:
+    """The entries of the batch norms that ``spec`` folds into the layers before them."""
     return {f"{bn}.{p}" for bn in spec.folds for p in ("weight", "bias", "running_mean", "running_var")}
 
 
-def _group_seed(seed: int | None, i: int) -> int | None:
+def group_seed(seed: int | None, i: int) -> int | None:
     """Seed of the i-th group's matching: ``seed + i`` (a one-group network matches with ``seed``)."""
     return None if seed is None else int(seed) + i
 
 
-def _class_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
+def class_share_matrix(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
     """Client j's share of class k, ``n_jk / sum_j n_jk``; all ones when counts are not given."""
     if class_counts is None:
         return np.ones((n_clients, n_classes))
@@ -180,7 +184,7 @@ def _group_axis(spec: PermutationSpec, name: str, group: str) -> tuple[int, Axis
     return next((d, a) for d, a in enumerate(spec.axes[name]) if a is not None and a.group == group)
 
 
-def _unit_entries(spec: PermutationSpec, group: str, matched: Mapping[str, _Basis], skip: set[str]) -> list[str]:
+def unit_entries(spec: PermutationSpec, group: str, matched: Mapping[str, Basis], skip: set[str]) -> list[str]:
     """Entries that describe ``group``'s units given the groups matched so far."""
     out = []
     for k in spec.axes:
@@ -192,8 +196,8 @@ def _unit_entries(spec: PermutationSpec, group: str, matched: Mapping[str, _Basi
     return out
 
 
-def _in_basis(a: np.ndarray, spec: PermutationSpec, name: str, j: int, matched: Mapping[str, _Basis],
-              keep: str | None = None, fill: float = np.nan) -> np.ndarray:
+def in_basis(a: np.ndarray, spec: PermutationSpec, name: str, j: int, matched: Mapping[str, Basis],
+             keep: str | None = None, fill: float = np.nan) -> np.ndarray:
     """Entry ``name`` of client j with every matched axis except ``keep`` in the global basis."""
     a = np.asarray(a, dtype=np.float64)
     for d, axis in enumerate(spec.axes[name]):
@@ -225,7 +229,7 @@ def match_group(
     states: Sequence[State],
     spec: PermutationSpec,
     group: str,
-    matched: Mapping[str, _Basis],
+    matched: Mapping[str, Basis],
     *,
     class_shares: np.ndarray | None = None,
     noise_var: float = 1.0,
@@ -257,8 +261,8 @@ def match_group(
     Returns the matching and the global value of every entry that described the units (its
     other axes in their global bases).
     """
-    skip = _folded_entries(spec)
-    entries = _unit_entries(spec, group, matched, skip)
+    skip = folded_entries(spec)
+    entries = unit_entries(spec, group, matched, skip)
     if not entries:
         raise ValueError(f"no parameter describes the units of group {group!r}")
     J = len(states)
@@ -268,7 +272,7 @@ def match_group(
     for j, sd in enumerate(states):
         blocks, variances = [], []
         for k in entries:
-            a = _in_basis(sd[k], spec, k, j, matched, keep=group)
+            a = in_basis(sd[k], spec, k, j, matched, keep=group)
             d, axis = _group_axis(spec, k, group)
             r = _to_rows(a, d, axis)
             v = np.full(r.shape[1], float(noise_var))
@@ -309,7 +313,7 @@ def match_group(
     return result, values
 
 
-def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapping[str, _Basis], done: set[str],
+def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapping[str, Basis], done: set[str],
                    *, class_shares: np.ndarray | None, noise_var: float, prior_var: float) -> dict[str, np.ndarray]:
     """Global values of the entries no group's matching produced.
 
@@ -319,14 +323,14 @@ def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapp
     Unpermuted entries: the mean, or client 0's value for integer buffers.
     """
     out = {}
-    folded = _folded_entries(spec)
+    folded = folded_entries(spec)
     for k, axes in spec.axes.items():
         if k in done:
             continue
         first = np.asarray(states[0][k])
         if k in folded:
             bn, _, what = k.rpartition(".")
-            out[k] = _identity_bn(matched[spec.axes[k][0].group].n_global, _folded_eps(states[0], bn))[what]
+            out[k] = identity_bn(matched[spec.axes[k][0].group].n_global, folded_eps(states[0], bn))[what]
         elif not np.issubdtype(first.dtype, np.floating):
             out[k] = first.copy()
         elif k in spec.output and class_shares is not None and first.ndim == 1:
@@ -334,7 +338,7 @@ def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapp
             precision = class_shares / noise_var
             out[k] = (precision * b).sum(0) / (1.0 / prior_var + precision.sum(0))
         else:
-            stacked = np.stack([_in_basis(sd[k], spec, k, j, matched) for j, sd in enumerate(states)])
+            stacked = np.stack([in_basis(sd[k], spec, k, j, matched) for j, sd in enumerate(states)])
             seen = ~np.isnan(stacked)
             total = np.where(seen, stacked, 0.0).sum(0)
             count = seen.sum(0)
@@ -393,6 +397,11 @@ def match_layerwise(
     Returns
     -------
     LayerwiseResult
+
+    Warns
+    -----
+    ConvergenceWarning
+        Once, naming the groups whose matching stopped at ``n_iter`` sweeps before it converged.
     """
     start = time.perf_counter()
     if direction not in ("bottom-up", "top-down"):
@@ -403,19 +412,22 @@ def match_layerwise(
             raise ValueError("the networks have batch norms; matching needs them folded (fold_bn=True)")
         arrays = [fold_batchnorm(sd, spec) for sd in arrays]
     n_classes = arrays[0][spec.output[0]].shape[0] if spec.output else 0
-    shares = _class_shares(class_counts, len(arrays), n_classes)
+    shares = class_share_matrix(class_counts, len(arrays), n_classes)
     order = tuple(spec.groups) if direction == "bottom-up" else tuple(reversed(spec.groups))
-    matched: dict[str, _Basis] = {}
+    matched: dict[str, Basis] = {}
     layers: dict[str, MatchResult] = {}
     values: dict[str, np.ndarray] = {}
-    for i, group in enumerate(order):
-        result, vals = match_group(arrays, spec, group, matched, class_shares=shares, noise_var=noise_var,
-                                   prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
-                                   n_iter=n_iter, seed=_group_seed(seed, i), bias_prior_mean=bias_prior_mean,
-                                   absent=absent, verbose=verbose)
-        matched[group] = _Basis(result.assignments, result.n_global)
-        layers[group] = result
-        values.update(vals)
+    with warnings.catch_warnings():  # one warning for all groups, below
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        for i, group in enumerate(order):
+            result, vals = match_group(arrays, spec, group, matched, class_shares=shares, noise_var=noise_var,
+                                       prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
+                                       n_iter=n_iter, seed=group_seed(seed, i), bias_prior_mean=bias_prior_mean,
+                                       absent=absent, verbose=verbose)
+            matched[group] = Basis(result.assignments, result.n_global)
+            layers[group] = result
+            values.update(vals)
+    warn_not_converged({g: layers[g] for g in spec.groups}, "the matching of hidden layers", stacklevel=3)
     values.update(global_entries(arrays, spec, matched, set(values), class_shares=shares, noise_var=noise_var,
                                  prior_var=prior_var))
     return LayerwiseResult(
@@ -426,191 +438,4 @@ def match_layerwise(
         hyper=dict(direction=direction, absent=absent, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
                    kl_weight=kl_weight, cost=cost, n_iter=n_iter, seed=seed),
         seconds=time.perf_counter() - start,
-    )
-
-
-# --------------------------------------------------------------------------- FedMA
-
-
-@dataclass
-class FedMAResult:
-    """Outcome of :func:`fedma`.
-
-    Attributes
-    ----------
-    state_dict : dict
-        The global network.
-    layers : dict of str to MatchResult
-        The matching of each hidden group.
-    sizes : dict of str to int
-    rounds : int
-        Communication rounds (one per group, plus one for the output layer).
-    bytes_up, bytes_down : int
-        Bytes the clients sent and received (float32 entries).
-    history : list of dict
-        Per round: the group, global width, seconds, clients dropped.
-    dropped : list of int
-        Clients (indices into the input) dropped after failing to retrain.
-    """
-
-    state_dict: dict
-    layers: dict
-    sizes: dict
-    rounds: int
-    bytes_up: int
-    bytes_down: int
-    history: list = field(default_factory=list)
-    hyper: dict = field(default_factory=dict)
-    seconds: float = 0.0
-    dropped: list = field(default_factory=list)
-
-
-ClientUpdate = Callable[[list, set], list]
-
-
-def fedma(
-    states: Sequence[State],
-    spec: PermutationSpec,
-    client_update: ClientUpdate,
-    *,
-    class_counts: np.ndarray | None = None,
-    noise_var: float = 1.0,
-    prior_var: float = 10.0,
-    gamma0: float = 1.0,
-    kl_weight: float = 0.0,
-    cost: str = "pfnm",
-    n_iter: int = 10,
-    seed: int | None = 0,
-    bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
-    verbose: bool = False,
-) -> FedMAResult:
-    """Federated matched averaging (FedMA Algorithm 1; NAFI Algorithm 2 with ``kl_weight > 0``).
-
-    For each group ``g`` in forward order: the server matches the clients' units of ``g``
-    (:func:`match_group`, BBP-MAP with the PFNM cost, plus NAFI's KL penalty) and forms the
-    global layer ``W_n = 1/J sum_j W_{j,n} Pi_j^T`` (as the atoms' posterior means); each client
-    receives the global layers so far, maps its next layer's inputs onto the global units
-    (``W_{j,n+1} <- Pi_j W_{j,n+1}``, zero for global units it lacks) and retrains every entry
-    not yet matched with the matched ones frozen, through ``client_update``. The output layer is
-    finally the class-proportion weighted average ``W_N = sum_j p_jk W_{j,N}`` (FedMA Alg. 1).
-
-    Parameters
-    ----------
-    states : sequence of dict
-        The clients' trained state_dicts.
-    client_update : callable ``(jobs, frozen) -> states``
-        ``jobs`` is a list of ``(j, state_dict)``: client j (its index in ``states``) is to
-        retrain its network from ``state_dict`` (NumPy arrays, global widths below and at the
-        matched group, its own above) keeping the entries in ``frozen`` fixed; batch norms
-        that were folded are identities and must stay in eval mode. Return the new
-        state_dicts in the same order, or ``None`` for a client that failed or timed out:
-        it is dropped from the later rounds and reported in ``history``/``dropped``. All
-        clients of a round come in one call, so a federated runtime can train them at once.
-    class_counts : (J, K) array, optional
-        Examples of each class per client: the output layer's weights ``p_jk``.
-    noise_var, prior_var, gamma0, kl_weight, cost, n_iter, seed
-        BBP-MAP settings (FedMA appendix D.2 uses sigma0^2 = 1, sigma^2 = 1, gamma0 in 1e-3..7).
-
-    Returns
-    -------
-    FedMAResult
-    """
-    start = time.perf_counter()
-    arrays = check_states(states, spec)
-    J = len(arrays)
-    n_classes = arrays[0][spec.output[0]].shape[0] if spec.output else 0
-    shares = _class_shares(class_counts, J, n_classes)
-    clients = list(range(J))  # original indices of the clients still taking part
-    dropped: list[int] = []
-    matched: dict[str, _Basis] = {}
-    layers: dict[str, MatchResult] = {}
-    frozen_values: dict[str, np.ndarray] = {}
-    history: list[dict] = []
-    bytes_up = bytes_down = 0
-    for i, group in enumerate(spec.groups):
-        t0 = time.perf_counter()
-        # fold the batch norms of this group (their layer is being matched now)
-        bns = {bn: layer for bn, layer in spec.folds.items() if spec.axes[f"{bn}.weight"][0].group == group}
-        if bns:
-            sub = PermutationSpec(spec.axes, spec.groups, bns, spec.output)
-            arrays = [fold_batchnorm(sd, sub) for sd in arrays]
-        skip = _folded_entries(spec) | set(frozen_values)
-        entries = _unit_entries(spec, group, matched, skip)
-        bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in entries)
-        sub_spec = PermutationSpec({k: spec.axes[k] for k in spec.axes if k not in skip or k in entries},
-                                   spec.groups, {}, spec.output)
-        result, vals = match_group(arrays, sub_spec, group, matched, class_shares=shares, noise_var=noise_var,
-                                   prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
-                                   n_iter=n_iter, seed=_group_seed(seed, i), bias_prior_mean=bias_prior_mean,
-                                   verbose=verbose)
-        layers[group] = result
-        for k in spec.output:  # the output layer is retrained in the global basis, then averaged
-            vals.pop(k, None)
-        G = result.n_global
-        # entries permuted twice by this group (LSTM hidden-to-hidden): averaged in the new basis
-        basis = dict(matched, **{group: _Basis(result.assignments, G)})
-        twice = [k for k in spec.axes if k not in skip and spec.groups_of(k).count(group) == 2
-                 and all(g in basis for g in spec.groups_of(k))]
-        vals.update(global_entries(arrays, PermutationSpec({k: spec.axes[k] for k in twice}, spec.groups),
-                                   basis, set(), class_shares=None, noise_var=noise_var, prior_var=prior_var))
-        for bn in bns:
-            for p, value in _identity_bn(G, _folded_eps(arrays[0], bn)).items():
-                vals[f"{bn}.{p}"] = value
-        frozen_values.update(vals)
-        bytes_down += J * sum(4 * int(np.prod(v.shape)) for v in vals.values())
-        # clients: global entries so far, next layers mapped onto the global units, retrain the rest
-        jobs = []
-        for j, sd in enumerate(arrays):
-            local = {}
-            for k in spec.axes:
-                if k in frozen_values:
-                    local[k] = frozen_values[k]
-                else:
-                    local[k] = _in_basis(sd[k], spec, k, j, {group: basis[group]}, fill=0.0) \
-                        if group in spec.groups_of(k) else np.asarray(sd[k])
-            jobs.append((clients[j], local))
-        updated = list(client_update(jobs, set(frozen_values)))
-        if len(updated) != len(jobs):
-            raise ValueError(f"client_update returned {len(updated)} states for {len(jobs)} clients")
-        keep = [j for j, u in enumerate(updated) if u is not None]
-        lost = [clients[j] for j, u in enumerate(updated) if u is None]
-        if not keep:
-            raise RuntimeError(f"every client failed to retrain after matching group {group!r}")
-        dropped += lost
-        arrays = check_states([updated[j] for j in keep], spec, [f"client {clients[j]}" for j in keep])
-        clients, shares = [clients[j] for j in keep], shares[keep]
-        if class_counts is not None and lost:
-            shares = _class_shares(np.asarray(class_counts)[clients], len(clients), n_classes)
-        J = len(clients)
-        matched = {g: _Basis([np.arange(b.n_global)] * J, b.n_global) for g, b in basis.items()}
-        history.append(dict(group=group, n_global=G, seconds=time.perf_counter() - t0, dropped=lost))
-    # the output layer: class-proportion weighted average of the retrained clients' entries
-    t0 = time.perf_counter()
-    rest = [k for k in spec.axes if k not in frozen_values]
-    bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in rest)
-    weights = shares if class_counts is not None else np.full((J, n_classes), 1.0 / J)
-    final = dict(frozen_values)
-    for k in rest:
-        stacked = np.stack([np.asarray(sd[k]) for sd in arrays])
-        if not np.issubdtype(stacked.dtype, np.floating):
-            final[k] = stacked[0]
-        elif k in spec.output:
-            w = weights.reshape(J, n_classes, *([1] * (stacked.ndim - 2)))
-            final[k] = (w * stacked).sum(0)
-        else:
-            final[k] = stacked.mean(0)
-    bytes_down += J * sum(4 * int(np.prod(final[k].shape)) for k in rest)
-    history.append(dict(group="output", n_global=n_classes, seconds=time.perf_counter() - t0))
-    return FedMAResult(
-        state_dict={k: final[k] for k in spec.axes},
-        layers=layers,
-        sizes={g: layers[g].n_global for g in spec.groups},
-        rounds=len(history),
-        bytes_up=int(bytes_up),
-        bytes_down=int(bytes_down),
-        history=history,
-        hyper=dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
-                   n_iter=n_iter, seed=seed),
-        seconds=time.perf_counter() - start,
-        dropped=dropped,
     )

@@ -34,6 +34,7 @@ from scipy.special import gammaln
 from tqdm.auto import tqdm
 
 from bayesfuse._validation import finite_array, positive_array
+from bayesfuse.inference.result import warn_not_converged
 
 __all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost"]
 
@@ -510,7 +511,7 @@ def match_neurons(
     layers: Sequence,
     *,
     noise_var=1.0,
-    prior_var=1.0,
+    prior_var=10.0,
     gamma0: float = 1.0,
     prior_mean=0.0,
     kl_weight: float = 0.0,
@@ -537,7 +538,7 @@ def match_neurons(
     noise_var : float, sequence of J floats, (D,) or (J, D) array
         ``sigma_j^2``: how far a client's neuron may lie from its atom.
     prior_var : float or (D,) array
-        ``sigma_0^2``: spread of the atoms around ``prior_mean``.
+        ``sigma_0^2``: spread of the atoms around ``prior_mean`` (PFNM's 10 by default).
     gamma0 : float
         IBP mass: expected number of atoms per client; larger favours new atoms.
     prior_mean : float or (D,) array
@@ -564,6 +565,11 @@ def match_neurons(
     Returns
     -------
     MatchResult
+
+    Warns
+    -----
+    ConvergenceWarning
+        When ``n_iter`` sweeps end with assignments still changing (and ``tol`` did not stop it).
 
     Notes
     -----
@@ -606,7 +612,7 @@ def match_neurons(
     assignments: list[np.ndarray | None] = [None] * J
     atoms = _AtomBuffer(D, prec[0].shape[1], capacity=max(len(v) for v in layers) * 2)
     objective: list[float] = []
-    converged = False
+    converged = stopped = False
     bar = tqdm(range(int(n_iter)), desc="matching", unit="sweep", disable=not verbose)
     sweeps = 0
     for sweep in bar:
@@ -651,10 +657,11 @@ def match_neurons(
             converged = True
             break
         if tol is not None and sweep > 0 and objective[-1] - objective[-2] < tol:
+            stopped = True
             break
     h, lam, m = atoms.h, atoms.lam, atoms.m
     lam_full = np.broadcast_to(lam, h.shape)
-    return MatchResult(
+    result = MatchResult(
         assignments=[np.asarray(a) for a in assignments],
         mean=h / lam_full,
         var=np.array(1.0 / lam_full),
@@ -669,3 +676,6 @@ def match_neurons(
                    seed=None if isinstance(seed, np.random.Generator) else seed),
         seconds=time.perf_counter() - start,
     )
+    if not stopped:
+        warn_not_converged({"matching": result}, "matching")
+    return result

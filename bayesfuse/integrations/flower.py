@@ -38,10 +38,13 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
         "bayesfuse.integrations.flower needs Flower (flwr >= 1.21): pip install 'bayesfuse[flower]'"
     ) from err
 
-from bayesfuse.fusion import resolve_hyper
-from bayesfuse.inference.layerwise import FedMAResult, fedma, match_layerwise
-from bayesfuse.nets.arch import numpy_state
-from bayesfuse.nets.spec import PermutationSpec, spec_for_state_dict
+from bayesfuse import methods
+from bayesfuse.core import fuse_states
+from bayesfuse.inference.fedma import FedMAResult, fedma
+from bayesfuse.models.bnn_posterior import BNNPosterior
+from bayesfuse.models.bnn_sites import is_bnn_state
+from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
+from bayesfuse.nets.state import numpy_state
 
 __all__ = ["MatchedAveraging", "fedma_server", "FedMAServerResult", "state_to_record", "record_to_state", "state_digest",
            "FEDMA_LOCAL", "FEDMA_ROUND"]
@@ -51,7 +54,6 @@ log = logging.getLogger("bayesfuse.flower")
 #: Message types of the FedMA loop (``@app.train("local")`` / ``@app.train("fedma")`` on clients).
 FEDMA_LOCAL = "train.local"
 FEDMA_ROUND = "train.fedma"
-METHODS = ("pfnm", "nafi", "kl")
 
 
 def state_to_record(state) -> ArrayRecord:
@@ -79,7 +81,6 @@ class _Reply:
     state: dict
     num_examples: float
     class_counts: np.ndarray | None
-    bnn: object = None  # the HorseshoeBNN of a "kl" reply, built once when it is checked
 
 
 class MatchedAveraging(FedAvg):
@@ -92,11 +93,11 @@ class MatchedAveraging(FedAvg):
         HorseshoeBNN state_dicts.
     spec : PermutationSpec, optional
         The clients' architecture; derived from the first reply's entries when omitted
-        (:func:`~bayesfuse.nets.spec.spec_for_state_dict`).
+        (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
     hyper : dict, optional
-        Keyword arguments of :func:`~bayesfuse.inference.layerwise.match_layerwise` (``noise_var``,
-        ``prior_var``, ``gamma0``, ``kl_weight``, ``cost``, ``direction``) or, for ``"kl"``, of
-        :func:`bayesfuse.fuse` (``reg``, ``solver``).
+        The method's hyper-parameters (:mod:`bayesfuse.methods`): ``noise_var``, ``prior_var``,
+        ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``, ``direction`` for PFNM/NAFI; ``reg``,
+        ``solver``, ``n_iter``, ``average_outputs`` for ``"kl"``. Checked when the strategy is made.
     class_counts_key : str
         Key of a reply's per-class example counts in its MetricRecord.
     seed : int
@@ -108,8 +109,13 @@ class MatchedAveraging(FedAvg):
 
     def __init__(self, method: str = "pfnm", *, spec: PermutationSpec | None = None, hyper: dict | None = None,
                  class_counts_key: str = "class-counts", seed: int = 0, **kwargs) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        choices = [m for m in methods.names(needs_data=False) if m != "fedavg"]
+        if method not in choices:
+            raise ValueError(f"unknown method {method!r}; choose one of {', '.join(choices)} (FedAvg is flwr's "
+                             "own strategy; FedMA runs as fedma_server)")
+        # point-estimate networks for pfnm/nafi, HorseshoeBNN posteriors for kl; bad keys fail here
+        self.kind = "bnn" if method == "kl" else "network"
+        methods.resolve(method, self.kind, hyper)
         super().__init__(**kwargs)
         self.method = method
         self.spec = spec
@@ -157,7 +163,9 @@ class MatchedAveraging(FedAvg):
             good = []
             for r in replies:
                 try:
-                    r.bnn = _bnn_from_state(r.state, f"node {r.node}")
+                    if not is_bnn_state(r.state):
+                        raise ValueError(f"node {r.node}: not a HorseshoeBNN state_dict (keys {sorted(r.state)[:4]}...)")
+                    BNNPosterior.from_state(r.state, f"node {r.node}")
                     good.append(r)
                 except (ValueError, TypeError) as err:
                     reject(r, str(err))
@@ -197,27 +205,14 @@ class MatchedAveraging(FedAvg):
             log.warning("round %d: no valid replies to fuse (%d failed, %d rejected)", server_round,
                         len(self.failed), len(self.rejected))
             return None, None
-        states = [r.state for r in good]
-        if self.method == "kl":
-            from bayesfuse.fusion import fuse
-
-            result = fuse([r.bnn for r in good], "kl", **self.hyper)
-            fused = numpy_state(result.model)
-            sizes, objective = result.sizes, [float(layer.objective[-1]) for layer in result.layers]
-            self.last_fusion = result
-        else:
-            counts = None
-            if all(r.class_counts is not None for r in good):
-                counts = np.stack([r.class_counts for r in good])
-            matching = {k: v for k, v in self.hyper.items() if k in ("noise_var", "prior_var", "gamma0", "kl_weight")}
-            rest = {k: v for k, v in self.hyper.items() if k not in matching}
-            result = match_layerwise(states, spec, class_counts=counts, seed=self.seed,
-                                     names=[f"node {r.node}" for r in good],
-                                     **resolve_hyper(self.method, **matching), **rest)
-            fused = result.state_dict
-            sizes = [result.sizes[g] for g in spec.groups]
-            objective = [float(result.layers[g].objective[-1]) for g in spec.groups]
-            self.last_fusion = result
+        counts = None
+        if all(r.class_counts is not None for r in good):
+            counts = np.stack([r.class_counts for r in good])
+        result = fuse_states([r.state for r in good], self.method, spec=spec, class_counts=counts, seed=self.seed,
+                             names=[f"node {r.node}" for r in good], **self.hyper)
+        fused, sizes = result.state, result.sizes
+        objective = [float(layer.objective[-1]) for layer in result.layers]
+        self.last_fusion = result
         metrics = MetricRecord({
             "num-examples": float(sum(r.num_examples for r in good)),
             "global-sizes": [int(s) for s in sizes],
@@ -258,14 +253,6 @@ def _difference(sig: tuple, common: tuple) -> str:
     return f"{k!r} has fixed dimensions {mine[k]} instead of {theirs[k]}"
 
 
-def _bnn_from_state(state: dict, name: str):
-    from bayesfuse.fuse_files import _BNN_KEYS, _to_bnn
-
-    if set(state) != _BNN_KEYS:
-        raise ValueError(f"{name}: not a HorseshoeBNN state_dict (keys {sorted(state)[:4]}...)")
-    return _to_bnn({k: torch.as_tensor(v) for k, v in state.items()}, name)
-
-
 # --------------------------------------------------------------------------- FedMA
 
 
@@ -292,7 +279,7 @@ def fedma_server(grid, *, spec: PermutationSpec | None = None, config: dict | No
     1. ``train.local``: every node trains its own network and replies with its arrays and a
        MetricRecord holding ``num-examples`` and ``class-counts``.
     2. For each hidden layer, ``train.fedma``: the server matches the layer
-       (:func:`bayesfuse.inference.layerwise.fedma`); each node receives its own arrays and a
+       (:func:`bayesfuse.inference.fedma.fedma`); each node receives its own arrays and a
        ConfigRecord with ``frozen`` (JSON list of entry names) and retrains the rest.
     3. The output layer is the class-count weighted average of the last replies.
 
@@ -334,6 +321,8 @@ def fedma_server(grid, *, spec: PermutationSpec | None = None, config: dict | No
                 out.append(record_to_state(next(iter(msg.content.array_records.values()))))
         return out
 
-    hyper = dict(hyper or {})
-    result = fedma(states, spec, client_update, class_counts=class_counts, seed=seed, **hyper)
+    settings = methods.resolve("fedma", "network", hyper)
+    if settings.pop("passes") != 1:
+        raise ValueError("fedma_server runs one layer-wise pass; passes > 1 is not supported here")
+    result = fedma(states, spec, client_update, class_counts=class_counts, seed=seed, **settings)
     return FedMAServerResult(arrays=state_to_record(result.state_dict), result=result, nodes=nodes, failed=failed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import pyro
@@ -33,10 +34,10 @@ from pyro.infer import Trace_ELBO
 from torch import nn
 from tqdm.auto import tqdm
 
-__all__ = ["HorseshoeBNN", "BNNConfig", "train_bnn"]
+from bayesfuse._runtime import progress, torch_threads
+from bayesfuse.models.bnn_sites import SITES, is_bnn_state, state_dims
 
-#: Guide sites: name -> (shape function of (H, D, K), positive?)
-SITES = ("w1", "b1", "log_lam", "log_tau", "w2", "b2")
+__all__ = ["HorseshoeBNN", "BNNConfig", "train_bnn"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ class HorseshoeBNN(nn.Module):
     Attributes
     ----------
     loc, log_scale : nn.ParameterDict
-        Guide means and log standard deviations per site: ``w1`` (H, D), ``b1`` (H,),
-        ``log_lam`` (H,), ``log_tau`` (1,), ``w2`` (K, H), ``b2`` (K,).
+        Guide means and log standard deviations per site of
+        :data:`~bayesfuse.models.bnn_sites.SITES`: ``w1`` (H, D), ``b1`` (H,), ``log_lam`` (H,),
+        ``log_tau`` (1,), ``w2`` (K, H), ``b2`` (K,).
     """
 
     def __init__(self, in_features: int, hidden: int, n_classes: int, *, global_scale: float = 0.1,
@@ -100,8 +102,32 @@ class HorseshoeBNN(nn.Module):
         return float(self.prior_scales[1])
 
     def site_shapes(self) -> dict[str, tuple[int, ...]]:
-        H, D, K = self.hidden, self.in_features, self.n_classes
-        return {"w1": (H, D), "b1": (H,), "log_lam": (H,), "log_tau": (1,), "w2": (K, H), "b2": (K,)}
+        """Shape of each guide site (:data:`~bayesfuse.models.bnn_sites.SITES`), in the record's order."""
+        return {site.name: site.shape(self.hidden, self.in_features, self.n_classes) for site in SITES}
+
+    # ------------------------------------------------------------------ state_dicts
+    @staticmethod
+    def is_state_dict(state: Mapping[str, object]) -> bool:
+        """Whether ``state`` has exactly the keys of a HorseshoeBNN state_dict."""
+        return is_bnn_state(state)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, object], name: str = "state_dict") -> HorseshoeBNN:
+        """The network whose state_dict is ``state`` (torch tensors or NumPy arrays).
+
+        Sizes come from ``loc.w1`` (H, D) and ``loc.w2`` (K, H), the prior's scales from
+        ``prior_scales``. Raises ``ValueError`` naming ``name`` when ``state`` is not a
+        consistent HorseshoeBNN state_dict.
+        """
+        H, D, K = state_dims(state, name)
+        global_scale, weight_scale = (float(v) for v in state["prior_scales"])
+        try:
+            bnn = cls(D, H, K, global_scale=global_scale, weight_scale=weight_scale)
+            bnn.load_state_dict({k: torch.as_tensor(np.asarray(v)) if not torch.is_tensor(v) else v
+                                 for k, v in state.items()})
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ({str(err).splitlines()[0]})") from None
+        return bnn
 
     # ------------------------------------------------------------------ Pyro model and guide
     def model(self, x: torch.Tensor, y: torch.Tensor | None = None, n_data: int | None = None):
@@ -137,9 +163,9 @@ class HorseshoeBNN(nn.Module):
         """Draws from the guide, each site with a leading sample dimension."""
         out = {}
         for site in SITES:
-            loc, scale = self._q(site)
+            loc, scale = self._q(site.name)
             eps = torch.randn((num_samples, *loc.shape), dtype=loc.dtype, generator=generator)
-            out[site] = loc + scale * eps
+            out[site.name] = loc + scale * eps
         return out
 
     @torch.no_grad()
@@ -189,8 +215,6 @@ def train_bnn(
     Returns the network with ``elbo_history`` (mean negative ELBO per example, per epoch) and
     ``train_seconds``. Raises ``FloatingPointError`` if the ELBO becomes NaN.
     """
-    from bayesfuse.train import _progress, torch_threads
-
     config = config or BNNConfig()
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y)
@@ -209,7 +233,7 @@ def train_bnn(
         loss_fn = Trace_ELBO(num_particles=config.num_particles, vectorize_particles=False).differentiable_loss
         gen = torch.Generator().manual_seed(config.seed)
         history = []
-        bar = tqdm(range(config.epochs), desc=name, unit="epoch", disable=not _progress(verbose), leave=False)
+        bar = tqdm(range(config.epochs), desc=name, unit="epoch", disable=not progress(verbose), leave=False)
         for epoch in bar:
             order = torch.randperm(len(xt), generator=gen)
             total = 0.0

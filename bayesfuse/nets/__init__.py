@@ -1,6 +1,18 @@
 """Torch plumbing: network definitions, neurons out of modules and fused modules back."""
 
-from bayesfuse.nets.mlp import MLP
-from bayesfuse.nets.predict import predict_proba
+from __future__ import annotations
 
-__all__ = ["MLP", "predict_proba"]
+from bayesfuse._lazy import lazy_exports
+
+#: Public name -> the module that defines it; imported on first use (PEP 562).
+_EXPORTS = {
+    "MLP": "bayesfuse.nets.mlp",
+    "predict_proba": "bayesfuse.nets.predict",
+}
+
+__all__ = [
+    "MLP",
+    "predict_proba",
+]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -14,16 +14,14 @@ import copy
 import math
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse.inference.spec import PermutationSpec, chain, dense, lstm
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
-from bayesfuse.nets.spec import PermutationSpec, chain, dense, lstm
 
-__all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "image_shape", "numpy_state",
-           "tensor_state"]
+__all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "image_shape"]
 
 ARCHITECTURES = ("mlp", "cnn", "lstm")
 
@@ -95,21 +93,6 @@ def make_model(arch: str, n_features: int, n_classes: int, *, hidden: Sequence[i
             raise ValueError("position-aware neurons are not defined for the LSTM here")
         return LSTMClassifier(n_features, n_classes, hidden=hidden[0] if hidden else 64, num_layers=max(len(hidden), 1))
     raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
-
-
-def numpy_state(source) -> dict[str, np.ndarray]:
-    """The state_dict of a module (or a mapping of tensors) as NumPy arrays, on the CPU."""
-    state = source.state_dict() if isinstance(source, nn.Module) else source
-    return {k: v.detach().cpu().numpy() for k, v in state.items()}
-
-
-def tensor_state(state: Mapping) -> dict[str, torch.Tensor]:
-    """A NumPy state_dict as tensors, floating entries as float32 (torch's default)."""
-    out = {}
-    for k, v in state.items():
-        a = np.asarray(v)
-        out[k] = torch.as_tensor(a, dtype=torch.float32) if np.issubdtype(a.dtype, np.floating) else torch.as_tensor(a)
-    return out
 
 
 def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.Module:

@@ -7,8 +7,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from bayesfuse.inference.spec import PermutationSpec, chain, dense
 from bayesfuse.nets.pans import PANConfig, PositionAware
-from bayesfuse.nets.spec import PermutationSpec, chain, dense
 
 __all__ = ["MLP"]
 

@@ -22,12 +22,17 @@ the outputs: ``||h_{L,sf} - h_L|| / J_L``, averaged over inputs.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
+
+from bayesfuse.inference.spec import permute, random_permutations
+from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.nets.state import numpy_state
 
 __all__ = ["PANConfig", "PositionAware", "position_encoding", "shuffle_error"]
 
@@ -91,11 +96,6 @@ def shuffle_error(model: nn.Module, x: torch.Tensor, *, seed: int = 0, n_trials:
     Every hidden group of the network is permuted uniformly at random (the paper's
     ``P_sf = 1``), the permuted weights are loaded into a copy, and the outputs compared.
     """
-    import copy
-
-    from bayesfuse.nets.arch import numpy_state
-    from bayesfuse.nets.spec import permute, random_permutations, spec_from_module
-
     spec = spec if spec is not None else spec_from_module(model, x[:2])
     rng = np.random.default_rng(seed)
     state = model.state_dict()

@@ -1,295 +1,25 @@
-"""Permutation specs: which axes of which parameters each hidden permutation acts on.
+"""Permutation specs of torch modules, by tracing.
 
-A network's hidden units (neurons of a dense layer, channels of a convolution, hidden states
-of an LSTM) can be reordered without changing its function, provided every parameter that
-touches them is reordered the same way (FedMA section 2.2, eqs. 4-6; PANs eq. 1). A
-:class:`PermutationSpec` names these permutation *groups* and says, for every entry of a
-state_dict, which group permutes each of its axes::
-
-    spec = chain(dense("fc1", None, "P1"), dense("fc2", "P1", "P2"), dense("fc3", "P2", None))
-    spec.axes["fc2.weight"]  # (Axis("P2"), Axis("P1"))
-
-An axis may hold a permuted group in blocks (:class:`Axis` ``outer``/``inner``): the input of a
-dense layer after ``Flatten`` holds channel c's ``H*W`` pixels contiguously (``inner=H*W``); an
-LSTM's ``weight_ih`` stacks the four gates' rows (``outer=4``).
-
-The spec and the array functions here (:func:`permute`, :func:`to_global_basis`) are pure:
-names, shapes and NumPy arrays. :func:`spec_from_module` derives a spec from an
-``nn.Sequential`` (or a module with a ``permutation_spec()`` method) by running one example
-input through it.
+:func:`spec_from_module` derives the :class:`~bayesfuse.inference.spec.PermutationSpec` of an
+``nn.Sequential`` (or takes the one a module's ``permutation_spec()`` method gives) by running
+one example input through it. The spec itself, its combinators and the array functions that
+read it live in :mod:`bayesfuse.inference.spec`, beside the matchers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
-
 import numpy as np
+import torch
+from torch import nn
 
-__all__ = [
-    "Axis",
-    "PermutationSpec",
-    "dense",
-    "conv",
-    "batchnorm",
-    "lstm",
-    "chain",
-    "permute",
-    "to_global_basis",
-    "random_permutations",
-    "spec_from_module",
-    "spec_for_state_dict",
-    "entry_order",
-    "spec_to_dict",
-    "spec_from_dict",
-    "UnsupportedLayerError",
-]
+from bayesfuse.inference.spec import Axis, PermutationSpec, batchnorm, chain, conv, dense
+
+__all__ = ["SUPPORTED", "UnsupportedLayerError", "spec_from_module"]
 
 
 class UnsupportedLayerError(TypeError):
     """A module whose permutation symmetry bayesfuse does not know."""
 
-
-@dataclass(frozen=True)
-class Axis:
-    """An axis of length ``outer * n * inner`` permuted by group ``group`` of size ``n``.
-
-    Index ``(o, i, k)`` (row-major) holds unit ``i``; a permutation moves the middle index.
-    """
-
-    group: str
-    outer: int = 1
-    inner: int = 1
-
-    def __post_init__(self) -> None:
-        if self.outer < 1 or self.inner < 1:
-            raise ValueError(f"outer and inner must be >= 1, got {self.outer}, {self.inner}")
-
-    def size(self, length: int) -> int:
-        """Number of units ``n`` given the axis length."""
-        n, rest = divmod(length, self.outer * self.inner)
-        if rest:
-            raise ValueError(f"axis of length {length} is not {self.outer} x n x {self.inner}")
-        return n
-
-
-AxisLike = "Axis | str | None"
-
-
-def _axis(a) -> Axis | None:
-    if a is None or isinstance(a, Axis):
-        return a
-    if isinstance(a, str):
-        return Axis(a)
-    raise TypeError(f"an axis is None, a group name or an Axis, got {a!r}")
-
-
-@dataclass(frozen=True)
-class PermutationSpec:
-    """Permutation groups of a network and the parameter axes they act on.
-
-    Attributes
-    ----------
-    axes : dict
-        ``name -> tuple`` with one entry per dimension of the state_dict entry: ``None``
-        (not permuted) or an :class:`Axis`.
-    groups : tuple of str
-        The hidden permutation groups in forward order (input to output).
-    folds : dict
-        ``batchnorm name -> name of the layer before it`` (a Linear/Conv whose output it
-        normalises), for batch-norm folding (NAFI appendix E).
-    output : tuple of str
-        The output layer's entries (``weight``, ``bias``): their first axis is the classes.
-    """
-
-    axes: dict
-    groups: tuple
-    folds: dict = field(default_factory=dict)
-    output: tuple = ()
-
-    def __post_init__(self) -> None:
-        fixed = {k: tuple(_axis(a) for a in v) for k, v in self.axes.items()}
-        object.__setattr__(self, "axes", fixed)
-        seen = {a.group for v in fixed.values() for a in v if a is not None}
-        order = tuple(self.groups) if self.groups else tuple(sorted(seen))
-        unknown = seen - set(order)
-        if unknown:
-            raise ValueError(f"groups {sorted(unknown)} are used by parameters but not listed in groups")
-        object.__setattr__(self, "groups", order)
-
-    def members(self, group: str) -> list[tuple[str, int]]:
-        """``(name, dim)`` of every axis permuted by ``group``."""
-        return [(k, d) for k, v in self.axes.items() for d, a in enumerate(v) if a is not None and a.group == group]
-
-    def groups_of(self, name: str) -> list[str]:
-        """The groups acting on entry ``name``, one per permuted axis."""
-        return [a.group for a in self.axes[name] if a is not None]
-
-    def sizes(self, state_dict: Mapping[str, np.ndarray]) -> dict[str, int]:
-        """Size of each group in ``state_dict``; checks the spec against it."""
-        self.check(state_dict)
-        out: dict[str, int] = {}
-        for k, v in self.axes.items():
-            shape = np.shape(state_dict[k])
-            for d, a in enumerate(v):
-                if a is not None:
-                    out.setdefault(a.group, a.size(shape[d]))
-        return out
-
-    def check(self, state_dict: Mapping[str, np.ndarray], name: str = "state_dict") -> None:
-        """Raise ``ValueError`` naming the entry when ``state_dict`` does not fit the spec."""
-        missing = [k for k in self.axes if k not in state_dict]
-        if missing:
-            raise ValueError(f"{name} lacks entries {missing[:5]} that the architecture spec describes")
-        extra = [k for k in state_dict if k not in self.axes]
-        if extra:
-            raise ValueError(f"{name} has entries {extra[:5]} that the architecture spec does not describe")
-        sizes: dict[str, tuple[int, str]] = {}
-        for k, v in self.axes.items():
-            shape = np.shape(state_dict[k])
-            if len(shape) != len(v):
-                raise ValueError(f"{name}[{k!r}] has {len(shape)} dimensions, the spec describes {len(v)}")
-            for d, a in enumerate(v):
-                if a is None:
-                    continue
-                try:
-                    n = a.size(shape[d])
-                except ValueError as err:
-                    raise ValueError(f"{name}[{k!r}] dimension {d}: {err}") from None
-                if a.group in sizes and sizes[a.group][0] != n:
-                    other_n, other = sizes[a.group]
-                    raise ValueError(
-                        f"{name}: group {a.group} has {n} units in {k!r} (shape {shape}) but {other_n} in {other!r}"
-                    )
-                sizes.setdefault(a.group, (n, k))
-
-
-def dense(name: str, in_group, out_group, *, bias: bool = True) -> PermutationSpec:
-    """``nn.Linear``: ``weight`` is ``(out, in)``, ``bias`` is ``(out,)``."""
-    axes = {f"{name}.weight": (out_group, in_group)}
-    if bias:
-        axes[f"{name}.bias"] = (out_group,)
-    return PermutationSpec(axes, ())
-
-
-def conv(name: str, in_group, out_group, *, bias: bool = True, ndim: int = 2) -> PermutationSpec:
-    """``nn.Conv{ndim}d``: ``weight`` is ``(C_out, C_in, *kernel)``; channels are the units."""
-    axes = {f"{name}.weight": (out_group, in_group, *([None] * ndim))}
-    if bias:
-        axes[f"{name}.bias"] = (out_group,)
-    return PermutationSpec(axes, ())
-
-
-def batchnorm(name: str, group, *, after: str | None = None) -> PermutationSpec:
-    """``nn.BatchNorm*d`` over the units of ``group``; ``after`` names the layer it follows."""
-    axes = {f"{name}.{p}": (group,) for p in ("weight", "bias", "running_mean", "running_var")}
-    axes[f"{name}.num_batches_tracked"] = ()
-    return PermutationSpec(axes, (), folds={name: after} if after else {})
-
-
-def lstm(name: str, in_group, hidden_group: str, *, num_layers: int = 1, bias: bool = True) -> PermutationSpec:
-    """``nn.LSTM`` (unidirectional): gates stacked as 4 blocks of the hidden units.
-
-    Layer k's input is layer k-1's hidden state, so each layer gets its own group
-    ``f"{hidden_group}_{k}"`` for k > 0 (FedMA section 2.2: deep LSTMs layer by layer).
-    """
-    axes: dict = {}
-    groups = []
-    prev = in_group
-    for k in range(num_layers):
-        h = hidden_group if k == 0 else f"{hidden_group}_{k}"
-        gates = Axis(h, outer=4)
-        axes[f"{name}.weight_ih_l{k}"] = (gates, prev)
-        axes[f"{name}.weight_hh_l{k}"] = (gates, Axis(h))
-        if bias:
-            axes[f"{name}.bias_ih_l{k}"] = (gates,)
-            axes[f"{name}.bias_hh_l{k}"] = (gates,)
-        groups.append(h)
-        prev = h
-    return PermutationSpec(axes, tuple(groups))
-
-
-def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: Sequence[str] = ()) -> PermutationSpec:
-    """Combine specs in forward order; groups are ordered by first appearance unless given."""
-    axes: dict = {}
-    folds: dict = {}
-    order: list[str] = []
-    for part in parts:
-        for k, v in part.axes.items():
-            if k in axes:
-                raise ValueError(f"entry {k!r} described twice")
-            axes[k] = v
-            for a in v:
-                if a is not None and a.group not in order:
-                    order.append(a.group)
-        for g in part.groups:
-            if g not in order:
-                order.append(g)
-        folds.update(part.folds)
-    return PermutationSpec(axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output))
-
-
-# --------------------------------------------------------------------------- arrays
-
-
-def permute(state_dict: Mapping[str, np.ndarray], spec: PermutationSpec, perms: Mapping[str, np.ndarray]) -> dict:
-    """Reorder units: new unit ``i`` of group ``g`` is old unit ``perms[g][i]``.
-
-    Groups missing from ``perms`` stay as they are. Arrays keep their type (NumPy or torch).
-    """
-    out = {}
-    for k, value in state_dict.items():
-        a = value
-        for d, axis in enumerate(spec.axes.get(k, ())):
-            if axis is not None and axis.group in perms:
-                a = _take_any(a, d, axis, np.asarray(perms[axis.group]))
-        out[k] = a
-    return out
-
-
-def _take_any(a, dim: int, axis: Axis, index: np.ndarray):
-    """Units ``index`` of axis ``dim`` (NumPy array or torch tensor, which stays one)."""
-    n = axis.size(a.shape[dim])
-    shape = tuple(a.shape)
-    blocks = a.reshape(*shape[:dim], axis.outer, n, axis.inner, *shape[dim + 1 :])
-    if isinstance(a, np.ndarray):
-        out = np.take(blocks, index, axis=dim + 1)
-    else:
-        import torch
-
-        out = torch.index_select(blocks, dim + 1, torch.as_tensor(index, dtype=torch.long))
-    return out.reshape(*shape[:dim], axis.outer * len(index) * axis.inner, *shape[dim + 1 :])
-
-
-def to_global_basis(a: np.ndarray, dim: int, axis: Axis, assignment: np.ndarray, n_global: int,
-                    fill: float = np.nan) -> np.ndarray:
-    """Place local unit ``l`` of an axis at global position ``assignment[l]``.
-
-    Positions of global units the client does not have hold ``fill`` (NaN marks them as
-    unobserved; FedMA pads with zero "dummy" units, ``fill=0``).
-    """
-    a = np.asarray(a, dtype=np.float64)
-    n = axis.size(a.shape[dim])
-    assignment = np.asarray(assignment)
-    if assignment.shape != (n,):
-        raise ValueError(f"assignment has shape {assignment.shape}, the axis has {n} units")
-    shape = a.shape
-    blocks = a.reshape(*shape[:dim], axis.outer, n, axis.inner, *shape[dim + 1 :])
-    out_shape = list(blocks.shape)
-    out_shape[dim + 1] = n_global
-    out = np.full(out_shape, fill, dtype=np.float64)
-    index = [slice(None)] * out.ndim
-    index[dim + 1] = assignment
-    out[tuple(index)] = blocks
-    return out.reshape(*shape[:dim], axis.outer * n_global * axis.inner, *shape[dim + 1 :])
-
-
-def random_permutations(sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """One uniformly random permutation per group."""
-    return {g: rng.permutation(n) for g, n in sizes.items()}
-
-
-# --------------------------------------------------------------------------- modules
 
 #: Modules that act within each unit (channel) and so pass a permutation through unchanged.
 _PASSTHROUGH = ("ReLU", "LeakyReLU", "Tanh", "Sigmoid", "GELU", "ELU", "SiLU", "Dropout", "Dropout2d", "Identity",
@@ -308,16 +38,13 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
     and element-wise activations, pooling and dropout pass the group through. Anything else
     raises :class:`UnsupportedLayerError` naming the module and the supported types.
     """
-    import torch
-    from torch import nn
-
     if hasattr(model, "permutation_spec"):
         return model.permutation_spec()
     if not isinstance(model, nn.Sequential):
         raise UnsupportedLayerError(
             f"cannot derive a permutation spec for {type(model).__name__}: give an nn.Sequential of "
             f"{', '.join(SUPPORTED)}, or a module with a permutation_spec() method, or build one with "
-            "bayesfuse.nets.spec.chain(dense(...), conv(...), ...)"
+            "bayesfuse.inference.spec.chain(dense(...), conv(...), ...)"
         )
     leaves = [(n, m) for n, m in model.named_modules() if len(list(m.children())) == 0]
     for n, m in leaves:
@@ -365,7 +92,7 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
                 if current is not None and (current.inner != 1 or current.outer != 1):
                     raise UnsupportedLayerError(f"layer {n!r}: a convolution after Flatten is not supported")
                 parts.append(conv(n, current, out, bias=m.bias is not None, ndim=m.weight.dim() - 2))
-            current = _axis(out)
+            current = Axis(out) if out is not None else None
             last_layer = n
         elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
             if current is None or current.inner != 1:
@@ -386,150 +113,3 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
                                       if k in dict(model.state_dict())))
     return spec
 
-
-# --------------------------------------------------------------------------- files and state_dicts
-
-
-def spec_to_dict(spec: PermutationSpec) -> dict:
-    """A JSON-ready description: ``{"axes": {name: [null | "P1" | {"group", "outer", "inner"}]}, ...}``."""
-    def axis(a):
-        if a is None:
-            return None
-        if a.outer == 1 and a.inner == 1:
-            return a.group
-        return {"group": a.group, "outer": a.outer, "inner": a.inner}
-
-    return {"axes": {k: [axis(a) for a in v] for k, v in spec.axes.items()}, "groups": list(spec.groups),
-            "folds": dict(spec.folds), "output": list(spec.output)}
-
-
-def spec_from_dict(data: Mapping) -> PermutationSpec:
-    """Inverse of :func:`spec_to_dict`; raises ``ValueError`` naming what is malformed."""
-    if not isinstance(data, Mapping) or "axes" not in data or not isinstance(data["axes"], Mapping):
-        raise ValueError("an architecture spec needs an 'axes' object mapping parameter names to lists of axes")
-
-    def axis(name, a):
-        if a is None or isinstance(a, str):
-            return a
-        if isinstance(a, Mapping) and isinstance(a.get("group"), str):
-            try:
-                return Axis(a["group"], int(a.get("outer", 1)), int(a.get("inner", 1)))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"spec entry {name!r}: bad axis {a!r} ({err})") from None
-        raise ValueError(f"spec entry {name!r}: an axis is null, a group name or {{'group', 'outer', 'inner'}}, got {a!r}")
-
-    axes = {}
-    for name, v in data["axes"].items():
-        if not isinstance(v, (list, tuple)):
-            raise ValueError(f"spec entry {name!r} must be a list with one axis per dimension, got {v!r}")
-        axes[name] = tuple(axis(name, a) for a in v)
-    return PermutationSpec(axes, tuple(data.get("groups", ())), dict(data.get("folds", {})),
-                           tuple(data.get("output", ())))
-
-
-def entry_order(keys) -> list[str]:
-    """The entries in forward order as far as names tell.
-
-    A state_dict saved by torch lists entries in module order; keep it. Formats that sort
-    names (safetensors) lose it: then sort numerically-aware, so that ``"10.weight"`` follows
-    ``"9.weight"`` (the order of ``nn.Sequential`` and ``nn.ModuleList`` children).
-    """
-    import re
-
-    keys = list(keys)
-    if keys != sorted(keys):
-        return keys
-    natural = lambda k: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", k)]  # noqa: E731
-    return sorted(keys, key=natural)
-
-
-def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "state_dict") -> PermutationSpec:
-    """Derive the spec of a plain feed-forward or LSTM network from its entries' names and shapes.
-
-    Entries are read in order. ``"lstm"``: ``<p>.weight_ih_l<k>`` ... of one ``nn.LSTM`` then one
-    dense output layer. ``"mlp"``/``"cnn"``: 4-D weights are convolutions, 2-D weights dense
-    layers, each followed by its ``bias``; a batch norm (``weight``, ``bias``, ``running_mean``,
-    ``running_var``, ``num_batches_tracked``) follows its layer; a dense layer after a
-    convolution reads its channels flattened (``inner = in_features / channels``). The last
-    weighted layer is the output. ``"auto"`` picks ``"lstm"`` when LSTM entries are present.
-    """
-    import re
-
-    keys = entry_order(state_dict)
-    shapes = {k: tuple(np.shape(state_dict[k])) for k in keys}
-    lstm_keys = [k for k in keys if re.search(r"\.weight_ih_l\d+$", k)]
-    if arch not in ("auto", "mlp", "cnn", "lstm"):
-        raise ValueError(f"unknown architecture {arch!r}; known: auto, mlp, cnn, lstm")
-    if arch == "auto":
-        arch = "lstm" if lstm_keys else ("cnn" if any(len(s) == 4 for s in shapes.values()) else "mlp")
-    if arch == "lstm":
-        if not lstm_keys:
-            raise ValueError(f"{name}: no LSTM entries ('<name>.weight_ih_l0') found")
-        prefix = lstm_keys[0].rsplit(".", 1)[0]
-        n_layers = len(lstm_keys)
-        rest = [k for k in keys if not k.startswith(prefix + ".")]
-        weights = [k for k in rest if len(shapes[k]) == 2]
-        if len(weights) != 1 or not weights[0].endswith("weight"):
-            raise ValueError(f"{name}: an LSTM spec needs exactly one dense output layer after the LSTM, found {weights}")
-        out = weights[0][: -len("weight")]
-        top = "H" if n_layers == 1 else f"H_{n_layers - 1}"
-        parts = [lstm(prefix, None, "H", num_layers=n_layers, bias=f"{prefix}.bias_ih_l0" in shapes),
-                 dense(out.rstrip("."), top, None, bias=f"{out}bias" in shapes)]
-        spec = chain(*parts, output=tuple(k for k in (f"{out}weight", f"{out}bias") if k in shapes))
-        spec.check(state_dict, name)
-        return spec
-    layers: list[tuple[str, str]] = []  # (prefix, kind)
-    i = 0
-    while i < len(keys):
-        k = keys[i]
-        s = shapes[k]
-        if k.endswith("weight") and len(s) in (2, 3, 4):
-            layers.append((k[: -len("weight")].rstrip("."), "dense" if len(s) == 2 else "conv"))
-        elif k.endswith("running_mean"):
-            layers.append((k[: -len("running_mean")].rstrip("."), "bn"))
-        elif k.endswith(("bias", "weight", "running_var", "num_batches_tracked")):
-            pass
-        else:
-            raise ValueError(f"{name}: entry {k!r} {s} is neither a Linear/Conv weight, a bias nor batch-norm "
-                             "state; give an architecture spec (--arch-spec) for this network")
-        i += 1
-    weighted = [p for p, kind in layers if kind != "bn"]
-    if not weighted:
-        raise ValueError(f"{name}: no Linear or Conv weights found")
-    parts = []
-    current: Axis | None = None
-    channels = None
-    counter = 0
-    last = None
-    for p, kind in layers:
-        w = f"{p}.weight" if p else "weight"
-        if kind == "bn":
-            if current is None:
-                raise ValueError(f"{name}: batch norm {p!r} does not follow a hidden layer")
-            parts.append(batchnorm(p, current.group, after=last))
-            continue
-        out = None
-        if p != weighted[-1]:
-            counter += 1
-            out = f"P{counter}"
-        has_bias = f"{p}.bias" in shapes
-        if kind == "conv":
-            parts.append(conv(p, current, out, bias=has_bias, ndim=len(shapes[w]) - 2))
-            channels = shapes[w][0]
-        else:
-            inp = current
-            if current is not None and channels is not None:
-                inner, rest = divmod(shapes[w][1], channels)
-                if rest or inner == 0:
-                    raise ValueError(f"{name}: dense layer {p!r} takes {shapes[w][1]} inputs, not a multiple of the "
-                                     f"{channels} channels before it")
-                inp = Axis(current.group, inner=inner)
-            parts.append(dense(p, inp, out, bias=has_bias))
-            channels = None
-        current = _axis(out)
-        last = p
-    spec = chain(*parts, output=tuple(k for k in (f"{weighted[-1]}.weight", f"{weighted[-1]}.bias") if k in shapes))
-    if arch == "mlp" and any(kind != "dense" for _, kind in layers):
-        raise ValueError(f"{name}: --arch mlp but the file holds convolutions or batch norms; use --arch cnn")
-    spec.check(state_dict, name)
-    return spec

@@ -7,16 +7,14 @@ from torch import nn
 
 from bayesfuse import fuse
 from bayesfuse.inference.layerwise import fold_batchnorm, match_layerwise
+from bayesfuse.inference.spec import chain, dense, permute, random_permutations
 from bayesfuse.metrics import assignment_accuracy
 from bayesfuse.models.bbp import simulate_deep_federation
 from bayesfuse.nets.arch import LSTMClassifier, make_cnn, rebuild
 from bayesfuse.nets.mlp import MLP
-from bayesfuse.nets.spec import chain, dense, permute, random_permutations, spec_from_module
-from tests.nets_helpers import randomise
-
-
-def _np(model: nn.Module) -> dict:
-    return {k: v.numpy() for k, v in model.state_dict().items()}
+from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.nets.state import numpy_state as _np
+from tests.helpers import randomise
 
 
 def _shuffled_copies(model: nn.Module, x: torch.Tensor, n: int) -> list[nn.Module]:
@@ -134,22 +132,3 @@ def test_mismatched_architectures_are_named():
     nan = dict(a, **{"layers.1.weight": np.full((4, 5), np.nan)})
     with pytest.raises(ValueError, match=r"client 1\['layers.1.weight'\].*NaN"):
         match_layerwise([a, nan], spec)
-
-
-def test_fedma_drops_clients_that_fail_and_reports_them():
-    from bayesfuse.inference.layerwise import fedma
-
-    fed = simulate_deep_federation(4, 12, 2, 3, gamma0=4.0, noise_var=0.01, seed=1)
-    spec = MLP(1, [1, 1], 1).permutation_spec()
-    calls = []
-
-    def update(jobs, frozen):  # "retraining" that changes nothing; client 2 fails in round 1
-        calls.append([j for j, _ in jobs])
-        return [None if (j == 2 and len(calls) == 1) else state for j, state in jobs]
-
-    res = fedma(fed.states, spec, update, class_counts=np.ones((4, 3)))
-    assert calls == [[0, 1, 2, 3], [0, 1, 3]]
-    assert res.dropped == [2] and res.history[0]["dropped"] == [2]
-    assert res.state_dict["layers.2.weight"].shape == (3, res.sizes["P2"])
-    with pytest.raises(RuntimeError, match="every client failed"):
-        fedma(fed.states, spec, lambda jobs, frozen: [None] * len(jobs))

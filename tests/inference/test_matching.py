@@ -13,15 +13,7 @@ from bayesfuse.inference.matching import (
     match_neurons,
 )
 from bayesfuse.models.bbp import simulate_federation
-
-
-def _partition(assignments):
-    """The co-assignment structure, independent of atom labels."""
-    owner = {}
-    for j, a in enumerate(assignments):
-        for l, i in enumerate(a):
-            owner.setdefault(int(i), []).append((j, l))
-    return sorted(tuple(sorted(v)) for v in owner.values())
+from tests.helpers import partition as _partition
 
 
 def _kl_gauss_diag(mu_x, var_x, mu_y, var_y):

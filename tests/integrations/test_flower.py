@@ -23,6 +23,7 @@ from bayesfuse.integrations.flower import (  # noqa: E402
     state_to_record,
 )
 from bayesfuse.nets.mlp import MLP  # noqa: E402
+from bayesfuse.nets.state import numpy_state as _np  # noqa: E402
 from bayesfuse.train import TrainConfig, train_clients, train_model  # noqa: E402
 
 
@@ -60,10 +61,6 @@ def _reply(node: int, state, counts=None, n=100) -> Message:
 def _error(node: int) -> Message:
     instruction = Message(RecordDict(), dst_node_id=node, message_type="train")
     return Message(Error(code=1, reason="client crashed"), reply_to=instruction)
-
-
-def _np(model):
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
 def _canonical(models):

@@ -2,14 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from bayesfuse.data import load_digits
 from bayesfuse.metrics import accuracy
 from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_digits().standardize()
 
 
 @pytest.fixture(scope="module")

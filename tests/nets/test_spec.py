@@ -7,17 +7,9 @@ from torch import nn
 
 from bayesfuse.nets.arch import LSTMClassifier, make_cnn, rebuild
 from bayesfuse.nets.mlp import MLP
-from bayesfuse.nets.spec import (
-    Axis,
-    UnsupportedLayerError,
-    chain,
-    dense,
-    permute,
-    random_permutations,
-    spec_from_module,
-    to_global_basis,
-)
-from tests.nets_helpers import randomise
+from bayesfuse.inference.spec import Axis, permute, random_permutations
+from bayesfuse.nets.spec import UnsupportedLayerError, spec_from_module
+from tests.helpers import randomise
 
 
 def _check_invariance(model: nn.Module, x: torch.Tensor, seed: int = 0) -> dict:
@@ -69,30 +61,9 @@ def test_permutation_without_matching_groups_breaks_function():
         assert (broken(x) - model(x)).abs().max() > 1e-3
 
 
-def test_to_global_basis_places_units_and_marks_missing():
-    a = np.arange(12.0).reshape(2, 3, 2)  # axis 1: 3 units, inner 2
-    out = to_global_basis(a.reshape(2, 6), 1, Axis("P", inner=2), np.array([4, 0, 2]), 5)
-    assert out.shape == (2, 10)
-    blocks = out.reshape(2, 5, 2)
-    np.testing.assert_array_equal(blocks[:, 4], a[:, 0])
-    np.testing.assert_array_equal(blocks[:, 0], a[:, 1])
-    assert np.isnan(blocks[:, [1, 3]]).all()
-
-
 def test_unsupported_layer_is_named():
     model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 2))
     with pytest.raises(UnsupportedLayerError, match=r"'1' \(LayerNorm\).*supported: Linear"):
         spec_from_module(model)
     with pytest.raises(UnsupportedLayerError, match="permutation_spec"):
         spec_from_module(nn.GRU(3, 4))
-
-
-def test_spec_check_names_entry_and_shapes():
-    spec = chain(dense("a", None, "P"), dense("b", "P", None))
-    good = {"a.weight": np.zeros((5, 3)), "a.bias": np.zeros(5), "b.weight": np.zeros((2, 5)), "b.bias": np.zeros(2)}
-    assert spec.sizes(good) == {"P": 5}
-    bad = dict(good, **{"b.weight": np.zeros((2, 6))})
-    with pytest.raises(ValueError, match=r"group P has 6 units in 'b.weight'"):
-        spec.check(bad)
-    with pytest.raises(ValueError, match="lacks entries"):
-        spec.check({k: v for k, v in good.items() if k != "a.bias"})

@@ -1,9 +1,4 @@
-"""Neurons out of torch MLPs, and fused MLPs back from global neurons.
-
-A hidden unit l of a one-hidden-layer network is the vector ``[W1[l, :], b1[l], W2[:, l]]``
-of its incoming weights, bias and outgoing weights (PFNM's ``v_jl``; NAFI's ``w_sj``).
-Permuting hidden units permutes these rows and leaves the network's function unchanged.
-"""
+"""Helpers shared by the tests: random networks, hidden units of one-hidden-layer MLPs, co-assignments."""
 
 from __future__ import annotations
 
@@ -15,7 +10,32 @@ from torch import nn
 
 from bayesfuse.nets.mlp import MLP
 
-__all__ = ["OneHiddenLayer", "one_hidden_layer", "mlp_from_neurons"]
+
+def randomise(model: nn.Module, seed: int) -> nn.Module:
+    """Every float entry ~ N(0, 0.25) (running variances made positive), in eval mode: units
+    far enough apart that matching can tell them from one another."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+                if "running_var" in name:
+                    t.abs_().add_(0.1)
+    return model.eval()
+
+
+def partition(assignments) -> list[tuple]:
+    """The co-assignment structure of ``assignments[j][l] = global index``, independent of labels."""
+    owner = {}
+    for j, a in enumerate(assignments):
+        for l, i in enumerate(a):
+            owner.setdefault(int(i), []).append((j, l))
+    return sorted(tuple(sorted(v)) for v in owner.values())
+
+
+# --------------------------------------------------------------------------- one hidden layer
+# A hidden unit l of a one-hidden-layer network is the vector ``[W1[l, :], b1[l], W2[:, l]]`` of
+# its incoming weights, bias and outgoing weights (PFNM's ``v_jl``; NAFI's ``w_sj``).
 
 
 @dataclass(frozen=True)

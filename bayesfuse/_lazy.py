@@ -1,0 +1,29 @@
+"""Lazy exports of a package face (PEP 562): names imported from their module on first use."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Mapping
+
+
+def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict) -> tuple[Callable, Callable]:
+    """The ``__getattr__`` and ``__dir__`` of ``package`` for ``exports`` (name -> module path).
+
+    A name that is itself a submodule (``"expfam": "bayesfuse.inference.expfam"``) gives the
+    module. The value is cached in ``namespace`` (the package's ``globals()``).
+    """
+
+    def __getattr__(name: str):
+        try:
+            module = exports[name]
+        except KeyError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        imported = importlib.import_module(module)
+        value = imported if module == f"{package}.{name}" else getattr(imported, name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(exports))
+
+    return __getattr__, __dir__

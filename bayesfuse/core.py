@@ -1,0 +1,263 @@
+"""The fusion core: J clients' state_dicts in, one fused state_dict and its per-layer results out.
+
+Every entry point is this core between an adapter in and an adapter out:
+
+* :func:`bayesfuse.fuse`: modules -> state_dicts -> :func:`fuse_states` -> rebuilt module;
+* ``bayesfuse fuse`` (:func:`bayesfuse.fuse_files.fuse_files`): files -> :func:`fuse_states` -> files;
+* the Flower strategy (:class:`bayesfuse.integrations.flower.MatchedAveraging`): ArrayRecords ->
+  :func:`fuse_states` -> ArrayRecord.
+
+Hyper-parameters are resolved by :func:`bayesfuse.methods.resolve` from the one method table;
+the algorithms are the plain functions of :mod:`bayesfuse.inference`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from bayesfuse import methods
+from bayesfuse.inference.layerwise import match_layerwise
+from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
+
+__all__ = ["StateFusion", "fuse_states", "input_kind"]
+
+State = Mapping[str, Any]
+
+
+@dataclass
+class StateFusion:
+    """What :func:`fuse_states` returns.
+
+    Attributes
+    ----------
+    state : dict of str to ndarray
+        The fused state_dict, in the first client's entry order (floating entries float64,
+        except FedAvg's, which keep the clients' dtype; integer buffers keep theirs).
+    layers : list of LayerResult
+        One per fused layer (:class:`~bayesfuse.inference.result.LayerResult`): a
+        ``MatchResult`` per hidden group, or the BNN's one ``MatchResult``/``KLFusionResult``.
+    sizes : list of int
+        Global width of each hidden group.
+    groups : tuple of str
+        The permutation group of each entry of ``layers`` (``("units",)`` for BNNs).
+    posteriors : list of (mean, var)
+        Each layer's global units as independent Gaussians, arrays (G, D): the atom
+        posterior of a matching, or the fused BNN's unit posterior.
+    method, kind : str
+        The method and the kind of input (``"network"`` or ``"bnn"``, :mod:`bayesfuse.methods`).
+    hyper : dict
+        Every hyper-parameter used, the method table's defaults filled in, and the seed.
+    spec : PermutationSpec or None
+        The architecture of point-estimate networks.
+    seconds : float
+    """
+
+    state: dict
+    layers: list
+    sizes: list
+    groups: tuple
+    posteriors: list
+    method: str
+    kind: str
+    hyper: dict = field(default_factory=dict)
+    spec: PermutationSpec | None = None
+    seconds: float = 0.0
+
+    @property
+    def converged(self) -> bool:
+        """Whether every layer's matching or fusion converged."""
+        return all(bool(getattr(layer, "converged", True)) for layer in self.layers)
+
+
+def input_kind(states: Sequence[State]) -> str:
+    """``"bnn"`` when every state_dict is a HorseshoeBNN's, ``"network"`` when none is."""
+    from bayesfuse.models.bnn_sites import is_bnn_state
+
+    flags = [is_bnn_state(sd) for sd in states]
+    if any(flags) and not all(flags):
+        raise TypeError("cannot fuse Bayesian (HorseshoeBNN) and point-estimate networks together")
+    return "bnn" if flags and all(flags) else "network"
+
+
+def warn_single(n_models: int, stacklevel: int = 3) -> None:
+    """The one warning of fusing a single model (it comes back shrunk by the prior)."""
+    if n_models == 1:
+        warnings.warn("only one model: fusion returns it (its posterior, shrunk by the prior)", UserWarning,
+                      stacklevel=stacklevel)
+
+
+def fuse_states(
+    states: Sequence[State],
+    method: str = "pfnm",
+    *,
+    spec: PermutationSpec | None = None,
+    class_counts: np.ndarray | None = None,
+    names: Sequence[str] | None = None,
+    seed: int | None = 0,
+    verbose: bool = False,
+    **hyper,
+) -> StateFusion:
+    """Fuse the clients' state_dicts with ``method`` (any of :data:`bayesfuse.methods.METHODS`
+    that needs no data).
+
+    Parameters
+    ----------
+    states : sequence of mappings of str to arrays (NumPy or torch)
+        Point-estimate networks of one architecture (hidden widths may differ), or HorseshoeBNN
+        state_dicts (``loc.*``, ``log_scale.*``, ``prior_scales``).
+    method : str
+        ``"pfnm"``, ``"nafi"``, ``"fedavg"`` (networks) or ``"kl"`` (BNNs); ``"pfnm"``/``"nafi"``
+        also fuse BNNs. ``"fedma"`` retrains clients: :func:`bayesfuse.fuse` with ``data``.
+    spec : PermutationSpec, optional
+        Networks only: which axes each hidden permutation acts on; derived from the first
+        state_dict's names and shapes when omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
+    class_counts : (J, K) array, optional
+        Examples of each class per client: weights the output layer by class shares (matching)
+        or the clients by their sizes (FedAvg).
+    names : sequence of str, optional
+        How messages call the clients (file names); ``"client j"`` by default.
+    seed : int, optional
+        Seed of the matching.
+    **hyper
+        The method's hyper-parameters (:func:`bayesfuse.methods.resolve`; ``bayesfuse fuse
+        --help`` lists them with their defaults).
+
+    Returns
+    -------
+    StateFusion
+    """
+    start = time.perf_counter()
+    if len(states) == 0:
+        raise ValueError("fuse needs at least one model")
+    m = methods.METHODS.get(method)
+    if m is not None and m.needs_data:
+        raise ValueError(f"method={method!r} retrains the clients between layers: pass data=(train, partition) with "
+                         "each client's training data to bayesfuse.fuse, or fuse in one shot with pfnm or nafi")
+    kind = input_kind(states)
+    settings = methods.resolve(method, kind, hyper)
+    names = list(names) if names is not None else [f"client {j}" for j in range(len(states))]
+    warn_single(len(states), stacklevel=3)
+    if kind == "bnn":
+        fused = _fuse_bnn_states(states, names, method, settings, seed=seed, verbose=verbose)
+    else:
+        fused = _fuse_network_states(states, names, method, settings, spec=spec, class_counts=class_counts,
+                                     seed=seed, verbose=verbose)
+    fused.seconds = time.perf_counter() - start
+    return fused
+
+
+def _fuse_network_states(states, names, method, settings, *, spec, class_counts, seed, verbose) -> StateFusion:
+    spec = spec if spec is not None else spec_for_state_dict(states[0], "auto", names[0])
+    if not spec.groups:
+        raise ValueError("the networks have no hidden units to match (no hidden layer)")
+    if method == "fedavg":
+        return _fedavg_states(states, names, spec, class_counts)
+    result = match_layerwise(states, spec, class_counts=class_counts, seed=seed, names=names, verbose=verbose,
+                             **settings)
+    layers = [result.layers[g] for g in spec.groups]
+    return StateFusion(
+        state={k: result.state_dict[k] for k in states[0]},
+        layers=layers,
+        sizes=[result.sizes[g] for g in spec.groups],
+        groups=tuple(spec.groups),
+        posteriors=[(layer.mean, layer.var) for layer in layers],
+        method=method,
+        kind="network",
+        hyper={**settings, "seed": seed},
+        spec=spec,
+    )
+
+
+def _fedavg_states(states, names, spec, class_counts) -> StateFusion:
+    import torch
+
+    from bayesfuse.baselines import fedavg_state_dicts
+
+    for sd, n in zip(states, names):
+        spec.check(sd, n)
+    for sd, n in zip(states[1:], names[1:]):
+        for k, t in sd.items():
+            if tuple(t.shape) != tuple(states[0][k].shape):
+                raise ValueError(f"{n}: fedavg needs identical widths, {k!r} has shape {tuple(t.shape)} and "
+                                 f"{tuple(states[0][k].shape)} in {names[0]}")
+    weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
+    tensors = [{k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for k, v in sd.items()}
+               for sd in states]
+    state = {k: v.numpy() for k, v in fedavg_state_dicts(tensors, weights).items()}
+    sizes = spec.sizes(state)
+    return StateFusion(state=state, layers=[], sizes=[sizes[g] for g in spec.groups], groups=tuple(spec.groups),
+                       posteriors=[], method="fedavg", kind="network",
+                       hyper={"weights": "class_counts" if weights is not None else "uniform"}, spec=spec)
+
+
+def _fuse_bnn_states(states, names, method, settings, *, seed, verbose) -> StateFusion:
+    """Fuse horseshoe BNNs as mean-field posteriors.
+
+    Hidden units are the Gaussians of :class:`~bayesfuse.models.bnn_posterior.BNNPosterior`
+    (incoming weights, bias, log-scale, outgoing weights), so the output layer is fused through
+    the same assignment. ``"kl"``: :func:`~bayesfuse.inference.klfusion.kl_fuse`
+    (heterogeneous, L2,2,1, ``reg``); each global unit is the KL barycenter of its local units.
+    ``"pfnm"``/``"nafi"``: :func:`~bayesfuse.inference.matching.match_neurons` on the posterior
+    means with the posterior variances as ``local_vars``; a global unit's Gaussian is the
+    atom's posterior. The output bias and the global scale ``log tau`` are the equal-weight KL
+    barycenters of the clients' (natural parameters averaged).
+
+    Output scale. A local network's logits sum its own units' contributions; the fused network
+    sums over every global unit, so units that only one client has would count fully next to
+    units averaged over all clients, and the fused logits would approach the *sum* of the
+    clients' logits (over-confident where clients disagree). With ``average_outputs`` the
+    outgoing weights of global unit g are multiplied by ``m_g / J`` (``m_g`` clients' units
+    merged into it; their variances by ``(m_g / J)^2``), which makes the fused logits the
+    average of the local ones when units match. On the 5-client Dirichlet(0.8) studies this
+    lifted Fashion-MNIST from 76.1% to 79.1% accuracy and the font-digit AUROC from 0.88 to
+    0.97 (benchmarks/bench_bnn_fusion.py); ``average_outputs=False`` keeps the plain
+    barycenters.
+    """
+    from bayesfuse.inference.expfam import DiagNormal
+    from bayesfuse.inference.klfusion import kl_fuse
+    from bayesfuse.inference.matching import match_neurons
+    from bayesfuse.models.bnn_posterior import BNNPosterior
+
+    posts = [BNNPosterior.from_state(sd, n) for sd, n in zip(states, names)]
+    ref = posts[0]
+    for n, p in zip(names, posts):
+        if (p.in_features, p.n_classes) != (ref.in_features, ref.n_classes):
+            raise ValueError(f"{n} maps {p.in_features} -> {p.n_classes}, {names[0]} maps "
+                             f"{ref.in_features} -> {ref.n_classes}")
+    hyper = dict(settings)
+    average_outputs = hyper.pop("average_outputs")
+    if method == "kl":
+        layer = kl_fuse([p.units for p in posts], verbose=verbose, **hyper)
+        units = layer.components
+        hyper["solver"] = layer.solver
+    else:
+        layer = match_neurons([p.units.loc for p in posts], local_vars=[p.units.var for p in posts], seed=seed,
+                              verbose=verbose, **hyper)
+        units = DiagNormal(loc=layer.mean, var=layer.var)
+        hyper["seed"] = seed
+    hyper["average_outputs"] = average_outputs
+    equal = np.ones(len(posts))
+    if average_outputs:
+        counts = np.zeros(len(units))
+        for a in layer.assignments:
+            counts[a] += 1
+        share = counts / len(posts)
+        out = ref.columns("w2")
+        loc, var = units.loc.copy(), units.var.copy()
+        loc[:, out] *= share[:, None]
+        var[:, out] *= share[:, None] ** 2
+        units = DiagNormal(loc=loc, var=var)
+    fused = BNNPosterior(
+        units=units,
+        out_bias=DiagNormal.concat([p.out_bias for p in posts]).barycenter(equal),
+        log_tau=DiagNormal.concat([p.log_tau for p in posts]).barycenter(equal),
+        in_features=ref.in_features, n_classes=ref.n_classes,
+        global_scale=ref.global_scale, weight_scale=ref.weight_scale,
+    )
+    return StateFusion(state=fused.to_state(), layers=[layer], sizes=[len(units)], groups=("units",),
+                       posteriors=[(units.loc, units.var)], method=method, kind="bnn", hyper=hyper)

@@ -1,0 +1,371 @@
+"""The fusion methods: what each takes, its hyper-parameters and their defaults, in one table.
+
+Every entry point (:func:`bayesfuse.fuse`, :func:`bayesfuse.core.fuse_states`,
+``bayesfuse fuse``, the Flower strategy and FedMA server loop,
+:func:`bayesfuse.federated.run_fedma`, the demo) resolves its hyper-parameters with
+:func:`resolve`, so a method's defaults and constraints live here and nowhere else; the
+algorithms' own signature defaults agree with the ``"network"`` column (a test checks it).
+
+Kinds of input
+--------------
+``"network"``
+    Point-estimate networks whose hidden units a permutation spec describes: MLPs of any
+    depth, ConvNets with batch norms, LSTM classifiers (:mod:`bayesfuse.inference.spec`).
+``"bnn"``
+    One-hidden-layer horseshoe BNNs (:class:`~bayesfuse.models.bnn.HorseshoeBNN`), fused as
+    mean-field posteriors.
+
+Parameters are declared as scikit-learn declares its estimators' (``_parameter_constraints``):
+each key has a type and a constraint, checked in one place. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = ["KINDS", "METHODS", "Interval", "Options", "Fixed", "Param", "Method", "PARAMS", "resolve", "defaults",
+           "parse_assignments", "names", "describe"]
+
+KINDS = ("network", "bnn")
+
+
+# --------------------------------------------------------------------------- constraints
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A real (``float``) or integer (``int``) number in an interval; ``None`` bounds are open."""
+
+    type: type
+    low: float | None = None
+    high: float | None = None
+    closed: str = "neither"  # "left", "right", "both" or "neither"
+
+    def check(self, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:  # NumPy scalars
+                value = value.item()
+            except AttributeError:
+                raise TypeError from None
+        if self.type is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise TypeError
+            value = int(value)
+        else:
+            value = float(value)
+        if not math.isfinite(value):
+            raise ValueError
+        left = self.low is None or value > self.low or (self.closed in ("left", "both") and value == self.low)
+        right = self.high is None or value < self.high or (self.closed in ("right", "both") and value == self.high)
+        if not (left and right):
+            raise ValueError
+        return value
+
+    @property
+    def type_name(self) -> str:
+        return self.type.__name__
+
+    def __str__(self) -> str:
+        name = "an integer" if self.type is int else "a number"
+        low_closed = self.closed in ("left", "both")
+        if self.high is None and self.low == 0 and not low_closed:
+            return "positive"
+        if self.high is None and self.low == 0:
+            return "non-negative"
+        if self.high is None and self.type is int and self.low == 1 and low_closed:
+            return "a positive integer"
+        if self.low is not None and self.high is None:
+            return f"{name} {'>=' if self.closed in ('left', 'both') else '>'} {self.low:g}"
+        if self.high is not None and self.low is None:
+            return f"{name} {'<=' if self.closed in ('right', 'both') else '<'} {self.high:g}"
+        if self.low is None:
+            return name
+        lb = "[" if self.closed in ("left", "both") else "("
+        rb = "]" if self.closed in ("right", "both") else ")"
+        return f"{name} in {lb}{self.low:g}, {self.high:g}{rb}"
+
+
+@dataclass(frozen=True)
+class Options:
+    """One of a set of strings (or booleans, for flags)."""
+
+    options: tuple
+
+    def check(self, value: Any) -> Any:
+        if isinstance(value, str) or isinstance(value, bool):
+            if value in self.options and type(value) in {type(o) for o in self.options}:
+                return value
+        raise ValueError
+
+    @property
+    def type_name(self) -> str:
+        return "bool" if all(isinstance(o, bool) for o in self.options) else "str"
+
+    def __str__(self) -> str:
+        if all(isinstance(o, bool) for o in self.options):
+            return "true or false"
+        return "one of " + ", ".join(repr(o) for o in self.options)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A value a method does not let change, with the reason given when someone tries."""
+
+    value: Any
+    reason: str
+
+    def check(self, value: Any) -> Any:
+        if value != self.value:
+            raise ValueError(self.reason)
+        return self.value
+
+    @property
+    def type_name(self) -> str:
+        return type(self.value).__name__
+
+    def __str__(self) -> str:
+        return f"fixed at {self.value!r}"
+
+
+@dataclass(frozen=True)
+class Param:
+    """A hyper-parameter: its key, constraint and what it does."""
+
+    name: str
+    constraint: Interval | Options | Fixed
+    help: str
+
+
+@dataclass(frozen=True)
+class Method:
+    """A row of the table.
+
+    Attributes
+    ----------
+    name : str
+    summary : str
+        One line: what the method does and where it comes from.
+    defaults : dict of kind to dict
+        For each kind of input the method takes, its keys and their defaults.
+    constraints : dict of key to constraint
+        Constraints that replace the shared ones of :data:`PARAMS` for this method.
+    needs_data : bool
+        The method retrains the clients, so it needs their data, not only their models.
+    """
+
+    name: str
+    summary: str
+    defaults: Mapping[str, Mapping[str, Any]]
+    constraints: Mapping[str, Interval | Options | Fixed] = field(default_factory=dict)
+    needs_data: bool = False
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.defaults)
+
+    def keys(self, kind: str | None = None) -> tuple[str, ...]:
+        """The keys the method takes for ``kind`` (every kind when ``None``), in table order."""
+        seen: dict[str, None] = {}
+        for k in (self.defaults if kind is None else (kind,)):
+            seen.update(dict.fromkeys(self.defaults[k]))
+        return tuple(seen)
+
+    def constraint(self, key: str) -> Interval | Options | Fixed:
+        return self.constraints.get(key, PARAMS[key].constraint)
+
+
+_POSITIVE = Interval(float, 0.0, None, "neither")
+
+#: Every hyper-parameter key any method takes, with its shared constraint and meaning.
+PARAMS: dict[str, Param] = {p.name: p for p in (
+    Param("noise_var", _POSITIVE,
+          "sigma^2: variance of a client's unit around its global unit (PFNM eq. 1); the matching "
+          "radius: larger merges more"),
+    Param("prior_var", _POSITIVE,
+          "sigma0^2: prior variance of the global units around their prior mean (PFNM: 10)"),
+    Param("gamma0", _POSITIVE,
+          "IBP mass: expected global units per client; larger makes new global units cheaper (PFNM: 1)"),
+    Param("kl_weight", Interval(float, 0.0, None, "left"),
+          "NAFI's lambda (eq. 14): weight of the KL penalty added to the matching cost; 0 is PFNM"),
+    Param("cost", Options(("pfnm", "marginal")),
+          "matching cost: 'pfnm' (Prop. 2 as written) or 'marginal' (exact change of the collapsed log posterior)"),
+    Param("n_iter", Interval(int, 1, None, "left"), "maximum sweeps (matching) or alternation steps (KL-fusion)"),
+    Param("direction", Options(("bottom-up", "top-down")),
+          "order of the layers: bottom-up (FedMA eq. 4) or top-down (PFNM supplement Algorithm 1)"),
+    Param("average_outputs", Options((True, False)),
+          "BNNs: scale each global unit's outgoing weights by the share of clients it merges, so fused logits "
+          "average the clients' instead of summing them"),
+    Param("reg", _POSITIVE,
+          "KL-fusion's lambda (eq. 9) on KL costs scaled by their standard deviation; larger merges more"),
+    Param("solver", Options(("auto", "cvxpy", "fast")),
+          "solver of KL-fusion's relaxed problem: 'fast' (ADMM), 'cvxpy', or 'auto' (fast)"),
+    Param("passes", Interval(int, 1, None, "left"),
+          "FedMA layer-wise passes; more than one is FedMA with communication (section 2.3)"),
+)}
+
+_MATCHING = dict(noise_var=1.0, prior_var=10.0, gamma0=1.0)
+_NAFI_KL = 0.01
+_NO_KL = Fixed(0.0, "method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
+
+#: The table. NAFI's lambda: its paper reports 1e-3 .. 0.5 behaving alike with its code's KL;
+#: with the full Gaussian KL (trace and log-det terms, which charge every new atom about
+#: D/2 (10 - log 11) nats at these settings) 0.01 did best on Fashion-MNIST. BNN units carry
+#: their own posterior variances, so the extra noise variance there is small.
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("pfnm", "PFNM: BBP-MAP matching of hidden units (Yurochkin et al. 2019), layer by layer",
+           {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, direction="bottom-up"),
+            "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=0.0, cost="pfnm", n_iter=10, average_outputs=True)},
+           constraints={"kl_weight": _NO_KL}),
+    Method("nafi", "NAFI: the PFNM cost plus kl_weight x the KL between a global unit's posteriors (Xiao & Cheng, eq. 14)",
+           {"network": dict(_MATCHING, kl_weight=_NAFI_KL, cost="pfnm", n_iter=10, direction="bottom-up"),
+            "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=_NAFI_KL, cost="pfnm", n_iter=10,
+                        average_outputs=True)}),
+    Method("fedma", "FedMA: match one layer, freeze it, retrain the clients, repeat (Wang et al. 2020); "
+           "kl_weight > 0 matches with NAFI's penalty",
+           {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, passes=1)}, needs_data=True),
+    Method("fedavg", "one-shot FedAvg: coordinate-wise average weighted by client sizes (identical widths)",
+           {"network": {}}),
+    Method("kl", "KL-fusion of mean-field posteriors with the L2,2,1 regulariser (Claici et al. 2020, eq. 9)",
+           {"bnn": dict(reg=0.1, solver="auto", n_iter=20, average_outputs=True)}),
+)}
+
+
+# --------------------------------------------------------------------------- resolving
+
+
+def _method(method: str) -> Method:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: method must be one of {', '.join(METHODS)}")
+    return METHODS[method]
+
+
+def names(kind: str | None = None, *, needs_data: bool | None = None) -> tuple[str, ...]:
+    """Methods that take ``kind`` (any kind when ``None``), optionally filtered on ``needs_data``."""
+    return tuple(m.name for m in METHODS.values()
+                 if (kind is None or kind in m.defaults) and (needs_data is None or m.needs_data == needs_data))
+
+
+def defaults(method: str, kind: str = "network") -> dict[str, Any]:
+    """The defaults of ``method`` for ``kind`` (a copy)."""
+    m = _method(method)
+    _check_kind(m, kind)
+    return dict(m.defaults[kind])
+
+
+_KIND_WORDS = {"network": "point-estimate networks", "bnn": "Bayesian networks (HorseshoeBNN posteriors)"}
+
+
+def _check_kind(m: Method, kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind not in m.defaults:
+        takes = " and ".join(_KIND_WORDS[k] for k in m.kinds)
+        raise ValueError(f"method {m.name!r} fuses {takes}, not {_KIND_WORDS[kind]}; methods for "
+                         f"{_KIND_WORDS[kind]}: {', '.join(names(kind))}")
+
+
+def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every hyper-parameter of ``method`` for ``kind``: the given values, checked, over the defaults.
+
+    ``None`` keeps a default. Raises ``ValueError`` for an unknown method, a kind the method
+    does not take, an unknown key (naming the known ones) or a value out of its constraint,
+    and ``TypeError`` for a value of the wrong type.
+
+    Examples
+    --------
+    >>> resolve("nafi", "network", {"noise_var": 3})["noise_var"]
+    3.0
+    """
+    m = _method(method)
+    _check_kind(m, kind)
+    table = m.defaults[kind]
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(table))
+    if unknown:
+        elsewhere = [k for k in unknown if k in m.keys()]
+        hint = f" ({', '.join(elsewhere)} only for {'/'.join(k for k in m.kinds if k != kind)})" if elsewhere else ""
+        raise ValueError(f"unknown hyper-parameters {unknown} for method {method!r} on {_KIND_WORDS[kind]}{hint}; "
+                         f"known: {', '.join(table) or 'none'}")
+    out = dict(table)
+    for key, value in given.items():
+        out[key] = _checked(m, key, value)
+    return out
+
+
+def _checked(m: Method, key: str, value: Any) -> Any:
+    constraint = m.constraint(key)
+    try:
+        return constraint.check(value)
+    except TypeError:
+        raise TypeError(f"{key} must be {constraint.type_name} ({constraint}), got {value!r} "
+                        f"({type(value).__name__})") from None
+    except ValueError as err:
+        raise ValueError(str(err) if str(err) else f"{key} must be {constraint}, got {value!r}") from None
+
+
+def parse_assignments(method: str, items: Iterable[str]) -> dict[str, Any]:
+    """``["noise_var=2", "cost=marginal"]`` -> typed values, checked against the method's keys.
+
+    Keys of any kind the method takes are accepted here; :func:`resolve` later checks them
+    against the kind of the inputs.
+    """
+    m = _method(method)
+    known = m.keys()
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"hyper-parameters are given as key=value, got {item!r}")
+        if key not in known:
+            raise ValueError(f"unknown hyper-parameter {key!r} for {method}; known: {', '.join(known) or 'none'}")
+        constraint = m.constraint(key)
+        try:
+            value = text.strip() if constraint.type_name == "str" else _typed(constraint, text.strip())
+        except (TypeError, ValueError):
+            raise ValueError(f"hyper-parameter {key} must be {constraint.type_name} ({constraint}), "
+                             f"got {text!r}") from None
+        try:
+            out[key] = constraint.check(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(str(err) if isinstance(constraint, Fixed) and str(err)
+                             else f"hyper-parameter {key} must be {constraint}, got {text!r}") from None
+    return out
+
+
+def _typed(constraint, text: str) -> Any:
+    """``text`` as the constraint's type (no range check)."""
+    if constraint.type_name == "bool":
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError
+    return {"int": int, "float": float}[constraint.type_name](text)
+
+
+def describe(methods: Sequence[str] | None = None, width: int = 100) -> str:
+    """Plain-text listing of methods, their keys with defaults per kind, constraints and meaning."""
+    import textwrap
+
+    lines = []
+    for name in methods or METHODS:
+        m = METHODS[name]
+        lines.append(f"{m.name}: {m.summary}" + (" [needs the clients' data]" if m.needs_data else ""))
+        lines.append(f"  inputs: {', '.join(m.kinds)}")
+        for key in m.keys():
+            if isinstance(m.constraint(key), Fixed):
+                continue
+            values = {k: m.defaults[k][key] for k in m.kinds if key in m.defaults[k]}
+            shown = sorted(set(map(repr, values.values())))
+            default = shown[0] if len(shown) == 1 and len(values) == len(m.kinds) else ", ".join(
+                f"{k}: {v!r}" for k, v in values.items())
+            head = f"    {key} = {default}  ({m.constraint(key)})"
+            lines.append(head)
+            lines.extend(textwrap.wrap(PARAMS[key].help, width, initial_indent=" " * 8, subsequent_indent=" " * 8))
+        if not m.keys():
+            lines.append("    (no hyper-parameters)")
+    return "\n".join(lines)

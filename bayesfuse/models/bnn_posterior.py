@@ -1,0 +1,169 @@
+"""Mean-field posteriors of horseshoe BNNs as data: per-unit Gaussians, and back.
+
+The guide of :class:`~bayesfuse.models.bnn.HorseshoeBNN` is one Gaussian per site of
+:data:`~bayesfuse.models.bnn_sites.SITES`, each in the space the guide's parameters live in
+(weights and biases as they are, the horseshoe scales in log space). A hidden unit k is the
+concatenation of its slices of the sites that have a unit axis, in the record's order:
+``[w~_k (D), b~_k, log lambda_k, W_2[:, k] (K)]``. The other sites (``log_tau``, ``b2``) are
+shared by all units and kept as one-component Gaussians. Packing and unpacking follow the
+record, so a :class:`BNNPosterior` rebuilds exactly the same guide.
+
+This module reads and writes state_dicts as NumPy arrays and does not import torch; only
+:meth:`BNNPosterior.from_bnn` and :meth:`BNNPosterior.to_bnn` touch the torch module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from bayesfuse.inference.expfam import DiagNormal
+from bayesfuse.models.bnn_sites import GLOBAL_SITES, STATE_KEYS, UNIT_SITES, Site, state_dims
+
+__all__ = ["BNNPosterior"]
+
+#: The attribute of :class:`BNNPosterior` holding each site shared by all units.
+_GLOBAL_FIELDS = {"b2": "out_bias", "log_tau": "log_tau"}
+assert set(_GLOBAL_FIELDS) == {s.name for s in GLOBAL_SITES}
+
+
+def _unit_width(site: Site, D: int, K: int) -> int:
+    """Number of columns a hidden unit's slice of ``site`` takes in :attr:`BNNPosterior.units`."""
+    shape = list(site.shape(1, D, K))
+    del shape[site.unit_axis]
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _pack(arrays: Mapping[str, np.ndarray], H: int) -> np.ndarray:
+    """(H, D + 2 + K): per unit, its slices of the unit sites, unit axis first, flattened."""
+    return np.hstack([np.moveaxis(arrays[s.name], s.unit_axis, 0).reshape(H, -1) for s in UNIT_SITES])
+
+
+def _as_numpy(value) -> np.ndarray:
+    """A float64 NumPy copy of a torch tensor or array-like."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.array(value, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class BNNPosterior:
+    """The mean-field posterior of a one-hidden-layer horseshoe BNN.
+
+    Attributes
+    ----------
+    units : DiagNormal (H components of dimension D + 2 + K)
+        Per unit: incoming weights, bias, log-scale, outgoing weights; :meth:`unit_layout`
+        gives each site's columns.
+    out_bias : DiagNormal (1 component of dimension K)
+    log_tau : DiagNormal (1 component of dimension 1)
+    in_features, n_classes : int
+    global_scale, weight_scale : float
+        The prior's settings, carried to rebuilt networks.
+    """
+
+    units: DiagNormal
+    out_bias: DiagNormal
+    log_tau: DiagNormal
+    in_features: int
+    n_classes: int
+    global_scale: float
+    weight_scale: float
+
+    @property
+    def hidden(self) -> int:
+        return len(self.units)
+
+    # ------------------------------------------------------------------ layout of a unit
+    def unit_layout(self) -> tuple[tuple[str, slice], ...]:
+        """``(site name, columns of units)`` for each site with a unit axis, in the record's order.
+
+        For ``D`` inputs and ``K`` classes: ``w1`` ``[0, D)``, ``b1`` ``[D, D+1)``, ``log_lam``
+        ``[D+1, D+2)``, ``w2`` ``[D+2, D+2+K)``.
+        """
+        layout, start = [], 0
+        for site in UNIT_SITES:
+            width = _unit_width(site, self.in_features, self.n_classes)
+            layout.append((site.name, slice(start, start + width)))
+            start += width
+        return tuple(layout)
+
+    def columns(self, site: str) -> slice:
+        """The columns of :attr:`units` that hold a unit's slice of ``site`` (e.g. ``"w2"``)."""
+        layout = dict(self.unit_layout())
+        if site not in layout:
+            raise KeyError(f"site {site!r} has no unit axis; unit sites: {', '.join(layout)}")
+        return layout[site]
+
+    @property
+    def out_slice(self) -> slice:
+        """The columns of :attr:`units` holding a unit's outgoing weights (site ``w2``)."""
+        return self.columns("w2")
+
+    # ------------------------------------------------------------------ state_dicts
+    @classmethod
+    def from_state(cls, state: Mapping[str, object], name: str = "state_dict") -> BNNPosterior:
+        """Read a HorseshoeBNN state_dict (values torch tensors or NumPy arrays).
+
+        Keys and shapes are checked against :data:`~bayesfuse.models.bnn_sites.SITES`; each
+        site's variance is ``exp(2 log_scale)``. Raises ``ValueError`` naming ``name`` for
+        missing or unexpected keys, wrong shapes, and NaN or infinite means or variances.
+        """
+        H, D, K = state_dims(state, name)
+        arrays = {k: _as_numpy(state[k]) for k in STATE_KEYS}
+        loc = {k[len("loc."):]: v for k, v in arrays.items() if k.startswith("loc.")}
+        var = {k[len("log_scale."):]: np.exp(2 * v) for k, v in arrays.items() if k.startswith("log_scale.")}
+        for site, arr in list(loc.items()) + list(var.items()):
+            if not np.isfinite(arr).all():
+                raise ValueError(f"{name}'s guide parameter '{site}' contains NaN or infinite values")
+        global_scale, weight_scale = (float(v) for v in arrays["prior_scales"])
+        shared = {
+            _GLOBAL_FIELDS[s.name]: DiagNormal(loc=loc[s.name].reshape(1, -1), var=var[s.name].reshape(1, -1))
+            for s in GLOBAL_SITES
+        }
+        return cls(units=DiagNormal(loc=_pack(loc, H), var=_pack(var, H)), **shared, in_features=D, n_classes=K,
+                   global_scale=global_scale, weight_scale=weight_scale)
+
+    def to_state(self) -> dict[str, np.ndarray]:
+        """The HorseshoeBNN state_dict of this posterior: float64 arrays, in the state_dict's key order.
+
+        ``log_scale = log(var) / 2``; ``HorseshoeBNN.from_state_dict(p.to_state())`` rebuilds the guide.
+        """
+        H, D, K = self.hidden, self.in_features, self.n_classes
+        locs, variances = {}, {}
+        for site, (_, columns) in zip(UNIT_SITES, self.unit_layout()):
+            per_unit = list(site.shape(H, D, K))
+            del per_unit[site.unit_axis]
+            for out, a in ((locs, self.units.loc), (variances, self.units.var)):
+                out[site.name] = np.moveaxis(a[:, columns].reshape(H, *per_unit), 0, site.unit_axis)
+        for site in GLOBAL_SITES:
+            family = getattr(self, _GLOBAL_FIELDS[site.name])
+            locs[site.name] = family.loc[0].reshape(site.shape(H, D, K))
+            variances[site.name] = family.var[0].reshape(site.shape(H, D, K))
+        state = {"prior_scales": np.array([self.global_scale, self.weight_scale], dtype=np.float64)}
+        for key in STATE_KEYS[1:]:
+            prefix, site = key.split(".")
+            if prefix == "loc":
+                state[key] = np.ascontiguousarray(locs[site], dtype=np.float64)
+            else:
+                state[key] = 0.5 * np.log(np.ascontiguousarray(variances[site], dtype=np.float64))
+        return state
+
+    # ------------------------------------------------------------------ torch modules
+    @classmethod
+    def from_bnn(cls, bnn) -> BNNPosterior:
+        """Read the guide of ``bnn`` (a :class:`~bayesfuse.models.bnn.HorseshoeBNN`, whose guide is mean-field)."""
+        from bayesfuse.models.bnn import HorseshoeBNN
+
+        if not isinstance(bnn, HorseshoeBNN):
+            raise TypeError(f"expected a HorseshoeBNN (mean-field guide), got {type(bnn).__name__}")
+        return cls.from_state(bnn.state_dict(), name="the BNN")
+
+    def to_bnn(self):
+        """A :class:`~bayesfuse.models.bnn.HorseshoeBNN` with ``len(units)`` hidden units and this guide."""
+        from bayesfuse.models.bnn import HorseshoeBNN
+
+        return HorseshoeBNN.from_state_dict(self.to_state(), name="the posterior")
+

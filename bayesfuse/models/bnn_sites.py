@@ -1,0 +1,115 @@
+"""The parameter space of :class:`~bayesfuse.models.bnn.HorseshoeBNN`'s guide, as a record of sites.
+
+Like Pyro's ``AutoNormal``, the guide is one Gaussian per site, in the site's unconstrained
+space: ``w1``, ``b1``, ``w2``, ``b2`` are Gaussian as they are; the scales ``lambda`` and
+``tau`` are log-normal, so their sites ``log_lam`` and ``log_tau`` are Gaussians over the log.
+Each site's axes are named by the network's sizes (``H`` hidden units, ``D`` inputs, ``K``
+classes); the axis named ``H`` is the one a hidden unit indexes. The state_dict stores site
+``s`` as ``loc.<s>`` and ``log_scale.<s>`` (the Gaussian's mean and log standard deviation),
+next to ``prior_scales`` (the prior's ``global_scale`` and ``weight_scale``).
+
+Everything here is plain Python and NumPy: it reads state_dicts without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "is_bnn_state", "state_dims"]
+
+_SIZES = ("H", "D", "K")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One guide site: a Gaussian of shape ``shape(H, D, K)`` over the site's unconstrained value.
+
+    Attributes
+    ----------
+    name : str
+        The guide's parameter name, also the state_dict suffix (``loc.<name>``, ``log_scale.<name>``).
+    axes : tuple of str or int
+        Each axis's size: ``"H"``, ``"D"``, ``"K"`` or a fixed int.
+    transform : {"identity", "log"}
+        The space the Gaussian lives in: the value itself (weights, biases) or its log
+        (horseshoe scales, whose guide is log-normal).
+    """
+
+    name: str
+    axes: tuple[str | int, ...]
+    transform: str = "identity"
+
+    def __post_init__(self):
+        if self.transform not in ("identity", "log"):
+            raise ValueError(f"site {self.name}: transform must be 'identity' or 'log', got {self.transform!r}")
+        if self.axes.count("H") > 1 or any(isinstance(a, str) and a not in _SIZES for a in self.axes):
+            raise ValueError(f"site {self.name}: axes must be 'H' (at most once), 'D', 'K' or ints, got {self.axes}")
+
+    def shape(self, H: int, D: int, K: int) -> tuple[int, ...]:
+        """The site's shape for ``H`` hidden units, ``D`` inputs and ``K`` classes."""
+        sizes = {"H": H, "D": D, "K": K}
+        return tuple(sizes[a] if isinstance(a, str) else a for a in self.axes)
+
+    @property
+    def unit_axis(self) -> int | None:
+        """The axis a hidden unit indexes, or ``None`` for a site shared by all units."""
+        return self.axes.index("H") if "H" in self.axes else None
+
+
+#: The guide's sites, in the order the guide draws them for prediction.
+SITES: tuple[Site, ...] = (
+    Site("w1", ("H", "D")),
+    Site("b1", ("H",)),
+    Site("log_lam", ("H",), "log"),
+    Site("log_tau", (1,), "log"),
+    Site("w2", ("K", "H")),
+    Site("b2", ("K",)),
+)
+#: Sites with one slice per hidden unit, and sites shared by all units.
+UNIT_SITES: tuple[Site, ...] = tuple(s for s in SITES if s.unit_axis is not None)
+GLOBAL_SITES: tuple[Site, ...] = tuple(s for s in SITES if s.unit_axis is None)
+
+#: Keys of a HorseshoeBNN state_dict, in its order: the buffer, then both ``nn.ParameterDict``s
+#: (which keep a plain dict's keys sorted).
+STATE_KEYS: tuple[str, ...] = ("prior_scales",) + tuple(
+    f"{prefix}.{name}" for prefix in ("loc", "log_scale") for name in sorted(s.name for s in SITES))
+
+
+def is_bnn_state(state: Mapping[str, object]) -> bool:
+    """Whether ``state`` has exactly the keys of a HorseshoeBNN state_dict (:data:`STATE_KEYS`)."""
+    return set(state) == set(STATE_KEYS)
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(int(n) for n in np.shape(value))
+
+
+def state_dims(state: Mapping[str, object], name: str = "state_dict") -> tuple[int, int, int]:
+    """``(H, D, K)`` of a HorseshoeBNN state_dict, after checking its keys and shapes against :data:`SITES`.
+
+    Reads ``H, D`` from ``loc.w1`` and ``K`` from ``loc.w2``. Raises ``ValueError`` naming
+    ``name`` (e.g. the file the state_dict came from) for missing or unexpected keys and for
+    shapes that do not fit the record.
+    """
+    missing = [k for k in STATE_KEYS if k not in state]
+    unexpected = [k for k in state if k not in STATE_KEYS]
+    if missing or unexpected:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected {', '.join(map(str, unexpected))}"] if unexpected else [])
+        raise ValueError(f"{name}: not a HorseshoeBNN state_dict ({'; '.join(parts)})")
+    w1, w2 = _shape(state["loc.w1"]), _shape(state["loc.w2"])
+    if len(w1) != 2 or len(w2) != 2:
+        raise ValueError(f"{name}: 'loc.w1' and 'loc.w2' must be 2-D, got shapes {w1} and {w2}")
+    (H, D), K = w1, w2[0]
+    for site in SITES:
+        expected = site.shape(H, D, K)
+        for key in (f"loc.{site.name}", f"log_scale.{site.name}"):
+            if _shape(state[key]) != expected:
+                raise ValueError(f"{name}: '{key}' has shape {_shape(state[key])}, expected {expected} "
+                                 f"for H={H} hidden units, D={D} inputs, K={K} classes")
+    if _shape(state["prior_scales"]) != (2,):
+        raise ValueError(f"{name}: 'prior_scales' has shape {_shape(state['prior_scales'])}, expected (2,)")
+    return H, D, K

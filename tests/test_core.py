@@ -1,0 +1,104 @@
+"""The fusion core: state_dicts in, fused state_dict out; every entry point is an adapter around it."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfuse import fuse
+from bayesfuse.core import fuse_states, input_kind
+from bayesfuse.inference.result import ConvergenceWarning, LayerResult
+from bayesfuse.models.bnn import HorseshoeBNN
+from bayesfuse.nets import MLP
+from bayesfuse.nets.state import numpy_state
+from bayesfuse.nets.spec import spec_from_module
+
+
+def _nets(n=3, hidden=(6, 5), seed=0):
+    torch.manual_seed(seed)
+    return [MLP(8, list(hidden), 3) for _ in range(n)]
+
+
+def _bnns(n=3, seed=0):
+    torch.manual_seed(seed)
+    return [HorseshoeBNN(8, 5, 3) for _ in range(n)]
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "fedavg"])
+def test_fuse_is_the_core_between_module_adapters(method):
+    nets = _nets()
+    counts = np.array([[5, 1, 0], [2, 2, 2], [0, 3, 9]])
+    via_fuse = fuse(nets, method, class_counts=counts, seed=1, n_iter=3) if method != "fedavg" else fuse(
+        nets, method, class_counts=counts)
+    hyper = {"n_iter": 3} if method != "fedavg" else {}
+    core = fuse_states([numpy_state(m) for m in nets], method, spec=spec_from_module(nets[0]), class_counts=counts,
+                       seed=1, **hyper)
+    fused = via_fuse.model.state_dict()
+    assert list(core.state) == list(fused)
+    for k, v in fused.items():
+        assert torch.equal(torch.as_tensor(core.state[k]).to(v.dtype), v), k
+    assert core.sizes == via_fuse.sizes and core.groups == via_fuse.groups
+
+
+def test_spec_is_derived_from_the_entries_when_not_given():
+    nets = _nets()
+    states = [numpy_state(m) for m in nets]
+    a = fuse_states(states, "pfnm", seed=0)
+    b = fuse_states(states, "pfnm", spec=spec_from_module(nets[0]), seed=0)
+    assert all(np.array_equal(a.state[k], b.state[k]) for k in a.state)
+    assert a.hyper["noise_var"] == 1.0 and a.hyper["seed"] == 0 and a.kind == "network"
+
+
+def test_bnn_states_fuse_to_a_bnn_state():
+    bnns = _bnns()
+    core = fuse_states([b.state_dict() for b in bnns], "kl")
+    assert core.kind == "bnn" and core.groups == ("units",)
+    model = HorseshoeBNN.from_state_dict(core.state)
+    via_fuse = fuse(bnns, "kl").model.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, via_fuse[k]), k
+    mean, var = core.posteriors[0]
+    assert mean.shape == var.shape and mean.shape[0] == core.sizes[0]
+
+
+def test_layer_results_share_one_protocol():
+    nets, bnns = _nets(), _bnns()
+    results = [fuse_states([numpy_state(m) for m in nets], "nafi"),
+               fuse_states([b.state_dict() for b in bnns], "kl"),
+               fuse_states([b.state_dict() for b in bnns], "pfnm")]
+    for res in results:
+        for layer in res.layers:
+            assert isinstance(layer, LayerResult)
+            assert layer.n_global == sum(1 for _ in range(layer.n_global)) > 0
+
+
+def test_input_kind_and_bad_inputs():
+    nets, bnns = _nets(), _bnns()
+    assert input_kind([numpy_state(m) for m in nets]) == "network"
+    assert input_kind([b.state_dict() for b in bnns]) == "bnn"
+    with pytest.raises(TypeError, match="cannot fuse Bayesian"):
+        input_kind([numpy_state(nets[0]), bnns[0].state_dict()])
+    with pytest.raises(ValueError, match="at least one"):
+        fuse_states([])
+    with pytest.raises(ValueError, match=r"data=\(train, partition\)"):
+        fuse_states([numpy_state(m) for m in nets], "fedma")
+    with pytest.raises(ValueError, match="method 'kl' fuses Bayesian"):
+        fuse_states([numpy_state(m) for m in nets], "kl")
+    with pytest.raises(ValueError, match=r"unknown hyper-parameters \['reg'\]"):
+        fuse_states([numpy_state(m) for m in nets], "pfnm", reg=0.1)
+
+
+def test_a_matching_that_does_not_converge_warns_once_naming_its_layers():
+    nets = _nets(n=6, hidden=(12, 10), seed=3)
+    states = [numpy_state(m) for m in nets]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = fuse_states(states, "pfnm", n_iter=1, noise_var=0.5)
+    late = [w for w in caught if issubclass(w.category, ConvergenceWarning)]
+    assert not res.converged
+    assert len(late) == 1 and "P1" in str(late[0].message) and "n_iter" in str(late[0].message)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fuse_states(states, "pfnm", n_iter=50, noise_var=0.5).converged
+    assert not [w for w in caught if issubclass(w.category, ConvergenceWarning)]
