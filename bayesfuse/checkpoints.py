@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from bayesfuse._io import atomic_write_bytes
+from bayesfuse.inference.spec import entry_order
 
 __all__ = ["load_state_dict", "read_checkpoint", "save_state_dict", "FORMATS"]
 
@@ -74,8 +75,6 @@ ORDER_KEY = "bayesfuse.order"
 def _safetensors_order(raw: bytes, sd: dict) -> list[str]:
     """Entry order of a safetensors file: as saved by :func:`save_state_dict` (kept in the
     header's metadata), else numerically-aware name order (the format itself keeps none)."""
-    from bayesfuse.inference.spec import entry_order
-
     try:
         (size,) = struct.unpack("<Q", raw[:8])
         meta = json.loads(raw[8 : 8 + size]).get("__metadata__") or {}

@@ -21,8 +21,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from bayesfuse import methods
+from bayesfuse.inference.expfam import DiagNormal
+from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import match_layerwise
+from bayesfuse.inference.matching import match_neurons
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
+from bayesfuse.models.bnn_posterior import BNNPosterior
+from bayesfuse.models.bnn_sites import is_bnn_state
 
 __all__ = ["StateFusion", "fuse_states", "input_kind"]
 
@@ -76,8 +81,6 @@ class StateFusion:
 
 def input_kind(states: Sequence[State]) -> str:
     """``"bnn"`` when every state_dict is a HorseshoeBNN's, ``"network"`` when none is."""
-    from bayesfuse.models.bnn_sites import is_bnn_state
-
     flags = [is_bnn_state(sd) for sd in states]
     if any(flags) and not all(flags):
         raise TypeError("cannot fuse Bayesian (HorseshoeBNN) and point-estimate networks together")
@@ -174,7 +177,7 @@ def _fuse_network_states(states, names, method, settings, *, spec, class_counts,
 
 
 def _fedavg_states(states, names, spec, class_counts) -> StateFusion:
-    import torch
+    import torch  # FedAvg alone needs torch here (the baselines' averaging)
 
     from bayesfuse.baselines import fedavg_state_dicts
 
@@ -218,11 +221,6 @@ def _fuse_bnn_states(states, names, method, settings, *, seed, verbose) -> State
     0.97 (benchmarks/bench_bnn_fusion.py); ``average_outputs=False`` keeps the plain
     barycenters.
     """
-    from bayesfuse.inference.expfam import DiagNormal
-    from bayesfuse.inference.klfusion import kl_fuse
-    from bayesfuse.inference.matching import match_neurons
-    from bayesfuse.models.bnn_posterior import BNNPosterior
-
     posts = [BNNPosterior.from_state(sd, n) for sd, n in zip(states, names)]
     ref = posts[0]
     for n, p in zip(names, posts):

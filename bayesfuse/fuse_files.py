@@ -19,8 +19,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from bayesfuse import __version__, methods
 from bayesfuse._io import atomic_write_text
 from bayesfuse.checkpoints import FORMATS, read_checkpoint, save_state_dict
+from bayesfuse.core import fuse_states
+from bayesfuse.inference.spec import entry_order, spec_for_state_dict, spec_from_dict
+from bayesfuse.models.bnn_sites import is_bnn_state
 
 __all__ = ["fuse_files", "ARCHS"]
 
@@ -29,8 +33,6 @@ ARCHS = ("auto", "mlp", "cnn", "lstm")
 
 def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
     """(weight key, bias key) of each Linear layer, in file order."""
-    from bayesfuse.inference.spec import entry_order
-
     pairs = []
     for key in entry_order(sd):
         t = sd[key]
@@ -60,8 +62,6 @@ def _check_finite(sd: dict, name: str) -> None:
 
 
 def _load_spec(path, names):
-    from bayesfuse.inference.spec import spec_from_dict
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"architecture spec {path} does not exist")
@@ -74,8 +74,6 @@ def _load_spec(path, names):
 
 def _network_spec(state_dicts, names, arch, spec_path):
     """The permutation spec of point-estimate files, checked against every file."""
-    from bayesfuse.inference.spec import spec_for_state_dict
-
     if spec_path is not None:
         spec = _load_spec(spec_path, names)
     else:
@@ -113,10 +111,6 @@ def fuse_files(
     ``arch`` (:func:`~bayesfuse.inference.spec.spec_for_state_dict`). Nothing is written unless
     fusion succeeds; existing outputs are replaced only with ``force``. Returns the report.
     """
-    from bayesfuse import __version__, methods
-    from bayesfuse.core import fuse_states
-    from bayesfuse.models.bnn_sites import is_bnn_state
-
     start = time.perf_counter()
     if method not in methods.METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(methods.names())}")
