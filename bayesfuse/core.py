@@ -25,6 +25,7 @@ from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import match_layerwise
 from bayesfuse.inference.matching import match_neurons
+from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
@@ -114,8 +115,8 @@ def fuse_states(
         Point-estimate networks of one architecture (hidden widths may differ), or HorseshoeBNN
         state_dicts (``loc.*``, ``log_scale.*``, ``prior_scales``).
     method : str
-        ``"pfnm"``, ``"nafi"``, ``"fedavg"`` (networks) or ``"kl"`` (BNNs); ``"pfnm"``/``"nafi"``
-        also fuse BNNs. ``"fedma"`` retrains clients: :func:`bayesfuse.fuse` with ``data``.
+        ``"pfnm"``, ``"nafi"``, ``"fedavg"``, ``"ot"`` (networks) or ``"kl"`` (BNNs);
+        ``"pfnm"``/``"nafi"`` also fuse BNNs. ``"fedma"`` retrains clients: :func:`bayesfuse.fuse` with ``data``.
     spec : PermutationSpec, optional
         Networks only: which axes each hidden permutation acts on; derived from the first
         state_dict's names and shapes when omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
@@ -160,6 +161,15 @@ def _fuse_network_states(states, names, method, settings, *, spec, class_counts,
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
     if method == "fedavg":
         return _fedavg_states(states, names, spec, class_counts)
+    if method == "ot":
+        weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
+        result = ot_fuse_layerwise(states, spec, weights=weights, names=names, **settings)
+        layers = [result.layers[g] for g in spec.groups]
+        return StateFusion(state={k: result.state_dict[k] for k in states[0]}, layers=layers,
+                           sizes=[result.sizes[g] for g in spec.groups], groups=tuple(spec.groups),
+                           posteriors=[(layer.mean, layer.var) for layer in layers], method=method, kind="network",
+                           hyper={**settings, "anchor": result.anchor, "weights": "class_counts" if weights is not None
+                                  else "uniform"}, spec=spec)
     result = match_layerwise(states, spec, class_counts=class_counts, seed=seed, names=names, verbose=verbose,
                              **settings)
     layers = [result.layers[g] for g in spec.groups]

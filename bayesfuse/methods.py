@@ -94,9 +94,10 @@ class Options:
     options: tuple
 
     def check(self, value: Any) -> Any:
-        if isinstance(value, str) or isinstance(value, bool):
-            if value in self.options and type(value) in {type(o) for o in self.options}:
-                return value
+        if not isinstance(value, (str, bool)):
+            raise TypeError
+        if value in self.options and type(value) in {type(o) for o in self.options}:
+            return value
         raise ValueError
 
     @property
@@ -130,11 +131,36 @@ class Fixed:
 
 
 @dataclass(frozen=True)
+class Either:
+    """A value satisfying one of several constraints (e.g. a positive number or ``"auto"``)."""
+
+    choices: tuple
+
+    def check(self, value: Any) -> Any:
+        wrong_type = True
+        for c in self.choices:
+            try:
+                return c.check(value)
+            except TypeError:
+                continue
+            except ValueError:
+                wrong_type = False
+        raise TypeError if wrong_type else ValueError
+
+    @property
+    def type_name(self) -> str:
+        return " or ".join(c.type_name for c in self.choices)
+
+    def __str__(self) -> str:
+        return " or ".join(str(c) for c in self.choices)
+
+
+@dataclass(frozen=True)
 class Param:
     """A hyper-parameter: its key, constraint and what it does."""
 
     name: str
-    constraint: Interval | Options | Fixed
+    constraint: Interval | Options | Fixed | Either
     help: str
 
 
@@ -177,28 +203,41 @@ class Method:
 
 
 _POSITIVE = Interval(float, 0.0, None, "neither")
+_AUTO = Options(("auto",))
+_POSITIVE_OR_AUTO = Either((_POSITIVE, _AUTO))
 
 #: Every hyper-parameter key any method takes, with its shared constraint and meaning.
 PARAMS: dict[str, Param] = {p.name: p for p in (
-    Param("noise_var", _POSITIVE,
+    Param("noise_var", _POSITIVE_OR_AUTO,
           "sigma^2: variance of a client's unit around its global unit (PFNM eq. 1); the matching "
-          "radius: larger merges more"),
-    Param("prior_var", _POSITIVE,
-          "sigma0^2: prior variance of the global units around their prior mean (PFNM: 10)"),
-    Param("gamma0", _POSITIVE,
-          "IBP mass: expected global units per client; larger makes new global units cheaper (PFNM: 1)"),
+          "radius: larger merges more. 'auto': chosen per layer and per block (incoming weights, bias, "
+          "outgoing weights) from the models alone, by empirical Bayes on the collapsed marginal"),
+    Param("prior_var", _POSITIVE_OR_AUTO,
+          "sigma0^2: prior variance of the global units around their prior mean (PFNM: 10); 'auto' as noise_var"),
+    Param("gamma0", _POSITIVE_OR_AUTO,
+          "IBP mass: expected global units per client; larger makes new global units cheaper (PFNM: 1); "
+          "'auto': K / H_J, its maximum-likelihood value"),
     Param("kl_weight", Interval(float, 0.0, None, "left"),
-          "NAFI's lambda (eq. 14): weight of the KL penalty added to the matching cost; 0 is PFNM"),
-    Param("cost", Options(("pfnm", "marginal")),
-          "matching cost: 'pfnm' (Prop. 2 as written) or 'marginal' (exact change of the collapsed log posterior)"),
+          "NAFI's lambda (eq. 14): weight of the KL penalty added to the matching cost; 0 is PFNM. Networks: "
+          "per coordinate of a unit (the matching gets kl_weight / D, so wide layers do not collapse); BNNs: "
+          "per unit"),
+    Param("cost", Options(("auto", "pfnm", "marginal")),
+          "matching cost: 'pfnm' (Prop. 2 as written), 'marginal' (exact change of the collapsed log posterior), "
+          "'auto' (marginal with 'auto' hyper-parameters, else pfnm)"),
+    Param("global_weights", Options(("auto", "posterior", "average")),
+          "weights of a global unit: the atom's posterior mean, or the average of the units matched to it; "
+          "'auto': posterior for one hidden layer, average for deeper networks"),
     Param("n_iter", Interval(int, 1, None, "left"), "maximum sweeps (matching) or alternation steps (KL-fusion)"),
     Param("direction", Options(("bottom-up", "top-down")),
           "order of the layers: bottom-up (FedMA eq. 4) or top-down (PFNM supplement Algorithm 1)"),
     Param("average_outputs", Options((True, False)),
-          "BNNs: scale each global unit's outgoing weights by the share of clients it merges, so fused logits "
+          "scale each global unit's outgoing weights by the share of clients it merges, so fused logits "
           "average the clients' instead of summing them"),
     Param("reg", _POSITIVE,
-          "KL-fusion's lambda (eq. 9) on KL costs scaled by their standard deviation; larger merges more"),
+          "KL-fusion: lambda of eq. 9 on KL costs scaled by their standard deviation, larger merges more; "
+          "OT: entropic regularisation relative to the largest cost, 0 = exact optimal transport"),
+    Param("anchor", Either((Interval(int, 0, None, "left"), Options(("widest", "median")))),
+          "OT: the client whose units the others are aligned to (index), or the widest / median one"),
     Param("solver", Options(("auto", "cvxpy", "fast")),
           "solver of KL-fusion's relaxed problem: 'fast' (ADMM), 'cvxpy', or 'auto' (fast)"),
     Param("passes", Interval(int, 1, None, "left"),
@@ -206,27 +245,34 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
 )}
 
 _MATCHING = dict(noise_var=1.0, prior_var=10.0, gamma0=1.0)
-_NAFI_KL = 0.01
+_AUTO_MATCHING = dict(noise_var="auto", prior_var="auto", gamma0="auto")
+_NETWORK = dict(cost="auto", n_iter=10, direction="bottom-up", global_weights="auto", average_outputs=True)
+_NAFI_KL = {"network": 10.0, "bnn": 0.01}
 _NO_KL = Fixed(0.0, "method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
 
-#: The table. NAFI's lambda: its paper reports 1e-3 .. 0.5 behaving alike with its code's KL;
-#: with the full Gaussian KL (trace and log-det terms, which charge every new atom about
-#: D/2 (10 - log 11) nats at these settings) 0.01 did best on Fashion-MNIST. BNN units carry
-#: their own posterior variances, so the extra noise variance there is small.
+#: The table. Point-estimate networks: hyper-parameters chosen per layer by empirical Bayes
+#: ("auto", benchmarks/bench_fidelity.py); NAFI's KL per coordinate with lambda = 10 (the
+#: matching's per-unit weight 10 / D: about NAFI's 0.01 at D = 795, where its paper reports
+#: 1e-3 .. 0.5 behaving alike). BNN units carry their own posterior variances, so the extra
+#: noise variance there is small, and NAFI's weight is per unit.
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pfnm", "PFNM: BBP-MAP matching of hidden units (Yurochkin et al. 2019), layer by layer",
-           {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, direction="bottom-up"),
+           {"network": dict(_AUTO_MATCHING, kl_weight=0.0, **_NETWORK),
             "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=0.0, cost="pfnm", n_iter=10, average_outputs=True)},
            constraints={"kl_weight": _NO_KL}),
     Method("nafi", "NAFI: the PFNM cost plus kl_weight x the KL between a global unit's posteriors (Xiao & Cheng, eq. 14)",
-           {"network": dict(_MATCHING, kl_weight=_NAFI_KL, cost="pfnm", n_iter=10, direction="bottom-up"),
-            "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=_NAFI_KL, cost="pfnm", n_iter=10,
+           {"network": dict(_AUTO_MATCHING, kl_weight=_NAFI_KL["network"], **_NETWORK),
+            "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=_NAFI_KL["bnn"], cost="pfnm", n_iter=10,
                         average_outputs=True)}),
     Method("fedma", "FedMA: match one layer, freeze it, retrain the clients, repeat (Wang et al. 2020); "
            "kl_weight > 0 matches with NAFI's penalty",
            {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, passes=1)}, needs_data=True),
     Method("fedavg", "one-shot FedAvg: coordinate-wise average weighted by client sizes (identical widths)",
            {"network": {}}),
+    Method("ot", "OT fusion: align each client's units to an anchor's by optimal transport, layer by layer, "
+           "then average (Singh & Jaggi 2020, weight-based)",
+           {"network": dict(anchor="widest", reg=0.0, n_iter=1000)},
+           constraints={"reg": Interval(float, 0.0, None, "left")}),
     Method("kl", "KL-fusion of mean-field posteriors with the L2,2,1 regulariser (Claici et al. 2020, eq. 9)",
            {"bnn": dict(reg=0.1, solver="auto", n_iter=20, average_outputs=True)}),
 )}
@@ -337,6 +383,14 @@ def parse_assignments(method: str, items: Iterable[str]) -> dict[str, Any]:
 
 def _typed(constraint, text: str) -> Any:
     """``text`` as the constraint's type (no range check)."""
+    if isinstance(constraint, Either):
+        for c in constraint.choices:
+            try:
+                value = text if c.type_name == "str" else _typed(c, text)
+                return c.check(value)
+            except (TypeError, ValueError):
+                continue
+        return _typed(constraint.choices[0], text)  # its conversion error, or a value the check refuses
     if constraint.type_name == "bool":
         lowered = text.lower()
         if lowered in ("1", "true", "yes", "on"):

@@ -47,7 +47,9 @@ def test_spec_is_derived_from_the_entries_when_not_given():
     a = fuse_states(states, "pfnm", seed=0)
     b = fuse_states(states, "pfnm", spec=spec_from_module(nets[0]), seed=0)
     assert all(np.array_equal(a.state[k], b.state[k]) for k in a.state)
-    assert a.hyper["noise_var"] == 1.0 and a.hyper["seed"] == 0 and a.kind == "network"
+    assert a.hyper["noise_var"] == "auto" and a.hyper["seed"] == 0 and a.kind == "network"
+    chosen = a.layers[0].hyper  # the values the empirical Bayes chose, per block of the layer's units
+    assert chosen["blocks"] == ["layers.0.weight", "layers.0.bias"] and len(chosen["noise_var"]) == 2
 
 
 def test_bnn_states_fuse_to_a_bnn_state():
@@ -94,11 +96,11 @@ def test_a_matching_that_does_not_converge_warns_once_naming_its_layers():
     states = [numpy_state(m) for m in nets]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = fuse_states(states, "pfnm", n_iter=1, noise_var=0.5)
+        res = fuse_states(states, "pfnm", n_iter=1, noise_var=0.5, prior_var=10.0, gamma0=1.0)
     late = [w for w in caught if issubclass(w.category, ConvergenceWarning)]
     assert not res.converged
     assert len(late) == 1 and "P1" in str(late[0].message) and "n_iter" in str(late[0].message)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert fuse_states(states, "pfnm", n_iter=50, noise_var=0.5).converged
+        assert fuse_states(states, "pfnm", n_iter=50, noise_var=0.5, prior_var=10.0, gamma0=1.0).converged
     assert not [w for w in caught if issubclass(w.category, ConvergenceWarning)]

@@ -57,10 +57,10 @@ def test_shuffled_copies_fuse_back_to_the_network(method):
 
 
 def test_fused_weights_are_the_gaussian_posterior_mean():
-    # Identical copies, default prior N(mu0, 10): theta = (mu0/10 + J v) / (1/10 + J).
+    # Identical copies, PFNM's settings (prior N(mu0, 10), noise 1): theta = (mu0/10 + J v) / (1/10 + J).
     model = _net(1)
     J = 3
-    res = fuse([_shuffled(model, s) for s in range(J)], "pfnm")
+    res = fuse([_shuffled(model, s) for s in range(J)], "pfnm", noise_var=1.0, prior_var=10.0, gamma0=1.0)
     part = one_hidden_layer(model)
     mu0 = np.zeros(part.neurons.shape[1])
     mu0[6] = 0.1

@@ -15,7 +15,8 @@ def _loaded(code: str) -> list[str]:
 def test_the_algorithms_load_neither_torch_nor_pyro():
     code = ("import bayesfuse.inference, bayesfuse.inference.matching, bayesfuse.inference.layerwise, "
             "bayesfuse.inference.klfusion, bayesfuse.inference.spec, bayesfuse.inference.fedma, "
-            "bayesfuse.inference.relaxed, sys; print('torch' in sys.modules, 'pyro' in sys.modules)")
+            "bayesfuse.inference.relaxed, bayesfuse.inference.otfusion, bayesfuse.inference.empirical_bayes, "
+            "bayesfuse.inference.result, sys; print('torch' in sys.modules, 'pyro' in sys.modules)")
     assert _loaded(code) == ["False", "False"]
 
 

@@ -12,6 +12,7 @@ from bayesfuse.inference.fedma import fedma
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import match_group, match_layerwise
 from bayesfuse.inference.matching import match_neurons
+from bayesfuse.inference.otfusion import ot_fuse_layerwise
 
 
 def test_every_default_satisfies_its_constraint():
@@ -29,6 +30,7 @@ ALGORITHMS = [
     (match_layerwise, "pfnm", "network"),
     (fedma, "fedma", "network"),
     (kl_fuse, "kl", "bnn"),
+    (ot_fuse_layerwise, "ot", "network"),
 ]
 
 
@@ -47,6 +49,8 @@ def test_resolve_fills_defaults_and_converts():
     assert hyper["n_iter"] == 4 and isinstance(hyper["n_iter"], int)
     assert hyper["gamma0"] == methods.METHODS["nafi"].defaults["network"]["gamma0"]  # None keeps the default
     assert methods.resolve("pfnm", "bnn")["noise_var"] == 0.01  # defaults differ per kind
+    assert methods.resolve("pfnm", "network")["noise_var"] == "auto"
+    assert methods.resolve("pfnm", "network", {"noise_var": "auto", "prior_var": 2})["prior_var"] == 2.0
 
 
 @pytest.mark.parametrize("call, exc, message", [
@@ -54,12 +58,13 @@ def test_resolve_fills_defaults_and_converts():
     (lambda: methods.resolve("kl", "network"), ValueError, "method 'kl' fuses Bayesian networks"),
     (lambda: methods.resolve("fedavg", "bnn"), ValueError, "methods for Bayesian networks .*: pfnm, nafi, kl"),
     (lambda: methods.resolve("pfnm", "network", {"reg": 1.0}), ValueError, r"unknown hyper-parameters \['reg'\]"),
-    (lambda: methods.resolve("pfnm", "network", {"average_outputs": False}), ValueError, "only for bnn"),
+    (lambda: methods.resolve("pfnm", "bnn", {"direction": "top-down"}), ValueError, "direction only for network"),
     (lambda: methods.resolve("pfnm", "network", {"kl_weight": 0.1}), ValueError, "use method='nafi'"),
     (lambda: methods.resolve("nafi", "network", {"kl_weight": -1}), ValueError, "kl_weight must be non-negative"),
     (lambda: methods.resolve("nafi", "network", {"noise_var": 0}), ValueError, "noise_var must be positive"),
     (lambda: methods.resolve("nafi", "network", {"noise_var": float("nan")}), ValueError, "noise_var"),
-    (lambda: methods.resolve("nafi", "network", {"noise_var": "big"}), TypeError, r"noise_var must be float \(positive\), got 'big' \(str\)"),
+    (lambda: methods.resolve("nafi", "network", {"noise_var": "big"}), ValueError, "noise_var must be positive or one of 'auto'"),
+    (lambda: methods.resolve("nafi", "network", {"noise_var": [1.0]}), TypeError, "noise_var must be float or str"),
     (lambda: methods.resolve("nafi", "network", {"n_iter": 2.5}), TypeError, r"n_iter must be int \(a positive integer\)"),
     (lambda: methods.resolve("pfnm", "network", {"direction": "sideways"}), ValueError, "direction must be one of"),
     (lambda: methods.resolve("kl", "bnn", {"average_outputs": "yes"}), ValueError, "average_outputs must be true or"),
@@ -99,7 +104,7 @@ def test_fuse_help_lists_every_key_with_its_default(capsys):
         for key in m.keys():
             if key != "kl_weight" or name != "pfnm":
                 assert f"    {key} = " in text, (name, key)
-    assert "noise_var = network: 1.0, bnn: 0.01" in text
+    assert "noise_var = network: 'auto', bnn: 0.01" in text
 
 
 def test_command_line_parser_loads_neither_torch_nor_the_algorithms():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -34,9 +35,13 @@ from scipy.special import gammaln
 from tqdm.auto import tqdm
 
 from bayesfuse._validation import finite_array, positive_array
-from bayesfuse.inference.result import warn_not_converged
+from bayesfuse.inference.empirical_bayes import em_step, initial_hyper, noise_matrix
+from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 
 __all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost"]
+
+#: EM steps on the hyper-parameters between two matchings (``"auto"``).
+EM_STEPS = 5
 
 Cost = Literal["pfnm", "marginal"]
 
@@ -59,7 +64,9 @@ class MatchResult:
         ``log p(neurons, assignments)`` with atoms integrated out (see
         :func:`log_marginal_posterior`) after each sweep.
     converged : bool
-        True when a sweep changed no assignment.
+        True when a sweep changed no assignment, or when the sweeps came back to an earlier
+        matching (NAFI's penalty can make them cycle; ``hyper["cycle"]`` is then its period
+        and more sweeps would only repeat it).
     n_sweeps : int
     hyper : dict
         The hyper-parameters used.
@@ -224,17 +231,30 @@ def log_marginal_posterior(
     each client's neurons. Assignments count as partitions: relabelling atoms changes nothing.
     """
     layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars)
-    if len(assignments) != len(layers):
-        raise ValueError(f"need one assignment array per client ({len(layers)}), got {len(assignments)}")
-    assignments = [np.asarray(a, dtype=np.int64) for a in assignments]
-    for j, (a, v) in enumerate(zip(assignments, layers)):
-        if a.shape != (v.shape[0],) or len(np.unique(a)) != len(a) or (a < 0).any():
-            raise ValueError(f"client {j}: assignments must give each of its {v.shape[0]} neurons a distinct atom")
+    assignments = _check_assignments(assignments, layers)
     n_atoms = int(max(a.max() for a in assignments)) + 1
     h, lam, m = _posterior_stats(layers, prec, assignments, n_atoms, prior)
     if (m == 0).any():
         raise ValueError("assignments leave some atom indices unused; number atoms 0..G-1")
     return _objective(h, lam, m, prior) + _data_constant(layers, prec)
+
+
+def _partition_key(assignments: Sequence[np.ndarray]) -> bytes:
+    """The partition of all neurons that ``assignments`` make, with atoms relabelled in order of
+    first use (equal keys: the same matching up to atom labels)."""
+    flat = np.concatenate(assignments)
+    _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    return np.argsort(np.argsort(first))[inverse].astype(np.int64).tobytes()
+
+
+def _check_assignments(assignments: Sequence, layers: Sequence[np.ndarray]) -> list[np.ndarray]:
+    if len(assignments) != len(layers):
+        raise ValueError(f"need one assignment array per client ({len(layers)}), got {len(assignments)}")
+    out = [np.asarray(a, dtype=np.int64) for a in assignments]
+    for j, (a, v) in enumerate(zip(out, layers)):
+        if a.shape != (v.shape[0],) or len(np.unique(a)) != len(a) or (a < 0).any():
+            raise ValueError(f"client {j}: assignments must give each of its {v.shape[0]} neurons a distinct atom")
+    return out
 
 
 def _objective(h, lam, m, prior: _Prior) -> float:
@@ -510,16 +530,20 @@ class _AtomBuffer:
 def match_neurons(
     layers: Sequence,
     *,
-    noise_var=1.0,
-    prior_var=10.0,
-    gamma0: float = 1.0,
+    noise_var="auto",
+    prior_var="auto",
+    gamma0="auto",
     prior_mean=0.0,
     kl_weight: float = 0.0,
-    cost: Cost = "pfnm",
+    cost: str = "auto",
     local_vars: Sequence | None = None,
+    blocks: np.ndarray | None = None,
+    relative_precision: np.ndarray | None = None,
     n_iter: int = 10,
     tol: float | None = None,
     seed: int | np.random.Generator | None = None,
+    rounds: int = 10,
+    init: Sequence[np.ndarray] | None = None,
     verbose: bool = False,
 ) -> MatchResult:
     """MAP matching of J clients' neurons to global atoms (PFNM; NAFI with ``kl_weight > 0``).
@@ -535,20 +559,35 @@ def match_neurons(
     ----------
     layers : sequence of (L_j, D) arrays
         Neuron vectors of each client (rows), torch tensors or NumPy arrays.
-    noise_var : float, sequence of J floats, (D,) or (J, D) array
-        ``sigma_j^2``: how far a client's neuron may lie from its atom.
-    prior_var : float or (D,) array
-        ``sigma_0^2``: spread of the atoms around ``prior_mean`` (PFNM's 10 by default).
-    gamma0 : float
-        IBP mass: expected number of atoms per client; larger favours new atoms.
+    noise_var : "auto", float, sequence of J floats, (D,) or (J, D) array
+        ``sigma_j^2``: how far a client's neuron may lie from its atom. ``"auto"`` (with
+        ``prior_var``/``gamma0`` likewise): chosen from the neurons alone by empirical Bayes,
+        one value per block of coordinates (:mod:`bayesfuse.inference.empirical_bayes`).
+    prior_var : "auto", float or (D,) array
+        ``sigma_0^2``: spread of the atoms around ``prior_mean`` (PFNM uses 10).
+    gamma0 : "auto" or float
+        IBP mass: expected number of atoms per client; larger favours new atoms (PFNM uses 1).
     prior_mean : float or (D,) array
-        ``mu_0``.
+        ``mu_0`` (refitted per block when ``prior_var="auto"``).
     kl_weight : float
         NAFI's ``lambda`` (eq. 14); 0 gives PFNM.
-    cost : {"pfnm", "marginal"}
+    cost : {"auto", "pfnm", "marginal"}
         ``"pfnm"``: the paper's Prop. 2 cost as written, which drops the Occam terms of the
         marginal likelihood. ``"marginal"``: the exact change of the collapsed log posterior
         (:func:`log_marginal_posterior`), as in SPAHM (Yurochkin et al., NeurIPS 2019).
+        ``"auto"``: ``"marginal"`` when a hyper-parameter is ``"auto"`` (empirical Bayes
+        maximises that same marginal; with the PFNM cost its estimates merge nothing), else
+        ``"pfnm"``.
+    blocks : (D,) int array, optional
+        ``"auto"`` only: the block of each coordinate (0..B-1); one block by default.
+    relative_precision : (J, D) array, optional
+        ``w_jd``: client j's noise variance on coordinate d is ``noise_var / w_jd`` (0: client
+        j observes nothing there). Ones by default.
+    rounds : int
+        ``"auto"`` only: most alternations of matching and re-estimation.
+    init : sequence of J int arrays, optional
+        Start from these assignments (atoms numbered 0..G-1) instead of building the atoms
+        client by client in the first sweep; every sweep then refines them.
     local_vars : sequence of (L_j,) or (L_j, D) arrays, optional
         Per-neuron variances of local posteriors (Bayesian networks); neuron l of client j is
         then ``N(theta_i, noise_var_j + local_vars[j][l])``. Per-entry arrays take a slower
@@ -565,6 +604,8 @@ def match_neurons(
     Returns
     -------
     MatchResult
+        With ``"auto"``, ``hyper`` holds the chosen values per block (``noise_var``,
+        ``prior_var``, ``prior_mean``, ``gamma0``) and ``hyper["auto"]`` the keys chosen.
 
     Warns
     -----
@@ -597,10 +638,28 @@ def match_neurons(
       the atom's mean; it discourages poor matches and so grows the global model slightly.
     """
     start = time.perf_counter()
+    auto = tuple(k for k, v in (("noise_var", noise_var), ("prior_var", prior_var), ("gamma0", gamma0))
+                 if isinstance(v, str))
+    for k in auto:
+        if locals()[k] != "auto":
+            raise ValueError(f"{k} must be a number or 'auto', got {locals()[k]!r}")
+    if cost == "auto":
+        cost = "marginal" if auto else "pfnm"
+    if cost not in ("pfnm", "marginal"):
+        raise ValueError(f"cost must be 'auto', 'pfnm' or 'marginal', got {cost!r}")
+    if auto:
+        return _match_empirical_bayes(
+            layers, auto, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, prior_mean=prior_mean,
+            blocks=blocks, relative_precision=relative_precision, local_vars=local_vars, rounds=rounds,
+            match=dict(kl_weight=kl_weight, cost=cost, n_iter=n_iter, tol=tol, seed=seed), verbose=verbose,
+            start=start)
+    if relative_precision is not None:
+        if np.ndim(noise_var) != 0:
+            raise ValueError("relative_precision scales one noise variance: give noise_var as a number")
+        noise_var = noise_matrix(np.array([float(noise_var)]), np.zeros(len(relative_precision[0]), dtype=int),
+                                 _weights(relative_precision, len(layers), len(relative_precision[0])))
     layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars)
     J, D = len(layers), layers[0].shape[1]
-    if cost not in ("pfnm", "marginal"):
-        raise ValueError(f"cost must be 'pfnm' or 'marginal', got {cost!r}")
     if not np.isfinite(kl_weight) or kl_weight < 0:
         raise ValueError(f"kl_weight must be >= 0, got {kl_weight}")
     if int(n_iter) != n_iter or n_iter < 1:
@@ -611,8 +670,15 @@ def match_neurons(
 
     assignments: list[np.ndarray | None] = [None] * J
     atoms = _AtomBuffer(D, prec[0].shape[1], capacity=max(len(v) for v in layers) * 2)
+    if init is not None:  # warm start: atoms from the given assignments, then refining sweeps
+        assignments = _check_assignments(init, layers)
+        atoms.reset(*_posterior_stats(layers, prec, assignments, int(max(a.max() for a in assignments)) + 1, prior))
+        if (atoms.m == 0).any():
+            raise ValueError("init leaves some atom indices unused; number atoms 0..G-1")
     objective: list[float] = []
     converged = stopped = False
+    seen: dict[bytes, int] = {}  # partitions after each sweep, to detect cycles
+    cycle = 0
     bar = tqdm(range(int(n_iter)), desc="matching", unit="sweep", disable=not verbose)
     sweeps = 0
     for sweep in bar:
@@ -653,12 +719,18 @@ def match_neurons(
         atoms.reset(h, lam, m)
         objective.append(_objective(h, lam, m, prior) + data_const)
         bar.set_postfix(atoms=len(m), objective=f"{objective[-1]:.1f}")
-        if sweep > 0 and changed == 0:
+        if (sweep > 0 or init is not None) and changed == 0:
             converged = True
             break
         if tol is not None and sweep > 0 and objective[-1] - objective[-2] < tol:
             stopped = True
             break
+        state = _partition_key(assignments)
+        if state in seen:  # the sweeps came back to an earlier partition: more would repeat the cycle
+            cycle = sweep - seen[state]
+            converged = True
+            break
+        seen[state] = sweep
     h, lam, m = atoms.h, atoms.lam, atoms.m
     lam_full = np.broadcast_to(lam, h.shape)
     result = MatchResult(
@@ -673,9 +745,78 @@ def match_neurons(
                    prior_var=prior_var if np.ndim(prior_var) == 0 else np.asarray(prior_var).tolist(),
                    prior_mean=prior_mean if np.ndim(prior_mean) == 0 else np.asarray(prior_mean).tolist(),
                    gamma0=gamma0, kl_weight=kl_weight, cost=cost, n_iter=n_iter, local_vars=local_vars is not None,
-                   seed=None if isinstance(seed, np.random.Generator) else seed),
+                   seed=None if isinstance(seed, np.random.Generator) else seed, cycle=cycle),
         seconds=time.perf_counter() - start,
     )
     if not stopped:
         warn_not_converged({"matching": result}, "matching")
+    return result
+
+
+def _weights(relative_precision, J: int, D: int) -> np.ndarray:
+    w = finite_array(relative_precision, "relative_precision")
+    if w.shape != (J, D) or (w < 0).any():
+        raise ValueError(f"relative_precision must be a non-negative ({J}, {D}) array, got shape {w.shape}")
+    return w
+
+
+def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_mean, blocks, relative_precision,
+                           local_vars, rounds, match, verbose, start) -> MatchResult:
+    """:func:`match_neurons` with the ``auto`` hyper-parameters chosen by empirical Bayes.
+
+    Alternates matching (the marginal cost, each sweep raising ``log p(V, B)``) with EM on the
+    block hyper-parameters given the assignments (:mod:`bayesfuse.inference.empirical_bayes`),
+    until the number of atoms and the variances settle (or ``rounds``), then matches once more
+    with the final values so that result and hyper-parameters agree.
+    """
+    if local_vars is not None:
+        raise ValueError("'auto' hyper-parameters need local_vars=None (give numbers with local posterior variances)")
+    if int(rounds) != rounds or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds}")
+    layers = _check_layers(layers)
+    J, D = len(layers), layers[0].shape[1]
+    blocks = np.zeros(D, dtype=np.int64) if blocks is None else np.asarray(blocks)
+    if blocks.shape != (D,) or not np.issubdtype(blocks.dtype, np.integer) or blocks.min() < 0 or \
+            set(np.unique(blocks)) != set(range(int(blocks.max()) + 1)):
+        raise ValueError(f"blocks must be ({D},) integers numbering blocks 0..B-1, each used")
+    weights = np.ones((J, D)) if relative_precision is None else _weights(relative_precision, J, D)
+    mu0 = np.broadcast_to(finite_array(prior_mean, "prior_mean"), (D,)).astype(np.float64)
+    hyper = initial_hyper(layers, blocks, weights, mu0)
+    n_blocks = len(hyper.prior_var)
+    for key, value in (("noise_var", noise_var), ("prior_var", prior_var)):
+        if key not in auto:
+            value = positive_array(value, key)
+            if np.ndim(value) != 0:
+                raise ValueError(f"with 'auto' hyper-parameters, {key} must be a number or 'auto'")
+            setattr(hyper, key, np.full(n_blocks, float(value)))
+    if "gamma0" not in auto:
+        hyper.gamma0 = float(gamma0)
+    trace, result = [], None
+    bar = tqdm(range(int(rounds)), desc="empirical Bayes", unit="round", disable=not verbose)
+    with warnings.catch_warnings():  # the final matching's convergence is what counts
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        for r in bar:
+            noise, prior0, mean0 = hyper.expand(blocks, weights)
+            result = match_neurons(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
+                                   init=None if result is None else result.assignments, **match)
+            new = hyper
+            for _ in range(EM_STEPS):
+                new = em_step(layers, result.assignments, blocks, weights, new, fit=auto)
+            moved = max(np.max(np.abs(np.log(new.noise_var / hyper.noise_var))),
+                        np.max(np.abs(np.log(new.prior_var / hyper.prior_var))),
+                        abs(math.log(new.gamma0 / hyper.gamma0)))
+            trace.append(dict(n_global=result.n_global, objective=result.objective[-1], **new.as_dict()))
+            bar.set_postfix(atoms=result.n_global)
+            settled = r > 0 and result.n_global == trace[-2]["n_global"] and moved < 0.01
+            hyper = new
+            if settled:
+                break
+        noise, prior0, mean0 = hyper.expand(blocks, weights)
+        result = match_neurons(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
+                               init=result.assignments, **match)
+    result.hyper = dict(result.hyper, **hyper.as_dict(), auto=list(auto), blocks=blocks.tolist(), rounds=len(trace),
+                        trace=trace)
+    result.seconds = time.perf_counter() - start
+    if not result.converged:
+        warn_not_converged({"matching": result}, "matching", stacklevel=4)
     return result

@@ -132,3 +132,78 @@ def test_mismatched_architectures_are_named():
     nan = dict(a, **{"layers.1.weight": np.full((4, 5), np.nan)})
     with pytest.raises(ValueError, match=r"client 1\['layers.1.weight'\].*NaN"):
         match_layerwise([a, nan], spec)
+
+
+# --------------------------------------------------------------------------- calibration, estimators, NAFI scaling
+
+
+def _logits_without_bias(state: dict, spec, x: np.ndarray) -> np.ndarray:
+    """Forward pass of a dense ReLU chain (entries P-ordered), output bias left out."""
+    h = x
+    weights = [k for k in state if k.endswith("weight")]
+    for i, k in enumerate(weights):
+        h = h @ np.asarray(state[k]).T
+        if i < len(weights) - 1:
+            h = np.maximum(h + np.asarray(state[k[:-6] + "bias"]), 0.0)
+    return h
+
+
+def test_average_outputs_makes_unmatched_units_average_the_clients_logits():
+    # Three unrelated networks and a tiny noise variance: no unit merges, so each global unit is
+    # one client's unit; with m_g / J scaling (and the matched average, no prior shrinkage) the
+    # fused logits are exactly the mean of the clients' logits; without it, their sum.
+    nets = [randomise(MLP(6, [5], 3), s) for s in range(3)]
+    spec = spec_from_module(nets[0])
+    states = [_np(m) for m in nets]
+    x = np.random.default_rng(0).normal(size=(20, 6))
+    local = np.stack([_logits_without_bias(sd, spec, x) for sd in states])
+    hyper = dict(noise_var=1e-10, prior_var=10.0, gamma0=1.0, global_weights="average")
+    fused = match_layerwise(states, spec, average_outputs=True, **hyper)
+    assert fused.sizes["P1"] == 15
+    np.testing.assert_allclose(_logits_without_bias(fused.state_dict, spec, x), local.mean(0), rtol=1e-10, atol=1e-12)
+    summed = match_layerwise(states, spec, average_outputs=False, **hyper)
+    np.testing.assert_allclose(_logits_without_bias(summed.state_dict, spec, x), local.sum(0), rtol=1e-10, atol=1e-12)
+
+
+def test_average_outputs_leaves_fully_merged_units_alone():
+    # Permuted copies merge completely (m_g = J): scaling by m_g / J changes nothing.
+    model = randomise(MLP(10, [9, 8], 4), 1)
+    copies = _shuffled_copies(model, torch.randn(4, 10), 3)
+    spec = spec_from_module(model)
+    states = [_np(m) for m in copies]
+    hyper = dict(noise_var=1.0, prior_var=1e8, gamma0=1.0)
+    on = match_layerwise(states, spec, average_outputs=True, **hyper).state_dict
+    off = match_layerwise(states, spec, average_outputs=False, **hyper).state_dict
+    for k in on:
+        np.testing.assert_array_equal(on[k], off[k])
+
+
+def test_matched_average_is_the_plain_mean_of_matched_units():
+    model = randomise(MLP(10, [9, 8], 4), 2)
+    copies = _shuffled_copies(model, torch.randn(4, 10), 3)
+    spec = spec_from_module(model)
+    res = match_layerwise([_np(m) for m in copies], spec, noise_var=1.0, prior_var=0.5, gamma0=1.0,
+                          global_weights="average")
+    ref = _np(model)
+    # identical copies: the average is the original whatever the prior (the posterior mean would shrink it)
+    for k in ("layers.0.weight", "layers.0.bias", "layers.1.weight"):
+        got = res.state_dict[k]
+        assert sorted(np.round(got.ravel(), 10)) == sorted(np.round(np.asarray(ref[k], float).ravel(), 10))
+
+
+def test_nafi_penalty_is_per_coordinate():
+    # match_group hands match_neurons kl_weight / D: the same rows matched directly with that
+    # weight give the same assignments.
+    from bayesfuse.inference.layerwise import match_group
+    from bayesfuse.inference.matching import match_neurons
+
+    fed = simulate_deep_federation(4, 12, 1, 3, gamma0=3.0, noise_var=0.05, seed=3)
+    spec = chain(dense("layers.0", None, "P1"), dense("layers.1", "P1", None),
+                 output=["layers.1.weight", "layers.1.bias"])
+    result, _ = match_group(fed.states, spec, "P1", {}, noise_var=0.05, prior_var=1.0, gamma0=3.0, kl_weight=5.0,
+                            bias_prior_mean=0.0, seed=0)
+    rows = [np.hstack([sd["layers.0.weight"], sd["layers.0.bias"][:, None], sd["layers.1.weight"].T])
+            for sd in fed.states]
+    D = rows[0].shape[1]
+    direct = match_neurons(rows, noise_var=0.05, prior_var=1.0, gamma0=3.0, kl_weight=5.0 / D, seed=0)
+    assert [a.tolist() for a in result.assignments] == [a.tolist() for a in direct.assignments]

@@ -1,0 +1,399 @@
+"""NAFI's comparison table (Xiao & Cheng, Table 2: Local, FedAvg, OT, PFNM, NAFI): data-free fusion
+of MLPs trained on a heterogeneous federation, at the library's default hyper-parameters.
+
+Usage: python benchmarks/bench_fidelity.py [--dataset fashion-mnist] [--clients 10] [--alpha 0.5]
+       [--epochs 10] [--depths 100 100,100] [--seeds 0 1 2] [--inits shared independent]
+       [--sweep 0.3 1 3 10 30] [--out bench-results] [--quick]
+
+``--quick`` is a smoke run: digits, seed 0, shared init, 3 epochs, sweep 1 10 (options given
+explicitly still win). For every depth (``100``: one hidden layer of 100 units, ``100,100``: two),
+init and seed: a Dirichlet(alpha) split of the training set over J clients, one MLP trained per
+client (PFNM Table 1 settings, ``TrainConfig(hidden, epochs, seed)``) from one shared initial
+network (``shared``) or each from its own (``independent``), then one global model per row:
+
+  local          mean over the J clients of each client's metrics; width: its hidden units
+  ensemble       uniform mixture of the J clients' predictive distributions; width J x local
+  fedavg         one-shot FedAvg of the local models (weighted by client sizes)
+  fedavg xR      FedAvg at equal rounds: R = hidden layers + 1 rounds of ``--epochs`` epochs from
+                 one shared initial network (as ``bayesfuse demo``); it does not use the local
+                 models, so it is trained once per (seed, depth) and repeated for both inits
+  ot             OT fusion (Singh & Jaggi) at the library defaults
+  pfnm, nafi     the library defaults: hyper-parameters chosen per layer by empirical Bayes
+                 from the models alone (printed below each summary, for the first seed)
+  pfnm s2=X      PFNM's hand-set setting: noise_var X, prior_var 10, gamma0 1, cost "pfnm"
+
+Nothing is chosen with test data; the full test split gives the metrics only: accuracy, NLL,
+ECE (15 bins), the global width (sum of hidden widths) and the seconds spent building the
+global model ("local": mean training time of one client). A row's ``converged`` is "no" when
+a matching stopped at its iteration limit. The summary gives mean +- sd (population sd) over
+the seeds, and the width of each seed. Writes ``fidelity.json`` (every per-seed row, rewritten
+after each federation) and ``fidelity.png`` (accuracy and NLL against global width) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from bayesfuse._io import atomic_write_bytes, atomic_write_text
+from bayesfuse.baselines import Ensemble, evaluate_locals
+from bayesfuse.data.datasets import DataSplit, load_dataset
+from bayesfuse.data.partition import Partition, dirichlet_partition
+from bayesfuse.demo import format_table
+from bayesfuse.federated import run_fedavg
+from bayesfuse.fusion import FusionResult, fuse
+from bayesfuse.inference.result import ConvergenceWarning
+from bayesfuse.metrics import evaluate
+from bayesfuse.nets.predict import predict_proba
+from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
+
+QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0, 10.0])
+SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "width", "seconds", "converged")
+SUMMARY_COLUMNS = ("method", "accuracy", "nll", "ece", "width", "seconds")
+AUTO_METHODS = ("pfnm", "nafi")
+HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
+
+
+# --------------------------------------------------------------------------- options
+
+
+def parse_depth(text: str) -> tuple[int, ...]:
+    """``"100,100"`` -> ``(100, 100)``."""
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a depth is comma-separated hidden widths, got {text!r}") from None
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"hidden widths must be positive, got {text!r}")
+    return widths
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--quick", action="store_true")
+    quick = pre.parse_known_args(argv)[0].quick
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist (default) or digits")
+    parser.add_argument("--clients", type=int, default=10, help="J, the number of clients")
+    parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration of the split")
+    parser.add_argument("--epochs", type=int, default=10, help="local epochs (and per FedAvg round)")
+    parser.add_argument("--depths", type=parse_depth, nargs="+", default=[(100,), (100, 100)],
+                        help="hidden widths of each network, e.g. 100 100,100")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--inits", nargs="+", choices=("shared", "independent"), default=["shared", "independent"])
+    parser.add_argument("--sweep", type=float, nargs="+", default=[0.3, 1.0, 3.0, 10.0, 30.0],
+                        help="noise_var values of the hand-set PFNM sweep")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "bench-results"))
+    parser.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(
+        f"{k} {v}" for k, v in QUICK.items()))
+    if quick:
+        parser.set_defaults(**QUICK)
+    return parser.parse_args(argv)
+
+
+def depth_name(hidden: Sequence[int]) -> str:
+    return ",".join(map(str, hidden))
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- one federation
+
+
+def make_row(method: str, metrics: dict, sizes: Sequence[int], seconds: float, converged: bool | None = None,
+             **extra) -> dict:
+    return {"method": method, "accuracy": float(metrics["accuracy"]), "nll": float(metrics["nll"]),
+            "ece": float(metrics["ece"]), "width": int(sum(sizes)), "sizes": [int(s) for s in sizes],
+            "seconds": float(seconds), "converged": converged, **extra}
+
+
+def test_metrics(model: nn.Module, split: DataSplit) -> dict:
+    return evaluate(predict_proba(model, split.test.x), split.test.y)
+
+
+def chosen_hyper(result: FusionResult) -> list[dict]:
+    """Per matched layer, the hyper-parameters the library chose (one value per block)."""
+    out = []
+    for i, layer in enumerate(result.layers):
+        h = getattr(layer, "hyper", None) or {}
+        out.append({"layer": result.groups[i] if i < len(result.groups) else f"layer {i + 1}",
+                    "blocks": [str(b).removeprefix("layers.") for b in h.get("blocks", [])],
+                    "noise_var": np.atleast_1d(h.get("noise_var", np.nan)).astype(float).tolist(),
+                    "prior_var": np.atleast_1d(h.get("prior_var", np.nan)).astype(float).tolist(),
+                    "gamma0": float(h.get("gamma0", np.nan)), "kl_weight": float(h.get("kl_weight", 0.0))})
+    return out
+
+
+def fused_row(name: str, models: list[nn.Module], part: Partition, split: DataSplit,
+              method: str, seed: int | None = None, **hyper) -> dict:
+    """Fuse with ``fuse`` (ConvergenceWarnings become the row's ``converged``) and measure."""
+    kwargs = {} if seed is None else {"seed": seed}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        result = fuse(models, method, class_counts=part.counts, **kwargs, **hyper)
+    matched = method not in ("fedavg", "ot")
+    extra = {"chosen": chosen_hyper(result)} if method in AUTO_METHODS and not hyper else {}
+    if "noise_var" in hyper:
+        extra["noise_var"] = float(hyper["noise_var"])
+    return make_row(name, test_metrics(result.model, split), result.sizes, result.seconds,
+                    result.converged if matched else None, **extra)
+
+
+def fedavg_rounds_row(split: DataSplit, part: Partition, hidden: tuple[int, ...], seed: int, epochs: int) -> dict:
+    """FedAvg for (hidden layers + 1) rounds from one shared initial network (``bayesfuse demo``)."""
+    config = TrainConfig(hidden=hidden, epochs=epochs, seed=seed)
+    rounds = len(hidden) + 1
+    with torch_threads(config.num_threads):
+        torch.manual_seed(seed)
+        init = new_model(split.n_features, split.n_classes, config)
+    run = run_fedavg(init, split.train, part, config, rounds=rounds, verbose=False)
+    return make_row(f"fedavg x{rounds}", test_metrics(run.model, split), hidden, run.seconds, rounds=rounds)
+
+
+def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], init: str, seed: int,
+                    args: argparse.Namespace, fedavg_rounds: dict) -> tuple[list[dict], float]:
+    """Every row of one federation (see the module docstring) and its local training seconds."""
+    config = TrainConfig(hidden=hidden, epochs=args.epochs, seed=seed)
+    start = time.perf_counter()
+    models = train_clients(split.train, part, config, shared_init=init == "shared", verbose=False)
+    train_seconds = time.perf_counter() - start
+    locals_ = evaluate_locals(models, split.test.x, split.test.y)
+    local_mean = {k: float(np.mean([m[k] for m in locals_])) for k in locals_[0]}
+    rows = [make_row("local", local_mean, hidden, float(np.mean([m.train_seconds for m in models])))]
+    start = time.perf_counter()
+    ensemble = Ensemble(models)
+    rows.append(make_row("ensemble", test_metrics(ensemble, split), [len(models) * h for h in hidden],
+                         time.perf_counter() - start))
+    rows.append(fused_row("fedavg", models, part, split, "fedavg"))
+    key = (seed, hidden)
+    if key not in fedavg_rounds:
+        fedavg_rounds[key] = fedavg_rounds_row(split, part, hidden, seed, args.epochs)
+    rows.append(dict(fedavg_rounds[key]))
+    rows.append(fused_row("ot", models, part, split, "ot"))
+    for method in AUTO_METHODS:
+        rows.append(fused_row(method, models, part, split, method, seed=seed))
+    for noise_var in args.sweep:
+        rows.append(fused_row(f"pfnm s2={noise_var:g}", models, part, split, "pfnm", seed=seed,
+                              noise_var=noise_var, **HAND_SET))
+    return rows, train_seconds
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def seed_table(rows: list[dict]) -> str:
+    shown = [dict(r, converged={None: "-", True: "yes", False: "no"}[r["converged"]]) for r in rows]
+    return format_table(shown, SEED_COLUMNS)
+
+
+def by_method(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["method"], []).append(r)
+    return out
+
+
+def mean_sd(group: list[dict], key: str) -> str:
+    values = [r[key] for r in group]
+    return f"{np.mean(values):.4f} +- {np.std(values):.4f}"
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Mean +- sd over seeds per method; width as its mean and each seed's value."""
+    summary = []
+    for method, group in by_method(rows).items():
+        widths = [r["width"] for r in group]
+        summary.append({"method": method, "accuracy": mean_sd(group, "accuracy"), "nll": mean_sd(group, "nll"),
+                        "ece": mean_sd(group, "ece"),
+                        "width": f"{np.mean(widths):.0f} ({'/'.join(map(str, widths))})",
+                        "seconds": f"{np.mean([r['seconds'] for r in group]):.2f}"})
+    return format_table(summary, SUMMARY_COLUMNS)
+
+
+def hyper_lines(method: str, chosen: list[dict]) -> list[str]:
+    """One compact line per matched layer: each block's noise_var and prior_var, gamma0 (3 s.f.)."""
+    g = lambda values: "/".join(f"{v:.3g}" for v in values)  # noqa: E731
+    lines = []
+    for layer in chosen:
+        kl = f", kl_weight/D {layer['kl_weight']:.3g}" if layer["kl_weight"] else ""
+        lines.append(f"  {method} {layer['layer']} [{'/'.join(layer['blocks'])}]: noise_var {g(layer['noise_var'])}, "
+                     f"prior_var {g(layer['prior_var'])}, gamma0 {layer['gamma0']:.3g}{kl}")
+    return lines
+
+
+def write_json(path: Path, args: argparse.Namespace, rows: list[dict], federations: list[dict]) -> None:
+    config = {k: ([depth_name(d) for d in v] if k == "depths" else v) for k, v in vars(args).items()}
+    report = {"config": config, "hand_set": HAND_SET, "federations": federations, "rows": rows}
+    atomic_write_text(path, json.dumps(report, indent=1) + "\n", overwrite=True)
+
+
+# --------------------------------------------------------------------------- figure
+
+INIT_COLORS = {"shared": "#1f77b4", "independent": "#d62728"}
+MARKERS = {"pfnm": ("*", 14), "nafi": ("D", 7), "ot": ("s", 7), "fedavg": ("v", 7), "fedavg x": ("^", 7),
+           "ensemble": ("P", 9), "local": ("o", 6)}
+
+
+def _mean_point(group: list[dict], key: str) -> tuple[float, float]:
+    return float(np.mean([r["width"] for r in group])), float(np.mean([r[key] for r in group]))
+
+
+def _marker(method: str) -> tuple[str, float] | None:
+    if method.startswith("fedavg x"):
+        return MARKERS["fedavg x"]
+    return MARKERS.get(method)
+
+
+def _draw_panel(ax, rows: list[dict], key: str, inits: Sequence[str]) -> None:
+    for init in inits:
+        groups = by_method([r for r in rows if r["init"] == init])
+        sweep = sorted((g for m, g in groups.items() if m.startswith("pfnm s2=")), key=lambda g: g[0]["noise_var"])
+        points = [_mean_point(g, key) for g in sweep]
+        if points:
+            ax.plot(*zip(*points), "-", color=INIT_COLORS[init], lw=1.3, marker=".", ms=6, zorder=2)
+            for i, (g, (x, y)) in enumerate(zip(sweep, points)):  # alternate sides: points may share a width
+                ax.annotate(f"{g[0]['noise_var']:g}", (x, y), textcoords="offset points",
+                            xytext=(5, 0) if i % 2 == 0 else (-5, 0), ha="left" if i % 2 == 0 else "right",
+                            va="center", fontsize=7, color=INIT_COLORS[init])
+        for method, group in groups.items():
+            style = _marker(method)
+            if style is not None:
+                ax.plot(*_mean_point(group, key), linestyle="none", marker=style[0], ms=style[1],
+                        color=INIT_COLORS[init], markeredgecolor="black", markeredgewidth=0.5, zorder=3)
+    _log_width_axis(ax)
+    if key == "nll":
+        _clip_local_nll(ax, rows, inits)
+
+
+def _clip_local_nll(ax, rows: list[dict], inits: Sequence[str]) -> None:
+    """The local models' NLL can be several times the others'; cap the axis and print it at the top."""
+    others = [_mean_point(g, "nll")[1] for init in inits
+              for m, g in by_method([r for r in rows if r["init"] == init]).items() if m != "local"]
+    if not others:
+        return
+    low, high = min(others), max(others)
+    top = high + 0.15 * (high - low) + 0.05
+    for i, init in enumerate(inits):
+        local = [r for r in rows if r["init"] == init and r["method"] == "local"]
+        if local and _mean_point(local, "nll")[1] > top:
+            x, y = _mean_point(local, "nll")
+            ax.annotate(f"local NLL {y:.2f} (off scale)", (x, top), textcoords="offset points",
+                        xytext=(8, -10 - 11 * i), fontsize=7, color=INIT_COLORS[init], va="top",
+                        arrowprops=dict(arrowstyle="->", color=INIT_COLORS[init], lw=0.8))
+    ax.set_ylim(max(0.0, low - 0.1 * (high - low) - 0.05), top)
+
+
+def _log_width_axis(ax) -> None:
+    """Log-x with plain-number ticks at 1-2-5 steps (matplotlib's 3x10^2 minor labels collide)."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
+
+    ax.set_xscale("log")
+    ax.margins(x=0.08)
+    low, high = ax.get_xlim()
+    ticks = [m * 10 ** e for e in range(0, 7) for m in (1, 2, 5) if low <= m * 10 ** e <= high]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.grid(True, alpha=0.3)
+
+
+def _legend_handles(inits: Sequence[str]) -> list:
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=INIT_COLORS[i], marker=".", label=f"PFNM hand-set, sigma^2 sweep ({i} init)")
+               for i in inits]
+    names = {"pfnm": "PFNM default (auto)", "nafi": "NAFI default (auto)", "ot": "OT fusion",
+             "fedavg": "FedAvg (one shot)", "fedavg x": "FedAvg, equal rounds", "ensemble": "ensemble of J",
+             "local": "local (mean of J)"}
+    handles += [Line2D([], [], linestyle="none", marker=m, ms=s, color="0.6", markeredgecolor="black",
+                       markeredgewidth=0.5, label=names[k]) for k, (m, s) in MARKERS.items()]
+    return handles
+
+
+def figure_png(rows: list[dict], args: argparse.Namespace) -> bytes:
+    """Accuracy (top) and NLL (bottom) against global width, one column per depth."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    depths = [depth_name(d) for d in args.depths]
+    fig = Figure(figsize=(5.0 * len(depths) + 3.6, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = np.atleast_2d(fig.subplots(2, len(depths), squeeze=False))
+    for col, depth in enumerate(depths):
+        sub = [r for r in rows if r["depth"] == depth]
+        for row, (key, label) in enumerate((("accuracy", "test accuracy"), ("nll", "test NLL"))):
+            ax = axes[row, col]
+            _draw_panel(ax, sub, key, args.inits)
+            ax.set_ylabel(label)
+            ax.set_xlabel("global width (hidden units, log scale)")
+        axes[0, col].set_title(f"hidden {depth}: accuracy vs width")
+        axes[1, col].set_title(f"hidden {depth}: NLL vs width")
+    fig.suptitle(f"{args.dataset}, J={args.clients}, alpha={args.alpha}, {args.epochs} epochs: data-free fusion\n"
+                 f"mean over seeds {'/'.join(map(str, args.seeds))}; point labels: PFNM noise_var sigma^2",
+                 fontsize=11)
+    fig.legend(handles=_legend_handles(args.inits), loc="outside right center", fontsize=8)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=150)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    json_path = out / "fidelity.json"
+    splits: dict[int, tuple[DataSplit, Partition]] = {}
+    fedavg_rounds: dict = {}
+    rows: list[dict] = []
+    federations: list[dict] = []
+    print(f"{args.dataset}, J={args.clients}, alpha={args.alpha}, {args.epochs} epochs, seeds {args.seeds}; "
+          f"hand-set PFNM: {HAND_SET}, noise_var in {args.sweep}", flush=True)
+    for hidden in args.depths:
+        for init in args.inits:
+            block = []
+            for seed in args.seeds:
+                if seed not in splits:
+                    split = load_dataset(args.dataset, seed=seed).standardize()
+                    splits[seed] = split, dirichlet_partition(split.train.y, args.clients, args.alpha, seed=seed)
+                split, part = splits[seed]
+                start = time.perf_counter()
+                fed_rows, train_seconds = federation_rows(split, part, hidden, init, seed, args, fedavg_rounds)
+                tag = dict(dataset=args.dataset, depth=depth_name(hidden), init=init, seed=seed)
+                fed_rows = [{**tag, **r} for r in fed_rows]
+                block += fed_rows
+                rows += fed_rows
+                federations.append({**tag, "train_seconds": train_seconds,
+                                    "total_seconds": time.perf_counter() - start})
+                write_json(json_path, args, rows, federations)
+                progress(f"[fidelity] seed {seed}, depth {depth_name(hidden)}, {init} init: local training "
+                         f"{train_seconds:.1f} s, federation {time.perf_counter() - start:.1f} s")
+                print(f"\nhidden {depth_name(hidden)}, {init} init, seed {seed}", flush=True)
+                print(seed_table(fed_rows), flush=True)
+            print(f"\nhidden {depth_name(hidden)}, {init} init: mean +- sd over seeds {args.seeds}")
+            print(summary_table(block))
+            first = [r for r in block if r["seed"] == args.seeds[0] and r["method"] in AUTO_METHODS]
+            print(f"hyper-parameters chosen by the library (seed {args.seeds[0]}; per block):")
+            for r in first:
+                print("\n".join(hyper_lines(r["method"], r["chosen"])))
+            sys.stdout.flush()
+    png = atomic_write_bytes(out / "fidelity.png", figure_png(rows, args), overwrite=True)
+    print(f"\nwrote {json_path} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Data-free ("auto") hyper-parameters: empirical Bayes on federations simulated from the BBP model."""
+
+import numpy as np
+import pytest
+
+from bayesfuse.inference.empirical_bayes import BlockHyper, em_step, initial_hyper
+from bayesfuse.inference.matching import log_marginal_posterior, match_neurons
+from bayesfuse.metrics import assignment_accuracy
+from bayesfuse.models.bbp import simulate_federation
+
+# (J, D, gamma0, prior_var, noise_var, seed): small to moderate noise, one atom scale.
+CASES = [
+    (10, 40, 8.0, 1.0, 0.01, 0),
+    (10, 40, 8.0, 1.0, 0.1, 1),
+    (8, 20, 6.0, 1.0, 0.05, 2),
+    (10, 100, 10.0, 2.0, 0.3, 3),
+    (20, 30, 5.0, 1.0, 0.02, 4),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"J{c[0]}-D{c[1]}-s2={c[4]}" for c in CASES])
+def test_auto_recovers_the_noise_variance_and_the_assignments(case):
+    # Tolerance: given the true assignments the noise estimate pools n = sum_j L_j * D residual
+    # coordinates (here n >= 2,000), so its relative sd is about sqrt(2 / n) <= 3%; 20% is more
+    # than 6 sd from the truth, and exact recovery of the assignments is what makes it possible.
+    J, D, gamma0, prior_var, noise_var, seed = case
+    fed = simulate_federation(J, D, gamma0=gamma0, prior_var=prior_var, noise_var=noise_var, seed=seed)
+    res = match_neurons(fed.layers, seed=0)  # every hyper-parameter "auto" by default
+    assert res.hyper["auto"] == ["noise_var", "prior_var", "gamma0"]
+    assert abs(res.hyper["noise_var"][0] / noise_var - 1) < 0.2
+    assert assignment_accuracy(fed.assignments, res.assignments) == 1.0
+    assert res.n_global == fed.n_atoms and res.converged
+
+
+def test_blocks_of_different_scales_get_their_own_variances():
+    # Two blocks of coordinates, noise 1e-3 and 0.1 (two orders of magnitude apart, as a
+    # layer's incoming weights and its outgoing weights): each estimate lands within 20%.
+    fed = simulate_federation(10, 60, gamma0=6.0, prior_var=1.0, noise_var=0.001, seed=5)
+    rng = np.random.default_rng(5)
+    layers = [v.copy() for v in fed.layers]
+    for v in layers:
+        v[:, 30:] += rng.normal(scale=np.sqrt(0.1 - 0.001), size=v[:, 30:].shape)
+    blocks = np.repeat([0, 1], 30)
+    res = match_neurons(layers, blocks=blocks, seed=0)
+    est = np.array(res.hyper["noise_var"])
+    assert np.all(np.abs(est / [0.001, 0.1] - 1) < 0.2), est
+    assert assignment_accuracy(fed.assignments, res.assignments) == 1.0
+
+
+def test_an_em_step_never_lowers_the_marginal_given_the_assignments():
+    # EM's monotonicity, checked against the independent log_marginal_posterior.
+    fed = simulate_federation(6, 12, gamma0=4.0, prior_var=1.0, noise_var=0.05, seed=7)
+    J, D = len(fed.layers), fed.layers[0].shape[1]
+    blocks = np.repeat([0, 1, 2], 4)
+    weights = np.ones((J, D))
+    hyper = initial_hyper(fed.layers, blocks, weights, np.zeros(D))
+
+    def objective(h: BlockHyper) -> float:
+        noise, prior, mean = h.expand(blocks, weights)
+        return log_marginal_posterior(fed.layers, fed.assignments, noise_var=noise, prior_var=prior,
+                                      prior_mean=mean, gamma0=h.gamma0)
+
+    values = [objective(hyper)]
+    for _ in range(6):
+        hyper = em_step(fed.layers, fed.assignments, blocks, weights, hyper)
+        values.append(objective(hyper))
+    assert np.all(np.diff(values) >= -1e-8 * np.abs(values[:-1])), values
+
+
+def test_fixed_values_stay_and_the_rest_is_estimated():
+    fed = simulate_federation(8, 20, gamma0=5.0, prior_var=1.0, noise_var=0.05, seed=8)
+    res = match_neurons(fed.layers, noise_var=0.05, gamma0=5.0, seed=0)
+    assert res.hyper["auto"] == ["prior_var"] and res.hyper["noise_var"] == [0.05] and res.hyper["gamma0"] == 5.0
+    assert abs(res.hyper["prior_var"][0] - 1.0) < 0.5  # sd of a variance from ~20 atoms x 20 coordinates
+
+
+def test_relative_precision_zero_means_unobserved():
+    # Client 0 observes nothing on the last coordinates: its values there must not matter.
+    fed = simulate_federation(5, 10, gamma0=4.0, prior_var=1.0, noise_var=0.01, seed=9)
+    w = np.ones((5, 10))
+    w[0, 6:] = 0.0
+    garbage = [v.copy() for v in fed.layers]
+    garbage[0][:, 6:] = 1e3
+    a = match_neurons(fed.layers, relative_precision=w, seed=0)
+    b = match_neurons(garbage, relative_precision=w, seed=0)
+    assert [x.tolist() for x in a.assignments] == [x.tolist() for x in b.assignments]
+    np.testing.assert_allclose(a.mean, b.mean, rtol=1e-12)
+
+
+def test_bad_settings():
+    layers = [np.ones((2, 3)), np.zeros((2, 3))]
+    with pytest.raises(ValueError, match="noise_var must be a number or 'auto'"):
+        match_neurons(layers, noise_var="guess")
+    with pytest.raises(ValueError, match="blocks must be"):
+        match_neurons(layers, blocks=np.array([0, 2, 2]))
+    with pytest.raises(ValueError, match="relative_precision must be"):
+        match_neurons(layers, relative_precision=-np.ones((2, 3)))
+    with pytest.raises(ValueError, match="local_vars=None"):
+        match_neurons(layers, local_vars=[np.zeros(2)] * 2)
