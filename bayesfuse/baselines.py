@@ -14,23 +14,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse._validation import normalised_weights
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
 
 __all__ = ["fedavg", "fedavg_state_dicts", "Ensemble", "evaluate_locals"]
 
 StateDict = Mapping[str, torch.Tensor]
-
-
-def _normalised_weights(weights: Sequence[float] | np.ndarray | None, n: int) -> np.ndarray:
-    if weights is None:
-        return np.full(n, 1.0 / n)
-    w = np.asarray(weights, dtype=np.float64)
-    if w.shape != (n,):
-        raise ValueError(f"need one weight per model ({n}), got shape {w.shape}")
-    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be finite, non-negative and not all zero, got {w}")
-    return w / w.sum()
 
 
 def fedavg_state_dicts(
@@ -48,7 +38,7 @@ def fedavg_state_dicts(
     """
     if len(state_dicts) == 0:
         raise ValueError("fedavg needs at least one model")
-    w = _normalised_weights(weights, len(state_dicts))
+    w = normalised_weights(weights, len(state_dicts))
     keys = list(state_dicts[0].keys())
     for j, sd in enumerate(state_dicts):
         if list(sd.keys()) != keys:
@@ -106,7 +96,7 @@ class Ensemble(nn.Module):
         if len(models) == 0:
             raise ValueError("an ensemble needs at least one model")
         self.members = nn.ModuleList(models)
-        self.register_buffer("log_weights", torch.log(torch.as_tensor(_normalised_weights(weights, len(models)))))
+        self.register_buffer("log_weights", torch.log(torch.as_tensor(normalised_weights(weights, len(models)))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logp = torch.stack([torch.log_softmax(m(x).double(), dim=-1) for m in self.members])

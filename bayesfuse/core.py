@@ -173,6 +173,10 @@ def _fuse_network_states(states, names, method, settings, *, spec, class_counts,
     result = match_layerwise(states, spec, class_counts=class_counts, seed=seed, names=names, verbose=verbose,
                              **settings)
     layers = [result.layers[g] for g in spec.groups]
+    hyper = {**settings, "seed": seed}
+    chosen = {g: chosen_hyper(layer) for g, layer in zip(spec.groups, layers) if "auto" in layer.hyper}
+    if chosen:
+        hyper["chosen"] = chosen
     return StateFusion(
         state={k: result.state_dict[k] for k in states[0]},
         layers=layers,
@@ -181,9 +185,16 @@ def _fuse_network_states(states, names, method, settings, *, spec, class_counts,
         posteriors=[(layer.mean, layer.var) for layer in layers],
         method=method,
         kind="network",
-        hyper={**settings, "seed": seed},
+        hyper=hyper,
         spec=spec,
     )
+
+
+def chosen_hyper(layer) -> dict:
+    """The hyper-parameters empirical Bayes chose for one layer, per block of its units' entries."""
+    h = layer.hyper
+    return {"blocks": h["blocks"], "noise_var": h["noise_var"], "prior_var": h["prior_var"],
+            "prior_mean": h["prior_mean"], "gamma0": h["gamma0"], "rounds": h["rounds"]}
 
 
 def _fedavg_states(states, names, spec, class_counts) -> StateFusion:

@@ -48,8 +48,9 @@ def test_spec_is_derived_from_the_entries_when_not_given():
     b = fuse_states(states, "pfnm", spec=spec_from_module(nets[0]), seed=0)
     assert all(np.array_equal(a.state[k], b.state[k]) for k in a.state)
     assert a.hyper["noise_var"] == "auto" and a.hyper["seed"] == 0 and a.kind == "network"
-    chosen = a.layers[0].hyper  # the values the empirical Bayes chose, per block of the layer's units
+    chosen = a.hyper["chosen"]["P1"]  # the values the empirical Bayes chose, per block of the layer's units
     assert chosen["blocks"] == ["layers.0.weight", "layers.0.bias"] and len(chosen["noise_var"]) == 2
+    assert chosen["noise_var"] == a.layers[0].hyper["noise_var"] and chosen["gamma0"] > 0
 
 
 def test_bnn_states_fuse_to_a_bnn_state():

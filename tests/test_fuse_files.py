@@ -162,3 +162,17 @@ def test_bad_architecture_specs(deep_files, tmp_path, capsys, content, arch, mes
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "f.pt").exists() and not (tmp_path / "f.pt.json").exists()
+
+
+def test_report_records_every_hyper_parameter_and_the_chosen_values(mlp_files, tmp_path):
+    report = fuse_files(mlp_files, "nafi", tmp_path / "auto.pt")
+    saved = json.loads((tmp_path / "auto.pt.json").read_text())
+    assert saved["hyper"]["noise_var"] == "auto" and saved["hyper_given"] == {}
+    chosen = saved["hyper"]["chosen"][saved["architecture"]["groups"][0]]
+    assert chosen["blocks"] == ["fc1.weight", "fc1.bias", "fc2.weight"]
+    assert len(chosen["noise_var"]) == len(chosen["prior_var"]) == 3 and all(v > 0 for v in chosen["noise_var"])
+    assert saved["converged"] is True and saved["layers"][0]["converged"] is True
+    assert report["global_sizes"] == saved["global_sizes"]
+    fixed = fuse_files(mlp_files, "pfnm", tmp_path / "fixed.pt", hyper={"noise_var": 2.0, "prior_var": 10.0,
+                                                                         "gamma0": 1.0})
+    assert fixed["hyper"]["noise_var"] == 2.0 and "chosen" not in fixed["hyper"]

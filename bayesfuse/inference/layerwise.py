@@ -298,7 +298,6 @@ def match_group(
     entries = unit_entries(spec, group, matched, skip)
     if not entries:
         raise ValueError(f"no parameter describes the units of group {group!r}")
-    J = len(states)
     if absent not in ("zero", "unobserved"):
         raise ValueError(f"absent must be 'zero' or 'unobserved', got {absent!r}")
     if global_weights == "auto":

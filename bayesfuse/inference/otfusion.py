@@ -69,12 +69,14 @@ References
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from bayesfuse._validation import normalised_weights
 from bayesfuse.inference.layerwise import (
+    LayerwiseResult,
     State,
     _group_axis,
     _to_rows,
@@ -139,7 +141,7 @@ class OTLayer:
 
 
 @dataclass
-class OTFusionResult:
+class OTFusionResult(LayerwiseResult):
     """Outcome of :func:`ot_fuse_layerwise`.
 
     Attributes
@@ -159,17 +161,7 @@ class OTFusionResult:
     seconds : float
     """
 
-    state_dict: dict
-    layers: dict
-    order: tuple
-    sizes: dict
-    anchor: int
-    hyper: dict = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def assignments(self) -> dict[str, list[np.ndarray]]:
-        return {g: r.assignments for g, r in self.layers.items()}
+    anchor: int = 0
 
 
 # --------------------------------------------------------------------------- one plan
@@ -228,17 +220,6 @@ def choose_anchor(states: Sequence[State], spec: PermutationSpec, anchor: int | 
         return int(np.argmax(widths))  # first maximum
     order = np.argsort(widths, kind="stable")
     return int(order[(J - 1) // 2])
-
-
-def _client_weights(weights, J: int) -> np.ndarray:
-    if weights is None:
-        return np.full(J, 1.0 / J)
-    w = np.asarray(weights, dtype=np.float64)
-    if w.shape != (J,):
-        raise ValueError(f"weights must have one entry per client, shape ({J},), got {w.shape}")
-    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-        raise ValueError("weights must be finite, non-negative and not all zero")
-    return w / w.sum()
 
 
 def _apply(a: np.ndarray, d: int, axis: Axis, A: np.ndarray) -> np.ndarray:
@@ -361,7 +342,7 @@ def ot_fuse_layerwise(
     if spec.folds:
         arrays = [fold_batchnorm(sd, spec) for sd in arrays]
     J = len(arrays)
-    omega = _client_weights(weights, J)
+    omega = normalised_weights(weights, J, what="client")
     a_idx = choose_anchor(arrays, spec, anchor)
     maps: list[dict[str, np.ndarray | None]] = [{} for _ in range(J)]
     layers: dict[str, OTLayer] = {}

@@ -268,7 +268,7 @@ def test_choose_anchor():
     (dict(anchor="largest"), "anchor must be a client index, 'widest' or 'median'"),
     (dict(reg=-1.0), "reg must be >= 0"),
     (dict(n_iter=0), "n_iter must be >= 1"),
-    (dict(weights=[1.0]), "one entry per client"),
+    (dict(weights=[1.0]), "one weight per client"),
     (dict(weights=[1.0, -1.0]), "non-negative"),
     (dict(weights=[0.0, 0.0]), "not all zero"),
 ])
