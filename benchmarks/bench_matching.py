@@ -10,6 +10,8 @@ unit's incoming and outgoing weights), gamma0 = 100 (about 100 neurons per clien
 * ``nafi``     PFNM cost + 0.1 x KL penalty, noise_var = 1
 * ``marginal`` exact collapsed cost at the true noise_var = 0.01
 * ``pfnm@true`` PFNM cost at the true noise_var (shows PFNM's over-splitting)
+* ``auto``     every hyper-parameter chosen from the neurons (empirical Bayes, the default);
+  ``sweeps`` are those of its last matching, ``seconds`` all of its rounds
 
 ``floor`` is the time of the bare matrix products the cost matrices need (one
 (G+1) x D x L_j GEMM per client visit, at the final G); ``ratio`` = seconds / floor.
@@ -34,6 +36,7 @@ RUNS = [
     ("nafi", dict(cost="pfnm", noise_var=1.0, kl_weight=0.1)),
     ("marginal", dict(cost="marginal", noise_var=NOISE)),
     ("pfnm@true", dict(cost="pfnm", noise_var=NOISE)),
+    ("auto", dict(noise_var="auto", prior_var="auto", gamma0="auto")),
 ]
 
 
@@ -82,7 +85,7 @@ def main() -> None:
         for name, hyper in RUNS:
             if name == "pfnm@true" and J > 30:
                 continue  # over-splitting makes G, and the run, large; J <= 30 shows it
-            res = match_neurons(fed.layers, prior_var=1.0, gamma0=GAMMA0, n_iter=args.sweeps, seed=0, **hyper)
+            res = match_neurons(fed.layers, **{"prior_var": 1.0, "gamma0": GAMMA0, **hyper}, n_iter=args.sweeps, seed=0)
             precision, recall = pair_scores(fed.assignments, res.assignments)
             floor = gemm_floor(res.n_global, fed.layers, res.n_sweeps)
             rows.append({
