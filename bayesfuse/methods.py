@@ -73,7 +73,7 @@ class Interval:
         if self.high is None and self.low == 0 and not low_closed:
             return "positive"
         if self.high is None and self.low == 0:
-            return "non-negative"
+            return "a non-negative integer" if self.type is int else "non-negative"
         if self.high is None and self.type is int and self.low == 1 and low_closed:
             return "a positive integer"
         if self.low is not None and self.high is None:
