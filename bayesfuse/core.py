@@ -23,7 +23,7 @@ import numpy as np
 from bayesfuse import methods
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.klfusion import kl_fuse
-from bayesfuse.inference.layerwise import match_layerwise
+from bayesfuse.inference.layerwise import check_states, match_layerwise
 from bayesfuse.inference.matching import match_neurons
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
@@ -202,8 +202,7 @@ def _fedavg_states(states, names, spec, class_counts) -> StateFusion:
 
     from bayesfuse.baselines import fedavg_state_dicts
 
-    for sd, n in zip(states, names):
-        spec.check(sd, n)
+    check_states(states, spec, names)  # architecture, NaN, integer or complex weights
     for sd, n in zip(states[1:], names[1:]):
         for k, t in sd.items():
             if tuple(t.shape) != tuple(states[0][k].shape):

@@ -142,7 +142,7 @@ def fedma(
         # fold the batch norms of this group (their layer is being matched now)
         bns = {bn: layer for bn, layer in spec.folds.items() if spec.axes[f"{bn}.weight"][0].group == group}
         if bns:
-            sub = PermutationSpec(spec.axes, spec.groups, bns, spec.output)
+            sub = PermutationSpec(spec.axes, spec.groups, bns, spec.output, spec.eps)
             arrays = [fold_batchnorm(sd, sub) for sd in arrays]
         skip = folded_entries(spec) | set(frozen_values)
         entries = unit_entries(spec, group, matched, skip)

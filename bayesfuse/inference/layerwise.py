@@ -108,6 +108,8 @@ def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence
             a = np.asarray(v)
             if np.issubdtype(a.dtype, np.floating):
                 a = finite_array(a, f"{name}[{k!r}]")
+            elif np.iscomplexobj(a) or (k in spec.axes and any(ax is not None for ax in spec.axes[k])):
+                raise ValueError(f"{name}[{k!r}] holds {a.dtype} values; weights must be real floating point")
             arrays[k] = a
         out.append(arrays)
     ref = out[0]
@@ -123,18 +125,21 @@ def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence
     return out
 
 
-def fold_batchnorm(state: State, spec: PermutationSpec, eps: float = 1e-5) -> dict:
+def fold_batchnorm(state: State, spec: PermutationSpec) -> dict:
     """Fold each batch norm of ``spec.folds`` into the layer before it (NAFI appendix E, eq. 47).
 
-    ``W' = gamma W / sqrt(var + eps)``, ``b' = gamma (b - mu) / sqrt(var + eps) + beta``; the
-    batch norm becomes the identity in eval mode (weight 1, bias 0, mean 0, variance
-    ``1 - eps``).
+    ``W' = gamma W / sqrt(var + eps)``, ``b' = gamma (b - mu) / sqrt(var + eps) + beta`` with
+    each batch norm's own ``eps`` (``spec.batchnorm_eps``); the batch norm becomes the identity
+    in eval mode (weight 1, bias 0, mean 0, variance ``1 - eps``).
     """
     out = {k: np.array(v, dtype=np.float64) if np.issubdtype(np.asarray(v).dtype, np.floating) else np.asarray(v)
            for k, v in state.items()}
     for bn, layer in spec.folds.items():
         if f"{layer}.bias" not in out:
             raise ValueError(f"cannot fold batch norm {bn!r}: layer {layer!r} has no bias")
+        eps = spec.batchnorm_eps(bn)
+        if (out[f"{bn}.running_var"] < 0).any():
+            raise ValueError(f"batch norm {bn!r} has a negative running_var")
         scale = out[f"{bn}.weight"] / np.sqrt(out[f"{bn}.running_var"] + eps)
         w = out[f"{layer}.weight"]
         out[f"{layer}.weight"] = w * scale.reshape(-1, *([1] * (w.ndim - 1)))

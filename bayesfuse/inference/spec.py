@@ -44,6 +44,9 @@ __all__ = [
     "spec_from_dict",
 ]
 
+#: PyTorch's default batch-norm ``eps``: what a state_dict alone implies (it does not store eps).
+BATCHNORM_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -95,12 +98,20 @@ class PermutationSpec:
         normalises), for batch-norm folding (NAFI appendix E).
     output : tuple of str
         The output layer's entries (``weight``, ``bias``): their first axis is the classes.
+    eps : dict
+        ``batchnorm name -> its eps`` where it is not PyTorch's default ``1e-5``
+        (:data:`BATCHNORM_EPS`); folding must use the layer's own.
     """
 
     axes: dict
     groups: tuple
     folds: dict = field(default_factory=dict)
     output: tuple = ()
+    eps: dict = field(default_factory=dict)
+
+    def batchnorm_eps(self, name: str) -> float:
+        """The ``eps`` of batch norm ``name`` (PyTorch's default unless the spec says otherwise)."""
+        return float(self.eps.get(name, BATCHNORM_EPS))
 
     def __post_init__(self) -> None:
         fixed = {k: tuple(_axis(a) for a in v) for k, v in self.axes.items()}
@@ -175,11 +186,15 @@ def conv(name: str, in_group, out_group, *, bias: bool = True, ndim: int = 2) ->
     return PermutationSpec(axes, ())
 
 
-def batchnorm(name: str, group, *, after: str | None = None) -> PermutationSpec:
-    """``nn.BatchNorm*d`` over the units of ``group``; ``after`` names the layer it follows."""
+def batchnorm(name: str, group, *, after: str | None = None, eps: float = 1e-5) -> PermutationSpec:
+    """``nn.BatchNorm*d`` over the units of ``group``; ``after`` names the layer it follows and
+    ``eps`` is the layer's (folding divides by ``sqrt(running_var + eps)``)."""
+    if not (0.0 < eps < 1.0):
+        raise ValueError(f"batch norm {name!r}: eps must lie in (0, 1) to fold it, got {eps}")
     axes = {f"{name}.{p}": (group,) for p in ("weight", "bias", "running_mean", "running_var")}
     axes[f"{name}.num_batches_tracked"] = ()
-    return PermutationSpec(axes, (), folds={name: after} if after else {})
+    return PermutationSpec(axes, (), folds={name: after} if after else {},
+                           eps={name: float(eps)} if eps != BATCHNORM_EPS else {})
 
 
 def lstm(name: str, in_group, hidden_group: str, *, num_layers: int = 1, bias: bool = True) -> PermutationSpec:
@@ -208,6 +223,7 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
     """Combine specs in forward order; groups are ordered by first appearance unless given."""
     axes: dict = {}
     folds: dict = {}
+    eps: dict = {}
     order: list[str] = []
     for part in parts:
         for k, v in part.axes.items():
@@ -221,7 +237,8 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
             if g not in order:
                 order.append(g)
         folds.update(part.folds)
-    return PermutationSpec(axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output))
+        eps.update(part.eps)
+    return PermutationSpec(axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output), eps)
 
 
 # --------------------------------------------------------------------------- arrays
@@ -297,7 +314,7 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
         return {"group": a.group, "outer": a.outer, "inner": a.inner}
 
     return {"axes": {k: [axis(a) for a in v] for k, v in spec.axes.items()}, "groups": list(spec.groups),
-            "folds": dict(spec.folds), "output": list(spec.output)}
+            "folds": dict(spec.folds), "output": list(spec.output), "eps": dict(spec.eps)}
 
 
 def spec_from_dict(data: Mapping) -> PermutationSpec:
@@ -320,8 +337,11 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         if not isinstance(v, (list, tuple)):
             raise ValueError(f"spec entry {name!r} must be a list with one axis per dimension, got {v!r}")
         axes[name] = tuple(axis(name, a) for a in v)
+    eps = data.get("eps", {})
+    if not isinstance(eps, Mapping) or not all(isinstance(v, (int, float)) and 0 < v < 1 for v in eps.values()):
+        raise ValueError(f"a spec's 'eps' maps batch-norm names to numbers in (0, 1), got {eps!r}")
     return PermutationSpec(axes, tuple(data.get("groups", ())), dict(data.get("folds", {})),
-                           tuple(data.get("output", ())))
+                           tuple(data.get("output", ())), {k: float(v) for k, v in eps.items()})
 
 
 def entry_order(keys) -> list[str]:

@@ -97,7 +97,7 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
         elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
             if current is None or current.inner != 1:
                 raise UnsupportedLayerError(f"layer {n!r}: BatchNorm must follow a hidden Linear/Conv layer")
-            parts.append(batchnorm(n, current.group, after=last_layer))
+            parts.append(batchnorm(n, current.group, after=last_layer, eps=float(m.eps)))
         elif kind == "Flatten":
             shape = shapes[n]
             if current is not None:

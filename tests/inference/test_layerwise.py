@@ -207,3 +207,48 @@ def test_nafi_penalty_is_per_coordinate():
     D = rows[0].shape[1]
     direct = match_neurons(rows, noise_var=0.05, prior_var=1.0, gamma0=3.0, kl_weight=5.0 / D, seed=0)
     assert [a.tolist() for a in result.assignments] == [a.tolist() for a in direct.assignments]
+
+
+# --------------------------------------------------------------------------- batch-norm eps, weight dtypes
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-2, 0.3])
+def test_batch_norms_fold_with_their_own_eps(eps):
+    # Folding divides by sqrt(running_var + eps): with the layer's own eps, permuted copies of a
+    # ConvNet fuse back to its function whatever eps is (a fixed 1e-5 was off by up to 333 at 1e-2).
+    model = make_cnn(64, 5, channels=(6, 4), hidden=(7,))
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eps = eps
+    model = randomise(model, 4)
+    x = torch.randn(16, 64)
+    copies = _shuffled_copies(model, x, 3)
+    spec = spec_from_module(model, x[:2])
+    assert all(spec.batchnorm_eps(bn) == eps for bn in spec.folds)
+    fused = match_layerwise([_np(m) for m in copies], spec, noise_var=1.0, prior_var=1e8, gamma0=1.0,
+                            global_weights="average")
+    net = rebuild(model, {k: torch.as_tensor(v) for k, v in fused.state_dict.items()}).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_weights_that_are_not_real_floats_are_refused():
+    spec = chain(dense("a", None, "P"), dense("b", "P", None), output=("b.weight", "b.bias"))
+    good = {"a.weight": np.ones((3, 2)), "a.bias": np.zeros(3), "b.weight": np.ones((2, 3)), "b.bias": np.zeros(2)}
+    for bad in (good["a.weight"].astype(np.int64), good["a.weight"].astype(np.complex128)):
+        with pytest.raises(ValueError, match=r"client 1\['a.weight'\] holds .* weights must be real floating point"):
+            match_layerwise([good, dict(good, **{"a.weight": bad})], spec)
+    from bayesfuse.core import fuse_states
+
+    with pytest.raises(ValueError, match="weights must be real floating point"):
+        fuse_states([good, dict(good, **{"a.weight": good["a.weight"].astype(np.int64)})], "fedavg", spec=spec)
+
+
+def test_a_negative_running_variance_is_refused():
+    model = randomise(make_cnn(64, 5, channels=(3,), hidden=(4,)), 5)
+    spec = spec_from_module(model, torch.randn(2, 64))
+    state = _np(model)
+    bn = next(iter(spec.folds))
+    state[f"{bn}.running_var"] = -np.abs(state[f"{bn}.running_var"])
+    with pytest.raises(ValueError, match="negative running_var"):
+        match_layerwise([state, _np(model)], spec)
