@@ -93,13 +93,16 @@ def save_state_dict(state_dict: dict, path: str | os.PathLike, *, fmt: str | Non
     fmt = fmt or FORMATS.get(path.suffix.lower())
     if fmt not in ("pt", "safetensors"):
         raise ValueError(f"{path}: choose a format, 'pt' or 'safetensors' (got {fmt!r})")
+    return atomic_write_bytes(path, state_dict_bytes(state_dict, fmt), overwrite=overwrite)
+
+
+def state_dict_bytes(state_dict: dict, fmt: str) -> bytes:
+    """A state_dict serialised as ``fmt`` (``"pt"``: torch.save; ``"safetensors"``, entry order kept)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     if fmt == "safetensors":
         from safetensors.torch import save
 
-        payload = save(tensors, metadata={ORDER_KEY: json.dumps(list(tensors))})
-    else:
-        buf = io.BytesIO()
-        torch.save(tensors, buf)
-        payload = buf.getvalue()
-    return atomic_write_bytes(path, payload, overwrite=overwrite)
+        return save(tensors, metadata={ORDER_KEY: json.dumps(list(tensors))})
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    return buf.getvalue()

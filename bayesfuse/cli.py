@@ -182,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_demo(args)
         if args.command == "fuse":
             return _run_fuse(args)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, RuntimeError) as err:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            RuntimeError) as err:
         message = _in_cli_words(" ".join(str(err).split()))  # one line, in the command line's words
         print(f"bayesfuse {args.command}: error: {message}", file=sys.stderr)
         return 2

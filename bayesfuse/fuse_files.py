@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from bayesfuse import __version__, methods
-from bayesfuse._io import atomic_write_text
-from bayesfuse.checkpoints import FORMATS, read_checkpoint, save_state_dict
+from bayesfuse._io import atomic_write_files
+from bayesfuse.checkpoints import FORMATS, read_checkpoint, state_dict_bytes
 from bayesfuse.core import fuse_states
 from bayesfuse.inference.spec import entry_order, spec_for_state_dict, spec_from_dict
 from bayesfuse.models.bnn_sites import is_bnn_state
@@ -133,6 +133,8 @@ def fuse_files(
     if fmt not in ("pt", "safetensors"):
         raise ValueError(f"cannot tell the output format from {out.name!r}; give fmt='pt' or 'safetensors'")
     for p in (out, report_path):
+        if p.is_dir():
+            raise IsADirectoryError(f"{p} is a directory; give a file name for the fused model")
         if p.exists() and not force:
             raise FileExistsError(f"{p} exists; replace it with force=True")
     if any(Path(p).resolve() == out.resolve() for p in paths):
@@ -193,12 +195,9 @@ def fuse_files(
                      "python": platform.python_version()},
         "seconds": time.perf_counter() - start,
     }
-    save_state_dict(fused_sd, out, fmt=fmt, overwrite=force)
-    try:
-        atomic_write_text(report_path, json.dumps(report, indent=2) + "\n", overwrite=force)
-    except BaseException:
-        out.unlink(missing_ok=True)
-        raise
+    # the model and its report are one unit: both written, or (without force) neither
+    atomic_write_files([(out, state_dict_bytes(fused_sd, fmt)),
+                        (report_path, (json.dumps(report, indent=2) + "\n").encode("utf-8"))], overwrite=force)
     return report
 
 

@@ -176,3 +176,14 @@ def test_report_records_every_hyper_parameter_and_the_chosen_values(mlp_files, t
     fixed = fuse_files(mlp_files, "pfnm", tmp_path / "fixed.pt", hyper={"noise_var": 2.0, "prior_var": 10.0,
                                                                          "gamma0": 1.0})
     assert fixed["hyper"]["noise_var"] == 2.0 and "chosen" not in fixed["hyper"]
+
+
+def test_force_never_destroys_the_old_model_when_the_report_cannot_be_written(mlp_files, tmp_path, capsys):
+    out = tmp_path / "fused.pt"
+    out.write_bytes(b"the old model")
+    (tmp_path / "fused.pt.json").mkdir()
+    assert main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(out), "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a directory" in err
+    assert out.read_bytes() == b"the old model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.pt", "fused.pt.json"]
