@@ -17,6 +17,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
 def _widths(text: str) -> tuple[int, ...]:
     try:
         widths = tuple(int(w) for w in text.split(",") if w.strip())
@@ -116,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--arch-spec", default=None, metavar="FILE",
                     help="JSON permutation spec naming which axes of which entries each hidden permutation acts on "
                     "(see bayesfuse.inference.spec.spec_to_dict)")
-    fz.add_argument("--seed", type=int, default=0)
+    fz.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the matching (default: 0)")
     fz.add_argument("--force", action="store_true", help="replace existing output files")
     return parser
 

@@ -140,6 +140,12 @@ def fuse_files(
     if any(Path(p).resolve() == out.resolve() for p in paths):
         raise ValueError(f"the output {out} is also an input")
 
+    seen: dict[Path, str] = {}
+    for p in paths:
+        resolved = Path(p).resolve()
+        if resolved in seen:
+            raise ValueError(f"{p} is given twice (as {seen[resolved]}): each client's file once")
+        seen[resolved] = str(p)
     loaded = [read_checkpoint(p) for p in paths]
     state_dicts = [sd for sd, _ in loaded]
     files = [{"path": str(p), "sha256": digest} for p, (_, digest) in zip(paths, loaded)]
@@ -187,7 +193,7 @@ def fuse_files(
                 "global_units": int(layer.n_global),
                 "converged": bool(layer.converged),
                 "assignments": [np.asarray(a).tolist() for a in layer.assignments],
-                "objective": [float(v) for v in layer.objective],
+                "objective": [float(v) if np.isfinite(v) else None for v in layer.objective],
             }
             for group, layer in zip(fused.groups, fused.layers)
         ],
@@ -197,7 +203,8 @@ def fuse_files(
     }
     # the model and its report are one unit: both written, or (without force) neither
     atomic_write_files([(out, state_dict_bytes(fused_sd, fmt)),
-                        (report_path, (json.dumps(report, indent=2) + "\n").encode("utf-8"))], overwrite=force)
+                        (report_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8"))],
+                       overwrite=force)
     return report
 
 

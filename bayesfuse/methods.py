@@ -369,6 +369,8 @@ def parse_assignments(method: str, items: Iterable[str]) -> dict[str, Any]:
             raise ValueError(f"hyper-parameters are given as key=value, got {item!r}")
         if key not in known:
             raise ValueError(f"unknown hyper-parameter {key!r} for {method}; known: {', '.join(known) or 'none'}")
+        if key in out:
+            raise ValueError(f"hyper-parameter {key} given twice")
         constraint = m.constraint(key)
         try:
             value = text.strip() if constraint.type_name == "str" else _typed(constraint, text.strip())

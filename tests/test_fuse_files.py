@@ -1,3 +1,4 @@
+import contextlib
 import json
 
 import numpy as np
@@ -187,3 +188,21 @@ def test_force_never_destroys_the_old_model_when_the_report_cannot_be_written(ml
     assert len(err.splitlines()) == 1 and "is a directory" in err
     assert out.read_bytes() == b"the old model"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.pt", "fused.pt.json"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hyper", "noise_var=2", "noise_var=3"], "noise_var given twice"),
+    (["--seed", "-1"], "must be a non-negative integer"),
+])
+def test_ambiguous_options_are_refused(mlp_files, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) if "--seed" in argv else contextlib.nullcontext():  # argparse exits
+        code = main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(tmp_path / "f.pt"), *argv])
+        assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "f.pt").exists()
+
+
+def test_the_same_file_twice_is_refused(mlp_files, tmp_path):
+    with pytest.raises(ValueError, match="is given twice"):
+        fuse_files([mlp_files[0], mlp_files[1], mlp_files[0]], "pfnm", tmp_path / "f.pt")
+
