@@ -1,7 +1,6 @@
 import contextlib
 import json
 
-import numpy as np
 import pytest
 import torch
 

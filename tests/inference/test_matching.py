@@ -3,7 +3,6 @@ import math
 
 import numpy as np
 import pytest
-from scipy.optimize import linear_sum_assignment
 
 from bayesfuse.inference.matching import (
     _posterior_stats,
