@@ -21,6 +21,8 @@ from bayesfuse.nets.pans import PANConfig
 from bayesfuse.nets.spec import UnsupportedLayerError
 from bayesfuse.train import TrainConfig
 
+pytestmark = pytest.mark.catalogue
+
 
 def _mlp_sd(d=6, h=4, k=3, seed=0):
     g = torch.Generator().manual_seed(seed)
