@@ -42,6 +42,7 @@ class Interval:
     low: float | None = None
     high: float | None = None
     closed: str = "neither"  # "left", "right", "both" or "neither"
+    why: str = ""  # why the bounds are where they are; shown with them
 
     def check(self, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -68,8 +69,18 @@ class Interval:
         return self.type.__name__
 
     def __str__(self) -> str:
+        text = self._bounds()
+        return f"{text} ({self.why})" if self.why else text
+
+    def _bounds(self) -> str:
         name = "an integer" if self.type is int else "a number"
         low_closed = self.closed in ("left", "both")
+        lb = "[" if low_closed else "("
+        rb = "]" if self.closed in ("right", "both") else ")"
+        if self.low is not None and self.high is not None and self.low >= 0 and self.type is float:
+            if self.low == 0 and low_closed:  # [0, high]
+                return f"non-negative, at most {self.high:g}" if rb == "]" else f"non-negative, below {self.high:g}"
+            return f"positive, in {lb}{self.low:g}, {self.high:g}{rb}"
         if self.high is None and self.low == 0 and not low_closed:
             return "positive"
         if self.high is None and self.low == 0:
@@ -82,8 +93,6 @@ class Interval:
             return f"{name} {'<=' if self.closed in ('right', 'both') else '<'} {self.high:g}"
         if self.low is None:
             return name
-        lb = "[" if self.closed in ("left", "both") else "("
-        rb = "]" if self.closed in ("right", "both") else ")"
         return f"{name} in {lb}{self.low:g}, {self.high:g}{rb}"
 
 
@@ -204,20 +213,40 @@ class Method:
 
 _POSITIVE = Interval(float, 0.0, None, "neither")
 _AUTO = Options(("auto",))
-_POSITIVE_OR_AUTO = Either((_POSITIVE, _AUTO))
+
+# Bounds the matching's float64 arithmetic supports (the cost of PFNM supplement Prop. 2 and
+# NAFI eq. 14 / Lemma 5.1, bayesfuse.inference.matching). Float64 ends near 1.8e308, normal
+# numbers near 2.2e-308.
+# * noise_var, prior_var (sigma^2, sigma0^2): the cost forms precisions p = 1/sigma^2 and squares
+#   them (p^2 |v|^2 in Delta, p^2 / (lambda + p) in NAFI's KL), and the new-atom terms take the
+#   ratio p / lambda0 = sigma0^2 / sigma^2. Below sigma^2 ~ 1e-154 the square alone overflows
+#   (noise_var=1e-300 did); above ~ 3e307 the data term log(2 pi sigma^2) does (noise_var=1e308
+#   gave an objective of -inf); 1 / sigma0^2 overflows for a subnormal prior_var (1e-310). Within
+#   [1e-50, 1e50] no precision exceeds 1e50 and no square or ratio 1e100, which leaves a factor
+#   1e200 for the products with squared weights, the unit dimension D and the clients J^2.
+# * gamma0: enters as log(gamma0 / J) and -gamma0 H_J (the IBP's K log gamma0 - gamma0 H_J). The
+#   first needs gamma0 / J > 0 (5e-324 gave "math domain error"), the second gamma0 H_J below the
+#   float64 maximum; [1e-300, 1e300] keeps both for any J up to 1e8 clients (H_J < 20).
+# * kl_weight: multiplies KL terms that reach sigma0^2 / sigma^2 <= 1e100 per coordinate within
+#   the variance bounds; at most 1e50 keeps the product below 1e150 D.
+_VARIANCE = Interval(float, 1e-50, 1e50, "both",
+                     why="beyond, the matching cost's squared precisions overflow float64")
 
 #: Every hyper-parameter key any method takes, with its shared constraint and meaning.
 PARAMS: dict[str, Param] = {p.name: p for p in (
-    Param("noise_var", _POSITIVE_OR_AUTO,
+    Param("noise_var", Either((_VARIANCE, _AUTO)),
           "sigma^2: variance of a client's unit around its global unit (PFNM eq. 1); the matching "
           "radius: larger merges more. 'auto': chosen per layer and per block (incoming weights, bias, "
           "outgoing weights) from the models alone, by empirical Bayes on the collapsed marginal"),
-    Param("prior_var", _POSITIVE_OR_AUTO,
+    Param("prior_var", Either((_VARIANCE, _AUTO)),
           "sigma0^2: prior variance of the global units around their prior mean (PFNM: 10); 'auto' as noise_var"),
-    Param("gamma0", _POSITIVE_OR_AUTO,
+    Param("gamma0", Either((Interval(float, 1e-300, 1e300, "both",
+                                     why="log(gamma0 / J) and gamma0 H_J of the IBP prior stay finite in float64"),
+                            _AUTO)),
           "IBP mass: expected global units per client; larger makes new global units cheaper (PFNM: 1); "
           "'auto': K / H_J, its maximum-likelihood value"),
-    Param("kl_weight", Interval(float, 0.0, None, "left"),
+    Param("kl_weight", Interval(float, 0.0, 1e50, "both",
+                                why="it multiplies KL terms up to 1e100; beyond, the cost overflows float64"),
           "NAFI's lambda (eq. 14): weight of the KL penalty added to the matching cost; 0 is PFNM. Networks: "
           "per coordinate of a unit (the matching gets kl_weight / D, so wide layers do not collapse); BNNs: "
           "per unit"),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from bayesfuse import fuse
+from bayesfuse import federated, fuse
 from bayesfuse.data import dirichlet_partition
 from bayesfuse.data.datasets import load_digits
 from bayesfuse.federated import run_fedavg, run_fedma
@@ -54,30 +54,54 @@ def test_fedma_builds_a_working_model_whose_widths_are_the_matching(digits, arch
     assert acc > local + 0.1, (acc, local)
 
 
-def test_fedma_freezes_matched_layers(digits):
-    """The global first layer is the matching's posterior mean: retraining did not move it."""
+@pytest.mark.catalogue
+def test_fedma_freezes_matched_layers(digits, monkeypatch):
+    """FedMA Algorithm 1: after a layer is matched the clients retrain only the layers above it.
+
+    Watch every round at the server's side of the protocol: what each client is sent (the
+    global layers so far, its own layers above) and what its retraining sends back.
+    """
     split, part = digits
     cfg = CONFIGS["mlp"]
     models = train_clients(split.train, part, cfg, shared_init=False, verbose=False)
-    seen = []
+    rounds = []
+    server = federated.fedma  # run_fedma's server loop; wrap the client_update it is given
 
-    from bayesfuse.inference import fedma as protocol  # FedMA's module looks match_group up
+    def watched_server(states, spec, client_update, **kwargs):
+        def watched(jobs, frozen):
+            sent = [(j, {k: np.array(v, copy=True) for k, v in state.items()}) for j, state in jobs]
+            back = client_update(jobs, frozen)
+            rounds.append((set(frozen), sent, back))
+            return back
 
-    original = protocol.match_group
+        return server(states, spec, watched, **kwargs)
 
-    def spy(*args, **kwargs):
-        result, values = original(*args, **kwargs)
-        seen.append(values)
-        return result, values
-
-    protocol.match_group = spy
-    try:
-        run = run_fedma(models, split.train, part, replace(cfg, epochs=2), verbose=False)
-    finally:
-        protocol.match_group = original
-    first = seen[0]
-    np.testing.assert_allclose(run.model.state_dict()["layers.0.weight"].numpy(), first["layers.0.weight"],
-                               rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(federated, "fedma", watched_server)
+    run = run_fedma(models, split.train, part, replace(cfg, epochs=2), verbose=False)
+    final = run.model.state_dict()
+    groups = run.spec.groups
+    assert len(rounds) == len(groups) == 2
+    floating = [k for k, v in final.items() if v.is_floating_point()]
+    for r, (frozen, sent, back) in enumerate(rounds):
+        # round r freezes the layers of groups 0..r: for this MLP, layers.0 .. layers.r
+        assert frozen == {f"layers.{i}.{p}" for i in range(r + 1) for p in ("weight", "bias")}
+        assert [j for j, _ in sent] == list(range(len(models))) and len(back) == len(models)
+        assert sent[0][1][f"layers.{r}.weight"].shape[0] == run.result.sizes[groups[r]]  # the global width
+        for (j, got), new in zip(sent, back):
+            for k in floating:
+                before, after = np.asarray(got[k]), np.asarray(new[k])
+                assert after.shape == before.shape, (r, j, k)
+                if k in frozen:
+                    # every client gets the same global layer, and its retraining leaves it bit for
+                    # bit as it came (in the client's float32)
+                    np.testing.assert_array_equal(before, sent[0][1][k])
+                    np.testing.assert_array_equal(after, before.astype(after.dtype),
+                                                  err_msg=f"round {r}, client {j}, {k}")
+                else:  # two epochs of SGD move every entry that is not frozen
+                    assert not np.array_equal(after, before.astype(after.dtype)), (r, j, k)
+        # the global layers the clients kept fixed are those of the final model
+        for k in frozen:
+            np.testing.assert_array_equal(final[k].numpy(), sent[0][1][k].astype(np.float32))
 
 
 def test_fuse_fedma_and_fedavg_methods(digits):

@@ -1,18 +1,26 @@
 """The method table: defaults, constraints, the one resolver, and agreement with the algorithms."""
 
 import inspect
+import json
+import math
 import subprocess
 import sys
+import warnings
 
+import numpy as np
 import pytest
+import torch
 
 from bayesfuse import methods
+from bayesfuse.checkpoints import load_state_dict, save_state_dict
 from bayesfuse.cli import main
 from bayesfuse.inference.fedma import fedma
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import match_group, match_layerwise
 from bayesfuse.inference.matching import match_neurons
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
+from bayesfuse.models.bnn import HorseshoeBNN
+from bayesfuse.nets.mlp import MLP
 
 
 def test_every_default_satisfies_its_constraint():
@@ -63,7 +71,8 @@ def test_resolve_fills_defaults_and_converts():
     (lambda: methods.resolve("nafi", "network", {"kl_weight": -1}), ValueError, "kl_weight must be non-negative"),
     (lambda: methods.resolve("nafi", "network", {"noise_var": 0}), ValueError, "noise_var must be positive"),
     (lambda: methods.resolve("nafi", "network", {"noise_var": float("nan")}), ValueError, "noise_var"),
-    (lambda: methods.resolve("nafi", "network", {"noise_var": "big"}), ValueError, "noise_var must be positive or one of 'auto'"),
+    (lambda: methods.resolve("nafi", "network", {"noise_var": "big"}), ValueError,
+     r"noise_var must be positive, in \[1e-50, 1e\+50\] \(.*\) or one of 'auto'"),
     (lambda: methods.resolve("nafi", "network", {"noise_var": [1.0]}), TypeError, "noise_var must be float or str"),
     (lambda: methods.resolve("nafi", "network", {"n_iter": 2.5}), TypeError, r"n_iter must be int \(a positive integer\)"),
     (lambda: methods.resolve("pfnm", "network", {"direction": "sideways"}), ValueError, "direction must be one of"),
@@ -112,3 +121,135 @@ def test_command_line_parser_loads_neither_torch_nor_the_algorithms():
             "print(sorted(m for m in ('torch', 'pyro', 'scipy', 'bayesfuse.core') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- extreme hyper-parameters
+# The matching's float64 arithmetic holds for variances in [1e-50, 1e50], gamma0 in [1e-300, 1e300]
+# and kl_weight up to 1e50 (the derivation is with the constraints in bayesfuse/methods.py). Each
+# value below either fuses cleanly (no RuntimeWarning from anywhere, a strict-JSON report with
+# finite objectives, finite weights) or is refused in one line naming the key and its range.
+
+VARIANCE_RANGE = "in [1e-50, 1e+50]"
+GAMMA0_RANGE = "in [1e-300, 1e+300]"
+EXTREMES = [
+    # (key, value, None if it must fuse, else the range the refusal names)
+    ("noise_var", "1e-300", VARIANCE_RANGE), ("noise_var", "5e-324", VARIANCE_RANGE),
+    ("noise_var", "1e308", VARIANCE_RANGE), ("noise_var", "1e400", VARIANCE_RANGE),
+    ("noise_var", "1e-50", None), ("noise_var", "1e50", None),
+    ("prior_var", "1e-310", VARIANCE_RANGE), ("prior_var", "1e308", VARIANCE_RANGE),
+    ("prior_var", "1e-50", None), ("prior_var", "1e50", None),
+    ("gamma0", "5e-324", GAMMA0_RANGE), ("gamma0", "1e-308", GAMMA0_RANGE), ("gamma0", "1e308", GAMMA0_RANGE),
+    ("gamma0", "1e-300", None), ("gamma0", "1e300", None),
+]
+KL_EXTREMES = [("kl_weight", "1e300", "at most 1e+50"), ("kl_weight", "1e50", None)]
+# every key at the same end of its range at once, and at opposite ends
+CORNERS = ["noise_var=1e-50 prior_var=1e50 gamma0=1e300", "noise_var=1e50 prior_var=1e-50 gamma0=1e-300",
+           "noise_var=1e-50 prior_var=1e-50 gamma0=1e-300", "noise_var=1e50 prior_var=1e50 gamma0=1e300"]
+
+
+def _mlp_state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"fc1.weight": torch.randn(4, 6, generator=g), "fc1.bias": torch.randn(4, generator=g),
+            "fc2.weight": torch.randn(3, 4, generator=g), "fc2.bias": torch.randn(3, generator=g)}
+
+
+def _bnn_state(seed):
+    torch.manual_seed(seed)
+    return HorseshoeBNN(6, 4, 3).state_dict()
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("extremes")
+    return {kind: [save_state_dict(make(s), root / f"{kind}{s}.pt") for s in range(2)]
+            for kind, make in (("network", _mlp_state), ("bnn", _bnn_state))}
+
+
+def _strict_json(path):
+    def refuse(constant):
+        raise AssertionError(f"report holds {constant}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _fuse_extreme(files, kind, method, assignments, refused, tmp_path, capsys):
+    out = tmp_path / "fused.pt"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(["fuse", *map(str, files[kind]), "--method", method, "--hyper", *assignments, "--out", str(out)])
+    runtime = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert not runtime, runtime
+    err = capsys.readouterr().err.strip()
+    if refused is not None:
+        key = assignments[-1].partition("=")[0]
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert f"{key} must be " in err and refused in err, err
+        assert not out.exists()
+        return
+    assert code == 0, err
+    report = _strict_json(tmp_path / "fused.pt.json")
+    assert report["hyper_given"] == {k: float(v) for k, v in (a.split("=") for a in assignments)}
+    for layer in report["layers"]:
+        assert layer["objective"] and all(isinstance(v, float) and math.isfinite(v) for v in layer["objective"])
+    fused = load_state_dict(out)
+    assert all(torch.isfinite(t).all() for t in fused.values() if t.is_floating_point())
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("kind", ["network", "bnn"])
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+@pytest.mark.parametrize("key, value, refused", EXTREMES, ids=[f"{k}={v}" for k, v, _ in EXTREMES])
+def test_cli_extreme_hyper_fuses_cleanly_or_is_refused(model_files, tmp_path, capsys, kind, method, key, value,
+                                                       refused):
+    _fuse_extreme(model_files, kind, method, [f"{key}={value}"], refused, tmp_path, capsys)
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("kind", ["network", "bnn"])
+@pytest.mark.parametrize("key, value, refused", KL_EXTREMES, ids=[f"{k}={v}" for k, v, _ in KL_EXTREMES])
+def test_cli_extreme_kl_weight(model_files, tmp_path, capsys, kind, key, value, refused):
+    # at the variance bounds, where NAFI's KL terms are largest (sigma0^2 / sigma^2 = 1e100)
+    _fuse_extreme(model_files, kind, "nafi", ["noise_var=1e-50", "prior_var=1e50", f"{key}={value}"], refused,
+                  tmp_path, capsys)
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("kind", ["network", "bnn"])
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+@pytest.mark.parametrize("corner", CORNERS)
+def test_cli_hyper_at_the_corners_of_the_ranges_fuses_cleanly(model_files, tmp_path, capsys, kind, method, corner):
+    _fuse_extreme(model_files, kind, method, corner.split(), None, tmp_path, capsys)
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("key, value, refused", EXTREMES[:4] + EXTREMES[6:8] + EXTREMES[10:13])
+def test_cli_refuses_extreme_fedma_hyper_by_its_range(model_files, tmp_path, capsys, key, value, refused):
+    # fedma's files are refused anyway (it needs the clients' data); the value is refused first
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, model_files["network"]), "--method", "fedma", "--hyper", f"{key}={value}",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{key} must be " in err and refused in err, err
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("corner", CORNERS)
+@pytest.mark.parametrize("kl_weight", [0.0, 1e50])
+def test_fedma_at_the_corners_of_the_ranges_is_clean(corner, kl_weight):
+    # The "fedma" row through resolve() and the server loop, clients' retraining a no-op.
+    given = {k: float(v) for k, v in (a.split("=") for a in corner.split())}
+    settings = methods.resolve("fedma", "network", dict(given, kl_weight=kl_weight))
+    settings.pop("passes")
+    torch.manual_seed(0)
+    nets = [MLP(6, [4, 5], 3) for _ in range(2)]
+    states = [{k: v.double().numpy() for k, v in m.state_dict().items()} for m in nets]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = fedma(states, nets[0].permutation_spec(), lambda jobs, frozen: [s for _, s in jobs],
+                    class_counts=np.ones((2, 3)), **settings)
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert all(np.isfinite(v).all() for v in res.state_dict.values())
+    assert all(np.isfinite(layer.objective).all() for layer in res.layers.values())
+    for key, value in (("noise_var", 1e-300), ("prior_var", 1e308), ("gamma0", 5e-324), ("kl_weight", 1e300)):
+        with pytest.raises(ValueError, match=f"{key} must be (positive|non-negative), (in|at most)"):
+            methods.resolve("fedma", "network", {key: value})

@@ -82,15 +82,21 @@ class ExpFamily:
         _check_same_family(parts)
         return cls(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(parts[0])})
 
-    def kl(self, other: ExpFamily) -> np.ndarray:
-        """``KL(self[a] || other[b])`` for every pair, shape (len(self), len(other))."""
+    def kl(self, other: ExpFamily, *, clip: bool = True) -> np.ndarray:
+        """``KL(self[a] || other[b])`` for every pair, shape (len(self), len(other)).
+
+        The formula subtracts terms of the size of ``A(eta)``, so for (nearly) equal components
+        round-off can leave it slightly below 0; ``clip`` (default) returns ``max(KL, 0)``,
+        ``clip=False`` the value as computed.
+        """
         _check_same_family([self, other])
         eta_a, eta_b = self.natural(), other.natural()
         mu_a = self.mean_params(eta_a, self.event_shape)
         a_a = self.log_normalizer(eta_a, self.event_shape)
         a_b = self.log_normalizer(eta_b, self.event_shape)
         cross = mu_a @ eta_b.T - np.einsum("lp,lp->l", mu_a, eta_a)[:, None]
-        return np.maximum(a_b[None, :] - a_a[:, None] - cross, 0.0)
+        raw = a_b[None, :] - a_a[:, None] - cross
+        return np.maximum(raw, 0.0) if clip else raw
 
     def barycenter(self: F, weights: np.ndarray) -> F:
         """Weighted KL barycenters: row g of ``weights`` (G, L) defines component g.

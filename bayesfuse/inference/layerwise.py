@@ -310,7 +310,7 @@ def match_group(
     if global_weights not in ("posterior", "average"):
         raise ValueError(f"global_weights must be 'auto', 'posterior' or 'average', got {global_weights!r}")
     auto = any(isinstance(v, str) for v in (noise_var, prior_var, gamma0))
-    unit_noise = 1.0 if isinstance(noise_var, str) else noise_var  # relative precisions when "auto"
+    unit_noise = 1.0 if auto else noise_var  # relative precisions when any key is "auto"
     rows, noise, prior_mean, layout, missing = [], [], [], [], []
     for j, sd in enumerate(states):
         blocks, variances = [], []

@@ -7,25 +7,65 @@ from bayesfuse.inference.relaxed import solve_relaxed
 from tests.helpers import partition as _partition
 
 
-def _clients(seed=0, n_true=8, sizes=(4, 5, 3), dim=6, noise=0.05):
+def _clients(seed=0, n_true=8, sizes=(4, 5, 3), dim=6, noise=0.05, var_spread=0.0, with_truth=False):
+    """Client j holds noisy copies of some of ``n_true`` Gaussians, variances times 1 + var_spread * j."""
     rng = np.random.default_rng(seed)
     loc = rng.normal(size=(n_true, dim)) * 2
     var = rng.uniform(0.05, 0.2, size=(n_true, dim))
     posteriors, truth = [], []
-    for L in sizes:
+    for j, L in enumerate(sizes):
         idx = rng.choice(n_true, L, replace=False)
-        posteriors.append(DiagNormal(loc=loc[idx] + noise * rng.normal(size=(L, dim)), var=var[idx]))
+        posteriors.append(DiagNormal(loc=loc[idx] + noise * rng.normal(size=(L, dim)),
+                                     var=var[idx] * (1 + var_spread * j)))
         truth.append(idx)
-    return posteriors, truth
+    return (posteriors, truth, loc, var) if with_truth else (posteriors, truth)
 
 
+def _kl_diag_normal(loc_a, var_a, loc_b, var_b):
+    """KL(N(loc_a, var_a) || N(loc_b, var_b)) of diagonal Gaussians, summed over coordinates."""
+    return 0.5 * np.sum(var_a / var_b + (loc_b - loc_a) ** 2 / var_b - 1.0 + np.log(var_b / var_a), axis=-1)
+
+
+@pytest.mark.catalogue
 @pytest.mark.parametrize("solver", ["cvxpy", "fast"])
 def test_recovers_the_shared_components(solver):
-    posteriors, truth = _clients()
+    noise, spread = 0.05, 0.5
+    posteriors, truth, loc, var = _clients(noise=noise, var_spread=spread, with_truth=True)
     res = kl_fuse(posteriors, reg=0.1, solver=solver)
-    assert _partition(res.assignments) == _partition(truth)
-    assert res.n_components == len(np.unique(np.concatenate(truth)))
     assert res.converged
+    # the assignment: local components of one true component, and only those, share a global one
+    assert _partition(res.assignments) == _partition(truth)
+    used = np.unique(np.concatenate(truth))
+    assert res.n_components == len(used)
+    true_of = {int(g): int(t) for a, idx in zip(res.assignments, truth) for g, t in zip(a, idx)}
+    assert sorted(true_of.values()) == sorted(used.tolist())
+    members = {g: [(j, l) for j, a in enumerate(res.assignments) for l in np.flatnonzero(a == g)] for g in true_of}
+    for g, t in true_of.items():
+        # the parameters: the KL barycenter of the members, in closed form (section 3.1, natural
+        # parameters averaged): precision = mean precision, mean = precision-weighted mean
+        prec = np.array([1.0 / posteriors[j].var[l] for j, l in members[g]])
+        locs = np.array([posteriors[j].loc[l] for j, l in members[g]])
+        np.testing.assert_allclose(res.components.var[g], 1.0 / prec.mean(0), rtol=1e-12)
+        np.testing.assert_allclose(res.components.loc[g], (prec * locs).sum(0) / prec.sum(0), rtol=1e-12, atol=1e-12)
+        # ... and the truth: client j's variances are the true ones times c_j = 1 + spread * j,
+        # so the barycenter's are var / mean_j(1 / c_j); its mean is a weighted average of noisy
+        # copies, each coordinate off by N(0, noise^2 sum w_j^2) with w_j = (1/c_j) / sum(1/c):
+        # 5 standard deviations (two-sided 6e-7 per coordinate, 3e-5 over the 48 of them)
+        inv_c = np.array([1.0 / (1 + spread * j) for j, _ in members[g]])
+        np.testing.assert_allclose(res.components.var[g], var[t] / inv_c.mean(), rtol=1e-12)
+        sd = noise * np.sqrt(np.sum((inv_c / inv_c.sum()) ** 2))
+        assert np.abs(res.components.loc[g] - loc[t]).max() < 5 * sd
+    # the objective (eq. 9) of the last step, against its closed form at the returned solution:
+    # KL costs scaled by cost_scale plus reg * sum_g sqrt(m_g) (the L2,2,1 norm of binary P).
+    costs = [_kl_diag_normal(res.components.loc[None], res.components.var[None], q.loc[:, None], q.var[:, None])
+             / res.cost_scale for q in posteriors]
+    binary = [np.eye(res.n_components)[a] for a in res.assignments]
+    closed = sum((c * b).sum() for c, b in zip(costs, binary)) + 0.1 * np.sqrt(np.vstack(binary).sum(0)).sum()
+    # The solver's P is binary only to its tolerance. The barycenters minimise the objective in
+    # the components (first-order change 0), so moving P-mass delta changes it by at most
+    # (max cost + reg) * delta.
+    delta = sum(np.abs(p - b).sum() for p, b in zip(res.relaxed, binary))
+    assert abs(res.objective[-1] - closed) <= (max(c.max() for c in costs) + 0.1) * delta + 1e-12 * closed
 
 
 def test_identical_posteriors_fuse_to_themselves():
@@ -74,13 +114,25 @@ def test_homogeneous_mode_matches_permuted_copies_and_averages():
     assert np.all(np.diff(res.objective) <= 1e-9)
 
 
+@pytest.mark.catalogue
 def test_other_families_fuse():
     rng = np.random.default_rng(6)
     topics = rng.gamma(2.0, size=(5, 30)) * 20
-    clients = [Dirichlet(concentration=topics[idx] * rng.uniform(0.9, 1.1, size=(3, 30)))
-               for idx in ([0, 1, 2], [2, 3, 4], [4, 0, 3])]
+    held = ([0, 1, 2], [2, 3, 4], [4, 0, 3])
+    factors = [rng.uniform(0.9, 1.1, size=(3, 30)) for _ in held]
+    clients = [Dirichlet(concentration=topics[idx] * f) for idx, f in zip(held, factors)]
     res = kl_fuse(clients, reg=0.1)
     assert res.n_components == 5
+    assert _partition(res.assignments) == _partition([np.array(idx) for idx in held])
+    for g in range(5):
+        members = [(j, l) for j, a in enumerate(res.assignments) for l in np.flatnonzero(a == g)]
+        topic = held[members[0][0]][members[0][1]]
+        # natural parameter alpha - 1 averaged (section 3.1): the members' concentrations averaged
+        mean = np.mean([clients[j].concentration[l] for j, l in members], axis=0)
+        np.testing.assert_allclose(res.components.concentration[g], mean, rtol=1e-12)
+        # each member is the topic times factors in [0.9, 1.1], so their average is too
+        ratio = res.components.concentration[g] / topics[topic]
+        assert ((ratio >= 0.9) & (ratio <= 1.1)).all()
 
 
 def test_bad_inputs():

@@ -209,6 +209,28 @@ def test_nafi_penalty_is_per_coordinate():
     assert [a.tolist() for a in result.assignments] == [a.tolist() for a in direct.assignments]
 
 
+@pytest.mark.catalogue
+def test_a_numeric_noise_var_beside_auto_keys_is_the_noise_variance():
+    # With any key "auto", match_group hands match_neurons relative precisions; a numeric
+    # noise_var must then be the variance itself (not also folded into the precisions, which
+    # matched at noise_var squared): the same rows matched directly agree in value and result.
+    from bayesfuse.inference.layerwise import match_group
+    from bayesfuse.inference.matching import match_neurons
+
+    fed = simulate_deep_federation(4, 12, 1, 3, gamma0=3.0, noise_var=0.05, seed=3)
+    spec = chain(dense("layers.0", None, "P1"), dense("layers.1", "P1", None),
+                 output=["layers.1.weight", "layers.1.bias"])
+    result, _ = match_group(fed.states, spec, "P1", {}, noise_var=0.05, prior_var="auto", gamma0="auto",
+                            bias_prior_mean=0.0, seed=0)
+    rows = [np.hstack([sd["layers.0.weight"], sd["layers.0.bias"][:, None], sd["layers.1.weight"].T])
+            for sd in fed.states]
+    d_in, k = fed.states[0]["layers.0.weight"].shape[1], fed.states[0]["layers.1.weight"].shape[0]
+    blocks = np.repeat([0, 1, 2], [d_in, 1, k])
+    direct = match_neurons(rows, noise_var=0.05, prior_var="auto", gamma0="auto", blocks=blocks, seed=0)
+    assert [a.tolist() for a in result.assignments] == [a.tolist() for a in direct.assignments]
+    np.testing.assert_allclose(result.objective[-1], direct.objective[-1], rtol=1e-10)
+
+
 # --------------------------------------------------------------------------- batch-norm eps, weight dtypes
 
 
