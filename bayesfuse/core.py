@@ -22,6 +22,7 @@ import numpy as np
 
 from bayesfuse import methods
 from bayesfuse.inference.expfam import DiagNormal
+from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import check_states, match_layerwise
 from bayesfuse.inference.matching import match_neurons
@@ -53,7 +54,10 @@ class StateFusion:
         The permutation group of each entry of ``layers`` (``("units",)`` for BNNs).
     posteriors : list of (mean, var)
         Each layer's global units as independent Gaussians, arrays (G, D): the atom
-        posterior of a matching, or the fused BNN's unit posterior.
+        posterior of a matching, or the fused BNN's unit posterior. For networks with position
+        encodings (``spec.encodings``) the units are those of the plain network, encodings
+        folded in (:mod:`bayesfuse.inference.encodings`, eq. F); ``state`` is for the
+        position-aware network at the global widths.
     method, kind : str
         The method and the kind of input (``"network"`` or ``"bnn"``, :mod:`bayesfuse.methods`).
     hyper : dict
@@ -120,6 +124,13 @@ def fuse_states(
     spec : PermutationSpec, optional
         Networks only: which axes each hidden permutation acts on; derived from the first
         state_dict's names and shapes when omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
+        Position-aware neurons (PANs) are fused correctly only when the spec records their
+        ``encodings`` (:func:`bayesfuse.nets.spec.spec_from_module` does): matching methods
+        then fold each client's encodings into its weights (at its own widths), match the
+        plain networks and unfold the fused one at the global widths
+        (:mod:`bayesfuse.inference.encodings`), so that the position-aware network rebuilt at
+        those widths computes the fused function. FedAvg averages position-aware networks
+        coordinate-wise as they are (what their encodings align them for).
     class_counts : (J, K) array, optional
         Examples of each class per client: weights the output layer by class shares (matching)
         or the clients by their sizes (FedAvg).
@@ -161,6 +172,22 @@ def _fuse_network_states(states, names, method, settings, *, spec, class_counts,
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
     if method == "fedavg":
         return _fedavg_states(states, names, spec, class_counts)
+    if not encoded_groups(spec):
+        return _match_network_states(states, names, method, settings, spec=spec, class_counts=class_counts,
+                                     seed=seed, verbose=verbose)
+    # position-aware neurons: match the plain networks (eq. F at each client's widths), then give the
+    # fused network the weights that its encodings at the global widths turn into the plain ones (eq. U)
+    check_unfoldable(spec)
+    plain = [fold_encodings(sd, spec) for sd in check_states(states, spec, names)]
+    fused = _match_network_states(plain, names, method, settings, spec=spec, class_counts=class_counts, seed=seed,
+                                  verbose=verbose)
+    unfolded = unfold_encodings(fused.state, spec)
+    fused.state = {k: unfolded[k] for k in fused.state}
+    return fused
+
+
+def _match_network_states(states, names, method, settings, *, spec, class_counts, seed, verbose) -> StateFusion:
+    """PFNM/NAFI (:func:`match_layerwise`) or OT fusion (:func:`ot_fuse_layerwise`) of plain networks."""
     if method == "ot":
         weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
         result = ot_fuse_layerwise(states, spec, weights=weights, names=names, **settings)

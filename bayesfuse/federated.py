@@ -21,10 +21,11 @@ from bayesfuse._runtime import progress as _progress
 from bayesfuse import methods
 from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
+from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
 from bayesfuse.inference.fedma import FedMAResult, fedma
 from bayesfuse.inference.spec import PermutationSpec, permute
 from bayesfuse.nets.arch import rebuild
-from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state, tensor_state
 from bayesfuse.train import TrainConfig, train_model
 
@@ -120,6 +121,13 @@ def run_fedma(
         widths: the paper's sigma^2 = 1 merges almost no 785-dimensional first-layer units of
         Fashion-MNIST MLPs (5.9x growth); sigma^2 = 10 grows them 1.04x at the same accuracy
         (``benchmarks/bench_fedma_sizes.py``).
+
+    Position-aware neurons. With ``spec.encodings`` (traced from ``models[0]`` when ``spec`` is
+    omitted) the server matches plain units: each client's encodings are folded into its
+    weights at its own widths (:func:`~bayesfuse.inference.encodings.fold_encodings`, eq. F), and
+    every state handed to a client to retrain is unfolded for the widths it is loaded at, its
+    matched groups' global widths included (eq. U), and folded again when it comes back. The
+    result's ``state_dict`` is for the position-aware network at the global widths.
     """
     if method not in ("pfnm", "nafi"):
         raise ValueError(f"FedMA matches with 'pfnm' or 'nafi', got {method!r}")
@@ -134,23 +142,25 @@ def run_fedma(
     parts = _client_data(train, partition)
     if len(parts) != len(models):
         raise ValueError(f"{len(models)} models but {len(parts)} clients in the partition")
-    spec = spec if spec is not None else spec_from_module(models[0])
+    spec = spec_with_encodings(models[0], spec)
+    check_unfoldable(spec)
     counts = np.stack([np.bincount(train.y[p], minlength=train.n_classes) for p in parts])
     bar = tqdm(total=len(spec.groups) * len(models), desc="FedMA retraining", unit="client",
                disable=not _progress(verbose))
 
     def retrain(j: int, state: dict, frozen: set) -> dict:
-        net = rebuild(models[j], tensor_state(state))
+        # the server's plain units -> the client's position-aware network at the widths it gets, and back
+        net = rebuild(models[j], tensor_state(unfold_encodings(state, spec)))
         cfg = replace(config, seed=config.seed + 1000 * (len(frozen) + 1) + j)
         train_model(net, train.x[parts[j]], train.y[parts[j]], train.n_classes, cfg, frozen=frozen,
                     verbose=False, name=f"client {j}")
         bar.update()
-        return numpy_state(net)
+        return fold_encodings(numpy_state(net), spec)
 
     def client_update(jobs: list, frozen: set) -> list:
         return [retrain(j, state, frozen) for j, state in jobs]
 
-    states = [numpy_state(m) for m in models]
+    states = [fold_encodings(numpy_state(m), spec) for m in models]
     done: list[FedMAResult] = []
     broadcast = 0
     try:
@@ -158,7 +168,8 @@ def run_fedma(
             if p > 0:
                 states, sent = _restart_clients(done[-1], spec, models, train, parts, config, p)
                 broadcast += sent
-            done.append(fedma(states, spec, client_update, class_counts=counts, seed=seed + p, **settings))
+            server = fedma(states, spec, client_update, class_counts=counts, seed=seed + p, **settings)
+            done.append(replace(server, state_dict=unfold_encodings(server.state_dict, spec)))
     finally:
         bar.close()
     result = done[-1]
@@ -175,12 +186,13 @@ def _restart_clients(result: FedMAResult, spec: PermutationSpec, models, train: 
     states = []
     for j, model in enumerate(models):
         keep = {g: result.layers[g].assignments[j] for g in spec.groups}
-        local = permute(result.state_dict, spec, keep)  # global unit a_j[l] becomes local unit l
-        net = rebuild(model, tensor_state(local))
+        # global unit a_j[l] becomes local unit l (position encodings, if any, follow the units: eqs. F, U)
+        local = permute(fold_encodings(result.state_dict, spec), spec, keep)
+        net = rebuild(model, tensor_state(unfold_encodings(local, spec)))
         sent += _state_bytes(net.state_dict())
         train_model(net, train.x[parts[j]], train.y[parts[j]], train.n_classes,
                     replace(config, seed=config.seed + 100_000 * p + j), verbose=False, name=f"client {j}")
-        states.append(numpy_state(net))
+        states.append(fold_encodings(numpy_state(net), spec))
     return states, sent
 
 

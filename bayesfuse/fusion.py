@@ -37,7 +37,7 @@ from bayesfuse import methods
 from bayesfuse.core import fuse_states
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import rebuild
-from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state
 
 __all__ = ["FusionResult", "fuse"]
@@ -131,7 +131,11 @@ def fuse(
         output biases by class shares as the PFNM reference does. Uniform when omitted.
     spec : PermutationSpec, optional
         Which axes each hidden permutation acts on; derived from ``models[0]`` when omitted
-        (:func:`~bayesfuse.nets.spec.spec_from_module`).
+        (:func:`~bayesfuse.nets.spec.spec_from_module`). For networks with position-aware
+        neurons it records their encodings, which matching folds into the weights and out
+        again at the fused widths (:func:`bayesfuse.core.fuse_states`): the fused network,
+        rebuilt with its encodings at the global widths, computes the matched function. A
+        given spec without the encodings of such a network is refused (except by FedAvg).
     data : (Dataset, partition), optional
         ``method="fedma"`` only: the clients' training data, for the retraining between
         layers (:func:`bayesfuse.federated.run_fedma`); ``retrain`` is its
@@ -163,8 +167,8 @@ def fuse(
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
-    if not any(bnn) and spec is None:
-        spec = spec_from_module(models[0])
+    if not any(bnn) and (spec is None or method != "fedavg"):
+        spec = spec_with_encodings(models[0], spec)  # position encodings (PANs) are folded out for matching
     states = [numpy_state(m) for m in models]
     fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose, **hyper)
     if all(bnn):

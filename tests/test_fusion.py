@@ -9,7 +9,8 @@ from bayesfuse.data import dirichlet_partition
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets import MLP, predict_proba
 from bayesfuse.train import TrainConfig, train_clients
-from tests.helpers import mlp_from_neurons, one_hidden_layer
+from bayesfuse.nets.state import numpy_state
+from tests.helpers import mlp_from_neurons, one_hidden_layer, randomise
 
 # Single-model cases are part of these tests; the warning they raise is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:only one model")
@@ -166,3 +167,139 @@ def test_the_matched_average_is_more_confident_than_the_posterior_mean(digits_fe
     entropy = {gw: evaluate(predict_proba(fuse(models, "pfnm", class_counts=part.counts, global_weights=gw).model,
                                           split.test.x), split.test.y)["entropy"] for gw in ("posterior", "average")}
     assert entropy["average"] < entropy["posterior"]
+
+
+# --------------------------------------------------------------------------- position-aware neurons
+
+
+def _pan_mlp(mode, seed=0):
+    from bayesfuse.nets.pans import PANConfig
+
+    return randomise(MLP(8, [12, 10], 4, pan=PANConfig(mode, 1.0, 0.1)), seed)
+
+
+def _pan_cnn(mode, seed=0):
+    from bayesfuse.nets.arch import make_cnn
+    from bayesfuse.nets.pans import PANConfig
+
+    return randomise(make_cnn(64, 4, channels=(6, 5), hidden=(7,), pan=PANConfig(mode, 1.0, 0.1)), seed)
+
+
+def _same_function_at_other_positions(model, n_clients, seed=0):
+    """Clients computing ``model``'s function with their units (and so their encodings) in other
+    positions: fold the encodings at the model's positions, permute, unfold at the new ones."""
+    from bayesfuse.inference.encodings import fold_encodings, unfold_encodings
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.spec import spec_from_module
+
+    spec = spec_from_module(model)
+    plain = fold_encodings(numpy_state(model), spec)
+    rng = np.random.default_rng(seed)
+    states = [unfold_encodings(permute(plain, spec, random_permutations(spec.sizes(plain), rng)), spec)
+              for _ in range(n_clients)]
+    return [rebuild(model, {k: torch.as_tensor(v) for k, v in sd.items()}).eval() for sd in states]
+
+
+#: vague prior: the posterior mean of identical units is the unit (shrunk by 1e-8 / J)
+_VAGUE = {"pfnm": dict(prior_var=1e8, noise_var=1.0), "nafi": dict(prior_var=1e8, noise_var=1.0), "ot": {}}
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+@pytest.mark.parametrize("mode", ["mul", "add"])
+def test_identical_pan_copies_fuse_back_to_the_network(float64, mode, method):
+    """Matching keeps identical copies' units where they are; folding and unfolding must too."""
+    model = _pan_mlp(mode)
+    res = fuse([copy.deepcopy(model) for _ in range(3)], method, **_VAGUE[method])
+    assert res.sizes == [12, 10]
+    x = torch.randn(50, 8)
+    torch.testing.assert_close(res.model(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+@pytest.mark.parametrize("mode", ["mul", "add"])
+def test_pan_networks_with_units_at_other_positions_fuse_back_to_their_function(float64, mode, method):
+    """Matching moves units to new positions: their encodings must not come along."""
+    model = _pan_mlp(mode)
+    clients = _same_function_at_other_positions(model, 3)
+    x = torch.randn(50, 8)
+    for c in clients:  # one function, three PAN networks
+        torch.testing.assert_close(c(x), model(x), rtol=1e-10, atol=1e-10)
+    res = fuse(clients, method, **_VAGUE[method])
+    assert res.sizes == [12, 10]
+    torch.testing.assert_close(res.model(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+@pytest.mark.parametrize("mode", ["mul", "add"])
+def test_pan_convnets_with_batch_norm_fuse_back_to_their_function(float64, mode, method):
+    """Conv -> BatchNorm -> PAN: the encodings act on the batch norms' outputs."""
+    model = _pan_cnn(mode)
+    clients = [copy.deepcopy(model), *_same_function_at_other_positions(model, 2, seed=1)]
+    res = fuse(clients, method, **_VAGUE[method])
+    assert res.sizes == [6, 5, 7]
+    x = torch.randn(30, 64)
+    torch.testing.assert_close(res.model(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.catalogue
+def test_pan_fusion_through_a_spec_file_keeps_the_function(float64):
+    """``bayesfuse fuse --spec``: a JSON spec carries the encodings to the core."""
+    import json
+
+    from bayesfuse.core import fuse_states
+    from bayesfuse.inference.spec import spec_from_dict, spec_to_dict
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.spec import spec_from_module
+
+    model = _pan_cnn("mul")
+    clients = _same_function_at_other_positions(model, 3)
+    spec = spec_from_dict(json.loads(json.dumps(spec_to_dict(spec_from_module(model)))))
+    fused = fuse_states([numpy_state(c) for c in clients], "pfnm", spec=spec, **_VAGUE["pfnm"])
+    net = rebuild(model, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
+    x = torch.randn(30, 64)
+    torch.testing.assert_close(net(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("mode, passes", [("mul", 1), ("add", 1), ("mul", 2)])
+def test_fedma_on_pan_networks_keeps_their_function(digits, mode, passes):
+    """FedMA's clients retrain PAN networks at the global widths (and, with communication, at their
+    own widths cut out of the global network): with a vanishing learning rate the layers handed
+    back and forth must keep the function."""
+    from bayesfuse.nets.pans import PANConfig
+
+    model = randomise(MLP(digits.n_features, [12, 10], digits.n_classes, pan=PANConfig(mode, 1.0, 0.1)), 0)
+    clients = _same_function_at_other_positions(model, 3)
+    part = dirichlet_partition(digits.train.y, 3, 0.5, seed=0)
+    res = fuse(clients, "fedma", data=(digits.train, part), retrain=TrainConfig(hidden=(12, 10), epochs=1, lr=1e-12),
+               prior_var=1e8, noise_var=1.0, passes=passes)
+    assert res.sizes == [12, 10]
+    x = torch.as_tensor(digits.test.x[:100])
+    torch.testing.assert_close(res.model(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.catalogue
+def test_pan_fusion_refuses_what_it_cannot_do():
+    from dataclasses import replace
+
+    from bayesfuse.nets.pans import PANConfig
+    from bayesfuse.nets.spec import spec_from_module
+
+    big = randomise(MLP(8, [12], 4, pan=PANConfig("mul", 1.0, 1.0)), 0)  # e_j = 1 + sin(...) has zeros
+    with pytest.raises(ValueError, match="amplitude A=1.0 >= 1"):
+        fuse([big, copy.deepcopy(big)], "pfnm")
+    fuse([big, copy.deepcopy(big)], "fedavg")  # position-aligned averaging needs no unfolding
+    model = _pan_mlp("add")
+    with pytest.raises(ValueError, match="records no encodings"):
+        fuse([model, copy.deepcopy(model)], "pfnm", spec=replace(spec_from_module(model), encodings={}))
+
+
+def test_fedavg_on_pan_networks_averages_coordinate_wise():
+    """Position-aligned averaging is what PANs are for: FedAvg leaves the encodings alone."""
+    models = [_pan_mlp("mul", seed=s) for s in range(3)]
+    res = fuse(models, "fedavg")
+    for k, v in res.model.state_dict().items():
+        torch.testing.assert_close(v, torch.stack([m.state_dict()[k] for m in models]).mean(0))

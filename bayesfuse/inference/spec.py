@@ -21,6 +21,7 @@ of :mod:`bayesfuse.inference.layerwise` and :mod:`bayesfuse.inference.fedma` rea
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -29,6 +30,7 @@ import numpy as np
 
 __all__ = [
     "Axis",
+    "Encoding",
     "PermutationSpec",
     "dense",
     "conv",
@@ -74,6 +76,56 @@ class Axis:
 AxisLike = "Axis | str | None"
 
 
+@dataclass(frozen=True)
+class Encoding:
+    """A fixed position encoding of a group's units (position-aware neurons, Li et al. 2022, eqs. 4-5).
+
+    Unit ``j`` of a group of ``J`` units gets, where the network computes it,
+
+    .. math::
+
+        \\text{add:}\\quad z_j + e_j,\\quad e_j = A \\sin(2\\pi T j / J); \\qquad
+        \\text{mul:}\\quad z_j\\, e_j,\\quad e_j = 1 + A \\sin(2\\pi T j / J)
+
+    with ``T = period`` and ``A = amplitude``. ``z`` is the output of the module named
+    ``after`` (the prefix of its ``weight`` and ``bias`` entries: the group's Linear/Conv
+    layer, or the batch norm that follows it); ``None`` means the layer whose weight rows the
+    group permutes. The encoding depends on ``J`` and is no parameter, so state_dicts do not
+    hold it: the spec records it, and :mod:`bayesfuse.inference.encodings` folds it into the
+    weights for matching and out again at the fused widths.
+    """
+
+    mode: str = "mul"
+    period: float = 1.0
+    amplitude: float = 0.1
+    after: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("add", "mul"):
+            raise ValueError(f"an encoding's mode is 'add' or 'mul', got {self.mode!r}")
+        try:
+            period, amplitude = float(self.period), float(self.amplitude)
+        except (TypeError, ValueError):
+            raise ValueError(f"an encoding's period and amplitude are numbers, got {self.period!r}, "
+                             f"{self.amplitude!r}") from None
+        if not (np.isfinite(period) and np.isfinite(amplitude)) or amplitude < 0:
+            raise ValueError(f"an encoding's period must be finite and amplitude >= 0, got T={period}, A={amplitude}")
+        if self.after is not None and not isinstance(self.after, str):
+            raise ValueError(f"an encoding's 'after' names a module (a string) or is null, got {self.after!r}")
+        object.__setattr__(self, "period", period)
+        object.__setattr__(self, "amplitude", amplitude)
+
+    @property
+    def off(self) -> bool:
+        """True when the encoding is constant (``T = 0`` or ``A = 0``), so permutations commute with it."""
+        return self.period == 0 or self.amplitude == 0
+
+    def to_dict(self) -> dict:
+        """JSON-ready: ``{"mode", "period", "amplitude"}``, and ``"after"`` when set."""
+        out = {"mode": self.mode, "period": self.period, "amplitude": self.amplitude}
+        return out if self.after is None else {**out, "after": self.after}
+
+
 def _axis(a) -> Axis | None:
     if a is None or isinstance(a, Axis):
         return a
@@ -101,6 +153,9 @@ class PermutationSpec:
     eps : dict
         ``batchnorm name -> its eps`` where it is not PyTorch's default ``1e-5``
         (:data:`BATCHNORM_EPS`); folding must use the layer's own.
+    encodings : dict
+        ``group -> Encoding``: the position encodings of groups with position-aware neurons
+        (:class:`Encoding`); empty for plain networks.
     """
 
     axes: dict
@@ -108,6 +163,7 @@ class PermutationSpec:
     folds: dict = field(default_factory=dict)
     output: tuple = ()
     eps: dict = field(default_factory=dict)
+    encodings: dict = field(default_factory=dict)
 
     def batchnorm_eps(self, name: str) -> float:
         """The ``eps`` of batch norm ``name`` (PyTorch's default unless the spec says otherwise)."""
@@ -122,6 +178,7 @@ class PermutationSpec:
         if unknown:
             raise ValueError(f"groups {sorted(unknown)} are used by parameters but not listed in groups")
         object.__setattr__(self, "groups", order)
+        object.__setattr__(self, "encodings", _encodings(self.encodings, order))
 
     def members(self, group: str) -> list[tuple[str, int]]:
         """``(name, dim)`` of every axis permuted by ``group``."""
@@ -168,6 +225,25 @@ class PermutationSpec:
                         f"{name}: group {a.group} has {n} units in {k!r} (shape {shape}) but {other_n} in {other!r}"
                     )
                 sizes.setdefault(a.group, (n, k))
+
+
+def _encodings(data, groups: Sequence[str]) -> dict:
+    """``group -> Encoding`` from Encodings or their :meth:`Encoding.to_dict` form, for known groups."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a spec's 'encodings' maps group names to encodings, got {data!r}")
+    out = {}
+    for g, e in data.items():
+        if g not in groups:
+            raise ValueError(f"an encoding is given for group {g!r}, which is not among the groups {list(groups)}")
+        if isinstance(e, Mapping):
+            unknown = set(e) - {"mode", "period", "amplitude", "after"}
+            if unknown:
+                raise ValueError(f"the encoding of group {g!r} has unknown keys {sorted(unknown)}")
+            e = Encoding(**e)
+        elif not isinstance(e, Encoding):
+            raise ValueError(f"the encoding of group {g!r} must be an Encoding or a mapping, got {e!r}")
+        out[g] = e
+    return out
 
 
 def dense(name: str, in_group, out_group, *, bias: bool = True) -> PermutationSpec:
@@ -224,6 +300,7 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
     axes: dict = {}
     folds: dict = {}
     eps: dict = {}
+    encodings: dict = {}
     order: list[str] = []
     for part in parts:
         for k, v in part.axes.items():
@@ -238,7 +315,9 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
                 order.append(g)
         folds.update(part.folds)
         eps.update(part.eps)
-    return PermutationSpec(axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output), eps)
+        encodings.update(part.encodings)
+    return PermutationSpec(axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output), eps,
+                           encodings)
 
 
 # --------------------------------------------------------------------------- arrays
@@ -305,7 +384,10 @@ def random_permutations(sizes: Mapping[str, int], rng: np.random.Generator) -> d
 
 
 def spec_to_dict(spec: PermutationSpec) -> dict:
-    """A JSON-ready description: ``{"axes": {name: [null | "P1" | {"group", "outer", "inner"}]}, ...}``."""
+    """A JSON-ready description: ``{"axes": {name: [null | "P1" | {"group", "outer", "inner"}]}, ...}``.
+
+    Position encodings, where the spec has any, are ``"encodings": {group: {"mode", "period",
+    "amplitude"[, "after"]}}`` (:class:`Encoding`)."""
     def axis(a):
         if a is None:
             return None
@@ -313,8 +395,11 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
             return a.group
         return {"group": a.group, "outer": a.outer, "inner": a.inner}
 
-    return {"axes": {k: [axis(a) for a in v] for k, v in spec.axes.items()}, "groups": list(spec.groups),
-            "folds": dict(spec.folds), "output": list(spec.output), "eps": dict(spec.eps)}
+    out = {"axes": {k: [axis(a) for a in v] for k, v in spec.axes.items()}, "groups": list(spec.groups),
+           "folds": dict(spec.folds), "output": list(spec.output), "eps": dict(spec.eps)}
+    if spec.encodings:  # position-aware neurons (Encoding); plain networks' specs stay as they were
+        out["encodings"] = {g: e.to_dict() for g, e in spec.encodings.items()}
+    return out
 
 
 def spec_from_dict(data: Mapping) -> PermutationSpec:
@@ -337,28 +422,138 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         if not isinstance(v, (list, tuple)):
             raise ValueError(f"spec entry {name!r} must be a list with one axis per dimension, got {v!r}")
         axes[name] = tuple(axis(name, a) for a in v)
+    groups = _names(data.get("groups", []), "'groups' lists the hidden permutation groups in forward order")
+    used = {a if isinstance(a, str) else a.group for v in axes.values() for a in v if a is not None}
+    if len(set(groups)) != len(groups) or (groups and set(groups) != used):
+        raise ValueError(f"a spec's 'groups' must list each group its axes use exactly once, got {groups} for "
+                         f"the groups {sorted(used)}")
+    output = _names(data.get("output", []), "'output' lists the output layer's entries")
+    folds = data.get("folds", {})
+    if not isinstance(folds, Mapping) or not all(isinstance(v, str) for v in folds.values()):
+        raise ValueError(f"a spec's 'folds' maps batch-norm names to the names of the layers before them, "
+                         f"got {folds!r}")
     eps = data.get("eps", {})
-    if not isinstance(eps, Mapping) or not all(isinstance(v, (int, float)) and 0 < v < 1 for v in eps.values()):
+    if not isinstance(eps, Mapping) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1 for v in eps.values()):
         raise ValueError(f"a spec's 'eps' maps batch-norm names to numbers in (0, 1), got {eps!r}")
-    return PermutationSpec(axes, tuple(data.get("groups", ())), dict(data.get("folds", {})),
-                           tuple(data.get("output", ())), {k: float(v) for k, v in eps.items()})
+    return PermutationSpec(axes, tuple(groups), dict(folds), tuple(output), {k: float(v) for k, v in eps.items()},
+                           data.get("encodings", {}))  # position encodings (Encoding), checked by the spec
 
 
-def entry_order(keys) -> list[str]:
-    """The entries in forward order as far as names tell.
+def _names(value, what: str) -> list[str]:
+    """``value`` as a list of names, or ``ValueError`` saying ``what`` it should be."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"a spec's {what}: a list of names, got {value!r}")
+    return list(value)
+
+
+def entry_order(keys, shapes: Mapping[str, Sequence[int]] | None = None, name: str = "state_dict") -> list[str]:
+    """The entries in forward order as far as names (or, given ``shapes``, shapes) tell.
 
     A state_dict saved by torch lists entries in module order; keep it. Formats that sort
     names (safetensors) lose it: then sort numerically-aware, so that ``"10.weight"`` follows
     ``"9.weight"`` (the order of ``nn.Sequential`` and ``nn.ModuleList`` children).
+
+    ``shapes`` (name -> shape) says that the order is lost (a safetensors file written without
+    bayesfuse's order metadata). Names then prove nothing, so a plain MLP's layers (2-D
+    ``<p>weight`` entries, each with an optional 1-D ``<p>bias``) are put in the one order in
+    which each layer's output width is the next layer's input width; other networks get the
+    numerically-aware name order.
+
+    Raises
+    ------
+    ValueError
+        Given ``shapes``, when a plain MLP's layers chain in no order or in several (e.g. two
+        layers of one shape, or as many inputs as hidden units): the file cannot say which
+        network it holds.
     """
     keys = list(keys)
-    if keys != sorted(keys):
-        return keys
     natural = lambda k: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", k)]  # noqa: E731
-    return sorted(keys, key=natural)
+    if shapes is None:
+        return keys if keys != sorted(keys) else sorted(keys, key=natural)
+    keys = sorted(keys, key=natural)
+    layers = _dense_layers(keys, {k: tuple(int(n) for n in shapes[k]) for k in keys})
+    if layers is None:
+        return keys
+    widths = [(shapes[w][1], shapes[w][0]) for w, _ in layers]
+    count, trail = _chains(widths)
+    if count != 1:
+        listing = ", ".join(f"{w} {tuple(shapes[w])}" for w, _ in layers)
+        if count == 0:
+            raise ValueError(f"{name}: its Linear layers chain in no order (each layer's output width must be the "
+                             f"next layer's input width): {listing}")
+        raise ValueError(f"{name}: the file does not record the order of its layers, and their shapes chain in "
+                         f"{count} different orders ({listing}); give the architecture as a spec (spec_path=FILE), "
+                         "or use a file that records the order (.pt, or .safetensors saved by bayesfuse)")
+    return [k for i in trail for k in layers[i] if k is not None]
 
 
-def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "state_dict") -> PermutationSpec:
+def _dense_layers(keys: list[str], shapes: Mapping[str, tuple]) -> list[tuple[str, str | None]] | None:
+    """``(weight, bias or None)`` of each layer when ``keys`` are exactly a plain MLP's, else ``None``."""
+    weights = [k for k in keys if len(shapes[k]) == 2]
+    if not weights or not all(w.endswith("weight") for w in weights):
+        return None
+    biases = {w: w[: -len("weight")] + "bias" for w in weights}
+    layers = [(w, b if shapes.get(b) == shapes[w][:1] else None) for w, b in biases.items()]
+    if {k for layer in layers for k in layer if k is not None} != set(keys):
+        return None  # convolutions, batch norms, LSTMs, mismatched biases: not a plain MLP
+    return layers
+
+
+def _chains(edges: list[tuple[int, int]]) -> tuple[int, list[int]]:
+    """How many orders of the layers ``(in width, out width)`` chain, and one of them.
+
+    The orders that chain are the Eulerian trails of the multigraph whose vertices are widths
+    and whose edges are the layers; the BEST theorem counts them (van Aardenne-Ehrenfest and de
+    Bruijn 1951): ``t_w * prod_v (outdeg(v) - 1)!`` Eulerian circuits, ``t_w`` the number of
+    spanning arborescences (a minor of the Laplacian). A trail from ``s`` to ``t`` is a circuit
+    through an added edge ``t -> s``; a circuit (inputs as wide as outputs) starts at any of its
+    ``m`` edges. Returns ``(0, [])`` when none chains, the trail (layer indices) of the first
+    one found otherwise.
+    """
+    vertices = sorted({v for e in edges for v in e})
+    index = {v: i for i, v in enumerate(vertices)}
+    balance = np.zeros(len(vertices), dtype=int)
+    for u, v in edges:
+        balance[index[u]] += 1
+        balance[index[v]] -= 1
+    starts, ends = np.flatnonzero(balance == 1), np.flatnonzero(balance == -1)
+    if np.abs(balance).max() > 1 or len(starts) > 1 or len(ends) > 1:
+        return 0, []
+    start = vertices[starts[0]] if len(starts) else edges[0][0]
+    closed = edges + [(vertices[ends[0]], start)] if len(starts) else edges
+    adjacency = np.zeros((len(vertices), len(vertices)))
+    for u, v in closed:
+        adjacency[index[u], index[v]] += 1
+    out_degree = adjacency.sum(1)
+    laplacian = np.diag(out_degree) - adjacency
+    trees = int(round(np.linalg.det(laplacian[1:, 1:])))
+    if trees < 1:  # not connected
+        return 0, []
+    count = trees * math.prod(math.factorial(int(d) - 1) for d in out_degree)
+    return (count if len(starts) else count * len(edges)), _euler_trail(edges, start)
+
+
+def _euler_trail(edges: list[tuple[int, int]], start: int) -> list[int]:
+    """Hierholzer's algorithm: the edges of an Eulerian trail from ``start`` (one exists)."""
+    pending: dict[int, list[int]] = {}
+    for i in reversed(range(len(edges))):
+        pending.setdefault(edges[i][0], []).append(i)
+    stack, trail = [(start, -1)], []
+    while stack:
+        vertex, via = stack[-1]
+        if pending.get(vertex):
+            i = pending[vertex].pop()
+            stack.append((edges[i][1], i))
+        else:
+            stack.pop()
+            if via >= 0:
+                trail.append(via)
+    return trail[::-1]
+
+
+def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "state_dict", *,
+                        ordered: bool | None = None) -> PermutationSpec:
     """Derive the spec of a plain feed-forward or LSTM network from its entries' names and shapes.
 
     Entries are read in order. ``"lstm"``: ``<p>.weight_ih_l<k>`` ... of one ``nn.LSTM`` then one
@@ -367,8 +562,17 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
     ``running_var``, ``num_batches_tracked``) follows its layer; a dense layer after a
     convolution reads its channels flattened (``inner = in_features / channels``). The last
     weighted layer is the output. ``"auto"`` picks ``"lstm"`` when LSTM entries are present.
+
+    ``ordered`` says what the order of ``state_dict`` is worth: ``True``, the forward order;
+    ``False``, none (a safetensors file from another tool: a plain MLP's order then comes from
+    its shapes, see :func:`entry_order`); ``None`` (default), guess from the names.
     """
-    keys = entry_order(state_dict)
+    if ordered is None:
+        keys = entry_order(state_dict)
+    elif ordered:
+        keys = list(state_dict)
+    else:
+        keys = entry_order(state_dict, {k: np.shape(v) for k, v in state_dict.items()}, name)
     shapes = {k: tuple(np.shape(state_dict[k])) for k in keys}
     lstm_keys = [k for k in keys if re.search(r"\.weight_ih_l\d+$", k)]
     if arch not in ("auto", "mlp", "cnn", "lstm"):

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesfuse.inference.spec import permute, random_permutations
+from bayesfuse.inference.encodings import position_encoding as _encoding_values
+from bayesfuse.inference.spec import Encoding, permute, random_permutations
 from bayesfuse.nets.spec import spec_from_module
 from bayesfuse.nets.state import numpy_state
 
@@ -56,27 +57,31 @@ class PANConfig:
         """True when the encoding is constant (``T = 0`` or ``A = 0``): plain neurons."""
         return self.period == 0 or self.amplitude == 0
 
+    def encoding(self, after: str | None = None) -> Encoding:
+        """The encoding as permutation specs record it (:class:`~bayesfuse.inference.spec.Encoding`)."""
+        return Encoding(self.mode, self.period, self.amplitude, after=after)
+
 
 def position_encoding(n_units: int, config: PANConfig) -> np.ndarray:
-    """``e_j`` for ``j = 0..J-1`` (PANs eq. 4 or 5)."""
-    j = np.arange(n_units)
-    wave = config.amplitude * np.sin(2 * np.pi * config.period * j / n_units)
-    return wave if config.mode == "add" else 1.0 + wave
+    """``e_j`` for ``j = 0..J-1`` (PANs eq. 4 or 5; :func:`bayesfuse.inference.encodings.position_encoding`)."""
+    return _encoding_values(n_units, config.encoding())
 
 
 class PositionAware(nn.Module):
     """Adds or multiplies position encodings into dimension 1 (units or channels).
 
-    Put it between a hidden Linear/Conv layer and its activation. The encoding depends only on
-    the width, so it is a non-persistent buffer: state_dicts are those of the plain network.
+    Put it between a hidden Linear/Conv layer (or its batch norm) and its activation. The
+    encoding depends only on the width, so it is a non-persistent buffer (in torch's default
+    dtype): state_dicts are those of the plain network, and permutation specs record the
+    encoding instead (:func:`bayesfuse.nets.spec.spec_from_module`), for fusion to fold it in.
     """
 
     def __init__(self, n_units: int, config: PANConfig) -> None:
         super().__init__()
         self.config = config
         self.n_units = int(n_units)
-        self.register_buffer("encoding", torch.tensor(position_encoding(self.n_units, config), dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer("encoding", torch.tensor(position_encoding(self.n_units, config),
+                                                      dtype=torch.get_default_dtype()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] != self.n_units:

@@ -25,3 +25,104 @@ def test_spec_check_names_entry_and_shapes():
         spec.check(bad)
     with pytest.raises(ValueError, match="lacks entries"):
         spec.check({k: v for k, v in good.items() if k != "a.bias"})
+
+
+# --------------------------------------------------------------------------- position encodings
+
+
+def _pan_spec(mode="mul", after_bn=False):
+    """``a -> [bn ->] PAN -> relu -> b``: one hidden group ``P`` with an encoding on ``a``'s (``bn``'s) outputs."""
+    from dataclasses import replace
+
+    from bayesfuse.inference.spec import Encoding, batchnorm
+
+    parts = [dense("a", None, "P"), *([batchnorm("bn", "P", after="a")] if after_bn else []), dense("b", "P", None)]
+    return replace(chain(*parts, output=("b.weight", "b.bias")),
+                   encodings={"P": Encoding(mode, 1.0, 0.3, after="bn" if after_bn else "a")})
+
+
+@pytest.mark.catalogue
+def test_spec_json_round_trip_keeps_the_encodings():
+    import json
+
+    from bayesfuse.inference.spec import Encoding, spec_from_dict, spec_to_dict
+
+    spec = _pan_spec("add", after_bn=True)
+    data = json.loads(json.dumps(spec_to_dict(spec)))
+    assert data["encodings"] == {"P": {"mode": "add", "period": 1.0, "amplitude": 0.3, "after": "bn"}}
+    back = spec_from_dict(data)
+    assert back == spec and back.encodings == {"P": Encoding("add", 1.0, 0.3, after="bn")}
+    plain = chain(dense("a", None, "P"), dense("b", "P", None))
+    assert "encodings" not in spec_to_dict(plain)  # plain networks' spec files stay as they were
+    assert spec_from_dict(spec_to_dict(plain)).encodings == {}
+    for bad, match in [({"Q": {"mode": "mul"}}, "not among the groups"), ({"P": {"mode": "both"}}, "mode"),
+                       ({"P": {"mode": "mul", "amplitude": -1}}, "amplitude"), ({"P": {"width": 3}}, "unknown keys"),
+                       (["P"], "maps group names")]:
+        with pytest.raises(ValueError, match=match):
+            spec_from_dict({**data, "encodings": bad})
+
+
+def _forward(state, spec, x, encoded):
+    """``b(relu(pan(bn(a x))))`` in NumPy: the network a spec of :func:`_pan_spec` describes."""
+    from bayesfuse.inference.encodings import position_encoding
+
+    z = x @ state["a.weight"].T + state["a.bias"]
+    if "bn.weight" in state:
+        z = state["bn.weight"] * (z - state["bn.running_mean"]) / np.sqrt(state["bn.running_var"] + 1e-5) \
+            + state["bn.bias"]
+    if encoded:
+        enc = spec.encodings["P"]
+        e = position_encoding(z.shape[1], enc)
+        z = z * e if enc.mode == "mul" else z + e
+    return np.maximum(z, 0) @ state["b.weight"].T + state["b.bias"]
+
+
+@pytest.mark.parametrize("after_bn", [False, True])
+@pytest.mark.parametrize("mode", ["mul", "add"])
+def test_folding_encodings_keeps_the_function_and_unfolding_undoes_it(mode, after_bn):
+    """Eq. F: the plain network computes what the encoded one does; eq. U at another width too."""
+    from bayesfuse.inference.encodings import fold_encodings, unfold_encodings
+    from bayesfuse.inference.spec import permute
+
+    rng = np.random.default_rng(0)
+    spec = _pan_spec(mode, after_bn)
+    state = {"a.weight": rng.normal(size=(7, 4)), "a.bias": rng.normal(size=7), "b.weight": rng.normal(size=(3, 7)),
+             "b.bias": rng.normal(size=3)}
+    if after_bn:
+        state.update({"bn.weight": rng.normal(size=7), "bn.bias": rng.normal(size=7),
+                      "bn.running_mean": rng.normal(size=7), "bn.running_var": rng.uniform(0.5, 2, size=7),
+                      "bn.num_batches_tracked": np.array(3)})
+    x = rng.normal(size=(10, 4))
+    plain = fold_encodings(state, spec)
+    np.testing.assert_allclose(_forward(plain, spec, x, False), _forward(state, spec, x, True), rtol=1e-12, atol=1e-12)
+    back = unfold_encodings(plain, spec)
+    for k in state:
+        np.testing.assert_allclose(back[k], state[k], rtol=1e-14, atol=1e-14)
+    # the units in another order, and a dead unit more: the encodings of their new positions
+    perm = rng.permutation(7)
+    wider = {k: np.concatenate([v, np.ones(1)]) if v.ndim == 1 and v.shape == (7,) else v
+             for k, v in permute(plain, spec, {"P": perm}).items()}
+    wider["a.weight"] = np.vstack([wider["a.weight"], np.ones((1, 4))])
+    wider["b.weight"] = np.hstack([wider["b.weight"], np.zeros((3, 1))])
+    if after_bn:
+        wider["bn.running_var"][-1] = 1.0
+    np.testing.assert_allclose(_forward(unfold_encodings(wider, spec), spec, x, True), _forward(state, spec, x, True),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.catalogue
+def test_multiplicative_encodings_with_a_zero_cannot_be_unfolded():
+    from dataclasses import replace
+
+    from bayesfuse.inference.encodings import check_unfoldable, unfold_encodings
+    from bayesfuse.inference.spec import Encoding
+
+    spec = _pan_spec("mul")
+    check_unfoldable(spec)
+    big = replace(spec, encodings={"P": Encoding("mul", 1.0, 1.0, after="a")})  # e_j = 1 + sin(2 pi j / J)
+    with pytest.raises(ValueError, match="A=1.0 >= 1"):
+        check_unfoldable(big)
+    state = {"a.weight": np.ones((4, 2)), "a.bias": np.ones(4), "b.weight": np.ones((3, 4)), "b.bias": np.ones(3)}
+    with pytest.raises(ValueError, match="vanishes"):
+        unfold_encodings(state, big)
+    check_unfoldable(replace(spec, encodings={"P": Encoding("add", 1.0, 5.0, after="a")}))  # add: any amplitude
