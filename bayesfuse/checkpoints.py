@@ -3,6 +3,11 @@
 ``.pt``/``.pth`` files are read with ``torch.load(weights_only=True)``, which refuses pickled
 code; ``.safetensors`` holds nothing but tensors. Writes are atomic and never replace a file
 unless asked.
+
+A ``.pt`` file keeps its entries in module order. The safetensors format sorts them by name:
+:func:`save_state_dict` records the order in the header's metadata (``bayesfuse.order``);
+a file without it (written by another tool) says nothing about its order
+(:attr:`Checkpoint.order_recorded` is false) and is read in numerically-aware name order.
 """
 
 from __future__ import annotations
@@ -11,89 +16,222 @@ import hashlib
 import io
 import json
 import os
+import stat
 import struct
 from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from bayesfuse._io import atomic_write_bytes
 from bayesfuse.inference.spec import entry_order
 
-__all__ = ["load_state_dict", "read_checkpoint", "save_state_dict", "FORMATS"]
+__all__ = ["Checkpoint", "load_state_dict", "read_checkpoint", "save_state_dict", "output_format",
+           "tensors_sha256", "FORMATS"]
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
+ORDER_KEY = "bayesfuse.order"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The tensors of a checkpoint file and what identifies them.
+
+    Attributes
+    ----------
+    tensors : OrderedDict
+        Entry name -> tensor, in file order (numerically-aware name order where the file
+        records none).
+    sha256 : str
+        sha256 of the file's bytes.
+    order_recorded : bool
+        Whether the file records the order of its entries: a ``.pt``/``.pth`` file, or a
+        ``.safetensors`` file with valid ``bayesfuse.order`` metadata.
+    """
+
+    tensors: "OrderedDict[str, torch.Tensor]"
+    sha256: str
+    order_recorded: bool
 
 
 def load_state_dict(path: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]":
     """The tensors of a checkpoint file, in file order (see :func:`read_checkpoint`)."""
-    return read_checkpoint(path)[0]
+    return read_checkpoint(path).tensors
 
 
-def read_checkpoint(path: str | os.PathLike) -> "tuple[OrderedDict[str, torch.Tensor], str]":
-    """The tensors of a checkpoint file, in file order, and the file's sha256 (one read).
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """The tensors of a checkpoint file, in file order, with the file's sha256 (one read).
 
     Raises
     ------
-    FileNotFoundError
-        The file does not exist.
+    FileNotFoundError, IsADirectoryError
+        The file does not exist, or is a directory.
+    PermissionError, MemoryError, OSError
+        The file cannot be read (the message names it and says what to do).
     ValueError
-        Unknown suffix, unreadable or truncated file, a payload ``weights_only`` refuses, or
-        something that is not a flat mapping of names to tensors.
+        Unknown suffix, empty, unreadable or truncated file, a payload ``weights_only``
+        refuses, something that is not a flat mapping of names to tensors, or sparse tensors.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model file not found: {path}")
+    with _reading(path):
+        mode = path.stat().st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"{path} is a directory, not a model file; give the checkpoint files in it")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is not a regular file; give a model checkpoint file")
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"{path}: unknown model file type {path.suffix!r}; expected one of {sorted(FORMATS)}")
-    raw = path.read_bytes()
-    digest = hashlib.sha256(raw).hexdigest()
-    if fmt == "safetensors":
-        from safetensors.torch import load
+    with _reading(path):
+        raw = path.read_bytes()
+    if not raw:
+        raise ValueError(f"{path}: the file is empty (0 bytes), not a model checkpoint")
+    with _reading(path):
+        if fmt == "safetensors":
+            tensors, recorded = _read_safetensors(path, raw)
+        else:
+            tensors, recorded = _read_pt(path, raw), True
+    _check_dense(path, tensors)
+    return Checkpoint(tensors, hashlib.sha256(raw).hexdigest(), recorded)
 
-        try:
-            sd = load(raw)
-        except Exception as err:  # safetensors raises its own error types
-            raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
-        return OrderedDict((k, sd[k]) for k in _safetensors_order(raw, sd)), digest
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Re-raise a failure to read ``path`` as the same kind of exception, naming the file and what to do."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model file not found: {path}") from None
+    except PermissionError:
+        raise PermissionError(f"{path}: permission denied reading the model file; make it readable "
+                              "(chmod u+r) or copy it somewhere you can read") from None
+    except MemoryError:
+        raise MemoryError(f"{path}: the model file ({_size(path)}) is too large to read into memory; free memory "
+                          "or fuse on a machine with more") from None
+    except OSError as err:
+        raise type(err)(f"{path}: cannot read the model file ({err.strerror or err})") from None
+
+
+def _size(path: Path) -> str:
+    try:
+        return f"{path.stat().st_size:,} bytes"
+    except OSError:
+        return "size unknown"
+
+
+def _read_pt(path: Path, raw: bytes) -> "OrderedDict[str, torch.Tensor]":
+    """A ``torch.save``d state_dict, read with ``weights_only=True``."""
     try:
         obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
     except Exception as err:
-        raise ValueError(
-            f"{path}: not a plain state_dict checkpoint (torch.load with weights_only=True failed: "
-            f"{str(err).splitlines()[0]})"
-        ) from None
+        raise ValueError(f"{path}: not a plain state_dict checkpoint (torch.load with weights_only=True failed: "
+                         f"{_first_line(err)})") from None
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{path}: expected a state_dict (a mapping of parameter names to tensors)")
-    return OrderedDict(obj), digest
+    if not all(isinstance(k, str) for k in obj):
+        raise ValueError(f"{path}: expected a state_dict whose keys are parameter names (strings)")
+    return OrderedDict(obj)
 
 
-ORDER_KEY = "bayesfuse.order"
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
-def _safetensors_order(raw: bytes, sd: dict) -> list[str]:
-    """Entry order of a safetensors file: as saved by :func:`save_state_dict` (kept in the
-    header's metadata), else numerically-aware name order (the format itself keeps none)."""
+def _read_safetensors(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.Tensor], bool]":
+    """A safetensors file's tensors in recorded order (and ``True``), else in name order (and ``False``)."""
+    from safetensors.torch import load
+
+    try:
+        sd = load(raw)
+    except MemoryError:
+        raise
+    except Exception as err:  # safetensors raises its own error types
+        raise ValueError(f"{path}: not a readable safetensors file ({_first_line(err)})") from None
+    if not sd:
+        raise ValueError(f"{path}: the safetensors file holds no tensors")
+    order = _recorded_order(raw, sd)
+    keys = order if order is not None else entry_order(sorted(sd))
+    return OrderedDict((k, sd[k]) for k in keys), order is not None
+
+
+def _recorded_order(raw: bytes, sd: dict) -> list[str] | None:
+    """The entry order :func:`save_state_dict` keeps in a safetensors header, or ``None``.
+
+    Metadata that is missing, malformed or does not name exactly the file's entries is no
+    order: the file is then treated as one that records none.
+    """
     try:
         (size,) = struct.unpack("<Q", raw[:8])
         meta = json.loads(raw[8 : 8 + size]).get("__metadata__") or {}
-        order = json.loads(meta[ORDER_KEY]) if ORDER_KEY in meta else None
-    except (struct.error, ValueError, TypeError):
-        order = None
-    if isinstance(order, list) and sorted(order) == sorted(sd):
-        return order
-    return entry_order(sorted(sd))
+        order = json.loads(meta[ORDER_KEY]) if isinstance(meta, dict) and ORDER_KEY in meta else None
+    except (struct.error, ValueError, TypeError, AttributeError):
+        return None
+    if (not isinstance(order, list) or not all(isinstance(k, str) for k in order) or len(order) != len(sd)
+            or set(order) != set(sd)):
+        return None
+    return order
+
+
+def _check_dense(path: Path, tensors: dict) -> None:
+    """Refuse sparse, quantized and other non-strided tensors, naming the entry."""
+    for key, t in tensors.items():
+        if t.layout != torch.strided or t.is_quantized:
+            kind = "quantized" if t.is_quantized else f"sparse ({t.layout})"
+            raise ValueError(f"{path}: entry {key!r} is a {kind} tensor; save dense tensors "
+                             "(tensor.to_dense(), or tensor.dequantize()) and try again")
+
+
+def tensors_sha256(tensors: dict) -> str:
+    """sha256 of a state_dict's tensors: each entry's name, dtype, shape and raw bytes, in order.
+
+    It does not depend on the file format or the file's name (which ``torch.save`` stores), so
+    the same tensors saved as ``.pt`` or ``.safetensors``, under any name, get the same digest.
+    """
+    h = hashlib.sha256()
+    for key, t in tensors.items():
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        header = json.dumps([key, str(t.dtype).removeprefix("torch."), list(t.shape), int(data.size)])
+        h.update(header.encode("utf-8") + b"\n")
+        h.update(data.tobytes())
+    return h.hexdigest()
+
+
+def output_format(path: str | os.PathLike, fmt: str | None = None) -> str:
+    """The format a model file ``path`` is written in: ``fmt``, or the one its suffix names.
+
+    Raises ``ValueError`` when ``path`` has no name, when ``fmt`` is unknown, when neither tells
+    the format, or when they disagree (``fmt="safetensors"`` for ``model.pt``).
+    """
+    text = os.fspath(path)
+    path = Path(text)
+    if not text.strip() or text.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
+        raise ValueError(f"the output {text!r} is not a file name; give one such as fused.pt")
+    if fmt is not None and fmt not in ("pt", "safetensors"):
+        raise ValueError(f"unknown output format {fmt!r}; give fmt='pt' or 'safetensors'")
+    named = FORMATS.get(path.suffix.lower())
+    if fmt is None and named is None:
+        raise ValueError(f"cannot tell the output format from {path.name!r}: name it .pt, .pth or .safetensors, "
+                         "or give fmt='pt' or 'safetensors'")
+    if fmt is not None and named is not None and fmt != named:
+        raise ValueError(f"the output {path.name!r} is named like a {named} file but the format asked for is {fmt}; "
+                         f"give it a {' or '.join(s for s, f in FORMATS.items() if f == fmt)} name, or give "
+                         "fmt='pt' or 'safetensors' to match its suffix")
+    return fmt or named
 
 
 def save_state_dict(state_dict: dict, path: str | os.PathLike, *, fmt: str | None = None,
                     overwrite: bool = False) -> Path:
-    """Write a state_dict as ``.pt`` (torch.save) or ``.safetensors``, atomically."""
-    path = Path(path)
-    fmt = fmt or FORMATS.get(path.suffix.lower())
-    if fmt not in ("pt", "safetensors"):
-        raise ValueError(f"{path}: choose a format, 'pt' or 'safetensors' (got {fmt!r})")
-    return atomic_write_bytes(path, state_dict_bytes(state_dict, fmt), overwrite=overwrite)
+    """Write a state_dict as ``.pt`` (torch.save) or ``.safetensors``, atomically.
+
+    The format is ``fmt`` or the one the suffix names; they must agree (:func:`output_format`).
+    """
+    return atomic_write_bytes(path, state_dict_bytes(state_dict, output_format(path, fmt)), overwrite=overwrite)
 
 
 def state_dict_bytes(state_dict: dict, fmt: str) -> bytes:

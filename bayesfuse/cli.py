@@ -1,8 +1,16 @@
-"""Command line: ``bayesfuse demo`` and ``bayesfuse fuse``."""
+"""Command line: ``bayesfuse demo`` and ``bayesfuse fuse``.
+
+Exit status: 0 on success; 2 for every failure the user can cause or fix (bad options or inputs,
+outputs that exist, unreadable files, a read-only or full output directory, a file-size limit,
+not enough memory), reported as one line ``bayesfuse CMD: error: ...`` on stderr with nothing
+written; 130 when interrupted (Ctrl-C). Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 import warnings
 from typing import Sequence
@@ -61,10 +69,21 @@ def _pan(text: str):
         raise argparse.ArgumentTypeError(f"expected MODE,T,A such as mul,1,0.1, got {text!r}{detail}") from None
 
 
+#: Exit statuses of ``bayesfuse`` (shown by ``--help``).
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+EXIT_STATUS = (
+    f"exit status: 0 done; {EXIT_ERROR} bad options or inputs, or a file error (unreadable input, "
+    "existing or unwritable output, full disk, file-size limit, not enough memory): one line on "
+    f"stderr, nothing written; {EXIT_INTERRUPTED} interrupted (Ctrl-C)."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bayesfuse import __version__
 
-    parser = argparse.ArgumentParser(prog="bayesfuse", description="Bayesian model fusion toolkit.")
+    parser = argparse.ArgumentParser(prog="bayesfuse", description="Bayesian model fusion toolkit.",
+                                     epilog=EXIT_STATUS)
     parser.add_argument("--version", action="version", version=f"bayesfuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -113,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.load(weights_only=True), or .safetensors) into one file, plus a JSON report "
         "(OUT.json) that records every hyper-parameter used. The order of the files does not matter.",
         epilog="methods and their hyper-parameters (--hyper KEY=VALUE; defaults per kind of input: "
-        "network = point-estimate networks, bnn = HorseshoeBNNs):\n\n" + methods.describe(),
+        "network = point-estimate networks, bnn = HorseshoeBNNs):\n\n" + methods.describe() + "\n\n" + EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     fz.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint files")
@@ -184,21 +203,65 @@ def _in_cli_words(message: str) -> str:
     return message
 
 
+#: Hints for file-system errors whose strerror alone does not say what to do.
+_OS_HINTS = {
+    errno.ENOSPC: "free some space or write elsewhere",
+    errno.EFBIG: "larger than this process may write; see the file-size limit, ulimit -f",
+    errno.EROFS: "the file system is mounted read-only; write elsewhere",
+    errno.EDQUOT: "the disk quota is used up; free some space or write elsewhere",
+}
+
+
+def _os_error_message(err: OSError) -> str:
+    """One line naming the path(s) and the reason of a file-system error."""
+    if err.strerror is None:  # raised with a message of its own
+        return str(err)
+    where = " -> ".join(os.fsdecode(f) for f in (err.filename, err.filename2) if f is not None)
+    hint = _OS_HINTS.get(err.errno)
+    message = f"{where}: {err.strerror}" if where else err.strerror
+    return f"{message} ({hint})" if hint else message
+
+
+def _memory_error_message(err: MemoryError) -> str:
+    detail = f" ({err})" if str(err) else ""
+    return f"out of memory{detail}; the inputs are too large for this machine's memory"
+
+
+def _error(command: str, message: str) -> int:
+    message = _in_cli_words(" ".join(message.split()))  # one line, in the command line's words
+    print(f"bayesfuse {command}: error: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "demo":
+        return _run_demo(args)
+    return _run_fuse(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run ``bayesfuse``; return the exit status (see :data:`EXIT_STATUS`).
+
+    Errors the user can cause or fix (``ValueError``, ``TypeError``, ``RuntimeError``, every
+    ``OSError`` and ``MemoryError``) end with one line on stderr and :data:`EXIT_ERROR`; Ctrl-C
+    ends with ``bayesfuse CMD: interrupted`` and :data:`EXIT_INTERRUPTED`. Other exceptions
+    (assertions, index errors: bugs) propagate with their traceback.
+    """
+    command = "?"
     try:
-        if args.command == "demo":
-            return _run_demo(args)
-        if args.command == "fuse":
-            return _run_fuse(args)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-            RuntimeError) as err:
-        message = _in_cli_words(" ".join(str(err).split()))  # one line, in the command line's words
-        print(f"bayesfuse {args.command}: error: {message}", file=sys.stderr)
-        return 2
-    parser.error(f"unknown command {args.command}")
-    return 2
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        command = args.command
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"bayesfuse{'' if command == '?' else ' ' + command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, TypeError, RuntimeError) as err:
+        return _error(command, str(err))
+    except OSError as err:
+        return _error(command, _os_error_message(err))
+    except MemoryError as err:
+        return _error(command, _memory_error_message(err))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bayesfuse import methods
-from bayesfuse._io import atomic_write_bytes, atomic_write_text, prepare_output_dir
+from bayesfuse._io import atomic_write_bytes, atomic_write_text, check_output_dir, prepare_output_dir
 from bayesfuse.baselines import Ensemble, evaluate_locals, fedavg
 from bayesfuse.data.datasets import DataSplit, load_dataset
 from bayesfuse.data.partition import Partition, dirichlet_partition
@@ -152,7 +152,7 @@ def run_demo(
         Use this (unstandardised) split instead of loading ``config.dataset``.
     """
     config = config or DemoConfig()
-    out_dir = prepare_output_dir(out, force=force) if out is not None else None
+    out_dir = check_output_dir(out, force=force) if out is not None else None  # created when written
     split = (data or load_dataset(config.dataset, seed=config.seed, path=config.data_path)).standardize()
     partition = dirichlet_partition(split.train.y, config.n_clients, config.alpha, seed=config.seed)
     train_config = config.train_config()
@@ -201,7 +201,7 @@ def run_demo(
 
     result = DemoResult(rows, local_metrics, partition, config, train_seconds)
     if out_dir is not None:
-        result.files = _write_outputs(result, out_dir, split)
+        result.files = _write_outputs(result, prepare_output_dir(out_dir, force=force), split)
     return result
 
 

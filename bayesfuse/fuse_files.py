@@ -3,8 +3,14 @@
 Inputs are state_dicts of MLPs of any depth (any parameter names: layers are read in file
 order as ``weight``/``bias`` pairs), ConvNets with batch norms, LSTM classifiers, or anything an
 architecture spec file describes (:mod:`bayesfuse.inference.spec`); or
-:class:`~bayesfuse.models.bnn.HorseshoeBNN` state_dicts. Files are put in a canonical order (by content hash) before fusing, so the order
-they are given in never changes the result; the same files and seed give a bit-identical output.
+:class:`~bayesfuse.models.bnn.HorseshoeBNN` state_dicts. A safetensors file that does not record
+the order of its entries (one written by another tool) gets a plain MLP's layer order from the
+shapes, and is refused when the shapes chain in several orders.
+
+Files are put in a canonical order before fusing, by a digest of their tensors
+(:func:`~bayesfuse.checkpoints.tensors_sha256`: names, dtypes, shapes and bytes, whatever the
+file's name or format), so neither the order they are given in nor their names change the
+result; the same tensors and seed give a bit-identical output.
 """
 
 from __future__ import annotations
@@ -20,11 +26,11 @@ import numpy as np
 import torch
 
 from bayesfuse import __version__, methods
-from bayesfuse._io import atomic_write_files
-from bayesfuse.checkpoints import FORMATS, read_checkpoint, state_dict_bytes
+from bayesfuse._io import atomic_write_files, check_writable, recover
+from bayesfuse.checkpoints import Checkpoint, output_format, read_checkpoint, state_dict_bytes, tensors_sha256
 from bayesfuse.core import fuse_states
-from bayesfuse.inference.spec import entry_order, spec_for_state_dict, spec_from_dict
-from bayesfuse.models.bnn_sites import is_bnn_state
+from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
+from bayesfuse.models.bnn_sites import STATE_KEYS, is_bnn_state
 
 __all__ = ["fuse_files", "ARCHS"]
 
@@ -32,9 +38,9 @@ ARCHS = ("auto", "mlp", "cnn", "lstm")
 
 
 def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
-    """(weight key, bias key) of each Linear layer, in file order."""
+    """(weight key, bias key) of each Linear layer, in the order of ``sd`` (forward order)."""
     pairs = []
-    for key in entry_order(sd):
+    for key in sd:
         t = sd[key]
         if t.ndim == 2:
             bias = key[: -len("weight")] + "bias" if key.endswith("weight") else None
@@ -61,27 +67,53 @@ def _check_finite(sd: dict, name: str) -> None:
             raise ValueError(f"{name}: parameter {key!r} contains NaN or infinite values")
 
 
-def _load_spec(path, names):
+def _load_spec(path: str | Path) -> PermutationSpec:
+    """The permutation spec in a JSON file; errors name the file."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"architecture spec {path} is a directory; give the spec's JSON file")
     if not path.is_file():
         raise FileNotFoundError(f"architecture spec {path} does not exist")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"architecture spec {path} is not JSON ({err})") from None
-    return spec_from_dict(data)
+    except OSError as err:
+        raise type(err)(f"architecture spec {path} cannot be read ({err.strerror or err})") from None
+    try:
+        return spec_from_dict(data)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"architecture spec {path}: {err}") from None
 
 
-def _network_spec(state_dicts, names, arch, spec_path):
-    """The permutation spec of point-estimate files, checked against every file."""
-    if spec_path is not None:
-        spec = _load_spec(spec_path, names)
+def _forward_order(checkpoint: Checkpoint, name: str, spec: PermutationSpec | None) -> "OrderedDict":
+    """A file's entries in forward order: as the file records it, else from the spec or the shapes.
+
+    A HorseshoeBNN's names say everything (:data:`~bayesfuse.models.bnn_sites.STATE_KEYS`). A
+    file that records no order (safetensors from another tool) is put in the order of the
+    architecture spec when one is given, else a plain MLP's layers in the one order their
+    shapes chain in (:func:`~bayesfuse.inference.spec.entry_order`; several orders are refused).
+    """
+    sd = checkpoint.tensors
+    if is_bnn_state(sd):
+        keys = list(STATE_KEYS)
+    elif checkpoint.order_recorded:
+        keys = entry_order(sd)
+    elif spec is not None:
+        keys = [k for k in spec.axes if k in sd] + [k for k in sd if k not in spec.axes]
     else:
+        keys = entry_order(sd, {k: tuple(t.shape) for k, t in sd.items()}, name)
+    return OrderedDict((k, sd[k]) for k in keys)
+
+
+def _network_spec(state_dicts, names, arch, spec):
+    """The permutation spec of point-estimate files (``spec``, or derived), checked against every file."""
+    if spec is None:
         if arch in ("auto", "mlp") and not any(t.ndim in (3, 4) for t in state_dicts[0].values()) and not any(
                 k.endswith("running_mean") or "weight_ih_l" in k for k in state_dicts[0]):
             for sd, n in zip(state_dicts, names):
                 _linear_pairs(sd, n)  # clearest messages for plain MLP files
-        spec = spec_for_state_dict(state_dicts[0], arch, names[0])
+        spec = spec_for_state_dict(state_dicts[0], arch, names[0], ordered=True)
     for sd, n in zip(state_dicts, names):
         spec.check(sd, n)
         for k, t in sd.items():
@@ -108,8 +140,10 @@ def fuse_files(
 
     Point-estimate networks are described by a permutation spec: read from ``spec_path`` (JSON,
     :func:`~bayesfuse.inference.spec.spec_to_dict`) or derived from the first file's entries for
-    ``arch`` (:func:`~bayesfuse.inference.spec.spec_for_state_dict`). Nothing is written unless
-    fusion succeeds; existing outputs are replaced only with ``force``. Returns the report.
+    ``arch`` (:func:`~bayesfuse.inference.spec.spec_for_state_dict`). The output format is
+    ``fmt`` or the one ``out``'s suffix names; they must agree. Nothing is written unless
+    fusion succeeds; existing outputs are replaced only with ``force``. Returns the report,
+    which lists the inputs in their canonical order.
     """
     start = time.perf_counter()
     if method not in methods.METHODS:
@@ -127,11 +161,11 @@ def fuse_files(
         raise ValueError(f"unknown hyper-parameters {sorted(unknown)} for {method}; known: {sorted(known)}")
     if not paths:
         raise ValueError("no model files given")
+    fmt = output_format(out, fmt)
     out = Path(out)
     report_path = out.with_name(out.name + ".json")
-    fmt = fmt or FORMATS.get(out.suffix.lower()) or FORMATS.get(Path(paths[0]).suffix.lower())
-    if fmt not in ("pt", "safetensors"):
-        raise ValueError(f"cannot tell the output format from {out.name!r}; give fmt='pt' or 'safetensors'")
+    check_writable(out.parent)  # a read-only directory fails now, not after the fusion
+    recover([out, report_path])  # finish or undo a killed run's commit before looking at the outputs
     for p in (out, report_path):
         if p.is_dir():
             raise IsADirectoryError(f"{p} is a directory; give a file name for the fused model")
@@ -146,12 +180,15 @@ def fuse_files(
         if resolved in seen:
             raise ValueError(f"{p} is given twice (as {seen[resolved]}): each client's file once")
         seen[resolved] = str(p)
+    given_spec = _load_spec(spec_path) if spec_path is not None else None
     loaded = [read_checkpoint(p) for p in paths]
-    state_dicts = [sd for sd, _ in loaded]
-    files = [{"path": str(p), "sha256": digest} for p, (_, digest) in zip(paths, loaded)]
-    order = sorted(range(len(paths)), key=lambda i: (files[i]["sha256"], str(paths[i])))
-    state_dicts = [state_dicts[i] for i in order]
-    names = [str(paths[i]) for i in order]
+    forward = [_forward_order(c, str(p), given_spec) for c, p in zip(loaded, paths)]
+    files = [{"path": str(p), "sha256": c.sha256, "tensors_sha256": tensors_sha256(sd),
+              "order_recorded": c.order_recorded} for p, c, sd in zip(paths, loaded, forward)]
+    order = sorted(range(len(paths)), key=lambda i: (files[i]["tensors_sha256"], files[i]["sha256"], str(paths[i])))
+    state_dicts = [forward[i] for i in order]
+    files = [files[i] for i in order]
+    names = [f["path"] for f in files]
     for sd, name in zip(state_dicts, names):
         _check_finite(sd, name)
 
@@ -169,7 +206,7 @@ def fuse_files(
         fused = fuse_states(states, method, names=names, seed=seed, **hyper)
         fused_sd = HorseshoeBNN.from_state_dict(fused.state).state_dict()
     else:
-        spec = _network_spec(state_dicts, names, arch, spec_path)
+        spec = _network_spec(state_dicts, names, arch, given_spec)
         states = state_dicts if method == "fedavg" else [
             {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
             for sd in state_dicts]

@@ -1,10 +1,13 @@
 """A catalogue of bad inputs across the API and the CLI: each fails clearly and leaves nothing behind."""
 
+import json
 import pickle
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 from torch import nn
 
 from bayesfuse import fuse
@@ -15,6 +18,7 @@ from bayesfuse.inference.expfam import DiagNormal, Gamma
 from bayesfuse.inference.fedma import fedma
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.matching import match_neurons
+from bayesfuse.models.bnn import HorseshoeBNN
 from bayesfuse.nets import MLP
 from bayesfuse.nets.arch import make_cnn
 from bayesfuse.nets.pans import PANConfig
@@ -59,6 +63,24 @@ def files(tmp_path):
     bad["missing bias"] = save_state_dict(nobias, tmp_path / "nobias.pt")
     (tmp_path / "weights.h5").write_bytes(b"x")
     bad["unknown suffix"] = tmp_path / "weights.h5"
+    (tmp_path / "empty.pt").write_bytes(b"")
+    bad["empty .pt"] = tmp_path / "empty.pt"
+    (tmp_path / "models.pt").mkdir()
+    bad["a directory"] = tmp_path / "models.pt"
+    sparse = _mlp_sd()
+    sparse["fc1.weight"] = sparse["fc1.weight"].to_sparse()
+    torch.save(sparse, tmp_path / "sparse.pt")
+    bad["sparse entry"] = tmp_path / "sparse.pt"
+    # safetensors files of another tool record no entry order; D == H: input and hidden swap
+    square = {"input.weight": torch.ones(6, 6), "input.bias": torch.ones(6), "hidden.weight": torch.ones(6, 6),
+              "hidden.bias": torch.ones(6), "output.weight": torch.ones(3, 6), "output.bias": torch.ones(3)}
+    save_file(square, tmp_path / "unordered.safetensors")
+    bad["ambiguous order"] = tmp_path / "unordered.safetensors"
+    for case, order in [("order metadata with ints", ["input.weight", 1]), ("order metadata lies", ["a", "b"])]:
+        save_file(square, tmp_path / f"{case}.safetensors", metadata={"bayesfuse.order": json.dumps(order)})
+        bad[case] = tmp_path / f"{case}.safetensors"
+    save_file(dict(square, **{"output.weight": torch.ones(3, 5)}), tmp_path / "nochain.safetensors")
+    bad["no chain"] = tmp_path / "nochain.safetensors"
     return good, bad
 
 
@@ -74,6 +96,16 @@ CLI_CASES = [
     ("other names", "lacks entries"),
     ("missing bias", "no matching bias"),
     ("unknown suffix", "unknown model file type"),
+    ("empty .pt", "empty.pt: the file is empty (0 bytes)"),
+    ("a directory", "models.pt is a directory, not a model file"),
+    ("sparse entry", "sparse.pt: entry 'fc1.weight' is a sparse (torch.sparse_coo) tensor; save dense tensors "
+                     "(tensor.to_dense()"),
+    ("ambiguous order", "unordered.safetensors: the file does not record the order of its layers, and their shapes "
+                        "chain in 2 different orders"),
+    ("ambiguous order", "give the architecture as a spec (--arch-spec FILE)"),
+    ("order metadata with ints", "chain in 2 different orders"),
+    ("order metadata lies", "chain in 2 different orders"),
+    ("no chain", "nochain.safetensors: its Linear layers chain in no order"),
 ]
 
 
@@ -114,6 +146,88 @@ def test_cli_never_overwrites_without_force(files, tmp_path, capsys):
     assert main(["fuse", *map(str, good), "--method", "fedavg", "--out", str(out)]) == 2
     assert out.read_bytes() == b"precious" and "--force" in capsys.readouterr().err
     assert main(["fuse", *map(str, good), "--method", "fedavg", "--out", str(good[0])]) == 2
+
+
+def _written(tmp_path, before):
+    return sorted(set(p.name for p in tmp_path.iterdir()) - before)
+
+
+@pytest.mark.parametrize("out, argv, message", [
+    ("fused.pt", ["--format", "safetensors"], "the output 'fused.pt' is named like a pt file but the format asked for "
+                                              "is safetensors; give it a .safetensors name, or give --format pt or "
+                                              "safetensors"),
+    ("fused.safetensors", ["--format", "pt"], "named like a safetensors file but the format asked for is pt"),
+    ("fused.txt", [], "cannot tell the output format from 'fused.txt': name it .pt, .pth or .safetensors, or give "
+                      "--format pt or safetensors"),
+    ("", [], "the output '' is not a file name; give one such as fused.pt"),
+])
+def test_cli_output_name_and_format_must_agree(files, tmp_path, capsys, monkeypatch, out, argv, message):
+    good, _ = files
+    monkeypatch.chdir(tmp_path)  # an empty --out must not write into the working directory either
+    before = {p.name for p in tmp_path.iterdir()}
+    assert main(["fuse", *map(str, good), "--method", "pfnm", *argv, "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert _written(tmp_path, before) == []
+
+
+def test_cli_unknown_output_suffix_with_a_format_is_written(files, tmp_path):
+    good, _ = files
+    assert main(["fuse", *map(str, good), "--method", "pfnm", "--format", "safetensors",
+                 "--out", str(tmp_path / "fused.bin")]) == 0
+    assert safetensors_load((tmp_path / "fused.bin").read_bytes()).keys() == _mlp_sd().keys()
+
+
+@pytest.fixture
+def bnn_files(tmp_path):
+    def save(name, scales=None, seed=0):
+        torch.manual_seed(seed)
+        state = HorseshoeBNN(5, 4, 3).state_dict()
+        if scales is not None:
+            state["prior_scales"] = torch.tensor(scales, dtype=torch.float64)
+        return save_state_dict(state, tmp_path / name)
+
+    return save("good.pt"), {"three scales": save("three.pt", [0.1, 1.0, 2.0], 1),
+                              "negative scale": save("negative.pt", [-0.1, 1.0], 1)}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("three scales", "three.pt: 'prior_scales' has shape (3,), expected (2,)"),
+    ("negative scale", "negative.pt: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two "
+                       "positive finite numbers"),
+])
+def test_cli_rejects_bad_bnn_files(bnn_files, tmp_path, capsys, case, message):
+    good, bad = bnn_files
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", str(good), str(bad[case]), "--method", "kl", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists() and not (tmp_path / "fused.pt.json").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"axes": {"fc1.weight": ["P1", null]}, "groups": 3}', "spec.json: a spec's 'groups' lists the hidden "
+                                                            "permutation groups in forward order: a list of names"),
+    ('{"axes": {"fc1.weight": ["P1", null]}, "groups": ["P2"]}', "spec.json: a spec's 'groups' must list each group"),
+    ('{"axes": {"fc1.weight": ["P1", null]}, "groups": ["P1", "P1"]}', "must list each group its axes use"),
+    ('{"axes": {"fc1.weight": ["P1", null]}, "output": "fc2.weight"}', "spec.json: a spec's 'output'"),
+    ('{"axes": {"fc1.weight": ["P1", null]}, "folds": ["bn"]}', "spec.json: a spec's 'folds'"),
+    ('{"axes": {"fc1.weight": ["P1", null]}, "eps": {"bn": true}}', "spec.json: a spec's 'eps'"),
+    ('[1, 2]', "spec.json: an architecture spec needs an 'axes' object"),
+    (None, "spec.json is a directory"),
+])
+def test_cli_rejects_malformed_spec_files(files, tmp_path, capsys, content, message):
+    good, _ = files
+    spec = tmp_path / "spec.json"
+    if content is None:
+        spec.mkdir()
+    else:
+        spec.write_text(content)
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, good), "--method", "pfnm", "--arch-spec", str(spec), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists() and not (tmp_path / "fused.pt.json").exists()
 
 
 API_CASES = [

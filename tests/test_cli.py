@@ -102,3 +102,40 @@ def test_demo_bad_options_are_usage_errors(capsys, args, message):
         main([*SMALL, *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("args", [
+    ["--dataset", "mnist", "--data-path", "/nonexistent"],
+    ["--dataset", "fashion-mnist", "--data-path", "/nonexistent/fmnist"],
+    ["--alpha", "0"],
+])
+def test_a_failing_demo_leaves_no_output_directory(tmp_path, capsys, args):
+    out = tmp_path / "o"
+    assert main([*SMALL, *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.catalogue
+def test_file_system_errors_are_one_line_naming_the_path(tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+
+    import bayesfuse.cli as cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "o" / "results.csv"))
+
+    monkeypatch.setattr(cli, "_run_demo", full)
+    assert main([*SMALL, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"bayesfuse demo: error: {tmp_path / 'o' / 'results.csv'}: No space left on device "
+                   "(free some space or write elsewhere)\n")
+
+
+def test_help_documents_the_exit_status():
+    out = subprocess.run([sys.executable, "-m", "bayesfuse.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "exit status" in out and "130" in out

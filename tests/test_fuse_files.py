@@ -205,3 +205,92 @@ def test_the_same_file_twice_is_refused(mlp_files, tmp_path):
     with pytest.raises(ValueError, match="is given twice"):
         fuse_files([mlp_files[0], mlp_files[1], mlp_files[0]], "pfnm", tmp_path / "f.pt")
 
+
+
+def _named_mlp(widths, seed):
+    """An MLP state_dict with layers named input, hidden, ..., output (name order is not forward order)."""
+    g = torch.Generator().manual_seed(seed)
+    names = ["input", *[f"hidden{i}" if i else "hidden" for i in range(len(widths) - 3)], "output"]
+    sd = {}
+    for name, d, h in zip(names, widths[:-1], widths[1:]):
+        sd[f"{name}.weight"] = torch.randn(h, d, generator=g) / d ** 0.5
+        sd[f"{name}.bias"] = torch.randn(h, generator=g) / 10
+    return sd
+
+
+def _without_paths(report):
+    """A report without what depends on file names and bytes (paths, file hashes) or on time."""
+    inputs = [{k: v for k, v in f.items() if k not in ("path", "sha256", "order_recorded")} for f in report["inputs"]]
+    return {**{k: v for k, v in report.items() if k not in ("seconds", "fused_order")}, "inputs": inputs}
+
+
+@pytest.mark.catalogue
+def test_safetensors_from_other_tools_fuse_like_pt(tmp_path):
+    """Without order metadata a plain MLP's layer order comes from its shapes, when they chain one way."""
+    from safetensors.torch import save_file
+
+    sds = [_named_mlp([64, 20, 16, 10], seed) for seed in range(3)]
+    pts = [save_state_dict(sd, tmp_path / f"c{j}.pt") for j, sd in enumerate(sds)]
+    theirs = []
+    for j, sd in enumerate(sds):
+        save_file(sd, tmp_path / f"c{j}.safetensors")  # no order recorded: sorted by name in the file
+        theirs.append(tmp_path / f"c{j}.safetensors")
+    a = fuse_files(pts, "pfnm", tmp_path / "from_pt.pt")
+    b = fuse_files(theirs, "pfnm", tmp_path / "from_safetensors.pt")
+    assert (tmp_path / "from_pt.pt").read_bytes() == (tmp_path / "from_safetensors.pt").read_bytes()
+    assert list(load_state_dict(tmp_path / "from_safetensors.pt")) == list(sds[0])
+    assert [f["order_recorded"] for f in b["inputs"]] == [False] * 3
+    assert _without_paths(a) == _without_paths(b)
+
+
+@pytest.mark.catalogue
+def test_safetensors_whose_shapes_chain_two_ways_need_a_spec(tmp_path, capsys):
+    """8 inputs and 8 hidden units: input and hidden layer could swap. Refused; a spec settles it."""
+    from safetensors.torch import save_file
+
+    from bayesfuse.inference.spec import spec_for_state_dict, spec_to_dict
+
+    sds = [_named_mlp([8, 8, 8, 3], seed) for seed in range(3)]
+    pts = [str(save_state_dict(sd, tmp_path / f"c{j}.pt")) for j, sd in enumerate(sds)]
+    theirs = []
+    for j, sd in enumerate(sds):
+        save_file(sd, tmp_path / f"c{j}.safetensors")
+        theirs.append(str(tmp_path / f"c{j}.safetensors"))
+    out = tmp_path / "f.safetensors"
+    assert main(["fuse", *theirs, "--method", "pfnm", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "chain in 2 different orders" in err and "--arch-spec FILE" in err, err
+    assert not out.exists() and not (tmp_path / "f.safetensors.json").exists()
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(spec_to_dict(spec_for_state_dict(sds[0]))))
+    assert main(["fuse", *theirs, "--method", "pfnm", "--arch-spec", str(spec), "--out", str(out)]) == 0
+    assert main(["fuse", *pts, "--method", "pfnm", "--out", str(tmp_path / "g.safetensors")]) == 0
+    assert out.read_bytes() == (tmp_path / "g.safetensors").read_bytes()
+    assert list(load_state_dict(out)) == list(sds[0])
+
+
+@pytest.mark.catalogue
+def test_file_names_formats_and_order_do_not_change_the_result(tmp_path):
+    """Files are ordered by their tensors: torch.save stores the file's name, which must not matter."""
+    sds = [_named_mlp([64, 20, 16, 10], seed) for seed in range(4)]
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    paths_a = []
+    for name, sd in zip(["alice", "bob", "carol", "dave"], sds):
+        torch.save(sd, first / f"{name}.pt")
+        paths_a.append(first / f"{name}.pt")
+    torch.save(sds[0], second / "zoe.pt")
+    save_state_dict(sds[1], second / "yann.safetensors")
+    torch.save(sds[2], second / "xu.pt")
+    torch.save(sds[3], second / "wim.pth")
+    paths_b = [second / n for n in ("wim.pth", "xu.pt", "yann.safetensors", "zoe.pt")]  # another order
+    a = fuse_files(paths_a, "pfnm", tmp_path / "a.pt")
+    b = fuse_files(paths_b, "pfnm", tmp_path / "b.pt")
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+    assert _without_paths(a) == _without_paths(b)
+    assert json.loads((tmp_path / "b.pt.json").read_text())["inputs"] == b["inputs"]
+    assert [f["path"] for f in b["inputs"]] == b["fused_order"]  # inputs listed in canonical order
+    c = fuse_files(paths_a[::-1], "pfnm", tmp_path / "c.pt")
+    assert c["inputs"] == a["inputs"]

@@ -9,6 +9,8 @@ on disk and say what to install when they are missing.
 from __future__ import annotations
 
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -287,13 +289,49 @@ def load_mnist(path: str | os.PathLike) -> DataSplit:
     if path.suffix == ".npz":
         if not path.is_file():
             raise FileNotFoundError(_missing_data_message("MNIST .npz file", path, hint))
-        with np.load(path, allow_pickle=False) as npz:
-            missing = [k for k in _IDX_STEMS if k not in npz.files]
-            if missing:
-                raise ValueError(f"{path} lacks arrays {missing}; it holds {npz.files}")
-            arrays = {k: npz[k] for k in _IDX_STEMS}
-        return _split_from_arrays(arrays, name="mnist", class_names=_DIGIT_CLASSES)
+        return _split_from_arrays(_read_mnist_npz(path), name="mnist", class_names=_DIGIT_CLASSES)
     return load_idx(path, name="mnist", class_names=_DIGIT_CLASSES, hint=hint)
+
+
+_NPZ_EXPECTED = (
+    "expected a NumPy .npz archive (numpy.savez) holding the arrays x_train, y_train, x_test, y_test, "
+    "such as Keras' mnist.npz, or a directory of the four MNIST IDX files; bayesfuse does not download data"
+)
+#: What a damaged .npz raises: no zip (numpy then tries pickle), a truncated or corrupt archive.
+_NPZ_ERRORS = (ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _npz_problem(err: Exception) -> str:
+    """What is wrong with an .npz, in words (not numpy's advice to unpickle it)."""
+    if isinstance(err, EOFError):
+        return "the file is empty"
+    if isinstance(err, ValueError) and "pickle" in str(err):
+        return "not a zip archive"
+    return f"damaged or truncated: {err}"
+
+
+def _read_mnist_npz(path: Path) -> dict[str, np.ndarray]:
+    """The four MNIST arrays of an .npz.
+
+    Raises
+    ------
+    ValueError
+        One message naming the file, what is wrong and what is expected.
+    """
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except _NPZ_ERRORS as err:
+        raise ValueError(f"{path} is not a readable MNIST .npz ({_npz_problem(err)}); {_NPZ_EXPECTED}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path} holds a single array, not an archive; {_NPZ_EXPECTED}")
+    with loaded as npz:
+        missing = [k for k in _IDX_STEMS if k not in npz.files]
+        if missing:
+            raise ValueError(f"{path} lacks arrays {missing}; it holds {npz.files}; {_NPZ_EXPECTED}")
+        try:
+            return {k: npz[k] for k in _IDX_STEMS}
+        except _NPZ_ERRORS as err:
+            raise ValueError(f"{path} is not a readable MNIST .npz ({_npz_problem(err)}); {_NPZ_EXPECTED}") from None
 
 
 def load_dataset(name: str, *, seed: int = 0, path: str | os.PathLike | None = None) -> DataSplit:

@@ -1,0 +1,205 @@
+"""Checkpoint files: entry order, tensor digests, output formats and clear read errors."""
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bayesfuse.checkpoints import (load_state_dict, output_format, read_checkpoint, save_state_dict,
+                                   tensors_sha256)
+from bayesfuse.inference.spec import entry_order
+from bayesfuse.models.bnn import HorseshoeBNN
+
+
+def _mlp(widths, names=None, seed=0):
+    """A plain MLP state_dict with layers ``names`` (default l0, l1, ...) of the given widths."""
+    g = torch.Generator().manual_seed(seed)
+    names = names or [f"l{i}" for i in range(len(widths) - 1)]
+    sd = {}
+    for name, (d, h) in zip(names, zip(widths[:-1], widths[1:])):
+        sd[f"{name}.weight"] = torch.randn(h, d, generator=g)
+        sd[f"{name}.bias"] = torch.randn(h, generator=g)
+    return sd
+
+
+# --------------------------------------------------------------------------- entry order
+
+
+def _widths(widths):
+    return {k: tuple(v.shape) for k, v in _mlp(widths, ["input", "hidden", "output"]).items()}
+
+
+def test_a_lost_order_comes_from_the_shapes_when_one_chain_fits():
+    sd = _mlp([6, 8, 5, 3], ["input", "hidden", "output"])
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    assert entry_order(sorted(sd), shapes) == list(sd)
+    with pytest.raises(ValueError, match=r"f\.safetensors: the file does not record the order.* 2 different orders"
+                                         r".*spec_path="):
+        entry_order(sorted(sd), _widths([8, 8, 8, 3]), "f.safetensors")  # D == H: input and hidden swap
+    with pytest.raises(ValueError, match="chain in no order"):
+        entry_order(sorted(sd), dict(shapes, **{"output.weight": (3, 7)}))
+    conv = {"c.weight": (4, 3, 3, 3), "c.bias": (4,), "fc.weight": (2, 4), "fc.bias": (2,)}
+    assert entry_order(sorted(conv), conv) == ["c.bias", "c.weight", "fc.bias", "fc.weight"]  # names only
+
+
+def test_chain_orders_are_counted_exactly():
+    """The count (none, one, several) agrees with trying every order of small random networks."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        m = int(rng.integers(1, 6))
+        shapes = {f"l{i}.weight": tuple(int(w) for w in rng.integers(2, 5, 2)) for i in range(m)}
+        keys = list(shapes)
+        chains = [p for p in itertools.permutations(keys)
+                  if all(shapes[a][0] == shapes[b][1] for a, b in zip(p[:-1], p[1:]))]
+        if len(chains) == 1:
+            assert entry_order(keys, shapes) == list(chains[0])
+        else:
+            with pytest.raises(ValueError, match="no order" if not chains else f" {len(chains)} different orders"):
+                entry_order(keys, shapes)
+
+
+def _header_with(path, metadata):
+    save_file(_mlp([6, 8, 5, 3], ["input", "hidden", "output"]), path, metadata=metadata)
+    return path
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("order", [
+    "not json",
+    json.dumps({"input.weight": 0}),
+    json.dumps(["input.weight", 1, "input.bias"]),
+    json.dumps(["input.weight", "input.bias"]),
+    json.dumps(["input.weight"] * 6),
+    json.dumps(["input.weight", "input.bias", "hidden.weight", "hidden.bias", "output.weight", "nope"]),
+])
+def test_order_metadata_that_is_malformed_or_lies_is_not_trusted(tmp_path, order):
+    path = _header_with(tmp_path / "m.safetensors", {"bayesfuse.order": order})
+    checkpoint = read_checkpoint(path)
+    assert not checkpoint.order_recorded
+    assert list(checkpoint.tensors) == sorted(checkpoint.tensors)
+
+
+def test_order_metadata_is_trusted_when_it_names_every_entry(tmp_path):
+    sd = _mlp([6, 8, 5, 3], ["input", "hidden", "output"])
+    assert read_checkpoint(save_state_dict(sd, tmp_path / "ours.safetensors")).order_recorded
+    assert list(load_state_dict(tmp_path / "ours.safetensors")) == list(sd)
+    save_file(sd, tmp_path / "theirs.safetensors")
+    assert not read_checkpoint(tmp_path / "theirs.safetensors").order_recorded
+    assert read_checkpoint(save_state_dict(sd, tmp_path / "m.pt")).order_recorded
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def test_tensor_digest_ignores_file_name_and_format(tmp_path):
+    sd = _mlp([6, 8, 3])
+    torch.save(sd, tmp_path / "alice.pt")  # torch's zip format stores the file's stem
+    torch.save(sd, tmp_path / "bob.pt")
+    save_state_dict(sd, tmp_path / "carol.safetensors")
+    checkpoints = [read_checkpoint(tmp_path / n) for n in ("alice.pt", "bob.pt", "carol.safetensors")]
+    assert checkpoints[0].sha256 != checkpoints[1].sha256
+    assert len({tensors_sha256(c.tensors) for c in checkpoints}) == 1
+    changed = dict(sd, **{"l1.bias": sd["l1.bias"].clone()})
+    changed["l1.bias"][0] += 1e-6
+    assert tensors_sha256(changed) != tensors_sha256(sd)
+    assert tensors_sha256({k: v.double() for k, v in sd.items()}) != tensors_sha256(sd)
+    assert tensors_sha256({k.replace("l1", "out"): v for k, v in sd.items()}) != tensors_sha256(sd)
+    assert tensors_sha256(dict(reversed(list(sd.items())))) != tensors_sha256(sd)
+
+
+# --------------------------------------------------------------------------- output format
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("path, fmt, message", [
+    ("fused.pt", "safetensors", "named like a pt file but the format asked for is safetensors"),
+    ("fused.safetensors", "pt", "named like a safetensors file but the format asked for is pt"),
+    ("fused.txt", None, "cannot tell the output format from 'fused.txt'"),
+    ("fused", None, "cannot tell the output format"),
+    ("", None, "is not a file name"),
+    ("out/", "pt", "is not a file name"),
+    ("fused.pt", "onnx", "unknown output format 'onnx'"),
+])
+def test_output_format_and_suffix_must_agree(tmp_path, path, fmt, message):
+    with pytest.raises(ValueError, match=message):
+        output_format(path, fmt)
+    with pytest.raises(ValueError, match=message):
+        save_state_dict(_mlp([2, 2]), f"{tmp_path}{os.sep}{path}" if path else path, fmt=fmt)
+    assert not any(tmp_path.iterdir())
+
+
+def test_output_format_from_suffix_or_fmt():
+    assert output_format("a.PT") == "pt" and output_format("a.pth", "pt") == "pt"
+    assert output_format("a.safetensors") == "safetensors"
+    assert output_format("a.bin", "safetensors") == "safetensors"  # an unknown suffix with a format is fine
+
+
+# --------------------------------------------------------------------------- read errors
+
+
+@pytest.mark.catalogue
+def test_empty_file_directory_and_sparse_entries_are_named(tmp_path):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.pt: the file is empty \(0 bytes\)"):
+        read_checkpoint(tmp_path / "empty.pt")
+    (tmp_path / "models.pt").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"models\.pt is a directory"):
+        read_checkpoint(tmp_path / "models.pt")
+    sd = _mlp([4, 3, 2])
+    sd["l0.weight"] = sd["l0.weight"].to_sparse()
+    torch.save(sd, tmp_path / "sparse.pt")
+    with pytest.raises(ValueError, match=r"sparse\.pt: entry 'l0\.weight' is a sparse .*to_dense\(\)"):
+        read_checkpoint(tmp_path / "sparse.pt")
+
+
+@pytest.mark.catalogue
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file_is_named(tmp_path):
+    path = save_state_dict(_mlp([4, 3, 2]), tmp_path / "locked.pt")
+    path.chmod(0)
+    try:
+        with pytest.raises(PermissionError, match=r"locked\.pt: permission denied .*chmod u\+r") as info:
+            read_checkpoint(path)
+        assert len(str(info.value).splitlines()) == 1
+    finally:
+        path.chmod(0o600)
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("error, message", [
+    (MemoryError(), r"huge\.safetensors: the model file \([\d,]+ bytes\) is too large to read into memory"),
+    (PermissionError(13, "Permission denied"), r"huge\.safetensors: permission denied reading the model file"),
+    (OSError(5, "Input/output error"), r"huge\.safetensors: cannot read the model file \(Input/output error\)"),
+])
+def test_read_failures_keep_their_kind_and_name_the_file(tmp_path, monkeypatch, error, message):
+    path = save_state_dict(_mlp([4, 3, 2]), tmp_path / "huge.safetensors")
+
+    def fail(self):
+        raise error
+
+    monkeypatch.setattr(Path, "read_bytes", fail)
+    with pytest.raises(type(error), match=message) as info:
+        read_checkpoint(path)
+    assert len(str(info.value).splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- HorseshoeBNN checkpoints
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("scales, message", [
+    ([0.1, 1.0, 2.0], r"'prior_scales' has shape \(3,\)"),
+    ([-0.1, 1.0], "two positive finite numbers"),
+    ([0.1, float("nan")], "two positive finite numbers"),
+    ([0.1, float("inf")], "two positive finite numbers"),
+])
+def test_bad_prior_scales_are_named(scales, message):
+    state = HorseshoeBNN(5, 4, 3).state_dict()
+    state["prior_scales"] = torch.tensor(scales, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"client\.pt: .*" + message):
+        HorseshoeBNN.from_state_dict(state, "client.pt")
