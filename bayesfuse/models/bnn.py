@@ -35,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesfuse._runtime import progress, torch_threads
-from bayesfuse.models.bnn_sites import SITES, is_bnn_state, state_dims
+from bayesfuse.models.bnn_sites import SITES, is_bnn_state, prior_scales, state_dims
 
 __all__ = ["HorseshoeBNN", "BNNConfig", "train_bnn"]
 
@@ -120,7 +120,7 @@ class HorseshoeBNN(nn.Module):
         consistent HorseshoeBNN state_dict.
         """
         H, D, K = state_dims(state, name)
-        global_scale, weight_scale = _prior_scales(state["prior_scales"], name)
+        global_scale, weight_scale = prior_scales(state["prior_scales"], name)
         try:
             bnn = cls(D, H, K, global_scale=global_scale, weight_scale=weight_scale)
             bnn.load_state_dict({k: torch.as_tensor(np.asarray(v)) if not torch.is_tensor(v) else v
@@ -190,23 +190,6 @@ class HorseshoeBNN(nn.Module):
         """Posterior median of each unit's scale ``tau * lambda_k`` (log-normal: exp of the loc)."""
         with torch.no_grad():
             return torch.exp(self.loc["log_tau"] + self.loc["log_lam"]).numpy()
-
-
-def _prior_scales(value, name: str) -> tuple[float, float]:
-    """``(global_scale, weight_scale)`` of a state_dict's ``prior_scales``: two positive finite reals."""
-    if torch.is_tensor(value):
-        value = value.detach().cpu()
-        value = value.double() if value.is_floating_point() else value
-    try:
-        scales = np.asarray(value)
-    except (TypeError, ValueError, RuntimeError):
-        scales = np.asarray(None)
-    if (scales.shape != (2,) or scales.dtype == bool or not np.issubdtype(scales.dtype, np.number)
-            or np.iscomplexobj(scales) or not (np.isfinite(scales).all() and (scales > 0).all())):
-        shown = value if scales.dtype == object else scales.tolist()
-        raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two positive "
-                         f"finite numbers, the prior's global_scale and weight_scale; got {shown!r})")
-    return float(scales[0]), float(scales[1])
 
 
 def _forward(x, w1, b1, scale, w2, b2):

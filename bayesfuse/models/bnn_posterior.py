@@ -20,7 +20,7 @@ from typing import Mapping
 import numpy as np
 
 from bayesfuse.inference.expfam import DiagNormal
-from bayesfuse.models.bnn_sites import GLOBAL_SITES, STATE_KEYS, UNIT_SITES, Site, state_dims
+from bayesfuse.models.bnn_sites import GLOBAL_SITES, STATE_KEYS, UNIT_SITES, Site, prior_scales, state_dims
 
 __all__ = ["BNNPosterior"]
 
@@ -118,7 +118,7 @@ class BNNPosterior:
         for site, arr in list(loc.items()) + list(var.items()):
             if not np.isfinite(arr).all():
                 raise ValueError(f"{name}'s guide parameter '{site}' contains NaN or infinite values")
-        global_scale, weight_scale = (float(v) for v in arrays["prior_scales"])
+        global_scale, weight_scale = prior_scales(arrays["prior_scales"], name)
         shared = {
             _GLOBAL_FIELDS[s.name]: DiagNormal(loc=loc[s.name].reshape(1, -1), var=var[s.name].reshape(1, -1))
             for s in GLOBAL_SITES

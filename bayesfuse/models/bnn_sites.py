@@ -18,7 +18,7 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "is_bnn_state", "state_dims"]
+__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "is_bnn_state", "prior_scales", "state_dims"]
 
 _SIZES = ("H", "D", "K")
 
@@ -113,3 +113,20 @@ def state_dims(state: Mapping[str, object], name: str = "state_dict") -> tuple[i
     if _shape(state["prior_scales"]) != (2,):
         raise ValueError(f"{name}: 'prior_scales' has shape {_shape(state['prior_scales'])}, expected (2,)")
     return H, D, K
+
+
+def prior_scales(value, name: str = "state_dict") -> tuple[float, float]:
+    """``(global_scale, weight_scale)`` of a state_dict's ``prior_scales``: two positive finite reals."""
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu()
+        value = value.double() if value.is_floating_point() else value
+    try:
+        scales = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError):
+        scales = np.asarray(None)
+    if (scales.shape != (2,) or scales.dtype == bool or not np.issubdtype(scales.dtype, np.number)
+            or np.iscomplexobj(scales) or not (np.isfinite(scales).all() and (scales > 0).all())):
+        shown = value if scales.dtype == object else scales.tolist()
+        raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two positive "
+                         f"finite numbers, the prior's global_scale and weight_scale; got {shown!r})")
+    return float(scales[0]), float(scales[1])

@@ -216,3 +216,12 @@ print("ok", sorted(m for m, module in sys.modules.items() if module and m.split(
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok []", out.stderr
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("scales", [[1.0, -1.0], [float("nan"), 1.0], [0.0, 1.0]])
+def test_bad_prior_scales_are_refused_by_the_posterior_too(scales):
+    state = {k: np.asarray(v) for k, v in HorseshoeBNN(4, 3, 2).state_dict().items()}
+    state["prior_scales"] = np.asarray(scales)
+    with pytest.raises(ValueError, match="client 7.*prior_scales"):
+        BNNPosterior.from_state(state, "client 7")
