@@ -1,0 +1,155 @@
+"""``bayesfuse.load(path)``: a fused checkpoint back as a module, ready to predict.
+
+``bayesfuse fuse`` writes a state_dict (``.pt`` or ``.safetensors``) and a JSON report beside
+it. :func:`load` reads the file safely (``torch.load(weights_only=True)`` or safetensors) and
+re-creates the network at the fused widths:
+
+* :class:`~bayesfuse.nets.mlp.MLP` (``layers.{i}.weight``), the ConvNets of
+  :func:`~bayesfuse.nets.arch.make_cnn` (give ``n_features``: the input size cannot be read off
+  the weights), :class:`~bayesfuse.nets.arch.LSTMClassifier` and
+  :class:`~bayesfuse.models.bnn.HorseshoeBNN` (its state_dict *is* its posterior: means and
+  log-scales of every site, so a fused BNN loads with its uncertainty);
+* any other network given as a template, ``like=model``: the template's layers are re-created
+  at the file's widths (:func:`~bayesfuse.nets.arch.rebuild`), which also gives position-aware
+  layers the encodings of their new widths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bayesfuse.checkpoints import read_checkpoint
+
+__all__ = ["load", "load_report"]
+
+
+def load_report(path: str | os.PathLike) -> dict | None:
+    """The JSON report ``bayesfuse fuse`` wrote beside ``path`` (``path + '.json'``), or None."""
+    report = Path(path).with_name(Path(path).name + ".json")
+    if not report.is_file():
+        return None
+    try:
+        return json.loads(report.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{report}: not a readable JSON report ({err})") from None
+
+
+def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: int | None = None) -> nn.Module:
+    """The network stored in a (fused) checkpoint file, in eval mode.
+
+    Parameters
+    ----------
+    path : path
+        A ``.pt``/``.pth`` or ``.safetensors`` state_dict, e.g. the output of ``bayesfuse fuse``.
+    like : nn.Module, optional
+        A network of the same architecture (any widths): the template for networks bayesfuse
+        cannot recognise from their entry names, or with position-aware layers (which hold no
+        entries of their own).
+    n_features : int, optional
+        Input size of a ConvNet from :func:`~bayesfuse.nets.arch.make_cnn` (e.g. 784).
+
+    Returns
+    -------
+    nn.Module
+        With ``fusion_report``: the JSON report beside the file (None when there is none).
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ValueError
+        The file is not a state_dict, or its entries fit none of the known architectures and no
+        ``like`` was given, or a ConvNet's ``n_features`` is missing or does not fit.
+    """
+    state = read_checkpoint(path).tensors
+    name = str(path)
+    if like is not None:
+        from bayesfuse.nets.arch import rebuild
+
+        try:
+            model = rebuild(like, state)
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise ValueError(f"{name}: its entries do not fit the template network ({str(err).splitlines()[0]})") \
+                from None
+    else:
+        model = _recognised(state, name, n_features)
+    model.fusion_report = load_report(path)
+    return model.eval()
+
+
+def _recognised(state: dict, name: str, n_features: int | None) -> nn.Module:
+    from bayesfuse.models.bnn import HorseshoeBNN
+
+    if HorseshoeBNN.is_state_dict(state):
+        return HorseshoeBNN.from_state_dict(state, name)
+    keys = set(state)
+    if any(re.fullmatch(r"layers\.\d+\.weight", k) for k in keys):
+        from bayesfuse.nets.mlp import MLP
+
+        return _strict(lambda: MLP.from_state_dict(state), name, "an MLP")
+    if "lstm.weight_ih_l0" in keys and "fc.weight" in keys:
+        return _lstm(state, name)
+    if any(t.ndim == 4 for t in state.values()):
+        return _cnn(state, name, n_features)
+    raise ValueError(f"{name}: its entry names fit no network bayesfuse builds (MLP, make_cnn ConvNet, "
+                     "LSTMClassifier, HorseshoeBNN); give a network of the same architecture as like=model, or "
+                     "load the tensors into your own network with bayesfuse.checkpoints.load_state_dict")
+
+
+def _strict(build, name: str, what: str) -> nn.Module:
+    try:
+        return build()
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise ValueError(f"{name}: not {what} state_dict ({str(err).splitlines()[0]}); give like=model") from None
+
+
+def _lstm(state: dict, name: str) -> nn.Module:
+    from bayesfuse.nets.arch import LSTMClassifier
+
+    layers = len([k for k in state if re.fullmatch(r"lstm\.weight_ih_l\d+", k)])
+    hidden = state["lstm.weight_hh_l0"].shape[1]
+    side = state["lstm.weight_ih_l0"].shape[1]
+
+    def build():
+        model = LSTMClassifier(side * side, state["fc.weight"].shape[0], hidden=hidden, num_layers=layers)
+        model.load_state_dict(state)
+        return model
+
+    return _strict(build, name, "an LSTMClassifier")
+
+
+def _cnn(state: dict, name: str, n_features: int | None) -> nn.Module:
+    """A :func:`make_cnn` network with the file's channels and dense widths."""
+    from bayesfuse.nets.arch import make_cnn
+
+    convs = [k for k, t in state.items() if t.ndim == 4]
+    dense = [k for k, t in state.items() if t.ndim == 2]
+    channels = [state[k].shape[0] for k in convs]
+    if not dense:
+        raise ValueError(f"{name}: a ConvNet needs dense layers after its convolutions; give like=model")
+    hidden = [state[k].shape[0] for k in dense[:-1]]
+    batchnorm = any(k.endswith("running_var") for k in state)
+    side = math.isqrt(state[dense[0]].shape[1] // channels[-1])
+    # Each pooling block halves the side (rounding down): 2^n sides give the same weights.
+    sides = range(side * 2 ** len(convs), (side + 1) * 2 ** len(convs))
+    if n_features is None:
+        raise ValueError(f"{name}: a ConvNet's input size cannot be read off its weights (inputs of "
+                         f"{sides[0]}x{sides[0]} to {sides[-1]}x{sides[-1]} pixels give the same ones); give "
+                         f"n_features, e.g. n_features={sides[0] ** 2}")
+    if math.isqrt(n_features) ** 2 != n_features or math.isqrt(n_features) not in sides:
+        raise ValueError(f"{name}: n_features={n_features} does not fit these weights (square images of "
+                         f"{sides[0]} to {sides[-1]} pixels a side do)")
+
+    def build():
+        model = make_cnn(n_features, state[dense[-1]].shape[0], channels=channels, hidden=hidden, batchnorm=batchnorm)
+        model.load_state_dict(state)
+        return model
+
+    return _strict(build, name, "a make_cnn ConvNet")

@@ -1,0 +1,232 @@
+"""Scale: KL-fusion for tens to a hundred clients, matching for a thousand, wide layers.
+
+Usage: python benchmarks/bench_scale.py [--parts kl match wide conv] [--kl-clients 5 20 50 100]
+       [--match-clients 30 300 1000] [--data-path DIR] [--cache DIR]
+
+Every case runs in a fresh Python process, so ``peak`` is that case's own peak resident memory
+(inputs included; the inputs' size is printed beside it).
+
+* ``kl``: ``kl_fuse`` (defaults: heterogeneous, ``reg = 0.1``, solver "auto") on J clients x
+  150 diagonal Gaussians, D = 794, drawn from 300 true components (twice a client's count) as
+  in ``bench_klfusion.py``.
+* ``match``: ``match_neurons`` with its defaults (every hyper-parameter "auto") on J clients x
+  100 neurons, D = 794, drawn from 200 atoms ~ N(0, 1) plus N(0, 0.1^2) noise.
+* ``wide``: ``bayesfuse fuse --method pfnm`` (library call ``fuse_files``) on 10 Fashion-MNIST
+  MLPs 784-1000-10 trained for 2 epochs each on a Dirichlet(0.5) split (trained once and kept
+  in ``--cache``); needs Fashion-MNIST (``make data``).
+* ``conv``: ``fuse(..., "pfnm")`` on 10 ConvNets whose conv layer has 512 channels
+  (``make_cnn(784 -> 1x28x28, channels=(512,), hidden=(64,))``), clients being permuted copies
+  of one random network plus N(0, 0.01^2) noise on every weight (no training needed to time it).
+
+``recovery`` is the pair precision / recall of the co-assignments against the truth (1/1:
+exact); ``found`` the number of global components or units against the truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+D = 794
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def pair_scores(truth: list[np.ndarray], found: list[np.ndarray]) -> tuple[float, float]:
+    """Pairwise co-assignment precision and recall (as in ``bench_matching.py``)."""
+    sys.path.insert(0, str(HERE))
+    from bench_matching import pair_scores as scores
+
+    return scores(truth, found)
+
+
+# ---------------------------------------------------------------------------------- cases
+
+
+def case_kl(n_clients: int) -> dict:
+    import warnings
+
+    sys.path.insert(0, str(HERE))
+    from bench_klfusion import simulate
+
+    from bayesfuse.inference.klfusion import kl_fuse
+
+    posteriors, truth = simulate(n_clients, 150, 300, D)
+    inputs_mb = sum(q.loc.nbytes + q.var.nbytes for q in posteriors) / 2**20
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # convergence is reported in the row
+        res = kl_fuse(posteriors)
+    seconds = time.perf_counter() - start
+    precision, recall = pair_scores(truth, res.assignments)
+    return dict(problem=f"kl_fuse J={n_clients} x 150, D={D}", seconds=seconds, peak_mb=_peak_mb(),
+                inputs_mb=inputs_mb, found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
+                recovery=f"{precision:.3f}/{recall:.3f}", steps=len(res.objective), converged=res.converged)
+
+
+def case_match(n_clients: int) -> dict:
+    import warnings
+
+    from bayesfuse.inference.matching import match_neurons
+
+    rng = np.random.default_rng(n_clients)
+    atoms = rng.normal(size=(200, D))
+    layers, truth = [], []
+    for _ in range(n_clients):
+        idx = rng.choice(len(atoms), 100, replace=False)
+        layers.append(atoms[idx] + 0.1 * rng.normal(size=(100, D)))
+        truth.append(idx)
+    del atoms
+    inputs_mb = sum(v.nbytes for v in layers) / 2**20
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = match_neurons(layers, seed=0)
+    seconds = time.perf_counter() - start
+    precision, recall = pair_scores(truth, res.assignments)
+    return dict(problem=f"match_neurons J={n_clients} x 100, D={D}", seconds=seconds, peak_mb=_peak_mb(),
+                inputs_mb=inputs_mb, found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
+                recovery=f"{precision:.3f}/{recall:.3f}", steps=res.n_sweeps, converged=res.converged)
+
+
+def _wide_models(cache: Path, data_path: str | None) -> list[Path]:
+    files = [cache / f"mlp784-1000-10_client{j}.pt" for j in range(10)]
+    if all(f.exists() for f in files):
+        return files
+    from bayesfuse.checkpoints import save_state_dict
+    from bayesfuse.data import dirichlet_partition, load_fashion_mnist
+    from bayesfuse.train import TrainConfig, train_clients
+
+    data = load_fashion_mnist(data_path).standardize()
+    partition = dirichlet_partition(data.train.y, 10, 0.5, seed=0)
+    models = train_clients(data.train, partition, TrainConfig(hidden=(1000,), epochs=2, seed=0), shared_init=False,
+                           verbose=False)
+    cache.mkdir(parents=True, exist_ok=True)
+    for f, m in zip(files, models):
+        save_state_dict(m.state_dict(), f, overwrite=True)
+    return files
+
+
+def case_wide(cache: str, data_path: str | None) -> dict:
+    import tempfile
+    import warnings
+
+    from bayesfuse.fuse_files import fuse_files
+
+    files = _wide_models(Path(cache), data_path)
+    inputs_mb = sum(f.stat().st_size for f in files) / 2**20
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = time.perf_counter()
+        report = fuse_files(files, "pfnm", Path(tmp) / "fused.pt")
+        seconds = time.perf_counter() - start
+    return dict(problem="bayesfuse fuse 10 x 784-1000-10 (pfnm)", seconds=seconds, peak_mb=_peak_mb(),
+                inputs_mb=inputs_mb, found=f"{report['global_sizes'][0]}/-", recovery="-",
+                steps=sum(len(layer["objective"]) for layer in report["layers"]), converged=report["converged"])
+
+
+def case_conv() -> dict:
+    import warnings
+
+    import torch
+
+    from bayesfuse import fuse
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.arch import make_cnn, rebuild
+    from bayesfuse.nets.spec import spec_from_module
+    from bayesfuse.nets.state import numpy_state
+
+    torch.manual_seed(0)
+    model = make_cnn(784, 10, channels=(512,), hidden=(64,)).eval()
+    spec = spec_from_module(model, torch.zeros(2, 784))
+    state = numpy_state(model.state_dict())
+    rng = np.random.default_rng(0)
+    clients = []
+    for _ in range(10):
+        perms = random_permutations(spec.sizes(state), rng)
+        noisy = {k: v + 0.01 * rng.normal(size=v.shape) if v.dtype.kind == "f" and v.ndim > 0 else v
+                 for k, v in permute(state, spec, perms).items()}
+        clients.append(rebuild(model, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in noisy.items()}))
+    inputs_mb = sum(p.numel() * 4 for m in clients for p in m.parameters()) / 2**20
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = time.perf_counter()
+        res = fuse(clients, "pfnm", spec=spec)
+        seconds = time.perf_counter() - start
+    return dict(problem="fuse 10 ConvNets, 512-channel conv layer (pfnm)", seconds=seconds, peak_mb=_peak_mb(),
+                inputs_mb=inputs_mb, found="/".join(map(str, res.sizes)), recovery="-", steps="-",
+                converged=res.converged)
+
+
+# ---------------------------------------------------------------------------------- driver
+
+
+def _run_case(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--case", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return dict(problem=" ".join(args), seconds=float("nan"), peak_mb=float("nan"), inputs_mb=float("nan"),
+                    found="-", recovery=f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else '?'}",
+                    steps="-", converged="-")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=["kl", "match", "wide", "conv"],
+                        choices=["kl", "match", "wide", "conv"])
+    parser.add_argument("--kl-clients", type=int, nargs="+", default=[5, 20, 50, 100])
+    parser.add_argument("--match-clients", type=int, nargs="+", default=[30, 300, 1000])
+    parser.add_argument("--data-path", default=None, help="Fashion-MNIST IDX directory (default: the Debian one)")
+    parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "wide-mlps"),
+                        help="where the trained wide MLPs are kept")
+    parser.add_argument("--case", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        kind, *rest = args.case
+        if kind == "kl":
+            row = case_kl(int(rest[0]))
+        elif kind == "match":
+            row = case_match(int(rest[0]))
+        elif kind == "wide":
+            row = case_wide(rest[0], rest[1] if len(rest) > 1 else None)
+        else:
+            row = case_conv()
+        print(json.dumps(row))
+        return
+
+    from bayesfuse.demo import format_table
+
+    plan = []
+    if "kl" in args.parts:
+        plan += [["kl", str(j)] for j in args.kl_clients]
+    if "match" in args.parts:
+        plan += [["match", str(j)] for j in args.match_clients]
+    if "wide" in args.parts:
+        plan.append(["wide", args.cache, *([args.data_path] if args.data_path else [])])
+    if "conv" in args.parts:
+        plan.append(["conv"])
+    rows = []
+    for case in plan:
+        row = _run_case(case)
+        rows.append(row)
+        print(f"{row['problem']}: {row['seconds']:.1f} s, peak {row['peak_mb']:.0f} MB", file=sys.stderr, flush=True)
+    for row in rows:
+        row["seconds"] = f"{row['seconds']:.1f}"
+        row["peak MB"] = f"{row.pop('peak_mb'):.0f}"
+        row["inputs MB"] = f"{row.pop('inputs_mb'):.0f}"
+    print(format_table(rows, ["problem", "seconds", "peak MB", "inputs MB", "found", "recovery", "steps",
+                              "converged"]))
+
+
+if __name__ == "__main__":
+    main()

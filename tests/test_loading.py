@@ -1,0 +1,128 @@
+"""bayesfuse.load: fused checkpoints come back as working modules."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import bayesfuse
+from bayesfuse.checkpoints import load_state_dict, save_state_dict
+from bayesfuse.cli import main
+from bayesfuse.models.bnn import HorseshoeBNN
+from bayesfuse.nets.arch import LSTMClassifier, make_cnn
+from bayesfuse.nets.mlp import MLP
+from bayesfuse.nets.pans import PANConfig
+
+#: a vague prior and unit noise: identical copies fuse back to the network itself
+VAGUE = ["--hyper", "noise_var=1", "prior_var=1e8", "gamma0=1"]
+
+
+def _fuse_copies(tmp_path, model, method="pfnm", hyper=VAGUE, copies=3, suffix=".pt"):
+    files = [save_state_dict(model.state_dict(), tmp_path / f"client{j}{suffix}") for j in range(copies)]
+    out = tmp_path / f"fused{suffix}"
+    assert main(["fuse", *map(str, files), "--method", method, *hyper, "--out", str(out)]) == 0
+    return out
+
+
+def _same_function(a: nn.Module, b: nn.Module, x: torch.Tensor, tol: float = 1e-4) -> None:
+    with torch.no_grad():
+        torch.testing.assert_close(a.eval()(x), b.eval()(x), rtol=tol, atol=tol)
+
+
+def _same_tensors(model: nn.Module, path) -> None:
+    stored = load_state_dict(path)
+    state = model.state_dict()
+    assert list(state) == list(stored)
+    for k in state:
+        torch.testing.assert_close(state[k], stored[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_fused_mlp_loads_as_an_mlp_with_its_report(tmp_path, suffix):
+    torch.manual_seed(0)
+    model = MLP(12, [7, 5], 3)
+    out = _fuse_copies(tmp_path, model, suffix=suffix)
+    loaded = bayesfuse.load(out)
+    assert isinstance(loaded, MLP) and not loaded.training
+    _same_tensors(loaded, out)
+    _same_function(loaded, model, torch.randn(20, 12))
+    assert loaded.fusion_report["method"] == "pfnm" and loaded.fusion_report["global_sizes"] == [7, 5]
+
+
+def test_a_fused_convnet_loads_given_its_input_size(tmp_path):
+    torch.manual_seed(0)
+    model = make_cnn(64, 4, channels=(3, 5), hidden=(6,))
+    x = torch.randn(32, 64)
+    model.train()(x)  # batch norms with statistics of their own
+    out = _fuse_copies(tmp_path, model.eval())
+    with pytest.raises(ValueError, match=r"input size cannot be read off .*n_features=64"):
+        bayesfuse.load(out)
+    with pytest.raises(ValueError, match="n_features=49 does not fit"):
+        bayesfuse.load(out, n_features=49)
+    loaded = bayesfuse.load(out, n_features=64)
+    _same_tensors(loaded, out)
+    _same_function(loaded, model, x)
+
+
+def test_a_fused_lstm_loads(tmp_path):
+    torch.manual_seed(0)
+    model = LSTMClassifier(64, 3, hidden=5, num_layers=2)
+    out = _fuse_copies(tmp_path, model)
+    loaded = bayesfuse.load(out)
+    assert isinstance(loaded, LSTMClassifier) and loaded.lstm.num_layers == 2
+    _same_tensors(loaded, out)
+    _same_function(loaded, model, torch.randn(10, 64))
+
+
+def test_a_fused_bnn_loads_with_its_posterior(tmp_path):
+    torch.manual_seed(0)
+    bnns = [HorseshoeBNN(10, 6, 3) for _ in range(2)]
+    files = [save_state_dict(b.state_dict(), tmp_path / f"bnn{j}.pt") for j, b in enumerate(bnns)]
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, files), "--method", "kl", "--out", str(out)]) == 0
+    loaded = bayesfuse.load(out)
+    assert isinstance(loaded, HorseshoeBNN)
+    _same_tensors(loaded, out)  # means and log-scales of every site: the fused posterior
+    assert loaded.fusion_report["method"] == "kl"
+
+
+def test_other_networks_load_through_a_template(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 2))
+    out = _fuse_copies(tmp_path, model)
+    with pytest.raises(ValueError, match="fit no network bayesfuse builds.*like=model"):
+        bayesfuse.load(out)
+    loaded = bayesfuse.load(out, like=nn.Sequential(nn.Linear(8, 99), nn.Tanh(), nn.Linear(99, 2)))
+    _same_tensors(loaded, out)
+    _same_function(loaded, model, torch.randn(10, 8))
+    with pytest.raises(ValueError, match="do not fit the template"):
+        bayesfuse.load(out, like=nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)))
+
+
+def test_position_aware_networks_load_through_a_template(tmp_path):
+    torch.manual_seed(0)
+    model = MLP(8, [6], 3, pan=PANConfig("mul", 1.0, 0.1))
+    state = {k: v + 0.0 for k, v in model.state_dict().items()}
+    path = save_state_dict(state, tmp_path / "pan.pt")
+    loaded = bayesfuse.load(path, like=copy.deepcopy(model))
+    assert loaded.pans is not None
+    _same_function(loaded, model, torch.randn(10, 8), tol=0)
+
+
+@pytest.mark.catalogue
+def test_files_that_are_not_networks_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        bayesfuse.load(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="junk.pt"):
+        bayesfuse.load(tmp_path / "junk.pt")
+    bad = MLP(4, [3], 2).state_dict()
+    bad["layers.1.weight"] = torch.zeros(2, 5)
+    path = save_state_dict(bad, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="bad.pt: not an MLP state_dict"):
+        bayesfuse.load(path)
+    save_state_dict(MLP(4, [3], 2).state_dict(), tmp_path / "x.pt")
+    (tmp_path / "x.pt.json").write_text("{not json")
+    with pytest.raises(ValueError, match="x.pt.json: not a readable JSON report"):
+        bayesfuse.load(tmp_path / "x.pt")
