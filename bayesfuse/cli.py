@@ -100,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--clients", "-J", type=_positive_int, default=10, help="number of clients (default: 10)")
     demo.add_argument("--alpha", type=float, default=0.5,
                       help="Dirichlet concentration of the class split; small is heterogeneous (default: 0.5)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of split, initialisation and training (default: 0)")
+    seeds = demo.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=_non_negative_int, default=0,
+                       help="seed of split, initialisation and training (default: 0)")
+    seeds.add_argument("--seeds", type=_non_negative_int, nargs="+", default=None, metavar="SEED",
+                       help="run once per seed and report mean +- sd over them, e.g. --seeds 0 1 2")
     demo.add_argument("--hidden", type=_widths, default=(100,), help="hidden widths, e.g. 100 or 200,100 (default: 100)")
     demo.add_argument("--epochs", type=_positive_int, default=10, help="local training epochs (default: 10)")
     demo.add_argument("--shared-init", action="store_true",
@@ -121,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "period T, amplitude A); default: plain neurons")
     demo.add_argument("--out", default="bayesfuse-demo", help="output directory (default: ./bayesfuse-demo)")
     demo.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing the demo's files")
+    demo.add_argument("--hyper", nargs="*", default=[], metavar="[METHOD.]KEY=VALUE",
+                      help="hyper-parameters of the fusion methods, as in `bayesfuse fuse`: KEY=VALUE for every "
+                      "method run that has KEY, METHOD.KEY=VALUE for one (e.g. noise_var=1 nafi.kl_weight=0.1)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
     from bayesfuse import methods
@@ -151,24 +158,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from bayesfuse.demo import DemoConfig, run_demo
+    from bayesfuse.demo import DemoConfig, hyper_for_methods, run_demo
 
     config = DemoConfig(
         dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=args.seed,
         hidden=args.hidden, epochs=args.epochs, shared_init=args.shared_init,
         data_path=args.data_path, arch=args.arch, channels=args.channels, methods=args.methods,
-        retrain_epochs=args.retrain_epochs, pan=args.pan,
+        retrain_epochs=args.retrain_epochs, pan=args.pan, hyper=hyper_for_methods(args.hyper, args.methods),
     )
-    result = run_demo(config, out=args.out, force=args.force, verbose=False if args.quiet else None)
+    result = run_demo(config, seeds=args.seeds, out=args.out, force=args.force,
+                      verbose=False if args.quiet else None)
     p = result.partition
     print(f"{config.dataset}: {config.n_clients} clients, Dirichlet alpha={config.alpha}, "
           f"client sizes {p.sizes.min()}..{p.sizes.max()}, "
-          f"classes per client {int((p.counts > 0).sum(1).min())}..{int((p.counts > 0).sum(1).max())}")
+          f"classes per client {int((p.counts > 0).sum(1).min())}..{int((p.counts > 0).sum(1).max())}"
+          + (f" (seed {result.seeds[0]})" if len(result.seeds) > 1 else ""))
     print(f"local training: {result.train_seconds:.1f} s in all\n")
     print(result.table())
-    print("\nhidden: hidden units (and channels) of the global model; rounds: communication rounds after "
-          "local training; seconds: time to build the global model")
-    print("wrote " + ", ".join(str(f) for f in result.files.values()))
+    print("\n" + (f"mean ± sd over seeds {', '.join(map(str, result.seeds))}; " if len(result.seeds) > 1 else "")
+          + "hidden: hidden units (and channels) of the global model; rounds: communication rounds after "
+          "local training; seconds: time to build the global model (after an untimed warm-up)")
+    if result.files:
+        print("wrote " + ", ".join(str(f) for f in result.files.values()))
     return 0
 
 

@@ -63,11 +63,18 @@ class DemoConfig:
     methods: tuple[str, ...] = ("pfnm", "nafi")
     retrain_epochs: int | None = None
     pan: PANConfig | None = None
+    #: hyper-parameters per fusion method (``{"nafi": {"kl_weight": 0.1}}``); see :func:`hyper_for_methods`
+    hyper: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in DEMO_METHODS]
         if unknown:
             raise ValueError(f"unknown demo methods {unknown}; known: {', '.join(DEMO_METHODS)}")
+        for method, values in self.hyper.items():
+            if method not in self.methods:
+                raise ValueError(f"hyper-parameters given for {method!r}, which is not among the methods run "
+                                 f"({', '.join(self.methods)})")
+            methods.resolve(_table_method(method), "network", values)  # unknown keys and bad values, now
 
     def train_config(self) -> TrainConfig:
         """Local training settings. ConvNets train faster on every core (large matrix
@@ -77,30 +84,68 @@ class DemoConfig:
 
 
 @dataclass
+class SeedRun:
+    """One seed's run: its rows (one per method), local models' metrics, split and timing."""
+
+    seed: int
+    rows: list[dict]
+    local_metrics: list[dict]
+    partition: Partition
+    train_seconds: float
+
+
+@dataclass
 class DemoResult:
-    """What a demo run measured.
+    """What a demo run measured, over one or more seeds.
 
     Attributes
     ----------
     rows : list of dict
-        One per method with the keys of :data:`COLUMNS`.
-    local_metrics : list of dict
-        Each local model's metrics on the global test set.
-    partition : Partition
+        One per method: the mean over seeds of each number of :data:`COLUMNS`, its standard
+        deviation (``accuracy_sd``, ...), the per-layer global widths of the first seed
+        (``widths``) and the hyper-parameters used (``hyper``, those chosen by "auto" included).
+    runs : list of SeedRun
+        Each seed's own rows, local metrics and partition.
     config : DemoConfig
+        The first seed's settings (``seeds`` lists all).
+    seeds : tuple of int
     files : dict of str -> Path
         Files written (empty when no output directory was given).
     """
 
     rows: list[dict]
-    local_metrics: list[dict]
-    partition: Partition
+    runs: list[SeedRun]
     config: DemoConfig
-    train_seconds: float
+    seeds: tuple[int, ...]
     files: dict[str, Path] = field(default_factory=dict)
 
+    @property
+    def partition(self) -> Partition:
+        """The first seed's partition."""
+        return self.runs[0].partition
+
+    @property
+    def local_metrics(self) -> list[dict]:
+        """The first seed's local models' metrics."""
+        return self.runs[0].local_metrics
+
+    @property
+    def train_seconds(self) -> float:
+        """Local training time, summed over seeds."""
+        return float(sum(r.train_seconds for r in self.runs))
+
     def table(self) -> str:
-        return format_table(self.rows)
+        if len(self.seeds) == 1:
+            return format_table(self.rows)
+        shown = []
+        for row in self.rows:
+            cells = dict(row)
+            for c in ("accuracy", "nll", "ece"):
+                cells[c] = f"{row[c]:.4f} ± {row[c + '_sd']:.4f}"
+            for c in ("hidden", "rounds"):
+                cells[c] = f"{row[c]:g}" if row[c + "_sd"] == 0 else f"{row[c]:.1f} ± {row[c + '_sd']:.1f}"
+            shown.append(cells)
+        return format_table(shown)
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
@@ -117,7 +162,8 @@ def format_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def _row(method: str, metrics: dict, hidden: int, seconds: float, rounds: int = 1) -> dict:
+def _row(method: str, metrics: dict, hidden: int, seconds: float, rounds: int = 1, *, widths=None,
+         hyper=None) -> dict:
     return {
         "method": method,
         "accuracy": metrics["accuracy"],
@@ -126,22 +172,76 @@ def _row(method: str, metrics: dict, hidden: int, seconds: float, rounds: int = 
         "hidden": int(hidden),
         "rounds": int(rounds),
         "seconds": float(seconds),
+        "widths": [int(w) for w in widths] if widths is not None else None,
+        "hyper": hyper or {},
     }
+
+
+def _table_method(demo_method: str) -> str:
+    """The method-table row behind a demo method (``fedma-nafi`` is FedMA with NAFI's penalty)."""
+    return "fedma" if demo_method == "fedma-nafi" else demo_method
+
+
+def hyper_for_methods(assignments: Sequence[str], demo_methods: Sequence[str]) -> dict[str, dict]:
+    """``--hyper`` of the demo: ``key=value`` for every method run that has ``key``, or
+    ``method.key=value`` for one method. Values are typed by the method table.
+
+    Raises
+    ------
+    ValueError
+        A malformed item, a method not run, or a key no method run knows.
+    """
+    tuned = [m for m in demo_methods if m in methods.METHODS or m == "fedma-nafi"]
+    out: dict[str, dict] = {}
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--hyper takes key=value or method.key=value, got {item!r}")
+        method, dot, key = key.rpartition(".")
+        targets = [method] if dot else [m for m in tuned if key in methods.METHODS[_table_method(m)].keys()]
+        if dot and method not in tuned:
+            raise ValueError(f"--hyper {item!r}: {method!r} is not among the fusion methods run "
+                             f"({', '.join(tuned) or 'none'})")
+        if not targets:
+            raise ValueError(f"--hyper {item!r}: no method run ({', '.join(tuned) or 'none'}) has a key {key!r}")
+        for m in targets:
+            typed = methods.parse_assignments(_table_method(m), [f"{key}={value}"])
+            if key in out.get(m, {}):
+                raise ValueError(f"--hyper gives {m}.{key} twice")
+            out.setdefault(m, {}).update(typed)
+    return out
+
+
+_WARM = False
+
+
+def _warm_up(models) -> None:
+    """Fuse two clients once, untimed, so that the timings exclude one-time costs (imports,
+    first calls into compiled code); done once per process."""
+    global _WARM
+    if not _WARM:
+        fuse(models[:2], "pfnm", seed=0)
+        _WARM = True
 
 
 def run_demo(
     config: DemoConfig | None = None,
     *,
+    seeds: Sequence[int] | None = None,
     out: str | Path | None = None,
     force: bool = False,
     verbose: bool | None = None,
     data: DataSplit | None = None,
 ) -> DemoResult:
-    """Run the demo and, when ``out`` is given, write ``results.csv``, ``results.json``, ``summary.png``.
+    """Run the demo for each seed and, when ``out`` is given, write ``results.csv``,
+    ``results.json`` and ``summary.png``.
 
     Parameters
     ----------
     config : DemoConfig, optional
+    seeds : sequence of int, optional
+        Seeds of split, initialisation and training, one run each (default: ``config.seed``).
+        The rows report the mean and standard deviation over them.
     out : path, optional
         Output directory; must be empty or absent unless ``force``.
     force : bool
@@ -150,10 +250,30 @@ def run_demo(
         Progress bars; default only when stderr is a terminal.
     data : DataSplit, optional
         Use this (unstandardised) split instead of loading ``config.dataset``.
+
+    Notes
+    -----
+    ``seconds`` is the time to build each global model after an untimed warm-up fusion (so
+    one-time imports are not counted); for "local", the mean training time of one client.
     """
     config = config or DemoConfig()
+    seeds = (config.seed,) if seeds is None else tuple(int(s) for s in seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"seeds must be distinct non-negative integers, got {list(seeds)}")
     out_dir = check_output_dir(out, force=force) if out is not None else None  # created when written
-    split = (data or load_dataset(config.dataset, seed=config.seed, path=config.data_path)).standardize()
+    splits = {}
+    runs = []
+    for seed in seeds:
+        split = (data or load_dataset(config.dataset, seed=seed, path=config.data_path)).standardize()
+        splits[seed] = split
+        runs.append(_run_seed(replace(config, seed=seed), split, verbose))
+    result = DemoResult(_summary(runs), runs, replace(config, seed=seeds[0]), seeds)
+    if out_dir is not None:
+        result.files = _write_outputs(result, prepare_output_dir(out_dir, force=force), splits[seeds[0]])
+    return result
+
+
+def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> SeedRun:
     partition = dirichlet_partition(split.train.y, config.n_clients, config.alpha, seed=config.seed)
     train_config = config.train_config()
 
@@ -162,31 +282,38 @@ def run_demo(
     train_seconds = time.perf_counter() - start
     x_test, y_test = split.test.x, split.test.y
     spec = spec_from_module(models[0])
-    width = sum(spec.sizes(numpy_state(models[0])).values())
+    local_widths = list(spec.sizes(numpy_state(models[0])).values())
+    width = sum(local_widths)
+    _warm_up(models)
 
     local_metrics = evaluate_locals(models, x_test, y_test)
     local_mean = {k: float(np.mean([m[k] for m in local_metrics])) for k in local_metrics[0]}
-    rows = [_row(f"local (mean of {len(models)})", local_mean, width, train_seconds / len(models), rounds=0)]
+    rows = [_row(f"local (mean of {len(models)})", local_mean, width, train_seconds / len(models), rounds=0,
+                 widths=local_widths)]
 
     start = time.perf_counter()
     ensemble = Ensemble(models)
     rows.append(_row("ensemble", evaluate(predict_proba(ensemble, x_test), y_test),
-                     width * len(models), time.perf_counter() - start))
+                     width * len(models), time.perf_counter() - start,
+                     widths=[w * len(models) for w in local_widths]))
 
     start = time.perf_counter()
     averaged = fedavg(models, weights=partition.sizes)
     seconds = time.perf_counter() - start
-    rows.append(_row("fedavg", evaluate(predict_proba(averaged, x_test), y_test), width, seconds))
+    rows.append(_row("fedavg", evaluate(predict_proba(averaged, x_test), y_test), width, seconds,
+                     widths=local_widths))
 
     retrain = replace(train_config, epochs=config.retrain_epochs or config.epochs)
     n_rounds = len(spec.groups) + 1  # FedMA: one round per hidden layer, one for the output layer
     for method in config.methods:
-        if method in ("pfnm", "nafi"):
-            fused = fuse(models, method, class_counts=partition.counts, seed=config.seed)
+        hyper = dict(config.hyper.get(method, {}))
+        if method in ("pfnm", "nafi", "ot"):
+            fused = fuse(models, method, class_counts=partition.counts, seed=config.seed, **hyper)
         elif method in ("fedma", "fedma-nafi"):
+            if method == "fedma-nafi":
+                hyper.setdefault("kl_weight", methods.defaults("nafi")["kl_weight"])
             fused = fuse(models, "fedma", data=(split.train, partition), retrain=retrain, seed=config.seed,
-                         kl_weight=methods.defaults("nafi")["kl_weight"] if method == "fedma-nafi" else None,
-                         verbose=verbose)
+                         verbose=verbose, **hyper)
         else:  # FedAvg from one shared initialisation, as many rounds as FedMA
             start = time.perf_counter()
             with torch_threads(train_config.num_threads):
@@ -194,15 +321,26 @@ def run_demo(
                 init = new_model(split.n_features, split.n_classes, train_config)
             run = run_fedavg(init, split.train, partition, retrain, rounds=n_rounds, verbose=verbose)
             rows.append(_row(f"fedavg x{n_rounds} rounds", evaluate(predict_proba(run.model, x_test), y_test),
-                             width, time.perf_counter() - start, rounds=n_rounds))
+                             width, time.perf_counter() - start, rounds=n_rounds, widths=local_widths))
             continue
         rows.append(_row(method, evaluate(predict_proba(fused.model, x_test), y_test), sum(fused.sizes),
-                         fused.seconds, rounds=fused.hyper.get("rounds", 1)))
+                         fused.seconds, rounds=fused.hyper.get("rounds", 1), widths=fused.sizes,
+                         hyper=fused.hyper))
+    return SeedRun(config.seed, rows, local_metrics, partition, train_seconds)
 
-    result = DemoResult(rows, local_metrics, partition, config, train_seconds)
-    if out_dir is not None:
-        result.files = _write_outputs(result, prepare_output_dir(out_dir, force=force), split)
-    return result
+
+def _summary(runs: Sequence[SeedRun]) -> list[dict]:
+    """Mean and standard deviation over seeds of each method's numbers (rows in the first seed's order)."""
+    out = []
+    for i, first in enumerate(runs[0].rows):
+        row = {"method": first["method"]}
+        for c in COLUMNS[1:]:
+            values = np.array([r.rows[i][c] for r in runs], dtype=float)
+            row[c] = float(values.mean())
+            row[c + "_sd"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+        row["widths"], row["hyper"] = first["widths"], first["hyper"]
+        out.append(row)
+    return out
 
 
 def _versions() -> dict[str, str]:
@@ -214,53 +352,83 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+def _json_default(value):
+    """NumPy arrays and scalars in reports as JSON lists and numbers."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
 def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[str, Path]:
+    columns = ("seed", *COLUMNS, "widths")
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(result.rows)
+    for run in result.runs:
+        writer.writerows({**row, "seed": run.seed, "widths": "/".join(map(str, row["widths"] or []))}
+                         for row in run.rows)
     files = {"csv": atomic_write_text(out_dir / "results.csv", buf.getvalue(), overwrite=True)}
     report = {
         "config": asdict(result.config),
+        "seeds": list(result.seeds),
         "data": {"name": split.name, "n_train": len(split.train), "n_test": len(split.test),
                  "n_features": split.n_features, "n_classes": split.n_classes},
-        "results": result.rows,
-        "local_models": result.local_metrics,
-        "client_class_counts": result.partition.counts.tolist(),
-        "train_seconds": result.train_seconds,
+        "summary": result.rows,
+        "runs": [{"seed": run.seed, "results": run.rows, "local_models": run.local_metrics,
+                  "client_class_counts": run.partition.counts.tolist(), "train_seconds": run.train_seconds}
+                 for run in result.runs],
+        "seconds": "time to build each global model, after an untimed warm-up fusion; local: mean training time "
+                   "of one client",
         "versions": _versions(),
     }
-    files["json"] = atomic_write_text(out_dir / "results.json", json.dumps(report, indent=2) + "\n", overwrite=True)
+    text = json.dumps(report, indent=2, default=_json_default, allow_nan=False) + "\n"
+    files["json"] = atomic_write_text(out_dir / "results.json", text, overwrite=True)
     files["figure"] = atomic_write_bytes(out_dir / "summary.png", _figure_png(result, split), overwrite=True)
     return files
 
 
+#: (column, axis label, whether smaller is better) of the figure's panels
+_PANELS = (("accuracy", "test accuracy", False), ("nll", "test NLL", True), ("ece", "ECE", True),
+           ("hidden", "hidden units of the global model", True), ("rounds", "communication rounds", True))
+
+
 def _figure_png(result: DemoResult, split: DataSplit) -> bytes:
-    """Two panels: test accuracy by method, and each client's class histogram."""
+    """Five panels (accuracy, NLL, ECE, global width, rounds: mean and sd over seeds, one
+    horizontal bar per method) and the first seed's class counts per client."""
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    fig = Figure(figsize=(13, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_acc, ax_hist = fig.subplots(1, 2, width_ratios=[1, 1.4])
-
+    axes = fig.subplots(2, 3).ravel()
     names = [r["method"] for r in result.rows]
-    accs = [r["accuracy"] for r in result.rows]
-    ax_acc.bar(range(len(names)), accs, color=[["#9e9e9e", "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
-                    "#da8bc3"][i % 8] for i in range(len(names))])
-    local_accs = [m["accuracy"] for m in result.local_metrics]
-    jitter = np.linspace(-0.25, 0.25, len(local_accs))
-    ax_acc.scatter(jitter, local_accs, s=12, color="black", zorder=3, label="each local model")
-    for i, a in enumerate(accs):
-        ax_acc.text(i, 0.02, f"{a:.3f}", ha="center", va="bottom", fontsize=9, color="white",
-                    fontweight="bold")
-    ax_acc.set_xticks(range(len(names)), names, rotation=15)
-    ax_acc.set_ylim(0, 1.08)
-    ax_acc.set_ylabel("test accuracy")
-    ax_acc.set_title(f"{split.name}: J={result.config.n_clients}, alpha={result.config.alpha}")
-    ax_acc.legend(loc="lower right", fontsize=8)
+    colours = [matplotlib.colormaps["tab10"](i % 10) for i in range(len(names))]
+    y = np.arange(len(names))[::-1]
+    n_seeds = len(result.seeds)
+    for ax, (column, label, smaller) in zip(axes, _PANELS):
+        means = np.array([r[column] for r in result.rows])
+        sds = np.array([r[column + "_sd"] for r in result.rows])
+        ax.barh(y, means, xerr=sds if n_seeds > 1 else None, color=colours, capsize=3)
+        if column == "accuracy":  # each local model of each seed, on the "local" bar
+            local = [m["accuracy"] for run in result.runs for m in run.local_metrics]
+            ax.scatter(local, np.full(len(local), y[0]) + np.linspace(-0.25, 0.25, len(local)), s=9,
+                       color="black", zorder=3)
+        ax.set_yticks(y, names if column in ("accuracy", "hidden") else [""] * len(names))
+        for yi, m, sd in zip(y, means, sds):
+            text = f"{m:.3f}" if column in ("accuracy", "nll", "ece") else (f"{m:g}" if m == int(m) else f"{m:.1f}")
+            ax.text(m + (sd if n_seeds > 1 else 0), yi, " " + text, va="center", fontsize=8)
+        ax.set_xlabel(label + (" (lower is better)" if smaller and column in ("nll", "ece") else ""))
+        ax.set_xlim(0, max(1e-9, float((means + sds).max())) * 1.25)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_title(f"{split.name}: J={result.config.n_clients}, alpha={result.config.alpha}, "
+                      f"seeds {', '.join(map(str, result.seeds))}", loc="left", fontsize=10)
 
+    ax_hist = axes[5]
     counts = result.partition.counts
     cmap = matplotlib.colormaps["tab10"]
     bottom = np.zeros(len(counts))
@@ -271,7 +439,7 @@ def _figure_png(result: DemoResult, split: DataSplit) -> bytes:
     ax_hist.set_xlabel("client")
     ax_hist.set_ylabel("training examples")
     ax_hist.set_xticks(np.arange(len(counts)))
-    ax_hist.set_title("class counts per client (Dirichlet partition)")
+    ax_hist.set_title(f"class counts per client (seed {result.seeds[0]})", fontsize=10)
     ax_hist.legend(title="class", fontsize=7, ncols=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

@@ -26,10 +26,48 @@ def test_demo_writes_table_and_files(demo_run, capsys):
     assert [int(r["hidden"]) for r in rows[:3]] == [20, 80, 20]
     # A matched model has at least the widest local layer and at most all units.
     assert all(20 <= int(r["hidden"]) <= 80 for r in rows[3:])
+    assert {r["seed"] for r in rows} == {"0"}
+    assert [int(w) for w in rows[3]["widths"].split("/")] == [int(rows[3]["hidden"])]
     report = json.loads((out / "results.json").read_text())
-    assert report["config"]["n_clients"] == 4 and len(report["local_models"]) == 4
-    assert sum(map(sum, report["client_class_counts"])) == report["data"]["n_train"]
+    run = report["runs"][0]
+    assert report["config"]["n_clients"] == 4 and len(run["local_models"]) == 4
+    assert sum(map(sum, run["client_class_counts"])) == report["data"]["n_train"]
+    pfnm = next(r for r in report["summary"] if r["method"] == "pfnm")
+    assert pfnm["accuracy_sd"] == 0.0 and pfnm["hyper"]["noise_var"] == "auto" and "chosen" in pfnm["hyper"]
     assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_over_seeds_reports_mean_and_sd_and_takes_hyper(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main([*SMALL, "--seeds", "0", "1", "--methods", "pfnm,nafi", "--hyper", "nafi.kl_weight=0.5",
+                 "n_iter=7", "--out", str(out)]) == 0
+    assert "±" in capsys.readouterr().out
+    report = json.loads((out / "results.json").read_text())
+    assert report["seeds"] == [0, 1] and [r["seed"] for r in report["runs"]] == [0, 1]
+    for i, row in enumerate(report["summary"]):
+        values = [run["results"][i]["accuracy"] for run in report["runs"]]
+        assert row["accuracy"] == pytest.approx(sum(values) / 2)
+        assert row["accuracy_sd"] == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5)
+    hyper = {r["method"]: r["hyper"] for r in report["summary"]}
+    assert hyper["nafi"]["kl_weight"] == 0.5 and hyper["pfnm"]["kl_weight"] == 0.0
+    assert hyper["nafi"]["n_iter"] == hyper["pfnm"]["n_iter"] == 7
+    with open(out / "results.csv") as fh:
+        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 5 + ["1"] * 5
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("args, message", [
+    (["--hyper", "sigma=1"], "no method run (pfnm, nafi) has a key 'sigma'"),
+    (["--hyper", "fedma.noise_var=1"], "'fedma' is not among the fusion methods run"),
+    (["--hyper", "noise_var"], "key=value"),
+    (["--hyper", "nafi.kl_weight=-1"], "kl_weight"),
+    (["--hyper", "n_iter=2", "pfnm.n_iter=3"], "pfnm.n_iter twice"),
+])
+def test_demo_refuses_bad_hyper_before_any_work(tmp_path, capsys, args, message):
+    assert main([*SMALL, *args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_demo_refuses_non_empty_out_without_force(demo_run, capsys):
