@@ -80,12 +80,15 @@ class FusionResult:
         """Whether every layer's matching or fusion converged."""
         return all(bool(getattr(layer, "converged", True)) for layer in self.layers)
 
-    def to_arviz(self, *, layer: int | str = 0, num_draws: int = 1000, chains: int = 4, seed: int = 0):
-        """Draws of one layer's fused posterior and its assignments as an ArviZ object (see
-        :func:`bayesfuse.analysis.fusion_to_arviz`)."""
+    def to_arviz(self, *, layer: int | str = 0, **options):
+        """Independent draws of one layer's fused posterior, its assignments, the method,
+        hyper-parameters and convergence as an ArviZ object; ``options`` (``units``,
+        ``num_draws``, ``weight_names``, ``seed``) as in :func:`bayesfuse.analysis.fusion_to_arviz`.
+        For a fused BNN with test data (``az.loo``, ``az.compare``) see
+        :func:`bayesfuse.analysis.bnn_to_arviz`."""
         from bayesfuse.analysis import fusion_to_arviz
 
-        return fusion_to_arviz(self, layer=layer, num_draws=num_draws, chains=chains, seed=seed)
+        return fusion_to_arviz(self, layer=layer, **options)
 
 
 def _is_bnn(model) -> bool:

@@ -1,73 +1,208 @@
+"""ArviZ export (bayesfuse.analysis): size and speed, coordinates, attrs, draws, BNN comparison."""
+
+import json
+import time
+import tracemalloc
+import warnings
+
 import numpy as np
 import pytest
+from scipy import stats
+from scipy.special import logsumexp
 
-from bayesfuse.analysis import _arviz, gaussian_to_arviz
+from bayesfuse.analysis import (
+    DEFAULT_DRAWS,
+    DRAW_BUDGET,
+    _arviz,
+    bnn_to_arviz,
+    fusion_to_arviz,
+    gaussian_to_arviz,
+    klfusion_to_arviz,
+    local_to_arviz,
+    match_to_arviz,
+    to_arviz,
+)
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.matching import match_neurons
 from bayesfuse.models.bbp import simulate_federation
 
-N = 4000  # draws
+N = 4000  # draws of the small round trips
+
+
+def _theta(idata) -> np.ndarray:
+    return np.asarray(idata.posterior["theta"])
 
 
 def _check_moments(idata, mean, var):
-    draws = np.asarray(idata.posterior["theta"]).reshape(N, *mean.shape)
+    draws = _theta(idata).reshape(N, *mean.shape)
     # Sample mean: sd sqrt(var / N); sample variance: relative sd sqrt(2 / (N - 1)).
     # 5 sd bounds on each of <= 60 entries fail with probability < 1e-4 in all.
     assert (np.abs(draws.mean(0) - mean) < 5 * np.sqrt(var / N)).all()
     assert (np.abs(draws.var(0, ddof=1) / var - 1) < 5 * np.sqrt(2 / (N - 1))).all()
 
 
+@pytest.fixture(scope="module")
+def readme_match():
+    """The README's 30-client, D = 794 matching (378 global atoms), the export users met."""
+    fed = simulate_federation(30, 794, gamma0=100.0, prior_var=1.0, noise_var=0.01, seed=0)
+    return match_neurons(fed.layers, noise_var=0.01, prior_var=1.0, gamma0=100.0, cost="marginal")
+
+
+def _default_export(res):
+    with pytest.warns(UserWarning, match="draw budget"):
+        return match_to_arviz(res)
+
+
+# ------------------------------------------------------------------------------ size and speed
+
+
+def test_default_export_of_the_readme_example_is_small_and_fast(readme_match):
+    """Before: 13.7 s (32 s on two shared cores), a 2.4 GB posterior, 7.3 GB peak RSS, 300,132
+    scalars in 4 fake chains. The goal is under 1 s and 200 MB; measured here about 0.1 s and
+    21 MB. The bounds are the goal itself: about 10x the measurement (room for slow shared
+    cores and tracemalloc's bookkeeping), and still 30x below the old peak, so a return to
+    exporting every unit (240 MB at 100 draws) or many draws fails."""
+    res = readme_match
+    G, D = res.mean.shape
+    match_to_arviz(res, units=[0], num_draws=2)  # imports (ArviZ, xarray) are not the export's cost
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        start = time.perf_counter()
+        match_to_arviz(res)
+        seconds = time.perf_counter() - start
+        tracemalloc.start()
+        try:
+            idata = match_to_arviz(res)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert seconds < 1.0
+    assert peak < 200e6
+    theta = idata.posterior["theta"]
+    assert theta.dims == ("chain", "draw", "global_unit", "weight")
+    k = DRAW_BUDGET // (DEFAULT_DRAWS * D)
+    assert theta.shape == (1, DEFAULT_DRAWS, k, D)
+    assert list(idata.posterior.data_vars) == ["theta"]
+    np.testing.assert_array_equal(idata.posterior["global_unit"], np.arange(k))
+    assert idata.posterior.attrs["drawn_units"] == f"0..{k - 1}" and idata.posterior.attrs["n_units"] == G
+    # the exact posterior of every unit stays in constant_data
+    np.testing.assert_array_equal(np.asarray(idata.constant_data["loc"]), res.mean)
+    np.testing.assert_array_equal(np.asarray(idata.constant_data["scale"]), np.sqrt(res.var))
+    assert idata.constant_data["loc"].dims == ("global_unit", "weight")
+    np.testing.assert_array_equal(np.asarray(idata.constant_data["counts"]), res.counts)
+
+
+def test_default_draws_agree_with_the_posterior(readme_match):
+    """Each entry's draws are N(loc, scale^2) (2 x 19,850 checks on the default export).
+
+    With N draws, the sample mean's z = (mean - loc) / (scale / sqrt(N)) is exactly N(0, 1)
+    and (N - 1) s^2 / scale^2 is exactly chi^2(N - 1). Each of the 2M checks (M entries) is
+    two-sided at level alpha / (2M), so by Bonferroni a correct export fails with probability
+    < alpha = 1e-4 over seeds (the seed is fixed, so the test is deterministic). A wrong scale
+    (a variance used as a standard deviation would be off by 50x here) fails by far."""
+    res = readme_match
+    idata = _default_export(res)
+    units = np.asarray(idata.posterior["global_unit"])
+    draws = _theta(idata)[0]  # (draws, units, weights)
+    n = draws.shape[0]
+    loc, scale = res.mean[units], np.sqrt(res.var[units])
+    m = loc.size
+    level = 1e-4 / (2 * m)
+    z = (draws.mean(0) - loc) / (scale / np.sqrt(n))
+    assert np.abs(z).max() < stats.norm.isf(level / 2)
+    ratio = draws.var(0, ddof=1) / scale**2
+    lo, hi = stats.chi2.ppf([level / 2, 1 - level / 2], n - 1) / (n - 1)
+    assert lo < ratio.min() and ratio.max() < hi
+
+
+def test_subsets_and_fewer_draws_are_slices_of_the_full_export(readme_match):
+    res = readme_match
+    small = _default_export(res)  # units 0..24, 100 draws
+    some = match_to_arviz(res, units=[377, 0, 24, 200], num_draws=250)
+    np.testing.assert_array_equal(some.posterior["global_unit"], [377, 0, 24, 200])
+    for g in (0, 24):
+        np.testing.assert_array_equal(some.posterior["theta"].sel(global_unit=g).isel(draw=slice(DEFAULT_DRAWS)),
+                                      small.posterior["theta"].sel(global_unit=g))
+    # units="all" on a layer the default budget cuts: 300 units x 100 weights x 100 draws = 3M numbers
+    rng = np.random.default_rng(0)
+    mean, var = rng.normal(size=(300, 100)), rng.uniform(0.5, 2, size=(300, 100))
+    with pytest.warns(UserWarning, match="first 200 units"):
+        default = gaussian_to_arviz(mean, var)
+    full = gaussian_to_arviz(mean, var, units="all", num_draws=150)
+    assert _theta(full).shape == (1, 150, 300, 100) and _theta(default).shape == (1, 100, 200, 100)
+    np.testing.assert_array_equal(_theta(full)[:, :100, :200], _theta(default))
+    np.testing.assert_array_equal(np.asarray(full.constant_data["loc"]), np.asarray(default.constant_data["loc"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gaussian_to_arviz(mean, var, num_draws=60)  # 1.8M numbers: every unit, no warning
+
+
+# ------------------------------------------------------------------------------ round trips
+
+
 def test_match_result_round_trip():
     fed = simulate_federation(4, 5, gamma0=3.0, prior_var=1.0, noise_var=0.05, seed=0)
     res = match_neurons(fed.layers, noise_var=0.05, prior_var=1.0, gamma0=3.0, cost="marginal")
-    idata = res.to_arviz(num_draws=N)
+    idata = match_to_arviz(res, num_draws=N)
     _check_moments(idata, res.mean, res.var)
     cd = idata.constant_data
     for j, a in enumerate(res.assignments):
         np.testing.assert_array_equal(np.asarray(cd["assigned_global_unit"])[np.asarray(cd["client"]) == j], a)
     np.testing.assert_array_equal(np.asarray(cd["counts"]), res.counts)
     np.testing.assert_allclose(np.asarray(cd["objective"]), res.objective)
+    assert to_arviz(res, num_draws=10).posterior["theta"].shape == (1, 10, res.n_global, 5)
 
 
 def test_klfusion_round_trip_and_arviz_tools():
     rng = np.random.default_rng(0)
     clients = [DiagNormal(loc=rng.normal(size=(3, 4)) * 3, var=rng.uniform(0.1, 0.3, size=(3, 4))) for _ in range(2)]
     res = kl_fuse(clients, reg=0.1)
-    idata = res.to_arviz(num_draws=N)
+    idata = klfusion_to_arviz(res, num_draws=N)
     _check_moments(idata, res.components.loc, res.components.var)
+    # the components' parameters per dimension
+    np.testing.assert_array_equal(np.asarray(idata.constant_data["loc"]), res.components.loc)
+    np.testing.assert_allclose(np.asarray(idata.constant_data["scale"]), np.sqrt(res.components.var))
+    assert list(idata.posterior["weight"].values) == ["dim_0", "dim_1", "dim_2", "dim_3"]
     az = _arviz()
-    summary = az.summary(idata, var_names=["theta"])
+    summary = az.summary(idata, var_names=["theta"], kind="stats")
     assert len(summary) == res.n_components * 4
-    az.plot_forest(idata, var_names=["theta"], coords={"global_unit": [0]})
+    assert "theta[0, dim_2]" in summary.index
+    az.plot_forest(idata, var_names=["theta"], coords={"global_unit": [0], "weight": ["dim_0", "dim_1"]})
+
+
+def test_one_chain_of_independent_draws_has_no_chain_diagnostics():
+    rng = np.random.default_rng(2)
+    idata = gaussian_to_arviz(rng.normal(size=(2, 3)), np.ones((2, 3)), num_draws=200)
+    assert idata.posterior.sizes["chain"] == 1
+    assert idata.posterior.attrs["sampling"] == "independent"
+    assert "kind='stats'" in idata.posterior.attrs["sampling_note"]
+    az = _arviz()
+    assert "r_hat" not in az.summary(idata, kind="stats").columns
+    assert az.summary(idata, kind="diagnostics")["r_hat"].isna().all()  # one chain: r_hat is undefined
 
 
 def test_local_exports_line_up_with_the_fused_one():
-    from bayesfuse.analysis import local_to_arviz
-
     rng = np.random.default_rng(1)
     base = DiagNormal(loc=rng.normal(size=(3, 4)) * 3, var=rng.uniform(0.1, 0.3, size=(3, 4)))
     perm = np.array([2, 0, 1])
     clients = [base, DiagNormal(loc=base.loc[perm] + 0.01, var=base.var[perm])]  # the same units, reordered
     res = kl_fuse(clients, reg=0.1)
     assert res.n_components == 3
-    fused = res.to_arviz(num_draws=400)
-    locals_ = [local_to_arviz(c.loc, c.var, a, num_draws=400) for c, a in zip(clients, res.assignments)]
+    fused = klfusion_to_arviz(res, num_draws=400)
+    names = list(fused.posterior["weight"].values)
+    locals_ = [local_to_arviz(c.loc, c.var, a, num_draws=400, weight_names=names)
+               for c, a in zip(clients, res.assignments)]
     g = int(res.assignments[0][0])  # client 0's unit 0 and its match in client 1
     got = np.asarray(locals_[0].posterior["theta"].sel(global_unit=g)).reshape(400, 4).mean(0)
     assert (np.abs(got - clients[0].loc[0]) < 5 * np.sqrt(clients[0].var[0] / 400)).all()
+    one = local_to_arviz(clients[1].loc, clients[1].var, res.assignments[1], units=[g], num_draws=400)
+    np.testing.assert_array_equal(one.posterior["global_unit"], [g])
     az = _arviz()
     az.plot_forest([fused, *locals_], model_names=["fused", "client 0", "client 1"], var_names=["theta"],
                    coords={"global_unit": [g]}, combined=True)
     with pytest.raises(ValueError, match="distinct"):
         local_to_arviz(clients[0].loc, clients[0].var, [0, 0, 1])
-
-
-def test_bad_inputs():
-    with pytest.raises(ValueError, match="multiple"):
-        gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), num_draws=10, chains=4)
-    with pytest.raises(ValueError, match="non-negative"):
-        gaussian_to_arviz(np.zeros((2, 2)), -np.ones((2, 2)))
 
 
 def test_deep_fusion_exports_each_layer():
@@ -84,9 +219,206 @@ def test_deep_fusion_exports_each_layer():
                 p.normal_(0, 1.0)
     res = fuse(models, "pfnm")
     for key, layer in (("P2", res.layers[1]), (1, res.layers[1]), (0, res.layers[0])):
-        idata = res.to_arviz(layer=key, num_draws=N)
+        idata = fusion_to_arviz(res, layer=key, num_draws=N)
         _check_moments(idata, layer.mean, layer.var)
     with pytest.raises(ValueError, match=r"no layer 'P9'; the matched groups are \['P1', 'P2'\]"):
-        res.to_arviz(layer="P9")
+        fusion_to_arviz(res, layer="P9")
     with pytest.raises(ValueError, match="no matched layers"):
-        fuse(models, "fedavg").to_arviz()
+        fusion_to_arviz(fuse(models, "fedavg"))
+
+
+# ------------------------------------------------------------------------------ names and attrs
+
+
+def test_weight_coordinates_name_the_entries():
+    import torch
+
+    from bayesfuse import fuse
+    from bayesfuse.models.bnn import HorseshoeBNN
+    from bayesfuse.nets.mlp import MLP
+
+    fed = simulate_federation(4, 5, gamma0=3.0, prior_var=1.0, noise_var=0.05, seed=0)
+    plain = match_neurons(fed.layers, noise_var=0.05, prior_var=1.0, gamma0=3.0)
+    idata = match_to_arviz(plain)
+    assert list(idata.posterior["weight"].values) == [f"dim_{d}" for d in range(5)]
+    assert idata.posterior.attrs["weight_names"] == "index"
+    given = ["a", "b", "c", "d", "bias"]
+    assert list(match_to_arviz(plain, weight_names=given).posterior["weight"].values) == given
+    with pytest.raises(ValueError, match="all 5 entries"):
+        match_to_arviz(plain, weight_names=given[:4])
+    with pytest.raises(ValueError, match="distinct"):
+        match_to_arviz(plain, weight_names=["a"] * 5)
+    # empirical Bayes per block records each entry's block
+    blocks = match_neurons(fed.layers, noise_var="auto", prior_var=1.0, gamma0=3.0, blocks=np.array([0, 0, 1, 2, 2]))
+    assert list(match_to_arviz(blocks).posterior["weight"].values) == [
+        "block0[0]", "block0[1]", "block1", "block2[0]", "block2[1]"]
+
+    # fused networks: the matching recorded its entries, the fused network gives their widths
+    torch.manual_seed(0)
+    models = [MLP(6, [5, 4], 3) for _ in range(2)]
+    net = fuse(models, "pfnm")
+    G1 = net.sizes[0]
+    p1 = fusion_to_arviz(net, layer="P1").posterior
+    assert list(p1["weight"].values) == [f"layers.0.weight[{i}]" for i in range(6)] + ["layers.0.bias"]
+    p2 = fusion_to_arviz(net, layer="P2").posterior
+    assert list(p2["weight"].values) == ([f"layers.1.weight[{i}]" for i in range(G1)] + ["layers.1.bias"]
+                                         + [f"layers.2.weight[{k}]" for k in range(3)])
+    assert p2.attrs["weight_names"] == "blocks" and p2.attrs["layer"] == "P2"
+
+    # fused BNNs: incoming weights, bias, log scale, outgoing weights
+    torch.manual_seed(0)
+    bnns = [HorseshoeBNN(8, 5, 3) for _ in range(2)]
+    expected = [f"in_{d}" for d in range(8)] + ["bias", "log_scale"] + [f"out_{k}" for k in range(3)]
+    for method in ("kl", "pfnm"):
+        fused = fuse(bnns, method)
+        idata = fusion_to_arviz(fused, num_draws=10)
+        assert list(idata.posterior["weight"].values) == expected
+        mean, var = fused.posteriors[0]
+        np.testing.assert_array_equal(np.asarray(idata.constant_data["loc"]), mean)
+        np.testing.assert_allclose(np.asarray(idata.constant_data["scale"]) ** 2, var)
+
+
+def test_attrs_record_method_hyper_and_convergence(tmp_path):
+    import torch
+
+    from bayesfuse import fuse
+    from bayesfuse.nets.mlp import MLP
+
+    fed = simulate_federation(4, 5, gamma0=3.0, prior_var=1.0, noise_var=0.05, seed=0)
+    res = match_neurons(fed.layers, noise_var=0.05, prior_var=1.0, gamma0=3.0, kl_weight=0.5, seed=3)
+    idata = match_to_arviz(res, num_draws=20, seed=7)
+    attrs = idata.posterior.attrs
+    assert attrs["method"] == "nafi" and attrs["result"] == "MatchResult"
+    assert json.loads(attrs["hyper"]) == json.loads(json.dumps(res.hyper))
+    assert attrs["converged"] == int(res.converged) and attrs["n_iterations"] == res.n_sweeps
+    assert attrs["objective"] == res.objective[-1]
+    assert (attrs["sampling"], attrs["num_draws"], attrs["seed"]) == ("independent", 20, 7)
+
+    kl = kl_fuse([DiagNormal(loc=np.eye(3), var=np.ones((3, 3)))] * 2, reg=0.1)
+    kl_attrs = klfusion_to_arviz(kl, num_draws=5).posterior.attrs
+    assert kl_attrs["method"] == "kl" and json.loads(kl_attrs["hyper"])["solver"] == kl.solver
+
+    torch.manual_seed(0)
+    net = fuse([MLP(6, [5, 4], 3) for _ in range(2)], "pfnm")
+    fused_attrs = fusion_to_arviz(net, layer="P2", num_draws=5).posterior.attrs
+    assert fused_attrs["method"] == "pfnm" and json.loads(fused_attrs["hyper"])["noise_var"] == "auto"
+    assert json.loads(fused_attrs["layer_hyper"])["blocks"] == ["layers.1.weight", "layers.1.bias", "layers.2.weight"]
+
+    # everything survives netCDF
+    path = tmp_path / "fused.nc"
+    idata.to_netcdf(str(path))
+    back = _arviz().from_netcdf(str(path))
+    for key in ("method", "hyper", "converged", "sampling", "drawn_units"):
+        assert back.posterior.attrs[key] == attrs[key]
+    np.testing.assert_array_equal(_theta(back), _theta(idata))
+    assert list(back.posterior["weight"].values) == list(idata.posterior["weight"].values)
+
+
+# ------------------------------------------------------------------------------ fused and local BNNs
+
+
+@pytest.fixture(scope="module")
+def bnn_federation(digits):
+    """Two tiny horseshoe BNNs on halves of the digits (3 epochs) and their KL-fusion."""
+    from bayesfuse import fuse
+    from bayesfuse.models.bnn import BNNConfig, train_bnn
+
+    halves = np.array_split(np.random.default_rng(0).permutation(len(digits.train.y)), 2)
+    bnns = [train_bnn(digits.train.x[i], digits.train.y[i], 10, 8, BNNConfig(epochs=3, seed=j), verbose=False)
+            for j, i in enumerate(halves)]
+    return bnns, fuse(bnns, "kl")
+
+
+def test_bnn_export_compares_fused_and_local_networks(digits, bnn_federation):
+    bnns, fused = bnn_federation
+    x, y = digits.test.x[:150], digits.test.y[:150]
+    S = 200
+    exports = {"fused": bnn_to_arviz(fused, x, y, num_samples=S, seed=1)}
+    exports.update({f"local {j}": bnn_to_arviz(b, x, y, num_samples=S, seed=1) for j, b in enumerate(bnns)})
+    fid = exports["fused"]
+    H = fused.model.hidden
+    assert fid.log_likelihood["y"].shape == (1, S, 150) and fid.log_likelihood["y"].dims == ("chain", "draw", "obs")
+    np.testing.assert_array_equal(np.asarray(fid.observed_data["y"]), y)
+    y_rep = np.asarray(fid.posterior_predictive["y"])
+    assert y_rep.shape == (1, S, 150) and y_rep.min() >= 0 and y_rep.max() <= 9
+    assert fid.posterior["w1"].dims == ("chain", "draw", "unit", "input") and fid.posterior["w1"].shape[2:] == (H, 64)
+    assert fid.posterior["w2"].dims == ("chain", "draw", "class", "unit")
+    assert (np.asarray(fid.posterior["tau"]) > 0).all()
+    assert fid.posterior.attrs["method"] == "kl" and exports["local 0"].posterior.attrs["method"] == "local"
+    # the draws are predict's: the mean likelihood over draws is its probability of the label
+    ll = np.asarray(fid.log_likelihood["y"])[0]
+    p = fused.model.predict(x, S, seed=1)
+    np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(S), np.log(p[np.arange(150), y]), rtol=1e-10)
+
+    az = _arviz()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Pareto k warnings of barely trained networks
+        loo = az.loo(fid, pointwise=True)
+        table = az.compare(exports, ic="loo")
+    assert np.isfinite(loo["elpd_loo"]) and np.isfinite(loo["p_loo"]) and np.isfinite(np.asarray(loo["loo_i"])).all()
+    assert set(table.index) == set(exports) and sorted(table["rank"]) == [0, 1, 2]
+    elpd = table["elpd_loo"].to_numpy()
+    assert np.isfinite(elpd).all() and (np.diff(elpd) <= 0).all()  # ranked best first
+
+
+def test_bnn_export_rejects_bad_inputs(digits, bnn_federation):
+    bnns, _ = bnn_federation
+    x, y = digits.test.x[:5], digits.test.y[:5]
+    only = bnn_to_arviz(bnns[0], x, y, num_samples=4, sites=["tau", "b2"])
+    assert sorted(only.posterior.data_vars) == ["b2", "tau"]
+    with pytest.raises(ValueError, match=r"x must be \(n, 64\)"):
+        bnn_to_arviz(bnns[0], x[:, :10], y)
+    with pytest.raises(ValueError, match="labels in 0..9"):
+        bnn_to_arviz(bnns[0], x, y + 10)
+    with pytest.raises(ValueError, match="unknown sites"):
+        bnn_to_arviz(bnns[0], x, y, sites=["w3"])
+    with pytest.raises(TypeError, match="HorseshoeBNN"):
+        bnn_to_arviz(object(), x, y)
+    with pytest.raises(TypeError, match="bnn_to_arviz"):
+        to_arviz(bnns[0])
+
+
+# ------------------------------------------------------------------------------ inputs and API
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="multiple"):
+        gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), num_draws=10, chains=4)
+    with pytest.raises(ValueError, match="non-negative"):
+        gaussian_to_arviz(np.zeros((2, 2)), -np.ones((2, 2)))
+    with pytest.raises(ValueError, match="num_draws must be a positive integer"):
+        gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), num_draws=0)
+    with pytest.raises(ValueError, match="no unit 5 to export; the units are 0..1"):
+        gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), units=[5])
+    with pytest.raises(ValueError, match="repeat"):
+        gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), units=[1, 1])
+    with pytest.raises(ValueError, match="'all'"):
+        gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), units="some")
+
+
+def test_chains_are_deprecated():
+    with pytest.warns(FutureWarning, match="not Markov chains"):
+        idata = gaussian_to_arviz(np.zeros((2, 2)), np.ones((2, 2)), num_draws=8, chains=2)
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 4
+
+
+def test_result_methods_delegate_to_the_analysis_functions():
+    """``to_arviz`` of MatchResult, KLFusionResult and FusionResult pass their options through."""
+    import torch
+
+    from bayesfuse import fuse
+    from bayesfuse.nets.mlp import MLP
+
+    fed = simulate_federation(4, 5, gamma0=3.0, prior_var=1.0, noise_var=0.05, seed=0)
+    res = match_neurons(fed.layers, noise_var=0.05, prior_var=1.0, gamma0=3.0)
+    kl = kl_fuse([DiagNormal(loc=np.eye(3), var=np.ones((3, 3)))] * 2, reg=0.1)
+    torch.manual_seed(0)
+    net = fuse([MLP(6, [5, 4], 3) for _ in range(2)], "pfnm")
+    pairs = ((res.to_arviz(units=[1], num_draws=7, seed=2), match_to_arviz(res, units=[1], num_draws=7, seed=2)),
+             (kl.to_arviz(num_draws=7), klfusion_to_arviz(kl, num_draws=7)),
+             (net.to_arviz(layer="P2", units=[0], num_draws=7),
+              fusion_to_arviz(net, layer="P2", units=[0], num_draws=7)))
+    for got, want in pairs:
+        np.testing.assert_array_equal(_theta(got), _theta(want))
+        assert got.posterior.sizes["chain"] == 1
+    assert res.to_arviz().posterior.sizes["draw"] == DEFAULT_DRAWS
