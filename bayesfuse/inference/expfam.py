@@ -9,6 +9,10 @@ parameters ``eta`` (flattened to ``[L, P]``), log-normaliser ``A(eta)`` and mean
 
   .. math:: \\mathrm{KL}(q_a \\| q_b) = A(\\eta_b) - A(\\eta_a) - \\langle \\eta_b - \\eta_a, \\mu_a \\rangle
 
+  The per-component terms (``eta``, ``mu``, ``A``, ``<mu, eta>``) are computed once
+  (:class:`KLTerms`); :func:`kl_matrix` forms any block of the matrix from them, and
+  :func:`kl_moments` the mean and standard deviation of all its entries block by block, without
+  holding the matrix (KL-fusion's cost scale over N x N pairs).
 * the weighted KL barycenter ``argmin_q sum_i w_i KL(q || q_i)``, whose natural parameter is
   the weighted average ``sum_i w_i eta_i / sum_i w_i`` (section 3.1, Banerjee et al. 2005).
 
@@ -26,7 +30,8 @@ from scipy.special import digamma, gammaln, multigammaln
 
 from bayesfuse._validation import finite_array, positive_array
 
-__all__ = ["ExpFamily", "DiagNormal", "FullNormal", "NormalWishart", "Gamma", "Beta", "Dirichlet"]
+__all__ = ["ExpFamily", "KLTerms", "kl_matrix", "kl_moments", "DiagNormal", "FullNormal", "NormalWishart", "Gamma",
+           "Beta", "Dirichlet"]
 
 F = TypeVar("F", bound="ExpFamily")
 
@@ -90,18 +95,28 @@ class ExpFamily:
         ``clip=False`` the value as computed.
         """
         _check_same_family([self, other])
-        eta_a, eta_b = self.natural(), other.natural()
-        mu_a = self.mean_params(eta_a, self.event_shape)
-        a_a = self.log_normalizer(eta_a, self.event_shape)
-        a_b = self.log_normalizer(eta_b, self.event_shape)
-        cross = mu_a @ eta_b.T - np.einsum("lp,lp->l", mu_a, eta_a)[:, None]
-        raw = a_b[None, :] - a_a[:, None] - cross
-        return np.maximum(raw, 0.0) if clip else raw
+        return kl_matrix(self.kl_terms(), other.kl_terms(), clip=clip)
 
-    def barycenter(self: F, weights: np.ndarray) -> F:
+    def kl_terms(self) -> KLTerms:
+        """The per-component terms of the KL formula (module docstring), computed once."""
+        return KLTerms.from_natural(type(self), self.natural(), self.event_shape)
+
+    def kl_std(self, other: ExpFamily, *, block_bytes: int = 2**26) -> float:
+        """Standard deviation of all entries of ``self.kl(other)``, without forming the matrix.
+
+        Rows of the KL matrix are computed in blocks of about ``block_bytes`` and their moments
+        merged (Chan, Golub & LeVeque 1983: counts, means and sums of squared deviations of
+        two parts combine exactly), so memory is one block, and the result is the population
+        standard deviation (``np.std``, ddof 0) of the full matrix up to round-off.
+        """
+        _check_same_family([self, other])
+        return kl_moments(self.kl_terms(), other.kl_terms(), block_bytes=block_bytes)[2]
+
+    def barycenter(self: F, weights: np.ndarray, *, natural: np.ndarray | None = None) -> F:
         """Weighted KL barycenters: row g of ``weights`` (G, L) defines component g.
 
         ``argmin_q sum_l w_gl KL(q || q_l)`` has natural parameter ``sum_l w_gl eta_l / sum_l w_gl``.
+        ``natural``: ``self.natural()`` when the caller holds it already (e.g. ``KLTerms.eta``).
         """
         w = finite_array(weights, "weights")
         if w.ndim == 1:
@@ -111,7 +126,72 @@ class ExpFamily:
         total = w.sum(1, keepdims=True)
         if (total <= 0).any():
             raise ValueError("every barycenter needs a positive total weight")
-        return self.from_natural((w / total) @ self.natural(), self.event_shape)
+        eta = self.natural() if natural is None else natural
+        if eta.shape[0] != len(self):
+            raise ValueError(f"natural must have one row per component ({len(self)}), got {eta.shape}")
+        return self.from_natural((w / total) @ eta, self.event_shape)
+
+
+@dataclass(frozen=True)
+class KLTerms:
+    """What ``KL(q_a || q_b)`` needs of a batch of components, each computed once.
+
+    With ``KL(q_a || q_b) = A(eta_b) - A(eta_a) - <mu_a, eta_b> + <mu_a, eta_a>`` (module
+    docstring): natural parameters ``eta`` (L, P), mean parameters ``mu`` (L, P), ``log_norm``
+    ``A(eta)`` (L,) and ``self_dot`` ``<mu, eta>`` (L,). A KL matrix between two batches is then
+    one matrix product (:func:`kl_matrix`), and a block of rows is a slice (``terms[rows]``).
+    """
+
+    eta: np.ndarray
+    mu: np.ndarray
+    log_norm: np.ndarray
+    self_dot: np.ndarray
+
+    @classmethod
+    def from_natural(cls, family: type[ExpFamily], eta: np.ndarray, event_shape: tuple[int, ...]) -> KLTerms:
+        """Terms of the components of ``family`` with natural parameters ``eta`` (L, P)."""
+        mu = family.mean_params(eta, event_shape)
+        return cls(eta, mu, family.log_normalizer(eta, event_shape), np.einsum("lp,lp->l", mu, eta))
+
+    def __len__(self) -> int:
+        return len(self.eta)
+
+    def __getitem__(self, index) -> KLTerms:
+        return KLTerms(self.eta[index], self.mu[index], self.log_norm[index], self.self_dot[index])
+
+
+def kl_matrix(a: KLTerms, b: KLTerms, *, clip: bool = True) -> np.ndarray:
+    """``KL(a_i || b_k)`` for every pair (module docstring), shape (len(a), len(b)); see :meth:`ExpFamily.kl`."""
+    cross = a.mu @ b.eta.T - a.self_dot[:, None]
+    raw = b.log_norm[None, :] - a.log_norm[:, None] - cross
+    return np.maximum(raw, 0.0, out=raw) if clip else raw
+
+
+def kl_moments(a: KLTerms, b: KLTerms, *, block_bytes: int = 2**26) -> tuple[int, float, float]:
+    """Count, mean and standard deviation (ddof 0) of the entries of ``kl_matrix(a, b)``, streamed.
+
+    Blocks of rows of at most ``block_bytes`` (at least one row) are formed one at a time; each
+    block's mean and sum of squared deviations (two passes over the block, as ``np.std``) are
+    merged into the running ones by the pairwise update of Chan, Golub & LeVeque (1983):
+    ``M2 = M2_a + M2_b + delta^2 n_a n_b / (n_a + n_b)`` with ``delta`` the difference of the
+    means. Memory is one block; the cost is the full ``len(a) x len(b) x P`` matrix product.
+    """
+    rows = max(1, int(block_bytes // (8 * max(len(b), 1))))
+    count, mean, m2 = 0, 0.0, 0.0
+    for start in range(0, len(a), rows):
+        block = kl_matrix(a[start : start + rows], b)
+        n_b = block.size
+        mean_b = float(block.mean())
+        block -= mean_b
+        m2_b = float(np.einsum("ij,ij->", block, block))
+        total = count + n_b
+        delta = mean_b - mean
+        mean += delta * n_b / total
+        m2 += m2_b + delta * delta * count * n_b / total
+        count = total
+    if count == 0:
+        raise ValueError("the KL matrix is empty")
+    return count, mean, float(np.sqrt(m2 / count))
 
 
 def _check_same_family(parts: Sequence[ExpFamily]) -> None:

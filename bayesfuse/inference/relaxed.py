@@ -8,21 +8,47 @@ For fixed global components, the assignment matrices ``P_j`` (L_j x G) of all cl
 
 whose L2,2,1 norm (eq. 8) drives whole global components out of use.
 :func:`solve_relaxed` picks one of two solvers: cvxpy (an exact conic solve) or a consensus
-ADMM with exact proximal steps that scales to large problems.
+ADMM with exact proximal steps that scales to large problems; it can be warm-started from a P
+and from the duals of a previous solve (:class:`ADMMState`).
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import numpy as np
 
-__all__ = ["AUTO_CVXPY_MAX_ENTRIES", "Solver", "relaxed_objective", "solve_relaxed"]
+__all__ = ["AUTO_CVXPY_MAX_ENTRIES", "ADMMState", "Solver", "relaxed_objective", "solve_relaxed"]
 
 Solver = Literal["auto", "cvxpy", "fast"]
 #: ``solver="auto"`` uses cvxpy when the relaxed problem has at most this many entries.
 AUTO_CVXPY_MAX_ENTRIES = 20_000
+
+
+@dataclass
+class ADMMState:
+    """The fast solver's scaled duals and penalty at its last iterate, for warm starts.
+
+    Pass one to :func:`solve_relaxed` as ``state``: the fast solver starts from its ``dual``
+    and ``rho`` when the dual's shape fits the problem (a nearby problem: the next alternation
+    step of KL-fusion, whose barycenters moved little) and writes its own final ones back,
+    with the number of iterations it took. ADMM converges from any start (the problem is
+    convex), but from the duals of a distant problem its residual test can pass early at a less
+    accurate point: pass a state only on to a problem close to the one that produced it.
+
+    Attributes
+    ----------
+    dual : ndarray (3, N, G) or None
+        Scaled duals ``U`` of the three copies of P (see :func:`_solve_admm`).
+    rho : float
+    iterations : int
+    """
+
+    dual: np.ndarray | None = None
+    rho: float = 1.0
+    iterations: int = 0
 
 
 def relaxed_objective(costs: Sequence[np.ndarray], P: Sequence[np.ndarray], reg: float) -> float:
@@ -56,6 +82,7 @@ def solve_relaxed(
     tol: float = 1e-5,
     max_iter: int = 20_000,
     init: Sequence[np.ndarray] | None = None,
+    state: ADMMState | None = None,
 ) -> tuple[list[np.ndarray], str]:
     """Solve the convex relaxation of eq. 9 for fixed global components.
 
@@ -74,6 +101,9 @@ def solve_relaxed(
     tol, max_iter : fast solver's stopping rule.
     init : list of (L_j, G) arrays, optional
         Warm start for the fast solver (the previous step's P).
+    state : ADMMState, optional
+        Warm start of the fast solver's duals, updated in place with its final ones (see
+        :class:`ADMMState`); ignored by cvxpy (``state.iterations`` is set to 0).
 
     Returns
     -------
@@ -86,10 +116,12 @@ def solve_relaxed(
     if solver == "auto":
         solver = "cvxpy" if entries <= AUTO_CVXPY_MAX_ENTRIES else "fast"
     if solver == "cvxpy":
+        if state is not None:
+            state.dual, state.iterations = None, 0
         return _solve_cvxpy(costs, reg)
     if solver == "fast":
         x0 = None if init is None else np.vstack(init)
-        return _solve_admm(costs, reg, tol=tol, max_iter=max_iter, x0=x0), "fast"
+        return _solve_admm(costs, reg, tol=tol, max_iter=max_iter, x0=x0, state=state), "fast"
     raise ValueError(f"solver must be 'auto', 'cvxpy' or 'fast', got {solver!r}")
 
 
@@ -136,12 +168,21 @@ def _project_rows_to_simplex(Y: np.ndarray) -> np.ndarray:
     return np.maximum(Y - theta[:, None], 0.0)
 
 
-def _project_capped_columns(Y: np.ndarray) -> np.ndarray:
-    """Projection of each column onto ``{x >= 0, sum x <= 1}`` (exact)."""
+def _project_client_columns(Y: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Projection onto ``{P >= 0, each client's columns sum to at most 1}`` (exact).
+
+    Client j's rows are ``starts[j]:starts[j+1]``. The set is a product over (client, column)
+    pairs of ``{x >= 0, sum x <= 1}``, whose projection is ``max(y, 0)`` when that sums to at
+    most 1 and the projection onto the simplex otherwise. The column sums of all clients come
+    from one ``np.add.reduceat``; only the pairs over capacity are projected onto the simplex.
+    """
     X = np.maximum(Y, 0.0)
-    over = X.sum(0) > 1.0
-    if over.any():
-        X[:, over] = _project_rows_to_simplex(Y[:, over].T).T
+    nonempty = np.flatnonzero(np.diff(starts) > 0)
+    sums = np.add.reduceat(X, starts[nonempty], axis=0)  # (clients with rows, G)
+    for k in np.flatnonzero((sums > 1.0).any(1)):
+        a, b = starts[nonempty[k]], starts[nonempty[k] + 1]
+        over = sums[k] > 1.0
+        X[a:b, over] = _project_rows_to_simplex(Y[a:b, over].T).T
     return X
 
 
@@ -152,7 +193,7 @@ def _group_shrink(Y: np.ndarray, t: float) -> np.ndarray:
 
 
 def _solve_admm(costs: list[np.ndarray], reg: float, *, tol: float, max_iter: int, rho: float = 1.0,
-                x0: np.ndarray | None = None) -> list[np.ndarray]:
+                x0: np.ndarray | None = None, state: ADMMState | None = None) -> list[np.ndarray]:
     """Consensus ADMM for the relaxed eq. 9, every proximal step exact.
 
     Splits the objective into three functions of copies of the stacked P (N x G):
@@ -160,7 +201,9 @@ def _solve_admm(costs: list[np.ndarray], reg: float, *, tol: float, max_iter: in
     ``reg * sum_g ||P3[:, g]||``; ADMM drives the copies to agreement (Boyd et al. 2011,
     section 7.1) with residual balancing of ``rho``. Stops when the primal and dual residuals
     fall below ``tol`` (scaled by sqrt of the number of entries). Returns the row-feasible copy
-    with each client's columns projected to capacity, i.e. a feasible point.
+    with each client's columns projected to capacity, i.e. a feasible point. ``x0`` warm-starts
+    the consensus P, ``state`` (:class:`ADMMState`) the duals and ``rho``, and receives the
+    final ones.
     """
     sizes = [c.shape[0] for c in costs]
     starts = np.cumsum([0, *sizes])
@@ -168,14 +211,14 @@ def _solve_admm(costs: list[np.ndarray], reg: float, *, tol: float, max_iter: in
     n, g = C.shape
     X = np.full((n, g), 1.0 / g) if x0 is None or x0.shape != (n, g) else x0.copy()
     U = np.zeros((3, n, g))
+    if state is not None and state.dual is not None and state.dual.shape == U.shape:
+        U[:] = state.dual
+        rho = state.rho
     scale = np.sqrt(n * g)
-
-    def capped(Y):
-        return np.vstack([_project_capped_columns(Y[a:b]) for a, b in zip(starts[:-1], starts[1:])])
-
+    it = -1
     for it in range(max_iter):
         P1 = _project_rows_to_simplex(X - U[0] - C / rho)
-        P2 = capped(X - U[1])
+        P2 = _project_client_columns(X - U[1], starts)
         P3 = _group_shrink(X - U[2], reg / rho)
         X_old = X
         X = (P1 + P2 + P3 + U.sum(0)) / 3.0
@@ -193,11 +236,13 @@ def _solve_admm(costs: list[np.ndarray], reg: float, *, tol: float, max_iter: in
             elif dual > 10 * primal:
                 rho /= 2.0
                 U *= 2.0
+    if state is not None:
+        state.dual, state.rho, state.iterations = U, rho, it + 1
     # A feasible answer: rows on the simplex, then client columns within capacity, alternated
     # a few times from the consensus point (both sets convex; this polishes tiny violations).
     P = X
     for _ in range(50):
-        P = _project_rows_to_simplex(capped(P))
+        P = _project_rows_to_simplex(_project_client_columns(P, starts))
         if (np.vstack([P[a:b].sum(0) for a, b in zip(starts[:-1], starts[1:])]) <= 1 + 1e-9).all():
             break
     return [P[a:b] for a, b in zip(starts[:-1], starts[1:])]

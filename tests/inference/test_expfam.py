@@ -9,7 +9,8 @@ from torch.distributions import Dirichlet as TDirichlet
 from torch.distributions import Gamma as TGamma
 from torch.distributions import MultivariateNormal, Normal, kl_divergence
 
-from bayesfuse.inference.expfam import Beta, DiagNormal, Dirichlet, FullNormal, Gamma, NormalWishart
+from bayesfuse.inference.expfam import (Beta, DiagNormal, Dirichlet, FullNormal, Gamma, NormalWishart, kl_matrix,
+                                        kl_moments)
 
 RNG = np.random.default_rng(0)
 
@@ -197,3 +198,31 @@ def test_bad_inputs():
         make(DiagNormal, 2, d=3).kl(make(DiagNormal, 2, d=4))
     with pytest.raises(ValueError, match="NaN"):
         Dirichlet(concentration=[[1.0, np.nan]])
+
+
+@pytest.mark.parametrize("family", [DiagNormal, Gamma, Dirichlet])
+def test_streamed_kl_std_is_the_full_matrix_std(family):
+    # kl_moments merges blocks of rows (Chan, Golub & LeVeque): count, mean and std of all
+    # entries equal those of the full matrix, whatever the block size (1 row, a few, all).
+    rng = np.random.default_rng(11)
+    qa, qb = make(family, 37, rng), make(family, 23, rng)
+    full = qa.kl(qb)
+    for block_bytes in (1, 8 * 23 * 5, 8 * 23 * 36, 2**26):
+        count, mean, std = kl_moments(qa.kl_terms(), qb.kl_terms(), block_bytes=block_bytes)
+        assert count == full.size
+        assert mean == pytest.approx(full.mean(), rel=1e-12)
+        assert std == pytest.approx(full.std(), rel=1e-12)
+    assert qa.kl_std(qa, block_bytes=8 * 37 * 4) == pytest.approx(qa.kl(qa).std(), rel=1e-12)
+    # the terms reproduce kl() entry for entry (same arithmetic), blocks of rows included
+    np.testing.assert_array_equal(kl_matrix(qa.kl_terms()[5:9], qb.kl_terms()), full[5:9])
+
+
+def test_barycenter_from_given_natural_parameters():
+    q = make(Gamma, 4)
+    w = np.array([[0.1, 0.4, 0.3, 0.2], [1.0, 0.0, 0.0, 1.0]])
+    want = q.barycenter(w)
+    got = q.barycenter(w, natural=q.kl_terms().eta)
+    np.testing.assert_array_equal(got.shape, want.shape)
+    np.testing.assert_array_equal(got.rate, want.rate)
+    with pytest.raises(ValueError, match="one row per component"):
+        q.barycenter(w, natural=q.natural()[:3])
