@@ -19,7 +19,8 @@ with the assignments ``B``, by coordinate ascent:
 
 1. ``B`` <- Hungarian sweeps with the exact marginal cost (``cost="marginal"``: each sweep
    raises the objective);
-2. given ``B``, EM steps on the hyper-parameters (:func:`em_step`, closed form);
+2. given ``B``, EM steps on the hyper-parameters (:func:`em_step`, closed form), all from the
+   atoms' sufficient statistics (:func:`atom_statistics`: one pass over the neurons per round);
 3. repeat until the number of atoms and the variances stop moving.
 
 EM step given ``B`` (E-step: the atoms' Gaussian posteriors
@@ -48,7 +49,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["BlockHyper", "initial_hyper", "em_step", "noise_matrix"]
+__all__ = ["BlockHyper", "AtomStatistics", "initial_hyper", "atom_statistics", "atom_posterior", "em_step",
+           "em_update", "noise_matrix"]
 
 #: Smallest variance EM may return (constant coordinates would otherwise reach 0).
 VARIANCE_FLOOR = 1e-8
@@ -89,13 +91,71 @@ def initial_hyper(layers: Sequence[np.ndarray], blocks: np.ndarray, weights: np.
     """Start values from the neurons alone: ``s_0b`` = precision-weighted variance of block b's
     coordinates around the prior mean, ``s_b = noise_fraction * s_0b``."""
     B = _n_blocks(blocks)
-    num, den = np.zeros(B), np.zeros(B)
+    centred = bool(np.any(prior_mean))
+    num_d, den_d = np.zeros(blocks.shape), np.zeros(blocks.shape)
     for v, w in zip(layers, weights):
-        np.add.at(num, blocks, (w * (v - prior_mean) ** 2).sum(0))
-        np.add.at(den, blocks, (w > 0) * len(v))
+        d = v - prior_mean if centred else v
+        num_d += w * np.einsum("ld,ld->d", d, d)
+        den_d += (w > 0) * len(v)
+    num, den = np.bincount(blocks, num_d, minlength=B), np.bincount(blocks, den_d, minlength=B)
     s0 = np.maximum(num / np.maximum(den, 1), VARIANCE_FLOOR)
     mu0 = np.array([prior_mean[blocks == b].mean() for b in range(B)])
     return BlockHyper(prior_var=s0, noise_var=noise_fraction * s0, prior_mean=mu0, gamma0=float(gamma0))
+
+
+@dataclass
+class AtomStatistics:
+    """What EM needs of the neurons given the assignments: per atom i and coordinate d,
+    ``weight_id = W_id = sum_{(j,l) -> i} w_jd``, ``mean_id = c_id = sum w_jd v_jld / W_id`` (0
+    where ``W_id = 0``) and ``scatter_id = Q_id = sum w_jd (v_jld - c_id)^2``, each (K, D);
+    ``counts`` (K,), the neurons of each atom; ``n_seen`` (D,), the number of observed neuron
+    coordinates ``#{(j, l): w_jd > 0}``; and the number of clients."""
+
+    weight: np.ndarray
+    mean: np.ndarray
+    scatter: np.ndarray
+    counts: np.ndarray
+    n_seen: np.ndarray
+    n_clients: int
+
+
+def atom_statistics(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], weights: np.ndarray,
+                    shift: np.ndarray | None = None) -> AtomStatistics:
+    """:class:`AtomStatistics` of the neurons given the assignments.
+
+    One pass over the neurons accumulates, about a reference ``r_i`` per atom, ``W``,
+    ``S_id = sum w_jd (v_jld - r_id)`` and ``T_id = sum w_jd (v_jld - r_id)^2``; then
+    ``c = r + S / W`` and ``Q = T - S^2 / W`` (the shifted-data formulas, exact in exact
+    arithmetic). ``shift`` (K, D) gives ``r``: any values near each atom's mean keep the
+    subtraction free of cancellation, e.g. the atoms' posterior means, which lie within a
+    posterior standard deviation of ``c``. Without it a first pass computes ``c`` itself.
+    """
+    J, D = len(layers), layers[0].shape[1]
+    K = int(max(int(a.max()) for a in assignments)) + 1
+    sizes = np.array([len(a) for a in assignments])
+    members = np.zeros((J, K))  # client j has a neuron on atom i (at most one: a is injective)
+    members[np.repeat(np.arange(J), sizes), np.concatenate(assignments)] = 1.0
+    weight = members.T @ weights  # W_id = sum_j [j on i] w_jd
+    counts = members.sum(axis=0).astype(np.int64)
+    n_seen = (weights > 0).T @ sizes.astype(np.float64)
+    seen = weight > 0
+    plain = (weights == 1).all(axis=1)  # clients whose weights are all 1 need no product
+    if shift is None:
+        total = np.zeros((K, D))
+        for v, a, w, one in zip(layers, assignments, weights, plain):
+            # a is injective within a client, so fancy-index += is a correct scatter-add.
+            total[a] += v if one else v * w
+        shift = np.divide(total, weight, out=np.zeros_like(total), where=seen)
+    dev, dev_sq = np.zeros((K, D)), np.zeros((K, D))
+    for v, a, w, one in zip(layers, assignments, weights, plain):
+        d = v - shift[a]
+        wd = d if one else w * d
+        dev[a] += wd
+        dev_sq[a] += wd * d
+    mean_dev = np.divide(dev, weight, out=np.zeros_like(dev), where=seen)
+    mean = np.where(seen, shift + mean_dev, 0.0)
+    scatter = np.maximum(dev_sq - dev * mean_dev, 0.0)
+    return AtomStatistics(weight=weight, mean=mean, scatter=scatter, counts=counts, n_seen=n_seen, n_clients=J)
 
 
 def em_step(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], blocks: np.ndarray,
@@ -104,32 +164,45 @@ def em_step(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], blo
     """One EM step on the block hyper-parameters given the assignments (module docstring).
 
     ``fit`` names those to update (the others stay as given); the prior mean is refitted with
-    the prior variance.
+    the prior variance. Several steps on the same assignments: :func:`atom_statistics` once,
+    then :func:`em_update` each step.
     """
-    J, D = len(layers), layers[0].shape[1]
+    return em_update(atom_statistics(layers, assignments, weights), blocks, hyper, fit=fit)
+
+
+def atom_posterior(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper) -> tuple[np.ndarray, np.ndarray]:
+    """Natural parameters ``(h, lambda)``, each (K, D), of the atoms' Gaussian posteriors under
+    ``hyper`` (the E-step of :func:`em_update`; PFNM supplement eq. 2 with ``p_jd = w_jd / s_b``):
+    ``lambda_id = 1/s_0b + W_id / s_b`` and ``h_id = mu_0b / s_0b + W_id c_id / s_b``."""
+    s, s0, mu0 = hyper.noise_var[blocks], hyper.prior_var[blocks], hyper.prior_mean[blocks]
+    return mu0 / s0 + stats.weight * stats.mean / s, 1.0 / s0 + stats.weight / s
+
+
+def em_update(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
+              fit: Sequence[str] = ("noise_var", "prior_var", "gamma0")) -> BlockHyper:
+    """:func:`em_step` from the assignments' :class:`AtomStatistics` (no pass over the neurons).
+
+    E-step: :func:`atom_posterior` (``W = stats.weight``, ``c = stats.mean``); posterior mean
+    ``theta^ = h / lambda`` and variance ``V = 1 / lambda``. The noise numerator of the module
+    docstring is, per atom and coordinate,
+
+    .. math::
+
+        \\sum_{(j,l) \\to i} w_{jd} [(v_{jld} - \\hat\\theta_{id})^2 + V_{id}]
+            = Q_{id} + W_{id} [(c_{id} - \\hat\\theta_{id})^2 + V_{id}]
+
+    (``Q = stats.scatter``; the cross term vanishes as ``c`` is the weighted mean).
+    """
     B = _n_blocks(blocks)
-    K = int(max(int(a.max()) for a in assignments)) + 1
-    noise, prior0, mu0 = hyper.expand(blocks, weights)
-    with np.errstate(divide="ignore"):
-        prec = 1.0 / noise  # (J, D), 0 where unobserved
-    lam = np.tile(1.0 / prior0, (K, 1))
-    h = np.tile(mu0 / prior0, (K, 1))
-    counts = np.zeros(K, dtype=np.int64)
-    for j, a in enumerate(assignments):
-        h[a] += layers[j] * prec[j]
-        lam[a] += prec[j]
-        counts[a] += 1
+    K = stats.weight.shape[0]
+    h, lam = atom_posterior(stats, blocks, hyper)
     mean, var = h / lam, 1.0 / lam
     out = BlockHyper(hyper.prior_var.copy(), hyper.noise_var.copy(), hyper.prior_mean.copy(), hyper.gamma0)
     if "noise_var" in fit:
-        num, den = np.zeros(D), np.zeros(D)
-        for j, a in enumerate(assignments):
-            w = weights[j]
-            num += (w * ((layers[j] - mean[a]) ** 2 + var[a])).sum(0)
-            den += (w > 0) * len(a)
+        num = (stats.scatter + stats.weight * ((stats.mean - mean) ** 2 + var)).sum(0)
         nb, db = np.zeros(B), np.zeros(B)
         np.add.at(nb, blocks, num)
-        np.add.at(db, blocks, den)
+        np.add.at(db, blocks, stats.n_seen)
         out.noise_var = np.maximum(nb / np.maximum(db, 1), VARIANCE_FLOOR)
     if "prior_var" in fit:
         for b in range(B):
@@ -138,5 +211,5 @@ def em_step(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], blo
             out.prior_var[b] = max(float(np.sum((mean[:, cols] - out.prior_mean[b]) ** 2 + var[:, cols]))
                                    / (K * cols.sum()), VARIANCE_FLOOR)
     if "gamma0" in fit:
-        out.gamma0 = float(K / np.sum(1.0 / np.arange(1, J + 1)))
+        out.gamma0 = float(K / np.sum(1.0 / np.arange(1, stats.n_clients + 1)))
     return out

@@ -19,23 +19,41 @@ problem (Hungarian, ``scipy.optimize.linear_sum_assignment``), put client j back
 All arrays are NumPy float64; torch tensors are accepted and converted. Every cost matrix is a
 handful of matrix products (``||a + b||^2 = ||a||^2 + 2 a.b + ||b||^2``), never a loop over
 neurons or atoms.
+
+Computation. Precisions are kept per group of coordinates on which the prior and every client
+agree (:class:`_Groups`; the blocks of empirical Bayes), so an atom's precision is (B,) instead
+of (D,) and one (G, D) x (D, L) product per client visit carries the cost. The assignment never
+forms the dense (L, L) block of new atoms (:func:`_assign`). With the ``"marginal"`` cost, when
+few atoms beat a new one (well separated atoms), that product runs in float32 with a rigorous
+error bound and only the pairs it cannot rule out are computed in float64
+(:func:`_negative_pairs`). Each of these is exact: the assignments are those of the dense
+float64 Hungarian step, up to the numbering of new atoms (in neuron order) and round-off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 import numpy as np
+from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 from scipy.special import gammaln
 from tqdm.auto import tqdm
 
 from bayesfuse._validation import finite_array, positive_array
-from bayesfuse.inference.empirical_bayes import em_step, initial_hyper, noise_matrix
+from bayesfuse.inference.empirical_bayes import (
+    atom_posterior,
+    atom_statistics,
+    em_update,
+    initial_hyper,
+    noise_matrix,
+)
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 
 __all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost"]
@@ -84,11 +102,13 @@ class MatchResult:
     hyper: dict = field(default_factory=dict)
     seconds: float = 0.0
 
-    def to_arviz(self, *, num_draws: int = 1000, chains: int = 4, seed: int = 0):
-        """Draws of the fused posterior and the assignments as an ArviZ object (see :mod:`bayesfuse.analysis`)."""
+    def to_arviz(self, **options):
+        """Independent draws of the atoms' posterior, the assignments, method, hyper-parameters and
+        convergence as an ArviZ object; ``options`` (``units``, ``num_draws``, ``weight_names``,
+        ``seed``) as in :func:`bayesfuse.analysis.match_to_arviz`."""
         from bayesfuse.analysis import match_to_arviz
 
-        return match_to_arviz(self, num_draws=num_draws, chains=chains, seed=seed)
+        return match_to_arviz(self, **options)
 
     @property
     def n_global(self) -> int:
@@ -156,23 +176,111 @@ def _client_variances(noise_var, n_clients: int, dim: int) -> np.ndarray:
 # --------------------------------------------------------------------------- model pieces
 
 
+class _Groups:
+    """Coordinates in groups on which the prior and every client have one precision.
+
+    When ``lambda_0d`` and every client's ``p_jd`` are the same on all coordinates of a group,
+    so is every atom's ``lambda_id = lambda_0d + sum_{(j,l) -> i} p_jd`` (supplement eq. 2),
+    whatever the assignments: precisions are then stored per group, (G, B) instead of (G, D),
+    and the sums over coordinates of the cost and the objective become sums over groups of
+    per-group sums (``||h_i||^2`` restricted to a group, and so on). One group is the isotropic
+    case; one group per coordinate the general one.
+
+    Attributes
+    ----------
+    index : ndarray (D,) of int
+        Group of each coordinate.
+    sizes : ndarray (B,) of float
+        Number of coordinates in each group.
+    first : ndarray (B,) of int
+        A coordinate of each group (its first).
+    """
+
+    def __init__(self, index: np.ndarray, n_groups: int):
+        self.index = np.asarray(index, dtype=np.int64)
+        self.sizes = np.bincount(self.index, minlength=n_groups).astype(np.float64)
+        self.first = np.unique(self.index, return_index=True)[1]
+        self.identity = n_groups == len(self.index) and bool(np.all(self.index == np.arange(n_groups)))
+        D = len(self.index)
+        # Runs of consecutive coordinates in one group (blocks of a unit's weights): when there
+        # are few, sums go run by run; else through a (D, B) indicator, dense for a few groups.
+        starts = np.flatnonzero(np.diff(self.index) != 0) + 1
+        self._runs = None
+        if n_groups > 1 and len(starts) < 8:
+            bounds = np.concatenate([[0], starts, [D]])
+            self._runs = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), self.index[bounds[:-1]].tolist()))
+        self._onehot = None
+        if n_groups > 1 and not self.identity and self._runs is None:
+            if n_groups <= 64:
+                self._onehot = np.zeros((D, n_groups))
+                self._onehot[np.arange(D), self.index] = 1.0
+            else:
+                self._onehot = sparse.csr_array((np.ones(D), (np.arange(D), self.index)), shape=(D, n_groups))
+
+    @classmethod
+    def single(cls, dim: int) -> "_Groups":
+        return cls(np.zeros(dim, dtype=np.int64), 1)
+
+    @classmethod
+    def each(cls, dim: int) -> "_Groups":
+        return cls(np.arange(dim), dim)
+
+    @property
+    def n(self) -> int:
+        """Number of groups B."""
+        return len(self.sizes)
+
+    def sum(self, x: np.ndarray) -> np.ndarray:
+        """Sums of the rows of ``x`` (n, D) over each group: (n, B)."""
+        if self.n == 1:
+            return x.sum(axis=1, keepdims=True)
+        if self._runs is not None:
+            return self._by_runs(lambda s, e: x[:, s:e].sum(axis=1), x.shape[0])
+        if self.identity:
+            return x
+        return np.asarray(x @ self._onehot)
+
+    def sum_sq(self, x: np.ndarray) -> np.ndarray:
+        """``sum_{d in b} x_nd^2``: (n, B)."""
+        if self.n == 1:
+            return np.einsum("nd,nd->n", x, x)[:, None]
+        if self._runs is not None:
+            return self._by_runs(lambda s, e: np.einsum("nd,nd->n", x[:, s:e], x[:, s:e]), x.shape[0])
+        return self.sum(x * x)
+
+    def _by_runs(self, run_sum, n_rows: int) -> np.ndarray:
+        out = np.zeros((n_rows, self.n))
+        for start, end, group in self._runs:  # a few runs of coordinates
+            out[:, group] += run_sum(start, end)
+        return out
+
+    def expand(self, y: np.ndarray) -> np.ndarray:
+        """Per-group values ``y`` (n, B) on every coordinate: (n, D) (a broadcast view for one group)."""
+        if self.n == 1:
+            return np.broadcast_to(y, (y.shape[0], len(self.index)))
+        if self.identity:
+            return y
+        return y[:, self.index]
+
+
 @dataclass
 class _Prior:
     h0: np.ndarray  # (D,)   mu0 / sigma0^2
-    lam0: np.ndarray  # (1,) or (D,)   1 / sigma0^2
+    lam0: np.ndarray  # (B,)   1 / sigma0^2 per coordinate group
     gamma0: float
     n_clients: int
     dim: int
+    groups: _Groups
 
     @property
     def const_per_atom(self) -> float:
         """``-1/2 sum_d (log sigma0_d^2 + mu0_d^2 / sigma0_d^2)``: the atom normaliser."""
-        lam0 = np.broadcast_to(self.lam0, (self.dim,))
-        return float(0.5 * np.sum(np.log(lam0)) - 0.5 * np.sum(self.h0**2 / lam0))
+        hh0 = self.groups.sum_sq(self.h0[None, :])[0]
+        return float(0.5 * np.log(self.lam0) @ self.groups.sizes - 0.5 * np.sum(hh0 / self.lam0))
 
 
 def _posterior_stats(layers, prec, assignments, n_atoms, prior: _Prior):
-    """Natural parameters (h, lambda) and counts m of the atoms given assignments."""
+    """Natural parameters h (G, D), lambda (G, B) and counts m of the atoms given assignments."""
     h = np.tile(prior.h0, (n_atoms, 1))
     lam = np.tile(prior.lam0, (n_atoms, 1))
     m = np.zeros(n_atoms, dtype=np.int64)
@@ -180,7 +288,7 @@ def _posterior_stats(layers, prec, assignments, n_atoms, prior: _Prior):
         if a is None:
             continue
         # a is injective within a client, so fancy-index += is a correct scatter-add.
-        h[a] += layers[j] * prec[j]
+        h[a] += layers[j] * prior.groups.expand(prec[j])
         lam[a] += prec[j]
         m[a] += 1
     return h, lam, m
@@ -236,7 +344,7 @@ def log_marginal_posterior(
     h, lam, m = _posterior_stats(layers, prec, assignments, n_atoms, prior)
     if (m == 0).any():
         raise ValueError("assignments leave some atom indices unused; number atoms 0..G-1")
-    return _objective(h, lam, m, prior) + _data_constant(layers, prec)
+    return _objective(h, lam, m, prior) + _data_constant(layers, prec, prior.groups)
 
 
 def _partition_key(assignments: Sequence[np.ndarray]) -> bytes:
@@ -251,30 +359,53 @@ def _check_assignments(assignments: Sequence, layers: Sequence[np.ndarray]) -> l
     if len(assignments) != len(layers):
         raise ValueError(f"need one assignment array per client ({len(layers)}), got {len(assignments)}")
     out = [np.asarray(a, dtype=np.int64) for a in assignments]
-    for j, (a, v) in enumerate(zip(out, layers)):
-        if a.shape != (v.shape[0],) or len(np.unique(a)) != len(a) or (a < 0).any():
-            raise ValueError(f"client {j}: assignments must give each of its {v.shape[0]} neurons a distinct atom")
+    shaped = [a.shape == (v.shape[0],) for a, v in zip(out, layers)]
+    bad = [j for j, ok in enumerate(shaped) if not ok]
+    clients = np.flatnonzero(shaped)
+    if len(clients):  # negative or repeated atoms: one sort of (client, atom) keys for all clients
+        owner = np.repeat(clients, [len(out[j]) for j in clients])
+        flat = np.concatenate([out[j] for j in clients])
+        bad += owner[flat < 0].tolist()
+        owner, flat = owner[flat >= 0], flat[flat >= 0]
+        if len(flat):
+            size = int(flat.max()) + 1
+            key = np.sort(owner * size + flat)
+            bad += (key[1:][key[1:] == key[:-1]] // size).tolist()
+    if len(bad):
+        j = int(np.min(bad))
+        raise ValueError(f"client {j}: assignments must give each of its {layers[j].shape[0]} neurons a distinct atom")
     return out
 
 
 def _objective(h, lam, m, prior: _Prior) -> float:
-    d = prior.dim
-    lam_full = np.broadcast_to(lam, h.shape)
-    quad = 0.5 * np.sum(h * h / lam_full)
-    logdet = 0.5 * np.sum(np.log(lam_full)) if lam.shape[1] == d else 0.5 * d * np.sum(np.log(lam))
+    """Atom terms of :func:`log_marginal_posterior` (with ``lambda`` constant on each group)."""
+    groups = prior.groups
+    quad = 0.5 * np.sum(groups.sum_sq(h) / lam)
+    logdet = 0.5 * float(np.log(lam).sum(axis=0) @ groups.sizes)
     atoms = quad - logdet + len(m) * prior.const_per_atom
     return float(atoms + _log_ibp_structure(m, prior.n_clients, prior.gamma0))
 
 
-def _data_constant(layers, prec) -> float:
+def _data_constant(layers, prec, groups: _Groups, squares: Sequence[np.ndarray] | None = None) -> float:
+    """The neurons' terms of :func:`log_marginal_posterior`; ``squares[j]`` may give client j's
+    ``sum_l v_jld^2`` (D,) (:func:`_squares`)."""
     total = 0.0
     for j, v in enumerate(layers):
-        p = np.broadcast_to(prec[j], (prec[j].shape[0], v.shape[1]))  # (1 | L, D)
+        p = np.broadcast_to(groups.expand(prec[j]), (prec[j].shape[0], v.shape[1]))  # (1 | L, D)
         seen = p > 0  # a coordinate of precision 0 carries no information: no factor
         log_norm = np.sum(np.log(2 * np.pi / p[seen])) * (v.shape[0] if p.shape[0] == 1 else 1)
-        quad = (v * v).sum(0) @ p[0] if p.shape[0] == 1 else np.sum(v * v * p)
+        if p.shape[0] == 1:
+            quad = (np.einsum("ld,ld->d", v, v) if squares is None else squares[j]) @ p[0]
+        else:
+            quad = np.sum(v * v * p)
         total += -0.5 * log_norm - 0.5 * quad - gammaln(v.shape[0] + 1)
     return float(total)
+
+
+def _squares(layers: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``sum_l v_jld^2`` (D,) of each client: :func:`_data_constant` of several matchings on the
+    same neurons without a pass over them each time."""
+    return [np.einsum("ld,ld->d", v, v) for v in layers]
 
 
 def _make_prior(prior_var, prior_mean, gamma0, J, D, width) -> _Prior:
@@ -287,16 +418,31 @@ def _make_prior(prior_var, prior_mean, gamma0, J, D, width) -> _Prior:
         raise ValueError(f"gamma0 must be positive, got {gamma0}")
     lam0 = np.broadcast_to(1.0 / v0, (width,)).astype(np.float64)
     h0 = np.broadcast_to(mu0 * np.broadcast_to(1.0 / v0, (D,)), (D,)).astype(np.float64)
-    return _Prior(h0=h0, lam0=lam0, gamma0=float(gamma0), n_clients=J, dim=D)
+    groups = _Groups.single(D) if width == 1 else _Groups.each(D)
+    return _Prior(h0=h0, lam0=lam0, gamma0=float(gamma0), n_clients=J, dim=D, groups=groups)
 
 
-def _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars=None):
-    """Checked neurons, per-client precisions and the prior, all of one width (1 or D).
+def _group_coordinates(prec: list[np.ndarray], prior: _Prior) -> tuple[list[np.ndarray], _Prior]:
+    """Precisions per coordinate group (:class:`_Groups`): coordinates whose prior precision and
+    every client's precision agree share a group. Needs one precision row per client."""
+    columns = np.vstack([prior.lam0[None, :], *prec])  # (J + 1, D)
+    _, first, inverse = np.unique(columns, axis=1, return_index=True, return_inverse=True)
+    if len(first) == prior.dim:
+        return prec, prior
+    groups = _Groups(inverse.reshape(-1), len(first))
+    return [p[:, first] for p in prec], replace(prior, lam0=prior.lam0[first], groups=groups)
 
-    ``prec[j]`` has shape (1, width) when client j's neurons share one noise variance, or
-    (L_j, width) when ``local_vars`` gives each neuron its own (added to ``noise_var``).
+
+def _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars=None, *, checked: bool = False):
+    """Checked neurons, per-client precisions and the prior, in B coordinate groups.
+
+    ``prec[j]`` has shape (1, B) when client j's neurons share one noise variance, or (L_j, B)
+    when ``local_vars`` gives each neuron its own (added to ``noise_var``). B is 1 when every
+    variance is isotropic; with one precision row per client, coordinates on which the prior
+    and every client agree are grouped (:class:`_Groups`); else B = D. ``checked``: the layers
+    are already :func:`_check_layers`'s output.
     """
-    layers = _check_layers(layers)
+    layers = layers if checked else _check_layers(layers)
     J, D = len(layers), layers[0].shape[1]
     variances = list(_client_variances(noise_var, J, D)[:, None, :])  # J x (1, 1|D)
     if local_vars is not None:
@@ -312,23 +458,40 @@ def _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars=None):
     width = 1 if (all(x.shape[1] == 1 for x in variances) and np.ndim(prior_var) == 0) else D
     with np.errstate(divide="ignore"):  # infinite variance -> precision 0
         prec = [np.broadcast_to(1.0 / x, (x.shape[0], width)).copy() for x in variances]
-    return layers, prec, _make_prior(prior_var, prior_mean, gamma0, J, D, width)
+    prior = _make_prior(prior_var, prior_mean, gamma0, J, D, width)
+    if width > 1 and all(p.shape[0] == 1 for p in prec):
+        prec, prior = _group_coordinates(prec, prior)
+    return layers, prec, prior
 
 
 # --------------------------------------------------------------------------- cost
 
 
-def _gain_terms(h, lam, v, p, with_kl: bool):
+def _gain_terms(h, lam, v, p, groups: _Groups, with_kl: bool, hh: np.ndarray | None = None,
+                vv: np.ndarray | None = None):
     """Per (atom, neuron): ``Delta`` (G, L), ``sum_d log(1 + p_d/lam_id)`` (G, 1|L), KL (G, L) or None.
 
-    ``p`` is (1, width) (one precision for the client's neurons) or (L, width) (per neuron).
+    ``lam`` is (G, B) and ``p`` (1, B) (one precision row for the client's neurons) or (L, B)
+    (per neuron), in the coordinate groups ``groups`` (:class:`_Groups`). With one precision
+    row, ``a_ib = 1 / (lambda_ib + p_b)`` and the group sums ``HH_ib = sum_{d in b} h_id^2``,
+    ``VV_lb = sum_{d in b} v_ld^2``, the quadratic gain of the module docstring is
+
+    .. math::
+
+        \\Delta_{il} = \\sum_b \\Big[a_{ib} (HH_{ib} + p_b^2 VV_{lb}) - \\frac{HH_{ib}}{\\lambda_{ib}}\\Big]
+            + 2 \\sum_d a_{i b(d)} p_{b(d)} h_{id} v_{ld},
+
+    one (G, D) x (D, L) product (none more than that for the atoms' other terms, which are
+    (G, B) arrays); the KL of :func:`assignment_cost` likewise, with ``mu_i = h_i / lambda_i``.
+    ``hh``, ``vv``: the atoms' ``HH`` (G, B) and the neurons' ``VV`` (L, B), if known.
     """
-    D = v.shape[1]
-    if lam.shape[1] == 1:  # isotropic: one GEMM serves every term
+    sizes = groups.sizes
+    if groups.n == 1:  # isotropic: one GEMM serves every term
+        D = sizes[0]
         lam_i, pp = lam[:, :1], p[:, 0][None, :]  # (G, 1), (1, 1|L)
         hv = h @ v.T
-        hh = np.einsum("gd,gd->g", h, h)[:, None]
-        vv = np.einsum("ld,ld->l", v, v)[None, :]
+        hh = groups.sum_sq(h) if hh is None else hh
+        vv = (groups.sum_sq(v) if vv is None else vv).T
         a = 1.0 / (lam_i + pp)
         delta = a * (hh + 2 * pp * hv + pp * pp * vv) - hh / lam_i
         log_ratio = D * np.log1p(pp / lam_i)
@@ -337,25 +500,24 @@ def _gain_terms(h, lam, v, p, with_kl: bool):
             sq = vv - 2 * hv / lam_i + hh / lam_i**2  # ||v - mu_i||^2
             kl = 0.5 * D * (pp / lam_i - np.log1p(pp / lam_i)) + 0.5 * pp * pp * a * sq
         return delta, log_ratio, kl
-    lam_d = np.broadcast_to(lam, h.shape)
     if p.shape[0] > 1:
-        return _gain_terms_per_neuron(h, lam_d, v, p, with_kl)
-    pd = p[0]
-    a = 1.0 / (lam_d + pd)
-    v2 = v * v
-    delta = (
-        np.einsum("gd,gd->g", a * h, h)[:, None]
-        + 2 * (a * h * pd) @ v.T
-        + (a * pd * pd) @ v2.T
-        - np.einsum("gd,gd->g", h / lam_d, h)[:, None]
-    )
-    log_ratio = np.log1p(pd / lam_d).sum(1)[:, None]
+        return _gain_terms_per_neuron(h, groups.expand(lam), v, groups.expand(p), with_kl)
+    pb = p[0]
+    a = 1.0 / (lam + pb)  # (G, B)
+    ap = a * pb
+    hh = groups.sum_sq(h) if hh is None else hh
+    vv = groups.sum_sq(v) if vv is None else vv  # (L, B)
+    delta = (h * groups.expand(2 * ap)) @ v.T
+    delta += (ap * pb) @ vv.T
+    delta += np.sum(a * hh - hh / lam, axis=1)[:, None]
+    ratio = pb / lam
+    log_ratio = (np.log1p(ratio) @ sizes)[:, None]
     kl = None
     if with_kl:
-        b = pd * pd * a
-        mu = h / lam_d
-        sq = b @ v2.T - 2 * (b * mu) @ v.T + np.einsum("gd,gd->g", b * mu, mu)[:, None]
-        kl = 0.5 * (pd / lam_d - np.log1p(pd / lam_d)).sum(1)[:, None] + 0.5 * sq
+        b = ap * pb  # p^2 / (lambda + p)
+        b_mu = b / lam  # sum_d b_d (v_d - mu_d)^2 = b.v^2 - 2 (b / lam) h.v + (b / lam^2) h.h
+        sq = b @ vv.T - 2 * (h * groups.expand(b_mu)) @ v.T + np.sum(b_mu / lam * hh, axis=1)[:, None]
+        kl = 0.5 * ((ratio - np.log1p(ratio)) @ sizes)[:, None] + 0.5 * sq
     return delta, log_ratio, kl
 
 
@@ -397,9 +559,9 @@ def assignment_cost(
 
     Parameters
     ----------
-    v : (L, D) the client's neurons. p : (1, 1|D) their precision ``1/sigma_j^2``, or
-        (L, 1|D) one per neuron.
-    h, lam, m : natural parameters (G, D), (G, 1|D) and counts (G,) of the atoms of the
+    v : (L, D) the client's neurons. p : (1, B) their precision ``1/sigma_j^2`` in the prior's
+        B coordinate groups, or (L, B) one per neuron.
+    h, lam, m : natural parameters (G, D), (G, B) and counts (G,) of the atoms of the
         other clients (all counts >= 1).
 
     With ``Delta_il = ||h_i + p v_l||^2_{A} - ||h_i||^2_{1/lam_i}`` (weighted norms,
@@ -423,54 +585,288 @@ def assignment_cost(
             - \\log\\Big(1 + \\frac{p_d}{\\lambda_{id}}\\Big)
             + \\frac{p_d^2}{\\lambda_{id} + p_d} (v_{ld} - \\mu_{id})^2\\Big].
     """
+    old, new, steps = _cost_blocks(v, p, h, lam, m, prior, cost=cost, kl_weight=kl_weight)
+    G, L = old.shape
+    out = np.empty((L, G + L))
+    out[:, :G] = old.T
+    out[:, G:] = new[:, None] + (0.0 if steps is None else steps[None, :])
+    return out
+
+
+def _cost_blocks(v, p, h, lam, m, prior: _Prior, *, cost: Cost, kl_weight: float, hh: np.ndarray | None = None,
+                 vv: np.ndarray | None = None):
+    """:func:`assignment_cost` in its parts: ``old`` (G, L), the cost of each existing atom
+    (transposed); ``new`` (L,), the cost of a first new atom; ``steps`` (L,), what the k-th new
+    atom adds (``2 log k`` for the PFNM cost) or None (``"marginal"``: every new atom costs
+    ``new``)."""
     J, L = prior.n_clients, v.shape[0]
-    # The existing atoms, and the prior as the "atom" a new neuron starts from.
-    delta, log_ratio, kl = _gain_terms(h, lam, v, p, bool(kl_weight))
-    delta0, log_ratio0, kl0 = _gain_terms(prior.h0[None, :], prior.lam0[None, :], v, p, bool(kl_weight))
+    groups = prior.groups
+    # The existing atoms, and the prior as the "atom" a new neuron starts from (one row).
+    delta, log_ratio, kl = _gain_terms(h, lam, v, p, groups, bool(kl_weight), hh, vv)
+    delta0, log_ratio0, kl0 = _gain_terms(prior.h0[None, :], prior.lam0[None, :], v, p, groups, bool(kl_weight),
+                                          vv=vv)
     popularity = np.log(m / (J - m))
     new_prior = math.log(prior.gamma0 / J)
     if cost == "pfnm":
-        score_old = delta + 2 * popularity[:, None]
-        # row k-1: opening the k-th new atom
-        score_new = delta0 + 2 * new_prior - 2 * np.log(np.arange(1, L + 1))[:, None]
+        delta *= -1.0
+        delta -= 2 * popularity[:, None]
+        new = -(delta0[0] + 2 * new_prior)
+        steps = 2 * np.log(np.arange(1, L + 1))
     elif cost == "marginal":
-        score_old = 0.5 * delta - 0.5 * log_ratio + popularity[:, None]
-        score_new = np.broadcast_to(0.5 * delta0 - 0.5 * log_ratio0 + new_prior, (L, L))
+        delta *= -0.5
+        delta += 0.5 * log_ratio - popularity[:, None]
+        new = -(0.5 * delta0 - 0.5 * log_ratio0 + new_prior)[0]
+        steps = None
     else:
         raise ValueError(f"cost must be 'pfnm' or 'marginal', got {cost!r}")
-    G = len(m)
-    out = np.empty((L, G + L))
-    out[:, :G] = -score_old.T
-    out[:, G:] = -score_new.T
     if kl_weight:
-        out[:, :G] += kl_weight * kl.T
-        out[:, G:] += kl_weight * kl0.T
-    return out
+        delta += kl_weight * kl
+        new = new + kl_weight * kl0[0]
+    return delta, np.broadcast_to(new, (L,)), steps
 
 
 # --------------------------------------------------------------------------- alternation
 
 
-def _solve_assignment(C: np.ndarray, n_existing: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hungarian solution of the (L, G + L) cost, skipping atoms no neuron can take.
+def _assign(old: np.ndarray, new: np.ndarray, steps: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """Optimal assignment of L neurons to existing atoms or new ones; ``-1`` marks a new atom.
+    Also returns the number of candidate pairs (atom, neuron) (``R < 0``, or ``R <= steps_L``).
 
-    Among the L new-atom columns at least one is free in any assignment, so a neuron never
-    takes an existing atom that costs more than its dearest new column: such atoms (most of
-    them, once atoms are well separated) are dropped before solving. Exact.
+    Solves the linear assignment problem of the (L, G + L) matrix that :func:`assignment_cost`
+    builds from ``old`` (G, L), ``new`` and ``steps`` (:func:`_cost_blocks`) without building
+    it; ``old`` is overwritten. ``R_il = old_il - new_l`` is what atom i costs neuron l beyond
+    its cheapest new atom (a shift per neuron, which changes no assignment's ranking).
+
+    * The new atoms' block is ``new_l + steps_k`` with ``steps`` increasing (or zero), so the
+      neurons that open new atoms pay ``sum new_l + sum_{k <= n} steps_k`` however they share
+      the n cheapest new columns: only *which* neurons go new matters, and new atoms are
+      numbered in neuron order.
+    * Among the L new columns one is free in any assignment, so a neuron never takes an atom
+      dearer than its dearest new column (``R_il > steps_L``: it would gain by moving there).
+      Atoms no neuron can take are dropped, and neurons that can take no atom go new at once
+      (taking the cheapest new columns, which leaves the others the next ones).
+    * ``"marginal"`` (``steps`` None: every new column of a row costs ``new_l``): the optimum is
+      the partial matching of neurons to atoms minimising ``sum R_il`` over its pairs, which uses
+      only pairs with ``R_il < 0`` (any other pair moves to a free new column at no loss). That
+      is the assignment problem of ``Z = min(R, 0)`` restricted to the atoms and neurons
+      holding a negative entry: a matching of Z costs the sum of its negative entries, which
+      form a partial matching, and any partial matching of negative pairs extends to a full
+      one of Z (a rectangular problem matches min(rows, columns) pairs) through entries <= 0.
+      Pairs matched at a zero entry go new. The pairs ``R_il < 0`` form a bipartite graph;
+      its connected components are independent problems, and a component of one pair (the
+      neuron's only candidate, which no other neuron wants) is solved by taking it, so only
+      the rest goes to the Hungarian algorithm. The dense new-atom block is never formed.
+
+    With no ties among the candidate assignments the optimum is unique and equals
+    ``linear_sum_assignment`` of the full matrix, up to the numbering of the new atoms.
     """
-    worst_new = C[:, n_existing:].max(axis=1, keepdims=True)
-    keep = np.flatnonzero((C[:, :n_existing] <= worst_new).any(axis=0))
-    cols_kept = np.concatenate([keep, np.arange(n_existing, C.shape[1])])
-    rows, cols = linear_sum_assignment(C[:, cols_kept])
-    return rows, cols_kept[cols]
+    G, L = old.shape
+    R = np.subtract(old, new[None, :], out=old)
+    out = np.full(L, -1, dtype=np.int64)
+    if steps is None:
+        neg = R < 0
+        per_atom, per_neuron = neg.sum(axis=1), neg.sum(axis=0)
+        n_pairs = int(per_atom.sum())
+        atoms = np.flatnonzero(per_atom == 1)  # single pairs: an atom of one candidate neuron ...
+        neurons = neg[atoms].argmax(axis=1)
+        alone = per_neuron[neurons] == 1  # ... which has no other candidate atom
+        atoms, neurons = atoms[alone], neurons[alone]
+        out[neurons] = atoms
+        per_atom[atoms] = 0
+        rest_atoms = np.flatnonzero(per_atom > 0)
+        if len(rest_atoms):
+            rest_neurons = np.flatnonzero((per_neuron > 0) & (out < 0))
+            Z = np.minimum(R[np.ix_(rest_atoms, rest_neurons)], 0.0)
+            r, c = linear_sum_assignment(Z)
+            took = Z[r, c] < 0
+            out[rest_neurons[c[took]]] = rest_atoms[r[took]]
+        return out, n_pairs
+    can = R <= steps[-1]
+    atoms, neurons = np.flatnonzero(can.any(axis=1)), np.flatnonzero(can.any(axis=0))
+    if len(neurons):
+        n_forced, n = L - len(neurons), len(neurons)  # neurons that can only go new take the first new columns
+        C = np.empty((n, len(atoms) + n))
+        C[:, : len(atoms)] = R[np.ix_(atoms, neurons)].T
+        C[:, len(atoms) :] = steps[None, n_forced : n_forced + n]
+        r, c = linear_sum_assignment(C)
+        took = c < len(atoms)
+        out[neurons[r[took]]] = atoms[c[took]]
+    return out, int(can.sum())
+
+
+#: Share of (atom, neuron) pairs that may be candidates for the float32 screen of
+#: :func:`_negative_pairs` to pay (rechecking a pair in float64 costs about as much as 50 of
+#: the pairs a float64 product computes); above it the dense float64 path runs.
+SCREEN_DENSITY = 0.02
+
+
+def _negative_pairs(v, p, h, lam, m, prior: _Prior, hh: np.ndarray | None = None, vv: np.ndarray | None = None,
+                    v32: np.ndarray | None = None):
+    """The pairs (atom i, neuron l) with ``R_il < 0`` under the ``"marginal"`` cost without KL
+    (``R`` as in :func:`_assign`: ``old_il - new_l``), found through a float32 product.
+
+    ``p`` is one precision row (1, B); ``hh``, ``vv`` and ``v32`` the atoms' ``HH``, the
+    neurons' ``VV`` and ``v`` in float32, if known. With the terms of :func:`_gain_terms`,
+
+    .. math::
+
+        R_{il} = r_i + c_l - \\tfrac12 \\sum_b a_{ib} p_b^2 VV_{lb} - \\kappa_i\\, x_i \\cdot v_l,
+
+    ``r_i = 1/2 sum_b [|b| log(1 + p_b/lambda_ib) - a_ib HH_ib + HH_ib/lambda_ib] - log(m_i/(J - m_i))``,
+    ``c_l = -new_l``, and ``x_i = h_i`` with ``kappa_i = a_i p`` for one group, else
+    ``x_id = a_{i b(d)} p_{b(d)} h_id`` with ``kappa_i = 1``. Only the product ``x . v`` is
+    costly; in float32 its error is at most ``gamma_{D+2} ||x_i|| ||v_l||`` with
+    ``gamma_n = n u / (1 - n u)``, ``u = 2^-24`` (rounding of both factors and any order of
+    summation; Higham, *Accuracy and Stability of Numerical Algorithms*, eq. 3.5), plus
+    ``2^-126 (sqrt(D) (||x_i|| + ||v_l||) + D)`` for underflow; twice that, with the largest
+    ``||x_i||``, is used. A pair whose lower bound on ``R`` is not negative cannot be negative:
+    it enters the optimum of :func:`_assign` as a zero and needs no exact value. A pair alone
+    among the candidates of its atom and of its neuron, with a negative upper bound, is taken
+    in any optimum (:func:`_assign`: a component of one pair): its value is not needed either.
+    The others (few, when atoms are well separated) get ``x_i . v_l`` in float64.
+
+    Returns
+    -------
+    (atoms, neurons, R) : the pairs with ``R < 0`` and ``R`` there (for a pair alone in its
+    atom and its neuron, an upper bound < 0), or None when more than ``SCREEN_DENSITY`` of
+    all pairs pass the screen (the dense path is then cheaper), or when float32 could overflow.
+    """
+    groups = prior.groups
+    J, (L, D), G = prior.n_clients, v.shape, len(m)
+    empty = np.zeros(0, dtype=np.int64)
+    if G == 0:
+        return empty, empty, np.zeros(0)
+    pb, sizes = p[0], groups.sizes
+    a = 1.0 / (lam + pb)
+    ap = a * pb
+    hh = groups.sum_sq(h) if hh is None else hh
+    vv = groups.sum_sq(v) if vv is None else vv
+    row = 0.5 * (np.log1p(pb / lam) @ sizes - np.sum(a * hh - hh / lam, axis=1)) - np.log(m / (J - m))
+    # c_l = -new_l: Delta_0l and the log ratio of the prior "atom" (as in _gain_terms, one row)
+    a0, hh0 = 1.0 / (prior.lam0 + pb), groups.sum_sq(prior.h0[None, :])[0]
+    delta0 = (np.sum(a0 * hh0 - hh0 / prior.lam0) + vv @ (a0 * pb * pb)
+              + v @ (prior.h0 * groups.expand(2 * a0[None] * pb)[0]))
+    col = 0.5 * delta0 - 0.5 * (np.log1p(pb / prior.lam0) @ sizes) + math.log(prior.gamma0 / J)
+    if groups.n == 1:
+        x, kappa, x_norm = h, ap[:, 0], np.sqrt(hh[:, 0])
+    else:
+        x, kappa, x_norm = h * groups.expand(ap), np.ones(G), np.sqrt(np.sum(ap * ap * hh, axis=1))
+    v_norm = np.sqrt(vv.sum(axis=1))
+    if x_norm.max() * v_norm.max() * D > 1e36:  # float32 sums could overflow
+        return None
+    n = D + 2
+    eps = 2 * n * 2.0**-24 / (1 - n * 2.0**-24)
+    tiny = 2 * 2.0**-126 * (math.sqrt(D) * (x_norm.max() + v_norm.max()) + D)  # underflow, for every pair
+    err = eps * x_norm.max() * v_norm + tiny  # (L,): bounds the float32 error of x_i . v_l for every i
+    shift = err + (0.5 * pb[0] * vv[:, 0] if groups.n == 1 else 0.0)  # one group: kappa_i factors the VV term
+    v32 = v.astype(np.float32) if v32 is None else v32
+    bound = np.add(x.astype(np.float32) @ v32.T, shift[None, :], dtype=np.float64)
+    bound *= -kappa[:, None]
+    bound += row[:, None]
+    bound += col[None, :]
+    if groups.n > 1:
+        bound -= (0.5 * ap * pb) @ vv.T  # now bound <= R_il
+    atoms, neurons = np.nonzero(bound < 0)
+    if len(atoms) > SCREEN_DENSITY * G * L:
+        return None
+    # A pair alone in its atom's and its neuron's candidates, surely negative, is taken whatever
+    # its value; the others get R exactly.
+    upper = bound[atoms, neurons] + 2 * kappa[atoms] * err[neurons]  # >= R_il
+    alone = (np.bincount(atoms, minlength=G)[atoms] == 1) & (np.bincount(neurons, minlength=L)[neurons] == 1)
+    check = ~(alone & (upper < 0))
+    ia, il = atoms[check], neurons[check]
+    dots = np.einsum("kd,kd->k", x[ia], v[il])
+    R = upper
+    R[check] = row[ia] + col[il] - 0.5 * np.einsum("kb,kb->k", (ap * pb)[ia], vv[il]) - kappa[ia] * dots
+    keep = R < 0
+    return atoms[keep], neurons[keep], R[keep]
+
+
+def _assign_negative(atoms: np.ndarray, neurons: np.ndarray, R: np.ndarray, n_atoms: int, n_neurons: int,
+                     ) -> np.ndarray:
+    """:func:`_assign` for the ``"marginal"`` cost from the pairs with ``R < 0`` alone (as
+    :func:`_negative_pairs` gives them): single pairs are taken, the rest is the Hungarian
+    problem of ``Z = min(R, 0)`` on the atoms and neurons left (zeros elsewhere)."""
+    out = np.full(n_neurons, -1, dtype=np.int64)
+    per_atom = np.bincount(atoms, minlength=n_atoms)
+    per_neuron = np.bincount(neurons, minlength=n_neurons)
+    single = (per_atom[atoms] == 1) & (per_neuron[neurons] == 1)
+    out[neurons[single]] = atoms[single]
+    rest = ~single
+    if rest.any():
+        rest_atoms, ia = np.unique(atoms[rest], return_inverse=True)
+        rest_neurons, il = np.unique(neurons[rest], return_inverse=True)
+        Z = np.zeros((len(rest_atoms), len(rest_neurons)))
+        Z[ia, il] = R[rest]
+        r, c = linear_sum_assignment(Z)
+        took = Z[r, c] < 0
+        out[rest_neurons[c[took]]] = rest_atoms[r[took]]
+    return out
+
+
+#: Largest per-client cost product (atoms x neurons x coordinates, multiply-adds) that
+#: :func:`match_neurons` runs on one BLAS thread (J = 1000 clients of 100 neurons in 794
+#: dimensions, 2 cores shared with other work: 5 s on one thread, 10 to 27 s on two).
+SINGLE_THREAD_PRODUCT = 5e7
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    """threadpoolctl's view of the loaded BLAS libraries (looked up once), or None without it."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - scikit-learn brings it
+        return None
+    return ThreadpoolController()
+
+
+def _blas_threads(limit: int | None):
+    """Context running BLAS on at most ``limit`` threads (threadpoolctl; unchanged when None or
+    when threadpoolctl is missing). The limit is process-wide while it lasts."""
+    controller = None if limit is None else _blas_controller()
+    if controller is None:
+        return contextlib.nullcontext()
+    return controller.limit(limits=limit, user_api="blas")
+
+
+class _NeuronCache:
+    """Per-client quantities of the neurons that no hyper-parameter changes, each computed at
+    the first visit and kept across sweeps and matchings (:func:`_match_empirical_bayes`):
+    the neurons in float32 for the screen of :func:`_negative_pairs` (half the neurons' memory)
+    and their group sums ``VV`` (L_j, B) for one coordinate grouping at a time (when B is at
+    most D / 8)."""
+
+    def __init__(self, n_clients: int):
+        self._v32: list[np.ndarray | None] = [None] * n_clients
+        self._vv: list[np.ndarray | None] = [None] * n_clients
+        self._grouping: bytes | None = None
+
+    def v32(self, j: int, v: np.ndarray) -> np.ndarray:
+        if self._v32[j] is None:
+            self._v32[j] = v.astype(np.float32)
+        return self._v32[j]
+
+    def vv(self, j: int, v: np.ndarray, groups: _Groups) -> np.ndarray:
+        if 8 * groups.n > len(groups.index):  # hardly smaller than the neurons: not kept
+            return groups.sum_sq(v)
+        key = groups.index.tobytes()
+        if key != self._grouping:
+            self._vv, self._grouping = [None] * len(self._vv), key
+        if self._vv[j] is None:
+            self._vv[j] = groups.sum_sq(v)
+        return self._vv[j]
 
 
 class _AtomBuffer:
-    """Natural parameters of the atoms in growable arrays; ``h``, ``lam``, ``m`` are views."""
+    """Natural parameters of the atoms in growable arrays; ``h``, ``lam``, ``m`` are views, and
+    ``hh`` (G, B) holds the group sums ``sum_{d in b} h_id^2`` of :func:`_gain_terms`, kept up
+    to date by whoever writes rows of ``h`` (:meth:`refresh`)."""
 
-    def __init__(self, dim: int, width: int, capacity: int):
+    def __init__(self, dim: int, groups: _Groups, capacity: int):
+        self.groups = groups
         self._h = np.zeros((capacity, dim))
-        self._lam = np.zeros((capacity, width))
+        self._lam = np.zeros((capacity, groups.n))
+        self._hh = np.zeros((capacity, groups.n))
         self._m = np.zeros(capacity, dtype=np.int64)
         self.n = 0
 
@@ -483,13 +879,21 @@ class _AtomBuffer:
         return self._lam[: self.n]
 
     @property
+    def hh(self) -> np.ndarray:
+        return self._hh[: self.n]
+
+    @property
     def m(self) -> np.ndarray:
         return self._m[: self.n]
+
+    def refresh(self, rows: np.ndarray) -> None:
+        """Recompute ``hh`` on ``rows`` after writing them in ``h``."""
+        self._hh[rows] = self.groups.sum_sq(self._h[rows])
 
     def _reserve(self, size: int) -> None:
         if size > len(self._m):
             cap = max(2 * len(self._m), size)
-            for name in ("_h", "_lam", "_m"):
+            for name in ("_h", "_lam", "_hh", "_m"):
                 old = getattr(self, name)
                 new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
                 new[: self.n] = old[: self.n]
@@ -500,6 +904,7 @@ class _AtomBuffer:
         self._reserve(self.n + k)
         self._h[self.n : self.n + k] = prior.h0
         self._lam[self.n : self.n + k] = prior.lam0
+        self._hh[self.n : self.n + k] = self.groups.sum_sq(prior.h0[None, :])
         self._m[self.n : self.n + k] = 0
         self.n += k
 
@@ -515,7 +920,7 @@ class _AtomBuffer:
         remap = np.arange(self.n)
         remap[dead] = -1
         remap[movers] = holes
-        for arr in (self._h, self._lam, self._m):
+        for arr in (self._h, self._lam, self._hh, self._m):
             arr[holes] = arr[movers]
         self.n = n_keep
         return remap
@@ -525,6 +930,7 @@ class _AtomBuffer:
         self._reserve(len(m))
         self.n = len(m)
         self._h[: self.n], self._lam[: self.n], self._m[: self.n] = h, lam, m
+        self._hh[: self.n] = self.groups.sum_sq(self.h)
 
 
 def match_neurons(
@@ -651,28 +1057,50 @@ def match_neurons(
         return _match_empirical_bayes(
             layers, auto, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, prior_mean=prior_mean,
             blocks=blocks, relative_precision=relative_precision, local_vars=local_vars, rounds=rounds,
-            match=dict(kl_weight=kl_weight, cost=cost, n_iter=n_iter, tol=tol, seed=seed), verbose=verbose,
-            start=start)
+            match=dict(kl_weight=kl_weight, cost=cost, local_vars=None, n_iter=n_iter, tol=tol, seed=seed,
+                       verbose=False, start=start, checked=True), verbose=verbose, start=start)
     if relative_precision is not None:
         if np.ndim(noise_var) != 0:
             raise ValueError("relative_precision scales one noise variance: give noise_var as a number")
         noise_var = noise_matrix(np.array([float(noise_var)]), np.zeros(len(relative_precision[0]), dtype=int),
                                  _weights(relative_precision, len(layers), len(relative_precision[0])))
-    layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars)
+    return _match(layers, noise_var=noise_var, prior_var=prior_var, prior_mean=prior_mean, gamma0=gamma0,
+                  kl_weight=kl_weight, cost=cost, local_vars=local_vars, n_iter=n_iter, tol=tol, seed=seed, init=init,
+                  verbose=verbose, start=start)
+
+
+def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost, local_vars, n_iter, tol, seed, init,
+           verbose, start, checked: bool = False, init_atoms=None, squares=None,
+           cache: _NeuronCache | None = None) -> MatchResult:
+    """:func:`match_neurons` with numeric hyper-parameters.
+
+    For repeated matchings of the same neurons (:func:`_match_empirical_bayes`): ``checked``,
+    the layers are :func:`_check_layers`'s output and ``init`` assignments of an earlier
+    matching (no checks; ``hyper`` leaves array values out, the caller records its own);
+    ``init_atoms``, the atoms' ``(h (G, D), lambda (G, D), m)`` under these hyper-parameters
+    for ``init``, computed elsewhere (from the statistics of EM); ``squares``,
+    :func:`_squares` of the layers; ``cache``, a :class:`_NeuronCache` of the layers.
+    """
+    layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars, checked=checked)
+    groups = prior.groups
     J, D = len(layers), layers[0].shape[1]
     if not np.isfinite(kl_weight) or kl_weight < 0:
         raise ValueError(f"kl_weight must be >= 0, got {kl_weight}")
     if int(n_iter) != n_iter or n_iter < 1:
         raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    data_const = _data_constant(layers, prec)
-    weighted = [v * prec[j] for j, v in enumerate(layers)]  # v / sigma_j^2, added to h
+    data_const = _data_constant(layers, prec, groups, squares)
+    cache = _NeuronCache(J) if cache is None else cache
 
     assignments: list[np.ndarray | None] = [None] * J
-    atoms = _AtomBuffer(D, prec[0].shape[1], capacity=max(len(v) for v in layers) * 2)
+    atoms = _AtomBuffer(D, groups, capacity=max(len(v) for v in layers) * 2)
     if init is not None:  # warm start: atoms from the given assignments, then refining sweeps
-        assignments = _check_assignments(init, layers)
-        atoms.reset(*_posterior_stats(layers, prec, assignments, int(max(a.max() for a in assignments)) + 1, prior))
+        assignments = [np.asarray(a) for a in init] if checked else _check_assignments(init, layers)
+        if init_atoms is None:
+            atoms.reset(*_posterior_stats(layers, prec, assignments, int(max(a.max() for a in assignments)) + 1,
+                                          prior))
+        else:  # lambda is constant on each coordinate group: keep one value per group
+            atoms.reset(init_atoms[0], init_atoms[1][:, groups.first], init_atoms[2])
         if (atoms.m == 0).any():
             raise ValueError("init leaves some atom indices unused; number atoms 0..G-1")
     objective: list[float] = []
@@ -681,58 +1109,82 @@ def match_neurons(
     cycle = 0
     bar = tqdm(range(int(n_iter)), desc="matching", unit="sweep", disable=not verbose)
     sweeps = 0
-    for sweep in bar:
-        changed = 0
-        for j in rng.permutation(J):
-            v, p, vp = layers[j], prec[j], weighted[j]
-            old = assignments[j]
-            if old is not None:  # take client j out
-                atoms.h[old] -= vp
-                atoms.lam[old] -= p
-                atoms.m[old] -= 1
-                keep = atoms.m > 0
-                old_kept = old
-                if not keep.all():
-                    remap = atoms.compact(keep)
-                    old_kept = remap[old]
-                    for k in range(J):
-                        if k != j and assignments[k] is not None:
-                            assignments[k] = remap[assignments[k]]
-            g = atoms.n
-            C = assignment_cost(v, p, atoms.h, atoms.lam, atoms.m, prior, cost=cost, kl_weight=kl_weight)
-            rows, cols = _solve_assignment(C, g)
-            new_cols = np.sort(cols[cols >= g])
-            index = np.arange(C.shape[1])
-            index[new_cols] = g + np.arange(len(new_cols))
-            a = np.empty(v.shape[0], dtype=np.int64)
-            a[rows] = index[cols]
-            if old is not None:
-                changed += int(np.any(np.where(a < g, a, -1) != old_kept))
-            atoms.grow(len(new_cols), prior)  # put client j back
-            atoms.h[a] += vp
-            atoms.lam[a] += p
-            atoms.m[a] += 1
-            assignments[j] = a
-        sweeps = sweep + 1
-        # Recompute from the assignments: removes round-off accumulated by the updates.
-        h, lam, m = _posterior_stats(layers, prec, assignments, atoms.n, prior)
-        atoms.reset(h, lam, m)
-        objective.append(_objective(h, lam, m, prior) + data_const)
-        bar.set_postfix(atoms=len(m), objective=f"{objective[-1]:.1f}")
-        if (sweep > 0 or init is not None) and changed == 0:
-            converged = True
-            break
-        if tol is not None and sweep > 0 and objective[-1] - objective[-2] < tol:
-            stopped = True
-            break
-        state = _partition_key(assignments)
-        if state in seen:  # the sweeps came back to an earlier partition: more would repeat the cycle
-            cycle = sweep - seen[state]
-            converged = True
-            break
-        seen[state] = sweep
+    screen = cost == "marginal" and not kl_weight and all(x.shape[0] == 1 for x in prec)
+    density = 0.0  # share of candidate pairs at the last client: whether the float32 screen pays
+    # Small per-client products gain little from several BLAS threads and, on a shared machine, lose
+    # much waiting for a busy core at every product: run them on one.
+    largest = max(len(v) for v in layers) * D * max(atoms.n, max(len(v) for v in layers))
+    with _blas_threads(1 if largest <= SINGLE_THREAD_PRODUCT else None):
+        for sweep in bar:
+            changed, relabelled = 0, False
+            # The atoms as _posterior_stats gives them for the assignments at the start of the sweep.
+            before = None if assignments[0] is None else (atoms.h.copy(), atoms.lam.copy(), atoms.m.copy())
+            for j in rng.permutation(J):
+                v, p = layers[j], prec[j]
+                vp = v * groups.expand(p)  # v / sigma_j^2, added to h
+                old = assignments[j]
+                if old is not None:  # take client j out, keeping its atoms' rows to put back unchanged
+                    kept_h, kept_lam, kept_hh = atoms.h[old], atoms.lam[old], atoms.hh[old]
+                    atoms.h[old] = kept_h - vp
+                    atoms.refresh(old)
+                    atoms.lam[old] = kept_lam - p
+                    atoms.m[old] -= 1
+                    keep = atoms.m > 0
+                    old_kept = old
+                    if not keep.all():
+                        relabelled = True
+                        remap = atoms.compact(keep)
+                        old_kept = remap[old]
+                        for k in range(J):
+                            if k != j and assignments[k] is not None:
+                                assignments[k] = remap[assignments[k]]
+                g = atoms.n
+                pairs = None
+                if screen and density <= SCREEN_DENSITY:  # a float32 product finds the few candidate pairs
+                    pairs = _negative_pairs(v, p, atoms.h, atoms.lam, atoms.m, prior, atoms.hh,
+                                            cache.vv(j, v, groups), cache.v32(j, v))
+                if pairs is None:
+                    a, n_pairs = _assign(*_cost_blocks(v, p, atoms.h, atoms.lam, atoms.m, prior, cost=cost,
+                                                       kl_weight=kl_weight, hh=atoms.hh,
+                                                       vv=None if p.shape[0] > 1 else cache.vv(j, v, groups)))
+                else:
+                    a, n_pairs = _assign_negative(*pairs, g, v.shape[0]), len(pairs[0])  # -1: a new atom
+                density = n_pairs / max(g * v.shape[0], 1)
+                same = old is not None and not np.any(a != old_kept)
+                changed += int(old is not None and not same)
+                fresh = a < 0
+                a[fresh] = g + np.arange(int(fresh.sum()))
+                atoms.grow(int(fresh.sum()), prior)  # put client j back
+                if same and old_kept is old:  # the same atoms, not relabelled: their rows as they were
+                    atoms.h[a], atoms.lam[a], atoms.hh[a] = kept_h, kept_lam, kept_hh
+                else:
+                    atoms.h[a] += vp
+                    atoms.refresh(a)
+                    atoms.lam[a] += p
+                atoms.m[a] += 1
+                assignments[j] = a
+            sweeps = sweep + 1
+            if before is not None and changed == 0 and not relabelled:
+                h, lam, m = before  # the same assignments, atom by atom: the same statistics
+            else:  # recompute from the assignments: removes round-off accumulated by the updates
+                h, lam, m = _posterior_stats(layers, prec, assignments, atoms.n, prior)
+            atoms.reset(h, lam, m)
+            objective.append(_objective(h, lam, m, prior) + data_const)
+            bar.set_postfix(atoms=len(m), objective=f"{objective[-1]:.1f}")
+            if (sweep > 0 or init is not None) and changed == 0:
+                converged = True
+                break
+            if tol is not None and sweep > 0 and objective[-1] - objective[-2] < tol:
+                stopped = True
+                break
+            state = _partition_key(assignments)
+            if state in seen:  # the sweeps came back to an earlier partition: more would repeat the cycle
+                cycle = sweep - seen[state]
+                converged = True
+                break
+            seen[state] = sweep
     h, lam, m = atoms.h, atoms.lam, atoms.m
-    lam_full = np.broadcast_to(lam, h.shape)
+    lam_full = groups.expand(lam)
     result = MatchResult(
         assignments=[np.asarray(a) for a in assignments],
         mean=h / lam_full,
@@ -741,9 +1193,8 @@ def match_neurons(
         objective=objective,
         converged=converged,
         n_sweeps=sweeps,
-        hyper=dict(noise_var=noise_var if np.ndim(noise_var) == 0 else np.asarray(noise_var).tolist(),
-                   prior_var=prior_var if np.ndim(prior_var) == 0 else np.asarray(prior_var).tolist(),
-                   prior_mean=prior_mean if np.ndim(prior_mean) == 0 else np.asarray(prior_mean).tolist(),
+        hyper=dict(noise_var=_listed(noise_var, checked), prior_var=_listed(prior_var, checked),
+                   prior_mean=_listed(prior_mean, checked),
                    gamma0=gamma0, kl_weight=kl_weight, cost=cost, n_iter=n_iter, local_vars=local_vars is not None,
                    seed=None if isinstance(seed, np.random.Generator) else seed, cycle=cycle),
         seconds=time.perf_counter() - start,
@@ -751,6 +1202,14 @@ def match_neurons(
     if not stopped:
         warn_not_converged({"matching": result}, "matching")
     return result
+
+
+def _listed(value, internal: bool):
+    """A hyper-parameter for ``MatchResult.hyper``: numbers as given, arrays as lists (None for
+    the internal matchings of :func:`_match_empirical_bayes`, which records its own)."""
+    if np.ndim(value) == 0:
+        return value
+    return None if internal else np.asarray(value).tolist()
 
 
 def _weights(relative_precision, J: int, D: int) -> np.ndarray:
@@ -791,17 +1250,21 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
             setattr(hyper, key, np.full(n_blocks, float(value)))
     if "gamma0" not in auto:
         hyper.gamma0 = float(gamma0)
-    trace, result = [], None
+    trace, result, init_atoms = [], None, None
+    squares, cache = _squares(layers), _NeuronCache(J)
     bar = tqdm(range(int(rounds)), desc="empirical Bayes", unit="round", disable=not verbose)
     with warnings.catch_warnings():  # the final matching's convergence is what counts
         warnings.simplefilter("ignore", ConvergenceWarning)
         for r in bar:
             noise, prior0, mean0 = hyper.expand(blocks, weights)
-            result = match_neurons(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
-                                   init=None if result is None else result.assignments, **match)
+            result = _match(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
+                            init=None if result is None else result.assignments, init_atoms=init_atoms,
+                            squares=squares, cache=cache, **match)
+            # one pass over the neurons serves every EM step and the next matching's start
+            stats = atom_statistics(layers, result.assignments, weights, shift=result.mean)
             new = hyper
             for _ in range(EM_STEPS):
-                new = em_step(layers, result.assignments, blocks, weights, new, fit=auto)
+                new = em_update(stats, blocks, new, fit=auto)
             moved = max(np.max(np.abs(np.log(new.noise_var / hyper.noise_var))),
                         np.max(np.abs(np.log(new.prior_var / hyper.prior_var))),
                         abs(math.log(new.gamma0 / hyper.gamma0)))
@@ -809,11 +1272,12 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
             bar.set_postfix(atoms=result.n_global)
             settled = r > 0 and result.n_global == trace[-2]["n_global"] and moved < 0.01
             hyper = new
+            init_atoms = (*atom_posterior(stats, blocks, hyper), stats.counts)
             if settled:
                 break
         noise, prior0, mean0 = hyper.expand(blocks, weights)
-        result = match_neurons(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
-                               init=result.assignments, **match)
+        result = _match(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
+                        init=result.assignments, init_atoms=init_atoms, squares=squares, cache=cache, **match)
     result.hyper = dict(result.hyper, **hyper.as_dict(), auto=list(auto), blocks=blocks.tolist(), rounds=len(trace),
                         trace=trace)
     result.seconds = time.perf_counter() - start

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bayesfuse.inference.empirical_bayes import BlockHyper, em_step, initial_hyper
+from bayesfuse.inference.empirical_bayes import BlockHyper, atom_statistics, em_step, em_update, initial_hyper
 from bayesfuse.inference.matching import log_marginal_posterior, match_neurons
 from bayesfuse.metrics import assignment_accuracy
 from bayesfuse.models.bbp import simulate_federation
@@ -97,3 +97,80 @@ def test_bad_settings():
         match_neurons(layers, relative_precision=-np.ones((2, 3)))
     with pytest.raises(ValueError, match="local_vars=None"):
         match_neurons(layers, local_vars=[np.zeros(2)] * 2)
+
+
+def _em_step_by_definition(layers, assignments, blocks, weights, hyper, fit):
+    """The EM step of the module docstring, from the neurons directly (no sufficient statistics)."""
+    J, D = len(layers), layers[0].shape[1]
+    B, K = int(blocks.max()) + 1, int(max(a.max() for a in assignments)) + 1
+    noise, prior0, mu0 = hyper.expand(blocks, weights)
+    with np.errstate(divide="ignore"):
+        prec = 1.0 / noise
+    lam, h = np.tile(1.0 / prior0, (K, 1)), np.tile(mu0 / prior0, (K, 1))
+    for j, a in enumerate(assignments):
+        h[a] += layers[j] * prec[j]
+        lam[a] += prec[j]
+    mean, var = h / lam, 1.0 / lam
+    out = BlockHyper(hyper.prior_var.copy(), hyper.noise_var.copy(), hyper.prior_mean.copy(), hyper.gamma0)
+    if "noise_var" in fit:
+        num, den = np.zeros(D), np.zeros(D)
+        for j, a in enumerate(assignments):
+            num += (weights[j] * ((layers[j] - mean[a]) ** 2 + var[a])).sum(0)
+            den += (weights[j] > 0) * len(a)
+        out.noise_var = np.maximum(np.bincount(blocks, num, B) / np.maximum(np.bincount(blocks, den, B), 1), 1e-8)
+    if "prior_var" in fit:
+        for b in range(B):
+            cols = blocks == b
+            out.prior_mean[b] = mean[:, cols].mean()
+            out.prior_var[b] = max(np.sum((mean[:, cols] - out.prior_mean[b]) ** 2 + var[:, cols]) / (K * cols.sum()),
+                                   1e-8)
+    if "gamma0" in fit:
+        out.gamma0 = K / np.sum(1.0 / np.arange(1, J + 1))
+    return out
+
+
+@pytest.mark.parametrize("fit", [("noise_var", "prior_var", "gamma0"), ("noise_var",), ("prior_var",)])
+def test_em_from_sufficient_statistics_equals_the_definition(fit):
+    # Atoms far from the prior mean and clients with unequal (some zero) relative precisions:
+    # the one-pass statistics about a shift, and about their own mean, give the direct EM step.
+    rng = np.random.default_rng(20)
+    J, D = 7, 11
+    layers = [5.0 + rng.normal(size=(L, D)) for L in rng.integers(2, 6, size=J)]
+    assignments = [rng.permutation(6)[: len(v)] for v in layers]
+    used = np.unique(np.concatenate(assignments))
+    assignments = [np.searchsorted(used, a) for a in assignments]
+    blocks = np.repeat([0, 1, 2], [5, 4, 2])
+    weights = rng.uniform(0.3, 2.0, size=(J, D))
+    weights[1, :3] = 0.0
+    weights[4] = 1.0
+    hyper = BlockHyper(prior_var=np.array([2.0, 0.5, 1.0]), noise_var=np.array([0.3, 0.1, 0.02]),
+                       prior_mean=np.array([4.0, 5.5, 0.0]), gamma0=1.5)
+    want = _em_step_by_definition(layers, assignments, blocks, weights, hyper, fit)
+    shift = rng.normal(size=(len(used), D)) + 5.0
+    for stats in (atom_statistics(layers, assignments, weights), atom_statistics(layers, assignments, weights, shift)):
+        got = em_update(stats, blocks, hyper, fit=fit)
+        for key in ("noise_var", "prior_var", "prior_mean"):
+            np.testing.assert_allclose(getattr(got, key), getattr(want, key), rtol=1e-12)
+        assert got.gamma0 == pytest.approx(want.gamma0, rel=1e-14)
+    got = em_step(layers, assignments, blocks, weights, hyper, fit=fit)
+    np.testing.assert_allclose(got.noise_var, want.noise_var, rtol=1e-12)
+    np.testing.assert_allclose(got.prior_var, want.prior_var, rtol=1e-12)
+
+
+def test_atom_statistics_are_the_weighted_moments():
+    rng = np.random.default_rng(21)
+    layers = [rng.normal(size=(3, 4)), rng.normal(size=(2, 4)), rng.normal(size=(3, 4))]
+    assignments = [np.array([0, 1, 2]), np.array([2, 0]), np.array([1, 3, 0])]
+    weights = rng.uniform(0.5, 2.0, size=(3, 4))
+    weights[2, 1] = 0.0
+    stats = atom_statistics(layers, assignments, weights, shift=rng.normal(size=(4, 4)))
+    for i in range(4):
+        rows = [(layers[j][l], weights[j]) for j, a in enumerate(assignments) for l, k in enumerate(a) if k == i]
+        v, w = np.array([r for r, _ in rows]), np.array([w for _, w in rows])
+        total = w.sum(0)
+        mean = np.where(total > 0, (w * v).sum(0) / np.where(total > 0, total, 1), 0.0)
+        np.testing.assert_allclose(stats.weight[i], total, rtol=1e-14)
+        np.testing.assert_allclose(stats.mean[i], mean, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(stats.scatter[i], (w * (v - mean) ** 2).sum(0), rtol=1e-10, atol=1e-15)
+        assert stats.counts[i] == len(rows)
+    np.testing.assert_array_equal(stats.n_seen, ((weights > 0) * [[3], [2], [3]]).sum(0))

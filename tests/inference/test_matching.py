@@ -1,11 +1,22 @@
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from scipy import stats
+from scipy.optimize import linear_sum_assignment
 
+from bayesfuse.inference import matching
+from bayesfuse.inference.empirical_bayes import BlockHyper, atom_posterior, atom_statistics
 from bayesfuse.inference.matching import (
+    _assign,
+    _assign_negative,
+    _cost_blocks,
+    _data_constant,
+    _Groups,
+    _negative_pairs,
+    _objective,
     _posterior_stats,
     _setup,
     assignment_cost,
@@ -322,3 +333,217 @@ def test_local_vars_objective_is_the_brute_force_optimum(per_entry):
     # the local variances matter: without them the optimum is another structure
     plain = np.array([_log_joint_by_hand(layers, a, [np.zeros(3)] * 2, **hyper) for a in structures])
     assert _partition(structures[int(np.argmax(plain))]) != _partition(structures[best])
+
+
+# --------------------------------------------------------------------------- fast paths against dense ones
+
+
+def _per_coordinate(prec, prior):
+    """The same model with one group per coordinate: the reference for the grouped arrays."""
+    groups = prior.groups
+    full = _Groups.each(prior.dim)
+    return [np.ascontiguousarray(groups.expand(p)) for p in prec], replace(
+        prior, lam0=np.ascontiguousarray(groups.expand(prior.lam0[None, :])[0]), groups=full)
+
+
+def _grouped_setup(rng, J, D, kind):
+    """Neurons and precisions whose coordinates fall in a few groups (``kind``: contiguous runs,
+    scattered, or with coordinates a client does not observe)."""
+    layers = [rng.normal(size=(L, D)) for L in rng.integers(2, 6, size=J)]
+    if kind == "runs":
+        block = np.repeat([0, 1, 2], [D - 4, 1, 3])
+    else:
+        block = rng.integers(0, 3, size=D)
+    noise = rng.uniform(0.2, 2.0, size=3)[block][None, :] * rng.uniform(0.5, 2.0, size=(J, 1))
+    if kind == "unobserved":
+        noise[1, block == 2] = np.inf
+    prior_var = rng.uniform(1, 3, size=3)[block]
+    return layers, _setup(layers, noise, prior_var, rng.normal(size=D), 1.5)
+
+
+def test_groups_sums_and_expansions_match_the_definition():
+    rng = np.random.default_rng(10)
+    D = 30
+    x = rng.normal(size=(7, D))
+    for index in (np.zeros(D, int), np.repeat([1, 0, 2], [10, 5, 15]), rng.integers(0, 4, size=D),
+                  rng.permutation(np.arange(D) % 25), np.arange(D), rng.integers(0, 70, size=D)):
+        index = np.unique(index, return_inverse=True)[1].reshape(-1)  # groups 0..B-1, each used
+        groups = _Groups(index, int(index.max()) + 1)
+        want = np.stack([x[:, index == b].sum(1) for b in range(groups.n)], axis=1)
+        np.testing.assert_allclose(groups.sum(x), want, rtol=1e-13)
+        want_sq = np.stack([(x[:, index == b] ** 2).sum(1) for b in range(groups.n)], axis=1)
+        np.testing.assert_allclose(groups.sum_sq(x), want_sq, rtol=1e-13)
+        y = rng.normal(size=(7, groups.n))
+        np.testing.assert_array_equal(groups.expand(y), y[:, index])
+        np.testing.assert_array_equal(groups.sizes, np.bincount(index))
+        assert np.all(index[groups.first] == np.arange(groups.n))
+
+
+@pytest.mark.parametrize("kind", ["runs", "scattered", "unobserved"])
+@pytest.mark.parametrize("cost", ["pfnm", "marginal"])
+@pytest.mark.parametrize("kl_weight", [0.0, 0.7])
+def test_grouped_cost_equals_the_per_coordinate_cost(kind, cost, kl_weight):
+    # Coordinates on which the prior and every client share one precision are one group: the
+    # cost from (G, B) precisions equals the one from (G, D) precisions and the loop formula.
+    rng = np.random.default_rng(11)
+    J, D = 5, 12
+    layers, (layers_c, prec, prior) = _grouped_setup(rng, J, D, kind)
+    assert 1 < prior.groups.n < D and all(p.shape == (1, prior.groups.n) for p in prec)
+    others = [rng.permutation(6)[: len(v)] for v in layers]
+    others[2] = None
+    used = np.unique(np.concatenate([a for a in others if a is not None]))  # atoms 0..G-1, each used
+    others = [None if a is None else np.searchsorted(used, a) for a in others]
+    full_prec, full_prior = _per_coordinate(prec, prior)
+    h, lam, m = _posterior_stats(layers_c, prec, others, len(used), prior)
+    hf, lamf, mf = _posterior_stats(layers_c, full_prec, others, len(used), full_prior)
+    np.testing.assert_allclose(h, hf, rtol=1e-13)
+    np.testing.assert_allclose(prior.groups.expand(lam), lamf, rtol=1e-13)
+    got = assignment_cost(layers_c[2], prec[2], h, lam, m, prior, cost=cost, kl_weight=kl_weight)
+    dense = assignment_cost(layers_c[2], full_prec[2], hf, lamf, mf, full_prior, cost=cost, kl_weight=kl_weight)
+    loop = _loop_cost(layers_c[2], full_prec[2], hf, lamf, mf, full_prior, J, cost, kl_weight)
+    np.testing.assert_allclose(got, dense, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(got, loop, rtol=1e-10, atol=1e-10)
+    # and the objective
+    assert _objective(h, lam, m, prior) == pytest.approx(_objective(hf, lamf, mf, full_prior), rel=1e-12)
+    assert _data_constant(layers_c, prec, prior.groups) == pytest.approx(
+        _data_constant(layers_c, full_prec, full_prior.groups), rel=1e-12)
+
+
+def _dense_solution(C, n_existing):
+    """``linear_sum_assignment`` of the full matrix: each neuron's atom, -1 for a new one."""
+    rows, cols = linear_sum_assignment(C)
+    out = np.full(C.shape[0], -1)
+    out[rows] = np.where(cols < n_existing, cols, -1)
+    return out, C[rows, cols].sum()
+
+
+def _cost_of(out, old, new, steps):
+    n_new = int((out < 0).sum())
+    return old[out[out >= 0], np.flatnonzero(out >= 0)].sum() + new[out < 0].sum() + (
+        0.0 if steps is None else steps[:n_new].sum())
+
+
+@pytest.mark.parametrize("cost", ["pfnm", "marginal"])
+@pytest.mark.parametrize("seed", range(6))
+def test_pruned_assignment_equals_the_dense_hungarian(cost, seed):
+    # Random (L, G + L) problems, without ties, from a neuron that takes every atom to atoms that
+    # no neuron can take; the blocks give the same neurons to the same atoms and the same
+    # neurons to new atoms as linear_sum_assignment of the full matrix, at the same cost.
+    rng = np.random.default_rng(seed)
+    for L, G in [(1, 0), (1, 3), (4, 0), (5, 2), (6, 6), (8, 20), (30, 12), (25, 60)]:
+        for spread in (0.3, 1.0, 3.0):  # few to many atoms cheaper than a new one
+            old = rng.normal(scale=spread, size=(G, L)) + rng.normal(size=(G, 1))
+            new = rng.normal(size=L)
+            steps = 2 * np.log(np.arange(1, L + 1)) if cost == "pfnm" else None
+            full = np.empty((L, G + L))
+            full[:, :G] = old.T
+            full[:, G:] = new[:, None] + (0.0 if steps is None else steps[None, :])
+            want, best = _dense_solution(full, G)
+            got, _ = _assign(old.copy(), new, steps)
+            np.testing.assert_array_equal(got, want)
+            assert _cost_of(got, old, new, steps) == pytest.approx(best, rel=1e-12, abs=1e-12)
+            if cost == "marginal":  # the same from the negative pairs alone
+                R = old - new[None, :]
+                atoms, neurons = np.nonzero(R < 0)
+                np.testing.assert_array_equal(_assign_negative(atoms, neurons, R[atoms, neurons], G, L), want)
+
+
+def _separated(rng, J, L, D, noise=0.01):
+    """J clients each observing L of 2L well separated atoms: (neurons, their atoms)."""
+    atoms = rng.normal(size=(2 * L, D))
+    truth = [rng.choice(2 * L, L, replace=False) for _ in range(J)]
+    return [atoms[t] + np.sqrt(noise) * rng.normal(size=(L, D)) for t in truth], truth
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("separated", [True, False])
+def test_float32_screen_finds_exactly_the_negative_pairs(grouped, separated, monkeypatch):
+    # The screen's pairs are the dense cost's pairs with R < 0, with R there (an upper bound < 0
+    # for a pair alone in its atom and its neuron), and they give the dense assignment.
+    monkeypatch.setattr(matching, "SCREEN_DENSITY", 1.0)  # however many pairs pass
+    rng = np.random.default_rng(12)
+    J, L, D = 8, 12, 40
+    layers, truth = _separated(rng, J, L, D)
+    if not separated:
+        layers = [rng.normal(size=(L, D)) for _ in range(J)]
+    scale = 0.01 if separated else 3.0  # crowded: many atoms beat a new one for many neurons
+    noise = scale * (np.where(np.arange(D) < 30, 1.0, 3.0)[None, :] * np.ones((J, 1)) if grouped else 1.0)
+    if grouped:
+        noise[3, 35:] = np.inf
+    layers_c, prec, prior = _setup(layers, noise, 1.0, 0.0, 2.0)
+    assert prior.groups.n == (3 if grouped else 1)
+    others = [None] + truth[1:]  # every atom is used by some client but client 0
+    h, lam, m = _posterior_stats(layers_c, prec, others, 2 * L, prior)
+    v, p = layers_c[0], prec[0]
+    old, new, _ = _cost_blocks(v, p, h, lam, m, prior, cost="marginal", kl_weight=0.0)
+    R = old - new[None, :]
+    atoms, neurons, values = _negative_pairs(v, p, h, lam, m, prior)
+    want = set(zip(*np.nonzero(R < 0)))
+    assert set(zip(atoms.tolist(), neurons.tolist())) == want
+    assert L <= len(want) < 3 * L if separated else len(want) > 10 * L
+    alone = (np.bincount(atoms, minlength=len(m))[atoms] == 1) & (np.bincount(neurons, minlength=L)[neurons] == 1)
+    np.testing.assert_allclose(values[~alone], R[atoms[~alone], neurons[~alone]], rtol=1e-10)
+    assert np.all(values[alone] >= R[atoms[alone], neurons[alone]] - 1e-9) and np.all(values < 0)
+    np.testing.assert_array_equal(_assign_negative(atoms, neurons, values, len(m), L),
+                                  _assign(old.copy(), new, None)[0])
+
+
+def test_float32_screen_bound_holds_for_adversarial_magnitudes(monkeypatch):
+    # Large and tiny entries, many coordinates: every pair the screen drops has R >= 0.
+    monkeypatch.setattr(matching, "SCREEN_DENSITY", 1.0)
+    rng = np.random.default_rng(13)
+    for scale in (1e-20, 1e-3, 1.0, 1e6, 1e12):
+        layers = [scale * rng.normal(size=(6, 300)) for _ in range(4)]
+        layers_c, prec, prior = _setup(layers, (0.05 * scale) ** 2, scale**2, 0.0, 1.0)
+        h, lam, m = _posterior_stats(layers_c, prec, [None, np.arange(6), np.arange(6), np.arange(6)], 6, prior)
+        old, new, _ = _cost_blocks(layers_c[0], prec[0], h, lam, m, prior, cost="marginal", kl_weight=0.0)
+        pairs = _negative_pairs(layers_c[0], prec[0], h, lam, m, prior)
+        if pairs is not None:
+            R = old - new[None, :]
+            assert set(zip(*np.nonzero(R < 0))) == set(zip(pairs[0].tolist(), pairs[1].tolist()))
+
+
+def test_screened_and_dense_matchings_agree(monkeypatch):
+    # The whole empirical-Bayes matching with the float32 screen and without it (dense path).
+    rng = np.random.default_rng(14)
+    layers, _ = _separated(rng, 30, 10, 60)
+    screened = match_neurons(layers, seed=0)
+    monkeypatch.setattr(matching, "SCREEN_DENSITY", -1.0)  # the screen never pays: dense path
+    dense = match_neurons(layers, seed=0)
+    assert _partition(screened.assignments) == _partition(dense.assignments)
+    np.testing.assert_allclose(screened.objective, dense.objective, rtol=1e-12)
+    np.testing.assert_allclose(screened.hyper["noise_var"], dense.hyper["noise_var"], rtol=1e-12)
+    assert screened.n_global == 20 and screened.converged
+
+
+def test_the_initial_atoms_from_em_statistics_are_the_posterior():
+    # What the empirical-Bayes rounds hand to the next matching equals _posterior_stats.
+    rng = np.random.default_rng(15)
+    J, D = 6, 9
+    layers = [rng.normal(size=(L, D)) for L in (3, 4, 2, 3, 5, 4)]
+    assignments = [rng.permutation(7)[: len(v)] for v in layers]
+    assignments[0] = np.array([0, 1, 2])
+    used = np.unique(np.concatenate(assignments))
+    assignments = [np.searchsorted(used, a) for a in assignments]
+    blocks = np.repeat([0, 1], [6, 3])
+    weights = rng.uniform(0.5, 2.0, size=(J, D))
+    weights[2, 7:] = 0.0
+    hyper = BlockHyper(prior_var=np.array([1.5, 0.7]), noise_var=np.array([0.2, 0.05]),
+                       prior_mean=np.array([0.1, -0.3]), gamma0=2.0)
+    stats = atom_statistics(layers, assignments, weights)
+    h, lam = atom_posterior(stats, blocks, hyper)
+    noise, prior_var, prior_mean = hyper.expand(blocks, weights)
+    layers_c, prec, prior = _setup(layers, noise, prior_var, prior_mean, hyper.gamma0)
+    want_h, want_lam, want_m = _posterior_stats(layers_c, prec, assignments, len(used), prior)
+    np.testing.assert_allclose(h, want_h, rtol=1e-12)
+    np.testing.assert_allclose(lam, prior.groups.expand(want_lam), rtol=1e-12)
+    np.testing.assert_array_equal(stats.counts, want_m)
+
+
+def test_assignment_checks_name_the_first_bad_client():
+    layers = [np.zeros((3, 2)), np.zeros((2, 2)), np.zeros((2, 2))]
+    for bad, j in [([[0, 1, 1], [1, 0], [0, 1]], 0), ([[0, 1, 2], [1, 1], [0, 0]], 1),
+                   ([[0, 1, 2], [0, -1], [0, 1]], 1), ([[0, 1], [0, 1], [0, 1]], 0),
+                   ([[0, 1, 2], [0, 1], [3, 3]], 2)]:
+        with pytest.raises(ValueError, match=f"client {j}: assignments must give"):
+            log_marginal_posterior(layers, bad)
