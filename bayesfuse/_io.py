@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-__all__ = [
+__all__ = ["jsonable", 
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_files",
@@ -97,6 +97,20 @@ def _on_read_only_fs(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & getattr(os, "ST_RDONLY", 1))
     except (OSError, AttributeError):  # pragma: no cover - no statvfs
         return False
+
+
+def jsonable(value):
+    """``value`` with NumPy arrays as lists, NumPy scalars as Python numbers and paths as
+    strings, through nested dicts, lists and tuples: ready for ``json.dumps``."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # NumPy arrays and scalars
+        return value.tolist()
+    return value
 
 
 def check_output_dir(path: str | os.PathLike, *, force: bool = False) -> Path:

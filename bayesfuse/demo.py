@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bayesfuse import methods
-from bayesfuse._io import atomic_write_bytes, atomic_write_text, check_output_dir, prepare_output_dir
+from bayesfuse._io import atomic_write_bytes, atomic_write_text, check_output_dir, jsonable, prepare_output_dir
 from bayesfuse.baselines import Ensemble, evaluate_locals, fedavg
 from bayesfuse.data.datasets import DataSplit, load_dataset
 from bayesfuse.data.partition import Partition, dirichlet_partition
@@ -352,17 +352,6 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
-def _json_default(value):
-    """NumPy arrays and scalars in reports as JSON lists and numbers."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
 def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[str, Path]:
     columns = ("seed", *COLUMNS, "widths")
     buf = io.StringIO()
@@ -385,7 +374,7 @@ def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[
                    "of one client",
         "versions": _versions(),
     }
-    text = json.dumps(report, indent=2, default=_json_default, allow_nan=False) + "\n"
+    text = json.dumps(jsonable(report), indent=2, allow_nan=False) + "\n"
     files["json"] = atomic_write_text(out_dir / "results.json", text, overwrite=True)
     files["figure"] = atomic_write_bytes(out_dir / "summary.png", _figure_png(result, split), overwrite=True)
     return files

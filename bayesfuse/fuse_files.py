@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from bayesfuse import __version__, methods
-from bayesfuse._io import atomic_write_files, check_writable, recover
+from bayesfuse._io import atomic_write_files, check_writable, jsonable, recover
 from bayesfuse.checkpoints import Checkpoint, output_format, read_checkpoint, state_dict_bytes, tensors_sha256
 from bayesfuse.core import fuse_states
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
@@ -217,8 +217,8 @@ def fuse_files(
         "method": method,
         "architecture": None if all(is_bnn) else {"groups": list(spec.groups), "spec_file": str(spec_path) if spec_path
                                                   else None},
-        "hyper": _jsonable(fused.hyper),
-        "hyper_given": _jsonable(hyper),
+        "hyper": jsonable(fused.hyper),
+        "hyper_given": jsonable(hyper),
         "seed": seed,
         "inputs": files,
         "fused_order": names,
@@ -243,15 +243,3 @@ def fuse_files(
                         (report_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8"))],
                        overwrite=force)
     return report
-
-
-def _jsonable(values: dict) -> dict:
-    """Hyper-parameters as JSON values (arrays as lists, NumPy scalars as numbers)."""
-    out = {}
-    for k, v in values.items():
-        if isinstance(v, np.ndarray):
-            v = v.tolist()
-        elif isinstance(v, np.generic):
-            v = v.item()
-        out[k] = v
-    return out

@@ -35,6 +35,10 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_klfusion import simulate  # noqa: E402  (same folder)
+from bench_matching import pair_scores  # noqa: E402
+
 D = 794
 
 
@@ -42,22 +46,11 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def pair_scores(truth: list[np.ndarray], found: list[np.ndarray]) -> tuple[float, float]:
-    """Pairwise co-assignment precision and recall (as in ``bench_matching.py``)."""
-    sys.path.insert(0, str(HERE))
-    from bench_matching import pair_scores as scores
-
-    return scores(truth, found)
-
-
 # ---------------------------------------------------------------------------------- cases
 
 
 def case_kl(n_clients: int) -> dict:
     import warnings
-
-    sys.path.insert(0, str(HERE))
-    from bench_klfusion import simulate
 
     from bayesfuse.inference.klfusion import kl_fuse
 
