@@ -1,8 +1,9 @@
 """Run the app in-process on Flower's simulation engine (Ray), without a SuperLink.
 
-Usage: python simulate.py [--method pfnm|nafi|fedma] [--nodes 10] [--local-epochs 10]
-Prints the test accuracy of the fused model (and of one-shot FedAvg on the same clients for
-pfnm/nafi) and the wall time. ``flwr run .`` runs the same app through a local SuperLink.
+Usage: python simulate.py [--method pfnm|nafi|fedma] [--rounds 3] [--nodes 10] [--local-epochs 10]
+Prints the test accuracy of the global model after each round (and of FedAvg over as many
+rounds on the same clients) and the wall time. ``flwr run .`` runs the same app through a
+local SuperLink.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="pfnm", choices=["pfnm", "nafi", "fedma"])
+    parser.add_argument("--rounds", type=int, default=3, help="PFNM/NAFI rounds (FedMA sets its own)")
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--local-epochs", type=int, default=10)
     parser.add_argument("--round-epochs", type=int, default=5)
@@ -33,8 +35,8 @@ def main() -> None:
     from bayesfuse_flower.client_app import make_client_app
     from bayesfuse_flower.server_app import RESULTS, make_server_app
 
-    settings = {"method": args.method, "num-nodes": args.nodes, "local-epochs": args.local_epochs,
-                "round-epochs": args.round_epochs}
+    settings = {"method": args.method, "num-rounds": args.rounds, "num-nodes": args.nodes,
+                "local-epochs": args.local_epochs, "round-epochs": args.round_epochs}
     start = time.perf_counter()
     run_simulation(server_app=make_server_app(settings), client_app=make_client_app(settings),
                    num_supernodes=args.nodes, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})

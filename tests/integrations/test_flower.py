@@ -1,5 +1,14 @@
-"""The Flower strategy and FedMA loop, tested with mocked replies (as Flower tests its strategies)."""
+"""The Flower strategies, tested with mocked replies (as Flower tests its strategies), and the example app."""
 
+import ast
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -8,23 +17,31 @@ import torch
 
 flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'bayesfuse[flower]'")
 
-from flwr.app import Error, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.serverapp.strategy import Result  # noqa: E402
 
 from bayesfuse import fuse  # noqa: E402
 from bayesfuse.data import dirichlet_partition, load_digits  # noqa: E402
+from bayesfuse.federated import run_fedma  # noqa: E402
 from bayesfuse.inference.layerwise import match_layerwise  # noqa: E402
+from bayesfuse.integrations import flower as integration  # noqa: E402
 from bayesfuse.integrations.flower import (  # noqa: E402
     FEDMA_LOCAL,
     FEDMA_ROUND,
+    FedMA,
     MatchedAveraging,
-    fedma_server,
+    metrics_aggregation,
     record_to_state,
     state_digest,
     state_to_record,
 )
+from bayesfuse.nets.arch import rebuild  # noqa: E402
 from bayesfuse.nets.mlp import MLP  # noqa: E402
 from bayesfuse.nets.state import numpy_state as _np  # noqa: E402
+from bayesfuse.nets.state import tensor_state  # noqa: E402
 from bayesfuse.train import TrainConfig, train_clients, train_model  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower"
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +49,7 @@ def task_identity(request):
     """Instruction messages take their sender from the running task; give the mocks one."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    if request.node.name.startswith("test_three_node_simulation"):
+    if "simulation" in request.node.name:
         yield  # the simulation runtime sets its own
         return
     saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
@@ -58,14 +75,22 @@ def _reply(node: int, state, counts=None, n=100) -> Message:
                    reply_to=instruction)
 
 
-def _error(node: int) -> Message:
-    instruction = Message(RecordDict(), dst_node_id=node, message_type="train")
+def _error(node: int, message_type: str = "train") -> Message:
+    instruction = Message(RecordDict(), dst_node_id=node, message_type=message_type)
     return Message(Error(code=1, reason="client crashed"), reply_to=instruction)
 
 
 def _canonical(models):
-    """The order the strategy fuses replies in: by the hash of their contents."""
+    """The order the strategies take replies in: by the hash of their contents."""
     return sorted(range(len(models)), key=lambda j: state_digest(_np(models[j])))
+
+
+def _accuracy(split, state) -> float:
+    model = MLP.from_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    return float((model(torch.as_tensor(split.test.x)).argmax(1).numpy() == split.test.y).mean())
+
+
+# --------------------------------------------------------------------------- MatchedAveraging
 
 
 @pytest.mark.parametrize("method", ["pfnm", "nafi"])
@@ -82,18 +107,20 @@ def test_fused_arrays_equal_bayesfuse_on_the_same_state_dicts(clients, method):
     assert metrics["num-examples"] == 300
 
 
-def test_failed_and_mismatched_replies_are_skipped_and_reported(clients):
+def test_failed_and_mismatched_replies_are_skipped_and_reported(clients, caplog):
     _, part, models = clients
     other = MLP(64, [20, 16], 7)  # another number of classes
     replies = [_reply(1, models[0].state_dict()), _error(2), _reply(3, models[1].state_dict()),
                _reply(4, other.state_dict())]
     strategy = MatchedAveraging("pfnm")
-    arrays, metrics = strategy.aggregate_train(1, replies)
+    with caplog.at_level(logging.INFO):
+        arrays, metrics = strategy.aggregate_train(1, replies)
     assert metrics["fused-replies"] == 2 and metrics["failed-replies"] == 1 and metrics["rejected-replies"] == 1
     assert strategy.failed == [(2, "client crashed")]
     node, reason = strategy.rejected[0]
     assert node == 4 and "node 4: a different architecture from the one 2 of 3 nodes share" in reason
     assert "'layers.2.weight' has fixed dimensions (7, None) instead of (10, None)" in reason
+    assert "aggregate_train: Received 3 results and 1 failures" in caplog.messages
     pair = [models[j] for j in _canonical(models[:2])]
     expected = match_layerwise([_np(m) for m in pair], models[0].permutation_spec(), seed=0)
     np.testing.assert_allclose(record_to_state(arrays)["layers.0.weight"], expected.state_dict["layers.0.weight"],
@@ -115,87 +142,374 @@ def test_kl_fusion_of_bnn_replies(clients):
     assert metrics["global-sizes"] == [expected["loc.w1"].shape[0]]
 
 
-class FakeGrid:
-    """Answers messages in-process: node n trains on partition n; node ``dead`` never answers FedMA rounds."""
-
-    def __init__(self, split, part, dead=None):
-        self.split, self.part, self.dead = split, part, dead
-        self.types = []
-
-    def get_node_ids(self):
-        return list(range(len(self.part)))
-
-    def send_and_receive(self, messages, timeout=None):
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            self.types.append(msg.metadata.message_type)
-            x, y = self.split.train.x[self.part[node]], self.split.train.y[self.part[node]]
-            cfg = TrainConfig(hidden=(20,), epochs=2, seed=node)
-            if msg.metadata.message_type == FEDMA_LOCAL:
-                torch.manual_seed(node)
-                model = MLP(64, [20], 10)
-                train_model(model, x, y, 10, cfg)
-            else:
-                if node == self.dead:
-                    continue  # a timeout: no reply at all
-                import json
-
-                state = record_to_state(msg.content["arrays"])
-                model = MLP.from_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-                train_model(model, x, y, 10, cfg, frozen=json.loads(msg.content["config"]["frozen"]))
-            counts = np.bincount(y, minlength=10)
-            replies.append(Message(RecordDict({"arrays": state_to_record(model.state_dict()),
-                                               "metrics": MetricRecord({"num-examples": len(y),
-                                                                        "class-counts": counts.tolist()})}),
-                                   reply_to=msg))
-        return replies
-
-
-def test_fedma_server_loop_over_a_grid(clients):
-    split, part, _ = clients
-    grid = FakeGrid(split, part)
-    out = fedma_server(grid, min_nodes=3)
-    assert grid.types == [FEDMA_LOCAL] * 3 + [FEDMA_ROUND] * 3
-    assert out.result.rounds == 2 and out.nodes == [0, 1, 2] and out.failed == []
-    model = MLP.from_state_dict({k: torch.as_tensor(v) for k, v in record_to_state(out.arrays).items()})
-    acc = (model(torch.as_tensor(split.test.x)).argmax(1).numpy() == split.test.y).mean()
-    assert acc > 0.6
-
-
-def test_fedma_server_drops_a_node_that_times_out(clients):
-    split, part, _ = clients
-    out = fedma_server(FakeGrid(split, part, dead=1), min_nodes=3)
-    assert out.failed == [(1, "no reply")] and out.result.dropped == [1]
-
-
 def test_unknown_method():
     with pytest.raises(ValueError, match="unknown method 'fedprox'"):
         MatchedAveraging("fedprox")
 
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower"
+def test_metrics_aggregation_sums_class_counts_and_averages_the_rest():
+    records = [RecordDict({"metrics": MetricRecord({"num-examples": n, "class-counts": c, "accuracy": a})})
+               for n, c, a in [(30, [10, 20, 0], 0.5), (10, [0, 5, 5], 0.9)]]
+    out = metrics_aggregation()(records, "num-examples")
+    assert out["num-examples"] == 40 and out["class-counts"] == [10, 25, 5]
+    assert out["accuracy"] == pytest.approx(0.75 * 0.5 + 0.25 * 0.9)
+    with pytest.raises(ValueError, match="'class-counts'"):
+        metrics_aggregation()([records[0], RecordDict({"m": MetricRecord({"num-examples": 1, "class-counts": [1]})})],
+                              "num-examples")
 
 
-def test_three_node_simulation_beats_one_shot_fedavg(monkeypatch):
-    """End to end on Flower's simulation engine (Ray backend): 3 nodes, Dirichlet-split digits."""
-    import os
+# --------------------------------------------------------------------------- FedMA
+
+
+class FakeGrid:
+    """Answers messages in-process; the node with id ``ids[p]`` trains on partition ``p``.
+
+    Nodes in ``crash`` fail their local round, nodes in ``odd`` send a network with 7 classes,
+    nodes in ``dead`` never answer FedMA rounds, nodes in ``misshapen`` return a network of
+    other widths from them. Evaluation messages get the node's test accuracy.
+    """
+
+    def __init__(self, split, part, hidden=(20,), ids=None, crash=(), odd=(), dead=(), misshapen=()):
+        self.split, self.part, self.hidden = split, part, tuple(hidden)
+        self.ids = list(ids if ids is not None else range(len(part)))
+        self.crash, self.odd, self.dead, self.misshapen = set(crash), set(odd), set(dead), set(misshapen)
+        self.sent: list[Message] = []
+
+    @property
+    def types(self) -> list[str]:
+        return [m.metadata.message_type for m in self.sent]
+
+    def get_node_ids(self):
+        return list(self.ids)
+
+    def _answer(self, msg: Message) -> Message | None:
+        node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
+        p = self.ids.index(node)
+        x, y = self.split.train.x[self.part[p]], self.split.train.y[self.part[p]]
+        cfg = TrainConfig(hidden=self.hidden, epochs=2, seed=p)
+        if kind == FEDMA_LOCAL:
+            if node in self.crash:
+                return Message(Error(code=1, reason="client crashed"), reply_to=msg)
+            torch.manual_seed(p)
+            model = MLP(64, list(self.hidden), 7 if node in self.odd else 10)
+            if node not in self.odd:
+                train_model(model, x, y, 10, cfg)
+        elif kind == FEDMA_ROUND:
+            if node in self.dead:
+                return None  # a timeout: no reply at all
+            state = record_to_state(msg.content["arrays"])
+            if node in self.misshapen:
+                model = MLP(64, [3] * len(self.hidden), 10)
+            else:
+                model = MLP.from_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+                train_model(model, x, y, 10, cfg, frozen=json.loads(msg.content["config"]["frozen"]))
+        elif kind == "evaluate":
+            acc = _accuracy(self.split, record_to_state(msg.content["arrays"]))
+            return Message(RecordDict({"metrics": MetricRecord({"num-examples": len(y), "accuracy": acc})}),
+                           reply_to=msg)
+        else:
+            raise AssertionError(f"unexpected message type {kind!r}")
+        counts = np.bincount(y, minlength=10)
+        return Message(RecordDict({"arrays": state_to_record(model.state_dict()),
+                                   "metrics": MetricRecord({"num-examples": len(y), "class-counts": counts.tolist()})}),
+                       reply_to=msg)
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            reply = self._answer(msg)
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+
+def _initial(hidden=(20,)):
+    return state_to_record(MLP(64, list(hidden), 10).state_dict())
+
+
+def test_fedma_strategy_runs_flowers_loop_and_returns_a_result(clients, caplog):
+    split, part, _ = clients
+    grid = FakeGrid(split, part, ids=[7, 8, 9])
+    strategy = FedMA(min_train_nodes=3, fraction_evaluate=1.0, min_evaluate_nodes=3)
+    evaluated = []
+
+    def evaluate_fn(server_round, arrays):
+        evaluated.append(server_round)
+        return MetricRecord({"accuracy": _accuracy(split, record_to_state(arrays))})
+
+    with caplog.at_level(logging.INFO):
+        result = strategy.start(grid=grid, initial_arrays=_initial(), evaluate_fn=evaluate_fn)
+    assert isinstance(result, Result)
+    assert grid.types == [FEDMA_LOCAL] * 3 + [FEDMA_ROUND] * 3 + ["evaluate"] * 3  # evaluated once: at the end
+    # Flower's own per-round log lines, and the strategy's
+    for line in ["Starting FedMA strategy:", "\t├── Number of rounds: 2", "[ROUND 1/2]", "[ROUND 2/2]",
+                 "configure_train: Sampled 3 nodes (out of 3)", "aggregate_train: Received 3 results and 0 failures",
+                 "\t└──> FedMA matched group 'P1': 20 global units", "Global evaluation",
+                 "configure_train: 3 nodes retrain the layers above group 'P1' (2 entries frozen)"]:
+        assert line in caplog.messages, line
+    assert any(m.startswith("Strategy execution finished") for m in caplog.messages)
+    # the Result: global network, each round's metrics, server- and client-side evaluation
+    assert strategy.fedma_result.rounds == 2 and sorted(strategy.nodes) == [7, 8, 9]
+    assert strategy.failed == [] and strategy.dropped == []
+    assert result.train_metrics_clientapp[1]["local-replies"] == 3
+    assert result.train_metrics_clientapp[1]["global-size"] == 20
+    last = result.train_metrics_clientapp[2]
+    assert last["global-sizes"] == [strategy.fedma_result.sizes["P1"]] and last["fedma-rounds"] == 2
+    state = record_to_state(result.arrays)
+    for k, v in strategy.fedma_result.state_dict.items():
+        np.testing.assert_allclose(state[k], v, rtol=1e-6, atol=1e-6)
+    assert evaluated == [0, 2] and set(result.evaluate_metrics_serverapp) == {0, 2}
+    assert result.evaluate_metrics_serverapp[2]["accuracy"] > 0.6
+    assert result.evaluate_metrics_clientapp[2]["accuracy"] > 0.6
+
+
+def test_fedma_round_messages_are_per_node(clients):
+    split, part, _ = clients
+    grid = FakeGrid(split, part, hidden=(20, 16))
+    strategy = FedMA(min_train_nodes=3, fraction_evaluate=0.0)
+    strategy.start(grid=grid, initial_arrays=_initial((20, 16)), train_config=ConfigRecord({"lr": 0.1}))
+    assert grid.types == [FEDMA_LOCAL] * 3 + [FEDMA_ROUND] * 6
+    local = grid.sent[0].content
+    assert list(local.array_records) == [] and local["config"]["lr"] == 0.1  # round 1: the config only
+    first, second = grid.sent[3:6], grid.sent[6:9]
+    assert sorted(m.metadata.dst_node_id for m in first) == [0, 1, 2]
+    frozen = [json.loads(m.content["config"]["frozen"]) for m in first + second]
+    assert frozen[:3] == [["layers.0.bias", "layers.0.weight"]] * 3
+    assert frozen[3:] == [["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight"]] * 3
+    assert all(m.content["config"]["lr"] == 0.1 for m in first + second)
+    states = [record_to_state(m.content["arrays"]) for m in first]
+    # the global first layer is shared; each node's second layer is its own, mapped onto the global units
+    np.testing.assert_array_equal(states[0]["layers.0.weight"], states[1]["layers.0.weight"])
+    assert not np.allclose(states[0]["layers.1.weight"], states[1]["layers.1.weight"])
+
+
+def test_fedma_strategy_equals_run_fedma(clients):
+    """The strategy over a grid and :func:`bayesfuse.federated.run_fedma` in process give the same network."""
+    split, part, models = clients
+    config = TrainConfig(hidden=(20, 16), epochs=1)
+    order = _canonical(models)  # the strategy's client order; run_fedma takes its clients as given
+    expected = run_fedma([models[j] for j in order], split.train, [part[j] for j in order], config, method="pfnm",
+                         seed=0, verbose=False)
+
+    class Clients(FakeGrid):
+        """Node 20 + j holds client j and retrains as run_fedma does."""
+
+        def _answer(self, msg):
+            j = msg.metadata.dst_node_id - 20
+            x, y = split.train.x[part[j]], split.train.y[part[j]]
+            if msg.metadata.message_type == FEDMA_LOCAL:
+                net = models[j]
+            else:
+                frozen = set(json.loads(msg.content["config"]["frozen"]))
+                net = rebuild(models[j], tensor_state(record_to_state(msg.content["arrays"])))
+                seed = config.seed + 1000 * (len(frozen) + 1) + order.index(j)  # run_fedma's retraining seed
+                train_model(net, x, y, 10, replace(config, seed=seed), frozen=frozen, verbose=False)
+            metrics = {"num-examples": len(y), "class-counts": np.bincount(y, minlength=10).tolist()}
+            return Message(RecordDict({"arrays": state_to_record(net.state_dict()), "metrics": MetricRecord(metrics)}),
+                           reply_to=msg)
+
+    strategy = FedMA(min_train_nodes=3, fraction_evaluate=0.0)
+    result = strategy.start(grid=Clients(split, part, ids=[20, 21, 22]), initial_arrays=_initial((20, 16)))
+    assert strategy.fedma_result.sizes == expected.result.sizes
+    assert len(result.train_metrics_clientapp) == 3 == expected.result.rounds
+    got = record_to_state(result.arrays)
+    assert list(got) == list(expected.result.state_dict)
+    for k, v in expected.result.state_dict.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_fedma_drops_a_node_that_times_out_or_misbehaves(clients, caplog):
+    split, part, _ = clients
+    with caplog.at_level(logging.INFO):
+        strategy = FedMA(min_train_nodes=4, fraction_evaluate=0.0)
+        grid = FakeGrid(split, list(part) + [part[0]], ids=[1, 2, 3, 4], dead=[1], misshapen=[4])
+        result = strategy.start(grid=grid, initial_arrays=_initial())
+    assert strategy.failed == [(1, "no reply")] and sorted(strategy.dropped) == [1, 4]
+    node, reason = strategy.rejected[0]
+    assert node == 4 and re.search(r"node 4: 'layers.0.weight' has shape \(3, 64\), it was sent with \(\d+, 64\)",
+                                   reason), reason
+    assert sorted(strategy.fedma_result.dropped) == sorted(strategy.nodes.index(n) for n in (1, 4))
+    assert result.train_metrics_clientapp[2]["retrained-replies"] == 2
+    assert result.train_metrics_clientapp[2]["dropped-nodes"] == 2
+    assert "aggregate_train: Received 2 results and 1 failures" in caplog.messages
+    assert _accuracy(split, record_to_state(result.arrays)) > 0.6
+
+
+def test_fedma_skips_failed_and_odd_local_replies(clients):
+    split, part, _ = clients
+    grid = FakeGrid(split, list(part) + [part[0], part[1]], ids=[1, 2, 3, 4, 5], crash=[2], odd=[5])
+    strategy = FedMA(min_train_nodes=5, fraction_evaluate=0.0)
+    result = strategy.start(grid=grid, initial_arrays=_initial())
+    assert strategy.failed == [(2, "client crashed")]
+    assert strategy.rejected[0][0] == 5 and "has fixed dimensions (7, None)" in strategy.rejected[0][1]
+    assert sorted(strategy.nodes) == [1, 3, 4]
+    assert grid.types.count(FEDMA_ROUND) == 3
+    assert result.train_metrics_clientapp[1]["failed-replies"] == 1
+    assert result.train_metrics_clientapp[1]["rejected-replies"] == 1
+    assert strategy.fedma_result is not None
+
+
+def test_fedma_ends_cleanly_when_every_node_is_lost(clients, caplog):
+    split, part, _ = clients
+    strategy = FedMA(min_train_nodes=3, fraction_evaluate=0.0)
+    with caplog.at_level(logging.INFO):
+        result = strategy.start(grid=FakeGrid(split, part, hidden=(20, 16), dead=[0, 1, 2]),
+                                initial_arrays=_initial((20, 16)))
+    assert isinstance(result, Result) and len(result.arrays) == 0
+    assert strategy.fedma_result is None and "every node was lost in round 2" in str(strategy.error)
+    assert any(m.startswith("FedMA stopped in round 2") for m in caplog.messages)
+    assert "configure_train: no FedMA round to run (the run has ended)" in caplog.messages
+    assert set(result.train_metrics_clientapp) == {1, 2}
+
+
+def test_fedma_checks_its_settings(clients):
+    with pytest.raises(ValueError, match="passes > 1"):
+        FedMA(hyper={"passes": 2})
+    with pytest.raises(ValueError, match="unknown hyper-parameters"):
+        FedMA(hyper={"reg": 1.0})
+    split, part, _ = clients
+    with pytest.raises(ValueError, match=r"FedMA takes 3 rounds for this network .*got num_rounds=2"):
+        FedMA().start(grid=FakeGrid(split, part), initial_arrays=_initial((20, 16)), num_rounds=2)
+    assert FedMA().num_rounds(_initial((20, 16, 8))) == 4
+
+
+def test_fedma_in_mock_rounds_without_start(clients):
+    """configure_train / aggregate_train driven by hand, as Flower's tests drive strategies."""
+    split, part, _ = clients
+    grid = FakeGrid(split, part)
+    strategy = FedMA(min_train_nodes=3)
+    arrays = _initial()
+    replies = grid.send_and_receive(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    assert strategy.aggregate_train(1, replies)[0] is None
+    replies = grid.send_and_receive(strategy.configure_train(2, arrays, ConfigRecord(), grid))
+    final, metrics = strategy.aggregate_train(2, replies)
+    assert metrics["fedma-rounds"] == 2 and _accuracy(split, record_to_state(final)) > 0.6
+
+
+# --------------------------------------------------------------------------- no private Flower modules
+
+
+def _flwr_imports(path: Path) -> list[tuple[str, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "flwr":
+            found += [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, "") for a in node.names if a.name.split(".")[0] == "flwr"]
+    return found
+
+
+def test_no_private_flower_imports():
+    files = [Path(integration.__file__), *sorted(EXAMPLE.rglob("*.py"))]
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        assert "strategy_utils" not in text, path
+        for module, name in _flwr_imports(path):
+            parts = module.split(".") + ([name] if name else [])
+            assert not any(p.startswith("_") for p in parts), (path, module, name)
+            assert module in ("flwr.app", "flwr.common", "flwr.clientapp", "flwr.serverapp",
+                              "flwr.serverapp.strategy", "flwr.simulation"), (path, module)
+    assert _flwr_imports(Path(integration.__file__))  # the check sees the imports at all
+
+
+# --------------------------------------------------------------------------- the example app
+
+
+@pytest.fixture
+def example(monkeypatch):
+    """The example app (not installed), importable here and in Ray's worker processes."""
+    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPUs here; silences Ray's notice
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH")])))
+    from bayesfuse_flower import client_app, server_app
+
+    return client_app, server_app
+
+
+def test_example_method_is_checked_in_one_line(example, caplog):
+    _, server = example
+    assert all(server.method_error(m) is None for m in ("pfnm", "nafi", "fedma"))
+    for bad in ("fedprox", "", None, 3):
+        error = server.method_error(bad)
+        assert error.startswith(f"unknown method {bad!r} in the run config: choose one of pfnm, nafi, fedma")
+        assert "\n" not in error
+
+    class NoGrid:
+        def __getattr__(self, name):
+            raise AssertionError("a bad method must end the run before any message is sent")
+
+    with caplog.at_level(logging.INFO):
+        server.main(NoGrid(), {"method": "fedprox"})
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [server.method_error("fedprox")]
+    assert server.RESULTS == {}
+
+
+def test_example_fedavg_baseline_sums_class_counts(example):
+    _, server = example
+    records = [RecordDict({"metrics": MetricRecord({"num-examples": n, "class-counts": c})})
+               for n, c in [(3, [1, 2, 0]), (1, [0, 0, 1])]]
+    out = server.fedavg_baseline(2).train_metrics_aggr_fn(records, "num-examples")
+    assert out["class-counts"] == [1, 2, 1] and out["num-examples"] == 4
+
+
+SIMULATE = """
+import sys
+from flwr.simulation import run_simulation
+from bayesfuse_flower.client_app import make_client_app
+from bayesfuse_flower.server_app import make_server_app
+settings = {settings!r}
+run_simulation(server_app=make_server_app(settings), client_app=make_client_app(settings), num_supernodes=2,
+               backend_config={{"client_resources": {{"num_cpus": 1, "num_gpus": 0.0}}}})
+"""
+
+
+@pytest.mark.slow
+def test_simulation_with_a_bad_method_ends_with_one_line(example, tmp_path):
+    pytest.importorskip("ray")
+    code = textwrap.dedent(SIMULATE.format(settings={"method": "fedprox", "num-nodes": 2}))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FLWR_HOME": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "unknown method 'fedprox' in the run config: choose one of pfnm, nafi, fedma" in out
+    assert "Traceback" not in out and "exception" not in out.lower(), out
+
+
+@pytest.mark.slow
+def test_simulation_three_nodes_pfnm_rounds_beat_fedavg(example):
+    """End to end on Flower's simulation engine (Ray backend): 3 nodes, Dirichlet-split digits, 2 rounds."""
     import time
 
     pytest.importorskip("ray")
     from flwr.simulation import run_simulation
 
-    # the example app is not installed: make it importable here and in Ray's worker processes
-    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPUs here; silences Ray's notice
-    monkeypatch.syspath_prepend(str(EXAMPLE))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH")])))
-    from bayesfuse_flower.client_app import make_client_app
-    from bayesfuse_flower.server_app import RESULTS, make_server_app
-
-    settings = {"method": "pfnm", "num-nodes": 3, "local-epochs": 5, "timeout": 300}
+    client_app, server_app = example
+    settings = {"method": "pfnm", "num-nodes": 3, "local-epochs": 5, "round-epochs": 2, "num-rounds": 2,
+                "timeout": 300}
     start = time.perf_counter()
-    run_simulation(server_app=make_server_app(settings), client_app=make_client_app(settings), num_supernodes=3,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
-    assert RESULTS["pfnm"].get("fused-replies") == 3, RESULTS
-    assert time.perf_counter() - start < 120
-    assert RESULTS["pfnm"]["accuracy"] > RESULTS["fedavg"]["accuracy"], RESULTS
+    run_simulation(server_app=server_app.make_server_app(settings), client_app=client_app.make_client_app(settings),
+                   num_supernodes=3, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    results = server_app.RESULTS
+    assert results["pfnm"].get("fused-replies") == 3, results
+    assert time.perf_counter() - start < 180
+    assert sorted(results["pfnm"]["accuracy-by-round"]) == [0, 1, 2]
+    assert results["pfnm"]["accuracy-by-round"][2] > results["pfnm"]["accuracy-by-round"][0] + 0.5
+    assert results["pfnm"]["accuracy"] > results["fedavg"]["accuracy"], results
+    assert sum(results["fedavg"]["class-counts"]) == results["fedavg"]["num-examples"]  # summed, not averaged
+
+
+@pytest.mark.slow
+def test_simulation_three_nodes_fedma(example):
+    pytest.importorskip("ray")
+    from flwr.simulation import run_simulation
+
+    client_app, server_app = example
+    settings = {"method": "fedma", "num-nodes": 3, "hidden": "32", "local-epochs": 3, "round-epochs": 2,
+                "compare-fedavg": False, "timeout": 300}
+    run_simulation(server_app=server_app.make_server_app(settings), client_app=client_app.make_client_app(settings),
+                   num_supernodes=3, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    results = server_app.RESULTS["fedma"]
+    assert results.get("retrained-replies") == 3 and results["failed"] == [], results
+    assert sorted(results["accuracy-by-round"]) == [0, 2] and results["accuracy"] > 0.8, results

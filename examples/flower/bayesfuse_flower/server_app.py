@@ -1,32 +1,102 @@
-"""ServerApp: one-shot matched averaging (PFNM/NAFI) or FedMA, reported against one-shot FedAvg."""
+"""ServerApp: matched averaging (PFNM/NAFI) over several rounds or FedMA, reported against FedAvg.
+
+Every strategy runs through Flower's ``Strategy.start`` with a server-side ``evaluate_fn``
+(the digits test set), so each round logs its test accuracy.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from logging import ERROR
+from typing import Callable
 
-from flwr.app import Context
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 
 from bayesfuse._io import atomic_write_text
-from bayesfuse.integrations.flower import MatchedAveraging, fedma_server, record_to_state, state_to_record
+from bayesfuse.integrations.flower import FedMA, MatchedAveraging, metrics_aggregation, record_to_state, state_to_record
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
 
 from bayesfuse_flower.task import _split, config, fresh_model, model_from_state, settings
 
+#: The values of the run config's ``method``.
+METHODS = ("pfnm", "nafi", "fedma")
+
 RESULTS: dict = {}  # filled by main(); read by tests and printed at the end
 
 
-def _test_accuracy(cfg, state, seed) -> dict:
-    test = _split(seed).test
-    m = evaluate(predict_proba(model_from_state(cfg, state), test.x), test.y)
-    return {"accuracy": m["accuracy"], "nll": m["nll"]}
+def method_error(method: object) -> str | None:
+    """Why ``method`` (the run config's) is not one this app runs, in one line; ``None`` when it is.
+
+    Parameters
+    ----------
+    method : object
+        The run config's ``method``.
+
+    Returns
+    -------
+    str or None
+    """
+    if isinstance(method, str) and method in METHODS:
+        return None
+    return (f"unknown method {method!r} in the run config: choose one of {', '.join(METHODS)} "
+            f"(e.g. --run-config 'method=\"fedma\"')")
+
+
+def make_evaluate_fn(cfg, seed: int) -> Callable[[int, ArrayRecord], MetricRecord]:
+    """Server-side evaluation on the digits test set, for ``Strategy.start(evaluate_fn=...)``.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The clients' network settings (the fused model may be wider).
+    seed : int
+        The data split's seed.
+
+    Returns
+    -------
+    callable ``(server_round, arrays) -> MetricRecord``
+        ``accuracy`` and ``nll`` of the global model.
+    """
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        test = _split(seed).test
+        m = evaluate(predict_proba(model_from_state(cfg, record_to_state(arrays)), test.x), test.y)
+        return MetricRecord({"accuracy": float(m["accuracy"]), "nll": float(m["nll"])})
+
+    return evaluate_fn
+
+
+def fedavg_baseline(nodes: int) -> FedAvg:
+    """FedAvg on the same nodes; ``class-counts`` summed, not averaged like the other metrics.
+
+    Parameters
+    ----------
+    nodes : int
+        Nodes to train on in every round.
+
+    Returns
+    -------
+    FedAvg
+    """
+    return FedAvg(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0,
+                  train_metrics_aggr_fn=metrics_aggregation(("class-counts",)))
 
 
 def make_server_app(overrides: dict | None = None) -> ServerApp:
-    """The ServerApp, with settings ``overrides`` on top of the run config."""
+    """The ServerApp, with settings ``overrides`` on top of the run config.
+
+    Parameters
+    ----------
+    overrides : dict, optional
+
+    Returns
+    -------
+    ServerApp
+    """
     app = ServerApp()
 
     @app.main()
@@ -36,36 +106,69 @@ def make_server_app(overrides: dict | None = None) -> ServerApp:
     return app
 
 
+def _report(result: Result) -> dict:
+    """The final test metrics, the accuracy after each evaluated round, the last round's train metrics."""
+    evaluated = result.evaluate_metrics_serverapp
+    if not evaluated:
+        return {}
+    last = evaluated[max(evaluated)]
+    out = {"accuracy": last["accuracy"], "nll": last["nll"],
+           "accuracy-by-round": {r: round(float(m["accuracy"]), 4) for r, m in sorted(evaluated.items())}}
+    if result.train_metrics_clientapp:
+        out.update(result.train_metrics_clientapp[max(result.train_metrics_clientapp)])
+    return out
+
+
 def main(grid: Grid, run: dict) -> None:
-    method, seed = str(run.get("method", "pfnm")), int(run.get("seed", 0))
-    nodes = int(run.get("num-nodes", 10))
+    """Run the configured method (and FedAvg for comparison) and report the test accuracy.
+
+    A ``method`` the app does not know ends the run with one error line.
+
+    Parameters
+    ----------
+    grid : Grid
+    run : dict
+        The run config (:data:`bayesfuse_flower.task.DEFAULTS` and its overrides).
+    """
+    RESULTS.clear()
+    method = run.get("method", "pfnm")
+    error = method_error(method)
+    if error:
+        log(ERROR, error)
+        return
+    seed, nodes = int(run.get("seed", 0)), int(run.get("num-nodes", 10))
+    timeout = float(run.get("timeout", 600))
     cfg = config(run)
+    evaluate_fn = make_evaluate_fn(cfg, seed)
+    # clients train from their own initialisations in round 1; this network fixes the architecture
+    initial = state_to_record(fresh_model(cfg, seed).state_dict())
     start = time.perf_counter()
     if method == "fedma":
-        out = fedma_server(grid, min_nodes=nodes, timeout=float(run.get("timeout", 600)), seed=seed)
-        fused = record_to_state(out.arrays)
-        RESULTS["fedma"] = {**_test_accuracy(cfg, fused, seed), "rounds": out.result.rounds,
-                            "sizes": list(out.result.sizes.values()), "failed": out.failed}
+        fedma = FedMA(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0, seed=seed)
+        result = fedma.start(grid=grid, initial_arrays=initial, timeout=timeout, evaluate_fn=evaluate_fn)
+        rounds = fedma.num_rounds(initial)
+        if fedma.fedma_result is None:
+            RESULTS[method] = {"error": f"FedMA did not finish ({fedma.error or 'no node replied in time'})"}
+        else:
+            RESULTS[method] = {**_report(result), "sizes": list(fedma.fedma_result.sizes.values()),
+                               "failed": fedma.failed, "rejected": fedma.rejected}
     else:
-        # One round: each node trains from its own initialisation, the server fuses once.
-        initial = state_to_record(fresh_model(cfg, seed).state_dict())
+        # round 1 fuses separately trained networks; later rounds retrain the fused one and fuse again
+        rounds = int(run.get("num-rounds", 3))
         strategy = MatchedAveraging(method, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0,
                                     seed=seed)
-        result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=1,
-                                timeout=float(run.get("timeout", 600)))
-        if 1 not in result.train_metrics_clientapp:
+        result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds, timeout=timeout,
+                                evaluate_fn=evaluate_fn)
+        if not result.train_metrics_clientapp:
             RESULTS[method] = {"error": "no node replied in time; nothing was fused"}
-            print("bayesfuse results:", json.dumps(RESULTS, default=str))
-            return
-        RESULTS[method] = {**_test_accuracy(cfg, record_to_state(result.arrays), seed),
-                           **{k: v for k, v in result.train_metrics_clientapp[1].items()}}
-        if bool(run.get("compare-fedavg", True)):
-            # the same local training, averaged coordinate-wise (clients' seeds are the same)
-            avg = FedAvg(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0)
-            baseline = avg.start(grid=grid, initial_arrays=initial, num_rounds=1,
-                                 timeout=float(run.get("timeout", 600)))
-            RESULTS["fedavg"] = _test_accuracy(cfg, record_to_state(baseline.arrays), seed)
+        else:
+            RESULTS[method] = _report(result)
     RESULTS["seconds"] = time.perf_counter() - start
+    if bool(run.get("compare-fedavg", True)):
+        # as many rounds, the same local training (clients' seeds are the same), averaged coordinate-wise
+        baseline = fedavg_baseline(nodes).start(grid=grid, initial_arrays=initial, num_rounds=rounds,
+                                                timeout=timeout, evaluate_fn=evaluate_fn)
+        RESULTS["fedavg"] = _report(baseline)
     print("bayesfuse results:", json.dumps(RESULTS, default=str))
     if run.get("results-file"):
         atomic_write_text(run["results-file"], json.dumps(RESULTS, indent=2, default=str) + "\n", overwrite=True)
