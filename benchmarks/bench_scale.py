@@ -1,7 +1,7 @@
 """Scale: KL-fusion for tens to a hundred clients, matching for a thousand, wide layers.
 
-Usage: python benchmarks/bench_scale.py [--parts kl match wide conv] [--kl-clients 5 20 50 100]
-       [--match-clients 30 300 1000] [--data-path DIR] [--cache DIR]
+Usage: python benchmarks/bench_scale.py [--parts kl match wide conv device] [--kl-clients 5 20 50 100]
+       [--match-clients 30 300 1000] [--device-clients 30 300] [--data-path DIR] [--cache DIR]
 
 Every case runs in a fresh Python process, so ``peak`` is that case's own peak resident memory
 (inputs included; the inputs' size is printed beside it).
@@ -17,6 +17,12 @@ Every case runs in a fresh Python process, so ``peak`` is that case's own peak r
 * ``conv``: ``fuse(..., "pfnm")`` on 10 ConvNets whose conv layer has 512 channels
   (``make_cnn(784 -> 1x28x28, channels=(512,), hidden=(64,))``), clients being permuted copies
   of one random network plus N(0, 0.01^2) noise on every weight (no training needed to time it).
+
+* ``device``: the ``match`` problem (J clients x 100 neurons, D = 794, every hyper-parameter
+  "auto") with the neurons as NumPy arrays, as torch CPU tensors in float64 and float32, and as
+  CUDA tensors in float64 and float32 when ``torch.cuda.is_available()``: the cost products and
+  atom posteriors then run with torch on that device (``match_neurons`` with tensors). ``agrees``
+  says whether the partition equals the NumPy one.
 
 ``recovery`` is the pair precision / recall of the co-assignments against the truth (1/1:
 exact); ``found`` the number of global components or units against the truth.
@@ -72,14 +78,7 @@ def case_match(n_clients: int) -> dict:
 
     from bayesfuse.inference.matching import match_neurons
 
-    rng = np.random.default_rng(n_clients)
-    atoms = rng.normal(size=(200, D))
-    layers, truth = [], []
-    for _ in range(n_clients):
-        idx = rng.choice(len(atoms), 100, replace=False)
-        layers.append(atoms[idx] + 0.1 * rng.normal(size=(100, D)))
-        truth.append(idx)
-    del atoms
+    layers, truth = _match_problem(n_clients)
     inputs_mb = sum(v.nbytes for v in layers) / 2**20
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -90,6 +89,61 @@ def case_match(n_clients: int) -> dict:
     return dict(problem=f"match_neurons J={n_clients} x 100, D={D}", seconds=seconds, peak_mb=_peak_mb(),
                 inputs_mb=inputs_mb, found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
                 recovery=f"{precision:.3f}/{recall:.3f}", steps=res.n_sweeps, converged=res.converged)
+
+
+def _match_problem(n_clients: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """J clients x 100 neurons drawn from 200 atoms ~ N(0, 1) plus N(0, 0.1^2) noise."""
+    rng = np.random.default_rng(n_clients)
+    atoms = rng.normal(size=(200, D))
+    layers, truth = [], []
+    for _ in range(n_clients):
+        idx = rng.choice(len(atoms), 100, replace=False)
+        layers.append(atoms[idx] + 0.1 * rng.normal(size=(100, D)))
+        truth.append(idx)
+    return layers, truth
+
+
+def case_device(n_clients: int, backend: str) -> dict:
+    """``match_neurons`` on :func:`_match_problem` with the neurons in ``backend``: "numpy", or
+    "DEVICE-DTYPE" torch tensors (``cpu-float64``, ``cuda-float32``...)."""
+    import hashlib
+    import warnings
+
+    from bayesfuse.inference.matching import _partition_key, match_neurons
+
+    layers, truth = _match_problem(n_clients)
+    sync = lambda: None  # noqa: E731
+    if backend != "numpy":
+        import torch
+
+        device, dtype = backend.rsplit("-", 1)
+        layers = [torch.as_tensor(v, dtype=getattr(torch, dtype), device=device) for v in layers]
+        if device.startswith("cuda"):
+            sync = torch.cuda.synchronize
+            torch.ones(1, device=device).sum().item()  # start the CUDA context outside the timing
+    inputs_mb = sum(v.nbytes for v in layers) / 2**20
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        match_neurons([v[:5] for v in layers[:3]], seed=0)  # load the backend's kernels outside the timing
+        sync()
+        start = time.perf_counter()
+        res = match_neurons(layers, seed=0)
+    sync()
+    seconds = time.perf_counter() - start
+    precision, recall = pair_scores(truth, res.assignments)
+    return dict(problem=f"match_neurons J={n_clients} x 100, D={D}, {backend}", seconds=seconds,
+                peak_mb=_peak_mb(), inputs_mb=inputs_mb,
+                found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
+                recovery=f"{precision:.3f}/{recall:.3f}", steps=res.n_sweeps, converged=res.converged,
+                partition=hashlib.sha1(_partition_key(res.assignments)).hexdigest()[:12])
+
+
+def _device_backends() -> list[str]:
+    """NumPy, torch CPU, and CUDA when this machine has it (asked in a child process, so that the
+    driver loads no torch)."""
+    code = "import torch; print(torch.cuda.is_available())"
+    cuda = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+    return ["numpy", "cpu-float64", "cpu-float32"] + (["cuda-float64", "cuda-float32"] if cuda else [])
 
 
 def _wide_models(cache: Path, data_path: str | None) -> list[Path]:
@@ -175,10 +229,11 @@ def _run_case(args: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["kl", "match", "wide", "conv"],
-                        choices=["kl", "match", "wide", "conv"])
+    parser.add_argument("--parts", nargs="+", default=["kl", "match", "wide", "conv", "device"],
+                        choices=["kl", "match", "wide", "conv", "device"])
     parser.add_argument("--kl-clients", type=int, nargs="+", default=[5, 20, 50, 100])
     parser.add_argument("--match-clients", type=int, nargs="+", default=[30, 300, 1000])
+    parser.add_argument("--device-clients", type=int, nargs="+", default=[30, 300])
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST IDX directory (default: the Debian one)")
     parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "wide-mlps"),
                         help="where the trained wide MLPs are kept")
@@ -192,6 +247,8 @@ def main() -> None:
             row = case_match(int(rest[0]))
         elif kind == "wide":
             row = case_wide(rest[0], rest[1] if len(rest) > 1 else None)
+        elif kind == "device":
+            row = case_device(int(rest[0]), rest[1])
         else:
             row = case_conv()
         print(json.dumps(row))
@@ -208,17 +265,26 @@ def main() -> None:
         plan.append(["wide", args.cache, *([args.data_path] if args.data_path else [])])
     if "conv" in args.parts:
         plan.append(["conv"])
+    if "device" in args.parts:
+        plan += [["device", str(j), b] for j in args.device_clients for b in _device_backends()]
     rows = []
     for case in plan:
         row = _run_case(case)
         rows.append(row)
         print(f"{row['problem']}: {row['seconds']:.1f} s, peak {row['peak_mb']:.0f} MB", file=sys.stderr, flush=True)
-    for row in rows:
+    reference = {}  # the NumPy partition of each device problem
+    for case, row in zip(plan, rows):
+        if case[0] == "device" and case[2] == "numpy":
+            reference[case[1]] = row.get("partition")
+    for case, row in zip(plan, rows):
+        row["agrees"] = "-"
+        if case[0] == "device" and "partition" in row:
+            row["agrees"] = "yes" if row.pop("partition") == reference.get(case[1]) else "no"
         row["seconds"] = f"{row['seconds']:.1f}"
         row["peak MB"] = f"{row.pop('peak_mb'):.0f}"
         row["inputs MB"] = f"{row.pop('inputs_mb'):.0f}"
     print(format_table(rows, ["problem", "seconds", "peak MB", "inputs MB", "found", "recovery", "steps",
-                              "converged"]))
+                              "converged", "agrees"]))
 
 
 if __name__ == "__main__":

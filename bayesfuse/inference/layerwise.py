@@ -28,7 +28,8 @@ Output layer. Its weights into class k from client j get noise variance ``sigma^
 precision-weighted posterior mean. Batch-norm layers are folded into the layer before them
 first (NAFI appendix E, eq. 47) and left as identities.
 
-All functions here take and return NumPy arrays. FedMA (:mod:`bayesfuse.inference.fedma`)
+All functions here take and return NumPy arrays (``device`` runs the matching's arithmetic with
+torch on a device; its results come back to NumPy). FedMA (:mod:`bayesfuse.inference.fedma`)
 matches group by group with the same :func:`match_group`, with retraining between groups.
 """
 
@@ -42,6 +43,7 @@ from typing import Literal, Mapping, Sequence
 import numpy as np
 
 from bayesfuse._validation import finite_array
+from bayesfuse.inference._backend import to_device, to_host
 from bayesfuse.inference.matching import MatchResult, match_neurons
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import Axis, PermutationSpec, to_global_basis
@@ -263,6 +265,8 @@ def match_group(
     absent: str = "zero",
     global_weights: str = "auto",
     verbose: bool = False,
+    device=None,
+    dtype: str = "float64",
 ) -> tuple[MatchResult, dict[str, np.ndarray]]:
     """Match the units of one group (BBP-MAP, PFNM supplement eqs. 1-8; NAFI eq. 14).
 
@@ -295,6 +299,12 @@ def match_group(
       networks) upper units share no observed input and merge for free: on Fashion-MNIST
       784-100-100-10 every second-layer unit merged across all 10 clients (10% accuracy)
       where ``"zero"`` kept 154 units (65%).
+
+    Where the arithmetic runs (``device``, ``dtype``): None, NumPy float64 on the host; a torch
+    device (``"cpu"``, ``"cuda"``...), the units' vectors go there as ``dtype`` tensors and the cost
+    products and posterior means are computed there
+    (:func:`~bayesfuse.inference.matching.match_neurons`); the matching's ``mean`` and ``var``
+    come back as NumPy float64 arrays either way.
 
     Returns the matching and the global value of every entry that described the units (its
     other axes in their global bases).
@@ -347,17 +357,20 @@ def match_group(
     D = mu0.shape[0]
     with np.errstate(divide="ignore"):
         precision = 1.0 / match_noise  # relative precisions w_jd (0: unobserved)
+    units = rows if device is None else [to_device(r, device, dtype) for r in rows]
     if auto:
         blocks = np.repeat(np.arange(len(layout)), [width for *_, width in layout])
-        result = match_neurons(rows, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, prior_mean=mu0,
+        result = match_neurons(units, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, prior_mean=mu0,
                                blocks=blocks, relative_precision=precision, kl_weight=kl_weight / D, cost=cost,
                                n_iter=n_iter, seed=seed, verbose=verbose)
         result.hyper["blocks"] = [k for k, *_ in layout]
     else:
         uniform = (match_noise == match_noise[0, 0]).all()
-        result = match_neurons(rows, noise_var=float(match_noise[0, 0]) if uniform else match_noise,
+        result = match_neurons(units, noise_var=float(match_noise[0, 0]) if uniform else match_noise,
                                prior_var=prior_var, prior_mean=mu0, gamma0=gamma0, kl_weight=kl_weight / D,
                                cost=cost, n_iter=n_iter, seed=seed, verbose=verbose)
+    if device is not None:  # the posterior back on the host, as every result of this module
+        result.mean, result.var = to_host(result.mean), to_host(result.var)
     mean = result.mean if global_weights == "posterior" else matched_average(rows, precision, result.assignments,
                                                                               result.n_global)
     values, start = {}, 0
@@ -441,6 +454,8 @@ def match_layerwise(
     absent: Literal["zero", "unobserved"] = "zero",
     global_weights: Literal["auto", "posterior", "average"] = "auto",
     average_outputs: bool = True,
+    device=None,
+    dtype: Literal["float32", "float64"] = "float64",
 ) -> LayerwiseResult:
     """One-shot matching of deep networks: multilayer PFNM (NAFI with ``kl_weight > 0``).
 
@@ -476,6 +491,10 @@ def match_layerwise(
         How a client's (absent) weights from global units it lacks enter the global weights:
         as zeros, which averages the merged units' pre-activations (the default, function
         preserving), or not at all, the BBP posterior mean (see :func:`match_group`).
+    device, dtype : torch device and "float32" | "float64", optional
+        Run each group's cost products and posterior means with torch on ``device`` in
+        ``dtype`` (:func:`match_group`); None (default): NumPy float64. Results are NumPy
+        arrays either way.
 
     Returns
     -------
@@ -508,7 +527,8 @@ def match_layerwise(
             result, vals = match_group(arrays, spec, group, matched, class_shares=shares, noise_var=noise_var,
                                        prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
                                        n_iter=n_iter, seed=group_seed(seed, i), bias_prior_mean=bias_prior_mean,
-                                       absent=absent, global_weights=global_weights, verbose=verbose)
+                                       absent=absent, global_weights=global_weights, verbose=verbose,
+                                       device=device, dtype=dtype)
             matched[group] = Basis(result.assignments, result.n_global)
             layers[group] = result
             values.update(vals)
@@ -524,6 +544,7 @@ def match_layerwise(
         sizes={g: layers[g].n_global for g in spec.groups},
         hyper=dict(direction=direction, absent=absent, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
                    kl_weight=kl_weight, cost=cost, n_iter=n_iter, seed=seed, global_weights=global_weights,
-                   average_outputs=average_outputs),
+                   average_outputs=average_outputs, **({} if device is None else dict(device=str(device),
+                                                                                        dtype=dtype))),
         seconds=time.perf_counter() - start,
     )

@@ -16,9 +16,12 @@ MAP over assignments alternates over clients: remove client j, build the cost of
 its neurons to each atom used by the others or to a new atom, solve that linear assignment
 problem (Hungarian, ``scipy.optimize.linear_sum_assignment``), put client j back.
 
-All arrays are NumPy float64; torch tensors are accepted and converted. Every cost matrix is a
-handful of matrix products (``||a + b||^2 = ||a||^2 + 2 a.b + ||b||^2``), never a loop over
-neurons or atoms.
+Arrays. NumPy neurons are matched in float64 on the host. When every client's neurons are torch
+tensors of one device and dtype (float32 or float64), the atoms' natural parameters ``h``, the cost
+matrices and the posterior means and variances are computed with torch on that device in that
+dtype (:mod:`bayesfuse.inference._backend`); each assignment problem is then copied to the host
+and solved by SciPy. Every cost matrix is a handful of matrix products
+(``||a + b||^2 = ||a||^2 + 2 a.b + ||b||^2``), never a loop over neurons or atoms.
 
 Computation. Precisions are kept per group of coordinates on which the prior and every client
 agree (:class:`_Groups`; the blocks of empirical Bayes), so an atom's precision is (B,) instead
@@ -26,8 +29,11 @@ of (D,) and one (G, D) x (D, L) product per client visit carries the cost. The a
 forms the dense (L, L) block of new atoms (:func:`_assign`). With the ``"marginal"`` cost, when
 few atoms beat a new one (well separated atoms), that product runs in float32 with a rigorous
 error bound and only the pairs it cannot rule out are computed in float64
-(:func:`_negative_pairs`). Each of these is exact: the assignments are those of the dense
-float64 Hungarian step, up to the numbering of new atoms (in neuron order) and round-off.
+(:func:`_negative_pairs`; NumPy inputs only: with tensors the product runs in their dtype). A
+client whose problem is the one it last solved (no other client's assignment changed since, the
+hyper-parameters unchanged) keeps its assignment without a new product or solve. Each of these
+is exact: the assignments are those of the dense float64 Hungarian step, up to the numbering of
+new atoms (in neuron order) and round-off.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from scipy.special import gammaln
 from tqdm.auto import tqdm
 
 from bayesfuse._validation import finite_array, positive_array
+from bayesfuse.inference._backend import NUMPY, Backend, backend_of, is_tensor, namespace, to_host
 from bayesfuse.inference.empirical_bayes import (
     atom_posterior,
     atom_statistics,
@@ -71,11 +78,12 @@ class MatchResult:
     Attributes
     ----------
     assignments : list of ndarray of int
-        ``assignments[j][l]`` is the global atom of client j's neuron l.
-    mean : ndarray (G, D)
-        Posterior mean of each global atom, ``h_i / lambda_i`` (supplement eq. 2).
-    var : ndarray (G, D)
-        Posterior variance of each entry, ``1 / lambda_i``.
+        ``assignments[j][l]`` is the global atom of client j's neuron l (NumPy, on the host).
+    mean : ndarray or torch.Tensor (G, D)
+        Posterior mean of each global atom, ``h_i / lambda_i`` (supplement eq. 2). A torch
+        tensor on the inputs' device, in their dtype, when the neurons were given as tensors.
+    var : ndarray or torch.Tensor (G, D)
+        Posterior variance of each entry, ``1 / lambda_i`` (a tensor as ``mean``).
     counts : ndarray (G,)
         ``m_i``: number of clients using atom i.
     objective : list of float
@@ -133,14 +141,22 @@ class MatchResult:
 # --------------------------------------------------------------------------- inputs
 
 
-def _check_layers(layers: Sequence) -> list[np.ndarray]:
+def _check_layers(layers: Sequence) -> list:
+    """The clients' neurons, checked: NumPy float64 arrays, or the torch tensors as given when all
+    are tensors of one device and dtype (:func:`~bayesfuse.inference._backend.backend_of`)."""
     if len(layers) == 0:
         raise ValueError("need at least one client's neurons")
+    torch_inputs = backend_of(layers).is_torch
     out = []
     for j, w in enumerate(layers):
-        a = finite_array(w, f"client {j}'s neurons")
+        if torch_inputs:
+            a = w.detach()
+            if not bool(a.isfinite().all()):
+                raise ValueError(f"client {j}'s neurons contains NaN or infinite values")
+        else:
+            a = finite_array(w, f"client {j}'s neurons")
         if a.ndim != 2:
-            raise ValueError(f"client {j}'s neurons must be a 2-D array (L_j, D), got shape {a.shape}")
+            raise ValueError(f"client {j}'s neurons must be a 2-D array (L_j, D), got shape {tuple(a.shape)}")
         if a.shape[0] == 0:
             raise ValueError(f"client {j} has no neurons (empty client)")
         if out and a.shape[1] != out[0].shape[1]:
@@ -210,6 +226,7 @@ class _Groups:
             bounds = np.concatenate([[0], starts, [D]])
             self._runs = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), self.index[bounds[:-1]].tolist()))
         self._onehot = None
+        self._index_on = None  # index as a tensor, for torch inputs
         if n_groups > 1 and not self.identity and self._runs is None:
             if n_groups <= 64:
                 self._onehot = np.zeros((D, n_groups))
@@ -230,37 +247,50 @@ class _Groups:
         """Number of groups B."""
         return len(self.sizes)
 
-    def sum(self, x: np.ndarray) -> np.ndarray:
-        """Sums of the rows of ``x`` (n, D) over each group: (n, B)."""
+    def sum(self, x):
+        """Sums of the rows of ``x`` (n, D) over each group: (n, B) (NumPy, or torch for a tensor)."""
         if self.n == 1:
             return x.sum(axis=1, keepdims=True)
         if self._runs is not None:
-            return self._by_runs(lambda s, e: x[:, s:e].sum(axis=1), x.shape[0])
+            return self._by_runs(lambda s, e: x[:, s:e].sum(axis=1), x)
         if self.identity:
             return x
+        if is_tensor(x):
+            index = self._device_index(x)
+            return x.new_zeros((x.shape[0], self.n)).index_add_(1, index, x)
         return np.asarray(x @ self._onehot)
 
-    def sum_sq(self, x: np.ndarray) -> np.ndarray:
+    def sum_sq(self, x):
         """``sum_{d in b} x_nd^2``: (n, B)."""
+        xp = namespace(x)
         if self.n == 1:
-            return np.einsum("nd,nd->n", x, x)[:, None]
+            return xp.einsum("nd,nd->n", x, x)[:, None]
         if self._runs is not None:
-            return self._by_runs(lambda s, e: np.einsum("nd,nd->n", x[:, s:e], x[:, s:e]), x.shape[0])
+            return self._by_runs(lambda s, e: xp.einsum("nd,nd->n", x[:, s:e], x[:, s:e]), x)
         return self.sum(x * x)
 
-    def _by_runs(self, run_sum, n_rows: int) -> np.ndarray:
-        out = np.zeros((n_rows, self.n))
+    def _by_runs(self, run_sum, x):
+        out = x.new_zeros((x.shape[0], self.n)) if is_tensor(x) else np.zeros((x.shape[0], self.n))
         for start, end, group in self._runs:  # a few runs of coordinates
             out[:, group] += run_sum(start, end)
         return out
 
-    def expand(self, y: np.ndarray) -> np.ndarray:
+    def expand(self, y):
         """Per-group values ``y`` (n, B) on every coordinate: (n, D) (a broadcast view for one group)."""
         if self.n == 1:
-            return np.broadcast_to(y, (y.shape[0], len(self.index)))
+            return namespace(y).broadcast_to(y, (y.shape[0], len(self.index)))
         if self.identity:
             return y
-        return y[:, self.index]
+        return y[:, self._device_index(y)] if is_tensor(y) else y[:, self.index]
+
+    def _device_index(self, x):
+        """The coordinates' groups as an index tensor on ``x``'s device (made once per device)."""
+        cached = self._index_on
+        if cached is None or cached.device != x.device:
+            import torch  # loaded already: x is a tensor
+
+            cached = self._index_on = torch.as_tensor(self.index, device=x.device)
+        return cached
 
 
 @dataclass
@@ -279,16 +309,17 @@ class _Prior:
         return float(0.5 * np.log(self.lam0) @ self.groups.sizes - 0.5 * np.sum(hh0 / self.lam0))
 
 
-def _posterior_stats(layers, prec, assignments, n_atoms, prior: _Prior):
-    """Natural parameters h (G, D), lambda (G, B) and counts m of the atoms given assignments."""
-    h = np.tile(prior.h0, (n_atoms, 1))
+def _posterior_stats(layers, prec, assignments, n_atoms, prior: _Prior, backend: Backend = NUMPY):
+    """Natural parameters h (G, D), lambda (G, B) and counts m of the atoms given assignments
+    (``h`` in ``backend``, the layers' backend; ``lambda`` and ``m`` on the host)."""
+    h = backend.put(np.tile(prior.h0, (n_atoms, 1)))
     lam = np.tile(prior.lam0, (n_atoms, 1))
     m = np.zeros(n_atoms, dtype=np.int64)
     for j, a in enumerate(assignments):
         if a is None:
             continue
         # a is injective within a client, so fancy-index += is a correct scatter-add.
-        h[a] += layers[j] * prior.groups.expand(prec[j])
+        h[a] += layers[j] * prior.groups.expand(backend.put(prec[j]))
         lam[a] += prec[j]
         m[a] += 1
     return h, lam, m
@@ -341,7 +372,7 @@ def log_marginal_posterior(
     layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars)
     assignments = _check_assignments(assignments, layers)
     n_atoms = int(max(a.max() for a in assignments)) + 1
-    h, lam, m = _posterior_stats(layers, prec, assignments, n_atoms, prior)
+    h, lam, m = _posterior_stats(layers, prec, assignments, n_atoms, prior, backend_of(layers))
     if (m == 0).any():
         raise ValueError("assignments leave some atom indices unused; number atoms 0..G-1")
     return _objective(h, lam, m, prior) + _data_constant(layers, prec, prior.groups)
@@ -358,7 +389,7 @@ def _partition_key(assignments: Sequence[np.ndarray]) -> bytes:
 def _check_assignments(assignments: Sequence, layers: Sequence[np.ndarray]) -> list[np.ndarray]:
     if len(assignments) != len(layers):
         raise ValueError(f"need one assignment array per client ({len(layers)}), got {len(assignments)}")
-    out = [np.asarray(a, dtype=np.int64) for a in assignments]
+    out = [to_host(a, np.int64) for a in assignments]
     shaped = [a.shape == (v.shape[0],) for a, v in zip(out, layers)]
     bad = [j for j, ok in enumerate(shaped) if not ok]
     clients = np.flatnonzero(shaped)
@@ -377,10 +408,12 @@ def _check_assignments(assignments: Sequence, layers: Sequence[np.ndarray]) -> l
     return out
 
 
-def _objective(h, lam, m, prior: _Prior) -> float:
-    """Atom terms of :func:`log_marginal_posterior` (with ``lambda`` constant on each group)."""
+def _objective(h, lam, m, prior: _Prior, hh: np.ndarray | None = None) -> float:
+    """Atom terms of :func:`log_marginal_posterior` (with ``lambda`` constant on each group);
+    ``hh``: the group sums ``sum_{d in b} h_id^2`` (G, B) on the host, if known."""
     groups = prior.groups
-    quad = 0.5 * np.sum(groups.sum_sq(h) / lam)
+    hh = to_host(groups.sum_sq(h)) if hh is None else hh
+    quad = 0.5 * np.sum(hh / lam)
     logdet = 0.5 * float(np.log(lam).sum(axis=0) @ groups.sizes)
     atoms = quad - logdet + len(m) * prior.const_per_atom
     return float(atoms + _log_ibp_structure(m, prior.n_clients, prior.gamma0))
@@ -395,17 +428,19 @@ def _data_constant(layers, prec, groups: _Groups, squares: Sequence[np.ndarray] 
         seen = p > 0  # a coordinate of precision 0 carries no information: no factor
         log_norm = np.sum(np.log(2 * np.pi / p[seen])) * (v.shape[0] if p.shape[0] == 1 else 1)
         if p.shape[0] == 1:
-            quad = (np.einsum("ld,ld->d", v, v) if squares is None else squares[j]) @ p[0]
+            quad = (_squares([v])[0] if squares is None else squares[j]) @ p[0]
+        elif is_tensor(v):
+            quad = float((v * v * v.new_tensor(p)).sum())
         else:
             quad = np.sum(v * v * p)
         total += -0.5 * log_norm - 0.5 * quad - gammaln(v.shape[0] + 1)
     return float(total)
 
 
-def _squares(layers: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """``sum_l v_jld^2`` (D,) of each client: :func:`_data_constant` of several matchings on the
-    same neurons without a pass over them each time."""
-    return [np.einsum("ld,ld->d", v, v) for v in layers]
+def _squares(layers: Sequence) -> list[np.ndarray]:
+    """``sum_l v_jld^2`` (D,) of each client, on the host: :func:`_data_constant` of several
+    matchings on the same neurons without a pass over them each time."""
+    return [to_host(namespace(v).einsum("ld,ld->d", v, v)) for v in layers]
 
 
 def _make_prior(prior_var, prior_mean, gamma0, J, D, width) -> _Prior:
@@ -467,8 +502,7 @@ def _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars=None, *,
 # --------------------------------------------------------------------------- cost
 
 
-def _gain_terms(h, lam, v, p, groups: _Groups, with_kl: bool, hh: np.ndarray | None = None,
-                vv: np.ndarray | None = None):
+def _gain_terms(h, lam, v, p, groups: _Groups, with_kl: bool, hh=None, vv=None):
     """Per (atom, neuron): ``Delta`` (G, L), ``sum_d log(1 + p_d/lam_id)`` (G, 1|L), KL (G, L) or None.
 
     ``lam`` is (G, B) and ``p`` (1, B) (one precision row for the client's neurons) or (L, B)
@@ -483,22 +517,24 @@ def _gain_terms(h, lam, v, p, groups: _Groups, with_kl: bool, hh: np.ndarray | N
 
     one (G, D) x (D, L) product (none more than that for the atoms' other terms, which are
     (G, B) arrays); the KL of :func:`assignment_cost` likewise, with ``mu_i = h_i / lambda_i``.
-    ``hh``, ``vv``: the atoms' ``HH`` (G, B) and the neurons' ``VV`` (L, B), if known.
+    ``hh``, ``vv``: the atoms' ``HH`` (G, B) and the neurons' ``VV`` (L, B), if known. Every
+    array is of one backend (NumPy, or torch tensors of one device and dtype), and so is the result.
     """
-    sizes = groups.sizes
+    xp = namespace(v)
+    sizes = groups.sizes if xp is np else v.new_tensor(groups.sizes)
     if groups.n == 1:  # isotropic: one GEMM serves every term
-        D = sizes[0]
+        D = float(groups.sizes[0])
         lam_i, pp = lam[:, :1], p[:, 0][None, :]  # (G, 1), (1, 1|L)
         hv = h @ v.T
         hh = groups.sum_sq(h) if hh is None else hh
         vv = (groups.sum_sq(v) if vv is None else vv).T
         a = 1.0 / (lam_i + pp)
         delta = a * (hh + 2 * pp * hv + pp * pp * vv) - hh / lam_i
-        log_ratio = D * np.log1p(pp / lam_i)
+        log_ratio = D * xp.log1p(pp / lam_i)
         kl = None
         if with_kl:
             sq = vv - 2 * hv / lam_i + hh / lam_i**2  # ||v - mu_i||^2
-            kl = 0.5 * D * (pp / lam_i - np.log1p(pp / lam_i)) + 0.5 * pp * pp * a * sq
+            kl = 0.5 * D * (pp / lam_i - xp.log1p(pp / lam_i)) + 0.5 * pp * pp * a * sq
         return delta, log_ratio, kl
     if p.shape[0] > 1:
         return _gain_terms_per_neuron(h, groups.expand(lam), v, groups.expand(p), with_kl)
@@ -509,15 +545,15 @@ def _gain_terms(h, lam, v, p, groups: _Groups, with_kl: bool, hh: np.ndarray | N
     vv = groups.sum_sq(v) if vv is None else vv  # (L, B)
     delta = (h * groups.expand(2 * ap)) @ v.T
     delta += (ap * pb) @ vv.T
-    delta += np.sum(a * hh - hh / lam, axis=1)[:, None]
+    delta += (a * hh - hh / lam).sum(axis=1)[:, None]
     ratio = pb / lam
-    log_ratio = (np.log1p(ratio) @ sizes)[:, None]
+    log_ratio = (xp.log1p(ratio) @ sizes)[:, None]
     kl = None
     if with_kl:
         b = ap * pb  # p^2 / (lambda + p)
         b_mu = b / lam  # sum_d b_d (v_d - mu_d)^2 = b.v^2 - 2 (b / lam) h.v + (b / lam^2) h.h
-        sq = b @ vv.T - 2 * (h * groups.expand(b_mu)) @ v.T + np.sum(b_mu / lam * hh, axis=1)[:, None]
-        kl = 0.5 * ((ratio - np.log1p(ratio)) @ sizes)[:, None] + 0.5 * sq
+        sq = b @ vv.T - 2 * (h * groups.expand(b_mu)) @ v.T + (b_mu / lam * hh).sum(axis=1)[:, None]
+        kl = 0.5 * ((ratio - xp.log1p(ratio)) @ sizes)[:, None] + 0.5 * sq
     return delta, log_ratio, kl
 
 
@@ -526,21 +562,23 @@ def _gain_terms_per_neuron(h, lam_d, v, p, with_kl: bool, max_elements: int = 1 
 
     Works on blocks of atoms so that a block's (atoms, L, D) array stays below ``max_elements``.
     """
+    xp = namespace(v)
     G, (L, D) = h.shape[0], v.shape
     pv = p * v
-    base = np.einsum("gd,gd->g", h / lam_d, h)
-    delta, log_ratio = np.empty((G, L)), np.empty((G, L))
-    kl = np.empty((G, L)) if with_kl else None
+    base = xp.einsum("gd,gd->g", h / lam_d, h)
+    empty = (lambda: v.new_empty((G, L))) if xp is not np else (lambda: np.empty((G, L)))
+    delta, log_ratio = empty(), empty()
+    kl = empty() if with_kl else None
     step = max(1, max_elements // (L * D))
     for s in range(0, G, step):
         hc, lc = h[s : s + step, None, :], lam_d[s : s + step, None, :]
         den = lc + p[None]
         delta[s : s + step] = ((hc + pv[None]) ** 2 / den).sum(-1) - base[s : s + step, None]
         ratio = p[None] / lc
-        log_ratio[s : s + step] = np.log1p(ratio).sum(-1)
+        log_ratio[s : s + step] = xp.log1p(ratio).sum(-1)
         if with_kl:
             sq = p[None] ** 2 / den * (v[None] - hc / lc) ** 2
-            kl[s : s + step] = 0.5 * (ratio - np.log1p(ratio) + sq).sum(-1)
+            kl[s : s + step] = 0.5 * (ratio - xp.log1p(ratio) + sq).sum(-1)
     return delta, log_ratio, kl
 
 
@@ -586,6 +624,7 @@ def assignment_cost(
             + \\frac{p_d^2}{\\lambda_{id} + p_d} (v_{ld} - \\mu_{id})^2\\Big].
     """
     old, new, steps = _cost_blocks(v, p, h, lam, m, prior, cost=cost, kl_weight=kl_weight)
+    old, new = to_host(old), to_host(new)
     G, L = old.shape
     out = np.empty((L, G + L))
     out[:, :G] = old.T
@@ -593,19 +632,25 @@ def assignment_cost(
     return out
 
 
-def _cost_blocks(v, p, h, lam, m, prior: _Prior, *, cost: Cost, kl_weight: float, hh: np.ndarray | None = None,
-                 vv: np.ndarray | None = None):
+def _cost_blocks(v, p, h, lam, m, prior: _Prior, *, cost: Cost, kl_weight: float, hh=None, vv=None):
     """:func:`assignment_cost` in its parts: ``old`` (G, L), the cost of each existing atom
     (transposed); ``new`` (L,), the cost of a first new atom; ``steps`` (L,), what the k-th new
     atom adds (``2 log k`` for the PFNM cost) or None (``"marginal"``: every new atom costs
-    ``new``)."""
+    ``new``).
+
+    ``old`` and ``new`` are of the neurons' backend (NumPy, or torch on ``v``'s device and dtype):
+    the other arrays are moved there (``lam``, ``p``, ``m`` and ``hh`` may be host arrays).
+    """
     J, L = prior.n_clients, v.shape[0]
     groups = prior.groups
+    put = backend_of([v]).put
+    p = put(p)
     # The existing atoms, and the prior as the "atom" a new neuron starts from (one row).
-    delta, log_ratio, kl = _gain_terms(h, lam, v, p, groups, bool(kl_weight), hh, vv)
-    delta0, log_ratio0, kl0 = _gain_terms(prior.h0[None, :], prior.lam0[None, :], v, p, groups, bool(kl_weight),
-                                          vv=vv)
-    popularity = np.log(m / (J - m))
+    delta, log_ratio, kl = _gain_terms(put(h), put(lam), v, p, groups, bool(kl_weight),
+                                       None if hh is None else put(hh), vv)
+    delta0, log_ratio0, kl0 = _gain_terms(put(prior.h0[None, :]), put(prior.lam0[None, :]), v, p, groups,
+                                          bool(kl_weight), vv=vv)
+    popularity = put(np.log(m / (J - m)))
     new_prior = math.log(prior.gamma0 / J)
     if cost == "pfnm":
         delta *= -1.0
@@ -622,7 +667,7 @@ def _cost_blocks(v, p, h, lam, m, prior: _Prior, *, cost: Cost, kl_weight: float
     if kl_weight:
         delta += kl_weight * kl
         new = new + kl_weight * kl0[0]
-    return delta, np.broadcast_to(new, (L,)), steps
+    return delta, namespace(delta).broadcast_to(new, (L,)), steps
 
 
 # --------------------------------------------------------------------------- alternation
@@ -820,13 +865,22 @@ def _blas_controller():
     return ThreadpoolController()
 
 
-def _blas_threads(limit: int | None):
+def _blas_threads(limit: int | None, backend: Backend = NUMPY):
     """Context running BLAS on at most ``limit`` threads (threadpoolctl; unchanged when None or
-    when threadpoolctl is missing). The limit is process-wide while it lasts."""
-    controller = None if limit is None else _blas_controller()
-    if controller is None:
-        return contextlib.nullcontext()
-    return controller.limit(limits=limit, user_api="blas")
+    when threadpoolctl is missing), and torch's CPU operations too for a torch backend on the
+    CPU. The limit is process-wide while it lasts."""
+    stack = contextlib.ExitStack()
+    if limit is None:
+        return stack
+    controller = _blas_controller()
+    if controller is not None:
+        stack.enter_context(controller.limit(limits=limit, user_api="blas"))
+    if backend.is_torch and backend.device.type == "cpu":
+        torch, before = backend.torch, backend.torch.get_num_threads()
+        if limit < before:
+            torch.set_num_threads(limit)
+            stack.callback(torch.set_num_threads, before)
+    return stack
 
 
 class _NeuronCache:
@@ -834,19 +888,22 @@ class _NeuronCache:
     the first visit and kept across sweeps and matchings (:func:`_match_empirical_bayes`):
     the neurons in float32 for the screen of :func:`_negative_pairs` (half the neurons' memory)
     and their group sums ``VV`` (L_j, B) for one coordinate grouping at a time (when B is at
-    most D / 8)."""
+    most D / 8), in the neurons' backend."""
 
     def __init__(self, n_clients: int):
         self._v32: list[np.ndarray | None] = [None] * n_clients
-        self._vv: list[np.ndarray | None] = [None] * n_clients
+        self._vv: list = [None] * n_clients
         self._grouping: bytes | None = None
+        #: Share of candidate pairs at the last client visited, kept across the matchings of
+        #: empirical Bayes: whether the next one tries the float32 screen.
+        self.density = 0.0
 
     def v32(self, j: int, v: np.ndarray) -> np.ndarray:
         if self._v32[j] is None:
             self._v32[j] = v.astype(np.float32)
         return self._v32[j]
 
-    def vv(self, j: int, v: np.ndarray, groups: _Groups) -> np.ndarray:
+    def vv(self, j: int, v, groups: _Groups):
         if 8 * groups.n > len(groups.index):  # hardly smaller than the neurons: not kept
             return groups.sum_sq(v)
         key = groups.index.tobytes()
@@ -860,18 +917,20 @@ class _NeuronCache:
 class _AtomBuffer:
     """Natural parameters of the atoms in growable arrays; ``h``, ``lam``, ``m`` are views, and
     ``hh`` (G, B) holds the group sums ``sum_{d in b} h_id^2`` of :func:`_gain_terms`, kept up
-    to date by whoever writes rows of ``h`` (:meth:`refresh`)."""
+    to date by whoever writes rows of ``h`` (:meth:`refresh`). ``h`` lives in ``backend`` (the
+    neurons'); ``lam``, ``hh`` and ``m``, (G, B) and (G,), on the host in float64."""
 
-    def __init__(self, dim: int, groups: _Groups, capacity: int):
+    def __init__(self, dim: int, groups: _Groups, capacity: int, backend: Backend = NUMPY):
         self.groups = groups
-        self._h = np.zeros((capacity, dim))
+        self.backend = backend
+        self._h = backend.zeros((capacity, dim))
         self._lam = np.zeros((capacity, groups.n))
         self._hh = np.zeros((capacity, groups.n))
         self._m = np.zeros(capacity, dtype=np.int64)
         self.n = 0
 
     @property
-    def h(self) -> np.ndarray:
+    def h(self):
         return self._h[: self.n]
 
     @property
@@ -888,21 +947,22 @@ class _AtomBuffer:
 
     def refresh(self, rows: np.ndarray) -> None:
         """Recompute ``hh`` on ``rows`` after writing them in ``h``."""
-        self._hh[rows] = self.groups.sum_sq(self._h[rows])
+        self._hh[rows] = self.backend.host(self.groups.sum_sq(self._h[rows]))
 
     def _reserve(self, size: int) -> None:
         if size > len(self._m):
             cap = max(2 * len(self._m), size)
             for name in ("_h", "_lam", "_hh", "_m"):
                 old = getattr(self, name)
-                new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+                new = self.backend.zeros((cap, *old.shape[1:])) if name == "_h" else \
+                    np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
                 new[: self.n] = old[: self.n]
                 setattr(self, name, new)
 
     def grow(self, k: int, prior: _Prior) -> None:
         """Append k atoms holding only the prior."""
         self._reserve(self.n + k)
-        self._h[self.n : self.n + k] = prior.h0
+        self._h[self.n : self.n + k] = self.backend.put(prior.h0)
         self._lam[self.n : self.n + k] = prior.lam0
         self._hh[self.n : self.n + k] = self.groups.sum_sq(prior.h0[None, :])
         self._m[self.n : self.n + k] = 0
@@ -925,12 +985,12 @@ class _AtomBuffer:
         self.n = n_keep
         return remap
 
-    def reset(self, h: np.ndarray, lam: np.ndarray, m: np.ndarray) -> None:
-        """Replace the contents by freshly computed statistics."""
+    def reset(self, h, lam: np.ndarray, m: np.ndarray) -> None:
+        """Replace the contents by freshly computed statistics (``h`` on the host or in the backend)."""
         self._reserve(len(m))
         self.n = len(m)
-        self._h[: self.n], self._lam[: self.n], self._m[: self.n] = h, lam, m
-        self._hh[: self.n] = self.groups.sum_sq(self.h)
+        self._h[: self.n], self._lam[: self.n], self._m[: self.n] = self.backend.put(h), lam, m
+        self._hh[: self.n] = self.backend.host(self.groups.sum_sq(self.h))
 
 
 def match_neurons(
@@ -964,7 +1024,17 @@ def match_neurons(
     Parameters
     ----------
     layers : sequence of (L_j, D) arrays
-        Neuron vectors of each client (rows), torch tensors or NumPy arrays.
+        Neuron vectors of each client (rows): NumPy arrays (anything :func:`numpy.asarray`
+        takes), matched in float64; or torch tensors, all of one device and one dtype (float32
+        or float64), matched there: the atoms' natural parameters, the cost matrices
+        (:func:`assignment_cost`) and the posterior means and variances are computed with torch
+        on that device in that dtype, each assignment problem is solved on the host
+        (``scipy.optimize.linear_sum_assignment``), and ``mean``/``var`` of the result are tensors
+        on that device (assignments and counts stay NumPy). Float64 tensors give the NumPy
+        result up to round-off; float32 ones compute every cost in float32 (relative error about
+        ``D * 2^-24`` of the cost's terms), so assignments can differ only between options whose
+        costs are that close. Empirical Bayes (``"auto"``) accumulates its statistics on the
+        host from a float64 copy of the neurons.
     noise_var : "auto", float, sequence of J floats, (D,) or (J, D) array
         ``sigma_j^2``: how far a client's neuron may lie from its atom. ``"auto"`` (with
         ``prior_var``/``gamma0`` likewise): chosen from the neurons alone by empirical Bayes,
@@ -1012,6 +1082,12 @@ def match_neurons(
     MatchResult
         With ``"auto"``, ``hyper`` holds the chosen values per block (``noise_var``,
         ``prior_var``, ``prior_mean``, ``gamma0``) and ``hyper["auto"]`` the keys chosen.
+
+    Raises
+    ------
+    TypeError
+        When the neurons mix torch tensors with other arrays, devices or dtypes, or are tensors
+        of a dtype other than float32 and float64.
 
     Warns
     -----
@@ -1082,6 +1158,7 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     :func:`_squares` of the layers; ``cache``, a :class:`_NeuronCache` of the layers.
     """
     layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars, checked=checked)
+    backend = backend_of(layers)
     groups = prior.groups
     J, D = len(layers), layers[0].shape[1]
     if not np.isfinite(kl_weight) or kl_weight < 0:
@@ -1091,14 +1168,15 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     data_const = _data_constant(layers, prec, groups, squares)
     cache = _NeuronCache(J) if cache is None else cache
+    prec_on = [backend.put(p) for p in prec]  # the precisions where the neurons are
 
     assignments: list[np.ndarray | None] = [None] * J
-    atoms = _AtomBuffer(D, groups, capacity=max(len(v) for v in layers) * 2)
+    atoms = _AtomBuffer(D, groups, capacity=max(len(v) for v in layers) * 2, backend=backend)
     if init is not None:  # warm start: atoms from the given assignments, then refining sweeps
         assignments = [np.asarray(a) for a in init] if checked else _check_assignments(init, layers)
         if init_atoms is None:
             atoms.reset(*_posterior_stats(layers, prec, assignments, int(max(a.max() for a in assignments)) + 1,
-                                          prior))
+                                          prior, backend))
         else:  # lambda is constant on each coordinate group: keep one value per group
             atoms.reset(init_atoms[0], init_atoms[1][:, groups.first], init_atoms[2])
         if (atoms.m == 0).any():
@@ -1109,19 +1187,26 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     cycle = 0
     bar = tqdm(range(int(n_iter)), desc="matching", unit="sweep", disable=not verbose)
     sweeps = 0
-    screen = cost == "marginal" and not kl_weight and all(x.shape[0] == 1 for x in prec)
-    density = 0.0  # share of candidate pairs at the last client: whether the float32 screen pays
+    screen = (not backend.is_torch and cost == "marginal" and not kl_weight
+              and all(x.shape[0] == 1 for x in prec))
+    density = cache.density  # share of candidate pairs at the last client: whether the float32 screen pays
+    # Whether client j's problem may differ from the one it last solved: it does not when no
+    # other client's assignment changed since (the atoms it sees are the same, up to labels and
+    # round-off), and its solution would be its current assignment again.
+    stale = np.ones(J, dtype=bool)
     # Small per-client products gain little from several BLAS threads and, on a shared machine, lose
     # much waiting for a busy core at every product: run them on one.
     largest = max(len(v) for v in layers) * D * max(atoms.n, max(len(v) for v in layers))
-    with _blas_threads(1 if largest <= SINGLE_THREAD_PRODUCT else None):
+    with _blas_threads(1 if largest <= SINGLE_THREAD_PRODUCT else None, backend):
         for sweep in bar:
             changed, relabelled = 0, False
             # The atoms as _posterior_stats gives them for the assignments at the start of the sweep.
-            before = None if assignments[0] is None else (atoms.h.copy(), atoms.lam.copy(), atoms.m.copy())
+            before = None if assignments[0] is None else (backend.copy(atoms.h), atoms.lam.copy(), atoms.m.copy())
             for j in rng.permutation(J):
-                v, p = layers[j], prec[j]
-                vp = v * groups.expand(p)  # v / sigma_j^2, added to h
+                if not stale[j]:
+                    continue
+                v, p, p_on = layers[j], prec[j], prec_on[j]
+                vp = v * groups.expand(p_on)  # v / sigma_j^2, added to h
                 old = assignments[j]
                 if old is not None:  # take client j out, keeping its atoms' rows to put back unchanged
                     kept_h, kept_lam, kept_hh = atoms.h[old], atoms.lam[old], atoms.hh[old]
@@ -1144,14 +1229,18 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
                     pairs = _negative_pairs(v, p, atoms.h, atoms.lam, atoms.m, prior, atoms.hh,
                                             cache.vv(j, v, groups), cache.v32(j, v))
                 if pairs is None:
-                    a, n_pairs = _assign(*_cost_blocks(v, p, atoms.h, atoms.lam, atoms.m, prior, cost=cost,
-                                                       kl_weight=kl_weight, hh=atoms.hh,
-                                                       vv=None if p.shape[0] > 1 else cache.vv(j, v, groups)))
+                    old_cost, new_cost, steps = _cost_blocks(
+                        v, p_on, atoms.h, atoms.lam, atoms.m, prior, cost=cost, kl_weight=kl_weight, hh=atoms.hh,
+                        vv=None if p.shape[0] > 1 else cache.vv(j, v, groups))
+                    a, n_pairs = _assign(backend.host(old_cost), backend.host(new_cost), steps)
                 else:
                     a, n_pairs = _assign_negative(*pairs, g, v.shape[0]), len(pairs[0])  # -1: a new atom
                 density = n_pairs / max(g * v.shape[0], 1)
                 same = old is not None and not np.any(a != old_kept)
                 changed += int(old is not None and not same)
+                stale[j] = False
+                if not same:
+                    stale[:j], stale[j + 1 :] = True, True
                 fresh = a < 0
                 a[fresh] = g + np.arange(int(fresh.sum()))
                 atoms.grow(int(fresh.sum()), prior)  # put client j back
@@ -1167,9 +1256,9 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
             if before is not None and changed == 0 and not relabelled:
                 h, lam, m = before  # the same assignments, atom by atom: the same statistics
             else:  # recompute from the assignments: removes round-off accumulated by the updates
-                h, lam, m = _posterior_stats(layers, prec, assignments, atoms.n, prior)
+                h, lam, m = _posterior_stats(layers, prec, assignments, atoms.n, prior, backend)
             atoms.reset(h, lam, m)
-            objective.append(_objective(h, lam, m, prior) + data_const)
+            objective.append(_objective(h, lam, m, prior, atoms.hh) + data_const)
             bar.set_postfix(atoms=len(m), objective=f"{objective[-1]:.1f}")
             if (sweep > 0 or init is not None) and changed == 0:
                 converged = True
@@ -1183,12 +1272,13 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
                 converged = True
                 break
             seen[state] = sweep
+    cache.density = density
     h, lam, m = atoms.h, atoms.lam, atoms.m
-    lam_full = groups.expand(lam)
+    lam_full = groups.expand(backend.put(lam))
     result = MatchResult(
         assignments=[np.asarray(a) for a in assignments],
         mean=h / lam_full,
-        var=np.array(1.0 / lam_full),
+        var=1.0 / lam_full if backend.is_torch else np.array(1.0 / lam_full),
         counts=m.copy(),
         objective=objective,
         converged=converged,
@@ -1233,14 +1323,16 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
     if int(rounds) != rounds or rounds < 1:
         raise ValueError(f"rounds must be a positive integer, got {rounds}")
     layers = _check_layers(layers)
+    backend = backend_of(layers)
+    host_layers = [backend.host(v) for v in layers]  # EM's statistics run on the host
     J, D = len(layers), layers[0].shape[1]
-    blocks = np.zeros(D, dtype=np.int64) if blocks is None else np.asarray(blocks)
+    blocks = np.zeros(D, dtype=np.int64) if blocks is None else to_host(blocks, None)
     if blocks.shape != (D,) or not np.issubdtype(blocks.dtype, np.integer) or blocks.min() < 0 or \
             set(np.unique(blocks)) != set(range(int(blocks.max()) + 1)):
         raise ValueError(f"blocks must be ({D},) integers numbering blocks 0..B-1, each used")
     weights = np.ones((J, D)) if relative_precision is None else _weights(relative_precision, J, D)
     mu0 = np.broadcast_to(finite_array(prior_mean, "prior_mean"), (D,)).astype(np.float64)
-    hyper = initial_hyper(layers, blocks, weights, mu0)
+    hyper = initial_hyper(host_layers, blocks, weights, mu0)
     n_blocks = len(hyper.prior_var)
     for key, value in (("noise_var", noise_var), ("prior_var", prior_var)):
         if key not in auto:
@@ -1251,7 +1343,7 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
     if "gamma0" not in auto:
         hyper.gamma0 = float(gamma0)
     trace, result, init_atoms = [], None, None
-    squares, cache = _squares(layers), _NeuronCache(J)
+    squares, cache = _squares(host_layers), _NeuronCache(J)
     bar = tqdm(range(int(rounds)), desc="empirical Bayes", unit="round", disable=not verbose)
     with warnings.catch_warnings():  # the final matching's convergence is what counts
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -1261,7 +1353,7 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
                             init=None if result is None else result.assignments, init_atoms=init_atoms,
                             squares=squares, cache=cache, **match)
             # one pass over the neurons serves every EM step and the next matching's start
-            stats = atom_statistics(layers, result.assignments, weights, shift=result.mean)
+            stats = atom_statistics(host_layers, result.assignments, weights, shift=backend.host(result.mean))
             new = hyper
             for _ in range(EM_STEPS):
                 new = em_update(stats, blocks, new, fit=auto)
