@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -24,12 +24,13 @@ from bayesfuse import methods
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.klfusion import kl_fuse
-from bayesfuse.inference.layerwise import check_states, match_layerwise
+from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.matching import match_neurons
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
+from bayesfuse.models.bnn_units import effective_units, from_effective, informative_units
 
 __all__ = ["StateFusion", "fuse_states", "input_kind"]
 
@@ -158,7 +159,8 @@ def fuse_states(
     names = list(names) if names is not None else [f"client {j}" for j in range(len(states))]
     warn_single(len(states), stacklevel=3)
     if kind == "bnn":
-        fused = _fuse_bnn_states(states, names, method, settings, seed=seed, verbose=verbose)
+        fused = _fuse_bnn_states(states, names, method, settings, class_counts=class_counts, seed=seed,
+                                 verbose=verbose)
     else:
         fused = _fuse_network_states(states, names, method, settings, spec=spec, class_counts=class_counts,
                                      seed=seed, verbose=verbose)
@@ -245,28 +247,51 @@ def _fedavg_states(states, names, spec, class_counts) -> StateFusion:
                        hyper={"weights": "class_counts" if weights is not None else "uniform"}, spec=spec)
 
 
-def _fuse_bnn_states(states, names, method, settings, *, seed, verbose) -> StateFusion:
+def _output_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
+    """(J, K) weights of each client's outgoing weights and output bias per class, summing to 1 per class.
+
+    Client j's share of class k, ``n_jk / sum_j n_jk``, with class counts; ``1 / J`` without
+    them and for classes no client saw.
+    """
+    if class_counts is None:
+        return np.full((n_clients, n_classes), 1.0 / n_clients)
+    shares = class_share_matrix(class_counts, n_clients, n_classes)
+    unseen = shares.sum(0) == 0
+    shares[:, unseen] = 1.0 / n_clients
+    return shares
+
+
+def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, verbose) -> StateFusion:
     """Fuse horseshoe BNNs as mean-field posteriors.
 
-    Hidden units are the Gaussians of :class:`~bayesfuse.models.bnn_posterior.BNNPosterior`
-    (incoming weights, bias, log-scale, outgoing weights), so the output layer is fused through
-    the same assignment. ``"kl"``: :func:`~bayesfuse.inference.klfusion.kl_fuse`
-    (heterogeneous, L2,2,1, ``reg``); each global unit is the KL barycenter of its local units.
-    ``"pfnm"``/``"nafi"``: :func:`~bayesfuse.inference.matching.match_neurons` on the posterior
-    means with the posterior variances as ``local_vars``; a global unit's Gaussian is the
-    atom's posterior. The output bias and the global scale ``log tau`` are the equal-weight KL
-    barycenters of the clients' (natural parameters averaged).
+    1. **Pruning** (``prune_kl``): each client's units whose incoming weights hold less than
+       ``prune_kl`` nats of information are dropped: the horseshoe has switched them off
+       (:func:`~bayesfuse.models.bnn_units.informative_units`).
+    2. **Unit form** (``unit_form``): ``"effective"`` compares and averages units as effective
+       weights ``tau lambda_k (w~_k, b~_k)`` at their median scale with their outgoing weights,
+       invariant to how a client split the scale between ``tau``, ``lambda`` and ``w~``
+       (:func:`~bayesfuse.models.bnn_units.effective_units`); each global unit's log-scale is
+       the KL barycenter of its members' and is split again against the fused ``tau``.
+       ``"raw"`` fuses the guide's own coordinates ``[w~_k, b~_k, log lambda_k, W_2[:, k]]``.
+    3. **Matching**: ``"kl"``: :func:`~bayesfuse.inference.klfusion.kl_fuse` (heterogeneous,
+       L2,2,1, ``reg``); each global unit is the KL barycenter of its local units.
+       ``"pfnm"``/``"nafi"``: :func:`~bayesfuse.inference.matching.match_neurons` on the
+       posterior means with the posterior variances as ``local_vars``; a global unit's Gaussian
+       is the atom's posterior.
+    4. **Outputs** (``average_outputs``): a local network's logits sum its own units'
+       contributions; the fused network sums over every global unit. With ``average_outputs``
+       the outgoing weight of global unit g to class k is ``sum_j f_jk W2_j[k, u_j(g)]`` over
+       the clients whose unit ``u_j(g)`` merged into g, and the output bias ``sum_j f_jk b2_jk``
+       (variances with ``f_jk^2``), where ``f_jk`` is client j's share of class k
+       (``n_jk / sum_j n_jk`` given ``class_counts``, else ``1 / J``): when units match, the
+       fused logit of class k is the class-share weighted average of the clients' logits, so a
+       client that never saw class k has no say on it (the PFNM reference weights outgoing
+       weights by class shares the same way). ``average_outputs=False`` keeps the plain
+       barycenters of the outgoing weights and of the output bias.
 
-    Output scale. A local network's logits sum its own units' contributions; the fused network
-    sums over every global unit, so units that only one client has would count fully next to
-    units averaged over all clients, and the fused logits would approach the *sum* of the
-    clients' logits (over-confident where clients disagree). With ``average_outputs`` the
-    outgoing weights of global unit g are multiplied by ``m_g / J`` (``m_g`` clients' units
-    merged into it; their variances by ``(m_g / J)^2``), which makes the fused logits the
-    average of the local ones when units match. On the 5-client Dirichlet(0.8) studies this
-    lifted Fashion-MNIST from 76.1% to 79.1% accuracy and the font-digit AUROC from 0.88 to
-    0.97 (benchmarks/bench_bnn_fusion.py); ``average_outputs=False`` keeps the plain
-    barycenters.
+    The global scale ``log tau`` is the equal-weight KL barycenter of the clients'. The
+    layer's ``assignments`` index each client's kept units; ``hyper["kept_units"]`` lists which
+    of its units those are.
     """
     posts = [BNNPosterior.from_state(sd, n) for sd, n in zip(states, names)]
     ref = posts[0]
@@ -274,35 +299,63 @@ def _fuse_bnn_states(states, names, method, settings, *, seed, verbose) -> State
         if (p.in_features, p.n_classes) != (ref.in_features, ref.n_classes):
             raise ValueError(f"{n} maps {p.in_features} -> {p.n_classes}, {names[0]} maps "
                              f"{ref.in_features} -> {ref.n_classes}")
+    J, K = len(posts), ref.n_classes
     hyper = dict(settings)
-    average_outputs = hyper.pop("average_outputs")
+    average_outputs, unit_form, prune_kl = hyper.pop("average_outputs"), hyper.pop("unit_form"), hyper.pop("prune_kl")
+    kept = [informative_units(p, prune_kl) for p in posts]
+    posts = [replace(p, units=p.units[keep]) for p, keep in zip(posts, kept)]
+    if unit_form == "effective":
+        forms = [effective_units(p) for p in posts]
+        vectors = [f.weights for f in forms]
+    else:
+        vectors = [p.units for p in posts]
     if method == "kl":
-        layer = kl_fuse([p.units for p in posts], verbose=verbose, **hyper)
+        layer = kl_fuse(vectors, verbose=verbose, **hyper)
         units = layer.components
         hyper["solver"] = layer.solver
     else:
-        layer = match_neurons([p.units.loc for p in posts], local_vars=[p.units.var for p in posts], seed=seed,
+        layer = match_neurons([v.loc for v in vectors], local_vars=[v.var for v in vectors], seed=seed,
                               verbose=verbose, **hyper)
         units = DiagNormal(loc=layer.mean, var=layer.var)
         hyper["seed"] = seed
-    hyper["average_outputs"] = average_outputs
-    equal = np.ones(len(posts))
+    hyper.update(average_outputs=average_outputs, unit_form=unit_form, prune_kl=prune_kl,
+                 kept_units=[np.flatnonzero(k).tolist() for k in kept])
+    G = len(units)
+    out = slice(units.loc.shape[1] - K, None)  # the outgoing weights close every unit, in either form
+    shares = _output_shares(class_counts, J, K)
     if average_outputs:
-        counts = np.zeros(len(units))
-        for a in layer.assignments:
-            counts[a] += 1
-        share = counts / len(posts)
-        out = ref.columns("w2")
         loc, var = units.loc.copy(), units.var.copy()
-        loc[:, out] *= share[:, None]
-        var[:, out] *= share[:, None] ** 2
+        share = np.zeros((G, K))  # c_gk: the members' total share of class k
+        second = np.zeros((G, K))
+        loc[:, out] = 0.0
+        for j, (a, v) in enumerate(zip(layer.assignments, vectors)):
+            share[a] += shares[j]
+            loc[a, out] += shares[j] * v.loc[:, out]
+            second[a] += shares[j] * (v.var[:, out] + v.loc[:, out] ** 2)
+        covered = share > 0
+        c = np.where(covered, share, 1.0)
+        # c times the moment-matched mixture of the members (weights f_jk / c): variance c^2 (E[W^2] - E[W]^2)
+        mixture_var = second / c - (loc[:, out] / c) ** 2
+        var[:, out] = np.where(covered, c**2 * np.maximum(mixture_var, 1e-12 * units.var[:, out]), units.var[:, out])
         units = DiagNormal(loc=loc, var=var)
-    fused = BNNPosterior(
-        units=units,
-        out_bias=DiagNormal.concat([p.out_bias for p in posts]).barycenter(equal),
-        log_tau=DiagNormal.concat([p.log_tau for p in posts]).barycenter(equal),
-        in_features=ref.in_features, n_classes=ref.n_classes,
-        global_scale=ref.global_scale, weight_scale=ref.weight_scale,
-    )
-    return StateFusion(state=fused.to_state(), layers=[layer], sizes=[len(units)], groups=("units",),
+        biases = DiagNormal.concat([p.out_bias for p in posts])
+        bias_loc = (shares * biases.loc).sum(0, keepdims=True)
+        bias_var = (shares * (biases.var + biases.loc**2)).sum(0, keepdims=True) - bias_loc**2
+        out_bias = DiagNormal(loc=bias_loc, var=np.maximum(bias_var, biases.var.min(0, keepdims=True)))
+    else:
+        out_bias = DiagNormal.concat([p.out_bias for p in posts]).barycenter(np.ones(J))
+    log_tau = DiagNormal.concat([p.log_tau for p in posts]).barycenter(np.ones(J))
+    if unit_form == "effective":
+        weights = np.zeros((G, sum(len(f.log_scale) for f in forms)))
+        offset = 0
+        for a, f in zip(layer.assignments, forms):
+            weights[a, offset + np.arange(len(a))] = 1.0
+            offset += len(a)
+        scales = DiagNormal.concat([f.log_scale for f in forms])
+        lonely = weights.sum(1) == 0
+        weights[lonely] = 1.0  # a unit with no member (none in practice) takes the mean log-scale
+        units, log_tau = from_effective(units, scales.barycenter(weights), log_tau, K)
+    fused = BNNPosterior(units=units, out_bias=out_bias, log_tau=log_tau, in_features=ref.in_features, n_classes=K,
+                         global_scale=ref.global_scale, weight_scale=ref.weight_scale)
+    return StateFusion(state=fused.to_state(), layers=[layer], sizes=[G], groups=("units",),
                        posteriors=[(units.loc, units.var)], method=method, kind="bnn", hyper=hyper)

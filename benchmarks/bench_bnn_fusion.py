@@ -1,39 +1,209 @@
-"""Fusing horseshoe BNNs: accuracy, log-likelihood, entropy and OOD detection (KL-fusion section 5.4).
+"""Fusing horseshoe BNNs against the ensemble of their parts and a pooled BNN (KL-fusion section 5.4).
 
 Usage: python benchmarks/bench_bnn_fusion.py [--dataset digits|fashion-mnist] [--clients 5]
-       [--alpha 0.8] [--hidden 150] [--epochs N] [--samples S] [--seed 0] [--out bench-results]
+       [--alpha 0.8] [--hidden 150] [--epochs N] [--seeds 0 1 2] [--regs 0.003 0.01 0.03 0.1]
+       [--samples S] [--cache DIR] [--out bench-results]
+       python benchmarks/bench_bnn_fusion.py --speed [--dataset fashion-mnist]
 
-Splits the training set with a Dirichlet(alpha) class skew, trains one horseshoe BNN per client,
-fuses them by KL-fusion and by NAFI on the posteriors, and reports for each model: test
-accuracy, test log-likelihood, mean predictive entropy on the test set and on font-rendered
-digits (out of distribution), and the AUROC of entropy for telling them apart (Table 2,
-Figure 5). Writes ``bnn_fusion_<dataset>.png``: per-class entropy on font digits centred at each
-model's mean test entropy, and test images sorted by the fused model's entropy (Figure 1).
+Per seed: a validation set (10% of the training set) is held out, the rest is split over the
+clients with a Dirichlet(alpha) class skew, and one horseshoe BNN is trained per client and
+one on the clients' data pooled (the upper bound a federation cannot reach). Reported on the
+test set: accuracy, log-likelihood, ECE, the AUROC of predictive entropy for telling test
+images from font-rendered digits (out of distribution), and the hidden units of
+
+* each local BNN, and their **ensemble** (predictive average, ``5 x H`` units);
+* the **pooled** BNN;
+* the **fused** BNN by KL-fusion, with ``reg`` chosen per seed from ``--regs`` by validation
+  log-likelihood (never the test set), and by NAFI at its defaults;
+* the fused BNNs without pruning and with the raw unit form (the two ablations of
+  :func:`bayesfuse.core._fuse_bnn_states`).
+
+Prints one table per seed and a summary (mean +- sd over seeds); writes ``bnn_fusion_<dataset>.json``
+and ``bnn_fusion_<dataset>.png`` (entropy per class on font digits, Figure 5; test images sorted by
+the fused BNN's entropy, Figure 1).
+
+``--speed`` times local training of one client with the ELBO estimators of
+:func:`bayesfuse.models.bnn.train_bnn` (``local``, ``pyro``) and with Pyro's ``AutoNormal``
+guide on the same model as a reference point: examples per second, interleaved epochs, and
+the test accuracy each reaches.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from bayesfuse import fuse
-from bayesfuse._io import atomic_write_bytes
+from bayesfuse._io import atomic_write_bytes, jsonable
 from bayesfuse.data import dirichlet_partition, load_dataset, load_font_digits
 from bayesfuse.demo import format_table
-from bayesfuse.metrics import accuracy, negative_log_likelihood, ood_auroc, predictive_entropy
-from bayesfuse.models.bnn import BNNConfig, train_bnn
+from bayesfuse.metrics import (accuracy, expected_calibration_error, negative_log_likelihood, ood_auroc,
+                               predictive_entropy)
+from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
+
+COLUMNS = ("model", "accuracy", "loglik", "ece", "auroc", "units")
 
 
-def evaluate_bnn(model, x_test, y_test, x_ood, samples):
-    p, po = model.predict(x_test, samples), model.predict(x_ood, samples)
-    h_in, h_out = predictive_entropy(p), predictive_entropy(po)
-    return {"accuracy": accuracy(p, y_test), "loglik": -negative_log_likelihood(p, y_test),
-            "entropy test": float(h_in.mean()), "entropy fonts": float(h_out.mean()),
-            "auroc": ood_auroc(h_in, h_out)}, h_in, h_out
+def scores(p, y, h_ood=None) -> dict:
+    h = predictive_entropy(p)
+    out = {"accuracy": accuracy(p, y), "loglik": -negative_log_likelihood(p, y),
+           "ece": expected_calibration_error(p, y)}
+    if h_ood is not None:
+        out["auroc"] = ood_auroc(h, h_ood)
+    return out
+
+
+def _trained(cache: Path | None, name: str, x, y, n_classes, hidden, config) -> HorseshoeBNN:
+    path = cache / f"{name}.pt" if cache is not None else None
+    if path is not None and path.exists():
+        return HorseshoeBNN.from_state_dict(torch.load(path, weights_only=True))
+    bnn = train_bnn(x, y, n_classes, hidden, config, name=name)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save(bnn.state_dict(), buf)
+        atomic_write_bytes(path, buf.getvalue(), overwrite=True)
+    return bnn
+
+
+def run_seed(args, seed: int) -> dict:
+    split = load_dataset(args.dataset, seed=seed).standardize()
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(split.train))
+    n_val = len(order) // 10
+    val, train = split.train.subset(order[:n_val]), split.train.subset(order[n_val:])
+    fonts = load_font_digits(split.train.image_shape[0], seed=seed)
+    x_ood = split.standardizer.transform(fonts.x)
+    part = dirichlet_partition(train.y, args.clients, args.alpha, seed=seed)
+    epochs = args.epochs or (200 if args.dataset == "digits" else 30)
+    cache = Path(args.cache) / f"{args.dataset}_h{args.hidden}_e{epochs}_s{seed}" if args.cache else None
+    print(f"seed {seed}: {args.clients} clients (Dirichlet {args.alpha}), sizes {part.sizes.tolist()}, "
+          f"{args.hidden}-unit horseshoe BNNs, {epochs} epochs, validation {n_val}", flush=True)
+
+    def predict(model, x):
+        return model.predict(x, args.samples, seed=seed)
+
+    def evaluate(name, model, units, seconds, extra=None):
+        p, h_ood = predict(model, split.test.x), predictive_entropy(predict(model, x_ood))
+        row = {"model": name, **scores(p, split.test.y, h_ood), "units": units, "seconds": seconds, **(extra or {})}
+        print("  " + format_table([row], COLUMNS).splitlines()[-1], flush=True)
+        return row, p, h_ood
+
+    rows, probs, entropies = [], {}, {}
+    bnns = []
+    for j, idx in enumerate(part):
+        bnn = _trained(cache, f"local{j}", train.x[idx], train.y[idx], split.n_classes, args.hidden,
+                       BNNConfig(epochs=epochs, seed=seed * 100 + j))
+        bnns.append(bnn)
+        row, probs[f"local {j}"], h = evaluate(f"local {j}", bnn, args.hidden, getattr(bnn, "train_seconds", None))
+        rows.append(row)
+        entropies[f"local {j}"] = (predictive_entropy(probs[f"local {j}"]), h)
+    ens_p = np.mean([probs[f"local {j}"] for j in range(args.clients)], axis=0)
+    ens_ood = np.mean([predict(b, x_ood) for b in bnns], axis=0)
+    rows.append({"model": "ensemble", **scores(ens_p, split.test.y, predictive_entropy(ens_ood)),
+                 "units": args.clients * args.hidden, "seconds": None})
+    entropies["ensemble"] = (predictive_entropy(ens_p), predictive_entropy(ens_ood))
+    print("  " + format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    pooled_idx = np.concatenate(list(part))
+    pooled = _trained(cache, "pooled", train.x[pooled_idx], train.y[pooled_idx], split.n_classes, args.hidden,
+                      BNNConfig(epochs=epochs, seed=seed * 100 + 99))
+    rows.append(evaluate("pooled (upper bound)", pooled, args.hidden, getattr(pooled, "train_seconds", None))[0])
+
+    # reg by validation log-likelihood
+    validation = []
+    for reg in args.regs:
+        res = fuse(bnns, "kl", class_counts=part.counts, reg=reg)
+        v = scores(predict(res.model, val.x), val.y)
+        validation.append({"reg": reg, "units": res.sizes[0], **v})
+        print(f"  validation: reg {reg:g}: {res.sizes[0]} units, accuracy {v['accuracy']:.4f}, "
+              f"loglik {v['loglik']:.4f}", flush=True)
+    best = max(validation, key=lambda r: r["loglik"])["reg"]
+    fused = {}
+    for name, method, hyper in (("fused (kl)", "kl", dict(reg=best)),
+                                ("fused (nafi)", "nafi", {}),
+                                ("kl, no pruning", "kl", dict(reg=best, prune_kl=0.0)),
+                                ("kl, raw units", "kl", dict(reg=best, unit_form="raw"))):
+        res = fuse(bnns, method, class_counts=part.counts, **hyper)
+        fused[name] = res
+        row, p, h = evaluate(name, res.model, res.sizes[0], res.seconds, {"hyper": res.hyper})
+        rows.append(row)
+        entropies[name] = (predictive_entropy(p), h)
+    kept = [len(k) for k in fused["fused (kl)"].hyper["kept_units"]]
+    return {"seed": seed, "rows": rows, "validation": validation, "reg": best, "sizes": part.sizes.tolist(),
+            "units_kept": kept, "entropies": entropies, "split": split, "fonts": fonts,
+            "fused": fused["fused (kl)"].model}
+
+
+def summary(runs: list[dict]) -> list[dict]:
+    out = []
+    for i, first in enumerate(runs[0]["rows"]):
+        row = {"model": first["model"]}
+        for c in COLUMNS[1:]:
+            values = np.array([r["rows"][i].get(c, np.nan) for r in runs], dtype=float)
+            row[c] = float(values.mean())
+            row[c + "_sd"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+        out.append(row)
+    return out
+
+
+def _shown(rows: list[dict]) -> str:
+    cells = []
+    for r in rows:
+        c = {"model": r["model"]}
+        for k in COLUMNS[1:]:
+            c[k] = f"{r[k]:.4f} ± {r[k + '_sd']:.4f}" if k != "units" else f"{r[k]:.0f} ± {r[k + '_sd']:.0f}"
+        cells.append(c)
+    return format_table(cells, COLUMNS)
+
+
+def speed(args) -> None:
+    """Examples per second of local training, per ELBO estimator, on client 0 of seed 0."""
+    import pyro
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    split = load_dataset(args.dataset, seed=0).standardize()
+    part = dirichlet_partition(split.train.y, args.clients, args.alpha, seed=0)
+    idx = max(part, key=len)
+    x, y = split.train.x[idx], split.train.y[idx]
+    epochs = args.epochs or (200 if args.dataset == "digits" else 30)
+    print(f"{args.dataset}: client with {len(idx)} examples, {args.hidden} units, {epochs} epochs, 1 thread")
+    rows = []
+    for estimator in ("local", "pyro"):
+        bnn = train_bnn(x, y, split.n_classes, args.hidden, BNNConfig(epochs=epochs, estimator=estimator))
+        p = bnn.predict(split.test.x, args.samples)
+        rows.append({"training": f"HorseshoeBNN, estimator={estimator!r}", "examples/s": bnn.examples_per_second,
+                     "accuracy": accuracy(p, split.test.y), "loglik": -negative_log_likelihood(p, split.test.y)})
+        print(format_table(rows[-1:], list(rows[0])).splitlines()[-1], flush=True)
+    # reference point: the same model with Pyro's AutoNormal guide (Trace_ELBO, float64), a few epochs
+    torch.set_num_threads(1)
+    pyro.clear_param_store()
+    model = HorseshoeBNN(x.shape[1], args.hidden, split.n_classes)
+    guide = AutoNormal(model.model)
+    svi = SVI(model.model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))
+    n_epochs = min(epochs, 3)
+    with pyro.validation_enabled(False):
+        start = time.perf_counter()
+        for _ in range(n_epochs):
+            order = torch.randperm(len(xt))
+            for i in range(0, len(xt), 128):
+                b = order[i : i + 128]
+                svi.step(xt[b], yt[b], len(xt))
+        rate = len(xt) * n_epochs / (time.perf_counter() - start)
+    rows.append({"training": f"AutoNormal guide ({n_epochs} epochs timed)", "examples/s": rate,
+                 "accuracy": float("nan"), "loglik": float("nan")})
+    print()
+    print(format_table(rows, list(rows[0])))
+    base = rows[1]["examples/s"]
+    print(f"speed-up of estimator='local' over 'pyro': {rows[0]['examples/s'] / base:.2f}x; "
+          f"over AutoNormal: {rows[0]['examples/s'] / rate:.2f}x")
 
 
 def main() -> None:
@@ -43,57 +213,48 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.8)
     parser.add_argument("--hidden", type=int, default=150)
     parser.add_argument("--epochs", type=int, default=None, help="default: 200 (digits), 30 (fashion-mnist)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--regs", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1],
+                        help="KL-fusion reg values to choose from by validation log-likelihood")
     parser.add_argument("--samples", type=int, default=100, help="Monte Carlo samples of the predictive")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", default=None, help="directory to keep trained BNNs in between runs")
+    parser.add_argument("--speed", action="store_true", help="time local training per ELBO estimator instead")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "bench-results"))
     args = parser.parse_args()
+    if args.speed:
+        speed(args)
+        return
     start = time.perf_counter()
-    split = load_dataset(args.dataset, seed=args.seed).standardize()
-    size = split.train.image_shape[0]
-    fonts = load_font_digits(size, seed=args.seed)
-    x_ood = split.standardizer.transform(fonts.x)
-    epochs = args.epochs or (200 if args.dataset == "digits" else 30)
-    part = dirichlet_partition(split.train.y, args.clients, args.alpha, seed=args.seed)
-    print(f"{args.dataset}: {args.clients} clients (Dirichlet {args.alpha}), sizes {part.sizes.tolist()}, "
-          f"{args.hidden}-unit horseshoe BNNs, {epochs} epochs")
-    bnns, rows, entropies = [], [], {}
-    for j, idx in enumerate(part):
-        bnn = train_bnn(split.train.x[idx], split.train.y[idx], split.n_classes, args.hidden,
-                        BNNConfig(epochs=epochs, seed=args.seed + j), name=f"client {j}")
-        bnns.append(bnn)
-        metrics, h_in, h_out = evaluate_bnn(bnn, split.test.x, split.test.y, x_ood, args.samples)
-        rows.append({"model": f"local {j}", "units": args.hidden, "seconds": bnn.train_seconds, **metrics})
-        entropies[f"local {j}"] = (h_in, h_out)
-        print(format_table(rows[-1:], list(rows[-1])).splitlines()[-1], flush=True)
-    fused_models = {}
-    for method in ("kl", "nafi"):
-        res = fuse(bnns, method)
-        fused_models[method] = res.model
-        metrics, h_in, h_out = evaluate_bnn(res.model, split.test.x, split.test.y, x_ood, args.samples)
-        rows.append({"model": f"fused ({method})", "units": res.sizes[0], "seconds": res.seconds, **metrics})
-        entropies[f"fused ({method})"] = (h_in, h_out)
-        print(format_table(rows[-1:], list(rows[-1])).splitlines()[-1], flush=True)
-    print()
-    print(format_table(rows, list(rows[0])))
-    local_auroc = np.mean([r["auroc"] for r in rows[: args.clients]])
-    print(f"mean local AUROC {local_auroc:.4f}; seconds: training (locals) or fusion (fused)")
+    runs = [run_seed(args, seed) for seed in args.seeds]
+    for run in runs:
+        print(f"\nseed {run['seed']} (reg {run['reg']:g} by validation; units kept per client {run['units_kept']})")
+        print(format_table(run["rows"], COLUMNS))
+    rows = summary(runs)
+    print(f"\n{args.dataset}, {args.clients} clients, Dirichlet({args.alpha}), seeds {args.seeds}: mean ± sd")
+    print(_shown(rows))
     print(f"whole study: {time.perf_counter() - start:.0f} s")
-    path = _figure(args, split, fonts, entropies, fused_models["kl"])
-    print(f"wrote {path}")
+    out = Path(args.out)
+    report = {"config": vars(args), "summary": rows,
+              "seeds": [{k: r[k] for k in ("seed", "rows", "validation", "reg", "sizes", "units_kept")} for r in runs]}
+    atomic_write_bytes(out / f"bnn_fusion_{args.dataset}.json",
+                       json.dumps(jsonable(report), indent=1, allow_nan=False).encode(), overwrite=True)
+    print(f"wrote {_figure(args, runs[0])}")
 
 
-def _figure(args, split, fonts, entropies, fused):
+def _figure(args, run):
     import matplotlib
 
     matplotlib.use("Agg")
     from bayesfuse.plot import plot_centred_entropy, plot_sorted_images
 
+    split, fonts = run["split"], run["fonts"]
     fig = matplotlib.pyplot.figure(figsize=(12, 7.5), layout="constrained")
     top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, 1])
     ax = top.subplots()
-    plot_centred_entropy(entropies, fonts.y, ax=ax)
-    ax.set_title(f"{args.dataset}: uncertainty on out-of-distribution font digits (Figure 5)")
-    h = predictive_entropy(fused.predict(split.test.x, args.samples))
+    shown = {k: v for k, v in run["entropies"].items() if not k.startswith("kl,")}
+    plot_centred_entropy(shown, fonts.y, ax=ax)
+    ax.set_title(f"{args.dataset}, seed {run['seed']}: uncertainty on out-of-distribution font digits (Figure 5)")
+    h = run["entropies"]["fused (kl)"][0]
     raw = split.standardizer.scale * split.test.x + split.standardizer.mean
     plot_sorted_images(raw, h, split.test.image_shape, fig=bottom)
     buf = io.BytesIO()
