@@ -42,13 +42,20 @@ ALGORITHMS = [
 ]
 
 
+# Defaults that differ on purpose, with the reason. kl_fuse fuses any mean-field posteriors and
+# keeps the paper's lambda = 0.1 (Gaussian mixtures, bench_mixture_fusion.py); the BNN row fuses
+# pruned units in the effective form, where validation log-likelihood chose 0.01 (methods.py).
+DIFFERS = {("kl_fuse", "reg"): (0.1, 0.01)}
+
+
 @pytest.mark.parametrize("function, method, kind", ALGORITHMS, ids=[f[0].__name__ for f in ALGORITHMS])
 def test_algorithm_signature_defaults_agree_with_the_table(function, method, kind):
     params = inspect.signature(function).parameters
     shared = [k for k in methods.METHODS[method].defaults[kind] if k in params]
     assert shared, f"{function.__name__} shares no key with the {method!r} row"
     for key in shared:
-        assert params[key].default == methods.METHODS[method].defaults[kind][key], (function.__name__, key)
+        expected = DIFFERS.get((function.__name__, key), (methods.METHODS[method].defaults[kind][key],) * 2)
+        assert (params[key].default, methods.METHODS[method].defaults[kind][key]) == expected, (function.__name__, key)
 
 
 def test_resolve_fills_defaults_and_converts():
