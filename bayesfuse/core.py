@@ -261,6 +261,33 @@ def _output_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
     return shares
 
 
+def _membership(assignments: Sequence[np.ndarray], n_global: int) -> np.ndarray:
+    """(G, L) 0/1 matrix: entry (g, l) is 1 when local unit l (clients' units stacked in order) joined g."""
+    members = np.zeros((n_global, sum(len(a) for a in assignments)))
+    columns = np.arange(members.shape[1])
+    members[np.concatenate(assignments).astype(np.intp), columns] = 1.0
+    return members
+
+
+def _share_mixture(members: np.ndarray, shares: np.ndarray, loc: np.ndarray, var: np.ndarray, *,
+                   floor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``c`` times the moment-matched mixture of each row's members, mixed by their class shares.
+
+    For row g and class k, ``c_gk = sum_l M_gl f_lk``; the mixture weights are ``f_lk / c_gk``;
+    the result has mean ``sum_l M_gl f_lk mu_lk`` and variance
+    ``c_gk^2 (E[W^2] - E[W]^2) = c_gk (sum_l M_gl f_lk (s2_lk + mu_lk^2)) - mean^2``, the
+    mixture's variance taken at least ``floor`` (which only round-off reaches: it is at least
+    its members' smallest). Returns ``(covered, mean, variance)``, ``covered = c > 0``; rows
+    without members have mean 0 and variance ``floor``.
+    """
+    c = members @ shares
+    mean = members @ (shares * loc)
+    second = members @ (shares * (var + loc**2))
+    covered = c > 0
+    c_safe = np.where(covered, c, 1.0)
+    return covered, mean, c_safe**2 * np.maximum(second / c_safe - (mean / c_safe) ** 2, floor)
+
+
 def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, verbose) -> StateFusion:
     """Fuse horseshoe BNNs as mean-field posteriors.
 
@@ -322,38 +349,28 @@ def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, ver
                  kept_units=[np.flatnonzero(k).tolist() for k in kept])
     G = len(units)
     out = slice(units.loc.shape[1] - K, None)  # the outgoing weights close every unit, in either form
-    shares = _output_shares(class_counts, J, K)
+    members = _membership(layer.assignments, G)  # (G, all kept local units)
     if average_outputs:
+        shares = _output_shares(class_counts, J, K)
+        unit_shares = np.repeat(shares, [len(a) for a in layer.assignments], axis=0)  # each local unit's f_j.
+        stacked = DiagNormal.concat(vectors)
+        covered, loc_out, var_out = _share_mixture(members, unit_shares, stacked.loc[:, out], stacked.var[:, out],
+                                                   floor=1e-12 * units.var[:, out])
         loc, var = units.loc.copy(), units.var.copy()
-        share = np.zeros((G, K))  # c_gk: the members' total share of class k
-        second = np.zeros((G, K))
-        loc[:, out] = 0.0
-        for j, (a, v) in enumerate(zip(layer.assignments, vectors)):
-            share[a] += shares[j]
-            loc[a, out] += shares[j] * v.loc[:, out]
-            second[a] += shares[j] * (v.var[:, out] + v.loc[:, out] ** 2)
-        covered = share > 0
-        c = np.where(covered, share, 1.0)
-        # c times the moment-matched mixture of the members (weights f_jk / c): variance c^2 (E[W^2] - E[W]^2)
-        mixture_var = second / c - (loc[:, out] / c) ** 2
-        var[:, out] = np.where(covered, c**2 * np.maximum(mixture_var, 1e-12 * units.var[:, out]), units.var[:, out])
+        loc[:, out] = np.where(covered, loc_out, 0.0)
+        var[:, out] = np.where(covered, var_out, units.var[:, out])  # no member: the global unit's own variance
         units = DiagNormal(loc=loc, var=var)
         biases = DiagNormal.concat([p.out_bias for p in posts])
-        bias_loc = (shares * biases.loc).sum(0, keepdims=True)
-        bias_var = (shares * (biases.var + biases.loc**2)).sum(0, keepdims=True) - bias_loc**2
-        out_bias = DiagNormal(loc=bias_loc, var=np.maximum(bias_var, biases.var.min(0, keepdims=True)))
+        _, bias_loc, bias_var = _share_mixture(np.ones((1, J)), shares, biases.loc, biases.var,
+                                               floor=biases.var.min(0, keepdims=True))
+        out_bias = DiagNormal(loc=bias_loc, var=bias_var)
     else:
         out_bias = DiagNormal.concat([p.out_bias for p in posts]).barycenter(np.ones(J))
     log_tau = DiagNormal.concat([p.log_tau for p in posts]).barycenter(np.ones(J))
     if unit_form == "effective":
-        weights = np.zeros((G, sum(len(f.log_scale) for f in forms)))
-        offset = 0
-        for a, f in zip(layer.assignments, forms):
-            weights[a, offset + np.arange(len(a))] = 1.0
-            offset += len(a)
+        weights = members.copy()
+        weights[weights.sum(1) == 0] = 1.0  # a unit with no member (none in practice) takes the mean log-scale
         scales = DiagNormal.concat([f.log_scale for f in forms])
-        lonely = weights.sum(1) == 0
-        weights[lonely] = 1.0  # a unit with no member (none in practice) takes the mean log-scale
         units, log_tau = from_effective(units, scales.barycenter(weights), log_tau, K)
     fused = BNNPosterior(units=units, out_bias=out_bias, log_tau=log_tau, in_features=ref.in_features, n_classes=K,
                          global_scale=ref.global_scale, weight_scale=ref.weight_scale)

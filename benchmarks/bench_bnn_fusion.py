@@ -43,19 +43,17 @@ from bayesfuse import fuse
 from bayesfuse._io import atomic_write_bytes, jsonable
 from bayesfuse.data import dirichlet_partition, load_dataset, load_font_digits
 from bayesfuse.demo import format_table
-from bayesfuse.metrics import (accuracy, expected_calibration_error, negative_log_likelihood, ood_auroc,
-                               predictive_entropy)
+from bayesfuse.metrics import accuracy, evaluate, negative_log_likelihood, ood_auroc, predictive_entropy
 from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
 
 COLUMNS = ("model", "accuracy", "loglik", "ece", "auroc", "units")
 
 
 def scores(p, y, h_ood=None) -> dict:
-    h = predictive_entropy(p)
-    out = {"accuracy": accuracy(p, y), "loglik": -negative_log_likelihood(p, y),
-           "ece": expected_calibration_error(p, y)}
+    m = evaluate(p, y)
+    out = {"accuracy": m["accuracy"], "loglik": -m["nll"], "ece": m["ece"]}
     if h_ood is not None:
-        out["auroc"] = ood_auroc(h, h_ood)
+        out["auroc"] = ood_auroc(predictive_entropy(p), h_ood)
     return out
 
 

@@ -259,6 +259,7 @@ def train_bnn(
         bnn = HorseshoeBNN(x.shape[1], hidden, n_classes, **model_kwargs)
         bnn.loc.to(dtype), bnn.log_scale.to(dtype)  # the guide's parameters; prior_scales stays float64
         opt = torch.optim.Adam(bnn.parameters(), lr=config.lr, fused=True)
+        gen = torch.Generator().manual_seed(config.seed)
         if local:
             def loss_fn(idx):
                 return negative_elbo(bnn, xt[idx], yt[idx], len(xt), gen, x_sq[idx])
@@ -267,7 +268,6 @@ def train_bnn(
 
             def loss_fn(idx):
                 return pyro_loss(bnn.model, bnn.guide, xt[idx], yt[idx], len(xt))
-        gen = torch.Generator().manual_seed(config.seed)
         history = []
         bar = tqdm(range(config.epochs), desc=name, unit="epoch", disable=not progress(verbose), leave=False)
         for epoch in bar:

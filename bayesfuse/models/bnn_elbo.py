@@ -36,6 +36,7 @@ layer, and the KL terms without sampling.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -46,6 +47,13 @@ __all__ = ["GH_NODES", "gaussian_kl", "lognormal_halfcauchy_kl", "negative_elbo"
 #: Gauss-Hermite nodes for the expectations of the half-Cauchy log-density.
 GH_NODES = 64
 _GH_X, _GH_W = np.polynomial.hermite.hermgauss(GH_NODES)
+
+
+@functools.lru_cache(maxsize=None)
+def _gauss_hermite(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quadrature's nodes and weights (normalised for ``E[f(z)]``, ``z ~ N(0, 1/2)``), once per dtype and device."""
+    return (torch.as_tensor(_GH_X, dtype=dtype, device=device),
+            torch.as_tensor(_GH_W / math.sqrt(math.pi), dtype=dtype, device=device))
 
 
 def gaussian_kl(loc: torch.Tensor, log_scale: torch.Tensor, prior_scale: float,
@@ -66,8 +74,7 @@ def lognormal_halfcauchy_kl(loc: torch.Tensor, log_scale: torch.Tensor, prior_sc
     Exact up to Gauss-Hermite quadrature of ``E[log(1 + e^{2u} / b^2)]``, ``u ~ N(loc, sigma^2)``:
     ``KL = -(loc + 1/2 + log(sigma sqrt(2 pi))) - log(2 / (pi b)) + E[log(1 + e^{2u} / b^2)]``.
     """
-    nodes = torch.as_tensor(_GH_X, dtype=loc.dtype, device=loc.device)
-    weights = torch.as_tensor(_GH_W / math.sqrt(math.pi), dtype=loc.dtype, device=loc.device)
+    nodes, weights = _gauss_hermite(loc.dtype, loc.device)
     sigma = torch.exp(log_scale)
     u = loc.unsqueeze(-1) + math.sqrt(2.0) * sigma.unsqueeze(-1) * nodes  # (..., GH_NODES)
     e_log1p = (torch.nn.functional.softplus(2 * u - 2 * math.log(prior_scale)) * weights).sum(-1)
