@@ -602,6 +602,22 @@ BNN_SITE_DIMS = {"tau": [], "lam": ["unit"], "w1": ["unit", "input"], "b1": ["un
                  "b2": ["class"]}
 
 
+def _bnn_site_dims(depth: int) -> dict[str, list[str]]:
+    """The posterior's variables and their dims for ``depth`` hidden layers (:data:`BNN_SITE_DIMS` for one):
+    hidden layer l >= 2 adds ``tau<l>``, ``lam<l>`` (``unit<l>``), ``w<l>`` (``unit<l>``, ``unit<l-1>``), ``b<l>``."""
+    if depth == 1:
+        return dict(BNN_SITE_DIMS)
+    dims: dict[str, list[str]] = {}
+    below = "input"
+    for layer in range(1, depth + 1):
+        tag = "" if layer == 1 else str(layer)
+        unit = f"unit{tag}"
+        dims.update({f"tau{tag}": [], f"lam{tag}": [unit], f"w{layer}": [unit, below], f"b{layer}": [unit]})
+        below = unit
+    dims.update({f"w{depth + 1}": ["class", below], f"b{depth + 1}": ["class"]})
+    return dims
+
+
 def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0,
                  sites: Sequence[str] | None = None, batch_size: int = 4096):
     """A horseshoe BNN and test data -> ArviZ, for ``az.loo`` and ``az.compare``.
@@ -665,27 +681,32 @@ def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0
         raise ValueError("x contains NaN or infinite values")
     if y.shape != (len(x),) or not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= K:
         raise ValueError(f"y must be ({len(x)},) integer labels in 0..{K - 1}")
-    keep = list(BNN_SITE_DIMS) if sites is None else list(sites)
-    unknown = sorted(set(keep) - set(BNN_SITE_DIMS))
+    site_dims = _bnn_site_dims(model.depth)
+    keep = list(site_dims) if sites is None else list(sites)
+    unknown = sorted(set(keep) - set(site_dims))
     if unknown:
-        raise ValueError(f"unknown sites {unknown}; the sites are {list(BNN_SITE_DIMS)}")
+        raise ValueError(f"unknown sites {unknown}; the sites are {list(site_dims)}")
 
     p = model.sample_params(num_samples, torch.Generator().manual_seed(int(seed)))  # as model.predict draws them
-    scale = torch.exp(p["log_tau"] + p["log_lam"])  # (S, H)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))
     rng = np.random.default_rng(int(seed))
     loglik = np.empty((num_samples, len(x)))
     y_rep = np.empty((num_samples, len(x)), dtype=np.int64)
     with torch.no_grad():
         for i in range(0, len(x), batch_size):
-            logits = _forward(xt[i : i + batch_size], p["w1"], p["b1"], scale, p["w2"], p["b2"])  # (S, b, K)
+            logits = _forward(xt[i : i + batch_size], p, model.depth)  # (S, b, K)
             logp = torch.log_softmax(logits, -1)
             b = logp.shape[1]
             loglik[:, i : i + b] = logp.gather(-1, yt[i : i + b].expand(num_samples, b)[..., None])[..., 0].numpy()
             cdf = logp.exp().cumsum(-1).numpy()
             y_rep[:, i : i + b] = np.minimum((cdf < rng.random((num_samples, b, 1))).sum(-1), K - 1)
-    values = {"tau": torch.exp(p["log_tau"][:, 0]), "lam": torch.exp(p["log_lam"]), "w1": p["w1"], "b1": p["b1"],
-              "w2": p["w2"], "b2": p["b2"]}
+    values = {}
+    for k in site_dims:  # the scales as themselves, from the guide's log-scale sites
+        if k.startswith(("tau", "lam")):
+            log = p["log_" + k]
+            values[k] = torch.exp(log[:, 0] if k.startswith("tau") else log)
+        else:
+            values[k] = p[k]
     posterior = {k: values[k].numpy()[None] for k in keep}
     attrs = {
         "method": str(result.method) if result is not None else "local",
@@ -695,13 +716,14 @@ def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0
                           "Gaussian), not MCMC: one chain; summarise with az.summary(idata, kind='stats')"),
         "num_draws": num_samples,
         "seed": int(seed),
-        "hidden": H,
+        "hidden": H if model.depth == 1 else list(model.hidden_sizes),
     }
     if result is not None:
         attrs["converged"] = int(bool(getattr(result, "converged", True)))
-    coords = {"unit": np.arange(H), "input": [f"in_{d}" for d in range(D)], "class": np.arange(K),
-              "obs": np.arange(len(x))}
-    dims = {**{k: BNN_SITE_DIMS[k] for k in keep}, "y": ["obs"]}
+    coords = {"unit": np.arange(model.hidden_sizes[0]), "input": [f"in_{d}" for d in range(D)],
+              "class": np.arange(K), "obs": np.arange(len(x)),
+              **{f"unit{layer}": np.arange(h) for layer, h in enumerate(model.hidden_sizes[1:], 2)}}
+    dims = {**{k: site_dims[k] for k in keep}, "y": ["obs"]}
     groups = {"posterior": posterior, "log_likelihood": {"y": loglik[None]},
               "posterior_predictive": {"y": y_rep[None]}, "observed_data": {"y": y}}
     return _from_dict(groups, coords, dims, attrs={"posterior": attrs})

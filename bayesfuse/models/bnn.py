@@ -11,6 +11,11 @@ Model (Ghosh, Yao & Doshi-Velez, JMLR 2019, section 3; one hidden layer of H uni
     h_k(x) = \\mathrm{relu}\\big(\\tau \\lambda_k (\\tilde w_k^\\top x + \\tilde b_k)\\big), \\qquad
     y \\mid x \\sim \\mathrm{Categorical}(\\mathrm{softmax}(W_2 h(x) + b_2)).
 
+Deeper networks (``hidden=(H1, H2, ...)``) repeat the hidden layer: layer l has its own global
+scale ``tau_l ~ C+(0, b_g)``, unit scales ``lambda_{l,k} ~ C+(0, 1)`` and standard normal
+``w~_l``, ``b~_l``, and feeds ``h_{l-1}`` (``h_0 = x``) to ``h_l = relu(tau_l lambda_l (w~_l h_{l-1} + b~_l))``
+(the node-wise horseshoe of Ghosh et al. on every hidden layer).
+
 The non-centred form (incoming weights ``tau * lambda_k * w~_k``) lets the unit scale
 ``tau * lambda_k`` switch a whole unit off. The guide is mean-field: Gaussian on ``w~``, ``b~``,
 ``W_2``, ``b_2`` and on ``log tau``, ``log lambda`` (log-normal scales), i.e. Gaussian in the
@@ -36,7 +41,7 @@ from tqdm.auto import tqdm
 
 from bayesfuse._runtime import progress, torch_threads
 from bayesfuse.models.bnn_elbo import negative_elbo
-from bayesfuse.models.bnn_sites import SITES, is_bnn_state, prior_scales, state_dims
+from bayesfuse.models.bnn_sites import deep_site_shapes, is_bnn_state, layer_sites, prior_scales, state_sizes
 
 __all__ = ["HorseshoeBNN", "BNNConfig", "ESTIMATORS", "train_bnn"]
 
@@ -71,11 +76,13 @@ class BNNConfig:
 
 
 class HorseshoeBNN(nn.Module):
-    """One-hidden-layer horseshoe BNN (module docstring) holding its mean-field guide.
+    """Horseshoe BNN (module docstring) holding its mean-field guide.
 
     Parameters
     ----------
-    in_features, hidden, n_classes : int
+    in_features, n_classes : int
+    hidden : int or sequence of int
+        Units of the hidden layer, or of each hidden layer (bottom first).
     global_scale : float
         ``b_g``, scale of the half-Cauchy prior on ``tau``.
     weight_scale : float
@@ -86,19 +93,27 @@ class HorseshoeBNN(nn.Module):
     Attributes
     ----------
     loc, log_scale : nn.ParameterDict
-        Guide means and log standard deviations per site of
-        :data:`~bayesfuse.models.bnn_sites.SITES`: ``w1`` (H, D), ``b1`` (H,), ``log_lam`` (H,),
-        ``log_tau`` (1,), ``w2`` (K, H), ``b2`` (K,).
+        Guide means and log standard deviations per site
+        (:func:`~bayesfuse.models.bnn_sites.deep_site_shapes`); one hidden layer: ``w1`` (H, D),
+        ``b1`` (H,), ``log_lam`` (H,), ``log_tau`` (1,), ``w2`` (K, H), ``b2`` (K,).
+    hidden : int or tuple of int
+        As given: an int for one hidden layer, a tuple for several.
+    hidden_sizes : tuple of int
+        The units of each hidden layer; ``depth`` is their number.
     """
 
-    def __init__(self, in_features: int, hidden: int, n_classes: int, *, global_scale: float = 0.1,
-                 weight_scale: float = 1.0, init_scale: float = 1e-2):
+    def __init__(self, in_features: int, hidden: int | tuple[int, ...], n_classes: int, *,
+                 global_scale: float = 0.1, weight_scale: float = 1.0, init_scale: float = 1e-2):
         super().__init__()
-        if min(in_features, hidden, n_classes) < 1:
-            raise ValueError("in_features, hidden and n_classes must be positive")
+        sizes = (hidden,) if np.ndim(hidden) == 0 else tuple(hidden)
+        if len(sizes) == 0 or min(in_features, n_classes, *sizes) < 1:
+            raise ValueError("in_features, n_classes and every hidden size must be positive")
         if global_scale <= 0 or weight_scale <= 0:
             raise ValueError("global_scale and weight_scale must be positive")
-        self.in_features, self.hidden, self.n_classes = int(in_features), int(hidden), int(n_classes)
+        self.hidden_sizes = tuple(int(h) for h in sizes)
+        self.depth = len(self.hidden_sizes)
+        self.in_features, self.n_classes = int(in_features), int(n_classes)
+        self.hidden = self.hidden_sizes[0] if self.depth == 1 else self.hidden_sizes
         # The prior's scales travel with the state_dict, so a saved network rebuilds exactly.
         self.register_buffer("prior_scales", torch.tensor([global_scale, weight_scale], dtype=torch.float64))
         shapes = self.site_shapes()
@@ -106,10 +121,12 @@ class HorseshoeBNN(nn.Module):
         self.log_scale = nn.ParameterDict(
             {k: nn.Parameter(torch.full(s, math.log(init_scale), dtype=torch.float64)) for k, s in shapes.items()})
         with torch.no_grad():
-            self.loc["w1"].normal_(0.0, 1.0 / math.sqrt(in_features))
-            self.loc["w2"].normal_(0.0, 1.0 / math.sqrt(hidden))
-            self.loc["log_tau"].fill_(math.log(global_scale))
-            self.loc["log_lam"].fill_(0.0)
+            fan_in = (self.in_features,) + self.hidden_sizes
+            for layer in range(1, self.depth + 2):  # hidden layers, then the output layer
+                self.loc[f"w{layer}"].normal_(0.0, 1.0 / math.sqrt(fan_in[layer - 1]))
+            for layer in range(1, self.depth + 1):
+                self.loc[layer_sites(layer).log_tau].fill_(math.log(global_scale))
+                self.loc[layer_sites(layer).log_lam].fill_(0.0)
 
     @property
     def global_scale(self) -> float:
@@ -120,8 +137,8 @@ class HorseshoeBNN(nn.Module):
         return float(self.prior_scales[1])
 
     def site_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of each guide site (:data:`~bayesfuse.models.bnn_sites.SITES`), in the record's order."""
-        return {site.name: site.shape(self.hidden, self.in_features, self.n_classes) for site in SITES}
+        """Shape of each guide site (:func:`~bayesfuse.models.bnn_sites.deep_site_shapes`), in the guide's order."""
+        return deep_site_shapes(self.hidden_sizes, self.in_features, self.n_classes)
 
     # ------------------------------------------------------------------ state_dicts
     @staticmethod
@@ -133,11 +150,12 @@ class HorseshoeBNN(nn.Module):
     def from_state_dict(cls, state: Mapping[str, object], name: str = "state_dict") -> HorseshoeBNN:
         """The network whose state_dict is ``state`` (torch tensors or NumPy arrays).
 
-        Sizes come from ``loc.w1`` (H, D) and ``loc.w2`` (K, H), the prior's scales from
-        ``prior_scales``. Raises ``ValueError`` naming ``name`` when ``state`` is not a
-        consistent HorseshoeBNN state_dict.
+        Sizes come from the weights (:func:`~bayesfuse.models.bnn_sites.state_sizes`), the
+        prior's scales from ``prior_scales``. Raises ``ValueError`` naming ``name`` when ``state``
+        is not a consistent HorseshoeBNN state_dict.
         """
-        H, D, K = state_dims(state, name)
+        hidden, D, K = state_sizes(state, name)
+        H = hidden[0] if len(hidden) == 1 else hidden
         global_scale, weight_scale = prior_scales(state["prior_scales"], name)
         try:
             bnn = cls(D, H, K, global_scale=global_scale, weight_scale=weight_scale)
@@ -149,28 +167,40 @@ class HorseshoeBNN(nn.Module):
 
     # ------------------------------------------------------------------ Pyro model and guide
     def model(self, x: torch.Tensor, y: torch.Tensor | None = None, n_data: int | None = None):
-        H, D, K = self.hidden, self.in_features, self.n_classes
+        D, K = self.in_features, self.n_classes
         f64 = dict(dtype=torch.float64)
-        tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(self.global_scale, **f64)).expand([1]).to_event(1))
-        with pyro.plate("units", H):
-            lam = pyro.sample("lam", dist.HalfCauchy(torch.tensor(1.0, **f64)))
-            w1 = pyro.sample("w1", dist.Normal(torch.tensor(0.0, **f64), 1.0).expand([D]).to_event(1))
-            b1 = pyro.sample("b1", dist.Normal(torch.tensor(0.0, **f64), 1.0))
-        w2 = pyro.sample("w2", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale).expand([K, H]).to_event(2))
-        b2 = pyro.sample("b2", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale).expand([K]).to_event(1))
-        logits = _forward(x, w1, b1, tau * lam, w2, b2)
+        params, width = {}, D
+        for layer, H in enumerate(self.hidden_sizes, 1):
+            names, tag = layer_sites(layer), _tag(layer)
+            params[names.log_tau] = pyro.sample(
+                f"tau{tag}", dist.HalfCauchy(torch.tensor(self.global_scale, **f64)).expand([1]).to_event(1)).log()
+            with pyro.plate(f"units{tag}", H):
+                params[names.log_lam] = pyro.sample(f"lam{tag}", dist.HalfCauchy(torch.tensor(1.0, **f64))).log()
+                params[names.w] = pyro.sample(names.w, dist.Normal(torch.tensor(0.0, **f64), 1.0)
+                                              .expand([width]).to_event(1))
+                params[names.b] = pyro.sample(names.b, dist.Normal(torch.tensor(0.0, **f64), 1.0))
+            width = H
+        out = self.depth + 1
+        params[f"w{out}"] = pyro.sample(f"w{out}", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale)
+                                        .expand([K, width]).to_event(2))
+        params[f"b{out}"] = pyro.sample(f"b{out}", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale)
+                                        .expand([K]).to_event(1))
+        logits = _forward(x, params, self.depth)
         with pyro.plate("data", n_data or len(x), subsample=torch.arange(len(x))):
             pyro.sample("y", dist.Categorical(logits=logits), obs=y)
 
     def guide(self, x: torch.Tensor, y: torch.Tensor | None = None, n_data: int | None = None):
         q = self._q
-        pyro.sample("tau", dist.LogNormal(*q("log_tau")).to_event(1))
-        with pyro.plate("units", self.hidden):
-            pyro.sample("lam", dist.LogNormal(*q("log_lam")))
-            pyro.sample("w1", dist.Normal(*q("w1")).to_event(1))
-            pyro.sample("b1", dist.Normal(*q("b1")))
-        pyro.sample("w2", dist.Normal(*q("w2")).to_event(2))
-        pyro.sample("b2", dist.Normal(*q("b2")).to_event(1))
+        for layer, H in enumerate(self.hidden_sizes, 1):
+            names, tag = layer_sites(layer), _tag(layer)
+            pyro.sample(f"tau{tag}", dist.LogNormal(*q(names.log_tau)).to_event(1))
+            with pyro.plate(f"units{tag}", H):
+                pyro.sample(f"lam{tag}", dist.LogNormal(*q(names.log_lam)))
+                pyro.sample(names.w, dist.Normal(*q(names.w)).to_event(1))
+                pyro.sample(names.b, dist.Normal(*q(names.b)))
+        out = self.depth + 1
+        pyro.sample(f"w{out}", dist.Normal(*q(f"w{out}")).to_event(2))
+        pyro.sample(f"b{out}", dist.Normal(*q(f"b{out}")).to_event(1))
 
     def _q(self, site: str) -> tuple[torch.Tensor, torch.Tensor]:
         return self.loc[site], self.log_scale[site].exp()
@@ -180,10 +210,10 @@ class HorseshoeBNN(nn.Module):
     def sample_params(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """Draws from the guide, each site with a leading sample dimension."""
         out = {}
-        for site in SITES:
-            loc, scale = self._q(site.name)
+        for site in self.site_shapes():
+            loc, scale = self._q(site)
             eps = torch.randn((num_samples, *loc.shape), dtype=loc.dtype, generator=generator)
-            out[site.name] = loc + scale * eps
+            out[site] = loc + scale * eps
         return out
 
     @torch.no_grad()
@@ -197,31 +227,44 @@ class HorseshoeBNN(nn.Module):
             raise ValueError(f"x must be (n, {self.in_features}), got {tuple(x.shape)}")
         gen = torch.Generator().manual_seed(seed)
         p = self.sample_params(num_samples, gen)
-        scale = torch.exp(p["log_tau"] + p["log_lam"])  # (S, H)
         chunks = []
         for i in range(0, len(x), batch_size):
-            logits = _forward(x[i : i + batch_size], p["w1"], p["b1"], scale, p["w2"], p["b2"])  # (S, n, K)
+            logits = _forward(x[i : i + batch_size], p, self.depth)  # (S, n, K)
             chunks.append(torch.softmax(logits, -1).mean(0))
         return torch.cat(chunks).numpy()
 
-    def unit_scales(self) -> np.ndarray:
-        """Posterior median of each unit's scale ``tau * lambda_k`` (log-normal: exp of the loc)."""
+    def unit_scales(self, layer: int = 1) -> np.ndarray:
+        """Posterior median of each unit's scale ``tau * lambda_k`` in hidden layer ``layer`` (log-normal: exp of the loc)."""
+        if not 1 <= layer <= self.depth:
+            raise ValueError(f"layer must be in 1..{self.depth}, got {layer}")
+        names = layer_sites(layer)
         with torch.no_grad():
-            return torch.exp(self.loc["log_tau"] + self.loc["log_lam"]).numpy()
+            return torch.exp(self.loc[names.log_tau] + self.loc[names.log_lam]).numpy()
 
 
-def _forward(x, w1, b1, scale, w2, b2):
-    """Logits for parameters with an optional leading sample dimension."""
-    pre = torch.matmul(x, w1.transpose(-1, -2)) + b1.unsqueeze(-2)  # (..., n, H)
-    h = torch.relu(pre * scale.unsqueeze(-2))
-    return torch.matmul(h, w2.transpose(-1, -2)) + b2.unsqueeze(-2)
+def _tag(layer: int) -> str:
+    """The suffix of hidden layer ``layer``'s Pyro sites (``tau``, ``lam``, ``units``): none for the first."""
+    return "" if layer == 1 else str(layer)
+
+
+def _forward(x, params: Mapping[str, torch.Tensor], depth: int):
+    """Logits for the sites' values ``params`` (log-scales for ``tau``, ``lambda``), each with an
+    optional leading sample dimension."""
+    h = x
+    for layer in range(1, depth + 1):
+        names = layer_sites(layer)
+        scale = torch.exp(params[names.log_tau] + params[names.log_lam])  # (..., H)
+        pre = torch.matmul(h, params[names.w].transpose(-1, -2)) + params[names.b].unsqueeze(-2)  # (..., n, H)
+        h = torch.relu(pre * scale.unsqueeze(-2))
+    w, b = params[f"w{depth + 1}"], params[f"b{depth + 1}"]
+    return torch.matmul(h, w.transpose(-1, -2)) + b.unsqueeze(-2)
 
 
 def train_bnn(
     x: np.ndarray,
     y: np.ndarray,
     n_classes: int,
-    hidden: int = 150,
+    hidden: int | tuple[int, ...] = 150,
     config: BNNConfig | None = None,
     *,
     verbose: bool | None = None,

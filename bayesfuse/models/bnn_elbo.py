@@ -26,7 +26,9 @@ and this module estimates each term with as little Monte Carlo noise as the mode
   :math:`\\mu_{W_2} h_n + \\mu_{b_2}` and variance :math:`\\sigma^2_{W_2} h_n^2 + \\sigma^2_{b_2}`. Drawing
   these per example instead of one weight matrix per minibatch keeps each example's marginal
   (so the expectation of every :math:`\\log p(y_n \\mid \\cdot)` term is unchanged) and removes
-  the correlation between examples, which is what makes minibatch gradients noisy.
+  the correlation between examples, which is what makes minibatch gradients noisy. A deeper
+  network repeats the hidden step layer by layer, each layer's input being the previous layer's
+  drawn activations (so every draw is still one draw of the model's joint).
 
 The estimate is unbiased for the same ELBO that Pyro's ``Trace_ELBO`` estimates on
 ``bnn.model`` / ``bnn.guide`` (tests/models/test_bnn_elbo.py checks both against each other and
@@ -41,6 +43,8 @@ import math
 
 import numpy as np
 import torch
+
+from bayesfuse.models.bnn_sites import layer_sites
 
 __all__ = ["GH_NODES", "gaussian_kl", "lognormal_halfcauchy_kl", "negative_elbo"]
 
@@ -96,25 +100,28 @@ def negative_elbo(bnn, x: torch.Tensor, y: torch.Tensor, n_data: int,
     def normal(shape):
         return torch.randn(shape, dtype=dtype, generator=generator)
 
-    # unit scales s_k = tau * lambda_k, one draw per minibatch (log-normal guides)
-    log_s = (loc["log_tau"] + torch.exp(log_scale["log_tau"]) * normal(1)
-             + loc["log_lam"] + torch.exp(log_scale["log_lam"]) * normal(bnn.hidden))
-    # hidden pre-activations, locally reparameterised
-    var_w1, var_b1 = torch.exp(2 * log_scale["w1"]), torch.exp(2 * log_scale["b1"])
-    mean_a = x @ loc["w1"].T + loc["b1"]
-    var_a = (x.square() if x_sq is None else x_sq) @ var_w1.T + var_b1
-    a = mean_a + var_a.sqrt() * normal(mean_a.shape)
-    h = torch.relu(a * torch.exp(log_s))
+    b_g, s_w = bnn.global_scale, bnn.weight_scale
+    h, h_sq, kl = x, x_sq, 0.0
+    for layer, H in enumerate(bnn.hidden_sizes, 1):
+        n = layer_sites(layer)
+        # unit scales s_k = tau * lambda_k, one draw per minibatch (log-normal guides)
+        log_s = (loc[n.log_tau] + torch.exp(log_scale[n.log_tau]) * normal(1)
+                 + loc[n.log_lam] + torch.exp(log_scale[n.log_lam]) * normal(H))
+        # pre-activations, locally reparameterised given the layer's input h
+        var_w, var_b = torch.exp(2 * log_scale[n.w]), torch.exp(2 * log_scale[n.b])
+        mean_a = h @ loc[n.w].T + loc[n.b]
+        var_a = (h.square() if h_sq is None else h_sq) @ var_w.T + var_b
+        a = mean_a + var_a.sqrt() * normal(mean_a.shape)
+        h, h_sq = torch.relu(a * torch.exp(log_s)), None
+        kl = (kl + gaussian_kl(loc[n.w], log_scale[n.w], 1.0, var_w) + gaussian_kl(loc[n.b], log_scale[n.b], 1.0, var_b)
+              + lognormal_halfcauchy_kl(loc[n.log_lam], log_scale[n.log_lam], 1.0)
+              + lognormal_halfcauchy_kl(loc[n.log_tau], log_scale[n.log_tau], b_g))
     # logits, locally reparameterised
-    var_w2, var_b2 = torch.exp(2 * log_scale["w2"]), torch.exp(2 * log_scale["b2"])
-    mean_f = h @ loc["w2"].T + loc["b2"]
-    var_f = h.square() @ var_w2.T + var_b2
+    w, b = f"w{bnn.depth + 1}", f"b{bnn.depth + 1}"
+    var_w, var_b = torch.exp(2 * log_scale[w]), torch.exp(2 * log_scale[b])
+    mean_f = h @ loc[w].T + loc[b]
+    var_f = h.square() @ var_w.T + var_b
     f = mean_f + var_f.sqrt() * normal(mean_f.shape)
     nll = torch.nn.functional.cross_entropy(f, y, reduction="sum") * (n_data / len(x))
-
-    b_g, s_w = bnn.global_scale, bnn.weight_scale
-    kl = (gaussian_kl(loc["w1"], log_scale["w1"], 1.0, var_w1) + gaussian_kl(loc["b1"], log_scale["b1"], 1.0, var_b1)
-          + gaussian_kl(loc["w2"], log_scale["w2"], s_w, var_w2) + gaussian_kl(loc["b2"], log_scale["b2"], s_w, var_b2)
-          + lognormal_halfcauchy_kl(loc["log_lam"], log_scale["log_lam"], 1.0)
-          + lognormal_halfcauchy_kl(loc["log_tau"], log_scale["log_tau"], b_g))
+    kl = kl + gaussian_kl(loc[w], log_scale[w], s_w, var_w) + gaussian_kl(loc[b], log_scale[b], s_w, var_b)
     return nll + kl

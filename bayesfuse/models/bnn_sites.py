@@ -8,6 +8,11 @@ classes); the axis named ``H`` is the one a hidden unit indexes. The state_dict 
 ``s`` as ``loc.<s>`` and ``log_scale.<s>`` (the Gaussian's mean and log standard deviation),
 next to ``prior_scales`` (the prior's ``global_scale`` and ``weight_scale``).
 
+Deeper networks (``hidden=(H1, H2, ...)``, :func:`deep_site_shapes`) keep these names for
+their first hidden layer and number the others: hidden layer ``l >= 2`` has ``w<l>`` (H_l,
+H_{l-1}), ``b<l>``, ``log_lam<l>`` and ``log_tau<l>``, and the output layer of a network of depth
+L is ``w<L+1>``, ``b<L+1>``. A one-hidden-layer network is the record above exactly.
+
 Everything here is plain Python and NumPy: it reads state_dicts without importing torch.
 """
 
@@ -18,7 +23,9 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "is_bnn_state", "prior_scales", "state_dims"]
+__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "LayerSites", "layer_sites",
+           "deep_site_shapes", "state_keys", "state_depth", "state_sizes", "is_bnn_state", "prior_scales",
+           "state_dims"]
 
 _SIZES = ("H", "D", "K")
 
@@ -78,9 +85,92 @@ STATE_KEYS: tuple[str, ...] = ("prior_scales",) + tuple(
     f"{prefix}.{name}" for prefix in ("loc", "log_scale") for name in sorted(s.name for s in SITES))
 
 
+#: Deepest network :func:`state_depth` looks for.
+MAX_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class LayerSites:
+    """The site names of one hidden layer: incoming weights, bias, unit log-scales, global log-scale."""
+
+    w: str
+    b: str
+    log_lam: str
+    log_tau: str
+
+
+def layer_sites(layer: int) -> LayerSites:
+    """Names of hidden layer ``layer`` (1-based): ``w1, b1, log_lam, log_tau``, then ``w2, b2, log_lam2, log_tau2``..."""
+    if int(layer) != layer or layer < 1:
+        raise ValueError(f"hidden layers are numbered from 1, got {layer}")
+    tag = "" if layer == 1 else str(layer)
+    return LayerSites(w=f"w{layer}", b=f"b{layer}", log_lam=f"log_lam{tag}", log_tau=f"log_tau{tag}")
+
+
+def deep_site_shapes(hidden: tuple[int, ...], D: int, K: int) -> dict[str, tuple[int, ...]]:
+    """Shape of every guide site of a network with hidden layers ``hidden``, in the guide's order.
+
+    Per hidden layer ``l``: ``w<l>`` (H_l, H_{l-1}) with ``H_0 = D``, ``b<l>``, ``log_lam<l>`` (H_l,),
+    ``log_tau<l>`` (1,); then the output layer ``w<L+1>`` (K, H_L), ``b<L+1>`` (K,). For one hidden
+    layer these are :data:`SITES`' shapes, in its order.
+    """
+    sizes = (int(D),) + tuple(int(h) for h in hidden)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer in range(1, len(sizes)):
+        names = layer_sites(layer)
+        H = sizes[layer]
+        shapes.update({names.w: (H, sizes[layer - 1]), names.b: (H,), names.log_lam: (H,), names.log_tau: (1,)})
+    L = len(hidden)
+    shapes.update({f"w{L + 1}": (int(K), sizes[-1]), f"b{L + 1}": (int(K),)})
+    return shapes
+
+
+def state_keys(depth: int) -> tuple[str, ...]:
+    """Keys of the state_dict of a network with ``depth`` hidden layers (:data:`STATE_KEYS` for 1)."""
+    names = deep_site_shapes((1,) * int(depth), 1, 1)
+    return ("prior_scales",) + tuple(f"{prefix}.{name}" for prefix in ("loc", "log_scale") for name in sorted(names))
+
+
+def state_depth(state: Mapping[str, object]) -> int | None:
+    """The number of hidden layers whose state_dict has exactly ``state``'s keys, or ``None``."""
+    keys = set(state)
+    depth = sum(1 for k in keys if isinstance(k, str) and k.startswith("loc.w")) - 1
+    if 1 <= depth <= MAX_DEPTH and keys == set(state_keys(depth)):
+        return depth
+    return None
+
+
 def is_bnn_state(state: Mapping[str, object]) -> bool:
-    """Whether ``state`` has exactly the keys of a HorseshoeBNN state_dict (:data:`STATE_KEYS`)."""
-    return set(state) == set(STATE_KEYS)
+    """Whether ``state`` has exactly the keys of a HorseshoeBNN state_dict (any depth, :func:`state_keys`)."""
+    return state_depth(state) is not None
+
+
+def state_sizes(state: Mapping[str, object], name: str = "state_dict") -> tuple[tuple[int, ...], int, int]:
+    """``(hidden sizes, D, K)`` of a HorseshoeBNN state_dict of any depth, its shapes checked.
+
+    Raises ``ValueError`` naming ``name`` when the keys are no HorseshoeBNN's or a shape does not
+    fit :func:`deep_site_shapes`.
+    """
+    depth = state_depth(state)
+    if depth is None or depth == 1:
+        H, D, K = state_dims(state, name)  # names what is wrong when these are no HorseshoeBNN's keys
+        return (H,), D, K
+    first, out = _shape(state["loc.w1"]), _shape(state[f"loc.w{depth + 1}"])
+    if len(first) != 2 or len(out) != 2:
+        raise ValueError(f"{name}: 'loc.w1' and 'loc.w{depth + 1}' must be 2-D, got shapes {first} and {out}")
+    biases = [_shape(state[f"loc.{layer_sites(layer).b}"]) for layer in range(1, depth + 1)]
+    if any(len(b) != 1 for b in biases):
+        raise ValueError(f"{name}: hidden biases must be 1-D, got shapes {biases}")
+    hidden = tuple(b[0] for b in biases)
+    D, K = first[1], out[0]
+    for site, expected in deep_site_shapes(hidden, D, K).items():
+        for key in (f"loc.{site}", f"log_scale.{site}"):
+            if _shape(state[key]) != expected:
+                raise ValueError(f"{name}: '{key}' has shape {_shape(state[key])}, expected {expected} "
+                                 f"for hidden layers {hidden}, D={D} inputs, K={K} classes")
+    if _shape(state["prior_scales"]) != (2,):
+        raise ValueError(f"{name}: 'prior_scales' has shape {_shape(state['prior_scales'])}, expected (2,)")
+    return hidden, D, K
 
 
 def _shape(value) -> tuple[int, ...]:
@@ -92,8 +182,13 @@ def state_dims(state: Mapping[str, object], name: str = "state_dict") -> tuple[i
 
     Reads ``H, D`` from ``loc.w1`` and ``K`` from ``loc.w2``. Raises ``ValueError`` naming
     ``name`` (e.g. the file the state_dict came from) for missing or unexpected keys and for
-    shapes that do not fit the record.
+    shapes that do not fit the record; a deeper network's state_dict is refused with a pointer
+    to :func:`state_sizes`.
     """
+    depth = state_depth(state)
+    if depth is not None and depth > 1:
+        raise ValueError(f"{name}: a HorseshoeBNN with {depth} hidden layers; this reads one-hidden-layer "
+                         f"networks (state_sizes reads any depth)")
     missing = [k for k in STATE_KEYS if k not in state]
     unexpected = [k for k in state if k not in STATE_KEYS]
     if missing or unexpected:

@@ -55,6 +55,31 @@ def test_guide_is_the_models_mean_field_family(digits):
     assert np.isfinite(model_trace.log_prob_sum().item())
 
 
+def test_deeper_networks_have_a_horseshoe_on_every_hidden_layer(digits):
+    from pyro import poutine
+
+    bnn = HorseshoeBNN(64, (7, 5), 10)
+    assert bnn.hidden == (7, 5) and bnn.depth == 2
+    assert bnn.site_shapes() == {"w1": (7, 64), "b1": (7,), "log_lam": (7,), "log_tau": (1,), "w2": (5, 7),
+                                 "b2": (5,), "log_lam2": (5,), "log_tau2": (1,), "w3": (10, 5), "b3": (10,)}
+    x = torch.from_numpy(digits.train.x[:5].astype(np.float64))
+    y = torch.from_numpy(digits.train.y[:5])
+    guide_trace = poutine.trace(bnn.guide).get_trace(x, y, 100)
+    model_trace = poutine.trace(poutine.replay(bnn.model, trace=guide_trace)).get_trace(x, y, 100)
+    assert {"tau2", "lam2", "w3", "b3"} <= set(model_trace.nodes)
+    assert model_trace.nodes["lam2"]["fn"].batch_shape == (5,)  # one half-Cauchy per unit of layer 2
+    assert np.isfinite(model_trace.log_prob_sum().item())
+    again = HorseshoeBNN.from_state_dict(bnn.state_dict())
+    assert again.hidden == (7, 5)
+    np.testing.assert_array_equal(again.predict(digits.test.x[:20], 5), bnn.predict(digits.test.x[:20], 5))
+
+
+def test_two_hidden_layers_train_well_above_chance(digits):
+    bnn = train_bnn(digits.train.x, digits.train.y, 10, hidden=(48, 32), config=BNNConfig(epochs=40), verbose=False)
+    accuracy = (bnn.predict(digits.test.x, 30).argmax(1) == digits.test.y).mean()
+    assert accuracy > 0.9, accuracy
+
+
 @pytest.mark.filterwarnings("ignore:Encountered NaN")
 def test_bad_inputs(digits):
     with pytest.raises(ValueError, match="NaN"):

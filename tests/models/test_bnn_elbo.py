@@ -42,10 +42,10 @@ def test_lognormal_halfcauchy_kl_matches_quadrature(mu, sigma, b, tol):
     assert got == pytest.approx(expected, abs=tol)
 
 
-def _trained_looking_bnn():
+def _trained_looking_bnn(hidden=4):
     """A small BNN with varied guide parameters (the initial guide is too uniform to test much)."""
     torch.manual_seed(3)
-    bnn = HorseshoeBNN(3, 4, 3, global_scale=0.5, weight_scale=1.5)
+    bnn = HorseshoeBNN(3, hidden, 3, global_scale=0.5, weight_scale=1.5)
     with torch.no_grad():
         for name in bnn.loc:
             bnn.loc[name].add_(0.5 * torch.randn_like(bnn.loc[name]))
@@ -53,10 +53,11 @@ def _trained_looking_bnn():
     return bnn
 
 
-def test_estimates_the_same_elbo_as_pyro():
+@pytest.mark.parametrize("hidden", [4, (4, 5)], ids=["one-hidden-layer", "two-hidden-layers"])
+def test_estimates_the_same_elbo_as_pyro(hidden):
     # Both estimators are unbiased for the same ELBO; their means over R draws differ by less
     # than 4 standard errors of the difference (a false alarm about 1 in 16,000 at fixed seeds).
-    bnn = _trained_looking_bnn()
+    bnn = _trained_looking_bnn(hidden)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(12, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (12,), generator=g)
     R = 3000
@@ -69,8 +70,9 @@ def test_estimates_the_same_elbo_as_pyro():
     assert abs(pyro_draws.mean() - local_draws.mean()) < 4 * se
 
 
-def test_estimator_has_the_parameters_dtype_and_gradients():
-    bnn = HorseshoeBNN(3, 4, 3)
+@pytest.mark.parametrize("hidden", [4, (4, 2)])
+def test_estimator_has_the_parameters_dtype_and_gradients(hidden):
+    bnn = HorseshoeBNN(3, hidden, 3)
     bnn.loc.float(), bnn.log_scale.float()
     x, y = torch.randn(5, 3), torch.tensor([0, 1, 2, 0, 1])
     loss = negative_elbo(bnn, x, y, 10)
