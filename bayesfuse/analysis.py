@@ -369,9 +369,9 @@ _BNN_ENTRY = {"w1": "in", "b1": "bias", "log_lam": "log_scale", "w2": "out"}
 def _bnn_weight_names(state: Mapping, width: int) -> list[str] | None:
     """``in_0 .., bias, log_scale, out_0 ..`` when ``state`` is a horseshoe BNN's state_dict whose
     units have ``width`` entries (:class:`~bayesfuse.models.bnn_posterior.BNNPosterior`'s layout)."""
-    from bayesfuse.models.bnn_sites import UNIT_SITES, is_bnn_state, state_dims
+    from bayesfuse.models.bnn_sites import UNIT_SITES, state_depth, state_dims
 
-    if not is_bnn_state(state):
+    if state_depth(state) != 1:  # deeper networks' units are named by position
         return None
     _, D, K = state_dims(state, "the fused BNN")
     names = []

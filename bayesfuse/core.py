@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from bayesfuse import methods
-from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
-from bayesfuse.inference.klfusion import kl_fuse
-from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
-from bayesfuse.inference.matching import match_neurons
+from bayesfuse.inference.layerwise import check_states, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
-from bayesfuse.models.bnn_posterior import BNNPosterior
+from bayesfuse.models.bnn_fusion import fuse_bnn_posteriors
+from bayesfuse.models.bnn_posterior import DeepBNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
-from bayesfuse.models.bnn_units import effective_units, from_effective, informative_units
 
 __all__ = ["StateFusion", "fuse_states", "input_kind"]
 
@@ -247,132 +244,29 @@ def _fedavg_states(states, names, spec, class_counts) -> StateFusion:
                        hyper={"weights": "class_counts" if weights is not None else "uniform"}, spec=spec)
 
 
-def _output_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
-    """(J, K) weights of each client's outgoing weights and output bias per class, summing to 1 per class.
-
-    Client j's share of class k, ``n_jk / sum_j n_jk``, with class counts; ``1 / J`` without
-    them and for classes no client saw.
-    """
-    if class_counts is None:
-        return np.full((n_clients, n_classes), 1.0 / n_clients)
-    shares = class_share_matrix(class_counts, n_clients, n_classes)
-    unseen = shares.sum(0) == 0
-    shares[:, unseen] = 1.0 / n_clients
-    return shares
-
-
-def _membership(assignments: Sequence[np.ndarray], n_global: int) -> np.ndarray:
-    """(G, L) 0/1 matrix: entry (g, l) is 1 when local unit l (clients' units stacked in order) joined g."""
-    members = np.zeros((n_global, sum(len(a) for a in assignments)))
-    columns = np.arange(members.shape[1])
-    members[np.concatenate(assignments).astype(np.intp), columns] = 1.0
-    return members
-
-
-def _share_mixture(members: np.ndarray, shares: np.ndarray, loc: np.ndarray, var: np.ndarray, *,
-                   floor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``c`` times the moment-matched mixture of each row's members, mixed by their class shares.
-
-    For row g and class k, ``c_gk = sum_l M_gl f_lk``; the mixture weights are ``f_lk / c_gk``;
-    the result has mean ``sum_l M_gl f_lk mu_lk`` and variance
-    ``c_gk^2 (E[W^2] - E[W]^2) = c_gk (sum_l M_gl f_lk (s2_lk + mu_lk^2)) - mean^2``, the
-    mixture's variance taken at least ``floor`` (which only round-off reaches: it is at least
-    its members' smallest). Returns ``(covered, mean, variance)``, ``covered = c > 0``; rows
-    without members have mean 0 and variance ``floor``.
-    """
-    c = members @ shares
-    mean = members @ (shares * loc)
-    second = members @ (shares * (var + loc**2))
-    covered = c > 0
-    c_safe = np.where(covered, c, 1.0)
-    return covered, mean, c_safe**2 * np.maximum(second / c_safe - (mean / c_safe) ** 2, floor)
-
-
 def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, verbose) -> StateFusion:
-    """Fuse horseshoe BNNs as mean-field posteriors.
+    """Fuse horseshoe BNNs of any depth as mean-field posteriors, layer by layer
+    (:func:`~bayesfuse.models.bnn_fusion.fuse_bnn_posteriors`: pruning, the scale-free unit form,
+    KL-fusion or matching, class-share outputs).
 
-    1. **Pruning** (``prune_kl``): each client's units whose incoming weights hold less than
-       ``prune_kl`` nats of information are dropped: the horseshoe has switched them off
-       (:func:`~bayesfuse.models.bnn_units.informative_units`).
-    2. **Unit form** (``unit_form``): ``"effective"`` compares and averages units as effective
-       weights ``tau lambda_k (w~_k, b~_k)`` at their median scale with their outgoing weights,
-       invariant to how a client split the scale between ``tau``, ``lambda`` and ``w~``
-       (:func:`~bayesfuse.models.bnn_units.effective_units`); each global unit's log-scale is
-       the KL barycenter of its members' and is split again against the fused ``tau``.
-       ``"raw"`` fuses the guide's own coordinates ``[w~_k, b~_k, log lambda_k, W_2[:, k]]``.
-    3. **Matching**: ``"kl"``: :func:`~bayesfuse.inference.klfusion.kl_fuse` (heterogeneous,
-       L2,2,1, ``reg``); each global unit is the KL barycenter of its local units.
-       ``"pfnm"``/``"nafi"``: :func:`~bayesfuse.inference.matching.match_neurons` on the
-       posterior means with the posterior variances as ``local_vars``; a global unit's Gaussian
-       is the atom's posterior.
-    4. **Outputs** (``average_outputs``): a local network's logits sum its own units'
-       contributions; the fused network sums over every global unit. With ``average_outputs``
-       the outgoing weight of global unit g to class k is ``sum_j f_jk W2_j[k, u_j(g)]`` over
-       the clients whose unit ``u_j(g)`` merged into g, and the output bias ``sum_j f_jk b2_jk``
-       (variances with ``f_jk^2``), where ``f_jk`` is client j's share of class k
-       (``n_jk / sum_j n_jk`` given ``class_counts``, else ``1 / J``): when units match, the
-       fused logit of class k is the class-share weighted average of the clients' logits, so a
-       client that never saw class k has no say on it (the PFNM reference weights outgoing
-       weights by class shares the same way). ``average_outputs=False`` keeps the plain
-       barycenters of the outgoing weights and of the output bias.
-
-    The global scale ``log tau`` is the equal-weight KL barycenter of the clients'. The
-    layer's ``assignments`` index each client's kept units; ``hyper["kept_units"]`` lists which
-    of its units those are.
+    The ``assignments`` of each layer index each client's kept units; ``hyper["kept_units"]``
+    lists which of its units those are (per client for one hidden layer; per layer, then per
+    client, for deeper networks).
     """
-    posts = [BNNPosterior.from_state(sd, n) for sd, n in zip(states, names)]
+    posts = [DeepBNNPosterior.from_state(sd, n) for sd, n in zip(states, names)]
     ref = posts[0]
     for n, p in zip(names, posts):
-        if (p.in_features, p.n_classes) != (ref.in_features, ref.n_classes):
-            raise ValueError(f"{n} maps {p.in_features} -> {p.n_classes}, {names[0]} maps "
-                             f"{ref.in_features} -> {ref.n_classes}")
-    J, K = len(posts), ref.n_classes
-    hyper = dict(settings)
-    average_outputs, unit_form, prune_kl = hyper.pop("average_outputs"), hyper.pop("unit_form"), hyper.pop("prune_kl")
-    kept = [informative_units(p, prune_kl) for p in posts]
-    posts = [replace(p, units=p.units[keep]) for p, keep in zip(posts, kept)]
-    if unit_form == "effective":
-        forms = [effective_units(p) for p in posts]
-        vectors = [f.weights for f in forms]
-    else:
-        vectors = [p.units for p in posts]
-    if method == "kl":
-        layer = kl_fuse(vectors, verbose=verbose, **hyper)
-        units = layer.components
-        hyper["solver"] = layer.solver
-    else:
-        layer = match_neurons([v.loc for v in vectors], local_vars=[v.var for v in vectors], seed=seed,
-                              verbose=verbose, **hyper)
-        units = DiagNormal(loc=layer.mean, var=layer.var)
-        hyper["seed"] = seed
-    hyper.update(average_outputs=average_outputs, unit_form=unit_form, prune_kl=prune_kl,
-                 kept_units=[np.flatnonzero(k).tolist() for k in kept])
-    G = len(units)
-    out = slice(units.loc.shape[1] - K, None)  # the outgoing weights close every unit, in either form
-    members = _membership(layer.assignments, G)  # (G, all kept local units)
-    if average_outputs:
-        shares = _output_shares(class_counts, J, K)
-        unit_shares = np.repeat(shares, [len(a) for a in layer.assignments], axis=0)  # each local unit's f_j.
-        stacked = DiagNormal.concat(vectors)
-        covered, loc_out, var_out = _share_mixture(members, unit_shares, stacked.loc[:, out], stacked.var[:, out],
-                                                   floor=1e-12 * units.var[:, out])
-        loc, var = units.loc.copy(), units.var.copy()
-        loc[:, out] = np.where(covered, loc_out, 0.0)
-        var[:, out] = np.where(covered, var_out, units.var[:, out])  # no member: the global unit's own variance
-        units = DiagNormal(loc=loc, var=var)
-        biases = DiagNormal.concat([p.out_bias for p in posts])
-        _, bias_loc, bias_var = _share_mixture(np.ones((1, J)), shares, biases.loc, biases.var,
-                                               floor=biases.var.min(0, keepdims=True))
-        out_bias = DiagNormal(loc=bias_loc, var=bias_var)
-    else:
-        out_bias = DiagNormal.concat([p.out_bias for p in posts]).barycenter(np.ones(J))
-    log_tau = DiagNormal.concat([p.log_tau for p in posts]).barycenter(np.ones(J))
-    if unit_form == "effective":
-        weights = members.copy()
-        weights[weights.sum(1) == 0] = 1.0  # a unit with no member (none in practice) takes the mean log-scale
-        scales = DiagNormal.concat([f.log_scale for f in forms])
-        units, log_tau = from_effective(units, scales.barycenter(weights), log_tau, K)
-    fused = BNNPosterior(units=units, out_bias=out_bias, log_tau=log_tau, in_features=ref.in_features, n_classes=K,
-                         global_scale=ref.global_scale, weight_scale=ref.weight_scale)
-    return StateFusion(state=fused.to_state(), layers=[layer], sizes=[G], groups=("units",),
-                       posteriors=[(units.loc, units.var)], method=method, kind="bnn", hyper=hyper)
+        if (p.in_features, p.n_classes, len(p.layers)) != (ref.in_features, ref.n_classes, len(ref.layers)):
+            raise ValueError(f"{n} maps {p.in_features} -> {p.n_classes} through {len(p.layers)} hidden layers, "
+                             f"{names[0]} maps {ref.in_features} -> {ref.n_classes} through {len(ref.layers)}")
+    fusion = fuse_bnn_posteriors(posts, method, class_counts=class_counts, seed=seed, verbose=verbose, **settings)
+    hyper = dict(fusion.hyper)
+    hyper.update(average_outputs=settings["average_outputs"], unit_form=settings["unit_form"],
+                 prune_kl=settings["prune_kl"])
+    kept = [[k.tolist() for k in layer] for layer in fusion.kept]
+    hyper["kept_units"] = kept[0] if len(kept) == 1 else kept
+    depth = len(posts[0].layers)
+    groups = tuple("units" if layer == 1 else f"units{layer}" for layer in range(1, depth + 1))
+    return StateFusion(state=fusion.posterior.to_state(), layers=fusion.layers,
+                       sizes=[len(u[0]) for u in fusion.units], groups=groups, posteriors=fusion.units,
+                       method=method, kind="bnn", hyper=hyper)

@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 from scipy.special import logsumexp
 
@@ -422,3 +423,20 @@ def test_result_methods_delegate_to_the_analysis_functions():
         np.testing.assert_array_equal(_theta(got), _theta(want))
         assert got.posterior.sizes["chain"] == 1
     assert res.to_arviz().posterior.sizes["draw"] == DEFAULT_DRAWS
+
+
+def test_bnn_export_of_a_two_layer_bnn_names_every_layers_sites(digits):
+    from bayesfuse.models.bnn import HorseshoeBNN
+
+    torch.manual_seed(0)
+    bnn = HorseshoeBNN(64, (6, 4), 10)
+    x, y = digits.test.x[:20], digits.test.y[:20]
+    idata = bnn_to_arviz(bnn, x, y, num_samples=7, seed=2)
+    post = idata.posterior
+    assert set(post.data_vars) == {"tau", "lam", "w1", "b1", "tau2", "lam2", "w2", "b2", "w3", "b3"}
+    assert post["w2"].dims == ("chain", "draw", "unit2", "unit") and post["w2"].shape[2:] == (4, 6)
+    assert post["w3"].dims == ("chain", "draw", "class", "unit2") and post["lam2"].shape[2:] == (4,)
+    assert (np.asarray(post["tau2"]) > 0).all() and post.attrs["hidden"] is not None
+    ll = np.asarray(idata.log_likelihood["y"])[0]
+    p = bnn.predict(x, 7, seed=2)  # the same draws as predict's
+    np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(7), np.log(p[np.arange(20), y]), rtol=1e-10)

@@ -20,9 +20,19 @@ from typing import Mapping
 import numpy as np
 
 from bayesfuse.inference.expfam import DiagNormal
-from bayesfuse.models.bnn_sites import GLOBAL_SITES, STATE_KEYS, UNIT_SITES, Site, prior_scales, state_dims
+from bayesfuse.models.bnn_sites import (
+    GLOBAL_SITES,
+    STATE_KEYS,
+    UNIT_SITES,
+    Site,
+    layer_sites,
+    prior_scales,
+    state_dims,
+    state_keys,
+    state_sizes,
+)
 
-__all__ = ["BNNPosterior"]
+__all__ = ["BNNPosterior", "HiddenLayer", "DeepBNNPosterior"]
 
 #: The attribute of :class:`BNNPosterior` holding each site shared by all units.
 _GLOBAL_FIELDS = {"b2": "out_bias", "log_tau": "log_tau"}
@@ -167,3 +177,114 @@ class BNNPosterior:
 
         return HorseshoeBNN.from_state_dict(self.to_state(), name="the posterior")
 
+
+
+@dataclass(frozen=True)
+class HiddenLayer:
+    """One hidden layer's mean-field posterior, per unit.
+
+    Attributes
+    ----------
+    incoming : DiagNormal (H components of dimension n_in + 1)
+        Per unit: incoming weights ``w~`` (one per unit of the layer below, or input), then bias ``b~``.
+    log_lam : DiagNormal (H components of dimension 1)
+    log_tau : DiagNormal (1 component of dimension 1)
+    """
+
+    incoming: DiagNormal
+    log_lam: DiagNormal
+    log_tau: DiagNormal
+
+    @property
+    def width(self) -> int:
+        return len(self.incoming)
+
+    def units(self, keep: np.ndarray) -> "HiddenLayer":
+        """The layer restricted to the units ``keep`` (a boolean mask or indices)."""
+        return HiddenLayer(incoming=self.incoming[keep], log_lam=self.log_lam[keep], log_tau=self.log_tau)
+
+
+@dataclass(frozen=True)
+class DeepBNNPosterior:
+    """The mean-field posterior of a horseshoe BNN of any depth, layer by layer.
+
+    Hidden layer ``l`` holds the sites ``w<l>``, ``b<l>``, ``log_lam<l>``, ``log_tau<l>``
+    (:func:`~bayesfuse.models.bnn_sites.layer_sites`); the output layer's weights are stored per
+    unit of the top hidden layer, ``out_weights[k] = W_out[:, k]``.
+
+    Attributes
+    ----------
+    layers : tuple of HiddenLayer
+    out_weights : DiagNormal (H_L components of dimension K)
+    out_bias : DiagNormal (1 component of dimension K)
+    in_features, n_classes : int
+    global_scale, weight_scale : float
+    """
+
+    layers: tuple[HiddenLayer, ...]
+    out_weights: DiagNormal
+    out_bias: DiagNormal
+    in_features: int
+    n_classes: int
+    global_scale: float
+    weight_scale: float
+
+    @property
+    def hidden_sizes(self) -> tuple[int, ...]:
+        return tuple(layer.width for layer in self.layers)
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, object], name: str = "state_dict") -> "DeepBNNPosterior":
+        """Read a HorseshoeBNN state_dict of any depth (checked as :func:`~bayesfuse.models.bnn_sites.state_sizes` does).
+
+        Variances are ``exp(2 log_scale)``; raises ``ValueError`` naming ``name`` for a state_dict
+        that is not a HorseshoeBNN's and for NaN or infinite means or variances.
+        """
+        hidden, D, K = state_sizes(state, name)
+        arrays = {k: _as_numpy(v) for k, v in state.items()}
+        for key, arr in arrays.items():
+            if key != "prior_scales" and not np.isfinite(arr).all():
+                raise ValueError(f"{name}'s guide parameter '{key.split('.', 1)[1]}' contains NaN or infinite values")
+        global_scale, weight_scale = prior_scales(arrays["prior_scales"], name)
+
+        def normal(site: str, rows: int) -> DiagNormal:
+            return DiagNormal(loc=arrays[f"loc.{site}"].reshape(rows, -1),
+                              var=np.exp(2 * arrays[f"log_scale.{site}"]).reshape(rows, -1))
+
+        layers = []
+        for layer, H in enumerate(hidden, 1):
+            n = layer_sites(layer)
+            w, b = normal(n.w, H), normal(n.b, H)
+            layers.append(HiddenLayer(incoming=DiagNormal(loc=np.hstack([w.loc, b.loc]), var=np.hstack([w.var, b.var])),
+                                      log_lam=normal(n.log_lam, H), log_tau=normal(n.log_tau, 1)))
+        out = len(hidden) + 1
+        w_out = normal(f"w{out}", K)
+        return cls(layers=tuple(layers), out_weights=DiagNormal(loc=w_out.loc.T.copy(), var=w_out.var.T.copy()),
+                   out_bias=normal(f"b{out}", 1), in_features=D, n_classes=K, global_scale=global_scale,
+                   weight_scale=weight_scale)
+
+    def to_state(self) -> dict[str, np.ndarray]:
+        """The HorseshoeBNN state_dict (float64 arrays, keys in the state_dict's order); inverse of :meth:`from_state`."""
+        depth = len(self.layers)
+        widths = (self.in_features,) + self.hidden_sizes
+        for layer, (below, hl) in enumerate(zip(widths, self.layers), 1):
+            if hl.incoming.loc.shape[1] != below + 1:
+                raise ValueError(f"hidden layer {layer} has {hl.incoming.loc.shape[1] - 1} incoming weights per unit, "
+                                 f"the layer below has {below} units")
+        if self.out_weights.loc.shape != (widths[-1], self.n_classes):
+            raise ValueError(f"out_weights must be ({widths[-1]}, {self.n_classes}), got {self.out_weights.loc.shape}")
+        loc, var = {}, {}
+        for layer, hl in enumerate(self.layers, 1):
+            n = layer_sites(layer)
+            loc[n.w], var[n.w] = hl.incoming.loc[:, :-1], hl.incoming.var[:, :-1]
+            loc[n.b], var[n.b] = hl.incoming.loc[:, -1], hl.incoming.var[:, -1]
+            loc[n.log_lam], var[n.log_lam] = hl.log_lam.loc[:, 0], hl.log_lam.var[:, 0]
+            loc[n.log_tau], var[n.log_tau] = hl.log_tau.loc[0], hl.log_tau.var[0]
+        loc[f"w{depth + 1}"], var[f"w{depth + 1}"] = self.out_weights.loc.T, self.out_weights.var.T
+        loc[f"b{depth + 1}"], var[f"b{depth + 1}"] = self.out_bias.loc[0], self.out_bias.var[0]
+        state = {"prior_scales": np.array([self.global_scale, self.weight_scale], dtype=np.float64)}
+        for key in state_keys(depth)[1:]:
+            prefix, site = key.split(".")
+            value = loc[site] if prefix == "loc" else 0.5 * np.log(var[site])
+            state[key] = np.ascontiguousarray(value, dtype=np.float64)
+        return state

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from bayesfuse.inference.expfam import DiagNormal
-from bayesfuse.models.bnn_posterior import BNNPosterior
+from bayesfuse.models.bnn_posterior import BNNPosterior, HiddenLayer
 
 __all__ = ["EffectiveUnits", "unit_information", "informative_units", "effective_units", "from_effective",
-           "DEFAULT_PRUNE_KL"]
+           "incoming_information", "keep_informative", "effective_layer", "split_effective", "DEFAULT_PRUNE_KL"]
 
 #: Default of ``prune_kl``: units whose incoming weights hold less than this many nats of
 #: information (:func:`unit_information`) are dropped before fusion.
@@ -73,15 +73,31 @@ def _incoming(post: BNNPosterior) -> slice:
     return slice(w1.start, b1.stop)
 
 
-def unit_information(post: BNNPosterior) -> np.ndarray:
-    """``KL(q(w~_k, b~_k) || N(0, I))`` per hidden unit, in nats: what the data taught the unit.
+def incoming_information(incoming: DiagNormal) -> np.ndarray:
+    """``KL(q || N(0, I))`` per row of ``incoming`` (a unit's ``w~`` and ``b~``), in nats.
 
-    The prior of ``w~`` and ``b~`` is ``N(0, 1)`` per entry (:class:`~bayesfuse.models.bnn.HorseshoeBNN`);
-    the KL of a diagonal Gaussian to it is ``sum (var + loc^2 - 1 - log var) / 2``.
+    The prior of ``w~`` and ``b~`` is ``N(0, 1)`` per entry (:class:`~bayesfuse.models.bnn.HorseshoeBNN`,
+    every hidden layer); the KL of a diagonal Gaussian to it is ``sum (var + loc^2 - 1 - log var) / 2``.
     """
-    cols = _incoming(post)
-    loc, var = post.units.loc[:, cols], post.units.var[:, cols]
+    loc, var = incoming.loc, incoming.var
     return 0.5 * np.sum(var + loc**2 - 1.0 - np.log(var), axis=1)
+
+
+def keep_informative(information: np.ndarray, min_kl: float = DEFAULT_PRUNE_KL) -> np.ndarray:
+    """Boolean mask ``information >= min_kl``, keeping at least the most informative unit."""
+    if not (min_kl >= 0):
+        raise ValueError(f"min_kl must be >= 0, got {min_kl}")
+    keep = information >= min_kl
+    if not keep.any():
+        keep[np.argmax(information)] = True
+    return keep
+
+
+def unit_information(post: BNNPosterior) -> np.ndarray:
+    """``KL(q(w~_k, b~_k) || N(0, I))`` per hidden unit, in nats: what the data taught the unit
+    (:func:`incoming_information` of the units' incoming weights and bias)."""
+    cols = _incoming(post)
+    return incoming_information(DiagNormal(loc=post.units.loc[:, cols], var=post.units.var[:, cols]))
 
 
 def informative_units(post: BNNPosterior, min_kl: float = DEFAULT_PRUNE_KL) -> np.ndarray:
@@ -92,22 +108,59 @@ def informative_units(post: BNNPosterior, min_kl: float = DEFAULT_PRUNE_KL) -> n
     """
     if not (min_kl >= 0):
         raise ValueError(f"min_kl must be >= 0, got {min_kl}")
-    info = unit_information(post)
-    keep = info >= min_kl
-    if not keep.any():
-        keep[np.argmax(info)] = True
-    return keep
+    return keep_informative(unit_information(post), min_kl)
+
+
+def effective_layer(layer: HiddenLayer) -> tuple[DiagNormal, DiagNormal]:
+    """A hidden layer's units in the scale-free form (module docstring), any layer of any depth.
+
+    Returns the effective incoming weights and bias ``e^{m_k} (w~_k, b~_k)`` (means times
+    ``e^{m_k}``, variances times ``e^{2 m_k}``) and the Gaussian of ``log s_k = log tau + log lambda_k``
+    (mean ``m_k``, variance ``var(log tau) + var(log lambda_k)``).
+    """
+    m = layer.log_lam.loc + layer.log_tau.loc[0]  # (H, 1)
+    r = layer.log_lam.var + layer.log_tau.var[0]
+    weights = DiagNormal(loc=layer.incoming.loc * np.exp(m), var=layer.incoming.var * np.exp(2 * m))
+    return weights, DiagNormal(loc=m, var=r)
+
+
+def split_effective(incoming: DiagNormal, log_scale: DiagNormal, log_tau: DiagNormal) -> HiddenLayer:
+    """The hidden layer whose scale-free form is ``(incoming, log_scale)``, split against ``log_tau``.
+
+    ``w~_g = e^{-m_g} v_g`` and ``log lambda_g ~ N(m_g - E[log tau], r_g - var(log tau))``, so
+    ``log tau + log lambda_g`` has mean ``m_g`` and variance ``r_g`` again; if ``var(log tau)`` is
+    not below every ``r_g`` it is set to half the smallest, so that every ``log lambda_g`` keeps
+    a positive variance.
+    """
+    G = len(incoming)
+    if log_scale.loc.shape != (G, 1) or log_tau.loc.shape != (1, 1):
+        raise ValueError(f"need log_scale (G, 1) and log_tau (1, 1) for G={G} units, "
+                         f"got {log_scale.loc.shape} and {log_tau.loc.shape}")
+    m, r = log_scale.loc, log_scale.var
+    tau_var = float(log_tau.var[0, 0])
+    if not tau_var < float(r.min()):
+        tau_var = 0.5 * float(r.min())
+    tau = DiagNormal(loc=log_tau.loc.copy(), var=np.array([[tau_var]]))
+    return HiddenLayer(incoming=DiagNormal(loc=incoming.loc * np.exp(-m), var=incoming.var * np.exp(-2 * m)),
+                       log_lam=DiagNormal(loc=m - tau.loc[0], var=r - tau_var), log_tau=tau)
+
+
+def _layer(post: BNNPosterior) -> HiddenLayer:
+    """The hidden layer of a one-hidden-layer posterior."""
+    cols, lam = _incoming(post), post.columns("log_lam")
+    return HiddenLayer(incoming=DiagNormal(loc=post.units.loc[:, cols], var=post.units.var[:, cols]),
+                       log_lam=DiagNormal(loc=post.units.loc[:, lam], var=post.units.var[:, lam]),
+                       log_tau=post.log_tau)
 
 
 def effective_units(post: BNNPosterior) -> EffectiveUnits:
-    """The units of ``post`` in the scale-free form (module docstring)."""
-    lam = post.columns("log_lam")
-    m = post.units.loc[:, lam] + post.log_tau.loc[0]  # (H, 1)
-    r = post.units.var[:, lam] + post.log_tau.var[0]
-    cols, out = _incoming(post), post.columns("w2")
-    loc = np.hstack([post.units.loc[:, cols] * np.exp(m), post.units.loc[:, out]])
-    var = np.hstack([post.units.var[:, cols] * np.exp(2 * m), post.units.var[:, out]])
-    return EffectiveUnits(weights=DiagNormal(loc=loc, var=var), log_scale=DiagNormal(loc=m, var=r))
+    """The units of ``post`` in the scale-free form (module docstring; :func:`effective_layer`),
+    followed by their outgoing weights."""
+    weights, log_scale = effective_layer(_layer(post))
+    out = post.columns("w2")
+    loc = np.hstack([weights.loc, post.units.loc[:, out]])
+    var = np.hstack([weights.var, post.units.var[:, out]])
+    return EffectiveUnits(weights=DiagNormal(loc=loc, var=var), log_scale=log_scale)
 
 
 def from_effective(weights: DiagNormal, log_scale: DiagNormal, log_tau: DiagNormal,
@@ -121,9 +174,7 @@ def from_effective(weights: DiagNormal, log_scale: DiagNormal, log_tau: DiagNorm
     log_scale : DiagNormal (G, 1)
         Each unit's ``log s_g``.
     log_tau : DiagNormal (1, 1)
-        The global scale to split ``log s_g`` with. If its variance is not below every
-        ``var(log s_g)``, it is set to half the smallest, so that every ``log lambda_g`` keeps a
-        positive variance.
+        The global scale to split ``log s_g`` with (:func:`split_effective`).
     n_classes : int
         ``K``, the number of outgoing weights at the end of each unit.
 
@@ -134,19 +185,11 @@ def from_effective(weights: DiagNormal, log_scale: DiagNormal, log_tau: DiagNorm
         The global scale as used (variance capped).
     """
     G, width = weights.loc.shape
-    if log_scale.loc.shape != (G, 1) or log_tau.loc.shape != (1, 1):
-        raise ValueError(f"need log_scale (G, 1) and log_tau (1, 1) for G={G} units, "
-                         f"got {log_scale.loc.shape} and {log_tau.loc.shape}")
-    m, r = log_scale.loc, log_scale.var
-    tau_var = float(log_tau.var[0, 0])
-    if not tau_var < float(r.min()):
-        tau_var = 0.5 * float(r.min())
-    tau = DiagNormal(loc=log_tau.loc.copy(), var=np.array([[tau_var]]))
     n_in = width - int(n_classes)
     if n_in < 2:
         raise ValueError(f"units of width {width} cannot hold incoming weights, a bias and "
                          f"{n_classes} outgoing weights")
-    loc = np.hstack([weights.loc[:, :n_in] * np.exp(-m), m - tau.loc[0], weights.loc[:, n_in:]])
-    var = np.hstack([weights.var[:, :n_in] * np.exp(-2 * m), r - tau_var, weights.var[:, n_in:]])
-    return DiagNormal(loc=loc, var=var), tau
-
+    layer = split_effective(DiagNormal(loc=weights.loc[:, :n_in], var=weights.var[:, :n_in]), log_scale, log_tau)
+    loc = np.hstack([layer.incoming.loc, layer.log_lam.loc, weights.loc[:, n_in:]])
+    var = np.hstack([layer.incoming.var, layer.log_lam.var, weights.var[:, n_in:]])
+    return DiagNormal(loc=loc, var=var), layer.log_tau
