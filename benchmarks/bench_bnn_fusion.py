@@ -1,7 +1,7 @@
 """Fusing horseshoe BNNs against the ensemble of their parts and a pooled BNN (KL-fusion section 5.4).
 
 Usage: python benchmarks/bench_bnn_fusion.py [--dataset digits|fashion-mnist] [--clients 5]
-       [--alpha 0.8] [--hidden 150] [--epochs N] [--seeds 0 1 2] [--regs 0.003 0.01 0.03 0.1]
+       [--alpha 0.8] [--hidden 150 [H2 ...]] [--epochs N] [--seeds 0 1 2] [--regs 0.003 0.01 0.03 0.1]
        [--samples S] [--cache DIR] [--out bench-results]
        python benchmarks/bench_bnn_fusion.py --speed [--dataset fashion-mnist]
 
@@ -18,8 +18,11 @@ images from font-rendered digits (out of distribution), and the hidden units of
 * the fused BNNs without pruning and with the raw unit form (the two ablations of
   :func:`bayesfuse.core._fuse_bnn_states`).
 
+``--hidden 150 100`` trains and fuses BNNs of two hidden layers (layer by layer,
+:mod:`bayesfuse.models.bnn_fusion`); ``units`` then counts the units of every hidden layer.
+
 Prints one table per seed and a summary (mean +- sd over seeds); writes ``bnn_fusion_<dataset>.json``
-and ``bnn_fusion_<dataset>.png`` (entropy per class on font digits, Figure 5; test images sorted by
+and ``bnn_fusion_<dataset>.png`` (``bnn_fusion_<dataset>_<L>layers.*`` for L > 1 hidden layers) (entropy per class on font digits, Figure 5; test images sorted by
 the fused BNN's entropy, Figure 1).
 
 ``--speed`` times local training of one client with the ELBO estimators of
@@ -80,9 +83,12 @@ def run_seed(args, seed: int) -> dict:
     x_ood = split.standardizer.transform(fonts.x)
     part = dirichlet_partition(train.y, args.clients, args.alpha, seed=seed)
     epochs = args.epochs or (200 if args.dataset == "digits" else 30)
-    cache = Path(args.cache) / f"{args.dataset}_h{args.hidden}_e{epochs}_s{seed}" if args.cache else None
+    hidden = _hidden(args)
+    shape = "x".join(map(str, args.hidden))
+    cache = Path(args.cache) / f"{args.dataset}_h{shape}_e{epochs}_s{seed}" if args.cache else None
     print(f"seed {seed}: {args.clients} clients (Dirichlet {args.alpha}), sizes {part.sizes.tolist()}, "
-          f"{args.hidden}-unit horseshoe BNNs, {epochs} epochs, validation {n_val}", flush=True)
+          f"{shape}-unit horseshoe BNNs, {epochs} epochs, validation {n_val}", flush=True)
+    units = sum(args.hidden)
 
     def predict(model, x):
         return model.predict(x, args.samples, seed=seed)
@@ -96,30 +102,30 @@ def run_seed(args, seed: int) -> dict:
     rows, probs, entropies = [], {}, {}
     bnns = []
     for j, idx in enumerate(part):
-        bnn = _trained(cache, f"local{j}", train.x[idx], train.y[idx], split.n_classes, args.hidden,
+        bnn = _trained(cache, f"local{j}", train.x[idx], train.y[idx], split.n_classes, hidden,
                        BNNConfig(epochs=epochs, seed=seed * 100 + j))
         bnns.append(bnn)
-        row, probs[f"local {j}"], h = evaluate(f"local {j}", bnn, args.hidden, getattr(bnn, "train_seconds", None))
+        row, probs[f"local {j}"], h = evaluate(f"local {j}", bnn, units, getattr(bnn, "train_seconds", None))
         rows.append(row)
         entropies[f"local {j}"] = (predictive_entropy(probs[f"local {j}"]), h)
     ens_p = np.mean([probs[f"local {j}"] for j in range(args.clients)], axis=0)
     ens_ood = np.mean([predict(b, x_ood) for b in bnns], axis=0)
     rows.append({"model": "ensemble", **scores(ens_p, split.test.y, predictive_entropy(ens_ood)),
-                 "units": args.clients * args.hidden, "seconds": None})
+                 "units": args.clients * units, "seconds": None})
     entropies["ensemble"] = (predictive_entropy(ens_p), predictive_entropy(ens_ood))
     print("  " + format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     pooled_idx = np.concatenate(list(part))
-    pooled = _trained(cache, "pooled", train.x[pooled_idx], train.y[pooled_idx], split.n_classes, args.hidden,
+    pooled = _trained(cache, "pooled", train.x[pooled_idx], train.y[pooled_idx], split.n_classes, hidden,
                       BNNConfig(epochs=epochs, seed=seed * 100 + 99))
-    rows.append(evaluate("pooled (upper bound)", pooled, args.hidden, getattr(pooled, "train_seconds", None))[0])
+    rows.append(evaluate("pooled (upper bound)", pooled, units, getattr(pooled, "train_seconds", None))[0])
 
     # reg by validation log-likelihood
     validation = []
     for reg in args.regs:
         res = fuse(bnns, "kl", class_counts=part.counts, reg=reg)
         v = scores(predict(res.model, val.x), val.y)
-        validation.append({"reg": reg, "units": res.sizes[0], **v})
-        print(f"  validation: reg {reg:g}: {res.sizes[0]} units, accuracy {v['accuracy']:.4f}, "
+        validation.append({"reg": reg, "units": sum(res.sizes), "layers": res.sizes, **v})
+        print(f"  validation: reg {reg:g}: {_sizes(res.sizes)} units, accuracy {v['accuracy']:.4f}, "
               f"loglik {v['loglik']:.4f}", flush=True)
     best = max(validation, key=lambda r: r["loglik"])["reg"]
     fused = {}
@@ -129,10 +135,11 @@ def run_seed(args, seed: int) -> dict:
                                 ("kl, raw units", "kl", dict(reg=best, unit_form="raw"))):
         res = fuse(bnns, method, class_counts=part.counts, **hyper)
         fused[name] = res
-        row, p, h = evaluate(name, res.model, res.sizes[0], res.seconds, {"hyper": res.hyper})
+        row, p, h = evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})
         rows.append(row)
         entropies[name] = (predictive_entropy(p), h)
-    kept = [len(k) for k in fused["fused (kl)"].hyper["kept_units"]]
+    kept = fused["fused (kl)"].hyper["kept_units"]
+    kept = [len(k) for k in kept] if len(args.hidden) == 1 else [[len(k) for k in layer] for layer in kept]
     return {"seed": seed, "rows": rows, "validation": validation, "reg": best, "sizes": part.sizes.tolist(),
             "units_kept": kept, "entropies": entropies, "split": split, "fonts": fonts,
             "fused": fused["fused (kl)"].model}
@@ -174,7 +181,7 @@ def speed(args) -> None:
     print(f"{args.dataset}: client with {len(idx)} examples, {args.hidden} units, {epochs} epochs, 1 thread")
     rows = []
     for estimator in ("local", "pyro"):
-        bnn = train_bnn(x, y, split.n_classes, args.hidden, BNNConfig(epochs=epochs, estimator=estimator))
+        bnn = train_bnn(x, y, split.n_classes, _hidden(args), BNNConfig(epochs=epochs, estimator=estimator))
         p = bnn.predict(split.test.x, args.samples)
         rows.append({"training": f"HorseshoeBNN, estimator={estimator!r}", "examples/s": bnn.examples_per_second,
                      "accuracy": accuracy(p, split.test.y), "loglik": -negative_log_likelihood(p, split.test.y)})
@@ -182,7 +189,7 @@ def speed(args) -> None:
     # reference point: the same model with Pyro's AutoNormal guide (Trace_ELBO, float64), a few epochs
     torch.set_num_threads(1)
     pyro.clear_param_store()
-    model = HorseshoeBNN(x.shape[1], args.hidden, split.n_classes)
+    model = HorseshoeBNN(x.shape[1], _hidden(args), split.n_classes)
     guide = AutoNormal(model.model)
     svi = SVI(model.model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     xt, yt = torch.from_numpy(np.asarray(x, dtype=np.float64)), torch.from_numpy(y.astype(np.int64))
@@ -214,7 +221,8 @@ def main() -> None:
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--clients", type=int, default=5)
     parser.add_argument("--alpha", type=float, default=0.8)
-    parser.add_argument("--hidden", type=int, default=150)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[150],
+                        help="units per hidden layer (two numbers: a BNN of two hidden layers)")
     parser.add_argument("--epochs", type=int, default=None, help="default: 200 (digits), 30 (fashion-mnist)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--regs", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1],
@@ -239,7 +247,7 @@ def main() -> None:
     out = Path(args.out)
     report = {"config": vars(args), "summary": rows,
               "seeds": [{k: r[k] for k in ("seed", "rows", "validation", "reg", "sizes", "units_kept")} for r in runs]}
-    atomic_write_bytes(out / f"bnn_fusion_{args.dataset}.json",
+    atomic_write_bytes(out / f"bnn_fusion_{_tag(args)}.json",
                        json.dumps(jsonable(report), indent=1, allow_nan=False).encode(), overwrite=True)
     print(f"wrote {_figure(args, runs[0])}")
 
@@ -262,7 +270,21 @@ def _figure(args, run):
     plot_sorted_images(raw, h, split.test.image_shape, fig=bottom)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
-    return atomic_write_bytes(Path(args.out) / f"bnn_fusion_{args.dataset}.png", buf.getvalue(), overwrite=True)
+    return atomic_write_bytes(Path(args.out) / f"bnn_fusion_{_tag(args)}.png", buf.getvalue(), overwrite=True)
+
+
+def _hidden(args) -> int | tuple[int, ...]:
+    """``--hidden`` as train_bnn takes it: an int for one hidden layer, a tuple for several."""
+    return args.hidden[0] if len(args.hidden) == 1 else tuple(args.hidden)
+
+
+def _sizes(sizes) -> str:
+    return "+".join(map(str, sizes))
+
+
+def _tag(args) -> str:
+    """The output files' name: the data set, and the depth when there is more than one hidden layer."""
+    return args.dataset if len(args.hidden) == 1 else f"{args.dataset}_{len(args.hidden)}layers"
 
 
 if __name__ == "__main__":
