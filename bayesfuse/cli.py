@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSON permutation spec naming which axes of which entries each hidden permutation acts on "
                     "(see bayesfuse.inference.spec.spec_to_dict)")
     fz.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the matching (default: 0)")
+    fz.add_argument("--device", default=None, metavar="DEVICE",
+                    help="run pfnm/nafi's cost products and posterior means with torch on this device (cpu, cuda, "
+                    "cuda:1, mps); the result is the same up to round-off (default: NumPy float64 on the host)")
+    fz.add_argument("--dtype", default="float64", choices=["float32", "float64"],
+                    help="with --device: the dtype of that arithmetic (default: float64)")
     fz.add_argument("--force", action="store_true", help="replace existing output files")
     return parser
 
@@ -192,7 +197,7 @@ def _run_fuse(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", ConvergenceWarning)
         report = fuse_files(args.models, args.method, args.out, hyper=parse_assignments(args.method, args.hyper),
                             fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
-                            spec_path=args.arch_spec)
+                            spec_path=args.arch_spec, device=args.device, dtype=args.dtype)
     print(f"fused {len(args.models)} models with {args.method}: global sizes {report['global_sizes']}; "
           f"wrote {args.out} and {args.out}.json ({report['seconds']:.1f} s)")
     if not report["converged"]:
@@ -205,7 +210,8 @@ def _run_fuse(args: argparse.Namespace) -> int:
 #: Library messages name Python arguments; on the command line they are flags.
 _FLAGS = (("force=True (--force on the command line)", "--force"), ("force=True", "--force"), ("overwrite=True", "--force"), ("fmt='pt' or 'safetensors'",
           "--format pt or safetensors"), ("arch='mlp'", "--arch mlp"), ("arch='cnn'", "--arch cnn"),
-          ("arch='lstm'", "--arch lstm"), ("spec_path=", "--arch-spec "))
+          ("arch='lstm'", "--arch lstm"), ("spec_path=", "--arch-spec "), ("device=", "--device "),
+          ("dtype=", "--dtype "))
 
 
 def _in_cli_words(message: str) -> str:

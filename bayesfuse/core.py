@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from bayesfuse import methods
+from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.layerwise import check_states, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
@@ -106,6 +107,8 @@ def fuse_states(
     names: Sequence[str] | None = None,
     seed: int | None = 0,
     verbose: bool = False,
+    device=None,
+    dtype: str = "float64",
     **hyper,
 ) -> StateFusion:
     """Fuse the clients' state_dicts with ``method`` (any of :data:`bayesfuse.methods.METHODS`
@@ -136,6 +139,14 @@ def fuse_states(
         How messages call the clients (file names); ``"client j"`` by default.
     seed : int, optional
         Seed of the matching.
+    device : None, str or torch.device
+        Where PFNM/NAFI on point-estimate networks run their cost products and posterior means
+        (:func:`~bayesfuse.inference.layerwise.match_layerwise`): None (default), NumPy on the
+        host; a torch device (``"cpu"``, ``"cuda"``...), torch there in ``dtype``. An execution
+        option, not a hyper-parameter: the result is NumPy either way, and the same as the
+        host's up to round-off (float64) or float32 round-off (float32).
+    dtype : {"float64", "float32"}
+        With ``device``: the dtype the matching computes in.
     **hyper
         The method's hyper-parameters (:func:`bayesfuse.methods.resolve`; ``bayesfuse fuse
         --help`` lists them with their defaults).
@@ -143,6 +154,12 @@ def fuse_states(
     Returns
     -------
     StateFusion
+
+    Raises
+    ------
+    ValueError
+        Besides bad inputs and hyper-parameters: a ``device`` for a method or kind of input
+        that cannot use one, or a device this machine lacks (before any work).
     """
     start = time.perf_counter()
     if len(states) == 0:
@@ -153,6 +170,8 @@ def fuse_states(
                          "each client's training data to bayesfuse.fuse, or fuse in one shot with pfnm or nafi")
     kind = input_kind(states)
     settings = methods.resolve(method, kind, hyper)
+    methods.check_execution(method, kind, device)
+    check_device(device, dtype)
     names = list(names) if names is not None else [f"client {j}" for j in range(len(states))]
     warn_single(len(states), stacklevel=3)
     if kind == "bnn":
@@ -160,12 +179,13 @@ def fuse_states(
                                  verbose=verbose)
     else:
         fused = _fuse_network_states(states, names, method, settings, spec=spec, class_counts=class_counts,
-                                     seed=seed, verbose=verbose)
+                                     seed=seed, verbose=verbose, device=device, dtype=dtype)
     fused.seconds = time.perf_counter() - start
     return fused
 
 
-def _fuse_network_states(states, names, method, settings, *, spec, class_counts, seed, verbose) -> StateFusion:
+def _fuse_network_states(states, names, method, settings, *, spec, class_counts, seed, verbose, device=None,
+                         dtype="float64") -> StateFusion:
     spec = spec if spec is not None else spec_for_state_dict(states[0], "auto", names[0])
     if not spec.groups:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
@@ -173,20 +193,22 @@ def _fuse_network_states(states, names, method, settings, *, spec, class_counts,
         return _fedavg_states(states, names, spec, class_counts)
     if not encoded_groups(spec):
         return _match_network_states(states, names, method, settings, spec=spec, class_counts=class_counts,
-                                     seed=seed, verbose=verbose)
+                                     seed=seed, verbose=verbose, device=device, dtype=dtype)
     # position-aware neurons: match the plain networks (eq. F at each client's widths), then give the
     # fused network the weights that its encodings at the global widths turn into the plain ones (eq. U)
     check_unfoldable(spec)
     plain = [fold_encodings(sd, spec) for sd in check_states(states, spec, names)]
     fused = _match_network_states(plain, names, method, settings, spec=spec, class_counts=class_counts, seed=seed,
-                                  verbose=verbose)
+                                  verbose=verbose, device=device, dtype=dtype)
     unfolded = unfold_encodings(fused.state, spec)
     fused.state = {k: unfolded[k] for k in fused.state}
     return fused
 
 
-def _match_network_states(states, names, method, settings, *, spec, class_counts, seed, verbose) -> StateFusion:
-    """PFNM/NAFI (:func:`match_layerwise`) or OT fusion (:func:`ot_fuse_layerwise`) of plain networks."""
+def _match_network_states(states, names, method, settings, *, spec, class_counts, seed, verbose, device=None,
+                          dtype="float64") -> StateFusion:
+    """PFNM/NAFI (:func:`match_layerwise`, on ``device`` in ``dtype`` when one is given) or OT fusion
+    (:func:`ot_fuse_layerwise`) of plain networks."""
     if method == "ot":
         weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
         result = ot_fuse_layerwise(states, spec, weights=weights, names=names, **settings)
@@ -197,7 +219,7 @@ def _match_network_states(states, names, method, settings, *, spec, class_counts
                            hyper={**settings, "anchor": result.anchor, "weights": "class_counts" if weights is not None
                                   else "uniform"}, spec=spec)
     result = match_layerwise(states, spec, class_counts=class_counts, seed=seed, names=names, verbose=verbose,
-                             **settings)
+                             device=device, dtype=dtype, **settings)
     layers = [result.layers[g] for g in spec.groups]
     hyper = {**settings, "seed": seed}
     chosen = {g: chosen_hyper(layer) for g, layer in zip(spec.groups, layers) if "auto" in layer.hyper}

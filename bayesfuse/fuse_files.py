@@ -29,8 +29,9 @@ from bayesfuse import __version__, methods
 from bayesfuse._io import atomic_write_files, check_writable, jsonable, recover
 from bayesfuse.checkpoints import Checkpoint, output_format, read_checkpoint, state_dict_bytes, tensors_sha256
 from bayesfuse.core import fuse_states
+from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
-from bayesfuse.models.bnn_sites import STATE_KEYS, is_bnn_state
+from bayesfuse.models.bnn_sites import is_bnn_state, state_depth, state_keys
 
 __all__ = ["fuse_files", "ARCHS"]
 
@@ -89,14 +90,14 @@ def _load_spec(path: str | Path) -> PermutationSpec:
 def _forward_order(checkpoint: Checkpoint, name: str, spec: PermutationSpec | None) -> "OrderedDict":
     """A file's entries in forward order: as the file records it, else from the spec or the shapes.
 
-    A HorseshoeBNN's names say everything (:data:`~bayesfuse.models.bnn_sites.STATE_KEYS`). A
+    A HorseshoeBNN's names say everything (:func:`~bayesfuse.models.bnn_sites.state_keys`). A
     file that records no order (safetensors from another tool) is put in the order of the
     architecture spec when one is given, else a plain MLP's layers in the one order their
     shapes chain in (:func:`~bayesfuse.inference.spec.entry_order`; several orders are refused).
     """
     sd = checkpoint.tensors
     if is_bnn_state(sd):
-        keys = list(STATE_KEYS)
+        keys = list(state_keys(state_depth(sd)))
     elif checkpoint.order_recorded:
         keys = entry_order(sd)
     elif spec is not None:
@@ -135,6 +136,8 @@ def fuse_files(
     seed: int = 0,
     arch: str = "auto",
     spec_path: str | Path | None = None,
+    device=None,
+    dtype: str = "float64",
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
@@ -144,6 +147,12 @@ def fuse_files(
     ``fmt`` or the one ``out``'s suffix names; they must agree. Nothing is written unless
     fusion succeeds; existing outputs are replaced only with ``force``. Returns the report,
     which lists the inputs in their canonical order.
+
+    ``device`` and ``dtype`` say where PFNM/NAFI on point-estimate networks run their
+    arithmetic (:func:`bayesfuse.core.fuse_states`): None, NumPy float64 on the host (the
+    default); a torch device (``"cpu"``, ``"cuda"``...), torch there in ``dtype``. They are
+    checked before any file is read and recorded in the report (``device``, ``dtype``); a
+    result computed on a device equals the host's up to round-off.
     """
     start = time.perf_counter()
     if method not in methods.METHODS:
@@ -154,6 +163,8 @@ def fuse_files(
                          "`bayesfuse demo --methods fedma`), or fuse the files in one shot with pfnm or nafi")
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    methods.check_execution(method, None, device)
+    checked_device = check_device(device, dtype)  # before any file is read
     hyper = dict(hyper or {})
     known = methods.METHODS[method].keys()
     unknown = set(hyper) - set(known)
@@ -203,14 +214,14 @@ def fuse_files(
         from bayesfuse.models.bnn import HorseshoeBNN
 
         states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
-        fused = fuse_states(states, method, names=names, seed=seed, **hyper)
+        fused = fuse_states(states, method, names=names, seed=seed, device=device, dtype=dtype, **hyper)
         fused_sd = HorseshoeBNN.from_state_dict(fused.state).state_dict()
     else:
         spec = _network_spec(state_dicts, names, arch, given_spec)
         states = state_dicts if method == "fedavg" else [
             {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
             for sd in state_dicts]
-        fused = fuse_states(states, method, spec=spec, names=names, seed=seed, **hyper)
+        fused = fuse_states(states, method, spec=spec, names=names, seed=seed, device=device, dtype=dtype, **hyper)
         fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype))
                                for k in state_dicts[0])
     report = {
@@ -220,6 +231,8 @@ def fuse_files(
         "hyper": jsonable(fused.hyper),
         "hyper_given": jsonable(hyper),
         "seed": seed,
+        "device": None if checked_device is None else str(checked_device),
+        "dtype": dtype,
         "inputs": files,
         "fused_order": names,
         "global_sizes": [int(s) for s in fused.sizes],

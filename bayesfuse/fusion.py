@@ -35,6 +35,7 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import fuse_states
+from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import rebuild
 from bayesfuse.nets.spec import spec_with_encodings
@@ -107,6 +108,8 @@ def fuse(
     retrain=None,
     seed: int | None = 0,
     verbose: bool = False,
+    device=None,
+    dtype: str = "float64",
     **hyper,
 ) -> FusionResult:
     """Fuse networks into one by matching their hidden units, layer by layer.
@@ -123,7 +126,7 @@ def fuse(
     models : sequence of nn.Module
         Networks of one architecture (hidden widths may differ): :class:`MLP` of any depth,
         ``nn.Sequential`` ConvNets/MLPs (:func:`~bayesfuse.nets.arch.make_cnn`), the LSTM
-        classifier, anything ``spec`` describes; or HorseshoeBNNs (one hidden layer).
+        classifier, anything ``spec`` describes; or HorseshoeBNNs (any depth).
     method : {"pfnm", "nafi", "fedma", "fedavg", "kl"}
         One of :data:`bayesfuse.methods.METHODS`: PFNM (Yurochkin et al. 2019), NAFI (PFNM cost
         plus ``kl_weight`` x KL penalty), FedMA (Wang et al. 2020; needs ``data``), one-shot
@@ -147,6 +150,13 @@ def fuse(
         Seed of the matching.
     verbose : bool
         Progress bars.
+    device : None, str or torch.device
+        Where ``"pfnm"``/``"nafi"`` on point-estimate networks compute their cost products and
+        posterior means: None (default), NumPy on the host; a torch device (``"cpu"``,
+        ``"cuda"``...), torch there in ``dtype`` (:func:`bayesfuse.core.fuse_states`). The
+        result is the same up to round-off. Other methods and BNNs refuse a device.
+    dtype : {"float64", "float32"}
+        With ``device``: the dtype of that arithmetic.
     **hyper
         The method's hyper-parameters, by kind of input; ``None`` keeps a default. See
         :data:`bayesfuse.methods.METHODS` (``print(bayesfuse.methods.describe())``): e.g.
@@ -162,6 +172,8 @@ def fuse(
     start = time.perf_counter()
     if len(models) == 0:
         raise ValueError("fuse needs at least one model")
+    methods.check_execution(method, None, device)  # a method that cannot use a device, or a device this
+    check_device(device, dtype)  # machine lacks: refused before anything is trained or converted
     if method == "fedma":
         return _fuse_fedma(models, data, retrain, class_counts=class_counts, spec=spec, seed=seed, verbose=verbose,
                            start=start, **hyper)
@@ -173,7 +185,8 @@ def fuse(
     if not any(bnn) and (spec is None or method != "fedavg"):
         spec = spec_with_encodings(models[0], spec)  # position encodings (PANs) are folded out for matching
     states = [numpy_state(m) for m in models]
-    fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose, **hyper)
+    fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
+                        device=device, dtype=dtype, **hyper)
     if all(bnn):
         from bayesfuse.models.bnn import HorseshoeBNN
 

@@ -12,8 +12,8 @@ Kinds of input
     Point-estimate networks whose hidden units a permutation spec describes: MLPs of any
     depth, ConvNets with batch norms, LSTM classifiers (:mod:`bayesfuse.inference.spec`).
 ``"bnn"``
-    One-hidden-layer horseshoe BNNs (:class:`~bayesfuse.models.bnn.HorseshoeBNN`), fused as
-    mean-field posteriors.
+    Horseshoe BNNs of any depth (:class:`~bayesfuse.models.bnn.HorseshoeBNN`), fused as
+    mean-field posteriors, layer by layer (:mod:`bayesfuse.models.bnn_fusion`).
 
 Parameters are declared as scikit-learn declares its estimators' (``_parameter_constraints``):
 each key has a type and a constraint, checked in one place. This module imports nothing heavy.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["KINDS", "METHODS", "Interval", "Options", "Fixed", "Param", "Method", "PARAMS", "resolve", "defaults",
-           "parse_assignments", "names", "describe"]
+           "parse_assignments", "names", "describe", "DEVICE_METHODS", "check_execution"]
 
 KINDS = ("network", "bnn")
 
@@ -384,6 +384,24 @@ def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None 
     for key, value in given.items():
         out[key] = _checked(m, key, value)
     return out
+
+
+#: Methods whose matching runs on a torch device (``device=``, ``dtype=``) for point-estimate
+#: networks. Where the arithmetic runs is an execution option, not a hyper-parameter: it is in
+#: no method's table and changes a result by round-off only.
+DEVICE_METHODS = ("pfnm", "nafi")
+
+
+def check_execution(method: str, kind: str | None, device: Any) -> None:
+    """Refuse, before any work, a ``device`` given to a method or kind of input (None: not known
+    yet) whose fusion runs on the host only, naming :data:`DEVICE_METHODS` (``ValueError``).
+    Whether this machine has the device is for
+    :func:`~bayesfuse.inference._backend.check_device`; an unknown method is :func:`resolve`'s to
+    refuse."""
+    if device is not None and method in METHODS and (method not in DEVICE_METHODS or kind not in (None, "network")):
+        what = f"method {method!r}" if method not in DEVICE_METHODS else f"{method} on {_KIND_WORDS[kind]}"
+        raise ValueError(f"device={str(device)!r}: {what} runs on the host only; a device runs the matching of "
+                         f"{' and '.join(DEVICE_METHODS)} on point-estimate networks (leave device unset)")
 
 
 def _checked(m: Method, key: str, value: Any) -> Any:

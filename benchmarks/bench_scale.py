@@ -1,7 +1,8 @@
 """Scale: KL-fusion for tens to a hundred clients, matching for a thousand, wide layers.
 
 Usage: python benchmarks/bench_scale.py [--parts kl match wide conv device] [--kl-clients 5 20 50 100]
-       [--match-clients 30 300 1000] [--device-clients 30 300] [--data-path DIR] [--cache DIR]
+       [--match-clients 30 300 1000] [--device-clients 30 300] [--wide-backends numpy cuda-float32 ...]
+       [--data-path DIR] [--cache DIR]
 
 Every case runs in a fresh Python process, so ``peak`` is that case's own peak resident memory
 (inputs included; the inputs' size is printed beside it).
@@ -13,7 +14,9 @@ Every case runs in a fresh Python process, so ``peak`` is that case's own peak r
   100 neurons, D = 794, drawn from 200 atoms ~ N(0, 1) plus N(0, 0.1^2) noise.
 * ``wide``: ``bayesfuse fuse --method pfnm`` (library call ``fuse_files``) on 10 Fashion-MNIST
   MLPs 784-1000-10 trained for 2 epochs each on a Dirichlet(0.5) split (trained once and kept
-  in ``--cache``); needs Fashion-MNIST (``make data``).
+  in ``--cache``); needs Fashion-MNIST (``make data``). ``--wide-backends`` times it with the
+  matching's arithmetic elsewhere too (``fuse_files(..., device=, dtype=)``: ``cpu-float64``,
+  ``cuda-float32``...; NumPy alone by default); ``agrees`` compares the partition with NumPy's.
 * ``conv``: ``fuse(..., "pfnm")`` on 10 ConvNets whose conv layer has 512 channels
   (``make_cnn(784 -> 1x28x28, channels=(512,), hidden=(64,))``), clients being permuted copies
   of one random network plus N(0, 0.01^2) noise on every weight (no training needed to time it).
@@ -164,7 +167,10 @@ def _wide_models(cache: Path, data_path: str | None) -> list[Path]:
     return files
 
 
-def case_wide(cache: str, data_path: str | None) -> dict:
+def case_wide(cache: str, backend: str = "numpy", data_path: str | None = None) -> dict:
+    """``fuse_files`` of the wide MLPs, the matching's arithmetic in ``backend``: "numpy", or
+    "DEVICE-DTYPE" (``cpu-float64``, ``cuda-float32``...)."""
+    import hashlib
     import tempfile
     import warnings
 
@@ -172,14 +178,21 @@ def case_wide(cache: str, data_path: str | None) -> dict:
 
     files = _wide_models(Path(cache), data_path)
     inputs_mb = sum(f.stat().st_size for f in files) / 2**20
+    device, dtype = (None, "float64") if backend == "numpy" else backend.rsplit("-", 1)
+    if device is not None and device.startswith("cuda"):
+        import torch
+
+        torch.ones(1, device=device).sum().item()  # start the CUDA context outside the timing
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = time.perf_counter()
-        report = fuse_files(files, "pfnm", Path(tmp) / "fused.pt")
+        report = fuse_files(files, "pfnm", Path(tmp) / "fused.pt", device=device, dtype=dtype)
         seconds = time.perf_counter() - start
-    return dict(problem="bayesfuse fuse 10 x 784-1000-10 (pfnm)", seconds=seconds, peak_mb=_peak_mb(),
+    assignments = json.dumps([layer["assignments"] for layer in report["layers"]]).encode()
+    return dict(problem=f"bayesfuse fuse 10 x 784-1000-10 (pfnm, {backend})", seconds=seconds, peak_mb=_peak_mb(),
                 inputs_mb=inputs_mb, found=f"{report['global_sizes'][0]}/-", recovery="-",
-                steps=sum(len(layer["objective"]) for layer in report["layers"]), converged=report["converged"])
+                steps=sum(len(layer["objective"]) for layer in report["layers"]), converged=report["converged"],
+                partition=hashlib.sha1(assignments).hexdigest()[:12])
 
 
 def case_conv() -> dict:
@@ -234,6 +247,8 @@ def main() -> None:
     parser.add_argument("--kl-clients", type=int, nargs="+", default=[5, 20, 50, 100])
     parser.add_argument("--match-clients", type=int, nargs="+", default=[30, 300, 1000])
     parser.add_argument("--device-clients", type=int, nargs="+", default=[30, 300])
+    parser.add_argument("--wide-backends", nargs="+", default=["numpy"], metavar="BACKEND",
+                        help="numpy, or DEVICE-DTYPE such as cpu-float64 or cuda-float32 (default: numpy)")
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST IDX directory (default: the Debian one)")
     parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "wide-mlps"),
                         help="where the trained wide MLPs are kept")
@@ -246,7 +261,7 @@ def main() -> None:
         elif kind == "match":
             row = case_match(int(rest[0]))
         elif kind == "wide":
-            row = case_wide(rest[0], rest[1] if len(rest) > 1 else None)
+            row = case_wide(rest[0], rest[1], rest[2] if len(rest) > 2 else None)
         elif kind == "device":
             row = case_device(int(rest[0]), rest[1])
         else:
@@ -262,7 +277,7 @@ def main() -> None:
     if "match" in args.parts:
         plan += [["match", str(j)] for j in args.match_clients]
     if "wide" in args.parts:
-        plan.append(["wide", args.cache, *([args.data_path] if args.data_path else [])])
+        plan += [["wide", args.cache, b, *([args.data_path] if args.data_path else [])] for b in args.wide_backends]
     if "conv" in args.parts:
         plan.append(["conv"])
     if "device" in args.parts:
@@ -272,14 +287,17 @@ def main() -> None:
         row = _run_case(case)
         rows.append(row)
         print(f"{row['problem']}: {row['seconds']:.1f} s, peak {row['peak_mb']:.0f} MB", file=sys.stderr, flush=True)
-    reference = {}  # the NumPy partition of each device problem
+    reference = {}  # the NumPy partition of each device problem and of the wide layers
+    problem = lambda case: (case[0], case[1])  # noqa: E731  (kind, clients or cache)
     for case, row in zip(plan, rows):
-        if case[0] == "device" and case[2] == "numpy":
-            reference[case[1]] = row.get("partition")
+        if case[0] in ("device", "wide") and case[2] == "numpy":
+            reference[problem(case)] = row.get("partition")
     for case, row in zip(plan, rows):
         row["agrees"] = "-"
-        if case[0] == "device" and "partition" in row:
-            row["agrees"] = "yes" if row.pop("partition") == reference.get(case[1]) else "no"
+        if case[0] in ("device", "wide") and "partition" in row:
+            partition = row.pop("partition")
+            if case[2] != "numpy" and problem(case) in reference:
+                row["agrees"] = "yes" if partition == reference[problem(case)] else "no"
         row["seconds"] = f"{row['seconds']:.1f}"
         row["peak MB"] = f"{row.pop('peak_mb'):.0f}"
         row["inputs MB"] = f"{row.pop('inputs_mb'):.0f}"

@@ -105,3 +105,36 @@ def test_a_matching_that_does_not_converge_warns_once_naming_its_layers():
         warnings.simplefilter("always")
         assert fuse_states(states, "pfnm", n_iter=50, noise_var=0.5, prior_var=10.0, gamma0=1.0).converged
     assert not [w for w in caught if issubclass(w.category, ConvergenceWarning)]
+
+
+# --------------------------------------------------------------------------- where the matching runs
+
+
+def test_a_torch_device_fuses_networks_as_the_host_and_returns_numpy():
+    states = [numpy_state(m) for m in _nets()]
+    host = fuse_states(states, "pfnm", seed=0)
+    dev = fuse_states(states, "pfnm", seed=0, device="cpu")
+    assert dev.sizes == host.sizes and list(dev.state) == list(host.state)
+    for g, (a, b) in enumerate(zip(host.layers, dev.layers)):
+        for x, y in zip(a.assignments, b.assignments):
+            np.testing.assert_array_equal(x, y)
+        assert isinstance(b.mean, np.ndarray) and isinstance(dev.posteriors[g][0], np.ndarray)
+    for k, value in host.state.items():  # the same float64 arithmetic in torch's kernels: round-off only
+        assert isinstance(dev.state[k], np.ndarray)
+        np.testing.assert_allclose(dev.state[k], value, rtol=1e-10, atol=1e-12)
+    assert "device" not in dev.hyper  # an execution option, not a hyper-parameter
+
+
+def test_a_device_is_refused_by_methods_and_inputs_that_run_on_the_host():
+    states = [numpy_state(m) for m in _nets()]
+    bnn_states = [b.state_dict() for b in _bnns()]
+    host_only = "runs on the host only; a device runs the matching of pfnm and nafi on point-estimate networks"
+    for method in ("fedavg", "ot"):
+        with pytest.raises(ValueError, match=f"device='cpu': method '{method}' {host_only}"):
+            fuse_states(states, method, device="cpu")
+    with pytest.raises(ValueError, match=f"device='cpu': method 'kl' {host_only}"):
+        fuse_states(bnn_states, "kl", device="cpu")
+    for method in ("pfnm", "nafi"):
+        with pytest.raises(ValueError, match=rf"device='cpu': {method} on Bayesian networks \(HorseshoeBNN "
+                                             rf"posteriors\) {host_only}"):
+            fuse_states(bnn_states, method, device="cpu")

@@ -1,6 +1,7 @@
 import contextlib
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,25 @@ def test_kl_fusion_of_bnn_checkpoints(bnn_files, tmp_path, split):
     assert out.read_bytes() == again.read_bytes()
     sd = load_state_dict(out)
     assert set(sd) >= {"loc.w1", "log_scale.w1"}
+
+
+def test_kl_fusion_of_two_layer_bnn_checkpoints(tmp_path, split):
+    from bayesfuse.loading import load
+    from bayesfuse.models.bnn import HorseshoeBNN
+
+    part = dirichlet_partition(split.train.y, 2, 0.8, seed=0)
+    files = []
+    for j, idx in enumerate(part):
+        bnn = train_bnn(split.train.x[idx], split.train.y[idx], 10, (8, 6), BNNConfig(epochs=3, seed=j),
+                        verbose=False)
+        files.append(str(save_state_dict(bnn.state_dict(), tmp_path / f"deep{j}.pt")))
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *files, "--method", "kl", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert len(report["global_sizes"]) == 2
+    model = load(out)
+    assert isinstance(model, HorseshoeBNN) and model.hidden == tuple(report["global_sizes"])
+    assert np.isfinite(model.predict(split.test.x[:10], 4)).all()
 
 
 def test_safetensors_round_trip(tmp_path):
@@ -294,3 +314,53 @@ def test_file_names_formats_and_order_do_not_change_the_result(tmp_path):
     assert [f["path"] for f in b["inputs"]] == b["fused_order"]  # inputs listed in canonical order
     c = fuse_files(paths_a[::-1], "pfnm", tmp_path / "c.pt")
     assert c["inputs"] == a["inputs"]
+
+
+# --------------------------------------------------------------------------- where the matching runs
+
+
+def test_device_cpu_fuses_as_the_host_and_the_report_records_it(mlp_files, tmp_path, capsys):
+    host = fuse_files(mlp_files, "pfnm", tmp_path / "host.pt")
+    assert host["device"] is None and host["dtype"] == "float64"
+    for dtype in ("float64", "float32"):
+        out = tmp_path / f"{dtype}.pt"
+        assert main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(out), "--device", "cpu",
+                     "--dtype", dtype]) == 0
+        report = json.loads((tmp_path / f"{dtype}.pt.json").read_text())
+        assert report["device"] == "cpu" and report["dtype"] == dtype and "device" not in report["hyper"]
+        assert report["global_sizes"] == host["global_sizes"]
+        assert [layer["assignments"] for layer in report["layers"]] == [layer["assignments"] for layer in
+                                                                        host["layers"]]
+        want, got = load_state_dict(tmp_path / "host.pt"), load_state_dict(out)
+        # float32 files: float64 results equal to round-off round to one float32 or to neighbours
+        # (2^-23 relative); float32 results are within a few float32 round-offs of the weights'
+        # magnitude (the bound of tests/test_fusion.py, 2 gamma_{J+4} max|w| < 1e-5 here).
+        atol = 0.0 if dtype == "float64" else 1e-5
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=2.0**-22, atol=atol)
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "fedavg", "--device", "cpu"],
+     "--device 'cpu': method 'fedavg' runs on the host only; a device runs the matching of pfnm and nafi"),
+    (["--method", "ot", "--device", "cuda"], "--device 'cuda': method 'ot' runs on the host only"),
+    (["--method", "pfnm", "--device", "cuda"], "device 'cuda': no CUDA device is available to this torch"),
+    (["--method", "nafi", "--device", "gpu"], "device 'gpu' is not a torch device"),
+    (["--method", "pfnm", "--dtype", "float32"], "--dtype 'float32' is for the torch path: give a device too"),
+])
+def test_device_errors_are_one_line_before_any_file_is_read(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA
+    absent = [str(tmp_path / "absent0.pt"), str(tmp_path / "absent1.pt")]  # never opened
+    assert main(["fuse", *absent, *argv, "--out", str(tmp_path / "f.pt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "f.pt").exists() and not (tmp_path / "f.pt.json").exists()
+
+
+def test_a_device_is_refused_for_bnn_checkpoints(bnn_files, tmp_path, capsys):
+    assert main(["fuse", *map(str, bnn_files), "--method", "nafi", "--device", "cpu", "--out",
+                 str(tmp_path / "f.pt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nafi on Bayesian networks (HorseshoeBNN posteriors) runs on the host only" in err, err
+    assert not (tmp_path / "f.pt").exists()

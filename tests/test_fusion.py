@@ -303,3 +303,92 @@ def test_fedavg_on_pan_networks_averages_coordinate_wise():
     res = fuse(models, "fedavg")
     for k, v in res.model.state_dict().items():
         torch.testing.assert_close(v, torch.stack([m.state_dict()[k] for m in models]).mean(0))
+
+
+# --------------------------------------------------------------------------- where the matching runs
+
+U32 = 2.0**-24  # unit round-off of float32
+
+
+def _gamma32(n: int) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)`` for float32: the relative error bound of n roundings."""
+    return n * U32 / (1 - n * U32)
+
+
+def _same_assignments(a, b):
+    assert a.sizes == b.sizes
+    for x, y in zip(a.layers, b.layers):
+        for p, q in zip(x.assignments, y.assignments):
+            np.testing.assert_array_equal(p, q)
+
+
+@pytest.mark.parametrize("method, hyper", [("pfnm", {}), ("nafi", {}),
+                                           ("pfnm", dict(noise_var=1.0, prior_var=10.0, gamma0=1.0))])
+def test_float64_on_a_torch_device_fuses_as_on_the_host(digits_federation, method, hyper):
+    _, part, models = digits_federation
+    host = fuse(models, method, class_counts=part.counts, **hyper)
+    dev = fuse(models, method, class_counts=part.counts, device="cpu", **hyper)
+    _same_assignments(host, dev)
+    (mean, var), (want_mean, want_var) = dev.posteriors[0], host.posteriors[0]
+    assert isinstance(mean, np.ndarray) and mean.dtype == np.float64 and isinstance(var, np.ndarray)
+    # The same float64 operations in torch's kernels: round-off only.
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(var, want_var, rtol=1e-12)
+    # The fused module holds float32 weights: values that agree to round-off round to the same
+    # float32 or to neighbours, one float32 ulp (<= 2^-23 of the value) apart.
+    want_state = host.model.state_dict()
+    for k, v in dev.model.state_dict().items():
+        torch.testing.assert_close(v, want_state[k], rtol=2.0**-22, atol=0.0)
+
+
+def test_float32_on_a_torch_device_fuses_within_float32_round_off(digits_federation):
+    _, part, models = digits_federation
+    host = fuse(models, "pfnm", class_counts=part.counts)
+    dev = fuse(models, "pfnm", class_counts=part.counts, device="cpu", dtype="float32")
+    # The assignments agree: a float32 cost is off by about D u (D = 75 here) of its terms'
+    # magnitudes, far below the gaps between the options of these units.
+    _same_assignments(host, dev)
+    # With the same assignments and hyper-parameters (empirical Bayes runs on the host from the
+    # float32 weights, exact in float64), an atom's mean is h_id / lambda_id with
+    # h_id = h0_d + sum_{(j,l) -> i} p_jd v_jld: one rounding per product, at most J + 1 for the
+    # sum (or one for h computed on the host and put on the device), one for lambda and one for
+    # the division, so |mean32 - mean64| <= gamma_{J+4} (|h0_d| + sum p_jd |v_jld|) / lambda_id.
+    # That ratio is a weighted average of |mu0_d| (prior weight lambda0) and the members' |v_jld|
+    # (weights p_jd), so at most M = max(|mu0|, |every client weight|); twice that bound is used.
+    J = len(models)
+    M = max(0.1, max(float(p.detach().abs().max()) for m in models for p in m.parameters()))
+    bound = 2 * _gamma32(J + 4) * M
+    (mean, var), (want_mean, want_var) = dev.posteriors[0], host.posteriors[0]
+    assert mean.dtype == np.float64  # a float64 host copy of the float32 result
+    assert np.max(np.abs(mean - want_mean)) <= bound
+    assert np.max(np.abs(mean - want_mean)) > 0  # the matching did run in float32
+    np.testing.assert_allclose(var, want_var, rtol=2 * _gamma32(2), atol=0.0)  # 1 / lambda: lambda rounded, divided
+    # The module's weights: the means (outgoing weights scaled by m_g / J <= 1), rounded to float32.
+    want_state = host.model.state_dict()
+    for k, v in dev.model.state_dict().items():
+        torch.testing.assert_close(v, want_state[k], rtol=2.0**-22, atol=bound)
+
+
+def test_a_device_is_refused_where_it_cannot_serve_before_any_work(monkeypatch):
+    nets = [_net(0), _net(1)]
+
+    def started(*args, **kwargs):
+        raise AssertionError("the fusion started")
+
+    monkeypatch.setattr("bayesfuse.fusion.fuse_states", started)
+    for method in ("fedavg", "ot", "fedma"):
+        with pytest.raises(ValueError, match=f"device='cpu': method '{method}' runs on the host only; a device "
+                                             "runs the matching of pfnm and nafi on point-estimate networks"):
+            fuse(nets, method, device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA
+    with pytest.raises(ValueError, match=r"device 'cuda': no CUDA device is available to this torch .* use "
+                                         r"device='cpu', or no device for NumPy"):
+        fuse(nets, "pfnm", device="cuda")
+    with pytest.raises(ValueError, match="device 'gpu' is not a torch device"):
+        fuse(nets, "nafi", device="gpu")
+    with pytest.raises(ValueError, match="device 'meta' holds no values"):
+        fuse(nets, "pfnm", device="meta")
+    with pytest.raises(ValueError, match="dtype='float32' is for the torch path: give a device too"):
+        fuse(nets, "pfnm", dtype="float32")
+    with pytest.raises(ValueError, match="dtype must be 'float32' or 'float64', got 'float16'"):
+        fuse(nets, "pfnm", device="cpu", dtype="float16")

@@ -23,7 +23,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Backend", "NUMPY", "TorchBackend", "is_tensor", "backend_of", "namespace", "to_host", "to_device"]
+__all__ = ["Backend", "NUMPY", "TorchBackend", "is_tensor", "backend_of", "namespace", "to_host", "to_device",
+           "check_device", "DTYPES"]
+
+#: The dtypes a torch backend computes in.
+DTYPES = ("float32", "float64")
 
 
 def is_tensor(x: Any) -> bool:
@@ -42,9 +46,71 @@ def to_device(a: np.ndarray, device, dtype: str = "float64"):
     """A host array as a torch tensor on ``device`` (imports torch)."""
     import torch
 
-    if dtype not in ("float32", "float64"):
+    if dtype not in DTYPES:
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     return torch.as_tensor(np.asarray(a), dtype=getattr(torch, dtype), device=device)
+
+
+def check_device(device, dtype: str = "float64"):
+    """The torch device that ``device`` names, checked usable in ``dtype`` before any work.
+
+    Parameters
+    ----------
+    device : None, str or torch.device
+        None: NumPy float64 on the host (``dtype`` must then be ``"float64"``). Else a torch
+        device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``...) that this torch build has and
+        that can hold a ``dtype`` tensor.
+    dtype : {"float32", "float64"}
+
+    Returns
+    -------
+    torch.device or None
+
+    Raises
+    ------
+    ValueError
+        For another dtype, float32 without a device, a name torch does not know, the ``meta``
+        device (no values), or a device this machine or torch build does not have.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
+    if device is None:
+        if dtype != "float64":
+            raise ValueError(f"dtype={dtype!r} is for the torch path: give a device too (e.g. device='cpu'); "
+                             "without one the matching runs in NumPy float64")
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ValueError(f"device {device!r} is not a torch device ({_first_sentence(err)}); give one such as "
+                         "'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+    if dev.type == "meta":
+        raise ValueError("device 'meta' holds no values; give a device that computes, such as 'cpu' or 'cuda'")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: this torch {torch.__version__} has no MPS device here "
+                         "(torch.backends.mps.is_available() is False); use device='cpu', or no device for NumPy")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA device is available to this torch {torch.__version__} "
+                             "(torch.cuda.is_available() is False); use device='cpu', or no device for NumPy")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered 0..{torch.cuda.device_count() - 1}")
+    try:  # a backend this build or machine lacks (mps, xpu...), or a dtype the device cannot hold
+        torch.zeros(1, dtype=getattr(torch, dtype), device=dev)
+    except (RuntimeError, TypeError, AssertionError, ValueError) as err:
+        raise ValueError(f"device {device!r} cannot hold {dtype} tensors here ({_first_sentence(err)}); use "
+                         "device='cpu', or no device for NumPy") from None
+    return dev
+
+
+def _first_sentence(err: BaseException, limit: int = 160) -> str:
+    """The first sentence of an exception's message, on one line and at most ``limit`` characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    text = text.split(". ", 1)[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Backend:

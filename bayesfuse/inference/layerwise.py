@@ -43,7 +43,7 @@ from typing import Literal, Mapping, Sequence
 import numpy as np
 
 from bayesfuse._validation import finite_array
-from bayesfuse.inference._backend import to_device, to_host
+from bayesfuse.inference._backend import check_device, to_device, to_host
 from bayesfuse.inference.matching import MatchResult, match_neurons
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import Axis, PermutationSpec, to_global_basis
@@ -494,7 +494,8 @@ def match_layerwise(
     device, dtype : torch device and "float32" | "float64", optional
         Run each group's cost products and posterior means with torch on ``device`` in
         ``dtype`` (:func:`match_group`); None (default): NumPy float64. Results are NumPy
-        arrays either way.
+        arrays either way. A device this machine or torch build lacks raises ``ValueError``
+        before any matching (:func:`~bayesfuse.inference._backend.check_device`).
 
     Returns
     -------
@@ -508,6 +509,7 @@ def match_layerwise(
     start = time.perf_counter()
     if direction not in ("bottom-up", "top-down"):
         raise ValueError(f"direction must be 'bottom-up' or 'top-down', got {direction!r}")
+    check_device(device, dtype)  # a device this machine lacks fails here, not in the first group's matching
     if global_weights == "auto":
         global_weights = "posterior" if len(spec.groups) <= 1 else "average"
     arrays = check_states(states, spec, names)

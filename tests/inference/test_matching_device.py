@@ -2,6 +2,7 @@
 and dtype; assignments come from the same host solver as the NumPy path."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -206,6 +207,20 @@ def test_layerwise_matching_on_a_torch_device_gives_the_numpy_network():
         np.testing.assert_allclose(auto_got.state_dict[k], value, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_to_arviz_of_a_tensor_result_exports_a_host_copy(dtype):
+    fed = _federation()
+    got = match_neurons([torch.as_tensor(v, dtype=dtype) for v in fed.layers], seed=0, noise_var=0.05,
+                        prior_var=1.0, gamma0=6.0, cost="marginal")
+    idata = got.to_arviz(units=[0, 2], num_draws=5, seed=1)
+    assert isinstance(got.mean, torch.Tensor) and got.mean.dtype == dtype  # the result keeps its tensors
+    host = replace(got, mean=got.mean.double().numpy(), var=got.var.double().numpy())
+    want = host.to_arviz(units=[0, 2], num_draws=5, seed=1)
+    np.testing.assert_array_equal(np.asarray(idata.posterior["theta"]), np.asarray(want.posterior["theta"]))
+    np.testing.assert_array_equal(np.asarray(idata.constant_data["loc"]), host.mean)
+    np.testing.assert_array_equal(np.asarray(idata.constant_data["scale"]), np.sqrt(host.var))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", ["marginal", "nafi", "auto", "local vars per entry"])
 def test_cuda_tensors_give_the_numpy_matching(case):
@@ -217,3 +232,5 @@ def test_cuda_tensors_give_the_numpy_matching(case):
     for a, b in zip(want.assignments, got.assignments):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(got.mean.cpu().numpy(), want.mean, rtol=1e-10, atol=1e-10)
+    exported = got.to_arviz(units=[0], num_draws=3)  # from a host copy of the CUDA posterior
+    np.testing.assert_allclose(np.asarray(exported.constant_data["loc"]), want.mean, rtol=1e-10, atol=1e-10)
