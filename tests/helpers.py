@@ -24,6 +24,22 @@ def randomise(model: nn.Module, seed: int) -> nn.Module:
     return model.eval()
 
 
+def varied_bnn(in_features: int, hidden, n_classes: int, *, seed: int, spread: float, scale_low: float,
+               scale_span: float, **model_kwargs):
+    """A HorseshoeBNN whose guide has varied means and variances (the initial guide is too uniform
+    to test much): every mean moved by ``spread`` x N(0, 1), every standard deviation drawn from
+    ``scale_low + scale_span`` x U(0, 1)."""
+    from bayesfuse.models.bnn import HorseshoeBNN
+
+    torch.manual_seed(seed)
+    bnn = HorseshoeBNN(in_features, hidden, n_classes, **model_kwargs)
+    with torch.no_grad():
+        for name in bnn.loc:
+            bnn.loc[name].add_(spread * torch.randn_like(bnn.loc[name]))
+            bnn.log_scale[name].copy_(torch.log(scale_low + scale_span * torch.rand_like(bnn.log_scale[name])))
+    return bnn
+
+
 def partition(assignments) -> list[tuple]:
     """The co-assignment structure of ``assignments[j][l] = global index``, independent of labels."""
     owner = {}

@@ -166,6 +166,7 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], method: str, *, avera
     below: list[np.ndarray | None] = [None] * J  # per client: the global unit of each kept unit below
     kept_below: list[np.ndarray | None] = [None] * J
     n_below = ref.in_features
+    shares = output_shares(class_counts, J, K)  # (J, K) class shares of the outputs
     used = dict(hyper)
     for index in range(depth):
         top = index == depth - 1
@@ -199,7 +200,6 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], method: str, *, avera
         if top:
             out = slice(units.loc.shape[1] - K, None)
             if average_outputs:
-                shares = output_shares(class_counts, J, K)
                 unit_shares = np.repeat(shares, [len(a) for a in result.assignments], axis=0)
                 stacked = DiagNormal.concat(vectors)
                 covered, loc_out, var_out = share_mixture(members, unit_shares, stacked.loc[:, out],
@@ -225,7 +225,6 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], method: str, *, avera
     top_units = units_all[-1]
     out_weights = _columns(DiagNormal(loc=top_units[0], var=top_units[1]), slice(-K, None))
     if average_outputs:
-        shares = output_shares(class_counts, J, K)
         biases = DiagNormal.concat([p.out_bias for p in posts])
         _, bias_loc, bias_var = share_mixture(np.ones((1, J)), shares, biases.loc, biases.var,
                                               floor=biases.var.min(0, keepdims=True))

@@ -152,22 +152,25 @@ def state_sizes(state: Mapping[str, object], name: str = "state_dict") -> tuple[
     fit :func:`deep_site_shapes`.
     """
     depth = state_depth(state)
-    if depth is None or depth == 1:
-        H, D, K = state_dims(state, name)  # names what is wrong when these are no HorseshoeBNN's keys
-        return (H,), D, K
-    first, out = _shape(state["loc.w1"]), _shape(state[f"loc.w{depth + 1}"])
-    if len(first) != 2 or len(out) != 2:
-        raise ValueError(f"{name}: 'loc.w1' and 'loc.w{depth + 1}' must be 2-D, got shapes {first} and {out}")
-    biases = [_shape(state[f"loc.{layer_sites(layer).b}"]) for layer in range(1, depth + 1)]
-    if any(len(b) != 1 for b in biases):
-        raise ValueError(f"{name}: hidden biases must be 1-D, got shapes {biases}")
-    hidden = tuple(b[0] for b in biases)
-    D, K = first[1], out[0]
+    if depth is None:
+        state_dims(state, name)  # raises, naming the missing and unexpected keys
+    return _checked_sizes(state, name, depth)
+
+
+def _checked_sizes(state: Mapping[str, object], name: str, depth: int) -> tuple[tuple[int, ...], int, int]:
+    """``(hidden sizes, D, K)`` of a state_dict with the keys of ``depth`` hidden layers, every
+    shape checked against :func:`deep_site_shapes`."""
+    weights = [_shape(state[f"loc.w{layer}"]) for layer in range(1, depth + 2)]
+    if any(len(w) != 2 for w in weights):
+        names = ", ".join(f"'loc.w{layer}'" for layer in range(1, depth + 2))
+        raise ValueError(f"{name}: {names} must be 2-D, got shapes {', '.join(map(str, weights))}")
+    hidden, D, K = tuple(w[0] for w in weights[:-1]), weights[0][1], weights[-1][0]
+    sizes = f"H={hidden[0]} hidden units" if depth == 1 else f"hidden layers {hidden}"
     for site, expected in deep_site_shapes(hidden, D, K).items():
         for key in (f"loc.{site}", f"log_scale.{site}"):
             if _shape(state[key]) != expected:
                 raise ValueError(f"{name}: '{key}' has shape {_shape(state[key])}, expected {expected} "
-                                 f"for hidden layers {hidden}, D={D} inputs, K={K} classes")
+                                 f"for {sizes}, D={D} inputs, K={K} classes")
     if _shape(state["prior_scales"]) != (2,):
         raise ValueError(f"{name}: 'prior_scales' has shape {_shape(state['prior_scales'])}, expected (2,)")
     return hidden, D, K
@@ -195,18 +198,7 @@ def state_dims(state: Mapping[str, object], name: str = "state_dict") -> tuple[i
         parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
             [f"unexpected {', '.join(map(str, unexpected))}"] if unexpected else [])
         raise ValueError(f"{name}: not a HorseshoeBNN state_dict ({'; '.join(parts)})")
-    w1, w2 = _shape(state["loc.w1"]), _shape(state["loc.w2"])
-    if len(w1) != 2 or len(w2) != 2:
-        raise ValueError(f"{name}: 'loc.w1' and 'loc.w2' must be 2-D, got shapes {w1} and {w2}")
-    (H, D), K = w1, w2[0]
-    for site in SITES:
-        expected = site.shape(H, D, K)
-        for key in (f"loc.{site.name}", f"log_scale.{site.name}"):
-            if _shape(state[key]) != expected:
-                raise ValueError(f"{name}: '{key}' has shape {_shape(state[key])}, expected {expected} "
-                                 f"for H={H} hidden units, D={D} inputs, K={K} classes")
-    if _shape(state["prior_scales"]) != (2,):
-        raise ValueError(f"{name}: 'prior_scales' has shape {_shape(state['prior_scales'])}, expected (2,)")
+    (H,), D, K = _checked_sizes(state, name, 1)
     return H, D, K
 
 

@@ -25,7 +25,7 @@ parameterisations, not units. This module
   its outgoing weights; and, apart, the Gaussian of ``log s_k = log tau + log lambda_k`` (mean
   ``m_k``, variance ``var(log tau) + var(log lambda_k)``, exact for the mean-field guide). The
   effective weights are invariant to the split; fusion compares and averages them.
-* **writes fused units back** (:func:`from_effective`): a global unit g with effective weights
+* **writes fused units back** (:func:`split_effective`): a global unit g with effective weights
   ``v_g`` and log-scale ``N(m_g, r_g)`` gets ``w~_g = e^{-m_g} v_g`` and
   ``log lambda_g ~ N(m_g - E[log tau], r_g - var(log tau))``, so that ``log tau + log lambda_g``
   has the fused mean and variance again (``var(log tau)`` becomes half the smallest ``r_g`` if
@@ -42,7 +42,7 @@ import numpy as np
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.models.bnn_posterior import BNNPosterior, HiddenLayer
 
-__all__ = ["EffectiveUnits", "unit_information", "informative_units", "effective_units", "from_effective",
+__all__ = ["EffectiveUnits", "unit_information", "informative_units", "effective_units",
            "incoming_information", "keep_informative", "effective_layer", "split_effective", "DEFAULT_PRUNE_KL"]
 
 #: Default of ``prune_kl``: units whose incoming weights hold less than this many nats of
@@ -106,8 +106,6 @@ def informative_units(post: BNNPosterior, min_kl: float = DEFAULT_PRUNE_KL) -> n
     At least one unit is kept (the most informative), so a network never loses all of them.
     ``min_kl=0`` keeps every unit.
     """
-    if not (min_kl >= 0):
-        raise ValueError(f"min_kl must be >= 0, got {min_kl}")
     return keep_informative(unit_information(post), min_kl)
 
 
@@ -161,35 +159,3 @@ def effective_units(post: BNNPosterior) -> EffectiveUnits:
     loc = np.hstack([weights.loc, post.units.loc[:, out]])
     var = np.hstack([weights.var, post.units.var[:, out]])
     return EffectiveUnits(weights=DiagNormal(loc=loc, var=var), log_scale=log_scale)
-
-
-def from_effective(weights: DiagNormal, log_scale: DiagNormal, log_tau: DiagNormal,
-                   n_classes: int) -> tuple[DiagNormal, DiagNormal]:
-    """Units in the layout of :class:`BNNPosterior` (``[w1, b1, log_lam, w2]``) from the scale-free form.
-
-    Parameters
-    ----------
-    weights : DiagNormal (G, D + 1 + K)
-        Effective incoming weights and bias, then outgoing weights (:class:`EffectiveUnits`).
-    log_scale : DiagNormal (G, 1)
-        Each unit's ``log s_g``.
-    log_tau : DiagNormal (1, 1)
-        The global scale to split ``log s_g`` with (:func:`split_effective`).
-    n_classes : int
-        ``K``, the number of outgoing weights at the end of each unit.
-
-    Returns
-    -------
-    units : DiagNormal (G, D + 2 + K)
-    log_tau : DiagNormal (1, 1)
-        The global scale as used (variance capped).
-    """
-    G, width = weights.loc.shape
-    n_in = width - int(n_classes)
-    if n_in < 2:
-        raise ValueError(f"units of width {width} cannot hold incoming weights, a bias and "
-                         f"{n_classes} outgoing weights")
-    layer = split_effective(DiagNormal(loc=weights.loc[:, :n_in], var=weights.var[:, :n_in]), log_scale, log_tau)
-    loc = np.hstack([layer.incoming.loc, layer.log_lam.loc, weights.loc[:, n_in:]])
-    var = np.hstack([layer.incoming.var, layer.log_lam.var, weights.var[:, n_in:]])
-    return DiagNormal(loc=loc, var=var), layer.log_tau

@@ -11,6 +11,7 @@ from scipy import integrate, stats
 
 from bayesfuse.models.bnn import HorseshoeBNN
 from bayesfuse.models.bnn_elbo import gaussian_kl, lognormal_halfcauchy_kl, negative_elbo
+from tests.helpers import varied_bnn
 
 
 def test_gaussian_kl_is_torchs_closed_form():
@@ -44,13 +45,8 @@ def test_lognormal_halfcauchy_kl_matches_quadrature(mu, sigma, b, tol):
 
 def _trained_looking_bnn(hidden=4):
     """A small BNN with varied guide parameters (the initial guide is too uniform to test much)."""
-    torch.manual_seed(3)
-    bnn = HorseshoeBNN(3, hidden, 3, global_scale=0.5, weight_scale=1.5)
-    with torch.no_grad():
-        for name in bnn.loc:
-            bnn.loc[name].add_(0.5 * torch.randn_like(bnn.loc[name]))
-            bnn.log_scale[name].copy_(torch.log(0.1 + 0.5 * torch.rand_like(bnn.log_scale[name])))
-    return bnn
+    return varied_bnn(3, hidden, 3, seed=3, spread=0.5, scale_low=0.1, scale_span=0.5, global_scale=0.5,
+                      weight_scale=1.5)
 
 
 @pytest.mark.parametrize("hidden", [4, (4, 5)], ids=["one-hidden-layer", "two-hidden-layers"])

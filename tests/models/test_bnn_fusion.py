@@ -2,25 +2,20 @@
 
 import numpy as np
 import pytest
-import torch
 
 from bayesfuse.core import fuse_states
 from bayesfuse.data import load_digits
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
 from bayesfuse.models.bnn_posterior import DeepBNNPosterior, HiddenLayer
+from tests.helpers import varied_bnn
 
 pytestmark = pytest.mark.filterwarnings("ignore:only one model", "ignore:KL-fusion did not converge")
 
 
 def _posterior(seed: int, hidden=(5, 4), D: int = 6, K: int = 3, spread: float = 1.0) -> DeepBNNPosterior:
     """A deep guide with varied means and variances (the initial guide is too uniform to test much)."""
-    torch.manual_seed(seed)
-    bnn = HorseshoeBNN(D, hidden, K, global_scale=0.3)
-    with torch.no_grad():
-        for name in bnn.loc:
-            bnn.loc[name].add_(spread * torch.randn_like(bnn.loc[name]))
-            bnn.log_scale[name].copy_(torch.log(0.05 + 0.3 * torch.rand_like(bnn.log_scale[name])))
+    bnn = varied_bnn(D, hidden, K, seed=seed, spread=spread, scale_low=0.05, scale_span=0.3, global_scale=0.3)
     return DeepBNNPosterior.from_state(bnn.state_dict())
 
 

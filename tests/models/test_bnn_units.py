@@ -7,21 +7,23 @@ import torch
 from bayesfuse.core import fuse_states
 from bayesfuse.data import load_digits
 from bayesfuse.inference.expfam import DiagNormal
-from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
-from bayesfuse.models.bnn_posterior import BNNPosterior
-from bayesfuse.models.bnn_units import effective_units, from_effective, informative_units, unit_information
+from bayesfuse.models.bnn import BNNConfig, train_bnn
+from bayesfuse.models.bnn_posterior import BNNPosterior, DeepBNNPosterior
+from bayesfuse.models.bnn_units import (
+    effective_layer,
+    effective_units,
+    informative_units,
+    split_effective,
+    unit_information,
+)
+from tests.helpers import varied_bnn
 
 pytestmark = pytest.mark.filterwarnings("ignore:only one model", "ignore:KL-fusion did not converge")
 
 
 def _posterior(seed: int, H: int = 6, D: int = 5, K: int = 3, spread: float = 1.0) -> BNNPosterior:
     """A guide with varied means and variances (the initial guide is too uniform to test much)."""
-    torch.manual_seed(seed)
-    bnn = HorseshoeBNN(D, H, K, global_scale=0.3)
-    with torch.no_grad():
-        for name in bnn.loc:
-            bnn.loc[name].add_(spread * torch.randn_like(bnn.loc[name]))
-            bnn.log_scale[name].copy_(torch.log(0.05 + 0.3 * torch.rand_like(bnn.log_scale[name])))
+    bnn = varied_bnn(D, H, K, seed=seed, spread=spread, scale_low=0.05, scale_span=0.3, global_scale=0.3)
     return BNNPosterior.from_bnn(bnn)
 
 
@@ -90,11 +92,12 @@ def test_pruning_a_trained_bnn_keeps_its_predictions():
 
 def test_effective_form_round_trips_one_client_exactly():
     post = _posterior(2)
-    eff = effective_units(post)
-    units, tau = from_effective(eff.weights, eff.log_scale, post.log_tau, post.n_classes)
-    np.testing.assert_allclose(units.loc, post.units.loc, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(units.var, post.units.var, rtol=1e-12)
-    np.testing.assert_array_equal(tau.loc, post.log_tau.loc)
+    layer = DeepBNNPosterior.from_state(post.to_state()).layers[0]
+    back = split_effective(*effective_layer(layer), layer.log_tau)
+    for got, want in ((back.incoming, layer.incoming), (back.log_lam, layer.log_lam)):
+        np.testing.assert_allclose(got.loc, want.loc, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(got.var, want.var, rtol=1e-12)
+    np.testing.assert_array_equal(back.log_tau.loc, post.log_tau.loc)
 
 
 def test_effective_form_is_invariant_to_the_scale_split():
