@@ -17,11 +17,12 @@ here they maximise the collapsed log joint ``log p(V, B | s_0, s, gamma_0)`` (ty
 likelihood, what :func:`~bayesfuse.inference.matching.log_marginal_posterior` computes) jointly
 with the assignments ``B``, by coordinate ascent:
 
-1. ``B`` <- Hungarian sweeps with the exact marginal cost (``cost="marginal"``: each sweep
-   raises the objective);
-2. given ``B``, EM steps on the hyper-parameters (:func:`em_step`, closed form), all from the
-   atoms' sufficient statistics (:func:`atom_statistics`: one pass over the neurons per round);
-3. repeat until the number of atoms and the variances stop moving.
+1. ``B`` <- one Hungarian sweep with the exact marginal cost (``cost="marginal"``: each
+   client's step raises the objective);
+2. given ``B``, the hyper-parameters that maximise the objective (:func:`maximise_hyper`: the
+   point the EM steps of :func:`em_step` climb towards, reached directly), all from the atoms'
+   sufficient statistics (:func:`atom_statistics`: one pass over the neurons per round);
+3. repeat until a sweep moves no neuron.
 
 EM step given ``B`` (E-step: the atoms' Gaussian posteriors
 ``lambda_id = 1/s_0b + sum_{(j,l)->i} w_jd / s_b``,
@@ -50,7 +51,7 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["BlockHyper", "AtomStatistics", "initial_hyper", "atom_statistics", "atom_posterior", "em_step",
-           "em_update", "noise_matrix"]
+           "em_update", "maximise_hyper", "noise_matrix"]
 
 #: Smallest variance EM may return (constant coordinates would otherwise reach 0).
 VARIANCE_FLOOR = 1e-8
@@ -212,4 +213,116 @@ def em_update(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
                                    / (K * cols.sum()), VARIANCE_FLOOR)
     if "gamma0" in fit:
         out.gamma0 = float(K / np.sum(1.0 / np.arange(1, stats.n_clients + 1)))
+    return out
+
+
+@dataclass
+class _BlockSummary:
+    """What the collapsed marginal of one block needs (:func:`maximise_hyper`): ``n_within =
+    sum_{i,d} (n_id - 1)`` over observed atom coordinates (``n_id`` neurons observe atom i's
+    coordinate d), ``scatter = sum Q_id``; and, grouped by the distinct values ``W_u`` of
+    ``W_id > 0``, the count ``n_u`` and the sums ``s1_u = sum c_id``, ``s2_u = sum c_id^2``."""
+
+    n_within: float
+    scatter: float
+    weight: np.ndarray
+    count: np.ndarray
+    s1: np.ndarray
+    s2: np.ndarray
+
+
+def _summarise(stats: AtomStatistics, cols: np.ndarray) -> _BlockSummary:
+    W, c = stats.weight[:, cols], stats.mean[:, cols]
+    seen = W > 0
+    n_within = float(stats.n_seen[cols].sum() - seen.sum())
+    scatter = float(stats.scatter[:, cols].sum())
+    if (W == W[:, :1]).all():  # one weight per atom in this block (every client sees all of it)
+        rows = seen[:, 0]
+        values, inverse = np.unique(W[rows, 0], return_inverse=True)
+        n_u = np.bincount(inverse, minlength=len(values)) * float(W.shape[1])
+        s1 = np.bincount(inverse, c[rows].sum(axis=1), minlength=len(values))
+        s2 = np.bincount(inverse, np.einsum("kd,kd->k", c[rows], c[rows]), minlength=len(values))
+    else:
+        values, inverse = np.unique(W[seen], return_inverse=True)
+        n_u = np.bincount(inverse, minlength=len(values)).astype(np.float64)
+        s1 = np.bincount(inverse, c[seen], minlength=len(values))
+        s2 = np.bincount(inverse, c[seen] ** 2, minlength=len(values))
+    return _BlockSummary(n_within, scatter, values, n_u, s1, s2)
+
+
+def _block_marginal(x: np.ndarray, free: np.ndarray, fixed: np.ndarray, summary: _BlockSummary,
+                    mean: float | None) -> tuple[float, np.ndarray, float]:
+    """Minus the block's collapsed log marginal (constants dropped) at ``log (s, s0)`` (the entries
+    of ``free`` from ``x``, the others from ``fixed``), its gradient in ``x``, and the prior mean
+    used (``mean``, or the maximiser when None):
+
+    .. math::
+
+        f = -\\tfrac12 N_w \\log s - \\frac{Q}{2s}
+            - \\sum_u \\Big[\\tfrac12 n_u \\log t_u + \\frac{s2_u - 2\\mu_0 s1_u + n_u \\mu_0^2}{2 t_u}\\Big],
+        \\qquad t_u = s_0 + s / W_u.
+    """
+    logs = fixed.copy()
+    logs[free] = x
+    s, s0 = np.exp(logs)
+    t = s0 + s / summary.weight
+    if mean is None:
+        mean = float(np.sum(summary.s1 / t) / np.sum(summary.count / t))
+    e = summary.s2 - 2 * mean * summary.s1 + summary.count * mean * mean
+    value = (-0.5 * summary.n_within * logs[0] - 0.5 * summary.scatter / s
+             - 0.5 * np.sum(summary.count * np.log(t)) - 0.5 * np.sum(e / t))
+    dt = -0.5 * summary.count / t + 0.5 * e / t**2  # d value / d t_u
+    grad = np.array([s * (-0.5 * summary.n_within / s + 0.5 * summary.scatter / s**2 + np.sum(dt / summary.weight)),
+                     s0 * np.sum(dt)])
+    return -value, -grad[free], mean
+
+
+def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
+                   fit: Sequence[str] = ("noise_var", "prior_var", "gamma0")) -> BlockHyper:
+    """The hyper-parameters maximising ``log p(V, B | s_0, s, mu_0, gamma_0)`` given the
+    assignments: the point EM steps (:func:`em_update`) climb towards, reached directly.
+
+    The collapsed marginal splits over blocks and, within a block, over atom coordinates
+    ``(i, d)``. With ``n_id`` neurons observing coordinate d of atom i (total weight ``W_id``,
+    weighted mean ``c_id`` and scatter ``Q_id``: :class:`AtomStatistics`), integrating the atom
+    out of ``prod_k N(v_k | theta, s / w_k) N(theta | mu_0, s_0)`` gives
+
+    .. math::
+
+        -\\tfrac12 (n_{id} - 1) \\log s - \\frac{Q_{id}}{2 s}
+        + \\log N\\big(c_{id} \\mid \\mu_0, s_0 + s / W_{id}\\big) + \\text{const},
+
+    so a block needs only ``sum (n_id - 1)``, ``sum Q_id`` and, per distinct ``W``, the count,
+    sum and sum of squares of the ``c_id``. The prior mean has the closed form
+    ``mu_0 = sum_u (s1_u / t_u) / sum_u (n_u / t_u)``; ``log s`` and ``log s_0`` are found by
+    L-BFGS-B from the current values (bounded below by ``VARIANCE_FLOOR``), and ``gamma_0 =
+    K / H_J`` (the IBP term ``K log gamma_0 - gamma_0 H_J``).
+
+    A block with no atom holding two observations of a coordinate (``N_w = 0``) identifies only
+    ``s_0 + s`` (module docstring: the trap of a small noise): its noise variance is then kept
+    and only the prior is fitted.
+    """
+    from scipy.optimize import minimize
+
+    out = BlockHyper(hyper.prior_var.copy(), hyper.noise_var.copy(), hyper.prior_mean.copy(), hyper.gamma0)
+    floor = np.log(VARIANCE_FLOOR)
+    for b in range(_n_blocks(blocks)):
+        summary = _summarise(stats, np.flatnonzero(blocks == b))
+        if not len(summary.weight):
+            continue
+        free = np.array(["noise_var" in fit and summary.n_within > 0, "prior_var" in fit])
+        mean = None if free[1] else float(hyper.prior_mean[b])
+        fixed = np.log([hyper.noise_var[b], hyper.prior_var[b]])
+        if free.any():
+            res = minimize(lambda x: _block_marginal(x, free, fixed, summary, mean)[:2], np.maximum(fixed[free], floor),
+                           jac=True, method="L-BFGS-B", bounds=[(floor, None)] * int(free.sum()),
+                           options=dict(ftol=1e-15, gtol=1e-9, maxiter=500))
+            fixed[free] = res.x
+        if free[0]:
+            out.noise_var[b] = np.exp(fixed[0])
+        if free[1]:
+            out.prior_var[b] = np.exp(fixed[1])
+            out.prior_mean[b] = _block_marginal(fixed[free], free, fixed, summary, None)[2]
+    if "gamma0" in fit:
+        out.gamma0 = float(stats.weight.shape[0] / np.sum(1.0 / np.arange(1, stats.n_clients + 1)))
     return out

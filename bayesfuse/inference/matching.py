@@ -57,16 +57,13 @@ from bayesfuse.inference._backend import NUMPY, Backend, backend_of, is_tensor, 
 from bayesfuse.inference.empirical_bayes import (
     atom_posterior,
     atom_statistics,
-    em_update,
     initial_hyper,
+    maximise_hyper,
     noise_matrix,
 )
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 
 __all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost"]
-
-#: EM steps on the hyper-parameters between two matchings (``"auto"``).
-EM_STEPS = 5
 
 Cost = Literal["pfnm", "marginal"]
 
@@ -1016,7 +1013,7 @@ def match_neurons(
     n_iter: int = 10,
     tol: float | None = None,
     seed: int | np.random.Generator | None = None,
-    rounds: int = 10,
+    rounds: int = 100,
     init: Sequence[np.ndarray] | None = None,
     verbose: bool = False,
 ) -> MatchResult:
@@ -1068,7 +1065,8 @@ def match_neurons(
         ``w_jd``: client j's noise variance on coordinate d is ``noise_var / w_jd`` (0: client
         j observes nothing there). Ones by default.
     rounds : int
-        ``"auto"`` only: most alternations of matching and re-estimation.
+        ``"auto"`` only: most rounds of one sweep and re-estimation (then a last matching of up
+        to ``n_iter`` sweeps with the final values).
     init : sequence of J int arrays, optional
         Start from these assignments (atoms numbered 0..G-1) instead of building the atoms
         client by client in the first sweep; every sweep then refines them.
@@ -1321,10 +1319,14 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
                            local_vars, rounds, match, verbose, start) -> MatchResult:
     """:func:`match_neurons` with the ``auto`` hyper-parameters chosen by empirical Bayes.
 
-    Alternates matching (the marginal cost, each sweep raising ``log p(V, B)``) with EM on the
-    block hyper-parameters given the assignments (:mod:`bayesfuse.inference.empirical_bayes`),
-    until the number of atoms and the variances settle (or ``rounds``), then matches once more
-    with the final values so that result and hyper-parameters agree.
+    Coordinate ascent on ``F(B, theta) = log p(V, B | theta)``: each round is one sweep over
+    the clients (the marginal cost: every client's Hungarian step raises F given theta), then
+    the hyper-parameters that maximise F given the assignments
+    (:func:`~bayesfuse.inference.empirical_bayes.maximise_hyper`). F never decreases; the
+    rounds stop when a sweep moves no neuron, where the assignments are a fixed point of the
+    sweeps under the hyper-parameters they were matched with, and those hyper-parameters the
+    maximiser for these assignments. If ``rounds`` run out first, a last matching (up to
+    ``n_iter`` sweeps) with the final values makes result and hyper-parameters agree.
     """
     if local_vars is not None:
         raise ValueError("'auto' hyper-parameters need local_vars=None (give numbers with local posterior variances)")
@@ -1332,7 +1334,7 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
         raise ValueError(f"rounds must be a positive integer, got {rounds}")
     layers = _check_layers(layers)
     backend = backend_of(layers)
-    host_layers = [backend.host(v) for v in layers]  # EM's statistics run on the host
+    host_layers = [backend.host(v) for v in layers]  # the statistics run on the host
     J, D = len(layers), layers[0].shape[1]
     blocks = np.zeros(D, dtype=np.int64) if blocks is None else to_host(blocks, None)
     if blocks.shape != (D,) or not np.issubdtype(blocks.dtype, np.integer) or blocks.min() < 0 or \
@@ -1352,35 +1354,40 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
         hyper.gamma0 = float(gamma0)
     trace, result, init_atoms = [], None, None
     squares, cache = _squares(host_layers), _NeuronCache(J)
+    sweeps, tol = 0, match["tol"]
+    settled = stopped = False
     bar = tqdm(range(int(rounds)), desc="empirical Bayes", unit="round", disable=not verbose)
-    with warnings.catch_warnings():  # the final matching's convergence is what counts
+    with warnings.catch_warnings():  # one sweep per round never "converges": the rounds' end is what counts
         warnings.simplefilter("ignore", ConvergenceWarning)
         for r in bar:
             noise, prior0, mean0 = hyper.expand(blocks, weights)
             result = _match(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
                             init=None if result is None else result.assignments, init_atoms=init_atoms,
-                            squares=squares, cache=cache, **match)
-            # one pass over the neurons serves every EM step and the next matching's start
-            stats = atom_statistics(host_layers, result.assignments, weights, shift=backend.host(result.mean))
-            new = hyper
-            for _ in range(EM_STEPS):
-                new = em_update(stats, blocks, new, fit=auto)
-            moved = max(np.max(np.abs(np.log(new.noise_var / hyper.noise_var))),
-                        np.max(np.abs(np.log(new.prior_var / hyper.prior_var))),
-                        abs(math.log(new.gamma0 / hyper.gamma0)))
-            trace.append(dict(n_global=result.n_global, objective=result.objective[-1], **new.as_dict()))
-            bar.set_postfix(atoms=result.n_global)
-            settled = r > 0 and result.n_global == trace[-2]["n_global"] and moved < 0.01
-            hyper = new
-            init_atoms = (*atom_posterior(stats, blocks, hyper), stats.counts)
-            if settled:
+                            squares=squares, cache=cache, **dict(match, n_iter=1))
+            sweeps += result.n_sweeps
+            trace.append(dict(n_global=result.n_global, objective=result.objective[-1], **hyper.as_dict()))
+            bar.set_postfix(atoms=result.n_global, objective=f"{result.objective[-1]:.1f}")
+            gain = math.inf if r == 0 else trace[-1]["objective"] - trace[-2]["objective"]
+            settled, stopped = result.converged, tol is not None and gain < tol  # settled: no neuron moved
+            if settled or stopped:
                 break
-        noise, prior0, mean0 = hyper.expand(blocks, weights)
-        result = _match(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
-                        init=result.assignments, init_atoms=init_atoms, squares=squares, cache=cache, **match)
+            # one pass over the neurons serves the M-step and the next sweep's start
+            stats = atom_statistics(host_layers, result.assignments, weights, shift=backend.host(result.mean))
+            hyper = maximise_hyper(stats, blocks, hyper, fit=auto)
+            init_atoms = (*atom_posterior(stats, blocks, hyper), stats.counts)
+        objective = [t["objective"] for t in trace]
+        if not (settled or stopped):
+            noise, prior0, mean0 = hyper.expand(blocks, weights)
+            result = _match(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
+                            init=result.assignments, init_atoms=init_atoms, squares=squares, cache=cache, **match)
+            sweeps += result.n_sweeps
+            objective += result.objective
+            stopped = (tol is not None and not result.converged and len(result.objective) > 1
+                       and result.objective[-1] - result.objective[-2] < tol)
+    result.n_sweeps, result.objective = sweeps, objective
     result.hyper = dict(result.hyper, **hyper.as_dict(), auto=list(auto), blocks=blocks.tolist(), rounds=len(trace),
                         trace=trace)
     result.seconds = time.perf_counter() - start
-    if not result.converged:
+    if not (result.converged or stopped):
         warn_not_converged({"matching": result}, "matching", stacklevel=4)
     return result

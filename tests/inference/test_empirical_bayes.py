@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from bayesfuse.inference.empirical_bayes import BlockHyper, atom_statistics, em_step, em_update, initial_hyper
-from bayesfuse.inference.matching import log_marginal_posterior, match_neurons
+from bayesfuse.inference.empirical_bayes import (BlockHyper, _block_marginal, _summarise, atom_statistics, em_step,
+                                                 em_update, initial_hyper, maximise_hyper)
+from bayesfuse.inference.matching import _partition_key, log_marginal_posterior, match_neurons
 from bayesfuse.metrics import assignment_accuracy
 from bayesfuse.models.bbp import simulate_federation
 
@@ -174,3 +175,130 @@ def test_atom_statistics_are_the_weighted_moments():
         np.testing.assert_allclose(stats.scatter[i], (w * (v - mean) ** 2).sum(0), rtol=1e-10, atol=1e-15)
         assert stats.counts[i] == len(rows)
     np.testing.assert_array_equal(stats.n_seen, ((weights > 0) * [[3], [2], [3]]).sum(0))
+
+
+def _weighted_federation(seed: int):
+    """Atoms away from the prior mean, clients with unequal (some zero) relative precisions, three blocks."""
+    rng = np.random.default_rng(seed)
+    J, D, K = 6, 9, 7
+    atoms = 3.0 + rng.normal(size=(K, D))
+    assignments = [np.sort(rng.permutation(K)[: rng.integers(2, 6)]) for _ in range(J)]
+    layers = [atoms[a] + 0.3 * rng.normal(size=(len(a), D)) for a in assignments]
+    used = np.unique(np.concatenate(assignments))
+    assignments = [np.searchsorted(used, a) for a in assignments]
+    blocks = np.repeat([0, 1, 2], [4, 3, 2])
+    weights = rng.uniform(0.3, 2.0, size=(J, D))
+    weights[1, :3] = 0.0
+    weights[:, 4:7] = 1.0  # block 1: one weight per atom (the fast grouping path)
+    weights[2, 4:7] = 0.0
+    return layers, assignments, blocks, weights
+
+
+def _log_marginal(layers, assignments, blocks, weights, hyper: BlockHyper) -> float:
+    noise, prior, mean = hyper.expand(blocks, weights)
+    return log_marginal_posterior(layers, assignments, noise_var=noise, prior_var=prior, prior_mean=mean,
+                                  gamma0=hyper.gamma0)
+
+
+def test_block_marginal_differences_are_those_of_the_log_marginal_posterior():
+    # The summarised objective drops only terms free of (s, s0, mu0): moving one block's
+    # values changes it by exactly what log_marginal_posterior (atoms integrated out from the
+    # neurons themselves) changes by. Round-off: a few ulps of |log p| ~ 1e2.
+    layers, assignments, blocks, weights = _weighted_federation(30)
+    stats = atom_statistics(layers, assignments, weights)
+    base = BlockHyper(prior_var=np.array([1.0, 0.5, 2.0]), noise_var=np.array([0.1, 0.2, 0.05]),
+                      prior_mean=np.array([3.0, 2.5, 0.0]), gamma0=2.0)
+    rng = np.random.default_rng(31)
+    both = np.array([True, True])
+    for b in range(3):
+        summary = _summarise(stats, np.flatnonzero(blocks == b))
+        for _ in range(4):
+            moved = BlockHyper(base.prior_var.copy(), base.noise_var.copy(), base.prior_mean.copy(), base.gamma0)
+            moved.noise_var[b] *= rng.uniform(0.3, 3.0)
+            moved.prior_var[b] *= rng.uniform(0.3, 3.0)
+            moved.prior_mean[b] += rng.normal()
+            f = [-_block_marginal(np.log([h.noise_var[b], h.prior_var[b]]), both, np.zeros(2), summary,
+                                  float(h.prior_mean[b]))[0] for h in (base, moved)]
+            want = (_log_marginal(layers, assignments, blocks, weights, moved)
+                    - _log_marginal(layers, assignments, blocks, weights, base))
+            assert f[1] - f[0] == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def test_block_marginal_gradient_is_the_derivative():
+    layers, assignments, blocks, weights = _weighted_federation(32)
+    stats = atom_statistics(layers, assignments, weights)
+    both = np.array([True, True])
+    for b in range(3):
+        summary = _summarise(stats, np.flatnonzero(blocks == b))
+        x = np.log([0.07, 0.8])
+        grad = _block_marginal(x, both, np.zeros(2), summary, 2.0)[1]
+        # central differences: truncation O(eps^2) ~ 1e-12, round-off ~ 1e-16 |f| / eps ~ 1e-8
+        eps = 1e-6
+        fd = [(_block_marginal(x + e, both, np.zeros(2), summary, 2.0)[0]
+               - _block_marginal(x - e, both, np.zeros(2), summary, 2.0)[0]) / (2 * eps) for e in np.eye(2) * eps]
+        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fit", [("noise_var", "prior_var", "gamma0"), ("noise_var",), ("prior_var",)])
+def test_maximise_hyper_is_where_em_converges_and_no_em_step_climbs_higher(fit):
+    # EM's fixed points are the stationary points of the marginal: 3000 EM steps from the same
+    # start reach the direct maximiser (EM's remaining error decays geometrically; 1e-4 is far
+    # above what is left after 3000 steps here and far below the moves EM makes early on), and
+    # one more EM step from the maximiser cannot raise the marginal.
+    layers, assignments, blocks, weights = _weighted_federation(33)
+    stats = atom_statistics(layers, assignments, weights)
+    start = BlockHyper(prior_var=np.array([2.0, 0.5, 1.0]), noise_var=np.array([0.3, 0.1, 0.02]),
+                       prior_mean=np.array([2.0, 2.5, 0.0]), gamma0=1.5)
+    best = maximise_hyper(stats, blocks, start, fit=fit)
+    em = start
+    for _ in range(3000):
+        em = em_update(stats, blocks, em, fit=fit)
+    for key in ("noise_var", "prior_var", "prior_mean"):
+        np.testing.assert_allclose(getattr(best, key), getattr(em, key), rtol=1e-4)
+    assert best.gamma0 == pytest.approx(em.gamma0, rel=1e-14)
+    top = _log_marginal(layers, assignments, blocks, weights, best)
+    assert _log_marginal(layers, assignments, blocks, weights, em_update(stats, blocks, best, fit=fit)) <= top + 1e-9
+    assert _log_marginal(layers, assignments, blocks, weights, start) < top
+    if "noise_var" not in fit:
+        np.testing.assert_array_equal(best.noise_var, start.noise_var)
+    if "prior_var" not in fit:
+        np.testing.assert_array_equal(best.prior_var, start.prior_var)
+        np.testing.assert_array_equal(best.prior_mean, start.prior_mean)
+
+
+def test_maximise_hyper_keeps_the_noise_when_no_atom_has_two_neurons():
+    # Singleton atoms identify only s0 + s: the noise stays where it was (no slide to 0).
+    rng = np.random.default_rng(34)
+    layers = [rng.normal(size=(3, 5)), rng.normal(size=(2, 5))]
+    assignments = [np.array([0, 1, 2]), np.array([3, 4])]
+    weights = np.ones((2, 5))
+    blocks = np.zeros(5, dtype=np.int64)
+    start = initial_hyper(layers, blocks, weights, np.zeros(5))
+    best = maximise_hyper(atom_statistics(layers, assignments, weights), blocks, start)
+    assert best.noise_var[0] == start.noise_var[0]
+    assert best.prior_var[0] != start.prior_var[0]
+
+
+def test_auto_rounds_climb_and_end_at_a_fixed_point():
+    # Coordinate ascent on log p(V, B | theta): the objective after each round's sweep never
+    # falls (each Hungarian step and each maximisation raise it; 1e-9 relative allows the
+    # round-off of sums of ~1e3 terms), and at the end the reported hyper-parameters are the
+    # maximiser for the final assignments (to the optimiser's tolerance), which a sweep under
+    # them leaves unchanged.
+    fed = simulate_federation(10, 30, gamma0=6.0, prior_var=1.0, noise_var=0.2, seed=11)
+    blocks = np.repeat([0, 1], 15)
+    res = match_neurons(fed.layers, blocks=blocks, seed=0)
+    assert res.converged and res.n_sweeps == len(res.objective) == res.hyper["rounds"]
+    obj = np.array(res.objective)
+    assert np.all(np.diff(obj) >= -1e-9 * np.abs(obj[:-1])), obj
+    weights = np.ones((10, 30))
+    hyper = BlockHyper(np.array(res.hyper["prior_var"]), np.array(res.hyper["noise_var"]),
+                       np.array(res.hyper["prior_mean"]), res.hyper["gamma0"])
+    again = maximise_hyper(atom_statistics(fed.layers, res.assignments, weights), blocks, hyper)
+    for key in ("noise_var", "prior_var", "prior_mean"):
+        np.testing.assert_allclose(getattr(again, key), getattr(hyper, key), rtol=1e-5, atol=1e-9)
+    assert again.gamma0 == pytest.approx(hyper.gamma0, rel=1e-12)
+    noise, prior, mean = hyper.expand(blocks, weights)
+    fixed = match_neurons(fed.layers, noise_var=noise, prior_var=prior, prior_mean=mean, gamma0=hyper.gamma0,
+                          cost="marginal", init=res.assignments, seed=1)
+    assert fixed.n_sweeps == 1 and _partition_key(fixed.assignments) == _partition_key(res.assignments)
