@@ -121,7 +121,7 @@ class AtomStatistics:
 
 
 def atom_statistics(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], weights: np.ndarray,
-                    shift: np.ndarray | None = None) -> AtomStatistics:
+                    shift: np.ndarray | None = None, *, max_elements: int = 1 << 22) -> AtomStatistics:
     """:class:`AtomStatistics` of the neurons given the assignments.
 
     One pass over the neurons accumulates, about a reference ``r_i`` per atom, ``W``,
@@ -130,6 +130,10 @@ def atom_statistics(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarr
     arithmetic). ``shift`` (K, D) gives ``r``: any values near each atom's mean keep the
     subtraction free of cancellation, e.g. the atoms' posterior means, which lie within a
     posterior standard deviation of ``c``. Without it a first pass computes ``c`` itself.
+
+    The sums run over blocks of coordinates of at most ``max_elements`` (K x block) numbers:
+    besides the three (K, D) results only such blocks are held. Every coordinate's sums are
+    those of all coordinates at once (the same operations, clients in the same order).
     """
     J, D = len(layers), layers[0].shape[1]
     K = int(max(int(a.max()) for a in assignments)) + 1
@@ -139,23 +143,31 @@ def atom_statistics(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarr
     weight = members.T @ weights  # W_id = sum_j [j on i] w_jd
     counts = members.sum(axis=0).astype(np.int64)
     n_seen = (weights > 0).T @ sizes.astype(np.float64)
-    seen = weight > 0
     plain = (weights == 1).all(axis=1)  # clients whose weights are all 1 need no product
-    if shift is None:
-        total = np.zeros((K, D))
+    mean, scatter = np.empty((K, D)), np.empty((K, D))
+    step = max(1, max_elements // max(K, 1))
+    for start in range(0, D, step):
+        cols = slice(start, min(start + step, D))
+        W = weight[:, cols]
+        seen = W > 0
+        if shift is None:
+            total = np.zeros(W.shape)
+            for v, a, w, one in zip(layers, assignments, weights, plain):
+                # a is injective within a client, so fancy-index += is a correct scatter-add.
+                total[a] += v[:, cols] if one else v[:, cols] * w[cols]
+            r = np.divide(total, W, out=np.zeros_like(total), where=seen)
+        else:
+            r = shift[:, cols]
+        dev, dev_sq = np.zeros(W.shape), np.zeros(W.shape)
         for v, a, w, one in zip(layers, assignments, weights, plain):
-            # a is injective within a client, so fancy-index += is a correct scatter-add.
-            total[a] += v if one else v * w
-        shift = np.divide(total, weight, out=np.zeros_like(total), where=seen)
-    dev, dev_sq = np.zeros((K, D)), np.zeros((K, D))
-    for v, a, w, one in zip(layers, assignments, weights, plain):
-        d = v - shift[a]
-        wd = d if one else w * d
-        dev[a] += wd
-        dev_sq[a] += wd * d
-    mean_dev = np.divide(dev, weight, out=np.zeros_like(dev), where=seen)
-    mean = np.where(seen, shift + mean_dev, 0.0)
-    scatter = np.maximum(dev_sq - dev * mean_dev, 0.0)
+            d = v[:, cols] - r[a]
+            wd = d if one else w[cols] * d
+            dev[a] += wd
+            dev_sq[a] += wd * d
+        mean_dev = np.divide(dev, W, out=np.zeros_like(dev), where=seen)
+        np.maximum(dev_sq - dev * mean_dev, 0.0, out=scatter[:, cols])
+        block = np.add(r, mean_dev, out=mean[:, cols])
+        block[~seen] = 0.0  # mean = where(seen, r + mean_dev, 0)
     return AtomStatistics(weight=weight, mean=mean, scatter=scatter, counts=counts, n_seen=n_seen, n_clients=J)
 
 
@@ -171,12 +183,21 @@ def em_step(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], blo
     return em_update(atom_statistics(layers, assignments, weights), blocks, hyper, fit=fit)
 
 
-def atom_posterior(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper) -> tuple[np.ndarray, np.ndarray]:
+def atom_posterior(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
+                   overwrite: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Natural parameters ``(h, lambda)``, each (K, D), of the atoms' Gaussian posteriors under
     ``hyper`` (the E-step of :func:`em_update`; PFNM supplement eq. 2 with ``p_jd = w_jd / s_b``):
-    ``lambda_id = 1/s_0b + W_id / s_b`` and ``h_id = mu_0b / s_0b + W_id c_id / s_b``."""
+    ``lambda_id = 1/s_0b + W_id / s_b`` and ``h_id = mu_0b / s_0b + W_id c_id / s_b``.
+
+    ``overwrite``: ``h`` is written over ``stats.mean`` and ``lambda`` over ``stats.weight``
+    (the statistics are spent), so no (K, D) array is made; the values are the same."""
     s, s0, mu0 = hyper.noise_var[blocks], hyper.prior_var[blocks], hyper.prior_mean[blocks]
-    return mu0 / s0 + stats.weight * stats.mean / s, 1.0 / s0 + stats.weight / s
+    h = np.multiply(stats.weight, stats.mean, out=stats.mean if overwrite else None)
+    h /= s
+    h += mu0 / s0  # (W c / s) + mu0 / s0
+    lam = np.divide(stats.weight, s, out=stats.weight if overwrite else None)
+    lam += 1.0 / s0
+    return h, lam
 
 
 def em_update(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
@@ -232,16 +253,24 @@ class _BlockSummary:
 
 
 def _summarise(stats: AtomStatistics, cols: np.ndarray) -> _BlockSummary:
+    # summed in the order of the (K, |b|) copy that indexing makes (column by column)
+    scatter = float(stats.scatter[:, cols].sum())
+    if len(cols) and cols[-1] - cols[0] + 1 == len(cols):  # consecutive coordinates: views, not (K, |b|) copies
+        cols = slice(int(cols[0]), int(cols[-1]) + 1)
     W, c = stats.weight[:, cols], stats.mean[:, cols]
     seen = W > 0
     n_within = float(stats.n_seen[cols].sum() - seen.sum())
-    scatter = float(stats.scatter[:, cols].sum())
     if (W == W[:, :1]).all():  # one weight per atom in this block (every client sees all of it)
         rows = seen[:, 0]
         values, inverse = np.unique(W[rows, 0], return_inverse=True)
         n_u = np.bincount(inverse, minlength=len(values)) * float(W.shape[1])
-        s1 = np.bincount(inverse, c[rows].sum(axis=1), minlength=len(values))
-        s2 = np.bincount(inverse, np.einsum("kd,kd->k", c[rows], c[rows]), minlength=len(values))
+        if isinstance(cols, slice):  # row sums of the view: those of the rows a copy would hold
+            row_sum, row_sq = c.sum(axis=1)[rows], np.einsum("kd,kd->k", c, c)[rows]
+        else:
+            c_rows = c[rows]
+            row_sum, row_sq = c_rows.sum(axis=1), np.einsum("kd,kd->k", c_rows, c_rows)
+        s1 = np.bincount(inverse, row_sum, minlength=len(values))
+        s2 = np.bincount(inverse, row_sq, minlength=len(values))
     else:
         values, inverse = np.unique(W[seen], return_inverse=True)
         n_u = np.bincount(inverse, minlength=len(values)).astype(np.float64)
@@ -295,7 +324,9 @@ def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
     so a block needs only ``sum (n_id - 1)``, ``sum Q_id`` and, per distinct ``W``, the count,
     sum and sum of squares of the ``c_id``. The prior mean has the closed form
     ``mu_0 = sum_u (s1_u / t_u) / sum_u (n_u / t_u)``; ``log s`` and ``log s_0`` are found by
-    L-BFGS-B from the current values (bounded below by ``VARIANCE_FLOOR``), and ``gamma_0 =
+    L-BFGS-B (between ``VARIANCE_FLOOR`` and 1e6 times the block's mean square) from the
+    current values and from the moments, keeping the better end (the marginal has a second,
+    degenerate maximum at ``s_0 -> 0``), and ``gamma_0 =
     K / H_J`` (the IBP term ``K log gamma_0 - gamma_0 H_J``).
 
     A block with no atom holding two observations of a coordinate (``N_w = 0``) identifies only
@@ -314,10 +345,25 @@ def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
         mean = None if free[1] else float(hyper.prior_mean[b])
         fixed = np.log([hyper.noise_var[b], hyper.prior_var[b]])
         if free.any():
-            res = minimize(lambda x: _block_marginal(x, free, fixed, summary, mean)[:2], np.maximum(fixed[free], floor),
-                           jac=True, method="L-BFGS-B", bounds=[(floor, None)] * int(free.sum()),
-                           options=dict(ftol=1e-15, gtol=1e-9, maxiter=500))
-            fixed[free] = res.x
+            # Above: 1e6 times the block's mean square (any variance there explains the data no
+            # better than a smaller one, and the bound keeps the line search's trial steps finite).
+            spread = (summary.s2.sum() + summary.scatter) / summary.count.sum()
+            ceiling = max(np.log(max(spread, VARIANCE_FLOOR) * 1e6), fixed[free].max())
+            # The marginal is not concave in (log s, log s0): s0 -> 0 with all spread taken as
+            # noise is a local maximum whose basin holds a variance at the floor. So the search
+            # also starts from the moments (s: the pooled within-atom scatter, s0: the spread of
+            # the atom means beyond their noise), and the higher end point is kept.
+            n = summary.count.sum()
+            s_moment = summary.scatter / summary.n_within if summary.n_within > 0 else np.exp(fixed[0])
+            c_var = summary.s2.sum() / n - (summary.s1.sum() / n) ** 2
+            moments = np.log(np.maximum([s_moment, c_var - s_moment * np.sum(summary.count / summary.weight) / n],
+                                        VARIANCE_FLOOR))
+            ends = [minimize(lambda x: _block_marginal(x, free, fixed, summary, mean)[:2],
+                             np.clip(x0, floor, ceiling), jac=True, method="L-BFGS-B",
+                             bounds=[(floor, ceiling)] * int(free.sum()),
+                             options=dict(ftol=1e-15, gtol=1e-9, maxiter=500))
+                    for x0 in (fixed[free], moments[free])]
+            fixed[free] = min(ends, key=lambda res: res.fun).x
         if free[0]:
             out.noise_var[b] = np.exp(fixed[0])
         if free[1]:

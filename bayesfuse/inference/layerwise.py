@@ -97,8 +97,29 @@ class LayerwiseResult:
 # --------------------------------------------------------------------------- inputs
 
 
-def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence[str] | None = None) -> list[dict]:
-    """Float64 copies of the clients' state_dicts, checked against ``spec`` and for NaN/Inf."""
+def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence[str] | None = None, *,
+                 as_float64: bool = True) -> list[dict]:
+    """The clients' state_dicts as NumPy arrays, checked against ``spec`` and for NaN/Inf.
+
+    Parameters
+    ----------
+    states : sequence of dict
+        The clients' state_dicts (NumPy arrays or CPU tensors).
+    spec : PermutationSpec
+    names : sequence of str, optional
+        How error messages call the clients; ``"client j"`` by default.
+    as_float64 : bool
+        True (default): floating entries are float64 copies, which callers may modify. False:
+        they keep their dtype and are the given arrays (or views of the tensors' memory), not
+        copies: for callers that only read them, converting where they compute (float32 to
+        float64 is exact, so the values are the same). A float32 network then costs no float64
+        copy of every weight.
+
+    Returns
+    -------
+    list of dict
+        One state_dict per client, in order.
+    """
     if len(states) == 0:
         raise ValueError("need at least one client's network")
     names = names or [f"client {j}" for j in range(len(states))]
@@ -109,7 +130,10 @@ def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence
         for k, v in sd.items():
             a = np.asarray(v)
             if np.issubdtype(a.dtype, np.floating):
-                a = finite_array(a, f"{name}[{k!r}]")
+                if as_float64:
+                    a = finite_array(a, f"{name}[{k!r}]")
+                elif not np.isfinite(a).all():  # finite in its own dtype iff finite in float64
+                    raise ValueError(f"{name}[{k!r}] contains NaN or infinite values")
             elif np.iscomplexobj(a) or (k in spec.axes and any(ax is not None for ax in spec.axes[k])):
                 raise ValueError(f"{name}[{k!r}] holds {a.dtype} values; weights must be real floating point")
             arrays[k] = a
@@ -127,15 +151,39 @@ def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence
     return out
 
 
-def fold_batchnorm(state: State, spec: PermutationSpec) -> dict:
+def fold_batchnorm(state: State, spec: PermutationSpec, *, copy: bool = True) -> dict:
     """Fold each batch norm of ``spec.folds`` into the layer before it (NAFI appendix E, eq. 47).
 
     ``W' = gamma W / sqrt(var + eps)``, ``b' = gamma (b - mu) / sqrt(var + eps) + beta`` with
     each batch norm's own ``eps`` (``spec.batchnorm_eps``); the batch norm becomes the identity
     in eval mode (weight 1, bias 0, mean 0, variance ``1 - eps``).
+
+    Parameters
+    ----------
+    state : dict
+        A state_dict (NumPy arrays or CPU tensors); never modified.
+    spec : PermutationSpec
+    copy : bool
+        True (default): every floating entry of the result is a new float64 array. False: the
+        entries the folds write (the folded layers' weights and biases, the batch norms) are
+        new float64 arrays and the others are the given arrays as they are (dtype kept, not
+        copied), for callers that only read them.
+
+    Returns
+    -------
+    dict
+        The folded state_dict.
     """
-    out = {k: np.array(v, dtype=np.float64) if np.issubdtype(np.asarray(v).dtype, np.floating) else np.asarray(v)
-           for k, v in state.items()}
+    if copy:
+        out = {k: np.array(v, dtype=np.float64) if np.issubdtype(np.asarray(v).dtype, np.floating)
+               else np.asarray(v) for k, v in state.items()}
+    else:
+        out = {k: np.asarray(v) for k, v in state.items()}
+        written = {f"{layer}.{p}" for layer in spec.folds.values() for p in ("weight", "bias")}
+        written |= folded_entries(spec)
+        for k in written & out.keys():
+            if np.issubdtype(out[k].dtype, np.floating):
+                out[k] = np.asarray(out[k], dtype=np.float64)
     for bn, layer in spec.folds.items():
         if f"{layer}.bias" not in out:
             raise ValueError(f"cannot fold batch norm {bn!r}: layer {layer!r} has no bias")
@@ -233,18 +281,43 @@ def _from_rows(rows: np.ndarray, shape: tuple, d: int, axis: Axis) -> np.ndarray
 
 
 def matched_average(rows: Sequence[np.ndarray], precision: np.ndarray, assignments: Sequence[np.ndarray],
-                    n_global: int) -> np.ndarray:
+                    n_global: int, *, max_elements: int = 1 << 22) -> np.ndarray:
     """Prior-free global units: ``sum_{j->g} w_jd v_jld / sum_{j->g} w_jd`` (0 where none observes).
 
-    ``precision`` (J, D) or (J, 1): the clients' relative precisions ``w_jd``.
+    Parameters
+    ----------
+    rows : sequence of (L_j, D) arrays
+        The clients' units.
+    precision : (J, D) or (J, 1) array
+        The clients' relative precisions ``w_jd``.
+    assignments : sequence of (L_j,) int arrays
+        Global unit of each client's unit (distinct within a client).
+    n_global : int
+        Number of global units G.
+    max_elements : int
+        The sums run over blocks of coordinates of at most this many (G x block) numbers, so
+        that besides the (G, D) result only two such blocks are held; each coordinate's sums
+        are the same as over all coordinates at once.
+
+    Returns
+    -------
+    (G, D) ndarray
     """
     D = rows[0].shape[1]
-    num, den = np.zeros((n_global, D)), np.zeros((n_global, D))
-    for j, a in enumerate(assignments):
-        w = np.broadcast_to(precision[j], (D,))
-        num[a] += w * rows[j]
-        den[a] += w
-    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+    out = np.empty((n_global, D))
+    step = max(1, max_elements // max(n_global, 1))
+    for start in range(0, D, step):
+        cols = slice(start, min(start + step, D))
+        num, den = np.zeros((n_global, cols.stop - start)), np.zeros((n_global, cols.stop - start))
+        for j, a in enumerate(assignments):
+            w = np.broadcast_to(precision[j], (D,))[cols]
+            num[a] += w * rows[j][:, cols]
+            den[a] += w
+        seen = den > 0
+        block = out[:, cols]
+        np.divide(num, den, out=block, where=seen)
+        block[~seen] = 0.0
+    return out
 
 
 def match_group(
@@ -371,11 +444,15 @@ def match_group(
                                cost=cost, n_iter=n_iter, seed=seed, verbose=verbose)
     if device is not None:  # the posterior back on the host, as every result of this module
         result.mean, result.var = to_host(result.mean), to_host(result.var)
-    mean = result.mean if global_weights == "posterior" else matched_average(rows, precision, result.assignments,
-                                                                              result.n_global)
     values, start = {}, 0
     for k, shape, d, axis, width in layout:
-        values[k] = _from_rows(mean[:, start : start + width], shape, d, axis)
+        cols = slice(start, start + width)
+        if global_weights == "posterior":
+            mean = result.mean[:, cols]
+        else:  # entry by entry: each is averaged straight into its own (G, width) array
+            mean = matched_average([r[:, cols] for r in rows], precision[:, cols], result.assignments,
+                                   result.n_global)
+        values[k] = _from_rows(mean, shape, d, axis)
         start += width
     return result, values
 
@@ -512,11 +589,13 @@ def match_layerwise(
     check_device(device, dtype)  # a device this machine lacks fails here, not in the first group's matching
     if global_weights == "auto":
         global_weights = "posterior" if len(spec.groups) <= 1 else "average"
-    arrays = check_states(states, spec, names)
+    # Read-only from here on: float32 weights stay float32 until an entry is used (in_basis,
+    # global_entries convert it, exactly), instead of a float64 copy of every client's network.
+    arrays = check_states(states, spec, names, as_float64=False)
     if spec.folds:
         if not fold_bn:
             raise ValueError("the networks have batch norms; matching needs them folded (fold_bn=True)")
-        arrays = [fold_batchnorm(sd, spec) for sd in arrays]
+        arrays = [fold_batchnorm(sd, spec, copy=False) for sd in arrays]
     n_classes = arrays[0][spec.output[0]].shape[0] if spec.output else 0
     shares = class_share_matrix(class_counts, len(arrays), n_classes)
     order = tuple(spec.groups) if direction == "bottom-up" else tuple(reversed(spec.groups))

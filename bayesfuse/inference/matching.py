@@ -798,9 +798,13 @@ def _negative_pairs(v, p, h, lam, m, prior: _Prior, hh: np.ndarray | None = None
               + v @ (prior.h0 * groups.expand(2 * a0[None] * pb)[0]))
     col = 0.5 * delta0 - 0.5 * (np.log1p(pb / prior.lam0) @ sizes) + math.log(prior.gamma0 / J)
     if groups.n == 1:
-        x, kappa, x_norm = h, ap[:, 0], np.sqrt(hh[:, 0])
+        kappa, x_norm = ap[:, 0], np.sqrt(hh[:, 0])
     else:
-        x, kappa, x_norm = h * groups.expand(ap), np.ones(G), np.sqrt(np.sum(ap * ap * hh, axis=1))
+        kappa, x_norm = np.ones(G), np.sqrt(np.sum(ap * ap * hh, axis=1))
+
+    def x(rows):  # rows of x, made when needed (one group: rows of h)
+        return h[rows] if groups.n == 1 else h[rows] * groups.expand(ap[rows])
+
     v_norm = np.sqrt(vv.sum(axis=1))
     if x_norm.max() * v_norm.max() * D > 1e36:  # float32 sums could overflow
         return None
@@ -810,7 +814,15 @@ def _negative_pairs(v, p, h, lam, m, prior: _Prior, hh: np.ndarray | None = None
     err = eps * x_norm.max() * v_norm + tiny  # (L,): bounds the float32 error of x_i . v_l for every i
     shift = err + (0.5 * pb[0] * vv[:, 0] if groups.n == 1 else 0.0)  # one group: kappa_i factors the VV term
     v32 = v.astype(np.float32) if v32 is None else v32
-    bound = np.add(x.astype(np.float32) @ v32.T, shift[None, :], dtype=np.float64)
+    if groups.n == 1:
+        x32 = h.astype(np.float32)
+    else:  # x in float32, a block of atoms at a time: no (G, D) float64 array besides h
+        x32 = np.empty((G, D), dtype=np.float32)
+        step = max(1, (1 << 22) // max(D, 1))
+        for start in range(0, G, step):
+            x32[start : start + step] = x(slice(start, start + step))
+    bound = np.add(x32 @ v32.T, shift[None, :], dtype=np.float64)
+    del x32
     bound *= -kappa[:, None]
     bound += row[:, None]
     bound += col[None, :]
@@ -825,7 +837,7 @@ def _negative_pairs(v, p, h, lam, m, prior: _Prior, hh: np.ndarray | None = None
     alone = (np.bincount(atoms, minlength=G)[atoms] == 1) & (np.bincount(neurons, minlength=L)[neurons] == 1)
     check = ~(alone & (upper < 0))
     ia, il = atoms[check], neurons[check]
-    dots = np.einsum("kd,kd->k", x[ia], v[il])
+    dots = np.einsum("kd,kd->k", x(ia), v[il])
     R = upper
     R[check] = row[ia] + col[il] - 0.5 * np.einsum("kb,kb->k", (ap * pb)[ia], vv[il]) - kappa[ia] * dots
     keep = R < 0
@@ -1160,7 +1172,8 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     the layers are :func:`_check_layers`'s output and ``init`` assignments of an earlier
     matching (no checks; ``hyper`` leaves array values out, the caller records its own);
     ``init_atoms``, the atoms' ``(h (G, D), lambda (G, D), m)`` under these hyper-parameters
-    for ``init``, computed elsewhere (from the statistics of EM); ``squares``,
+    for ``init``, computed elsewhere (from the statistics of EM); given as a list, it is emptied
+    once the atoms are built (the caller then holds no (G, D) array through the sweeps); ``squares``,
     :func:`_squares` of the layers; ``cache``, a :class:`_NeuronCache` of the layers.
     """
     layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars, checked=checked)
@@ -1184,7 +1197,11 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
             atoms.reset(*_posterior_stats(layers, prec, assignments, int(max(a.max() for a in assignments)) + 1,
                                           prior, backend))
         else:  # lambda is constant on each coordinate group: keep one value per group
-            atoms.reset(init_atoms[0], init_atoms[1][:, groups.first], init_atoms[2])
+            h0, lam0, m0 = init_atoms
+            if isinstance(init_atoms, list):  # the caller's (K, D) arrays go once the atoms hold them
+                init_atoms.clear()
+            atoms.reset(h0, lam0[:, groups.first], m0)
+            del h0, lam0, m0
         if (atoms.m == 0).any():
             raise ValueError("init leaves some atom indices unused; number atoms 0..G-1")
     objective: list[float] = []
@@ -1206,8 +1223,8 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     with _blas_threads(1 if largest <= SINGLE_THREAD_PRODUCT else None, backend):
         for sweep in bar:
             changed, relabelled = 0, False
-            # The atoms as _posterior_stats gives them for the assignments at the start of the sweep.
-            before = None if assignments[0] is None else (backend.copy(atoms.h), atoms.lam.copy(), atoms.m.copy())
+            # Whether the atoms are those _posterior_stats gives for the assignments at the start of the sweep.
+            exact = assignments[0] is not None
             for j in rng.permutation(J):
                 if not stale[j]:
                     continue
@@ -1259,13 +1276,14 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
                 atoms.m[a] += 1
                 assignments[j] = a
             sweeps = sweep + 1
-            if before is not None and changed == 0 and not relabelled:
-                h, lam, m = before  # the same assignments, atom by atom: the same statistics
-            else:  # recompute from the assignments: removes round-off accumulated by the updates
-                h, lam, m = _posterior_stats(layers, prec, assignments, atoms.n, prior, backend)
-            atoms.reset(h, lam, m)
-            objective.append(_objective(h, lam, m, prior, atoms.hh) + data_const)
-            bar.set_postfix(atoms=len(m), objective=f"{objective[-1]:.1f}")
+            # With no assignment changed and no atom relabelled, every client visited put back the rows
+            # it took out as they were (kept_h, kept_lam, kept_hh): the atoms are, bit for bit, those
+            # of the start of the sweep. Else recompute them from the assignments, which removes the
+            # round-off accumulated by the updates.
+            if not (exact and changed == 0 and not relabelled):
+                atoms.reset(*_posterior_stats(layers, prec, assignments, atoms.n, prior, backend))
+            objective.append(_objective(atoms.h, atoms.lam, atoms.m, prior, atoms.hh) + data_const)
+            bar.set_postfix(atoms=atoms.n, objective=f"{objective[-1]:.1f}")
             if (sweep > 0 or init is not None) and changed == 0:
                 converged = True
                 break
@@ -1279,13 +1297,12 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
                 break
             seen[state] = sweep
     cache.density = density
-    h, lam, m = atoms.h, atoms.lam, atoms.m
-    lam_full = groups.expand(backend.put(lam))
+    mean, var = _posterior_moments(atoms.h, atoms.lam, groups, backend)
     result = MatchResult(
         assignments=[np.asarray(a) for a in assignments],
-        mean=h / lam_full,
-        var=1.0 / lam_full if backend.is_torch else np.array(1.0 / lam_full),
-        counts=m.copy(),
+        mean=mean,
+        var=var,
+        counts=atoms.m.copy(),
         objective=objective,
         converged=converged,
         n_sweeps=sweeps,
@@ -1298,6 +1315,41 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     if not stopped:
         warn_not_converged({"matching": result}, "matching")
     return result
+
+
+def _posterior_moments(h, lam: np.ndarray, groups: _Groups, backend: Backend = NUMPY,
+                       max_elements: int = 1 << 22):
+    """The atoms' posterior means ``h / lambda`` and variances ``1 / lambda`` on every coordinate.
+
+    Parameters
+    ----------
+    h : (G, D) array or tensor
+        Natural parameters of the atoms, in ``backend``.
+    lam : (G, B) ndarray
+        Their precisions per coordinate group.
+    groups : _Groups
+    backend : Backend
+    max_elements : int
+        NumPy: rows of atoms go through at most this many numbers at a time, so that besides
+        the two (G, D) results no (G, D) array is made (``lambda`` on every coordinate, ``1 /
+        lambda`` before its copy); each entry is the same division as over all rows at once.
+
+    Returns
+    -------
+    (mean, var) : two (G, D) arrays (tensors in ``backend`` for torch)
+    """
+    if backend.is_torch:
+        lam_full = groups.expand(backend.put(lam))
+        return h / lam_full, 1.0 / lam_full
+    G, D = h.shape
+    mean, var = np.empty((G, D)), np.empty((G, D))
+    inverse = 1.0 / lam
+    step = max(1, max_elements // max(D, 1))
+    for start in range(0, G, step):
+        rows = slice(start, start + step)
+        np.divide(h[rows], groups.expand(lam[rows]), out=mean[rows])
+        var[rows] = groups.expand(inverse[rows])
+    return mean, var
 
 
 def _listed(value, internal: bool):
@@ -1352,7 +1404,7 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
             setattr(hyper, key, np.full(n_blocks, float(value)))
     if "gamma0" not in auto:
         hyper.gamma0 = float(gamma0)
-    trace, result, init_atoms = [], None, None
+    trace, result, init_atoms, assignments = [], None, None, None
     squares, cache = _squares(host_layers), _NeuronCache(J)
     sweeps, tol = 0, match["tol"]
     settled = stopped = False
@@ -1362,8 +1414,9 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
         for r in bar:
             noise, prior0, mean0 = hyper.expand(blocks, weights)
             result = _match(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
-                            init=None if result is None else result.assignments, init_atoms=init_atoms,
-                            squares=squares, cache=cache, **dict(match, n_iter=1))
+                            init=assignments, init_atoms=init_atoms, squares=squares, cache=cache,
+                            **dict(match, n_iter=1))
+            assignments, init_atoms = result.assignments, None
             sweeps += result.n_sweeps
             trace.append(dict(n_global=result.n_global, objective=result.objective[-1], **hyper.as_dict()))
             bar.set_postfix(atoms=result.n_global, objective=f"{result.objective[-1]:.1f}")
@@ -1371,15 +1424,22 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
             settled, stopped = result.converged, tol is not None and gain < tol  # settled: no neuron moved
             if settled or stopped:
                 break
-            # one pass over the neurons serves the M-step and the next sweep's start
-            stats = atom_statistics(host_layers, result.assignments, weights, shift=backend.host(result.mean))
+            # one pass over the neurons serves the M-step and the next sweep's start; of this sweep's
+            # result, only the assignments and the posterior means (the statistics' shift) are used
+            shift, result = backend.host(result.mean), None
+            stats = atom_statistics(host_layers, assignments, weights, shift=shift)
+            del shift
             hyper = maximise_hyper(stats, blocks, hyper, fit=auto)
-            init_atoms = (*atom_posterior(stats, blocks, hyper), stats.counts)
+            # the next sweep's start, written over the spent statistics; a list: _match takes the
+            # (K, D) arrays out of it, and they go once its atoms hold them
+            stats.scatter = None
+            init_atoms = [*atom_posterior(stats, blocks, hyper, overwrite=True), stats.counts]
+            del stats
         objective = [t["objective"] for t in trace]
         if not (settled or stopped):
             noise, prior0, mean0 = hyper.expand(blocks, weights)
             result = _match(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
-                            init=result.assignments, init_atoms=init_atoms, squares=squares, cache=cache, **match)
+                            init=assignments, init_atoms=init_atoms, squares=squares, cache=cache, **match)
             sweeps += result.n_sweeps
             objective += result.objective
             stopped = (tol is not None and not result.converged and len(result.objective) > 1

@@ -3,8 +3,17 @@
 import numpy as np
 import pytest
 
-from bayesfuse.inference.empirical_bayes import (BlockHyper, _block_marginal, _summarise, atom_statistics, em_step,
-                                                 em_update, initial_hyper, maximise_hyper)
+from bayesfuse.inference.empirical_bayes import (
+    BlockHyper,
+    _block_marginal,
+    _summarise,
+    atom_posterior,
+    atom_statistics,
+    em_step,
+    em_update,
+    initial_hyper,
+    maximise_hyper,
+)
 from bayesfuse.inference.matching import _partition_key, log_marginal_posterior, match_neurons
 from bayesfuse.metrics import assignment_accuracy
 from bayesfuse.models.bbp import simulate_federation
@@ -302,3 +311,38 @@ def test_auto_rounds_climb_and_end_at_a_fixed_point():
     fixed = match_neurons(fed.layers, noise_var=noise, prior_var=prior, prior_mean=mean, gamma0=hyper.gamma0,
                           cost="marginal", init=res.assignments, seed=1)
     assert fixed.n_sweeps == 1 and _partition_key(fixed.assignments) == _partition_key(res.assignments)
+
+
+def test_blocked_statistics_and_in_place_posterior_are_the_same_numbers():
+    # Blocks of coordinates run the same operations per coordinate, so the results are equal
+    # bit for bit, with and without a shift; overwrite=True writes the same h and lambda.
+    layers, assignments, blocks, weights = _weighted_federation(35)
+    K, D = int(max(a.max() for a in assignments)) + 1, layers[0].shape[1]
+    shift = 3.0 + np.random.default_rng(36).normal(size=(K, D))
+    for s in (None, shift):
+        whole = atom_statistics(layers, assignments, weights, s)
+        for max_elements in (1, K * 2, K * 4 + 1):
+            part = atom_statistics(layers, assignments, weights, s, max_elements=max_elements)
+            for key in ("weight", "mean", "scatter", "counts", "n_seen"):
+                np.testing.assert_array_equal(getattr(part, key), getattr(whole, key))
+    hyper = BlockHyper(prior_var=np.array([2.0, 0.5, 1.0]), noise_var=np.array([0.3, 0.1, 0.02]),
+                       prior_mean=np.array([2.0, 2.5, 0.0]), gamma0=1.5)
+    want = atom_posterior(atom_statistics(layers, assignments, weights), blocks, hyper)
+    got = atom_posterior(atom_statistics(layers, assignments, weights), blocks, hyper, overwrite=True)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_maximise_hyper_from_the_variance_floor_stays_finite():
+    # A prior variance at the floor sits in the basin of the degenerate maximum s0 -> 0 (all
+    # spread as noise) and puts a steep gradient on log s0: the search is bounded above, so no
+    # trial step overflows, and its second start (the moments) finds what a start at 1 finds.
+    layers, assignments, blocks, weights = _weighted_federation(37)
+    stats = atom_statistics(layers, assignments, weights)
+    start = BlockHyper(prior_var=np.full(3, 1e-8), noise_var=np.array([0.3, 0.1, 0.02]),
+                       prior_mean=np.zeros(3), gamma0=1.5)
+    best = maximise_hyper(stats, blocks, start)
+    other = maximise_hyper(stats, blocks, BlockHyper(np.ones(3), np.full(3, 0.1), np.zeros(3), 1.5))
+    assert np.all(np.isfinite(best.prior_var)) and np.all(np.isfinite(best.noise_var))
+    for key in ("noise_var", "prior_var", "prior_mean"):
+        np.testing.assert_allclose(getattr(best, key), getattr(other, key), rtol=1e-4)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from bayesfuse import fuse
-from bayesfuse.inference.layerwise import fold_batchnorm, match_layerwise
+from bayesfuse.inference.layerwise import check_states, fold_batchnorm, match_layerwise, matched_average
 from bayesfuse.inference.spec import chain, dense, permute, random_permutations
 from bayesfuse.metrics import assignment_accuracy
 from bayesfuse.models.bbp import simulate_deep_federation
@@ -274,3 +274,74 @@ def test_a_negative_running_variance_is_refused():
     state[f"{bn}.running_var"] = -np.abs(state[f"{bn}.running_var"])
     with pytest.raises(ValueError, match="negative running_var"):
         match_layerwise([state, _np(model)], spec)
+
+
+# --------------------------------------------------------------------------- memory: no float64 copies, sums by blocks
+
+
+@pytest.mark.parametrize("max_elements", [1, 5, 64, 1 << 22])
+def test_matched_average_by_blocks_of_coordinates_is_the_average_in_one_pass(max_elements):
+    rng = np.random.default_rng(0)
+    J, D, G = 4, 13, 6
+    rows = [rng.normal(size=(n, D)) for n in (3, 5, 2, 4)]
+    assignments = [rng.permutation(G)[: len(r)] for r in rows]
+    full = rng.uniform(0.1, 2.0, size=(J, D))
+    full[1, :4] = 0.0  # client 1 observes nothing there
+    full[:, 7] = 0.0  # nobody observes coordinate 7
+    for precision in (full, rng.uniform(0.1, 2.0, size=(J, 1))):
+        num, den = np.zeros((G, D)), np.zeros((G, D))
+        for j, a in enumerate(assignments):
+            w = np.broadcast_to(precision[j], (D,))
+            num[a] += w * rows[j]
+            den[a] += w
+        expected = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+        got = matched_average(rows, precision, assignments, G, max_elements=max_elements)
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_float32_networks_are_read_as_they_are_and_fold_to_the_same_values():
+    model = randomise(make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 6)
+    spec = spec_from_module(model, torch.randn(2, 64))
+    state = _np(model)  # float32 views of the tensors
+    before = {k: v.copy() for k, v in state.items()}
+    (read,) = check_states([state], spec, as_float64=False)
+    assert all(read[k] is state[k] for k in state)  # no copies
+    (copied,) = check_states([state], spec)
+    assert all(copied[k].dtype == np.float64 for k in state if state[k].dtype.kind == "f")
+    lean, full = fold_batchnorm(read, spec, copy=False), fold_batchnorm(copied, spec)
+    for k in state:
+        np.testing.assert_array_equal(lean[k], full[k])
+        assert np.array_equal(state[k], before[k])  # the given arrays are left alone
+    touched = {f"{layer}.{p}" for layer in spec.folds.values() for p in ("weight", "bias")}
+    touched |= {f"{bn}.{p}" for bn in spec.folds for p in ("weight", "bias", "running_mean", "running_var")}
+    assert all(lean[k].dtype == np.float64 for k in touched)
+    assert all(lean[k] is state[k] for k in state if k not in touched)
+    key = next(k for k in state if state[k].ndim == 4)  # the first convolution's weight
+    infinite = state[key].copy()
+    infinite.flat[0] = np.inf
+    bad = dict(state, **{key: infinite})
+    with pytest.raises(ValueError, match=rf"client 0\['{key}'\] contains NaN or infinite values"):
+        check_states([bad], spec, as_float64=False)
+
+
+def test_float32_clients_fuse_as_their_float64_copies():
+    # match_layerwise reads float32 entries where it uses them; float32 -> float64 is exact, so the
+    # result is the one of float64 copies, bit for bit
+    model = randomise(make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 7)
+    x = torch.randn(16, 64)
+    spec = spec_from_module(model, x[:2])
+    rng = np.random.default_rng(3)
+    states = []
+    for s in range(3):
+        perms = random_permutations(spec.sizes(_np(model)), np.random.default_rng(200 + s))
+        states.append({k: (v + 0.05 * rng.normal(size=v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
+                       for k, v in permute(_np(model), spec, perms).items()})
+    assert all(v.dtype == np.float32 for sd in states for v in sd.values() if v.dtype.kind == "f")
+    as64 = [{k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in sd.items()} for sd in states]
+    for options in (dict(), dict(global_weights="posterior"), dict(absent="unobserved")):
+        a = match_layerwise(states, spec, **options)
+        b = match_layerwise(as64, spec, **options)
+        assert a.sizes == b.sizes
+        for k in b.state_dict:
+            assert a.state_dict[k].dtype == b.state_dict[k].dtype
+            np.testing.assert_array_equal(a.state_dict[k], b.state_dict[k])

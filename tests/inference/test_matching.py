@@ -547,3 +547,15 @@ def test_assignment_checks_name_the_first_bad_client():
                    ([[0, 1, 2], [0, 1], [3, 3]], 2)]:
         with pytest.raises(ValueError, match=f"client {j}: assignments must give"):
             log_marginal_posterior(layers, bad)
+
+
+def test_blocked_posterior_moments_are_the_whole_division():
+    # Rows of atoms at a time divide each entry as the whole-array expression does: equal bit for bit.
+    rng = np.random.default_rng(40)
+    groups = matching._Groups(np.repeat([0, 1, 2], [5, 3, 4]), 3)
+    h, lam = rng.normal(size=(9, 12)), rng.uniform(0.5, 3.0, size=(9, 3))
+    full = groups.expand(lam)
+    for max_elements in (1, 12, 25, 1 << 22):
+        mean, var = matching._posterior_moments(h, lam, groups, max_elements=max_elements)
+        np.testing.assert_array_equal(mean, h / full)
+        np.testing.assert_array_equal(var, 1.0 / full)
