@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from scipy.optimize import minimize
 
 __all__ = ["BlockHyper", "AtomStatistics", "initial_hyper", "atom_statistics", "atom_posterior", "em_step",
            "em_update", "maximise_hyper", "noise_matrix"]
@@ -264,13 +265,8 @@ def _summarise(stats: AtomStatistics, cols: np.ndarray) -> _BlockSummary:
         rows = seen[:, 0]
         values, inverse = np.unique(W[rows, 0], return_inverse=True)
         n_u = np.bincount(inverse, minlength=len(values)) * float(W.shape[1])
-        if isinstance(cols, slice):  # row sums of the view: those of the rows a copy would hold
-            row_sum, row_sq = c.sum(axis=1)[rows], np.einsum("kd,kd->k", c, c)[rows]
-        else:
-            c_rows = c[rows]
-            row_sum, row_sq = c_rows.sum(axis=1), np.einsum("kd,kd->k", c_rows, c_rows)
-        s1 = np.bincount(inverse, row_sum, minlength=len(values))
-        s2 = np.bincount(inverse, row_sq, minlength=len(values))
+        s1 = np.bincount(inverse, c.sum(axis=1)[rows], minlength=len(values))
+        s2 = np.bincount(inverse, np.einsum("kd,kd->k", c, c)[rows], minlength=len(values))
     else:
         values, inverse = np.unique(W[seen], return_inverse=True)
         n_u = np.bincount(inverse, minlength=len(values)).astype(np.float64)
@@ -333,8 +329,6 @@ def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
     ``s_0 + s`` (module docstring: the trap of a small noise): its noise variance is then kept
     and only the prior is fitted.
     """
-    from scipy.optimize import minimize
-
     out = BlockHyper(hyper.prior_var.copy(), hyper.noise_var.copy(), hyper.prior_mean.copy(), hyper.gamma0)
     floor = np.log(VARIANCE_FLOOR)
     for b in range(_n_blocks(blocks)):
@@ -347,13 +341,13 @@ def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
         if free.any():
             # Above: 1e6 times the block's mean square (any variance there explains the data no
             # better than a smaller one, and the bound keeps the line search's trial steps finite).
-            spread = (summary.s2.sum() + summary.scatter) / summary.count.sum()
+            n = summary.count.sum()
+            spread = (summary.s2.sum() + summary.scatter) / n
             ceiling = max(np.log(max(spread, VARIANCE_FLOOR) * 1e6), fixed[free].max())
             # The marginal is not concave in (log s, log s0): s0 -> 0 with all spread taken as
             # noise is a local maximum whose basin holds a variance at the floor. So the search
             # also starts from the moments (s: the pooled within-atom scatter, s0: the spread of
             # the atom means beyond their noise), and the higher end point is kept.
-            n = summary.count.sum()
             s_moment = summary.scatter / summary.n_within if summary.n_within > 0 else np.exp(fixed[0])
             c_var = summary.s2.sum() / n - (summary.s1.sum() / n) ** 2
             moments = np.log(np.maximum([s_moment, c_var - s_moment * np.sum(summary.count / summary.weight) / n],
