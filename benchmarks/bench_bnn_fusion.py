@@ -1,7 +1,7 @@
 """Fusing horseshoe BNNs against the ensemble of their parts and a pooled BNN (KL-fusion section 5.4).
 
 Usage: python benchmarks/bench_bnn_fusion.py [--dataset digits|fashion-mnist] [--clients 5]
-       [--alpha 0.8] [--hidden 150 [H2 ...]] [--epochs N] [--seeds 0 1 2] [--regs 0.003 0.01 0.03 0.1]
+       [--alpha 0.8] [--hidden 150 [H2 ...]] [--epochs N] [--seeds 0 1 2] [--regs 0.001 0.003 0.01 0.03 0.1]
        [--samples S] [--cache DIR] [--out bench-results]
        python benchmarks/bench_bnn_fusion.py --speed [--dataset fashion-mnist]
 
@@ -16,7 +16,12 @@ images from font-rendered digits (out of distribution), and the hidden units of
 * the **fused** BNN by KL-fusion, with ``reg`` chosen per seed from ``--regs`` by validation
   log-likelihood (never the test set), and by NAFI at its defaults;
 * the fused BNNs without pruning and with the raw unit form (the two ablations of
-  :func:`bayesfuse.core._fuse_bnn_states`).
+  :func:`bayesfuse.core._fuse_bnn_states`);
+* the **ensemble of the pruned locals**: each local BNN with the units pruning drops removed
+  (a one-client fusion), predictions averaged. It holds the units the fused BNN is built
+  from, so between it and the fused BNN lies what one network loses against averaging
+  predictive distributions (the fused logits are a class-share average of the clients'), and
+  between it and the ensemble what pruning loses.
 
 ``--hidden 150 100`` trains and fuses BNNs of two hidden layers (layer by layer,
 :mod:`bayesfuse.models.bnn_fusion`); ``units`` then counts the units of every hidden layer.
@@ -37,6 +42,7 @@ import argparse
 import io
 import json
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +144,14 @@ def run_seed(args, seed: int) -> dict:
         row, p, h = evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})
         rows.append(row)
         entropies[name] = (predictive_entropy(p), h)
+    with warnings.catch_warnings():  # one model per fusion on purpose: it comes back pruned
+        warnings.filterwarnings("ignore", "only one model", UserWarning)
+        pruned = [fuse([bnn], "kl", reg=best) for bnn in bnns]
+    pruned_p = np.mean([predict(r.model, split.test.x) for r in pruned], axis=0)
+    pruned_ood = np.mean([predict(r.model, x_ood) for r in pruned], axis=0)
+    rows.append({"model": "ensemble, pruned locals", **scores(pruned_p, split.test.y, predictive_entropy(pruned_ood)),
+                 "units": sum(sum(r.sizes) for r in pruned), "seconds": None})
+    print("  " + format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     kept = fused["fused (kl)"].hyper["kept_units"]
     kept = [len(k) for k in kept] if len(args.hidden) == 1 else [[len(k) for k in layer] for layer in kept]
     return {"seed": seed, "rows": rows, "validation": validation, "reg": best, "sizes": part.sizes.tolist(),
@@ -225,7 +239,7 @@ def main() -> None:
                         help="units per hidden layer (two numbers: a BNN of two hidden layers)")
     parser.add_argument("--epochs", type=int, default=None, help="default: 200 (digits), 30 (fashion-mnist)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--regs", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1],
+    parser.add_argument("--regs", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03, 0.1],
                         help="KL-fusion reg values to choose from by validation log-likelihood")
     parser.add_argument("--samples", type=int, default=100, help="Monte Carlo samples of the predictive")
     parser.add_argument("--cache", default=None, help="directory to keep trained BNNs in between runs")
@@ -240,6 +254,7 @@ def main() -> None:
     for run in runs:
         print(f"\nseed {run['seed']} (reg {run['reg']:g} by validation; units kept per client {run['units_kept']})")
         print(format_table(run["rows"], COLUMNS))
+        print(_against(run["rows"]))
     rows = summary(runs)
     print(f"\n{args.dataset}, {args.clients} clients, Dirichlet({args.alpha}), seeds {args.seeds}: mean ± sd")
     print(_shown(rows))
@@ -271,6 +286,15 @@ def _figure(args, run):
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     return atomic_write_bytes(Path(args.out) / f"bnn_fusion_{_tag(args)}.png", buf.getvalue(), overwrite=True)
+
+
+def _against(rows: list[dict]) -> str:
+    """The fused BNN (kl) against the ensemble and the best local, in one line."""
+    by = {r["model"]: r for r in rows}
+    fused, ens = by["fused (kl)"], by["ensemble"]
+    best = max(r["accuracy"] for r in rows if r["model"].startswith("local "))
+    diff = ", ".join(f"{k} {fused[k] - ens[k]:+.4f}" for k in ("accuracy", "loglik", "auroc"))
+    return f"fused (kl) - ensemble: {diff}; accuracy above the best local: {100 * (fused['accuracy'] - best):+.1f} points"
 
 
 def _hidden(args) -> int | tuple[int, ...]:
