@@ -99,27 +99,33 @@ def run_seed(args, seed: int) -> dict:
     def predict(model, x):
         return model.predict(x, args.samples, seed=seed)
 
-    def evaluate(name, model, units, seconds, extra=None):
-        p, h_ood = predict(model, split.test.x), predictive_entropy(predict(model, x_ood))
+    def scored(name, p, p_ood, units, seconds=None, extra=None):
+        """The row of a model with test probabilities ``p`` and out-of-distribution ones ``p_ood``."""
+        h_ood = predictive_entropy(p_ood)
         row = {"model": name, **scores(p, split.test.y, h_ood), "units": units, "seconds": seconds, **(extra or {})}
         print("  " + format_table([row], COLUMNS).splitlines()[-1], flush=True)
-        return row, p, h_ood
+        entropies[name] = (predictive_entropy(p), h_ood)
+        return row
 
-    rows, probs, entropies = [], {}, {}
+    def evaluate(name, model, units, seconds, extra=None):
+        p, p_ood = predict(model, split.test.x), predict(model, x_ood)
+        return scored(name, p, p_ood, units, seconds, extra), p, p_ood
+
+    def ensemble(name, members, units):
+        """The predictive average of ``members``' (test, out-of-distribution) probabilities."""
+        return scored(name, *(np.mean([m[i] for m in members], axis=0) for i in (0, 1)), units)
+
+    rows, entropies = [], {}
+    local_probs = []
     bnns = []
     for j, idx in enumerate(part):
         bnn = _trained(cache, f"local{j}", train.x[idx], train.y[idx], split.n_classes, hidden,
                        BNNConfig(epochs=epochs, seed=seed * 100 + j))
         bnns.append(bnn)
-        row, probs[f"local {j}"], h = evaluate(f"local {j}", bnn, units, getattr(bnn, "train_seconds", None))
+        row, *pair = evaluate(f"local {j}", bnn, units, getattr(bnn, "train_seconds", None))
         rows.append(row)
-        entropies[f"local {j}"] = (predictive_entropy(probs[f"local {j}"]), h)
-    ens_p = np.mean([probs[f"local {j}"] for j in range(args.clients)], axis=0)
-    ens_ood = np.mean([predict(b, x_ood) for b in bnns], axis=0)
-    rows.append({"model": "ensemble", **scores(ens_p, split.test.y, predictive_entropy(ens_ood)),
-                 "units": args.clients * units, "seconds": None})
-    entropies["ensemble"] = (predictive_entropy(ens_p), predictive_entropy(ens_ood))
-    print("  " + format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        local_probs.append(pair)
+    rows.append(ensemble("ensemble", local_probs, args.clients * units))
     pooled_idx = np.concatenate(list(part))
     pooled = _trained(cache, "pooled", train.x[pooled_idx], train.y[pooled_idx], split.n_classes, hidden,
                       BNNConfig(epochs=epochs, seed=seed * 100 + 99))
@@ -141,17 +147,12 @@ def run_seed(args, seed: int) -> dict:
                                 ("kl, raw units", "kl", dict(reg=best, unit_form="raw"))):
         res = fuse(bnns, method, class_counts=part.counts, **hyper)
         fused[name] = res
-        row, p, h = evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})
-        rows.append(row)
-        entropies[name] = (predictive_entropy(p), h)
+        rows.append(evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})[0])
     with warnings.catch_warnings():  # one model per fusion on purpose: it comes back pruned
         warnings.filterwarnings("ignore", "only one model", UserWarning)
         pruned = [fuse([bnn], "kl", reg=best) for bnn in bnns]
-    pruned_p = np.mean([predict(r.model, split.test.x) for r in pruned], axis=0)
-    pruned_ood = np.mean([predict(r.model, x_ood) for r in pruned], axis=0)
-    rows.append({"model": "ensemble, pruned locals", **scores(pruned_p, split.test.y, predictive_entropy(pruned_ood)),
-                 "units": sum(sum(r.sizes) for r in pruned), "seconds": None})
-    print("  " + format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    rows.append(ensemble("ensemble, pruned locals", [(predict(r.model, split.test.x), predict(r.model, x_ood))
+                                                     for r in pruned], sum(sum(r.sizes) for r in pruned)))
     kept = fused["fused (kl)"].hyper["kept_units"]
     kept = [len(k) for k in kept] if len(args.hidden) == 1 else [[len(k) for k in layer] for layer in kept]
     return {"seed": seed, "rows": rows, "validation": validation, "reg": best, "sizes": part.sizes.tolist(),
@@ -277,7 +278,8 @@ def _figure(args, run):
     fig = matplotlib.pyplot.figure(figsize=(12, 7.5), layout="constrained")
     top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, 1])
     ax = top.subplots()
-    shown = {k: v for k, v in run["entropies"].items() if not k.startswith("kl,")}
+    shown = {k: v for k, v in run["entropies"].items()
+             if k.startswith("local ") or k in ("ensemble", "fused (kl)", "fused (nafi)")}
     plot_centred_entropy(shown, fonts.y, ax=ax)
     ax.set_title(f"{args.dataset}, seed {run['seed']}: uncertainty on out-of-distribution font digits (Figure 5)")
     h = run["entropies"]["fused (kl)"][0]
