@@ -257,6 +257,9 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
           "weights of a global unit: the atom's posterior mean, or the average of the units matched to it; "
           "'auto': posterior for one hidden layer, average for deeper networks"),
     Param("n_iter", Interval(int, 1, None, "left"), "maximum sweeps (matching) or alternation steps (KL-fusion)"),
+    Param("tol", Interval(float, 0.0, None, "left"),
+          "matching: stop when a sweep raises the log posterior by less than this many nats per unit; 0 sweeps "
+          "until no unit moves"),
     Param("direction", Options(("bottom-up", "top-down")),
           "order of the layers: bottom-up (FedMA eq. 4) or top-down (PFNM supplement Algorithm 1)"),
     Param("average_outputs", Options((True, False)),
@@ -281,7 +284,11 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
 
 _MATCHING = dict(noise_var=1.0, prior_var=10.0, gamma0=1.0)
 _AUTO_MATCHING = dict(noise_var="auto", prior_var="auto", gamma0="auto")
-_NETWORK = dict(cost="auto", n_iter=10, direction="bottom-up", global_weights="auto", average_outputs=True)
+# tol: a sweep that gains less than 0.1 nats per unit ends the matching. On 10 Fashion-MNIST 784-1000-10
+# MLPs (benchmarks/bench_stopping.py, 10k training images held out, 3 seeds) PFNM then sweeps 7-10 times
+# instead of 21-40 (2.3-3.4x faster) at the validation accuracy (+0.1 to +0.3 points) and NLL (-0.03 to
+# +0.025) of the fixed point; 0.3 costs 0.1 point and up to +0.1 NLL on every seed.
+_NETWORK = dict(cost="auto", n_iter=10, tol=0.1, direction="bottom-up", global_weights="auto", average_outputs=True)
 _NAFI_KL = {"network": 1.0, "bnn": 0.01}
 # BNNs: pruned units in the effective form, outputs weighted by class shares (bayesfuse.core._fuse_bnn_states).
 # KL-fusion's reg: validation log-likelihood (10% of the training set held out, never the test set;

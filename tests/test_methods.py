@@ -45,7 +45,10 @@ ALGORITHMS = [
 # Defaults that differ on purpose, with the reason. kl_fuse fuses any mean-field posteriors and
 # keeps the paper's lambda = 0.1 (Gaussian mixtures, bench_mixture_fusion.py); the BNN row fuses
 # pruned units in the effective form, where validation log-likelihood chose 0.01 (methods.py).
-DIFFERS = {("kl_fuse", "reg"): (0.1, 0.01)}
+# match_neurons serves every cost and fixed hyper-parameters too (FedMA, BNN units), where the recorded
+# log posterior is not what the sweeps optimise: it sweeps to the fixed point unless told to stop; the
+# network row stops at 0.1 nats per unit (studied there, methods.py).
+DIFFERS = {("kl_fuse", "reg"): (0.1, 0.01), ("match_neurons", "tol"): (None, 0.1)}
 
 
 @pytest.mark.parametrize("function, method, kind", ALGORITHMS, ids=[f[0].__name__ for f in ALGORITHMS])

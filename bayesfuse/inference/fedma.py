@@ -153,8 +153,8 @@ def fedma(
             warnings.simplefilter("ignore", ConvergenceWarning)
             result, vals = match_group(arrays, sub_spec, group, matched, class_shares=shares, noise_var=noise_var,
                                        prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
-                                       n_iter=n_iter, seed=group_seed(seed, i), bias_prior_mean=bias_prior_mean,
-                                       verbose=verbose)
+                                       n_iter=n_iter, tol=0.0, seed=group_seed(seed, i),
+                                       bias_prior_mean=bias_prior_mean, verbose=verbose)
         layers[group] = result
         for k in spec.output:  # the output layer is retrained in the global basis, then averaged
             vals.pop(k, None)

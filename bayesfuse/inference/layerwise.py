@@ -333,6 +333,7 @@ def match_group(
     kl_weight: float = 0.0,
     cost: str = "auto",
     n_iter: int = 10,
+    tol: float = 0.1,
     seed=0,
     bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
     absent: str = "zero",
@@ -435,13 +436,13 @@ def match_group(
         blocks = np.repeat(np.arange(len(layout)), [width for *_, width in layout])
         result = match_neurons(units, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, prior_mean=mu0,
                                blocks=blocks, relative_precision=precision, kl_weight=kl_weight / D, cost=cost,
-                               n_iter=n_iter, seed=seed, verbose=verbose)
+                               n_iter=n_iter, tol=tol, seed=seed, verbose=verbose)
         result.hyper["blocks"] = [k for k, *_ in layout]
     else:
         uniform = (match_noise == match_noise[0, 0]).all()
         result = match_neurons(units, noise_var=float(match_noise[0, 0]) if uniform else match_noise,
                                prior_var=prior_var, prior_mean=mu0, gamma0=gamma0, kl_weight=kl_weight / D,
-                               cost=cost, n_iter=n_iter, seed=seed, verbose=verbose)
+                               cost=cost, n_iter=n_iter, tol=tol, seed=seed, verbose=verbose)
     if device is not None:  # the posterior back on the host, as every result of this module
         result.mean, result.var = to_host(result.mean), to_host(result.var)
     values, start = {}, 0
@@ -523,6 +524,7 @@ def match_layerwise(
     kl_weight: float = 0.0,
     cost: str = "auto",
     n_iter: int = 10,
+    tol: float = 0.1,
     seed: int | None = 0,
     fold_bn: bool = True,
     bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
@@ -549,7 +551,7 @@ def match_layerwise(
     direction : {"bottom-up", "top-down"}
     class_counts : (J, K) array, optional
         Weights the output layer by class shares.
-    noise_var, prior_var, gamma0, kl_weight, cost, n_iter, seed
+    noise_var, prior_var, gamma0, kl_weight, cost, n_iter, tol, seed
         As in :func:`~bayesfuse.inference.matching.match_neurons`, the same for every group.
     fold_bn : bool
         Fold batch norms first (NAFI appendix E); needed when clients have batch norms.
@@ -607,8 +609,8 @@ def match_layerwise(
         for i, group in enumerate(order):
             result, vals = match_group(arrays, spec, group, matched, class_shares=shares, noise_var=noise_var,
                                        prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
-                                       n_iter=n_iter, seed=group_seed(seed, i), bias_prior_mean=bias_prior_mean,
-                                       absent=absent, global_weights=global_weights, verbose=verbose,
+                                       n_iter=n_iter, tol=tol, seed=group_seed(seed, i),
+                                       bias_prior_mean=bias_prior_mean, absent=absent, global_weights=global_weights, verbose=verbose,
                                        device=device, dtype=dtype)
             matched[group] = Basis(result.assignments, result.n_global)
             layers[group] = result
@@ -624,7 +626,7 @@ def match_layerwise(
         order=order,
         sizes={g: layers[g].n_global for g in spec.groups},
         hyper=dict(direction=direction, absent=absent, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
-                   kl_weight=kl_weight, cost=cost, n_iter=n_iter, seed=seed, global_weights=global_weights,
+                   kl_weight=kl_weight, cost=cost, n_iter=n_iter, tol=tol, seed=seed, global_weights=global_weights,
                    average_outputs=average_outputs, **({} if device is None else dict(device=str(device),
                                                                                         dtype=dtype))),
         seconds=time.perf_counter() - start,

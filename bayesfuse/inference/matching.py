@@ -87,9 +87,10 @@ class MatchResult:
         ``log p(neurons, assignments)`` with atoms integrated out (see
         :func:`log_marginal_posterior`) after each sweep.
     converged : bool
-        True when a sweep changed no assignment, or when the sweeps came back to an earlier
+        True when a sweep changed no assignment, when the sweeps came back to an earlier
         matching (NAFI's penalty can make them cycle; ``hyper["cycle"]`` is then its period
-        and more sweeps would only repeat it).
+        and more sweeps would only repeat it), or when a sweep gained less than ``tol`` nats per
+        neuron (``hyper["stopped"]``).
     n_sweeps : int
     hyper : dict
         The hyper-parameters used.
@@ -1089,7 +1090,10 @@ def match_neurons(
     n_iter : int
         Maximum number of sweeps.
     tol : float, optional
-        Also stop when a sweep raises the objective by less than ``tol``.
+        Also stop when a sweep raises the objective by less than ``tol`` nats per neuron
+        (``tol * sum_j L_j`` in all): the sweeps' gains fall fast, then trail off in moves
+        worth a fraction of a nat each (``hyper["stopped"]`` says whether it stopped so).
+        None or 0: sweep until no neuron moves (or ``n_iter``).
     seed : int or Generator, optional
         Order of the clients in each sweep; the same seed gives the same result.
     verbose : bool
@@ -1143,6 +1147,8 @@ def match_neurons(
     for k in auto:
         if locals()[k] != "auto":
             raise ValueError(f"{k} must be a number or 'auto', got {locals()[k]!r}")
+    if tol is not None and (not np.isfinite(tol) or tol < 0):
+        raise ValueError(f"tol must be a finite number >= 0 (nats per neuron) or None, got {tol!r}")
     if cost == "auto":
         cost = "marginal" if auto else "pfnm"
     if cost not in ("pfnm", "marginal"):
@@ -1185,6 +1191,7 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     if int(n_iter) != n_iter or n_iter < 1:
         raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    least_gain = _least_gain(tol, layers)
     data_const = _data_constant(layers, prec, groups, squares)
     cache = _NeuronCache(J) if cache is None else cache
     prec_on = [backend.put(p) for p in prec]  # the precisions where the neurons are
@@ -1287,8 +1294,8 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
             if (sweep > 0 or init is not None) and changed == 0:
                 converged = True
                 break
-            if tol is not None and sweep > 0 and objective[-1] - objective[-2] < tol:
-                stopped = True
+            if least_gain is not None and sweep > 0 and objective[-1] - objective[-2] < least_gain:
+                stopped = converged = True
                 break
             state = _partition_key(assignments)
             if state in seen:  # the sweeps came back to an earlier partition: more would repeat the cycle
@@ -1309,12 +1316,17 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
         hyper=dict(noise_var=_listed(noise_var, checked), prior_var=_listed(prior_var, checked),
                    prior_mean=_listed(prior_mean, checked),
                    gamma0=gamma0, kl_weight=kl_weight, cost=cost, n_iter=n_iter, local_vars=local_vars is not None,
-                   seed=None if isinstance(seed, np.random.Generator) else seed, cycle=cycle),
+                   seed=None if isinstance(seed, np.random.Generator) else seed, cycle=cycle, tol=tol,
+                   stopped=stopped),
         seconds=time.perf_counter() - start,
     )
-    if not stopped:
-        warn_not_converged({"matching": result}, "matching")
+    warn_not_converged({"matching": result}, "matching")
     return result
+
+
+def _least_gain(tol: float | None, layers) -> float | None:
+    """The gain in nats below which a sweep ends the matching: ``tol`` per neuron of ``layers``."""
+    return None if not tol else float(tol) * sum(int(v.shape[0]) for v in layers)
 
 
 def _posterior_moments(h, lam: np.ndarray, groups: _Groups, backend: Backend = NUMPY,
@@ -1406,7 +1418,7 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
         hyper.gamma0 = float(gamma0)
     trace, result, init_atoms, assignments = [], None, None, None
     squares, cache = _squares(host_layers), _NeuronCache(J)
-    sweeps, tol = 0, match["tol"]
+    sweeps, least_gain = 0, _least_gain(match["tol"], host_layers)
     settled = stopped = False
     bar = tqdm(range(int(rounds)), desc="empirical Bayes", unit="round", disable=not verbose)
     with warnings.catch_warnings():  # one sweep per round never "converges": the rounds' end is what counts
@@ -1421,7 +1433,8 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
             trace.append(dict(n_global=result.n_global, objective=result.objective[-1], **hyper.as_dict()))
             bar.set_postfix(atoms=result.n_global, objective=f"{result.objective[-1]:.1f}")
             gain = math.inf if r == 0 else trace[-1]["objective"] - trace[-2]["objective"]
-            settled, stopped = result.converged, tol is not None and gain < tol  # settled: no neuron moved
+            settled = result.converged  # no neuron moved
+            stopped = least_gain is not None and gain < least_gain
             if settled or stopped:
                 break
             # one pass over the neurons serves the M-step and the next sweep's start; of this sweep's
@@ -1442,12 +1455,10 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
                             init=assignments, init_atoms=init_atoms, squares=squares, cache=cache, **match)
             sweeps += result.n_sweeps
             objective += result.objective
-            stopped = (tol is not None and not result.converged and len(result.objective) > 1
-                       and result.objective[-1] - result.objective[-2] < tol)
-    result.n_sweeps, result.objective = sweeps, objective
+            stopped = result.hyper["stopped"]
+    result.n_sweeps, result.objective, result.converged = sweeps, objective, result.converged or stopped
     result.hyper = dict(result.hyper, **hyper.as_dict(), auto=list(auto), blocks=blocks.tolist(), rounds=len(trace),
-                        trace=trace)
+                        trace=trace, stopped=stopped)
     result.seconds = time.perf_counter() - start
-    if not (result.converged or stopped):
-        warn_not_converged({"matching": result}, "matching", stacklevel=4)
+    warn_not_converged({"matching": result}, "matching", stacklevel=4)
     return result

@@ -71,6 +71,20 @@ def test_bottom_up_recovers_every_layer_of_a_simulated_deep_federation(cost, noi
         assert abs(res.sizes[group] - true_atoms) <= 0.05 * true_atoms
 
 
+def test_tol_reaches_every_layer_and_zero_sweeps_to_the_fixed_point():
+    # tol is passed to each group's matching; with 0 every group ends at a sweep that moves
+    # nothing, and a larger one takes the same sweeps up to where it stops.
+    fed = simulate_deep_federation(10, 40, 2, 10, gamma0=20.0, noise_var=0.05, seed=1)
+    spec = MLP(1, [1, 1], 1).permutation_spec()
+    runs = {tol: match_layerwise(fed.states, spec, tol=tol, absent="unobserved", bias_prior_mean=0.0)
+            for tol in (0.0, 0.3)}
+    for group in spec.groups:
+        fixed, early = runs[0.0].layers[group], runs[0.3].layers[group]
+        assert fixed.hyper["tol"] == 0.0 and early.hyper["tol"] == 0.3
+        assert fixed.converged and not fixed.hyper["stopped"] and early.converged
+        assert early.objective == fixed.objective[: len(early.objective)]
+
+
 def test_top_down_describes_upper_units_by_few_numbers_and_merges_them():
     """PFNM Algorithm 1 matches the top layer on its 10 outgoing weights and bias only."""
     fed = simulate_deep_federation(10, 100, 2, 10, gamma0=30.0, noise_var=0.01, seed=0)

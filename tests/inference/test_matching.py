@@ -1,5 +1,6 @@
 import itertools
 import math
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -236,6 +237,36 @@ def test_result_fields_are_consistent():
     assert res.mean.shape == res.var.shape == (res.n_global, 5)
     assert res.hyper["cost"] == "pfnm" and res.seconds > 0
     assert "global atoms" in repr(res)
+
+
+@pytest.mark.parametrize("auto", [False, True], ids=["fixed", "empirical-bayes"])
+def test_tol_stops_at_the_first_sweep_that_gains_less_than_tol_per_neuron(auto):
+    # The same seed visits the clients in the same order, so the sweeps with tol are those run
+    # to the fixed point, up to the first whose gain in log posterior is below tol nats per
+    # neuron (481 neurons here; the full run takes 8 and 12 sweeps).
+    fed = simulate_federation(30, 6, gamma0=10.0, prior_var=1.0, noise_var=0.5, seed=1)
+    kw = dict(seed=0) if auto else dict(noise_var=0.5, prior_var=1.0, gamma0=10.0, cost="marginal", n_iter=50, seed=0)
+    full = match_neurons(fed.layers, tol=0, **kw)
+    assert full.converged and not full.hyper["stopped"]
+    tol, n = 0.01, sum(len(v) for v in fed.layers)
+    first = int(np.argmax(np.diff(full.objective) < tol * n))  # the first gain below tol * n
+    assert 0 < first < len(full.objective) - 2  # a real early stop
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a stop by tol is no failure to converge
+        early = match_neurons(fed.layers, tol=tol, **kw)
+    assert early.objective == full.objective[: first + 2]
+    assert early.n_sweeps == first + 2 and early.converged and early.hyper["stopped"]
+    assert early.n_global == len(early.counts)
+
+
+def test_tol_none_and_zero_sweep_to_the_fixed_point():
+    fed = simulate_federation(15, 8, gamma0=8.0, prior_var=1.0, noise_var=0.8, seed=1)
+    kw = dict(noise_var=0.8, prior_var=1.0, gamma0=8.0, cost="marginal", n_iter=50, seed=0)
+    a, b = match_neurons(fed.layers, tol=None, **kw), match_neurons(fed.layers, tol=0.0, **kw)
+    assert a.objective == b.objective and a.converged and np.diff(a.objective)[-1] == 0
+    for bad in (-0.1, np.nan, np.inf):
+        with pytest.raises(ValueError, match="tol must be"):
+            match_neurons(fed.layers, tol=bad, **kw)
 
 
 def test_bad_inputs():

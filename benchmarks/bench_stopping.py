@@ -1,0 +1,128 @@
+"""Where wide-layer matching stops: time and quality against ``tol`` (nats per unit).
+
+Usage: python benchmarks/bench_stopping.py [--seeds 0 1 2] [--tols 0 0.1 0.3 1 3] [--methods pfnm nafi]
+       [--cache DIR] [--data-path DIR]
+
+For each seed: 10k Fashion-MNIST training images are held out for validation; the other 50k
+are split over 10 clients (Dirichlet(0.5)), and each trains a 784-1000-10 MLP for 2 epochs
+(the wide case of ``bench_scale.py``). The clients are fused by PFNM (and NAFI) with empirical
+Bayes at each ``tol``; 0 sweeps until no unit moves. Printed per tol: wall time, sweeps, global
+units, and validation accuracy, NLL and ECE (mean +- sd over seeds) next to the ensemble's;
+then the test set at the fixed point and at the table's default. The default is chosen on the
+validation rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bayesfuse import fuse, methods
+from bayesfuse._io import atomic_write_text
+from bayesfuse.checkpoints import load_state_dict, save_state_dict
+from bayesfuse.data import dirichlet_partition, load_fashion_mnist
+from bayesfuse.metrics import evaluate
+from bayesfuse.nets.arch import rebuild
+from bayesfuse.nets.predict import predict_proba
+from bayesfuse.train import TrainConfig, new_model, train_clients
+
+HERE = Path(__file__).resolve().parent
+N_CLIENTS, ALPHA, HIDDEN, EPOCHS, N_VAL = 10, 0.5, (1000,), 2, 10_000
+
+
+def _clients(data, seed: int, cache: Path):
+    """The seed's validation split and its 10 trained clients (read from ``cache`` when there)."""
+    order = np.random.default_rng(100 + seed).permutation(len(data.train))
+    val, train = data.train.subset(order[:N_VAL]), data.train.subset(order[N_VAL:])
+    config = TrainConfig(hidden=HIDDEN, epochs=EPOCHS, seed=seed)
+    files = [cache / f"seed{seed}_client{j}.pt" for j in range(N_CLIENTS)]
+    if all(f.exists() for f in files):
+        template = new_model(data.n_features, data.n_classes, config)
+        models = [rebuild(template, load_state_dict(f)) for f in files]
+    else:
+        partition = dirichlet_partition(train.y, N_CLIENTS, ALPHA, seed=seed)
+        models = train_clients(train, partition, config, shared_init=False, verbose=False)
+        cache.mkdir(parents=True, exist_ok=True)
+        for f, m in zip(files, models):
+            save_state_dict(m.state_dict(), f, overwrite=True)
+    return val, [m.eval() for m in models]
+
+
+def _fused(models, method: str, tol: float, x_val, y_val, x_test, y_test) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = time.perf_counter()
+        res = fuse(models, method, tol=tol)
+        seconds = time.perf_counter() - start
+    layer = res.layers[0]
+    return dict(method=method, tol=tol, seconds=seconds, sweeps=layer.n_sweeps, units=res.sizes[0],
+                val=evaluate(predict_proba(res.model, x_val), y_val),
+                test=evaluate(predict_proba(res.model, x_test), y_test))
+
+
+def _ms(values, digits: int = 4) -> str:
+    values = np.asarray(values, dtype=float)
+    return f"{values.mean():.{digits}f} +- {values.std():.{digits}f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tols", type=float, nargs="+", default=[0.0, 0.1, 0.3, 1.0, 3.0])
+    parser.add_argument("--methods", nargs="+", default=["pfnm"], choices=["pfnm", "nafi"])
+    parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "stopping-mlps"),
+                        help="where the trained MLPs are kept")
+    parser.add_argument("--data-path", default=None, help="Fashion-MNIST directory (default: the Debian one)")
+    parser.add_argument("--out", default=None, help="write the rows as JSON to this file (replaced if there)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # small MLPs train faster on one thread; the matching sets its own BLAS threads
+    data = load_fashion_mnist(args.data_path).standardize()
+    rows, ensembles = [], []
+    for seed in args.seeds:
+        val, models = _clients(data, seed, Path(args.cache))
+        local_val = [predict_proba(m, val.x) for m in models]
+        local_test = [predict_proba(m, data.test.x) for m in models]
+        ensembles.append(dict(val=evaluate(np.mean(local_val, axis=0), val.y),
+                              test=evaluate(np.mean(local_test, axis=0), data.test.y)))
+        for method in args.methods:
+            for tol in args.tols:
+                row = _fused(models, method, tol, val.x, val.y, data.test.x, data.test.y)
+                rows.append(dict(row, seed=seed))
+                print(f"seed {seed} {method} tol {tol:g}: {row['seconds']:.1f} s, {row['sweeps']} sweeps, "
+                      f"{row['units']} units, validation accuracy {row['val']['accuracy']:.4f} "
+                      f"nll {row['val']['nll']:.4f}", flush=True)
+    print(f"\nFashion-MNIST, {N_CLIENTS} clients, Dirichlet({ALPHA}), 784-1000-10, seeds {args.seeds}: "
+          "validation (mean +- sd)")
+    header = f"{'model':<18} {'seconds':>14} {'sweeps':>12} {'units':>16} {'accuracy':>18} {'nll':>18} {'ece':>18}"
+    print(header)
+    print(f"{'ensemble':<18} {'-':>14} {'-':>12} {N_CLIENTS * HIDDEN[0]:>16} "
+          f"{_ms([e['val']['accuracy'] for e in ensembles]):>18} {_ms([e['val']['nll'] for e in ensembles]):>18} "
+          f"{_ms([e['val']['ece'] for e in ensembles]):>18}")
+    for method in args.methods:
+        for tol in args.tols:
+            sel = [r for r in rows if r["method"] == method and r["tol"] == tol]
+            print(f"{f'{method} tol {tol:g}':<18} {_ms([r['seconds'] for r in sel], 1):>14} "
+                  f"{'/'.join(str(r['sweeps']) for r in sel):>12} {'/'.join(str(r['units']) for r in sel):>16} "
+                  f"{_ms([r['val']['accuracy'] for r in sel]):>18} {_ms([r['val']['nll'] for r in sel]):>18} "
+                  f"{_ms([r['val']['ece'] for r in sel]):>18}")
+    default = methods.resolve("pfnm", "network")["tol"]
+    print(f"\ntest set (10k), at the fixed point (tol 0) and at the default (tol {default:g})")
+    print(f"{'ensemble':<18} accuracy {_ms([e['test']['accuracy'] for e in ensembles])}  "
+          f"nll {_ms([e['test']['nll'] for e in ensembles])}")
+    for method in args.methods:
+        for tol in sorted({0.0, default} & set(args.tols)):
+            sel = [r for r in rows if r["method"] == method and r["tol"] == tol]
+            print(f"{f'{method} tol {tol:g}':<18} accuracy {_ms([r['test']['accuracy'] for r in sel])}  "
+                  f"nll {_ms([r['test']['nll'] for r in sel])}")
+    if args.out:
+        atomic_write_text(args.out, json.dumps(dict(rows=rows, ensembles=ensembles), indent=1), overwrite=True)
+
+
+if __name__ == "__main__":
+    main()
