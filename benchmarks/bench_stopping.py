@@ -1,7 +1,7 @@
 """Where wide-layer matching stops: time and quality against ``tol`` (nats per unit).
 
 Usage: python benchmarks/bench_stopping.py [--seeds 0 1 2] [--tols 0 0.1 0.3 1 3] [--methods pfnm nafi]
-       [--cache DIR] [--data-path DIR]
+       [--cache DIR] [--data-path DIR] [--out DIR]
 
 For each seed: 10k Fashion-MNIST training images are held out for validation; the other 50k
 are split over 10 clients (Dirichlet(0.5)), and each trains a 784-1000-10 MLP for 2 epochs
@@ -9,7 +9,8 @@ are split over 10 clients (Dirichlet(0.5)), and each trains a 784-1000-10 MLP fo
 Bayes at each ``tol``; 0 sweeps until no unit moves. Printed per tol: wall time, sweeps, global
 units, and validation accuracy, NLL and ECE (mean +- sd over seeds) next to the ensemble's;
 then the test set at the fixed point and at the table's default. The default is chosen on the
-validation rows only.
+validation rows only. The rows go to ``DIR/stopping.json``, a figure of time, validation
+accuracy and NLL against tol to ``DIR/stopping.png``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from bayesfuse import fuse, methods
-from bayesfuse._io import atomic_write_text
+from bayesfuse._io import atomic_write_bytes, atomic_write_text
 from bayesfuse.checkpoints import load_state_dict, save_state_dict
 from bayesfuse.data import dirichlet_partition, load_fashion_mnist
 from bayesfuse.metrics import evaluate
@@ -79,7 +80,8 @@ def main() -> None:
     parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "stopping-mlps"),
                         help="where the trained MLPs are kept")
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST directory (default: the Debian one)")
-    parser.add_argument("--out", default=None, help="write the rows as JSON to this file (replaced if there)")
+    parser.add_argument("--out", default=str(HERE.parent / "bench-results"),
+                        help="directory for stopping.json (the rows) and stopping.png (replaced if there)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small MLPs train faster on one thread; the matching sets its own BLAS threads
     data = load_fashion_mnist(args.data_path).standardize()
@@ -120,8 +122,47 @@ def main() -> None:
             sel = [r for r in rows if r["method"] == method and r["tol"] == tol]
             print(f"{f'{method} tol {tol:g}':<18} accuracy {_ms([r['test']['accuracy'] for r in sel])}  "
                   f"nll {_ms([r['test']['nll'] for r in sel])}")
-    if args.out:
-        atomic_write_text(args.out, json.dumps(dict(rows=rows, ensembles=ensembles), indent=1), overwrite=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "stopping.json", json.dumps(dict(rows=rows, ensembles=ensembles), indent=1),
+                      overwrite=True)
+    print(f"figure: {_figure(rows, ensembles, out / 'stopping.png')}")
+
+
+def _figure(rows: list[dict], ensembles: list[dict], path: Path) -> Path:
+    """Seconds, validation accuracy and NLL against tol, one line per method and seed."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
+    keys = [("seconds", None, "wall time (s)"), ("val", "accuracy", "validation accuracy"),
+            ("val", "nll", "validation NLL")]
+    seeds = sorted({r["seed"] for r in rows})
+    for method, style in zip(sorted({r["method"] for r in rows}), ("o-", "s--")):
+        for seed in seeds:
+            sel = sorted((r for r in rows if r["method"] == method and r["seed"] == seed), key=lambda r: r["tol"])
+            x = [max(r["tol"], 0.03) for r in sel]  # tol 0 (the fixed point) drawn at the left edge
+            for ax, (key, sub, _) in zip(axes, keys):
+                y = [r[key] if sub is None else r[key][sub] for r in sel]
+                ax.plot(x, y, style, color=f"C{seed}", label=f"{method}, seed {seed}", alpha=0.8)
+    for seed, e in zip(seeds, ensembles):
+        for ax, (key, sub, _) in zip(axes[1:], keys[1:]):
+            ax.axhline(e[key][sub], color=f"C{seed}", lw=0.8, ls=":")
+    for ax, (_, _, label) in zip(axes, keys):
+        ax.set_xscale("log")
+        ax.set_xlabel("tol (nats per unit; leftmost point: 0, the fixed point)")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    axes[1].set_title("dotted: ensemble of the clients", fontsize=9)
+    fig.suptitle("Wide-layer matching (10 x 784-1000-10, Fashion-MNIST): where it stops")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue(), overwrite=True)
 
 
 if __name__ == "__main__":
