@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "cuda:1, mps); the result is the same up to round-off (default: NumPy float64 on the host)")
     fz.add_argument("--dtype", default="float64", choices=["float32", "float64"],
                     help="with --device: the dtype of that arithmetic (default: float64)")
+    fz.add_argument("--class-counts", default=None, metavar="FILE",
+                    help='JSON object mapping each MODEL (its path as given, or its file name) to its training '
+                    'examples per class, e.g. {"client0.pt": [120, 0, 35]}: weights the output layer by the clients\' '
+                    "class shares, which matters when they saw different classes")
     fz.add_argument("--force", action="store_true", help="replace existing output files")
     return parser
 
@@ -189,7 +193,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_fuse(args: argparse.Namespace) -> int:
-    from bayesfuse.fuse_files import fuse_files
+    from bayesfuse.fuse_files import fuse_files, read_class_counts
     from bayesfuse.inference.result import ConvergenceWarning
     from bayesfuse.methods import parse_assignments
 
@@ -197,7 +201,8 @@ def _run_fuse(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", ConvergenceWarning)
         report = fuse_files(args.models, args.method, args.out, hyper=parse_assignments(args.method, args.hyper),
                             fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
-                            spec_path=args.arch_spec, device=args.device, dtype=args.dtype)
+                            spec_path=args.arch_spec, device=args.device, dtype=args.dtype,
+                            class_counts=None if args.class_counts is None else read_class_counts(args.class_counts))
     print(f"fused {len(args.models)} models with {args.method}: global sizes {report['global_sizes']}; "
           f"wrote {args.out} and {args.out}.json ({report['seconds']:.1f} s)")
     if not report["converged"]:

@@ -20,7 +20,7 @@ import platform
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -68,23 +68,71 @@ def _check_finite(sd: dict, name: str) -> None:
             raise ValueError(f"{name}: parameter {key!r} contains NaN or infinite values")
 
 
-def _load_spec(path: str | Path) -> PermutationSpec:
-    """The permutation spec in a JSON file; errors name the file."""
+def _read_json(path: str | Path, what: str):
+    """The JSON value in the file ``path``; errors name the file as ``what``."""
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"architecture spec {path} is a directory; give the spec's JSON file")
+        raise IsADirectoryError(f"{what} {path} is a directory; give its JSON file")
     if not path.is_file():
-        raise FileNotFoundError(f"architecture spec {path} does not exist")
+        raise FileNotFoundError(f"{what} {path} does not exist")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"architecture spec {path} is not JSON ({err})") from None
+        raise ValueError(f"{what} {path} is not JSON ({err})") from None
     except OSError as err:
-        raise type(err)(f"architecture spec {path} cannot be read ({err.strerror or err})") from None
+        raise type(err)(f"{what} {path} cannot be read ({err.strerror or err})") from None
+
+
+def _load_spec(path: str | Path) -> PermutationSpec:
+    """The permutation spec in a JSON file; errors name the file."""
+    data = _read_json(path, "architecture spec")
     try:
         return spec_from_dict(data)
     except (ValueError, TypeError) as err:
         raise ValueError(f"architecture spec {path}: {err}") from None
+
+
+def read_class_counts(path: str | Path) -> dict[str, list[float]]:
+    """Class counts from a JSON file: an object mapping each model file (its path as given to
+    :func:`fuse_files`, or its file name) to its training examples per class, e.g.
+    ``{"client0.pt": [120, 0, 35], "client1.pt": [3, 80, 41]}``."""
+    data = _read_json(path, "class counts")
+    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+        raise ValueError(f"class counts {path}: expected a JSON object mapping each model file to a list of "
+                         'examples per class, e.g. {"client0.pt": [120, 0, 35]}')
+    return data
+
+
+def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
+    """(J, K) rows of ``class_counts`` for the files ``names`` (paths as given), each found under
+    its path or, failing that, its file name; every key must name one of the files."""
+    given = {str(k): v for k, v in class_counts.items()}
+    by_name: dict[str, list[str]] = {}
+    for n in names:
+        by_name.setdefault(Path(n).name, []).append(n)
+    rows, used = [], set()
+    for n in names:
+        key = n if n in given else Path(n).name
+        if key not in given:
+            raise ValueError(f"class counts: no entry for {n} (key it by its path or its file name)")
+        if key != n and len(by_name[key]) > 1:
+            raise ValueError(f"class counts: the file name {key} names {len(by_name[key])} inputs; key them by path")
+        used.add(key)
+        row = given[key]
+        if not isinstance(row, (list, tuple, np.ndarray)) or not all(
+                isinstance(c, (int, float, np.integer, np.floating)) and not isinstance(c, bool) for c in row):
+            raise ValueError(f"class counts of {n}: expected a list of numbers per class, got {row!r}")
+        rows.append([float(c) for c in row])
+    unknown = sorted(set(given) - used)
+    if unknown:
+        raise ValueError(f"class counts name files that are not inputs: {', '.join(unknown)}")
+    if len({len(r) for r in rows}) > 1:
+        raise ValueError(f"class counts: every file needs one count per class; got lengths "
+                         f"{', '.join(f'{n}: {len(r)}' for n, r in zip(names, rows))}")
+    counts = np.array(rows)
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise ValueError("class counts must be finite and non-negative")
+    return counts
 
 
 def _forward_order(checkpoint: Checkpoint, name: str, spec: PermutationSpec | None) -> "OrderedDict":
@@ -138,6 +186,7 @@ def fuse_files(
     spec_path: str | Path | None = None,
     device=None,
     dtype: str = "float64",
+    class_counts: Mapping[str, Sequence[float]] | None = None,
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
@@ -200,6 +249,7 @@ def fuse_files(
     state_dicts = [forward[i] for i in order]
     files = [files[i] for i in order]
     names = [f["path"] for f in files]
+    counts = None if class_counts is None else _counts_in_order(class_counts, names)
     for sd, name in zip(state_dicts, names):
         _check_finite(sd, name)
 
@@ -214,14 +264,16 @@ def fuse_files(
         from bayesfuse.models.bnn import HorseshoeBNN
 
         states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
-        fused = fuse_states(states, method, names=names, seed=seed, device=device, dtype=dtype, **hyper)
+        fused = fuse_states(states, method, names=names, seed=seed, device=device, dtype=dtype,
+                            class_counts=counts, **hyper)
         fused_sd = HorseshoeBNN.from_state_dict(fused.state).state_dict()
     else:
         spec = _network_spec(state_dicts, names, arch, given_spec)
         states = state_dicts if method == "fedavg" else [
             {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
             for sd in state_dicts]
-        fused = fuse_states(states, method, spec=spec, names=names, seed=seed, device=device, dtype=dtype, **hyper)
+        fused = fuse_states(states, method, spec=spec, names=names, seed=seed, device=device, dtype=dtype,
+                            class_counts=counts, **hyper)
         fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype))
                                for k in state_dicts[0])
     report = {
@@ -235,6 +287,7 @@ def fuse_files(
         "dtype": dtype,
         "inputs": files,
         "fused_order": names,
+        "class_counts": None if counts is None else counts.tolist(),
         "global_sizes": [int(s) for s in fused.sizes],
         "converged": fused.converged,
         "layers": [

@@ -1,5 +1,6 @@
 import contextlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -219,6 +220,75 @@ def test_ambiguous_options_are_refused(mlp_files, tmp_path, capsys, argv, messag
         assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "f.pt").exists()
+
+
+def _counts_by_name(paths, split):
+    part = dirichlet_partition(split.train.y, 3, 0.5, seed=0)  # the split mlp_files were trained on
+    return {p.name: part.counts[j].tolist() for j, p in enumerate(paths)}
+
+
+@pytest.mark.parametrize("method", ["pfnm", "fedavg"])
+def test_class_counts_follow_their_files_into_the_fused_order(mlp_files, tmp_path, split, method):
+    # The rows must reach fuse_states in the fused (canonical) order: fusing the state_dicts in
+    # that order with the rows in that order gives the same network; the files' order, and
+    # keying by path or by file name, change nothing.
+    from bayesfuse.core import fuse_states
+
+    by_name = _counts_by_name(mlp_files, split)
+    report = fuse_files(mlp_files, method, tmp_path / "a.pt", class_counts=by_name)
+    fuse_files(mlp_files[::-1], method, tmp_path / "b.pt", class_counts={str(p): by_name[p.name] for p in mlp_files})
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+    rows = [by_name[Path(n).name] for n in report["fused_order"]]
+    assert report["class_counts"] == rows
+    states = [{k: v.double().numpy() for k, v in load_state_dict(n).items()} for n in report["fused_order"]]
+    expected = fuse_states(states, method, class_counts=np.array(rows), seed=0)
+    fused = load_state_dict(tmp_path / "a.pt")
+    for k, v in expected.state.items():
+        np.testing.assert_allclose(fused[k].double().numpy(), v, rtol=1e-6, atol=1e-6)
+    fuse_files(mlp_files, method, tmp_path / "c.pt")
+    plain = load_state_dict(tmp_path / "c.pt")
+    assert not torch.equal(plain["fc2.bias"], fused["fc2.bias"])  # the shares reach the output layer
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: {k: v for k, v in list(c.items())[1:]}, "no entry for"),
+    (lambda c: {**c, "other.pt": [1] * 10}, "not inputs: other.pt"),
+    (lambda c: {k: v[:-1] if i == 0 else v for i, (k, v) in enumerate(c.items())}, "one count per class"),
+    (lambda c: {k: [-1] + v[1:] for k, v in c.items()}, "finite and non-negative"),
+    (lambda c: {k: ["a"] + v[1:] for k, v in c.items()}, "list of numbers"),
+    (lambda c: {k: [True] + v[1:] for k, v in c.items()}, "list of numbers"),
+])
+def test_bad_class_counts_are_named_and_nothing_is_written(mlp_files, tmp_path, capsys, split, edit, message):
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(edit(_counts_by_name(mlp_files, split))))
+    out = tmp_path / "f.pt"
+    code = main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(out), "--class-counts", str(path)])
+    assert code == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "expected a JSON object"), ("{\"a.pt\": 3}", "expected a JSON object"), ("{", "is not JSON"),
+    (None, "does not exist"),
+])
+def test_class_counts_files_that_cannot_be_used_are_refused(mlp_files, tmp_path, capsys, content, message):
+    path = tmp_path / "counts.json"
+    if content is not None:
+        path.write_text(content)
+    code = main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(tmp_path / "f.pt"),
+                 "--class-counts", str(path)])
+    assert code != 0 and message in capsys.readouterr().err
+
+
+def test_a_file_name_shared_by_two_inputs_must_be_keyed_by_path(mlp_files, tmp_path):
+    twin = tmp_path / "twin" / mlp_files[0].name
+    twin.parent.mkdir()
+    twin.write_bytes(mlp_files[1].read_bytes())
+    paths = [mlp_files[0], twin, mlp_files[2]]
+    counts = {mlp_files[0].name: [1.0] * 10, mlp_files[2].name: [1.0] * 10}
+    with pytest.raises(ValueError, match="names 2 inputs; key them by path"):
+        fuse_files(paths, "pfnm", tmp_path / "f.pt", class_counts=counts)
+    by_path = {str(p): [1.0 + j] * 10 for j, p in enumerate(paths)}
+    assert fuse_files(paths, "pfnm", tmp_path / "f.pt", class_counts=by_path)["class_counts"] is not None
 
 
 def test_the_same_file_twice_is_refused(mlp_files, tmp_path):
