@@ -17,6 +17,11 @@ images from font-rendered digits (out of distribution), and the hidden units of
   log-likelihood (never the test set), and by NAFI at its defaults;
 * the fused BNNs without pruning and with the raw unit form (the two ablations of
   :func:`bayesfuse.core._fuse_bnn_states`);
+* the locals **side by side** in one network (KL-fusion with ``reg`` 1e-12, at which no unit
+  merges, and no pruning): its logits are the class-share average of the locals' logits, the
+  rule by which the fused BNN combines the clients, with nothing merged or dropped. Between the
+  ensemble and it lies what one softmax over averaged logits gives up against averaged
+  probabilities, whatever the fusion does;
 * the **ensemble of the pruned locals**: each local BNN with the units pruning drops removed
   (a one-client fusion), predictions averaged. It holds the units the fused BNN is built
   from, so between it and the fused BNN lies what one network loses against averaging
@@ -56,6 +61,9 @@ from bayesfuse.metrics import accuracy, evaluate, negative_log_likelihood, ood_a
 from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
 
 COLUMNS = ("model", "accuracy", "loglik", "ece", "auroc", "units")
+
+
+SIDE_BY_SIDE = "locals side by side"
 
 
 def scores(p, y, h_ood=None) -> dict:
@@ -144,7 +152,9 @@ def run_seed(args, seed: int) -> dict:
     for name, method, hyper in (("fused (kl)", "kl", dict(reg=best)),
                                 ("fused (nafi)", "nafi", {}),
                                 ("kl, no pruning", "kl", dict(reg=best, prune_kl=0.0)),
-                                ("kl, raw units", "kl", dict(reg=best, unit_form="raw"))):
+                                ("kl, raw units", "kl", dict(reg=best, unit_form="raw")),
+                                # reg far below any KL cost: no unit merges, none is pruned
+                                (SIDE_BY_SIDE, "kl", dict(reg=1e-12, prune_kl=0.0))):
         res = fuse(bnns, method, class_counts=part.counts, **hyper)
         fused[name] = res
         rows.append(evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})[0])
