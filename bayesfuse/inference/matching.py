@@ -1389,7 +1389,9 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
     (:func:`~bayesfuse.inference.empirical_bayes.maximise_hyper`). F never decreases; the
     rounds stop when a sweep moves no neuron, where the assignments are a fixed point of the
     sweeps under the hyper-parameters they were matched with, and those hyper-parameters the
-    maximiser for these assignments. If ``rounds`` run out first, a last matching (up to
+    maximiser for these assignments; or, with ``tol``, when a round's sweep raised F by less
+    than ``tol`` nats per neuron (the result is then that sweep's, under the hyper-parameters
+    it was matched with). If ``rounds`` run out first, a last matching (up to
     ``n_iter`` sweeps) with the final values makes result and hyper-parameters agree.
     """
     if local_vars is not None:
