@@ -16,6 +16,7 @@ result; the same tensors and seed give a bit-identical output.
 from __future__ import annotations
 
 import json
+import math
 import platform
 import time
 from collections import OrderedDict
@@ -105,34 +106,51 @@ def read_class_counts(path: str | Path) -> dict[str, list[float]]:
 
 def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
     """(J, K) rows of ``class_counts`` for the files ``names`` (paths as given), each found under
-    its path or, failing that, its file name; every key must name one of the files."""
-    given = {str(k): v for k, v in class_counts.items()}
+    its path (spelled any way that names the same file) or its file name; every key must name
+    one of the files, and no file may be named twice."""
+    if not isinstance(class_counts, Mapping):
+        raise ValueError("class counts must map each model file (its path or its file name) to its examples per "
+                         f"class, got a {type(class_counts).__name__}")
+    keys: dict[Path, str] = {}
+    for k in class_counts:
+        if Path(k) in keys:
+            raise ValueError(f"class counts: {k} is given twice (also as {keys[Path(k)]})")
+        keys[Path(k)] = k
     by_name: dict[str, list[str]] = {}
     for n in names:
         by_name.setdefault(Path(n).name, []).append(n)
     rows, used = [], set()
     for n in names:
-        key = n if n in given else Path(n).name
-        if key not in given:
+        path = Path(n)
+        found = [p for p in keys if p == path or p.resolve() == path.resolve() or p == Path(path.name)]
+        if not found:
             raise ValueError(f"class counts: no entry for {n} (key it by its path or its file name)")
-        if key != n and len(by_name[key]) > 1:
-            raise ValueError(f"class counts: the file name {key} names {len(by_name[key])} inputs; key them by path")
+        if len(found) > 1:
+            raise ValueError(f"class counts: {n} is given twice (as {' and '.join(str(keys[p]) for p in found)})")
+        key = found[0]
+        if key == Path(path.name) and key != path and len(by_name[path.name]) > 1:
+            raise ValueError(f"class counts: the file name {path.name} names {len(by_name[path.name])} inputs; "
+                             "key them by path")
         used.add(key)
-        row = given[key]
+        row = class_counts[keys[key]]
         if not isinstance(row, (list, tuple, np.ndarray)) or not all(
                 isinstance(c, (int, float, np.integer, np.floating)) and not isinstance(c, bool) for c in row):
             raise ValueError(f"class counts of {n}: expected a list of numbers per class, got {row!r}")
+        if not all(math.isfinite(c) and c >= 0 for c in row):
+            raise ValueError(f"class counts of {n} must be finite and non-negative, got {list(row)!r}")
         rows.append([float(c) for c in row])
-    unknown = sorted(set(given) - used)
+    unknown = sorted(str(keys[p]) for p in keys if p not in used)
     if unknown:
         raise ValueError(f"class counts name files that are not inputs: {', '.join(unknown)}")
     if len({len(r) for r in rows}) > 1:
         raise ValueError(f"class counts: every file needs one count per class; got lengths "
                          f"{', '.join(f'{n}: {len(r)}' for n, r in zip(names, rows))}")
-    counts = np.array(rows)
-    if not np.isfinite(counts).all() or (counts < 0).any():
-        raise ValueError("class counts must be finite and non-negative")
-    return counts
+    return np.array(rows)
+
+
+def _check_n_classes(counts: np.ndarray | None, n_classes: int) -> None:
+    if counts is not None and counts.shape[1] != n_classes:
+        raise ValueError(f"class counts give {counts.shape[1]} counts per file; the models have {n_classes} classes")
 
 
 def _forward_order(checkpoint: Checkpoint, name: str, spec: PermutationSpec | None) -> "OrderedDict":
@@ -263,12 +281,16 @@ def fuse_files(
             raise ValueError("method 'fedavg' is for point-estimate networks; use kl, nafi or pfnm for BNNs")
         from bayesfuse.models.bnn import HorseshoeBNN
 
-        states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
+        bnns = [HorseshoeBNN.from_state_dict(sd, n) for sd, n in zip(state_dicts, names)]
+        _check_n_classes(counts, bnns[0].n_classes)
+        states = [b.state_dict() for b in bnns]
         fused = fuse_states(states, method, names=names, seed=seed, device=device, dtype=dtype,
                             class_counts=counts, **hyper)
         fused_sd = HorseshoeBNN.from_state_dict(fused.state).state_dict()
     else:
         spec = _network_spec(state_dicts, names, arch, given_spec)
+        if spec.output:
+            _check_n_classes(counts, int(state_dicts[0][spec.output[0]].shape[0]))
         states = state_dicts if method == "fedavg" else [
             {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
             for sd in state_dicts]

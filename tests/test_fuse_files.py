@@ -279,6 +279,30 @@ def test_class_counts_files_that_cannot_be_used_are_refused(mlp_files, tmp_path,
     assert code != 0 and message in capsys.readouterr().err
 
 
+def test_class_counts_keyed_by_any_spelling_of_a_path_or_by_path_objects(mlp_files, tmp_path, split, monkeypatch):
+    by_name = _counts_by_name(mlp_files, split)
+    fuse_files(mlp_files, "pfnm", tmp_path / "a.pt", class_counts=by_name)
+    monkeypatch.chdir(mlp_files[0].parent.parent)
+    relative = {f"./{p.parent.name}/../{p.parent.name}/{p.name}": by_name[p.name] for p in mlp_files}
+    fuse_files(mlp_files, "pfnm", tmp_path / "b.pt", class_counts=relative)  # absolute inputs, relative keys
+    as_paths = {p: by_name[p.name] for p in mlp_files}
+    fuse_files([str(p) for p in mlp_files], "pfnm", tmp_path / "c.pt", class_counts=as_paths)
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes() == (tmp_path / "c.pt").read_bytes()
+
+
+@pytest.mark.parametrize("method", ["pfnm", "fedavg"])
+def test_class_counts_that_cannot_fit_the_models_are_refused(mlp_files, tmp_path, split, method):
+    by_name = _counts_by_name(mlp_files, split)
+    with pytest.raises(ValueError, match="give 3 counts per file; the models have 10 classes"):
+        fuse_files(mlp_files, method, tmp_path / "f.pt", class_counts={k: v[:3] for k, v in by_name.items()})
+    with pytest.raises(ValueError, match="must map each model file"):
+        fuse_files(mlp_files, method, tmp_path / "f.pt", class_counts=list(by_name.values()))
+    twice = {**by_name, str(mlp_files[0]): by_name[mlp_files[0].name]}
+    with pytest.raises(ValueError, match="is given twice"):
+        fuse_files(mlp_files, method, tmp_path / "f.pt", class_counts=twice)
+    assert not (tmp_path / "f.pt").exists()
+
+
 def test_a_file_name_shared_by_two_inputs_must_be_keyed_by_path(mlp_files, tmp_path):
     twin = tmp_path / "twin" / mlp_files[0].name
     twin.parent.mkdir()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -1093,7 +1094,8 @@ def match_neurons(
         Also stop when a sweep raises the objective by less than ``tol`` nats per neuron
         (``tol * sum_j L_j`` in all): the sweeps' gains fall fast, then trail off in moves
         worth a fraction of a nat each (``hyper["stopped"]`` says whether it stopped so).
-        None or 0: sweep until no neuron moves (or ``n_iter``).
+        None or 0: sweep until no neuron moves (or ``n_iter``). The ``"marginal"`` cost only:
+        the ``"pfnm"`` cost does not climb the recorded objective, so there it is ignored.
     seed : int or Generator, optional
         Order of the clients in each sweep; the same seed gives the same result.
     verbose : bool
@@ -1147,7 +1149,8 @@ def match_neurons(
     for k in auto:
         if locals()[k] != "auto":
             raise ValueError(f"{k} must be a number or 'auto', got {locals()[k]!r}")
-    if tol is not None and (not np.isfinite(tol) or tol < 0):
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not math.isfinite(tol)
+                            or tol < 0):
         raise ValueError(f"tol must be a finite number >= 0 (nats per neuron) or None, got {tol!r}")
     if cost == "auto":
         cost = "marginal" if auto else "pfnm"
@@ -1171,7 +1174,7 @@ def match_neurons(
 
 def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost, local_vars, n_iter, tol, seed, init,
            verbose, start, checked: bool = False, init_atoms=None, squares=None,
-           cache: _NeuronCache | None = None) -> MatchResult:
+           cache: _NeuronCache | None = None, baseline: float | None = None) -> MatchResult:
     """:func:`match_neurons` with numeric hyper-parameters.
 
     For repeated matchings of the same neurons (:func:`_match_empirical_bayes`): ``checked``,
@@ -1180,7 +1183,8 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     ``init_atoms``, the atoms' ``(h (G, D), lambda (G, D), m)`` under these hyper-parameters
     for ``init``, computed elsewhere (from the statistics of EM); given as a list, it is emptied
     once the atoms are built (the caller then holds no (G, D) array through the sweeps); ``squares``,
-    :func:`_squares` of the layers; ``cache``, a :class:`_NeuronCache` of the layers.
+    :func:`_squares` of the layers; ``cache``, a :class:`_NeuronCache` of the layers;
+    ``baseline``, the objective before the first sweep (``tol`` then applies to that sweep too).
     """
     layers, prec, prior = _setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars, checked=checked)
     backend = backend_of(layers)
@@ -1191,7 +1195,8 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     if int(n_iter) != n_iter or n_iter < 1:
         raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    least_gain = _least_gain(tol, layers)
+    # the PFNM cost does not climb the recorded log posterior (its trace may dip): tol is for "marginal"
+    least_gain = _least_gain(tol, layers) if cost == "marginal" else None
     data_const = _data_constant(layers, prec, groups, squares)
     cache = _NeuronCache(J) if cache is None else cache
     prec_on = [backend.put(p) for p in prec]  # the precisions where the neurons are
@@ -1294,7 +1299,8 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
             if (sweep > 0 or init is not None) and changed == 0:
                 converged = True
                 break
-            if least_gain is not None and sweep > 0 and objective[-1] - objective[-2] < least_gain:
+            before = objective[-2] if sweep > 0 else baseline
+            if least_gain is not None and before is not None and objective[-1] - before < least_gain:
                 stopped = converged = True
                 break
             state = _partition_key(assignments)
@@ -1436,7 +1442,7 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
             bar.set_postfix(atoms=result.n_global, objective=f"{result.objective[-1]:.1f}")
             gain = math.inf if r == 0 else trace[-1]["objective"] - trace[-2]["objective"]
             settled = result.converged  # no neuron moved
-            stopped = least_gain is not None and gain < least_gain
+            stopped = not settled and least_gain is not None and gain < least_gain
             if settled or stopped:
                 break
             # one pass over the neurons serves the M-step and the next sweep's start; of this sweep's
@@ -1454,7 +1460,8 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
         if not (settled or stopped):
             noise, prior0, mean0 = hyper.expand(blocks, weights)
             result = _match(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
-                            init=assignments, init_atoms=init_atoms, squares=squares, cache=cache, **match)
+                            init=assignments, init_atoms=init_atoms, squares=squares, cache=cache,
+                            baseline=objective[-1], **match)
             sweeps += result.n_sweeps
             objective += result.objective
             stopped = result.hyper["stopped"]
