@@ -116,13 +116,15 @@ def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
         if Path(k) in keys:
             raise ValueError(f"class counts: {k} is given twice (also as {keys[Path(k)]})")
         keys[Path(k)] = k
+    resolved = {p: p.resolve() for p in keys}
     by_name: dict[str, list[str]] = {}
     for n in names:
         by_name.setdefault(Path(n).name, []).append(n)
     rows, used = [], set()
     for n in names:
         path = Path(n)
-        found = [p for p in keys if p == path or p.resolve() == path.resolve() or p == Path(path.name)]
+        target = path.resolve()
+        found = [p for p in keys if p == path or resolved[p] == target or p == Path(path.name)]
         if not found:
             raise ValueError(f"class counts: no entry for {n} (key it by its path or its file name)")
         if len(found) > 1:

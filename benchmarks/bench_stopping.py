@@ -28,6 +28,7 @@ from bayesfuse import fuse, methods
 from bayesfuse._io import atomic_write_bytes, atomic_write_text
 from bayesfuse.checkpoints import load_state_dict, save_state_dict
 from bayesfuse.data import dirichlet_partition, load_fashion_mnist
+from bayesfuse.demo import format_table
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.arch import rebuild
 from bayesfuse.nets.predict import predict_proba
@@ -55,7 +56,8 @@ def _clients(data, seed: int, cache: Path):
     return val, [m.eval() for m in models]
 
 
-def _fused(models, method: str, tol: float, x_val, y_val, x_test, y_test) -> dict:
+def _fused(models, method: str, tol: float, x_val, y_val, x_test, y_test, *, on_test: bool) -> dict:
+    """One fusion at ``tol``: time, sweeps, units, validation metrics, and the test set's when ``on_test``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = time.perf_counter()
@@ -64,7 +66,12 @@ def _fused(models, method: str, tol: float, x_val, y_val, x_test, y_test) -> dic
     layer = res.layers[0]
     return dict(method=method, tol=tol, seconds=seconds, sweeps=layer.n_sweeps, units=res.sizes[0],
                 val=evaluate(predict_proba(res.model, x_val), y_val),
-                test=evaluate(predict_proba(res.model, x_test), y_test))
+                test=evaluate(predict_proba(res.model, x_test), y_test) if on_test else None)
+
+
+def _runs(rows: list[dict], method: str, tol: float) -> list[dict]:
+    """The rows of ``method`` at ``tol``, one per seed."""
+    return [r for r in rows if r["method"] == method and r["tol"] == tol]
 
 
 def _ms(values, digits: int = 4) -> str:
@@ -85,6 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # small MLPs train faster on one thread; the matching sets its own BLAS threads
     data = load_fashion_mnist(args.data_path).standardize()
+    default = methods.resolve("pfnm", "network")["tol"]
     rows, ensembles = [], []
     for seed in args.seeds:
         val, models = _clients(data, seed, Path(args.cache))
@@ -94,34 +102,31 @@ def main() -> None:
                               test=evaluate(np.mean(local_test, axis=0), data.test.y)))
         for method in args.methods:
             for tol in args.tols:
-                row = _fused(models, method, tol, val.x, val.y, data.test.x, data.test.y)
+                row = _fused(models, method, tol, val.x, val.y, data.test.x, data.test.y, on_test=tol in (0.0, default))
                 rows.append(dict(row, seed=seed))
                 print(f"seed {seed} {method} tol {tol:g}: {row['seconds']:.1f} s, {row['sweeps']} sweeps, "
                       f"{row['units']} units, validation accuracy {row['val']['accuracy']:.4f} "
                       f"nll {row['val']['nll']:.4f}", flush=True)
     print(f"\nFashion-MNIST, {N_CLIENTS} clients, Dirichlet({ALPHA}), 784-1000-10, seeds {args.seeds}: "
           "validation (mean +- sd)")
-    header = f"{'model':<18} {'seconds':>14} {'sweeps':>12} {'units':>16} {'accuracy':>18} {'nll':>18} {'ece':>18}"
-    print(header)
-    print(f"{'ensemble':<18} {'-':>14} {'-':>12} {N_CLIENTS * HIDDEN[0]:>16} "
-          f"{_ms([e['val']['accuracy'] for e in ensembles]):>18} {_ms([e['val']['nll'] for e in ensembles]):>18} "
-          f"{_ms([e['val']['ece'] for e in ensembles]):>18}")
+    table = [dict(model="ensemble", seconds="-", sweeps="-", units=str(N_CLIENTS * HIDDEN[0]),
+                  **{k: _ms([e["val"][k] for e in ensembles]) for k in ("accuracy", "nll", "ece")})]
     for method in args.methods:
         for tol in args.tols:
-            sel = [r for r in rows if r["method"] == method and r["tol"] == tol]
-            print(f"{f'{method} tol {tol:g}':<18} {_ms([r['seconds'] for r in sel], 1):>14} "
-                  f"{'/'.join(str(r['sweeps']) for r in sel):>12} {'/'.join(str(r['units']) for r in sel):>16} "
-                  f"{_ms([r['val']['accuracy'] for r in sel]):>18} {_ms([r['val']['nll'] for r in sel]):>18} "
-                  f"{_ms([r['val']['ece'] for r in sel]):>18}")
-    default = methods.resolve("pfnm", "network")["tol"]
+            sel = _runs(rows, method, tol)
+            table.append(dict(model=f"{method} tol {tol:g}", seconds=_ms([r["seconds"] for r in sel], 1),
+                              sweeps="/".join(str(r["sweeps"]) for r in sel),
+                              units="/".join(str(r["units"]) for r in sel),
+                              **{k: _ms([r["val"][k] for r in sel]) for k in ("accuracy", "nll", "ece")}))
+    print(format_table(table, ["model", "seconds", "sweeps", "units", "accuracy", "nll", "ece"]))
     print(f"\ntest set (10k), at the fixed point (tol 0) and at the default (tol {default:g})")
-    print(f"{'ensemble':<18} accuracy {_ms([e['test']['accuracy'] for e in ensembles])}  "
-          f"nll {_ms([e['test']['nll'] for e in ensembles])}")
+    table = [dict(model="ensemble", **{k: _ms([e["test"][k] for e in ensembles]) for k in ("accuracy", "nll")})]
     for method in args.methods:
         for tol in sorted({0.0, default} & set(args.tols)):
-            sel = [r for r in rows if r["method"] == method and r["tol"] == tol]
-            print(f"{f'{method} tol {tol:g}':<18} accuracy {_ms([r['test']['accuracy'] for r in sel])}  "
-                  f"nll {_ms([r['test']['nll'] for r in sel])}")
+            sel = _runs(rows, method, tol)
+            table.append(dict(model=f"{method} tol {tol:g}", **{k: _ms([r["test"][k] for r in sel])
+                                                                 for k in ("accuracy", "nll")}))
+    print(format_table(table, ["model", "accuracy", "nll"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "stopping.json", json.dumps(dict(rows=rows, ensembles=ensembles), indent=1),

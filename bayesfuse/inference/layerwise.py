@@ -610,8 +610,8 @@ def match_layerwise(
             result, vals = match_group(arrays, spec, group, matched, class_shares=shares, noise_var=noise_var,
                                        prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
                                        n_iter=n_iter, tol=tol, seed=group_seed(seed, i),
-                                       bias_prior_mean=bias_prior_mean, absent=absent, global_weights=global_weights, verbose=verbose,
-                                       device=device, dtype=dtype)
+                                       bias_prior_mean=bias_prior_mean, absent=absent, global_weights=global_weights,
+                                       verbose=verbose, device=device, dtype=dtype)
             matched[group] = Basis(result.assignments, result.n_global)
             layers[group] = result
             values.update(vals)
