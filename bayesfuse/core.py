@@ -23,7 +23,7 @@ import numpy as np
 from bayesfuse import methods
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
-from bayesfuse.inference.layerwise import check_states, match_layerwise
+from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.models.bnn_fusion import fuse_bnn_posteriors
@@ -189,6 +189,8 @@ def _fuse_network_states(states, names, method, settings, *, spec, class_counts,
     spec = spec if spec is not None else spec_for_state_dict(states[0], "auto", names[0])
     if not spec.groups:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
+    if class_counts is not None and spec.output:  # every method's check, FedAvg and OT fusion included
+        class_share_matrix(class_counts, len(states), int(np.shape(states[0][spec.output[0]])[0]))
     if method == "fedavg":
         return _fedavg_states(states, names, spec, class_counts)
     if not encoded_groups(spec):

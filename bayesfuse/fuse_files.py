@@ -150,11 +150,6 @@ def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
     return np.array(rows)
 
 
-def _check_n_classes(counts: np.ndarray | None, n_classes: int) -> None:
-    if counts is not None and counts.shape[1] != n_classes:
-        raise ValueError(f"class counts give {counts.shape[1]} counts per file; the models have {n_classes} classes")
-
-
 def _forward_order(checkpoint: Checkpoint, name: str, spec: PermutationSpec | None) -> "OrderedDict":
     """A file's entries in forward order: as the file records it, else from the spec or the shapes.
 
@@ -283,16 +278,12 @@ def fuse_files(
             raise ValueError("method 'fedavg' is for point-estimate networks; use kl, nafi or pfnm for BNNs")
         from bayesfuse.models.bnn import HorseshoeBNN
 
-        bnns = [HorseshoeBNN.from_state_dict(sd, n) for sd, n in zip(state_dicts, names)]
-        _check_n_classes(counts, bnns[0].n_classes)
-        states = [b.state_dict() for b in bnns]
+        states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
         fused = fuse_states(states, method, names=names, seed=seed, device=device, dtype=dtype,
                             class_counts=counts, **hyper)
         fused_sd = HorseshoeBNN.from_state_dict(fused.state).state_dict()
     else:
         spec = _network_spec(state_dicts, names, arch, given_spec)
-        if spec.output:
-            _check_n_classes(counts, int(state_dicts[0][spec.output[0]].shape[0]))
         states = state_dicts if method == "fedavg" else [
             {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
             for sd in state_dicts]

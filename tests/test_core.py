@@ -92,6 +92,16 @@ def test_input_kind_and_bad_inputs():
         fuse_states([numpy_state(m) for m in nets], "pfnm", reg=0.1)
 
 
+@pytest.mark.parametrize("method", ["pfnm", "fedavg", "ot"])
+def test_class_counts_of_the_wrong_shape_are_refused_by_every_method(method):
+    states = [numpy_state(m) for m in _nets(hidden=(6,))]  # 3 clients of MLP(8, [6], 3): 3 classes
+    n_classes = states[0]["layers.1.weight"].shape[0]
+    with pytest.raises(ValueError, match=f"give 2 counts per client; the models have {n_classes} classes"):
+        fuse_states(states, method, class_counts=np.ones((3, 2)))
+    with pytest.raises(ValueError, match="one row per client"):
+        fuse_states(states, method, class_counts=np.ones((2, n_classes)))
+
+
 def test_a_matching_that_does_not_converge_warns_once_naming_its_layers():
     nets = _nets(n=6, hidden=(12, 10), seed=3)
     states = [numpy_state(m) for m in nets]

@@ -293,7 +293,7 @@ def test_class_counts_keyed_by_any_spelling_of_a_path_or_by_path_objects(mlp_fil
 @pytest.mark.parametrize("method", ["pfnm", "fedavg"])
 def test_class_counts_that_cannot_fit_the_models_are_refused(mlp_files, tmp_path, split, method):
     by_name = _counts_by_name(mlp_files, split)
-    with pytest.raises(ValueError, match="give 3 counts per file; the models have 10 classes"):
+    with pytest.raises(ValueError, match="give 3 counts per client; the models have 10 classes"):
         fuse_files(mlp_files, method, tmp_path / "f.pt", class_counts={k: v[:3] for k, v in by_name.items()})
     with pytest.raises(ValueError, match="must map each model file"):
         fuse_files(mlp_files, method, tmp_path / "f.pt", class_counts=list(by_name.values()))

@@ -224,8 +224,11 @@ def class_share_matrix(class_counts, n_clients: int, n_classes: int) -> np.ndarr
     if class_counts is None:
         return np.ones((n_clients, n_classes))
     counts = np.asarray(class_counts, dtype=np.float64)
-    if counts.shape != (n_clients, n_classes):
-        raise ValueError(f"class_counts must have shape ({n_clients}, {n_classes}), got {counts.shape}")
+    if counts.ndim != 2 or counts.shape[0] != n_clients:
+        raise ValueError(f"class_counts must have one row per client, shape ({n_clients}, {n_classes}), got "
+                         f"{counts.shape}")
+    if counts.shape[1] != n_classes:
+        raise ValueError(f"class counts give {counts.shape[1]} counts per client; the models have {n_classes} classes")
     if (counts < 0).any() or not np.isfinite(counts).all():
         raise ValueError("class_counts must be finite and non-negative")
     total = counts.sum(0)

@@ -1195,8 +1195,7 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     if int(n_iter) != n_iter or n_iter < 1:
         raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    # the PFNM cost does not climb the recorded log posterior (its trace may dip): tol is for "marginal"
-    least_gain = _least_gain(tol, layers) if cost == "marginal" else None
+    least_gain = _least_gain(tol, layers, cost)
     data_const = _data_constant(layers, prec, groups, squares)
     cache = _NeuronCache(J) if cache is None else cache
     prec_on = [backend.put(p) for p in prec]  # the precisions where the neurons are
@@ -1330,9 +1329,13 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
     return result
 
 
-def _least_gain(tol: float | None, layers) -> float | None:
-    """The gain in nats below which a sweep ends the matching: ``tol`` per neuron of ``layers``."""
-    return None if not tol else float(tol) * sum(int(v.shape[0]) for v in layers)
+def _least_gain(tol: float | None, layers, cost: str) -> float | None:
+    """The gain in nats below which a sweep ends the matching: ``tol`` per neuron of ``layers``;
+    None (no such stop) without ``tol`` or with the PFNM cost, whose sweeps do not climb the
+    recorded log posterior (its trace may dip)."""
+    if not tol or cost != "marginal":
+        return None
+    return float(tol) * sum(int(v.shape[0]) for v in layers)
 
 
 def _posterior_moments(h, lam: np.ndarray, groups: _Groups, backend: Backend = NUMPY,
@@ -1426,7 +1429,7 @@ def _match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_
         hyper.gamma0 = float(gamma0)
     trace, result, init_atoms, assignments = [], None, None, None
     squares, cache = _squares(host_layers), _NeuronCache(J)
-    sweeps, least_gain = 0, _least_gain(match["tol"], host_layers)
+    sweeps, least_gain = 0, _least_gain(match["tol"], host_layers, match["cost"])
     settled = stopped = False
     bar = tqdm(range(int(rounds)), desc="empirical Bayes", unit="round", disable=not verbose)
     with warnings.catch_warnings():  # one sweep per round never "converges": the rounds' end is what counts

@@ -282,6 +282,9 @@ def test_the_pfnm_cost_ignores_tol():
     kw = dict(noise_var=1.0, prior_var=1.0, gamma0=8.0, cost="pfnm", n_iter=50, seed=0)
     a, b = match_neurons(fed.layers, tol=None, **kw), match_neurons(fed.layers, tol=1e6, **kw)
     assert a.objective == b.objective and len(a.objective) > 1 and not b.hyper["stopped"]
+    auto = dict(cost="pfnm", n_iter=50, seed=0)  # hyper-parameters by empirical Bayes, the PFNM cost
+    a, b = match_neurons(fed.layers, tol=None, **auto), match_neurons(fed.layers, tol=1e6, **auto)
+    assert a.objective == b.objective and len(a.objective) > 1 and not b.hyper["stopped"]
 
 
 def test_tol_none_and_zero_sweep_to_the_fixed_point():
