@@ -271,7 +271,8 @@ def _fedavg_states(states, names, spec, class_counts) -> StateFusion:
 def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, verbose) -> StateFusion:
     """Fuse horseshoe BNNs of any depth as mean-field posteriors, layer by layer
     (:func:`~bayesfuse.models.bnn_fusion.fuse_bnn_posteriors`: pruning, the scale-free unit form,
-    KL-fusion or matching, class-share outputs).
+    KL-fusion or matching, class-share outputs). With ``head="clients"`` the state holds the
+    clients' heads too (:data:`~bayesfuse.models.bnn_fusion.HEAD_KEYS`).
 
     The ``assignments`` of each layer index each client's kept units; ``hyper["kept_units"]``
     lists which of its units those are (per client for one hidden layer; per layer, then per
@@ -283,14 +284,19 @@ def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, ver
         if (p.in_features, p.n_classes, len(p.layers)) != (ref.in_features, ref.n_classes, len(ref.layers)):
             raise ValueError(f"{n} maps {p.in_features} -> {p.n_classes} through {len(p.layers)} hidden layers, "
                              f"{names[0]} maps {ref.in_features} -> {ref.n_classes} through {len(ref.layers)}")
+    settings = dict(settings)
+    head = settings.pop("head")
     fusion = fuse_bnn_posteriors(posts, method, class_counts=class_counts, seed=seed, verbose=verbose, **settings)
     hyper = dict(fusion.hyper)
     hyper.update(average_outputs=settings["average_outputs"], unit_form=settings["unit_form"],
-                 prune_kl=settings["prune_kl"])
+                 prune_kl=settings["prune_kl"], head=head)
     kept = [[k.tolist() for k in layer] for layer in fusion.kept]
     hyper["kept_units"] = kept[0] if len(kept) == 1 else kept
     depth = len(posts[0].layers)
     groups = tuple("units" if layer == 1 else f"units{layer}" for layer in range(1, depth + 1))
-    return StateFusion(state=fusion.posterior.to_state(), layers=fusion.layers,
+    state = fusion.posterior.to_state()
+    if head == "clients":  # a HeadMixtureBNN's state_dict (bayesfuse.models.bnn_heads)
+        state.update(fusion.heads)
+    return StateFusion(state=state, layers=fusion.layers,
                        sizes=[len(u[0]) for u in fusion.units], groups=groups, posteriors=fusion.units,
                        method=method, kind="bnn", hyper=hyper)

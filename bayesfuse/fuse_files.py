@@ -281,7 +281,9 @@ def fuse_files(
         states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
         fused = fuse_states(states, method, names=names, seed=seed, device=device, dtype=dtype,
                             class_counts=counts, **hyper)
-        fused_sd = HorseshoeBNN.from_state_dict(fused.state).state_dict()
+        from bayesfuse.models.bnn_heads import bnn_from_state
+
+        fused_sd = bnn_from_state(fused.state).state_dict()
     else:
         spec = _network_spec(state_dicts, names, arch, given_spec)
         states = state_dicts if method == "fedavg" else [

@@ -51,7 +51,8 @@ class FusionResult:
     Attributes
     ----------
     model : nn.Module
-        The fused network (a :class:`~bayesfuse.models.bnn.HorseshoeBNN` for BNNs).
+        The fused network (a :class:`~bayesfuse.models.bnn.HorseshoeBNN` for BNNs; with
+        ``head="clients"`` a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`).
     layers : list of LayerResult
         One per matched hidden layer (:class:`~bayesfuse.inference.result.LayerResult`: a
         ``MatchResult``, or a ``KLFusionResult`` for KL-fused BNNs).
@@ -90,6 +91,12 @@ class FusionResult:
         from bayesfuse.analysis import fusion_to_arviz
 
         return fusion_to_arviz(self, layer=layer, **options)
+
+
+def _is_head_mixture(model) -> bool:
+    from bayesfuse.models.bnn_heads import HeadMixtureBNN
+
+    return isinstance(model, HeadMixtureBNN)
 
 
 def _is_bnn(model) -> bool:
@@ -180,6 +187,10 @@ def fuse(
     if data is not None:
         raise ValueError(f"method={method!r} fuses the models alone; data is used by method='fedma' only")
     bnn = [_is_bnn(m) for m in models]
+    if any(_is_head_mixture(m) for m in models):
+        raise TypeError("a HeadMixtureBNN is a fused model with one head per client; fuse the clients' "
+                        "HorseshoeBNNs instead (or its shared-head body: HorseshoeBNN.from_state_dict of its "
+                        "state_dict without the 'heads.' entries)")
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
     if not any(bnn) and (spec is None or method != "fedavg"):
@@ -188,9 +199,9 @@ def fuse(
     fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
                         device=device, dtype=dtype, **hyper)
     if all(bnn):
-        from bayesfuse.models.bnn import HorseshoeBNN
+        from bayesfuse.models.bnn_heads import bnn_from_state
 
-        model = HorseshoeBNN.from_state_dict(fused.state)
+        model = bnn_from_state(fused.state)
     else:
         model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
     return FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,

@@ -86,9 +86,12 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
 
 def _recognised(state: dict, name: str, n_features: int | None) -> nn.Module:
     from bayesfuse.models.bnn import HorseshoeBNN
+    from bayesfuse.models.bnn_heads import HeadMixtureBNN
 
-    if HorseshoeBNN.is_state_dict(state):
-        return HorseshoeBNN.from_state_dict(state, name)
+    if HorseshoeBNN.is_state_dict(state) or HeadMixtureBNN.is_state_dict(state):
+        from bayesfuse.models.bnn_heads import bnn_from_state
+
+        return bnn_from_state(state, name)
     keys = set(state)
     if any(re.fullmatch(r"layers\.\d+\.weight", k) for k in keys):
         from bayesfuse.nets.mlp import MLP

@@ -268,6 +268,10 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     Param("unit_form", Options(("effective", "raw")),
           "BNNs: compare and average units as effective weights tau lambda w (invariant to how a client split "
           "the scale) or as the guide's raw coordinates (w, b, log lambda, outgoing)"),
+    Param("head", Options(("shared", "clients")),
+          "BNNs: 'shared': one output layer, one softmax over the class-share average of the clients' logits "
+          "(a HorseshoeBNN); 'clients': keep each client's output layer on the fused hidden units and mix their "
+          "softmaxes by class shares (a HeadMixtureBNN)"),
     Param("prune_kl", Interval(float, 0.0, 1e300, "both", why="a threshold in nats"),
           "BNNs: drop each client's units whose incoming weights hold fewer nats of information than this "
           "(KL of their posterior to the prior): units the horseshoe switched off; 0 keeps all"),
@@ -295,7 +299,7 @@ _NAFI_KL = {"network": 1.0, "bnn": 0.01}
 # benchmarks/bench_bnn_fusion.py, Fashion-MNIST, 5 clients, Dirichlet(0.8)) favours 0.003-0.01 over the
 # paper's 0.1, which on pruned units merges too much (seed 0: 38 units, validation log-lik -0.64 against
 # -0.45 at 0.01 with 94 units).
-_BNN_UNITS = dict(average_outputs=True, unit_form="effective", prune_kl=1.0)
+_BNN_UNITS = dict(average_outputs=True, unit_form="effective", prune_kl=1.0, head="shared")
 # matching's noise_var is an absolute variance, set for the guide's raw coordinates; in the effective form
 # (weights times the unit scale, ~1e-3 on Fashion-MNIST) 0.01 merges nearly everything
 _BNN_MATCHING_UNITS = dict(_BNN_UNITS, unit_form="raw")

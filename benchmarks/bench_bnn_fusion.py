@@ -13,8 +13,13 @@ images from font-rendered digits (out of distribution), and the hidden units of
 
 * each local BNN, and their **ensemble** (predictive average, ``5 x H`` units);
 * the **pooled** BNN;
+* the same ensemble with each client weighted per class by its share of that class's training
+  examples (``sum_j s_jk p_j(k | x)``, normalised): the rule of the client heads below;
 * the **fused** BNN by KL-fusion, with ``reg`` chosen per seed from ``--regs`` by validation
   log-likelihood (never the test set), and by NAFI at its defaults;
+* the fused BNN (KL-fusion, the same ``reg``) with **client heads** (``head="clients"``,
+  :mod:`bayesfuse.models.bnn_heads`): the fused hidden units, each client's output layer on
+  them, their softmaxes mixed by class shares;
 * the fused BNNs without pruning and with the raw unit form (the two ablations of
   :func:`bayesfuse.core._fuse_bnn_states`);
 * the locals **side by side** in one network (KL-fusion with ``reg`` 1e-12, at which no unit
@@ -59,11 +64,20 @@ from bayesfuse.data import dirichlet_partition, load_dataset, load_font_digits
 from bayesfuse.demo import format_table
 from bayesfuse.metrics import accuracy, evaluate, negative_log_likelihood, ood_auroc, predictive_entropy
 from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
+from bayesfuse.models.bnn_fusion import output_shares
 
 COLUMNS = ("model", "accuracy", "loglik", "ece", "auroc", "units")
 
 
 SIDE_BY_SIDE = "locals side by side"
+HEADS = "fused (kl), client heads"
+SHARE_ENSEMBLE = "ensemble, class-share weights"
+
+
+def _share_mixture(probs: list[np.ndarray], shares: np.ndarray) -> np.ndarray:
+    """``sum_j s_jk p_j(k | x)``, normalised over k: the locals mixed as the client heads are."""
+    q = np.einsum("jk,jnk->nk", shares, np.asarray(probs))
+    return q / q.sum(1, keepdims=True)
 
 
 def scores(p, y, h_ood=None) -> dict:
@@ -134,6 +148,9 @@ def run_seed(args, seed: int) -> dict:
         rows.append(row)
         local_probs.append(pair)
     rows.append(ensemble("ensemble", local_probs, args.clients * units))
+    shares = output_shares(part.counts, args.clients, split.n_classes)
+    rows.append(scored(SHARE_ENSEMBLE, *(_share_mixture([m[i] for m in local_probs], shares) for i in (0, 1)),
+                       args.clients * units))
     pooled_idx = np.concatenate(list(part))
     pooled = _trained(cache, "pooled", train.x[pooled_idx], train.y[pooled_idx], split.n_classes, hidden,
                       BNNConfig(epochs=epochs, seed=seed * 100 + 99))
@@ -150,7 +167,8 @@ def run_seed(args, seed: int) -> dict:
     best = max(validation, key=lambda r: r["loglik"])["reg"]
     fused = {}
     for name, method, hyper in (("fused (kl)", "kl", dict(reg=best)),
-                                ("fused (nafi)", "nafi", {}),
+                                (HEADS, "kl", dict(reg=best, head="clients")),
+                ("fused (nafi)", "nafi", {}),
                                 ("kl, no pruning", "kl", dict(reg=best, prune_kl=0.0)),
                                 ("kl, raw units", "kl", dict(reg=best, unit_form="raw")),
                                 # reg far below any KL cost: no unit merges, none is pruned
@@ -289,7 +307,7 @@ def _figure(args, run):
     top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, 1])
     ax = top.subplots()
     shown = {k: v for k, v in run["entropies"].items()
-             if k.startswith("local ") or k in ("ensemble", "fused (kl)", "fused (nafi)")}
+             if k.startswith("local ") or k in ("ensemble", "fused (kl)", HEADS)}
     plot_centred_entropy(shown, fonts.y, ax=ax)
     ax.set_title(f"{args.dataset}, seed {run['seed']}: uncertainty on out-of-distribution font digits (Figure 5)")
     h = run["entropies"]["fused (kl)"][0]
@@ -301,12 +319,17 @@ def _figure(args, run):
 
 
 def _against(rows: list[dict]) -> str:
-    """The fused BNN (kl) against the ensemble and the best local, in one line."""
+    """The fused BNNs (kl, shared head and client heads) against the ensemble and the best local."""
     by = {r["model"]: r for r in rows}
-    fused, ens = by["fused (kl)"], by["ensemble"]
+    ens = by["ensemble"]
     best = max(r["accuracy"] for r in rows if r["model"].startswith("local "))
-    diff = ", ".join(f"{k} {fused[k] - ens[k]:+.4f}" for k in ("accuracy", "loglik", "auroc"))
-    return f"fused (kl) - ensemble: {diff}; accuracy above the best local: {100 * (fused['accuracy'] - best):+.1f} points"
+    lines = []
+    for name in ("fused (kl)", HEADS):
+        fused = by[name]
+        diff = ", ".join(f"{k} {fused[k] - ens[k]:+.4f}" for k in ("accuracy", "loglik", "auroc"))
+        lines.append(f"{name} - ensemble: {diff}; accuracy above the best local: "
+                     f"{100 * (fused['accuracy'] - best):+.1f} points")
+    return "\n".join(lines)
 
 
 def _hidden(args) -> int | tuple[int, ...]:

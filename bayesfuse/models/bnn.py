@@ -247,15 +247,21 @@ def _tag(layer: int) -> str:
     return "" if layer == 1 else str(layer)
 
 
-def _forward(x, params: Mapping[str, torch.Tensor], depth: int):
-    """Logits for the sites' values ``params`` (log-scales for ``tau``, ``lambda``), each with an
-    optional leading sample dimension."""
+def _forward_hidden(x, params: Mapping[str, torch.Tensor], depth: int):
+    """The top hidden layer's outputs ``h_L(x)`` for the sites' values ``params`` (log-scales for
+    ``tau``, ``lambda``), each with an optional leading sample dimension."""
     h = x
     for layer in range(1, depth + 1):
         names = layer_sites(layer)
         scale = torch.exp(params[names.log_tau] + params[names.log_lam])  # (..., H)
         pre = torch.matmul(h, params[names.w].transpose(-1, -2)) + params[names.b].unsqueeze(-2)  # (..., n, H)
         h = torch.relu(pre * scale.unsqueeze(-2))
+    return h
+
+
+def _forward(x, params: Mapping[str, torch.Tensor], depth: int):
+    """Logits for the sites' values ``params`` (as :func:`_forward_hidden`)."""
+    h = _forward_hidden(x, params, depth)
     w, b = params[f"w{depth + 1}"], params[f"b{depth + 1}"]
     return torch.matmul(h, w.transpose(-1, -2)) + b.unsqueeze(-2)
 

@@ -34,6 +34,11 @@ says why each step is there):
 
 Each layer's ``tau_l`` is the equal-weight barycenter of the clients'. A network of one hidden
 layer goes through the same steps.
+
+6. **Client heads**: beside the one output layer, every client's own output layer is read off
+   the fused top hidden layer (:func:`client_heads`): ``fuse(..., head="clients")`` builds a
+   :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`, whose predictive is the class-share
+   mixture of the heads' softmaxes instead of one softmax of averaged logits.
 """
 
 from __future__ import annotations
@@ -50,7 +55,43 @@ from bayesfuse.inference.matching import match_neurons
 from bayesfuse.models.bnn_posterior import DeepBNNPosterior, HiddenLayer
 from bayesfuse.models.bnn_units import effective_layer, incoming_information, keep_informative, split_effective
 
-__all__ = ["BNNFusion", "fuse_bnn_posteriors", "output_shares", "membership", "share_mixture"]
+__all__ = ["BNNFusion", "fuse_bnn_posteriors", "output_shares", "membership", "share_mixture", "client_heads",
+           "HEAD_KEYS"]
+
+#: The entries a :class:`HeadMixtureBNN` state_dict holds beside a HorseshoeBNN's: per client j,
+#: the head's weights (J, K, H) and bias (J, K) as means and standard deviations, and the class
+#: shares (J, K) that mix the heads.
+HEAD_KEYS = ("heads.loc_w", "heads.scale_w", "heads.loc_b", "heads.scale_b", "heads.shares")
+
+
+def client_heads(assignments, out_loc, out_var, bias_loc, bias_var, n_global: int) -> dict[str, np.ndarray]:
+    """Each client's output layer on the fused hidden units, as :data:`HEAD_KEYS` arrays (without shares).
+
+    Parameters
+    ----------
+    assignments : list of (L_j,) int arrays
+        The global unit of each of client j's (kept) top hidden units.
+    out_loc, out_var : list of (L_j, K) arrays
+        Those units' outgoing weights (posterior means and variances).
+    bias_loc, bias_var : list of (K,) arrays
+        Each client's output bias.
+    n_global : int
+
+    Returns
+    -------
+    dict with ``heads.loc_w``, ``heads.scale_w`` (J, K, G) and ``heads.loc_b``, ``heads.scale_b``
+    (J, K). A global unit holding several units of one client (none after a one-to-one
+    assignment) gets their summed weights, as the client's network sums their outputs.
+    """
+    J, K = len(assignments), np.shape(out_loc[0])[1]
+    loc_w, var_w = np.zeros((J, K, n_global)), np.zeros((J, K, n_global))
+    for j, (a, m, v) in enumerate(zip(assignments, out_loc, out_var)):
+        a = np.asarray(a, dtype=np.intp)
+        np.add.at(loc_w[j].T, a, np.asarray(m))
+        np.add.at(var_w[j].T, a, np.asarray(v))
+    return {"heads.loc_w": loc_w, "heads.scale_w": np.sqrt(var_w),
+            "heads.loc_b": np.stack([np.asarray(b, dtype=np.float64).reshape(K) for b in bias_loc]),
+            "heads.scale_b": np.sqrt(np.stack([np.asarray(b, dtype=np.float64).reshape(K) for b in bias_var]))}
 
 
 @dataclass
@@ -70,6 +111,9 @@ class BNNFusion:
         ``[w~ (one per unit below, or input), b~, log lambda]``, then the outgoing weights for the
         top layer (:class:`~bayesfuse.models.bnn_posterior.BNNPosterior`'s layout for one layer).
     hyper : dict
+    heads : dict of ndarray
+        Every client's output layer on the fused top hidden layer and the class shares that mix
+        them (:data:`HEAD_KEYS`, :func:`client_heads`; :mod:`bayesfuse.models.bnn_heads`).
     """
 
     posterior: DeepBNNPosterior
@@ -77,6 +121,7 @@ class BNNFusion:
     kept: list[list[np.ndarray]]
     units: list[tuple[np.ndarray, np.ndarray]]
     hyper: dict[str, Any] = field(default_factory=dict)
+    heads: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def output_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
@@ -234,4 +279,8 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], method: str, *, avera
     posterior = DeepBNNPosterior(layers=tuple(fused_layers), out_weights=out_weights, out_bias=out_bias,
                                  in_features=ref.in_features, n_classes=K, global_scale=ref.global_scale,
                                  weight_scale=ref.weight_scale)
-    return BNNFusion(posterior=posterior, layers=layers, kept=kept_all, units=units_all, hyper=used)
+    outgoing = [p.out_weights[k] for p, k in zip(posts, kept_all[-1])]
+    heads = client_heads(layers[-1].assignments, [o.loc for o in outgoing], [o.var for o in outgoing],
+                         [p.out_bias.loc for p in posts], [p.out_bias.var for p in posts], len(out_weights))
+    heads["heads.shares"] = shares
+    return BNNFusion(posterior=posterior, layers=layers, kept=kept_all, units=units_all, hyper=used, heads=heads)

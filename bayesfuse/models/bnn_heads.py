@@ -1,0 +1,141 @@
+"""A fused BNN with the clients' own output layers: one fused body, a class-share mixture of heads.
+
+A fused BNN (:mod:`bayesfuse.models.bnn_fusion`) ends in one softmax over the class-share average
+of the clients' logits. Averaging logits is not averaging predictive distributions: where the
+clients disagree (inputs unlike the training data), averaged logits cancel into a confident
+softmax, while averaged probabilities stay spread out. With ``head="clients"`` the fused network
+keeps every client's output layer, read off the fused hidden units: client j's head gives
+global unit g the outgoing weights of j's unit matched to g (0 where j has no unit in g, which is
+what j's own network computes), and j's output bias. The predictive is the class-share mixture
+of the heads' predictive distributions,
+
+.. math::
+
+    p(y = k \\mid x) = \\frac{\\sum_j s_{jk}\\, p_j(k \\mid x)}{\\sum_{k'} \\sum_j s_{jk'}\\, p_j(k' \\mid x)},
+    \\qquad p_j(k \\mid x) = \\mathbb{E}_{\\theta \\sim q}\\big[\\mathrm{softmax}(W_j h(x; \\theta) + b_j)_k\\big],
+
+with ``s_jk = n_jk / sum_j n_jk`` the clients' shares of class k
+(:func:`~bayesfuse.models.bnn_fusion.output_shares`; ``1 / J`` without class counts): a client
+weighs only on the classes it saw. The hidden units ``h`` are the fused ones, shared by all heads.
+
+:class:`HeadMixtureBNN` is a :class:`~bayesfuse.models.bnn.HorseshoeBNN` (its guide holds the
+fused body and the shared output layer, so ``model``/``guide`` and the shared-head predictive
+stay available) plus the heads, kept as Gaussians (means and standard deviations) in the
+state_dict under ``heads.``. Only :meth:`HeadMixtureBNN.predict` reads the heads.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from bayesfuse.models.bnn import HorseshoeBNN, _forward_hidden
+from bayesfuse.models.bnn_fusion import HEAD_KEYS, client_heads
+
+__all__ = ["HeadMixtureBNN", "HEAD_KEYS", "client_heads", "is_head_state", "bnn_from_state"]
+
+def is_head_state(state: Mapping[str, object]) -> bool:
+    """Whether ``state`` is a HorseshoeBNN state_dict plus the :data:`HEAD_KEYS` (a :class:`HeadMixtureBNN`'s)."""
+    return set(HEAD_KEYS) <= set(state) and HorseshoeBNN.is_state_dict(
+        {k: v for k, v in state.items() if k not in HEAD_KEYS})
+
+
+class _Heads(nn.Module):
+    def __init__(self, n_heads: int, n_classes: int, width: int):
+        super().__init__()
+        f64 = dict(dtype=torch.float64)
+        self.register_buffer("loc_w", torch.zeros(n_heads, n_classes, width, **f64))
+        self.register_buffer("scale_w", torch.zeros(n_heads, n_classes, width, **f64))
+        self.register_buffer("loc_b", torch.zeros(n_heads, n_classes, **f64))
+        self.register_buffer("scale_b", torch.zeros(n_heads, n_classes, **f64))
+        self.register_buffer("shares", torch.full((n_heads, n_classes), 1.0 / n_heads, **f64))
+
+
+class HeadMixtureBNN(HorseshoeBNN):
+    """A fused horseshoe BNN whose predictive mixes the clients' output layers (module docstring).
+
+    Build one with ``fuse(bnns, method, head="clients")`` or :meth:`from_state_dict`;
+    ``bayesfuse.load`` reads its files. ``n_heads`` is the number of clients.
+    """
+
+    def __init__(self, in_features: int, hidden, n_classes: int, n_heads: int, **kwargs):
+        super().__init__(in_features, hidden, n_classes, **kwargs)
+        if n_heads < 1:
+            raise ValueError("a HeadMixtureBNN needs at least one head")
+        self.heads = _Heads(n_heads, self.n_classes, self.hidden_sizes[-1])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.heads.shares.shape[0])
+
+    @staticmethod
+    def is_state_dict(state: Mapping[str, object]) -> bool:
+        return is_head_state(state)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, object], name: str = "state_dict") -> "HeadMixtureBNN":
+        """The network whose state_dict is ``state``: a HorseshoeBNN's entries plus :data:`HEAD_KEYS`.
+
+        Raises ``ValueError`` naming ``name`` for missing head entries, shapes that do not fit the
+        body (J heads of K x H_L weights), negative or non-finite standard deviations, and class
+        shares that are negative or do not sum to 1 per class.
+        """
+        missing = [k for k in HEAD_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"{name}: not a HeadMixtureBNN state_dict (missing {', '.join(missing)})")
+        body = HorseshoeBNN.from_state_dict({k: v for k, v in state.items() if k not in HEAD_KEYS}, name)
+        heads = {k: torch.as_tensor(np.asarray(state[k], dtype=np.float64)) for k in HEAD_KEYS}
+        J, K, H = heads["heads.loc_w"].shape if heads["heads.loc_w"].ndim == 3 else (0, 0, 0)
+        want = {"heads.loc_w": (J, K, H), "heads.scale_w": (J, K, H), "heads.loc_b": (J, K),
+                "heads.scale_b": (J, K), "heads.shares": (J, K)}
+        if J < 1 or (K, H) != (body.n_classes, body.hidden_sizes[-1]):
+            raise ValueError(f"{name}: heads.loc_w must be (heads, {body.n_classes}, {body.hidden_sizes[-1]}), "
+                             f"got {tuple(heads['heads.loc_w'].shape)}")
+        for k, shape in want.items():
+            if tuple(heads[k].shape) != shape:
+                raise ValueError(f"{name}: {k} must be {shape} for {J} heads, got {tuple(heads[k].shape)}")
+            if not torch.isfinite(heads[k]).all():
+                raise ValueError(f"{name}: {k} contains NaN or infinite values")
+        if (heads["heads.scale_w"] < 0).any() or (heads["heads.scale_b"] < 0).any():
+            raise ValueError(f"{name}: the heads' standard deviations must be >= 0")
+        shares = heads["heads.shares"]
+        if (shares < 0).any() or not torch.allclose(shares.sum(0), torch.ones(K, dtype=torch.float64), atol=1e-9):
+            raise ValueError(f"{name}: heads.shares must be >= 0 and sum to 1 over the heads for every class")
+        model = cls(body.in_features, body.hidden, body.n_classes, J, global_scale=body.global_scale,
+                    weight_scale=body.weight_scale)
+        model.load_state_dict({**body.state_dict(), **heads})
+        return model
+
+    @torch.no_grad()
+    def predict(self, x, num_samples: int = 100, *, seed: int = 0, batch_size: int = 4096) -> np.ndarray:
+        """The class-share mixture of the heads' Monte Carlo predictive distributions (module docstring).
+
+        Each of the ``num_samples`` draws of the body feeds every head (with its own draw of the
+        head's weights). Returns float64 probabilities (n, K); the same seed gives the same draws.
+        """
+        x = torch.as_tensor(np.asarray(x), dtype=torch.float64)
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x must be (n, {self.in_features}), got {tuple(x.shape)}")
+        gen = torch.Generator().manual_seed(seed)
+        params = self.sample_params(num_samples, gen)
+        h_ = self.heads
+        w = h_.loc_w + h_.scale_w * torch.randn((num_samples, *h_.loc_w.shape), dtype=torch.float64, generator=gen)
+        b = h_.loc_b + h_.scale_b * torch.randn((num_samples, *h_.loc_b.shape), dtype=torch.float64, generator=gen)
+        chunks = []
+        step = max(1, batch_size // self.n_heads)
+        for i in range(0, len(x), step):
+            hidden = _forward_hidden(x[i : i + step], params, self.depth)  # (S, n, H)
+            logits = torch.einsum("snh,sjkh->sjnk", hidden, w) + b.unsqueeze(2)  # (S, J, n, K)
+            q = (torch.softmax(logits, -1) * h_.shares[None, :, None, :]).sum(1).mean(0)  # (n, K)
+            chunks.append(q / q.sum(-1, keepdim=True))
+        return torch.cat(chunks).numpy()
+
+
+def bnn_from_state(state: Mapping[str, object], name: str = "state_dict") -> HorseshoeBNN:
+    """A :class:`HeadMixtureBNN` when ``state`` holds the :data:`HEAD_KEYS`, else a HorseshoeBNN."""
+    if any(k in state for k in HEAD_KEYS):
+        return HeadMixtureBNN.from_state_dict(state, name)
+    return HorseshoeBNN.from_state_dict(state, name)

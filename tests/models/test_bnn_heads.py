@@ -1,0 +1,145 @@
+"""Fused BNNs with the clients' own output layers (bayesfuse.models.bnn_heads)."""
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfuse import fuse
+from bayesfuse.core import fuse_states
+from bayesfuse.fuse_files import fuse_files
+from bayesfuse.inference.expfam import DiagNormal
+from bayesfuse.loading import load
+from bayesfuse.models.bnn import HorseshoeBNN
+from bayesfuse.models.bnn_fusion import HEAD_KEYS, client_heads
+from bayesfuse.models.bnn_heads import HeadMixtureBNN, bnn_from_state
+from bayesfuse.models.bnn_posterior import DeepBNNPosterior, HiddenLayer
+from tests.helpers import varied_bnn
+
+pytestmark = pytest.mark.filterwarnings("ignore:KL-fusion did not converge")
+
+X = np.random.default_rng(0).normal(size=(40, 6))
+COUNTS = np.array([[30.0, 0.0, 10.0], [10.0, 20.0, 0.0]])
+
+
+def _posterior(seed: int, hidden, spread: float = 0.3) -> DeepBNNPosterior:
+    bnn = varied_bnn(6, hidden, 3, seed=seed, spread=spread, scale_low=0.05, scale_span=0.3, global_scale=0.3)
+    return DeepBNNPosterior.from_state(bnn.state_dict())
+
+
+def _logits(post: DeepBNNPosterior, x: np.ndarray) -> np.ndarray:
+    """The network at its guide's means (each unit's scale exp(E[log tau + log lambda]))."""
+    h = x
+    for layer in post.layers:
+        w, b = layer.incoming.loc[:, :-1], layer.incoming.loc[:, -1]
+        h = np.maximum(np.exp(layer.log_lam.loc[:, 0] + layer.log_tau.loc[0, 0]) * (h @ w.T + b), 0.0)
+    return h @ post.out_weights.loc + post.out_bias.loc[0]
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def _disjoint_clients() -> list[DeepBNNPosterior]:
+    """Two clients whose units no fusion merges: b's first layer sits far from a's (as in
+    test_bnn_fusion's class-share test), so the fused layers hold each client's units side by side."""
+    a, b = _posterior(4, (3, 2)), _posterior(5, (4, 3))
+    first = b.layers[0]
+    far = HiddenLayer(incoming=DiagNormal(loc=first.incoming.loc + 8.0, var=first.incoming.var),
+                      log_lam=first.log_lam, log_tau=first.log_tau)
+    b = DeepBNNPosterior((far, b.layers[1]), b.out_weights, b.out_bias, b.in_features, b.n_classes,
+                         b.global_scale, b.weight_scale)
+    return [a, b]
+
+
+def _at_means(state: dict) -> dict:
+    """``state`` with every standard deviation ~0, so that a prediction is the network at its means."""
+    out = dict(state)
+    for k in state:
+        if k.startswith("log_scale."):
+            out[k] = np.full_like(np.asarray(state[k]), -40.0)
+        elif k in ("heads.scale_w", "heads.scale_b"):
+            out[k] = np.zeros_like(np.asarray(state[k]))
+    return out
+
+
+@pytest.mark.parametrize("counts", [None, COUNTS])
+def test_heads_on_side_by_side_units_predict_the_class_share_mixture_of_the_clients(counts):
+    # No unit merges: head j reads client j's units through the fused layers (weight 0 on the
+    # other client's), so it computes client j's network; the predictive is then
+    # sum_j s_jk softmax_j / normaliser with s the class shares (1/J without counts).
+    posts = _disjoint_clients()
+    fused = fuse_states([p.to_state() for p in posts], "kl", class_counts=counts, reg=1e-6, prune_kl=0.0,
+                        head="clients")
+    assert fused.sizes == [7, 5] and fused.hyper["head"] == "clients"
+    model = HeadMixtureBNN.from_state_dict(_at_means(fused.state))
+    assert model.n_heads == 2
+    shares = np.full((2, 3), 0.5) if counts is None else counts / counts.sum(0)
+    mixture = sum(shares[j] * _softmax(_logits(p, X)) for j, p in enumerate(posts))
+    want = mixture / mixture.sum(1, keepdims=True)
+    np.testing.assert_allclose(model.predict(X, num_samples=3), want, rtol=1e-9, atol=1e-12)
+    # the shared head is the one softmax of the class-share averaged logits (a different rule)
+    shared = HorseshoeBNN.from_state_dict({k: v for k, v in _at_means(fused.state).items() if k not in HEAD_KEYS})
+    averaged = _softmax(sum(shares[j] * _logits(p, X) for j, p in enumerate(posts)))
+    np.testing.assert_allclose(shared.predict(X, num_samples=3), averaged, rtol=1e-9, atol=1e-12)
+    assert np.abs(want - averaged).max() > 1e-3
+
+
+def test_client_heads_place_each_clients_outgoing_weights_at_its_global_units():
+    heads = client_heads([np.array([2, 0]), np.array([1, 2, 3])],
+                         [np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]])],
+                         [np.full((2, 2), 0.25), np.full((3, 2), 4.0)],
+                         [np.array([[0.1, 0.2]]), np.array([[0.3, 0.4]])], [np.full((1, 2), 1.0)] * 2, 4)
+    np.testing.assert_array_equal(heads["heads.loc_w"][0], [[3.0, 0.0, 1.0, 0.0], [4.0, 0.0, 2.0, 0.0]])
+    np.testing.assert_array_equal(heads["heads.loc_w"][1], [[0.0, 5.0, 7.0, 9.0], [0.0, 6.0, 8.0, 10.0]])
+    np.testing.assert_array_equal(heads["heads.scale_w"][0], [[0.5, 0.0, 0.5, 0.0]] * 2)  # 0 where no unit
+    np.testing.assert_array_equal(heads["heads.loc_b"], [[0.1, 0.2], [0.3, 0.4]])
+    # two units of one client in one global unit: their outputs add up
+    both = client_heads([np.array([0, 0])], [np.array([[1.0], [2.0]])], [np.array([[1.0], [3.0]])],
+                        [np.zeros(1)], [np.ones(1)], 1)
+    assert both["heads.loc_w"][0, 0, 0] == 3.0 and both["heads.scale_w"][0, 0, 0] == 2.0
+
+
+def test_fuse_builds_a_head_mixture_that_files_and_load_keep(tmp_path):
+    bnns = [HorseshoeBNN.from_state_dict(p.to_state()) for p in _disjoint_clients()]
+    res = fuse(bnns, "kl", class_counts=COUNTS, reg=1e-6, prune_kl=0.0, head="clients")
+    assert isinstance(res.model, HeadMixtureBNN) and res.hyper["head"] == "clients"
+    assert type(fuse(bnns, "kl", reg=1e-6).model) is HorseshoeBNN  # the default: one shared head
+    paths = []
+    for j, bnn in enumerate(bnns):
+        paths.append(tmp_path / f"client{j}.pt")
+        torch.save(bnn.state_dict(), paths[-1])
+    fuse_files(paths, "kl", tmp_path / "fused.pt", hyper=dict(reg=1e-6, prune_kl=0.0, head="clients"),
+               class_counts={p.name: row.tolist() for p, row in zip(paths, COUNTS)})
+    loaded = load(tmp_path / "fused.pt")
+    assert isinstance(loaded, HeadMixtureBNN)
+    np.testing.assert_array_equal(loaded.predict(X, 5, seed=1), res.model.predict(X, 5, seed=1))
+    with pytest.raises(TypeError, match="HeadMixtureBNN is a fused model"):
+        fuse([res.model, res.model], "kl")
+
+
+def _head_state() -> dict:
+    bnns = [HorseshoeBNN.from_state_dict(p.to_state()) for p in _disjoint_clients()]
+    return {k: v.numpy() for k, v in fuse(bnns, "kl", reg=1e-6, head="clients").model.state_dict().items()}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.pop("heads.shares"), "missing heads.shares"),
+    (lambda s: s.update({"heads.loc_b": s["heads.loc_b"][:, :2]}), r"heads.loc_b must be \(2, 3\)"),
+    (lambda s: s.update({"heads.loc_w": s["heads.loc_w"][:, :, :-1]}), r"heads.loc_w must be \(heads, 3, "),
+    (lambda s: s.update({"heads.scale_w": -s["heads.scale_w"] - 1.0}), "standard deviations must be >= 0"),
+    (lambda s: s.update({"heads.shares": s["heads.shares"] * 2}), "sum to 1 over the heads"),
+    (lambda s: s.update({"heads.loc_b": np.full_like(s["heads.loc_b"], np.nan)}), "NaN or infinite"),
+])
+def test_a_bad_head_state_is_refused(change, message):
+    state = _head_state()
+    assert isinstance(bnn_from_state(state), HeadMixtureBNN)
+    change(state)
+    with pytest.raises(ValueError, match=message):
+        bnn_from_state(state, "fused.pt")
+
+
+def test_an_unknown_head_is_refused():
+    bnns = [HorseshoeBNN.from_state_dict(p.to_state()) for p in _disjoint_clients()]
+    with pytest.raises(ValueError, match="head"):
+        fuse(bnns, "kl", head="mixture")
