@@ -85,6 +85,11 @@ class StateFusion:
 
 def input_kind(states: Sequence[State]) -> str:
     """``"bnn"`` when every state_dict is a HorseshoeBNN's, ``"network"`` when none is."""
+    from bayesfuse.models.bnn_fusion import HEAD_KEYS
+
+    if any(k in sd for sd in states for k in HEAD_KEYS):
+        raise TypeError("a HeadMixtureBNN is a fused model with one head per client; fuse the clients' "
+                        "HorseshoeBNNs instead (or its shared-head body: its state_dict without the 'heads.' entries)")
     flags = [is_bnn_state(sd) for sd in states]
     if any(flags) and not all(flags):
         raise TypeError("cannot fuse Bayesian (HorseshoeBNN) and point-estimate networks together")

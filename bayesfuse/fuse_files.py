@@ -268,6 +268,12 @@ def fuse_files(
     for sd, name in zip(state_dicts, names):
         _check_finite(sd, name)
 
+    from bayesfuse.models.bnn_fusion import HEAD_KEYS
+
+    for sd, name in zip(state_dicts, names):
+        if any(k in sd for k in HEAD_KEYS):
+            raise ValueError(f"{name} is a fused BNN with one head per client (head='clients'); fuse the clients' "
+                             "HorseshoeBNN checkpoints instead")
     is_bnn = [is_bnn_state(sd) for sd in state_dicts]
     if any(is_bnn) and not all(is_bnn):
         raise ValueError("cannot fuse Bayesian (HorseshoeBNN) and point-estimate checkpoints together")

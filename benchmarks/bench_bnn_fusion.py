@@ -167,8 +167,8 @@ def run_seed(args, seed: int) -> dict:
     best = max(validation, key=lambda r: r["loglik"])["reg"]
     fused = {}
     for name, method, hyper in (("fused (kl)", "kl", dict(reg=best)),
-                                (HEADS, "kl", dict(reg=best, head="clients")),
-                ("fused (nafi)", "nafi", {}),
+                                                (HEADS, "kl", dict(reg=best, head="clients")),
+                                ("fused (nafi)", "nafi", {}),
                                 ("kl, no pruning", "kl", dict(reg=best, prune_kl=0.0)),
                                 ("kl, raw units", "kl", dict(reg=best, unit_form="raw")),
                                 # reg far below any KL cost: no unit merges, none is pruned

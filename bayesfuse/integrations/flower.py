@@ -271,6 +271,9 @@ class MatchedAveraging(_Fusion):
         # point-estimate networks for pfnm/nafi, HorseshoeBNN posteriors for kl; bad keys fail here
         self.kind = "bnn" if method == "kl" else "network"
         methods.resolve(method, self.kind, hyper)
+        if (hyper or {}).get("head", "shared") != "shared":
+            raise ValueError("head='clients' builds a fused model with one output layer per client, which the "
+                             "clients' HorseshoeBNN cannot take; the strategy sends back the shared head")
         super().__init__(spec=spec, class_counts_key=class_counts_key, seed=seed, **kwargs)
         self.method = method
         self.hyper = dict(hyper or {})

@@ -38,7 +38,10 @@ layer goes through the same steps.
 6. **Client heads**: beside the one output layer, every client's own output layer is read off
    the fused top hidden layer (:func:`client_heads`): ``fuse(..., head="clients")`` builds a
    :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`, whose predictive is the class-share
-   mixture of the heads' softmaxes instead of one softmax of averaged logits.
+   mixture of the heads' softmaxes instead of one softmax of averaged logits. In the raw form a
+   fused unit's median scale ``tau lambda`` is not its members' (``tau`` is the clients'
+   barycenter), so each head's weights are rescaled by ``s_member / s_fused``: exact for the top
+   layer; the layers below carry the raw form's own mismatch, as the shared head does.
 """
 
 from __future__ import annotations
@@ -280,6 +283,12 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], method: str, *, avera
                                  in_features=ref.in_features, n_classes=K, global_scale=ref.global_scale,
                                  weight_scale=ref.weight_scale)
     outgoing = [p.out_weights[k] for p, k in zip(posts, kept_all[-1])]
+    if unit_form == "raw":  # a fused unit computes s_g / s_jl times its member's output (s: median unit scale)
+        top = fused_layers[-1]
+        m_fused = top.log_tau.loc[0, 0] + top.log_lam.loc[:, 0]
+        factors = [np.exp(p.layers[-1].log_tau.loc[0, 0] + p.layers[-1].log_lam.loc[k, 0] - m_fused[np.asarray(a)])
+                   for p, k, a in zip(posts, kept_all[-1], layers[-1].assignments)]
+        outgoing = [DiagNormal(loc=o.loc * c[:, None], var=o.var * (c**2)[:, None]) for o, c in zip(outgoing, factors)]
     heads = client_heads(layers[-1].assignments, [o.loc for o in outgoing], [o.var for o in outgoing],
                          [p.out_bias.loc for p in posts], [p.out_bias.var for p in posts], len(out_weights))
     heads["heads.shares"] = shares

@@ -85,6 +85,64 @@ def test_heads_on_side_by_side_units_predict_the_class_share_mixture_of_the_clie
     assert np.abs(want - averaged).max() > 1e-3
 
 
+def _kept(post: DeepBNNPosterior, kept) -> DeepBNNPosterior:
+    """``post`` with only the units ``kept`` (one index array per hidden layer): the network pruning leaves."""
+    layers, below = [], None
+    for layer, keep in zip(post.layers, kept):
+        layer = layer.units(np.asarray(keep))
+        if below is not None:
+            cols = np.append(below, layer.incoming.loc.shape[1] - 1)
+            layer = HiddenLayer(incoming=DiagNormal(loc=layer.incoming.loc[:, cols], var=layer.incoming.var[:, cols]),
+                                log_lam=layer.log_lam, log_tau=layer.log_tau)
+        layers.append(layer)
+        below = np.asarray(keep)
+    return DeepBNNPosterior(tuple(layers), post.out_weights[np.asarray(kept[-1])], post.out_bias, post.in_features,
+                            post.n_classes, post.global_scale, post.weight_scale)
+
+
+def _switch_off(post: DeepBNNPosterior, unit: int) -> DeepBNNPosterior:
+    """``post`` with unit ``unit`` of every hidden layer at the prior (incoming weights N(0, 1)): pruned."""
+    layers = []
+    for layer in post.layers:
+        loc, var = layer.incoming.loc.copy(), layer.incoming.var.copy()
+        loc[unit], var[unit] = 0.0, 1.0
+        layers.append(HiddenLayer(incoming=DiagNormal(loc=loc, var=var), log_lam=layer.log_lam, log_tau=layer.log_tau))
+    return DeepBNNPosterior(tuple(layers), post.out_weights, post.out_bias, post.in_features, post.n_classes,
+                            post.global_scale, post.weight_scale)
+
+
+@pytest.mark.parametrize("method, unit_form, depth", [
+    ("kl", "effective", 1), ("kl", "effective", 2), ("kl", "raw", 1), ("pfnm", "raw", 1),
+])
+def test_pruned_clients_heads_compute_each_clients_kept_units(method, unit_form, depth):
+    # Pruning on (some units of every client dropped), units unmerged: head j must compute client j's
+    # network restricted to its kept units, whatever the method and unit form. In the raw form the
+    # fused tau is the clients' barycenter, so this needs the heads' rescaling by s_member / s_fused
+    # (one hidden layer: the layers below carry the raw form's own mismatch).
+    posts = _disjoint_clients()
+    if depth == 1:
+        posts = [DeepBNNPosterior(p.layers[:1], DiagNormal(loc=np.random.default_rng(j).normal(size=(p.layers[0].width, 3)),
+                                                           var=np.full((p.layers[0].width, 3), 0.01)),
+                                  p.out_bias, p.in_features, p.n_classes, p.global_scale, p.weight_scale)
+                 for j, p in enumerate(posts)]
+    posts = [_switch_off(p, unit=j) for j, p in enumerate(posts)]
+    hyper = dict(reg=1e-6) if method == "kl" else dict(noise_var=1e-4, prior_var=1e8)  # matching: no pull to the prior
+    fused = fuse_states([p.to_state() for p in posts], method, class_counts=COUNTS, prune_kl=1.0, unit_form=unit_form,
+                        head="clients", **hyper)
+    kept = fused.hyper["kept_units"] if depth > 1 else [fused.hyper["kept_units"]]
+    assert fused.sizes == [sum(len(k) for k in layer) for layer in kept]  # nothing merged
+    for layer, post_layers in zip(kept, zip(*[p.layers for p in posts])):
+        widths = [len(k) for k in layer]
+        assert all(0 < w < pl.width for w, pl in zip(widths, post_layers)), widths  # every client lost some units
+    model = HeadMixtureBNN.from_state_dict(_at_means(fused.state))
+    shares = COUNTS / COUNTS.sum(0)
+    nets = [_kept(p, [layer[j] for layer in kept]) for j, p in enumerate(posts)]
+    mixture = sum(shares[j] * _softmax(_logits(n, X)) for j, n in enumerate(nets))
+    rtol = 1e-9 if method == "kl" else 1e-6  # matching: the prior's pull, 1e-4 / 1e8 of a unit
+    np.testing.assert_allclose(model.predict(X, num_samples=2), mixture / mixture.sum(1, keepdims=True), rtol=rtol,
+                               atol=1e-9)
+
+
 def test_client_heads_place_each_clients_outgoing_weights_at_its_global_units():
     heads = client_heads([np.array([2, 0]), np.array([1, 2, 3])],
                          [np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]])],
@@ -141,5 +199,25 @@ def test_a_bad_head_state_is_refused(change, message):
 
 def test_an_unknown_head_is_refused():
     bnns = [HorseshoeBNN.from_state_dict(p.to_state()) for p in _disjoint_clients()]
-    with pytest.raises(ValueError, match="head"):
+    with pytest.raises(ValueError, match="head must be one of 'shared', 'clients'"):
         fuse(bnns, "kl", head="mixture")
+
+
+def test_a_head_mixture_is_no_input_to_fusion_or_arviz_export(tmp_path):
+    from bayesfuse.analysis import bnn_to_arviz
+
+    state = _head_state()
+    with pytest.raises(TypeError, match="HeadMixtureBNN is a fused model"):
+        fuse_states([state, state], "kl")
+    path = tmp_path / "heads.pt"
+    torch.save({k: torch.as_tensor(v) for k, v in state.items()}, path)
+    torch.save({k: torch.as_tensor(v) for k, v in state.items()}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="heads.pt is a fused BNN with one head per client"):
+        fuse_files([path, tmp_path / "other.pt"], "kl", tmp_path / "out.pt")
+    with pytest.raises(TypeError, match="mixture of its clients' heads"):
+        bnn_to_arviz(bnn_from_state(state), X, np.zeros(len(X), dtype=int))
+    broken = dict(state)
+    del broken["heads.shares"]
+    torch.save({k: torch.as_tensor(v) for k, v in broken.items()}, path)
+    with pytest.raises(ValueError, match="missing heads.shares"):
+        load(path)
