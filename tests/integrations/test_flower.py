@@ -147,6 +147,13 @@ def test_unknown_method():
         MatchedAveraging("fedprox")
 
 
+def test_client_heads_are_refused():
+    # the strategy sends one HorseshoeBNN back to every client: a fused model of J heads is no such network
+    with pytest.raises(ValueError, match="head='clients' builds a fused model with one output layer per client"):
+        MatchedAveraging("kl", hyper={"head": "clients"})
+    MatchedAveraging("kl", hyper={"head": "shared"})
+
+
 def test_metrics_aggregation_sums_class_counts_and_averages_the_rest():
     records = [RecordDict({"metrics": MetricRecord({"num-examples": n, "class-counts": c, "accuracy": a})})
                for n, c, a in [(30, [10, 20, 0], 0.5), (10, [0, 5, 5], 0.9)]]
