@@ -85,7 +85,7 @@ class StateFusion:
 
 def input_kind(states: Sequence[State]) -> str:
     """``"bnn"`` when every state_dict is a HorseshoeBNN's, ``"network"`` when none is."""
-    from bayesfuse.models.bnn_fusion import HEAD_KEYS
+    from bayesfuse.models.bnn_sites import HEAD_KEYS
 
     if any(k in sd for sd in states for k in HEAD_KEYS):
         raise TypeError("a HeadMixtureBNN is a fused model with one head per client; fuse the clients' "

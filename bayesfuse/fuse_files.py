@@ -268,7 +268,7 @@ def fuse_files(
     for sd, name in zip(state_dicts, names):
         _check_finite(sd, name)
 
-    from bayesfuse.models.bnn_fusion import HEAD_KEYS
+    from bayesfuse.models.bnn_sites import HEAD_KEYS
 
     for sd, name in zip(state_dicts, names):
         if any(k in sd for k in HEAD_KEYS):

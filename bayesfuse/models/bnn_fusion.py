@@ -56,15 +56,11 @@ from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import class_share_matrix
 from bayesfuse.inference.matching import match_neurons
 from bayesfuse.models.bnn_posterior import DeepBNNPosterior, HiddenLayer
+from bayesfuse.models.bnn_sites import HEAD_KEYS
 from bayesfuse.models.bnn_units import effective_layer, incoming_information, keep_informative, split_effective
 
 __all__ = ["BNNFusion", "fuse_bnn_posteriors", "output_shares", "membership", "share_mixture", "client_heads",
            "HEAD_KEYS"]
-
-#: The entries a :class:`HeadMixtureBNN` state_dict holds beside a HorseshoeBNN's: per client j,
-#: the head's weights (J, K, H) and bias (J, K) as means and standard deviations, and the class
-#: shares (J, K) that mix the heads.
-HEAD_KEYS = ("heads.loc_w", "heads.scale_w", "heads.loc_b", "heads.scale_b", "heads.shares")
 
 
 def client_heads(assignments, out_loc, out_var, bias_loc, bias_var, n_global: int) -> dict[str, np.ndarray]:

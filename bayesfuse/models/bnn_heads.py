@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from bayesfuse.models.bnn import HorseshoeBNN, _forward_hidden
-from bayesfuse.models.bnn_fusion import HEAD_KEYS, client_heads
+from bayesfuse.models.bnn_fusion import client_heads
+from bayesfuse.models.bnn_sites import HEAD_KEYS
 
 __all__ = ["HeadMixtureBNN", "HEAD_KEYS", "client_heads", "is_head_state", "bnn_from_state"]
 

@@ -23,7 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "LayerSites", "layer_sites",
+__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "HEAD_KEYS", "LayerSites", "layer_sites",
            "deep_site_shapes", "state_keys", "state_depth", "state_sizes", "is_bnn_state", "prior_scales",
            "state_dims"]
 
@@ -217,3 +217,9 @@ def prior_scales(value, name: str = "state_dict") -> tuple[float, float]:
         raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two positive "
                          f"finite numbers, the prior's global_scale and weight_scale; got {shown!r})")
     return float(scales[0]), float(scales[1])
+
+
+#: The entries a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN` state_dict holds beside a HorseshoeBNN's: per client j,
+#: the head's weights (J, K, H) and bias (J, K) as means and standard deviations, and the class
+#: shares (J, K) that mix the heads.
+HEAD_KEYS = ("heads.loc_w", "heads.scale_w", "heads.loc_b", "heads.scale_b", "heads.shares")
