@@ -369,10 +369,9 @@ _BNN_ENTRY = {"w1": "in", "b1": "bias", "log_lam": "log_scale", "w2": "out"}
 def _bnn_weight_names(state: Mapping, width: int) -> list[str] | None:
     """``in_0 .., bias, log_scale, out_0 ..`` when ``state`` is a horseshoe BNN's state_dict whose
     units have ``width`` entries (:class:`~bayesfuse.models.bnn_posterior.BNNPosterior`'s layout)."""
-    from bayesfuse.models.bnn_sites import HEAD_KEYS
-    from bayesfuse.models.bnn_sites import UNIT_SITES, state_depth, state_dims
+    from bayesfuse.models.bnn_sites import UNIT_SITES, body_state, state_depth, state_dims
 
-    state = {k: v for k, v in state.items() if k not in HEAD_KEYS}  # a HeadMixtureBNN's body
+    state = body_state(state)  # a HeadMixtureBNN's names are its body's
     if state_depth(state) != 1:  # deeper networks' units are named by position
         return None
     _, D, K = state_dims(state, "the fused BNN")
@@ -666,7 +665,7 @@ def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0
 
     from bayesfuse.models.bnn import HorseshoeBNN, _forward
 
-    from bayesfuse.models.bnn_sites import HEAD_KEYS
+    from bayesfuse.models.bnn_sites import has_heads
 
     result = None
     if not isinstance(model, HorseshoeBNN):
@@ -674,7 +673,7 @@ def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0
         if not isinstance(inner, HorseshoeBNN):
             raise TypeError(f"expected a HorseshoeBNN or a result holding one, got {type(model).__name__}")
         result, model = model, inner
-    if any(k in model.state_dict() for k in HEAD_KEYS):  # a HeadMixtureBNN
+    if has_heads(model.state_dict()):  # a HeadMixtureBNN
         raise TypeError("a HeadMixtureBNN predicts a mixture of its clients' heads, whose log-likelihood per "
                         "draw this export does not compute; export the shared-head fusion (head='shared')")
     num_samples = _check_count(num_samples, "num_samples")

@@ -85,9 +85,9 @@ class StateFusion:
 
 def input_kind(states: Sequence[State]) -> str:
     """``"bnn"`` when every state_dict is a HorseshoeBNN's, ``"network"`` when none is."""
-    from bayesfuse.models.bnn_sites import HEAD_KEYS
+    from bayesfuse.models.bnn_sites import has_heads
 
-    if any(k in sd for sd in states for k in HEAD_KEYS):
+    if any(has_heads(sd) for sd in states):
         raise TypeError("a HeadMixtureBNN is a fused model with one head per client; fuse the clients' "
                         "HorseshoeBNNs instead (or its shared-head body: its state_dict without the 'heads.' entries)")
     flags = [is_bnn_state(sd) for sd in states]

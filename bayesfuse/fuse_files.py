@@ -268,10 +268,10 @@ def fuse_files(
     for sd, name in zip(state_dicts, names):
         _check_finite(sd, name)
 
-    from bayesfuse.models.bnn_sites import HEAD_KEYS
+    from bayesfuse.models.bnn_sites import has_heads
 
     for sd, name in zip(state_dicts, names):
-        if any(k in sd for k in HEAD_KEYS):
+        if has_heads(sd):
             raise ValueError(f"{name} is a fused BNN with one head per client (head='clients'); fuse the clients' "
                              "HorseshoeBNN checkpoints instead")
     is_bnn = [is_bnn_state(sd) for sd in state_dicts]

@@ -93,12 +93,6 @@ class FusionResult:
         return fusion_to_arviz(self, layer=layer, **options)
 
 
-def _is_head_mixture(model) -> bool:
-    from bayesfuse.models.bnn_heads import HeadMixtureBNN
-
-    return isinstance(model, HeadMixtureBNN)
-
-
 def _is_bnn(model) -> bool:
     from bayesfuse.models.bnn import HorseshoeBNN
 
@@ -187,10 +181,6 @@ def fuse(
     if data is not None:
         raise ValueError(f"method={method!r} fuses the models alone; data is used by method='fedma' only")
     bnn = [_is_bnn(m) for m in models]
-    if any(_is_head_mixture(m) for m in models):
-        raise TypeError("a HeadMixtureBNN is a fused model with one head per client; fuse the clients' "
-                        "HorseshoeBNNs instead (or its shared-head body: HorseshoeBNN.from_state_dict of its "
-                        "state_dict without the 'heads.' entries)")
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
     if not any(bnn) and (spec is None or method != "fedavg"):

@@ -86,9 +86,9 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
 
 def _recognised(state: dict, name: str, n_features: int | None) -> nn.Module:
     from bayesfuse.models.bnn import HorseshoeBNN
-    from bayesfuse.models.bnn_sites import HEAD_KEYS
+    from bayesfuse.models.bnn_sites import has_heads
 
-    if HorseshoeBNN.is_state_dict(state) or any(k in state for k in HEAD_KEYS):
+    if HorseshoeBNN.is_state_dict(state) or has_heads(state):
         from bayesfuse.models.bnn_heads import bnn_from_state
 
         return bnn_from_state(state, name)

@@ -225,13 +225,20 @@ class HorseshoeBNN(nn.Module):
         x = torch.as_tensor(np.asarray(x), dtype=torch.float64)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be (n, {self.in_features}), got {tuple(x.shape)}")
-        gen = torch.Generator().manual_seed(seed)
-        p = self.sample_params(num_samples, gen)
-        chunks = []
-        for i in range(0, len(x), batch_size):
-            logits = _forward(x[i : i + batch_size], p, self.depth)  # (S, n, K)
-            chunks.append(torch.softmax(logits, -1).mean(0))
-        return torch.cat(chunks).numpy()
+        draws = self._draws(num_samples, torch.Generator().manual_seed(seed))
+        step = self._rows_per_chunk(batch_size)
+        return torch.cat([self._predictive(x[i : i + step], draws) for i in range(0, len(x), step)]).numpy()
+
+    def _draws(self, num_samples: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """What :meth:`predict` draws once for all inputs: the guide's sites."""
+        return self.sample_params(num_samples, generator)
+
+    def _rows_per_chunk(self, batch_size: int) -> int:
+        return batch_size
+
+    def _predictive(self, x: torch.Tensor, draws: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(n, K) predictive of the rows ``x`` over ``draws``: the mean softmax."""
+        return torch.softmax(_forward(x, draws, self.depth), -1).mean(0)  # (S, n, K) -> (n, K)
 
     def unit_scales(self, layer: int = 1) -> np.ndarray:
         """Posterior median of each unit's scale ``tau * lambda_k`` in hidden layer ``layer`` (log-normal: exp of the loc)."""

@@ -34,14 +34,13 @@ from torch import nn
 
 from bayesfuse.models.bnn import HorseshoeBNN, _forward_hidden
 from bayesfuse.models.bnn_fusion import client_heads
-from bayesfuse.models.bnn_sites import HEAD_KEYS
+from bayesfuse.models.bnn_sites import HEAD_KEYS, body_state, has_heads
 
 __all__ = ["HeadMixtureBNN", "HEAD_KEYS", "client_heads", "is_head_state", "bnn_from_state"]
 
 def is_head_state(state: Mapping[str, object]) -> bool:
     """Whether ``state`` is a HorseshoeBNN state_dict plus the :data:`HEAD_KEYS` (a :class:`HeadMixtureBNN`'s)."""
-    return set(HEAD_KEYS) <= set(state) and HorseshoeBNN.is_state_dict(
-        {k: v for k, v in state.items() if k not in HEAD_KEYS})
+    return set(HEAD_KEYS) <= set(state) and HorseshoeBNN.is_state_dict(body_state(state))
 
 
 class _Heads(nn.Module):
@@ -87,7 +86,7 @@ class HeadMixtureBNN(HorseshoeBNN):
         missing = [k for k in HEAD_KEYS if k not in state]
         if missing:
             raise ValueError(f"{name}: not a HeadMixtureBNN state_dict (missing {', '.join(missing)})")
-        body = HorseshoeBNN.from_state_dict({k: v for k, v in state.items() if k not in HEAD_KEYS}, name)
+        body = HorseshoeBNN.from_state_dict(body_state(state), name)
         heads = {k: torch.as_tensor(np.asarray(state[k], dtype=np.float64)) for k in HEAD_KEYS}
         J, K, H = heads["heads.loc_w"].shape if heads["heads.loc_w"].ndim == 3 else (0, 0, 0)
         want = {"heads.loc_w": (J, K, H), "heads.scale_w": (J, K, H), "heads.loc_b": (J, K),
@@ -117,26 +116,29 @@ class HeadMixtureBNN(HorseshoeBNN):
         Each of the ``num_samples`` draws of the body feeds every head (with its own draw of the
         head's weights). Returns float64 probabilities (n, K); the same seed gives the same draws.
         """
-        x = torch.as_tensor(np.asarray(x), dtype=torch.float64)
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"x must be (n, {self.in_features}), got {tuple(x.shape)}")
-        gen = torch.Generator().manual_seed(seed)
-        params = self.sample_params(num_samples, gen)
-        h_ = self.heads
-        w = h_.loc_w + h_.scale_w * torch.randn((num_samples, *h_.loc_w.shape), dtype=torch.float64, generator=gen)
-        b = h_.loc_b + h_.scale_b * torch.randn((num_samples, *h_.loc_b.shape), dtype=torch.float64, generator=gen)
-        chunks = []
-        step = max(1, batch_size // self.n_heads)
-        for i in range(0, len(x), step):
-            hidden = _forward_hidden(x[i : i + step], params, self.depth)  # (S, n, H)
-            logits = torch.einsum("snh,sjkh->sjnk", hidden, w) + b.unsqueeze(2)  # (S, J, n, K)
-            q = (torch.softmax(logits, -1) * h_.shares[None, :, None, :]).sum(1).mean(0)  # (n, K)
-            chunks.append(q / q.sum(-1, keepdim=True))
-        return torch.cat(chunks).numpy()
+        return super().predict(x, num_samples, seed=seed, batch_size=batch_size)
+
+    def _draws(self, num_samples: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        draws = super()._draws(num_samples, generator)
+        h = self.heads
+        draws["heads.w"] = h.loc_w + h.scale_w * torch.randn((num_samples, *h.loc_w.shape), dtype=torch.float64,
+                                                             generator=generator)
+        draws["heads.b"] = h.loc_b + h.scale_b * torch.randn((num_samples, *h.loc_b.shape), dtype=torch.float64,
+                                                             generator=generator)
+        return draws
+
+    def _rows_per_chunk(self, batch_size: int) -> int:
+        return max(1, batch_size // self.n_heads)  # every head's logits are held at once
+
+    def _predictive(self, x: torch.Tensor, draws) -> torch.Tensor:
+        hidden = _forward_hidden(x, draws, self.depth)  # (S, n, H)
+        logits = torch.einsum("snh,sjkh->sjnk", hidden, draws["heads.w"]) + draws["heads.b"].unsqueeze(2)  # (S, J, n, K)
+        q = (torch.softmax(logits, -1) * self.heads.shares[None, :, None, :]).sum(1).mean(0)  # (n, K)
+        return q / q.sum(-1, keepdim=True)
 
 
 def bnn_from_state(state: Mapping[str, object], name: str = "state_dict") -> HorseshoeBNN:
     """A :class:`HeadMixtureBNN` when ``state`` holds the :data:`HEAD_KEYS`, else a HorseshoeBNN."""
-    if any(k in state for k in HEAD_KEYS):
+    if has_heads(state):
         return HeadMixtureBNN.from_state_dict(state, name)
     return HorseshoeBNN.from_state_dict(state, name)

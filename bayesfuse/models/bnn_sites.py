@@ -23,7 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "HEAD_KEYS", "LayerSites", "layer_sites",
+__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "HEAD_KEYS", "has_heads", "body_state", "LayerSites", "layer_sites",
            "deep_site_shapes", "state_keys", "state_depth", "state_sizes", "is_bnn_state", "prior_scales",
            "state_dims"]
 
@@ -219,7 +219,17 @@ def prior_scales(value, name: str = "state_dict") -> tuple[float, float]:
     return float(scales[0]), float(scales[1])
 
 
-#: The entries a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN` state_dict holds beside a HorseshoeBNN's: per client j,
-#: the head's weights (J, K, H) and bias (J, K) as means and standard deviations, and the class
-#: shares (J, K) that mix the heads.
+#: The entries a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN` state_dict holds beside a
+#: HorseshoeBNN's: per client j, the head's weights (J, K, H) and bias (J, K) as means and standard
+#: deviations, and the class shares (J, K) that mix the heads.
 HEAD_KEYS = ("heads.loc_w", "heads.scale_w", "heads.loc_b", "heads.scale_b", "heads.shares")
+
+
+def has_heads(state: Mapping[str, object]) -> bool:
+    """Whether ``state`` holds any of the :data:`HEAD_KEYS` (a fused BNN with client heads, whole or damaged)."""
+    return any(k in state for k in HEAD_KEYS)
+
+
+def body_state(state: Mapping[str, object]) -> dict:
+    """``state`` without the :data:`HEAD_KEYS`: a HeadMixtureBNN's shared-head HorseshoeBNN."""
+    return {k: v for k, v in state.items() if k not in HEAD_KEYS}
