@@ -19,7 +19,9 @@ images from font-rendered digits (out of distribution), and the hidden units of
   log-likelihood (never the test set), and by NAFI at its defaults;
 * the fused BNN (KL-fusion, the same ``reg``) with **client heads** (``head="clients"``,
   :mod:`bayesfuse.models.bnn_heads`): the fused hidden units, each client's output layer on
-  them, their softmaxes mixed by class shares;
+  them, their softmaxes mixed by class shares; and the same heads pooled geometrically
+  (``predict(x, pool="log")``: ``prod_j p_j(k | x)^(s_jk)``, normalised), next to the locals
+  pooled the same way;
 * the fused BNNs without pruning and with the raw unit form (the two ablations of
   :func:`bayesfuse.core._fuse_bnn_states`);
 * the locals **side by side** in one network (KL-fusion with ``reg`` 1e-12, at which no unit
@@ -71,13 +73,23 @@ COLUMNS = ("model", "accuracy", "loglik", "ece", "auroc", "units")
 
 SIDE_BY_SIDE = "locals side by side"
 HEADS = "fused (kl), client heads"
+HEADS_LOG = "fused (kl), client heads, log pool"
 SHARE_ENSEMBLE = "ensemble, class-share weights"
+SHARE_LOG_ENSEMBLE = "ensemble, class-share log pool"
 
 
 def _share_mixture(probs: list[np.ndarray], shares: np.ndarray) -> np.ndarray:
     """``sum_j s_jk p_j(k | x)``, normalised over k: the locals mixed as the client heads are."""
     q = np.einsum("jk,jnk->nk", shares, np.asarray(probs))
     return q / q.sum(1, keepdims=True)
+
+
+def _share_log_pool(probs: list[np.ndarray], shares: np.ndarray) -> np.ndarray:
+    """``prod_j p_j(k | x)^(s_jk)``, normalised over k: the locals pooled as ``pool="log"`` pools the heads."""
+    logp = np.log(np.clip(np.asarray(probs), np.finfo(float).tiny, None))
+    score = np.einsum("jk,jnk->nk", shares, logp)
+    e = np.exp(score - score.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
 
 
 def scores(p, y, h_ood=None) -> dict:
@@ -151,6 +163,8 @@ def run_seed(args, seed: int) -> dict:
     shares = output_shares(part.counts, args.clients, split.n_classes)
     rows.append(scored(SHARE_ENSEMBLE, *(_share_mixture([m[i] for m in local_probs], shares) for i in (0, 1)),
                        args.clients * units))
+    rows.append(scored(SHARE_LOG_ENSEMBLE, *(_share_log_pool([m[i] for m in local_probs], shares) for i in (0, 1)),
+                       args.clients * units))
     pooled_idx = np.concatenate(list(part))
     pooled = _trained(cache, "pooled", train.x[pooled_idx], train.y[pooled_idx], split.n_classes, hidden,
                       BNNConfig(epochs=epochs, seed=seed * 100 + 99))
@@ -167,7 +181,7 @@ def run_seed(args, seed: int) -> dict:
     best = max(validation, key=lambda r: r["loglik"])["reg"]
     fused = {}
     for name, method, hyper in (("fused (kl)", "kl", dict(reg=best)),
-                                                (HEADS, "kl", dict(reg=best, head="clients")),
+                                (HEADS, "kl", dict(reg=best, head="clients")),
                                 ("fused (nafi)", "nafi", {}),
                                 ("kl, no pruning", "kl", dict(reg=best, prune_kl=0.0)),
                                 ("kl, raw units", "kl", dict(reg=best, unit_form="raw")),
@@ -176,6 +190,9 @@ def run_seed(args, seed: int) -> dict:
         res = fuse(bnns, method, class_counts=part.counts, **hyper)
         fused[name] = res
         rows.append(evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})[0])
+        if name == HEADS:  # the same heads, pooled geometrically
+            log_pool = [res.model.predict(x, args.samples, seed=seed, pool="log") for x in (split.test.x, x_ood)]
+            rows.append(scored(HEADS_LOG, *log_pool, sum(res.sizes), res.seconds, {"layers": res.sizes}))
     with warnings.catch_warnings():  # one model per fusion on purpose: it comes back pruned
         warnings.filterwarnings("ignore", "only one model", UserWarning)
         pruned = [fuse([bnn], "kl", reg=best) for bnn in bnns]
@@ -319,12 +336,12 @@ def _figure(args, run):
 
 
 def _against(rows: list[dict]) -> str:
-    """The fused BNNs (kl, shared head and client heads) against the ensemble and the best local."""
+    """The fused BNNs (kl: shared head, client heads, log-pooled client heads) against the ensemble and the best local."""
     by = {r["model"]: r for r in rows}
     ens = by["ensemble"]
     best = max(r["accuracy"] for r in rows if r["model"].startswith("local "))
     lines = []
-    for name in ("fused (kl)", HEADS):
+    for name in ("fused (kl)", HEADS, HEADS_LOG):
         fused = by[name]
         diff = ", ".join(f"{k} {fused[k] - ens[k]:+.4f}" for k in ("accuracy", "loglik", "auroc"))
         lines.append(f"{name} - ensemble: {diff}; accuracy above the best local: "

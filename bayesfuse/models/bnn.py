@@ -222,12 +222,16 @@ class HorseshoeBNN(nn.Module):
 
         Returns float64 probabilities of shape (n, K). The same seed gives the same draws.
         """
+        return self._predict(x, num_samples, seed, batch_size, self._predictive)
+
+    def _predict(self, x, num_samples: int, seed: int, batch_size: int, predictive) -> np.ndarray:
+        """:meth:`predict` with the per-chunk rule ``predictive(x_chunk, draws) -> (n, K)``."""
         x = torch.as_tensor(np.asarray(x), dtype=torch.float64)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be (n, {self.in_features}), got {tuple(x.shape)}")
         draws = self._draws(num_samples, torch.Generator().manual_seed(seed))
         step = self._rows_per_chunk(batch_size)
-        return torch.cat([self._predictive(x[i : i + step], draws) for i in range(0, len(x), step)]).numpy()
+        return torch.cat([predictive(x[i : i + step], draws) for i in range(0, len(x), step)]).numpy()
 
     def _draws(self, num_samples: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """What :meth:`predict` draws once for all inputs: the guide's sites."""

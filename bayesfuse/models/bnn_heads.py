@@ -17,6 +17,16 @@ of the heads' predictive distributions,
 with ``s_jk = n_jk / sum_j n_jk`` the clients' shares of class k
 (:func:`~bayesfuse.models.bnn_fusion.output_shares`; ``1 / J`` without class counts): a client
 weighs only on the classes it saw. The hidden units ``h`` are the fused ones, shared by all heads.
+``predict(x, pool="log")`` pools the same heads geometrically instead,
+
+.. math::
+
+    p(y = k \\mid x) \\propto \\prod_j p_j(k \\mid x)^{s_{jk}},
+
+each class scored by the share-weighted mean of the heads' log-probabilities (the log-linear
+opinion pool, with class-share weights). Where the heads agree it is sharper than the mixture;
+where confident heads disagree it spreads out, as the mixture does. In the README's
+Fashion-MNIST study it trades some of the mixture's OOD AUROC for a higher test likelihood.
 
 :class:`HeadMixtureBNN` is a :class:`~bayesfuse.models.bnn.HorseshoeBNN` (its guide holds the
 fused body and the shared output layer, so ``model``/``guide`` and the shared-head predictive
@@ -26,6 +36,7 @@ state_dict under ``heads.``. Only :meth:`HeadMixtureBNN.predict` reads the heads
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Mapping
 
 import numpy as np
@@ -36,7 +47,10 @@ from bayesfuse.models.bnn import HorseshoeBNN, _forward_hidden
 from bayesfuse.models.bnn_fusion import client_heads
 from bayesfuse.models.bnn_sites import HEAD_KEYS, body_state, has_heads
 
-__all__ = ["HeadMixtureBNN", "HEAD_KEYS", "client_heads", "is_head_state", "bnn_from_state"]
+__all__ = ["HeadMixtureBNN", "HEAD_KEYS", "POOLS", "client_heads", "is_head_state", "bnn_from_state"]
+
+#: How :meth:`HeadMixtureBNN.predict` pools the heads' predictive distributions (module docstring).
+POOLS = ("linear", "log")
 
 def is_head_state(state: Mapping[str, object]) -> bool:
     """Whether ``state`` is a HorseshoeBNN state_dict plus the :data:`HEAD_KEYS` (a :class:`HeadMixtureBNN`'s)."""
@@ -110,13 +124,19 @@ class HeadMixtureBNN(HorseshoeBNN):
         return model
 
     @torch.no_grad()
-    def predict(self, x, num_samples: int = 100, *, seed: int = 0, batch_size: int = 4096) -> np.ndarray:
-        """The class-share mixture of the heads' Monte Carlo predictive distributions (module docstring).
+    def predict(self, x, num_samples: int = 100, *, seed: int = 0, batch_size: int = 4096,
+                pool: str = "linear") -> np.ndarray:
+        """The heads' Monte Carlo predictive distributions, pooled by class share (module docstring).
 
         Each of the ``num_samples`` draws of the body feeds every head (with its own draw of the
-        head's weights). Returns float64 probabilities (n, K); the same seed gives the same draws.
+        head's weights). ``pool="linear"``: the class-share mixture ``sum_j s_jk p_j(k|x)``;
+        ``pool="log"``: the class-share geometric pool ``prod_j p_j(k|x)^(s_jk)``, sharper where
+        the heads agree. Both renormalised over the classes. Returns float64 probabilities (n, K);
+        the same seed gives the same draws.
         """
-        return super().predict(x, num_samples, seed=seed, batch_size=batch_size)
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {', '.join(map(repr, POOLS))}, got {pool!r}")
+        return self._predict(x, num_samples, seed, batch_size, partial(self._predictive, pool=pool))
 
     def _draws(self, num_samples: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         draws = super()._draws(num_samples, generator)
@@ -130,9 +150,12 @@ class HeadMixtureBNN(HorseshoeBNN):
     def _rows_per_chunk(self, batch_size: int) -> int:
         return max(1, batch_size // self.n_heads)  # every head's logits are held at once
 
-    def _predictive(self, x: torch.Tensor, draws) -> torch.Tensor:
+    def _predictive(self, x: torch.Tensor, draws, pool: str = "linear") -> torch.Tensor:
         hidden = _forward_hidden(x, draws, self.depth)  # (S, n, H)
         logits = torch.einsum("snh,sjkh->sjnk", hidden, draws["heads.w"]) + draws["heads.b"].unsqueeze(2)  # (S, J, n, K)
+        if pool == "log":  # each head's predictive first, then sum_j s_jk log p_j(k|x), with 0 log 0 = 0
+            per_head = torch.softmax(logits, -1).mean(0).clamp_min(torch.finfo(torch.float64).tiny)  # (J, n, K)
+            return torch.softmax(torch.xlogy(self.heads.shares[:, None, :], per_head).sum(0), -1)
         q = (torch.softmax(logits, -1) * self.heads.shares[None, :, None, :]).sum(1).mean(0)  # (n, K)
         return q / q.sum(-1, keepdim=True)
 

@@ -83,6 +83,51 @@ def test_heads_on_side_by_side_units_predict_the_class_share_mixture_of_the_clie
     averaged = _softmax(sum(shares[j] * _logits(p, X) for j, p in enumerate(posts)))
     np.testing.assert_allclose(shared.predict(X, num_samples=3), averaged, rtol=1e-9, atol=1e-12)
     assert np.abs(want - averaged).max() > 1e-3
+    # the geometric pool: softmax_k(sum_j s_jk log softmax_j), with 0 log 0 = 0 where s_jk = 0
+    with np.errstate(divide="ignore"):
+        scores = sum(np.where(shares[j] > 0, shares[j] * np.log(_softmax(_logits(p, X))), 0.0)
+                     for j, p in enumerate(posts))
+    geometric = model.predict(X, num_samples=3, pool="log")
+    np.testing.assert_allclose(geometric, _softmax(scores), rtol=1e-9, atol=1e-12)
+    assert np.abs(geometric - want).max() > 1e-6  # the rules differ far beyond the 1e-9 tolerance
+
+
+def test_the_log_pool_takes_each_heads_monte_carlo_predictive_before_the_log():
+    # With the heads' and body's standard deviations as fused (no longer ~0), pool="log" is the
+    # geometric pool of each head's own predictive: the linear pool with one-hot shares gives
+    # head j's predictive from the same draws (same seed), and pooling those by hand must agree.
+    # Pooling each draw's softmax before averaging would give a sharper, different answer.
+    fused = fuse_states([p.to_state() for p in _disjoint_clients()], "kl", class_counts=COUNTS, reg=1e-6,
+                        prune_kl=0.0, head="clients")
+    model = HeadMixtureBNN.from_state_dict(fused.state)
+    shares = model.heads.shares.clone()
+    per_head = []
+    for j in range(model.n_heads):
+        model.heads.shares.copy_(torch.nn.functional.one_hot(torch.full((3,), j), model.n_heads).T.double())
+        per_head.append(model.predict(X, num_samples=50, seed=3))
+    model.heads.shares.copy_(shares)
+    s = shares.numpy()
+    with np.errstate(divide="ignore"):
+        scores = sum(np.where(s[j] > 0, s[j] * np.log(q), 0.0) for j, q in enumerate(per_head))
+    np.testing.assert_allclose(model.predict(X, num_samples=50, seed=3, pool="log"), _softmax(scores),
+                               rtol=1e-9, atol=1e-12)
+    per_draw = model._predict(X, 50, 3, 4096, lambda x, d: _per_draw_log_pool(model, x, d))
+    assert np.abs(per_draw - _softmax(scores)).max() > 1e-6  # far beyond the 1e-9 tolerance
+
+
+def _per_draw_log_pool(model: HeadMixtureBNN, x: torch.Tensor, draws) -> torch.Tensor:
+    from bayesfuse.models.bnn import _forward_hidden
+
+    hidden = _forward_hidden(x, draws, model.depth)
+    logits = torch.einsum("snh,sjkh->sjnk", hidden, draws["heads.w"]) + draws["heads.b"].unsqueeze(2)
+    score = (model.heads.shares[None, :, None, :] * torch.log_softmax(logits, -1)).sum(1)
+    return torch.softmax(score, -1).mean(0)
+
+
+def test_an_unknown_pool_is_refused():
+    fused = fuse_states([p.to_state() for p in _disjoint_clients()], "kl", reg=1e-6, prune_kl=0.0, head="clients")
+    with pytest.raises(ValueError, match="pool must be one of 'linear', 'log', got 'mean'"):
+        HeadMixtureBNN.from_state_dict(fused.state).predict(X, pool="mean")
 
 
 def _kept(post: DeepBNNPosterior, kept) -> DeepBNNPosterior:
