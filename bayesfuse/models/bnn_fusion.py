@@ -14,7 +14,9 @@ says why each step is there):
    their columns in the fused layer below. A global unit below that none of the client's units
    joined gets weight 0 (what the client's network computes: it has no such input), with the
    mean variance of the unit's own incoming weights, so that the KL cost and barycenter treat
-   it as one more weight the client is about as sure of as of its others.
+   it as one more weight the client is about as sure of as of its others. After the fusion, a
+   fused unit's weight from a unit below that none of its members reads is 0 with a variance
+   of ~0 (``1e-12`` of its others'): what every member computes, in every Monte Carlo draw.
 3. **Unit form** (``unit_form``): ``"effective"`` compares and averages units as their effective
    incoming weights ``tau_l lambda_{l,k} (w~_k, b~_k)`` at their median scale (invariant to how a
    client split the scale, :func:`~bayesfuse.models.bnn_units.effective_layer`); the log-scale
@@ -183,6 +185,26 @@ def _in_basis(incoming: DiagNormal, below: np.ndarray | None, n_below: int) -> D
     return DiagNormal(loc=loc, var=var)
 
 
+def _unread_inputs_off(units: DiagNormal, assignments, below, n_below: int) -> DiagNormal:
+    """``units`` (G fused units of a layer above the first) with the weight from global unit u
+    below set to 0, with a variance of ``1e-12`` times the unit's mean incoming variance, wherever
+    none of g's members reads u (none of them has a unit below matched to u).
+
+    :func:`_in_basis` gives such weights a variance so that costs and barycenters can compare
+    units; every member computes 0 there, and so must the fused unit: with the padded variance
+    each Monte Carlo draw would add noise from inputs no client's network has (tiny rather than 0
+    so that the guide's log-scales stay finite).
+    """
+    read = np.zeros((len(units), n_below), dtype=bool)
+    for a, b in zip(assignments, below):
+        read[np.ix_(np.asarray(a, dtype=np.intp), np.asarray(b, dtype=np.intp))] = True
+    loc, var = units.loc.copy(), units.var.copy()
+    tiny = 1e-12 * var[:, :n_below].mean(1, keepdims=True)
+    loc[:, :n_below] = np.where(read, loc[:, :n_below], 0.0)
+    var[:, :n_below] = np.where(read, var[:, :n_below], tiny)
+    return DiagNormal(loc=loc, var=var)
+
+
 def _fuse_vectors(vectors: list[DiagNormal], method: str, hyper: dict, seed, verbose) -> tuple[Any, DiagNormal]:
     if method == "kl":
         result = kl_fuse(vectors, verbose=verbose, **hyper)
@@ -234,6 +256,8 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], method: str, *, avera
                 parts.append(post.out_weights[keep])
             vectors.append(DiagNormal(loc=np.hstack([p.loc for p in parts]), var=np.hstack([p.var for p in parts])))
         result, units = _fuse_vectors(vectors, method, hyper, seed, verbose)
+        if below[0] is not None:
+            units = _unread_inputs_off(units, result.assignments, below, n_below)
         if method == "kl":
             used["solver"] = result.solver
         else:

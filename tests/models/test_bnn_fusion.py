@@ -116,12 +116,18 @@ def test_disjoint_clients_fuse_to_the_class_share_average_of_their_logits(counts
     shares = np.full((2, 3), 0.5) if counts is None else counts / counts.sum(0)
     np.testing.assert_allclose(_logits(fused, X), shares[0] * _logits(a, X) + shares[1] * _logits(b, X),
                                rtol=1e-9, atol=1e-9)
-    # the second layer's weights from the other client's first-layer units are 0
+    # the second layer's weights from the other client's first-layer units are 0, with a variance
+    # of ~0 (1e-12 of the unit's others), so that no Monte Carlo draw reads an input the unit's
+    # client lacks; the weights it reads keep their variances
     g1_a, g1_b = res.layers[0].assignments
-    g2_a, _ = res.layers[1].assignments
-    w = fused.layers[1].incoming.loc[:, :-1]
-    np.testing.assert_array_equal(w[np.ix_(g2_a, g1_b)], 0.0)
-    assert np.abs(w[np.ix_(g2_a, g1_a)]).min() > 0
+    g2_a, g2_b = res.layers[1].assignments
+    w, v = fused.layers[1].incoming.loc[:, :-1], fused.layers[1].incoming.var[:, :-1]
+    for own, own_below, other_below in ((g2_a, g1_a, g1_b), (g2_b, g1_b, g1_a)):
+        np.testing.assert_array_equal(w[np.ix_(own, other_below)], 0.0)
+        assert np.abs(w[np.ix_(own, own_below)]).min() > 0
+        read = v[np.ix_(own, own_below)]
+        assert (v[np.ix_(own, other_below)] <= 1e-11 * read.max(1, keepdims=True)).all()
+        assert read.min() > 1e-6 * read.max()
 
 
 def test_pruning_reads_each_layer_and_drops_the_columns_of_pruned_units_below():

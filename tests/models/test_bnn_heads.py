@@ -256,7 +256,8 @@ def test_a_head_mixture_is_no_input_to_fusion_or_arviz_export(tmp_path):
         fuse_states([state, state], "kl")
     path = tmp_path / "heads.pt"
     torch.save({k: torch.as_tensor(v) for k, v in state.items()}, path)
-    torch.save({k: torch.as_tensor(v) for k, v in state.items()}, tmp_path / "other.pt")
+    client = _disjoint_clients()[0].to_state()  # a plain client: only heads.pt can be named
+    torch.save({k: torch.as_tensor(np.asarray(v)) for k, v in client.items()}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="heads.pt is a fused BNN with one head per client"):
         fuse_files([path, tmp_path / "other.pt"], "kl", tmp_path / "out.pt")
     with pytest.raises(TypeError, match="mixture of its clients' heads"):
