@@ -16,7 +16,8 @@ says why each step is there):
    mean variance of the unit's own incoming weights, so that the KL cost and barycenter treat
    it as one more weight the client is about as sure of as of its others. After the fusion, a
    fused unit's weight from a unit below that none of its members reads is 0 with a variance
-   of ~0 (``1e-12`` of its others'): what every member computes, in every Monte Carlo draw.
+   of ~0 (``1e-12`` of the unit's mean incoming weight variance): what every member computes,
+   in every Monte Carlo draw.
 3. **Unit form** (``unit_form``): ``"effective"`` compares and averages units as their effective
    incoming weights ``tau_l lambda_{l,k} (w~_k, b~_k)`` at their median scale (invariant to how a
    client split the scale, :func:`~bayesfuse.models.bnn_units.effective_layer`); the log-scale
@@ -187,7 +188,8 @@ def _in_basis(incoming: DiagNormal, below: np.ndarray | None, n_below: int) -> D
 
 def _unread_inputs_off(units: DiagNormal, assignments, below, n_below: int) -> DiagNormal:
     """``units`` (G fused units of a layer above the first) with the weight from global unit u
-    below set to 0, with a variance of ``1e-12`` times the unit's mean incoming variance, wherever
+    below set to 0, with a variance of ``1e-12`` times the mean variance of the unit's weights
+    from the layer below (the padded ones included; the bias not), wherever
     none of g's members reads u (none of them has a unit below matched to u).
 
     :func:`_in_basis` gives such weights a variance so that costs and barycenters can compare

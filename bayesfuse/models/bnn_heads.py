@@ -24,8 +24,9 @@ weighs only on the classes it saw. The hidden units ``h`` are the fused ones, sh
     p(y = k \\mid x) \\propto \\prod_j p_j(k \\mid x)^{s_{jk}},
 
 each class scored by the share-weighted mean of the heads' log-probabilities (the log-linear
-opinion pool, with class-share weights). Where the heads agree it is sharper than the mixture;
-where confident heads disagree it spreads out, as the mixture does. In the README's
+opinion pool, with class-share weights): a class scores high only if every head that weighs on
+it gives it a fair probability. Identical heads give the mixture; heads that disagree can be
+pooled sharper than the mixture, even onto a class none of them ranks first. In the README's
 Fashion-MNIST study it trades some of the mixture's OOD AUROC for a higher test likelihood.
 
 :class:`HeadMixtureBNN` is a :class:`~bayesfuse.models.bnn.HorseshoeBNN` (its guide holds the
@@ -36,6 +37,7 @@ state_dict under ``heads.``. Only :meth:`HeadMixtureBNN.predict` reads the heads
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Mapping
 
@@ -130,8 +132,8 @@ class HeadMixtureBNN(HorseshoeBNN):
 
         Each of the ``num_samples`` draws of the body feeds every head (with its own draw of the
         head's weights). ``pool="linear"``: the class-share mixture ``sum_j s_jk p_j(k|x)``;
-        ``pool="log"``: the class-share geometric pool ``prod_j p_j(k|x)^(s_jk)``, sharper where
-        the heads agree. Both renormalised over the classes. Returns float64 probabilities (n, K);
+        ``pool="log"``: the class-share geometric pool ``prod_j p_j(k|x)^(s_jk)``, with
+        ``log p_j`` computed in log space. Both renormalised over the classes. Returns float64 probabilities (n, K);
         the same seed gives the same draws.
         """
         if pool not in POOLS:
@@ -153,9 +155,9 @@ class HeadMixtureBNN(HorseshoeBNN):
     def _predictive(self, x: torch.Tensor, draws, pool: str = "linear") -> torch.Tensor:
         hidden = _forward_hidden(x, draws, self.depth)  # (S, n, H)
         logits = torch.einsum("snh,sjkh->sjnk", hidden, draws["heads.w"]) + draws["heads.b"].unsqueeze(2)  # (S, J, n, K)
-        if pool == "log":  # each head's predictive first, then sum_j s_jk log p_j(k|x), with 0 log 0 = 0
-            per_head = torch.softmax(logits, -1).mean(0).clamp_min(torch.finfo(torch.float64).tiny)  # (J, n, K)
-            return torch.softmax(torch.xlogy(self.heads.shares[:, None, :], per_head).sum(0), -1)
+        if pool == "log":  # log p_j(k|x) = log mean_s softmax, in log space (no underflow), then sum_j s_jk log p_j
+            log_per_head = torch.logsumexp(torch.log_softmax(logits, -1), 0) - math.log(logits.shape[0])  # (J, n, K)
+            return torch.softmax((self.heads.shares[:, None, :] * log_per_head).sum(0), -1)
         q = (torch.softmax(logits, -1) * self.heads.shares[None, :, None, :]).sum(1).mean(0)  # (n, K)
         return q / q.sum(-1, keepdim=True)
 

@@ -130,6 +130,29 @@ def test_disjoint_clients_fuse_to_the_class_share_average_of_their_logits(counts
         assert read.min() > 1e-6 * read.max()
 
 
+@pytest.mark.parametrize("method, hyper", [("kl", {}), ("kl", {"unit_form": "raw"}), ("pfnm", {}), ("nafi", {})])
+def test_a_fused_unit_reads_only_the_units_below_that_some_member_reads(method, hyper):
+    # Three clients of three hidden layers, units merged and pruned as the defaults do: a fused unit
+    # g of layer l >= 2 reads global unit u below exactly when one of its members' clients has a
+    # kept unit matched to u (the union over members, computed here from the assignments alone);
+    # every other weight is 0 with a variance of ~0 (1e-12 of the row's mean).
+    posts = [_posterior(seed, hidden=(6, 5, 4), spread=0.3) for seed in (1, 2, 3)]
+    fused, res = _fused(posts, method, **hyper)
+    layers = [r.assignments for r in res.layers]
+    for index in range(1, 3):
+        incoming = fused.layers[index].incoming
+        n_below = incoming.loc.shape[1] - 1
+        read = np.zeros((len(incoming), n_below), dtype=bool)
+        for j in range(3):
+            for g in np.asarray(layers[index][j]):
+                read[g, np.asarray(layers[index - 1][j])] = True
+        w, v = incoming.loc[:, :-1], incoming.var[:, :-1]
+        assert (~read).any() and read.any()
+        np.testing.assert_array_equal(w[~read], 0.0)
+        tiny = (v <= 1e-11 * v.mean(1, keepdims=True)) & (v > 0)
+        np.testing.assert_array_equal(tiny, ~read)
+
+
 def test_pruning_reads_each_layer_and_drops_the_columns_of_pruned_units_below():
     post = _posterior(6)
     other = _posterior(7)

@@ -124,6 +124,19 @@ def _per_draw_log_pool(model: HeadMixtureBNN, x: torch.Tensor, draws) -> torch.T
     return torch.softmax(score, -1).mean(0)
 
 
+def test_the_log_pool_is_computed_in_log_space():
+    # Heads whose logits are their biases, 1000s apart: a floor on probabilities would turn the
+    # log-probabilities below -708 into ties. Exactly: score = (1/2)(log_softmax_1 + log_softmax_2)
+    # = (-500, -400, -2000) + const, so class 1 takes all the mass (e^-100 is left to class 0).
+    fused = fuse_states([p.to_state() for p in _disjoint_clients()], "kl", reg=1e-6, prune_kl=0.0, head="clients")
+    state = dict(fused.state)
+    for k in ("heads.loc_w", "heads.scale_w", "heads.scale_b"):
+        state[k] = np.zeros_like(np.asarray(state[k]))
+    state["heads.loc_b"] = np.array([[-1000.0, 0.0, -2000.0], [0.0, -800.0, -2000.0]])
+    probs = HeadMixtureBNN.from_state_dict(state).predict(X, num_samples=4, pool="log")
+    np.testing.assert_allclose(probs, np.broadcast_to([np.exp(-100.0), 1.0, 0.0], probs.shape), rtol=1e-12, atol=1e-300)
+
+
 def test_an_unknown_pool_is_refused():
     fused = fuse_states([p.to_state() for p in _disjoint_clients()], "kl", reg=1e-6, prune_kl=0.0, head="clients")
     with pytest.raises(ValueError, match="pool must be one of 'linear', 'log', got 'mean'"):
