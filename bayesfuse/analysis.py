@@ -664,7 +664,6 @@ def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0
     import torch
 
     from bayesfuse.models.bnn import HorseshoeBNN, _forward
-
     from bayesfuse.models.bnn_sites import has_heads
 
     result = None

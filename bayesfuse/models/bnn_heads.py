@@ -54,6 +54,7 @@ __all__ = ["HeadMixtureBNN", "HEAD_KEYS", "POOLS", "client_heads", "is_head_stat
 #: How :meth:`HeadMixtureBNN.predict` pools the heads' predictive distributions (module docstring).
 POOLS = ("linear", "log")
 
+
 def is_head_state(state: Mapping[str, object]) -> bool:
     """Whether ``state`` is a HorseshoeBNN state_dict plus the :data:`HEAD_KEYS` (a :class:`HeadMixtureBNN`'s)."""
     return set(HEAD_KEYS) <= set(state) and HorseshoeBNN.is_state_dict(body_state(state))
@@ -133,8 +134,8 @@ class HeadMixtureBNN(HorseshoeBNN):
         Each of the ``num_samples`` draws of the body feeds every head (with its own draw of the
         head's weights). ``pool="linear"``: the class-share mixture ``sum_j s_jk p_j(k|x)``;
         ``pool="log"``: the class-share geometric pool ``prod_j p_j(k|x)^(s_jk)``, with
-        ``log p_j`` computed in log space. Both renormalised over the classes. Returns float64 probabilities (n, K);
-        the same seed gives the same draws.
+        ``log p_j`` computed in log space. Both renormalised over the classes. Returns float64
+        probabilities (n, K); the same seed gives the same draws.
         """
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {', '.join(map(repr, POOLS))}, got {pool!r}")
@@ -154,7 +155,8 @@ class HeadMixtureBNN(HorseshoeBNN):
 
     def _predictive(self, x: torch.Tensor, draws, pool: str = "linear") -> torch.Tensor:
         hidden = _forward_hidden(x, draws, self.depth)  # (S, n, H)
-        logits = torch.einsum("snh,sjkh->sjnk", hidden, draws["heads.w"]) + draws["heads.b"].unsqueeze(2)  # (S, J, n, K)
+        # (S, J, n, K): every head on every draw of the body
+        logits = torch.einsum("snh,sjkh->sjnk", hidden, draws["heads.w"]) + draws["heads.b"].unsqueeze(2)
         if pool == "log":  # log p_j(k|x) = log mean_s softmax, in log space (no underflow), then sum_j s_jk log p_j
             log_per_head = torch.logsumexp(torch.log_softmax(logits, -1), 0) - math.log(logits.shape[0])  # (J, n, K)
             return torch.softmax((self.heads.shares[:, None, :] * log_per_head).sum(0), -1)

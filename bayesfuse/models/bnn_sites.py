@@ -23,9 +23,9 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "HEAD_KEYS", "has_heads", "body_state", "LayerSites", "layer_sites",
-           "deep_site_shapes", "state_keys", "state_depth", "state_sizes", "is_bnn_state", "prior_scales",
-           "state_dims"]
+__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "HEAD_KEYS", "has_heads", "body_state",
+           "LayerSites", "layer_sites", "deep_site_shapes", "state_keys", "state_depth", "state_sizes", "is_bnn_state",
+           "prior_scales", "state_dims"]
 
 _SIZES = ("H", "D", "K")
 
