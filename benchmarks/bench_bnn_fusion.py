@@ -38,7 +38,9 @@ images from font-rendered digits (out of distribution), and the hidden units of
 ``--hidden 150 100`` trains and fuses BNNs of two hidden layers (layer by layer,
 :mod:`bayesfuse.models.bnn_fusion`); ``units`` then counts the units of every hidden layer.
 
-Prints one table per seed and a summary (mean +- sd over seeds); writes ``bnn_fusion_<dataset>.json``
+Prints one table per seed, a summary (mean +- sd over seeds), and the fused models minus the
+ensemble and above the best local (mean +- sd over seeds, and on how many seeds each is at or
+above the ensemble, or 3 points above the best local); writes ``bnn_fusion_<dataset>.json``
 and ``bnn_fusion_<dataset>.png`` (``bnn_fusion_<dataset>_<L>layers.*`` for L > 1 hidden layers) (entropy per class on font digits, Figure 5; test images sorted by
 the fused BNN's entropy, Figure 1).
 
@@ -304,9 +306,13 @@ def main() -> None:
     rows = summary(runs)
     print(f"\n{args.dataset}, {args.clients} clients, Dirichlet({args.alpha}), seeds {args.seeds}: mean ± sd")
     print(_shown(rows))
+    against = gains(runs)
+    print(f"\nminus the ensemble (accuracy, loglik, auroc) and points above the best local, mean ± sd over "
+          f"seeds (seeds at or above the ensemble; for points, at least 3 above the best local)")
+    print(_shown_gains(against, len(runs)))
     print(f"whole study: {time.perf_counter() - start:.0f} s")
     out = Path(args.out)
-    report = {"config": vars(args), "summary": rows,
+    report = {"config": vars(args), "summary": rows, "against_ensemble": against,
               "seeds": [{k: r[k] for k in ("seed", "rows", "validation", "reg", "sizes", "units_kept")} for r in runs]}
     atomic_write_bytes(out / f"bnn_fusion_{_tag(args)}.json",
                        json.dumps(jsonable(report), indent=1, allow_nan=False).encode(), overwrite=True)
@@ -335,18 +341,51 @@ def _figure(args, run):
     return atomic_write_bytes(Path(args.out) / f"bnn_fusion_{_tag(args)}.png", buf.getvalue(), overwrite=True)
 
 
-def _against(rows: list[dict]) -> str:
-    """The fused BNNs (kl: shared head, client heads, log-pooled client heads) against the ensemble and the best local."""
+#: The fused models set against the ensemble and the best local, per seed and over seeds.
+AGAINST = ("fused (kl)", HEADS, HEADS_LOG, "fused (nafi)")
+
+
+def _differences(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per fused model of ``AGAINST``: its accuracy, log-likelihood and AUROC minus the ensemble's,
+    and its accuracy above the best local BNN's, in points."""
     by = {r["model"]: r for r in rows}
     ens = by["ensemble"]
     best = max(r["accuracy"] for r in rows if r["model"].startswith("local "))
+    return {name: {**{k: by[name][k] - ens[k] for k in ("accuracy", "loglik", "auroc")},
+                   "points": 100 * (by[name]["accuracy"] - best)} for name in AGAINST}
+
+
+def _against(rows: list[dict]) -> str:
+    """One line per fused model: its differences from the ensemble and the best local."""
     lines = []
-    for name in ("fused (kl)", HEADS, HEADS_LOG):
-        fused = by[name]
-        diff = ", ".join(f"{k} {fused[k] - ens[k]:+.4f}" for k in ("accuracy", "loglik", "auroc"))
-        lines.append(f"{name} - ensemble: {diff}; accuracy above the best local: "
-                     f"{100 * (fused['accuracy'] - best):+.1f} points")
+    for name, d in _differences(rows).items():
+        diff = ", ".join(f"{k} {d[k]:+.4f}" for k in ("accuracy", "loglik", "auroc"))
+        lines.append(f"{name} - ensemble: {diff}; accuracy above the best local: {d['points']:+.1f} points")
     return "\n".join(lines)
+
+
+def gains(runs: list[dict]) -> list[dict]:
+    """The differences of :func:`_differences` over seeds: mean, sd, and on how many seeds the
+    fused model is at or above the ensemble (for ``points``: at least 3 points above the best local)."""
+    per_seed = [_differences(run["rows"]) for run in runs]
+    out = []
+    for name in AGAINST:
+        row = {"model": name}
+        for k in ("accuracy", "loglik", "auroc", "points"):
+            values = np.array([d[name][k] for d in per_seed])
+            row[k] = float(values.mean())
+            row[k + "_sd"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+            row[k + "_seeds"] = int(np.sum(values >= (3.0 if k == "points" else 0.0)))
+        out.append(row)
+    return out
+
+
+def _shown_gains(rows: list[dict], n_seeds: int) -> str:
+    cells = [{"model": r["model"], **{k: f"{r[k]:+.4f} ± {r[k + '_sd']:.4f} ({r[k + '_seeds']}/{n_seeds})"
+                                      for k in ("accuracy", "loglik", "auroc")},
+              "points": f"{r['points']:+.1f} ± {r['points_sd']:.1f} ({r['points_seeds']}/{n_seeds})"}
+             for r in rows]
+    return format_table(cells, ("model", "accuracy", "loglik", "auroc", "points"))
 
 
 def _hidden(args) -> int | tuple[int, ...]:
