@@ -297,7 +297,8 @@ def train_bnn(
     returned network is float64 either way.
 
     Returns the network with ``elbo_history`` (mean negative ELBO per example, per epoch),
-    ``train_seconds`` and ``examples_per_second``. Raises ``FloatingPointError`` if the ELBO
+    ``epoch_seconds`` (the wall time of each epoch), ``train_seconds`` and ``examples_per_second``
+    (over the whole call). Raises ``FloatingPointError`` if the ELBO
     becomes NaN.
     """
     config = config or BNNConfig()
@@ -328,9 +329,10 @@ def train_bnn(
 
             def loss_fn(idx):
                 return pyro_loss(bnn.model, bnn.guide, xt[idx], yt[idx], len(xt))
-        history = []
+        history, epoch_seconds = [], []
         bar = tqdm(range(config.epochs), desc=name, unit="epoch", disable=not progress(verbose), leave=False)
         for epoch in bar:
+            epoch_start = time.perf_counter()
             order = torch.randperm(len(xt), generator=gen)
             total = 0.0
             for i in range(0, len(xt), config.batch_size):
@@ -344,9 +346,10 @@ def train_bnn(
                 opt.step()
                 total += loss.item() * len(idx) / len(xt)
             history.append(total / len(xt))
+            epoch_seconds.append(time.perf_counter() - epoch_start)
             bar.set_postfix(neg_elbo=f"{history[-1]:.4f}")
     bnn.loc.double(), bnn.log_scale.double()
-    bnn.elbo_history = history
+    bnn.elbo_history, bnn.epoch_seconds = history, epoch_seconds
     bnn.train_seconds = time.perf_counter() - start
     bnn.examples_per_second = len(xt) * config.epochs / bnn.train_seconds if bnn.train_seconds > 0 else float("inf")
     return bnn

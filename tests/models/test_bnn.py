@@ -111,6 +111,8 @@ def test_both_elbo_estimators_train_the_same_model_well(digits, estimator):
     assert all(p.dtype == torch.float64 for p in bnn.parameters())
     assert bnn.prior_scales.dtype == torch.float64 and bnn.global_scale == 0.1  # not rounded through float32
     assert bnn.examples_per_second > 0
+    assert len(bnn.epoch_seconds) == 40 and min(bnn.epoch_seconds) > 0
+    assert sum(bnn.epoch_seconds) <= bnn.train_seconds  # the epochs lie within the whole call
 
 
 def test_config_refuses_unknown_estimators_and_bad_settings():
