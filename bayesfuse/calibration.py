@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 from scipy.optimize import minimize_scalar
-from scipy.special import logsumexp
+from scipy.special import logsumexp, softmax
 
 from bayesfuse.metrics import PROB_FLOOR, _check_probs
 
@@ -40,8 +40,7 @@ def tempered(probs: np.ndarray, temperature: float) -> np.ndarray:
     """``probs`` (n, K) tempered by ``temperature``: ``softmax(log p / T)`` per row (module docstring)."""
     p, _ = _check_probs(probs)
     t = _check_temperature(temperature)
-    logits = _log_probs(p) / t
-    return np.exp(logits - logsumexp(logits, axis=1, keepdims=True))
+    return softmax(_log_probs(p) / t, axis=1)
 
 
 def fit_temperature(probs: np.ndarray, y: np.ndarray, *, bounds: tuple[float, float] = (0.05, 20.0)) -> float:

@@ -216,14 +216,20 @@ def run_seed(args, seed: int) -> dict:
             "fused": fused["fused (kl)"].model}
 
 
+def _over_seeds(row: dict, key: str, values) -> np.ndarray:
+    """Put the mean of ``values`` (one per seed) in ``row[key]`` and their sd in ``row[key + "_sd"]``."""
+    values = np.asarray(values, dtype=float)
+    row[key] = float(values.mean())
+    row[key + "_sd"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    return values
+
+
 def summary(runs: list[dict]) -> list[dict]:
     out = []
     for i, first in enumerate(runs[0]["rows"]):
         row = {"model": first["model"]}
         for c in COLUMNS[1:]:
-            values = np.array([r["rows"][i].get(c, np.nan) for r in runs], dtype=float)
-            row[c] = float(values.mean())
-            row[c + "_sd"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+            _over_seeds(row, c, [r["rows"][i].get(c, np.nan) for r in runs])
         out.append(row)
     return out
 
@@ -242,12 +248,13 @@ def speed(args) -> None:
     """Examples per second of local training per ELBO estimator, and the test accuracy and
     log-likelihood each reaches, on the largest client of each seed; Pyro's AutoNormal guide on
     the same model (seed 0, a few epochs) as a reference point for the speed."""
-    rows = []
+    rows, first = [], None
     for seed in args.seeds:
         split = load_dataset(args.dataset, seed=seed).standardize()
         part = dirichlet_partition(split.train.y, args.clients, args.alpha, seed=seed)
         idx = max(part, key=len)
         x, y = split.train.x[idx], split.train.y[idx]
+        first = first or (x, y, split.n_classes)
         epochs = args.epochs or (200 if args.dataset == "digits" else 30)
         print(f"{args.dataset}, seed {seed}: client with {len(idx)} examples, {args.hidden} units, {epochs} epochs, "
               f"1 thread", flush=True)
@@ -262,7 +269,7 @@ def speed(args) -> None:
                          "examples/s": len(x) / float(np.median(bnn.epoch_seconds)), "accuracy": accuracy(p, split.test.y),
                          "loglik": -negative_log_likelihood(p, split.test.y)})
             print(format_table(rows[-1:], list(rows[0])).splitlines()[-1], flush=True)
-    rate = _autonormal_rate(args)
+    rate = _autonormal_rate(*first, _hidden(args))
     rows.append({"seed": args.seeds[0], "training": "AutoNormal guide (3 epochs timed)", "examples/s": rate,
                  "accuracy": float("nan"), "loglik": float("nan")})
     print()
@@ -277,21 +284,16 @@ def speed(args) -> None:
     print(f"estimator='local' over AutoNormal (seed {args.seeds[0]}): {local[0]['examples/s'] / rate:.2f}x")
 
 
-def _autonormal_rate(args, n_epochs: int = 3) -> float:
+def _autonormal_rate(x: np.ndarray, y: np.ndarray, n_classes: int, hidden, n_epochs: int = 3) -> float:
     """Examples per second (median epoch of ``n_epochs``) of Pyro's ``Trace_ELBO`` with an
-    ``AutoNormal`` guide on the same horseshoe BNN (float64, batches of 128, one thread), on the
-    largest client of the first seed."""
+    ``AutoNormal`` guide on the same horseshoe BNN (float64, batches of 128, one thread) on ``(x, y)``."""
     import pyro
     from pyro.infer import SVI, Trace_ELBO
     from pyro.infer.autoguide import AutoNormal
 
-    split = load_dataset(args.dataset, seed=args.seeds[0]).standardize()
-    part = dirichlet_partition(split.train.y, args.clients, args.alpha, seed=args.seeds[0])
-    idx = max(part, key=len)
-    x, y = split.train.x[idx], split.train.y[idx]
     torch.set_num_threads(1)
     pyro.clear_param_store()
-    model = HorseshoeBNN(x.shape[1], _hidden(args), split.n_classes)
+    model = HorseshoeBNN(x.shape[1], hidden, n_classes)
     guide = AutoNormal(model.model)
     svi = SVI(model.model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     xt, yt = torch.from_numpy(np.asarray(x, dtype=np.float64)), torch.from_numpy(y.astype(np.int64))
@@ -406,9 +408,7 @@ def gains(runs: list[dict]) -> list[dict]:
     for name in AGAINST:
         row = {"model": name}
         for k in ("accuracy", "loglik", "auroc", "points"):
-            values = np.array([d[name][k] for d in per_seed])
-            row[k] = float(values.mean())
-            row[k + "_sd"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+            values = _over_seeds(row, k, [d[name][k] for d in per_seed])
             row[k + "_seeds"] = int(np.sum(values >= (3.0 if k == "points" else 0.0)))
         out.append(row)
     return out
