@@ -5,10 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from bayesfuse.nets.mlp import MLP
+
+#: Where the tests of the torch path run: the CPU, and CUDA where this machine has it.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA device"))]
 
 
 def randomise(model: nn.Module, seed: int) -> nn.Module:

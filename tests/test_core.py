@@ -13,6 +13,7 @@ from bayesfuse.models.bnn import HorseshoeBNN
 from bayesfuse.nets import MLP
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.nets.spec import spec_from_module
+from tests.helpers import DEVICES
 
 
 def _nets(n=3, hidden=(6, 5), seed=0):
@@ -120,10 +121,11 @@ def test_a_matching_that_does_not_converge_warns_once_naming_its_layers():
 # --------------------------------------------------------------------------- where the matching runs
 
 
-def test_a_torch_device_fuses_networks_as_the_host_and_returns_numpy():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_torch_device_fuses_networks_as_the_host_and_returns_numpy(device):
     states = [numpy_state(m) for m in _nets()]
     host = fuse_states(states, "pfnm", seed=0)
-    dev = fuse_states(states, "pfnm", seed=0, device="cpu")
+    dev = fuse_states(states, "pfnm", seed=0, device=device)
     assert dev.sizes == host.sizes and list(dev.state) == list(host.state)
     for g, (a, b) in enumerate(zip(host.layers, dev.layers)):
         for x, y in zip(a.assignments, b.assignments):

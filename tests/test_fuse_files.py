@@ -13,6 +13,7 @@ from bayesfuse.fuse_files import fuse_files
 from bayesfuse.models.bnn import BNNConfig, train_bnn
 from bayesfuse.nets import MLP, predict_proba
 from bayesfuse.train import TrainConfig, train_clients
+from tests.helpers import DEVICES
 
 
 @pytest.fixture(scope="module")
@@ -413,15 +414,16 @@ def test_file_names_formats_and_order_do_not_change_the_result(tmp_path):
 # --------------------------------------------------------------------------- where the matching runs
 
 
-def test_device_cpu_fuses_as_the_host_and_the_report_records_it(mlp_files, tmp_path, capsys):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_device_fuses_as_the_host_and_the_report_records_it(mlp_files, tmp_path, capsys, device):
     host = fuse_files(mlp_files, "pfnm", tmp_path / "host.pt")
     assert host["device"] is None and host["dtype"] == "float64"
     for dtype in ("float64", "float32"):
         out = tmp_path / f"{dtype}.pt"
-        assert main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(out), "--device", "cpu",
+        assert main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(out), "--device", device,
                      "--dtype", dtype]) == 0
         report = json.loads((tmp_path / f"{dtype}.pt.json").read_text())
-        assert report["device"] == "cpu" and report["dtype"] == dtype and "device" not in report["hyper"]
+        assert report["device"] == device and report["dtype"] == dtype and "device" not in report["hyper"]
         assert report["global_sizes"] == host["global_sizes"]
         assert [layer["assignments"] for layer in report["layers"]] == [layer["assignments"] for layer in
                                                                         host["layers"]]

@@ -10,7 +10,7 @@ from bayesfuse.metrics import evaluate
 from bayesfuse.nets import MLP, predict_proba
 from bayesfuse.train import TrainConfig, train_clients
 from bayesfuse.nets.state import numpy_state
-from tests.helpers import mlp_from_neurons, one_hidden_layer, randomise
+from tests.helpers import DEVICES, mlp_from_neurons, one_hidden_layer, randomise
 
 # Single-model cases are part of these tests; the warning they raise is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:only one model")
@@ -322,12 +322,13 @@ def _same_assignments(a, b):
             np.testing.assert_array_equal(p, q)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method, hyper", [("pfnm", {}), ("nafi", {}),
                                            ("pfnm", dict(noise_var=1.0, prior_var=10.0, gamma0=1.0))])
-def test_float64_on_a_torch_device_fuses_as_on_the_host(digits_federation, method, hyper):
+def test_float64_on_a_torch_device_fuses_as_on_the_host(digits_federation, method, hyper, device):
     _, part, models = digits_federation
     host = fuse(models, method, class_counts=part.counts, **hyper)
-    dev = fuse(models, method, class_counts=part.counts, device="cpu", **hyper)
+    dev = fuse(models, method, class_counts=part.counts, device=device, **hyper)
     _same_assignments(host, dev)
     (mean, var), (want_mean, want_var) = dev.posteriors[0], host.posteriors[0]
     assert isinstance(mean, np.ndarray) and mean.dtype == np.float64 and isinstance(var, np.ndarray)
@@ -341,10 +342,11 @@ def test_float64_on_a_torch_device_fuses_as_on_the_host(digits_federation, metho
         torch.testing.assert_close(v, want_state[k], rtol=2.0**-22, atol=0.0)
 
 
-def test_float32_on_a_torch_device_fuses_within_float32_round_off(digits_federation):
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_on_a_torch_device_fuses_within_float32_round_off(digits_federation, device):
     _, part, models = digits_federation
     host = fuse(models, "pfnm", class_counts=part.counts)
-    dev = fuse(models, "pfnm", class_counts=part.counts, device="cpu", dtype="float32")
+    dev = fuse(models, "pfnm", class_counts=part.counts, device=device, dtype="float32")
     # The assignments agree: a float32 cost is off by about D u (D = 75 here) of its terms'
     # magnitudes, far below the gaps between the options of these units.
     _same_assignments(host, dev)

@@ -18,13 +18,15 @@ backend imports it when a tensor is seen (torch is then loaded already).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Sequence
+import sys
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 __all__ = ["Backend", "NUMPY", "TorchBackend", "is_tensor", "backend_of", "namespace", "to_host", "to_device",
-           "check_device", "DTYPES"]
+           "check_device", "DTYPES", "ieee_float32"]
 
 #: The dtypes a torch backend computes in.
 DTYPES = ("float32", "float64")
@@ -104,6 +106,28 @@ def check_device(device, dtype: str = "float64"):
         raise ValueError(f"device {device!r} cannot hold {dtype} tensors here ({_first_sentence(err)}); use "
                          "device='cpu', or no device for NumPy") from None
     return dev
+
+
+@contextlib.contextmanager
+def ieee_float32() -> Iterator[None]:
+    """torch's float32 matrix products in full float32 while it lasts (also as a decorator).
+
+    ``torch.set_float32_matmul_precision("high")``, common in training scripts, lets CUDA run
+    float32 products in TF32 (a 10-bit mantissa: relative errors near 1e-3 instead of 6e-8),
+    which can change assignments and breaks the float32 error bounds the matching relies on
+    (:func:`~bayesfuse.inference.matching._negative_pairs`). The user's setting comes back on
+    exit, error or not. Without torch loaded (NumPy inputs) nothing changes.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or torch.get_float32_matmul_precision() == "highest":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def _first_sentence(err: BaseException, limit: int = 160) -> str:

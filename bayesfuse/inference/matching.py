@@ -54,7 +54,7 @@ from scipy.special import gammaln
 from tqdm.auto import tqdm
 
 from bayesfuse._validation import finite_array, positive_array
-from bayesfuse.inference._backend import NUMPY, Backend, backend_of, is_tensor, namespace, to_host
+from bayesfuse.inference._backend import NUMPY, Backend, backend_of, ieee_float32, is_tensor, namespace, to_host
 from bayesfuse.inference.empirical_bayes import (
     atom_posterior,
     atom_statistics,
@@ -348,6 +348,7 @@ def _log_ibp_structure(m: np.ndarray, n_clients: int, gamma0: float) -> float:
     )
 
 
+@ieee_float32()
 def log_marginal_posterior(
     layers: Sequence,
     assignments: Sequence[np.ndarray],
@@ -585,6 +586,7 @@ def _gain_terms_per_neuron(h, lam_d, v, p, with_kl: bool, max_elements: int = 1 
     return delta, log_ratio, kl
 
 
+@ieee_float32()
 def assignment_cost(
     v: np.ndarray,
     p: np.ndarray,
@@ -1012,6 +1014,7 @@ class _AtomBuffer:
         self._hh[: self.n] = self.backend.host(self.groups.sum_sq(self.h))
 
 
+@ieee_float32()
 def match_neurons(
     layers: Sequence,
     *,

@@ -19,6 +19,7 @@ from bayesfuse.inference.matching import (
 )
 from bayesfuse.models.bbp import simulate_deep_federation, simulate_federation
 from bayesfuse.nets.mlp import MLP
+from tests.helpers import DEVICES
 
 U32 = 2.0**-24  # unit round-off of float32
 
@@ -55,21 +56,22 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_float64_cpu_tensors_give_the_numpy_matching(case):
+def test_float64_tensors_give_the_numpy_matching(case, device):
     fed = _federation()
     hyper = CASES[case](fed, np.random.default_rng(0))
     want = match_neurons(fed.layers, seed=0, **hyper)
-    got = match_neurons([torch.as_tensor(v) for v in fed.layers], seed=0, **hyper)
-    assert isinstance(got.mean, torch.Tensor) and got.mean.dtype == torch.float64 and got.mean.device.type == "cpu"
+    got = match_neurons([torch.as_tensor(v, device=device) for v in fed.layers], seed=0, **hyper)
+    assert isinstance(got.mean, torch.Tensor) and got.mean.dtype == torch.float64 and got.mean.device.type == device
     assert isinstance(got.var, torch.Tensor) and got.var.dtype == torch.float64
     for a, b in zip(want.assignments, got.assignments):
         assert isinstance(b, np.ndarray)
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(want.counts, got.counts)
     # The same float64 operations in another library's kernels: round-off only.
-    np.testing.assert_allclose(got.mean.numpy(), want.mean, rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(got.var.numpy(), want.var, rtol=1e-12)
+    np.testing.assert_allclose(got.mean.cpu().numpy(), want.mean, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(got.var.cpu().numpy(), want.var, rtol=1e-12)
     np.testing.assert_allclose(got.objective, want.objective, rtol=1e-12)
     assert got.n_sweeps == want.n_sweeps and got.converged == want.converged
     if "auto" in case:
@@ -77,11 +79,12 @@ def test_float64_cpu_tensors_give_the_numpy_matching(case):
             np.testing.assert_allclose(got.hyper[key], want.hyper[key], rtol=1e-10)
 
 
-def test_log_marginal_posterior_of_tensors_is_the_numpy_one():
+@pytest.mark.parametrize("device", DEVICES)
+def test_log_marginal_posterior_of_tensors_is_the_numpy_one(device):
     fed = _federation()
     hyper = dict(noise_var=0.05, prior_var=1.0, gamma0=6.0)
     want = log_marginal_posterior(fed.layers, fed.assignments, **hyper)
-    got = log_marginal_posterior([torch.as_tensor(v) for v in fed.layers], fed.assignments, **hyper)
+    got = log_marginal_posterior([torch.as_tensor(v, device=device) for v in fed.layers], fed.assignments, **hyper)
     assert got == pytest.approx(want, rel=1e-12)
 
 
@@ -110,7 +113,21 @@ def _float32_cost_bound(v, p, h, lam, m, prior, J):
     return 2 * _gamma(D + 8) * np.concatenate([size.T, np.broadcast_to(new.T, (v.shape[0], v.shape[0]))], axis=1)
 
 
-def test_float32_cost_matrix_is_within_its_derived_bound():
+@pytest.fixture
+def matmul_precision():
+    """Sets torch's float32 matrix-product precision for a test, and puts the old one back."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
+def test_float32_cost_matrix_is_within_its_derived_bound(device, precision, matmul_precision):
+    # "high" lets CUDA run float32 products in TF32 and "medium" in bfloat16, whose errors
+    # (relative 1e-3 and 1e-2) are far above the float32 bound: the matching must compute in
+    # float32 whatever the user set, and leave the setting as it was.
+    matmul_precision(precision)
     rng = np.random.default_rng(1)
     J, D = 5, 300
     layers = [rng.normal(size=(L, D)).astype(np.float32).astype(np.float64) for L in (6, 7, 5, 6, 4)]
@@ -118,15 +135,17 @@ def test_float32_cost_matrix_is_within_its_derived_bound():
     others = [np.arange(6), np.arange(7), None, np.arange(6), np.arange(4)]
     h, lam, m = _posterior_stats(layers_c, prec, others, 7, prior)
     want = assignment_cost(layers_c[2], prec[2], h, lam, m, prior, cost="marginal")
-    got = assignment_cost(torch.as_tensor(layers_c[2], dtype=torch.float32), prec[2],
-                          torch.as_tensor(h, dtype=torch.float32), lam, m, prior, cost="marginal")
+    got = assignment_cost(torch.as_tensor(layers_c[2], dtype=torch.float32, device=device), prec[2],
+                          torch.as_tensor(h, dtype=torch.float32, device=device), lam, m, prior, cost="marginal")
+    assert torch.get_float32_matmul_precision() == precision
     bound = _float32_cost_bound(layers_c[2], prec[2], h, lam, m, prior, J)
     err = np.abs(got - want)
     assert np.all(err <= bound), float(np.max(err / bound))
     assert np.max(err) > 0  # the float32 path did run in float32
 
 
-def test_float32_tensors_give_the_same_matching_within_float32_round_off():
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_tensors_give_the_same_matching_within_float32_round_off(device, matmul_precision):
     # Well separated atoms: the cost of the right atom beats the next option by about
     # p ||theta_i - theta_k||^2 / 4 ~ 20 * 2 D / 4 = 200 nats, while a float32 cost is off by at
     # most gamma_{D+8} times its terms' magnitudes (~ 3e-6 * 1e4 ~ 0.03, as the bound above):
@@ -135,8 +154,9 @@ def test_float32_tensors_give_the_same_matching_within_float32_round_off():
     layers32 = [v.astype(np.float32) for v in fed.layers]
     hyper = dict(noise_var=0.05, prior_var=1.0, gamma0=6.0, cost="marginal")
     want = match_neurons([v.astype(np.float64) for v in layers32], seed=0, **hyper)
-    got = match_neurons([torch.from_numpy(v) for v in layers32], seed=0, **hyper)
-    assert got.mean.dtype == torch.float32 and got.var.dtype == torch.float32
+    matmul_precision("high")  # TF32 on CUDA, if the matching let it
+    got = match_neurons([torch.from_numpy(v).to(device) for v in layers32], seed=0, **hyper)
+    assert got.mean.dtype == torch.float32 and got.var.dtype == torch.float32 and got.mean.device.type == device
     for a, b in zip(want.assignments, got.assignments):
         np.testing.assert_array_equal(a, b)
     # h_i = h0 + sum over its m_i neurons of p v: at most J + 1 float32 roundings of the sum and
@@ -148,10 +168,10 @@ def test_float32_tensors_give_the_same_matching_within_float32_round_off():
     for v, a in zip(layers_c, want.assignments):
         magnitude[a] += p * np.abs(v)
     bound = _gamma(len(fed.layers) + 4) * magnitude / (1.0 / want.var)
-    err = np.abs(got.mean.double().numpy() - want.mean)
+    err = np.abs(got.mean.double().cpu().numpy() - want.mean)
     assert np.all(err <= bound), float(np.max(err / bound))
     # var = 1 / lambda: lambda rounded to float32, then one division
-    np.testing.assert_allclose(got.var.double().numpy(), want.var, rtol=_gamma(2), atol=0)
+    np.testing.assert_allclose(got.var.double().cpu().numpy(), want.var, rtol=_gamma(2), atol=0)
 
 
 def test_float32_gain_terms_run_in_float32():
@@ -186,13 +206,14 @@ def test_mixed_inputs_are_refused_with_a_clear_error():
         match_neurons([torch.ones(3, 4, dtype=torch.float64), torch.ones(2, 5, dtype=torch.float64)])
 
 
-def test_layerwise_matching_on_a_torch_device_gives_the_numpy_network():
+@pytest.mark.parametrize("device", DEVICES)
+def test_layerwise_matching_on_a_torch_device_gives_the_numpy_network(device):
     fed = simulate_deep_federation(5, 20, 2, 6, gamma0=10.0, noise_var=0.01, seed=1)
     spec = MLP(1, [1, 1], 1).permutation_spec()
     hyper = dict(cost="marginal", noise_var=0.01, prior_var=1.0, gamma0=10.0, bias_prior_mean=0.0)
     want = match_layerwise(fed.states, spec, **hyper)
-    got = match_layerwise(fed.states, spec, device="cpu", **hyper)
-    assert got.sizes == want.sizes and got.hyper["device"] == "cpu"
+    got = match_layerwise(fed.states, spec, device=device, **hyper)
+    assert got.sizes == want.sizes and got.hyper["device"] == device
     for g in spec.groups:
         for a, b in zip(want.layers[g].assignments, got.layers[g].assignments):
             np.testing.assert_array_equal(a, b)
@@ -201,36 +222,29 @@ def test_layerwise_matching_on_a_torch_device_gives_the_numpy_network():
         assert isinstance(got.state_dict[k], np.ndarray)
         np.testing.assert_allclose(got.state_dict[k], value, rtol=1e-10, atol=1e-12)
     auto_want = match_layerwise(fed.states, spec)
-    auto_got = match_layerwise(fed.states, spec, device="cpu")
+    auto_got = match_layerwise(fed.states, spec, device=device)
     assert auto_got.sizes == auto_want.sizes
     for k, value in auto_want.state_dict.items():
         np.testing.assert_allclose(auto_got.state_dict[k], value, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_to_arviz_of_a_tensor_result_exports_a_host_copy(dtype):
+def test_to_arviz_of_a_tensor_result_exports_a_host_copy(dtype, device):
     fed = _federation()
-    got = match_neurons([torch.as_tensor(v, dtype=dtype) for v in fed.layers], seed=0, noise_var=0.05,
-                        prior_var=1.0, gamma0=6.0, cost="marginal")
+    got = match_neurons([torch.as_tensor(v, dtype=dtype, device=device) for v in fed.layers], seed=0,
+                        noise_var=0.05, prior_var=1.0, gamma0=6.0, cost="marginal")
     idata = got.to_arviz(units=[0, 2], num_draws=5, seed=1)
     assert isinstance(got.mean, torch.Tensor) and got.mean.dtype == dtype  # the result keeps its tensors
-    host = replace(got, mean=got.mean.double().numpy(), var=got.var.double().numpy())
+    host = replace(got, mean=got.mean.double().cpu().numpy(), var=got.var.double().cpu().numpy())
     want = host.to_arviz(units=[0, 2], num_draws=5, seed=1)
     np.testing.assert_array_equal(np.asarray(idata.posterior["theta"]), np.asarray(want.posterior["theta"]))
     np.testing.assert_array_equal(np.asarray(idata.constant_data["loc"]), host.mean)
     np.testing.assert_array_equal(np.asarray(idata.constant_data["scale"]), np.sqrt(host.var))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", ["marginal", "nafi", "auto", "local vars per entry"])
-def test_cuda_tensors_give_the_numpy_matching(case):
-    fed = _federation()
-    hyper = CASES[case](fed, np.random.default_rng(0))
-    want = match_neurons(fed.layers, seed=0, **hyper)
-    got = match_neurons([torch.as_tensor(v, device="cuda") for v in fed.layers], seed=0, **hyper)
-    assert got.mean.device.type == "cuda"
-    for a, b in zip(want.assignments, got.assignments):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(got.mean.cpu().numpy(), want.mean, rtol=1e-10, atol=1e-10)
-    exported = got.to_arviz(units=[0], num_draws=3)  # from a host copy of the CUDA posterior
-    np.testing.assert_allclose(np.asarray(exported.constant_data["loc"]), want.mean, rtol=1e-10, atol=1e-10)
+def test_the_users_matmul_precision_comes_back_after_an_error(matmul_precision):
+    matmul_precision("high")
+    with pytest.raises(ValueError, match="n_iter"):
+        match_neurons([torch.ones(3, 4), torch.ones(2, 4)], noise_var=1.0, prior_var=1.0, gamma0=1.0, n_iter=0)
+    assert torch.get_float32_matmul_precision() == "high"
