@@ -114,9 +114,11 @@ def ieee_float32() -> Iterator[None]:
 
     ``torch.set_float32_matmul_precision("high")``, common in training scripts, lets CUDA run
     float32 products in TF32 (a 10-bit mantissa: relative errors near 1e-3 instead of 6e-8),
-    which can change assignments and breaks the float32 error bounds the matching relies on
-    (:func:`~bayesfuse.inference.matching._negative_pairs`). The user's setting comes back on
-    exit, error or not. Without torch loaded (NumPy inputs) nothing changes.
+    and "medium" allows bfloat16 passes, on CPUs that have them too. A cost matrix then misses
+    the float32 error bound ``gamma_{D+8}`` of its terms by orders of magnitude, which can change
+    assignments that float32 gets right. The user's setting comes back on exit, error or not;
+    like torch's setting itself, the change is process-wide while it lasts. Without torch
+    loaded (NumPy inputs) nothing changes.
     """
     torch = sys.modules.get("torch")
     if torch is None or torch.get_float32_matmul_precision() == "highest":
