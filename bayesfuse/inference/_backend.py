@@ -121,10 +121,10 @@ def ieee_float32() -> Iterator[None]:
     loaded (NumPy inputs) nothing changes.
     """
     torch = sys.modules.get("torch")
-    if torch is None or torch.get_float32_matmul_precision() == "highest":
+    before = None if torch is None else torch.get_float32_matmul_precision()
+    if before in (None, "highest"):
         yield
         return
-    before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
         yield

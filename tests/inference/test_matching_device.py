@@ -147,14 +147,6 @@ def test_float32_cost_matrix_is_within_its_derived_bound(device):
     assert np.max(err) > 0  # the float32 path did run in float32
 
 
-@pytest.fixture
-def matmul_precision():
-    """Sets torch's float32 matrix-product precision for a test, and puts the old one back."""
-    before = torch.get_float32_matmul_precision()
-    yield torch.set_float32_matmul_precision
-    torch.set_float32_matmul_precision(before)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", ["high", "medium"])
 def test_float32_products_ignore_a_lower_matmul_precision(device, precision, matmul_precision):
