@@ -64,6 +64,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.special import softmax
 
 from bayesfuse import fuse
 from bayesfuse._io import atomic_write_bytes, jsonable
@@ -94,9 +95,7 @@ def _share_mixture(probs: list[np.ndarray], shares: np.ndarray) -> np.ndarray:
 def _share_log_pool(probs: list[np.ndarray], shares: np.ndarray) -> np.ndarray:
     """``prod_j p_j(k | x)^(s_jk)``, normalised over k: the locals pooled as ``pool="log"`` pools the heads."""
     logp = np.log(np.clip(np.asarray(probs), np.finfo(float).tiny, None))
-    score = np.einsum("jk,jnk->nk", shares, logp)
-    e = np.exp(score - score.max(1, keepdims=True))
-    return e / e.sum(1, keepdims=True)
+    return softmax(np.einsum("jk,jnk->nk", shares, logp), axis=1)
 
 
 def scores(p, y, h_ood=None) -> dict:
