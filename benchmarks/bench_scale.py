@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_scale.py [--parts kl match wide conv device] [--kl-clients 5 20 50 100]
        [--match-clients 30 300 1000] [--device-clients 30 300] [--wide-backends numpy cuda-float32 ...]
-       [--data-path DIR] [--cache DIR]
+       [--wide-tols default 1 ...] [--data-path DIR] [--cache DIR]
 
 Every case runs in a fresh Python process, so ``peak`` is that case's own peak resident memory
 (inputs included; the inputs' size is printed beside it).
@@ -17,6 +17,8 @@ Every case runs in a fresh Python process, so ``peak`` is that case's own peak r
   in ``--cache``); needs Fashion-MNIST (``make data``). ``--wide-backends`` times it with the
   matching's arithmetic elsewhere too (``fuse_files(..., device=, dtype=)``: ``cpu-float64``,
   ``cuda-float32``...; NumPy alone by default); ``agrees`` compares the partition with NumPy's.
+  ``--wide-tols`` runs it at each matching ``tol`` (nats per unit; "default", the method's own,
+  alone by default): ``--wide-tols default 1`` shows the speed setting beside the default.
 * ``conv``: ``fuse(..., "pfnm")`` on 10 ConvNets whose conv layer has 512 channels
   (``make_cnn(784 -> 1x28x28, channels=(512,), hidden=(64,))``), clients being permuted copies
   of one random network plus N(0, 0.01^2) noise on every weight (no training needed to time it).
@@ -167,9 +169,10 @@ def _wide_models(cache: Path, data_path: str | None) -> list[Path]:
     return files
 
 
-def case_wide(cache: str, backend: str = "numpy", data_path: str | None = None) -> dict:
+def case_wide(cache: str, backend: str = "numpy", tol: str = "default", data_path: str | None = None) -> dict:
     """``fuse_files`` of the wide MLPs, the matching's arithmetic in ``backend``: "numpy", or
-    "DEVICE-DTYPE" (``cpu-float64``, ``cuda-float32``...)."""
+    "DEVICE-DTYPE" (``cpu-float64``, ``cuda-float32``...); ``tol`` the matching's stopping gain
+    in nats per unit, or "default" (the method's own)."""
     import hashlib
     import tempfile
     import warnings
@@ -186,10 +189,12 @@ def case_wide(cache: str, backend: str = "numpy", data_path: str | None = None) 
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = time.perf_counter()
-        report = fuse_files(files, "pfnm", Path(tmp) / "fused.pt", device=device, dtype=dtype)
+        report = fuse_files(files, "pfnm", Path(tmp) / "fused.pt", device=device, dtype=dtype,
+                            hyper=None if tol == "default" else {"tol": float(tol)})
         seconds = time.perf_counter() - start
     assignments = json.dumps([layer["assignments"] for layer in report["layers"]]).encode()
-    return dict(problem=f"bayesfuse fuse 10 x 784-1000-10 (pfnm, {backend})", seconds=seconds, peak_mb=_peak_mb(),
+    setting = backend if tol == "default" else f"{backend}, tol={tol}"
+    return dict(problem=f"bayesfuse fuse 10 x 784-1000-10 (pfnm, {setting})", seconds=seconds, peak_mb=_peak_mb(),
                 inputs_mb=inputs_mb, found=f"{report['global_sizes'][0]}/-", recovery="-",
                 steps=sum(len(layer["objective"]) for layer in report["layers"]), converged=report["converged"],
                 partition=hashlib.sha1(assignments).hexdigest()[:12])
@@ -231,6 +236,19 @@ def case_conv() -> dict:
 # ---------------------------------------------------------------------------------- driver
 
 
+def _tol(text: str) -> str:
+    """``--wide-tols`` values: "default" or a number >= 0, kept as text (they travel as arguments)."""
+    if text == "default":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tol must be a number >= 0 or 'default', got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"tol must be a number >= 0 or 'default', got {text!r}")
+    return text
+
+
 def _run_case(args: list[str]) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--case", *args], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -249,6 +267,8 @@ def main() -> None:
     parser.add_argument("--device-clients", type=int, nargs="+", default=[30, 300])
     parser.add_argument("--wide-backends", nargs="+", default=["numpy"], metavar="BACKEND",
                         help="numpy, or DEVICE-DTYPE such as cpu-float64 or cuda-float32 (default: numpy)")
+    parser.add_argument("--wide-tols", nargs="+", default=["default"], metavar="TOL", type=_tol,
+                        help="the wide case at each matching tol (nats per unit; 'default': the method's own)")
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST IDX directory (default: the Debian one)")
     parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "wide-mlps"),
                         help="where the trained wide MLPs are kept")
@@ -261,7 +281,7 @@ def main() -> None:
         elif kind == "match":
             row = case_match(int(rest[0]))
         elif kind == "wide":
-            row = case_wide(rest[0], rest[1], rest[2] if len(rest) > 2 else None)
+            row = case_wide(rest[0], rest[1], rest[2], rest[3] if len(rest) > 3 else None)
         elif kind == "device":
             row = case_device(int(rest[0]), rest[1])
         else:
@@ -277,7 +297,8 @@ def main() -> None:
     if "match" in args.parts:
         plan += [["match", str(j)] for j in args.match_clients]
     if "wide" in args.parts:
-        plan += [["wide", args.cache, b, *([args.data_path] if args.data_path else [])] for b in args.wide_backends]
+        plan += [["wide", args.cache, b, t, *([args.data_path] if args.data_path else [])]
+                 for t in args.wide_tols for b in args.wide_backends]
     if "conv" in args.parts:
         plan.append(["conv"])
     if "device" in args.parts:
@@ -287,8 +308,8 @@ def main() -> None:
         row = _run_case(case)
         rows.append(row)
         print(f"{row['problem']}: {row['seconds']:.1f} s, peak {row['peak_mb']:.0f} MB", file=sys.stderr, flush=True)
-    reference = {}  # the NumPy partition of each device problem and of the wide layers
-    problem = lambda case: (case[0], case[1])  # noqa: E731  (kind, clients or cache)
+    reference = {}  # the NumPy partition of each device problem and of the wide layers (at each tol)
+    problem = lambda case: (case[0], case[1], *case[3:4])  # noqa: E731  (kind, clients or cache, tol)
     for case, row in zip(plan, rows):
         if case[0] in ("device", "wide") and case[2] == "numpy":
             reference[problem(case)] = row.get("partition")
