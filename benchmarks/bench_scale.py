@@ -238,13 +238,11 @@ def case_conv() -> dict:
 
 def _tol(text: str) -> str:
     """``--wide-tols`` values: "default" or a number >= 0, kept as text (they travel as arguments)."""
-    if text == "default":
-        return text
     try:
-        value = float(text)
+        ok = text == "default" or float(text) >= 0
     except ValueError:
-        raise argparse.ArgumentTypeError(f"tol must be a number >= 0 or 'default', got {text!r}") from None
-    if not value >= 0:
+        ok = False
+    if not ok:
         raise argparse.ArgumentTypeError(f"tol must be a number >= 0 or 'default', got {text!r}")
     return text
 
