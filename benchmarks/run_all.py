@@ -9,7 +9,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_training.py", "bench_matching.py", "bench_klfusion.py", "bench_mixture_fusion.py",
               "bench_bnn_fusion.py", "bench_baselines.py", "bench_deep.py", "bench_fedma_sizes.py",
-              "bench_fidelity.py", "bench_calibration.py", "bench_scale.py", "bench_stopping.py"]
+              "bench_fidelity.py", "bench_calibration.py", "bench_scale.py", "bench_wide_floor.py",
+              "bench_stopping.py"]
 
 
 def main() -> int:
