@@ -83,10 +83,14 @@ def optimal_duals(W: np.ndarray, match: np.ndarray) -> tuple[np.ndarray, np.ndar
     for _ in range(L + 1):
         new = np.maximum(base, (step + u[matched][:, None]).max(axis=0, initial=-np.inf))
         if np.all(new <= u):
-            w = np.maximum((W - u[None, :]).max(axis=1), 0.0)
-            return u, w
+            return u, _atom_duals(W, u)
         u = new
     raise ValueError("the matching is not optimal: the alternating paths have a positive cycle")
+
+
+def _atom_duals(W: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The least atoms' duals ``w >= 0`` with ``u_l + w_i >= W_il`` for the neurons' duals ``u``."""
+    return np.maximum((W - u[None, :]).max(axis=1), 0.0)
 
 
 def _uncovered(W: np.ndarray, u: np.ndarray, w: np.ndarray) -> int:
@@ -115,7 +119,7 @@ def _record(files: list[Path], folder: Path) -> list[dict]:
         path = folder / f"problem{len(problems)}.npy"
         np.save(path, R)
         np.save(path.with_suffix(".match.npy"), out[0])
-        problems.append(dict(client=client, sweep=sweep, dim=dim, path=path, steps=steps, shape=R.shape))
+        problems.append(dict(client=client, sweep=sweep, dim=dim, path=path, steps=steps))
         return out
 
     with mock.patch.object(matching, "_cost_blocks", recording_cost_blocks), \
@@ -163,7 +167,7 @@ def main() -> None:
             worst_gap = max(worst_gap, (u.sum() + w.sum() - value) / max(value, 1.0))
             cold = _uncovered(W, W.max(axis=0), np.zeros(G))
             previous = duals.get(p["client"])
-            warm = None if previous is None else _uncovered(W, previous, np.maximum((W - previous).max(axis=1), 0.0))
+            warm = None if previous is None else _uncovered(W, previous, _atom_duals(W, previous))
             duals[p["client"]] = u
             row = rows.setdefault(p["sweep"], dict(solves=0, atoms=[], candidates=[], assign=0.0, product=0.0,
                                                    cold=[], warm=[]))
