@@ -19,6 +19,8 @@ __all__ = [
     "ood_auroc",
     "evaluate",
     "assignment_accuracy",
+    "pair_scores",
+    "partition_labels",
 ]
 
 #: Probabilities are clipped below at this value inside the log of the NLL, so a single
@@ -131,3 +133,40 @@ def assignment_accuracy(truth: Sequence[np.ndarray], found: Sequence[np.ndarray]
     np.add.at(table, (t, f), 1)
     rows, cols = linear_sum_assignment(table, maximize=True)
     return float(table[rows, cols].sum() / len(t))
+
+
+def pair_scores(truth: Sequence[np.ndarray], found: Sequence[np.ndarray]) -> tuple[float, float]:
+    """Pairwise co-assignment precision and recall of a matching against the true one.
+
+    Over all units of all clients (``truth[j]`` and ``found[j]``: the atom labels of client j's
+    units), a pair of units is *found* when ``found`` puts both on one atom and *true* when
+    ``truth`` does. Precision is the share of found pairs that are true, recall the share of
+    true pairs that are found; both are 1 exactly when the two partitions agree (whatever the
+    labels). Counted from the contingency table: with ``n_tf`` units on true atom t and found
+    atom f, the pairs found and true are ``sum C(n_tf, 2)``. With no found (true) pair the
+    precision (recall) is 0.
+
+    Returns
+    -------
+    (precision, recall) : floats in [0, 1].
+    """
+    t, f = np.concatenate(truth), np.concatenate(found)
+    _, n_tf = np.unique(np.stack([t, f]), axis=1, return_counts=True)
+    pairs = lambda n: float(np.sum(n * (n - 1) / 2))  # noqa: E731
+    tp = pairs(n_tf)
+    found_pairs = pairs(np.unique(f, return_counts=True)[1])
+    true_pairs = pairs(np.unique(t, return_counts=True)[1])
+    return tp / max(found_pairs, 1.0), tp / max(true_pairs, 1.0)
+
+
+def partition_labels(assignments: Sequence[np.ndarray]) -> np.ndarray:
+    """The partition of all units that ``assignments`` make (one array of atom labels per
+    client, concatenated), with atoms relabelled 0, 1, ... in order of first use: two matchings
+    give equal arrays exactly when they group the units alike, whatever their atom labels.
+
+    >>> partition_labels([np.array([5, 2]), np.array([2, 7])]).tolist()
+    [0, 1, 1, 2]
+    """
+    flat = np.concatenate(assignments)
+    _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    return np.argsort(np.argsort(first))[inverse].astype(np.int64)

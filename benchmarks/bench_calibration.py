@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from bench_fidelity import depth_name, fused_row, make_row, parse_depth, summary_table, test_metrics
+from common import depth_name, fused_row, make_row, parse_depth, summary_table, test_metrics
 
 from bayesfuse.baselines import Ensemble
 from bayesfuse.data.datasets import load_dataset

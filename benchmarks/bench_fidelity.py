@@ -37,45 +37,28 @@ import io
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
-from bayesfuse._io import atomic_write_bytes, atomic_write_text
+from common import (AUTO_METHODS, RESULTS, by_method, depth_name, fused_row, make_row, parse_depth, summary_table,
+                    test_metrics, write_bytes, write_text)
+
 from bayesfuse.baselines import Ensemble, evaluate_locals
 from bayesfuse.data.datasets import DataSplit, load_dataset
 from bayesfuse.data.partition import Partition, dirichlet_partition
 from bayesfuse.demo import format_table
 from bayesfuse.federated import run_fedavg
-from bayesfuse.fusion import FusionResult, fuse
-from bayesfuse.inference.result import ConvergenceWarning
-from bayesfuse.metrics import evaluate
-from bayesfuse.nets.predict import predict_proba
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 
 QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0, 10.0])
 SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "width", "seconds", "converged")
-SUMMARY_COLUMNS = ("method", "accuracy", "nll", "ece", "width", "seconds")
-AUTO_METHODS = ("pfnm", "nafi")
 HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
 
 
 # --------------------------------------------------------------------------- options
-
-
-def parse_depth(text: str) -> tuple[int, ...]:
-    """``"100,100"`` -> ``(100, 100)``."""
-    try:
-        widths = tuple(int(w) for w in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a depth is comma-separated hidden widths, got {text!r}") from None
-    if not widths or min(widths) < 1:
-        raise argparse.ArgumentTypeError(f"hidden widths must be positive, got {text!r}")
-    return widths
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -93,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inits", nargs="+", choices=("shared", "independent"), default=["shared", "independent"])
     parser.add_argument("--sweep", type=float, nargs="+", default=[0.3, 1.0, 3.0, 10.0, 30.0],
                         help="noise_var values of the hand-set PFNM sweep")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "bench-results"))
+    parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(
         f"{k} {v}" for k, v in QUICK.items()))
     if quick:
@@ -101,54 +84,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def depth_name(hidden: Sequence[int]) -> str:
-    return ",".join(map(str, hidden))
-
-
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- one federation
-
-
-def make_row(method: str, metrics: dict, sizes: Sequence[int], seconds: float, converged: bool | None = None,
-             **extra) -> dict:
-    return {"method": method, "accuracy": float(metrics["accuracy"]), "nll": float(metrics["nll"]),
-            "ece": float(metrics["ece"]), "width": int(sum(sizes)), "sizes": [int(s) for s in sizes],
-            "seconds": float(seconds), "converged": converged, **extra}
-
-
-def test_metrics(model: nn.Module, split: DataSplit) -> dict:
-    return evaluate(predict_proba(model, split.test.x), split.test.y)
-
-
-def chosen_hyper(result: FusionResult) -> list[dict]:
-    """Per matched layer, the hyper-parameters the library chose (one value per block)."""
-    out = []
-    for i, layer in enumerate(result.layers):
-        h = getattr(layer, "hyper", None) or {}
-        out.append({"layer": result.groups[i] if i < len(result.groups) else f"layer {i + 1}",
-                    "blocks": [str(b).removeprefix("layers.") for b in h.get("blocks", [])],
-                    "noise_var": np.atleast_1d(h.get("noise_var", np.nan)).astype(float).tolist(),
-                    "prior_var": np.atleast_1d(h.get("prior_var", np.nan)).astype(float).tolist(),
-                    "gamma0": float(h.get("gamma0", np.nan)), "kl_weight": float(h.get("kl_weight", 0.0))})
-    return out
-
-
-def fused_row(name: str, models: list[nn.Module], part: Partition, split: DataSplit,
-              method: str, seed: int | None = None, **hyper) -> dict:
-    """Fuse with ``fuse`` (ConvergenceWarnings become the row's ``converged``) and measure."""
-    kwargs = {} if seed is None else {"seed": seed}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        result = fuse(models, method, class_counts=part.counts, **kwargs, **hyper)
-    matched = method not in ("fedavg", "ot")
-    extra = {"chosen": chosen_hyper(result)} if method in AUTO_METHODS and not hyper else {}
-    if "noise_var" in hyper:
-        extra["noise_var"] = float(hyper["noise_var"])
-    return make_row(name, test_metrics(result.model, split), result.sizes, result.seconds,
-                    result.converged if matched else None, **extra)
 
 
 def fedavg_rounds_row(split: DataSplit, part: Partition, hidden: tuple[int, ...], seed: int, epochs: int) -> dict:
@@ -198,30 +138,6 @@ def seed_table(rows: list[dict]) -> str:
     return format_table(shown, SEED_COLUMNS)
 
 
-def by_method(rows: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for r in rows:
-        out.setdefault(r["method"], []).append(r)
-    return out
-
-
-def mean_sd(group: list[dict], key: str) -> str:
-    values = [r[key] for r in group]
-    return f"{np.mean(values):.4f} +- {np.std(values):.4f}"
-
-
-def summary_table(rows: list[dict]) -> str:
-    """Mean +- sd over seeds per method; width as its mean and each seed's value."""
-    summary = []
-    for method, group in by_method(rows).items():
-        widths = [r["width"] for r in group]
-        summary.append({"method": method, "accuracy": mean_sd(group, "accuracy"), "nll": mean_sd(group, "nll"),
-                        "ece": mean_sd(group, "ece"),
-                        "width": f"{np.mean(widths):.0f} ({'/'.join(map(str, widths))})",
-                        "seconds": f"{np.mean([r['seconds'] for r in group]):.2f}"})
-    return format_table(summary, SUMMARY_COLUMNS)
-
-
 def hyper_lines(method: str, chosen: list[dict]) -> list[str]:
     """One compact line per matched layer: each block's noise_var and prior_var, gamma0 (3 s.f.)."""
     g = lambda values: "/".join(f"{v:.3g}" for v in values)  # noqa: E731
@@ -236,7 +152,7 @@ def hyper_lines(method: str, chosen: list[dict]) -> list[str]:
 def write_json(path: Path, args: argparse.Namespace, rows: list[dict], federations: list[dict]) -> None:
     config = {k: ([depth_name(d) for d in v] if k == "depths" else v) for k, v in vars(args).items()}
     report = {"config": config, "hand_set": HAND_SET, "federations": federations, "rows": rows}
-    atomic_write_text(path, json.dumps(report, indent=1) + "\n", overwrite=True)
+    write_text(path, json.dumps(report, indent=1) + "\n")
 
 
 # --------------------------------------------------------------------------- figure
@@ -391,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for r in first:
                 print("\n".join(hyper_lines(r["method"], r["chosen"])))
             sys.stdout.flush()
-    png = atomic_write_bytes(out / "fidelity.png", figure_png(rows, args), overwrite=True)
+    png = write_bytes(out / "fidelity.png", figure_png(rows, args))
     print(f"\nwrote {json_path} and {png}")
 
 

@@ -13,7 +13,7 @@ it prints each alternation step (seconds, global components, objective); with se
 runs in a fresh Python process (so that ``peak MB``, the process's peak resident memory,
 inputs included, is that case's own) and one row per J is printed: seconds of ``kl_fuse``,
 alternation steps, global components it started from (``start``), components found against the
-truth in use, pair precision / recall of the co-assignment (``bench_matching.pair_scores``).
+truth in use, pair precision / recall of the co-assignment (``bayesfuse.metrics.pair_scores``).
 
 With ``--cvxpy`` it also solves the first step's relaxed problem (from the chosen start) with
 cvxpy and with the fast solver as ``kl_fuse`` calls it, and prints both objectives and their
@@ -32,32 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
+from common import simulate_posteriors
+
 from bayesfuse.demo import format_table
 from bayesfuse.inference.expfam import DiagNormal, kl_matrix
-from bayesfuse.inference.klfusion import _greedy_start, _split, kl_fuse
+from bayesfuse.inference.klfusion import greedy_start, kl_fuse
 from bayesfuse.inference.relaxed import relaxed_objective, solve_relaxed
-
-HERE = Path(__file__).resolve().parent
-
-
-def simulate(n_clients, n_local, n_true, dim, seed=0):
-    rng = np.random.default_rng(seed)
-    loc = rng.normal(size=(n_true, dim))
-    var = 0.01 * np.exp(rng.normal(0, 0.3, size=(n_true, dim)))
-    posteriors, truth = [], []
-    for _ in range(n_clients):
-        idx = rng.choice(n_true, n_local, replace=False)
-        posteriors.append(DiagNormal(loc=loc[idx] + rng.normal(0, 0.05, size=(n_local, dim)),
-                                     var=var[idx] * np.exp(rng.normal(0, 0.1, size=(n_local, dim)))))
-        truth.append(idx)
-    return posteriors, truth
+from bayesfuse.metrics import pair_scores
 
 
 def run_case(args, n_clients: int) -> tuple[dict, object]:
-    sys.path.insert(0, str(HERE))
-    from bench_matching import pair_scores  # same folder
-
-    posteriors, truth = simulate(n_clients, args.components, args.true, args.dim)
+    posteriors, truth = simulate_posteriors(n_clients, args.components, args.true, args.dim)
     n_true = len(np.unique(np.concatenate(truth)))
     res = kl_fuse(posteriors, reg=args.reg, solver="fast", init=args.init)
     precision, recall = pair_scores(truth, res.assignments)
@@ -75,10 +60,10 @@ def first_step_vs_cvxpy(args, posteriors, res) -> None:
     terms = pooled.kl_terms()
     warm = None
     if args.init == "greedy":
-        glob, warm = _greedy_start(pooled, terms, sizes, args.reg, res.cost_scale)
+        glob, warm = greedy_start(pooled, terms, sizes, args.reg, res.cost_scale)
     else:
         glob = pooled
-    costs = _split(kl_matrix(glob.kl_terms(), terms).T / res.cost_scale, sizes)
+    costs = np.split(kl_matrix(glob.kl_terms(), terms).T / res.cost_scale, np.cumsum(sizes)[:-1])
     t = time.perf_counter()
     P_fast, _ = solve_relaxed(costs, args.reg, solver="fast", init=warm)
     t_fast = time.perf_counter() - t

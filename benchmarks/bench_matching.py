@@ -28,6 +28,7 @@ import numpy as np
 
 from bayesfuse.demo import format_table
 from bayesfuse.inference.matching import match_neurons
+from bayesfuse.metrics import pair_scores
 from bayesfuse.models.bbp import simulate_federation
 
 D, GAMMA0, NOISE = 794, 100.0, 0.01
@@ -38,17 +39,6 @@ RUNS = [
     ("pfnm@true", dict(cost="pfnm", noise_var=NOISE)),
     ("auto", dict(noise_var="auto", prior_var="auto", gamma0="auto")),
 ]
-
-
-def pair_scores(truth: list[np.ndarray], found: list[np.ndarray]) -> tuple[float, float]:
-    """Pairwise co-assignment precision and recall from the contingency table."""
-    t, f = np.concatenate(truth), np.concatenate(found)
-    _, n_tf = np.unique(np.stack([t, f]), axis=1, return_counts=True)
-    pairs = lambda n: float(np.sum(n * (n - 1) / 2))  # noqa: E731
-    tp = pairs(n_tf)
-    found_pairs = pairs(np.unique(f, return_counts=True)[1])
-    true_pairs = pairs(np.unique(t, return_counts=True)[1])
-    return tp / max(found_pairs, 1.0), tp / max(true_pairs, 1.0)
 
 
 def gemm_floor(n_global: int, layers: list[np.ndarray], sweeps: int, repeats: int = 3) -> float:

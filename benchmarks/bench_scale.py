@@ -45,10 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_klfusion import simulate  # noqa: E402  (same folder)
-from bench_matching import pair_scores  # noqa: E402
+from common import RESULTS, simulate_posteriors, wide_models
+
+from bayesfuse.metrics import pair_scores, partition_labels
 
 D = 794
 
@@ -65,7 +64,7 @@ def case_kl(n_clients: int) -> dict:
 
     from bayesfuse.inference.klfusion import kl_fuse
 
-    posteriors, truth = simulate(n_clients, 150, 300, D)
+    posteriors, truth = simulate_posteriors(n_clients, 150, 300, D)
     inputs_mb = sum(q.loc.nbytes + q.var.nbytes for q in posteriors) / 2**20
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -114,7 +113,7 @@ def case_device(n_clients: int, backend: str) -> dict:
     import hashlib
     import warnings
 
-    from bayesfuse.inference.matching import _partition_key, match_neurons
+    from bayesfuse.inference.matching import match_neurons
 
     layers, truth = _match_problem(n_clients)
     sync = lambda: None  # noqa: E731
@@ -140,7 +139,7 @@ def case_device(n_clients: int, backend: str) -> dict:
                 peak_mb=_peak_mb(), inputs_mb=inputs_mb,
                 found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
                 recovery=f"{precision:.3f}/{recall:.3f}", steps=res.n_sweeps, converged=res.converged,
-                partition=hashlib.sha1(_partition_key(res.assignments)).hexdigest()[:12])
+                partition=hashlib.sha1(partition_labels(res.assignments).tobytes()).hexdigest()[:12])
 
 
 def _device_backends() -> list[str]:
@@ -149,24 +148,6 @@ def _device_backends() -> list[str]:
     code = "import torch; print(torch.cuda.is_available())"
     cuda = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
     return ["numpy", "cpu-float64", "cpu-float32"] + (["cuda-float64", "cuda-float32"] if cuda else [])
-
-
-def _wide_models(cache: Path, data_path: str | None) -> list[Path]:
-    files = [cache / f"mlp784-1000-10_client{j}.pt" for j in range(10)]
-    if all(f.exists() for f in files):
-        return files
-    from bayesfuse.checkpoints import save_state_dict
-    from bayesfuse.data import dirichlet_partition, load_fashion_mnist
-    from bayesfuse.train import TrainConfig, train_clients
-
-    data = load_fashion_mnist(data_path).standardize()
-    partition = dirichlet_partition(data.train.y, 10, 0.5, seed=0)
-    models = train_clients(data.train, partition, TrainConfig(hidden=(1000,), epochs=2, seed=0), shared_init=False,
-                           verbose=False)
-    cache.mkdir(parents=True, exist_ok=True)
-    for f, m in zip(files, models):
-        save_state_dict(m.state_dict(), f, overwrite=True)
-    return files
 
 
 def case_wide(cache: str, backend: str = "numpy", tol: str = "default", data_path: str | None = None) -> dict:
@@ -179,7 +160,7 @@ def case_wide(cache: str, backend: str = "numpy", tol: str = "default", data_pat
 
     from bayesfuse.fuse_files import fuse_files
 
-    files = _wide_models(Path(cache), data_path)
+    files = wide_models(Path(cache), data_path)
     inputs_mb = sum(f.stat().st_size for f in files) / 2**20
     device, dtype = (None, "float64") if backend == "numpy" else backend.rsplit("-", 1)
     if device is not None and device.startswith("cuda"):
@@ -268,7 +249,7 @@ def main() -> None:
     parser.add_argument("--wide-tols", nargs="+", default=["default"], metavar="TOL", type=_tol,
                         help="the wide case at each matching tol (nats per unit; 'default': the method's own)")
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST IDX directory (default: the Debian one)")
-    parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "wide-mlps"),
+    parser.add_argument("--cache", default=str(RESULTS / "wide-mlps"),
                         help="where the trained wide MLPs are kept")
     parser.add_argument("--case", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -19,14 +19,13 @@ Then, per sweep of the alternation (one visit of every client):
   (the neurons' optimal duals from the same client's previous problem, each atom's the least
   that keeps the duals feasible). A warm start pays only if it leaves far fewer.
 
-The optimal duals come from :func:`optimal_duals`, and each is checked as a certificate
+The optimal duals come from :func:`common.optimal_duals`, and each is checked as a certificate
 (feasible, and equal in value to the recorded assignment's weight); the largest gap is printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 import warnings
@@ -37,60 +36,13 @@ import numpy as np
 from scipy.sparse import csr_array
 from scipy.sparse.csgraph import maximum_bipartite_matching
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_scale import _wide_models  # noqa: E402  (same folder)
+from common import RESULTS, atom_duals, optimal_duals, wide_models
 
-from bayesfuse.demo import format_table  # noqa: E402
-from bayesfuse.fuse_files import fuse_files  # noqa: E402
-from bayesfuse.inference import matching  # noqa: E402
+from bayesfuse.demo import format_table
+from bayesfuse.fuse_files import fuse_files
+from bayesfuse.inference import matching
 
 GOAL_SECONDS = 5.0
-
-
-def optimal_duals(W: np.ndarray, match: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Dual values proving ``match`` a maximum-weight matching of ``W`` (atoms x neurons, >= 0).
-
-    The linear programme ``max sum W_il x_il`` over matchings (each atom and neuron at most once)
-    has the dual ``min sum_l u_l + sum_i w_i`` with ``u, w >= 0`` and ``u_l + w_i >= W_il``. For an
-    optimal ``match`` (``match[l]``: neuron l's atom, or -1) complementary slackness fixes
-    ``w_i = W_{i m(i)} - u_{m(i)}`` on a matched atom i (neuron ``m(i)``), so the least feasible
-    ``u`` is the smallest fixed point of
-
-    .. math::
-
-        u_l = \\max\\Big(b_l,\\ \\max_{i \\text{ matched}} W_{il} - W_{i m(i)} + u_{m(i)}\\Big),
-        \\qquad b_l = \\max\\big(0, \\max_{i \\text{ unmatched}} W_{il}\\big),
-
-    longest paths in the graph of alternating pairs, found by iterating from ``u = b``. The
-    result is a certificate to check, not a proof: for a ``match`` that is not optimal either
-    the paths grow without end (a positive cycle: ValueError after L + 1 steps) or the duals
-    are feasible but worth more than the matching (an unmatched neuron or atom keeps a
-    positive dual).
-
-    Returns
-    -------
-    (u, w) : neurons' (L,) and atoms' (G,) duals.
-    """
-    G, L = W.shape
-    matched = np.flatnonzero(match >= 0)
-    atoms = match[matched]
-    unmatched = np.ones(G, dtype=bool)
-    unmatched[atoms] = False
-    base = np.maximum(W[unmatched].max(axis=0, initial=0.0), 0.0)
-    step = W[atoms] - W[atoms, matched][:, None]  # (matched atoms, L): W_il - W_{i m(i)}
-    u = base
-    for _ in range(L + 1):
-        new = np.maximum(base, (step + u[matched][:, None]).max(axis=0, initial=-np.inf))
-        if np.all(new <= u):
-            return u, _atom_duals(W, u)
-        u = new
-    raise ValueError("the matching is not optimal: the alternating paths have a positive cycle")
-
-
-def _atom_duals(W: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """The least atoms' duals ``w >= 0`` with ``u_l + w_i >= W_il`` for the neurons' duals ``u``."""
-    return np.maximum((W - u[None, :]).max(axis=1), 0.0)
 
 
 def _uncovered(W: np.ndarray, u: np.ndarray, w: np.ndarray) -> int:
@@ -139,10 +91,10 @@ def _fuse(files: list[Path], folder: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST IDX directory (default: the Debian one)")
-    parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "wide-mlps"),
+    parser.add_argument("--cache", default=str(RESULTS / "wide-mlps"),
                         help="where the trained wide MLPs are kept")
     args = parser.parse_args()
-    files = _wide_models(Path(args.cache), args.data_path)
+    files = wide_models(Path(args.cache), args.data_path)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -167,7 +119,7 @@ def main() -> None:
             worst_gap = max(worst_gap, (u.sum() + w.sum() - value) / max(value, 1.0))
             cold = _uncovered(W, W.max(axis=0), np.zeros(G))
             previous = duals.get(p["client"])
-            warm = None if previous is None else _uncovered(W, previous, _atom_duals(W, previous))
+            warm = None if previous is None else _uncovered(W, previous, atom_duals(W, previous))
             duals[p["client"]] = u
             row = rows.setdefault(p["sweep"], dict(solves=0, atoms=[], candidates=[], assign=0.0, product=0.0,
                                                    cold=[], warm=[]))

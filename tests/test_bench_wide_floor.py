@@ -1,14 +1,12 @@
-"""The dual certificate of benchmarks/bench_wide_floor.py against brute force on tiny matchings."""
+"""The dual certificate of benchmarks/bench_wide_floor.py (in benchmarks/common.py) against brute
+force on tiny matchings."""
 
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_wide_floor import optimal_duals  # noqa: E402
+from benchmarks.common import optimal_duals
 
 
 def _best_matching(W: np.ndarray) -> tuple[float, np.ndarray]:

@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
@@ -8,6 +10,8 @@ from bayesfuse.metrics import (
     expected_calibration_error,
     negative_log_likelihood,
     ood_auroc,
+    pair_scores,
+    partition_labels,
     predictive_entropy,
 )
 
@@ -85,3 +89,37 @@ def test_bad_inputs():
         accuracy(P, Y[:3])
     with pytest.raises(ValueError, match="at least one"):
         ood_auroc([], [1.0])
+
+
+def _pairs_by_brute_force(truth, found):
+    """Precision and recall by listing every pair of units."""
+    t, f = np.concatenate(truth), np.concatenate(found)
+    together = [(t[a] == t[b], f[a] == f[b]) for a, b in itertools.combinations(range(len(t)), 2)]
+    tp = sum(1 for same_t, same_f in together if same_t and same_f)
+    n_found = sum(1 for _, same_f in together if same_f)
+    n_true = sum(1 for same_t, _ in together if same_t)
+    return tp / max(n_found, 1), tp / max(n_true, 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pair_scores_equal_counting_every_pair(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 5, size=rng.integers(1, 4))
+    truth = [rng.integers(0, 4, size=n) for n in sizes]
+    found = [rng.integers(0, 5, size=n) + 10 for n in sizes]  # labels need not overlap the truth's
+    assert pair_scores(truth, found) == pytest.approx(_pairs_by_brute_force(truth, found), abs=1e-12)
+
+
+def test_pair_scores_of_a_relabelled_partition_are_one_and_of_singletons_zero():
+    truth = [np.array([0, 1, 1]), np.array([0, 2])]
+    assert pair_scores(truth, [np.array([7, 3, 3]), np.array([7, 9])]) == (1.0, 1.0)
+    assert pair_scores(truth, [np.array([0, 1, 2]), np.array([3, 4])]) == (0.0, 0.0)
+
+
+def test_partition_labels_are_equal_exactly_for_the_same_grouping():
+    a = [np.array([4, 2, 2]), np.array([9, 4])]
+    same = [np.array([0, 1, 1]), np.array([2, 0])]
+    other = [np.array([0, 1, 1]), np.array([0, 2])]
+    assert partition_labels(a).tolist() == [0, 1, 1, 2, 0]
+    assert np.array_equal(partition_labels(a), partition_labels(same))
+    assert not np.array_equal(partition_labels(a), partition_labels(other))

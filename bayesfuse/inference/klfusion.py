@@ -41,7 +41,7 @@ from bayesfuse.inference.expfam import ExpFamily, KLTerms, _check_same_family, k
 from bayesfuse.inference.relaxed import ADMMState, Solver, relaxed_objective, solve_relaxed
 from bayesfuse.inference.result import warn_not_converged
 
-__all__ = ["KLFusionResult", "greedy_assign", "kl_fuse"]
+__all__ = ["KLFusionResult", "greedy_assign", "greedy_start", "kl_fuse"]
 
 #: A global component whose column of P (all clients) carries less mass than this is unused
 #: and dropped. Iterative solvers leave entries of order their tolerance in unused columns.
@@ -299,8 +299,8 @@ def greedy_assign(
     return _split(flat, sizes), np.maximum(kl, 0.0) / scale
 
 
-def _greedy_start(pooled: ExpFamily, terms: KLTerms, sizes: Sequence[int], reg: float,
-                  scale: float) -> tuple[ExpFamily, list[np.ndarray]]:
+def greedy_start(pooled: ExpFamily, terms: KLTerms, sizes: Sequence[int], reg: float,
+                 scale: float) -> tuple[ExpFamily, list[np.ndarray]]:
     """Initial global components for heterogeneous :func:`kl_fuse`: the barycenters of
     :func:`greedy_assign`, plus a margin, and the warm start ``P`` (one-hot on the greedy columns).
 
@@ -366,7 +366,7 @@ def kl_fuse(
         Initial global components. Homogeneous default: the first client's components.
         Heterogeneous: ``"greedy"`` (the default) the barycenters of greedy passes of
         Hungarian assignments on eq. 9 with binary P (:func:`greedy_assign`) plus a margin of
-        candidate columns (:func:`_greedy_start`), P warm-started from the greedy assignment;
+        candidate columns (:func:`greedy_start`), P warm-started from the greedy assignment;
         ``"pooled"`` all clients' components (G = sum_j L_j, an upper bound that the
         regulariser prunes; P and the costs are N x N, so time and memory grow at least like
         J^2); an ExpFamily: those components.
@@ -435,7 +435,7 @@ def kl_fuse(
     if init is None or (isinstance(init, str) and init == "greedy"):
         if scale is None:  # the std of KL(pooled || pooled), streamed: the pooled start's first costs
             scale = float(kl_moments(terms, terms)[2]) or 1.0
-        glob, P_list = _greedy_start(pooled, terms, sizes, reg, scale)
+        glob, P_list = greedy_start(pooled, terms, sizes, reg, scale)
     else:
         glob = pooled if init == "pooled" else init
     if len(glob) < max(sizes):

@@ -3,7 +3,7 @@ import pytest
 
 from bayesfuse.inference import klfusion
 from bayesfuse.inference.expfam import Dirichlet, DiagNormal, Gamma
-from bayesfuse.inference.klfusion import _greedy_start, _split, greedy_assign, kl_fuse
+from bayesfuse.inference.klfusion import _split, greedy_assign, greedy_start, kl_fuse
 from bayesfuse.inference.relaxed import relaxed_objective, solve_relaxed
 from tests.helpers import partition as _partition
 
@@ -233,7 +233,7 @@ def test_first_step_from_the_greedy_start_is_no_worse_than_the_greedy_rounding(s
     scale = pooled.kl_std(pooled)
     for reg in (0.1, 0.5, 2.0):
         assignments, _ = greedy_assign(DiagNormal, pooled.event_shape, terms, sizes, reg, scale)
-        glob, warm = _greedy_start(pooled, terms, sizes, reg, scale)
+        glob, warm = greedy_start(pooled, terms, sizes, reg, scale)
         costs = _split(glob.kl(pooled).T / scale, sizes)
         greedy = _binary_objective(posteriors, assignments, reg, scale)
         assert relaxed_objective(costs, warm, reg) == pytest.approx(greedy, rel=1e-12)
@@ -286,7 +286,7 @@ def test_margin_offers_a_column_to_a_misplaced_component(monkeypatch):
     def fuse(cost):
         monkeypatch.setattr(klfusion, "greedy_assign", lambda *args, **kw: (planted, cost))
         res = kl_fuse(posteriors, reg=0.1)
-        glob, warm = _greedy_start(pooled, pooled.kl_terms(), sizes, 0.1, scale)
+        glob, warm = greedy_start(pooled, pooled.kl_terms(), sizes, 0.1, scale)
         monkeypatch.undo()
         return res, glob, warm
 

@@ -50,7 +50,7 @@ def test_fast_solver_warm_started_from_the_greedy_start_reaches_the_cvxpy_optimu
     # The path kl_fuse takes by default: N x G costs KL(greedy barycenters || local) / scale
     # with G < N (plus margin columns), the fast solver warm-started from the greedy one-hot P.
     from bayesfuse.inference.expfam import DiagNormal
-    from bayesfuse.inference.klfusion import _greedy_start, _split
+    from bayesfuse.inference.klfusion import _split, greedy_start
 
     rng = np.random.default_rng(seed)
     n_true, dim = 12, 3
@@ -62,7 +62,7 @@ def test_fast_solver_warm_started_from_the_greedy_start_reaches_the_cvxpy_optimu
     pooled = DiagNormal.concat(clients)
     sizes = [len(q) for q in clients]
     scale = pooled.kl_std(pooled)
-    glob, warm = _greedy_start(pooled, pooled.kl_terms(), sizes, reg, scale)
+    glob, warm = greedy_start(pooled, pooled.kl_terms(), sizes, reg, scale)
     assert len(glob) < len(pooled)
     costs = _split(glob.kl(pooled).T / scale, sizes)
     p_cvx, _ = solve_relaxed(costs, reg, solver="cvxpy")
