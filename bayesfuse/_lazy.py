@@ -1,4 +1,5 @@
-"""Lazy exports of a package face (PEP 562): names imported from their module on first use."""
+"""Lazy exports of a package face (PEP 562): names imported from their module on first use; and
+:func:`load`, an object named by its dotted path."""
 
 from __future__ import annotations
 
@@ -27,3 +28,12 @@ def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict) -> t
         return sorted(set(namespace) | set(exports))
 
     return __getattr__, __dir__
+
+
+def load(path: str):
+    """The object ``"package.module:name"`` names, its module imported on first use (the method
+    table names routines of modules above it this way, :data:`bayesfuse.methods.METHODS`)."""
+    module, sep, name = path.partition(":")
+    if not sep or not name:
+        raise ValueError(f"expected 'module:name', got {path!r}")
+    return getattr(importlib.import_module(module), name)

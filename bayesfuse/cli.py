@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"bayesfuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from bayesfuse import methods
+
     demo = sub.add_parser(
         "demo",
         help="simulate a federation, train local MLPs, compare fusion methods",
@@ -115,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "or LSTM over image rows (first --hidden width) (default: mlp)")
     demo.add_argument("--channels", type=_widths, default=(16, 32),
                       help="cnn: channels of the conv-BN-ReLU-maxpool blocks (default: 16,32)")
-    demo.add_argument("--methods", type=_methods, default=("pfnm", "nafi"),
+    demo.add_argument("--methods", type=_methods, default=methods.names("network", featured=True),
                       help="comma-separated methods after local/ensemble/fedavg, from pfnm, nafi, fedma, "
                       "fedma-nafi, fedavg-rounds (FedAvg with as many rounds as FedMA) (default: pfnm,nafi)")
     demo.add_argument("--retrain-epochs", type=_positive_int, default=None,
@@ -129,8 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="hyper-parameters of the fusion methods, as in `bayesfuse fuse`: KEY=VALUE for every "
                       "method run that has KEY, METHOD.KEY=VALUE for one (e.g. noise_var=1 nafi.kl_weight=0.1)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
-
-    from bayesfuse import methods
 
     fz = sub.add_parser(
         "fuse",

@@ -7,12 +7,14 @@ Every entry point is this core between an adapter in and an adapter out:
 * the Flower strategy (:class:`bayesfuse.integrations.flower.MatchedAveraging`): ArrayRecords ->
   :func:`fuse_states` -> ArrayRecord.
 
-Hyper-parameters are resolved by :func:`bayesfuse.methods.resolve` from the one method table;
+Hyper-parameters are resolved by :func:`bayesfuse.methods.resolve` from the one method table,
+whose row names the routine of this module that fuses each kind of input (``Method.fusers``);
 the algorithms are the plain functions of :mod:`bayesfuse.inference`.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -21,12 +23,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from bayesfuse import methods
+from bayesfuse._lazy import load
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
-from bayesfuse.models.bnn_fusion import fuse_bnn_posteriors
+from bayesfuse.models.bnn_fusion import fuse_bnn_posteriors, kl_units, matched_units
 from bayesfuse.models.bnn_posterior import DeepBNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
 
@@ -179,52 +182,67 @@ def fuse_states(
     check_device(device, dtype)
     names = list(names) if names is not None else [f"client {j}" for j in range(len(states))]
     warn_single(len(states), stacklevel=3)
-    if kind == "bnn":
-        fused = _fuse_bnn_states(states, names, method, settings, class_counts=class_counts, seed=seed,
-                                 verbose=verbose)
-    else:
-        fused = _fuse_network_states(states, names, method, settings, spec=spec, class_counts=class_counts,
-                                     seed=seed, verbose=verbose, device=device, dtype=dtype)
+    fuse = load(methods.METHODS[method].fusers[kind])  # the table's routine for this kind of input
+    fused = fuse(states, names, method, settings, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
+                 device=device, dtype=dtype)
     fused.seconds = time.perf_counter() - start
     return fused
 
 
-def _fuse_network_states(states, names, method, settings, *, spec, class_counts, seed, verbose, device=None,
-                         dtype="float64") -> StateFusion:
+# --------------------------------------------------------------------------- the table's fusers
+# Each takes (states, names, method, settings) and the keywords spec, class_counts, seed, verbose,
+# device and dtype (those it has no use for in **_), and returns a StateFusion.
+
+
+def _network_spec(states, names, spec, class_counts) -> PermutationSpec:
+    """The spec of point-estimate networks (derived from the first state_dict when not given), and
+    the class counts checked against its output layer (every method's check)."""
     spec = spec if spec is not None else spec_for_state_dict(states[0], "auto", names[0])
     if not spec.groups:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
-    if class_counts is not None and spec.output:  # every method's check, FedAvg and OT fusion included
+    if class_counts is not None and spec.output:
         class_share_matrix(class_counts, len(states), int(np.shape(states[0][spec.output[0]])[0]))
-    if method == "fedavg":
-        return _fedavg_states(states, names, spec, class_counts)
-    if not encoded_groups(spec):
-        return _match_network_states(states, names, method, settings, spec=spec, class_counts=class_counts,
-                                     seed=seed, verbose=verbose, device=device, dtype=dtype)
-    # position-aware neurons: match the plain networks (eq. F at each client's widths), then give the
-    # fused network the weights that its encodings at the global widths turn into the plain ones (eq. U)
-    check_unfoldable(spec)
-    plain = [fold_encodings(sd, spec) for sd in check_states(states, spec, names)]
-    fused = _match_network_states(plain, names, method, settings, spec=spec, class_counts=class_counts, seed=seed,
-                                  verbose=verbose, device=device, dtype=dtype)
-    unfolded = unfold_encodings(fused.state, spec)
-    fused.state = {k: unfolded[k] for k in fused.state}
-    return fused
+    return spec
 
 
-def _match_network_states(states, names, method, settings, *, spec, class_counts, seed, verbose, device=None,
-                          dtype="float64") -> StateFusion:
-    """PFNM/NAFI (:func:`match_layerwise`, on ``device`` in ``dtype`` when one is given) or OT fusion
-    (:func:`ot_fuse_layerwise`) of plain networks."""
-    if method == "ot":
-        weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
-        result = ot_fuse_layerwise(states, spec, weights=weights, names=names, **settings)
-        layers = [result.layers[g] for g in spec.groups]
-        return StateFusion(state={k: result.state_dict[k] for k in states[0]}, layers=layers,
-                           sizes=[result.sizes[g] for g in spec.groups], groups=tuple(spec.groups),
-                           posteriors=[(layer.mean, layer.var) for layer in layers], method=method, kind="network",
-                           hyper={**settings, "anchor": result.anchor, "weights": "class_counts" if weights is not None
-                                  else "uniform"}, spec=spec)
+def _aligning(fuse_plain):
+    """A fuser of networks whose hidden units ``fuse_plain`` aligns, for networks with or without
+    position encodings: for position-aware neurons, match the plain networks (eq. F at each
+    client's widths), then give the fused network the weights that its encodings at the global
+    widths turn into the plain ones (eq. U)."""
+
+    @functools.wraps(fuse_plain)
+    def fuse(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
+        spec = _network_spec(states, names, spec, class_counts)
+        if not encoded_groups(spec):
+            return fuse_plain(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        check_unfoldable(spec)
+        plain = [fold_encodings(sd, spec) for sd in check_states(states, spec, names)]
+        fused = fuse_plain(plain, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        unfolded = unfold_encodings(fused.state, spec)
+        fused.state = {k: unfolded[k] for k in fused.state}
+        return fused
+
+    return fuse
+
+
+@_aligning
+def _ot_states(states, names, method, settings, *, spec, class_counts, **_) -> StateFusion:
+    """OT fusion (:func:`ot_fuse_layerwise`) of plain networks."""
+    weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
+    result = ot_fuse_layerwise(states, spec, weights=weights, names=names, **settings)
+    layers = [result.layers[g] for g in spec.groups]
+    return StateFusion(state={k: result.state_dict[k] for k in states[0]}, layers=layers,
+                       sizes=[result.sizes[g] for g in spec.groups], groups=tuple(spec.groups),
+                       posteriors=[(layer.mean, layer.var) for layer in layers], method=method, kind="network",
+                       hyper={**settings, "anchor": result.anchor, "weights": "class_counts" if weights is not None
+                              else "uniform"}, spec=spec)
+
+
+@_aligning
+def _match_states(states, names, method, settings, *, spec, class_counts, seed, verbose, device=None,
+                  dtype="float64") -> StateFusion:
+    """PFNM/NAFI (:func:`match_layerwise`, on ``device`` in ``dtype`` when one is given) of plain networks."""
     result = match_layerwise(states, spec, class_counts=class_counts, seed=seed, names=names, verbose=verbose,
                              device=device, dtype=dtype, **settings)
     layers = [result.layers[g] for g in spec.groups]
@@ -252,11 +270,13 @@ def chosen_hyper(layer) -> dict:
             "prior_mean": h["prior_mean"], "gamma0": h["gamma0"], "rounds": h["rounds"]}
 
 
-def _fedavg_states(states, names, spec, class_counts) -> StateFusion:
+def _fedavg_states(states, names, method, settings, *, spec, class_counts, **_) -> StateFusion:
+    """One-shot FedAvg: the clients' entries averaged as they are (identical widths, their dtype kept)."""
     import torch  # FedAvg alone needs torch here (the baselines' averaging)
 
     from bayesfuse.baselines import fedavg_state_dicts
 
+    spec = _network_spec(states, names, spec, class_counts)
     check_states(states, spec, names)  # architecture, NaN, integer or complex weights
     for sd, n in zip(states[1:], names[1:]):
         for k, t in sd.items():
@@ -269,14 +289,15 @@ def _fedavg_states(states, names, spec, class_counts) -> StateFusion:
     state = {k: v.numpy() for k, v in fedavg_state_dicts(tensors, weights).items()}
     sizes = spec.sizes(state)
     return StateFusion(state=state, layers=[], sizes=[sizes[g] for g in spec.groups], groups=tuple(spec.groups),
-                       posteriors=[], method="fedavg", kind="network",
+                       posteriors=[], method=method, kind="network",
                        hyper={"weights": "class_counts" if weights is not None else "uniform"}, spec=spec)
 
 
-def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, verbose) -> StateFusion:
+def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_counts, seed, verbose,
+                     **_) -> StateFusion:
     """Fuse horseshoe BNNs of any depth as mean-field posteriors, layer by layer
     (:func:`~bayesfuse.models.bnn_fusion.fuse_bnn_posteriors`: pruning, the scale-free unit form,
-    KL-fusion or matching, class-share outputs). With ``head="clients"`` the state holds the
+    the units of each layer fused by ``fuse_units``, class-share outputs). With ``head="clients"`` the state holds the
     clients' heads too (:data:`~bayesfuse.models.bnn_fusion.HEAD_KEYS`).
 
     The ``assignments`` of each layer index each client's kept units; ``hyper["kept_units"]``
@@ -291,7 +312,7 @@ def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, ver
                              f"{names[0]} maps {ref.in_features} -> {ref.n_classes} through {len(ref.layers)}")
     settings = dict(settings)
     head = settings.pop("head")
-    fusion = fuse_bnn_posteriors(posts, method, class_counts=class_counts, seed=seed, verbose=verbose, **settings)
+    fusion = fuse_bnn_posteriors(posts, fuse_units, class_counts=class_counts, seed=seed, verbose=verbose, **settings)
     hyper = dict(fusion.hyper)
     hyper.update(average_outputs=settings["average_outputs"], unit_form=settings["unit_form"],
                  prune_kl=settings["prune_kl"], head=head)
@@ -305,3 +326,8 @@ def _fuse_bnn_states(states, names, method, settings, *, class_counts, seed, ver
     return StateFusion(state=state, layers=fusion.layers,
                        sizes=[len(u[0]) for u in fusion.units], groups=groups, posteriors=fusion.units,
                        method=method, kind="bnn", hyper=hyper)
+
+
+#: BNNs whose units are matched (PFNM, NAFI) or KL-fused, layer by layer.
+_matched_bnn_states = functools.partial(_fuse_bnn_states, fuse_units=matched_units)
+_kl_bnn_states = functools.partial(_fuse_bnn_states, fuse_units=kl_units)

@@ -39,11 +39,15 @@ from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "format_table", "DEMO_METHODS"]
 
 COLUMNS = ("method", "accuracy", "nll", "ece", "hidden", "rounds", "seconds")
-#: Methods the demo can add after local/ensemble/fedavg. "fedavg-rounds" is FedAvg run for as
-#: many communication rounds as FedMA uses (one per hidden layer, plus the output layer).
-#: The demo's methods: every method of the table for networks (FedAvg always runs), then FedMA
-#: matching with NAFI's penalty and FedAvg at as many rounds as FedMA.
-DEMO_METHODS = tuple(m for m in methods.names("network") if m != "fedavg") + ("fedma-nafi", "fedavg-rounds")
+#: The methods of the table for networks the demo runs only when asked (a baseline such as
+#: FedAvg always runs), with their aliases (``"fedma-nafi"``: FedMA matching with NAFI's penalty).
+_TABLE_METHODS = methods.names("network", baseline=False, aliases=True)
+#: Methods the demo can add after local/ensemble/fedavg: those of the table, then the demo's own
+#: "fedavg-rounds", FedAvg run for as many communication rounds as FedMA uses (one per hidden
+#: layer, plus the output layer).
+DEMO_METHODS = _TABLE_METHODS + ("fedavg-rounds",)
+#: What the demo runs unless told: the table's featured methods.
+DEFAULT_METHODS = methods.names("network", featured=True)
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class DemoConfig:
     data_path: str | None = None
     arch: str = "mlp"
     channels: tuple[int, ...] = (16, 32)
-    methods: tuple[str, ...] = ("pfnm", "nafi")
+    methods: tuple[str, ...] = DEFAULT_METHODS
     retrain_epochs: int | None = None
     pan: PANConfig | None = None
     #: hyper-parameters per fusion method (``{"nafi": {"kl_weight": 0.1}}``); see :func:`hyper_for_methods`
@@ -74,7 +78,8 @@ class DemoConfig:
             if method not in self.methods:
                 raise ValueError(f"hyper-parameters given for {method!r}, which is not among the methods run "
                                  f"({', '.join(self.methods)})")
-            methods.resolve(_table_method(method), "network", values)  # unknown keys and bad values, now
+            row, variant = methods.lookup(method)
+            methods.resolve(row.name, "network", values, variant=variant)  # unknown keys and bad values, now
 
     def train_config(self) -> TrainConfig:
         """Local training settings. ConvNets train faster on every core (large matrix
@@ -177,11 +182,6 @@ def _row(method: str, metrics: dict, hidden: int, seconds: float, rounds: int = 
     }
 
 
-def _table_method(demo_method: str) -> str:
-    """The method-table row behind a demo method (``fedma-nafi`` is FedMA with NAFI's penalty)."""
-    return "fedma" if demo_method == "fedma-nafi" else demo_method
-
-
 def hyper_for_methods(assignments: Sequence[str], demo_methods: Sequence[str]) -> dict[str, dict]:
     """``--hyper`` of the demo: ``key=value`` for every method run that has ``key``, or
     ``method.key=value`` for one method. Values are typed by the method table.
@@ -191,21 +191,21 @@ def hyper_for_methods(assignments: Sequence[str], demo_methods: Sequence[str]) -
     ValueError
         A malformed item, a method not run, or a key no method run knows.
     """
-    tuned = [m for m in demo_methods if m in methods.METHODS or m == "fedma-nafi"]
+    tuned = [m for m in demo_methods if m in _TABLE_METHODS]
     out: dict[str, dict] = {}
     for item in assignments:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--hyper takes key=value or method.key=value, got {item!r}")
         method, dot, key = key.rpartition(".")
-        targets = [method] if dot else [m for m in tuned if key in methods.METHODS[_table_method(m)].keys()]
+        targets = [method] if dot else [m for m in tuned if key in methods.lookup(m)[0].keys()]
         if dot and method not in tuned:
             raise ValueError(f"--hyper {item!r}: {method!r} is not among the fusion methods run "
                              f"({', '.join(tuned) or 'none'})")
         if not targets:
             raise ValueError(f"--hyper {item!r}: no method run ({', '.join(tuned) or 'none'}) has a key {key!r}")
         for m in targets:
-            typed = methods.parse_assignments(_table_method(m), [f"{key}={value}"])
+            typed = methods.parse_assignments(methods.lookup(m)[0].name, [f"{key}={value}"])
             if key in out.get(m, {}):
                 raise ValueError(f"--hyper gives {m}.{key} twice")
             out.setdefault(m, {}).update(typed)
@@ -306,15 +306,15 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
     retrain = replace(train_config, epochs=config.retrain_epochs or config.epochs)
     n_rounds = len(spec.groups) + 1  # FedMA: one round per hidden layer, one for the output layer
     for method in config.methods:
-        hyper = dict(config.hyper.get(method, {}))
-        if method in ("pfnm", "nafi", "ot"):
-            fused = fuse(models, method, class_counts=partition.counts, seed=config.seed, **hyper)
-        elif method in ("fedma", "fedma-nafi"):
-            if method == "fedma-nafi":
-                hyper.setdefault("kl_weight", methods.defaults("nafi")["kl_weight"])
-            fused = fuse(models, "fedma", data=(split.train, partition), retrain=retrain, seed=config.seed,
-                         verbose=verbose, **hyper)
-        else:  # FedAvg from one shared initialisation, as many rounds as FedMA
+        if method in _TABLE_METHODS:
+            row, variant = methods.lookup(method)
+            hyper = {**row.preset(variant), **config.hyper.get(method, {})}
+            if row.needs_data:
+                fused = fuse(models, row.name, data=(split.train, partition), retrain=retrain, seed=config.seed,
+                             verbose=verbose, **hyper)
+            else:
+                fused = fuse(models, row.name, class_counts=partition.counts, seed=config.seed, **hyper)
+        else:  # "fedavg-rounds": FedAvg from one shared initialisation, as many rounds as FedMA
             start = time.perf_counter()
             with torch_threads(train_config.num_threads):
                 torch.manual_seed(config.seed)

@@ -91,7 +91,7 @@ def run_fedma(
     partition,
     config: TrainConfig | None = None,
     *,
-    method: str = "pfnm",
+    method: str | None = "pfnm",
     spec: PermutationSpec | None = None,
     seed: int = 0,
     verbose: bool | None = None,
@@ -111,9 +111,10 @@ def run_fedma(
     config : TrainConfig
         Local retraining after each matched layer (``config.epochs`` epochs; FedMA retrains
         for as many epochs as local training).
-    method : {"pfnm", "nafi"}
-        BBP-MAP cost: PFNM, or NAFI's KL penalty (NAFI Alg. 2); ``kl_weight`` defaults to the
-        method's in the method table (:mod:`bayesfuse.methods`).
+    method : str or None
+        The variant of the ``"fedma"`` row (:mod:`bayesfuse.methods`): ``"pfnm"``, PFNM's
+        cost (``kl_weight`` fixed at 0), or ``"nafi"``, NAFI's KL penalty (NAFI Alg. 2;
+        ``kl_weight`` defaults to NAFI's); None, the row as it is (``kl_weight`` given or 0).
     **hyper
         The ``"fedma"`` row of the method table: ``noise_var``, ``prior_var``, ``gamma0``,
         ``kl_weight``, ``cost``, ``n_iter`` (BBP-MAP settings for every layer) and ``passes``
@@ -129,14 +130,10 @@ def run_fedma(
     matched groups' global widths included (eq. U), and folded again when it comes back. The
     result's ``state_dict`` is for the position-aware network at the global widths.
     """
-    if method not in ("pfnm", "nafi"):
-        raise ValueError(f"FedMA matches with 'pfnm' or 'nafi', got {method!r}")
-    given = dict(hyper)
-    if given.get("kl_weight") is None:
-        given["kl_weight"] = methods.defaults(method)["kl_weight"]
-    elif method == "pfnm" and given["kl_weight"]:
-        raise ValueError("method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
-    settings = methods.resolve("fedma", "network", given)
+    variants = methods.METHODS["fedma"].variants
+    if method is not None and method not in variants:
+        raise ValueError(f"FedMA matches with {' or '.join(map(repr, variants))}, got {method!r}")
+    settings = methods.resolve("fedma", "network", hyper, variant=method)
     passes = settings.pop("passes")
     config = config or TrainConfig()
     parts = _client_data(train, partition)

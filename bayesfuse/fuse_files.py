@@ -188,6 +188,14 @@ def _network_spec(state_dicts, names, arch, spec):
     return spec
 
 
+def _wrong_kind(method: str, kind: str) -> str:
+    """Why ``method`` cannot fuse checkpoints of ``kind``."""
+    if kind == "network":
+        return f"method {method!r} fuses HorseshoeBNN checkpoints (mean-field posteriors); these are point estimates"
+    *first, last = sorted(methods.names("bnn"))
+    return f"method {method!r} is for point-estimate networks; use {', '.join(first)} or {last} for BNNs"
+
+
 def fuse_files(
     paths: Sequence[str | Path],
     method: str,
@@ -221,7 +229,8 @@ def fuse_files(
     start = time.perf_counter()
     if method not in methods.METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(methods.names())}")
-    if methods.METHODS[method].needs_data:
+    row = methods.METHODS[method]
+    if row.needs_data:
         raise ValueError("fedma retrains each client between layers, so it needs the clients' data, not only their "
                          "files; run it where the data is (bayesfuse.fuse(models, 'fedma', data=...) or "
                          "`bayesfuse demo --methods fedma`), or fuse the files in one shot with pfnm or nafi")
@@ -230,7 +239,7 @@ def fuse_files(
     methods.check_execution(method, None, device)
     checked_device = check_device(device, dtype)  # before any file is read
     hyper = dict(hyper or {})
-    known = methods.METHODS[method].keys()
+    known = row.keys()
     unknown = set(hyper) - set(known)
     if unknown:
         raise ValueError(f"unknown hyper-parameters {sorted(unknown)} for {method}; known: {sorted(known)}")
@@ -277,11 +286,10 @@ def fuse_files(
     is_bnn = [is_bnn_state(sd) for sd in state_dicts]
     if any(is_bnn) and not all(is_bnn):
         raise ValueError("cannot fuse Bayesian (HorseshoeBNN) and point-estimate checkpoints together")
-    if method == "kl" and not all(is_bnn):
-        raise ValueError("method 'kl' fuses HorseshoeBNN checkpoints (mean-field posteriors); these are point estimates")
-    if all(is_bnn):
-        if method == "fedavg":
-            raise ValueError("method 'fedavg' is for point-estimate networks; use kl, nafi or pfnm for BNNs")
+    kind = "bnn" if all(is_bnn) else "network"
+    if kind not in row.kinds:
+        raise ValueError(_wrong_kind(method, kind))
+    if kind == "bnn":
         from bayesfuse.models.bnn import HorseshoeBNN
 
         states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
@@ -292,7 +300,7 @@ def fuse_files(
         fused_sd = bnn_from_state(fused.state).state_dict()
     else:
         spec = _network_spec(state_dicts, names, arch, given_spec)
-        states = state_dicts if method == "fedavg" else [
+        states = state_dicts if not row.aligns_units else [  # FedAvg averages in the clients' dtype
             {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
             for sd in state_dicts]
         fused = fuse_states(states, method, spec=spec, names=names, seed=seed, device=device, dtype=dtype,

@@ -128,11 +128,11 @@ def fuse(
         Networks of one architecture (hidden widths may differ): :class:`MLP` of any depth,
         ``nn.Sequential`` ConvNets/MLPs (:func:`~bayesfuse.nets.arch.make_cnn`), the LSTM
         classifier, anything ``spec`` describes; or HorseshoeBNNs (any depth).
-    method : {"pfnm", "nafi", "fedma", "fedavg", "kl"}
-        One of :data:`bayesfuse.methods.METHODS`: PFNM (Yurochkin et al. 2019), NAFI (PFNM cost
-        plus ``kl_weight`` x KL penalty), FedMA (Wang et al. 2020; needs ``data``), one-shot
-        FedAvg (same widths; weighted by client sizes from ``class_counts``), or KL-fusion
-        (BNNs only).
+    method : str
+        One of :data:`bayesfuse.methods.METHODS`: ``"pfnm"`` (Yurochkin et al. 2019), ``"nafi"``
+        (PFNM cost plus ``kl_weight`` x KL penalty), ``"fedma"`` (Wang et al. 2020; needs
+        ``data``), one-shot ``"fedavg"`` (same widths; weighted by client sizes from
+        ``class_counts``), ``"ot"`` (OT fusion, Singh & Jaggi 2020) or ``"kl"`` (KL-fusion, BNNs only).
     class_counts : (J, K) array, optional
         Examples of each class per client (``Partition.counts``); weights outgoing weights and
         output biases by class shares as the PFNM reference does. Uniform when omitted.
@@ -175,15 +175,17 @@ def fuse(
         raise ValueError("fuse needs at least one model")
     methods.check_execution(method, None, device)  # a method that cannot use a device, or a device this
     check_device(device, dtype)  # machine lacks: refused before anything is trained or converted
-    if method == "fedma":
+    row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
+    if row is not None and row.needs_data:
         return _fuse_fedma(models, data, retrain, class_counts=class_counts, spec=spec, seed=seed, verbose=verbose,
                            start=start, **hyper)
     if data is not None:
-        raise ValueError(f"method={method!r} fuses the models alone; data is used by method='fedma' only")
+        using = " and ".join(f"method={n!r}" for n in methods.names(needs_data=True))
+        raise ValueError(f"method={method!r} fuses the models alone; data is used by {using} only")
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
-    if not any(bnn) and (spec is None or method != "fedavg"):
+    if not any(bnn) and (spec is None or row is None or row.aligns_units):
         spec = spec_with_encodings(models[0], spec)  # position encodings (PANs) are folded out for matching
     states = [numpy_state(m) for m in models]
     fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
@@ -209,8 +211,8 @@ def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, sta
     if class_counts is not None:
         raise ValueError("method='fedma' takes the class counts from data; do not pass class_counts")
     methods.resolve("fedma", "network", hyper)  # unknown keys and bad values fail before any training
-    run = run_fedma(models, train, partition, retrain, method="nafi" if hyper.get("kl_weight") else "pfnm",
-                    spec=spec, seed=seed or 0, verbose=verbose, **hyper)
+    run = run_fedma(models, train, partition, retrain, method=None, spec=spec, seed=seed or 0, verbose=verbose,
+                    **hyper)
     r = run.result
     layers = [r.layers[g] for g in run.spec.groups]
     return FusionResult(model=run.model, layers=layers, sizes=run.sizes, method="fedma",

@@ -15,162 +15,42 @@ Kinds of input
     Horseshoe BNNs of any depth (:class:`~bayesfuse.models.bnn.HorseshoeBNN`), fused as
     mean-field posteriors, layer by layer (:mod:`bayesfuse.models.bnn_fusion`).
 
-Parameters are declared as scikit-learn declares its estimators' (``_parameter_constraints``):
-each key has a type and a constraint, checked in one place. This module imports nothing heavy.
+Each row also names the routine that fuses a state list of each kind (dispatched by
+:func:`bayesfuse.core.fuse_states`) and carries the flags the entry points read (``needs_data``,
+``aligns_units``, ``baseline``, ``device``), so that no other module tells methods apart by
+name. Parameters are declared as scikit-learn declares its estimators'
+(``_parameter_constraints``): each key has a type and a constraint
+(:mod:`bayesfuse.constraints`), checked in one place. This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["KINDS", "METHODS", "Interval", "Options", "Fixed", "Param", "Method", "PARAMS", "resolve", "defaults",
-           "parse_assignments", "names", "describe", "DEVICE_METHODS", "check_execution"]
+from bayesfuse.assignments import parse_assignments as _parse_assignments
+from bayesfuse.constraints import Constraint, Either, Fixed, Interval, Options, Param
+
+__all__ = ["KINDS", "METHODS", "Interval", "Options", "Fixed", "Either", "Param", "Method", "Variant", "PARAMS",
+           "resolve", "defaults", "parse_assignments", "names", "lookup", "describe", "DEVICE_METHODS",
+           "check_execution"]
 
 KINDS = ("network", "bnn")
 
 
-# --------------------------------------------------------------------------- constraints
+# --------------------------------------------------------------------------- rows
 
 
 @dataclass(frozen=True)
-class Interval:
-    """A real (``float``) or integer (``int``) number in an interval; ``None`` bounds are open."""
+class Variant:
+    """A named setting of some of a method's keys: other defaults, other constraints.
 
-    type: type
-    low: float | None = None
-    high: float | None = None
-    closed: str = "neither"  # "left", "right", "both" or "neither"
-    why: str = ""  # why the bounds are where they are; shown with them
+    FedMA matches with PFNM's cost or with NAFI's penalty: one method (``"fedma"``) whose
+    ``kl_weight`` the variant ``"pfnm"`` fixes at 0 and the variant ``"nafi"`` defaults to NAFI's.
+    """
 
-    def check(self, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            try:  # NumPy scalars
-                value = value.item()
-            except AttributeError:
-                raise TypeError from None
-        if self.type is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise TypeError
-            value = int(value)
-        else:
-            value = float(value)
-        if not math.isfinite(value):
-            raise ValueError
-        left = self.low is None or value > self.low or (self.closed in ("left", "both") and value == self.low)
-        right = self.high is None or value < self.high or (self.closed in ("right", "both") and value == self.high)
-        if not (left and right):
-            raise ValueError
-        return value
-
-    @property
-    def type_name(self) -> str:
-        return self.type.__name__
-
-    def __str__(self) -> str:
-        text = self._bounds()
-        return f"{text} ({self.why})" if self.why else text
-
-    def _bounds(self) -> str:
-        name = "an integer" if self.type is int else "a number"
-        low_closed = self.closed in ("left", "both")
-        lb = "[" if low_closed else "("
-        rb = "]" if self.closed in ("right", "both") else ")"
-        if self.low is not None and self.high is not None and self.low >= 0 and self.type is float:
-            if self.low == 0 and low_closed:  # [0, high]
-                return f"non-negative, at most {self.high:g}" if rb == "]" else f"non-negative, below {self.high:g}"
-            return f"positive, in {lb}{self.low:g}, {self.high:g}{rb}"
-        if self.high is None and self.low == 0 and not low_closed:
-            return "positive"
-        if self.high is None and self.low == 0:
-            return "a non-negative integer" if self.type is int else "non-negative"
-        if self.high is None and self.type is int and self.low == 1 and low_closed:
-            return "a positive integer"
-        if self.low is not None and self.high is None:
-            return f"{name} {'>=' if self.closed in ('left', 'both') else '>'} {self.low:g}"
-        if self.high is not None and self.low is None:
-            return f"{name} {'<=' if self.closed in ('right', 'both') else '<'} {self.high:g}"
-        if self.low is None:
-            return name
-        return f"{name} in {lb}{self.low:g}, {self.high:g}{rb}"
-
-
-@dataclass(frozen=True)
-class Options:
-    """One of a set of strings (or booleans, for flags)."""
-
-    options: tuple
-
-    def check(self, value: Any) -> Any:
-        if not isinstance(value, (str, bool)):
-            raise TypeError
-        if value in self.options and type(value) in {type(o) for o in self.options}:
-            return value
-        raise ValueError
-
-    @property
-    def type_name(self) -> str:
-        return "bool" if all(isinstance(o, bool) for o in self.options) else "str"
-
-    def __str__(self) -> str:
-        if all(isinstance(o, bool) for o in self.options):
-            return "true or false"
-        return "one of " + ", ".join(repr(o) for o in self.options)
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """A value a method does not let change, with the reason given when someone tries."""
-
-    value: Any
-    reason: str
-
-    def check(self, value: Any) -> Any:
-        if value != self.value:
-            raise ValueError(self.reason)
-        return self.value
-
-    @property
-    def type_name(self) -> str:
-        return type(self.value).__name__
-
-    def __str__(self) -> str:
-        return f"fixed at {self.value!r}"
-
-
-@dataclass(frozen=True)
-class Either:
-    """A value satisfying one of several constraints (e.g. a positive number or ``"auto"``)."""
-
-    choices: tuple
-
-    def check(self, value: Any) -> Any:
-        wrong_type = True
-        for c in self.choices:
-            try:
-                return c.check(value)
-            except TypeError:
-                continue
-            except ValueError:
-                wrong_type = False
-        raise TypeError if wrong_type else ValueError
-
-    @property
-    def type_name(self) -> str:
-        return " or ".join(c.type_name for c in self.choices)
-
-    def __str__(self) -> str:
-        return " or ".join(str(c) for c in self.choices)
-
-
-@dataclass(frozen=True)
-class Param:
-    """A hyper-parameter: its key, constraint and what it does."""
-
-    name: str
-    constraint: Interval | Options | Fixed | Either
-    help: str
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    constraints: Mapping[str, Constraint] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -186,19 +66,57 @@ class Method:
         For each kind of input the method takes, its keys and their defaults.
     constraints : dict of key to constraint
         Constraints that replace the shared ones of :data:`PARAMS` for this method.
+    fusers : dict of kind to str
+        For each kind of input, the routine that fuses a list of the clients' state_dicts, as
+        ``"module:function"`` (the core's, :func:`bayesfuse.core.fuse_states` looks it up); none
+        for a method that needs data.
     needs_data : bool
         The method retrains the clients, so it needs their data, not only their models.
+    aligns_units : bool
+        The method aligns the clients' hidden units before it averages them (matching or
+        transport): networks of any widths, position encodings folded out first. ``False``
+        (FedAvg): the clients' entries are averaged as they are, in their own dtype.
+    baseline : bool
+        A baseline every comparison has anyway: the demo always runs it, Flower has it as its
+        own strategy (``FedAvg``).
+    device : bool
+        Its matching of point-estimate networks can run on a torch device (``device=``).
+    featured : bool
+        Run by default where methods are compared (the demo's ``--methods``).
+    variants : dict of str to Variant
+        Named settings of the method's keys (:class:`Variant`).
+    aliases : dict of str to str
+        Other names of the method with a variant (``"fedma-nafi"``: FedMA with NAFI's penalty).
     """
 
     name: str
     summary: str
     defaults: Mapping[str, Mapping[str, Any]]
-    constraints: Mapping[str, Interval | Options | Fixed] = field(default_factory=dict)
+    constraints: Mapping[str, Constraint] = field(default_factory=dict)
+    fusers: Mapping[str, str] = field(default_factory=dict)
     needs_data: bool = False
+    aligns_units: bool = True
+    baseline: bool = False
+    device: bool = False
+    featured: bool = False
+    variants: Mapping[str, Variant] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        expected = () if self.needs_data else self.kinds
+        if tuple(self.fusers) != expected:
+            raise ValueError(f"method {self.name!r}: fusers for {tuple(self.fusers)}, expected {expected}")
+        if not set(self.aliases.values()) <= set(self.variants):
+            raise ValueError(f"method {self.name!r}: an alias names an unknown variant")
 
     @property
     def kinds(self) -> tuple[str, ...]:
         return tuple(self.defaults)
+
+    @property
+    def one_shot(self) -> bool:
+        """The method fuses the clients' models alone (no retraining)."""
+        return not self.needs_data
 
     def keys(self, kind: str | None = None) -> tuple[str, ...]:
         """The keys the method takes for ``kind`` (every kind when ``None``), in table order."""
@@ -207,8 +125,14 @@ class Method:
             seen.update(dict.fromkeys(self.defaults[k]))
         return tuple(seen)
 
-    def constraint(self, key: str) -> Interval | Options | Fixed:
+    def constraint(self, key: str, variant: str | None = None) -> Constraint:
+        if variant is not None and key in self.variants[variant].constraints:
+            return self.variants[variant].constraints[key]
         return self.constraints.get(key, PARAMS[key].constraint)
+
+    def preset(self, variant: str | None) -> dict[str, Any]:
+        """The keys ``variant`` (None: none) sets over the method's defaults."""
+        return {} if variant is None else dict(self.variants[variant].defaults)
 
 
 _POSITIVE = Interval(float, 0.0, None, "neither")
@@ -304,6 +228,9 @@ _BNN_UNITS = dict(average_outputs=True, unit_form="effective", prune_kl=1.0, hea
 # (weights times the unit scale, ~1e-3 on Fashion-MNIST) 0.01 merges nearly everything
 _BNN_MATCHING_UNITS = dict(_BNN_UNITS, unit_form="raw")
 _NO_KL = Fixed(0.0, "method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
+# the routines that fuse state lists live in the core (bayesfuse.core), which imports this module
+_CORE = "bayesfuse.core:"
+_MATCHING_FUSERS = {"network": _CORE + "_match_states", "bnn": _CORE + "_matched_bnn_states"}
 
 #: The table. Point-estimate networks: hyper-parameters chosen per layer by empirical Bayes
 #: ("auto", benchmarks/bench_fidelity.py); NAFI's KL per coordinate with lambda = 1 (the
@@ -316,22 +243,26 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pfnm", "PFNM: BBP-MAP matching of hidden units (Yurochkin et al. 2019), layer by layer",
            {"network": dict(_AUTO_MATCHING, kl_weight=0.0, **_NETWORK),
             "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=0.0, cost="pfnm", n_iter=10, **_BNN_MATCHING_UNITS)},
-           constraints={"kl_weight": _NO_KL}),
+           constraints={"kl_weight": _NO_KL}, fusers=_MATCHING_FUSERS, device=True, featured=True),
     Method("nafi", "NAFI: the PFNM cost plus kl_weight x the KL between a global unit's posteriors (Xiao & Cheng, eq. 14)",
            {"network": dict(_AUTO_MATCHING, kl_weight=_NAFI_KL["network"], **_NETWORK),
             "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=_NAFI_KL["bnn"], cost="pfnm", n_iter=10,
-                        **_BNN_MATCHING_UNITS)}),
+                        **_BNN_MATCHING_UNITS)},
+           fusers=_MATCHING_FUSERS, device=True, featured=True),
     Method("fedma", "FedMA: match one layer, freeze it, retrain the clients, repeat (Wang et al. 2020); "
            "kl_weight > 0 matches with NAFI's penalty",
-           {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, passes=1)}, needs_data=True),
+           {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, passes=1)}, needs_data=True,
+           variants={"pfnm": Variant({"kl_weight": 0.0}, {"kl_weight": _NO_KL}),
+                     "nafi": Variant({"kl_weight": _NAFI_KL["network"]})},
+           aliases={"fedma-nafi": "nafi"}),
     Method("fedavg", "one-shot FedAvg: coordinate-wise average weighted by client sizes (identical widths)",
-           {"network": {}}),
+           {"network": {}}, fusers={"network": _CORE + "_fedavg_states"}, aligns_units=False, baseline=True),
     Method("ot", "OT fusion: align each client's units to an anchor's by optimal transport, layer by layer, "
            "then average (Singh & Jaggi 2020, weight-based)",
            {"network": dict(anchor="widest", reg=0.0, n_iter=1000)},
-           constraints={"reg": Interval(float, 0.0, None, "left")}),
+           constraints={"reg": Interval(float, 0.0, None, "left")}, fusers={"network": _CORE + "_ot_states"}),
     Method("kl", "KL-fusion of mean-field posteriors with the L2,2,1 regulariser (Claici et al. 2020, eq. 9)",
-           {"bnn": dict(reg=0.01, solver="auto", n_iter=20, **_BNN_UNITS)}),
+           {"bnn": dict(reg=0.01, solver="auto", n_iter=20, **_BNN_UNITS)}, fusers={"bnn": _CORE + "_kl_bnn_states"}),
 )}
 
 
@@ -344,10 +275,23 @@ def _method(method: str) -> Method:
     return METHODS[method]
 
 
-def names(kind: str | None = None, *, needs_data: bool | None = None) -> tuple[str, ...]:
-    """Methods that take ``kind`` (any kind when ``None``), optionally filtered on ``needs_data``."""
-    return tuple(m.name for m in METHODS.values()
-                 if (kind is None or kind in m.defaults) and (needs_data is None or m.needs_data == needs_data))
+def names(kind: str | None = None, *, aliases: bool = False, **flags: bool | None) -> tuple[str, ...]:
+    """Methods that take ``kind`` (any kind when ``None``), optionally filtered on flags of their
+    rows (``needs_data=False``, ``baseline=False``, ``featured=True``...; ``None`` ignores one);
+    with ``aliases``, the aliases of those methods follow them."""
+    rows = [m for m in METHODS.values() if (kind is None or kind in m.defaults)
+            and all(value is None or getattr(m, flag) == value for flag, value in flags.items())]
+    return tuple(m.name for m in rows) + (tuple(a for m in rows for a in m.aliases) if aliases else ())
+
+
+def lookup(name: str) -> tuple[Method, str | None]:
+    """The row ``name`` names and its variant: ``(row, None)`` for a method's own name, ``(row,
+    variant)`` for an alias (``"fedma-nafi"``: ``(METHODS["fedma"], "nafi")``); ``ValueError`` for
+    a name the table does not know."""
+    for m in METHODS.values():
+        if name in m.aliases:
+            return m, m.aliases[name]
+    return _method(name), None
 
 
 def defaults(method: str, kind: str = "network") -> dict[str, Any]:
@@ -369,12 +313,14 @@ def _check_kind(m: Method, kind: str) -> None:
                          f"{_KIND_WORDS[kind]}: {', '.join(names(kind))}")
 
 
-def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Every hyper-parameter of ``method`` for ``kind``: the given values, checked, over the defaults.
+def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None = None, *,
+            variant: str | None = None) -> dict[str, Any]:
+    """Every hyper-parameter of ``method`` for ``kind``: the given values, checked, over the defaults
+    (those of ``variant`` over the method's, with its constraints).
 
-    ``None`` keeps a default. Raises ``ValueError`` for an unknown method, a kind the method
-    does not take, an unknown key (naming the known ones) or a value out of its constraint,
-    and ``TypeError`` for a value of the wrong type.
+    ``None`` keeps a default. Raises ``ValueError`` for an unknown method or variant, a kind the
+    method does not take, an unknown key (naming the known ones) or a value out of its
+    constraint, and ``TypeError`` for a value of the wrong type.
 
     Examples
     --------
@@ -383,6 +329,9 @@ def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None 
     """
     m = _method(method)
     _check_kind(m, kind)
+    if variant is not None and variant not in m.variants:
+        raise ValueError(f"method {method!r} has the variants {', '.join(map(repr, m.variants)) or 'none'}, "
+                         f"got {variant!r}")
     table = m.defaults[kind]
     given = {k: v for k, v in (given or {}).items() if v is not None}
     unknown = sorted(set(given) - set(table))
@@ -391,16 +340,16 @@ def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None 
         hint = f" ({', '.join(elsewhere)} only for {'/'.join(k for k in m.kinds if k != kind)})" if elsewhere else ""
         raise ValueError(f"unknown hyper-parameters {unknown} for method {method!r} on {_KIND_WORDS[kind]}{hint}; "
                          f"known: {', '.join(table) or 'none'}")
-    out = dict(table)
+    out = dict(table, **m.preset(variant))
     for key, value in given.items():
-        out[key] = _checked(m, key, value)
+        out[key] = _checked(m, key, value, variant)
     return out
 
 
 #: Methods whose matching runs on a torch device (``device=``, ``dtype=``) for point-estimate
-#: networks. Where the arithmetic runs is an execution option, not a hyper-parameter: it is in
-#: no method's table and changes a result by round-off only.
-DEVICE_METHODS = ("pfnm", "nafi")
+#: networks (``Method.device``). Where the arithmetic runs is an execution option, not a
+#: hyper-parameter: it is in no method's table and changes a result by round-off only.
+DEVICE_METHODS = tuple(m.name for m in METHODS.values() if m.device)
 
 
 def check_execution(method: str, kind: str | None, device: Any) -> None:
@@ -409,14 +358,15 @@ def check_execution(method: str, kind: str | None, device: Any) -> None:
     Whether this machine has the device is for
     :func:`~bayesfuse.inference._backend.check_device`; an unknown method is :func:`resolve`'s to
     refuse."""
-    if device is not None and method in METHODS and (method not in DEVICE_METHODS or kind not in (None, "network")):
-        what = f"method {method!r}" if method not in DEVICE_METHODS else f"{method} on {_KIND_WORDS[kind]}"
+    m = METHODS.get(method)
+    if device is not None and m is not None and (not m.device or kind not in (None, "network")):
+        what = f"method {method!r}" if not m.device else f"{method} on {_KIND_WORDS[kind]}"
         raise ValueError(f"device={str(device)!r}: {what} runs on the host only; a device runs the matching of "
                          f"{' and '.join(DEVICE_METHODS)} on point-estimate networks (leave device unset)")
 
 
-def _checked(m: Method, key: str, value: Any) -> Any:
-    constraint = m.constraint(key)
+def _checked(m: Method, key: str, value: Any, variant: str | None = None) -> Any:
+    constraint = m.constraint(key, variant)
     try:
         return constraint.check(value)
     except TypeError:
@@ -427,55 +377,13 @@ def _checked(m: Method, key: str, value: Any) -> Any:
 
 
 def parse_assignments(method: str, items: Iterable[str]) -> dict[str, Any]:
-    """``["noise_var=2", "cost=marginal"]`` -> typed values, checked against the method's keys.
+    """``["noise_var=2", "cost=marginal"]`` -> typed values, checked against the keys of the
+    method named ``method`` (:func:`bayesfuse.assignments.parse_assignments` on its row).
 
     Keys of any kind the method takes are accepted here; :func:`resolve` later checks them
     against the kind of the inputs.
     """
-    m = _method(method)
-    known = m.keys()
-    out = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep:
-            raise ValueError(f"hyper-parameters are given as key=value, got {item!r}")
-        if key not in known:
-            raise ValueError(f"unknown hyper-parameter {key!r} for {method}; known: {', '.join(known) or 'none'}")
-        if key in out:
-            raise ValueError(f"hyper-parameter {key} given twice")
-        constraint = m.constraint(key)
-        try:
-            value = text.strip() if constraint.type_name == "str" else _typed(constraint, text.strip())
-        except (TypeError, ValueError):
-            raise ValueError(f"hyper-parameter {key} must be {constraint.type_name} ({constraint}), "
-                             f"got {text!r}") from None
-        try:
-            out[key] = constraint.check(value)
-        except (TypeError, ValueError) as err:
-            raise ValueError(str(err) if isinstance(constraint, Fixed) and str(err)
-                             else f"hyper-parameter {key} must be {constraint}, got {text!r}") from None
-    return out
-
-
-def _typed(constraint, text: str) -> Any:
-    """``text`` as the constraint's type (no range check)."""
-    if isinstance(constraint, Either):
-        for c in constraint.choices:
-            try:
-                value = text if c.type_name == "str" else _typed(c, text)
-                return c.check(value)
-            except (TypeError, ValueError):
-                continue
-        return _typed(constraint.choices[0], text)  # its conversion error, or a value the check refuses
-    if constraint.type_name == "bool":
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ValueError
-    return {"int": int, "float": float}[constraint.type_name](text)
+    return _parse_assignments(_method(method), items)
 
 
 def describe(methods: Sequence[str] | None = None, width: int = 100) -> str:

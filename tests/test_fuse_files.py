@@ -1,5 +1,6 @@
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -459,4 +460,17 @@ def test_a_device_is_refused_for_bnn_checkpoints(bnn_files, tmp_path, capsys):
                  str(tmp_path / "f.pt")]) == 2
     err = capsys.readouterr().err.strip()
     assert "nafi on Bayesian networks (HorseshoeBNN posteriors) runs on the host only" in err, err
+    assert not (tmp_path / "f.pt").exists()
+
+
+@pytest.mark.parametrize("files, method, message", [
+    ("mlp", "kl", "method 'kl' fuses HorseshoeBNN checkpoints (mean-field posteriors); these are point estimates"),
+    ("bnn", "fedavg", "method 'fedavg' is for point-estimate networks; use kl, nafi or pfnm for BNNs"),
+    ("bnn", "ot", "method 'ot' is for point-estimate networks; use kl, nafi or pfnm for BNNs"),
+])
+def test_a_method_that_does_not_take_the_files_kind_is_refused(mlp_files, bnn_files, tmp_path, files, method,
+                                                               message):
+    paths = mlp_files if files == "mlp" else bnn_files
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fuse_files(paths, method, tmp_path / "f.pt")
     assert not (tmp_path / "f.pt").exists()

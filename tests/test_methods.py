@@ -113,6 +113,42 @@ def test_names_and_kinds():
     assert set(methods.names()) == set(methods.METHODS)
 
 
+def test_every_row_names_a_fuser_for_each_kind_it_fuses_in_one_shot():
+    from bayesfuse._lazy import load
+
+    for name, m in methods.METHODS.items():
+        assert tuple(m.fusers) == (() if m.needs_data else m.kinds), name
+        for path in m.fusers.values():
+            assert callable(load(path)), (name, path)
+    with pytest.raises(ValueError, match="fusers for"):
+        methods.Method("x", "no fuser", {"network": {}})
+
+
+def test_flags_give_the_entry_points_their_method_lists():
+    assert methods.names("network", baseline=False, aliases=True) == ("pfnm", "nafi", "fedma", "ot", "fedma-nafi")
+    assert methods.names(needs_data=False, baseline=False) == ("pfnm", "nafi", "ot", "kl")
+    assert methods.names("network", featured=True) == ("pfnm", "nafi")
+    assert methods.DEVICE_METHODS == ("pfnm", "nafi")
+    assert [m for m in methods.METHODS.values() if not m.aligns_units] == [methods.METHODS["fedavg"]]
+
+
+def test_fedma_with_nafis_penalty_is_one_row_with_a_variant():
+    fedma_row, variant = methods.lookup("fedma-nafi")
+    assert (fedma_row.name, variant) == ("fedma", "nafi")
+    assert methods.lookup("pfnm") == (methods.METHODS["pfnm"], None)
+    with pytest.raises(ValueError, match="unknown method 'fedavg-rounds'"):
+        methods.lookup("fedavg-rounds")
+    nafi_kl = methods.defaults("nafi")["kl_weight"]
+    assert methods.resolve("fedma", variant="nafi")["kl_weight"] == nafi_kl
+    assert methods.resolve("fedma", variant="nafi", given={"kl_weight": 0.5})["kl_weight"] == 0.5
+    assert methods.resolve("fedma", variant="pfnm")["kl_weight"] == methods.resolve("fedma")["kl_weight"] == 0.0
+    assert methods.resolve("fedma", given={"kl_weight": 0.5})["kl_weight"] == 0.5
+    with pytest.raises(ValueError, match="use method='nafi'"):
+        methods.resolve("fedma", given={"kl_weight": 0.5}, variant="pfnm")
+    with pytest.raises(ValueError, match="variants 'pfnm', 'nafi', got 'ot'"):
+        methods.resolve("fedma", variant="ot")
+
+
 def test_fuse_help_lists_every_key_with_its_default(capsys):
     with pytest.raises(SystemExit) as info:
         main(["fuse", "--help"])

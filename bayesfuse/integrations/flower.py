@@ -243,9 +243,13 @@ class MatchedAveraging(_Fusion):
 
     Parameters
     ----------
-    method : {"pfnm", "nafi", "kl"}
-        PFNM / NAFI layer-wise matching of point-estimate networks, or KL-fusion of
-        HorseshoeBNN state_dicts.
+    method : str
+        A one-shot method of :mod:`bayesfuse.methods` other than FedAvg (flwr's own strategy):
+        ``"pfnm"`` / ``"nafi"`` layer-wise matching, ``"ot"`` fusion, or ``"kl"`` (KL-fusion of
+        HorseshoeBNN state_dicts).
+    kind : {"network", "bnn"}, optional
+        What the clients send: point-estimate networks or HorseshoeBNN state_dicts. Default: the
+        first kind of input the method's row lists (networks for PFNM, NAFI and OT; BNNs for KL).
     spec : PermutationSpec, optional
         The clients' architecture; derived from the first reply's entries when omitted
         (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
@@ -262,15 +266,14 @@ class MatchedAveraging(_Fusion):
         Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
     """
 
-    def __init__(self, method: str = "pfnm", *, spec: PermutationSpec | None = None, hyper: dict | None = None,
-                 class_counts_key: str = "class-counts", seed: int = 0, **kwargs) -> None:
-        choices = [m for m in methods.names(needs_data=False) if m != "fedavg"]
+    def __init__(self, method: str = "pfnm", *, kind: str | None = None, spec: PermutationSpec | None = None,
+                 hyper: dict | None = None, class_counts_key: str = "class-counts", seed: int = 0, **kwargs) -> None:
+        choices = methods.names(needs_data=False, baseline=False)
         if method not in choices:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(choices)} (FedAvg is flwr's "
                              "own strategy; FedMA is the FedMA strategy)")
-        # point-estimate networks for pfnm/nafi, HorseshoeBNN posteriors for kl; bad keys fail here
-        self.kind = "bnn" if method == "kl" else "network"
-        methods.resolve(method, self.kind, hyper)
+        self.kind = kind if kind is not None else methods.METHODS[method].kinds[0]
+        methods.resolve(method, self.kind, hyper)  # a kind the method does not take, bad keys: refused here
         if (hyper or {}).get("head", "shared") != "shared":
             raise ValueError("head='clients' builds a fused model with one output layer per client, which the "
                              "clients' HorseshoeBNN cannot take; the strategy sends back the shared head")

@@ -25,9 +25,10 @@ says why each step is there):
    fused ``tau_l``. Effective weights compose: a fused unit of layer l-1 computes what its
    members compute, so the layer above reads the same inputs. ``"raw"`` fuses the guide's own
    coordinates ``[w~_k, b~_k, log lambda_k]``.
-4. **Fusion**: ``"kl"``: :func:`~bayesfuse.inference.klfusion.kl_fuse` (heterogeneous, L2,2,1,
-   Claici et al. eq. 9); ``"pfnm"``/``"nafi"``: :func:`~bayesfuse.inference.matching.match_neurons`
-   on the posterior means with the posterior variances as ``local_vars``.
+4. **Fusion**: :func:`kl_units` (``"kl"``): :func:`~bayesfuse.inference.klfusion.kl_fuse`
+   (heterogeneous, L2,2,1, Claici et al. eq. 9); :func:`matched_units` (``"pfnm"``/``"nafi"``):
+   :func:`~bayesfuse.inference.matching.match_neurons` on the posterior means with the posterior
+   variances as ``local_vars``.
 5. **Outputs**: the top hidden layer's units carry their outgoing weights into the fusion (the
    classes are the same for every client). With ``average_outputs``, global unit g's outgoing
    weight to class k is ``c_gk`` times the moment-matched mixture of its members' weights, mixed
@@ -50,7 +51,7 @@ layer goes through the same steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -62,7 +63,7 @@ from bayesfuse.models.bnn_posterior import DeepBNNPosterior, HiddenLayer
 from bayesfuse.models.bnn_sites import HEAD_KEYS
 from bayesfuse.models.bnn_units import effective_layer, incoming_information, keep_informative, split_effective
 
-__all__ = ["BNNFusion", "fuse_bnn_posteriors", "output_shares", "membership", "share_mixture", "client_heads",
+__all__ = ["BNNFusion", "fuse_bnn_posteriors", "kl_units", "matched_units", "output_shares", "membership", "share_mixture", "client_heads",
            "HEAD_KEYS"]
 
 
@@ -207,25 +208,30 @@ def _unread_inputs_off(units: DiagNormal, assignments, below, n_below: int) -> D
     return DiagNormal(loc=loc, var=var)
 
 
-def _fuse_vectors(vectors: list[DiagNormal], method: str, hyper: dict, seed, verbose) -> tuple[Any, DiagNormal]:
-    if method == "kl":
-        result = kl_fuse(vectors, verbose=verbose, **hyper)
-        return result, result.components
+def kl_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> tuple[Any, DiagNormal, dict]:
+    """A layer's units KL-fused (:func:`~bayesfuse.inference.klfusion.kl_fuse`): the result, the
+    fused units and what to record beside ``hyper`` (the solver used)."""
+    result = kl_fuse(vectors, verbose=verbose, **hyper)
+    return result, result.components, {"solver": result.solver}
+
+
+def matched_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> tuple[Any, DiagNormal, dict]:
+    """A layer's units matched (:func:`~bayesfuse.inference.matching.match_neurons`, PFNM or NAFI) on
+    their posterior means with their posterior variances as ``local_vars``: the result, the
+    global units and what to record beside ``hyper`` (the seed)."""
     result = match_neurons([v.loc for v in vectors], local_vars=[v.var for v in vectors], seed=seed,
                            verbose=verbose, **hyper)
-    return result, DiagNormal(loc=result.mean, var=result.var)
+    return result, DiagNormal(loc=result.mean, var=result.var), {"seed": seed}
 
 
-def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], method: str, *, average_outputs: bool = True,
+def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable, *, average_outputs: bool = True,
                         unit_form: str = "effective", prune_kl: float = 1.0, class_counts=None, seed=0,
                         verbose: bool = False, **hyper) -> BNNFusion:
     """Fuse the posteriors ``posts`` (same depth, inputs and classes) layer by layer (module docstring).
 
-    ``hyper`` goes to :func:`~bayesfuse.inference.klfusion.kl_fuse` (``method="kl"``) or
-    :func:`~bayesfuse.inference.matching.match_neurons` (``"pfnm"``, ``"nafi"``) for every layer.
+    ``fuse_units`` fuses each layer's units: :func:`kl_units` (KL-fusion) or :func:`matched_units`
+    (PFNM, NAFI); ``hyper`` goes to it for every layer.
     """
-    if method not in ("kl", "pfnm", "nafi"):
-        raise ValueError(f"method must be 'kl', 'pfnm' or 'nafi', got {method!r}")
     if unit_form not in ("effective", "raw"):
         raise ValueError(f"unit_form must be 'effective' or 'raw', got {unit_form!r}")
     ref = posts[0]
@@ -257,13 +263,10 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], method: str, *, avera
             if top:
                 parts.append(post.out_weights[keep])
             vectors.append(DiagNormal(loc=np.hstack([p.loc for p in parts]), var=np.hstack([p.var for p in parts])))
-        result, units = _fuse_vectors(vectors, method, hyper, seed, verbose)
+        result, units, record = fuse_units(vectors, hyper, seed=seed, verbose=verbose)
         if below[0] is not None:
             units = _unread_inputs_off(units, result.assignments, below, n_below)
-        if method == "kl":
-            used["solver"] = result.solver
-        else:
-            used["seed"] = seed
+        used.update(record)
         G = len(units)
         members = membership(result.assignments, G)
         n_in = n_below + 1

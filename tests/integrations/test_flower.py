@@ -142,6 +142,24 @@ def test_kl_fusion_of_bnn_replies(clients):
     assert metrics["global-sizes"] == [expected["loc.w1"].shape[0]]
 
 
+def test_the_kind_of_input_is_the_callers_or_the_rows_first(clients):
+    from bayesfuse.models.bnn import BNNConfig, train_bnn
+
+    assert MatchedAveraging("pfnm").kind == MatchedAveraging("ot").kind == "network"
+    assert MatchedAveraging("kl").kind == "bnn"
+    with pytest.raises(ValueError, match="method 'ot' fuses point-estimate networks"):
+        MatchedAveraging("ot", kind="bnn")
+    split, part, _ = clients
+    bnns = [train_bnn(split.train.x[i], split.train.y[i], 10, 6, BNNConfig(epochs=1, seed=j), verbose=False)
+            for j, i in enumerate(part)]
+    strategy = MatchedAveraging("pfnm", kind="bnn")
+    arrays, _ = strategy.aggregate_train(1, [_reply(j, b.state_dict()) for j, b in enumerate(bnns)])
+    expected = fuse([bnns[j] for j in _canonical(bnns)], "pfnm").model.state_dict()
+    got = record_to_state(arrays)
+    for k, v in expected.items():
+        np.testing.assert_allclose(got[k], v.numpy(), rtol=1e-6, atol=1e-7)
+
+
 def test_unknown_method():
     with pytest.raises(ValueError, match="unknown method 'fedprox'"):
         MatchedAveraging("fedprox")
