@@ -10,7 +10,7 @@ FLOWER_STAMP := $(VENV)/.bayesfuse-flower-installed
 DEMO_OUT ?= bayesfuse-demo
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: venv demo test bench data clean docs-figures
+.PHONY: venv demo test bench bench-full data clean docs-figures
 
 venv: $(STAMP)
 
@@ -33,7 +33,12 @@ test: venv $(FLOWER_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
+# `make bench`: each benchmark's smoke run on the embedded digits (minutes on 2 cores);
+# `make bench-full`: every benchmark at its defaults, Fashion-MNIST included (hours).
 bench: venv
+	$(BIN)/python benchmarks/run_all.py --quick
+
+bench-full: venv
 	$(BIN)/python benchmarks/run_all.py
 
 docs-figures: venv

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
+from common import mean_sd
 
 from bayesfuse.demo import DemoConfig, format_table, run_demo
 
@@ -38,10 +38,8 @@ def main() -> None:
             per_method.setdefault(key, []).append(row)
     summary = []
     for method, rows in per_method.items():
-        acc = np.array([r["accuracy"] for r in rows])
-        nll = np.array([r["nll"] for r in rows])
-        summary.append({"method": method, "accuracy": f"{acc.mean():.4f} +- {acc.std():.4f}",
-                        "nll": f"{nll.mean():.4f} +- {nll.std():.4f}",
+        summary.append({"method": method, "accuracy": mean_sd([r["accuracy"] for r in rows]),
+                        "nll": mean_sd([r["nll"] for r in rows]),
                         "hidden": "/".join(str(r["hidden"]) for r in rows)})
     init = "shared" if args.shared_init else "independent"
     print(f"\n{args.dataset}, J={args.clients}, alpha={args.alpha}, {init} init, seeds {args.seeds}: mean +- sd")

@@ -66,8 +66,9 @@ import numpy as np
 import torch
 from scipy.special import softmax
 
+from common import RESULTS, cached_models, json_default, write_bytes
+
 from bayesfuse import fuse
-from bayesfuse._io import atomic_write_bytes, jsonable
 from bayesfuse.calibration import fit_temperature, tempered
 from bayesfuse.data import dirichlet_partition, load_dataset, load_font_digits
 from bayesfuse.demo import format_table
@@ -107,16 +108,10 @@ def scores(p, y, h_ood=None) -> dict:
 
 
 def _trained(cache: Path | None, name: str, x, y, n_classes, hidden, config) -> HorseshoeBNN:
-    path = cache / f"{name}.pt" if cache is not None else None
-    if path is not None and path.exists():
-        return HorseshoeBNN.from_state_dict(torch.load(path, weights_only=True))
-    bnn = train_bnn(x, y, n_classes, hidden, config, name=name)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        torch.save(bnn.state_dict(), buf)
-        atomic_write_bytes(path, buf.getvalue(), overwrite=True)
-    return bnn
+    """A horseshoe BNN trained on ``(x, y)``, kept in ``cache`` (when given) as ``name.pt``."""
+    files = None if cache is None else [cache / f"{name}.pt"]
+    return cached_models(files, lambda: [train_bnn(x, y, n_classes, hidden, config, name=name)],
+                         load=HorseshoeBNN.from_state_dict)[0]
 
 
 def run_seed(args, seed: int) -> dict:
@@ -327,7 +322,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=100, help="Monte Carlo samples of the predictive")
     parser.add_argument("--cache", default=None, help="directory to keep trained BNNs in between runs")
     parser.add_argument("--speed", action="store_true", help="time local training per ELBO estimator instead")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "bench-results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if args.speed:
         speed(args)
@@ -349,8 +344,8 @@ def main() -> None:
     out = Path(args.out)
     report = {"config": vars(args), "summary": rows, "against_ensemble": against,
               "seeds": [{k: r[k] for k in ("seed", "rows", "validation", "reg", "sizes", "units_kept")} for r in runs]}
-    atomic_write_bytes(out / f"bnn_fusion_{_tag(args)}.json",
-                       json.dumps(jsonable(report), indent=1, allow_nan=False).encode(), overwrite=True)
+    write_bytes(out / f"bnn_fusion_{_tag(args)}.json",
+                json.dumps(report, indent=1, allow_nan=False, default=json_default).encode())
     print(f"wrote {_figure(args, runs[0])}")
 
 
@@ -373,7 +368,7 @@ def _figure(args, run):
     plot_sorted_images(raw, h, split.test.image_shape, fig=bottom)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
-    return atomic_write_bytes(Path(args.out) / f"bnn_fusion_{_tag(args)}.png", buf.getvalue(), overwrite=True)
+    return write_bytes(Path(args.out) / f"bnn_fusion_{_tag(args)}.png", buf.getvalue())
 
 
 #: The fused models set against the ensemble and the best local, per seed and over seeds.

@@ -24,6 +24,8 @@ import time
 import numpy as np
 import torch
 
+from common import mean_sd
+
 from bayesfuse.data.datasets import load_dataset
 from bayesfuse.data.partition import dirichlet_partition
 from bayesfuse.demo import DemoConfig, format_table, run_demo
@@ -117,7 +119,7 @@ def main() -> None:
         if "pans" in args.parts:
             pans(args, seed)
     if len(args.seeds) > 1 and summary:
-        rows = [{"method": k, "accuracy": f"{np.mean(v):.4f} +- {np.std(v):.4f}"} for k, v in summary.items()]
+        rows = [{"method": k, "accuracy": mean_sd(v)} for k, v in summary.items()]
         print(f"\nmean +- sd over seeds {args.seeds}")
         print(format_table(rows, ["method", "accuracy"]))
 

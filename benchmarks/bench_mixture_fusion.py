@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bayesfuse._io import atomic_write_bytes
+from common import RESULTS, write_bytes
+
 from bayesfuse.demo import format_table
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.matching import match_neurons
@@ -68,7 +69,7 @@ def sweep(values, key, fixed, seeds):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "bench-results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     print("experiment 1: separation of the means (noise 0.05)")
     sep_rows = sweep([0.15, 0.25, 0.5, 1.0, 2.0], "separation", {"noise": 0.05}, args.seeds)
@@ -100,7 +101,7 @@ def main() -> None:
     axes[0, 0].legend()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    path = atomic_write_bytes(Path(args.out) / "mixture_fusion.png", buf.getvalue(), overwrite=True)
+    path = write_bytes(Path(args.out) / "mixture_fusion.png", buf.getvalue())
     print(f"\nwrote {path}")
 
 

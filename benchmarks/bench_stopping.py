@@ -16,6 +16,7 @@ accuracy and NLL against tol to ``DIR/stopping.png``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 import warnings
@@ -24,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import RESULTS, cached_models, mean_sd, write_bytes, write_text
+
 from bayesfuse import fuse, methods
-from bayesfuse._io import atomic_write_bytes, atomic_write_text
-from bayesfuse.checkpoints import load_state_dict, save_state_dict
 from bayesfuse.data import dirichlet_partition, load_fashion_mnist
 from bayesfuse.demo import format_table
 from bayesfuse.metrics import evaluate
@@ -34,7 +35,6 @@ from bayesfuse.nets.arch import rebuild
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.train import TrainConfig, new_model, train_clients
 
-HERE = Path(__file__).resolve().parent
 N_CLIENTS, ALPHA, HIDDEN, EPOCHS, N_VAL = 10, 0.5, (1000,), 2, 10_000
 
 
@@ -44,15 +44,13 @@ def _clients(data, seed: int, cache: Path):
     val, train = data.train.subset(order[:N_VAL]), data.train.subset(order[N_VAL:])
     config = TrainConfig(hidden=HIDDEN, epochs=EPOCHS, seed=seed)
     files = [cache / f"seed{seed}_client{j}.pt" for j in range(N_CLIENTS)]
-    if all(f.exists() for f in files):
-        template = new_model(data.n_features, data.n_classes, config)
-        models = [rebuild(template, load_state_dict(f)) for f in files]
-    else:
+
+    def train_():
         partition = dirichlet_partition(train.y, N_CLIENTS, ALPHA, seed=seed)
-        models = train_clients(train, partition, config, shared_init=False, verbose=False)
-        cache.mkdir(parents=True, exist_ok=True)
-        for f, m in zip(files, models):
-            save_state_dict(m.state_dict(), f, overwrite=True)
+        return train_clients(train, partition, config, shared_init=False, verbose=False)
+
+    template = functools.cache(lambda: new_model(data.n_features, data.n_classes, config))  # made once, if needed
+    models = cached_models(files, train_, load=lambda state: rebuild(template(), state))
     return val, [m.eval() for m in models]
 
 
@@ -74,20 +72,15 @@ def _runs(rows: list[dict], method: str, tol: float) -> list[dict]:
     return [r for r in rows if r["method"] == method and r["tol"] == tol]
 
 
-def _ms(values, digits: int = 4) -> str:
-    values = np.asarray(values, dtype=float)
-    return f"{values.mean():.{digits}f} +- {values.std():.{digits}f}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tols", type=float, nargs="+", default=[0.0, 0.1, 0.3, 1.0, 3.0])
     parser.add_argument("--methods", nargs="+", default=["pfnm"], choices=["pfnm", "nafi"])
-    parser.add_argument("--cache", default=str(HERE.parent / "bench-results" / "stopping-mlps"),
+    parser.add_argument("--cache", default=str(RESULTS / "stopping-mlps"),
                         help="where the trained MLPs are kept")
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST directory (default: the Debian one)")
-    parser.add_argument("--out", default=str(HERE.parent / "bench-results"),
+    parser.add_argument("--out", default=str(RESULTS),
                         help="directory for stopping.json (the rows) and stopping.png (replaced if there)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small MLPs train faster on one thread; the matching sets its own BLAS threads
@@ -110,27 +103,26 @@ def main() -> None:
     print(f"\nFashion-MNIST, {N_CLIENTS} clients, Dirichlet({ALPHA}), 784-1000-10, seeds {args.seeds}: "
           "validation (mean +- sd)")
     table = [dict(model="ensemble", seconds="-", sweeps="-", units=str(N_CLIENTS * HIDDEN[0]),
-                  **{k: _ms([e["val"][k] for e in ensembles]) for k in ("accuracy", "nll", "ece")})]
+                  **{k: mean_sd([e["val"][k] for e in ensembles]) for k in ("accuracy", "nll", "ece")})]
     for method in args.methods:
         for tol in args.tols:
             sel = _runs(rows, method, tol)
-            table.append(dict(model=f"{method} tol {tol:g}", seconds=_ms([r["seconds"] for r in sel], 1),
+            table.append(dict(model=f"{method} tol {tol:g}", seconds=mean_sd([r["seconds"] for r in sel], 1),
                               sweeps="/".join(str(r["sweeps"]) for r in sel),
                               units="/".join(str(r["units"]) for r in sel),
-                              **{k: _ms([r["val"][k] for r in sel]) for k in ("accuracy", "nll", "ece")}))
+                              **{k: mean_sd([r["val"][k] for r in sel]) for k in ("accuracy", "nll", "ece")}))
     print(format_table(table, ["model", "seconds", "sweeps", "units", "accuracy", "nll", "ece"]))
     print(f"\ntest set (10k), at the fixed point (tol 0) and at the default (tol {default:g})")
-    table = [dict(model="ensemble", **{k: _ms([e["test"][k] for e in ensembles]) for k in ("accuracy", "nll")})]
+    table = [dict(model="ensemble", **{k: mean_sd([e["test"][k] for e in ensembles]) for k in ("accuracy", "nll")})]
     for method in args.methods:
         for tol in sorted({0.0, default} & set(args.tols)):
             sel = _runs(rows, method, tol)
-            table.append(dict(model=f"{method} tol {tol:g}", **{k: _ms([r["test"][k] for r in sel])
+            table.append(dict(model=f"{method} tol {tol:g}", **{k: mean_sd([r["test"][k] for r in sel])
                                                                  for k in ("accuracy", "nll")}))
     print(format_table(table, ["model", "accuracy", "nll"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "stopping.json", json.dumps(dict(rows=rows, ensembles=ensembles), indent=1),
-                      overwrite=True)
+    write_text(out / "stopping.json", json.dumps(dict(rows=rows, ensembles=ensembles), indent=1))
     print(f"figure: {_figure(rows, ensembles, out / 'stopping.png')}")
 
 
@@ -167,7 +159,7 @@ def _figure(rows: list[dict], ensembles: list[dict], path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue(), overwrite=True)
+    return write_bytes(path, buf.getvalue())
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ Usage: python benchmarks/bench_wide_floor.py [--cache DIR] [--data-path DIR]
 
 The wide case of ``bench_scale.py`` (``fuse_files`` with PFNM at its defaults on ten 784-1000-10
 Fashion-MNIST MLPs, trained into ``--cache`` if missing) runs once, timed, and once more while
-every assignment problem of its matching is recorded: the (atoms, neurons) matrix ``R`` of
-``matching._assign`` (what an atom costs a neuron beyond a new atom), its optimum and its client.
-Then, per sweep of the alternation (one visit of every client):
+every assignment problem of its matching is recorded (``matching.recording_assignments``): the
+(atoms, neurons) matrix ``R`` (what an atom costs a neuron beyond a new atom), its optimum and
+its client. Then, per sweep of the alternation (one visit of every client):
 
-* ``assign s``: ``matching._assign`` on those matrices again, alone (single pairs taken, the
-  rest to SciPy's ``linear_sum_assignment``). The solves form a chain: each client's problem
+* ``assign s``: ``matching.solve_assignment`` on those matrices again, alone (single pairs taken,
+  the rest to SciPy's ``linear_sum_assignment``). The solves form a chain: each client's problem
   depends on where the previous client put its units, so they cannot run side by side.
 * ``product s``: one float64 product of each problem's shape, (atoms, D) x (D, neurons), alone:
   the least arithmetic an exact cost matrix needs.
@@ -30,7 +30,6 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 from scipy.sparse import csr_array
@@ -40,7 +39,7 @@ from common import RESULTS, atom_duals, optimal_duals, wide_models
 
 from bayesfuse.demo import format_table
 from bayesfuse.fuse_files import fuse_files
-from bayesfuse.inference import matching
+from bayesfuse.inference.matching import recording_assignments, solve_assignment
 
 GOAL_SECONDS = 5.0
 
@@ -56,26 +55,17 @@ def _uncovered(W: np.ndarray, u: np.ndarray, w: np.ndarray) -> int:
 
 def _record(files: list[Path], folder: Path) -> list[dict]:
     """Fuse ``files`` at the defaults, saving every assignment problem's ``R`` and optimum in ``folder``."""
-    problems, clients, current = [], {}, [None]
-    cost_blocks, assign = matching._cost_blocks, matching._assign
+    problems, clients = [], {}
 
-    def recording_cost_blocks(v, *args, **kwargs):
-        current[0] = (clients.setdefault(np.asarray(v[0]).tobytes(), len(clients)), v.shape[1])
-        return cost_blocks(v, *args, **kwargs)
-
-    def recording_assign(old, new, steps):
-        R = old - new[None, :]
-        out = assign(old, new, steps)
-        client, dim = current[0]
+    def record(v, R, assignment, steps):
+        client = clients.setdefault(np.asarray(v[0]).tobytes(), len(clients))
         sweep = sum(p["client"] == client for p in problems)
         path = folder / f"problem{len(problems)}.npy"
         np.save(path, R)
-        np.save(path.with_suffix(".match.npy"), out[0])
-        problems.append(dict(client=client, sweep=sweep, dim=dim, path=path, steps=steps))
-        return out
+        np.save(path.with_suffix(".match.npy"), assignment)
+        problems.append(dict(client=client, sweep=sweep, dim=v.shape[1], path=path, steps=steps))
 
-    with mock.patch.object(matching, "_cost_blocks", recording_cost_blocks), \
-            mock.patch.object(matching, "_assign", recording_assign):
+    with recording_assignments(record):
         _fuse(files, folder)
     return problems
 
@@ -105,7 +95,7 @@ def main() -> None:
             R, match = np.load(p["path"]), np.load(p["path"].with_suffix(".match.npy"))
             G, L = R.shape
             start = time.perf_counter()
-            matching._assign(R.copy(), np.zeros(L), p["steps"])
+            solve_assignment(R, p["steps"])
             assign_s = time.perf_counter() - start
             h, v = rng.normal(size=(G, p["dim"])), rng.normal(size=(L, p["dim"]))
             start = time.perf_counter()

@@ -1,10 +1,23 @@
-"""Run every benchmark (``make bench``) and keep their output in ``bench-results/``."""
+"""Run the benchmarks and keep their output: ``make bench`` (``--quick``) and ``make bench-full``.
+
+Usage: python benchmarks/run_all.py [--quick] [--only bench_matching.py ...]
+
+Without ``--quick``: every benchmark at its defaults (Fashion-MNIST where it uses a data set;
+hours on 2 cores), each table kept in ``bench-results/<name>.txt``. With ``--quick``: each
+benchmark's smoke run (:data:`QUICK`: the embedded digits, one seed, few epochs, small
+simulated problems; minutes in all), output in ``bench-results/quick/``; the benchmarks that
+need Fashion-MNIST or have no small setting (:data:`FULL_ONLY`) are left out. Timings are in
+``benchmarks/README.md``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+from common import RESULTS
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_training.py", "bench_matching.py", "bench_klfusion.py", "bench_mixture_fusion.py",
@@ -12,14 +25,43 @@ BENCHMARKS = ["bench_training.py", "bench_matching.py", "bench_klfusion.py", "be
               "bench_fidelity.py", "bench_calibration.py", "bench_scale.py", "bench_wide_floor.py",
               "bench_stopping.py"]
 
+#: Each benchmark's smoke run: its options (``{out}`` is the output folder).
+QUICK = {
+    "bench_training.py": ["--repeats", "1"],
+    "bench_matching.py": ["--clients", "10"],
+    "bench_klfusion.py": ["--components", "50", "--true", "100", "--dim", "100"],
+    "bench_bnn_fusion.py": ["--seeds", "0", "--epochs", "20", "--regs", "0.01", "0.1", "--samples", "20",
+                            "--out", "{out}"],
+    "bench_baselines.py": ["--dataset", "digits", "--seeds", "0", "--epochs", "3"],
+    "bench_deep.py": ["--parts", "synthetic", "mlp", "cnn", "pans", "--dataset", "digits", "--epochs", "2",
+                      "--cnn-epochs", "1", "--retrain-epochs", "1"],
+    "bench_fedma_sizes.py": ["--dataset", "digits", "--noise-vars", "1", "3"],
+    "bench_fidelity.py": ["--quick", "--out", "{out}"],
+    "bench_calibration.py": ["--dataset", "digits", "--depths", "100", "--seeds", "0", "--inits", "shared",
+                             "--epochs", "3"],
+    "bench_scale.py": ["--parts", "kl", "match", "conv", "device", "--kl-clients", "5", "--match-clients", "30",
+                       "--device-clients", "30"],
+}
+#: Left out of ``--quick``: Fashion-MNIST only (the wide MLPs), or no setting small enough.
+FULL_ONLY = [name for name in BENCHMARKS if name not in QUICK]
 
-def main() -> int:
-    out_dir = HERE.parent / "bench-results"
-    out_dir.mkdir(exist_ok=True)
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="each benchmark's smoke run (minutes)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, metavar="NAME", help="run these benchmarks alone")
+    args = parser.parse_args(argv)
+    out_dir = RESULTS / "quick" if args.quick else RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [n for n in BENCHMARKS if (not args.only or n in args.only) and (not args.quick or n in QUICK)]
+    if args.quick:
+        print(f"(quick: {', '.join(n for n in FULL_ONLY if not args.only or n in args.only)} left out; "
+              "`make bench-full` runs them)", flush=True)
     failed = []
-    for name in BENCHMARKS:
-        print(f"== {name}", flush=True)
-        proc = subprocess.run([sys.executable, str(HERE / name)], capture_output=True, text=True)
+    for name in names:
+        options = [o.format(out=out_dir) for o in QUICK[name]] if args.quick else []
+        print(f"== {name} {' '.join(options)}".rstrip(), flush=True)
+        proc = subprocess.run([sys.executable, str(HERE / name), *options], capture_output=True, text=True)
         print(proc.stdout, end="")
         if proc.returncode != 0:
             print(proc.stderr, file=sys.stderr)

@@ -64,7 +64,8 @@ from bayesfuse.inference.empirical_bayes import (
 )
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 
-__all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost"]
+__all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost", "recording_assignments",
+           "solve_assignment"]
 
 Cost = Literal["pfnm", "marginal"]
 
@@ -114,12 +115,12 @@ class MatchResult:
         convergence as an ArviZ object; ``options`` (``units``, ``num_draws``, ``weight_names``,
         ``seed``) as in :func:`bayesfuse.analysis.match_to_arviz`. A posterior held as torch
         tensors (neurons matched as tensors, on any device) is exported from a float64 host copy."""
-        from bayesfuse.analysis import match_to_arviz
+        from bayesfuse.inference.result import exporter  # registered by bayesfuse.analysis
 
         host = self
         if is_tensor(self.mean) or is_tensor(self.var):
             host = replace(self, mean=to_host(self.mean), var=to_host(self.var))
-        return match_to_arviz(host, **options)
+        return exporter("match")(host, **options)
 
     @property
     def n_global(self) -> int:
@@ -676,6 +677,33 @@ def _cost_blocks(v, p, h, lam, m, prior: _Prior, *, cost: Cost, kl_weight: float
 
 
 # --------------------------------------------------------------------------- alternation
+
+#: The callbacks :func:`recording_assignments` has installed (none outside its blocks).
+_RECORDERS: list = []
+
+
+@contextlib.contextmanager
+def recording_assignments(callback):
+    """Within the block, call ``callback(v, R, assignment, steps)`` after each assignment problem
+    :func:`match_neurons` solves with a dense cost matrix (the float32 screen's sparse problems
+    are not reported): ``v`` (L, D), the client's neurons; ``R`` (G, L), what existing atom i
+    costs neuron l beyond its cheapest new atom; ``assignment`` (L,), the optimum (an atom, or
+    -1 for a new one); ``steps`` what the k-th new atom adds, or None. For benchmarks and
+    diagnostics; :func:`match_neurons` runs the same without it.
+    """
+    _RECORDERS.append(callback)
+    try:
+        yield
+    finally:
+        _RECORDERS.remove(callback)
+
+
+def solve_assignment(R: np.ndarray, steps: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """The optimum of an assignment problem as :func:`recording_assignments` reports it: each of
+    the L neurons to an atom of ``R`` (G, L) or to a new atom (-1), and the number of candidate
+    pairs, by the solver :func:`match_neurons` uses (``R`` is not modified)."""
+    R = np.array(R, dtype=float)
+    return _assign(R, np.zeros(R.shape[1]), steps)
 
 
 def _assign(old: np.ndarray, new: np.ndarray, steps: np.ndarray | None) -> tuple[np.ndarray, int]:
@@ -1269,7 +1297,11 @@ def _match(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost,
                     old_cost, new_cost, steps = _cost_blocks(
                         v, p_on, atoms.h, atoms.lam, atoms.m, prior, cost=cost, kl_weight=kl_weight, hh=atoms.hh,
                         vv=None if p.shape[0] > 1 else cache.vv(j, v, groups))
-                    a, n_pairs = _assign(backend.host(old_cost), backend.host(new_cost), steps)
+                    old_cost, new_cost = backend.host(old_cost), backend.host(new_cost)
+                    R = old_cost - new_cost[None, :] if _RECORDERS else None  # before _assign overwrites old_cost
+                    a, n_pairs = _assign(old_cost, new_cost, steps)
+                    for record in _RECORDERS:
+                        record(v, R, a.copy(), steps)
                 else:
                     a, n_pairs = _assign_negative(*pairs, g, v.shape[0]), len(pairs[0])  # -1: a new atom
                 density = n_pairs / max(g * v.shape[0], 1)
