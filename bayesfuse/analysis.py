@@ -57,6 +57,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from bayesfuse.inference.result import register_exporter
+
 __all__ = [
     "DEFAULT_DRAWS",
     "DRAW_BUDGET",
@@ -732,3 +734,8 @@ def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0
     groups = {"posterior": posterior, "log_likelihood": {"y": loglik[None]},
               "posterior_predictive": {"y": y_rep[None]}, "observed_data": {"y": y}}
     return _from_dict(groups, coords, dims, attrs={"posterior": attrs})
+
+
+# the results' to_arviz() conveniences (bayesfuse.inference.result.exporter) call these
+register_exporter("match", match_to_arviz)
+register_exporter("klfusion", klfusion_to_arviz)

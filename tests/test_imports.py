@@ -83,3 +83,14 @@ def test_no_import_cycles_between_modules():
         back = graph.find_shortest_chain(members[1], members[0]) or ()
         chains.append(f"{members}: {' -> '.join(chain)} and back {' -> '.join(back)}")
     assert not cycles, "import cycles:\n" + "\n".join(chains)
+
+
+def test_to_arviz_conveniences_reach_analysis_without_the_algorithms_importing_it():
+    # the algorithms load no analysis; the first to_arviz() loads it, and it registered its exporters
+    code = ("import sys, numpy as np; from bayesfuse.inference.matching import match_neurons; "
+            "from bayesfuse.inference.klfusion import kl_fuse; from bayesfuse.inference.expfam import DiagNormal; "
+            "rng = np.random.default_rng(0); r = match_neurons([rng.normal(size=(3, 4)) for _ in range(2)]); "
+            "print('bayesfuse.analysis' in sys.modules); m = r.to_arviz(); print('bayesfuse.analysis' in sys.modules); "
+            "k = kl_fuse([DiagNormal(loc=rng.normal(size=(2, 3)), var=np.ones((2, 3))) for _ in range(2)]).to_arviz(); "
+            "print(m.posterior.attrs['method'], k.posterior.attrs['method'])")
+    assert _loaded(code) == ["False", "True", "pfnm", "kl"]

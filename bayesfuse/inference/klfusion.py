@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from bayesfuse.inference.expfam import ExpFamily, KLTerms, _check_same_family, kl_matrix, kl_moments
 from bayesfuse.inference.relaxed import ADMMState, Solver, relaxed_objective, solve_relaxed
-from bayesfuse.inference.result import warn_not_converged
+from bayesfuse.inference.result import exporter, warn_not_converged
 
 __all__ = ["KLFusionResult", "greedy_assign", "greedy_start", "kl_fuse"]
 
@@ -94,9 +94,7 @@ class KLFusionResult:
         """Independent draws of the fused components, their ``loc``/``scale``, the assignments and the
         solver as an ArviZ object; ``options`` (``units``, ``num_draws``, ``weight_names``, ``seed``)
         as in :func:`bayesfuse.analysis.klfusion_to_arviz`."""
-        from bayesfuse.analysis import klfusion_to_arviz
-
-        return klfusion_to_arviz(self, **options)
+        return exporter("klfusion")(self, **options)
 
     @property
     def n_components(self) -> int:

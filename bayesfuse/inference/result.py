@@ -4,16 +4,23 @@
 :class:`~bayesfuse.inference.klfusion.KLFusionResult` (KL-fusion) both satisfy
 :class:`LayerResult`; analysis, plots and reports read that protocol instead of importing each
 result class.
+
+Their ``to_arviz()`` conveniences reach the ArviZ export through :func:`exporter`: the analysis
+layer (:mod:`bayesfuse.analysis`) registers its exporters here (:func:`register_exporter`) when it
+is imported, and :func:`exporter` imports it on first use, as pandas loads its plotting backend.
+The algorithms never import the layer above them.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["LayerResult", "ConvergenceWarning", "warn_not_converged"]
+__all__ = ["LayerResult", "ConvergenceWarning", "warn_not_converged", "register_exporter", "exporter",
+           "EXPORT_BACKEND"]
 
 
 class ConvergenceWarning(UserWarning):
@@ -51,3 +58,25 @@ def warn_not_converged(results: Mapping[str, object], what: str, *, stacklevel: 
     detail = ", ".join(f"{name} after {n}" for name, n in steps.items())
     warnings.warn(f"{what} did not converge ({detail} iterations); raise n_iter to let it run longer",
                   ConvergenceWarning, stacklevel=stacklevel)
+
+
+# --------------------------------------------------------------------------- ArviZ exporters
+
+#: The module that exports results to ArviZ; importing it registers its exporters.
+EXPORT_BACKEND = "bayesfuse.analysis"
+_EXPORTERS: dict[str, Callable] = {}
+
+
+def register_exporter(name: str, function: Callable) -> None:
+    """Make ``function`` the exporter that the ``to_arviz()`` of results of kind ``name``
+    (``"match"``: :class:`~bayesfuse.inference.matching.MatchResult`, ``"klfusion"``:
+    :class:`~bayesfuse.inference.klfusion.KLFusionResult`) calls."""
+    _EXPORTERS[name] = function
+
+
+def exporter(name: str) -> Callable:
+    """The exporter registered as ``name``; :data:`EXPORT_BACKEND` is imported first if it has
+    not registered one yet (``KeyError`` if it registers none)."""
+    if name not in _EXPORTERS:
+        importlib.import_module(EXPORT_BACKEND)
+    return _EXPORTERS[name]
