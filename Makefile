@@ -34,7 +34,7 @@ test: venv $(FLOWER_STAMP)
 	$(BIN)/python -m pytest
 
 # `make bench`: each benchmark's smoke run on the embedded digits (minutes on 2 cores);
-# `make bench-full`: every benchmark at its defaults, Fashion-MNIST included (hours).
+# `make bench-full`: every benchmark at its defaults, Fashion-MNIST included (about an hour).
 bench: venv
 	$(BIN)/python benchmarks/run_all.py --quick
 

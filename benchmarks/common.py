@@ -10,7 +10,6 @@ The scripts run as ``python benchmarks/bench_x.py``: Python puts this folder fir
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import warnings
@@ -128,11 +127,6 @@ def simulate_posteriors(n_clients: int, n_local: int, n_true: int, dim: int, see
 
 
 # --------------------------------------------------------------------------- options and tables
-
-
-def out_option(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    """``--out DIR`` (default: ``bench-results/`` at the top of the checkout)."""
-    parser.add_argument("--out", default=str(RESULTS), help=help)
 
 
 def parse_depth(text: str) -> tuple[int, ...]:

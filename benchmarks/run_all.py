@@ -3,7 +3,7 @@
 Usage: python benchmarks/run_all.py [--quick] [--only bench_matching.py ...]
 
 Without ``--quick``: every benchmark at its defaults (Fashion-MNIST where it uses a data set;
-hours on 2 cores), each table kept in ``bench-results/<name>.txt``. With ``--quick``: each
+about an hour on 2 cores), each table kept in ``bench-results/<name>.txt``. With ``--quick``: each
 benchmark's smoke run (:data:`QUICK`: the embedded digits, one seed, few epochs, small
 simulated problems; minutes in all), output in ``bench-results/quick/``; the benchmarks that
 need Fashion-MNIST or have no small setting (:data:`FULL_ONLY`) are left out. Timings are in
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from common import RESULTS
@@ -39,7 +40,7 @@ QUICK = {
     "bench_fidelity.py": ["--quick", "--out", "{out}"],
     "bench_calibration.py": ["--dataset", "digits", "--depths", "100", "--seeds", "0", "--inits", "shared",
                              "--epochs", "3"],
-    "bench_scale.py": ["--parts", "kl", "match", "conv", "device", "--kl-clients", "5", "--match-clients", "30",
+    "bench_scale.py": ["--parts", "kl", "match", "device", "--kl-clients", "5", "--match-clients", "30",
                        "--device-clients", "30"],
 }
 #: Left out of ``--quick``: Fashion-MNIST only (the wide MLPs), or no setting small enough.
@@ -61,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         options = [o.format(out=out_dir) for o in QUICK[name]] if args.quick else []
         print(f"== {name} {' '.join(options)}".rstrip(), flush=True)
+        start = time.perf_counter()
         proc = subprocess.run([sys.executable, str(HERE / name), *options], capture_output=True, text=True)
         print(proc.stdout, end="")
+        print(f"({name}: {time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         if proc.returncode != 0:
             print(proc.stderr, file=sys.stderr)
             failed.append(name)

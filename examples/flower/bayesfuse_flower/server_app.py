@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from logging import ERROR
+from pathlib import Path
 from typing import Callable
 
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -16,7 +17,6 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Result
 
-from bayesfuse._io import atomic_write_text
 from bayesfuse.integrations.flower import FedMA, MatchedAveraging, metrics_aggregation, record_to_state, state_to_record
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
@@ -171,7 +171,9 @@ def main(grid: Grid, run: dict) -> None:
         RESULTS["fedavg"] = _report(baseline)
     print("bayesfuse results:", json.dumps(RESULTS, default=str))
     if run.get("results-file"):
-        atomic_write_text(run["results-file"], json.dumps(RESULTS, indent=2, default=str) + "\n", overwrite=True)
+        path = Path(run["results-file"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
 
 
 app = make_server_app()
