@@ -9,6 +9,7 @@ __version__ = "0.1.0.dev0"
 #: Public name -> the module that defines it; imported on first use (PEP 562), so that
 #: ``import bayesfuse`` loads neither torch nor Pyro until a name that needs them is used.
 _EXPORTS = {
+    "ClientSummary": "bayesfuse.summaries",
     "Ensemble": "bayesfuse.baselines",
     "FusionResult": "bayesfuse.fusion",
     "MLP": "bayesfuse.nets.mlp",
@@ -20,12 +21,14 @@ _EXPORTS = {
     "fuse_states": "bayesfuse.core",
     "load": "bayesfuse.loading",
     "match_neurons": "bayesfuse.inference.matching",
+    "summarize": "bayesfuse.summaries",
     "train_clients": "bayesfuse.train",
     "train_mlp": "bayesfuse.train",
 }
 
 __all__ = [
     "__version__",
+    "ClientSummary",
     "Ensemble",
     "FusionResult",
     "MLP",
@@ -37,6 +40,7 @@ __all__ = [
     "fuse_states",
     "load",
     "match_neurons",
+    "summarize",
     "train_clients",
     "train_mlp",
 ]

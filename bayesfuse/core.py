@@ -26,9 +26,10 @@ from bayesfuse import methods
 from bayesfuse._lazy import load
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
-from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
+from bayesfuse.inference.layerwise import Basis, check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
+from bayesfuse.inference.summary_fusion import laplace_fuse_entries, output_shares
 from bayesfuse.models.bnn_fusion import fuse_bnn_posteriors, kl_units, matched_units
 from bayesfuse.models.bnn_posterior import DeepBNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
@@ -117,6 +118,7 @@ def fuse_states(
     verbose: bool = False,
     device=None,
     dtype: str = "float64",
+    summaries: Sequence | None = None,
     **hyper,
 ) -> StateFusion:
     """Fuse the clients' state_dicts with ``method`` (any of :data:`bayesfuse.methods.METHODS`
@@ -155,6 +157,14 @@ def fuse_states(
         host's up to round-off (float64) or float32 round-off (float32).
     dtype : {"float64", "float32"}
         With ``device``: the dtype the matching computes in.
+    summaries : sequence of ClientSummary, optional
+        One per client (:func:`bayesfuse.summarize`), for the methods that read them
+        (``Method.summaries``: PFNM and NAFI on point-estimate networks). Each network is then
+        its diagonal Laplace posterior: the units are matched as without summaries (the output
+        layer weighted by the clients' output-bias precisions instead of class counts), and the
+        fused entries are the members' precision-weighted means and precision-weighted log pool
+        (:mod:`bayesfuse.inference.summary_fusion`). ``hyper["summaries"]`` says what was used.
+        Class counts default to the summaries'.
     **hyper
         The method's hyper-parameters (:func:`bayesfuse.methods.resolve`; ``bayesfuse fuse
         --help`` lists them with their defaults).
@@ -181,12 +191,36 @@ def fuse_states(
     methods.check_execution(method, kind, device)
     check_device(device, dtype)
     names = list(names) if names is not None else [f"client {j}" for j in range(len(states))]
+    options = {}
+    if summaries is not None:
+        options["summaries"] = _checked_summaries(summaries, states, names, method, kind)
+        if class_counts is None:
+            class_counts = np.stack([np.asarray(s.class_counts) for s in options["summaries"]])
     warn_single(len(states), stacklevel=3)
     fuse = load(methods.METHODS[method].fusers[kind])  # the table's routine for this kind of input
     fused = fuse(states, names, method, settings, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
-                 device=device, dtype=dtype)
+                 device=device, dtype=dtype, **options)
     fused.seconds = time.perf_counter() - start
     return fused
+
+
+def _checked_summaries(summaries, states, names, method, kind) -> list:
+    """The clients' summaries, one per client, each checked against its network (one line naming it)."""
+    from bayesfuse.summaries import check_summary
+
+    if kind not in methods.METHODS[method].summaries:
+        readers = [m.name for m in methods.METHODS.values() if kind in m.summaries]
+        raise ValueError(f"method={method!r} does not read client summaries for {kind} inputs; "
+                         f"{', '.join(readers) or 'no method'} does")
+    summaries = list(summaries)
+    if len(summaries) != len(states):
+        raise ValueError(f"{len(summaries)} summaries for {len(states)} models: give one per client, in the "
+                         "models' order")
+    missing = [n for n, s in zip(names, summaries) if s is None]
+    if missing:
+        raise ValueError(f"no summary for {', '.join(missing)}: give every client's summary, or none (the "
+                         "data-free path)")
+    return [check_summary(s, sd, n) for s, sd, n in zip(summaries, states, names)]
 
 
 # --------------------------------------------------------------------------- the table's fusers
@@ -216,6 +250,9 @@ def _aligning(fuse_plain):
         spec = _network_spec(states, names, spec, class_counts)
         if not encoded_groups(spec):
             return fuse_plain(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        if options.get("summaries") is not None:
+            raise ValueError("fusing position-aware networks (PANs) with summaries is not supported: fuse them "
+                             "without summaries")
         check_unfoldable(spec)
         plain = [fold_encodings(sd, spec) for sd in check_states(states, spec, names)]
         fused = fuse_plain(plain, names, method, settings, spec=spec, class_counts=class_counts, **options)
@@ -241,12 +278,27 @@ def _ot_states(states, names, method, settings, *, spec, class_counts, **_) -> S
 
 @_aligning
 def _match_states(states, names, method, settings, *, spec, class_counts, seed, verbose, device=None,
-                  dtype="float64") -> StateFusion:
-    """PFNM/NAFI (:func:`match_layerwise`, on ``device`` in ``dtype`` when one is given) of plain networks."""
+                  dtype="float64", summaries=None) -> StateFusion:
+    """PFNM/NAFI (:func:`match_layerwise`, on ``device`` in ``dtype`` when one is given) of plain
+    networks; with ``summaries``, the matched networks fused as Laplace posteriors
+    (:func:`~bayesfuse.inference.summary_fusion.laplace_fuse_entries`)."""
+    if summaries is not None:
+        h = np.stack([_output_precision(s, spec, n) for s, n in zip(summaries, names)])
+        class_counts = h  # the output layer's weights in the matching: shares of the output-bias precisions
     result = match_layerwise(states, spec, class_counts=class_counts, seed=seed, names=names, verbose=verbose,
                              device=device, dtype=dtype, **settings)
     layers = [result.layers[g] for g in spec.groups]
     hyper = {**settings, "seed": seed}
+    if summaries is not None:
+        bases = {g: Basis(result.layers[g].assignments, result.layers[g].n_global) for g in spec.groups}
+        values, _ = laplace_fuse_entries(check_states(states, spec, names), [s.precision for s in summaries],
+                                         [s.prior_precision for s in summaries], spec, bases, output_shares(h))
+        result.state_dict.update(values)
+        hyper["summaries"] = {"used": True, "weights": "laplace precision (GGN diagonal + prior)",
+                              "output": "log pool, output-bias precision shares",
+                              "prior_precision": [s.prior_precision for s in summaries],
+                              "examples": [s.n_examples for s in summaries],
+                              "bytes": [s.nbytes for s in summaries]}
     chosen = {g: chosen_hyper(layer) for g, layer in zip(spec.groups, layers) if "auto" in layer.hyper}
     if chosen:
         hyper["chosen"] = chosen
@@ -261,6 +313,14 @@ def _match_states(states, names, method, settings, *, spec, class_counts, seed, 
         hyper=hyper,
         spec=spec,
     )
+
+
+def _output_precision(summary, spec, name) -> np.ndarray:
+    h = summary.output_precision(spec)
+    if h is None:
+        raise ValueError(f"{name}: fusing with summaries needs an output bias (its precision weighs the clients' "
+                         "logits); this network has none")
+    return h
 
 
 def chosen_hyper(layer) -> dict:

@@ -111,6 +111,8 @@ def fuse(
     verbose: bool = False,
     device=None,
     dtype: str = "float64",
+    summaries: Sequence | None = None,
+    rounds: int = 1,
     **hyper,
 ) -> FusionResult:
     """Fuse networks into one by matching their hidden units, layer by layer.
@@ -158,6 +160,17 @@ def fuse(
         result is the same up to round-off. Other methods and BNNs refuse a device.
     dtype : {"float64", "float32"}
         With ``device``: the dtype of that arithmetic.
+    summaries : sequence of ClientSummary, optional
+        One per model (:func:`bayesfuse.summarize`, computed by each client on its own data):
+        PFNM and NAFI then fuse the networks as their Laplace posteriors
+        (:func:`bayesfuse.core.fuse_states`); ``hyper["summaries"]`` says what was used.
+    rounds : {1, 2}
+        2: one more round after the one-shot fusion (simulated with ``data=(train,
+        partition)``): the server sends the fused network, each client returns its summed
+        negative log-likelihood of its own data at each candidate temperature
+        (:func:`bayesfuse.summaries.temperature_nll`, 8 bytes per candidate), and the server
+        divides the output layer by the best (:func:`~bayesfuse.inference.summary_fusion.choose_temperature`).
+        ``hyper["second_round"]`` has the temperature and what the round cost.
     **hyper
         The method's hyper-parameters, by kind of input; ``None`` keeps a default. See
         :data:`bayesfuse.methods.METHODS` (``print(bayesfuse.methods.describe())``): e.g.
@@ -179,9 +192,13 @@ def fuse(
     if row is not None and row.needs_data:
         return _fuse_fedma(models, data, retrain, class_counts=class_counts, spec=spec, seed=seed, verbose=verbose,
                            start=start, **hyper)
-    if data is not None:
+    if rounds not in (1, 2) or isinstance(rounds, bool):
+        raise ValueError(f"rounds must be 1 (one shot) or 2 (one more round for the temperature), got {rounds!r}")
+    if rounds == 2 and data is None:
+        raise ValueError("rounds=2 simulates a second round on the clients' own data: pass data=(train, partition)")
+    if data is not None and rounds == 1:
         using = " and ".join(f"method={n!r}" for n in methods.names(needs_data=True))
-        raise ValueError(f"method={method!r} fuses the models alone; data is used by {using} only")
+        raise ValueError(f"method={method!r} fuses the models alone; data is used by {using} only, or with rounds=2")
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
@@ -189,7 +206,11 @@ def fuse(
         spec = spec_with_encodings(models[0], spec)  # position encodings (PANs) are folded out for matching
     states = [numpy_state(m) for m in models]
     fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
-                        device=device, dtype=dtype, **hyper)
+                        device=device, dtype=dtype, summaries=summaries, **hyper)
+    if rounds == 2:
+        if any(bnn):
+            raise ValueError("rounds=2 calibrates point-estimate networks; fused BNNs carry their own posterior")
+        _temperature_round(models[0], fused, data)
     if all(bnn):
         from bayesfuse.models.bnn_heads import bnn_from_state
 
@@ -199,6 +220,30 @@ def fuse(
     return FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,
                         seconds=time.perf_counter() - start, groups=fused.groups if not all(bnn) else (),
                         posteriors=fused.posteriors)
+
+
+#: Candidate temperatures of the second round: 61 values, geometric from 0.1 to 20.
+TEMPERATURES = np.geomspace(0.1, 20.0, 61)
+
+
+def _temperature_round(like: nn.Module, fused, data) -> None:
+    """The second round, simulated: every client scores the fused network at each temperature on its
+    own data; the server folds the best into the output layer (``fused`` is changed in place)."""
+    from bayesfuse.inference.summary_fusion import choose_temperature, fold_temperature
+    from bayesfuse.summaries import temperature_nll
+
+    train, partition = data
+    start = time.perf_counter()
+    model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
+    nll = np.stack([temperature_nll(model, train.x[idx], train.y[idx], TEMPERATURES) for idx in partition])
+    temperature = choose_temperature(TEMPERATURES, nll)
+    fused.state = fold_temperature(fused.state, fused.spec, temperature)
+    n_weights = sum(np.size(v) for v in fused.state.values())
+    fused.hyper["second_round"] = {
+        "temperature": temperature, "candidates": len(TEMPERATURES),
+        "at_edge": bool(temperature in (TEMPERATURES[0], TEMPERATURES[-1])),
+        "bytes_up": int(nll.size * 8), "bytes_down": int(len(nll) * n_weights * 4),
+        "seconds": time.perf_counter() - start}
 
 
 def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, start, **hyper) -> FusionResult:

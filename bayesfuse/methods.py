@@ -87,6 +87,9 @@ class Method:
         Named settings of the method's keys (:class:`Variant`).
     aliases : dict of str to str
         Other names of the method with a variant (``"fedma-nafi"``: FedMA with NAFI's penalty).
+    summaries : tuple of str
+        The kinds of input for which it reads client summaries (:mod:`bayesfuse.summaries`):
+        point-estimate networks fused as Laplace posteriors.
     """
 
     name: str
@@ -101,6 +104,7 @@ class Method:
     featured: bool = False
     variants: Mapping[str, Variant] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
+    summaries: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         expected = () if self.needs_data else self.kinds
@@ -243,12 +247,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pfnm", "PFNM: BBP-MAP matching of hidden units (Yurochkin et al. 2019), layer by layer",
            {"network": dict(_AUTO_MATCHING, kl_weight=0.0, **_NETWORK),
             "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=0.0, cost="pfnm", n_iter=10, **_BNN_MATCHING_UNITS)},
-           constraints={"kl_weight": _NO_KL}, fusers=_MATCHING_FUSERS, device=True, featured=True),
+           constraints={"kl_weight": _NO_KL}, fusers=_MATCHING_FUSERS, device=True, featured=True,
+           summaries=("network",)),
     Method("nafi", "NAFI: the PFNM cost plus kl_weight x the KL between a global unit's posteriors (Xiao & Cheng, eq. 14)",
            {"network": dict(_AUTO_MATCHING, kl_weight=_NAFI_KL["network"], **_NETWORK),
             "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=_NAFI_KL["bnn"], cost="pfnm", n_iter=10,
                         **_BNN_MATCHING_UNITS)},
-           fusers=_MATCHING_FUSERS, device=True, featured=True),
+           fusers=_MATCHING_FUSERS, device=True, featured=True, summaries=("network",)),
     Method("fedma", "FedMA: match one layer, freeze it, retrain the clients, repeat (Wang et al. 2020); "
            "kl_weight > 0 matches with NAFI's penalty",
            {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, passes=1)}, needs_data=True,

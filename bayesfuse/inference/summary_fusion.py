@@ -1,0 +1,165 @@
+"""Point-estimate networks fused as Laplace posteriors, from the clients' summaries.
+
+With a client summary (:mod:`bayesfuse.summaries`) client j's network is the diagonal Laplace
+posterior ``N(theta_j, diag(1 / (g_j + delta_j)))``, ``g_j`` the GGN diagonal of its loss at
+``theta_j`` and ``delta_j`` its prior precision (Daxberger et al., NeurIPS 2021, eq. 4). Once
+the units are matched (:func:`~bayesfuse.inference.layerwise.match_layerwise`: the assignments
+``B_j`` of every hidden group), the fused network is built from those posteriors, entry by entry,
+in the global bases:
+
+* **Hidden entries** (incoming weights and biases of hidden units): the product of the members'
+  Gaussians, i.e. the precision-weighted mean (the KL barycenter of Gaussians, Claici et al.
+  2020 section 3.1; PFNM eq. 2 with per-coordinate noise ``sigma_jd^2 = 1 / (g_jd + delta_j)``)
+
+  .. math::
+
+      \\theta_{gd} = \\frac{\\sum_{j \\to g} \\pi_{jd} \\theta_{jd}}{\\sum_{j \\to g} \\pi_{jd}},
+      \\qquad \\pi_{jd} = g_{jd} + \\delta_j,
+
+  over the clients with a unit in global unit ``g``. A member's weight from a lower unit its
+  client lacks is 0 (nothing flows from a unit it does not have, the ``absent="zero"`` rule of
+  the matching) with the prior precision ``delta_j`` alone: its data say nothing about it.
+
+* **Output entries**: the clients' logits are pooled, not averaged. Where matched units compute
+  the same function, the fused logits are the precision-weighted log pool
+  ``f_k(x) = sum_j s_jk f_jk(x)``, which the output layer realises by
+
+  .. math::
+
+      W_{kg} = \\sum_{j \\to g} s_{jk} W^{(j)}_{k, l_j(g)}, \\qquad b_k = \\sum_j s_{jk} b^{(j)}_k,
+      \\qquad s_{jk} = \\frac{h_{jk}}{\\sum_{j'} h_{j'k}},
+
+  with ``h_jk = sum_n p_nk (1 - p_nk)`` over client j's data: the GGN of its output bias ``k``,
+  the precision its data give its class-k logit offset (:func:`output_shares`). A unit client j
+  lacks contributes nothing to its pool.
+
+Everything here is NumPy over state_dict entries; the spec says which axes are permuted.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from bayesfuse.inference.layerwise import Basis, folded_entries, in_basis
+from bayesfuse.inference.spec import PermutationSpec, to_global_basis
+
+__all__ = ["output_shares", "laplace_fuse_entries", "fold_temperature", "choose_temperature"]
+
+State = Mapping[str, np.ndarray]
+
+
+def output_shares(output_precision: np.ndarray) -> np.ndarray:
+    """``s_jk = h_jk / sum_j h_jk`` from the clients' output-bias precisions ``h`` (J, K).
+
+    A class no client's data inform (a column of zeros) is shared equally.
+    """
+    h = np.asarray(output_precision, dtype=np.float64)
+    if h.ndim != 2 or not np.isfinite(h).all() or (h < 0).any():
+        raise ValueError("output precisions must be a finite, non-negative (clients, classes) array")
+    total = h.sum(0, keepdims=True)
+    return np.where(total > 0, h / np.where(total > 0, total, 1.0), 1.0 / h.shape[0])
+
+
+def _rows_present(shape: tuple, spec: PermutationSpec, name: str, j: int, bases: Mapping[str, Basis]) -> np.ndarray:
+    """1 where client j has the unit an entry's axis 0 belongs to (0 elsewhere), in the global basis."""
+    axes = spec.axes[name]
+    ones = np.ones(shape)
+    for d, axis in enumerate(axes):
+        if axis is None or axis.group not in bases:
+            continue
+        basis = bases[axis.group]
+        ones = to_global_basis(ones, d, axis, basis.assignments[j], basis.n_global, fill=0.0 if d == 0 else 1.0)
+    return ones
+
+
+def laplace_fuse_entries(
+    states: Sequence[State],
+    precisions: Sequence[State],
+    prior_precision: Sequence[float],
+    spec: PermutationSpec,
+    bases: Mapping[str, Basis],
+    shares: np.ndarray,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The fused network's floating entries and their posterior precisions (module docstring).
+
+    Parameters
+    ----------
+    states : sequence of J state_dicts (NumPy arrays)
+    precisions : sequence of J dicts
+        Each client's GGN diagonal, keyed and shaped like its parameters.
+    prior_precision : sequence of J floats
+        ``delta_j``.
+    spec : PermutationSpec
+        Without batch-norm folds (refused: their precisions would need the same folding).
+    bases : mapping of group to Basis
+        The matching's assignments and global widths of every hidden group.
+    shares : (J, K) array
+        ``s_jk`` of the output pool (:func:`output_shares`).
+
+    Returns
+    -------
+    values, precision : dict of str to ndarray
+        Global value of every floating entry that has precisions, and the fused precision
+        ``sum_j pi_jd`` of each hidden coordinate (output entries: the pooled ``sum_j s_jk^2 /
+        pi_jk`` inverted, the precision of the pooled logit weight).
+    """
+    if spec.folds or folded_entries(spec):
+        raise ValueError("fusing with summaries does not fold batch norms yet: fuse networks with batch norms "
+                         "without summaries")
+    J = len(states)
+    if not (len(precisions) == len(prior_precision) == J):
+        raise ValueError(f"{J} networks, {len(precisions)} precisions and {len(prior_precision)} prior precisions")
+    shares = np.asarray(shares, dtype=np.float64)
+    values, fused_precision = {}, {}
+    for k in spec.axes:
+        if k not in precisions[0]:
+            continue
+        local = [np.asarray(sd[k], dtype=np.float64) for sd in states]
+        if k in spec.output:
+            pooled = np.zeros(1)
+            var = np.zeros(1)
+            for j, v in enumerate(local):
+                s = shares[j].reshape((-1,) + (1,) * (v.ndim - 1))
+                pi = np.asarray(precisions[j][k], dtype=np.float64) + prior_precision[j]
+                pooled = pooled + s * in_basis(v, spec, k, j, bases, fill=0.0)
+                var = var + s ** 2 * in_basis(1.0 / pi, spec, k, j, bases, fill=0.0)
+            values[k] = pooled
+            fused_precision[k] = 1.0 / np.maximum(var, np.finfo(float).tiny)
+            continue
+        num = np.zeros(1)
+        den = np.zeros(1)
+        for j, v in enumerate(local):
+            pi = np.asarray(precisions[j][k], dtype=np.float64) + prior_precision[j]
+            present = _rows_present(v.shape, spec, k, j, bases)
+            weight = in_basis(pi, spec, k, j, bases, fill=prior_precision[j]) * present
+            num = num + weight * in_basis(v, spec, k, j, bases, fill=0.0)
+            den = den + weight
+        values[k] = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+        fused_precision[k] = den
+    return values, fused_precision
+
+
+def fold_temperature(state: dict, spec: PermutationSpec, temperature: float) -> dict:
+    """``state`` with its output entries divided by ``temperature``: logits ``f / T``."""
+    if not (np.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    out = dict(state)
+    for k in spec.output:
+        out[k] = np.asarray(state[k], dtype=np.float64) / temperature
+    return out
+
+
+def choose_temperature(temperatures: np.ndarray, nll: np.ndarray) -> float:
+    """The candidate temperature with the least summed negative log-likelihood over clients.
+
+    ``nll`` is (J, T) or (T,): each client's summed NLL of its own examples at each candidate,
+    the statistics clients return in a second round (no example leaves a client).
+    """
+    t = np.asarray(temperatures, dtype=np.float64)
+    total = np.asarray(nll, dtype=np.float64)
+    total = total.sum(0) if total.ndim == 2 else total
+    if t.ndim != 1 or total.shape != t.shape or not np.isfinite(total).all():
+        raise ValueError(f"nll must be finite and give one value per candidate temperature ({t.size})")
+    return float(t[int(np.argmin(total))])

@@ -1,0 +1,387 @@
+"""Client summaries: what a client computes once from its own data and sends beside its weights.
+
+A :class:`ClientSummary` holds aggregates of one pass over the client's data, nothing per
+example:
+
+* ``precision``: for every floating parameter, the diagonal of the generalized Gauss-Newton of
+  the summed cross-entropy at the client's weights (:func:`bayesfuse.curvature.diag_ggn`); with
+  ``prior_precision`` it is the precision of the diagonal Laplace approximation of the client's
+  posterior, ``N(theta_j, (diag G_j + delta)^-1)`` (Daxberger et al., NeurIPS 2021). The server
+  reads each point-estimate network as that posterior (:mod:`bayesfuse.inference.summary_fusion`).
+* ``moments``: per hidden unit (per channel for convolutions), the mean and variance of its
+  pre-activation (the output of the layer that makes the unit) and of its activation (the input
+  of the layer that reads it), as REPAIR (Jordan et al., ICLR 2023) measures them.
+* ``class_counts`` and ``n_examples``.
+
+What it reveals. Every number is a sum over the client's examples: the GGN diagonal
+``sum_n sum_c (J_n^T q_nc)^2``, unit moments, class counts. No example can be read back from
+it, but it says more about the client's data than the weights do: where its inputs vary
+(the GGN of a first-layer weight grows with the squared input it multiplies), which classes it
+is unsure about (the output biases' GGN is ``sum_n p_nk (1 - p_nk)``), and its class counts.
+A client that may not share these should send weights alone (the data-free path).
+
+On disk a summary is a safetensors file beside the model (``model.pt`` ->
+``model.summary.safetensors``, :func:`summary_path`): tensors ``precision/<entry>``,
+``moments/<group>/<stat>``, ``class_counts``; metadata ``format``, ``version``, ``n_examples``,
+``prior_precision`` and the model's ``fingerprint`` (a hash of its entries' names, shapes and
+values), so that a summary of another network is refused (:func:`check_summary`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from bayesfuse._io import atomic_write_bytes
+from bayesfuse.curvature import diag_ggn
+from bayesfuse.inference.spec import PermutationSpec
+
+__all__ = ["ClientSummary", "summarize", "temperature_nll", "save_summary", "load_summary", "summary_path", "check_summary",
+           "SUMMARY_FORMAT", "SUMMARY_VERSION", "SummaryError", "STATS"]
+
+SUMMARY_FORMAT = "bayesfuse-client-summary"
+SUMMARY_VERSION = 1
+#: The moments kept per hidden unit.
+STATS = ("pre_mean", "pre_var", "act_mean", "act_var")
+
+
+class SummaryError(ValueError):
+    """A summary this code cannot use: wrong shapes, NaN, negative precisions, another network, an unknown version."""
+
+
+def fingerprint(state: Mapping[str, object]) -> str:
+    """A short hash of the entries' names, shapes and values (as float32): which network this is."""
+    digest = hashlib.sha256()
+    for k, v in state.items():
+        a = v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)
+        if np.issubdtype(a.dtype, np.floating):
+            a = a.astype(np.float32)
+        digest.update(json.dumps([k, list(a.shape)]).encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class ClientSummary:
+    """One client's summary of its data (see the module docstring).
+
+    Attributes
+    ----------
+    precision : dict of str to ndarray
+        GGN diagonal of every floating parameter, the parameter's shape, non-negative.
+    prior_precision : float
+        ``delta``: the Laplace precision of weight ``i`` is ``precision[i] + delta``.
+    moments : dict of str to dict of str to ndarray
+        Per permutation group (hidden layer), :data:`STATS` of each unit, arrays (units,).
+    class_counts : (K,) int array
+    n_examples : int
+    fingerprint : str
+        Of the model it summarises (:func:`fingerprint`).
+    version : int
+    seconds : float
+        Time it took to compute (not saved).
+    """
+
+    precision: dict
+    prior_precision: float
+    moments: dict
+    class_counts: np.ndarray
+    n_examples: int
+    fingerprint: str
+    version: int = SUMMARY_VERSION
+    seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays (float32 on disk for precisions and moments)."""
+        floats = sum(np.size(v) for v in self.precision.values())
+        floats += sum(np.size(v) for stats in self.moments.values() for v in stats.values())
+        return 4 * floats + 8 * np.size(self.class_counts)
+
+    def output_precision(self, spec: PermutationSpec) -> np.ndarray | None:
+        """The GGN of the output biases, ``sum_n p_nk (1 - p_nk)`` per class; None without an output bias."""
+        for k in spec.output:
+            if k in self.precision and np.ndim(self.precision[k]) == 1:
+                return np.asarray(self.precision[k], dtype=np.float64)
+        return None
+
+
+# --------------------------------------------------------------------------- computing
+
+
+def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[str, str | None]]:
+    """Per group, the module that makes its units (axis 0 of its weight) and the first that reads them (axis 1)."""
+    modules = dict(model.named_modules())
+    found: dict[str, list] = {g: [None, None] for g in spec.groups}
+    for key, axes in spec.axes.items():
+        owner = key.rpartition(".")[0]
+        if owner not in modules or len(axes) < 2:
+            continue
+        for d, slot in ((0, 0), (1, 1)):
+            axis = axes[d]
+            if axis is not None and axis.group in found and found[axis.group][slot] is None:
+                found[axis.group][slot] = owner
+    return {g: (m, r) for g, (m, r) in found.items() if m is not None}
+
+
+def _channel_moments(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+    """Sum and sum of squares over examples (and positions, for (N, C, ...) maps) per channel."""
+    t = t.detach().double()
+    flat = t.transpose(0, 1).reshape(t.shape[1], -1) if t.dim() > 2 else t.T
+    return flat.sum(1).numpy(), (flat ** 2).sum(1).numpy(), flat.shape[1]
+
+
+def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int = 1024) -> dict[str, dict]:
+    """Mean and variance of each hidden unit's pre-activation and activation over ``x``.
+
+    The pre-activation of group ``g`` is the output of the module that makes it (the owner of a
+    weight whose axis 0 is ``g``), its activation the input of the first module that reads it
+    (axis 1): for an MLP, ``layers.i`` output and ``relu`` of it. Convolutions: per channel,
+    over examples and positions.
+    """
+    where = _group_modules(model, spec)
+    modules = dict(model.named_modules())
+    sums: dict[tuple, list] = {}
+
+    def keep(group, stat):
+        def hook(module, inputs, output):
+            t = output if stat == "pre" else inputs[0]
+            s1, s2, n = _channel_moments(t)
+            acc = sums.setdefault((group, stat), [0.0, 0.0, 0])
+            acc[0] = acc[0] + s1
+            acc[1] = acc[1] + s2
+            acc[2] += n
+        return hook
+
+    hooks = []
+    for g, (maker, reader) in where.items():
+        hooks.append(modules[maker].register_forward_hook(keep(g, "pre")))
+        if reader is not None:
+            hooks.append(modules[reader].register_forward_hook(keep(g, "act")))
+    first = next(model.parameters())
+    x = torch.as_tensor(x if isinstance(x, torch.Tensor) else np.asarray(x), dtype=first.dtype)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(x), batch_size):
+                model(x[start:start + batch_size])
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    out: dict[str, dict] = {}
+    for (g, stat), (s1, s2, n) in sums.items():
+        mean = s1 / n
+        out.setdefault(g, {})[f"{stat}_mean"] = mean
+        out[g][f"{stat}_var"] = np.maximum(s2 / n - mean ** 2, 0.0)
+    return out
+
+
+def summarize(model: nn.Module, x, y, *, spec: PermutationSpec | None = None, prior_precision: float = 1.0,
+              n_classes: int | None = None, batch_size: int = 1024) -> ClientSummary:
+    """The summary a client sends beside its weights, from one pass over its own data.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The client's trained classifier (logits out).
+    x, y : arrays
+        The client's inputs ``(N, ...)`` and labels ``(N,)``: its training data.
+    spec : PermutationSpec, optional
+        Which units the moments are of; traced from ``model`` when omitted
+        (:func:`bayesfuse.nets.spec.spec_from_module`).
+    prior_precision : float
+        ``delta`` of the Laplace approximation, the precision of a Gaussian prior on every
+        weight (1 by default, the usual unit prior with a summed loss).
+    n_classes : int, optional
+        Length of ``class_counts``; the model's number of outputs by default.
+
+    Returns
+    -------
+    ClientSummary
+    """
+    from bayesfuse.nets.spec import spec_from_module
+
+    start = time.perf_counter()
+    x = np.asarray(x) if not isinstance(x, torch.Tensor) else x
+    y = np.asarray(y)
+    if len(x) == 0:
+        raise ValueError("a summary needs at least one example")
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} examples and y has {len(y)} labels")
+    if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
+        raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
+    spec = spec if spec is not None else spec_from_module(model)
+    state = model.state_dict()
+    if n_classes is None:
+        out_key = next((k for k in spec.output if np.ndim(state[k]) == 1), spec.output[0] if spec.output else None)
+        n_classes = int(np.shape(state[out_key])[0]) if out_key is not None else int(y.max()) + 1
+    if y.min() < 0 or y.max() >= n_classes:
+        raise ValueError(f"labels must lie in 0..{n_classes - 1}, got {y.min()}..{y.max()}")
+    precision = diag_ggn(model, x, batch_size=batch_size)
+    moments = unit_moments(model, x, spec, batch_size=batch_size)
+    counts = np.bincount(y.astype(np.int64), minlength=n_classes)
+    return ClientSummary(precision=precision, prior_precision=float(prior_precision), moments=moments,
+                         class_counts=counts, n_examples=int(len(y)), fingerprint=fingerprint(state),
+                         seconds=time.perf_counter() - start)
+
+
+def temperature_nll(model: nn.Module, x, y, temperatures, *, batch_size: int = 4096) -> np.ndarray:
+    """A client's second-round reply: its summed negative log-likelihood at each temperature.
+
+    ``-sum_n log softmax(f(x_n) / T)_{y_n}`` for every candidate ``T``, on the client's own data
+    with the (fused) model the server sent: one number per candidate, nothing per example.
+    """
+    t = np.asarray(temperatures, dtype=np.float64)
+    if t.ndim != 1 or t.size == 0 or not np.isfinite(t).all() or (t <= 0).any():
+        raise ValueError("temperatures must be a non-empty 1-D array of positive numbers")
+    y = np.asarray(y).astype(np.int64)
+    first = next(model.parameters())
+    out = np.zeros(t.size)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(y), batch_size):
+                xb = torch.as_tensor(np.asarray(x[start:start + batch_size]), dtype=first.dtype)
+                logits = model(xb).double()
+                yb = torch.as_tensor(y[start:start + batch_size])
+                scaled = logits.unsqueeze(0) / torch.as_tensor(t).view(-1, 1, 1)
+                picked = torch.log_softmax(scaled, -1).gather(2, yb.view(1, -1, 1).expand(t.size, -1, 1))
+                out -= picked.sum((1, 2)).numpy()
+    finally:
+        model.train(was_training)
+    return out
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str = "client") -> ClientSummary:
+    """Refuse, with one line naming the client, a summary that does not fit ``state``.
+
+    Checks the version, that it summarises this network (same entry names and shapes), that
+    precisions cover every floating entry with its shape and are finite and non-negative, and
+    that moments and counts are finite (variances and counts non-negative).
+    """
+    if not isinstance(summary, ClientSummary):
+        raise SummaryError(f"{name}: expected a ClientSummary, got {type(summary).__name__}")
+    if summary.version != SUMMARY_VERSION:
+        raise SummaryError(f"{name}: summary version {summary.version} is not one this bayesfuse reads "
+                           f"({SUMMARY_VERSION}); recompute it with bayesfuse.summarize")
+    if summary.fingerprint != fingerprint(state):
+        raise SummaryError(f"{name}: the summary is of another network (its entries' names, shapes or values "
+                           "differ); compute it on this model with bayesfuse.summarize")
+    for k, v in state.items():
+        if not torch.is_tensor(v) and not isinstance(v, np.ndarray):
+            continue
+        floating = v.is_floating_point() if torch.is_tensor(v) else np.issubdtype(v.dtype, np.floating)
+        if not floating or (k not in summary.precision and _is_buffer(k)):
+            continue
+        if k not in summary.precision:
+            raise SummaryError(f"{name}: the summary has no precision for {k!r}")
+        p = np.asarray(summary.precision[k])
+        if p.shape != tuple(np.shape(v)):
+            raise SummaryError(f"{name}: precision of {k!r} has shape {p.shape}, the weight {tuple(np.shape(v))}")
+        if not np.isfinite(p).all():
+            raise SummaryError(f"{name}: precision of {k!r} has NaN or infinite values")
+        if (p < 0).any():
+            raise SummaryError(f"{name}: precision of {k!r} has negative values (min {p.min():.3g})")
+    if not (np.isfinite(summary.prior_precision) and summary.prior_precision > 0):
+        raise SummaryError(f"{name}: prior_precision must be positive, got {summary.prior_precision}")
+    for g, stats in summary.moments.items():
+        for s, v in stats.items():
+            v = np.asarray(v)
+            if not np.isfinite(v).all() or (s.endswith("_var") and (v < 0).any()):
+                raise SummaryError(f"{name}: moment {s} of group {g!r} has NaN, infinite or negative values")
+    counts = np.asarray(summary.class_counts)
+    if counts.ndim != 1 or (counts < 0).any() or counts.sum() != summary.n_examples:
+        raise SummaryError(f"{name}: class counts must be non-negative and sum to n_examples={summary.n_examples}")
+    return summary
+
+
+def _is_buffer(key: str) -> bool:
+    """Running statistics of batch norms are buffers, not parameters: no precision for them."""
+    leaf = key.rpartition(".")[2]
+    return leaf in ("running_mean", "running_var", "num_batches_tracked")
+
+
+# --------------------------------------------------------------------------- files
+
+
+def summary_path(model_path: str | os.PathLike) -> Path:
+    """``model.pt`` -> ``model.summary.safetensors`` beside it."""
+    p = Path(model_path)
+    return p.with_name(p.name.rsplit(".", 1)[0] + ".summary.safetensors")
+
+
+def save_summary(summary: ClientSummary, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write ``summary`` to a safetensors file, atomically; an existing file is kept unless ``overwrite``."""
+    from safetensors.numpy import save
+
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"a summary is a .safetensors file, got {path.name!r}")
+    tensors = {f"precision/{k}": np.ascontiguousarray(v, dtype=np.float32) for k, v in summary.precision.items()}
+    for g, stats in summary.moments.items():
+        for s, v in stats.items():
+            tensors[f"moments/{g}/{s}"] = np.ascontiguousarray(v, dtype=np.float32)
+    tensors["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
+    meta = {"format": SUMMARY_FORMAT, "version": str(summary.version), "n_examples": str(summary.n_examples),
+            "prior_precision": repr(float(summary.prior_precision)), "fingerprint": summary.fingerprint}
+    return atomic_write_bytes(path, save(tensors, metadata=meta), overwrite=overwrite)
+
+
+def load_summary(path: str | os.PathLike) -> ClientSummary:
+    """Read a summary written by :func:`save_summary`; refuses other files and versions with one line."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no summary file {str(path)!r} (bayesfuse summarize MODEL --data ... writes one)")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SummaryError(f"{path.name}: not a safetensors summary ({err})") from None
+    if meta.get("format") != SUMMARY_FORMAT:
+        raise SummaryError(f"{path.name}: not a bayesfuse client summary (format {meta.get('format')!r})")
+    try:
+        version = int(meta["version"])
+        n_examples = int(meta["n_examples"])
+        prior = float(meta["prior_precision"])
+        fp = meta["fingerprint"]
+    except (KeyError, ValueError):
+        raise SummaryError(f"{path.name}: summary metadata is incomplete") from None
+    if version != SUMMARY_VERSION:
+        raise SummaryError(f"{path.name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION})")
+    precision, moments = {}, {}
+    for k, v in tensors.items():
+        if k.startswith("precision/"):
+            precision[k[len("precision/"):]] = v.astype(np.float64)
+        elif k.startswith("moments/"):
+            g, _, s = k[len("moments/"):].rpartition("/")
+            moments.setdefault(g, {})[s] = v.astype(np.float64)
+    if "class_counts" not in tensors:
+        raise SummaryError(f"{path.name}: summary has no class_counts")
+    return ClientSummary(precision=precision, prior_precision=prior, moments=moments,
+                         class_counts=tensors["class_counts"], n_examples=n_examples, fingerprint=fp, version=version)
+
+
+def summaries_for(paths: Sequence[str | os.PathLike]) -> list[ClientSummary | None]:
+    """The summary beside each model file (:func:`summary_path`), None where there is none."""
+    return [load_summary(summary_path(p)) if summary_path(p).is_file() else None for p in paths]

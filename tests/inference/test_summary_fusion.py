@@ -1,0 +1,113 @@
+"""Laplace fusion of matched networks: by hand on a tiny case, invariances, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bayesfuse.inference.layerwise import Basis
+from bayesfuse.inference.spec import chain, dense
+from bayesfuse.inference.summary_fusion import (choose_temperature, fold_temperature, laplace_fuse_entries,
+                                                output_shares)
+
+SPEC = chain(dense("l0", None, "P1"), dense("l1", "P1", None), output=("l1.weight", "l1.bias"))
+
+
+def net(rng, hidden=3, d=4, k=2):
+    return {"l0.weight": rng.normal(size=(hidden, d)), "l0.bias": rng.normal(size=hidden),
+            "l1.weight": rng.normal(size=(k, hidden)), "l1.bias": rng.normal(size=k)}
+
+
+def precision(rng, state):
+    return {k: rng.uniform(0.1, 5.0, size=v.shape) for k, v in state.items()}
+
+
+def test_by_hand_two_clients_one_shared_unit():
+    rng = np.random.default_rng(0)
+    a, b = net(rng, hidden=2), net(rng, hidden=1)
+    pa, pb = precision(rng, a), precision(rng, b)
+    # client a's units -> global 0 and 1, client b's only unit -> global 1
+    bases = {"P1": Basis([np.array([0, 1]), np.array([1])], 2)}
+    shares = np.array([[0.25, 0.5], [0.75, 0.5]])
+    values, prec = laplace_fuse_entries([a, b], [pa, pb], [1.0, 2.0], SPEC, bases, shares)
+    wa, wb = pa["l0.weight"] + 1.0, pb["l0.weight"] + 2.0
+    np.testing.assert_allclose(values["l0.weight"][0], a["l0.weight"][0])  # only a has global unit 0
+    np.testing.assert_allclose(values["l0.weight"][1], (wa[1] * a["l0.weight"][1] + wb[0] * b["l0.weight"][0])
+                               / (wa[1] + wb[0]))
+    np.testing.assert_allclose(prec["l0.weight"][1], wa[1] + wb[0])
+    # the output layer pools the logits: W[k, g] = sum over members of s_jk W_j[k, l]
+    want = np.stack([shares[0] * a["l1.weight"][:, 0], shares[0] * a["l1.weight"][:, 1]
+                     + shares[1] * b["l1.weight"][:, 0]], axis=1)
+    np.testing.assert_allclose(values["l1.weight"], want)
+    np.testing.assert_allclose(values["l1.bias"], shares[0] * a["l1.bias"] + shares[1] * b["l1.bias"])
+
+
+def test_absent_lower_unit_is_a_zero_with_the_prior_precision():
+    rng = np.random.default_rng(1)
+    spec = chain(dense("l0", None, "P1"), dense("l1", "P1", "P2"), dense("l2", "P2", None),
+                 output=("l2.weight", "l2.bias"))
+    a = {"l0.weight": rng.normal(size=(2, 3)), "l0.bias": rng.normal(size=2), "l1.weight": rng.normal(size=(1, 2)),
+         "l1.bias": rng.normal(size=1), "l2.weight": rng.normal(size=(2, 1)), "l2.bias": rng.normal(size=2)}
+    b = {k: rng.normal(size=np.shape(v)) for k, v in a.items()}
+    b["l0.weight"], b["l0.bias"], b["l1.weight"] = rng.normal(size=(1, 3)), rng.normal(size=1), rng.normal(size=(1, 1))
+    pa, pb = precision(rng, a), precision(rng, b)
+    bases = {"P1": Basis([np.array([0, 1]), np.array([1])], 2), "P2": Basis([np.array([0]), np.array([0])], 1)}
+    values, _ = laplace_fuse_entries([a, b], [pa, pb], [1.0, 3.0], spec, bases, np.full((2, 2), 0.5))
+    # global unit of P2 from P1's unit 0: only a has it; b's weight there is 0 with precision 3
+    wa = pa["l1.weight"][0, 0] + 1.0
+    np.testing.assert_allclose(values["l1.weight"][0, 0], wa * a["l1.weight"][0, 0] / (wa + 3.0))
+
+
+@pytest.mark.parametrize("n_clients", [1, 3])
+def test_identical_clients_fuse_to_the_client(n_clients):
+    rng = np.random.default_rng(2)
+    a = net(rng)
+    p = precision(rng, a)
+    bases = {"P1": Basis([np.arange(3)] * n_clients, 3)}
+    shares = output_shares(np.ones((n_clients, 2)))
+    values, _ = laplace_fuse_entries([a] * n_clients, [p] * n_clients, [1.0] * n_clients, SPEC, bases, shares)
+    for k in a:
+        np.testing.assert_allclose(values[k], a[k], rtol=1e-12, err_msg=k)
+
+
+def test_permuted_copy_fuses_back_and_order_does_not_matter():
+    rng = np.random.default_rng(3)
+    a = net(rng)
+    perm = np.array([2, 0, 1])
+    b = {"l0.weight": a["l0.weight"][perm], "l0.bias": a["l0.bias"][perm], "l1.weight": a["l1.weight"][:, perm],
+         "l1.bias": a["l1.bias"]}
+    p = precision(rng, a)
+    q = {"l0.weight": p["l0.weight"][perm], "l0.bias": p["l0.bias"][perm], "l1.weight": p["l1.weight"][:, perm],
+         "l1.bias": p["l1.bias"]}
+    shares = output_shares(np.array([[1.0, 2.0], [3.0, 1.0]]))
+    bases = {"P1": Basis([np.arange(3), perm], 3)}
+    values, _ = laplace_fuse_entries([a, b], [p, q], [1.0, 1.0], SPEC, bases, shares)
+    for k in a:
+        np.testing.assert_allclose(values[k], a[k], rtol=1e-12, err_msg=k)
+    swapped, _ = laplace_fuse_entries([b, a], [q, p], [1.0, 1.0], SPEC, {"P1": Basis([perm, np.arange(3)], 3)},
+                                      shares[::-1])
+    for k in a:
+        np.testing.assert_allclose(swapped[k], values[k], rtol=1e-12, err_msg=k)
+
+
+def test_output_shares():
+    s = output_shares(np.array([[1.0, 0.0], [3.0, 0.0]]))
+    np.testing.assert_allclose(s, [[0.25, 0.5], [0.75, 0.5]])  # an uninformed class is shared equally
+    with pytest.raises(ValueError, match="non-negative"):
+        output_shares(np.array([[-1.0, 1.0]]))
+
+
+def test_temperature():
+    t = np.array([0.5, 1.0, 2.0])
+    # summed over clients: 4, 3, 2.5
+    assert choose_temperature(t, np.array([[3.0, 1.0, 2.0], [1.0, 2.0, 0.5]])) == 2.0
+    with pytest.raises(ValueError, match="one value per candidate"):
+        choose_temperature(t, np.array([1.0, np.nan, 2.0]))
+    state = {"l0.weight": np.ones((3, 4)), "l0.bias": np.ones(3), "l1.weight": np.full((2, 3), 4.0),
+             "l1.bias": np.full(2, 2.0)}
+    folded = fold_temperature(state, SPEC, 2.0)  # logits f / T: only the output layer changes
+    np.testing.assert_array_equal(folded["l1.weight"], np.full((2, 3), 2.0))
+    np.testing.assert_array_equal(folded["l1.bias"], np.ones(2))
+    np.testing.assert_array_equal(folded["l0.weight"], state["l0.weight"])
+    with pytest.raises(ValueError, match="positive"):
+        fold_temperature(state, SPEC, 0.0)

@@ -1,0 +1,108 @@
+"""The GGN diagonal against independent computations: the closed form of a linear-softmax model,
+full per-example Jacobians (torch.autograd.functional.jacobian) and, where installed, BackPACK."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bayesfuse.curvature import diag_ggn
+from bayesfuse.nets.arch import make_cnn
+from bayesfuse.nets.mlp import MLP
+from tests.helpers import randomise
+
+
+def brute_force_ggn(model: nn.Module, x: torch.Tensor) -> dict[str, np.ndarray]:
+    """sum_n diag(J_n^T (diag p_n - p_n p_n^T) J_n) with each example's full Jacobian."""
+    model.eval()
+    names = [k for k, _ in model.named_parameters()]
+    params = tuple(p.detach() for _, p in model.named_parameters())
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for xi in x:
+        def logits(*ps):
+            return torch.func.functional_call(model, dict(zip(names, ps)), (xi.unsqueeze(0),)).squeeze(0)
+
+        jac = torch.autograd.functional.jacobian(logits, params)
+        p = torch.softmax(logits(*params), -1).double()
+        lam = torch.diag(p) - torch.outer(p, p)
+        for i, j in enumerate(jac):
+            j = j.double().reshape(p.shape[0], -1)
+            total[i] += torch.einsum("ki,kl,li->i", j, lam, j).reshape(params[i].shape)
+    return dict(zip(names, (t.numpy() for t in total)))
+
+
+def test_linear_softmax_closed_form():
+    # logits W x + b: diag GGN of W[k, d] is sum_n p_nk (1 - p_nk) x_nd^2, of b[k] sum_n p_nk (1 - p_nk)
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).double()
+    x = torch.randn(40, 5, dtype=torch.float64)
+    g = diag_ggn(model, x)
+    p = torch.softmax(model(x), -1).detach().numpy()
+    np.testing.assert_allclose(g["weight"], (p * (1 - p)).T @ (x.numpy() ** 2), rtol=1e-12)
+    np.testing.assert_allclose(g["bias"], (p * (1 - p)).sum(0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("batch_size", [7, 1024])
+def test_mlp_against_full_jacobians(batch_size):
+    model = randomise(MLP(6, [5, 4], 3), 1).double()
+    x = torch.randn(30, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    got = diag_ggn(model, x, batch_size=batch_size)
+    want = brute_force_ggn(model, x)
+    assert got.keys() == want.keys()
+    for k in want:  # float64 throughout: agreement to round-off
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-14, err_msg=k)
+
+
+def test_cnn_with_batch_norm_against_full_jacobians():
+    model = randomise(make_cnn(16, 3, channels=(2, 3), hidden=(4,)), 3).double()
+    x = torch.randn(6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    got = diag_ggn(model, x, batch_size=4)
+    want = brute_force_ggn(model, x)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-14, err_msg=k)
+
+
+class Scaled(nn.Module):
+    """A user's own class: a Linear, a functional relu, and a parameter no layer owns."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.gain = nn.Parameter(torch.tensor([1.5, 0.5, 2.0]))
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) * self.gain)
+
+
+def test_own_class_with_free_parameter():
+    torch.manual_seed(5)
+    model = Scaled().double()
+    x = torch.randn(12, 4, dtype=torch.float64)
+    got = diag_ggn(model, x)
+    want = brute_force_ggn(model, x)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-14, err_msg=k)
+
+
+def test_backpack_agrees_on_a_sequential():
+    backpack = pytest.importorskip("backpack")
+    from backpack.extensions import DiagGGNExact
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)).double()
+    x = torch.randn(25, 5, dtype=torch.float64)
+    got = diag_ggn(model, x)
+    extended = backpack.extend(model)
+    loss = backpack.extend(nn.CrossEntropyLoss(reduction="sum"))(extended(x), torch.zeros(25, dtype=torch.long))
+    with backpack.backpack(DiagGGNExact()):
+        loss.backward()
+    for k, p in extended.named_parameters():
+        np.testing.assert_allclose(got[k], p.diag_ggn_exact.numpy(), rtol=1e-10, atol=1e-14, err_msg=k)
+
+
+def test_refuses_bad_batch_size():
+    with pytest.raises(ValueError, match="batch_size"):
+        diag_ggn(nn.Linear(2, 2), np.zeros((3, 2), dtype=np.float32), batch_size=0)

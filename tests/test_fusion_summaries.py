@@ -1,0 +1,77 @@
+"""fuse(..., summaries=...) end to end on digits: what it uses, what it refuses, the second round."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfuse import fuse, fuse_states, summarize
+from bayesfuse.data import dirichlet_partition, load_digits
+from bayesfuse.metrics import evaluate
+from bayesfuse.nets.predict import predict_proba
+from bayesfuse.nets.state import numpy_state
+from bayesfuse.summaries import SummaryError
+from bayesfuse.train import TrainConfig, train_clients
+
+
+@pytest.fixture(scope="module")
+def federation():
+    split = load_digits().standardize()
+    part = dirichlet_partition(split.train.y, n_clients=3, alpha=0.5, seed=0)
+    models = train_clients(split.train, part, TrainConfig(hidden=(32,), epochs=5, seed=0))
+    summaries = [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, part)]
+    return split, part, models, summaries
+
+
+def test_summaries_are_used_and_reported(federation):
+    split, part, models, summaries = federation
+    result = fuse(models, "pfnm", summaries=summaries)
+    used = result.hyper["summaries"]
+    assert used["used"] and used["examples"] == [int(n) for n in part.sizes]
+    assert used["bytes"] == [s.nbytes for s in summaries]
+    plain = fuse(models, "pfnm", class_counts=part.counts)
+    assert "summaries" not in plain.hyper
+    probs = predict_proba(result.model, split.test.x)
+    assert np.isfinite(probs).all() and evaluate(probs, split.test.y)["accuracy"] > 0.5
+
+
+def test_one_client_fuses_to_itself(federation):
+    split, part, models, summaries = federation
+    with pytest.warns(UserWarning, match="only one model"):
+        result = fuse(models[:1], "pfnm", summaries=summaries[:1])
+    # one client: every fused unit has one member, so its precision-weighted mean is the member's
+    # weights and its log pool (shares 1) the client's output layer; units come back permuted
+    x = torch.as_tensor(split.test.x[:50])
+    with torch.no_grad():
+        np.testing.assert_allclose(result.model(x).numpy(), models[0](x).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_second_round_picks_a_temperature(federation):
+    split, part, models, summaries = federation
+    result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part))
+    r2 = result.hyper["second_round"]
+    assert 0.1 <= r2["temperature"] <= 20 and r2["bytes_up"] == 3 * r2["candidates"] * 8
+    one_shot = fuse(models, "pfnm", summaries=summaries)
+    # the chosen temperature minimises the clients' summed NLL on their own data, so the training
+    # NLL of the tempered model is at most the untempered one's
+    def train_nll(model):
+        return evaluate(predict_proba(model, split.train.x), split.train.y)["nll"]
+    assert train_nll(result.model) <= train_nll(one_shot.model) + 1e-9
+    with pytest.raises(ValueError, match="data="):
+        fuse(models, "pfnm", summaries=summaries, rounds=2)
+    with pytest.raises(ValueError, match="rounds must be"):
+        fuse(models, "pfnm", rounds=3)
+
+
+def test_bad_summaries_are_refused_naming_the_client(federation):
+    split, part, models, summaries = federation
+    states = [numpy_state(m) for m in models]
+    with pytest.raises(ValueError, match="does not read client summaries"):
+        fuse(models, "fedavg", summaries=summaries)
+    with pytest.raises(ValueError, match="2 summaries for 3 models"):
+        fuse(models, "pfnm", summaries=summaries[:2])
+    with pytest.raises(ValueError, match="no summary for client 1"):
+        fuse_states(states, "pfnm", summaries=[summaries[0], None, summaries[2]])
+    with pytest.raises(SummaryError, match="b.pt: the summary is of another network"):
+        fuse_states(states, "pfnm", summaries=[summaries[0], summaries[0], summaries[2]], names=["a.pt", "b.pt", "c.pt"])

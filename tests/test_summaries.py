@@ -1,0 +1,146 @@
+"""Client summaries: moments against direct computation, files, the checks that refuse bad ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfuse.curvature import diag_ggn
+from bayesfuse.nets.arch import make_cnn
+from bayesfuse.nets.mlp import MLP
+from bayesfuse.summaries import (ClientSummary, SummaryError, check_summary, load_summary, save_summary, summarize,
+                                 summary_path, temperature_nll)
+from tests.helpers import randomise
+
+
+@pytest.fixture
+def client():
+    model = randomise(MLP(6, [5, 4], 3), 0)
+    gen = np.random.default_rng(1)
+    x = gen.normal(size=(50, 6)).astype(np.float32)
+    y = gen.integers(0, 3, size=50)
+    return model, x, y
+
+
+def test_moments_are_those_of_the_units(client):
+    model, x, y = client
+    s = summarize(model, x, y)
+    with torch.no_grad():
+        z1 = model.layers[0](torch.as_tensor(x)).double()
+        z2 = model.layers[1](torch.relu(z1).float()).double()
+    for group, z in (("P1", z1), ("P2", z2)):
+        m = s.moments[group]
+        np.testing.assert_allclose(m["pre_mean"], z.mean(0).numpy(), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(m["pre_var"], z.var(0, unbiased=False).numpy(), rtol=1e-5, atol=1e-9)
+        a = torch.relu(z)
+        np.testing.assert_allclose(m["act_mean"], a.mean(0).numpy(), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(m["act_var"], a.var(0, unbiased=False).numpy(), rtol=1e-5, atol=1e-9)
+    np.testing.assert_array_equal(s.class_counts, np.bincount(y, minlength=3))
+    assert s.n_examples == 50
+
+
+def test_precision_is_the_ggn_and_chunks_do_not_matter(client):
+    model, x, y = client
+    s = summarize(model, x, y, batch_size=7)
+    g = diag_ggn(model, x)
+    assert s.precision.keys() == g.keys()
+    for k in g:  # float32 model: chunks sum in another order
+        np.testing.assert_allclose(s.precision[k], g[k], rtol=1e-5, atol=1e-10)
+
+
+def test_conv_moments_are_per_channel():
+    model = randomise(make_cnn(16, 3, channels=(2, 3), hidden=(4,)), 2)
+    x = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
+    s = summarize(model, x, np.arange(8) % 3)
+    assert {k: len(v["pre_mean"]) for k, v in s.moments.items()} == {"P1": 2, "P2": 3, "P3": 4}
+
+
+def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
+    model, x, y = client
+    s = summarize(model, x, y)
+    weights = sum(p.numel() for p in model.parameters())
+    assert s.nbytes == 4 * weights + 4 * 4 * (5 + 4) + 8 * 3
+
+
+def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
+    model, x, y = client
+    s = summarize(model, x, y)
+    path = summary_path(tmp_path / "model.pt")
+    assert path.name == "model.summary.safetensors"
+    save_summary(s, path)
+    back = load_summary(path)
+    assert back.fingerprint == s.fingerprint and back.n_examples == s.n_examples
+    for k in s.precision:  # float32 on disk
+        np.testing.assert_allclose(back.precision[k], s.precision[k], rtol=1e-6)
+    check_summary(back, model.state_dict(), "model.pt")
+    with pytest.raises(FileExistsError):
+        save_summary(s, path)
+    save_summary(s, path, overwrite=True)
+
+
+def test_unknown_files_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="bayesfuse summarize"):
+        load_summary(tmp_path / "none.summary.safetensors")
+    bad = tmp_path / "bad.summary.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(SummaryError, match="bad.summary.safetensors"):
+        load_summary(bad)
+
+
+def test_bad_summaries_are_refused_naming_the_client(client):
+    model, x, y = client
+    s = summarize(model, x, y)
+    state = model.state_dict()
+    nan = {k: v.copy() for k, v in s.precision.items()}
+    nan["layers.0.weight"][0, 0] = np.nan
+    negative = {k: v.copy() for k, v in s.precision.items()}
+    negative["layers.1.bias"][0] = -1.0
+    shape = dict(s.precision, **{"layers.0.bias": np.zeros(4)})
+    cases = {
+        "NaN": dataclasses.replace(s, precision=nan),
+        "negative": dataclasses.replace(s, precision=negative),
+        "shape": dataclasses.replace(s, precision=shape),
+        "version": dataclasses.replace(s, version=99),
+        "another network": dataclasses.replace(s, fingerprint="0" * 16),
+    }
+    for what, bad in cases.items():
+        with pytest.raises(SummaryError, match="alice") as err:
+            check_summary(bad, state, "alice")
+        assert what in str(err.value), what
+    other = MLP(6, [7, 4], 3).state_dict()
+    with pytest.raises(SummaryError, match="another network"):
+        check_summary(s, other, "alice")
+
+
+def test_bad_data_is_refused(client):
+    model, x, y = client
+    with pytest.raises(ValueError, match="at least one example"):
+        summarize(model, x[:0], y[:0])
+    with pytest.raises(ValueError, match="labels"):
+        summarize(model, x, y + 3)
+    with pytest.raises(ValueError, match="prior_precision"):
+        summarize(model, x, y, prior_precision=0.0)
+
+
+def test_temperature_nll_is_the_scaled_cross_entropy(client):
+    model, x, y = client
+    t = np.array([0.5, 1.0, 3.0])
+    got = temperature_nll(model, x, y, t)
+    with torch.no_grad():
+        logits = model(torch.as_tensor(x)).double()
+    want = [float(torch.nn.functional.cross_entropy(logits / T, torch.as_tensor(y), reduction="sum")) for T in t]
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+    with pytest.raises(ValueError, match="positive"):
+        temperature_nll(model, x, y, [1.0, -1.0])
+
+
+def test_summary_is_a_dataclass_of_aggregates(client):
+    model, x, y = client
+    s = summarize(model, x, y)
+    assert isinstance(s, ClientSummary)
+    # nothing per example: every array is the size of a parameter, a unit count or the classes
+    sizes = {np.size(v) for v in s.precision.values()} | {np.size(v) for m in s.moments.values() for v in m.values()}
+    assert 50 not in sizes and max(sizes) == 6 * 5
