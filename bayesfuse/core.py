@@ -68,6 +68,9 @@ class StateFusion:
     spec : PermutationSpec or None
         The architecture of point-estimate networks.
     seconds : float
+    precision : dict of str to ndarray, optional
+        With client summaries: the fused posterior precision of every entry in ``state``
+        (:func:`~bayesfuse.inference.summary_fusion.laplace_fuse_entries`).
     """
 
     state: dict
@@ -80,6 +83,7 @@ class StateFusion:
     hyper: dict = field(default_factory=dict)
     spec: PermutationSpec | None = None
     seconds: float = 0.0
+    precision: dict | None = None
 
     @property
     def converged(self) -> bool:
@@ -291,8 +295,8 @@ def _match_states(states, names, method, settings, *, spec, class_counts, seed, 
     hyper = {**settings, "seed": seed}
     if summaries is not None:
         bases = {g: Basis(result.layers[g].assignments, result.layers[g].n_global) for g in spec.groups}
-        values, _ = laplace_fuse_entries(check_states(states, spec, names), [s.precision for s in summaries],
-                                         [s.prior_precision for s in summaries], spec, bases, output_shares(h))
+        values, precision = laplace_fuse_entries(check_states(states, spec, names), [s.precision for s in summaries],
+                                                 [s.prior_precision for s in summaries], spec, bases, output_shares(h))
         result.state_dict.update(values)
         hyper["summaries"] = {"used": True, "weights": "laplace precision (GGN diagonal + prior)",
                               "output": "log pool, output-bias precision shares",
@@ -312,6 +316,7 @@ def _match_states(states, names, method, settings, *, spec, class_counts, seed, 
         kind="network",
         hyper=hyper,
         spec=spec,
+        precision=precision if summaries is not None else None,
     )
 
 

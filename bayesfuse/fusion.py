@@ -52,7 +52,11 @@ class FusionResult:
     ----------
     model : nn.Module
         The fused network (a :class:`~bayesfuse.models.bnn.HorseshoeBNN` for BNNs; with
-        ``head="clients"`` a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`).
+        ``head="clients"`` a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). Fused with
+        client summaries, a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`: the network at
+        its posterior mean (``model.network``) with the Gaussian posterior of its output layer,
+        whose ``forward`` gives the probit predictive's logits and ``predict(x, num_samples=...)``
+        the sampled one.
     layers : list of LayerResult
         One per matched hidden layer (:class:`~bayesfuse.inference.result.LayerResult`: a
         ``MatchResult``, or a ``KLFusionResult`` for KL-fused BNNs).
@@ -163,7 +167,9 @@ def fuse(
     summaries : sequence of ClientSummary, optional
         One per model (:func:`bayesfuse.summarize`, computed by each client on its own data):
         PFNM and NAFI then fuse the networks as their Laplace posteriors
-        (:func:`bayesfuse.core.fuse_states`); ``hyper["summaries"]`` says what was used.
+        (:func:`bayesfuse.core.fuse_states`) and the fused model predicts with the posterior of
+        its output layer (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`);
+        ``hyper["summaries"]`` says what was used.
     rounds : {1, 2}
         2: one more round after the one-shot fusion (simulated with ``data=(train,
         partition)``): the server sends the fused network, each client returns its summed
@@ -202,21 +208,24 @@ def fuse(
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
+    if rounds == 2 and any(bnn):
+        raise ValueError("rounds=2 calibrates point-estimate networks; fused BNNs carry their own posterior")
     if not any(bnn) and (spec is None or row is None or row.aligns_units):
         spec = spec_with_encodings(models[0], spec)  # position encodings (PANs) are folded out for matching
     states = [numpy_state(m) for m in models]
     fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
                         device=device, dtype=dtype, summaries=summaries, **hyper)
-    if rounds == 2:
-        if any(bnn):
-            raise ValueError("rounds=2 calibrates point-estimate networks; fused BNNs carry their own posterior")
-        _temperature_round(models[0], fused, data)
     if all(bnn):
         from bayesfuse.models.bnn_heads import bnn_from_state
 
         model = bnn_from_state(fused.state)
     else:
         model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
+        if fused.precision is not None:
+            model = _last_layer_posterior(model, fused)
+            fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace)"
+    if rounds == 2:
+        model = _temperature_round(model, fused, data, like=models[0])
     return FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,
                         seconds=time.perf_counter() - start, groups=fused.groups if not all(bnn) else (),
                         posteriors=fused.posteriors)
@@ -226,24 +235,39 @@ def fuse(
 TEMPERATURES = np.geomspace(0.1, 20.0, 61)
 
 
-def _temperature_round(like: nn.Module, fused, data) -> None:
-    """The second round, simulated: every client scores the fused network at each temperature on its
-    own data; the server folds the best into the output layer (``fused`` is changed in place)."""
+def _last_layer_posterior(model: nn.Module, fused) -> nn.Module:
+    """The fused network with its output layer's Laplace posterior (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`)."""
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    weight, bias = (next(k for k in fused.spec.output if np.ndim(fused.state[k]) == d) for d in (2, 1))
+    return LastLayerLaplace(model, weight.rpartition(".")[0], 1.0 / fused.precision[weight],
+                            1.0 / fused.precision[bias]).eval()
+
+
+def _temperature_round(model: nn.Module, fused, data, *, like: nn.Module) -> nn.Module:
+    """The second round, simulated: every client scores the fused network's predictive at each
+    temperature on its own data; the server keeps the best (folded into the output layer of a
+    plain network, the ``temperature`` of a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`)."""
     from bayesfuse.inference.summary_fusion import choose_temperature, fold_temperature
+    from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import temperature_nll
 
     train, partition = data
     start = time.perf_counter()
-    model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
     nll = np.stack([temperature_nll(model, train.x[idx], train.y[idx], TEMPERATURES) for idx in partition])
     temperature = choose_temperature(TEMPERATURES, nll)
-    fused.state = fold_temperature(fused.state, fused.spec, temperature)
+    if isinstance(model, LastLayerLaplace):
+        model.temperature.fill_(temperature)
+    else:
+        fused.state = fold_temperature(fused.state, fused.spec, temperature)
+        model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["second_round"] = {
         "temperature": temperature, "candidates": len(TEMPERATURES),
         "at_edge": bool(temperature in (TEMPERATURES[0], TEMPERATURES[-1])),
         "bytes_up": int(nll.size * 8), "bytes_down": int(len(nll) * n_weights * 4),
         "seconds": time.perf_counter() - start}
+    return model
 
 
 def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, start, **hyper) -> FusionResult:

@@ -37,24 +37,33 @@ import io
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from common import (AUTO_METHODS, RESULTS, by_method, depth_name, fused_row, make_row, parse_depth, summary_table,
-                    test_metrics, write_bytes, write_text)
+from common import (AUTO_METHODS, RESULTS, by_method, depth_name, fused_row, make_row, mean_sd, parse_depth,
+                    summary_table, test_metrics, write_bytes, write_text)
 
+from bayesfuse import fuse, summarize
 from bayesfuse.baselines import Ensemble, evaluate_locals
+from bayesfuse.data import load_font_digits
 from bayesfuse.data.datasets import DataSplit, load_dataset
 from bayesfuse.data.partition import Partition, dirichlet_partition
 from bayesfuse.demo import format_table
 from bayesfuse.federated import run_fedavg
+from bayesfuse.inference.result import ConvergenceWarning
+from bayesfuse.metrics import ood_auroc, predictive_entropy
+from bayesfuse.nets.predict import predict_proba
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 
 QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0, 10.0])
-SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "width", "seconds", "converged")
+SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "auroc", "width", "seconds", "converged")
+#: The rows with client summaries (bayesfuse.summarize): name -> fuse() options beyond the method.
+SUMMARY_ROWS = {"pfnm +summaries": ("pfnm", {}), "nafi +summaries": ("nafi", {}),
+                "pfnm +summaries +T": ("pfnm", {"rounds": 2})}
 HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
 
 
@@ -74,8 +83,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="hidden widths of each network, e.g. 100 100,100")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--inits", nargs="+", choices=("shared", "independent"), default=["shared", "independent"])
-    parser.add_argument("--sweep", type=float, nargs="+", default=[0.3, 1.0, 3.0, 10.0, 30.0],
-                        help="noise_var values of the hand-set PFNM sweep")
+    parser.add_argument("--sweep", type=float, nargs="*", default=[0.3, 1.0, 3.0, 10.0, 30.0],
+                        help="noise_var values of the hand-set PFNM sweep (none: no sweep)")
+    parser.add_argument("--no-summaries", dest="summaries", action="store_false",
+                        help="leave out the rows that use client summaries")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(
         f"{k} {v}" for k, v in QUICK.items()))
@@ -102,9 +113,37 @@ def fedavg_rounds_row(split: DataSplit, part: Partition, hidden: tuple[int, ...]
     return make_row(f"fedavg x{rounds}", test_metrics(run.model, split), hidden, run.seconds, rounds=rounds)
 
 
+def entropy_auroc(model, split: DataSplit, ood: np.ndarray) -> float:
+    """AUROC of predictive entropy for telling ``ood`` inputs from the test set (higher: better)."""
+    return ood_auroc(predictive_entropy(predict_proba(model, split.test.x)),
+                     predictive_entropy(predict_proba(model, ood)))
+
+
+def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.ndarray) -> list[dict]:
+    """Each client summarises its own data (one pass); the rows of :data:`SUMMARY_ROWS` fuse with them."""
+    start = time.perf_counter()
+    summaries = [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, part)]
+    summary_seconds = (time.perf_counter() - start) / len(models)
+    model_kb = 4 * sum(p.numel() for p in models[0].parameters()) / 1024
+    rows = []
+    for name, (method, options) in SUMMARY_ROWS.items():
+        data = dict(data=(split.train, part)) if options.get("rounds") == 2 else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            result = fuse(models, method, summaries=summaries, seed=seed, **options, **data)
+        second = result.hyper.get("second_round", {})
+        rows.append(make_row(name, test_metrics(result.model, split), result.sizes, result.seconds,
+                             result.converged, auroc=entropy_auroc(result.model, split, ood),
+                             summary_kb=float(np.mean([s.nbytes for s in summaries]) / 1024), model_kb=model_kb,
+                             summary_seconds=summary_seconds, temperature=second.get("temperature"),
+                             round2_bytes_up=second.get("bytes_up")))
+    return rows
+
+
 def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], init: str, seed: int,
                     args: argparse.Namespace, fedavg_rounds: dict) -> tuple[list[dict], float]:
     """Every row of one federation (see the module docstring) and its local training seconds."""
+    ood = split.standardizer.transform(load_font_digits(split.train.image_shape[0], seed=seed).x)
     config = TrainConfig(hidden=hidden, epochs=args.epochs, seed=seed)
     start = time.perf_counter()
     models = train_clients(split.train, part, config, shared_init=init == "shared", verbose=False)
@@ -115,7 +154,7 @@ def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], 
     start = time.perf_counter()
     ensemble = Ensemble(models)
     rows.append(make_row("ensemble", test_metrics(ensemble, split), [len(models) * h for h in hidden],
-                         time.perf_counter() - start))
+                         time.perf_counter() - start, auroc=entropy_auroc(ensemble, split, ood)))
     rows.append(fused_row("fedavg", models, part, split, "fedavg"))
     key = (seed, hidden)
     if key not in fedavg_rounds:
@@ -124,6 +163,11 @@ def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], 
     rows.append(fused_row("ot", models, part, split, "ot"))
     for method in AUTO_METHODS:
         rows.append(fused_row(method, models, part, split, method, seed=seed))
+        if args.summaries:  # the data-free default's OOD AUROC, for the summaries' rows to compare with
+            rows[-1]["auroc"] = entropy_auroc(fuse(models, method, class_counts=part.counts, seed=seed).model,
+                                              split, ood)
+    if args.summaries:
+        rows += summary_rows(models, part, split, seed, ood)
     for noise_var in args.sweep:
         rows.append(fused_row(f"pfnm s2={noise_var:g}", models, part, split, "pfnm", seed=seed,
                               noise_var=noise_var, **HAND_SET))
@@ -134,8 +178,23 @@ def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], 
 
 
 def seed_table(rows: list[dict]) -> str:
-    shown = [dict(r, converged={None: "-", True: "yes", False: "no"}[r["converged"]]) for r in rows]
+    shown = [dict(r, converged={None: "-", True: "yes", False: "no"}[r["converged"]], auroc=r.get("auroc") or "-")
+             for r in rows]
     return format_table(shown, SEED_COLUMNS)
+
+
+def ood_cost_table(rows: list[dict]) -> str:
+    """Mean +- sd over seeds of the rows that have an OOD AUROC (ensemble, the data-free defaults, the
+    summaries' rows), with the summary's and the model's size and the second round's temperature."""
+    summary = []
+    for method, group in by_method([r for r in rows if r.get("auroc") is not None]).items():
+        kb = [r["summary_kb"] for r in group if r.get("summary_kb") is not None]
+        temps = [r["temperature"] for r in group if r.get("temperature") is not None]
+        summary.append({"method": method, "auroc": mean_sd([r["auroc"] for r in group]),
+                        "summary kB": f"{np.mean(kb):.1f} (model {group[0]['model_kb']:.1f})" if kb else "-",
+                        "summarise s": f"{np.mean([r['summary_seconds'] for r in group]):.2f}" if kb else "-",
+                        "temperature": "/".join(f"{t:.2f}" for t in temps) if temps else "-"})
+    return format_table(summary, ("method", "auroc", "summary kB", "summarise s", "temperature"))
 
 
 def hyper_lines(method: str, chosen: list[dict]) -> list[str]:
@@ -302,6 +361,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(seed_table(fed_rows), flush=True)
             print(f"\nhidden {depth_name(hidden)}, {init} init: mean +- sd over seeds {args.seeds}")
             print(summary_table(block))
+            if args.summaries:
+                print(f"\nOOD (entropy AUROC, font digits against the test set) and what summaries cost:")
+                print(ood_cost_table(block))
             first = [r for r in block if r["seed"] == args.seeds[0] and r["method"] in AUTO_METHODS]
             print(f"hyper-parameters chosen by the library (seed {args.seeds[0]}; per block):")
             for r in first:

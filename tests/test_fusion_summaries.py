@@ -44,7 +44,7 @@ def test_one_client_fuses_to_itself(federation):
     # weights and its log pool (shares 1) the client's output layer; units come back permuted
     x = torch.as_tensor(split.test.x[:50])
     with torch.no_grad():
-        np.testing.assert_allclose(result.model(x).numpy(), models[0](x).numpy(), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(result.model.network(x).numpy(), models[0](x).numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_second_round_picks_a_temperature(federation):

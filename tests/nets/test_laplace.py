@@ -1,0 +1,71 @@
+"""The last-layer Laplace predictive: the probit rule by hand, sampling against quadrature."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfuse.nets.laplace import LastLayerLaplace
+from bayesfuse.nets.mlp import MLP
+from tests.helpers import randomise
+
+
+def network(k=3):
+    return randomise(MLP(4, [5], k), 0).double()
+
+
+def test_probit_logits_by_hand():
+    net = network()
+    rng = np.random.default_rng(1)
+    wv, bv = rng.uniform(0, 2, size=(3, 5)), rng.uniform(0, 1, size=3)
+    model = LastLayerLaplace(net, "layers.1", wv, bv)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    with torch.no_grad():
+        a = torch.relu(net.layers[0](x)).numpy()
+        f = net(x).numpy()
+        got = model(x).numpy()
+    s2 = (a ** 2) @ wv.T + bv
+    np.testing.assert_allclose(got, f / np.sqrt(1 + math.pi / 8 * s2), rtol=1e-12)
+    np.testing.assert_allclose(model.mean_logits(x).detach().numpy(), f)
+    model.temperature.fill_(2.0)
+    np.testing.assert_allclose(model(x).detach().numpy(), got / 2.0, rtol=1e-12)
+
+
+def test_zero_variance_is_the_network():
+    net = network()
+    model = LastLayerLaplace(net, "layers.1", np.zeros((3, 5)), np.zeros(3))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    want = torch.softmax(net(x), -1).detach().numpy()
+    np.testing.assert_allclose(model.predict(x), want, rtol=1e-12)
+    np.testing.assert_allclose(model.predict(x, num_samples=3), want, rtol=1e-12)
+
+
+def test_sampled_predictive_against_quadrature():
+    # two classes: p_0 = E[sigmoid(f0 - f1)], f0 - f1 ~ N(m0 - m1, s0^2 + s1^2), by Gauss-Hermite.
+    # 100,000 draws estimate it with sd <= 0.5 / sqrt(1e5) = 0.0016; the tolerance is 5 sd.
+    net = network(k=2)
+    model = LastLayerLaplace(net, "layers.1", np.full((2, 5), 0.3), np.full(2, 0.5))
+    x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = model.predict(x, num_samples=100_000, seed=4)[:, 0]
+    with torch.no_grad():
+        f, s2 = model._logits_and_variance(x)
+    mean, var = (f[:, 0] - f[:, 1]).numpy(), s2.sum(1).numpy()
+    nodes, weights = np.polynomial.hermite_e.hermegauss(80)
+    want = [(weights * (1 / (1 + np.exp(-(m + np.sqrt(v) * nodes))))).sum() / weights.sum() for m, v in zip(mean, var)]
+    np.testing.assert_allclose(got, want, atol=5 * 0.5 / np.sqrt(100_000))
+
+
+def test_refusals():
+    net = network()
+    with pytest.raises(ValueError, match="nn.Linear"):
+        LastLayerLaplace(net, "layers", np.zeros((3, 5)), np.zeros(3))
+    with pytest.raises(ValueError, match="do not fit"):
+        LastLayerLaplace(net, "layers.1", np.zeros((3, 4)), np.zeros(3))
+    with pytest.raises(ValueError, match="non-negative"):
+        LastLayerLaplace(net, "layers.1", -np.ones((3, 5)), np.zeros(3))
+    model = LastLayerLaplace(net, "layers.1", np.zeros((3, 5)), np.zeros(3))
+    with pytest.raises(ValueError, match="num_samples"):
+        model.predict(np.zeros((2, 4)), num_samples=0)
