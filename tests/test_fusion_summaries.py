@@ -47,6 +47,21 @@ def test_one_client_fuses_to_itself(federation):
         np.testing.assert_allclose(result.model.network(x).numpy(), models[0](x).numpy(), rtol=1e-4, atol=1e-4)
 
 
+def test_one_convnet_with_batch_norms_fuses_to_itself(federation):
+    from bayesfuse.nets.arch import make_cnn
+    from tests.helpers import randomise
+
+    split, part, models, summaries = federation
+    cnn = randomise(make_cnn(64, 10, channels=(3, 4), hidden=(6,)), 5)
+    idx = part[0]
+    summary = summarize(cnn, split.train.x[idx], split.train.y[idx])
+    with pytest.warns(UserWarning, match="only one model"):
+        result = fuse([cnn], "pfnm", summaries=[summary])
+    x = torch.as_tensor(split.test.x[:40])
+    with torch.no_grad():  # batch norms folded into the convolutions before them: the same function
+        np.testing.assert_allclose(result.model.network(x).numpy(), cnn(x).numpy(), rtol=1e-4, atol=1e-4)
+
+
 def test_second_round_picks_a_temperature(federation):
     split, part, models, summaries = federation
     result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part))

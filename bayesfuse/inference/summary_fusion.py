@@ -42,10 +42,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from bayesfuse.inference.layerwise import Basis, folded_entries, in_basis
+from bayesfuse.inference.layerwise import Basis, fold_batchnorm, folded_entries, in_basis
 from bayesfuse.inference.spec import PermutationSpec, to_global_basis
 
-__all__ = ["output_shares", "laplace_fuse_entries", "fold_temperature", "choose_temperature"]
+__all__ = ["output_shares", "laplace_precisions", "laplace_fuse_entries", "fold_temperature", "choose_temperature"]
 
 State = Mapping[str, np.ndarray]
 
@@ -60,6 +60,27 @@ def output_shares(output_precision: np.ndarray) -> np.ndarray:
         raise ValueError("output precisions must be a finite, non-negative (clients, classes) array")
     total = h.sum(0, keepdims=True)
     return np.where(total > 0, h / np.where(total > 0, total, 1.0), 1.0 / h.shape[0])
+
+
+def laplace_precisions(state: State, ggn: State, prior_precision: float, spec: PermutationSpec) -> dict:
+    """``pi = diag(G) + delta`` of every entry with a GGN diagonal, batch norms folded as ``spec`` says.
+
+    Folding (NAFI appendix E, eq. 47) writes ``W' = c W`` and ``b' = c (b - mu) + beta`` with
+    ``c = gamma / sqrt(var + eps)``; at the batch norm's values (its own uncertainty in ``gamma``
+    left out) the folded precisions are ``pi_W / c^2`` and ``1 / (c^2 / pi_b + 1 / pi_beta)``.
+    The batch norms' own entries then describe identities and get no precision.
+    """
+    pi = {k: np.asarray(v, dtype=np.float64) + prior_precision for k, v in ggn.items()}
+    for bn, layer in spec.folds.items():
+        c = np.asarray(state[f"{bn}.weight"], dtype=np.float64) / np.sqrt(
+            np.asarray(state[f"{bn}.running_var"], dtype=np.float64) + spec.batchnorm_eps(bn))
+        c2 = c ** 2
+        w = pi[f"{layer}.weight"]
+        pi[f"{layer}.weight"] = w / c2.reshape(-1, *([1] * (w.ndim - 1)))
+        pi[f"{layer}.bias"] = 1.0 / (c2 / pi[f"{layer}.bias"] + 1.0 / pi[f"{bn}.bias"])
+        for p in ("weight", "bias"):
+            pi.pop(f"{bn}.{p}", None)
+    return pi
 
 
 def _rows_present(shape: tuple, spec: PermutationSpec, name: str, j: int, bases: Mapping[str, Basis]) -> np.ndarray:
@@ -92,7 +113,9 @@ def laplace_fuse_entries(
     prior_precision : sequence of J floats
         ``delta_j``.
     spec : PermutationSpec
-        Without batch-norm folds (refused: their precisions would need the same folding).
+        Batch norms it folds are folded into the layers before them, weights and precisions
+        (:func:`laplace_precisions`); their entries are left out of the result (the matching's
+        fused state holds them as identities).
     bases : mapping of group to Basis
         The matching's assignments and global widths of every hidden group.
     shares : (J, K) array
@@ -105,16 +128,17 @@ def laplace_fuse_entries(
         ``sum_j pi_jd`` of each hidden coordinate (output entries: the pooled ``sum_j s_jk^2 /
         pi_jk`` inverted, the precision of the pooled logit weight).
     """
-    if spec.folds or folded_entries(spec):
-        raise ValueError("fusing with summaries does not fold batch norms yet: fuse networks with batch norms "
-                         "without summaries")
     J = len(states)
     if not (len(precisions) == len(prior_precision) == J):
         raise ValueError(f"{J} networks, {len(precisions)} precisions and {len(prior_precision)} prior precisions")
     shares = np.asarray(shares, dtype=np.float64)
+    pis = [laplace_precisions(sd, p, d, spec) for sd, p, d in zip(states, precisions, prior_precision)]
+    if spec.folds:
+        states = [fold_batchnorm(sd, spec) for sd in states]
+    skip = folded_entries(spec)
     values, fused_precision = {}, {}
     for k in spec.axes:
-        if k not in precisions[0]:
+        if k not in pis[0] or k in skip:
             continue
         local = [np.asarray(sd[k], dtype=np.float64) for sd in states]
         if k in spec.output:
@@ -122,7 +146,7 @@ def laplace_fuse_entries(
             var = np.zeros(1)
             for j, v in enumerate(local):
                 s = shares[j].reshape((-1,) + (1,) * (v.ndim - 1))
-                pi = np.asarray(precisions[j][k], dtype=np.float64) + prior_precision[j]
+                pi = pis[j][k]
                 pooled = pooled + s * in_basis(v, spec, k, j, bases, fill=0.0)
                 var = var + s ** 2 * in_basis(1.0 / pi, spec, k, j, bases, fill=0.0)
             values[k] = pooled
@@ -131,7 +155,7 @@ def laplace_fuse_entries(
         num = np.zeros(1)
         den = np.zeros(1)
         for j, v in enumerate(local):
-            pi = np.asarray(precisions[j][k], dtype=np.float64) + prior_precision[j]
+            pi = pis[j][k]
             present = _rows_present(v.shape, spec, k, j, bases)
             weight = in_basis(pi, spec, k, j, bases, fill=prior_precision[j]) * present
             num = num + weight * in_basis(v, spec, k, j, bases, fill=0.0)

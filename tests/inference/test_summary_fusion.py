@@ -8,7 +8,7 @@ import pytest
 from bayesfuse.inference.layerwise import Basis
 from bayesfuse.inference.spec import chain, dense
 from bayesfuse.inference.summary_fusion import (choose_temperature, fold_temperature, laplace_fuse_entries,
-                                                output_shares)
+                                                laplace_precisions, output_shares)
 
 SPEC = chain(dense("l0", None, "P1"), dense("l1", "P1", None), output=("l1.weight", "l1.bias"))
 
@@ -111,3 +111,24 @@ def test_temperature():
     np.testing.assert_array_equal(folded["l0.weight"], state["l0.weight"])
     with pytest.raises(ValueError, match="positive"):
         fold_temperature(state, SPEC, 0.0)
+
+
+def test_batch_norm_folding_of_precisions():
+    from bayesfuse.inference.spec import batchnorm
+
+    rng = np.random.default_rng(4)
+    spec = chain(dense("l0", None, "P1"), batchnorm("bn", "P1", after="l0"), dense("l1", "P1", None),
+                 output=("l1.weight", "l1.bias"))
+    state = {"l0.weight": rng.normal(size=(3, 2)), "l0.bias": rng.normal(size=3), "bn.weight": rng.normal(size=3),
+             "bn.bias": rng.normal(size=3), "bn.running_mean": rng.normal(size=3),
+             "bn.running_var": rng.uniform(0.5, 2, size=3), "l1.weight": rng.normal(size=(2, 3)),
+             "l1.bias": rng.normal(size=2)}
+    ggn = {k: rng.uniform(0, 3, size=np.shape(state[k])) for k in ("l0.weight", "l0.bias", "bn.weight", "bn.bias",
+                                                                    "l1.weight", "l1.bias")}
+    pi = laplace_precisions(state, ggn, 0.5, spec)
+    c = state["bn.weight"] / np.sqrt(state["bn.running_var"] + 1e-5)
+    # var(c W) = c^2 var(W); var(c (b - mu) + beta) = c^2 var(b) + var(beta)
+    np.testing.assert_allclose(pi["l0.weight"], (ggn["l0.weight"] + 0.5) / c[:, None] ** 2)
+    np.testing.assert_allclose(1 / pi["l0.bias"], c ** 2 / (ggn["l0.bias"] + 0.5) + 1 / (ggn["bn.bias"] + 0.5))
+    np.testing.assert_allclose(pi["l1.weight"], ggn["l1.weight"] + 0.5)
+    assert "bn.weight" not in pi and "bn.bias" not in pi
