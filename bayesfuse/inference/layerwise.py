@@ -348,7 +348,7 @@ def match_group(
     """Match the units of one group (BBP-MAP, PFNM supplement eqs. 1-8; NAFI eq. 14).
 
     Hyper-parameters. ``noise_var``, ``prior_var``, ``gamma0``: numbers, or ``"auto"`` for
-    empirical Bayes (:mod:`bayesfuse.inference.empirical_bayes`) with one block per entry that
+    empirical Bayes (:mod:`bayesfuse.inference.matching.empirical_bayes`) with one block per entry that
     describes the units (incoming weights, bias, outgoing weights: their scales differ by
     orders of magnitude), outgoing weights into class k weighted by the client's class share.
     ``kl_weight`` is per coordinate: :func:`~bayesfuse.inference.matching.match_neurons` gets

@@ -24,6 +24,9 @@ with the assignments ``B``, by coordinate ascent:
    sufficient statistics (:func:`atom_statistics`: one pass over the neurons per round);
 3. repeat until a sweep moves no neuron.
 
+This module holds both the statistics and that loop (:func:`match_empirical_bayes`, which
+:func:`~bayesfuse.inference.matching.match_neurons` runs when a hyper-parameter is ``"auto"``).
+
 EM step given ``B`` (E-step: the atoms' Gaussian posteriors
 ``lambda_id = 1/s_0b + sum_{(j,l)->i} w_jd / s_b``,
 ``theta^_id = (mu_0b/s_0b + sum w_jd v_jld / s_b) / lambda_id``, ``V_id = 1/lambda_id``):
@@ -45,14 +48,26 @@ EM drives ``s`` to 0 and nothing ever merges.
 
 from __future__ import annotations
 
+import math
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 from scipy.optimize import minimize
+from tqdm.auto import tqdm
+
+from bayesfuse._validation import finite_array, positive_array
+from bayesfuse.inference._backend import backend_of, to_host
+from bayesfuse.inference.matching.checks import check_layers, relative_weights
+from bayesfuse.inference.matching.model import neuron_squares
+from bayesfuse.inference.matching.result import MatchResult
+from bayesfuse.inference.matching.sweeps import NeuronCache, least_gain_for, match_fixed
+from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 
 __all__ = ["BlockHyper", "AtomStatistics", "initial_hyper", "atom_statistics", "atom_posterior", "em_step",
-           "em_update", "maximise_hyper", "noise_matrix"]
+           "em_update", "maximise_hyper", "noise_matrix", "match_empirical_bayes"]
 
 #: Smallest variance EM may return (constant coordinates would otherwise reach 0).
 VARIANCE_FLOOR = 1e-8
@@ -366,3 +381,91 @@ def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
     if "gamma0" in fit:
         out.gamma0 = float(stats.weight.shape[0] / np.sum(1.0 / np.arange(1, stats.n_clients + 1)))
     return out
+
+
+def match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_mean, blocks, relative_precision,
+                           local_vars, rounds, match, verbose, start) -> MatchResult:
+    """:func:`match_neurons` with the ``auto`` hyper-parameters chosen by empirical Bayes.
+
+    Coordinate ascent on ``F(B, theta) = log p(V, B | theta)``: each round is one sweep over
+    the clients (the marginal cost: every client's Hungarian step raises F given theta), then
+    the hyper-parameters that maximise F given the assignments
+    (:func:`maximise_hyper`). F never decreases; the
+    rounds stop when a sweep moves no neuron, where the assignments are a fixed point of the
+    sweeps under the hyper-parameters they were matched with, and those hyper-parameters the
+    maximiser for these assignments; or, with ``tol``, when a round's sweep raised F by less
+    than ``tol`` nats per neuron (the result is then that sweep's, under the hyper-parameters
+    it was matched with). If ``rounds`` run out first, a last matching (up to
+    ``n_iter`` sweeps) with the final values makes result and hyper-parameters agree.
+    """
+    if local_vars is not None:
+        raise ValueError("'auto' hyper-parameters need local_vars=None (give numbers with local posterior variances)")
+    if int(rounds) != rounds or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds}")
+    layers = check_layers(layers)
+    backend = backend_of(layers)
+    host_layers = [backend.host(v) for v in layers]  # the statistics run on the host
+    J, D = len(layers), layers[0].shape[1]
+    blocks = np.zeros(D, dtype=np.int64) if blocks is None else to_host(blocks, None)
+    if blocks.shape != (D,) or not np.issubdtype(blocks.dtype, np.integer) or blocks.min() < 0 or \
+            set(np.unique(blocks)) != set(range(int(blocks.max()) + 1)):
+        raise ValueError(f"blocks must be ({D},) integers numbering blocks 0..B-1, each used")
+    weights = np.ones((J, D)) if relative_precision is None else relative_weights(relative_precision, J, D)
+    mu0 = np.broadcast_to(finite_array(prior_mean, "prior_mean"), (D,)).astype(np.float64)
+    hyper = initial_hyper(host_layers, blocks, weights, mu0)
+    n_blocks = len(hyper.prior_var)
+    for key, value in (("noise_var", noise_var), ("prior_var", prior_var)):
+        if key not in auto:
+            value = positive_array(value, key)
+            if np.ndim(value) != 0:
+                raise ValueError(f"with 'auto' hyper-parameters, {key} must be a number or 'auto'")
+            setattr(hyper, key, np.full(n_blocks, float(value)))
+    if "gamma0" not in auto:
+        hyper.gamma0 = float(gamma0)
+    trace, result, init_atoms, assignments = [], None, None, None
+    squares, cache = neuron_squares(host_layers), NeuronCache(J)
+    sweeps, least_gain = 0, least_gain_for(match["tol"], host_layers, match["cost"])
+    settled = stopped = False
+    bar = tqdm(range(int(rounds)), desc="empirical Bayes", unit="round", disable=not verbose)
+    with warnings.catch_warnings():  # one sweep per round never "converges": the rounds' end is what counts
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        for r in bar:
+            noise, prior0, mean0 = hyper.expand(blocks, weights)
+            result = match_fixed(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
+                            init=assignments, init_atoms=init_atoms, squares=squares, cache=cache,
+                            **dict(match, n_iter=1))
+            assignments, init_atoms = result.assignments, None
+            sweeps += result.n_sweeps
+            trace.append(dict(n_global=result.n_global, objective=result.objective[-1], **hyper.as_dict()))
+            bar.set_postfix(atoms=result.n_global, objective=f"{result.objective[-1]:.1f}")
+            gain = math.inf if r == 0 else trace[-1]["objective"] - trace[-2]["objective"]
+            settled = result.converged  # no neuron moved
+            stopped = not settled and least_gain is not None and gain < least_gain
+            if settled or stopped:
+                break
+            # one pass over the neurons serves the M-step and the next sweep's start; of this sweep's
+            # result, only the assignments and the posterior means (the statistics' shift) are used
+            shift, result = backend.host(result.mean), None
+            stats = atom_statistics(host_layers, assignments, weights, shift=shift)
+            del shift
+            hyper = maximise_hyper(stats, blocks, hyper, fit=auto)
+            # the next sweep's start, written over the spent statistics; a list: match_fixed takes the
+            # (K, D) arrays out of it, and they go once its atoms hold them
+            stats.scatter = None
+            init_atoms = [*atom_posterior(stats, blocks, hyper, overwrite=True), stats.counts]
+            del stats
+        objective = [t["objective"] for t in trace]
+        if not (settled or stopped):
+            noise, prior0, mean0 = hyper.expand(blocks, weights)
+            result = match_fixed(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
+                            init=assignments, init_atoms=init_atoms, squares=squares, cache=cache,
+                            baseline=objective[-1], **match)
+            sweeps += result.n_sweeps
+            objective += result.objective
+            stopped = result.hyper["stopped"]
+    result.n_sweeps, result.objective, result.converged = sweeps, objective, result.converged or stopped
+    result.hyper = dict(result.hyper, **hyper.as_dict(), auto=list(auto), blocks=blocks.tolist(), rounds=len(trace),
+                        trace=trace, stopped=stopped)
+    result.seconds = time.perf_counter() - start
+    warn_not_converged({"matching": result}, "matching", stacklevel=4)
+    return result
