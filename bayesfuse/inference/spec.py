@@ -16,7 +16,7 @@ LSTM's ``weight_ih`` stacks the four gates' rows (``outer=4``).
 Everything here is pure: names, shapes and arrays (NumPy arrays, or any array with ``shape``
 and ``reshape`` such as torch tensors, which :func:`permute` keeps as they are). The matchers
 of :mod:`bayesfuse.inference.layerwise` and :mod:`bayesfuse.inference.fedma` read these specs;
-:func:`bayesfuse.nets.spec.spec_from_module` derives one from a torch module by tracing it.
+:func:`bayesfuse.nets.tracing.spec_from_module` derives one from a torch module by tracing it.
 :mod:`bayesfuse.inference.spec_io` reads specs off state_dicts (names and shapes) and JSON, and
 writes them back; its functions are importable from here too.
 """

@@ -32,7 +32,7 @@ from torch import nn
 
 from bayesfuse.inference.encodings import position_encoding as _encoding_values
 from bayesfuse.inference.spec import Encoding, permute, random_permutations
-from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.nets.tracing import spec_from_module
 from bayesfuse.nets.state import numpy_state
 
 __all__ = ["PANConfig", "PositionAware", "position_encoding", "shuffle_error"]
@@ -73,7 +73,7 @@ class PositionAware(nn.Module):
     Put it between a hidden Linear/Conv layer (or its batch norm) and its activation. The
     encoding depends only on the width, so it is a non-persistent buffer (in torch's default
     dtype): state_dicts are those of the plain network, and permutation specs record the
-    encoding instead (:func:`bayesfuse.nets.spec.spec_from_module`), for fusion to fold it in.
+    encoding instead (:func:`bayesfuse.nets.tracing.spec_from_module`), for fusion to fold it in.
     """
 
     def __init__(self, n_units: int, config: PANConfig) -> None:
