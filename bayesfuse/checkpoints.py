@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from bayesfuse._io import atomic_write_bytes
 from bayesfuse.inference.spec import entry_order
 
 __all__ = ["Checkpoint", "load_state_dict", "read_checkpoint", "save_state_dict", "output_format",
-           "tensors_sha256", "FORMATS"]
+           "tensors_sha256", "FORMATS", "posterior_path", "posterior_bytes", "read_posterior"]
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
 ORDER_KEY = "bayesfuse.order"
@@ -244,3 +245,63 @@ def state_dict_bytes(state_dict: dict, fmt: str) -> bytes:
     buf = io.BytesIO()
     torch.save(tensors, buf)
     return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- output-layer posteriors
+
+POSTERIOR_FORMAT = "bayesfuse-output-posterior"
+POSTERIOR_VERSION = 1
+
+
+def posterior_path(path: str | os.PathLike) -> Path:
+    """Where the output layer's posterior of a fused model file lies: ``fused.pt`` -> ``fused.pt.posterior.safetensors``
+    (beside it, named like its report ``fused.pt.json``)."""
+    path = Path(path)
+    return path.with_name(path.name + ".posterior.safetensors")
+
+
+def posterior_bytes(precision: dict, *, output: str, model_tensors: dict) -> bytes:
+    """The posterior precisions of a fused model's output layer, as a safetensors file.
+
+    ``precision`` maps the output layer's entries (``layers.1.weight``, ``layers.1.bias``) to
+    their fused posterior precisions; ``output`` names the layer's module; the metadata records
+    the :func:`tensors_sha256` of ``model_tensors`` (the fused model file's tensors), so that a
+    posterior is never read beside another model.
+    """
+    from safetensors.numpy import save
+
+    tensors = {f"precision/{k}": np.ascontiguousarray(v, dtype=np.float32) for k, v in precision.items()}
+    meta = {"format": POSTERIOR_FORMAT, "version": str(POSTERIOR_VERSION), "output": output,
+            "model_tensors_sha256": tensors_sha256(model_tensors)}
+    return save(tensors, metadata=meta)
+
+
+def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str) -> tuple[str, dict]:
+    """The output layer's module name and its entries' precisions, from :func:`posterior_bytes`'s file.
+
+    Refuses, with one line naming the file, a file of another format or version, or one written
+    beside other tensors than ``model_tensors`` (``model_name``'s).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as err:  # safetensors raises its own error types
+        raise ValueError(f"{path}: not a readable safetensors posterior ({_first_line(err)})") from None
+    if meta.get("format") != POSTERIOR_FORMAT:
+        raise ValueError(f"{path}: not a bayesfuse output-layer posterior (format {meta.get('format')!r})")
+    if meta.get("version") != str(POSTERIOR_VERSION):
+        raise ValueError(f"{path}: posterior version {meta.get('version')!r} is not one this bayesfuse reads "
+                         f"({POSTERIOR_VERSION})")
+    if meta.get("model_tensors_sha256") != tensors_sha256(model_tensors):
+        raise ValueError(f"{path}: this posterior was written for other tensors than {model_name}'s; fuse again, "
+                         "or remove the stale posterior file")
+    precision = {k[len("precision/"):]: v for k, v in tensors.items() if k.startswith("precision/")}
+    output = meta.get("output", "")
+    if not precision or not all(k.rpartition(".")[0] == output for k in precision):
+        raise ValueError(f"{path}: the posterior's entries {sorted(precision)} are not those of its output layer "
+                         f"{output!r}")
+    return output, precision

@@ -1,4 +1,4 @@
-"""Command line: ``bayesfuse demo`` and ``bayesfuse fuse``.
+"""Command line: ``bayesfuse demo``, ``bayesfuse fuse`` and ``bayesfuse summarize``.
 
 Exit status: 0 on success; 2 for every failure the user can cause or fix (bad options or inputs,
 outputs that exist, unreadable files, a read-only or full output directory, a file-size limit,
@@ -53,6 +53,16 @@ def _methods(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown methods {unknown}; choose from {', '.join(DEMO_METHODS)}")
     return methods
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def _pan(text: str):
@@ -162,7 +172,30 @@ def build_parser() -> argparse.ArgumentParser:
                     help='JSON object mapping each MODEL (its path as given, or its file name) to its training '
                     'examples per class, e.g. {"client0.pt": [120, 0, 35]}: weights the output layer by the clients\' '
                     "class shares, which matters when they saw different classes")
+    fz.add_argument("--summaries", choices=["auto", "none"], default="auto",
+                    help="client summaries (bayesfuse summarize): auto uses MODEL's summary beside it "
+                    "(model.summary.safetensors) when every MODEL has one and the method reads them (pfnm, nafi), and "
+                    "then also writes OUT.posterior.safetensors, the output layer's posterior; none fuses data-free "
+                    "(default: auto)")
     fz.add_argument("--force", action="store_true", help="replace existing output files")
+
+    sm = sub.add_parser(
+        "summarize",
+        help="a client's summary of its own data, beside its model file (for bayesfuse fuse)",
+        description="One pass over the client's data: the Laplace precision of every weight (GGN diagonal), "
+        "per-unit moments and class counts, written as MODEL's summary (model.pt -> model.summary.safetensors), "
+        "where `bayesfuse fuse` reads it. Aggregates only: no example can be read back from it.",
+        epilog=EXIT_STATUS,
+    )
+    sm.add_argument("model", metavar="MODEL", help="the client's model file (.pt, .pth or .safetensors state_dict of "
+                    "an MLP, make_cnn ConvNet or LSTMClassifier)")
+    sm.add_argument("--data", required=True, metavar="DATA",
+                    help="the client's training data: a .npz file with arrays x (inputs) and y (integer labels)")
+    sm.add_argument("--out", default=None, metavar="PATH",
+                    help="summary file (.safetensors; default: MODEL's name with .summary.safetensors, beside it)")
+    sm.add_argument("--prior-precision", type=_positive_float, default=1.0, metavar="X",
+                    help="precision of the Gaussian prior on every weight, added to the GGN diagonal (default: 1)")
+    sm.add_argument("--force", action="store_true", help="replace an existing summary file")
     return parser
 
 
@@ -202,9 +235,13 @@ def _run_fuse(args: argparse.Namespace) -> int:
         report = fuse_files(args.models, args.method, args.out, hyper=parse_assignments(args.method, args.hyper),
                             fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
                             spec_path=args.arch_spec, device=args.device, dtype=args.dtype,
-                            class_counts=None if args.class_counts is None else read_class_counts(args.class_counts))
-    print(f"fused {len(args.models)} models with {args.method}: global sizes {report['global_sizes']}; "
-          f"wrote {args.out} and {args.out}.json ({report['seconds']:.1f} s)")
+                            class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
+                            summaries=args.summaries)
+    used = report["summaries"].get("used", False)
+    posterior = f" and {report['posterior']['file']}" if report["posterior"] else ""
+    print(f"fused {len(args.models)} models with {args.method} "
+          f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "
+          f"wrote {args.out}, {args.out}.json{posterior} ({report['seconds']:.1f} s)")
     if not report["converged"]:
         late = [layer["group"] for layer in report["layers"] if not layer["converged"]]
         print(f"warning: the matching of {', '.join(late)} did not converge; raise n_iter (--hyper n_iter=...)",
@@ -216,7 +253,7 @@ def _run_fuse(args: argparse.Namespace) -> int:
 _FLAGS = (("force=True (--force on the command line)", "--force"), ("force=True", "--force"), ("overwrite=True", "--force"), ("fmt='pt' or 'safetensors'",
           "--format pt or safetensors"), ("arch='mlp'", "--arch mlp"), ("arch='cnn'", "--arch cnn"),
           ("arch='lstm'", "--arch lstm"), ("spec_path=", "--arch-spec "), ("device=", "--device "),
-          ("dtype=", "--dtype "))
+          ("dtype=", "--dtype "), ("summaries='none'", "--summaries none"))
 
 
 def _in_cli_words(message: str) -> str:
@@ -255,9 +292,21 @@ def _error(command: str, message: str) -> int:
     return EXIT_ERROR
 
 
+def _run_summarize(args: argparse.Namespace) -> int:
+    from bayesfuse.summary_files import summarize_file
+
+    done = summarize_file(args.model, args.data, out=args.out, prior_precision=args.prior_precision,
+                          force=args.force)
+    print(f"wrote {done['path']}: {done['bytes']:,} bytes, {done['bytes'] / done['model_bytes']:.2f}x the model's "
+          f"{done['model_bytes']:,}; {done['n_examples']} examples, {done['seconds']:.1f} s")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return _run_demo(args)
+    if args.command == "summarize":
+        return _run_summarize(args)
     return _run_fuse(args)
 
 

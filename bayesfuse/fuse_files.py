@@ -28,15 +28,19 @@ import torch
 
 from bayesfuse import __version__, methods
 from bayesfuse._io import atomic_write_files, check_writable, jsonable, recover
-from bayesfuse.checkpoints import Checkpoint, output_format, read_checkpoint, state_dict_bytes, tensors_sha256
+from bayesfuse.checkpoints import (Checkpoint, output_format, posterior_bytes, posterior_path, read_checkpoint,
+                                   state_dict_bytes, tensors_sha256)
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
 from bayesfuse.models.bnn_sites import is_bnn_state, state_depth, state_keys
+from bayesfuse.summaries import load_summary, summary_path
 
-__all__ = ["fuse_files", "ARCHS"]
+__all__ = ["fuse_files", "ARCHS", "SUMMARY_MODES"]
 
 ARCHS = ("auto", "mlp", "cnn", "lstm")
+#: ``summaries=``: "auto" reads each input's summary beside it (when every input has one), "none" ignores them.
+SUMMARY_MODES = ("auto", "none")
 
 
 def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
@@ -188,6 +192,48 @@ def _network_spec(state_dicts, names, arch, spec):
     return spec
 
 
+def _input_summaries(names: Sequence[str], mode: str, method: str, kind: str) -> tuple[list | None, dict]:
+    """The summaries beside the inputs ``names`` (canonical order) that ``mode`` asks for, and
+    what the report says about them: used (with their files), or why the fusion is data-free.
+
+    With ``mode="auto"`` and a method that reads summaries for ``kind``, every input's
+    :func:`~bayesfuse.summaries.summary_path` is read when every input has one; when only some
+    have one, the files without are named in the error.
+    """
+    if mode == "none":
+        return None, {"used": False, "path": "data-free", "reason": "summaries='none'"}
+    if kind not in methods.METHODS[method].summaries:
+        return None, {"used": False, "path": "data-free", "reason": f"{method} reads no client summaries for "
+                      f"{kind} inputs"}
+    files = [summary_path(n) for n in names]
+    present = [f.is_file() for f in files]
+    if not any(present):
+        return None, {"used": False, "path": "data-free", "reason": "no input has a summary beside it"}
+    if not all(present):
+        missing = [n for n, p in zip(names, present) if not p]
+        raise ValueError(f"only some inputs have a client summary beside them; none for {', '.join(missing)} "
+                         f"(expected {files[present.index(False)].name}): summarize them too (bayesfuse summarize "
+                         "MODEL --data ...) or fuse without summaries (summaries='none')")
+    return [load_summary(f) for f in files], {"files": [str(f) for f in files],
+                                              "file_bytes": [f.stat().st_size for f in files]}
+
+
+def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | None]:
+    """The file of the output layer's fused precisions (:func:`~bayesfuse.checkpoints.posterior_bytes`)
+    and its entry in the report; nothing without a fused precision."""
+    if getattr(fused, "precision", None) is None:  # BNNs, and networks fused without summaries
+        return [], None
+    entries = [k for k in fused.spec.output if k in fused.precision]
+    output = entries[0].rpartition(".")[0] if entries else ""
+    if not entries or any(k.rpartition(".")[0] != output for k in entries):
+        raise ValueError(f"the fused posterior needs one output layer; the output entries are {list(fused.spec.output)}")
+    path = posterior_path(out)
+    data = posterior_bytes({k: fused.precision[k] for k in entries}, output=output, model_tensors=fused_sd)
+    return [(path, data)], {"file": str(path), "output_layer": output, "entries": entries,
+                            "stores": "fused posterior precision of each output-layer entry (variance = 1 / "
+                                      "precision); bayesfuse.load returns a LastLayerLaplace with it"}
+
+
 def _wrong_kind(method: str, kind: str) -> str:
     """Why ``method`` cannot fuse checkpoints of ``kind``."""
     if kind == "network":
@@ -210,6 +256,7 @@ def fuse_files(
     device=None,
     dtype: str = "float64",
     class_counts: Mapping[str, Sequence[float]] | None = None,
+    summaries: str = "auto",
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
@@ -225,6 +272,17 @@ def fuse_files(
     default); a torch device (``"cpu"``, ``"cuda"``...), torch there in ``dtype``. They are
     checked before any file is read and recorded in the report (``device``, ``dtype``); a
     result computed on a device equals the host's up to round-off.
+
+    ``summaries`` (:data:`SUMMARY_MODES`): with ``"auto"``, when the method reads client
+    summaries (PFNM, NAFI on point-estimate networks) and every input has one beside it
+    (``model.pt`` -> ``model.summary.safetensors``, ``bayesfuse summarize``), the networks are
+    fused as Laplace posteriors (:func:`bayesfuse.core.fuse_states`); inputs of which only some
+    have a summary are refused, naming those without; ``"none"`` fuses data-free. The report's
+    ``summaries`` says what was used (the summaries' files and bytes) or ``"path":
+    "data-free"`` and why. With summaries, the fused precision of the output layer's entries is
+    written beside the model, ``out + '.posterior.safetensors'``
+    (:func:`~bayesfuse.checkpoints.posterior_bytes`; the report's ``posterior``), and
+    :func:`bayesfuse.load` returns the model with that posterior.
     """
     start = time.perf_counter()
     if method not in methods.METHODS:
@@ -236,6 +294,8 @@ def fuse_files(
                          "`bayesfuse demo --methods fedma`), or fuse the files in one shot with pfnm or nafi")
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    if summaries not in SUMMARY_MODES:
+        raise ValueError(f"unknown summaries={summaries!r}; choose one of {', '.join(SUMMARY_MODES)}")
     methods.check_execution(method, None, device)
     checked_device = check_device(device, dtype)  # before any file is read
     hyper = dict(hyper or {})
@@ -249,8 +309,8 @@ def fuse_files(
     out = Path(out)
     report_path = out.with_name(out.name + ".json")
     check_writable(out.parent)  # a read-only directory fails now, not after the fusion
-    recover([out, report_path])  # finish or undo a killed run's commit before looking at the outputs
-    for p in (out, report_path):
+    recover([out, report_path, posterior_path(out)])  # finish or undo a killed run's commit before looking
+    for p in (out, report_path, posterior_path(out)):
         if p.is_dir():
             raise IsADirectoryError(f"{p} is a directory; give a file name for the fused model")
         if p.exists() and not force:
@@ -289,6 +349,7 @@ def fuse_files(
     kind = "bnn" if all(is_bnn) else "network"
     if kind not in row.kinds:
         raise ValueError(_wrong_kind(method, kind))
+    client_summaries, summaries_report = _input_summaries(names, summaries, method, kind)
     if kind == "bnn":
         from bayesfuse.models.bnn import HorseshoeBNN
 
@@ -304,7 +365,7 @@ def fuse_files(
             {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
             for sd in state_dicts]
         fused = fuse_states(states, method, spec=spec, names=names, seed=seed, device=device, dtype=dtype,
-                            class_counts=counts, **hyper)
+                            class_counts=counts, summaries=client_summaries, **hyper)
         fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype))
                                for k in state_dicts[0])
     report = {
@@ -319,6 +380,8 @@ def fuse_files(
         "inputs": files,
         "fused_order": names,
         "class_counts": None if counts is None else counts.tolist(),
+        "summaries": jsonable({**fused.hyper.get("summaries", {}), **summaries_report}),
+        "posterior": None,
         "global_sizes": [int(s) for s in fused.sizes],
         "converged": fused.converged,
         "layers": [
@@ -335,8 +398,11 @@ def fuse_files(
                      "python": platform.python_version()},
         "seconds": time.perf_counter() - start,
     }
-    # the model and its report are one unit: both written, or (without force) neither
+    posterior, report["posterior"] = _output_posterior(fused, fused_sd, out)
+    # the model, its report (and its posterior) are one unit: all written, or (without force) none
     atomic_write_files([(out, state_dict_bytes(fused_sd, fmt)),
-                        (report_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8"))],
-                       overwrite=force)
+                        (report_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8")),
+                        *posterior], overwrite=force)
+    if not posterior and posterior_path(out).exists():  # --force over a fusion that had one: not this model's
+        posterior_path(out).unlink()
     return report

@@ -12,6 +12,11 @@ re-creates the network at the fused widths:
 * any other network given as a template, ``like=model``: the template's layers are re-created
   at the file's widths (:func:`~bayesfuse.nets.arch.rebuild`), which also gives position-aware
   layers the encodings of their new widths.
+
+A model fused with client summaries has its output layer's posterior beside it
+(``fused.pt.posterior.safetensors``, :func:`~bayesfuse.checkpoints.posterior_path`): :func:`load`
+then returns a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`, the network at its posterior
+mean with the Gaussian posterior of its output layer (``posterior=False``: the network alone).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bayesfuse.checkpoints import read_checkpoint
+from bayesfuse.checkpoints import posterior_path, read_checkpoint, read_posterior
 
 __all__ = ["load", "load_report"]
 
@@ -41,7 +46,8 @@ def load_report(path: str | os.PathLike) -> dict | None:
         raise ValueError(f"{report}: not a readable JSON report ({err})") from None
 
 
-def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: int | None = None) -> nn.Module:
+def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: int | None = None,
+         posterior: bool = True) -> nn.Module:
     """The network stored in a (fused) checkpoint file, in eval mode.
 
     Parameters
@@ -54,11 +60,16 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
         entries of their own).
     n_features : int, optional
         Input size of a ConvNet from :func:`~bayesfuse.nets.arch.make_cnn` (e.g. 784).
+    posterior : bool
+        Whether to read the output layer's posterior beside the file when there is one
+        (``bayesfuse fuse`` writes it when it used client summaries).
 
     Returns
     -------
     nn.Module
-        With ``fusion_report``: the JSON report beside the file (None when there is none).
+        With ``fusion_report``: the JSON report beside the file (None when there is none). A
+        :class:`~bayesfuse.nets.laplace.LastLayerLaplace` when the output layer's posterior is
+        beside the file.
 
     Raises
     ------
@@ -66,7 +77,8 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
         No such file.
     ValueError
         The file is not a state_dict, or its entries fit none of the known architectures and no
-        ``like`` was given, or a ConvNet's ``n_features`` is missing or does not fit.
+        ``like`` was given, or a ConvNet's ``n_features`` is missing or does not fit; or the
+        posterior beside it is unreadable, of another version or written for other tensors.
     """
     state = read_checkpoint(path).tensors
     name = str(path)
@@ -80,8 +92,22 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
                 from None
     else:
         model = _recognised(state, name, n_features)
+    if posterior and posterior_path(path).is_file():
+        model = _with_posterior(model, posterior_path(path), state, name)
     model.fusion_report = load_report(path)
     return model.eval()
+
+
+def _with_posterior(model: nn.Module, path: Path, state: dict, name: str) -> nn.Module:
+    """``model`` with the output layer's posterior in ``path`` (:func:`~bayesfuse.checkpoints.read_posterior`)."""
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    output, precision = read_posterior(path, state, name)
+    try:
+        weight, bias = (precision[f"{output}.{leaf}"] for leaf in ("weight", "bias"))
+        return LastLayerLaplace(model, output, 1.0 / weight.astype("float64"), 1.0 / bias.astype("float64"))
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{path}: does not fit {name}'s output layer {output!r} ({err})") from None
 
 
 def _recognised(state: dict, name: str, n_features: int | None) -> nn.Module:

@@ -1,0 +1,131 @@
+"""``bayesfuse summarize MODEL --data DATA``: a client's summary of its own data, beside its model file.
+
+The client reads its model file as ``bayesfuse fuse`` and :func:`bayesfuse.load` do (a safe
+state_dict of a network bayesfuse recognises: MLP, ``make_cnn`` ConvNet, LSTMClassifier), and
+its data from a local ``.npz`` file holding ``x`` (inputs, one row per example; images are
+flattened) and ``y`` (integer labels). :func:`bayesfuse.summarize` makes one pass over it and
+the summary is written, atomically, beside the model (``model.pt`` ->
+``model.summary.safetensors``), where ``bayesfuse fuse`` looks for it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bayesfuse._io import check_writable, recover
+from bayesfuse.loading import load
+from bayesfuse.summaries import save_summary, summarize, summary_path
+
+__all__ = ["summarize_file", "read_client_data"]
+
+
+def read_client_data(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` (float32, one flat row per example) and ``y`` (int64) of a client's ``.npz`` data file.
+
+    Refuses, in one line naming what is missing, a missing file, one that is not ``.npz``, or one
+    without the arrays ``x`` and ``y`` (of one example each per row, integer labels).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"data {path} is a directory; give the client's .npz file")
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist (a .npz with arrays x and y)")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (ValueError, OSError, EOFError) as err:
+        if isinstance(err, PermissionError):
+            raise PermissionError(f"data file {path}: permission denied") from None
+        raise ValueError(f"data file {path} is not a NumPy .npz archive ({err})") from None
+    if not isinstance(arrays, dict):
+        raise ValueError(f"data file {path} holds one array, not a .npz archive with x and y")
+    missing = [k for k in ("x", "y") if k not in arrays]
+    if missing:
+        raise ValueError(f"data file {path} has no array {' and no array '.join(repr(k) for k in missing)} (it holds "
+                         f"{', '.join(repr(k) for k in arrays) or 'nothing'}); save the inputs as x and the labels as "
+                         "y: numpy.savez(path, x=inputs, y=labels)")
+    x, y = arrays["x"], arrays["y"]
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"data file {path}: y must be a 1-D array of integer labels, got {y.dtype} of shape {y.shape}")
+    if x.ndim < 2 or len(x) != len(y) or not (np.issubdtype(x.dtype, np.number) and not np.iscomplexobj(x)):
+        raise ValueError(f"data file {path}: x must hold one row of real inputs per label ({len(y)} labels), got "
+                         f"{x.dtype} of shape {x.shape}")
+    x = x.reshape(len(x), -1).astype(np.float32)
+    if not np.isfinite(x).all():
+        raise ValueError(f"data file {path}: x has NaN or infinite values")
+    return x, y.astype(np.int64)
+
+
+def summarize_file(model_path: str | os.PathLike, data_path: str | os.PathLike, *, out: str | os.PathLike | None = None,
+                   prior_precision: float = 1.0, force: bool = False) -> dict:
+    """Summarise the model in ``model_path`` on the client's data ``data_path``; write the summary.
+
+    Parameters
+    ----------
+    model_path : path
+        The client's trained model (``.pt``/``.pth``/``.safetensors`` state_dict).
+    data_path : path
+        Its training data (:func:`read_client_data`).
+    out : path, optional
+        Where to write (a ``.safetensors`` name); :func:`~bayesfuse.summaries.summary_path` of the
+        model by default, where ``bayesfuse fuse`` reads it.
+    prior_precision : float
+        ``delta`` of the Laplace approximation (:func:`bayesfuse.summarize`).
+    force : bool
+        Replace an existing summary file.
+
+    Returns
+    -------
+    dict
+        ``path``, ``bytes`` (of the summary file), ``model_bytes`` (of the model file),
+        ``n_examples`` and ``seconds`` (all of it: reading, the pass, writing).
+    """
+    start = time.perf_counter()
+    model_path = Path(model_path)
+    out = summary_path(model_path) if out is None else Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"a summary is a .safetensors file, got {out.name!r}")
+    if out.resolve() == model_path.resolve():
+        raise ValueError(f"the summary {out} would replace the model file")
+    check_writable(out.parent)
+    recover([out])
+    if out.is_dir():
+        raise IsADirectoryError(f"{out} is a directory; give a file name for the summary")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; replace it with force=True")
+    if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
+        raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
+    x, y = read_client_data(data_path)
+    model = _client_model(model_path, x.shape[1])
+    try:
+        summary = summarize(model, x, y, prior_precision=prior_precision)
+    except RuntimeError as err:  # torch: the inputs do not fit the network
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"{model_path}: the network cannot run on the inputs x of shape {x.shape} of {data_path} "
+                         f"({first})") from None
+    save_summary(summary, out, overwrite=force)
+    return {"path": str(out), "bytes": out.stat().st_size, "model_bytes": model_path.stat().st_size,
+            "n_examples": summary.n_examples, "seconds": time.perf_counter() - start}
+
+
+def _client_model(path: Path, n_features: int):
+    """The network in ``path``, as :func:`bayesfuse.load` rebuilds it (without any fused posterior)."""
+    from bayesfuse.models.bnn_sites import has_heads, is_bnn_state
+
+    try:
+        model = load(path, n_features=n_features, posterior=False)
+    except ValueError as err:
+        message = str(err)
+        if "like=model" not in message:
+            raise
+        raise ValueError(message.split("; give")[0] + "; summarise it in Python instead: bayesfuse.summarize(model, "
+                         "x, y), then bayesfuse.summaries.save_summary(summary, summary_path(MODEL))") from None
+    state = model.state_dict()
+    if is_bnn_state(state) or has_heads(state):
+        raise ValueError(f"{path} is a HorseshoeBNN: it carries its own posterior; summaries are for "
+                         "point-estimate networks")
+    return model

@@ -1,0 +1,226 @@
+"""Client summaries on files: `bayesfuse summarize`, `bayesfuse fuse --summaries`, and the fused
+output layer's posterior that `bayesfuse.load` reads back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import bayesfuse
+from bayesfuse.checkpoints import load_state_dict, posterior_path
+from bayesfuse.cli import main
+from bayesfuse.core import fuse_states
+from bayesfuse.data import dirichlet_partition, load_digits
+from bayesfuse.fuse_files import fuse_files
+from bayesfuse.nets.laplace import LastLayerLaplace
+from bayesfuse.summaries import load_summary, summary_path
+from bayesfuse.train import TrainConfig, train_clients
+
+
+@pytest.fixture(scope="module")
+def client_files(tmp_path_factory):
+    """Three digits clients: ``clientJ.pt``, ``clientJ.npz`` (x, y) and the test set."""
+    d = tmp_path_factory.mktemp("clients")
+    split = load_digits().standardize()
+    part = dirichlet_partition(split.train.y, 3, 0.5, seed=0)
+    models = train_clients(split.train, part, TrainConfig(hidden=(20,), epochs=3), shared_init=False, verbose=False)
+    models_, data = [], []
+    for j, (m, idx) in enumerate(zip(models, part)):
+        torch.save(m.state_dict(), d / f"client{j}.pt")
+        np.savez(d / f"client{j}.npz", x=split.train.x[idx], y=split.train.y[idx])
+        models_.append(d / f"client{j}.pt")
+        data.append(d / f"client{j}.npz")
+    return d, models_, data, split
+
+
+@pytest.fixture
+def clients(client_files, tmp_path):
+    """A fresh copy of the client files with every summary written by `bayesfuse summarize`."""
+    src, models, data, split = client_files
+    for p in [*models, *data]:
+        shutil.copy(p, tmp_path / p.name)
+    models = [tmp_path / p.name for p in models]
+    data = [tmp_path / p.name for p in data]
+    for m, x in zip(models, data):
+        assert main(["summarize", str(m), "--data", str(x)]) == 0
+    return models, data, split
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+# --------------------------------------------------------------------------- bayesfuse summarize
+
+
+def test_summarize_writes_the_summary_beside_the_model_and_says_its_size(clients, capsys):
+    models, data, split = clients
+    capsys.readouterr()
+    assert main(["summarize", str(models[0]), "--data", str(data[0]), "--force"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    size, model_size = summary_path(models[0]).stat().st_size, models[0].stat().st_size
+    assert len(out) == 1 and out[0].startswith(f"wrote {summary_path(models[0])}: {size:,} bytes, "
+                                               f"{size / model_size:.2f}x the model's {model_size:,}; ")
+    assert out[0].endswith(" s")
+    summary = load_summary(summary_path(models[0]))
+    y = np.load(data[0])["y"]
+    assert summary.n_examples == len(y) and summary.class_counts.tolist() == np.bincount(y, minlength=10).tolist()
+    assert set(summary.precision) == set(load_state_dict(models[0]))
+    # as bayesfuse.summarize computes it on the loaded network (float32 on disk)
+    direct = bayesfuse.summarize(bayesfuse.load(models[0]), np.load(data[0])["x"], y)
+    for k, v in direct.precision.items():
+        np.testing.assert_allclose(summary.precision[k], v, rtol=1e-6)
+
+
+def test_summarize_keeps_an_existing_summary_unless_forced(clients, capsys):
+    models, data, _ = clients
+    path = summary_path(models[0])
+    before = path.read_bytes()
+    assert main(["summarize", str(models[0]), "--data", str(data[1])]) == 2
+    assert _error(capsys) == f"bayesfuse summarize: error: {path} exists; replace it with --force"
+    assert path.read_bytes() == before
+    assert main(["summarize", str(models[0]), "--data", str(data[1]), "--force", "--prior-precision", "3"]) == 0
+    assert load_summary(path).prior_precision == 3.0 and load_summary(path).n_examples == len(np.load(data[1])["y"])
+
+
+def test_summarize_writes_where_asked(clients, tmp_path):
+    models, data, _ = clients
+    out = tmp_path / "elsewhere" / "s.safetensors"
+    (tmp_path / "elsewhere").mkdir()
+    assert main(["summarize", str(models[0]), "--data", str(data[0]), "--out", str(out)]) == 0
+    assert load_summary(out).n_examples == load_summary(summary_path(models[0])).n_examples
+
+
+@pytest.mark.parametrize("arrays, message", [
+    (None, "data file {data} does not exist (a .npz with arrays x and y)"),
+    ({"x": np.zeros((3, 64))}, "data file {data} has no array 'y' (it holds 'x'); save the inputs as x"),
+    ({"inputs": np.zeros((3, 64)), "labels": np.zeros(3, int)}, "has no array 'x' and no array 'y' (it holds "
+                                                                "'inputs', 'labels')"),
+    ({"x": np.zeros((3, 64)), "y": np.zeros(3)}, "y must be a 1-D array of integer labels, got float64"),
+    ({"x": np.zeros((4, 64)), "y": np.zeros(3, int)}, "x must hold one row of real inputs per label (3 labels)"),
+    ({"x": np.zeros((3, 64)), "y": np.array([0, 1, 10])}, "labels must lie in 0..9, got 0..10"),
+    ({"x": np.zeros((3, 50)), "y": np.zeros(3, int)}, "cannot run on the inputs x of shape (3, 50) of {data} (mat1"),
+])
+def test_summarize_refuses_bad_data_in_one_line(clients, tmp_path, capsys, arrays, message):
+    models, _, _ = clients
+    data = tmp_path / "bad.npz"
+    if arrays is not None:
+        np.savez(data, **arrays)
+    before = summary_path(models[0]).read_bytes()
+    assert main(["summarize", str(models[0]), "--data", str(data), "--force"]) == 2
+    assert message.format(data=data) in _error(capsys)
+    assert summary_path(models[0]).read_bytes() == before
+
+
+def test_summarize_refuses_networks_it_cannot_rebuild_and_bad_options(clients, tmp_path, capsys):
+    models, data, _ = clients
+    sd = load_state_dict(models[0])
+    odd = tmp_path / "odd.pt"
+    torch.save({k.replace("layers.", "fc"): v for k, v in sd.items()}, odd)
+    assert main(["summarize", str(odd), "--data", str(data[0])]) == 2
+    err = _error(capsys)
+    assert "its entry names fit no network bayesfuse builds" in err and "bayesfuse.summarize(model, x, y)" in err
+    assert not summary_path(odd).exists()
+    assert main(["summarize", str(models[0]), "--data", str(data[0]), "--out", str(tmp_path / "s.json")]) == 2
+    assert "a summary is a .safetensors file" in _error(capsys)
+    with pytest.raises(SystemExit) as exit_:
+        main(["summarize", str(models[0]), "--data", str(data[0]), "--prior-precision", "-1"])
+    assert exit_.value.code == 2 and "must be a positive number" in capsys.readouterr().err
+    assert main(["summarize", str(tmp_path / "none.pt"), "--data", str(data[0])]) == 2
+    assert "model file not found" in _error(capsys)
+
+
+# --------------------------------------------------------------------------- bayesfuse fuse --summaries
+
+
+def test_fuse_uses_the_summaries_and_writes_the_output_posterior(clients, tmp_path, capsys):
+    models, _, split = clients
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, models[::-1]), "--method", "pfnm", "--out", str(out)]) == 0
+    assert "(with their client summaries)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    order = report["fused_order"]
+    used = report["summaries"]
+    assert used["used"] and used["files"] == [str(summary_path(n)) for n in order]  # aligned with the canonical order
+    summaries = [load_summary(summary_path(n)) for n in order]
+    assert used["bytes"] == [s.nbytes for s in summaries] and used["examples"] == [s.n_examples for s in summaries]
+    assert used["file_bytes"] == [summary_path(n).stat().st_size for n in order]
+    assert report["posterior"]["file"] == str(posterior_path(out))
+    assert report["posterior"]["entries"] == ["layers.1.weight", "layers.1.bias"]
+
+    # the round trip: the file and its posterior are fuse_states' result on the canonical order
+    states = [{k: v.double().numpy() for k, v in load_state_dict(n).items()} for n in order]
+    fused = fuse_states(states, "pfnm", names=order, summaries=summaries)
+    model = bayesfuse.load(out)
+    assert isinstance(model, LastLayerLaplace) and model.fusion_report == report
+    for k, v in model.network.state_dict().items():
+        np.testing.assert_allclose(v.numpy(), fused.state[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(model.weight_var.numpy(), 1 / fused.precision["layers.1.weight"], rtol=1e-6)
+    np.testing.assert_allclose(model.bias_var.numpy(), 1 / fused.precision["layers.1.bias"], rtol=1e-6)
+    probs = model.predict(split.test.x)
+    assert np.isfinite(probs).all() and np.allclose(probs.sum(1), 1)
+    assert type(bayesfuse.load(out, posterior=False)).__name__ == "MLP"
+
+
+def test_fuse_without_summaries_is_data_free_and_drops_a_stale_posterior(clients, tmp_path, capsys):
+    models, _, _ = clients
+    out = tmp_path / "fused.safetensors"
+    assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out)]) == 0
+    assert posterior_path(out).is_file()
+    assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--summaries", "none"]) == 2
+    assert f"{out} exists; replace it with --force" in _error(capsys)
+    assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--summaries", "none",
+                 "--force"]) == 0
+    assert "(data-free)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "fused.safetensors.json").read_text())
+    assert report["summaries"] == {"used": False, "path": "data-free", "reason": "summaries='none'"}
+    assert report["posterior"] is None and not posterior_path(out).exists()
+    assert type(bayesfuse.load(out)).__name__ == "MLP"
+    # a method that reads no summaries fuses data-free, and says why
+    report = fuse_files(models, "fedavg", tmp_path / "avg.pt")
+    assert report["summaries"]["path"] == "data-free" and "fedavg reads no client summaries" in \
+        report["summaries"]["reason"]
+
+
+def test_fuse_refuses_inputs_of_which_only_some_have_a_summary(clients, tmp_path, capsys):
+    models, _, _ = clients
+    summary_path(models[1]).unlink()
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
+    err = _error(capsys)
+    assert f"none for {models[1]} (expected {summary_path(models[1]).name})" in err and "--summaries none" in err
+    assert not out.exists()
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--summaries", "none"]) == 0
+
+
+def test_fuse_refuses_a_summary_of_another_model_or_version(clients, tmp_path, capsys):
+    models, _, _ = clients
+    out = tmp_path / "fused.pt"
+    saved = summary_path(models[1]).read_bytes()
+    shutil.copy(summary_path(models[0]), summary_path(models[1]))
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
+    assert f"{models[1]}: the summary is of another network" in _error(capsys)
+    summary_path(models[1]).write_bytes(saved.replace(b'"version":"1"', b'"version":"2"'))
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
+    assert f"{summary_path(models[1]).name}: summary version 2 is not one this bayesfuse reads" in _error(capsys)
+    assert not out.exists() and not posterior_path(out).exists()
+
+
+def test_load_refuses_a_posterior_of_other_tensors(clients, tmp_path):
+    models, _, _ = clients
+    out = tmp_path / "fused.pt"
+    fuse_files(models, "pfnm", out)
+    other = tmp_path / "other.pt"
+    fuse_files(models, "pfnm", other, seed=1, hyper={"noise_var": 3.0})
+    shutil.copy(posterior_path(other), posterior_path(out))
+    with pytest.raises(ValueError, match="written for other tensors than"):
+        bayesfuse.load(out)
+    posterior_path(out).write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a readable safetensors posterior"):
+        bayesfuse.load(out)
