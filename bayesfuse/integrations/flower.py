@@ -15,6 +15,11 @@ Install with ``pip install 'bayesfuse[flower]'``; importing :mod:`bayesfuse` nev
   of the frozen entries) and returns its retrained network. Both run through Flower's
   ``Strategy.start``: Flower's per-round log lines, and a ``flwr.serverapp.strategy.Result``.
 
+A client may send its summary of its own data (:func:`bayesfuse.summarize`) beside its arrays:
+:func:`summary_to_records` gives an ArrayRecord of its arrays (``"summary"``) and a ConfigRecord
+of its metadata (``"summary-meta"``); :class:`MatchedAveraging` reads them and fuses the
+networks as Laplace posteriors when every reply carries one (``summaries="auto"``).
+
 Replies that carry an error or never come are skipped and reported (``failed-replies``);
 replies whose arrays do not fit the architecture are rejected with the node named
 (``rejected-replies``), not fatal.
@@ -37,7 +42,7 @@ import numpy as np
 
 try:
     import torch
-    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.common import log
     from flwr.serverapp import Grid
     from flwr.serverapp.strategy import FedAvg, Result
@@ -53,15 +58,20 @@ from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.nets.state import numpy_state
+from bayesfuse.summaries import SUMMARY_FORMAT, SUMMARY_VERSION, ClientSummary, SummaryError, check_summary
 
 __all__ = ["MatchedAveraging", "FedMA", "metrics_aggregation", "state_to_record", "record_to_state", "state_digest",
-           "FEDMA_LOCAL", "FEDMA_ROUND"]
+           "summary_to_records", "records_to_summary", "FEDMA_LOCAL", "FEDMA_ROUND", "SUMMARY_KEY", "SUMMARY_META_KEY"]
 
 #: Message types of FedMA's rounds (``@app.train("local")`` / ``@app.train("fedma")`` on clients).
 FEDMA_LOCAL = "train.local"
 FEDMA_ROUND = "train.fedma"
 
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
+
+#: Keys of a client summary in a reply: its arrays (ArrayRecord) and its metadata (ConfigRecord).
+SUMMARY_KEY = "summary"
+SUMMARY_META_KEY = "summary-meta"
 
 
 def state_to_record(state) -> ArrayRecord:
@@ -94,6 +104,69 @@ def record_to_state(record: ArrayRecord) -> dict[str, np.ndarray]:
     dict of str to ndarray
     """
     return numpy_state(record.to_torch_state_dict())
+
+
+def summary_to_records(summary: ClientSummary) -> tuple[ArrayRecord, ConfigRecord]:
+    """A client summary as Flower records: its arrays and its metadata.
+
+    The ArrayRecord holds ``precision/<entry>`` and ``moments/<group>/<stat>`` (float32) and
+    ``class_counts`` (int64), as the summary file does (:func:`bayesfuse.summaries.save_summary`);
+    the ConfigRecord ``format``, ``version``, ``n-examples``, ``prior-precision`` and
+    ``fingerprint``. Put them in a reply under :data:`SUMMARY_KEY` and :data:`SUMMARY_META_KEY`.
+
+    Parameters
+    ----------
+    summary : ClientSummary
+
+    Returns
+    -------
+    tuple of (ArrayRecord, ConfigRecord)
+    """
+    arrays = {f"precision/{k}": v for k, v in summary.precision.items()}
+    arrays.update({f"moments/{g}/{stat}": v for g, stats in summary.moments.items() for stat, v in stats.items()})
+    record = {k: Array(np.ascontiguousarray(v, dtype=np.float32)) for k, v in arrays.items()}
+    record["class_counts"] = Array(np.ascontiguousarray(summary.class_counts, dtype=np.int64))
+    meta = ConfigRecord({"format": SUMMARY_FORMAT, "version": int(summary.version), "n-examples": int(summary.n_examples),
+                         "prior-precision": float(summary.prior_precision), "fingerprint": summary.fingerprint})
+    return ArrayRecord(array_dict=record), meta
+
+
+def records_to_summary(arrays: ArrayRecord, meta: ConfigRecord | None, name: str = "client") -> ClientSummary:
+    """The client summary in a reply's records (:func:`summary_to_records`).
+
+    Raises
+    ------
+    SummaryError
+        With one line naming ``name``: no metadata, another format or version, missing keys.
+    """
+    if meta is None:
+        raise SummaryError(f"{name}: the summary's arrays came without its metadata (ConfigRecord "
+                           f"{SUMMARY_META_KEY!r})")
+    if meta.get("format") != SUMMARY_FORMAT:
+        raise SummaryError(f"{name}: not a bayesfuse client summary (format {meta.get('format')!r})")
+    try:
+        version, n_examples = int(meta["version"]), int(meta["n-examples"])
+        prior, fp = float(meta["prior-precision"]), str(meta["fingerprint"])
+    except (KeyError, TypeError, ValueError):
+        raise SummaryError(f"{name}: the summary's metadata is incomplete (needs version, n-examples, "
+                           "prior-precision, fingerprint)") from None
+    if version != SUMMARY_VERSION:
+        raise SummaryError(f"{name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION}); "
+                           "recompute it with bayesfuse.summarize")
+    precision, moments, counts = {}, {}, None
+    for key in arrays.keys():
+        value = arrays[key].numpy()
+        if key.startswith("precision/"):
+            precision[key[len("precision/"):]] = value.astype(np.float64)
+        elif key.startswith("moments/"):
+            group, _, stat = key[len("moments/"):].rpartition("/")
+            moments.setdefault(group, {})[stat] = value.astype(np.float64)
+        elif key == "class_counts":
+            counts = value
+    if counts is None:
+        raise SummaryError(f"{name}: the summary has no class_counts")
+    return ClientSummary(precision=precision, prior_precision=prior, moments=moments, class_counts=counts,
+                         n_examples=n_examples, fingerprint=fp, version=version)
 
 
 def metrics_aggregation(sum_keys: Sequence[str] = ("class-counts",)) -> MetricsAggregation:
@@ -154,6 +227,7 @@ class _Reply:
     state: dict
     num_examples: float
     class_counts: np.ndarray | None
+    summary: ClientSummary | None = None
 
 
 class _Fusion(FedAvg):
@@ -188,8 +262,15 @@ class _Fusion(FedAvg):
                 continue
             metrics = _metric_record(content) or MetricRecord()
             counts = metrics.get(self.class_counts_key)
+            summary = content.array_records.get(SUMMARY_KEY)
+            if summary is not None:
+                try:
+                    summary = records_to_summary(summary, content.config_records.get(SUMMARY_META_KEY), f"node {node}")
+                except SummaryError as err:
+                    self._reject(node, str(err))
+                    continue
             collected.append(_Reply(node, record_to_state(record), float(metrics.get(self.weighted_by_key, 1.0)),
-                                    None if counts is None else np.asarray(counts, dtype=np.float64)))
+                                    None if counts is None else np.asarray(counts, dtype=np.float64), summary))
         log(INFO, "aggregate_train: Received %s results and %s failures", len(collected), n_failed)
         return sorted(collected, key=_digest)
 
@@ -262,12 +343,21 @@ class MatchedAveraging(_Fusion):
     seed : int
         Matching seed. Replies are put in the order of their contents' hashes first, so neither
         the arrival order nor the node ids (drawn afresh in each simulation) change the result.
+    summaries : {"auto", "none"}
+        ``"auto"``: when the method reads client summaries (PFNM, NAFI on networks) and every
+        fused reply carries one (:func:`summary_to_records`), fuse the networks as Laplace
+        posteriors (:func:`bayesfuse.core.fuse_states` with ``summaries``); a reply whose
+        summary is malformed or of another network is rejected, naming its node; when only
+        some replies carry one, the round is fused data-free and the nodes without are logged.
+        ``"none"``: ignore them. The round's metrics say which (``summaries-used``,
+        ``summary-bytes``).
     **kwargs
         Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
     """
 
     def __init__(self, method: str = "pfnm", *, kind: str | None = None, spec: PermutationSpec | None = None,
-                 hyper: dict | None = None, class_counts_key: str = "class-counts", seed: int = 0, **kwargs) -> None:
+                 hyper: dict | None = None, class_counts_key: str = "class-counts", seed: int = 0,
+                 summaries: str = "auto", **kwargs) -> None:
         choices = methods.names(needs_data=False, baseline=False)
         if method not in choices:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(choices)} (FedAvg is flwr's "
@@ -277,9 +367,12 @@ class MatchedAveraging(_Fusion):
         if (hyper or {}).get("head", "shared") != "shared":
             raise ValueError("head='clients' builds a fused model with one output layer per client, which the "
                              "clients' HorseshoeBNN cannot take; the strategy sends back the shared head")
+        if summaries not in ("auto", "none"):
+            raise ValueError(f"unknown summaries={summaries!r}; choose auto or none")
         super().__init__(spec=spec, class_counts_key=class_counts_key, seed=seed, **kwargs)
         self.method = method
         self.hyper = dict(hyper or {})
+        self.summaries = summaries
         self.last_fusion = None
 
     def summary(self) -> None:
@@ -299,11 +392,13 @@ class MatchedAveraging(_Fusion):
         Returns
         -------
         tuple of (ArrayRecord or None, MetricRecord or None)
-            The fused arrays and ``num-examples``, ``global-sizes``, ``objective`` and the
-            counts of fused, failed and rejected replies.
+            The fused arrays and ``num-examples``, ``global-sizes``, ``objective``, the
+            counts of fused, failed and rejected replies, and ``summaries-used`` (1 or 0) and
+            ``summary-bytes``.
         """
         self.rejected, self.failed = [], []
         spec, good = self._check(self._collect(replies), self.spec)
+        summaries, good = self._summaries(good)
         if not good:
             log(WARNING, "round %d: no valid replies to fuse (%d failed, %d rejected)", server_round,
                 len(self.failed), len(self.rejected))
@@ -312,7 +407,7 @@ class MatchedAveraging(_Fusion):
         if all(r.class_counts is not None for r in good):
             counts = np.stack([r.class_counts for r in good])
         result = fuse_states([r.state for r in good], self.method, spec=spec, class_counts=counts, seed=self.seed,
-                             names=[f"node {r.node}" for r in good], **self.hyper)
+                             names=[f"node {r.node}" for r in good], summaries=summaries, **self.hyper)
         fused, sizes = result.state, result.sizes
         objective = [float(layer.objective[-1]) for layer in result.layers]
         self.last_fusion = result
@@ -323,9 +418,32 @@ class MatchedAveraging(_Fusion):
             "fused-replies": len(good),
             "failed-replies": len(self.failed),
             "rejected-replies": len(self.rejected),
+            "summaries-used": int(summaries is not None),
+            "summary-bytes": int(sum(s.nbytes for s in summaries or ())),
         })
         ref = good[0].state
         return state_to_record({k: np.asarray(fused[k]).astype(ref[k].dtype) for k in ref}), metrics
+
+
+    def _summaries(self, good: list[_Reply]) -> tuple[list[ClientSummary] | None, list[_Reply]]:
+        """The summaries to fuse with (None: data-free), and the replies left once a summary
+        of another network or with bad values has rejected its reply."""
+        if self.summaries == "none" or self.kind not in methods.METHODS[self.method].summaries:
+            return None, good
+        kept = []
+        for r in good:
+            try:
+                if r.summary is not None:
+                    check_summary(r.summary, r.state, f"node {r.node}")
+                kept.append(r)
+            except SummaryError as err:
+                self._reject(r.node, str(err))
+        without = [r.node for r in kept if r.summary is None]
+        if without and len(without) < len(kept):
+            log(WARNING, "nodes %s sent no summary: this round is fused data-free", without)
+        if not kept or without:
+            return None, kept
+        return [r.summary for r in kept], kept
 
 
 def state_digest(state) -> str:

@@ -20,7 +20,7 @@ flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip inst
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import Result  # noqa: E402
 
-from bayesfuse import fuse  # noqa: E402
+from bayesfuse import fuse, fuse_states, summarize  # noqa: E402
 from bayesfuse.data import dirichlet_partition, load_digits  # noqa: E402
 from bayesfuse.federated import run_fedma  # noqa: E402
 from bayesfuse.inference.layerwise import match_layerwise  # noqa: E402
@@ -28,12 +28,16 @@ from bayesfuse.integrations import flower as integration  # noqa: E402
 from bayesfuse.integrations.flower import (  # noqa: E402
     FEDMA_LOCAL,
     FEDMA_ROUND,
+    SUMMARY_KEY,
+    SUMMARY_META_KEY,
     FedMA,
     MatchedAveraging,
     metrics_aggregation,
     record_to_state,
+    records_to_summary,
     state_digest,
     state_to_record,
+    summary_to_records,
 )
 from bayesfuse.nets.arch import rebuild  # noqa: E402
 from bayesfuse.nets.mlp import MLP  # noqa: E402
@@ -181,6 +185,84 @@ def test_metrics_aggregation_sums_class_counts_and_averages_the_rest():
     with pytest.raises(ValueError, match="'class-counts'"):
         metrics_aggregation()([records[0], RecordDict({"m": MetricRecord({"num-examples": 1, "class-counts": [1]})})],
                               "num-examples")
+
+
+# --------------------------------------------------------------------------- client summaries
+
+
+@pytest.fixture(scope="module")
+def summaries(clients):
+    split, part, models = clients
+    return [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, part)]
+
+
+def _summary_reply(node: int, state, summary, counts=None) -> Message:
+    reply = _reply(node, state, counts)
+    reply.content[SUMMARY_KEY], reply.content[SUMMARY_META_KEY] = summary_to_records(summary)
+    return reply
+
+
+def test_a_summary_travels_as_an_array_record_and_a_config_record(summaries):
+    arrays, meta = summary_to_records(summaries[0])
+    back = records_to_summary(arrays, meta, "node 1")
+    assert (back.fingerprint, back.version, back.n_examples, back.prior_precision) == (
+        summaries[0].fingerprint, summaries[0].version, summaries[0].n_examples, summaries[0].prior_precision)
+    np.testing.assert_array_equal(back.class_counts, summaries[0].class_counts)
+    for k, v in summaries[0].precision.items():  # float32 on the wire, as in the summary file
+        np.testing.assert_allclose(back.precision[k], v, rtol=1e-6)
+    for g, stats in summaries[0].moments.items():
+        assert set(back.moments[g]) == set(stats)
+
+
+def test_the_strategy_fuses_with_the_replies_summaries(clients, summaries):
+    _, part, models = clients
+    replies = [_summary_reply(10 + j, m.state_dict(), s, part.counts[j])
+               for j, (m, s) in enumerate(zip(models, summaries))]
+    strategy = MatchedAveraging("pfnm")
+    arrays, metrics = strategy.aggregate_train(1, replies[::-1])
+    assert metrics["summaries-used"] == 1 and metrics["fused-replies"] == 3
+    assert metrics["summary-bytes"] == sum(s.nbytes for s in summaries)
+    order = _canonical(models)
+    wire = [records_to_summary(*summary_to_records(summaries[j])) for j in order]
+    expected = fuse_states([_np(models[j]) for j in order], "pfnm", class_counts=part.counts[order], seed=0,
+                           names=[f"node {10 + j}" for j in order], summaries=wire)
+    assert strategy.last_fusion.hyper["summaries"]["used"]
+    got = record_to_state(arrays)
+    for k, v in expected.state.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
+    # without: the data-free fusion
+    _, plain = MatchedAveraging("pfnm", summaries="none").aggregate_train(1, replies)
+    assert plain["summaries-used"] == 0 and plain["summary-bytes"] == 0
+
+
+def test_the_strategy_rejects_a_bad_summary_naming_the_node(clients, summaries, caplog):
+    _, part, models = clients
+    bad_version = summary_to_records(summaries[2])
+    bad_version[1]["version"] = 99
+    replies = [_summary_reply(1, models[0].state_dict(), summaries[0]),
+               _summary_reply(2, models[1].state_dict(), summaries[0]),  # the summary of another network
+               _reply(3, models[2].state_dict())]
+    replies[2].content[SUMMARY_KEY], replies[2].content[SUMMARY_META_KEY] = bad_version
+    strategy = MatchedAveraging("pfnm")
+    with caplog.at_level(logging.WARNING), pytest.warns(UserWarning, match="only one model"):
+        arrays, metrics = strategy.aggregate_train(1, replies)
+    reasons = dict(strategy.rejected)
+    assert sorted(reasons) == [2, 3] and metrics["rejected-replies"] == 2 and metrics["fused-replies"] == 1
+    assert reasons[2].startswith("node 2: the summary is of another network")
+    assert reasons[3].startswith("node 3: summary version 99 is not one this bayesfuse reads")
+    assert "node 2: reply rejected" in caplog.text
+
+
+def test_a_round_where_only_some_nodes_send_a_summary_is_fused_data_free(clients, summaries, caplog):
+    _, _, models = clients
+    replies = [_summary_reply(1, models[0].state_dict(), summaries[0]), _reply(2, models[1].state_dict()),
+               _summary_reply(3, models[2].state_dict(), summaries[2])]
+    with caplog.at_level(logging.WARNING):
+        _, metrics = MatchedAveraging("pfnm").aggregate_train(1, replies)
+    assert metrics["summaries-used"] == 0 and metrics["fused-replies"] == 3
+    assert "nodes [2] sent no summary: this round is fused data-free" in caplog.text
+    with pytest.raises(ValueError, match="unknown summaries='always'"):
+        MatchedAveraging("pfnm", summaries="always")
 
 
 # --------------------------------------------------------------------------- FedMA

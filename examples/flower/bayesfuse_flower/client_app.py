@@ -9,7 +9,8 @@ import numpy as np
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from bayesfuse.integrations.flower import record_to_state, state_to_record
+from bayesfuse import summarize
+from bayesfuse.integrations.flower import SUMMARY_KEY, SUMMARY_META_KEY, record_to_state, state_to_record, summary_to_records
 from bayesfuse.metrics import evaluate as score
 from bayesfuse.nets.predict import predict_proba
 
@@ -21,9 +22,14 @@ def _node_data(context: Context, run: dict):
     return pid, load_data(pid, n, int(run["seed"]))
 
 
-def _reply(msg: Message, model, x, y) -> Message:
+def _reply(msg: Message, model, x, y, with_summary: bool = False) -> Message:
+    """The node's arrays and counts; with ``with_summary``, its summary of its own data beside them
+    (one pass over ``x, y``; aggregates only), which MatchedAveraging fuses the networks with."""
     metrics = MetricRecord({"num-examples": len(x), "class-counts": np.bincount(y, minlength=10).tolist()})
-    return Message(RecordDict({"arrays": state_to_record(model.state_dict()), "metrics": metrics}), reply_to=msg)
+    content = {"arrays": state_to_record(model.state_dict()), "metrics": metrics}
+    if with_summary:
+        content[SUMMARY_KEY], content[SUMMARY_META_KEY] = summary_to_records(summarize(model, x, y))
+    return Message(RecordDict(content), reply_to=msg)
 
 
 def make_client_app(overrides: dict | None = None) -> ClientApp:
@@ -31,7 +37,7 @@ def make_client_app(overrides: dict | None = None) -> ClientApp:
     overrides = dict(overrides or {})
     app = ClientApp()
 
-    def own_or_global(msg: Message, context: Context, from_global: bool) -> Message:
+    def own_or_global(msg: Message, context: Context, from_global: bool, with_summary: bool = False) -> Message:
         run = settings(context, overrides)
         pid, (x, y, _) = _node_data(context, run)
         cfg = config(run)
@@ -41,14 +47,14 @@ def make_client_app(overrides: dict | None = None) -> ClientApp:
         else:
             model = fresh_model(cfg, cfg.seed + pid)
         train(model, x, y, replace(cfg, seed=cfg.seed + pid))
-        return _reply(msg, model, x, y)
+        return _reply(msg, model, x, y, with_summary)
 
     @app.train()
     def train_round(msg: Message, context: Context) -> Message:
         """Matched averaging: round 1 trains the node's own network from its own initialisation
         (separately trained models); later rounds start from the server's fused model."""
         later = "arrays" in msg.content.array_records and int(msg.content["config"].get("server-round", 1)) > 1
-        return own_or_global(msg, context, later)
+        return own_or_global(msg, context, later, bool(settings(context, overrides).get("summaries", False)))
 
     @app.train("local")
     def fedma_local(msg: Message, context: Context) -> Message:

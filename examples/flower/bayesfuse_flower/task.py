@@ -19,7 +19,7 @@ ALPHA = 0.5
 #: The app's settings; ``[tool.flwr.app.config]`` in pyproject.toml (``flwr run``) and the
 #: ``overrides`` of ``make_*_app`` (``run_simulation``) replace them.
 DEFAULTS = {"method": "pfnm", "hidden": "50", "local-epochs": 10, "round-epochs": 5, "num-rounds": 3, "num-nodes": 10,
-            "seed": 0, "timeout": 600, "compare-fedavg": True}
+            "seed": 0, "timeout": 600, "compare-fedavg": True, "summaries": False}
 
 
 def settings(context, overrides) -> dict:
