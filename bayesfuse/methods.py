@@ -13,7 +13,7 @@ Kinds of input
     depth, ConvNets with batch norms, LSTM classifiers (:mod:`bayesfuse.inference.spec`).
 ``"bnn"``
     Horseshoe BNNs of any depth (:class:`~bayesfuse.models.bnn.HorseshoeBNN`), fused as
-    mean-field posteriors, layer by layer (:mod:`bayesfuse.models.bnn_fusion`).
+    mean-field posteriors, layer by layer (:mod:`bayesfuse.inference.bnn.fusion`).
 
 Each row also names the routine that fuses a state list of each kind (dispatched by
 :func:`bayesfuse.core.fuse_states`) and carries the flags the entry points read (``needs_data``,

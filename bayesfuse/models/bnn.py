@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from bayesfuse._runtime import progress, torch_threads
 from bayesfuse.models.bnn_elbo import negative_elbo
-from bayesfuse.models.bnn_sites import deep_site_shapes, is_bnn_state, layer_sites, prior_scales, state_sizes
+from bayesfuse.inference.bnn.sites import deep_site_shapes, is_bnn_state, layer_sites, prior_scales, state_sizes
 
 __all__ = ["HorseshoeBNN", "BNNConfig", "ESTIMATORS", "train_bnn"]
 
@@ -94,7 +94,7 @@ class HorseshoeBNN(nn.Module):
     ----------
     loc, log_scale : nn.ParameterDict
         Guide means and log standard deviations per site
-        (:func:`~bayesfuse.models.bnn_sites.deep_site_shapes`); one hidden layer: ``w1`` (H, D),
+        (:func:`~bayesfuse.inference.bnn.sites.deep_site_shapes`); one hidden layer: ``w1`` (H, D),
         ``b1`` (H,), ``log_lam`` (H,), ``log_tau`` (1,), ``w2`` (K, H), ``b2`` (K,).
     hidden : int or tuple of int
         As given: an int for one hidden layer, a tuple for several.
@@ -137,7 +137,7 @@ class HorseshoeBNN(nn.Module):
         return float(self.prior_scales[1])
 
     def site_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of each guide site (:func:`~bayesfuse.models.bnn_sites.deep_site_shapes`), in the guide's order."""
+        """Shape of each guide site (:func:`~bayesfuse.inference.bnn.sites.deep_site_shapes`), in the guide's order."""
         return deep_site_shapes(self.hidden_sizes, self.in_features, self.n_classes)
 
     # ------------------------------------------------------------------ state_dicts
@@ -150,7 +150,7 @@ class HorseshoeBNN(nn.Module):
     def from_state_dict(cls, state: Mapping[str, object], name: str = "state_dict") -> HorseshoeBNN:
         """The network whose state_dict is ``state`` (torch tensors or NumPy arrays).
 
-        Sizes come from the weights (:func:`~bayesfuse.models.bnn_sites.state_sizes`), the
+        Sizes come from the weights (:func:`~bayesfuse.inference.bnn.sites.state_sizes`), the
         prior's scales from ``prior_scales``. Raises ``ValueError`` naming ``name`` when ``state``
         is not a consistent HorseshoeBNN state_dict.
         """

@@ -44,7 +44,7 @@ import math
 import numpy as np
 import torch
 
-from bayesfuse.models.bnn_sites import layer_sites
+from bayesfuse.inference.bnn.sites import layer_sites
 
 __all__ = ["GH_NODES", "gaussian_kl", "lognormal_halfcauchy_kl", "negative_elbo"]
 

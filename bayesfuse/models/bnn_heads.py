@@ -1,6 +1,6 @@
 """A fused BNN with the clients' own output layers: one fused body, a class-share mixture of heads.
 
-A fused BNN (:mod:`bayesfuse.models.bnn_fusion`) ends in one softmax over the class-share average
+A fused BNN (:mod:`bayesfuse.inference.bnn.fusion`) ends in one softmax over the class-share average
 of the clients' logits. Averaging logits is not averaging predictive distributions: where the
 clients disagree (inputs unlike the training data), averaged logits cancel into a confident
 softmax, while averaged probabilities stay spread out. With ``head="clients"`` the fused network
@@ -15,7 +15,7 @@ of the heads' predictive distributions,
     \\qquad p_j(k \\mid x) = \\mathbb{E}_{\\theta \\sim q}\\big[\\mathrm{softmax}(W_j h(x; \\theta) + b_j)_k\\big],
 
 with ``s_jk = n_jk / sum_j n_jk`` the clients' shares of class k
-(:func:`~bayesfuse.models.bnn_fusion.output_shares`; ``1 / J`` without class counts): a client
+(:func:`~bayesfuse.inference.bnn.fusion.output_shares`; ``1 / J`` without class counts): a client
 weighs only on the classes it saw. The hidden units ``h`` are the fused ones, shared by all heads.
 ``predict(x, pool="log")`` pools the same heads geometrically instead,
 
@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from bayesfuse.models.bnn import HorseshoeBNN, _forward_hidden
-from bayesfuse.models.bnn_fusion import client_heads
-from bayesfuse.models.bnn_sites import HEAD_KEYS, body_state, has_heads
+from bayesfuse.inference.bnn.fusion import client_heads
+from bayesfuse.inference.bnn.sites import HEAD_KEYS, body_state, has_heads
 
 __all__ = ["HeadMixtureBNN", "HEAD_KEYS", "POOLS", "client_heads", "is_head_state", "bnn_from_state"]
 

@@ -1,0 +1,235 @@
+"""The parameter space of :class:`~bayesfuse.models.bnn.HorseshoeBNN`'s guide, as a record of sites.
+
+Like Pyro's ``AutoNormal``, the guide is one Gaussian per site, in the site's unconstrained
+space: ``w1``, ``b1``, ``w2``, ``b2`` are Gaussian as they are; the scales ``lambda`` and
+``tau`` are log-normal, so their sites ``log_lam`` and ``log_tau`` are Gaussians over the log.
+Each site's axes are named by the network's sizes (``H`` hidden units, ``D`` inputs, ``K``
+classes); the axis named ``H`` is the one a hidden unit indexes. The state_dict stores site
+``s`` as ``loc.<s>`` and ``log_scale.<s>`` (the Gaussian's mean and log standard deviation),
+next to ``prior_scales`` (the prior's ``global_scale`` and ``weight_scale``).
+
+Deeper networks (``hidden=(H1, H2, ...)``, :func:`deep_site_shapes`) keep these names for
+their first hidden layer and number the others: hidden layer ``l >= 2`` has ``w<l>`` (H_l,
+H_{l-1}), ``b<l>``, ``log_lam<l>`` and ``log_tau<l>``, and the output layer of a network of depth
+L is ``w<L+1>``, ``b<L+1>``. A one-hidden-layer network is the record above exactly.
+
+Everything here is plain Python and NumPy: it reads state_dicts without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "HEAD_KEYS", "has_heads", "body_state",
+           "LayerSites", "layer_sites", "deep_site_shapes", "state_keys", "state_depth", "state_sizes", "is_bnn_state",
+           "prior_scales", "state_dims"]
+
+_SIZES = ("H", "D", "K")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One guide site: a Gaussian of shape ``shape(H, D, K)`` over the site's unconstrained value.
+
+    Attributes
+    ----------
+    name : str
+        The guide's parameter name, also the state_dict suffix (``loc.<name>``, ``log_scale.<name>``).
+    axes : tuple of str or int
+        Each axis's size: ``"H"``, ``"D"``, ``"K"`` or a fixed int.
+    transform : {"identity", "log"}
+        The space the Gaussian lives in: the value itself (weights, biases) or its log
+        (horseshoe scales, whose guide is log-normal).
+    """
+
+    name: str
+    axes: tuple[str | int, ...]
+    transform: str = "identity"
+
+    def __post_init__(self):
+        if self.transform not in ("identity", "log"):
+            raise ValueError(f"site {self.name}: transform must be 'identity' or 'log', got {self.transform!r}")
+        if self.axes.count("H") > 1 or any(isinstance(a, str) and a not in _SIZES for a in self.axes):
+            raise ValueError(f"site {self.name}: axes must be 'H' (at most once), 'D', 'K' or ints, got {self.axes}")
+
+    def shape(self, H: int, D: int, K: int) -> tuple[int, ...]:
+        """The site's shape for ``H`` hidden units, ``D`` inputs and ``K`` classes."""
+        sizes = {"H": H, "D": D, "K": K}
+        return tuple(sizes[a] if isinstance(a, str) else a for a in self.axes)
+
+    @property
+    def unit_axis(self) -> int | None:
+        """The axis a hidden unit indexes, or ``None`` for a site shared by all units."""
+        return self.axes.index("H") if "H" in self.axes else None
+
+
+#: The guide's sites, in the order the guide draws them for prediction.
+SITES: tuple[Site, ...] = (
+    Site("w1", ("H", "D")),
+    Site("b1", ("H",)),
+    Site("log_lam", ("H",), "log"),
+    Site("log_tau", (1,), "log"),
+    Site("w2", ("K", "H")),
+    Site("b2", ("K",)),
+)
+#: Sites with one slice per hidden unit, and sites shared by all units.
+UNIT_SITES: tuple[Site, ...] = tuple(s for s in SITES if s.unit_axis is not None)
+GLOBAL_SITES: tuple[Site, ...] = tuple(s for s in SITES if s.unit_axis is None)
+
+#: Keys of a HorseshoeBNN state_dict, in its order: the buffer, then both ``nn.ParameterDict``s
+#: (which keep a plain dict's keys sorted).
+STATE_KEYS: tuple[str, ...] = ("prior_scales",) + tuple(
+    f"{prefix}.{name}" for prefix in ("loc", "log_scale") for name in sorted(s.name for s in SITES))
+
+
+#: Deepest network :func:`state_depth` looks for.
+MAX_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class LayerSites:
+    """The site names of one hidden layer: incoming weights, bias, unit log-scales, global log-scale."""
+
+    w: str
+    b: str
+    log_lam: str
+    log_tau: str
+
+
+def layer_sites(layer: int) -> LayerSites:
+    """Names of hidden layer ``layer`` (1-based): ``w1, b1, log_lam, log_tau``, then ``w2, b2, log_lam2, log_tau2``..."""
+    if int(layer) != layer or layer < 1:
+        raise ValueError(f"hidden layers are numbered from 1, got {layer}")
+    tag = "" if layer == 1 else str(layer)
+    return LayerSites(w=f"w{layer}", b=f"b{layer}", log_lam=f"log_lam{tag}", log_tau=f"log_tau{tag}")
+
+
+def deep_site_shapes(hidden: tuple[int, ...], D: int, K: int) -> dict[str, tuple[int, ...]]:
+    """Shape of every guide site of a network with hidden layers ``hidden``, in the guide's order.
+
+    Per hidden layer ``l``: ``w<l>`` (H_l, H_{l-1}) with ``H_0 = D``, ``b<l>``, ``log_lam<l>`` (H_l,),
+    ``log_tau<l>`` (1,); then the output layer ``w<L+1>`` (K, H_L), ``b<L+1>`` (K,). For one hidden
+    layer these are :data:`SITES`' shapes, in its order.
+    """
+    sizes = (int(D),) + tuple(int(h) for h in hidden)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer in range(1, len(sizes)):
+        names = layer_sites(layer)
+        H = sizes[layer]
+        shapes.update({names.w: (H, sizes[layer - 1]), names.b: (H,), names.log_lam: (H,), names.log_tau: (1,)})
+    L = len(hidden)
+    shapes.update({f"w{L + 1}": (int(K), sizes[-1]), f"b{L + 1}": (int(K),)})
+    return shapes
+
+
+def state_keys(depth: int) -> tuple[str, ...]:
+    """Keys of the state_dict of a network with ``depth`` hidden layers (:data:`STATE_KEYS` for 1)."""
+    names = deep_site_shapes((1,) * int(depth), 1, 1)
+    return ("prior_scales",) + tuple(f"{prefix}.{name}" for prefix in ("loc", "log_scale") for name in sorted(names))
+
+
+def state_depth(state: Mapping[str, object]) -> int | None:
+    """The number of hidden layers whose state_dict has exactly ``state``'s keys, or ``None``."""
+    keys = set(state)
+    depth = sum(1 for k in keys if isinstance(k, str) and k.startswith("loc.w")) - 1
+    if 1 <= depth <= MAX_DEPTH and keys == set(state_keys(depth)):
+        return depth
+    return None
+
+
+def is_bnn_state(state: Mapping[str, object]) -> bool:
+    """Whether ``state`` has exactly the keys of a HorseshoeBNN state_dict (any depth, :func:`state_keys`)."""
+    return state_depth(state) is not None
+
+
+def state_sizes(state: Mapping[str, object], name: str = "state_dict") -> tuple[tuple[int, ...], int, int]:
+    """``(hidden sizes, D, K)`` of a HorseshoeBNN state_dict of any depth, its shapes checked.
+
+    Raises ``ValueError`` naming ``name`` when the keys are no HorseshoeBNN's or a shape does not
+    fit :func:`deep_site_shapes`.
+    """
+    depth = state_depth(state)
+    if depth is None:
+        state_dims(state, name)  # raises, naming the missing and unexpected keys
+    return _checked_sizes(state, name, depth)
+
+
+def _checked_sizes(state: Mapping[str, object], name: str, depth: int) -> tuple[tuple[int, ...], int, int]:
+    """``(hidden sizes, D, K)`` of a state_dict with the keys of ``depth`` hidden layers, every
+    shape checked against :func:`deep_site_shapes`."""
+    weights = [_shape(state[f"loc.w{layer}"]) for layer in range(1, depth + 2)]
+    if any(len(w) != 2 for w in weights):
+        names = ", ".join(f"'loc.w{layer}'" for layer in range(1, depth + 2))
+        raise ValueError(f"{name}: {names} must be 2-D, got shapes {', '.join(map(str, weights))}")
+    hidden, D, K = tuple(w[0] for w in weights[:-1]), weights[0][1], weights[-1][0]
+    sizes = f"H={hidden[0]} hidden units" if depth == 1 else f"hidden layers {hidden}"
+    for site, expected in deep_site_shapes(hidden, D, K).items():
+        for key in (f"loc.{site}", f"log_scale.{site}"):
+            if _shape(state[key]) != expected:
+                raise ValueError(f"{name}: '{key}' has shape {_shape(state[key])}, expected {expected} "
+                                 f"for {sizes}, D={D} inputs, K={K} classes")
+    if _shape(state["prior_scales"]) != (2,):
+        raise ValueError(f"{name}: 'prior_scales' has shape {_shape(state['prior_scales'])}, expected (2,)")
+    return hidden, D, K
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(int(n) for n in np.shape(value))
+
+
+def state_dims(state: Mapping[str, object], name: str = "state_dict") -> tuple[int, int, int]:
+    """``(H, D, K)`` of a HorseshoeBNN state_dict, after checking its keys and shapes against :data:`SITES`.
+
+    Reads ``H, D`` from ``loc.w1`` and ``K`` from ``loc.w2``. Raises ``ValueError`` naming
+    ``name`` (e.g. the file the state_dict came from) for missing or unexpected keys and for
+    shapes that do not fit the record; a deeper network's state_dict is refused with a pointer
+    to :func:`state_sizes`.
+    """
+    depth = state_depth(state)
+    if depth is not None and depth > 1:
+        raise ValueError(f"{name}: a HorseshoeBNN with {depth} hidden layers; this reads one-hidden-layer "
+                         f"networks (state_sizes reads any depth)")
+    missing = [k for k in STATE_KEYS if k not in state]
+    unexpected = [k for k in state if k not in STATE_KEYS]
+    if missing or unexpected:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected {', '.join(map(str, unexpected))}"] if unexpected else [])
+        raise ValueError(f"{name}: not a HorseshoeBNN state_dict ({'; '.join(parts)})")
+    (H,), D, K = _checked_sizes(state, name, 1)
+    return H, D, K
+
+
+def prior_scales(value, name: str = "state_dict") -> tuple[float, float]:
+    """``(global_scale, weight_scale)`` of a state_dict's ``prior_scales``: two positive finite reals."""
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu()
+        value = value.double() if value.is_floating_point() else value
+    try:
+        scales = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError):
+        scales = np.asarray(None)
+    if (scales.shape != (2,) or scales.dtype == bool or not np.issubdtype(scales.dtype, np.number)
+            or np.iscomplexobj(scales) or not (np.isfinite(scales).all() and (scales > 0).all())):
+        shown = value if scales.dtype == object else scales.tolist()
+        raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two positive "
+                         f"finite numbers, the prior's global_scale and weight_scale; got {shown!r})")
+    return float(scales[0]), float(scales[1])
+
+
+#: The entries a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN` state_dict holds beside a
+#: HorseshoeBNN's: per client j, the head's weights (J, K, H) and bias (J, K) as means and standard
+#: deviations, and the class shares (J, K) that mix the heads.
+HEAD_KEYS = ("heads.loc_w", "heads.scale_w", "heads.loc_b", "heads.scale_b", "heads.shares")
+
+
+def has_heads(state: Mapping[str, object]) -> bool:
+    """Whether ``state`` holds any of the :data:`HEAD_KEYS` (a fused BNN with client heads, whole or damaged)."""
+    return any(k in state for k in HEAD_KEYS)
+
+
+def body_state(state: Mapping[str, object]) -> dict:
+    """``state`` without the :data:`HEAD_KEYS`: a HeadMixtureBNN's shared-head HorseshoeBNN."""
+    return {k: v for k, v in state.items() if k not in HEAD_KEYS}
