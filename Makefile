@@ -29,8 +29,10 @@ $(FLOWER_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,flower]'
 	@touch $(FLOWER_STAMP)
 
+# ruff checks (lint, no reformatting: `ruff format` is not applied to the tree yet).
 test: venv $(FLOWER_STAMP)
 	$(BIN)/lint-imports
+	$(BIN)/ruff check bayesfuse tests benchmarks examples
 	$(BIN)/python -m pytest
 
 # `make bench`: each benchmark's smoke run on the embedded digits (minutes on 2 cores);

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-__all__ = ["jsonable", 
+__all__ = ["jsonable",
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_files",

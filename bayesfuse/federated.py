@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesfuse._runtime import progress as _progress
 from bayesfuse import methods
+from bayesfuse._runtime import progress as _progress
 from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
 from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings

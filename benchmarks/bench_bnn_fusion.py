@@ -44,8 +44,9 @@ images from font-rendered digits (out of distribution), and the hidden units of
 Prints one table per seed, a summary (mean +- sd over seeds), and the fused models minus the
 ensemble and above the best local (mean +- sd over seeds, and on how many seeds each is at or
 above the ensemble, or 3 points above the best local); writes ``bnn_fusion_<dataset>.json``
-and ``bnn_fusion_<dataset>.png`` (``bnn_fusion_<dataset>_<L>layers.*`` for L > 1 hidden layers) (entropy per class on font digits, Figure 5; test images sorted by
-the fused BNN's entropy, Figure 1).
+and ``bnn_fusion_<dataset>.png`` (``bnn_fusion_<dataset>_<L>layers.*`` for L > 1 hidden layers)
+(entropy per class on font digits, Figure 5; test images sorted by the fused BNN's entropy,
+Figure 1).
 
 ``--speed`` times local training of the largest client of each seed with the ELBO estimators
 of :func:`bayesfuse.models.bnn.train_bnn` (``local``, ``pyro``), and Pyro's ``AutoNormal``
@@ -64,9 +65,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.special import softmax
-
 from common import RESULTS, cached_models, json_default, write_bytes
+from scipy.special import softmax
 
 from bayesfuse import fuse
 from bayesfuse.calibration import fit_temperature, tempered
@@ -194,7 +194,8 @@ def run_seed(args, seed: int) -> dict:
                                 (SIDE_BY_SIDE, "kl", dict(reg=1e-12, prune_kl=0.0))):
         res = fuse(bnns, method, class_counts=part.counts, **hyper)
         fused[name] = res
-        rows.append(evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})[0])
+        rows.append(evaluate(name, res.model, sum(res.sizes), res.seconds,
+                             {"hyper": res.hyper, "layers": res.sizes})[0])
         if name == HEADS:  # the same heads, pooled geometrically
             log_pool = [res.model.predict(x, args.samples, seed=seed, pool="log") for x in (split.test.x, x_ood)]
             rows.append(scored(HEADS_LOG, *log_pool, sum(res.sizes), res.seconds, {"layers": res.sizes}))
@@ -260,7 +261,8 @@ def speed(args) -> None:
             p = bnn.predict(split.test.x, args.samples, seed=seed)
             # the median epoch: other work on a shared machine slows some epochs, and not both runs alike
             rows.append({"seed": seed, "training": f"HorseshoeBNN, estimator={estimator!r}",
-                         "examples/s": len(x) / float(np.median(bnn.epoch_seconds)), "accuracy": accuracy(p, split.test.y),
+                         "examples/s": len(x) / float(np.median(bnn.epoch_seconds)),
+                         "accuracy": accuracy(p, split.test.y),
                          "loglik": -negative_log_likelihood(p, split.test.y)})
             print(format_table(rows[-1:], list(rows[0])).splitlines()[-1], flush=True)
     rate = _autonormal_rate(*first, _hidden(args))
@@ -337,8 +339,8 @@ def main() -> None:
     print(f"\n{args.dataset}, {args.clients} clients, Dirichlet({args.alpha}), seeds {args.seeds}: mean ± sd")
     print(_shown(rows))
     against = gains(runs)
-    print(f"\nminus the ensemble (accuracy, loglik, auroc) and points above the best local, mean ± sd over "
-          f"seeds (seeds at or above the ensemble; for points, at least 3 above the best local)")
+    print("\nminus the ensemble (accuracy, loglik, auroc) and points above the best local, mean ± sd over "
+          "seeds (seeds at or above the ensemble; for points, at least 3 above the best local)")
     print(_shown_gains(against, len(runs)))
     print(f"whole study: {time.perf_counter() - start:.0f} s")
     out = Path(args.out)

@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 import torch
-
 from common import mean_sd
 
 from bayesfuse.data.datasets import load_dataset
@@ -52,7 +51,8 @@ def synthetic(seed: int) -> None:
             res = match_layerwise(fed.states, spec, direction=direction, cost=cost, noise_var=nv, prior_var=1.0,
                                   gamma0=100.0, bias_prior_mean=0.0, absent="unobserved")
             seconds = time.perf_counter() - start
-            acc = [assignment_accuracy(fed.assignments[n], res.layers[g].assignments) for n, g in enumerate(spec.groups)]
+            acc = [assignment_accuracy(fed.assignments[n], res.layers[g].assignments)
+                   for n, g in enumerate(spec.groups)]
             rows.append({"order": direction, "cost": f"{cost} s2={nv}",
                          "global sizes": "/".join(str(res.sizes[g]) for g in spec.groups),
                          "true sizes": "/".join(map(str, true)),

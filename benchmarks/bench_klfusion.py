@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import simulate_posteriors
 
 from bayesfuse.demo import format_table

@@ -25,7 +25,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-
 from common import RESULTS, write_bytes
 
 from bayesfuse.demo import format_table

@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import RESULTS, simulate_posteriors, wide_models
 
 from bayesfuse.metrics import pair_scores, partition_labels

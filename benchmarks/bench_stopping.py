@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from common import RESULTS, cached_models, mean_sd, write_bytes, write_text
 
 from bayesfuse import fuse, methods

@@ -32,10 +32,9 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from common import RESULTS, atom_duals, optimal_duals, wide_models
 from scipy.sparse import csr_array
 from scipy.sparse.csgraph import maximum_bipartite_matching
-
-from common import RESULTS, atom_duals, optimal_duals, wide_models
 
 from bayesfuse.demo import format_table
 from bayesfuse.fuse_files import fuse_files

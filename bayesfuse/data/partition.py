@@ -114,8 +114,8 @@ def dirichlet_partition(
 
     For each class k, draw p_k ~ Dir_J(alpha), shuffle the n_k examples of class k and give
     client j the slice between the boundaries round(n_k * sum_{i<j} p_{k,i}) and
-    round(n_k * sum_{i<=j} p_{k,i}) (PFNM supplement, section 4). The whole draw is repeated until every client holds at least ``min_size``
-    examples (the rule used by the PFNM and FedMA experiments).
+    round(n_k * sum_{i<=j} p_{k,i}) (PFNM supplement, section 4). The whole draw is repeated
+    until every client holds at least ``min_size`` examples (the rule used by the PFNM and FedMA experiments).
 
     Parameters
     ----------

@@ -5,6 +5,7 @@ from bayesfuse.inference.matching.empirical_bayes import (  # noqa: F401
     VARIANCE_FLOOR,
     AtomStatistics,
     BlockHyper,
+    __all__,  # noqa: F401
     _block_marginal,
     _summarise,
     atom_posterior,
@@ -16,4 +17,3 @@ from bayesfuse.inference.matching.empirical_bayes import (  # noqa: F401
     maximise_hyper,
     noise_matrix,
 )
-from bayesfuse.inference.matching.empirical_bayes import __all__  # noqa: F401

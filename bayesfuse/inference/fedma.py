@@ -97,8 +97,8 @@ def fedma(
     """Federated matched averaging (FedMA Algorithm 1; NAFI Algorithm 2 with ``kl_weight > 0``).
 
     For each group ``g`` in forward order: the server matches the clients' units of ``g``
-    (:func:`~bayesfuse.inference.layerwise.match_group`, BBP-MAP with the PFNM cost, plus NAFI's KL penalty) and forms the
-    global layer ``W_n = 1/J sum_j W_{j,n} Pi_j^T`` (as the atoms' posterior means); each client
+    (:func:`~bayesfuse.inference.layerwise.match_group`, BBP-MAP with the PFNM cost, plus NAFI's KL
+    penalty) and forms the global layer ``W_n = 1/J sum_j W_{j,n} Pi_j^T`` (as the atoms' posterior means); each client
     receives the global layers so far, maps its next layer's inputs onto the global units
     (``W_{j,n+1} <- Pi_j W_{j,n+1}``, zero for global units it lacks) and retrains every entry
     not yet matched with the matched ones frozen, through ``client_update``. The output layer is

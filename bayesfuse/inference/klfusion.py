@@ -266,7 +266,7 @@ def greedy_assign(
     cols = _Columns(family, event_shape, terms.eta.shape[1], 2 * max(sizes))
     assignments: list[np.ndarray | None] = [None] * len(sizes)
     order = np.argsort(-np.asarray(sizes), kind="stable")
-    for sweep in range(sweeps + 1):
+    for _sweep in range(sweeps + 1):
         changed = False
         for j in order:
             local = terms[starts[j] : starts[j + 1]]

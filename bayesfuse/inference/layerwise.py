@@ -49,8 +49,8 @@ from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import Axis, PermutationSpec, to_global_basis
 
 __all__ = ["LayerwiseResult", "fold_batchnorm", "match_layerwise", "match_group", "global_entries",
-           "matched_average", "scale_outputs", "HIDDEN_BIAS_PRIOR_MEAN", "Basis", "check_states", "class_share_matrix", "folded_entries", "folded_eps",
-           "group_seed", "identity_bn", "in_basis", "unit_entries"]
+           "matched_average", "scale_outputs", "HIDDEN_BIAS_PRIOR_MEAN", "Basis", "check_states", "class_share_matrix",
+           "folded_entries", "folded_eps", "group_seed", "identity_bn", "in_basis", "unit_entries"]
 
 State = Mapping[str, np.ndarray]
 #: Prior mean of hidden biases: the initial bias 0.1 of PFNM supplement Table 1.
@@ -201,7 +201,8 @@ def fold_batchnorm(state: State, spec: PermutationSpec, *, copy: bool = True) ->
 
 def identity_bn(n: int, eps: float) -> dict[str, np.ndarray]:
     """Entries that make a batch norm of ``n`` units the identity in eval mode."""
-    return {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n), "running_var": np.full(n, 1.0 - eps)}
+    return {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n),
+            "running_var": np.full(n, 1.0 - eps)}
 
 
 def folded_eps(state: State, bn: str) -> float:
@@ -273,7 +274,8 @@ def _to_rows(a: np.ndarray, d: int, axis: Axis) -> np.ndarray:
 
 
 def _from_rows(rows: np.ndarray, shape: tuple, d: int, axis: Axis) -> np.ndarray:
-    """Inverse of :func:`_to_rows` for ``G = len(rows)`` units; ``shape`` is the local entry shape with other axes global."""
+    """Inverse of :func:`_to_rows` for ``G = len(rows)`` units; ``shape`` is the local entry shape with
+    other axes global."""
     g = rows.shape[0]
     n = axis.size(shape[d])
     block_shape = (*shape[:d], axis.outer, n, axis.inner, *shape[d + 1 :])
@@ -472,7 +474,7 @@ def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapp
     """
     out = {}
     folded = folded_entries(spec)
-    for k, axes in spec.axes.items():
+    for k in spec.axes:
         if k in done:
             continue
         first = np.asarray(states[0][k])

@@ -54,7 +54,8 @@ def warn_not_converged(results: Mapping[str, object], what: str, *, stacklevel: 
     late = [name for name, r in results.items() if not getattr(r, "converged", True)]
     if not late:
         return
-    steps = {name: getattr(results[name], "n_sweeps", None) or len(getattr(results[name], "objective", ())) for name in late}
+    steps = {name: getattr(results[name], "n_sweeps", None) or len(getattr(results[name], "objective", ()))
+             for name in late}
     detail = ", ".join(f"{name} after {n}" for name, n in steps.items())
     warnings.warn(f"{what} did not converge ({detail} iterations); raise n_iter to let it run longer",
                   ConvergenceWarning, stacklevel=stacklevel)

@@ -52,7 +52,8 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
                 return Axis(a["group"], int(a.get("outer", 1)), int(a.get("inner", 1)))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"spec entry {name!r}: bad axis {a!r} ({err})") from None
-        raise ValueError(f"spec entry {name!r}: an axis is null, a group name or {{'group', 'outer', 'inner'}}, got {a!r}")
+        raise ValueError(f"spec entry {name!r}: an axis is null, a group name or {{'group', 'outer', 'inner'}}, "
+                         f"got {a!r}")
 
     axes = {}
     for name, v in data["axes"].items():
@@ -224,7 +225,8 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
         rest = [k for k in keys if not k.startswith(prefix + ".")]
         weights = [k for k in rest if len(shapes[k]) == 2]
         if len(weights) != 1 or not weights[0].endswith("weight"):
-            raise ValueError(f"{name}: an LSTM spec needs exactly one dense output layer after the LSTM, found {weights}")
+            raise ValueError(f"{name}: an LSTM spec needs exactly one dense output layer after the LSTM, "
+                             f"found {weights}")
         out = weights[0][: -len("weight")]
         top = "H" if n_layers == 1 else f"H_{n_layers - 1}"
         parts = [lstm(prefix, None, "H", num_layers=n_layers, bias=f"{prefix}.bias_ih_l0" in shapes),

@@ -40,8 +40,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesfuse._runtime import progress, torch_threads
-from bayesfuse.models.bnn_elbo import negative_elbo
 from bayesfuse.inference.bnn.sites import deep_site_shapes, is_bnn_state, layer_sites, prior_scales, state_sizes
+from bayesfuse.models.bnn_elbo import negative_elbo
 
 __all__ = ["HorseshoeBNN", "BNNConfig", "ESTIMATORS", "train_bnn"]
 
@@ -245,7 +245,8 @@ class HorseshoeBNN(nn.Module):
         return torch.softmax(_forward(x, draws, self.depth), -1).mean(0)  # (S, n, K) -> (n, K)
 
     def unit_scales(self, layer: int = 1) -> np.ndarray:
-        """Posterior median of each unit's scale ``tau * lambda_k`` in hidden layer ``layer`` (log-normal: exp of the loc)."""
+        """Posterior median of each unit's scale ``tau * lambda_k`` in hidden layer ``layer`` (log-normal:
+        exp of the loc)."""
         if not 1 <= layer <= self.depth:
             raise ValueError(f"layer must be in 1..{self.depth}, got {layer}")
         names = layer_sites(layer)

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesfuse.models.bnn import HorseshoeBNN, _forward_hidden
 from bayesfuse.inference.bnn.fusion import client_heads
 from bayesfuse.inference.bnn.sites import HEAD_KEYS, body_state, has_heads
+from bayesfuse.models.bnn import HorseshoeBNN, _forward_hidden
 
 __all__ = ["HeadMixtureBNN", "HEAD_KEYS", "POOLS", "client_heads", "is_head_state", "bnn_from_state"]
 

@@ -5,5 +5,5 @@ from bayesfuse.inference.bnn.posterior import (  # noqa: F401
     BNNPosterior,
     DeepBNNPosterior,
     HiddenLayer,
+    __all__,  # noqa: F401
 )
-from bayesfuse.inference.bnn.posterior import __all__  # noqa: F401

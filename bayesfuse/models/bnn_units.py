@@ -3,13 +3,13 @@ fusion code moved from the Pyro models to the algorithms, :mod:`bayesfuse.infere
 
 from bayesfuse.inference.bnn.units import (  # noqa: F401
     DEFAULT_PRUNE_KL,
+    EffectiveUnits,
+    __all__,  # noqa: F401
     effective_layer,
     effective_units,
-    EffectiveUnits,
     incoming_information,
     informative_units,
     keep_informative,
     split_effective,
     unit_information,
 )
-from bayesfuse.inference.bnn.units import __all__  # noqa: F401

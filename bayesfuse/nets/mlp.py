@@ -34,7 +34,8 @@ class MLP(nn.Module):
         state_dict entries.
     """
 
-    def __init__(self, in_features: int, hidden: Sequence[int], n_classes: int, *, pan: PANConfig | None = None) -> None:
+    def __init__(self, in_features: int, hidden: Sequence[int], n_classes: int, *,
+                 pan: PANConfig | None = None) -> None:
         super().__init__()
         widths = [int(in_features), *(int(h) for h in hidden), int(n_classes)]
         if min(widths) < 1:

@@ -32,8 +32,8 @@ from torch import nn
 
 from bayesfuse.inference.encodings import position_encoding as _encoding_values
 from bayesfuse.inference.spec import Encoding, permute, random_permutations
-from bayesfuse.nets.tracing import spec_from_module
 from bayesfuse.nets.state import numpy_state
+from bayesfuse.nets.tracing import spec_from_module
 
 __all__ = ["PANConfig", "PositionAware", "position_encoding", "shuffle_error"]
 

@@ -30,10 +30,9 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     sys.path.insert(0, str(HERE))
-    from flwr.simulation import run_simulation
-
     from bayesfuse_flower.client_app import make_client_app
     from bayesfuse_flower.server_app import RESULTS, make_server_app
+    from flwr.simulation import run_simulation
 
     settings = {"method": args.method, "num-rounds": args.rounds, "num-nodes": args.nodes,
                 "local-epochs": args.local_epochs, "round-epochs": args.round_epochs}

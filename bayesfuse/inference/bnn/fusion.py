@@ -55,16 +55,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from bayesfuse.inference.bnn.posterior import DeepBNNPosterior, HiddenLayer
+from bayesfuse.inference.bnn.sites import HEAD_KEYS
+from bayesfuse.inference.bnn.units import effective_layer, incoming_information, keep_informative, split_effective
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import class_share_matrix
 from bayesfuse.inference.matching import match_neurons
-from bayesfuse.inference.bnn.posterior import DeepBNNPosterior, HiddenLayer
-from bayesfuse.inference.bnn.sites import HEAD_KEYS
-from bayesfuse.inference.bnn.units import effective_layer, incoming_information, keep_informative, split_effective
 
-__all__ = ["BNNFusion", "fuse_bnn_posteriors", "kl_units", "matched_units", "output_shares", "membership", "share_mixture", "client_heads",
-           "HEAD_KEYS"]
+__all__ = ["BNNFusion", "fuse_bnn_posteriors", "kl_units", "matched_units", "output_shares", "membership",
+           "share_mixture", "client_heads", "HEAD_KEYS"]
 
 
 def client_heads(assignments, out_loc, out_var, bias_loc, bias_var, n_global: int) -> dict[str, np.ndarray]:

@@ -21,7 +21,6 @@ from typing import Mapping
 
 import numpy as np
 
-from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.bnn.sites import (
     GLOBAL_SITES,
     STATE_KEYS,
@@ -33,6 +32,7 @@ from bayesfuse.inference.bnn.sites import (
     state_keys,
     state_sizes,
 )
+from bayesfuse.inference.expfam import DiagNormal
 
 __all__ = ["BNNPosterior", "HiddenLayer", "DeepBNNPosterior"]
 
@@ -243,7 +243,8 @@ class DeepBNNPosterior:
 
     @classmethod
     def from_state(cls, state: Mapping[str, object], name: str = "state_dict") -> "DeepBNNPosterior":
-        """Read a HorseshoeBNN state_dict of any depth (checked as :func:`~bayesfuse.inference.bnn.sites.state_sizes` does).
+        """Read a HorseshoeBNN state_dict of any depth (checked as
+        :func:`~bayesfuse.inference.bnn.sites.state_sizes` does).
 
         Variances are ``exp(2 log_scale)``; raises ``ValueError`` naming ``name`` for a state_dict
         that is not a HorseshoeBNN's and for NaN or infinite means or variances.
@@ -272,7 +273,8 @@ class DeepBNNPosterior:
                    weight_scale=weight_scale)
 
     def to_state(self) -> dict[str, np.ndarray]:
-        """The HorseshoeBNN state_dict (float64 arrays, keys in the state_dict's order); inverse of :meth:`from_state`."""
+        """The HorseshoeBNN state_dict (float64 arrays, keys in the state_dict's order); inverse of
+        :meth:`from_state`."""
         depth = len(self.layers)
         widths = (self.in_features,) + self.hidden_sizes
         for layer, (below, hl) in enumerate(zip(widths, self.layers), 1):

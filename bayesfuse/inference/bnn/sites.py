@@ -100,7 +100,8 @@ class LayerSites:
 
 
 def layer_sites(layer: int) -> LayerSites:
-    """Names of hidden layer ``layer`` (1-based): ``w1, b1, log_lam, log_tau``, then ``w2, b2, log_lam2, log_tau2``..."""
+    """Names of hidden layer ``layer`` (1-based): ``w1, b1, log_lam, log_tau``, then ``w2, b2, log_lam2,
+    log_tau2``..."""
     if int(layer) != layer or layer < 1:
         raise ValueError(f"hidden layers are numbered from 1, got {layer}")
     tag = "" if layer == 1 else str(layer)

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.bnn.posterior import BNNPosterior, HiddenLayer
+from bayesfuse.inference.expfam import DiagNormal
 
 __all__ = ["EffectiveUnits", "unit_information", "informative_units", "effective_units",
            "incoming_information", "keep_informative", "effective_layer", "split_effective", "DEFAULT_PRUNE_KL"]

@@ -58,18 +58,20 @@ from bayesfuse.inference.matching.model import log_marginal_posterior
 from bayesfuse.inference.matching.result import MatchResult
 
 # The names under which the tests import these pieces (private names of the single module of before).
-from bayesfuse.inference.matching.assignment import assign as _assign  # isort: skip
-from bayesfuse.inference.matching.assignment import assign_negative as _assign_negative  # isort: skip
-from bayesfuse.inference.matching.cost import cost_blocks as _cost_blocks  # isort: skip
-from bayesfuse.inference.matching.cost import gain_terms as _gain_terms  # isort: skip
-from bayesfuse.inference.matching.cost import negative_pairs as _negative_pairs  # isort: skip
-from bayesfuse.inference.matching.model import Groups as _Groups  # isort: skip
-from bayesfuse.inference.matching.model import atom_objective as _objective  # isort: skip
-from bayesfuse.inference.matching.model import data_constant as _data_constant  # isort: skip
-from bayesfuse.inference.matching.model import partition_key as _partition_key  # isort: skip
-from bayesfuse.inference.matching.model import posterior_moments as _posterior_moments  # isort: skip
-from bayesfuse.inference.matching.model import posterior_stats as _posterior_stats  # isort: skip
-from bayesfuse.inference.matching.model import setup as _setup  # isort: skip
+# isort: off
+from bayesfuse.inference.matching.assignment import assign as _assign
+from bayesfuse.inference.matching.assignment import assign_negative as _assign_negative
+from bayesfuse.inference.matching.cost import cost_blocks as _cost_blocks
+from bayesfuse.inference.matching.cost import gain_terms as _gain_terms
+from bayesfuse.inference.matching.cost import negative_pairs as _negative_pairs
+from bayesfuse.inference.matching.model import Groups as _Groups
+from bayesfuse.inference.matching.model import atom_objective as _objective
+from bayesfuse.inference.matching.model import data_constant as _data_constant
+from bayesfuse.inference.matching.model import partition_key as _partition_key
+from bayesfuse.inference.matching.model import posterior_moments as _posterior_moments
+from bayesfuse.inference.matching.model import posterior_stats as _posterior_stats
+from bayesfuse.inference.matching.model import setup as _setup
+# isort: on
 
 __all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost", "recording_assignments",
            "solve_assignment"]

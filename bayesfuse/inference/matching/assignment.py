@@ -8,7 +8,6 @@ import contextlib
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-
 #: The callbacks :func:`recording_assignments` has installed (none outside its blocks).
 RECORDERS: list = []
 

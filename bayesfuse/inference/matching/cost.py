@@ -11,7 +11,6 @@ import numpy as np
 from bayesfuse.inference._backend import backend_of, ieee_float32, namespace, to_host
 from bayesfuse.inference.matching.model import Groups, Prior
 
-
 Cost = Literal["pfnm", "marginal"]
 
 

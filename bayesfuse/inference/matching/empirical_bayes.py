@@ -367,7 +367,7 @@ def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
             c_var = summary.s2.sum() / n - (summary.s1.sum() / n) ** 2
             moments = np.log(np.maximum([s_moment, c_var - s_moment * np.sum(summary.count / summary.weight) / n],
                                         VARIANCE_FLOOR))
-            ends = [minimize(lambda x: _block_marginal(x, free, fixed, summary, mean)[:2],
+            ends = [minimize(lambda x: _block_marginal(x, free, fixed, summary, mean)[:2],  # noqa: B023 (run here)
                              np.clip(x0, floor, ceiling), jac=True, method="L-BFGS-B",
                              bounds=[(floor, ceiling)] * int(free.sum()),
                              options=dict(ftol=1e-15, gtol=1e-9, maxiter=500))

@@ -28,7 +28,6 @@ from bayesfuse.inference.matching.model import (
 from bayesfuse.inference.matching.result import MatchResult
 from bayesfuse.inference.result import warn_not_converged
 
-
 #: Largest per-client cost product (atoms x neurons x coordinates, multiply-adds) that
 #: :func:`match_neurons` runs on one BLAS thread (J = 1000 clients of 100 neurons in 794
 #: dimensions, 2 cores shared with other work: 5 s on one thread, 10 to 27 s on two).
@@ -173,9 +172,9 @@ class _AtomBuffer:
         self._hh[: self.n] = self.backend.host(self.groups.sum_sq(self.h))
 
 
-def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost, local_vars, n_iter, tol, seed, init,
-           verbose, start, checked: bool = False, init_atoms=None, squares=None,
-           cache: NeuronCache | None = None, baseline: float | None = None) -> MatchResult:
+def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost, local_vars, n_iter, tol, seed,
+                init, verbose, start, checked: bool = False, init_atoms=None, squares=None,
+                cache: NeuronCache | None = None, baseline: float | None = None) -> MatchResult:
     """:func:`match_neurons` with numeric hyper-parameters.
 
     For repeated matchings of the same neurons (:func:`match_empirical_bayes`): ``checked``,

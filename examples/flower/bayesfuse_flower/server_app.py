@@ -20,7 +20,6 @@ from flwr.serverapp.strategy import FedAvg, Result
 from bayesfuse.integrations.flower import FedMA, MatchedAveraging, metrics_aggregation, record_to_state, state_to_record
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
-
 from bayesfuse_flower.task import _split, config, fresh_model, model_from_state, settings
 
 #: The values of the run config's ``method``.
