@@ -10,8 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bayesfuse.checkpoints import (load_state_dict, output_format, read_checkpoint, save_state_dict,
-                                   tensors_sha256)
+from bayesfuse.checkpoints import load_state_dict, output_format, read_checkpoint, save_state_dict, tensors_sha256
 from bayesfuse.inference.spec import entry_order
 from bayesfuse.models.bnn import HorseshoeBNN
 

@@ -11,8 +11,8 @@ from bayesfuse.core import fuse_states, input_kind
 from bayesfuse.inference.result import ConvergenceWarning, LayerResult
 from bayesfuse.models.bnn import HorseshoeBNN
 from bayesfuse.nets import MLP
-from bayesfuse.nets.state import numpy_state
 from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.nets.state import numpy_state
 from tests.helpers import DEVICES
 
 

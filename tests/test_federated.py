@@ -11,10 +11,10 @@ from bayesfuse.data import dirichlet_partition
 from bayesfuse.data.datasets import load_digits
 from bayesfuse.federated import run_fedavg, run_fedma
 from bayesfuse.metrics import accuracy
+from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.nets.spec import spec_from_module
 from bayesfuse.train import TrainConfig, train_clients, train_model
-from bayesfuse.nets.mlp import MLP
 
 
 @pytest.fixture(scope="module")

@@ -120,8 +120,8 @@ def deep_files(tmp_path_factory, split):
 @pytest.mark.parametrize("arch", ["mlp", "cnn", "lstm"])
 def test_deep_checkpoints_fuse_like_the_library_and_are_order_free(deep_files, tmp_path, arch):
     from bayesfuse import fuse
-    from bayesfuse.nets.arch import rebuild
     from bayesfuse.inference.spec import spec_for_state_dict
+    from bayesfuse.nets.arch import rebuild
 
     models, paths = deep_files[arch]
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"

@@ -8,8 +8,8 @@ from bayesfuse import fedavg, fuse
 from bayesfuse.data import dirichlet_partition
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets import MLP, predict_proba
-from bayesfuse.train import TrainConfig, train_clients
 from bayesfuse.nets.state import numpy_state
+from bayesfuse.train import TrainConfig, train_clients
 from tests.helpers import DEVICES, mlp_from_neurons, one_hidden_layer, randomise
 
 # Single-model cases are part of these tests; the warning they raise is expected.

@@ -1,6 +1,5 @@
 """Every notebook runs top to bottom (with CI=1: small sizes)."""
 
-import os
 from pathlib import Path
 
 import nbformat

@@ -11,8 +11,16 @@ import torch
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.nets.arch import make_cnn
 from bayesfuse.nets.mlp import MLP
-from bayesfuse.summaries import (ClientSummary, SummaryError, check_summary, load_summary, save_summary, summarize,
-                                 summary_path, temperature_nll)
+from bayesfuse.summaries import (
+    ClientSummary,
+    SummaryError,
+    check_summary,
+    load_summary,
+    save_summary,
+    summarize,
+    summary_path,
+    temperature_nll,
+)
 from tests.helpers import randomise
 
 

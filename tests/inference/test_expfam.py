@@ -9,8 +9,16 @@ from torch.distributions import Dirichlet as TDirichlet
 from torch.distributions import Gamma as TGamma
 from torch.distributions import MultivariateNormal, Normal, kl_divergence
 
-from bayesfuse.inference.expfam import (Beta, DiagNormal, Dirichlet, FullNormal, Gamma, NormalWishart, kl_matrix,
-                                        kl_moments)
+from bayesfuse.inference.expfam import (
+    Beta,
+    DiagNormal,
+    Dirichlet,
+    FullNormal,
+    Gamma,
+    NormalWishart,
+    kl_matrix,
+    kl_moments,
+)
 
 RNG = np.random.default_rng(0)
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from bayesfuse.inference import klfusion
-from bayesfuse.inference.expfam import Dirichlet, DiagNormal, Gamma
+from bayesfuse.inference.expfam import DiagNormal, Dirichlet, Gamma
 from bayesfuse.inference.klfusion import _split, greedy_assign, greedy_start, kl_fuse
 from bayesfuse.inference.relaxed import relaxed_objective, solve_relaxed
 from tests.helpers import partition as _partition

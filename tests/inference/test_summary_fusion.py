@@ -7,8 +7,13 @@ import pytest
 
 from bayesfuse.inference.layerwise import Basis
 from bayesfuse.inference.spec import chain, dense
-from bayesfuse.inference.summary_fusion import (choose_temperature, fold_temperature, laplace_fuse_entries,
-                                                laplace_precisions, output_shares)
+from bayesfuse.inference.summary_fusion import (
+    choose_temperature,
+    fold_temperature,
+    laplace_fuse_entries,
+    laplace_precisions,
+    output_shares,
+)
 
 SPEC = chain(dense("l0", None, "P1"), dense("l1", "P1", None), output=("l1.weight", "l1.bias"))
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from bayesfuse.inference.spec import Axis, permute, random_permutations
 from bayesfuse.nets.arch import LSTMClassifier, make_cnn, rebuild
 from bayesfuse.nets.mlp import MLP
-from bayesfuse.inference.spec import Axis, permute, random_permutations
 from bayesfuse.nets.spec import UnsupportedLayerError, spec_from_module
 from tests.helpers import randomise
 
