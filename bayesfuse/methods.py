@@ -216,20 +216,14 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
 
 _MATCHING = dict(noise_var=1.0, prior_var=10.0, gamma0=1.0)
 _AUTO_MATCHING = dict(noise_var="auto", prior_var="auto", gamma0="auto")
-# tol: a sweep that gains less than 0.1 nats per unit ends the matching. On 10 Fashion-MNIST 784-1000-10
-# MLPs (benchmarks/bench_stopping.py, 10k training images held out, 3 seeds) PFNM then sweeps 7-10 times
-# instead of 21-40 (2.3-3.4x faster) at the validation accuracy (+0.1 to +0.3 points) and NLL (-0.03 to
-# +0.025) of the fixed point; 0.3 costs 0.1 point and up to +0.1 NLL on every seed.
+# tol: a sweep that gains less than 0.1 nats per unit ends the matching; see docs/decisions.md#matching-tol
 _NETWORK = dict(cost="auto", n_iter=10, tol=0.1, direction="bottom-up", global_weights="auto", average_outputs=True)
 _NAFI_KL = {"network": 1.0, "bnn": 0.01}
 # BNNs: pruned units in the effective form, outputs weighted by class shares (bayesfuse.core._fuse_bnn_states).
-# KL-fusion's reg: validation log-likelihood (10% of the training set held out, never the test set;
-# benchmarks/bench_bnn_fusion.py, Fashion-MNIST, 5 clients, Dirichlet(0.8)) favours 0.003-0.01 over the
-# paper's 0.1, which on pruned units merges too much (seed 0: 38 units, validation log-lik -0.64 against
-# -0.45 at 0.01 with 94 units).
+# KL-fusion's reg: 0.01, not the paper's 0.1; see docs/decisions.md#bnn-kl-fusion-reg
 _BNN_UNITS = dict(average_outputs=True, unit_form="effective", prune_kl=1.0, head="shared")
-# matching's noise_var is an absolute variance, set for the guide's raw coordinates; in the effective form
-# (weights times the unit scale, ~1e-3 on Fashion-MNIST) 0.01 merges nearly everything
+# matching's noise_var is an absolute variance, set for the guide's raw coordinates;
+# see docs/decisions.md#bnn-matching-raw-units
 _BNN_MATCHING_UNITS = dict(_BNN_UNITS, unit_form="raw")
 _NO_KL = Fixed(0.0, "method='pfnm' has no KL penalty; use method='nafi' for kl_weight > 0")
 # the routines that fuse state lists live in the core (bayesfuse.core), which imports this module
@@ -238,11 +232,8 @@ _MATCHING_FUSERS = {"network": _CORE + "_match_states", "bnn": _CORE + "_matched
 
 #: The table. Point-estimate networks: hyper-parameters chosen per layer by empirical Bayes
 #: ("auto", benchmarks/bench_fidelity.py); NAFI's KL per coordinate with lambda = 1 (the
-#: matching's per-unit weight 1 / D). lambda = 10 gave Fashion-MNIST MLPs (D = 785..795) 10-50
-#: fewer units at the same accuracy but merged the 10-coordinate channels of a small ConvNet's
-#: first layer into 8-11 global channels (digits: 0.56-0.79 against 0.88-0.93 at lambda = 1,
-#: which matches PFNM there). BNN units carry their own posterior variances, so the extra noise
-#: variance there is small, and NAFI's weight is per unit.
+#: matching's per-unit weight 1 / D; see docs/decisions.md#nafi-kl-weight). BNN units carry their
+#: own posterior variances, so the extra noise variance there is small, and NAFI's weight is per unit.
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pfnm", "PFNM: BBP-MAP matching of hidden units (Yurochkin et al. 2019), layer by layer",
            {"network": dict(_AUTO_MATCHING, kl_weight=0.0, **_NETWORK),

@@ -184,8 +184,8 @@ def cost_blocks(v, p, h, lam, m, prior: Prior, *, cost: Cost, kl_weight: float, 
 
 
 #: Share of (atom, neuron) pairs that may be candidates for the float32 screen of
-#: :func:`negative_pairs` to pay (rechecking a pair in float64 costs about as much as 50 of
-#: the pairs a float64 product computes); above it the dense float64 path runs.
+#: :func:`negative_pairs` to pay; above it the dense float64 path runs.
+#: See docs/decisions.md#screen-density
 SCREEN_DENSITY = 0.02
 
 

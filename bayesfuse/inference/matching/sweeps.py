@@ -29,8 +29,7 @@ from bayesfuse.inference.matching.result import MatchResult
 from bayesfuse.inference.result import warn_not_converged
 
 #: Largest per-client cost product (atoms x neurons x coordinates, multiply-adds) that
-#: :func:`match_neurons` runs on one BLAS thread (J = 1000 clients of 100 neurons in 794
-#: dimensions, 2 cores shared with other work: 5 s on one thread, 10 to 27 s on two).
+#: :func:`match_neurons` runs on one BLAS thread; see docs/decisions.md#single-thread-product
 SINGLE_THREAD_PRODUCT = 5e7
 
 
