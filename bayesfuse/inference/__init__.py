@@ -1,4 +1,9 @@
-"""Fusion algorithms over arrays: BBP-MAP matching (PFNM, NAFI) and KL-fusion of mean-field posteriors."""
+"""Fusion algorithms over arrays: BBP-MAP matching (PFNM, NAFI; :mod:`.matching`), its layer-wise
+driver (:mod:`.layerwise`) and FedMA (:mod:`.fedma`), KL-fusion of mean-field posteriors
+(:mod:`.klfusion`, :mod:`.relaxed`, :mod:`.expfam`), OT fusion (:mod:`.otfusion`), fusion of
+horseshoe BNN posteriors (:mod:`.bnn`) and of Laplace posteriors from client summaries
+(:mod:`.summary_fusion`); permutation specs (:mod:`.spec`, :mod:`.spec_io`) describe the networks.
+The names below are imported on first use."""
 
 from __future__ import annotations
 

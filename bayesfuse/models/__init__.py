@@ -1,4 +1,11 @@
-"""Pyro generative models (Beta-Bernoulli process over neurons; BNNs and mixtures to come)."""
+"""Pyro generative models: the Beta-Bernoulli process over neurons (:mod:`.bbp`), horseshoe BNNs
+(:mod:`.bnn`, their ELBO estimator :mod:`.bnn_elbo` and the fused network with the clients' heads
+:mod:`.bnn_heads`) and mixture models (:mod:`.mixture`).
+
+The BNN posteriors' fusion works on arrays and lives in :mod:`bayesfuse.inference.bnn`; the
+former paths ``bayesfuse.models.bnn_sites``, ``bnn_posterior``, ``bnn_units`` and ``bnn_fusion``
+re-export it. Only the BBP model's names are exported here.
+"""
 
 from __future__ import annotations
 
