@@ -665,7 +665,7 @@ def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0
     """
     import torch
 
-    from bayesfuse.models.bnn import HorseshoeBNN, _forward
+    from bayesfuse.models.bnn import HorseshoeBNN, forward_logits
     from bayesfuse.models.bnn_sites import has_heads
 
     result = None
@@ -701,7 +701,7 @@ def bnn_to_arviz(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0
     y_rep = np.empty((num_samples, len(x)), dtype=np.int64)
     with torch.no_grad():
         for i in range(0, len(x), batch_size):
-            logits = _forward(xt[i : i + batch_size], p, model.depth)  # (S, b, K)
+            logits = forward_logits(xt[i : i + batch_size], p, model.depth)  # (S, b, K)
             logp = torch.log_softmax(logits, -1)
             b = logp.shape[1]
             loglik[:, i : i + b] = logp.gather(-1, yt[i : i + b].expand(num_samples, b)[..., None])[..., 0].numpy()

@@ -19,7 +19,7 @@ import numpy as np
 from scipy.optimize import minimize_scalar
 from scipy.special import logsumexp, softmax
 
-from bayesfuse.metrics import PROB_FLOOR, _check_probs
+from bayesfuse.metrics import PROB_FLOOR, check_probs
 
 __all__ = ["tempered", "fit_temperature"]
 
@@ -38,7 +38,7 @@ def _check_temperature(temperature) -> float:
 
 def tempered(probs: np.ndarray, temperature: float) -> np.ndarray:
     """``probs`` (n, K) tempered by ``temperature``: ``softmax(log p / T)`` per row (module docstring)."""
-    p, _ = _check_probs(probs)
+    p, _ = check_probs(probs)
     t = _check_temperature(temperature)
     return softmax(_log_probs(p) / t, axis=1)
 
@@ -51,7 +51,7 @@ def fit_temperature(probs: np.ndarray, y: np.ndarray, *, bounds: tuple[float, fl
     :func:`~bayesfuse.metrics.negative_log_likelihood` does; the search runs over ``1/T``, in
     which the unfloored negative log-likelihood is convex.
     """
-    p, y = _check_probs(probs, y)
+    p, y = check_probs(probs, y)
     low, high = (_check_temperature(b) for b in bounds)
     if not low < high:
         raise ValueError(f"bounds must be (low, high) with low < high, got {bounds!r}")

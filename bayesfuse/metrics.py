@@ -28,7 +28,7 @@ __all__ = [
 PROB_FLOOR = 1e-12
 
 
-def _check_probs(probs: np.ndarray, y: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+def check_probs(probs: np.ndarray, y: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     p = np.asarray(probs, dtype=np.float64)
     if p.ndim != 2 or p.shape[0] == 0:
         raise ValueError(f"probs must be a non-empty 2-D array (n, n_classes), got shape {p.shape}")
@@ -48,19 +48,19 @@ def _check_probs(probs: np.ndarray, y: np.ndarray | None = None) -> tuple[np.nda
 
 def accuracy(probs: np.ndarray, y: np.ndarray) -> float:
     """Fraction of examples whose most probable class is the label."""
-    p, y = _check_probs(probs, y)
+    p, y = check_probs(probs, y)
     return float(np.mean(p.argmax(axis=1) == y))
 
 
 def negative_log_likelihood(probs: np.ndarray, y: np.ndarray) -> float:
     """Mean ``-log p(y_i | x_i)`` (probabilities floored at :data:`PROB_FLOOR`)."""
-    p, y = _check_probs(probs, y)
+    p, y = check_probs(probs, y)
     return float(-np.mean(np.log(np.maximum(p[np.arange(len(y)), y], PROB_FLOOR))))
 
 
 def predictive_entropy(probs: np.ndarray) -> np.ndarray:
     """Entropy ``H[p] = -sum_k p_k log p_k`` of each row, with ``0 log 0 = 0``; shape (n,)."""
-    p, _ = _check_probs(probs)
+    p, _ = check_probs(probs)
     p = np.clip(p, 0.0, 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         terms = np.where(p > 0, p * np.log(p), 0.0)
@@ -75,7 +75,7 @@ def expected_calibration_error(probs: np.ndarray, y: np.ndarray, *, n_bins: int 
     where ``B_b`` holds the examples whose confidence ``max_k p_k`` lies in
     ``((b-1)/n_bins, b/n_bins]`` (Guo et al., 2017).
     """
-    p, y = _check_probs(probs, y)
+    p, y = check_probs(probs, y)
     if n_bins < 1:
         raise ValueError(f"n_bins must be >= 1, got {n_bins}")
     conf = p.max(axis=1)

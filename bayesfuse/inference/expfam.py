@@ -84,7 +84,7 @@ class ExpFamily:
     @classmethod
     def concat(cls: type[F], parts: Sequence[F]) -> F:
         """One batch holding the components of ``parts`` in order."""
-        _check_same_family(parts)
+        check_same_family(parts)
         return cls(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(parts[0])})
 
     def kl(self, other: ExpFamily, *, clip: bool = True) -> np.ndarray:
@@ -94,7 +94,7 @@ class ExpFamily:
         round-off can leave it slightly below 0; ``clip`` (default) returns ``max(KL, 0)``,
         ``clip=False`` the value as computed.
         """
-        _check_same_family([self, other])
+        check_same_family([self, other])
         return kl_matrix(self.kl_terms(), other.kl_terms(), clip=clip)
 
     def kl_terms(self) -> KLTerms:
@@ -109,7 +109,7 @@ class ExpFamily:
         two parts combine exactly), so memory is one block, and the result is the population
         standard deviation (``np.std``, ddof 0) of the full matrix up to round-off.
         """
-        _check_same_family([self, other])
+        check_same_family([self, other])
         return kl_moments(self.kl_terms(), other.kl_terms(), block_bytes=block_bytes)[2]
 
     def barycenter(self: F, weights: np.ndarray, *, natural: np.ndarray | None = None) -> F:
@@ -194,7 +194,7 @@ def kl_moments(a: KLTerms, b: KLTerms, *, block_bytes: int = 2**26) -> tuple[int
     return count, mean, float(np.sqrt(m2 / count))
 
 
-def _check_same_family(parts: Sequence[ExpFamily]) -> None:
+def check_same_family(parts: Sequence[ExpFamily]) -> None:
     if len(parts) == 0:
         raise ValueError("need at least one batch of components")
     kind, shape = type(parts[0]), parts[0].event_shape

@@ -37,7 +37,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from tqdm.auto import tqdm
 
-from bayesfuse.inference.expfam import ExpFamily, KLTerms, _check_same_family, kl_matrix, kl_moments
+from bayesfuse.inference.expfam import ExpFamily, KLTerms, check_same_family, kl_matrix, kl_moments
 from bayesfuse.inference.relaxed import ADMMState, Solver, relaxed_objective, solve_relaxed
 from bayesfuse.inference.result import exporter, warn_not_converged
 
@@ -399,7 +399,7 @@ def kl_fuse(
     """
     start = time.perf_counter()
     posteriors = list(posteriors)
-    _check_same_family(posteriors)
+    check_same_family(posteriors)
     for j, q in enumerate(posteriors):
         if len(q) == 0:
             raise ValueError(f"client {j} has no components (empty client)")
@@ -414,7 +414,7 @@ def kl_fuse(
         if mode != "heterogeneous" or init not in ("greedy", "pooled"):
             raise ValueError(f"init must be an ExpFamily, or 'greedy' or 'pooled' in heterogeneous mode, got {init!r}")
     elif init is not None:
-        _check_same_family([posteriors[0], init])
+        check_same_family([posteriors[0], init])
 
     if mode == "homogeneous":
         if len(set(sizes)) != 1:

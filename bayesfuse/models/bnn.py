@@ -185,7 +185,7 @@ class HorseshoeBNN(nn.Module):
                                         .expand([K, width]).to_event(2))
         params[f"b{out}"] = pyro.sample(f"b{out}", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale)
                                         .expand([K]).to_event(1))
-        logits = _forward(x, params, self.depth)
+        logits = forward_logits(x, params, self.depth)
         with pyro.plate("data", n_data or len(x), subsample=torch.arange(len(x))):
             pyro.sample("y", dist.Categorical(logits=logits), obs=y)
 
@@ -242,7 +242,7 @@ class HorseshoeBNN(nn.Module):
 
     def _predictive(self, x: torch.Tensor, draws: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """(n, K) predictive of the rows ``x`` over ``draws``: the mean softmax."""
-        return torch.softmax(_forward(x, draws, self.depth), -1).mean(0)  # (S, n, K) -> (n, K)
+        return torch.softmax(forward_logits(x, draws, self.depth), -1).mean(0)  # (S, n, K) -> (n, K)
 
     def unit_scales(self, layer: int = 1) -> np.ndarray:
         """Posterior median of each unit's scale ``tau * lambda_k`` in hidden layer ``layer`` (log-normal:
@@ -259,7 +259,7 @@ def _tag(layer: int) -> str:
     return "" if layer == 1 else str(layer)
 
 
-def _forward_hidden(x, params: Mapping[str, torch.Tensor], depth: int):
+def forward_hidden(x, params: Mapping[str, torch.Tensor], depth: int):
     """The top hidden layer's outputs ``h_L(x)`` for the sites' values ``params`` (log-scales for
     ``tau``, ``lambda``), each with an optional leading sample dimension."""
     h = x
@@ -271,11 +271,15 @@ def _forward_hidden(x, params: Mapping[str, torch.Tensor], depth: int):
     return h
 
 
-def _forward(x, params: Mapping[str, torch.Tensor], depth: int):
-    """Logits for the sites' values ``params`` (as :func:`_forward_hidden`)."""
-    h = _forward_hidden(x, params, depth)
+def forward_logits(x, params: Mapping[str, torch.Tensor], depth: int):
+    """Logits for the sites' values ``params`` (as :func:`forward_hidden`)."""
+    h = forward_hidden(x, params, depth)
     w, b = params[f"w{depth + 1}"], params[f"b{depth + 1}"]
     return torch.matmul(h, w.transpose(-1, -2)) + b.unsqueeze(-2)
+
+
+#: The former private name, which the tests import.
+_forward_hidden = forward_hidden
 
 
 def train_bnn(

@@ -47,7 +47,7 @@ from torch import nn
 
 from bayesfuse.inference.bnn.fusion import client_heads
 from bayesfuse.inference.bnn.sites import HEAD_KEYS, body_state, has_heads
-from bayesfuse.models.bnn import HorseshoeBNN, _forward_hidden
+from bayesfuse.models.bnn import HorseshoeBNN, forward_hidden
 
 __all__ = ["HeadMixtureBNN", "HEAD_KEYS", "POOLS", "client_heads", "is_head_state", "bnn_from_state"]
 
@@ -154,7 +154,7 @@ class HeadMixtureBNN(HorseshoeBNN):
         return max(1, batch_size // self.n_heads)  # every head's logits are held at once
 
     def _predictive(self, x: torch.Tensor, draws, pool: str = "linear") -> torch.Tensor:
-        hidden = _forward_hidden(x, draws, self.depth)  # (S, n, H)
+        hidden = forward_hidden(x, draws, self.depth)  # (S, n, H)
         # (S, J, n, K): every head on every draw of the body
         logits = torch.einsum("snh,sjkh->sjnk", hidden, draws["heads.w"]) + draws["heads.b"].unsqueeze(2)
         if pool == "log":  # log p_j(k|x) = log mean_s softmax, in log space (no underflow), then sum_j s_jk log p_j
