@@ -123,6 +123,7 @@ def fuse_states(
     device=None,
     dtype: str = "float64",
     summaries: Sequence | None = None,
+    output_pool: str = "precision",
     **hyper,
 ) -> StateFusion:
     """Fuse the clients' state_dicts with ``method`` (any of :data:`bayesfuse.methods.METHODS`
@@ -169,6 +170,12 @@ def fuse_states(
         fused entries are the members' precision-weighted means and precision-weighted log pool
         (:mod:`bayesfuse.inference.summary_fusion`). ``hyper["summaries"]`` says what was used.
         Class counts default to the summaries'.
+    output_pool : {"precision", "counts"}
+        With summaries: client j's share of the pooled class-k logit, ``s_jk``, in proportion to
+        the precision its data give its class-k output bias (``"precision"``, the Laplace
+        posteriors' own weighting) or to its examples of class k (``"counts"``, PFNM's class
+        shares). Neither wins everywhere (see the README); ``bayesfuse.fuse(..., rounds=2)``
+        lets the clients choose.
     **hyper
         The method's hyper-parameters (:func:`bayesfuse.methods.resolve`; ``bayesfuse fuse
         --help`` lists them with their defaults).
@@ -196,8 +203,13 @@ def fuse_states(
     check_device(device, dtype)
     names = list(names) if names is not None else [f"client {j}" for j in range(len(states))]
     options = {}
+    if output_pool not in ("precision", "counts"):
+        raise ValueError(f"output_pool must be 'precision' or 'counts', got {output_pool!r}")
+    if summaries is None and output_pool != "precision":
+        raise ValueError("output_pool applies to fusion with client summaries; pass summaries=")
     if summaries is not None:
         options["summaries"] = _checked_summaries(summaries, states, names, method, kind)
+        options["output_pool"] = output_pool
         if class_counts is None:
             class_counts = np.stack([np.asarray(s.class_counts) for s in options["summaries"]])
     warn_single(len(states), stacklevel=3)
@@ -282,12 +294,15 @@ def _ot_states(states, names, method, settings, *, spec, class_counts, **_) -> S
 
 @_aligning
 def _match_states(states, names, method, settings, *, spec, class_counts, seed, verbose, device=None,
-                  dtype="float64", summaries=None) -> StateFusion:
+                  dtype="float64", summaries=None, output_pool="precision") -> StateFusion:
     """PFNM/NAFI (:func:`match_layerwise`, on ``device`` in ``dtype`` when one is given) of plain
     networks; with ``summaries``, the matched networks fused as Laplace posteriors
     (:func:`~bayesfuse.inference.summary_fusion.laplace_fuse_entries`)."""
     if summaries is not None:
-        h = np.stack([_output_precision(s, spec, n) for s, n in zip(summaries, names)])
+        if output_pool == "precision":
+            h = np.stack([_output_precision(s, spec, n) for s, n in zip(summaries, names)])
+        else:
+            h = np.stack([np.asarray(s.class_counts, dtype=np.float64) for s in summaries])
         class_counts = h  # the output layer's weights in the matching: shares of the output-bias precisions
     result = match_layerwise(states, spec, class_counts=class_counts, seed=seed, names=names, verbose=verbose,
                              device=device, dtype=dtype, **settings)
@@ -299,7 +314,7 @@ def _match_states(states, names, method, settings, *, spec, class_counts, seed, 
                                                  [s.prior_precision for s in summaries], spec, bases, output_shares(h))
         result.state_dict.update(values)
         hyper["summaries"] = {"used": True, "weights": "laplace precision (GGN diagonal + prior)",
-                              "output": "log pool, output-bias precision shares",
+                              "output": f"log pool, shares by {output_pool}",
                               "prior_precision": [s.prior_precision for s in summaries],
                               "examples": [s.n_examples for s in summaries],
                               "bytes": [s.nbytes for s in summaries]}

@@ -34,6 +34,7 @@ from bayesfuse.federated import run_fedavg
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.nets.pans import PANConfig
 from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.summaries import summarize
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "format_table", "DEMO_METHODS"]
@@ -69,6 +70,11 @@ class DemoConfig:
     pan: PANConfig | None = None
     #: hyper-parameters per fusion method (``{"nafi": {"kl_weight": 0.1}}``); see :func:`hyper_for_methods`
     hyper: dict = field(default_factory=dict)
+    #: each client also summarises its data (:func:`bayesfuse.summarize`) and every method that reads
+    #: summaries gets two more rows, ``"METHOD +summaries"`` fused with them in one shot and
+    #: ``"METHOD +summaries 2 rounds"`` with the second round of :func:`bayesfuse.fuse` (MLPs and
+    #: ConvNets without position encodings)
+    summaries: bool = True
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in DEMO_METHODS]
@@ -305,6 +311,7 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
 
     retrain = replace(train_config, epochs=config.retrain_epochs or config.epochs)
     n_rounds = len(spec.groups) + 1  # FedMA: one round per hidden layer, one for the output layer
+    summaries = None
     for method in config.methods:
         if method in _TABLE_METHODS:
             row, variant = methods.lookup(method)
@@ -326,6 +333,15 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
         rows.append(_row(method, evaluate(predict_proba(fused.model, x_test), y_test), sum(fused.sizes),
                          fused.seconds, rounds=fused.hyper.get("rounds", 1), widths=fused.sizes,
                          hyper=fused.hyper))
+        if config.summaries and "network" in row.summaries and config.arch != "lstm" and config.pan is None:
+            if summaries is None:  # each client, on its own data, once
+                summaries = [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, partition)]
+            for label, rounds in (("+summaries", 1), ("+summaries 2 rounds", 2)):
+                data = {"data": (split.train, partition)} if rounds == 2 else {}
+                fused = fuse(models, row.name, summaries=summaries, rounds=rounds, seed=config.seed, **data, **hyper)
+                rows.append(_row(f"{method} {label}", evaluate(predict_proba(fused.model, x_test), y_test),
+                                 sum(fused.sizes), fused.seconds, rounds=rounds, widths=fused.sizes,
+                                 hyper=fused.hyper))
     return SeedRun(config.seed, rows, local_metrics, partition, train_seconds)
 
 

@@ -116,6 +116,7 @@ def fuse(
     device=None,
     dtype: str = "float64",
     summaries: Sequence | None = None,
+    output_pool: str = "precision",
     rounds: int = 1,
     **hyper,
 ) -> FusionResult:
@@ -170,13 +171,16 @@ def fuse(
         (:func:`bayesfuse.core.fuse_states`) and the fused model predicts with the posterior of
         its output layer (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`);
         ``hyper["summaries"]`` says what was used.
+    output_pool : {"precision", "counts"}
+        With summaries: how the clients' logits are pooled (:func:`bayesfuse.core.fuse_states`).
     rounds : {1, 2}
         2: one more round after the one-shot fusion (simulated with ``data=(train,
-        partition)``): the server sends the fused network, each client returns its summed
-        negative log-likelihood of its own data at each candidate temperature
-        (:func:`bayesfuse.summaries.temperature_nll`, 8 bytes per candidate), and the server
-        divides the output layer by the best (:func:`~bayesfuse.inference.summary_fusion.choose_temperature`).
-        ``hyper["second_round"]`` has the temperature and what the round cost.
+        partition)``): the server sends the candidate fused networks (with summaries, one per
+        ``output_pool``; without, the one), each client returns its summed negative
+        log-likelihood of its own data under each at each candidate temperature
+        (:func:`bayesfuse.summaries.temperature_nll`, 8 bytes per pair), and the server keeps the
+        best pair (:func:`~bayesfuse.inference.summary_fusion.best_candidate`): no example
+        leaves a client. ``hyper["second_round"]`` has the choice and what the round cost.
     **hyper
         The method's hyper-parameters, by kind of input; ``None`` keeps a default. See
         :data:`bayesfuse.methods.METHODS` (``print(bayesfuse.methods.describe())``): e.g.
@@ -213,26 +217,20 @@ def fuse(
     if not any(bnn) and (spec is None or row is None or row.aligns_units):
         spec = spec_with_encodings(models[0], spec)  # position encodings (PANs) are folded out for matching
     states = [numpy_state(m) for m in models]
-    fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
-                        device=device, dtype=dtype, summaries=summaries, **hyper)
-    if all(bnn):
-        from bayesfuse.models.bnn_heads import bnn_from_state
-
-        model = bnn_from_state(fused.state)
-    else:
-        model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
-        if fused.precision is not None:
-            model = _last_layer_posterior(model, fused)
-            fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace)"
-    if rounds == 2:
-        model = _temperature_round(model, fused, data, like=models[0])
+    pools = [output_pool] if rounds == 1 or summaries is None else ["precision", "counts"]
+    candidates = []
+    for pool in pools:
+        fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
+                            device=device, dtype=dtype, summaries=summaries, output_pool=pool, **hyper)
+        candidates.append((fused, _fused_model(models[0], fused, all(bnn))))
+    fused, model = candidates[0] if rounds == 1 else _second_round(candidates, data, pools, like=models[0])
     return FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,
                         seconds=time.perf_counter() - start, groups=fused.groups if not all(bnn) else (),
                         posteriors=fused.posteriors)
 
 
-#: Candidate temperatures of the second round: 61 values, geometric from 0.1 to 20.
-TEMPERATURES = np.geomspace(0.1, 20.0, 61)
+#: Candidate temperatures of the second round: 2^(k/8) for k = -32..32, from 1/16 to 16, 1 among them.
+TEMPERATURES = 2.0 ** (np.arange(-32, 33) / 8.0)
 
 
 def _last_layer_posterior(model: nn.Module, fused) -> nn.Module:
@@ -244,18 +242,35 @@ def _last_layer_posterior(model: nn.Module, fused) -> nn.Module:
                             1.0 / fused.precision[bias]).eval()
 
 
-def _temperature_round(model: nn.Module, fused, data, *, like: nn.Module) -> nn.Module:
-    """The second round, simulated: every client scores the fused network's predictive at each
-    temperature on its own data; the server keeps the best (folded into the output layer of a
-    plain network, the ``temperature`` of a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`)."""
-    from bayesfuse.inference.summary_fusion import choose_temperature, fold_temperature
+def _fused_model(like: nn.Module, fused, bnn: bool) -> nn.Module:
+    """The module of a fused state: a BNN, the network, or with precisions its last-layer posterior."""
+    if bnn:
+        from bayesfuse.models.bnn_heads import bnn_from_state
+
+        return bnn_from_state(fused.state)
+    model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
+    if fused.precision is not None:
+        model = _last_layer_posterior(model, fused)
+        fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace)"
+    return model
+
+
+def _second_round(candidates, data, pools, *, like: nn.Module):
+    """The second round, simulated: every client scores each candidate's predictive at each
+    temperature on its own data; the server keeps the best pair (the temperature folded into the
+    output layer of a plain network, the ``temperature`` of a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`)."""
+    from bayesfuse.inference.summary_fusion import best_candidate, fold_temperature
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import temperature_nll
 
     train, partition = data
     start = time.perf_counter()
-    nll = np.stack([temperature_nll(model, train.x[idx], train.y[idx], TEMPERATURES) for idx in partition])
-    temperature = choose_temperature(TEMPERATURES, nll)
+    # (J, C, T): client j's summed NLL of candidate c at temperature t
+    nll = np.stack([np.stack([temperature_nll(m, train.x[idx], train.y[idx], TEMPERATURES) for _, m in candidates])
+                    for idx in partition])
+    choice, t = best_candidate(nll)
+    temperature = float(TEMPERATURES[t])
+    fused, model = candidates[choice]
     if isinstance(model, LastLayerLaplace):
         model.temperature.fill_(temperature)
     else:
@@ -263,11 +278,12 @@ def _temperature_round(model: nn.Module, fused, data, *, like: nn.Module) -> nn.
         model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["second_round"] = {
-        "temperature": temperature, "candidates": len(TEMPERATURES),
+        "temperature": temperature, "output_pool": pools[choice], "candidates": int(nll[0].size),
         "at_edge": bool(temperature in (TEMPERATURES[0], TEMPERATURES[-1])),
-        "bytes_up": int(nll.size * 8), "bytes_down": int(len(nll) * n_weights * 4),
+        "nll": {p: float(nll[:, c].sum(0).min()) for c, p in enumerate(pools)},
+        "bytes_up": int(nll.size * 8), "bytes_down": int(len(nll) * len(candidates) * n_weights * 4),
         "seconds": time.perf_counter() - start}
-    return model
+    return fused, model
 
 
 def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, start, **hyper) -> FusionResult:

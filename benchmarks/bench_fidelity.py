@@ -62,8 +62,8 @@ from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0, 10.0])
 SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "auroc", "width", "seconds", "converged")
 #: The rows with client summaries (bayesfuse.summarize): name -> fuse() options beyond the method.
-SUMMARY_ROWS = {"pfnm +summaries": ("pfnm", {}), "nafi +summaries": ("nafi", {}),
-                "pfnm +summaries +T": ("pfnm", {"rounds": 2})}
+SUMMARY_ROWS = {"pfnm +summaries": ("pfnm", {}), "pfnm +summaries counts": ("pfnm", {"output_pool": "counts"}),
+                "nafi +summaries": ("nafi", {}), "pfnm +summaries 2 rounds": ("pfnm", {"rounds": 2})}
 HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
 
 
@@ -136,7 +136,7 @@ def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.n
                              result.converged, auroc=entropy_auroc(result.model, split, ood),
                              summary_kb=float(np.mean([s.nbytes for s in summaries]) / 1024), model_kb=model_kb,
                              summary_seconds=summary_seconds, temperature=second.get("temperature"),
-                             round2_bytes_up=second.get("bytes_up")))
+                             output_pool=second.get("output_pool"), round2_bytes_up=second.get("bytes_up")))
     return rows
 
 
@@ -189,12 +189,12 @@ def ood_cost_table(rows: list[dict]) -> str:
     summary = []
     for method, group in by_method([r for r in rows if r.get("auroc") is not None]).items():
         kb = [r["summary_kb"] for r in group if r.get("summary_kb") is not None]
-        temps = [r["temperature"] for r in group if r.get("temperature") is not None]
+        temps = [f"{r['temperature']:.2f} {r['output_pool']}" for r in group if r.get("temperature") is not None]
         summary.append({"method": method, "auroc": mean_sd([r["auroc"] for r in group]),
                         "summary kB": f"{np.mean(kb):.1f} (model {group[0]['model_kb']:.1f})" if kb else "-",
                         "summarise s": f"{np.mean([r['summary_seconds'] for r in group]):.2f}" if kb else "-",
-                        "temperature": "/".join(f"{t:.2f}" for t in temps) if temps else "-"})
-    return format_table(summary, ("method", "auroc", "summary kB", "summarise s", "temperature"))
+                        "second round": "/".join(temps) if temps else "-"})
+    return format_table(summary, ("method", "auroc", "summary kB", "summarise s", "second round"))
 
 
 def hyper_lines(method: str, chosen: list[dict]) -> list[str]:

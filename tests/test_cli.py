@@ -21,7 +21,10 @@ def test_demo_writes_table_and_files(demo_run, capsys):
     assert code == 0
     with open(out / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["method"] for r in rows] == ["local (mean of 4)", "ensemble", "fedavg", "pfnm", "nafi"]
+    with_summaries = ["+summaries", "+summaries 2 rounds"]  # each client summarises its data (DemoConfig.summaries)
+    assert [r["method"] for r in rows] == ["local (mean of 4)", "ensemble", "fedavg", "pfnm",
+                                           *(f"pfnm {s}" for s in with_summaries), "nafi",
+                                           *(f"nafi {s}" for s in with_summaries)]
     assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
     assert [int(r["hidden"]) for r in rows[:3]] == [20, 80, 20]
     # A matched model has at least the widest local layer and at most all units.
@@ -52,7 +55,8 @@ def test_demo_over_seeds_reports_mean_and_sd_and_takes_hyper(tmp_path, capsys):
     assert hyper["nafi"]["kl_weight"] == 0.5 and hyper["pfnm"]["kl_weight"] == 0.0
     assert hyper["nafi"]["n_iter"] == hyper["pfnm"]["n_iter"] == 7
     with open(out / "results.csv") as fh:
-        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 5 + ["1"] * 5
+        # per seed: local, ensemble, fedavg, then pfnm and nafi each data-free, +summaries, +summaries 2 rounds
+        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 9 + ["1"] * 9
 
 
 @pytest.mark.catalogue

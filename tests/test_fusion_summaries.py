@@ -66,10 +66,12 @@ def test_second_round_picks_a_temperature(federation):
     split, part, models, summaries = federation
     result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part))
     r2 = result.hyper["second_round"]
-    assert 0.1 <= r2["temperature"] <= 20 and r2["bytes_up"] == 3 * r2["candidates"] * 8
+    assert 1 / 16 <= r2["temperature"] <= 16 and r2["output_pool"] in ("precision", "counts")
+    assert r2["candidates"] == 2 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
+    assert result.hyper["summaries"]["output"] == f"log pool, shares by {r2['output_pool']}"
     one_shot = fuse(models, "pfnm", summaries=summaries)
-    # the chosen temperature minimises the clients' summed NLL on their own data, so the training
-    # NLL of the tempered model is at most the untempered one's
+    # the chosen pair minimises the clients' summed NLL on their own data, so the training NLL of the
+    # chosen model is at most the one-shot default's (a candidate at temperature 1 on the grid)
     def train_nll(model):
         return evaluate(predict_proba(model, split.train.x), split.train.y)["nll"]
     assert train_nll(result.model) <= train_nll(one_shot.model) + 1e-9
@@ -77,6 +79,10 @@ def test_second_round_picks_a_temperature(federation):
         fuse(models, "pfnm", summaries=summaries, rounds=2)
     with pytest.raises(ValueError, match="rounds must be"):
         fuse(models, "pfnm", rounds=3)
+    with pytest.raises(ValueError, match="output_pool"):
+        fuse(models, "pfnm", output_pool="counts")
+    counts = fuse(models, "pfnm", summaries=summaries, output_pool="counts")
+    assert counts.hyper["summaries"]["output"] == "log pool, shares by counts"
 
 
 def test_bad_summaries_are_refused_naming_the_client(federation):

@@ -45,7 +45,7 @@ import numpy as np
 from bayesfuse.inference.layerwise import Basis, fold_batchnorm, folded_entries, in_basis
 from bayesfuse.inference.spec import PermutationSpec, to_global_basis
 
-__all__ = ["output_shares", "laplace_precisions", "laplace_fuse_entries", "fold_temperature", "choose_temperature"]
+__all__ = ["output_shares", "laplace_precisions", "laplace_fuse_entries", "fold_temperature", "best_candidate"]
 
 State = Mapping[str, np.ndarray]
 
@@ -175,15 +175,15 @@ def fold_temperature(state: dict, spec: PermutationSpec, temperature: float) -> 
     return out
 
 
-def choose_temperature(temperatures: np.ndarray, nll: np.ndarray) -> float:
-    """The candidate temperature with the least summed negative log-likelihood over clients.
+def best_candidate(nll: np.ndarray) -> tuple[int, ...]:
+    """Index of the candidate with the least negative log-likelihood summed over clients.
 
-    ``nll`` is (J, T) or (T,): each client's summed NLL of its own examples at each candidate,
-    the statistics clients return in a second round (no example leaves a client).
+    ``nll`` is (J, ...): each client's summed NLL of its own examples under each candidate (a
+    fused network at a temperature, say), the statistics clients return in a second round; no
+    example leaves a client. Ties go to the first candidate in C order.
     """
-    t = np.asarray(temperatures, dtype=np.float64)
-    total = np.asarray(nll, dtype=np.float64)
-    total = total.sum(0) if total.ndim == 2 else total
-    if t.ndim != 1 or total.shape != t.shape or not np.isfinite(total).all():
-        raise ValueError(f"nll must be finite and give one value per candidate temperature ({t.size})")
-    return float(t[int(np.argmin(total))])
+    nll = np.asarray(nll, dtype=np.float64)
+    if nll.ndim < 2 or nll.size == 0 or not np.isfinite(nll).all():
+        raise ValueError("nll must be a finite (clients, candidates...) array")
+    total = nll.sum(0)
+    return tuple(int(i) for i in np.unravel_index(int(np.argmin(total)), total.shape))

@@ -8,7 +8,7 @@ import pytest
 from bayesfuse.inference.layerwise import Basis
 from bayesfuse.inference.spec import chain, dense
 from bayesfuse.inference.summary_fusion import (
-    choose_temperature,
+    best_candidate,
     fold_temperature,
     laplace_fuse_entries,
     laplace_precisions,
@@ -103,11 +103,11 @@ def test_output_shares():
 
 
 def test_temperature():
-    t = np.array([0.5, 1.0, 2.0])
-    # summed over clients: 4, 3, 2.5
-    assert choose_temperature(t, np.array([[3.0, 1.0, 2.0], [1.0, 2.0, 0.5]])) == 2.0
-    with pytest.raises(ValueError, match="one value per candidate"):
-        choose_temperature(t, np.array([1.0, np.nan, 2.0]))
+    # summed over clients: 4, 3, 2.5 -> the third; over a (candidate, temperature) grid likewise
+    assert best_candidate(np.array([[3.0, 1.0, 2.0], [1.0, 2.0, 0.5]])) == (2,)
+    assert best_candidate(np.array([[[3.0, 1.0], [2.0, 0.2]], [[1.0, 2.0], [0.5, 3.0]]])) == (1, 0)
+    with pytest.raises(ValueError, match="finite"):
+        best_candidate(np.array([[1.0, np.nan, 2.0]]))
     state = {"l0.weight": np.ones((3, 4)), "l0.bias": np.ones(3), "l1.weight": np.full((2, 3), 4.0),
              "l1.bias": np.full(2, 2.0)}
     folded = fold_temperature(state, SPEC, 2.0)  # logits f / T: only the output layer changes
