@@ -24,9 +24,12 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(BIN)/bayesfuse demo --out $(DEMO_OUT) --force
 
-# The test suite also covers the optional Flower integration, so it installs that extra.
+# The test suite also covers the optional Flower integration, so it installs that extra, and
+# checks bayesfuse.curvature against BackPACK: installed without its dependencies, since its
+# torchvision requirement would replace the CPU torch pinned above with a CUDA build.
 $(FLOWER_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,flower]'
+	$(BIN)/python -m pip install --quiet --no-deps 'backpack-for-pytorch==1.7.1' 'einops>=0.6' 'unfoldNd>=0.2'
 	@touch $(FLOWER_STAMP)
 
 # ruff checks (lint, no reformatting: `ruff format` is not applied to the tree yet).

@@ -39,7 +39,8 @@ def _widths(text: str) -> tuple[int, ...]:
     try:
         widths = tuple(int(w) for w in text.split(",") if w.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 100 or 200,100, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 100 or 200,100, got {text!r}") from None
     if not widths or min(widths) < 1:
         raise argparse.ArgumentTypeError(f"hidden widths must be positive, got {text!r}")
     return widths
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seed of split, initialisation and training (default: 0)")
     seeds.add_argument("--seeds", type=_non_negative_int, nargs="+", default=None, metavar="SEED",
                        help="run once per seed and report mean +- sd over them, e.g. --seeds 0 1 2")
-    demo.add_argument("--hidden", type=_widths, default=(100,), help="hidden widths, e.g. 100 or 200,100 (default: 100)")
+    demo.add_argument("--hidden", type=_widths, default=(100,),
+                      help="hidden widths, e.g. 100 or 200,100 (default: 100)")
     demo.add_argument("--epochs", type=_positive_int, default=10, help="local training epochs (default: 10)")
     demo.add_argument("--shared-init", action="store_true",
                       help="all clients start from one initial network (as FedAvg assumes); "
@@ -250,7 +252,8 @@ def _run_fuse(args: argparse.Namespace) -> int:
 
 
 #: Library messages name Python arguments; on the command line they are flags.
-_FLAGS = (("force=True (--force on the command line)", "--force"), ("force=True", "--force"), ("overwrite=True", "--force"), ("fmt='pt' or 'safetensors'",
+_FLAGS = (("force=True (--force on the command line)", "--force"), ("force=True", "--force"),
+          ("overwrite=True", "--force"), ("fmt='pt' or 'safetensors'",
           "--format pt or safetensors"), ("arch='mlp'", "--arch mlp"), ("arch='cnn'", "--arch cnn"),
           ("arch='lstm'", "--arch lstm"), ("spec_path=", "--arch-spec "), ("device=", "--device "),
           ("dtype=", "--dtype "), ("summaries='none'", "--summaries none"))

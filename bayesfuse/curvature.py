@@ -73,7 +73,8 @@ def _fast_layers(model: nn.Module) -> dict[str, nn.Module]:
     running statistics (used in eval mode)."""
     found = {}
     for name, m in model.named_modules():
-        conv = isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+        conv = (isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros"
+                and not isinstance(m.padding, str))
         norm = (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine and m.track_running_stats
                 and m.running_var is not None)
         if isinstance(m, nn.Linear) or conv or norm:
@@ -93,8 +94,12 @@ def _layer_ggn(model, layers, xb, total, seen) -> None:
         for h in hooks:
             h.remove()
     used = [n for n in layers if n in record and record[n][1].requires_grad]
-    if record.keys() - set(used) or any(record[n][0].dim() != 2 for n in used if isinstance(layers[n], nn.Linear)):
-        bad = sorted(n for n in record if n not in used or (isinstance(layers[n], nn.Linear) and record[n][0].dim() != 2))
+
+    def unusable(n: str) -> bool:  # not on the path to the logits, or a Linear on 3-D inputs
+        return n not in used or (isinstance(layers[n], nn.Linear) and record[n][0].dim() != 2)
+
+    bad = sorted(n for n in record if unusable(n))
+    if bad:
         raise _Unsupported(bad)
     q = _factor(logits)
     outs = [record[n][1] for n in used]

@@ -27,13 +27,13 @@ from bayesfuse._io import atomic_write_bytes, atomic_write_text, check_output_di
 from bayesfuse.baselines import Ensemble, evaluate_locals, fedavg
 from bayesfuse.data.datasets import DataSplit, load_dataset
 from bayesfuse.data.partition import Partition, dirichlet_partition
+from bayesfuse.federated import run_fedavg
 from bayesfuse.fusion import fuse
 from bayesfuse.metrics import evaluate
-from bayesfuse.nets.predict import predict_proba
-from bayesfuse.federated import run_fedavg
-from bayesfuse.nets.state import numpy_state
 from bayesfuse.nets.pans import PANConfig
+from bayesfuse.nets.predict import predict_proba
 from bayesfuse.nets.spec import spec_from_module
+from bayesfuse.nets.state import numpy_state
 from bayesfuse.summaries import summarize
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 

@@ -28,8 +28,15 @@ import torch
 
 from bayesfuse import __version__, methods
 from bayesfuse._io import atomic_write_files, check_writable, jsonable, recover
-from bayesfuse.checkpoints import (Checkpoint, output_format, posterior_bytes, posterior_path, read_checkpoint,
-                                   state_dict_bytes, tensors_sha256)
+from bayesfuse.checkpoints import (
+    Checkpoint,
+    output_format,
+    posterior_bytes,
+    posterior_path,
+    read_checkpoint,
+    state_dict_bytes,
+    tensors_sha256,
+)
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
@@ -226,7 +233,8 @@ def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | No
     entries = [k for k in fused.spec.output if k in fused.precision]
     output = entries[0].rpartition(".")[0] if entries else ""
     if not entries or any(k.rpartition(".")[0] != output for k in entries):
-        raise ValueError(f"the fused posterior needs one output layer; the output entries are {list(fused.spec.output)}")
+        raise ValueError(f"the fused posterior needs one output layer; the output entries are "
+                         f"{list(fused.spec.output)}")
     path = posterior_path(out)
     data = posterior_bytes({k: fused.precision[k] for k in entries}, output=output, model_tensors=fused_sd)
     return [(path, data)], {"file": str(path), "output_layer": output, "entries": entries,

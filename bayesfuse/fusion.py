@@ -234,7 +234,8 @@ TEMPERATURES = 2.0 ** (np.arange(-32, 33) / 8.0)
 
 
 def _last_layer_posterior(model: nn.Module, fused) -> nn.Module:
-    """The fused network with its output layer's Laplace posterior (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`)."""
+    """The fused network with its output layer's Laplace posterior
+    (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`)."""
     from bayesfuse.nets.laplace import LastLayerLaplace
 
     weight, bias = (next(k for k in fused.spec.output if np.ndim(fused.state[k]) == d) for d in (2, 1))

@@ -27,7 +27,6 @@ import os
 import re
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from bayesfuse.checkpoints import posterior_path, read_checkpoint, read_posterior

@@ -45,7 +45,8 @@ from bayesfuse._io import atomic_write_bytes
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.spec import PermutationSpec
 
-__all__ = ["ClientSummary", "summarize", "temperature_nll", "save_summary", "load_summary", "summary_path", "check_summary",
+__all__ = ["ClientSummary", "summarize", "temperature_nll", "save_summary", "load_summary", "summary_path",
+           "check_summary",
            "SUMMARY_FORMAT", "SUMMARY_VERSION", "SummaryError", "STATS"]
 
 SUMMARY_FORMAT = "bayesfuse-client-summary"
@@ -368,7 +369,8 @@ def load_summary(path: str | os.PathLike) -> ClientSummary:
     except (KeyError, ValueError):
         raise SummaryError(f"{path.name}: summary metadata is incomplete") from None
     if version != SUMMARY_VERSION:
-        raise SummaryError(f"{path.name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION})")
+        raise SummaryError(f"{path.name}: summary version {version} is not one this bayesfuse reads "
+                           f"({SUMMARY_VERSION})")
     precision, moments = {}, {}
     for k, v in tensors.items():
         if k.startswith("precision/"):

@@ -43,9 +43,20 @@ from typing import Sequence
 
 import numpy as np
 import torch
-
-from common import (AUTO_METHODS, RESULTS, by_method, depth_name, fused_row, make_row, mean_sd, parse_depth,
-                    summary_table, test_metrics, write_bytes, write_text)
+from common import (
+    AUTO_METHODS,
+    RESULTS,
+    by_method,
+    depth_name,
+    fused_row,
+    make_row,
+    mean_sd,
+    parse_depth,
+    summary_table,
+    test_metrics,
+    write_bytes,
+    write_text,
+)
 
 from bayesfuse import fuse, summarize
 from bayesfuse.baselines import Ensemble, evaluate_locals
@@ -362,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"\nhidden {depth_name(hidden)}, {init} init: mean +- sd over seeds {args.seeds}")
             print(summary_table(block))
             if args.summaries:
-                print(f"\nOOD (entropy AUROC, font digits against the test set) and what summaries cost:")
+                print("\nOOD (entropy AUROC, font digits against the test set) and what summaries cost:")
                 print(ood_cost_table(block))
             first = [r for r in block if r["seed"] == args.seeds[0] and r["method"] in AUTO_METHODS]
             print(f"hyper-parameters chosen by the library (seed {args.seeds[0]}; per block):")

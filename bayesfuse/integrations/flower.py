@@ -54,9 +54,9 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
 from bayesfuse import methods
 from bayesfuse.core import fuse_states
 from bayesfuse.inference.fedma import ClientUpdate, FedMAResult, fedma
+from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
-from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.summaries import SUMMARY_FORMAT, SUMMARY_VERSION, ClientSummary, SummaryError, check_summary
 
@@ -126,7 +126,8 @@ def summary_to_records(summary: ClientSummary) -> tuple[ArrayRecord, ConfigRecor
     arrays.update({f"moments/{g}/{stat}": v for g, stats in summary.moments.items() for stat, v in stats.items()})
     record = {k: Array(np.ascontiguousarray(v, dtype=np.float32)) for k, v in arrays.items()}
     record["class_counts"] = Array(np.ascontiguousarray(summary.class_counts, dtype=np.int64))
-    meta = ConfigRecord({"format": SUMMARY_FORMAT, "version": int(summary.version), "n-examples": int(summary.n_examples),
+    meta = ConfigRecord({"format": SUMMARY_FORMAT, "version": int(summary.version),
+                         "n-examples": int(summary.n_examples),
                          "prior-precision": float(summary.prior_precision), "fingerprint": summary.fingerprint})
     return ArrayRecord(array_dict=record), meta
 

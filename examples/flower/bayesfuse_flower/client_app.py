@@ -10,10 +10,15 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from bayesfuse import summarize
-from bayesfuse.integrations.flower import SUMMARY_KEY, SUMMARY_META_KEY, record_to_state, state_to_record, summary_to_records
+from bayesfuse.integrations.flower import (
+    SUMMARY_KEY,
+    SUMMARY_META_KEY,
+    record_to_state,
+    state_to_record,
+    summary_to_records,
+)
 from bayesfuse.metrics import evaluate as score
 from bayesfuse.nets.predict import predict_proba
-
 from bayesfuse_flower.task import config, fresh_model, load_data, model_from_state, settings, train
 
 

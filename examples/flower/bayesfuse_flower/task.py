@@ -41,7 +41,8 @@ def load_data(partition_id: int, num_partitions: int, seed: int = 0):
 
 def config(run_config) -> TrainConfig:
     hidden = tuple(int(h) for h in str(run_config.get("hidden", "50")).split(","))
-    return TrainConfig(hidden=hidden, epochs=int(run_config.get("local-epochs", 10)), seed=int(run_config.get("seed", 0)))
+    return TrainConfig(hidden=hidden, epochs=int(run_config.get("local-epochs", 10)),
+                       seed=int(run_config.get("seed", 0)))
 
 
 def fresh_model(cfg: TrainConfig, seed: int) -> torch.nn.Module:
