@@ -17,6 +17,7 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Result
 
+from bayesfuse import methods
 from bayesfuse.integrations.flower import FedMA, MatchedAveraging, metrics_aggregation, record_to_state, state_to_record
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
@@ -142,7 +143,7 @@ def main(grid: Grid, run: dict) -> None:
     # clients train from their own initialisations in round 1; this network fixes the architecture
     initial = state_to_record(fresh_model(cfg, seed).state_dict())
     start = time.perf_counter()
-    if method == "fedma":
+    if methods.METHODS[method].needs_data:  # FedMA: retrains the clients between layers
         fedma = FedMA(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0, seed=seed)
         result = fedma.start(grid=grid, initial_arrays=initial, timeout=timeout, evaluate_fn=evaluate_fn)
         rounds = fedma.num_rounds(initial)
