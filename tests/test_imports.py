@@ -20,6 +20,14 @@ def test_the_algorithms_load_neither_torch_nor_pyro():
     assert _loaded(code) == ["False", "False"]
 
 
+def test_every_algorithm_module_loads_neither_torch_nor_pyro():
+    # every module under bayesfuse.inference, found by walking the package (new ones included)
+    code = ("import pkgutil, importlib, sys, bayesfuse.inference as p; "
+            "[importlib.import_module(m.name) for m in pkgutil.walk_packages(p.__path__, 'bayesfuse.inference.')]; "
+            "print('torch' in sys.modules, 'pyro' in sys.modules)")
+    assert _loaded(code) == ["False", "False"]
+
+
 def test_importing_the_package_loads_no_torch():
     assert _loaded("import bayesfuse, sys; print('torch' in sys.modules)") == ["False"]
 
