@@ -14,7 +14,7 @@ import torch
 from bayesfuse import methods
 from bayesfuse.checkpoints import load_state_dict, save_state_dict
 from bayesfuse.cli import main
-from bayesfuse.inference.fedma import fedma
+from bayesfuse.inference.fedma import fedma, fedma_steps
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import match_group, match_layerwise
 from bayesfuse.inference.matching import match_neurons
@@ -36,7 +36,7 @@ ALGORITHMS = [
     (match_neurons, "pfnm", "network"),
     (match_group, "pfnm", "network"),
     (match_layerwise, "pfnm", "network"),
-    (fedma, "fedma", "network"),
+    (fedma_steps, "fedma", "network"),  # fedma() drives it and passes its keywords on
     (kl_fuse, "kl", "bnn"),
     (ot_fuse_layerwise, "ot", "network"),
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from bayesfuse.inference.matching import MatchResult
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import PermutationSpec
 
-__all__ = ["ClientUpdate", "FedMAResult", "fedma"]
+__all__ = ["ClientUpdate", "FedMAResult", "FedMASteps", "fedma", "fedma_steps"]
 
 
 @dataclass
@@ -76,12 +76,29 @@ class FedMAResult:
 
 
 ClientUpdate = Callable[[list, set], list]
+#: :func:`fedma_steps`: yields ``(jobs, frozen)``, is sent the retrained states, returns the result.
+FedMASteps = Generator[tuple[list, set], list, "FedMAResult"]
 
 
-def fedma(
+def fedma(states: Sequence[State], spec: PermutationSpec, client_update: ClientUpdate, **options) -> FedMAResult:
+    """Federated matched averaging (FedMA Algorithm 1; NAFI Algorithm 2 with ``kl_weight > 0``),
+    with the clients' retraining done by ``client_update``.
+
+    Drives :func:`fedma_steps`: each round's ``(jobs, frozen)`` goes to ``client_update(jobs,
+    frozen)``, whose states are sent back in. ``options`` are :func:`fedma_steps`' keywords.
+    """
+    steps = fedma_steps(states, spec, **options)
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(client_update(*request))
+    except StopIteration as stop:
+        return stop.value
+
+
+def fedma_steps(
     states: Sequence[State],
     spec: PermutationSpec,
-    client_update: ClientUpdate,
     *,
     class_counts: np.ndarray | None = None,
     noise_var: float = 1.0,
@@ -93,29 +110,34 @@ def fedma(
     seed: int | None = 0,
     bias_prior_mean: float = HIDDEN_BIAS_PRIOR_MEAN,
     verbose: bool = False,
-) -> FedMAResult:
-    """Federated matched averaging (FedMA Algorithm 1; NAFI Algorithm 2 with ``kl_weight > 0``).
+) -> FedMASteps:
+    """Federated matched averaging (FedMA Algorithm 1; NAFI Algorithm 2 with ``kl_weight > 0``),
+    one round at a time: a generator that yields each round's retraining jobs and is sent the
+    clients' retrained states, so that a federated runtime drives it from its own callbacks
+    (:class:`bayesfuse.integrations.flower.FedMA`) and :func:`fedma` from a function.
 
     For each group ``g`` in forward order: the server matches the clients' units of ``g``
     (:func:`~bayesfuse.inference.layerwise.match_group`, BBP-MAP with the PFNM cost, plus NAFI's KL
     penalty) and forms the global layer ``W_n = 1/J sum_j W_{j,n} Pi_j^T`` (as the atoms' posterior means); each client
     receives the global layers so far, maps its next layer's inputs onto the global units
     (``W_{j,n+1} <- Pi_j W_{j,n+1}``, zero for global units it lacks) and retrains every entry
-    not yet matched with the matched ones frozen, through ``client_update``. The output layer is
+    not yet matched with the matched ones frozen. The output layer is
     finally the class-proportion weighted average ``W_N = sum_j p_jk W_{j,N}`` (FedMA Alg. 1).
+
+    Yields ``(jobs, frozen)`` and is sent the retrained states (what :func:`fedma`'s
+    ``client_update`` returns); its return value (``StopIteration.value``) is the result.
+    ``jobs`` is a list of ``(j, state_dict)``: client j (its index in ``states``) is to retrain
+    its network from ``state_dict`` (NumPy arrays, global widths below and at the matched group,
+    its own above) keeping the entries in ``frozen`` fixed; batch norms that were folded are
+    identities and must stay in eval mode. The states sent back come in the same order, or
+    ``None`` for a client that failed or timed out: it is dropped from the later rounds and
+    reported in ``history``/``dropped``. All clients of a round come in one request, so a
+    federated runtime can train them at once.
 
     Parameters
     ----------
     states : sequence of dict
         The clients' trained state_dicts.
-    client_update : callable ``(jobs, frozen) -> states``
-        ``jobs`` is a list of ``(j, state_dict)``: client j (its index in ``states``) is to
-        retrain its network from ``state_dict`` (NumPy arrays, global widths below and at the
-        matched group, its own above) keeping the entries in ``frozen`` fixed; batch norms
-        that were folded are identities and must stay in eval mode. Return the new
-        state_dicts in the same order, or ``None`` for a client that failed or timed out:
-        it is dropped from the later rounds and reported in ``history``/``dropped``. All
-        clients of a round come in one call, so a federated runtime can train them at once.
     class_counts : (J, K) array, optional
         Examples of each class per client: the output layer's weights ``p_jk``.
     noise_var, prior_var, gamma0, kl_weight, cost, n_iter, seed
@@ -181,7 +203,7 @@ def fedma(
                     local[k] = in_basis(sd[k], spec, k, j, {group: basis[group]}, fill=0.0) \
                         if group in spec.groups_of(k) else np.asarray(sd[k])
             jobs.append((clients[j], local))
-        updated = list(client_update(jobs, set(frozen_values)))
+        updated = list((yield jobs, set(frozen_values)))
         if len(updated) != len(jobs):
             raise ValueError(f"client_update returned {len(updated)} states for {len(jobs)} clients")
         keep = [j for j, u in enumerate(updated) if u is not None]

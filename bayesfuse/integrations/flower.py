@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import queue
-import threading
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from typing import Callable, Iterable, Sequence
@@ -53,7 +51,7 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
 
 from bayesfuse import methods
 from bayesfuse.core import fuse_states
-from bayesfuse.inference.fedma import ClientUpdate, FedMAResult, fedma
+from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
@@ -487,66 +485,44 @@ def _difference(sig: tuple, common: tuple) -> str:
 # --------------------------------------------------------------------------- FedMA
 
 
-class _Stop(BaseException):
-    """Ends a paused FedMA run whose rounds will not come (not an error of the run)."""
-
-
 class _PausedRun:
-    """:func:`~bayesfuse.inference.fedma.fedma` in a worker thread, paused at each ``client_update``.
+    """:func:`~bayesfuse.inference.fedma.fedma_steps` paused at each round's retraining jobs.
 
-    ``fedma`` asks for the clients' retrained networks through a callback; a strategy gets them
-    one round later, in ``aggregate_train``. Each callback hands its jobs to the strategy and
-    waits for :meth:`resume`. Only one of the two threads runs at any time.
+    A strategy gets the clients' retrained networks one round later, in ``aggregate_train``:
+    :meth:`begin` runs the generator to its first request, :meth:`resume` sends it the states and
+    runs it to the next. No thread: the generator waits between the strategy's calls.
     """
 
-    def __init__(self, run: Callable[[ClientUpdate], FedMAResult]) -> None:
-        self._run = run
-        self._replies: queue.Queue = queue.Queue(maxsize=1)
-        self._steps: queue.Queue = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._work, name="bayesfuse-fedma", daemon=True)
+    def __init__(self, steps: FedMASteps) -> None:
+        self._steps = steps
         self.waiting = False
 
-    def _work(self) -> None:
+    def _step(self, states: list | None) -> tuple[str, object]:
         try:
-            result = self._run(self._client_update)
-        except _Stop:
-            return
-        except BaseException as err:  # handed to the strategy's thread, which reports it
-            self._steps.put(("error", err))
-        else:
-            self._steps.put(("done", result))
-
-    def _client_update(self, jobs: list, frozen: set) -> list:
-        self._steps.put(("jobs", (list(jobs), set(frozen))))
-        states = self._replies.get()
-        if states is None:
-            raise _Stop
-        return states
-
-    def _next(self) -> tuple[str, object]:
-        kind, value = self._steps.get()
-        self.waiting = kind == "jobs"
-        if not self.waiting:
-            self._thread.join()
-        return kind, value
+            request = next(self._steps) if states is None else self._steps.send(states)
+        except StopIteration as stop:
+            self.waiting = False
+            return "done", stop.value
+        except Exception as err:  # reported by the strategy
+            self.waiting = False
+            return "error", err
+        self.waiting = True
+        return "jobs", request
 
     def begin(self) -> tuple[str, object]:
-        """Run until the first ``client_update`` (``("jobs", (jobs, frozen))``), or the end
-        (``("done", FedMAResult)`` or ``("error", exception)``)."""
-        self._thread.start()
-        return self._next()
+        """Run until the first request (``("jobs", (jobs, frozen))``), or the end (``("done",
+        FedMAResult)`` or ``("error", exception)``)."""
+        return self._step(None)
 
     def resume(self, states: list) -> tuple[str, object]:
-        """Give the paused ``client_update`` its states and run to the next pause or the end."""
-        self._replies.put(states)
-        return self._next()
+        """Send the paused request its states and run to the next request or the end."""
+        return self._step(list(states))
 
     def stop(self) -> None:
         """End a paused run."""
         if self.waiting:
             self.waiting = False
-            self._replies.put(None)
-            self._thread.join()
+            self._steps.close()
 
 
 class FedMA(_Fusion):
@@ -781,7 +757,7 @@ class FedMA(_Fusion):
         self._examples = {r.node: r.num_examples for r in good}
         counts = np.stack([r.class_counts for r in good]) if all(r.class_counts is not None for r in good) else None
         states, settings, seed = [r.state for r in good], dict(self.settings), self.seed
-        self._run = _PausedRun(lambda update: fedma(states, spec, update, class_counts=counts, seed=seed, **settings))
+        self._run = _PausedRun(fedma_steps(states, spec, class_counts=counts, seed=seed, **settings))
         metrics = {"num-examples": float(sum(self._examples.values())), "local-replies": len(good),
                    "failed-replies": len(self.failed), "rejected-replies": len(self.rejected)}
         return self._advance(1, self._run.begin(), metrics)
