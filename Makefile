@@ -35,7 +35,7 @@ $(FLOWER_STAMP): $(STAMP)
 # ruff checks (lint, no reformatting: `ruff format` is not applied to the tree yet).
 test: venv $(FLOWER_STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/ruff check bayesfuse tests benchmarks examples
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 # `make bench`: each benchmark's smoke run on the embedded digits (minutes on 2 cores);
