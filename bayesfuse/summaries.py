@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.spec import PermutationSpec
 
 __all__ = ["ClientSummary", "summarize", "temperature_nll", "save_summary", "load_summary", "summary_path",
-           "check_summary",
+           "check_summary", "summary_arrays", "summary_from_arrays",
            "SUMMARY_FORMAT", "SUMMARY_VERSION", "SummaryError", "STATS"]
 
 SUMMARY_FORMAT = "bayesfuse-client-summary"
@@ -320,6 +320,34 @@ def _is_buffer(key: str) -> bool:
 # --------------------------------------------------------------------------- files
 
 
+def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
+    """The summary's arrays under the names its file and its Flower record use: ``precision/<entry>``
+    and ``moments/<group>/<stat>`` (float32), ``class_counts`` (int64)."""
+    arrays = {f"precision/{k}": v for k, v in summary.precision.items()}
+    arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
+    out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
+    out["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
+    return out
+
+
+def summary_from_arrays(arrays: Mapping[str, np.ndarray], name: str, *, version: int, n_examples: int,
+                        prior_precision: float, fingerprint: str) -> ClientSummary:
+    """The summary whose arrays :func:`summary_arrays` gave, with its metadata; refuses, naming
+    ``name``, arrays without class counts."""
+    precision, moments = {}, {}
+    for k, v in arrays.items():
+        if k.startswith("precision/"):
+            precision[k[len("precision/"):]] = np.asarray(v, dtype=np.float64)
+        elif k.startswith("moments/"):
+            g, _, s = k[len("moments/"):].rpartition("/")
+            moments.setdefault(g, {})[s] = np.asarray(v, dtype=np.float64)
+    if "class_counts" not in arrays:
+        raise SummaryError(f"{name}: the summary has no class_counts")
+    return ClientSummary(precision=precision, prior_precision=prior_precision, moments=moments,
+                         class_counts=np.asarray(arrays["class_counts"]), n_examples=n_examples,
+                         fingerprint=fingerprint, version=version)
+
+
 def summary_path(model_path: str | os.PathLike) -> Path:
     """``model.pt`` -> ``model.summary.safetensors`` beside it."""
     p = Path(model_path)
@@ -333,11 +361,7 @@ def save_summary(summary: ClientSummary, path: str | os.PathLike, *, overwrite: 
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"a summary is a .safetensors file, got {path.name!r}")
-    tensors = {f"precision/{k}": np.ascontiguousarray(v, dtype=np.float32) for k, v in summary.precision.items()}
-    for g, stats in summary.moments.items():
-        for s, v in stats.items():
-            tensors[f"moments/{g}/{s}"] = np.ascontiguousarray(v, dtype=np.float32)
-    tensors["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
+    tensors = summary_arrays(summary)
     meta = {"format": SUMMARY_FORMAT, "version": str(summary.version), "n_examples": str(summary.n_examples),
             "prior_precision": repr(float(summary.prior_precision)), "fingerprint": summary.fingerprint}
     return atomic_write_bytes(path, save(tensors, metadata=meta), overwrite=overwrite)
@@ -371,19 +395,5 @@ def load_summary(path: str | os.PathLike) -> ClientSummary:
     if version != SUMMARY_VERSION:
         raise SummaryError(f"{path.name}: summary version {version} is not one this bayesfuse reads "
                            f"({SUMMARY_VERSION})")
-    precision, moments = {}, {}
-    for k, v in tensors.items():
-        if k.startswith("precision/"):
-            precision[k[len("precision/"):]] = v.astype(np.float64)
-        elif k.startswith("moments/"):
-            g, _, s = k[len("moments/"):].rpartition("/")
-            moments.setdefault(g, {})[s] = v.astype(np.float64)
-    if "class_counts" not in tensors:
-        raise SummaryError(f"{path.name}: summary has no class_counts")
-    return ClientSummary(precision=precision, prior_precision=prior, moments=moments,
-                         class_counts=tensors["class_counts"], n_examples=n_examples, fingerprint=fp, version=version)
-
-
-def summaries_for(paths: Sequence[str | os.PathLike]) -> list[ClientSummary | None]:
-    """The summary beside each model file (:func:`summary_path`), None where there is none."""
-    return [load_summary(summary_path(p)) if summary_path(p).is_file() else None for p in paths]
+    return summary_from_arrays(tensors, path.name, version=version, n_examples=n_examples, prior_precision=prior,
+                               fingerprint=fp)

@@ -56,7 +56,15 @@ from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
 from bayesfuse.nets.state import numpy_state
-from bayesfuse.summaries import SUMMARY_FORMAT, SUMMARY_VERSION, ClientSummary, SummaryError, check_summary
+from bayesfuse.summaries import (
+    SUMMARY_FORMAT,
+    SUMMARY_VERSION,
+    ClientSummary,
+    SummaryError,
+    check_summary,
+    summary_arrays,
+    summary_from_arrays,
+)
 
 __all__ = ["MatchedAveraging", "FedMA", "metrics_aggregation", "state_to_record", "record_to_state", "state_digest",
            "summary_to_records", "records_to_summary", "FEDMA_LOCAL", "FEDMA_ROUND", "SUMMARY_KEY", "SUMMARY_META_KEY"]
@@ -120,10 +128,7 @@ def summary_to_records(summary: ClientSummary) -> tuple[ArrayRecord, ConfigRecor
     -------
     tuple of (ArrayRecord, ConfigRecord)
     """
-    arrays = {f"precision/{k}": v for k, v in summary.precision.items()}
-    arrays.update({f"moments/{g}/{stat}": v for g, stats in summary.moments.items() for stat, v in stats.items()})
-    record = {k: Array(np.ascontiguousarray(v, dtype=np.float32)) for k, v in arrays.items()}
-    record["class_counts"] = Array(np.ascontiguousarray(summary.class_counts, dtype=np.int64))
+    record = {k: Array(v) for k, v in summary_arrays(summary).items()}
     meta = ConfigRecord({"format": SUMMARY_FORMAT, "version": int(summary.version),
                          "n-examples": int(summary.n_examples),
                          "prior-precision": float(summary.prior_precision), "fingerprint": summary.fingerprint})
@@ -152,20 +157,8 @@ def records_to_summary(arrays: ArrayRecord, meta: ConfigRecord | None, name: str
     if version != SUMMARY_VERSION:
         raise SummaryError(f"{name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION}); "
                            "recompute it with bayesfuse.summarize")
-    precision, moments, counts = {}, {}, None
-    for key in arrays.keys():
-        value = arrays[key].numpy()
-        if key.startswith("precision/"):
-            precision[key[len("precision/"):]] = value.astype(np.float64)
-        elif key.startswith("moments/"):
-            group, _, stat = key[len("moments/"):].rpartition("/")
-            moments.setdefault(group, {})[stat] = value.astype(np.float64)
-        elif key == "class_counts":
-            counts = value
-    if counts is None:
-        raise SummaryError(f"{name}: the summary has no class_counts")
-    return ClientSummary(precision=precision, prior_precision=prior, moments=moments, class_counts=counts,
-                         n_examples=n_examples, fingerprint=fp, version=version)
+    return summary_from_arrays({key: arrays[key].numpy() for key in arrays.keys()}, name, version=version,
+                               n_examples=n_examples, prior_precision=prior, fingerprint=fp)
 
 
 def metrics_aggregation(sum_keys: Sequence[str] = ("class-counts",)) -> MetricsAggregation:
