@@ -48,6 +48,7 @@ from common import (
     RESULTS,
     by_method,
     depth_name,
+    entropy_auroc,
     fused_row,
     make_row,
     mean_sd,
@@ -66,8 +67,6 @@ from bayesfuse.data.partition import Partition, dirichlet_partition
 from bayesfuse.demo import format_table
 from bayesfuse.federated import run_fedavg
 from bayesfuse.inference.result import ConvergenceWarning
-from bayesfuse.metrics import ood_auroc, predictive_entropy
-from bayesfuse.nets.predict import predict_proba
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 
 QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0, 10.0])
@@ -124,12 +123,6 @@ def fedavg_rounds_row(split: DataSplit, part: Partition, hidden: tuple[int, ...]
     return make_row(f"fedavg x{rounds}", test_metrics(run.model, split), hidden, run.seconds, rounds=rounds)
 
 
-def entropy_auroc(model, split: DataSplit, ood: np.ndarray) -> float:
-    """AUROC of predictive entropy for telling ``ood`` inputs from the test set (higher: better)."""
-    return ood_auroc(predictive_entropy(predict_proba(model, split.test.x)),
-                     predictive_entropy(predict_proba(model, ood)))
-
-
 def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.ndarray) -> list[dict]:
     """Each client summarises its own data (one pass); the rows of :data:`SUMMARY_ROWS` fuse with them."""
     start = time.perf_counter()
@@ -173,10 +166,8 @@ def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], 
     rows.append(dict(fedavg_rounds[key]))
     rows.append(fused_row("ot", models, part, split, "ot"))
     for method in AUTO_METHODS:
-        rows.append(fused_row(method, models, part, split, method, seed=seed))
-        if args.summaries:  # the data-free default's OOD AUROC, for the summaries' rows to compare with
-            rows[-1]["auroc"] = entropy_auroc(fuse(models, method, class_counts=part.counts, seed=seed).model,
-                                              split, ood)
+        # with summaries, the data-free default's OOD AUROC too, for their rows to compare with
+        rows.append(fused_row(method, models, part, split, method, seed=seed, ood=ood if args.summaries else None))
     if args.summaries:
         rows += summary_rows(models, part, split, seed, ood)
     for noise_var in args.sweep:

@@ -209,8 +209,19 @@ def chosen_hyper(result) -> list[dict]:
     return out
 
 
-def fused_row(name: str, models: list, part, split, method: str, seed: int | None = None, **hyper) -> dict:
-    """Fuse with ``fuse`` (ConvergenceWarnings become the row's ``converged``) and measure."""
+def entropy_auroc(model, split, ood) -> float:
+    """AUROC of predictive entropy for telling ``ood`` inputs from ``split``'s test set (higher: better)."""
+    from bayesfuse.metrics import ood_auroc, predictive_entropy
+    from bayesfuse.nets.predict import predict_proba
+
+    return ood_auroc(predictive_entropy(predict_proba(model, split.test.x)),
+                     predictive_entropy(predict_proba(model, ood)))
+
+
+def fused_row(name: str, models: list, part, split, method: str, seed: int | None = None, ood=None,
+              **hyper) -> dict:
+    """Fuse with ``fuse`` (ConvergenceWarnings become the row's ``converged``) and measure; with
+    out-of-distribution inputs ``ood``, the row's ``auroc`` too (:func:`entropy_auroc`)."""
     from bayesfuse.fusion import fuse
     from bayesfuse.inference.result import ConvergenceWarning
 
@@ -222,6 +233,8 @@ def fused_row(name: str, models: list, part, split, method: str, seed: int | Non
     extra = {"chosen": chosen_hyper(result)} if method in AUTO_METHODS and not hyper else {}
     if "noise_var" in hyper:
         extra["noise_var"] = float(hyper["noise_var"])
+    if ood is not None:
+        extra["auroc"] = entropy_auroc(result.model, split, ood)
     return make_row(name, test_metrics(result.model, split), result.sizes, result.seconds,
                     result.converged if matched else None, **extra)
 
