@@ -47,7 +47,10 @@ class LastLayerLaplace(nn.Module):
 
     def __init__(self, network: nn.Module, output: str, weight_var, bias_var) -> None:
         super().__init__()
-        layer = dict(network.named_modules()).get(output)
+        try:
+            layer = network.get_submodule(output)
+        except AttributeError:
+            layer = None
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"the output layer {output!r} must be an nn.Linear, got {type(layer).__name__}")
         weight_var = torch.as_tensor(np.asarray(weight_var), dtype=layer.weight.dtype)
@@ -66,7 +69,7 @@ class LastLayerLaplace(nn.Module):
 
     def _logits_and_variance(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seen = {}
-        layer = dict(self.network.named_modules())[self.output]
+        layer = self.network.get_submodule(self.output)
         hook = layer.register_forward_hook(lambda mod, inp, out: seen.__setitem__("features", inp[0]))
         try:
             logits = self.network(x)
