@@ -80,3 +80,54 @@ def test_evaluate_locals():
     y = np.arange(30) % 3
     out = evaluate_locals(models, x, y)
     assert len(out) == 2 and set(out[0]) == {"accuracy", "nll", "ece", "entropy"}
+
+
+# --------------------------------------------------------------------------- ensembles of BNNs
+
+
+def _bnns(n=3):
+    from tests.helpers import varied_bnn
+
+    return [varied_bnn(6, 5, 3, seed=s, spread=0.5, scale_low=0.05, scale_span=0.3) for s in range(n)]
+
+
+def test_ensemble_of_bnns_is_the_mixture_of_their_posterior_predictives():
+    bnns = _bnns()
+    # float32-representable inputs: predict_proba hands the ensemble float32, each BNN reads float64
+    x = np.random.default_rng(0).normal(size=(40, 6)).astype(np.float32).astype(np.float64)
+    direct = np.mean([b.predict(x, 100, seed=0) for b in bnns], axis=0)
+    # the same draws on both sides: only round-off of log, logsumexp and softmax separates them
+    np.testing.assert_allclose(predict_proba(Ensemble(bnns), x), direct, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(Ensemble(bnns).predict(x), direct, rtol=1e-10, atol=1e-14)
+    draws = np.mean([b.predict(x, 20, seed=7) for b in bnns], axis=0)
+    np.testing.assert_allclose(Ensemble(bnns, num_samples=20, seed=7).predict(x), draws, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(Ensemble(bnns).predict(x, 20, seed=7), draws, rtol=1e-10, atol=1e-14)
+    # other draws give another Monte Carlo estimate: the seed is passed on, not ignored
+    assert np.abs(Ensemble(bnns).predict(x, 20, seed=8) - draws).max() > 1e-4
+
+
+def test_ensemble_mixes_networks_and_bnns_by_their_predictives():
+    (bnn,) = _bnns(1)
+    mlp = _mlp(0, widths=(6, 5, 3))
+    x = np.random.default_rng(1).normal(size=(25, 6))
+    expected = 0.25 * predict_proba(mlp, x) + 0.75 * bnn.predict(x, 30, seed=2)
+    ensemble = Ensemble([mlp, bnn], weights=[1, 3], num_samples=30, seed=2)
+    np.testing.assert_allclose(ensemble.predict(x), expected, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(ensemble.predict(x).sum(1), 1.0, atol=1e-12)
+
+
+def test_ensemble_of_bnns_refuses_bad_settings():
+    with pytest.raises(ValueError, match="num_samples"):
+        Ensemble(_bnns(1), num_samples=0)
+    with pytest.raises(ValueError, match="0 examples"):
+        Ensemble(_bnns(1)).predict(np.zeros((0, 6)))
+
+
+def test_evaluate_locals_reads_a_bnn_by_its_predictive():
+    bnns = _bnns(2)
+    x = np.random.default_rng(2).normal(size=(30, 6))
+    y = np.arange(30) % 3
+    out = evaluate_locals(bnns, x, y, num_samples=40, seed=1)
+    from bayesfuse.metrics import evaluate
+
+    assert out == [evaluate(b.predict(x, 40, seed=1), y) for b in bnns]
