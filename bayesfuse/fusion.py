@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from bayesfuse import methods
+from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec
@@ -59,7 +60,8 @@ class FusionResult:
         the sampled one.
     layers : list of LayerResult
         One per matched hidden layer (:class:`~bayesfuse.inference.result.LayerResult`: a
-        ``MatchResult``, or a ``KLFusionResult`` for KL-fused BNNs).
+        ``MatchResult``, or a ``KLFusionResult`` for KL-fused BNNs); ``assignments[j]`` is the
+        j-th model's as :func:`fuse` was given them (:mod:`bayesfuse.client_order`).
     sizes : list of int
         Global width of each hidden layer.
     method : str
@@ -134,7 +136,11 @@ def fuse(
     models : sequence of nn.Module
         Networks of one architecture (hidden widths may differ): :class:`MLP` of any depth,
         ``nn.Sequential`` ConvNets/MLPs (:func:`~bayesfuse.nets.arch.make_cnn`), the LSTM
-        classifier, anything ``spec`` describes; or HorseshoeBNNs (any depth).
+        classifier, anything ``spec`` describes; or HorseshoeBNNs (any depth). Their order does
+        not matter: they are fused in the canonical order of the command line (by the digest of
+        their tensors, :mod:`bayesfuse.client_order`), and what the result holds per client
+        (each layer's ``assignments``, ``hyper["kept_units"]``...) comes back in the order given;
+        ``hyper["fused_order"]`` lists the models' indices in the order they were fused.
     method : str
         One of :data:`bayesfuse.methods.METHODS`: ``"pfnm"`` (Yurochkin et al. 2019), ``"nafi"``
         (PFNM cost plus ``kl_weight`` x KL penalty), ``"fedma"`` (Wang et al. 2020; needs
@@ -198,10 +204,12 @@ def fuse(
         raise ValueError("fuse needs at least one model")
     methods.check_execution(method, None, device)  # a method that cannot use a device, or a device this
     check_device(device, dtype)  # machine lacks: refused before anything is trained or converted
+    order = canonical_order(models)  # any order of the same models gives the same fusion (client_order)
+    models, class_counts, summaries, data, hyper = to_canonical(order, models, class_counts, summaries, data, hyper)
     row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
     if row is not None and row.needs_data:
-        return _fuse_fedma(models, data, retrain, class_counts=class_counts, spec=spec, seed=seed, verbose=verbose,
-                           start=start, **hyper)
+        return to_callers(_fuse_fedma(models, data, retrain, class_counts=class_counts, spec=spec, seed=seed,
+                                      verbose=verbose, start=start, **hyper), order)
     if rounds not in (1, 2) or isinstance(rounds, bool):
         raise ValueError(f"rounds must be 1 (one shot) or 2 (one more round for the temperature), got {rounds!r}")
     if rounds == 2 and data is None:
@@ -221,12 +229,14 @@ def fuse(
     candidates = []
     for pool in pools:
         fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
-                            device=device, dtype=dtype, summaries=summaries, output_pool=pool, **hyper)
+                            names=[f"client {j}" for j in order], device=device, dtype=dtype, summaries=summaries,
+                            output_pool=pool, **hyper)
         candidates.append((fused, _fused_model(models[0], fused, all(bnn))))
     fused, model = candidates[0] if rounds == 1 else _second_round(candidates, data, pools, like=models[0])
-    return FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,
-                        seconds=time.perf_counter() - start, groups=fused.groups if not all(bnn) else (),
-                        posteriors=fused.posteriors)
+    result = FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,
+                          seconds=time.perf_counter() - start, groups=fused.groups if not all(bnn) else (),
+                          posteriors=fused.posteriors)
+    return to_callers(result, order)
 
 
 #: Candidate temperatures of the second round: 2^(k/8) for k = -32..32, from 1/16 to 16, 1 among them.
