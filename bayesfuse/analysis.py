@@ -1,35 +1,49 @@
-"""Export fused and local posteriors to ArviZ.
+"""Fused and local posteriors as what they are: exact Gaussian summaries, and ArviZ exports.
 
-Layers. A fused layer's global units are independent Gaussians ``N(loc, scale^2)``, one per
-entry of a unit's vector (incoming weights, bias, outgoing weights, ...). Their export holds
+Layers. A fused layer's global units are independent Gaussians, one per entry of a unit's vector
+(incoming weights, bias, outgoing weights, ...):
 
-* ``posterior.theta`` with dims ``(chain, draw, global_unit, weight)``: **independent** draws
-  of that Gaussian, in one chain. They are not MCMC draws: there is nothing for ``r_hat`` to
-  diagnose (ArviZ reports it as NaN for one chain, with a logged shape warning) and the
-  effective sample size is the number of draws. Summarise them with
-  ``az.summary(idata, kind="stats")``.
-* ``constant_data``: ``loc`` and ``scale`` (dims ``global_unit``, ``weight``) of *every* unit,
-  the exact posterior the draws come from (for KL-fusion the components' parameters); for
-  every local unit (dim ``local_unit``) its ``client``, ``local_index`` and
+.. math::
+
+    \\theta_{g,d} \\sim \\mathcal{N}(\\mu_{g,d}, \\sigma^2_{g,d}),
+    \\qquad g = 0..G-1, \\; d = 0..D-1.
+
+The posterior is known in closed form, so :func:`summary` gives its table exactly: the mean
+``mu``, the sd ``sigma`` and the highest-density interval ``mu +- z sigma`` with
+``z = Phi^{-1}((1 + hdi_prob) / 2)``, for every entry of every unit, in milliseconds.
+:func:`bayesfuse.plot.plot_posterior` draws the exact densities.
+
+An export (:func:`to_arviz`, ``result.to_arviz()``) holds
+
+* ``posterior.theta`` with dims ``(chain, draw, global_unit, weight)``: **independent** draws of
+  that Gaussian, :data:`DEFAULT_CHAINS` chains of :data:`DEFAULT_DRAWS`. They are not MCMC
+  draws: chains of independent draws have ``r_hat`` about 1 and ``ess`` about the number of
+  draws by construction, so those columns of ``az.summary`` describe the draws, not a sampler;
+  the chains are there because ArviZ's ``r_hat`` needs two (one chain makes it NaN, with a
+  logged shape warning). ``mcse_mean`` is how far the draws' mean may lie from the exact one.
+* ``constant_data``: ``loc`` and ``scale`` (dims ``global_unit``, ``weight``) of *every* entry of
+  every unit, the exact posterior the draws come from (for KL-fusion the components'
+  parameters); for every local unit (dim ``local_unit``) its ``client``, ``local_index`` and
   ``assigned_global_unit``; ``counts`` per global unit; the ``objective`` per sweep or step.
 * attrs of ``posterior``: ``method``, ``hyper`` (a JSON string: ``json.loads`` gives the
   hyper-parameters back), ``converged`` (0 or 1), ``n_iterations``, ``objective``,
-  ``sampling`` (``"independent"``), the seed and which units were drawn. Everything is a
-  string or a number, so ``to_netcdf`` writes it.
+  ``sampling`` (``"independent"``), the seed and which units and weights were drawn. Everything
+  is a string or a number, so ``to_netcdf`` writes it.
 
-The ``weight`` coordinate names each entry: the caller's ``weight_names``; for a fused
-horseshoe BNN ``in_0 .. in_{D-1}``, ``bias``, ``log_scale``, ``out_0 .. out_{K-1}``; for a
-matching whose ``hyper["blocks"]`` records the entries (fused networks with ``"auto"``
-hyper-parameters) the network's entry names, ``layers.0.weight[3]``, ``layers.0.bias``, ...;
-otherwise ``dim_0 .. dim_{D-1}``.
+The ``weight`` coordinate names each entry (:func:`bayesfuse.nets.unit_posteriors.entry_names`):
+the caller's ``weight_names``; for a fused horseshoe BNN ``in_0 .. in_{D-1}``, ``bias``,
+``log_scale``, ``out_0 .. out_{K-1}``; for a matching whose ``hyper["blocks"]`` records the
+entries (fused networks with ``"auto"`` hyper-parameters) the network's entry names,
+``layers.0.weight[3]``, ``layers.0.bias``, ...; otherwise ``dim_0 .. dim_{D-1}``.
 
-Size. Draws cost ``num_draws x units x weights`` numbers. The default is
-:data:`DEFAULT_DRAWS` draws of as many units as fit in :data:`DRAW_BUDGET` numbers (every unit
-of a small layer; the first ones of a large layer, with a warning): the 30-client, D = 794
-matching of the README exports in well under a second and a few tens of MB. Pass ``units=[g,
-...]`` for the units you want, ``units="all"`` for every unit. Unit ``g``'s draws come from
-their own random stream (``seed``, ``g``), so an export of some units or fewer draws holds
-exactly the corresponding draws of a larger one.
+Size. ``az.summary`` costs a few milliseconds per scalar and ``az.plot_forest`` draws a line per
+scalar and chain, so the default export draws the first :data:`DEFAULT_UNITS` units and their
+first :data:`DEFAULT_WEIGHTS` entries (64 scalars: both finish in about a second), and says so in
+one logged line and in ``posterior.attrs``. Pass ``units=[g, ...]`` (every entry of those units)
+or ``units="all"``, and ``weights=[name or index, ...]`` or ``weights="all"``, for more. Unit
+``g``'s chain ``c`` draws from its own random stream (``seed``, ``g``, ``c``), every entry, so
+an export of some units, some weights or fewer draws holds exactly the corresponding draws of a
+larger one.
 
 BNNs. :func:`bnn_to_arviz` exports a :class:`~bayesfuse.models.bnn.HorseshoeBNN` (or the
 :class:`~bayesfuse.fusion.FusionResult` holding a fused one) with test data: posterior draws of
@@ -40,28 +54,38 @@ labels and ``observed_data``, so that ``az.loo`` and ``az.compare({"fused": ...,
 Everything is built with ``arviz.from_dict``, which exists in the 0.2x line
 (``InferenceData``, Python 3.11) and in 1.x (``DataTree``, newer Pythons); groups with
 different unit coordinates are built separately and joined (:func:`_combine`). Results are
-read through what they share (:class:`~bayesfuse.inference.result.LayerResult`:
-``assignments``, ``objective``, ...; a fusion's ``posteriors``), so this module imports no
-result class.
+read through what they share (:func:`~bayesfuse.nets.unit_posteriors.layer_gaussians`), so this
+module imports no result class.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
 import sys
 import warnings
+from statistics import NormalDist
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
 from bayesfuse.inference.result import register_exporter
+from bayesfuse.nets.unit_posteriors import (
+    LayerGaussians,
+    check_names,
+    is_gaussian_export,
+    layer_gaussians,
+)
 
 __all__ = [
     "DEFAULT_DRAWS",
-    "DRAW_BUDGET",
+    "DEFAULT_CHAINS",
+    "DEFAULT_UNITS",
+    "DEFAULT_WEIGHTS",
+    "summary",
     "to_arviz",
     "match_to_arviz",
     "klfusion_to_arviz",
@@ -71,17 +95,26 @@ __all__ = [
     "bnn_to_arviz",
 ]
 
-#: Draws per unit of an export unless the caller asks for another number.
+_log = logging.getLogger(__name__)
+
+#: Draws per chain of an export unless the caller asks for another number.
 DEFAULT_DRAWS = 100
-#: Numbers (draws x units x weights) the default export draws at most; ``units="all"`` or an
-#: explicit ``units`` list is not limited.
-DRAW_BUDGET = 2_000_000
+#: Chains of independent draws: two, the fewest for which ArviZ computes ``r_hat``.
+DEFAULT_CHAINS = 2
+#: Units an export draws when ``units`` is not given (every unit of a smaller layer).
+DEFAULT_UNITS = 8
+#: Entries per unit an export draws when neither ``units`` nor ``weights`` is given.
+DEFAULT_WEIGHTS = 8
+#: Interval probability of :func:`summary` (ArviZ 0.2x's ``hdi_prob`` default).
+DEFAULT_HDI_PROB = 0.94
 
 #: What every export says about its draws (``posterior.attrs["sampling_note"]``).
-SAMPLING_NOTE = ("independent draws from the Gaussian posterior N(loc, scale^2) of each entry, not MCMC: one "
-                 "chain, no autocorrelation, r_hat undefined; summarise with az.summary(idata, kind='stats')")
+SAMPLING_NOTE = ("independent draws from the exact Gaussian posterior N(loc, scale^2) of each entry, not MCMC: "
+                 "r_hat ~ 1 and ess ~ draws by construction; the exact mean and sd are loc and scale in "
+                 "constant_data (bayesfuse.analysis.summary gives the exact table)")
 
 Units = Sequence[int] | np.ndarray | int | Literal["all"] | None
+Weights = Sequence[str] | Sequence[int] | np.ndarray | str | int | None
 
 
 # ------------------------------------------------------------------------------ ArviZ versions
@@ -183,7 +216,7 @@ def _layer_attrs(layer, *, method: str, hyper: Mapping | None, layer_hyper: Mapp
     return attrs
 
 
-# ------------------------------------------------------------------------------ draws of Gaussians
+# ------------------------------------------------------------------------------ what to draw
 
 
 def _check_count(value: int, name: str) -> int:
@@ -192,18 +225,19 @@ def _check_count(value: int, name: str) -> int:
     return int(value)
 
 
-def _select_units(units: Units, unit_ids: np.ndarray, num_draws: int, width: int, what: str) -> np.ndarray:
-    """Positions (into ``unit_ids``) of the units whose draws are exported."""
+def _describe_ids(ids: np.ndarray) -> str:
+    ids = np.asarray(ids)
+    if len(ids) > 1 and np.issubdtype(ids.dtype, np.integer) and (ids == np.arange(ids[0], ids[0] + len(ids))).all():
+        return f"{ids[0]}..{ids[-1]}"
+    return str(ids.tolist())
+
+
+def _select_units(units: Units, unit_ids: np.ndarray) -> np.ndarray:
+    """Positions (into ``unit_ids``) of the units ``units`` asks for: ``None``, the first
+    :data:`DEFAULT_UNITS`; ``"all"``; or the given ids, in their order."""
     n = len(unit_ids)
     if units is None:
-        fit = max(1, DRAW_BUDGET // max(1, num_draws * width))
-        if fit >= n:
-            return np.arange(n)
-        _warn(f"{what}: {n} units x {width} weights x {num_draws} draws exceed the default draw budget of "
-              f"{DRAW_BUDGET:,} numbers; exported the draws of the first {fit} units (loc and scale of all {n} are "
-              f"in constant_data). Pass units=[...] for the units you want, units='all' for every unit.",
-              UserWarning)
-        return np.arange(fit)
+        return np.arange(min(n, DEFAULT_UNITS))
     if isinstance(units, str):
         if units != "all":
             raise ValueError(f"units must be 'all', None or unit ids, got {units!r}")
@@ -214,7 +248,7 @@ def _select_units(units: Units, unit_ids: np.ndarray, num_draws: int, width: int
     position = {int(u): i for i, u in enumerate(unit_ids)}
     missing = [int(u) for u in wanted if int(u) not in position]
     if missing:
-        raise ValueError(f"no unit {missing[0]} to export; the units are {_describe_ids(unit_ids)}")
+        raise ValueError(f"no unit {missing[0]}; the units are {_describe_ids(unit_ids)}")
     if len(set(wanted.tolist())) != len(wanted):
         raise ValueError("units must not repeat a unit")
     if len(wanted) == 0:
@@ -222,30 +256,61 @@ def _select_units(units: Units, unit_ids: np.ndarray, num_draws: int, width: int
     return np.array([position[int(u)] for u in wanted], dtype=np.int64)
 
 
-def _describe_ids(ids: np.ndarray) -> str:
-    ids = np.asarray(ids)
-    if len(ids) and (ids == np.arange(ids[0], ids[0] + len(ids))).all():
-        return f"{ids[0]}..{ids[-1]}"
-    return str(ids.tolist())
+def _select_weights(weights: Weights, names: Sequence[str], *, default_subset: bool) -> np.ndarray:
+    """Positions of the entries ``weights`` asks for: ``None``, the first :data:`DEFAULT_WEIGHTS`
+    when ``default_subset`` else all; ``"all"``; or names and positions, in their order."""
+    width = len(names)
+    if weights is None:
+        return np.arange(min(width, DEFAULT_WEIGHTS) if default_subset else width)
+    if isinstance(weights, str) and weights == "all":
+        return np.arange(width)
+    if isinstance(weights, (str, numbers.Integral)):
+        wanted = [weights]
+    else:
+        wanted = weights.tolist() if isinstance(weights, np.ndarray) else list(weights)
+    position = {name: i for i, name in enumerate(names)}
+    out = []
+    for w in wanted:
+        if isinstance(w, (str, np.str_)):
+            if w not in position:
+                shown = ", ".join(names[:4]) + (", ..." if width > 4 else "")
+                raise ValueError(f"no weight {w!r}; the weights are {shown} ({width} in all)")
+            out.append(position[w])
+        elif isinstance(w, numbers.Integral) and not isinstance(w, bool) and -width <= w < width:
+            out.append(int(w) % width)
+        else:
+            raise ValueError(f"weights must be 'all', None, entry names or positions in 0..{width - 1}, got {w!r}")
+    if not out:
+        raise ValueError("weights is empty: ask for at least one entry")
+    if len(set(out)) != len(out):
+        raise ValueError("weights must not repeat an entry")
+    return np.array(out, dtype=np.int64)
 
 
-def _unit_draws(loc: np.ndarray, scale: np.ndarray, positions: np.ndarray, num_draws: int, seed: int) -> np.ndarray:
-    """(units, draws, weights): unit at position p of the layer draws from its own stream ``(seed, p)``."""
-    out = np.empty((len(positions), num_draws, loc.shape[1]))
-    for i, p in enumerate(positions):
-        np.random.default_rng([seed, int(p)]).standard_normal(out=out[i])
-    out *= scale[positions][:, None, :]
-    out += loc[positions][:, None, :]
+def _note_default_subset(n_units: int, drawn_units: int, width: int, drawn_weights: int) -> None:
+    """The one line saying that the default export drew part of a layer, and how to draw more."""
+    _log.warning("to_arviz drew %d of %d units x %d of %d weights (the default, sized for az.summary and "
+                 "az.plot_forest); units='all' or [ids], weights='all' or [names] draw more, "
+                 "bayesfuse.analysis.summary(result) gives every entry's exact posterior",
+                 drawn_units, n_units, drawn_weights, width)
+
+
+# ------------------------------------------------------------------------------ draws of Gaussians
+
+
+def _unit_draws(loc: np.ndarray, scale: np.ndarray, units: np.ndarray, weights: np.ndarray, chains: int,
+                num_draws: int, seed: int) -> np.ndarray:
+    """(chains, draws, units, weights): chain c of the unit at position p draws all its entries from
+    the stream ``(seed, p, c)``, of which the entries at ``weights`` are kept."""
+    out = np.empty((chains, num_draws, len(units), len(weights)))
+    stream = np.empty((num_draws, loc.shape[1]))
+    for i, p in enumerate(units):
+        for c in range(chains):
+            np.random.default_rng([seed, int(p), c]).standard_normal(out=stream)
+            out[c, :, i] = stream[:, weights]
+    out *= scale[np.ix_(units, weights)]
+    out += loc[np.ix_(units, weights)]
     return out
-
-
-def _check_weight_names(names: Sequence, width: int) -> list[str]:
-    names = [str(n) for n in names]
-    if len(names) != width:
-        raise ValueError(f"weight_names must name all {width} entries of a unit, got {len(names)} names")
-    if len(set(names)) != width:
-        raise ValueError("weight_names must be distinct")
-    return names
 
 
 def gaussian_to_arviz(
@@ -253,7 +318,9 @@ def gaussian_to_arviz(
     var: np.ndarray,
     *,
     units: Units = None,
+    weights: Weights = None,
     num_draws: int = DEFAULT_DRAWS,
+    chains: int = DEFAULT_CHAINS,
     seed: int = 0,
     var_name: str = "theta",
     unit_dim: str = "global_unit",
@@ -263,7 +330,6 @@ def gaussian_to_arviz(
     extra_coords: dict | None = None,
     extra_dims: dict | None = None,
     attrs: Mapping[str, Any] | None = None,
-    chains: int = 1,
 ):
     """ArviZ object with independent draws of Gaussians ``N(mean, var)`` of shape (units, weights).
 
@@ -272,13 +338,20 @@ def gaussian_to_arviz(
     mean, var : array (G, D)
         Means and variances (``var`` broadcasts to ``mean``'s shape).
     units : None, "all", int or sequence of int
-        Which units (values of the unit coordinate) get draws: ``None``, every unit when
-        ``num_draws * G * D`` fits in :data:`DRAW_BUDGET`, else the first ones that fit (with a
-        warning); ``"all"``; or the given ones, in the given order.
+        Which units (values of the unit coordinate) get draws: ``None``, the first
+        :data:`DEFAULT_UNITS`; ``"all"``; or the given ones, in the given order.
+    weights : None, "all", str, int or sequence of them
+        Which entries of those units get draws: ``None``, the first :data:`DEFAULT_WEIGHTS` when
+        ``units`` is ``None`` too, else all; ``"all"``; or the given names (values of the
+        ``weight`` coordinate) or positions, in the given order. When the defaults leave
+        something out, one line is logged (logger ``bayesfuse.analysis``) saying how to draw more.
     num_draws : int
-        Draws per unit.
+        Draws per chain.
+    chains : int
+        Chains of independent draws (:data:`DEFAULT_CHAINS`: ArviZ's ``r_hat`` needs two; with
+        one, ``az.summary`` logs a shape warning and gives NaN).
     seed : int
-        Unit ``p`` (its position in ``mean``) draws from the stream ``(seed, p)``.
+        Chain ``c`` of the unit at position ``p`` of ``mean`` draws from the stream ``(seed, p, c)``.
     var_name, unit_dim : str
         Name of the posterior variable and of the unit dimension.
     unit_ids : sequence of int, optional
@@ -286,13 +359,10 @@ def gaussian_to_arviz(
     weight_names : sequence of str, optional
         Values of the ``weight`` coordinate (``dim_0 ..`` by default).
     constant_data : dict, optional
-        More ``constant_data`` variables (``loc`` and ``scale`` of all units are always there);
-        ``extra_coords`` and ``extra_dims`` give their coordinates and dims.
+        More ``constant_data`` variables (``loc`` and ``scale`` of every entry of every unit are
+        always there); ``extra_coords`` and ``extra_dims`` give their coordinates and dims.
     attrs : mapping, optional
         Attributes of the ``posterior`` group, next to ``sampling`` and the draw settings.
-    chains : int
-        Deprecated: split the draws into this many groups. They are independent draws, not
-        Markov chains, so anything but 1 only makes ``r_hat`` and ``ess`` look like diagnostics.
 
     Returns
     -------
@@ -305,7 +375,7 @@ def gaussian_to_arviz(
     ------
     ValueError
         For a ``mean`` that is not 2-D, non-finite means, negative variances, bad ``units``,
-        ``weight_names`` or counts.
+        ``weights``, ``weight_names`` or counts.
     """
     mean = np.asarray(mean, dtype=np.float64)
     if mean.ndim != 2:
@@ -315,38 +385,121 @@ def gaussian_to_arviz(
         raise ValueError("variances must be non-negative and finite, and means finite")
     num_draws = _check_count(num_draws, "num_draws")
     chains = _check_count(chains, "chains")
-    if num_draws % chains:
-        raise ValueError(f"num_draws={num_draws} must be a multiple of chains={chains}")
-    if chains != 1:
-        _warn("chains is deprecated: the draws are independent, not Markov chains; splitting them makes r_hat and "
-              "ess look like diagnostics of a sampler that never ran", FutureWarning)
     seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
     G, D = mean.shape
     ids = np.arange(G) if unit_ids is None else np.asarray(unit_ids)
     if ids.shape != (G,):
         raise ValueError(f"unit_ids must give one id per unit ({G}), got shape {ids.shape}")
-    names = [f"dim_{d}" for d in range(D)] if weight_names is None else _check_weight_names(weight_names, D)
-    positions = _select_units(units, ids, num_draws, D, f"{var_name} ({G} {unit_dim}s)")
+    names = [f"dim_{d}" for d in range(D)] if weight_names is None else check_names(weight_names, D)
+    positions = _select_units(units, ids)
+    columns = _select_weights(weights, names, default_subset=units is None)
+    if units is None and (len(positions) < G or (weights is None and len(columns) < D)):
+        _note_default_subset(G, len(positions), D, len(columns))
     scale = np.sqrt(var)
-    draws = _unit_draws(mean, scale, positions, num_draws, seed)  # (units, draws, weights)
-    draws = np.moveaxis(draws.reshape(len(positions), chains, num_draws // chains, D), 0, 2)
-    drawn = ids[positions]
+    draws = _unit_draws(mean, scale, positions, columns, chains, num_draws, seed)
+    drawn, drawn_names = ids[positions], [names[d] for d in columns]
     posterior_attrs = {
         "sampling": "independent",
         "sampling_note": SAMPLING_NOTE,
         "num_draws": num_draws,
+        "chains": chains,
         "seed": seed,
         "n_units": G,
         "n_drawn_units": len(positions),
         "drawn_units": "all" if len(positions) == G and (positions == np.arange(G)).all() else _describe_ids(drawn),
+        "n_weights": D,
+        "n_drawn_weights": len(columns),
+        "drawn_weights": "all" if len(columns) == D and (columns == np.arange(D)).all() else _describe_ids(columns),
         **(attrs or {}),
     }
-    post = _from_dict({"posterior": {var_name: draws}}, {unit_dim: drawn, "weight": names},
+    post = _from_dict({"posterior": {var_name: draws}}, {unit_dim: drawn, "weight": drawn_names},
                       {var_name: [unit_dim, "weight"]}, attrs={"posterior": posterior_attrs})
     data = {"loc": mean, "scale": np.array(scale), **(constant_data or {})}
     coords = {unit_dim: ids, "weight": names, **(extra_coords or {})}
     dims = {"loc": [unit_dim, "weight"], "scale": [unit_dim, "weight"], **(extra_dims or {})}
     return _combine(post, _from_dict({"constant_data": data}, coords, dims))
+
+
+# ------------------------------------------------------------------------------ the exact posterior
+
+
+def _exact(result, layer: int | str, weight_names: Sequence[str] | None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """``(mean, sd, unit ids, entry names)`` of a result's layer, or of an export's ``constant_data``."""
+    if is_gaussian_export(result):
+        data = result.constant_data
+        loc, scale = data["loc"], data["scale"]
+        unit_dim, weight_dim = loc.dims[-2:]
+        names = [str(n) for n in np.asarray(loc[weight_dim])]
+        if weight_names is not None:
+            names = check_names(weight_names, len(names))
+        return np.asarray(loc, dtype=np.float64), np.asarray(scale, dtype=np.float64), np.asarray(loc[unit_dim]), names
+    g = layer_gaussians(result, layer, weight_names=weight_names)
+    return g.mean, np.sqrt(g.var), np.arange(g.n_units), g.names
+
+
+def summary(result, *, layer: int | str = 0, units: Units = "all", weights: Weights = "all",
+            hdi_prob: float = DEFAULT_HDI_PROB, weight_names: Sequence[str] | None = None, var_name: str = "theta"):
+    """The exact posterior of a fused layer's units as a table, in the shape of ``az.summary``.
+
+    Each entry is Gaussian, :math:`\\theta_{g,d} \\sim \\mathcal{N}(\\mu_{g,d}, \\sigma^2_{g,d})`,
+    so its mean is :math:`\\mu`, its sd :math:`\\sigma` and its highest-density interval of
+    probability :math:`p` the central one,
+
+    .. math::
+
+        \\left[\\mu - z \\sigma, \\; \\mu + z \\sigma\\right], \\qquad
+        z = \\Phi^{-1}\\!\\left(\\tfrac{1 + p}{2}\\right),
+
+    computed, not estimated from draws: no Monte Carlo error, no chains, every entry of a
+    400 x 800 layer in well under a second.
+
+    Parameters
+    ----------
+    result : FusionResult, MatchResult, KLFusionResult or an export
+        What :func:`layer_gaussians <bayesfuse.nets.unit_posteriors.layer_gaussians>` reads (a
+        fusion, a layer of one, a matching, a KL-fusion), or an ArviZ export of this module
+        (its ``constant_data`` ``loc`` and ``scale``).
+    layer : int or str
+        A fusion's layer: index into ``result.layers`` or group name (``"P2"``).
+    units : "all", None, int or sequence of int
+        Units to list (``"all"`` by default; ``None``: the export's default, the first
+        :data:`DEFAULT_UNITS`).
+    weights : "all", None, str, int or sequence of them
+        Entries to list, by name or position (``"all"`` by default).
+    hdi_prob : float
+        Probability of the interval, in (0, 1).
+    weight_names : sequence of str, optional
+        Names for the entries instead of the result's own.
+    var_name : str
+        The variable named in the index, as in the export.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per entry, indexed as ``az.summary`` indexes the export (``"theta[3, bias]"``,
+        unit then entry), with columns ``mean``, ``sd``, ``hdi_<lower>%`` and ``hdi_<upper>%``
+        (``hdi_3%``, ``hdi_97%`` at the default ``hdi_prob`` of 0.94).
+
+    Raises
+    ------
+    ValueError
+        For ``hdi_prob`` outside (0, 1), bad ``units`` or ``weights``.
+    """
+    import pandas as pd
+
+    hdi_prob = float(hdi_prob)
+    if not 0.0 < hdi_prob < 1.0:
+        raise ValueError(f"hdi_prob must lie in (0, 1), got {hdi_prob}")
+    mean, sd, ids, names = _exact(result, layer, weight_names)
+    rows = _select_units(units, ids)
+    columns = _select_weights(weights, names, default_subset=units is None)
+    mu, sigma = mean[np.ix_(rows, columns)].ravel(), sd[np.ix_(rows, columns)].ravel()
+    z = NormalDist().inv_cdf((1.0 + hdi_prob) / 2.0)
+    alpha = 1.0 - hdi_prob
+    index = [f"{var_name}[{u}, {names[d]}]" for u in ids[rows].tolist() for d in columns]
+    return pd.DataFrame({"mean": mu, "sd": sigma, f"hdi_{100 * alpha / 2:g}%": mu - z * sigma,
+                         f"hdi_{100 * (1 - alpha / 2):g}%": mu + z * sigma}, index=index)
 
 
 # ------------------------------------------------------------------------------ fused layers
@@ -364,105 +517,24 @@ def _assignment_data(assignments: Sequence[np.ndarray], n_global: int) -> tuple[
     return data, coords, dims
 
 
-#: How a fused BNN's unit sites are named in the ``weight`` coordinate.
-_BNN_ENTRY = {"w1": "in", "b1": "bias", "log_lam": "log_scale", "w2": "out"}
-
-
-def _bnn_weight_names(state: Mapping, width: int) -> list[str] | None:
-    """``in_0 .., bias, log_scale, out_0 ..`` when ``state`` is a horseshoe BNN's state_dict whose
-    units have ``width`` entries (:class:`~bayesfuse.models.bnn_posterior.BNNPosterior`'s layout)."""
-    from bayesfuse.models.bnn_sites import UNIT_SITES, body_state, state_depth, state_dims
-
-    state = body_state(state)  # a HeadMixtureBNN's names are its body's
-    if state_depth(state) != 1:  # deeper networks' units are named by position
-        return None
-    _, D, K = state_dims(state, "the fused BNN")
-    names = []
-    for site in UNIT_SITES:
-        shape = list(site.shape(1, D, K))
-        del shape[site.unit_axis]
-        n = int(np.prod(shape, dtype=np.int64))
-        base = _BNN_ENTRY.get(site.name, site.name)
-        names += [base] if n == 1 else [f"{base}_{i}" for i in range(n)]
-    return names if len(names) == width else None
-
-
-def _block_weight_names(blocks: Sequence, width: int, n_units: int, state: Mapping | None) -> list[str] | None:
-    """Entry names from ``hyper["blocks"]``: one label per entry, or one state_dict entry per
-    block whose width (numbers per unit) comes from the fused ``state``."""
-    blocks = list(blocks)
-    if len(blocks) == width:  # one block label per entry
-        labels = [b if isinstance(b, str) else f"block{b}" for b in blocks]
-        sizes = {b: labels.count(b) for b in labels}
-        seen: dict[str, int] = {}
-        names = []
-        for b in labels:
-            names.append(b if sizes[b] == 1 else f"{b}[{seen.get(b, 0)}]")
-            seen[b] = seen.get(b, 0) + 1
-        return names
-    if state is None or not all(isinstance(b, str) and b in state for b in blocks):
-        return None
-    names = []
-    for k in blocks:
-        numel = int(np.prod(np.shape(state[k]), dtype=np.int64))
-        if numel % n_units:
-            return None
-        n = numel // n_units
-        names += [k] if n == 1 else [f"{k}[{i}]" for i in range(n)]
-    return names if len(names) == width else None
-
-
-def _weight_names(layer, width: int, n_units: int, *, state: Mapping | None = None,
-                  given: Sequence[str] | None = None) -> tuple[list[str], str]:
-    """Names of a unit's entries and where they came from (``posterior.attrs["weight_names"]``):
-    ``"given"``, ``"bnn"``, ``"blocks"`` or ``"index"``."""
-    if given is not None:
-        return _check_weight_names(given, width), "given"
-    if state is not None:
-        names = _bnn_weight_names(state, width)
-        if names is not None:
-            return names, "bnn"
-    blocks = (getattr(layer, "hyper", None) or {}).get("blocks")
-    if blocks is not None:
-        names = _block_weight_names(blocks, width, n_units, state)
-        if names is not None:
-            return names, "blocks"
-    return [f"dim_{d}" for d in range(width)], "index"
-
-
-def _fused_state(result) -> Mapping | None:
-    """The fused network's state_dict: ``result.model``'s, or a StateFusion's ``state``."""
-    model = getattr(result, "model", None)
-    if model is not None and hasattr(model, "state_dict"):
-        return model.state_dict()
-    state = getattr(result, "state", None)
-    return state if isinstance(state, Mapping) else None
-
-
-def _layer_to_arviz(layer, mean, var, *, attrs: dict, state: Mapping | None = None, weight_names=None,
-                    units: Units, num_draws: int, seed: int, chains: int):
-    """A layer result (the :class:`~bayesfuse.inference.result.LayerResult` protocol) and its
-    global units' Gaussians ``N(mean, var)`` -> ArviZ."""
-    mean = np.asarray(mean, dtype=np.float64)
-    if mean.ndim != 2:
-        raise ValueError(f"the layer's posterior mean must be (units, weights), got shape {mean.shape}")
-    names, source = _weight_names(layer, mean.shape[1], mean.shape[0], state=state, given=weight_names)
-    data, coords, dims = _assignment_data(layer.assignments, len(mean))
+def _layer_to_arviz(g: LayerGaussians, *, units: Units, weights: Weights, num_draws: int, chains: int, seed: int):
+    """A layer's named Gaussians, its assignments, objective and settings -> ArviZ."""
+    layer = g.layer
+    attrs = _layer_attrs(layer, method=g.method, hyper=g.hyper, layer_hyper=g.layer_hyper)
+    if g.label is not None:
+        attrs["layer"] = g.label
+    data, coords, dims = _assignment_data(layer.assignments, g.n_units)
     data["objective"] = np.asarray(layer.objective, dtype=np.float64)
     step = "sweep" if hasattr(layer, "n_sweeps") else "step"
     coords[step] = np.arange(1, len(layer.objective) + 1)
     dims["objective"] = [step]
-    return gaussian_to_arviz(mean, var, units=units, num_draws=num_draws, seed=seed, chains=chains,
-                             weight_names=names, constant_data=data, extra_coords=coords, extra_dims=dims,
-                             attrs={**attrs, "weight_names": source})
+    return gaussian_to_arviz(g.mean, g.var, units=units, weights=weights, num_draws=num_draws, chains=chains,
+                             seed=seed, weight_names=g.names, constant_data=data, extra_coords=coords,
+                             extra_dims=dims, attrs={**attrs, "weight_names": g.names_source})
 
 
-def _matching_method(hyper: Mapping) -> str:
-    return "nafi" if float(hyper.get("kl_weight") or 0) > 0 else "pfnm"
-
-
-def match_to_arviz(result, *, units: Units = None, num_draws: int = DEFAULT_DRAWS,
-                   weight_names: Sequence[str] | None = None, seed: int = 0, chains: int = 1):
+def match_to_arviz(result, *, units: Units = None, weights: Weights = None, num_draws: int = DEFAULT_DRAWS,
+                   chains: int = DEFAULT_CHAINS, weight_names: Sequence[str] | None = None, seed: int = 0):
     """:class:`~bayesfuse.inference.matching.MatchResult` -> ArviZ.
 
     ``posterior.theta`` (chain, draw, global_unit, weight): independent draws of the atoms'
@@ -474,26 +546,27 @@ def match_to_arviz(result, *, units: Units = None, num_draws: int = DEFAULT_DRAW
     ----------
     result : MatchResult
     units : None, "all", int or sequence of int
-        Global units to draw: ``None`` (default) as many as fit in :data:`DRAW_BUDGET`
-        numbers, ``"all"``, or the given ones.
+        Global units to draw: ``None`` (default), the first :data:`DEFAULT_UNITS`; ``"all"``;
+        or the given ones.
+    weights : None, "all", str, int or sequence of them
+        Entries to draw, by name or position: ``None`` (default), the first
+        :data:`DEFAULT_WEIGHTS` when ``units`` is ``None``, else all; ``"all"``; or the given ones.
     num_draws : int
-        Draws per unit (:data:`DEFAULT_DRAWS`).
+        Draws per chain (:data:`DEFAULT_DRAWS`).
+    chains : int
+        Chains of independent draws (:data:`DEFAULT_CHAINS`).
     weight_names : sequence of str, optional
         Names of an atom's D entries; by default from ``result.hyper["blocks"]`` when it labels
         each entry, else ``dim_0 ..``.
     seed : int
-        Atom g draws from the stream ``(seed, g)``.
-    chains : int
-        Deprecated (see :func:`gaussian_to_arviz`).
+        Chain c of atom g draws from the stream ``(seed, g, c)``.
     """
-    hyper = dict(getattr(result, "hyper", None) or {})
-    attrs = _layer_attrs(result, method=_matching_method(hyper), hyper=hyper)
-    return _layer_to_arviz(result, result.mean, result.var, attrs=attrs, weight_names=weight_names, units=units,
-                           num_draws=num_draws, seed=seed, chains=chains)
+    return _layer_to_arviz(layer_gaussians(result, weight_names=weight_names), units=units, weights=weights,
+                           num_draws=num_draws, chains=chains, seed=seed)
 
 
-def klfusion_to_arviz(result, *, units: Units = None, num_draws: int = DEFAULT_DRAWS,
-                      weight_names: Sequence[str] | None = None, seed: int = 0, chains: int = 1):
+def klfusion_to_arviz(result, *, units: Units = None, weights: Weights = None, num_draws: int = DEFAULT_DRAWS,
+                      chains: int = DEFAULT_CHAINS, weight_names: Sequence[str] | None = None, seed: int = 0):
     """:class:`~bayesfuse.inference.klfusion.KLFusionResult` -> ArviZ (diagonal-Gaussian components).
 
     Same layout and parameters as :func:`match_to_arviz`: ``constant_data.loc`` and ``scale``
@@ -505,19 +578,13 @@ def klfusion_to_arviz(result, *, units: Units = None, num_draws: int = DEFAULT_D
     TypeError
         For components that are not diagonal Gaussians (no ``loc`` and ``var`` of one shape).
     """
-    comp = result.components
-    loc, var = getattr(comp, "loc", None), getattr(comp, "var", None)
-    if loc is None or var is None or np.shape(var) != np.shape(loc):
-        raise TypeError(f"ArviZ export supports diagonal-Gaussian components, got {type(comp).__name__}")
-    hyper = {"solver": getattr(result, "solver", None), "cost_scale": getattr(result, "cost_scale", None),
-             "n_initial": getattr(result, "n_initial", None), "family": getattr(comp, "name", type(comp).__name__)}
-    attrs = _layer_attrs(result, method="kl", hyper=hyper)
-    return _layer_to_arviz(result, loc, var, attrs=attrs, weight_names=weight_names, units=units,
-                           num_draws=num_draws, seed=seed, chains=chains)
+    return _layer_to_arviz(layer_gaussians(result, weight_names=weight_names), units=units, weights=weights,
+                           num_draws=num_draws, chains=chains, seed=seed)
 
 
-def fusion_to_arviz(result, *, layer: int | str = 0, units: Units = None, num_draws: int = DEFAULT_DRAWS,
-                    weight_names: Sequence[str] | None = None, seed: int = 0, chains: int = 1):
+def fusion_to_arviz(result, *, layer: int | str = 0, units: Units = None, weights: Weights = None,
+                    num_draws: int = DEFAULT_DRAWS, chains: int = DEFAULT_CHAINS,
+                    weight_names: Sequence[str] | None = None, seed: int = 0):
     """:class:`~bayesfuse.fusion.FusionResult` (or :class:`~bayesfuse.core.StateFusion`) -> ArviZ,
     for one matched hidden layer.
 
@@ -536,50 +603,36 @@ def fusion_to_arviz(result, *, layer: int | str = 0, units: Units = None, num_dr
     IndexError
         For a layer index out of range.
     """
-    if not result.layers:
+    if not getattr(result, "layers", None):
         raise ValueError(f"a {result.method} result has no matched layers to export")
-    if isinstance(layer, str):
-        groups = list(getattr(result, "groups", ()))
-        if layer not in groups:
-            raise ValueError(f"no layer {layer!r}; the matched groups are {groups}")
-        layer = groups.index(layer)
-    if not -len(result.layers) <= layer < len(result.layers):
-        raise IndexError(f"layer {layer} out of range: the result has {len(result.layers)} matched layers")
-    mean, var = result.posteriors[layer]
-    fused = result.layers[layer]
-    attrs = _layer_attrs(fused, method=str(result.method), hyper=getattr(result, "hyper", None),
-                         layer_hyper=getattr(fused, "hyper", None))
-    groups = tuple(getattr(result, "groups", ()))
-    attrs["layer"] = groups[layer] if groups else str(layer)
-    return _layer_to_arviz(fused, mean, var, attrs=attrs, state=_fused_state(result), weight_names=weight_names,
-                           units=units, num_draws=num_draws, seed=seed, chains=chains)
+    return _layer_to_arviz(layer_gaussians(result, layer, weight_names=weight_names), units=units,
+                           weights=weights, num_draws=num_draws, chains=chains, seed=seed)
 
 
 def to_arviz(result, *, layer: int | str = 0, **options):
     """Any result -> ArviZ: a fusion (one ``layer`` of it), a matching or a KL-fusion.
 
-    ``options`` (``units``, ``num_draws``, ``weight_names``, ``seed``) as in
-    :func:`match_to_arviz`. A :class:`~bayesfuse.models.bnn.HorseshoeBNN` with test data goes
-    to :func:`bnn_to_arviz`.
+    ``options`` (``units``, ``weights``, ``num_draws``, ``chains``, ``weight_names``, ``seed``)
+    as in :func:`match_to_arviz`. A :class:`~bayesfuse.models.bnn.HorseshoeBNN` with test data
+    goes to :func:`bnn_to_arviz`.
     """
     if hasattr(result, "posteriors"):
         return fusion_to_arviz(result, layer=layer, **options)
-    if hasattr(result, "components"):
-        return klfusion_to_arviz(result, **options)
     if hasattr(result, "sample_params"):
         raise TypeError("a BNN exports with its test data: bnn_to_arviz(model, x, y)")
     return match_to_arviz(result, **options)
 
 
-def local_to_arviz(mean, var, assignment, *, units: Units = None, num_draws: int = DEFAULT_DRAWS,
-                   weight_names: Sequence[str] | None = None, seed: int = 0, chains: int = 1):
+def local_to_arviz(mean, var, assignment, *, units: Units = None, weights: Weights = None,
+                   num_draws: int = DEFAULT_DRAWS, chains: int = DEFAULT_CHAINS,
+                   weight_names: Sequence[str] | None = None, seed: int = 0):
     """One client's local posterior (units as rows) labelled by the global units they were assigned.
 
     The ``global_unit`` coordinate of local unit l is ``assignment[l]``, so the result lines
     up with the fused export: ``az.plot_forest([fused, local_0, local_1], coords={"global_unit":
     [g]})`` compares a global unit with the local units merged into it. ``units`` selects by
-    global unit; pass the fused export's ``weight_names`` (``fused.posterior.weight.values``) to
-    name the entries alike. Other parameters as in :func:`gaussian_to_arviz`.
+    global unit; pass the fused export's ``weight_names`` (``fused.constant_data.weight.values``)
+    to name the entries alike. Other parameters as in :func:`gaussian_to_arviz`.
 
     Raises
     ------
@@ -593,8 +646,8 @@ def local_to_arviz(mean, var, assignment, *, units: Units = None, num_draws: int
     order = np.argsort(assignment)
     var = np.broadcast_to(np.asarray(var, dtype=np.float64), mean.shape)
     source = "given" if weight_names is not None else "index"
-    return gaussian_to_arviz(mean[order], var[order], units=units, num_draws=num_draws, seed=seed, chains=chains,
-                             unit_ids=assignment[order], weight_names=weight_names,
+    return gaussian_to_arviz(mean[order], var[order], units=units, weights=weights, num_draws=num_draws,
+                             chains=chains, seed=seed, unit_ids=assignment[order], weight_names=weight_names,
                              attrs={"method": "local", "weight_names": source})
 
 

@@ -1,19 +1,24 @@
 """Plots for fused posteriors and OOD studies (matplotlib is imported only when this module is).
 
 Every function returns the matplotlib ``Figure`` it drew on; those taking ``ax`` draw into it
-when given one.
+when given one. Those that read a fused layer take a fusion (what :func:`bayesfuse.fuse`
+returns: its ``layer``, the first by default) or a layer's result alike.
 """
 
 from __future__ import annotations
 
+from statistics import NormalDist
 from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
 
+from bayesfuse.nets.unit_posteriors import layer_gaussians, select_layer
+
 __all__ = [
     "plot_assignments",
     "plot_objective",
+    "plot_posterior",
     "size_sweep",
     "plot_size_sweep",
     "plot_unit_posterior",
@@ -30,14 +35,17 @@ def _axes(ax, figsize):
     return ax.figure, ax
 
 
-def plot_assignments(result, *, ax=None, truth: Sequence[np.ndarray] | None = None):
+def plot_assignments(result, *, layer: int | str = 0, ax=None, truth: Sequence[np.ndarray] | None = None):
     """Client x global-unit matrix: which global units each client's units were matched to.
 
     Cells hold 1 where a client uses a global unit; with ``truth`` (the true atom of each local
     unit, as from a simulation) wrong matches are coloured apart: a local unit is counted as
     correct when its global unit's majority true atom is its own.
+
+    ``result`` is a fusion (``layer``: index or group name of its matched layer) or a layer's
+    result (a matching, a KL-fusion).
     """
-    assignments = result.assignments
+    assignments = select_layer(result, layer)[1].assignments
     n_global = int(max(a.max() for a in assignments)) + 1
     mat = np.zeros((len(assignments), n_global))
     for j, a in enumerate(assignments):
@@ -60,11 +68,13 @@ def plot_assignments(result, *, ax=None, truth: Sequence[np.ndarray] | None = No
     return fig
 
 
-def plot_objective(result, *, ax=None):
-    """The objective after each sweep / alternation step."""
+def plot_objective(result, *, layer: int | str = 0, ax=None):
+    """The objective after each sweep (matching) or alternation step (KL-fusion) of a fusion's
+    ``layer`` or of a layer's result."""
+    fused = select_layer(result, layer)[1]
     fig, ax = _axes(ax, (5, 3.2))
-    ax.plot(np.arange(1, len(result.objective) + 1), result.objective, "o-")
-    ax.set_xlabel("sweep")
+    ax.plot(np.arange(1, len(fused.objective) + 1), fused.objective, "o-")
+    ax.set_xlabel("sweep" if hasattr(fused, "n_sweeps") else "step")
     ax.set_ylabel("objective")
     ax.set_title("objective trace")
     return fig
@@ -118,6 +128,87 @@ def plot_unit_posterior(fused_mean, fused_var, local_means, local_vars, *, weigh
     ax.legend(fontsize=7)
     ax.set_title("fused vs local posterior of one unit")
     return fig
+
+
+def _pick(selection, available: Sequence, default: int, what: str) -> list[int]:
+    """Positions in ``available`` of ``selection`` (values of ``available``, or for entries their
+    positions); ``None``: the first ``default``."""
+    if selection is None:
+        return list(range(min(default, len(available))))
+    wanted = [selection] if isinstance(selection, (str, int, np.integer)) else list(selection)
+    where = {v: i for i, v in enumerate(available)}
+    out = []
+    for w in wanted:
+        if w in where:
+            out.append(where[w])
+        elif what == "weight" and isinstance(w, (int, np.integer)) and 0 <= w < len(available):
+            out.append(int(w))
+        else:
+            raise ValueError(f"no {what} {w!r}: there are {len(available)}")
+    return out
+
+
+def plot_posterior(result, *, layer: int | str = 0, units=None, weights=None, hdi_prob: float = 0.94,
+                   weight_names: Sequence[str] | None = None, ncols: int = 3, fig=None):
+    """The exact posterior density of chosen entries of a fused layer's units, one panel each.
+
+    Entry d of global unit g is :math:`\\mathcal{N}(\\mu_{g,d}, \\sigma^2_{g,d})`; each panel
+    draws that density (not a kernel estimate from draws), shades its highest-density interval
+    :math:`\\mu \\pm \\Phi^{-1}((1 + p)/2)\\,\\sigma` of probability ``hdi_prob`` and marks the mean,
+    as ``az.plot_posterior`` lays out a panel.
+
+    Parameters
+    ----------
+    result : FusionResult, MatchResult or KLFusionResult
+        A fusion (``layer``: index or group name) or a layer's result.
+    units : int or sequence of int, optional
+        Global units (the first by default).
+    weights : str, int or sequence of them, optional
+        Entries by name (``"bias"``, ``"layers.0.weight[3]"``) or position (the first 6 by default).
+    hdi_prob : float
+        Probability of the shaded interval.
+    weight_names : sequence of str, optional
+        Names for the entries instead of the result's own.
+    ncols : int
+        Panels per row.
+    fig : matplotlib Figure, optional
+        Drawn into when given.
+    """
+    g = layer_gaussians(result, layer, weight_names=weight_names)
+    rows = _pick(units, range(g.n_units), 1, "unit")
+    cols = _pick(weights, g.names, 6, "weight")
+    panels = [(u, d) for u in rows for d in cols]
+    ncols = max(1, min(ncols, len(panels)))
+    nrows = -(-len(panels) // ncols)
+    if fig is None:
+        fig = plt.figure(figsize=(3.2 * ncols, 2.3 * nrows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(nrows, ncols)).ravel()
+    z = NormalDist().inv_cdf((1 + hdi_prob) / 2)
+    for ax, (u, d) in zip(axes, panels):
+        mu, sigma = g.mean[u, d], np.sqrt(g.var[u, d])
+        _draw_gaussian(ax, mu, sigma, z, hdi_prob)
+        ax.set_title(f"theta[{u}, {g.names[d]}]", fontsize=9)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"exact posterior ({g.method}{'' if g.label is None else ', layer ' + g.label})", fontsize=10)
+    return fig
+
+
+def _draw_gaussian(ax, mu: float, sigma: float, z: float, hdi_prob: float) -> None:
+    """The density of N(mu, sigma^2) on ``ax``, its central interval mu +- z sigma shaded, the mean marked."""
+    if sigma == 0:
+        ax.axvline(mu, color="C0")
+        ax.set_yticks([])
+        ax.set_xlabel(f"mean {mu:.3g} (point mass)", fontsize=8)
+        return
+    x = np.union1d(np.linspace(mu - 4 * sigma, mu + 4 * sigma, 201), [mu - z * sigma, mu + z * sigma])
+    density = np.exp(-0.5 * ((x - mu) / sigma) ** 2) / (sigma * np.sqrt(2 * np.pi))
+    ax.plot(x, density, color="C0")
+    inside = (x >= mu - z * sigma) & (x <= mu + z * sigma)
+    ax.fill_between(x[inside], density[inside], color="C0", alpha=0.2)
+    ax.axvline(mu, color="C0", ls="--", lw=1)
+    ax.set_yticks([])
+    ax.set_xlabel(f"mean {mu:.3g}, {hdi_prob:.0%} HDI [{mu - z * sigma:.3g}, {mu + z * sigma:.3g}]", fontsize=8)
 
 
 def plot_entropy_hist(h_in: np.ndarray, h_out: np.ndarray, *, ax=None, labels=("test", "out of distribution")):

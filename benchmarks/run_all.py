@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_training.py", "bench_matching.py", "bench_klfusion.py", "bench_mixture_fusion.py",
               "bench_bnn_fusion.py", "bench_baselines.py", "bench_deep.py", "bench_fedma_sizes.py",
               "bench_fidelity.py", "bench_calibration.py", "bench_scale.py", "bench_wide_floor.py",
-              "bench_stopping.py"]
+              "bench_stopping.py", "bench_arviz.py"]
 
 #: Each benchmark's smoke run: its options (``{out}`` is the output folder).
 QUICK = {
@@ -42,6 +42,7 @@ QUICK = {
                              "--epochs", "3"],
     "bench_scale.py": ["--parts", "kl", "match", "device", "--kl-clients", "5", "--match-clients", "30",
                        "--device-clients", "30"],
+    "bench_arviz.py": ["--repeats", "1"],
 }
 #: Left out of ``--quick``: Fashion-MNIST only (the wide MLPs), or no setting small enough.
 FULL_ONLY = [name for name in BENCHMARKS if name not in QUICK]

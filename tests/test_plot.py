@@ -52,3 +52,63 @@ def test_entropy_plots(tmp_path):
     labels = np.arange(100) % 10
     _saved(plot.plot_centred_entropy({"a": (h_in, h_out), "b": (h_in * 2, h_out)}, labels), tmp_path, "centred")
     _saved(plot.plot_sorted_images(rng.random((30, 64)), rng.random(30), (8, 8), n=5), tmp_path, "sorted")
+
+
+@pytest.fixture(scope="module")
+def fusion():
+    """A two-hidden-layer PFNM fusion (what bayesfuse.fuse returns)."""
+    import torch
+
+    from bayesfuse import fuse
+    from bayesfuse.nets.mlp import MLP
+
+    torch.manual_seed(0)
+    return fuse([MLP(6, [5, 4], 3) for _ in range(2)], "pfnm")
+
+
+def _image(fig) -> np.ndarray:
+    return np.asarray(fig.axes[0].images[0].get_array())
+
+
+def test_layer_plots_take_a_fusion_or_a_layer(fusion, res, tmp_path):
+    """plot_assignments and plot_objective draw a fusion's layer (the first by default, or by
+    index or group name) as they draw that layer's own result."""
+    import matplotlib.pyplot as plt
+
+    for key, layer in ((0, fusion.layers[0]), ("P2", fusion.layers[1]), (1, fusion.layers[1])):
+        np.testing.assert_array_equal(_image(plot.plot_assignments(fusion, layer=key)), _image(plot.plot_assignments(layer)))
+        got = plot.plot_objective(fusion, layer=key).axes[0].lines[0].get_ydata()
+        np.testing.assert_array_equal(got, layer.objective)
+    np.testing.assert_array_equal(_image(plot.plot_assignments(fusion)), _image(plot.plot_assignments(fusion.layers[0])))
+    assert _image(plot.plot_assignments(fusion, layer="P2")).shape[1] == fusion.sizes[1]
+    plt.close("all")
+    _saved(plot.plot_assignments(fusion), tmp_path, "fusion_assign")
+    with pytest.raises(ValueError, match=r"no layer 'P9'; the matched groups are \['P1', 'P2'\]"):
+        plot.plot_assignments(fusion, layer="P9")
+    with pytest.raises(IndexError, match="out of range"):
+        plot.plot_objective(fusion, layer=2)
+
+
+def test_plot_posterior_draws_the_exact_gaussian_density(fusion, res, tmp_path):
+    """Each panel is the density of N(mu, sigma^2) itself, its 94% interval shaded, titled as
+    az.summary names the entry; entries are picked by name or position."""
+    from scipy import stats
+
+    fig = plot.plot_posterior(fusion, layer="P1", units=[1], weights=["layers.0.bias", 0])
+    mean, var = fusion.posteriors[0]
+    axes = [ax for ax in fig.axes if ax.lines]
+    assert [ax.get_title() for ax in axes] == ["theta[1, layers.0.bias]", "theta[1, layers.0.weight[0]]"]
+    for ax, d in zip(axes, (6, 0)):
+        x, y = ax.lines[0].get_data()
+        mu, sd = mean[1, d], np.sqrt(var[1, d])
+        np.testing.assert_allclose(y, stats.norm.pdf(x, mu, sd), rtol=1e-12)
+        assert x.min() == pytest.approx(mu - 4 * sd) and x.max() == pytest.approx(mu + 4 * sd)
+        shaded = ax.collections[0].get_paths()[0].vertices[:, 0]
+        lo, hi = stats.norm.interval(0.94, mu, sd)
+        assert shaded.min() == pytest.approx(lo, rel=1e-12) and shaded.max() == pytest.approx(hi, rel=1e-12)
+    _saved(fig, tmp_path, "posterior")
+    default = plot.plot_posterior(res)  # a matching: unit 0, its first 6 entries
+    assert [ax.get_title() for ax in default.axes if ax.lines] == [f"theta[0, dim_{d}]" for d in range(6)]
+    _saved(default, tmp_path, "posterior_default")
+    with pytest.raises(ValueError, match="no weight 'bias'"):
+        plot.plot_posterior(res, weights=["bias"])
