@@ -159,8 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--hyper", nargs="*", default=[], metavar="KEY=VALUE", help="hyper-parameters of the method")
     fz.add_argument("--out", required=True, help="fused model file (.pt, .pth or .safetensors)")
     fz.add_argument("--format", choices=["pt", "safetensors"], default=None, help="output format (default: from --out)")
+    fz.add_argument("--model", default=None, metavar="REF",
+                    help="your network, MODULE:NAME or FILE.py:NAME (called with no arguments): its architecture "
+                    "is traced from it (residual nets included) and the fused model is run in it once")
     fz.add_argument("--arch", default="auto", choices=["auto", "mlp", "cnn", "lstm"],
-                    help="how to read the files' layers when no --arch-spec is given (default: auto)")
+                    help="how to read the files' layers when no --arch-spec or --model is given; mlp or cnn say the "
+                    "network is a plain chain (default: auto)")
     fz.add_argument("--arch-spec", default=None, metavar="FILE",
                     help="JSON permutation spec naming which axes of which entries each hidden permutation acts on "
                     "(see bayesfuse.inference.spec.spec_to_dict)")
@@ -227,6 +231,15 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_model(ref: str | None):
+    """The network ``--model`` names (:func:`~bayesfuse.nets.user_module.model_from_reference`), or None."""
+    if ref is None:
+        return None
+    from bayesfuse.nets.user_module import model_from_reference
+
+    return model_from_reference(ref)
+
+
 def _run_fuse(args: argparse.Namespace) -> int:
     from bayesfuse.fuse_files import fuse_files, read_class_counts
     from bayesfuse.inference.result import ConvergenceWarning
@@ -238,7 +251,11 @@ def _run_fuse(args: argparse.Namespace) -> int:
                             fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
                             spec_path=args.arch_spec, device=args.device, dtype=args.dtype,
                             class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
-                            summaries=args.summaries)
+                            summaries=args.summaries, like=_user_model(args.model))
+    source = (report.get("architecture") or {}).get("source") or ""
+    if source.startswith("entry names"):
+        print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)",
+              file=sys.stderr)
     used = report["summaries"].get("used", False)
     posterior = f" and {report['posterior']['file']}" if report["posterior"] else ""
     print(f"fused {len(args.models)} models with {args.method} "
@@ -255,7 +272,8 @@ def _run_fuse(args: argparse.Namespace) -> int:
 _FLAGS = (("force=True (--force on the command line)", "--force"), ("force=True", "--force"),
           ("overwrite=True", "--force"), ("fmt='pt' or 'safetensors'",
           "--format pt or safetensors"), ("arch='mlp'", "--arch mlp"), ("arch='cnn'", "--arch cnn"),
-          ("arch='lstm'", "--arch lstm"), ("spec_path=", "--arch-spec "), ("device=", "--device "),
+          ("arch='lstm'", "--arch lstm"),
+          ("like=model", "--model MODULE:NAME"), ("spec_path=", "--arch-spec "), ("device=", "--device "),
           ("dtype=", "--dtype "), ("summaries='none'", "--summaries none"))
 
 

@@ -181,9 +181,17 @@ def _forward_order(checkpoint: Checkpoint, name: str, spec: PermutationSpec | No
     return OrderedDict((k, sd[k]) for k in keys)
 
 
-def _network_spec(state_dicts, names, arch, spec):
-    """The permutation spec of point-estimate files (``spec``, or derived), checked against every file."""
+def _network_spec(state_dicts, names, arch, spec, like=None):
+    """The permutation spec of point-estimate files (``spec``, traced from the network ``like``, or
+    read off the names), checked against every file, and where it came from (for the report)."""
+    source = "spec file" if spec is not None else None
+    if spec is None and like is not None:
+        from bayesfuse.nets.tracing import spec_from_module
+
+        spec, source = spec_from_module(like), f"traced from {type(like).__module__}.{type(like).__qualname__}"
     if spec is None:
+        source = ("entry names, as a plain chain" + (" (--arch {})".format(arch) if arch != "auto" else "")
+                  if not any("weight_ih_l" in k for k in state_dicts[0]) else "entry names, as an LSTM classifier")
         if arch in ("auto", "mlp") and not any(t.ndim in (3, 4) for t in state_dicts[0].values()) and not any(
                 k.endswith("running_mean") or "weight_ih_l" in k for k in state_dicts[0]):
             for sd, n in zip(state_dicts, names):
@@ -196,7 +204,20 @@ def _network_spec(state_dicts, names, arch, spec):
                 raise ValueError(f"{n}: layer entry {k!r} has zero width {tuple(t.shape)}")
     if not spec.groups:
         raise ValueError(f"{names[0]}: the network has no hidden layer to match")
-    return spec
+    return spec, source
+
+
+def _check_like(like, fused_sd: Mapping) -> None:
+    """Load the fused state into ``like``'s architecture at the fused widths and run it once."""
+    from bayesfuse.nets.arch import check_runs, rebuild
+    from bayesfuse.nets.graph_spec import example_input_for
+
+    try:
+        model = rebuild(like, fused_sd)
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise ValueError(f"the fused state does not load into {type(like).__name__} "
+                         f"({str(err).strip().splitlines()[0]})") from None
+    check_runs(model, example_input_for(like), what=f"the fused {type(like).__name__}")
 
 
 def _input_summaries(names: Sequence[str], mode: str, method: str, kind: str) -> tuple[list | None, dict]:
@@ -265,6 +286,7 @@ def fuse_files(
     dtype: str = "float64",
     class_counts: Mapping[str, Sequence[float]] | None = None,
     summaries: str = "auto",
+    like=None,
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
@@ -291,6 +313,14 @@ def fuse_files(
     written beside the model, ``out + '.posterior.safetensors'``
     (:func:`~bayesfuse.checkpoints.posterior_bytes`; the report's ``posterior``), and
     :func:`bayesfuse.load` returns the model with that posterior.
+
+    ``like`` (an ``nn.Module`` of the files' architecture, any widths; ``--model`` on the command
+    line) has its spec traced (:func:`~bayesfuse.nets.tracing.spec_from_module`, residual streams
+    included) instead of read off the entry names, and the fused state is loaded into it and
+    run once before anything is written. Names alone show only a chain: where a skip
+    connection is possible they are refused
+    (:class:`~bayesfuse.inference.spec_io.AmbiguousArchitectureError`) unless ``arch`` says
+    ``"mlp"`` / ``"cnn"``. The report's ``architecture.source`` says where the spec came from.
     """
     start = time.perf_counter()
     if method not in methods.METHODS:
@@ -368,7 +398,7 @@ def fuse_files(
 
         fused_sd = bnn_from_state(fused.state).state_dict()
     else:
-        spec = _network_spec(state_dicts, names, arch, given_spec)
+        spec, source = _network_spec(state_dicts, names, arch, given_spec, like)
         states = state_dicts if not row.aligns_units else [  # FedAvg averages in the clients' dtype
             {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
             for sd in state_dicts]
@@ -376,10 +406,12 @@ def fuse_files(
                             class_counts=counts, summaries=client_summaries, **hyper)
         fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype))
                                for k in state_dicts[0])
+        if like is not None:  # never a file that cannot be loaded into the user's network and run
+            _check_like(like, fused_sd)
     report = {
         "method": method,
-        "architecture": None if all(is_bnn) else {"groups": list(spec.groups), "spec_file": str(spec_path) if spec_path
-                                                  else None},
+        "architecture": None if all(is_bnn) else {"groups": list(spec.groups), "source": source,
+                                                  "spec_file": str(spec_path) if spec_path else None},
         "hyper": jsonable(fused.hyper),
         "hyper_given": jsonable(hyper),
         "seed": seed,

@@ -38,7 +38,7 @@ from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec
-from bayesfuse.nets.arch import rebuild
+from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state
 
@@ -120,6 +120,7 @@ def fuse(
     summaries: Sequence | None = None,
     output_pool: str = "precision",
     rounds: int = 1,
+    example_input=None,
     **hyper,
 ) -> FusionResult:
     """Fuse networks into one by matching their hidden units, layer by layer.
@@ -179,6 +180,11 @@ def fuse(
         ``hyper["summaries"]`` says what was used.
     output_pool : {"precision", "counts"}
         With summaries: how the clients' logits are pooled (:func:`bayesfuse.core.fuse_states`).
+    example_input : Tensor, optional
+        A batch of inputs for tracing a network of your own class with ``torch.fx``
+        (:func:`~bayesfuse.nets.graph_spec.spec_from_graph`) when its first layer is not
+        ``nn.Linear`` (or set an ``example_input`` attribute on the module); the fused network
+        is run on it once before it is returned.
     rounds : {1, 2}
         2: one more round after the one-shot fusion (simulated with ``data=(train,
         partition)``): the server sends the candidate fused networks (with summaries, one per
@@ -223,7 +229,7 @@ def fuse(
     if rounds == 2 and any(bnn):
         raise ValueError("rounds=2 calibrates point-estimate networks; fused BNNs carry their own posterior")
     if not any(bnn) and (spec is None or row is None or row.aligns_units):
-        spec = spec_with_encodings(models[0], spec)  # position encodings (PANs) are folded out for matching
+        spec = spec_with_encodings(models[0], spec, example_input)  # position encodings (PANs) are folded out
     states = [numpy_state(m) for m in models]
     pools = [output_pool] if rounds == 1 or summaries is None else ["precision", "counts"]
     candidates = []
@@ -232,6 +238,8 @@ def fuse(
                             names=[f"client {j}" for j in order], device=device, dtype=dtype, summaries=summaries,
                             output_pool=pool, **hyper)
         candidates.append((fused, _fused_model(models[0], fused, all(bnn))))
+        if not any(bnn):
+            _check_fused_runs(candidates[-1][1], models[0], example_input)
     fused, model = candidates[0] if rounds == 1 else _second_round(candidates, data, pools, like=models[0])
     result = FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,
                           seconds=time.perf_counter() - start, groups=fused.groups if not all(bnn) else (),
@@ -251,6 +259,17 @@ def _last_layer_posterior(model: nn.Module, fused) -> nn.Module:
     weight, bias = (next(k for k in fused.spec.output if np.ndim(fused.state[k]) == d) for d in (2, 1))
     return LastLayerLaplace(model, weight.rpartition(".")[0], 1.0 / fused.precision[weight],
                             1.0 / fused.precision[bias]).eval()
+
+
+def _check_fused_runs(model: nn.Module, like: nn.Module, example_input) -> None:
+    """Run the fused network once, so that none is returned that cannot run (:func:`check_runs`)."""
+    from bayesfuse.nets.graph_spec import example_input_for
+
+    try:
+        x = example_input_for(like, example_input)
+    except ValueError:  # no input to be had: the known architectures, rebuilt by rebuild(), run
+        return
+    check_runs(model, x)
 
 
 def _fused_model(like: nn.Module, fused, bnn: bool) -> nn.Module:

@@ -56,7 +56,10 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
     like : nn.Module, optional
         A network of the same architecture (any widths): the template for networks bayesfuse
         cannot recognise from their entry names, or with position-aware layers (which hold no
-        entries of their own).
+        entries of their own). The file's entries are checked against its traced spec
+        (:func:`~bayesfuse.nets.tracing.spec_from_module`) and the rebuilt network is run once
+        on an example input (:func:`~bayesfuse.nets.graph_spec.example_input_for`) before it
+        is returned.
     n_features : int, optional
         Input size of a ConvNet from :func:`~bayesfuse.nets.arch.make_cnn` (e.g. 784).
     posterior : bool
@@ -82,19 +85,38 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
     state = read_checkpoint(path).tensors
     name = str(path)
     if like is not None:
-        from bayesfuse.nets.arch import rebuild
-
-        try:
-            model = rebuild(like, state)
-        except (RuntimeError, KeyError, ValueError) as err:
-            raise ValueError(f"{name}: its entries do not fit the template network ({str(err).splitlines()[0]})") \
-                from None
+        model = _like(like, state, name)
     else:
         model = _recognised(state, name, n_features)
     if posterior and posterior_path(path).is_file():
         model = _with_posterior(model, posterior_path(path), state, name)
     model.fusion_report = load_report(path)
     return model.eval()
+
+
+def _like(like: nn.Module, state: dict, name: str) -> nn.Module:
+    """``like`` rebuilt at the file's widths: checked against its traced spec, loaded, run once."""
+    from bayesfuse.nets.arch import check_runs, rebuild
+    from bayesfuse.nets.graph_spec import example_input_for
+    from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
+
+    try:
+        spec = spec_from_module(like)
+    except (UnsupportedLayerError, ValueError):
+        spec = None  # a network no spec describes: loading and running it is the check
+    try:
+        if spec is not None:
+            spec.check(state, name)
+        model = rebuild(like, state)
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise ValueError(f"{name}: its entries do not fit the template network ({str(err).splitlines()[0]})") \
+            from None
+    try:
+        x = example_input_for(like)
+    except ValueError:
+        return model
+    check_runs(model, x, what=f"{name} in {type(like).__name__}")
+    return model
 
 
 def _with_posterior(model: nn.Module, path: Path, state: dict, name: str) -> nn.Module:

@@ -246,8 +246,10 @@ API_CASES = [
     (lambda: dirichlet_partition(np.arange(10) % 2, 3, 0.0), ValueError, "alpha"),
     (lambda: load_state_dict("/nonexistent/model.pt"), FileNotFoundError, "not found"),
     # deep networks
-    (lambda: fuse([nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 2))] * 2), UnsupportedLayerError,
-     r"layer '1' \(LayerNorm\) is not supported.*supported: Linear"),
+    (lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.MultiheadAttention(6, 2))] * 2), ValueError,
+     r"example input of shape \(2, 4\) does not run through the network \(TypeError: .*missing 2 required"),
+    (lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2))] * 2), UnsupportedLayerError,
+     r"call_module 1 \(_1\): GroupNorm with 2 groups of 6 channels mixes units"),
     (lambda: fuse([make_cnn(64, 3, channels=(2,), hidden=(4,)), MLP(64, [4], 3)]), ValueError, "client [01] lacks entries"),
     (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma"), ValueError, r"data=\(train, partition\)"),
     (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "pfnm", direction="sideways"), ValueError, "direction"),

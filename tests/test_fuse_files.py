@@ -379,9 +379,9 @@ def test_safetensors_whose_shapes_chain_two_ways_need_a_spec(tmp_path, capsys):
     assert not out.exists() and not (tmp_path / "f.safetensors.json").exists()
 
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(spec_to_dict(spec_for_state_dict(sds[0]))))
+    spec.write_text(json.dumps(spec_to_dict(spec_for_state_dict(sds[0], "mlp"))))
     assert main(["fuse", *theirs, "--method", "pfnm", "--arch-spec", str(spec), "--out", str(out)]) == 0
-    assert main(["fuse", *pts, "--method", "pfnm", "--out", str(tmp_path / "g.safetensors")]) == 0
+    assert main(["fuse", *pts, "--method", "pfnm", "--arch", "mlp", "--out", str(tmp_path / "g.safetensors")]) == 0
     assert out.read_bytes() == (tmp_path / "g.safetensors").read_bytes()
     assert list(load_state_dict(out)) == list(sds[0])
 

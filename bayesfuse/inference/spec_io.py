@@ -17,7 +17,13 @@ import numpy as np
 
 from bayesfuse.inference.spec import Axis, PermutationSpec, as_axis, batchnorm, chain, conv, dense, lstm
 
-__all__ = ["spec_for_state_dict", "entry_order", "spec_to_dict", "spec_from_dict"]
+__all__ = ["spec_for_state_dict", "entry_order", "spec_to_dict", "spec_from_dict", "possible_skip",
+           "AmbiguousArchitectureError"]
+
+
+class AmbiguousArchitectureError(ValueError):
+    """A state_dict whose entry names leave a skip connection possible: a plain chain read off them
+    could fuse into a network that cannot run (:func:`possible_skip`)."""
 
 
 def spec_to_dict(spec: PermutationSpec) -> dict:
@@ -201,6 +207,12 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
     convolution reads its channels flattened (``inner = in_features / channels``). The last
     weighted layer is the output. ``"auto"`` picks ``"lstm"`` when LSTM entries are present.
 
+    A chain is all names can show. With ``"auto"``, a network where a skip connection is
+    possible (:func:`possible_skip`: a hidden layer as wide as the input or an earlier one,
+    outside an ``nn.Sequential``) is refused with :class:`AmbiguousArchitectureError`: fusing a
+    residual network as a chain gives one that cannot run. ``"mlp"`` / ``"cnn"`` say the network
+    is a plain chain.
+
     ``ordered`` says what the order of ``state_dict`` is worth: ``True``, the forward order;
     ``False``, none (a safetensors file from another tool: a plain MLP's order then comes from
     its shapes, see :func:`entry_order`); ``None`` (default), guess from the names.
@@ -215,6 +227,7 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
     lstm_keys = [k for k in keys if re.search(r"\.weight_ih_l\d+$", k)]
     if arch not in ("auto", "mlp", "cnn", "lstm"):
         raise ValueError(f"unknown architecture {arch!r}; known: auto, mlp, cnn, lstm")
+    guessed = arch == "auto"  # a chain read off names alone: refused where a skip connection is possible
     if arch == "auto":
         arch = "lstm" if lstm_keys else ("cnn" if any(len(s) == 4 for s in shapes.values()) else "mlp")
     if arch == "lstm":
@@ -287,5 +300,52 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
     spec = chain(*parts, output=tuple(k for k in (f"{weighted[-1]}.weight", f"{weighted[-1]}.bias") if k in shapes))
     if arch == "mlp" and any(kind != "dense" for _, kind in layers):
         raise ValueError(f"{name}: arch='mlp' but the file holds convolutions or batch norms; use arch='cnn'")
+    extra = [k for k in keys if k not in spec.axes]
+    if extra:
+        raise ValueError(f"{name}: entries {extra[:5]} are not a plain chain's (Linear/Conv weights and biases, batch "
+                         "norms), so its names cannot describe the network; give the network itself (like=model) "
+                         "or a spec")
     spec.check(state_dict, name)
+    skip = possible_skip(state_dict, spec) if guessed else None
+    if skip is not None:
+        kind = "cnn" if any(k != "dense" for _, k in layers) else "mlp"
+        raise AmbiguousArchitectureError(
+            f"{name}: its entry names leave a skip connection possible ({_layer(skip[0])} and {_layer(skip[1])} are "
+            f"both {skip[2]} wide) and a state_dict cannot show one; if the network is a plain chain say so with "
+            f"arch='{kind}', else give the network itself (like=model)")
     return spec
+
+
+def _layer(name: str) -> str:
+    return name if name == "the input" else f"layer {name!r}"
+
+
+def possible_skip(state_dict: Mapping, spec: PermutationSpec) -> tuple[str, str, int] | None:
+    """Two layers of a chain read off entry names that a residual connection could join, or None.
+
+    A state_dict holds no graph: ``x + f(x)`` needs only that ``f`` outputs as many units as
+    ``x`` has, so wherever a hidden layer is as wide as the input or as an earlier hidden layer,
+    a skip connection between them is possible and a chain read off the names may be wrong
+    (fusing the two as separate permutations gives widths the network cannot add). An
+    ``nn.Sequential`` (top-level names ``0.weight``, ``3.bias``, ...) has no skips, so ``None``.
+
+    Returns
+    -------
+    (earlier, later, width) or None
+        The first pair found: ``earlier`` is ``"the input"`` or a layer's name.
+    """
+    if all(re.match(r"\d+\.", k) for k in state_dict):
+        return None
+    seen: list[tuple[str, int]] = []
+    for k, axes in spec.axes.items():
+        if not k.endswith("weight") or len(axes) < 2 or axes[0] is None or k.rpartition(".")[0] in spec.folds:
+            continue
+        shape = np.shape(state_dict[k])
+        if not seen and axes[1] is None:
+            seen.append(("the input", int(shape[1])))
+        layer, width = k[: -len(".weight")], int(shape[0])
+        match = next((name for name, w in seen if w == width), None)
+        if match is not None:
+            return match, layer, width
+        seen.append((layer, width))
+    return None

@@ -21,7 +21,7 @@ from bayesfuse.inference.spec import PermutationSpec, chain, dense, lstm
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
 
-__all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "image_shape"]
+__all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "check_runs", "image_shape"]
 
 ARCHITECTURES = ("mlp", "cnn", "lstm")
 
@@ -114,6 +114,15 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
     if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
         return type(module)(shape("weight")[0], eps=module.eps, momentum=module.momentum,
                             affine=module.affine, track_running_stats=module.track_running_stats)
+    if isinstance(module, nn.LayerNorm):
+        return nn.LayerNorm(shape("weight") if module.elementwise_affine else module.normalized_shape, eps=module.eps,
+                            elementwise_affine=module.elementwise_affine, bias=module.bias is not None)
+    if isinstance(module, nn.GroupNorm):
+        channels = shape("weight")[0]
+        return nn.GroupNorm(1 if module.num_groups == 1 else channels, channels, eps=module.eps, affine=module.affine)
+    if isinstance(module, nn.Embedding):
+        n, dim = shape("weight")
+        return nn.Embedding(n, dim, padding_idx=module.padding_idx)
     if isinstance(module, nn.LSTM):
         hidden = shape("weight_hh_l0")[1]
         inp = shape("weight_ih_l0")[1]
@@ -126,8 +135,11 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
 def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
     """A copy of ``model`` whose layers have ``state_dict``'s shapes, loaded with it.
 
-    Linear, Conv, BatchNorm and LSTM layers are re-created at the new widths; position-aware
-    layers get the encoding of their new width.
+    Linear, Conv, BatchNorm, LayerNorm, GroupNorm, Embedding and LSTM layers are re-created at
+    the new widths, and parameters a module holds itself (a class token) at their new shapes;
+    position-aware layers get the encoding of their new width. A network whose ``forward``
+    reads a width of its own (``x.view(-1, self.width)``) still has the old one: run it once
+    (:func:`check_runs`) before trusting it.
     """
     shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
     new = copy.deepcopy(model)
@@ -149,7 +161,32 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
         parent_name, _, child = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
         setattr(parent, child, replacement)
+    for name, value in list(new.named_parameters()):  # parameters held by the module itself (a class token)
+        if name in shapes and tuple(value.shape) != shapes[name]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(new.get_submodule(owner) if owner else new, leaf, nn.Parameter(torch.empty(shapes[name])))
     if isinstance(new, MLP) and new.pans is not None:
         new.pans = nn.ModuleList(PositionAware(layer.out_features, new.pan) for layer in new.layers[:-1])
     new.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
     return new
+
+
+def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "the fused network") -> None:
+    """Run ``model`` once on ``example_input`` (eval mode, no gradients); a ``ValueError`` in one
+    line if it fails, so that no network is handed over that cannot run.
+
+    A rebuilt network can fail where its ``forward`` keeps a width of its own (``x.view(-1,
+    self.width)``) or a module ties two widths that fusion set apart.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(example_input)
+    except Exception as err:  # whatever the user's forward raises
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{what} does not run at its fused widths ({type(err).__name__}: {cause}); its forward may "
+                         "keep a width of its own (e.g. x.view(-1, self.width)): read widths off the layers, or "
+                         "give a spec that keeps that width") from None
+    finally:
+        model.train(was_training)

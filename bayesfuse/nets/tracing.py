@@ -34,7 +34,9 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
     """Derive the permutation spec of a network.
 
     A module with a ``permutation_spec()`` method (the LSTM classifier, :class:`MLP`) supplies
-    its own. An ``nn.Sequential`` is traced: one forward pass of ``example_input`` records the
+    its own. Any other module but an ``nn.Sequential`` is traced from its ``forward`` with
+    ``torch.fx`` (:func:`~bayesfuse.nets.graph_spec.spec_from_graph`: residual streams, layer and
+    group norms, embeddings). An ``nn.Sequential`` is traced: one forward pass of ``example_input`` records the
     shape entering each module; every Linear/Conv but the last opens a new group ``P1, P2, ...``,
     BatchNorm joins the group before it, ``Flatten`` turns channels into blocks of ``H*W`` inputs,
     and element-wise activations, pooling and dropout pass the group through. Anything else
@@ -56,17 +58,14 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
         _, calls = _trace(model, leaves, _example_input(leaves, example_input))
         return replace(spec, encodings=_traced_encodings(spec, dict(leaves), calls))
     if not isinstance(model, nn.Sequential):
-        raise UnsupportedLayerError(
-            f"cannot derive a permutation spec for {type(model).__name__}: give an nn.Sequential of "
-            f"{', '.join(SUPPORTED)}, or a module with a permutation_spec() method, or build one with "
-            "bayesfuse.inference.spec.chain(dense(...), conv(...), ...)"
-        )
+        from bayesfuse.nets.graph_spec import spec_from_graph
+
+        return spec_from_graph(model, example_input)
     leaves = [(n, m) for n, m in model.named_modules() if len(list(m.children())) == 0]
-    for n, m in leaves:
-        if type(m).__name__ not in SUPPORTED:
-            raise UnsupportedLayerError(
-                f"layer {n!r} ({type(m).__name__}) is not supported for matching; supported: {', '.join(SUPPORTED)}"
-            )
+    if any(type(m).__name__ not in SUPPORTED for _, m in leaves):
+        from bayesfuse.nets.graph_spec import spec_from_graph
+
+        return spec_from_graph(model, example_input)  # layer norms, embeddings...: the graph tells
     shapes, calls = _trace(model, leaves, _example_input(leaves, example_input))
     weighted = [n for n, m in leaves if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]
     if not weighted:
@@ -112,7 +111,8 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
     return replace(spec, encodings=encodings) if encodings else spec
 
 
-def spec_with_encodings(model: nn.Module, spec: PermutationSpec | None = None) -> PermutationSpec:
+def spec_with_encodings(model: nn.Module, spec: PermutationSpec | None = None,
+                        example_input=None) -> PermutationSpec:
     """``spec``, or the one traced from ``model``; refuses a spec that misses ``model``'s position encodings.
 
     Matching a network with position-aware layers needs their encodings in the spec (they are
@@ -120,7 +120,7 @@ def spec_with_encodings(model: nn.Module, spec: PermutationSpec | None = None) -
     without them would fuse the networks into a different function.
     """
     if spec is None:
-        return spec_from_module(model)
+        return spec_from_module(model, example_input)
     pans = [n for n, m in model.named_modules() if type(m).__name__ == "PositionAware" and not m.config.off]
     if pans and not spec.encodings:
         raise ValueError(

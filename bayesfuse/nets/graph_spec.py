@@ -1,0 +1,564 @@
+"""Permutation specs of any module, read off its ``torch.fx`` graph.
+
+:func:`spec_from_graph` traces a module's ``forward`` with :func:`torch.fx.symbolic_trace`,
+runs one example input through the graph to learn every intermediate shape
+(:class:`torch.fx.passes.shape_prop.ShapeProp`), and follows the *feature axis* of every
+activation from the input to the output:
+
+* each hidden ``Linear`` / ``Conv`` / ``Embedding`` opens a new permutation of its outputs;
+* a residual ``a + b`` (also ``-``, ``*``, ``torch.cat`` along another axis) ties the
+  permutations of ``a`` and ``b`` into one: every layer that writes into one residual stream
+  shares one permutation, as git-re-basin's ``PermutationSpec`` of a ResNet does (Ainsworth
+  et al. 2023, section 3 and appendix);
+* BatchNorm, LayerNorm, GroupNorm (one group, or one per channel) and parameters added to the
+  stream (a position embedding, a class token) are permuted with the stream they act on;
+* element-wise functions, pooling, dropout, ``flatten`` / ``view`` / ``reshape`` (that keep each
+  unit's numbers together, recorded as :class:`~bayesfuse.inference.spec.Axis` blocks),
+  ``transpose`` and reductions over other axes pass the permutation through;
+* the network's input and its output (the classes) are never permuted: a stream added to the
+  input, or reaching the output, is left as it is.
+
+Anything else that touches a permuted axis is refused with one line naming the node, the
+operation and what to do (:class:`~bayesfuse.nets.tracing.UnsupportedLayerError`). In
+particular ``nn.MultiheadAttention`` is refused: its heads' widths are ``embed_dim /
+num_heads``, tied to the stream, so a stream fused to another width cannot be rebuilt into one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import fx, nn
+
+from bayesfuse.inference.spec import Axis, PermutationSpec
+from bayesfuse.nets.tracing import UnsupportedLayerError
+
+__all__ = ["spec_from_graph", "example_input_for"]
+
+_FIXED = 0  # the union-find class of axes no permutation moves (the input, the classes)
+
+#: Leaf modules that act within each unit of the axis they are given.
+_ELEMENTWISE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU, nn.Mish, nn.Softplus,
+                        nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Identity)
+_POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+                 nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
+_ELEMENTWISE_FUNCTIONS = {torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.nn.functional.relu,
+                          torch.nn.functional.gelu, torch.nn.functional.silu, torch.nn.functional.elu,
+                          torch.nn.functional.leaky_relu, torch.nn.functional.dropout, torch.nn.functional.softplus,
+                          torch.nn.functional.mish, torch.nn.functional.hardtanh, torch.nn.functional.relu6,
+                          operator.neg, torch.neg, torch.clone, torch.nn.functional.sigmoid, torch.nn.functional.tanh}
+_ELEMENTWISE_METHODS = {"relu", "sigmoid", "tanh", "exp", "abs", "neg", "clone", "contiguous", "float", "double",
+                        "to", "detach", "type_as", "relu_", "sigmoid_", "tanh_"}
+_POOL_FUNCTIONS = {torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d, torch.nn.functional.avg_pool1d,
+                   torch.nn.functional.avg_pool2d, torch.nn.functional.adaptive_avg_pool1d,
+                   torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_max_pool2d}
+_BINARY = {operator.add, operator.iadd, operator.sub, operator.isub, operator.mul, operator.imul, torch.add, torch.sub,
+           torch.mul, operator.truediv, torch.div}
+_BINARY_METHODS = {"add", "sub", "mul", "div", "add_", "mul_"}
+_RESHAPE_FUNCTIONS = {torch.flatten, torch.reshape}
+_RESHAPE_METHODS = {"flatten", "view", "reshape"}
+_REDUCTIONS = {torch.mean, torch.sum, torch.amax}
+_REDUCTION_METHODS = {"mean", "sum", "amax"}
+
+
+@dataclass(frozen=True)
+class _Feature:
+    """The permuted axis of an activation: dimension ``dim`` holds ``outer x n x inner`` numbers,
+    unit ``i`` of union-find class ``var`` in the middle."""
+
+    var: int
+    dim: int
+    outer: int = 1
+    inner: int = 1
+
+
+class _Classes:
+    """Union-find over permutation variables; class ``_FIXED`` is 'not permuted'."""
+
+    def __init__(self) -> None:
+        self.parent = [_FIXED]
+
+    def new(self) -> int:
+        self.parent.append(len(self.parent))
+        return len(self.parent) - 1
+
+    def find(self, v: int) -> int:
+        while self.parent[v] != v:
+            self.parent[v] = self.parent[self.parent[v]]
+            v = self.parent[v]
+        return v
+
+    def union(self, a: int, b: int) -> None:
+        a, b = self.find(a), self.find(b)
+        if a != b:  # the smaller root wins, so _FIXED stays its class's root
+            self.parent[max(a, b)] = min(a, b)
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, with every module of ``torch.nn`` (``nn.Sequential`` and ``nn.ModuleList`` aside) a leaf."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            return False
+        return type(m).__module__.startswith("torch.nn") or type(m).__name__ == "PositionAware"
+
+
+def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:
+    """``example_input``, the module's own ``example_input`` (a tensor or a method returning one),
+    or zeros for a network whose first layer is ``nn.Linear`` (or an ``nn.Sequential`` that starts
+    with ``nn.Unflatten``, or the LSTM classifier); else a ``ValueError`` saying what to give."""
+    if example_input is not None:
+        return example_input
+    own = getattr(model, "example_input", None)
+    if own is not None:
+        return own() if callable(own) else own
+    steps, features = getattr(model, "steps", None), getattr(model, "step_features", None)
+    if isinstance(steps, int) and isinstance(features, int):  # LSTMClassifier: flat images read row by row
+        return torch.zeros(2, steps * features)
+    first = next((m for m in model.modules()
+                  if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.Unflatten, nn.LSTM))), None)
+    if isinstance(first, nn.Linear):
+        return torch.zeros(2, first.in_features)
+    if isinstance(first, nn.Unflatten) and isinstance(model, nn.Sequential) and model[0] is first:
+        return torch.zeros(2, int(np.prod(first.unflattened_size)))
+    raise ValueError(f"{type(model).__name__}: give an example input (example_input=..., or an example_input "
+                     "attribute on the module) to trace a network whose first layer is not nn.Linear")
+
+
+def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
+    """The permutation spec of ``model``, traced from its ``forward`` with ``torch.fx``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any module fx can trace (no control flow that depends on tensor values).
+    example_input : Tensor, optional
+        One batch of inputs (a few rows suffice); see :func:`example_input_for`.
+
+    Returns
+    -------
+    PermutationSpec
+        Groups ``P1, P2, ...`` in forward order, one per hidden layer or residual stream; the
+        output layer's entries in ``output``; batch norms that directly follow a Linear/Conv in
+        ``folds``.
+
+    Raises
+    ------
+    UnsupportedLayerError
+        One line naming the node and operation that cannot be followed.
+    """
+    if type(model).__module__.startswith("torch.nn") and not isinstance(model, nn.Sequential):
+        raise UnsupportedLayerError(
+            f"cannot derive a permutation spec for a bare {type(model).__name__}: wrap it in a module whose forward "
+            "bayesfuse can trace, give the module a permutation_spec() method, or build a spec with "
+            "bayesfuse.inference.spec.chain(dense(...), conv(...), ...)")
+    x = example_input_for(model, example_input)
+    try:
+        graph = _Tracer().trace(model)
+    except Exception as err:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
+        raise UnsupportedLayerError(
+            f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward without "
+            "control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))") from None
+    gm = fx.GraphModule(model, graph)
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    was_training = model.training
+    gm.eval()
+    try:
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks itself
+            ShapeProp(gm).propagate(x)
+    except Exception as err:  # the user's forward failing on the example input
+        cause = err.__cause__ or err
+        raise ValueError(f"{type(model).__name__}: the example input of shape {tuple(x.shape)} does not run through "
+                         f"the network ({type(cause).__name__}: {str(cause).splitlines()[0]})") from None
+    finally:
+        model.train(was_training)
+    return _Walk(model).run(gm)
+
+
+def _shape(node) -> tuple | None:
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+class _Walk:
+    """One pass over the graph in forward order, labelling activations with their permuted axis."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.classes = _Classes()
+        self.labels: dict = {}  # node -> _Feature (permuted or fixed) | None (no feature axis known)
+        self.axes: dict[str, list] = {}  # entry -> per-dimension (var, outer, inner) or None
+        self.module_vars: dict[str, tuple] = {}
+        self.producer: dict = {}  # node -> name of the Linear/Conv module whose output it is
+        self.folds: dict[str, str] = {}
+        self.order: list[int] = []
+
+    # ----------------------------------------------------------------- helpers
+    def fail(self, node, what: str) -> None:
+        raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.op} {node.target!s} ({node.name}): {what}")
+
+    def new(self) -> int:
+        v = self.classes.new()
+        self.order.append(v)
+        return v
+
+    def feature(self, node) -> _Feature | None:
+        """The activation's units, or None (no units known, or a parameter)."""
+        label = self.raw(node)
+        return label if isinstance(label, _Feature) else None
+
+    def raw(self, node):
+        return self.labels.get(node) if isinstance(node, fx.Node) else None
+
+    def permuted(self, f: _Feature | None) -> bool:
+        return f is not None and self.classes.find(f.var) != _FIXED
+
+    def set_axes(self, entry: str, dims: list) -> None:
+        if entry in self.axes:  # a module or parameter used twice: its axes are tied
+            for old, new in zip(self.axes[entry], dims):
+                if (old is None) != (new is None):
+                    raise UnsupportedLayerError(f"entry {entry!r} is used with different permuted axes")
+                if old is not None:
+                    self.classes.union(old[0], new[0])
+            return
+        self.axes[entry] = dims
+
+    # ----------------------------------------------------------------- the walk
+    def run(self, gm: fx.GraphModule) -> PermutationSpec:
+        output_node = None
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                shape = _shape(node)
+                self.labels[node] = _Feature(_FIXED, len(shape) - 1 if shape and len(shape) == 2 else 1) \
+                    if shape else None
+            elif node.op == "get_attr":
+                self.labels[node] = ("param", node.target)
+            elif node.op == "call_module":
+                self.call_module(node, gm.get_submodule(node.target))
+            elif node.op == "call_function":
+                self.call(node, node.target, list(node.args), node.kwargs)
+            elif node.op == "call_method":
+                self.call_method(node)
+            elif node.op == "output":
+                output_node = node
+        out = output_node.args[0] if output_node is not None else None
+        f = self.feature(out)
+        if isinstance(f, _Feature):
+            self.classes.union(f.var, _FIXED)  # the classes are never permuted
+        return self.spec(self.producer.get(out))
+
+    def spec(self, output_layer: str | None) -> PermutationSpec:
+        names: dict[int, str] = {}
+        for v in self.order:
+            r = self.classes.find(v)
+            if r != _FIXED and r not in names:
+                names[r] = f"P{len(names) + 1}"
+        axes = {}
+        for entry, dims in self.axes.items():
+            axes[entry] = tuple(None if d is None or self.classes.find(d[0]) == _FIXED
+                                else Axis(names[self.classes.find(d[0])], d[1], d[2]) for d in dims)
+        state = self.model.state_dict()
+        for entry, value in state.items():  # parameters the forward never permutes
+            if entry not in axes:
+                axes[entry] = (None,) * value.dim()
+        axes = {k: axes[k] for k in state}
+        output = () if output_layer is None else tuple(
+            k for k in (f"{output_layer}.weight", f"{output_layer}.bias") if k in state)
+        folds = {bn: after for bn, after in self.folds.items()}
+        eps = {bn: float(m.eps) for bn, m in self.model.named_modules()
+               if bn in folds and float(m.eps) != 1e-5}
+        return PermutationSpec(axes, tuple(names.values()), folds, output, eps)
+
+    # ----------------------------------------------------------------- modules
+    def call_module(self, node, m: nn.Module) -> None:
+        name = node.target
+        inp = node.args[0] if node.args else None
+        f = self.feature(inp)
+        shape = _shape(inp)
+        if isinstance(m, nn.Linear):
+            f = f if self.permuted(f) else None
+            if f is not None and f.dim != len(shape) - 1:
+                self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
+            out = self.layer_vars(name, f, node)
+            self.set_axes(f"{name}.weight", [(out, 1, 1), self.in_axis(f)])
+            if m.bias is not None:
+                self.set_axes(f"{name}.bias", [(out, 1, 1)])
+            self.labels[node] = _Feature(out, len(_shape(node)) - 1)
+            self.producer[node] = name
+        elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
+            f = f if self.permuted(f) else None
+            if f is not None and f.dim != 1:
+                self.fail(node, "a convolution must read channels on axis 1")
+            if m.groups != 1 and not (m.groups == m.in_channels == m.out_channels):
+                self.fail(node, f"grouped convolutions (groups={m.groups}) are supported only depthwise")
+            depthwise = m.groups != 1
+            out = (f.var if f is not None else _FIXED) if depthwise else self.layer_vars(name, f, node)
+            kernel = [None] * (m.weight.dim() - 2)
+            self.set_axes(f"{name}.weight", [(out, 1, 1), None if depthwise else self.in_axis(f), *kernel])
+            if m.bias is not None:
+                self.set_axes(f"{name}.bias", [(out, 1, 1)])
+            self.labels[node] = _Feature(out, 1)
+            self.producer[node] = name
+        elif isinstance(m, nn.Embedding):
+            out = self.layer_vars(name, None, node)
+            self.set_axes(f"{name}.weight", [None, (out, 1, 1)])
+            self.labels[node] = _Feature(out, len(_shape(node)) - 1)
+        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            self.norm(node, m, f, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
+            if m.num_batches_tracked is not None:
+                self.set_axes(f"{name}.num_batches_tracked", [])
+            if isinstance(inp, fx.Node) and inp in self.producer and len(inp.users) == 1:
+                self.folds[name] = self.producer[inp]
+        elif isinstance(m, nn.LayerNorm):
+            if len(m.normalized_shape) != 1:
+                self.fail(node, "LayerNorm over more than the last axis is not supported")
+            self.norm(node, m, f, axis=len(shape) - 1, entries=("weight", "bias"))
+        elif isinstance(m, nn.GroupNorm):
+            if m.num_groups not in (1, m.num_channels):
+                self.fail(node, f"GroupNorm with {m.num_groups} groups of {m.num_channels} channels mixes units "
+                                "within groups; one group, or one per channel, is supported")
+            self.norm(node, m, f, axis=1, entries=("weight", "bias"))
+        elif isinstance(m, _ELEMENTWISE_MODULES) or isinstance(m, _POOL_MODULES):
+            self.labels[node] = f
+        elif isinstance(m, nn.Flatten):
+            self.reshape(node, inp)
+        elif isinstance(m, nn.MultiheadAttention):
+            self.fail(node, "nn.MultiheadAttention's heads are embed_dim / num_heads wide, tied to the stream it "
+                            "reads, so a stream fused to another width cannot be rebuilt into it; fuse with "
+                            "method='fedavg', or give a spec")
+        elif type(m).__name__ == "PositionAware":
+            self.fail(node, "position-aware layers are traced only in nn.Sequential networks and bayesfuse's MLP")
+        elif not any(True for _ in m.parameters(recurse=False)) and not self.permuted(f):
+            self.labels[node] = None
+        else:
+            self.fail(node, f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding, "
+                            "BatchNorm, LayerNorm, GroupNorm, activations, pooling, dropout, Flatten)")
+
+    def layer_vars(self, name: str, f: _Feature | None, node) -> int:
+        """The output variable of module ``name`` (the same on every call of it)."""
+        if name in self.module_vars:
+            old_in, out = self.module_vars[name]
+            if f is not None and old_in is not None:
+                self.classes.union(old_in, f.var)
+            return out
+        out = self.new()
+        self.module_vars[name] = (f.var if f is not None else None, out)
+        return out
+
+    def in_axis(self, f: _Feature | None):
+        return None if f is None else (f.var, f.outer, f.inner)
+
+    def norm(self, node, m: nn.Module, f: _Feature | None, *, axis: int, entries: tuple) -> None:
+        if not self.permuted(f):
+            self.labels[node] = f
+            return
+        if f.dim != axis or f.outer != 1 or f.inner != 1:
+            self.fail(node, f"{type(m).__name__} must normalise the units' axis")
+        for p in entries:
+            if getattr(m, p, None) is not None:
+                self.set_axes(f"{node.target}.{p}", [(f.var, 1, 1)])
+        self.labels[node] = f
+
+    # ----------------------------------------------------------------- functions
+    def call_method(self, node) -> None:
+        method = node.target
+        args = list(node.args)
+        if method in _ELEMENTWISE_METHODS:
+            self.labels[node] = self.feature(args[0])
+        elif method in _BINARY_METHODS:
+            self.binary(node, args[0], args[1])
+        elif method in _RESHAPE_METHODS:
+            self.reshape(node, args[0])
+        elif method in _REDUCTION_METHODS:
+            self.reduce(node, args[0], args[1] if len(args) > 1 else node.kwargs.get("dim"),
+                        node.kwargs.get("keepdim", False))
+        elif method in ("transpose", "permute", "unsqueeze", "squeeze"):
+            self.move(node, args[0])
+        elif method in ("size", "dim"):
+            self.labels[node] = None
+        elif method in ("expand", "expand_as", "repeat"):  # a class token broadcast over the batch
+            label = self.raw(args[0])
+            if isinstance(label, _Feature):
+                label = _Feature(label.var, label.dim + len(_shape(node)) - len(_shape(args[0])), label.outer,
+                                 label.inner)
+            self.labels[node] = label
+        else:
+            self.opaque(node, args, str(method))
+
+    def call(self, node, fn, args: list, kwargs) -> None:
+        if fn in _ELEMENTWISE_FUNCTIONS:
+            self.labels[node] = self.feature(args[0])
+        elif fn in _POOL_FUNCTIONS:
+            self.labels[node] = self.feature(args[0])
+        elif fn in _BINARY:
+            self.binary(node, args[0], args[1])
+        elif fn in _RESHAPE_FUNCTIONS:
+            self.reshape(node, args[0])
+        elif fn in _REDUCTIONS:
+            self.reduce(node, args[0], args[1] if len(args) > 1 else kwargs.get("dim"), kwargs.get("keepdim", False))
+        elif fn in (torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze):
+            self.move(node, args[0])
+        elif fn is torch.cat:
+            self.concat(node, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+        elif fn is operator.getitem:
+            self.getitem(node, args[0])
+        elif fn is getattr:
+            self.labels[node] = None
+        else:
+            self.opaque(node, args, getattr(fn, "__name__", str(fn)))
+
+    def opaque(self, node, args, what: str) -> None:
+        if any(self.permuted(self.feature(a)) for a in _flat(args)):
+            self.fail(node, f"{what} on a permuted axis cannot be followed; give a spec")
+        self.labels[node] = None
+
+    def binary(self, node, a, b) -> None:
+        for p, other in ((a, b), (b, a)):
+            if isinstance(self.raw(p), tuple) and self.feature(other) is not None:  # a parameter meets a stream
+                self.param_axis(self.raw(p)[1], node, self.feature(other), _shape(other))
+        fa, fb = self.feature(a), self.feature(b)
+        for f, f_node, other in ((fa, a, b), (fb, b, a)):
+            self.unknown_operand(node, f, f_node, other)
+        if fa is not None and fb is not None:
+            sa, sb, so = _shape(a), _shape(b), _shape(node)
+            if len(so) - len(sa) + fa.dim != len(so) - len(sb) + fb.dim or (fa.outer, fa.inner) != (fb.outer, fb.inner):
+                self.fail(node, "the two operands' units lie on different axes")
+            self.classes.union(fa.var, fb.var)
+        f = fa or fb
+        if f is not None:
+            shift = len(_shape(node)) - len(_shape(a if fa is not None else b))
+            f = _Feature(f.var, f.dim + shift, f.outer, f.inner)
+        self.labels[node] = f
+
+    def unknown_operand(self, node, f: _Feature | None, f_node, other) -> None:
+        """Refuse a tensor of unknown units that meets a permuted stream along its units' axis."""
+        if not self.permuted(f) or not isinstance(other, fx.Node) or self.raw(other) is not None:
+            return
+        shape, out = _shape(other), _shape(node)
+        dim = f.dim + len(out) - len(_shape(f_node))  # the units' axis in the result
+        at = dim - (len(out) - len(shape)) if shape is not None else -1
+        if shape is not None and 0 <= at < len(shape) and shape[at] != 1:
+            self.fail(node, f"an operand ({other.name}) whose units cannot be followed meets a permuted stream; "
+                            "give a spec")
+
+    def param_axis(self, target: str, node, f: _Feature, shape: tuple) -> None:
+        """A parameter combined with a stream (a position embedding): its matching axis is permuted too."""
+        value = self.model.get_parameter(target) if target in dict(self.model.named_parameters()) else \
+            self.model.get_buffer(target)
+        dim = f.dim - (len(shape) - value.dim())
+        if dim < 0 or value.shape[dim] == 1 and shape[f.dim] != 1:
+            return  # broadcast along the units: a scalar per position, no permuted axis
+        dims = [None] * value.dim()
+        dims[dim] = (f.var, f.outer, f.inner)
+        self.set_axes(target, dims)
+
+    def concat(self, node, tensors: list, dim: int) -> None:
+        rank = len(_shape(node))
+        dim = dim % rank
+        features = [self.raw(t) for t in tensors]
+        streams = [f for f in features if isinstance(f, _Feature)]
+        if not streams:
+            self.labels[node] = None
+            return
+        f = streams[0]
+        if dim == f.dim and any(self.permuted(s) for s in streams):
+            self.fail(node, "concatenating along the units' axis is not supported")
+        for g, t in zip(features, tensors):
+            if g is None and isinstance(t, fx.Node) and self.permuted(f):
+                self.fail(node, f"an operand ({t.name}) whose units cannot be followed is concatenated with a "
+                                "permuted stream; give a spec")
+            if isinstance(g, _Feature):
+                self.classes.union(f.var, g.var)
+            elif isinstance(g, tuple):  # a class token: its units are the stream's, on the same axis
+                self.param_axis(g[1], node, f, _shape(node))
+        self.labels[node] = f
+
+    def reduce(self, node, a, dims, keepdim: bool) -> None:
+        f = self.feature(a)
+        if not isinstance(f, _Feature):
+            self.labels[node] = None
+            return
+        rank = len(_shape(a))
+        listed = dims if isinstance(dims, (list, tuple)) else [dims]
+        dims = range(rank) if dims is None else [d % rank for d in listed]
+        if f.dim in dims:  # a sum over units: the same whatever their order
+            self.labels[node] = None
+            return
+        self.labels[node] = _Feature(f.var, f.dim if keepdim else f.dim - sum(d < f.dim for d in dims),
+                                     f.outer, f.inner)
+
+    def move(self, node, a) -> None:
+        f = self.feature(a)
+        if not isinstance(f, _Feature):
+            self.labels[node] = None
+            return
+        src, dst = _shape(a), _shape(node)
+        size = src[f.dim]
+        matches = [d for d, n in enumerate(dst) if n == size]
+        if node.target in ("unsqueeze", "squeeze", torch.unsqueeze, torch.squeeze):
+            self.reshape(node, a)
+            return
+        args = list(node.args[1:])
+        if node.target in ("transpose", torch.transpose):
+            d0, d1 = (int(d) % len(src) for d in args[:2])
+            new = d1 if f.dim == d0 else d0 if f.dim == d1 else f.dim
+        else:
+            order = [int(d) % len(src) for d in (args[0] if len(args) == 1 and isinstance(args[0], (list, tuple))
+                                                else args)]
+            new = order.index(f.dim)
+        if new not in matches:
+            self.fail(node, "could not follow the units through this transpose")
+        self.labels[node] = _Feature(f.var, new, f.outer, f.inner)
+
+    def getitem(self, node, a) -> None:
+        f = self.feature(a)
+        if not isinstance(f, _Feature):
+            self.labels[node] = None
+            return
+        src, dst = _shape(a), _shape(node)
+        if dst is None:
+            self.opaque(node, [a], "indexing")
+            return
+        tail = len(src) - 1 - f.dim  # axes after the units'
+        if tail <= len(dst) - 1 and dst[len(dst) - 1 - tail] == src[f.dim] and dst[len(dst) - tail:] == src[f.dim + 1:]:
+            index = node.args[1]
+            index = index if isinstance(index, tuple) else (index,)
+            if Ellipsis not in index and len(index) > f.dim and index[f.dim] != slice(None):
+                self.fail(node, "indexing into the units' axis is not supported")
+            self.labels[node] = _Feature(f.var, len(dst) - 1 - tail, f.outer, f.inner)
+            return
+        self.fail(node, "indexing that moves the units' axis is not supported")
+
+    def reshape(self, node, a) -> None:
+        """Follow the units through a reshape that keeps each unit's numbers in one axis."""
+        f = self.feature(a)
+        if not isinstance(f, _Feature):
+            self.labels[node] = None
+            return
+        src, dst = _shape(a), _shape(node)
+        n = src[f.dim] // (f.outer * f.inner)
+        before = int(np.prod(src[: f.dim])) * f.outer  # numbers before the units' block, in flat order
+        after = f.inner * int(np.prod(src[f.dim + 1:]))
+        for e in range(len(dst)):
+            lead, trail = int(np.prod(dst[:e])), int(np.prod(dst[e + 1:]))
+            if before % lead == 0 and after % trail == 0 and dst[e] == (before // lead) * n * (after // trail):
+                self.labels[node] = _Feature(f.var, e, before // lead, after // trail)
+                return
+        if self.permuted(f):
+            self.fail(node, f"this reshape {src} -> {dst} splits the units of one axis (attention heads written "
+                            "by hand, say); give a spec")
+        self.labels[node] = None
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        else:
+            yield a

@@ -1,0 +1,154 @@
+"""Specs traced from a module's forward with torch.fx (bayesfuse.nets.graph_spec).
+
+Each traced spec is checked by what it promises: permuting every group of a network by the spec
+leaves its function unchanged (to float32 round-off, 1e-4 on logits of order 1), and fusing a
+network with a permuted copy of itself gives back that function, for every matching method.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import bayesfuse
+from bayesfuse.inference.spec import permute, random_permutations
+from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
+from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
+from tests.nets.user_nets import Attention, MyMLP, ResMLP, SkipCNN, TokenMixer
+
+NETS = [MyMLP, ResMLP, SkipCNN, TokenMixer]
+
+
+def _random(cls, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = cls()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in ("cls", "pos"):
+                p.normal_()
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):  # running statistics that are not the identity
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 2)
+                m.bias.uniform_(-1, 1)
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 2)
+                m.bias.uniform_(-1, 1)
+    return model.eval()
+
+
+def _permuted(model: nn.Module, seed: int) -> nn.Module:
+    spec = spec_from_module(model)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    perms = random_permutations(spec.sizes(state), np.random.default_rng(seed))
+    copy = type(model)()
+    copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    return copy.eval()
+
+
+def _gap(a: nn.Module, b: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((a(x) - b(x)).abs().max())
+
+
+def test_residual_streams_share_one_permutation():
+    spec = spec_from_graph(ResMLP())
+    stream = spec.axes["stem.weight"][0].group
+    for b in range(2):
+        assert spec.axes[f"blocks.{b}.fc2.weight"][0].group == stream  # writes into the stream
+        assert spec.axes[f"blocks.{b}.fc1.weight"][1].group == stream  # reads it
+        assert spec.axes[f"blocks.{b}.norm.weight"][0].group == stream
+    assert spec.axes["blocks.0.fc1.weight"][0].group != spec.axes["blocks.1.fc1.weight"][0].group
+    assert spec.axes["head.weight"][0] is None and spec.output == ("head.weight", "head.bias")
+    assert len(spec.groups) == 3
+
+
+def test_skip_cnn_folds_and_flatten_blocks():
+    spec = spec_from_graph(SkipCNN())
+    assert spec.folds == {"bn0": "conv0", "bn1": "conv1", "bn2": "conv2"}
+    assert spec.axes["conv2.weight"][0].group == spec.axes["conv0.weight"][0].group
+    assert spec.axes["fc.weight"][1].inner == 16  # channel c's 4x4 pixels, contiguous after flatten
+
+
+def test_class_token_and_position_embedding_follow_the_stream():
+    spec = spec_from_graph(TokenMixer())
+    stream = spec.axes["embed.weight"][0].group
+    assert spec.axes["cls"] == (None, None, spec.axes["cls"][2]) and spec.axes["cls"][2].group == stream
+    assert spec.axes["pos"][2].group == stream
+
+
+@pytest.mark.parametrize("cls", NETS)
+def test_permuting_by_the_traced_spec_keeps_the_function(cls):
+    model = _random(cls, 0)
+    x = torch.randn(20, 64)
+    assert _gap(model, _permuted(model, 1), x) < 1e-4
+    # and the spec is not vacuous: permuting one group's rows alone changes the function
+    spec = spec_from_module(model)
+    state = model.state_dict()
+    first = next(k for k, v in spec.axes.items() if v and v[0] is not None and k.endswith("weight"))
+    broken = type(model)()
+    broken.load_state_dict({**state, first: state[first].flip(0)})
+    assert _gap(model, broken.eval(), x) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+@pytest.mark.parametrize("cls", NETS)
+def test_a_permuted_copy_fuses_back_to_the_network(cls, method):
+    model = _random(cls, 0)
+    x = torch.randn(20, 64)
+    fused = bayesfuse.fuse([model, _permuted(model, 2)], method)
+    assert _gap(model, fused.model, x) < 1e-4
+
+
+def test_independent_residual_networks_fuse_into_one_that_runs():
+    models = [_random(ResMLP, s) for s in range(3)]
+    a = bayesfuse.fuse(models, "pfnm")
+    assert a.sizes[0] > 32  # the stream grows: units of different clients stay apart
+    assert a.model.norm.weight.shape == (a.sizes[0],)  # the LayerNorm was rebuilt at the stream's width
+    assert a.model.blocks[1]["fc2"].weight.shape == (a.sizes[0], a.sizes[2])
+    assert a.model(torch.randn(5, 64)).shape == (5, 10)
+
+
+@pytest.mark.parametrize("model, message", [
+    (Attention(), r"nn.MultiheadAttention's heads are embed_dim / num_heads wide"),
+    (nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)), r"GroupNorm with 2 groups of 6 channels"),
+    (nn.GRU(3, 4), r"bare GRU"),
+])
+def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
+    with pytest.raises(UnsupportedLayerError, match=message) as err:
+        spec_from_module(model)
+    assert "\n" not in str(err.value)
+
+
+def test_untraceable_forward_and_missing_input_are_named():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+    with pytest.raises(UnsupportedLayerError, match="cannot trace Branchy with torch.fx"):
+        spec_from_graph(Branchy())
+    conv_first = nn.Sequential()
+    conv_first.add_module("conv", nn.Conv2d(1, 2, 3))
+    with pytest.raises(ValueError, match="give an example input"):
+        example_input_for(conv_first)
+
+
+def test_a_forward_that_keeps_its_own_width_is_refused_after_fusion():
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 6), nn.Linear(6, 2)
+            self.width = 6
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.width))
+
+    torch.manual_seed(0)
+    models = [Fixed().eval() for _ in range(3)]
+    with pytest.raises(ValueError, match="does not run at its fused widths .*keep a width of its own"):
+        bayesfuse.fuse(models, "pfnm")

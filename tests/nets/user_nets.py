@@ -1,0 +1,98 @@
+"""Networks written as users write them (classes with a forward method), for the tracing tests
+and for ``bayesfuse fuse --model tests.nets.user_nets:NAME``."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MyMLP(nn.Module):
+    def __init__(self, d: int = 64, h: int = 48, k: int = 10) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, k)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class ResMLP(nn.Module):
+    """A residual MLP: one stream of width ``w``, pre-norm blocks ``x + fc2(gelu(fc1(ln(x))))``."""
+
+    def __init__(self, d: int = 64, w: int = 32, h: int = 48, k: int = 10, blocks: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Linear(d, w)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(norm=nn.LayerNorm(w), fc1=nn.Linear(w, h), fc2=nn.Linear(h, w))) for _ in range(blocks))
+        self.norm = nn.LayerNorm(w)
+        self.head = nn.Linear(w, k)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = x + b["fc2"](F.gelu(b["fc1"](b["norm"](x))))
+        return self.head(self.norm(x))
+
+
+class SkipCNN(nn.Module):
+    """Conv-BN-ReLU, then a residual block of two convs, pooling and a dense head, on flat 8x8 images."""
+
+    def __init__(self, c: int = 8, k: int = 10) -> None:
+        super().__init__()
+        self.conv0, self.bn0 = nn.Conv2d(1, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.fc = nn.Linear(c * 4 * 4, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        x = F.relu(self.bn0(self.conv0(x.view(-1, 1, 8, 8))))
+        y = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(x + self.bn2(self.conv2(y)))
+        return self.fc(torch.flatten(F.max_pool2d(x, 2), 1))
+
+
+class TokenMixer(nn.Module):
+    """Patches as tokens with a class token and a position embedding, a pre-norm MLP block, mean pooling."""
+
+    def __init__(self, d: int = 16, k: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, d)
+        self.cls = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos = nn.Parameter(torch.zeros(1, 5, d))
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        tokens = self.embed(x.view(-1, 4, 16))
+        tokens = torch.cat([self.cls.expand(tokens.shape[0], -1, -1), tokens], dim=1) + self.pos
+        tokens = tokens + self.fc2(F.relu(self.fc1(self.norm(tokens))))
+        return self.head(tokens.mean(dim=1))
+
+
+class Attention(nn.Module):
+    """A transformer block with nn.MultiheadAttention (refused: its heads are tied to the stream's width)."""
+
+    def __init__(self, d: int = 16, k: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.head = nn.Linear(d, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = self.embed(x.view(-1, 4, 16))
+        t = t + self.attn(t, t, t)[0]
+        return self.head(t.mean(dim=1))
+
+
+class NeedsArgs(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 2)
