@@ -451,59 +451,129 @@ def test_attrs_record_method_hyper_and_convergence(tmp_path):
 
 @pytest.fixture(scope="module")
 def bnn_federation(digits):
-    """Two tiny horseshoe BNNs on halves of the digits (3 epochs) and their KL-fusion."""
+    """Two tiny horseshoe BNNs on halves of the digits (3 epochs), their KL-fusion and the halves."""
     from bayesfuse import fuse
     from bayesfuse.models.bnn import BNNConfig, train_bnn
 
     halves = np.array_split(np.random.default_rng(0).permutation(len(digits.train.y)), 2)
     bnns = [train_bnn(digits.train.x[i], digits.train.y[i], 10, 8, BNNConfig(epochs=3, seed=j), verbose=False)
             for j, i in enumerate(halves)]
-    return bnns, fuse(bnns, "kl")
+    return bnns, fuse(bnns, "kl"), halves
 
 
-def test_bnn_export_compares_fused_and_local_networks(digits, bnn_federation):
-    bnns, fused = bnn_federation
-    x, y = digits.test.x[:150], digits.test.y[:150]
+def test_bnn_export_of_the_fitted_data_is_for_loo(digits, bnn_federation):
+    """Exported with the data each posterior was fitted to (a local BNN its half, a fusion all of
+    it), the pointwise log-likelihood is predict's, az.loo runs, and az.compare ranks fusions of
+    the same data."""
+    from bayesfuse import fuse
+
+    bnns, fused, halves = bnn_federation
     S = 200
-    exports = {"fused": bnn_to_arviz(fused, x, y, num_samples=S, seed=1)}
-    exports.update({f"local {j}": bnn_to_arviz(b, x, y, num_samples=S, seed=1) for j, b in enumerate(bnns)})
-    fid = exports["fused"]
-    H = fused.model.hidden
-    assert fid.log_likelihood["y"].shape == (1, S, 150) and fid.log_likelihood["y"].dims == ("chain", "draw", "obs")
+    x, y = digits.train.x, digits.train.y
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the training data: nothing to warn about
+        fid = bnn_to_arviz(fused, x, y, data="train", num_samples=S, seed=1)
+        local = bnn_to_arviz(bnns[0], x[halves[0]], y[halves[0]], data="train", num_samples=S, seed=1)
+    n, H = len(y), fused.model.hidden
+    assert fid.log_likelihood["y"].shape == (1, S, n) and fid.log_likelihood["y"].dims == ("chain", "draw", "obs")
+    assert fid.log_likelihood.attrs["data"] == "train" and fid.log_likelihood.attrs["loo"].startswith("applies")
     np.testing.assert_array_equal(np.asarray(fid.observed_data["y"]), y)
     y_rep = np.asarray(fid.posterior_predictive["y"])
-    assert y_rep.shape == (1, S, 150) and y_rep.min() >= 0 and y_rep.max() <= 9
+    assert y_rep.shape == (1, S, n) and y_rep.min() >= 0 and y_rep.max() <= 9
     assert fid.posterior["w1"].dims == ("chain", "draw", "unit", "input") and fid.posterior["w1"].shape[2:] == (H, 64)
     assert fid.posterior["w2"].dims == ("chain", "draw", "class", "unit")
     assert (np.asarray(fid.posterior["tau"]) > 0).all()
-    assert fid.posterior.attrs["method"] == "kl" and exports["local 0"].posterior.attrs["method"] == "local"
+    assert fid.posterior.attrs["method"] == "kl" and local.posterior.attrs["method"] == "local"
     # the draws are predict's: the mean likelihood over draws is its probability of the label
     ll = np.asarray(fid.log_likelihood["y"])[0]
     p = fused.model.predict(x, S, seed=1)
-    np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(S), np.log(p[np.arange(150), y]), rtol=1e-10)
+    np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(S), np.log(p[np.arange(n), y]), rtol=1e-10)
 
     az = _arviz()
+    exports = {"kl": fid, "pfnm": bnn_to_arviz(fuse(bnns, "pfnm"), x, y, data="train", num_samples=S, seed=1)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Pareto k warnings of barely trained networks
-        loo = az.loo(fid, pointwise=True)
+        loo = az.loo(local, pointwise=True)
         table = az.compare(exports, ic="loo")
     assert np.isfinite(loo["elpd_loo"]) and np.isfinite(loo["p_loo"]) and np.isfinite(np.asarray(loo["loo_i"])).all()
-    assert set(table.index) == set(exports) and sorted(table["rank"]) == [0, 1, 2]
-    elpd = table["elpd_loo"].to_numpy()
-    assert np.isfinite(elpd).all() and (np.diff(elpd) <= 0).all()  # ranked best first
+    assert set(table.index) == set(exports) and sorted(table["rank"]) == [0, 1]
+    assert np.isfinite(table["elpd_loo"].to_numpy()).all() and (np.diff(table["elpd_loo"].to_numpy()) <= 0).all()
+
+
+def test_loo_fed_held_out_data_warns_and_says_so(digits, bnn_federation):
+    """An export of held-out data says that LOO does not apply, in a warning and in its attrs,
+    and points to compare(); so does one that was not told which data it holds."""
+    from bayesfuse.analysis import HeldOutDataWarning
+
+    _, fused, _ = bnn_federation
+    x, y = digits.test.x[:50], digits.test.y[:50]
+    with pytest.warns(HeldOutDataWarning, match=r"LOO does not apply .* bayesfuse.analysis.compare\(models, x, y\)"):
+        held = bnn_to_arviz(fused, x, y, data="held-out", num_samples=20)
+    for group in (held.posterior, held.log_likelihood):
+        assert group.attrs["data"] == "held-out" and group.attrs["loo"].startswith("does not apply")
+        assert "compare(models, x, y)" in group.attrs["loo"]
+    with pytest.warns(HeldOutDataWarning, match="say which data x, y are"):
+        unstated = bnn_to_arviz(fused, x, y, num_samples=20)
+    assert unstated.log_likelihood.attrs["data"] == "unstated"
+    with pytest.raises(ValueError, match="data must be 'train' or 'held-out'"):
+        bnn_to_arviz(fused, x, y, data="test")
+
+
+def test_compare_is_the_held_out_log_predictive_density(digits, bnn_federation):
+    """compare() against a direct computation: each model's lpd_i = log p(y_i | x_i) from its own
+    predictive (BNNs' Monte Carlo predictive, a network's softmax, given probabilities), elpd
+    its sum, se = sqrt(n var(lpd_i)), and the paired differences to the best and between all pairs."""
+    from bayesfuse.analysis import compare, log_predictive_density
+    from bayesfuse.nets.mlp import MLP
+    from bayesfuse.nets.predict import predict_proba
+
+    bnns, fused, _ = bnn_federation
+    x, y = digits.test.x, digits.test.y
+    n, S = len(y), 50
+    torch.manual_seed(0)
+    net = MLP(64, [16], 10)
+    probs = {"fused": fused.model.predict(x, S, seed=3), "local 0": bnns[0].predict(x, S, seed=3),
+             "local 1": bnns[1].predict(x, S, seed=3), "network": predict_proba(net, x)}
+    probs["mixture"] = (probs["local 0"] + probs["local 1"]) / 2
+    models = {"fused": fused, "local 0": bnns[0], "local 1": bnns[1], "network": net, "mixture": probs["mixture"]}
+    table, pairs = compare(models, x, y, num_samples=S, seed=3, pairs=True)
+
+    lpd = {name: np.log(p[np.arange(n), y]) for name, p in probs.items()}
+    for name, m in models.items():
+        np.testing.assert_allclose(log_predictive_density(m, x, y, num_samples=S, seed=3), lpd[name], rtol=1e-6)
+    elpd = {name: v.sum() for name, v in lpd.items()}
+    order = sorted(elpd, key=elpd.get, reverse=True)
+    assert list(table.index) == order and list(table["rank"]) == list(range(5))
+    assert list(table.columns) == ["rank", "elpd", "se", "elpd_diff", "dse"] and table.attrs["n"] == n
+    best = order[0]
+    for name in order:
+        row = table.loc[name]
+        assert row["elpd"] == pytest.approx(elpd[name], rel=1e-6)
+        assert row["se"] == pytest.approx(np.sqrt(n * np.var(lpd[name], ddof=1)), rel=1e-6)
+        assert row["elpd_diff"] == pytest.approx(elpd[best] - elpd[name], rel=1e-6, abs=1e-9)
+        want = 0.0 if name == best else np.sqrt(n * np.var(lpd[best] - lpd[name], ddof=1))
+        assert row["dse"] == pytest.approx(want, rel=1e-6)
+    assert len(pairs) == 10 and (pairs["elpd_diff"] >= 0).all()
+    a, b = order[1], order[3]
+    assert pairs.loc[(a, b), "elpd_diff"] == pytest.approx(elpd[a] - elpd[b], rel=1e-6)
+    assert pairs.loc[(a, b), "dse"] == pytest.approx(np.sqrt(n * np.var(lpd[a] - lpd[b], ddof=1)), rel=1e-6)
+    with pytest.raises(ValueError, match="labels in 0..9"):
+        compare({"fused": fused}, x, y + 10, num_samples=2)
+    with pytest.raises(ValueError, match="at least one model"):
+        compare({}, x, y)
 
 
 def test_bnn_export_rejects_bad_inputs(digits, bnn_federation):
-    bnns, _ = bnn_federation
+    bnns, _, _ = bnn_federation
     x, y = digits.test.x[:5], digits.test.y[:5]
-    only = bnn_to_arviz(bnns[0], x, y, num_samples=4, sites=["tau", "b2"])
+    only = bnn_to_arviz(bnns[0], x, y, num_samples=4, sites=["tau", "b2"], data="train")
     assert sorted(only.posterior.data_vars) == ["b2", "tau"]
     with pytest.raises(ValueError, match=r"x must be \(n, 64\)"):
-        bnn_to_arviz(bnns[0], x[:, :10], y)
+        bnn_to_arviz(bnns[0], x[:, :10], y, data="train")
     with pytest.raises(ValueError, match="labels in 0..9"):
-        bnn_to_arviz(bnns[0], x, y + 10)
+        bnn_to_arviz(bnns[0], x, y + 10, data="train")
     with pytest.raises(ValueError, match="unknown sites"):
-        bnn_to_arviz(bnns[0], x, y, sites=["w3"])
+        bnn_to_arviz(bnns[0], x, y, sites=["w3"], data="train")
     with pytest.raises(TypeError, match="HorseshoeBNN"):
         bnn_to_arviz(object(), x, y)
     with pytest.raises(TypeError, match="bnn_to_arviz"):
@@ -572,7 +642,7 @@ def test_bnn_export_of_a_two_layer_bnn_names_every_layers_sites(digits):
     torch.manual_seed(0)
     bnn = HorseshoeBNN(64, (6, 4), 10)
     x, y = digits.test.x[:20], digits.test.y[:20]
-    idata = bnn_to_arviz(bnn, x, y, num_samples=7, seed=2)
+    idata = bnn_to_arviz(bnn, x, y, num_samples=7, seed=2, data="train")
     post = idata.posterior
     assert set(post.data_vars) == {"tau", "lam", "w1", "b1", "tau2", "lam2", "w2", "b2", "w3", "b3"}
     assert post["w2"].dims == ("chain", "draw", "unit2", "unit") and post["w2"].shape[2:] == (4, 6)
