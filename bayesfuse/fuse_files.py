@@ -38,6 +38,7 @@ from bayesfuse.checkpoints import (
     tensors_sha256,
 )
 from bayesfuse.core import fuse_states
+from bayesfuse.fusion_record import fusion_bytes, fusion_path
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
 from bayesfuse.models.bnn_sites import is_bnn_state, state_depth, state_keys
@@ -347,8 +348,8 @@ def fuse_files(
     out = Path(out)
     report_path = out.with_name(out.name + ".json")
     check_writable(out.parent)  # a read-only directory fails now, not after the fusion
-    recover([out, report_path, posterior_path(out)])  # finish or undo a killed run's commit before looking
-    for p in (out, report_path, posterior_path(out)):
+    recover([out, report_path, posterior_path(out), fusion_path(out)])  # finish or undo a killed run's commit
+    for p in (out, report_path, posterior_path(out), fusion_path(out)):
         if p.is_dir():
             raise IsADirectoryError(f"{p} is a directory; give a file name for the fused model")
         if p.exists() and not force:
@@ -422,6 +423,7 @@ def fuse_files(
         "class_counts": None if counts is None else counts.tolist(),
         "summaries": jsonable({**fused.hyper.get("summaries", {}), **summaries_report}),
         "posterior": None,
+        "fusion_record": None,
         "global_sizes": [int(s) for s in fused.sizes],
         "converged": fused.converged,
         "layers": [
@@ -439,10 +441,17 @@ def fuse_files(
         "seconds": time.perf_counter() - start,
     }
     posterior, report["posterior"] = _output_posterior(fused, fused_sd, out)
+    record = fusion_bytes(fused, model_tensors=fused_sd)
+    if record is not None:
+        posterior.append((fusion_path(out), record))
+        report["fusion_record"] = {"file": str(fusion_path(out)), "stores": "each matched layer's global units' "
+                                   "posterior mean and variance, counts, assignments and objective; bayesfuse.load "
+                                   "returns them as model.fusion"}
     # the model, its report (and its posterior) are one unit: all written, or (without force) none
     atomic_write_files([(out, state_dict_bytes(fused_sd, fmt)),
                         (report_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8")),
                         *posterior], overwrite=force)
-    if not posterior and posterior_path(out).exists():  # --force over a fusion that had one: not this model's
-        posterior_path(out).unlink()
+    for stale, kept in ((posterior_path(out), report["posterior"]), (fusion_path(out), record)):
+        if not kept and stale.exists():  # --force over a fusion that had one: not this model's
+            stale.unlink()
     return report

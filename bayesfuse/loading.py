@@ -30,6 +30,7 @@ from pathlib import Path
 from torch import nn
 
 from bayesfuse.checkpoints import posterior_path, read_checkpoint, read_posterior
+from bayesfuse.fusion_record import fusion_path
 
 __all__ = ["load", "load_report"]
 
@@ -63,13 +64,17 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
     n_features : int, optional
         Input size of a ConvNet from :func:`~bayesfuse.nets.arch.make_cnn` (e.g. 784).
     posterior : bool
-        Whether to read the output layer's posterior beside the file when there is one
-        (``bayesfuse fuse`` writes it when it used client summaries).
+        Whether to read the posteriors beside the file when there are any: the output layer's
+        (``bayesfuse fuse`` writes it when it used client summaries) and the matched layers'.
 
     Returns
     -------
     nn.Module
-        With ``fusion_report``: the JSON report beside the file (None when there is none). A
+        With ``fusion_report``: the JSON report beside the file (None when there is none), and
+        ``fusion``: the matched layers' posteriors recorded beside the file
+        (``fused.pt.fusion.safetensors``, :mod:`bayesfuse.fusion_record`) as a
+        :class:`~bayesfuse.fusion.FusionResult`, so that ``bayesfuse.to_arviz(model.fusion)``
+        works as on a fresh result (None when there is none). A
         :class:`~bayesfuse.nets.laplace.LastLayerLaplace` when the output layer's posterior is
         beside the file.
 
@@ -87,10 +92,23 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
     if like is not None:
         model = _like(like, state, name)
     else:
-        model = _recognised(state, name, n_features)
+        try:
+            model = _recognised(state, name, n_features)
+        except ValueError:
+            source = ((load_report(path) or {}).get("architecture") or {}).get("source") or ""
+            if source.startswith("traced from "):
+                network = source[len("traced from "):]
+                raise ValueError(f"{name} was fused from your network {network}: load it with like=, e.g. "
+                                 f"bayesfuse.load({str(path)!r}, like={network.rpartition('.')[2]}())") from None
+            raise
     if posterior and posterior_path(path).is_file():
         model = _with_posterior(model, posterior_path(path), state, name)
     model.fusion_report = load_report(path)
+    model.fusion = None
+    if posterior and fusion_path(path).is_file():
+        from bayesfuse.fusion_record import read_fusion
+
+        model.fusion = read_fusion(fusion_path(path), model, state, name)
     return model.eval()
 
 
@@ -144,6 +162,9 @@ def _recognised(state: dict, name: str, n_features: int | None) -> nn.Module:
         from bayesfuse.nets.mlp import MLP
 
         return _strict(lambda: MLP.from_state_dict(state), name, "an MLP")
+    if keys and all(re.fullmatch(r"\d+\.(weight|bias)", k) for k in keys) and all(
+            state[k].ndim == 2 for k in keys if k.endswith("weight")):
+        return _linear_sequential(state, name)
     if "lstm.weight_ih_l0" in keys and "fc.weight" in keys:
         return _lstm(state, name)
     if any(t.ndim == 4 for t in state.values()):
@@ -158,6 +179,36 @@ def _strict(build, name: str, what: str) -> nn.Module:
         return build()
     except (RuntimeError, ValueError, KeyError) as err:
         raise ValueError(f"{name}: not {what} state_dict ({str(err).splitlines()[0]}); give like=model") from None
+
+
+def _linear_sequential(state: dict, name: str) -> nn.Module:
+    """An ``nn.Sequential`` of the file's Linear layers (``0.weight``, ``2.weight``, ...) with ReLU
+    in each one-module gap between them: a state_dict holds no activations, so ReLU is assumed
+    and said in a warning; other gaps are refused."""
+    import warnings
+
+    from torch import nn as tnn
+
+    indices = sorted({int(k.partition(".")[0]) for k in state})
+    gaps = [b - a for a, b in zip(indices, indices[1:])]
+    if indices[0] != 0 or any(g != 2 for g in gaps):
+        raise ValueError(f"{name}: an nn.Sequential of Linear layers at {indices}; its other modules are not in a "
+                         "state_dict, so give a network of the same architecture as like=model")
+    layers: list[tnn.Module] = []
+    for i in indices:
+        out_features, in_features = state[f"{i}.weight"].shape
+        layers.append(tnn.Linear(in_features, out_features, bias=f"{i}.bias" in state))
+        if i != indices[-1]:
+            layers.append(tnn.ReLU())
+    warnings.warn(f"{name}: a state_dict holds no activations; read as an nn.Sequential of Linear layers with ReLU "
+                  f"at {', '.join(str(i + 1) for i in indices[:-1])}: pass like=model if your network uses others",
+                  UserWarning, stacklevel=4)
+    return _strict(lambda: _loaded(tnn.Sequential(*layers), state), name, "an nn.Sequential")
+
+
+def _loaded(model: nn.Module, state: dict) -> nn.Module:
+    model.load_state_dict(state)
+    return model
 
 
 def _lstm(state: dict, name: str) -> nn.Module:

@@ -337,7 +337,9 @@ def _named_mlp(widths, seed):
 def _without_paths(report):
     """A report without what depends on file names and bytes (paths, file hashes) or on time."""
     inputs = [{k: v for k, v in f.items() if k not in ("path", "sha256", "order_recorded")} for f in report["inputs"]]
-    return {**{k: v for k, v in report.items() if k not in ("seconds", "fused_order")}, "inputs": inputs}
+    record = report.get("fusion_record") and {k: v for k, v in report["fusion_record"].items() if k != "file"}
+    return {**{k: v for k, v in report.items() if k not in ("seconds", "fused_order")}, "inputs": inputs,
+            "fusion_record": record}
 
 
 @pytest.mark.catalogue

@@ -91,8 +91,12 @@ def test_other_networks_load_through_a_template(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 2))
     out = _fuse_copies(tmp_path, model)
+    # a state_dict holds no activations: without the network, ReLU is assumed and said so
+    with pytest.warns(UserWarning, match="holds no activations; read as an nn.Sequential of Linear layers with ReLU"):
+        guessed = bayesfuse.load(out)
+    assert isinstance(guessed[1], nn.ReLU)
     with pytest.raises(ValueError, match="fit no network bayesfuse builds.*like=model"):
-        bayesfuse.load(out)
+        bayesfuse.load(save_state_dict({"encoder.weight": model[0].weight.detach()}, tmp_path / "named.pt"))
     loaded = bayesfuse.load(out, like=nn.Sequential(nn.Linear(8, 99), nn.Tanh(), nn.Linear(99, 2)))
     _same_tensors(loaded, out)
     _same_function(loaded, model, torch.randn(10, 8))

@@ -1,0 +1,140 @@
+"""The fused posterior beside a fused model file, so that a loaded file analyses as a fresh result.
+
+``bayesfuse fuse`` writes the fused network (its posterior means) to ``fused.pt``; the matched
+layers' posteriors go beside it, to ``fused.pt.fusion.safetensors`` (:func:`fusion_path`):
+for every matched layer the global units' Gaussian posterior (mean and variance, ``(G, D)``),
+their usage counts, each client's assignment and the objective per sweep, with the method, its
+hyper-parameters and each layer's convergence in the file's metadata. :func:`bayesfuse.load`
+reads it back into a :class:`~bayesfuse.fusion.FusionResult` (``model.fusion``), so that
+``bayesfuse.to_arviz(model.fusion)`` and the plots work on a loaded file as on the result of
+:func:`bayesfuse.fuse`. The metadata records the fused model's :func:`tensors_sha256`: a record
+is never read beside another model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bayesfuse._io import jsonable
+from bayesfuse.checkpoints import tensors_sha256
+
+__all__ = ["fusion_path", "fusion_bytes", "read_fusion", "SavedLayer", "FUSION_FORMAT", "FUSION_VERSION"]
+
+FUSION_FORMAT = "bayesfuse.fusion"
+FUSION_VERSION = 1
+
+
+@dataclass
+class SavedLayer:
+    """One matched layer as read back from a fusion record (the result protocol of
+    :class:`~bayesfuse.inference.result.LayerResult`, with the layer's ``counts`` and ``hyper``)."""
+
+    assignments: list
+    counts: np.ndarray
+    objective: list
+    converged: bool
+    n_global: int
+    seconds: float = 0.0
+    hyper: dict = field(default_factory=dict)
+
+
+def fusion_path(path: str | os.PathLike) -> Path:
+    """``fused.pt`` -> ``fused.pt.fusion.safetensors`` (beside it, named like its report)."""
+    path = Path(path)
+    return path.with_name(path.name + ".fusion.safetensors")
+
+
+def fusion_bytes(fused, *, model_tensors: dict) -> bytes | None:
+    """The matched layers of ``fused`` (a :class:`~bayesfuse.core.StateFusion`) as a safetensors
+    file, or None when nothing was matched (FedAvg).
+
+    Tensors ``layer{i}/mean``, ``layer{i}/var``, ``layer{i}/counts``, ``layer{i}/objective`` and
+    ``layer{i}/assignment{j}`` (client j in the fused order: the report's ``fused_order``, the
+    inputs' canonical order); metadata: ``format``, ``version``,
+    ``model_tensors_sha256`` and ``record`` (JSON: method, hyper, groups, sizes, and per layer
+    ``converged``, ``n_global``, ``seconds``, ``hyper``).
+    """
+    from safetensors.numpy import save
+
+    layers = list(getattr(fused, "layers", None) or [])
+    posteriors = list(getattr(fused, "posteriors", None) or [])
+    if not layers or len(posteriors) != len(layers):
+        return None
+    tensors: dict[str, np.ndarray] = {}
+    described = []
+    for i, (layer, (mean, var)) in enumerate(zip(layers, posteriors)):
+        mean = np.asarray(_host(mean), dtype=np.float64)
+        tensors[f"layer{i}/mean"] = np.ascontiguousarray(mean)
+        tensors[f"layer{i}/var"] = np.ascontiguousarray(np.broadcast_to(np.asarray(_host(var), np.float64),
+                                                                         mean.shape))
+        counts = getattr(layer, "counts", None)
+        if counts is not None:
+            tensors[f"layer{i}/counts"] = np.ascontiguousarray(_host(counts), dtype=np.float64)
+        tensors[f"layer{i}/objective"] = np.asarray([v if np.isfinite(v) else np.nan for v in layer.objective],
+                                                    dtype=np.float64).reshape(-1)
+        for j, a in enumerate(layer.assignments):
+            tensors[f"layer{i}/assignment{j}"] = np.ascontiguousarray(_host(a), dtype=np.int64)
+        described.append({"converged": bool(layer.converged), "n_global": int(layer.n_global),
+                          "seconds": float(getattr(layer, "seconds", 0.0) or 0.0),
+                          "clients": len(layer.assignments), "hyper": jsonable(getattr(layer, "hyper", None) or {})})
+    record = {"method": str(getattr(fused, "method", "")), "hyper": jsonable(fused.hyper),
+              "groups": list(getattr(fused, "groups", ())), "sizes": [int(s) for s in fused.sizes],
+              "layers": described}
+    meta = {"format": FUSION_FORMAT, "version": str(FUSION_VERSION), "model_tensors_sha256":
+            tensors_sha256(model_tensors), "record": json.dumps(record, allow_nan=False)}
+    return save(tensors, metadata=meta)
+
+
+def read_fusion(path: str | os.PathLike, model, model_tensors: dict, model_name: str, *, method: str | None = None):
+    """The :class:`~bayesfuse.fusion.FusionResult` recorded in ``path`` for ``model``.
+
+    Refuses, with one line naming the file, another format or version, or a record written
+    beside other tensors than ``model_tensors`` (``model_name``'s).
+    """
+    from safetensors import safe_open
+
+    from bayesfuse.fusion import FusionResult
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as err:  # safetensors raises its own error types
+        raise ValueError(f"{path}: not a readable fusion record ({str(err).strip().splitlines()[0]})") from None
+    if meta.get("format") != FUSION_FORMAT:
+        raise ValueError(f"{path}: not a bayesfuse fusion record (format {meta.get('format')!r})")
+    if meta.get("version") != str(FUSION_VERSION):
+        raise ValueError(f"{path}: fusion record version {meta.get('version')!r} is not one this bayesfuse reads "
+                         f"({FUSION_VERSION})")
+    if meta.get("model_tensors_sha256") != tensors_sha256(model_tensors):
+        raise ValueError(f"{path}: this record was written for other tensors than {model_name}'s; fuse again, or "
+                         "remove the stale record")
+    try:
+        record = json.loads(meta["record"])
+        layers, posteriors = [], []
+        for i, info in enumerate(record["layers"]):
+            objective = tensors[f"layer{i}/objective"]
+            layers.append(SavedLayer(
+                assignments=[tensors[f"layer{i}/assignment{j}"] for j in range(int(info["clients"]))],
+                counts=tensors.get(f"layer{i}/counts"), objective=[float(v) for v in objective],
+                converged=bool(info["converged"]), n_global=int(info["n_global"]), seconds=float(info["seconds"]),
+                hyper=dict(info["hyper"])))
+            posteriors.append((tensors[f"layer{i}/mean"], tensors[f"layer{i}/var"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: a malformed fusion record ({type(err).__name__}: {err})") from None
+    return FusionResult(model=model, layers=layers, sizes=list(record["sizes"]), method=method or record["method"],
+                        hyper=dict(record["hyper"]), seconds=0.0, groups=tuple(record["groups"]),
+                        posteriors=posteriors)
+
+
+def _host(values):
+    """A NumPy array of ``values`` (torch tensors are copied to the host)."""
+    if hasattr(values, "detach"):
+        return values.detach().cpu().numpy()
+    return np.asarray(values)
