@@ -78,6 +78,7 @@ from bayesfuse.nets.unit_posteriors import (
     check_names,
     is_gaussian_export,
     layer_gaussians,
+    select_layer,
 )
 
 __all__ = [
@@ -93,6 +94,7 @@ __all__ = [
     "gaussian_to_arviz",
     "local_to_arviz",
     "bnn_to_arviz",
+    "aligned_to_arviz",
     "compare",
     "compare_pointwise",
     "log_predictive_density",
@@ -661,18 +663,156 @@ def local_to_arviz(mean, var, assignment, *, units: Units = None, weights: Weigh
                              attrs={"method": "local", "weight_names": source})
 
 
+# ------------------------------------------------------------------------------ BNNs aligned to the fused units
+
+
+def _effective_units(post, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hidden layer ``index`` (0-based) of a deep BNN posterior in the scale-free form: per unit
+    the effective incoming weights and bias ``e^{m} (w~, b~)``, the log scale ``m = E[log tau +
+    log lambda]`` and, for the top hidden layer, the outgoing weights; means and variances."""
+    from bayesfuse.inference.bnn.units import effective_layer
+
+    weights, log_scale = effective_layer(post.layers[index])
+    loc, var = [weights.loc, log_scale.loc], [weights.var, log_scale.var]
+    if index == len(post.layers) - 1:
+        loc.append(post.out_weights.loc)
+        var.append(post.out_weights.var)
+    return np.hstack(loc), np.hstack(var)
+
+
+def _aligned_names(index: int, n_below: int, n_classes: int, top: bool) -> list[str]:
+    """Entry names of hidden layer ``index``'s units: ``in_<d>`` (layer 1) or ``unit<l>_<g>`` (the
+    global unit g of the layer below, named as :func:`bnn_to_arviz` names its dim), ``bias``,
+    ``log_scale`` and, for the top hidden layer, ``out_<k>``."""
+    below = "in" if index == 0 else ("unit" if index == 1 else f"unit{index}")
+    return ([f"{below}_{d}" for d in range(n_below)] + ["bias", "log_scale"]
+            + ([f"out_{k}" for k in range(n_classes)] if top else []))
+
+
+def _kept(hyper: Mapping, depth: int, n_clients: int, widths: Sequence[Sequence[int]]) -> list[list[np.ndarray]]:
+    """``kept[l][j]``: which of client j's units of hidden layer l the fusion kept (all where it records none)."""
+    recorded = hyper.get("kept_units")
+    if recorded is None:
+        return [[np.arange(widths[j][l]) for j in range(n_clients)] for l in range(depth)]
+    per_layer = [recorded] if depth == 1 else list(recorded)
+    return [[np.asarray(k, dtype=np.int64) for k in layer] for layer in per_layer]
+
+
+def aligned_to_arviz(fused, bnns: Sequence, *, layer: int = 0, units: Units = None, weights: Weights = None,
+                     num_draws: int = DEFAULT_DRAWS, chains: int = DEFAULT_CHAINS, seed: int = 0,
+                     names: Sequence[str] | None = None) -> dict:
+    """A fused BNN's hidden units and the local BNNs' units they merged, in one ``global_unit`` coordinate.
+
+    Each unit is shown in the scale-free form the fusion compares: with
+    :math:`m_k = \\mathrm{E}[\\log\\tau + \\log\\lambda_k]`, its effective incoming weights and bias
+    :math:`e^{m_k}(\\tilde w_k, \\tilde b_k)` (the same whatever split of the scale between
+    :math:`\\tau` and :math:`\\lambda_k` a client settled on), its log scale :math:`m_k` and, in the top
+    hidden layer, its outgoing weights; all independent Gaussians. Client j's kept unit l is
+    placed at the global unit it was assigned (``fused.layers[layer].assignments[j][l]``); units
+    the fusion pruned are left out. Above the first layer, a unit's incoming weights are written
+    in the global basis of the layer below (client j's weight from its unit matched to global
+    unit g below stands at ``unit_<g>``; where it has no unit matched to g, 0 with variance 0:
+    that unit contributes nothing to it), as the fusion matched them. So, with ``members =
+    {k: e for k, e in exports.items() if g in e.posterior.global_unit}`` (ArviZ plots only
+    coordinates every model has), ``az.plot_forest(list(members.values()),
+    model_names=list(members), var_names=["theta"], coords={"global_unit": [g]}, combined=True)``
+    compares global unit g with the local units merged into it.
+
+    Parameters
+    ----------
+    fused : FusionResult
+        ``fuse(bnns, method)`` of horseshoe BNNs with one output layer (``head="shared"``).
+    bnns : sequence of HorseshoeBNN
+        The local BNNs, in the order they were fused.
+    layer : int
+        Hidden layer, 0-based (``layer=1``: the second).
+    units : None, "all", int or sequence of int
+        Global units: ``None``, the first :data:`DEFAULT_UNITS`; ``"all"``; or the given ones. A
+        client's export holds those of them it has a unit in; a client with none is left out.
+    weights : None, "all", str, int or sequence of them
+        Entries (names as in the returned exports' ``weight`` coordinate, or positions):
+        ``None``, the first :data:`DEFAULT_WEIGHTS` when ``units`` is ``None`` too, else all.
+    num_draws, chains, seed
+        As in :func:`gaussian_to_arviz`; every export draws from its own streams.
+    names : sequence of str, optional
+        Names of the local models (``"client 0"``, ... by default).
+
+    Returns
+    -------
+    dict of str to ArviZ object
+        ``"fused"`` then one entry per client, each as :func:`gaussian_to_arviz` builds it:
+        ``posterior.theta`` (chain, draw, global_unit, weight) and ``constant_data`` ``loc`` /
+        ``scale`` of every unit it holds; attrs ``form="effective"``, ``layer`` (1-based),
+        ``model`` and ``method``.
+
+    Raises
+    ------
+    TypeError
+        For a fusion that holds no HorseshoeBNN, or one with client heads.
+    ValueError
+        For a number of BNNs or names that does not match the fusion, or bad ``units`` / ``weights``.
+    """
+    from bayesfuse.inference.bnn.posterior import DeepBNNPosterior
+    from bayesfuse.models.bnn import HorseshoeBNN
+    from bayesfuse.models.bnn_sites import has_heads
+
+    model = getattr(fused, "model", None)
+    if not isinstance(model, HorseshoeBNN):
+        raise TypeError(f"expected the fusion of horseshoe BNNs, got {type(fused).__name__}")
+    if has_heads(model.state_dict()):
+        raise TypeError("a fusion with client heads has no one output layer to align; align head='shared'")
+    index, fused_layer = select_layer(fused, layer)
+    assignments = [np.asarray(a) for a in fused_layer.assignments]
+    if len(bnns) != len(assignments):
+        raise ValueError(f"the fusion has {len(assignments)} clients, got {len(bnns)} BNNs")
+    names = [f"client {j}" for j in range(len(bnns))] if names is None else [str(n) for n in names]
+    if len(names) != len(bnns) or len(set(names) | {"fused"}) != len(names) + 1:
+        raise ValueError("names must name every BNN once, and none of them 'fused'")
+    depth = model.depth
+    posts = [DeepBNNPosterior.from_state(b.state_dict(), n) for b, n in zip(bnns, names)]
+    kept = _kept(fused.hyper, depth, len(bnns), [p.hidden_sizes for p in posts])
+    below = model.in_features if index == 0 else model.hidden_sizes[index - 1]
+    entries = _aligned_names(index, below, model.n_classes, index == depth - 1)
+
+    loc, var = _effective_units(DeepBNNPosterior.from_state(model.state_dict(), "the fused BNN"), index)
+    chosen = np.arange(len(loc))[_select_units(units, np.arange(len(loc)))]
+    columns = _select_weights(weights, entries, default_subset=units is None)
+    if units is None and (len(chosen) < len(loc) or (weights is None and len(columns) < len(entries))):
+        _note_default_subset(len(loc), len(chosen), len(entries), len(columns))
+    options = dict(weights=columns, num_draws=num_draws, chains=chains, seed=seed, weight_names=entries)
+    attrs = {"form": "effective", "layer": index + 1, "method": str(fused.method)}
+    exports = {"fused": gaussian_to_arviz(loc, var, units=chosen, **options, attrs={**attrs, "model": "fused"})}
+    for j, (post, name) in enumerate(zip(posts, names)):
+        loc, var = _effective_units(post, index)
+        if index > 0:  # incoming weights from the client's kept units below, placed at their global units
+            basis_loc, basis_var = np.zeros((len(loc), below)), np.zeros((len(loc), below))
+            placed = np.asarray(fused.layers[index - 1].assignments[j])
+            basis_loc[:, placed], basis_var[:, placed] = loc[:, kept[index - 1][j]], var[:, kept[index - 1][j]]
+            loc = np.hstack([basis_loc, loc[:, post.hidden_sizes[index - 1]:]])
+            var = np.hstack([basis_var, var[:, post.hidden_sizes[index - 1]:]])
+        rows, at = kept[index][j], assignments[j]
+        present = [int(g) for g in chosen if g in set(at.tolist())]
+        if not present:
+            continue
+        order = np.argsort(at)
+        exports[name] = gaussian_to_arviz(loc[rows][order], var[rows][order], units=present, unit_ids=at[order],
+                                          **options, attrs={**attrs, "model": name})
+    return exports
+
+
 # ------------------------------------------------------------------------------ BNNs with test data
 
 #: The posterior variables of :func:`bnn_to_arviz` (the Pyro model's sample sites) and their dims.
-BNN_SITE_DIMS = {"tau": [], "lam": ["unit"], "w1": ["unit", "input"], "b1": ["unit"], "w2": ["class", "unit"],
-                 "b2": ["class"]}
+BNN_SITE_DIMS = {"tau": [], "lam": ["unit"], "w1": ["unit", "input"], "b1": ["unit"], "w_out": ["class", "unit"],
+                 "b_out": ["class"]}
 
 
 def _bnn_site_dims(depth: int) -> dict[str, list[str]]:
-    """The posterior's variables and their dims for ``depth`` hidden layers (:data:`BNN_SITE_DIMS` for one):
-    hidden layer l >= 2 adds ``tau<l>``, ``lam<l>`` (``unit<l>``), ``w<l>`` (``unit<l>``, ``unit<l-1>``), ``b<l>``."""
-    if depth == 1:
-        return dict(BNN_SITE_DIMS)
+    """The posterior's variables and their dims for ``depth`` hidden layers (:data:`BNN_SITE_DIMS` for one).
+
+    Names are stable across depths: hidden layer l is ``w<l>``, ``b<l>`` (``unit<l>``; layer 1's
+    dim is ``unit``) with scales ``tau<l>``, ``lam<l>`` (layer 1's ``tau``, ``lam``), and the
+    output layer is ``w_out``, ``b_out`` at every depth."""
     dims: dict[str, list[str]] = {}
     below = "input"
     for layer in range(1, depth + 1):
@@ -680,8 +820,13 @@ def _bnn_site_dims(depth: int) -> dict[str, list[str]]:
         unit = f"unit{tag}"
         dims.update({f"tau{tag}": [], f"lam{tag}": [unit], f"w{layer}": [unit, below], f"b{layer}": [unit]})
         below = unit
-    dims.update({f"w{depth + 1}": ["class", below], f"b{depth + 1}": ["class"]})
+    dims.update({"w_out": ["class", below], "b_out": ["class"]})
     return dims
+
+
+def _bnn_site(name: str, depth: int) -> str:
+    """The Pyro site behind an exported variable (``w_out`` is ``w<depth + 1>``)."""
+    return {"w_out": f"w{depth + 1}", "b_out": f"b{depth + 1}"}.get(name, name)
 
 
 def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = None, num_samples: int = DEFAULT_DRAWS,
@@ -720,8 +865,9 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
     seed : int
         Seed of the guide's draws (as ``predict``) and of the posterior predictive labels.
     sites : sequence of str, optional
-        Posterior variables to keep, of ``tau``, ``lam``, ``w1``, ``b1``, ``w2``, ``b2`` (all
-        by default; ``w1`` takes ``num_samples * hidden * D`` numbers).
+        Posterior variables to keep, of ``tau``, ``lam``, ``w1``, ``b1`` (and ``tau2``, ``lam2``,
+        ``w2``, ``b2``, ... for deeper networks), ``w_out``, ``b_out`` (all by default; ``w1``
+        takes ``num_samples * hidden * D`` numbers).
     batch_size : int
         Test points per forward pass.
 
@@ -729,7 +875,9 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
     -------
     arviz.InferenceData (ArviZ 0.2x) or xarray.DataTree (ArviZ 1.x)
         ``posterior``: the model's sites (``tau``, ``lam`` (unit), ``w1`` (unit, input), ``b1``
-        (unit), ``w2`` (class, unit), ``b2`` (class)), one chain of independent draws;
+        (unit); ``tau2``, ``lam2`` (unit2), ``w2`` (unit2, unit), ``b2`` (unit2) and so on for
+        deeper networks; the output layer ``w_out`` (class, unit of the top hidden layer),
+        ``b_out`` (class), named alike at every depth), one chain of independent draws;
         ``log_likelihood.y`` and ``posterior_predictive.y`` (chain, draw, obs);
         ``observed_data.y`` (obs). ``az.loo`` needs no relative efficiency for them (one chain:
         ``reff = 1``, right for independent draws).
@@ -798,7 +946,7 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
             log = p["log_" + k]
             values[k] = torch.exp(log[:, 0] if k.startswith("tau") else log)
         else:
-            values[k] = p[k]
+            values[k] = p[_bnn_site(k, model.depth)]
     posterior = {k: values[k].numpy()[None] for k in keep}
     attrs = {
         "method": str(result.method) if result is not None else "local",

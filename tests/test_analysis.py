@@ -481,7 +481,7 @@ def test_bnn_export_of_the_fitted_data_is_for_loo(digits, bnn_federation):
     y_rep = np.asarray(fid.posterior_predictive["y"])
     assert y_rep.shape == (1, S, n) and y_rep.min() >= 0 and y_rep.max() <= 9
     assert fid.posterior["w1"].dims == ("chain", "draw", "unit", "input") and fid.posterior["w1"].shape[2:] == (H, 64)
-    assert fid.posterior["w2"].dims == ("chain", "draw", "class", "unit")
+    assert fid.posterior["w_out"].dims == ("chain", "draw", "class", "unit") and "w2" not in fid.posterior
     assert (np.asarray(fid.posterior["tau"]) > 0).all()
     assert fid.posterior.attrs["method"] == "kl" and local.posterior.attrs["method"] == "local"
     # the draws are predict's: the mean likelihood over draws is its probability of the label
@@ -566,8 +566,8 @@ def test_compare_is_the_held_out_log_predictive_density(digits, bnn_federation):
 def test_bnn_export_rejects_bad_inputs(digits, bnn_federation):
     bnns, _, _ = bnn_federation
     x, y = digits.test.x[:5], digits.test.y[:5]
-    only = bnn_to_arviz(bnns[0], x, y, num_samples=4, sites=["tau", "b2"], data="train")
-    assert sorted(only.posterior.data_vars) == ["b2", "tau"]
+    only = bnn_to_arviz(bnns[0], x, y, num_samples=4, sites=["tau", "b_out"], data="train")
+    assert sorted(only.posterior.data_vars) == ["b_out", "tau"]
     with pytest.raises(ValueError, match=r"x must be \(n, 64\)"):
         bnn_to_arviz(bnns[0], x[:, :10], y, data="train")
     with pytest.raises(ValueError, match="labels in 0..9"):
@@ -644,10 +644,96 @@ def test_bnn_export_of_a_two_layer_bnn_names_every_layers_sites(digits):
     x, y = digits.test.x[:20], digits.test.y[:20]
     idata = bnn_to_arviz(bnn, x, y, num_samples=7, seed=2, data="train")
     post = idata.posterior
-    assert set(post.data_vars) == {"tau", "lam", "w1", "b1", "tau2", "lam2", "w2", "b2", "w3", "b3"}
+    # the same names as at one hidden layer, and w2 is the second hidden layer (the output is w_out at every depth)
+    assert set(post.data_vars) == {"tau", "lam", "w1", "b1", "tau2", "lam2", "w2", "b2", "w_out", "b_out"}
     assert post["w2"].dims == ("chain", "draw", "unit2", "unit") and post["w2"].shape[2:] == (4, 6)
-    assert post["w3"].dims == ("chain", "draw", "class", "unit2") and post["lam2"].shape[2:] == (4,)
+    assert post["w_out"].dims == ("chain", "draw", "class", "unit2") and post["lam2"].shape[2:] == (4,)
+    np.testing.assert_array_equal(np.asarray(post["b_out"])[0], bnn.sample_params(7, torch.Generator().manual_seed(2))["b3"])
     assert (np.asarray(post["tau2"]) > 0).all() and post.attrs["hidden"] is not None
     ll = np.asarray(idata.log_likelihood["y"])[0]
     p = bnn.predict(x, 7, seed=2)  # the same draws as predict's
     np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(7), np.log(p[np.arange(20), y]), rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------ BNNs aligned to the fused units
+
+
+def _effective(state, layer: int):
+    """Effective incoming weights and bias exp(m) (w, b) and m = loc(log tau) + loc(log lam) of
+    hidden layer ``layer`` (1-based), read straight from a HorseshoeBNN's state_dict."""
+    tag = "" if layer == 1 else str(layer)
+    loc = {k[4:]: v.double().numpy() for k, v in state.items() if k.startswith("loc.")}
+    m = loc[f"log_tau{tag}"].reshape(-1)[0] + loc[f"log_lam{tag}"].reshape(-1)
+    return np.exp(m)[:, None] * np.hstack([loc[f"w{layer}"], loc[f"b{layer}"][:, None]]), m
+
+
+def test_aligned_exports_place_local_units_at_their_global_units(bnn_federation):
+    bnns, fused, _ = bnn_federation
+    from bayesfuse.analysis import aligned_to_arviz
+
+    exports = aligned_to_arviz(fused, bnns, units="all", num_draws=10)
+    assert list(exports) == ["fused", "client 0", "client 1"]
+    names = list(exports["fused"].posterior["weight"].values)
+    assert names == [f"in_{d}" for d in range(64)] + ["bias", "log_scale"] + [f"out_{k}" for k in range(10)]
+    layer, kept = fused.layers[0], fused.hyper["kept_units"]
+    # the fused units, in the scale-free form, at their own ids
+    eff, m = _effective(fused.model.state_dict(), 1)
+    cd = exports["fused"].constant_data
+    np.testing.assert_allclose(np.asarray(cd["loc"])[:, :65], eff, rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(cd["loc"])[:, 65], m, rtol=1e-10)
+    np.testing.assert_array_equal(cd["global_unit"], np.arange(fused.sizes[0]))
+    for j, bnn in enumerate(bnns):
+        state = bnn.state_dict()
+        eff, m = _effective(state, 1)
+        out = state["loc.w2"].double().numpy().T  # (H, K)
+        export = exports[f"client {j}"]
+        placed = np.asarray(export.constant_data["global_unit"])
+        np.testing.assert_array_equal(np.sort(placed), np.sort(layer.assignments[j]))
+        for local, g in zip(kept[j], layer.assignments[j]):  # each kept unit where it was matched
+            row = np.asarray(export.constant_data["loc"].sel(global_unit=g))
+            np.testing.assert_allclose(row, np.concatenate([eff[local], [m[local]], out[local]]), rtol=1e-10)
+        assert export.posterior.attrs["form"] == "effective" and export.posterior.attrs["model"] == f"client {j}"
+    # a global unit and its members side by side
+    g = int(np.argmax(np.bincount(np.concatenate(layer.assignments))))
+    import matplotlib.pyplot as plt
+
+    members = {name: e for name, e in exports.items() if g in e.posterior["global_unit"].values}
+    assert len(members) == 1 + int(np.bincount(np.concatenate(layer.assignments))[g])
+    _arviz().plot_forest(list(members.values()), model_names=list(members), var_names=["theta"],
+                         coords={"global_unit": [g], "weight": ["bias", "log_scale", "out_0"]}, combined=True)
+    plt.close("all")
+    # the default: the first 8 global units; a client holds those it has
+    small = aligned_to_arviz(fused, bnns)
+    assert list(small["fused"].posterior["global_unit"].values) == list(range(8))
+    for j in range(2):
+        name, want = f"client {j}", set(range(8)) & set(layer.assignments[j].tolist())
+        held = set(small[name].posterior["global_unit"].values.tolist()) if name in small else set()
+        assert held == want  # a client with none of them is left out
+    with pytest.raises(ValueError, match="has 2 clients, got 1"):
+        aligned_to_arviz(fused, bnns[:1])
+    with pytest.raises(TypeError, match="horseshoe BNNs"):
+        aligned_to_arviz(object(), bnns)
+
+
+def test_aligned_exports_of_a_second_hidden_layer_use_the_global_basis_below(digits):
+    from bayesfuse import fuse
+    from bayesfuse.analysis import aligned_to_arviz
+    from bayesfuse.models.bnn import HorseshoeBNN
+
+    torch.manual_seed(0)
+    bnns = [HorseshoeBNN(8, (5, 4), 3) for _ in range(2)]
+    fused = fuse(bnns, "kl")
+    exports = aligned_to_arviz(fused, bnns, layer=1, units="all", num_draws=4)
+    G1 = fused.sizes[0]
+    names = list(exports["fused"].constant_data["weight"].values)
+    assert names == [f"unit_{g}" for g in range(G1)] + ["bias", "log_scale"] + [f"out_{k}" for k in range(3)]
+    below, here = fused.layers[0], fused.layers[1]
+    kept = fused.hyper["kept_units"]
+    for j, bnn in enumerate(bnns):
+        eff, _ = _effective(bnn.state_dict(), 2)  # (H2, H1 + 1) in the client's own basis
+        loc = exports[f"client {j}"].constant_data["loc"]
+        for local, g in zip(kept[1][j], here.assignments[j]):
+            row = np.asarray(loc.sel(global_unit=g))[:G1]
+            want = np.zeros(G1)
+            want[below.assignments[j]] = eff[local, kept[0][j]]
+            np.testing.assert_allclose(row, want, rtol=1e-10)
