@@ -33,6 +33,7 @@ __all__ = ["jsonable",
     "atomic_write_text",
     "atomic_write_files",
     "check_output_dir",
+    "check_output_file",
     "check_writable",
     "prepare_output_dir",
     "recover",
@@ -134,6 +135,16 @@ def check_output_dir(path: str | os.PathLike, *, force: bool = False) -> Path:
             "or replace the files written there with force=True (--force on the command line)"
         )
     check_writable(path)
+    return path
+
+
+def check_output_file(path: str | os.PathLike, example: str = "fused.pt") -> Path:
+    """Refuse an existing directory as an output file's name (``IsADirectoryError``), suggesting
+    ``example`` inside it."""
+    path = Path(path)
+    if os.fspath(path) not in ("", ".") and path.is_dir():
+        raise IsADirectoryError(f"the output {os.fspath(path)} is a directory; give a file name for it, such as "
+                                f"{path / example}")
     return path
 
 

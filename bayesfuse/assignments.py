@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from bayesfuse._text import did_you_mean
 from bayesfuse.constraints import Either, Fixed
 
 __all__ = ["parse_assignments"]
@@ -30,7 +31,8 @@ def parse_assignments(method, items: Iterable[str]) -> dict[str, Any]:
         if not sep:
             raise ValueError(f"hyper-parameters are given as key=value, got {item!r}")
         if key not in known:
-            raise ValueError(f"unknown hyper-parameter {key!r} for {method.name}; known: {', '.join(known) or 'none'}")
+            raise ValueError(f"unknown hyper-parameter {key!r} for {method.name}{did_you_mean(key, known)}; "
+                             f"known: {', '.join(known) or 'none'}")
         if key in out:
             raise ValueError(f"hyper-parameter {key} given twice")
         constraint = method.constraint(key)

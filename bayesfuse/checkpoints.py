@@ -2,7 +2,9 @@
 
 ``.pt``/``.pth`` files are read with ``torch.load(weights_only=True)``, which refuses pickled
 code; ``.safetensors`` holds nothing but tensors. Writes are atomic and never replace a file
-unless asked.
+unless asked. A training loop's checkpoint dict (``{"model_state_dict": ..., "epoch": 60}``)
+gives the one state_dict it holds (:attr:`Checkpoint.state_dict_key` names its entry); a
+whole pickled module is refused with the line that saves its state_dict instead.
 
 A ``.pt`` file keeps its entries in module order. The safetensors format sorts them by name:
 :func:`save_state_dict` records the order in the header's metadata (``bayesfuse.order``);
@@ -16,8 +18,12 @@ import hashlib
 import io
 import json
 import os
+import pickletools
+import re
 import stat
 import struct
+import warnings
+import zipfile
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ import numpy as np
 import torch
 
 from bayesfuse._io import atomic_write_bytes
+from bayesfuse._text import plain_line
 from bayesfuse.inference.spec import entry_order
 
 __all__ = ["Checkpoint", "load_state_dict", "read_checkpoint", "save_state_dict", "output_format",
@@ -51,11 +58,20 @@ class Checkpoint:
     order_recorded : bool
         Whether the file records the order of its entries: a ``.pt``/``.pth`` file, or a
         ``.safetensors`` file with valid ``bayesfuse.order`` metadata.
+    state_dict_key : str or None
+        For a checkpoint dict (a training loop's ``{"model_state_dict": ..., "epoch": 60}``),
+        the entry whose state_dict ``tensors`` is (one of :data:`STATE_DICT_KEYS`); None for a
+        plain state_dict.
     """
 
     tensors: "OrderedDict[str, torch.Tensor]"
     sha256: str
     order_recorded: bool
+    state_dict_key: str | None = None
+
+
+#: Entries of a checkpoint dict that commonly hold the model's state_dict, in the order they are tried.
+STATE_DICT_KEYS = ("model_state_dict", "state_dict", "model", "net", "network", "model_state")
 
 
 def load_state_dict(path: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]":
@@ -74,7 +90,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         The file cannot be read (the message names it and says what to do).
     ValueError
         Unknown suffix, empty, unreadable or truncated file, a payload ``weights_only``
-        refuses, something that is not a flat mapping of names to tensors, or sparse tensors.
+        refuses (a whole pickled module is named as such, with the fix), something that is not
+        a flat mapping of names to tensors nor a checkpoint dict holding one
+        (:data:`STATE_DICT_KEYS`; several are refused), or sparse tensors.
     """
     path = Path(path)
     with _reading(path):
@@ -90,13 +108,14 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raw = path.read_bytes()
     if not raw:
         raise ValueError(f"{path}: the file is empty (0 bytes), not a model checkpoint")
+    key = None
     with _reading(path):
         if fmt == "safetensors":
             tensors, recorded = _read_safetensors(path, raw)
         else:
-            tensors, recorded = _read_pt(path, raw), True
+            (tensors, key), recorded = _read_pt(path, raw), True
     _check_dense(path, tensors)
-    return Checkpoint(tensors, hashlib.sha256(raw).hexdigest(), recorded)
+    return Checkpoint(tensors, hashlib.sha256(raw).hexdigest(), recorded, key)
 
 
 @contextmanager
@@ -123,25 +142,103 @@ def _size(path: Path) -> str:
         return "size unknown"
 
 
-def _read_pt(path: Path, raw: bytes) -> "OrderedDict[str, torch.Tensor]":
-    """A ``torch.save``d state_dict, read with ``weights_only=True``."""
+def _read_pt(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.Tensor], str | None]":
+    """A ``torch.save``d state_dict, read with ``weights_only=True``, and the entry of a checkpoint
+    dict it came from (None for a plain state_dict)."""
     try:
-        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on pickle protocols; the error below says what matters
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except MemoryError:
         raise
     except Exception as err:
-        raise ValueError(f"{path}: not a plain state_dict checkpoint (torch.load with weights_only=True failed: "
-                         f"{_first_line(err)})") from None
-    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path}: expected a state_dict (a mapping of parameter names to tensors)")
-    if not all(isinstance(k, str) for k in obj):
+        raise ValueError(_refused_pickle(path, raw, err)) from None
+    if _is_state_dict(obj):
+        return OrderedDict(obj), None
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{path}: expected a state_dict whose keys are parameter names (strings)")
-    return OrderedDict(obj)
+    return _inner_state_dict(path, obj)
+
+
+def _is_state_dict(obj) -> bool:
+    return (isinstance(obj, dict) and bool(obj) and all(isinstance(k, str) for k in obj)
+            and all(isinstance(v, torch.Tensor) for v in obj.values()))
+
+
+def _inner_state_dict(path: Path, obj) -> "tuple[OrderedDict[str, torch.Tensor], str]":
+    """The one state_dict a checkpoint dict holds under one of :data:`STATE_DICT_KEYS`, and that key."""
+    fix = f"save the model's weights alone, torch.save(model.state_dict(), '{path.name}')"
+    if not isinstance(obj, dict) or not obj:
+        raise ValueError(f"{path}: expected a state_dict (a mapping of parameter names to tensors), got "
+                         f"{'an empty dict' if isinstance(obj, dict) else 'a ' + type(obj).__name__}; {fix}")
+    found = [k for k in STATE_DICT_KEYS if _is_state_dict(obj.get(k))]
+    keys = [str(k) for k in obj]
+    shown = ", ".join(keys[:8]) + (", ..." if len(keys) > 8 else "")
+    if not found:
+        raise ValueError(f"{path}: a dict of {shown}, not a state_dict, and no entry of it "
+                         f"({', '.join(STATE_DICT_KEYS)}) holds one; {fix}")
+    if len(found) > 1:
+        raise ValueError(f"{path}: a checkpoint dict with several state_dicts ({', '.join(found)}); save the one to "
+                         f"fuse on its own, torch.save(checkpoint['{found[0]}'], '{path.name}')")
+    return OrderedDict(obj[found[0]]), found[0]
+
+
+def _refused_pickle(path: Path, raw: bytes, err: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in one line with the fix: a whole
+    pickled module, an object of another class inside, or torch's own first line."""
+    fix = f"save the weights alone, torch.save(model.state_dict(), '{path.name}'), and fuse that file"
+    pickled = _pickled_class(raw)
+    if pickled is not None:
+        return (f"{path}: a pickled {pickled} object (torch.save(model) saves the whole module, code and all), not "
+                f"a state_dict; {fix}")
+    inside = re.search(r"GLOBAL ([\w.]+)", str(err))
+    if inside is not None:
+        return (f"{path}: holds a pickled {inside.group(1)} object, which torch.load(weights_only=True) refuses (a "
+                f"pickle can run code); {fix}")
+    return (f"{path}: not a plain state_dict checkpoint (torch.load with weights_only=True failed: "
+            f"{_torch_reason(err)}); write it again with torch.save(model.state_dict(), '{path.name}')")
+
+
+def _torch_reason(err: Exception) -> str:
+    """The gist of torch's error: its first sentence, and the line naming what it does not support."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    first = lines[0].split(". ")[0].rstrip(".")
+    unsupported = next((line for line in lines[1:] if line.startswith("Unsupported")), None)
+    return plain_line(f"{first}: {unsupported}" if unsupported else first)
+
+
+def _pickled_class(raw: bytes) -> str | None:
+    """The class of the object a ``torch.save`` file pickles at its top, when it is an object of a
+    class (``"torch.nn.modules.container.Sequential"``), read from the pickle's opcodes without
+    running them; None for a dict, a legacy (non-zip) file or one that cannot be read."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            data = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            strings = []
+            for op, arg, _ in pickletools.genops(archive.read(data)):
+                if op.name in ("PROTO", "FRAME", "MEMOIZE") or "PUT" in op.name:
+                    continue
+                if op.name == "GLOBAL":
+                    name = str(arg).replace(" ", ".")
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    name = f"{strings[-2]}.{strings[-1]}"
+                elif "UNICODE" in op.name:
+                    strings.append(arg)
+                    continue
+                else:
+                    return None
+                return None if name in ("collections.OrderedDict", "builtins.dict") else name
+    except Exception:  # not a zip file, no pickle in it, malformed opcodes: nothing to name
+        return None
+    return None
 
 
 def _first_line(err: BaseException) -> str:
+    """The first line of an error's message, without terminal escape codes (torch colours some)."""
     lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
+    return plain_line(lines[0]) if lines else type(err).__name__
 
 
 def _read_safetensors(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.Tensor], bool]":

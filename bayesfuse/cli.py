@@ -1,21 +1,37 @@
-"""Command line: ``bayesfuse demo``, ``bayesfuse fuse`` and ``bayesfuse summarize``.
+"""Command line: ``bayesfuse demo``, ``bayesfuse fuse``, ``bayesfuse summarize`` and ``bayesfuse methods``.
 
 Exit status: 0 on success; 2 for every failure the user can cause or fix (bad options or inputs,
 outputs that exist, unreadable files, a read-only or full output directory, a file-size limit,
 not enough memory), reported as one line ``bayesfuse CMD: error: ...`` on stderr with nothing
-written; 130 when interrupted (Ctrl-C). Anything else is a bug and keeps its traceback.
+written, argparse's usage errors included; 130 when interrupted (Ctrl-C). Anything else is a
+bug and keeps its traceback.
+
+``bayesfuse fuse`` checks its method, hyper-parameters and output name before torch is
+imported, so a mistyped argument is answered at once (:func:`_checked_fuse`).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import sys
+import textwrap
 import warnings
-from typing import Sequence
+from typing import NoReturn, Sequence
+
+from bayesfuse._text import plain_line
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, ``PROG: error: ...; see PROG --help``
+    (argparse's own prints the whole usage first); its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {plain_line(message)}; see {self.prog} --help\n")
 
 
 def _positive_int(text: str) -> int:
@@ -49,7 +65,7 @@ def _widths(text: str) -> tuple[int, ...]:
 def _methods(text: str) -> tuple[str, ...]:
     from bayesfuse.demo import DEMO_METHODS
 
-    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    methods = tuple(m.strip().lower() for m in text.split(",") if m.strip())
     unknown = [m for m in methods if m not in DEMO_METHODS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown methods {unknown}; choose from {', '.join(DEMO_METHODS)}")
@@ -89,12 +105,31 @@ EXIT_STATUS = (
     f"stderr, nothing written; {EXIT_INTERRUPTED} interrupted (Ctrl-C)."
 )
 
+#: What ``bayesfuse fuse --help`` shows after its options.
+FUSE_EXAMPLES = """\
+examples:
+  bayesfuse fuse site_a.pt site_b.pt site_c.safetensors --method nafi --out fused.pt
+  bayesfuse fuse a.pt b.pt --method PFNM --hyper noise_var=1 n_iter=20 \\
+      --class-counts counts.json --out fused.safetensors
+  bayesfuse methods pfnm --kind network    # pfnm's keys for networks, defaults"""
+
+
+def _fuse_help_epilog() -> str:
+    return FUSE_EXAMPLES + "\n\n" + textwrap.fill(EXIT_STATUS, 78)
+
+
+def _method_choices() -> str:
+    """The methods ``bayesfuse fuse`` takes, by kind of input (those that need data are not among them)."""
+    from bayesfuse import methods
+
+    return (f"{', '.join(methods.names('network', needs_data=False))} (networks); "
+            f"{', '.join(methods.names('bnn', needs_data=False))} (BNNs); any case")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from bayesfuse import __version__
 
-    parser = argparse.ArgumentParser(prog="bayesfuse", description="Bayesian model fusion toolkit.",
-                                     epilog=EXIT_STATUS)
+    parser = _Parser(prog="bayesfuse", description="Bayesian model fusion toolkit.", epilog=EXIT_STATUS)
     parser.add_argument("--version", action="version", version=f"bayesfuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -147,43 +182,51 @@ def build_parser() -> argparse.ArgumentParser:
     fz = sub.add_parser(
         "fuse",
         help="fuse model files (state_dicts) into one",
-        description="Fuse MLP, ConvNet, LSTM or HorseshoeBNN checkpoints (.pt/.pth read with "
-        "torch.load(weights_only=True), or .safetensors) into one file, plus a JSON report "
-        "(OUT.json) that records every hyper-parameter used. The order of the files does not matter.",
-        epilog="methods and their hyper-parameters (--hyper KEY=VALUE; defaults per kind of input: "
-        "network = point-estimate networks, bnn = HorseshoeBNNs):\n\n" + methods.describe() + "\n\n" + EXIT_STATUS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s MODEL MODEL [MODEL ...] --method NAME --out FILE [options]",
+        description="Fuse the state_dicts of MLPs, ConvNets, LSTMs or HorseshoeBNNs (.pt, .pth or\n"
+        ".safetensors, in any order) into FILE, and a report of every setting into FILE.json.",
+        epilog=_fuse_help_epilog(),
+        formatter_class=functools.partial(argparse.RawDescriptionHelpFormatter, max_help_position=29),
     )
-    fz.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint files")
-    fz.add_argument("--method", required=True, help=f"one of {', '.join(methods.names())} (see below)")
-    fz.add_argument("--hyper", nargs="*", default=[], metavar="KEY=VALUE", help="hyper-parameters of the method")
-    fz.add_argument("--out", required=True, help="fused model file (.pt, .pth or .safetensors)")
-    fz.add_argument("--format", choices=["pt", "safetensors"], default=None, help="output format (default: from --out)")
+    fz.add_argument("models", nargs="+", metavar="MODEL", help="two or more model files")
+    fz.add_argument("--method", required=True, metavar="NAME", help=_method_choices())
+    fz.add_argument("--hyper", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="the method's keys (bayesfuse methods NAME)")
+    fz.add_argument("--out", required=True, metavar="FILE", help="fused model file (.pt, .pth or .safetensors)")
+    fz.add_argument("--force", action="store_true", help="replace existing output files")
+    fz.add_argument("--seed", type=_non_negative_int, default=0, metavar="N",
+                    help="seed of the matching (default: 0)")
+    fz.add_argument("--class-counts", default=None, metavar="FILE",
+                    help='JSON {"a.pt": [120, 0, 35]}: examples per class')
+    fz.add_argument("--summaries", choices=["auto", "none"], default="auto", metavar="MODE",
+                    help="auto: use the client summaries; none: data-free")
+    fz.add_argument("--format", choices=["pt", "safetensors"], default=None, metavar="FMT",
+                    help="pt or safetensors (default: from --out's suffix)")
     fz.add_argument("--model", default=None, metavar="REF",
                     help="your network, MODULE:NAME or FILE.py:NAME (called with no arguments): its architecture "
                     "is traced from it (residual nets included) and the fused model is run in it once")
-    fz.add_argument("--arch", default="auto", choices=["auto", "mlp", "cnn", "lstm"],
-                    help="how to read the files' layers when no --arch-spec or --model is given; mlp or cnn say the "
-                    "network is a plain chain (default: auto)")
+    fz.add_argument("--arch", default="auto", choices=["auto", "mlp", "cnn", "lstm"], metavar="ARCH",
+                    help="auto, mlp, cnn or lstm: how to read the files' layers; mlp or cnn say the network is a "
+                    "plain chain (default: auto)")
     fz.add_argument("--arch-spec", default=None, metavar="FILE",
-                    help="JSON permutation spec naming which axes of which entries each hidden permutation acts on "
-                    "(see bayesfuse.inference.spec.spec_to_dict)")
-    fz.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the matching (default: 0)")
+                    help="JSON permutation spec (bayesfuse.inference.spec)")
     fz.add_argument("--device", default=None, metavar="DEVICE",
-                    help="run pfnm/nafi's cost products and posterior means with torch on this device (cpu, cuda, "
-                    "cuda:1, mps); the result is the same up to round-off (default: NumPy float64 on the host)")
-    fz.add_argument("--dtype", default="float64", choices=["float32", "float64"],
-                    help="with --device: the dtype of that arithmetic (default: float64)")
-    fz.add_argument("--class-counts", default=None, metavar="FILE",
-                    help='JSON object mapping each MODEL (its path as given, or its file name) to its training '
-                    'examples per class, e.g. {"client0.pt": [120, 0, 35]}: weights the output layer by the clients\' '
-                    "class shares, which matters when they saw different classes")
-    fz.add_argument("--summaries", choices=["auto", "none"], default="auto",
-                    help="client summaries (bayesfuse summarize): auto uses MODEL's summary beside it "
-                    "(model.summary.safetensors) when every MODEL has one and the method reads them (pfnm, nafi), and "
-                    "then also writes OUT.posterior.safetensors, the output layer's posterior; none fuses data-free "
-                    "(default: auto)")
-    fz.add_argument("--force", action="store_true", help="replace existing output files")
+                    help="pfnm/nafi's matching with torch on cpu, cuda, mps")
+    fz.add_argument("--dtype", default="float64", choices=["float32", "float64"], metavar="DTYPE",
+                    help="with --device: float64 (default) or float32")
+
+    ms = sub.add_parser(
+        "methods",
+        help="the fusion methods, or one method's hyper-parameters and their defaults",
+        description="Without NAME: the fusion methods. With NAME: its hyper-parameters (bayesfuse "
+        "fuse --hyper KEY=VALUE, or keyword arguments of bayesfuse.fuse), their defaults for each kind of "
+        "input, constraints and meaning.",
+        epilog=EXIT_STATUS,
+    )
+    ms.add_argument("name", nargs="?", default=None, metavar="NAME", help="a method, in any case")
+    ms.add_argument("--kind", choices=methods.KINDS, default=None,
+                    help="only the keys for one kind of input: network (point-estimate networks) or bnn "
+                    "(HorseshoeBNNs)")
 
     sm = sub.add_parser(
         "summarize",
@@ -231,6 +274,25 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_fuse(args: argparse.Namespace) -> dict:
+    """What ``bayesfuse fuse`` can refuse before torch is imported (the method, in any case,
+    one that fuses files alone, its hyper-parameters' keys and values, a device it cannot use,
+    a single model, a directory as ``--out``); the method's name is made the table's. Returns
+    the typed hyper-parameters."""
+    from bayesfuse import methods
+    from bayesfuse._io import check_output_file
+
+    args.method = methods.canonical(args.method)
+    hyper = methods.parse_assignments(args.method, args.hyper)
+    methods.check_one_shot(args.method)
+    methods.check_execution(args.method, None, args.device)
+    if len(args.models) < 2:
+        raise ValueError(f"one model file given ({args.models[0]}); fusion needs two or more (one model would "
+                         "come back as itself)")
+    check_output_file(args.out)
+    return hyper
+
+
 def _user_model(ref: str | None):
     """The network ``--model`` names (:func:`~bayesfuse.nets.user_module.model_from_reference`), or None."""
     if ref is None:
@@ -241,13 +303,13 @@ def _user_model(ref: str | None):
 
 
 def _run_fuse(args: argparse.Namespace) -> int:
+    hyper = _checked_fuse(args)  # before torch is imported: argument errors are answered at once
     from bayesfuse.fuse_files import fuse_files, read_class_counts
     from bayesfuse.inference.result import ConvergenceWarning
-    from bayesfuse.methods import parse_assignments
 
     with warnings.catch_warnings():  # the report records convergence; said once below
         warnings.simplefilter("ignore", ConvergenceWarning)
-        report = fuse_files(args.models, args.method, args.out, hyper=parse_assignments(args.method, args.hyper),
+        report = fuse_files(args.models, args.method, args.out, hyper=hyper,
                             fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
                             spec_path=args.arch_spec, device=args.device, dtype=args.dtype,
                             class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
@@ -261,6 +323,10 @@ def _run_fuse(args: argparse.Namespace) -> int:
     print(f"fused {len(args.models)} models with {args.method} "
           f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "
           f"wrote {args.out}, {args.out}.json{posterior} ({report['seconds']:.1f} s)")
+    inner = [f"{f['path']}[{f['state_dict_key']!r}]" for f in report["inputs"] if f.get("state_dict_key")]
+    if inner:
+        print(f"note: {'a checkpoint dict' if len(inner) == 1 else 'checkpoint dicts'}: fused the state_dict in "
+              f"{', '.join(inner)} (state_dict_key in {args.out}.json)", file=sys.stderr)
     if not report["converged"]:
         late = [layer["group"] for layer in report["layers"] if not layer["converged"]]
         print(f"warning: the matching of {', '.join(late)} did not converge; raise n_iter (--hyper n_iter=...)",
@@ -308,7 +374,7 @@ def _memory_error_message(err: MemoryError) -> str:
 
 
 def _error(command: str, message: str) -> int:
-    message = _in_cli_words(" ".join(message.split()))  # one line, in the command line's words
+    message = _in_cli_words(plain_line(message))  # one line without escape codes, in the command line's words
     print(f"bayesfuse {command}: error: {message}", file=sys.stderr)
     return EXIT_ERROR
 
@@ -323,11 +389,28 @@ def _run_summarize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_methods(args: argparse.Namespace) -> int:
+    import shutil
+
+    from bayesfuse import methods
+
+    width = min(shutil.get_terminal_size().columns, 100) - 2
+    if args.name is None:
+        print("fusion methods [the kinds of input they fuse]; bayesfuse fuse takes those that need no data:")
+        print(methods.listing(width=width))
+        print("\nbayesfuse methods NAME lists a method's hyper-parameters and their defaults.")
+    else:
+        print(methods.describe([methods.canonical(args.name)], width=width, kind=args.kind))
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return _run_demo(args)
     if args.command == "summarize":
         return _run_summarize(args)
+    if args.command == "methods":
+        return _run_methods(args)
     return _run_fuse(args)
 
 
@@ -342,7 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "?"
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the subcommand, whose --help lists its options
+            _Parser(prog=f"{parser.prog} {args.command}").error(f"unrecognized arguments: {' '.join(extra)}")
         command = args.command
         return _run(args)
     except KeyboardInterrupt:

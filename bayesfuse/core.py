@@ -193,8 +193,10 @@ def fuse_states(
     start = time.perf_counter()
     if len(states) == 0:
         raise ValueError("fuse needs at least one model")
-    m = methods.METHODS.get(method)
-    if m is not None and m.needs_data:
+    method = methods.canonical(method)
+    methods.check_keys(method, hyper, caller=fuse_states)
+    m = methods.METHODS[method]
+    if m.needs_data:
         raise ValueError(f"method={method!r} retrains the clients between layers: pass data=(train, partition) with "
                          "each client's training data to bayesfuse.fuse, or fuse in one shot with pfnm or nafi")
     kind = input_kind(states)
@@ -202,6 +204,8 @@ def fuse_states(
     methods.check_execution(method, kind, device)
     check_device(device, dtype)
     names = list(names) if names is not None else [f"client {j}" for j in range(len(states))]
+    if kind == "network":
+        _check_batch_norms(states, names)
     options = {}
     if output_pool not in ("precision", "counts"):
         raise ValueError(f"output_pool must be 'precision' or 'counts', got {output_pool!r}")
@@ -218,6 +222,19 @@ def fuse_states(
                  device=device, dtype=dtype, **options)
     fused.seconds = time.perf_counter() - start
     return fused
+
+
+def _check_batch_norms(states: Sequence[State], names: Sequence[str]) -> None:
+    """Refuse a batch norm's negative running variance, naming the client (a file's path) and the value."""
+    for sd, name in zip(states, names):
+        for key, value in sd.items():
+            if key.endswith(".running_var"):
+                var = value.detach().cpu().double().numpy() if hasattr(value, "detach") else np.asarray(value, float)
+                if var.size and (var < 0).any():
+                    unit = int(np.argmin(var))
+                    raise ValueError(f"{name}: batch norm {key.removesuffix('.running_var')!r} has a negative running "
+                                     f"variance ({var.flat[unit]:g} at unit {unit}), which no trained batch norm "
+                                     "has: the file is damaged or its entries are misnamed")
 
 
 def _checked_summaries(summaries, states, names, method, kind) -> list:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from bayesfuse import __version__, methods
-from bayesfuse._io import atomic_write_files, check_writable, jsonable, recover
+from bayesfuse._io import atomic_write_files, check_output_file, check_writable, jsonable, recover
 from bayesfuse.checkpoints import (
     Checkpoint,
     output_format,
@@ -296,7 +296,10 @@ def fuse_files(
     ``arch`` (:func:`~bayesfuse.inference.spec.spec_for_state_dict`). The output format is
     ``fmt`` or the one ``out``'s suffix names; they must agree. Nothing is written unless
     fusion succeeds; existing outputs are replaced only with ``force``. Returns the report,
-    which lists the inputs in their canonical order.
+    which lists the inputs in their canonical order. ``method`` may be given in any case. A
+    training loop's checkpoint dict is fused by the one state_dict it holds; its input's
+    ``state_dict_key`` in the report names that entry (None for a plain state_dict,
+    :attr:`~bayesfuse.checkpoints.Checkpoint.state_dict_key`).
 
     ``device`` and ``dtype`` say where PFNM/NAFI on point-estimate networks run their
     arithmetic (:func:`bayesfuse.core.fuse_states`): None, NumPy float64 on the host (the
@@ -324,13 +327,9 @@ def fuse_files(
     ``"mlp"`` / ``"cnn"``. The report's ``architecture.source`` says where the spec came from.
     """
     start = time.perf_counter()
-    if method not in methods.METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(methods.names())}")
+    method = methods.canonical(method)  # any case; unknown names are refused naming the closest
+    methods.check_one_shot(method)
     row = methods.METHODS[method]
-    if row.needs_data:
-        raise ValueError("fedma retrains each client between layers, so it needs the clients' data, not only their "
-                         "files; run it where the data is (bayesfuse.fuse(models, 'fedma', data=...) or "
-                         "`bayesfuse demo --methods fedma`), or fuse the files in one shot with pfnm or nafi")
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     if summaries not in SUMMARY_MODES:
@@ -344,6 +343,7 @@ def fuse_files(
         raise ValueError(f"unknown hyper-parameters {sorted(unknown)} for {method}; known: {sorted(known)}")
     if not paths:
         raise ValueError("no model files given")
+    check_output_file(out)
     fmt = output_format(out, fmt)
     out = Path(out)
     report_path = out.with_name(out.name + ".json")
@@ -367,7 +367,8 @@ def fuse_files(
     loaded = [read_checkpoint(p) for p in paths]
     forward = [_forward_order(c, str(p), given_spec) for c, p in zip(loaded, paths)]
     files = [{"path": str(p), "sha256": c.sha256, "tensors_sha256": tensors_sha256(sd),
-              "order_recorded": c.order_recorded} for p, c, sd in zip(paths, loaded, forward)]
+              "order_recorded": c.order_recorded, "state_dict_key": c.state_dict_key}
+             for p, c, sd in zip(paths, loaded, forward)]
     order = sorted(range(len(paths)), key=lambda i: (files[i]["tensors_sha256"], files[i]["sha256"], str(paths[i])))
     state_dicts = [forward[i] for i in order]
     files = [files[i] for i in order]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -97,6 +97,15 @@ class FusionResult:
         from bayesfuse.analysis import fusion_to_arviz
 
         return fusion_to_arviz(self, layer=layer, **options)
+
+
+def _check_modules(models: Sequence) -> None:
+    """Refuse state_dicts, pointing to :func:`~bayesfuse.core.fuse_states` (``TypeError``)."""
+    for j, model in enumerate(models):
+        if isinstance(model, Mapping):
+            raise TypeError(f"model {j} is a state_dict ({type(model).__name__}), not an nn.Module: fuse state_dicts "
+                            "with bayesfuse.fuse_states(states, method) (it returns the fused state_dict), or load "
+                            "each into its network first (model.load_state_dict(state))")
 
 
 def _is_bnn(model) -> bool:
@@ -208,6 +217,9 @@ def fuse(
     start = time.perf_counter()
     if len(models) == 0:
         raise ValueError("fuse needs at least one model")
+    _check_modules(models)
+    method = methods.canonical(method)
+    methods.check_keys(method, hyper, caller=fuse)
     methods.check_execution(method, None, device)  # a method that cannot use a device, or a device this
     check_device(device, dtype)  # machine lacks: refused before anything is trained or converted
     order = canonical_order(models)  # any order of the same models gives the same fusion (client_order)

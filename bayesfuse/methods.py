@@ -26,14 +26,15 @@ name. Parameters are declared as scikit-learn declares its estimators'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from bayesfuse._text import did_you_mean
 from bayesfuse.assignments import parse_assignments as _parse_assignments
 from bayesfuse.constraints import Constraint, Either, Fixed, Interval, Options, Param
 
 __all__ = ["KINDS", "METHODS", "Interval", "Options", "Fixed", "Either", "Param", "Method", "Variant", "PARAMS",
-           "resolve", "defaults", "parse_assignments", "names", "lookup", "describe", "DEVICE_METHODS",
-           "check_execution"]
+           "resolve", "defaults", "parse_assignments", "names", "lookup", "canonical", "check_keys", "check_one_shot",
+           "describe", "listing", "DEVICE_METHODS", "check_execution"]
 
 KINDS = ("network", "bnn")
 
@@ -267,9 +268,57 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 
 
 def _method(method: str) -> Method:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}: method must be one of {', '.join(METHODS)}")
-    return METHODS[method]
+    return METHODS[canonical(method)]
+
+
+def canonical(name: str, *, aliases: bool = False) -> str:
+    """The table's name for ``name``, in any case (``"PFNM"`` -> ``"pfnm"``); with ``aliases``, an
+    alias is a name too (``"FedMA-NAFI"`` -> ``"fedma-nafi"``).
+
+    Raises ``ValueError`` for a name the table does not know, listing the known ones and naming
+    the closest (``"pfmn"``: did you mean ``'pfnm'``?).
+    """
+    known = names(aliases=aliases)
+    lowered = name.strip().lower() if isinstance(name, str) else name
+    if lowered in known:
+        return lowered
+    hint = did_you_mean(lowered, known) if isinstance(lowered, str) else ""
+    raise ValueError(f"unknown method {name!r}: method must be one of {', '.join(known)}{hint}")
+
+
+def check_one_shot(method: str) -> None:
+    """Refuse a method that retrains the clients (``Method.needs_data``) where only their models
+    are at hand (``bayesfuse fuse`` and its files), saying where it runs instead (``ValueError``)."""
+    m = _method(method)
+    if m.needs_data:
+        one_shot = " or ".join(names("network", featured=True))
+        raise ValueError(f"{m.name} retrains each client between layers, so it needs the clients' data, not only "
+                         f"their files; run it where the data is (bayesfuse.fuse(models, '{m.name}', data=...) or "
+                         f"`bayesfuse demo --methods {m.name}`), or fuse the files in one shot with {one_shot}")
+
+
+def check_keys(method: str, given: Mapping[str, Any], *, caller: Callable) -> None:
+    """Refuse the keys of ``given`` that ``method`` takes for no kind of input (``ValueError``),
+    naming for each the closest of its keys and of the arguments of ``caller``, the function
+    whose ``**hyper`` they were passed as: a misspelt argument (``fuse(models,
+    class_count=...)``) lands among the hyper-parameters.
+
+    Which keys each kind of input takes is :func:`resolve`'s to check, once the kind is known.
+    """
+    import inspect
+
+    m = _method(method)
+    unknown = sorted(set(given) - set(m.keys()))
+    if unknown:
+        arguments = [p.name for p in inspect.signature(caller).parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        choices = [*m.keys(), *arguments]
+        hints = [did_you_mean(k, choices) for k in unknown]
+        hint = "".join(h for h in hints if h) if len(unknown) == 1 else "".join(
+            f" ({k!r}: {h.strip()[1:-1]})" for k, h in zip(unknown, hints) if h)
+        raise ValueError(f"unknown hyper-parameters {unknown} for method {m.name!r}, and not arguments of "
+                         f"{caller.__name__}"
+                         f"{hint}; {m.name}'s hyper-parameters: {', '.join(m.keys()) or 'none'}")
 
 
 def names(kind: str | None = None, *, aliases: bool = False, **flags: bool | None) -> tuple[str, ...]:
@@ -285,10 +334,11 @@ def lookup(name: str) -> tuple[Method, str | None]:
     """The row ``name`` names and its variant: ``(row, None)`` for a method's own name, ``(row,
     variant)`` for an alias (``"fedma-nafi"``: ``(METHODS["fedma"], "nafi")``); ``ValueError`` for
     a name the table does not know."""
+    name = canonical(name, aliases=True)
     for m in METHODS.values():
         if name in m.aliases:
             return m, m.aliases[name]
-    return _method(name), None
+    return METHODS[name], None
 
 
 def defaults(method: str, kind: str = "network") -> dict[str, Any]:
@@ -325,6 +375,7 @@ def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None 
     3.0
     """
     m = _method(method)
+    method = m.name
     _check_kind(m, kind)
     if variant is not None and variant not in m.variants:
         raise ValueError(f"method {method!r} has the variants {', '.join(map(repr, m.variants)) or 'none'}, "
@@ -335,6 +386,8 @@ def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None 
     if unknown:
         elsewhere = [k for k in unknown if k in m.keys()]
         hint = f" ({', '.join(elsewhere)} only for {'/'.join(k for k in m.kinds if k != kind)})" if elsewhere else ""
+        if not elsewhere and len(unknown) == 1:
+            hint = did_you_mean(unknown[0], table)
         raise ValueError(f"unknown hyper-parameters {unknown} for method {method!r} on {_KIND_WORDS[kind]}{hint}; "
                          f"known: {', '.join(table) or 'none'}")
     out = dict(table, **m.preset(variant))
@@ -383,25 +436,53 @@ def parse_assignments(method: str, items: Iterable[str]) -> dict[str, Any]:
     return _parse_assignments(_method(method), items)
 
 
-def describe(methods: Sequence[str] | None = None, width: int = 100) -> str:
-    """Plain-text listing of methods, their keys with defaults per kind, constraints and meaning."""
+def describe(methods: Sequence[str] | None = None, width: int = 100, *, kind: str | None = None) -> str:
+    """Plain-text listing of methods, their keys with defaults per kind, constraints and meaning.
+
+    With ``kind``, only the methods that take that kind of input, with its keys and defaults
+    (a BNN-only key is not shown for point-estimate networks); ``bayesfuse methods NAME --kind
+    KIND`` prints it.
+    """
     import textwrap
 
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     lines = []
     for name in methods or METHODS:
-        m = METHODS[name]
+        m = _method(name)
+        if kind is not None and kind not in m.kinds:
+            lines.append(f"{m.name}: not for {_KIND_WORDS[kind]}; it fuses "
+                         f"{' and '.join(_KIND_WORDS[k] for k in m.kinds)}")
+            continue
+        kinds = m.kinds if kind is None else (kind,)
         lines.append(f"{m.name}: {m.summary}" + (" [needs the clients' data]" if m.needs_data else ""))
-        lines.append(f"  inputs: {', '.join(m.kinds)}")
-        for key in m.keys():
+        lines.append(f"  inputs: {'; '.join(f'{k}: {_KIND_WORDS[k]}' for k in kinds)}")
+        for key in m.keys(kind):
             if isinstance(m.constraint(key), Fixed):
                 continue
-            values = {k: m.defaults[k][key] for k in m.kinds if key in m.defaults[k]}
+            values = {k: m.defaults[k][key] for k in kinds if key in m.defaults[k]}
             shown = sorted(set(map(repr, values.values())))
-            default = shown[0] if len(shown) == 1 and len(values) == len(m.kinds) else ", ".join(
+            default = shown[0] if len(shown) == 1 and len(values) == len(kinds) else ", ".join(
                 f"{k}: {v!r}" for k, v in values.items())
-            head = f"    {key} = {default}  ({m.constraint(key)})"
-            lines.append(head)
+            lines.extend(textwrap.wrap(f"{key} = {default}  ({m.constraint(key)})", width, initial_indent=" " * 4,
+                                       subsequent_indent=" " * 8))
             lines.extend(textwrap.wrap(PARAMS[key].help, width, initial_indent=" " * 8, subsequent_indent=" " * 8))
-        if not m.keys():
+        if not m.keys(kind):
             lines.append("    (no hyper-parameters)")
+    return "\n".join(lines)
+
+
+def listing(*, one_shot: bool | None = None, width: int = 100) -> str:
+    """One entry per method (``one_shot=True``: only those that fuse models alone, as ``bayesfuse
+    fuse`` does): its name, the kinds of input it takes and what it does, wrapped at ``width``."""
+    import textwrap
+
+    rows = [m for m in METHODS.values() if one_shot is None or m.one_shot == one_shot]
+    name_width = max(len(m.name) for m in rows)
+    lines = []
+    for m in rows:
+        text = f"{m.name:<{name_width}}  [{'/'.join(m.kinds)}] {m.summary}" + (
+            "; needs the clients' data: bayesfuse.fuse(..., data=) or bayesfuse demo, not bayesfuse fuse"
+            if m.needs_data else "")
+        lines.extend(textwrap.wrap(text, width, initial_indent="  ", subsequent_indent=" " * (4 + name_width)))
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 from torch import nn
 
-from bayesfuse import fuse
+from bayesfuse import fuse, fuse_states
 from bayesfuse.checkpoints import load_state_dict, save_state_dict
 from bayesfuse.cli import main
 from bayesfuse.data import dirichlet_partition
@@ -81,6 +81,16 @@ def files(tmp_path):
         bad[case] = tmp_path / f"{case}.safetensors"
     save_file(dict(square, **{"output.weight": torch.ones(3, 5)}), tmp_path / "nochain.safetensors")
     bad["no chain"] = tmp_path / "nochain.safetensors"
+    # what training loops save: a whole module, or a dict around the state_dict
+    torch.save(nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3)), tmp_path / "module.pt")
+    bad["pickled module"] = tmp_path / "module.pt"
+    torch.save({"model": MLP(6, [4], 3), "epoch": 60}, tmp_path / "module_inside.pt")
+    bad["module in a dict"] = tmp_path / "module_inside.pt"
+    torch.save({"model_state_dict": _mlp_sd(), "ema_state_dict": _mlp_sd(seed=1), "state_dict": _mlp_sd(seed=2)},
+               tmp_path / "two_states.pt")
+    bad["two state_dicts"] = tmp_path / "two_states.pt"
+    torch.save({"epoch": 60, "weights": [_mlp_sd()["fc1.weight"]]}, tmp_path / "no_state.pt")
+    bad["dict without a state_dict"] = tmp_path / "no_state.pt"
     return good, bad
 
 
@@ -106,6 +116,14 @@ CLI_CASES = [
     ("order metadata with ints", "chain in 2 different orders"),
     ("order metadata lies", "chain in 2 different orders"),
     ("no chain", "nochain.safetensors: its Linear layers chain in no order"),
+    ("pickled module", "module.pt: a pickled torch.nn.modules.container.Sequential object (torch.save(model) saves "
+                       "the whole module, code and all), not a state_dict; save the weights alone, "
+                       "torch.save(model.state_dict(), 'module.pt'), and fuse that file"),
+    ("module in a dict", "module_inside.pt: holds a pickled bayesfuse.nets.mlp.MLP object, which "
+                         "torch.load(weights_only=True) refuses"),
+    ("two state_dicts", "two_states.pt: a checkpoint dict with several state_dicts (model_state_dict, state_dict); "
+                        "save the one to fuse on its own, torch.save(checkpoint['model_state_dict'], 'two_states.pt')"),
+    ("dict without a state_dict", "no_state.pt: a dict of epoch, weights, not a state_dict"),
 ]
 
 
@@ -129,6 +147,11 @@ def test_cli_rejects_bad_files(files, tmp_path, capsys, case, message):
     (["--method", "pfnm", "--hyper", "gamma0=0"], "gamma0 must be positive"),
     (["--method", "kl"], "HorseshoeBNN"),
     (["--method", "pfnm", "--format", "pt", "--hyper", "n_iter=two"], "must be int"),
+    (["--method", "pfmn"], "unknown method 'pfmn': method must be one of pfnm, nafi, fedma, fedavg, ot, kl (did you "
+                           "mean 'pfnm'?)"),
+    (["--method", "pfnm", "--hyper", "noise_vr=1"], "unknown hyper-parameter 'noise_vr' for pfnm (did you mean "
+                                                    "'noise_var'?)"),
+    (["--method", "ot", "--device", "cpu"], "--device 'cpu': method 'ot' runs on the host only"),
 ])
 def test_cli_rejects_bad_options(files, tmp_path, capsys, argv, message):
     good, _ = files
@@ -137,6 +160,54 @@ def test_cli_rejects_bad_options(files, tmp_path, capsys, argv, message):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "pfnm", "--out", "{dir}"], "the output {dir} is a directory; give a file name for it, such as "
+                                              "{dir}/fused.pt"),
+    (["--method", "pfnm", "--out", "{dir}/fused.pt", "--one"], "one model file given ({good0}); fusion needs two or "
+                                                               "more (one model would come back as itself)"),
+])
+def test_cli_refuses_before_any_model_is_read(files, tmp_path, capsys, monkeypatch, argv, message):
+    import bayesfuse.checkpoints
+
+    good, _ = files
+    out_dir = tmp_path / "outputs.pt"
+    out_dir.mkdir()
+    one = "--one" in argv
+    argv = [a.format(dir=out_dir) for a in argv if a != "--one"]
+    monkeypatch.setattr(bayesfuse.checkpoints, "read_checkpoint", lambda *a: pytest.fail("a model file was read"))
+    assert main(["fuse", *map(str, good[:1] if one else good), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "bayesfuse fuse: error: " + message.format(dir=out_dir, good0=good[0])
+    assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "-1"], "argument --seed: must be a non-negative integer, got -1"),
+    (["--arch", "resnet"], "argument --arch: invalid choice: 'resnet' (choose from 'auto', 'mlp', 'cnn', 'lstm')"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_cli_usage_errors_are_one_line(files, tmp_path, capsys, argv, message):
+    good, _ = files
+    with pytest.raises(SystemExit) as info:
+        main(["fuse", *map(str, good), "--method", "pfnm", "--out", str(tmp_path / "f.pt"), *argv])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"bayesfuse fuse: error: {message}; see bayesfuse fuse --help\n"
+
+
+def test_cli_names_the_file_with_a_negative_batch_norm_variance(tmp_path, capsys):
+    nets = [make_cnn(64, 3, channels=(2,), hidden=(4,)) for _ in range(2)]
+    paths = [save_state_dict(n.state_dict(), tmp_path / f"c{j}.pt") for j, n in enumerate(nets)]
+    broken = nets[1].state_dict()
+    key = next(k for k in broken if k.endswith("running_var"))
+    broken[key][1] = -0.5
+    paths[1] = save_state_dict(broken, tmp_path / "broken.pt")
+    assert main(["fuse", *map(str, paths), "--method", "pfnm", "--out", str(tmp_path / "f.pt")]) == 2
+    assert capsys.readouterr().err == (
+        f"bayesfuse fuse: error: {paths[1]}: batch norm {key.removesuffix('.running_var')!r} has a negative running "
+        "variance (-0.5 at unit 1), which no trained batch norm has: the file is damaged or its entries are misnamed\n")
+    assert not (tmp_path / "f.pt").exists()
 
 
 def test_cli_never_overwrites_without_force(files, tmp_path, capsys):
@@ -259,6 +330,23 @@ API_CASES = [
      ValueError, "returned 0 states for 2 clients"),
     (lambda: PANConfig("add", 1.0, -0.1), ValueError, "amplitude"),
     (lambda: TrainConfig(arch="transformer"), ValueError, "unknown architecture 'transformer'"),
+    # errors that say what to do
+    (lambda: fuse([MLP(4, [3], 2).state_dict()] * 2), TypeError,
+     r"model 0 is a state_dict \(OrderedDict\), not an nn.Module: fuse state_dicts with bayesfuse.fuse_states"),
+    (lambda: fuse([MLP(4, [3], 2)] * 2, class_count=np.ones((2, 2))), ValueError,
+     r"\['class_count'\] for method 'pfnm', and not arguments of fuse \(did you mean 'class_counts'\?\)"),
+    (lambda: fuse([MLP(4, [3], 2)] * 2, "nafi", noise_vr=1.0), ValueError, r"\(did you mean 'noise_var'\?\)"),
+    (lambda: fuse([MLP(4, [3], 2)] * 2, "pfmn"), ValueError, r"unknown method 'pfmn'.*\(did you mean 'pfnm'\?\)"),
+    (lambda: fuse_states([MLP(4, [3], 2).state_dict()] * 2, seeed=1), ValueError,
+     r"not arguments of fuse_states \(did you mean 'seed'\?\)"),
+    (lambda: kl_fuse([DiagNormal(loc=np.zeros((3, 4)), var=np.ones((3, 4))),
+                      DiagNormal(loc=np.zeros((3, 4)), var=np.where(np.eye(3, 4) > 0, 1e300, 1.0))]), ValueError,
+     r"client 1's variance 1e\+300 \(component 0, coordinate 0\) is 1\.0e\+300 times larger than the clients' median "
+     r"variance 1: kl_fuse needs all variances within a factor 1e\+15"),
+    (lambda: kl_fuse([DiagNormal(loc=np.zeros((2, 2)), var=np.full((2, 2), 1e-20)),
+                      DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2))),
+                      DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2)))]), ValueError,
+     r"client 0's variance 1e-20 \(component 0, coordinate 0\) is 1\.0e\+20 times smaller"),
 ]
 
 

@@ -202,3 +202,80 @@ def test_bad_prior_scales_are_named(scales, message):
     state["prior_scales"] = torch.tensor(scales, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"client\.pt: .*" + message):
         HorseshoeBNN.from_state_dict(state, "client.pt")
+
+
+# --------------------------------------------------------------------------- what a training loop saves
+
+
+def test_a_checkpoint_dict_gives_the_one_state_dict_it_holds(tmp_path):
+    sd = _mlp([6, 4, 3])
+    for key in ("model_state_dict", "state_dict", "model", "net"):
+        path = tmp_path / f"{key}.pt"
+        torch.save({key: sd, "epoch": 60, "optimizer_state_dict": {"state": {}, "lr": 0.1}}, path)
+        checkpoint = read_checkpoint(path)
+        assert checkpoint.state_dict_key == key and list(checkpoint.tensors) == list(sd)
+        assert all(torch.equal(checkpoint.tensors[k], sd[k]) for k in sd)
+    torch.save(sd, tmp_path / "plain.pt")
+    assert read_checkpoint(tmp_path / "plain.pt").state_dict_key is None
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"model_state_dict": "SD", "ema_state_dict": "SD", "state_dict": "SD"},
+     "two.pt: a checkpoint dict with several state_dicts (model_state_dict, state_dict); save the one to fuse on "
+     "its own, torch.save(checkpoint['model_state_dict'], 'two.pt')"),
+    ({"epoch": 60, "weights": [1.0, 2.0]},
+     "two.pt: a dict of epoch, weights, not a state_dict, and no entry of it (model_state_dict, state_dict, model, "
+     "net, network, model_state) holds one; save the model's weights alone, torch.save(model.state_dict(), 'two.pt')"),
+    ([1, 2], "two.pt: expected a state_dict (a mapping of parameter names to tensors), got a list"),
+    ({}, "got an empty dict"),
+])
+def test_a_checkpoint_dict_without_exactly_one_state_dict_is_refused_with_the_fix(tmp_path, content, message):
+    sd = _mlp([6, 4, 3])
+    if isinstance(content, dict):
+        content = {k: sd if v == "SD" else v for k, v in content.items()}
+    torch.save(content, tmp_path / "two.pt")
+    with pytest.raises(ValueError) as info:
+        read_checkpoint(tmp_path / "two.pt")
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_pickled_module_is_named_with_the_line_that_saves_its_state_dict(tmp_path):
+    torch.save(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)), tmp_path / "m.pt")
+    torch.save({"model": torch.nn.Linear(4, 3), "epoch": 2}, tmp_path / "inside.pt")
+    with pytest.raises(ValueError) as whole:
+        read_checkpoint(tmp_path / "m.pt")
+    assert str(whole.value) == (
+        f"{tmp_path / 'm.pt'}: a pickled torch.nn.modules.container.Sequential object (torch.save(model) saves the "
+        "whole module, code and all), not a state_dict; save the weights alone, torch.save(model.state_dict(), "
+        "'m.pt'), and fuse that file")
+    with pytest.raises(ValueError) as inside:
+        read_checkpoint(tmp_path / "inside.pt")
+    assert ("inside.pt: holds a pickled torch.nn.modules.linear.Linear object, which torch.load(weights_only=True) "
+            "refuses") in str(inside.value) and "model.state_dict()" in str(inside.value)
+    for err in (whole.value, inside.value):
+        assert "\x1b" not in str(err) and "\n" not in str(err)
+
+
+def test_torch_s_own_message_comes_without_escape_codes(tmp_path):
+    (tmp_path / "garbage.pt").write_bytes(b"\x00\x01 not a checkpoint")
+    with pytest.raises(ValueError) as info:
+        read_checkpoint(tmp_path / "garbage.pt")
+    text = str(info.value)
+    assert text.startswith(f"{tmp_path / 'garbage.pt'}: not a plain state_dict checkpoint (torch.load with "
+                           "weights_only=True failed: Weights only load failed: Unsupported operand")
+    assert "\x1b" not in text and "\n" not in text and "torch.save(model.state_dict(), 'garbage.pt')" in text
+
+
+def test_escape_codes_in_torch_s_message_are_dropped(tmp_path, monkeypatch):
+    import bayesfuse.checkpoints as checkpoints
+
+    def coloured(*args, **kwargs):
+        raise RuntimeError("Weights only load failed. \x1b[1mdo those steps only if you trust the source\x1b[0m.\n"
+                           "Unsupported global: \x1b[31mGLOBAL\x1b[0m")
+
+    monkeypatch.setattr(checkpoints.torch, "load", coloured)
+    save_state_dict(_mlp([6, 4, 3]), tmp_path / "m.pt")
+    with pytest.raises(ValueError) as info:
+        read_checkpoint(tmp_path / "m.pt")
+    assert "failed: Weights only load failed: Unsupported global: GLOBAL)" in str(info.value)
+    assert "\x1b" not in str(info.value)

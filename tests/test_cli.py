@@ -1,7 +1,9 @@
 import csv
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +183,84 @@ def test_help_documents_the_exit_status():
     out = subprocess.run([sys.executable, "-m", "bayesfuse.cli", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "exit status" in out and "130" in out
+
+
+# --------------------------------------------------------------------------- errors that say what to do, at once
+
+#: Run main() in a fresh interpreter: its exit status, whether torch was imported, and the seconds it took.
+_MAIN_IN_A_FRESH_PROCESS = """
+import sys, time
+start = time.perf_counter()
+from bayesfuse.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as stop:
+    code = stop.code
+print(code, "torch" in sys.modules, f"{time.perf_counter() - start:.3f}")
+"""
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("args, message", [
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--method", "pfmn"], "(did you mean 'pfnm'?)"),
+    (["--method", "fedma"], "needs the clients' data"),
+    (["--method", "pfnm", "--hyper", "noise_vr=1"], "(did you mean 'noise_var'?)"),
+    (["--method", "pfnm", "--hyper", "noise_var=-1"], "noise_var must be positive"),
+    (["--method", "pfnm", "--seed", "-1"], "argument --seed: must be a non-negative integer, got -1"),
+    (["--method", "pfnm", "--only-one"], "one model file given"),
+    (["--method", "pfnm", "--out-dir"], "is a directory; give a file name for it"),
+])
+def test_fuse_argument_errors_are_one_line_before_torch_is_imported(tmp_path, args, message):
+    models = ["a.pt"] if "--only-one" in args else ["a.pt", "b.pt"]  # never read: the arguments are refused first
+    out = str(tmp_path) if "--out-dir" in args else str(tmp_path / "fused.pt")
+    args = [a for a in args if a not in ("--only-one", "--out-dir")]
+    proc = subprocess.run([sys.executable, "-c", _MAIN_IN_A_FRESH_PROCESS, "fuse", *models, *args, "--out", out],
+                          capture_output=True, text=True, cwd=tmp_path, check=True)
+    code, torch_imported, seconds = proc.stdout.split()
+    err = proc.stderr.strip()
+    print(f"{' '.join(args)}: {float(seconds):.2f} s to the error")
+    assert (code, torch_imported) == ("2", "False"), (proc.stdout, err)
+    assert len(err.splitlines()) == 1 and err.startswith("bayesfuse fuse: error: ") and message in err, err
+
+
+def test_fuse_help_fits_a_screen_with_examples_and_lists_no_refused_method():
+    from bayesfuse import methods
+
+    out = subprocess.run([sys.executable, "-m", "bayesfuse.cli", "fuse", "--help"], capture_output=True, text=True,
+                         check=True, env={**os.environ, "COLUMNS": "80"}).stdout
+    lines = out.splitlines()
+    print(f"bayesfuse fuse --help: {len(lines)} lines at 80 columns")
+    assert len(lines) <= 40, out
+    assert "examples:" in out and sum(line.strip().startswith("bayesfuse fuse ") for line in lines) >= 2
+    assert "bayesfuse methods" in out and "exit status" in out
+    assert all(name in out for name in methods.names(needs_data=False))
+    assert not any(name in out for name in methods.names(needs_data=True))
+    assert max(map(len, lines)) <= 90
+
+
+def test_methods_given_in_any_case_and_checkpoint_dicts_are_fused(tmp_path, capsys):
+    import torch
+
+    from bayesfuse.checkpoints import load_state_dict
+    from bayesfuse.nets import MLP
+
+    states = [MLP(6, [5], 3).state_dict() for _ in range(2)]
+    torch.save(states[0], tmp_path / "a.pt")
+    torch.save(states[1], tmp_path / "b.pt")
+    torch.save({"model_state_dict": states[1], "epoch": 60, "optimizer_state_dict": {"lr": 0.1}}, tmp_path / "b_ckpt.pt")
+    assert main(["fuse", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--method", "pfnm",
+                 "--out", str(tmp_path / "plain.pt")]) == 0
+    capsys.readouterr()
+    assert main(["fuse", str(tmp_path / "a.pt"), str(tmp_path / "b_ckpt.pt"), "--method", "PFNM",
+                 "--out", str(tmp_path / "dict.pt")]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("fused 2 models with pfnm ")
+    assert (f"note: a checkpoint dict: fused the state_dict in {tmp_path / 'b_ckpt.pt'}['model_state_dict'] "
+            f"(state_dict_key in {tmp_path / 'dict.pt'}.json)") in captured.err.splitlines()
+    report = json.loads((tmp_path / "dict.pt.json").read_text())
+    assert report["method"] == "pfnm"
+    keys = {Path(f["path"]).name: f["state_dict_key"] for f in report["inputs"]}
+    assert keys == {"a.pt": None, "b_ckpt.pt": "model_state_dict"}
+    plain, from_dict = load_state_dict(tmp_path / "plain.pt"), load_state_dict(tmp_path / "dict.pt")
+    assert all(torch.equal(plain[k], from_dict[k]) for k in plain)  # the same tensors, the same fusion

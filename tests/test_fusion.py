@@ -396,3 +396,12 @@ def test_a_device_is_refused_where_it_cannot_serve_before_any_work(monkeypatch):
         fuse(nets, "pfnm", dtype="float32")
     with pytest.raises(ValueError, match="dtype must be 'float32' or 'float64', got 'float16'"):
         fuse(nets, "pfnm", device="cpu", dtype="float16")
+
+
+def test_a_method_name_in_any_case_fuses_as_the_table_s_name():
+    torch.manual_seed(0)
+    nets = [MLP(6, [5], 3) for _ in range(2)]
+    lower, upper = fuse(nets, "nafi", seed=1), fuse(nets, " NAFI ", seed=1)
+    assert upper.method == lower.method == "nafi" and upper.hyper == lower.hyper
+    x = torch.randn(4, 6)
+    assert torch.equal(upper.model(x), lower.model(x))

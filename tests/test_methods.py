@@ -149,17 +149,85 @@ def test_fedma_with_nafis_penalty_is_one_row_with_a_variant():
         methods.resolve("fedma", variant="ot")
 
 
-def test_fuse_help_lists_every_key_with_its_default(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["fuse", "--help"])
-    assert info.value.code == 0
+@pytest.mark.parametrize("name", list(methods.METHODS))
+def test_methods_command_lists_every_key_with_its_default(capsys, name):
+    assert main(["methods", name.upper()]) == 0  # any case
+    text = capsys.readouterr().out
+    assert text.startswith(f"{name}: ")
+    for key in methods.METHODS[name].keys():
+        if key != "kl_weight" or name != "pfnm":  # fixed at 0 for pfnm: nothing to set
+            assert f"    {key} = " in text, (name, key)
+    if name == "pfnm":
+        assert "    kl_weight = " not in text
+
+
+def test_methods_command_shows_one_kinds_keys_and_defaults(capsys):
+    assert main(["methods", "pfnm"]) == 0
+    assert "noise_var = network: 'auto', bnn: 0.01" in capsys.readouterr().out
+    assert main(["methods", "pfnm", "--kind", "network"]) == 0
+    network = capsys.readouterr().out
+    assert "noise_var = 'auto'" in network and "direction = " in network
+    assert not any(f"    {key} = " in network for key in ("unit_form", "prune_kl", "head"))  # BNN-only keys
+    assert main(["methods", "pfnm", "--kind", "bnn"]) == 0
+    bnn = capsys.readouterr().out
+    assert "noise_var = 0.01" in bnn and "unit_form = 'raw'" in bnn and "    direction = " not in bnn
+    assert main(["methods", "kl", "--kind", "network"]) == 0
+    assert "kl: not for point-estimate networks" in capsys.readouterr().out
+
+
+def test_methods_command_lists_the_methods_and_marks_those_bayesfuse_fuse_refuses(capsys):
+    assert main(["methods"]) == 0
     text = capsys.readouterr().out
     for name, m in methods.METHODS.items():
-        assert f"{name}: " in text
-        for key in m.keys():
-            if key != "kl_weight" or name != "pfnm":
-                assert f"    {key} = " in text, (name, key)
-    assert "noise_var = network: 'auto', bnn: 0.01" in text
+        assert f"  {name} " in text
+    fedma = text[text.index("  fedma "):text.index("  fedavg ")]
+    assert "not bayesfuse fuse" in " ".join(fedma.split())
+
+
+def test_methods_command_suggests_the_closest_name(capsys):
+    assert main(["methods", "nafy"]) == 2
+    assert capsys.readouterr().err == ("bayesfuse methods: error: unknown method 'nafy': method must be one of pfnm, "
+                                       "nafi, fedma, fedavg, ot, kl (did you mean 'nafi'?)\n")
+
+
+def test_method_names_are_case_insensitive_and_typos_get_the_closest_name():
+    assert methods.canonical("PFNM") == "pfnm" and methods.canonical(" Nafi ") == "nafi"
+    assert methods.canonical("FedMA-NAFI", aliases=True) == "fedma-nafi"
+    assert methods.lookup("FEDMA-nafi") == (methods.METHODS["fedma"], "nafi")
+    assert methods.resolve("NAFI", "network")["kl_weight"] == methods.defaults("nafi")["kl_weight"]
+    with pytest.raises(ValueError, match=r"unknown method 'pfmn': .* \(did you mean 'pfnm'\?\)"):
+        methods.canonical("pfmn")
+    with pytest.raises(ValueError, match="unknown method 'fedma-nafi'"):
+        methods.canonical("fedma-nafi")  # an alias is a name only where aliases are asked for
+    with pytest.raises(ValueError, match=r"unknown method 3"):
+        methods.canonical(3)
+
+
+def test_unknown_keys_name_the_closest_key_or_argument():
+    with pytest.raises(ValueError, match=r"unknown hyper-parameters \['noise_vr'\] .*\(did you mean 'noise_var'\?\)"):
+        methods.resolve("pfnm", "network", {"noise_vr": 1.0})
+    with pytest.raises(ValueError, match=r"unknown hyper-parameter 'n_iters' for kl \(did you mean 'n_iter'\?\)"):
+        methods.parse_assignments("kl", ["n_iters=3"])
+
+    def fuse_like(models, method="pfnm", *, class_counts=None, seed=0, **hyper):
+        methods.check_keys(method, hyper, caller=fuse_like)
+
+    fuse_like([], class_counts=None, noise_var=1.0)  # keys of any kind the method takes pass
+    with pytest.raises(ValueError, match=r"\['class_count'\] for method 'pfnm', and not arguments of fuse_like "
+                                         r"\(did you mean 'class_counts'\?\)"):
+        fuse_like([], class_count=[1, 2])
+    with pytest.raises(ValueError, match=r"\['gama0', 'sed'\] .* \('gama0': did you mean 'gamma0'\?\) "
+                                         r"\('sed': did you mean 'seed'\?\)"):
+        fuse_like([], gama0=1.0, sed=2)
+    with pytest.raises(ValueError, match=r"\['banana'\] for method 'kl', and not arguments of fuse_like; kl's"):
+        fuse_like([], "kl", banana=1)
+
+
+def test_only_methods_that_fuse_models_alone_pass_check_one_shot():
+    for name in methods.names(needs_data=False):
+        methods.check_one_shot(name.upper())
+    with pytest.raises(ValueError, match="fedma retrains each client between layers, so it needs the clients' data"):
+        methods.check_one_shot("fedma")
 
 
 def test_command_line_parser_loads_neither_torch_nor_the_algorithms():

@@ -46,6 +46,12 @@ __all__ = ["KLFusionResult", "greedy_assign", "greedy_start", "kl_fuse"]
 #: A global component whose column of P (all clients) carries less mass than this is unused
 #: and dropped. Iterative solvers leave entries of order their tolerance in unused columns.
 UNUSED = 1e-3
+#: Largest ratio of two Gaussian variances :func:`kl_fuse` takes. Float64 carries 16 digits: the
+#: moment-matched barycenters (E[x^2] - E[x]^2) lose a variance below 1e-16 of a larger one they
+#: pool, and on small random federations whose variances were near 1 one variance 1e17-1e18 times
+#: larger or smaller made the costs NaN ("matrix contains invalid numeric entries"); 1e15 keeps
+#: a margin of 100 below that.
+MAX_VARIANCE_RATIO = 1e15
 
 
 @dataclass
@@ -322,6 +328,27 @@ def greedy_start(pooled: ExpFamily, terms: KLTerms, sizes: Sequence[int], reg: f
     return pooled.barycenter(weights, natural=terms.eta), _split(warm, sizes)
 
 
+def _check_variance_range(posteriors: Sequence[ExpFamily]) -> None:
+    """Refuse diagonal Gaussians whose variances span more than :data:`MAX_VARIANCE_RATIO`,
+    naming the client, component, coordinate and value of the one farthest from the median."""
+    if not all(isinstance(getattr(q, "var", None), np.ndarray) for q in posteriors):
+        return  # other families carry no variance of their own to compare
+    logs = [np.log10(q.var) for q in posteriors]
+    low, high = min(float(a.min()) for a in logs), max(float(a.max()) for a in logs)
+    if high - low <= np.log10(MAX_VARIANCE_RATIO):
+        return
+    median = float(np.median(np.concatenate([a.ravel() for a in logs])))
+    j = max(range(len(logs)), key=lambda i: float(np.abs(logs[i] - median).max()))
+    comp, coord = np.unravel_index(int(np.abs(logs[j] - median).argmax()), logs[j].shape)
+    value = float(posteriors[j].var[comp, coord])
+    side = "larger" if value > 10**median else "smaller"
+    raise ValueError(f"client {j}'s variance {value:g} (component {comp}, coordinate {coord}) is "
+                     f"{10 ** abs(np.log10(value) - median):.1e} times {side} than the clients' median variance "
+                     f"{10 ** median:g}: kl_fuse needs all variances within a factor "
+                     f"{MAX_VARIANCE_RATIO:.0e} of each other (beyond it float64 loses the smaller ones); check that "
+                     "client's posterior")
+
+
 def kl_fuse(
     posteriors: Sequence[ExpFamily],
     *,
@@ -403,6 +430,7 @@ def kl_fuse(
     for j, q in enumerate(posteriors):
         if len(q) == 0:
             raise ValueError(f"client {j} has no components (empty client)")
+    _check_variance_range(posteriors)
     if not np.isfinite(reg) or reg < 0:
         raise ValueError(f"reg must be >= 0, got {reg}")
     if n_iter < 1:

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -309,3 +311,28 @@ def test_init_options():
         kl_fuse(same, mode="homogeneous", init="greedy")
     with pytest.raises(ValueError, match="init has 2 components"):
         kl_fuse(posteriors, init=posteriors[0][:2])
+
+
+@pytest.mark.filterwarnings("ignore:KL-fusion did not converge")
+@pytest.mark.parametrize("value", [1e14, 1e-14])
+def test_variances_within_the_supported_range_fuse_to_finite_components(value):
+    rng = np.random.default_rng(0)
+    clients = [DiagNormal(loc=rng.normal(size=(4, 5)), var=rng.uniform(0.9, 1.0, size=(4, 5))) for _ in range(3)]
+    var = clients[1].var.copy()
+    var[2, 3] = value
+    clients[1] = DiagNormal(loc=clients[1].loc, var=var)
+    result = kl_fuse(clients)
+    assert np.isfinite(result.components.var).all() and np.isfinite(result.components.loc).all()
+
+
+@pytest.mark.parametrize("value", [1e18, 1e300, 1e-18])
+def test_variances_beyond_it_are_refused_naming_client_component_and_value(value):
+    # unchecked, 1e18 or 1e-18 beside variances near 1 ended in "matrix contains invalid numeric entries"
+    clients = [DiagNormal(loc=np.zeros((4, 5)), var=np.ones((4, 5))) for _ in range(3)]
+    var = np.ones((4, 5))
+    var[2, 3] = value
+    clients[1] = DiagNormal(loc=np.zeros((4, 5)), var=var)
+    with pytest.raises(ValueError, match=rf"client 1's variance {re.escape(f'{value:g}')} \(component 2, coordinate 3\) is "
+                                         rf".* than the clients' median variance 1: kl_fuse needs"):
+        kl_fuse(clients)
+    assert klfusion.MAX_VARIANCE_RATIO == 1e15

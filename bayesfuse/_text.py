@@ -1,0 +1,40 @@
+"""Messages for people: one plain line, and the closest known name for a misspelt one.
+
+Imports nothing of bayesfuse and nothing heavy, so that the command line can check its
+arguments with it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Iterable
+
+__all__ = ["plain_line", "did_you_mean"]
+
+#: Terminal control sequences (colours, bold: ``ESC [ 1 m``) and other C0 control characters.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def plain_line(text: str) -> str:
+    """``text`` without terminal escape codes, its whitespace (newlines too) collapsed to single spaces.
+
+    Examples
+    --------
+    >>> plain_line("do this \\x1b[1monly if\\x1b[0m you\\n trust it")
+    'do this only if you trust it'
+    """
+    return " ".join(_ESCAPES.sub("", text).split())
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``word`` (:func:`difflib.get_close_matches`),
+    or ``""`` when none is close.
+
+    Examples
+    --------
+    >>> did_you_mean("noise_vr", ["noise_var", "prior_var"])
+    " (did you mean 'noise_var'?)"
+    """
+    close = difflib.get_close_matches(word, list(dict.fromkeys(choices)), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
