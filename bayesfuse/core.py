@@ -413,7 +413,8 @@ def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_count
                              f"{names[0]} maps {ref.in_features} -> {ref.n_classes} through {len(ref.layers)}")
     settings = dict(settings)
     head = settings.pop("head")
-    fusion = fuse_bnn_posteriors(posts, fuse_units, class_counts=class_counts, seed=seed, verbose=verbose, **settings)
+    fusion = fuse_bnn_posteriors(posts, fuse_units, class_counts=class_counts, seed=seed, verbose=verbose, names=names,
+                                 **settings)
     hyper = dict(fusion.hyper)
     hyper.update(average_outputs=settings["average_outputs"], unit_form=settings["unit_form"],
                  prune_kl=settings["prune_kl"], head=head)

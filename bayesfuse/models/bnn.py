@@ -1,4 +1,4 @@
-"""Bayesian MLP with a node-wise horseshoe prior, in Pyro, with a mean-field Gaussian guide.
+"""Bayesian MLP with a node-wise horseshoe prior (or a Gaussian one), in Pyro, with a mean-field Gaussian guide.
 
 Model (Ghosh, Yao & Doshi-Velez, JMLR 2019, section 3; one hidden layer of H units):
 
@@ -22,6 +22,19 @@ The non-centred form (incoming weights ``tau * lambda_k * w~_k``) lets the unit 
 unconstrained space where the guide's parameters live. Guide parameters are ordinary
 ``nn.Parameter``s of the module (nothing goes through Pyro's global parameter store), so many
 networks can be trained in one process.
+
+With ``prior="gaussian"`` the scales are fixed instead, ``tau_l = s_h`` (``global_scale``) and
+``lambda_{l,k} = 1``, so that every hidden weight and bias has the Gaussian prior
+
+.. math::
+
+    w_{l,kd} = s_h \\tilde w_{l,kd} \\sim N(0, s_h^2), \\qquad b_{l,k} \\sim N(0, s_h^2),
+
+the mean-field Gaussian BNN of Blundell et al. (2015) with one prior scale, in the same
+coordinates: its state_dict has the same sites, the scale sites held at ``log s_h`` and 0 (their
+guide's standard deviations unused), and ``prior_scales`` says which prior it is
+(:class:`~bayesfuse.inference.bnn.sites.Prior`), so a saved network comes back with its prior
+and fusing networks of different priors is refused.
 """
 
 from __future__ import annotations
@@ -40,10 +53,19 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesfuse._runtime import progress, torch_threads
-from bayesfuse.inference.bnn.sites import deep_site_shapes, is_bnn_state, layer_sites, prior_scales, state_sizes
+from bayesfuse.inference.bnn.sites import (
+    DEFAULT_GLOBAL_SCALE,
+    PRIORS,
+    Prior,
+    deep_site_shapes,
+    is_bnn_state,
+    layer_sites,
+    read_prior,
+    state_sizes,
+)
 from bayesfuse.models.bnn_elbo import negative_elbo
 
-__all__ = ["HorseshoeBNN", "BNNConfig", "ESTIMATORS", "train_bnn"]
+__all__ = ["HorseshoeBNN", "BNNConfig", "ESTIMATORS", "PRIORS", "train_bnn"]
 
 
 #: ELBO estimators :func:`train_bnn` can follow: ``"local"``
@@ -76,19 +98,23 @@ class BNNConfig:
 
 
 class HorseshoeBNN(nn.Module):
-    """Horseshoe BNN (module docstring) holding its mean-field guide.
+    """Horseshoe (or Gaussian-prior) BNN (module docstring) holding its mean-field guide.
 
     Parameters
     ----------
     in_features, n_classes : int
     hidden : int or sequence of int
         Units of the hidden layer, or of each hidden layer (bottom first).
-    global_scale : float
-        ``b_g``, scale of the half-Cauchy prior on ``tau``.
+    global_scale : float, optional
+        The horseshoe's ``b_g``, scale of the half-Cauchy prior on ``tau`` (default 0.1); with
+        ``prior="gaussian"``, ``s_h``, the prior standard deviation of the hidden weights and
+        biases (default 1).
     weight_scale : float
         ``s``, prior standard deviation of the output layer.
     init_scale : float
         Initial standard deviation of the guide's Gaussians.
+    prior : {"horseshoe", "gaussian"}
+        The prior of the hidden layers (:data:`~bayesfuse.inference.bnn.sites.PRIORS`).
 
     Attributes
     ----------
@@ -103,19 +129,22 @@ class HorseshoeBNN(nn.Module):
     """
 
     def __init__(self, in_features: int, hidden: int | tuple[int, ...], n_classes: int, *,
-                 global_scale: float = 0.1, weight_scale: float = 1.0, init_scale: float = 1e-2):
+                 global_scale: float | None = None, weight_scale: float = 1.0, init_scale: float = 1e-2,
+                 prior: str = "horseshoe"):
         super().__init__()
         sizes = (hidden,) if np.ndim(hidden) == 0 else tuple(hidden)
         if len(sizes) == 0 or min(in_features, n_classes, *sizes) < 1:
             raise ValueError("in_features, n_classes and every hidden size must be positive")
-        if global_scale <= 0 or weight_scale <= 0:
-            raise ValueError("global_scale and weight_scale must be positive")
+        if prior not in PRIORS:
+            raise ValueError(f"prior must be one of {', '.join(map(repr, PRIORS))}, got {prior!r}")
+        spec = Prior(prior, DEFAULT_GLOBAL_SCALE[prior] if global_scale is None else global_scale, weight_scale)
+        global_scale = spec.global_scale
         self.hidden_sizes = tuple(int(h) for h in sizes)
         self.depth = len(self.hidden_sizes)
         self.in_features, self.n_classes = int(in_features), int(n_classes)
         self.hidden = self.hidden_sizes[0] if self.depth == 1 else self.hidden_sizes
-        # The prior's scales travel with the state_dict, so a saved network rebuilds exactly.
-        self.register_buffer("prior_scales", torch.tensor([global_scale, weight_scale], dtype=torch.float64))
+        # The prior and its scales travel with the state_dict, so a saved network rebuilds exactly.
+        self.register_buffer("prior_scales", torch.as_tensor(spec.to_array()))
         shapes = self.site_shapes()
         self.loc = nn.ParameterDict({k: nn.Parameter(torch.zeros(s, dtype=torch.float64)) for k, s in shapes.items()})
         self.log_scale = nn.ParameterDict(
@@ -127,6 +156,27 @@ class HorseshoeBNN(nn.Module):
             for layer in range(1, self.depth + 1):
                 self.loc[layer_sites(layer).log_tau].fill_(math.log(global_scale))
                 self.loc[layer_sites(layer).log_lam].fill_(0.0)
+        for site in self.fixed_sites():  # not trained: a Gaussian prior's scales are constants
+            self.loc[site].requires_grad_(False)
+            self.log_scale[site].requires_grad_(False)
+
+    @property
+    def prior(self) -> str:
+        """The prior of the hidden layers: ``"horseshoe"`` or ``"gaussian"``."""
+        return PRIORS[int(self.prior_scales[2])] if len(self.prior_scales) == 3 else "horseshoe"
+
+    @property
+    def prior_spec(self) -> Prior:
+        """The prior with its scales (:class:`~bayesfuse.inference.bnn.sites.Prior`); ``str()`` of it names both."""
+        return Prior(self.prior, self.global_scale, self.weight_scale)
+
+    def fixed_sites(self) -> tuple[str, ...]:
+        """The guide's sites held at their means: the scale sites ``log_tau<l>``, ``log_lam<l>`` of a
+        Gaussian prior (none for the horseshoe)."""
+        if self.prior == "horseshoe":
+            return ()
+        return tuple(name for layer in range(1, self.depth + 1)
+                     for name in (layer_sites(layer).log_tau, layer_sites(layer).log_lam))
 
     @property
     def global_scale(self) -> float:
@@ -151,14 +201,14 @@ class HorseshoeBNN(nn.Module):
         """The network whose state_dict is ``state`` (torch tensors or NumPy arrays).
 
         Sizes come from the weights (:func:`~bayesfuse.inference.bnn.sites.state_sizes`), the
-        prior's scales from ``prior_scales``. Raises ``ValueError`` naming ``name`` when ``state``
+        prior and its scales from ``prior_scales``. Raises ``ValueError`` naming ``name`` when ``state``
         is not a consistent HorseshoeBNN state_dict.
         """
         hidden, D, K = state_sizes(state, name)
         H = hidden[0] if len(hidden) == 1 else hidden
-        global_scale, weight_scale = prior_scales(state["prior_scales"], name)
+        prior = read_prior(state["prior_scales"], name)
         try:
-            bnn = cls(D, H, K, global_scale=global_scale, weight_scale=weight_scale)
+            bnn = cls(D, H, K, global_scale=prior.global_scale, weight_scale=prior.weight_scale, prior=prior.kind)
             bnn.load_state_dict({k: torch.as_tensor(np.asarray(v)) if not torch.is_tensor(v) else v
                                  for k, v in state.items()})
         except (RuntimeError, ValueError) as err:
@@ -170,12 +220,18 @@ class HorseshoeBNN(nn.Module):
         D, K = self.in_features, self.n_classes
         f64 = dict(dtype=torch.float64)
         params, width = {}, D
+        horseshoe = self.prior == "horseshoe"
         for layer, H in enumerate(self.hidden_sizes, 1):
             names, tag = layer_sites(layer), _tag(layer)
-            params[names.log_tau] = pyro.sample(
-                f"tau{tag}", dist.HalfCauchy(torch.tensor(self.global_scale, **f64)).expand([1]).to_event(1)).log()
+            if horseshoe:
+                params[names.log_tau] = pyro.sample(
+                    f"tau{tag}", dist.HalfCauchy(torch.tensor(self.global_scale, **f64)).expand([1]).to_event(1)).log()
+            else:  # fixed scales (fixed_sites)
+                params[names.log_tau] = self.loc[names.log_tau].detach().double()
+                params[names.log_lam] = self.loc[names.log_lam].detach().double()
             with pyro.plate(f"units{tag}", H):
-                params[names.log_lam] = pyro.sample(f"lam{tag}", dist.HalfCauchy(torch.tensor(1.0, **f64))).log()
+                if horseshoe:
+                    params[names.log_lam] = pyro.sample(f"lam{tag}", dist.HalfCauchy(torch.tensor(1.0, **f64))).log()
                 params[names.w] = pyro.sample(names.w, dist.Normal(torch.tensor(0.0, **f64), 1.0)
                                               .expand([width]).to_event(1))
                 params[names.b] = pyro.sample(names.b, dist.Normal(torch.tensor(0.0, **f64), 1.0))
@@ -191,11 +247,14 @@ class HorseshoeBNN(nn.Module):
 
     def guide(self, x: torch.Tensor, y: torch.Tensor | None = None, n_data: int | None = None):
         q = self._q
+        horseshoe = self.prior == "horseshoe"
         for layer, H in enumerate(self.hidden_sizes, 1):
             names, tag = layer_sites(layer), _tag(layer)
-            pyro.sample(f"tau{tag}", dist.LogNormal(*q(names.log_tau)).to_event(1))
+            if horseshoe:
+                pyro.sample(f"tau{tag}", dist.LogNormal(*q(names.log_tau)).to_event(1))
             with pyro.plate(f"units{tag}", H):
-                pyro.sample(f"lam{tag}", dist.LogNormal(*q(names.log_lam)))
+                if horseshoe:
+                    pyro.sample(f"lam{tag}", dist.LogNormal(*q(names.log_lam)))
                 pyro.sample(names.w, dist.Normal(*q(names.w)).to_event(1))
                 pyro.sample(names.b, dist.Normal(*q(names.b)))
         out = self.depth + 1
@@ -208,10 +267,14 @@ class HorseshoeBNN(nn.Module):
     # ------------------------------------------------------------------ prediction
     @torch.no_grad()
     def sample_params(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """Draws from the guide, each site with a leading sample dimension."""
+        """Draws from the guide, each site with a leading sample dimension (the :meth:`fixed_sites` at their means)."""
         out = {}
+        fixed = self.fixed_sites()
         for site in self.site_shapes():
             loc, scale = self._q(site)
+            if site in fixed:
+                out[site] = loc.expand(num_samples, *loc.shape).clone()
+                continue
             eps = torch.randn((num_samples, *loc.shape), dtype=loc.dtype, generator=generator)
             out[site] = loc + scale * eps
         return out
@@ -291,9 +354,14 @@ def train_bnn(
     *,
     verbose: bool | None = None,
     name: str = "bnn",
+    prior: str = "horseshoe",
     **model_kwargs,
 ) -> HorseshoeBNN:
     """Fit a :class:`HorseshoeBNN` by SVI (ELBO, Adam, minibatches with the likelihood rescaled).
+
+    ``prior`` is the prior of the hidden layers, ``"horseshoe"`` or ``"gaussian"`` (module
+    docstring); ``model_kwargs`` (``global_scale``, ``weight_scale``, ``init_scale``) go to
+    :class:`HorseshoeBNN`. The prior is recorded in the network's state_dict (``prior_scales``).
 
     With ``config.estimator="local"`` (the default) each step uses
     :func:`~bayesfuse.models.bnn_elbo.negative_elbo` in float32 (about 3x the examples per
@@ -322,9 +390,9 @@ def train_bnn(
     x_sq = xt.square() if local else None
     with torch_threads(config.num_threads), pyro.validation_enabled(False):
         torch.manual_seed(config.seed)
-        bnn = HorseshoeBNN(x.shape[1], hidden, n_classes, **model_kwargs)
+        bnn = HorseshoeBNN(x.shape[1], hidden, n_classes, prior=prior, **model_kwargs)
         bnn.loc.to(dtype), bnn.log_scale.to(dtype)  # the guide's parameters; prior_scales stays float64
-        opt = torch.optim.Adam(bnn.parameters(), lr=config.lr, fused=True)
+        opt = torch.optim.Adam([p for p in bnn.parameters() if p.requires_grad], lr=config.lr, fused=True)
         gen = torch.Generator().manual_seed(config.seed)
         if local:
             def loss_fn(idx):

@@ -11,6 +11,7 @@ and this module estimates each term with as little Monte Carlo noise as the mode
 
 * **Gaussian sites** (``w1``, ``b1``, ``w2``, ``b2`` against their Normal priors): the KL in
   closed form, :math:`\\tfrac12\\sum(\\sigma^2/s^2 + \\mu^2/s^2 - 1 - \\log(\\sigma^2/s^2))`.
+  Under a Gaussian prior (``prior="gaussian"``) these are all the KL terms: the scales are fixed.
 * **Scale sites** (``lambda_k``, ``tau``: log-normal guides against half-Cauchy priors
   :math:`C^+(0, b)`): :math:`E_q[\\log q]` is minus the log-normal entropy,
   :math:`-(\\mu + \\tfrac12 + \\log(\\sigma\\sqrt{2\\pi}))`, and
@@ -101,21 +102,25 @@ def negative_elbo(bnn, x: torch.Tensor, y: torch.Tensor, n_data: int,
         return torch.randn(shape, dtype=dtype, generator=generator)
 
     b_g, s_w = bnn.global_scale, bnn.weight_scale
+    horseshoe = bnn.prior == "horseshoe"
     h, h_sq, kl = x, x_sq, 0.0
     for layer, H in enumerate(bnn.hidden_sizes, 1):
         n = layer_sites(layer)
-        # unit scales s_k = tau * lambda_k, one draw per minibatch (log-normal guides)
-        log_s = (loc[n.log_tau] + torch.exp(log_scale[n.log_tau]) * normal(1)
-                 + loc[n.log_lam] + torch.exp(log_scale[n.log_lam]) * normal(H))
+        if horseshoe:  # unit scales s_k = tau * lambda_k, one draw per minibatch (log-normal guides)
+            log_s = (loc[n.log_tau] + torch.exp(log_scale[n.log_tau]) * normal(1)
+                     + loc[n.log_lam] + torch.exp(log_scale[n.log_lam]) * normal(H))
+        else:  # a Gaussian prior: the scales are fixed (HorseshoeBNN.fixed_sites), no KL term
+            log_s = loc[n.log_tau] + loc[n.log_lam]
         # pre-activations, locally reparameterised given the layer's input h
         var_w, var_b = torch.exp(2 * log_scale[n.w]), torch.exp(2 * log_scale[n.b])
         mean_a = h @ loc[n.w].T + loc[n.b]
         var_a = (h.square() if h_sq is None else h_sq) @ var_w.T + var_b
         a = mean_a + var_a.sqrt() * normal(mean_a.shape)
         h, h_sq = torch.relu(a * torch.exp(log_s)), None
-        kl = (kl + gaussian_kl(loc[n.w], log_scale[n.w], 1.0, var_w) + gaussian_kl(loc[n.b], log_scale[n.b], 1.0, var_b)
-              + lognormal_halfcauchy_kl(loc[n.log_lam], log_scale[n.log_lam], 1.0)
-              + lognormal_halfcauchy_kl(loc[n.log_tau], log_scale[n.log_tau], b_g))
+        kl = kl + gaussian_kl(loc[n.w], log_scale[n.w], 1.0, var_w) + gaussian_kl(loc[n.b], log_scale[n.b], 1.0, var_b)
+        if horseshoe:
+            kl = (kl + lognormal_halfcauchy_kl(loc[n.log_lam], log_scale[n.log_lam], 1.0)
+                  + lognormal_halfcauchy_kl(loc[n.log_tau], log_scale[n.log_tau], b_g))
     # logits, locally reparameterised
     w, b = f"w{bnn.depth + 1}", f"b{bnn.depth + 1}"
     var_w, var_b = torch.exp(2 * log_scale[w]), torch.exp(2 * log_scale[b])

@@ -122,7 +122,7 @@ class HeadMixtureBNN(HorseshoeBNN):
         if (shares < 0).any() or not torch.allclose(shares.sum(0), torch.ones(K, dtype=torch.float64), atol=1e-9):
             raise ValueError(f"{name}: heads.shares must be >= 0 and sum to 1 over the heads for every class")
         model = cls(body.in_features, body.hidden, body.n_classes, J, global_scale=body.global_scale,
-                    weight_scale=body.weight_scale)
+                    weight_scale=body.weight_scale, prior=body.prior)
         model.load_state_dict({**body.state_dict(), **heads})
         return model
 

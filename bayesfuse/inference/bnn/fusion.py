@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from bayesfuse.inference.bnn.posterior import DeepBNNPosterior, HiddenLayer
-from bayesfuse.inference.bnn.sites import HEAD_KEYS
+from bayesfuse.inference.bnn.sites import HEAD_KEYS, check_same_prior
 from bayesfuse.inference.bnn.units import effective_layer, incoming_information, keep_informative, split_effective
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.klfusion import kl_fuse
@@ -226,14 +226,19 @@ def matched_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> t
 
 def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable, *, average_outputs: bool = True,
                         unit_form: str = "effective", prune_kl: float = 1.0, class_counts=None, seed=0,
-                        verbose: bool = False, **hyper) -> BNNFusion:
-    """Fuse the posteriors ``posts`` (same depth, inputs and classes) layer by layer (module docstring).
+                        verbose: bool = False, names: Sequence[str] | None = None, **hyper) -> BNNFusion:
+    """Fuse the posteriors ``posts`` (same depth, inputs and classes, and one prior) layer by layer
+    (module docstring).
 
     ``fuse_units`` fuses each layer's units: :func:`kl_units` (KL-fusion) or :func:`matched_units`
-    (PFNM, NAFI); ``hyper`` goes to it for every layer.
+    (PFNM, NAFI); ``hyper`` goes to it for every layer. Posteriors under different priors (the
+    horseshoe and the Gaussian, or other scales) are refused with a ``ValueError`` naming two of
+    them (``names``, ``"client j"`` by default; :func:`~bayesfuse.inference.bnn.sites.check_same_prior`):
+    the fused network has one prior. The fused posterior has theirs.
     """
     if unit_form not in ("effective", "raw"):
         raise ValueError(f"unit_form must be 'effective' or 'raw', got {unit_form!r}")
+    prior = check_same_prior([p.prior_spec for p in posts], names)
     ref = posts[0]
     J, K, depth = len(posts), ref.n_classes, len(ref.layers)
     layers, kept_all, units_all, fused_layers = [], [], [], []
@@ -305,8 +310,8 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable,
     else:
         out_bias = DiagNormal.concat([p.out_bias for p in posts]).barycenter(np.ones(J))
     posterior = DeepBNNPosterior(layers=tuple(fused_layers), out_weights=out_weights, out_bias=out_bias,
-                                 in_features=ref.in_features, n_classes=K, global_scale=ref.global_scale,
-                                 weight_scale=ref.weight_scale)
+                                 in_features=ref.in_features, n_classes=K, global_scale=prior.global_scale,
+                                 weight_scale=prior.weight_scale, prior=prior.kind)
     outgoing = [p.out_weights[k] for p, k in zip(posts, kept_all[-1])]
     if unit_form == "raw":  # a fused unit computes s_g / s_jl times its member's output (s: median unit scale)
         top = fused_layers[-1]

@@ -25,9 +25,10 @@ from bayesfuse.inference.bnn.sites import (
     GLOBAL_SITES,
     STATE_KEYS,
     UNIT_SITES,
+    Prior,
     Site,
     layer_sites,
-    prior_scales,
+    read_prior,
     state_dims,
     state_keys,
     state_sizes,
@@ -84,6 +85,8 @@ class BNNPosterior:
     in_features, n_classes : int
     global_scale, weight_scale : float
         The prior's settings, carried to rebuilt networks.
+    prior : {"horseshoe", "gaussian"}
+        The prior of the hidden layer (:data:`~bayesfuse.inference.bnn.sites.PRIORS`).
     """
 
     units: DiagNormal
@@ -93,6 +96,12 @@ class BNNPosterior:
     n_classes: int
     global_scale: float
     weight_scale: float
+    prior: str = "horseshoe"
+
+    @property
+    def prior_spec(self) -> Prior:
+        """The prior with its scales (:class:`~bayesfuse.inference.bnn.sites.Prior`)."""
+        return Prior(self.prior, self.global_scale, self.weight_scale)
 
     @property
     def hidden(self) -> int:
@@ -140,13 +149,13 @@ class BNNPosterior:
         for site, arr in list(loc.items()) + list(var.items()):
             if not np.isfinite(arr).all():
                 raise ValueError(f"{name}'s guide parameter '{site}' contains NaN or infinite values")
-        global_scale, weight_scale = prior_scales(arrays["prior_scales"], name)
+        prior = read_prior(arrays["prior_scales"], name)
         shared = {
             _GLOBAL_FIELDS[s.name]: DiagNormal(loc=loc[s.name].reshape(1, -1), var=var[s.name].reshape(1, -1))
             for s in GLOBAL_SITES
         }
         return cls(units=DiagNormal(loc=_pack(loc, H), var=_pack(var, H)), **shared, in_features=D, n_classes=K,
-                   global_scale=global_scale, weight_scale=weight_scale)
+                   global_scale=prior.global_scale, weight_scale=prior.weight_scale, prior=prior.kind)
 
     def to_state(self) -> dict[str, np.ndarray]:
         """The HorseshoeBNN state_dict of this posterior: float64 arrays, in the state_dict's key order.
@@ -164,7 +173,7 @@ class BNNPosterior:
             family = getattr(self, _GLOBAL_FIELDS[site.name])
             locs[site.name] = family.loc[0].reshape(site.shape(H, D, K))
             variances[site.name] = family.var[0].reshape(site.shape(H, D, K))
-        state = {"prior_scales": np.array([self.global_scale, self.weight_scale], dtype=np.float64)}
+        state = {"prior_scales": self.prior_spec.to_array()}
         for key in STATE_KEYS[1:]:
             prefix, site = key.split(".")
             if prefix == "loc":
@@ -227,6 +236,8 @@ class DeepBNNPosterior:
     out_bias : DiagNormal (1 component of dimension K)
     in_features, n_classes : int
     global_scale, weight_scale : float
+    prior : {"horseshoe", "gaussian"}
+        The prior of every hidden layer (:data:`~bayesfuse.inference.bnn.sites.PRIORS`).
     """
 
     layers: tuple[HiddenLayer, ...]
@@ -236,6 +247,12 @@ class DeepBNNPosterior:
     n_classes: int
     global_scale: float
     weight_scale: float
+    prior: str = "horseshoe"
+
+    @property
+    def prior_spec(self) -> Prior:
+        """The prior with its scales (:class:`~bayesfuse.inference.bnn.sites.Prior`)."""
+        return Prior(self.prior, self.global_scale, self.weight_scale)
 
     @property
     def hidden_sizes(self) -> tuple[int, ...]:
@@ -254,7 +271,7 @@ class DeepBNNPosterior:
         for key, arr in arrays.items():
             if key != "prior_scales" and not np.isfinite(arr).all():
                 raise ValueError(f"{name}'s guide parameter '{key.split('.', 1)[1]}' contains NaN or infinite values")
-        global_scale, weight_scale = prior_scales(arrays["prior_scales"], name)
+        prior = read_prior(arrays["prior_scales"], name)
 
         def normal(site: str, rows: int) -> DiagNormal:
             return DiagNormal(loc=arrays[f"loc.{site}"].reshape(rows, -1),
@@ -269,8 +286,8 @@ class DeepBNNPosterior:
         out = len(hidden) + 1
         w_out = normal(f"w{out}", K)
         return cls(layers=tuple(layers), out_weights=DiagNormal(loc=w_out.loc.T.copy(), var=w_out.var.T.copy()),
-                   out_bias=normal(f"b{out}", 1), in_features=D, n_classes=K, global_scale=global_scale,
-                   weight_scale=weight_scale)
+                   out_bias=normal(f"b{out}", 1), in_features=D, n_classes=K, global_scale=prior.global_scale,
+                   weight_scale=prior.weight_scale, prior=prior.kind)
 
     def to_state(self) -> dict[str, np.ndarray]:
         """The HorseshoeBNN state_dict (float64 arrays, keys in the state_dict's order); inverse of
@@ -292,7 +309,7 @@ class DeepBNNPosterior:
             loc[n.log_tau], var[n.log_tau] = hl.log_tau.loc[0], hl.log_tau.var[0]
         loc[f"w{depth + 1}"], var[f"w{depth + 1}"] = self.out_weights.loc.T, self.out_weights.var.T
         loc[f"b{depth + 1}"], var[f"b{depth + 1}"] = self.out_bias.loc[0], self.out_bias.var[0]
-        state = {"prior_scales": np.array([self.global_scale, self.weight_scale], dtype=np.float64)}
+        state = {"prior_scales": self.prior_spec.to_array()}
         for key in state_keys(depth)[1:]:
             prefix, site = key.split(".")
             value = loc[site] if prefix == "loc" else 0.5 * np.log(var[site])

@@ -6,7 +6,10 @@ space: ``w1``, ``b1``, ``w2``, ``b2`` are Gaussian as they are; the scales ``lam
 Each site's axes are named by the network's sizes (``H`` hidden units, ``D`` inputs, ``K``
 classes); the axis named ``H`` is the one a hidden unit indexes. The state_dict stores site
 ``s`` as ``loc.<s>`` and ``log_scale.<s>`` (the Gaussian's mean and log standard deviation),
-next to ``prior_scales`` (the prior's ``global_scale`` and ``weight_scale``).
+next to ``prior_scales``, the prior (:class:`Prior`): ``[global_scale, weight_scale]`` for the
+horseshoe, ``[scale, weight_scale, 1]`` for the Gaussian prior (its last entry the prior's index
+in :data:`PRIORS`; a horseshoe's vector has none, so files written before there was a choice read
+as they were).
 
 Deeper networks (``hidden=(H1, H2, ...)``, :func:`deep_site_shapes`) keep these names for
 their first hidden layer and number the others: hidden layer ``l >= 2`` has ``w<l>`` (H_l,
@@ -19,13 +22,13 @@ Everything here is plain Python and NumPy: it reads state_dicts without importin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 __all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "HEAD_KEYS", "has_heads", "body_state",
            "LayerSites", "layer_sites", "deep_site_shapes", "state_keys", "state_depth", "state_sizes", "is_bnn_state",
-           "prior_scales", "state_dims"]
+           "prior_scales", "state_dims", "PRIORS", "DEFAULT_GLOBAL_SCALE", "Prior", "read_prior", "check_same_prior"]
 
 _SIZES = ("H", "D", "K")
 
@@ -172,8 +175,7 @@ def _checked_sizes(state: Mapping[str, object], name: str, depth: int) -> tuple[
             if _shape(state[key]) != expected:
                 raise ValueError(f"{name}: '{key}' has shape {_shape(state[key])}, expected {expected} "
                                  f"for {sizes}, D={D} inputs, K={K} classes")
-    if _shape(state["prior_scales"]) != (2,):
-        raise ValueError(f"{name}: 'prior_scales' has shape {_shape(state['prior_scales'])}, expected (2,)")
+    read_prior(state["prior_scales"], name)
     return hidden, D, K
 
 
@@ -203,8 +205,65 @@ def state_dims(state: Mapping[str, object], name: str = "state_dict") -> tuple[i
     return H, D, K
 
 
-def prior_scales(value, name: str = "state_dict") -> tuple[float, float]:
-    """``(global_scale, weight_scale)`` of a state_dict's ``prior_scales``: two positive finite reals."""
+#: The priors of a BNN's hidden layers (:class:`~bayesfuse.models.bnn.HorseshoeBNN`), by their
+#: index in ``prior_scales``: the node-wise horseshoe (scales ``tau ~ C+(0, global_scale)`` and
+#: ``lambda_k ~ C+(0, 1)``), or a Gaussian prior (scales fixed, ``tau = scale`` and ``lambda_k = 1``:
+#: every hidden weight and bias ``~ N(0, scale^2)``).
+PRIORS = ("horseshoe", "gaussian")
+
+#: ``global_scale`` of each prior when none is given: the horseshoe's ``b_g``, the Gaussian's standard deviation.
+DEFAULT_GLOBAL_SCALE = {"horseshoe": 0.1, "gaussian": 1.0}
+
+
+@dataclass(frozen=True)
+class Prior:
+    """A BNN's prior: which one (:data:`PRIORS`) and its scales.
+
+    Attributes
+    ----------
+    kind : {"horseshoe", "gaussian"}
+    global_scale : float
+        The horseshoe's ``b_g`` (``tau ~ C+(0, b_g)``), or the Gaussian's standard deviation of the
+        hidden weights and biases.
+    weight_scale : float
+        Standard deviation of the output layer's Gaussian prior (both priors).
+    """
+
+    kind: str
+    global_scale: float
+    weight_scale: float
+
+    def __post_init__(self):
+        if self.kind not in PRIORS:
+            raise ValueError(f"prior must be one of {', '.join(map(repr, PRIORS))}, got {self.kind!r}")
+        if not (np.isfinite(self.global_scale) and np.isfinite(self.weight_scale)
+                and self.global_scale > 0 and self.weight_scale > 0):
+            raise ValueError("global_scale and weight_scale must be positive")
+
+    def to_array(self) -> np.ndarray:
+        """The ``prior_scales`` entry of a state_dict: ``[global_scale, weight_scale]`` (horseshoe),
+        ``[global_scale, weight_scale, index]`` (the others), float64."""
+        index = PRIORS.index(self.kind)
+        return np.array([self.global_scale, self.weight_scale] + ([float(index)] if index else []), dtype=np.float64)
+
+    def __str__(self) -> str:
+        scale = "global_scale" if self.kind == "horseshoe" else "scale"
+        return f"{self.kind}({scale}={self.global_scale:g}, weight_scale={self.weight_scale:g})"
+
+    def same_as(self, other: "Prior") -> bool:
+        """The same prior: the same kind and scales (to 1e-12 relative, float64 round-off of a setting)."""
+        return self.kind == other.kind and bool(np.allclose([self.global_scale, self.weight_scale],
+                                                            [other.global_scale, other.weight_scale],
+                                                            rtol=1e-12, atol=0.0))
+
+
+def read_prior(value, name: str = "state_dict") -> Prior:
+    """The :class:`Prior` a state_dict's ``prior_scales`` holds (module docstring).
+
+    Raises ``ValueError`` naming ``name`` for a shape other than (2,) or (3,), a last entry of a
+    (3,) vector that names no prior other than the horseshoe, and scales that are not positive
+    finite numbers.
+    """
     if hasattr(value, "detach"):  # a torch tensor
         value = value.detach().cpu()
         value = value.double() if value.is_floating_point() else value
@@ -212,12 +271,40 @@ def prior_scales(value, name: str = "state_dict") -> tuple[float, float]:
         scales = np.asarray(value)
     except (TypeError, ValueError, RuntimeError):
         scales = np.asarray(None)
-    if (scales.shape != (2,) or scales.dtype == bool or not np.issubdtype(scales.dtype, np.number)
-            or np.iscomplexobj(scales) or not (np.isfinite(scales).all() and (scales > 0).all())):
+    numeric = (scales.dtype != bool and np.issubdtype(scales.dtype, np.number) and not np.iscomplexobj(scales))
+    if numeric and scales.shape == (3,) and float(scales[2]) not in [float(i) for i in range(1, len(PRIORS))]:
+        raise ValueError(f"{name}: 'prior_scales' has shape (3,), expected (2,) for the horseshoe (global_scale, "
+                         f"weight_scale) or (3,) ending in 1 for the Gaussian prior (scale, weight_scale, 1); got "
+                         f"{scales.tolist()}")
+    if numeric and scales.shape not in ((2,), (3,)):
+        raise ValueError(f"{name}: 'prior_scales' has shape {scales.shape}, expected (2,)")
+    if not numeric or not (np.isfinite(scales[:2]).all() and (scales[:2] > 0).all()):
         shown = value if scales.dtype == object else scales.tolist()
         raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two positive "
                          f"finite numbers, the prior's global_scale and weight_scale; got {shown!r})")
-    return float(scales[0]), float(scales[1])
+    kind = PRIORS[int(scales[2])] if len(scales) == 3 else "horseshoe"
+    return Prior(kind, float(scales[0]), float(scales[1]))
+
+
+def prior_scales(value, name: str = "state_dict") -> tuple[float, float]:
+    """``(global_scale, weight_scale)`` of a state_dict's ``prior_scales`` (:func:`read_prior`)."""
+    prior = read_prior(value, name)
+    return prior.global_scale, prior.weight_scale
+
+
+def check_same_prior(priors: Sequence[Prior], names: Sequence[str] | None = None) -> Prior:
+    """The one prior of networks to be fused; ``ValueError`` naming the first two that differ.
+
+    Fusing posteriors under different priors would give the fused network one of them while its
+    units were fitted under another, so it is refused rather than resolved silently.
+    """
+    names = list(names) if names is not None else [f"client {j}" for j in range(len(priors))]
+    for name, prior in zip(names[1:], priors[1:]):
+        if not prior.same_as(priors[0]):
+            raise ValueError(f"cannot fuse BNNs trained with different priors: {name} has {prior}, {names[0]} has "
+                             f"{priors[0]}; train them with one prior (train_bnn(..., prior=, global_scale=, "
+                             "weight_scale=))")
+    return priors[0]
 
 
 #: The entries a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN` state_dict holds beside a
