@@ -6,9 +6,9 @@ dependency at its top is left out when that dependency is not installed (its tes
 
 import importlib.util
 
-#: Module file -> the optional distribution it imports at its top (the extra that brings it).
+#: Module file or package directory -> the optional distribution it imports at its top (the extra that brings it).
 OPTIONAL = {
-    "bayesfuse/integrations/flower.py": "flwr",  # bayesfuse[flower]
+    "bayesfuse/integrations/flower": "flwr",  # bayesfuse[flower] (the package)
 }
 
 collect_ignore = [path for path, module in OPTIONAL.items() if importlib.util.find_spec(module) is None]

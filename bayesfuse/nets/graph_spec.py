@@ -36,9 +36,12 @@ import torch
 from torch import fx, nn
 
 from bayesfuse.inference.spec import Axis, PermutationSpec
-from bayesfuse.nets.tracing import UnsupportedLayerError
 
-__all__ = ["spec_from_graph", "example_input_for"]
+__all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
+
+
+class UnsupportedLayerError(TypeError):
+    """A module whose permutation symmetry bayesfuse does not know."""
 
 _FIXED = 0  # the union-find class of axes no permutation moves (the input, the classes)
 

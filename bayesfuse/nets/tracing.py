@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from bayesfuse.inference.spec import Axis, Encoding, PermutationSpec, batchnorm, chain, conv, dense
+from bayesfuse.nets.graph_spec import UnsupportedLayerError, spec_from_graph
 
 __all__ = ["SUPPORTED", "UnsupportedLayerError", "spec_from_module", "spec_with_encodings"]
 
 
-class UnsupportedLayerError(TypeError):
-    """A module whose permutation symmetry bayesfuse does not know."""
 
 
 #: Modules that act within each unit (channel) and so pass a permutation through unchanged.
@@ -58,13 +57,9 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
         _, calls = _trace(model, leaves, _example_input(leaves, example_input))
         return replace(spec, encodings=_traced_encodings(spec, dict(leaves), calls))
     if not isinstance(model, nn.Sequential):
-        from bayesfuse.nets.graph_spec import spec_from_graph
-
         return spec_from_graph(model, example_input)
     leaves = [(n, m) for n, m in model.named_modules() if len(list(m.children())) == 0]
     if any(type(m).__name__ not in SUPPORTED for _, m in leaves):
-        from bayesfuse.nets.graph_spec import spec_from_graph
-
         return spec_from_graph(model, example_input)  # layer norms, embeddings...: the graph tells
     shapes, calls = _trace(model, leaves, _example_input(leaves, example_input))
     weighted = [n for n, m in leaves if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]

@@ -1,0 +1,52 @@
+"""Matched averaging on Flower (flwr >= 1.21, the Message API): two strategies.
+
+Install with ``pip install 'bayesfuse[flower]'``; importing :mod:`bayesfuse` never needs flwr.
+
+* :class:`MatchedAveraging` is a ``flwr.serverapp.strategy.FedAvg`` whose ``aggregate_train``
+  fuses the clients' returned state_dicts with bayesfuse (PFNM or NAFI layer-wise matching, or
+  KL-fusion of HorseshoeBNN posteriors sent as ``loc``/``log_scale`` arrays) instead of
+  averaging them coordinate by coordinate. Outgoing weights are weighted by the clients' class
+  counts when they report them (``"class-counts"`` in their MetricRecord), and the fused
+  model, possibly wider than the clients', is what the next round sends: clients rebuild their
+  network from it (:func:`bayesfuse.nets.arch.rebuild`).
+* :class:`FedMA` runs FedMA (Wang et al. 2020, Algorithm 1) as a strategy: one ``train.local``
+  round, then per hidden layer a ``train.fedma`` round in which each client gets its own
+  message (the global layers so far, its next layer mapped onto the global units, the names
+  of the frozen entries) and returns its retrained network. Both run through Flower's
+  ``Strategy.start``: Flower's per-round log lines, and a ``flwr.serverapp.strategy.Result``.
+
+A client may send its summary of its own data (:func:`bayesfuse.summarize`) beside its arrays:
+:func:`summary_to_records` gives an ArrayRecord of its arrays (``"summary"``) and a ConfigRecord
+of its metadata (``"summary-meta"``); :class:`MatchedAveraging` reads them and fuses the
+networks as Laplace posteriors when every reply carries one (``summaries="auto"``).
+
+Replies that carry an error or never come are skipped and reported (``failed-replies``);
+replies whose arrays do not fit the architecture are rejected with the node named
+(``rejected-replies``), not fatal.
+
+:func:`metrics_aggregation` makes a ``train_metrics_aggr_fn`` for Flower's own strategies
+(FedAvg and the others) that sums the clients' ``class-counts`` instead of averaging them.
+"""
+
+try:
+    import flwr.app  # noqa: F401 (the optional dependency, checked before the modules that use it)
+except ImportError as err:  # pragma: no cover - exercised only without flwr
+    raise ImportError(
+        "bayesfuse.integrations.flower needs Flower (flwr >= 1.21): pip install 'bayesfuse[flower]'"
+    ) from err
+
+from bayesfuse.integrations.flower.fedma import FEDMA_LOCAL, FEDMA_ROUND, FedMA
+from bayesfuse.integrations.flower.records import (
+    SUMMARY_KEY,
+    SUMMARY_META_KEY,
+    metrics_aggregation,
+    record_to_state,
+    records_to_summary,
+    state_digest,
+    state_to_record,
+    summary_to_records,
+)
+from bayesfuse.integrations.flower.strategy import MatchedAveraging
+
+__all__ = ["MatchedAveraging", "FedMA", "metrics_aggregation", "state_to_record", "record_to_state", "state_digest",
+           "summary_to_records", "records_to_summary", "FEDMA_LOCAL", "FEDMA_ROUND", "SUMMARY_KEY", "SUMMARY_META_KEY"]

@@ -1,0 +1,401 @@
+"""FedMA as a Flower strategy (:mod:`bayesfuse.integrations.flower`)."""
+
+from __future__ import annotations
+
+import json
+from logging import ERROR, INFO, WARNING
+from typing import Callable, Iterable
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from bayesfuse import methods
+from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps
+from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
+from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
+from bayesfuse.integrations.flower.strategy import _Fusion
+
+#: Message types of FedMA's rounds (``@app.train("local")`` / ``@app.train("fedma")`` on clients).
+FEDMA_LOCAL = "train.local"
+FEDMA_ROUND = "train.fedma"
+
+
+class _PausedRun:
+    """:func:`~bayesfuse.inference.fedma.fedma_steps` paused at each round's retraining jobs.
+
+    A strategy gets the clients' retrained networks one round later, in ``aggregate_train``:
+    :meth:`begin` runs the generator to its first request, :meth:`resume` sends it the states and
+    runs it to the next. No thread: the generator waits between the strategy's calls.
+    """
+
+    def __init__(self, steps: FedMASteps) -> None:
+        self._steps = steps
+        self.waiting = False
+
+    def _step(self, states: list | None) -> tuple[str, object]:
+        try:
+            request = next(self._steps) if states is None else self._steps.send(states)
+        except StopIteration as stop:
+            self.waiting = False
+            return "done", stop.value
+        except Exception as err:  # reported by the strategy
+            self.waiting = False
+            return "error", err
+        self.waiting = True
+        return "jobs", request
+
+    def begin(self) -> tuple[str, object]:
+        """Run until the first request (``("jobs", (jobs, frozen))``), or the end (``("done",
+        FedMAResult)`` or ``("error", exception)``)."""
+        return self._step(None)
+
+    def resume(self, states: list) -> tuple[str, object]:
+        """Send the paused request its states and run to the next request or the end."""
+        return self._step(list(states))
+
+    def stop(self) -> None:
+        """End a paused run."""
+        if self.waiting:
+            self.waiting = False
+            self._steps.close()
+
+
+class FedMA(_Fusion):
+    """FedMA as a Flower strategy (Wang et al. 2020, Algorithm 1; NAFI Algorithm 2 with ``kl_weight``).
+
+    Rounds, ``1 + len(spec.groups)`` of them (:meth:`start` sets ``num_rounds``):
+
+    1. ``train.local`` (:data:`FEDMA_LOCAL`): every sampled node trains its own network and
+       replies with its arrays and a MetricRecord holding ``num-examples`` and ``class-counts``.
+       The server matches the first hidden group (:func:`bayesfuse.inference.fedma.fedma`).
+    2. For each hidden group, ``train.fedma`` (:data:`FEDMA_ROUND`): each node receives its own
+       message, the global layers so far and its next layer mapped onto the global units, and a
+       ConfigRecord whose ``frozen`` is the JSON list of the entries to keep; it retrains the
+       rest and replies. The server matches the next group; after the last one, the output
+       layer is the class-count weighted average of the replies and the global network is the
+       round's ArrayRecord (so ``Result.arrays``).
+
+    Nodes whose replies fail, never come or do not fit the arrays they were sent are dropped
+    from the later rounds and reported (``failed``, ``rejected``, ``dropped``). The rounds
+    before the last have no global network: server-side evaluation (``evaluate_fn``) runs on
+    ``initial_arrays`` and after the last round, client-side evaluation after the last round.
+
+    Parameters
+    ----------
+    spec : PermutationSpec, optional
+        The clients' architecture; derived from ``initial_arrays`` in :meth:`start` when
+        omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
+    hyper : dict, optional
+        The ``"fedma"`` row of :mod:`bayesfuse.methods`: ``noise_var``, ``prior_var``,
+        ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``. Checked when the strategy is made;
+        ``passes`` must be 1.
+    class_counts_key : str
+        Key of a reply's per-class example counts in its MetricRecord (the output layer's weights).
+    seed : int
+        Matching seed. The first round's replies are put in the order of their contents'
+        hashes, so neither the arrival order nor the node ids change the result.
+    local_message_type, round_message_type : str
+        Message types of the first round and of the retraining rounds.
+    **kwargs
+        Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling of the first round and of the
+        evaluation, record keys).
+
+    Attributes
+    ----------
+    fedma_result : FedMAResult or None
+        The finished run's record (matchings, sizes, bytes, history); ``None`` before the end.
+    nodes : list of int
+        The nodes of the run, in the order FedMA indexes its clients.
+    failed, rejected : list of (int, str)
+        Replies skipped over the run, with the reason.
+    dropped : list of int
+        Nodes dropped from the later rounds.
+    error : Exception or None
+        What stopped the run early, if anything (every node lost, say).
+    """
+
+    def __init__(self, *, spec: PermutationSpec | None = None, hyper: dict | None = None,
+                 class_counts_key: str = "class-counts", seed: int = 0, local_message_type: str = FEDMA_LOCAL,
+                 round_message_type: str = FEDMA_ROUND, **kwargs) -> None:
+        settings = methods.resolve("fedma", "network", hyper)
+        if settings.pop("passes") != 1:
+            raise ValueError("the FedMA strategy runs one layer-wise pass; passes > 1 is not supported here")
+        super().__init__(spec=spec, class_counts_key=class_counts_key, seed=seed, **kwargs)
+        self.method = "fedma"
+        self.hyper = dict(hyper or {})
+        self.settings = settings
+        self.local_message_type = local_message_type
+        self.round_message_type = round_message_type
+        self._run: _PausedRun | None = None
+        self._arch = spec  # the architecture a run checks its first replies against
+        self._reset(spec)
+
+    def _reset(self, spec: PermutationSpec | None) -> None:
+        if getattr(self, "_run", None) is not None:
+            self._run.stop()
+        self._run = None
+        self._spec = spec
+        self._pending: tuple[list, set, str] | None = None
+        self._matched = 0
+        self._final_round: int | None = None
+        self._examples: dict[int, float] = {}
+        self.fedma_result: FedMAResult | None = None
+        self.nodes: list[int] = []
+        self.failed, self.rejected = [], []
+        self.dropped: list[int] = []
+        self.error: BaseException | None = None
+
+    def num_rounds(self, arrays: ArrayRecord) -> int:
+        """The rounds FedMA takes for the network ``arrays``: one local round, one per hidden group.
+
+        Parameters
+        ----------
+        arrays : ArrayRecord
+            A network of the clients' architecture.
+
+        Returns
+        -------
+        int
+        """
+        spec = self.spec or spec_for_state_dict(record_to_state(arrays), name="initial_arrays")
+        return 1 + len(spec.groups)
+
+    def summary(self) -> None:
+        """Log the strategy's settings (Flower's, then FedMA's)."""
+        super().summary()
+        log(INFO, "\t└──> FedMA: a local round, then a round per hidden group; hyper-parameters %s",
+            self.settings)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Run FedMA through Flower's ``Strategy.start`` loop.
+
+        Parameters
+        ----------
+        grid : Grid
+        initial_arrays : ArrayRecord
+            A network of the clients' architecture: it gives the number of rounds (and the
+            spec when the strategy has none). The clients train their own networks in round 1;
+            it is not sent.
+        num_rounds : int, optional
+            ``1 + len(spec.groups)``, the default; any other value is an error.
+        timeout : float
+            Seconds to wait for the replies of each round.
+        train_config, evaluate_config : ConfigRecord, optional
+            Sent to the nodes in every training / evaluation message.
+        evaluate_fn : callable ``(server_round, arrays) -> MetricRecord or None``, optional
+            Server-side evaluation, called before round 1 (on ``initial_arrays``) and after the
+            last round (on the global network).
+
+        Returns
+        -------
+        Result
+            ``arrays`` is the global network; ``train_metrics_clientapp`` holds each round's
+            metrics, the last one ``global-sizes``, ``fedma-rounds``, ``bytes-up``/``bytes-down``.
+        """
+        spec = self.spec or spec_for_state_dict(record_to_state(initial_arrays), name="initial_arrays")
+        needed = 1 + len(spec.groups)
+        if num_rounds is None:
+            num_rounds = needed
+        elif num_rounds != needed:
+            raise ValueError(f"FedMA takes {needed} rounds for this network (a local round, then one per hidden "
+                             f"group {list(spec.groups)}); got num_rounds={num_rounds}")
+        self._arch = spec
+        self._reset(spec)
+        try:
+            return super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
+                                 train_config=train_config, evaluate_config=evaluate_config,
+                                 evaluate_fn=None if evaluate_fn is None else self._on_global(evaluate_fn))
+        finally:
+            if self._run is not None:
+                self._run.stop()
+
+    def _on_global(self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]
+                   ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
+        """``evaluate_fn`` called on ``initial_arrays`` and on the global network, ``None`` in between."""
+        def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            if server_round == 0 or server_round == self._final_round:
+                return evaluate_fn(server_round, arrays)
+            return None  # no global network between the first round and the last
+
+        return evaluate
+
+    # ------------------------------------------------------------------ training rounds
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Round 1: a ``train.local`` message to each sampled node (the config only). Later
+        rounds: one ``train.fedma`` message per node still taking part, with its own arrays.
+
+        Parameters
+        ----------
+        server_round : int
+        arrays : ArrayRecord
+            Not sent: the clients start from their own networks.
+        config : ConfigRecord
+        grid : Grid
+
+        Returns
+        -------
+        list of Message
+        """
+        if server_round == 1:
+            sampled = list(super().configure_train(server_round, arrays, config, grid))  # samples and logs
+            content = RecordDict({self.configrecord_key: ConfigRecord(dict(config))})
+            return [Message(content=content, message_type=self.local_message_type, dst_node_id=m.metadata.dst_node_id)
+                    for m in sampled]
+        if self._pending is None:
+            log(INFO, "configure_train: no FedMA round to run (%s)",
+                "the run has ended" if self.fedma_result is not None or self.error is not None else "no local round")
+            return []
+        jobs, frozen, group = self._pending
+        round_config = ConfigRecord({**dict(config), "server-round": server_round,
+                                     "frozen": json.dumps(sorted(frozen))})
+        log(INFO, "configure_train: %d nodes retrain the layers above group %r (%d entries frozen)", len(jobs),
+            group, len(frozen))
+        return [Message(content=RecordDict({self.arrayrecord_key: state_to_record(state),
+                                            self.configrecord_key: round_config}),
+                        message_type=self.round_message_type, dst_node_id=self.nodes[j])
+                for j, state in jobs]
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Round 1: start FedMA on the local networks. Later rounds: hand FedMA the retrained
+        networks. FedMA matches the next group (metrics only) or, after the last, returns the
+        global network.
+
+        Parameters
+        ----------
+        server_round : int
+        replies : iterable of Message
+
+        Returns
+        -------
+        tuple of (ArrayRecord or None, MetricRecord or None)
+            The global network in the last round, ``None`` before; the round's metrics.
+        """
+        if server_round == 1:
+            return self._aggregate_local(list(replies))
+        return self._aggregate_retrained(server_round, list(replies))
+
+    def _aggregate_local(self, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self._reset(self._arch)
+        spec, good = self._check(self._collect(replies), self._arch)
+        if not good:
+            self.error = RuntimeError("no node answered the local training round")
+            log(ERROR, "FedMA stopped in round 1: no valid replies (%d failed, %d rejected)", len(self.failed),
+                len(self.rejected))
+            return None, None
+        self._spec = spec
+        self.nodes = [r.node for r in good]
+        self._examples = {r.node: r.num_examples for r in good}
+        counts = np.stack([r.class_counts for r in good]) if all(r.class_counts is not None for r in good) else None
+        states, settings, seed = [r.state for r in good], dict(self.settings), self.seed
+        self._run = _PausedRun(fedma_steps(states, spec, class_counts=counts, seed=seed, **settings))
+        metrics = {"num-examples": float(sum(self._examples.values())), "local-replies": len(good),
+                   "failed-replies": len(self.failed), "rejected-replies": len(self.rejected)}
+        return self._advance(1, self._run.begin(), metrics)
+
+    def _aggregate_retrained(self, server_round: int,
+                             replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self._pending is None or self._run is None:
+            log(WARNING, "aggregate_train: round %d has no FedMA step to take; replies ignored", server_round)
+            return None, None
+        jobs, _, _ = self._pending
+        by_node = {m.metadata.src_node_id: m for m in replies}
+        n_failed, n_rejected, examples = len(self.failed), len(self.rejected), 0.0
+        updated: list[dict | None] = []
+        for j, sent in jobs:
+            node = self.nodes[j]
+            msg = by_node.get(node)
+            if msg is None or msg.has_error():
+                reason = "no reply" if msg is None else str(msg.error.reason)
+                self.failed.append((node, reason))
+                log(WARNING, "node %d: dropped from FedMA (%s)", node, reason)
+                updated.append(None)
+                continue
+            record = msg.content.array_records.get(self.arrayrecord_key)
+            problem = f"no ArrayRecord under {self.arrayrecord_key!r}" if record is None else None
+            state = None if record is None else record_to_state(record)
+            problem = problem or _mismatch(sent, state, node)
+            if problem:
+                self._reject(node, f"{problem}; dropped from FedMA")
+                updated.append(None)
+                continue
+            metrics = _metric_record(msg.content) or MetricRecord()
+            examples += float(metrics.get(self.weighted_by_key, self._examples.get(node, 1.0)))
+            updated.append(state)
+        n_failed, n_rejected = len(self.failed) - n_failed, len(self.rejected) - n_rejected
+        log(INFO, "aggregate_train: Received %s results and %s failures", len(jobs) - n_failed - n_rejected, n_failed)
+        self.dropped += [self.nodes[j] for (j, _), u in zip(jobs, updated) if u is None]
+        metrics = {"num-examples": examples, "retrained-replies": len(jobs) - n_failed - n_rejected,
+                   "failed-replies": n_failed, "rejected-replies": n_rejected}
+        if all(u is None for u in updated):
+            self._run.stop()
+            self._run, self._pending = None, None
+            self.error = RuntimeError(f"every node was lost in round {server_round}")
+            log(ERROR, "FedMA stopped in round %d: no node returned a retrained network (%d failed, %d rejected)",
+                server_round, n_failed, n_rejected)
+            return None, MetricRecord(metrics)
+        return self._advance(server_round, self._run.resume(updated), metrics)
+
+    def _advance(self, server_round: int, step: tuple[str, object],
+                 metrics: dict) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The round's outcome from FedMA's next step: the next jobs, the end, or an error."""
+        kind, value = step
+        self._pending = None
+        if kind == "jobs":
+            jobs, frozen = value
+            group = self._spec.groups[self._matched]
+            self._matched += 1
+            self._pending = (jobs, frozen, group)
+            width = self._spec.sizes(jobs[0][1])[group]
+            log(INFO, "\t└──> FedMA matched group %r: %d global units", group, width)
+            return None, MetricRecord({**metrics, "matched-groups": self._matched, "global-size": width})
+        self._run = None
+        if kind == "error":
+            self.error = value
+            raise value
+        result: FedMAResult = value
+        self.fedma_result = result
+        self._final_round = server_round
+        log(INFO, "\t└──> FedMA finished: global sizes %s, %d nodes dropped", result.sizes, len(self.dropped))
+        metrics.update({"global-sizes": [int(s) for s in result.sizes.values()], "fedma-rounds": result.rounds,
+                        "bytes-up": result.bytes_up, "bytes-down": result.bytes_down,
+                        "dropped-nodes": len(self.dropped)})
+        return state_to_record(result.state_dict), MetricRecord(metrics)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """Federated evaluation of the global network, after the last round only.
+
+        Parameters
+        ----------
+        server_round : int
+        arrays : ArrayRecord
+        config : ConfigRecord
+        grid : Grid
+
+        Returns
+        -------
+        list of Message
+        """
+        if self.fedma_result is None or server_round != self._final_round:
+            return []
+        return super().configure_evaluate(server_round, arrays, config, grid)
+
+
+def _mismatch(sent: dict, state: dict, node: int) -> str | None:
+    """Why a retrained network cannot be the one sent (other entries or shapes), or ``None``."""
+    if set(state) != set(sent):
+        return f"node {node}: entries {sorted(set(state) ^ set(sent))[:4]} differ from the ones sent"
+    for k, v in sent.items():
+        if np.shape(state[k]) != np.shape(v):
+            return f"node {node}: {k!r} has shape {np.shape(state[k])}, it was sent with {np.shape(v)}"
+    return None
