@@ -316,8 +316,7 @@ def _run_fuse(args: argparse.Namespace) -> int:
                             summaries=args.summaries, like=_user_model(args.model))
     source = (report.get("architecture") or {}).get("source") or ""
     if source.startswith("entry names"):
-        print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)",
-              file=sys.stderr)
+        print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)")
     used = report["summaries"].get("used", False)
     posterior = f" and {report['posterior']['file']}" if report["posterior"] else ""
     print(f"fused {len(args.models)} models with {args.method} "

@@ -52,7 +52,7 @@ def test_a_plain_chain_read_off_names_is_said_so(tmp_path, capsys):
     out = tmp_path / "fused.pt"
     assert main(["fuse", *paths, "--method", "pfnm", "--out", str(out)]) == 0
     captured = capsys.readouterr()
-    assert "architecture read from the files' entry names, as a plain chain" in captured.err
+    assert "architecture read from the files' entry names, as a plain chain" in captured.out
     assert json.loads((tmp_path / "fused.pt.json").read_text())["architecture"]["source"] == \
         "entry names, as a plain chain"
     assert bayesfuse.load(out, like=MyMLP())(torch.zeros(2, 64)).shape == (2, 10)
