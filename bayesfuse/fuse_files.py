@@ -412,8 +412,9 @@ def fuse_files(
             _check_like(like, fused_sd)
     report = {
         "method": method,
-        "architecture": None if all(is_bnn) else {"groups": list(spec.groups), "source": source,
-                                                  "spec_file": str(spec_path) if spec_path else None},
+        "architecture": None if all(is_bnn) else {
+            "groups": list(spec.groups), "source": source, "spec_file": str(spec_path) if spec_path else None,
+            "network": None if like is None else f"{type(like).__module__}:{type(like).__qualname__}"},
         "hyper": jsonable(fused.hyper),
         "hyper_given": jsonable(hyper),
         "seed": seed,

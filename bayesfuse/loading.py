@@ -57,7 +57,9 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
     like : nn.Module, optional
         A network of the same architecture (any widths): the template for networks bayesfuse
         cannot recognise from their entry names, or with position-aware layers (which hold no
-        entries of their own). The file's entries are checked against its traced spec
+        entries of their own). A file fused with ``bayesfuse fuse --model MODULE:NAME`` loads
+        without it when ``MODULE`` is imported already (nothing is imported because a file says
+        so). The file's entries are checked against its traced spec
         (:func:`~bayesfuse.nets.tracing.spec_from_module`) and the rebuilt network is run once
         on an example input (:func:`~bayesfuse.nets.graph_spec.example_input_for`) before it
         is returned.
@@ -95,12 +97,14 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
         try:
             model = _recognised(state, name, n_features)
         except ValueError:
-            source = ((load_report(path) or {}).get("architecture") or {}).get("source") or ""
-            if source.startswith("traced from "):
-                network = source[len("traced from "):]
-                raise ValueError(f"{name} was fused from your network {network}: load it with like=, e.g. "
-                                 f"bayesfuse.load({str(path)!r}, like={network.rpartition('.')[2]}())") from None
-            raise
+            network = ((load_report(path) or {}).get("architecture") or {}).get("network")
+            if not network:
+                raise
+            template = _imported_network(network)
+            if template is None:
+                raise ValueError(f"{name} was fused from your network {network}: import it, or load with like=, "
+                                 f"e.g. bayesfuse.load({str(path)!r}, like={network.rpartition(':')[2]}())") from None
+            model = _like(template, state, name)
     if posterior and posterior_path(path).is_file():
         model = _with_posterior(model, posterior_path(path), state, name)
     model.fusion_report = load_report(path)
@@ -110,6 +114,25 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
 
         model.fusion = read_fusion(fusion_path(path), model, state, name)
     return model.eval()
+
+
+def _imported_network(network: str) -> nn.Module | None:
+    """The network ``"module:Class"`` the report names, built with no arguments, when its module is
+    imported already (a file names it, so nothing is imported on its say); None otherwise."""
+    import sys
+
+    module_name, _, qualname = network.partition(":")
+    module = sys.modules.get(module_name)
+    factory = module
+    for part in qualname.split("."):
+        factory = getattr(factory, part, None)
+    if module is None or not callable(factory):
+        return None
+    try:
+        model = factory()
+    except Exception:  # a class that needs arguments: the caller gives like=
+        return None
+    return model if isinstance(model, nn.Module) else None
 
 
 def _like(like: nn.Module, state: dict, name: str) -> nn.Module:

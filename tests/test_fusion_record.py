@@ -91,13 +91,22 @@ def test_a_record_beside_another_model_is_refused(tmp_path):
         bayesfuse.load(out)
 
 
-def test_a_file_fused_from_the_users_network_names_it_when_loaded_without_it(tmp_path):
+def test_a_file_fused_from_the_users_network_loads_when_its_module_is_imported(tmp_path, monkeypatch):
     models = [_random(ResMLP, s) for s in range(2)]
     out = _fuse_files(tmp_path, models, "--method", "pfnm", "--model", "tests.nets.user_nets:ResMLP")
-    with pytest.raises(ValueError, match=r"fused from your network tests.nets.user_nets.ResMLP: load it with like=.*"
-                                         r"like=ResMLP\(\)"):
+    report = json.loads((tmp_path / "f.pt.json").read_text())
+    assert report["architecture"]["network"] == "tests.nets.user_nets:ResMLP"
+    loaded = bayesfuse.load(out)  # the module is imported (by this test): the network is rebuilt from it
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), bayesfuse.load(out, like=ResMLP())(x))
+    import sys
+
+    monkeypatch.delitem(sys.modules, "tests.nets.user_nets")  # not imported: named, never imported for the file
+    with pytest.raises(ValueError, match=r"fused from your network tests.nets.user_nets:ResMLP: import it, or load "
+                                         r"with like=.*like=ResMLP\(\)"):
         bayesfuse.load(out)
-    assert bayesfuse.load(out, like=ResMLP()).fusion.sizes[0] >= 32
+    assert "tests.nets.user_nets" not in sys.modules
 
 
 def test_fused_bnn_files_keep_their_layer_record(tmp_path):
