@@ -17,6 +17,9 @@ __all__ = [
     "predictive_entropy",
     "expected_calibration_error",
     "ood_auroc",
+    "ood_roc_curve",
+    "bootstrap_ood_auroc",
+    "ood_auroc_interval",
     "evaluate",
     "assignment_accuracy",
     "pair_scores",
@@ -86,6 +89,17 @@ def expected_calibration_error(probs: np.ndarray, y: np.ndarray, *, n_bins: int 
     return float(gap.sum() / count.sum())
 
 
+def _scores(score_in: np.ndarray, score_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both samples of scores as flat float64 arrays, checked as :func:`ood_auroc` checks them."""
+    s_in = np.asarray(score_in, dtype=np.float64).ravel()
+    s_out = np.asarray(score_out, dtype=np.float64).ravel()
+    if s_in.size == 0 or s_out.size == 0:
+        raise ValueError("ood_auroc needs at least one in-distribution and one OOD score")
+    if not (np.isfinite(s_in).all() and np.isfinite(s_out).all()):
+        raise ValueError("scores contain NaN or infinite values")
+    return s_in, s_out
+
+
 def ood_auroc(score_in: np.ndarray, score_out: np.ndarray) -> float:
     """AUROC of telling out-of-distribution from in-distribution examples by a score.
 
@@ -93,15 +107,73 @@ def ood_auroc(score_in: np.ndarray, score_out: np.ndarray) -> float:
     probability that a random OOD example scores higher than a random in-distribution one,
     ties counting one half (the Mann-Whitney U statistic divided by ``n_in * n_out``).
     """
-    s_in = np.asarray(score_in, dtype=np.float64).ravel()
-    s_out = np.asarray(score_out, dtype=np.float64).ravel()
-    if s_in.size == 0 or s_out.size == 0:
-        raise ValueError("ood_auroc needs at least one in-distribution and one OOD score")
-    if not (np.isfinite(s_in).all() and np.isfinite(s_out).all()):
-        raise ValueError("scores contain NaN or infinite values")
+    s_in, s_out = _scores(score_in, score_out)
     ranks = rankdata(np.concatenate([s_in, s_out]))
     u = ranks[s_in.size :].sum() - s_out.size * (s_out.size + 1) / 2.0
     return float(u / (s_in.size * s_out.size))
+
+
+def ood_roc_curve(score_in: np.ndarray, score_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ROC curve of flagging as OOD every example that scores at least ``t``, over every threshold.
+
+    For each distinct score ``t`` (descending), the false positive rate
+    ``FPR(t) = #{in >= t} / n_in`` and the true positive rate ``TPR(t) = #{out >= t} / n_out``,
+    after the point (0, 0). The area under the curve by the trapezoid rule is :func:`ood_auroc`
+    (a tie between an in- and an OOD score is a diagonal step, which counts one half).
+
+    Returns
+    -------
+    (fpr, tpr) : float64 arrays from 0 to 1.
+    """
+    s_in, s_out = _scores(score_in, score_out)
+    thresholds = np.unique(np.concatenate([s_in, s_out]))[::-1]
+    fpr = (len(s_in) - np.searchsorted(np.sort(s_in), thresholds, side="left")) / len(s_in)
+    tpr = (len(s_out) - np.searchsorted(np.sort(s_out), thresholds, side="left")) / len(s_out)
+    return np.concatenate([[0.0], fpr]), np.concatenate([[0.0], tpr])
+
+
+#: Most ranks :func:`bootstrap_ood_auroc` holds at once (resamples times scores), about 16 MB.
+_BOOT_CHUNK = 2_000_000
+
+
+def bootstrap_ood_auroc(score_in: np.ndarray, score_out: np.ndarray, *, n_boot: int = 1000,
+                        seed: int = 0) -> np.ndarray:
+    """:func:`ood_auroc` of ``n_boot`` bootstrap resamples of the scores.
+
+    Each resample draws ``n_in`` in-distribution and ``n_out`` OOD scores with replacement, each
+    sample from its own (the two sets were collected apart, so their sizes stay fixed: a
+    stratified bootstrap). The resamples depend only on ``seed``, ``n_boot`` and the two sizes,
+    so models scored on the same examples with the same seed are resampled alike (paired).
+
+    Returns
+    -------
+    ndarray (n_boot,)
+    """
+    s_in, s_out = _scores(score_in, score_out)
+    if isinstance(n_boot, bool) or int(n_boot) != n_boot or n_boot < 1:
+        raise ValueError(f"n_boot must be a positive integer, got {n_boot!r}")
+    rng = np.random.default_rng(seed)
+    idx_in = rng.integers(0, len(s_in), size=(int(n_boot), len(s_in)))
+    idx_out = rng.integers(0, len(s_out), size=(int(n_boot), len(s_out)))
+    n = len(s_in) + len(s_out)
+    step = max(1, _BOOT_CHUNK // n)
+    out = np.empty(int(n_boot))
+    for i in range(0, int(n_boot), step):
+        ranks = rankdata(np.hstack([s_in[idx_in[i : i + step]], s_out[idx_out[i : i + step]]]), axis=1)
+        u = ranks[:, len(s_in) :].sum(1) - len(s_out) * (len(s_out) + 1) / 2.0
+        out[i : i + step] = u / (len(s_in) * len(s_out))
+    return out
+
+
+def ood_auroc_interval(score_in: np.ndarray, score_out: np.ndarray, *, n_boot: int = 1000, level: float = 0.95,
+                       seed: int = 0) -> tuple[float, float]:
+    """Bootstrap percentile interval of :func:`ood_auroc` at confidence ``level``: the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of :func:`bootstrap_ood_auroc`."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    draws = bootstrap_ood_auroc(score_in, score_out, n_boot=n_boot, seed=seed)
+    low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
 
 
 def evaluate(probs: np.ndarray, y: np.ndarray) -> dict[str, float]:

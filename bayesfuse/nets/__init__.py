@@ -8,11 +8,13 @@ from bayesfuse._lazy import lazy_exports
 _EXPORTS = {
     "MLP": "bayesfuse.nets.mlp",
     "predict_proba": "bayesfuse.nets.predict",
+    "predictive_proba": "bayesfuse.nets.predict",
 }
 
 __all__ = [
     "MLP",
     "predict_proba",
+    "predictive_proba",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

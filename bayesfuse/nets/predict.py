@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["predict_proba"]
+__all__ = ["predict_proba", "predictive_proba"]
 
 
 @torch.no_grad()
@@ -25,3 +27,23 @@ def predict_proba(model: nn.Module, x: np.ndarray | torch.Tensor, *, batch_size:
     finally:
         model.train(was_training)
     return torch.cat(chunks).numpy()
+
+
+def predictive_proba(model, x: np.ndarray, *, num_samples: int = 100, seed: int = 0) -> np.ndarray:
+    """The predictive probabilities (n, K) of any classifier: Bayesian ones by their Monte Carlo predictive.
+
+    A model with ``predict(x, num_samples=, seed=)`` (a BNN, a fused BNN with client heads, an
+    :class:`~bayesfuse.baselines.Ensemble`, a last-layer Laplace network) gives
+    ``model.predict(x, num_samples=num_samples, seed=seed)``; any other network
+    ``softmax(model(x))`` (:func:`predict_proba`). A fusion result (what :func:`bayesfuse.fuse`
+    returns) stands for its ``.model``.
+    """
+    if not isinstance(model, nn.Module) and isinstance(getattr(model, "model", None), nn.Module):
+        model = model.model
+    predict = getattr(model, "predict", None)
+    if callable(predict) and {"num_samples", "seed"} <= set(inspect.signature(predict).parameters):
+        return np.asarray(predict(x, num_samples=num_samples, seed=seed), dtype=np.float64)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"cannot get predictive probabilities from a {type(model).__name__}: give a network, a "
+                        "model with predict(x, num_samples=, seed=) or a fusion result")
+    return predict_proba(model, x)
