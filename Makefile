@@ -31,7 +31,7 @@ demo: venv
 # checks bayesfuse.curvature against BackPACK: installed without its dependencies, since its
 # torchvision requirement would replace the CPU torch pinned above with a CUDA build.
 $(FLOWER_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,flower]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,flower,apps]'
 	$(BIN)/python -m pip install --quiet --no-deps 'backpack-for-pytorch==1.7.1' 'einops>=0.6' 'unfoldNd>=0.2'
 	@touch $(FLOWER_STAMP)
 

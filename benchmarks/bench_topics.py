@@ -104,7 +104,11 @@ def main() -> None:
     if args.quick:
         args.splits, args.topics, args.words, args.max_per_outlet, args.iters = [0], 8, 1500, 120, 20
         args.method, args.regs = "numpy", [0.3, 1.0, 2.0]
-    articles = load_news_articles()
+    try:
+        articles = load_news_articles()
+    except FileNotFoundError as err:  # the data come from `make data`; say so and skip
+        print(f"skipped: {err}")
+        return
     runs = []
     for s in args.splits:
         t0 = time.perf_counter()

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_training.py", "bench_matching.py", "bench_klfusion.py", "bench_mixture_fusion.py",
               "bench_bnn_fusion.py", "bench_baselines.py", "bench_deep.py", "bench_fedma_sizes.py",
               "bench_fidelity.py", "bench_calibration.py", "bench_scale.py", "bench_wide_floor.py",
-              "bench_stopping.py", "bench_arviz.py"]
+              "bench_stopping.py", "bench_arviz.py", "bench_topics.py", "bench_hmm.py"]
 
 #: Each benchmark's smoke run: its options (``{out}`` is the output folder).
 QUICK = {
@@ -43,6 +43,9 @@ QUICK = {
     "bench_scale.py": ["--parts", "kl", "match", "device", "--kl-clients", "5", "--match-clients", "30",
                        "--device-clients", "30"],
     "bench_arviz.py": ["--repeats", "1"],
+    # real data from `make data` (each says "skipped" without it)
+    "bench_topics.py": ["--quick", "--out", "{out}"],
+    "bench_hmm.py": ["--quick", "--out", "{out}"],
 }
 #: Left out of ``--quick``: Fashion-MNIST only (the wide MLPs), or no setting small enough.
 FULL_ONLY = [name for name in BENCHMARKS if name not in QUICK]
