@@ -326,10 +326,6 @@ def _match_states(states, names, method, settings, *, spec, class_counts, seed, 
     layers = [result.layers[g] for g in spec.groups]
     hyper = {**settings, "seed": seed}
     if summaries is not None:
-        if any(np.ndim(states[0][k]) > 2 for k in spec.axes):
-            warnings.warn("client summaries on convolutional networks: fused ConvNets came out less accurate than "
-                          "the data-free default on digits (README, 'With client summaries'); compare with "
-                          "summaries=None on your data", UserWarning, stacklevel=5)
         bases = {g: Basis(result.layers[g].assignments, result.layers[g].n_global) for g in spec.groups}
         values, precision = laplace_fuse_entries(check_states(states, spec, names), [s.precision for s in summaries],
                                                  [s.prior_precision for s in summaries], spec, bases, output_shares(h))

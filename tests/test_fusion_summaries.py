@@ -59,7 +59,6 @@ def test_one_convnet_with_batch_norms_fuses_to_itself(federation):
         result = fuse([cnn], "pfnm", summaries=[summary])
     messages = [str(w.message) for w in caught]
     assert any("only one model" in m for m in messages)
-    assert any("convolutional networks" in m for m in messages)  # measured worse there: said, not silent
     x = torch.as_tensor(split.test.x[:40])
     with torch.no_grad():  # batch norms folded into the convolutions before them: the same function
         np.testing.assert_allclose(result.model.network(x).numpy(), cnn(x).numpy(), rtol=1e-4, atol=1e-4)

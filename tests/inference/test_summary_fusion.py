@@ -137,3 +137,24 @@ def test_batch_norm_folding_of_precisions():
     np.testing.assert_allclose(1 / pi["l0.bias"], c ** 2 / (ggn["l0.bias"] + 0.5) + 1 / (ggn["bn.bias"] + 0.5))
     np.testing.assert_allclose(pi["l1.weight"], ggn["l1.weight"] + 0.5)
     assert "bn.weight" not in pi and "bn.bias" not in pi
+
+
+def test_layers_reading_matched_channel_maps_keep_the_matching():
+    """Convolutions on matched channels and the dense layer reading them flattened are left to the
+    matching; the first convolution (inputs shared by all clients), later dense layers and the
+    output are fused by precision."""
+    from bayesfuse.inference.spec import Axis, conv
+    from bayesfuse.inference.summary_fusion import matched_filters
+
+    spec = chain(conv("c1", None, "P1"), conv("c2", "P1", "P2"), dense("d1", Axis("P2", inner=16), "P3"),
+                 dense("d2", "P3", "P4"), dense("out", "P4", None), output=("out.weight", "out.bias"))
+    assert matched_filters(spec) == {"c2.weight", "c2.bias", "d1.weight", "d1.bias"}
+    rng = np.random.default_rng(0)
+    shapes = {"c1.weight": (2, 1, 3, 3), "c1.bias": (2,), "c2.weight": (3, 2, 3, 3), "c2.bias": (3,),
+              "d1.weight": (4, 48), "d1.bias": (4,), "d2.weight": (5, 4), "d2.bias": (5,), "out.weight": (2, 5),
+              "out.bias": (2,)}
+    states = [{k: rng.normal(size=v) for k, v in shapes.items()} for _ in range(2)]
+    ggn = [{k: rng.uniform(0.5, 2, size=v) for k, v in shapes.items()} for _ in range(2)]
+    bases = {g: Basis([np.arange(n), np.arange(n)], n) for g, n in (("P1", 2), ("P2", 3), ("P3", 4), ("P4", 5))}
+    values, _ = laplace_fuse_entries(states, ggn, [1.0, 1.0], spec, bases, np.full((2, 2), 0.5))
+    assert set(values) == set(shapes) - matched_filters(spec)
