@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bayesfuse import fuse
+from bayesfuse.client_order import canonical_order
 from bayesfuse.core import fuse_states, input_kind
 from bayesfuse.inference.result import ConvergenceWarning, LayerResult
 from bayesfuse.models.bnn import HorseshoeBNN
@@ -33,8 +34,9 @@ def test_fuse_is_the_core_between_module_adapters(method):
     via_fuse = fuse(nets, method, class_counts=counts, seed=1, n_iter=3) if method != "fedavg" else fuse(
         nets, method, class_counts=counts)
     hyper = {"n_iter": 3} if method != "fedavg" else {}
-    core = fuse_states([numpy_state(m) for m in nets], method, spec=spec_from_module(nets[0]), class_counts=counts,
-                       seed=1, **hyper)
+    order = canonical_order(nets)  # fuse() fuses its inputs in this order (any order of the list gives it)
+    core = fuse_states([numpy_state(nets[j]) for j in order], method, spec=spec_from_module(nets[0]),
+                       class_counts=counts[order], seed=1, **hyper)
     fused = via_fuse.model.state_dict()
     assert list(core.state) == list(fused)
     for k, v in fused.items():
@@ -56,7 +58,7 @@ def test_spec_is_derived_from_the_entries_when_not_given():
 
 def test_bnn_states_fuse_to_a_bnn_state():
     bnns = _bnns()
-    core = fuse_states([b.state_dict() for b in bnns], "kl")
+    core = fuse_states([bnns[j].state_dict() for j in canonical_order(bnns)], "kl")  # fuse()'s order
     assert core.kind == "bnn" and core.groups == ("units",)
     model = HorseshoeBNN.from_state_dict(core.state)
     via_fuse = fuse(bnns, "kl").model.state_dict()

@@ -3,13 +3,13 @@ aggregation that sums class counts (:mod:`bayesfuse.integrations.flower`)."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from bayesfuse.checkpoints import tensors_sha256
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.summaries import (
     SUMMARY_FORMAT,
@@ -162,7 +162,10 @@ def _metric_record(content: RecordDict) -> MetricRecord | None:
 
 
 def state_digest(state) -> str:
-    """sha256 of a state_dict's names and bytes: the canonical order of replies.
+    """The digest that orders replies: :func:`~bayesfuse.checkpoints.tensors_sha256` of the state
+    (names, dtypes, shapes, bytes), the rule by which ``bayesfuse fuse`` orders files and
+    :func:`bayesfuse.fuse` its models (:mod:`bayesfuse.client_order`), so the same networks fuse
+    alike through every entry point.
 
     Parameters
     ----------
@@ -172,10 +175,5 @@ def state_digest(state) -> str:
     -------
     str
     """
-    h = hashlib.sha256()
-    for k, v in state.items():
-        h.update(k.encode())
-        h.update(np.ascontiguousarray(np.asarray(v, dtype=np.float32 if np.issubdtype(np.asarray(v).dtype, np.floating)
-                                                 else None)).tobytes())
-    return h.hexdigest()
+    return tensors_sha256({k: torch.as_tensor(np.ascontiguousarray(np.asarray(v))) for k, v in state.items()})
 
