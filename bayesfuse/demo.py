@@ -159,13 +159,20 @@ class DemoResult:
         return format_table(shown)
 
 
-def format_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
-    """Fixed-width text table of ``rows`` (floats to 4 significant decimals)."""
+#: Columns that count things (units, rounds): printed as integers.
+COUNT_COLUMNS = ("hidden", "rounds")
 
-    def cell(v) -> str:
+
+def format_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
+    """Fixed-width text table of ``rows`` (floats to 4 decimals; counts such as ``hidden`` and
+    ``rounds``, means over one seed stored as floats, as integers)."""
+
+    def cell(v, column: str) -> str:
+        if isinstance(v, float) and column in COUNT_COLUMNS and v.is_integer():
+            return str(int(v))
         return f"{v:.4f}" if isinstance(v, float) else str(v)
 
-    cells = [[cell(r[c]) for c in columns] for r in rows]
+    cells = [[cell(r[c], c) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     line = lambda vals: "  ".join(  # noqa: E731
         v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths))

@@ -65,6 +65,40 @@ def json_default(value):
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def machine() -> dict:
+    """Where and when a benchmark ran: CPU model, cores, OS, Python, torch and the UTC date."""
+    import datetime
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": cores, "os": platform.platform(terse=True), "python": platform.python_version(),
+            "torch": torch_version,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def write_record(path: str | os.PathLike, *, benchmark: str, options: Sequence[str], seconds: float,
+                 returncode: int, output: str, figures: Sequence[str] = (), **extra) -> Path:
+    """Write one benchmark run as JSON (``run_all.py``; the documentation's benchmarks page reads it):
+    the script, its options, the tables it printed, the figures it wrote, its time, the machine and date."""
+    import json
+
+    record = {"benchmark": benchmark, "options": list(options), "seconds": round(seconds, 1),
+              "returncode": returncode, "machine": machine(), "output": output, "figures": list(figures), **extra}
+    return write_text(path, json.dumps(record, indent=1, default=json_default) + "\n")
+
+
 # --------------------------------------------------------------------------- trained clients
 
 

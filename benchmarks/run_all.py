@@ -3,7 +3,9 @@
 Usage: python benchmarks/run_all.py [--quick] [--only bench_matching.py ...]
 
 Without ``--quick``: every benchmark at its defaults (Fashion-MNIST where it uses a data set;
-about an hour on 2 cores), each table kept in ``bench-results/<name>.txt``. With ``--quick``: each
+about an hour on 2 cores), each table kept in ``bench-results/<name>.txt``, and with the machine,
+date, time and figures in ``bench-results/<name>.json`` (:func:`common.write_record`; the
+documentation's benchmarks page is generated from these). With ``--quick``: each
 benchmark's smoke run (:data:`QUICK`: the embedded digits, one seed, few epochs, small
 simulated problems; minutes in all), output in ``bench-results/quick/``; the benchmarks that
 need Fashion-MNIST or have no small setting (:data:`FULL_ONLY`) are left out. Timings are in
@@ -18,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS
+from common import RESULTS, write_record
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_training.py", "bench_matching.py", "bench_klfusion.py", "bench_mixture_fusion.py",
@@ -66,14 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         options = [o.format(out=out_dir) for o in QUICK[name]] if args.quick else []
         print(f"== {name} {' '.join(options)}".rstrip(), flush=True)
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.time()
         proc = subprocess.run([sys.executable, str(HERE / name), *options], capture_output=True, text=True)
+        seconds = time.perf_counter() - start
         print(proc.stdout, end="")
-        print(f"({name}: {time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+        print(f"({name}: {seconds:.0f} s)", file=sys.stderr, flush=True)
         if proc.returncode != 0:
             print(proc.stderr, file=sys.stderr)
             failed.append(name)
         (out_dir / f"{Path(name).stem}.txt").write_text(proc.stdout)
+        figures = sorted(p.name for p in out_dir.glob("*.png") if p.stat().st_mtime >= started)
+        write_record(out_dir / f"{Path(name).stem}.json", benchmark=name, options=options, seconds=seconds,
+                     returncode=proc.returncode, output=proc.stdout, figures=figures, quick=args.quick)
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
     return 1 if failed else 0

@@ -1,4 +1,5 @@
-"""Every Python block of README.md runs on its own, in a fresh interpreter.
+"""Every Python block of README.md and of the user guide (docs/guide/*.md) runs on its own, in a
+fresh interpreter.
 
 Blocks are run as written except for the sizes in ``SMALL``: the documented switch that keeps
 the suite fast (fewer epochs and samples; each replacement must match, so a README edit that
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: The pages whose Python blocks run: the README and the user guide's (MyST) pages.
+PAGES = [README, *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 
 #: (text in a block, what the suite runs instead): training lengths and sample counts only.
 SMALL = {
@@ -26,21 +30,26 @@ SMALL = {
 NEEDS = {"flwr": "flower"}
 
 
-def blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+def blocks() -> list[tuple[str, str]]:
+    """(where, code) of every ```python block of :data:`PAGES`; where is ``PAGE:N``."""
+    found = []
+    for page in PAGES:
+        code = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
+        found += [(f"{page.relative_to(ROOT)}:{i + 1}", c) for i, c in enumerate(code)]
+    return found
 
 
-def test_the_readme_has_python_blocks_and_every_small_size_is_used():
-    text = "".join(blocks())
+def test_the_readme_and_guide_have_python_blocks_and_every_small_size_is_used():
+    text = "".join(code for _, code in blocks())
     assert len(blocks()) >= 7
+    assert any(where.startswith("README.md:") for where, _ in blocks()), "the README has no Python example"
     unused = [k for k in SMALL if k not in text]
-    assert not unused, f"README no longer contains {unused}: update SMALL in {__file__}"
+    assert not unused, f"README and guide no longer contain {unused}: update SMALL in {__file__}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(blocks())))
-def test_a_readme_block_runs_on_its_own(index, tmp_path):
-    code = blocks()[index]
+@pytest.mark.parametrize("where,code", blocks(), ids=[where for where, _ in blocks()])
+def test_a_readme_block_runs_on_its_own(where, code, tmp_path):
     for module, extra in NEEDS.items():
         if re.search(rf"^\s*(from|import) {module}\b", code, flags=re.M) and importlib.util.find_spec(module) is None:
             pytest.skip(f"needs the {extra} extra")
@@ -48,4 +57,4 @@ def test_a_readme_block_runs_on_its_own(index, tmp_path):
         code = code.replace(text, small)
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={"MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
-    assert proc.returncode == 0, f"README block {index + 1}:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{where}:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"

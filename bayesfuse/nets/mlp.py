@@ -14,7 +14,7 @@ __all__ = ["MLP"]
 
 
 class MLP(nn.Module):
-    """Fully connected ReLU network ``in_features -> hidden[0] -> ... -> n_classes``.
+    """Fully connected ReLU network ``in_features -> *hidden -> n_classes``.
 
     The linear layers live in ``self.layers`` so the state_dict keys are
     ``layers.{i}.weight`` (shape ``[out, in]``) and ``layers.{i}.bias``; ``forward`` returns
