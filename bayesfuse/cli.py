@@ -314,14 +314,14 @@ def _run_fuse(args: argparse.Namespace) -> int:
                             spec_path=args.arch_spec, device=args.device, dtype=args.dtype,
                             class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
                             summaries=args.summaries, like=_user_model(args.model))
-    source = (report.get("architecture") or {}).get("source") or ""
-    if source.startswith("entry names"):
-        print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)")
     used = report["summaries"].get("used", False)
     posterior = f" and {report['posterior']['file']}" if report["posterior"] else ""
     print(f"fused {len(args.models)} models with {args.method} "
           f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "
           f"wrote {args.out}, {args.out}.json{posterior} ({report['seconds']:.1f} s)")
+    source = (report.get("architecture") or {}).get("source") or ""
+    if source.startswith("entry names"):
+        print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)")
     inner = [f"{f['path']}[{f['state_dict_key']!r}]" for f in report["inputs"] if f.get("state_dict_key")]
     if inner:
         print(f"note: {'a checkpoint dict' if len(inner) == 1 else 'checkpoint dicts'}: fused the state_dict in "
