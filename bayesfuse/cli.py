@@ -159,11 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shared-init", action="store_true",
                       help="all clients start from one initial network (as FedAvg assumes); "
                       "default: each client draws its own, as separately trained models do")
-    demo.add_argument("--arch", default="mlp", choices=["mlp", "cnn", "lstm"],
-                      help="local networks: MLP (--hidden), ConvNet (--channels, then --hidden dense layers) "
-                      "or LSTM over image rows (first --hidden width) (default: mlp)")
+    demo.add_argument("--arch", default="mlp", choices=["mlp", "cnn", "lstm", "resnet20", "resnet18"],
+                      help="local networks: MLP (--hidden), ConvNet (--channels, then --hidden dense layers), "
+                      "LSTM over image rows (first --hidden width) or ResNet-20 / ResNet-18 (--width) (default: mlp)")
     demo.add_argument("--channels", type=_widths, default=(16, 32),
                       help="cnn: channels of the conv-BN-ReLU-maxpool blocks (default: 16,32)")
+    demo.add_argument("--width", type=_positive_float, default=1.0,
+                      help="resnet20, resnet18: width multiplier of every stage's channels (default: 1)")
     demo.add_argument("--methods", type=_methods, default=methods.names("network", featured=True),
                       help="comma-separated methods after local/ensemble/fedavg, from pfnm, nafi, fedma, "
                       "fedma-nafi, fedavg-rounds (FedAvg with as many rounds as FedMA) (default: pfnm,nafi)")
@@ -254,7 +256,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     config = DemoConfig(
         dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=args.seed,
         hidden=args.hidden, epochs=args.epochs, shared_init=args.shared_init,
-        data_path=args.data_path, arch=args.arch, channels=args.channels, methods=args.methods,
+        data_path=args.data_path, arch=args.arch, channels=args.channels, width=args.width, methods=args.methods,
         retrain_epochs=args.retrain_epochs, pan=args.pan, hyper=hyper_for_methods(args.hyper, args.methods),
     )
     result = run_demo(config, seeds=args.seeds, out=args.out, force=args.force,

@@ -36,7 +36,8 @@ class TrainConfig:
 
     ``arch`` picks the network (:func:`bayesfuse.nets.arch.make_model`): ``"mlp"`` with
     ``hidden`` widths, ``"cnn"`` with ``channels`` then ``hidden``, ``"lstm"`` with
-    ``hidden[0]`` states; ``pan`` adds position-aware neurons (:mod:`bayesfuse.nets.pans`).
+    ``hidden[0]`` states, ``"resnet20"`` / ``"resnet18"`` with the width multiplier ``width``
+    (:mod:`bayesfuse.nets.resnet`); ``pan`` adds position-aware neurons (:mod:`bayesfuse.nets.pans`).
 
     ``num_threads=1`` is the default because these small networks train faster on one thread
     than on two on a 2-core machine (see ``benchmarks/bench_training.py``); ``None`` leaves
@@ -46,6 +47,7 @@ class TrainConfig:
     hidden: tuple[int, ...] = (100,)
     arch: str = "mlp"
     channels: tuple[int, ...] = (16, 32)
+    width: float = 1.0
     pan: PANConfig | None = None
     epochs: int = 10
     lr: float = 0.01
@@ -60,6 +62,8 @@ class TrainConfig:
         object.__setattr__(self, "channels", tuple(int(c) for c in self.channels))
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.arch!r}; known: {', '.join(ARCHITECTURES)}")
+        if not self.width > 0:
+            raise ValueError(f"width must be positive, got {self.width}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if not self.lr > 0:
@@ -139,7 +143,7 @@ def new_model(n_features: int, n_classes: int, config: TrainConfig) -> nn.Module
     torch's defaults, which they need to train at all at these depths.
     """
     return make_model(config.arch, n_features, n_classes, hidden=config.hidden, channels=config.channels,
-                      pan=config.pan)
+                      pan=config.pan, width=config.width)
 
 
 def train_model(

@@ -29,6 +29,20 @@ def randomise(model: nn.Module, seed: int) -> nn.Module:
     return model.eval()
 
 
+def far_from_identity_norms(model: nn.Module) -> nn.Module:
+    """Batch norms (running statistics and affine) and layer norms drawn far from the identity, in
+    place, so that a test of folding or permuting them can fail."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+            if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm)):
+                m.weight.uniform_(0.5, 2)
+                m.bias.uniform_(-1, 1)
+    return model
+
+
 def varied_bnn(in_features: int, hidden, n_classes: int, *, seed: int, spread: float, scale_low: float,
                scale_span: float, **model_kwargs):
     """A HorseshoeBNN whose guide has varied means and variances (the initial guide is too uniform

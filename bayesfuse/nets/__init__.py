@@ -1,4 +1,5 @@
-"""Torch plumbing: network definitions, neurons out of modules and fused modules back."""
+"""Torch plumbing: network definitions (the reference ResNets among them), neurons out of modules and fused
+modules back."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ _EXPORTS = {
     "MLP": "bayesfuse.nets.mlp",
     "predict_proba": "bayesfuse.nets.predict",
     "predictive_proba": "bayesfuse.nets.predict",
+    "resnet18": "bayesfuse.nets.resnet",
+    "resnet20": "bayesfuse.nets.resnet",
 }
 
 __all__ = [
     "MLP",
     "predict_proba",
     "predictive_proba",
+    "resnet18",
+    "resnet20",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -3,7 +3,8 @@
 * :func:`make_cnn`: a small ConvNet (conv-BN-ReLU-maxpool blocks, then dense layers) as an
   ``nn.Sequential`` taking flat images, so every dataset here feeds it unchanged.
 * :class:`LSTMClassifier`: reads an image row by row (FedMA's LSTM case, section 2.2).
-* :func:`make_model`: ``"mlp" | "cnn" | "lstm"`` by name.
+* :func:`make_model`: ``"mlp" | "cnn" | "lstm" | "resnet20" | "resnet18"`` by name (the ResNets
+  in :mod:`bayesfuse.nets.resnet`).
 * :func:`rebuild`: a copy of a network whose layers take the shapes of a (fused, wider)
   state_dict, loaded with it.
 """
@@ -11,27 +12,21 @@
 from __future__ import annotations
 
 import copy
-import math
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from bayesfuse.inference.spec import PermutationSpec, chain, dense, lstm
+from bayesfuse.nets.images import image_shape
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
+from bayesfuse.nets.resnet import resnet18, resnet20
 
 __all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "check_runs", "image_shape"]
 
-ARCHITECTURES = ("mlp", "cnn", "lstm")
-
-
-def image_shape(n_features: int) -> tuple[int, int, int]:
-    """``(1, side, side)`` for square greyscale images flattened to ``n_features``."""
-    side = math.isqrt(n_features)
-    if side * side != n_features:
-        raise ValueError(f"{n_features} features are not a square greyscale image; cnn and lstm need one")
-    return (1, side, side)
+ARCHITECTURES = ("mlp", "cnn", "lstm", "resnet20", "resnet18")
+_RESNETS = {"resnet20": resnet20, "resnet18": resnet18}
 
 
 def make_cnn(n_features: int, n_classes: int, *, channels: Sequence[int] = (16, 32), hidden: Sequence[int] = (64,),
@@ -82,8 +77,14 @@ class LSTMClassifier(nn.Module):
 
 
 def make_model(arch: str, n_features: int, n_classes: int, *, hidden: Sequence[int] = (100,),
-               channels: Sequence[int] = (16, 32), pan: PANConfig | None = None) -> nn.Module:
-    """A fresh network by name: ``"mlp"`` (:class:`MLP`), ``"cnn"`` (:func:`make_cnn`), ``"lstm"``."""
+               channels: Sequence[int] = (16, 32), pan: PANConfig | None = None, width: float = 1.0) -> nn.Module:
+    """A fresh network by name: ``"mlp"`` (:class:`MLP`), ``"cnn"`` (:func:`make_cnn`), ``"lstm"``, or
+    ``"resnet20"`` / ``"resnet18"`` (:mod:`bayesfuse.nets.resnet`, ``width`` their width multiplier;
+    ``hidden`` and ``channels`` are the other architectures')."""
+    if arch in _RESNETS:
+        if pan is not None:
+            raise ValueError("position-aware neurons are not defined for the ResNets here")
+        return _RESNETS[arch](n_features, n_classes, width=width)
     if arch == "mlp":
         return MLP(n_features, hidden, n_classes, pan=pan)
     if arch == "cnn":

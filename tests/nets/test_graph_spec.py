@@ -14,6 +14,7 @@ import bayesfuse
 from bayesfuse.inference.spec import permute, random_permutations
 from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
+from tests.helpers import far_from_identity_norms
 from tests.nets.user_nets import Attention, MyMLP, ResMLP, SkipCNN, TokenMixer
 
 NETS = [MyMLP, ResMLP, SkipCNN, TokenMixer]
@@ -26,16 +27,7 @@ def _random(cls, seed: int) -> nn.Module:
         for name, p in model.named_parameters():
             if name in ("cls", "pos"):
                 p.normal_()
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):  # running statistics that are not the identity
-                m.running_mean.uniform_(-1, 1)
-                m.running_var.uniform_(0.5, 2)
-                m.weight.uniform_(0.5, 2)
-                m.bias.uniform_(-1, 1)
-            if isinstance(m, nn.LayerNorm):
-                m.weight.uniform_(0.5, 2)
-                m.bias.uniform_(-1, 1)
-    return model.eval()
+    return far_from_identity_norms(model).eval()
 
 
 def _permuted(model: nn.Module, seed: int) -> nn.Module:
