@@ -43,7 +43,7 @@ def _blas_controller():
     return ThreadpoolController()
 
 
-def _blas_threads(limit: int | None, backend: Backend = NUMPY):
+def blas_threads(limit: int | None, backend: Backend = NUMPY):
     """Context running BLAS on at most ``limit`` threads (threadpoolctl; unchanged when None or
     when threadpoolctl is missing), and torch's CPU operations too for a torch backend on the
     CPU. The limit is process-wide while it lasts."""
@@ -230,7 +230,7 @@ def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, 
     # Small per-client products gain little from several BLAS threads and, on a shared machine, lose
     # much waiting for a busy core at every product: run them on one.
     largest = max(len(v) for v in layers) * D * max(atoms.n, max(len(v) for v in layers))
-    with _blas_threads(1 if largest <= SINGLE_THREAD_PRODUCT else None, backend):
+    with blas_threads(1 if largest <= SINGLE_THREAD_PRODUCT else None, backend):
         for sweep in bar:
             changed, relabelled = 0, False
             # Whether the atoms are those posterior_stats gives for the assignments at the start of the sweep.
