@@ -1,8 +1,8 @@
 """Scale: KL-fusion for tens to a hundred clients, matching for a thousand, wide layers.
 
-Usage: python benchmarks/bench_scale.py [--parts kl match wide conv device] [--kl-clients 5 20 50 100]
+Usage: python benchmarks/bench_scale.py [--parts kl match wide conv resnet18 device] [--kl-clients 5 20 50 100]
        [--match-clients 30 300 1000] [--device-clients 30 300] [--wide-backends numpy cuda-float32 ...]
-       [--wide-tols default 1 ...] [--data-path DIR] [--cache DIR]
+       [--wide-tols default 1 ...] [--resnet18-widths 1] [--data-path DIR] [--cache DIR]
 
 Every case runs in a fresh Python process, so ``peak`` is that case's own peak resident memory
 (inputs included; the inputs' size is printed beside it).
@@ -22,6 +22,15 @@ Every case runs in a fresh Python process, so ``peak`` is that case's own peak r
 * ``conv``: ``fuse(..., "pfnm")`` on 10 ConvNets whose conv layer has 512 channels
   (``make_cnn(784 -> 1x28x28, channels=(512,), hidden=(64,))``), clients being permuted copies
   of one random network plus N(0, 0.01^2) noise on every weight (no training needed to time it).
+  Goal: at most 1.5 GB (missed: the matching of the dense layer holds several (640, 100,363)
+  float64 arrays, see benchmarks/README.md).
+* ``resnet18``: ``fuse(..., "pfnm")`` on 10 ResNet-18 clients (``bayesfuse.nets.resnet.resnet18``,
+  11.2M parameters each at width 1; ``--resnet18-widths`` for others), permuted copies of one
+  random network (every residual stream and inner layer permuted) plus noise of a tenth of each
+  entry's standard deviation (an absolute N(0, 0.01^2) would exceed the weights of the
+  512-channel convolutions themselves, sd 0.0085). Goal: at most 2 minutes and 4 GB;
+  ``found`` is the fused network's units against one client's, ``recovery`` the groups whose
+  global width is the client's.
 
 * ``device``: the ``match`` problem (J clients x 100 neurons, D = 794, every hyper-parameter
   "auto") with the neurons as NumPy arrays, as torch CPU tensors in float64 and float32, and as
@@ -180,28 +189,39 @@ def case_wide(cache: str, backend: str = "numpy", tol: str = "default", data_pat
                 partition=hashlib.sha1(assignments).hexdigest()[:12])
 
 
+def _noisy_copies(model, spec, n: int, rng: np.random.Generator, noise) -> list:
+    """``n`` copies of ``model`` with every group of ``spec`` permuted at random and ``noise(v)``
+    (an array of ``v``'s shape) added to every floating entry ``v`` but scalars."""
+    import torch
+
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.state import numpy_state
+
+    state = numpy_state(model.state_dict())
+    clients = []
+    for _ in range(n):
+        perms = random_permutations(spec.sizes(state), rng)
+        noisy = {k: v + noise(v) if v.dtype.kind == "f" and v.ndim > 0 else v
+                 for k, v in permute(state, spec, perms).items()}
+        clients.append(rebuild(model, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in noisy.items()}))
+    return clients
+
+
 def case_conv() -> dict:
     import warnings
 
     import torch
 
     from bayesfuse import fuse
-    from bayesfuse.inference.spec import permute, random_permutations
-    from bayesfuse.nets.arch import make_cnn, rebuild
+    from bayesfuse.nets.arch import make_cnn
     from bayesfuse.nets.spec import spec_from_module
-    from bayesfuse.nets.state import numpy_state
 
     torch.manual_seed(0)
     model = make_cnn(784, 10, channels=(512,), hidden=(64,)).eval()
     spec = spec_from_module(model, torch.zeros(2, 784))
-    state = numpy_state(model.state_dict())
     rng = np.random.default_rng(0)
-    clients = []
-    for _ in range(10):
-        perms = random_permutations(spec.sizes(state), rng)
-        noisy = {k: v + 0.01 * rng.normal(size=v.shape) if v.dtype.kind == "f" and v.ndim > 0 else v
-                 for k, v in permute(state, spec, perms).items()}
-        clients.append(rebuild(model, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in noisy.items()}))
+    clients = _noisy_copies(model, spec, 10, rng, lambda v: 0.01 * rng.normal(size=v.shape))
     inputs_mb = sum(p.numel() * 4 for m in clients for p in m.parameters()) / 2**20
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -211,6 +231,40 @@ def case_conv() -> dict:
     return dict(problem="fuse 10 ConvNets, 512-channel conv layer (pfnm)", seconds=seconds, peak_mb=_peak_mb(),
                 inputs_mb=inputs_mb, found="/".join(map(str, res.sizes)), recovery="-", steps="-",
                 converged=res.converged)
+
+
+def case_resnet18(width: float = 1.0) -> dict:
+    """``fuse(..., "pfnm")`` on ten ResNet-18 clients (:func:`bayesfuse.nets.resnet.resnet18`, 11.2M
+    parameters each at width 1): permuted copies of one random network, every entry plus noise of
+    a tenth of its own standard deviation. ``recovery``: the share of groups whose global width is
+    the network's (every client's units matched to their own)."""
+    import warnings
+
+    import torch
+
+    from bayesfuse import fuse
+    from bayesfuse.nets.resnet import resnet18
+    from bayesfuse.nets.spec import spec_from_module
+
+    torch.manual_seed(0)
+    model = resnet18(width=width).eval()
+    spec = spec_from_module(model)
+    rng = np.random.default_rng(0)
+    clients = _noisy_copies(model, spec, 10, rng, lambda v: 0.1 * v.std() * rng.normal(size=v.shape))
+    widths = list(spec.sizes(model.state_dict()).values())
+    del model
+    inputs_mb = sum(p.numel() * 4 for m in clients for p in m.parameters()) / 2**20
+    n_params = sum(p.numel() for p in clients[0].parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = time.perf_counter()
+        res = fuse(clients, "pfnm", spec=spec)
+        seconds = time.perf_counter() - start
+    recovered = sum(g == w for g, w in zip(res.sizes, widths))
+    return dict(problem=f"fuse 10 ResNet-18 x {width:g} ({n_params / 1e6:.1f}M parameters each, pfnm)",
+                seconds=seconds, peak_mb=_peak_mb(), inputs_mb=inputs_mb,
+                found=f"{sum(res.sizes)}/{sum(widths)}", recovery=f"{recovered}/{len(widths)} groups",
+                steps=sum(layer.n_sweeps for layer in res.layers), converged=res.converged)
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -238,11 +292,13 @@ def _run_case(args: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["kl", "match", "wide", "conv", "device"],
-                        choices=["kl", "match", "wide", "conv", "device"])
+    parser.add_argument("--parts", nargs="+", default=["kl", "match", "wide", "conv", "resnet18", "device"],
+                        choices=["kl", "match", "wide", "conv", "resnet18", "device"])
     parser.add_argument("--kl-clients", type=int, nargs="+", default=[5, 20, 50, 100])
     parser.add_argument("--match-clients", type=int, nargs="+", default=[30, 300, 1000])
     parser.add_argument("--device-clients", type=int, nargs="+", default=[30, 300])
+    parser.add_argument("--resnet18-widths", type=float, nargs="+", default=[1.0], metavar="WIDTH",
+                        help="width multipliers of the ResNet-18 case (default: 1, 11.2M parameters per client)")
     parser.add_argument("--wide-backends", nargs="+", default=["numpy"], metavar="BACKEND",
                         help="numpy, or DEVICE-DTYPE such as cpu-float64 or cuda-float32 (default: numpy)")
     parser.add_argument("--wide-tols", nargs="+", default=["default"], metavar="TOL", type=_tol,
@@ -262,6 +318,8 @@ def main() -> None:
             row = case_wide(rest[0], rest[1], rest[2], rest[3] if len(rest) > 3 else None)
         elif kind == "device":
             row = case_device(int(rest[0]), rest[1])
+        elif kind == "resnet18":
+            row = case_resnet18(float(rest[0]))
         else:
             row = case_conv()
         print(json.dumps(row))
@@ -279,6 +337,8 @@ def main() -> None:
                  for t in args.wide_tols for b in args.wide_backends]
     if "conv" in args.parts:
         plan.append(["conv"])
+    if "resnet18" in args.parts:
+        plan += [["resnet18", str(w)] for w in args.resnet18_widths]
     if "device" in args.parts:
         plan += [["device", str(j), b] for j in args.device_clients for b in _device_backends()]
     rows = []

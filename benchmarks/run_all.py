@@ -24,7 +24,8 @@ from common import RESULTS, write_record
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_training.py", "bench_matching.py", "bench_klfusion.py", "bench_mixture_fusion.py",
-              "bench_bnn_fusion.py", "bench_baselines.py", "bench_deep.py", "bench_fedma_sizes.py",
+              "bench_bnn_fusion.py", "bench_baselines.py", "bench_deep.py", "bench_architectures.py",
+              "bench_fedma_sizes.py",
               "bench_fidelity.py", "bench_calibration.py", "bench_scale.py", "bench_wide_floor.py",
               "bench_stopping.py", "bench_arviz.py", "bench_topics.py", "bench_hmm.py"]
 
@@ -38,12 +39,13 @@ QUICK = {
     "bench_baselines.py": ["--dataset", "digits", "--seeds", "0", "--epochs", "3"],
     "bench_deep.py": ["--parts", "synthetic", "mlp", "cnn", "pans", "--dataset", "digits", "--epochs", "2",
                       "--cnn-epochs", "1", "--retrain-epochs", "1"],
+    "bench_architectures.py": ["--dataset", "digits", "--seeds", "0", "--epochs", "2", "--train-size", "0"],
     "bench_fedma_sizes.py": ["--dataset", "digits", "--noise-vars", "1", "3"],
     "bench_fidelity.py": ["--quick", "--out", "{out}"],
     "bench_calibration.py": ["--dataset", "digits", "--depths", "100", "--seeds", "0", "--inits", "shared",
                              "--epochs", "3"],
-    "bench_scale.py": ["--parts", "kl", "match", "device", "--kl-clients", "5", "--match-clients", "30",
-                       "--device-clients", "30"],
+    "bench_scale.py": ["--parts", "kl", "match", "resnet18", "device", "--kl-clients", "5", "--match-clients", "30",
+                       "--device-clients", "30", "--resnet18-widths", "0.25"],
     "bench_arviz.py": ["--repeats", "1"],
     # real data from `make data` (each says "skipped" without it)
     "bench_topics.py": ["--quick", "--out", "{out}"],

@@ -1,0 +1,184 @@
+"""Residual networks: every method on ResNet-20 clients of a heterogeneous federation.
+
+Usage: python benchmarks/bench_architectures.py [--dataset fashion-mnist] [--clients 10] [--alpha 0.5]
+       [--seeds 0 1 2] [--width 0.25] [--train-size 4000] [--test-size 5000] [--epochs 5] [--retrain-epochs 1]
+       [--methods fedavg ot pfnm nafi fedma fedavg-rounds] [--shared-init] [--data-path DIR]
+
+For each seed: ``--train-size`` training examples drawn at random (seeded) from the dataset's
+training set, split over ``--clients`` clients by Dirichlet(``--alpha``) class shares; one CIFAR-
+style ResNet-20 (He et al. 2016; ``bayesfuse.nets.resnet.resnet20``, 16/32/64 x ``--width``
+channels, batch norm, projection shortcuts) per client, trained ``--epochs`` epochs with the
+library's defaults (AMSGrad, learning rate 0.01, minibatches of 32; one torch thread), each
+client from its own initialisation unless ``--shared-init``. Then the global models:
+
+* ``local (mean)``: the clients' own networks, their metrics averaged; ``ensemble``: the
+  equal-weight mixture of their predictive distributions (all of them kept);
+* ``fedavg``: one-shot FedAvg (the clients' weights averaged by client size, no alignment);
+* ``ot``: OT fusion (Singh & Jaggi 2020) onto the widest client; ``pfnm``, ``nafi``: one-shot
+  matching, bottom-up, every hyper-parameter chosen from the models ("auto"); all three with
+  the permutations of each residual stream tied (Ainsworth et al. 2023) and batch norms folded
+  into the convolutions before them (the fused batch norms are identities);
+* ``fedma``: FedMA (Wang et al. 2020), one round per stream and inner layer (12) plus one for the
+  output layer, ``--retrain-epochs`` of client training after each;
+* ``fedavg xR rounds``: FedAvg from one shared initialisation for as many rounds R as FedMA uses,
+  ``--retrain-epochs`` each.
+
+Columns: test accuracy, NLL and ECE on ``--test-size`` examples drawn from the test set with the
+seed (the same for every method), mean +- sd over the seeds; the global model's parameters
+(``local``: one client's; ``ensemble``: all clients'); communication rounds after local training;
+seconds to build the global model (``local``: to train one client); CPU seconds to build and
+evaluate it (``local``: all clients).
+
+The defaults (width 0.25, 4,000 training and 5,000 test examples, 5 epochs, 1 retraining epoch)
+keep the run within about 20 minutes of CPU on 2 cores: one seed with the whole test set took
+513 s of CPU (training and evaluating the clients 133 s, FedMA 120 s, FedAvg at its rounds
+150 s, evaluating the fused networks, up to 50 times a client's size, 100 s). They were chosen
+from these times alone, never from test results. The run prints the CPU time it used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import torch
+from common import mean_sd
+
+from bayesfuse import fuse
+from bayesfuse.data import DataSplit, dirichlet_partition, load_dataset
+from bayesfuse.demo import format_table
+from bayesfuse.federated import run_fedavg
+from bayesfuse.inference.result import ConvergenceWarning
+from bayesfuse.metrics import evaluate
+from bayesfuse.nets.predict import predict_proba
+from bayesfuse.nets.tracing import spec_from_module
+from bayesfuse.train import TrainConfig, new_model, train_clients
+
+METHODS = ("fedavg", "ot", "pfnm", "nafi", "fedma", "fedavg-rounds")
+COLUMNS = ("method", "accuracy", "nll", "ece", "parameters", "rounds", "seconds", "cpu")
+
+
+def cpu_seconds() -> float:
+    """User and system CPU time of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def federation(args, seed: int) -> DataSplit:
+    """The dataset with ``args.train_size`` training and ``args.test_size`` test examples drawn with
+    ``seed`` (0: all), standardised on the training examples."""
+    split = load_dataset(args.dataset, seed=seed, path=args.data_path)
+    rng = np.random.default_rng(seed)
+    parts = []
+    for data, size in ((split.train, args.train_size), (split.test, args.test_size)):
+        parts.append(data.subset(np.sort(rng.choice(len(data), size, replace=False))) if 0 < size < len(data)
+                     else data)
+    return DataSplit(*parts).standardize()
+
+
+def probabilities(model: torch.nn.Module, x: np.ndarray, batch_size: int = 1000) -> np.ndarray:
+    """``predict_proba`` in batches small enough for a wide fused network's activations."""
+    return np.concatenate([predict_proba(model, x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+
+def n_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def row(method: str, metrics: dict, parameters: int, rounds: int, seconds: float, cpu: float) -> dict:
+    return {"method": method, "accuracy": metrics["accuracy"], "nll": metrics["nll"], "ece": metrics["ece"],
+            "parameters": int(parameters), "rounds": int(rounds), "seconds": float(seconds), "cpu": float(cpu)}
+
+
+def run_seed(args, seed: int) -> tuple[list[dict], str]:
+    """The rows of one seed, and the data they were measured on in words."""
+    split = federation(args, seed)
+    part = dirichlet_partition(split.train.y, args.clients, args.alpha, seed=seed)
+    config = TrainConfig(arch="resnet20", width=args.width, epochs=args.epochs, seed=seed, num_threads=1)
+    retrain = replace(config, epochs=args.retrain_epochs)
+    start, cpu = time.perf_counter(), cpu_seconds()
+    models = train_clients(split.train, part, config, shared_init=args.shared_init, verbose=False)
+    train_seconds = (time.perf_counter() - start) / len(models)
+    x, y = split.test.x, split.test.y
+    probs = [probabilities(m, x) for m in models]
+    size = n_parameters(models[0])
+    local = [evaluate(p, y) for p in probs]
+    rows = [row("local (mean)", {k: float(np.mean([m[k] for m in local])) for k in local[0]}, size, 0, train_seconds,
+                cpu_seconds() - cpu),
+            row("ensemble", evaluate(np.mean(probs, axis=0), y), size * len(models), 1, 0.0, 0.0)]
+    n_rounds = len(spec_from_module(models[0]).groups) + 1  # FedMA: each stream and inner layer, then fc
+    for method in args.methods:
+        cpu = cpu_seconds()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            if method == "fedavg-rounds":
+                torch.manual_seed(seed)
+                run = run_fedavg(new_model(split.n_features, split.n_classes, config), split.train, part, retrain,
+                                 rounds=n_rounds, verbose=False)
+                model, seconds, rounds, name = run.model, run.seconds, n_rounds, f"fedavg x{n_rounds} rounds"
+            else:
+                data = {"data": (split.train, part), "retrain": retrain} if method == "fedma" else \
+                    {"class_counts": part.counts}
+                result = fuse(models, method, seed=seed, **data)
+                model, seconds, rounds, name = result.model, result.seconds, result.hyper.get("rounds", 1), method
+        rows.append(row(name, evaluate(probabilities(model, x), y), n_parameters(model), rounds, seconds,
+                        cpu_seconds() - cpu))
+    return rows, f"{split.name}, {len(split.train)} training and {len(split.test)} test examples"
+
+
+def summary(per_seed: list[list[dict]]) -> list[dict]:
+    out = []
+    for i, first in enumerate(per_seed[0]):
+        group = [rows[i] for rows in per_seed]
+        cells = {"method": first["method"]}
+        for k in ("accuracy", "nll", "ece"):
+            cells[k] = mean_sd([r[k] for r in group])
+        cells["parameters"] = f"{np.mean([r['parameters'] for r in group]):,.0f}"
+        cells["rounds"] = str(first["rounds"])
+        cells["seconds"] = f"{np.mean([r['seconds'] for r in group]):.1f}"
+        cells["cpu"] = f"{np.mean([r['cpu'] for r in group]):.0f}"
+        out.append(cells)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--data-path", default=None, help="IDX directory (default: the Debian package's)")
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--width", type=float, default=0.25, help="ResNet-20 width multiplier (default: 0.25)")
+    parser.add_argument("--train-size", type=int, default=4000,
+                        help="training examples drawn from the training set; 0: all (default: 4000)")
+    parser.add_argument("--test-size", type=int, default=5000,
+                        help="test examples drawn from the test set, the same for every method; 0: all (default: 5000)")
+    parser.add_argument("--epochs", type=int, default=5, help="local training epochs (default: 5)")
+    parser.add_argument("--retrain-epochs", type=int, default=1,
+                        help="epochs of client training per FedMA / FedAvg round (default: 1)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--shared-init", action="store_true",
+                        help="clients start from one shared initialisation (default: each its own)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start, cpu = time.perf_counter(), cpu_seconds()
+    per_seed = []
+    init = "shared" if args.shared_init else "independent"
+    setting = (f"J={args.clients}, Dirichlet({args.alpha}), ResNet-20 x {args.width:g}, {args.epochs} local epochs, "
+               f"{args.retrain_epochs} per later round, {init} initialisation")
+    for seed in args.seeds:
+        rows, data = run_seed(args, seed)
+        per_seed.append(rows)
+        print(f"\nseed {seed}: {data}, {setting}")
+        print(format_table(rows, COLUMNS))
+    print(f"\nmean +- sd over seeds {', '.join(map(str, args.seeds))}: {data}, {setting}")
+    print(format_table(summary(per_seed), COLUMNS))
+    print(f"\n{time.perf_counter() - start:.0f} s wall, {cpu_seconds() - cpu:.0f} s CPU in all")
+
+
+if __name__ == "__main__":
+    main()
