@@ -106,3 +106,14 @@ def test_load_checks_the_file_against_the_network(tmp_path):
                  str(out)]) == 0
     with pytest.raises(ValueError, match="do not fit the template network"):
         bayesfuse.load(out, like=SkipCNN())
+
+
+def test_resnet_state_dicts_without_the_network_are_told_to_give_it(tmp_path, capsys):
+    from bayesfuse.nets.resnet import resnet20
+
+    torch.manual_seed(0)
+    paths = [str(save_state_dict(resnet20(width=0.25).state_dict(), tmp_path / f"r{j}.pt")) for j in range(2)]
+    assert main(["fuse", *paths, "--method", "pfnm", "--out", str(tmp_path / "f.pt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "do not chain as a plain network" in err and "--model MODULE:NAME" in err, err
+    assert not (tmp_path / "f.pt").exists()

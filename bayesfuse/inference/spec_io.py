@@ -305,7 +305,14 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
         raise ValueError(f"{name}: entries {extra[:5]} are not a plain chain's (Linear/Conv weights and biases, batch "
                          "norms), so its names cannot describe the network; give the network itself (like=model) "
                          "or a spec")
-    spec.check(state_dict, name)
+    try:
+        spec.check(state_dict, name)
+    except ValueError as err:
+        if not guessed:
+            raise
+        raise ValueError(f"{err}: its layers do not chain as a plain network (a residual network's shortcut, say), "
+                         "and a state_dict cannot show how they connect; give the network itself (like=model) or a "
+                         "spec") from None
     skip = possible_skip(state_dict, spec) if guessed else None
     if skip is not None:
         kind = "cnn" if any(k != "dense" for _, k in layers) else "mlp"
