@@ -373,11 +373,14 @@ def posterior_bytes(precision: dict, *, output: str, model_tensors: dict) -> byt
     return save(tensors, metadata=meta)
 
 
-def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str) -> tuple[str, dict]:
-    """The output layer's module name and its entries' precisions, from :func:`posterior_bytes`'s file.
+def read_bound_file(path: str | os.PathLike, *, fmt: str, version: int, model_tensors: dict, model_name: str,
+                    what: str) -> tuple[dict, dict]:
+    """``(metadata, tensors)`` of a safetensors file bound to a model file's tensors (its metadata
+    records ``format``, ``version`` and the model's :func:`tensors_sha256`): the output-layer
+    posterior and the fusion record beside a fused model.
 
-    Refuses, with one line naming the file, a file of another format or version, or one written
-    beside other tensors than ``model_tensors`` (``model_name``'s).
+    Refuses, with one line naming the file and ``what`` it should be, an unreadable file, another
+    format or version, or one written beside other tensors than ``model_tensors`` (``model_name``'s).
     """
     from safetensors import safe_open
 
@@ -387,15 +390,26 @@ def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as err:  # safetensors raises its own error types
-        raise ValueError(f"{path}: not a readable safetensors posterior ({_first_line(err)})") from None
-    if meta.get("format") != POSTERIOR_FORMAT:
-        raise ValueError(f"{path}: not a bayesfuse output-layer posterior (format {meta.get('format')!r})")
-    if meta.get("version") != str(POSTERIOR_VERSION):
-        raise ValueError(f"{path}: posterior version {meta.get('version')!r} is not one this bayesfuse reads "
-                         f"({POSTERIOR_VERSION})")
+        noun = what.rpartition(" ")[2]  # "posterior", "record"
+        raise ValueError(f"{path}: not a readable safetensors {noun} ({_first_line(err)})") from None
+    if meta.get("format") != fmt:
+        raise ValueError(f"{path}: not a bayesfuse {what} (format {meta.get('format')!r})")
+    if meta.get("version") != str(version):
+        raise ValueError(f"{path}: {what} version {meta.get('version')!r} is not one this bayesfuse reads ({version})")
     if meta.get("model_tensors_sha256") != tensors_sha256(model_tensors):
-        raise ValueError(f"{path}: this posterior was written for other tensors than {model_name}'s; fuse again, "
-                         "or remove the stale posterior file")
+        raise ValueError(f"{path}: this {what} was written for other tensors than {model_name}'s; fuse again, or "
+                         f"remove the stale {what} file")
+    return meta, tensors
+
+
+def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str) -> tuple[str, dict]:
+    """The output layer's module name and its entries' precisions, from :func:`posterior_bytes`'s file.
+
+    Refuses, with one line naming the file, a file of another format or version, or one written
+    beside other tensors than ``model_tensors`` (``model_name``'s).
+    """
+    meta, tensors = read_bound_file(path, fmt=POSTERIOR_FORMAT, version=POSTERIOR_VERSION, model_tensors=model_tensors,
+                                    model_name=model_name, what="output-layer posterior")
     precision = {k[len("precision/"):]: v for k, v in tensors.items() if k.startswith("precision/")}
     output = meta.get("output", "")
     if not precision or not all(k.rpartition(".")[0] == output for k in precision):

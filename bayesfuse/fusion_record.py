@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bayesfuse._io import jsonable
-from bayesfuse.checkpoints import tensors_sha256
+from bayesfuse.checkpoints import read_bound_file, tensors_sha256
 
 __all__ = ["fusion_path", "fusion_bytes", "read_fusion", "SavedLayer", "FUSION_FORMAT", "FUSION_VERSION"]
 
@@ -96,25 +96,10 @@ def read_fusion(path: str | os.PathLike, model, model_tensors: dict, model_name:
     Refuses, with one line naming the file, another format or version, or a record written
     beside other tensors than ``model_tensors`` (``model_name``'s).
     """
-    from safetensors import safe_open
-
     from bayesfuse.fusion import FusionResult
 
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as err:  # safetensors raises its own error types
-        raise ValueError(f"{path}: not a readable fusion record ({str(err).strip().splitlines()[0]})") from None
-    if meta.get("format") != FUSION_FORMAT:
-        raise ValueError(f"{path}: not a bayesfuse fusion record (format {meta.get('format')!r})")
-    if meta.get("version") != str(FUSION_VERSION):
-        raise ValueError(f"{path}: fusion record version {meta.get('version')!r} is not one this bayesfuse reads "
-                         f"({FUSION_VERSION})")
-    if meta.get("model_tensors_sha256") != tensors_sha256(model_tensors):
-        raise ValueError(f"{path}: this record was written for other tensors than {model_name}'s; fuse again, or "
-                         "remove the stale record")
+    meta, tensors = read_bound_file(path, fmt=FUSION_FORMAT, version=FUSION_VERSION, model_tensors=model_tensors,
+                                    model_name=model_name, what="fusion record")
     try:
         record = json.loads(meta["record"])
         layers, posteriors = [], []
