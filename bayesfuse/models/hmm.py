@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from bayesfuse.inference.expfam import NormalWishart
+from bayesfuse.models.mixture import random_covariances
 
 __all__ = ["HMMFederation", "LocalHMM", "gaussian_hmm_model", "simulate_hmm_federation", "fit_local_hmm",
            "spahm_fuse", "relabel", "segmentation_scores"]
@@ -93,10 +94,7 @@ def simulate_hmm_federation(
         raise ValueError(f"stay must lie in [0, 1], got {stay}")
     rng = np.random.default_rng(seed)
     means = rng.normal(0.0, separation, size=(n_states, dim))
-    covs = np.empty((n_states, dim, dim))
-    for k in range(n_states):
-        q, _ = np.linalg.qr(rng.normal(size=(dim, dim)))
-        covs[k] = (q * (scale * rng.uniform(0.5, 1.0, size=dim)) ** 2) @ q.T
+    covs = random_covariances(rng, n_states, dim, scale, low=0.5)
     sequences, states, subsets = [], [], []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

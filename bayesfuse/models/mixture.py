@@ -19,7 +19,8 @@ from scipy.optimize import nnls
 
 from bayesfuse.inference.expfam import NormalWishart
 
-__all__ = ["MixtureFederation", "simulate_mixture_federation", "fit_local_posterior", "hausdorff_polytopes"]
+__all__ = ["MixtureFederation", "simulate_mixture_federation", "random_covariances", "fit_local_posterior",
+           "hausdorff_polytopes"]
 
 
 @dataclass
@@ -39,6 +40,16 @@ class MixtureFederation:
     means: np.ndarray
     covariances: np.ndarray
     components: list[np.ndarray]
+
+
+def random_covariances(rng: np.random.Generator, n: int, dim: int, scale: float, *, low: float) -> np.ndarray:
+    """``n`` random (dim, dim) covariances ``Q diag(s)^2 Q^T``: ``Q`` a random rotation (QR of a
+    Gaussian matrix), axis scales ``s ~ scale * U(low, 1)``; drawn per matrix in that order."""
+    covs = np.empty((n, dim, dim))
+    for k in range(n):
+        q, _ = np.linalg.qr(rng.normal(size=(dim, dim)))
+        covs[k] = (q * (scale * rng.uniform(low, 1.0, size=dim)) ** 2) @ q.T
+    return covs
 
 
 def simulate_mixture_federation(
@@ -70,11 +81,7 @@ def simulate_mixture_federation(
         raise ValueError(f"components_per_client={m} exceeds n_components={n_components}")
     rng = np.random.default_rng(seed)
     means = rng.normal(0.0, separation, size=(n_components, dim))
-    covs = np.empty((n_components, dim, dim))
-    for k in range(n_components):
-        q, _ = np.linalg.qr(rng.normal(size=(dim, dim)))
-        scales = component_scale * rng.uniform(0.3, 1.0, size=dim)
-        covs[k] = (q * scales**2) @ q.T
+    covs = random_covariances(rng, n_components, dim, component_scale, low=0.3)
     datasets, components = [], []
     for _ in range(n_clients):
         idx = np.sort(rng.choice(n_components, m, replace=False))
