@@ -3,7 +3,7 @@
 ``bayesfuse fuse --hyper noise_var=2 cost=marginal`` and ``bayesfuse demo --hyper ...`` hand
 their items to :func:`parse_assignments` (through :func:`bayesfuse.methods.parse_assignments`,
 which finds the method's row by name). Each value is read as its key's constraint says
-(:mod:`bayesfuse.constraints`), then checked by it.
+(:mod:`bayesfuse.constraints`), then checked by it (:func:`bayesfuse.constraints.check`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from bayesfuse._text import did_you_mean
-from bayesfuse.constraints import Either, Fixed
+from bayesfuse.constraints import Either, InvalidParameterError, check, message
 
 __all__ = ["parse_assignments"]
 
@@ -38,14 +38,9 @@ def parse_assignments(method, items: Iterable[str]) -> dict[str, Any]:
         constraint = method.constraint(key)
         try:
             value = text.strip() if constraint.type_name == "str" else _typed(constraint, text.strip())
-        except (TypeError, ValueError):
-            raise ValueError(f"hyper-parameter {key} must be {constraint.type_name} ({constraint}), "
-                             f"got {text!r}") from None
-        try:
-            out[key] = constraint.check(value)
-        except (TypeError, ValueError) as err:
-            raise ValueError(str(err) if isinstance(constraint, Fixed) and str(err)
-                             else f"hyper-parameter {key} must be {constraint}, got {text!r}") from None
+        except (TypeError, ValueError):  # the text reads as no value of the constraint's type
+            raise InvalidParameterError(message(f"hyper-parameter {key}", constraint, text, wrong_type=True)) from None
+        out[key] = check(f"hyper-parameter {key}", constraint, value, shown=text)
     return out
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from bayesfuse._text import did_you_mean
 from bayesfuse.assignments import parse_assignments as _parse_assignments
-from bayesfuse.constraints import Constraint, Either, Fixed, Interval, Options, Param
+from bayesfuse.constraints import KEYS, NON_NEGATIVE, Constraint, Either, Fixed, Interval, Options, Param, check
 
 __all__ = ["KINDS", "METHODS", "Interval", "Options", "Fixed", "Either", "Param", "Method", "Variant", "PARAMS",
            "resolve", "defaults", "parse_assignments", "names", "lookup", "canonical", "check_keys", "check_one_shot",
@@ -140,78 +140,54 @@ class Method:
         return {} if variant is None else dict(self.variants[variant].defaults)
 
 
-_POSITIVE = Interval(float, 0.0, None, "neither")
-_AUTO = Options(("auto",))
-
-# Bounds the matching's float64 arithmetic supports (the cost of PFNM supplement Prop. 2 and
-# NAFI eq. 14 / Lemma 5.1, bayesfuse.inference.matching). Float64 ends near 1.8e308, normal
-# numbers near 2.2e-308.
-# * noise_var, prior_var (sigma^2, sigma0^2): the cost forms precisions p = 1/sigma^2 and squares
-#   them (p^2 |v|^2 in Delta, p^2 / (lambda + p) in NAFI's KL), and the new-atom terms take the
-#   ratio p / lambda0 = sigma0^2 / sigma^2. Below sigma^2 ~ 1e-154 the square alone overflows
-#   (noise_var=1e-300 did); above ~ 3e307 the data term log(2 pi sigma^2) does (noise_var=1e308
-#   gave an objective of -inf); 1 / sigma0^2 overflows for a subnormal prior_var (1e-310). Within
-#   [1e-50, 1e50] no precision exceeds 1e50 and no square or ratio 1e100, which leaves a factor
-#   1e200 for the products with squared weights, the unit dimension D and the clients J^2.
-# * gamma0: enters as log(gamma0 / J) and -gamma0 H_J (the IBP's K log gamma0 - gamma0 H_J). The
-#   first needs gamma0 / J > 0 (5e-324 gave "math domain error"), the second gamma0 H_J below the
-#   float64 maximum; [1e-300, 1e300] keeps both for any J up to 1e8 clients (H_J < 20).
-# * kl_weight: multiplies KL terms that reach sigma0^2 / sigma^2 <= 1e100 per coordinate within
-#   the variance bounds; at most 1e50 keeps the product below 1e150 D.
-_VARIANCE = Interval(float, 1e-50, 1e50, "both",
-                     why="beyond, the matching cost's squared precisions overflow float64")
-
 #: Every hyper-parameter key any method takes, with its shared constraint and meaning.
 PARAMS: dict[str, Param] = {p.name: p for p in (
-    Param("noise_var", Either((_VARIANCE, _AUTO)),
+    Param("noise_var", KEYS["noise_var"],
           "sigma^2: variance of a client's unit around its global unit (PFNM eq. 1); the matching "
           "radius: larger merges more. 'auto': chosen per layer and per block (incoming weights, bias, "
           "outgoing weights) from the models alone, by empirical Bayes on the collapsed marginal"),
-    Param("prior_var", Either((_VARIANCE, _AUTO)),
+    Param("prior_var", KEYS["prior_var"],
           "sigma0^2: prior variance of the global units around their prior mean (PFNM: 10); 'auto' as noise_var"),
-    Param("gamma0", Either((Interval(float, 1e-300, 1e300, "both",
-                                     why="log(gamma0 / J) and gamma0 H_J of the IBP prior stay finite in float64"),
-                            _AUTO)),
+    Param("gamma0", KEYS["gamma0"],
           "IBP mass: expected global units per client; larger makes new global units cheaper (PFNM: 1); "
           "'auto': K / H_J, its maximum-likelihood value"),
-    Param("kl_weight", Interval(float, 0.0, 1e50, "both",
-                                why="it multiplies KL terms up to 1e100; beyond, the cost overflows float64"),
+    Param("kl_weight", KEYS["kl_weight"],
           "NAFI's lambda (eq. 14): weight of the KL penalty added to the matching cost; 0 is PFNM. Networks: "
           "per coordinate of a unit (the matching gets kl_weight / D, so wide layers do not collapse); BNNs: "
           "per unit"),
-    Param("cost", Options(("auto", "pfnm", "marginal")),
+    Param("cost", KEYS["cost"],
           "matching cost: 'pfnm' (Prop. 2 as written), 'marginal' (exact change of the collapsed log posterior), "
           "'auto' (marginal with 'auto' hyper-parameters, else pfnm)"),
-    Param("global_weights", Options(("auto", "posterior", "average")),
+    Param("global_weights", KEYS["global_weights"],
           "weights of a global unit: the atom's posterior mean, or the average of the units matched to it; "
           "'auto': posterior for one hidden layer, average for deeper networks"),
-    Param("n_iter", Interval(int, 1, None, "left"), "maximum sweeps (matching) or alternation steps (KL-fusion)"),
-    Param("tol", Interval(float, 0.0, None, "left"),
+    Param("n_iter", KEYS["n_iter"], "maximum sweeps (matching) or alternation steps (KL-fusion)"),
+    Param("tol", KEYS["tol"],
           "matching: stop when a sweep raises the log posterior by less than this many nats per unit; 0 sweeps "
           "until no unit moves"),
-    Param("direction", Options(("bottom-up", "top-down")),
+    Param("direction", KEYS["direction"],
           "order of the layers: bottom-up (FedMA eq. 4) or top-down (PFNM supplement Algorithm 1)"),
-    Param("average_outputs", Options((True, False)),
+    Param("average_outputs", KEYS["average_outputs"],
           "scale each global unit's outgoing weights by the share of clients it merges, so fused logits "
           "average the clients' instead of summing them"),
-    Param("unit_form", Options(("effective", "raw")),
+    Param("unit_form", KEYS["unit_form"],
           "BNNs: compare and average units as effective weights tau lambda w (invariant to how a client split "
           "the scale) or as the guide's raw coordinates (w, b, log lambda, outgoing)"),
-    Param("head", Options(("shared", "clients")),
+    Param("head", KEYS["head"],
           "BNNs: 'shared': one output layer, one softmax over the class-share average of the clients' logits "
           "(a HorseshoeBNN); 'clients': keep each client's output layer on the fused hidden units and mix their "
           "softmaxes by class shares (a HeadMixtureBNN)"),
-    Param("prune_kl", Interval(float, 0.0, 1e300, "both", why="a threshold in nats"),
+    Param("prune_kl", KEYS["prune_kl"],
           "BNNs: drop each client's units whose incoming weights hold fewer nats of information than this "
           "(KL of their posterior to the prior): units the horseshoe switched off; 0 keeps all"),
-    Param("reg", _POSITIVE,
+    Param("reg", KEYS["reg"],
           "KL-fusion: lambda of eq. 9 on KL costs scaled by their standard deviation, larger merges more; "
           "OT: entropic regularisation relative to the largest cost, 0 = exact optimal transport"),
-    Param("anchor", Either((Interval(int, 0, None, "left"), Options(("widest", "median")))),
+    Param("anchor", KEYS["anchor"],
           "OT: the client whose units the others are aligned to (index), or the widest / median one"),
-    Param("solver", Options(("auto", "cvxpy", "fast")),
+    Param("solver", KEYS["solver"],
           "solver of KL-fusion's relaxed problem: 'fast' (ADMM), 'cvxpy', or 'auto' (fast)"),
-    Param("passes", Interval(int, 1, None, "left"),
+    Param("passes", KEYS["passes"],
           "FedMA layer-wise passes; more than one is FedMA with communication (section 2.3)"),
 )}
 
@@ -258,7 +234,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ot", "OT fusion: align each client's units to an anchor's by optimal transport, layer by layer, "
            "then average (Singh & Jaggi 2020, weight-based)",
            {"network": dict(anchor="widest", reg=0.0, n_iter=1000)},
-           constraints={"reg": Interval(float, 0.0, None, "left")}, fusers={"network": _CORE + "_ot_states"}),
+           constraints={"reg": NON_NEGATIVE}, fusers={"network": _CORE + "_ot_states"}),
     Method("kl", "KL-fusion of mean-field posteriors with the L2,2,1 regulariser (Claici et al. 2020, eq. 9)",
            {"bnn": dict(reg=0.01, solver="auto", n_iter=20, **_BNN_UNITS)}, fusers={"bnn": _CORE + "_kl_bnn_states"}),
 )}
@@ -366,8 +342,9 @@ def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None 
     (those of ``variant`` over the method's, with its constraints).
 
     ``None`` keeps a default. Raises ``ValueError`` for an unknown method or variant, a kind the
-    method does not take, an unknown key (naming the known ones) or a value out of its
-    constraint, and ``TypeError`` for a value of the wrong type.
+    method does not take or an unknown key (naming the known ones), and
+    :class:`~bayesfuse.constraints.InvalidParameterError` (a ``ValueError`` and a ``TypeError``)
+    for a value of the wrong type or out of its constraint.
 
     Examples
     --------
@@ -416,14 +393,7 @@ def check_execution(method: str, kind: str | None, device: Any) -> None:
 
 
 def _checked(m: Method, key: str, value: Any, variant: str | None = None) -> Any:
-    constraint = m.constraint(key, variant)
-    try:
-        return constraint.check(value)
-    except TypeError:
-        raise TypeError(f"{key} must be {constraint.type_name} ({constraint}), got {value!r} "
-                        f"({type(value).__name__})") from None
-    except ValueError as err:
-        raise ValueError(str(err) if str(err) else f"{key} must be {constraint}, got {value!r}") from None
+    return check(key, m.constraint(key, variant), value)
 
 
 def parse_assignments(method: str, items: Iterable[str]) -> dict[str, Any]:
