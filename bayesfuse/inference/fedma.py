@@ -19,6 +19,7 @@ from typing import Callable, Generator, Sequence
 
 import numpy as np
 
+from bayesfuse.constraints import MATCHING, validate_params
 from bayesfuse.inference.layerwise import (
     HIDDEN_BIAS_PRIOR_MEAN,
     Basis,
@@ -96,6 +97,7 @@ def fedma(states: Sequence[State], spec: PermutationSpec, client_update: ClientU
         return stop.value
 
 
+@validate_params(**{k: MATCHING[k] for k in ("noise_var", "prior_var", "gamma0", "kl_weight", "cost", "n_iter")})
 def fedma_steps(
     states: Sequence[State],
     spec: PermutationSpec,

@@ -37,6 +37,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from tqdm.auto import tqdm
 
+from bayesfuse.constraints import KEYS, NON_NEGATIVE, POSITIVE, Either, Options, validate_params
 from bayesfuse.inference.expfam import ExpFamily, KLTerms, check_same_family, kl_matrix, kl_moments
 from bayesfuse.inference.relaxed import ADMMState, Solver, relaxed_objective, solve_relaxed
 from bayesfuse.inference.result import exporter, warn_not_converged
@@ -349,6 +350,8 @@ def _check_variance_range(posteriors: Sequence[ExpFamily]) -> None:
                      "client's posterior")
 
 
+@validate_params(mode=Options(("heterogeneous", "homogeneous")), reg=NON_NEGATIVE, n_iter=KEYS["n_iter"],
+                 solver=KEYS["solver"], cost_scale=Either((Options(("std",)), POSITIVE)))
 def kl_fuse(
     posteriors: Sequence[ExpFamily],
     *,
@@ -431,10 +434,6 @@ def kl_fuse(
         if len(q) == 0:
             raise ValueError(f"client {j} has no components (empty client)")
     _check_variance_range(posteriors)
-    if not np.isfinite(reg) or reg < 0:
-        raise ValueError(f"reg must be >= 0, got {reg}")
-    if n_iter < 1:
-        raise ValueError(f"n_iter must be >= 1, got {n_iter}")
     family = type(posteriors[0])
     sizes = [len(q) for q in posteriors]
     pooled = family.concat(posteriors)
@@ -448,15 +447,11 @@ def kl_fuse(
         if len(set(sizes)) != 1:
             raise ValueError(f"homogeneous fusion needs equal numbers of components, got {sizes}")
         return _homogeneous(posteriors, pooled, sizes, init or posteriors[0], n_iter, verbose, start)
-    if mode != "heterogeneous":
-        raise ValueError(f"mode must be 'heterogeneous' or 'homogeneous', got {mode!r}")
 
     terms = pooled.kl_terms()  # (N rows), reused by every step
     scale = None
     if cost_scale != "std":
         scale = float(cost_scale)
-        if not scale > 0:
-            raise ValueError(f"cost_scale must be 'std' or a positive number, got {cost_scale!r}")
     P_list: list[np.ndarray] = []
     if init is None or (isinstance(init, str) and init == "greedy"):
         if scale is None:  # the std of KL(pooled || pooled), streamed: the pooled start's first costs
@@ -546,5 +541,5 @@ def _homogeneous(posteriors, pooled, sizes, glob, n_iter, verbose, start) -> KLF
 
 
 def _warned(result: KLFusionResult) -> KLFusionResult:
-    warn_not_converged({"KL-fusion": result}, "KL-fusion", stacklevel=4)
+    warn_not_converged({"KL-fusion": result}, "KL-fusion", stacklevel=5)
     return result

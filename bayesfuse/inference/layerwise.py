@@ -43,6 +43,7 @@ from typing import Literal, Mapping, Sequence
 import numpy as np
 
 from bayesfuse._validation import finite_array
+from bayesfuse.constraints import KEYS, MATCHING, Options, validate_params
 from bayesfuse.inference._backend import check_device, to_device, to_host
 from bayesfuse.inference.matching import MatchResult, match_neurons
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
@@ -55,6 +56,8 @@ __all__ = ["LayerwiseResult", "fold_batchnorm", "match_layerwise", "match_group"
 State = Mapping[str, np.ndarray]
 #: Prior mean of hidden biases: the initial bias 0.1 of PFNM supplement Table 1.
 HIDDEN_BIAS_PRIOR_MEAN = 0.1
+#: What a client that lacks a global unit says of it (:func:`match_layerwise`'s ``absent``).
+ABSENT = Options(("zero", "unobserved"))
 
 
 @dataclass
@@ -392,12 +395,8 @@ def match_group(
     entries = unit_entries(spec, group, matched, skip)
     if not entries:
         raise ValueError(f"no parameter describes the units of group {group!r}")
-    if absent not in ("zero", "unobserved"):
-        raise ValueError(f"absent must be 'zero' or 'unobserved', got {absent!r}")
     if global_weights == "auto":
         global_weights = "posterior" if len(spec.groups) <= 1 else "average"
-    if global_weights not in ("posterior", "average"):
-        raise ValueError(f"global_weights must be 'auto', 'posterior' or 'average', got {global_weights!r}")
     auto = any(isinstance(v, str) for v in (noise_var, prior_var, gamma0))
     unit_noise = 1.0 if auto else noise_var  # relative precisions when any key is "auto"
     rows, noise, prior_mean, layout, missing = [], [], [], [], []
@@ -517,6 +516,8 @@ def scale_outputs(values: dict, spec: PermutationSpec, counts: Mapping[str, tupl
 # --------------------------------------------------------------------------- one shot
 
 
+@validate_params(**MATCHING, direction=KEYS["direction"], absent=ABSENT,
+                 global_weights=KEYS["global_weights"])
 def match_layerwise(
     states: Sequence[State],
     spec: PermutationSpec,
@@ -591,8 +592,6 @@ def match_layerwise(
         Once, naming the groups whose matching stopped at ``n_iter`` sweeps before it converged.
     """
     start = time.perf_counter()
-    if direction not in ("bottom-up", "top-down"):
-        raise ValueError(f"direction must be 'bottom-up' or 'top-down', got {direction!r}")
     check_device(device, dtype)  # a device this machine lacks fails here, not in the first group's matching
     if global_weights == "auto":
         global_weights = "posterior" if len(spec.groups) <= 1 else "average"
@@ -620,7 +619,7 @@ def match_layerwise(
             matched[group] = Basis(result.assignments, result.n_global)
             layers[group] = result
             values.update(vals)
-    warn_not_converged({g: layers[g] for g in spec.groups}, "the matching of hidden layers", stacklevel=3)
+    warn_not_converged({g: layers[g] for g in spec.groups}, "the matching of hidden layers", stacklevel=4)
     values.update(global_entries(arrays, spec, matched, set(values), class_shares=shares, noise_var=noise_var,
                                  prior_var=prior_var))
     if average_outputs:

@@ -75,6 +75,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from bayesfuse._validation import normalised_weights
+from bayesfuse.constraints import KEYS, NON_NEGATIVE, validate_params
 from bayesfuse.inference.layerwise import (
     LayerwiseResult,
     State,
@@ -201,6 +202,7 @@ def ot_plan(cost: np.ndarray, *, reg: float = 0.0, n_iter: int = 1000) -> tuple[
 # --------------------------------------------------------------------------- helpers
 
 
+@validate_params(anchor=KEYS["anchor"])
 def choose_anchor(states: Sequence[State], spec: PermutationSpec, anchor: int | str = "widest") -> int:
     """Index of the anchor client.
 
@@ -209,12 +211,10 @@ def choose_anchor(states: Sequence[State], spec: PermutationSpec, anchor: int | 
     median. Ties go to the lowest index, so equal widths give client 0.
     """
     J = len(states)
-    if isinstance(anchor, (int, np.integer)) and not isinstance(anchor, bool):
-        if not 0 <= int(anchor) < J:
+    if isinstance(anchor, int):
+        if not anchor < J:
             raise ValueError(f"anchor must be a client index in [0, {J}), got {anchor}")
-        return int(anchor)
-    if anchor not in ("widest", "median"):
-        raise ValueError(f"anchor must be a client index, 'widest' or 'median', got {anchor!r}")
+        return anchor
     widths = np.array([sum(spec.sizes(sd).values()) for sd in states])
     if anchor == "widest":
         return int(np.argmax(widths))  # first maximum
@@ -271,6 +271,7 @@ def _sq_distances(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- fusion
 
 
+@validate_params(anchor=KEYS["anchor"], reg=NON_NEGATIVE, n_iter=KEYS["n_iter"])
 def ot_fuse_layerwise(
     states: Sequence[State],
     spec: PermutationSpec,
@@ -333,11 +334,6 @@ def ot_fuse_layerwise(
     array([2, 0, 3, 1])
     """
     start = time.perf_counter()
-    reg = float(reg)
-    if not np.isfinite(reg) or reg < 0:
-        raise ValueError(f"reg must be >= 0 (0: exact OT), got {reg}")
-    if int(n_iter) < 1:
-        raise ValueError(f"n_iter must be >= 1, got {n_iter}")
     arrays = check_states(states, spec, names)
     if spec.folds:
         arrays = [fold_batchnorm(sd, spec) for sd in arrays]

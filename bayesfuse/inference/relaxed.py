@@ -20,6 +20,8 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from bayesfuse.constraints import KEYS, NON_NEGATIVE, validate_params
+
 __all__ = ["AUTO_CVXPY_MAX_ENTRIES", "ADMMState", "Solver", "relaxed_objective", "solve_relaxed"]
 
 Solver = Literal["auto", "cvxpy", "fast"]
@@ -57,9 +59,7 @@ def relaxed_objective(costs: Sequence[np.ndarray], P: Sequence[np.ndarray], reg:
     return float(sum(np.sum(c * p) for c, p in zip(costs, P)) + reg * np.linalg.norm(stacked, axis=0).sum())
 
 
-def _check_costs(costs: Sequence[np.ndarray], reg: float) -> list[np.ndarray]:
-    if not np.isfinite(reg) or reg < 0:
-        raise ValueError(f"reg must be >= 0, got {reg}")
+def _check_costs(costs: Sequence[np.ndarray]) -> list[np.ndarray]:
     costs = [np.asarray(c, dtype=np.float64) for c in costs]
     if not costs:
         raise ValueError("need at least one client")
@@ -74,6 +74,7 @@ def _check_costs(costs: Sequence[np.ndarray], reg: float) -> list[np.ndarray]:
     return costs
 
 
+@validate_params(reg=NON_NEGATIVE, solver=KEYS["solver"])
 def solve_relaxed(
     costs: Sequence[np.ndarray],
     reg: float,
@@ -111,7 +112,7 @@ def solve_relaxed(
     used : str
         The solver that produced P.
     """
-    costs = _check_costs(costs, reg)
+    costs = _check_costs(costs)
     entries = sum(c.size for c in costs)
     if solver == "auto":
         solver = "cvxpy" if entries <= AUTO_CVXPY_MAX_ENTRIES else "fast"
@@ -119,10 +120,8 @@ def solve_relaxed(
         if state is not None:
             state.dual, state.iterations = None, 0
         return _solve_cvxpy(costs, reg)
-    if solver == "fast":
-        x0 = None if init is None else np.vstack(init)
-        return _solve_admm(costs, reg, tol=tol, max_iter=max_iter, x0=x0, state=state), "fast"
-    raise ValueError(f"solver must be 'auto', 'cvxpy' or 'fast', got {solver!r}")
+    x0 = None if init is None else np.vstack(init)  # "fast"
+    return _solve_admm(costs, reg, tol=tol, max_iter=max_iter, x0=x0, state=state), "fast"
 
 
 def _solve_cvxpy(costs: list[np.ndarray], reg: float) -> tuple[list[np.ndarray], str]:
@@ -147,7 +146,7 @@ def _solve_cvxpy(costs: list[np.ndarray], reg: float) -> tuple[list[np.ndarray],
             continue
         if problem.status == cp.OPTIMAL:
             if failures:
-                warnings.warn(f"cvxpy fell back to {name} after: {'; '.join(failures)}", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"cvxpy fell back to {name} after: {'; '.join(failures)}", RuntimeWarning, stacklevel=4)
             value = np.clip(P.value, 0.0, 1.0)
             starts = np.cumsum([0, *sizes])
             return [value[a:b] for a, b in zip(starts[:-1], starts[1:])], f"cvxpy:{name}"

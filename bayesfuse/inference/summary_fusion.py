@@ -44,6 +44,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from bayesfuse.constraints import POSITIVE, validate_params
 from bayesfuse.inference.layerwise import Basis, fold_batchnorm, folded_entries, in_basis
 from bayesfuse.inference.spec import PermutationSpec, to_global_basis
 
@@ -192,10 +193,9 @@ def matched_filters(spec: PermutationSpec) -> set[str]:
     return out
 
 
+@validate_params(temperature=POSITIVE)
 def fold_temperature(state: dict, spec: PermutationSpec, temperature: float) -> dict:
     """``state`` with its output entries divided by ``temperature``: logits ``f / T``."""
-    if not (np.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
     out = dict(state)
     for k in spec.output:
         out[k] = np.asarray(state[k], dtype=np.float64) / temperature

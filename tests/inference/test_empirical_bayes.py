@@ -99,7 +99,7 @@ def test_relative_precision_zero_means_unobserved():
 
 def test_bad_settings():
     layers = [np.ones((2, 3)), np.zeros((2, 3))]
-    with pytest.raises(ValueError, match="noise_var must be a number or 'auto'"):
+    with pytest.raises(ValueError, match="noise_var must be a number or one of 'auto'"):
         match_neurons(layers, noise_var="guess")
     with pytest.raises(ValueError, match="blocks must be"):
         match_neurons(layers, blocks=np.array([0, 2, 2]))

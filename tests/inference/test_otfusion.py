@@ -265,9 +265,9 @@ def test_choose_anchor():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(anchor=2), "anchor must be a client index in"),
-    (dict(anchor="largest"), "anchor must be a client index, 'widest' or 'median'"),
-    (dict(reg=-1.0), "reg must be >= 0"),
-    (dict(n_iter=0), "n_iter must be >= 1"),
+    (dict(anchor="largest"), "anchor must be a non-negative integer or one of 'widest', 'median'"),
+    (dict(reg=-1.0), "reg must be non-negative"),
+    (dict(n_iter=0), "n_iter must be a positive integer"),
     (dict(weights=[1.0]), "one weight per client"),
     (dict(weights=[1.0, -1.0]), "non-negative"),
     (dict(weights=[0.0, 0.0]), "not all zero"),

@@ -55,6 +55,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from bayesfuse.constraints import KEYS, validate_params
 from bayesfuse.inference.bnn.posterior import DeepBNNPosterior, HiddenLayer
 from bayesfuse.inference.bnn.sites import HEAD_KEYS, check_same_prior
 from bayesfuse.inference.bnn.units import effective_layer, incoming_information, keep_informative, split_effective
@@ -224,6 +225,7 @@ def matched_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> t
     return result, DiagNormal(loc=result.mean, var=result.var), {"seed": seed}
 
 
+@validate_params(unit_form=KEYS["unit_form"], prune_kl=KEYS["prune_kl"])
 def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable, *, average_outputs: bool = True,
                         unit_form: str = "effective", prune_kl: float = 1.0, class_counts=None, seed=0,
                         verbose: bool = False, names: Sequence[str] | None = None, **hyper) -> BNNFusion:
@@ -236,8 +238,6 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable,
     them (``names``, ``"client j"`` by default; :func:`~bayesfuse.inference.bnn.sites.check_same_prior`):
     the fused network has one prior. The fused posterior has theirs.
     """
-    if unit_form not in ("effective", "raw"):
-        raise ValueError(f"unit_form must be 'effective' or 'raw', got {unit_form!r}")
     prior = check_same_prior([p.prior_spec for p in posts], names)
     ref = posts[0]
     J, K, depth = len(posts), ref.n_classes, len(ref.layers)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bayesfuse.constraints import KEYS, validate_params
 from bayesfuse.inference.bnn.posterior import BNNPosterior, HiddenLayer
 from bayesfuse.inference.expfam import DiagNormal
 
@@ -83,10 +84,9 @@ def incoming_information(incoming: DiagNormal) -> np.ndarray:
     return 0.5 * np.sum(var + loc**2 - 1.0 - np.log(var), axis=1)
 
 
+@validate_params(min_kl=KEYS["prune_kl"])
 def keep_informative(information: np.ndarray, min_kl: float = DEFAULT_PRUNE_KL) -> np.ndarray:
     """Boolean mask ``information >= min_kl``, keeping at least the most informative unit."""
-    if not (min_kl >= 0):
-        raise ValueError(f"min_kl must be >= 0, got {min_kl}")
     keep = information >= min_kl
     if not keep.any():
         keep[np.argmax(information)] = True

@@ -8,6 +8,7 @@ from typing import Literal
 
 import numpy as np
 
+from bayesfuse.constraints import KEYS, Options, validate_params
 from bayesfuse.inference._backend import backend_of, ieee_float32, namespace, to_host
 from bayesfuse.inference.matching.model import Groups, Prior
 
@@ -94,6 +95,7 @@ def gain_terms_per_neuron(h, lam_d, v, p, with_kl: bool, max_elements: int = 1 <
     return delta, log_ratio, kl
 
 
+@validate_params(cost=Options(("pfnm", "marginal")), kl_weight=KEYS["kl_weight"])
 @ieee_float32()
 def assignment_cost(
     v: np.ndarray,
@@ -170,13 +172,11 @@ def cost_blocks(v, p, h, lam, m, prior: Prior, *, cost: Cost, kl_weight: float, 
         delta -= 2 * popularity[:, None]
         new = -(delta0[0] + 2 * new_prior)
         steps = 2 * np.log(np.arange(1, L + 1))
-    elif cost == "marginal":
+    else:  # "marginal"
         delta *= -0.5
         delta += 0.5 * log_ratio - popularity[:, None]
         new = -(0.5 * delta0 - 0.5 * log_ratio0 + new_prior)[0]
         steps = None
-    else:
-        raise ValueError(f"cost must be 'pfnm' or 'marginal', got {cost!r}")
     if kl_weight:
         delta += kl_weight * kl
         new = new + kl_weight * kl0[0]

@@ -402,8 +402,6 @@ def match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_m
     """
     if local_vars is not None:
         raise ValueError("'auto' hyper-parameters need local_vars=None (give numbers with local posterior variances)")
-    if int(rounds) != rounds or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds}")
     layers = check_layers(layers)
     backend = backend_of(layers)
     host_layers = [backend.host(v) for v in layers]  # the statistics run on the host

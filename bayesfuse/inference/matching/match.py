@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from typing import Sequence
 
 import numpy as np
 
+from bayesfuse.constraints import MATCHING, POSITIVE_INT, validate_params
 from bayesfuse.inference._backend import ieee_float32
 from bayesfuse.inference.matching.checks import relative_weights
 from bayesfuse.inference.matching.empirical_bayes import match_empirical_bayes, noise_matrix
@@ -16,6 +15,7 @@ from bayesfuse.inference.matching.result import MatchResult
 from bayesfuse.inference.matching.sweeps import match_fixed
 
 
+@validate_params(**MATCHING, rounds=POSITIVE_INT)
 @ieee_float32()
 def match_neurons(
     layers: Sequence,
@@ -151,16 +151,8 @@ def match_neurons(
     start = time.perf_counter()
     auto = tuple(k for k, v in (("noise_var", noise_var), ("prior_var", prior_var), ("gamma0", gamma0))
                  if isinstance(v, str))
-    for k in auto:
-        if locals()[k] != "auto":
-            raise ValueError(f"{k} must be a number or 'auto', got {locals()[k]!r}")
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not math.isfinite(tol)
-                            or tol < 0):
-        raise ValueError(f"tol must be a finite number >= 0 (nats per neuron) or None, got {tol!r}")
     if cost == "auto":
         cost = "marginal" if auto else "pfnm"
-    if cost not in ("pfnm", "marginal"):
-        raise ValueError(f"cost must be 'auto', 'pfnm' or 'marginal', got {cost!r}")
     if auto:
         return match_empirical_bayes(
             layers, auto, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, prior_mean=prior_mean,

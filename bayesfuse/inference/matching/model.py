@@ -12,6 +12,7 @@ from scipy import sparse
 from scipy.special import gammaln
 
 from bayesfuse._validation import finite_array
+from bayesfuse.constraints import GAMMA0, validate_params
 from bayesfuse.inference._backend import NUMPY, Backend, backend_of, ieee_float32, is_tensor, namespace, to_host
 from bayesfuse.inference.matching.checks import check_assignments, check_layers, client_variances, positive
 
@@ -139,8 +140,6 @@ def make_prior(prior_var, prior_mean, gamma0, J, D, width) -> Prior:
     mu0 = finite_array(prior_mean, "prior_mean")
     if mu0.ndim > 0 and mu0.shape != (D,):
         raise ValueError(f"prior_mean must be a scalar or have shape ({D},), got {mu0.shape}")
-    if not np.isfinite(gamma0) or gamma0 <= 0:
-        raise ValueError(f"gamma0 must be positive, got {gamma0}")
     lam0 = np.broadcast_to(1.0 / v0, (width,)).astype(np.float64)
     h0 = np.broadcast_to(mu0 * np.broadcast_to(1.0 / v0, (D,)), (D,)).astype(np.float64)
     groups = Groups.single(D) if width == 1 else Groups.each(D)
@@ -295,6 +294,7 @@ def neuron_squares(layers: Sequence) -> list[np.ndarray]:
     return [to_host(namespace(v).einsum("ld,ld->d", v, v)) for v in layers]
 
 
+@validate_params(gamma0=GAMMA0)
 @ieee_float32()
 def log_marginal_posterior(
     layers: Sequence,

@@ -189,10 +189,6 @@ def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, 
     backend = backend_of(layers)
     groups = prior.groups
     J, D = len(layers), layers[0].shape[1]
-    if not np.isfinite(kl_weight) or kl_weight < 0:
-        raise ValueError(f"kl_weight must be >= 0, got {kl_weight}")
-    if int(n_iter) != n_iter or n_iter < 1:
-        raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     least_gain = least_gain_for(tol, layers, cost)
     data_const = data_constant(layers, prec, groups, squares)
