@@ -5,8 +5,8 @@ it. :func:`load` reads the file safely (``torch.load(weights_only=True)`` or saf
 re-creates the network at the fused widths:
 
 * :class:`~bayesfuse.nets.mlp.MLP` (``layers.{i}.weight``), the ConvNets of
-  :func:`~bayesfuse.nets.arch.make_cnn` (give ``n_features``: the input size cannot be read off
-  the weights), :class:`~bayesfuse.nets.arch.LSTMClassifier` and
+  :func:`~bayesfuse.nets.arch.make_cnn` (their input channels and image size read off the
+  weights, see ``n_features``), :class:`~bayesfuse.nets.arch.LSTMClassifier` and
   :class:`~bayesfuse.models.bnn.HorseshoeBNN` (its state_dict *is* its posterior: means and
   log-scales of every site, so a fused BNN loads with its uncertainty);
 * any other network given as a template, ``like=model``: the template's layers are re-created
@@ -64,7 +64,12 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
         on an example input (:func:`~bayesfuse.nets.graph_spec.example_input_for`) before it
         is returned.
     n_features : int, optional
-        Input size of a ConvNet from :func:`~bayesfuse.nets.arch.make_cnn` (e.g. 784).
+        Input size of a ConvNet from :func:`~bayesfuse.nets.arch.make_cnn` (channels x side x
+        side). By default the input channels are the first convolution's and the side is the
+        one every 2x2 pooling halves exactly: the first dense layer's input side times 2 per
+        pooling (8x8 digits through two poolings: 2x2 -> 8, n_features=64). Sides the poolings
+        round down give the same weights (28x28 through three poolings ends at 3x3, as 24x24
+        does): give n_features for those (784).
     posterior : bool
         Whether to read the posteriors beside the file when there are any: the output layer's
         (``bayesfuse fuse`` writes it when it used client summaries) and the matched layers'.
@@ -86,7 +91,7 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
         No such file.
     ValueError
         The file is not a state_dict, or its entries fit none of the known architectures and no
-        ``like`` was given, or a ConvNet's ``n_features`` is missing or does not fit; or the
+        ``like`` was given, or a ConvNet's ``n_features`` does not fit its weights; or the
         posterior beside it is unreadable, of another version or written for other tensors.
     """
     state = read_checkpoint(path).tensors
@@ -250,30 +255,52 @@ def _lstm(state: dict, name: str) -> nn.Module:
 
 
 def _cnn(state: dict, name: str, n_features: int | None) -> nn.Module:
-    """A :func:`make_cnn` network with the file's channels and dense widths."""
+    """A :func:`make_cnn` network with the file's input channels, channels and dense widths.
+
+    The input channels are the first convolution's; the image side is read off the first dense
+    layer's input width (``channels x s x s`` after the last pooling) and the number of 2x2
+    poolings (one per convolution), unless ``n_features`` gives it.
+    """
     from bayesfuse.nets.arch import make_cnn
 
     convs = [k for k, t in state.items() if t.ndim == 4]
     dense = [k for k, t in state.items() if t.ndim == 2]
-    channels = [state[k].shape[0] for k in convs]
     if not dense:
         raise ValueError(f"{name}: a ConvNet needs dense layers after its convolutions; give like=model")
+    channels = [state[k].shape[0] for k in convs]
+    in_channels = int(state[convs[0]].shape[1])
+    sides = _image_sides(state[dense[0]].shape[1], channels[-1], len(convs), name)
+    n_features = _cnn_input_size(n_features, in_channels, sides, name)
     hidden = [state[k].shape[0] for k in dense[:-1]]
     batchnorm = any(k.endswith("running_var") for k in state)
-    side = math.isqrt(state[dense[0]].shape[1] // channels[-1])
-    # Each pooling block halves the side (rounding down): 2^n sides give the same weights.
-    sides = range(side * 2 ** len(convs), (side + 1) * 2 ** len(convs))
-    if n_features is None:
-        raise ValueError(f"{name}: a ConvNet's input size cannot be read off its weights (inputs of "
-                         f"{sides[0]}x{sides[0]} to {sides[-1]}x{sides[-1]} pixels give the same ones); give "
-                         f"n_features, e.g. n_features={sides[0] ** 2}")
-    if math.isqrt(n_features) ** 2 != n_features or math.isqrt(n_features) not in sides:
-        raise ValueError(f"{name}: n_features={n_features} does not fit these weights (square images of "
-                         f"{sides[0]} to {sides[-1]} pixels a side do)")
 
     def build():
-        model = make_cnn(n_features, state[dense[-1]].shape[0], channels=channels, hidden=hidden, batchnorm=batchnorm)
+        model = make_cnn(n_features, state[dense[-1]].shape[0], channels=channels, hidden=hidden, batchnorm=batchnorm,
+                         in_channels=in_channels)
         model.load_state_dict(state)
         return model
 
     return _strict(build, name, "a make_cnn ConvNet")
+
+
+def _image_sides(flat: int, channels: int, n_pools: int, name: str) -> range:
+    """The image sides that ``n_pools`` 2x2 poolings (each rounding down) take to the side whose
+    ``channels x side x side`` outputs the first dense layer reads (``flat`` inputs)."""
+    side = math.isqrt(flat // channels)
+    if channels * side * side != flat or side < 1:
+        raise ValueError(f"{name}: its first dense layer reads {flat} inputs, not {channels} square feature maps of "
+                         "the last convolution, so it is no make_cnn ConvNet; give like=model")
+    return range(side * 2 ** n_pools, (side + 1) * 2 ** n_pools)
+
+
+def _cnn_input_size(n_features: int | None, in_channels: int, sides: range, name: str) -> int:
+    """``n_features`` checked against the weights, or by default the input whose side every pooling
+    halves exactly (the smallest of ``sides``, which all give the same weights)."""
+    if n_features is None:
+        return in_channels * sides[0] ** 2
+    side = math.isqrt(n_features // in_channels)
+    if in_channels * side * side != n_features or side not in sides:
+        low, high = (in_channels * s ** 2 for s in (sides[0], sides[-1]))
+        raise ValueError(f"{name}: n_features={n_features} does not fit these weights ({in_channels}-channel square "
+                         f"images of {sides[0]} to {sides[-1]} pixels a side do, n_features={low} to {high})")
+    return n_features

@@ -50,19 +50,71 @@ def test_a_fused_mlp_loads_as_an_mlp_with_its_report(tmp_path, suffix):
     assert loaded.fusion_report["method"] == "pfnm" and loaded.fusion_report["global_sizes"] == [7, 5]
 
 
-def test_a_fused_convnet_loads_given_its_input_size(tmp_path):
+def test_a_fused_convnet_loads_with_its_input_size_read_off_its_weights(tmp_path):
     torch.manual_seed(0)
     model = make_cnn(64, 4, channels=(3, 5), hidden=(6,))
     x = torch.randn(32, 64)
     model.train()(x)  # batch norms with statistics of their own
     out = _fuse_copies(tmp_path, model.eval())
-    with pytest.raises(ValueError, match=r"input size cannot be read off .*n_features=64"):
-        bayesfuse.load(out)
-    with pytest.raises(ValueError, match="n_features=49 does not fit"):
+    with pytest.raises(ValueError, match=r"n_features=49 does not fit .* n_features=64 to 121\)$"):
         bayesfuse.load(out, n_features=49)
-    loaded = bayesfuse.load(out, n_features=64)
-    _same_tensors(loaded, out)
-    _same_function(loaded, model, x)
+    for loaded in (bayesfuse.load(out), bayesfuse.load(out, n_features=64)):
+        assert loaded[0].unflattened_size == (1, 8, 8)
+        _same_tensors(loaded, out)
+        _same_function(loaded, model, x)
+
+
+def test_a_convnet_whose_poolings_round_down_loads_given_its_input_size(tmp_path):
+    torch.manual_seed(0)
+    model = make_cnn(100, 3, channels=(2, 2, 2), hidden=(4,), in_channels=1).eval()  # 10 -> 5 -> 2 -> 1
+    path = tmp_path / "cnn.pt"
+    torch.save(model.state_dict(), path)
+    assert bayesfuse.load(path)[0].unflattened_size == (1, 8, 8)  # the side every pooling halves exactly
+    _same_function(bayesfuse.load(path, n_features=100), model, torch.randn(5, 100))
+
+
+def test_a_convnet_of_several_input_channels_loads(tmp_path):
+    torch.manual_seed(0)
+    model = make_cnn(3 * 16, 2, channels=(4,), hidden=(), in_channels=3).eval()
+    path = tmp_path / "rgb.pt"
+    torch.save(model.state_dict(), path)
+    loaded = bayesfuse.load(path)
+    assert loaded[0].unflattened_size == (3, 4, 4)
+    _same_function(loaded, model, torch.randn(5, 48))
+    with pytest.raises(ValueError, match="n_features=16 does not fit"):
+        bayesfuse.load(path, n_features=16)
+
+
+def test_a_file_whose_dense_layer_reads_no_square_maps_says_what_to_pass(tmp_path):
+    state = make_cnn(64, 2, channels=(4,), hidden=()).state_dict()
+    state["6.weight"] = torch.zeros(2, 60)  # 60 inputs: not 4 square maps
+    path = tmp_path / "odd.pt"
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"reads 60 inputs, not 4 square feature maps .*; give like=model$"):
+        bayesfuse.load(path)
+
+
+def test_convnets_trained_on_digits_load_and_fuse_from_their_files_alone(tmp_path, digits):
+    from bayesfuse.data.partition import homogeneous_partition
+    from bayesfuse.nets.predict import predict_proba
+    from bayesfuse.train import TrainConfig, train_clients
+
+    config = TrainConfig(arch="cnn", channels=(4, 8), hidden=(16,), epochs=2, seed=0)
+    parts = homogeneous_partition(digits.train.y, 2, seed=0)
+    models = train_clients(digits.train, parts, config, verbose=False)
+    files = []
+    for j, model in enumerate(models):
+        files.append(tmp_path / f"cnn{j}.pt")
+        torch.save(model.state_dict(), files[-1])
+    x = torch.as_tensor(digits.test.x, dtype=torch.float32)
+    for model, path in zip(models, files):
+        _same_function(bayesfuse.load(path), model, x)
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, files), "--method", "pfnm", "--out", str(out)]) == 0
+    fused = bayesfuse.load(out)
+    _same_tensors(fused, out)
+    accuracy = (predict_proba(fused, digits.test.x).argmax(1) == digits.test.y).mean()
+    assert accuracy > 0.5  # two epochs each: the fused network is far above chance (0.1)
 
 
 def test_a_fused_lstm_loads(tmp_path):

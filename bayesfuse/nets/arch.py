@@ -30,9 +30,12 @@ _RESNETS = {"resnet20": resnet20, "resnet18": resnet18}
 
 
 def make_cnn(n_features: int, n_classes: int, *, channels: Sequence[int] = (16, 32), hidden: Sequence[int] = (64,),
-             batchnorm: bool = True, pan: PANConfig | None = None) -> nn.Sequential:
-    """``Unflatten -> [Conv3x3 (+BN) (+PAN) -> ReLU -> MaxPool2]* -> Flatten -> [Linear -> ReLU]* -> Linear``."""
-    shape = image_shape(n_features)
+             batchnorm: bool = True, pan: PANConfig | None = None, in_channels: int = 1) -> nn.Sequential:
+    """``Unflatten -> [Conv3x3 (+BN) (+PAN) -> ReLU -> MaxPool2]* -> Flatten -> [Linear -> ReLU]* -> Linear``.
+
+    Takes flat square images of ``in_channels`` channels: ``n_features = in_channels * side * side``.
+    """
+    shape = image_shape(n_features, in_channels)
     layers: list[nn.Module] = [nn.Unflatten(1, shape)]
     c_in, side = shape[0], shape[1]
     for c in channels:
