@@ -49,7 +49,10 @@ BNNs. :func:`bnn_to_arviz` exports a :class:`~bayesfuse.models.bnn.HorseshoeBNN`
 :class:`~bayesfuse.fusion.FusionResult` holding a fused one) with test data: posterior draws of
 the model's sites, the pointwise ``log_likelihood`` and ``posterior_predictive`` of the test
 labels and ``observed_data``, so that ``az.loo`` and ``az.compare({"fused": ..., "local 0": ...})``
-(LOO by default; ``ic="loo"`` in 0.2x) rank fused and local BNNs.
+(LOO by default; ``ic="loo"`` in 0.2x) rank fused and local BNNs. It follows the size rules
+above: :data:`DEFAULT_CHAINS` chains, the first :data:`DEFAULT_UNITS` units of every hidden
+layer and :data:`DEFAULT_WEIGHTS` inputs by default (said in one logged line), ``units="all"``
+and ``inputs="all"`` for the whole posterior; the log-likelihood is always the whole network's.
 
 Everything is built with ``arviz.from_dict``, which exists in the 0.2x line
 (``InferenceData``, Python 3.11) and in 1.x (``DataTree``, newer Pythons); groups with
@@ -829,8 +832,54 @@ def _bnn_site(name: str, depth: int) -> str:
     return {"w_out": f"w{depth + 1}", "b_out": f"b{depth + 1}"}.get(name, name)
 
 
+def _bnn_selection(model, units: Units, inputs: Weights) -> dict[str, np.ndarray]:
+    """Positions kept along each dim of a BNN export: ``unit`` (and ``unit2``, ...) of every hidden
+    layer by ``units``, ``input`` by ``inputs`` (the first :data:`DEFAULT_WEIGHTS` by default when
+    ``units`` is the default too), every class."""
+    keep: dict[str, np.ndarray] = {}
+    for layer, width in enumerate(model.hidden_sizes, 1):
+        dim = "unit" if layer == 1 else f"unit{layer}"
+        try:
+            keep[dim] = _select_units(units, np.arange(width))
+        except ValueError as err:
+            raise ValueError(f"hidden layer {layer}: {err}") from None
+    names = [f"in_{d}" for d in range(model.in_features)]
+    keep["input"] = _select_weights(inputs, names, default_subset=units is None)
+    keep["class"] = np.arange(model.n_classes)
+    return keep
+
+
+def _note_bnn_subset(model, keep: Mapping[str, np.ndarray]) -> None:
+    """The one line saying that the default BNN export drew part of the network, and how to draw more."""
+    widths = list(model.hidden_sizes)
+    drawn = [len(keep["unit" if layer == 1 else f"unit{layer}"]) for layer in range(1, len(widths) + 1)]
+    if drawn == widths and len(keep["input"]) == model.in_features:
+        return
+    _log.warning("bnn_to_arviz drew %s of %s units x %d of %d inputs (the default, sized for az.summary and "
+                 "az.plot_forest); units='all' or [ids], inputs='all' or [names] draw more",
+                 "+".join(map(str, drawn)), "+".join(map(str, widths)), len(keep["input"]), model.in_features)
+
+
+def _describe_drawn(positions: np.ndarray, n: int) -> str:
+    """``"all"`` when ``positions`` are ``0 .. n-1`` in order, else which they are."""
+    return "all" if len(positions) == n and (positions == np.arange(n)).all() else _describe_ids(positions)
+
+
+def _bnn_posterior(values: Mapping[str, np.ndarray], site_dims: Mapping[str, list[str]],
+                   keep: Mapping[str, np.ndarray], chains: int) -> dict[str, np.ndarray]:
+    """``values`` (draws first) as ``(chain, draw, ...)`` arrays, sliced to the positions ``keep`` of each dim."""
+    out = {}
+    for name, value in values.items():
+        value = value.reshape(chains, -1, *value.shape[1:])
+        for axis, dim in enumerate(site_dims[name], 2):
+            value = np.take(value, keep[dim], axis=axis)
+        out[name] = value
+    return out
+
+
 def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = None, num_samples: int = DEFAULT_DRAWS,
-                 seed: int = 0, sites: Sequence[str] | None = None, batch_size: int = 4096):
+                 chains: int = DEFAULT_CHAINS, units: Units = None, inputs: Weights = None, seed: int = 0,
+                 sites: Sequence[str] | None = None, batch_size: int = 4096):
     """A horseshoe BNN and data -> ArviZ: its posterior draws and the pointwise log-likelihood of ``y``.
 
     PSIS-LOO (``az.loo``, ``az.compare``) estimates the out-of-sample fit of a posterior from
@@ -859,9 +908,22 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
         held-out data (it does not: use :func:`compare`). Recorded as ``data`` in the attrs of
         ``posterior`` and ``log_likelihood``, with a ``loo`` note.
     num_samples : int
-        Independent draws from the mean-field guide. They are the draws of
-        ``model.predict(x, num_samples, seed=seed)``: the mean of ``exp(log_likelihood)`` over
-        draws is its probability of ``y``.
+        Independent draws per chain from the mean-field guide. The ``chains * num_samples``
+        draws, chain after chain, are those of ``model.predict(x, chains * num_samples,
+        seed=seed)``: the mean of ``exp(log_likelihood)`` over all draws is its probability of ``y``.
+    chains : int
+        Chains of independent draws (:data:`DEFAULT_CHAINS`: ArviZ's ``r_hat`` needs two; with
+        one, ``az.summary`` logs a shape warning and gives NaN).
+    units : None, "all" or sequence of int
+        Which units of every hidden layer the posterior holds: ``None``, the first
+        :data:`DEFAULT_UNITS`; ``"all"``; or the given ids, in the given order. The
+        log-likelihood is always the whole network's.
+    inputs : None, "all", str, int or sequence of them
+        Which inputs of ``w1`` the posterior holds: ``None``, the first :data:`DEFAULT_WEIGHTS`
+        when ``units`` is ``None`` too, else all; ``"all"``; or names (``in_3``) or positions.
+        When the defaults leave something out, one line is logged (logger
+        ``bayesfuse.analysis``) saying how to draw more. Any selection is an exact slice of
+        the full export.
     seed : int
         Seed of the guide's draws (as ``predict``) and of the posterior predictive labels.
     sites : sequence of str, optional
@@ -877,10 +939,10 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
         ``posterior``: the model's sites (``tau``, ``lam`` (unit), ``w1`` (unit, input), ``b1``
         (unit); ``tau2``, ``lam2`` (unit2), ``w2`` (unit2, unit), ``b2`` (unit2) and so on for
         deeper networks; the output layer ``w_out`` (class, unit of the top hidden layer),
-        ``b_out`` (class), named alike at every depth), one chain of independent draws;
-        ``log_likelihood.y`` and ``posterior_predictive.y`` (chain, draw, obs);
-        ``observed_data.y`` (obs). ``az.loo`` needs no relative efficiency for them (one chain:
-        ``reff = 1``, right for independent draws).
+        ``b_out`` (class), named alike at every depth), ``chains`` chains of independent draws,
+        of the units and inputs selected; ``log_likelihood.y`` and ``posterior_predictive.y``
+        (chain, draw, obs); ``observed_data.y`` (obs). ``az.loo``'s relative efficiency of
+        such draws is about 1, as it should be for independent draws.
 
     Warns
     -----
@@ -893,7 +955,7 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
         When ``model`` is not a HorseshoeBNN and holds none.
     ValueError
         For inputs of the wrong shape, non-finite inputs, labels outside ``0 .. K-1``, unknown
-        ``sites`` or ``data``, or non-positive counts.
+        ``sites`` or ``data``, bad ``units`` or ``inputs``, or non-positive counts.
     """
     import torch
 
@@ -910,6 +972,7 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
         raise TypeError("a HeadMixtureBNN predicts a mixture of its clients' heads, whose log-likelihood per "
                         "draw this export does not compute; export the shared-head fusion (head='shared')")
     num_samples = _check_count(num_samples, "num_samples")
+    chains = _check_count(chains, "chains")
     batch_size = _check_count(batch_size, "batch_size")
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y)
@@ -926,20 +989,24 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
     unknown = sorted(set(keep) - set(site_dims))
     if unknown:
         raise ValueError(f"unknown sites {unknown}; the sites are {list(site_dims)}")
+    keep_at = _bnn_selection(model, units, inputs)
+    if units is None:
+        _note_bnn_subset(model, keep_at)
 
-    p = model.sample_params(num_samples, torch.Generator().manual_seed(int(seed)))  # as model.predict draws them
+    total = chains * num_samples
+    p = model.sample_params(total, torch.Generator().manual_seed(int(seed)))  # as model.predict draws them
     xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))
     rng = np.random.default_rng(int(seed))
-    loglik = np.empty((num_samples, len(x)))
-    y_rep = np.empty((num_samples, len(x)), dtype=np.int64)
+    loglik = np.empty((total, len(x)))
+    y_rep = np.empty((total, len(x)), dtype=np.int64)
     with torch.no_grad():
         for i in range(0, len(x), batch_size):
             logits = forward_logits(xt[i : i + batch_size], p, model.depth)  # (S, b, K)
             logp = torch.log_softmax(logits, -1)
             b = logp.shape[1]
-            loglik[:, i : i + b] = logp.gather(-1, yt[i : i + b].expand(num_samples, b)[..., None])[..., 0].numpy()
+            loglik[:, i : i + b] = logp.gather(-1, yt[i : i + b].expand(total, b)[..., None])[..., 0].numpy()
             cdf = logp.exp().cumsum(-1).numpy()
-            y_rep[:, i : i + b] = np.minimum((cdf < rng.random((num_samples, b, 1))).sum(-1), K - 1)
+            y_rep[:, i : i + b] = np.minimum((cdf < rng.random((total, b, 1))).sum(-1), K - 1)
     values = {}
     for k in site_dims:  # the scales as themselves, from the guide's log-scale sites
         if k.startswith(("tau", "lam")):
@@ -947,27 +1014,31 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
             values[k] = torch.exp(log[:, 0] if k.startswith("tau") else log)
         else:
             values[k] = p[_bnn_site(k, model.depth)]
-    posterior = {k: values[k].numpy()[None] for k in keep}
+    posterior = _bnn_posterior({k: values[k].numpy() for k in keep}, site_dims, keep_at, chains)
     attrs = {
         "method": str(result.method) if result is not None else "local",
         "hyper": _to_json(getattr(result, "hyper", None) or {}),
         "sampling": "independent",
         "sampling_note": ("independent draws from the BNN's mean-field guide (tau and lam log-normal, the rest "
-                          "Gaussian), not MCMC: one chain; summarise with az.summary(idata, kind='stats')"),
+                          "Gaussian), not MCMC: r_hat ~ 1 and ess ~ draws by construction"),
         "num_draws": num_samples,
+        "chains": chains,
         "seed": int(seed),
         "hidden": H if model.depth == 1 else list(model.hidden_sizes),
         "data": data or "unstated",
         "loo": loo_note,
+        "drawn_units": _describe_drawn(keep_at["unit"], model.hidden_sizes[0]),
+        "n_drawn_inputs": len(keep_at["input"]),
+        "drawn_inputs": _describe_drawn(keep_at["input"], D),
     }
     if result is not None:
         attrs["converged"] = int(bool(getattr(result, "converged", True)))
-    coords = {"unit": np.arange(model.hidden_sizes[0]), "input": [f"in_{d}" for d in range(D)],
+    coords = {"unit": keep_at["unit"], "input": [f"in_{d}" for d in keep_at["input"]],
               "class": np.arange(K), "obs": np.arange(len(x)),
-              **{f"unit{layer}": np.arange(h) for layer, h in enumerate(model.hidden_sizes[1:], 2)}}
+              **{f"unit{layer}": keep_at[f"unit{layer}"] for layer in range(2, model.depth + 1)}}
     dims = {**{k: site_dims[k] for k in keep}, "y": ["obs"]}
-    groups = {"posterior": posterior, "log_likelihood": {"y": loglik[None]},
-              "posterior_predictive": {"y": y_rep[None]}, "observed_data": {"y": y}}
+    groups = {"posterior": posterior, "log_likelihood": {"y": loglik.reshape(chains, num_samples, -1)},
+              "posterior_predictive": {"y": y_rep.reshape(chains, num_samples, -1)}, "observed_data": {"y": y}}
     return _from_dict(groups, coords, dims, attrs={"posterior": attrs,
                                                    "log_likelihood": {"data": data or "unstated", "loo": loo_note}})
 

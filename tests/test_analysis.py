@@ -475,19 +475,19 @@ def test_bnn_export_of_the_fitted_data_is_for_loo(digits, bnn_federation):
         fid = bnn_to_arviz(fused, x, y, data="train", num_samples=S, seed=1)
         local = bnn_to_arviz(bnns[0], x[halves[0]], y[halves[0]], data="train", num_samples=S, seed=1)
     n, H = len(y), fused.model.hidden
-    assert fid.log_likelihood["y"].shape == (1, S, n) and fid.log_likelihood["y"].dims == ("chain", "draw", "obs")
+    assert fid.log_likelihood["y"].shape == (2, S, n) and fid.log_likelihood["y"].dims == ("chain", "draw", "obs")
     assert fid.log_likelihood.attrs["data"] == "train" and fid.log_likelihood.attrs["loo"].startswith("applies")
     np.testing.assert_array_equal(np.asarray(fid.observed_data["y"]), y)
     y_rep = np.asarray(fid.posterior_predictive["y"])
-    assert y_rep.shape == (1, S, n) and y_rep.min() >= 0 and y_rep.max() <= 9
-    assert fid.posterior["w1"].dims == ("chain", "draw", "unit", "input") and fid.posterior["w1"].shape[2:] == (H, 64)
+    assert y_rep.shape == (2, S, n) and y_rep.min() >= 0 and y_rep.max() <= 9
+    assert fid.posterior["w1"].dims == ("chain", "draw", "unit", "input") and fid.posterior["w1"].shape[2:] == (min(H, 8), 8)
     assert fid.posterior["w_out"].dims == ("chain", "draw", "class", "unit") and "w2" not in fid.posterior
     assert (np.asarray(fid.posterior["tau"]) > 0).all()
     assert fid.posterior.attrs["method"] == "kl" and local.posterior.attrs["method"] == "local"
-    # the draws are predict's: the mean likelihood over draws is its probability of the label
-    ll = np.asarray(fid.log_likelihood["y"])[0]
-    p = fused.model.predict(x, S, seed=1)
-    np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(S), np.log(p[np.arange(n), y]), rtol=1e-10)
+    # the draws, chain after chain, are predict's: the mean likelihood over draws is its probability of the label
+    ll = np.asarray(fid.log_likelihood["y"]).reshape(2 * S, n)
+    p = fused.model.predict(x, 2 * S, seed=1)
+    np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(2 * S), np.log(p[np.arange(n), y]), rtol=1e-10)
 
     az = _arviz()
     exports = {"kl": fid, "pfnm": bnn_to_arviz(fuse(bnns, "pfnm"), x, y, data="train", num_samples=S, seed=1)}
@@ -648,11 +648,48 @@ def test_bnn_export_of_a_two_layer_bnn_names_every_layers_sites(digits):
     assert set(post.data_vars) == {"tau", "lam", "w1", "b1", "tau2", "lam2", "w2", "b2", "w_out", "b_out"}
     assert post["w2"].dims == ("chain", "draw", "unit2", "unit") and post["w2"].shape[2:] == (4, 6)
     assert post["w_out"].dims == ("chain", "draw", "class", "unit2") and post["lam2"].shape[2:] == (4,)
-    np.testing.assert_array_equal(np.asarray(post["b_out"])[0], bnn.sample_params(7, torch.Generator().manual_seed(2))["b3"])
+    b3 = bnn.sample_params(14, torch.Generator().manual_seed(2))["b3"].numpy()
+    np.testing.assert_array_equal(np.asarray(post["b_out"]), b3.reshape(2, 7, 10))
     assert (np.asarray(post["tau2"]) > 0).all() and post.attrs["hidden"] is not None
-    ll = np.asarray(idata.log_likelihood["y"])[0]
-    p = bnn.predict(x, 7, seed=2)  # the same draws as predict's
-    np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(7), np.log(p[np.arange(20), y]), rtol=1e-10)
+    ll = np.asarray(idata.log_likelihood["y"]).reshape(14, 20)
+    p = bnn.predict(x, 14, seed=2)  # the same draws as predict's, chain after chain
+    np.testing.assert_allclose(logsumexp(ll, axis=0) - np.log(14), np.log(p[np.arange(20), y]), rtol=1e-10)
+
+
+def test_bnn_export_is_sized_for_az_summary_and_draws_more_on_request(digits, caplog):
+    """As to_arviz of a fused layer: two chains (finite r_hat, no shape warning), the first
+    DEFAULT_UNITS units and DEFAULT_WEIGHTS inputs said in one logged line and in the attrs, and
+    units='all', inputs='all' give the whole posterior, of which the default is an exact slice."""
+    from bayesfuse.analysis import DEFAULT_UNITS, DEFAULT_WEIGHTS
+    from bayesfuse.models.bnn import HorseshoeBNN
+
+    torch.manual_seed(0)
+    bnn = HorseshoeBNN(64, (12, 10), 10)
+    x, y = digits.train.x[:30], digits.train.y[:30]
+    with caplog.at_level(logging.WARNING, logger="bayesfuse.analysis"):
+        small = bnn_to_arviz(bnn, x, y, num_samples=20, seed=3, data="train")
+    assert [r.getMessage() for r in caplog.records] == [
+        "bnn_to_arviz drew 8+8 of 12+10 units x 8 of 64 inputs (the default, sized for az.summary and az.plot_forest); "
+        "units='all' or [ids], inputs='all' or [names] draw more"]
+    post = small.posterior
+    assert post.sizes["chain"] == DEFAULT_CHAINS and post.sizes["draw"] == 20
+    assert post["w1"].shape[2:] == (DEFAULT_UNITS, DEFAULT_WEIGHTS) and post["w2"].shape[2:] == (8, 8)
+    assert post["w_out"].shape[2:] == (10, 8) and post.attrs["chains"] == 2
+    assert post.attrs["drawn_units"] == "0..7" and post.attrs["drawn_inputs"] == "0..7"
+    full = bnn_to_arviz(bnn, x, y, num_samples=20, seed=3, data="train", units="all", inputs="all")
+    assert full.posterior["w1"].shape[2:] == (12, 64) and full.posterior.attrs["drawn_units"] == "all"
+    for name, values in post.data_vars.items():
+        np.testing.assert_array_equal(values, full.posterior[name].sel({d: values[d] for d in values.dims[2:]}))
+    np.testing.assert_array_equal(small.log_likelihood["y"], full.log_likelihood["y"])
+    picked = bnn_to_arviz(bnn, x, y, num_samples=5, data="train", units=[3, 1], inputs=["in_9"], sites=["w1"])
+    assert picked.posterior["w1"].shape[2:] == (2, 1) and list(picked.posterior["unit"].values) == [3, 1]
+    table = _arviz().summary(small)
+    assert len(table) == sum(int(np.prod(v.shape[2:])) for v in post.data_vars.values())
+    assert np.isfinite(table["r_hat"]).all()
+    with pytest.raises(ValueError, match="hidden layer 2: no unit 11; the units are 0..9"):
+        bnn_to_arviz(bnn, x, y, data="train", units=[11])
+    with pytest.raises(ValueError, match="chains must be a positive integer"):
+        bnn_to_arviz(bnn, x, y, data="train", chains=0)
 
 
 # ------------------------------------------------------------------------------ BNNs aligned to the fused units
