@@ -1,4 +1,5 @@
-"""Messages for people: one plain line, and the closest known name for a misspelt one.
+"""Messages for people: one plain line, the closest known name for a misspelt one, and warnings
+that point at the caller's line.
 
 Imports nothing of bayesfuse and nothing heavy, so that the command line can check its
 arguments with it before torch is imported.
@@ -7,10 +8,16 @@ arguments with it before torch is imported.
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import sys
+import warnings
 from typing import Iterable
 
-__all__ = ["plain_line", "did_you_mean"]
+__all__ = ["plain_line", "did_you_mean", "warn_from_caller"]
+
+#: The package's directory: frames of files under it are the package's own.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 #: Terminal control sequences (colours, bold: ``ESC [ 1 m``) and other C0 control characters.
 _ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]|[\x00-\x08\x0b-\x1f\x7f]")
@@ -38,3 +45,13 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """
     close = difflib.get_close_matches(word, list(dict.fromkeys(choices)), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def warn_from_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointing at the first caller outside the bayesfuse package (the user's
+    line, however many of the package's functions lie between), so that the warning shows the
+    line that asked for what it is about rather than a line of the package."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

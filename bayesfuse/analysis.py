@@ -67,14 +67,13 @@ import json
 import logging
 import math
 import numbers
-import os
-import sys
 import warnings
 from statistics import NormalDist
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from bayesfuse._text import warn_from_caller
 from bayesfuse.inference.result import register_exporter
 from bayesfuse.nets.unit_posteriors import (
     LayerGaussians,
@@ -172,16 +171,6 @@ def _combine(first, *others):
     for other in others:
         first.extend(other)
     return first
-
-
-def _warn(message: str, category: type[Warning]) -> None:
-    """``warnings.warn`` pointing at the first caller outside the bayesfuse package (the user's
-    line, however many of the package's functions lie between)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
 
 
 # ------------------------------------------------------------------------------ attributes
@@ -1048,15 +1037,16 @@ def _loo_note(data: str | None) -> str:
     if data == "train":
         return "applies: the pointwise log-likelihood is of the data the posterior was fitted to"
     if data == "held-out":
-        _warn("LOO does not apply to held-out data: az.loo and az.compare estimate out-of-sample fit from the data "
-              "the posterior was fitted to, and on held-out data their elpd_loo is not a valid estimate; the held-out "
-              "log predictive density is: bayesfuse.analysis.compare(models, x, y)", HeldOutDataWarning)
+        warn_from_caller("LOO does not apply to held-out data: az.loo and az.compare estimate out-of-sample fit from "
+                         "the data the posterior was fitted to, and on held-out data their elpd_loo is not a valid "
+                         "estimate; the held-out log predictive density is: bayesfuse.analysis.compare(models, x, y)",
+                         HeldOutDataWarning)
         return ("does not apply: the log-likelihood is of held-out data; compare models with "
                 "bayesfuse.analysis.compare(models, x, y), the held-out log predictive density")
     if data is None:
-        _warn("say which data x, y are: data='train' for the data the posterior was fitted to (az.loo applies), "
-              "data='held-out' for test data (LOO does not apply: compare models with "
-              "bayesfuse.analysis.compare(models, x, y))", HeldOutDataWarning)
+        warn_from_caller("say which data x, y are: data='train' for the data the posterior was fitted to (az.loo "
+                         "applies), data='held-out' for test data (LOO does not apply: compare models with "
+                         "bayesfuse.analysis.compare(models, x, y))", HeldOutDataWarning)
         return "unknown: the export was not told whether x, y are the data the posterior was fitted to"
     raise ValueError(f"data must be 'train' or 'held-out', got {data!r}")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from bayesfuse import methods
 from bayesfuse._lazy import load
+from bayesfuse._text import warn_from_caller
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.layerwise import Basis, check_states, class_share_matrix, match_layerwise
@@ -104,11 +104,15 @@ def input_kind(states: Sequence[State]) -> str:
     return "bnn" if flags and all(flags) else "network"
 
 
-def warn_single(n_models: int, stacklevel: int = 3) -> None:
-    """The one warning of fusing a single model (it comes back shrunk by the prior)."""
+def warn_single(n_models: int) -> None:
+    """The one line of fusing a single model: it comes back as itself, shrunk by the prior.
+
+    Passed through rather than refused, since a federated round can end with one valid reply
+    (:mod:`bayesfuse.integrations`); the warning points at the caller's line, not the package's.
+    """
     if n_models == 1:
-        warnings.warn("only one model: fusion returns it (its posterior, shrunk by the prior)", UserWarning,
-                      stacklevel=stacklevel)
+        warn_from_caller("only one model: fusion returns it (its posterior, shrunk by the prior); give two or more "
+                         "models to fuse them")
 
 
 def fuse_states(
@@ -216,7 +220,7 @@ def fuse_states(
         options["output_pool"] = output_pool
         if class_counts is None:
             class_counts = np.stack([np.asarray(s.class_counts) for s in options["summaries"]])
-    warn_single(len(states), stacklevel=3)
+    warn_single(len(states))
     fuse = load(methods.METHODS[method].fusers[kind])  # the table's routine for this kind of input
     fused = fuse(states, names, method, settings, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
                  device=device, dtype=dtype, **options)

@@ -23,6 +23,7 @@ from bayesfuse.nets import MLP
 from bayesfuse.nets.arch import make_cnn
 from bayesfuse.nets.pans import PANConfig
 from bayesfuse.nets.spec import UnsupportedLayerError
+from bayesfuse.nets.state import numpy_state
 from bayesfuse.train import TrainConfig
 
 pytestmark = pytest.mark.catalogue
@@ -356,9 +357,15 @@ def test_api_rejects_bad_inputs(call, exc, message):
         call()
 
 
-def test_single_model_returns_itself_with_a_warning():
+def test_single_model_returns_itself_with_one_line_at_the_callers_line():
+    """One model is passed through (a federated round can end with one valid reply), said in one
+    line that points at the line calling fuse, not at the package's own."""
     model = MLP(4, [3], 2)
-    with pytest.warns(UserWarning, match="only one model"):
+    with pytest.warns(UserWarning, match=r"^only one model: fusion returns it .*; give two or more models") as caught:
         res = fuse([model], prior_var=1e8)
+    assert [w.filename for w in caught] == [__file__]
     x = torch.randn(5, 4)
     torch.testing.assert_close(res.model(x), model(x), rtol=1e-4, atol=1e-5)
+    with pytest.warns(UserWarning, match="only one model") as caught:
+        fuse_states([numpy_state(model)], "pfnm")
+    assert [w.filename for w in caught] == [__file__]
