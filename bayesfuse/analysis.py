@@ -1054,25 +1054,6 @@ def _loo_note(data: str | None) -> str:
 # ------------------------------------------------------------------------------ held-out comparison
 
 
-def _predictive(model, x: np.ndarray, num_samples: int, seed: int) -> np.ndarray:
-    """(n, K) predictive probabilities of ``model`` at ``x``: an array of them as given; ``predict(x,
-    num_samples=, seed=)`` where the model (or a result's ``.model``) has it (BNNs, ensembles,
-    last-layer Laplace networks); else ``softmax(model(x))`` of a network (or a result's ``.model``)."""
-    if isinstance(model, np.ndarray):
-        return np.asarray(model, dtype=np.float64)
-    inner = getattr(model, "model", None)
-    for candidate in (model, inner):
-        if candidate is not None and callable(getattr(candidate, "predict", None)):
-            return np.asarray(candidate.predict(x, num_samples=num_samples, seed=seed), dtype=np.float64)
-    from bayesfuse.nets.predict import predict_proba
-
-    network = model if callable(model) else inner
-    if not callable(network):
-        raise TypeError(f"cannot get predictive probabilities from a {type(model).__name__}: give a model with "
-                        "predict(x, num_samples=, seed=), a network, a result holding one, or an (n, K) array")
-    return predict_proba(network, x)
-
-
 def log_predictive_density(model, x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0) -> np.ndarray:
     """Pointwise held-out log predictive density of a model.
 
@@ -1088,7 +1069,8 @@ def log_predictive_density(model, x, y, *, num_samples: int = DEFAULT_DRAWS, see
     ----------
     model : HorseshoeBNN, Ensemble, network, FusionResult or array (n, K)
         Anything with ``predict(x, num_samples=, seed=)``, a network (logits), a result whose
-        ``.model`` is one of those, or the predictive probabilities themselves.
+        ``.model`` is one of those (:func:`~bayesfuse.nets.predict.predictive_proba`), or the
+        predictive probabilities themselves.
     x : array (n, D)
         Held-out inputs.
     y : array (n,) of int
@@ -1103,12 +1085,18 @@ def log_predictive_density(model, x, y, *, num_samples: int = DEFAULT_DRAWS, see
 
     Raises
     ------
+    TypeError
+        For a model none of those.
     ValueError
         For labels that are not integers in ``0 .. K-1`` or probabilities of the wrong shape.
     """
+    from bayesfuse.nets.predict import predictive_proba
+
     x = np.asarray(x)
     y = np.asarray(y)
-    probs = _predictive(model, x, _check_count(num_samples, "num_samples"), int(seed))
+    num_samples = _check_count(num_samples, "num_samples")
+    probs = (np.asarray(model, dtype=np.float64) if isinstance(model, np.ndarray)
+             else predictive_proba(model, x, num_samples=num_samples, seed=int(seed)))
     if probs.ndim != 2 or len(probs) != len(y):
         raise ValueError(f"expected ({len(y)}, K) probabilities, got shape {probs.shape}")
     K = probs.shape[1]

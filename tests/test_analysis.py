@@ -559,6 +559,8 @@ def test_compare_is_the_held_out_log_predictive_density(digits, bnn_federation):
     assert pairs.loc[(a, b), "dse"] == pytest.approx(np.sqrt(n * np.var(lpd[a] - lpd[b], ddof=1)), rel=1e-6)
     with pytest.raises(ValueError, match="labels in 0..9"):
         compare({"fused": fused}, x, y + 10, num_samples=2)
+    with pytest.raises(TypeError, match="cannot get predictive probabilities from a str"):
+        log_predictive_density("fused", x, y)
     with pytest.raises(ValueError, match="at least one model"):
         compare({}, x, y)
 
