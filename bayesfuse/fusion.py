@@ -129,6 +129,8 @@ def fuse(
     summaries: Sequence | None = None,
     output_pool: str = "precision",
     rounds: int = 1,
+    second_round: str = "refit",
+    output_prior_precision: float | None = None,
     example_input=None,
     **hyper,
 ) -> FusionResult:
@@ -195,13 +197,25 @@ def fuse(
         ``nn.Linear`` (or set an ``example_input`` attribute on the module); the fused network
         is run on it once before it is returned.
     rounds : {1, 2}
-        2: one more round after the one-shot fusion (simulated with ``data=(train,
-        partition)``): the server sends the candidate fused networks (with summaries, one per
-        ``output_pool``; without, the one), each client returns its summed negative
-        log-likelihood of its own data under each at each candidate temperature
-        (:func:`bayesfuse.summaries.temperature_nll`, 8 bytes per pair), and the server keeps the
-        best pair (:func:`~bayesfuse.inference.summary_fusion.best_candidate`): no example
-        leaves a client. ``hyper["second_round"]`` has the choice and what the round cost.
+        2: one more round after the one-shot fusion, simulated with ``data=(train, partition)``;
+        no example leaves a client. ``hyper["second_round"]`` says what it did and what it cost.
+    second_round : {"refit", "temperature"}
+        What the second round does. ``"refit"`` (default): the server sends the fused network;
+        each client fits its output layer on the fused features of its own data and returns the
+        fit and its K-FAC curvature (:func:`bayesfuse.summaries.output_fit`); the server
+        multiplies the clients' Laplace posteriors into the output layer and its covariance
+        (:mod:`bayesfuse.inference.output_fusion`), and the model predicts with the probit rule
+        (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`). The prior precision is
+        ``hyper["output_prior_precision"]`` if given, else ``1 / mean(w^2)`` of the clients' own
+        output weights. ``"temperature"``: the server sends the candidate fused networks (with
+        summaries, one per ``output_pool``), each client returns its summed negative
+        log-likelihood under each at each candidate temperature
+        (:func:`bayesfuse.summaries.temperature_nll`), and the server keeps the best pair
+        (:func:`~bayesfuse.inference.summary_fusion.best_candidate`).
+    output_prior_precision : float, optional
+        The refit's prior precision ``lambda`` of the output weights; by default ``1 / mean(w^2)``
+        over the clients' own output weights
+        (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), no data needed.
     **hyper
         The method's hyper-parameters, by kind of input; ``None`` keeps a default. See
         :data:`bayesfuse.methods.METHODS` (``print(bayesfuse.methods.describe())``): e.g.
@@ -238,12 +252,14 @@ def fuse(
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
+    if second_round not in ("refit", "temperature"):
+        raise ValueError(f"second_round must be 'refit' or 'temperature', got {second_round!r}")
     if rounds == 2 and any(bnn):
         raise ValueError("rounds=2 calibrates point-estimate networks; fused BNNs carry their own posterior")
     if not any(bnn) and (spec is None or row is None or row.aligns_units):
         spec = spec_with_encodings(models[0], spec, example_input)  # position encodings (PANs) are folded out
     states = [numpy_state(m) for m in models]
-    pools = [output_pool] if rounds == 1 or summaries is None else ["precision", "counts"]
+    pools = [output_pool] if rounds == 1 or summaries is None or second_round == "refit" else ["precision", "counts"]
     candidates = []
     for pool in pools:
         fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
@@ -252,7 +268,12 @@ def fuse(
         candidates.append((fused, _fused_model(models[0], fused, all(bnn))))
         if not any(bnn):
             _check_fused_runs(candidates[-1][1], models[0], example_input)
-    fused, model = candidates[0] if rounds == 1 else _second_round(candidates, data, pools, like=models[0])
+    if rounds == 1:
+        fused, model = candidates[0]
+    elif second_round == "refit":
+        fused, model = _refit_round(*candidates[0], models, data, prior_precision=output_prior_precision)
+    else:
+        fused, model = _second_round(candidates, data, pools, like=models[0])
     result = FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,
                           seconds=time.perf_counter() - start, groups=fused.groups if not all(bnn) else (),
                           posteriors=fused.posteriors)
@@ -320,12 +341,60 @@ def _second_round(candidates, data, pools, *, like: nn.Module):
         model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["second_round"] = {
-        "temperature": temperature, "output_pool": pools[choice], "candidates": int(nll[0].size),
+        "kind": "temperature", "temperature": temperature, "output_pool": pools[choice], "candidates": int(nll[0].size),
         "at_edge": bool(temperature in (TEMPERATURES[0], TEMPERATURES[-1])),
         "nll": {p: float(nll[:, c].sum(0).min()) for c, p in enumerate(pools)},
         "bytes_up": int(nll.size * 8), "bytes_down": int(len(nll) * len(candidates) * n_weights * 4),
         "seconds": time.perf_counter() - start}
     return fused, model
+
+
+def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, prior_precision=None):
+    """The second round that refits the output layer, simulated: every client fits it on the fused
+    network's features of its own data (:func:`bayesfuse.summaries.output_fit`); the server
+    multiplies the fits (:func:`~bayesfuse.inference.output_fusion.fuse_output_fits`) into a
+    :class:`~bayesfuse.nets.laplace.LastLayerLaplace` with the fused output layer's covariance."""
+    from bayesfuse.inference.output_fusion import fuse_output_fits, prior_precision_from_weights
+    from bayesfuse.nets.laplace import LastLayerLaplace
+    from bayesfuse.summaries import output_fit
+
+    train, partition = data
+    start = time.perf_counter()
+    network = model.network if isinstance(model, LastLayerLaplace) else model
+    output = _output_layer_name(network)
+    if prior_precision is None:
+        prior_precision = prior_precision_from_weights(
+            [m.get_submodule(_output_layer_name(m)).weight.detach().cpu().numpy() for m in models])
+    client_seconds = time.perf_counter()
+    fits = [output_fit(network, output, train.x[idx], train.y[idx], prior_precision, n_clients=len(partition))
+            for idx in partition]
+    client_seconds = (time.perf_counter() - client_seconds) / len(partition)
+    mean, covariance = fuse_output_fits(fits, prior_precision)
+    layer = network.get_submodule(output)
+    with torch.no_grad():
+        layer.weight.copy_(torch.as_tensor(mean[:-1].T, dtype=layer.weight.dtype))
+        layer.bias.copy_(torch.as_tensor(mean[-1], dtype=layer.bias.dtype))
+    prefix = output + "."
+    for key in (prefix + "weight", prefix + "bias"):
+        if key in fused.state:
+            fused.state[key] = layer.get_parameter(key[len(prefix):]).detach().cpu().numpy().copy()
+    model = LastLayerLaplace(network, output, covariance=covariance).eval()
+    n_weights = sum(np.size(v) for v in fused.state.values())
+    fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
+    fused.hyper["second_round"] = {
+        "kind": "refit", "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
+        "prior_precision": float(prior_precision), "bytes_up": int(fits[0].nbytes),
+        "bytes_down": int(n_weights * 4), "client_seconds": client_seconds,
+        "seconds": time.perf_counter() - start}
+    return fused, model
+
+
+def _output_layer_name(network: nn.Module) -> str:
+    """The name of the last ``nn.Linear`` of ``network``: its output layer."""
+    names = [name for name, mod in network.named_modules() if isinstance(mod, nn.Linear)]
+    if not names:
+        raise ValueError(f"the second round refits the output layer, an nn.Linear; {type(network).__name__} has none")
+    return names[-1]
 
 
 def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, start, **hyper) -> FusionResult:

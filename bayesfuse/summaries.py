@@ -45,7 +45,8 @@ from bayesfuse._io import atomic_write_bytes
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.spec import PermutationSpec
 
-__all__ = ["ClientSummary", "summarize", "temperature_nll", "save_summary", "load_summary", "summary_path",
+__all__ = ["ClientSummary", "summarize", "temperature_nll", "output_features", "output_fit",
+           "save_summary", "load_summary", "summary_path",
            "check_summary", "summary_arrays", "summary_from_arrays",
            "SUMMARY_FORMAT", "SUMMARY_VERSION", "SummaryError", "STATS"]
 
@@ -263,6 +264,37 @@ def temperature_nll(model: nn.Module, x, y, temperatures, *, batch_size: int = 4
     finally:
         model.train(was_training)
     return out
+
+
+def output_features(model: nn.Module, output: str, x, *, batch_size: int = 4096) -> np.ndarray:
+    """The input of ``model``'s output layer (the Linear named ``output``) for every row of ``x``:
+    the features the second round refits the output layer on."""
+    layer = model.get_submodule(output)
+    first = next(model.parameters())
+    seen: list[torch.Tensor] = []
+    hook = layer.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach().double()))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(x), batch_size):
+                model(torch.as_tensor(np.asarray(x[start:start + batch_size]), dtype=first.dtype))
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return torch.cat(seen).reshape(len(x), -1).numpy()
+
+
+def output_fit(model: nn.Module, output: str, x, y, prior_precision: float, *, n_clients: int = 1):
+    """A client's reply in the second round of the output refit: its Laplace fit of the output
+    layer on the features of the (fused) ``model`` the server sent, on its own data
+    (:func:`bayesfuse.inference.output_fusion.fit_output_layer`): the weights, two small Gram
+    matrices and a count, nothing per example."""
+    from bayesfuse.inference.output_fusion import fit_output_layer
+
+    layer = model.get_submodule(output)
+    return fit_output_layer(output_features(model, output, x), np.asarray(y).astype(np.int64), layer.out_features,
+                            prior_precision, n_clients=n_clients)
 
 
 # --------------------------------------------------------------------------- checking

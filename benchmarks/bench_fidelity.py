@@ -21,6 +21,11 @@ network (``shared``) or each from its own (``independent``), then one global mod
   pfnm, nafi     the library defaults: hyper-parameters chosen per layer by empirical Bayes
                  from the models alone (printed below each summary, for the first seed)
   pfnm s2=X      PFNM's hand-set setting: noise_var X, prior_var 10, gamma0 1, cost "pfnm"
+  ... +summaries  with the clients' summaries (bayesfuse.summarize); "2 rounds temperature": the
+                 second round picks the output pool and a temperature by the clients' own NLL;
+                 "2 rounds refit": the second round refits the output layer as the product of the
+                 clients' Laplace fits on the fused features (bayesfuse.inference.output_fusion);
+                 "pfnm 2 rounds refit" does so after the data-free fusion, without summaries
 
 Nothing is chosen with test data; the full test split gives the metrics only: accuracy, NLL,
 ECE (15 bins), the global width (sum of hidden widths) and the seconds spent building the
@@ -72,8 +77,12 @@ from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0, 10.0])
 SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "auroc", "width", "seconds", "converged")
 #: The rows with client summaries (bayesfuse.summarize): name -> fuse() options beyond the method.
+#: ``"summaries": False``: the row fuses without them (the data-free fusion, then its second round).
 SUMMARY_ROWS = {"pfnm +summaries": ("pfnm", {}), "pfnm +summaries counts": ("pfnm", {"output_pool": "counts"}),
-                "nafi +summaries": ("nafi", {}), "pfnm +summaries 2 rounds": ("pfnm", {"rounds": 2})}
+                "nafi +summaries": ("nafi", {}),
+                "pfnm +summaries 2 rounds temperature": ("pfnm", {"rounds": 2, "second_round": "temperature"}),
+                "pfnm +summaries 2 rounds refit": ("pfnm", {"rounds": 2}),
+                "pfnm 2 rounds refit": ("pfnm", {"rounds": 2, "summaries": False})}
 HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
 
 
@@ -132,14 +141,17 @@ def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.n
     rows = []
     for name, (method, options) in SUMMARY_ROWS.items():
         data = dict(data=(split.train, part)) if options.get("rounds") == 2 else {}
+        options = dict(options)
+        given = summaries if options.pop("summaries", True) else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
-            result = fuse(models, method, summaries=summaries, seed=seed, **options, **data)
+            result = fuse(models, method, summaries=given, seed=seed, **options, **data)
         second = result.hyper.get("second_round", {})
         rows.append(make_row(name, test_metrics(result.model, split), result.sizes, result.seconds,
                              result.converged, auroc=entropy_auroc(result.model, split, ood),
                              summary_kb=float(np.mean([s.nbytes for s in summaries]) / 1024), model_kb=model_kb,
                              summary_seconds=summary_seconds, temperature=second.get("temperature"),
+                             prior_precision=second.get("prior_precision"),
                              output_pool=second.get("output_pool"), round2_bytes_up=second.get("bytes_up")))
     return rows
 

@@ -38,6 +38,12 @@ class LastLayerLaplace(nn.Module):
         Name of the output layer module (``"layers.1"``): a Linear whose input are the features.
     weight_var, bias_var : arrays
         Posterior variances of that layer's weight ``(K, G)`` and bias ``(K,)``.
+    covariance : array (K, G+1, G+1), optional
+        Instead of independent weights, per class ``k`` the covariance of its weights and bias
+        (the bias last), as the refit of the second round gives
+        (:func:`bayesfuse.inference.output_fusion.fuse_output_fits`):
+        ``s_k^2(x) = a~^T Sigma_k a~`` with ``a~ = [a(x); 1]``. ``weight_var`` and ``bias_var`` are
+        then its diagonal, and may be left ``None``.
 
     ``forward(x)`` returns the probit-scaled logits, so ``softmax(forward(x))`` (what
     :func:`bayesfuse.nets.predict.predict_proba` computes) is the probit predictive;
@@ -45,7 +51,8 @@ class LastLayerLaplace(nn.Module):
     ``temperature`` buffer (1 unless a second round set it) divides the predictive logits.
     """
 
-    def __init__(self, network: nn.Module, output: str, weight_var, bias_var) -> None:
+    def __init__(self, network: nn.Module, output: str, weight_var=None, bias_var=None, *,
+                 covariance=None) -> None:
         super().__init__()
         try:
             layer = network.get_submodule(output)
@@ -53,6 +60,19 @@ class LastLayerLaplace(nn.Module):
             layer = None
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"the output layer {output!r} must be an nn.Linear, got {type(layer).__name__}")
+        if covariance is not None:
+            covariance = torch.as_tensor(np.asarray(covariance), dtype=layer.weight.dtype)
+            shape = (layer.out_features, layer.in_features + 1, layer.in_features + 1)
+            if covariance.shape != shape:
+                raise ValueError(f"covariance of shape {tuple(covariance.shape)} does not fit the output layer "
+                                 f"{tuple(layer.weight.shape)}: need {shape}")
+            if not torch.isfinite(covariance).all() or (torch.linalg.eigvalsh(covariance.double()) < -1e-9 * (
+                    1 + covariance.abs().amax())).any():
+                raise ValueError("covariance must be finite and positive semi-definite")
+            diagonal = torch.diagonal(covariance, dim1=-2, dim2=-1)
+            weight_var, bias_var = diagonal[:, :-1], diagonal[:, -1]
+        elif weight_var is None or bias_var is None:
+            raise ValueError("give weight_var and bias_var, or covariance")
         weight_var = torch.as_tensor(np.asarray(weight_var), dtype=layer.weight.dtype)
         bias_var = torch.as_tensor(np.asarray(bias_var), dtype=layer.weight.dtype)
         if weight_var.shape != layer.weight.shape or bias_var.shape != (layer.out_features,):
@@ -66,6 +86,7 @@ class LastLayerLaplace(nn.Module):
         self.register_buffer("weight_var", weight_var)
         self.register_buffer("bias_var", bias_var)
         self.register_buffer("temperature", torch.ones((), dtype=layer.weight.dtype))
+        self.register_buffer("covariance", covariance)
 
     def _logits_and_variance(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seen = {}
@@ -76,6 +97,10 @@ class LastLayerLaplace(nn.Module):
         finally:
             hook.remove()
         features = seen["features"]
+        if self.covariance is not None:
+            tilde = torch.cat([features, torch.ones_like(features[:, :1])], 1).to(self.covariance.dtype)
+            variance = torch.einsum("kgh,nh->nkg", self.covariance, tilde).mul(tilde[:, None, :]).sum(-1)
+            return logits, variance.clamp_min(0).to(logits.dtype)
         variance = (features ** 2) @ self.weight_var.T + self.bias_var
         return logits, variance
 

@@ -69,3 +69,32 @@ def test_refusals():
     model = LastLayerLaplace(net, "layers.1", np.zeros((3, 5)), np.zeros(3))
     with pytest.raises(ValueError, match="num_samples"):
         model.predict(np.zeros((2, 4)), num_samples=0)
+
+
+def test_per_class_covariance_by_hand_and_its_diagonal():
+    net = network()
+    x = torch.randn(7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rng = np.random.default_rng(0)
+    g = net.layers[-1].in_features + 1
+    roots = rng.normal(size=(3, g, g)) * 0.3
+    cov = roots @ roots.transpose(0, 2, 1)
+    lla = LastLayerLaplace(net, "layers.1", covariance=cov).double()
+    with torch.no_grad():
+        feats = torch.relu(net.layers[0](x)).numpy()
+        logits = net(x).numpy()
+    tilde = np.hstack([feats, np.ones((7, 1))])
+    var = np.stack([[t @ cov[k] @ t for k in range(3)] for t in tilde])  # s_k^2 = a~^T Sigma_k a~
+    with torch.no_grad():
+        np.testing.assert_allclose(lla(x).numpy(), logits / np.sqrt(1 + math.pi * var / 8), rtol=1e-10)
+    # a diagonal covariance is the independent-weights posterior
+    diag = np.stack([np.diag(np.diag(c)) for c in cov])
+    a = LastLayerLaplace(net, "layers.1", covariance=diag).double()
+    b = LastLayerLaplace(net, "layers.1", np.diagonal(cov, axis1=1, axis2=2)[:, :-1], cov[:, -1, -1]).double()
+    with torch.no_grad():
+        np.testing.assert_allclose(a(x).numpy(), b(x).numpy(), rtol=1e-10)
+    with pytest.raises(ValueError, match="does not fit"):
+        LastLayerLaplace(net, "layers.1", covariance=cov[:, 1:, 1:])
+    with pytest.raises(ValueError, match="semi-definite"):
+        LastLayerLaplace(net, "layers.1", covariance=-cov)
+    with pytest.raises(ValueError, match="or covariance"):
+        LastLayerLaplace(net, "layers.1")

@@ -1,0 +1,222 @@
+"""The output layer fused as a posterior: each client's Laplace fit on the fused features, multiplied.
+
+After the hidden layers are fused, the output layer ``f = W^T a~`` (``a~ = [a(x); 1]``, the fused
+network's features with a constant for the bias) is a multinomial logistic regression on fixed
+features: a convex problem the clients can solve on their own data, one more round, without
+the server seeing any. Client ``j`` fits
+
+.. math::
+
+    \\hat W_j = \\arg\\max_W \\; \\sum_{n \\in D_j} \\log \\mathrm{softmax}(W^T \\tilde a_n)_{y_n}
+    - \\frac{\\lambda}{2J} \\lVert W \\rVert^2,
+
+its likelihood times the ``J``-th root of the prior ``N(0, \\lambda^{-1} I)``, so that the product
+of the ``J`` clients' posteriors has the prior once. Its Laplace approximation (MacKay 1992) is
+``N(W_hat_j, H_j^{-1})`` with the Hessian of the negative log posterior, here in Kronecker form
+(K-FAC, Martens & Grosse 2015; Ritter, Botev & Barber 2018 for Laplace),
+
+.. math::
+
+    H_j \\approx n_j \\, \\bar A_j \\otimes \\bar S_j + \\frac{\\lambda}{J} I, \\qquad
+    \\bar A_j = \\frac{1}{n_j} \\sum_n \\tilde a_n \\tilde a_n^T, \\quad
+    \\bar S_j = \\frac{1}{n_j} \\sum_n \\big(\\mathrm{diag}(p_n) - p_n p_n^T\\big),
+
+with ``p_n`` the softmax at ``W_hat_j``. The server multiplies the Gaussians (the product of
+experts the PFNM and KL-fusion papers use for matched units, here for one layer whose units need
+no matching):
+
+.. math::
+
+    P = \\sum_j H_j, \\qquad \\bar W = P^{-1} \\sum_j H_j \\hat W_j .
+
+A client's reply is ``W_hat_j`` (``(G+1) K`` numbers), ``A_j`` (``(G+1)^2``), ``S_j`` (``K^2``)
+and ``n_j``: aggregates of its data, no row of it. The classes a client never saw have
+``p_nk ~ 0``, so its curvature there is its share of the prior alone and the other clients
+decide those weights. The posterior covariance ``P^{-1}`` gives the fused network's probit
+predictive (:class:`bayesfuse.nets.laplace.LastLayerLaplace`, per class).
+
+The prior precision ``lambda`` is, by default, estimated from the clients' own output layers
+without data: the maximum-likelihood precision of a zero-mean Gaussian for their weights,
+``lambda = 1 / mean(w^2)`` (:func:`prior_precision_from_weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.special import log_softmax, softmax
+
+from bayesfuse._validation import finite_array
+from bayesfuse.constraints import Interval, validate_params
+
+__all__ = ["OutputFit", "fit_output_layer", "fuse_output_fits", "prior_precision_from_weights"]
+
+_PRECISION = Interval(float, 0.0, None, "neither")
+_COUNT = Interval(int, 0, None, "neither")
+#: Products of at most this many weights (``(G+1) K``) are solved with their full K-FAC precision.
+MAX_JOINT = 6000
+
+
+@dataclass(frozen=True)
+class OutputFit:
+    """One client's Laplace fit of the output layer on the fused features.
+
+    Attributes
+    ----------
+    weight : ndarray (G+1, K)
+        ``W_hat_j``: the weights, and the bias as the last row.
+    gram : ndarray (G+1, G+1)
+        ``A_j``: the mean of ``a~ a~^T`` over the client's examples.
+    curvature : ndarray (K, K)
+        ``S_j``: the mean softmax Hessian ``diag(p) - p p^T`` at ``W_hat_j``.
+    n : int
+        The number of examples.
+    """
+
+    weight: np.ndarray
+    gram: np.ndarray
+    curvature: np.ndarray
+    n: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the reply, in float64."""
+        return 8 * (self.weight.size + self.gram.size + self.curvature.size + 1)
+
+
+def _with_bias(features: np.ndarray) -> np.ndarray:
+    return np.hstack([features, np.ones((len(features), 1))])
+
+
+@validate_params(n_classes=_COUNT, prior_precision=_PRECISION)
+def fit_output_layer(features, labels, n_classes: int, prior_precision: float, *, n_clients: int = 1,
+                     tol: float = 1e-4, max_iter: int = 2000) -> OutputFit:
+    """A client's fit of the output layer on its features: the maximum a posteriori ``W_hat_j`` of the
+    module docstring's equation, with prior precision ``prior_precision / n_clients``, and its
+    K-FAC curvature.
+
+    Parameters
+    ----------
+    features : array (n, G)
+        The fused network's features (the output layer's input) of the client's examples.
+    labels : int array (n,)
+        Their classes, in ``0 .. n_classes - 1``.
+    n_classes : int
+    prior_precision : float
+        ``lambda``, the precision of the Gaussian prior of the whole federation.
+    n_clients : int
+        ``J``: the client's share of the prior is ``lambda / J``.
+    tol, max_iter
+        L-BFGS stops when the largest gradient entry, relative to the objective's scale, is under
+        ``tol``. The problem is solved on whitened features (the same optimum, better conditioned).
+
+    Returns
+    -------
+    OutputFit
+    """
+    a = finite_array(features, "features")
+    y = np.asarray(labels)
+    if a.ndim != 2 or y.shape != (len(a),) or len(a) == 0:
+        raise ValueError(f"need features (n, G) and n labels, n > 0; got shapes {a.shape} and {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer) or (y < 0).any() or (y >= n_classes).any():
+        raise ValueError(f"labels must be integers in [0, {n_classes})")
+    x = _with_bias(a)
+    size = float(len(y))
+    gram = x.T @ x / size
+    # The fit runs on whitened features z = x L^{-T} (gram = L L^T), in V = L^T W: the same optimum,
+    # far better conditioned; the prior lambda/J |W|^2 becomes lambda/J tr(V^T M V), M = (L^T L)^{-1}.
+    chol = np.linalg.cholesky(gram + 1e-10 * np.trace(gram) / len(gram) * np.eye(len(gram)))
+    to_w = np.linalg.inv(chol).T  # W = to_w @ V
+    z = x @ to_w
+    m = to_w.T @ to_w * (prior_precision / n_clients)
+    onehot = np.eye(n_classes)[y]
+
+    def objective(v_flat):
+        v = v_flat.reshape(z.shape[1], n_classes)
+        logp = log_softmax(z @ v, axis=1)
+        mv = m @ v
+        value = -(logp * onehot).sum() + 0.5 * (v * mv).sum()
+        grad = z.T @ (np.exp(logp) - onehot) + mv
+        return value / size, grad.ravel() / size
+
+    res = minimize(objective, np.zeros(z.shape[1] * n_classes), jac=True, method="L-BFGS-B",
+                   options=dict(maxiter=max_iter, gtol=tol, ftol=1e-14, maxcor=30))
+    weight = to_w @ res.x.reshape(z.shape[1], n_classes)
+    p = softmax(x @ weight, axis=1)
+    curvature = np.diag(p.mean(0)) - p.T @ p / size
+    return OutputFit(weight=weight, gram=gram, curvature=curvature, n=len(y))
+
+
+def _check_fits(fits: Sequence[OutputFit]) -> None:
+    if len(fits) == 0:
+        raise ValueError("need at least one client's output fit")
+    shapes = {(f.weight.shape, f.gram.shape, f.curvature.shape) for f in fits}
+    if len(shapes) != 1:
+        raise ValueError(f"the clients' output fits differ in shape: {sorted(shapes)}")
+    g, k = fits[0].weight.shape
+    if fits[0].gram.shape != (g, g) or fits[0].curvature.shape != (k, k):
+        raise ValueError(f"an output fit of weight {fits[0].weight.shape} needs a gram ({g}, {g}) and a curvature "
+                         f"({k}, {k})")
+    for j, f in enumerate(fits):
+        for name in ("weight", "gram", "curvature"):
+            finite_array(getattr(f, name), f"client {j}'s {name}")
+        if f.n <= 0:
+            raise ValueError(f"client {j}'s output fit has n = {f.n} examples")
+
+
+@validate_params(prior_precision=_PRECISION)
+def fuse_output_fits(fits: Sequence[OutputFit], prior_precision: float) -> tuple[np.ndarray, np.ndarray]:
+    """The product of the clients' Laplace posteriors of the output layer (module docstring).
+
+    Parameters
+    ----------
+    fits : sequence of OutputFit
+        One per client, each fitted with prior precision ``prior_precision / len(fits)``.
+    prior_precision : float
+        ``lambda``.
+
+    Returns
+    -------
+    mean : ndarray (G+1, K)
+        ``W_bar``: the weights, the bias as the last row.
+    covariance : ndarray (K, G+1, G+1)
+        Per class ``k``, the block of ``P^{-1}`` of its weights and bias (the cross-class blocks,
+        which the probit predictive does not use, are dropped).
+    """
+    _check_fits(fits)
+    g, k = fits[0].weight.shape
+    if g * k > MAX_JOINT:
+        raise ValueError(f"the output layer has {g * k} weights; its joint K-FAC precision is solved up to "
+                         f"{MAX_JOINT} (MAX_JOINT)")
+    share = prior_precision / len(fits)
+    precision = np.zeros((g * k, g * k))
+    target = np.zeros(g * k)
+    for f in fits:
+        h = f.n * np.kron(f.gram, f.curvature)  # index (g, k) -> g * K + k, as weight.ravel()
+        h[np.diag_indices_from(h)] += share
+        precision += h
+        target += h @ f.weight.ravel()
+    chol = np.linalg.cholesky(precision)
+    mean = _cho_solve(chol, target).reshape(g, k)
+    cov = _cho_solve(chol, np.eye(g * k)).reshape(g, k, g, k)
+    covariance = np.stack([cov[:, c, :, c] for c in range(k)])
+    return mean, 0.5 * (covariance + covariance.transpose(0, 2, 1))
+
+
+def _cho_solve(chol: np.ndarray, b: np.ndarray) -> np.ndarray:
+    from scipy.linalg import cho_solve
+
+    return cho_solve((chol, True), b)
+
+
+def prior_precision_from_weights(weights: Sequence[np.ndarray]) -> float:
+    """``1 / mean(w^2)`` over every entry of the clients' output-layer weights (not biases): the
+    maximum-likelihood precision of a zero-mean Gaussian prior for the weights the clients trained,
+    a data-free empirical-Bayes choice of ``lambda``."""
+    squares = np.concatenate([finite_array(w, "output weights").ravel() ** 2 for w in weights])
+    if squares.size == 0 or squares.mean() <= 0:
+        raise ValueError("the clients' output weights are all zero; give prior_precision")
+    return float(1.0 / squares.mean())

@@ -1,0 +1,136 @@
+"""The output layer fused as a product of the clients' Laplace fits, against independent computations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize
+from scipy.special import softmax
+
+from bayesfuse.constraints import InvalidParameterError
+from bayesfuse.inference.output_fusion import (
+    OutputFit,
+    fit_output_layer,
+    fuse_output_fits,
+    prior_precision_from_weights,
+)
+
+
+def _client(seed: int, n: int = 300, g: int = 4, k: int = 3, shift: float = 0.0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, g)) + shift
+    w = rng.normal(size=(g, k))
+    y = np.array([rng.choice(k, p=p) for p in softmax(x @ w, axis=1)])
+    return x, y
+
+
+def test_fit_is_the_map_of_the_penalised_likelihood():
+    from sklearn.linear_model import LogisticRegression
+
+    x, y = _client(0)
+    lam, j = 6.0, 3
+    fit = fit_output_layer(x, y, 3, lam, n_clients=j, tol=1e-10)
+    # scikit-learn's multinomial objective 1/2 |W|^2 + C sum NLL is ours (NLL + lam/(2J) |W|^2) with
+    # C = J / lam; a column of ones as a feature puts the bias under the prior as ours is
+    xb = np.hstack([x, np.ones((len(x), 1))])
+    ref = LogisticRegression(C=j / lam, fit_intercept=False, tol=1e-12, max_iter=10_000).fit(xb, y)
+    np.testing.assert_allclose(fit.weight, ref.coef_.T, atol=1e-5)
+    p = softmax(xb @ fit.weight, axis=1)
+    direct = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
+    np.testing.assert_allclose(fit.curvature, direct, atol=1e-12)
+    np.testing.assert_allclose(fit.gram, xb.T @ xb / len(x), atol=1e-12)
+    assert fit.n == 300 and fit.nbytes == 8 * (15 + 25 + 9 + 1)
+
+
+def _random_fit(seed: int, g: int = 3, k: int = 2) -> OutputFit:
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(g, g))
+    p = rng.dirichlet(np.ones(k))
+    return OutputFit(weight=rng.normal(size=(g, k)), gram=a @ a.T / g + np.eye(g),
+                     curvature=np.diag(p) - np.outer(p, p), n=int(rng.integers(10, 50)))
+
+
+def test_product_minimises_the_sum_of_the_clients_quadratics():
+    fits = [_random_fit(s) for s in range(3)]
+    lam = 2.0
+    mean, cov = fuse_output_fits(fits, lam)
+
+    # independently: the minimiser of sum_j 1/2 (w - w_j)^T H_j (w - w_j), by a generic optimiser,
+    # with H_j = n_j A_j (x) S_j + lam/J written out entry by entry
+    def h(f):
+        g, k = f.weight.shape
+        out = np.zeros((g, k, g, k))
+        for i in range(g):
+            for a in range(k):
+                for i2 in range(g):
+                    for b in range(k):
+                        out[i, a, i2, b] = f.n * f.gram[i, i2] * f.curvature[a, b]
+        return out.reshape(g * k, g * k) + lam / len(fits) * np.eye(g * k)
+
+    hs = [h(f) for f in fits]
+
+    def objective(w):
+        d = [w - f.weight.ravel() for f in fits]
+        return 0.5 * sum(x @ hh @ x for x, hh in zip(d, hs)), sum(hh @ x for x, hh in zip(d, hs))
+
+    ref = minimize(objective, np.zeros(6), jac=True, method="BFGS", options=dict(gtol=1e-12)).x
+    np.testing.assert_allclose(mean.ravel(), ref, atol=1e-6)
+    full = np.linalg.inv(sum(hs)).reshape(3, 2, 3, 2)
+    np.testing.assert_allclose(cov, np.stack([full[:, c, :, c] for c in range(2)]), atol=1e-12)
+
+
+def test_one_client_and_identical_clients_fuse_to_the_client_and_order_does_not_matter():
+    x, y = _client(1)
+    one = fit_output_layer(x, y, 3, 4.0, n_clients=1, tol=1e-10)
+    mean, _ = fuse_output_fits([one], 4.0)
+    np.testing.assert_allclose(mean, one.weight, atol=1e-10)
+    # J copies of a client, each with its J-th of the prior: the product is the same posterior mode
+    share = fit_output_layer(x, y, 3, 4.0, n_clients=3, tol=1e-10)
+    mean3, _ = fuse_output_fits([share] * 3, 4.0)
+    np.testing.assert_allclose(mean3, share.weight, atol=1e-10)
+    fits = [fit_output_layer(*_client(s, shift=s), 3, 4.0, n_clients=3) for s in range(3)]
+    a, ca = fuse_output_fits(fits, 4.0)
+    b, cb = fuse_output_fits(fits[::-1], 4.0)
+    np.testing.assert_allclose(a, b, atol=1e-10)
+    np.testing.assert_allclose(ca, cb, atol=1e-12)
+
+
+def test_a_class_a_client_never_saw_is_decided_by_the_others():
+    x, y = _client(2, n=600)
+    seen = y != 2
+    lacking = fit_output_layer(x[seen], y[seen], 3, 4.0, n_clients=2)
+    full = fit_output_layer(x, y, 3, 4.0, n_clients=2)
+    mean, _ = fuse_output_fits([lacking, full], 4.0)
+    # the client without class 2 has little curvature for it (its prior share keeps p_2 off zero): the
+    # product's class-2 logits (relative to the others') lie far closer to the client that saw it
+    # than the plain average of the two fits does
+    xb = np.hstack([x, np.ones((len(x), 1))])
+
+    def class2(w):
+        z = xb @ w
+        return z[:, 2] - z.mean(1)
+
+    average = (lacking.weight + full.weight) / 2
+    assert lacking.curvature[2, 2] < 0.2 * full.curvature[2, 2]
+    gap = np.mean((class2(mean) - class2(full.weight)) ** 2)
+    assert gap < 0.25 * np.mean((class2(average) - class2(full.weight)) ** 2)
+
+
+def test_prior_precision_from_weights():
+    assert prior_precision_from_weights([np.full((2, 3), 0.5), np.full((1, 3), -0.5)]) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="all zero"):
+        prior_precision_from_weights([np.zeros((2, 2))])
+
+
+def test_bad_inputs_are_refused():
+    x, y = _client(3)
+    with pytest.raises(InvalidParameterError, match="prior_precision"):
+        fit_output_layer(x, y, 3, -1.0)
+    with pytest.raises(ValueError, match="labels must be"):
+        fit_output_layer(x, y + 5, 3, 1.0)
+    with pytest.raises(ValueError, match="NaN"):
+        fit_output_layer(np.full_like(x, np.nan), y, 3, 1.0)
+    with pytest.raises(ValueError, match="differ in shape"):
+        fuse_output_fits([_random_fit(0), _random_fit(1, g=4)], 1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        fuse_output_fits([], 1.0)
