@@ -126,9 +126,12 @@ def fit_output_layer(features, labels, n_classes: int, prior_precision: float, *
     x = _with_bias(a)
     size = float(len(y))
     gram = x.T @ x / size
-    # The fit runs on whitened features z = x L^{-T} (gram = L L^T), in V = L^T W: the same optimum,
-    # far better conditioned; the prior lambda/J |W|^2 becomes lambda/J tr(V^T M V), M = (L^T L)^{-1}.
-    chol = np.linalg.cholesky(gram + 1e-10 * np.trace(gram) / len(gram) * np.eye(len(gram)))
+    # The fit runs on whitened features z = x L^{-T}, L L^T = gram + mu I with mu = lambda / (J n) the
+    # prior's share per example, in V = L^T W: the same optimum, far better conditioned (features a
+    # client never activates keep the prior's curvature, not a near-zero one); the prior
+    # lambda/J |W|^2 becomes tr(V^T M V) / 2 with M = lambda/J (L^T L)^{-1}.
+    mu = prior_precision / n_clients / size
+    chol = np.linalg.cholesky(gram + mu * np.eye(len(gram)))
     to_w = np.linalg.inv(chol).T  # W = to_w @ V
     z = x @ to_w
     m = to_w.T @ to_w * (prior_precision / n_clients)
