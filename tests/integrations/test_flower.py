@@ -17,32 +17,41 @@ import torch
 
 flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'bayesfuse[flower]'")
 
-from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Array, ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import Result  # noqa: E402
 
 from bayesfuse import fuse, fuse_states, summarize  # noqa: E402
 from bayesfuse.data import dirichlet_partition, load_digits  # noqa: E402
 from bayesfuse.federated import run_fedma  # noqa: E402
 from bayesfuse.inference.layerwise import match_layerwise  # noqa: E402
+from bayesfuse.inference.output_fusion import fuse_output_fits, prior_precision_from_weights  # noqa: E402
 from bayesfuse.integrations import flower as integration  # noqa: E402
 from bayesfuse.integrations.flower import (  # noqa: E402
     FEDMA_LOCAL,
     FEDMA_ROUND,
+    OUTPUT_FIT,
+    OUTPUT_FIT_KEY,
+    ROUND_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
     FedMA,
     MatchedAveraging,
     metrics_aggregation,
+    output_fit_reply,
+    output_fit_to_records,
     record_to_state,
+    records_to_output_fit,
     records_to_summary,
     state_digest,
     state_to_record,
     summary_to_records,
 )
 from bayesfuse.nets.arch import rebuild  # noqa: E402
+from bayesfuse.nets.laplace import LastLayerLaplace  # noqa: E402
 from bayesfuse.nets.mlp import MLP  # noqa: E402
 from bayesfuse.nets.state import numpy_state as _np  # noqa: E402
 from bayesfuse.nets.state import tensor_state  # noqa: E402
+from bayesfuse.summaries import output_fit  # noqa: E402
 from bayesfuse.train import TrainConfig, train_clients, train_model  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower"
@@ -495,6 +504,172 @@ def test_fedma_in_mock_rounds_without_start(clients):
     replies = grid.send_and_receive(strategy.configure_train(2, arrays, ConfigRecord(), grid))
     final, metrics = strategy.aggregate_train(2, replies)
     assert metrics["fedma-rounds"] == 2 and _accuracy(split, record_to_state(final)) > 0.6
+
+
+# --------------------------------------------------------------------------- the refit round (second_round="refit")
+
+
+class RefitGrid(FakeGrid):
+    """Node ``ids[p]`` holds client ``p`` of ``models``: a training message gets its network, the
+    refit round's its output fit of the network it was sent (:func:`output_fit_reply`); ``spoil``
+    maps a node to a function that spoils its refit reply's content."""
+
+    def __init__(self, split, part, models, spoil=None, **kwargs):
+        super().__init__(split, part, **kwargs)
+        self.models, self.spoil = models, dict(spoil or {})
+
+    def _answer(self, msg):
+        if msg.metadata.message_type != "train":
+            return super()._answer(msg)
+        node = msg.metadata.dst_node_id
+        p = self.ids.index(node)
+        x, y = self.split.train.x[self.part[p]], self.split.train.y[self.part[p]]
+        config = msg.content["config"]
+        if config.get(ROUND_KEY) == OUTPUT_FIT:
+            fused = rebuild(self.models[p], tensor_state(record_to_state(msg.content["arrays"])))
+            content = output_fit_reply(fused, x, y, config)
+            if node in self.spoil:
+                self.spoil[node](content)
+        else:
+            metrics = MetricRecord({"num-examples": len(y), "class-counts": np.bincount(y, minlength=10).tolist()})
+            content = RecordDict({"arrays": state_to_record(self.models[p].state_dict()), "metrics": metrics})
+        return Message(content, reply_to=msg)
+
+
+def _direct_fits(split, part, models, sent, prior):
+    """Each client's output fit of the fused network ``sent``, computed here without Flower."""
+    return [output_fit(rebuild(models[p], tensor_state(sent)), "layers.2", split.train.x[idx], split.train.y[idx],
+                       prior, n_clients=len(part)) for p, idx in enumerate(part)]
+
+
+def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
+    split, part, models = clients
+    grid = RefitGrid(split, part, models, ids=[7, 8, 9])
+    strategy = MatchedAveraging("pfnm", second_round="refit", min_train_nodes=3, fraction_evaluate=0.0)
+    result = strategy.start(grid=grid, initial_arrays=_initial((20, 16)), num_rounds=2)
+    assert grid.types == ["train"] * 6
+    assert all(ROUND_KEY not in m.content["config"] for m in grid.sent[:3])
+    configs = [m.content["config"] for m in grid.sent[3:]]
+    prior = prior_precision_from_weights([m.layers[2].weight.detach().numpy() for m in models])
+    for c in configs:
+        assert (c[ROUND_KEY], c["output-layer"], c["n-clients"], c["server-round"]) == (OUTPUT_FIT, "layers.2", 3, 2)
+        assert c["prior-precision"] == pytest.approx(prior, rel=1e-12)
+    sent = record_to_state(grid.sent[3].content["arrays"])
+    # without the option, the same fusion: the refit round is sent what a plain one-shot strategy returns
+    plain = RefitGrid(split, part, models, ids=[7, 8, 9])
+    one_shot = MatchedAveraging("pfnm", min_train_nodes=3, fraction_evaluate=0.0).start(
+        grid=plain, initial_arrays=_initial((20, 16)), num_rounds=1)
+    assert plain.types == ["train"] * 3
+    for k, v in record_to_state(one_shot.arrays).items():
+        np.testing.assert_array_equal(sent[k], v)
+    # the refitted output layer is the product of the clients' fits computed directly (float32 on the wire)
+    mean, covariance = fuse_output_fits(_direct_fits(split, part, models, sent, prior), prior)
+    got = record_to_state(result.arrays)
+    # (float32 Gram matrices move the product by about 1e-5 of its scale)
+    np.testing.assert_allclose(got["layers.2.weight"], mean[:-1].T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["layers.2.bias"], mean[-1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(strategy.output_covariance, covariance, rtol=1e-4, atol=1e-5)
+    for k in sent:
+        if not k.startswith("layers.2."):
+            np.testing.assert_array_equal(got[k], sent[k])
+    assert not np.allclose(got["layers.2.weight"], sent["layers.2.weight"], atol=1e-3)
+    # what the round did and cost, in the round's metrics and in the fusion's hyper
+    g1 = sent["layers.2.weight"].shape[1] + 1
+    metrics = result.train_metrics_clientapp[2]
+    assert metrics["output-fit-replies"] == 3 and metrics["rejected-replies"] == 0 and metrics["failed-replies"] == 0
+    assert metrics["bytes-up"] == 4 * (g1 * 10 + g1 * g1 + 10 * 10)
+    assert metrics["num-examples"] == sum(len(idx) for idx in part)
+    report = strategy.last_fusion.hyper["second_round"]
+    assert report is strategy.second_round_report
+    assert report["kind"] == "refit" and report["prior_precision"] == pytest.approx(prior)
+    assert report["bytes_up"] == metrics["bytes-up"] and report["bytes_down"] == 4 * sum(v.size for v in sent.values())
+    np.testing.assert_array_equal(strategy.last_fusion.state["layers.2.weight"], got["layers.2.weight"])
+    # the last-layer Laplace of the refitted network
+    laplace = strategy.laplace(models[0])
+    assert isinstance(laplace, LastLayerLaplace) and laplace.output == "layers.2"
+    x = torch.as_tensor(split.test.x[:50])
+    np.testing.assert_allclose(laplace.mean_logits(x).detach().numpy(),
+                               MLP.from_state_dict(tensor_state(got))(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+    assert _accuracy(split, got) > 0.6
+
+
+def _nan_gram(content):
+    gram = content[OUTPUT_FIT_KEY]["gram"].numpy().copy()
+    gram[0, 0] = np.nan
+    content[OUTPUT_FIT_KEY]["gram"] = Array(gram)
+
+
+def _short_weight(content):
+    content[OUTPUT_FIT_KEY]["weight"] = Array(content[OUTPUT_FIT_KEY]["weight"].numpy()[:-1].copy())
+
+
+def test_refit_round_rejects_bad_output_fits_naming_the_node(clients, caplog):
+    split, part, models = clients
+    grid = RefitGrid(split, part, models, ids=[7, 8, 9], spoil={8: _nan_gram, 9: _short_weight})
+    strategy = MatchedAveraging("pfnm", second_round="refit", min_train_nodes=3, fraction_evaluate=0.0)
+    with caplog.at_level(logging.WARNING):
+        result = strategy.start(grid=grid, initial_arrays=_initial((20, 16)), num_rounds=2)
+    reasons = dict(strategy.rejected)
+    assert sorted(reasons) == [8, 9]
+    assert reasons[8] == "node 8: the output fit's gram has values that are not finite (NaN or inf)"
+    assert re.fullmatch(r"node 9: the output fit's weight has shape \(\d+, 10\); the fused output layer needs "
+                        r"\(\d+, 10\)", reasons[9]), reasons[9]
+    assert "node 8: reply rejected" in caplog.text
+    metrics = result.train_metrics_clientapp[2]
+    assert metrics["output-fit-replies"] == 1 and metrics["rejected-replies"] == 2
+    # the product of the one good fit
+    sent = record_to_state(grid.sent[3].content["arrays"])
+    prior = grid.sent[3].content["config"]["prior-precision"]
+    mean, _ = fuse_output_fits(_direct_fits(split, part, models, sent, prior)[:1], prior)
+    np.testing.assert_allclose(record_to_state(result.arrays)["layers.2.weight"], mean[:-1].T, rtol=1e-4, atol=1e-4)
+    # every fit bad: the fused network stays, and there is no Laplace to give
+    grid = RefitGrid(split, part, models, ids=[7, 8, 9], spoil={n: _nan_gram for n in (7, 8, 9)})
+    strategy = MatchedAveraging("pfnm", second_round="refit", min_train_nodes=3, fraction_evaluate=0.0)
+    result = strategy.start(grid=grid, initial_arrays=_initial((20, 16)), num_rounds=2)
+    for k, v in record_to_state(grid.sent[3].content["arrays"]).items():
+        np.testing.assert_array_equal(record_to_state(result.arrays)[k], v)
+    assert strategy.output_covariance is None and result.train_metrics_clientapp[2]["rejected-replies"] == 3
+    with pytest.raises(ValueError, match="no refit round has run"):
+        strategy.laplace(models[0])
+
+
+def test_output_fit_records_round_trip_and_refusals(clients):
+    split, part, models = clients
+    fit = output_fit(models[0], "layers.2", split.train.x[part[0]], split.train.y[part[0]], 2.0, n_clients=3)
+    arrays, meta = output_fit_to_records(fit, prior_precision=2.0, n_clients=3)
+    back = records_to_output_fit(arrays, meta, "node 4", shape=fit.weight.shape, prior_precision=2.0, n_clients=3)
+    assert back.n == fit.n
+    for name in ("weight", "gram", "curvature"):
+        np.testing.assert_allclose(getattr(back, name), getattr(fit, name), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="^node 4: the output fit's arrays came without its metadata"):
+        records_to_output_fit(arrays, None, "node 4")
+    with pytest.raises(ValueError, match="^node 4: the output fit was made with prior precision 2, the server sent 1$"):
+        records_to_output_fit(arrays, meta, "node 4", prior_precision=1.0)
+    with pytest.raises(ValueError, match="^node 4: the output fit was made for 3 clients, the server sent 2$"):
+        records_to_output_fit(arrays, meta, "node 4", n_clients=2)
+    old = ConfigRecord({**dict(meta), "version": 0})
+    with pytest.raises(ValueError, match="^node 4: output fit version 0 is not one this bayesfuse reads"):
+        records_to_output_fit(arrays, old, "node 4")
+    indefinite = output_fit_to_records(fit, prior_precision=2.0, n_clients=3)[0]
+    indefinite["curvature"] = Array(-np.eye(10, dtype=np.float32))
+    with pytest.raises(ValueError, match="^node 4: the output fit's curvature is not symmetric positive semi-definite$"):
+        records_to_output_fit(indefinite, meta, "node 4")
+    with pytest.raises(ValueError, match="not a refit round"):
+        output_fit_reply(models[0], split.train.x[:5], split.train.y[:5], ConfigRecord({"lr": 0.1}))
+
+
+def test_refit_settings_are_checked(clients):
+    with pytest.raises(ValueError, match="unknown second_round='temperature'"):
+        MatchedAveraging("pfnm", second_round="temperature")
+    with pytest.raises(ValueError, match="second_round='refit' refits point-estimate networks"):
+        MatchedAveraging("kl", second_round="refit")
+    with pytest.raises(ValueError, match="output_prior_precision must be a positive number"):
+        MatchedAveraging("pfnm", second_round="refit", output_prior_precision=0.0)
+    split, part, models = clients
+    with pytest.raises(ValueError, match="needs num_rounds >= 2"):
+        MatchedAveraging("pfnm", second_round="refit").start(grid=RefitGrid(split, part, models),
+                                                             initial_arrays=_initial((20, 16)), num_rounds=1)
+    assert MatchedAveraging("pfnm").second_round is None
 
 
 # --------------------------------------------------------------------------- no private Flower modules

@@ -20,6 +20,12 @@ A client may send its summary of its own data (:func:`bayesfuse.summarize`) besi
 of its metadata (``"summary-meta"``); :class:`MatchedAveraging` reads them and fuses the
 networks as Laplace posteriors when every reply carries one (``summaries="auto"``).
 
+``MatchedAveraging(second_round="refit")`` makes the last round a refit of the fused network's
+output layer: each client answers the server's message (``"bayesfuse-round": "output_fit"`` in
+its config) with :func:`output_fit_reply`, its Laplace fit of that layer on the fused features of
+its own data, and the server multiplies the fits into the output layer and its covariance
+(:meth:`MatchedAveraging.laplace`).
+
 Replies that carry an error or never come are skipped and reported (``failed-replies``);
 replies whose arrays do not fit the architecture are rejected with the node named
 (``rejected-replies``), not fatal.
@@ -37,10 +43,17 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
 
 from bayesfuse.integrations.flower.fedma import FEDMA_LOCAL, FEDMA_ROUND, FedMA
 from bayesfuse.integrations.flower.records import (
+    OUTPUT_FIT,
+    OUTPUT_FIT_KEY,
+    OUTPUT_FIT_META_KEY,
+    ROUND_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
     metrics_aggregation,
+    output_fit_reply,
+    output_fit_to_records,
     record_to_state,
+    records_to_output_fit,
     records_to_summary,
     state_digest,
     state_to_record,
@@ -49,4 +62,6 @@ from bayesfuse.integrations.flower.records import (
 from bayesfuse.integrations.flower.strategy import MatchedAveraging
 
 __all__ = ["MatchedAveraging", "FedMA", "metrics_aggregation", "state_to_record", "record_to_state", "state_digest",
-           "summary_to_records", "records_to_summary", "FEDMA_LOCAL", "FEDMA_ROUND", "SUMMARY_KEY", "SUMMARY_META_KEY"]
+           "summary_to_records", "records_to_summary", "output_fit_reply", "output_fit_to_records",
+           "records_to_output_fit", "FEDMA_LOCAL", "FEDMA_ROUND", "SUMMARY_KEY", "SUMMARY_META_KEY", "OUTPUT_FIT_KEY",
+           "OUTPUT_FIT_META_KEY", "ROUND_KEY", "OUTPUT_FIT"]

@@ -1,21 +1,24 @@
-"""Flower records of bayesfuse's arrays: state_dicts, client summaries, and a metrics
-aggregation that sums class counts (:mod:`bayesfuse.integrations.flower`)."""
+"""Flower records of bayesfuse's arrays: state_dicts, client summaries, the clients' output fits of
+the refit round, and a metrics aggregation that sums class counts
+(:mod:`bayesfuse.integrations.flower`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from bayesfuse.checkpoints import tensors_sha256
+from bayesfuse.inference.output_fusion import OutputFit
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.summaries import (
     SUMMARY_FORMAT,
     SUMMARY_VERSION,
     ClientSummary,
     SummaryError,
+    output_fit,
     summary_arrays,
     summary_from_arrays,
 )
@@ -23,6 +26,18 @@ from bayesfuse.summaries import (
 #: Keys of a client summary in a reply: its arrays (ArrayRecord) and its metadata (ConfigRecord).
 SUMMARY_KEY = "summary"
 SUMMARY_META_KEY = "summary-meta"
+
+#: Keys of a client's output fit in its reply to the refit round: its arrays (ArrayRecord) and its
+#: metadata (ConfigRecord).
+OUTPUT_FIT_KEY = "output-fit"
+OUTPUT_FIT_META_KEY = "output-fit-meta"
+OUTPUT_FIT_FORMAT = "bayesfuse-output-fit"
+OUTPUT_FIT_VERSION = 1
+#: The config entry of a training message that names a bayesfuse round other than training, and its
+#: value in the refit round (``MatchedAveraging(second_round="refit")``).
+ROUND_KEY = "bayesfuse-round"
+OUTPUT_FIT = "output_fit"
+_FIT_ARRAYS = ("weight", "gram", "curvature")
 
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 
@@ -106,6 +121,155 @@ def records_to_summary(arrays: ArrayRecord, meta: ConfigRecord | None, name: str
                            "recompute it with bayesfuse.summarize")
     return summary_from_arrays({key: arrays[key].numpy() for key in arrays.keys()}, name, version=version,
                                n_examples=n_examples, prior_precision=prior, fingerprint=fp)
+
+
+def output_fit_to_records(fit: OutputFit, *, prior_precision: float,
+                          n_clients: int) -> tuple[ArrayRecord, ConfigRecord]:
+    """A client's output fit (:func:`bayesfuse.summaries.output_fit`) as Flower records.
+
+    The ArrayRecord holds ``weight`` ``(G+1, K)``, ``gram`` ``(G+1, G+1)`` and ``curvature``
+    ``(K, K)`` in float32; the ConfigRecord ``format``, ``version``, ``n-examples`` and the
+    ``prior-precision`` and ``n-clients`` the fit was made with. Put them in a reply under
+    :data:`OUTPUT_FIT_KEY` and :data:`OUTPUT_FIT_META_KEY` (:func:`output_fit_reply` does).
+
+    Parameters
+    ----------
+    fit : OutputFit
+    prior_precision : float
+        ``lambda``, as the server sent it.
+    n_clients : int
+        ``J``, as the server sent it.
+
+    Returns
+    -------
+    tuple of (ArrayRecord, ConfigRecord)
+    """
+    arrays = {name: Array(np.ascontiguousarray(getattr(fit, name), dtype=np.float32)) for name in _FIT_ARRAYS}
+    meta = ConfigRecord({"format": OUTPUT_FIT_FORMAT, "version": OUTPUT_FIT_VERSION, "n-examples": int(fit.n),
+                         "prior-precision": float(prior_precision), "n-clients": int(n_clients)})
+    return ArrayRecord(array_dict=arrays), meta
+
+
+def records_to_output_fit(arrays: ArrayRecord, meta: ConfigRecord | None, name: str = "client", *,
+                          shape: tuple[int, int] | None = None, prior_precision: float | None = None,
+                          n_clients: int | None = None) -> OutputFit:
+    """The output fit in a reply's records (:func:`output_fit_to_records`), checked.
+
+    Parameters
+    ----------
+    arrays : ArrayRecord
+    meta : ConfigRecord or None
+    name : str
+        Who sent it, for the messages (``"node 3"``).
+    shape : (int, int), optional
+        ``(G+1, K)`` of the fused output layer the server sent.
+    prior_precision, n_clients : optional
+        What the server sent: a fit made with others is refused.
+
+    Returns
+    -------
+    OutputFit
+        In float64.
+
+    Raises
+    ------
+    ValueError
+        With one line naming ``name``: no metadata, another format or version, missing arrays,
+        shapes that do not fit ``shape`` or each other, values that are not finite, a Gram or
+        curvature that is not symmetric positive semi-definite, another prior.
+    """
+    if meta is None:
+        raise ValueError(f"{name}: the output fit's arrays came without its metadata (ConfigRecord "
+                         f"{OUTPUT_FIT_META_KEY!r})")
+    if meta.get("format") != OUTPUT_FIT_FORMAT:
+        raise ValueError(f"{name}: not a bayesfuse output fit (format {meta.get('format')!r})")
+    try:
+        version, n = int(meta["version"]), int(meta["n-examples"])
+        prior, clients = float(meta["prior-precision"]), int(meta["n-clients"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{name}: the output fit's metadata is incomplete (needs version, n-examples, "
+                         "prior-precision, n-clients)") from None
+    if version != OUTPUT_FIT_VERSION:
+        raise ValueError(f"{name}: output fit version {version} is not one this bayesfuse reads "
+                         f"({OUTPUT_FIT_VERSION})")
+    if n <= 0:
+        raise ValueError(f"{name}: the output fit has n-examples = {n}")
+    if prior_precision is not None and not np.isclose(prior, prior_precision, rtol=1e-6, atol=0.0):
+        raise ValueError(f"{name}: the output fit was made with prior precision {prior:g}, the server sent "
+                         f"{prior_precision:g}")
+    if n_clients is not None and clients != n_clients:
+        raise ValueError(f"{name}: the output fit was made for {clients} clients, the server sent {n_clients}")
+    missing = [k for k in _FIT_ARRAYS if k not in arrays]
+    if missing:
+        raise ValueError(f"{name}: the output fit lacks {missing} (has {sorted(arrays.keys())})")
+    values = {k: np.asarray(arrays[k].numpy(), dtype=np.float64) for k in _FIT_ARRAYS}
+    weight, gram, curvature = values["weight"], values["gram"], values["curvature"]
+    if weight.ndim != 2:
+        raise ValueError(f"{name}: the output fit's weight has shape {weight.shape}, not (G+1, K)")
+    g, k = shape if shape is not None else weight.shape
+    for key, want in (("weight", (g, k)), ("gram", (g, g)), ("curvature", (k, k))):
+        if values[key].shape != want:
+            raise ValueError(f"{name}: the output fit's {key} has shape {values[key].shape}; the fused output "
+                             f"layer needs {want}")
+        if not np.isfinite(values[key]).all():
+            raise ValueError(f"{name}: the output fit's {key} has values that are not finite (NaN or inf)")
+    for key, m in (("gram", gram), ("curvature", curvature)):
+        scale = 1e-5 * max(1.0, float(np.abs(m).max()))
+        if not np.allclose(m, m.T, rtol=0.0, atol=scale) or np.linalg.eigvalsh(0.5 * (m + m.T)).min() < -scale:
+            raise ValueError(f"{name}: the output fit's {key} is not symmetric positive semi-definite")
+    return OutputFit(weight=weight, gram=0.5 * (gram + gram.T), curvature=0.5 * (curvature + curvature.T), n=n)
+
+
+def output_fit_reply(model: torch.nn.Module, x, y, config: Mapping) -> RecordDict:
+    """A client's reply to the refit round of ``MatchedAveraging(second_round="refit")``.
+
+    The server's training message carries the fused network's arrays and a ConfigRecord whose
+    :data:`ROUND_KEY` (``"bayesfuse-round"``) is :data:`OUTPUT_FIT` (``"output_fit"``), with the
+    ``output-layer`` to refit, the ``prior-precision`` and ``n-clients``. The client fits that
+    layer on the fused network's features of its own data (:func:`bayesfuse.summaries.output_fit`)
+    and replies with the fit: aggregates of its data, no row of it.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The network the server sent: the client's own network rebuilt with the message's arrays,
+        e.g. ``bayesfuse.nets.arch.rebuild(model, tensor_state(record_to_state(msg.content["arrays"])))``
+        (the fused network may be wider than the client's).
+    x, y : arrays
+        The client's examples and their integer classes.
+    config : mapping
+        The message's ConfigRecord (``msg.content["config"]``).
+
+    Returns
+    -------
+    RecordDict
+        The fit under :data:`OUTPUT_FIT_KEY` and :data:`OUTPUT_FIT_META_KEY`, and a MetricRecord
+        ``metrics`` with ``num-examples``: ``Message(output_fit_reply(...), reply_to=msg)``.
+
+    Examples
+    --------
+    In the ClientApp's training handler::
+
+        @app.train()
+        def train(msg, context):
+            config = msg.content["config"]
+            if config.get(ROUND_KEY) == OUTPUT_FIT:
+                fused = rebuild(model, tensor_state(record_to_state(msg.content["arrays"])))
+                return Message(output_fit_reply(fused, x, y, config), reply_to=msg)
+            ...  # an ordinary training round
+    """
+    if config.get(ROUND_KEY) != OUTPUT_FIT:
+        raise ValueError(f"not a refit round: the config's {ROUND_KEY!r} is {config.get(ROUND_KEY)!r}, "
+                         f"not {OUTPUT_FIT!r}")
+    try:
+        output, prior, clients = str(config["output-layer"]), float(config["prior-precision"]), int(config["n-clients"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("the refit round's config is incomplete (needs output-layer, prior-precision, "
+                         "n-clients)") from None
+    fit = output_fit(model, output, x, y, prior, n_clients=clients)
+    arrays, meta = output_fit_to_records(fit, prior_precision=prior, n_clients=clients)
+    return RecordDict({OUTPUT_FIT_KEY: arrays, OUTPUT_FIT_META_KEY: meta,
+                       "metrics": MetricRecord({"num-examples": int(fit.n)})})
 
 
 def metrics_aggregation(sum_keys: Sequence[str] = ("class-counts",)) -> MetricsAggregation:

@@ -3,29 +3,41 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import fuse_states
+from bayesfuse.inference.output_fusion import fuse_output_fits, prior_precision_from_weights
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
+    OUTPUT_FIT,
+    OUTPUT_FIT_KEY,
+    OUTPUT_FIT_META_KEY,
+    ROUND_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
     _metric_record,
     record_to_state,
+    records_to_output_fit,
     records_to_summary,
     state_digest,
     state_to_record,
 )
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
+from bayesfuse.nets.arch import rebuild
+from bayesfuse.nets.laplace import LastLayerLaplace
+from bayesfuse.nets.state import tensor_state
 from bayesfuse.summaries import (
     ClientSummary,
     SummaryError,
@@ -163,13 +175,43 @@ class MatchedAveraging(_Fusion):
         some replies carry one, the round is fused data-free and the nodes without are logged.
         ``"none"``: ignore them. The round's metrics say which (``summaries-used``,
         ``summary-bytes``).
+    second_round : {None, "refit"}
+        ``"refit"``: the last round of :meth:`start` (``num_rounds >= 2``; ``num_rounds=2`` is the
+        one-shot fusion and the refit) refits the fused network's output layer, as
+        ``bayesfuse.fuse(..., rounds=2, second_round="refit")`` simulates it. The server sends the
+        fused network in a training message whose ConfigRecord has ``"bayesfuse-round":
+        "output_fit"`` (:data:`~bayesfuse.integrations.flower.records.ROUND_KEY`), the
+        ``output-layer``, the ``prior-precision`` and ``n-clients``; each client answers with
+        :func:`~bayesfuse.integrations.flower.records.output_fit_reply`, its Laplace fit of that
+        layer on the fused features of its own data; the server multiplies the fits
+        (:func:`~bayesfuse.inference.output_fusion.fuse_output_fits`) into the output layer, which
+        is the round's ArrayRecord (so ``Result.arrays``), and keeps its covariance
+        (:attr:`output_covariance`, :meth:`laplace`). A reply that is malformed, not finite or of
+        another shape is rejected with its node named; with none left the fused network stays.
+        Point-estimate networks only. ``None`` (default): every round fuses.
+    output_prior_precision : float, optional
+        The refit's prior precision ``lambda``; by default ``1 / mean(w^2)`` of the output
+        weights the clients sent in the last fusion round
+        (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`).
     **kwargs
         Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
+
+    Attributes
+    ----------
+    last_fusion : FusionResult or None
+        The last fusion's result (:func:`bayesfuse.fuse_states`); after a refit its state has the
+        refitted output layer and ``hyper["second_round"]`` says what the round did and cost.
+    output_covariance : ndarray (K, G+1, G+1) or None
+        After a refit, per class the posterior covariance of the output layer's weights and bias.
+    second_round_report : dict or None
+        After a refit: ``kind``, ``prior_precision``, ``bytes_up`` (per client), ``bytes_down``
+        (per client), ``replies``, ``seconds``.
     """
 
     def __init__(self, method: str = "pfnm", *, kind: str | None = None, spec: PermutationSpec | None = None,
                  hyper: dict | None = None, class_counts_key: str = "class-counts", seed: int = 0,
-                 summaries: str = "auto", **kwargs) -> None:
+                 summaries: str = "auto", second_round: str | None = None,
+                 output_prior_precision: float | None = None, **kwargs) -> None:
         choices = methods.names(needs_data=False, baseline=False)
         if method not in choices:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(choices)} (FedAvg is flwr's "
@@ -181,16 +223,81 @@ class MatchedAveraging(_Fusion):
                              "clients' HorseshoeBNN cannot take; the strategy sends back the shared head")
         if summaries not in ("auto", "none"):
             raise ValueError(f"unknown summaries={summaries!r}; choose auto or none")
+        if second_round not in (None, "refit"):
+            raise ValueError(f"unknown second_round={second_round!r}; choose None or 'refit'")
+        if second_round is not None and self.kind == "bnn":
+            raise ValueError("second_round='refit' refits point-estimate networks; fused BNNs carry their own "
+                             "posterior")
+        if output_prior_precision is not None and not (np.isfinite(output_prior_precision)
+                                                       and output_prior_precision > 0):
+            raise ValueError(f"output_prior_precision must be a positive number, got {output_prior_precision!r}")
         super().__init__(spec=spec, class_counts_key=class_counts_key, seed=seed, **kwargs)
         self.method = method
         self.hyper = dict(hyper or {})
         self.summaries = summaries
+        self.second_round = second_round
+        self.output_prior_precision = output_prior_precision
         self.last_fusion = None
+        self.output_covariance: np.ndarray | None = None
+        self.second_round_report: dict | None = None
+        self._refit_round: int | None = None  # the round start() makes the refit
+        self._pending_refit: dict | None = None  # what configure_output_fit sent
+        self._output_weights: list[np.ndarray] = []  # the clients' output weights in the last fusion round
+        self._refitted: dict | None = None  # the refitted state and its output layer's name
 
     def summary(self) -> None:
         """Log the strategy's settings (Flower's, then the fusion's)."""
         super().summary()
         log(INFO, "\t└──> bayesfuse %s fusion, hyper-parameters %s", self.method, self.hyper)
+        if self.second_round is not None:
+            log(INFO, "\t└──> the last round refits the output layer (second_round=%r)", self.second_round)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start``; with ``second_round="refit"`` its last round is the refit.
+
+        Parameters
+        ----------
+        grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+            As ``flwr.serverapp.strategy.FedAvg.start``. With ``second_round="refit"``,
+            ``num_rounds`` counts the refit: ``num_rounds - 1`` fusion rounds, then the refit.
+
+        Returns
+        -------
+        Result
+        """
+        if self.second_round is not None:
+            if num_rounds < 2:
+                raise ValueError(f"second_round={self.second_round!r} needs num_rounds >= 2 (the fusion rounds, then "
+                                 f"the refit); got num_rounds={num_rounds}")
+            self._refit_round = num_rounds
+        try:
+            return super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
+                                 train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
+        finally:
+            self._refit_round = None
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """FedAvg's training messages; the refit round's (:meth:`configure_output_fit`) in the last
+        round of :meth:`start` with ``second_round="refit"``.
+
+        Parameters
+        ----------
+        server_round : int
+        arrays : ArrayRecord
+        config : ConfigRecord
+        grid : Grid
+
+        Returns
+        -------
+        list of Message
+        """
+        if self.second_round is not None and server_round == self._refit_round:
+            return self.configure_output_fit(server_round, arrays, config, grid)
+        self._pending_refit = None
+        return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -206,9 +313,12 @@ class MatchedAveraging(_Fusion):
         tuple of (ArrayRecord or None, MetricRecord or None)
             The fused arrays and ``num-examples``, ``global-sizes``, ``objective``, the
             counts of fused, failed and rejected replies, and ``summaries-used`` (1 or 0) and
-            ``summary-bytes``.
+            ``summary-bytes``. In the refit round, :meth:`aggregate_output_fit`'s.
         """
+        if self._pending_refit is not None and self._pending_refit["round"] == server_round:
+            return self.aggregate_output_fit(server_round, replies)
         self.rejected, self.failed = [], []
+        self.output_covariance, self.second_round_report, self._refitted = None, None, None
         spec, good = self._check(self._collect(replies), self.spec)
         summaries, good = self._summaries(good)
         if not good:
@@ -223,6 +333,9 @@ class MatchedAveraging(_Fusion):
         fused, sizes = result.state, result.sizes
         objective = [float(layer.objective[-1]) for layer in result.layers]
         self.last_fusion = result
+        if self.second_round is not None:
+            output = _output_layer(good[0].state)
+            self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
         metrics = MetricRecord({
             "num-examples": float(sum(r.num_examples for r in good)),
             "global-sizes": [int(s) for s in sizes],
@@ -236,6 +349,148 @@ class MatchedAveraging(_Fusion):
         ref = good[0].state
         return state_to_record({k: np.asarray(fused[k]).astype(ref[k].dtype) for k in ref}), metrics
 
+    # ------------------------------------------------------------------ the refit round
+
+    def configure_output_fit(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                             grid: Grid) -> list[Message]:
+        """The refit round's messages: the fused network ``arrays`` to each sampled node (as FedAvg
+        samples), with ``config`` and ``"bayesfuse-round": "output_fit"``, ``output-layer``,
+        ``prior-precision`` and ``n-clients`` (the number of nodes sampled). :meth:`aggregate_train`
+        of the same round then reads the replies as output fits.
+
+        Parameters
+        ----------
+        server_round : int
+        arrays : ArrayRecord
+            The fused network.
+        config : ConfigRecord
+        grid : Grid
+
+        Returns
+        -------
+        list of Message
+        """
+        state = record_to_state(arrays)
+        output = _output_layer(state)
+        if output is None:
+            raise ValueError("the refit round refits the output layer, a Linear layer's 2-D weight and bias; the "
+                             f"fused network has none (entries {list(state)[:4]}...)")
+        if self.output_prior_precision is not None:
+            prior = float(self.output_prior_precision)
+        elif self._output_weights:
+            prior = prior_precision_from_weights(self._output_weights)
+        else:
+            raise ValueError("the refit round needs a fusion round before it (its clients' output weights give the "
+                             "prior precision) or output_prior_precision")
+        sampled = list(super().configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
+        nodes = [m.metadata.dst_node_id for m in sampled]
+        self._pending_refit = {"round": server_round, "state": state, "output": output, "prior": prior,
+                               "nodes": nodes, "bytes_down": int(sum(np.asarray(v).nbytes for v in state.values()))}
+        if not nodes:
+            return []
+        round_config = {**dict(config), "server-round": server_round, ROUND_KEY: OUTPUT_FIT, "output-layer": output,
+                        "prior-precision": prior, "n-clients": len(nodes)}
+        log(INFO, "configure_train: %d nodes fit the output layer %r on the fused features (prior precision %.4g)",
+            len(nodes), output, prior)
+        return [Message(content=RecordDict({self.arrayrecord_key: arrays,
+                                            self.configrecord_key: ConfigRecord(dict(round_config))}),
+                        message_type="train", dst_node_id=node) for node in nodes]
+
+    def aggregate_output_fit(self, server_round: int,
+                             replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The product of the nodes' output fits: the fused network with its output layer refitted.
+
+        Parameters
+        ----------
+        server_round : int
+        replies : iterable of Message
+            Replies to :meth:`configure_output_fit`'s messages
+            (:func:`~bayesfuse.integrations.flower.records.output_fit_reply`).
+
+        Returns
+        -------
+        tuple of (ArrayRecord or None, MetricRecord or None)
+            The refitted network (``None`` when no valid fit came: the fused network stays) and
+            ``num-examples``, ``output-fit-replies``, ``failed-replies``, ``rejected-replies``,
+            ``prior-precision``, ``bytes-up`` and ``bytes-down`` (per node).
+        """
+        pending, self._pending_refit = self._pending_refit, None
+        if pending is None:
+            raise ValueError("aggregate_output_fit: no refit round was configured (configure_output_fit)")
+        start = time.perf_counter()
+        self.rejected, self.failed = [], []
+        state, output, prior = pending["state"], pending["output"], pending["prior"]
+        weight_key, bias_key = output + ".weight", output + ".bias"
+        shape = (state[weight_key].shape[1] + 1, state[weight_key].shape[0])
+        fits, sizes = [], []
+        for msg in sorted(replies, key=lambda m: m.metadata.src_node_id):
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                self.failed.append((node, str(msg.error.reason)))
+                log(WARNING, "node %d: reply skipped (%s)", node, msg.error.reason)
+                continue
+            record = msg.content.array_records.get(OUTPUT_FIT_KEY)
+            if record is None:
+                self._reject(node, f"node {node}: no output fit under {OUTPUT_FIT_KEY!r} in its reply to the refit "
+                                   "round")
+                continue
+            try:
+                fit = records_to_output_fit(record, msg.content.config_records.get(OUTPUT_FIT_META_KEY),
+                                            f"node {node}", shape=shape, prior_precision=prior,
+                                            n_clients=len(pending["nodes"]))
+            except ValueError as err:
+                self._reject(node, str(err))
+                continue
+            fits.append(fit)
+            sizes.append(int(sum(record[k].numpy().nbytes for k in record.keys())))
+        log(INFO, "aggregate_train: Received %s output fits and %s failures", len(fits), len(self.failed))
+        metrics = {"num-examples": float(sum(f.n for f in fits)), "output-fit-replies": len(fits),
+                   "failed-replies": len(self.failed), "rejected-replies": len(self.rejected),
+                   "prior-precision": float(prior), "bytes-up": max(sizes, default=0),
+                   "bytes-down": pending["bytes_down"]}
+        if not fits:
+            log(WARNING, "round %d: no valid output fit (%d failed, %d rejected); the fused network stays",
+                server_round, len(self.failed), len(self.rejected))
+            return None, MetricRecord(metrics)
+        fits.sort(key=_fit_digest)  # the product does not depend on the order the replies came in
+        mean, covariance = fuse_output_fits(fits, prior)
+        refitted = dict(state)
+        refitted[weight_key] = mean[:-1].T.astype(state[weight_key].dtype)
+        refitted[bias_key] = mean[-1].astype(state[bias_key].dtype)
+        self.output_covariance = covariance
+        self._refitted = {"state": refitted, "output": output}
+        self.second_round_report = {
+            "kind": "refit", "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
+            "prior_precision": float(prior), "bytes_up": metrics["bytes-up"], "bytes_down": pending["bytes_down"],
+            "replies": len(fits), "seconds": time.perf_counter() - start}
+        if self.last_fusion is not None:
+            for key in (weight_key, bias_key):
+                if key in self.last_fusion.state:
+                    self.last_fusion.state[key] = refitted[key].copy()
+            self.last_fusion.hyper["predictive"] = ("probit, last-layer Laplace (LastLayerLaplace, per-class "
+                                                    "covariance)")
+            self.last_fusion.hyper["second_round"] = self.second_round_report
+        log(INFO, "\t└──> refitted output layer %r from %d output fits", output, len(fits))
+        return state_to_record(refitted), MetricRecord(metrics)
+
+    def laplace(self, like: nn.Module) -> LastLayerLaplace:
+        """The refitted network with its output layer's posterior: a
+        :class:`~bayesfuse.nets.laplace.LastLayerLaplace` (probit predictive, per-class covariance).
+
+        Parameters
+        ----------
+        like : nn.Module
+            A network of the clients' architecture; rebuilt at the fused widths
+            (:func:`bayesfuse.nets.arch.rebuild`) and loaded with the refitted arrays.
+
+        Returns
+        -------
+        LastLayerLaplace
+        """
+        if self._refitted is None or self.output_covariance is None:
+            raise ValueError("no refit round has run: make the strategy with second_round='refit' and run it")
+        network = rebuild(like, tensor_state(self._refitted["state"]))
+        return LastLayerLaplace(network, self._refitted["output"], covariance=self.output_covariance).eval()
 
     def _summaries(self, good: list[_Reply]) -> tuple[list[ClientSummary] | None, list[_Reply]]:
         """The summaries to fuse with (None: data-free), and the replies left once a summary
@@ -260,6 +515,19 @@ class MatchedAveraging(_Fusion):
 
 def _digest(reply: _Reply) -> str:
     return state_digest(reply.state)
+
+
+def _fit_digest(fit) -> str:
+    return state_digest({"weight": fit.weight, "gram": fit.gram, "curvature": fit.curvature,
+                         "n": np.asarray([fit.n])})
+
+
+def _output_layer(state: dict) -> str | None:
+    """The name of the network's output layer: the last entry ``NAME.weight`` of two dimensions
+    that has a ``NAME.bias`` (a Linear layer's); ``None`` if there is none."""
+    names = [k[:-len(".weight")] for k, v in state.items()
+             if k.endswith(".weight") and np.ndim(v) == 2 and k[:-len(".weight")] + ".bias" in state]
+    return names[-1] if names else None
 
 
 def _signature(spec: PermutationSpec, state: dict) -> tuple:
