@@ -23,7 +23,8 @@ def test_demo_writes_table_and_files(demo_run, capsys):
     assert code == 0
     with open(out / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
-    with_summaries = ["+summaries", "+summaries 2 rounds"]  # each client summarises its data (DemoConfig.summaries)
+    # the second round, and each client summarising its data (DemoConfig.summaries)
+    with_summaries = ["2 rounds", "+summaries", "+summaries 2 rounds"]
     assert [r["method"] for r in rows] == ["local (mean of 4)", "ensemble", "fedavg", "pfnm",
                                            *(f"pfnm {s}" for s in with_summaries), "nafi",
                                            *(f"nafi {s}" for s in with_summaries)]
@@ -57,8 +58,9 @@ def test_demo_over_seeds_reports_mean_and_sd_and_takes_hyper(tmp_path, capsys):
     assert hyper["nafi"]["kl_weight"] == 0.5 and hyper["pfnm"]["kl_weight"] == 0.0
     assert hyper["nafi"]["n_iter"] == hyper["pfnm"]["n_iter"] == 7
     with open(out / "results.csv") as fh:
-        # per seed: local, ensemble, fedavg, then pfnm and nafi each data-free, +summaries, +summaries 2 rounds
-        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 9 + ["1"] * 9
+        # per seed: local, ensemble, fedavg, then pfnm and nafi each data-free, 2 rounds, +summaries,
+        # +summaries 2 rounds
+        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 11 + ["1"] * 11
 
 
 @pytest.mark.catalogue
