@@ -73,8 +73,8 @@ class LastLayerLaplace(nn.Module):
             weight_var, bias_var = diagonal[:, :-1], diagonal[:, -1]
         elif weight_var is None or bias_var is None:
             raise ValueError("give weight_var and bias_var, or covariance")
-        weight_var = torch.as_tensor(np.asarray(weight_var), dtype=layer.weight.dtype)
-        bias_var = torch.as_tensor(np.asarray(bias_var), dtype=layer.weight.dtype)
+        weight_var = torch.as_tensor(np.array(weight_var), dtype=layer.weight.dtype)  # a copy: inputs may be read-only
+        bias_var = torch.as_tensor(np.array(bias_var), dtype=layer.weight.dtype)
         if weight_var.shape != layer.weight.shape or bias_var.shape != (layer.out_features,):
             raise ValueError(f"variances of shapes {tuple(weight_var.shape)} and {tuple(bias_var.shape)} do not fit "
                              f"the output layer {tuple(layer.weight.shape)}")
