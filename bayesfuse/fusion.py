@@ -289,7 +289,7 @@ def _last_layer_posterior(model: nn.Module, fused) -> nn.Module:
     (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`)."""
     from bayesfuse.nets.laplace import LastLayerLaplace
 
-    weight, bias = (next(k for k in fused.spec.output if np.ndim(fused.state[k]) == d) for d in (2, 1))
+    weight, bias = fused.spec.output_layer(fused.state)
     return LastLayerLaplace(model, weight.rpartition(".")[0], 1.0 / fused.precision[weight],
                             1.0 / fused.precision[bias]).eval()
 
@@ -361,10 +361,10 @@ def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, 
     train, partition = data
     start = time.perf_counter()
     network = model.network if isinstance(model, LastLayerLaplace) else model
-    output = _output_layer_name(network)
+    output = fused.spec.output_layer(fused.state)[0].rpartition(".")[0]
     if prior_precision is None:
         prior_precision = prior_precision_from_weights(
-            [m.get_submodule(_output_layer_name(m)).weight.detach().cpu().numpy() for m in models])
+            [m.get_submodule(output).weight.detach().cpu().numpy() for m in models])
     client_seconds = time.perf_counter()
     fits = [output_fit(network, output, train.x[idx], train.y[idx], prior_precision, n_clients=len(partition))
             for idx in partition]
@@ -374,10 +374,8 @@ def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, 
     with torch.no_grad():
         layer.weight.copy_(torch.as_tensor(mean[:-1].T, dtype=layer.weight.dtype))
         layer.bias.copy_(torch.as_tensor(mean[-1], dtype=layer.bias.dtype))
-    prefix = output + "."
-    for key in (prefix + "weight", prefix + "bias"):
-        if key in fused.state:
-            fused.state[key] = layer.get_parameter(key[len(prefix):]).detach().cpu().numpy().copy()
+    fused.state[output + ".weight"] = mean[:-1].T.astype(fused.state[output + ".weight"].dtype)
+    fused.state[output + ".bias"] = mean[-1].astype(fused.state[output + ".bias"].dtype)
     model = LastLayerLaplace(network, output, covariance=covariance).eval()
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
@@ -387,14 +385,6 @@ def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, 
         "bytes_down": int(n_weights * 4), "client_seconds": client_seconds,
         "seconds": time.perf_counter() - start}
     return fused, model
-
-
-def _output_layer_name(network: nn.Module) -> str:
-    """The name of the last ``nn.Linear`` of ``network``: its output layer."""
-    names = [name for name, mod in network.named_modules() if isinstance(mod, nn.Linear)]
-    if not names:
-        raise ValueError(f"the second round refits the output layer, an nn.Linear; {type(network).__name__} has none")
-    return names[-1]
 
 
 def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, start, **hyper) -> FusionResult:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from scipy.linalg import cho_solve
 from scipy.optimize import minimize
 from scipy.special import log_softmax, softmax
 
@@ -203,16 +204,10 @@ def fuse_output_fits(fits: Sequence[OutputFit], prior_precision: float) -> tuple
         precision += h
         target += h @ f.weight.ravel()
     chol = np.linalg.cholesky(precision)
-    mean = _cho_solve(chol, target).reshape(g, k)
-    cov = _cho_solve(chol, np.eye(g * k)).reshape(g, k, g, k)
+    mean = cho_solve((chol, True), target).reshape(g, k)
+    cov = cho_solve((chol, True), np.eye(g * k)).reshape(g, k, g, k)
     covariance = np.stack([cov[:, c, :, c] for c in range(k)])
     return mean, 0.5 * (covariance + covariance.transpose(0, 2, 1))
-
-
-def _cho_solve(chol: np.ndarray, b: np.ndarray) -> np.ndarray:
-    from scipy.linalg import cho_solve
-
-    return cho_solve((chol, True), b)
 
 
 def prior_precision_from_weights(weights: Sequence[np.ndarray]) -> float:

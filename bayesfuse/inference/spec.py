@@ -171,6 +171,13 @@ class PermutationSpec:
         """The ``eps`` of batch norm ``name`` (PyTorch's default unless the spec says otherwise)."""
         return float(self.eps.get(name, BATCHNORM_EPS))
 
+    def output_layer(self, state: Mapping[str, object]) -> tuple[str, str]:
+        """The output layer's weight (2-D) and bias (1-D) entries of :attr:`output` in ``state``."""
+        found = [next((k for k in self.output if k in state and np.ndim(state[k]) == d), None) for d in (2, 1)]
+        if None in found:
+            raise ValueError(f"the output entries {list(self.output)} hold no 2-D weight and 1-D bias")
+        return found[0], found[1]
+
     def __post_init__(self) -> None:
         fixed = {k: tuple(as_axis(a) for a in v) for k, v in self.axes.items()}
         object.__setattr__(self, "axes", fixed)
