@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-__all__ = ["jsonable",
+__all__ = [
+    "jsonable",
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_files",
@@ -82,8 +83,9 @@ def check_writable(path: str | os.PathLike) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         if _on_read_only_fs(existing):
             raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
-        raise PermissionError(errno.EACCES, "Permission denied: no files can be created in this directory",
-                              str(existing))
+        raise PermissionError(
+            errno.EACCES, "Permission denied: no files can be created in this directory", str(existing)
+        )
     return existing
 
 
@@ -143,8 +145,9 @@ def check_output_file(path: str | os.PathLike, example: str = "fused.pt") -> Pat
     ``example`` inside it."""
     path = Path(path)
     if os.fspath(path) not in ("", ".") and path.is_dir():
-        raise IsADirectoryError(f"the output {os.fspath(path)} is a directory; give a file name for it, such as "
-                                f"{path / example}")
+        raise IsADirectoryError(
+            f"the output {os.fspath(path)} is a directory; give a file name for it, such as {path / example}"
+        )
     return path
 
 
@@ -371,9 +374,20 @@ def _write_journal(journal: Path, entries: Sequence[_Entry]) -> None:
         return None if p is None else os.path.relpath(p, base)
 
     record = {
-        "format": _JOURNAL_FORMAT, "pid": os.getpid(), "host": _HOST,
-        "entries": [{"tmp": rel(e.tmp), "target": rel(e.target), "inode": e.inode, "overwrite": e.overwrite,
-                     "existed": e.existed, "backup": rel(e.backup)} for e in entries],
+        "format": _JOURNAL_FORMAT,
+        "pid": os.getpid(),
+        "host": _HOST,
+        "entries": [
+            {
+                "tmp": rel(e.tmp),
+                "target": rel(e.target),
+                "inode": e.inode,
+                "overwrite": e.overwrite,
+                "existed": e.existed,
+                "backup": rel(e.backup),
+            }
+            for e in entries
+        ],
     }
     tmp = _stage(journal, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
     try:
@@ -390,12 +404,22 @@ def _read_journal(journal: Path) -> list[_Entry]:
         record = json.loads(journal.read_text(encoding="utf-8"))
         if record.get("format") != _JOURNAL_FORMAT:
             raise ValueError(f"unknown format {record.get('format')!r}")
-        return [_Entry(base / e["tmp"], base / e["target"], int(e["inode"]), bool(e["overwrite"]),
-                       bool(e["existed"]), None if e["backup"] is None else base / e["backup"])
-                for e in record["entries"]]
+        return [
+            _Entry(
+                base / e["tmp"],
+                base / e["target"],
+                int(e["inode"]),
+                bool(e["overwrite"]),
+                bool(e["existed"]),
+                None if e["backup"] is None else base / e["backup"],
+            )
+            for e in record["entries"]
+        ]
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{journal}: unreadable commit journal of an interrupted write ({err}); check the "
-                         "files it names, then remove it") from None
+        raise ValueError(
+            f"{journal}: unreadable commit journal of an interrupted write ({err}); check the "
+            "files it names, then remove it"
+        ) from None
 
 
 def _remove_journal(journal: Path) -> None:
@@ -460,8 +484,10 @@ def _resolve_journal(journal: Path, held: set[str]) -> None:
     entries = _read_journal(journal)
     outside = {os.path.realpath(e.target.parent) for e in entries} - held
     if outside:
-        raise RuntimeError(f"{journal}: an interrupted write also wrote to {', '.join(sorted(outside))} "
-                           "while this one started; run it again")
+        raise RuntimeError(
+            f"{journal}: an interrupted write also wrote to {', '.join(sorted(outside))} "
+            "while this one started; run it again"
+        )
     if all(e.placed() or e.placeable() for e in entries):
         _roll_forward(entries)
     else:

@@ -123,9 +123,11 @@ DEFAULT_WEIGHTS = 8
 DEFAULT_HDI_PROB = 0.94
 
 #: What every export says about its draws (``posterior.attrs["sampling_note"]``).
-SAMPLING_NOTE = ("independent draws from the exact Gaussian posterior N(loc, scale^2) of each entry, not MCMC: "
-                 "r_hat ~ 1 and ess ~ draws by construction; the exact mean and sd are loc and scale in "
-                 "constant_data (bayesfuse.analysis.summary gives the exact table)")
+SAMPLING_NOTE = (
+    "independent draws from the exact Gaussian posterior N(loc, scale^2) of each entry, not MCMC: "
+    "r_hat ~ 1 and ess ~ draws by construction; the exact mean and sd are loc and scale in "
+    "constant_data (bayesfuse.analysis.summary gives the exact table)"
+)
 
 Units = Sequence[int] | np.ndarray | int | Literal["all"] | None
 Weights = Sequence[str] | Sequence[int] | np.ndarray | str | int | None
@@ -137,8 +139,9 @@ Weights = Sequence[str] | Sequence[int] | np.ndarray | str | int | None
 def _arviz():
     with warnings.catch_warnings():
         # ArviZ 0.2x announces its 1.x refactor with a FutureWarning on import (once a day): only that one.
-        warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing a major refactor",
-                                category=FutureWarning, module="arviz")
+        warnings.filterwarnings(
+            "ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning, module="arviz"
+        )
         import arviz
 
     return arviz
@@ -293,17 +296,23 @@ def _select_weights(weights: Weights, names: Sequence[str], *, default_subset: b
 
 def _note_default_subset(n_units: int, drawn_units: int, width: int, drawn_weights: int) -> None:
     """The one line saying that the default export drew part of a layer, and how to draw more."""
-    _log.warning("to_arviz drew %d of %d units x %d of %d weights (the default, sized for az.summary and "
-                 "az.plot_forest); units='all' or [ids], weights='all' or [names] draw more, "
-                 "bayesfuse.analysis.summary(result) gives every entry's exact posterior",
-                 drawn_units, n_units, drawn_weights, width)
+    _log.warning(
+        "to_arviz drew %d of %d units x %d of %d weights (the default, sized for az.summary and "
+        "az.plot_forest); units='all' or [ids], weights='all' or [names] draw more, "
+        "bayesfuse.analysis.summary(result) gives every entry's exact posterior",
+        drawn_units,
+        n_units,
+        drawn_weights,
+        width,
+    )
 
 
 # ------------------------------------------------------------------------------ draws of Gaussians
 
 
-def _unit_draws(loc: np.ndarray, scale: np.ndarray, units: np.ndarray, weights: np.ndarray, chains: int,
-                num_draws: int, seed: int) -> np.ndarray:
+def _unit_draws(
+    loc: np.ndarray, scale: np.ndarray, units: np.ndarray, weights: np.ndarray, chains: int, num_draws: int, seed: int
+) -> np.ndarray:
     """(chains, draws, units, weights): chain c of the unit at position p draws all its entries from
     the stream ``(seed, p, c)``, of which the entries at ``weights`` are kept."""
     out = np.empty((chains, num_draws, len(units), len(weights)))
@@ -416,8 +425,12 @@ def gaussian_to_arviz(
         "drawn_weights": "all" if len(columns) == D and (columns == np.arange(D)).all() else _describe_ids(columns),
         **(attrs or {}),
     }
-    post = _from_dict({"posterior": {var_name: draws}}, {unit_dim: drawn, "weight": drawn_names},
-                      {var_name: [unit_dim, "weight"]}, attrs={"posterior": posterior_attrs})
+    post = _from_dict(
+        {"posterior": {var_name: draws}},
+        {unit_dim: drawn, "weight": drawn_names},
+        {var_name: [unit_dim, "weight"]},
+        attrs={"posterior": posterior_attrs},
+    )
     data = {"loc": mean, "scale": np.array(scale), **(constant_data or {})}
     coords = {unit_dim: ids, "weight": names, **(extra_coords or {})}
     dims = {"loc": [unit_dim, "weight"], "scale": [unit_dim, "weight"], **(extra_dims or {})}
@@ -427,8 +440,9 @@ def gaussian_to_arviz(
 # ------------------------------------------------------------------------------ the exact posterior
 
 
-def _exact(result, layer: int | str, weight_names: Sequence[str] | None
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+def _exact(
+    result, layer: int | str, weight_names: Sequence[str] | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
     """``(mean, sd, unit ids, entry names)`` of a result's layer, or of an export's ``constant_data``."""
     if is_gaussian_export(result):
         data = result.constant_data
@@ -442,8 +456,16 @@ def _exact(result, layer: int | str, weight_names: Sequence[str] | None
     return g.mean, np.sqrt(g.var), np.arange(g.n_units), g.names
 
 
-def summary(result, *, layer: int | str = 0, units: Units = "all", weights: Weights = "all",
-            hdi_prob: float = DEFAULT_HDI_PROB, weight_names: Sequence[str] | None = None, var_name: str = "theta"):
+def summary(
+    result,
+    *,
+    layer: int | str = 0,
+    units: Units = "all",
+    weights: Weights = "all",
+    hdi_prob: float = DEFAULT_HDI_PROB,
+    weight_names: Sequence[str] | None = None,
+    var_name: str = "theta",
+):
     """The exact posterior of a fused layer's units as a table, in the shape of ``az.summary``.
 
     Each entry is Gaussian, :math:`\\theta_{g,d} \\sim \\mathcal{N}(\\mu_{g,d}, \\sigma^2_{g,d})`,
@@ -502,8 +524,15 @@ def summary(result, *, layer: int | str = 0, units: Units = "all", weights: Weig
     z = NormalDist().inv_cdf((1.0 + hdi_prob) / 2.0)
     alpha = 1.0 - hdi_prob
     index = [f"{var_name}[{u}, {names[d]}]" for u in ids[rows].tolist() for d in columns]
-    return pd.DataFrame({"mean": mu, "sd": sigma, f"hdi_{100 * alpha / 2:g}%": mu - z * sigma,
-                         f"hdi_{100 * (1 - alpha / 2):g}%": mu + z * sigma}, index=index)
+    return pd.DataFrame(
+        {
+            "mean": mu,
+            "sd": sigma,
+            f"hdi_{100 * alpha / 2:g}%": mu - z * sigma,
+            f"hdi_{100 * (1 - alpha / 2):g}%": mu + z * sigma,
+        },
+        index=index,
+    )
 
 
 # ------------------------------------------------------------------------------ fused layers
@@ -516,8 +545,12 @@ def _assignment_data(assignments: Sequence[np.ndarray], n_global: int) -> tuple[
     counts = np.bincount(glob, minlength=n_global)
     data = {"assigned_global_unit": glob, "client": client, "local_index": local, "counts": counts}
     coords = {"local_unit": np.arange(len(glob))}
-    dims = {"assigned_global_unit": ["local_unit"], "client": ["local_unit"], "local_index": ["local_unit"],
-            "counts": ["global_unit"]}
+    dims = {
+        "assigned_global_unit": ["local_unit"],
+        "client": ["local_unit"],
+        "local_index": ["local_unit"],
+        "counts": ["global_unit"],
+    }
     return data, coords, dims
 
 
@@ -532,13 +565,32 @@ def _layer_to_arviz(g: LayerGaussians, *, units: Units, weights: Weights, num_dr
     step = "sweep" if hasattr(layer, "n_sweeps") else "step"
     coords[step] = np.arange(1, len(layer.objective) + 1)
     dims["objective"] = [step]
-    return gaussian_to_arviz(g.mean, g.var, units=units, weights=weights, num_draws=num_draws, chains=chains,
-                             seed=seed, weight_names=g.names, constant_data=data, extra_coords=coords,
-                             extra_dims=dims, attrs={**attrs, "weight_names": g.names_source})
+    return gaussian_to_arviz(
+        g.mean,
+        g.var,
+        units=units,
+        weights=weights,
+        num_draws=num_draws,
+        chains=chains,
+        seed=seed,
+        weight_names=g.names,
+        constant_data=data,
+        extra_coords=coords,
+        extra_dims=dims,
+        attrs={**attrs, "weight_names": g.names_source},
+    )
 
 
-def match_to_arviz(result, *, units: Units = None, weights: Weights = None, num_draws: int = DEFAULT_DRAWS,
-                   chains: int = DEFAULT_CHAINS, weight_names: Sequence[str] | None = None, seed: int = 0):
+def match_to_arviz(
+    result,
+    *,
+    units: Units = None,
+    weights: Weights = None,
+    num_draws: int = DEFAULT_DRAWS,
+    chains: int = DEFAULT_CHAINS,
+    weight_names: Sequence[str] | None = None,
+    seed: int = 0,
+):
     """:class:`~bayesfuse.inference.matching.MatchResult` -> ArviZ.
 
     ``posterior.theta`` (chain, draw, global_unit, weight): independent draws of the atoms'
@@ -565,12 +617,26 @@ def match_to_arviz(result, *, units: Units = None, weights: Weights = None, num_
     seed : int
         Chain c of atom g draws from the stream ``(seed, g, c)``.
     """
-    return _layer_to_arviz(layer_gaussians(result, weight_names=weight_names), units=units, weights=weights,
-                           num_draws=num_draws, chains=chains, seed=seed)
+    return _layer_to_arviz(
+        layer_gaussians(result, weight_names=weight_names),
+        units=units,
+        weights=weights,
+        num_draws=num_draws,
+        chains=chains,
+        seed=seed,
+    )
 
 
-def klfusion_to_arviz(result, *, units: Units = None, weights: Weights = None, num_draws: int = DEFAULT_DRAWS,
-                      chains: int = DEFAULT_CHAINS, weight_names: Sequence[str] | None = None, seed: int = 0):
+def klfusion_to_arviz(
+    result,
+    *,
+    units: Units = None,
+    weights: Weights = None,
+    num_draws: int = DEFAULT_DRAWS,
+    chains: int = DEFAULT_CHAINS,
+    weight_names: Sequence[str] | None = None,
+    seed: int = 0,
+):
     """:class:`~bayesfuse.inference.klfusion.KLFusionResult` -> ArviZ (diagonal-Gaussian components).
 
     Same layout and parameters as :func:`match_to_arviz`: ``constant_data.loc`` and ``scale``
@@ -582,13 +648,27 @@ def klfusion_to_arviz(result, *, units: Units = None, weights: Weights = None, n
     TypeError
         For components that are not diagonal Gaussians (no ``loc`` and ``var`` of one shape).
     """
-    return _layer_to_arviz(layer_gaussians(result, weight_names=weight_names), units=units, weights=weights,
-                           num_draws=num_draws, chains=chains, seed=seed)
+    return _layer_to_arviz(
+        layer_gaussians(result, weight_names=weight_names),
+        units=units,
+        weights=weights,
+        num_draws=num_draws,
+        chains=chains,
+        seed=seed,
+    )
 
 
-def fusion_to_arviz(result, *, layer: int | str = 0, units: Units = None, weights: Weights = None,
-                    num_draws: int = DEFAULT_DRAWS, chains: int = DEFAULT_CHAINS,
-                    weight_names: Sequence[str] | None = None, seed: int = 0):
+def fusion_to_arviz(
+    result,
+    *,
+    layer: int | str = 0,
+    units: Units = None,
+    weights: Weights = None,
+    num_draws: int = DEFAULT_DRAWS,
+    chains: int = DEFAULT_CHAINS,
+    weight_names: Sequence[str] | None = None,
+    seed: int = 0,
+):
     """:class:`~bayesfuse.fusion.FusionResult` (or :class:`~bayesfuse.core.StateFusion`) -> ArviZ,
     for one matched hidden layer.
 
@@ -609,8 +689,14 @@ def fusion_to_arviz(result, *, layer: int | str = 0, units: Units = None, weight
     """
     if not getattr(result, "layers", None):
         raise ValueError(f"a {result.method} result has no matched layers to export")
-    return _layer_to_arviz(layer_gaussians(result, layer, weight_names=weight_names), units=units,
-                           weights=weights, num_draws=num_draws, chains=chains, seed=seed)
+    return _layer_to_arviz(
+        layer_gaussians(result, layer, weight_names=weight_names),
+        units=units,
+        weights=weights,
+        num_draws=num_draws,
+        chains=chains,
+        seed=seed,
+    )
 
 
 def to_arviz(result, *, layer: int | str = 0, **options):
@@ -627,9 +713,18 @@ def to_arviz(result, *, layer: int | str = 0, **options):
     return match_to_arviz(result, **options)
 
 
-def local_to_arviz(mean, var, assignment, *, units: Units = None, weights: Weights = None,
-                   num_draws: int = DEFAULT_DRAWS, chains: int = DEFAULT_CHAINS,
-                   weight_names: Sequence[str] | None = None, seed: int = 0):
+def local_to_arviz(
+    mean,
+    var,
+    assignment,
+    *,
+    units: Units = None,
+    weights: Weights = None,
+    num_draws: int = DEFAULT_DRAWS,
+    chains: int = DEFAULT_CHAINS,
+    weight_names: Sequence[str] | None = None,
+    seed: int = 0,
+):
     """One client's local posterior (units as rows) labelled by the global units they were assigned.
 
     The ``global_unit`` coordinate of local unit l is ``assignment[l]``, so the result lines
@@ -650,9 +745,18 @@ def local_to_arviz(mean, var, assignment, *, units: Units = None, weights: Weigh
     order = np.argsort(assignment)
     var = np.broadcast_to(np.asarray(var, dtype=np.float64), mean.shape)
     source = "given" if weight_names is not None else "index"
-    return gaussian_to_arviz(mean[order], var[order], units=units, weights=weights, num_draws=num_draws,
-                             chains=chains, seed=seed, unit_ids=assignment[order], weight_names=weight_names,
-                             attrs={"method": "local", "weight_names": source})
+    return gaussian_to_arviz(
+        mean[order],
+        var[order],
+        units=units,
+        weights=weights,
+        num_draws=num_draws,
+        chains=chains,
+        seed=seed,
+        unit_ids=assignment[order],
+        weight_names=weight_names,
+        attrs={"method": "local", "weight_names": source},
+    )
 
 
 # ------------------------------------------------------------------------------ BNNs aligned to the fused units
@@ -677,8 +781,11 @@ def _aligned_names(index: int, n_below: int, n_classes: int, top: bool) -> list[
     global unit g of the layer below, named as :func:`bnn_to_arviz` names its dim), ``bias``,
     ``log_scale`` and, for the top hidden layer, ``out_<k>``."""
     below = "in" if index == 0 else ("unit" if index == 1 else f"unit{index}")
-    return ([f"{below}_{d}" for d in range(n_below)] + ["bias", "log_scale"]
-            + ([f"out_{k}" for k in range(n_classes)] if top else []))
+    return (
+        [f"{below}_{d}" for d in range(n_below)]
+        + ["bias", "log_scale"]
+        + ([f"out_{k}" for k in range(n_classes)] if top else [])
+    )
 
 
 def _kept(hyper: Mapping, depth: int, n_clients: int, widths: Sequence[Sequence[int]]) -> list[list[np.ndarray]]:
@@ -690,9 +797,18 @@ def _kept(hyper: Mapping, depth: int, n_clients: int, widths: Sequence[Sequence[
     return [[np.asarray(k, dtype=np.int64) for k in layer] for layer in per_layer]
 
 
-def aligned_to_arviz(fused, bnns: Sequence, *, layer: int = 0, units: Units = None, weights: Weights = None,
-                     num_draws: int = DEFAULT_DRAWS, chains: int = DEFAULT_CHAINS, seed: int = 0,
-                     names: Sequence[str] | None = None) -> dict:
+def aligned_to_arviz(
+    fused,
+    bnns: Sequence,
+    *,
+    layer: int = 0,
+    units: Units = None,
+    weights: Weights = None,
+    num_draws: int = DEFAULT_DRAWS,
+    chains: int = DEFAULT_CHAINS,
+    seed: int = 0,
+    names: Sequence[str] | None = None,
+) -> dict:
     """A fused BNN's hidden units and the local BNNs' units they merged, in one ``global_unit`` coordinate.
 
     Each unit is shown in the scale-free form the fusion compares: with
@@ -780,23 +896,35 @@ def aligned_to_arviz(fused, bnns: Sequence, *, layer: int = 0, units: Units = No
             basis_loc, basis_var = np.zeros((len(loc), below)), np.zeros((len(loc), below))
             placed = np.asarray(fused.layers[index - 1].assignments[j])
             basis_loc[:, placed], basis_var[:, placed] = loc[:, kept[index - 1][j]], var[:, kept[index - 1][j]]
-            loc = np.hstack([basis_loc, loc[:, post.hidden_sizes[index - 1]:]])
-            var = np.hstack([basis_var, var[:, post.hidden_sizes[index - 1]:]])
+            loc = np.hstack([basis_loc, loc[:, post.hidden_sizes[index - 1] :]])
+            var = np.hstack([basis_var, var[:, post.hidden_sizes[index - 1] :]])
         rows, at = kept[index][j], assignments[j]
         present = [int(g) for g in chosen if g in set(at.tolist())]
         if not present:
             continue
         order = np.argsort(at)
-        exports[name] = gaussian_to_arviz(loc[rows][order], var[rows][order], units=present, unit_ids=at[order],
-                                          **options, attrs={**attrs, "model": name})
+        exports[name] = gaussian_to_arviz(
+            loc[rows][order],
+            var[rows][order],
+            units=present,
+            unit_ids=at[order],
+            **options,
+            attrs={**attrs, "model": name},
+        )
     return exports
 
 
 # ------------------------------------------------------------------------------ BNNs with test data
 
 #: The posterior variables of :func:`bnn_to_arviz` (the Pyro model's sample sites) and their dims.
-BNN_SITE_DIMS = {"tau": [], "lam": ["unit"], "w1": ["unit", "input"], "b1": ["unit"], "w_out": ["class", "unit"],
-                 "b_out": ["class"]}
+BNN_SITE_DIMS = {
+    "tau": [],
+    "lam": ["unit"],
+    "w1": ["unit", "input"],
+    "b1": ["unit"],
+    "w_out": ["class", "unit"],
+    "b_out": ["class"],
+}
 
 
 def _bnn_site_dims(depth: int) -> dict[str, list[str]]:
@@ -844,9 +972,14 @@ def _note_bnn_subset(model, keep: Mapping[str, np.ndarray]) -> None:
     drawn = [len(keep["unit" if layer == 1 else f"unit{layer}"]) for layer in range(1, len(widths) + 1)]
     if drawn == widths and len(keep["input"]) == model.in_features:
         return
-    _log.warning("bnn_to_arviz drew %s of %s units x %d of %d inputs (the default, sized for az.summary and "
-                 "az.plot_forest); units='all' or [ids], inputs='all' or [names] draw more",
-                 "+".join(map(str, drawn)), "+".join(map(str, widths)), len(keep["input"]), model.in_features)
+    _log.warning(
+        "bnn_to_arviz drew %s of %s units x %d of %d inputs (the default, sized for az.summary and "
+        "az.plot_forest); units='all' or [ids], inputs='all' or [names] draw more",
+        "+".join(map(str, drawn)),
+        "+".join(map(str, widths)),
+        len(keep["input"]),
+        model.in_features,
+    )
 
 
 def _describe_drawn(positions: np.ndarray, n: int) -> str:
@@ -854,8 +987,9 @@ def _describe_drawn(positions: np.ndarray, n: int) -> str:
     return "all" if len(positions) == n and (positions == np.arange(n)).all() else _describe_ids(positions)
 
 
-def _bnn_posterior(values: Mapping[str, np.ndarray], site_dims: Mapping[str, list[str]],
-                   keep: Mapping[str, np.ndarray], chains: int) -> dict[str, np.ndarray]:
+def _bnn_posterior(
+    values: Mapping[str, np.ndarray], site_dims: Mapping[str, list[str]], keep: Mapping[str, np.ndarray], chains: int
+) -> dict[str, np.ndarray]:
     """``values`` (draws first) as ``(chain, draw, ...)`` arrays, sliced to the positions ``keep`` of each dim."""
     out = {}
     for name, value in values.items():
@@ -866,9 +1000,20 @@ def _bnn_posterior(values: Mapping[str, np.ndarray], site_dims: Mapping[str, lis
     return out
 
 
-def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = None, num_samples: int = DEFAULT_DRAWS,
-                 chains: int = DEFAULT_CHAINS, units: Units = None, inputs: Weights = None, seed: int = 0,
-                 sites: Sequence[str] | None = None, batch_size: int = 4096):
+def bnn_to_arviz(
+    model,
+    x,
+    y,
+    *,
+    data: Literal["train", "held-out"] | None = None,
+    num_samples: int = DEFAULT_DRAWS,
+    chains: int = DEFAULT_CHAINS,
+    units: Units = None,
+    inputs: Weights = None,
+    seed: int = 0,
+    sites: Sequence[str] | None = None,
+    batch_size: int = 4096,
+):
     """A horseshoe BNN and data -> ArviZ: its posterior draws and the pointwise log-likelihood of ``y``.
 
     PSIS-LOO (``az.loo``, ``az.compare``) estimates the out-of-sample fit of a posterior from
@@ -958,8 +1103,10 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
             raise TypeError(f"expected a HorseshoeBNN or a result holding one, got {type(model).__name__}")
         result, model = model, inner
     if has_heads(model.state_dict()):  # a HeadMixtureBNN
-        raise TypeError("a HeadMixtureBNN predicts a mixture of its clients' heads, whose log-likelihood per "
-                        "draw this export does not compute; export the shared-head fusion (head='shared')")
+        raise TypeError(
+            "a HeadMixtureBNN predicts a mixture of its clients' heads, whose log-likelihood per "
+            "draw this export does not compute; export the shared-head fusion (head='shared')"
+        )
     num_samples = _check_count(num_samples, "num_samples")
     chains = _check_count(chains, "chains")
     batch_size = _check_count(batch_size, "batch_size")
@@ -1008,8 +1155,10 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
         "method": str(result.method) if result is not None else "local",
         "hyper": _to_json(getattr(result, "hyper", None) or {}),
         "sampling": "independent",
-        "sampling_note": ("independent draws from the BNN's mean-field guide (tau and lam log-normal, the rest "
-                          "Gaussian), not MCMC: r_hat ~ 1 and ess ~ draws by construction"),
+        "sampling_note": (
+            "independent draws from the BNN's mean-field guide (tau and lam log-normal, the rest "
+            "Gaussian), not MCMC: r_hat ~ 1 and ess ~ draws by construction"
+        ),
         "num_draws": num_samples,
         "chains": chains,
         "seed": int(seed),
@@ -1022,14 +1171,26 @@ def bnn_to_arviz(model, x, y, *, data: Literal["train", "held-out"] | None = Non
     }
     if result is not None:
         attrs["converged"] = int(bool(getattr(result, "converged", True)))
-    coords = {"unit": keep_at["unit"], "input": [f"in_{d}" for d in keep_at["input"]],
-              "class": np.arange(K), "obs": np.arange(len(x)),
-              **{f"unit{layer}": keep_at[f"unit{layer}"] for layer in range(2, model.depth + 1)}}
+    coords = {
+        "unit": keep_at["unit"],
+        "input": [f"in_{d}" for d in keep_at["input"]],
+        "class": np.arange(K),
+        "obs": np.arange(len(x)),
+        **{f"unit{layer}": keep_at[f"unit{layer}"] for layer in range(2, model.depth + 1)},
+    }
     dims = {**{k: site_dims[k] for k in keep}, "y": ["obs"]}
-    groups = {"posterior": posterior, "log_likelihood": {"y": loglik.reshape(chains, num_samples, -1)},
-              "posterior_predictive": {"y": y_rep.reshape(chains, num_samples, -1)}, "observed_data": {"y": y}}
-    return _from_dict(groups, coords, dims, attrs={"posterior": attrs,
-                                                   "log_likelihood": {"data": data or "unstated", "loo": loo_note}})
+    groups = {
+        "posterior": posterior,
+        "log_likelihood": {"y": loglik.reshape(chains, num_samples, -1)},
+        "posterior_predictive": {"y": y_rep.reshape(chains, num_samples, -1)},
+        "observed_data": {"y": y},
+    }
+    return _from_dict(
+        groups,
+        coords,
+        dims,
+        attrs={"posterior": attrs, "log_likelihood": {"data": data or "unstated", "loo": loo_note}},
+    )
 
 
 def _loo_note(data: str | None) -> str:
@@ -1037,16 +1198,23 @@ def _loo_note(data: str | None) -> str:
     if data == "train":
         return "applies: the pointwise log-likelihood is of the data the posterior was fitted to"
     if data == "held-out":
-        warn_from_caller("LOO does not apply to held-out data: az.loo and az.compare estimate out-of-sample fit from "
-                         "the data the posterior was fitted to, and on held-out data their elpd_loo is not a valid "
-                         "estimate; the held-out log predictive density is: bayesfuse.analysis.compare(models, x, y)",
-                         HeldOutDataWarning)
-        return ("does not apply: the log-likelihood is of held-out data; compare models with "
-                "bayesfuse.analysis.compare(models, x, y), the held-out log predictive density")
+        warn_from_caller(
+            "LOO does not apply to held-out data: az.loo and az.compare estimate out-of-sample fit from "
+            "the data the posterior was fitted to, and on held-out data their elpd_loo is not a valid "
+            "estimate; the held-out log predictive density is: bayesfuse.analysis.compare(models, x, y)",
+            HeldOutDataWarning,
+        )
+        return (
+            "does not apply: the log-likelihood is of held-out data; compare models with "
+            "bayesfuse.analysis.compare(models, x, y), the held-out log predictive density"
+        )
     if data is None:
-        warn_from_caller("say which data x, y are: data='train' for the data the posterior was fitted to (az.loo "
-                         "applies), data='held-out' for test data (LOO does not apply: compare models with "
-                         "bayesfuse.analysis.compare(models, x, y))", HeldOutDataWarning)
+        warn_from_caller(
+            "say which data x, y are: data='train' for the data the posterior was fitted to (az.loo "
+            "applies), data='held-out' for test data (LOO does not apply: compare models with "
+            "bayesfuse.analysis.compare(models, x, y))",
+            HeldOutDataWarning,
+        )
         return "unknown: the export was not told whether x, y are the data the posterior was fitted to"
     raise ValueError(f"data must be 'train' or 'held-out', got {data!r}")
 
@@ -1095,8 +1263,11 @@ def log_predictive_density(model, x, y, *, num_samples: int = DEFAULT_DRAWS, see
     x = np.asarray(x)
     y = np.asarray(y)
     num_samples = _check_count(num_samples, "num_samples")
-    probs = (np.asarray(model, dtype=np.float64) if isinstance(model, np.ndarray)
-             else predictive_proba(model, x, num_samples=num_samples, seed=int(seed)))
+    probs = (
+        np.asarray(model, dtype=np.float64)
+        if isinstance(model, np.ndarray)
+        else predictive_proba(model, x, num_samples=num_samples, seed=int(seed))
+    )
     if probs.ndim != 2 or len(probs) != len(y):
         raise ValueError(f"expected ({len(y)}, K) probabilities, got shape {probs.shape}")
     K = probs.shape[1]
@@ -1135,17 +1306,23 @@ def compare_pointwise(lpd: Mapping[str, np.ndarray]):
     elpd = {name: float(v.sum()) for name, v in lpd.items()}
     order = sorted(lpd, key=lambda name: -elpd[name])
     best = lpd[order[0]]
-    rows = {name: {"rank": rank, "elpd": elpd[name], "se": _se(lpd[name]),
-                   "elpd_diff": elpd[order[0]] - elpd[name], "dse": 0.0 if rank == 0 else _se(best - lpd[name])}
-            for rank, name in enumerate(order)}
+    rows = {
+        name: {
+            "rank": rank,
+            "elpd": elpd[name],
+            "se": _se(lpd[name]),
+            "elpd_diff": elpd[order[0]] - elpd[name],
+            "dse": 0.0 if rank == 0 else _se(best - lpd[name]),
+        }
+        for rank, name in enumerate(order)
+    }
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = "model"
     table.attrs.update({"elpd": "held-out log predictive density, sum over points", "n": n.pop()})
     return table
 
 
-def compare(models: Mapping[str, Any], x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0,
-            pairs: bool = False):
+def compare(models: Mapping[str, Any], x, y, *, num_samples: int = DEFAULT_DRAWS, seed: int = 0, pairs: bool = False):
     """Rank models by their held-out log predictive density, with standard errors.
 
     Model m's expected log predictive density on n held-out points is estimated by their sum,
@@ -1204,8 +1381,11 @@ def compare(models: Mapping[str, Any], x, y, *, num_samples: int = DEFAULT_DRAWS
     import pandas as pd
 
     names = list(table.index)
-    rows = [{"a": a, "b": b, "elpd_diff": float((lpd[a] - lpd[b]).sum()), "dse": _se(lpd[a] - lpd[b])}
-            for i, a in enumerate(names) for b in names[i + 1:]]
+    rows = [
+        {"a": a, "b": b, "elpd_diff": float((lpd[a] - lpd[b]).sum()), "dse": _se(lpd[a] - lpd[b])}
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    ]
     return table, pd.DataFrame(rows, columns=["a", "b", "elpd_diff", "dse"]).set_index(["a", "b"])
 
 

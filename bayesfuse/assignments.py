@@ -31,8 +31,10 @@ def parse_assignments(method, items: Iterable[str]) -> dict[str, Any]:
         if not sep:
             raise ValueError(f"hyper-parameters are given as key=value, got {item!r}")
         if key not in known:
-            raise ValueError(f"unknown hyper-parameter {key!r} for {method.name}{did_you_mean(key, known)}; "
-                             f"known: {', '.join(known) or 'none'}")
+            raise ValueError(
+                f"unknown hyper-parameter {key!r} for {method.name}{did_you_mean(key, known)}; "
+                f"known: {', '.join(known) or 'none'}"
+            )
         if key in out:
             raise ValueError(f"hyper-parameter {key} given twice")
         constraint = method.constraint(key)

@@ -64,9 +64,7 @@ def fedavg_state_dicts(
     return out
 
 
-def fedavg(
-    models: Sequence[nn.Module], weights: Sequence[float] | np.ndarray | None = None
-) -> nn.Module:
+def fedavg(models: Sequence[nn.Module], weights: Sequence[float] | np.ndarray | None = None) -> nn.Module:
     """One-shot FedAvg of modules: a copy of ``models[0]`` holding the weighted average.
 
     Parameters
@@ -114,8 +112,14 @@ class Ensemble(nn.Module):
         Seed of those draws (the same draws at every call, as ``member.predict(..., seed=seed)``).
     """
 
-    def __init__(self, models: Sequence[nn.Module], weights: Sequence[float] | np.ndarray | None = None, *,
-                 num_samples: int = 100, seed: int = 0):
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        weights: Sequence[float] | np.ndarray | None = None,
+        *,
+        num_samples: int = 100,
+        seed: int = 0,
+    ):
         super().__init__()
         if len(models) == 0:
             raise ValueError("an ensemble needs at least one model")
@@ -136,8 +140,9 @@ class Ensemble(nn.Module):
 
     def _log_probs(self, x: torch.Tensor, num_samples: int, seed: int, *, own_dtype: bool = False) -> torch.Tensor:
         """``log p(y | x)`` of the mixture; with ``own_dtype`` each network sees ``x`` in its parameters' dtype."""
-        logp = torch.stack([self._member_log_probs(m, _in_dtype_of(m, x) if own_dtype else x, num_samples, seed)
-                            for m in self.members])
+        logp = torch.stack(
+            [self._member_log_probs(m, _in_dtype_of(m, x) if own_dtype else x, num_samples, seed) for m in self.members]
+        )
         return torch.logsumexp(logp + self.log_weights.to(logp.device)[:, None, None], dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,8 +160,12 @@ class Ensemble(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            logp = self._log_probs(x, self.num_samples if num_samples is None else int(num_samples),
-                                   self.seed if seed is None else int(seed), own_dtype=True)
+            logp = self._log_probs(
+                x,
+                self.num_samples if num_samples is None else int(num_samples),
+                self.seed if seed is None else int(seed),
+                own_dtype=True,
+            )
         finally:
             self.train(was_training)
         return torch.softmax(logp, dim=-1).cpu().numpy()
@@ -175,8 +184,9 @@ def _is_bnn(model: nn.Module) -> bool:
     return isinstance(model, HorseshoeBNN)
 
 
-def evaluate_locals(models: Sequence[nn.Module], x: np.ndarray, y: np.ndarray, *, num_samples: int = 100,
-                    seed: int = 0) -> list[dict[str, float]]:
+def evaluate_locals(
+    models: Sequence[nn.Module], x: np.ndarray, y: np.ndarray, *, num_samples: int = 100, seed: int = 0
+) -> list[dict[str, float]]:
     """Metrics (see :func:`bayesfuse.metrics.evaluate`) of each local model on a global test set;
     a BNN's from its Monte Carlo predictive (``num_samples`` draws, ``seed``)."""
     return [evaluate(m.predict(x, num_samples, seed=seed) if _is_bnn(m) else predict_proba(m, x), y) for m in models]

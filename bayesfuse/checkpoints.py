@@ -37,8 +37,18 @@ from bayesfuse._io import atomic_write_bytes
 from bayesfuse._text import plain_line
 from bayesfuse.inference.spec import entry_order
 
-__all__ = ["Checkpoint", "load_state_dict", "read_checkpoint", "save_state_dict", "output_format",
-           "tensors_sha256", "FORMATS", "posterior_path", "posterior_bytes", "read_posterior"]
+__all__ = [
+    "Checkpoint",
+    "load_state_dict",
+    "read_checkpoint",
+    "save_state_dict",
+    "output_format",
+    "tensors_sha256",
+    "FORMATS",
+    "posterior_path",
+    "posterior_bytes",
+    "read_posterior",
+]
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
 ORDER_KEY = "bayesfuse.order"
@@ -126,11 +136,15 @@ def _reading(path: Path) -> Iterator[None]:
     except FileNotFoundError:
         raise FileNotFoundError(f"model file not found: {path}") from None
     except PermissionError:
-        raise PermissionError(f"{path}: permission denied reading the model file; make it readable "
-                              "(chmod u+r) or copy it somewhere you can read") from None
+        raise PermissionError(
+            f"{path}: permission denied reading the model file; make it readable "
+            "(chmod u+r) or copy it somewhere you can read"
+        ) from None
     except MemoryError:
-        raise MemoryError(f"{path}: the model file ({_size(path)}) is too large to read into memory; free memory "
-                          "or fuse on a machine with more") from None
+        raise MemoryError(
+            f"{path}: the model file ({_size(path)}) is too large to read into memory; free memory "
+            "or fuse on a machine with more"
+        ) from None
     except OSError as err:
         raise type(err)(f"{path}: cannot read the model file ({err.strerror or err})") from None
 
@@ -161,25 +175,35 @@ def _read_pt(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.Tensor], s
 
 
 def _is_state_dict(obj) -> bool:
-    return (isinstance(obj, dict) and bool(obj) and all(isinstance(k, str) for k in obj)
-            and all(isinstance(v, torch.Tensor) for v in obj.values()))
+    return (
+        isinstance(obj, dict)
+        and bool(obj)
+        and all(isinstance(k, str) for k in obj)
+        and all(isinstance(v, torch.Tensor) for v in obj.values())
+    )
 
 
 def _inner_state_dict(path: Path, obj) -> "tuple[OrderedDict[str, torch.Tensor], str]":
     """The one state_dict a checkpoint dict holds under one of :data:`STATE_DICT_KEYS`, and that key."""
     fix = f"save the model's weights alone, torch.save(model.state_dict(), '{path.name}')"
     if not isinstance(obj, dict) or not obj:
-        raise ValueError(f"{path}: expected a state_dict (a mapping of parameter names to tensors), got "
-                         f"{'an empty dict' if isinstance(obj, dict) else 'a ' + type(obj).__name__}; {fix}")
+        raise ValueError(
+            f"{path}: expected a state_dict (a mapping of parameter names to tensors), got "
+            f"{'an empty dict' if isinstance(obj, dict) else 'a ' + type(obj).__name__}; {fix}"
+        )
     found = [k for k in STATE_DICT_KEYS if _is_state_dict(obj.get(k))]
     keys = [str(k) for k in obj]
     shown = ", ".join(keys[:8]) + (", ..." if len(keys) > 8 else "")
     if not found:
-        raise ValueError(f"{path}: a dict of {shown}, not a state_dict, and no entry of it "
-                         f"({', '.join(STATE_DICT_KEYS)}) holds one; {fix}")
+        raise ValueError(
+            f"{path}: a dict of {shown}, not a state_dict, and no entry of it "
+            f"({', '.join(STATE_DICT_KEYS)}) holds one; {fix}"
+        )
     if len(found) > 1:
-        raise ValueError(f"{path}: a checkpoint dict with several state_dicts ({', '.join(found)}); save the one to "
-                         f"fuse on its own, torch.save(checkpoint['{found[0]}'], '{path.name}')")
+        raise ValueError(
+            f"{path}: a checkpoint dict with several state_dicts ({', '.join(found)}); save the one to "
+            f"fuse on its own, torch.save(checkpoint['{found[0]}'], '{path.name}')"
+        )
     return OrderedDict(obj[found[0]]), found[0]
 
 
@@ -189,14 +213,20 @@ def _refused_pickle(path: Path, raw: bytes, err: Exception) -> str:
     fix = f"save the weights alone, torch.save(model.state_dict(), '{path.name}'), and fuse that file"
     pickled = _pickled_class(raw)
     if pickled is not None:
-        return (f"{path}: a pickled {pickled} object (torch.save(model) saves the whole module, code and all), not "
-                f"a state_dict; {fix}")
+        return (
+            f"{path}: a pickled {pickled} object (torch.save(model) saves the whole module, code and all), not "
+            f"a state_dict; {fix}"
+        )
     inside = re.search(r"GLOBAL ([\w.]+)", str(err))
     if inside is not None:
-        return (f"{path}: holds a pickled {inside.group(1)} object, which torch.load(weights_only=True) refuses (a "
-                f"pickle can run code); {fix}")
-    return (f"{path}: not a plain state_dict checkpoint (torch.load with weights_only=True failed: "
-            f"{_torch_reason(err)}); write it again with torch.save(model.state_dict(), '{path.name}')")
+        return (
+            f"{path}: holds a pickled {inside.group(1)} object, which torch.load(weights_only=True) refuses (a "
+            f"pickle can run code); {fix}"
+        )
+    return (
+        f"{path}: not a plain state_dict checkpoint (torch.load with weights_only=True failed: "
+        f"{_torch_reason(err)}); write it again with torch.save(model.state_dict(), '{path.name}')"
+    )
 
 
 def _torch_reason(err: Exception) -> str:
@@ -270,8 +300,12 @@ def _recorded_order(raw: bytes, sd: dict) -> list[str] | None:
         order = json.loads(meta[ORDER_KEY]) if isinstance(meta, dict) and ORDER_KEY in meta else None
     except (struct.error, ValueError, TypeError, AttributeError):
         return None
-    if (not isinstance(order, list) or not all(isinstance(k, str) for k in order) or len(order) != len(sd)
-            or set(order) != set(sd)):
+    if (
+        not isinstance(order, list)
+        or not all(isinstance(k, str) for k in order)
+        or len(order) != len(sd)
+        or set(order) != set(sd)
+    ):
         return None
     return order
 
@@ -281,8 +315,10 @@ def _check_dense(path: Path, tensors: dict) -> None:
     for key, t in tensors.items():
         if t.layout != torch.strided or t.is_quantized:
             kind = "quantized" if t.is_quantized else f"sparse ({t.layout})"
-            raise ValueError(f"{path}: entry {key!r} is a {kind} tensor; save dense tensors "
-                             "(tensor.to_dense(), or tensor.dequantize()) and try again")
+            raise ValueError(
+                f"{path}: entry {key!r} is a {kind} tensor; save dense tensors "
+                "(tensor.to_dense(), or tensor.dequantize()) and try again"
+            )
 
 
 def tensors_sha256(tensors: dict) -> str:
@@ -314,17 +350,22 @@ def output_format(path: str | os.PathLike, fmt: str | None = None) -> str:
         raise ValueError(f"unknown output format {fmt!r}; give fmt='pt' or 'safetensors'")
     named = FORMATS.get(path.suffix.lower())
     if fmt is None and named is None:
-        raise ValueError(f"cannot tell the output format from {path.name!r}: name it .pt, .pth or .safetensors, "
-                         "or give fmt='pt' or 'safetensors'")
+        raise ValueError(
+            f"cannot tell the output format from {path.name!r}: name it .pt, .pth or .safetensors, "
+            "or give fmt='pt' or 'safetensors'"
+        )
     if fmt is not None and named is not None and fmt != named:
-        raise ValueError(f"the output {path.name!r} is named like a {named} file but the format asked for is {fmt}; "
-                         f"give it a {' or '.join(s for s, f in FORMATS.items() if f == fmt)} name, or give "
-                         "fmt='pt' or 'safetensors' to match its suffix")
+        raise ValueError(
+            f"the output {path.name!r} is named like a {named} file but the format asked for is {fmt}; "
+            f"give it a {' or '.join(s for s, f in FORMATS.items() if f == fmt)} name, or give "
+            "fmt='pt' or 'safetensors' to match its suffix"
+        )
     return fmt or named
 
 
-def save_state_dict(state_dict: dict, path: str | os.PathLike, *, fmt: str | None = None,
-                    overwrite: bool = False) -> Path:
+def save_state_dict(
+    state_dict: dict, path: str | os.PathLike, *, fmt: str | None = None, overwrite: bool = False
+) -> Path:
     """Write a state_dict as ``.pt`` (torch.save) or ``.safetensors``, atomically.
 
     The format is ``fmt`` or the one the suffix names; they must agree (:func:`output_format`).
@@ -368,13 +409,18 @@ def posterior_bytes(precision: dict, *, output: str, model_tensors: dict) -> byt
     from safetensors.numpy import save
 
     tensors = {f"precision/{k}": np.ascontiguousarray(v, dtype=np.float32) for k, v in precision.items()}
-    meta = {"format": POSTERIOR_FORMAT, "version": str(POSTERIOR_VERSION), "output": output,
-            "model_tensors_sha256": tensors_sha256(model_tensors)}
+    meta = {
+        "format": POSTERIOR_FORMAT,
+        "version": str(POSTERIOR_VERSION),
+        "output": output,
+        "model_tensors_sha256": tensors_sha256(model_tensors),
+    }
     return save(tensors, metadata=meta)
 
 
-def read_bound_file(path: str | os.PathLike, *, fmt: str, version: int, model_tensors: dict, model_name: str,
-                    what: str) -> tuple[dict, dict]:
+def read_bound_file(
+    path: str | os.PathLike, *, fmt: str, version: int, model_tensors: dict, model_name: str, what: str
+) -> tuple[dict, dict]:
     """``(metadata, tensors)`` of a safetensors file bound to a model file's tensors (its metadata
     records ``format``, ``version`` and the model's :func:`tensors_sha256`): the output-layer
     posterior and the fusion record beside a fused model.
@@ -397,8 +443,10 @@ def read_bound_file(path: str | os.PathLike, *, fmt: str, version: int, model_te
     if meta.get("version") != str(version):
         raise ValueError(f"{path}: {what} version {meta.get('version')!r} is not one this bayesfuse reads ({version})")
     if meta.get("model_tensors_sha256") != tensors_sha256(model_tensors):
-        raise ValueError(f"{path}: this {what} was written for other tensors than {model_name}'s; fuse again, or "
-                         f"remove the stale {what} file")
+        raise ValueError(
+            f"{path}: this {what} was written for other tensors than {model_name}'s; fuse again, or "
+            f"remove the stale {what} file"
+        )
     return meta, tensors
 
 
@@ -408,11 +456,18 @@ def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str
     Refuses, with one line naming the file, a file of another format or version, or one written
     beside other tensors than ``model_tensors`` (``model_name``'s).
     """
-    meta, tensors = read_bound_file(path, fmt=POSTERIOR_FORMAT, version=POSTERIOR_VERSION, model_tensors=model_tensors,
-                                    model_name=model_name, what="output-layer posterior")
-    precision = {k[len("precision/"):]: v for k, v in tensors.items() if k.startswith("precision/")}
+    meta, tensors = read_bound_file(
+        path,
+        fmt=POSTERIOR_FORMAT,
+        version=POSTERIOR_VERSION,
+        model_tensors=model_tensors,
+        model_name=model_name,
+        what="output-layer posterior",
+    )
+    precision = {k[len("precision/") :]: v for k, v in tensors.items() if k.startswith("precision/")}
     output = meta.get("output", "")
     if not precision or not all(k.rpartition(".")[0] == output for k in precision):
-        raise ValueError(f"{path}: the posterior's entries {sorted(precision)} are not those of its output layer "
-                         f"{output!r}")
+        raise ValueError(
+            f"{path}: the posterior's entries {sorted(precision)} are not those of its output layer {output!r}"
+        )
     return output, precision

@@ -56,7 +56,8 @@ def _widths(text: str) -> tuple[int, ...]:
         widths = tuple(int(w) for w in text.split(",") if w.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers such as 100 or 200,100, got {text!r}") from None
+            f"expected comma-separated integers such as 100 or 200,100, got {text!r}"
+        ) from None
     if not widths or min(widths) < 1:
         raise argparse.ArgumentTypeError(f"hidden widths must be positive, got {text!r}")
     return widths
@@ -122,8 +123,10 @@ def _method_choices() -> str:
     """The methods ``bayesfuse fuse`` takes, by kind of input (those that need data are not among them)."""
     from bayesfuse import methods
 
-    return (f"{', '.join(methods.names('network', needs_data=False))} (networks); "
-            f"{', '.join(methods.names('bnn', needs_data=False))} (BNNs); any case")
+    return (
+        f"{', '.join(methods.names('network', needs_data=False))} (networks); "
+        f"{', '.join(methods.names('bnn', needs_data=False))} (BNNs); any case"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,44 +144,94 @@ def build_parser() -> argparse.ArgumentParser:
         description="Split a dataset across clients (Dirichlet heterogeneity), train one MLP per "
         "client, build global models and print a table; write it as CSV/JSON plus a figure.",
     )
-    demo.add_argument("--dataset", default="digits", choices=["digits", "fashion-mnist", "mnist"],
-                      help="digits ships with scikit-learn; fashion-mnist needs `make data` (default: digits)")
-    demo.add_argument("--data-path", default=None,
-                      help="directory of IDX files (or mnist .npz) for fashion-mnist / mnist")
+    demo.add_argument(
+        "--dataset",
+        default="digits",
+        choices=["digits", "fashion-mnist", "mnist"],
+        help="digits ships with scikit-learn; fashion-mnist needs `make data` (default: digits)",
+    )
+    demo.add_argument(
+        "--data-path", default=None, help="directory of IDX files (or mnist .npz) for fashion-mnist / mnist"
+    )
     demo.add_argument("--clients", "-J", type=_positive_int, default=10, help="number of clients (default: 10)")
-    demo.add_argument("--alpha", type=float, default=0.5,
-                      help="Dirichlet concentration of the class split; small is heterogeneous (default: 0.5)")
+    demo.add_argument(
+        "--alpha",
+        type=float,
+        default=0.5,
+        help="Dirichlet concentration of the class split; small is heterogeneous (default: 0.5)",
+    )
     seeds = demo.add_mutually_exclusive_group()
-    seeds.add_argument("--seed", type=_non_negative_int, default=0,
-                       help="seed of split, initialisation and training (default: 0)")
-    seeds.add_argument("--seeds", type=_non_negative_int, nargs="+", default=None, metavar="SEED",
-                       help="run once per seed and report mean +- sd over them, e.g. --seeds 0 1 2")
-    demo.add_argument("--hidden", type=_widths, default=(100,),
-                      help="hidden widths, e.g. 100 or 200,100 (default: 100)")
+    seeds.add_argument(
+        "--seed", type=_non_negative_int, default=0, help="seed of split, initialisation and training (default: 0)"
+    )
+    seeds.add_argument(
+        "--seeds",
+        type=_non_negative_int,
+        nargs="+",
+        default=None,
+        metavar="SEED",
+        help="run once per seed and report mean +- sd over them, e.g. --seeds 0 1 2",
+    )
+    demo.add_argument(
+        "--hidden", type=_widths, default=(100,), help="hidden widths, e.g. 100 or 200,100 (default: 100)"
+    )
     demo.add_argument("--epochs", type=_positive_int, default=10, help="local training epochs (default: 10)")
-    demo.add_argument("--shared-init", action="store_true",
-                      help="all clients start from one initial network (as FedAvg assumes); "
-                      "default: each client draws its own, as separately trained models do")
-    demo.add_argument("--arch", default="mlp", choices=["mlp", "cnn", "lstm", "resnet20", "resnet18"],
-                      help="local networks: MLP (--hidden), ConvNet (--channels, then --hidden dense layers), "
-                      "LSTM over image rows (first --hidden width) or ResNet-20 / ResNet-18 (--width) (default: mlp)")
-    demo.add_argument("--channels", type=_widths, default=(16, 32),
-                      help="cnn: channels of the conv-BN-ReLU-maxpool blocks (default: 16,32)")
-    demo.add_argument("--width", type=_positive_float, default=1.0,
-                      help="resnet20, resnet18: width multiplier of every stage's channels (default: 1)")
-    demo.add_argument("--methods", type=_methods, default=methods.names("network", featured=True),
-                      help="comma-separated methods after local/ensemble/fedavg, from pfnm, nafi, fedma, "
-                      "fedma-nafi, fedavg-rounds (FedAvg with as many rounds as FedMA) (default: pfnm,nafi)")
-    demo.add_argument("--retrain-epochs", type=_positive_int, default=None,
-                      help="epochs of client training per FedMA/FedAvg round (default: --epochs)")
-    demo.add_argument("--pan", type=_pan, default=None, metavar="MODE,T,A",
-                      help="position-aware neurons in the hidden layers, e.g. mul,1,0.1 (mode add or mul, "
-                      "period T, amplitude A); default: plain neurons")
+    demo.add_argument(
+        "--shared-init",
+        action="store_true",
+        help="all clients start from one initial network (as FedAvg assumes); "
+        "default: each client draws its own, as separately trained models do",
+    )
+    demo.add_argument(
+        "--arch",
+        default="mlp",
+        choices=["mlp", "cnn", "lstm", "resnet20", "resnet18"],
+        help="local networks: MLP (--hidden), ConvNet (--channels, then --hidden dense layers), "
+        "LSTM over image rows (first --hidden width) or ResNet-20 / ResNet-18 (--width) (default: mlp)",
+    )
+    demo.add_argument(
+        "--channels",
+        type=_widths,
+        default=(16, 32),
+        help="cnn: channels of the conv-BN-ReLU-maxpool blocks (default: 16,32)",
+    )
+    demo.add_argument(
+        "--width",
+        type=_positive_float,
+        default=1.0,
+        help="resnet20, resnet18: width multiplier of every stage's channels (default: 1)",
+    )
+    demo.add_argument(
+        "--methods",
+        type=_methods,
+        default=methods.names("network", featured=True),
+        help="comma-separated methods after local/ensemble/fedavg, from pfnm, nafi, fedma, "
+        "fedma-nafi, fedavg-rounds (FedAvg with as many rounds as FedMA) (default: pfnm,nafi)",
+    )
+    demo.add_argument(
+        "--retrain-epochs",
+        type=_positive_int,
+        default=None,
+        help="epochs of client training per FedMA/FedAvg round (default: --epochs)",
+    )
+    demo.add_argument(
+        "--pan",
+        type=_pan,
+        default=None,
+        metavar="MODE,T,A",
+        help="position-aware neurons in the hidden layers, e.g. mul,1,0.1 (mode add or mul, "
+        "period T, amplitude A); default: plain neurons",
+    )
     demo.add_argument("--out", default="bayesfuse-demo", help="output directory (default: ./bayesfuse-demo)")
     demo.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing the demo's files")
-    demo.add_argument("--hyper", nargs="*", default=[], metavar="[METHOD.]KEY=VALUE",
-                      help="hyper-parameters of the fusion methods, as in `bayesfuse fuse`: KEY=VALUE for every "
-                      "method run that has KEY, METHOD.KEY=VALUE for one (e.g. noise_var=1 nafi.kl_weight=0.1)")
+    demo.add_argument(
+        "--hyper",
+        nargs="*",
+        default=[],
+        metavar="[METHOD.]KEY=VALUE",
+        help="hyper-parameters of the fusion methods, as in `bayesfuse fuse`: KEY=VALUE for every "
+        "method run that has KEY, METHOD.KEY=VALUE for one (e.g. noise_var=1 nafi.kl_weight=0.1)",
+    )
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
     fz = sub.add_parser(
@@ -192,30 +245,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fz.add_argument("models", nargs="+", metavar="MODEL", help="two or more model files")
     fz.add_argument("--method", required=True, metavar="NAME", help=_method_choices())
-    fz.add_argument("--hyper", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="the method's keys (bayesfuse methods NAME)")
+    fz.add_argument(
+        "--hyper", nargs="*", default=[], metavar="KEY=VALUE", help="the method's keys (bayesfuse methods NAME)"
+    )
     fz.add_argument("--out", required=True, metavar="FILE", help="fused model file (.pt, .pth or .safetensors)")
     fz.add_argument("--force", action="store_true", help="replace existing output files")
-    fz.add_argument("--seed", type=_non_negative_int, default=0, metavar="N",
-                    help="seed of the matching (default: 0)")
-    fz.add_argument("--class-counts", default=None, metavar="FILE",
-                    help='JSON {"a.pt": [120, 0, 35]}: examples per class')
-    fz.add_argument("--summaries", choices=["auto", "none"], default="auto", metavar="MODE",
-                    help="auto: use the client summaries; none: data-free")
-    fz.add_argument("--format", choices=["pt", "safetensors"], default=None, metavar="FMT",
-                    help="pt or safetensors (default: from --out's suffix)")
-    fz.add_argument("--model", default=None, metavar="REF",
-                    help="your network, MODULE:NAME or FILE.py:NAME (called with no arguments): its architecture "
-                    "is traced from it (residual nets included) and the fused model is run in it once")
-    fz.add_argument("--arch", default="auto", choices=["auto", "mlp", "cnn", "lstm"], metavar="ARCH",
-                    help="auto, mlp, cnn or lstm: how to read the files' layers; mlp or cnn say the network is a "
-                    "plain chain (default: auto)")
-    fz.add_argument("--arch-spec", default=None, metavar="FILE",
-                    help="JSON permutation spec (bayesfuse.inference.spec)")
-    fz.add_argument("--device", default=None, metavar="DEVICE",
-                    help="pfnm/nafi's matching with torch on cpu, cuda, mps")
-    fz.add_argument("--dtype", default="float64", choices=["float32", "float64"], metavar="DTYPE",
-                    help="with --device: float64 (default) or float32")
+    fz.add_argument("--seed", type=_non_negative_int, default=0, metavar="N", help="seed of the matching (default: 0)")
+    fz.add_argument(
+        "--class-counts", default=None, metavar="FILE", help='JSON {"a.pt": [120, 0, 35]}: examples per class'
+    )
+    fz.add_argument(
+        "--summaries",
+        choices=["auto", "none"],
+        default="auto",
+        metavar="MODE",
+        help="auto: use the client summaries; none: data-free",
+    )
+    fz.add_argument(
+        "--format",
+        choices=["pt", "safetensors"],
+        default=None,
+        metavar="FMT",
+        help="pt or safetensors (default: from --out's suffix)",
+    )
+    fz.add_argument(
+        "--model",
+        default=None,
+        metavar="REF",
+        help="your network, MODULE:NAME or FILE.py:NAME (called with no arguments): its architecture "
+        "is traced from it (residual nets included) and the fused model is run in it once",
+    )
+    fz.add_argument(
+        "--arch",
+        default="auto",
+        choices=["auto", "mlp", "cnn", "lstm"],
+        metavar="ARCH",
+        help="auto, mlp, cnn or lstm: how to read the files' layers; mlp or cnn say the network is a "
+        "plain chain (default: auto)",
+    )
+    fz.add_argument(
+        "--arch-spec", default=None, metavar="FILE", help="JSON permutation spec (bayesfuse.inference.spec)"
+    )
+    fz.add_argument(
+        "--device", default=None, metavar="DEVICE", help="pfnm/nafi's matching with torch on cpu, cuda, mps"
+    )
+    fz.add_argument(
+        "--dtype",
+        default="float64",
+        choices=["float32", "float64"],
+        metavar="DTYPE",
+        help="with --device: float64 (default) or float32",
+    )
 
     ms = sub.add_parser(
         "methods",
@@ -226,9 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUS,
     )
     ms.add_argument("name", nargs="?", default=None, metavar="NAME", help="a method, in any case")
-    ms.add_argument("--kind", choices=methods.KINDS, default=None,
-                    help="only the keys for one kind of input: network (point-estimate networks) or bnn "
-                    "(HorseshoeBNNs)")
+    ms.add_argument(
+        "--kind",
+        choices=methods.KINDS,
+        default=None,
+        help="only the keys for one kind of input: network (point-estimate networks) or bnn (HorseshoeBNNs)",
+    )
 
     sm = sub.add_parser(
         "summarize",
@@ -238,14 +321,31 @@ def build_parser() -> argparse.ArgumentParser:
         "where `bayesfuse fuse` reads it. Aggregates only: no example can be read back from it.",
         epilog=EXIT_STATUS,
     )
-    sm.add_argument("model", metavar="MODEL", help="the client's model file (.pt, .pth or .safetensors state_dict of "
-                    "an MLP, make_cnn ConvNet or LSTMClassifier)")
-    sm.add_argument("--data", required=True, metavar="DATA",
-                    help="the client's training data: a .npz file with arrays x (inputs) and y (integer labels)")
-    sm.add_argument("--out", default=None, metavar="PATH",
-                    help="summary file (.safetensors; default: MODEL's name with .summary.safetensors, beside it)")
-    sm.add_argument("--prior-precision", type=_positive_float, default=1.0, metavar="X",
-                    help="precision of the Gaussian prior on every weight, added to the GGN diagonal (default: 1)")
+    sm.add_argument(
+        "model",
+        metavar="MODEL",
+        help="the client's model file (.pt, .pth or .safetensors state_dict of "
+        "an MLP, make_cnn ConvNet or LSTMClassifier)",
+    )
+    sm.add_argument(
+        "--data",
+        required=True,
+        metavar="DATA",
+        help="the client's training data: a .npz file with arrays x (inputs) and y (integer labels)",
+    )
+    sm.add_argument(
+        "--out",
+        default=None,
+        metavar="PATH",
+        help="summary file (.safetensors; default: MODEL's name with .summary.safetensors, beside it)",
+    )
+    sm.add_argument(
+        "--prior-precision",
+        type=_positive_float,
+        default=1.0,
+        metavar="X",
+        help="precision of the Gaussian prior on every weight, added to the GGN diagonal (default: 1)",
+    )
     sm.add_argument("--force", action="store_true", help="replace an existing summary file")
     return parser
 
@@ -254,23 +354,38 @@ def _run_demo(args: argparse.Namespace) -> int:
     from bayesfuse.demo import DemoConfig, hyper_for_methods, run_demo
 
     config = DemoConfig(
-        dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=args.seed,
-        hidden=args.hidden, epochs=args.epochs, shared_init=args.shared_init,
-        data_path=args.data_path, arch=args.arch, channels=args.channels, width=args.width, methods=args.methods,
-        retrain_epochs=args.retrain_epochs, pan=args.pan, hyper=hyper_for_methods(args.hyper, args.methods),
+        dataset=args.dataset,
+        n_clients=args.clients,
+        alpha=args.alpha,
+        seed=args.seed,
+        hidden=args.hidden,
+        epochs=args.epochs,
+        shared_init=args.shared_init,
+        data_path=args.data_path,
+        arch=args.arch,
+        channels=args.channels,
+        width=args.width,
+        methods=args.methods,
+        retrain_epochs=args.retrain_epochs,
+        pan=args.pan,
+        hyper=hyper_for_methods(args.hyper, args.methods),
     )
-    result = run_demo(config, seeds=args.seeds, out=args.out, force=args.force,
-                      verbose=False if args.quiet else None)
+    result = run_demo(config, seeds=args.seeds, out=args.out, force=args.force, verbose=False if args.quiet else None)
     p = result.partition
-    print(f"{config.dataset}: {config.n_clients} clients, Dirichlet alpha={config.alpha}, "
-          f"client sizes {p.sizes.min()}..{p.sizes.max()}, "
-          f"classes per client {int((p.counts > 0).sum(1).min())}..{int((p.counts > 0).sum(1).max())}"
-          + (f" (seed {result.seeds[0]})" if len(result.seeds) > 1 else ""))
+    print(
+        f"{config.dataset}: {config.n_clients} clients, Dirichlet alpha={config.alpha}, "
+        f"client sizes {p.sizes.min()}..{p.sizes.max()}, "
+        f"classes per client {int((p.counts > 0).sum(1).min())}..{int((p.counts > 0).sum(1).max())}"
+        + (f" (seed {result.seeds[0]})" if len(result.seeds) > 1 else "")
+    )
     print(f"local training: {result.train_seconds:.1f} s in all\n")
     print(result.table())
-    print("\n" + (f"mean ± sd over seeds {', '.join(map(str, result.seeds))}; " if len(result.seeds) > 1 else "")
-          + "hidden: hidden units (and channels) of the global model; rounds: communication rounds after "
-          "local training; seconds: time to build the global model (after an untimed warm-up)")
+    print(
+        "\n"
+        + (f"mean ± sd over seeds {', '.join(map(str, result.seeds))}; " if len(result.seeds) > 1 else "")
+        + "hidden: hidden units (and channels) of the global model; rounds: communication rounds after "
+        "local training; seconds: time to build the global model (after an untimed warm-up)"
+    )
     if result.files:
         print("wrote " + ", ".join(str(f) for f in result.files.values()))
     return 0
@@ -289,8 +404,9 @@ def _checked_fuse(args: argparse.Namespace) -> dict:
     methods.check_one_shot(args.method)
     methods.check_execution(args.method, None, args.device)
     if len(args.models) < 2:
-        raise ValueError(f"one model file given ({args.models[0]}); fusion needs two or more (one model would "
-                         "come back as itself)")
+        raise ValueError(
+            f"one model file given ({args.models[0]}); fusion needs two or more (one model would come back as itself)"
+        )
     check_output_file(args.out)
     return hyper
 
@@ -311,37 +427,63 @@ def _run_fuse(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings():  # the report records convergence; said once below
         warnings.simplefilter("ignore", ConvergenceWarning)
-        report = fuse_files(args.models, args.method, args.out, hyper=hyper,
-                            fmt=args.format, force=args.force, seed=args.seed, arch=args.arch,
-                            spec_path=args.arch_spec, device=args.device, dtype=args.dtype,
-                            class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
-                            summaries=args.summaries, like=_user_model(args.model))
+        report = fuse_files(
+            args.models,
+            args.method,
+            args.out,
+            hyper=hyper,
+            fmt=args.format,
+            force=args.force,
+            seed=args.seed,
+            arch=args.arch,
+            spec_path=args.arch_spec,
+            device=args.device,
+            dtype=args.dtype,
+            class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
+            summaries=args.summaries,
+            like=_user_model(args.model),
+        )
     used = report["summaries"].get("used", False)
     posterior = f" and {report['posterior']['file']}" if report["posterior"] else ""
-    print(f"fused {len(args.models)} models with {args.method} "
-          f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "
-          f"wrote {args.out}, {args.out}.json{posterior} ({report['seconds']:.1f} s)")
+    print(
+        f"fused {len(args.models)} models with {args.method} "
+        f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "
+        f"wrote {args.out}, {args.out}.json{posterior} ({report['seconds']:.1f} s)"
+    )
     source = (report.get("architecture") or {}).get("source") or ""
     if source.startswith("entry names"):
         print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)")
     inner = [f"{f['path']}[{f['state_dict_key']!r}]" for f in report["inputs"] if f.get("state_dict_key")]
     if inner:
-        print(f"note: {'a checkpoint dict' if len(inner) == 1 else 'checkpoint dicts'}: fused the state_dict in "
-              f"{', '.join(inner)} (state_dict_key in {args.out}.json)", file=sys.stderr)
+        print(
+            f"note: {'a checkpoint dict' if len(inner) == 1 else 'checkpoint dicts'}: fused the state_dict in "
+            f"{', '.join(inner)} (state_dict_key in {args.out}.json)",
+            file=sys.stderr,
+        )
     if not report["converged"]:
         late = [layer["group"] for layer in report["layers"] if not layer["converged"]]
-        print(f"warning: the matching of {', '.join(late)} did not converge; raise n_iter (--hyper n_iter=...)",
-              file=sys.stderr)
+        print(
+            f"warning: the matching of {', '.join(late)} did not converge; raise n_iter (--hyper n_iter=...)",
+            file=sys.stderr,
+        )
     return 0
 
 
 #: Library messages name Python arguments; on the command line they are flags.
-_FLAGS = (("force=True (--force on the command line)", "--force"), ("force=True", "--force"),
-          ("overwrite=True", "--force"), ("fmt='pt' or 'safetensors'",
-          "--format pt or safetensors"), ("arch='mlp'", "--arch mlp"), ("arch='cnn'", "--arch cnn"),
-          ("arch='lstm'", "--arch lstm"),
-          ("like=model", "--model MODULE:NAME"), ("spec_path=", "--arch-spec "), ("device=", "--device "),
-          ("dtype=", "--dtype "), ("summaries='none'", "--summaries none"))
+_FLAGS = (
+    ("force=True (--force on the command line)", "--force"),
+    ("force=True", "--force"),
+    ("overwrite=True", "--force"),
+    ("fmt='pt' or 'safetensors'", "--format pt or safetensors"),
+    ("arch='mlp'", "--arch mlp"),
+    ("arch='cnn'", "--arch cnn"),
+    ("arch='lstm'", "--arch lstm"),
+    ("like=model", "--model MODULE:NAME"),
+    ("spec_path=", "--arch-spec "),
+    ("device=", "--device "),
+    ("dtype=", "--dtype "),
+    ("summaries='none'", "--summaries none"),
+)
 
 
 def _in_cli_words(message: str) -> str:
@@ -383,10 +525,11 @@ def _error(command: str, message: str) -> int:
 def _run_summarize(args: argparse.Namespace) -> int:
     from bayesfuse.summary_files import summarize_file
 
-    done = summarize_file(args.model, args.data, out=args.out, prior_precision=args.prior_precision,
-                          force=args.force)
-    print(f"wrote {done['path']}: {done['bytes']:,} bytes, {done['bytes'] / done['model_bytes']:.2f}x the model's "
-          f"{done['model_bytes']:,}; {done['n_examples']} examples, {done['seconds']:.1f} s")
+    done = summarize_file(args.model, args.data, out=args.out, prior_precision=args.prior_precision, force=args.force)
+    print(
+        f"wrote {done['path']}: {done['bytes']:,} bytes, {done['bytes'] / done['model_bytes']:.2f}x the model's "
+        f"{done['model_bytes']:,}; {done['n_examples']} examples, {done['seconds']:.1f} s"
+    )
     return 0
 
 

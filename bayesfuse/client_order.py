@@ -73,13 +73,22 @@ def _permuted_partition(partition, order: Sequence[int]):
     if len(partition) != len(order):
         return partition
     if dataclasses.is_dataclass(partition) and hasattr(partition, "indices") and hasattr(partition, "counts"):
-        return dataclasses.replace(partition, indices=tuple(partition.indices[j] for j in order),
-                                   counts=np.asarray(partition.counts)[list(order)])
+        return dataclasses.replace(
+            partition,
+            indices=tuple(partition.indices[j] for j in order),
+            counts=np.asarray(partition.counts)[list(order)],
+        )
     return [partition[j] for j in order]
 
 
-def to_canonical(order: Sequence[int], models: Sequence[nn.Module], class_counts=None, summaries=None, data=None,
-                 hyper: dict | None = None) -> tuple[list, Any, Any, Any, dict]:
+def to_canonical(
+    order: Sequence[int],
+    models: Sequence[nn.Module],
+    class_counts=None,
+    summaries=None,
+    data=None,
+    hyper: dict | None = None,
+) -> tuple[list, Any, Any, Any, dict]:
     """The inputs of a fusion put in ``order``: the models, the rows of ``class_counts``, the
     summaries, the clients' data ``(train, partition)`` and an integer ``anchor`` (OT fusion's,
     a caller's index) among ``hyper``."""
@@ -121,7 +130,8 @@ def to_callers(result, order: Sequence[int]):
         hyper["kept_units"] = back(kept) if len(result.layers) == 1 else [back(k) for k in kept]
     records = hyper.get("summaries")
     if isinstance(records, dict):
-        hyper["summaries"] = {k: back(v) if k in _PER_CLIENT_SUMMARY and len(v) == len(order) else v
-                              for k, v in records.items()}
+        hyper["summaries"] = {
+            k: back(v) if k in _PER_CLIENT_SUMMARY and len(v) == len(order) else v for k, v in records.items()
+        }
     hyper["fused_order"] = order
     return result

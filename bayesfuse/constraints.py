@@ -21,9 +21,28 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-__all__ = ["Interval", "Options", "Fixed", "Either", "Numbers", "OrNone", "Param", "Constraint",
-           "InvalidParameterError", "message", "check", "validate_params", "KEYS", "POSITIVE", "NON_NEGATIVE",
-           "POSITIVE_INT", "AUTO", "GAMMA0", "NUMBERS_OR_AUTO", "MATCHING"]
+__all__ = [
+    "Interval",
+    "Options",
+    "Fixed",
+    "Either",
+    "Numbers",
+    "OrNone",
+    "Param",
+    "Constraint",
+    "InvalidParameterError",
+    "message",
+    "check",
+    "validate_params",
+    "KEYS",
+    "POSITIVE",
+    "NON_NEGATIVE",
+    "POSITIVE_INT",
+    "AUTO",
+    "GAMMA0",
+    "NUMBERS_OR_AUTO",
+    "MATCHING",
+]
 
 
 class InvalidParameterError(ValueError, TypeError):
@@ -220,8 +239,7 @@ def message(name: str, constraint: Constraint, value: Any, *, wrong_type: bool =
     """The one message of a bad hyper-parameter: ``"{name} must be {constraint}, got {value!r}"``;
     for a value of the wrong type, the type the constraint takes and the value's type too."""
     if wrong_type:
-        return (f"{name} must be {constraint.type_name} ({constraint}), got {value!r} "
-                f"({type(value).__name__})")
+        return f"{name} must be {constraint.type_name} ({constraint}), got {value!r} ({type(value).__name__})"
     return f"{name} must be {constraint}, got {value!r}"
 
 
@@ -237,8 +255,9 @@ def check(name: str, constraint: Constraint, value: Any, *, shown: Any = None) -
         if isinstance(constraint, Fixed) and str(err):
             raise InvalidParameterError(str(err)) from None
         err_type = False
-    raise InvalidParameterError(message(name, constraint, value if shown is None else shown,
-                                        wrong_type=err_type)) from None
+    raise InvalidParameterError(
+        message(name, constraint, value if shown is None else shown, wrong_type=err_type)
+    ) from None
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -312,8 +331,9 @@ AUTO = Options(("auto",))
 # * kl_weight: multiplies KL terms that reach sigma0^2 / sigma^2 <= 1e100 per coordinate within
 #   the variance bounds; at most 1e50 keeps the product below 1e150 D.
 VARIANCE = Interval(float, 1e-50, 1e50, "both", why="beyond, the matching cost's squared precisions overflow float64")
-GAMMA0 = Interval(float, 1e-300, 1e300, "both",
-                  why="log(gamma0 / J) and gamma0 H_J of the IBP prior stay finite in float64")
+GAMMA0 = Interval(
+    float, 1e-300, 1e300, "both", why="log(gamma0 / J) and gamma0 H_J of the IBP prior stay finite in float64"
+)
 #: The matching's variances as the algorithms take them: per client or coordinate too (their
 #: positivity and shapes are checked with the data), or ``"auto"``.
 NUMBERS_OR_AUTO = Either((Numbers(), AUTO))
@@ -324,8 +344,9 @@ KEYS: dict[str, Constraint] = {
     "noise_var": Either((VARIANCE, AUTO)),
     "prior_var": Either((VARIANCE, AUTO)),
     "gamma0": Either((GAMMA0, AUTO)),
-    "kl_weight": Interval(float, 0.0, 1e50, "both",
-                          why="it multiplies KL terms up to 1e100; beyond, the cost overflows float64"),
+    "kl_weight": Interval(
+        float, 0.0, 1e50, "both", why="it multiplies KL terms up to 1e100; beyond, the cost overflows float64"
+    ),
     "cost": Options(("auto", "pfnm", "marginal")),
     "global_weights": Options(("auto", "posterior", "average")),
     "n_iter": POSITIVE_INT,

@@ -96,8 +96,10 @@ def input_kind(states: Sequence[State]) -> str:
     from bayesfuse.models.bnn_sites import has_heads
 
     if any(has_heads(sd) for sd in states):
-        raise TypeError("a HeadMixtureBNN is a fused model with one head per client; fuse the clients' "
-                        "HorseshoeBNNs instead (or its shared-head body: its state_dict without the 'heads.' entries)")
+        raise TypeError(
+            "a HeadMixtureBNN is a fused model with one head per client; fuse the clients' "
+            "HorseshoeBNNs instead (or its shared-head body: its state_dict without the 'heads.' entries)"
+        )
     flags = [is_bnn_state(sd) for sd in states]
     if any(flags) and not all(flags):
         raise TypeError("cannot fuse Bayesian (HorseshoeBNN) and point-estimate networks together")
@@ -111,8 +113,10 @@ def warn_single(n_models: int) -> None:
     (:mod:`bayesfuse.integrations`); the warning points at the caller's line, not the package's.
     """
     if n_models == 1:
-        warn_from_caller("only one model: fusion returns it (its posterior, shrunk by the prior); give two or more "
-                         "models to fuse them")
+        warn_from_caller(
+            "only one model: fusion returns it (its posterior, shrunk by the prior); give two or more "
+            "models to fuse them"
+        )
 
 
 def fuse_states(
@@ -201,8 +205,10 @@ def fuse_states(
     methods.check_keys(method, hyper, caller=fuse_states)
     m = methods.METHODS[method]
     if m.needs_data:
-        raise ValueError(f"method={method!r} retrains the clients between layers: pass data=(train, partition) with "
-                         "each client's training data to bayesfuse.fuse, or fuse in one shot with pfnm or nafi")
+        raise ValueError(
+            f"method={method!r} retrains the clients between layers: pass data=(train, partition) with "
+            "each client's training data to bayesfuse.fuse, or fuse in one shot with pfnm or nafi"
+        )
     kind = input_kind(states)
     settings = methods.resolve(method, kind, hyper)
     methods.check_execution(method, kind, device)
@@ -222,8 +228,19 @@ def fuse_states(
             class_counts = np.stack([np.asarray(s.class_counts) for s in options["summaries"]])
     warn_single(len(states))
     fuse = load(methods.METHODS[method].fusers[kind])  # the table's routine for this kind of input
-    fused = fuse(states, names, method, settings, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
-                 device=device, dtype=dtype, **options)
+    fused = fuse(
+        states,
+        names,
+        method,
+        settings,
+        spec=spec,
+        class_counts=class_counts,
+        seed=seed,
+        verbose=verbose,
+        device=device,
+        dtype=dtype,
+        **options,
+    )
     fused.seconds = time.perf_counter() - start
     return fused
 
@@ -236,9 +253,11 @@ def _check_batch_norms(states: Sequence[State], names: Sequence[str]) -> None:
                 var = value.detach().cpu().double().numpy() if hasattr(value, "detach") else np.asarray(value, float)
                 if var.size and (var < 0).any():
                     unit = int(np.argmin(var))
-                    raise ValueError(f"{name}: batch norm {key.removesuffix('.running_var')!r} has a negative running "
-                                     f"variance ({var.flat[unit]:g} at unit {unit}), which no trained batch norm "
-                                     "has: the file is damaged or its entries are misnamed")
+                    raise ValueError(
+                        f"{name}: batch norm {key.removesuffix('.running_var')!r} has a negative running "
+                        f"variance ({var.flat[unit]:g} at unit {unit}), which no trained batch norm "
+                        "has: the file is damaged or its entries are misnamed"
+                    )
 
 
 def _checked_summaries(summaries, states, names, method, kind) -> list:
@@ -247,16 +266,20 @@ def _checked_summaries(summaries, states, names, method, kind) -> list:
 
     if kind not in methods.METHODS[method].summaries:
         readers = [m.name for m in methods.METHODS.values() if kind in m.summaries]
-        raise ValueError(f"method={method!r} does not read client summaries for {kind} inputs; "
-                         f"{', '.join(readers) or 'no method'} does")
+        raise ValueError(
+            f"method={method!r} does not read client summaries for {kind} inputs; "
+            f"{', '.join(readers) or 'no method'} does"
+        )
     summaries = list(summaries)
     if len(summaries) != len(states):
-        raise ValueError(f"{len(summaries)} summaries for {len(states)} models: give one per client, in the "
-                         "models' order")
+        raise ValueError(
+            f"{len(summaries)} summaries for {len(states)} models: give one per client, in the models' order"
+        )
     missing = [n for n, s in zip(names, summaries) if s is None]
     if missing:
-        raise ValueError(f"no summary for {', '.join(missing)}: give every client's summary, or none (the "
-                         "data-free path)")
+        raise ValueError(
+            f"no summary for {', '.join(missing)}: give every client's summary, or none (the data-free path)"
+        )
     return [check_summary(s, sd, n) for s, sd, n in zip(summaries, states, names)]
 
 
@@ -288,8 +311,9 @@ def _aligning(fuse_plain):
         if not encoded_groups(spec):
             return fuse_plain(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
         if options.get("summaries") is not None:
-            raise ValueError("fusing position-aware networks (PANs) with summaries is not supported: fuse them "
-                             "without summaries")
+            raise ValueError(
+                "fusing position-aware networks (PANs) with summaries is not supported: fuse them without summaries"
+            )
         check_unfoldable(spec)
         plain = [fold_encodings(sd, spec) for sd in check_states(states, spec, names)]
         fused = fuse_plain(plain, names, method, settings, spec=spec, class_counts=class_counts, **options)
@@ -306,16 +330,35 @@ def _ot_states(states, names, method, settings, *, spec, class_counts, **_) -> S
     weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
     result = ot_fuse_layerwise(states, spec, weights=weights, names=names, **settings)
     layers = [result.layers[g] for g in spec.groups]
-    return StateFusion(state={k: result.state_dict[k] for k in states[0]}, layers=layers,
-                       sizes=[result.sizes[g] for g in spec.groups], groups=tuple(spec.groups),
-                       posteriors=[(layer.mean, layer.var) for layer in layers], method=method, kind="network",
-                       hyper={**settings, "anchor": result.anchor, "weights": "class_counts" if weights is not None
-                              else "uniform"}, spec=spec)
+    return StateFusion(
+        state={k: result.state_dict[k] for k in states[0]},
+        layers=layers,
+        sizes=[result.sizes[g] for g in spec.groups],
+        groups=tuple(spec.groups),
+        posteriors=[(layer.mean, layer.var) for layer in layers],
+        method=method,
+        kind="network",
+        hyper={**settings, "anchor": result.anchor, "weights": "class_counts" if weights is not None else "uniform"},
+        spec=spec,
+    )
 
 
 @_aligning
-def _match_states(states, names, method, settings, *, spec, class_counts, seed, verbose, device=None,
-                  dtype="float64", summaries=None, output_pool="precision") -> StateFusion:
+def _match_states(
+    states,
+    names,
+    method,
+    settings,
+    *,
+    spec,
+    class_counts,
+    seed,
+    verbose,
+    device=None,
+    dtype="float64",
+    summaries=None,
+    output_pool="precision",
+) -> StateFusion:
     """PFNM/NAFI (:func:`match_layerwise`, on ``device`` in ``dtype`` when one is given) of plain
     networks; with ``summaries``, the matched networks fused as Laplace posteriors
     (:func:`~bayesfuse.inference.summary_fusion.laplace_fuse_entries`)."""
@@ -325,20 +368,38 @@ def _match_states(states, names, method, settings, *, spec, class_counts, seed, 
         else:
             h = np.stack([np.asarray(s.class_counts, dtype=np.float64) for s in summaries])
         class_counts = h  # the output layer's weights in the matching: shares of the output-bias precisions
-    result = match_layerwise(states, spec, class_counts=class_counts, seed=seed, names=names, verbose=verbose,
-                             device=device, dtype=dtype, **settings)
+    result = match_layerwise(
+        states,
+        spec,
+        class_counts=class_counts,
+        seed=seed,
+        names=names,
+        verbose=verbose,
+        device=device,
+        dtype=dtype,
+        **settings,
+    )
     layers = [result.layers[g] for g in spec.groups]
     hyper = {**settings, "seed": seed}
     if summaries is not None:
         bases = {g: Basis(result.layers[g].assignments, result.layers[g].n_global) for g in spec.groups}
-        values, precision = laplace_fuse_entries(check_states(states, spec, names), [s.precision for s in summaries],
-                                                 [s.prior_precision for s in summaries], spec, bases, output_shares(h))
+        values, precision = laplace_fuse_entries(
+            check_states(states, spec, names),
+            [s.precision for s in summaries],
+            [s.prior_precision for s in summaries],
+            spec,
+            bases,
+            output_shares(h),
+        )
         result.state_dict.update(values)
-        hyper["summaries"] = {"used": True, "weights": "laplace precision (GGN diagonal + prior)",
-                              "output": f"log pool, shares by {output_pool}",
-                              "prior_precision": [s.prior_precision for s in summaries],
-                              "examples": [s.n_examples for s in summaries],
-                              "bytes": [s.nbytes for s in summaries]}
+        hyper["summaries"] = {
+            "used": True,
+            "weights": "laplace precision (GGN diagonal + prior)",
+            "output": f"log pool, shares by {output_pool}",
+            "prior_precision": [s.prior_precision for s in summaries],
+            "examples": [s.n_examples for s in summaries],
+            "bytes": [s.nbytes for s in summaries],
+        }
     chosen = {g: chosen_hyper(layer) for g, layer in zip(spec.groups, layers) if "auto" in layer.hyper}
     if chosen:
         hyper["chosen"] = chosen
@@ -359,16 +420,24 @@ def _match_states(states, names, method, settings, *, spec, class_counts, seed, 
 def _output_precision(summary, spec, name) -> np.ndarray:
     h = summary.output_precision(spec)
     if h is None:
-        raise ValueError(f"{name}: fusing with summaries needs an output bias (its precision weighs the clients' "
-                         "logits); this network has none")
+        raise ValueError(
+            f"{name}: fusing with summaries needs an output bias (its precision weighs the clients' "
+            "logits); this network has none"
+        )
     return h
 
 
 def chosen_hyper(layer) -> dict:
     """The hyper-parameters empirical Bayes chose for one layer, per block of its units' entries."""
     h = layer.hyper
-    return {"blocks": h["blocks"], "noise_var": h["noise_var"], "prior_var": h["prior_var"],
-            "prior_mean": h["prior_mean"], "gamma0": h["gamma0"], "rounds": h["rounds"]}
+    return {
+        "blocks": h["blocks"],
+        "noise_var": h["noise_var"],
+        "prior_var": h["prior_var"],
+        "prior_mean": h["prior_mean"],
+        "gamma0": h["gamma0"],
+        "rounds": h["rounds"],
+    }
 
 
 def _fedavg_states(states, names, method, settings, *, spec, class_counts, **_) -> StateFusion:
@@ -382,20 +451,31 @@ def _fedavg_states(states, names, method, settings, *, spec, class_counts, **_) 
     for sd, n in zip(states[1:], names[1:]):
         for k, t in sd.items():
             if tuple(t.shape) != tuple(states[0][k].shape):
-                raise ValueError(f"{n}: fedavg needs identical widths, {k!r} has shape {tuple(t.shape)} and "
-                                 f"{tuple(states[0][k].shape)} in {names[0]}")
+                raise ValueError(
+                    f"{n}: fedavg needs identical widths, {k!r} has shape {tuple(t.shape)} and "
+                    f"{tuple(states[0][k].shape)} in {names[0]}"
+                )
     weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
-    tensors = [{k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for k, v in sd.items()}
-               for sd in states]
+    tensors = [
+        {k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for k, v in sd.items()}
+        for sd in states
+    ]
     state = {k: v.numpy() for k, v in fedavg_state_dicts(tensors, weights).items()}
     sizes = spec.sizes(state)
-    return StateFusion(state=state, layers=[], sizes=[sizes[g] for g in spec.groups], groups=tuple(spec.groups),
-                       posteriors=[], method=method, kind="network",
-                       hyper={"weights": "class_counts" if weights is not None else "uniform"}, spec=spec)
+    return StateFusion(
+        state=state,
+        layers=[],
+        sizes=[sizes[g] for g in spec.groups],
+        groups=tuple(spec.groups),
+        posteriors=[],
+        method=method,
+        kind="network",
+        hyper={"weights": "class_counts" if weights is not None else "uniform"},
+        spec=spec,
+    )
 
 
-def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_counts, seed, verbose,
-                     **_) -> StateFusion:
+def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_counts, seed, verbose, **_) -> StateFusion:
     """Fuse horseshoe BNNs of any depth as mean-field posteriors, layer by layer
     (:func:`~bayesfuse.models.bnn_fusion.fuse_bnn_posteriors`: pruning, the scale-free unit form,
     the units of each layer fused by ``fuse_units``, class-share outputs). With ``head="clients"`` the state holds the
@@ -409,15 +489,22 @@ def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_count
     ref = posts[0]
     for n, p in zip(names, posts):
         if (p.in_features, p.n_classes, len(p.layers)) != (ref.in_features, ref.n_classes, len(ref.layers)):
-            raise ValueError(f"{n} maps {p.in_features} -> {p.n_classes} through {len(p.layers)} hidden layers, "
-                             f"{names[0]} maps {ref.in_features} -> {ref.n_classes} through {len(ref.layers)}")
+            raise ValueError(
+                f"{n} maps {p.in_features} -> {p.n_classes} through {len(p.layers)} hidden layers, "
+                f"{names[0]} maps {ref.in_features} -> {ref.n_classes} through {len(ref.layers)}"
+            )
     settings = dict(settings)
     head = settings.pop("head")
-    fusion = fuse_bnn_posteriors(posts, fuse_units, class_counts=class_counts, seed=seed, verbose=verbose, names=names,
-                                 **settings)
+    fusion = fuse_bnn_posteriors(
+        posts, fuse_units, class_counts=class_counts, seed=seed, verbose=verbose, names=names, **settings
+    )
     hyper = dict(fusion.hyper)
-    hyper.update(average_outputs=settings["average_outputs"], unit_form=settings["unit_form"],
-                 prune_kl=settings["prune_kl"], head=head)
+    hyper.update(
+        average_outputs=settings["average_outputs"],
+        unit_form=settings["unit_form"],
+        prune_kl=settings["prune_kl"],
+        head=head,
+    )
     kept = [[k.tolist() for k in layer] for layer in fusion.kept]
     hyper["kept_units"] = kept[0] if len(kept) == 1 else kept
     depth = len(posts[0].layers)
@@ -425,9 +512,16 @@ def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_count
     state = fusion.posterior.to_state()
     if head == "clients":  # a HeadMixtureBNN's state_dict (bayesfuse.models.bnn_heads)
         state.update(fusion.heads)
-    return StateFusion(state=state, layers=fusion.layers,
-                       sizes=[len(u[0]) for u in fusion.units], groups=groups, posteriors=fusion.units,
-                       method=method, kind="bnn", hyper=hyper)
+    return StateFusion(
+        state=state,
+        layers=fusion.layers,
+        sizes=[len(u[0]) for u in fusion.units],
+        groups=groups,
+        posteriors=fusion.units,
+        method=method,
+        kind="bnn",
+        hyper=hyper,
+    )
 
 
 #: BNNs whose units are matched (PFNM, NAFI) or KL-fused, layer by layer.

@@ -60,9 +60,10 @@ def _layer_square(module: nn.Module, a: torch.Tensor, g2: torch.Tensor | None, g
     if isinstance(module, nn.modules.batchnorm._BatchNorm):  # eval mode: y = weight * x_hat + bias
         shape = (1, -1) + (1,) * (a.dim() - 2)
         x_hat = (a.double() - module.running_mean.double().view(shape)) / (
-            module.running_var.double().view(shape) + module.eps).sqrt()
+            module.running_var.double().view(shape) + module.eps
+        ).sqrt()
         per_example = (g.double() * x_hat).flatten(2).sum(2) if a.dim() > 2 else g.double() * x_hat
-        return (per_example ** 2).sum(0)
+        return (per_example**2).sum(0)
     cols = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
     per_example = torch.bmm(g.flatten(2), cols.transpose(1, 2))  # in the model's dtype, squared in float64
     return (per_example.double() ** 2).sum(0).reshape(module.weight.shape)
@@ -73,10 +74,15 @@ def _fast_layers(model: nn.Module) -> dict[str, nn.Module]:
     running statistics (used in eval mode)."""
     found = {}
     for name, m in model.named_modules():
-        conv = (isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros"
-                and not isinstance(m.padding, str))
-        norm = (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine and m.track_running_stats
-                and m.running_var is not None)
+        conv = (
+            isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+        )
+        norm = (
+            isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and m.affine
+            and m.track_running_stats
+            and m.running_var is not None
+        )
         if isinstance(m, nn.Linear) or conv or norm:
             found[name] = m
     return found
@@ -85,8 +91,10 @@ def _fast_layers(model: nn.Module) -> dict[str, nn.Module]:
 def _layer_ggn(model, layers, xb, total, seen) -> None:
     """Add one chunk's GGN diagonal of the layers' weights and biases to ``total``."""
     record: dict[str, tuple] = {}
-    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: record.__setitem__(n, (inp[0].detach(), out)))
-             for n, m in layers.items()]
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out, n=n: record.__setitem__(n, (inp[0].detach(), out)))
+        for n, m in layers.items()
+    ]
     try:
         with torch.enable_grad():
             logits = model(xb)
@@ -104,8 +112,9 @@ def _layer_ggn(model, layers, xb, total, seen) -> None:
     q = _factor(logits)
     outs = [record[n][1] for n in used]
     for c in range(q.shape[1]):
-        grads = torch.autograd.grad(logits, outs, grad_outputs=q[:, c, :], retain_graph=c + 1 < q.shape[1],
-                                    allow_unused=True)
+        grads = torch.autograd.grad(
+            logits, outs, grad_outputs=q[:, c, :], retain_graph=c + 1 < q.shape[1], allow_unused=True
+        )
         for n, g in zip(used, grads):
             if g is None:
                 continue
@@ -148,7 +157,7 @@ def _func_ggn(model, names, xb, total, buffers, params) -> None:
 
 def _chunks(x: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     for start in range(0, x.shape[0], size):
-        yield x[start:start + size]
+        yield x[start : start + size]
 
 
 def diag_ggn(model: nn.Module, x, *, batch_size: int = 1024) -> dict[str, np.ndarray]:

@@ -86,8 +86,10 @@ class DemoConfig:
             raise ValueError(f"unknown demo methods {unknown}; known: {', '.join(DEMO_METHODS)}")
         for method, values in self.hyper.items():
             if method not in self.methods:
-                raise ValueError(f"hyper-parameters given for {method!r}, which is not among the methods run "
-                                 f"({', '.join(self.methods)})")
+                raise ValueError(
+                    f"hyper-parameters given for {method!r}, which is not among the methods run "
+                    f"({', '.join(self.methods)})"
+                )
             row, variant = methods.lookup(method)
             methods.resolve(row.name, "network", values, variant=variant)  # unknown keys and bad values, now
 
@@ -96,8 +98,16 @@ class DemoConfig:
         products; ResNet-20 at width 1: 253 images/s on 2 threads against 159 on one, idle 2-core
         machine), MLPs and LSTMs on one (see ``benchmarks/bench_training.py``)."""
         every_core = self.arch in ("cnn", "resnet20", "resnet18")
-        return TrainConfig(arch=self.arch, hidden=self.hidden, channels=self.channels, width=self.width,
-                           epochs=self.epochs, seed=self.seed, num_threads=None if every_core else 1, pan=self.pan)
+        return TrainConfig(
+            arch=self.arch,
+            hidden=self.hidden,
+            channels=self.channels,
+            width=self.width,
+            epochs=self.epochs,
+            seed=self.seed,
+            num_threads=None if every_core else 1,
+            pan=self.pan,
+        )
 
 
 @dataclass
@@ -186,8 +196,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def _row(method: str, metrics: dict, hidden: int, seconds: float, rounds: int = 1, *, widths=None,
-         hyper=None) -> dict:
+def _row(method: str, metrics: dict, hidden: int, seconds: float, rounds: int = 1, *, widths=None, hyper=None) -> dict:
     return {
         "method": method,
         "accuracy": metrics["accuracy"],
@@ -219,8 +228,9 @@ def hyper_for_methods(assignments: Sequence[str], demo_methods: Sequence[str]) -
         method, dot, key = key.rpartition(".")
         targets = [method] if dot else [m for m in tuned if key in methods.lookup(m)[0].keys()]
         if dot and method not in tuned:
-            raise ValueError(f"--hyper {item!r}: {method!r} is not among the fusion methods run "
-                             f"({', '.join(tuned) or 'none'})")
+            raise ValueError(
+                f"--hyper {item!r}: {method!r} is not among the fusion methods run ({', '.join(tuned) or 'none'})"
+            )
         if not targets:
             raise ValueError(f"--hyper {item!r}: no method run ({', '.join(tuned) or 'none'}) has a key {key!r}")
         for m in targets:
@@ -307,20 +317,33 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
 
     local_metrics = evaluate_locals(models, x_test, y_test)
     local_mean = {k: float(np.mean([m[k] for m in local_metrics])) for k in local_metrics[0]}
-    rows = [_row(f"local (mean of {len(models)})", local_mean, width, train_seconds / len(models), rounds=0,
-                 widths=local_widths)]
+    rows = [
+        _row(
+            f"local (mean of {len(models)})",
+            local_mean,
+            width,
+            train_seconds / len(models),
+            rounds=0,
+            widths=local_widths,
+        )
+    ]
 
     start = time.perf_counter()
     ensemble = Ensemble(models)
-    rows.append(_row("ensemble", evaluate(predict_proba(ensemble, x_test), y_test),
-                     width * len(models), time.perf_counter() - start,
-                     widths=[w * len(models) for w in local_widths]))
+    rows.append(
+        _row(
+            "ensemble",
+            evaluate(predict_proba(ensemble, x_test), y_test),
+            width * len(models),
+            time.perf_counter() - start,
+            widths=[w * len(models) for w in local_widths],
+        )
+    )
 
     start = time.perf_counter()
     averaged = fedavg(models, weights=partition.sizes)
     seconds = time.perf_counter() - start
-    rows.append(_row("fedavg", evaluate(predict_proba(averaged, x_test), y_test), width, seconds,
-                     widths=local_widths))
+    rows.append(_row("fedavg", evaluate(predict_proba(averaged, x_test), y_test), width, seconds, widths=local_widths))
 
     retrain = replace(train_config, epochs=config.retrain_epochs or config.epochs)
     n_rounds = len(spec.groups) + 1  # FedMA: one round per hidden layer, one for the output layer
@@ -330,8 +353,15 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
             row, variant = methods.lookup(method)
             hyper = {**row.preset(variant), **config.hyper.get(method, {})}
             if row.needs_data:
-                fused = fuse(models, row.name, data=(split.train, partition), retrain=retrain, seed=config.seed,
-                             verbose=verbose, **hyper)
+                fused = fuse(
+                    models,
+                    row.name,
+                    data=(split.train, partition),
+                    retrain=retrain,
+                    seed=config.seed,
+                    verbose=verbose,
+                    **hyper,
+                )
             else:
                 fused = fuse(models, row.name, class_counts=partition.counts, seed=config.seed, **hyper)
         else:  # "fedavg-rounds": FedAvg from one shared initialisation, as many rounds as FedMA
@@ -340,22 +370,49 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
                 torch.manual_seed(config.seed)
                 init = new_model(split.n_features, split.n_classes, train_config)
             run = run_fedavg(init, split.train, partition, retrain, rounds=n_rounds, verbose=verbose)
-            rows.append(_row(f"fedavg x{n_rounds} rounds", evaluate(predict_proba(run.model, x_test), y_test),
-                             width, time.perf_counter() - start, rounds=n_rounds, widths=local_widths))
+            rows.append(
+                _row(
+                    f"fedavg x{n_rounds} rounds",
+                    evaluate(predict_proba(run.model, x_test), y_test),
+                    width,
+                    time.perf_counter() - start,
+                    rounds=n_rounds,
+                    widths=local_widths,
+                )
+            )
             continue
-        rows.append(_row(method, evaluate(predict_proba(fused.model, x_test), y_test), sum(fused.sizes),
-                         fused.seconds, rounds=fused.hyper.get("rounds", 1), widths=fused.sizes,
-                         hyper=fused.hyper))
+        rows.append(
+            _row(
+                method,
+                evaluate(predict_proba(fused.model, x_test), y_test),
+                sum(fused.sizes),
+                fused.seconds,
+                rounds=fused.hyper.get("rounds", 1),
+                widths=fused.sizes,
+                hyper=fused.hyper,
+            )
+        )
         if config.summaries and "network" in row.summaries and config.arch == "mlp" and config.pan is None:
             if summaries is None:  # each client, on its own data, once
                 summaries = [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, partition)]
-            for label, rounds, given in (("2 rounds", 2, None), ("+summaries", 1, summaries),
-                                         ("+summaries 2 rounds", 2, summaries)):
+            for label, rounds, given in (
+                ("2 rounds", 2, None),
+                ("+summaries", 1, summaries),
+                ("+summaries 2 rounds", 2, summaries),
+            ):
                 data = {"data": (split.train, partition)} if rounds == 2 else {}
                 fused = fuse(models, row.name, summaries=given, rounds=rounds, seed=config.seed, **data, **hyper)
-                rows.append(_row(f"{method} {label}", evaluate(predict_proba(fused.model, x_test), y_test),
-                                 sum(fused.sizes), fused.seconds, rounds=rounds, widths=fused.sizes,
-                                 hyper=fused.hyper))
+                rows.append(
+                    _row(
+                        f"{method} {label}",
+                        evaluate(predict_proba(fused.model, x_test), y_test),
+                        sum(fused.sizes),
+                        fused.seconds,
+                        rounds=rounds,
+                        widths=fused.sizes,
+                        hyper=fused.hyper,
+                    )
+                )
     return SeedRun(config.seed, rows, local_metrics, partition, train_seconds)
 
 
@@ -378,8 +435,12 @@ def _versions() -> dict[str, str]:
 
     from bayesfuse import __version__
 
-    return {"bayesfuse": __version__, "torch": torch.__version__, "numpy": np.__version__,
-            "python": platform.python_version()}
+    return {
+        "bayesfuse": __version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[str, Path]:
@@ -388,20 +449,33 @@ def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
     for run in result.runs:
-        writer.writerows({**row, "seed": run.seed, "widths": "/".join(map(str, row["widths"] or []))}
-                         for row in run.rows)
+        writer.writerows(
+            {**row, "seed": run.seed, "widths": "/".join(map(str, row["widths"] or []))} for row in run.rows
+        )
     files = {"csv": atomic_write_text(out_dir / "results.csv", buf.getvalue(), overwrite=True)}
     report = {
         "config": asdict(result.config),
         "seeds": list(result.seeds),
-        "data": {"name": split.name, "n_train": len(split.train), "n_test": len(split.test),
-                 "n_features": split.n_features, "n_classes": split.n_classes},
+        "data": {
+            "name": split.name,
+            "n_train": len(split.train),
+            "n_test": len(split.test),
+            "n_features": split.n_features,
+            "n_classes": split.n_classes,
+        },
         "summary": result.rows,
-        "runs": [{"seed": run.seed, "results": run.rows, "local_models": run.local_metrics,
-                  "client_class_counts": run.partition.counts.tolist(), "train_seconds": run.train_seconds}
-                 for run in result.runs],
+        "runs": [
+            {
+                "seed": run.seed,
+                "results": run.rows,
+                "local_models": run.local_metrics,
+                "client_class_counts": run.partition.counts.tolist(),
+                "train_seconds": run.train_seconds,
+            }
+            for run in result.runs
+        ],
         "seconds": "time to build each global model, after an untimed warm-up fusion; local: mean training time "
-                   "of one client",
+        "of one client",
         "versions": _versions(),
     }
     text = json.dumps(jsonable(report), indent=2, allow_nan=False) + "\n"
@@ -411,8 +485,13 @@ def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[
 
 
 #: (column, axis label, whether smaller is better) of the figure's panels
-_PANELS = (("accuracy", "test accuracy", False), ("nll", "test NLL", True), ("ece", "ECE", True),
-           ("hidden", "hidden units of the global model", True), ("rounds", "communication rounds", True))
+_PANELS = (
+    ("accuracy", "test accuracy", False),
+    ("nll", "test NLL", True),
+    ("ece", "ECE", True),
+    ("hidden", "hidden units of the global model", True),
+    ("rounds", "communication rounds", True),
+)
 
 
 def _figure_png(result: DemoResult, split: DataSplit) -> bytes:
@@ -435,8 +514,9 @@ def _figure_png(result: DemoResult, split: DataSplit) -> bytes:
         ax.barh(y, means, xerr=sds if n_seeds > 1 else None, color=colours, capsize=3)
         if column == "accuracy":  # each local model of each seed, on the "local" bar
             local = [m["accuracy"] for run in result.runs for m in run.local_metrics]
-            ax.scatter(local, np.full(len(local), y[0]) + np.linspace(-0.25, 0.25, len(local)), s=9,
-                       color="black", zorder=3)
+            ax.scatter(
+                local, np.full(len(local), y[0]) + np.linspace(-0.25, 0.25, len(local)), s=9, color="black", zorder=3
+            )
         ax.set_yticks(y, names if column in ("accuracy", "hidden") else [""] * len(names))
         for yi, m, sd in zip(y, means, sds):
             text = f"{m:.3f}" if column in ("accuracy", "nll", "ece") else (f"{m:g}" if m == int(m) else f"{m:.1f}")
@@ -444,16 +524,21 @@ def _figure_png(result: DemoResult, split: DataSplit) -> bytes:
         ax.set_xlabel(label + (" (lower is better)" if smaller and column in ("nll", "ece") else ""))
         ax.set_xlim(0, max(1e-9, float((means + sds).max())) * 1.25)
         ax.grid(axis="x", alpha=0.3)
-    axes[0].set_title(f"{split.name}: J={result.config.n_clients}, alpha={result.config.alpha}, "
-                      f"seeds {', '.join(map(str, result.seeds))}", loc="left", fontsize=10)
+    axes[0].set_title(
+        f"{split.name}: J={result.config.n_clients}, alpha={result.config.alpha}, "
+        f"seeds {', '.join(map(str, result.seeds))}",
+        loc="left",
+        fontsize=10,
+    )
 
     ax_hist = axes[5]
     counts = result.partition.counts
     cmap = matplotlib.colormaps["tab10"]
     bottom = np.zeros(len(counts))
     for k in range(counts.shape[1]):
-        ax_hist.bar(np.arange(len(counts)), counts[:, k], bottom=bottom, color=cmap(k % 10),
-                    label=split.train.class_names[k])
+        ax_hist.bar(
+            np.arange(len(counts)), counts[:, k], bottom=bottom, color=cmap(k % 10), label=split.train.class_names[k]
+        )
         bottom += counts[:, k]
     ax_hist.set_xlabel("client")
     ax_hist.set_ylabel("training examples")

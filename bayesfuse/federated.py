@@ -142,15 +142,24 @@ def run_fedma(
     spec = spec_with_encodings(models[0], spec)
     check_unfoldable(spec)
     counts = np.stack([np.bincount(train.y[p], minlength=train.n_classes) for p in parts])
-    bar = tqdm(total=len(spec.groups) * len(models), desc="FedMA retraining", unit="client",
-               disable=not _progress(verbose))
+    bar = tqdm(
+        total=len(spec.groups) * len(models), desc="FedMA retraining", unit="client", disable=not _progress(verbose)
+    )
 
     def retrain(j: int, state: dict, frozen: set) -> dict:
         # the server's plain units -> the client's position-aware network at the widths it gets, and back
         net = rebuild(models[j], tensor_state(unfold_encodings(state, spec)))
         cfg = replace(config, seed=config.seed + 1000 * (len(frozen) + 1) + j)
-        train_model(net, train.x[parts[j]], train.y[parts[j]], train.n_classes, cfg, frozen=frozen,
-                    verbose=False, name=f"client {j}")
+        train_model(
+            net,
+            train.x[parts[j]],
+            train.y[parts[j]],
+            train.n_classes,
+            cfg,
+            frozen=frozen,
+            verbose=False,
+            name=f"client {j}",
+        )
         bar.update()
         return fold_encodings(numpy_state(net), spec)
 
@@ -174,8 +183,9 @@ def run_fedma(
     return FedMARun(model=model, result=result, spec=spec, passes=done, _broadcast_bytes=broadcast)
 
 
-def _restart_clients(result: FedMAResult, spec: PermutationSpec, models, train: Dataset, parts, config: TrainConfig,
-                     p: int) -> tuple[list[dict], int]:
+def _restart_clients(
+    result: FedMAResult, spec: PermutationSpec, models, train: Dataset, parts, config: TrainConfig, p: int
+) -> tuple[list[dict], int]:
     """Each client's network of its original widths cut out of the global one, trained anew."""
     if result.dropped:
         raise RuntimeError(f"clients {result.dropped} dropped out; FedMA with communication needs every client")
@@ -187,8 +197,15 @@ def _restart_clients(result: FedMAResult, spec: PermutationSpec, models, train: 
         local = permute(fold_encodings(result.state_dict, spec), spec, keep)
         net = rebuild(model, tensor_state(unfold_encodings(local, spec)))
         sent += _state_bytes(net.state_dict())
-        train_model(net, train.x[parts[j]], train.y[parts[j]], train.n_classes,
-                    replace(config, seed=config.seed + 100_000 * p + j), verbose=False, name=f"client {j}")
+        train_model(
+            net,
+            train.x[parts[j]],
+            train.y[parts[j]],
+            train.n_classes,
+            replace(config, seed=config.seed + 100_000 * p + j),
+            verbose=False,
+            name=f"client {j}",
+        )
         states.append(fold_encodings(numpy_state(net), spec))
     return states, sent
 

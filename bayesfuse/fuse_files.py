@@ -67,8 +67,9 @@ def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
         raise ValueError(f"{name}: no Linear layers (2-D weight tensors) found")
     for (w_prev, _), (w_next, _) in zip(pairs[:-1], pairs[1:]):
         if sd[w_prev].shape[0] != sd[w_next].shape[1]:
-            raise ValueError(f"{name}: layer {w_prev!r} {tuple(sd[w_prev].shape)} does not feed {w_next!r} "
-                             f"{tuple(sd[w_next].shape)}")
+            raise ValueError(
+                f"{name}: layer {w_prev!r} {tuple(sd[w_prev].shape)} does not feed {w_next!r} {tuple(sd[w_next].shape)}"
+            )
     for w, _ in pairs:
         if 0 in sd[w].shape:
             raise ValueError(f"{name}: layer {w!r} has zero width {tuple(sd[w].shape)}")
@@ -111,8 +112,10 @@ def read_class_counts(path: str | Path) -> dict[str, list[float]]:
     ``{"client0.pt": [120, 0, 35], "client1.pt": [3, 80, 41]}``."""
     data = _read_json(path, "class counts")
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
-        raise ValueError(f"class counts {path}: expected a JSON object mapping each model file to a list of "
-                         'examples per class, e.g. {"client0.pt": [120, 0, 35]}')
+        raise ValueError(
+            f"class counts {path}: expected a JSON object mapping each model file to a list of "
+            'examples per class, e.g. {"client0.pt": [120, 0, 35]}'
+        )
     return data
 
 
@@ -121,8 +124,10 @@ def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
     its path (spelled any way that names the same file) or its file name; every key must name
     one of the files, and no file may be named twice."""
     if not isinstance(class_counts, Mapping):
-        raise ValueError("class counts must map each model file (its path or its file name) to its examples per "
-                         f"class, got a {type(class_counts).__name__}")
+        raise ValueError(
+            "class counts must map each model file (its path or its file name) to its examples per "
+            f"class, got a {type(class_counts).__name__}"
+        )
     keys: dict[Path, str] = {}
     for k in class_counts:
         if Path(k) in keys:
@@ -143,12 +148,14 @@ def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
             raise ValueError(f"class counts: {n} is given twice (as {' and '.join(str(keys[p]) for p in found)})")
         key = found[0]
         if key == Path(path.name) and key != path and len(by_name[path.name]) > 1:
-            raise ValueError(f"class counts: the file name {path.name} names {len(by_name[path.name])} inputs; "
-                             "key them by path")
+            raise ValueError(
+                f"class counts: the file name {path.name} names {len(by_name[path.name])} inputs; key them by path"
+            )
         used.add(key)
         row = class_counts[keys[key]]
         if not isinstance(row, (list, tuple, np.ndarray)) or not all(
-                isinstance(c, (int, float, np.integer, np.floating)) and not isinstance(c, bool) for c in row):
+            isinstance(c, (int, float, np.integer, np.floating)) and not isinstance(c, bool) for c in row
+        ):
             raise ValueError(f"class counts of {n}: expected a list of numbers per class, got {row!r}")
         if not all(math.isfinite(c) and c >= 0 for c in row):
             raise ValueError(f"class counts of {n} must be finite and non-negative, got {list(row)!r}")
@@ -157,8 +164,10 @@ def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
     if unknown:
         raise ValueError(f"class counts name files that are not inputs: {', '.join(unknown)}")
     if len({len(r) for r in rows}) > 1:
-        raise ValueError(f"class counts: every file needs one count per class; got lengths "
-                         f"{', '.join(f'{n}: {len(r)}' for n, r in zip(names, rows))}")
+        raise ValueError(
+            f"class counts: every file needs one count per class; got lengths "
+            f"{', '.join(f'{n}: {len(r)}' for n, r in zip(names, rows))}"
+        )
     return np.array(rows)
 
 
@@ -191,10 +200,16 @@ def _network_spec(state_dicts, names, arch, spec, like=None):
 
         spec, source = spec_from_module(like), f"traced from {type(like).__module__}.{type(like).__qualname__}"
     if spec is None:
-        source = ("entry names, as a plain chain" + (" (--arch {})".format(arch) if arch != "auto" else "")
-                  if not any("weight_ih_l" in k for k in state_dicts[0]) else "entry names, as an LSTM classifier")
-        if arch in ("auto", "mlp") and not any(t.ndim in (3, 4) for t in state_dicts[0].values()) and not any(
-                k.endswith("running_mean") or "weight_ih_l" in k for k in state_dicts[0]):
+        source = (
+            "entry names, as a plain chain" + (" (--arch {})".format(arch) if arch != "auto" else "")
+            if not any("weight_ih_l" in k for k in state_dicts[0])
+            else "entry names, as an LSTM classifier"
+        )
+        if (
+            arch in ("auto", "mlp")
+            and not any(t.ndim in (3, 4) for t in state_dicts[0].values())
+            and not any(k.endswith("running_mean") or "weight_ih_l" in k for k in state_dicts[0])
+        ):
             for sd, n in zip(state_dicts, names):
                 _linear_pairs(sd, n)  # clearest messages for plain MLP files
         spec = spec_for_state_dict(state_dicts[0], arch, names[0], ordered=True)
@@ -216,8 +231,9 @@ def _check_like(like, fused_sd: Mapping) -> None:
     try:
         model = rebuild(like, fused_sd)
     except (RuntimeError, KeyError, ValueError) as err:
-        raise ValueError(f"the fused state does not load into {type(like).__name__} "
-                         f"({str(err).strip().splitlines()[0]})") from None
+        raise ValueError(
+            f"the fused state does not load into {type(like).__name__} ({str(err).strip().splitlines()[0]})"
+        ) from None
     check_runs(model, example_input_for(like), what=f"the fused {type(like).__name__}")
 
 
@@ -232,19 +248,26 @@ def _input_summaries(names: Sequence[str], mode: str, method: str, kind: str) ->
     if mode == "none":
         return None, {"used": False, "path": "data-free", "reason": "summaries='none'"}
     if kind not in methods.METHODS[method].summaries:
-        return None, {"used": False, "path": "data-free", "reason": f"{method} reads no client summaries for "
-                      f"{kind} inputs"}
+        return None, {
+            "used": False,
+            "path": "data-free",
+            "reason": f"{method} reads no client summaries for {kind} inputs",
+        }
     files = [summary_path(n) for n in names]
     present = [f.is_file() for f in files]
     if not any(present):
         return None, {"used": False, "path": "data-free", "reason": "no input has a summary beside it"}
     if not all(present):
         missing = [n for n, p in zip(names, present) if not p]
-        raise ValueError(f"only some inputs have a client summary beside them; none for {', '.join(missing)} "
-                         f"(expected {files[present.index(False)].name}): summarize them too (bayesfuse summarize "
-                         "MODEL --data ...) or fuse without summaries (summaries='none')")
-    return [load_summary(f) for f in files], {"files": [str(f) for f in files],
-                                              "file_bytes": [f.stat().st_size for f in files]}
+        raise ValueError(
+            f"only some inputs have a client summary beside them; none for {', '.join(missing)} "
+            f"(expected {files[present.index(False)].name}): summarize them too (bayesfuse summarize "
+            "MODEL --data ...) or fuse without summaries (summaries='none')"
+        )
+    return [load_summary(f) for f in files], {
+        "files": [str(f) for f in files],
+        "file_bytes": [f.stat().st_size for f in files],
+    }
 
 
 def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | None]:
@@ -255,13 +278,18 @@ def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | No
     entries = [k for k in fused.spec.output if k in fused.precision]
     output = entries[0].rpartition(".")[0] if entries else ""
     if not entries or any(k.rpartition(".")[0] != output for k in entries):
-        raise ValueError(f"the fused posterior needs one output layer; the output entries are "
-                         f"{list(fused.spec.output)}")
+        raise ValueError(
+            f"the fused posterior needs one output layer; the output entries are {list(fused.spec.output)}"
+        )
     path = posterior_path(out)
     data = posterior_bytes({k: fused.precision[k] for k in entries}, output=output, model_tensors=fused_sd)
-    return [(path, data)], {"file": str(path), "output_layer": output, "entries": entries,
-                            "stores": "fused posterior precision of each output-layer entry (variance = 1 / "
-                                      "precision); bayesfuse.load returns a LastLayerLaplace with it"}
+    return [(path, data)], {
+        "file": str(path),
+        "output_layer": output,
+        "entries": entries,
+        "stores": "fused posterior precision of each output-layer entry (variance = 1 / "
+        "precision); bayesfuse.load returns a LastLayerLaplace with it",
+    }
 
 
 def _wrong_kind(method: str, kind: str) -> str:
@@ -366,9 +394,16 @@ def fuse_files(
     given_spec = _load_spec(spec_path) if spec_path is not None else None
     loaded = [read_checkpoint(p) for p in paths]
     forward = [_forward_order(c, str(p), given_spec) for c, p in zip(loaded, paths)]
-    files = [{"path": str(p), "sha256": c.sha256, "tensors_sha256": tensors_sha256(sd),
-              "order_recorded": c.order_recorded, "state_dict_key": c.state_dict_key}
-             for p, c, sd in zip(paths, loaded, forward)]
+    files = [
+        {
+            "path": str(p),
+            "sha256": c.sha256,
+            "tensors_sha256": tensors_sha256(sd),
+            "order_recorded": c.order_recorded,
+            "state_dict_key": c.state_dict_key,
+        }
+        for p, c, sd in zip(paths, loaded, forward)
+    ]
     order = sorted(range(len(paths)), key=lambda i: (files[i]["tensors_sha256"], files[i]["sha256"], str(paths[i])))
     state_dicts = [forward[i] for i in order]
     files = [files[i] for i in order]
@@ -381,8 +416,10 @@ def fuse_files(
 
     for sd, name in zip(state_dicts, names):
         if has_heads(sd):
-            raise ValueError(f"{name} is a fused BNN with one head per client (head='clients'); fuse the clients' "
-                             "HorseshoeBNN checkpoints instead")
+            raise ValueError(
+                f"{name} is a fused BNN with one head per client (head='clients'); fuse the clients' "
+                "HorseshoeBNN checkpoints instead"
+            )
     is_bnn = [is_bnn_state(sd) for sd in state_dicts]
     if any(is_bnn) and not all(is_bnn):
         raise ValueError("cannot fuse Bayesian (HorseshoeBNN) and point-estimate checkpoints together")
@@ -394,27 +431,47 @@ def fuse_files(
         from bayesfuse.models.bnn import HorseshoeBNN
 
         states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
-        fused = fuse_states(states, method, names=names, seed=seed, device=device, dtype=dtype,
-                            class_counts=counts, **hyper)
+        fused = fuse_states(
+            states, method, names=names, seed=seed, device=device, dtype=dtype, class_counts=counts, **hyper
+        )
         from bayesfuse.models.bnn_heads import bnn_from_state
 
         fused_sd = bnn_from_state(fused.state).state_dict()
     else:
         spec, source = _network_spec(state_dicts, names, arch, given_spec, like)
-        states = state_dicts if not row.aligns_units else [  # FedAvg averages in the clients' dtype
-            {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
-            for sd in state_dicts]
-        fused = fuse_states(states, method, spec=spec, names=names, seed=seed, device=device, dtype=dtype,
-                            class_counts=counts, summaries=client_summaries, **hyper)
-        fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype))
-                               for k in state_dicts[0])
+        states = (
+            state_dicts
+            if not row.aligns_units
+            else [  # FedAvg averages in the clients' dtype
+                {k: t.detach().double().numpy() if t.is_floating_point() else t.numpy() for k, t in sd.items()}
+                for sd in state_dicts
+            ]
+        )
+        fused = fuse_states(
+            states,
+            method,
+            spec=spec,
+            names=names,
+            seed=seed,
+            device=device,
+            dtype=dtype,
+            class_counts=counts,
+            summaries=client_summaries,
+            **hyper,
+        )
+        fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype)) for k in state_dicts[0])
         if like is not None:  # never a file that cannot be loaded into the user's network and run
             _check_like(like, fused_sd)
     report = {
         "method": method,
-        "architecture": None if all(is_bnn) else {
-            "groups": list(spec.groups), "source": source, "spec_file": str(spec_path) if spec_path else None,
-            "network": None if like is None else f"{type(like).__module__}:{type(like).__qualname__}"},
+        "architecture": None
+        if all(is_bnn)
+        else {
+            "groups": list(spec.groups),
+            "source": source,
+            "spec_file": str(spec_path) if spec_path else None,
+            "network": None if like is None else f"{type(like).__module__}:{type(like).__qualname__}",
+        },
         "hyper": jsonable(fused.hyper),
         "hyper_given": jsonable(hyper),
         "seed": seed,
@@ -438,21 +495,33 @@ def fuse_files(
             }
             for group, layer in zip(fused.groups, fused.layers)
         ],
-        "versions": {"bayesfuse": __version__, "torch": torch.__version__, "numpy": np.__version__,
-                     "python": platform.python_version()},
+        "versions": {
+            "bayesfuse": __version__,
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
         "seconds": time.perf_counter() - start,
     }
     posterior, report["posterior"] = _output_posterior(fused, fused_sd, out)
     record = fusion_bytes(fused, model_tensors=fused_sd)
     if record is not None:
         posterior.append((fusion_path(out), record))
-        report["fusion_record"] = {"file": str(fusion_path(out)), "stores": "each matched layer's global units' "
-                                   "posterior mean and variance, counts, assignments and objective; bayesfuse.load "
-                                   "returns them as model.fusion"}
+        report["fusion_record"] = {
+            "file": str(fusion_path(out)),
+            "stores": "each matched layer's global units' "
+            "posterior mean and variance, counts, assignments and objective; bayesfuse.load "
+            "returns them as model.fusion",
+        }
     # the model, its report (and its posterior) are one unit: all written, or (without force) none
-    atomic_write_files([(out, state_dict_bytes(fused_sd, fmt)),
-                        (report_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8")),
-                        *posterior], overwrite=force)
+    atomic_write_files(
+        [
+            (out, state_dict_bytes(fused_sd, fmt)),
+            (report_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8")),
+            *posterior,
+        ],
+        overwrite=force,
+    )
     for stale, kept in ((posterior_path(out), report["posterior"]), (fusion_path(out), record)):
         if not kept and stale.exists():  # --force over a fusion that had one: not this model's
             stale.unlink()

@@ -103,9 +103,11 @@ def _check_modules(models: Sequence) -> None:
     """Refuse state_dicts, pointing to :func:`~bayesfuse.core.fuse_states` (``TypeError``)."""
     for j, model in enumerate(models):
         if isinstance(model, Mapping):
-            raise TypeError(f"model {j} is a state_dict ({type(model).__name__}), not an nn.Module: fuse state_dicts "
-                            "with bayesfuse.fuse_states(states, method) (it returns the fused state_dict), or load "
-                            "each into its network first (model.load_state_dict(state))")
+            raise TypeError(
+                f"model {j} is a state_dict ({type(model).__name__}), not an nn.Module: fuse state_dicts "
+                "with bayesfuse.fuse_states(states, method) (it returns the fused state_dict), or load "
+                "each into its network first (model.load_state_dict(state))"
+            )
 
 
 def _is_bnn(model) -> bool:
@@ -240,8 +242,20 @@ def fuse(
     models, class_counts, summaries, data, hyper = to_canonical(order, models, class_counts, summaries, data, hyper)
     row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
     if row is not None and row.needs_data:
-        return to_callers(_fuse_fedma(models, data, retrain, class_counts=class_counts, spec=spec, seed=seed,
-                                      verbose=verbose, start=start, **hyper), order)
+        return to_callers(
+            _fuse_fedma(
+                models,
+                data,
+                retrain,
+                class_counts=class_counts,
+                spec=spec,
+                seed=seed,
+                verbose=verbose,
+                start=start,
+                **hyper,
+            ),
+            order,
+        )
     if rounds not in (1, 2) or isinstance(rounds, bool):
         raise ValueError(f"rounds must be 1 (one shot) or 2 (one more round for the temperature), got {rounds!r}")
     if rounds == 2 and data is None:
@@ -262,9 +276,20 @@ def fuse(
     pools = [output_pool] if rounds == 1 or summaries is None or second_round == "refit" else ["precision", "counts"]
     candidates = []
     for pool in pools:
-        fused = fuse_states(states, method, spec=spec, class_counts=class_counts, seed=seed, verbose=verbose,
-                            names=[f"client {j}" for j in order], device=device, dtype=dtype, summaries=summaries,
-                            output_pool=pool, **hyper)
+        fused = fuse_states(
+            states,
+            method,
+            spec=spec,
+            class_counts=class_counts,
+            seed=seed,
+            verbose=verbose,
+            names=[f"client {j}" for j in order],
+            device=device,
+            dtype=dtype,
+            summaries=summaries,
+            output_pool=pool,
+            **hyper,
+        )
         candidates.append((fused, _fused_model(models[0], fused, all(bnn))))
         if not any(bnn):
             _check_fused_runs(candidates[-1][1], models[0], example_input)
@@ -274,9 +299,16 @@ def fuse(
         fused, model = _refit_round(*candidates[0], models, data, prior_precision=output_prior_precision)
     else:
         fused, model = _second_round(candidates, data, pools, like=models[0])
-    result = FusionResult(model=model, layers=fused.layers, sizes=fused.sizes, method=method, hyper=fused.hyper,
-                          seconds=time.perf_counter() - start, groups=fused.groups if not all(bnn) else (),
-                          posteriors=fused.posteriors)
+    result = FusionResult(
+        model=model,
+        layers=fused.layers,
+        sizes=fused.sizes,
+        method=method,
+        hyper=fused.hyper,
+        seconds=time.perf_counter() - start,
+        groups=fused.groups if not all(bnn) else (),
+        posteriors=fused.posteriors,
+    )
     return to_callers(result, order)
 
 
@@ -290,8 +322,9 @@ def _last_layer_posterior(model: nn.Module, fused) -> nn.Module:
     from bayesfuse.nets.laplace import LastLayerLaplace
 
     weight, bias = fused.spec.output_layer(fused.state)
-    return LastLayerLaplace(model, weight.rpartition(".")[0], 1.0 / fused.precision[weight],
-                            1.0 / fused.precision[bias]).eval()
+    return LastLayerLaplace(
+        model, weight.rpartition(".")[0], 1.0 / fused.precision[weight], 1.0 / fused.precision[bias]
+    ).eval()
 
 
 def _check_fused_runs(model: nn.Module, like: nn.Module, example_input) -> None:
@@ -329,8 +362,12 @@ def _second_round(candidates, data, pools, *, like: nn.Module):
     train, partition = data
     start = time.perf_counter()
     # (J, C, T): client j's summed NLL of candidate c at temperature t
-    nll = np.stack([np.stack([temperature_nll(m, train.x[idx], train.y[idx], TEMPERATURES) for _, m in candidates])
-                    for idx in partition])
+    nll = np.stack(
+        [
+            np.stack([temperature_nll(m, train.x[idx], train.y[idx], TEMPERATURES) for _, m in candidates])
+            for idx in partition
+        ]
+    )
     choice, t = best_candidate(nll)
     temperature = float(TEMPERATURES[t])
     fused, model = candidates[choice]
@@ -341,11 +378,16 @@ def _second_round(candidates, data, pools, *, like: nn.Module):
         model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["second_round"] = {
-        "kind": "temperature", "temperature": temperature, "output_pool": pools[choice], "candidates": int(nll[0].size),
+        "kind": "temperature",
+        "temperature": temperature,
+        "output_pool": pools[choice],
+        "candidates": int(nll[0].size),
         "at_edge": bool(temperature in (TEMPERATURES[0], TEMPERATURES[-1])),
         "nll": {p: float(nll[:, c].sum(0).min()) for c, p in enumerate(pools)},
-        "bytes_up": int(nll.size * 8), "bytes_down": int(len(nll) * len(candidates) * n_weights * 4),
-        "seconds": time.perf_counter() - start}
+        "bytes_up": int(nll.size * 8),
+        "bytes_down": int(len(nll) * len(candidates) * n_weights * 4),
+        "seconds": time.perf_counter() - start,
+    }
     return fused, model
 
 
@@ -364,10 +406,13 @@ def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, 
     output = fused.spec.output_layer(fused.state)[0].rpartition(".")[0]
     if prior_precision is None:
         prior_precision = prior_precision_from_weights(
-            [m.get_submodule(output).weight.detach().cpu().numpy() for m in models])
+            [m.get_submodule(output).weight.detach().cpu().numpy() for m in models]
+        )
     client_seconds = time.perf_counter()
-    fits = [output_fit(network, output, train.x[idx], train.y[idx], prior_precision, n_clients=len(partition))
-            for idx in partition]
+    fits = [
+        output_fit(network, output, train.x[idx], train.y[idx], prior_precision, n_clients=len(partition))
+        for idx in partition
+    ]
     client_seconds = (time.perf_counter() - client_seconds) / len(partition)
     mean, covariance = fuse_output_fits(fits, prior_precision)
     layer = network.get_submodule(output)
@@ -380,10 +425,14 @@ def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, 
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
     fused.hyper["second_round"] = {
-        "kind": "refit", "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
-        "prior_precision": float(prior_precision), "bytes_up": int(fits[0].nbytes),
-        "bytes_down": int(n_weights * 4), "client_seconds": client_seconds,
-        "seconds": time.perf_counter() - start}
+        "kind": "refit",
+        "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
+        "prior_precision": float(prior_precision),
+        "bytes_up": int(fits[0].nbytes),
+        "bytes_down": int(n_weights * 4),
+        "client_seconds": client_seconds,
+        "seconds": time.perf_counter() - start,
+    }
     return fused, model
 
 
@@ -391,18 +440,30 @@ def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, sta
     from bayesfuse.federated import run_fedma
 
     if data is None:
-        raise ValueError("method='fedma' retrains the clients between layers: pass data=(train, partition) with "
-                         "each client's training data")
+        raise ValueError(
+            "method='fedma' retrains the clients between layers: pass data=(train, partition) with "
+            "each client's training data"
+        )
     train, partition = data
     if class_counts is not None:
         raise ValueError("method='fedma' takes the class counts from data; do not pass class_counts")
     methods.resolve("fedma", "network", hyper)  # unknown keys and bad values fail before any training
-    run = run_fedma(models, train, partition, retrain, method=None, spec=spec, seed=seed or 0, verbose=verbose,
-                    **hyper)
+    run = run_fedma(models, train, partition, retrain, method=None, spec=spec, seed=seed or 0, verbose=verbose, **hyper)
     r = run.result
     layers = [r.layers[g] for g in run.spec.groups]
-    return FusionResult(model=run.model, layers=layers, sizes=run.sizes, method="fedma",
-                        hyper={**r.hyper, "passes": len(run.passes), "rounds": run.rounds, "bytes_up": run.bytes_up,
-                               "bytes_down": run.bytes_down},
-                        seconds=time.perf_counter() - start, groups=tuple(run.spec.groups),
-                        posteriors=[(layer.mean, layer.var) for layer in layers])
+    return FusionResult(
+        model=run.model,
+        layers=layers,
+        sizes=run.sizes,
+        method="fedma",
+        hyper={
+            **r.hyper,
+            "passes": len(run.passes),
+            "rounds": run.rounds,
+            "bytes_up": run.bytes_up,
+            "bytes_down": run.bytes_down,
+        },
+        seconds=time.perf_counter() - start,
+        groups=tuple(run.spec.groups),
+        posteriors=[(layer.mean, layer.var) for layer in layers],
+    )

@@ -70,23 +70,37 @@ def fusion_bytes(fused, *, model_tensors: dict) -> bytes | None:
     for i, (layer, (mean, var)) in enumerate(zip(layers, posteriors)):
         mean = np.asarray(_host(mean), dtype=np.float64)
         tensors[f"layer{i}/mean"] = np.ascontiguousarray(mean)
-        tensors[f"layer{i}/var"] = np.ascontiguousarray(np.broadcast_to(np.asarray(_host(var), np.float64),
-                                                                         mean.shape))
+        tensors[f"layer{i}/var"] = np.ascontiguousarray(np.broadcast_to(np.asarray(_host(var), np.float64), mean.shape))
         counts = getattr(layer, "counts", None)
         if counts is not None:
             tensors[f"layer{i}/counts"] = np.ascontiguousarray(_host(counts), dtype=np.float64)
-        tensors[f"layer{i}/objective"] = np.asarray([v if np.isfinite(v) else np.nan for v in layer.objective],
-                                                    dtype=np.float64).reshape(-1)
+        tensors[f"layer{i}/objective"] = np.asarray(
+            [v if np.isfinite(v) else np.nan for v in layer.objective], dtype=np.float64
+        ).reshape(-1)
         for j, a in enumerate(layer.assignments):
             tensors[f"layer{i}/assignment{j}"] = np.ascontiguousarray(_host(a), dtype=np.int64)
-        described.append({"converged": bool(layer.converged), "n_global": int(layer.n_global),
-                          "seconds": float(getattr(layer, "seconds", 0.0) or 0.0),
-                          "clients": len(layer.assignments), "hyper": jsonable(getattr(layer, "hyper", None) or {})})
-    record = {"method": str(getattr(fused, "method", "")), "hyper": jsonable(fused.hyper),
-              "groups": list(getattr(fused, "groups", ())), "sizes": [int(s) for s in fused.sizes],
-              "layers": described}
-    meta = {"format": FUSION_FORMAT, "version": str(FUSION_VERSION), "model_tensors_sha256":
-            tensors_sha256(model_tensors), "record": json.dumps(record, allow_nan=False)}
+        described.append(
+            {
+                "converged": bool(layer.converged),
+                "n_global": int(layer.n_global),
+                "seconds": float(getattr(layer, "seconds", 0.0) or 0.0),
+                "clients": len(layer.assignments),
+                "hyper": jsonable(getattr(layer, "hyper", None) or {}),
+            }
+        )
+    record = {
+        "method": str(getattr(fused, "method", "")),
+        "hyper": jsonable(fused.hyper),
+        "groups": list(getattr(fused, "groups", ())),
+        "sizes": [int(s) for s in fused.sizes],
+        "layers": described,
+    }
+    meta = {
+        "format": FUSION_FORMAT,
+        "version": str(FUSION_VERSION),
+        "model_tensors_sha256": tensors_sha256(model_tensors),
+        "record": json.dumps(record, allow_nan=False),
+    }
     return save(tensors, metadata=meta)
 
 
@@ -98,24 +112,43 @@ def read_fusion(path: str | os.PathLike, model, model_tensors: dict, model_name:
     """
     from bayesfuse.fusion import FusionResult
 
-    meta, tensors = read_bound_file(path, fmt=FUSION_FORMAT, version=FUSION_VERSION, model_tensors=model_tensors,
-                                    model_name=model_name, what="fusion record")
+    meta, tensors = read_bound_file(
+        path,
+        fmt=FUSION_FORMAT,
+        version=FUSION_VERSION,
+        model_tensors=model_tensors,
+        model_name=model_name,
+        what="fusion record",
+    )
     try:
         record = json.loads(meta["record"])
         layers, posteriors = [], []
         for i, info in enumerate(record["layers"]):
             objective = tensors[f"layer{i}/objective"]
-            layers.append(SavedLayer(
-                assignments=[tensors[f"layer{i}/assignment{j}"] for j in range(int(info["clients"]))],
-                counts=tensors.get(f"layer{i}/counts"), objective=[float(v) for v in objective],
-                converged=bool(info["converged"]), n_global=int(info["n_global"]), seconds=float(info["seconds"]),
-                hyper=dict(info["hyper"])))
+            layers.append(
+                SavedLayer(
+                    assignments=[tensors[f"layer{i}/assignment{j}"] for j in range(int(info["clients"]))],
+                    counts=tensors.get(f"layer{i}/counts"),
+                    objective=[float(v) for v in objective],
+                    converged=bool(info["converged"]),
+                    n_global=int(info["n_global"]),
+                    seconds=float(info["seconds"]),
+                    hyper=dict(info["hyper"]),
+                )
+            )
             posteriors.append((tensors[f"layer{i}/mean"], tensors[f"layer{i}/var"]))
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: a malformed fusion record ({type(err).__name__}: {err})") from None
-    return FusionResult(model=model, layers=layers, sizes=list(record["sizes"]), method=method or record["method"],
-                        hyper=dict(record["hyper"]), seconds=0.0, groups=tuple(record["groups"]),
-                        posteriors=posteriors)
+    return FusionResult(
+        model=model,
+        layers=layers,
+        sizes=list(record["sizes"]),
+        method=method or record["method"],
+        hyper=dict(record["hyper"]),
+        seconds=0.0,
+        groups=tuple(record["groups"]),
+        posteriors=posteriors,
+    )
 
 
 def _host(values):

@@ -46,8 +46,9 @@ def load_report(path: str | os.PathLike) -> dict | None:
         raise ValueError(f"{report}: not a readable JSON report ({err})") from None
 
 
-def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: int | None = None,
-         posterior: bool = True) -> nn.Module:
+def load(
+    path: str | os.PathLike, *, like: nn.Module | None = None, n_features: int | None = None, posterior: bool = True
+) -> nn.Module:
     """The network stored in a (fused) checkpoint file, in eval mode.
 
     Parameters
@@ -107,8 +108,10 @@ def load(path: str | os.PathLike, *, like: nn.Module | None = None, n_features: 
                 raise
             template = _imported_network(network)
             if template is None:
-                raise ValueError(f"{name} was fused from your network {network}: import it, or load with like=, "
-                                 f"e.g. bayesfuse.load({str(path)!r}, like={network.rpartition(':')[2]}())") from None
+                raise ValueError(
+                    f"{name} was fused from your network {network}: import it, or load with like=, "
+                    f"e.g. bayesfuse.load({str(path)!r}, like={network.rpartition(':')[2]}())"
+                ) from None
             model = _like(template, state, name)
     if posterior and posterior_path(path).is_file():
         model = _with_posterior(model, posterior_path(path), state, name)
@@ -155,8 +158,7 @@ def _like(like: nn.Module, state: dict, name: str) -> nn.Module:
             spec.check(state, name)
         model = rebuild(like, state)
     except (RuntimeError, KeyError, ValueError) as err:
-        raise ValueError(f"{name}: its entries do not fit the template network ({str(err).splitlines()[0]})") \
-            from None
+        raise ValueError(f"{name}: its entries do not fit the template network ({str(err).splitlines()[0]})") from None
     try:
         x = example_input_for(like)
     except ValueError:
@@ -190,16 +192,21 @@ def _recognised(state: dict, name: str, n_features: int | None) -> nn.Module:
         from bayesfuse.nets.mlp import MLP
 
         return _strict(lambda: MLP.from_state_dict(state), name, "an MLP")
-    if keys and all(re.fullmatch(r"\d+\.(weight|bias)", k) for k in keys) and all(
-            state[k].ndim == 2 for k in keys if k.endswith("weight")):
+    if (
+        keys
+        and all(re.fullmatch(r"\d+\.(weight|bias)", k) for k in keys)
+        and all(state[k].ndim == 2 for k in keys if k.endswith("weight"))
+    ):
         return _linear_sequential(state, name)
     if "lstm.weight_ih_l0" in keys and "fc.weight" in keys:
         return _lstm(state, name)
     if any(t.ndim == 4 for t in state.values()):
         return _cnn(state, name, n_features)
-    raise ValueError(f"{name}: its entry names fit no network bayesfuse builds (MLP, make_cnn ConvNet, "
-                     "LSTMClassifier, HorseshoeBNN); give a network of the same architecture as like=model, or "
-                     "load the tensors into your own network with bayesfuse.checkpoints.load_state_dict")
+    raise ValueError(
+        f"{name}: its entry names fit no network bayesfuse builds (MLP, make_cnn ConvNet, "
+        "LSTMClassifier, HorseshoeBNN); give a network of the same architecture as like=model, or "
+        "load the tensors into your own network with bayesfuse.checkpoints.load_state_dict"
+    )
 
 
 def _strict(build, name: str, what: str) -> nn.Module:
@@ -220,17 +227,22 @@ def _linear_sequential(state: dict, name: str) -> nn.Module:
     indices = sorted({int(k.partition(".")[0]) for k in state})
     gaps = [b - a for a, b in zip(indices, indices[1:])]
     if indices[0] != 0 or any(g != 2 for g in gaps):
-        raise ValueError(f"{name}: an nn.Sequential of Linear layers at {indices}; its other modules are not in a "
-                         "state_dict, so give a network of the same architecture as like=model")
+        raise ValueError(
+            f"{name}: an nn.Sequential of Linear layers at {indices}; its other modules are not in a "
+            "state_dict, so give a network of the same architecture as like=model"
+        )
     layers: list[tnn.Module] = []
     for i in indices:
         out_features, in_features = state[f"{i}.weight"].shape
         layers.append(tnn.Linear(in_features, out_features, bias=f"{i}.bias" in state))
         if i != indices[-1]:
             layers.append(tnn.ReLU())
-    warnings.warn(f"{name}: a state_dict holds no activations; read as an nn.Sequential of Linear layers with ReLU "
-                  f"at {', '.join(str(i + 1) for i in indices[:-1])}: pass like=model if your network uses others",
-                  UserWarning, stacklevel=4)
+    warnings.warn(
+        f"{name}: a state_dict holds no activations; read as an nn.Sequential of Linear layers with ReLU "
+        f"at {', '.join(str(i + 1) for i in indices[:-1])}: pass like=model if your network uses others",
+        UserWarning,
+        stacklevel=4,
+    )
     return _strict(lambda: _loaded(tnn.Sequential(*layers), state), name, "an nn.Sequential")
 
 
@@ -275,8 +287,14 @@ def _cnn(state: dict, name: str, n_features: int | None) -> nn.Module:
     batchnorm = any(k.endswith("running_var") for k in state)
 
     def build():
-        model = make_cnn(n_features, state[dense[-1]].shape[0], channels=channels, hidden=hidden, batchnorm=batchnorm,
-                         in_channels=in_channels)
+        model = make_cnn(
+            n_features,
+            state[dense[-1]].shape[0],
+            channels=channels,
+            hidden=hidden,
+            batchnorm=batchnorm,
+            in_channels=in_channels,
+        )
         model.load_state_dict(state)
         return model
 
@@ -288,9 +306,11 @@ def _image_sides(flat: int, channels: int, n_pools: int, name: str) -> range:
     ``channels x side x side`` outputs the first dense layer reads (``flat`` inputs)."""
     side = math.isqrt(flat // channels)
     if channels * side * side != flat or side < 1:
-        raise ValueError(f"{name}: its first dense layer reads {flat} inputs, not {channels} square feature maps of "
-                         "the last convolution, so it is no make_cnn ConvNet; give like=model")
-    return range(side * 2 ** n_pools, (side + 1) * 2 ** n_pools)
+        raise ValueError(
+            f"{name}: its first dense layer reads {flat} inputs, not {channels} square feature maps of "
+            "the last convolution, so it is no make_cnn ConvNet; give like=model"
+        )
+    return range(side * 2**n_pools, (side + 1) * 2**n_pools)
 
 
 def _cnn_input_size(n_features: int | None, in_channels: int, sides: range, name: str) -> int:
@@ -300,7 +320,9 @@ def _cnn_input_size(n_features: int | None, in_channels: int, sides: range, name
         return in_channels * sides[0] ** 2
     side = math.isqrt(n_features // in_channels)
     if in_channels * side * side != n_features or side not in sides:
-        low, high = (in_channels * s ** 2 for s in (sides[0], sides[-1]))
-        raise ValueError(f"{name}: n_features={n_features} does not fit these weights ({in_channels}-channel square "
-                         f"images of {sides[0]} to {sides[-1]} pixels a side do, n_features={low} to {high})")
+        low, high = (in_channels * s**2 for s in (sides[0], sides[-1]))
+        raise ValueError(
+            f"{name}: n_features={n_features} does not fit these weights ({in_channels}-channel square "
+            f"images of {sides[0]} to {sides[-1]} pixels a side do, n_features={low} to {high})"
+        )
     return n_features

@@ -32,9 +32,30 @@ from bayesfuse._text import did_you_mean
 from bayesfuse.assignments import parse_assignments as _parse_assignments
 from bayesfuse.constraints import KEYS, NON_NEGATIVE, Constraint, Either, Fixed, Interval, Options, Param, check
 
-__all__ = ["KINDS", "METHODS", "Interval", "Options", "Fixed", "Either", "Param", "Method", "Variant", "PARAMS",
-           "resolve", "defaults", "parse_assignments", "names", "lookup", "canonical", "check_keys", "check_one_shot",
-           "describe", "listing", "DEVICE_METHODS", "check_execution"]
+__all__ = [
+    "KINDS",
+    "METHODS",
+    "Interval",
+    "Options",
+    "Fixed",
+    "Either",
+    "Param",
+    "Method",
+    "Variant",
+    "PARAMS",
+    "resolve",
+    "defaults",
+    "parse_assignments",
+    "names",
+    "lookup",
+    "canonical",
+    "check_keys",
+    "check_one_shot",
+    "describe",
+    "listing",
+    "DEVICE_METHODS",
+    "check_execution",
+]
 
 KINDS = ("network", "bnn")
 
@@ -126,7 +147,7 @@ class Method:
     def keys(self, kind: str | None = None) -> tuple[str, ...]:
         """The keys the method takes for ``kind`` (every kind when ``None``), in table order."""
         seen: dict[str, None] = {}
-        for k in (self.defaults if kind is None else (kind,)):
+        for k in self.defaults if kind is None else (kind,):
             seen.update(dict.fromkeys(self.defaults[k]))
         return tuple(seen)
 
@@ -141,55 +162,102 @@ class Method:
 
 
 #: Every hyper-parameter key any method takes, with its shared constraint and meaning.
-PARAMS: dict[str, Param] = {p.name: p for p in (
-    Param("noise_var", KEYS["noise_var"],
-          "sigma^2: variance of a client's unit around its global unit (PFNM eq. 1); the matching "
-          "radius: larger merges more. 'auto': chosen per layer and per block (incoming weights, bias, "
-          "outgoing weights) from the models alone, by empirical Bayes on the collapsed marginal"),
-    Param("prior_var", KEYS["prior_var"],
-          "sigma0^2: prior variance of the global units around their prior mean (PFNM: 10); 'auto' as noise_var"),
-    Param("gamma0", KEYS["gamma0"],
-          "IBP mass: expected global units per client; larger makes new global units cheaper (PFNM: 1); "
-          "'auto': K / H_J, its maximum-likelihood value"),
-    Param("kl_weight", KEYS["kl_weight"],
-          "NAFI's lambda (eq. 14): weight of the KL penalty added to the matching cost; 0 is PFNM. Networks: "
-          "per coordinate of a unit (the matching gets kl_weight / D, so wide layers do not collapse); BNNs: "
-          "per unit"),
-    Param("cost", KEYS["cost"],
-          "matching cost: 'pfnm' (Prop. 2 as written), 'marginal' (exact change of the collapsed log posterior), "
-          "'auto' (marginal with 'auto' hyper-parameters, else pfnm)"),
-    Param("global_weights", KEYS["global_weights"],
-          "weights of a global unit: the atom's posterior mean, or the average of the units matched to it; "
-          "'auto': posterior for one hidden layer, average for deeper networks"),
-    Param("n_iter", KEYS["n_iter"], "maximum sweeps (matching) or alternation steps (KL-fusion)"),
-    Param("tol", KEYS["tol"],
-          "matching: stop when a sweep raises the log posterior by less than this many nats per unit; 0 sweeps "
-          "until no unit moves"),
-    Param("direction", KEYS["direction"],
-          "order of the layers: bottom-up (FedMA eq. 4) or top-down (PFNM supplement Algorithm 1)"),
-    Param("average_outputs", KEYS["average_outputs"],
-          "scale each global unit's outgoing weights by the share of clients it merges, so fused logits "
-          "average the clients' instead of summing them"),
-    Param("unit_form", KEYS["unit_form"],
-          "BNNs: compare and average units as effective weights tau lambda w (invariant to how a client split "
-          "the scale) or as the guide's raw coordinates (w, b, log lambda, outgoing)"),
-    Param("head", KEYS["head"],
-          "BNNs: 'shared': one output layer, one softmax over the class-share average of the clients' logits "
-          "(a HorseshoeBNN); 'clients': keep each client's output layer on the fused hidden units and mix their "
-          "softmaxes by class shares (a HeadMixtureBNN)"),
-    Param("prune_kl", KEYS["prune_kl"],
-          "BNNs: drop each client's units whose incoming weights hold fewer nats of information than this "
-          "(KL of their posterior to the prior): units the horseshoe switched off; 0 keeps all"),
-    Param("reg", KEYS["reg"],
-          "KL-fusion: lambda of eq. 9 on KL costs scaled by their standard deviation, larger merges more; "
-          "OT: entropic regularisation relative to the largest cost, 0 = exact optimal transport"),
-    Param("anchor", KEYS["anchor"],
-          "OT: the client whose units the others are aligned to (index), or the widest / median one"),
-    Param("solver", KEYS["solver"],
-          "solver of KL-fusion's relaxed problem: 'fast' (ADMM), 'cvxpy', or 'auto' (fast)"),
-    Param("passes", KEYS["passes"],
-          "FedMA layer-wise passes; more than one is FedMA with communication (section 2.3)"),
-)}
+PARAMS: dict[str, Param] = {
+    p.name: p
+    for p in (
+        Param(
+            "noise_var",
+            KEYS["noise_var"],
+            "sigma^2: variance of a client's unit around its global unit (PFNM eq. 1); the matching "
+            "radius: larger merges more. 'auto': chosen per layer and per block (incoming weights, bias, "
+            "outgoing weights) from the models alone, by empirical Bayes on the collapsed marginal",
+        ),
+        Param(
+            "prior_var",
+            KEYS["prior_var"],
+            "sigma0^2: prior variance of the global units around their prior mean (PFNM: 10); 'auto' as noise_var",
+        ),
+        Param(
+            "gamma0",
+            KEYS["gamma0"],
+            "IBP mass: expected global units per client; larger makes new global units cheaper (PFNM: 1); "
+            "'auto': K / H_J, its maximum-likelihood value",
+        ),
+        Param(
+            "kl_weight",
+            KEYS["kl_weight"],
+            "NAFI's lambda (eq. 14): weight of the KL penalty added to the matching cost; 0 is PFNM. Networks: "
+            "per coordinate of a unit (the matching gets kl_weight / D, so wide layers do not collapse); BNNs: "
+            "per unit",
+        ),
+        Param(
+            "cost",
+            KEYS["cost"],
+            "matching cost: 'pfnm' (Prop. 2 as written), 'marginal' (exact change of the collapsed log posterior), "
+            "'auto' (marginal with 'auto' hyper-parameters, else pfnm)",
+        ),
+        Param(
+            "global_weights",
+            KEYS["global_weights"],
+            "weights of a global unit: the atom's posterior mean, or the average of the units matched to it; "
+            "'auto': posterior for one hidden layer, average for deeper networks",
+        ),
+        Param("n_iter", KEYS["n_iter"], "maximum sweeps (matching) or alternation steps (KL-fusion)"),
+        Param(
+            "tol",
+            KEYS["tol"],
+            "matching: stop when a sweep raises the log posterior by less than this many nats per unit; 0 sweeps "
+            "until no unit moves",
+        ),
+        Param(
+            "direction",
+            KEYS["direction"],
+            "order of the layers: bottom-up (FedMA eq. 4) or top-down (PFNM supplement Algorithm 1)",
+        ),
+        Param(
+            "average_outputs",
+            KEYS["average_outputs"],
+            "scale each global unit's outgoing weights by the share of clients it merges, so fused logits "
+            "average the clients' instead of summing them",
+        ),
+        Param(
+            "unit_form",
+            KEYS["unit_form"],
+            "BNNs: compare and average units as effective weights tau lambda w (invariant to how a client split "
+            "the scale) or as the guide's raw coordinates (w, b, log lambda, outgoing)",
+        ),
+        Param(
+            "head",
+            KEYS["head"],
+            "BNNs: 'shared': one output layer, one softmax over the class-share average of the clients' logits "
+            "(a HorseshoeBNN); 'clients': keep each client's output layer on the fused hidden units and mix their "
+            "softmaxes by class shares (a HeadMixtureBNN)",
+        ),
+        Param(
+            "prune_kl",
+            KEYS["prune_kl"],
+            "BNNs: drop each client's units whose incoming weights hold fewer nats of information than this "
+            "(KL of their posterior to the prior): units the horseshoe switched off; 0 keeps all",
+        ),
+        Param(
+            "reg",
+            KEYS["reg"],
+            "KL-fusion: lambda of eq. 9 on KL costs scaled by their standard deviation, larger merges more; "
+            "OT: entropic regularisation relative to the largest cost, 0 = exact optimal transport",
+        ),
+        Param(
+            "anchor",
+            KEYS["anchor"],
+            "OT: the client whose units the others are aligned to (index), or the widest / median one",
+        ),
+        Param(
+            "solver", KEYS["solver"], "solver of KL-fusion's relaxed problem: 'fast' (ADMM), 'cvxpy', or 'auto' (fast)"
+        ),
+        Param(
+            "passes", KEYS["passes"], "FedMA layer-wise passes; more than one is FedMA with communication (section 2.3)"
+        ),
+    )
+}
 
 _MATCHING = dict(noise_var=1.0, prior_var=10.0, gamma0=1.0)
 _AUTO_MATCHING = dict(noise_var="auto", prior_var="auto", gamma0="auto")
@@ -211,33 +279,72 @@ _MATCHING_FUSERS = {"network": _CORE + "_match_states", "bnn": _CORE + "_matched
 #: ("auto", benchmarks/bench_fidelity.py); NAFI's KL per coordinate with lambda = 1 (the
 #: matching's per-unit weight 1 / D; see docs/decisions.md#nafi-kl-weight). BNN units carry their
 #: own posterior variances, so the extra noise variance there is small, and NAFI's weight is per unit.
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("pfnm", "PFNM: BBP-MAP matching of hidden units (Yurochkin et al. 2019), layer by layer",
-           {"network": dict(_AUTO_MATCHING, kl_weight=0.0, **_NETWORK),
-            "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=0.0, cost="pfnm", n_iter=10, **_BNN_MATCHING_UNITS)},
-           constraints={"kl_weight": _NO_KL}, fusers=_MATCHING_FUSERS, device=True, featured=True,
-           summaries=("network",)),
-    Method("nafi",
-           "NAFI: the PFNM cost plus kl_weight x the KL between a global unit's posteriors (Xiao & Cheng, eq. 14)",
-           {"network": dict(_AUTO_MATCHING, kl_weight=_NAFI_KL["network"], **_NETWORK),
-            "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=_NAFI_KL["bnn"], cost="pfnm", n_iter=10,
-                        **_BNN_MATCHING_UNITS)},
-           fusers=_MATCHING_FUSERS, device=True, featured=True, summaries=("network",)),
-    Method("fedma", "FedMA: match one layer, freeze it, retrain the clients, repeat (Wang et al. 2020); "
-           "kl_weight > 0 matches with NAFI's penalty",
-           {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, passes=1)}, needs_data=True,
-           variants={"pfnm": Variant({"kl_weight": 0.0}, {"kl_weight": _NO_KL}),
-                     "nafi": Variant({"kl_weight": _NAFI_KL["network"]})},
-           aliases={"fedma-nafi": "nafi"}),
-    Method("fedavg", "one-shot FedAvg: coordinate-wise average weighted by client sizes (identical widths)",
-           {"network": {}}, fusers={"network": _CORE + "_fedavg_states"}, aligns_units=False, baseline=True),
-    Method("ot", "OT fusion: align each client's units to an anchor's by optimal transport, layer by layer, "
-           "then average (Singh & Jaggi 2020, weight-based)",
-           {"network": dict(anchor="widest", reg=0.0, n_iter=1000)},
-           constraints={"reg": NON_NEGATIVE}, fusers={"network": _CORE + "_ot_states"}),
-    Method("kl", "KL-fusion of mean-field posteriors with the L2,2,1 regulariser (Claici et al. 2020, eq. 9)",
-           {"bnn": dict(reg=0.01, solver="auto", n_iter=20, **_BNN_UNITS)}, fusers={"bnn": _CORE + "_kl_bnn_states"}),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "pfnm",
+            "PFNM: BBP-MAP matching of hidden units (Yurochkin et al. 2019), layer by layer",
+            {
+                "network": dict(_AUTO_MATCHING, kl_weight=0.0, **_NETWORK),
+                "bnn": dict(_MATCHING, noise_var=0.01, kl_weight=0.0, cost="pfnm", n_iter=10, **_BNN_MATCHING_UNITS),
+            },
+            constraints={"kl_weight": _NO_KL},
+            fusers=_MATCHING_FUSERS,
+            device=True,
+            featured=True,
+            summaries=("network",),
+        ),
+        Method(
+            "nafi",
+            "NAFI: the PFNM cost plus kl_weight x the KL between a global unit's posteriors (Xiao & Cheng, eq. 14)",
+            {
+                "network": dict(_AUTO_MATCHING, kl_weight=_NAFI_KL["network"], **_NETWORK),
+                "bnn": dict(
+                    _MATCHING, noise_var=0.01, kl_weight=_NAFI_KL["bnn"], cost="pfnm", n_iter=10, **_BNN_MATCHING_UNITS
+                ),
+            },
+            fusers=_MATCHING_FUSERS,
+            device=True,
+            featured=True,
+            summaries=("network",),
+        ),
+        Method(
+            "fedma",
+            "FedMA: match one layer, freeze it, retrain the clients, repeat (Wang et al. 2020); "
+            "kl_weight > 0 matches with NAFI's penalty",
+            {"network": dict(_MATCHING, kl_weight=0.0, cost="pfnm", n_iter=10, passes=1)},
+            needs_data=True,
+            variants={
+                "pfnm": Variant({"kl_weight": 0.0}, {"kl_weight": _NO_KL}),
+                "nafi": Variant({"kl_weight": _NAFI_KL["network"]}),
+            },
+            aliases={"fedma-nafi": "nafi"},
+        ),
+        Method(
+            "fedavg",
+            "one-shot FedAvg: coordinate-wise average weighted by client sizes (identical widths)",
+            {"network": {}},
+            fusers={"network": _CORE + "_fedavg_states"},
+            aligns_units=False,
+            baseline=True,
+        ),
+        Method(
+            "ot",
+            "OT fusion: align each client's units to an anchor's by optimal transport, layer by layer, "
+            "then average (Singh & Jaggi 2020, weight-based)",
+            {"network": dict(anchor="widest", reg=0.0, n_iter=1000)},
+            constraints={"reg": NON_NEGATIVE},
+            fusers={"network": _CORE + "_ot_states"},
+        ),
+        Method(
+            "kl",
+            "KL-fusion of mean-field posteriors with the L2,2,1 regulariser (Claici et al. 2020, eq. 9)",
+            {"bnn": dict(reg=0.01, solver="auto", n_iter=20, **_BNN_UNITS)},
+            fusers={"bnn": _CORE + "_kl_bnn_states"},
+        ),
+    )
+}
 
 
 # --------------------------------------------------------------------------- resolving
@@ -268,9 +375,11 @@ def check_one_shot(method: str) -> None:
     m = _method(method)
     if m.needs_data:
         one_shot = " or ".join(names("network", featured=True))
-        raise ValueError(f"{m.name} retrains each client between layers, so it needs the clients' data, not only "
-                         f"their files; run it where the data is (bayesfuse.fuse(models, '{m.name}', data=...) or "
-                         f"`bayesfuse demo --methods {m.name}`), or fuse the files in one shot with {one_shot}")
+        raise ValueError(
+            f"{m.name} retrains each client between layers, so it needs the clients' data, not only "
+            f"their files; run it where the data is (bayesfuse.fuse(models, '{m.name}', data=...) or "
+            f"`bayesfuse demo --methods {m.name}`), or fuse the files in one shot with {one_shot}"
+        )
 
 
 def check_keys(method: str, given: Mapping[str, Any], *, caller: Callable) -> None:
@@ -286,23 +395,35 @@ def check_keys(method: str, given: Mapping[str, Any], *, caller: Callable) -> No
     m = _method(method)
     unknown = sorted(set(given) - set(m.keys()))
     if unknown:
-        arguments = [p.name for p in inspect.signature(caller).parameters.values()
-                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        arguments = [
+            p.name
+            for p in inspect.signature(caller).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
         choices = [*m.keys(), *arguments]
         hints = [did_you_mean(k, choices) for k in unknown]
-        hint = "".join(h for h in hints if h) if len(unknown) == 1 else "".join(
-            f" ({k!r}: {h.strip()[1:-1]})" for k, h in zip(unknown, hints) if h)
-        raise ValueError(f"unknown hyper-parameters {unknown} for method {m.name!r}, and not arguments of "
-                         f"{caller.__name__}"
-                         f"{hint}; {m.name}'s hyper-parameters: {', '.join(m.keys()) or 'none'}")
+        hint = (
+            "".join(h for h in hints if h)
+            if len(unknown) == 1
+            else "".join(f" ({k!r}: {h.strip()[1:-1]})" for k, h in zip(unknown, hints) if h)
+        )
+        raise ValueError(
+            f"unknown hyper-parameters {unknown} for method {m.name!r}, and not arguments of "
+            f"{caller.__name__}"
+            f"{hint}; {m.name}'s hyper-parameters: {', '.join(m.keys()) or 'none'}"
+        )
 
 
 def names(kind: str | None = None, *, aliases: bool = False, **flags: bool | None) -> tuple[str, ...]:
     """Methods that take ``kind`` (any kind when ``None``), optionally filtered on flags of their
     rows (``needs_data=False``, ``baseline=False``, ``featured=True``...; ``None`` ignores one);
     with ``aliases``, the aliases of those methods follow them."""
-    rows = [m for m in METHODS.values() if (kind is None or kind in m.defaults)
-            and all(value is None or getattr(m, flag) == value for flag, value in flags.items())]
+    rows = [
+        m
+        for m in METHODS.values()
+        if (kind is None or kind in m.defaults)
+        and all(value is None or getattr(m, flag) == value for flag, value in flags.items())
+    ]
     return tuple(m.name for m in rows) + (tuple(a for m in rows for a in m.aliases) if aliases else ())
 
 
@@ -332,12 +453,15 @@ def _check_kind(m: Method, kind: str) -> None:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind not in m.defaults:
         takes = " and ".join(_KIND_WORDS[k] for k in m.kinds)
-        raise ValueError(f"method {m.name!r} fuses {takes}, not {_KIND_WORDS[kind]}; methods for "
-                         f"{_KIND_WORDS[kind]}: {', '.join(names(kind))}")
+        raise ValueError(
+            f"method {m.name!r} fuses {takes}, not {_KIND_WORDS[kind]}; methods for "
+            f"{_KIND_WORDS[kind]}: {', '.join(names(kind))}"
+        )
 
 
-def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None = None, *,
-            variant: str | None = None) -> dict[str, Any]:
+def resolve(
+    method: str, kind: str = "network", given: Mapping[str, Any] | None = None, *, variant: str | None = None
+) -> dict[str, Any]:
     """Every hyper-parameter of ``method`` for ``kind``: the given values, checked, over the defaults
     (those of ``variant`` over the method's, with its constraints).
 
@@ -355,8 +479,9 @@ def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None 
     method = m.name
     _check_kind(m, kind)
     if variant is not None and variant not in m.variants:
-        raise ValueError(f"method {method!r} has the variants {', '.join(map(repr, m.variants)) or 'none'}, "
-                         f"got {variant!r}")
+        raise ValueError(
+            f"method {method!r} has the variants {', '.join(map(repr, m.variants)) or 'none'}, got {variant!r}"
+        )
     table = m.defaults[kind]
     given = {k: v for k, v in (given or {}).items() if v is not None}
     unknown = sorted(set(given) - set(table))
@@ -365,8 +490,10 @@ def resolve(method: str, kind: str = "network", given: Mapping[str, Any] | None 
         hint = f" ({', '.join(elsewhere)} only for {'/'.join(k for k in m.kinds if k != kind)})" if elsewhere else ""
         if not elsewhere and len(unknown) == 1:
             hint = did_you_mean(unknown[0], table)
-        raise ValueError(f"unknown hyper-parameters {unknown} for method {method!r} on {_KIND_WORDS[kind]}{hint}; "
-                         f"known: {', '.join(table) or 'none'}")
+        raise ValueError(
+            f"unknown hyper-parameters {unknown} for method {method!r} on {_KIND_WORDS[kind]}{hint}; "
+            f"known: {', '.join(table) or 'none'}"
+        )
     out = dict(table, **m.preset(variant))
     for key, value in given.items():
         out[key] = _checked(m, key, value, variant)
@@ -388,8 +515,10 @@ def check_execution(method: str, kind: str | None, device: Any) -> None:
     m = METHODS.get(method)
     if device is not None and m is not None and (not m.device or kind not in (None, "network")):
         what = f"method {method!r}" if not m.device else f"{method} on {_KIND_WORDS[kind]}"
-        raise ValueError(f"device={str(device)!r}: {what} runs on the host only; a device runs the matching of "
-                         f"{' and '.join(DEVICE_METHODS)} on point-estimate networks (leave device unset)")
+        raise ValueError(
+            f"device={str(device)!r}: {what} runs on the host only; a device runs the matching of "
+            f"{' and '.join(DEVICE_METHODS)} on point-estimate networks (leave device unset)"
+        )
 
 
 def _checked(m: Method, key: str, value: Any, variant: str | None = None) -> Any:
@@ -421,8 +550,9 @@ def describe(methods: Sequence[str] | None = None, width: int = 100, *, kind: st
     for name in methods or METHODS:
         m = _method(name)
         if kind is not None and kind not in m.kinds:
-            lines.append(f"{m.name}: not for {_KIND_WORDS[kind]}; it fuses "
-                         f"{' and '.join(_KIND_WORDS[k] for k in m.kinds)}")
+            lines.append(
+                f"{m.name}: not for {_KIND_WORDS[kind]}; it fuses {' and '.join(_KIND_WORDS[k] for k in m.kinds)}"
+            )
             continue
         kinds = m.kinds if kind is None else (kind,)
         lines.append(f"{m.name}: {m.summary}" + (" [needs the clients' data]" if m.needs_data else ""))
@@ -432,10 +562,19 @@ def describe(methods: Sequence[str] | None = None, width: int = 100, *, kind: st
                 continue
             values = {k: m.defaults[k][key] for k in kinds if key in m.defaults[k]}
             shown = sorted(set(map(repr, values.values())))
-            default = shown[0] if len(shown) == 1 and len(values) == len(kinds) else ", ".join(
-                f"{k}: {v!r}" for k, v in values.items())
-            lines.extend(textwrap.wrap(f"{key} = {default}  ({m.constraint(key)})", width, initial_indent=" " * 4,
-                                       subsequent_indent=" " * 8))
+            default = (
+                shown[0]
+                if len(shown) == 1 and len(values) == len(kinds)
+                else ", ".join(f"{k}: {v!r}" for k, v in values.items())
+            )
+            lines.extend(
+                textwrap.wrap(
+                    f"{key} = {default}  ({m.constraint(key)})",
+                    width,
+                    initial_indent=" " * 4,
+                    subsequent_indent=" " * 8,
+                )
+            )
             lines.extend(textwrap.wrap(PARAMS[key].help, width, initial_indent=" " * 8, subsequent_indent=" " * 8))
         if not m.keys(kind):
             lines.append("    (no hyper-parameters)")
@@ -453,6 +592,8 @@ def listing(*, one_shot: bool | None = None, width: int = 100) -> str:
     for m in rows:
         text = f"{m.name:<{name_width}}  [{'/'.join(m.kinds)}] {m.summary}" + (
             "; needs the clients' data: bayesfuse.fuse(..., data=) or bayesfuse demo, not bayesfuse fuse"
-            if m.needs_data else "")
+            if m.needs_data
+            else ""
+        )
         lines.extend(textwrap.wrap(text, width, initial_indent="  ", subsequent_indent=" " * (4 + name_width)))
     return "\n".join(lines)

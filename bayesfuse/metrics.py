@@ -136,8 +136,9 @@ def ood_roc_curve(score_in: np.ndarray, score_out: np.ndarray) -> tuple[np.ndarr
 _BOOT_CHUNK = 2_000_000
 
 
-def bootstrap_ood_auroc(score_in: np.ndarray, score_out: np.ndarray, *, n_boot: int = 1000,
-                        seed: int = 0) -> np.ndarray:
+def bootstrap_ood_auroc(
+    score_in: np.ndarray, score_out: np.ndarray, *, n_boot: int = 1000, seed: int = 0
+) -> np.ndarray:
     """:func:`ood_auroc` of ``n_boot`` bootstrap resamples of the scores.
 
     Each resample draws ``n_in`` in-distribution and ``n_out`` OOD scores with replacement, each
@@ -165,8 +166,9 @@ def bootstrap_ood_auroc(score_in: np.ndarray, score_out: np.ndarray, *, n_boot: 
     return out
 
 
-def ood_auroc_interval(score_in: np.ndarray, score_out: np.ndarray, *, n_boot: int = 1000, level: float = 0.95,
-                       seed: int = 0) -> tuple[float, float]:
+def ood_auroc_interval(
+    score_in: np.ndarray, score_out: np.ndarray, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Bootstrap percentile interval of :func:`ood_auroc` at confidence ``level``: the
     ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of :func:`bootstrap_ood_auroc`."""
     if not 0 < level < 1:

@@ -45,8 +45,16 @@ def entropies(model, x_in, x_out, *, num_samples: int = 100, seed: int = 0) -> t
     return predictive_entropy(p_in), predictive_entropy(p_out)
 
 
-def report(models: Mapping[str, object], x_in, x_out, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
-           num_samples: int = 100):
+def report(
+    models: Mapping[str, object],
+    x_in,
+    x_out,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    num_samples: int = 100,
+):
     """AUROC of the predictive entropy at telling ``x_out`` from ``x_in``, per model, with bootstrap intervals.
 
     Parameters
@@ -85,8 +93,10 @@ def report(models: Mapping[str, object], x_in, x_out, *, n_boot: int = 1000, see
     scores = {str(name): entropies(m, x_in, x_out, num_samples=num_samples, seed=seed) for name, m in models.items()}
     sizes = {(len(h_in), len(h_out)) for h_in, h_out in scores.values()}
     if len(sizes) > 1:
-        raise ValueError(f"the models were scored on different numbers of examples {sorted(sizes)}: give every "
-                         "model the same x_in and x_out")
+        raise ValueError(
+            f"the models were scored on different numbers of examples {sorted(sizes)}: give every "
+            "model the same x_in and x_out"
+        )
     draws = {name: bootstrap_ood_auroc(h_in, h_out, n_boot=n_boot, seed=seed) for name, (h_in, h_out) in scores.items()}
     point = {name: ood_auroc(h_in, h_out) for name, (h_in, h_out) in scores.items()}
     best = max(point, key=point.get)
@@ -96,14 +106,30 @@ def report(models: Mapping[str, object], x_in, x_out, *, n_boot: int = 1000, see
         low, high = np.quantile(draws[name], q)
         d_low, d_high = np.quantile(draws[name] - draws[best], q)
         se = float(np.std(draws[name], ddof=1)) if n_boot > 1 else float("nan")
-        rows[name] = {"auroc": point[name], "ci_low": low, "ci_high": high, "se": se,
-                      "diff_to_best": point[name] - point[best], "diff_ci_low": d_low, "diff_ci_high": d_high,
-                      "entropy_in": float(h_in.mean()), "entropy_out": float(h_out.mean()), "n_in": len(h_in),
-                      "n_out": len(h_out)}
+        rows[name] = {
+            "auroc": point[name],
+            "ci_low": low,
+            "ci_high": high,
+            "se": se,
+            "diff_to_best": point[name] - point[best],
+            "diff_ci_low": d_low,
+            "diff_ci_high": d_high,
+            "entropy_in": float(h_in.mean()),
+            "entropy_out": float(h_out.mean()),
+            "n_in": len(h_in),
+            "n_out": len(h_out),
+        }
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = "model"
-    table.attrs.update(n_boot=int(n_boot), level=float(level), seed=int(seed), num_samples=int(num_samples),
-                       score="predictive entropy", best=best, entropy=scores)
+    table.attrs.update(
+        n_boot=int(n_boot),
+        level=float(level),
+        seed=int(seed),
+        num_samples=int(num_samples),
+        score="predictive entropy",
+        best=best,
+        entropy=scores,
+    )
     return table
 
 
@@ -130,8 +156,13 @@ def plot_report(table, *, columns: int = 3, bins: int = 30):
         r = table.loc[name]
         roc.plot(fpr, tpr, lw=1.5, label=f"{name}: {r['auroc']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
     roc.plot([0, 1], [0, 1], color="0.6", lw=0.8, ls="--")
-    roc.set(xlim=(0, 1), ylim=(0, 1.01), xlabel="false positive rate (in-distribution flagged)",
-            ylabel="true positive rate (OOD flagged)", title=f"ROC of predictive entropy (AUROC, {level:.0%} interval)")
+    roc.set(
+        xlim=(0, 1),
+        ylim=(0, 1.01),
+        xlabel="false positive rate (in-distribution flagged)",
+        ylabel="true positive rate (OOD flagged)",
+        title=f"ROC of predictive entropy (AUROC, {level:.0%} interval)",
+    )
     roc.set_aspect("equal")
     roc.legend(loc="lower right", fontsize="small")
     top = max(max(h_in.max(), h_out.max()) for h_in, h_out in scores.values())

@@ -91,8 +91,9 @@ def size_sweep(layers, *, gamma0: Sequence[float], noise_var: Sequence[float], *
     return sizes
 
 
-def plot_size_sweep(sizes: np.ndarray, gamma0: Sequence[float], noise_var: Sequence[float], *, ax=None,
-                    truth: int | None = None):
+def plot_size_sweep(
+    sizes: np.ndarray, gamma0: Sequence[float], noise_var: Sequence[float], *, ax=None, truth: int | None = None
+):
     """Lines of global size against gamma0, one per noise variance (from :func:`size_sweep`)."""
     fig, ax = _axes(ax, (5.5, 3.6))
     for i, nv in enumerate(noise_var):
@@ -107,8 +108,16 @@ def plot_size_sweep(sizes: np.ndarray, gamma0: Sequence[float], noise_var: Seque
     return fig
 
 
-def plot_unit_posterior(fused_mean, fused_var, local_means, local_vars, *, weights: Sequence[int], ax=None,
-                        labels: Sequence[str] | None = None):
+def plot_unit_posterior(
+    fused_mean,
+    fused_var,
+    local_means,
+    local_vars,
+    *,
+    weights: Sequence[int],
+    ax=None,
+    labels: Sequence[str] | None = None,
+):
     """Fused vs local posteriors of one unit: mean +- 2 sd for the chosen weights.
 
     ``local_means``/``local_vars``: one (D,) array per local unit assigned to the global unit.
@@ -121,8 +130,16 @@ def plot_unit_posterior(fused_mean, fused_var, local_means, local_vars, *, weigh
     n = len(rows)
     for r, (lab, m, v) in enumerate(rows):
         y = np.arange(len(weights)) + (r - (n - 1) / 2) * 0.8 / max(n, 1)
-        ax.errorbar(m[weights], y, xerr=2 * np.sqrt(v[weights]), fmt="o", ms=4, capsize=2, label=lab,
-                    color="black" if r == 0 else None)
+        ax.errorbar(
+            m[weights],
+            y,
+            xerr=2 * np.sqrt(v[weights]),
+            fmt="o",
+            ms=4,
+            capsize=2,
+            label=lab,
+            color="black" if r == 0 else None,
+        )
     ax.set_yticks(range(len(weights)), [f"w[{w}]" for w in weights])
     ax.set_xlabel("value (mean +- 2 sd)")
     ax.legend(fontsize=7)
@@ -148,8 +165,17 @@ def _pick(selection, available: Sequence, default: int, what: str) -> list[int]:
     return out
 
 
-def plot_posterior(result, *, layer: int | str = 0, units=None, weights=None, hdi_prob: float = 0.94,
-                   weight_names: Sequence[str] | None = None, ncols: int = 3, fig=None):
+def plot_posterior(
+    result,
+    *,
+    layer: int | str = 0,
+    units=None,
+    weights=None,
+    hdi_prob: float = 0.94,
+    weight_names: Sequence[str] | None = None,
+    ncols: int = 3,
+    fig=None,
+):
     """The exact posterior density of chosen entries of a fused layer's units, one panel each.
 
     Entry d of global unit g is :math:`\\mathcal{N}(\\mu_{g,d}, \\sigma^2_{g,d})`; each panel
@@ -188,7 +214,7 @@ def plot_posterior(result, *, layer: int | str = 0, units=None, weights=None, hd
         mu, sigma = g.mean[u, d], np.sqrt(g.var[u, d])
         _draw_gaussian(ax, mu, sigma, z, hdi_prob)
         ax.set_title(f"theta[{u}, {g.names[d]}]", fontsize=9)
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.axis("off")
     fig.suptitle(f"exact posterior ({g.method}{'' if g.label is None else ', layer ' + g.label})", fontsize=10)
     return fig
@@ -223,8 +249,9 @@ def plot_entropy_hist(h_in: np.ndarray, h_out: np.ndarray, *, ax=None, labels=("
     return fig
 
 
-def plot_centred_entropy(entropies: Mapping[str, tuple[np.ndarray, np.ndarray]], ood_labels: np.ndarray, *, ax=None,
-                         n_classes: int = 10):
+def plot_centred_entropy(
+    entropies: Mapping[str, tuple[np.ndarray, np.ndarray]], ood_labels: np.ndarray, *, ax=None, n_classes: int = 10
+):
     """Per-class mean OOD entropy minus each model's mean in-distribution entropy (KL-fusion Fig. 5).
 
     ``entropies[name] = (entropy on the test set, entropy on the OOD set)``.

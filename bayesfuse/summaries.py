@@ -45,10 +45,23 @@ from bayesfuse._io import atomic_write_bytes
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.spec import PermutationSpec
 
-__all__ = ["ClientSummary", "summarize", "temperature_nll", "output_features", "output_fit",
-           "save_summary", "load_summary", "summary_path",
-           "check_summary", "summary_arrays", "summary_from_arrays",
-           "SUMMARY_FORMAT", "SUMMARY_VERSION", "SummaryError", "STATS"]
+__all__ = [
+    "ClientSummary",
+    "summarize",
+    "temperature_nll",
+    "output_features",
+    "output_fit",
+    "save_summary",
+    "load_summary",
+    "summary_path",
+    "check_summary",
+    "summary_arrays",
+    "summary_from_arrays",
+    "SUMMARY_FORMAT",
+    "SUMMARY_VERSION",
+    "SummaryError",
+    "STATS",
+]
 
 SUMMARY_FORMAT = "bayesfuse-client-summary"
 SUMMARY_VERSION = 1
@@ -139,7 +152,7 @@ def _channel_moments(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
     """Sum and sum of squares over examples (and positions, for (N, C, ...) maps) per channel."""
     t = t.detach().double()
     flat = t.transpose(0, 1).reshape(t.shape[1], -1) if t.dim() > 2 else t.T
-    return flat.sum(1).numpy(), (flat ** 2).sum(1).numpy(), flat.shape[1]
+    return flat.sum(1).numpy(), (flat**2).sum(1).numpy(), flat.shape[1]
 
 
 def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int = 1024) -> dict[str, dict]:
@@ -162,6 +175,7 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
             acc[0] = acc[0] + s1
             acc[1] = acc[1] + s2
             acc[2] += n
+
         return hook
 
     hooks = []
@@ -176,7 +190,7 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
     try:
         with torch.no_grad():
             for start in range(0, len(x), batch_size):
-                model(x[start:start + batch_size])
+                model(x[start : start + batch_size])
     finally:
         model.train(was_training)
         for h in hooks:
@@ -185,12 +199,20 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
     for (g, stat), (s1, s2, n) in sums.items():
         mean = s1 / n
         out.setdefault(g, {})[f"{stat}_mean"] = mean
-        out[g][f"{stat}_var"] = np.maximum(s2 / n - mean ** 2, 0.0)
+        out[g][f"{stat}_var"] = np.maximum(s2 / n - mean**2, 0.0)
     return out
 
 
-def summarize(model: nn.Module, x, y, *, spec: PermutationSpec | None = None, prior_precision: float = 1.0,
-              n_classes: int | None = None, batch_size: int = 1024) -> ClientSummary:
+def summarize(
+    model: nn.Module,
+    x,
+    y,
+    *,
+    spec: PermutationSpec | None = None,
+    prior_precision: float = 1.0,
+    n_classes: int | None = None,
+    batch_size: int = 1024,
+) -> ClientSummary:
     """The summary a client sends beside its weights, from one pass over its own data.
 
     Parameters
@@ -233,9 +255,15 @@ def summarize(model: nn.Module, x, y, *, spec: PermutationSpec | None = None, pr
     precision = diag_ggn(model, x, batch_size=batch_size)
     moments = unit_moments(model, x, spec, batch_size=batch_size)
     counts = np.bincount(y.astype(np.int64), minlength=n_classes)
-    return ClientSummary(precision=precision, prior_precision=float(prior_precision), moments=moments,
-                         class_counts=counts, n_examples=int(len(y)), fingerprint=fingerprint(state),
-                         seconds=time.perf_counter() - start)
+    return ClientSummary(
+        precision=precision,
+        prior_precision=float(prior_precision),
+        moments=moments,
+        class_counts=counts,
+        n_examples=int(len(y)),
+        fingerprint=fingerprint(state),
+        seconds=time.perf_counter() - start,
+    )
 
 
 def temperature_nll(model: nn.Module, x, y, temperatures, *, batch_size: int = 4096) -> np.ndarray:
@@ -255,9 +283,9 @@ def temperature_nll(model: nn.Module, x, y, temperatures, *, batch_size: int = 4
     try:
         with torch.no_grad():
             for start in range(0, len(y), batch_size):
-                xb = torch.as_tensor(np.asarray(x[start:start + batch_size]), dtype=first.dtype)
+                xb = torch.as_tensor(np.asarray(x[start : start + batch_size]), dtype=first.dtype)
                 logits = model(xb).double()
-                yb = torch.as_tensor(y[start:start + batch_size])
+                yb = torch.as_tensor(y[start : start + batch_size])
                 scaled = logits.unsqueeze(0) / torch.as_tensor(t).view(-1, 1, 1)
                 picked = torch.log_softmax(scaled, -1).gather(2, yb.view(1, -1, 1).expand(t.size, -1, 1))
                 out -= picked.sum((1, 2)).numpy()
@@ -278,7 +306,7 @@ def output_features(model: nn.Module, output: str, x, *, batch_size: int = 4096)
     try:
         with torch.no_grad():
             for start in range(0, len(x), batch_size):
-                model(torch.as_tensor(np.asarray(x[start:start + batch_size]), dtype=first.dtype))
+                model(torch.as_tensor(np.asarray(x[start : start + batch_size]), dtype=first.dtype))
     finally:
         hook.remove()
         model.train(was_training)
@@ -293,8 +321,13 @@ def output_fit(model: nn.Module, output: str, x, y, prior_precision: float, *, n
     from bayesfuse.inference.output_fusion import fit_output_layer
 
     layer = model.get_submodule(output)
-    return fit_output_layer(output_features(model, output, x), np.asarray(y).astype(np.int64), layer.out_features,
-                            prior_precision, n_clients=n_clients)
+    return fit_output_layer(
+        output_features(model, output, x),
+        np.asarray(y).astype(np.int64),
+        layer.out_features,
+        prior_precision,
+        n_clients=n_clients,
+    )
 
 
 # --------------------------------------------------------------------------- checking
@@ -310,11 +343,15 @@ def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str
     if not isinstance(summary, ClientSummary):
         raise SummaryError(f"{name}: expected a ClientSummary, got {type(summary).__name__}")
     if summary.version != SUMMARY_VERSION:
-        raise SummaryError(f"{name}: summary version {summary.version} is not one this bayesfuse reads "
-                           f"({SUMMARY_VERSION}); recompute it with bayesfuse.summarize")
+        raise SummaryError(
+            f"{name}: summary version {summary.version} is not one this bayesfuse reads "
+            f"({SUMMARY_VERSION}); recompute it with bayesfuse.summarize"
+        )
     if summary.fingerprint != fingerprint(state):
-        raise SummaryError(f"{name}: the summary is of another network (its entries' names, shapes or values "
-                           "differ); compute it on this model with bayesfuse.summarize")
+        raise SummaryError(
+            f"{name}: the summary is of another network (its entries' names, shapes or values "
+            "differ); compute it on this model with bayesfuse.summarize"
+        )
     for k, v in state.items():
         if not torch.is_tensor(v) and not isinstance(v, np.ndarray):
             continue
@@ -362,22 +399,35 @@ def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
     return out
 
 
-def summary_from_arrays(arrays: Mapping[str, np.ndarray], name: str, *, version: int, n_examples: int,
-                        prior_precision: float, fingerprint: str) -> ClientSummary:
+def summary_from_arrays(
+    arrays: Mapping[str, np.ndarray],
+    name: str,
+    *,
+    version: int,
+    n_examples: int,
+    prior_precision: float,
+    fingerprint: str,
+) -> ClientSummary:
     """The summary whose arrays :func:`summary_arrays` gave, with its metadata; refuses, naming
     ``name``, arrays without class counts."""
     precision, moments = {}, {}
     for k, v in arrays.items():
         if k.startswith("precision/"):
-            precision[k[len("precision/"):]] = np.asarray(v, dtype=np.float64)
+            precision[k[len("precision/") :]] = np.asarray(v, dtype=np.float64)
         elif k.startswith("moments/"):
-            g, _, s = k[len("moments/"):].rpartition("/")
+            g, _, s = k[len("moments/") :].rpartition("/")
             moments.setdefault(g, {})[s] = np.asarray(v, dtype=np.float64)
     if "class_counts" not in arrays:
         raise SummaryError(f"{name}: the summary has no class_counts")
-    return ClientSummary(precision=precision, prior_precision=prior_precision, moments=moments,
-                         class_counts=np.asarray(arrays["class_counts"]), n_examples=n_examples,
-                         fingerprint=fingerprint, version=version)
+    return ClientSummary(
+        precision=precision,
+        prior_precision=prior_precision,
+        moments=moments,
+        class_counts=np.asarray(arrays["class_counts"]),
+        n_examples=n_examples,
+        fingerprint=fingerprint,
+        version=version,
+    )
 
 
 def summary_path(model_path: str | os.PathLike) -> Path:
@@ -394,8 +444,13 @@ def save_summary(summary: ClientSummary, path: str | os.PathLike, *, overwrite: 
     if path.suffix != ".safetensors":
         raise ValueError(f"a summary is a .safetensors file, got {path.name!r}")
     tensors = summary_arrays(summary)
-    meta = {"format": SUMMARY_FORMAT, "version": str(summary.version), "n_examples": str(summary.n_examples),
-            "prior_precision": repr(float(summary.prior_precision)), "fingerprint": summary.fingerprint}
+    meta = {
+        "format": SUMMARY_FORMAT,
+        "version": str(summary.version),
+        "n_examples": str(summary.n_examples),
+        "prior_precision": repr(float(summary.prior_precision)),
+        "fingerprint": summary.fingerprint,
+    }
     return atomic_write_bytes(path, save(tensors, metadata=meta), overwrite=overwrite)
 
 
@@ -425,7 +480,9 @@ def load_summary(path: str | os.PathLike) -> ClientSummary:
     except (KeyError, ValueError):
         raise SummaryError(f"{path.name}: summary metadata is incomplete") from None
     if version != SUMMARY_VERSION:
-        raise SummaryError(f"{path.name}: summary version {version} is not one this bayesfuse reads "
-                           f"({SUMMARY_VERSION})")
-    return summary_from_arrays(tensors, path.name, version=version, n_examples=n_examples, prior_precision=prior,
-                               fingerprint=fp)
+        raise SummaryError(
+            f"{path.name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION})"
+        )
+    return summary_from_arrays(
+        tensors, path.name, version=version, n_examples=n_examples, prior_precision=prior, fingerprint=fp
+    )

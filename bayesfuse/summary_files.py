@@ -45,23 +45,33 @@ def read_client_data(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"data file {path} holds one array, not a .npz archive with x and y")
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
-        raise ValueError(f"data file {path} has no array {' and no array '.join(repr(k) for k in missing)} (it holds "
-                         f"{', '.join(repr(k) for k in arrays) or 'nothing'}); save the inputs as x and the labels as "
-                         "y: numpy.savez(path, x=inputs, y=labels)")
+        raise ValueError(
+            f"data file {path} has no array {' and no array '.join(repr(k) for k in missing)} (it holds "
+            f"{', '.join(repr(k) for k in arrays) or 'nothing'}); save the inputs as x and the labels as "
+            "y: numpy.savez(path, x=inputs, y=labels)"
+        )
     x, y = arrays["x"], arrays["y"]
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
         raise ValueError(f"data file {path}: y must be a 1-D array of integer labels, got {y.dtype} of shape {y.shape}")
     if x.ndim < 2 or len(x) != len(y) or not (np.issubdtype(x.dtype, np.number) and not np.iscomplexobj(x)):
-        raise ValueError(f"data file {path}: x must hold one row of real inputs per label ({len(y)} labels), got "
-                         f"{x.dtype} of shape {x.shape}")
+        raise ValueError(
+            f"data file {path}: x must hold one row of real inputs per label ({len(y)} labels), got "
+            f"{x.dtype} of shape {x.shape}"
+        )
     x = x.reshape(len(x), -1).astype(np.float32)
     if not np.isfinite(x).all():
         raise ValueError(f"data file {path}: x has NaN or infinite values")
     return x, y.astype(np.int64)
 
 
-def summarize_file(model_path: str | os.PathLike, data_path: str | os.PathLike, *, out: str | os.PathLike | None = None,
-                   prior_precision: float = 1.0, force: bool = False) -> dict:
+def summarize_file(
+    model_path: str | os.PathLike,
+    data_path: str | os.PathLike,
+    *,
+    out: str | os.PathLike | None = None,
+    prior_precision: float = 1.0,
+    force: bool = False,
+) -> dict:
     """Summarise the model in ``model_path`` on the client's data ``data_path``; write the summary.
 
     Parameters
@@ -105,11 +115,17 @@ def summarize_file(model_path: str | os.PathLike, data_path: str | os.PathLike, 
         summary = summarize(model, x, y, prior_precision=prior_precision)
     except RuntimeError as err:  # torch: the inputs do not fit the network
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"{model_path}: the network cannot run on the inputs x of shape {x.shape} of {data_path} "
-                         f"({first})") from None
+        raise ValueError(
+            f"{model_path}: the network cannot run on the inputs x of shape {x.shape} of {data_path} ({first})"
+        ) from None
     save_summary(summary, out, overwrite=force)
-    return {"path": str(out), "bytes": out.stat().st_size, "model_bytes": model_path.stat().st_size,
-            "n_examples": summary.n_examples, "seconds": time.perf_counter() - start}
+    return {
+        "path": str(out),
+        "bytes": out.stat().st_size,
+        "model_bytes": model_path.stat().st_size,
+        "n_examples": summary.n_examples,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _client_model(path: Path, n_features: int):
@@ -122,10 +138,13 @@ def _client_model(path: Path, n_features: int):
         message = str(err)
         if "like=model" not in message:
             raise
-        raise ValueError(message.split("; give")[0] + "; summarise it in Python instead: bayesfuse.summarize(model, "
-                         "x, y), then bayesfuse.summaries.save_summary(summary, summary_path(MODEL))") from None
+        raise ValueError(
+            message.split("; give")[0] + "; summarise it in Python instead: bayesfuse.summarize(model, "
+            "x, y), then bayesfuse.summaries.save_summary(summary, summary_path(MODEL))"
+        ) from None
     state = model.state_dict()
     if is_bnn_state(state) or has_heads(state):
-        raise ValueError(f"{path} is a HorseshoeBNN: it carries its own posterior; summaries are for "
-                         "point-estimate networks")
+        raise ValueError(
+            f"{path} is a HorseshoeBNN: it carries its own posterior; summaries are for point-estimate networks"
+        )
     return model

@@ -22,8 +22,15 @@ from bayesfuse.data.partition import Partition
 from bayesfuse.nets.arch import ARCHITECTURES, make_model
 from bayesfuse.nets.pans import PANConfig
 
-__all__ = ["TrainConfig", "TrainingDivergedError", "torch_threads", "new_model", "train_model", "train_mlp",
-           "train_clients"]
+__all__ = [
+    "TrainConfig",
+    "TrainingDivergedError",
+    "torch_threads",
+    "new_model",
+    "train_model",
+    "train_mlp",
+    "train_clients",
+]
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -142,8 +149,15 @@ def new_model(n_features: int, n_classes: int, config: TrainConfig) -> nn.Module
     MLPs keep PFNM's initialisation (weights N(0, 0.01), biases 0.1); ConvNets and LSTMs keep
     torch's defaults, which they need to train at all at these depths.
     """
-    return make_model(config.arch, n_features, n_classes, hidden=config.hidden, channels=config.channels,
-                      pan=config.pan, width=config.width)
+    return make_model(
+        config.arch,
+        n_features,
+        n_classes,
+        hidden=config.hidden,
+        channels=config.channels,
+        pan=config.pan,
+        width=config.width,
+    )
 
 
 def train_model(
@@ -284,11 +298,15 @@ def train_clients(
         start = time.perf_counter()
         client_config = replace(config, seed=config.seed + j)
         model = train_mlp(
-            train.x[idx], train.y[idx], train.n_classes, client_config,
-            init=init, verbose=False, name=f"client {j}",
+            train.x[idx],
+            train.y[idx],
+            train.n_classes,
+            client_config,
+            init=init,
+            verbose=False,
+            name=f"client {j}",
         )
         model.train_seconds = time.perf_counter() - start
         bar.set_postfix(client=j, loss=f"{model.loss_history[-1]:.3f}")
         models.append(model)
     return models
-

@@ -75,8 +75,7 @@ def federation(args, seed: int) -> DataSplit:
     rng = np.random.default_rng(seed)
     parts = []
     for data, size in ((split.train, args.train_size), (split.test, args.test_size)):
-        parts.append(data.subset(np.sort(rng.choice(len(data), size, replace=False))) if 0 < size < len(data)
-                     else data)
+        parts.append(data.subset(np.sort(rng.choice(len(data), size, replace=False))) if 0 < size < len(data) else data)
     return DataSplit(*parts).standardize()
 
 
@@ -90,8 +89,16 @@ def n_parameters(model: torch.nn.Module) -> int:
 
 
 def row(method: str, metrics: dict, parameters: int, rounds: int, seconds: float, cpu: float) -> dict:
-    return {"method": method, "accuracy": metrics["accuracy"], "nll": metrics["nll"], "ece": metrics["ece"],
-            "parameters": int(parameters), "rounds": int(rounds), "seconds": float(seconds), "cpu": float(cpu)}
+    return {
+        "method": method,
+        "accuracy": metrics["accuracy"],
+        "nll": metrics["nll"],
+        "ece": metrics["ece"],
+        "parameters": int(parameters),
+        "rounds": int(rounds),
+        "seconds": float(seconds),
+        "cpu": float(cpu),
+    }
 
 
 def run_seed(args, seed: int) -> tuple[list[dict], str]:
@@ -107,9 +114,17 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
     probs = [probabilities(m, x) for m in models]
     size = n_parameters(models[0])
     local = [evaluate(p, y) for p in probs]
-    rows = [row("local (mean)", {k: float(np.mean([m[k] for m in local])) for k in local[0]}, size, 0, train_seconds,
-                cpu_seconds() - cpu),
-            row("ensemble", evaluate(np.mean(probs, axis=0), y), size * len(models), 1, 0.0, 0.0)]
+    rows = [
+        row(
+            "local (mean)",
+            {k: float(np.mean([m[k] for m in local])) for k in local[0]},
+            size,
+            0,
+            train_seconds,
+            cpu_seconds() - cpu,
+        ),
+        row("ensemble", evaluate(np.mean(probs, axis=0), y), size * len(models), 1, 0.0, 0.0),
+    ]
     n_rounds = len(spec_from_module(models[0]).groups) + 1  # FedMA: each stream and inner layer, then fc
     for method in args.methods:
         cpu = cpu_seconds()
@@ -117,16 +132,26 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
             warnings.simplefilter("ignore", ConvergenceWarning)
             if method == "fedavg-rounds":
                 torch.manual_seed(seed)
-                run = run_fedavg(new_model(split.n_features, split.n_classes, config), split.train, part, retrain,
-                                 rounds=n_rounds, verbose=False)
+                run = run_fedavg(
+                    new_model(split.n_features, split.n_classes, config),
+                    split.train,
+                    part,
+                    retrain,
+                    rounds=n_rounds,
+                    verbose=False,
+                )
                 model, seconds, rounds, name = run.model, run.seconds, n_rounds, f"fedavg x{n_rounds} rounds"
             else:
-                data = {"data": (split.train, part), "retrain": retrain} if method == "fedma" else \
-                    {"class_counts": part.counts}
+                data = (
+                    {"data": (split.train, part), "retrain": retrain}
+                    if method == "fedma"
+                    else {"class_counts": part.counts}
+                )
                 result = fuse(models, method, seed=seed, **data)
                 model, seconds, rounds, name = result.model, result.seconds, result.hyper.get("rounds", 1), method
-        rows.append(row(name, evaluate(probabilities(model, x), y), n_parameters(model), rounds, seconds,
-                        cpu_seconds() - cpu))
+        rows.append(
+            row(name, evaluate(probabilities(model, x), y), n_parameters(model), rounds, seconds, cpu_seconds() - cpu)
+        )
     return rows, f"{split.name}, {len(split.train)} training and {len(split.test)} test examples"
 
 
@@ -153,23 +178,37 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--width", type=float, default=0.25, help="ResNet-20 width multiplier (default: 0.25)")
-    parser.add_argument("--train-size", type=int, default=4000,
-                        help="training examples drawn from the training set; 0: all (default: 4000)")
-    parser.add_argument("--test-size", type=int, default=5000,
-                        help="test examples drawn from the test set, the same for every method; 0: all (default: 5000)")
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=4000,
+        help="training examples drawn from the training set; 0: all (default: 4000)",
+    )
+    parser.add_argument(
+        "--test-size",
+        type=int,
+        default=5000,
+        help="test examples drawn from the test set, the same for every method; 0: all (default: 5000)",
+    )
     parser.add_argument("--epochs", type=int, default=5, help="local training epochs (default: 5)")
-    parser.add_argument("--retrain-epochs", type=int, default=1,
-                        help="epochs of client training per FedMA / FedAvg round (default: 1)")
+    parser.add_argument(
+        "--retrain-epochs", type=int, default=1, help="epochs of client training per FedMA / FedAvg round (default: 1)"
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--shared-init", action="store_true",
-                        help="clients start from one shared initialisation (default: each its own)")
+    parser.add_argument(
+        "--shared-init",
+        action="store_true",
+        help="clients start from one shared initialisation (default: each its own)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     start, cpu = time.perf_counter(), cpu_seconds()
     per_seed = []
     init = "shared" if args.shared_init else "independent"
-    setting = (f"J={args.clients}, Dirichlet({args.alpha}), ResNet-20 x {args.width:g}, {args.epochs} local epochs, "
-               f"{args.retrain_epochs} per later round, {init} initialisation")
+    setting = (
+        f"J={args.clients}, Dirichlet({args.alpha}), ResNet-20 x {args.width:g}, {args.epochs} local epochs, "
+        f"{args.retrain_epochs} per later round, {init} initialisation"
+    )
     for seed in args.seeds:
         rows, data = run_seed(args, seed)
         per_seed.append(rows)

@@ -75,8 +75,11 @@ def first_look(res, az, repeats: int, **export) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="runs per step; the best is reported")
-    parser.add_argument("--before", action="store_true",
-                        help="also time the former default export (25 units x 794 weights, one chain; minutes)")
+    parser.add_argument(
+        "--before",
+        action="store_true",
+        help="also time the former default export (25 units x 794 weights, one chain; minutes)",
+    )
     args = parser.parse_args()
     az = _arviz()
     res = readme_matching()
@@ -90,12 +93,13 @@ def main() -> None:
     if args.before:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rows += [{"export": "before", **row}
-                     for row in first_look(res, az, 1, units=list(range(25)), chains=1)]
+            rows += [{"export": "before", **row} for row in first_look(res, az, 1, units=list(range(25)), chains=1)]
     print(format_table(rows, ["export", "step", "rows", "seconds"]))
     look = next(r["seconds"] for r in rows if r["export"] == "default" and r["step"] == "first look")
-    print(f"\nfirst look at the default export: {look:.2f} s (budget {BUDGET:.0f} s: "
-          f"{'within' if look < BUDGET else 'OVER'})")
+    print(
+        f"\nfirst look at the default export: {look:.2f} s (budget {BUDGET:.0f} s: "
+        f"{'within' if look < BUDGET else 'OVER'})"
+    )
 
 
 if __name__ == "__main__":

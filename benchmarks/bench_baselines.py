@@ -23,13 +23,23 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--hidden", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--shared-init", action="store_true",
-                        help="clients start from one shared initialisation (default: each its own)")
+    parser.add_argument(
+        "--shared-init",
+        action="store_true",
+        help="clients start from one shared initialisation (default: each its own)",
+    )
     args = parser.parse_args()
     per_method: dict[str, list[dict]] = {}
     for seed in args.seeds:
-        config = DemoConfig(dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=seed,
-                            hidden=(args.hidden,), epochs=args.epochs, shared_init=args.shared_init)
+        config = DemoConfig(
+            dataset=args.dataset,
+            n_clients=args.clients,
+            alpha=args.alpha,
+            seed=seed,
+            hidden=(args.hidden,),
+            epochs=args.epochs,
+            shared_init=args.shared_init,
+        )
         result = run_demo(config, verbose=False)
         print(f"\nseed {seed} (local training {result.train_seconds:.1f} s)")
         print(result.table())
@@ -38,9 +48,14 @@ def main() -> None:
             per_method.setdefault(key, []).append(row)
     summary = []
     for method, rows in per_method.items():
-        summary.append({"method": method, "accuracy": mean_sd([r["accuracy"] for r in rows]),
-                        "nll": mean_sd([r["nll"] for r in rows]),
-                        "hidden": "/".join(str(r["hidden"]) for r in rows)})
+        summary.append(
+            {
+                "method": method,
+                "accuracy": mean_sd([r["accuracy"] for r in rows]),
+                "nll": mean_sd([r["nll"] for r in rows]),
+                "hidden": "/".join(str(r["hidden"]) for r in rows),
+            }
+        )
     init = "shared" if args.shared_init else "independent"
     print(f"\n{args.dataset}, J={args.clients}, alpha={args.alpha}, {init} init, seeds {args.seeds}: mean +- sd")
     print(format_table(summary, ["method", "accuracy", "nll", "hidden"]))

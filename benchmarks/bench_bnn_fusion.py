@@ -110,8 +110,9 @@ def scores(p, y, h_ood=None) -> dict:
 def _trained(cache: Path | None, name: str, x, y, n_classes, hidden, config) -> HorseshoeBNN:
     """A horseshoe BNN trained on ``(x, y)``, kept in ``cache`` (when given) as ``name.pt``."""
     files = None if cache is None else [cache / f"{name}.pt"]
-    return cached_models(files, lambda: [train_bnn(x, y, n_classes, hidden, config, name=name)],
-                         load=HorseshoeBNN.from_state_dict)[0]
+    return cached_models(
+        files, lambda: [train_bnn(x, y, n_classes, hidden, config, name=name)], load=HorseshoeBNN.from_state_dict
+    )[0]
 
 
 def run_seed(args, seed: int) -> dict:
@@ -127,8 +128,11 @@ def run_seed(args, seed: int) -> dict:
     hidden = _hidden(args)
     shape = "x".join(map(str, args.hidden))
     cache = Path(args.cache) / f"{args.dataset}_h{shape}_e{epochs}_s{seed}" if args.cache else None
-    print(f"seed {seed}: {args.clients} clients (Dirichlet {args.alpha}), sizes {part.sizes.tolist()}, "
-          f"{shape}-unit horseshoe BNNs, {epochs} epochs, validation {n_val}", flush=True)
+    print(
+        f"seed {seed}: {args.clients} clients (Dirichlet {args.alpha}), sizes {part.sizes.tolist()}, "
+        f"{shape}-unit horseshoe BNNs, {epochs} epochs, validation {n_val}",
+        flush=True,
+    )
     units = sum(args.hidden)
 
     def predict(model, x):
@@ -154,25 +158,53 @@ def run_seed(args, seed: int) -> dict:
     local_probs = []
     bnns = []
     for j, idx in enumerate(part):
-        bnn = _trained(cache, f"local{j}", train.x[idx], train.y[idx], split.n_classes, hidden,
-                       BNNConfig(epochs=epochs, seed=seed * 100 + j))
+        bnn = _trained(
+            cache,
+            f"local{j}",
+            train.x[idx],
+            train.y[idx],
+            split.n_classes,
+            hidden,
+            BNNConfig(epochs=epochs, seed=seed * 100 + j),
+        )
         bnns.append(bnn)
         row, *pair = evaluate(f"local {j}", bnn, units, getattr(bnn, "train_seconds", None))
         rows.append(row)
         local_probs.append(pair)
     rows.append(ensemble("ensemble", local_probs, args.clients * units))
     shares = output_shares(part.counts, args.clients, split.n_classes)
-    rows.append(scored(SHARE_ENSEMBLE, *(_share_mixture([m[i] for m in local_probs], shares) for i in (0, 1)),
-                       args.clients * units))
-    rows.append(scored(SHARE_LOG_ENSEMBLE, *(_share_log_pool([m[i] for m in local_probs], shares) for i in (0, 1)),
-                       args.clients * units))
+    rows.append(
+        scored(
+            SHARE_ENSEMBLE, *(_share_mixture([m[i] for m in local_probs], shares) for i in (0, 1)), args.clients * units
+        )
+    )
+    rows.append(
+        scored(
+            SHARE_LOG_ENSEMBLE,
+            *(_share_log_pool([m[i] for m in local_probs], shares) for i in (0, 1)),
+            args.clients * units,
+        )
+    )
     # the ensemble calibrated by one temperature fitted on the validation split
     temperature = fit_temperature(np.mean([predict(b, val.x) for b in bnns], axis=0), val.y)
-    rows.append(scored(TEMPERED_ENSEMBLE, *(tempered(np.mean([m[i] for m in local_probs], axis=0), temperature)
-                                            for i in (0, 1)), args.clients * units, extra={"temperature": temperature}))
+    rows.append(
+        scored(
+            TEMPERED_ENSEMBLE,
+            *(tempered(np.mean([m[i] for m in local_probs], axis=0), temperature) for i in (0, 1)),
+            args.clients * units,
+            extra={"temperature": temperature},
+        )
+    )
     pooled_idx = np.concatenate(list(part))
-    pooled = _trained(cache, "pooled", train.x[pooled_idx], train.y[pooled_idx], split.n_classes, hidden,
-                      BNNConfig(epochs=epochs, seed=seed * 100 + 99))
+    pooled = _trained(
+        cache,
+        "pooled",
+        train.x[pooled_idx],
+        train.y[pooled_idx],
+        split.n_classes,
+        hidden,
+        BNNConfig(epochs=epochs, seed=seed * 100 + 99),
+    )
     rows.append(evaluate("pooled (upper bound)", pooled, units, getattr(pooled, "train_seconds", None))[0])
 
     # reg by validation log-likelihood
@@ -181,34 +213,54 @@ def run_seed(args, seed: int) -> dict:
         res = fuse(bnns, "kl", class_counts=part.counts, reg=reg)
         v = scores(predict(res.model, val.x), val.y)
         validation.append({"reg": reg, "units": sum(res.sizes), "layers": res.sizes, **v})
-        print(f"  validation: reg {reg:g}: {_sizes(res.sizes)} units, accuracy {v['accuracy']:.4f}, "
-              f"loglik {v['loglik']:.4f}", flush=True)
+        print(
+            f"  validation: reg {reg:g}: {_sizes(res.sizes)} units, accuracy {v['accuracy']:.4f}, "
+            f"loglik {v['loglik']:.4f}",
+            flush=True,
+        )
     best = max(validation, key=lambda r: r["loglik"])["reg"]
     fused = {}
-    for name, method, hyper in (("fused (kl)", "kl", dict(reg=best)),
-                                (HEADS, "kl", dict(reg=best, head="clients")),
-                                ("fused (nafi)", "nafi", {}),
-                                ("kl, no pruning", "kl", dict(reg=best, prune_kl=0.0)),
-                                ("kl, raw units", "kl", dict(reg=best, unit_form="raw")),
-                                # reg far below any KL cost: no unit merges, none is pruned
-                                (SIDE_BY_SIDE, "kl", dict(reg=1e-12, prune_kl=0.0))):
+    for name, method, hyper in (
+        ("fused (kl)", "kl", dict(reg=best)),
+        (HEADS, "kl", dict(reg=best, head="clients")),
+        ("fused (nafi)", "nafi", {}),
+        ("kl, no pruning", "kl", dict(reg=best, prune_kl=0.0)),
+        ("kl, raw units", "kl", dict(reg=best, unit_form="raw")),
+        # reg far below any KL cost: no unit merges, none is pruned
+        (SIDE_BY_SIDE, "kl", dict(reg=1e-12, prune_kl=0.0)),
+    ):
         res = fuse(bnns, method, class_counts=part.counts, **hyper)
         fused[name] = res
-        rows.append(evaluate(name, res.model, sum(res.sizes), res.seconds,
-                             {"hyper": res.hyper, "layers": res.sizes})[0])
+        rows.append(
+            evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})[0]
+        )
         if name == HEADS:  # the same heads, pooled geometrically
             log_pool = [res.model.predict(x, args.samples, seed=seed, pool="log") for x in (split.test.x, x_ood)]
             rows.append(scored(HEADS_LOG, *log_pool, sum(res.sizes), res.seconds, {"layers": res.sizes}))
     with warnings.catch_warnings():  # one model per fusion on purpose: it comes back pruned
         warnings.filterwarnings("ignore", "only one model", UserWarning)
         pruned = [fuse([bnn], "kl", reg=best) for bnn in bnns]
-    rows.append(ensemble("ensemble, pruned locals", [(predict(r.model, split.test.x), predict(r.model, x_ood))
-                                                     for r in pruned], sum(sum(r.sizes) for r in pruned)))
+    rows.append(
+        ensemble(
+            "ensemble, pruned locals",
+            [(predict(r.model, split.test.x), predict(r.model, x_ood)) for r in pruned],
+            sum(sum(r.sizes) for r in pruned),
+        )
+    )
     kept = fused["fused (kl)"].hyper["kept_units"]
     kept = [len(k) for k in kept] if len(args.hidden) == 1 else [[len(k) for k in layer] for layer in kept]
-    return {"seed": seed, "rows": rows, "validation": validation, "reg": best, "sizes": part.sizes.tolist(),
-            "units_kept": kept, "entropies": entropies, "split": split, "fonts": fonts,
-            "fused": fused["fused (kl)"].model}
+    return {
+        "seed": seed,
+        "rows": rows,
+        "validation": validation,
+        "reg": best,
+        "sizes": part.sizes.tolist(),
+        "units_kept": kept,
+        "entropies": entropies,
+        "split": split,
+        "fonts": fonts,
+        "fused": fused["fused (kl)"].model,
+    }
 
 
 def _over_seeds(row: dict, key: str, values) -> np.ndarray:
@@ -251,23 +303,39 @@ def speed(args) -> None:
         x, y = split.train.x[idx], split.train.y[idx]
         first = first or (x, y, split.n_classes)
         epochs = args.epochs or (200 if args.dataset == "digits" else 30)
-        print(f"{args.dataset}, seed {seed}: client with {len(idx)} examples, {args.hidden} units, {epochs} epochs, "
-              f"1 thread", flush=True)
+        print(
+            f"{args.dataset}, seed {seed}: client with {len(idx)} examples, {args.hidden} units, {epochs} epochs, "
+            f"1 thread",
+            flush=True,
+        )
         for estimator in ("local", "pyro"):
             # a short run first, so that one-time costs (first calls, allocations) are not timed
             train_bnn(x[:256], y[:256], split.n_classes, _hidden(args), BNNConfig(epochs=1, estimator=estimator))
-            bnn = train_bnn(x, y, split.n_classes, _hidden(args),
-                            BNNConfig(epochs=epochs, estimator=estimator, seed=seed))
+            bnn = train_bnn(
+                x, y, split.n_classes, _hidden(args), BNNConfig(epochs=epochs, estimator=estimator, seed=seed)
+            )
             p = bnn.predict(split.test.x, args.samples, seed=seed)
             # the median epoch: other work on a shared machine slows some epochs, and not both runs alike
-            rows.append({"seed": seed, "training": f"HorseshoeBNN, estimator={estimator!r}",
-                         "examples/s": len(x) / float(np.median(bnn.epoch_seconds)),
-                         "accuracy": accuracy(p, split.test.y),
-                         "loglik": -negative_log_likelihood(p, split.test.y)})
+            rows.append(
+                {
+                    "seed": seed,
+                    "training": f"HorseshoeBNN, estimator={estimator!r}",
+                    "examples/s": len(x) / float(np.median(bnn.epoch_seconds)),
+                    "accuracy": accuracy(p, split.test.y),
+                    "loglik": -negative_log_likelihood(p, split.test.y),
+                }
+            )
             print(format_table(rows[-1:], list(rows[0])).splitlines()[-1], flush=True)
     rate = _autonormal_rate(*first, _hidden(args))
-    rows.append({"seed": args.seeds[0], "training": "AutoNormal guide (3 epochs timed)", "examples/s": rate,
-                 "accuracy": float("nan"), "loglik": float("nan")})
+    rows.append(
+        {
+            "seed": args.seeds[0],
+            "training": "AutoNormal guide (3 epochs timed)",
+            "examples/s": rate,
+            "accuracy": float("nan"),
+            "loglik": float("nan"),
+        }
+    )
     print()
     print(format_table(rows, list(rows[0])))
     local = [r for r in rows if r["training"].endswith("'local'")]
@@ -275,8 +343,10 @@ def speed(args) -> None:
     ratio = np.array([a["examples/s"] / b["examples/s"] for a, b in zip(local, pyro_)])
     d_acc = np.array([100 * (a["accuracy"] - b["accuracy"]) for a, b in zip(local, pyro_)])
     d_ll = np.array([a["loglik"] - b["loglik"] for a, b in zip(local, pyro_)])
-    print(f"estimator='local' over 'pyro', per seed: speed-up {', '.join(f'{r:.2f}x' for r in ratio)}; "
-          f"accuracy {', '.join(f'{d:+.1f}' for d in d_acc)} points; loglik {', '.join(f'{d:+.3f}' for d in d_ll)}")
+    print(
+        f"estimator='local' over 'pyro', per seed: speed-up {', '.join(f'{r:.2f}x' for r in ratio)}; "
+        f"accuracy {', '.join(f'{d:+.1f}' for d in d_acc)} points; loglik {', '.join(f'{d:+.3f}' for d in d_ll)}"
+    )
     print(f"estimator='local' over AutoNormal (seed {args.seeds[0]}): {local[0]['examples/s'] / rate:.2f}x")
 
 
@@ -315,12 +385,22 @@ def main() -> None:
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--clients", type=int, default=5)
     parser.add_argument("--alpha", type=float, default=0.8)
-    parser.add_argument("--hidden", type=int, nargs="+", default=[150],
-                        help="units per hidden layer (two numbers: a BNN of two hidden layers)")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        default=[150],
+        help="units per hidden layer (two numbers: a BNN of two hidden layers)",
+    )
     parser.add_argument("--epochs", type=int, default=None, help="default: 200 (digits), 30 (fashion-mnist)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--regs", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03, 0.1],
-                        help="KL-fusion reg values to choose from by validation log-likelihood")
+    parser.add_argument(
+        "--regs",
+        type=float,
+        nargs="+",
+        default=[0.001, 0.003, 0.01, 0.03, 0.1],
+        help="KL-fusion reg values to choose from by validation log-likelihood",
+    )
     parser.add_argument("--samples", type=int, default=100, help="Monte Carlo samples of the predictive")
     parser.add_argument("--cache", default=None, help="directory to keep trained BNNs in between runs")
     parser.add_argument("--speed", action="store_true", help="time local training per ELBO estimator instead")
@@ -339,15 +419,23 @@ def main() -> None:
     print(f"\n{args.dataset}, {args.clients} clients, Dirichlet({args.alpha}), seeds {args.seeds}: mean ± sd")
     print(_shown(rows))
     against = gains(runs)
-    print("\nminus the ensemble (accuracy, loglik, auroc) and points above the best local, mean ± sd over "
-          "seeds (seeds at or above the ensemble; for points, at least 3 above the best local)")
+    print(
+        "\nminus the ensemble (accuracy, loglik, auroc) and points above the best local, mean ± sd over "
+        "seeds (seeds at or above the ensemble; for points, at least 3 above the best local)"
+    )
     print(_shown_gains(against, len(runs)))
     print(f"whole study: {time.perf_counter() - start:.0f} s")
     out = Path(args.out)
-    report = {"config": vars(args), "summary": rows, "against_ensemble": against,
-              "seeds": [{k: r[k] for k in ("seed", "rows", "validation", "reg", "sizes", "units_kept")} for r in runs]}
-    write_bytes(out / f"bnn_fusion_{_tag(args)}.json",
-                json.dumps(report, indent=1, allow_nan=False, default=json_default).encode())
+    report = {
+        "config": vars(args),
+        "summary": rows,
+        "against_ensemble": against,
+        "seeds": [{k: r[k] for k in ("seed", "rows", "validation", "reg", "sizes", "units_kept")} for r in runs],
+    }
+    write_bytes(
+        out / f"bnn_fusion_{_tag(args)}.json",
+        json.dumps(report, indent=1, allow_nan=False, default=json_default).encode(),
+    )
     print(f"wrote {_figure(args, runs[0])}")
 
 
@@ -361,8 +449,9 @@ def _figure(args, run):
     fig = matplotlib.pyplot.figure(figsize=(12, 7.5), layout="constrained")
     top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, 1])
     ax = top.subplots()
-    shown = {k: v for k, v in run["entropies"].items()
-             if k.startswith("local ") or k in ("ensemble", "fused (kl)", HEADS)}
+    shown = {
+        k: v for k, v in run["entropies"].items() if k.startswith("local ") or k in ("ensemble", "fused (kl)", HEADS)
+    }
     plot_centred_entropy(shown, fonts.y, ax=ax)
     ax.set_title(f"{args.dataset}, seed {run['seed']}: uncertainty on out-of-distribution font digits (Figure 5)")
     h = run["entropies"]["fused (kl)"][0]
@@ -383,8 +472,13 @@ def _differences(rows: list[dict]) -> dict[str, dict[str, float]]:
     by = {r["model"]: r for r in rows}
     ens = by["ensemble"]
     best = max(r["accuracy"] for r in rows if r["model"].startswith("local "))
-    return {name: {**{k: by[name][k] - ens[k] for k in ("accuracy", "loglik", "auroc")},
-                   "points": 100 * (by[name]["accuracy"] - best)} for name in AGAINST}
+    return {
+        name: {
+            **{k: by[name][k] - ens[k] for k in ("accuracy", "loglik", "auroc")},
+            "points": 100 * (by[name]["accuracy"] - best),
+        }
+        for name in AGAINST
+    }
 
 
 def _against(rows: list[dict]) -> str:
@@ -411,10 +505,17 @@ def gains(runs: list[dict]) -> list[dict]:
 
 
 def _shown_gains(rows: list[dict], n_seeds: int) -> str:
-    cells = [{"model": r["model"], **{k: f"{r[k]:+.4f} ± {r[k + '_sd']:.4f} ({r[k + '_seeds']}/{n_seeds})"
-                                      for k in ("accuracy", "loglik", "auroc")},
-              "points": f"{r['points']:+.1f} ± {r['points_sd']:.1f} ({r['points_seeds']}/{n_seeds})"}
-             for r in rows]
+    cells = [
+        {
+            "model": r["model"],
+            **{
+                k: f"{r[k]:+.4f} ± {r[k + '_sd']:.4f} ({r[k + '_seeds']}/{n_seeds})"
+                for k in ("accuracy", "loglik", "auroc")
+            },
+            "points": f"{r['points']:+.1f} ± {r['points_sd']:.1f} ({r['points_seeds']}/{n_seeds})",
+        }
+        for r in rows
+    ]
     return format_table(cells, ("model", "accuracy", "loglik", "auroc", "points"))
 
 

@@ -49,16 +49,29 @@ def main() -> None:
                 part = dirichlet_partition(split.train.y, args.clients, args.alpha, seed=seed)
                 config = TrainConfig(hidden=hidden, epochs=args.epochs, seed=seed)
                 models = train_clients(split.train, part, config, shared_init=init == "shared", verbose=False)
-                rows.append(make_row("ensemble", test_metrics(Ensemble(models), split),
-                                     [len(models) * h for h in hidden], 0.0))
+                rows.append(
+                    make_row("ensemble", test_metrics(Ensemble(models), split), [len(models) * h for h in hidden], 0.0)
+                )
                 for method in ("pfnm", "nafi"):
                     for outputs, weights in CHOICES:
                         mark = " (default)" if outputs and weights == default_weights else ""
                         name = f"{method} {'m/J' if outputs else 'sum'} {weights}{mark}"
-                        rows.append(fused_row(name, models, part, split, method, seed=seed, average_outputs=outputs,
-                                              global_weights=weights))
-            print(f"\n{args.dataset}, hidden {depth_name(hidden)}, {init} init, seeds {args.seeds}: mean +- sd",
-                  flush=True)
+                        rows.append(
+                            fused_row(
+                                name,
+                                models,
+                                part,
+                                split,
+                                method,
+                                seed=seed,
+                                average_outputs=outputs,
+                                global_weights=weights,
+                            )
+                        )
+            print(
+                f"\n{args.dataset}, hidden {depth_name(hidden)}, {init} init, seeds {args.seeds}: mean +- sd",
+                flush=True,
+            )
             print(summary_table(rows), flush=True)
 
 

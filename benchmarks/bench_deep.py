@@ -48,32 +48,60 @@ def synthetic(seed: int) -> None:
     for direction in ("bottom-up", "top-down"):
         for cost, nv in (("pfnm", 1.0), ("marginal", 0.01)):
             start = time.perf_counter()
-            res = match_layerwise(fed.states, spec, direction=direction, cost=cost, noise_var=nv, prior_var=1.0,
-                                  gamma0=100.0, bias_prior_mean=0.0, absent="unobserved")
+            res = match_layerwise(
+                fed.states,
+                spec,
+                direction=direction,
+                cost=cost,
+                noise_var=nv,
+                prior_var=1.0,
+                gamma0=100.0,
+                bias_prior_mean=0.0,
+                absent="unobserved",
+            )
             seconds = time.perf_counter() - start
-            acc = [assignment_accuracy(fed.assignments[n], res.layers[g].assignments)
-                   for n, g in enumerate(spec.groups)]
-            rows.append({"order": direction, "cost": f"{cost} s2={nv}",
-                         "global sizes": "/".join(str(res.sizes[g]) for g in spec.groups),
-                         "true sizes": "/".join(map(str, true)),
-                         "correct layer 1": acc[0], "correct layer 2": acc[1], "seconds": seconds})
+            acc = [
+                assignment_accuracy(fed.assignments[n], res.layers[g].assignments) for n, g in enumerate(spec.groups)
+            ]
+            rows.append(
+                {
+                    "order": direction,
+                    "cost": f"{cost} s2={nv}",
+                    "global sizes": "/".join(str(res.sizes[g]) for g in spec.groups),
+                    "true sizes": "/".join(map(str, true)),
+                    "correct layer 1": acc[0],
+                    "correct layer 2": acc[1],
+                    "seconds": seconds,
+                }
+            )
     print(format_table(rows, list(rows[0])))
 
 
 def demo_part(arch: str, args, seed: int) -> list[dict]:
     hidden = (100, 100) if arch == "mlp" else (64,)
-    config = DemoConfig(dataset=args.dataset, n_clients=args.clients, alpha=args.alpha, seed=seed, hidden=hidden,
-                        epochs=args.epochs if arch == "mlp" else args.cnn_epochs, shared_init=args.shared_init,
-                        arch=arch, channels=(8, 16),
-                        methods=("pfnm", "nafi", "fedma", "fedma-nafi", "fedavg-rounds") if arch == "mlp"
-                        else ("pfnm", "fedma", "fedavg-rounds"),
-                        retrain_epochs=args.retrain_epochs)
+    config = DemoConfig(
+        dataset=args.dataset,
+        n_clients=args.clients,
+        alpha=args.alpha,
+        seed=seed,
+        hidden=hidden,
+        epochs=args.epochs if arch == "mlp" else args.cnn_epochs,
+        shared_init=args.shared_init,
+        arch=arch,
+        channels=(8, 16),
+        methods=("pfnm", "nafi", "fedma", "fedma-nafi", "fedavg-rounds")
+        if arch == "mlp"
+        else ("pfnm", "fedma", "fedavg-rounds"),
+        retrain_epochs=args.retrain_epochs,
+    )
     start = time.perf_counter()
     result = run_demo(config, verbose=False)
     init = "shared" if args.shared_init else "independent"
-    print(f"\n{arch} on {args.dataset}, J={args.clients}, alpha={args.alpha}, seed {seed}, {init} init, "
-          f"local {config.epochs} epochs, {config.retrain_epochs} epochs per later round "
-          f"({time.perf_counter() - start:.0f} s in all)")
+    print(
+        f"\n{arch} on {args.dataset}, J={args.clients}, alpha={args.alpha}, seed {seed}, {init} init, "
+        f"local {config.epochs} epochs, {config.retrain_epochs} epochs per later round "
+        f"({time.perf_counter() - start:.0f} s in all)"
+    )
     print(result.table())
     return result.rows
 
@@ -88,17 +116,26 @@ def pans(args, seed: int) -> None:
         init = new_model(split.n_features, split.n_classes, cfg)
         run = run_fedavg(init, split.train, part, cfg, rounds=4, verbose=False)
         m = evaluate(predict_proba(run.model, split.test.x), split.test.y)
-        rows.append({"PANs": "off" if pan is None else f"{pan.mode} T={pan.period} A={pan.amplitude}",
-                     "accuracy": m["accuracy"], "nll": m["nll"], "seconds": run.seconds})
-    print(f"\nFedAvg x4 rounds ({args.retrain_epochs} epochs each), 784-100-100-10, {args.dataset}, "
-          f"J={args.clients}, alpha={args.alpha}, seed {seed}")
+        rows.append(
+            {
+                "PANs": "off" if pan is None else f"{pan.mode} T={pan.period} A={pan.amplitude}",
+                "accuracy": m["accuracy"],
+                "nll": m["nll"],
+                "seconds": run.seconds,
+            }
+        )
+    print(
+        f"\nFedAvg x4 rounds ({args.retrain_epochs} epochs each), 784-100-100-10, {args.dataset}, "
+        f"J={args.clients}, alpha={args.alpha}, seed {seed}"
+    )
     print(format_table(rows, list(rows[0])))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["synthetic", "mlp", "cnn", "pans"],
-                        choices=["synthetic", "mlp", "cnn", "pans"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["synthetic", "mlp", "cnn", "pans"], choices=["synthetic", "mlp", "cnn", "pans"]
+    )
     parser.add_argument("--dataset", default="fashion-mnist")
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--alpha", type=float, default=0.5)

@@ -37,13 +37,29 @@ def main() -> None:
     for nv in args.noise_vars:
         for passes in args.passes:
             start = time.perf_counter()
-            run = run_fedma(models, split.train, part, TrainConfig(hidden=(100, 100), epochs=5, seed=args.seed),
-                            noise_var=nv, passes=passes, verbose=False)
+            run = run_fedma(
+                models,
+                split.train,
+                part,
+                TrainConfig(hidden=(100, 100), epochs=5, seed=args.seed),
+                noise_var=nv,
+                passes=passes,
+                verbose=False,
+            )
             m = evaluate(predict_proba(run.model, split.test.x), split.test.y)
-            rows.append({"sigma^2": nv, "passes": passes, "rounds": run.rounds,
-                         "global widths": "/".join(map(str, run.sizes)), "growth": f"{sum(run.sizes) / 200:.2f}x",
-                         "accuracy": m["accuracy"], "nll": m["nll"], "MB up": run.bytes_up / 1e6,
-                         "seconds": time.perf_counter() - start})
+            rows.append(
+                {
+                    "sigma^2": nv,
+                    "passes": passes,
+                    "rounds": run.rounds,
+                    "global widths": "/".join(map(str, run.sizes)),
+                    "growth": f"{sum(run.sizes) / 200:.2f}x",
+                    "accuracy": m["accuracy"],
+                    "nll": m["nll"],
+                    "MB up": run.bytes_up / 1e6,
+                    "seconds": time.perf_counter() - start,
+                }
+            )
     print(f"FedMA on {args.dataset}, J=10, alpha=0.5, seed {args.seed}, shared init")
     print(format_table(rows, list(rows[0])))
 

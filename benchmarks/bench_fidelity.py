@@ -78,11 +78,14 @@ QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0
 SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "auroc", "width", "seconds", "converged")
 #: The rows with client summaries (bayesfuse.summarize): name -> fuse() options beyond the method.
 #: ``"summaries": False``: the row fuses without them (the data-free fusion, then its second round).
-SUMMARY_ROWS = {"pfnm +summaries": ("pfnm", {}), "pfnm +summaries counts": ("pfnm", {"output_pool": "counts"}),
-                "nafi +summaries": ("nafi", {}),
-                "pfnm +summaries 2 rounds temperature": ("pfnm", {"rounds": 2, "second_round": "temperature"}),
-                "pfnm +summaries 2 rounds refit": ("pfnm", {"rounds": 2}),
-                "pfnm 2 rounds refit": ("pfnm", {"rounds": 2, "summaries": False})}
+SUMMARY_ROWS = {
+    "pfnm +summaries": ("pfnm", {}),
+    "pfnm +summaries counts": ("pfnm", {"output_pool": "counts"}),
+    "nafi +summaries": ("nafi", {}),
+    "pfnm +summaries 2 rounds temperature": ("pfnm", {"rounds": 2, "second_round": "temperature"}),
+    "pfnm +summaries 2 rounds refit": ("pfnm", {"rounds": 2}),
+    "pfnm 2 rounds refit": ("pfnm", {"rounds": 2, "summaries": False}),
+}
 HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
 
 
@@ -98,17 +101,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=10, help="J, the number of clients")
     parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration of the split")
     parser.add_argument("--epochs", type=int, default=10, help="local epochs (and per FedAvg round)")
-    parser.add_argument("--depths", type=parse_depth, nargs="+", default=[(100,), (100, 100)],
-                        help="hidden widths of each network, e.g. 100 100,100")
+    parser.add_argument(
+        "--depths",
+        type=parse_depth,
+        nargs="+",
+        default=[(100,), (100, 100)],
+        help="hidden widths of each network, e.g. 100 100,100",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--inits", nargs="+", choices=("shared", "independent"), default=["shared", "independent"])
-    parser.add_argument("--sweep", type=float, nargs="*", default=[0.3, 1.0, 3.0, 10.0, 30.0],
-                        help="noise_var values of the hand-set PFNM sweep (none: no sweep)")
-    parser.add_argument("--no-summaries", dest="summaries", action="store_false",
-                        help="leave out the rows that use client summaries")
+    parser.add_argument(
+        "--sweep",
+        type=float,
+        nargs="*",
+        default=[0.3, 1.0, 3.0, 10.0, 30.0],
+        help="noise_var values of the hand-set PFNM sweep (none: no sweep)",
+    )
+    parser.add_argument(
+        "--no-summaries", dest="summaries", action="store_false", help="leave out the rows that use client summaries"
+    )
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(
-        f"{k} {v}" for k, v in QUICK.items()))
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items())
+    )
     if quick:
         parser.set_defaults(**QUICK)
     return parser.parse_args(argv)
@@ -147,17 +162,35 @@ def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.n
             warnings.simplefilter("ignore", ConvergenceWarning)
             result = fuse(models, method, summaries=given, seed=seed, **options, **data)
         second = result.hyper.get("second_round", {})
-        rows.append(make_row(name, test_metrics(result.model, split), result.sizes, result.seconds,
-                             result.converged, auroc=entropy_auroc(result.model, split, ood),
-                             summary_kb=float(np.mean([s.nbytes for s in summaries]) / 1024), model_kb=model_kb,
-                             summary_seconds=summary_seconds, temperature=second.get("temperature"),
-                             prior_precision=second.get("prior_precision"),
-                             output_pool=second.get("output_pool"), round2_bytes_up=second.get("bytes_up")))
+        rows.append(
+            make_row(
+                name,
+                test_metrics(result.model, split),
+                result.sizes,
+                result.seconds,
+                result.converged,
+                auroc=entropy_auroc(result.model, split, ood),
+                summary_kb=float(np.mean([s.nbytes for s in summaries]) / 1024),
+                model_kb=model_kb,
+                summary_seconds=summary_seconds,
+                temperature=second.get("temperature"),
+                prior_precision=second.get("prior_precision"),
+                output_pool=second.get("output_pool"),
+                round2_bytes_up=second.get("bytes_up"),
+            )
+        )
     return rows
 
 
-def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], init: str, seed: int,
-                    args: argparse.Namespace, fedavg_rounds: dict) -> tuple[list[dict], float]:
+def federation_rows(
+    split: DataSplit,
+    part: Partition,
+    hidden: tuple[int, ...],
+    init: str,
+    seed: int,
+    args: argparse.Namespace,
+    fedavg_rounds: dict,
+) -> tuple[list[dict], float]:
     """Every row of one federation (see the module docstring) and its local training seconds."""
     ood = split.standardizer.transform(load_font_digits(split.train.image_shape[0], seed=seed).x)
     config = TrainConfig(hidden=hidden, epochs=args.epochs, seed=seed)
@@ -169,8 +202,15 @@ def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], 
     rows = [make_row("local", local_mean, hidden, float(np.mean([m.train_seconds for m in models])))]
     start = time.perf_counter()
     ensemble = Ensemble(models)
-    rows.append(make_row("ensemble", test_metrics(ensemble, split), [len(models) * h for h in hidden],
-                         time.perf_counter() - start, auroc=entropy_auroc(ensemble, split, ood)))
+    rows.append(
+        make_row(
+            "ensemble",
+            test_metrics(ensemble, split),
+            [len(models) * h for h in hidden],
+            time.perf_counter() - start,
+            auroc=entropy_auroc(ensemble, split, ood),
+        )
+    )
     rows.append(fused_row("fedavg", models, part, split, "fedavg"))
     key = (seed, hidden)
     if key not in fedavg_rounds:
@@ -183,8 +223,9 @@ def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], 
     if args.summaries:
         rows += summary_rows(models, part, split, seed, ood)
     for noise_var in args.sweep:
-        rows.append(fused_row(f"pfnm s2={noise_var:g}", models, part, split, "pfnm", seed=seed,
-                              noise_var=noise_var, **HAND_SET))
+        rows.append(
+            fused_row(f"pfnm s2={noise_var:g}", models, part, split, "pfnm", seed=seed, noise_var=noise_var, **HAND_SET)
+        )
     return rows, train_seconds
 
 
@@ -192,8 +233,10 @@ def federation_rows(split: DataSplit, part: Partition, hidden: tuple[int, ...], 
 
 
 def seed_table(rows: list[dict]) -> str:
-    shown = [dict(r, converged={None: "-", True: "yes", False: "no"}[r["converged"]], auroc=r.get("auroc") or "-")
-             for r in rows]
+    shown = [
+        dict(r, converged={None: "-", True: "yes", False: "no"}[r["converged"]], auroc=r.get("auroc") or "-")
+        for r in rows
+    ]
     return format_table(shown, SEED_COLUMNS)
 
 
@@ -204,10 +247,15 @@ def ood_cost_table(rows: list[dict]) -> str:
     for method, group in by_method([r for r in rows if r.get("auroc") is not None]).items():
         kb = [r["summary_kb"] for r in group if r.get("summary_kb") is not None]
         temps = [f"{r['temperature']:.2f} {r['output_pool']}" for r in group if r.get("temperature") is not None]
-        summary.append({"method": method, "auroc": mean_sd([r["auroc"] for r in group]),
-                        "summary kB": f"{np.mean(kb):.1f} (model {group[0]['model_kb']:.1f})" if kb else "-",
-                        "summarise s": f"{np.mean([r['summary_seconds'] for r in group]):.2f}" if kb else "-",
-                        "second round": "/".join(temps) if temps else "-"})
+        summary.append(
+            {
+                "method": method,
+                "auroc": mean_sd([r["auroc"] for r in group]),
+                "summary kB": f"{np.mean(kb):.1f} (model {group[0]['model_kb']:.1f})" if kb else "-",
+                "summarise s": f"{np.mean([r['summary_seconds'] for r in group]):.2f}" if kb else "-",
+                "second round": "/".join(temps) if temps else "-",
+            }
+        )
     return format_table(summary, ("method", "auroc", "summary kB", "summarise s", "second round"))
 
 
@@ -217,8 +265,10 @@ def hyper_lines(method: str, chosen: list[dict]) -> list[str]:
     lines = []
     for layer in chosen:
         kl = f", kl_weight/D {layer['kl_weight']:.3g}" if layer["kl_weight"] else ""
-        lines.append(f"  {method} {layer['layer']} [{'/'.join(layer['blocks'])}]: noise_var {g(layer['noise_var'])}, "
-                     f"prior_var {g(layer['prior_var'])}, gamma0 {layer['gamma0']:.3g}{kl}")
+        lines.append(
+            f"  {method} {layer['layer']} [{'/'.join(layer['blocks'])}]: noise_var {g(layer['noise_var'])}, "
+            f"prior_var {g(layer['prior_var'])}, gamma0 {layer['gamma0']:.3g}{kl}"
+        )
     return lines
 
 
@@ -231,8 +281,15 @@ def write_json(path: Path, args: argparse.Namespace, rows: list[dict], federatio
 # --------------------------------------------------------------------------- figure
 
 INIT_COLORS = {"shared": "#1f77b4", "independent": "#d62728"}
-MARKERS = {"pfnm": ("*", 14), "nafi": ("D", 7), "ot": ("s", 7), "fedavg": ("v", 7), "fedavg x": ("^", 7),
-           "ensemble": ("P", 9), "local": ("o", 6)}
+MARKERS = {
+    "pfnm": ("*", 14),
+    "nafi": ("D", 7),
+    "ot": ("s", 7),
+    "fedavg": ("v", 7),
+    "fedavg x": ("^", 7),
+    "ensemble": ("P", 9),
+    "local": ("o", 6),
+}
 
 
 def _mean_point(group: list[dict], key: str) -> tuple[float, float]:
@@ -253,14 +310,29 @@ def _draw_panel(ax, rows: list[dict], key: str, inits: Sequence[str]) -> None:
         if points:
             ax.plot(*zip(*points), "-", color=INIT_COLORS[init], lw=1.3, marker=".", ms=6, zorder=2)
             for i, (g, (x, y)) in enumerate(zip(sweep, points)):  # alternate sides: points may share a width
-                ax.annotate(f"{g[0]['noise_var']:g}", (x, y), textcoords="offset points",
-                            xytext=(5, 0) if i % 2 == 0 else (-5, 0), ha="left" if i % 2 == 0 else "right",
-                            va="center", fontsize=7, color=INIT_COLORS[init])
+                ax.annotate(
+                    f"{g[0]['noise_var']:g}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(5, 0) if i % 2 == 0 else (-5, 0),
+                    ha="left" if i % 2 == 0 else "right",
+                    va="center",
+                    fontsize=7,
+                    color=INIT_COLORS[init],
+                )
         for method, group in groups.items():
             style = _marker(method)
             if style is not None:
-                ax.plot(*_mean_point(group, key), linestyle="none", marker=style[0], ms=style[1],
-                        color=INIT_COLORS[init], markeredgecolor="black", markeredgewidth=0.5, zorder=3)
+                ax.plot(
+                    *_mean_point(group, key),
+                    linestyle="none",
+                    marker=style[0],
+                    ms=style[1],
+                    color=INIT_COLORS[init],
+                    markeredgecolor="black",
+                    markeredgewidth=0.5,
+                    zorder=3,
+                )
     _log_width_axis(ax)
     if key == "nll":
         _clip_local_nll(ax, rows, inits)
@@ -268,8 +340,12 @@ def _draw_panel(ax, rows: list[dict], key: str, inits: Sequence[str]) -> None:
 
 def _clip_local_nll(ax, rows: list[dict], inits: Sequence[str]) -> None:
     """The local models' NLL can be several times the others'; cap the axis and print it at the top."""
-    others = [_mean_point(g, "nll")[1] for init in inits
-              for m, g in by_method([r for r in rows if r["init"] == init]).items() if m != "local"]
+    others = [
+        _mean_point(g, "nll")[1]
+        for init in inits
+        for m, g in by_method([r for r in rows if r["init"] == init]).items()
+        if m != "local"
+    ]
     if not others:
         return
     low, high = min(others), max(others)
@@ -278,9 +354,16 @@ def _clip_local_nll(ax, rows: list[dict], inits: Sequence[str]) -> None:
         local = [r for r in rows if r["init"] == init and r["method"] == "local"]
         if local and _mean_point(local, "nll")[1] > top:
             x, y = _mean_point(local, "nll")
-            ax.annotate(f"local NLL {y:.2f} (off scale)", (x, top), textcoords="offset points",
-                        xytext=(8, -10 - 11 * i), fontsize=7, color=INIT_COLORS[init], va="top",
-                        arrowprops=dict(arrowstyle="->", color=INIT_COLORS[init], lw=0.8))
+            ax.annotate(
+                f"local NLL {y:.2f} (off scale)",
+                (x, top),
+                textcoords="offset points",
+                xytext=(8, -10 - 11 * i),
+                fontsize=7,
+                color=INIT_COLORS[init],
+                va="top",
+                arrowprops=dict(arrowstyle="->", color=INIT_COLORS[init], lw=0.8),
+            )
     ax.set_ylim(max(0.0, low - 0.1 * (high - low) - 0.05), top)
 
 
@@ -291,7 +374,7 @@ def _log_width_axis(ax) -> None:
     ax.set_xscale("log")
     ax.margins(x=0.08)
     low, high = ax.get_xlim()
-    ticks = [m * 10 ** e for e in range(0, 7) for m in (1, 2, 5) if low <= m * 10 ** e <= high]
+    ticks = [m * 10**e for e in range(0, 7) for m in (1, 2, 5) if low <= m * 10**e <= high]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_locator(NullLocator())
@@ -302,13 +385,33 @@ def _log_width_axis(ax) -> None:
 def _legend_handles(inits: Sequence[str]) -> list:
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=INIT_COLORS[i], marker=".", label=f"PFNM hand-set, sigma^2 sweep ({i} init)")
-               for i in inits]
-    names = {"pfnm": "PFNM default (auto)", "nafi": "NAFI default (auto)", "ot": "OT fusion",
-             "fedavg": "FedAvg (one shot)", "fedavg x": "FedAvg, equal rounds", "ensemble": "ensemble of J",
-             "local": "local (mean of J)"}
-    handles += [Line2D([], [], linestyle="none", marker=m, ms=s, color="0.6", markeredgecolor="black",
-                       markeredgewidth=0.5, label=names[k]) for k, (m, s) in MARKERS.items()]
+    handles = [
+        Line2D([], [], color=INIT_COLORS[i], marker=".", label=f"PFNM hand-set, sigma^2 sweep ({i} init)")
+        for i in inits
+    ]
+    names = {
+        "pfnm": "PFNM default (auto)",
+        "nafi": "NAFI default (auto)",
+        "ot": "OT fusion",
+        "fedavg": "FedAvg (one shot)",
+        "fedavg x": "FedAvg, equal rounds",
+        "ensemble": "ensemble of J",
+        "local": "local (mean of J)",
+    }
+    handles += [
+        Line2D(
+            [],
+            [],
+            linestyle="none",
+            marker=m,
+            ms=s,
+            color="0.6",
+            markeredgecolor="black",
+            markeredgewidth=0.5,
+            label=names[k],
+        )
+        for k, (m, s) in MARKERS.items()
+    ]
     return handles
 
 
@@ -330,9 +433,11 @@ def figure_png(rows: list[dict], args: argparse.Namespace) -> bytes:
             ax.set_xlabel("global width (hidden units, log scale)")
         axes[0, col].set_title(f"hidden {depth}: accuracy vs width")
         axes[1, col].set_title(f"hidden {depth}: NLL vs width")
-    fig.suptitle(f"{args.dataset}, J={args.clients}, alpha={args.alpha}, {args.epochs} epochs: data-free fusion\n"
-                 f"mean over seeds {'/'.join(map(str, args.seeds))}; point labels: PFNM noise_var sigma^2",
-                 fontsize=11)
+    fig.suptitle(
+        f"{args.dataset}, J={args.clients}, alpha={args.alpha}, {args.epochs} epochs: data-free fusion\n"
+        f"mean over seeds {'/'.join(map(str, args.seeds))}; point labels: PFNM noise_var sigma^2",
+        fontsize=11,
+    )
     fig.legend(handles=_legend_handles(args.inits), loc="outside right center", fontsize=8)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=150)
@@ -350,8 +455,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     fedavg_rounds: dict = {}
     rows: list[dict] = []
     federations: list[dict] = []
-    print(f"{args.dataset}, J={args.clients}, alpha={args.alpha}, {args.epochs} epochs, seeds {args.seeds}; "
-          f"hand-set PFNM: {HAND_SET}, noise_var in {args.sweep}", flush=True)
+    print(
+        f"{args.dataset}, J={args.clients}, alpha={args.alpha}, {args.epochs} epochs, seeds {args.seeds}; "
+        f"hand-set PFNM: {HAND_SET}, noise_var in {args.sweep}",
+        flush=True,
+    )
     for hidden in args.depths:
         for init in args.inits:
             block = []
@@ -366,11 +474,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 fed_rows = [{**tag, **r} for r in fed_rows]
                 block += fed_rows
                 rows += fed_rows
-                federations.append({**tag, "train_seconds": train_seconds,
-                                    "total_seconds": time.perf_counter() - start})
+                federations.append(
+                    {**tag, "train_seconds": train_seconds, "total_seconds": time.perf_counter() - start}
+                )
                 write_json(json_path, args, rows, federations)
-                progress(f"[fidelity] seed {seed}, depth {depth_name(hidden)}, {init} init: local training "
-                         f"{train_seconds:.1f} s, federation {time.perf_counter() - start:.1f} s")
+                progress(
+                    f"[fidelity] seed {seed}, depth {depth_name(hidden)}, {init} init: local training "
+                    f"{train_seconds:.1f} s, federation {time.perf_counter() - start:.1f} s"
+                )
                 print(f"\nhidden {depth_name(hidden)}, {init} init, seed {seed}", flush=True)
                 print(seed_table(fed_rows), flush=True)
             print(f"\nhidden {depth_name(hidden)}, {init} init: mean +- sd over seeds {args.seeds}")

@@ -84,14 +84,19 @@ def main() -> None:
         runs.append(run_seed(data, s, args))
         print(f"seed {s}: {time.perf_counter() - t0:.0f} s", flush=True)
     methods = list(runs[0]["scores"])
-    lines = [f"BasicMotions: {args.clients} sessions of 3 of 4 activities x {args.recordings} recordings, "
-             f"{args.states} local states, seeds {args.seeds}", "",
-             f"{'method':<20} {'Rand index':>16} {'AMI':>16} {'states':>7}"]
+    lines = [
+        f"BasicMotions: {args.clients} sessions of 3 of 4 activities x {args.recordings} recordings, "
+        f"{args.states} local states, seeds {args.seeds}",
+        "",
+        f"{'method':<20} {'Rand index':>16} {'AMI':>16} {'states':>7}",
+    ]
     for m in methods:
         r = [x["scores"][m]["rand"] for x in runs]
         a = [x["scores"][m]["ami"] for x in runs]
-        lines.append(f"{m:<20} {np.mean(r):>8.3f} +- {np.std(r):.3f} {np.mean(a):>8.3f} +- {np.std(a):.3f} "
-                     f"{np.mean([x['states'][m] for x in runs]):>7.1f}")
+        lines.append(
+            f"{m:<20} {np.mean(r):>8.3f} +- {np.std(r):.3f} {np.mean(a):>8.3f} +- {np.std(a):.3f} "
+            f"{np.mean([x['states'][m] for x in runs]):>7.1f}"
+        )
     secs = {k: float(np.mean([r["seconds"][k] for r in runs])) for k in runs[0]["seconds"]}
     lines += ["", "seconds (mean over seeds): " + ", ".join(f"{k} {v:.2f}" for k, v in secs.items())]
     text = "\n".join(lines)

@@ -45,10 +45,18 @@ def run_case(args, n_clients: int) -> tuple[dict, object]:
     n_true = len(np.unique(np.concatenate(truth)))
     res = kl_fuse(posteriors, reg=args.reg, solver="fast", init=args.init)
     precision, recall = pair_scores(truth, res.assignments)
-    row = dict(J=n_clients, N=sum(len(q) for q in posteriors), seconds=round(res.seconds, 2),
-               steps=len(res.objective), converged=res.converged, start=res.n_initial,
-               found=f"{res.n_components}/{n_true}", precision=round(precision, 4), recall=round(recall, 4),
-               peak_MB=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    row = dict(
+        J=n_clients,
+        N=sum(len(q) for q in posteriors),
+        seconds=round(res.seconds, 2),
+        steps=len(res.objective),
+        converged=res.converged,
+        start=res.n_initial,
+        found=f"{res.n_components}/{n_true}",
+        precision=round(precision, 4),
+        recall=round(recall, 4),
+        peak_MB=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    )
     return row, (posteriors, res)
 
 
@@ -70,8 +78,10 @@ def first_step_vs_cvxpy(args, posteriors, res) -> None:
     P_cvx, name = solve_relaxed(costs, args.reg, solver="cvxpy")
     t_cvx = time.perf_counter() - t
     of, oc = relaxed_objective(costs, P_fast, args.reg), relaxed_objective(costs, P_cvx, args.reg)
-    print(f"first step alone ({sum(sizes)} x {len(glob)}): fast {t_fast:.1f} s (objective {of:.6g}), "
-          f"{name} {t_cvx:.1f} s (objective {oc:.6g}); relative gap {(of - oc) / abs(oc):.2e}")
+    print(
+        f"first step alone ({sum(sizes)} x {len(glob)}): fast {t_fast:.1f} s (objective {of:.6g}), "
+        f"{name} {t_cvx:.1f} s (objective {oc:.6g}); relative gap {(of - oc) / abs(oc):.2e}"
+    )
 
 
 def main() -> None:
@@ -92,8 +102,10 @@ def main() -> None:
         if args.json:
             print(json.dumps(row))
             return
-        steps = [{"step": i + 1, "seconds": f"{s:.2f}", "objective": f"{o:.6g}"}
-                 for i, (s, o) in enumerate(zip(res.step_seconds, res.objective))]
+        steps = [
+            {"step": i + 1, "seconds": f"{s:.2f}", "objective": f"{o:.6g}"}
+            for i, (s, o) in enumerate(zip(res.step_seconds, res.objective))
+        ]
         print(format_table(steps, ["step", "seconds", "objective"]))
         print(f"\nD={args.dim}, reg={args.reg}, init={args.init}, solver {res.solver}")
         print(format_table([row], columns))
@@ -103,14 +115,30 @@ def main() -> None:
 
     rows = []
     for n_clients in args.clients:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--clients", str(n_clients), "--json",
-               "--components", str(args.components), "--true", str(args.true), "--dim", str(args.dim),
-               "--reg", str(args.reg), "--init", args.init]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--clients",
+            str(n_clients),
+            "--json",
+            "--components",
+            str(args.components),
+            "--true",
+            str(args.true),
+            "--dim",
+            str(args.dim),
+            "--reg",
+            str(args.reg),
+            "--init",
+            args.init,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"J={n_clients}: {rows[-1]['seconds']} s", file=sys.stderr, flush=True)
-    print(f"D={args.dim}, {args.components} components per client of {args.true} true, reg={args.reg}, "
-          f"init={args.init}, solver fast")
+    print(
+        f"D={args.dim}, {args.components} components per client of {args.true} true, reg={args.reg}, "
+        f"init={args.init}, solver fast"
+    )
     print(format_table(rows, columns))
 
 

@@ -70,20 +70,32 @@ def main() -> None:
         fed = simulate_federation(J, D, gamma0=GAMMA0, prior_var=1.0, noise_var=NOISE, seed=J)
         sim = time.perf_counter() - start
         sizes = [len(v) for v in fed.layers]
-        print(f"J={J}: {fed.n_atoms} true atoms, {np.mean(sizes):.0f} neurons per client "
-              f"({min(sizes)}..{max(sizes)}), simulated in {sim:.1f} s", flush=True)
+        print(
+            f"J={J}: {fed.n_atoms} true atoms, {np.mean(sizes):.0f} neurons per client "
+            f"({min(sizes)}..{max(sizes)}), simulated in {sim:.1f} s",
+            flush=True,
+        )
         for name, hyper in RUNS:
             if name == "pfnm@true" and J > 30:
                 continue  # over-splitting makes G, and the run, large; J <= 30 shows it
             res = match_neurons(fed.layers, **{"prior_var": 1.0, "gamma0": GAMMA0, **hyper}, n_iter=args.sweeps, seed=0)
             precision, recall = pair_scores(fed.assignments, res.assignments)
             floor = gemm_floor(res.n_global, fed.layers, res.n_sweeps)
-            rows.append({
-                "J": J, "method": name, "sweeps": res.n_sweeps, "seconds": res.seconds,
-                "floor": floor, "ratio": f"{res.seconds / floor:.1f}", "true": fed.n_atoms,
-                "found": res.n_global, "precision": precision, "recall": recall,
-                "objective": f"{res.objective[-1]:.4g}",
-            })
+            rows.append(
+                {
+                    "J": J,
+                    "method": name,
+                    "sweeps": res.n_sweeps,
+                    "seconds": res.seconds,
+                    "floor": floor,
+                    "ratio": f"{res.seconds / floor:.1f}",
+                    "true": fed.n_atoms,
+                    "found": res.n_global,
+                    "precision": precision,
+                    "recall": recall,
+                    "objective": f"{res.objective[-1]:.4g}",
+                }
+            )
             print(format_table(rows[-1:], list(rows[-1])).splitlines()[-1], flush=True)
     print()
     print(format_table(rows, list(rows[0])))

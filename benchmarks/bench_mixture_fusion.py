@@ -36,15 +36,22 @@ K, PER_CLIENT = 8, 4
 
 
 def run_one(separation: float, noise: float, seed: int) -> dict[str, tuple[float, int]]:
-    fed = simulate_mixture_federation(n_components=K, components_per_client=PER_CLIENT,
-                                      separation=separation, noise=noise, seed=seed)
+    fed = simulate_mixture_federation(
+        n_components=K, components_per_client=PER_CLIENT, separation=separation, noise=noise, seed=seed
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*did not converge.*")
         posts = [fit_local_posterior(x, seed=seed) for x in fed.datasets]
         oracle = fit_local_posterior(np.vstack(fed.datasets), max_components=K, finite=True, seed=seed)
     fused = kl_fuse(posts, reg=0.1)
-    spahm = match_neurons([p.mean for p in posts], noise_var=noise**2 + 0.01, prior_var=separation**2,
-                          gamma0=PER_CLIENT, cost="marginal", seed=seed)
+    spahm = match_neurons(
+        [p.mean for p in posts],
+        noise_var=noise**2 + 0.01,
+        prior_var=separation**2,
+        gamma0=PER_CLIENT,
+        cost="marginal",
+        seed=seed,
+    )
     out = {}
     for name, means in (("kl-fusion", fused.components.mean), ("spahm", spahm.mean), ("oracle", oracle.mean)):
         out[name] = (hausdorff_polytopes(fed.means, means), abs(len(means) - K))

@@ -80,9 +80,16 @@ def case_kl(n_clients: int) -> dict:
         res = kl_fuse(posteriors)
     seconds = time.perf_counter() - start
     precision, recall = pair_scores(truth, res.assignments)
-    return dict(problem=f"kl_fuse J={n_clients} x 150, D={D}", seconds=seconds, peak_mb=_peak_mb(),
-                inputs_mb=inputs_mb, found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
-                recovery=f"{precision:.3f}/{recall:.3f}", steps=len(res.objective), converged=res.converged)
+    return dict(
+        problem=f"kl_fuse J={n_clients} x 150, D={D}",
+        seconds=seconds,
+        peak_mb=_peak_mb(),
+        inputs_mb=inputs_mb,
+        found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
+        recovery=f"{precision:.3f}/{recall:.3f}",
+        steps=len(res.objective),
+        converged=res.converged,
+    )
 
 
 def case_match(n_clients: int) -> dict:
@@ -98,9 +105,16 @@ def case_match(n_clients: int) -> dict:
         res = match_neurons(layers, seed=0)
     seconds = time.perf_counter() - start
     precision, recall = pair_scores(truth, res.assignments)
-    return dict(problem=f"match_neurons J={n_clients} x 100, D={D}", seconds=seconds, peak_mb=_peak_mb(),
-                inputs_mb=inputs_mb, found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
-                recovery=f"{precision:.3f}/{recall:.3f}", steps=res.n_sweeps, converged=res.converged)
+    return dict(
+        problem=f"match_neurons J={n_clients} x 100, D={D}",
+        seconds=seconds,
+        peak_mb=_peak_mb(),
+        inputs_mb=inputs_mb,
+        found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
+        recovery=f"{precision:.3f}/{recall:.3f}",
+        steps=res.n_sweeps,
+        converged=res.converged,
+    )
 
 
 def _match_problem(n_clients: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -143,11 +157,17 @@ def case_device(n_clients: int, backend: str) -> dict:
     sync()
     seconds = time.perf_counter() - start
     precision, recall = pair_scores(truth, res.assignments)
-    return dict(problem=f"match_neurons J={n_clients} x 100, D={D}, {backend}", seconds=seconds,
-                peak_mb=_peak_mb(), inputs_mb=inputs_mb,
-                found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
-                recovery=f"{precision:.3f}/{recall:.3f}", steps=res.n_sweeps, converged=res.converged,
-                partition=hashlib.sha1(partition_labels(res.assignments).tobytes()).hexdigest()[:12])
+    return dict(
+        problem=f"match_neurons J={n_clients} x 100, D={D}, {backend}",
+        seconds=seconds,
+        peak_mb=_peak_mb(),
+        inputs_mb=inputs_mb,
+        found=f"{res.n_global}/{len(np.unique(np.concatenate(truth)))}",
+        recovery=f"{precision:.3f}/{recall:.3f}",
+        steps=res.n_sweeps,
+        converged=res.converged,
+        partition=hashlib.sha1(partition_labels(res.assignments).tobytes()).hexdigest()[:12],
+    )
 
 
 def _device_backends() -> list[str]:
@@ -178,15 +198,28 @@ def case_wide(cache: str, backend: str = "numpy", tol: str = "default", data_pat
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = time.perf_counter()
-        report = fuse_files(files, "pfnm", Path(tmp) / "fused.pt", device=device, dtype=dtype,
-                            hyper=None if tol == "default" else {"tol": float(tol)})
+        report = fuse_files(
+            files,
+            "pfnm",
+            Path(tmp) / "fused.pt",
+            device=device,
+            dtype=dtype,
+            hyper=None if tol == "default" else {"tol": float(tol)},
+        )
         seconds = time.perf_counter() - start
     assignments = json.dumps([layer["assignments"] for layer in report["layers"]]).encode()
     setting = backend if tol == "default" else f"{backend}, tol={tol}"
-    return dict(problem=f"bayesfuse fuse 10 x 784-1000-10 (pfnm, {setting})", seconds=seconds, peak_mb=_peak_mb(),
-                inputs_mb=inputs_mb, found=f"{report['global_sizes'][0]}/-", recovery="-",
-                steps=sum(len(layer["objective"]) for layer in report["layers"]), converged=report["converged"],
-                partition=hashlib.sha1(assignments).hexdigest()[:12])
+    return dict(
+        problem=f"bayesfuse fuse 10 x 784-1000-10 (pfnm, {setting})",
+        seconds=seconds,
+        peak_mb=_peak_mb(),
+        inputs_mb=inputs_mb,
+        found=f"{report['global_sizes'][0]}/-",
+        recovery="-",
+        steps=sum(len(layer["objective"]) for layer in report["layers"]),
+        converged=report["converged"],
+        partition=hashlib.sha1(assignments).hexdigest()[:12],
+    )
 
 
 def _noisy_copies(model, spec, n: int, rng: np.random.Generator, noise) -> list:
@@ -202,8 +235,9 @@ def _noisy_copies(model, spec, n: int, rng: np.random.Generator, noise) -> list:
     clients = []
     for _ in range(n):
         perms = random_permutations(spec.sizes(state), rng)
-        noisy = {k: v + noise(v) if v.dtype.kind == "f" and v.ndim > 0 else v
-                 for k, v in permute(state, spec, perms).items()}
+        noisy = {
+            k: v + noise(v) if v.dtype.kind == "f" and v.ndim > 0 else v for k, v in permute(state, spec, perms).items()
+        }
         clients.append(rebuild(model, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in noisy.items()}))
     return clients
 
@@ -228,9 +262,16 @@ def case_conv() -> dict:
         start = time.perf_counter()
         res = fuse(clients, "pfnm", spec=spec)
         seconds = time.perf_counter() - start
-    return dict(problem="fuse 10 ConvNets, 512-channel conv layer (pfnm)", seconds=seconds, peak_mb=_peak_mb(),
-                inputs_mb=inputs_mb, found="/".join(map(str, res.sizes)), recovery="-", steps="-",
-                converged=res.converged)
+    return dict(
+        problem="fuse 10 ConvNets, 512-channel conv layer (pfnm)",
+        seconds=seconds,
+        peak_mb=_peak_mb(),
+        inputs_mb=inputs_mb,
+        found="/".join(map(str, res.sizes)),
+        recovery="-",
+        steps="-",
+        converged=res.converged,
+    )
 
 
 def case_resnet18(width: float = 1.0) -> dict:
@@ -261,10 +302,16 @@ def case_resnet18(width: float = 1.0) -> dict:
         res = fuse(clients, "pfnm", spec=spec)
         seconds = time.perf_counter() - start
     recovered = sum(g == w for g, w in zip(res.sizes, widths))
-    return dict(problem=f"fuse 10 ResNet-18 x {width:g} ({n_params / 1e6:.1f}M parameters each, pfnm)",
-                seconds=seconds, peak_mb=_peak_mb(), inputs_mb=inputs_mb,
-                found=f"{sum(res.sizes)}/{sum(widths)}", recovery=f"{recovered}/{len(widths)} groups",
-                steps=sum(layer.n_sweeps for layer in res.layers), converged=res.converged)
+    return dict(
+        problem=f"fuse 10 ResNet-18 x {width:g} ({n_params / 1e6:.1f}M parameters each, pfnm)",
+        seconds=seconds,
+        peak_mb=_peak_mb(),
+        inputs_mb=inputs_mb,
+        found=f"{sum(res.sizes)}/{sum(widths)}",
+        recovery=f"{recovered}/{len(widths)} groups",
+        steps=sum(layer.n_sweeps for layer in res.layers),
+        converged=res.converged,
+    )
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -284,28 +331,55 @@ def _tol(text: str) -> str:
 def _run_case(args: list[str]) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--case", *args], capture_output=True, text=True)
     if proc.returncode != 0:
-        return dict(problem=" ".join(args), seconds=float("nan"), peak_mb=float("nan"), inputs_mb=float("nan"),
-                    found="-", recovery=f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else '?'}",
-                    steps="-", converged="-")
+        return dict(
+            problem=" ".join(args),
+            seconds=float("nan"),
+            peak_mb=float("nan"),
+            inputs_mb=float("nan"),
+            found="-",
+            recovery=f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else '?'}",
+            steps="-",
+            converged="-",
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["kl", "match", "wide", "conv", "resnet18", "device"],
-                        choices=["kl", "match", "wide", "conv", "resnet18", "device"])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["kl", "match", "wide", "conv", "resnet18", "device"],
+        choices=["kl", "match", "wide", "conv", "resnet18", "device"],
+    )
     parser.add_argument("--kl-clients", type=int, nargs="+", default=[5, 20, 50, 100])
     parser.add_argument("--match-clients", type=int, nargs="+", default=[30, 300, 1000])
     parser.add_argument("--device-clients", type=int, nargs="+", default=[30, 300])
-    parser.add_argument("--resnet18-widths", type=float, nargs="+", default=[1.0], metavar="WIDTH",
-                        help="width multipliers of the ResNet-18 case (default: 1, 11.2M parameters per client)")
-    parser.add_argument("--wide-backends", nargs="+", default=["numpy"], metavar="BACKEND",
-                        help="numpy, or DEVICE-DTYPE such as cpu-float64 or cuda-float32 (default: numpy)")
-    parser.add_argument("--wide-tols", nargs="+", default=["default"], metavar="TOL", type=_tol,
-                        help="the wide case at each matching tol (nats per unit; 'default': the method's own)")
+    parser.add_argument(
+        "--resnet18-widths",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        metavar="WIDTH",
+        help="width multipliers of the ResNet-18 case (default: 1, 11.2M parameters per client)",
+    )
+    parser.add_argument(
+        "--wide-backends",
+        nargs="+",
+        default=["numpy"],
+        metavar="BACKEND",
+        help="numpy, or DEVICE-DTYPE such as cpu-float64 or cuda-float32 (default: numpy)",
+    )
+    parser.add_argument(
+        "--wide-tols",
+        nargs="+",
+        default=["default"],
+        metavar="TOL",
+        type=_tol,
+        help="the wide case at each matching tol (nats per unit; 'default': the method's own)",
+    )
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST IDX directory (default: the Debian one)")
-    parser.add_argument("--cache", default=str(RESULTS / "wide-mlps"),
-                        help="where the trained wide MLPs are kept")
+    parser.add_argument("--cache", default=str(RESULTS / "wide-mlps"), help="where the trained wide MLPs are kept")
     parser.add_argument("--case", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -333,8 +407,11 @@ def main() -> None:
     if "match" in args.parts:
         plan += [["match", str(j)] for j in args.match_clients]
     if "wide" in args.parts:
-        plan += [["wide", args.cache, b, t, *([args.data_path] if args.data_path else [])]
-                 for t in args.wide_tols for b in args.wide_backends]
+        plan += [
+            ["wide", args.cache, b, t, *([args.data_path] if args.data_path else [])]
+            for t in args.wide_tols
+            for b in args.wide_backends
+        ]
     if "conv" in args.parts:
         plan.append(["conv"])
     if "resnet18" in args.parts:
@@ -360,8 +437,11 @@ def main() -> None:
         row["seconds"] = f"{row['seconds']:.1f}"
         row["peak MB"] = f"{row.pop('peak_mb'):.0f}"
         row["inputs MB"] = f"{row.pop('inputs_mb'):.0f}"
-    print(format_table(rows, ["problem", "seconds", "peak MB", "inputs MB", "found", "recovery", "steps",
-                              "converged", "agrees"]))
+    print(
+        format_table(
+            rows, ["problem", "seconds", "peak MB", "inputs MB", "found", "recovery", "steps", "converged", "agrees"]
+        )
+    )
 
 
 if __name__ == "__main__":

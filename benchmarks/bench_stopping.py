@@ -61,9 +61,15 @@ def _fused(models, method: str, tol: float, x_val, y_val, x_test, y_test, *, on_
         res = fuse(models, method, tol=tol)
         seconds = time.perf_counter() - start
     layer = res.layers[0]
-    return dict(method=method, tol=tol, seconds=seconds, sweeps=layer.n_sweeps, units=res.sizes[0],
-                val=evaluate(predict_proba(res.model, x_val), y_val),
-                test=evaluate(predict_proba(res.model, x_test), y_test) if on_test else None)
+    return dict(
+        method=method,
+        tol=tol,
+        seconds=seconds,
+        sweeps=layer.n_sweeps,
+        units=res.sizes[0],
+        val=evaluate(predict_proba(res.model, x_val), y_val),
+        test=evaluate(predict_proba(res.model, x_test), y_test) if on_test else None,
+    )
 
 
 def _runs(rows: list[dict], method: str, tol: float) -> list[dict]:
@@ -76,11 +82,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tols", type=float, nargs="+", default=[0.0, 0.1, 0.3, 1.0, 3.0])
     parser.add_argument("--methods", nargs="+", default=["pfnm"], choices=["pfnm", "nafi"])
-    parser.add_argument("--cache", default=str(RESULTS / "stopping-mlps"),
-                        help="where the trained MLPs are kept")
+    parser.add_argument("--cache", default=str(RESULTS / "stopping-mlps"), help="where the trained MLPs are kept")
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST directory (default: the Debian one)")
-    parser.add_argument("--out", default=str(RESULTS),
-                        help="directory for stopping.json (the rows) and stopping.png (replaced if there)")
+    parser.add_argument(
+        "--out",
+        default=str(RESULTS),
+        help="directory for stopping.json (the rows) and stopping.png (replaced if there)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # small MLPs train faster on one thread; the matching sets its own BLAS threads
     data = load_fashion_mnist(args.data_path).standardize()
@@ -90,34 +98,58 @@ def main() -> None:
         val, models = _clients(data, seed, Path(args.cache))
         local_val = [predict_proba(m, val.x) for m in models]
         local_test = [predict_proba(m, data.test.x) for m in models]
-        ensembles.append(dict(val=evaluate(np.mean(local_val, axis=0), val.y),
-                              test=evaluate(np.mean(local_test, axis=0), data.test.y)))
+        ensembles.append(
+            dict(
+                val=evaluate(np.mean(local_val, axis=0), val.y), test=evaluate(np.mean(local_test, axis=0), data.test.y)
+            )
+        )
         for method in args.methods:
             for tol in args.tols:
                 row = _fused(models, method, tol, val.x, val.y, data.test.x, data.test.y, on_test=tol in (0.0, default))
                 rows.append(dict(row, seed=seed))
-                print(f"seed {seed} {method} tol {tol:g}: {row['seconds']:.1f} s, {row['sweeps']} sweeps, "
-                      f"{row['units']} units, validation accuracy {row['val']['accuracy']:.4f} "
-                      f"nll {row['val']['nll']:.4f}", flush=True)
-    print(f"\nFashion-MNIST, {N_CLIENTS} clients, Dirichlet({ALPHA}), 784-1000-10, seeds {args.seeds}: "
-          "validation (mean +- sd)")
-    table = [dict(model="ensemble", seconds="-", sweeps="-", units=str(N_CLIENTS * HIDDEN[0]),
-                  **{k: mean_sd([e["val"][k] for e in ensembles]) for k in ("accuracy", "nll", "ece")})]
+                print(
+                    f"seed {seed} {method} tol {tol:g}: {row['seconds']:.1f} s, {row['sweeps']} sweeps, "
+                    f"{row['units']} units, validation accuracy {row['val']['accuracy']:.4f} "
+                    f"nll {row['val']['nll']:.4f}",
+                    flush=True,
+                )
+    print(
+        f"\nFashion-MNIST, {N_CLIENTS} clients, Dirichlet({ALPHA}), 784-1000-10, seeds {args.seeds}: "
+        "validation (mean +- sd)"
+    )
+    table = [
+        dict(
+            model="ensemble",
+            seconds="-",
+            sweeps="-",
+            units=str(N_CLIENTS * HIDDEN[0]),
+            **{k: mean_sd([e["val"][k] for e in ensembles]) for k in ("accuracy", "nll", "ece")},
+        )
+    ]
     for method in args.methods:
         for tol in args.tols:
             sel = _runs(rows, method, tol)
-            table.append(dict(model=f"{method} tol {tol:g}", seconds=mean_sd([r["seconds"] for r in sel], 1),
-                              sweeps="/".join(str(r["sweeps"]) for r in sel),
-                              units="/".join(str(r["units"]) for r in sel),
-                              **{k: mean_sd([r["val"][k] for r in sel]) for k in ("accuracy", "nll", "ece")}))
+            table.append(
+                dict(
+                    model=f"{method} tol {tol:g}",
+                    seconds=mean_sd([r["seconds"] for r in sel], 1),
+                    sweeps="/".join(str(r["sweeps"]) for r in sel),
+                    units="/".join(str(r["units"]) for r in sel),
+                    **{k: mean_sd([r["val"][k] for r in sel]) for k in ("accuracy", "nll", "ece")},
+                )
+            )
     print(format_table(table, ["model", "seconds", "sweeps", "units", "accuracy", "nll", "ece"]))
     print(f"\ntest set (10k), at the fixed point (tol 0) and at the default (tol {default:g})")
     table = [dict(model="ensemble", **{k: mean_sd([e["test"][k] for e in ensembles]) for k in ("accuracy", "nll")})]
     for method in args.methods:
         for tol in sorted({0.0, default} & set(args.tols)):
             sel = _runs(rows, method, tol)
-            table.append(dict(model=f"{method} tol {tol:g}", **{k: mean_sd([r["test"][k] for r in sel])
-                                                                 for k in ("accuracy", "nll")}))
+            table.append(
+                dict(
+                    model=f"{method} tol {tol:g}",
+                    **{k: mean_sd([r["test"][k] for r in sel]) for k in ("accuracy", "nll")},
+                )
+            )
     print(format_table(table, ["model", "accuracy", "nll"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,8 +167,11 @@ def _figure(rows: list[dict], ensembles: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
-    keys = [("seconds", None, "wall time (s)"), ("val", "accuracy", "validation accuracy"),
-            ("val", "nll", "validation NLL")]
+    keys = [
+        ("seconds", None, "wall time (s)"),
+        ("val", "accuracy", "validation accuracy"),
+        ("val", "nll", "validation NLL"),
+    ]
     seeds = sorted({r["seed"] for r in rows})
     for method, style in zip(sorted({r["method"] for r in rows}), ("o-", "s--")):
         for seed in seeds:

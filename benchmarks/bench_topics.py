@@ -75,16 +75,27 @@ def run_split(articles, split: int, args) -> dict:
     amps = amps_fuse(posts, prior)
     local = [score(p) for p in posts]
     out["scores"] = {
-        "kl-fusion": score(sel.best.components), "kl-fusion param.": score(param.components),
-        "amps": score(amps.components), "local mean": float(np.mean(local)), "local best": float(np.max(local)),
+        "kl-fusion": score(sel.best.components),
+        "kl-fusion param.": score(param.components),
+        "amps": score(amps.components),
+        "local mean": float(np.mean(local)),
+        "local best": float(np.max(local)),
         "pooled": score(pooled),
     }
-    out["topics"] = {"kl-fusion": sel.best.n_global, "kl-fusion param.": param.n_global, "amps": amps.n_global,
-                     "local mean": args.topics, "local best": args.topics, "pooled": args.topics}
+    out["topics"] = {
+        "kl-fusion": sel.best.n_global,
+        "kl-fusion param.": param.n_global,
+        "amps": amps.n_global,
+        "local mean": args.topics,
+        "local best": args.topics,
+        "pooled": args.topics,
+    }
     out["seconds"].update({"kl-fusion param.": param.seconds, "amps": amps.seconds})
     out["reg"] = sel.reg
-    out["frontier"] = [{"reg": r, "topics": g, "validation": v, "test": score(res.components)}
-                       for r, g, v, res in zip(sel.regs, sel.n_topics, sel.scores, sel.results)]
+    out["frontier"] = [
+        {"reg": r, "topics": g, "validation": v, "test": score(res.components)}
+        for r, g, v, res in zip(sel.regs, sel.n_topics, sel.scores, sel.results)
+    ]
     out["table"] = topics_table(sel.best.components, fed.vocabulary, sel.best.assignments, fed.outlets, n_words=7)
     return out
 
@@ -113,31 +124,51 @@ def main() -> None:
     for s in args.splits:
         t0 = time.perf_counter()
         runs.append(run_split(articles, s, args))
-        print(f"split {s}: {time.perf_counter() - t0:.0f} s, reg chosen {runs[-1]['reg']:g}, "
-              + ", ".join(f"{m} {v:.3f}" for m, v in runs[-1]["scores"].items()), flush=True)
-    lines = [f"news outlets: 9 clients, {args.topics} topics each, {args.words} words, splits {args.splits}",
-             "held-out log-likelihood per word (10% of each test document given 90%), nats, mean +- sd", "",
-             f"{'method':<18} {'log-lik':>16} {'topics':>8}"]
+        print(
+            f"split {s}: {time.perf_counter() - t0:.0f} s, reg chosen {runs[-1]['reg']:g}, "
+            + ", ".join(f"{m} {v:.3f}" for m, v in runs[-1]["scores"].items()),
+            flush=True,
+        )
+    lines = [
+        f"news outlets: 9 clients, {args.topics} topics each, {args.words} words, splits {args.splits}",
+        "held-out log-likelihood per word (10% of each test document given 90%), nats, mean +- sd",
+        "",
+        f"{'method':<18} {'log-lik':>16} {'topics':>8}",
+    ]
     for m in METHODS:
         v = [r["scores"][m] for r in runs]
         g = [r["topics"][m] for r in runs]
         lines.append(f"{m:<18} {np.mean(v):>8.3f} +- {np.std(v):.3f} {np.mean(g):>8.1f}")
-    lines += ["", f"reg chosen by the clients' validation words: {[r['reg'] for r in runs]}", "",
-              "frontier over reg (mean over splits)", f"{'reg':>6} {'topics':>8} {'clients val.':>13} {'test':>8}"]
+    lines += [
+        "",
+        f"reg chosen by the clients' validation words: {[r['reg'] for r in runs]}",
+        "",
+        "frontier over reg (mean over splits)",
+        f"{'reg':>6} {'topics':>8} {'clients val.':>13} {'test':>8}",
+    ]
     for i, r in enumerate(args.regs):
         f = [run["frontier"][i] for run in runs]
-        lines.append(f"{r:>6g} {np.mean([x['topics'] for x in f]):>8.1f} "
-                     f"{np.mean([x['validation'] for x in f]):>13.3f} "
-                     f"{np.mean([x['test'] for x in f]):>8.3f}")
+        lines.append(
+            f"{r:>6g} {np.mean([x['topics'] for x in f]):>8.1f} "
+            f"{np.mean([x['validation'] for x in f]):>13.3f} "
+            f"{np.mean([x['test'] for x in f]):>8.3f}"
+        )
     secs = {k: float(np.mean([r["seconds"][k] for r in runs])) for k in runs[0]["seconds"]}
-    lines += ["", "seconds (mean over splits): " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items()), "",
-              f"fused topics of split {args.splits[0]} (reg {runs[0]['reg']:g}):", runs[0]["table"]]
+    lines += [
+        "",
+        "seconds (mean over splits): " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items()),
+        "",
+        f"fused topics of split {args.splits[0]} (reg {runs[0]['reg']:g}):",
+        runs[0]["table"],
+    ]
     text = "\n".join(lines)
     print("\n" + text)
     name = "topics_quick" if args.quick else "topics"
     write_text(Path(args.out) / f"{name}.txt", text + "\n")
-    write_text(Path(args.out) / f"{name}.json", json.dumps([{k: v for k, v in r.items() if k != "table"} for r in runs],
-                                                         default=json_default, indent=1))
+    write_text(
+        Path(args.out) / f"{name}.json",
+        json.dumps([{k: v for k, v in r.items() if k != "table"} for r in runs], default=json_default, indent=1),
+    )
 
 
 if __name__ == "__main__":

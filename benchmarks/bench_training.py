@@ -20,8 +20,9 @@ def _time(x, y, n_classes, hidden, threads, repeats, epochs):
     best = np.inf
     for r in range(repeats):
         start = time.perf_counter()
-        train_mlp(x, y, n_classes, TrainConfig(hidden=hidden, epochs=epochs, num_threads=threads, seed=r),
-                  verbose=False)
+        train_mlp(
+            x, y, n_classes, TrainConfig(hidden=hidden, epochs=epochs, num_threads=threads, seed=r), verbose=False
+        )
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -40,8 +41,9 @@ def main() -> None:
     for name, data, hidden, epochs in workloads:
         for threads in (1, 2):
             sec = _time(data.x, data.y, data.n_classes, hidden, threads, args.repeats, epochs)
-            rows.append({"workload": name, "threads": threads, "seconds": sec,
-                         "examples/s": f"{len(data) * epochs / sec:,.0f}"})
+            rows.append(
+                {"workload": name, "threads": threads, "seconds": sec, "examples/s": f"{len(data) * epochs / sec:,.0f}"}
+            )
     print(format_table(rows, ["workload", "threads", "seconds", "examples/s"]))
 
 

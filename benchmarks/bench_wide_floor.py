@@ -80,8 +80,7 @@ def _fuse(files: list[Path], folder: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-path", default=None, help="Fashion-MNIST IDX directory (default: the Debian one)")
-    parser.add_argument("--cache", default=str(RESULTS / "wide-mlps"),
-                        help="where the trained wide MLPs are kept")
+    parser.add_argument("--cache", default=str(RESULTS / "wide-mlps"), help="where the trained wide MLPs are kept")
     args = parser.parse_args()
     files = wide_models(Path(args.cache), args.data_path)
     rng = np.random.default_rng(0)
@@ -110,8 +109,9 @@ def main() -> None:
             previous = duals.get(p["client"])
             warm = None if previous is None else _uncovered(W, previous, atom_duals(W, previous))
             duals[p["client"]] = u
-            row = rows.setdefault(p["sweep"], dict(solves=0, atoms=[], candidates=[], assign=0.0, product=0.0,
-                                                   cold=[], warm=[]))
+            row = rows.setdefault(
+                p["sweep"], dict(solves=0, atoms=[], candidates=[], assign=0.0, product=0.0, cold=[], warm=[])
+            )
             row["solves"] += 1
             row["atoms"].append(G)
             row["candidates"].append(float(np.mean(R < 0)))
@@ -120,20 +120,45 @@ def main() -> None:
             row["cold"].append(cold)
             if warm is not None:
                 row["warm"].append(warm)
-    table = [dict(sweep=str(k + 1), solves=r["solves"], atoms=f"{min(r['atoms'])}-{max(r['atoms'])}",
-                  candidates=f"{np.mean(r['candidates']):.0%}", **{"assign s": f"{r['assign']:.2f}",
-                  "product s": f"{r['product']:.2f}", "cold": f"{np.mean(r['cold']):.0f}",
-                  "warm": f"{np.mean(r['warm']):.0f}" if r["warm"] else "-"}) for k, r in sorted(rows.items())]
+    table = [
+        dict(
+            sweep=str(k + 1),
+            solves=r["solves"],
+            atoms=f"{min(r['atoms'])}-{max(r['atoms'])}",
+            candidates=f"{np.mean(r['candidates']):.0%}",
+            **{
+                "assign s": f"{r['assign']:.2f}",
+                "product s": f"{r['product']:.2f}",
+                "cold": f"{np.mean(r['cold']):.0f}",
+                "warm": f"{np.mean(r['warm']):.0f}" if r["warm"] else "-",
+            },
+        )
+        for k, r in sorted(rows.items())
+    ]
     assign_total = sum(r["assign"] for r in rows.values())
     product_total = sum(r["product"] for r in rows.values())
-    table.append({"sweep": "all", "solves": len(problems), "atoms": "", "candidates": "",
-                  "assign s": f"{assign_total:.2f}", "product s": f"{product_total:.2f}", "cold": "", "warm": ""})
-    print(f"10 x 784-1000-10 (pfnm, defaults): {whole:.1f} s in full, {len(problems)} assignment problems, "
-          f"{len({p['client'] for p in problems})} clients")
+    table.append(
+        {
+            "sweep": "all",
+            "solves": len(problems),
+            "atoms": "",
+            "candidates": "",
+            "assign s": f"{assign_total:.2f}",
+            "product s": f"{product_total:.2f}",
+            "cold": "",
+            "warm": "",
+        }
+    )
+    print(
+        f"10 x 784-1000-10 (pfnm, defaults): {whole:.1f} s in full, {len(problems)} assignment problems, "
+        f"{len({p['client'] for p in problems})} clients"
+    )
     print(format_table(table, ["sweep", "solves", "atoms", "candidates", "assign s", "product s", "cold", "warm"]))
     print(f"largest relative duality gap of the certificates: {worst_gap:.1e}")
-    print(f"assignment chain alone {assign_total:.1f} s + products alone {product_total:.1f} s = "
-          f"{assign_total + product_total:.1f} s, against the goal of {GOAL_SECONDS:g} s for the whole fusion")
+    print(
+        f"assignment chain alone {assign_total:.1f} s + products alone {product_total:.1f} s = "
+        f"{assign_total + product_total:.1f} s, against the goal of {GOAL_SECONDS:g} s for the whole fusion"
+    )
 
 
 if __name__ == "__main__":

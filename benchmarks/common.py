@@ -83,27 +83,48 @@ def machine() -> dict:
     except ImportError:
         torch_version = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": cores, "os": platform.platform(terse=True), "python": platform.python_version(),
-            "torch": torch_version,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    return {
+        "cpu": cpu,
+        "cores": cores,
+        "os": platform.platform(terse=True),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
-def write_record(path: str | os.PathLike, *, benchmark: str, options: Sequence[str], seconds: float,
-                 returncode: int, output: str, figures: Sequence[str] = (), **extra) -> Path:
+def write_record(
+    path: str | os.PathLike,
+    *,
+    benchmark: str,
+    options: Sequence[str],
+    seconds: float,
+    returncode: int,
+    output: str,
+    figures: Sequence[str] = (),
+    **extra,
+) -> Path:
     """Write one benchmark run as JSON (``run_all.py``; the documentation's benchmarks page reads it):
     the script, its options, the tables it printed, the figures it wrote, its time, the machine and date."""
     import json
 
-    record = {"benchmark": benchmark, "options": list(options), "seconds": round(seconds, 1),
-              "returncode": returncode, "machine": machine(), "output": output, "figures": list(figures), **extra}
+    record = {
+        "benchmark": benchmark,
+        "options": list(options),
+        "seconds": round(seconds, 1),
+        "returncode": returncode,
+        "machine": machine(),
+        "output": output,
+        "figures": list(figures),
+        **extra,
+    }
     return write_text(path, json.dumps(record, indent=1, default=json_default) + "\n")
 
 
 # --------------------------------------------------------------------------- trained clients
 
 
-def cached_models(files: Sequence[Path] | None, train: Callable[[], Sequence[M]],
-                  load: Callable[[dict], M]) -> list[M]:
+def cached_models(files: Sequence[Path] | None, train: Callable[[], Sequence[M]], load: Callable[[dict], M]) -> list[M]:
     """Trained models kept between runs: ``load`` of each state_dict in ``files`` when all of
     them exist; else the models ``train()`` returns, their state_dicts saved to ``files`` first
     (``files`` None: no cache, train every time)."""
@@ -130,8 +151,9 @@ def wide_models(cache: Path, data_path: str | None) -> list[Path]:
 
         data = load_fashion_mnist(data_path).standardize()
         partition = dirichlet_partition(data.train.y, 10, 0.5, seed=0)
-        return train_clients(data.train, partition, TrainConfig(hidden=(1000,), epochs=2, seed=0), shared_init=False,
-                             verbose=False)
+        return train_clients(
+            data.train, partition, TrainConfig(hidden=(1000,), epochs=2, seed=0), shared_init=False, verbose=False
+        )
 
     cached_models(files, train, load=lambda state: state)
     return files
@@ -154,8 +176,12 @@ def simulate_posteriors(n_clients: int, n_local: int, n_true: int, dim: int, see
     posteriors, truth = [], []
     for _ in range(n_clients):
         idx = rng.choice(n_true, n_local, replace=False)
-        posteriors.append(DiagNormal(loc=loc[idx] + rng.normal(0, 0.05, size=(n_local, dim)),
-                                     var=var[idx] * np.exp(rng.normal(0, 0.1, size=(n_local, dim)))))
+        posteriors.append(
+            DiagNormal(
+                loc=loc[idx] + rng.normal(0, 0.05, size=(n_local, dim)),
+                var=var[idx] * np.exp(rng.normal(0, 0.1, size=(n_local, dim))),
+            )
+        )
         truth.append(idx)
     return posteriors, truth
 
@@ -202,9 +228,14 @@ def summary_table(rows: list[dict]) -> str:
     summary = []
     for method, group in by_method(rows).items():
         widths = [r["width"] for r in group]
-        summary.append({"method": method, **{k: mean_sd([r[k] for r in group]) for k in ("accuracy", "nll", "ece")},
-                        "width": f"{np.mean(widths):.0f} ({'/'.join(map(str, widths))})",
-                        "seconds": f"{np.mean([r['seconds'] for r in group]):.2f}"})
+        summary.append(
+            {
+                "method": method,
+                **{k: mean_sd([r[k] for r in group]) for k in ("accuracy", "nll", "ece")},
+                "width": f"{np.mean(widths):.0f} ({'/'.join(map(str, widths))})",
+                "seconds": f"{np.mean([r['seconds'] for r in group]):.2f}",
+            }
+        )
     return format_table(summary, SUMMARY_COLUMNS)
 
 
@@ -214,11 +245,20 @@ def summary_table(rows: list[dict]) -> str:
 AUTO_METHODS = ("pfnm", "nafi")
 
 
-def make_row(method: str, metrics: dict, sizes: Sequence[int], seconds: float, converged: bool | None = None,
-             **extra) -> dict:
-    return {"method": method, "accuracy": float(metrics["accuracy"]), "nll": float(metrics["nll"]),
-            "ece": float(metrics["ece"]), "width": int(sum(sizes)), "sizes": [int(s) for s in sizes],
-            "seconds": float(seconds), "converged": converged, **extra}
+def make_row(
+    method: str, metrics: dict, sizes: Sequence[int], seconds: float, converged: bool | None = None, **extra
+) -> dict:
+    return {
+        "method": method,
+        "accuracy": float(metrics["accuracy"]),
+        "nll": float(metrics["nll"]),
+        "ece": float(metrics["ece"]),
+        "width": int(sum(sizes)),
+        "sizes": [int(s) for s in sizes],
+        "seconds": float(seconds),
+        "converged": converged,
+        **extra,
+    }
 
 
 def test_metrics(model, split) -> dict:
@@ -229,17 +269,21 @@ def test_metrics(model, split) -> dict:
     return evaluate(predict_proba(model, split.test.x), split.test.y)
 
 
-
 def chosen_hyper(result) -> list[dict]:
     """Per matched layer of a ``FusionResult``, the hyper-parameters the library chose (one value per block)."""
     out = []
     for i, layer in enumerate(result.layers):
         h = getattr(layer, "hyper", None) or {}
-        out.append({"layer": result.groups[i] if i < len(result.groups) else f"layer {i + 1}",
-                    "blocks": [str(b).removeprefix("layers.") for b in h.get("blocks", [])],
-                    "noise_var": np.atleast_1d(h.get("noise_var", np.nan)).astype(float).tolist(),
-                    "prior_var": np.atleast_1d(h.get("prior_var", np.nan)).astype(float).tolist(),
-                    "gamma0": float(h.get("gamma0", np.nan)), "kl_weight": float(h.get("kl_weight", 0.0))})
+        out.append(
+            {
+                "layer": result.groups[i] if i < len(result.groups) else f"layer {i + 1}",
+                "blocks": [str(b).removeprefix("layers.") for b in h.get("blocks", [])],
+                "noise_var": np.atleast_1d(h.get("noise_var", np.nan)).astype(float).tolist(),
+                "prior_var": np.atleast_1d(h.get("prior_var", np.nan)).astype(float).tolist(),
+                "gamma0": float(h.get("gamma0", np.nan)),
+                "kl_weight": float(h.get("kl_weight", 0.0)),
+            }
+        )
     return out
 
 
@@ -248,12 +292,12 @@ def entropy_auroc(model, split, ood) -> float:
     from bayesfuse.metrics import ood_auroc, predictive_entropy
     from bayesfuse.nets.predict import predict_proba
 
-    return ood_auroc(predictive_entropy(predict_proba(model, split.test.x)),
-                     predictive_entropy(predict_proba(model, ood)))
+    return ood_auroc(
+        predictive_entropy(predict_proba(model, split.test.x)), predictive_entropy(predict_proba(model, ood))
+    )
 
 
-def fused_row(name: str, models: list, part, split, method: str, seed: int | None = None, ood=None,
-              **hyper) -> dict:
+def fused_row(name: str, models: list, part, split, method: str, seed: int | None = None, ood=None, **hyper) -> dict:
     """Fuse with ``fuse`` (ConvergenceWarnings become the row's ``converged``) and measure; with
     out-of-distribution inputs ``ood``, the row's ``auroc`` too (:func:`entropy_auroc`)."""
     from bayesfuse.fusion import fuse
@@ -269,8 +313,14 @@ def fused_row(name: str, models: list, part, split, method: str, seed: int | Non
         extra["noise_var"] = float(hyper["noise_var"])
     if ood is not None:
         extra["auroc"] = entropy_auroc(result.model, split, ood)
-    return make_row(name, test_metrics(result.model, split), result.sizes, result.seconds,
-                    result.converged if matched else None, **extra)
+    return make_row(
+        name,
+        test_metrics(result.model, split),
+        result.sizes,
+        result.seconds,
+        result.converged if matched else None,
+        **extra,
+    )
 
 
 # --------------------------------------------------------------------------- assignment duals

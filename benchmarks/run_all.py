@@ -23,29 +23,90 @@ from pathlib import Path
 from common import RESULTS, write_record
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["bench_training.py", "bench_matching.py", "bench_klfusion.py", "bench_mixture_fusion.py",
-              "bench_bnn_fusion.py", "bench_baselines.py", "bench_deep.py", "bench_architectures.py",
-              "bench_fedma_sizes.py",
-              "bench_fidelity.py", "bench_calibration.py", "bench_scale.py", "bench_wide_floor.py",
-              "bench_stopping.py", "bench_arviz.py", "bench_topics.py", "bench_hmm.py"]
+BENCHMARKS = [
+    "bench_training.py",
+    "bench_matching.py",
+    "bench_klfusion.py",
+    "bench_mixture_fusion.py",
+    "bench_bnn_fusion.py",
+    "bench_baselines.py",
+    "bench_deep.py",
+    "bench_architectures.py",
+    "bench_fedma_sizes.py",
+    "bench_fidelity.py",
+    "bench_calibration.py",
+    "bench_scale.py",
+    "bench_wide_floor.py",
+    "bench_stopping.py",
+    "bench_arviz.py",
+    "bench_topics.py",
+    "bench_hmm.py",
+]
 
 #: Each benchmark's smoke run: its options (``{out}`` is the output folder).
 QUICK = {
     "bench_training.py": ["--repeats", "1"],
     "bench_matching.py": ["--clients", "10"],
     "bench_klfusion.py": ["--components", "50", "--true", "100", "--dim", "100"],
-    "bench_bnn_fusion.py": ["--seeds", "0", "--epochs", "20", "--regs", "0.01", "0.1", "--samples", "20",
-                            "--out", "{out}"],
+    "bench_bnn_fusion.py": [
+        "--seeds",
+        "0",
+        "--epochs",
+        "20",
+        "--regs",
+        "0.01",
+        "0.1",
+        "--samples",
+        "20",
+        "--out",
+        "{out}",
+    ],
     "bench_baselines.py": ["--dataset", "digits", "--seeds", "0", "--epochs", "3"],
-    "bench_deep.py": ["--parts", "synthetic", "mlp", "cnn", "pans", "--dataset", "digits", "--epochs", "2",
-                      "--cnn-epochs", "1", "--retrain-epochs", "1"],
+    "bench_deep.py": [
+        "--parts",
+        "synthetic",
+        "mlp",
+        "cnn",
+        "pans",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "2",
+        "--cnn-epochs",
+        "1",
+        "--retrain-epochs",
+        "1",
+    ],
     "bench_architectures.py": ["--dataset", "digits", "--seeds", "0", "--epochs", "2", "--train-size", "0"],
     "bench_fedma_sizes.py": ["--dataset", "digits", "--noise-vars", "1", "3"],
     "bench_fidelity.py": ["--quick", "--out", "{out}"],
-    "bench_calibration.py": ["--dataset", "digits", "--depths", "100", "--seeds", "0", "--inits", "shared",
-                             "--epochs", "3"],
-    "bench_scale.py": ["--parts", "kl", "match", "resnet18", "device", "--kl-clients", "5", "--match-clients", "30",
-                       "--device-clients", "30", "--resnet18-widths", "0.25"],
+    "bench_calibration.py": [
+        "--dataset",
+        "digits",
+        "--depths",
+        "100",
+        "--seeds",
+        "0",
+        "--inits",
+        "shared",
+        "--epochs",
+        "3",
+    ],
+    "bench_scale.py": [
+        "--parts",
+        "kl",
+        "match",
+        "resnet18",
+        "device",
+        "--kl-clients",
+        "5",
+        "--match-clients",
+        "30",
+        "--device-clients",
+        "30",
+        "--resnet18-widths",
+        "0.25",
+    ],
     "bench_arviz.py": ["--repeats", "1"],
     # real data from `make data` (each says "skipped" without it)
     "bench_topics.py": ["--quick", "--out", "{out}"],
@@ -64,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [n for n in BENCHMARKS if (not args.only or n in args.only) and (not args.quick or n in QUICK)]
     if args.quick:
-        print(f"(quick: {', '.join(n for n in FULL_ONLY if not args.only or n in args.only)} left out; "
-              "`make bench-full` runs them)", flush=True)
+        print(
+            f"(quick: {', '.join(n for n in FULL_ONLY if not args.only or n in args.only)} left out; "
+            "`make bench-full` runs them)",
+            flush=True,
+        )
     failed = []
     for name in names:
         options = [o.format(out=out_dir) for o in QUICK[name]] if args.quick else []
@@ -80,8 +144,16 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
         (out_dir / f"{Path(name).stem}.txt").write_text(proc.stdout)
         figures = sorted(p.name for p in out_dir.glob("*.png") if p.stat().st_mtime >= started)
-        write_record(out_dir / f"{Path(name).stem}.json", benchmark=name, options=options, seconds=seconds,
-                     returncode=proc.returncode, output=proc.stdout, figures=figures, quick=args.quick)
+        write_record(
+            out_dir / f"{Path(name).stem}.json",
+            benchmark=name,
+            options=options,
+            seconds=seconds,
+            returncode=proc.returncode,
+            output=proc.stdout,
+            figures=figures,
+            quick=args.quick,
+        )
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
     return 1 if failed else 0

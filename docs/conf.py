@@ -41,8 +41,15 @@ extensions = [
     "bayesfuse_docs",
 ]
 
-exclude_patterns = ["_build", "decisions.md", "make_figures.py", "**.ipynb_checkpoints", "_generated/methods.md",
-                    "_generated/cli.md", "benchmark-results"]
+exclude_patterns = [
+    "_build",
+    "decisions.md",
+    "make_figures.py",
+    "**.ipynb_checkpoints",
+    "_generated/methods.md",
+    "_generated/cli.md",
+    "benchmark-results",
+]
 templates_path = ["_templates"]
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 root_doc = "index"

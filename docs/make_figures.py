@@ -27,11 +27,13 @@ def main() -> int:
             if wanted and path.stem not in wanted:
                 continue
             nb = nbformat.read(path, as_version=4)
-            NotebookClient(nb, timeout=1800, kernel_name="python3",
-                           resources={"metadata": {"path": str(path.parent)}}).execute()
+            NotebookClient(
+                nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+            ).execute()
             tagged = [c for c in nb.cells if "docs-figure" in c.get("metadata", {}).get("tags", [])]
-            images = [o["data"]["image/png"] for c in tagged for o in c.get("outputs", [])
-                      if "image/png" in o.get("data", {})]
+            images = [
+                o["data"]["image/png"] for c in tagged for o in c.get("outputs", []) if "image/png" in o.get("data", {})
+            ]
             if not images:
                 print(f"{path.name}: no tagged figure", file=sys.stderr)
                 return 1

@@ -12,8 +12,10 @@ from torch import nn
 from bayesfuse.nets.mlp import MLP
 
 #: Where the tests of the torch path run: the CPU, and CUDA where this machine has it.
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="needs a CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
 
 
 def randomise(model: nn.Module, seed: int) -> nn.Module:
@@ -43,8 +45,17 @@ def far_from_identity_norms(model: nn.Module) -> nn.Module:
     return model
 
 
-def varied_bnn(in_features: int, hidden, n_classes: int, *, seed: int, spread: float, scale_low: float,
-               scale_span: float, **model_kwargs):
+def varied_bnn(
+    in_features: int,
+    hidden,
+    n_classes: int,
+    *,
+    seed: int,
+    spread: float,
+    scale_low: float,
+    scale_span: float,
+    **model_kwargs,
+):
     """A HorseshoeBNN whose guide has varied means and variances (the initial guide is too uniform
     to test much): every mean moved by ``spread`` x N(0, 1), every standard deviation drawn from
     ``scale_low + scale_span`` x U(0, 1)."""

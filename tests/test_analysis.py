@@ -105,7 +105,12 @@ def test_default_export_of_the_readme_example_is_the_documented_subset(readme_ma
     np.testing.assert_array_equal(idata.posterior["global_unit"], np.arange(DEFAULT_UNITS))
     assert list(idata.posterior["weight"].values) == [f"dim_{d}" for d in range(DEFAULT_WEIGHTS)]
     attrs = idata.posterior.attrs
-    assert (attrs["drawn_units"], attrs["n_units"], attrs["drawn_weights"], attrs["n_weights"]) == ("0..7", G, "0..7", D)
+    assert (attrs["drawn_units"], attrs["n_units"], attrs["drawn_weights"], attrs["n_weights"]) == (
+        "0..7",
+        G,
+        "0..7",
+        D,
+    )
     assert attrs["chains"] == 2 and attrs["num_draws"] == DEFAULT_DRAWS
     # the exact posterior of every unit stays in constant_data
     np.testing.assert_array_equal(np.asarray(idata.constant_data["loc"]), res.mean)
@@ -241,12 +246,14 @@ def test_subsets_and_fewer_draws_are_slices_of_the_full_export(readme_match, cap
     for g in (0, 7):
         np.testing.assert_array_equal(
             some.posterior["theta"].sel(global_unit=g).isel(draw=slice(DEFAULT_DRAWS), weight=slice(DEFAULT_WEIGHTS)),
-            small.posterior["theta"].sel(global_unit=g))
+            small.posterior["theta"].sel(global_unit=g),
+        )
     picked = match_to_arviz(res, units=[7], weights=["dim_5", 2], num_draws=10, chains=3)
     assert list(picked.posterior["weight"].values) == ["dim_5", "dim_2"] and picked.posterior.sizes["chain"] == 3
-    np.testing.assert_array_equal(picked.posterior["theta"].isel(chain=slice(2)),
-                                  small.posterior["theta"].sel(global_unit=[7], weight=["dim_5", "dim_2"])
-                                  .isel(draw=slice(10)))
+    np.testing.assert_array_equal(
+        picked.posterior["theta"].isel(chain=slice(2)),
+        small.posterior["theta"].sel(global_unit=[7], weight=["dim_5", "dim_2"]).isel(draw=slice(10)),
+    )
     # units="all", weights="all" on a layer the default cuts; the default is a slice of it
     rng = np.random.default_rng(0)
     mean, var = rng.normal(size=(30, 12)), rng.uniform(0.5, 2, size=(30, 12))
@@ -322,16 +329,22 @@ def test_local_exports_line_up_with_the_fused_one():
     assert res.n_components == 3
     fused = klfusion_to_arviz(res, num_draws=400)
     names = list(fused.posterior["weight"].values)
-    locals_ = [local_to_arviz(c.loc, c.var, a, num_draws=400, weight_names=names)
-               for c, a in zip(clients, res.assignments)]
+    locals_ = [
+        local_to_arviz(c.loc, c.var, a, num_draws=400, weight_names=names) for c, a in zip(clients, res.assignments)
+    ]
     g = int(res.assignments[0][0])  # client 0's unit 0 and its match in client 1
     got = np.asarray(locals_[0].posterior["theta"].sel(global_unit=g)).reshape(800, 4).mean(0)
     assert (np.abs(got - clients[0].loc[0]) < 5 * np.sqrt(clients[0].var[0] / 800)).all()
     one = local_to_arviz(clients[1].loc, clients[1].var, res.assignments[1], units=[g], num_draws=400)
     np.testing.assert_array_equal(one.posterior["global_unit"], [g])
     az = _arviz()
-    az.plot_forest([fused, *locals_], model_names=["fused", "client 0", "client 1"], var_names=["theta"],
-                   coords={"global_unit": [g]}, combined=True)
+    az.plot_forest(
+        [fused, *locals_],
+        model_names=["fused", "client 0", "client 1"],
+        var_names=["theta"],
+        coords={"global_unit": [g]},
+        combined=True,
+    )
     with pytest.raises(ValueError, match="distinct"):
         local_to_arviz(clients[0].loc, clients[0].var, [0, 0, 1])
 
@@ -382,7 +395,12 @@ def test_weight_coordinates_name_the_entries():
     # empirical Bayes per block records each entry's block
     blocks = match_neurons(fed.layers, noise_var="auto", prior_var=1.0, gamma0=3.0, blocks=np.array([0, 0, 1, 2, 2]))
     assert list(match_to_arviz(blocks).posterior["weight"].values) == [
-        "block0[0]", "block0[1]", "block1", "block2[0]", "block2[1]"]
+        "block0[0]",
+        "block0[1]",
+        "block1",
+        "block2[0]",
+        "block2[1]",
+    ]
 
     # fused networks: the matching recorded its entries, the fused network gives their widths
     torch.manual_seed(0)
@@ -392,8 +410,9 @@ def test_weight_coordinates_name_the_entries():
     p1 = fusion_to_arviz(net, layer="P1", weights="all").posterior
     assert list(p1["weight"].values) == [f"layers.0.weight[{i}]" for i in range(6)] + ["layers.0.bias"]
     p2 = fusion_to_arviz(net, layer="P2", weights="all").posterior
-    assert list(p2["weight"].values) == ([f"layers.1.weight[{i}]" for i in range(G1)] + ["layers.1.bias"]
-                                         + [f"layers.2.weight[{k}]" for k in range(3)])
+    assert list(p2["weight"].values) == (
+        [f"layers.1.weight[{i}]" for i in range(G1)] + ["layers.1.bias"] + [f"layers.2.weight[{k}]" for k in range(3)]
+    )
     assert p2.attrs["weight_names"] == "blocks" and p2.attrs["layer"] == "P2"
 
     # fused BNNs: incoming weights, bias, log scale, outgoing weights
@@ -456,8 +475,10 @@ def bnn_federation(digits):
     from bayesfuse.models.bnn import BNNConfig, train_bnn
 
     halves = np.array_split(np.random.default_rng(0).permutation(len(digits.train.y)), 2)
-    bnns = [train_bnn(digits.train.x[i], digits.train.y[i], 10, 8, BNNConfig(epochs=3, seed=j), verbose=False)
-            for j, i in enumerate(halves)]
+    bnns = [
+        train_bnn(digits.train.x[i], digits.train.y[i], 10, 8, BNNConfig(epochs=3, seed=j), verbose=False)
+        for j, i in enumerate(halves)
+    ]
     return bnns, fuse(bnns, "kl"), halves
 
 
@@ -480,7 +501,10 @@ def test_bnn_export_of_the_fitted_data_is_for_loo(digits, bnn_federation):
     np.testing.assert_array_equal(np.asarray(fid.observed_data["y"]), y)
     y_rep = np.asarray(fid.posterior_predictive["y"])
     assert y_rep.shape == (2, S, n) and y_rep.min() >= 0 and y_rep.max() <= 9
-    assert fid.posterior["w1"].dims == ("chain", "draw", "unit", "input") and fid.posterior["w1"].shape[2:] == (min(H, 8), 8)
+    assert fid.posterior["w1"].dims == ("chain", "draw", "unit", "input") and fid.posterior["w1"].shape[2:] == (
+        min(H, 8),
+        8,
+    )
     assert fid.posterior["w_out"].dims == ("chain", "draw", "class", "unit") and "w2" not in fid.posterior
     assert (np.asarray(fid.posterior["tau"]) > 0).all()
     assert fid.posterior.attrs["method"] == "kl" and local.posterior.attrs["method"] == "local"
@@ -532,8 +556,12 @@ def test_compare_is_the_held_out_log_predictive_density(digits, bnn_federation):
     n, S = len(y), 50
     torch.manual_seed(0)
     net = MLP(64, [16], 10)
-    probs = {"fused": fused.model.predict(x, S, seed=3), "local 0": bnns[0].predict(x, S, seed=3),
-             "local 1": bnns[1].predict(x, S, seed=3), "network": predict_proba(net, x)}
+    probs = {
+        "fused": fused.model.predict(x, S, seed=3),
+        "local 0": bnns[0].predict(x, S, seed=3),
+        "local 1": bnns[1].predict(x, S, seed=3),
+        "network": predict_proba(net, x),
+    }
     probs["mixture"] = (probs["local 0"] + probs["local 1"]) / 2
     models = {"fused": fused, "local 0": bnns[0], "local 1": bnns[1], "network": net, "mixture": probs["mixture"]}
     table, pairs = compare(models, x, y, num_samples=S, seed=3, pairs=True)
@@ -626,10 +654,11 @@ def test_result_methods_delegate_to_the_analysis_functions():
     kl = kl_fuse([DiagNormal(loc=np.eye(3), var=np.ones((3, 3)))] * 2, reg=0.1)
     torch.manual_seed(0)
     net = fuse([MLP(6, [5, 4], 3) for _ in range(2)], "pfnm")
-    pairs = ((res.to_arviz(units=[1], num_draws=7, seed=2), match_to_arviz(res, units=[1], num_draws=7, seed=2)),
-             (kl.to_arviz(num_draws=7), klfusion_to_arviz(kl, num_draws=7)),
-             (net.to_arviz(layer="P2", units=[0], num_draws=7),
-              fusion_to_arviz(net, layer="P2", units=[0], num_draws=7)))
+    pairs = (
+        (res.to_arviz(units=[1], num_draws=7, seed=2), match_to_arviz(res, units=[1], num_draws=7, seed=2)),
+        (kl.to_arviz(num_draws=7), klfusion_to_arviz(kl, num_draws=7)),
+        (net.to_arviz(layer="P2", units=[0], num_draws=7), fusion_to_arviz(net, layer="P2", units=[0], num_draws=7)),
+    )
     for got, want in pairs:
         np.testing.assert_array_equal(_theta(got), _theta(want))
         assert got.posterior.sizes["chain"] == DEFAULT_CHAINS
@@ -672,7 +701,8 @@ def test_bnn_export_is_sized_for_az_summary_and_draws_more_on_request(digits, ca
         small = bnn_to_arviz(bnn, x, y, num_samples=20, seed=3, data="train")
     assert [r.getMessage() for r in caplog.records] == [
         "bnn_to_arviz drew 8+8 of 12+10 units x 8 of 64 inputs (the default, sized for az.summary and az.plot_forest); "
-        "units='all' or [ids], inputs='all' or [names] draw more"]
+        "units='all' or [ids], inputs='all' or [names] draw more"
+    ]
     post = small.posterior
     assert post.sizes["chain"] == DEFAULT_CHAINS and post.sizes["draw"] == 20
     assert post["w1"].shape[2:] == (DEFAULT_UNITS, DEFAULT_WEIGHTS) and post["w2"].shape[2:] == (8, 8)
@@ -738,8 +768,13 @@ def test_aligned_exports_place_local_units_at_their_global_units(bnn_federation)
 
     members = {name: e for name, e in exports.items() if g in e.posterior["global_unit"].values}
     assert len(members) == 1 + int(np.bincount(np.concatenate(layer.assignments))[g])
-    _arviz().plot_forest(list(members.values()), model_names=list(members), var_names=["theta"],
-                         coords={"global_unit": [g], "weight": ["bias", "log_scale", "out_0"]}, combined=True)
+    _arviz().plot_forest(
+        list(members.values()),
+        model_names=list(members),
+        var_names=["theta"],
+        coords={"global_unit": [g], "weight": ["bias", "log_scale", "out_0"]},
+        combined=True,
+    )
     plt.close("all")
     # the default: the first 8 global units; a client holds those it has
     small = aligned_to_arviz(fused, bnns)

@@ -31,8 +31,12 @@ pytestmark = pytest.mark.catalogue
 
 def _mlp_sd(d=6, h=4, k=3, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"fc1.weight": torch.randn(h, d, generator=g), "fc1.bias": torch.randn(h, generator=g),
-            "fc2.weight": torch.randn(k, h, generator=g), "fc2.bias": torch.randn(k, generator=g)}
+    return {
+        "fc1.weight": torch.randn(h, d, generator=g),
+        "fc1.bias": torch.randn(h, generator=g),
+        "fc2.weight": torch.randn(k, h, generator=g),
+        "fc2.bias": torch.randn(k, generator=g),
+    }
 
 
 @pytest.fixture
@@ -73,8 +77,14 @@ def files(tmp_path):
     torch.save(sparse, tmp_path / "sparse.pt")
     bad["sparse entry"] = tmp_path / "sparse.pt"
     # safetensors files of another tool record no entry order; D == H: input and hidden swap
-    square = {"input.weight": torch.ones(6, 6), "input.bias": torch.ones(6), "hidden.weight": torch.ones(6, 6),
-              "hidden.bias": torch.ones(6), "output.weight": torch.ones(3, 6), "output.bias": torch.ones(3)}
+    square = {
+        "input.weight": torch.ones(6, 6),
+        "input.bias": torch.ones(6),
+        "hidden.weight": torch.ones(6, 6),
+        "hidden.bias": torch.ones(6),
+        "output.weight": torch.ones(3, 6),
+        "output.bias": torch.ones(3),
+    }
     save_file(square, tmp_path / "unordered.safetensors")
     bad["ambiguous order"] = tmp_path / "unordered.safetensors"
     for case, order in [("order metadata with ints", ["input.weight", 1]), ("order metadata lies", ["a", "b"])]:
@@ -87,8 +97,10 @@ def files(tmp_path):
     bad["pickled module"] = tmp_path / "module.pt"
     torch.save({"model": MLP(6, [4], 3), "epoch": 60}, tmp_path / "module_inside.pt")
     bad["module in a dict"] = tmp_path / "module_inside.pt"
-    torch.save({"model_state_dict": _mlp_sd(), "ema_state_dict": _mlp_sd(seed=1), "state_dict": _mlp_sd(seed=2)},
-               tmp_path / "two_states.pt")
+    torch.save(
+        {"model_state_dict": _mlp_sd(), "ema_state_dict": _mlp_sd(seed=1), "state_dict": _mlp_sd(seed=2)},
+        tmp_path / "two_states.pt",
+    )
     bad["two state_dicts"] = tmp_path / "two_states.pt"
     torch.save({"epoch": 60, "weights": [_mlp_sd()["fc1.weight"]]}, tmp_path / "no_state.pt")
     bad["dict without a state_dict"] = tmp_path / "no_state.pt"
@@ -109,21 +121,34 @@ CLI_CASES = [
     ("unknown suffix", "unknown model file type"),
     ("empty .pt", "empty.pt: the file is empty (0 bytes)"),
     ("a directory", "models.pt is a directory, not a model file"),
-    ("sparse entry", "sparse.pt: entry 'fc1.weight' is a sparse (torch.sparse_coo) tensor; save dense tensors "
-                     "(tensor.to_dense()"),
-    ("ambiguous order", "unordered.safetensors: the file does not record the order of its layers, and their shapes "
-                        "chain in 2 different orders"),
+    (
+        "sparse entry",
+        "sparse.pt: entry 'fc1.weight' is a sparse (torch.sparse_coo) tensor; save dense tensors (tensor.to_dense()",
+    ),
+    (
+        "ambiguous order",
+        "unordered.safetensors: the file does not record the order of its layers, and their shapes "
+        "chain in 2 different orders",
+    ),
     ("ambiguous order", "give the architecture as a spec (--arch-spec FILE)"),
     ("order metadata with ints", "chain in 2 different orders"),
     ("order metadata lies", "chain in 2 different orders"),
     ("no chain", "nochain.safetensors: its Linear layers chain in no order"),
-    ("pickled module", "module.pt: a pickled torch.nn.modules.container.Sequential object (torch.save(model) saves "
-                       "the whole module, code and all), not a state_dict; save the weights alone, "
-                       "torch.save(model.state_dict(), 'module.pt'), and fuse that file"),
-    ("module in a dict", "module_inside.pt: holds a pickled bayesfuse.nets.mlp.MLP object, which "
-                         "torch.load(weights_only=True) refuses"),
-    ("two state_dicts", "two_states.pt: a checkpoint dict with several state_dicts (model_state_dict, state_dict); "
-                        "save the one to fuse on its own, torch.save(checkpoint['model_state_dict'], 'two_states.pt')"),
+    (
+        "pickled module",
+        "module.pt: a pickled torch.nn.modules.container.Sequential object (torch.save(model) saves "
+        "the whole module, code and all), not a state_dict; save the weights alone, "
+        "torch.save(model.state_dict(), 'module.pt'), and fuse that file",
+    ),
+    (
+        "module in a dict",
+        "module_inside.pt: holds a pickled bayesfuse.nets.mlp.MLP object, which torch.load(weights_only=True) refuses",
+    ),
+    (
+        "two state_dicts",
+        "two_states.pt: a checkpoint dict with several state_dicts (model_state_dict, state_dict); "
+        "save the one to fuse on its own, torch.save(checkpoint['model_state_dict'], 'two_states.pt')",
+    ),
     ("dict without a state_dict", "no_state.pt: a dict of epoch, weights, not a state_dict"),
 ]
 
@@ -139,21 +164,28 @@ def test_cli_rejects_bad_files(files, tmp_path, capsys, case, message):
     assert not out.exists() and not (tmp_path / "fused.pt.json").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--method", "fedma"], "needs the clients' data"),
-    (["--method", "magic"], "unknown method 'magic'"),
-    (["--method", "pfnm", "--hyper", "sigma=2"], "unknown hyper-parameter 'sigma'"),
-    (["--method", "pfnm", "--hyper", "noise_var"], "key=value"),
-    (["--method", "pfnm", "--hyper", "noise_var=-1"], "noise_var must be positive"),
-    (["--method", "pfnm", "--hyper", "gamma0=0"], "gamma0 must be positive"),
-    (["--method", "kl"], "HorseshoeBNN"),
-    (["--method", "pfnm", "--format", "pt", "--hyper", "n_iter=two"], "must be int"),
-    (["--method", "pfmn"], "unknown method 'pfmn': method must be one of pfnm, nafi, fedma, fedavg, ot, kl (did you "
-                           "mean 'pfnm'?)"),
-    (["--method", "pfnm", "--hyper", "noise_vr=1"], "unknown hyper-parameter 'noise_vr' for pfnm (did you mean "
-                                                    "'noise_var'?)"),
-    (["--method", "ot", "--device", "cpu"], "--device 'cpu': method 'ot' runs on the host only"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "fedma"], "needs the clients' data"),
+        (["--method", "magic"], "unknown method 'magic'"),
+        (["--method", "pfnm", "--hyper", "sigma=2"], "unknown hyper-parameter 'sigma'"),
+        (["--method", "pfnm", "--hyper", "noise_var"], "key=value"),
+        (["--method", "pfnm", "--hyper", "noise_var=-1"], "noise_var must be positive"),
+        (["--method", "pfnm", "--hyper", "gamma0=0"], "gamma0 must be positive"),
+        (["--method", "kl"], "HorseshoeBNN"),
+        (["--method", "pfnm", "--format", "pt", "--hyper", "n_iter=two"], "must be int"),
+        (
+            ["--method", "pfmn"],
+            "unknown method 'pfmn': method must be one of pfnm, nafi, fedma, fedavg, ot, kl (did you mean 'pfnm'?)",
+        ),
+        (
+            ["--method", "pfnm", "--hyper", "noise_vr=1"],
+            "unknown hyper-parameter 'noise_vr' for pfnm (did you mean 'noise_var'?)",
+        ),
+        (["--method", "ot", "--device", "cpu"], "--device 'cpu': method 'ot' runs on the host only"),
+    ],
+)
 def test_cli_rejects_bad_options(files, tmp_path, capsys, argv, message):
     good, _ = files
     out = tmp_path / "fused.pt"
@@ -163,12 +195,19 @@ def test_cli_rejects_bad_options(files, tmp_path, capsys, argv, message):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--method", "pfnm", "--out", "{dir}"], "the output {dir} is a directory; give a file name for it, such as "
-                                              "{dir}/fused.pt"),
-    (["--method", "pfnm", "--out", "{dir}/fused.pt", "--one"], "one model file given ({good0}); fusion needs two or "
-                                                               "more (one model would come back as itself)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--method", "pfnm", "--out", "{dir}"],
+            "the output {dir} is a directory; give a file name for it, such as {dir}/fused.pt",
+        ),
+        (
+            ["--method", "pfnm", "--out", "{dir}/fused.pt", "--one"],
+            "one model file given ({good0}); fusion needs two or more (one model would come back as itself)",
+        ),
+    ],
+)
 def test_cli_refuses_before_any_model_is_read(files, tmp_path, capsys, monkeypatch, argv, message):
     import bayesfuse.checkpoints
 
@@ -184,11 +223,14 @@ def test_cli_refuses_before_any_model_is_read(files, tmp_path, capsys, monkeypat
     assert list(out_dir.iterdir()) == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--seed", "-1"], "argument --seed: must be a non-negative integer, got -1"),
-    (["--arch", "resnet"], "argument --arch: invalid choice: 'resnet' (choose from 'auto', 'mlp', 'cnn', 'lstm')"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seed", "-1"], "argument --seed: must be a non-negative integer, got -1"),
+        (["--arch", "resnet"], "argument --arch: invalid choice: 'resnet' (choose from 'auto', 'mlp', 'cnn', 'lstm')"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
 def test_cli_usage_errors_are_one_line(files, tmp_path, capsys, argv, message):
     good, _ = files
     with pytest.raises(SystemExit) as info:
@@ -207,7 +249,8 @@ def test_cli_names_the_file_with_a_negative_batch_norm_variance(tmp_path, capsys
     assert main(["fuse", *map(str, paths), "--method", "pfnm", "--out", str(tmp_path / "f.pt")]) == 2
     assert capsys.readouterr().err == (
         f"bayesfuse fuse: error: {paths[1]}: batch norm {key.removesuffix('.running_var')!r} has a negative running "
-        "variance (-0.5 at unit 1), which no trained batch norm has: the file is damaged or its entries are misnamed\n")
+        "variance (-0.5 at unit 1), which no trained batch norm has: the file is damaged or its entries are misnamed\n"
+    )
     assert not (tmp_path / "f.pt").exists()
 
 
@@ -224,15 +267,26 @@ def _written(tmp_path, before):
     return sorted(set(p.name for p in tmp_path.iterdir()) - before)
 
 
-@pytest.mark.parametrize("out, argv, message", [
-    ("fused.pt", ["--format", "safetensors"], "the output 'fused.pt' is named like a pt file but the format asked for "
-                                              "is safetensors; give it a .safetensors name, or give --format pt or "
-                                              "safetensors"),
-    ("fused.safetensors", ["--format", "pt"], "named like a safetensors file but the format asked for is pt"),
-    ("fused.txt", [], "cannot tell the output format from 'fused.txt': name it .pt, .pth or .safetensors, or give "
-                      "--format pt or safetensors"),
-    ("", [], "the output '' is not a file name; give one such as fused.pt"),
-])
+@pytest.mark.parametrize(
+    "out, argv, message",
+    [
+        (
+            "fused.pt",
+            ["--format", "safetensors"],
+            "the output 'fused.pt' is named like a pt file but the format asked for "
+            "is safetensors; give it a .safetensors name, or give --format pt or "
+            "safetensors",
+        ),
+        ("fused.safetensors", ["--format", "pt"], "named like a safetensors file but the format asked for is pt"),
+        (
+            "fused.txt",
+            [],
+            "cannot tell the output format from 'fused.txt': name it .pt, .pth or .safetensors, or give "
+            "--format pt or safetensors",
+        ),
+        ("", [], "the output '' is not a file name; give one such as fused.pt"),
+    ],
+)
 def test_cli_output_name_and_format_must_agree(files, tmp_path, capsys, monkeypatch, out, argv, message):
     good, _ = files
     monkeypatch.chdir(tmp_path)  # an empty --out must not write into the working directory either
@@ -245,8 +299,21 @@ def test_cli_output_name_and_format_must_agree(files, tmp_path, capsys, monkeypa
 
 def test_cli_unknown_output_suffix_with_a_format_is_written(files, tmp_path):
     good, _ = files
-    assert main(["fuse", *map(str, good), "--method", "pfnm", "--format", "safetensors",
-                 "--out", str(tmp_path / "fused.bin")]) == 0
+    assert (
+        main(
+            [
+                "fuse",
+                *map(str, good),
+                "--method",
+                "pfnm",
+                "--format",
+                "safetensors",
+                "--out",
+                str(tmp_path / "fused.bin"),
+            ]
+        )
+        == 0
+    )
     assert safetensors_load((tmp_path / "fused.bin").read_bytes()).keys() == _mlp_sd().keys()
 
 
@@ -259,15 +326,23 @@ def bnn_files(tmp_path):
             state["prior_scales"] = torch.tensor(scales, dtype=torch.float64)
         return save_state_dict(state, tmp_path / name)
 
-    return save("good.pt"), {"three scales": save("three.pt", [0.1, 1.0, 2.0], 1),
-                              "negative scale": save("negative.pt", [-0.1, 1.0], 1)}
+    return save("good.pt"), {
+        "three scales": save("three.pt", [0.1, 1.0, 2.0], 1),
+        "negative scale": save("negative.pt", [-0.1, 1.0], 1),
+    }
 
 
-@pytest.mark.parametrize("case, message", [
-    ("three scales", "three.pt: 'prior_scales' has shape (3,), expected (2,)"),
-    ("negative scale", "negative.pt: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two "
-                       "positive finite numbers"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("three scales", "three.pt: 'prior_scales' has shape (3,), expected (2,)"),
+        (
+            "negative scale",
+            "negative.pt: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two "
+            "positive finite numbers",
+        ),
+    ],
+)
 def test_cli_rejects_bad_bnn_files(bnn_files, tmp_path, capsys, case, message):
     good, bad = bnn_files
     out = tmp_path / "fused.pt"
@@ -277,17 +352,25 @@ def test_cli_rejects_bad_bnn_files(bnn_files, tmp_path, capsys, case, message):
     assert not out.exists() and not (tmp_path / "fused.pt.json").exists()
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"axes": {"fc1.weight": ["P1", null]}, "groups": 3}', "spec.json: a spec's 'groups' lists the hidden "
-                                                            "permutation groups in forward order: a list of names"),
-    ('{"axes": {"fc1.weight": ["P1", null]}, "groups": ["P2"]}', "spec.json: a spec's 'groups' must list each group"),
-    ('{"axes": {"fc1.weight": ["P1", null]}, "groups": ["P1", "P1"]}', "must list each group its axes use"),
-    ('{"axes": {"fc1.weight": ["P1", null]}, "output": "fc2.weight"}', "spec.json: a spec's 'output'"),
-    ('{"axes": {"fc1.weight": ["P1", null]}, "folds": ["bn"]}', "spec.json: a spec's 'folds'"),
-    ('{"axes": {"fc1.weight": ["P1", null]}, "eps": {"bn": true}}', "spec.json: a spec's 'eps'"),
-    ('[1, 2]', "spec.json: an architecture spec needs an 'axes' object"),
-    (None, "spec.json is a directory"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            '{"axes": {"fc1.weight": ["P1", null]}, "groups": 3}',
+            "spec.json: a spec's 'groups' lists the hidden permutation groups in forward order: a list of names",
+        ),
+        (
+            '{"axes": {"fc1.weight": ["P1", null]}, "groups": ["P2"]}',
+            "spec.json: a spec's 'groups' must list each group",
+        ),
+        ('{"axes": {"fc1.weight": ["P1", null]}, "groups": ["P1", "P1"]}', "must list each group its axes use"),
+        ('{"axes": {"fc1.weight": ["P1", null]}, "output": "fc2.weight"}', "spec.json: a spec's 'output'"),
+        ('{"axes": {"fc1.weight": ["P1", null]}, "folds": ["bn"]}', "spec.json: a spec's 'folds'"),
+        ('{"axes": {"fc1.weight": ["P1", null]}, "eps": {"bn": true}}', "spec.json: a spec's 'eps'"),
+        ("[1, 2]", "spec.json: an architecture spec needs an 'axes' object"),
+        (None, "spec.json is a directory"),
+    ],
+)
 def test_cli_rejects_malformed_spec_files(files, tmp_path, capsys, content, message):
     good, _ = files
     spec = tmp_path / "spec.json"
@@ -309,45 +392,93 @@ API_CASES = [
     (lambda: match_neurons([np.ones((2, 3))], gamma0=0.0), ValueError, "gamma0"),
     (lambda: match_neurons([np.ones((2, 3))], noise_var=0.0), ValueError, "noise_var"),
     (lambda: kl_fuse([DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2)))], reg=-1.0), ValueError, "reg"),
-    (lambda: kl_fuse([DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2))),
-                      Gamma(shape=np.ones((2, 2)), rate=np.ones((2, 2)))]), TypeError, "cannot mix"),
+    (
+        lambda: kl_fuse(
+            [DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2))), Gamma(shape=np.ones((2, 2)), rate=np.ones((2, 2)))]
+        ),
+        TypeError,
+        "cannot mix",
+    ),
     (lambda: DiagNormal(loc=np.zeros((2, 2)), var=-np.ones((2, 2))), ValueError, "positive"),
-    (lambda: fuse([MLP(4, [3], 2), MLP(4, [3], 5)]), ValueError, "client [01] has [25] classes .* client [01] has [25]"),
+    (
+        lambda: fuse([MLP(4, [3], 2), MLP(4, [3], 5)]),
+        ValueError,
+        "client [01] has [25] classes .* client [01] has [25]",
+    ),
     (lambda: fuse([MLP(4, [3], 2)], "hungarian"), ValueError, "method must be one of"),
     (lambda: fuse([]), ValueError, "at least one"),
     (lambda: dirichlet_partition(np.arange(10) % 2, 3, 0.0), ValueError, "alpha"),
     (lambda: load_state_dict("/nonexistent/model.pt"), FileNotFoundError, "not found"),
     # deep networks
-    (lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.MultiheadAttention(6, 2))] * 2), ValueError,
-     r"example input of shape \(2, 4\) does not run through the network \(TypeError: .*missing 2 required"),
-    (lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2))] * 2), UnsupportedLayerError,
-     r"call_module 1 \(_1\): GroupNorm with 2 groups of 6 channels mixes units"),
-    (lambda: fuse([make_cnn(64, 3, channels=(2,), hidden=(4,)), MLP(64, [4], 3)]), ValueError, "client [01] lacks entries"),
+    (
+        lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.MultiheadAttention(6, 2))] * 2),
+        ValueError,
+        r"example input of shape \(2, 4\) does not run through the network \(TypeError: .*missing 2 required",
+    ),
+    (
+        lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2))] * 2),
+        UnsupportedLayerError,
+        r"call_module 1 \(_1\): GroupNorm with 2 groups of 6 channels mixes units",
+    ),
+    (
+        lambda: fuse([make_cnn(64, 3, channels=(2,), hidden=(4,)), MLP(64, [4], 3)]),
+        ValueError,
+        "client [01] lacks entries",
+    ),
     (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma"), ValueError, r"data=\(train, partition\)"),
     (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "pfnm", direction="sideways"), ValueError, "direction"),
-    (lambda: fuse([nn.Sequential(nn.Linear(4, 3, bias=False), nn.BatchNorm1d(3), nn.Linear(3, 2))] * 2),
-     ValueError, "cannot fold batch norm '1': layer '0' has no bias"),
-    (lambda: fedma([MLP(4, [3], 2).state_dict()] * 2, MLP(4, [3], 2).permutation_spec(), lambda jobs, frozen: []),
-     ValueError, "returned 0 states for 2 clients"),
+    (
+        lambda: fuse([nn.Sequential(nn.Linear(4, 3, bias=False), nn.BatchNorm1d(3), nn.Linear(3, 2))] * 2),
+        ValueError,
+        "cannot fold batch norm '1': layer '0' has no bias",
+    ),
+    (
+        lambda: fedma([MLP(4, [3], 2).state_dict()] * 2, MLP(4, [3], 2).permutation_spec(), lambda jobs, frozen: []),
+        ValueError,
+        "returned 0 states for 2 clients",
+    ),
     (lambda: PANConfig("add", 1.0, -0.1), ValueError, "amplitude"),
     (lambda: TrainConfig(arch="transformer"), ValueError, "unknown architecture 'transformer'"),
     # errors that say what to do
-    (lambda: fuse([MLP(4, [3], 2).state_dict()] * 2), TypeError,
-     r"model 0 is a state_dict \(OrderedDict\), not an nn.Module: fuse state_dicts with bayesfuse.fuse_states"),
-    (lambda: fuse([MLP(4, [3], 2)] * 2, class_count=np.ones((2, 2))), ValueError,
-     r"\['class_count'\] for method 'pfnm', and not arguments of fuse \(did you mean 'class_counts'\?\)"),
+    (
+        lambda: fuse([MLP(4, [3], 2).state_dict()] * 2),
+        TypeError,
+        r"model 0 is a state_dict \(OrderedDict\), not an nn.Module: fuse state_dicts with bayesfuse.fuse_states",
+    ),
+    (
+        lambda: fuse([MLP(4, [3], 2)] * 2, class_count=np.ones((2, 2))),
+        ValueError,
+        r"\['class_count'\] for method 'pfnm', and not arguments of fuse \(did you mean 'class_counts'\?\)",
+    ),
     (lambda: fuse([MLP(4, [3], 2)] * 2, "nafi", noise_vr=1.0), ValueError, r"\(did you mean 'noise_var'\?\)"),
     (lambda: fuse([MLP(4, [3], 2)] * 2, "pfmn"), ValueError, r"unknown method 'pfmn'.*\(did you mean 'pfnm'\?\)"),
-    (lambda: fuse_states([MLP(4, [3], 2).state_dict()] * 2, seeed=1), ValueError,
-     r"not arguments of fuse_states \(did you mean 'seed'\?\)"),
-    (lambda: kl_fuse([DiagNormal(loc=np.zeros((3, 4)), var=np.ones((3, 4))),
-                      DiagNormal(loc=np.zeros((3, 4)), var=np.where(np.eye(3, 4) > 0, 1e300, 1.0))]), ValueError,
-     r"client 1's variance 1e\+300 \(component 0, coordinate 0\) is 1\.0e\+300 times larger than the clients' median "
-     r"variance 1: kl_fuse needs all variances within a factor 1e\+15"),
-    (lambda: kl_fuse([DiagNormal(loc=np.zeros((2, 2)), var=np.full((2, 2), 1e-20)),
-                      DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2))),
-                      DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2)))]), ValueError,
-     r"client 0's variance 1e-20 \(component 0, coordinate 0\) is 1\.0e\+20 times smaller"),
+    (
+        lambda: fuse_states([MLP(4, [3], 2).state_dict()] * 2, seeed=1),
+        ValueError,
+        r"not arguments of fuse_states \(did you mean 'seed'\?\)",
+    ),
+    (
+        lambda: kl_fuse(
+            [
+                DiagNormal(loc=np.zeros((3, 4)), var=np.ones((3, 4))),
+                DiagNormal(loc=np.zeros((3, 4)), var=np.where(np.eye(3, 4) > 0, 1e300, 1.0)),
+            ]
+        ),
+        ValueError,
+        r"client 1's variance 1e\+300 \(component 0, coordinate 0\) is 1\.0e\+300 times larger than the clients' median "
+        r"variance 1: kl_fuse needs all variances within a factor 1e\+15",
+    ),
+    (
+        lambda: kl_fuse(
+            [
+                DiagNormal(loc=np.zeros((2, 2)), var=np.full((2, 2), 1e-20)),
+                DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2))),
+                DiagNormal(loc=np.zeros((2, 2)), var=np.ones((2, 2))),
+            ]
+        ),
+        ValueError,
+        r"client 0's variance 1e-20 \(component 0, coordinate 0\) is 1\.0e\+20 times smaller",
+    ),
 ]
 
 

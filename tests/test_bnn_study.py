@@ -12,8 +12,10 @@ def test_fused_bnn_beats_every_local_one_and_knows_fonts_are_foreign():
     split = load_digits().standardize()
     fonts = split.standardizer.transform(load_font_digits(8, n_per_font=2))
     part = dirichlet_partition(split.train.y, 5, 0.8, seed=0)
-    bnns = [train_bnn(split.train.x[i], split.train.y[i], 10, 60, BNNConfig(epochs=150, seed=j), verbose=False)
-            for j, i in enumerate(part)]
+    bnns = [
+        train_bnn(split.train.x[i], split.train.y[i], 10, 60, BNNConfig(epochs=150, seed=j), verbose=False)
+        for j, i in enumerate(part)
+    ]
     res = fuse(bnns, "kl")
 
     def scores(model):

@@ -37,8 +37,11 @@ def test_a_lost_order_comes_from_the_shapes_when_one_chain_fits():
     sd = _mlp([6, 8, 5, 3], ["input", "hidden", "output"])
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
     assert entry_order(sorted(sd), shapes) == list(sd)
-    with pytest.raises(ValueError, match=r"f\.safetensors: the file does not record the order.* 2 different orders"
-                                         r".*spec_path="):
+    with pytest.raises(
+        ValueError,
+        match=r"f\.safetensors: the file does not record the order.* 2 different orders"
+        r".*spec_path=",
+    ):
         entry_order(sorted(sd), _widths([8, 8, 8, 3]), "f.safetensors")  # D == H: input and hidden swap
     with pytest.raises(ValueError, match="chain in no order"):
         entry_order(sorted(sd), dict(shapes, **{"output.weight": (3, 7)}))
@@ -53,8 +56,9 @@ def test_chain_orders_are_counted_exactly():
         m = int(rng.integers(1, 6))
         shapes = {f"l{i}.weight": tuple(int(w) for w in rng.integers(2, 5, 2)) for i in range(m)}
         keys = list(shapes)
-        chains = [p for p in itertools.permutations(keys)
-                  if all(shapes[a][0] == shapes[b][1] for a, b in zip(p[:-1], p[1:]))]
+        chains = [
+            p for p in itertools.permutations(keys) if all(shapes[a][0] == shapes[b][1] for a, b in zip(p[:-1], p[1:]))
+        ]
         if len(chains) == 1:
             assert entry_order(keys, shapes) == list(chains[0])
         else:
@@ -68,14 +72,17 @@ def _header_with(path, metadata):
 
 
 @pytest.mark.catalogue
-@pytest.mark.parametrize("order", [
-    "not json",
-    json.dumps({"input.weight": 0}),
-    json.dumps(["input.weight", 1, "input.bias"]),
-    json.dumps(["input.weight", "input.bias"]),
-    json.dumps(["input.weight"] * 6),
-    json.dumps(["input.weight", "input.bias", "hidden.weight", "hidden.bias", "output.weight", "nope"]),
-])
+@pytest.mark.parametrize(
+    "order",
+    [
+        "not json",
+        json.dumps({"input.weight": 0}),
+        json.dumps(["input.weight", 1, "input.bias"]),
+        json.dumps(["input.weight", "input.bias"]),
+        json.dumps(["input.weight"] * 6),
+        json.dumps(["input.weight", "input.bias", "hidden.weight", "hidden.bias", "output.weight", "nope"]),
+    ],
+)
 def test_order_metadata_that_is_malformed_or_lies_is_not_trusted(tmp_path, order):
     path = _header_with(tmp_path / "m.safetensors", {"bayesfuse.order": order})
     checkpoint = read_checkpoint(path)
@@ -115,15 +122,18 @@ def test_tensor_digest_ignores_file_name_and_format(tmp_path):
 
 
 @pytest.mark.catalogue
-@pytest.mark.parametrize("path, fmt, message", [
-    ("fused.pt", "safetensors", "named like a pt file but the format asked for is safetensors"),
-    ("fused.safetensors", "pt", "named like a safetensors file but the format asked for is pt"),
-    ("fused.txt", None, "cannot tell the output format from 'fused.txt'"),
-    ("fused", None, "cannot tell the output format"),
-    ("", None, "is not a file name"),
-    ("out/", "pt", "is not a file name"),
-    ("fused.pt", "onnx", "unknown output format 'onnx'"),
-])
+@pytest.mark.parametrize(
+    "path, fmt, message",
+    [
+        ("fused.pt", "safetensors", "named like a pt file but the format asked for is safetensors"),
+        ("fused.safetensors", "pt", "named like a safetensors file but the format asked for is pt"),
+        ("fused.txt", None, "cannot tell the output format from 'fused.txt'"),
+        ("fused", None, "cannot tell the output format"),
+        ("", None, "is not a file name"),
+        ("out/", "pt", "is not a file name"),
+        ("fused.pt", "onnx", "unknown output format 'onnx'"),
+    ],
+)
 def test_output_format_and_suffix_must_agree(tmp_path, path, fmt, message):
     with pytest.raises(ValueError, match=message):
         output_format(path, fmt)
@@ -170,11 +180,14 @@ def test_unreadable_file_is_named(tmp_path):
 
 
 @pytest.mark.catalogue
-@pytest.mark.parametrize("error, message", [
-    (MemoryError(), r"huge\.safetensors: the model file \([\d,]+ bytes\) is too large to read into memory"),
-    (PermissionError(13, "Permission denied"), r"huge\.safetensors: permission denied reading the model file"),
-    (OSError(5, "Input/output error"), r"huge\.safetensors: cannot read the model file \(Input/output error\)"),
-])
+@pytest.mark.parametrize(
+    "error, message",
+    [
+        (MemoryError(), r"huge\.safetensors: the model file \([\d,]+ bytes\) is too large to read into memory"),
+        (PermissionError(13, "Permission denied"), r"huge\.safetensors: permission denied reading the model file"),
+        (OSError(5, "Input/output error"), r"huge\.safetensors: cannot read the model file \(Input/output error\)"),
+    ],
+)
 def test_read_failures_keep_their_kind_and_name_the_file(tmp_path, monkeypatch, error, message):
     path = save_state_dict(_mlp([4, 3, 2]), tmp_path / "huge.safetensors")
 
@@ -191,12 +204,15 @@ def test_read_failures_keep_their_kind_and_name_the_file(tmp_path, monkeypatch, 
 
 
 @pytest.mark.catalogue
-@pytest.mark.parametrize("scales, message", [
-    ([0.1, 1.0, 2.0], r"'prior_scales' has shape \(3,\)"),
-    ([-0.1, 1.0], "two positive finite numbers"),
-    ([0.1, float("nan")], "two positive finite numbers"),
-    ([0.1, float("inf")], "two positive finite numbers"),
-])
+@pytest.mark.parametrize(
+    "scales, message",
+    [
+        ([0.1, 1.0, 2.0], r"'prior_scales' has shape \(3,\)"),
+        ([-0.1, 1.0], "two positive finite numbers"),
+        ([0.1, float("nan")], "two positive finite numbers"),
+        ([0.1, float("inf")], "two positive finite numbers"),
+    ],
+)
 def test_bad_prior_scales_are_named(scales, message):
     state = HorseshoeBNN(5, 4, 3).state_dict()
     state["prior_scales"] = torch.tensor(scales, dtype=torch.float64)
@@ -219,16 +235,23 @@ def test_a_checkpoint_dict_gives_the_one_state_dict_it_holds(tmp_path):
     assert read_checkpoint(tmp_path / "plain.pt").state_dict_key is None
 
 
-@pytest.mark.parametrize("content, message", [
-    ({"model_state_dict": "SD", "ema_state_dict": "SD", "state_dict": "SD"},
-     "two.pt: a checkpoint dict with several state_dicts (model_state_dict, state_dict); save the one to fuse on "
-     "its own, torch.save(checkpoint['model_state_dict'], 'two.pt')"),
-    ({"epoch": 60, "weights": [1.0, 2.0]},
-     "two.pt: a dict of epoch, weights, not a state_dict, and no entry of it (model_state_dict, state_dict, model, "
-     "net, network, model_state) holds one; save the model's weights alone, torch.save(model.state_dict(), 'two.pt')"),
-    ([1, 2], "two.pt: expected a state_dict (a mapping of parameter names to tensors), got a list"),
-    ({}, "got an empty dict"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            {"model_state_dict": "SD", "ema_state_dict": "SD", "state_dict": "SD"},
+            "two.pt: a checkpoint dict with several state_dicts (model_state_dict, state_dict); save the one to fuse on "
+            "its own, torch.save(checkpoint['model_state_dict'], 'two.pt')",
+        ),
+        (
+            {"epoch": 60, "weights": [1.0, 2.0]},
+            "two.pt: a dict of epoch, weights, not a state_dict, and no entry of it (model_state_dict, state_dict, model, "
+            "net, network, model_state) holds one; save the model's weights alone, torch.save(model.state_dict(), 'two.pt')",
+        ),
+        ([1, 2], "two.pt: expected a state_dict (a mapping of parameter names to tensors), got a list"),
+        ({}, "got an empty dict"),
+    ],
+)
 def test_a_checkpoint_dict_without_exactly_one_state_dict_is_refused_with_the_fix(tmp_path, content, message):
     sd = _mlp([6, 4, 3])
     if isinstance(content, dict):
@@ -247,11 +270,13 @@ def test_a_pickled_module_is_named_with_the_line_that_saves_its_state_dict(tmp_p
     assert str(whole.value) == (
         f"{tmp_path / 'm.pt'}: a pickled torch.nn.modules.container.Sequential object (torch.save(model) saves the "
         "whole module, code and all), not a state_dict; save the weights alone, torch.save(model.state_dict(), "
-        "'m.pt'), and fuse that file")
+        "'m.pt'), and fuse that file"
+    )
     with pytest.raises(ValueError) as inside:
         read_checkpoint(tmp_path / "inside.pt")
-    assert ("inside.pt: holds a pickled torch.nn.modules.linear.Linear object, which torch.load(weights_only=True) "
-            "refuses") in str(inside.value) and "model.state_dict()" in str(inside.value)
+    assert (
+        "inside.pt: holds a pickled torch.nn.modules.linear.Linear object, which torch.load(weights_only=True) refuses"
+    ) in str(inside.value) and "model.state_dict()" in str(inside.value)
     for err in (whole.value, inside.value):
         assert "\x1b" not in str(err) and "\n" not in str(err)
 
@@ -261,8 +286,10 @@ def test_torch_s_own_message_comes_without_escape_codes(tmp_path):
     with pytest.raises(ValueError) as info:
         read_checkpoint(tmp_path / "garbage.pt")
     text = str(info.value)
-    assert text.startswith(f"{tmp_path / 'garbage.pt'}: not a plain state_dict checkpoint (torch.load with "
-                           "weights_only=True failed: Weights only load failed: Unsupported operand")
+    assert text.startswith(
+        f"{tmp_path / 'garbage.pt'}: not a plain state_dict checkpoint (torch.load with "
+        "weights_only=True failed: Weights only load failed: Unsupported operand"
+    )
     assert "\x1b" not in text and "\n" not in text and "torch.save(model.state_dict(), 'garbage.pt')" in text
 
 
@@ -270,8 +297,10 @@ def test_escape_codes_in_torch_s_message_are_dropped(tmp_path, monkeypatch):
     import bayesfuse.checkpoints as checkpoints
 
     def coloured(*args, **kwargs):
-        raise RuntimeError("Weights only load failed. \x1b[1mdo those steps only if you trust the source\x1b[0m.\n"
-                           "Unsupported global: \x1b[31mGLOBAL\x1b[0m")
+        raise RuntimeError(
+            "Weights only load failed. \x1b[1mdo those steps only if you trust the source\x1b[0m.\n"
+            "Unsupported global: \x1b[31mGLOBAL\x1b[0m"
+        )
 
     monkeypatch.setattr(checkpoints.torch, "load", coloured)
     save_state_dict(_mlp([6, 4, 3]), tmp_path / "m.pt")

@@ -25,9 +25,15 @@ def test_demo_writes_table_and_files(demo_run, capsys):
         rows = list(csv.DictReader(fh))
     # the second round, and each client summarising its data (DemoConfig.summaries)
     with_summaries = ["2 rounds", "+summaries", "+summaries 2 rounds"]
-    assert [r["method"] for r in rows] == ["local (mean of 4)", "ensemble", "fedavg", "pfnm",
-                                           *(f"pfnm {s}" for s in with_summaries), "nafi",
-                                           *(f"nafi {s}" for s in with_summaries)]
+    assert [r["method"] for r in rows] == [
+        "local (mean of 4)",
+        "ensemble",
+        "fedavg",
+        "pfnm",
+        *(f"pfnm {s}" for s in with_summaries),
+        "nafi",
+        *(f"nafi {s}" for s in with_summaries),
+    ]
     assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
     assert [int(r["hidden"]) for r in rows[:3]] == [20, 80, 20]
     # A matched model has at least the widest local layer and at most all units.
@@ -45,15 +51,31 @@ def test_demo_writes_table_and_files(demo_run, capsys):
 
 def test_demo_over_seeds_reports_mean_and_sd_and_takes_hyper(tmp_path, capsys):
     out = tmp_path / "o"
-    assert main([*SMALL, "--seeds", "0", "1", "--methods", "pfnm,nafi", "--hyper", "nafi.kl_weight=0.5",
-                 "n_iter=7", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                *SMALL,
+                "--seeds",
+                "0",
+                "1",
+                "--methods",
+                "pfnm,nafi",
+                "--hyper",
+                "nafi.kl_weight=0.5",
+                "n_iter=7",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "±" in capsys.readouterr().out
     report = json.loads((out / "results.json").read_text())
     assert report["seeds"] == [0, 1] and [r["seed"] for r in report["runs"]] == [0, 1]
     for i, row in enumerate(report["summary"]):
         values = [run["results"][i]["accuracy"] for run in report["runs"]]
         assert row["accuracy"] == pytest.approx(sum(values) / 2)
-        assert row["accuracy_sd"] == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5)
+        assert row["accuracy_sd"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
     hyper = {r["method"]: r["hyper"] for r in report["summary"]}
     assert hyper["nafi"]["kl_weight"] == 0.5 and hyper["pfnm"]["kl_weight"] == 0.0
     assert hyper["nafi"]["n_iter"] == hyper["pfnm"]["n_iter"] == 7
@@ -64,13 +86,16 @@ def test_demo_over_seeds_reports_mean_and_sd_and_takes_hyper(tmp_path, capsys):
 
 
 @pytest.mark.catalogue
-@pytest.mark.parametrize("args, message", [
-    (["--hyper", "sigma=1"], "no method run (pfnm, nafi) has a key 'sigma'"),
-    (["--hyper", "fedma.noise_var=1"], "'fedma' is not among the fusion methods run"),
-    (["--hyper", "noise_var"], "key=value"),
-    (["--hyper", "nafi.kl_weight=-1"], "kl_weight"),
-    (["--hyper", "n_iter=2", "pfnm.n_iter=3"], "pfnm.n_iter twice"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--hyper", "sigma=1"], "no method run (pfnm, nafi) has a key 'sigma'"),
+        (["--hyper", "fedma.noise_var=1"], "'fedma' is not among the fusion methods run"),
+        (["--hyper", "noise_var"], "key=value"),
+        (["--hyper", "nafi.kl_weight=-1"], "kl_weight"),
+        (["--hyper", "n_iter=2", "pfnm.n_iter=3"], "pfnm.n_iter twice"),
+    ],
+)
 def test_demo_refuses_bad_hyper_before_any_work(tmp_path, capsys, args, message):
     assert main([*SMALL, *args, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
@@ -112,16 +137,27 @@ def test_demo_bad_inputs_exit_cleanly(tmp_path, capsys, args, message):
 
 
 def test_console_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "bayesfuse.cli", "demo", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "bayesfuse.cli", "demo", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "--clients" in out and "--force" in out
 
 
 @pytest.mark.parametrize("arch, extra", [("cnn", ["--channels", "4,6"]), ("lstm", []), ("mlp", ["--hidden", "20,16"])])
 def test_demo_deep_architectures_with_fedma(tmp_path, arch, extra):
     out = tmp_path / "o"
-    argv = [*SMALL, "--arch", arch, *extra, "--methods", "pfnm,fedma,fedavg-rounds", "--retrain-epochs", "1",
-            "--out", str(out)]
+    argv = [
+        *SMALL,
+        "--arch",
+        arch,
+        *extra,
+        "--methods",
+        "pfnm,fedma,fedavg-rounds",
+        "--retrain-epochs",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     with open(out / "results.csv") as fh:
         rows = {r["method"]: r for r in csv.DictReader(fh)}
@@ -138,11 +174,14 @@ def test_demo_with_position_aware_neurons(tmp_path):
     assert report["config"]["pan"] == {"mode": "mul", "period": 1.0, "amplitude": 0.1}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--pan", "mul,1"], "expected MODE,T,A"),
-    (["--pan", "sideways,1,0.1"], "PAN mode must be 'add' or 'mul'"),
-    (["--methods", "pfnm,magic"], "unknown methods ['magic']"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pan", "mul,1"], "expected MODE,T,A"),
+        (["--pan", "sideways,1,0.1"], "PAN mode must be 'add' or 'mul'"),
+        (["--methods", "pfnm,magic"], "unknown methods ['magic']"),
+    ],
+)
 def test_demo_bad_options_are_usage_errors(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         main([*SMALL, *args])
@@ -151,11 +190,14 @@ def test_demo_bad_options_are_usage_errors(capsys, args, message):
 
 
 @pytest.mark.catalogue
-@pytest.mark.parametrize("args", [
-    ["--dataset", "mnist", "--data-path", "/nonexistent"],
-    ["--dataset", "fashion-mnist", "--data-path", "/nonexistent/fmnist"],
-    ["--alpha", "0"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--dataset", "mnist", "--data-path", "/nonexistent"],
+        ["--dataset", "fashion-mnist", "--data-path", "/nonexistent/fmnist"],
+        ["--alpha", "0"],
+    ],
+)
 def test_a_failing_demo_leaves_no_output_directory(tmp_path, capsys, args):
     out = tmp_path / "o"
     assert main([*SMALL, *args, "--out", str(out)]) == 2
@@ -177,13 +219,16 @@ def test_file_system_errors_are_one_line_naming_the_path(tmp_path, capsys, monke
     monkeypatch.setattr(cli, "_run_demo", full)
     assert main([*SMALL, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert err == (f"bayesfuse demo: error: {tmp_path / 'o' / 'results.csv'}: No space left on device "
-                   "(free some space or write elsewhere)\n")
+    assert err == (
+        f"bayesfuse demo: error: {tmp_path / 'o' / 'results.csv'}: No space left on device "
+        "(free some space or write elsewhere)\n"
+    )
 
 
 def test_help_documents_the_exit_status():
-    out = subprocess.run([sys.executable, "-m", "bayesfuse.cli", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "bayesfuse.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "exit status" in out and "130" in out
 
 
@@ -203,22 +248,30 @@ print(code, "torch" in sys.modules, f"{time.perf_counter() - start:.3f}")
 
 
 @pytest.mark.catalogue
-@pytest.mark.parametrize("args, message", [
-    (["--method", "nope"], "unknown method 'nope'"),
-    (["--method", "pfmn"], "(did you mean 'pfnm'?)"),
-    (["--method", "fedma"], "needs the clients' data"),
-    (["--method", "pfnm", "--hyper", "noise_vr=1"], "(did you mean 'noise_var'?)"),
-    (["--method", "pfnm", "--hyper", "noise_var=-1"], "noise_var must be positive"),
-    (["--method", "pfnm", "--seed", "-1"], "argument --seed: must be a non-negative integer, got -1"),
-    (["--method", "pfnm", "--only-one"], "one model file given"),
-    (["--method", "pfnm", "--out-dir"], "is a directory; give a file name for it"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--method", "pfmn"], "(did you mean 'pfnm'?)"),
+        (["--method", "fedma"], "needs the clients' data"),
+        (["--method", "pfnm", "--hyper", "noise_vr=1"], "(did you mean 'noise_var'?)"),
+        (["--method", "pfnm", "--hyper", "noise_var=-1"], "noise_var must be positive"),
+        (["--method", "pfnm", "--seed", "-1"], "argument --seed: must be a non-negative integer, got -1"),
+        (["--method", "pfnm", "--only-one"], "one model file given"),
+        (["--method", "pfnm", "--out-dir"], "is a directory; give a file name for it"),
+    ],
+)
 def test_fuse_argument_errors_are_one_line_before_torch_is_imported(tmp_path, args, message):
     models = ["a.pt"] if "--only-one" in args else ["a.pt", "b.pt"]  # never read: the arguments are refused first
     out = str(tmp_path) if "--out-dir" in args else str(tmp_path / "fused.pt")
     args = [a for a in args if a not in ("--only-one", "--out-dir")]
-    proc = subprocess.run([sys.executable, "-c", _MAIN_IN_A_FRESH_PROCESS, "fuse", *models, *args, "--out", out],
-                          capture_output=True, text=True, cwd=tmp_path, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MAIN_IN_A_FRESH_PROCESS, "fuse", *models, *args, "--out", out],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    )
     code, torch_imported, seconds = proc.stdout.split()
     err = proc.stderr.strip()
     print(f"{' '.join(args)}: {float(seconds):.2f} s to the error")
@@ -229,8 +282,13 @@ def test_fuse_argument_errors_are_one_line_before_torch_is_imported(tmp_path, ar
 def test_fuse_help_fits_a_screen_with_examples_and_lists_no_refused_method():
     from bayesfuse import methods
 
-    out = subprocess.run([sys.executable, "-m", "bayesfuse.cli", "fuse", "--help"], capture_output=True, text=True,
-                         check=True, env={**os.environ, "COLUMNS": "80"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "bayesfuse.cli", "fuse", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "80"},
+    ).stdout
     lines = out.splitlines()
     print(f"bayesfuse fuse --help: {len(lines)} lines at 80 columns")
     assert len(lines) <= 40, out
@@ -250,16 +308,44 @@ def test_methods_given_in_any_case_and_checkpoint_dicts_are_fused(tmp_path, caps
     states = [MLP(6, [5], 3).state_dict() for _ in range(2)]
     torch.save(states[0], tmp_path / "a.pt")
     torch.save(states[1], tmp_path / "b.pt")
-    torch.save({"model_state_dict": states[1], "epoch": 60, "optimizer_state_dict": {"lr": 0.1}}, tmp_path / "b_ckpt.pt")
-    assert main(["fuse", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--method", "pfnm",
-                 "--out", str(tmp_path / "plain.pt")]) == 0
+    torch.save(
+        {"model_state_dict": states[1], "epoch": 60, "optimizer_state_dict": {"lr": 0.1}}, tmp_path / "b_ckpt.pt"
+    )
+    assert (
+        main(
+            [
+                "fuse",
+                str(tmp_path / "a.pt"),
+                str(tmp_path / "b.pt"),
+                "--method",
+                "pfnm",
+                "--out",
+                str(tmp_path / "plain.pt"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert main(["fuse", str(tmp_path / "a.pt"), str(tmp_path / "b_ckpt.pt"), "--method", "PFNM",
-                 "--out", str(tmp_path / "dict.pt")]) == 0
+    assert (
+        main(
+            [
+                "fuse",
+                str(tmp_path / "a.pt"),
+                str(tmp_path / "b_ckpt.pt"),
+                "--method",
+                "PFNM",
+                "--out",
+                str(tmp_path / "dict.pt"),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.out.startswith("fused 2 models with pfnm ")
-    assert (f"note: a checkpoint dict: fused the state_dict in {tmp_path / 'b_ckpt.pt'}['model_state_dict'] "
-            f"(state_dict_key in {tmp_path / 'dict.pt'}.json)") in captured.err.splitlines()
+    assert (
+        f"note: a checkpoint dict: fused the state_dict in {tmp_path / 'b_ckpt.pt'}['model_state_dict'] "
+        f"(state_dict_key in {tmp_path / 'dict.pt'}.json)"
+    ) in captured.err.splitlines()
     report = json.loads((tmp_path / "dict.pt.json").read_text())
     assert report["method"] == "pfnm"
     keys = {Path(f["path"]).name: f["state_dict_key"] for f in report["inputs"]}

@@ -25,8 +25,10 @@ def clients(digits):
 @pytest.fixture(scope="module")
 def bnns(digits):
     part = dirichlet_partition(digits.train.y, 3, 0.5, seed=1)
-    models = [train_bnn(digits.train.x[i], digits.train.y[i], 10, hidden=12, config=BNNConfig(epochs=3, seed=j))
-              for j, i in enumerate(part)]
+    models = [
+        train_bnn(digits.train.x[i], digits.train.y[i], 10, hidden=12, config=BNNConfig(epochs=3, seed=j))
+        for j, i in enumerate(part)
+    ]
     return models, part
 
 

@@ -38,13 +38,20 @@ def test_one_message_format():
     assert str(info.value) == message("n_iter", POSITIVE_INT, 0) == "n_iter must be a positive integer, got 0"
     with pytest.raises(InvalidParameterError) as info:
         check("n_iter", POSITIVE_INT, "ten")
-    assert str(info.value) == message("n_iter", POSITIVE_INT, "ten", wrong_type=True) == \
-        "n_iter must be int (a positive integer), got 'ten' (str)"
-    assert str(pytest.raises(InvalidParameterError, check, "cost", KEYS["cost"], "x").value) == \
-        "cost must be one of 'auto', 'pfnm', 'marginal', got 'x'"
+    assert (
+        str(info.value)
+        == message("n_iter", POSITIVE_INT, "ten", wrong_type=True)
+        == "n_iter must be int (a positive integer), got 'ten' (str)"
+    )
+    assert (
+        str(pytest.raises(InvalidParameterError, check, "cost", KEYS["cost"], "x").value)
+        == "cost must be one of 'auto', 'pfnm', 'marginal', got 'x'"
+    )
     # a Fixed value gives its own reason; `shown` is what the message quotes
-    assert str(pytest.raises(InvalidParameterError, check, "kl_weight", Fixed(0.0, "no penalty here"), 1.0).value) \
+    assert (
+        str(pytest.raises(InvalidParameterError, check, "kl_weight", Fixed(0.0, "no penalty here"), 1.0).value)
         == "no penalty here"
+    )
     assert "got '0'" in str(pytest.raises(InvalidParameterError, check, "n_iter", POSITIVE_INT, 0, shown="0").value)
 
 

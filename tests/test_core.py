@@ -31,12 +31,21 @@ def _bnns(n=3, seed=0):
 def test_fuse_is_the_core_between_module_adapters(method):
     nets = _nets()
     counts = np.array([[5, 1, 0], [2, 2, 2], [0, 3, 9]])
-    via_fuse = fuse(nets, method, class_counts=counts, seed=1, n_iter=3) if method != "fedavg" else fuse(
-        nets, method, class_counts=counts)
+    via_fuse = (
+        fuse(nets, method, class_counts=counts, seed=1, n_iter=3)
+        if method != "fedavg"
+        else fuse(nets, method, class_counts=counts)
+    )
     hyper = {"n_iter": 3} if method != "fedavg" else {}
     order = canonical_order(nets)  # fuse() fuses its inputs in this order (any order of the list gives it)
-    core = fuse_states([numpy_state(nets[j]) for j in order], method, spec=spec_from_module(nets[0]),
-                       class_counts=counts[order], seed=1, **hyper)
+    core = fuse_states(
+        [numpy_state(nets[j]) for j in order],
+        method,
+        spec=spec_from_module(nets[0]),
+        class_counts=counts[order],
+        seed=1,
+        **hyper,
+    )
     fused = via_fuse.model.state_dict()
     assert list(core.state) == list(fused)
     for k, v in fused.items():
@@ -70,9 +79,11 @@ def test_bnn_states_fuse_to_a_bnn_state():
 
 def test_layer_results_share_one_protocol():
     nets, bnns = _nets(), _bnns()
-    results = [fuse_states([numpy_state(m) for m in nets], "nafi"),
-               fuse_states([b.state_dict() for b in bnns], "kl"),
-               fuse_states([b.state_dict() for b in bnns], "pfnm")]
+    results = [
+        fuse_states([numpy_state(m) for m in nets], "nafi"),
+        fuse_states([b.state_dict() for b in bnns], "kl"),
+        fuse_states([b.state_dict() for b in bnns], "pfnm"),
+    ]
     for res in results:
         for layer in res.layers:
             assert isinstance(layer, LayerResult)
@@ -149,6 +160,9 @@ def test_a_device_is_refused_by_methods_and_inputs_that_run_on_the_host():
     with pytest.raises(ValueError, match=f"device='cpu': method 'kl' {host_only}"):
         fuse_states(bnn_states, "kl", device="cpu")
     for method in ("pfnm", "nafi"):
-        with pytest.raises(ValueError, match=rf"device='cpu': {method} on Bayesian networks \(HorseshoeBNN "
-                                             rf"posteriors\) {host_only}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"device='cpu': {method} on Bayesian networks \(HorseshoeBNN "
+            rf"posteriors\) {host_only}",
+        ):
             fuse_states(bnn_states, method, device="cpu")

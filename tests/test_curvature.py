@@ -21,6 +21,7 @@ def brute_force_ggn(model: nn.Module, x: torch.Tensor) -> dict[str, np.ndarray]:
     params = tuple(p.detach() for _, p in model.named_parameters())
     total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     for xi in x:
+
         def logits(*ps):
             return torch.func.functional_call(model, dict(zip(names, ps)), (xi.unsqueeze(0),)).squeeze(0)
 

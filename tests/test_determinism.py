@@ -17,8 +17,10 @@ def setup():
     part = dirichlet_partition(split.train.y, 3, 0.5, seed=2)
     cfg = TrainConfig(arch="cnn", channels=(4, 5), hidden=(12,), epochs=2)
     models = train_clients(split.train, part, cfg, shared_init=True, verbose=False)
-    bnns = [train_bnn(split.train.x[i], split.train.y[i], 10, 6, BNNConfig(epochs=2, seed=j), verbose=False)
-            for j, i in enumerate(part)]
+    bnns = [
+        train_bnn(split.train.x[i], split.train.y[i], 10, 6, BNNConfig(epochs=2, seed=j), verbose=False)
+        for j, i in enumerate(part)
+    ]
     return split, part, cfg, models, bnns
 
 
@@ -28,8 +30,9 @@ CASES = {
     "pfnm top-down": lambda s: fuse(s[3], "pfnm", direction="top-down", seed=3),
     "fedavg": lambda s: fuse(s[3], "fedavg", class_counts=s[1].counts),
     "fedma": lambda s: fuse(s[3], "fedma", data=(s[0].train, s[1]), retrain=replace(s[2], epochs=1), seed=3),
-    "fedma nafi": lambda s: fuse(s[3], "fedma", data=(s[0].train, s[1]), retrain=replace(s[2], epochs=1),
-                                 kl_weight=0.01, seed=3),
+    "fedma nafi": lambda s: fuse(
+        s[3], "fedma", data=(s[0].train, s[1]), retrain=replace(s[2], epochs=1), kl_weight=0.01, seed=3
+    ),
     "kl (BNN)": lambda s: fuse(s[4], "kl"),
     "pfnm (BNN)": lambda s: fuse(s[4], "pfnm", seed=3),
 }

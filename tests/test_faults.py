@@ -40,8 +40,12 @@ pytestmark = pytest.mark.catalogue
 
 def _mlp_sd(seed: int, d: int = 64, h: int = 20, k: int = 10) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"fc1.weight": torch.randn(h, d, generator=g), "fc1.bias": torch.randn(h, generator=g),
-            "fc2.weight": torch.randn(k, h, generator=g), "fc2.bias": torch.randn(k, generator=g)}
+    return {
+        "fc1.weight": torch.randn(h, d, generator=g),
+        "fc1.bias": torch.randn(h, generator=g),
+        "fc2.weight": torch.randn(k, h, generator=g),
+        "fc2.bias": torch.randn(k, generator=g),
+    }
 
 
 @pytest.fixture
@@ -80,8 +84,9 @@ def _outputs(out: Path) -> tuple[bytes, bytes]:
 
 
 def _python(script: str, *args: str, prefix: tuple[str, ...] = (), timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*prefix, sys.executable, "-c", script, *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _without_permission_override() -> tuple[str, ...]:
@@ -106,8 +111,12 @@ def tmpfs(tmp_path: Path):
         point = tmp_path / name
         point.mkdir()
         options = f"size={size},mode=0755" + (",ro" if read_only else "")
-        if shutil.which("mount") is None or subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True).returncode:
+        if (
+            shutil.which("mount") is None
+            or subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True
+            ).returncode
+        ):
             pytest.skip("cannot mount a tmpfs here")
         mounted.append(point)
         return point
@@ -183,10 +192,11 @@ def test_a_file_size_limit_is_one_line_and_keeps_the_old_outputs(models, tmp_pat
     # RLIMIT_FSIZE below the model's size; SIGXFSZ ignored (as Python does), so write() fails with EFBIG.
     out = tmp_path / "f.pt"
     old = _old_outputs(out)
-    script = ("import resource, signal, sys\n"
-              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-              "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
-              + CLI)
+    script = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n" + CLI
+    )
     proc = _python(script, *_fuse_argv(models, out, "--force"))
     assert proc.returncode == 2, proc.stderr
     line = _one_line(proc.stderr)
@@ -355,13 +365,17 @@ def test_a_full_tmpfs(models, tmpfs, capsys):
 
 def _pair(directory: Path, run: str) -> list[tuple[Path, bytes]]:
     """A model and its report, both naming ``run``."""
-    return [(directory / "fused.pt", (f"model of run {run}\n" * 4000).encode()),
-            (directory / "fused.pt.json", json.dumps({"run": run}).encode())]
+    return [
+        (directory / "fused.pt", (f"model of run {run}\n" * 4000).encode()),
+        (directory / "fused.pt.json", json.dumps({"run": run}).encode()),
+    ]
 
 
 def _state(directory: Path) -> tuple[bytes | None, bytes | None]:
-    return tuple((directory / n).read_bytes() if (directory / n).exists() else None  # type: ignore[return-value]
-                 for n in ("fused.pt", "fused.pt.json"))
+    return tuple(
+        (directory / n).read_bytes() if (directory / n).exists() else None  # type: ignore[return-value]
+        for n in ("fused.pt", "fused.pt.json")
+    )
 
 
 def _as_state(pair: list[tuple[Path, bytes]] | None) -> tuple[bytes | None, bytes | None]:
@@ -434,10 +448,12 @@ def test_a_sigkill_of_bayesfuse_fuse_between_model_and_report(models, tmp_path, 
     # The bug: fused.pt without fused.pt.json for good, and every rerun refused. Now the rerun
     # completes the killed run's commit (so both files come from it) and then refuses to replace them.
     out = tmp_path / "f.pt"
-    script = ("import os, signal\nimport bayesfuse._io as io\nreal, calls = io._commit, []\n"
-              "def commit(*a):\n    calls.append(1)\n"
-              "    if len(calls) == 2:\n        os.kill(os.getpid(), signal.SIGKILL)\n    return real(*a)\n"
-              "io._commit = commit\n" + CLI)
+    script = (
+        "import os, signal\nimport bayesfuse._io as io\nreal, calls = io._commit, []\n"
+        "def commit(*a):\n    calls.append(1)\n"
+        "    if len(calls) == 2:\n        os.kill(os.getpid(), signal.SIGKILL)\n    return real(*a)\n"
+        "io._commit = commit\n" + CLI
+    )
     proc = _python(script, *_fuse_argv(models, out))
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert out.exists() and not (tmp_path / "f.pt.json").exists()  # what the kill left
@@ -467,8 +483,12 @@ for i in range(n):
 
 def test_concurrent_overwriting_writers_leave_one_runs_pair(tmp_path):
     # Each writer's stale-file cleanup must spare the other's staged files (it is alive).
-    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT_WRITER, str(tmp_path), run, "40"],
-                              stderr=subprocess.PIPE, text=True) for run in ("A", "B")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT_WRITER, str(tmp_path), run, "40"], stderr=subprocess.PIPE, text=True
+        )
+        for run in ("A", "B")
+    ]
     (tmp_path / "go").touch()
     for p in procs:
         assert p.wait(timeout=120) == 0, p.stderr.read()
@@ -479,8 +499,15 @@ def test_concurrent_overwriting_writers_leave_one_runs_pair(tmp_path):
 def test_two_concurrent_bayesfuse_fuse_force_runs(models, tmp_path):
     out = tmp_path / "f.pt"
     _old_outputs(out)
-    procs = [subprocess.Popen([sys.executable, "-c", CLI, *_fuse_argv(models, out, "--force", method=m)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for m in ("pfnm", "fedavg")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLI, *_fuse_argv(models, out, "--force", method=m)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for m in ("pfnm", "fedavg")
+    ]
     for p in procs:
         assert p.wait(timeout=300) == 0, p.communicate()[1]
     method = json.loads((tmp_path / "f.pt.json").read_text())["method"]
@@ -495,8 +522,13 @@ def test_two_concurrent_bayesfuse_fuse_force_runs(models, tmp_path):
 
 def _mnist_npz(path: Path) -> bytes:
     rng = np.random.default_rng(0)
-    np.savez(path, x_train=rng.integers(0, 255, (40, 28, 28), dtype=np.uint8), y_train=np.arange(40) % 10,
-             x_test=rng.integers(0, 255, (10, 28, 28), dtype=np.uint8), y_test=np.arange(10))
+    np.savez(
+        path,
+        x_train=rng.integers(0, 255, (40, 28, 28), dtype=np.uint8),
+        y_train=np.arange(40) % 10,
+        x_test=rng.integers(0, 255, (10, 28, 28), dtype=np.uint8),
+        y_test=np.arange(10),
+    )
     return path.read_bytes()
 
 
@@ -532,4 +564,3 @@ def test_a_damaged_mnist_npz_in_the_demo(tmp_path, capsys):
     line = _one_line(capsys.readouterr().err)
     assert "not a readable MNIST .npz" in line and str(path) in line
     assert not (tmp_path / "o").exists()
-

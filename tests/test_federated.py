@@ -95,8 +95,9 @@ def test_fedma_freezes_matched_layers(digits, monkeypatch):
                     # every client gets the same global layer, and its retraining leaves it bit for
                     # bit as it came (in the client's float32)
                     np.testing.assert_array_equal(before, sent[0][1][k])
-                    np.testing.assert_array_equal(after, before.astype(after.dtype),
-                                                  err_msg=f"round {r}, client {j}, {k}")
+                    np.testing.assert_array_equal(
+                        after, before.astype(after.dtype), err_msg=f"round {r}, client {j}, {k}"
+                    )
                 else:  # two epochs of SGD move every entry that is not frozen
                     assert not np.array_equal(after, before.astype(after.dtype)), (r, j, k)
         # the global layers the clients kept fixed are those of the final model

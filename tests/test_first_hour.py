@@ -35,12 +35,30 @@ def test_own_class_cli_fuse_load_and_arviz(tmp_path, capsys):
             opt.step()
         paths.append(str(save_state_dict(model.state_dict(), tmp_path / f"site{j}.pt")))
     counts = tmp_path / "counts.json"
-    counts.write_text(json.dumps({f"site{j}.pt": np.bincount(split.train.y[idx], minlength=10).tolist()
-                                  for j, idx in enumerate(parts)}))
+    counts.write_text(
+        json.dumps(
+            {f"site{j}.pt": np.bincount(split.train.y[idx], minlength=10).tolist() for j, idx in enumerate(parts)}
+        )
+    )
 
     out = tmp_path / "fused.pt"
-    assert main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:MyMLP",
-                 "--class-counts", str(counts), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "fuse",
+                *paths,
+                "--method",
+                "pfnm",
+                "--model",
+                "tests.nets.user_nets:MyMLP",
+                "--class-counts",
+                str(counts),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "fused 3 models with pfnm" in capsys.readouterr().out
 
     with warnings.catch_warnings():

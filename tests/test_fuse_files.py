@@ -29,8 +29,12 @@ def mlp_files(tmp_path_factory, split):
     models = train_clients(split.train, part, TrainConfig(hidden=(20,), epochs=3), shared_init=False, verbose=False)
     paths = []
     for j, m in enumerate(models):
-        sd = {"fc1.weight": m.layers[0].weight, "fc1.bias": m.layers[0].bias,
-              "fc2.weight": m.layers[1].weight, "fc2.bias": m.layers[1].bias}
+        sd = {
+            "fc1.weight": m.layers[0].weight,
+            "fc1.bias": m.layers[0].bias,
+            "fc2.weight": m.layers[1].weight,
+            "fc2.bias": m.layers[1].bias,
+        }
         paths.append(save_state_dict(sd, d / f"client{j}.pt"))
     return paths
 
@@ -48,8 +52,14 @@ def bnn_files(tmp_path_factory, split):
 
 def _model(path):
     sd = load_state_dict(path)
-    return MLP.from_state_dict({"layers.0.weight": sd["fc1.weight"], "layers.0.bias": sd["fc1.bias"],
-                                "layers.1.weight": sd["fc2.weight"], "layers.1.bias": sd["fc2.bias"]})
+    return MLP.from_state_dict(
+        {
+            "layers.0.weight": sd["fc1.weight"],
+            "layers.0.bias": sd["fc1.bias"],
+            "layers.1.weight": sd["fc2.weight"],
+            "layers.1.bias": sd["fc2.bias"],
+        }
+    )
 
 
 @pytest.mark.parametrize("method", ["pfnm", "nafi", "fedavg"])
@@ -82,8 +92,7 @@ def test_kl_fusion_of_two_layer_bnn_checkpoints(tmp_path, split):
     part = dirichlet_partition(split.train.y, 2, 0.8, seed=0)
     files = []
     for j, idx in enumerate(part):
-        bnn = train_bnn(split.train.x[idx], split.train.y[idx], 10, (8, 6), BNNConfig(epochs=3, seed=j),
-                        verbose=False)
+        bnn = train_bnn(split.train.x[idx], split.train.y[idx], 10, (8, 6), BNNConfig(epochs=3, seed=j), verbose=False)
         files.append(str(save_state_dict(bnn.state_dict(), tmp_path / f"deep{j}.pt")))
     out = tmp_path / "fused.pt"
     assert main(["fuse", *files, "--method", "kl", "--out", str(out)]) == 0
@@ -108,12 +117,16 @@ def deep_files(tmp_path_factory, split):
     d = tmp_path_factory.mktemp("deep")
     part = dirichlet_partition(split.train.y, 3, 0.5, seed=1)
     out = {}
-    for arch, cfg in {"mlp": TrainConfig(hidden=(16, 12), epochs=2),
-                      "cnn": TrainConfig(arch="cnn", channels=(4, 6), hidden=(12,), epochs=2),
-                      "lstm": TrainConfig(arch="lstm", hidden=(10,), epochs=2)}.items():
+    for arch, cfg in {
+        "mlp": TrainConfig(hidden=(16, 12), epochs=2),
+        "cnn": TrainConfig(arch="cnn", channels=(4, 6), hidden=(12,), epochs=2),
+        "lstm": TrainConfig(arch="lstm", hidden=(10,), epochs=2),
+    }.items():
         models = train_clients(split.train, part, cfg, shared_init=False, verbose=False)
-        out[arch] = (models, [save_state_dict(m.state_dict(), d / f"{arch}{j}.safetensors")
-                              for j, m in enumerate(models)])
+        out[arch] = (
+            models,
+            [save_state_dict(m.state_dict(), d / f"{arch}{j}.safetensors") for j, m in enumerate(models)],
+        )
     return out
 
 
@@ -164,15 +177,18 @@ def test_safetensors_keep_entry_order(tmp_path):
     assert list(load_state_dict(tmp_path / "plain.safetensors")) == ["1.weight", "2.weight", "10.weight"]
 
 
-@pytest.mark.parametrize("content, arch, message", [
-    ("not json", None, "is not JSON"),
-    ('{"layers": []}', None, "needs an 'axes' object"),
-    ('{"axes": {"1.weight": "P1"}}', None, "must be a list"),
-    ('{"axes": {"1.weight": [{"group": 3}]}}', None, "an axis is null, a group name"),
-    ('{"axes": {"1.weight": ["P1", null, null, null]}}', None, "has entries"),
-    (None, "mlp", "--arch mlp but the file holds convolutions"),
-    (None, "lstm", "no LSTM entries"),
-])
+@pytest.mark.parametrize(
+    "content, arch, message",
+    [
+        ("not json", None, "is not JSON"),
+        ('{"layers": []}', None, "needs an 'axes' object"),
+        ('{"axes": {"1.weight": "P1"}}', None, "must be a list"),
+        ('{"axes": {"1.weight": [{"group": 3}]}}', None, "an axis is null, a group name"),
+        ('{"axes": {"1.weight": ["P1", null, null, null]}}', None, "has entries"),
+        (None, "mlp", "--arch mlp but the file holds convolutions"),
+        (None, "lstm", "no LSTM entries"),
+    ],
+)
 def test_bad_architecture_specs(deep_files, tmp_path, capsys, content, arch, message):
     _, paths = deep_files["cnn"]
     argv = ["fuse", *map(str, paths), "--method", "pfnm", "--out", str(tmp_path / "f.pt")]
@@ -196,8 +212,9 @@ def test_report_records_every_hyper_parameter_and_the_chosen_values(mlp_files, t
     assert len(chosen["noise_var"]) == len(chosen["prior_var"]) == 3 and all(v > 0 for v in chosen["noise_var"])
     assert saved["converged"] is True and saved["layers"][0]["converged"] is True
     assert report["global_sizes"] == saved["global_sizes"]
-    fixed = fuse_files(mlp_files, "pfnm", tmp_path / "fixed.pt", hyper={"noise_var": 2.0, "prior_var": 10.0,
-                                                                         "gamma0": 1.0})
+    fixed = fuse_files(
+        mlp_files, "pfnm", tmp_path / "fixed.pt", hyper={"noise_var": 2.0, "prior_var": 10.0, "gamma0": 1.0}
+    )
     assert fixed["hyper"]["noise_var"] == 2.0 and "chosen" not in fixed["hyper"]
 
 
@@ -212,10 +229,13 @@ def test_force_never_destroys_the_old_model_when_the_report_cannot_be_written(ml
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.pt", "fused.pt.json"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--hyper", "noise_var=2", "noise_var=3"], "noise_var given twice"),
-    (["--seed", "-1"], "must be a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hyper", "noise_var=2", "noise_var=3"], "noise_var given twice"),
+        (["--seed", "-1"], "must be a non-negative integer"),
+    ],
+)
 def test_ambiguous_options_are_refused(mlp_files, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) if "--seed" in argv else contextlib.nullcontext():  # argparse exits
         code = main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(tmp_path / "f.pt"), *argv])
@@ -252,14 +272,17 @@ def test_class_counts_follow_their_files_into_the_fused_order(mlp_files, tmp_pat
     assert not torch.equal(plain["fc2.bias"], fused["fc2.bias"])  # the shares reach the output layer
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda c: {k: v for k, v in list(c.items())[1:]}, "no entry for"),
-    (lambda c: {**c, "other.pt": [1] * 10}, "not inputs: other.pt"),
-    (lambda c: {k: v[:-1] if i == 0 else v for i, (k, v) in enumerate(c.items())}, "one count per class"),
-    (lambda c: {k: [-1] + v[1:] for k, v in c.items()}, "finite and non-negative"),
-    (lambda c: {k: ["a"] + v[1:] for k, v in c.items()}, "list of numbers"),
-    (lambda c: {k: [True] + v[1:] for k, v in c.items()}, "list of numbers"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: {k: v for k, v in list(c.items())[1:]}, "no entry for"),
+        (lambda c: {**c, "other.pt": [1] * 10}, "not inputs: other.pt"),
+        (lambda c: {k: v[:-1] if i == 0 else v for i, (k, v) in enumerate(c.items())}, "one count per class"),
+        (lambda c: {k: [-1] + v[1:] for k, v in c.items()}, "finite and non-negative"),
+        (lambda c: {k: ["a"] + v[1:] for k, v in c.items()}, "list of numbers"),
+        (lambda c: {k: [True] + v[1:] for k, v in c.items()}, "list of numbers"),
+    ],
+)
 def test_bad_class_counts_are_named_and_nothing_is_written(mlp_files, tmp_path, capsys, split, edit, message):
     path = tmp_path / "counts.json"
     path.write_text(json.dumps(edit(_counts_by_name(mlp_files, split))))
@@ -268,16 +291,22 @@ def test_bad_class_counts_are_named_and_nothing_is_written(mlp_files, tmp_path, 
     assert code == 2 and message in capsys.readouterr().err and not out.exists()
 
 
-@pytest.mark.parametrize("content, message", [
-    ("[1, 2]", "expected a JSON object"), ("{\"a.pt\": 3}", "expected a JSON object"), ("{", "is not JSON"),
-    (None, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[1, 2]", "expected a JSON object"),
+        ('{"a.pt": 3}', "expected a JSON object"),
+        ("{", "is not JSON"),
+        (None, "does not exist"),
+    ],
+)
 def test_class_counts_files_that_cannot_be_used_are_refused(mlp_files, tmp_path, capsys, content, message):
     path = tmp_path / "counts.json"
     if content is not None:
         path.write_text(content)
-    code = main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(tmp_path / "f.pt"),
-                 "--class-counts", str(path)])
+    code = main(
+        ["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(tmp_path / "f.pt"), "--class-counts", str(path)]
+    )
     assert code != 0 and message in capsys.readouterr().err
 
 
@@ -322,14 +351,13 @@ def test_the_same_file_twice_is_refused(mlp_files, tmp_path):
         fuse_files([mlp_files[0], mlp_files[1], mlp_files[0]], "pfnm", tmp_path / "f.pt")
 
 
-
 def _named_mlp(widths, seed):
     """An MLP state_dict with layers named input, hidden, ..., output (name order is not forward order)."""
     g = torch.Generator().manual_seed(seed)
     names = ["input", *[f"hidden{i}" if i else "hidden" for i in range(len(widths) - 3)], "output"]
     sd = {}
     for name, d, h in zip(names, widths[:-1], widths[1:]):
-        sd[f"{name}.weight"] = torch.randn(h, d, generator=g) / d ** 0.5
+        sd[f"{name}.weight"] = torch.randn(h, d, generator=g) / d**0.5
         sd[f"{name}.bias"] = torch.randn(h, generator=g) / 10
     return sd
 
@@ -338,8 +366,11 @@ def _without_paths(report):
     """A report without what depends on file names and bytes (paths, file hashes) or on time."""
     inputs = [{k: v for k, v in f.items() if k not in ("path", "sha256", "order_recorded")} for f in report["inputs"]]
     record = report.get("fusion_record") and {k: v for k, v in report["fusion_record"].items() if k != "file"}
-    return {**{k: v for k, v in report.items() if k not in ("seconds", "fused_order")}, "inputs": inputs,
-            "fusion_record": record}
+    return {
+        **{k: v for k, v in report.items() if k not in ("seconds", "fused_order")},
+        "inputs": inputs,
+        "fusion_record": record,
+    }
 
 
 @pytest.mark.catalogue
@@ -423,13 +454,29 @@ def test_a_device_fuses_as_the_host_and_the_report_records_it(mlp_files, tmp_pat
     assert host["device"] is None and host["dtype"] == "float64"
     for dtype in ("float64", "float32"):
         out = tmp_path / f"{dtype}.pt"
-        assert main(["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(out), "--device", device,
-                     "--dtype", dtype]) == 0
+        assert (
+            main(
+                [
+                    "fuse",
+                    *map(str, mlp_files),
+                    "--method",
+                    "pfnm",
+                    "--out",
+                    str(out),
+                    "--device",
+                    device,
+                    "--dtype",
+                    dtype,
+                ]
+            )
+            == 0
+        )
         report = json.loads((tmp_path / f"{dtype}.pt.json").read_text())
         assert report["device"] == device and report["dtype"] == dtype and "device" not in report["hyper"]
         assert report["global_sizes"] == host["global_sizes"]
-        assert [layer["assignments"] for layer in report["layers"]] == [layer["assignments"] for layer in
-                                                                        host["layers"]]
+        assert [layer["assignments"] for layer in report["layers"]] == [
+            layer["assignments"] for layer in host["layers"]
+        ]
         want, got = load_state_dict(tmp_path / "host.pt"), load_state_dict(out)
         # float32 files: float64 results equal to round-off round to one float32 or to neighbours
         # (2^-23 relative); float32 results are within a few float32 round-offs of the weights'
@@ -440,14 +487,19 @@ def test_a_device_fuses_as_the_host_and_the_report_records_it(mlp_files, tmp_pat
     assert "wrote" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--method", "fedavg", "--device", "cpu"],
-     "--device 'cpu': method 'fedavg' runs on the host only; a device runs the matching of pfnm and nafi"),
-    (["--method", "ot", "--device", "cuda"], "--device 'cuda': method 'ot' runs on the host only"),
-    (["--method", "pfnm", "--device", "cuda"], "device 'cuda': no CUDA device is available to this torch"),
-    (["--method", "nafi", "--device", "gpu"], "device 'gpu' is not a torch device"),
-    (["--method", "pfnm", "--dtype", "float32"], "--dtype 'float32' is for the torch path: give a device too"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--method", "fedavg", "--device", "cpu"],
+            "--device 'cpu': method 'fedavg' runs on the host only; a device runs the matching of pfnm and nafi",
+        ),
+        (["--method", "ot", "--device", "cuda"], "--device 'cuda': method 'ot' runs on the host only"),
+        (["--method", "pfnm", "--device", "cuda"], "device 'cuda': no CUDA device is available to this torch"),
+        (["--method", "nafi", "--device", "gpu"], "device 'gpu' is not a torch device"),
+        (["--method", "pfnm", "--dtype", "float32"], "--dtype 'float32' is for the torch path: give a device too"),
+    ],
+)
 def test_device_errors_are_one_line_before_any_file_is_read(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA
     absent = [str(tmp_path / "absent0.pt"), str(tmp_path / "absent1.pt")]  # never opened
@@ -458,20 +510,24 @@ def test_device_errors_are_one_line_before_any_file_is_read(tmp_path, capsys, mo
 
 
 def test_a_device_is_refused_for_bnn_checkpoints(bnn_files, tmp_path, capsys):
-    assert main(["fuse", *map(str, bnn_files), "--method", "nafi", "--device", "cpu", "--out",
-                 str(tmp_path / "f.pt")]) == 2
+    assert (
+        main(["fuse", *map(str, bnn_files), "--method", "nafi", "--device", "cpu", "--out", str(tmp_path / "f.pt")])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "nafi on Bayesian networks (HorseshoeBNN posteriors) runs on the host only" in err, err
     assert not (tmp_path / "f.pt").exists()
 
 
-@pytest.mark.parametrize("files, method, message", [
-    ("mlp", "kl", "method 'kl' fuses HorseshoeBNN checkpoints (mean-field posteriors); these are point estimates"),
-    ("bnn", "fedavg", "method 'fedavg' is for point-estimate networks; use kl, nafi or pfnm for BNNs"),
-    ("bnn", "ot", "method 'ot' is for point-estimate networks; use kl, nafi or pfnm for BNNs"),
-])
-def test_a_method_that_does_not_take_the_files_kind_is_refused(mlp_files, bnn_files, tmp_path, files, method,
-                                                               message):
+@pytest.mark.parametrize(
+    "files, method, message",
+    [
+        ("mlp", "kl", "method 'kl' fuses HorseshoeBNN checkpoints (mean-field posteriors); these are point estimates"),
+        ("bnn", "fedavg", "method 'fedavg' is for point-estimate networks; use kl, nafi or pfnm for BNNs"),
+        ("bnn", "ot", "method 'ot' is for point-estimate networks; use kl, nafi or pfnm for BNNs"),
+    ],
+)
+def test_a_method_that_does_not_take_the_files_kind_is_refused(mlp_files, bnn_files, tmp_path, files, method, message):
     paths = mlp_files if files == "mlp" else bnn_files
     with pytest.raises(ValueError, match=re.escape(message)):
         fuse_files(paths, method, tmp_path / "f.pt")

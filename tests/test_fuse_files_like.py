@@ -15,8 +15,9 @@ from tests.nets.user_nets import MyMLP, ResMLP, SkipCNN
 
 def _files(tmp_path, cls, n=3):
     models = [_random(cls, seed) for seed in range(n)]
-    return models, [str(save_state_dict(m.state_dict(), tmp_path / f"{cls.__name__}{j}.pt")) for j, m in
-                    enumerate(models)]
+    return models, [
+        str(save_state_dict(m.state_dict(), tmp_path / f"{cls.__name__}{j}.pt")) for j, m in enumerate(models)
+    ]
 
 
 @pytest.mark.parametrize("cls", [ResMLP, SkipCNN])
@@ -27,8 +28,11 @@ def test_residual_files_without_the_network_are_refused_and_nothing_is_written(t
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "--model MODULE:NAME" in err, err
-    assert ("skip connection possible" in err and "--arch cnn" in err) if cls is SkipCNN else \
-        "are not a plain chain's" in err, err
+    assert (
+        ("skip connection possible" in err and "--arch cnn" in err)
+        if cls is SkipCNN
+        else "are not a plain chain's" in err
+    ), err
     assert list(tmp_path.glob("fused*")) == []
 
 
@@ -36,8 +40,10 @@ def test_residual_files_without_the_network_are_refused_and_nothing_is_written(t
 def test_residual_files_fuse_with_the_network_given_and_load_into_it(tmp_path, capsys, cls):
     models, paths = _files(tmp_path, cls)
     out = tmp_path / "fused.pt"
-    assert main(["fuse", *paths, "--method", "pfnm", "--model", f"tests.nets.user_nets:{cls.__name__}",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["fuse", *paths, "--method", "pfnm", "--model", f"tests.nets.user_nets:{cls.__name__}", "--out", str(out)])
+        == 0
+    )
     report = json.loads((tmp_path / "fused.pt.json").read_text())
     assert report["architecture"]["source"] == f"traced from tests.nets.user_nets.{cls.__name__}"
     loaded = bayesfuse.load(out, like=cls())
@@ -53,16 +59,22 @@ def test_a_plain_chain_read_off_names_is_said_so(tmp_path, capsys):
     assert main(["fuse", *paths, "--method", "pfnm", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "architecture read from the files' entry names, as a plain chain" in captured.out
-    assert json.loads((tmp_path / "fused.pt.json").read_text())["architecture"]["source"] == \
-        "entry names, as a plain chain"
+    assert (
+        json.loads((tmp_path / "fused.pt.json").read_text())["architecture"]["source"]
+        == "entry names, as a plain chain"
+    )
     assert bayesfuse.load(out, like=MyMLP())(torch.zeros(2, 64)).shape == (2, 10)
 
 
 def test_arch_mlp_confirms_a_plain_chain(tmp_path):
     """Two hidden layers of one width could be a residual pair; --arch mlp says they are not."""
     torch.manual_seed(0)
-    nets = [torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6), torch.nn.ReLU(),
-                                torch.nn.Linear(6, 3)) for _ in range(2)]
+    nets = [
+        torch.nn.Sequential(
+            torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3)
+        )
+        for _ in range(2)
+    ]
 
     class Named(torch.nn.Module):  # the same layers under names that do not show a Sequential
         def __init__(self, seq):
@@ -76,13 +88,16 @@ def test_arch_mlp_confirms_a_plain_chain(tmp_path):
     assert main(["fuse", *seq, "--method", "pfnm", "--out", str(tmp_path / "b.pt")]) == 0  # a Sequential: no skips
 
 
-@pytest.mark.parametrize("ref, message", [
-    ("nomodule", "expected MODULE:NAME or FILE.py:NAME"),
-    ("no_such_package_xyz:Net", r"cannot import no_such_package_xyz \(ModuleNotFoundError"),
-    ("tests.nets.user_nets:Missing", "has no class or function 'Missing'"),
-    ("tests.nets.user_nets:NeedsArgs", r"NeedsArgs\(\) failed \(TypeError"),
-    ("missing_file.py:Net", "cannot import missing_file.py"),
-])
+@pytest.mark.parametrize(
+    "ref, message",
+    [
+        ("nomodule", "expected MODULE:NAME or FILE.py:NAME"),
+        ("no_such_package_xyz:Net", r"cannot import no_such_package_xyz \(ModuleNotFoundError"),
+        ("tests.nets.user_nets:Missing", "has no class or function 'Missing'"),
+        ("tests.nets.user_nets:NeedsArgs", r"NeedsArgs\(\) failed \(TypeError"),
+        ("missing_file.py:Net", "cannot import missing_file.py"),
+    ],
+)
 def test_bad_model_references_get_one_line(tmp_path, capsys, ref, message):
     _, paths = _files(tmp_path, MyMLP, 2)
     assert main(["fuse", *paths, "--method", "pfnm", "--model", ref, "--out", str(tmp_path / "f.pt")]) == 2
@@ -95,15 +110,18 @@ def test_model_from_a_file_path(tmp_path):
     source = tmp_path / "mynets.py"
     source.write_text("from tests.nets.user_nets import ResMLP\n\ndef build():\n    return ResMLP()\n")
     _, paths = _files(tmp_path, ResMLP, 2)
-    assert main(["fuse", *paths, "--method", "nafi", "--model", f"{source}:build", "--out",
-                 str(tmp_path / "f.safetensors")]) == 0
+    assert (
+        main(
+            ["fuse", *paths, "--method", "nafi", "--model", f"{source}:build", "--out", str(tmp_path / "f.safetensors")]
+        )
+        == 0
+    )
 
 
 def test_load_checks_the_file_against_the_network(tmp_path):
     _, paths = _files(tmp_path, ResMLP, 2)
     out = tmp_path / "fused.pt"
-    assert main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:ResMLP", "--out",
-                 str(out)]) == 0
+    assert main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:ResMLP", "--out", str(out)]) == 0
     with pytest.raises(ValueError, match="do not fit the template network"):
         bayesfuse.load(out, like=SkipCNN())
 

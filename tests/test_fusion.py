@@ -16,7 +16,6 @@ from tests.helpers import DEVICES, mlp_from_neurons, one_hidden_layer, randomise
 pytestmark = pytest.mark.filterwarnings("ignore:only one model")
 
 
-
 def _shuffled(model: MLP, seed: int) -> MLP:
     """The same function with its hidden units in another order."""
     perm = torch.from_numpy(np.random.default_rng(seed).permutation(model.layers[0].out_features))
@@ -118,8 +117,11 @@ def test_bad_inputs():
     # the clients are fused in their canonical order (bayesfuse.client_order): either may be the one compared with
     with pytest.raises(ValueError, match="client [01] has [34] classes in 'layers.1.weight', client [01] has [34]"):
         fuse([_net(), _net(d=6, k=4)])
-    with pytest.raises(ValueError, match=r"client [01]\['layers.0.weight'\] has shape \(5, [67]\).*differ beyond hidden "
-                                         "widths"):
+    with pytest.raises(
+        ValueError,
+        match=r"client [01]\['layers.0.weight'\] has shape \(5, [67]\).*differ beyond hidden "
+        "widths",
+    ):
         fuse([_net(), MLP(7, [5], 3)])
     with pytest.raises(ValueError, match="no hidden units"):
         fuse([MLP(6, [], 3)])
@@ -137,8 +139,9 @@ def test_bad_inputs():
 @pytest.fixture(scope="module")
 def digits_federation(digits):
     part = dirichlet_partition(digits.train.y, 5, 0.5, seed=0)
-    models = train_clients(digits.train, part, TrainConfig(hidden=(50,), epochs=5, seed=0), shared_init=False,
-                           verbose=False)
+    models = train_clients(
+        digits.train, part, TrainConfig(hidden=(50,), epochs=5, seed=0), shared_init=False, verbose=False
+    )
     return digits, part, models
 
 
@@ -166,8 +169,13 @@ def test_each_output_calibration_on_a_real_split(digits_federation, global_weigh
 
 def test_the_matched_average_is_more_confident_than_the_posterior_mean(digits_federation):
     split, part, models = digits_federation
-    entropy = {gw: evaluate(predict_proba(fuse(models, "pfnm", class_counts=part.counts, global_weights=gw).model,
-                                          split.test.x), split.test.y)["entropy"] for gw in ("posterior", "average")}
+    entropy = {
+        gw: evaluate(
+            predict_proba(fuse(models, "pfnm", class_counts=part.counts, global_weights=gw).model, split.test.x),
+            split.test.y,
+        )["entropy"]
+        for gw in ("posterior", "average")
+    }
     assert entropy["average"] < entropy["posterior"]
 
 
@@ -198,8 +206,10 @@ def _same_function_at_other_positions(model, n_clients, seed=0):
     spec = spec_from_module(model)
     plain = fold_encodings(numpy_state(model), spec)
     rng = np.random.default_rng(seed)
-    states = [unfold_encodings(permute(plain, spec, random_permutations(spec.sizes(plain), rng)), spec)
-              for _ in range(n_clients)]
+    states = [
+        unfold_encodings(permute(plain, spec, random_permutations(spec.sizes(plain), rng)), spec)
+        for _ in range(n_clients)
+    ]
     return [rebuild(model, {k: torch.as_tensor(v) for k, v in sd.items()}).eval() for sd in states]
 
 
@@ -276,8 +286,15 @@ def test_fedma_on_pan_networks_keeps_their_function(digits, mode, passes):
     model = randomise(MLP(digits.n_features, [12, 10], digits.n_classes, pan=PANConfig(mode, 1.0, 0.1)), 0)
     clients = _same_function_at_other_positions(model, 3)
     part = dirichlet_partition(digits.train.y, 3, 0.5, seed=0)
-    res = fuse(clients, "fedma", data=(digits.train, part), retrain=TrainConfig(hidden=(12, 10), epochs=1, lr=1e-12),
-               prior_var=1e8, noise_var=1.0, passes=passes)
+    res = fuse(
+        clients,
+        "fedma",
+        data=(digits.train, part),
+        retrain=TrainConfig(hidden=(12, 10), epochs=1, lr=1e-12),
+        prior_var=1e8,
+        noise_var=1.0,
+        passes=passes,
+    )
     assert res.sizes == [12, 10]
     x = torch.as_tensor(digits.test.x[:100])
     torch.testing.assert_close(res.model(x), model(x), rtol=1e-4, atol=1e-4)
@@ -325,8 +342,9 @@ def _same_assignments(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("method, hyper", [("pfnm", {}), ("nafi", {}),
-                                           ("pfnm", dict(noise_var=1.0, prior_var=10.0, gamma0=1.0))])
+@pytest.mark.parametrize(
+    "method, hyper", [("pfnm", {}), ("nafi", {}), ("pfnm", dict(noise_var=1.0, prior_var=10.0, gamma0=1.0))]
+)
 def test_float64_on_a_torch_device_fuses_as_on_the_host(digits_federation, method, hyper, device):
     _, part, models = digits_federation
     host = fuse(models, method, class_counts=part.counts, **hyper)
@@ -381,12 +399,18 @@ def test_a_device_is_refused_where_it_cannot_serve_before_any_work(monkeypatch):
 
     monkeypatch.setattr("bayesfuse.fusion.fuse_states", started)
     for method in ("fedavg", "ot", "fedma"):
-        with pytest.raises(ValueError, match=f"device='cpu': method '{method}' runs on the host only; a device "
-                                             "runs the matching of pfnm and nafi on point-estimate networks"):
+        with pytest.raises(
+            ValueError,
+            match=f"device='cpu': method '{method}' runs on the host only; a device "
+            "runs the matching of pfnm and nafi on point-estimate networks",
+        ):
             fuse(nets, method, device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA
-    with pytest.raises(ValueError, match=r"device 'cuda': no CUDA device is available to this torch .* use "
-                                         r"device='cpu', or no device for NumPy"):
+    with pytest.raises(
+        ValueError,
+        match=r"device 'cuda': no CUDA device is available to this torch .* use "
+        r"device='cpu', or no device for NumPy",
+    ):
         fuse(nets, "pfnm", device="cuda")
     with pytest.raises(ValueError, match="device 'gpu' is not a torch device"):
         fuse(nets, "nafi", device="gpu")

@@ -34,8 +34,9 @@ def _fuse_files(tmp_path, models, *extra, name="f.pt"):
 def test_a_sequential_mlp_file_loads_without_a_template_and_says_what_it_assumed(tmp_path):
     models = _sequentials()
     out = _fuse_files(tmp_path, models, "--method", "pfnm")
-    with pytest.warns(UserWarning, match="holds no activations; read as an nn.Sequential of Linear layers with ReLU "
-                                         "at 1"):
+    with pytest.warns(
+        UserWarning, match="holds no activations; read as an nn.Sequential of Linear layers with ReLU at 1"
+    ):
         loaded = bayesfuse.load(out)
     fresh = bayesfuse.fuse(models, "pfnm")
     x = torch.randn(8, 64)
@@ -103,8 +104,11 @@ def test_a_file_fused_from_the_users_network_loads_when_its_module_is_imported(t
     import sys
 
     monkeypatch.delitem(sys.modules, "tests.nets.user_nets")  # not imported: named, never imported for the file
-    with pytest.raises(ValueError, match=r"fused from your network tests.nets.user_nets:ResMLP: import it, or load "
-                                         r"with like=.*like=ResMLP\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"fused from your network tests.nets.user_nets:ResMLP: import it, or load "
+        r"with like=.*like=ResMLP\(\)",
+    ):
         bayesfuse.load(out)
     assert "tests.nets.user_nets" not in sys.modules
 
@@ -115,8 +119,9 @@ def test_fused_bnn_files_keep_their_layer_record(tmp_path):
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x / 16.0, dtype=torch.float32)
     y = torch.tensor(y)
-    bnns = [train_bnn(x[j::2][:400], y[j::2][:400], 10, 8, BNNConfig(epochs=2, seed=j), verbose=False)
-            for j in range(2)]
+    bnns = [
+        train_bnn(x[j::2][:400], y[j::2][:400], 10, 8, BNNConfig(epochs=2, seed=j), verbose=False) for j in range(2)
+    ]
     out = _fuse_files(tmp_path, bnns, "--method", "kl", name="b.safetensors")
     loaded = bayesfuse.load(out)
     assert loaded.fusion is not None and loaded.fusion.method == "kl"

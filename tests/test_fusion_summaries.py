@@ -66,17 +66,22 @@ def test_one_convnet_with_batch_norms_fuses_to_itself(federation):
 
 def test_second_round_picks_a_temperature(federation):
     split, part, models, summaries = federation
-    result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part),
-                  second_round="temperature")
+    result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part), second_round="temperature")
     r2 = result.hyper["second_round"]
-    assert r2["kind"] == "temperature" and 1 / 16 <= r2["temperature"] <= 16 and r2["output_pool"] in ("precision", "counts")
+    assert (
+        r2["kind"] == "temperature"
+        and 1 / 16 <= r2["temperature"] <= 16
+        and r2["output_pool"] in ("precision", "counts")
+    )
     assert r2["candidates"] == 2 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
     assert result.hyper["summaries"]["output"] == f"log pool, shares by {r2['output_pool']}"
     one_shot = fuse(models, "pfnm", summaries=summaries)
+
     # the chosen pair minimises the clients' summed NLL on their own data, so the training NLL of the
     # chosen model is at most the one-shot default's (a candidate at temperature 1 on the grid)
     def train_nll(model):
         return evaluate(predict_proba(model, split.train.x), split.train.y)["nll"]
+
     assert train_nll(result.model) <= train_nll(one_shot.model) + 1e-9
     with pytest.raises(ValueError, match="data="):
         fuse(models, "pfnm", summaries=summaries, rounds=2)
@@ -98,23 +103,28 @@ def test_second_round_refits_the_output_layer(federation):
     r2 = result.hyper["second_round"]
     assert r2["kind"] == "refit" and isinstance(result.model, LastLayerLaplace)
     assert r2["prior_precision"] == pytest.approx(
-        prior_precision_from_weights([m.layers[-1].weight.detach().numpy() for m in models]))
+        prior_precision_from_weights([m.layers[-1].weight.detach().numpy() for m in models])
+    )
     lam = r2["prior_precision"]  # exactly the server's: the clients' fits stop at a gradient tolerance
     # the server's output layer is the product of what the clients send, computed here again from
     # the one-shot fusion's hidden layers: the round changes the output layer only
     one_shot = fuse(models, "pfnm")
-    fits = [output_fit(one_shot.model, "layers.1", split.train.x[idx], split.train.y[idx], lam, n_clients=3)
-            for idx in part]
+    fits = [
+        output_fit(one_shot.model, "layers.1", split.train.x[idx], split.train.y[idx], lam, n_clients=3) for idx in part
+    ]
     mean, cov = fuse_output_fits(fits, lam)
     layer = result.model.network.layers[1]
     np.testing.assert_allclose(layer.weight.detach().numpy(), mean[:-1].T, rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(result.model.covariance.numpy(), cov, rtol=1e-6, atol=1e-10)
-    np.testing.assert_array_equal(result.model.network.layers[0].weight.detach().numpy(),
-                                  one_shot.model.layers[0].weight.detach().numpy())
+    np.testing.assert_array_equal(
+        result.model.network.layers[0].weight.detach().numpy(), one_shot.model.layers[0].weight.detach().numpy()
+    )
     assert r2["bytes_up"] == fits[0].nbytes
+
     # the refit is fitted to the clients' data: its training NLL is below the one-shot fusion's
     def train_nll(model):
         return evaluate(predict_proba(model, split.train.x), split.train.y)["nll"]
+
     assert train_nll(result.model) < train_nll(one_shot.model)
     given = fuse(models, "pfnm", rounds=2, data=(split.train, part), output_prior_precision=3.0)
     assert given.hyper["second_round"]["prior_precision"] == 3.0
@@ -132,4 +142,6 @@ def test_bad_summaries_are_refused_naming_the_client(federation):
     with pytest.raises(ValueError, match="no summary for client 1"):
         fuse_states(states, "pfnm", summaries=[summaries[0], None, summaries[2]])
     with pytest.raises(SummaryError, match="b.pt: the summary is of another network"):
-        fuse_states(states, "pfnm", summaries=[summaries[0], summaries[0], summaries[2]], names=["a.pt", "b.pt", "c.pt"])
+        fuse_states(
+            states, "pfnm", summaries=[summaries[0], summaries[0], summaries[2]], names=["a.pt", "b.pt", "c.pt"]
+        )

@@ -13,18 +13,22 @@ def _loaded(code: str) -> list[str]:
 
 
 def test_the_algorithms_load_neither_torch_nor_pyro():
-    code = ("import bayesfuse.inference, bayesfuse.inference.matching, bayesfuse.inference.layerwise, "
-            "bayesfuse.inference.klfusion, bayesfuse.inference.spec, bayesfuse.inference.fedma, "
-            "bayesfuse.inference.relaxed, bayesfuse.inference.otfusion, bayesfuse.inference.empirical_bayes, "
-            "bayesfuse.inference.result, sys; print('torch' in sys.modules, 'pyro' in sys.modules)")
+    code = (
+        "import bayesfuse.inference, bayesfuse.inference.matching, bayesfuse.inference.layerwise, "
+        "bayesfuse.inference.klfusion, bayesfuse.inference.spec, bayesfuse.inference.fedma, "
+        "bayesfuse.inference.relaxed, bayesfuse.inference.otfusion, bayesfuse.inference.empirical_bayes, "
+        "bayesfuse.inference.result, sys; print('torch' in sys.modules, 'pyro' in sys.modules)"
+    )
     assert _loaded(code) == ["False", "False"]
 
 
 def test_every_algorithm_module_loads_neither_torch_nor_pyro():
     # every module under bayesfuse.inference, found by walking the package (new ones included)
-    code = ("import pkgutil, importlib, sys, bayesfuse.inference as p; "
-            "[importlib.import_module(m.name) for m in pkgutil.walk_packages(p.__path__, 'bayesfuse.inference.')]; "
-            "print('torch' in sys.modules, 'pyro' in sys.modules)")
+    code = (
+        "import pkgutil, importlib, sys, bayesfuse.inference as p; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(p.__path__, 'bayesfuse.inference.')]; "
+        "print('torch' in sys.modules, 'pyro' in sys.modules)"
+    )
     assert _loaded(code) == ["False", "False"]
 
 
@@ -95,10 +99,12 @@ def test_no_import_cycles_between_modules():
 
 def test_to_arviz_conveniences_reach_analysis_without_the_algorithms_importing_it():
     # the algorithms load no analysis; the first to_arviz() loads it, and it registered its exporters
-    code = ("import sys, numpy as np; from bayesfuse.inference.matching import match_neurons; "
-            "from bayesfuse.inference.klfusion import kl_fuse; from bayesfuse.inference.expfam import DiagNormal; "
-            "rng = np.random.default_rng(0); r = match_neurons([rng.normal(size=(3, 4)) for _ in range(2)]); "
-            "print('bayesfuse.analysis' in sys.modules); m = r.to_arviz(); print('bayesfuse.analysis' in sys.modules); "
-            "k = kl_fuse([DiagNormal(loc=rng.normal(size=(2, 3)), var=np.ones((2, 3))) for _ in range(2)]).to_arviz(); "
-            "print(m.posterior.attrs['method'], k.posterior.attrs['method'])")
+    code = (
+        "import sys, numpy as np; from bayesfuse.inference.matching import match_neurons; "
+        "from bayesfuse.inference.klfusion import kl_fuse; from bayesfuse.inference.expfam import DiagNormal; "
+        "rng = np.random.default_rng(0); r = match_neurons([rng.normal(size=(3, 4)) for _ in range(2)]); "
+        "print('bayesfuse.analysis' in sys.modules); m = r.to_arviz(); print('bayesfuse.analysis' in sys.modules); "
+        "k = kl_fuse([DiagNormal(loc=rng.normal(size=(2, 3)), var=np.ones((2, 3))) for _ in range(2)]).to_arviz(); "
+        "print(m.posterior.attrs['method'], k.posterior.attrs['method'])"
+    )
     assert _loaded(code) == ["False", "True", "pfnm", "kl"]

@@ -99,8 +99,9 @@ def test_temporary_files_carry_the_writer_pid_and_host(tmp_path, monkeypatch):
 
     seen = []
     real_commit = io_module._commit
-    monkeypatch.setattr(io_module, "_commit", lambda tmp, path, overwrite: seen.append(tmp.name) or
-                        real_commit(tmp, path, overwrite))
+    monkeypatch.setattr(
+        io_module, "_commit", lambda tmp, path, overwrite: seen.append(tmp.name) or real_commit(tmp, path, overwrite)
+    )
     atomic_write_bytes(tmp_path / "a.pt", b"x")
     assert re.fullmatch(rf"\.a\.pt\.{os.getpid()}-{io_module._HOST_TAG}\.[a-z0-9_]+\.tmp", seen[0])
 
@@ -138,8 +139,7 @@ def test_a_commit_that_fails_half_way_puts_the_replaced_files_back(tmp_path, mon
 
     monkeypatch.setattr(io_module, "_commit", failing_commit)
     with pytest.raises(OSError, match="Input/output error"):
-        atomic_write_files([(tmp_path / "a.pt", b"new model"), (tmp_path / "a.pt.json", b"new report")],
-                           overwrite=True)
+        atomic_write_files([(tmp_path / "a.pt", b"new model"), (tmp_path / "a.pt.json", b"new report")], overwrite=True)
     assert (tmp_path / "a.pt").read_bytes() == b"old model" and (tmp_path / "a.pt.json").read_bytes() == b"old report"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "a.pt.json"]
 

@@ -71,24 +71,38 @@ def test_resolve_fills_defaults_and_converts():
     assert methods.resolve("pfnm", "network", {"noise_var": "auto", "prior_var": 2})["prior_var"] == 2.0
 
 
-@pytest.mark.parametrize("call, exc, message", [
-    (lambda: methods.resolve("hungarian"), ValueError, "unknown method 'hungarian': method must be one of"),
-    (lambda: methods.resolve("kl", "network"), ValueError, "method 'kl' fuses Bayesian networks"),
-    (lambda: methods.resolve("fedavg", "bnn"), ValueError, "methods for Bayesian networks .*: pfnm, nafi, kl"),
-    (lambda: methods.resolve("pfnm", "network", {"reg": 1.0}), ValueError, r"unknown hyper-parameters \['reg'\]"),
-    (lambda: methods.resolve("pfnm", "bnn", {"direction": "top-down"}), ValueError, "direction only for network"),
-    (lambda: methods.resolve("pfnm", "network", {"kl_weight": 0.1}), ValueError, "use method='nafi'"),
-    (lambda: methods.resolve("nafi", "network", {"kl_weight": -1}), ValueError, "kl_weight must be non-negative"),
-    (lambda: methods.resolve("nafi", "network", {"noise_var": 0}), ValueError, "noise_var must be positive"),
-    (lambda: methods.resolve("nafi", "network", {"noise_var": float("nan")}), ValueError, "noise_var"),
-    (lambda: methods.resolve("nafi", "network", {"noise_var": "big"}), ValueError,
-     r"noise_var must be positive, in \[1e-50, 1e\+50\] \(.*\) or one of 'auto'"),
-    (lambda: methods.resolve("nafi", "network", {"noise_var": [1.0]}), TypeError, "noise_var must be float or str"),
-    (lambda: methods.resolve("nafi", "network", {"n_iter": 2.5}), TypeError, r"n_iter must be int \(a positive integer\)"),
-    (lambda: methods.resolve("pfnm", "network", {"direction": "sideways"}), ValueError, "direction must be one of"),
-    (lambda: methods.resolve("kl", "bnn", {"average_outputs": "yes"}), ValueError, "average_outputs must be true or"),
-    (lambda: methods.resolve("pfnm", "tree"), ValueError, "kind must be one of network, bnn"),
-])
+@pytest.mark.parametrize(
+    "call, exc, message",
+    [
+        (lambda: methods.resolve("hungarian"), ValueError, "unknown method 'hungarian': method must be one of"),
+        (lambda: methods.resolve("kl", "network"), ValueError, "method 'kl' fuses Bayesian networks"),
+        (lambda: methods.resolve("fedavg", "bnn"), ValueError, "methods for Bayesian networks .*: pfnm, nafi, kl"),
+        (lambda: methods.resolve("pfnm", "network", {"reg": 1.0}), ValueError, r"unknown hyper-parameters \['reg'\]"),
+        (lambda: methods.resolve("pfnm", "bnn", {"direction": "top-down"}), ValueError, "direction only for network"),
+        (lambda: methods.resolve("pfnm", "network", {"kl_weight": 0.1}), ValueError, "use method='nafi'"),
+        (lambda: methods.resolve("nafi", "network", {"kl_weight": -1}), ValueError, "kl_weight must be non-negative"),
+        (lambda: methods.resolve("nafi", "network", {"noise_var": 0}), ValueError, "noise_var must be positive"),
+        (lambda: methods.resolve("nafi", "network", {"noise_var": float("nan")}), ValueError, "noise_var"),
+        (
+            lambda: methods.resolve("nafi", "network", {"noise_var": "big"}),
+            ValueError,
+            r"noise_var must be positive, in \[1e-50, 1e\+50\] \(.*\) or one of 'auto'",
+        ),
+        (lambda: methods.resolve("nafi", "network", {"noise_var": [1.0]}), TypeError, "noise_var must be float or str"),
+        (
+            lambda: methods.resolve("nafi", "network", {"n_iter": 2.5}),
+            TypeError,
+            r"n_iter must be int \(a positive integer\)",
+        ),
+        (lambda: methods.resolve("pfnm", "network", {"direction": "sideways"}), ValueError, "direction must be one of"),
+        (
+            lambda: methods.resolve("kl", "bnn", {"average_outputs": "yes"}),
+            ValueError,
+            "average_outputs must be true or",
+        ),
+        (lambda: methods.resolve("pfnm", "tree"), ValueError, "kind must be one of network, bnn"),
+    ],
+)
 def test_resolve_refuses_bad_settings_with_a_clear_message(call, exc, message):
     with pytest.raises(exc, match=message):
         call()
@@ -180,14 +194,16 @@ def test_methods_command_lists_the_methods_and_marks_those_bayesfuse_fuse_refuse
     text = capsys.readouterr().out
     for name, m in methods.METHODS.items():
         assert f"  {name} " in text
-    fedma = text[text.index("  fedma "):text.index("  fedavg ")]
+    fedma = text[text.index("  fedma ") : text.index("  fedavg ")]
     assert "not bayesfuse fuse" in " ".join(fedma.split())
 
 
 def test_methods_command_suggests_the_closest_name(capsys):
     assert main(["methods", "nafy"]) == 2
-    assert capsys.readouterr().err == ("bayesfuse methods: error: unknown method 'nafy': method must be one of pfnm, "
-                                       "nafi, fedma, fedavg, ot, kl (did you mean 'nafi'?)\n")
+    assert capsys.readouterr().err == (
+        "bayesfuse methods: error: unknown method 'nafy': method must be one of pfnm, "
+        "nafi, fedma, fedavg, ot, kl (did you mean 'nafi'?)\n"
+    )
 
 
 def test_method_names_are_case_insensitive_and_typos_get_the_closest_name():
@@ -213,11 +229,17 @@ def test_unknown_keys_name_the_closest_key_or_argument():
         methods.check_keys(method, hyper, caller=fuse_like)
 
     fuse_like([], class_counts=None, noise_var=1.0)  # keys of any kind the method takes pass
-    with pytest.raises(ValueError, match=r"\['class_count'\] for method 'pfnm', and not arguments of fuse_like "
-                                         r"\(did you mean 'class_counts'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['class_count'\] for method 'pfnm', and not arguments of fuse_like "
+        r"\(did you mean 'class_counts'\?\)",
+    ):
         fuse_like([], class_count=[1, 2])
-    with pytest.raises(ValueError, match=r"\['gama0', 'sed'\] .* \('gama0': did you mean 'gamma0'\?\) "
-                                         r"\('sed': did you mean 'seed'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['gama0', 'sed'\] .* \('gama0': did you mean 'gamma0'\?\) "
+        r"\('sed': did you mean 'seed'\?\)",
+    ):
         fuse_like([], gama0=1.0, sed=2)
     with pytest.raises(ValueError, match=r"\['banana'\] for method 'kl', and not arguments of fuse_like; kl's"):
         fuse_like([], "kl", banana=1)
@@ -231,8 +253,10 @@ def test_only_methods_that_fuse_models_alone_pass_check_one_shot():
 
 
 def test_command_line_parser_loads_neither_torch_nor_the_algorithms():
-    code = ("import sys; from bayesfuse.cli import build_parser; build_parser(); "
-            "print(sorted(m for m in ('torch', 'pyro', 'scipy', 'bayesfuse.core') if m in sys.modules))")
+    code = (
+        "import sys; from bayesfuse.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'pyro', 'scipy', 'bayesfuse.core') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -247,24 +271,40 @@ VARIANCE_RANGE = "in [1e-50, 1e+50]"
 GAMMA0_RANGE = "in [1e-300, 1e+300]"
 EXTREMES = [
     # (key, value, None if it must fuse, else the range the refusal names)
-    ("noise_var", "1e-300", VARIANCE_RANGE), ("noise_var", "5e-324", VARIANCE_RANGE),
-    ("noise_var", "1e308", VARIANCE_RANGE), ("noise_var", "1e400", VARIANCE_RANGE),
-    ("noise_var", "1e-50", None), ("noise_var", "1e50", None),
-    ("prior_var", "1e-310", VARIANCE_RANGE), ("prior_var", "1e308", VARIANCE_RANGE),
-    ("prior_var", "1e-50", None), ("prior_var", "1e50", None),
-    ("gamma0", "5e-324", GAMMA0_RANGE), ("gamma0", "1e-308", GAMMA0_RANGE), ("gamma0", "1e308", GAMMA0_RANGE),
-    ("gamma0", "1e-300", None), ("gamma0", "1e300", None),
+    ("noise_var", "1e-300", VARIANCE_RANGE),
+    ("noise_var", "5e-324", VARIANCE_RANGE),
+    ("noise_var", "1e308", VARIANCE_RANGE),
+    ("noise_var", "1e400", VARIANCE_RANGE),
+    ("noise_var", "1e-50", None),
+    ("noise_var", "1e50", None),
+    ("prior_var", "1e-310", VARIANCE_RANGE),
+    ("prior_var", "1e308", VARIANCE_RANGE),
+    ("prior_var", "1e-50", None),
+    ("prior_var", "1e50", None),
+    ("gamma0", "5e-324", GAMMA0_RANGE),
+    ("gamma0", "1e-308", GAMMA0_RANGE),
+    ("gamma0", "1e308", GAMMA0_RANGE),
+    ("gamma0", "1e-300", None),
+    ("gamma0", "1e300", None),
 ]
 KL_EXTREMES = [("kl_weight", "1e300", "at most 1e+50"), ("kl_weight", "1e50", None)]
 # every key at the same end of its range at once, and at opposite ends
-CORNERS = ["noise_var=1e-50 prior_var=1e50 gamma0=1e300", "noise_var=1e50 prior_var=1e-50 gamma0=1e-300",
-           "noise_var=1e-50 prior_var=1e-50 gamma0=1e-300", "noise_var=1e50 prior_var=1e50 gamma0=1e300"]
+CORNERS = [
+    "noise_var=1e-50 prior_var=1e50 gamma0=1e300",
+    "noise_var=1e50 prior_var=1e-50 gamma0=1e-300",
+    "noise_var=1e-50 prior_var=1e-50 gamma0=1e-300",
+    "noise_var=1e50 prior_var=1e50 gamma0=1e300",
+]
 
 
 def _mlp_state(seed):
     g = torch.Generator().manual_seed(seed)
-    return {"fc1.weight": torch.randn(4, 6, generator=g), "fc1.bias": torch.randn(4, generator=g),
-            "fc2.weight": torch.randn(3, 4, generator=g), "fc2.bias": torch.randn(3, generator=g)}
+    return {
+        "fc1.weight": torch.randn(4, 6, generator=g),
+        "fc1.bias": torch.randn(4, generator=g),
+        "fc2.weight": torch.randn(3, 4, generator=g),
+        "fc2.bias": torch.randn(3, generator=g),
+    }
 
 
 def _bnn_state(seed):
@@ -275,8 +315,10 @@ def _bnn_state(seed):
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("extremes")
-    return {kind: [save_state_dict(make(s), root / f"{kind}{s}.pt") for s in range(2)]
-            for kind, make in (("network", _mlp_state), ("bnn", _bnn_state))}
+    return {
+        kind: [save_state_dict(make(s), root / f"{kind}{s}.pt") for s in range(2)]
+        for kind, make in (("network", _mlp_state), ("bnn", _bnn_state))
+    }
 
 
 def _strict_json(path):
@@ -313,8 +355,9 @@ def _fuse_extreme(files, kind, method, assignments, refused, tmp_path, capsys):
 @pytest.mark.parametrize("kind", ["network", "bnn"])
 @pytest.mark.parametrize("method", ["pfnm", "nafi"])
 @pytest.mark.parametrize("key, value, refused", EXTREMES, ids=[f"{k}={v}" for k, v, _ in EXTREMES])
-def test_cli_extreme_hyper_fuses_cleanly_or_is_refused(model_files, tmp_path, capsys, kind, method, key, value,
-                                                       refused):
+def test_cli_extreme_hyper_fuses_cleanly_or_is_refused(
+    model_files, tmp_path, capsys, kind, method, key, value, refused
+):
     _fuse_extreme(model_files, kind, method, [f"{key}={value}"], refused, tmp_path, capsys)
 
 
@@ -323,8 +366,9 @@ def test_cli_extreme_hyper_fuses_cleanly_or_is_refused(model_files, tmp_path, ca
 @pytest.mark.parametrize("key, value, refused", KL_EXTREMES, ids=[f"{k}={v}" for k, v, _ in KL_EXTREMES])
 def test_cli_extreme_kl_weight(model_files, tmp_path, capsys, kind, key, value, refused):
     # at the variance bounds, where NAFI's KL terms are largest (sigma0^2 / sigma^2 = 1e100)
-    _fuse_extreme(model_files, kind, "nafi", ["noise_var=1e-50", "prior_var=1e50", f"{key}={value}"], refused,
-                  tmp_path, capsys)
+    _fuse_extreme(
+        model_files, kind, "nafi", ["noise_var=1e-50", "prior_var=1e50", f"{key}={value}"], refused, tmp_path, capsys
+    )
 
 
 @pytest.mark.catalogue
@@ -340,8 +384,21 @@ def test_cli_hyper_at_the_corners_of_the_ranges_fuses_cleanly(model_files, tmp_p
 def test_cli_refuses_extreme_fedma_hyper_by_its_range(model_files, tmp_path, capsys, key, value, refused):
     # fedma's files are refused anyway (it needs the clients' data); the value is refused first
     out = tmp_path / "fused.pt"
-    assert main(["fuse", *map(str, model_files["network"]), "--method", "fedma", "--hyper", f"{key}={value}",
-                 "--out", str(out)]) == 2
+    assert (
+        main(
+            [
+                "fuse",
+                *map(str, model_files["network"]),
+                "--method",
+                "fedma",
+                "--hyper",
+                f"{key}={value}",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{key} must be " in err and refused in err, err
 
@@ -359,8 +416,13 @@ def test_fedma_at_the_corners_of_the_ranges_is_clean(corner, kl_weight):
     states = [{k: v.double().numpy() for k, v in m.state_dict().items()} for m in nets]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = fedma(states, nets[0].permutation_spec(), lambda jobs, frozen: [s for _, s in jobs],
-                    class_counts=np.ones((2, 3)), **settings)
+        res = fedma(
+            states,
+            nets[0].permutation_spec(),
+            lambda jobs, frozen: [s for _, s in jobs],
+            class_counts=np.ones((2, 3)),
+            **settings,
+        )
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert all(np.isfinite(v).all() for v in res.state_dict.values())
     assert all(np.isfinite(layer.objective).all() for layer in res.layers.values())

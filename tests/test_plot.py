@@ -40,8 +40,9 @@ def test_size_sweep(fed, tmp_path):
 def test_unit_posterior(res, fed, tmp_path):
     g = int(np.argmax(res.counts))
     members = [(v[a == g][0], np.full(v.shape[1], 0.05)) for v, a in zip(fed.layers, res.assignments) if (a == g).any()]
-    fig = plot.plot_unit_posterior(res.mean[g], res.var[g], [m for m, _ in members], [v for _, v in members],
-                                   weights=[0, 1, 2])
+    fig = plot.plot_unit_posterior(
+        res.mean[g], res.var[g], [m for m, _ in members], [v for _, v in members], weights=[0, 1, 2]
+    )
     _saved(fig, tmp_path, "unit")
 
 
@@ -76,10 +77,14 @@ def test_layer_plots_take_a_fusion_or_a_layer(fusion, res, tmp_path):
     import matplotlib.pyplot as plt
 
     for key, layer in ((0, fusion.layers[0]), ("P2", fusion.layers[1]), (1, fusion.layers[1])):
-        np.testing.assert_array_equal(_image(plot.plot_assignments(fusion, layer=key)), _image(plot.plot_assignments(layer)))
+        np.testing.assert_array_equal(
+            _image(plot.plot_assignments(fusion, layer=key)), _image(plot.plot_assignments(layer))
+        )
         got = plot.plot_objective(fusion, layer=key).axes[0].lines[0].get_ydata()
         np.testing.assert_array_equal(got, layer.objective)
-    np.testing.assert_array_equal(_image(plot.plot_assignments(fusion)), _image(plot.plot_assignments(fusion.layers[0])))
+    np.testing.assert_array_equal(
+        _image(plot.plot_assignments(fusion)), _image(plot.plot_assignments(fusion.layers[0]))
+    )
     assert _image(plot.plot_assignments(fusion, layer="P2")).shape[1] == fusion.sizes[1]
     plt.close("all")
     _saved(plot.plot_assignments(fusion), tmp_path, "fusion_assign")

@@ -55,6 +55,12 @@ def test_a_readme_block_runs_on_its_own(where, code, tmp_path):
             pytest.skip(f"needs the {extra} extra")
     for text, small in SMALL.items():
         code = code.replace(text, small)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={"MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
     assert proc.returncode == 0, f"{where}:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"

@@ -65,8 +65,9 @@ def test_summarize_writes_the_summary_beside_the_model_and_says_its_size(clients
     assert main(["summarize", str(models[0]), "--data", str(data[0]), "--force"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     size, model_size = summary_path(models[0]).stat().st_size, models[0].stat().st_size
-    assert len(out) == 1 and out[0].startswith(f"wrote {summary_path(models[0])}: {size:,} bytes, "
-                                               f"{size / model_size:.2f}x the model's {model_size:,}; ")
+    assert len(out) == 1 and out[0].startswith(
+        f"wrote {summary_path(models[0])}: {size:,} bytes, {size / model_size:.2f}x the model's {model_size:,}; "
+    )
     assert out[0].endswith(" s")
     summary = load_summary(summary_path(models[0]))
     y = np.load(data[0])["y"]
@@ -97,16 +98,24 @@ def test_summarize_writes_where_asked(clients, tmp_path):
     assert load_summary(out).n_examples == load_summary(summary_path(models[0])).n_examples
 
 
-@pytest.mark.parametrize("arrays, message", [
-    (None, "data file {data} does not exist (a .npz with arrays x and y)"),
-    ({"x": np.zeros((3, 64))}, "data file {data} has no array 'y' (it holds 'x'); save the inputs as x"),
-    ({"inputs": np.zeros((3, 64)), "labels": np.zeros(3, int)}, "has no array 'x' and no array 'y' (it holds "
-                                                                "'inputs', 'labels')"),
-    ({"x": np.zeros((3, 64)), "y": np.zeros(3)}, "y must be a 1-D array of integer labels, got float64"),
-    ({"x": np.zeros((4, 64)), "y": np.zeros(3, int)}, "x must hold one row of real inputs per label (3 labels)"),
-    ({"x": np.zeros((3, 64)), "y": np.array([0, 1, 10])}, "labels must lie in 0..9, got 0..10"),
-    ({"x": np.zeros((3, 50)), "y": np.zeros(3, int)}, "cannot run on the inputs x of shape (3, 50) of {data} (mat1"),
-])
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        (None, "data file {data} does not exist (a .npz with arrays x and y)"),
+        ({"x": np.zeros((3, 64))}, "data file {data} has no array 'y' (it holds 'x'); save the inputs as x"),
+        (
+            {"inputs": np.zeros((3, 64)), "labels": np.zeros(3, int)},
+            "has no array 'x' and no array 'y' (it holds 'inputs', 'labels')",
+        ),
+        ({"x": np.zeros((3, 64)), "y": np.zeros(3)}, "y must be a 1-D array of integer labels, got float64"),
+        ({"x": np.zeros((4, 64)), "y": np.zeros(3, int)}, "x must hold one row of real inputs per label (3 labels)"),
+        ({"x": np.zeros((3, 64)), "y": np.array([0, 1, 10])}, "labels must lie in 0..9, got 0..10"),
+        (
+            {"x": np.zeros((3, 50)), "y": np.zeros(3, int)},
+            "cannot run on the inputs x of shape (3, 50) of {data} (mat1",
+        ),
+    ],
+)
 def test_summarize_refuses_bad_data_in_one_line(clients, tmp_path, capsys, arrays, message):
     models, _, _ = clients
     data = tmp_path / "bad.npz"
@@ -175,8 +184,9 @@ def test_fuse_without_summaries_is_data_free_and_drops_a_stale_posterior(clients
     assert posterior_path(out).is_file()
     assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--summaries", "none"]) == 2
     assert f"{out} exists; replace it with --force" in _error(capsys)
-    assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--summaries", "none",
-                 "--force"]) == 0
+    assert (
+        main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--summaries", "none", "--force"]) == 0
+    )
     assert "(data-free)" in capsys.readouterr().out
     report = json.loads((tmp_path / "fused.safetensors.json").read_text())
     assert report["summaries"] == {"used": False, "path": "data-free", "reason": "summaries='none'"}
@@ -184,8 +194,10 @@ def test_fuse_without_summaries_is_data_free_and_drops_a_stale_posterior(clients
     assert type(bayesfuse.load(out)).__name__ == "MLP"
     # a method that reads no summaries fuses data-free, and says why
     report = fuse_files(models, "fedavg", tmp_path / "avg.pt")
-    assert report["summaries"]["path"] == "data-free" and "fedavg reads no client summaries" in \
-        report["summaries"]["reason"]
+    assert (
+        report["summaries"]["path"] == "data-free"
+        and "fedavg reads no client summaries" in report["summaries"]["reason"]
+    )
 
 
 def test_fuse_refuses_inputs_of_which_only_some_have_a_summary(clients, tmp_path, capsys):

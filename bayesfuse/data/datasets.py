@@ -34,8 +34,16 @@ __all__ = [
 #: Where the Debian package ``dataset-fashion-mnist`` installs the IDX files.
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 )
 _DIGIT_CLASSES = tuple(str(d) for d in range(10))
 _IDX_STEMS = {
@@ -151,9 +159,7 @@ class DataSplit:
 
     def __post_init__(self) -> None:
         if self.train.n_features != self.test.n_features:
-            raise ValueError(
-                f"train has {self.train.n_features} features but test has {self.test.n_features}"
-            )
+            raise ValueError(f"train has {self.train.n_features} features but test has {self.test.n_features}")
         if self.train.n_classes != self.test.n_classes:
             raise ValueError("train and test disagree on the number of classes")
 
@@ -197,9 +203,7 @@ def load_digits(*, test_size: float = 0.25, seed: int = 0) -> DataSplit:
     bunch = _sk_load_digits()
     x = bunch.data.astype(np.float32) / 16.0
     y = bunch.target.astype(np.int64)
-    i_train, i_test = train_test_split(
-        np.arange(len(y)), test_size=test_size, random_state=seed, stratify=y
-    )
+    i_train, i_test = train_test_split(np.arange(len(y)), test_size=test_size, random_state=seed, stratify=y)
     full = Dataset(x, y, 10, name="digits", image_shape=(8, 8), class_names=_DIGIT_CLASSES)
     return DataSplit(full.subset(i_train), full.subset(i_test))
 
@@ -238,9 +242,7 @@ def load_idx(
     paths = {key: _find_idx_file(directory, stem) for key, stem in _IDX_STEMS.items()}
     missing = [_IDX_STEMS[k] + "[.gz]" for k, p in paths.items() if p is None]
     if missing:
-        raise FileNotFoundError(
-            _missing_data_message(f"{name} IDX files {', '.join(missing)}", directory, hint)
-        )
+        raise FileNotFoundError(_missing_data_message(f"{name} IDX files {', '.join(missing)}", directory, hint))
     arrays = {key: read_idx(p) for key, p in paths.items()}
     return _split_from_arrays(arrays, name=name, class_names=class_names)
 

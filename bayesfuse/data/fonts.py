@@ -21,11 +21,27 @@ __all__ = ["DEFAULT_FONTS", "available_fonts", "load_font_digits"]
 
 #: Text fonts shipped in ``matplotlib/mpl-data/fonts/ttf`` whose digits are ordinary figures.
 DEFAULT_FONTS: tuple[str, ...] = (
-    "DejaVuSans", "DejaVuSans-Bold", "DejaVuSans-Oblique", "DejaVuSans-BoldOblique",
-    "DejaVuSansMono", "DejaVuSansMono-Bold", "DejaVuSansMono-Oblique", "DejaVuSansMono-BoldOblique",
-    "DejaVuSerif", "DejaVuSerif-Bold", "DejaVuSerif-Italic", "DejaVuSerif-BoldItalic",
-    "STIXGeneral", "STIXGeneralBol", "STIXGeneralItalic", "STIXGeneralBolIta",
-    "cmr10", "cmb10", "cmss10", "cmtt10", "cmti10",
+    "DejaVuSans",
+    "DejaVuSans-Bold",
+    "DejaVuSans-Oblique",
+    "DejaVuSans-BoldOblique",
+    "DejaVuSansMono",
+    "DejaVuSansMono-Bold",
+    "DejaVuSansMono-Oblique",
+    "DejaVuSansMono-BoldOblique",
+    "DejaVuSerif",
+    "DejaVuSerif-Bold",
+    "DejaVuSerif-Italic",
+    "DejaVuSerif-BoldItalic",
+    "STIXGeneral",
+    "STIXGeneralBol",
+    "STIXGeneralItalic",
+    "STIXGeneralBolIta",
+    "cmr10",
+    "cmb10",
+    "cmss10",
+    "cmtt10",
+    "cmti10",
 )
 
 #: Fraction of the image side taken by the glyph's height, per image size.
@@ -124,9 +140,7 @@ def load_font_digits(
     font_dir = _font_dir()
     missing = [n for n in names if not (font_dir / f"{n}.ttf").is_file()]
     if missing:
-        raise FileNotFoundError(
-            f"fonts {missing} not found in {font_dir}; available: {available_fonts()}"
-        )
+        raise FileNotFoundError(f"fonts {missing} not found in {font_dir}; available: {available_fonts()}")
     max_shift = size / 14.0 if max_shift is None else float(max_shift)
     rng = np.random.default_rng(seed)
     images, labels = [], []

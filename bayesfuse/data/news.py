@@ -28,9 +28,15 @@ __all__ = ["OUTLETS", "NewsArticles", "NewsFederation", "load_news_articles", "n
 
 #: host name of ``article_source_link`` -> outlet
 OUTLETS = {
-    "www.aljazeera.com": "Al Jazeera", "tass.com": "TASS", "abcnews.go.com": "ABC News", "www.rte.ie": "RTE",
-    "www.huffingtonpost.com": "HuffPost", "www.dw.com": "DW", "europe.chinadaily.com.cn": "China Daily",
-    "www.bbc.co.uk": "BBC", "www.cnn.com": "CNN",
+    "www.aljazeera.com": "Al Jazeera",
+    "tass.com": "TASS",
+    "abcnews.go.com": "ABC News",
+    "www.rte.ie": "RTE",
+    "www.huffingtonpost.com": "HuffPost",
+    "www.dw.com": "DW",
+    "europe.chinadaily.com.cn": "China Daily",
+    "www.bbc.co.uk": "BBC",
+    "www.cnn.com": "CNN",
 }
 
 
@@ -117,11 +123,17 @@ def news_federation(
         n_test = max(1, int(round(test_share * len(idx))))
         test_idx.extend(idx[:n_test].tolist())
         train_idx[name] = idx[n_test:] if max_per_outlet is None else idx[n_test : n_test + max_per_outlet]
-    vectorizer = CountVectorizer(stop_words="english", max_features=n_words, min_df=min_df, max_df=max_df,
-                                 token_pattern=r"(?u)\b[^\W\d_][^\W\d_]+\b")
+    vectorizer = CountVectorizer(
+        stop_words="english",
+        max_features=n_words,
+        min_df=min_df,
+        max_df=max_df,
+        token_pattern=r"(?u)\b[^\W\d_][^\W\d_]+\b",
+    )
     all_train = np.concatenate([train_idx[n] for n in names])
     vectorizer.fit([articles.texts[i] for i in all_train])
-    clients = [vectorizer.transform([articles.texts[i] for i in train_idx[n]]).tocsr().astype(np.float64)
-               for n in names]
+    clients = [
+        vectorizer.transform([articles.texts[i] for i in train_idx[n]]).tocsr().astype(np.float64) for n in names
+    ]
     test = vectorizer.transform([articles.texts[i] for i in test_idx]).tocsr().astype(np.float64)
     return NewsFederation(clients, test, vectorizer.get_feature_names_out(), names, articles.outlets[test_idx])

@@ -57,8 +57,7 @@ class Partition:
         n_classes = self.counts.shape[1]
         head = "client " + " ".join(f"{k:>5d}" for k in range(n_classes)) + "   total"
         rows = [
-            f"{j:>6d} " + " ".join(f"{c:>5d}" for c in row) + f" {row.sum():>7d}"
-            for j, row in enumerate(self.counts)
+            f"{j:>6d} " + " ".join(f"{c:>5d}" for c in row) + f" {row.sum():>7d}" for j, row in enumerate(self.counts)
         ]
         return "\n".join([head, *rows])
 

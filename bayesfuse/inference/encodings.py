@@ -104,11 +104,16 @@ def _targets(spec: PermutationSpec, group: str) -> tuple[str | None, str | None]
     prefix = enc.after
     if prefix is None:  # the layer that produces the group: its weight rows are the group's units
         bns = folded_entries(spec)
-        layers = {k[: -len("weight")].rstrip(".") for k, v in spec.axes.items()
-                  if k.endswith("weight") and k not in bns and v and v[0] is not None and v[0].group == group}
+        layers = {
+            k[: -len("weight")].rstrip(".")
+            for k, v in spec.axes.items()
+            if k.endswith("weight") and k not in bns and v and v[0] is not None and v[0].group == group
+        }
         if len(layers) != 1:
-            raise ValueError(f"the encoding of group {group!r} names no module ('after') and {len(layers)} layers "
-                             f"produce the group ({sorted(layers)}); name the one it follows")
+            raise ValueError(
+                f"the encoding of group {group!r} names no module ('after') and {len(layers)} layers "
+                f"produce the group ({sorted(layers)}); name the one it follows"
+            )
         prefix = layers.pop()
     keys = [f"{prefix}.{p}" if prefix else p for p in ("weight", "bias")]
     found = []
@@ -119,15 +124,19 @@ def _targets(spec: PermutationSpec, group: str) -> tuple[str | None, str | None]
             continue
         a = axes[0] if axes else None
         if a is None or a.group != group or a.outer != 1 or a.inner != 1:
-            raise ValueError(f"the encoding of group {group!r} acts on {prefix!r}, but the first axis of {k!r} "
-                             f"is {a!r}, not the group's units")
+            raise ValueError(
+                f"the encoding of group {group!r} acts on {prefix!r}, but the first axis of {k!r} "
+                f"is {a!r}, not the group's units"
+            )
         found.append(k)
     weight, bias = found
     if enc.mode == "add" and bias is None:
         raise ValueError(f"the additive encoding of group {group!r} needs a bias in {prefix!r} to fold into")
     if weight is None and bias is None:
-        raise ValueError(f"the encoding of group {group!r} acts on {prefix!r}, which has no weight or bias entries "
-                         "to fold into (a batch norm without affine parameters?)")
+        raise ValueError(
+            f"the encoding of group {group!r} acts on {prefix!r}, which has no weight or bias entries "
+            "to fold into (a batch norm without affine parameters?)"
+        )
     return weight, bias
 
 

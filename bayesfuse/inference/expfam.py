@@ -30,8 +30,18 @@ from scipy.special import digamma, gammaln, multigammaln
 
 from bayesfuse._validation import finite_array, positive_array
 
-__all__ = ["ExpFamily", "KLTerms", "kl_matrix", "kl_moments", "DiagNormal", "FullNormal", "NormalWishart", "Gamma",
-           "Beta", "Dirichlet"]
+__all__ = [
+    "ExpFamily",
+    "KLTerms",
+    "kl_matrix",
+    "kl_moments",
+    "DiagNormal",
+    "FullNormal",
+    "NormalWishart",
+    "Gamma",
+    "Beta",
+    "Dirichlet",
+]
 
 F = TypeVar("F", bound="ExpFamily")
 
@@ -354,8 +364,9 @@ class NormalWishart(ExpFamily):
     def natural(self):
         d = self.mean.shape[1]
         e3 = np.linalg.inv(self.scale) + self.kappa[:, None, None] * np.einsum("li,lj->lij", self.mean, self.mean)
-        return np.hstack([self.kappa[:, None] * self.mean, self.kappa[:, None], e3.reshape(len(self), -1),
-                          (self.dof - d)[:, None]])
+        return np.hstack(
+            [self.kappa[:, None] * self.mean, self.kappa[:, None], e3.reshape(len(self), -1), (self.dof - d)[:, None]]
+        )
 
     @staticmethod
     def _split(eta, d):
@@ -374,8 +385,11 @@ class NormalWishart(ExpFamily):
     def log_normalizer(cls, eta, event_shape):
         (d,) = event_shape
         q = cls.from_natural(eta, event_shape)
-        return (-0.5 * d * np.log(q.kappa) + 0.5 * q.dof * (d * np.log(2.0) + _logdet(q.scale))
-                + multigammaln_vec(0.5 * q.dof, d))
+        return (
+            -0.5 * d * np.log(q.kappa)
+            + 0.5 * q.dof * (d * np.log(2.0) + _logdet(q.scale))
+            + multigammaln_vec(0.5 * q.dof, d)
+        )
 
     @classmethod
     def mean_params(cls, eta, event_shape):

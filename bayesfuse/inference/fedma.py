@@ -171,24 +171,50 @@ def fedma_steps(
         skip = folded_entries(spec) | set(frozen_values)
         entries = unit_entries(spec, group, matched, skip)
         bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in entries)
-        sub_spec = PermutationSpec({k: spec.axes[k] for k in spec.axes if k not in skip or k in entries},
-                                   spec.groups, {}, spec.output)
+        sub_spec = PermutationSpec(
+            {k: spec.axes[k] for k in spec.axes if k not in skip or k in entries}, spec.groups, {}, spec.output
+        )
         with warnings.catch_warnings():  # one warning for all groups, at the end
             warnings.simplefilter("ignore", ConvergenceWarning)
-            result, vals = match_group(arrays, sub_spec, group, matched, class_shares=shares, noise_var=noise_var,
-                                       prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
-                                       n_iter=n_iter, tol=0.0, seed=group_seed(seed, i),
-                                       bias_prior_mean=bias_prior_mean, verbose=verbose)
+            result, vals = match_group(
+                arrays,
+                sub_spec,
+                group,
+                matched,
+                class_shares=shares,
+                noise_var=noise_var,
+                prior_var=prior_var,
+                gamma0=gamma0,
+                kl_weight=kl_weight,
+                cost=cost,
+                n_iter=n_iter,
+                tol=0.0,
+                seed=group_seed(seed, i),
+                bias_prior_mean=bias_prior_mean,
+                verbose=verbose,
+            )
         layers[group] = result
         for k in spec.output:  # the output layer is retrained in the global basis, then averaged
             vals.pop(k, None)
         G = result.n_global
         # entries permuted twice by this group (LSTM hidden-to-hidden): averaged in the new basis
         basis = dict(matched, **{group: Basis(result.assignments, G)})
-        twice = [k for k in spec.axes if k not in skip and spec.groups_of(k).count(group) == 2
-                 and all(g in basis for g in spec.groups_of(k))]
-        vals.update(global_entries(arrays, PermutationSpec({k: spec.axes[k] for k in twice}, spec.groups),
-                                   basis, set(), class_shares=None, noise_var=noise_var, prior_var=prior_var))
+        twice = [
+            k
+            for k in spec.axes
+            if k not in skip and spec.groups_of(k).count(group) == 2 and all(g in basis for g in spec.groups_of(k))
+        ]
+        vals.update(
+            global_entries(
+                arrays,
+                PermutationSpec({k: spec.axes[k] for k in twice}, spec.groups),
+                basis,
+                set(),
+                class_shares=None,
+                noise_var=noise_var,
+                prior_var=prior_var,
+            )
+        )
         for bn in bns:
             for p, value in identity_bn(G, folded_eps(arrays[0], bn)).items():
                 vals[f"{bn}.{p}"] = value
@@ -202,8 +228,11 @@ def fedma_steps(
                 if k in frozen_values:
                     local[k] = frozen_values[k]
                 else:
-                    local[k] = in_basis(sd[k], spec, k, j, {group: basis[group]}, fill=0.0) \
-                        if group in spec.groups_of(k) else np.asarray(sd[k])
+                    local[k] = (
+                        in_basis(sd[k], spec, k, j, {group: basis[group]}, fill=0.0)
+                        if group in spec.groups_of(k)
+                        else np.asarray(sd[k])
+                    )
             jobs.append((clients[j], local))
         updated = list((yield jobs, set(frozen_values)))
         if len(updated) != len(jobs):
@@ -246,8 +275,15 @@ def fedma_steps(
         bytes_up=int(bytes_up),
         bytes_down=int(bytes_down),
         history=history,
-        hyper=dict(noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
-                   n_iter=n_iter, seed=seed),
+        hyper=dict(
+            noise_var=noise_var,
+            prior_var=prior_var,
+            gamma0=gamma0,
+            kl_weight=kl_weight,
+            cost=cost,
+            n_iter=n_iter,
+            seed=seed,
+        ),
         seconds=time.perf_counter() - start,
         dropped=dropped,
     )

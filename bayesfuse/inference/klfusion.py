@@ -114,9 +114,11 @@ class KLFusionResult:
 
     def __repr__(self) -> str:
         sizes = [len(a) for a in self.assignments]
-        return (f"KLFusionResult({len(sizes)} clients with {sum(sizes)} {self.components.name} components "
-                f"-> {self.n_components} global, {len(self.objective)} steps, converged={self.converged}, "
-                f"{self.seconds:.2f} s)")
+        return (
+            f"KLFusionResult({len(sizes)} clients with {sum(sizes)} {self.components.name} components "
+            f"-> {self.n_components} global, {len(self.objective)} steps, converged={self.converged}, "
+            f"{self.seconds:.2f} s)"
+        )
 
 
 # ------------------------------------------------------------------------ rounding the relaxed P
@@ -189,8 +191,9 @@ class _Columns:
         self.family, self.event_shape, self.size = family, event_shape, 0
         self.eta_sum = np.zeros((capacity, n_params))
         self.count = np.zeros(capacity, dtype=np.int64)
-        self.terms = KLTerms(np.zeros((capacity, n_params)), np.zeros((capacity, n_params)),
-                             np.zeros(capacity), np.zeros(capacity))
+        self.terms = KLTerms(
+            np.zeros((capacity, n_params)), np.zeros((capacity, n_params)), np.zeros(capacity), np.zeros(capacity)
+        )
 
     def active(self) -> np.ndarray:
         return np.flatnonzero(self.count[: self.size] > 0)
@@ -205,8 +208,9 @@ class _Columns:
             self.eta_sum = np.vstack([self.eta_sum, np.zeros((grow, self.eta_sum.shape[1]))])
             self.count = np.concatenate([self.count, np.zeros(grow, dtype=np.int64)])
             t = self.terms
-            self.terms = KLTerms(*(np.concatenate([x, np.zeros((grow, *x.shape[1:]))])
-                                   for x in (t.eta, t.mu, t.log_norm, t.self_dot)))
+            self.terms = KLTerms(
+                *(np.concatenate([x, np.zeros((grow, *x.shape[1:]))]) for x in (t.eta, t.mu, t.log_norm, t.self_dot))
+            )
         self.size = need
         return np.concatenate([empty, fresh]).astype(np.int64)
 
@@ -219,8 +223,10 @@ class _Columns:
         if len(cols) == 0:
             return
         new = KLTerms.from_natural(self.family, self.eta_sum[cols] / self.count[cols, None], self.event_shape)
-        for mine, theirs in zip((self.terms.eta, self.terms.mu, self.terms.log_norm, self.terms.self_dot),
-                                (new.eta, new.mu, new.log_norm, new.self_dot)):
+        for mine, theirs in zip(
+            (self.terms.eta, self.terms.mu, self.terms.log_norm, self.terms.self_dot),
+            (new.eta, new.mu, new.log_norm, new.self_dot),
+        ):
             mine[cols] = theirs
 
 
@@ -304,8 +310,9 @@ def greedy_assign(
     return _split(flat, sizes), np.maximum(kl, 0.0) / scale
 
 
-def greedy_start(pooled: ExpFamily, terms: KLTerms, sizes: Sequence[int], reg: float,
-                 scale: float) -> tuple[ExpFamily, list[np.ndarray]]:
+def greedy_start(
+    pooled: ExpFamily, terms: KLTerms, sizes: Sequence[int], reg: float, scale: float
+) -> tuple[ExpFamily, list[np.ndarray]]:
     """Initial global components for heterogeneous :func:`kl_fuse`: the barycenters of
     :func:`greedy_assign`, plus a margin, and the warm start ``P`` (one-hot on the greedy columns).
 
@@ -343,15 +350,22 @@ def _check_variance_range(posteriors: Sequence[ExpFamily]) -> None:
     comp, coord = np.unravel_index(int(np.abs(logs[j] - median).argmax()), logs[j].shape)
     value = float(posteriors[j].var[comp, coord])
     side = "larger" if value > 10**median else "smaller"
-    raise ValueError(f"client {j}'s variance {value:g} (component {comp}, coordinate {coord}) is "
-                     f"{10 ** abs(np.log10(value) - median):.1e} times {side} than the clients' median variance "
-                     f"{10 ** median:g}: kl_fuse needs all variances within a factor "
-                     f"{MAX_VARIANCE_RATIO:.0e} of each other (beyond it float64 loses the smaller ones); check that "
-                     "client's posterior")
+    raise ValueError(
+        f"client {j}'s variance {value:g} (component {comp}, coordinate {coord}) is "
+        f"{10 ** abs(np.log10(value) - median):.1e} times {side} than the clients' median variance "
+        f"{10**median:g}: kl_fuse needs all variances within a factor "
+        f"{MAX_VARIANCE_RATIO:.0e} of each other (beyond it float64 loses the smaller ones); check that "
+        "client's posterior"
+    )
 
 
-@validate_params(mode=Options(("heterogeneous", "homogeneous")), reg=NON_NEGATIVE, n_iter=KEYS["n_iter"],
-                 solver=KEYS["solver"], cost_scale=Either((Options(("std",)), POSITIVE)))
+@validate_params(
+    mode=Options(("heterogeneous", "homogeneous")),
+    reg=NON_NEGATIVE,
+    n_iter=KEYS["n_iter"],
+    solver=KEYS["solver"],
+    cost_scale=Either((Options(("std",)), POSITIVE)),
+)
 def kl_fuse(
     posteriors: Sequence[ExpFamily],
     *,
@@ -486,8 +500,11 @@ def kl_fuse(
         if costs[0].shape[1] != len(keep):  # columns dropped or merged: the duals no longer fit
             state.dual = None
         new_assign = [_round(p, c) for p, c in zip(P_list, costs)]
-        same = assignments is not None and len(glob) == int(keep.sum()) and all(
-            np.array_equal(a, b) for a, b in zip(assignments, new_assign))
+        same = (
+            assignments is not None
+            and len(glob) == int(keep.sum())
+            and all(np.array_equal(a, b) for a, b in zip(assignments, new_assign))
+        )
         assignments = new_assign
         glob = pooled.barycenter(np.vstack(P_list).T, natural=terms.eta)  # (G', N) weights
         step_seconds.append(time.perf_counter() - t0)
@@ -503,9 +520,21 @@ def kl_fuse(
     weights[flat, np.arange(len(flat))] = 1.0
     assignments = _split(flat, sizes)
     P_list = [p[:, used] for p in P_list]
-    return _warned(KLFusionResult(pooled.barycenter(weights, natural=terms.eta), assignments, P_list, objective,
-                                  converged, used_solver, step_seconds, time.perf_counter() - start, scale, n_initial,
-                                  iterations))
+    return _warned(
+        KLFusionResult(
+            pooled.barycenter(weights, natural=terms.eta),
+            assignments,
+            P_list,
+            objective,
+            converged,
+            used_solver,
+            step_seconds,
+            time.perf_counter() - start,
+            scale,
+            n_initial,
+            iterations,
+        )
+    )
 
 
 def _homogeneous(posteriors, pooled, sizes, glob, n_iter, verbose, start) -> KLFusionResult:
@@ -536,8 +565,20 @@ def _homogeneous(posteriors, pooled, sizes, glob, n_iter, verbose, start) -> KLF
             converged = True
             break
     relaxed = [np.eye(L)[a] for a in assignments]
-    return _warned(KLFusionResult(glob, assignments, relaxed, objective, converged, "hungarian", step_seconds,
-                                  time.perf_counter() - start, 1.0, L))
+    return _warned(
+        KLFusionResult(
+            glob,
+            assignments,
+            relaxed,
+            objective,
+            converged,
+            "hungarian",
+            step_seconds,
+            time.perf_counter() - start,
+            1.0,
+            L,
+        )
+    )
 
 
 def _warned(result: KLFusionResult) -> KLFusionResult:

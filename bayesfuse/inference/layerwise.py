@@ -49,9 +49,25 @@ from bayesfuse.inference.matching import MatchResult, match_neurons
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import Axis, PermutationSpec, to_global_basis
 
-__all__ = ["LayerwiseResult", "fold_batchnorm", "match_layerwise", "match_group", "global_entries",
-           "matched_average", "scale_outputs", "HIDDEN_BIAS_PRIOR_MEAN", "Basis", "check_states", "class_share_matrix",
-           "folded_entries", "folded_eps", "group_seed", "identity_bn", "in_basis", "unit_entries"]
+__all__ = [
+    "LayerwiseResult",
+    "fold_batchnorm",
+    "match_layerwise",
+    "match_group",
+    "global_entries",
+    "matched_average",
+    "scale_outputs",
+    "HIDDEN_BIAS_PRIOR_MEAN",
+    "Basis",
+    "check_states",
+    "class_share_matrix",
+    "folded_entries",
+    "folded_eps",
+    "group_seed",
+    "identity_bn",
+    "in_basis",
+    "unit_entries",
+]
 
 State = Mapping[str, np.ndarray]
 #: Prior mean of hidden biases: the initial bias 0.1 of PFNM supplement Table 1.
@@ -100,8 +116,9 @@ class LayerwiseResult:
 # --------------------------------------------------------------------------- inputs
 
 
-def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence[str] | None = None, *,
-                 as_float64: bool = True) -> list[dict]:
+def check_states(
+    states: Sequence[State], spec: PermutationSpec, names: Sequence[str] | None = None, *, as_float64: bool = True
+) -> list[dict]:
     """The clients' state_dicts as NumPy arrays, checked against ``spec`` and for NaN/Inf.
 
     Parameters
@@ -149,8 +166,10 @@ def check_states(states: Sequence[State], spec: PermutationSpec, names: Sequence
         for k, axes in spec.axes.items():
             fixed = [d for d, a in enumerate(axes) if a is None]
             if any(sd[k].shape[d] != ref[k].shape[d] for d in fixed):
-                raise ValueError(f"{name}[{k!r}] has shape {sd[k].shape}, {names[0]}'s is {ref[k].shape}: "
-                                 "the clients' architectures differ beyond hidden widths")
+                raise ValueError(
+                    f"{name}[{k!r}] has shape {sd[k].shape}, {names[0]}'s is {ref[k].shape}: "
+                    "the clients' architectures differ beyond hidden widths"
+                )
     return out
 
 
@@ -178,8 +197,10 @@ def fold_batchnorm(state: State, spec: PermutationSpec, *, copy: bool = True) ->
         The folded state_dict.
     """
     if copy:
-        out = {k: np.array(v, dtype=np.float64) if np.issubdtype(np.asarray(v).dtype, np.floating)
-               else np.asarray(v) for k, v in state.items()}
+        out = {
+            k: np.array(v, dtype=np.float64) if np.issubdtype(np.asarray(v).dtype, np.floating) else np.asarray(v)
+            for k, v in state.items()
+        }
     else:
         out = {k: np.asarray(v) for k, v in state.items()}
         written = {f"{layer}.{p}" for layer in spec.folds.values() for p in ("weight", "bias")}
@@ -204,8 +225,12 @@ def fold_batchnorm(state: State, spec: PermutationSpec, *, copy: bool = True) ->
 
 def identity_bn(n: int, eps: float) -> dict[str, np.ndarray]:
     """Entries that make a batch norm of ``n`` units the identity in eval mode."""
-    return {"weight": np.ones(n), "bias": np.zeros(n), "running_mean": np.zeros(n),
-            "running_var": np.full(n, 1.0 - eps)}
+    return {
+        "weight": np.ones(n),
+        "bias": np.zeros(n),
+        "running_mean": np.zeros(n),
+        "running_var": np.full(n, 1.0 - eps),
+    }
 
 
 def folded_eps(state: State, bn: str) -> float:
@@ -229,8 +254,9 @@ def class_share_matrix(class_counts, n_clients: int, n_classes: int) -> np.ndarr
         return np.ones((n_clients, n_classes))
     counts = np.asarray(class_counts, dtype=np.float64)
     if counts.ndim != 2 or counts.shape[0] != n_clients:
-        raise ValueError(f"class_counts must have one row per client, shape ({n_clients}, {n_classes}), got "
-                         f"{counts.shape}")
+        raise ValueError(
+            f"class_counts must have one row per client, shape ({n_clients}, {n_classes}), got {counts.shape}"
+        )
     if counts.shape[1] != n_classes:
         raise ValueError(f"class counts give {counts.shape[1]} counts per client; the models have {n_classes} classes")
     if (counts < 0).any() or not np.isfinite(counts).all():
@@ -258,8 +284,15 @@ def unit_entries(spec: PermutationSpec, group: str, matched: Mapping[str, Basis]
     return out
 
 
-def in_basis(a: np.ndarray, spec: PermutationSpec, name: str, j: int, matched: Mapping[str, Basis],
-             keep: str | None = None, fill: float = np.nan) -> np.ndarray:
+def in_basis(
+    a: np.ndarray,
+    spec: PermutationSpec,
+    name: str,
+    j: int,
+    matched: Mapping[str, Basis],
+    keep: str | None = None,
+    fill: float = np.nan,
+) -> np.ndarray:
     """Entry ``name`` of client j with every matched axis except ``keep`` in the global basis."""
     a = np.asarray(a, dtype=np.float64)
     for d, axis in enumerate(spec.axes[name]):
@@ -288,8 +321,14 @@ def _from_rows(rows: np.ndarray, shape: tuple, d: int, axis: Axis) -> np.ndarray
     return out.reshape(*shape[:d], axis.outer * g * axis.inner, *shape[d + 1 :])
 
 
-def matched_average(rows: Sequence[np.ndarray], precision: np.ndarray, assignments: Sequence[np.ndarray],
-                    n_global: int, *, max_elements: int = 1 << 22) -> np.ndarray:
+def matched_average(
+    rows: Sequence[np.ndarray],
+    precision: np.ndarray,
+    assignments: Sequence[np.ndarray],
+    n_global: int,
+    *,
+    max_elements: int = 1 << 22,
+) -> np.ndarray:
     """Prior-free global units: ``sum_{j->g} w_jd v_jld / sum_{j->g} w_jd`` (0 where none observes).
 
     Parameters
@@ -438,15 +477,37 @@ def match_group(
     units = rows if device is None else [to_device(r, device, dtype) for r in rows]
     if auto:
         blocks = np.repeat(np.arange(len(layout)), [width for *_, width in layout])
-        result = match_neurons(units, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, prior_mean=mu0,
-                               blocks=blocks, relative_precision=precision, kl_weight=kl_weight / D, cost=cost,
-                               n_iter=n_iter, tol=tol, seed=seed, verbose=verbose)
+        result = match_neurons(
+            units,
+            noise_var=noise_var,
+            prior_var=prior_var,
+            gamma0=gamma0,
+            prior_mean=mu0,
+            blocks=blocks,
+            relative_precision=precision,
+            kl_weight=kl_weight / D,
+            cost=cost,
+            n_iter=n_iter,
+            tol=tol,
+            seed=seed,
+            verbose=verbose,
+        )
         result.hyper["blocks"] = [k for k, *_ in layout]
     else:
         uniform = (match_noise == match_noise[0, 0]).all()
-        result = match_neurons(units, noise_var=float(match_noise[0, 0]) if uniform else match_noise,
-                               prior_var=prior_var, prior_mean=mu0, gamma0=gamma0, kl_weight=kl_weight / D,
-                               cost=cost, n_iter=n_iter, tol=tol, seed=seed, verbose=verbose)
+        result = match_neurons(
+            units,
+            noise_var=float(match_noise[0, 0]) if uniform else match_noise,
+            prior_var=prior_var,
+            prior_mean=mu0,
+            gamma0=gamma0,
+            kl_weight=kl_weight / D,
+            cost=cost,
+            n_iter=n_iter,
+            tol=tol,
+            seed=seed,
+            verbose=verbose,
+        )
     if device is not None:  # the posterior back on the host, as every result of this module
         result.mean, result.var = to_host(result.mean), to_host(result.var)
     values, start = {}, 0
@@ -455,15 +516,22 @@ def match_group(
         if global_weights == "posterior":
             mean = result.mean[:, cols]
         else:  # entry by entry: each is averaged straight into its own (G, width) array
-            mean = matched_average([r[:, cols] for r in rows], precision[:, cols], result.assignments,
-                                   result.n_global)
+            mean = matched_average([r[:, cols] for r in rows], precision[:, cols], result.assignments, result.n_global)
         values[k] = _from_rows(mean, shape, d, axis)
         start += width
     return result, values
 
 
-def global_entries(states: Sequence[State], spec: PermutationSpec, matched: Mapping[str, Basis], done: set[str],
-                   *, class_shares: np.ndarray | None, noise_var: float, prior_var: float) -> dict[str, np.ndarray]:
+def global_entries(
+    states: Sequence[State],
+    spec: PermutationSpec,
+    matched: Mapping[str, Basis],
+    done: set[str],
+    *,
+    class_shares: np.ndarray | None,
+    noise_var: float,
+    prior_var: float,
+) -> dict[str, np.ndarray]:
     """Global values of the entries no group's matching produced.
 
     Folded batch norms: identities. Entries permuted twice by a group (LSTM hidden-to-hidden)
@@ -516,8 +584,7 @@ def scale_outputs(values: dict, spec: PermutationSpec, counts: Mapping[str, tupl
 # --------------------------------------------------------------------------- one shot
 
 
-@validate_params(**MATCHING, direction=KEYS["direction"], absent=ABSENT,
-                 global_weights=KEYS["global_weights"])
+@validate_params(**MATCHING, direction=KEYS["direction"], absent=ABSENT, global_weights=KEYS["global_weights"])
 def match_layerwise(
     states: Sequence[State],
     spec: PermutationSpec,
@@ -611,17 +678,36 @@ def match_layerwise(
     with warnings.catch_warnings():  # one warning for all groups, below
         warnings.simplefilter("ignore", ConvergenceWarning)
         for i, group in enumerate(order):
-            result, vals = match_group(arrays, spec, group, matched, class_shares=shares, noise_var=noise_var,
-                                       prior_var=prior_var, gamma0=gamma0, kl_weight=kl_weight, cost=cost,
-                                       n_iter=n_iter, tol=tol, seed=group_seed(seed, i),
-                                       bias_prior_mean=bias_prior_mean, absent=absent, global_weights=global_weights,
-                                       verbose=verbose, device=device, dtype=dtype)
+            result, vals = match_group(
+                arrays,
+                spec,
+                group,
+                matched,
+                class_shares=shares,
+                noise_var=noise_var,
+                prior_var=prior_var,
+                gamma0=gamma0,
+                kl_weight=kl_weight,
+                cost=cost,
+                n_iter=n_iter,
+                tol=tol,
+                seed=group_seed(seed, i),
+                bias_prior_mean=bias_prior_mean,
+                absent=absent,
+                global_weights=global_weights,
+                verbose=verbose,
+                device=device,
+                dtype=dtype,
+            )
             matched[group] = Basis(result.assignments, result.n_global)
             layers[group] = result
             values.update(vals)
     warn_not_converged({g: layers[g] for g in spec.groups}, "the matching of hidden layers", stacklevel=4)
-    values.update(global_entries(arrays, spec, matched, set(values), class_shares=shares, noise_var=noise_var,
-                                 prior_var=prior_var))
+    values.update(
+        global_entries(
+            arrays, spec, matched, set(values), class_shares=shares, noise_var=noise_var, prior_var=prior_var
+        )
+    )
     if average_outputs:
         scale_outputs(values, spec, {g: (layers[g].counts, len(arrays)) for g in spec.groups})
     return LayerwiseResult(
@@ -629,9 +715,20 @@ def match_layerwise(
         layers=layers,
         order=order,
         sizes={g: layers[g].n_global for g in spec.groups},
-        hyper=dict(direction=direction, absent=absent, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0,
-                   kl_weight=kl_weight, cost=cost, n_iter=n_iter, tol=tol, seed=seed, global_weights=global_weights,
-                   average_outputs=average_outputs, **({} if device is None else dict(device=str(device),
-                                                                                        dtype=dtype))),
+        hyper=dict(
+            direction=direction,
+            absent=absent,
+            noise_var=noise_var,
+            prior_var=prior_var,
+            gamma0=gamma0,
+            kl_weight=kl_weight,
+            cost=cost,
+            n_iter=n_iter,
+            tol=tol,
+            seed=seed,
+            global_weights=global_weights,
+            average_outputs=average_outputs,
+            **({} if device is None else dict(device=str(device), dtype=dtype)),
+        ),
         seconds=time.perf_counter() - start,
     )

@@ -190,8 +190,9 @@ def ot_plan(cost: np.ndarray, *, reg: float = 0.0, n_iter: int = 1000) -> tuple[
     scaled = cost / top if top > 0 else cost
     stop = 1e-9
     with np.errstate(over="ignore"):  # exp of the log-scalings POT also returns (u, v); the plan stays finite
-        plan, log = ot.sinkhorn(a, b, scaled, reg, method="sinkhorn_log", numItermax=n_iter, stopThr=stop,
-                                warn=False, log=True)
+        plan, log = ot.sinkhorn(
+            a, b, scaled, reg, method="sinkhorn_log", numItermax=n_iter, stopThr=stop, warn=False, log=True
+        )
     plan = np.asarray(plan)
     if not np.isfinite(plan).all():
         raise FloatingPointError(f"Sinkhorn with reg={reg} gave a non-finite plan; raise reg")
@@ -234,8 +235,9 @@ def _apply(a: np.ndarray, d: int, axis: Axis, A: np.ndarray) -> np.ndarray:
     return out.reshape(*shape[:d], axis.outer * g * axis.inner, *shape[d + 1 :])
 
 
-def _aligned(a: np.ndarray, spec: PermutationSpec, name: str, maps: Mapping[str, np.ndarray | None],
-             keep: str | None = None) -> np.ndarray:
+def _aligned(
+    a: np.ndarray, spec: PermutationSpec, name: str, maps: Mapping[str, np.ndarray | None], keep: str | None = None
+) -> np.ndarray:
     """Entry ``name`` with every axis of an aligned group (except ``keep``) in the anchor's basis.
 
     ``maps[g]`` is the client's ``A = T diag(1/beta)`` for group g, ``None`` for the anchor (identity).
@@ -366,9 +368,16 @@ def ot_fuse_layerwise(
         aligned_rows = np.stack([r if maps[j][group] is None else maps[j][group].T @ r for j, r in enumerate(rows)])
         mean = np.tensordot(omega, aligned_rows, axes=1)
         var = np.tensordot(omega, (aligned_rows - mean) ** 2, axes=1)
-        layers[group] = OTLayer(plans=plans, assignments=[p.argmax(1) for p in plans], costs=costs,
-                                objective=[float(costs.sum())], mean=mean, var=var, converged=converged,
-                                seconds=time.perf_counter() - t0)
+        layers[group] = OTLayer(
+            plans=plans,
+            assignments=[p.argmax(1) for p in plans],
+            costs=costs,
+            objective=[float(costs.sum())],
+            mean=mean,
+            var=var,
+            converged=converged,
+            seconds=time.perf_counter() - t0,
+        )
     warn_not_converged(layers, "the optimal transport of hidden layers", stacklevel=2)
     sizes = {g: layers[g].n_global for g in spec.groups}
     folded = folded_entries(spec)

@@ -93,8 +93,16 @@ def _with_bias(features: np.ndarray) -> np.ndarray:
 
 
 @validate_params(n_classes=_COUNT, prior_precision=_PRECISION)
-def fit_output_layer(features, labels, n_classes: int, prior_precision: float, *, n_clients: int = 1,
-                     tol: float = 1e-4, max_iter: int = 2000) -> OutputFit:
+def fit_output_layer(
+    features,
+    labels,
+    n_classes: int,
+    prior_precision: float,
+    *,
+    n_clients: int = 1,
+    tol: float = 1e-4,
+    max_iter: int = 2000,
+) -> OutputFit:
     """A client's fit of the output layer on its features: the maximum a posteriori ``W_hat_j`` of the
     module docstring's equation, with prior precision ``prior_precision / n_clients``, and its
     K-FAC curvature.
@@ -146,8 +154,13 @@ def fit_output_layer(features, labels, n_classes: int, prior_precision: float, *
         grad = z.T @ (np.exp(logp) - onehot) + mv
         return value / size, grad.ravel() / size
 
-    res = minimize(objective, np.zeros(z.shape[1] * n_classes), jac=True, method="L-BFGS-B",
-                   options=dict(maxiter=max_iter, gtol=tol, ftol=1e-14, maxcor=30))
+    res = minimize(
+        objective,
+        np.zeros(z.shape[1] * n_classes),
+        jac=True,
+        method="L-BFGS-B",
+        options=dict(maxiter=max_iter, gtol=tol, ftol=1e-14, maxcor=30),
+    )
     weight = to_w @ res.x.reshape(z.shape[1], n_classes)
     p = softmax(x @ weight, axis=1)
     curvature = np.diag(p.mean(0)) - p.T @ p / size
@@ -162,8 +175,9 @@ def _check_fits(fits: Sequence[OutputFit]) -> None:
         raise ValueError(f"the clients' output fits differ in shape: {sorted(shapes)}")
     g, k = fits[0].weight.shape
     if fits[0].gram.shape != (g, g) or fits[0].curvature.shape != (k, k):
-        raise ValueError(f"an output fit of weight {fits[0].weight.shape} needs a gram ({g}, {g}) and a curvature "
-                         f"({k}, {k})")
+        raise ValueError(
+            f"an output fit of weight {fits[0].weight.shape} needs a gram ({g}, {g}) and a curvature ({k}, {k})"
+        )
     for j, f in enumerate(fits):
         for name in ("weight", "gram", "curvature"):
             finite_array(getattr(f, name), f"client {j}'s {name}")
@@ -193,8 +207,9 @@ def fuse_output_fits(fits: Sequence[OutputFit], prior_precision: float) -> tuple
     _check_fits(fits)
     g, k = fits[0].weight.shape
     if g * k > MAX_JOINT:
-        raise ValueError(f"the output layer has {g * k} weights; its joint K-FAC precision is solved up to "
-                         f"{MAX_JOINT} (MAX_JOINT)")
+        raise ValueError(
+            f"the output layer has {g * k} weights; its joint K-FAC precision is solved up to {MAX_JOINT} (MAX_JOINT)"
+        )
     share = prior_precision / len(fits)
     precision = np.zeros((g * k, g * k))
     target = np.zeros(g * k)

@@ -191,8 +191,16 @@ def _group_shrink(Y: np.ndarray, t: float) -> np.ndarray:
     return Y * np.maximum(0.0, 1.0 - t / np.maximum(norms, 1e-300))[None, :]
 
 
-def _solve_admm(costs: list[np.ndarray], reg: float, *, tol: float, max_iter: int, rho: float = 1.0,
-                x0: np.ndarray | None = None, state: ADMMState | None = None) -> list[np.ndarray]:
+def _solve_admm(
+    costs: list[np.ndarray],
+    reg: float,
+    *,
+    tol: float,
+    max_iter: int,
+    rho: float = 1.0,
+    x0: np.ndarray | None = None,
+    state: ADMMState | None = None,
+) -> list[np.ndarray]:
     """Consensus ADMM for the relaxed eq. 9, every proximal step exact.
 
     Splits the objective into three functions of copies of the stacked P (N x G):

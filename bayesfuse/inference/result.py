@@ -19,8 +19,7 @@ from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["LayerResult", "ConvergenceWarning", "warn_not_converged", "register_exporter", "exporter",
-           "EXPORT_BACKEND"]
+__all__ = ["LayerResult", "ConvergenceWarning", "warn_not_converged", "register_exporter", "exporter", "EXPORT_BACKEND"]
 
 
 class ConvergenceWarning(UserWarning):
@@ -54,11 +53,15 @@ def warn_not_converged(results: Mapping[str, object], what: str, *, stacklevel: 
     late = [name for name, r in results.items() if not getattr(r, "converged", True)]
     if not late:
         return
-    steps = {name: getattr(results[name], "n_sweeps", None) or len(getattr(results[name], "objective", ()))
-             for name in late}
+    steps = {
+        name: getattr(results[name], "n_sweeps", None) or len(getattr(results[name], "objective", ())) for name in late
+    }
     detail = ", ".join(f"{name} after {n}" for name, n in steps.items())
-    warnings.warn(f"{what} did not converge ({detail} iterations); raise n_iter to let it run longer",
-                  ConvergenceWarning, stacklevel=stacklevel)
+    warnings.warn(
+        f"{what} did not converge ({detail} iterations); raise n_iter to let it run longer",
+        ConvergenceWarning,
+        stacklevel=stacklevel,
+    )
 
 
 # --------------------------------------------------------------------------- ArviZ exporters

@@ -108,8 +108,9 @@ class Encoding:
         try:
             period, amplitude = float(self.period), float(self.amplitude)
         except (TypeError, ValueError):
-            raise ValueError(f"an encoding's period and amplitude are numbers, got {self.period!r}, "
-                             f"{self.amplitude!r}") from None
+            raise ValueError(
+                f"an encoding's period and amplitude are numbers, got {self.period!r}, {self.amplitude!r}"
+            ) from None
         if not (np.isfinite(period) and np.isfinite(amplitude)) or amplitude < 0:
             raise ValueError(f"an encoding's period must be finite and amplitude >= 0, got T={period}, A={amplitude}")
         if self.after is not None and not isinstance(self.after, str):
@@ -278,8 +279,9 @@ def batchnorm(name: str, group, *, after: str | None = None, eps: float = 1e-5) 
         raise ValueError(f"batch norm {name!r}: eps must lie in (0, 1) to fold it, got {eps}")
     axes = {f"{name}.{p}": (group,) for p in ("weight", "bias", "running_mean", "running_var")}
     axes[f"{name}.num_batches_tracked"] = ()
-    return PermutationSpec(axes, (), folds={name: after} if after else {},
-                           eps={name: float(eps)} if eps != BATCHNORM_EPS else {})
+    return PermutationSpec(
+        axes, (), folds={name: after} if after else {}, eps={name: float(eps)} if eps != BATCHNORM_EPS else {}
+    )
 
 
 def lstm(name: str, in_group, hidden_group: str, *, num_layers: int = 1, bias: bool = True) -> PermutationSpec:
@@ -325,8 +327,9 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
         folds.update(part.folds)
         eps.update(part.eps)
         encodings.update(part.encodings)
-    return PermutationSpec(axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output), eps,
-                           encodings)
+    return PermutationSpec(
+        axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output), eps, encodings
+    )
 
 
 # --------------------------------------------------------------------------- arrays
@@ -361,8 +364,9 @@ def _take_any(a, dim: int, axis: Axis, index: np.ndarray):
     return out.reshape(*shape[:dim], axis.outer * len(index) * axis.inner, *shape[dim + 1 :])
 
 
-def to_global_basis(a: np.ndarray, dim: int, axis: Axis, assignment: np.ndarray, n_global: int,
-                    fill: float = np.nan) -> np.ndarray:
+def to_global_basis(
+    a: np.ndarray, dim: int, axis: Axis, assignment: np.ndarray, n_global: int, fill: float = np.nan
+) -> np.ndarray:
     """Place local unit ``l`` of an axis at global position ``assignment[l]``.
 
     Positions of global units the client does not have hold ``fill`` (NaN marks them as
@@ -391,6 +395,8 @@ def random_permutations(sizes: Mapping[str, int], rng: np.random.Generator) -> d
 
 # Reading specs off state_dicts, files and JSON lives in bayesfuse.inference.spec_io, which builds
 # on this module; its functions stay importable from here, loaded on first use (PEP 562).
-_EXPORTS = {name: "bayesfuse.inference.spec_io"
-            for name in ("spec_for_state_dict", "entry_order", "spec_to_dict", "spec_from_dict")}
+_EXPORTS = {
+    name: "bayesfuse.inference.spec_io"
+    for name in ("spec_for_state_dict", "entry_order", "spec_to_dict", "spec_from_dict")
+}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -17,8 +17,14 @@ import numpy as np
 
 from bayesfuse.inference.spec import Axis, PermutationSpec, as_axis, batchnorm, chain, conv, dense, lstm
 
-__all__ = ["spec_for_state_dict", "entry_order", "spec_to_dict", "spec_from_dict", "possible_skip",
-           "AmbiguousArchitectureError"]
+__all__ = [
+    "spec_for_state_dict",
+    "entry_order",
+    "spec_to_dict",
+    "spec_from_dict",
+    "possible_skip",
+    "AmbiguousArchitectureError",
+]
 
 
 class AmbiguousArchitectureError(ValueError):
@@ -31,6 +37,7 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
 
     Position encodings, where the spec has any, are ``"encodings": {group: {"mode", "period",
     "amplitude"[, "after"]}}`` (:class:`Encoding`)."""
+
     def axis(a):
         if a is None:
             return None
@@ -38,8 +45,13 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
             return a.group
         return {"group": a.group, "outer": a.outer, "inner": a.inner}
 
-    out = {"axes": {k: [axis(a) for a in v] for k, v in spec.axes.items()}, "groups": list(spec.groups),
-           "folds": dict(spec.folds), "output": list(spec.output), "eps": dict(spec.eps)}
+    out = {
+        "axes": {k: [axis(a) for a in v] for k, v in spec.axes.items()},
+        "groups": list(spec.groups),
+        "folds": dict(spec.folds),
+        "output": list(spec.output),
+        "eps": dict(spec.eps),
+    }
     if spec.encodings:  # position-aware neurons (Encoding); plain networks' specs stay as they were
         out["encodings"] = {g: e.to_dict() for g, e in spec.encodings.items()}
     return out
@@ -58,8 +70,9 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
                 return Axis(a["group"], int(a.get("outer", 1)), int(a.get("inner", 1)))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"spec entry {name!r}: bad axis {a!r} ({err})") from None
-        raise ValueError(f"spec entry {name!r}: an axis is null, a group name or {{'group', 'outer', 'inner'}}, "
-                         f"got {a!r}")
+        raise ValueError(
+            f"spec entry {name!r}: an axis is null, a group name or {{'group', 'outer', 'inner'}}, got {a!r}"
+        )
 
     axes = {}
     for name, v in data["axes"].items():
@@ -69,19 +82,29 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
     groups = _names(data.get("groups", []), "'groups' lists the hidden permutation groups in forward order")
     used = {a if isinstance(a, str) else a.group for v in axes.values() for a in v if a is not None}
     if len(set(groups)) != len(groups) or (groups and set(groups) != used):
-        raise ValueError(f"a spec's 'groups' must list each group its axes use exactly once, got {groups} for "
-                         f"the groups {sorted(used)}")
+        raise ValueError(
+            f"a spec's 'groups' must list each group its axes use exactly once, got {groups} for "
+            f"the groups {sorted(used)}"
+        )
     output = _names(data.get("output", []), "'output' lists the output layer's entries")
     folds = data.get("folds", {})
     if not isinstance(folds, Mapping) or not all(isinstance(v, str) for v in folds.values()):
-        raise ValueError(f"a spec's 'folds' maps batch-norm names to the names of the layers before them, "
-                         f"got {folds!r}")
+        raise ValueError(
+            f"a spec's 'folds' maps batch-norm names to the names of the layers before them, got {folds!r}"
+        )
     eps = data.get("eps", {})
     if not isinstance(eps, Mapping) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1 for v in eps.values()):
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1 for v in eps.values()
+    ):
         raise ValueError(f"a spec's 'eps' maps batch-norm names to numbers in (0, 1), got {eps!r}")
-    return PermutationSpec(axes, tuple(groups), dict(folds), tuple(output), {k: float(v) for k, v in eps.items()},
-                           data.get("encodings", {}))  # position encodings (Encoding), checked by the spec
+    return PermutationSpec(
+        axes,
+        tuple(groups),
+        dict(folds),
+        tuple(output),
+        {k: float(v) for k, v in eps.items()},
+        data.get("encodings", {}),
+    )  # position encodings (Encoding), checked by the spec
 
 
 def _names(value, what: str) -> list[str]:
@@ -124,11 +147,15 @@ def entry_order(keys, shapes: Mapping[str, Sequence[int]] | None = None, name: s
     if count != 1:
         listing = ", ".join(f"{w} {tuple(shapes[w])}" for w, _ in layers)
         if count == 0:
-            raise ValueError(f"{name}: its Linear layers chain in no order (each layer's output width must be the "
-                             f"next layer's input width): {listing}")
-        raise ValueError(f"{name}: the file does not record the order of its layers, and their shapes chain in "
-                         f"{count} different orders ({listing}); give the architecture as a spec (spec_path=FILE), "
-                         "or use a file that records the order (.pt, or .safetensors saved by bayesfuse)")
+            raise ValueError(
+                f"{name}: its Linear layers chain in no order (each layer's output width must be the "
+                f"next layer's input width): {listing}"
+            )
+        raise ValueError(
+            f"{name}: the file does not record the order of its layers, and their shapes chain in "
+            f"{count} different orders ({listing}); give the architecture as a spec (spec_path=FILE), "
+            "or use a file that records the order (.pt, or .safetensors saved by bayesfuse)"
+        )
     return [k for i in trail for k in layers[i] if k is not None]
 
 
@@ -196,8 +223,9 @@ def _euler_trail(edges: list[tuple[int, int]], start: int) -> list[int]:
     return trail[::-1]
 
 
-def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "state_dict", *,
-                        ordered: bool | None = None) -> PermutationSpec:
+def spec_for_state_dict(
+    state_dict: Mapping, arch: str = "auto", name: str = "state_dict", *, ordered: bool | None = None
+) -> PermutationSpec:
     """Derive the spec of a plain feed-forward or LSTM network from its entries' names and shapes.
 
     Entries are read in order. ``"lstm"``: ``<p>.weight_ih_l<k>`` ... of one ``nn.LSTM`` then one
@@ -238,12 +266,15 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
         rest = [k for k in keys if not k.startswith(prefix + ".")]
         weights = [k for k in rest if len(shapes[k]) == 2]
         if len(weights) != 1 or not weights[0].endswith("weight"):
-            raise ValueError(f"{name}: an LSTM spec needs exactly one dense output layer after the LSTM, "
-                             f"found {weights}")
+            raise ValueError(
+                f"{name}: an LSTM spec needs exactly one dense output layer after the LSTM, found {weights}"
+            )
         out = weights[0][: -len("weight")]
         top = "H" if n_layers == 1 else f"H_{n_layers - 1}"
-        parts = [lstm(prefix, None, "H", num_layers=n_layers, bias=f"{prefix}.bias_ih_l0" in shapes),
-                 dense(out.rstrip("."), top, None, bias=f"{out}bias" in shapes)]
+        parts = [
+            lstm(prefix, None, "H", num_layers=n_layers, bias=f"{prefix}.bias_ih_l0" in shapes),
+            dense(out.rstrip("."), top, None, bias=f"{out}bias" in shapes),
+        ]
         spec = chain(*parts, output=tuple(k for k in (f"{out}weight", f"{out}bias") if k in shapes))
         spec.check(state_dict, name)
         return spec
@@ -259,8 +290,10 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
         elif k.endswith(("bias", "weight", "running_var", "num_batches_tracked")):
             pass
         else:
-            raise ValueError(f"{name}: entry {k!r} {s} is neither a Linear/Conv weight, a bias nor batch-norm "
-                             "state; describe the architecture with a spec (spec_from_dict) for this network")
+            raise ValueError(
+                f"{name}: entry {k!r} {s} is neither a Linear/Conv weight, a bias nor batch-norm "
+                "state; describe the architecture with a spec (spec_from_dict) for this network"
+            )
         i += 1
     weighted = [p for p, kind in layers if kind != "bn"]
     if not weighted:
@@ -290,8 +323,10 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
             if current is not None and channels is not None:
                 inner, rest = divmod(shapes[w][1], channels)
                 if rest or inner == 0:
-                    raise ValueError(f"{name}: dense layer {p!r} takes {shapes[w][1]} inputs, not a multiple of the "
-                                     f"{channels} channels before it")
+                    raise ValueError(
+                        f"{name}: dense layer {p!r} takes {shapes[w][1]} inputs, not a multiple of the "
+                        f"{channels} channels before it"
+                    )
                 inp = Axis(current.group, inner=inner)
             parts.append(dense(p, inp, out, bias=has_bias))
             channels = None
@@ -302,24 +337,29 @@ def spec_for_state_dict(state_dict: Mapping, arch: str = "auto", name: str = "st
         raise ValueError(f"{name}: arch='mlp' but the file holds convolutions or batch norms; use arch='cnn'")
     extra = [k for k in keys if k not in spec.axes]
     if extra:
-        raise ValueError(f"{name}: entries {extra[:5]} are not a plain chain's (Linear/Conv weights and biases, batch "
-                         "norms), so its names cannot describe the network; give the network itself (like=model) "
-                         "or a spec")
+        raise ValueError(
+            f"{name}: entries {extra[:5]} are not a plain chain's (Linear/Conv weights and biases, batch "
+            "norms), so its names cannot describe the network; give the network itself (like=model) "
+            "or a spec"
+        )
     try:
         spec.check(state_dict, name)
     except ValueError as err:
         if not guessed:
             raise
-        raise ValueError(f"{err}: its layers do not chain as a plain network (a residual network's shortcut, say), "
-                         "and a state_dict cannot show how they connect; give the network itself (like=model) or a "
-                         "spec") from None
+        raise ValueError(
+            f"{err}: its layers do not chain as a plain network (a residual network's shortcut, say), "
+            "and a state_dict cannot show how they connect; give the network itself (like=model) or a "
+            "spec"
+        ) from None
     skip = possible_skip(state_dict, spec) if guessed else None
     if skip is not None:
         kind = "cnn" if any(k != "dense" for _, k in layers) else "mlp"
         raise AmbiguousArchitectureError(
             f"{name}: its entry names leave a skip connection possible ({_layer(skip[0])} and {_layer(skip[1])} are "
             f"both {skip[2]} wide) and a state_dict cannot show one; if the network is a plain chain say so with "
-            f"arch='{kind}', else give the network itself (like=model)")
+            f"arch='{kind}', else give the network itself (like=model)"
+        )
     return spec
 
 

@@ -48,8 +48,14 @@ from bayesfuse.constraints import POSITIVE, validate_params
 from bayesfuse.inference.layerwise import Basis, fold_batchnorm, folded_entries, in_basis
 from bayesfuse.inference.spec import PermutationSpec, to_global_basis
 
-__all__ = ["output_shares", "laplace_precisions", "laplace_fuse_entries", "matched_filters", "fold_temperature",
-           "best_candidate"]
+__all__ = [
+    "output_shares",
+    "laplace_precisions",
+    "laplace_fuse_entries",
+    "matched_filters",
+    "fold_temperature",
+    "best_candidate",
+]
 
 State = Mapping[str, np.ndarray]
 
@@ -77,8 +83,9 @@ def laplace_precisions(state: State, ggn: State, prior_precision: float, spec: P
     pi = {k: np.asarray(v, dtype=np.float64) + prior_precision for k, v in ggn.items()}
     for bn, layer in spec.folds.items():
         c = np.asarray(state[f"{bn}.weight"], dtype=np.float64) / np.sqrt(
-            np.asarray(state[f"{bn}.running_var"], dtype=np.float64) + spec.batchnorm_eps(bn))
-        c2 = c ** 2
+            np.asarray(state[f"{bn}.running_var"], dtype=np.float64) + spec.batchnorm_eps(bn)
+        )
+        c2 = c**2
         w = pi[f"{layer}.weight"]
         pi[f"{layer}.weight"] = w / c2.reshape(-1, *([1] * (w.ndim - 1)))
         pi[f"{layer}.bias"] = 1.0 / (c2 / pi[f"{layer}.bias"] + 1.0 / pi[f"{bn}.bias"])
@@ -152,7 +159,7 @@ def laplace_fuse_entries(
                 s = shares[j].reshape((-1,) + (1,) * (v.ndim - 1))
                 pi = pis[j][k]
                 pooled = pooled + s * in_basis(v, spec, k, j, bases, fill=0.0)
-                var = var + s ** 2 * in_basis(1.0 / pi, spec, k, j, bases, fill=0.0)
+                var = var + s**2 * in_basis(1.0 / pi, spec, k, j, bases, fill=0.0)
             values[k] = pooled
             fused_precision[k] = 1.0 / np.maximum(var, np.finfo(float).tiny)
             continue

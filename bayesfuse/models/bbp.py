@@ -269,8 +269,13 @@ def simulate_federation(
         torch.manual_seed(seed)
         for _ in range(max_tries):
             trace = poutine.trace(federation_model).get_trace(
-                n_clients, dim, gamma0=gamma0, prior_var=prior_var, noise_var=noise_var,
-                prior_mean=prior_mean, truncation=truncation,
+                n_clients,
+                dim,
+                gamma0=gamma0,
+                prior_var=prior_var,
+                noise_var=noise_var,
+                prior_mean=prior_mean,
+                truncation=truncation,
             )
             z = trace.nodes["z"]["value"]
             if (z.sum(1) > 0).all():
@@ -287,8 +292,14 @@ def simulate_federation(
         order = trace.nodes[f"order_{j}"]["value"]
         assignments.append(relabel[sel[order].numpy()])
         layers.append(trace.nodes[f"neurons_{j}"]["value"].numpy())
-    hyper = dict(gamma0=gamma0, prior_var=prior_var, noise_var=noise_var, prior_mean=prior_mean, seed=seed,
-                 truncation=truncation or default_truncation(gamma0))
+    hyper = dict(
+        gamma0=gamma0,
+        prior_var=prior_var,
+        noise_var=noise_var,
+        prior_mean=prior_mean,
+        seed=seed,
+        truncation=truncation or default_truncation(gamma0),
+    )
     return Federation(layers, assignments, atoms[used], hyper)
 
 
@@ -333,8 +344,14 @@ def log_joint(
         data[f"neurons_{j}"] = torch.as_tensor(np.asarray(v, dtype=np.float64))
     conditioned = poutine.condition(collapsed_model, data=data)
     trace = poutine.trace(conditioned).get_trace(
-        [len(v) for v in layers], D, K, gamma0=gamma0, prior_var=prior_var, noise_var=noise_var,
-        prior_mean=prior_mean, selection=z,
+        [len(v) for v in layers],
+        D,
+        K,
+        gamma0=gamma0,
+        prior_var=prior_var,
+        noise_var=noise_var,
+        prior_mean=prior_mean,
+        selection=z,
     )
     return float(trace.log_prob_sum())
 
@@ -403,7 +420,8 @@ def simulate_deep_federation(
     theta = rng.normal(0.0, sd, size=(n_classes, prev_size + 1))
     for j in range(n_clients):
         states[j][f"layers.{n_hidden}.weight"] = theta[:, prev_assign[j]] + rng.normal(
-            0.0, noise, size=(n_classes, len(prev_assign[j])))
+            0.0, noise, size=(n_classes, len(prev_assign[j]))
+        )
         states[j][f"layers.{n_hidden}.bias"] = theta[:, -1] + rng.normal(0.0, noise, size=n_classes)
     atoms.append(theta)
     hyper = dict(gamma0=gamma0, prior_var=prior_var, noise_var=noise_var, seed=seed)

@@ -128,9 +128,17 @@ class HorseshoeBNN(nn.Module):
         The units of each hidden layer; ``depth`` is their number.
     """
 
-    def __init__(self, in_features: int, hidden: int | tuple[int, ...], n_classes: int, *,
-                 global_scale: float | None = None, weight_scale: float = 1.0, init_scale: float = 1e-2,
-                 prior: str = "horseshoe"):
+    def __init__(
+        self,
+        in_features: int,
+        hidden: int | tuple[int, ...],
+        n_classes: int,
+        *,
+        global_scale: float | None = None,
+        weight_scale: float = 1.0,
+        init_scale: float = 1e-2,
+        prior: str = "horseshoe",
+    ):
         super().__init__()
         sizes = (hidden,) if np.ndim(hidden) == 0 else tuple(hidden)
         if len(sizes) == 0 or min(in_features, n_classes, *sizes) < 1:
@@ -148,7 +156,8 @@ class HorseshoeBNN(nn.Module):
         shapes = self.site_shapes()
         self.loc = nn.ParameterDict({k: nn.Parameter(torch.zeros(s, dtype=torch.float64)) for k, s in shapes.items()})
         self.log_scale = nn.ParameterDict(
-            {k: nn.Parameter(torch.full(s, math.log(init_scale), dtype=torch.float64)) for k, s in shapes.items()})
+            {k: nn.Parameter(torch.full(s, math.log(init_scale), dtype=torch.float64)) for k, s in shapes.items()}
+        )
         with torch.no_grad():
             fan_in = (self.in_features,) + self.hidden_sizes
             for layer in range(1, self.depth + 2):  # hidden layers, then the output layer
@@ -175,8 +184,11 @@ class HorseshoeBNN(nn.Module):
         Gaussian prior (none for the horseshoe)."""
         if self.prior == "horseshoe":
             return ()
-        return tuple(name for layer in range(1, self.depth + 1)
-                     for name in (layer_sites(layer).log_tau, layer_sites(layer).log_lam))
+        return tuple(
+            name
+            for layer in range(1, self.depth + 1)
+            for name in (layer_sites(layer).log_tau, layer_sites(layer).log_lam)
+        )
 
     @property
     def global_scale(self) -> float:
@@ -209,8 +221,9 @@ class HorseshoeBNN(nn.Module):
         prior = read_prior(state["prior_scales"], name)
         try:
             bnn = cls(D, H, K, global_scale=prior.global_scale, weight_scale=prior.weight_scale, prior=prior.kind)
-            bnn.load_state_dict({k: torch.as_tensor(np.asarray(v)) if not torch.is_tensor(v) else v
-                                 for k, v in state.items()})
+            bnn.load_state_dict(
+                {k: torch.as_tensor(np.asarray(v)) if not torch.is_tensor(v) else v for k, v in state.items()}
+            )
         except (RuntimeError, ValueError) as err:
             raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ({str(err).splitlines()[0]})") from None
         return bnn
@@ -225,22 +238,26 @@ class HorseshoeBNN(nn.Module):
             names, tag = layer_sites(layer), _tag(layer)
             if horseshoe:
                 params[names.log_tau] = pyro.sample(
-                    f"tau{tag}", dist.HalfCauchy(torch.tensor(self.global_scale, **f64)).expand([1]).to_event(1)).log()
+                    f"tau{tag}", dist.HalfCauchy(torch.tensor(self.global_scale, **f64)).expand([1]).to_event(1)
+                ).log()
             else:  # fixed scales (fixed_sites)
                 params[names.log_tau] = self.loc[names.log_tau].detach().double()
                 params[names.log_lam] = self.loc[names.log_lam].detach().double()
             with pyro.plate(f"units{tag}", H):
                 if horseshoe:
                     params[names.log_lam] = pyro.sample(f"lam{tag}", dist.HalfCauchy(torch.tensor(1.0, **f64))).log()
-                params[names.w] = pyro.sample(names.w, dist.Normal(torch.tensor(0.0, **f64), 1.0)
-                                              .expand([width]).to_event(1))
+                params[names.w] = pyro.sample(
+                    names.w, dist.Normal(torch.tensor(0.0, **f64), 1.0).expand([width]).to_event(1)
+                )
                 params[names.b] = pyro.sample(names.b, dist.Normal(torch.tensor(0.0, **f64), 1.0))
             width = H
         out = self.depth + 1
-        params[f"w{out}"] = pyro.sample(f"w{out}", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale)
-                                        .expand([K, width]).to_event(2))
-        params[f"b{out}"] = pyro.sample(f"b{out}", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale)
-                                        .expand([K]).to_event(1))
+        params[f"w{out}"] = pyro.sample(
+            f"w{out}", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale).expand([K, width]).to_event(2)
+        )
+        params[f"b{out}"] = pyro.sample(
+            f"b{out}", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale).expand([K]).to_event(1)
+        )
         logits = forward_logits(x, params, self.depth)
         with pyro.plate("data", n_data or len(x), subsample=torch.arange(len(x))):
             pyro.sample("y", dist.Categorical(logits=logits), obs=y)
@@ -395,6 +412,7 @@ def train_bnn(
         opt = torch.optim.Adam([p for p in bnn.parameters() if p.requires_grad], lr=config.lr, fused=True)
         gen = torch.Generator().manual_seed(config.seed)
         if local:
+
             def loss_fn(idx):
                 return negative_elbo(bnn, xt[idx], yt[idx], len(xt), gen, x_sq[idx])
         else:
@@ -402,6 +420,7 @@ def train_bnn(
 
             def loss_fn(idx):
                 return pyro_loss(bnn.model, bnn.guide, xt[idx], yt[idx], len(xt))
+
         history, epoch_seconds = [], []
         bar = tqdm(range(config.epochs), desc=name, unit="epoch", disable=not progress(verbose), leave=False)
         for epoch in bar:
@@ -412,8 +431,10 @@ def train_bnn(
                 idx = order[i : i + config.batch_size]
                 loss = loss_fn(idx)
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"{name}: the ELBO became {loss.item()} at epoch {epoch + 1}; "
-                                             f"lower the learning rate (now {config.lr})")
+                    raise FloatingPointError(
+                        f"{name}: the ELBO became {loss.item()} at epoch {epoch + 1}; "
+                        f"lower the learning rate (now {config.lr})"
+                    )
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

@@ -57,20 +57,24 @@ _GH_X, _GH_W = np.polynomial.hermite.hermgauss(GH_NODES)
 @functools.lru_cache(maxsize=None)
 def _gauss_hermite(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The quadrature's nodes and weights (normalised for ``E[f(z)]``, ``z ~ N(0, 1/2)``), once per dtype and device."""
-    return (torch.as_tensor(_GH_X, dtype=dtype, device=device),
-            torch.as_tensor(_GH_W / math.sqrt(math.pi), dtype=dtype, device=device))
+    return (
+        torch.as_tensor(_GH_X, dtype=dtype, device=device),
+        torch.as_tensor(_GH_W / math.sqrt(math.pi), dtype=dtype, device=device),
+    )
 
 
-def gaussian_kl(loc: torch.Tensor, log_scale: torch.Tensor, prior_scale: float,
-                var: torch.Tensor | None = None) -> torch.Tensor:
+def gaussian_kl(
+    loc: torch.Tensor, log_scale: torch.Tensor, prior_scale: float, var: torch.Tensor | None = None
+) -> torch.Tensor:
     """``KL(N(loc, exp(log_scale)^2) || N(0, prior_scale^2))`` summed over all entries (closed form).
 
     ``var``, if given, is ``exp(2 log_scale)`` already computed.
     """
     var = torch.exp(2 * log_scale) if var is None else var
     n = loc.numel()
-    return 0.5 * ((var.sum() + loc.square().sum()) / prior_scale**2 - n - 2 * log_scale.sum()
-                  + 2 * n * math.log(prior_scale))
+    return 0.5 * (
+        (var.sum() + loc.square().sum()) / prior_scale**2 - n - 2 * log_scale.sum() + 2 * n * math.log(prior_scale)
+    )
 
 
 def lognormal_halfcauchy_kl(loc: torch.Tensor, log_scale: torch.Tensor, prior_scale: float) -> torch.Tensor:
@@ -87,8 +91,14 @@ def lognormal_halfcauchy_kl(loc: torch.Tensor, log_scale: torch.Tensor, prior_sc
     return (neg_entropy - math.log(2 / (math.pi * prior_scale)) + e_log1p).sum()
 
 
-def negative_elbo(bnn, x: torch.Tensor, y: torch.Tensor, n_data: int,
-                  generator: torch.Generator | None = None, x_sq: torch.Tensor | None = None) -> torch.Tensor:
+def negative_elbo(
+    bnn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    n_data: int,
+    generator: torch.Generator | None = None,
+    x_sq: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One-draw estimate of ``-ELBO`` for a minibatch ``(x, y)`` of a data set of ``n_data`` examples.
 
     The likelihood term is scaled by ``n_data / len(x)`` (as Pyro's subsampled plate does); the
@@ -107,8 +117,12 @@ def negative_elbo(bnn, x: torch.Tensor, y: torch.Tensor, n_data: int,
     for layer, H in enumerate(bnn.hidden_sizes, 1):
         n = layer_sites(layer)
         if horseshoe:  # unit scales s_k = tau * lambda_k, one draw per minibatch (log-normal guides)
-            log_s = (loc[n.log_tau] + torch.exp(log_scale[n.log_tau]) * normal(1)
-                     + loc[n.log_lam] + torch.exp(log_scale[n.log_lam]) * normal(H))
+            log_s = (
+                loc[n.log_tau]
+                + torch.exp(log_scale[n.log_tau]) * normal(1)
+                + loc[n.log_lam]
+                + torch.exp(log_scale[n.log_lam]) * normal(H)
+            )
         else:  # a Gaussian prior: the scales are fixed (HorseshoeBNN.fixed_sites), no KL term
             log_s = loc[n.log_tau] + loc[n.log_lam]
         # pre-activations, locally reparameterised given the layer's input h
@@ -119,8 +133,11 @@ def negative_elbo(bnn, x: torch.Tensor, y: torch.Tensor, n_data: int,
         h, h_sq = torch.relu(a * torch.exp(log_s)), None
         kl = kl + gaussian_kl(loc[n.w], log_scale[n.w], 1.0, var_w) + gaussian_kl(loc[n.b], log_scale[n.b], 1.0, var_b)
         if horseshoe:
-            kl = (kl + lognormal_halfcauchy_kl(loc[n.log_lam], log_scale[n.log_lam], 1.0)
-                  + lognormal_halfcauchy_kl(loc[n.log_tau], log_scale[n.log_tau], b_g))
+            kl = (
+                kl
+                + lognormal_halfcauchy_kl(loc[n.log_lam], log_scale[n.log_lam], 1.0)
+                + lognormal_halfcauchy_kl(loc[n.log_tau], log_scale[n.log_tau], b_g)
+            )
     # logits, locally reparameterised
     w, b = f"w{bnn.depth + 1}", f"b{bnn.depth + 1}"
     var_w, var_b = torch.exp(2 * log_scale[w]), torch.exp(2 * log_scale[b])

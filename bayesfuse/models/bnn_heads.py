@@ -106,11 +106,18 @@ class HeadMixtureBNN(HorseshoeBNN):
         body = HorseshoeBNN.from_state_dict(body_state(state), name)
         heads = {k: torch.as_tensor(np.asarray(state[k], dtype=np.float64)) for k in HEAD_KEYS}
         J, K, H = heads["heads.loc_w"].shape if heads["heads.loc_w"].ndim == 3 else (0, 0, 0)
-        want = {"heads.loc_w": (J, K, H), "heads.scale_w": (J, K, H), "heads.loc_b": (J, K),
-                "heads.scale_b": (J, K), "heads.shares": (J, K)}
+        want = {
+            "heads.loc_w": (J, K, H),
+            "heads.scale_w": (J, K, H),
+            "heads.loc_b": (J, K),
+            "heads.scale_b": (J, K),
+            "heads.shares": (J, K),
+        }
         if J < 1 or (K, H) != (body.n_classes, body.hidden_sizes[-1]):
-            raise ValueError(f"{name}: heads.loc_w must be (heads, {body.n_classes}, {body.hidden_sizes[-1]}), "
-                             f"got {tuple(heads['heads.loc_w'].shape)}")
+            raise ValueError(
+                f"{name}: heads.loc_w must be (heads, {body.n_classes}, {body.hidden_sizes[-1]}), "
+                f"got {tuple(heads['heads.loc_w'].shape)}"
+            )
         for k, shape in want.items():
             if tuple(heads[k].shape) != shape:
                 raise ValueError(f"{name}: {k} must be {shape} for {J} heads, got {tuple(heads[k].shape)}")
@@ -121,14 +128,22 @@ class HeadMixtureBNN(HorseshoeBNN):
         shares = heads["heads.shares"]
         if (shares < 0).any() or not torch.allclose(shares.sum(0), torch.ones(K, dtype=torch.float64), atol=1e-9):
             raise ValueError(f"{name}: heads.shares must be >= 0 and sum to 1 over the heads for every class")
-        model = cls(body.in_features, body.hidden, body.n_classes, J, global_scale=body.global_scale,
-                    weight_scale=body.weight_scale, prior=body.prior)
+        model = cls(
+            body.in_features,
+            body.hidden,
+            body.n_classes,
+            J,
+            global_scale=body.global_scale,
+            weight_scale=body.weight_scale,
+            prior=body.prior,
+        )
         model.load_state_dict({**body.state_dict(), **heads})
         return model
 
     @torch.no_grad()
-    def predict(self, x, num_samples: int = 100, *, seed: int = 0, batch_size: int = 4096,
-                pool: str = "linear") -> np.ndarray:
+    def predict(
+        self, x, num_samples: int = 100, *, seed: int = 0, batch_size: int = 4096, pool: str = "linear"
+    ) -> np.ndarray:
         """The heads' Monte Carlo predictive distributions, pooled by class share (module docstring).
 
         Each of the ``num_samples`` draws of the body feeds every head (with its own draw of the
@@ -144,10 +159,12 @@ class HeadMixtureBNN(HorseshoeBNN):
     def _draws(self, num_samples: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         draws = super()._draws(num_samples, generator)
         h = self.heads
-        draws["heads.w"] = h.loc_w + h.scale_w * torch.randn((num_samples, *h.loc_w.shape), dtype=torch.float64,
-                                                             generator=generator)
-        draws["heads.b"] = h.loc_b + h.scale_b * torch.randn((num_samples, *h.loc_b.shape), dtype=torch.float64,
-                                                             generator=generator)
+        draws["heads.w"] = h.loc_w + h.scale_w * torch.randn(
+            (num_samples, *h.loc_w.shape), dtype=torch.float64, generator=generator
+        )
+        draws["heads.b"] = h.loc_b + h.scale_b * torch.randn(
+            (num_samples, *h.loc_b.shape), dtype=torch.float64, generator=generator
+        )
         return draws
 
     def _rows_per_chunk(self, batch_size: int) -> int:

@@ -27,8 +27,16 @@ import numpy as np
 from bayesfuse.inference.expfam import NormalWishart
 from bayesfuse.models.mixture import random_covariances
 
-__all__ = ["HMMFederation", "LocalHMM", "gaussian_hmm_model", "simulate_hmm_federation", "fit_local_hmm",
-           "spahm_fuse", "relabel", "segmentation_scores"]
+__all__ = [
+    "HMMFederation",
+    "LocalHMM",
+    "gaussian_hmm_model",
+    "simulate_hmm_federation",
+    "fit_local_hmm",
+    "spahm_fuse",
+    "relabel",
+    "segmentation_scores",
+]
 
 
 def gaussian_hmm_model(length: int, start, transition, means, covariances):
@@ -147,17 +155,24 @@ def fit_local_hmm(
     try:
         from hmmlearn.vhmm import VariationalGaussianHMM
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("fit_local_hmm needs hmmlearn: pip install 'bayesfuse[apps]' (or pip install hmmlearn)") \
-            from err
+        raise ImportError(
+            "fit_local_hmm needs hmmlearn: pip install 'bayesfuse[apps]' (or pip install hmmlearn)"
+        ) from err
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2 or len(x) < 2 * n_states:
         raise ValueError(f"x must be (T, D) with T >= 2 * n_states, got shape {x.shape}")
     prior = np.ones((n_states, n_states)) + stickiness * np.eye(n_states)
     best, best_bound = None, -np.inf
     for i in range(max(1, n_init)):
-        model = VariationalGaussianHMM(n_components=n_states, covariance_type="full", transmat_prior=prior,
-                                       n_iter=n_iter, tol=1e-3, random_state=seed + i,
-                                       implementation="scaling")
+        model = VariationalGaussianHMM(
+            n_components=n_states,
+            covariance_type="full",
+            transmat_prior=prior,
+            n_iter=n_iter,
+            tol=1e-3,
+            random_state=seed + i,
+            implementation="scaling",
+        )
         model.fit(x)
         bound = float(model.monitor_.history[-1])
         if bound > best_bound:
@@ -167,8 +182,12 @@ def fit_local_hmm(
     keep = np.flatnonzero(share >= min_share)
     dof = np.asarray(best.dof_posterior_, dtype=np.float64)[keep]
     scale = np.linalg.inv(best.scale_posterior_[keep])
-    states = NormalWishart(mean=best.means_posterior_[keep], kappa=best.beta_posterior_[keep], dof=dof,
-                           scale=0.5 * (scale + np.swapaxes(scale, 1, 2)))
+    states = NormalWishart(
+        mean=best.means_posterior_[keep],
+        kappa=best.beta_posterior_[keep],
+        dof=dof,
+        scale=0.5 * (scale + np.swapaxes(scale, 1, 2)),
+    )
     index = np.full(n_states, -1)
     index[keep] = np.arange(len(keep))
     labels = index[path]

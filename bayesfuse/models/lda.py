@@ -31,9 +31,23 @@ from scipy.special import digamma, gammaln
 from bayesfuse.inference.expfam import Dirichlet
 from bayesfuse.inference.klfusion import KLFusionResult, kl_fuse
 
-__all__ = ["LDAFederation", "lda_model", "simulate_lda_federation", "fit_local_lda", "AMPSResult", "amps_fuse",
-           "split_documents", "fold_in", "completion_loglik", "RegSelection", "select_reg", "top_words",
-           "topic_sources", "topics_table", "topic_means"]
+__all__ = [
+    "LDAFederation",
+    "lda_model",
+    "simulate_lda_federation",
+    "fit_local_lda",
+    "AMPSResult",
+    "amps_fuse",
+    "split_documents",
+    "fold_in",
+    "completion_loglik",
+    "RegSelection",
+    "select_reg",
+    "top_words",
+    "topic_sources",
+    "topics_table",
+    "topic_means",
+]
 
 
 # ------------------------------------------------------------------------------ the model
@@ -158,8 +172,14 @@ def fit_local_lda(
         if method == "sklearn":
             from sklearn.decomposition import LatentDirichletAllocation
 
-            lda = LatentDirichletAllocation(n_components=n_topics, doc_topic_prior=alpha, topic_word_prior=eta,
-                                            learning_method="batch", max_iter=max_iter, random_state=seed + i)
+            lda = LatentDirichletAllocation(
+                n_components=n_topics,
+                doc_topic_prior=alpha,
+                topic_word_prior=eta,
+                learning_method="batch",
+                max_iter=max_iter,
+                random_state=seed + i,
+            )
             lda.fit(x)
             lam = lda.components_.astype(np.float64)
             fit = lda.score(x) if n_init > 1 else 0.0
@@ -171,8 +191,9 @@ def fit_local_lda(
     return Dirichlet(concentration=best)
 
 
-def _batch_vb(x: sparse.csr_matrix, k: int, alpha: float, eta: float, max_iter: int,
-              seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _batch_vb(
+    x: sparse.csr_matrix, k: int, alpha: float, eta: float, max_iter: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Batch mean-field VI for LDA: E-step (:func:`_e_step`), then ``lambda = eta + E[counts]``.
 
     Started like scikit-learn: ``lambda ~ Gamma(100, 1/100)`` entrywise, ``gamma = 1``.
@@ -253,8 +274,9 @@ def amps_fuse(posteriors: Sequence[Dirichlet], prior: float, *, n_sweeps: int = 
     sigma: list[np.ndarray | None] = [np.arange(len(lam[0]))] + [None] * (n_clients - 1)
 
     def assign(j: int) -> np.ndarray:
-        rest = prior + sum((counts[i][sigma[i]] for i in range(n_clients) if i != j and sigma[i] is not None),
-                           np.zeros_like(counts[j]))
+        rest = prior + sum(
+            (counts[i][sigma[i]] for i in range(n_clients) if i != j and sigma[i] is not None), np.zeros_like(counts[j])
+        )
         # merged topic g if client j's topic l joins it: rest_g + counts_l (its prior is in rest)
         cost = -_dirichlet_log_norm(rest[None, :, :] + counts[j][:, None, :])  # (L, G)
         rows, cols = linear_sum_assignment(cost)
@@ -308,8 +330,9 @@ def topic_means(topics: Dirichlet) -> np.ndarray:
     return c / c.sum(1, keepdims=True)
 
 
-def _e_step(x: sparse.coo_matrix, exp_log_beta: np.ndarray, alpha: float, gamma: np.ndarray, max_iter: int,
-            tol: float) -> tuple[np.ndarray, np.ndarray]:
+def _e_step(
+    x: sparse.coo_matrix, exp_log_beta: np.ndarray, alpha: float, gamma: np.ndarray, max_iter: int, tol: float
+) -> tuple[np.ndarray, np.ndarray]:
     """LDA's mean-field E-step for all documents at once, over the non-zero counts only.
 
     ``phi_dwk ∝ exp(E[log theta_dk]) exp(E[log beta_kw])`` and ``gamma_dk = alpha + sum_w n_dw
@@ -338,8 +361,9 @@ def _exp_log_beta(concentration: np.ndarray) -> np.ndarray:
     return np.exp(digamma(concentration) - digamma(concentration.sum(1, keepdims=True)))
 
 
-def fold_in(observed, topics: Dirichlet, alpha: float | None = None, *, max_iter: int = 200,
-            tol: float = 1e-6) -> np.ndarray:
+def fold_in(
+    observed, topics: Dirichlet, alpha: float | None = None, *, max_iter: int = 200, tol: float = 1e-6
+) -> np.ndarray:
     """Variational posterior ``q(theta_d) = Dir(gamma_d)`` of each document given fixed topics.
 
     The mean-field E-step of LDA (Blei et al. 2003, eqs. 6-7; Hoffman et al. 2010) with the
@@ -355,8 +379,7 @@ def fold_in(observed, topics: Dirichlet, alpha: float | None = None, *, max_iter
     return _e_step(x, _exp_log_beta(topics.concentration), alpha, gamma, max_iter, tol)[0]
 
 
-def completion_loglik(observed, held_out, topics: Dirichlet, alpha: float | None = None,
-                      **fold_in_options) -> float:
+def completion_loglik(observed, held_out, topics: Dirichlet, alpha: float | None = None, **fold_in_options) -> float:
     """Held-out log-likelihood per word of document completion (section 5.3, Figure 4).
 
     ``theta_d`` is folded in from the observed words (:func:`fold_in`); each held-out word w of
@@ -393,8 +416,16 @@ class RegSelection:
         return self.results[self.regs.index(self.reg)]
 
 
-def select_reg(posteriors: Sequence[Dirichlet], validation: Sequence, regs: Sequence[float], *,
-               alpha: float | None = None, share: float = 0.1, seed: int = 0, **fuse_options) -> RegSelection:
+def select_reg(
+    posteriors: Sequence[Dirichlet],
+    validation: Sequence,
+    regs: Sequence[float],
+    *,
+    alpha: float | None = None,
+    share: float = 0.1,
+    seed: int = 0,
+    **fuse_options,
+) -> RegSelection:
     """Choose ``lambda`` of eq. 9 by the clients' own held-out documents, no test data.
 
     The server fuses at each candidate ``reg`` (:func:`kl_fuse`, heterogeneous) and sends the
@@ -431,8 +462,9 @@ def top_words(topics: Dirichlet, vocabulary: Sequence[str], n: int = 8) -> list[
     return [vocabulary[o].tolist() for o in order]
 
 
-def topic_sources(assignments: Sequence[np.ndarray], n_global: int,
-                  names: Sequence[str] | None = None) -> list[list[str]]:
+def topic_sources(
+    assignments: Sequence[np.ndarray], n_global: int, names: Sequence[str] | None = None
+) -> list[list[str]]:
     """For each global topic, the clients with a local topic assigned to it (``names[j]`` or j)."""
     names = [str(j) for j in range(len(assignments))] if names is None else list(names)
     out: list[list[str]] = [[] for _ in range(n_global)]
@@ -442,8 +474,14 @@ def topic_sources(assignments: Sequence[np.ndarray], n_global: int,
     return out
 
 
-def topics_table(topics: Dirichlet, vocabulary: Sequence[str], assignments: Sequence[np.ndarray] | None = None,
-                 names: Sequence[str] | None = None, *, n_words: int = 8) -> str:
+def topics_table(
+    topics: Dirichlet,
+    vocabulary: Sequence[str],
+    assignments: Sequence[np.ndarray] | None = None,
+    names: Sequence[str] | None = None,
+    *,
+    n_words: int = 8,
+) -> str:
     """Plain-text table: one row per topic, its top words and (given ``assignments``) its sources,
     ordered by the number of sources."""
     words = top_words(topics, vocabulary, n_words)

@@ -19,8 +19,13 @@ from scipy.optimize import nnls
 
 from bayesfuse.inference.expfam import NormalWishart
 
-__all__ = ["MixtureFederation", "simulate_mixture_federation", "random_covariances", "fit_local_posterior",
-           "hausdorff_polytopes"]
+__all__ = [
+    "MixtureFederation",
+    "simulate_mixture_federation",
+    "random_covariances",
+    "fit_local_posterior",
+    "hausdorff_polytopes",
+]
 
 
 @dataclass
@@ -126,8 +131,9 @@ def fit_local_posterior(
     keep = np.ones(max_components, dtype=bool) if finite else bgm.weights_ > weight_threshold
     dof = bgm.degrees_of_freedom_[keep]
     scale = np.linalg.inv(bgm.covariances_[keep] * dof[:, None, None])
-    return NormalWishart(mean=bgm.means_[keep], kappa=bgm.mean_precision_[keep], dof=dof,
-                         scale=0.5 * (scale + np.swapaxes(scale, 1, 2)))
+    return NormalWishart(
+        mean=bgm.means_[keep], kappa=bgm.mean_precision_[keep], dof=dof, scale=0.5 * (scale + np.swapaxes(scale, 1, 2))
+    )
 
 
 def _distance_to_hull(point: np.ndarray, vertices: np.ndarray) -> float:

@@ -29,8 +29,16 @@ ARCHITECTURES = ("mlp", "cnn", "lstm", "resnet20", "resnet18")
 _RESNETS = {"resnet20": resnet20, "resnet18": resnet18}
 
 
-def make_cnn(n_features: int, n_classes: int, *, channels: Sequence[int] = (16, 32), hidden: Sequence[int] = (64,),
-             batchnorm: bool = True, pan: PANConfig | None = None, in_channels: int = 1) -> nn.Sequential:
+def make_cnn(
+    n_features: int,
+    n_classes: int,
+    *,
+    channels: Sequence[int] = (16, 32),
+    hidden: Sequence[int] = (64,),
+    batchnorm: bool = True,
+    pan: PANConfig | None = None,
+    in_channels: int = 1,
+) -> nn.Sequential:
     """``Unflatten -> [Conv3x3 (+BN) (+PAN) -> ReLU -> MaxPool2]* -> Flatten -> [Linear -> ReLU]* -> Linear``.
 
     Takes flat square images of ``in_channels`` channels: ``n_features = in_channels * side * side``.
@@ -79,8 +87,16 @@ class LSTMClassifier(nn.Module):
         return chain(lstm("lstm", None, "H", num_layers=n), dense("fc", top, None), output=("fc.weight", "fc.bias"))
 
 
-def make_model(arch: str, n_features: int, n_classes: int, *, hidden: Sequence[int] = (100,),
-               channels: Sequence[int] = (16, 32), pan: PANConfig | None = None, width: float = 1.0) -> nn.Module:
+def make_model(
+    arch: str,
+    n_features: int,
+    n_classes: int,
+    *,
+    hidden: Sequence[int] = (100,),
+    channels: Sequence[int] = (16, 32),
+    pan: PANConfig | None = None,
+    width: float = 1.0,
+) -> nn.Module:
     """A fresh network by name: ``"mlp"`` (:class:`MLP`), ``"cnn"`` (:func:`make_cnn`), ``"lstm"``, or
     ``"resnet20"`` / ``"resnet18"`` (:mod:`bayesfuse.nets.resnet`, ``width`` their width multiplier;
     ``hidden`` and ``channels`` are the other architectures')."""
@@ -101,6 +117,7 @@ def make_model(arch: str, n_features: int, n_classes: int, *, hidden: Sequence[i
 
 def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.Module:
     """A module of ``module``'s type and settings with the parameter shapes in ``shapes``."""
+
     def shape(name):
         return tuple(shapes[f"{prefix}{name}"])
 
@@ -116,11 +133,20 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
             new.bias = nn.Parameter(torch.empty(w[0]))
         return new
     if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
-        return type(module)(shape("weight")[0], eps=module.eps, momentum=module.momentum,
-                            affine=module.affine, track_running_stats=module.track_running_stats)
+        return type(module)(
+            shape("weight")[0],
+            eps=module.eps,
+            momentum=module.momentum,
+            affine=module.affine,
+            track_running_stats=module.track_running_stats,
+        )
     if isinstance(module, nn.LayerNorm):
-        return nn.LayerNorm(shape("weight") if module.elementwise_affine else module.normalized_shape, eps=module.eps,
-                            elementwise_affine=module.elementwise_affine, bias=module.bias is not None)
+        return nn.LayerNorm(
+            shape("weight") if module.elementwise_affine else module.normalized_shape,
+            eps=module.eps,
+            elementwise_affine=module.elementwise_affine,
+            bias=module.bias is not None,
+        )
     if isinstance(module, nn.GroupNorm):
         channels = shape("weight")[0]
         return nn.GroupNorm(1 if module.num_groups == 1 else channels, channels, eps=module.eps, affine=module.affine)
@@ -189,8 +215,10 @@ def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "th
             model(example_input)
     except Exception as err:  # whatever the user's forward raises
         cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{what} does not run at its fused widths ({type(err).__name__}: {cause}); its forward may "
-                         "keep a width of its own (e.g. x.view(-1, self.width)): read widths off the layers, or "
-                         "give a spec that keeps that width") from None
+        raise ValueError(
+            f"{what} does not run at its fused widths ({type(err).__name__}: {cause}); its forward may "
+            "keep a width of its own (e.g. x.view(-1, self.width)): read widths off the layers, or "
+            "give a spec that keeps that width"
+        ) from None
     finally:
         model.train(was_training)

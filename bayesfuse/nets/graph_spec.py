@@ -43,25 +43,99 @@ __all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
 class UnsupportedLayerError(TypeError):
     """A module whose permutation symmetry bayesfuse does not know."""
 
+
 _FIXED = 0  # the union-find class of axes no permutation moves (the input, the classes)
 
 #: Leaf modules that act within each unit of the axis they are given.
-_ELEMENTWISE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU, nn.Mish, nn.Softplus,
-                        nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Identity)
-_POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-                 nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
-_ELEMENTWISE_FUNCTIONS = {torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.nn.functional.relu,
-                          torch.nn.functional.gelu, torch.nn.functional.silu, torch.nn.functional.elu,
-                          torch.nn.functional.leaky_relu, torch.nn.functional.dropout, torch.nn.functional.softplus,
-                          torch.nn.functional.mish, torch.nn.functional.hardtanh, torch.nn.functional.relu6,
-                          operator.neg, torch.neg, torch.clone, torch.nn.functional.sigmoid, torch.nn.functional.tanh}
-_ELEMENTWISE_METHODS = {"relu", "sigmoid", "tanh", "exp", "abs", "neg", "clone", "contiguous", "float", "double",
-                        "to", "detach", "type_as", "relu_", "sigmoid_", "tanh_"}
-_POOL_FUNCTIONS = {torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d, torch.nn.functional.avg_pool1d,
-                   torch.nn.functional.avg_pool2d, torch.nn.functional.adaptive_avg_pool1d,
-                   torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_max_pool2d}
-_BINARY = {operator.add, operator.iadd, operator.sub, operator.isub, operator.mul, operator.imul, torch.add, torch.sub,
-           torch.mul, operator.truediv, torch.div}
+_ELEMENTWISE_MODULES = (
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.GELU,
+    nn.ELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Softplus,
+    nn.Hardtanh,
+    nn.ReLU6,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Identity,
+)
+_POOL_MODULES = (
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+)
+_ELEMENTWISE_FUNCTIONS = {
+    torch.relu,
+    torch.sigmoid,
+    torch.tanh,
+    torch.exp,
+    torch.abs,
+    torch.nn.functional.relu,
+    torch.nn.functional.gelu,
+    torch.nn.functional.silu,
+    torch.nn.functional.elu,
+    torch.nn.functional.leaky_relu,
+    torch.nn.functional.dropout,
+    torch.nn.functional.softplus,
+    torch.nn.functional.mish,
+    torch.nn.functional.hardtanh,
+    torch.nn.functional.relu6,
+    operator.neg,
+    torch.neg,
+    torch.clone,
+    torch.nn.functional.sigmoid,
+    torch.nn.functional.tanh,
+}
+_ELEMENTWISE_METHODS = {
+    "relu",
+    "sigmoid",
+    "tanh",
+    "exp",
+    "abs",
+    "neg",
+    "clone",
+    "contiguous",
+    "float",
+    "double",
+    "to",
+    "detach",
+    "type_as",
+    "relu_",
+    "sigmoid_",
+    "tanh_",
+}
+_POOL_FUNCTIONS = {
+    torch.nn.functional.max_pool1d,
+    torch.nn.functional.max_pool2d,
+    torch.nn.functional.avg_pool1d,
+    torch.nn.functional.avg_pool2d,
+    torch.nn.functional.adaptive_avg_pool1d,
+    torch.nn.functional.adaptive_avg_pool2d,
+    torch.nn.functional.adaptive_max_pool2d,
+}
+_BINARY = {
+    operator.add,
+    operator.iadd,
+    operator.sub,
+    operator.isub,
+    operator.mul,
+    operator.imul,
+    torch.add,
+    torch.sub,
+    torch.mul,
+    operator.truediv,
+    torch.div,
+}
 _BINARY_METHODS = {"add", "sub", "mul", "div", "add_", "mul_"}
 _RESHAPE_FUNCTIONS = {torch.flatten, torch.reshape}
 _RESHAPE_METHODS = {"flatten", "view", "reshape"}
@@ -123,14 +197,22 @@ def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:
     steps, features = getattr(model, "steps", None), getattr(model, "step_features", None)
     if isinstance(steps, int) and isinstance(features, int):  # LSTMClassifier: flat images read row by row
         return torch.zeros(2, steps * features)
-    first = next((m for m in model.modules()
-                  if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.Unflatten, nn.LSTM))), None)
+    first = next(
+        (
+            m
+            for m in model.modules()
+            if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.Unflatten, nn.LSTM))
+        ),
+        None,
+    )
     if isinstance(first, nn.Linear):
         return torch.zeros(2, first.in_features)
     if isinstance(first, nn.Unflatten) and isinstance(model, nn.Sequential) and model[0] is first:
         return torch.zeros(2, int(np.prod(first.unflattened_size)))
-    raise ValueError(f"{type(model).__name__}: give an example input (example_input=..., or an example_input "
-                     "attribute on the module) to trace a network whose first layer is not nn.Linear")
+    raise ValueError(
+        f"{type(model).__name__}: give an example input (example_input=..., or an example_input "
+        "attribute on the module) to trace a network whose first layer is not nn.Linear"
+    )
 
 
 def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
@@ -159,14 +241,16 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
         raise UnsupportedLayerError(
             f"cannot derive a permutation spec for a bare {type(model).__name__}: wrap it in a module whose forward "
             "bayesfuse can trace, give the module a permutation_spec() method, or build a spec with "
-            "bayesfuse.inference.spec.chain(dense(...), conv(...), ...)")
+            "bayesfuse.inference.spec.chain(dense(...), conv(...), ...)"
+        )
     x = example_input_for(model, example_input)
     try:
         graph = _Tracer().trace(model)
     except Exception as err:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
         raise UnsupportedLayerError(
             f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward without "
-            "control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))") from None
+            "control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
+        ) from None
     gm = fx.GraphModule(model, graph)
     from torch.fx.passes.shape_prop import ShapeProp
 
@@ -177,8 +261,10 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
             ShapeProp(gm).propagate(x)
     except Exception as err:  # the user's forward failing on the example input
         cause = err.__cause__ or err
-        raise ValueError(f"{type(model).__name__}: the example input of shape {tuple(x.shape)} does not run through "
-                         f"the network ({type(cause).__name__}: {str(cause).splitlines()[0]})") from None
+        raise ValueError(
+            f"{type(model).__name__}: the example input of shape {tuple(x.shape)} does not run through "
+            f"the network ({type(cause).__name__}: {str(cause).splitlines()[0]})"
+        ) from None
     finally:
         model.train(was_training)
     return _Walk(model).run(gm)
@@ -238,8 +324,9 @@ class _Walk:
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 shape = _shape(node)
-                self.labels[node] = _Feature(_FIXED, len(shape) - 1 if shape and len(shape) == 2 else 1) \
-                    if shape else None
+                self.labels[node] = (
+                    _Feature(_FIXED, len(shape) - 1 if shape and len(shape) == 2 else 1) if shape else None
+                )
             elif node.op == "get_attr":
                 self.labels[node] = ("param", node.target)
             elif node.op == "call_module":
@@ -264,18 +351,24 @@ class _Walk:
                 names[r] = f"P{len(names) + 1}"
         axes = {}
         for entry, dims in self.axes.items():
-            axes[entry] = tuple(None if d is None or self.classes.find(d[0]) == _FIXED
-                                else Axis(names[self.classes.find(d[0])], d[1], d[2]) for d in dims)
+            axes[entry] = tuple(
+                None
+                if d is None or self.classes.find(d[0]) == _FIXED
+                else Axis(names[self.classes.find(d[0])], d[1], d[2])
+                for d in dims
+            )
         state = self.model.state_dict()
         for entry, value in state.items():  # parameters the forward never permutes
             if entry not in axes:
                 axes[entry] = (None,) * value.dim()
         axes = {k: axes[k] for k in state}
-        output = () if output_layer is None else tuple(
-            k for k in (f"{output_layer}.weight", f"{output_layer}.bias") if k in state)
+        output = (
+            ()
+            if output_layer is None
+            else tuple(k for k in (f"{output_layer}.weight", f"{output_layer}.bias") if k in state)
+        )
         folds = {bn: after for bn, after in self.folds.items()}
-        eps = {bn: float(m.eps) for bn, m in self.model.named_modules()
-               if bn in folds and float(m.eps) != 1e-5}
+        eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
         return PermutationSpec(axes, tuple(names.values()), folds, output, eps)
 
     # ----------------------------------------------------------------- modules
@@ -324,24 +417,33 @@ class _Walk:
             self.norm(node, m, f, axis=len(shape) - 1, entries=("weight", "bias"))
         elif isinstance(m, nn.GroupNorm):
             if m.num_groups not in (1, m.num_channels):
-                self.fail(node, f"GroupNorm with {m.num_groups} groups of {m.num_channels} channels mixes units "
-                                "within groups; one group, or one per channel, is supported")
+                self.fail(
+                    node,
+                    f"GroupNorm with {m.num_groups} groups of {m.num_channels} channels mixes units "
+                    "within groups; one group, or one per channel, is supported",
+                )
             self.norm(node, m, f, axis=1, entries=("weight", "bias"))
         elif isinstance(m, _ELEMENTWISE_MODULES) or isinstance(m, _POOL_MODULES):
             self.labels[node] = f
         elif isinstance(m, nn.Flatten):
             self.reshape(node, inp)
         elif isinstance(m, nn.MultiheadAttention):
-            self.fail(node, "nn.MultiheadAttention's heads are embed_dim / num_heads wide, tied to the stream it "
-                            "reads, so a stream fused to another width cannot be rebuilt into it; fuse with "
-                            "method='fedavg', or give a spec")
+            self.fail(
+                node,
+                "nn.MultiheadAttention's heads are embed_dim / num_heads wide, tied to the stream it "
+                "reads, so a stream fused to another width cannot be rebuilt into it; fuse with "
+                "method='fedavg', or give a spec",
+            )
         elif type(m).__name__ == "PositionAware":
             self.fail(node, "position-aware layers are traced only in nn.Sequential networks and bayesfuse's MLP")
         elif not any(True for _ in m.parameters(recurse=False)) and not self.permuted(f):
             self.labels[node] = None
         else:
-            self.fail(node, f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding, "
-                            "BatchNorm, LayerNorm, GroupNorm, activations, pooling, dropout, Flatten)")
+            self.fail(
+                node,
+                f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding, "
+                "BatchNorm, LayerNorm, GroupNorm, activations, pooling, dropout, Flatten)",
+            )
 
     def layer_vars(self, name: str, f: _Feature | None, node) -> int:
         """The output variable of module ``name`` (the same on every call of it)."""
@@ -379,8 +481,9 @@ class _Walk:
         elif method in _RESHAPE_METHODS:
             self.reshape(node, args[0])
         elif method in _REDUCTION_METHODS:
-            self.reduce(node, args[0], args[1] if len(args) > 1 else node.kwargs.get("dim"),
-                        node.kwargs.get("keepdim", False))
+            self.reduce(
+                node, args[0], args[1] if len(args) > 1 else node.kwargs.get("dim"), node.kwargs.get("keepdim", False)
+            )
         elif method in ("transpose", "permute", "unsqueeze", "squeeze"):
             self.move(node, args[0])
         elif method in ("size", "dim"):
@@ -388,8 +491,9 @@ class _Walk:
         elif method in ("expand", "expand_as", "repeat"):  # a class token broadcast over the batch
             label = self.raw(args[0])
             if isinstance(label, _Feature):
-                label = _Feature(label.var, label.dim + len(_shape(node)) - len(_shape(args[0])), label.outer,
-                                 label.inner)
+                label = _Feature(
+                    label.var, label.dim + len(_shape(node)) - len(_shape(args[0])), label.outer, label.inner
+                )
             self.labels[node] = label
         else:
             self.opaque(node, args, str(method))
@@ -447,13 +551,17 @@ class _Walk:
         dim = f.dim + len(out) - len(_shape(f_node))  # the units' axis in the result
         at = dim - (len(out) - len(shape)) if shape is not None else -1
         if shape is not None and 0 <= at < len(shape) and shape[at] != 1:
-            self.fail(node, f"an operand ({other.name}) whose units cannot be followed meets a permuted stream; "
-                            "give a spec")
+            self.fail(
+                node, f"an operand ({other.name}) whose units cannot be followed meets a permuted stream; give a spec"
+            )
 
     def param_axis(self, target: str, node, f: _Feature, shape: tuple) -> None:
         """A parameter combined with a stream (a position embedding): its matching axis is permuted too."""
-        value = self.model.get_parameter(target) if target in dict(self.model.named_parameters()) else \
-            self.model.get_buffer(target)
+        value = (
+            self.model.get_parameter(target)
+            if target in dict(self.model.named_parameters())
+            else self.model.get_buffer(target)
+        )
         dim = f.dim - (len(shape) - value.dim())
         if dim < 0 or value.shape[dim] == 1 and shape[f.dim] != 1:
             return  # broadcast along the units: a scalar per position, no permuted axis
@@ -474,8 +582,11 @@ class _Walk:
             self.fail(node, "concatenating along the units' axis is not supported")
         for g, t in zip(features, tensors):
             if g is None and isinstance(t, fx.Node) and self.permuted(f):
-                self.fail(node, f"an operand ({t.name}) whose units cannot be followed is concatenated with a "
-                                "permuted stream; give a spec")
+                self.fail(
+                    node,
+                    f"an operand ({t.name}) whose units cannot be followed is concatenated with a "
+                    "permuted stream; give a spec",
+                )
             if isinstance(g, _Feature):
                 self.classes.union(f.var, g.var)
             elif isinstance(g, tuple):  # a class token: its units are the stream's, on the same axis
@@ -493,8 +604,9 @@ class _Walk:
         if f.dim in dims:  # a sum over units: the same whatever their order
             self.labels[node] = None
             return
-        self.labels[node] = _Feature(f.var, f.dim if keepdim else f.dim - sum(d < f.dim for d in dims),
-                                     f.outer, f.inner)
+        self.labels[node] = _Feature(
+            f.var, f.dim if keepdim else f.dim - sum(d < f.dim for d in dims), f.outer, f.inner
+        )
 
     def move(self, node, a) -> None:
         f = self.feature(a)
@@ -512,8 +624,9 @@ class _Walk:
             d0, d1 = (int(d) % len(src) for d in args[:2])
             new = d1 if f.dim == d0 else d0 if f.dim == d1 else f.dim
         else:
-            order = [int(d) % len(src) for d in (args[0] if len(args) == 1 and isinstance(args[0], (list, tuple))
-                                                else args)]
+            order = [
+                int(d) % len(src) for d in (args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args)
+            ]
             new = order.index(f.dim)
         if new not in matches:
             self.fail(node, "could not follow the units through this transpose")
@@ -529,7 +642,11 @@ class _Walk:
             self.opaque(node, [a], "indexing")
             return
         tail = len(src) - 1 - f.dim  # axes after the units'
-        if tail <= len(dst) - 1 and dst[len(dst) - 1 - tail] == src[f.dim] and dst[len(dst) - tail:] == src[f.dim + 1:]:
+        if (
+            tail <= len(dst) - 1
+            and dst[len(dst) - 1 - tail] == src[f.dim]
+            and dst[len(dst) - tail :] == src[f.dim + 1 :]
+        ):
             index = node.args[1]
             index = index if isinstance(index, tuple) else (index,)
             if Ellipsis not in index and len(index) > f.dim and index[f.dim] != slice(None):
@@ -547,15 +664,18 @@ class _Walk:
         src, dst = _shape(a), _shape(node)
         n = src[f.dim] // (f.outer * f.inner)
         before = int(np.prod(src[: f.dim])) * f.outer  # numbers before the units' block, in flat order
-        after = f.inner * int(np.prod(src[f.dim + 1:]))
+        after = f.inner * int(np.prod(src[f.dim + 1 :]))
         for e in range(len(dst)):
-            lead, trail = int(np.prod(dst[:e])), int(np.prod(dst[e + 1:]))
+            lead, trail = int(np.prod(dst[:e])), int(np.prod(dst[e + 1 :]))
             if before % lead == 0 and after % trail == 0 and dst[e] == (before // lead) * n * (after // trail):
                 self.labels[node] = _Feature(f.var, e, before // lead, after // trail)
                 return
         if self.permuted(f):
-            self.fail(node, f"this reshape {src} -> {dst} splits the units of one axis (attention heads written "
-                            "by hand, say); give a spec")
+            self.fail(
+                node,
+                f"this reshape {src} -> {dst} splits the units of one axis (attention heads written "
+                "by hand, say); give a spec",
+            )
         self.labels[node] = None
 
 

@@ -51,8 +51,7 @@ class LastLayerLaplace(nn.Module):
     ``temperature`` buffer (1 unless a second round set it) divides the predictive logits.
     """
 
-    def __init__(self, network: nn.Module, output: str, weight_var=None, bias_var=None, *,
-                 covariance=None) -> None:
+    def __init__(self, network: nn.Module, output: str, weight_var=None, bias_var=None, *, covariance=None) -> None:
         super().__init__()
         try:
             layer = network.get_submodule(output)
@@ -64,10 +63,14 @@ class LastLayerLaplace(nn.Module):
             covariance = torch.as_tensor(np.asarray(covariance), dtype=layer.weight.dtype)
             shape = (layer.out_features, layer.in_features + 1, layer.in_features + 1)
             if covariance.shape != shape:
-                raise ValueError(f"covariance of shape {tuple(covariance.shape)} does not fit the output layer "
-                                 f"{tuple(layer.weight.shape)}: need {shape}")
-            if not torch.isfinite(covariance).all() or (torch.linalg.eigvalsh(covariance.double()) < -1e-9 * (
-                    1 + covariance.abs().amax())).any():
+                raise ValueError(
+                    f"covariance of shape {tuple(covariance.shape)} does not fit the output layer "
+                    f"{tuple(layer.weight.shape)}: need {shape}"
+                )
+            if (
+                not torch.isfinite(covariance).all()
+                or (torch.linalg.eigvalsh(covariance.double()) < -1e-9 * (1 + covariance.abs().amax())).any()
+            ):
                 raise ValueError("covariance must be finite and positive semi-definite")
             diagonal = torch.diagonal(covariance, dim1=-2, dim2=-1)
             weight_var, bias_var = diagonal[:, :-1], diagonal[:, -1]
@@ -76,10 +79,15 @@ class LastLayerLaplace(nn.Module):
         weight_var = torch.as_tensor(np.array(weight_var), dtype=layer.weight.dtype)  # a copy: inputs may be read-only
         bias_var = torch.as_tensor(np.array(bias_var), dtype=layer.weight.dtype)
         if weight_var.shape != layer.weight.shape or bias_var.shape != (layer.out_features,):
-            raise ValueError(f"variances of shapes {tuple(weight_var.shape)} and {tuple(bias_var.shape)} do not fit "
-                             f"the output layer {tuple(layer.weight.shape)}")
-        if not (torch.isfinite(weight_var).all() and torch.isfinite(bias_var).all()) or (weight_var < 0).any() or (
-                bias_var < 0).any():
+            raise ValueError(
+                f"variances of shapes {tuple(weight_var.shape)} and {tuple(bias_var.shape)} do not fit "
+                f"the output layer {tuple(layer.weight.shape)}"
+            )
+        if (
+            not (torch.isfinite(weight_var).all() and torch.isfinite(bias_var).all())
+            or (weight_var < 0).any()
+            or (bias_var < 0).any()
+        ):
             raise ValueError("posterior variances must be finite and non-negative")
         self.network = network
         self.output = output
@@ -101,7 +109,7 @@ class LastLayerLaplace(nn.Module):
             tilde = torch.cat([features, torch.ones_like(features[:, :1])], 1).to(self.covariance.dtype)
             variance = torch.einsum("kgh,nh->nkg", self.covariance, tilde).mul(tilde[:, None, :]).sum(-1)
             return logits, variance.clamp_min(0).to(logits.dtype)
-        variance = (features ** 2) @ self.weight_var.T + self.bias_var
+        variance = (features**2) @ self.weight_var.T + self.bias_var
         return logits, variance
 
     def mean_logits(self, x: torch.Tensor) -> torch.Tensor:

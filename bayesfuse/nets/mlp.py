@@ -34,8 +34,9 @@ class MLP(nn.Module):
         state_dict entries.
     """
 
-    def __init__(self, in_features: int, hidden: Sequence[int], n_classes: int, *,
-                 pan: PANConfig | None = None) -> None:
+    def __init__(
+        self, in_features: int, hidden: Sequence[int], n_classes: int, *, pan: PANConfig | None = None
+    ) -> None:
         super().__init__()
         widths = [int(in_features), *(int(h) for h in hidden), int(n_classes)]
         if min(widths) < 1:
@@ -49,8 +50,10 @@ class MLP(nn.Module):
         """Hidden layer i is group ``P{i+1}``: ``layers.i.weight`` is ``(P{i+1}, P{i})``."""
         n = len(self.layers)
         groups = [None, *(f"P{i}" for i in range(1, n)), None]
-        return chain(*(dense(f"layers.{i}", groups[i], groups[i + 1]) for i in range(n)),
-                     output=(f"layers.{n - 1}.weight", f"layers.{n - 1}.bias"))
+        return chain(
+            *(dense(f"layers.{i}", groups[i], groups[i + 1]) for i in range(n)),
+            output=(f"layers.{n - 1}.weight", f"layers.{n - 1}.bias"),
+        )
 
     @property
     def widths(self) -> list[int]:

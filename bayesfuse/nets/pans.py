@@ -80,8 +80,11 @@ class PositionAware(nn.Module):
         super().__init__()
         self.config = config
         self.n_units = int(n_units)
-        self.register_buffer("encoding", torch.tensor(position_encoding(self.n_units, config),
-                                                      dtype=torch.get_default_dtype()), persistent=False)
+        self.register_buffer(
+            "encoding",
+            torch.tensor(position_encoding(self.n_units, config), dtype=torch.get_default_dtype()),
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] != self.n_units:
@@ -94,8 +97,7 @@ class PositionAware(nn.Module):
         return f"{self.n_units}, mode={c.mode}, T={c.period}, A={c.amplitude}"
 
 
-def shuffle_error(model: nn.Module, x: torch.Tensor, *, seed: int = 0, n_trials: int = 10,
-                  spec=None) -> float:
+def shuffle_error(model: nn.Module, x: torch.Tensor, *, seed: int = 0, n_trials: int = 10, spec=None) -> float:
     """PANs' shuffle test (eq. 8): mean ``||f_shuffled(x) - f(x)||_2 / K`` over inputs and trials.
 
     Every hidden group of the network is permuted uniformly at random (the paper's

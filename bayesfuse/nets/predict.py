@@ -44,6 +44,8 @@ def predictive_proba(model, x: np.ndarray, *, num_samples: int = 100, seed: int 
     if callable(predict) and {"num_samples", "seed"} <= set(inspect.signature(predict).parameters):
         return np.asarray(predict(x, num_samples=num_samples, seed=seed), dtype=np.float64)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"cannot get predictive probabilities from a {type(model).__name__}: give a network, a "
-                        "model with predict(x, num_samples=, seed=) or a fusion result")
+        raise TypeError(
+            f"cannot get predictive probabilities from a {type(model).__name__}: give a network, a "
+            "model with predict(x, num_samples=, seed=) or a fusion result"
+        )
     return predict_proba(model, x)

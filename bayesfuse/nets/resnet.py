@@ -83,8 +83,7 @@ class ResNet(nn.Module):
     def __init__(self, n_features: int, n_classes: int, widths: Sequence[int], blocks: int) -> None:
         super().__init__()
         if blocks < 1 or not widths:
-            raise ValueError(f"a ResNet needs at least one stage and one block per stage, got {list(widths)}, "
-                             f"{blocks}")
+            raise ValueError(f"a ResNet needs at least one stage and one block per stage, got {list(widths)}, {blocks}")
         self.shape = image_shape(n_features)
         widths = [int(w) for w in widths]
         self.stem = nn.Conv2d(self.shape[0], widths[0], 3, padding=1)

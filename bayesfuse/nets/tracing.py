@@ -20,13 +20,35 @@ from bayesfuse.nets.graph_spec import UnsupportedLayerError, spec_from_graph
 __all__ = ["SUPPORTED", "UnsupportedLayerError", "spec_from_module", "spec_with_encodings"]
 
 
-
-
 #: Modules that act within each unit (channel) and so pass a permutation through unchanged.
-_PASSTHROUGH = ("ReLU", "LeakyReLU", "Tanh", "Sigmoid", "GELU", "ELU", "SiLU", "Dropout", "Dropout2d", "Identity",
-                "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d")
-SUPPORTED = ("Linear", "Conv1d", "Conv2d", "BatchNorm1d", "BatchNorm2d", "Flatten", "Unflatten",
-             "PositionAware") + _PASSTHROUGH
+_PASSTHROUGH = (
+    "ReLU",
+    "LeakyReLU",
+    "Tanh",
+    "Sigmoid",
+    "GELU",
+    "ELU",
+    "SiLU",
+    "Dropout",
+    "Dropout2d",
+    "Identity",
+    "MaxPool1d",
+    "MaxPool2d",
+    "AvgPool1d",
+    "AvgPool2d",
+    "AdaptiveAvgPool2d",
+    "AdaptiveMaxPool2d",
+)
+SUPPORTED = (
+    "Linear",
+    "Conv1d",
+    "Conv2d",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "Flatten",
+    "Unflatten",
+    "PositionAware",
+) + _PASSTHROUGH
 
 
 def spec_from_module(model, example_input=None) -> PermutationSpec:
@@ -100,14 +122,15 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
         # pass-through modules keep `current`; PositionAware layers are not permutation-invariant
         # by design (that is what they are for) and have no state_dict entries: the spec records
         # their encodings instead (below).
-    spec = chain(*parts, output=tuple(k for k in (f"{weighted[-1]}.weight", f"{weighted[-1]}.bias")
-                                      if k in dict(model.state_dict())))
+    spec = chain(
+        *parts,
+        output=tuple(k for k in (f"{weighted[-1]}.weight", f"{weighted[-1]}.bias") if k in dict(model.state_dict())),
+    )
     encodings = _traced_encodings(spec, dict(leaves), calls)
     return replace(spec, encodings=encodings) if encodings else spec
 
 
-def spec_with_encodings(model: nn.Module, spec: PermutationSpec | None = None,
-                        example_input=None) -> PermutationSpec:
+def spec_with_encodings(model: nn.Module, spec: PermutationSpec | None = None, example_input=None) -> PermutationSpec:
     """``spec``, or the one traced from ``model``; refuses a spec that misses ``model``'s position encodings.
 
     Matching a network with position-aware layers needs their encodings in the spec (they are
@@ -178,11 +201,13 @@ def _traced_encodings(spec: PermutationSpec, modules: dict, calls: list[str]) ->
                 f"position-aware layer {name!r} follows {before!r}: to be matched it must directly follow a hidden "
                 "Linear/Conv layer or its batch norm"
             )
-        axes = next((spec.axes[f"{before}.{p}"] for p in ("weight", "running_mean") if f"{before}.{p}" in spec.axes),
-                    None)
+        axes = next(
+            (spec.axes[f"{before}.{p}"] for p in ("weight", "running_mean") if f"{before}.{p}" in spec.axes), None
+        )
         if axes is None:
-            raise UnsupportedLayerError(f"position-aware layer {name!r} follows {before!r}, which the spec does not "
-                                        "describe")
+            raise UnsupportedLayerError(
+                f"position-aware layer {name!r} follows {before!r}, which the spec does not describe"
+            )
         if not axes or axes[0] is None:  # on the classes: no permutation moves them, every network has the same
             continue
         group = axes[0].group
@@ -191,4 +216,3 @@ def _traced_encodings(spec: PermutationSpec, modules: dict, calls: list[str]) ->
         c = module.config
         out[group] = Encoding(c.mode, c.period, c.amplitude, after=before)
     return out
-

@@ -22,8 +22,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["LayerGaussians", "select_layer", "layer_gaussians", "entry_names", "check_names", "fused_state",
-           "is_gaussian_export"]
+__all__ = [
+    "LayerGaussians",
+    "select_layer",
+    "layer_gaussians",
+    "entry_names",
+    "check_names",
+    "fused_state",
+    "is_gaussian_export",
+]
 
 
 @dataclass
@@ -131,8 +138,12 @@ def layer_gaussians(result, layer: int | str = 0, *, weight_names: Sequence[str]
         mean, var = getattr(comp, "loc", None), getattr(comp, "var", None)
         if mean is None or var is None or np.shape(var) != np.shape(mean):
             raise TypeError(f"diagonal-Gaussian components are needed, got {type(comp).__name__}")
-        hyper = {"solver": getattr(fused, "solver", None), "cost_scale": getattr(fused, "cost_scale", None),
-                 "n_initial": getattr(fused, "n_initial", None), "family": getattr(comp, "name", type(comp).__name__)}
+        hyper = {
+            "solver": getattr(fused, "solver", None),
+            "cost_scale": getattr(fused, "cost_scale", None),
+            "n_initial": getattr(fused, "n_initial", None),
+            "family": getattr(comp, "name", type(comp).__name__),
+        }
         method, label, layer_hyper = "kl", None, None
     elif hasattr(fused, "mean") and hasattr(fused, "var"):
         mean, var = fused.mean, fused.var
@@ -225,8 +236,9 @@ def check_names(names: Sequence, width: int) -> list[str]:
     return names
 
 
-def entry_names(layer, width: int, n_units: int, *, state: Mapping | None = None,
-                given: Sequence[str] | None = None) -> tuple[list[str], str]:
+def entry_names(
+    layer, width: int, n_units: int, *, state: Mapping | None = None, given: Sequence[str] | None = None
+) -> tuple[list[str], str]:
     """Names of a unit's ``width`` entries and where they came from.
 
     ``given`` names (``"given"``); for a fused horseshoe BNN (``state`` its state_dict)

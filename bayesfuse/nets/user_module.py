@@ -35,22 +35,25 @@ def model_from_reference(ref: str) -> nn.Module:
     """
     where, sep, attribute = ref.rpartition(":")
     if not sep or not where or not attribute.isidentifier():
-        raise ValueError(f"--model {ref!r}: expected MODULE:NAME or FILE.py:NAME, e.g. mynets:ResNet or "
-                         "nets.py:ResNet")
+        raise ValueError(f"--model {ref!r}: expected MODULE:NAME or FILE.py:NAME, e.g. mynets:ResNet or nets.py:ResNet")
     try:
         module = _import(where)
     except Exception as err:  # the user's module failing to import, whatever it raises
-        raise ValueError(f"--model {ref!r}: cannot import {where} ({type(err).__name__}: "
-                         f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
+        raise ValueError(
+            f"--model {ref!r}: cannot import {where} ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+        ) from None
     factory = getattr(module, attribute, None)
     if factory is None or not callable(factory):
         raise ValueError(f"--model {ref!r}: {where} has no class or function {attribute!r}")
     try:
         model = factory()
     except Exception as err:  # a constructor that needs arguments, say
-        raise ValueError(f"--model {ref!r}: {attribute}() failed ({type(err).__name__}: "
-                         f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); name a class or "
-                         "function that builds the network with no arguments") from None
+        raise ValueError(
+            f"--model {ref!r}: {attribute}() failed ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); name a class or "
+            "function that builds the network with no arguments"
+        ) from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {ref!r}: {attribute}() returned a {type(model).__name__}, not an nn.Module")
     return model

@@ -51,8 +51,10 @@ def methods_page() -> str:
         if not keys:
             lines.append("No hyper-parameters.")
             continue
-        lines += ["| key | " + " | ".join(f"default ({k})" for k in m.kinds) + " | allowed | meaning |",
-                  "| --- | " + " | ".join("---" for _ in m.kinds) + " | --- | --- |"]
+        lines += [
+            "| key | " + " | ".join(f"default ({k})" for k in m.kinds) + " | allowed | meaning |",
+            "| --- | " + " | ".join("---" for _ in m.kinds) + " | --- | --- |",
+        ]
         for key in keys:
             defaults = " | ".join(f"`{m.defaults[k][key]!r}`" if key in m.defaults[k] else "" for k in m.kinds)
             lines.append(f"| `{key}` | {defaults} | {_cell(m.constraint(key))} | {_cell(methods.PARAMS[key].help)} |")
@@ -76,21 +78,31 @@ def cli_page() -> str:
 def benchmarks_page() -> str:
     records = sorted(BENCH.glob("bench_*.json"))
     if not records:
-        return ("# Benchmarks\n\nNo benchmark records: run `make bench`, then `make docs-bench` to copy its records "
-                "into `docs/benchmark-results/`.\n")
-    lines = ["# Benchmarks", "",
-             "Each section is one benchmark's smoke run (`make bench`: the embedded digits, one seed, few "
-             "epochs), as `benchmarks/run_all.py` recorded it: the tables it printed, its figures, and the "
-             "machine and date of the run. `make bench-full` runs them at their defaults; "
-             "`benchmarks/README.md` discusses the results.", ""]
+        return (
+            "# Benchmarks\n\nNo benchmark records: run `make bench`, then `make docs-bench` to copy its records "
+            "into `docs/benchmark-results/`.\n"
+        )
+    lines = [
+        "# Benchmarks",
+        "",
+        "Each section is one benchmark's smoke run (`make bench`: the embedded digits, one seed, few "
+        "epochs), as `benchmarks/run_all.py` recorded it: the tables it printed, its figures, and the "
+        "machine and date of the run. `make bench-full` runs them at their defaults; "
+        "`benchmarks/README.md` discusses the results.",
+        "",
+    ]
     for path in records:
         r = json.loads(path.read_text(encoding="utf-8"))
         m = r["machine"]
         name = Path(r["benchmark"]).stem
-        lines += [f"## `{name}`", "",
-                  f"Measured on {m['date']}: {m['cpu']}, {m['cores']} cores, {m['os']}, Python {m['python']}, "
-                  f"torch {m['torch']}; {r['seconds']:.0f} s. Command: "
-                  f"`{' '.join(['python', 'benchmarks/' + r['benchmark'], *r['options']])}`.", ""]
+        lines += [
+            f"## `{name}`",
+            "",
+            f"Measured on {m['date']}: {m['cpu']}, {m['cores']} cores, {m['os']}, Python {m['python']}, "
+            f"torch {m['torch']}; {r['seconds']:.0f} s. Command: "
+            f"`{' '.join(['python', 'benchmarks/' + r['benchmark'], *r['options']])}`.",
+            "",
+        ]
         if r["returncode"] != 0:
             lines += [f"The run failed (exit status {r['returncode']}).", ""]
         lines += ["```text", r["output"].rstrip() or "(no output)", "```", ""]
@@ -98,9 +110,14 @@ def benchmarks_page() -> str:
             source = BENCH / figure
             if source.exists():
                 _write(OUT / "benchmarks" / figure, source.read_bytes())
-                lines += [f"```{{figure}} benchmarks/{figure}", f":alt: {figure}", "",
-                          f"`{figure}`, from `{name}`; measured on {m['date']} ({m['cpu']}, {m['cores']} cores).",
-                          "```", ""]
+                lines += [
+                    f"```{{figure}} benchmarks/{figure}",
+                    f":alt: {figure}",
+                    "",
+                    f"`{figure}`, from `{name}`; measured on {m['date']} ({m['cpu']}, {m['cores']} cores).",
+                    "```",
+                    "",
+                ]
     return "\n".join(lines)
 
 
@@ -120,8 +137,12 @@ def generate(app=None) -> None:
 
 
 def _is_header(lines: list[str], i: int) -> bool:
-    return (i + 1 < len(lines) and lines[i].strip() != "" and set(lines[i + 1].strip()) == {"-"}
-            and len(lines[i + 1].strip()) >= len(lines[i].strip()) - 1)
+    return (
+        i + 1 < len(lines)
+        and lines[i].strip() != ""
+        and set(lines[i + 1].strip()) == {"-"}
+        and len(lines[i + 1].strip()) >= len(lines[i].strip()) - 1
+    )
 
 
 def choosing_sections(app, what, name, obj, options, lines: list[str]) -> None:
@@ -134,7 +155,7 @@ def choosing_sections(app, what, name, obj, options, lines: list[str]) -> None:
     while i < len(lines):
         if _is_header(lines, i) and lines[i].strip().startswith("Choosing"):
             end = next((k for k in range(i + 2, len(lines)) if _is_header(lines, k)), len(lines))
-            extra += ["", f".. rubric:: {lines[i].strip()}", "", *lines[i + 2:end]]
+            extra += ["", f".. rubric:: {lines[i].strip()}", "", *lines[i + 2 : end]]
             del lines[i:end]
         else:
             i += 1
@@ -142,8 +163,10 @@ def choosing_sections(app, what, name, obj, options, lines: list[str]) -> None:
         return
     notes = next((k for k in range(len(lines)) if _is_header(lines, k) and lines[k].strip() == "Notes"), None)
     if notes is None:
-        at = next((k for k in range(len(lines)) if _is_header(lines, k)
-                   and lines[k].strip() in ("References", "Examples")), len(lines))
+        at = next(
+            (k for k in range(len(lines)) if _is_header(lines, k) and lines[k].strip() in ("References", "Examples")),
+            len(lines),
+        )
         lines[at:at] = ["Notes", "-----", *extra, ""]
     else:
         at = next((k for k in range(notes + 2, len(lines)) if _is_header(lines, k)), len(lines))

@@ -34,11 +34,20 @@ def main() -> None:
     from bayesfuse_flower.server_app import RESULTS, make_server_app
     from flwr.simulation import run_simulation
 
-    settings = {"method": args.method, "num-rounds": args.rounds, "num-nodes": args.nodes,
-                "local-epochs": args.local_epochs, "round-epochs": args.round_epochs}
+    settings = {
+        "method": args.method,
+        "num-rounds": args.rounds,
+        "num-nodes": args.nodes,
+        "local-epochs": args.local_epochs,
+        "round-epochs": args.round_epochs,
+    }
     start = time.perf_counter()
-    run_simulation(server_app=make_server_app(settings), client_app=make_client_app(settings),
-                   num_supernodes=args.nodes, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    run_simulation(
+        server_app=make_server_app(settings),
+        client_app=make_client_app(settings),
+        num_supernodes=args.nodes,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
     print(f"{args.method}, {args.nodes} nodes: wall time {time.perf_counter() - start:.1f} s")
     print(json.dumps(RESULTS, indent=2, default=str))
 

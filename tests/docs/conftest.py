@@ -29,7 +29,11 @@ def pytest_collection_modifyitems(config, items):
 def site() -> Path:
     """The built site: ``sphinx -W`` (warnings are errors) into ``docs/_build/html``, as ``make docs``."""
     pytest.importorskip("sphinx", reason="needs the docs extra: pip install -e '.[docs]'")
-    proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS),
-                           str(HTML)], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(HTML)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, f"sphinx -W failed:\n{proc.stderr[-5000:]}"
     return HTML

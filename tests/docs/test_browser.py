@@ -21,8 +21,10 @@ CHROMIUM = os.environ.get("BAYESFUSE_CHROMIUM") or shutil.which("chromium") or s
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright: pip install -e '.[docs]'")
     if CHROMIUM is None:
-        pytest.skip("no chromium on PATH: `make browser` installs Debian's (as root), "
-                    "or set BAYESFUSE_CHROMIUM to a Chromium executable")
+        pytest.skip(
+            "no chromium on PATH: `make browser` installs Debian's (as root), "
+            "or set BAYESFUSE_CHROMIUM to a Chromium executable"
+        )
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         yield b

@@ -16,7 +16,7 @@ def test_the_method_page_lists_every_method_of_the_table_with_its_keys(site):
     for m in methods.METHODS.values():
         assert f'id="method-{m.name}"' in page, m.name
         for key in m.keys():
-            assert f"<code class=\"docutils literal notranslate\"><span class=\"pre\">{key}</span></code>" in page, key
+            assert f'<code class="docutils literal notranslate"><span class="pre">{key}</span></code>' in page, key
 
 
 def test_the_notebooks_are_rendered_with_their_outputs(site):

@@ -67,8 +67,9 @@ def test_an_em_step_never_lowers_the_marginal_given_the_assignments():
 
     def objective(h: BlockHyper) -> float:
         noise, prior, mean = h.expand(blocks, weights)
-        return log_marginal_posterior(fed.layers, fed.assignments, noise_var=noise, prior_var=prior,
-                                      prior_mean=mean, gamma0=h.gamma0)
+        return log_marginal_posterior(
+            fed.layers, fed.assignments, noise_var=noise, prior_var=prior, prior_mean=mean, gamma0=h.gamma0
+        )
 
     values = [objective(hyper)]
     for _ in range(6):
@@ -132,8 +133,9 @@ def _em_step_by_definition(layers, assignments, blocks, weights, hyper, fit):
         for b in range(B):
             cols = blocks == b
             out.prior_mean[b] = mean[:, cols].mean()
-            out.prior_var[b] = max(np.sum((mean[:, cols] - out.prior_mean[b]) ** 2 + var[:, cols]) / (K * cols.sum()),
-                                   1e-8)
+            out.prior_var[b] = max(
+                np.sum((mean[:, cols] - out.prior_mean[b]) ** 2 + var[:, cols]) / (K * cols.sum()), 1e-8
+            )
     if "gamma0" in fit:
         out.gamma0 = K / np.sum(1.0 / np.arange(1, J + 1))
     return out
@@ -153,8 +155,12 @@ def test_em_from_sufficient_statistics_equals_the_definition(fit):
     weights = rng.uniform(0.3, 2.0, size=(J, D))
     weights[1, :3] = 0.0
     weights[4] = 1.0
-    hyper = BlockHyper(prior_var=np.array([2.0, 0.5, 1.0]), noise_var=np.array([0.3, 0.1, 0.02]),
-                       prior_mean=np.array([4.0, 5.5, 0.0]), gamma0=1.5)
+    hyper = BlockHyper(
+        prior_var=np.array([2.0, 0.5, 1.0]),
+        noise_var=np.array([0.3, 0.1, 0.02]),
+        prior_mean=np.array([4.0, 5.5, 0.0]),
+        gamma0=1.5,
+    )
     want = _em_step_by_definition(layers, assignments, blocks, weights, hyper, fit)
     shift = rng.normal(size=(len(used), D)) + 5.0
     for stats in (atom_statistics(layers, assignments, weights), atom_statistics(layers, assignments, weights, shift)):
@@ -205,8 +211,9 @@ def _weighted_federation(seed: int):
 
 def _log_marginal(layers, assignments, blocks, weights, hyper: BlockHyper) -> float:
     noise, prior, mean = hyper.expand(blocks, weights)
-    return log_marginal_posterior(layers, assignments, noise_var=noise, prior_var=prior, prior_mean=mean,
-                                  gamma0=hyper.gamma0)
+    return log_marginal_posterior(
+        layers, assignments, noise_var=noise, prior_var=prior, prior_mean=mean, gamma0=hyper.gamma0
+    )
 
 
 def test_block_marginal_differences_are_those_of_the_log_marginal_posterior():
@@ -215,8 +222,12 @@ def test_block_marginal_differences_are_those_of_the_log_marginal_posterior():
     # neurons themselves) changes by. Round-off: a few ulps of |log p| ~ 1e2.
     layers, assignments, blocks, weights = _weighted_federation(30)
     stats = atom_statistics(layers, assignments, weights)
-    base = BlockHyper(prior_var=np.array([1.0, 0.5, 2.0]), noise_var=np.array([0.1, 0.2, 0.05]),
-                      prior_mean=np.array([3.0, 2.5, 0.0]), gamma0=2.0)
+    base = BlockHyper(
+        prior_var=np.array([1.0, 0.5, 2.0]),
+        noise_var=np.array([0.1, 0.2, 0.05]),
+        prior_mean=np.array([3.0, 2.5, 0.0]),
+        gamma0=2.0,
+    )
     rng = np.random.default_rng(31)
     both = np.array([True, True])
     for b in range(3):
@@ -226,10 +237,15 @@ def test_block_marginal_differences_are_those_of_the_log_marginal_posterior():
             moved.noise_var[b] *= rng.uniform(0.3, 3.0)
             moved.prior_var[b] *= rng.uniform(0.3, 3.0)
             moved.prior_mean[b] += rng.normal()
-            f = [-_block_marginal(np.log([h.noise_var[b], h.prior_var[b]]), both, np.zeros(2), summary,
-                                  float(h.prior_mean[b]))[0] for h in (base, moved)]
-            want = (_log_marginal(layers, assignments, blocks, weights, moved)
-                    - _log_marginal(layers, assignments, blocks, weights, base))
+            f = [
+                -_block_marginal(
+                    np.log([h.noise_var[b], h.prior_var[b]]), both, np.zeros(2), summary, float(h.prior_mean[b])
+                )[0]
+                for h in (base, moved)
+            ]
+            want = _log_marginal(layers, assignments, blocks, weights, moved) - _log_marginal(
+                layers, assignments, blocks, weights, base
+            )
             assert f[1] - f[0] == pytest.approx(want, rel=1e-9, abs=1e-9)
 
 
@@ -243,8 +259,14 @@ def test_block_marginal_gradient_is_the_derivative():
         grad = _block_marginal(x, both, np.zeros(2), summary, 2.0)[1]
         # central differences: truncation O(eps^2) ~ 1e-12, round-off ~ 1e-16 |f| / eps ~ 1e-8
         eps = 1e-6
-        fd = [(_block_marginal(x + e, both, np.zeros(2), summary, 2.0)[0]
-               - _block_marginal(x - e, both, np.zeros(2), summary, 2.0)[0]) / (2 * eps) for e in np.eye(2) * eps]
+        fd = [
+            (
+                _block_marginal(x + e, both, np.zeros(2), summary, 2.0)[0]
+                - _block_marginal(x - e, both, np.zeros(2), summary, 2.0)[0]
+            )
+            / (2 * eps)
+            for e in np.eye(2) * eps
+        ]
         np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-6)
 
 
@@ -256,8 +278,12 @@ def test_maximise_hyper_is_where_em_converges_and_no_em_step_climbs_higher(fit):
     # one more EM step from the maximiser cannot raise the marginal.
     layers, assignments, blocks, weights = _weighted_federation(33)
     stats = atom_statistics(layers, assignments, weights)
-    start = BlockHyper(prior_var=np.array([2.0, 0.5, 1.0]), noise_var=np.array([0.3, 0.1, 0.02]),
-                       prior_mean=np.array([2.0, 2.5, 0.0]), gamma0=1.5)
+    start = BlockHyper(
+        prior_var=np.array([2.0, 0.5, 1.0]),
+        noise_var=np.array([0.3, 0.1, 0.02]),
+        prior_mean=np.array([2.0, 2.5, 0.0]),
+        gamma0=1.5,
+    )
     best = maximise_hyper(stats, blocks, start, fit=fit)
     em = start
     for _ in range(3000):
@@ -301,15 +327,27 @@ def test_auto_rounds_climb_and_end_at_a_fixed_point():
     obj = np.array(res.objective)
     assert np.all(np.diff(obj) >= -1e-9 * np.abs(obj[:-1])), obj
     weights = np.ones((10, 30))
-    hyper = BlockHyper(np.array(res.hyper["prior_var"]), np.array(res.hyper["noise_var"]),
-                       np.array(res.hyper["prior_mean"]), res.hyper["gamma0"])
+    hyper = BlockHyper(
+        np.array(res.hyper["prior_var"]),
+        np.array(res.hyper["noise_var"]),
+        np.array(res.hyper["prior_mean"]),
+        res.hyper["gamma0"],
+    )
     again = maximise_hyper(atom_statistics(fed.layers, res.assignments, weights), blocks, hyper)
     for key in ("noise_var", "prior_var", "prior_mean"):
         np.testing.assert_allclose(getattr(again, key), getattr(hyper, key), rtol=1e-5, atol=1e-9)
     assert again.gamma0 == pytest.approx(hyper.gamma0, rel=1e-12)
     noise, prior, mean = hyper.expand(blocks, weights)
-    fixed = match_neurons(fed.layers, noise_var=noise, prior_var=prior, prior_mean=mean, gamma0=hyper.gamma0,
-                          cost="marginal", init=res.assignments, seed=1)
+    fixed = match_neurons(
+        fed.layers,
+        noise_var=noise,
+        prior_var=prior,
+        prior_mean=mean,
+        gamma0=hyper.gamma0,
+        cost="marginal",
+        init=res.assignments,
+        seed=1,
+    )
     assert fixed.n_sweeps == 1 and _partition_key(fixed.assignments) == _partition_key(res.assignments)
 
 
@@ -325,8 +363,12 @@ def test_blocked_statistics_and_in_place_posterior_are_the_same_numbers():
             part = atom_statistics(layers, assignments, weights, s, max_elements=max_elements)
             for key in ("weight", "mean", "scatter", "counts", "n_seen"):
                 np.testing.assert_array_equal(getattr(part, key), getattr(whole, key))
-    hyper = BlockHyper(prior_var=np.array([2.0, 0.5, 1.0]), noise_var=np.array([0.3, 0.1, 0.02]),
-                       prior_mean=np.array([2.0, 2.5, 0.0]), gamma0=1.5)
+    hyper = BlockHyper(
+        prior_var=np.array([2.0, 0.5, 1.0]),
+        noise_var=np.array([0.3, 0.1, 0.02]),
+        prior_mean=np.array([2.0, 2.5, 0.0]),
+        gamma0=1.5,
+    )
     want = atom_posterior(atom_statistics(layers, assignments, weights), blocks, hyper)
     got = atom_posterior(atom_statistics(layers, assignments, weights), blocks, hyper, overwrite=True)
     for a, b in zip(got, want):
@@ -339,8 +381,9 @@ def test_maximise_hyper_from_the_variance_floor_stays_finite():
     # trial step overflows, and its second start (the moments) finds what a start at 1 finds.
     layers, assignments, blocks, weights = _weighted_federation(37)
     stats = atom_statistics(layers, assignments, weights)
-    start = BlockHyper(prior_var=np.full(3, 1e-8), noise_var=np.array([0.3, 0.1, 0.02]),
-                       prior_mean=np.zeros(3), gamma0=1.5)
+    start = BlockHyper(
+        prior_var=np.full(3, 1e-8), noise_var=np.array([0.3, 0.1, 0.02]), prior_mean=np.zeros(3), gamma0=1.5
+    )
     best = maximise_hyper(stats, blocks, start)
     other = maximise_hyper(stats, blocks, BlockHyper(np.ones(3), np.full(3, 0.1), np.zeros(3), 1.5))
     assert np.all(np.isfinite(best.prior_var)) and np.all(np.isfinite(best.noise_var))

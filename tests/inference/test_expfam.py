@@ -34,8 +34,12 @@ def make(family, n, rng=RNG, d=3):
     if family is FullNormal:
         return FullNormal(loc=rng.normal(size=(n, d)), cov=_spd(n, d, rng) / d)
     if family is NormalWishart:
-        return NormalWishart(mean=rng.normal(size=(n, d)), kappa=rng.uniform(0.5, 3, n),
-                             dof=rng.uniform(d + 1, d + 6, n), scale=_spd(n, d, rng) / (3 * d))
+        return NormalWishart(
+            mean=rng.normal(size=(n, d)),
+            kappa=rng.uniform(0.5, 3, n),
+            dof=rng.uniform(d + 1, d + 6, n),
+            scale=_spd(n, d, rng) / (3 * d),
+        )
     if family is Gamma:
         return Gamma(shape=rng.uniform(0.5, 4, size=(n, d)), rate=rng.uniform(0.5, 3, size=(n, d)))
     if family is Beta:
@@ -69,8 +73,9 @@ def test_kl_matrix_matches_torch(family):
 
 def _nw_logpdf(q, i, mu, lam):
     cov = np.linalg.inv(q.kappa[i] * lam)
-    return (stats.wishart.logpdf(lam, df=q.dof[i], scale=q.scale[i])
-            + stats.multivariate_normal.logpdf(mu, q.mean[i], cov))
+    return stats.wishart.logpdf(lam, df=q.dof[i], scale=q.scale[i]) + stats.multivariate_normal.logpdf(
+        mu, q.mean[i], cov
+    )
 
 
 def test_normal_wishart_kl_by_monte_carlo():
@@ -100,9 +105,12 @@ def _roundoff_bound(qa, qb):
     """
     eta_a, eta_b = qa.natural(), qb.natural()
     mu_a = np.abs(qa.mean_params(eta_a, qa.event_shape))
-    size = (np.abs(qb.log_normalizer(eta_b, qb.event_shape))[None, :]
-            + np.abs(qa.log_normalizer(eta_a, qa.event_shape))[:, None]
-            + mu_a @ np.abs(eta_b).T + (mu_a * np.abs(eta_a)).sum(1)[:, None])
+    size = (
+        np.abs(qb.log_normalizer(eta_b, qb.event_shape))[None, :]
+        + np.abs(qa.log_normalizer(eta_a, qa.event_shape))[:, None]
+        + mu_a @ np.abs(eta_b).T
+        + (mu_a * np.abs(eta_a)).sum(1)[:, None]
+    )
     return (2 * eta_a.shape[1] + 2) * np.finfo(float).eps * size
 
 

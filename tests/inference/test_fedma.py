@@ -65,8 +65,9 @@ def test_fedma_output_layer_is_the_class_proportion_weighted_average():
     np.testing.assert_allclose(res.state_dict["layers.1.weight"], expected_w, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(res.state_dict["layers.1.bias"], (shares * b).sum(0), rtol=1e-12, atol=1e-15)
     # class 0: clients 0 and 2 only, 10:2 (client 1 has none of it and does not count)
-    np.testing.assert_allclose(res.state_dict["layers.1.weight"][0], (10 * W[0, 0] + 2 * W[2, 0]) / 12,
-                               rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(
+        res.state_dict["layers.1.weight"][0], (10 * W[0, 0] + 2 * W[2, 0]) / 12, rtol=1e-12, atol=1e-15
+    )
     # without class counts, the plain average of the retrained clients
     update, written = _retrained_outputs(3, seed=10)
     plain = fedma(fed.states, spec, update)
@@ -94,8 +95,9 @@ def test_scale_outputs_multiplies_each_global_units_columns_by_its_share():
     # One-shot matching's output weighting (match_layerwise, average_outputs): the outgoing
     # weights of global unit g times m_g / J. With inner = 2 (two flattened positions per unit,
     # as after a convolution) unit g owns columns 2g and 2g + 1.
-    spec = PermutationSpec({"out.weight": (None, Axis("P", inner=2)), "out.bias": (None,)}, ("P",),
-                           output=("out.weight", "out.bias"))
+    spec = PermutationSpec(
+        {"out.weight": (None, Axis("P", inner=2)), "out.bias": (None,)}, ("P",), output=("out.weight", "out.bias")
+    )
     rng = np.random.default_rng(0)
     w, bias = rng.normal(size=(3, 8)), rng.normal(size=3)
     m, J = np.array([1, 4, 2, 3]), 4

@@ -18,8 +18,9 @@ def _clients(seed=0, n_true=8, sizes=(4, 5, 3), dim=6, noise=0.05, var_spread=0.
     posteriors, truth = [], []
     for j, L in enumerate(sizes):
         idx = rng.choice(n_true, L, replace=False)
-        posteriors.append(DiagNormal(loc=loc[idx] + noise * rng.normal(size=(L, dim)),
-                                     var=var[idx] * (1 + var_spread * j)))
+        posteriors.append(
+            DiagNormal(loc=loc[idx] + noise * rng.normal(size=(L, dim)), var=var[idx] * (1 + var_spread * j))
+        )
         truth.append(idx)
     return (posteriors, truth, loc, var) if with_truth else (posteriors, truth)
 
@@ -60,8 +61,11 @@ def test_recovers_the_shared_components(solver):
         assert np.abs(res.components.loc[g] - loc[t]).max() < 5 * sd
     # the objective (eq. 9) of the last step, against its closed form at the returned solution:
     # KL costs scaled by cost_scale plus reg * sum_g sqrt(m_g) (the L2,2,1 norm of binary P).
-    costs = [_kl_diag_normal(res.components.loc[None], res.components.var[None], q.loc[:, None], q.var[:, None])
-             / res.cost_scale for q in posteriors]
+    costs = [
+        _kl_diag_normal(res.components.loc[None], res.components.var[None], q.loc[:, None], q.var[:, None])
+        / res.cost_scale
+        for q in posteriors
+    ]
     binary = [np.eye(res.n_components)[a] for a in res.assignments]
     closed = sum((c * b).sum() for c, b in zip(costs, binary)) + 0.1 * np.sqrt(np.vstack(binary).sum(0)).sum()
     # The solver's P is binary only to its tolerance. The barycenters minimise the objective in
@@ -104,8 +108,9 @@ def test_homogeneous_mode_matches_permuted_copies_and_averages():
     clients = []
     for j in range(3):
         perm = rng.permutation(L)
-        clients.append(DiagNormal(loc=loc[perm] + 0.01 * rng.normal(size=(L, dim)),
-                                  var=np.full((L, dim), 0.1 * (j + 1))))
+        clients.append(
+            DiagNormal(loc=loc[perm] + 0.01 * rng.normal(size=(L, dim)), var=np.full((L, dim), 0.1 * (j + 1)))
+        )
     res = kl_fuse(clients, mode="homogeneous")
     assert res.n_components == L and res.solver == "hungarian"
     # Barycenter of matched Gaussians: precision-weighted mean, precisions averaged.
@@ -183,8 +188,12 @@ def _random_clients(seed):
     for _ in range(n_clients):
         size = rng.integers(1, n_true + 1)
         idx = rng.choice(n_true, size, replace=False)
-        posteriors.append(DiagNormal(loc=loc[idx] + noise * rng.normal(size=(size, dim)),
-                                     var=var[idx] * np.exp(0.3 * rng.normal(size=(size, dim)))))
+        posteriors.append(
+            DiagNormal(
+                loc=loc[idx] + noise * rng.normal(size=(size, dim)),
+                var=var[idx] * np.exp(0.3 * rng.normal(size=(size, dim))),
+            )
+        )
     return posteriors
 
 
@@ -332,7 +341,10 @@ def test_variances_beyond_it_are_refused_naming_client_component_and_value(value
     var = np.ones((4, 5))
     var[2, 3] = value
     clients[1] = DiagNormal(loc=np.zeros((4, 5)), var=var)
-    with pytest.raises(ValueError, match=rf"client 1's variance {re.escape(f'{value:g}')} \(component 2, coordinate 3\) is "
-                                         rf".* than the clients' median variance 1: kl_fuse needs"):
+    with pytest.raises(
+        ValueError,
+        match=rf"client 1's variance {re.escape(f'{value:g}')} \(component 2, coordinate 3\) is "
+        rf".* than the clients' median variance 1: kl_fuse needs",
+    ):
         kl_fuse(clients)
     assert klfusion.MAX_VARIANCE_RATIO == 1e15

@@ -27,11 +27,14 @@ def _shuffled_copies(model: nn.Module, x: torch.Tensor, n: int) -> list[nn.Modul
     return copies
 
 
-@pytest.mark.parametrize("make, n_in", [
-    (lambda: MLP(10, [9, 8, 7], 4), 10),
-    (lambda: make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 64),
-    (lambda: LSTMClassifier(36, 3, hidden=8), 36),
-])
+@pytest.mark.parametrize(
+    "make, n_in",
+    [
+        (lambda: MLP(10, [9, 8, 7], 4), 10),
+        (lambda: make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 64),
+        (lambda: LSTMClassifier(36, 3, hidden=8), 36),
+    ],
+)
 @pytest.mark.parametrize("method", ["pfnm", "nafi"])
 def test_shuffled_copies_of_a_deep_net_fuse_back_to_its_function(make, n_in, method):
     model = randomise(make(), 0)
@@ -62,8 +65,16 @@ def test_bottom_up_recovers_every_layer_of_a_simulated_deep_federation(cost, noi
     fed = simulate_deep_federation(10, 100, 2, 10, gamma0=30.0, noise_var=0.01, seed=0)
     spec = MLP(1, [1, 1], 1).permutation_spec()
     # the simulation is the BBP model: a client's unit sees only its own inputs of the atom
-    res = match_layerwise(fed.states, spec, cost=cost, noise_var=noise_var, prior_var=1.0, gamma0=30.0,
-                          bias_prior_mean=0.0, absent="unobserved")
+    res = match_layerwise(
+        fed.states,
+        spec,
+        cost=cost,
+        noise_var=noise_var,
+        prior_var=1.0,
+        gamma0=30.0,
+        bias_prior_mean=0.0,
+        absent="unobserved",
+    )
     for n, group in enumerate(spec.groups):
         true_atoms = fed.atoms[n].shape[0]
         acc = assignment_accuracy(fed.assignments[n], res.layers[group].assignments)
@@ -76,8 +87,9 @@ def test_tol_reaches_every_layer_and_zero_sweeps_to_the_fixed_point():
     # nothing, and a larger one takes the same sweeps up to where it stops.
     fed = simulate_deep_federation(10, 40, 2, 10, gamma0=20.0, noise_var=0.05, seed=1)
     spec = MLP(1, [1, 1], 1).permutation_spec()
-    runs = {tol: match_layerwise(fed.states, spec, tol=tol, absent="unobserved", bias_prior_mean=0.0)
-            for tol in (0.0, 0.3)}
+    runs = {
+        tol: match_layerwise(fed.states, spec, tol=tol, absent="unobserved", bias_prior_mean=0.0) for tol in (0.0, 0.3)
+    }
     for group in spec.groups:
         fixed, early = runs[0.0].layers[group], runs[0.3].layers[group]
         assert fixed.hyper["tol"] == 0.0 and early.hyper["tol"] == 0.3
@@ -106,8 +118,14 @@ def test_absent_inputs_in_the_cost_and_in_the_global_weights():
     b_w[:, 2] *= 0.1  # small enough that reading client 1's absent weights as 0 still matches
     c_w, c_b = rng.normal(size=(2, 2)), rng.normal(size=2)
     full = {"a.weight": a_w, "a.bias": a_b, "b.weight": b_w, "b.bias": b_b, "c.weight": c_w, "c.bias": c_b}
-    part = {"a.weight": a_w[:2], "a.bias": a_b[:2], "b.weight": b_w[:, :2] + 0.5, "b.bias": b_b,
-            "c.weight": c_w, "c.bias": c_b}
+    part = {
+        "a.weight": a_w[:2],
+        "a.bias": a_b[:2],
+        "b.weight": b_w[:, :2] + 0.5,
+        "b.bias": b_b,
+        "c.weight": c_w,
+        "c.bias": c_b,
+    }
     res = match_layerwise([full, part], spec, prior_var=1e8, noise_var=1.0, bias_prior_mean=0.0, absent="unobserved")
     assert res.sizes == {"P": 3, "Q": 2}
     p_order = np.argsort(res.layers["P"].assignments[0])  # global P unit -> client 0's unit
@@ -196,8 +214,9 @@ def test_matched_average_is_the_plain_mean_of_matched_units():
     model = randomise(MLP(10, [9, 8], 4), 2)
     copies = _shuffled_copies(model, torch.randn(4, 10), 3)
     spec = spec_from_module(model)
-    res = match_layerwise([_np(m) for m in copies], spec, noise_var=1.0, prior_var=0.5, gamma0=1.0,
-                          global_weights="average")
+    res = match_layerwise(
+        [_np(m) for m in copies], spec, noise_var=1.0, prior_var=0.5, gamma0=1.0, global_weights="average"
+    )
     ref = _np(model)
     # identical copies: the average is the original whatever the prior (the posterior mean would shrink it)
     for k in ("layers.0.weight", "layers.0.bias", "layers.1.weight"):
@@ -212,12 +231,24 @@ def test_nafi_penalty_is_per_coordinate():
     from bayesfuse.inference.matching import match_neurons
 
     fed = simulate_deep_federation(4, 12, 1, 3, gamma0=3.0, noise_var=0.05, seed=3)
-    spec = chain(dense("layers.0", None, "P1"), dense("layers.1", "P1", None),
-                 output=["layers.1.weight", "layers.1.bias"])
-    result, _ = match_group(fed.states, spec, "P1", {}, noise_var=0.05, prior_var=1.0, gamma0=3.0, kl_weight=5.0,
-                            bias_prior_mean=0.0, seed=0)
-    rows = [np.hstack([sd["layers.0.weight"], sd["layers.0.bias"][:, None], sd["layers.1.weight"].T])
-            for sd in fed.states]
+    spec = chain(
+        dense("layers.0", None, "P1"), dense("layers.1", "P1", None), output=["layers.1.weight", "layers.1.bias"]
+    )
+    result, _ = match_group(
+        fed.states,
+        spec,
+        "P1",
+        {},
+        noise_var=0.05,
+        prior_var=1.0,
+        gamma0=3.0,
+        kl_weight=5.0,
+        bias_prior_mean=0.0,
+        seed=0,
+    )
+    rows = [
+        np.hstack([sd["layers.0.weight"], sd["layers.0.bias"][:, None], sd["layers.1.weight"].T]) for sd in fed.states
+    ]
     D = rows[0].shape[1]
     direct = match_neurons(rows, noise_var=0.05, prior_var=1.0, gamma0=3.0, kl_weight=5.0 / D, seed=0)
     assert [a.tolist() for a in result.assignments] == [a.tolist() for a in direct.assignments]
@@ -232,12 +263,15 @@ def test_a_numeric_noise_var_beside_auto_keys_is_the_noise_variance():
     from bayesfuse.inference.matching import match_neurons
 
     fed = simulate_deep_federation(4, 12, 1, 3, gamma0=3.0, noise_var=0.05, seed=3)
-    spec = chain(dense("layers.0", None, "P1"), dense("layers.1", "P1", None),
-                 output=["layers.1.weight", "layers.1.bias"])
-    result, _ = match_group(fed.states, spec, "P1", {}, noise_var=0.05, prior_var="auto", gamma0="auto",
-                            bias_prior_mean=0.0, seed=0)
-    rows = [np.hstack([sd["layers.0.weight"], sd["layers.0.bias"][:, None], sd["layers.1.weight"].T])
-            for sd in fed.states]
+    spec = chain(
+        dense("layers.0", None, "P1"), dense("layers.1", "P1", None), output=["layers.1.weight", "layers.1.bias"]
+    )
+    result, _ = match_group(
+        fed.states, spec, "P1", {}, noise_var=0.05, prior_var="auto", gamma0="auto", bias_prior_mean=0.0, seed=0
+    )
+    rows = [
+        np.hstack([sd["layers.0.weight"], sd["layers.0.bias"][:, None], sd["layers.1.weight"].T]) for sd in fed.states
+    ]
     d_in, k = fed.states[0]["layers.0.weight"].shape[1], fed.states[0]["layers.1.weight"].shape[0]
     blocks = np.repeat([0, 1, 2], [d_in, 1, k])
     direct = match_neurons(rows, noise_var=0.05, prior_var="auto", gamma0="auto", blocks=blocks, seed=0)
@@ -261,8 +295,9 @@ def test_batch_norms_fold_with_their_own_eps(eps):
     copies = _shuffled_copies(model, x, 3)
     spec = spec_from_module(model, x[:2])
     assert all(spec.batchnorm_eps(bn) == eps for bn in spec.folds)
-    fused = match_layerwise([_np(m) for m in copies], spec, noise_var=1.0, prior_var=1e8, gamma0=1.0,
-                            global_weights="average")
+    fused = match_layerwise(
+        [_np(m) for m in copies], spec, noise_var=1.0, prior_var=1e8, gamma0=1.0, global_weights="average"
+    )
     net = rebuild(model, {k: torch.as_tensor(v) for k, v in fused.state_dict.items()}).eval()
     with torch.no_grad():
         torch.testing.assert_close(net(x), model(x), rtol=1e-5, atol=1e-5)
@@ -348,8 +383,12 @@ def test_float32_clients_fuse_as_their_float64_copies():
     states = []
     for s in range(3):
         perms = random_permutations(spec.sizes(_np(model)), np.random.default_rng(200 + s))
-        states.append({k: (v + 0.05 * rng.normal(size=v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
-                       for k, v in permute(_np(model), spec, perms).items()})
+        states.append(
+            {
+                k: (v + 0.05 * rng.normal(size=v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
+                for k, v in permute(_np(model), spec, perms).items()
+            }
+        )
     assert all(v.dtype == np.float32 for sd in states for v in sd.values() if v.dtype.kind == "f")
     as64 = [{k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in sd.items()} for sd in states]
     for options in (dict(), dict(global_weights="posterior"), dict(absent="unobserved")):

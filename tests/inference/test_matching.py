@@ -33,8 +33,9 @@ def _kl_gauss_diag(mu_x, var_x, mu_y, var_y):
     sx, sy = np.diag(var_x), np.diag(var_y)
     sy_inv = np.linalg.inv(sy)
     d = mu_y - mu_x
-    return 0.5 * (np.trace(sy_inv @ sx) + d @ sy_inv @ d - len(mu_x)
-                  + np.linalg.slogdet(sy)[1] - np.linalg.slogdet(sx)[1])
+    return 0.5 * (
+        np.trace(sy_inv @ sx) + d @ sy_inv @ d - len(mu_x) + np.linalg.slogdet(sy)[1] - np.linalg.slogdet(sx)[1]
+    )
 
 
 def _loop_cost(v, p, h, lam, m, prior, J, cost, kl_weight):
@@ -51,7 +52,11 @@ def _loop_cost(v, p, h, lam, m, prior, J, cost, kl_weight):
             new_h, new_l = hi + pd * v[l], li + pd
             quad = np.sum(new_h**2 / new_l) - np.sum(hi**2 / li)
             if cost == "pfnm":
-                prior_term = 2 * math.log(mi / (J - mi)) if col < G else 2 * math.log(prior.gamma0 / J) - 2 * math.log(col - G + 1)
+                prior_term = (
+                    2 * math.log(mi / (J - mi))
+                    if col < G
+                    else 2 * math.log(prior.gamma0 / J) - 2 * math.log(col - G + 1)
+                )
                 score = quad + prior_term
             else:
                 prior_term = math.log(mi / (J - mi)) if col < G else math.log(prior.gamma0 / J)
@@ -127,8 +132,7 @@ def test_two_clients_global_optimum_by_brute_force():
     layers = [atoms[[0, 1, 2]] + 0.3 * rng.normal(size=(3, 3)), atoms[[2, 3, 0]] + 0.3 * rng.normal(size=(3, 3))]
     hyper = dict(noise_var=0.1, prior_var=1.0, gamma0=1.0)
     best = max(
-        log_marginal_posterior(layers, _with_client([np.arange(3), None], 1, c, 3), **hyper)
-        for c in _candidates(3, 3)
+        log_marginal_posterior(layers, _with_client([np.arange(3), None], 1, c, 3), **hyper) for c in _candidates(3, 3)
     )
     res = match_neurons(layers, cost="marginal", seed=0, **hyper)
     assert res.objective[-1] == pytest.approx(best, rel=1e-12)
@@ -247,9 +251,11 @@ def test_tol_stops_at_the_first_sweep_that_gains_less_than_tol_per_neuron(kind):
     # empirical-Bayes rounds run out and a last matching follows: its first sweep's gain counts
     # against the last round's objective.
     fed = simulate_federation(30, 6, gamma0=10.0, prior_var=1.0, noise_var=0.5, seed=1)
-    kw = {"fixed": dict(noise_var=0.5, prior_var=1.0, gamma0=10.0, cost="marginal", n_iter=50, seed=0),
-          "empirical-bayes": dict(seed=0),
-          "empirical-bayes, then a last matching": dict(seed=0, rounds=2, n_iter=50)}[kind]
+    kw = {
+        "fixed": dict(noise_var=0.5, prior_var=1.0, gamma0=10.0, cost="marginal", n_iter=50, seed=0),
+        "empirical-bayes": dict(seed=0),
+        "empirical-bayes, then a last matching": dict(seed=0, rounds=2, n_iter=50),
+    }[kind]
     full = match_neurons(fed.layers, tol=0, **kw)
     assert full.converged and not full.hyper["stopped"]
     # rounds=2: 0.05 is between the rounds' gain (0.27 per neuron) and the last matching's first (0.04)
@@ -363,8 +369,11 @@ def _log_joint_by_hand(layers, assignments, local_vars, *, noise_var, prior_var,
             cov = prior_var * np.ones((len(group), len(group))) + np.diag(noise_var + local)
             total += stats.multivariate_normal.logpdf(x, np.zeros(len(group)), cov)
     harmonic = sum(1.0 / j for j in range(1, J + 1))
-    ibp = len(members) * math.log(gamma0) - gamma0 * harmonic + sum(
-        math.lgamma(len(g)) + math.lgamma(J - len(g) + 1) - math.lgamma(J + 1) for g in members.values())
+    ibp = (
+        len(members) * math.log(gamma0)
+        - gamma0 * harmonic
+        + sum(math.lgamma(len(g)) + math.lgamma(J - len(g) + 1) - math.lgamma(J + 1) for g in members.values())
+    )
     return total + ibp - sum(math.lgamma(len(v) + 1) for v in layers)
 
 
@@ -402,7 +411,8 @@ def _per_coordinate(prec, prior):
     groups = prior.groups
     full = _Groups.each(prior.dim)
     return [np.ascontiguousarray(groups.expand(p)) for p in prec], replace(
-        prior, lam0=np.ascontiguousarray(groups.expand(prior.lam0[None, :])[0]), groups=full)
+        prior, lam0=np.ascontiguousarray(groups.expand(prior.lam0[None, :])[0]), groups=full
+    )
 
 
 def _grouped_setup(rng, J, D, kind):
@@ -424,8 +434,14 @@ def test_groups_sums_and_expansions_match_the_definition():
     rng = np.random.default_rng(10)
     D = 30
     x = rng.normal(size=(7, D))
-    for index in (np.zeros(D, int), np.repeat([1, 0, 2], [10, 5, 15]), rng.integers(0, 4, size=D),
-                  rng.permutation(np.arange(D) % 25), np.arange(D), rng.integers(0, 70, size=D)):
+    for index in (
+        np.zeros(D, int),
+        np.repeat([1, 0, 2], [10, 5, 15]),
+        rng.integers(0, 4, size=D),
+        rng.permutation(np.arange(D) % 25),
+        np.arange(D),
+        rng.integers(0, 70, size=D),
+    ):
         index = np.unique(index, return_inverse=True)[1].reshape(-1)  # groups 0..B-1, each used
         groups = _Groups(index, int(index.max()) + 1)
         want = np.stack([x[:, index == b].sum(1) for b in range(groups.n)], axis=1)
@@ -465,7 +481,8 @@ def test_grouped_cost_equals_the_per_coordinate_cost(kind, cost, kl_weight):
     # and the objective
     assert _objective(h, lam, m, prior) == pytest.approx(_objective(hf, lamf, mf, full_prior), rel=1e-12)
     assert _data_constant(layers_c, prec, prior.groups) == pytest.approx(
-        _data_constant(layers_c, full_prec, full_prior.groups), rel=1e-12)
+        _data_constant(layers_c, full_prec, full_prior.groups), rel=1e-12
+    )
 
 
 def _dense_solution(C, n_existing):
@@ -478,8 +495,11 @@ def _dense_solution(C, n_existing):
 
 def _cost_of(out, old, new, steps):
     n_new = int((out < 0).sum())
-    return old[out[out >= 0], np.flatnonzero(out >= 0)].sum() + new[out < 0].sum() + (
-        0.0 if steps is None else steps[:n_new].sum())
+    return (
+        old[out[out >= 0], np.flatnonzero(out >= 0)].sum()
+        + new[out < 0].sum()
+        + (0.0 if steps is None else steps[:n_new].sum())
+    )
 
 
 @pytest.mark.parametrize("cost", ["pfnm", "marginal"])
@@ -543,8 +563,9 @@ def test_float32_screen_finds_exactly_the_negative_pairs(grouped, separated, mon
     alone = (np.bincount(atoms, minlength=len(m))[atoms] == 1) & (np.bincount(neurons, minlength=L)[neurons] == 1)
     np.testing.assert_allclose(values[~alone], R[atoms[~alone], neurons[~alone]], rtol=1e-10)
     assert np.all(values[alone] >= R[atoms[alone], neurons[alone]] - 1e-9) and np.all(values < 0)
-    np.testing.assert_array_equal(_assign_negative(atoms, neurons, values, len(m), L),
-                                  _assign(old.copy(), new, None)[0])
+    np.testing.assert_array_equal(
+        _assign_negative(atoms, neurons, values, len(m), L), _assign(old.copy(), new, None)[0]
+    )
 
 
 def test_float32_screen_bound_holds_for_adversarial_magnitudes(monkeypatch):
@@ -587,8 +608,9 @@ def test_the_initial_atoms_from_em_statistics_are_the_posterior():
     blocks = np.repeat([0, 1], [6, 3])
     weights = rng.uniform(0.5, 2.0, size=(J, D))
     weights[2, 7:] = 0.0
-    hyper = BlockHyper(prior_var=np.array([1.5, 0.7]), noise_var=np.array([0.2, 0.05]),
-                       prior_mean=np.array([0.1, -0.3]), gamma0=2.0)
+    hyper = BlockHyper(
+        prior_var=np.array([1.5, 0.7]), noise_var=np.array([0.2, 0.05]), prior_mean=np.array([0.1, -0.3]), gamma0=2.0
+    )
     stats = atom_statistics(layers, assignments, weights)
     h, lam = atom_posterior(stats, blocks, hyper)
     noise, prior_var, prior_mean = hyper.expand(blocks, weights)
@@ -601,9 +623,13 @@ def test_the_initial_atoms_from_em_statistics_are_the_posterior():
 
 def test_assignment_checks_name_the_first_bad_client():
     layers = [np.zeros((3, 2)), np.zeros((2, 2)), np.zeros((2, 2))]
-    for bad, j in [([[0, 1, 1], [1, 0], [0, 1]], 0), ([[0, 1, 2], [1, 1], [0, 0]], 1),
-                   ([[0, 1, 2], [0, -1], [0, 1]], 1), ([[0, 1], [0, 1], [0, 1]], 0),
-                   ([[0, 1, 2], [0, 1], [3, 3]], 2)]:
+    for bad, j in [
+        ([[0, 1, 1], [1, 0], [0, 1]], 0),
+        ([[0, 1, 2], [1, 1], [0, 0]], 1),
+        ([[0, 1, 2], [0, -1], [0, 1]], 1),
+        ([[0, 1], [0, 1], [0, 1]], 0),
+        ([[0, 1, 2], [0, 1], [3, 3]], 2),
+    ]:
         with pytest.raises(ValueError, match=f"client {j}: assignments must give"):
             log_marginal_posterior(layers, bad)
 

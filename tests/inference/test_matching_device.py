@@ -43,16 +43,32 @@ CASES = {
     "marginal": lambda fed, rng: dict(noise_var=0.05, prior_var=1.0, gamma0=6.0, cost="marginal"),
     "nafi": lambda fed, rng: dict(noise_var=0.5, prior_var=1.0, gamma0=6.0, kl_weight=0.3),
     "per-entry noise": lambda fed, rng: dict(
-        noise_var=0.05 * np.where(np.arange(fed.layers[0].shape[1]) < 5, 1.0, 2.0)[None, :]
-        * rng.uniform(0.5, 2.0, size=(len(fed.layers), 1)), prior_var=1.0, gamma0=6.0, cost="marginal"),
-    "local vars": lambda fed, rng: dict(noise_var=0.05, prior_var=1.0, gamma0=6.0, cost="marginal",
-                                        local_vars=[rng.uniform(0, 0.02, size=len(v)) for v in fed.layers]),
-    "local vars per entry": lambda fed, rng: dict(noise_var=0.05, prior_var=1.0, gamma0=6.0, kl_weight=0.2,
-                                                  local_vars=[rng.uniform(0, 0.02, size=v.shape) for v in fed.layers]),
+        noise_var=0.05
+        * np.where(np.arange(fed.layers[0].shape[1]) < 5, 1.0, 2.0)[None, :]
+        * rng.uniform(0.5, 2.0, size=(len(fed.layers), 1)),
+        prior_var=1.0,
+        gamma0=6.0,
+        cost="marginal",
+    ),
+    "local vars": lambda fed, rng: dict(
+        noise_var=0.05,
+        prior_var=1.0,
+        gamma0=6.0,
+        cost="marginal",
+        local_vars=[rng.uniform(0, 0.02, size=len(v)) for v in fed.layers],
+    ),
+    "local vars per entry": lambda fed, rng: dict(
+        noise_var=0.05,
+        prior_var=1.0,
+        gamma0=6.0,
+        kl_weight=0.2,
+        local_vars=[rng.uniform(0, 0.02, size=v.shape) for v in fed.layers],
+    ),
     "auto": lambda fed, rng: dict(),
-    "auto blocks": lambda fed, rng: dict(blocks=(np.arange(fed.layers[0].shape[1]) >= 4).astype(int),
-                                         relative_precision=rng.uniform(0.5, 2.0, size=(len(fed.layers),
-                                                                                        fed.layers[0].shape[1]))),
+    "auto blocks": lambda fed, rng: dict(
+        blocks=(np.arange(fed.layers[0].shape[1]) >= 4).astype(int),
+        relative_precision=rng.uniform(0.5, 2.0, size=(len(fed.layers), fed.layers[0].shape[1])),
+    ),
 }
 
 
@@ -106,10 +122,16 @@ def _float32_cost_bound(v, p, h, lam, m, prior, J):
     HH = np.einsum("gd,gd->g", h, h)[:, None]
     VV = np.einsum("ld,ld->l", v, v)[None, :]
     hv = np.sqrt(HH) * np.sqrt(VV)
-    size = 0.5 * (a * (HH + 2 * pp * hv + pp * pp * VV) + HH / lam_i) + 0.5 * D * np.log1p(pp / lam_i) \
+    size = (
+        0.5 * (a * (HH + 2 * pp * hv + pp * pp * VV) + HH / lam_i)
+        + 0.5 * D * np.log1p(pp / lam_i)
         + np.abs(np.log(m / (J - m)))[:, None]
-    new = 0.5 * (pp * pp / (prior.lam0[0] + pp) * VV) + 0.5 * D * np.log1p(pp / prior.lam0[0]) + \
-        abs(math.log(prior.gamma0 / J))
+    )
+    new = (
+        0.5 * (pp * pp / (prior.lam0[0] + pp) * VV)
+        + 0.5 * D * np.log1p(pp / prior.lam0[0])
+        + abs(math.log(prior.gamma0 / J))
+    )
     return 2 * _gamma(D + 8) * np.concatenate([size.T, np.broadcast_to(new.T, (v.shape[0], v.shape[0]))], axis=1)
 
 
@@ -132,8 +154,15 @@ def _cost_case():
 
 
 def _float32_cost(device, v, p, h, lam, m, prior):
-    return assignment_cost(torch.as_tensor(v, dtype=torch.float32, device=device), p,
-                           torch.as_tensor(h, dtype=torch.float32, device=device), lam, m, prior, cost="marginal")
+    return assignment_cost(
+        torch.as_tensor(v, dtype=torch.float32, device=device),
+        p,
+        torch.as_tensor(h, dtype=torch.float32, device=device),
+        lam,
+        m,
+        prior,
+        cost="marginal",
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -196,8 +225,7 @@ def test_float32_tensors_give_the_same_matching_within_float32_round_off(device)
 def test_float32_gain_terms_run_in_float32():
     rng = np.random.default_rng(2)
     layers_c, prec, prior = _setup(_rng_layers(rng, 3, 6), 0.5, 1.0, 0.0, 1.0)
-    h, lam, m = _posterior_stats(layers_c, prec, [np.arange(len(layers_c[0])), None, None], len(layers_c[0]),
-                                 prior)
+    h, lam, m = _posterior_stats(layers_c, prec, [np.arange(len(layers_c[0])), None, None], len(layers_c[0]), prior)
     t = lambda x: torch.as_tensor(x, dtype=torch.float32)  # noqa: E731
     delta, log_ratio, _ = _gain_terms(t(h), t(lam), t(layers_c[1]), t(prec[1]), prior.groups, False)
     assert delta.dtype == torch.float32 and log_ratio.dtype == torch.float32
@@ -212,7 +240,9 @@ def test_mixed_inputs_are_refused_with_a_clear_error():
         match_neurons([a, torch.as_tensor(b)], noise_var=1.0, prior_var=1.0, gamma0=1.0)
     with pytest.raises(TypeError, match="client 1's neurons are torch.float32 on cpu, client 0's torch.float64"):
         match_neurons([torch.as_tensor(a), torch.as_tensor(b, dtype=torch.float32)])
-    with pytest.raises(TypeError, match="client 1's neurons are torch.float64 on meta, client 0's torch.float64 on cpu"):
+    with pytest.raises(
+        TypeError, match="client 1's neurons are torch.float64 on meta, client 0's torch.float64 on cpu"
+    ):
         match_neurons([torch.as_tensor(a), torch.zeros(2, 4, dtype=torch.float64, device="meta")])
     for dtype in (torch.float16, torch.int64):
         with pytest.raises(TypeError, match=f"{dtype} tensor; give float32 or float64 tensors"):
@@ -251,8 +281,14 @@ def test_layerwise_matching_on_a_torch_device_gives_the_numpy_network(device):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_to_arviz_of_a_tensor_result_exports_a_host_copy(dtype, device):
     fed = _federation()
-    got = match_neurons([torch.as_tensor(v, dtype=dtype, device=device) for v in fed.layers], seed=0,
-                        noise_var=0.05, prior_var=1.0, gamma0=6.0, cost="marginal")
+    got = match_neurons(
+        [torch.as_tensor(v, dtype=dtype, device=device) for v in fed.layers],
+        seed=0,
+        noise_var=0.05,
+        prior_var=1.0,
+        gamma0=6.0,
+        cost="marginal",
+    )
     idata = got.to_arviz(units=[0, 2], num_draws=5, seed=1)
     assert isinstance(got.mean, torch.Tensor) and got.mean.dtype == dtype  # the result keeps its tensors
     host = replace(got, mean=got.mean.double().cpu().numpy(), var=got.var.double().cpu().numpy())

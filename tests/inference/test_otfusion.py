@@ -42,8 +42,9 @@ def _cnn():
 def _assert_states_close(got, want, atol=1e-10):
     assert set(got) == set(want)
     for k in want:
-        np.testing.assert_allclose(np.asarray(got[k], dtype=np.float64), np.asarray(want[k], dtype=np.float64),
-                                   rtol=0, atol=atol, err_msg=k)
+        np.testing.assert_allclose(
+            np.asarray(got[k], dtype=np.float64), np.asarray(want[k], dtype=np.float64), rtol=0, atol=atol, err_msg=k
+        )
 
 
 # --------------------------------------------------------------------------- invariances
@@ -190,9 +191,12 @@ def _by_hand(states, weights):
     p2 = np.empty(len(c), dtype=int)
     p2[c] = r
     aligned = {
-        "layers.0.weight": s1["layers.0.weight"][p1], "layers.0.bias": s1["layers.0.bias"][p1],
-        "layers.1.weight": w2[p2], "layers.1.bias": s1["layers.1.bias"][p2],
-        "layers.2.weight": s1["layers.2.weight"][:, p2], "layers.2.bias": s1["layers.2.bias"],
+        "layers.0.weight": s1["layers.0.weight"][p1],
+        "layers.0.bias": s1["layers.0.bias"][p1],
+        "layers.1.weight": w2[p2],
+        "layers.1.bias": s1["layers.1.bias"][p2],
+        "layers.2.weight": s1["layers.2.weight"][:, p2],
+        "layers.2.bias": s1["layers.2.bias"],
     }
     return {k: w[0] * s0[k] + w[1] * aligned[k] for k in s0}
 
@@ -213,8 +217,12 @@ def test_two_different_mlps_fuse_as_a_hungarian_reimplementation_says():
 
 def _one_hidden(n_hidden, seed):
     rng = np.random.default_rng(seed)
-    return {"fc1.weight": rng.normal(size=(n_hidden, 3)), "fc1.bias": rng.normal(size=n_hidden),
-            "fc2.weight": rng.normal(size=(2, n_hidden)), "fc2.bias": rng.normal(size=2)}
+    return {
+        "fc1.weight": rng.normal(size=(n_hidden, 3)),
+        "fc1.bias": rng.normal(size=n_hidden),
+        "fc2.weight": rng.normal(size=(2, n_hidden)),
+        "fc2.bias": rng.normal(size=2),
+    }
 
 
 SPEC1 = chain(dense("fc1", None, "H"), dense("fc2", "H", None), output=("fc2.weight", "fc2.bias"))
@@ -240,15 +248,20 @@ def test_a_unit_split_over_two_anchor_units_is_averaged_in_and_copied_out():
     each client unit then sends half its mass to each copy, so A = T diag(1/beta) holds 1 there:
     copies get the client's incoming weights and its *full* outgoing weights."""
     small = _one_hidden(5, 2)
-    big = {"fc1.weight": np.repeat(small["fc1.weight"], 2, axis=0), "fc1.bias": np.repeat(small["fc1.bias"], 2),
-           "fc2.weight": np.repeat(small["fc2.weight"], 2, axis=1) / 2, "fc2.bias": small["fc2.bias"] + 1.0}
+    big = {
+        "fc1.weight": np.repeat(small["fc1.weight"], 2, axis=0),
+        "fc1.bias": np.repeat(small["fc1.bias"], 2),
+        "fc2.weight": np.repeat(small["fc2.weight"], 2, axis=1) / 2,
+        "fc2.bias": small["fc2.bias"] + 1.0,
+    }
     res = ot_fuse_layerwise([small, big], SPEC1)  # "widest": the 10-unit network
     assert res.anchor == 1
     np.testing.assert_allclose(res.layers["H"].plans[0], np.repeat(np.eye(5), 2, axis=1) / 10, atol=1e-15)
     np.testing.assert_allclose(res.state_dict["fc1.weight"], big["fc1.weight"], atol=1e-12)
     np.testing.assert_allclose(res.state_dict["fc1.bias"], big["fc1.bias"], atol=1e-12)
-    np.testing.assert_allclose(res.state_dict["fc2.weight"], 0.75 * np.repeat(small["fc2.weight"], 2, axis=1),
-                               atol=1e-12)
+    np.testing.assert_allclose(
+        res.state_dict["fc2.weight"], 0.75 * np.repeat(small["fc2.weight"], 2, axis=1), atol=1e-12
+    )
     np.testing.assert_allclose(res.state_dict["fc2.bias"], small["fc2.bias"] + 0.5, atol=1e-12)
 
 
@@ -263,15 +276,18 @@ def test_choose_anchor():
 # --------------------------------------------------------------------------- failure modes
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(anchor=2), "anchor must be a client index in"),
-    (dict(anchor="largest"), "anchor must be a non-negative integer or one of 'widest', 'median'"),
-    (dict(reg=-1.0), "reg must be non-negative"),
-    (dict(n_iter=0), "n_iter must be a positive integer"),
-    (dict(weights=[1.0]), "one weight per client"),
-    (dict(weights=[1.0, -1.0]), "non-negative"),
-    (dict(weights=[0.0, 0.0]), "not all zero"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(anchor=2), "anchor must be a client index in"),
+        (dict(anchor="largest"), "anchor must be a non-negative integer or one of 'widest', 'median'"),
+        (dict(reg=-1.0), "reg must be non-negative"),
+        (dict(n_iter=0), "n_iter must be a positive integer"),
+        (dict(weights=[1.0]), "one weight per client"),
+        (dict(weights=[1.0, -1.0]), "non-negative"),
+        (dict(weights=[0.0, 0.0]), "not all zero"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, match):
     states = [_one_hidden(5, 0), _one_hidden(5, 1)]
     with pytest.raises(ValueError, match=match):

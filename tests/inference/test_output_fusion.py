@@ -46,8 +46,12 @@ def _random_fit(seed: int, g: int = 3, k: int = 2) -> OutputFit:
     rng = np.random.default_rng(seed)
     a = rng.normal(size=(g, g))
     p = rng.dirichlet(np.ones(k))
-    return OutputFit(weight=rng.normal(size=(g, k)), gram=a @ a.T / g + np.eye(g),
-                     curvature=np.diag(p) - np.outer(p, p), n=int(rng.integers(10, 50)))
+    return OutputFit(
+        weight=rng.normal(size=(g, k)),
+        gram=a @ a.T / g + np.eye(g),
+        curvature=np.diag(p) - np.outer(p, p),
+        n=int(rng.integers(10, 50)),
+    )
 
 
 def test_product_minimises_the_sum_of_the_clients_quadratics():

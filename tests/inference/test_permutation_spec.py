@@ -37,8 +37,10 @@ def _pan_spec(mode="mul", after_bn=False):
     from bayesfuse.inference.spec import Encoding, batchnorm
 
     parts = [dense("a", None, "P"), *([batchnorm("bn", "P", after="a")] if after_bn else []), dense("b", "P", None)]
-    return replace(chain(*parts, output=("b.weight", "b.bias")),
-                   encodings={"P": Encoding(mode, 1.0, 0.3, after="bn" if after_bn else "a")})
+    return replace(
+        chain(*parts, output=("b.weight", "b.bias")),
+        encodings={"P": Encoding(mode, 1.0, 0.3, after="bn" if after_bn else "a")},
+    )
 
 
 @pytest.mark.catalogue
@@ -55,9 +57,13 @@ def test_spec_json_round_trip_keeps_the_encodings():
     plain = chain(dense("a", None, "P"), dense("b", "P", None))
     assert "encodings" not in spec_to_dict(plain)  # plain networks' spec files stay as they were
     assert spec_from_dict(spec_to_dict(plain)).encodings == {}
-    for bad, match in [({"Q": {"mode": "mul"}}, "not among the groups"), ({"P": {"mode": "both"}}, "mode"),
-                       ({"P": {"mode": "mul", "amplitude": -1}}, "amplitude"), ({"P": {"width": 3}}, "unknown keys"),
-                       (["P"], "maps group names")]:
+    for bad, match in [
+        ({"Q": {"mode": "mul"}}, "not among the groups"),
+        ({"P": {"mode": "both"}}, "mode"),
+        ({"P": {"mode": "mul", "amplitude": -1}}, "amplitude"),
+        ({"P": {"width": 3}}, "unknown keys"),
+        (["P"], "maps group names"),
+    ]:
         with pytest.raises(ValueError, match=match):
             spec_from_dict({**data, "encodings": bad})
 
@@ -68,8 +74,10 @@ def _forward(state, spec, x, encoded):
 
     z = x @ state["a.weight"].T + state["a.bias"]
     if "bn.weight" in state:
-        z = state["bn.weight"] * (z - state["bn.running_mean"]) / np.sqrt(state["bn.running_var"] + 1e-5) \
+        z = (
+            state["bn.weight"] * (z - state["bn.running_mean"]) / np.sqrt(state["bn.running_var"] + 1e-5)
             + state["bn.bias"]
+        )
     if encoded:
         enc = spec.encodings["P"]
         e = position_encoding(z.shape[1], enc)
@@ -86,12 +94,22 @@ def test_folding_encodings_keeps_the_function_and_unfolding_undoes_it(mode, afte
 
     rng = np.random.default_rng(0)
     spec = _pan_spec(mode, after_bn)
-    state = {"a.weight": rng.normal(size=(7, 4)), "a.bias": rng.normal(size=7), "b.weight": rng.normal(size=(3, 7)),
-             "b.bias": rng.normal(size=3)}
+    state = {
+        "a.weight": rng.normal(size=(7, 4)),
+        "a.bias": rng.normal(size=7),
+        "b.weight": rng.normal(size=(3, 7)),
+        "b.bias": rng.normal(size=3),
+    }
     if after_bn:
-        state.update({"bn.weight": rng.normal(size=7), "bn.bias": rng.normal(size=7),
-                      "bn.running_mean": rng.normal(size=7), "bn.running_var": rng.uniform(0.5, 2, size=7),
-                      "bn.num_batches_tracked": np.array(3)})
+        state.update(
+            {
+                "bn.weight": rng.normal(size=7),
+                "bn.bias": rng.normal(size=7),
+                "bn.running_mean": rng.normal(size=7),
+                "bn.running_var": rng.uniform(0.5, 2, size=7),
+                "bn.num_batches_tracked": np.array(3),
+            }
+        )
     x = rng.normal(size=(10, 4))
     plain = fold_encodings(state, spec)
     np.testing.assert_allclose(_forward(plain, spec, x, False), _forward(state, spec, x, True), rtol=1e-12, atol=1e-12)
@@ -100,14 +118,17 @@ def test_folding_encodings_keeps_the_function_and_unfolding_undoes_it(mode, afte
         np.testing.assert_allclose(back[k], state[k], rtol=1e-14, atol=1e-14)
     # the units in another order, and a dead unit more: the encodings of their new positions
     perm = rng.permutation(7)
-    wider = {k: np.concatenate([v, np.ones(1)]) if v.ndim == 1 and v.shape == (7,) else v
-             for k, v in permute(plain, spec, {"P": perm}).items()}
+    wider = {
+        k: np.concatenate([v, np.ones(1)]) if v.ndim == 1 and v.shape == (7,) else v
+        for k, v in permute(plain, spec, {"P": perm}).items()
+    }
     wider["a.weight"] = np.vstack([wider["a.weight"], np.ones((1, 4))])
     wider["b.weight"] = np.hstack([wider["b.weight"], np.zeros((3, 1))])
     if after_bn:
         wider["bn.running_var"][-1] = 1.0
-    np.testing.assert_allclose(_forward(unfold_encodings(wider, spec), spec, x, True), _forward(state, spec, x, True),
-                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        _forward(unfold_encodings(wider, spec), spec, x, True), _forward(state, spec, x, True), rtol=1e-12, atol=1e-12
+    )
 
 
 @pytest.mark.catalogue

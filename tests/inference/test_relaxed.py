@@ -8,8 +8,17 @@ import pytest
 from bayesfuse.inference.relaxed import relaxed_objective, solve_relaxed
 
 
-@pytest.mark.parametrize("sizes, g, reg", [((3, 4, 2), 6, 0.1), ((5, 5, 5), 10, 0.5), ((4, 6), 8, 1.0),
-                                           ((10, 8, 12, 9), 25, 0.1), ((10, 8, 12, 9), 25, 1.0), ((1,), 3, 0.2)])
+@pytest.mark.parametrize(
+    "sizes, g, reg",
+    [
+        ((3, 4, 2), 6, 0.1),
+        ((5, 5, 5), 10, 0.5),
+        ((4, 6), 8, 1.0),
+        ((10, 8, 12, 9), 25, 0.1),
+        ((10, 8, 12, 9), 25, 1.0),
+        ((1,), 3, 0.2),
+    ],
+)
 def test_fast_solver_reaches_the_cvxpy_optimum(sizes, g, reg):
     rng = np.random.default_rng(len(sizes) * 100 + g)
     costs = [rng.exponential(size=(L, g)) for L in sizes]

@@ -84,8 +84,9 @@ def _reply(node: int, state, counts=None, n=100) -> Message:
     metrics = {"num-examples": n}
     if counts is not None:
         metrics["class-counts"] = [int(c) for c in counts]
-    return Message(RecordDict({"arrays": state_to_record(state), "metrics": MetricRecord(metrics)}),
-                   reply_to=instruction)
+    return Message(
+        RecordDict({"arrays": state_to_record(state), "metrics": MetricRecord(metrics)}), reply_to=instruction
+    )
 
 
 def _error(node: int, message_type: str = "train") -> Message:
@@ -123,8 +124,12 @@ def test_fused_arrays_equal_bayesfuse_on_the_same_state_dicts(clients, method):
 def test_failed_and_mismatched_replies_are_skipped_and_reported(clients, caplog):
     _, part, models = clients
     other = MLP(64, [20, 16], 7)  # another number of classes
-    replies = [_reply(1, models[0].state_dict()), _error(2), _reply(3, models[1].state_dict()),
-               _reply(4, other.state_dict())]
+    replies = [
+        _reply(1, models[0].state_dict()),
+        _error(2),
+        _reply(3, models[1].state_dict()),
+        _reply(4, other.state_dict()),
+    ]
     strategy = MatchedAveraging("pfnm")
     with caplog.at_level(logging.INFO):
         arrays, metrics = strategy.aggregate_train(1, replies)
@@ -136,8 +141,9 @@ def test_failed_and_mismatched_replies_are_skipped_and_reported(clients, caplog)
     assert "aggregate_train: Received 3 results and 1 failures" in caplog.messages
     pair = [models[j] for j in _canonical(models[:2])]
     expected = match_layerwise([_np(m) for m in pair], models[0].permutation_spec(), seed=0)
-    np.testing.assert_allclose(record_to_state(arrays)["layers.0.weight"], expected.state_dict["layers.0.weight"],
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        record_to_state(arrays)["layers.0.weight"], expected.state_dict["layers.0.weight"], rtol=1e-6, atol=1e-7
+    )
     assert strategy.aggregate_train(2, [_error(5)]) == (None, None)
 
 
@@ -145,8 +151,10 @@ def test_kl_fusion_of_bnn_replies(clients):
     from bayesfuse.models.bnn import BNNConfig, train_bnn
 
     split, part, _ = clients
-    bnns = [train_bnn(split.train.x[i], split.train.y[i], 10, 6, BNNConfig(epochs=2, seed=j), verbose=False)
-            for j, i in enumerate(part)]
+    bnns = [
+        train_bnn(split.train.x[i], split.train.y[i], 10, 6, BNNConfig(epochs=2, seed=j), verbose=False)
+        for j, i in enumerate(part)
+    ]
     arrays, metrics = MatchedAveraging("kl").aggregate_train(1, [_reply(j, b.state_dict()) for j, b in enumerate(bnns)])
     expected = fuse([bnns[j] for j in _canonical(bnns)], "kl").model.state_dict()
     got = record_to_state(arrays)
@@ -163,8 +171,10 @@ def test_the_kind_of_input_is_the_callers_or_the_rows_first(clients):
     with pytest.raises(ValueError, match="method 'ot' fuses point-estimate networks"):
         MatchedAveraging("ot", kind="bnn")
     split, part, _ = clients
-    bnns = [train_bnn(split.train.x[i], split.train.y[i], 10, 6, BNNConfig(epochs=1, seed=j), verbose=False)
-            for j, i in enumerate(part)]
+    bnns = [
+        train_bnn(split.train.x[i], split.train.y[i], 10, 6, BNNConfig(epochs=1, seed=j), verbose=False)
+        for j, i in enumerate(part)
+    ]
     strategy = MatchedAveraging("pfnm", kind="bnn")
     arrays, _ = strategy.aggregate_train(1, [_reply(j, b.state_dict()) for j, b in enumerate(bnns)])
     # the replies travel as float32 records: the strategy fuses those, in their digests' order
@@ -189,14 +199,17 @@ def test_client_heads_are_refused():
 
 
 def test_metrics_aggregation_sums_class_counts_and_averages_the_rest():
-    records = [RecordDict({"metrics": MetricRecord({"num-examples": n, "class-counts": c, "accuracy": a})})
-               for n, c, a in [(30, [10, 20, 0], 0.5), (10, [0, 5, 5], 0.9)]]
+    records = [
+        RecordDict({"metrics": MetricRecord({"num-examples": n, "class-counts": c, "accuracy": a})})
+        for n, c, a in [(30, [10, 20, 0], 0.5), (10, [0, 5, 5], 0.9)]
+    ]
     out = metrics_aggregation()(records, "num-examples")
     assert out["num-examples"] == 40 and out["class-counts"] == [10, 25, 5]
     assert out["accuracy"] == pytest.approx(0.75 * 0.5 + 0.25 * 0.9)
     with pytest.raises(ValueError, match="'class-counts'"):
-        metrics_aggregation()([records[0], RecordDict({"m": MetricRecord({"num-examples": 1, "class-counts": [1]})})],
-                              "num-examples")
+        metrics_aggregation()(
+            [records[0], RecordDict({"m": MetricRecord({"num-examples": 1, "class-counts": [1]})})], "num-examples"
+        )
 
 
 # --------------------------------------------------------------------------- client summaries
@@ -218,7 +231,11 @@ def test_a_summary_travels_as_an_array_record_and_a_config_record(summaries):
     arrays, meta = summary_to_records(summaries[0])
     back = records_to_summary(arrays, meta, "node 1")
     assert (back.fingerprint, back.version, back.n_examples, back.prior_precision) == (
-        summaries[0].fingerprint, summaries[0].version, summaries[0].n_examples, summaries[0].prior_precision)
+        summaries[0].fingerprint,
+        summaries[0].version,
+        summaries[0].n_examples,
+        summaries[0].prior_precision,
+    )
     np.testing.assert_array_equal(back.class_counts, summaries[0].class_counts)
     for k, v in summaries[0].precision.items():  # float32 on the wire, as in the summary file
         np.testing.assert_allclose(back.precision[k], v, rtol=1e-6)
@@ -228,16 +245,23 @@ def test_a_summary_travels_as_an_array_record_and_a_config_record(summaries):
 
 def test_the_strategy_fuses_with_the_replies_summaries(clients, summaries):
     _, part, models = clients
-    replies = [_summary_reply(10 + j, m.state_dict(), s, part.counts[j])
-               for j, (m, s) in enumerate(zip(models, summaries))]
+    replies = [
+        _summary_reply(10 + j, m.state_dict(), s, part.counts[j]) for j, (m, s) in enumerate(zip(models, summaries))
+    ]
     strategy = MatchedAveraging("pfnm")
     arrays, metrics = strategy.aggregate_train(1, replies[::-1])
     assert metrics["summaries-used"] == 1 and metrics["fused-replies"] == 3
     assert metrics["summary-bytes"] == sum(s.nbytes for s in summaries)
     order = _canonical(models)
     wire = [records_to_summary(*summary_to_records(summaries[j])) for j in order]
-    expected = fuse_states([_np(models[j]) for j in order], "pfnm", class_counts=part.counts[order], seed=0,
-                           names=[f"node {10 + j}" for j in order], summaries=wire)
+    expected = fuse_states(
+        [_np(models[j]) for j in order],
+        "pfnm",
+        class_counts=part.counts[order],
+        seed=0,
+        names=[f"node {10 + j}" for j in order],
+        summaries=wire,
+    )
     assert strategy.last_fusion.hyper["summaries"]["used"]
     got = record_to_state(arrays)
     for k, v in expected.state.items():
@@ -251,9 +275,11 @@ def test_the_strategy_rejects_a_bad_summary_naming_the_node(clients, summaries, 
     _, part, models = clients
     bad_version = summary_to_records(summaries[2])
     bad_version[1]["version"] = 99
-    replies = [_summary_reply(1, models[0].state_dict(), summaries[0]),
-               _summary_reply(2, models[1].state_dict(), summaries[0]),  # the summary of another network
-               _reply(3, models[2].state_dict())]
+    replies = [
+        _summary_reply(1, models[0].state_dict(), summaries[0]),
+        _summary_reply(2, models[1].state_dict(), summaries[0]),  # the summary of another network
+        _reply(3, models[2].state_dict()),
+    ]
     replies[2].content[SUMMARY_KEY], replies[2].content[SUMMARY_META_KEY] = bad_version
     strategy = MatchedAveraging("pfnm")
     with caplog.at_level(logging.WARNING), pytest.warns(UserWarning, match="only one model"):
@@ -267,8 +293,11 @@ def test_the_strategy_rejects_a_bad_summary_naming_the_node(clients, summaries, 
 
 def test_a_round_where_only_some_nodes_send_a_summary_is_fused_data_free(clients, summaries, caplog):
     _, _, models = clients
-    replies = [_summary_reply(1, models[0].state_dict(), summaries[0]), _reply(2, models[1].state_dict()),
-               _summary_reply(3, models[2].state_dict(), summaries[2])]
+    replies = [
+        _summary_reply(1, models[0].state_dict(), summaries[0]),
+        _reply(2, models[1].state_dict()),
+        _summary_reply(3, models[2].state_dict(), summaries[2]),
+    ]
     with caplog.at_level(logging.WARNING):
         _, metrics = MatchedAveraging("pfnm").aggregate_train(1, replies)
     assert metrics["summaries-used"] == 0 and metrics["fused-replies"] == 3
@@ -324,14 +353,21 @@ class FakeGrid:
                 train_model(model, x, y, 10, cfg, frozen=json.loads(msg.content["config"]["frozen"]))
         elif kind == "evaluate":
             acc = _accuracy(self.split, record_to_state(msg.content["arrays"]))
-            return Message(RecordDict({"metrics": MetricRecord({"num-examples": len(y), "accuracy": acc})}),
-                           reply_to=msg)
+            return Message(
+                RecordDict({"metrics": MetricRecord({"num-examples": len(y), "accuracy": acc})}), reply_to=msg
+            )
         else:
             raise AssertionError(f"unexpected message type {kind!r}")
         counts = np.bincount(y, minlength=10)
-        return Message(RecordDict({"arrays": state_to_record(model.state_dict()),
-                                   "metrics": MetricRecord({"num-examples": len(y), "class-counts": counts.tolist()})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict(
+                {
+                    "arrays": state_to_record(model.state_dict()),
+                    "metrics": MetricRecord({"num-examples": len(y), "class-counts": counts.tolist()}),
+                }
+            ),
+            reply_to=msg,
+        )
 
     def send_and_receive(self, messages, timeout=None):
         replies = []
@@ -362,10 +398,17 @@ def test_fedma_strategy_runs_flowers_loop_and_returns_a_result(clients, caplog):
     assert isinstance(result, Result)
     assert grid.types == [FEDMA_LOCAL] * 3 + [FEDMA_ROUND] * 3 + ["evaluate"] * 3  # evaluated once: at the end
     # Flower's own per-round log lines, and the strategy's
-    for line in ["Starting FedMA strategy:", "\t├── Number of rounds: 2", "[ROUND 1/2]", "[ROUND 2/2]",
-                 "configure_train: Sampled 3 nodes (out of 3)", "aggregate_train: Received 3 results and 0 failures",
-                 "\t└──> FedMA matched group 'P1': 20 global units", "Global evaluation",
-                 "configure_train: 3 nodes retrain the layers above group 'P1' (2 entries frozen)"]:
+    for line in [
+        "Starting FedMA strategy:",
+        "\t├── Number of rounds: 2",
+        "[ROUND 1/2]",
+        "[ROUND 2/2]",
+        "configure_train: Sampled 3 nodes (out of 3)",
+        "aggregate_train: Received 3 results and 0 failures",
+        "\t└──> FedMA matched group 'P1': 20 global units",
+        "Global evaluation",
+        "configure_train: 3 nodes retrain the layers above group 'P1' (2 entries frozen)",
+    ]:
         assert line in caplog.messages, line
     assert any(m.startswith("Strategy execution finished") for m in caplog.messages)
     # the Result: global network, each round's metrics, server- and client-side evaluation
@@ -408,8 +451,9 @@ def test_fedma_strategy_equals_run_fedma(clients):
     split, part, models = clients
     config = TrainConfig(hidden=(20, 16), epochs=1)
     order = _canonical(models)  # the strategy's client order; run_fedma takes its clients as given
-    expected = run_fedma([models[j] for j in order], split.train, [part[j] for j in order], config, method="pfnm",
-                         seed=0, verbose=False)
+    expected = run_fedma(
+        [models[j] for j in order], split.train, [part[j] for j in order], config, method="pfnm", seed=0, verbose=False
+    )
 
     class Clients(FakeGrid):
         """Node 20 + j holds client j and retrains as run_fedma does."""
@@ -425,8 +469,10 @@ def test_fedma_strategy_equals_run_fedma(clients):
                 seed = config.seed + 1000 * (len(frozen) + 1) + order.index(j)  # run_fedma's retraining seed
                 train_model(net, x, y, 10, replace(config, seed=seed), frozen=frozen, verbose=False)
             metrics = {"num-examples": len(y), "class-counts": np.bincount(y, minlength=10).tolist()}
-            return Message(RecordDict({"arrays": state_to_record(net.state_dict()), "metrics": MetricRecord(metrics)}),
-                           reply_to=msg)
+            return Message(
+                RecordDict({"arrays": state_to_record(net.state_dict()), "metrics": MetricRecord(metrics)}),
+                reply_to=msg,
+            )
 
     strategy = FedMA(min_train_nodes=3, fraction_evaluate=0.0)
     result = strategy.start(grid=Clients(split, part, ids=[20, 21, 22]), initial_arrays=_initial((20, 16)))
@@ -446,8 +492,9 @@ def test_fedma_drops_a_node_that_times_out_or_misbehaves(clients, caplog):
         result = strategy.start(grid=grid, initial_arrays=_initial())
     assert strategy.failed == [(1, "no reply")] and sorted(strategy.dropped) == [1, 4]
     node, reason = strategy.rejected[0]
-    assert node == 4 and re.search(r"node 4: 'layers.0.weight' has shape \(3, 64\), it was sent with \(\d+, 64\)",
-                                   reason), reason
+    assert node == 4 and re.search(
+        r"node 4: 'layers.0.weight' has shape \(3, 64\), it was sent with \(\d+, 64\)", reason
+    ), reason
     assert sorted(strategy.fedma_result.dropped) == sorted(strategy.nodes.index(n) for n in (1, 4))
     assert result.train_metrics_clientapp[2]["retrained-replies"] == 2
     assert result.train_metrics_clientapp[2]["dropped-nodes"] == 2
@@ -473,8 +520,9 @@ def test_fedma_ends_cleanly_when_every_node_is_lost(clients, caplog):
     split, part, _ = clients
     strategy = FedMA(min_train_nodes=3, fraction_evaluate=0.0)
     with caplog.at_level(logging.INFO):
-        result = strategy.start(grid=FakeGrid(split, part, hidden=(20, 16), dead=[0, 1, 2]),
-                                initial_arrays=_initial((20, 16)))
+        result = strategy.start(
+            grid=FakeGrid(split, part, hidden=(20, 16), dead=[0, 1, 2]), initial_arrays=_initial((20, 16))
+        )
     assert isinstance(result, Result) and len(result.arrays) == 0
     assert strategy.fedma_result is None and "every node was lost in round 2" in str(strategy.error)
     assert any(m.startswith("FedMA stopped in round 2") for m in caplog.messages)
@@ -538,8 +586,17 @@ class RefitGrid(FakeGrid):
 
 def _direct_fits(split, part, models, sent, prior):
     """Each client's output fit of the fused network ``sent``, computed here without Flower."""
-    return [output_fit(rebuild(models[p], tensor_state(sent)), "layers.2", split.train.x[idx], split.train.y[idx],
-                       prior, n_clients=len(part)) for p, idx in enumerate(part)]
+    return [
+        output_fit(
+            rebuild(models[p], tensor_state(sent)),
+            "layers.2",
+            split.train.x[idx],
+            split.train.y[idx],
+            prior,
+            n_clients=len(part),
+        )
+        for p, idx in enumerate(part)
+    ]
 
 
 def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
@@ -558,7 +615,8 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
     # without the option, the same fusion: the refit round is sent what a plain one-shot strategy returns
     plain = RefitGrid(split, part, models, ids=[7, 8, 9])
     one_shot = MatchedAveraging("pfnm", min_train_nodes=3, fraction_evaluate=0.0).start(
-        grid=plain, initial_arrays=_initial((20, 16)), num_rounds=1)
+        grid=plain, initial_arrays=_initial((20, 16)), num_rounds=1
+    )
     assert plain.types == ["train"] * 3
     for k, v in record_to_state(one_shot.arrays).items():
         np.testing.assert_array_equal(sent[k], v)
@@ -588,8 +646,12 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
     laplace = strategy.laplace(models[0])
     assert isinstance(laplace, LastLayerLaplace) and laplace.output == "layers.2"
     x = torch.as_tensor(split.test.x[:50])
-    np.testing.assert_allclose(laplace.mean_logits(x).detach().numpy(),
-                               MLP.from_state_dict(tensor_state(got))(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        laplace.mean_logits(x).detach().numpy(),
+        MLP.from_state_dict(tensor_state(got))(x).detach().numpy(),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     assert _accuracy(split, got) > 0.6
 
 
@@ -612,8 +674,11 @@ def test_refit_round_rejects_bad_output_fits_naming_the_node(clients, caplog):
     reasons = dict(strategy.rejected)
     assert sorted(reasons) == [8, 9]
     assert reasons[8] == "node 8: the output fit's gram has values that are not finite (NaN or inf)"
-    assert re.fullmatch(r"node 9: the output fit's weight has shape \(\d+, 10\); the fused output layer needs "
-                        r"\(\d+, 10\)", reasons[9]), reasons[9]
+    assert re.fullmatch(
+        r"node 9: the output fit's weight has shape \(\d+, 10\); the fused output layer needs "
+        r"\(\d+, 10\)",
+        reasons[9],
+    ), reasons[9]
     assert "node 8: reply rejected" in caplog.text
     metrics = result.train_metrics_clientapp[2]
     assert metrics["output-fit-replies"] == 1 and metrics["rejected-replies"] == 2
@@ -652,7 +717,9 @@ def test_output_fit_records_round_trip_and_refusals(clients):
         records_to_output_fit(arrays, old, "node 4")
     indefinite = output_fit_to_records(fit, prior_precision=2.0, n_clients=3)[0]
     indefinite["curvature"] = Array(-np.eye(10, dtype=np.float32))
-    with pytest.raises(ValueError, match="^node 4: the output fit's curvature is not symmetric positive semi-definite$"):
+    with pytest.raises(
+        ValueError, match="^node 4: the output fit's curvature is not symmetric positive semi-definite$"
+    ):
         records_to_output_fit(indefinite, meta, "node 4")
     with pytest.raises(ValueError, match="not a refit round"):
         output_fit_reply(models[0], split.train.x[:5], split.train.y[:5], ConfigRecord({"lr": 0.1}))
@@ -667,8 +734,9 @@ def test_refit_settings_are_checked(clients):
         MatchedAveraging("pfnm", second_round="refit", output_prior_precision=0.0)
     split, part, models = clients
     with pytest.raises(ValueError, match="needs num_rounds >= 2"):
-        MatchedAveraging("pfnm", second_round="refit").start(grid=RefitGrid(split, part, models),
-                                                             initial_arrays=_initial((20, 16)), num_rounds=1)
+        MatchedAveraging("pfnm", second_round="refit").start(
+            grid=RefitGrid(split, part, models), initial_arrays=_initial((20, 16)), num_rounds=1
+        )
     assert MatchedAveraging("pfnm").second_round is None
 
 
@@ -694,8 +762,14 @@ def test_no_private_flower_imports():
         for module, name in _flwr_imports(path):
             parts = module.split(".") + ([name] if name else [])
             assert not any(p.startswith("_") for p in parts), (path, module, name)
-            assert module in ("flwr.app", "flwr.common", "flwr.clientapp", "flwr.serverapp",
-                              "flwr.serverapp.strategy", "flwr.simulation"), (path, module)
+            assert module in (
+                "flwr.app",
+                "flwr.common",
+                "flwr.clientapp",
+                "flwr.serverapp",
+                "flwr.serverapp.strategy",
+                "flwr.simulation",
+            ), (path, module)
     assert all(_flwr_imports(path) for path in package)  # the check sees the imports at all
 
 
@@ -734,8 +808,10 @@ def test_example_method_is_checked_in_one_line(example, caplog):
 
 def test_example_fedavg_baseline_sums_class_counts(example):
     _, server = example
-    records = [RecordDict({"metrics": MetricRecord({"num-examples": n, "class-counts": c})})
-               for n, c in [(3, [1, 2, 0]), (1, [0, 0, 1])]]
+    records = [
+        RecordDict({"metrics": MetricRecord({"num-examples": n, "class-counts": c})})
+        for n, c in [(3, [1, 2, 0]), (1, [0, 0, 1])]
+    ]
     out = server.fedavg_baseline(2).train_metrics_aggr_fn(records, "num-examples")
     assert out["class-counts"] == [1, 2, 1] and out["num-examples"] == 4
 
@@ -755,8 +831,14 @@ run_simulation(server_app=make_server_app(settings), client_app=make_client_app(
 def test_simulation_with_a_bad_method_ends_with_one_line(example, tmp_path):
     pytest.importorskip("ray")
     code = textwrap.dedent(SIMULATE.format(settings={"method": "fedprox", "num-nodes": 2}))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "FLWR_HOME": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FLWR_HOME": str(tmp_path)},
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "unknown method 'fedprox' in the run config: choose one of pfnm, nafi, fedma" in out
@@ -772,11 +854,14 @@ def test_simulation_three_nodes_pfnm_rounds_beat_fedavg(example):
     from flwr.simulation import run_simulation
 
     client_app, server_app = example
-    settings = {"method": "pfnm", "num-nodes": 3, "local-epochs": 5, "round-epochs": 2, "num-rounds": 2,
-                "timeout": 300}
+    settings = {"method": "pfnm", "num-nodes": 3, "local-epochs": 5, "round-epochs": 2, "num-rounds": 2, "timeout": 300}
     start = time.perf_counter()
-    run_simulation(server_app=server_app.make_server_app(settings), client_app=client_app.make_client_app(settings),
-                   num_supernodes=3, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    run_simulation(
+        server_app=server_app.make_server_app(settings),
+        client_app=client_app.make_client_app(settings),
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
     results = server_app.RESULTS
     assert results["pfnm"].get("fused-replies") == 3, results
     assert time.perf_counter() - start < 180
@@ -792,10 +877,21 @@ def test_simulation_three_nodes_fedma(example):
     from flwr.simulation import run_simulation
 
     client_app, server_app = example
-    settings = {"method": "fedma", "num-nodes": 3, "hidden": "32", "local-epochs": 3, "round-epochs": 2,
-                "compare-fedavg": False, "timeout": 300}
-    run_simulation(server_app=server_app.make_server_app(settings), client_app=client_app.make_client_app(settings),
-                   num_supernodes=3, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    settings = {
+        "method": "fedma",
+        "num-nodes": 3,
+        "hidden": "32",
+        "local-epochs": 3,
+        "round-epochs": 2,
+        "compare-fedavg": False,
+        "timeout": 300,
+    }
+    run_simulation(
+        server_app=server_app.make_server_app(settings),
+        client_app=client_app.make_client_app(settings),
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
     results = server_app.RESULTS["fedma"]
     assert results.get("retrained-replies") == 3 and results["failed"] == [], results
     assert sorted(results["accuracy-by-round"]) == [0, 2] and results["accuracy"] > 0.8, results

@@ -46,9 +46,13 @@ def test_guide_is_the_models_mean_field_family(digits):
     y = torch.from_numpy(digits.train.y[:5])
     guide_trace = poutine.trace(bnn.guide).get_trace(x, y, 100)
     model_trace = poutine.trace(poutine.replay(bnn.model, trace=guide_trace)).get_trace(x, y, 100)
+
     def latent_sites(trace):
-        return {n for n, s in trace.nodes.items()
-                if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s)}
+        return {
+            n
+            for n, s in trace.nodes.items()
+            if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s)
+        }
 
     latent, guided = latent_sites(model_trace), latent_sites(guide_trace)
     assert latent == guided == {"tau", "lam", "w1", "b1", "w2", "b2"}
@@ -60,8 +64,18 @@ def test_deeper_networks_have_a_horseshoe_on_every_hidden_layer(digits):
 
     bnn = HorseshoeBNN(64, (7, 5), 10)
     assert bnn.hidden == (7, 5) and bnn.depth == 2
-    assert bnn.site_shapes() == {"w1": (7, 64), "b1": (7,), "log_lam": (7,), "log_tau": (1,), "w2": (5, 7),
-                                 "b2": (5,), "log_lam2": (5,), "log_tau2": (1,), "w3": (10, 5), "b3": (10,)}
+    assert bnn.site_shapes() == {
+        "w1": (7, 64),
+        "b1": (7,),
+        "log_lam": (7,),
+        "log_tau": (1,),
+        "w2": (5, 7),
+        "b2": (5,),
+        "log_lam2": (5,),
+        "log_tau2": (1,),
+        "w3": (10, 5),
+        "b3": (10,),
+    }
     x = torch.from_numpy(digits.train.x[:5].astype(np.float64))
     y = torch.from_numpy(digits.train.y[:5])
     guide_trace = poutine.trace(bnn.guide).get_trace(x, y, 100)
@@ -105,8 +119,9 @@ def test_prior_scales_travel_with_the_state_dict():
 def test_both_elbo_estimators_train_the_same_model_well(digits, estimator):
     # Both estimate the same ELBO (tests/models/test_bnn_elbo.py); trained alike they reach the
     # same accuracy class (seeds 0 and 1 gave 0.96-0.98 with either), and the network comes back float64.
-    bnn = train_bnn(digits.train.x, digits.train.y, 10, 30, BNNConfig(epochs=40, seed=0, estimator=estimator),
-                    verbose=False)
+    bnn = train_bnn(
+        digits.train.x, digits.train.y, 10, 30, BNNConfig(epochs=40, seed=0, estimator=estimator), verbose=False
+    )
     assert accuracy(bnn.predict(digits.test.x, 50), digits.test.y) > 0.93
     assert all(p.dtype == torch.float64 for p in bnn.parameters())
     assert bnn.prior_scales.dtype == torch.float64 and bnn.global_scale == 0.1  # not rounded through float32

@@ -19,14 +19,24 @@ def test_gaussian_kl_is_torchs_closed_form():
     loc = torch.randn(5, 4, generator=g, dtype=torch.float64)
     log_scale = 0.5 * torch.randn(5, 4, generator=g, dtype=torch.float64)
     for prior in (1.0, 0.3):
-        expected = torch.distributions.kl_divergence(torch.distributions.Normal(loc, log_scale.exp()),
-                                                     torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), prior)).sum()
+        expected = torch.distributions.kl_divergence(
+            torch.distributions.Normal(loc, log_scale.exp()),
+            torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), prior),
+        ).sum()
         assert gaussian_kl(loc, log_scale, prior).item() == pytest.approx(expected.item(), rel=1e-12)
 
 
 # tolerance: the quadrature error bound stated in bayesfuse.models.bnn_elbo for each guide scale
-@pytest.mark.parametrize("mu, sigma, b, tol", [(0.0, 1.0, 1.0, 1e-10), (-3.0, 0.1, 0.1, 1e-10), (2.0, 0.5, 1.0, 1e-10),
-                                               (-6.0, 2.0, 0.1, 2e-6), (0.0, 2.0, 1.0, 2e-6)])
+@pytest.mark.parametrize(
+    "mu, sigma, b, tol",
+    [
+        (0.0, 1.0, 1.0, 1e-10),
+        (-3.0, 0.1, 0.1, 1e-10),
+        (2.0, 0.5, 1.0, 1e-10),
+        (-6.0, 2.0, 0.1, 2e-6),
+        (0.0, 2.0, 1.0, 2e-6),
+    ],
+)
 def test_lognormal_halfcauchy_kl_matches_quadrature(mu, sigma, b, tol):
     # KL(q || p) = integral of q(l) (log q(l) - log p(l)) dl over the log-scale u = log l, computed
     # by adaptive quadrature: an independent check of the entropy and the Gauss-Hermite term.
@@ -38,15 +48,17 @@ def test_lognormal_halfcauchy_kl_matches_quadrature(mu, sigma, b, tol):
         return q.pdf(u) * (log_q - log_p)
 
     expected, _ = integrate.quad(integrand, mu - 14 * sigma, mu + 14 * sigma, epsabs=1e-14, limit=400)
-    got = lognormal_halfcauchy_kl(torch.tensor([mu], dtype=torch.float64),
-                                  torch.tensor([math.log(sigma)], dtype=torch.float64), b).item()
+    got = lognormal_halfcauchy_kl(
+        torch.tensor([mu], dtype=torch.float64), torch.tensor([math.log(sigma)], dtype=torch.float64), b
+    ).item()
     assert got == pytest.approx(expected, abs=tol)
 
 
 def _trained_looking_bnn(hidden=4, prior="horseshoe"):
     """A small BNN with varied guide parameters (the initial guide is too uniform to test much)."""
-    return varied_bnn(3, hidden, 3, seed=3, spread=0.5, scale_low=0.1, scale_span=0.5, global_scale=0.5,
-                      weight_scale=1.5, prior=prior)
+    return varied_bnn(
+        3, hidden, 3, seed=3, spread=0.5, scale_low=0.1, scale_span=0.5, global_scale=0.5, weight_scale=1.5, prior=prior
+    )
 
 
 @pytest.mark.parametrize("prior", ["horseshoe", "gaussian"])
@@ -61,8 +73,9 @@ def test_estimates_the_same_elbo_as_pyro(hidden, prior):
     R = 3000
     with torch.no_grad(), pyro.validation_enabled(False):
         torch.manual_seed(0)
-        pyro_draws = np.array([Trace_ELBO().differentiable_loss(bnn.model, bnn.guide, x, y, 40).item()
-                               for _ in range(R)])
+        pyro_draws = np.array(
+            [Trace_ELBO().differentiable_loss(bnn.model, bnn.guide, x, y, 40).item() for _ in range(R)]
+        )
         local_draws = np.array([negative_elbo(bnn, x, y, 40, g).item() for _ in range(R)])
     se = math.sqrt(pyro_draws.var() / R + local_draws.var() / R)
     assert abs(pyro_draws.mean() - local_draws.mean()) < 4 * se

@@ -44,21 +44,37 @@ def _permuted(post: DeepBNNPosterior, perms) -> DeepBNNPosterior:
             inc = DiagNormal(loc=inc.loc[:, cols], var=inc.var[:, cols])
         layers.append(HiddenLayer(incoming=inc, log_lam=layer.log_lam[p], log_tau=layer.log_tau))
         below = p
-    return DeepBNNPosterior(tuple(layers), post.out_weights[perms[-1]], post.out_bias, post.in_features,
-                            post.n_classes, post.global_scale, post.weight_scale)
+    return DeepBNNPosterior(
+        tuple(layers),
+        post.out_weights[perms[-1]],
+        post.out_bias,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    )
 
 
 def _rescaled(post: DeepBNNPosterior, index: int, c: float, d: np.ndarray) -> DeepBNNPosterior:
     """Hidden layer ``index``: tau -> c tau, lambda_k -> d_k lambda_k, (w~_k, b~_k) / (c d_k): the same function."""
     layer = post.layers[index]
     f = (c * d)[:, None]
-    moved = HiddenLayer(incoming=DiagNormal(loc=layer.incoming.loc / f, var=layer.incoming.var / f**2),
-                        log_lam=DiagNormal(loc=layer.log_lam.loc + np.log(d)[:, None], var=layer.log_lam.var),
-                        log_tau=DiagNormal(loc=layer.log_tau.loc + np.log(c), var=layer.log_tau.var))
+    moved = HiddenLayer(
+        incoming=DiagNormal(loc=layer.incoming.loc / f, var=layer.incoming.var / f**2),
+        log_lam=DiagNormal(loc=layer.log_lam.loc + np.log(d)[:, None], var=layer.log_lam.var),
+        log_tau=DiagNormal(loc=layer.log_tau.loc + np.log(c), var=layer.log_tau.var),
+    )
     layers = list(post.layers)
     layers[index] = moved
-    return DeepBNNPosterior(tuple(layers), post.out_weights, post.out_bias, post.in_features, post.n_classes,
-                            post.global_scale, post.weight_scale)
+    return DeepBNNPosterior(
+        tuple(layers),
+        post.out_weights,
+        post.out_bias,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    )
 
 
 X = np.random.default_rng(0).normal(size=(40, 6))
@@ -107,15 +123,20 @@ def test_disjoint_clients_fuse_to_the_class_share_average_of_their_logits(counts
     a = _posterior(4, hidden=(3, 2), spread=0.3)
     b = _posterior(5, hidden=(4, 3), spread=0.3)
     first = b.layers[0]
-    far = HiddenLayer(incoming=DiagNormal(loc=first.incoming.loc + 8.0, var=first.incoming.var),
-                      log_lam=first.log_lam, log_tau=first.log_tau)
-    b = DeepBNNPosterior((far, b.layers[1]), b.out_weights, b.out_bias, b.in_features, b.n_classes,
-                         b.global_scale, b.weight_scale)
+    far = HiddenLayer(
+        incoming=DiagNormal(loc=first.incoming.loc + 8.0, var=first.incoming.var),
+        log_lam=first.log_lam,
+        log_tau=first.log_tau,
+    )
+    b = DeepBNNPosterior(
+        (far, b.layers[1]), b.out_weights, b.out_bias, b.in_features, b.n_classes, b.global_scale, b.weight_scale
+    )
     fused, res = _fused([a, b], class_counts=counts, reg=1e-6, prune_kl=0.0)
     assert res.sizes == [7, 5]
     shares = np.full((2, 3), 0.5) if counts is None else counts / counts.sum(0)
-    np.testing.assert_allclose(_logits(fused, X), shares[0] * _logits(a, X) + shares[1] * _logits(b, X),
-                               rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        _logits(fused, X), shares[0] * _logits(a, X) + shares[1] * _logits(b, X), rtol=1e-9, atol=1e-9
+    )
     # the second layer's weights from the other client's first-layer units are 0, with a variance
     # of ~0 (1e-12 of the unit's others), so that no Monte Carlo draw reads an input the unit's
     # client lacks; the weights it reads keep their variances
@@ -163,8 +184,15 @@ def test_pruning_reads_each_layer_and_drops_the_columns_of_pruned_units_below():
         loc, var = inc.loc.copy(), inc.var.copy()
         loc[unit], var[unit] = 0.0, 1.0
         layers[index] = HiddenLayer(DiagNormal(loc=loc, var=var), layers[index].log_lam, layers[index].log_tau)
-    post = DeepBNNPosterior(tuple(layers), post.out_weights, post.out_bias, post.in_features, post.n_classes,
-                            post.global_scale, post.weight_scale)
+    post = DeepBNNPosterior(
+        tuple(layers),
+        post.out_weights,
+        post.out_bias,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    )
     _, res = _fused([post, other], prune_kl=1.0)
     kept = res.hyper["kept_units"]
     assert kept[0][0] == [0, 2, 3, 4] and kept[1][0] == [0, 1, 3]
@@ -183,8 +211,9 @@ def test_fused_two_layer_bnns_on_digits_beat_their_average_client():
     parts = np.array_split(rng.permutation(len(data.train.x)), 3)
     bnns, counts = [], []
     for i, p in enumerate(parts):
-        bnns.append(train_bnn(data.train.x[p], data.train.y[p], 10, (40, 30), BNNConfig(epochs=80, seed=i),
-                              verbose=False))
+        bnns.append(
+            train_bnn(data.train.x[p], data.train.y[p], 10, (40, 30), BNNConfig(epochs=80, seed=i), verbose=False)
+        )
         counts.append(np.bincount(data.train.y[p], minlength=10))
     local = [(b.predict(data.test.x, 30).argmax(1) == data.test.y).mean() for b in bnns]
     res = fuse_states([b.state_dict() for b in bnns], "kl", class_counts=np.array(counts))

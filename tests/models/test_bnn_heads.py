@@ -45,10 +45,14 @@ def _disjoint_clients() -> list[DeepBNNPosterior]:
     test_bnn_fusion's class-share test), so the fused layers hold each client's units side by side."""
     a, b = _posterior(4, (3, 2)), _posterior(5, (4, 3))
     first = b.layers[0]
-    far = HiddenLayer(incoming=DiagNormal(loc=first.incoming.loc + 8.0, var=first.incoming.var),
-                      log_lam=first.log_lam, log_tau=first.log_tau)
-    b = DeepBNNPosterior((far, b.layers[1]), b.out_weights, b.out_bias, b.in_features, b.n_classes,
-                         b.global_scale, b.weight_scale)
+    far = HiddenLayer(
+        incoming=DiagNormal(loc=first.incoming.loc + 8.0, var=first.incoming.var),
+        log_lam=first.log_lam,
+        log_tau=first.log_tau,
+    )
+    b = DeepBNNPosterior(
+        (far, b.layers[1]), b.out_weights, b.out_bias, b.in_features, b.n_classes, b.global_scale, b.weight_scale
+    )
     return [a, b]
 
 
@@ -69,8 +73,9 @@ def test_heads_on_side_by_side_units_predict_the_class_share_mixture_of_the_clie
     # other client's), so it computes client j's network; the predictive is then
     # sum_j s_jk softmax_j / normaliser with s the class shares (1/J without counts).
     posts = _disjoint_clients()
-    fused = fuse_states([p.to_state() for p in posts], "kl", class_counts=counts, reg=1e-6, prune_kl=0.0,
-                        head="clients")
+    fused = fuse_states(
+        [p.to_state() for p in posts], "kl", class_counts=counts, reg=1e-6, prune_kl=0.0, head="clients"
+    )
     assert fused.sizes == [7, 5] and fused.hyper["head"] == "clients"
     model = HeadMixtureBNN.from_state_dict(_at_means(fused.state))
     assert model.n_heads == 2
@@ -85,8 +90,9 @@ def test_heads_on_side_by_side_units_predict_the_class_share_mixture_of_the_clie
     assert np.abs(want - averaged).max() > 1e-3
     # the geometric pool: softmax_k(sum_j s_jk log softmax_j), with 0 log 0 = 0 where s_jk = 0
     with np.errstate(divide="ignore"):
-        scores = sum(np.where(shares[j] > 0, shares[j] * np.log(_softmax(_logits(p, X))), 0.0)
-                     for j, p in enumerate(posts))
+        scores = sum(
+            np.where(shares[j] > 0, shares[j] * np.log(_softmax(_logits(p, X))), 0.0) for j, p in enumerate(posts)
+        )
     geometric = model.predict(X, num_samples=3, pool="log")
     np.testing.assert_allclose(geometric, _softmax(scores), rtol=1e-9, atol=1e-12)
     assert np.abs(geometric - want).max() > 1e-6  # the rules differ far beyond the 1e-9 tolerance
@@ -97,8 +103,9 @@ def test_the_log_pool_takes_each_heads_monte_carlo_predictive_before_the_log():
     # geometric pool of each head's own predictive: the linear pool with one-hot shares gives
     # head j's predictive from the same draws (same seed), and pooling those by hand must agree.
     # Pooling each draw's softmax before averaging would give a sharper, different answer.
-    fused = fuse_states([p.to_state() for p in _disjoint_clients()], "kl", class_counts=COUNTS, reg=1e-6,
-                        prune_kl=0.0, head="clients")
+    fused = fuse_states(
+        [p.to_state() for p in _disjoint_clients()], "kl", class_counts=COUNTS, reg=1e-6, prune_kl=0.0, head="clients"
+    )
     model = HeadMixtureBNN.from_state_dict(fused.state)
     shares = model.heads.shares.clone()
     per_head = []
@@ -109,8 +116,9 @@ def test_the_log_pool_takes_each_heads_monte_carlo_predictive_before_the_log():
     s = shares.numpy()
     with np.errstate(divide="ignore"):
         scores = sum(np.where(s[j] > 0, s[j] * np.log(q), 0.0) for j, q in enumerate(per_head))
-    np.testing.assert_allclose(model.predict(X, num_samples=50, seed=3, pool="log"), _softmax(scores),
-                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        model.predict(X, num_samples=50, seed=3, pool="log"), _softmax(scores), rtol=1e-9, atol=1e-12
+    )
     per_draw = model._predict(X, 50, 3, 4096, lambda x, d: _per_draw_log_pool(model, x, d))
     assert np.abs(per_draw - _softmax(scores)).max() > 1e-6  # far beyond the 1e-9 tolerance
 
@@ -150,12 +158,22 @@ def _kept(post: DeepBNNPosterior, kept) -> DeepBNNPosterior:
         layer = layer.units(np.asarray(keep))
         if below is not None:
             cols = np.append(below, layer.incoming.loc.shape[1] - 1)
-            layer = HiddenLayer(incoming=DiagNormal(loc=layer.incoming.loc[:, cols], var=layer.incoming.var[:, cols]),
-                                log_lam=layer.log_lam, log_tau=layer.log_tau)
+            layer = HiddenLayer(
+                incoming=DiagNormal(loc=layer.incoming.loc[:, cols], var=layer.incoming.var[:, cols]),
+                log_lam=layer.log_lam,
+                log_tau=layer.log_tau,
+            )
         layers.append(layer)
         below = np.asarray(keep)
-    return DeepBNNPosterior(tuple(layers), post.out_weights[np.asarray(kept[-1])], post.out_bias, post.in_features,
-                            post.n_classes, post.global_scale, post.weight_scale)
+    return DeepBNNPosterior(
+        tuple(layers),
+        post.out_weights[np.asarray(kept[-1])],
+        post.out_bias,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    )
 
 
 def _switch_off(post: DeepBNNPosterior, unit: int) -> DeepBNNPosterior:
@@ -165,13 +183,26 @@ def _switch_off(post: DeepBNNPosterior, unit: int) -> DeepBNNPosterior:
         loc, var = layer.incoming.loc.copy(), layer.incoming.var.copy()
         loc[unit], var[unit] = 0.0, 1.0
         layers.append(HiddenLayer(incoming=DiagNormal(loc=loc, var=var), log_lam=layer.log_lam, log_tau=layer.log_tau))
-    return DeepBNNPosterior(tuple(layers), post.out_weights, post.out_bias, post.in_features, post.n_classes,
-                            post.global_scale, post.weight_scale)
+    return DeepBNNPosterior(
+        tuple(layers),
+        post.out_weights,
+        post.out_bias,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    )
 
 
-@pytest.mark.parametrize("method, unit_form, depth", [
-    ("kl", "effective", 1), ("kl", "effective", 2), ("kl", "raw", 1), ("pfnm", "raw", 1),
-])
+@pytest.mark.parametrize(
+    "method, unit_form, depth",
+    [
+        ("kl", "effective", 1),
+        ("kl", "effective", 2),
+        ("kl", "raw", 1),
+        ("pfnm", "raw", 1),
+    ],
+)
 def test_pruned_clients_heads_compute_each_clients_kept_units(method, unit_form, depth):
     # Pruning on (some units of every client dropped), units unmerged: head j must compute client j's
     # network restricted to its kept units, whatever the method and unit form. In the raw form the
@@ -179,14 +210,32 @@ def test_pruned_clients_heads_compute_each_clients_kept_units(method, unit_form,
     # (one hidden layer: the layers below carry the raw form's own mismatch).
     posts = _disjoint_clients()
     if depth == 1:
-        posts = [DeepBNNPosterior(p.layers[:1], DiagNormal(loc=np.random.default_rng(j).normal(size=(p.layers[0].width, 3)),
-                                                           var=np.full((p.layers[0].width, 3), 0.01)),
-                                  p.out_bias, p.in_features, p.n_classes, p.global_scale, p.weight_scale)
-                 for j, p in enumerate(posts)]
+        posts = [
+            DeepBNNPosterior(
+                p.layers[:1],
+                DiagNormal(
+                    loc=np.random.default_rng(j).normal(size=(p.layers[0].width, 3)),
+                    var=np.full((p.layers[0].width, 3), 0.01),
+                ),
+                p.out_bias,
+                p.in_features,
+                p.n_classes,
+                p.global_scale,
+                p.weight_scale,
+            )
+            for j, p in enumerate(posts)
+        ]
     posts = [_switch_off(p, unit=j) for j, p in enumerate(posts)]
     hyper = dict(reg=1e-6) if method == "kl" else dict(noise_var=1e-4, prior_var=1e8)  # matching: no pull to the prior
-    fused = fuse_states([p.to_state() for p in posts], method, class_counts=COUNTS, prune_kl=1.0, unit_form=unit_form,
-                        head="clients", **hyper)
+    fused = fuse_states(
+        [p.to_state() for p in posts],
+        method,
+        class_counts=COUNTS,
+        prune_kl=1.0,
+        unit_form=unit_form,
+        head="clients",
+        **hyper,
+    )
     kept = fused.hyper["kept_units"] if depth > 1 else [fused.hyper["kept_units"]]
     assert fused.sizes == [sum(len(k) for k in layer) for layer in kept]  # nothing merged
     for layer, post_layers in zip(kept, zip(*[p.layers for p in posts])):
@@ -197,22 +246,28 @@ def test_pruned_clients_heads_compute_each_clients_kept_units(method, unit_form,
     nets = [_kept(p, [layer[j] for layer in kept]) for j, p in enumerate(posts)]
     mixture = sum(shares[j] * _softmax(_logits(n, X)) for j, n in enumerate(nets))
     rtol = 1e-9 if method == "kl" else 1e-6  # matching: the prior's pull, 1e-4 / 1e8 of a unit
-    np.testing.assert_allclose(model.predict(X, num_samples=2), mixture / mixture.sum(1, keepdims=True), rtol=rtol,
-                               atol=1e-9)
+    np.testing.assert_allclose(
+        model.predict(X, num_samples=2), mixture / mixture.sum(1, keepdims=True), rtol=rtol, atol=1e-9
+    )
 
 
 def test_client_heads_place_each_clients_outgoing_weights_at_its_global_units():
-    heads = client_heads([np.array([2, 0]), np.array([1, 2, 3])],
-                         [np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]])],
-                         [np.full((2, 2), 0.25), np.full((3, 2), 4.0)],
-                         [np.array([[0.1, 0.2]]), np.array([[0.3, 0.4]])], [np.full((1, 2), 1.0)] * 2, 4)
+    heads = client_heads(
+        [np.array([2, 0]), np.array([1, 2, 3])],
+        [np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]])],
+        [np.full((2, 2), 0.25), np.full((3, 2), 4.0)],
+        [np.array([[0.1, 0.2]]), np.array([[0.3, 0.4]])],
+        [np.full((1, 2), 1.0)] * 2,
+        4,
+    )
     np.testing.assert_array_equal(heads["heads.loc_w"][0], [[3.0, 0.0, 1.0, 0.0], [4.0, 0.0, 2.0, 0.0]])
     np.testing.assert_array_equal(heads["heads.loc_w"][1], [[0.0, 5.0, 7.0, 9.0], [0.0, 6.0, 8.0, 10.0]])
     np.testing.assert_array_equal(heads["heads.scale_w"][0], [[0.5, 0.0, 0.5, 0.0]] * 2)  # 0 where no unit
     np.testing.assert_array_equal(heads["heads.loc_b"], [[0.1, 0.2], [0.3, 0.4]])
     # two units of one client in one global unit: their outputs add up
-    both = client_heads([np.array([0, 0])], [np.array([[1.0], [2.0]])], [np.array([[1.0], [3.0]])],
-                        [np.zeros(1)], [np.ones(1)], 1)
+    both = client_heads(
+        [np.array([0, 0])], [np.array([[1.0], [2.0]])], [np.array([[1.0], [3.0]])], [np.zeros(1)], [np.ones(1)], 1
+    )
     assert both["heads.loc_w"][0, 0, 0] == 3.0 and both["heads.scale_w"][0, 0, 0] == 2.0
 
 
@@ -225,8 +280,13 @@ def test_fuse_builds_a_head_mixture_that_files_and_load_keep(tmp_path):
     for j, bnn in enumerate(bnns):
         paths.append(tmp_path / f"client{j}.pt")
         torch.save(bnn.state_dict(), paths[-1])
-    fuse_files(paths, "kl", tmp_path / "fused.pt", hyper=dict(reg=1e-6, prune_kl=0.0, head="clients"),
-               class_counts={p.name: row.tolist() for p, row in zip(paths, COUNTS)})
+    fuse_files(
+        paths,
+        "kl",
+        tmp_path / "fused.pt",
+        hyper=dict(reg=1e-6, prune_kl=0.0, head="clients"),
+        class_counts={p.name: row.tolist() for p, row in zip(paths, COUNTS)},
+    )
     loaded = load(tmp_path / "fused.pt")
     assert isinstance(loaded, HeadMixtureBNN)
     np.testing.assert_array_equal(loaded.predict(X, 5, seed=1), res.model.predict(X, 5, seed=1))
@@ -239,14 +299,17 @@ def _head_state() -> dict:
     return {k: v.numpy() for k, v in fuse(bnns, "kl", reg=1e-6, head="clients").model.state_dict().items()}
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda s: s.pop("heads.shares"), "missing heads.shares"),
-    (lambda s: s.update({"heads.loc_b": s["heads.loc_b"][:, :2]}), r"heads.loc_b must be \(2, 3\)"),
-    (lambda s: s.update({"heads.loc_w": s["heads.loc_w"][:, :, :-1]}), r"heads.loc_w must be \(heads, 3, "),
-    (lambda s: s.update({"heads.scale_w": -s["heads.scale_w"] - 1.0}), "standard deviations must be >= 0"),
-    (lambda s: s.update({"heads.shares": s["heads.shares"] * 2}), "sum to 1 over the heads"),
-    (lambda s: s.update({"heads.loc_b": np.full_like(s["heads.loc_b"], np.nan)}), "NaN or infinite"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s: s.pop("heads.shares"), "missing heads.shares"),
+        (lambda s: s.update({"heads.loc_b": s["heads.loc_b"][:, :2]}), r"heads.loc_b must be \(2, 3\)"),
+        (lambda s: s.update({"heads.loc_w": s["heads.loc_w"][:, :, :-1]}), r"heads.loc_w must be \(heads, 3, "),
+        (lambda s: s.update({"heads.scale_w": -s["heads.scale_w"] - 1.0}), "standard deviations must be >= 0"),
+        (lambda s: s.update({"heads.shares": s["heads.shares"] * 2}), "sum to 1 over the heads"),
+        (lambda s: s.update({"heads.loc_b": np.full_like(s["heads.loc_b"], np.nan)}), "NaN or infinite"),
+    ],
+)
 def test_a_bad_head_state_is_refused(change, message):
     state = _head_state()
     assert isinstance(bnn_from_state(state), HeadMixtureBNN)

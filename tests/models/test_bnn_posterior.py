@@ -17,7 +17,6 @@ from bayesfuse.nets import MLP
 pytestmark = pytest.mark.filterwarnings("ignore:only one model")
 
 
-
 @pytest.fixture(scope="module")
 def data():
     return load_digits().standardize()
@@ -35,8 +34,15 @@ def _rows(a):
 def _shuffled(bnn: HorseshoeBNN, seed: int) -> HorseshoeBNN:
     post = BNNPosterior.from_bnn(bnn)
     perm = np.random.default_rng(seed).permutation(post.hidden)
-    return BNNPosterior(post.units[perm], post.out_bias, post.log_tau, post.in_features, post.n_classes,
-                        post.global_scale, post.weight_scale).to_bnn()
+    return BNNPosterior(
+        post.units[perm],
+        post.out_bias,
+        post.log_tau,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    ).to_bnn()
 
 
 def test_round_trip_gives_identical_predictive(bnn, data):
@@ -44,8 +50,9 @@ def test_round_trip_gives_identical_predictive(bnn, data):
     for site in bnn.loc:
         assert torch.equal(back.loc[site], bnn.loc[site])
         torch.testing.assert_close(back.log_scale[site], bnn.log_scale[site], rtol=0, atol=1e-15)
-    np.testing.assert_allclose(back.predict(data.test.x, 20, seed=4), bnn.predict(data.test.x, 20, seed=4),
-                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        back.predict(data.test.x, 20, seed=4), bnn.predict(data.test.x, 20, seed=4), rtol=0, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("method", ["kl", "nafi"])
@@ -128,8 +135,12 @@ def test_unit_layout_follows_the_record(bnn):
     D, K = post.in_features, post.n_classes
     layout = dict(post.unit_layout())
     assert list(layout) == [s.name for s in SITES if s.unit_axis is not None] == ["w1", "b1", "log_lam", "w2"]
-    assert layout == {"w1": slice(0, D), "b1": slice(D, D + 1), "log_lam": slice(D + 1, D + 2),
-                      "w2": slice(D + 2, D + 2 + K)}
+    assert layout == {
+        "w1": slice(0, D),
+        "b1": slice(D, D + 1),
+        "log_lam": slice(D + 1, D + 2),
+        "w2": slice(D + 2, D + 2 + K),
+    }
     assert post.out_slice == post.columns("w2") and post.out_slice.start == D + 2
     assert post.units.loc.shape == (bnn.hidden, D + 2 + K)
     with torch.no_grad():
@@ -146,8 +157,14 @@ def test_site_record_describes_the_guide(bnn):
     for site in SITES:
         assert tuple(bnn.loc[site.name].shape) == tuple(bnn.log_scale[site.name].shape) == shapes[site.name]
     assert {s.name for s in SITES if s.transform == "log"} == {"log_lam", "log_tau"}
-    assert {s.name: s.unit_axis for s in SITES} == {"w1": 0, "b1": 0, "log_lam": 0, "log_tau": None, "w2": 1,
-                                                   "b2": None}
+    assert {s.name: s.unit_axis for s in SITES} == {
+        "w1": 0,
+        "b1": 0,
+        "log_lam": 0,
+        "log_tau": None,
+        "w2": 1,
+        "b2": None,
+    }
     params = bnn.sample_params(3, torch.Generator().manual_seed(0))
     assert list(params) == [s.name for s in SITES]
 
@@ -169,8 +186,12 @@ def _broken_states(bnn):
     nan["loc.w1"][3, 5] = np.nan
     inf = {k: v.copy() for k, v in state.items()}
     inf["loc.b2"][0] = np.inf
-    return {"missing": (missing, "missing log_scale.b1"), "wrong shape": (wrong_shape, "'loc.w2' has shape"),
-            "NaN": (nan, "guide parameter 'w1' contains NaN"), "Inf": (inf, "guide parameter 'b2' contains NaN")}
+    return {
+        "missing": (missing, "missing log_scale.b1"),
+        "wrong shape": (wrong_shape, "'loc.w2' has shape"),
+        "NaN": (nan, "guide parameter 'w1' contains NaN"),
+        "Inf": (inf, "guide parameter 'b2' contains NaN"),
+    }
 
 
 @pytest.mark.parametrize("case", ["missing", "wrong shape", "NaN", "Inf"])

@@ -20,8 +20,12 @@ from tests.helpers import varied_bnn
 @pytest.fixture(scope="module")
 def gaussian_clients(digits):
     part = dirichlet_partition(digits.train.y, 3, 0.8, seed=0)
-    bnns = [train_bnn(digits.train.x[i], digits.train.y[i], 10, hidden=16, config=BNNConfig(epochs=40, seed=j),
-                      prior="gaussian") for j, i in enumerate(part)]
+    bnns = [
+        train_bnn(
+            digits.train.x[i], digits.train.y[i], 10, hidden=16, config=BNNConfig(epochs=40, seed=j), prior="gaussian"
+        )
+        for j, i in enumerate(part)
+    ]
     return bnns, part
 
 
@@ -40,12 +44,15 @@ def test_the_prior_is_recorded_in_the_state_dict():
         HorseshoeBNN(5, 3, 2, prior="laplace")
 
 
-@pytest.mark.parametrize("scales, message", [
-    ([0.1, 1.0, 2.0], r"client\.pt: 'prior_scales' has shape \(3,\), expected \(2,\) for the horseshoe"),
-    ([0.1, 1.0, 0.0], r"ending in 1 for the Gaussian prior"),
-    ([0.1, 1.0, 1.0, 1.0], r"has shape \(4,\), expected \(2,\)"),
-    ([-0.1, 1.0, 1.0], "two positive finite numbers"),
-])
+@pytest.mark.parametrize(
+    "scales, message",
+    [
+        ([0.1, 1.0, 2.0], r"client\.pt: 'prior_scales' has shape \(3,\), expected \(2,\) for the horseshoe"),
+        ([0.1, 1.0, 0.0], r"ending in 1 for the Gaussian prior"),
+        ([0.1, 1.0, 1.0, 1.0], r"has shape \(4,\), expected \(2,\)"),
+        ([-0.1, 1.0, 1.0], "two positive finite numbers"),
+    ],
+)
 def test_bad_prior_vectors_are_refused(scales, message):
     with pytest.raises(ValueError, match=message) as info:
         read_prior(torch.tensor(scales, dtype=torch.float64), "client.pt")
@@ -53,10 +60,12 @@ def test_bad_prior_vectors_are_refused(scales, message):
 
 
 def test_a_gaussian_prior_has_no_scale_sites_in_the_model():
-    bnn = varied_bnn(4, (3, 2), 3, seed=0, spread=0.5, scale_low=0.1, scale_span=0.3, prior="gaussian",
-                     global_scale=0.7)
+    bnn = varied_bnn(
+        4, (3, 2), 3, seed=0, spread=0.5, scale_low=0.1, scale_span=0.3, prior="gaussian", global_scale=0.7
+    )
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
     trace = pyro.poutine.trace(bnn.model).get_trace(x, y)
+
     def sites(t):
         return {k for k, v in t.nodes.items() if v["type"] == "sample" and not site_is_subsample(v)}
 
@@ -75,8 +84,9 @@ def test_the_prior_changes_the_objective():
     # The same guide under the two priors: the horseshoe adds the KL terms of its scales and draws
     # them, so the mean -ELBO over R draws moves by many standard errors (the estimator's agreement
     # with Pyro's under either prior is in test_bnn_elbo.py).
-    bnn = varied_bnn(3, 4, 3, seed=3, spread=0.5, scale_low=0.1, scale_span=0.5, global_scale=0.5, weight_scale=1.5,
-                     prior="gaussian")
+    bnn = varied_bnn(
+        3, 4, 3, seed=3, spread=0.5, scale_low=0.1, scale_span=0.5, global_scale=0.5, weight_scale=1.5, prior="gaussian"
+    )
     horseshoe = HorseshoeBNN.from_state_dict({**bnn.state_dict(), "prior_scales": torch.tensor([0.5, 1.5])})
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(12, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (12,), generator=g)
@@ -123,12 +133,17 @@ def test_gaussian_bnns_fuse_into_a_gaussian_bnn(gaussian_clients, digits, method
 def test_fusing_different_priors_is_refused_in_one_line(gaussian_clients, digits):
     gaussian = gaussian_clients[0][0]
     horseshoe = train_bnn(digits.train.x[:200], digits.train.y[:200], 10, hidden=16, config=BNNConfig(epochs=2))
-    wider = train_bnn(digits.train.x[:200], digits.train.y[:200], 10, hidden=16, config=BNNConfig(epochs=2),
-                      global_scale=0.3)
-    for models, first, second in [([horseshoe, gaussian], "horseshoe(global_scale=0.1, weight_scale=1)",
-                                   "gaussian(scale=1, weight_scale=1)"),
-                                  ([horseshoe, wider], "horseshoe(global_scale=0.1, weight_scale=1)",
-                                   "horseshoe(global_scale=0.3, weight_scale=1)")]:
+    wider = train_bnn(
+        digits.train.x[:200], digits.train.y[:200], 10, hidden=16, config=BNNConfig(epochs=2), global_scale=0.3
+    )
+    for models, first, second in [
+        ([horseshoe, gaussian], "horseshoe(global_scale=0.1, weight_scale=1)", "gaussian(scale=1, weight_scale=1)"),
+        (
+            [horseshoe, wider],
+            "horseshoe(global_scale=0.1, weight_scale=1)",
+            "horseshoe(global_scale=0.3, weight_scale=1)",
+        ),
+    ]:
         for method in ("kl", "pfnm"):
             with pytest.raises(ValueError, match="cannot fuse BNNs trained with different priors") as info:
                 fuse(models, method)
@@ -144,8 +159,20 @@ def test_the_command_line_refuses_different_priors_naming_the_files(gaussian_cli
     horseshoe = train_bnn(digits.train.x[:200], digits.train.y[:200], 10, hidden=16, config=BNNConfig(epochs=2))
     torch.save(horseshoe.state_dict(), tmp_path / "site_a.pt")
     torch.save(gaussian_clients[0][0].state_dict(), tmp_path / "site_b.pt")
-    assert main(["fuse", str(tmp_path / "site_a.pt"), str(tmp_path / "site_b.pt"), "--method", "kl",
-                 "--out", str(tmp_path / "fused.pt")]) == 2
+    assert (
+        main(
+            [
+                "fuse",
+                str(tmp_path / "site_a.pt"),
+                str(tmp_path / "site_b.pt"),
+                "--method",
+                "kl",
+                "--out",
+                str(tmp_path / "fused.pt"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "different priors" in err
     assert "site_a.pt has horseshoe(global_scale=0.1, weight_scale=1)" in err

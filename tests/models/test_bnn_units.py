@@ -44,15 +44,23 @@ def _rescaled(post: BNNPosterior, c: float, d: np.ndarray) -> BNNPosterior:
         var[:, cols] /= ((c * d) ** 2)[:, None]
     loc[:, post.columns("log_lam")] += np.log(d)[:, None]
     tau = DiagNormal(loc=post.log_tau.loc + np.log(c), var=post.log_tau.var)
-    return BNNPosterior(DiagNormal(loc=loc, var=var), post.out_bias, tau, post.in_features, post.n_classes,
-                        post.global_scale, post.weight_scale)
+    return BNNPosterior(
+        DiagNormal(loc=loc, var=var),
+        post.out_bias,
+        tau,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    )
 
 
 def test_unit_information_is_the_kl_to_the_prior():
     post = _posterior(0)
     cols = slice(0, post.in_features + 1)
-    q = torch.distributions.Normal(torch.as_tensor(post.units.loc[:, cols]),
-                                   torch.as_tensor(post.units.var[:, cols]).sqrt())
+    q = torch.distributions.Normal(
+        torch.as_tensor(post.units.loc[:, cols]), torch.as_tensor(post.units.var[:, cols]).sqrt()
+    )
     p = torch.distributions.Normal(torch.zeros(()), torch.ones(()).double())
     expected = torch.distributions.kl_divergence(q, p).sum(1).numpy()
     np.testing.assert_allclose(unit_information(post), expected, rtol=1e-12)
@@ -63,8 +71,15 @@ def test_pruning_keeps_informative_units_and_at_least_one():
     loc, var = post.units.loc.copy(), post.units.var.copy()
     prior_like = [1, 4]
     loc[prior_like, : post.in_features + 1], var[prior_like, : post.in_features + 1] = 0.0, 1.0  # KL exactly 0
-    post = BNNPosterior(DiagNormal(loc=loc, var=var), post.out_bias, post.log_tau, post.in_features, post.n_classes,
-                        post.global_scale, post.weight_scale)
+    post = BNNPosterior(
+        DiagNormal(loc=loc, var=var),
+        post.out_bias,
+        post.log_tau,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    )
     keep = informative_units(post, 1.0)
     assert keep.tolist() == [i not in prior_like for i in range(post.hidden)]
     assert informative_units(post, 0.0).all()
@@ -82,8 +97,15 @@ def test_pruning_a_trained_bnn_keeps_its_predictions():
     post = BNNPosterior.from_bnn(bnn)
     keep = informative_units(post)
     assert 0 < keep.sum() < post.hidden  # the horseshoe did switch some off
-    pruned = BNNPosterior(post.units[keep], post.out_bias, post.log_tau, post.in_features, post.n_classes,
-                          post.global_scale, post.weight_scale)
+    pruned = BNNPosterior(
+        post.units[keep],
+        post.out_bias,
+        post.log_tau,
+        post.in_features,
+        post.n_classes,
+        post.global_scale,
+        post.weight_scale,
+    )
     full, cut = _logits(post, data.test.x), _logits(pruned, data.test.x)
     changed = np.sum(full.argmax(1) != cut.argmax(1))
     assert changed <= 1
@@ -142,8 +164,15 @@ def _disjoint_clients():
     b = _posterior(8, H=4, spread=0.3)
     loc = b.units.loc.copy()
     loc[:, : b.in_features] += 8.0  # far from every unit of a
-    b = BNNPosterior(DiagNormal(loc=loc, var=b.units.var), b.out_bias, b.log_tau, b.in_features, b.n_classes,
-                     b.global_scale, b.weight_scale)
+    b = BNNPosterior(
+        DiagNormal(loc=loc, var=b.units.var),
+        b.out_bias,
+        b.log_tau,
+        b.in_features,
+        b.n_classes,
+        b.global_scale,
+        b.weight_scale,
+    )
     return a, b
 
 
@@ -161,8 +190,11 @@ def test_average_outputs_averages_the_clients_logits_by_class_share(counts):
     fused = BNNPosterior.from_state(res.state)
     np.testing.assert_allclose(_logits(fused, x), expected, rtol=1e-9, atol=1e-9)
     # without average_outputs the fused network adds every unit in full: the logits sum, not average
-    plain = BNNPosterior.from_state(fuse_states([a.to_state(), b.to_state()], "kl", class_counts=counts, reg=1e-6,
-                                                prune_kl=0.0, average_outputs=False).state)
+    plain = BNNPosterior.from_state(
+        fuse_states(
+            [a.to_state(), b.to_state()], "kl", class_counts=counts, reg=1e-6, prune_kl=0.0, average_outputs=False
+        ).state
+    )
     bias = DiagNormal.concat([a.out_bias, b.out_bias]).barycenter(np.ones(2)).loc[0]  # the biases' KL barycenter
     summed = _logits(a, x) - a.out_bias.loc[0] + _logits(b, x) - b.out_bias.loc[0] + bias
     np.testing.assert_allclose(_logits(plain, x), summed, rtol=1e-9, atol=1e-9)
@@ -177,11 +209,17 @@ def test_merged_outgoing_weights_are_the_scaled_mixture_of_their_members():
     loc = a.units.loc.copy()
     out = a.columns("w2")
     loc[:, out] += 0.3
-    b = BNNPosterior(DiagNormal(loc=loc, var=a.units.var * 1.5), a.out_bias, a.log_tau, a.in_features,
-                     a.n_classes, a.global_scale, a.weight_scale)
+    b = BNNPosterior(
+        DiagNormal(loc=loc, var=a.units.var * 1.5),
+        a.out_bias,
+        a.log_tau,
+        a.in_features,
+        a.n_classes,
+        a.global_scale,
+        a.weight_scale,
+    )
     counts = np.array([[5.0, 1.0, 2.0], [1.0, 3.0, 2.0]])
-    res = fuse_states([a.to_state(), b.to_state()], "kl", class_counts=counts, reg=10.0, prune_kl=0.0,
-                      unit_form="raw")
+    res = fuse_states([a.to_state(), b.to_state()], "kl", class_counts=counts, reg=10.0, prune_kl=0.0, unit_form="raw")
     assert res.sizes == [a.hidden]
     layer = res.layers[0]
     f = counts / counts.sum(0)
@@ -193,5 +231,6 @@ def test_merged_outgoing_weights_are_the_scaled_mixture_of_their_members():
         v0, v1 = a.units.var[u, out], b.units.var[u, out]
         mean = f[0] * m0 + f[1] * m1
         np.testing.assert_allclose(fused.units.loc[g0, out], mean, rtol=1e-10)
-        np.testing.assert_allclose(fused.units.var[g0, out], f[0] * (v0 + m0**2) + f[1] * (v1 + m1**2) - mean**2,
-                                   rtol=1e-8)
+        np.testing.assert_allclose(
+            fused.units.var[g0, out], f[0] * (v0 + m0**2) + f[1] * (v1 + m1**2) - mean**2, rtol=1e-8
+        )

@@ -26,8 +26,7 @@ N_WORDS, DOCS, LENGTH = 60, 150, 80
 @pytest.fixture(scope="module")
 def federation():
     """4 clients, each writing about 3 of 6 sparse topics (Dir(0.05) over 60 words)."""
-    fed = simulate_lda_federation(4, 6, N_WORDS, topics_per_client=3, docs_per_client=DOCS, doc_length=LENGTH,
-                                  seed=0)
+    fed = simulate_lda_federation(4, 6, N_WORDS, topics_per_client=3, docs_per_client=DOCS, doc_length=LENGTH, seed=0)
     posts = [fit_local_lda(c, 3, method="numpy", max_iter=100, n_init=5, seed=0) for c in fed.clients]
     return fed, posts
 
@@ -52,8 +51,7 @@ def test_simulation_is_seeded_and_shaped(federation):
     fed, _ = federation
     assert fed.topics.shape == (6, N_WORDS) and np.allclose(fed.topics.sum(1), 1)
     assert all(c.shape == (DOCS, N_WORDS) and (c.sum(1) == LENGTH).all() for c in fed.clients)
-    again = simulate_lda_federation(4, 6, N_WORDS, topics_per_client=3, docs_per_client=DOCS, doc_length=LENGTH,
-                                    seed=0)
+    again = simulate_lda_federation(4, 6, N_WORDS, topics_per_client=3, docs_per_client=DOCS, doc_length=LENGTH, seed=0)
     np.testing.assert_array_equal(again.clients[3], fed.clients[3])
     with pytest.raises(ValueError, match="topics_per_client"):
         simulate_lda_federation(2, 3, 10, topics_per_client=4)
@@ -92,8 +90,7 @@ def test_one_client_fuses_to_itself(federation):
     res = kl_fuse(posts[:1], reg=0.3)
     assert res.n_global == 3
     order = np.argsort(res.assignments[0])
-    np.testing.assert_allclose(res.components.concentration[res.assignments[0]], posts[0].concentration,
-                               rtol=1e-10)
+    np.testing.assert_allclose(res.components.concentration[res.assignments[0]], posts[0].concentration, rtol=1e-10)
     assert sorted(order) == [0, 1, 2]
     amps = amps_fuse(posts[:1], prior=1 / 3)
     np.testing.assert_allclose(amps.components.concentration[amps.assignments[0]], posts[0].concentration)
@@ -141,8 +138,9 @@ def test_completion_loglik_two_ways(federation):
     obs, held = split_documents(fed.clients[0][:40], 0.1, seed=1)
     alpha = 1 / 3
     gamma = fold_in(obs, q, alpha, tol=1e-10, max_iter=2000)
-    lda = LatentDirichletAllocation(n_components=3, doc_topic_prior=alpha, max_doc_update_iter=2000,
-                                    mean_change_tol=1e-10)
+    lda = LatentDirichletAllocation(
+        n_components=3, doc_topic_prior=alpha, max_doc_update_iter=2000, mean_change_tol=1e-10
+    )
     lda.components_ = q.concentration
     c = q.concentration
     lda.exp_dirichlet_component_ = np.exp(digamma(c) - digamma(c.sum(1, keepdims=True)))
@@ -172,8 +170,12 @@ def test_split_documents_keeps_every_token():
 
 def test_select_reg_by_clients_validation(federation):
     fed, posts = federation
-    validation = [c[:30] for c in simulate_lda_federation(4, 6, N_WORDS, topics_per_client=3, docs_per_client=30,
-                                                          doc_length=LENGTH, seed=0).clients]
+    validation = [
+        c[:30]
+        for c in simulate_lda_federation(
+            4, 6, N_WORDS, topics_per_client=3, docs_per_client=30, doc_length=LENGTH, seed=0
+        ).clients
+    ]
     sel = select_reg(posts, validation, [0.3, 3.0, 30.0])
     assert sel.n_topics[0] == 5 and sel.n_topics[-1] < 5  # a huge reg merges distinct topics
     assert sel.reg == 0.3 and sel.scores[0] > sel.scores[-1]

@@ -8,13 +8,15 @@ from tests.helpers import partition as _partition
 
 
 def test_simulation_shapes_and_seed():
-    fed = simulate_mixture_federation(n_clients=4, n_components=6, dim=3, components_per_client=2,
-                                      n_per_component=50, seed=1)
+    fed = simulate_mixture_federation(
+        n_clients=4, n_components=6, dim=3, components_per_client=2, n_per_component=50, seed=1
+    )
     assert fed.means.shape == (6, 3) and fed.covariances.shape == (6, 3, 3)
     assert all(x.shape == (100, 3) for x in fed.datasets)
     assert all(len(c) == 2 for c in fed.components)
-    again = simulate_mixture_federation(n_clients=4, n_components=6, dim=3, components_per_client=2,
-                                        n_per_component=50, seed=1)
+    again = simulate_mixture_federation(
+        n_clients=4, n_components=6, dim=3, components_per_client=2, n_per_component=50, seed=1
+    )
     np.testing.assert_array_equal(fed.datasets[2], again.datasets[2])
     with pytest.raises(ValueError, match="exceeds"):
         simulate_mixture_federation(n_components=3, components_per_client=4)
@@ -53,8 +55,9 @@ def test_hausdorff_by_hand():
 @pytest.mark.catalogue
 def test_kl_fusion_of_local_mixture_posteriors():
     reg, noise, n = 0.1, 0.02, 200
-    fed = simulate_mixture_federation(n_clients=5, n_components=4, components_per_client=2,
-                                      separation=3.0, noise=noise, n_per_component=n, seed=3)
+    fed = simulate_mixture_federation(
+        n_clients=5, n_components=4, components_per_client=2, separation=3.0, noise=noise, n_per_component=n, seed=3
+    )
     posts = [fit_local_posterior(x, max_components=6, seed=0) for x in fed.datasets]
     assert [len(p) for p in posts] == [2] * 5
     # The cost scale. Normal-Wishart posteriors of n = 200 points have kappa ~ dof ~ n, so their
@@ -89,15 +92,17 @@ def test_kl_fusion_of_local_mixture_posteriors():
         np.testing.assert_allclose(res.components.kappa[g], kappa.mean(), rtol=1e-12)
         np.testing.assert_allclose(res.components.dof[g], np.mean([q.dof[0] for q in members]), rtol=1e-12)
         np.testing.assert_allclose(res.components.mean[g], bary_mean, rtol=1e-10)
-        np.testing.assert_allclose(np.linalg.inv(res.components.scale[g]),
-                                   third - kappa.mean() * np.outer(bary_mean, bary_mean), rtol=1e-8)
+        np.testing.assert_allclose(
+            np.linalg.inv(res.components.scale[g]), third - kappa.mean() * np.outer(bary_mean, bary_mean), rtol=1e-8
+        )
         # against the true mean: a local posterior mean is the component's sample mean (off by the
         # client's shift N(0, noise^2) plus N(0, cov / n)) pulled towards the client's data mean
         # by 1 / (1 + n) (scikit-learn's prior, one pseudo-observation there); the barycenter's is a
         # weighted average of those. 5 sd per coordinate plus the largest pull bounds it.
         (k,) = {int(lab[l]) for lab, a in zip(labels, res.assignments) for l in np.flatnonzero(a == g)}
-        pull = np.max([np.abs(x.mean(0) - fed.means[k]) / (1 + n)
-                       for x, c in zip(fed.datasets, fed.components) if k in c], axis=0)
+        pull = np.max(
+            [np.abs(x.mean(0) - fed.means[k]) / (1 + n) for x, c in zip(fed.datasets, fed.components) if k in c], axis=0
+        )
         bound = 5 * np.sqrt(noise**2 + np.diag(fed.covariances[k]) / n) + pull
         assert (np.abs(res.components.mean[g] - fed.means[k]) < bound).all(), (g, k)
     assert hausdorff_polytopes(fed.means[used], res.components.mean) < 0.1

@@ -102,11 +102,14 @@ def test_independent_residual_networks_fuse_into_one_that_runs():
     assert a.model(torch.randn(5, 64)).shape == (5, 10)
 
 
-@pytest.mark.parametrize("model, message", [
-    (Attention(), r"nn.MultiheadAttention's heads are embed_dim / num_heads wide"),
-    (nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)), r"GroupNorm with 2 groups of 6 channels"),
-    (nn.GRU(3, 4), r"bare GRU"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (Attention(), r"nn.MultiheadAttention's heads are embed_dim / num_heads wide"),
+        (nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)), r"GroupNorm with 2 groups of 6 channels"),
+        (nn.GRU(3, 4), r"bare GRU"),
+    ],
+)
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
     with pytest.raises(UnsupportedLayerError, match=message) as err:
         spec_from_module(model)

@@ -27,7 +27,7 @@ def test_probit_logits_by_hand():
         a = torch.relu(net.layers[0](x)).numpy()
         f = net(x).numpy()
         got = model(x).numpy()
-    s2 = (a ** 2) @ wv.T + bv
+    s2 = (a**2) @ wv.T + bv
     np.testing.assert_allclose(got, f / np.sqrt(1 + math.pi / 8 * s2), rtol=1e-12)
     np.testing.assert_allclose(model.mean_logits(x).detach().numpy(), f)
     model.temperature.fill_(2.0)

@@ -8,8 +8,14 @@ def test_state_dict_layout_and_round_trip():
     torch.manual_seed(0)
     model = MLP(10, [7, 5], 3)
     sd = model.state_dict()
-    assert list(sd) == ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias",
-                        "layers.2.weight", "layers.2.bias"]
+    assert list(sd) == [
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.1.weight",
+        "layers.1.bias",
+        "layers.2.weight",
+        "layers.2.bias",
+    ]
     assert sd["layers.0.weight"].shape == (7, 10)
     back = MLP.from_state_dict(sd)
     assert back.widths == [10, 7, 5, 3]

@@ -26,8 +26,13 @@ def test_encodings_follow_eqs_4_and_5():
 
 
 @pytest.mark.parametrize("mode", ["add", "mul"])
-@pytest.mark.parametrize("make, d", [(lambda pan: MLP(16, [12, 10], 4, pan=pan), 16),
-                                     (lambda pan: make_cnn(64, 4, channels=(6, 5), hidden=(7,), pan=pan), 64)])
+@pytest.mark.parametrize(
+    "make, d",
+    [
+        (lambda pan: MLP(16, [12, 10], 4, pan=pan), 16),
+        (lambda pan: make_cnn(64, 4, channels=(6, 5), hidden=(7,), pan=pan), 64),
+    ],
+)
 def test_shuffle_error_is_zero_when_off_and_grows_with_amplitude(mode, make, d):
     x = torch.randn(64, d)
     errors = []
@@ -46,8 +51,15 @@ def test_pans_add_no_state_and_rebuild_at_new_width():
 
     plain, pan = MLP(5, [6], 2), MLP(5, [6], 2, pan=PANConfig())
     assert plain.state_dict().keys() == pan.state_dict().keys()
-    wider = rebuild(pan, {k: torch.zeros((9, *v.shape[1:])) if k.startswith("layers.0") else
-                          (torch.zeros(2, 9) if k == "layers.1.weight" else v) for k, v in pan.state_dict().items()})
+    wider = rebuild(
+        pan,
+        {
+            k: torch.zeros((9, *v.shape[1:]))
+            if k.startswith("layers.0")
+            else (torch.zeros(2, 9) if k == "layers.1.weight" else v)
+            for k, v in pan.state_dict().items()
+        },
+    )
     assert wider.pans[0].n_units == 9
     assert wider(torch.zeros(3, 5)).shape == (3, 2)
 
@@ -76,8 +88,10 @@ def tensor_state(state):
 def test_spec_records_each_encoding_and_the_module_it_follows():
     pan = PANConfig("add", 1.0, 0.2)
     mlp = spec_from_module(MLP(5, [6, 7], 2, pan=pan))
-    assert mlp.encodings == {"P1": Encoding("add", 1.0, 0.2, after="layers.0"),
-                             "P2": Encoding("add", 1.0, 0.2, after="layers.1")}
+    assert mlp.encodings == {
+        "P1": Encoding("add", 1.0, 0.2, after="layers.0"),
+        "P2": Encoding("add", 1.0, 0.2, after="layers.1"),
+    }
     cnn = make_cnn(64, 3, channels=(4, 5), hidden=(6,), pan=pan)  # Conv -> BN -> PAN: the BN's outputs
     spec = spec_from_module(cnn)
     bns = [n for n, m in cnn.named_children() if isinstance(m, torch.nn.BatchNorm2d)]
@@ -104,8 +118,13 @@ def test_folded_encodings_give_the_plain_network(float64, mode):
 
 
 @pytest.mark.parametrize("mode", ["add", "mul"])
-@pytest.mark.parametrize("make, d", [(lambda pan: MLP(16, [12, 10], 4, pan=pan), 16),
-                                     (lambda pan: make_cnn(64, 4, channels=(6, 5), hidden=(7,), pan=pan), 64)])
+@pytest.mark.parametrize(
+    "make, d",
+    [
+        (lambda pan: MLP(16, [12, 10], 4, pan=pan), 16),
+        (lambda pan: make_cnn(64, 4, channels=(6, 5), hidden=(7,), pan=pan), 64),
+    ],
+)
 def test_units_keep_their_function_when_their_encodings_move_with_them(float64, mode, make, d):
     """Fold at the old positions, permute, unfold at the new ones (eqs. F, U): the same function."""
     from tests.helpers import randomise
@@ -127,10 +146,12 @@ def test_unfolding_at_a_wider_width_keeps_the_function(float64, mode):
     model = _init(MLP(6, [9], 3, pan=PANConfig(mode, 1.0, 0.3)))
     spec = spec_from_module(model)
     plain = fold_encodings(numpy_state(model), spec)
-    wide = {"layers.0.weight": np.vstack([plain["layers.0.weight"], np.ones((1, 6))]),
-            "layers.0.bias": np.append(plain["layers.0.bias"], 1.0),
-            "layers.1.weight": np.hstack([plain["layers.1.weight"], np.zeros((3, 1))]),
-            "layers.1.bias": plain["layers.1.bias"]}
+    wide = {
+        "layers.0.weight": np.vstack([plain["layers.0.weight"], np.ones((1, 6))]),
+        "layers.0.bias": np.append(plain["layers.0.bias"], 1.0),
+        "layers.1.weight": np.hstack([plain["layers.1.weight"], np.zeros((3, 1))]),
+        "layers.1.bias": plain["layers.1.bias"],
+    }
     wider = rebuild(model, tensor_state(unfold_encodings(wide, spec))).eval()
     assert wider.pans[0].n_units == 10
     x = torch.randn(20, 6)

@@ -167,8 +167,9 @@ def trained():
 
 def _accuracy(model, split) -> float:
     with torch.no_grad():
-        return float((model(torch.as_tensor(split.test.x, dtype=torch.float32)).argmax(1).numpy()
-                      == split.test.y).mean())
+        return float(
+            (model(torch.as_tensor(split.test.x, dtype=torch.float32)).argmax(1).numpy() == split.test.y).mean()
+        )
 
 
 def test_fedma_retrains_through_the_tied_streams(trained):
@@ -192,9 +193,17 @@ def test_noisy_permuted_copies_of_a_trained_network_fuse_to_one_as_accurate(trai
     clients = [model]
     for _ in range(3):  # every stream and inner layer permuted, conv and fc entries off by a fifth of their spread
         copy = permute(state, spec, random_permutations(spec.sizes(state), rng))
-        clients.append(_loaded(model, {k: v + 0.2 * v.std() * rng.normal(size=v.shape)
-                                        if v.ndim and k.rpartition(".")[0] not in spec.folds else v
-                                        for k, v in copy.items()}))
+        clients.append(
+            _loaded(
+                model,
+                {
+                    k: v + 0.2 * v.std() * rng.normal(size=v.shape)
+                    if v.ndim and k.rpartition(".")[0] not in spec.folds
+                    else v
+                    for k, v in copy.items()
+                },
+            )
+        )
     reference = _accuracy(model, split)
     for method in ("pfnm", "ot"):
         assert _accuracy(bayesfuse.fuse(clients, method).model, split) > reference - 0.05
@@ -212,8 +221,22 @@ def test_one_shot_fusion_of_trained_clients_predicts(trained):
 
 def test_the_demo_runs_a_resnet(tmp_path, capsys):
     out = tmp_path / "o"
-    argv = ["demo", "--arch", "resnet20", "--width", "0.125", "--clients", "3", "--epochs", "1",
-            "--methods", "pfnm", "--quiet", "--out", str(out)]
+    argv = [
+        "demo",
+        "--arch",
+        "resnet20",
+        "--width",
+        "0.125",
+        "--clients",
+        "3",
+        "--epochs",
+        "1",
+        "--methods",
+        "pfnm",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     with open(out / "results.csv") as fh:
         rows = {r["method"]: r for r in csv.DictReader(fh)}
@@ -229,7 +252,16 @@ def test_resnet_state_dicts_fuse_from_the_command_line_given_the_class(tmp_path)
         torch.save(_random("resnet20", s, width=0.25).state_dict(), files[-1])
     out = tmp_path / "fused.pt"
     # the class at width 1 names the architecture; the widths are read off the files
-    argv = ["fuse", *map(str, files), "--method", "pfnm", "--model", "bayesfuse.nets.resnet:resnet20", "--out", str(out)]
+    argv = [
+        "fuse",
+        *map(str, files),
+        "--method",
+        "pfnm",
+        "--model",
+        "bayesfuse.nets.resnet:resnet20",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     fused = bayesfuse.load(out, like=resnet20())
     assert fused.stem.out_channels == fused.stages[0][2].conv2.out_channels > 4

@@ -22,7 +22,8 @@ class ResMLP(nn.Module):
         super().__init__()
         self.stem = nn.Linear(d, w)
         self.blocks = nn.ModuleList(
-            nn.ModuleDict(dict(norm=nn.LayerNorm(w), fc1=nn.Linear(w, h), fc2=nn.Linear(h, w))) for _ in range(blocks))
+            nn.ModuleDict(dict(norm=nn.LayerNorm(w), fc1=nn.Linear(w, h), fc2=nn.Linear(h, w))) for _ in range(blocks)
+        )
         self.norm = nn.LayerNorm(w)
         self.head = nn.Linear(w, k)
 

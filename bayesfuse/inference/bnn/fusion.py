@@ -64,8 +64,17 @@ from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import class_share_matrix
 from bayesfuse.inference.matching import match_neurons
 
-__all__ = ["BNNFusion", "fuse_bnn_posteriors", "kl_units", "matched_units", "output_shares", "membership",
-           "share_mixture", "client_heads", "HEAD_KEYS"]
+__all__ = [
+    "BNNFusion",
+    "fuse_bnn_posteriors",
+    "kl_units",
+    "matched_units",
+    "output_shares",
+    "membership",
+    "share_mixture",
+    "client_heads",
+    "HEAD_KEYS",
+]
 
 
 def client_heads(assignments, out_loc, out_var, bias_loc, bias_var, n_global: int) -> dict[str, np.ndarray]:
@@ -93,9 +102,12 @@ def client_heads(assignments, out_loc, out_var, bias_loc, bias_var, n_global: in
         a = np.asarray(a, dtype=np.intp)
         np.add.at(loc_w[j].T, a, np.asarray(m))
         np.add.at(var_w[j].T, a, np.asarray(v))
-    return {"heads.loc_w": loc_w, "heads.scale_w": np.sqrt(var_w),
-            "heads.loc_b": np.stack([np.asarray(b, dtype=np.float64).reshape(K) for b in bias_loc]),
-            "heads.scale_b": np.sqrt(np.stack([np.asarray(b, dtype=np.float64).reshape(K) for b in bias_var]))}
+    return {
+        "heads.loc_w": loc_w,
+        "heads.scale_w": np.sqrt(var_w),
+        "heads.loc_b": np.stack([np.asarray(b, dtype=np.float64).reshape(K) for b in bias_loc]),
+        "heads.scale_b": np.sqrt(np.stack([np.asarray(b, dtype=np.float64).reshape(K) for b in bias_var])),
+    }
 
 
 @dataclass
@@ -150,8 +162,9 @@ def membership(assignments: Sequence[np.ndarray], n_global: int) -> np.ndarray:
     return members
 
 
-def share_mixture(members: np.ndarray, shares: np.ndarray, loc: np.ndarray, var: np.ndarray, *,
-                  floor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def share_mixture(
+    members: np.ndarray, shares: np.ndarray, loc: np.ndarray, var: np.ndarray, *, floor: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``c`` times the moment-matched mixture of each row's members, mixed by their class shares.
 
     For row g and class k, ``c_gk = sum_l M_gl f_lk``; the mixture weights are ``f_lk / c_gk``;
@@ -220,15 +233,26 @@ def matched_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> t
     """A layer's units matched (:func:`~bayesfuse.inference.matching.match_neurons`, PFNM or NAFI) on
     their posterior means with their posterior variances as ``local_vars``: the result, the
     global units and what to record beside ``hyper`` (the seed)."""
-    result = match_neurons([v.loc for v in vectors], local_vars=[v.var for v in vectors], seed=seed,
-                           verbose=verbose, **hyper)
+    result = match_neurons(
+        [v.loc for v in vectors], local_vars=[v.var for v in vectors], seed=seed, verbose=verbose, **hyper
+    )
     return result, DiagNormal(loc=result.mean, var=result.var), {"seed": seed}
 
 
 @validate_params(unit_form=KEYS["unit_form"], prune_kl=KEYS["prune_kl"])
-def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable, *, average_outputs: bool = True,
-                        unit_form: str = "effective", prune_kl: float = 1.0, class_counts=None, seed=0,
-                        verbose: bool = False, names: Sequence[str] | None = None, **hyper) -> BNNFusion:
+def fuse_bnn_posteriors(
+    posts: Sequence[DeepBNNPosterior],
+    fuse_units: Callable,
+    *,
+    average_outputs: bool = True,
+    unit_form: str = "effective",
+    prune_kl: float = 1.0,
+    class_counts=None,
+    seed=0,
+    verbose: bool = False,
+    names: Sequence[str] | None = None,
+    **hyper,
+) -> BNNFusion:
     """Fuse the posteriors ``posts`` (same depth, inputs and classes, and one prior) layer by layer
     (module docstring).
 
@@ -257,8 +281,9 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable,
             layer = layer.units(keep)
             if kept_below[j] is not None:  # the columns of the units kept below, then the bias
                 cols = np.append(kept_below[j], layer.incoming.loc.shape[1] - 1)
-                layer = HiddenLayer(incoming=_columns(layer.incoming, cols), log_lam=layer.log_lam,
-                                    log_tau=layer.log_tau)
+                layer = HiddenLayer(
+                    incoming=_columns(layer.incoming, cols), log_lam=layer.log_lam, log_tau=layer.log_tau
+                )
             if unit_form == "effective":
                 weights, log_scale = effective_layer(layer)
                 scales.append(log_scale)
@@ -280,8 +305,9 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable,
             if average_outputs:
                 unit_shares = np.repeat(shares, [len(a) for a in result.assignments], axis=0)
                 stacked = DiagNormal.concat(vectors)
-                covered, loc_out, var_out = share_mixture(members, unit_shares, stacked.loc[:, out],
-                                                          stacked.var[:, out], floor=1e-12 * units.var[:, out])
+                covered, loc_out, var_out = share_mixture(
+                    members, unit_shares, stacked.loc[:, out], stacked.var[:, out], floor=1e-12 * units.var[:, out]
+                )
                 loc, var = units.loc.copy(), units.var.copy()
                 loc[:, out] = np.where(covered, loc_out, 0.0)
                 var[:, out] = np.where(covered, var_out, units.var[:, out])  # no member: the unit's own variance
@@ -304,22 +330,38 @@ def fuse_bnn_posteriors(posts: Sequence[DeepBNNPosterior], fuse_units: Callable,
     out_weights = _columns(DiagNormal(loc=top_units[0], var=top_units[1]), slice(-K, None))
     if average_outputs:
         biases = DiagNormal.concat([p.out_bias for p in posts])
-        _, bias_loc, bias_var = share_mixture(np.ones((1, J)), shares, biases.loc, biases.var,
-                                              floor=biases.var.min(0, keepdims=True))
+        _, bias_loc, bias_var = share_mixture(
+            np.ones((1, J)), shares, biases.loc, biases.var, floor=biases.var.min(0, keepdims=True)
+        )
         out_bias = DiagNormal(loc=bias_loc, var=bias_var)
     else:
         out_bias = DiagNormal.concat([p.out_bias for p in posts]).barycenter(np.ones(J))
-    posterior = DeepBNNPosterior(layers=tuple(fused_layers), out_weights=out_weights, out_bias=out_bias,
-                                 in_features=ref.in_features, n_classes=K, global_scale=prior.global_scale,
-                                 weight_scale=prior.weight_scale, prior=prior.kind)
+    posterior = DeepBNNPosterior(
+        layers=tuple(fused_layers),
+        out_weights=out_weights,
+        out_bias=out_bias,
+        in_features=ref.in_features,
+        n_classes=K,
+        global_scale=prior.global_scale,
+        weight_scale=prior.weight_scale,
+        prior=prior.kind,
+    )
     outgoing = [p.out_weights[k] for p, k in zip(posts, kept_all[-1])]
     if unit_form == "raw":  # a fused unit computes s_g / s_jl times its member's output (s: median unit scale)
         top = fused_layers[-1]
         m_fused = top.log_tau.loc[0, 0] + top.log_lam.loc[:, 0]
-        factors = [np.exp(p.layers[-1].log_tau.loc[0, 0] + p.layers[-1].log_lam.loc[k, 0] - m_fused[np.asarray(a)])
-                   for p, k, a in zip(posts, kept_all[-1], layers[-1].assignments)]
+        factors = [
+            np.exp(p.layers[-1].log_tau.loc[0, 0] + p.layers[-1].log_lam.loc[k, 0] - m_fused[np.asarray(a)])
+            for p, k, a in zip(posts, kept_all[-1], layers[-1].assignments)
+        ]
         outgoing = [DiagNormal(loc=o.loc * c[:, None], var=o.var * (c**2)[:, None]) for o, c in zip(outgoing, factors)]
-    heads = client_heads(layers[-1].assignments, [o.loc for o in outgoing], [o.var for o in outgoing],
-                         [p.out_bias.loc for p in posts], [p.out_bias.var for p in posts], len(out_weights))
+    heads = client_heads(
+        layers[-1].assignments,
+        [o.loc for o in outgoing],
+        [o.var for o in outgoing],
+        [p.out_bias.loc for p in posts],
+        [p.out_bias.var for p in posts],
+        len(out_weights),
+    )
     heads["heads.shares"] = shares
     return BNNFusion(posterior=posterior, layers=layers, kept=kept_all, units=units_all, hyper=used, heads=heads)

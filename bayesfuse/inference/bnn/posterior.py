@@ -47,6 +47,7 @@ def _horseshoe_bnn() -> type:
     """The class :class:`~bayesfuse.models.bnn.HorseshoeBNN`, its module imported on first use."""
     return importlib.import_module(BNN_MODULE).HorseshoeBNN
 
+
 #: The attribute of :class:`BNNPosterior` holding each site shared by all units.
 _GLOBAL_FIELDS = {"b2": "out_bias", "log_tau": "log_tau"}
 assert set(_GLOBAL_FIELDS) == {s.name for s in GLOBAL_SITES}
@@ -144,8 +145,8 @@ class BNNPosterior:
         """
         H, D, K = state_dims(state, name)
         arrays = {k: _as_numpy(state[k]) for k in STATE_KEYS}
-        loc = {k[len("loc."):]: v for k, v in arrays.items() if k.startswith("loc.")}
-        var = {k[len("log_scale."):]: np.exp(2 * v) for k, v in arrays.items() if k.startswith("log_scale.")}
+        loc = {k[len("loc.") :]: v for k, v in arrays.items() if k.startswith("loc.")}
+        var = {k[len("log_scale.") :]: np.exp(2 * v) for k, v in arrays.items() if k.startswith("log_scale.")}
         for site, arr in list(loc.items()) + list(var.items()):
             if not np.isfinite(arr).all():
                 raise ValueError(f"{name}'s guide parameter '{site}' contains NaN or infinite values")
@@ -154,8 +155,15 @@ class BNNPosterior:
             _GLOBAL_FIELDS[s.name]: DiagNormal(loc=loc[s.name].reshape(1, -1), var=var[s.name].reshape(1, -1))
             for s in GLOBAL_SITES
         }
-        return cls(units=DiagNormal(loc=_pack(loc, H), var=_pack(var, H)), **shared, in_features=D, n_classes=K,
-                   global_scale=prior.global_scale, weight_scale=prior.weight_scale, prior=prior.kind)
+        return cls(
+            units=DiagNormal(loc=_pack(loc, H), var=_pack(var, H)),
+            **shared,
+            in_features=D,
+            n_classes=K,
+            global_scale=prior.global_scale,
+            weight_scale=prior.weight_scale,
+            prior=prior.kind,
+        )
 
     def to_state(self) -> dict[str, np.ndarray]:
         """The HorseshoeBNN state_dict of this posterior: float64 arrays, in the state_dict's key order.
@@ -193,7 +201,6 @@ class BNNPosterior:
     def to_bnn(self):
         """A :class:`~bayesfuse.models.bnn.HorseshoeBNN` with ``len(units)`` hidden units and this guide."""
         return _horseshoe_bnn().from_state_dict(self.to_state(), name="the posterior")
-
 
 
 @dataclass(frozen=True)
@@ -274,20 +281,34 @@ class DeepBNNPosterior:
         prior = read_prior(arrays["prior_scales"], name)
 
         def normal(site: str, rows: int) -> DiagNormal:
-            return DiagNormal(loc=arrays[f"loc.{site}"].reshape(rows, -1),
-                              var=np.exp(2 * arrays[f"log_scale.{site}"]).reshape(rows, -1))
+            return DiagNormal(
+                loc=arrays[f"loc.{site}"].reshape(rows, -1),
+                var=np.exp(2 * arrays[f"log_scale.{site}"]).reshape(rows, -1),
+            )
 
         layers = []
         for layer, H in enumerate(hidden, 1):
             n = layer_sites(layer)
             w, b = normal(n.w, H), normal(n.b, H)
-            layers.append(HiddenLayer(incoming=DiagNormal(loc=np.hstack([w.loc, b.loc]), var=np.hstack([w.var, b.var])),
-                                      log_lam=normal(n.log_lam, H), log_tau=normal(n.log_tau, 1)))
+            layers.append(
+                HiddenLayer(
+                    incoming=DiagNormal(loc=np.hstack([w.loc, b.loc]), var=np.hstack([w.var, b.var])),
+                    log_lam=normal(n.log_lam, H),
+                    log_tau=normal(n.log_tau, 1),
+                )
+            )
         out = len(hidden) + 1
         w_out = normal(f"w{out}", K)
-        return cls(layers=tuple(layers), out_weights=DiagNormal(loc=w_out.loc.T.copy(), var=w_out.var.T.copy()),
-                   out_bias=normal(f"b{out}", 1), in_features=D, n_classes=K, global_scale=prior.global_scale,
-                   weight_scale=prior.weight_scale, prior=prior.kind)
+        return cls(
+            layers=tuple(layers),
+            out_weights=DiagNormal(loc=w_out.loc.T.copy(), var=w_out.var.T.copy()),
+            out_bias=normal(f"b{out}", 1),
+            in_features=D,
+            n_classes=K,
+            global_scale=prior.global_scale,
+            weight_scale=prior.weight_scale,
+            prior=prior.kind,
+        )
 
     def to_state(self) -> dict[str, np.ndarray]:
         """The HorseshoeBNN state_dict (float64 arrays, keys in the state_dict's order); inverse of
@@ -296,8 +317,10 @@ class DeepBNNPosterior:
         widths = (self.in_features,) + self.hidden_sizes
         for layer, (below, hl) in enumerate(zip(widths, self.layers), 1):
             if hl.incoming.loc.shape[1] != below + 1:
-                raise ValueError(f"hidden layer {layer} has {hl.incoming.loc.shape[1] - 1} incoming weights per unit, "
-                                 f"the layer below has {below} units")
+                raise ValueError(
+                    f"hidden layer {layer} has {hl.incoming.loc.shape[1] - 1} incoming weights per unit, "
+                    f"the layer below has {below} units"
+                )
         if self.out_weights.loc.shape != (widths[-1], self.n_classes):
             raise ValueError(f"out_weights must be ({widths[-1]}, {self.n_classes}), got {self.out_weights.loc.shape}")
         loc, var = {}, {}

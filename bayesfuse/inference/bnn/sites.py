@@ -26,9 +26,30 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Site", "SITES", "UNIT_SITES", "GLOBAL_SITES", "STATE_KEYS", "HEAD_KEYS", "has_heads", "body_state",
-           "LayerSites", "layer_sites", "deep_site_shapes", "state_keys", "state_depth", "state_sizes", "is_bnn_state",
-           "prior_scales", "state_dims", "PRIORS", "DEFAULT_GLOBAL_SCALE", "Prior", "read_prior", "check_same_prior"]
+__all__ = [
+    "Site",
+    "SITES",
+    "UNIT_SITES",
+    "GLOBAL_SITES",
+    "STATE_KEYS",
+    "HEAD_KEYS",
+    "has_heads",
+    "body_state",
+    "LayerSites",
+    "layer_sites",
+    "deep_site_shapes",
+    "state_keys",
+    "state_depth",
+    "state_sizes",
+    "is_bnn_state",
+    "prior_scales",
+    "state_dims",
+    "PRIORS",
+    "DEFAULT_GLOBAL_SCALE",
+    "Prior",
+    "read_prior",
+    "check_same_prior",
+]
 
 _SIZES = ("H", "D", "K")
 
@@ -85,7 +106,8 @@ GLOBAL_SITES: tuple[Site, ...] = tuple(s for s in SITES if s.unit_axis is None)
 #: Keys of a HorseshoeBNN state_dict, in its order: the buffer, then both ``nn.ParameterDict``s
 #: (which keep a plain dict's keys sorted).
 STATE_KEYS: tuple[str, ...] = ("prior_scales",) + tuple(
-    f"{prefix}.{name}" for prefix in ("loc", "log_scale") for name in sorted(s.name for s in SITES))
+    f"{prefix}.{name}" for prefix in ("loc", "log_scale") for name in sorted(s.name for s in SITES)
+)
 
 
 #: Deepest network :func:`state_depth` looks for.
@@ -173,8 +195,10 @@ def _checked_sizes(state: Mapping[str, object], name: str, depth: int) -> tuple[
     for site, expected in deep_site_shapes(hidden, D, K).items():
         for key in (f"loc.{site}", f"log_scale.{site}"):
             if _shape(state[key]) != expected:
-                raise ValueError(f"{name}: '{key}' has shape {_shape(state[key])}, expected {expected} "
-                                 f"for {sizes}, D={D} inputs, K={K} classes")
+                raise ValueError(
+                    f"{name}: '{key}' has shape {_shape(state[key])}, expected {expected} "
+                    f"for {sizes}, D={D} inputs, K={K} classes"
+                )
     read_prior(state["prior_scales"], name)
     return hidden, D, K
 
@@ -193,13 +217,16 @@ def state_dims(state: Mapping[str, object], name: str = "state_dict") -> tuple[i
     """
     depth = state_depth(state)
     if depth is not None and depth > 1:
-        raise ValueError(f"{name}: a HorseshoeBNN with {depth} hidden layers; this reads one-hidden-layer "
-                         f"networks (state_sizes reads any depth)")
+        raise ValueError(
+            f"{name}: a HorseshoeBNN with {depth} hidden layers; this reads one-hidden-layer "
+            f"networks (state_sizes reads any depth)"
+        )
     missing = [k for k in STATE_KEYS if k not in state]
     unexpected = [k for k in state if k not in STATE_KEYS]
     if missing or unexpected:
         parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-            [f"unexpected {', '.join(map(str, unexpected))}"] if unexpected else [])
+            [f"unexpected {', '.join(map(str, unexpected))}"] if unexpected else []
+        )
         raise ValueError(f"{name}: not a HorseshoeBNN state_dict ({'; '.join(parts)})")
     (H,), D, K = _checked_sizes(state, name, 1)
     return H, D, K
@@ -236,8 +263,12 @@ class Prior:
     def __post_init__(self):
         if self.kind not in PRIORS:
             raise ValueError(f"prior must be one of {', '.join(map(repr, PRIORS))}, got {self.kind!r}")
-        if not (np.isfinite(self.global_scale) and np.isfinite(self.weight_scale)
-                and self.global_scale > 0 and self.weight_scale > 0):
+        if not (
+            np.isfinite(self.global_scale)
+            and np.isfinite(self.weight_scale)
+            and self.global_scale > 0
+            and self.weight_scale > 0
+        ):
             raise ValueError("global_scale and weight_scale must be positive")
 
     def to_array(self) -> np.ndarray:
@@ -252,9 +283,11 @@ class Prior:
 
     def same_as(self, other: "Prior") -> bool:
         """The same prior: the same kind and scales (to 1e-12 relative, float64 round-off of a setting)."""
-        return self.kind == other.kind and bool(np.allclose([self.global_scale, self.weight_scale],
-                                                            [other.global_scale, other.weight_scale],
-                                                            rtol=1e-12, atol=0.0))
+        return self.kind == other.kind and bool(
+            np.allclose(
+                [self.global_scale, self.weight_scale], [other.global_scale, other.weight_scale], rtol=1e-12, atol=0.0
+            )
+        )
 
 
 def read_prior(value, name: str = "state_dict") -> Prior:
@@ -271,17 +304,21 @@ def read_prior(value, name: str = "state_dict") -> Prior:
         scales = np.asarray(value)
     except (TypeError, ValueError, RuntimeError):
         scales = np.asarray(None)
-    numeric = (scales.dtype != bool and np.issubdtype(scales.dtype, np.number) and not np.iscomplexobj(scales))
+    numeric = scales.dtype != bool and np.issubdtype(scales.dtype, np.number) and not np.iscomplexobj(scales)
     if numeric and scales.shape == (3,) and float(scales[2]) not in [float(i) for i in range(1, len(PRIORS))]:
-        raise ValueError(f"{name}: 'prior_scales' has shape (3,), expected (2,) for the horseshoe (global_scale, "
-                         f"weight_scale) or (3,) ending in 1 for the Gaussian prior (scale, weight_scale, 1); got "
-                         f"{scales.tolist()}")
+        raise ValueError(
+            f"{name}: 'prior_scales' has shape (3,), expected (2,) for the horseshoe (global_scale, "
+            f"weight_scale) or (3,) ending in 1 for the Gaussian prior (scale, weight_scale, 1); got "
+            f"{scales.tolist()}"
+        )
     if numeric and scales.shape not in ((2,), (3,)):
         raise ValueError(f"{name}: 'prior_scales' has shape {scales.shape}, expected (2,)")
     if not numeric or not (np.isfinite(scales[:2]).all() and (scales[:2] > 0).all()):
         shown = value if scales.dtype == object else scales.tolist()
-        raise ValueError(f"{name}: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two positive "
-                         f"finite numbers, the prior's global_scale and weight_scale; got {shown!r})")
+        raise ValueError(
+            f"{name}: not a consistent HorseshoeBNN state_dict ('prior_scales' must hold two positive "
+            f"finite numbers, the prior's global_scale and weight_scale; got {shown!r})"
+        )
     kind = PRIORS[int(scales[2])] if len(scales) == 3 else "horseshoe"
     return Prior(kind, float(scales[0]), float(scales[1]))
 
@@ -301,9 +338,11 @@ def check_same_prior(priors: Sequence[Prior], names: Sequence[str] | None = None
     names = list(names) if names is not None else [f"client {j}" for j in range(len(priors))]
     for name, prior in zip(names[1:], priors[1:]):
         if not prior.same_as(priors[0]):
-            raise ValueError(f"cannot fuse BNNs trained with different priors: {name} has {prior}, {names[0]} has "
-                             f"{priors[0]}; train them with one prior (train_bnn(..., prior=, global_scale=, "
-                             "weight_scale=))")
+            raise ValueError(
+                f"cannot fuse BNNs trained with different priors: {name} has {prior}, {names[0]} has "
+                f"{priors[0]}; train them with one prior (train_bnn(..., prior=, global_scale=, "
+                "weight_scale=))"
+            )
     return priors[0]
 
 

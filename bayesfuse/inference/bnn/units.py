@@ -43,8 +43,17 @@ from bayesfuse.constraints import KEYS, validate_params
 from bayesfuse.inference.bnn.posterior import BNNPosterior, HiddenLayer
 from bayesfuse.inference.expfam import DiagNormal
 
-__all__ = ["EffectiveUnits", "unit_information", "informative_units", "effective_units",
-           "incoming_information", "keep_informative", "effective_layer", "split_effective", "DEFAULT_PRUNE_KL"]
+__all__ = [
+    "EffectiveUnits",
+    "unit_information",
+    "informative_units",
+    "effective_units",
+    "incoming_information",
+    "keep_informative",
+    "effective_layer",
+    "split_effective",
+    "DEFAULT_PRUNE_KL",
+]
 
 #: Default of ``prune_kl``: units whose incoming weights hold less than this many nats of
 #: information (:func:`unit_information`) are dropped before fusion.
@@ -132,23 +141,30 @@ def split_effective(incoming: DiagNormal, log_scale: DiagNormal, log_tau: DiagNo
     """
     G = len(incoming)
     if log_scale.loc.shape != (G, 1) or log_tau.loc.shape != (1, 1):
-        raise ValueError(f"need log_scale (G, 1) and log_tau (1, 1) for G={G} units, "
-                         f"got {log_scale.loc.shape} and {log_tau.loc.shape}")
+        raise ValueError(
+            f"need log_scale (G, 1) and log_tau (1, 1) for G={G} units, "
+            f"got {log_scale.loc.shape} and {log_tau.loc.shape}"
+        )
     m, r = log_scale.loc, log_scale.var
     tau_var = float(log_tau.var[0, 0])
     if not tau_var < float(r.min()):
         tau_var = 0.5 * float(r.min())
     tau = DiagNormal(loc=log_tau.loc.copy(), var=np.array([[tau_var]]))
-    return HiddenLayer(incoming=DiagNormal(loc=incoming.loc * np.exp(-m), var=incoming.var * np.exp(-2 * m)),
-                       log_lam=DiagNormal(loc=m - tau.loc[0], var=r - tau_var), log_tau=tau)
+    return HiddenLayer(
+        incoming=DiagNormal(loc=incoming.loc * np.exp(-m), var=incoming.var * np.exp(-2 * m)),
+        log_lam=DiagNormal(loc=m - tau.loc[0], var=r - tau_var),
+        log_tau=tau,
+    )
 
 
 def _layer(post: BNNPosterior) -> HiddenLayer:
     """The hidden layer of a one-hidden-layer posterior."""
     cols, lam = _incoming(post), post.columns("log_lam")
-    return HiddenLayer(incoming=DiagNormal(loc=post.units.loc[:, cols], var=post.units.var[:, cols]),
-                       log_lam=DiagNormal(loc=post.units.loc[:, lam], var=post.units.var[:, lam]),
-                       log_tau=post.log_tau)
+    return HiddenLayer(
+        incoming=DiagNormal(loc=post.units.loc[:, cols], var=post.units.var[:, cols]),
+        log_lam=DiagNormal(loc=post.units.loc[:, lam], var=post.units.var[:, lam]),
+        log_tau=post.log_tau,
+    )
 
 
 def effective_units(post: BNNPosterior) -> EffectiveUnits:

@@ -73,8 +73,14 @@ from bayesfuse.inference.matching.model import posterior_stats as _posterior_sta
 from bayesfuse.inference.matching.model import setup as _setup
 # isort: on
 
-__all__ = ["MatchResult", "match_neurons", "log_marginal_posterior", "assignment_cost", "recording_assignments",
-           "solve_assignment"]
+__all__ = [
+    "MatchResult",
+    "match_neurons",
+    "log_marginal_posterior",
+    "assignment_cost",
+    "recording_assignments",
+    "solve_assignment",
+]
 
 #: Tunable constants, read and set on the package as on the module of before, and held by the
 #: module that reads them: setting ``matching.SCREEN_DENSITY`` (or monkeypatching it) changes what

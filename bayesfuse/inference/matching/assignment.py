@@ -106,8 +106,13 @@ def assign(old: np.ndarray, new: np.ndarray, steps: np.ndarray | None) -> tuple[
     return out, int(can.sum())
 
 
-def assign_negative(atoms: np.ndarray, neurons: np.ndarray, R: np.ndarray, n_atoms: int, n_neurons: int,
-                     ) -> np.ndarray:
+def assign_negative(
+    atoms: np.ndarray,
+    neurons: np.ndarray,
+    R: np.ndarray,
+    n_atoms: int,
+    n_neurons: int,
+) -> np.ndarray:
     """:func:`assign` for the ``"marginal"`` cost from the pairs with ``R < 0`` alone (as
     :func:`negative_pairs` gives them): single pairs are taken, the rest is the Hungarian
     problem of ``Z = min(R, 0)`` on the atoms and neurons left (zeros elsewhere)."""

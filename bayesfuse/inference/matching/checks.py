@@ -30,9 +30,7 @@ def check_layers(layers: Sequence) -> list:
         if a.shape[0] == 0:
             raise ValueError(f"client {j} has no neurons (empty client)")
         if out and a.shape[1] != out[0].shape[1]:
-            raise ValueError(
-                f"client {j}'s neurons have dimension {a.shape[1]}, client 0's have {out[0].shape[1]}"
-            )
+            raise ValueError(f"client {j}'s neurons have dimension {a.shape[1]}, client 0's have {out[0].shape[1]}")
         out.append(a)
     return out
 

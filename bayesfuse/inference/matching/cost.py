@@ -161,10 +161,12 @@ def cost_blocks(v, p, h, lam, m, prior: Prior, *, cost: Cost, kl_weight: float, 
     put = backend_of([v]).put
     p = put(p)
     # The existing atoms, and the prior as the "atom" a new neuron starts from (one row).
-    delta, log_ratio, kl = gain_terms(put(h), put(lam), v, p, groups, bool(kl_weight),
-                                       None if hh is None else put(hh), vv)
-    delta0, log_ratio0, kl0 = gain_terms(put(prior.h0[None, :]), put(prior.lam0[None, :]), v, p, groups,
-                                          bool(kl_weight), vv=vv)
+    delta, log_ratio, kl = gain_terms(
+        put(h), put(lam), v, p, groups, bool(kl_weight), None if hh is None else put(hh), vv
+    )
+    delta0, log_ratio0, kl0 = gain_terms(
+        put(prior.h0[None, :]), put(prior.lam0[None, :]), v, p, groups, bool(kl_weight), vv=vv
+    )
     popularity = put(np.log(m / (J - m)))
     new_prior = math.log(prior.gamma0 / J)
     if cost == "pfnm":
@@ -189,8 +191,17 @@ def cost_blocks(v, p, h, lam, m, prior: Prior, *, cost: Cost, kl_weight: float, 
 SCREEN_DENSITY = 0.02
 
 
-def negative_pairs(v, p, h, lam, m, prior: Prior, hh: np.ndarray | None = None, vv: np.ndarray | None = None,
-                    v32: np.ndarray | None = None):
+def negative_pairs(
+    v,
+    p,
+    h,
+    lam,
+    m,
+    prior: Prior,
+    hh: np.ndarray | None = None,
+    vv: np.ndarray | None = None,
+    v32: np.ndarray | None = None,
+):
     """The pairs (atom i, neuron l) with ``R_il < 0`` under the ``"marginal"`` cost without KL
     (``R`` as in :func:`assign`: ``old_il - new_l``), found through a float32 product.
 
@@ -233,8 +244,9 @@ def negative_pairs(v, p, h, lam, m, prior: Prior, hh: np.ndarray | None = None, 
     row = 0.5 * (np.log1p(pb / lam) @ sizes - np.sum(a * hh - hh / lam, axis=1)) - np.log(m / (J - m))
     # c_l = -new_l: Delta_0l and the log ratio of the prior "atom" (as in gain_terms, one row)
     a0, hh0 = 1.0 / (prior.lam0 + pb), groups.sum_sq(prior.h0[None, :])[0]
-    delta0 = (np.sum(a0 * hh0 - hh0 / prior.lam0) + vv @ (a0 * pb * pb)
-              + v @ (prior.h0 * groups.expand(2 * a0[None] * pb)[0]))
+    delta0 = (
+        np.sum(a0 * hh0 - hh0 / prior.lam0) + vv @ (a0 * pb * pb) + v @ (prior.h0 * groups.expand(2 * a0[None] * pb)[0])
+    )
     col = 0.5 * delta0 - 0.5 * (np.log1p(pb / prior.lam0) @ sizes) + math.log(prior.gamma0 / J)
     if groups.n == 1:
         kappa, x_norm = ap[:, 0], np.sqrt(hh[:, 0])

@@ -66,8 +66,18 @@ from bayesfuse.inference.matching.result import MatchResult
 from bayesfuse.inference.matching.sweeps import NeuronCache, blas_threads, least_gain_for, match_fixed
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 
-__all__ = ["BlockHyper", "AtomStatistics", "initial_hyper", "atom_statistics", "atom_posterior", "em_step",
-           "em_update", "maximise_hyper", "noise_matrix", "match_empirical_bayes"]
+__all__ = [
+    "BlockHyper",
+    "AtomStatistics",
+    "initial_hyper",
+    "atom_statistics",
+    "atom_posterior",
+    "em_step",
+    "em_update",
+    "maximise_hyper",
+    "noise_matrix",
+    "match_empirical_bayes",
+]
 
 #: Smallest variance EM may return (constant coordinates would otherwise reach 0).
 VARIANCE_FLOOR = 1e-8
@@ -88,8 +98,12 @@ class BlockHyper:
         return noise_matrix(self.noise_var, blocks, weights), self.prior_var[blocks], self.prior_mean[blocks]
 
     def as_dict(self) -> dict:
-        return {"prior_var": self.prior_var.tolist(), "noise_var": self.noise_var.tolist(),
-                "prior_mean": self.prior_mean.tolist(), "gamma0": float(self.gamma0)}
+        return {
+            "prior_var": self.prior_var.tolist(),
+            "noise_var": self.noise_var.tolist(),
+            "prior_mean": self.prior_mean.tolist(),
+            "gamma0": float(self.gamma0),
+        }
 
 
 def noise_matrix(noise_var: np.ndarray, blocks: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -103,8 +117,15 @@ def _n_blocks(blocks: np.ndarray) -> int:
     return int(blocks.max()) + 1
 
 
-def initial_hyper(layers: Sequence[np.ndarray], blocks: np.ndarray, weights: np.ndarray,
-                  prior_mean: np.ndarray, *, noise_fraction: float = 0.5, gamma0: float = 1.0) -> BlockHyper:
+def initial_hyper(
+    layers: Sequence[np.ndarray],
+    blocks: np.ndarray,
+    weights: np.ndarray,
+    prior_mean: np.ndarray,
+    *,
+    noise_fraction: float = 0.5,
+    gamma0: float = 1.0,
+) -> BlockHyper:
     """Start values from the neurons alone: ``s_0b`` = precision-weighted variance of block b's
     coordinates around the prior mean, ``s_b = noise_fraction * s_0b``."""
     B = _n_blocks(blocks)
@@ -136,8 +157,14 @@ class AtomStatistics:
     n_clients: int
 
 
-def atom_statistics(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], weights: np.ndarray,
-                    shift: np.ndarray | None = None, *, max_elements: int = 1 << 22) -> AtomStatistics:
+def atom_statistics(
+    layers: Sequence[np.ndarray],
+    assignments: Sequence[np.ndarray],
+    weights: np.ndarray,
+    shift: np.ndarray | None = None,
+    *,
+    max_elements: int = 1 << 22,
+) -> AtomStatistics:
     """:class:`AtomStatistics` of the neurons given the assignments.
 
     One pass over the neurons accumulates, about a reference ``r_i`` per atom, ``W``,
@@ -187,9 +214,15 @@ def atom_statistics(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarr
     return AtomStatistics(weight=weight, mean=mean, scatter=scatter, counts=counts, n_seen=n_seen, n_clients=J)
 
 
-def em_step(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], blocks: np.ndarray,
-            weights: np.ndarray, hyper: BlockHyper, *, fit: Sequence[str] = ("noise_var", "prior_var", "gamma0"),
-            ) -> BlockHyper:
+def em_step(
+    layers: Sequence[np.ndarray],
+    assignments: Sequence[np.ndarray],
+    blocks: np.ndarray,
+    weights: np.ndarray,
+    hyper: BlockHyper,
+    *,
+    fit: Sequence[str] = ("noise_var", "prior_var", "gamma0"),
+) -> BlockHyper:
     """One EM step on the block hyper-parameters given the assignments (module docstring).
 
     ``fit`` names those to update (the others stay as given); the prior mean is refitted with
@@ -199,8 +232,9 @@ def em_step(layers: Sequence[np.ndarray], assignments: Sequence[np.ndarray], blo
     return em_update(atom_statistics(layers, assignments, weights), blocks, hyper, fit=fit)
 
 
-def atom_posterior(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
-                   overwrite: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def atom_posterior(
+    stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *, overwrite: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Natural parameters ``(h, lambda)``, each (K, D), of the atoms' Gaussian posteriors under
     ``hyper`` (the E-step of :func:`em_update`; PFNM supplement eq. 2 with ``p_jd = w_jd / s_b``):
     ``lambda_id = 1/s_0b + W_id / s_b`` and ``h_id = mu_0b / s_0b + W_id c_id / s_b``.
@@ -216,8 +250,13 @@ def atom_posterior(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
     return h, lam
 
 
-def em_update(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
-              fit: Sequence[str] = ("noise_var", "prior_var", "gamma0")) -> BlockHyper:
+def em_update(
+    stats: AtomStatistics,
+    blocks: np.ndarray,
+    hyper: BlockHyper,
+    *,
+    fit: Sequence[str] = ("noise_var", "prior_var", "gamma0"),
+) -> BlockHyper:
     """:func:`em_step` from the assignments' :class:`AtomStatistics` (no pass over the neurons).
 
     E-step: :func:`atom_posterior` (``W = stats.weight``, ``c = stats.mean``); posterior mean
@@ -246,8 +285,10 @@ def em_update(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
         for b in range(B):
             cols = blocks == b
             out.prior_mean[b] = mean[:, cols].mean()
-            out.prior_var[b] = max(float(np.sum((mean[:, cols] - out.prior_mean[b]) ** 2 + var[:, cols]))
-                                   / (K * cols.sum()), VARIANCE_FLOOR)
+            out.prior_var[b] = max(
+                float(np.sum((mean[:, cols] - out.prior_mean[b]) ** 2 + var[:, cols])) / (K * cols.sum()),
+                VARIANCE_FLOOR,
+            )
     if "gamma0" in fit:
         out.gamma0 = float(K / np.sum(1.0 / np.arange(1, stats.n_clients + 1)))
     return out
@@ -290,8 +331,9 @@ def _summarise(stats: AtomStatistics, cols: np.ndarray) -> _BlockSummary:
     return _BlockSummary(n_within, scatter, values, n_u, s1, s2)
 
 
-def _block_marginal(x: np.ndarray, free: np.ndarray, fixed: np.ndarray, summary: _BlockSummary,
-                    mean: float | None) -> tuple[float, np.ndarray, float]:
+def _block_marginal(
+    x: np.ndarray, free: np.ndarray, fixed: np.ndarray, summary: _BlockSummary, mean: float | None
+) -> tuple[float, np.ndarray, float]:
     """Minus the block's collapsed log marginal (constants dropped) at ``log (s, s0)`` (the entries
     of ``free`` from ``x``, the others from ``fixed``), its gradient in ``x``, and the prior mean
     used (``mean``, or the maximiser when None):
@@ -309,16 +351,29 @@ def _block_marginal(x: np.ndarray, free: np.ndarray, fixed: np.ndarray, summary:
     if mean is None:
         mean = float(np.sum(summary.s1 / t) / np.sum(summary.count / t))
     e = summary.s2 - 2 * mean * summary.s1 + summary.count * mean * mean
-    value = (-0.5 * summary.n_within * logs[0] - 0.5 * summary.scatter / s
-             - 0.5 * np.sum(summary.count * np.log(t)) - 0.5 * np.sum(e / t))
+    value = (
+        -0.5 * summary.n_within * logs[0]
+        - 0.5 * summary.scatter / s
+        - 0.5 * np.sum(summary.count * np.log(t))
+        - 0.5 * np.sum(e / t)
+    )
     dt = -0.5 * summary.count / t + 0.5 * e / t**2  # d value / d t_u
-    grad = np.array([s * (-0.5 * summary.n_within / s + 0.5 * summary.scatter / s**2 + np.sum(dt / summary.weight)),
-                     s0 * np.sum(dt)])
+    grad = np.array(
+        [
+            s * (-0.5 * summary.n_within / s + 0.5 * summary.scatter / s**2 + np.sum(dt / summary.weight)),
+            s0 * np.sum(dt),
+        ]
+    )
     return -value, -grad[free], mean
 
 
-def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *,
-                   fit: Sequence[str] = ("noise_var", "prior_var", "gamma0")) -> BlockHyper:
+def maximise_hyper(
+    stats: AtomStatistics,
+    blocks: np.ndarray,
+    hyper: BlockHyper,
+    *,
+    fit: Sequence[str] = ("noise_var", "prior_var", "gamma0"),
+) -> BlockHyper:
     """The hyper-parameters maximising ``log p(V, B | s_0, s, mu_0, gamma_0)`` given the
     assignments: the point EM steps (:func:`em_update`) climb towards, reached directly.
 
@@ -367,13 +422,22 @@ def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
                 # the atom means beyond their noise), and the higher end point is kept.
                 s_moment = summary.scatter / summary.n_within if summary.n_within > 0 else np.exp(fixed[0])
                 c_var = summary.s2.sum() / n - (summary.s1.sum() / n) ** 2
-                moments = np.log(np.maximum([s_moment, c_var - s_moment * np.sum(summary.count / summary.weight) / n],
-                                            VARIANCE_FLOOR))
-                ends = [minimize(lambda x: _block_marginal(x, free, fixed, summary, mean)[:2],  # noqa: B023 (run here)
-                                 np.clip(x0, floor, ceiling), jac=True, method="L-BFGS-B",
-                                 bounds=[(floor, ceiling)] * int(free.sum()),
-                                 options=dict(ftol=1e-15, gtol=1e-9, maxiter=500))
-                        for x0 in (fixed[free], moments[free])]
+                moments = np.log(
+                    np.maximum(
+                        [s_moment, c_var - s_moment * np.sum(summary.count / summary.weight) / n], VARIANCE_FLOOR
+                    )
+                )
+                ends = [
+                    minimize(
+                        lambda x: _block_marginal(x, free, fixed, summary, mean)[:2],  # noqa: B023 (run here)
+                        np.clip(x0, floor, ceiling),
+                        jac=True,
+                        method="L-BFGS-B",
+                        bounds=[(floor, ceiling)] * int(free.sum()),
+                        options=dict(ftol=1e-15, gtol=1e-9, maxiter=500),
+                    )
+                    for x0 in (fixed[free], moments[free])
+                ]
                 fixed[free] = min(ends, key=lambda res: res.fun).x
             if free[0]:
                 out.noise_var[b] = np.exp(fixed[0])
@@ -385,8 +449,22 @@ def maximise_hyper(stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper,
     return out
 
 
-def match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_mean, blocks, relative_precision,
-                           local_vars, rounds, match, verbose, start) -> MatchResult:
+def match_empirical_bayes(
+    layers,
+    auto,
+    *,
+    noise_var,
+    prior_var,
+    gamma0,
+    prior_mean,
+    blocks,
+    relative_precision,
+    local_vars,
+    rounds,
+    match,
+    verbose,
+    start,
+) -> MatchResult:
     """:func:`match_neurons` with the ``auto`` hyper-parameters chosen by empirical Bayes.
 
     Coordinate ascent on ``F(B, theta) = log p(V, B | theta)``: each round is one sweep over
@@ -407,8 +485,12 @@ def match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_m
     host_layers = [backend.host(v) for v in layers]  # the statistics run on the host
     J, D = len(layers), layers[0].shape[1]
     blocks = np.zeros(D, dtype=np.int64) if blocks is None else to_host(blocks, None)
-    if blocks.shape != (D,) or not np.issubdtype(blocks.dtype, np.integer) or blocks.min() < 0 or \
-            set(np.unique(blocks)) != set(range(int(blocks.max()) + 1)):
+    if (
+        blocks.shape != (D,)
+        or not np.issubdtype(blocks.dtype, np.integer)
+        or blocks.min() < 0
+        or set(np.unique(blocks)) != set(range(int(blocks.max()) + 1))
+    ):
         raise ValueError(f"blocks must be ({D},) integers numbering blocks 0..B-1, each used")
     weights = np.ones((J, D)) if relative_precision is None else relative_weights(relative_precision, J, D)
     mu0 = np.broadcast_to(finite_array(prior_mean, "prior_mean"), (D,)).astype(np.float64)
@@ -431,9 +513,18 @@ def match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_m
         warnings.simplefilter("ignore", ConvergenceWarning)
         for r in bar:
             noise, prior0, mean0 = hyper.expand(blocks, weights)
-            result = match_fixed(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
-                            init=assignments, init_atoms=init_atoms, squares=squares, cache=cache,
-                            **dict(match, n_iter=1))
+            result = match_fixed(
+                layers,
+                noise_var=noise,
+                prior_var=prior0,
+                prior_mean=mean0,
+                gamma0=hyper.gamma0,
+                init=assignments,
+                init_atoms=init_atoms,
+                squares=squares,
+                cache=cache,
+                **dict(match, n_iter=1),
+            )
             assignments, init_atoms = result.assignments, None
             sweeps += result.n_sweeps
             trace.append(dict(n_global=result.n_global, objective=result.objective[-1], **hyper.as_dict()))
@@ -457,15 +548,32 @@ def match_empirical_bayes(layers, auto, *, noise_var, prior_var, gamma0, prior_m
         objective = [t["objective"] for t in trace]
         if not (settled or stopped):
             noise, prior0, mean0 = hyper.expand(blocks, weights)
-            result = match_fixed(layers, noise_var=noise, prior_var=prior0, prior_mean=mean0, gamma0=hyper.gamma0,
-                            init=assignments, init_atoms=init_atoms, squares=squares, cache=cache,
-                            baseline=objective[-1], **match)
+            result = match_fixed(
+                layers,
+                noise_var=noise,
+                prior_var=prior0,
+                prior_mean=mean0,
+                gamma0=hyper.gamma0,
+                init=assignments,
+                init_atoms=init_atoms,
+                squares=squares,
+                cache=cache,
+                baseline=objective[-1],
+                **match,
+            )
             sweeps += result.n_sweeps
             objective += result.objective
             stopped = result.hyper["stopped"]
     result.n_sweeps, result.objective, result.converged = sweeps, objective, result.converged or stopped
-    result.hyper = dict(result.hyper, **hyper.as_dict(), auto=list(auto), blocks=blocks.tolist(), rounds=len(trace),
-                        trace=trace, stopped=stopped)
+    result.hyper = dict(
+        result.hyper,
+        **hyper.as_dict(),
+        auto=list(auto),
+        blocks=blocks.tolist(),
+        rounds=len(trace),
+        trace=trace,
+        stopped=stopped,
+    )
     result.seconds = time.perf_counter() - start
     warn_not_converged({"matching": result}, "matching", stacklevel=4)
     return result

@@ -149,21 +149,58 @@ def match_neurons(
       the atom's mean; it discourages poor matches and so grows the global model slightly.
     """
     start = time.perf_counter()
-    auto = tuple(k for k, v in (("noise_var", noise_var), ("prior_var", prior_var), ("gamma0", gamma0))
-                 if isinstance(v, str))
+    auto = tuple(
+        k for k, v in (("noise_var", noise_var), ("prior_var", prior_var), ("gamma0", gamma0)) if isinstance(v, str)
+    )
     if cost == "auto":
         cost = "marginal" if auto else "pfnm"
     if auto:
         return match_empirical_bayes(
-            layers, auto, noise_var=noise_var, prior_var=prior_var, gamma0=gamma0, prior_mean=prior_mean,
-            blocks=blocks, relative_precision=relative_precision, local_vars=local_vars, rounds=rounds,
-            match=dict(kl_weight=kl_weight, cost=cost, local_vars=None, n_iter=n_iter, tol=tol, seed=seed,
-                       verbose=False, start=start, checked=True), verbose=verbose, start=start)
+            layers,
+            auto,
+            noise_var=noise_var,
+            prior_var=prior_var,
+            gamma0=gamma0,
+            prior_mean=prior_mean,
+            blocks=blocks,
+            relative_precision=relative_precision,
+            local_vars=local_vars,
+            rounds=rounds,
+            match=dict(
+                kl_weight=kl_weight,
+                cost=cost,
+                local_vars=None,
+                n_iter=n_iter,
+                tol=tol,
+                seed=seed,
+                verbose=False,
+                start=start,
+                checked=True,
+            ),
+            verbose=verbose,
+            start=start,
+        )
     if relative_precision is not None:
         if np.ndim(noise_var) != 0:
             raise ValueError("relative_precision scales one noise variance: give noise_var as a number")
-        noise_var = noise_matrix(np.array([float(noise_var)]), np.zeros(len(relative_precision[0]), dtype=int),
-                                 relative_weights(relative_precision, len(layers), len(relative_precision[0])))
-    return match_fixed(layers, noise_var=noise_var, prior_var=prior_var, prior_mean=prior_mean, gamma0=gamma0,
-                  kl_weight=kl_weight, cost=cost, local_vars=local_vars, n_iter=n_iter, tol=tol, seed=seed, init=init,
-                  verbose=verbose, start=start)
+        noise_var = noise_matrix(
+            np.array([float(noise_var)]),
+            np.zeros(len(relative_precision[0]), dtype=int),
+            relative_weights(relative_precision, len(layers), len(relative_precision[0])),
+        )
+    return match_fixed(
+        layers,
+        noise_var=noise_var,
+        prior_var=prior_var,
+        prior_mean=prior_mean,
+        gamma0=gamma0,
+        kl_weight=kl_weight,
+        cost=cost,
+        local_vars=local_vars,
+        n_iter=n_iter,
+        tol=tol,
+        seed=seed,
+        init=init,
+        verbose=verbose,
+        start=start,
+    )

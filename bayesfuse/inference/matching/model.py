@@ -204,8 +204,7 @@ def posterior_stats(layers, prec, assignments, n_atoms, prior: Prior, backend: B
     return h, lam, m
 
 
-def posterior_moments(h, lam: np.ndarray, groups: Groups, backend: Backend = NUMPY,
-                       max_elements: int = 1 << 22):
+def posterior_moments(h, lam: np.ndarray, groups: Groups, backend: Backend = NUMPY, max_elements: int = 1 << 22):
     """The atoms' posterior means ``h / lambda`` and variances ``1 / lambda`` on every coordinate.
 
     Parameters

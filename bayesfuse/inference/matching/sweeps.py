@@ -132,8 +132,11 @@ class _AtomBuffer:
             cap = max(2 * len(self._m), size)
             for name in ("_h", "_lam", "_hh", "_m"):
                 old = getattr(self, name)
-                new = self.backend.zeros((cap, *old.shape[1:])) if name == "_h" else \
-                    np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+                new = (
+                    self.backend.zeros((cap, *old.shape[1:]))
+                    if name == "_h"
+                    else np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+                )
                 new[: self.n] = old[: self.n]
                 setattr(self, name, new)
 
@@ -171,9 +174,28 @@ class _AtomBuffer:
         self._hh[: self.n] = self.backend.host(self.groups.sum_sq(self.h))
 
 
-def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, cost, local_vars, n_iter, tol, seed,
-                init, verbose, start, checked: bool = False, init_atoms=None, squares=None,
-                cache: NeuronCache | None = None, baseline: float | None = None) -> MatchResult:
+def match_fixed(
+    layers,
+    *,
+    noise_var,
+    prior_var,
+    prior_mean,
+    gamma0,
+    kl_weight,
+    cost,
+    local_vars,
+    n_iter,
+    tol,
+    seed,
+    init,
+    verbose,
+    start,
+    checked: bool = False,
+    init_atoms=None,
+    squares=None,
+    cache: NeuronCache | None = None,
+    baseline: float | None = None,
+) -> MatchResult:
     """:func:`match_neurons` with numeric hyper-parameters.
 
     For repeated matchings of the same neurons (:func:`match_empirical_bayes`): ``checked``,
@@ -200,8 +222,9 @@ def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, 
     if init is not None:  # warm start: atoms from the given assignments, then refining sweeps
         assignments = [np.asarray(a) for a in init] if checked else check_assignments(init, layers)
         if init_atoms is None:
-            atoms.reset(*posterior_stats(layers, prec, assignments, int(max(a.max() for a in assignments)) + 1,
-                                          prior, backend))
+            atoms.reset(
+                *posterior_stats(layers, prec, assignments, int(max(a.max() for a in assignments)) + 1, prior, backend)
+            )
         else:  # lambda is constant on each coordinate group: keep one value per group
             h0, lam0, m0 = init_atoms
             if isinstance(init_atoms, list):  # the caller's (K, D) arrays go once the atoms hold them
@@ -216,8 +239,7 @@ def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, 
     cycle = 0
     bar = tqdm(range(int(n_iter)), desc="matching", unit="sweep", disable=not verbose)
     sweeps = 0
-    screen = (not backend.is_torch and cost == "marginal" and not kl_weight
-              and all(x.shape[0] == 1 for x in prec))
+    screen = not backend.is_torch and cost == "marginal" and not kl_weight and all(x.shape[0] == 1 for x in prec)
     density = cache.density  # share of candidate pairs at the last client: whether the float32 screen pays
     # Whether client j's problem may differ from the one it last solved: it does not when no
     # other client's assignment changed since (the atoms it sees are the same, up to labels and
@@ -255,12 +277,22 @@ def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, 
                 g = atoms.n
                 pairs = None
                 if screen and density <= costs.SCREEN_DENSITY:  # a float32 product finds the few candidate pairs
-                    pairs = negative_pairs(v, p, atoms.h, atoms.lam, atoms.m, prior, atoms.hh,
-                                            cache.vv(j, v, groups), cache.v32(j, v))
+                    pairs = negative_pairs(
+                        v, p, atoms.h, atoms.lam, atoms.m, prior, atoms.hh, cache.vv(j, v, groups), cache.v32(j, v)
+                    )
                 if pairs is None:
                     old_cost, new_cost, steps = cost_blocks(
-                        v, p_on, atoms.h, atoms.lam, atoms.m, prior, cost=cost, kl_weight=kl_weight, hh=atoms.hh,
-                        vv=None if p.shape[0] > 1 else cache.vv(j, v, groups))
+                        v,
+                        p_on,
+                        atoms.h,
+                        atoms.lam,
+                        atoms.m,
+                        prior,
+                        cost=cost,
+                        kl_weight=kl_weight,
+                        hh=atoms.hh,
+                        vv=None if p.shape[0] > 1 else cache.vv(j, v, groups),
+                    )
                     old_cost, new_cost = backend.host(old_cost), backend.host(new_cost)
                     R = old_cost - new_cost[None, :] if RECORDERS else None  # before assign overwrites old_cost
                     a, n_pairs = assign(old_cost, new_cost, steps)
@@ -317,11 +349,20 @@ def match_fixed(layers, *, noise_var, prior_var, prior_mean, gamma0, kl_weight, 
         objective=objective,
         converged=converged,
         n_sweeps=sweeps,
-        hyper=dict(noise_var=_listed(noise_var, checked), prior_var=_listed(prior_var, checked),
-                   prior_mean=_listed(prior_mean, checked),
-                   gamma0=gamma0, kl_weight=kl_weight, cost=cost, n_iter=n_iter, local_vars=local_vars is not None,
-                   seed=None if isinstance(seed, np.random.Generator) else seed, cycle=cycle, tol=tol,
-                   stopped=stopped),
+        hyper=dict(
+            noise_var=_listed(noise_var, checked),
+            prior_var=_listed(prior_var, checked),
+            prior_mean=_listed(prior_mean, checked),
+            gamma0=gamma0,
+            kl_weight=kl_weight,
+            cost=cost,
+            n_iter=n_iter,
+            local_vars=local_vars is not None,
+            seed=None if isinstance(seed, np.random.Generator) else seed,
+            cycle=cycle,
+            tol=tol,
+            stopped=stopped,
+        ),
         seconds=time.perf_counter() - start,
     )
     warn_not_converged({"matching": result}, "matching")

@@ -61,7 +61,24 @@ from bayesfuse.integrations.flower.records import (
 )
 from bayesfuse.integrations.flower.strategy import MatchedAveraging
 
-__all__ = ["MatchedAveraging", "FedMA", "metrics_aggregation", "state_to_record", "record_to_state", "state_digest",
-           "summary_to_records", "records_to_summary", "output_fit_reply", "output_fit_to_records",
-           "records_to_output_fit", "FEDMA_LOCAL", "FEDMA_ROUND", "SUMMARY_KEY", "SUMMARY_META_KEY", "OUTPUT_FIT_KEY",
-           "OUTPUT_FIT_META_KEY", "ROUND_KEY", "OUTPUT_FIT"]
+__all__ = [
+    "MatchedAveraging",
+    "FedMA",
+    "metrics_aggregation",
+    "state_to_record",
+    "record_to_state",
+    "state_digest",
+    "summary_to_records",
+    "records_to_summary",
+    "output_fit_reply",
+    "output_fit_to_records",
+    "records_to_output_fit",
+    "FEDMA_LOCAL",
+    "FEDMA_ROUND",
+    "SUMMARY_KEY",
+    "SUMMARY_META_KEY",
+    "OUTPUT_FIT_KEY",
+    "OUTPUT_FIT_META_KEY",
+    "ROUND_KEY",
+    "OUTPUT_FIT",
+]

@@ -117,9 +117,17 @@ class FedMA(_Fusion):
         What stopped the run early, if anything (every node lost, say).
     """
 
-    def __init__(self, *, spec: PermutationSpec | None = None, hyper: dict | None = None,
-                 class_counts_key: str = "class-counts", seed: int = 0, local_message_type: str = FEDMA_LOCAL,
-                 round_message_type: str = FEDMA_ROUND, **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        spec: PermutationSpec | None = None,
+        hyper: dict | None = None,
+        class_counts_key: str = "class-counts",
+        seed: int = 0,
+        local_message_type: str = FEDMA_LOCAL,
+        round_message_type: str = FEDMA_ROUND,
+        **kwargs,
+    ) -> None:
         settings = methods.resolve("fedma", "network", hyper)
         if settings.pop("passes") != 1:
             raise ValueError("the FedMA strategy runs one layer-wise pass; passes > 1 is not supported here")
@@ -166,12 +174,18 @@ class FedMA(_Fusion):
     def summary(self) -> None:
         """Log the strategy's settings (Flower's, then FedMA's)."""
         super().summary()
-        log(INFO, "\t└──> FedMA: a local round, then a round per hidden group; hyper-parameters %s",
-            self.settings)
+        log(INFO, "\t└──> FedMA: a local round, then a round per hidden group; hyper-parameters %s", self.settings)
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int | None = None,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
         """Run FedMA through Flower's ``Strategy.start`` loop.
 
         Parameters
@@ -202,21 +216,31 @@ class FedMA(_Fusion):
         if num_rounds is None:
             num_rounds = needed
         elif num_rounds != needed:
-            raise ValueError(f"FedMA takes {needed} rounds for this network (a local round, then one per hidden "
-                             f"group {list(spec.groups)}); got num_rounds={num_rounds}")
+            raise ValueError(
+                f"FedMA takes {needed} rounds for this network (a local round, then one per hidden "
+                f"group {list(spec.groups)}); got num_rounds={num_rounds}"
+            )
         self._arch = spec
         self._reset(spec)
         try:
-            return super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
-                                 train_config=train_config, evaluate_config=evaluate_config,
-                                 evaluate_fn=None if evaluate_fn is None else self._on_global(evaluate_fn))
+            return super().start(
+                grid=grid,
+                initial_arrays=initial_arrays,
+                num_rounds=num_rounds,
+                timeout=timeout,
+                train_config=train_config,
+                evaluate_config=evaluate_config,
+                evaluate_fn=None if evaluate_fn is None else self._on_global(evaluate_fn),
+            )
         finally:
             if self._run is not None:
                 self._run.stop()
 
-    def _on_global(self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]
-                   ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
+    def _on_global(
+        self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]
+    ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
         """``evaluate_fn`` called on ``initial_arrays`` and on the global network, ``None`` in between."""
+
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0 or server_round == self._final_round:
                 return evaluate_fn(server_round, arrays)
@@ -226,8 +250,9 @@ class FedMA(_Fusion):
 
     # ------------------------------------------------------------------ training rounds
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Round 1: a ``train.local`` message to each sampled node (the config only). Later
         rounds: one ``train.fedma`` message per node still taking part, with its own arrays.
 
@@ -246,24 +271,40 @@ class FedMA(_Fusion):
         if server_round == 1:
             sampled = list(super().configure_train(server_round, arrays, config, grid))  # samples and logs
             content = RecordDict({self.configrecord_key: ConfigRecord(dict(config))})
-            return [Message(content=content, message_type=self.local_message_type, dst_node_id=m.metadata.dst_node_id)
-                    for m in sampled]
+            return [
+                Message(content=content, message_type=self.local_message_type, dst_node_id=m.metadata.dst_node_id)
+                for m in sampled
+            ]
         if self._pending is None:
-            log(INFO, "configure_train: no FedMA round to run (%s)",
-                "the run has ended" if self.fedma_result is not None or self.error is not None else "no local round")
+            log(
+                INFO,
+                "configure_train: no FedMA round to run (%s)",
+                "the run has ended" if self.fedma_result is not None or self.error is not None else "no local round",
+            )
             return []
         jobs, frozen, group = self._pending
-        round_config = ConfigRecord({**dict(config), "server-round": server_round,
-                                     "frozen": json.dumps(sorted(frozen))})
-        log(INFO, "configure_train: %d nodes retrain the layers above group %r (%d entries frozen)", len(jobs),
-            group, len(frozen))
-        return [Message(content=RecordDict({self.arrayrecord_key: state_to_record(state),
-                                            self.configrecord_key: round_config}),
-                        message_type=self.round_message_type, dst_node_id=self.nodes[j])
-                for j, state in jobs]
+        round_config = ConfigRecord(
+            {**dict(config), "server-round": server_round, "frozen": json.dumps(sorted(frozen))}
+        )
+        log(
+            INFO,
+            "configure_train: %d nodes retrain the layers above group %r (%d entries frozen)",
+            len(jobs),
+            group,
+            len(frozen),
+        )
+        return [
+            Message(
+                content=RecordDict({self.arrayrecord_key: state_to_record(state), self.configrecord_key: round_config}),
+                message_type=self.round_message_type,
+                dst_node_id=self.nodes[j],
+            )
+            for j, state in jobs
+        ]
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Round 1: start FedMA on the local networks. Later rounds: hand FedMA the retrained
         networks. FedMA matches the next group (metrics only) or, after the last, returns the
         global network.
@@ -287,8 +328,12 @@ class FedMA(_Fusion):
         spec, good = self._check(self._collect(replies), self._arch)
         if not good:
             self.error = RuntimeError("no node answered the local training round")
-            log(ERROR, "FedMA stopped in round 1: no valid replies (%d failed, %d rejected)", len(self.failed),
-                len(self.rejected))
+            log(
+                ERROR,
+                "FedMA stopped in round 1: no valid replies (%d failed, %d rejected)",
+                len(self.failed),
+                len(self.rejected),
+            )
             return None, None
         self._spec = spec
         self.nodes = [r.node for r in good]
@@ -296,12 +341,17 @@ class FedMA(_Fusion):
         counts = np.stack([r.class_counts for r in good]) if all(r.class_counts is not None for r in good) else None
         states, settings, seed = [r.state for r in good], dict(self.settings), self.seed
         self._run = _PausedRun(fedma_steps(states, spec, class_counts=counts, seed=seed, **settings))
-        metrics = {"num-examples": float(sum(self._examples.values())), "local-replies": len(good),
-                   "failed-replies": len(self.failed), "rejected-replies": len(self.rejected)}
+        metrics = {
+            "num-examples": float(sum(self._examples.values())),
+            "local-replies": len(good),
+            "failed-replies": len(self.failed),
+            "rejected-replies": len(self.rejected),
+        }
         return self._advance(1, self._run.begin(), metrics)
 
-    def _aggregate_retrained(self, server_round: int,
-                             replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def _aggregate_retrained(
+        self, server_round: int, replies: list[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if self._pending is None or self._run is None:
             log(WARNING, "aggregate_train: round %d has no FedMA step to take; replies ignored", server_round)
             return None, None
@@ -332,19 +382,29 @@ class FedMA(_Fusion):
         n_failed, n_rejected = len(self.failed) - n_failed, len(self.rejected) - n_rejected
         log(INFO, "aggregate_train: Received %s results and %s failures", len(jobs) - n_failed - n_rejected, n_failed)
         self.dropped += [self.nodes[j] for (j, _), u in zip(jobs, updated) if u is None]
-        metrics = {"num-examples": examples, "retrained-replies": len(jobs) - n_failed - n_rejected,
-                   "failed-replies": n_failed, "rejected-replies": n_rejected}
+        metrics = {
+            "num-examples": examples,
+            "retrained-replies": len(jobs) - n_failed - n_rejected,
+            "failed-replies": n_failed,
+            "rejected-replies": n_rejected,
+        }
         if all(u is None for u in updated):
             self._run.stop()
             self._run, self._pending = None, None
             self.error = RuntimeError(f"every node was lost in round {server_round}")
-            log(ERROR, "FedMA stopped in round %d: no node returned a retrained network (%d failed, %d rejected)",
-                server_round, n_failed, n_rejected)
+            log(
+                ERROR,
+                "FedMA stopped in round %d: no node returned a retrained network (%d failed, %d rejected)",
+                server_round,
+                n_failed,
+                n_rejected,
+            )
             return None, MetricRecord(metrics)
         return self._advance(server_round, self._run.resume(updated), metrics)
 
-    def _advance(self, server_round: int, step: tuple[str, object],
-                 metrics: dict) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def _advance(
+        self, server_round: int, step: tuple[str, object], metrics: dict
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The round's outcome from FedMA's next step: the next jobs, the end, or an error."""
         kind, value = step
         self._pending = None
@@ -364,15 +424,22 @@ class FedMA(_Fusion):
         self.fedma_result = result
         self._final_round = server_round
         log(INFO, "\t└──> FedMA finished: global sizes %s, %d nodes dropped", result.sizes, len(self.dropped))
-        metrics.update({"global-sizes": [int(s) for s in result.sizes.values()], "fedma-rounds": result.rounds,
-                        "bytes-up": result.bytes_up, "bytes-down": result.bytes_down,
-                        "dropped-nodes": len(self.dropped)})
+        metrics.update(
+            {
+                "global-sizes": [int(s) for s in result.sizes.values()],
+                "fedma-rounds": result.rounds,
+                "bytes-up": result.bytes_up,
+                "bytes-down": result.bytes_down,
+                "dropped-nodes": len(self.dropped),
+            }
+        )
         return state_to_record(result.state_dict), MetricRecord(metrics)
 
     # ------------------------------------------------------------------ evaluation
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Federated evaluation of the global network, after the last round only.
 
         Parameters

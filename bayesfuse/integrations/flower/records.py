@@ -91,9 +91,15 @@ def summary_to_records(summary: ClientSummary) -> tuple[ArrayRecord, ConfigRecor
     tuple of (ArrayRecord, ConfigRecord)
     """
     record = {k: Array(v) for k, v in summary_arrays(summary).items()}
-    meta = ConfigRecord({"format": SUMMARY_FORMAT, "version": int(summary.version),
-                         "n-examples": int(summary.n_examples),
-                         "prior-precision": float(summary.prior_precision), "fingerprint": summary.fingerprint})
+    meta = ConfigRecord(
+        {
+            "format": SUMMARY_FORMAT,
+            "version": int(summary.version),
+            "n-examples": int(summary.n_examples),
+            "prior-precision": float(summary.prior_precision),
+            "fingerprint": summary.fingerprint,
+        }
+    )
     return ArrayRecord(array_dict=record), meta
 
 
@@ -106,25 +112,36 @@ def records_to_summary(arrays: ArrayRecord, meta: ConfigRecord | None, name: str
         With one line naming ``name``: no metadata, another format or version, missing keys.
     """
     if meta is None:
-        raise SummaryError(f"{name}: the summary's arrays came without its metadata (ConfigRecord "
-                           f"{SUMMARY_META_KEY!r})")
+        raise SummaryError(
+            f"{name}: the summary's arrays came without its metadata (ConfigRecord {SUMMARY_META_KEY!r})"
+        )
     if meta.get("format") != SUMMARY_FORMAT:
         raise SummaryError(f"{name}: not a bayesfuse client summary (format {meta.get('format')!r})")
     try:
         version, n_examples = int(meta["version"]), int(meta["n-examples"])
         prior, fp = float(meta["prior-precision"]), str(meta["fingerprint"])
     except (KeyError, TypeError, ValueError):
-        raise SummaryError(f"{name}: the summary's metadata is incomplete (needs version, n-examples, "
-                           "prior-precision, fingerprint)") from None
+        raise SummaryError(
+            f"{name}: the summary's metadata is incomplete (needs version, n-examples, prior-precision, fingerprint)"
+        ) from None
     if version != SUMMARY_VERSION:
-        raise SummaryError(f"{name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION}); "
-                           "recompute it with bayesfuse.summarize")
-    return summary_from_arrays({key: arrays[key].numpy() for key in arrays.keys()}, name, version=version,
-                               n_examples=n_examples, prior_precision=prior, fingerprint=fp)
+        raise SummaryError(
+            f"{name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION}); "
+            "recompute it with bayesfuse.summarize"
+        )
+    return summary_from_arrays(
+        {key: arrays[key].numpy() for key in arrays.keys()},
+        name,
+        version=version,
+        n_examples=n_examples,
+        prior_precision=prior,
+        fingerprint=fp,
+    )
 
 
-def output_fit_to_records(fit: OutputFit, *, prior_precision: float,
-                          n_clients: int) -> tuple[ArrayRecord, ConfigRecord]:
+def output_fit_to_records(
+    fit: OutputFit, *, prior_precision: float, n_clients: int
+) -> tuple[ArrayRecord, ConfigRecord]:
     """A client's output fit (:func:`bayesfuse.summaries.output_fit`) as Flower records.
 
     The ArrayRecord holds ``weight`` ``(G+1, K)``, ``gram`` ``(G+1, G+1)`` and ``curvature``
@@ -145,14 +162,27 @@ def output_fit_to_records(fit: OutputFit, *, prior_precision: float,
     tuple of (ArrayRecord, ConfigRecord)
     """
     arrays = {name: Array(np.ascontiguousarray(getattr(fit, name), dtype=np.float32)) for name in _FIT_ARRAYS}
-    meta = ConfigRecord({"format": OUTPUT_FIT_FORMAT, "version": OUTPUT_FIT_VERSION, "n-examples": int(fit.n),
-                         "prior-precision": float(prior_precision), "n-clients": int(n_clients)})
+    meta = ConfigRecord(
+        {
+            "format": OUTPUT_FIT_FORMAT,
+            "version": OUTPUT_FIT_VERSION,
+            "n-examples": int(fit.n),
+            "prior-precision": float(prior_precision),
+            "n-clients": int(n_clients),
+        }
+    )
     return ArrayRecord(array_dict=arrays), meta
 
 
-def records_to_output_fit(arrays: ArrayRecord, meta: ConfigRecord | None, name: str = "client", *,
-                          shape: tuple[int, int] | None = None, prior_precision: float | None = None,
-                          n_clients: int | None = None) -> OutputFit:
+def records_to_output_fit(
+    arrays: ArrayRecord,
+    meta: ConfigRecord | None,
+    name: str = "client",
+    *,
+    shape: tuple[int, int] | None = None,
+    prior_precision: float | None = None,
+    n_clients: int | None = None,
+) -> OutputFit:
     """The output fit in a reply's records (:func:`output_fit_to_records`), checked.
 
     Parameters
@@ -179,24 +209,26 @@ def records_to_output_fit(arrays: ArrayRecord, meta: ConfigRecord | None, name: 
         curvature that is not symmetric positive semi-definite, another prior.
     """
     if meta is None:
-        raise ValueError(f"{name}: the output fit's arrays came without its metadata (ConfigRecord "
-                         f"{OUTPUT_FIT_META_KEY!r})")
+        raise ValueError(
+            f"{name}: the output fit's arrays came without its metadata (ConfigRecord {OUTPUT_FIT_META_KEY!r})"
+        )
     if meta.get("format") != OUTPUT_FIT_FORMAT:
         raise ValueError(f"{name}: not a bayesfuse output fit (format {meta.get('format')!r})")
     try:
         version, n = int(meta["version"]), int(meta["n-examples"])
         prior, clients = float(meta["prior-precision"]), int(meta["n-clients"])
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{name}: the output fit's metadata is incomplete (needs version, n-examples, "
-                         "prior-precision, n-clients)") from None
+        raise ValueError(
+            f"{name}: the output fit's metadata is incomplete (needs version, n-examples, prior-precision, n-clients)"
+        ) from None
     if version != OUTPUT_FIT_VERSION:
-        raise ValueError(f"{name}: output fit version {version} is not one this bayesfuse reads "
-                         f"({OUTPUT_FIT_VERSION})")
+        raise ValueError(f"{name}: output fit version {version} is not one this bayesfuse reads ({OUTPUT_FIT_VERSION})")
     if n <= 0:
         raise ValueError(f"{name}: the output fit has n-examples = {n}")
     if prior_precision is not None and not np.isclose(prior, prior_precision, rtol=1e-6, atol=0.0):
-        raise ValueError(f"{name}: the output fit was made with prior precision {prior:g}, the server sent "
-                         f"{prior_precision:g}")
+        raise ValueError(
+            f"{name}: the output fit was made with prior precision {prior:g}, the server sent {prior_precision:g}"
+        )
     if n_clients is not None and clients != n_clients:
         raise ValueError(f"{name}: the output fit was made for {clients} clients, the server sent {n_clients}")
     missing = [k for k in _FIT_ARRAYS if k not in arrays]
@@ -209,8 +241,9 @@ def records_to_output_fit(arrays: ArrayRecord, meta: ConfigRecord | None, name: 
     g, k = shape if shape is not None else weight.shape
     for key, want in (("weight", (g, k)), ("gram", (g, g)), ("curvature", (k, k))):
         if values[key].shape != want:
-            raise ValueError(f"{name}: the output fit's {key} has shape {values[key].shape}; the fused output "
-                             f"layer needs {want}")
+            raise ValueError(
+                f"{name}: the output fit's {key} has shape {values[key].shape}; the fused output layer needs {want}"
+            )
         if not np.isfinite(values[key]).all():
             raise ValueError(f"{name}: the output fit's {key} has values that are not finite (NaN or inf)")
     for key, m in (("gram", gram), ("curvature", curvature)):
@@ -259,17 +292,20 @@ def output_fit_reply(model: torch.nn.Module, x, y, config: Mapping) -> RecordDic
             ...  # an ordinary training round
     """
     if config.get(ROUND_KEY) != OUTPUT_FIT:
-        raise ValueError(f"not a refit round: the config's {ROUND_KEY!r} is {config.get(ROUND_KEY)!r}, "
-                         f"not {OUTPUT_FIT!r}")
+        raise ValueError(
+            f"not a refit round: the config's {ROUND_KEY!r} is {config.get(ROUND_KEY)!r}, not {OUTPUT_FIT!r}"
+        )
     try:
         output, prior, clients = str(config["output-layer"]), float(config["prior-precision"]), int(config["n-clients"])
     except (KeyError, TypeError, ValueError):
-        raise ValueError("the refit round's config is incomplete (needs output-layer, prior-precision, "
-                         "n-clients)") from None
+        raise ValueError(
+            "the refit round's config is incomplete (needs output-layer, prior-precision, n-clients)"
+        ) from None
     fit = output_fit(model, output, x, y, prior, n_clients=clients)
     arrays, meta = output_fit_to_records(fit, prior_precision=prior, n_clients=clients)
-    return RecordDict({OUTPUT_FIT_KEY: arrays, OUTPUT_FIT_META_KEY: meta,
-                       "metrics": MetricRecord({"num-examples": int(fit.n)})})
+    return RecordDict(
+        {OUTPUT_FIT_KEY: arrays, OUTPUT_FIT_META_KEY: meta, "metrics": MetricRecord({"num-examples": int(fit.n)})}
+    )
 
 
 def metrics_aggregation(sum_keys: Sequence[str] = ("class-counts",)) -> MetricsAggregation:
@@ -324,7 +360,6 @@ def _metric_record(content: RecordDict) -> MetricRecord | None:
     return records[0] if records else None
 
 
-
 def state_digest(state) -> str:
     """The digest that orders replies: :func:`~bayesfuse.checkpoints.tensors_sha256` of the state
     (names, dtypes, shapes, bytes), the rule by which ``bayesfuse fuse`` orders files and
@@ -340,4 +375,3 @@ def state_digest(state) -> str:
     str
     """
     return tensors_sha256({k: torch.as_tensor(np.ascontiguousarray(np.asarray(v))) for k, v in state.items()})
-

@@ -59,8 +59,9 @@ class _Fusion(FedAvg):
 
     kind = "network"
 
-    def __init__(self, *, spec: PermutationSpec | None = None, class_counts_key: str = "class-counts", seed: int = 0,
-                 **kwargs) -> None:
+    def __init__(
+        self, *, spec: PermutationSpec | None = None, class_counts_key: str = "class-counts", seed: int = 0, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         self.spec = spec
         self.class_counts_key = class_counts_key
@@ -93,8 +94,15 @@ class _Fusion(FedAvg):
                 except SummaryError as err:
                     self._reject(node, str(err))
                     continue
-            collected.append(_Reply(node, record_to_state(record), float(metrics.get(self.weighted_by_key, 1.0)),
-                                    None if counts is None else np.asarray(counts, dtype=np.float64), summary))
+            collected.append(
+                _Reply(
+                    node,
+                    record_to_state(record),
+                    float(metrics.get(self.weighted_by_key, 1.0)),
+                    None if counts is None else np.asarray(counts, dtype=np.float64),
+                    summary,
+                )
+            )
         log(INFO, "aggregate_train: Received %s results and %s failures", len(collected), n_failed)
         return sorted(collected, key=_digest)
 
@@ -102,8 +110,9 @@ class _Fusion(FedAvg):
         self.rejected.append((node, reason))
         log(WARNING, "node %d: reply rejected: %s", node, reason)
 
-    def _check(self, replies: list[_Reply],
-               spec: PermutationSpec | None) -> tuple[PermutationSpec | None, list[_Reply]]:
+    def _check(
+        self, replies: list[_Reply], spec: PermutationSpec | None
+    ) -> tuple[PermutationSpec | None, list[_Reply]]:
         """Replies that fit the architecture: ``spec``, or else the one most nodes share (a
         single odd node cannot reject all the others by arriving first)."""
         if self.kind == "bnn":
@@ -111,8 +120,9 @@ class _Fusion(FedAvg):
             for r in replies:
                 try:
                     if not is_bnn_state(r.state):
-                        raise ValueError(f"node {r.node}: not a HorseshoeBNN state_dict "
-                                         f"(keys {sorted(r.state)[:4]}...)")
+                        raise ValueError(
+                            f"node {r.node}: not a HorseshoeBNN state_dict (keys {sorted(r.state)[:4]}...)"
+                        )
                     BNNPosterior.from_state(r.state, f"node {r.node}")
                     good.append(r)
                 except (ValueError, TypeError) as err:
@@ -138,8 +148,11 @@ class _Fusion(FedAvg):
             if specs[r.node][1] == common:
                 good.append(r)
             else:
-                self._reject(r.node, f"node {r.node}: a different architecture from the one {n_common} of "
-                                     f"{len(specs)} nodes share ({_difference(specs[r.node][1], common)})")
+                self._reject(
+                    r.node,
+                    f"node {r.node}: a different architecture from the one {n_common} of "
+                    f"{len(specs)} nodes share ({_difference(specs[r.node][1], common)})",
+                )
         return specs[good[0].node][0], good
 
 
@@ -208,28 +221,44 @@ class MatchedAveraging(_Fusion):
         (per client), ``replies``, ``seconds``.
     """
 
-    def __init__(self, method: str = "pfnm", *, kind: str | None = None, spec: PermutationSpec | None = None,
-                 hyper: dict | None = None, class_counts_key: str = "class-counts", seed: int = 0,
-                 summaries: str = "auto", second_round: str | None = None,
-                 output_prior_precision: float | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        method: str = "pfnm",
+        *,
+        kind: str | None = None,
+        spec: PermutationSpec | None = None,
+        hyper: dict | None = None,
+        class_counts_key: str = "class-counts",
+        seed: int = 0,
+        summaries: str = "auto",
+        second_round: str | None = None,
+        output_prior_precision: float | None = None,
+        **kwargs,
+    ) -> None:
         choices = methods.names(needs_data=False, baseline=False)
         if method not in choices:
-            raise ValueError(f"unknown method {method!r}; choose one of {', '.join(choices)} (FedAvg is flwr's "
-                             "own strategy; FedMA is the FedMA strategy)")
+            raise ValueError(
+                f"unknown method {method!r}; choose one of {', '.join(choices)} (FedAvg is flwr's "
+                "own strategy; FedMA is the FedMA strategy)"
+            )
         self.kind = kind if kind is not None else methods.METHODS[method].kinds[0]
         methods.resolve(method, self.kind, hyper)  # a kind the method does not take, bad keys: refused here
         if (hyper or {}).get("head", "shared") != "shared":
-            raise ValueError("head='clients' builds a fused model with one output layer per client, which the "
-                             "clients' HorseshoeBNN cannot take; the strategy sends back the shared head")
+            raise ValueError(
+                "head='clients' builds a fused model with one output layer per client, which the "
+                "clients' HorseshoeBNN cannot take; the strategy sends back the shared head"
+            )
         if summaries not in ("auto", "none"):
             raise ValueError(f"unknown summaries={summaries!r}; choose auto or none")
         if second_round not in (None, "refit"):
             raise ValueError(f"unknown second_round={second_round!r}; choose None or 'refit'")
         if second_round is not None and self.kind == "bnn":
-            raise ValueError("second_round='refit' refits point-estimate networks; fused BNNs carry their own "
-                             "posterior")
-        if output_prior_precision is not None and not (np.isfinite(output_prior_precision)
-                                                       and output_prior_precision > 0):
+            raise ValueError(
+                "second_round='refit' refits point-estimate networks; fused BNNs carry their own posterior"
+            )
+        if output_prior_precision is not None and not (
+            np.isfinite(output_prior_precision) and output_prior_precision > 0
+        ):
             raise ValueError(f"output_prior_precision must be a positive number, got {output_prior_precision!r}")
         super().__init__(spec=spec, class_counts_key=class_counts_key, seed=seed, **kwargs)
         self.method = method
@@ -252,9 +281,16 @@ class MatchedAveraging(_Fusion):
         if self.second_round is not None:
             log(INFO, "\t└──> the last round refits the output layer (second_round=%r)", self.second_round)
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
         """Flower's ``Strategy.start``; with ``second_round="refit"`` its last round is the refit.
 
         Parameters
@@ -269,17 +305,27 @@ class MatchedAveraging(_Fusion):
         """
         if self.second_round is not None:
             if num_rounds < 2:
-                raise ValueError(f"second_round={self.second_round!r} needs num_rounds >= 2 (the fusion rounds, then "
-                                 f"the refit); got num_rounds={num_rounds}")
+                raise ValueError(
+                    f"second_round={self.second_round!r} needs num_rounds >= 2 (the fusion rounds, then "
+                    f"the refit); got num_rounds={num_rounds}"
+                )
             self._refit_round = num_rounds
         try:
-            return super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
-                                 train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
+            return super().start(
+                grid=grid,
+                initial_arrays=initial_arrays,
+                num_rounds=num_rounds,
+                timeout=timeout,
+                train_config=train_config,
+                evaluate_config=evaluate_config,
+                evaluate_fn=evaluate_fn,
+            )
         finally:
             self._refit_round = None
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """FedAvg's training messages; the refit round's (:meth:`configure_output_fit`) in the last
         round of :meth:`start` with ``second_round="refit"``.
 
@@ -299,8 +345,9 @@ class MatchedAveraging(_Fusion):
         self._pending_refit = None
         return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Fuse the valid replies; ``(None, None)`` when none is left.
 
         Parameters
@@ -322,37 +369,53 @@ class MatchedAveraging(_Fusion):
         spec, good = self._check(self._collect(replies), self.spec)
         summaries, good = self._summaries(good)
         if not good:
-            log(WARNING, "round %d: no valid replies to fuse (%d failed, %d rejected)", server_round,
-                len(self.failed), len(self.rejected))
+            log(
+                WARNING,
+                "round %d: no valid replies to fuse (%d failed, %d rejected)",
+                server_round,
+                len(self.failed),
+                len(self.rejected),
+            )
             return None, None
         counts = None
         if all(r.class_counts is not None for r in good):
             counts = np.stack([r.class_counts for r in good])
-        result = fuse_states([r.state for r in good], self.method, spec=spec, class_counts=counts, seed=self.seed,
-                             names=[f"node {r.node}" for r in good], summaries=summaries, **self.hyper)
+        result = fuse_states(
+            [r.state for r in good],
+            self.method,
+            spec=spec,
+            class_counts=counts,
+            seed=self.seed,
+            names=[f"node {r.node}" for r in good],
+            summaries=summaries,
+            **self.hyper,
+        )
         fused, sizes = result.state, result.sizes
         objective = [float(layer.objective[-1]) for layer in result.layers]
         self.last_fusion = result
         if self.second_round is not None:
             output = _output_layer(good[0].state)
             self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
-        metrics = MetricRecord({
-            "num-examples": float(sum(r.num_examples for r in good)),
-            "global-sizes": [int(s) for s in sizes],
-            "objective": objective,
-            "fused-replies": len(good),
-            "failed-replies": len(self.failed),
-            "rejected-replies": len(self.rejected),
-            "summaries-used": int(summaries is not None),
-            "summary-bytes": int(sum(s.nbytes for s in summaries or ())),
-        })
+        metrics = MetricRecord(
+            {
+                "num-examples": float(sum(r.num_examples for r in good)),
+                "global-sizes": [int(s) for s in sizes],
+                "objective": objective,
+                "fused-replies": len(good),
+                "failed-replies": len(self.failed),
+                "rejected-replies": len(self.rejected),
+                "summaries-used": int(summaries is not None),
+                "summary-bytes": int(sum(s.nbytes for s in summaries or ())),
+            }
+        )
         ref = good[0].state
         return state_to_record({k: np.asarray(fused[k]).astype(ref[k].dtype) for k in ref}), metrics
 
     # ------------------------------------------------------------------ the refit round
 
-    def configure_output_fit(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                             grid: Grid) -> list[Message]:
+    def configure_output_fit(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
         """The refit round's messages: the fused network ``arrays`` to each sampled node (as FedAvg
         samples), with ``config`` and ``"bayesfuse-round": "output_fit"``, ``output-layer``,
         ``prior-precision`` and ``n-clients`` (the number of nodes sampled). :meth:`aggregate_train`
@@ -373,31 +436,60 @@ class MatchedAveraging(_Fusion):
         state = record_to_state(arrays)
         output = _output_layer(state)
         if output is None:
-            raise ValueError("the refit round refits the output layer, a Linear layer's 2-D weight and bias; the "
-                             f"fused network has none (entries {list(state)[:4]}...)")
+            raise ValueError(
+                "the refit round refits the output layer, a Linear layer's 2-D weight and bias; the "
+                f"fused network has none (entries {list(state)[:4]}...)"
+            )
         if self.output_prior_precision is not None:
             prior = float(self.output_prior_precision)
         elif self._output_weights:
             prior = prior_precision_from_weights(self._output_weights)
         else:
-            raise ValueError("the refit round needs a fusion round before it (its clients' output weights give the "
-                             "prior precision) or output_prior_precision")
+            raise ValueError(
+                "the refit round needs a fusion round before it (its clients' output weights give the "
+                "prior precision) or output_prior_precision"
+            )
         sampled = list(super().configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
         nodes = [m.metadata.dst_node_id for m in sampled]
-        self._pending_refit = {"round": server_round, "state": state, "output": output, "prior": prior,
-                               "nodes": nodes, "bytes_down": int(sum(np.asarray(v).nbytes for v in state.values()))}
+        self._pending_refit = {
+            "round": server_round,
+            "state": state,
+            "output": output,
+            "prior": prior,
+            "nodes": nodes,
+            "bytes_down": int(sum(np.asarray(v).nbytes for v in state.values())),
+        }
         if not nodes:
             return []
-        round_config = {**dict(config), "server-round": server_round, ROUND_KEY: OUTPUT_FIT, "output-layer": output,
-                        "prior-precision": prior, "n-clients": len(nodes)}
-        log(INFO, "configure_train: %d nodes fit the output layer %r on the fused features (prior precision %.4g)",
-            len(nodes), output, prior)
-        return [Message(content=RecordDict({self.arrayrecord_key: arrays,
-                                            self.configrecord_key: ConfigRecord(dict(round_config))}),
-                        message_type="train", dst_node_id=node) for node in nodes]
+        round_config = {
+            **dict(config),
+            "server-round": server_round,
+            ROUND_KEY: OUTPUT_FIT,
+            "output-layer": output,
+            "prior-precision": prior,
+            "n-clients": len(nodes),
+        }
+        log(
+            INFO,
+            "configure_train: %d nodes fit the output layer %r on the fused features (prior precision %.4g)",
+            len(nodes),
+            output,
+            prior,
+        )
+        return [
+            Message(
+                content=RecordDict(
+                    {self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(dict(round_config))}
+                ),
+                message_type="train",
+                dst_node_id=node,
+            )
+            for node in nodes
+        ]
 
-    def aggregate_output_fit(self, server_round: int,
-                             replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_output_fit(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The product of the nodes' output fits: the fused network with its output layer refitted.
 
         Parameters
@@ -431,26 +523,42 @@ class MatchedAveraging(_Fusion):
                 continue
             record = msg.content.array_records.get(OUTPUT_FIT_KEY)
             if record is None:
-                self._reject(node, f"node {node}: no output fit under {OUTPUT_FIT_KEY!r} in its reply to the refit "
-                                   "round")
+                self._reject(
+                    node, f"node {node}: no output fit under {OUTPUT_FIT_KEY!r} in its reply to the refit round"
+                )
                 continue
             try:
-                fit = records_to_output_fit(record, msg.content.config_records.get(OUTPUT_FIT_META_KEY),
-                                            f"node {node}", shape=shape, prior_precision=prior,
-                                            n_clients=len(pending["nodes"]))
+                fit = records_to_output_fit(
+                    record,
+                    msg.content.config_records.get(OUTPUT_FIT_META_KEY),
+                    f"node {node}",
+                    shape=shape,
+                    prior_precision=prior,
+                    n_clients=len(pending["nodes"]),
+                )
             except ValueError as err:
                 self._reject(node, str(err))
                 continue
             fits.append(fit)
             sizes.append(int(sum(record[k].numpy().nbytes for k in record.keys())))
         log(INFO, "aggregate_train: Received %s output fits and %s failures", len(fits), len(self.failed))
-        metrics = {"num-examples": float(sum(f.n for f in fits)), "output-fit-replies": len(fits),
-                   "failed-replies": len(self.failed), "rejected-replies": len(self.rejected),
-                   "prior-precision": float(prior), "bytes-up": max(sizes, default=0),
-                   "bytes-down": pending["bytes_down"]}
+        metrics = {
+            "num-examples": float(sum(f.n for f in fits)),
+            "output-fit-replies": len(fits),
+            "failed-replies": len(self.failed),
+            "rejected-replies": len(self.rejected),
+            "prior-precision": float(prior),
+            "bytes-up": max(sizes, default=0),
+            "bytes-down": pending["bytes_down"],
+        }
         if not fits:
-            log(WARNING, "round %d: no valid output fit (%d failed, %d rejected); the fused network stays",
-                server_round, len(self.failed), len(self.rejected))
+            log(
+                WARNING,
+                "round %d: no valid output fit (%d failed, %d rejected); the fused network stays",
+                server_round,
+                len(self.failed),
+                len(self.rejected),
+            )
             return None, MetricRecord(metrics)
         fits.sort(key=_fit_digest)  # the product does not depend on the order the replies came in
         mean, covariance = fuse_output_fits(fits, prior)
@@ -460,15 +568,19 @@ class MatchedAveraging(_Fusion):
         self.output_covariance = covariance
         self._refitted = {"state": refitted, "output": output}
         self.second_round_report = {
-            "kind": "refit", "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
-            "prior_precision": float(prior), "bytes_up": metrics["bytes-up"], "bytes_down": pending["bytes_down"],
-            "replies": len(fits), "seconds": time.perf_counter() - start}
+            "kind": "refit",
+            "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
+            "prior_precision": float(prior),
+            "bytes_up": metrics["bytes-up"],
+            "bytes_down": pending["bytes_down"],
+            "replies": len(fits),
+            "seconds": time.perf_counter() - start,
+        }
         if self.last_fusion is not None:
             for key in (weight_key, bias_key):
                 if key in self.last_fusion.state:
                     self.last_fusion.state[key] = refitted[key].copy()
-            self.last_fusion.hyper["predictive"] = ("probit, last-layer Laplace (LastLayerLaplace, per-class "
-                                                    "covariance)")
+            self.last_fusion.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
             self.last_fusion.hyper["second_round"] = self.second_round_report
         log(INFO, "\t└──> refitted output layer %r from %d output fits", output, len(fits))
         return state_to_record(refitted), MetricRecord(metrics)
@@ -518,22 +630,26 @@ def _digest(reply: _Reply) -> str:
 
 
 def _fit_digest(fit) -> str:
-    return state_digest({"weight": fit.weight, "gram": fit.gram, "curvature": fit.curvature,
-                         "n": np.asarray([fit.n])})
+    return state_digest({"weight": fit.weight, "gram": fit.gram, "curvature": fit.curvature, "n": np.asarray([fit.n])})
 
 
 def _output_layer(state: dict) -> str | None:
     """The name of the network's output layer: the last entry ``NAME.weight`` of two dimensions
     that has a ``NAME.bias`` (a Linear layer's); ``None`` if there is none."""
-    names = [k[:-len(".weight")] for k, v in state.items()
-             if k.endswith(".weight") and np.ndim(v) == 2 and k[:-len(".weight")] + ".bias" in state]
+    names = [
+        k[: -len(".weight")]
+        for k, v in state.items()
+        if k.endswith(".weight") and np.ndim(v) == 2 and k[: -len(".weight")] + ".bias" in state
+    ]
     return names[-1] if names else None
 
 
 def _signature(spec: PermutationSpec, state: dict) -> tuple:
     """Entry names and their unpermuted dimensions: what must agree between clients."""
-    return tuple((k, tuple(None if ax is not None else state[k].shape[d] for d, ax in enumerate(axes)))
-                 for k, axes in spec.axes.items())
+    return tuple(
+        (k, tuple(None if ax is not None else state[k].shape[d] for d, ax in enumerate(axes)))
+        for k, axes in spec.axes.items()
+    )
 
 
 def _difference(sig: tuple, common: tuple) -> str:
@@ -542,5 +658,3 @@ def _difference(sig: tuple, common: tuple) -> str:
         return f"entries {sorted(set(mine) ^ set(theirs))[:4]}"
     k = next(k for k in mine if mine[k] != theirs[k])
     return f"{k!r} has fixed dimensions {mine[k]} instead of {theirs[k]}"
-
-

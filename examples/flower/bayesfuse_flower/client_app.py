@@ -74,8 +74,13 @@ def make_client_app(overrides: dict | None = None) -> ClientApp:
         cfg = config(run)
         frozen = json.loads(msg.content["config"]["frozen"])
         model = model_from_state(cfg, record_to_state(msg.content["arrays"]))
-        train(model, x, y, replace(cfg, epochs=int(run["round-epochs"]), seed=cfg.seed + 100 * len(frozen) + pid),
-              frozen=frozen)
+        train(
+            model,
+            x,
+            y,
+            replace(cfg, epochs=int(run["round-epochs"]), seed=cfg.seed + 100 * len(frozen) + pid),
+            frozen=frozen,
+        )
         return _reply(msg, model, x, y)
 
     @app.evaluate()

@@ -43,8 +43,10 @@ def method_error(method: object) -> str | None:
     """
     if isinstance(method, str) and method in METHODS:
         return None
-    return (f"unknown method {method!r} in the run config: choose one of {', '.join(METHODS)} "
-            f"(e.g. --run-config 'method=\"fedma\"')")
+    return (
+        f"unknown method {method!r} in the run config: choose one of {', '.join(METHODS)} "
+        f"(e.g. --run-config 'method=\"fedma\"')"
+    )
 
 
 def make_evaluate_fn(cfg, seed: int) -> Callable[[int, ArrayRecord], MetricRecord]:
@@ -62,6 +64,7 @@ def make_evaluate_fn(cfg, seed: int) -> Callable[[int, ArrayRecord], MetricRecor
     callable ``(server_round, arrays) -> MetricRecord``
         ``accuracy`` and ``nll`` of the global model.
     """
+
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         test = _split(seed).test
         m = evaluate(predict_proba(model_from_state(cfg, record_to_state(arrays)), test.x), test.y)
@@ -82,8 +85,12 @@ def fedavg_baseline(nodes: int) -> FedAvg:
     -------
     FedAvg
     """
-    return FedAvg(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0,
-                  train_metrics_aggr_fn=metrics_aggregation(("class-counts",)))
+    return FedAvg(
+        min_train_nodes=nodes,
+        min_available_nodes=nodes,
+        fraction_evaluate=0.0,
+        train_metrics_aggr_fn=metrics_aggregation(("class-counts",)),
+    )
 
 
 def make_server_app(overrides: dict | None = None) -> ServerApp:
@@ -112,8 +119,11 @@ def _report(result: Result) -> dict:
     if not evaluated:
         return {}
     last = evaluated[max(evaluated)]
-    out = {"accuracy": last["accuracy"], "nll": last["nll"],
-           "accuracy-by-round": {r: round(float(m["accuracy"]), 4) for r, m in sorted(evaluated.items())}}
+    out = {
+        "accuracy": last["accuracy"],
+        "nll": last["nll"],
+        "accuracy-by-round": {r: round(float(m["accuracy"]), 4) for r, m in sorted(evaluated.items())},
+    }
     if result.train_metrics_clientapp:
         out.update(result.train_metrics_clientapp[max(result.train_metrics_clientapp)])
     return out
@@ -150,15 +160,21 @@ def main(grid: Grid, run: dict) -> None:
         if fedma.fedma_result is None:
             RESULTS[method] = {"error": f"FedMA did not finish ({fedma.error or 'no node replied in time'})"}
         else:
-            RESULTS[method] = {**_report(result), "sizes": list(fedma.fedma_result.sizes.values()),
-                               "failed": fedma.failed, "rejected": fedma.rejected}
+            RESULTS[method] = {
+                **_report(result),
+                "sizes": list(fedma.fedma_result.sizes.values()),
+                "failed": fedma.failed,
+                "rejected": fedma.rejected,
+            }
     else:
         # round 1 fuses separately trained networks; later rounds retrain the fused one and fuse again
         rounds = int(run.get("num-rounds", 3))
-        strategy = MatchedAveraging(method, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0,
-                                    seed=seed)
-        result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds, timeout=timeout,
-                                evaluate_fn=evaluate_fn)
+        strategy = MatchedAveraging(
+            method, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0, seed=seed
+        )
+        result = strategy.start(
+            grid=grid, initial_arrays=initial, num_rounds=rounds, timeout=timeout, evaluate_fn=evaluate_fn
+        )
         if not result.train_metrics_clientapp:
             RESULTS[method] = {"error": "no node replied in time; nothing was fused"}
         else:
@@ -166,8 +182,9 @@ def main(grid: Grid, run: dict) -> None:
     RESULTS["seconds"] = time.perf_counter() - start
     if bool(run.get("compare-fedavg", True)):
         # as many rounds, the same local training (clients' seeds are the same), averaged coordinate-wise
-        baseline = fedavg_baseline(nodes).start(grid=grid, initial_arrays=initial, num_rounds=rounds,
-                                                timeout=timeout, evaluate_fn=evaluate_fn)
+        baseline = fedavg_baseline(nodes).start(
+            grid=grid, initial_arrays=initial, num_rounds=rounds, timeout=timeout, evaluate_fn=evaluate_fn
+        )
         RESULTS["fedavg"] = _report(baseline)
     print("bayesfuse results:", json.dumps(RESULTS, default=str))
     if run.get("results-file"):

@@ -18,8 +18,18 @@ from bayesfuse.train import TrainConfig, new_model, train_model
 ALPHA = 0.5
 #: The app's settings; ``[tool.flwr.app.config]`` in pyproject.toml (``flwr run``) and the
 #: ``overrides`` of ``make_*_app`` (``run_simulation``) replace them.
-DEFAULTS = {"method": "pfnm", "hidden": "50", "local-epochs": 10, "round-epochs": 5, "num-rounds": 3, "num-nodes": 10,
-            "seed": 0, "timeout": 600, "compare-fedavg": True, "summaries": False}
+DEFAULTS = {
+    "method": "pfnm",
+    "hidden": "50",
+    "local-epochs": 10,
+    "round-epochs": 5,
+    "num-rounds": 3,
+    "num-nodes": 10,
+    "seed": 0,
+    "timeout": 600,
+    "compare-fedavg": True,
+    "summaries": False,
+}
 
 
 def settings(context, overrides) -> dict:
@@ -41,8 +51,9 @@ def load_data(partition_id: int, num_partitions: int, seed: int = 0):
 
 def config(run_config) -> TrainConfig:
     hidden = tuple(int(h) for h in str(run_config.get("hidden", "50")).split(","))
-    return TrainConfig(hidden=hidden, epochs=int(run_config.get("local-epochs", 10)),
-                       seed=int(run_config.get("seed", 0)))
+    return TrainConfig(
+        hidden=hidden, epochs=int(run_config.get("local-epochs", 10)), seed=int(run_config.get("seed", 0))
+    )
 
 
 def fresh_model(cfg: TrainConfig, seed: int) -> torch.nn.Module:
