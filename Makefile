@@ -79,7 +79,8 @@ docs: $(DOCS_STAMP)
 	@echo "built docs/_build/html/index.html"
 
 # The site's build test and its headless-browser test (Playwright driving Debian's chromium;
-# screenshots in docs/_build/screenshots/). .ci/run runs it after `make test`.
+# screenshots in docs/_build/screenshots/), the user guide's Python blocks and the notebooks, each
+# run on its own. .ci/run runs it after `make test`.
 docs-test: $(DOCS_STAMP) $(DEV_STAMP)
 	BAYESFUSE_DOCS_TESTS=1 $(BIN)/python -m pytest -p no:cacheprovider tests/docs
 
