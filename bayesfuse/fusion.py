@@ -198,10 +198,12 @@ def fuse(
         (:func:`~bayesfuse.nets.graph_spec.spec_from_graph`) when its first layer is not
         ``nn.Linear`` (or set an ``example_input`` attribute on the module); the fused network
         is run on it once before it is returned.
-    rounds : {1, 2}
+    rounds : {1, 2, 3}
         2: one more round after the one-shot fusion, simulated with ``data=(train, partition)``;
         no example leaves a client. ``hyper["second_round"]`` says what it did and what it cost.
-    second_round : {"refit", "temperature"}
+        3 (with ``second_round="batchnorm"`` only): the batch-norm round, then the refit round
+        (``hyper["third_round"]``).
+    second_round : {"refit", "temperature", "batchnorm"}
         What the second round does. ``"refit"`` (default): the server sends the fused network;
         each client fits its output layer on the fused features of its own data and returns the
         fit and its K-FAC curvature (:func:`bayesfuse.summaries.output_fit`); the server
@@ -209,14 +211,22 @@ def fuse(
         (:mod:`bayesfuse.inference.output_fusion`), and the model predicts with the probit rule
         (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`). The prior precision is
         ``hyper["output_prior_precision"]`` if given, else ``1 / mean(w^2)`` of the clients' own
-        output weights. ``"temperature"``: the server sends the candidate fused networks (with
-        summaries, one per ``output_pool``), each client returns its summed negative
+        output weights, scaled by the fused layer's fan-in over the clients'. ``"temperature"``:
+        the server sends the candidate fused networks (with summaries, one per ``output_pool``),
+        each client returns its summed negative
         log-likelihood under each at each candidate temperature
         (:func:`bayesfuse.summaries.temperature_nll`), and the server keeps the best pair
-        (:func:`~bayesfuse.inference.summary_fusion.best_candidate`).
+        (:func:`~bayesfuse.inference.summary_fusion.best_candidate`). ``"batchnorm"``, for
+        networks with batch norms: the server sends the fused network, each client returns the
+        count, mean and mean square of every batch norm's input per channel over its own data
+        (:func:`bayesfuse.summaries.batchnorm_moments`), and the server sets the batch norms'
+        statistics to the pooled moments (:func:`~bayesfuse.inference.moments.pool_moments`):
+        after fusion the batch norms are identities (folded into the layers before them), and
+        averaged units shrink the activations from layer to layer; normalising them again with the
+        fused network's own statistics undoes that (Jordan et al., REPAIR, ICLR 2023).
     output_prior_precision : float, optional
         The refit's prior precision ``lambda`` of the output weights; by default ``1 / mean(w^2)``
-        over the clients' own output weights
+        over the clients' own output weights, scaled by the fused layer's fan-in over the clients'
         (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), no data needed.
     **hyper
         The method's hyper-parameters, by kind of input; ``None`` keeps a default. See
@@ -256,24 +266,28 @@ def fuse(
             ),
             order,
         )
-    if rounds not in (1, 2) or isinstance(rounds, bool):
-        raise ValueError(f"rounds must be 1 (one shot) or 2 (one more round for the temperature), got {rounds!r}")
-    if rounds == 2 and data is None:
-        raise ValueError("rounds=2 simulates a second round on the clients' own data: pass data=(train, partition)")
+    if rounds not in (1, 2, 3) or isinstance(rounds, bool):
+        raise ValueError(f"rounds must be 1 (one shot), 2 or 3 (more rounds on the clients' data), got {rounds!r}")
+    if rounds > 1 and data is None:
+        raise ValueError(f"rounds={rounds} simulates rounds on the clients' own data: pass data=(train, partition)")
+    if rounds == 3 and second_round != "batchnorm":
+        raise ValueError("rounds=3 is the batch-norm round then the refit round: give second_round='batchnorm'")
     if data is not None and rounds == 1:
         using = " and ".join(f"method={n!r}" for n in methods.names(needs_data=True))
         raise ValueError(f"method={method!r} fuses the models alone; data is used by {using} only, or with rounds=2")
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
-    if second_round not in ("refit", "temperature"):
-        raise ValueError(f"second_round must be 'refit' or 'temperature', got {second_round!r}")
-    if rounds == 2 and any(bnn):
-        raise ValueError("rounds=2 calibrates point-estimate networks; fused BNNs carry their own posterior")
+    if second_round not in ("refit", "temperature", "batchnorm"):
+        raise ValueError(f"second_round must be 'refit', 'temperature' or 'batchnorm', got {second_round!r}")
+    if rounds > 1 and any(bnn):
+        raise ValueError(f"rounds={rounds} is for point-estimate networks; fused BNNs carry their own posterior")
     if not any(bnn) and (spec is None or row is None or row.aligns_units):
         spec = spec_with_encodings(models[0], spec, example_input)  # position encodings (PANs) are folded out
     states = [numpy_state(m) for m in models]
-    pools = [output_pool] if rounds == 1 or summaries is None or second_round == "refit" else ["precision", "counts"]
+    pools = (
+        [output_pool] if rounds == 1 or summaries is None or second_round != "temperature" else ["precision", "counts"]
+    )
     candidates = []
     for pool in pools:
         fused = fuse_states(
@@ -295,6 +309,12 @@ def fuse(
             _check_fused_runs(candidates[-1][1], models[0], example_input)
     if rounds == 1:
         fused, model = candidates[0]
+    elif second_round == "batchnorm":
+        fused, model = _batchnorm_round(*candidates[0], data)
+        if rounds == 3:
+            fused, model = _refit_round(
+                fused, model, models, data, prior_precision=output_prior_precision, key="third_round"
+            )
     elif second_round == "refit":
         fused, model = _refit_round(*candidates[0], models, data, prior_precision=output_prior_precision)
     else:
@@ -391,7 +411,47 @@ def _second_round(candidates, data, pools, *, like: nn.Module):
     return fused, model
 
 
-def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, prior_precision=None):
+def _batchnorm_round(fused, model: nn.Module, data):
+    """The batch-norm round, simulated: every client measures the moments of each batch norm's
+    input in the fused network on its own data (:func:`bayesfuse.summaries.batchnorm_moments`);
+    the server pools them (:func:`~bayesfuse.inference.moments.pool_moments`) into the batch
+    norms' running statistics, in the module and in ``fused.state``."""
+    from bayesfuse.inference.moments import pool_moments
+    from bayesfuse.nets.laplace import LastLayerLaplace
+    from bayesfuse.summaries import batchnorm_moments
+
+    train, partition = data
+    start = time.perf_counter()
+    network = model.network if isinstance(model, LastLayerLaplace) else model
+    client_seconds = time.perf_counter()
+    replies = [batchnorm_moments(network, train.x[idx]) for idx in partition]
+    client_seconds = (time.perf_counter() - client_seconds) / len(partition)
+    if not replies[0]:
+        raise ValueError("second_round='batchnorm' re-estimates batch norms; the fused network has none")
+    pooled = pool_moments(replies)
+    with torch.no_grad():
+        for name, (mean, var) in pooled.items():
+            norm = network.get_submodule(name)
+            norm.running_mean.copy_(torch.as_tensor(mean, dtype=norm.running_mean.dtype))
+            norm.running_var.copy_(torch.as_tensor(var, dtype=norm.running_var.dtype))
+            for stat, value in (("running_mean", mean), ("running_var", var)):
+                key = f"{name}.{stat}"
+                fused.state[key] = value.astype(np.asarray(fused.state[key]).dtype)
+    n_weights = sum(np.size(v) for v in fused.state.values())
+    fused.hyper["second_round"] = {
+        "kind": "batchnorm",
+        "batch_norms": len(pooled),
+        "bytes_up": int(sum(8 + 2 * 4 * mean.size for mean, _ in pooled.values())),
+        "bytes_down": int(n_weights * 4),
+        "client_seconds": client_seconds,
+        "seconds": time.perf_counter() - start,
+    }
+    return fused, model
+
+
+def _refit_round(
+    fused, model: nn.Module, models: Sequence[nn.Module], data, *, prior_precision=None, key: str = "second_round"
+):
     """The second round that refits the output layer, simulated: every client fits it on the fused
     network's features of its own data (:func:`bayesfuse.summaries.output_fit`); the server
     multiplies the fits (:func:`~bayesfuse.inference.output_fusion.fuse_output_fits`) into a
@@ -406,7 +466,8 @@ def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, 
     output = fused.spec.output_layer(fused.state)[0].rpartition(".")[0]
     if prior_precision is None:
         prior_precision = prior_precision_from_weights(
-            [m.get_submodule(output).weight.detach().cpu().numpy() for m in models]
+            [m.get_submodule(output).weight.detach().cpu().numpy() for m in models],
+            fan_in=network.get_submodule(output).weight.shape[1],
         )
     client_seconds = time.perf_counter()
     fits = [
@@ -424,7 +485,7 @@ def _refit_round(fused, model: nn.Module, models: Sequence[nn.Module], data, *, 
     model = LastLayerLaplace(network, output, covariance=covariance).eval()
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
-    fused.hyper["second_round"] = {
+    fused.hyper[key] = {
         "kind": "refit",
         "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
         "prior_precision": float(prior_precision),

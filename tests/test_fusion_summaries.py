@@ -103,7 +103,9 @@ def test_second_round_refits_the_output_layer(federation):
     r2 = result.hyper["second_round"]
     assert r2["kind"] == "refit" and isinstance(result.model, LastLayerLaplace)
     assert r2["prior_precision"] == pytest.approx(
-        prior_precision_from_weights([m.layers[-1].weight.detach().numpy() for m in models])
+        prior_precision_from_weights(
+            [m.layers[-1].weight.detach().numpy() for m in models], fan_in=result.model.network.layers[1].in_features
+        )
     )
     lam = r2["prior_precision"]  # exactly the server's: the clients' fits stop at a gradient tolerance
     # the server's output layer is the product of what the clients send, computed here again from

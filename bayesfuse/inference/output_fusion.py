@@ -37,7 +37,19 @@ predictive (:class:`bayesfuse.nets.laplace.LastLayerLaplace`, per class).
 
 The prior precision ``lambda`` is, by default, estimated from the clients' own output layers
 without data: the maximum-likelihood precision of a zero-mean Gaussian for their weights,
-``lambda = 1 / mean(w^2)`` (:func:`prior_precision_from_weights`).
+``1 / mean(w^2)``, scaled by the fused layer's fan-in ``G`` over the clients' mean fan-in ``G_bar``,
+
+.. math::
+
+    \\lambda = \\frac{G / \\bar G}{\\overline{w^2}},
+
+(:func:`prior_precision_from_weights`), so that the prior variance of a logit,
+``sum_g a_g^2 / lambda``, is the clients' on features of the same scale: the variance of each
+weight shrinks as ``1 / fan-in``, as in Neal's (1996) scaling of the prior of a wide layer. The
+fused layer reads the ``G`` global units, more than any client's ``G_j``; a prior read off the
+clients' weights unscaled lets the logits' prior variance grow ``G / G_j``-fold, and the
+product's covariance, which the prior dominates where the clients' features are nearly
+separable, makes the probit predictive underconfident.
 """
 
 from __future__ import annotations
@@ -84,8 +96,10 @@ class OutputFit:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the reply, in float64."""
-        return 8 * (self.weight.size + self.gram.size + self.curvature.size + 1)
+        """Bytes of the reply as it is sent (:func:`bayesfuse.integrations.flower.output_fit_to_records`):
+        float32, the symmetric Gram as its upper triangle, and the count."""
+        g = self.gram.shape[0]
+        return 4 * (self.weight.size + g * (g + 1) // 2 + self.curvature.size) + 8
 
 
 def _with_bias(features: np.ndarray) -> np.ndarray:
@@ -225,11 +239,30 @@ def fuse_output_fits(fits: Sequence[OutputFit], prior_precision: float) -> tuple
     return mean, 0.5 * (covariance + covariance.transpose(0, 2, 1))
 
 
-def prior_precision_from_weights(weights: Sequence[np.ndarray]) -> float:
-    """``1 / mean(w^2)`` over every entry of the clients' output-layer weights (not biases): the
-    maximum-likelihood precision of a zero-mean Gaussian prior for the weights the clients trained,
-    a data-free empirical-Bayes choice of ``lambda``."""
-    squares = np.concatenate([finite_array(w, "output weights").ravel() ** 2 for w in weights])
+def prior_precision_from_weights(weights: Sequence[np.ndarray], fan_in: int | None = None) -> float:
+    """The data-free prior precision of the fused output layer (module docstring).
+
+    Parameters
+    ----------
+    weights : sequence of ndarray (K, G_j)
+        The clients' output-layer weights (not biases), torch's layout: one row per class.
+    fan_in : int, optional
+        ``G``, the fused layer's number of inputs (without the bias). None: no scaling, the
+        maximum-likelihood precision ``1 / mean(w^2)`` of a zero-mean Gaussian for the weights.
+
+    Returns
+    -------
+    float
+        ``(G / mean_j G_j) / mean(w^2)``, the mean of ``w^2`` over every entry of every client.
+    """
+    arrays = [finite_array(w, "output weights") for w in weights]
+    squares = np.concatenate([w.ravel() ** 2 for w in arrays]) if arrays else np.zeros(0)
     if squares.size == 0 or squares.mean() <= 0:
         raise ValueError("the clients' output weights are all zero; give prior_precision")
-    return float(1.0 / squares.mean())
+    if fan_in is None:
+        return float(1.0 / squares.mean())
+    if any(w.ndim != 2 for w in arrays):
+        raise ValueError(f"output weights must be 2-D (K, G_j), got shapes {[w.shape for w in arrays]}")
+    if fan_in <= 0:
+        raise ValueError(f"fan_in must be a positive integer, got {fan_in!r}")
+    return float(fan_in / np.mean([w.shape[1] for w in arrays]) / squares.mean())

@@ -39,7 +39,7 @@ def test_fit_is_the_map_of_the_penalised_likelihood():
     direct = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
     np.testing.assert_allclose(fit.curvature, direct, atol=1e-12)
     np.testing.assert_allclose(fit.gram, xb.T @ xb / len(x), atol=1e-12)
-    assert fit.n == 300 and fit.nbytes == 8 * (15 + 25 + 9 + 1)
+    assert fit.n == 300 and fit.nbytes == 4 * (15 + 15 + 9) + 8  # float32, the Gram's upper triangle
 
 
 def _random_fit(seed: int, g: int = 3, k: int = 2) -> OutputFit:
@@ -124,6 +124,21 @@ def test_prior_precision_from_weights():
     assert prior_precision_from_weights([np.full((2, 3), 0.5), np.full((1, 3), -0.5)]) == pytest.approx(4.0)
     with pytest.raises(ValueError, match="all zero"):
         prior_precision_from_weights([np.zeros((2, 2))])
+
+
+def test_prior_precision_keeps_the_logits_prior_variance_at_the_fused_fan_in():
+    # clients of 2 and 4 inputs (mean fan-in 3), every weight +-1: the unscaled precision is 1, and
+    # a fused layer of 6 inputs halves each weight's prior variance (precision 6 / 3 = 2)
+    weights = [np.ones((2, 2)), -np.ones((2, 4))]
+    assert prior_precision_from_weights(weights) == pytest.approx(1.0)
+    lam = prior_precision_from_weights(weights, fan_in=6)
+    assert lam == pytest.approx(2.0)
+    # the prior variance of a logit over unit features, fan_in / lambda, is the clients' mean, 3 / 1
+    assert 6 / lam == pytest.approx(np.mean([w.shape[1] for w in weights]) / 1.0)
+    # one client, fused to itself: no scaling
+    assert prior_precision_from_weights([np.full((3, 5), 0.5)], fan_in=5) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="fan_in"):
+        prior_precision_from_weights(weights, fan_in=0)
 
 
 def test_bad_inputs_are_refused():

@@ -607,7 +607,10 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
     assert grid.types == ["train"] * 6
     assert all(ROUND_KEY not in m.content["config"] for m in grid.sent[:3])
     configs = [m.content["config"] for m in grid.sent[3:]]
-    prior = prior_precision_from_weights([m.layers[2].weight.detach().numpy() for m in models])
+    prior = prior_precision_from_weights(
+        [m.layers[2].weight.detach().numpy() for m in models],
+        fan_in=record_to_state(grid.sent[3].content["arrays"])["layers.2.weight"].shape[1],
+    )
     for c in configs:
         assert (c[ROUND_KEY], c["output-layer"], c["n-clients"], c["server-round"]) == (OUTPUT_FIT, "layers.2", 3, 2)
         assert c["prior-precision"] == pytest.approx(prior, rel=1e-12)
@@ -635,7 +638,8 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
     g1 = sent["layers.2.weight"].shape[1] + 1
     metrics = result.train_metrics_clientapp[2]
     assert metrics["output-fit-replies"] == 3 and metrics["rejected-replies"] == 0 and metrics["failed-replies"] == 0
-    assert metrics["bytes-up"] == 4 * (g1 * 10 + g1 * g1 + 10 * 10)
+    # float32, the Gram as its upper triangle
+    assert metrics["bytes-up"] == 4 * (g1 * 10 + g1 * (g1 + 1) // 2 + 10 * 10)
     assert metrics["num-examples"] == sum(len(idx) for idx in part)
     report = strategy.last_fusion.hyper["second_round"]
     assert report is strategy.second_round_report
@@ -656,8 +660,8 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
 
 
 def _nan_gram(content):
-    gram = content[OUTPUT_FIT_KEY]["gram"].numpy().copy()
-    gram[0, 0] = np.nan
+    gram = content[OUTPUT_FIT_KEY]["gram"].numpy().copy()  # the upper triangle, row by row
+    gram[0] = np.nan
     content[OUTPUT_FIT_KEY]["gram"] = Array(gram)
 
 
@@ -706,6 +710,14 @@ def test_output_fit_records_round_trip_and_refusals(clients):
     assert back.n == fit.n
     for name in ("weight", "gram", "curvature"):
         np.testing.assert_allclose(getattr(back, name), getattr(fit, name), rtol=1e-6, atol=1e-7)
+    # the Gram travels as its upper triangle, row by row; the record's bytes are the fit's nbytes less the count
+    g = fit.gram.shape[0]
+    assert arrays["gram"].numpy().shape == (g * (g + 1) // 2,)
+    assert sum(arrays[k].numpy().nbytes for k in arrays.keys()) == fit.nbytes - 8
+    full = output_fit_to_records(fit, prior_precision=2.0, n_clients=3)[0]
+    full["gram"] = Array(fit.gram.astype(np.float32))
+    with pytest.raises(ValueError, match=r"^node 4: the output fit's gram has shape \(\d+, \d+\); .* upper triangle"):
+        records_to_output_fit(full, meta, "node 4")
     with pytest.raises(ValueError, match="^node 4: the output fit's arrays came without its metadata"):
         records_to_output_fit(arrays, None, "node 4")
     with pytest.raises(ValueError, match="^node 4: the output fit was made with prior precision 2, the server sent 1$"):

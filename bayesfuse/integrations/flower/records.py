@@ -32,7 +32,7 @@ SUMMARY_META_KEY = "summary-meta"
 OUTPUT_FIT_KEY = "output-fit"
 OUTPUT_FIT_META_KEY = "output-fit-meta"
 OUTPUT_FIT_FORMAT = "bayesfuse-output-fit"
-OUTPUT_FIT_VERSION = 1
+OUTPUT_FIT_VERSION = 2  # 2: the Gram as its upper triangle
 #: The config entry of a training message that names a bayesfuse round other than training, and its
 #: value in the refit round (``MatchedAveraging(second_round="refit")``).
 ROUND_KEY = "bayesfuse-round"
@@ -144,9 +144,11 @@ def output_fit_to_records(
 ) -> tuple[ArrayRecord, ConfigRecord]:
     """A client's output fit (:func:`bayesfuse.summaries.output_fit`) as Flower records.
 
-    The ArrayRecord holds ``weight`` ``(G+1, K)``, ``gram`` ``(G+1, G+1)`` and ``curvature``
-    ``(K, K)`` in float32; the ConfigRecord ``format``, ``version``, ``n-examples`` and the
-    ``prior-precision`` and ``n-clients`` the fit was made with. Put them in a reply under
+    The ArrayRecord holds ``weight`` ``(G+1, K)``, ``gram`` (the upper triangle of the symmetric
+    ``(G+1, G+1)`` Gram, row by row: ``(G+1)(G+2)/2`` numbers) and ``curvature`` ``(K, K)``, in
+    float32 (:attr:`~bayesfuse.inference.output_fusion.OutputFit.nbytes` bytes with the count);
+    the ConfigRecord ``format``, ``version``, ``n-examples`` and the ``prior-precision`` and
+    ``n-clients`` the fit was made with. Put them in a reply under
     :data:`OUTPUT_FIT_KEY` and :data:`OUTPUT_FIT_META_KEY` (:func:`output_fit_reply` does).
 
     Parameters
@@ -161,7 +163,9 @@ def output_fit_to_records(
     -------
     tuple of (ArrayRecord, ConfigRecord)
     """
-    arrays = {name: Array(np.ascontiguousarray(getattr(fit, name), dtype=np.float32)) for name in _FIT_ARRAYS}
+    values = {name: getattr(fit, name) for name in _FIT_ARRAYS}
+    values["gram"] = values["gram"][np.triu_indices(len(values["gram"]))]
+    arrays = {name: Array(np.ascontiguousarray(v, dtype=np.float32)) for name, v in values.items()}
     meta = ConfigRecord(
         {
             "format": OUTPUT_FIT_FORMAT,
@@ -235,10 +239,19 @@ def records_to_output_fit(
     if missing:
         raise ValueError(f"{name}: the output fit lacks {missing} (has {sorted(arrays.keys())})")
     values = {k: np.asarray(arrays[k].numpy(), dtype=np.float64) for k in _FIT_ARRAYS}
+    if values["weight"].ndim != 2:
+        raise ValueError(f"{name}: the output fit's weight has shape {values['weight'].shape}, not (G+1, K)")
+    g, k = shape if shape is not None else values["weight"].shape
+    upper = values["gram"]
+    if upper.shape != (g * (g + 1) // 2,):
+        raise ValueError(
+            f"{name}: the output fit's gram has shape {upper.shape}; the fused output layer needs its upper "
+            f"triangle, ({g * (g + 1) // 2},)"
+        )
+    values["gram"] = np.zeros((g, g))
+    values["gram"][np.triu_indices(g)] = upper
+    values["gram"] = values["gram"] + np.triu(values["gram"], 1).T
     weight, gram, curvature = values["weight"], values["gram"], values["curvature"]
-    if weight.ndim != 2:
-        raise ValueError(f"{name}: the output fit's weight has shape {weight.shape}, not (G+1, K)")
-    g, k = shape if shape is not None else weight.shape
     for key, want in (("weight", (g, k)), ("gram", (g, g)), ("curvature", (k, k))):
         if values[key].shape != want:
             raise ValueError(

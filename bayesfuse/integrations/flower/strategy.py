@@ -204,7 +204,8 @@ class MatchedAveraging(_Fusion):
         Point-estimate networks only. ``None`` (default): every round fuses.
     output_prior_precision : float, optional
         The refit's prior precision ``lambda``; by default ``1 / mean(w^2)`` of the output
-        weights the clients sent in the last fusion round
+        weights the clients sent in the last fusion round, scaled by the fused layer's fan-in over
+        theirs
         (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`).
     **kwargs
         Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
@@ -443,7 +444,7 @@ class MatchedAveraging(_Fusion):
         if self.output_prior_precision is not None:
             prior = float(self.output_prior_precision)
         elif self._output_weights:
-            prior = prior_precision_from_weights(self._output_weights)
+            prior = prior_precision_from_weights(self._output_weights, fan_in=state[output + ".weight"].shape[1])
         else:
             raise ValueError(
                 "the refit round needs a fusion round before it (its clients' output weights give the "
