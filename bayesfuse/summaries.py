@@ -51,6 +51,7 @@ __all__ = [
     "temperature_nll",
     "output_features",
     "output_fit",
+    "batchnorm_moments",
     "save_summary",
     "load_summary",
     "summary_path",
@@ -328,6 +329,68 @@ def output_fit(model: nn.Module, output: str, x, y, prior_precision: float, *, n
         prior_precision,
         n_clients=n_clients,
     )
+
+
+def batchnorm_moments(model: nn.Module, x, *, batch_size: int = 256) -> dict[str, tuple[int, np.ndarray, np.ndarray]]:
+    """A client's reply in the batch-norm round: per batch norm of ``model`` (the fused network the
+    server sent), the count, mean and mean square of its input per channel over the client's data.
+
+    One pass in training mode, as a batch-norm reset does (Ioffe & Szegedy 2015, section 3.1:
+    the population statistics are averages over mini-batches): each batch norm normalises with
+    its batch's statistics while the pass records its input, so the statistics of a layer are
+    those of the layers below it as they will be once re-estimated. The module comes back as it
+    was (its running statistics and training flag restored); nothing per example is returned.
+
+    Parameters
+    ----------
+    model : nn.Module
+    x : array-like
+        The client's inputs, at least 2.
+    batch_size : int
+        The largest batch: the data are cut into batches of nearly equal size, of at most
+        ``batch_size`` examples where that leaves no batch of one example.
+
+    Returns
+    -------
+    dict
+        ``{name: (n, mean, mean_square)}`` per ``BatchNorm1d/2d/3d`` module: ``n`` values per
+        channel (examples times positions), and two float64 arrays of one value per channel.
+    """
+    norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    if not norms:
+        return {}
+    x = np.asarray(x)
+    if len(x) < 2:
+        raise ValueError(f"batch-norm moments need at least 2 examples, got {len(x)}")
+    saved = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in norms.items()}
+    modes = {name: m.training for name, m in model.named_modules()}
+    sums: dict[str, list] = {name: [0.0, 0.0, 0] for name in norms}
+
+    def keep(name):
+        def hook(module, inputs):
+            s1, s2, n = _channel_moments(inputs[0])
+            acc = sums[name]
+            acc[0], acc[1], acc[2] = acc[0] + s1, acc[1] + s2, acc[2] + n
+
+        return hook
+
+    hooks = [m.register_forward_pre_hook(keep(name)) for name, m in norms.items()]
+    first = next(model.parameters())
+    model.eval()
+    for m in norms.values():
+        m.train()
+    try:
+        with torch.no_grad():
+            for rows in np.array_split(np.arange(len(x)), min(-(-len(x) // batch_size), len(x) // 2)):
+                model(torch.as_tensor(x[rows], dtype=first.dtype))
+    finally:
+        for h in hooks:
+            h.remove()
+        for name, m in norms.items():
+            m.load_state_dict(saved[name])
+        for name, m in model.named_modules():
+            m.training = modes[name]
+    return {name: (int(n), s1 / n, s2 / n) for name, (s1, s2, n) in sums.items()}
 
 
 # --------------------------------------------------------------------------- checking

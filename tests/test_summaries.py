@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.nets.arch import make_cnn
@@ -152,3 +154,41 @@ def test_summary_is_a_dataclass_of_aggregates(client):
     # nothing per example: every array is the size of a parameter, a unit count or the classes
     sizes = {np.size(v) for v in s.precision.values()} | {np.size(v) for m in s.moments.values() for v in m.values()}
     assert 50 not in sizes and max(sizes) == 6 * 5
+
+
+def test_batchnorm_moments_are_torchs_batch_statistics_and_leave_the_module_as_it_was():
+    from bayesfuse.summaries import batchnorm_moments
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Dropout(0.5), nn.Linear(4, 3), nn.BatchNorm1d(3)
+    )
+    model[1].running_mean.fill_(0.3)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = np.random.default_rng(0).normal(size=(40, 5)).astype(np.float32)
+    got = batchnorm_moments(model, x, batch_size=64)  # one batch
+    # independent: torch's own running statistics after one training-mode pass with momentum None
+    # (batch mean; unbiased batch variance), dropout off as at test time
+    reference = copy.deepcopy(model)
+    for m in (reference[1], reference[5]):
+        m.reset_running_stats()
+        m.momentum = None
+        m.train()
+    with torch.no_grad():
+        reference(torch.as_tensor(x))
+    assert sorted(got) == ["1", "5"]
+    for name in ("1", "5"):
+        n, mean, square = got[name]
+        bn = reference.get_submodule(name)
+        assert n == 40
+        np.testing.assert_allclose(mean, bn.running_mean.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose((square - mean**2) * n / (n - 1), bn.running_var.numpy(), rtol=1e-4, atol=1e-6)
+    assert not model.training and all(not m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # batches of nearly equal size (none of one example); a network without batch norms has none
+    assert batchnorm_moments(model, x[:3], batch_size=2)["1"][0] == 3
+    assert batchnorm_moments(nn.Sequential(nn.Linear(5, 2)), x) == {}
+    with pytest.raises(ValueError, match="at least 2 examples"):
+        batchnorm_moments(model, x[:1])
