@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/bench_scale.py [--parts kl match wide conv resnet18 device] [--kl-clients 5 20 50 100]
        [--match-clients 30 300 1000] [--device-clients 30 300] [--wide-backends numpy cuda-float32 ...]
-       [--wide-tols default 1 ...] [--resnet18-widths 1] [--data-path DIR] [--cache DIR]
+       [--wide-tols default 1 ...] [--resnet18-widths 1] [--resnet18-backends numpy cuda-float32 ...]
+       [--data-path DIR] [--cache DIR]
 
 Every case runs in a fresh Python process, so ``peak`` is that case's own peak resident memory
 (inputs included; the inputs' size is printed beside it).
@@ -28,7 +29,8 @@ Every case runs in a fresh Python process, so ``peak`` is that case's own peak r
   11.2M parameters each at width 1; ``--resnet18-widths`` for others), permuted copies of one
   random network (every residual stream and inner layer permuted) plus noise of a tenth of each
   entry's standard deviation (an absolute N(0, 0.01^2) would exceed the weights of the
-  512-channel convolutions themselves, sd 0.0085). Goal: at most 2 minutes and 4 GB;
+  512-channel convolutions themselves, sd 0.0085); ``--resnet18-backends`` runs the matching's
+  arithmetic on a torch device too (``fuse(..., device=, dtype=)``). Goal: at most 2 minutes and 4 GB;
   ``found`` is the fused network's units against one client's, ``recovery`` the groups whose
   global width is the client's.
 
@@ -274,7 +276,7 @@ def case_conv() -> dict:
     )
 
 
-def case_resnet18(width: float = 1.0) -> dict:
+def case_resnet18(width: float = 1.0, backend: str = "numpy") -> dict:
     """``fuse(..., "pfnm")`` on ten ResNet-18 clients (:func:`bayesfuse.nets.resnet.resnet18`, 11.2M
     parameters each at width 1): permuted copies of one random network, every entry plus noise of
     a tenth of its own standard deviation. ``recovery``: the share of groups whose global width is
@@ -296,14 +298,17 @@ def case_resnet18(width: float = 1.0) -> dict:
     del model
     inputs_mb = sum(p.numel() * 4 for m in clients for p in m.parameters()) / 2**20
     n_params = sum(p.numel() for p in clients[0].parameters())
+    device, dtype = (None, "float64") if backend == "numpy" else backend.rsplit("-", 1)
+    if device is not None and device.startswith("cuda"):
+        torch.ones(1, device=device).sum().item()  # start the CUDA context outside the timing
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = time.perf_counter()
-        res = fuse(clients, "pfnm", spec=spec)
+        res = fuse(clients, "pfnm", spec=spec, device=device, dtype=dtype)
         seconds = time.perf_counter() - start
     recovered = sum(g == w for g, w in zip(res.sizes, widths))
     return dict(
-        problem=f"fuse 10 ResNet-18 x {width:g} ({n_params / 1e6:.1f}M parameters each, pfnm)",
+        problem=f"fuse 10 ResNet-18 x {width:g} ({n_params / 1e6:.1f}M parameters each, pfnm, {backend})",
         seconds=seconds,
         peak_mb=_peak_mb(),
         inputs_mb=inputs_mb,
@@ -364,6 +369,13 @@ def main() -> None:
         help="width multipliers of the ResNet-18 case (default: 1, 11.2M parameters per client)",
     )
     parser.add_argument(
+        "--resnet18-backends",
+        nargs="+",
+        default=["numpy"],
+        metavar="BACKEND",
+        help="numpy, or DEVICE-DTYPE such as cuda-float32 (default: numpy)",
+    )
+    parser.add_argument(
         "--wide-backends",
         nargs="+",
         default=["numpy"],
@@ -393,7 +405,7 @@ def main() -> None:
         elif kind == "device":
             row = case_device(int(rest[0]), rest[1])
         elif kind == "resnet18":
-            row = case_resnet18(float(rest[0]))
+            row = case_resnet18(float(rest[0]), *rest[1:2])
         else:
             row = case_conv()
         print(json.dumps(row))
@@ -415,7 +427,7 @@ def main() -> None:
     if "conv" in args.parts:
         plan.append(["conv"])
     if "resnet18" in args.parts:
-        plan += [["resnet18", str(w)] for w in args.resnet18_widths]
+        plan += [["resnet18", str(w), b] for w in args.resnet18_widths for b in args.resnet18_backends]
     if "device" in args.parts:
         plan += [["device", str(j), b] for j in args.device_clients for b in _device_backends()]
     rows = []
