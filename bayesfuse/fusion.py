@@ -210,8 +210,10 @@ def fuse(
         multiplies the clients' Laplace posteriors into the output layer and its covariance
         (:mod:`bayesfuse.inference.output_fusion`), and the model predicts with the probit rule
         (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`). The prior precision is
-        ``hyper["output_prior_precision"]`` if given, else ``1 / mean(w^2)`` of the clients' own
-        output weights, scaled by the fused layer's fan-in over the clients'. ``"temperature"``:
+        ``output_prior_precision`` if given; else the clients fit with ``1 / mean(w^2)`` of their
+        own output weights, scaled by the fused layer's fan-in over theirs, and the server takes
+        the precision that maximises the evidence of their replies
+        (:func:`~bayesfuse.inference.output_fusion.evidence_precision`). ``"temperature"``:
         the server sends the candidate fused networks (with summaries, one per ``output_pool``),
         each client returns its summed negative
         log-likelihood under each at each candidate temperature
@@ -225,9 +227,13 @@ def fuse(
         averaged units shrink the activations from layer to layer; normalising them again with the
         fused network's own statistics undoes that (Jordan et al., REPAIR, ICLR 2023).
     output_prior_precision : float, optional
-        The refit's prior precision ``lambda`` of the output weights; by default ``1 / mean(w^2)``
-        over the clients' own output weights, scaled by the fused layer's fan-in over the clients'
-        (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), no data needed.
+        The refit's prior precision ``lambda`` of the output weights, for the clients' fits and the
+        product. None (default): the clients fit with ``1 / mean(w^2)`` of their own output
+        weights times the fused layer's fan-in over theirs
+        (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the server
+        chooses ``lambda`` for the product by the evidence of the replies
+        (:func:`~bayesfuse.inference.output_fusion.evidence_precision`): no data on the server,
+        nothing chosen on held-out data. ``hyper["second_round"]`` reports both.
     **hyper
         The method's hyper-parameters, by kind of input; ``None`` keeps a default. See
         :data:`bayesfuse.methods.METHODS` (``print(bayesfuse.methods.describe())``): e.g.
@@ -456,7 +462,7 @@ def _refit_round(
     network's features of its own data (:func:`bayesfuse.summaries.output_fit`); the server
     multiplies the fits (:func:`~bayesfuse.inference.output_fusion.fuse_output_fits`) into a
     :class:`~bayesfuse.nets.laplace.LastLayerLaplace` with the fused output layer's covariance."""
-    from bayesfuse.inference.output_fusion import fuse_output_fits, prior_precision_from_weights
+    from bayesfuse.inference.output_fusion import evidence_precision, fuse_output_fits, prior_precision_from_weights
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import output_fit
 
@@ -464,7 +470,8 @@ def _refit_round(
     start = time.perf_counter()
     network = model.network if isinstance(model, LastLayerLaplace) else model
     output = fused.spec.output_layer(fused.state)[0].rpartition(".")[0]
-    if prior_precision is None:
+    by_evidence = prior_precision is None
+    if by_evidence:
         prior_precision = prior_precision_from_weights(
             [m.get_submodule(output).weight.detach().cpu().numpy() for m in models],
             fan_in=network.get_submodule(output).weight.shape[1],
@@ -475,7 +482,8 @@ def _refit_round(
         for idx in partition
     ]
     client_seconds = (time.perf_counter() - client_seconds) / len(partition)
-    mean, covariance = fuse_output_fits(fits, prior_precision)
+    chosen = evidence_precision(fits, prior_precision) if by_evidence else prior_precision
+    mean, covariance = fuse_output_fits(fits, prior_precision, posterior_precision=chosen)
     layer = network.get_submodule(output)
     with torch.no_grad():
         layer.weight.copy_(torch.as_tensor(mean[:-1].T, dtype=layer.weight.dtype))
@@ -488,7 +496,9 @@ def _refit_round(
     fused.hyper[key] = {
         "kind": "refit",
         "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
-        "prior_precision": float(prior_precision),
+        "prior_precision": float(chosen),
+        "fit_prior_precision": float(prior_precision),
+        "prior_precision_from": "evidence" if by_evidence else "given",
         "bytes_up": int(fits[0].nbytes),
         "bytes_down": int(n_weights * 4),
         "client_seconds": client_seconds,

@@ -86,7 +86,7 @@ def test_second_round_picks_a_temperature(federation):
     with pytest.raises(ValueError, match="data="):
         fuse(models, "pfnm", summaries=summaries, rounds=2)
     with pytest.raises(ValueError, match="rounds must be"):
-        fuse(models, "pfnm", rounds=3)
+        fuse(models, "pfnm", rounds=4)
     with pytest.raises(ValueError, match="output_pool"):
         fuse(models, "pfnm", output_pool="counts")
     counts = fuse(models, "pfnm", summaries=summaries, output_pool="counts")
@@ -94,7 +94,7 @@ def test_second_round_picks_a_temperature(federation):
 
 
 def test_second_round_refits_the_output_layer(federation):
-    from bayesfuse.inference.output_fusion import fuse_output_fits, prior_precision_from_weights
+    from bayesfuse.inference.output_fusion import evidence_precision, fuse_output_fits, prior_precision_from_weights
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import output_fit
 
@@ -102,19 +102,24 @@ def test_second_round_refits_the_output_layer(federation):
     result = fuse(models, "pfnm", rounds=2, data=(split.train, part))
     r2 = result.hyper["second_round"]
     assert r2["kind"] == "refit" and isinstance(result.model, LastLayerLaplace)
-    assert r2["prior_precision"] == pytest.approx(
+    # the clients fit with the data-free fan-in prior; the server chooses the product's by the evidence
+    assert r2["fit_prior_precision"] == pytest.approx(
         prior_precision_from_weights(
             [m.layers[-1].weight.detach().numpy() for m in models], fan_in=result.model.network.layers[1].in_features
         )
     )
-    lam = r2["prior_precision"]  # exactly the server's: the clients' fits stop at a gradient tolerance
+    lam0 = r2["fit_prior_precision"]  # exactly the server's: the clients' fits stop at a gradient tolerance
+    assert r2["prior_precision_from"] == "evidence"
     # the server's output layer is the product of what the clients send, computed here again from
     # the one-shot fusion's hidden layers: the round changes the output layer only
     one_shot = fuse(models, "pfnm")
     fits = [
-        output_fit(one_shot.model, "layers.1", split.train.x[idx], split.train.y[idx], lam, n_clients=3) for idx in part
+        output_fit(one_shot.model, "layers.1", split.train.x[idx], split.train.y[idx], lam0, n_clients=3)
+        for idx in part
     ]
-    mean, cov = fuse_output_fits(fits, lam)
+    lam = evidence_precision(fits, lam0)
+    assert r2["prior_precision"] == pytest.approx(lam, rel=1e-6)
+    mean, cov = fuse_output_fits(fits, lam0, posterior_precision=lam)
     layer = result.model.network.layers[1]
     np.testing.assert_allclose(layer.weight.detach().numpy(), mean[:-1].T, rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(result.model.covariance.numpy(), cov, rtol=1e-6, atol=1e-10)

@@ -50,6 +50,27 @@ fused layer reads the ``G`` global units, more than any client's ``G_j``; a prio
 clients' weights unscaled lets the logits' prior variance grow ``G / G_j``-fold, and the
 product's covariance, which the prior dominates where the clients' features are nearly
 separable, makes the probit predictive underconfident.
+
+The server can also choose ``lambda`` itself, from the replies alone, by the evidence (MacKay
+1992; Immer et al. 2021 for Laplace). Client ``j``'s log-likelihood around its fit, made with
+prior precision ``lambda_0``, is quadratic with curvature ``L_j = n_j A_j (x) S_j`` and gradient
+``lambda_0 / J W_hat_j`` (zero gradient of its objective at the optimum), so that for any
+``lambda`` the product is ``N(m, P^{-1})`` with
+
+.. math::
+
+    P = L + \\lambda I, \\qquad m = P^{-1} b, \\qquad L = \\sum_j L_j, \\qquad
+    b = \\sum_j (L_j + \\tfrac{\\lambda_0}{J} I) \\hat W_j ,
+
+and the log evidence is, up to a constant,
+
+.. math::
+
+    \\log p(D \\mid \\lambda) = \\tfrac{d}{2} \\log \\lambda - \\tfrac12 \\log\\det(L + \\lambda I)
+    + \\tfrac12 b^T (L + \\lambda I)^{-1} b ,
+
+``d = (G+1) K``: one eigendecomposition of ``L`` gives it for every ``lambda``
+(:func:`evidence_precision`). At ``lambda = lambda_0`` the product is the one above exactly.
 """
 
 from __future__ import annotations
@@ -65,7 +86,13 @@ from scipy.special import log_softmax, softmax
 from bayesfuse._validation import finite_array
 from bayesfuse.constraints import Interval, validate_params
 
-__all__ = ["OutputFit", "fit_output_layer", "fuse_output_fits", "prior_precision_from_weights"]
+__all__ = [
+    "OutputFit",
+    "fit_output_layer",
+    "fuse_output_fits",
+    "evidence_precision",
+    "prior_precision_from_weights",
+]
 
 _PRECISION = Interval(float, 0.0, None, "neither")
 _COUNT = Interval(int, 0, None, "neither")
@@ -199,8 +226,27 @@ def _check_fits(fits: Sequence[OutputFit]) -> None:
             raise ValueError(f"client {j}'s output fit has n = {f.n} examples")
 
 
+def _quadratic_model(fits: Sequence[OutputFit], prior_precision: float) -> tuple[np.ndarray, np.ndarray]:
+    """``L = sum_j n_j A_j (x) S_j`` and ``b = sum_j (L_j + lambda_0 / J I) W_hat_j`` (module docstring)."""
+    g, k = fits[0].weight.shape
+    if g * k > MAX_JOINT:
+        raise ValueError(
+            f"the output layer has {g * k} weights; its joint K-FAC precision is solved up to {MAX_JOINT} (MAX_JOINT)"
+        )
+    share = prior_precision / len(fits)
+    curvature = np.zeros((g * k, g * k))
+    target = np.zeros(g * k)
+    for f in fits:
+        h = f.n * np.kron(f.gram, f.curvature)  # index (g, k) -> g * K + k, as weight.ravel()
+        curvature += h
+        target += h @ f.weight.ravel() + share * f.weight.ravel()
+    return curvature, target
+
+
 @validate_params(prior_precision=_PRECISION)
-def fuse_output_fits(fits: Sequence[OutputFit], prior_precision: float) -> tuple[np.ndarray, np.ndarray]:
+def fuse_output_fits(
+    fits: Sequence[OutputFit], prior_precision: float, *, posterior_precision: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The product of the clients' Laplace posteriors of the output layer (module docstring).
 
     Parameters
@@ -208,7 +254,11 @@ def fuse_output_fits(fits: Sequence[OutputFit], prior_precision: float) -> tuple
     fits : sequence of OutputFit
         One per client, each fitted with prior precision ``prior_precision / len(fits)``.
     prior_precision : float
-        ``lambda``.
+        ``lambda_0``, the precision the clients fitted with.
+    posterior_precision : float, optional
+        The prior precision ``lambda`` of the product, under each client's quadratic model
+        (module docstring): e.g. :func:`evidence_precision`'s. None: ``lambda_0``, the exact
+        product of the clients' posteriors.
 
     Returns
     -------
@@ -219,24 +269,67 @@ def fuse_output_fits(fits: Sequence[OutputFit], prior_precision: float) -> tuple
         which the probit predictive does not use, are dropped).
     """
     _check_fits(fits)
+    if posterior_precision is not None and not (np.isfinite(posterior_precision) and posterior_precision > 0):
+        raise ValueError(f"posterior_precision must be a positive number, got {posterior_precision!r}")
     g, k = fits[0].weight.shape
-    if g * k > MAX_JOINT:
-        raise ValueError(
-            f"the output layer has {g * k} weights; its joint K-FAC precision is solved up to {MAX_JOINT} (MAX_JOINT)"
-        )
-    share = prior_precision / len(fits)
-    precision = np.zeros((g * k, g * k))
-    target = np.zeros(g * k)
-    for f in fits:
-        h = f.n * np.kron(f.gram, f.curvature)  # index (g, k) -> g * K + k, as weight.ravel()
-        h[np.diag_indices_from(h)] += share
-        precision += h
-        target += h @ f.weight.ravel()
+    curvature, target = _quadratic_model(fits, prior_precision)
+    precision = curvature
+    precision[np.diag_indices_from(precision)] += (
+        prior_precision if posterior_precision is None else posterior_precision
+    )
     chol = np.linalg.cholesky(precision)
     mean = cho_solve((chol, True), target).reshape(g, k)
     cov = cho_solve((chol, True), np.eye(g * k)).reshape(g, k, g, k)
     covariance = np.stack([cov[:, c, :, c] for c in range(k)])
     return mean, 0.5 * (covariance + covariance.transpose(0, 2, 1))
+
+
+@validate_params(prior_precision=_PRECISION)
+def evidence_precision(fits: Sequence[OutputFit], prior_precision: float, *, span: float = 1e4) -> float:
+    """The prior precision ``lambda`` of the output layer that maximises the evidence of the
+    clients' replies (module docstring), between ``lambda_0 / span`` and ``lambda_0 * span``.
+
+    One eigendecomposition of ``L`` (``d = (G+1) K`` square: about 20 s for ``d`` = 4,880 on two
+    cores), then the log evidence on a grid of 401 values of ``log lambda`` and a bounded
+    one-dimensional maximisation around the best.
+
+    Parameters
+    ----------
+    fits : sequence of OutputFit
+        The clients' fits, made with ``prior_precision / len(fits)``.
+    prior_precision : float
+        ``lambda_0``.
+    span : float
+        How far from ``lambda_0`` the search goes, as a factor.
+
+    Returns
+    -------
+    float
+    """
+    from scipy.optimize import minimize_scalar
+
+    _check_fits(fits)
+    curvature, target = _quadratic_model(fits, prior_precision)
+    eigenvalues, vectors = np.linalg.eigh(curvature)
+    eigenvalues = np.maximum(eigenvalues, 0.0)
+    c2 = (vectors.T @ target) ** 2
+    d = len(target)
+
+    def negative_log_evidence(log_lam: float) -> float:
+        lam = np.exp(log_lam)
+        return -(0.5 * d * log_lam - 0.5 * np.log(eigenvalues + lam).sum() + 0.5 * (c2 / (eigenvalues + lam)).sum())
+
+    low, high = np.log(prior_precision / span), np.log(prior_precision * span)
+    grid = np.linspace(low, high, 401)
+    best = int(np.argmin([negative_log_evidence(v) for v in grid]))
+    res = minimize_scalar(
+        negative_log_evidence,
+        bounds=(grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]),
+        method="bounded",
+        options={"xatol": 1e-6},
+    )
+    log_lam = res.x if res.fun <= negative_log_evidence(grid[best]) else grid[best]
+    return float(np.exp(log_lam))
 
 
 def prior_precision_from_weights(weights: Sequence[np.ndarray], fan_in: int | None = None) -> float:

@@ -10,6 +10,7 @@ from scipy.special import softmax
 from bayesfuse.constraints import InvalidParameterError
 from bayesfuse.inference.output_fusion import (
     OutputFit,
+    evidence_precision,
     fit_output_layer,
     fuse_output_fits,
     prior_precision_from_weights,
@@ -118,6 +119,58 @@ def test_a_class_a_client_never_saw_is_decided_by_the_others():
     assert lacking.curvature[2, 2] < 0.2 * full.curvature[2, 2]
     gap = np.mean((class2(mean) - class2(full.weight)) ** 2)
     assert gap < 0.25 * np.mean((class2(average) - class2(full.weight)) ** 2)
+
+
+def _fits_of_clients(lam0: float, j: int = 3) -> list[OutputFit]:
+    return [fit_output_layer(*_client(s, n=200, shift=0.3 * s), 3, lam0, n_clients=j, tol=1e-10) for s in range(j)]
+
+
+def test_the_product_at_another_precision_is_the_quadratic_models_posterior():
+    lam0 = 4.0
+    fits = _fits_of_clients(lam0)
+    # at lambda_0 it is the exact product
+    for a, b in zip(fuse_output_fits(fits, lam0), fuse_output_fits(fits, lam0, posterior_precision=lam0)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    # elsewhere: the minimiser of sum_j [-(lambda_0/J W_hat_j)^T W + 1/2 (W - W_hat_j)^T L_j (W - W_hat_j)]
+    # + lambda/2 |W|^2, written entry by entry and minimised generically
+    lam = 0.7
+    g, k = fits[0].weight.shape
+
+    def objective(v):
+        total = 0.5 * lam * v @ v
+        for f in fits:
+            h = f.n * np.kron(f.gram, f.curvature)
+            d = v - f.weight.ravel()
+            total += -(lam0 / len(fits)) * f.weight.ravel() @ v + 0.5 * d @ h @ d
+        return total
+
+    ref = minimize(objective, np.zeros(g * k), method="BFGS", options={"gtol": 1e-10}).x
+    mean, _ = fuse_output_fits(fits, lam0, posterior_precision=lam)
+    np.testing.assert_allclose(mean.ravel(), ref, atol=1e-5)
+
+
+def test_the_evidence_precision_is_mackays_fixed_point_and_the_brute_force_maximum():
+    lam0 = 4.0
+    fits = _fits_of_clients(lam0)
+    lam = evidence_precision(fits, lam0)
+    g, k = fits[0].weight.shape
+    d = g * k
+    curvature = sum(f.n * np.kron(f.gram, f.curvature) for f in fits)
+    target = sum((f.n * np.kron(f.gram, f.curvature) + lam0 / len(fits) * np.eye(d)) @ f.weight.ravel() for f in fits)
+
+    def log_evidence(v):  # with slogdet and solve, no eigendecomposition
+        p = curvature + v * np.eye(d)
+        return 0.5 * d * np.log(v) - 0.5 * np.linalg.slogdet(p)[1] + 0.5 * target @ np.linalg.solve(p, target)
+
+    # MacKay (1992): at the maximum lambda |m|^2 = d - lambda tr(P^-1), the number of well-determined weights
+    p_inv = np.linalg.inv(curvature + lam * np.eye(d))
+    m = p_inv @ target
+    assert lam * m @ m == pytest.approx(d - lam * np.trace(p_inv), rel=1e-4)
+    # and no value on a fine grid of the brute-force evidence is higher
+    grid = lam0 * np.logspace(-3, 3, 601)
+    assert log_evidence(lam) >= max(log_evidence(v) for v in grid) - 1e-8
+    # the search is bounded: lambda_0 * span at most
+    assert evidence_precision(fits, lam0, span=1.0) == pytest.approx(lam0)
 
 
 def test_prior_precision_from_weights():

@@ -1,6 +1,7 @@
 """The Flower strategies, tested with mocked replies (as Flower tests its strategies), and the example app."""
 
 import ast
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +25,11 @@ from bayesfuse import fuse, fuse_states, summarize  # noqa: E402
 from bayesfuse.data import dirichlet_partition, load_digits  # noqa: E402
 from bayesfuse.federated import run_fedma  # noqa: E402
 from bayesfuse.inference.layerwise import match_layerwise  # noqa: E402
-from bayesfuse.inference.output_fusion import fuse_output_fits, prior_precision_from_weights  # noqa: E402
+from bayesfuse.inference.output_fusion import (  # noqa: E402
+    evidence_precision,
+    fuse_output_fits,
+    prior_precision_from_weights,
+)
 from bayesfuse.integrations import flower as integration  # noqa: E402
 from bayesfuse.integrations.flower import (  # noqa: E402
     FEDMA_LOCAL,
@@ -585,8 +590,9 @@ class RefitGrid(FakeGrid):
 
 
 def _direct_fits(split, part, models, sent, prior):
-    """Each client's output fit of the fused network ``sent``, computed here without Flower."""
-    return [
+    """Each client's output fit of the fused network ``sent``, computed here without Flower, and
+    rounded to float32 as the reply carries it."""
+    fits = [
         output_fit(
             rebuild(models[p], tensor_state(sent)),
             "layers.2",
@@ -596,6 +602,12 @@ def _direct_fits(split, part, models, sent, prior):
             n_clients=len(part),
         )
         for p, idx in enumerate(part)
+    ]
+    return [
+        dataclasses.replace(
+            f, **{k: getattr(f, k).astype(np.float32).astype(np.float64) for k in ("weight", "gram", "curvature")}
+        )
+        for f in fits
     ]
 
 
@@ -623,13 +635,17 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
     assert plain.types == ["train"] * 3
     for k, v in record_to_state(one_shot.arrays).items():
         np.testing.assert_array_equal(sent[k], v)
-    # the refitted output layer is the product of the clients' fits computed directly (float32 on the wire)
-    mean, covariance = fuse_output_fits(_direct_fits(split, part, models, sent, prior), prior)
+    # the refitted output layer is the product of the clients' fits computed directly (rounded to
+    # float32 as the wire carries them) at the precision the server chose by the evidence of the replies
+    direct = _direct_fits(split, part, models, sent, prior)
+    lam = strategy.second_round_report["prior_precision"]
+    assert lam == pytest.approx(evidence_precision(direct, prior), rel=1e-6)
+    mean, covariance = fuse_output_fits(direct, prior, posterior_precision=lam)
     got = record_to_state(result.arrays)
-    # (float32 Gram matrices move the product by about 1e-5 of its scale)
-    np.testing.assert_allclose(got["layers.2.weight"], mean[:-1].T, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(got["layers.2.bias"], mean[-1], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(strategy.output_covariance, covariance, rtol=1e-4, atol=1e-5)
+    # the same float64 arithmetic on the same float32 replies; the record holds float32 weights
+    np.testing.assert_allclose(got["layers.2.weight"], mean[:-1].T, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got["layers.2.bias"], mean[-1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(strategy.output_covariance, covariance, rtol=1e-9, atol=1e-12)
     for k in sent:
         if not k.startswith("layers.2."):
             np.testing.assert_array_equal(got[k], sent[k])
@@ -643,7 +659,8 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
     assert metrics["num-examples"] == sum(len(idx) for idx in part)
     report = strategy.last_fusion.hyper["second_round"]
     assert report is strategy.second_round_report
-    assert report["kind"] == "refit" and report["prior_precision"] == pytest.approx(prior)
+    assert report["kind"] == "refit" and report["fit_prior_precision"] == pytest.approx(prior)
+    assert report["prior_precision_from"] == "evidence" and report["prior_precision"] == lam
     assert report["bytes_up"] == metrics["bytes-up"] and report["bytes_down"] == 4 * sum(v.size for v in sent.values())
     np.testing.assert_array_equal(strategy.last_fusion.state["layers.2.weight"], got["layers.2.weight"])
     # the last-layer Laplace of the refitted network
@@ -689,7 +706,10 @@ def test_refit_round_rejects_bad_output_fits_naming_the_node(clients, caplog):
     # the product of the one good fit
     sent = record_to_state(grid.sent[3].content["arrays"])
     prior = grid.sent[3].content["config"]["prior-precision"]
-    mean, _ = fuse_output_fits(_direct_fits(split, part, models, sent, prior)[:1], prior)
+    kept = _direct_fits(split, part, models, sent, prior)[:1]
+    lam = strategy.second_round_report["prior_precision"]
+    assert lam == pytest.approx(evidence_precision(kept, prior), rel=1e-6)
+    mean, _ = fuse_output_fits(kept, prior, posterior_precision=lam)
     np.testing.assert_allclose(record_to_state(result.arrays)["layers.2.weight"], mean[:-1].T, rtol=1e-4, atol=1e-4)
     # every fit bad: the fused network stays, and there is no Laplace to give
     grid = RefitGrid(split, part, models, ids=[7, 8, 9], spoil={n: _nan_gram for n in (7, 8, 9)})

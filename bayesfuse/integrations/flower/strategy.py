@@ -17,7 +17,7 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import fuse_states
-from bayesfuse.inference.output_fusion import fuse_output_fits, prior_precision_from_weights
+from bayesfuse.inference.output_fusion import evidence_precision, fuse_output_fits, prior_precision_from_weights
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
     OUTPUT_FIT,
@@ -203,10 +203,12 @@ class MatchedAveraging(_Fusion):
         another shape is rejected with its node named; with none left the fused network stays.
         Point-estimate networks only. ``None`` (default): every round fuses.
     output_prior_precision : float, optional
-        The refit's prior precision ``lambda``; by default ``1 / mean(w^2)`` of the output
-        weights the clients sent in the last fusion round, scaled by the fused layer's fan-in over
-        theirs
-        (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`).
+        The refit's prior precision ``lambda``, for the clients' fits and the product. None
+        (default): the clients fit with ``1 / mean(w^2)`` of the output weights they sent in the
+        last fusion round, times the fused layer's fan-in over theirs
+        (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the server
+        takes the product's ``lambda`` that maximises the evidence of their replies
+        (:func:`~bayesfuse.inference.output_fusion.evidence_precision`).
     **kwargs
         Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
 
@@ -562,7 +564,8 @@ class MatchedAveraging(_Fusion):
             )
             return None, MetricRecord(metrics)
         fits.sort(key=_fit_digest)  # the product does not depend on the order the replies came in
-        mean, covariance = fuse_output_fits(fits, prior)
+        chosen = prior if self.output_prior_precision is not None else evidence_precision(fits, prior)
+        mean, covariance = fuse_output_fits(fits, prior, posterior_precision=chosen)
         refitted = dict(state)
         refitted[weight_key] = mean[:-1].T.astype(state[weight_key].dtype)
         refitted[bias_key] = mean[-1].astype(state[bias_key].dtype)
@@ -571,7 +574,9 @@ class MatchedAveraging(_Fusion):
         self.second_round_report = {
             "kind": "refit",
             "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
-            "prior_precision": float(prior),
+            "prior_precision": float(chosen),
+            "fit_prior_precision": float(prior),
+            "prior_precision_from": "given" if self.output_prior_precision is not None else "evidence",
             "bytes_up": metrics["bytes-up"],
             "bytes_down": pending["bytes_down"],
             "replies": len(fits),
