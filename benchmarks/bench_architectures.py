@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/bench_architectures.py [--dataset fashion-mnist] [--clients 10] [--alpha 0.5]
        [--seeds 0 1 2] [--width 0.25] [--train-size 4000] [--test-size 5000] [--epochs 5] [--retrain-epochs 1]
-       [--methods fedavg ot pfnm nafi fedma fedavg-rounds] [--shared-init] [--data-path DIR]
+       [--methods fedavg ot pfnm nafi fedma fedavg-rounds fedavg+bn ot+bn pfnm+bn pfnm+bn+refit]
+       [--shared-init] [--data-path DIR]
 
 For each seed: ``--train-size`` training examples drawn at random (seeded) from the dataset's
 training set, split over ``--clients`` clients by Dirichlet(``--alpha``) class shares; one CIFAR-
@@ -18,6 +19,10 @@ client from its own initialisation unless ``--shared-init``. Then the global mod
   matching, bottom-up, every hyper-parameter chosen from the models ("auto"); all three with
   the permutations of each residual stream tied (Ainsworth et al. 2023) and batch norms folded
   into the convolutions before them (the fused batch norms are identities);
+* ``METHOD+bn``: the one-shot fusion, then the batch-norm round (``fuse(..., rounds=2,
+  second_round="batchnorm")``): each client returns the moments of every batch norm's input in
+  the fused network over its own data and the server sets the fused batch norms' statistics to
+  their pool; ``pfnm+bn+refit`` then refits the output layer (``rounds=3``);
 * ``fedma``: FedMA (Wang et al. 2020), one round per stream and inner layer (12) plus one for the
   output layer, ``--retrain-epochs`` of client training after each;
 * ``fedavg xR rounds``: FedAvg from one shared initialisation for as many rounds R as FedMA uses,
@@ -58,7 +63,7 @@ from bayesfuse.nets.predict import predict_proba
 from bayesfuse.nets.tracing import spec_from_module
 from bayesfuse.train import TrainConfig, new_model, train_clients
 
-METHODS = ("fedavg", "ot", "pfnm", "nafi", "fedma", "fedavg-rounds")
+METHODS = ("fedavg", "ot", "pfnm", "nafi", "fedma", "fedavg-rounds", "fedavg+bn", "ot+bn", "pfnm+bn", "pfnm+bn+refit")
 COLUMNS = ("method", "accuracy", "nll", "ece", "parameters", "rounds", "seconds", "cpu")
 
 
@@ -142,13 +147,21 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
                 )
                 model, seconds, rounds, name = run.model, run.seconds, n_rounds, f"fedavg x{n_rounds} rounds"
             else:
-                data = (
-                    {"data": (split.train, part), "retrain": retrain}
-                    if method == "fedma"
-                    else {"class_counts": part.counts}
-                )
-                result = fuse(models, method, seed=seed, **data)
-                model, seconds, rounds, name = result.model, result.seconds, result.hyper.get("rounds", 1), method
+                base, *rounds_after = method.split("+")
+                if base == "fedma":
+                    data = {"data": (split.train, part), "retrain": retrain}
+                elif rounds_after:  # the batch-norm round, then (+refit) the refit round
+                    data = {
+                        "class_counts": part.counts,
+                        "data": (split.train, part),
+                        "rounds": 1 + len(rounds_after),
+                        "second_round": "batchnorm",
+                    }
+                else:
+                    data = {"class_counts": part.counts}
+                result = fuse(models, base, seed=seed, **data)
+                rounds = result.hyper.get("rounds", 1 + len(rounds_after) if base != "fedma" else 1)
+                model, seconds, name = result.model, result.seconds, method
         rows.append(
             row(name, evaluate(probabilities(model, x), y), n_parameters(model), rounds, seconds, cpu_seconds() - cpu)
         )
