@@ -1,6 +1,7 @@
 """Run the app in-process on Flower's simulation engine (Ray), without a SuperLink.
 
 Usage: python simulate.py [--method pfnm|nafi|fedma] [--rounds 3] [--nodes 10] [--local-epochs 10]
+       [--second-round none|refit]
 Prints the test accuracy of the global model after each round (and of FedAvg over as many
 rounds on the same clients) and the wall time. ``flwr run .`` runs the same app through a
 local SuperLink.
@@ -25,6 +26,9 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--local-epochs", type=int, default=10)
     parser.add_argument("--round-epochs", type=int, default=5)
+    parser.add_argument(
+        "--second-round", default="none", choices=["none", "refit"], help="PFNM/NAFI: refit: the last round refits"
+    )
     args = parser.parse_args()
     # Ray's workers import the app too
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
@@ -40,6 +44,7 @@ def main() -> None:
         "num-nodes": args.nodes,
         "local-epochs": args.local_epochs,
         "round-epochs": args.round_epochs,
+        "second-round": args.second_round,
     }
     start = time.perf_counter()
     run_simulation(

@@ -836,6 +836,13 @@ def test_example_method_is_checked_in_one_line(example, caplog):
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r.getMessage() for r in errors] == [server.method_error("fedprox")]
     assert server.RESULTS == {}
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        server.main(NoGrid(), {"method": "pfnm", "second-round": "temperature"})
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith(
+        "unknown second-round 'temperature' in the run config: choose one of none, refit"
+    )
 
 
 def test_example_fedavg_baseline_sums_class_counts(example):
@@ -886,7 +893,16 @@ def test_simulation_three_nodes_pfnm_rounds_beat_fedavg(example):
     from flwr.simulation import run_simulation
 
     client_app, server_app = example
-    settings = {"method": "pfnm", "num-nodes": 3, "local-epochs": 5, "round-epochs": 2, "num-rounds": 2, "timeout": 300}
+    # round 1 fuses the nodes' own networks, round 2 retrains and fuses again, round 3 refits the output layer
+    settings = {
+        "method": "pfnm",
+        "num-nodes": 3,
+        "local-epochs": 5,
+        "round-epochs": 2,
+        "num-rounds": 3,
+        "second-round": "refit",
+        "timeout": 300,
+    }
     start = time.perf_counter()
     run_simulation(
         server_app=server_app.make_server_app(settings),
@@ -895,11 +911,12 @@ def test_simulation_three_nodes_pfnm_rounds_beat_fedavg(example):
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
     )
     results = server_app.RESULTS
-    assert results["pfnm"].get("fused-replies") == 3, results
-    assert time.perf_counter() - start < 180
-    assert sorted(results["pfnm"]["accuracy-by-round"]) == [0, 1, 2]
+    assert results["pfnm"].get("output-fit-replies") == 3, results  # the last round's metrics: the refit
+    assert time.perf_counter() - start < 240
+    assert sorted(results["pfnm"]["accuracy-by-round"]) == [0, 1, 2, 3]
     assert results["pfnm"]["accuracy-by-round"][2] > results["pfnm"]["accuracy-by-round"][0] + 0.5
     assert results["pfnm"]["accuracy"] > results["fedavg"]["accuracy"], results
+    assert results["pfnm"]["laplace"]["accuracy"] > results["fedavg"]["accuracy"], results
     assert sum(results["fedavg"]["class-counts"]) == results["fedavg"]["num-examples"]  # summed, not averaged
 
 

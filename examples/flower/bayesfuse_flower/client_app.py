@@ -11,8 +11,11 @@ from flwr.clientapp import ClientApp
 
 from bayesfuse import summarize
 from bayesfuse.integrations.flower import (
+    OUTPUT_FIT,
+    ROUND_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
+    output_fit_reply,
     record_to_state,
     state_to_record,
     summary_to_records,
@@ -57,7 +60,14 @@ def make_client_app(overrides: dict | None = None) -> ClientApp:
     @app.train()
     def train_round(msg: Message, context: Context) -> Message:
         """Matched averaging: round 1 trains the node's own network from its own initialisation
-        (separately trained models); later rounds start from the server's fused model."""
+        (separately trained models); later rounds start from the server's fused model. In the
+        refit round the node trains nothing: it fits the fused network's output layer on its own
+        data and returns the fit (aggregates only)."""
+        if msg.content["config"].get(ROUND_KEY) == OUTPUT_FIT:
+            run = settings(context, overrides)
+            _, (x, y, _) = _node_data(context, run)
+            fused = model_from_state(config(run), record_to_state(msg.content["arrays"]))
+            return Message(output_fit_reply(fused, x, y, msg.content["config"]), reply_to=msg)
         later = "arrays" in msg.content.array_records and int(msg.content["config"].get("server-round", 1)) > 1
         return own_or_global(msg, context, later, bool(settings(context, overrides).get("summaries", False)))
 

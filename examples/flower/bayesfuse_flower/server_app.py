@@ -25,6 +25,8 @@ from bayesfuse_flower.task import _split, config, fresh_model, model_from_state,
 
 #: The values of the run config's ``method``.
 METHODS = ("pfnm", "nafi", "fedma")
+#: The values of the run config's ``second-round`` (PFNM/NAFI): none, or the last round refits the output layer.
+SECOND_ROUNDS = ("none", "refit")
 
 RESULTS: dict = {}  # filled by main(); read by tests and printed at the end
 
@@ -143,6 +145,12 @@ def main(grid: Grid, run: dict) -> None:
     RESULTS.clear()
     method = run.get("method", "pfnm")
     error = method_error(method)
+    second = run.get("second-round", "none")
+    if error is None and second not in SECOND_ROUNDS:
+        error = (
+            f"unknown second-round {second!r} in the run config: choose one of {', '.join(SECOND_ROUNDS)} "
+            f"(e.g. --run-config 'second-round=\"refit\"')"
+        )
     if error:
         log(ERROR, error)
         return
@@ -170,7 +178,12 @@ def main(grid: Grid, run: dict) -> None:
         # round 1 fuses separately trained networks; later rounds retrain the fused one and fuse again
         rounds = int(run.get("num-rounds", 3))
         strategy = MatchedAveraging(
-            method, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0, seed=seed
+            method,
+            min_train_nodes=nodes,
+            min_available_nodes=nodes,
+            fraction_evaluate=0.0,
+            seed=seed,
+            second_round=None if second == "none" else second,
         )
         result = strategy.start(
             grid=grid, initial_arrays=initial, num_rounds=rounds, timeout=timeout, evaluate_fn=evaluate_fn
@@ -179,6 +192,10 @@ def main(grid: Grid, run: dict) -> None:
             RESULTS[method] = {"error": "no node replied in time; nothing was fused"}
         else:
             RESULTS[method] = _report(result)
+            if strategy.output_covariance is not None:  # the refit round ran: the probit predictive too
+                test = _split(seed).test
+                m = evaluate(predict_proba(strategy.laplace(fresh_model(cfg, seed)), test.x), test.y)
+                RESULTS[method]["laplace"] = {"accuracy": float(m["accuracy"]), "nll": float(m["nll"])}
     RESULTS["seconds"] = time.perf_counter() - start
     if bool(run.get("compare-fedavg", True)):
         # as many rounds, the same local training (clients' seeds are the same), averaged coordinate-wise

@@ -29,6 +29,7 @@ DEFAULTS = {
     "timeout": 600,
     "compare-fedavg": True,
     "summaries": False,
+    "second-round": "none",
 }
 
 
