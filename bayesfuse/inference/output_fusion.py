@@ -226,14 +226,19 @@ def _check_fits(fits: Sequence[OutputFit]) -> None:
             raise ValueError(f"client {j}'s output fit has n = {f.n} examples")
 
 
-def _quadratic_model(fits: Sequence[OutputFit], prior_precision: float) -> tuple[np.ndarray, np.ndarray]:
-    """``L = sum_j n_j A_j (x) S_j`` and ``b = sum_j (L_j + lambda_0 / J I) W_hat_j`` (module docstring)."""
+def _quadratic_model(
+    fits: Sequence[OutputFit], prior_precision: float, n_clients: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``L = sum_j n_j A_j (x) S_j`` and ``b = sum_j (L_j + lambda_0 / J I) W_hat_j`` (module docstring),
+    ``J = n_clients`` (the clients the fits were made for; ``len(fits)`` by default)."""
+    if n_clients is not None and (n_clients < len(fits) or isinstance(n_clients, bool)):
+        raise ValueError(f"n_clients must be at least the {len(fits)} fits, got {n_clients!r}")
     g, k = fits[0].weight.shape
     if g * k > MAX_JOINT:
         raise ValueError(
             f"the output layer has {g * k} weights; its joint K-FAC precision is solved up to {MAX_JOINT} (MAX_JOINT)"
         )
-    share = prior_precision / len(fits)
+    share = prior_precision / (len(fits) if n_clients is None else n_clients)
     curvature = np.zeros((g * k, g * k))
     target = np.zeros(g * k)
     for f in fits:
@@ -245,20 +250,29 @@ def _quadratic_model(fits: Sequence[OutputFit], prior_precision: float) -> tuple
 
 @validate_params(prior_precision=_PRECISION)
 def fuse_output_fits(
-    fits: Sequence[OutputFit], prior_precision: float, *, posterior_precision: float | None = None
+    fits: Sequence[OutputFit],
+    prior_precision: float,
+    *,
+    posterior_precision: float | None = None,
+    n_clients: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The product of the clients' Laplace posteriors of the output layer (module docstring).
 
     Parameters
     ----------
     fits : sequence of OutputFit
-        One per client, each fitted with prior precision ``prior_precision / len(fits)``.
+        One per client, each fitted with prior precision ``prior_precision / n_clients``.
     prior_precision : float
         ``lambda_0``, the precision the clients fitted with.
     posterior_precision : float, optional
         The prior precision ``lambda`` of the product, under each client's quadratic model
         (module docstring): e.g. :func:`evidence_precision`'s. None: ``lambda_0``, the exact
         product of the clients' posteriors.
+    n_clients : int, optional
+        ``J``, the number of clients the fits were made for (each with a ``1/J`` share of the
+        prior); ``len(fits)`` by default. When some clients' replies were lost or refused, their
+        shares of the prior are missing from the product; give ``J`` and the product takes the
+        prior once all the same (under the clients' quadratic models).
 
     Returns
     -------
@@ -272,7 +286,7 @@ def fuse_output_fits(
     if posterior_precision is not None and not (np.isfinite(posterior_precision) and posterior_precision > 0):
         raise ValueError(f"posterior_precision must be a positive number, got {posterior_precision!r}")
     g, k = fits[0].weight.shape
-    curvature, target = _quadratic_model(fits, prior_precision)
+    curvature, target = _quadratic_model(fits, prior_precision, n_clients)
     precision = curvature
     precision[np.diag_indices_from(precision)] += (
         prior_precision if posterior_precision is None else posterior_precision
@@ -285,7 +299,9 @@ def fuse_output_fits(
 
 
 @validate_params(prior_precision=_PRECISION)
-def evidence_precision(fits: Sequence[OutputFit], prior_precision: float, *, span: float = 1e4) -> float:
+def evidence_precision(
+    fits: Sequence[OutputFit], prior_precision: float, *, span: float = 1e4, n_clients: int | None = None
+) -> float:
     """The prior precision ``lambda`` of the output layer that maximises the evidence of the
     clients' replies (module docstring), between ``lambda_0 / span`` and ``lambda_0 * span``.
 
@@ -296,11 +312,13 @@ def evidence_precision(fits: Sequence[OutputFit], prior_precision: float, *, spa
     Parameters
     ----------
     fits : sequence of OutputFit
-        The clients' fits, made with ``prior_precision / len(fits)``.
+        The clients' fits, made with ``prior_precision / n_clients``.
     prior_precision : float
         ``lambda_0``.
     span : float
         How far from ``lambda_0`` the search goes, as a factor.
+    n_clients : int, optional
+        As in :func:`fuse_output_fits`.
 
     Returns
     -------
@@ -309,7 +327,7 @@ def evidence_precision(fits: Sequence[OutputFit], prior_precision: float, *, spa
     from scipy.optimize import minimize_scalar
 
     _check_fits(fits)
-    curvature, target = _quadratic_model(fits, prior_precision)
+    curvature, target = _quadratic_model(fits, prior_precision, n_clients)
     eigenvalues, vectors = np.linalg.eigh(curvature)
     eigenvalues = np.maximum(eigenvalues, 0.0)
     c2 = (vectors.T @ target) ** 2

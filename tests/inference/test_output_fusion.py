@@ -149,6 +149,31 @@ def test_the_product_at_another_precision_is_the_quadratic_models_posterior():
     np.testing.assert_allclose(mean.ravel(), ref, atol=1e-5)
 
 
+def test_a_lost_clients_share_of_the_prior_is_put_back():
+    # three fits made with lambda_0 / 3 each; one reply lost: with n_clients=3 the product of the two
+    # left has the prior once, the minimiser of their quadratic models plus lambda_0/2 |W|^2
+    lam0 = 4.0
+    fits = _fits_of_clients(lam0)[:2]
+    g, k = fits[0].weight.shape
+
+    def objective(v):
+        total = 0.5 * lam0 * v @ v
+        for f in fits:
+            h = f.n * np.kron(f.gram, f.curvature)
+            d = v - f.weight.ravel()
+            total += -(lam0 / 3) * f.weight.ravel() @ v + 0.5 * d @ h @ d
+        return total
+
+    ref = minimize(objective, np.zeros(g * k), method="BFGS", options={"gtol": 1e-10}).x
+    mean, _ = fuse_output_fits(fits, lam0, n_clients=3)
+    np.testing.assert_allclose(mean.ravel(), ref, atol=1e-5)
+    # without it, two thirds of the prior: another product
+    assert not np.allclose(fuse_output_fits(fits, lam0)[0], mean, atol=1e-4)
+    assert evidence_precision(fits, lam0, n_clients=3) > 0
+    with pytest.raises(ValueError, match="n_clients must be at least the 2 fits"):
+        fuse_output_fits(fits, lam0, n_clients=1)
+
+
 def test_the_evidence_precision_is_mackays_fixed_point_and_the_brute_force_maximum():
     lam0 = 4.0
     fits = _fits_of_clients(lam0)

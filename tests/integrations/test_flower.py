@@ -706,10 +706,11 @@ def test_refit_round_rejects_bad_output_fits_naming_the_node(clients, caplog):
     # the product of the one good fit
     sent = record_to_state(grid.sent[3].content["arrays"])
     prior = grid.sent[3].content["config"]["prior-precision"]
+    # the fits were made for the 3 nodes sampled: the two refused nodes' shares of the prior are put back
     kept = _direct_fits(split, part, models, sent, prior)[:1]
     lam = strategy.second_round_report["prior_precision"]
-    assert lam == pytest.approx(evidence_precision(kept, prior), rel=1e-6)
-    mean, _ = fuse_output_fits(kept, prior, posterior_precision=lam)
+    assert lam == pytest.approx(evidence_precision(kept, prior, n_clients=3), rel=1e-6)
+    mean, _ = fuse_output_fits(kept, prior, posterior_precision=lam, n_clients=3)
     np.testing.assert_allclose(record_to_state(result.arrays)["layers.2.weight"], mean[:-1].T, rtol=1e-4, atol=1e-4)
     # every fit bad: the fused network stays, and there is no Laplace to give
     grid = RefitGrid(split, part, models, ids=[7, 8, 9], spoil={n: _nan_gram for n in (7, 8, 9)})

@@ -564,8 +564,12 @@ class MatchedAveraging(_Fusion):
             )
             return None, MetricRecord(metrics)
         fits.sort(key=_fit_digest)  # the product does not depend on the order the replies came in
-        chosen = prior if self.output_prior_precision is not None else evidence_precision(fits, prior)
-        mean, covariance = fuse_output_fits(fits, prior, posterior_precision=chosen)
+        # fits made for every sampled node: a refused or lost one's share of the prior is put back
+        sampled = len(pending["nodes"])
+        chosen = (
+            prior if self.output_prior_precision is not None else evidence_precision(fits, prior, n_clients=sampled)
+        )
+        mean, covariance = fuse_output_fits(fits, prior, posterior_precision=chosen, n_clients=sampled)
         refitted = dict(state)
         refitted[weight_key] = mean[:-1].T.astype(state[weight_key].dtype)
         refitted[bias_key] = mean[-1].astype(state[bias_key].dtype)
