@@ -316,7 +316,7 @@ def fuse(
     if rounds == 1:
         fused, model = candidates[0]
     elif second_round == "batchnorm":
-        fused, model = _batchnorm_round(*candidates[0], data)
+        fused, model = _batchnorm_round(*candidates[0], data, states)
         if rounds == 3:
             fused, model = _refit_round(
                 fused, model, models, data, prior_precision=output_prior_precision, key="third_round"
@@ -417,12 +417,14 @@ def _second_round(candidates, data, pools, *, like: nn.Module):
     return fused, model
 
 
-def _batchnorm_round(fused, model: nn.Module, data):
+def _batchnorm_round(fused, model: nn.Module, data, states):
     """The batch-norm round, simulated: every client measures the moments of each batch norm's
     input in the fused network on its own data (:func:`bayesfuse.summaries.batchnorm_moments`);
     the server pools them (:func:`~bayesfuse.inference.moments.pool_moments`) into the batch
-    norms' running statistics, in the module and in ``fused.state``."""
-    from bayesfuse.inference.moments import pool_moments
+    norms' running statistics, and gives each fused channel the mean scale and shift of its
+    members in ``states`` (the clients' own batch norms, REPAIR's targets;
+    :func:`~bayesfuse.inference.moments.matched_mean`), in the module and in ``fused.state``."""
+    from bayesfuse.inference.moments import matched_mean, pool_moments
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import batchnorm_moments
 
@@ -435,18 +437,27 @@ def _batchnorm_round(fused, model: nn.Module, data):
     if not replies[0]:
         raise ValueError("second_round='batchnorm' re-estimates batch norms; the fused network has none")
     pooled = pool_moments(replies)
+    layers = dict(zip(fused.groups, fused.layers))
     with torch.no_grad():
         for name, (mean, var) in pooled.items():
             norm = network.get_submodule(name)
-            norm.running_mean.copy_(torch.as_tensor(mean, dtype=norm.running_mean.dtype))
-            norm.running_var.copy_(torch.as_tensor(var, dtype=norm.running_var.dtype))
-            for stat, value in (("running_mean", mean), ("running_var", var)):
-                key = f"{name}.{stat}"
+            values = {"running_mean": mean, "running_var": var}
+            if norm.affine:  # the members' scale and shift, in the global basis
+                group = fused.spec.axes[f"{name}.weight"][0].group
+                assignments = layers[group].assignments if group in layers else None
+                for param, default in (("weight", 1.0), ("bias", 0.0)):
+                    members = [sd[f"{name}.{param}"] for sd in states]
+                    values[param] = matched_mean(members, assignments, norm.num_features, default)
+            for entry, value in values.items():
+                getattr(norm, entry).copy_(torch.as_tensor(value, dtype=getattr(norm, entry).dtype))
+                key = f"{name}.{entry}"
                 fused.state[key] = value.astype(np.asarray(fused.state[key]).dtype)
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["second_round"] = {
         "kind": "batchnorm",
         "batch_norms": len(pooled),
+        "statistics": "pooled moments of the clients' data in the fused network",
+        "affine": "the members' mean scale and shift (REPAIR's targets)",
         "bytes_up": int(sum(8 + 2 * 4 * mean.size for mean, _ in pooled.values())),
         "bytes_down": int(n_weights * 4),
         "client_seconds": client_seconds,

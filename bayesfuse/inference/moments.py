@@ -12,7 +12,17 @@ The pooled data's moments follow exactly, without any example leaving a client:
 the population statistics a batch norm uses at test time (Ioffe & Szegedy 2015, section 3.1).
 Re-estimating them after fusion undoes the shrinkage of averaged units, the variance collapse
 of Jordan et al. (REPAIR, ICLR 2023): with the statistics of the fused network's own inputs,
-every channel is normalised again before its learned scale and shift.
+every channel is normalised again before its learned scale and shift. Those REPAIR takes from
+the members of each fused unit: a client's batch norm gives its channel, on the client's data,
+mean ``beta`` and standard deviation ``|gamma|``, so the fused channel ``g`` takes the mean of its
+members' (:func:`matched_mean`),
+
+.. math::
+
+    \\gamma_g = \\frac{1}{|M_g|} \\sum_{(j, l) \\in M_g} \\gamma_{jl}, \\qquad
+    \\beta_g = \\frac{1}{|M_g|} \\sum_{(j, l) \\in M_g} \\beta_{jl},
+
+``M_g`` the clients' units assigned to ``g``.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["pool_moments"]
+__all__ = ["pool_moments", "matched_mean"]
 
 Reply = Mapping[str, tuple[int, np.ndarray, np.ndarray]]
 
@@ -81,3 +91,38 @@ def pool_moments(
         mean = s1 / n
         out[key] = (mean, np.maximum(s2 / n - mean**2, 0.0))
     return out
+
+
+def matched_mean(
+    values: Sequence[np.ndarray], assignments: Sequence[np.ndarray] | None, n_global: int, default: float
+) -> np.ndarray:
+    """The mean of each global unit's members' values (module docstring).
+
+    Parameters
+    ----------
+    values : sequence of ndarray
+        One per client: a value per unit of the client (e.g. its batch norm's ``weight``).
+    assignments : sequence of ndarray, or None
+        Per client, the global unit of each of its units; None: unit ``l`` of every client is
+        global unit ``l`` (networks averaged without alignment, every client ``n_global`` wide).
+    n_global : int
+        The number of global units.
+    default : float
+        The value of a global unit no client's unit is assigned to.
+
+    Returns
+    -------
+    ndarray (n_global,)
+    """
+    if assignments is None:
+        assignments = [np.arange(len(v)) for v in values]
+    total, count = np.zeros(n_global), np.zeros(n_global)
+    for j, (v, a) in enumerate(zip(values, assignments)):
+        v, a = np.asarray(v, dtype=np.float64), np.asarray(a)
+        if v.shape != a.shape:
+            raise ValueError(f"client {j} has {v.size} values for {a.size} assigned units")
+        if a.size and (a.min() < 0 or a.max() >= n_global):
+            raise ValueError(f"client {j}'s units are assigned outside the {n_global} global units")
+        np.add.at(total, a, v)
+        np.add.at(count, a, 1.0)
+    return np.where(count > 0, total / np.maximum(count, 1.0), default)

@@ -39,3 +39,20 @@ def test_bad_replies_are_refused_naming_the_client():
         pool_moments([good, {"bn": (3, np.zeros(3), np.ones(3))}])
     with pytest.raises(ValueError, match="below its mean squared"):
         pool_moments([{"bn": (3, np.full(2, 2.0), np.ones(2))}])
+
+
+def test_matched_mean_is_the_mean_of_each_global_units_members():
+    from bayesfuse.inference.moments import matched_mean
+
+    values = [np.array([1.0, 2.0, 3.0]), np.array([10.0, 20.0])]
+    assignments = [np.array([2, 0, 1]), np.array([0, 3])]
+    # global 0: 2 and 10; 1: 3; 2: 1; 3: 20; 4: nobody
+    np.testing.assert_allclose(
+        matched_mean(values, assignments, 5, default=-1.0), [6.0, 3.0, 1.0, 20.0, -1.0], rtol=1e-15
+    )
+    # without assignments unit l is global unit l (FedAvg)
+    np.testing.assert_allclose(matched_mean([np.ones(2), np.zeros(2)], None, 2, default=0.0), [0.5, 0.5])
+    with pytest.raises(ValueError, match="client 1 has 2 values for 3 assigned units"):
+        matched_mean(values, [assignments[0], np.arange(3)], 5, default=0.0)
+    with pytest.raises(ValueError, match="outside the 3 global units"):
+        matched_mean(values, assignments, 3, default=0.0)

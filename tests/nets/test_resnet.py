@@ -286,19 +286,34 @@ def test_the_batchnorm_round_sets_the_pooled_statistics_of_the_fused_network(tra
     for name, (mean, var) in pooled.items():
         np.testing.assert_allclose(fused[name].running_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(fused[name].running_var.numpy(), var, rtol=1e-5, atol=1e-6)
-    # and nothing else changes: the round re-estimates statistics only
+    # each fused channel's scale and shift: the mean of its members' (REPAIR's targets), by hand
+    spec = spec_from_module(models[0])
+    assignments = dict(zip(one.groups, (layer.assignments for layer in one.layers)))
+    for name in pooled:
+        a = assignments[spec.axes[f"{name}.weight"][0].group]
+        for param in ("weight", "bias"):
+            got = getattr(fused[name], param).detach().numpy()
+            for g in range(len(got)):
+                members = [
+                    float(getattr(m.get_submodule(name), param)[l])
+                    for m, a_j in zip(models, a)
+                    for l in np.flatnonzero(a_j == g)
+                ]
+                assert got[g] == pytest.approx(np.mean(members), rel=1e-5, abs=1e-6), (name, param, g)
+    # and nothing else changes
     before, after = one.model.state_dict(), two.model.state_dict()
+    bn_entries = ("running_mean", "running_var", "weight", "bias")
     for k in before:
-        if not k.endswith(("running_mean", "running_var")):
+        if not (k.rpartition(".")[0] in pooled and k.endswith(bn_entries)):
             assert torch.equal(before[k], after[k]), k
     report = two.hyper["second_round"]
     assert report["kind"] == "batchnorm" and report["batch_norms"] == len(pooled)
     assert report["bytes_up"] == sum(8 + 8 * m.size for m, _ in pooled.values())
-    # the collapse it undoes: on this seed one shot is at 0.61, the round lifts it by 0.14 and the
-    # refit after it by 0.09 more (deterministic: fixed seeds, one thread)
-    assert _accuracy(two.model, split) > _accuracy(one.model, split) + 0.05
+    # the collapse it undoes: on this seed one shot is at 0.609, the round lifts it to 0.660 and the
+    # refit after it to 0.873 (deterministic: fixed seeds, one thread; margins well inside the gaps)
+    assert _accuracy(two.model, split) > _accuracy(one.model, split) + 0.02
     assert three.hyper["third_round"]["kind"] == "refit"
-    assert _accuracy(three.model, split) > _accuracy(two.model, split) + 0.03
+    assert _accuracy(three.model, split) > _accuracy(two.model, split) + 0.1
 
 
 def test_the_batchnorm_round_needs_batch_norms_and_three_rounds_need_it():
