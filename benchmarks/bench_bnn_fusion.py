@@ -76,7 +76,7 @@ from bayesfuse.metrics import accuracy, evaluate, negative_log_likelihood, ood_a
 from bayesfuse.models.bnn import BNNConfig, HorseshoeBNN, train_bnn
 from bayesfuse.models.bnn_fusion import output_shares
 
-COLUMNS = ("model", "accuracy", "loglik", "ece", "auroc", "units")
+COLUMNS = ("model", "accuracy", "loglik", "elpd", "elpd_se", "ece", "auroc", "units")
 
 
 SIDE_BY_SIDE = "locals side by side"
@@ -100,8 +100,18 @@ def _share_log_pool(probs: list[np.ndarray], shares: np.ndarray) -> np.ndarray:
 
 
 def scores(p, y, h_ood=None) -> dict:
+    """Accuracy, mean log-likelihood, ECE; the held-out elpd ``sum_i log p(y_i | x_i)`` over the test
+    set with its standard error ``sqrt(n var_i)`` (Vehtari et al. 2017, eq. 23, for held-out
+    points); with ``h_ood`` the entropy AUROC."""
     m = evaluate(p, y)
-    out = {"accuracy": m["accuracy"], "loglik": -m["nll"], "ece": m["ece"]}
+    lpd = np.log(np.clip(np.asarray(p)[np.arange(len(y)), y], 1e-300, None))
+    out = {
+        "accuracy": m["accuracy"],
+        "loglik": -m["nll"],
+        "elpd": float(lpd.sum()),
+        "elpd_se": float(np.sqrt(len(lpd) * lpd.var())),
+        "ece": m["ece"],
+    }
     if h_ood is not None:
         out["auroc"] = ood_auroc(predictive_entropy(p), h_ood)
     return out
