@@ -418,12 +418,14 @@ def _second_round(candidates, data, pools, *, like: nn.Module):
 
 
 def _batchnorm_round(fused, model: nn.Module, data, states):
-    """The batch-norm round, simulated: every client measures the moments of each batch norm's
-    input in the fused network on its own data (:func:`bayesfuse.summaries.batchnorm_moments`);
-    the server pools them (:func:`~bayesfuse.inference.moments.pool_moments`) into the batch
-    norms' running statistics, and gives each fused channel the mean scale and shift of its
-    members in ``states`` (the clients' own batch norms, REPAIR's targets;
-    :func:`~bayesfuse.inference.moments.matched_mean`), in the module and in ``fused.state``."""
+    """The batch-norm round, simulated. The server gives each fused channel the mean scale and
+    shift of its members in ``states`` (the clients' own batch norms, REPAIR's targets;
+    :func:`~bayesfuse.inference.moments.matched_mean`) and sends the network; every client
+    measures the moments of each batch norm's input in it on its own data
+    (:func:`bayesfuse.summaries.batchnorm_moments`), so that a layer's statistics are those of the
+    layers below as the network will run; the server pools them
+    (:func:`~bayesfuse.inference.moments.pool_moments`) into the running statistics. Both in the
+    module and in ``fused.state``."""
     from bayesfuse.inference.moments import matched_mean, pool_moments
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import batchnorm_moments
@@ -431,32 +433,43 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
     train, partition = data
     start = time.perf_counter()
     network = model.network if isinstance(model, LastLayerLaplace) else model
-    client_seconds = time.perf_counter()
-    replies = [batchnorm_moments(network, train.x[idx]) for idx in partition]
-    client_seconds = (time.perf_counter() - client_seconds) / len(partition)
-    if not replies[0]:
+    norms = {n: m for n, m in network.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    if not norms:
         raise ValueError("second_round='batchnorm' re-estimates batch norms; the fused network has none")
-    pooled = pool_moments(replies)
     layers = dict(zip(fused.groups, fused.layers))
-    with torch.no_grad():
-        for name, (mean, var) in pooled.items():
-            norm = network.get_submodule(name)
-            values = {"running_mean": mean, "running_var": var}
-            if norm.affine:  # the members' scale and shift, in the global basis
-                group = fused.spec.axes[f"{name}.weight"][0].group
-                assignments = layers[group].assignments if group in layers else None
-                for param, default in (("weight", 1.0), ("bias", 0.0)):
-                    members = [sd[f"{name}.{param}"] for sd in states]
-                    values[param] = matched_mean(members, assignments, norm.num_features, default)
+
+    def write(name: str, values: dict) -> None:
+        norm = norms[name]
+        with torch.no_grad():
             for entry, value in values.items():
                 getattr(norm, entry).copy_(torch.as_tensor(value, dtype=getattr(norm, entry).dtype))
                 key = f"{name}.{entry}"
                 fused.state[key] = value.astype(np.asarray(fused.state[key]).dtype)
+
+    for name, norm in norms.items():  # the members' scale and shift, in the global basis
+        if norm.affine:
+            group = fused.spec.axes[f"{name}.weight"][0].group
+            assignments = layers[group].assignments if group in layers else None
+            write(
+                name,
+                {
+                    param: matched_mean(
+                        [sd[f"{name}.{param}"] for sd in states], assignments, norm.num_features, default
+                    )
+                    for param, default in (("weight", 1.0), ("bias", 0.0))
+                },
+            )
+    client_seconds = time.perf_counter()
+    replies = [batchnorm_moments(network, train.x[idx]) for idx in partition]
+    client_seconds = (time.perf_counter() - client_seconds) / len(partition)
+    pooled = pool_moments(replies)
+    for name, (mean, var) in pooled.items():
+        write(name, {"running_mean": mean, "running_var": var})
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["second_round"] = {
         "kind": "batchnorm",
         "batch_norms": len(pooled),
-        "statistics": "pooled moments of the clients' data in the fused network",
+        "statistics": "pooled moments of the clients' data in the fused network, with the scales and shifts set",
         "affine": "the members' mean scale and shift (REPAIR's targets)",
         "bytes_up": int(sum(8 + 2 * 4 * mean.size for mean, _ in pooled.values())),
         "bytes_down": int(n_weights * 4),

@@ -279,27 +279,36 @@ def test_the_batchnorm_round_sets_the_pooled_statistics_of_the_fused_network(tra
         one = bayesfuse.fuse(models, "pfnm", class_counts=part.counts)
         two = bayesfuse.fuse(models, "pfnm", class_counts=part.counts, rounds=2, second_round="batchnorm", data=data)
         three = bayesfuse.fuse(models, "pfnm", class_counts=part.counts, rounds=3, second_round="batchnorm", data=data)
-    # the server's statistics are the pool of what each client measures on the one-shot network
-    pooled = pool_moments([batchnorm_moments(one.model, split.train.x[idx]) for idx in part])
-    assert len(pooled) == sum(isinstance(m, nn.BatchNorm2d) for m in one.model.modules())
-    fused = dict(two.model.named_modules())
-    for name, (mean, var) in pooled.items():
-        np.testing.assert_allclose(fused[name].running_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(fused[name].running_var.numpy(), var, rtol=1e-5, atol=1e-6)
     # each fused channel's scale and shift: the mean of its members' (REPAIR's targets), by hand
     spec = spec_from_module(models[0])
     assignments = dict(zip(one.groups, (layer.assignments for layer in one.layers)))
-    for name in pooled:
+    names = [n for n, m in one.model.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    fused = dict(two.model.named_modules())
+    sent = copy_module(one.model)  # the network the server sends: one shot, with those scales and shifts
+    for name in names:
         a = assignments[spec.axes[f"{name}.weight"][0].group]
         for param in ("weight", "bias"):
-            got = getattr(fused[name], param).detach().numpy()
-            for g in range(len(got)):
-                members = [
-                    float(getattr(m.get_submodule(name), param)[l])
-                    for m, a_j in zip(models, a)
-                    for l in np.flatnonzero(a_j == g)
+            want = np.array(
+                [
+                    np.mean(
+                        [
+                            float(getattr(m.get_submodule(name), param)[l])
+                            for m, a_j in zip(models, a)
+                            for l in np.flatnonzero(a_j == g)
+                        ]
+                    )
+                    for g in range(fused[name].num_features)
                 ]
-                assert got[g] == pytest.approx(np.mean(members), rel=1e-5, abs=1e-6), (name, param, g)
+            )
+            np.testing.assert_allclose(getattr(fused[name], param).detach().numpy(), want, rtol=1e-5, atol=1e-6)
+            with torch.no_grad():
+                getattr(sent.get_submodule(name), param).copy_(torch.as_tensor(want))
+    # the server's statistics are the pool of what each client measures on the network it was sent
+    pooled = pool_moments([batchnorm_moments(sent, split.train.x[idx]) for idx in part])
+    assert sorted(pooled) == sorted(names)
+    for name, (mean, var) in pooled.items():
+        np.testing.assert_allclose(fused[name].running_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(fused[name].running_var.numpy(), var, rtol=1e-5, atol=1e-6)
     # and nothing else changes
     before, after = one.model.state_dict(), two.model.state_dict()
     bn_entries = ("running_mean", "running_var", "weight", "bias")
@@ -309,11 +318,11 @@ def test_the_batchnorm_round_sets_the_pooled_statistics_of_the_fused_network(tra
     report = two.hyper["second_round"]
     assert report["kind"] == "batchnorm" and report["batch_norms"] == len(pooled)
     assert report["bytes_up"] == sum(8 + 8 * m.size for m, _ in pooled.values())
-    # the collapse it undoes: on this seed one shot is at 0.609, the round lifts it to 0.660 and the
-    # refit after it to 0.873 (deterministic: fixed seeds, one thread; margins well inside the gaps)
-    assert _accuracy(two.model, split) > _accuracy(one.model, split) + 0.02
+    # the collapse it undoes: on this seed one shot is at 0.609, the round lifts it to 0.773 and the
+    # refit after it to 0.882 (deterministic: fixed seeds, one thread; margins well inside the gaps)
+    assert _accuracy(two.model, split) > _accuracy(one.model, split) + 0.1
     assert three.hyper["third_round"]["kind"] == "refit"
-    assert _accuracy(three.model, split) > _accuracy(two.model, split) + 0.1
+    assert _accuracy(three.model, split) > _accuracy(two.model, split) + 0.05
 
 
 def test_the_batchnorm_round_needs_batch_norms_and_three_rounds_need_it():
