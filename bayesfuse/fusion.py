@@ -484,9 +484,9 @@ def _refit_round(
 ):
     """The second round that refits the output layer, simulated: every client fits it on the fused
     network's features of its own data (:func:`bayesfuse.summaries.output_fit`); the server
-    multiplies the fits (:func:`~bayesfuse.inference.output_fusion.fuse_output_fits`) into a
+    multiplies the fits (:func:`~bayesfuse.inference.output_fusion.output_posterior`) into a
     :class:`~bayesfuse.nets.laplace.LastLayerLaplace` with the fused output layer's covariance."""
-    from bayesfuse.inference.output_fusion import evidence_precision, fuse_output_fits, prior_precision_from_weights
+    from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import output_fit
 
@@ -506,8 +506,7 @@ def _refit_round(
         for idx in partition
     ]
     client_seconds = (time.perf_counter() - client_seconds) / len(partition)
-    chosen = evidence_precision(fits, prior_precision) if by_evidence else prior_precision
-    mean, covariance = fuse_output_fits(fits, prior_precision, posterior_precision=chosen)
+    mean, covariance, chosen = output_posterior(fits, prior_precision, by_evidence=by_evidence)
     layer = network.get_submodule(output)
     with torch.no_grad():
         layer.weight.copy_(torch.as_tensor(mean[:-1].T, dtype=layer.weight.dtype))

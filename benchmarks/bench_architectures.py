@@ -160,7 +160,7 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
                 else:
                     data = {"class_counts": part.counts}
                 result = fuse(models, base, seed=seed, **data)
-                rounds = result.hyper.get("rounds", 1 + len(rounds_after) if base != "fedma" else 1)
+                rounds = result.hyper.get("rounds", 1 + len(rounds_after))  # FedMA reports its own
                 model, seconds, name = result.model, result.seconds, method
         rows.append(
             row(name, evaluate(probabilities(model, x), y), n_parameters(model), rounds, seconds, cpu_seconds() - cpu)

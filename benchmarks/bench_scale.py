@@ -69,6 +69,19 @@ def _peak_mb() -> float:
 # ---------------------------------------------------------------------------------- cases
 
 
+def _backend(backend: str) -> tuple[str | None, str]:
+    """``(device, dtype)`` of a backend: "numpy" (None, float64) or "DEVICE-DTYPE"; a CUDA device's
+    context is started here, outside the timing."""
+    if backend == "numpy":
+        return None, "float64"
+    device, dtype = backend.rsplit("-", 1)
+    if device.startswith("cuda"):
+        import torch
+
+        torch.ones(1, device=device).sum().item()
+    return device, dtype
+
+
 def case_kl(n_clients: int) -> dict:
     import warnings
 
@@ -192,11 +205,7 @@ def case_wide(cache: str, backend: str = "numpy", tol: str = "default", data_pat
 
     files = wide_models(Path(cache), data_path)
     inputs_mb = sum(f.stat().st_size for f in files) / 2**20
-    device, dtype = (None, "float64") if backend == "numpy" else backend.rsplit("-", 1)
-    if device is not None and device.startswith("cuda"):
-        import torch
-
-        torch.ones(1, device=device).sum().item()  # start the CUDA context outside the timing
+    device, dtype = _backend(backend)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = time.perf_counter()
@@ -298,9 +307,7 @@ def case_resnet18(width: float = 1.0, backend: str = "numpy") -> dict:
     del model
     inputs_mb = sum(p.numel() * 4 for m in clients for p in m.parameters()) / 2**20
     n_params = sum(p.numel() for p in clients[0].parameters())
-    device, dtype = (None, "float64") if backend == "numpy" else backend.rsplit("-", 1)
-    if device is not None and device.startswith("cuda"):
-        torch.ones(1, device=device).sum().item()  # start the CUDA context outside the timing
+    device, dtype = _backend(backend)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = time.perf_counter()

@@ -91,6 +91,7 @@ __all__ = [
     "fit_output_layer",
     "fuse_output_fits",
     "evidence_precision",
+    "output_posterior",
     "prior_precision_from_weights",
 ]
 
@@ -248,6 +249,46 @@ def _quadratic_model(
     return curvature, target
 
 
+def _product(curvature: np.ndarray, target: np.ndarray, lam: float, shape: tuple[int, int]):
+    """``m = (L + lambda I)^{-1} b`` as a (G+1, K) array and the per-class blocks of ``(L + lambda I)^{-1}``
+    (module docstring); ``curvature`` is overwritten."""
+    g, k = shape
+    precision = curvature
+    precision[np.diag_indices_from(precision)] += lam
+    chol = np.linalg.cholesky(precision)
+    mean = cho_solve((chol, True), target).reshape(g, k)
+    cov = cho_solve((chol, True), np.eye(g * k)).reshape(g, k, g, k)
+    covariance = np.stack([cov[:, c, :, c] for c in range(k)])
+    return mean, 0.5 * (covariance + covariance.transpose(0, 2, 1))
+
+
+def _evidence_maximum(curvature: np.ndarray, target: np.ndarray, prior_precision: float, span: float) -> float:
+    """The ``lambda`` within ``lambda_0 * span^{-/+1}`` that maximises the log evidence of the quadratic
+    model ``(L, b)`` (module docstring): one eigendecomposition, a grid, a bounded maximisation."""
+    from scipy.optimize import minimize_scalar
+
+    eigenvalues, vectors = np.linalg.eigh(curvature)
+    eigenvalues = np.maximum(eigenvalues, 0.0)
+    c2 = (vectors.T @ target) ** 2
+    d = len(target)
+
+    def negative_log_evidence(log_lam: float) -> float:
+        lam = np.exp(log_lam)
+        return -(0.5 * d * log_lam - 0.5 * np.log(eigenvalues + lam).sum() + 0.5 * (c2 / (eigenvalues + lam)).sum())
+
+    low, high = np.log(prior_precision / span), np.log(prior_precision * span)
+    grid = np.linspace(low, high, 401)
+    best = int(np.argmin([negative_log_evidence(v) for v in grid]))
+    res = minimize_scalar(
+        negative_log_evidence,
+        bounds=(grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]),
+        method="bounded",
+        options={"xatol": 1e-6},
+    )
+    log_lam = res.x if res.fun <= negative_log_evidence(grid[best]) else grid[best]
+    return float(np.exp(log_lam))
+
+
 @validate_params(prior_precision=_PRECISION)
 def fuse_output_fits(
     fits: Sequence[OutputFit],
@@ -281,21 +322,17 @@ def fuse_output_fits(
     covariance : ndarray (K, G+1, G+1)
         Per class ``k``, the block of ``P^{-1}`` of its weights and bias (the cross-class blocks,
         which the probit predictive does not use, are dropped).
+
+    See Also
+    --------
+    output_posterior : the product at the precision the evidence chooses, from one quadratic model.
     """
     _check_fits(fits)
     if posterior_precision is not None and not (np.isfinite(posterior_precision) and posterior_precision > 0):
         raise ValueError(f"posterior_precision must be a positive number, got {posterior_precision!r}")
-    g, k = fits[0].weight.shape
     curvature, target = _quadratic_model(fits, prior_precision, n_clients)
-    precision = curvature
-    precision[np.diag_indices_from(precision)] += (
-        prior_precision if posterior_precision is None else posterior_precision
-    )
-    chol = np.linalg.cholesky(precision)
-    mean = cho_solve((chol, True), target).reshape(g, k)
-    cov = cho_solve((chol, True), np.eye(g * k)).reshape(g, k, g, k)
-    covariance = np.stack([cov[:, c, :, c] for c in range(k)])
-    return mean, 0.5 * (covariance + covariance.transpose(0, 2, 1))
+    lam = prior_precision if posterior_precision is None else posterior_precision
+    return _product(curvature, target, lam, fits[0].weight.shape)
 
 
 @validate_params(prior_precision=_PRECISION)
@@ -324,30 +361,41 @@ def evidence_precision(
     -------
     float
     """
-    from scipy.optimize import minimize_scalar
-
     _check_fits(fits)
     curvature, target = _quadratic_model(fits, prior_precision, n_clients)
-    eigenvalues, vectors = np.linalg.eigh(curvature)
-    eigenvalues = np.maximum(eigenvalues, 0.0)
-    c2 = (vectors.T @ target) ** 2
-    d = len(target)
+    return _evidence_maximum(curvature, target, prior_precision, span)
 
-    def negative_log_evidence(log_lam: float) -> float:
-        lam = np.exp(log_lam)
-        return -(0.5 * d * log_lam - 0.5 * np.log(eigenvalues + lam).sum() + 0.5 * (c2 / (eigenvalues + lam)).sum())
 
-    low, high = np.log(prior_precision / span), np.log(prior_precision * span)
-    grid = np.linspace(low, high, 401)
-    best = int(np.argmin([negative_log_evidence(v) for v in grid]))
-    res = minimize_scalar(
-        negative_log_evidence,
-        bounds=(grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]),
-        method="bounded",
-        options={"xatol": 1e-6},
-    )
-    log_lam = res.x if res.fun <= negative_log_evidence(grid[best]) else grid[best]
-    return float(np.exp(log_lam))
+@validate_params(prior_precision=_PRECISION)
+def output_posterior(
+    fits: Sequence[OutputFit], prior_precision: float, *, by_evidence: bool = True, n_clients: int | None = None
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """What the server makes of the refit round's replies: the product of the clients' posteriors
+    at the prior precision the evidence chooses (:func:`evidence_precision`), or at ``lambda_0``
+    (``by_evidence=False``, :func:`fuse_output_fits`), with the clients' quadratic models built once.
+
+    Parameters
+    ----------
+    fits : sequence of OutputFit
+    prior_precision : float
+        ``lambda_0``, the precision the clients fitted with.
+    by_evidence : bool
+    n_clients : int, optional
+        As in :func:`fuse_output_fits`.
+
+    Returns
+    -------
+    mean : ndarray (G+1, K)
+    covariance : ndarray (K, G+1, G+1)
+        As :func:`fuse_output_fits` returns them.
+    precision : float
+        The ``lambda`` of the product.
+    """
+    _check_fits(fits)
+    curvature, target = _quadratic_model(fits, prior_precision, n_clients)
+    lam = _evidence_maximum(curvature, target, prior_precision, 1e4) if by_evidence else float(prior_precision)
+    mean, covariance = _product(curvature, target, lam, fits[0].weight.shape)
+    return mean, covariance, lam
 
 
 def prior_precision_from_weights(weights: Sequence[np.ndarray], fan_in: int | None = None) -> float:

@@ -13,6 +13,7 @@ from bayesfuse.inference.output_fusion import (
     evidence_precision,
     fit_output_layer,
     fuse_output_fits,
+    output_posterior,
     prior_precision_from_weights,
 )
 
@@ -147,6 +148,19 @@ def test_the_product_at_another_precision_is_the_quadratic_models_posterior():
     ref = minimize(objective, np.zeros(g * k), method="BFGS", options={"gtol": 1e-10}).x
     mean, _ = fuse_output_fits(fits, lam0, posterior_precision=lam)
     np.testing.assert_allclose(mean.ravel(), ref, atol=1e-5)
+
+
+def test_output_posterior_is_the_product_at_the_evidences_precision():
+    # one quadratic model for both steps: the same numbers as the two public functions apart
+    lam0 = 4.0
+    fits = _fits_of_clients(lam0)[:2]
+    for by_evidence, n_clients in ((True, None), (True, 3), (False, 3)):
+        mean, cov, lam = output_posterior(fits, lam0, by_evidence=by_evidence, n_clients=n_clients)
+        want = evidence_precision(fits, lam0, n_clients=n_clients) if by_evidence else lam0
+        assert lam == want
+        ref_mean, ref_cov = fuse_output_fits(fits, lam0, posterior_precision=want, n_clients=n_clients)
+        np.testing.assert_array_equal(mean, ref_mean)
+        np.testing.assert_array_equal(cov, ref_cov)
 
 
 def test_a_lost_clients_share_of_the_prior_is_put_back():

@@ -263,7 +263,8 @@ def records_to_output_fit(
         scale = 1e-5 * max(1.0, float(np.abs(m).max()))
         if not np.allclose(m, m.T, rtol=0.0, atol=scale) or np.linalg.eigvalsh(0.5 * (m + m.T)).min() < -scale:
             raise ValueError(f"{name}: the output fit's {key} is not symmetric positive semi-definite")
-    return OutputFit(weight=weight, gram=0.5 * (gram + gram.T), curvature=0.5 * (curvature + curvature.T), n=n)
+    # the Gram was rebuilt from its upper triangle: symmetric already
+    return OutputFit(weight=weight, gram=gram, curvature=0.5 * (curvature + curvature.T), n=n)
 
 
 def output_fit_reply(model: torch.nn.Module, x, y, config: Mapping) -> RecordDict:

@@ -17,7 +17,7 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import fuse_states
-from bayesfuse.inference.output_fusion import evidence_precision, fuse_output_fits, prior_precision_from_weights
+from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
     OUTPUT_FIT,
@@ -197,7 +197,7 @@ class MatchedAveraging(_Fusion):
         ``output-layer``, the ``prior-precision`` and ``n-clients``; each client answers with
         :func:`~bayesfuse.integrations.flower.records.output_fit_reply`, its Laplace fit of that
         layer on the fused features of its own data; the server multiplies the fits
-        (:func:`~bayesfuse.inference.output_fusion.fuse_output_fits`) into the output layer, which
+        (:func:`~bayesfuse.inference.output_fusion.output_posterior`) into the output layer, which
         is the round's ArrayRecord (so ``Result.arrays``), and keeps its covariance
         (:attr:`output_covariance`, :meth:`laplace`). A reply that is malformed, not finite or of
         another shape is rejected with its node named; with none left the fused network stays.
@@ -565,11 +565,9 @@ class MatchedAveraging(_Fusion):
             return None, MetricRecord(metrics)
         fits.sort(key=_fit_digest)  # the product does not depend on the order the replies came in
         # fits made for every sampled node: a refused or lost one's share of the prior is put back
-        sampled = len(pending["nodes"])
-        chosen = (
-            prior if self.output_prior_precision is not None else evidence_precision(fits, prior, n_clients=sampled)
+        mean, covariance, chosen = output_posterior(
+            fits, prior, by_evidence=self.output_prior_precision is None, n_clients=len(pending["nodes"])
         )
-        mean, covariance = fuse_output_fits(fits, prior, posterior_precision=chosen, n_clients=sampled)
         refitted = dict(state)
         refitted[weight_key] = mean[:-1].T.astype(state[weight_key].dtype)
         refitted[bias_key] = mean[-1].astype(state[bias_key].dtype)
