@@ -185,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--arch",
         default="mlp",
-        choices=["mlp", "cnn", "lstm", "resnet20", "resnet18"],
+        choices=["mlp", "cnn", "lstm", "resnet20", "resnet18", "vit"],
         help="local networks: MLP (--hidden), ConvNet (--channels, then --hidden dense layers), "
-        "LSTM over image rows (first --hidden width) or ResNet-20 / ResNet-18 (--width) (default: mlp)",
+        "LSTM over image rows (first --hidden width), ResNet-20 / ResNet-18 or a small vision "
+        "transformer (--width) (default: mlp)",
     )
     demo.add_argument(
         "--channels",
@@ -199,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--width",
         type=_positive_float,
         default=1.0,
-        help="resnet20, resnet18: width multiplier of every stage's channels (default: 1)",
+        help="resnet20, resnet18: width multiplier of every stage's channels; vit: of the stream, "
+        "heads and MLP (default: 1)",
     )
     demo.add_argument(
         "--methods",

@@ -128,6 +128,8 @@ def to_callers(result, order: Sequence[int]):
     if "kept_units" in hyper:  # per client for one hidden layer; per layer, then per client, deeper
         kept = hyper["kept_units"]
         hyper["kept_units"] = back(kept) if len(result.layers) == 1 else [back(k) for k in kept]
+    if "head_orders" in hyper:  # per client: each set of attention heads' order
+        hyper["head_orders"] = back(hyper["head_orders"])
     records = hyper.get("summaries")
     if isinstance(records, dict):
         hyper["summaries"] = {

@@ -14,6 +14,7 @@ the algorithms are the plain functions of :mod:`bayesfuse.inference`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from bayesfuse._lazy import load
 from bayesfuse._text import warn_from_caller
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
+from bayesfuse.inference.heads import align_heads, rename_heads, renamed_groups
 from bayesfuse.inference.layerwise import Basis, check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
@@ -308,6 +310,10 @@ def _aligning(fuse_plain):
     @functools.wraps(fuse_plain)
     def fuse(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         spec = _network_spec(states, names, spec, class_counts)
+        if spec.heads:
+            return _heads_aligned(fuse_plain)(
+                states, names, method, settings, spec=spec, class_counts=class_counts, **options
+            )
         if not encoded_groups(spec):
             return fuse_plain(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
         if options.get("summaries") is not None:
@@ -319,6 +325,36 @@ def _aligning(fuse_plain):
         fused = fuse_plain(plain, names, method, settings, spec=spec, class_counts=class_counts, **options)
         unfolded = unfold_encodings(fused.state, spec)
         fused.state = {k: unfolded[k] for k in fused.state}
+        return fused
+
+    return fuse
+
+
+def _heads_aligned(fuse_plain):
+    """A fuser of networks with exchangeable heads (``spec.heads``): each client's heads are put in
+    the order that aligns them (:func:`~bayesfuse.inference.heads.align_heads`), then fused by
+    ``fuse_plain``. ``hyper["head_orders"]`` holds, per client, each set's order (position b holds
+    the client's head ``order[b]``); the layers' assignments of head groups refer to that order."""
+
+    def fuse(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
+        if encoded_groups(spec):
+            raise ValueError("position-aware neurons in a network with attention heads are not supported")
+        checked = check_states(states, spec, names)
+        orders = align_heads(checked, spec)
+        aligned = [rename_heads(sd, spec, o) for sd, o in zip(checked, orders)]
+        if options.get("summaries") is not None:
+            options["summaries"] = [
+                dataclasses.replace(
+                    s,
+                    precision=rename_heads(s.precision, spec, o),
+                    moments={renamed_groups(spec, o).get(g, g): v for g, v in s.moments.items()},
+                )
+                for s, o in zip(options["summaries"], orders)
+            ]
+        fused = fuse_plain(aligned, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        fused.hyper["head_orders"] = [
+            {heads[0].rpartition(".")[0]: [int(a) for a in o[heads]] for heads in spec.heads} for o in orders
+        ]
         return fused
 
     return fuse

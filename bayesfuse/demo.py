@@ -65,7 +65,7 @@ class DemoConfig:
     data_path: str | None = None
     arch: str = "mlp"
     channels: tuple[int, ...] = (16, 32)
-    #: width multiplier of the ResNets (``arch="resnet20"`` or ``"resnet18"``, :mod:`bayesfuse.nets.resnet`)
+    #: width multiplier of the ResNets and the vision transformer (``arch="resnet20"``, ``"resnet18"``, ``"vit"``)
     width: float = 1.0
     methods: tuple[str, ...] = DEFAULT_METHODS
     retrain_epochs: int | None = None

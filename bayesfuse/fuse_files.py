@@ -59,7 +59,10 @@ def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
         if t.ndim == 2:
             bias = key[: -len("weight")] + "bias" if key.endswith("weight") else None
             if bias not in sd or sd[bias].shape != (t.shape[0],):
-                raise ValueError(f"{name}: parameter {key!r} {tuple(t.shape)} has no matching bias")
+                raise ValueError(
+                    f"{name}: parameter {key!r} {tuple(t.shape)} has no matching bias, so the file is not a "
+                    "plain MLP's; give the network itself (--model MODULE:NAME, like=model in Python)"
+                )
             pairs.append((key, bias))
         elif t.ndim not in (1,):
             raise ValueError(f"{name}: parameter {key!r} has shape {tuple(t.shape)}; only Linear layers are supported")

@@ -43,7 +43,7 @@ class TrainConfig:
 
     ``arch`` picks the network (:func:`bayesfuse.nets.arch.make_model`): ``"mlp"`` with
     ``hidden`` widths, ``"cnn"`` with ``channels`` then ``hidden``, ``"lstm"`` with
-    ``hidden[0]`` states, ``"resnet20"`` / ``"resnet18"`` with the width multiplier ``width``
+    ``hidden[0]`` states, ``"resnet20"`` / ``"resnet18"`` / ``"vit"`` with the width multiplier ``width``
     (:mod:`bayesfuse.nets.resnet`); ``pan`` adds position-aware neurons (:mod:`bayesfuse.nets.pans`).
 
     ``num_threads=1`` is the default because these small networks train faster on one thread

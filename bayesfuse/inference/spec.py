@@ -159,6 +159,13 @@ class PermutationSpec:
     encodings : dict
         ``group -> Encoding``: the position encodings of groups with position-aware neurons
         (:class:`Encoding`); empty for plain networks.
+    heads : tuple of tuples of str
+        Sets of exchangeable branches (the heads of one attention layer, whose outputs are
+        summed): each set lists the module prefixes of its branches (``"blocks.0.attn.heads.0"``,
+        ...). Every branch of a set has entries of the same names, each branch with hidden groups
+        of its own; moving branch ``a``'s entries to branch ``b``'s names, for any permutation of
+        the branches, keeps the function (:mod:`bayesfuse.inference.heads`). Empty for networks
+        without attention.
     """
 
     axes: dict
@@ -167,6 +174,7 @@ class PermutationSpec:
     output: tuple = ()
     eps: dict = field(default_factory=dict)
     encodings: dict = field(default_factory=dict)
+    heads: tuple = ()
 
     def batchnorm_eps(self, name: str) -> float:
         """The ``eps`` of batch norm ``name`` (PyTorch's default unless the spec says otherwise)."""
@@ -189,6 +197,22 @@ class PermutationSpec:
             raise ValueError(f"groups {sorted(unknown)} are used by parameters but not listed in groups")
         object.__setattr__(self, "groups", order)
         object.__setattr__(self, "encodings", _encodings(self.encodings, order))
+        object.__setattr__(self, "heads", _head_sets(self.heads, fixed))
+
+    def head_entries(self, prefix: str) -> list[str]:
+        """The suffixes of the entries of branch ``prefix`` of a head set (``"q.weight"``, ...)."""
+        return [k[len(prefix) + 1 :] for k in self.axes if k.startswith(prefix + ".")]
+
+    def head_groups(self, prefix: str) -> list[str]:
+        """The hidden groups that only branch ``prefix``'s entries use, in order of first use."""
+        inside = [k for k in self.axes if k.startswith(prefix + ".")]
+        outside = {a.group for k, v in self.axes.items() if k not in inside for a in v if a is not None}
+        found: list[str] = []
+        for k in inside:
+            for a in self.axes[k]:
+                if a is not None and a.group not in outside and a.group not in found:
+                    found.append(a.group)
+        return found
 
     def members(self, group: str) -> list[tuple[str, int]]:
         """``(name, dim)`` of every axis permuted by ``group``."""
@@ -254,6 +278,48 @@ def _encodings(data, groups: Sequence[str]) -> dict:
             raise ValueError(f"the encoding of group {g!r} must be an Encoding or a mapping, got {e!r}")
         out[g] = e
     return out
+
+
+def _head_sets(data, axes: Mapping[str, tuple]) -> tuple:
+    """``data`` as a tuple of tuples of prefixes, checked: the branches of a set hold entries of
+    the same names, whose axes are the same shared groups or groups of their own."""
+    if not isinstance(data, (list, tuple)) or not all(
+        isinstance(s, (list, tuple)) and all(isinstance(p, str) for p in s) for s in data
+    ):
+        raise ValueError(f"a spec's 'heads' is a list of lists of module prefixes, got {data!r}")
+    sets = tuple(tuple(s) for s in data)
+    for heads in sets:
+        if not heads:
+            raise ValueError("a set of heads in a spec's 'heads' is empty")
+        entries = [sorted(k[len(p) + 1 :] for k in axes if k.startswith(p + ".")) for p in heads]
+        for p, names in zip(heads, entries):
+            if not names or names != entries[0]:
+                raise ValueError(
+                    f"head {p!r} has entries {names[:4]}, head {heads[0]!r} has {entries[0][:4]}: the heads "
+                    "of one set must hold entries of the same names"
+                )
+        own = [{a.group for n in names for a in axes[f"{p}.{n}"] if a is not None} for p, names in zip(heads, entries)]
+        private = [o - set().union(*(x for j, x in enumerate(own) if j != i)) for i, o in enumerate(own)]
+        for i, p in enumerate(heads[1:], start=1):
+            for n in entries[0]:
+                for a, b in zip(axes[f"{heads[0]}.{n}"], axes[f"{p}.{n}"]):
+                    if a is None and b is None:
+                        continue
+                    if (
+                        a is None
+                        or b is None
+                        or not (
+                            a.group == b.group
+                            and a.group not in private[0]
+                            or a.group in private[0]
+                            and b.group in private[i]
+                        )
+                    ):
+                        raise ValueError(
+                            f"entry {p}.{n} is not permuted like {heads[0]}.{n}: heads are exchangeable only "
+                            "when each has groups of its own and shares the others"
+                        )
+    return sets
 
 
 def dense(name: str, in_group, out_group, *, bias: bool = True) -> PermutationSpec:

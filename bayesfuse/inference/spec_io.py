@@ -36,7 +36,7 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
     """A JSON-ready description: ``{"axes": {name: [null | "P1" | {"group", "outer", "inner"}]}, ...}``.
 
     Position encodings, where the spec has any, are ``"encodings": {group: {"mode", "period",
-    "amplitude"[, "after"]}}`` (:class:`Encoding`)."""
+    "amplitude"[, "after"]}}`` (:class:`Encoding`); exchangeable heads ``"heads": [[prefix, ...], ...]``."""
 
     def axis(a):
         if a is None:
@@ -54,6 +54,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
     }
     if spec.encodings:  # position-aware neurons (Encoding); plain networks' specs stay as they were
         out["encodings"] = {g: e.to_dict() for g, e in spec.encodings.items()}
+    if spec.heads:  # exchangeable attention heads
+        out["heads"] = [list(h) for h in spec.heads]
     return out
 
 
@@ -103,8 +105,9 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         dict(folds),
         tuple(output),
         {k: float(v) for k, v in eps.items()},
-        data.get("encodings", {}),
-    )  # position encodings (Encoding), checked by the spec
+        data.get("encodings", {}),  # position encodings (Encoding), checked by the spec
+        data.get("heads", ()),  # exchangeable heads, checked by the spec
+    )
 
 
 def _names(value, what: str) -> list[str]:

@@ -1,5 +1,5 @@
-"""Torch plumbing: network definitions (the reference ResNets among them), neurons out of modules and fused
-modules back."""
+"""Torch plumbing: network definitions (the reference ResNets and vision transformer among them),
+neurons out of modules and fused modules back."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ _EXPORTS = {
     "predictive_proba": "bayesfuse.nets.predict",
     "resnet18": "bayesfuse.nets.resnet",
     "resnet20": "bayesfuse.nets.resnet",
+    "vit": "bayesfuse.nets.attention",
+    "split_heads": "bayesfuse.nets.attention",
+    "HeadAttention": "bayesfuse.nets.attention",
 }
 
 __all__ = [
@@ -20,6 +23,9 @@ __all__ = [
     "predictive_proba",
     "resnet18",
     "resnet20",
+    "vit",
+    "split_heads",
+    "HeadAttention",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -3,8 +3,8 @@
 * :func:`make_cnn`: a small ConvNet (conv-BN-ReLU-maxpool blocks, then dense layers) as an
   ``nn.Sequential`` taking flat images, so every dataset here feeds it unchanged.
 * :class:`LSTMClassifier`: reads an image row by row (FedMA's LSTM case, section 2.2).
-* :func:`make_model`: ``"mlp" | "cnn" | "lstm" | "resnet20" | "resnet18"`` by name (the ResNets
-  in :mod:`bayesfuse.nets.resnet`).
+* :func:`make_model`: ``"mlp" | "cnn" | "lstm" | "resnet20" | "resnet18" | "vit"`` by name (the
+  ResNets in :mod:`bayesfuse.nets.resnet`, the vision transformer in :mod:`bayesfuse.nets.attention`).
 * :func:`rebuild`: a copy of a network whose layers take the shapes of a (fused, wider)
   state_dict, loaded with it.
 """
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from bayesfuse.inference.spec import PermutationSpec, chain, dense, lstm
+from bayesfuse.nets.attention import vit
 from bayesfuse.nets.images import image_shape
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
@@ -25,8 +26,8 @@ from bayesfuse.nets.resnet import resnet18, resnet20
 
 __all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "check_runs", "image_shape"]
 
-ARCHITECTURES = ("mlp", "cnn", "lstm", "resnet20", "resnet18")
-_RESNETS = {"resnet20": resnet20, "resnet18": resnet18}
+ARCHITECTURES = ("mlp", "cnn", "lstm", "resnet20", "resnet18", "vit")
+_WIDTHS = {"resnet20": resnet20, "resnet18": resnet18, "vit": vit}  # the reference nets scaled by ``width``
 
 
 def make_cnn(
@@ -98,12 +99,13 @@ def make_model(
     width: float = 1.0,
 ) -> nn.Module:
     """A fresh network by name: ``"mlp"`` (:class:`MLP`), ``"cnn"`` (:func:`make_cnn`), ``"lstm"``, or
-    ``"resnet20"`` / ``"resnet18"`` (:mod:`bayesfuse.nets.resnet`, ``width`` their width multiplier;
-    ``hidden`` and ``channels`` are the other architectures')."""
-    if arch in _RESNETS:
+    ``"resnet20"`` / ``"resnet18"`` (:mod:`bayesfuse.nets.resnet`) or ``"vit"``
+    (:func:`~bayesfuse.nets.attention.vit`), ``width`` their width multiplier; ``hidden`` and
+    ``channels`` are the other architectures')."""
+    if arch in _WIDTHS:
         if pan is not None:
-            raise ValueError("position-aware neurons are not defined for the ResNets here")
-        return _RESNETS[arch](n_features, n_classes, width=width)
+            raise ValueError(f"position-aware neurons are not defined for {arch} here")
+        return _WIDTHS[arch](n_features, n_classes, width=width)
     if arch == "mlp":
         return MLP(n_features, hidden, n_classes, pan=pan)
     if arch == "cnn":

@@ -12,6 +12,12 @@ activation from the input to the output:
   et al. 2023, section 3 and appendix);
 * BatchNorm, LayerNorm, GroupNorm (one group, or one per channel) and parameters added to the
   stream (a position embedding, a class token) are permuted with the stream they act on;
+* a matrix product ``a @ b`` that sums over the units of both operands (a head's queries
+  against its keys) ties their permutations, and its result has no units; one that sums over
+  another axis (attention weights times values) passes the units of the operand that has them
+  through; ``scaled_dot_product_attention(q, k, v)`` does both; softmax passes units through;
+* the branches of a :class:`~bayesfuse.nets.attention.Heads` list (attention heads whose outputs
+  are summed) are recorded as exchangeable in the spec's ``heads``;
 * element-wise functions, pooling, dropout, ``flatten`` / ``view`` / ``reshape`` (that keep each
   unit's numbers together, recorded as :class:`~bayesfuse.inference.spec.Axis` blocks),
   ``transpose`` and reductions over other axes pass the permutation through;
@@ -21,7 +27,8 @@ activation from the input to the output:
 Anything else that touches a permuted axis is refused with one line naming the node, the
 operation and what to do (:class:`~bayesfuse.nets.tracing.UnsupportedLayerError`). In
 particular ``nn.MultiheadAttention`` is refused: its heads' widths are ``embed_dim /
-num_heads``, tied to the stream, so a stream fused to another width cannot be rebuilt into one.
+num_heads``, tied to the stream, so a stream fused to another width cannot be rebuilt into one;
+:func:`bayesfuse.nets.attention.split_heads` rewrites it, same function, as one module per head.
 """
 
 from __future__ import annotations
@@ -141,6 +148,11 @@ _RESHAPE_FUNCTIONS = {torch.flatten, torch.reshape}
 _RESHAPE_METHODS = {"flatten", "view", "reshape"}
 _REDUCTIONS = {torch.mean, torch.sum, torch.amax}
 _REDUCTION_METHODS = {"mean", "sum", "amax"}
+_MATMUL = {operator.matmul, torch.matmul, torch.bmm}
+_MATMUL_METHODS = {"matmul", "bmm"}
+#: Normalisations along one axis: equivariant to any permutation of that axis, and of the others.
+_SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.log_softmax, torch.nn.functional.log_softmax}
+_SOFTMAX_METHODS = {"softmax", "log_softmax"}
 
 
 @dataclass(frozen=True)
@@ -369,7 +381,14 @@ class _Walk:
         )
         folds = {bn: after for bn, after in self.folds.items()}
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
-        return PermutationSpec(axes, tuple(names.values()), folds, output, eps)
+        from bayesfuse.nets.attention import Heads
+
+        heads = tuple(
+            tuple(f"{name}.{i}" for i in range(len(m)))
+            for name, m in self.model.named_modules()
+            if isinstance(m, Heads) and len(m) > 1
+        )
+        return PermutationSpec(axes, tuple(names.values()), folds, output, eps, heads=heads)
 
     # ----------------------------------------------------------------- modules
     def call_module(self, node, m: nn.Module) -> None:
@@ -431,8 +450,8 @@ class _Walk:
             self.fail(
                 node,
                 "nn.MultiheadAttention's heads are embed_dim / num_heads wide, tied to the stream it "
-                "reads, so a stream fused to another width cannot be rebuilt into it; fuse with "
-                "method='fedavg', or give a spec",
+                "reads, so a stream fused to another width cannot be rebuilt into it: fuse "
+                "bayesfuse.nets.attention.split_heads(model), the same function with one module per head",
             )
         elif type(m).__name__ == "PositionAware":
             self.fail(node, "position-aware layers are traced only in nn.Sequential networks and bayesfuse's MLP")
@@ -474,8 +493,10 @@ class _Walk:
     def call_method(self, node) -> None:
         method = node.target
         args = list(node.args)
-        if method in _ELEMENTWISE_METHODS:
+        if method in _ELEMENTWISE_METHODS or method in _SOFTMAX_METHODS:
             self.labels[node] = self.feature(args[0])
+        elif method in _MATMUL_METHODS:
+            self.matmul(node, args[0], args[1])
         elif method in _BINARY_METHODS:
             self.binary(node, args[0], args[1])
         elif method in _RESHAPE_METHODS:
@@ -499,8 +520,17 @@ class _Walk:
             self.opaque(node, args, str(method))
 
     def call(self, node, fn, args: list, kwargs) -> None:
-        if fn in _ELEMENTWISE_FUNCTIONS:
+        if fn in _ELEMENTWISE_FUNCTIONS or fn in _SOFTMAX:
             self.labels[node] = self.feature(args[0])
+        elif fn in _MATMUL:
+            self.matmul(node, args[0], args[1])
+        elif fn is torch.nn.functional.scaled_dot_product_attention:
+            self.attention(
+                node,
+                args[0],
+                args[1] if len(args) > 1 else kwargs["key"],
+                args[2] if len(args) > 2 else kwargs["value"],
+            )
         elif fn in _POOL_FUNCTIONS:
             self.labels[node] = self.feature(args[0])
         elif fn in _BINARY:
@@ -568,6 +598,48 @@ class _Walk:
         dims = [None] * value.dim()
         dims[dim] = (f.var, f.outer, f.inner)
         self.set_axes(target, dims)
+
+    def matmul(self, node, a, b) -> None:
+        """``a @ b``: units summed over in both operands are tied (and gone); units on an axis
+        that is not summed over pass to the result."""
+        fa, fb = (f if self.permuted(f) else None for f in (self.feature(a), self.feature(b)))
+        sa, sb, so = _shape(a), _shape(b), _shape(node)
+        if fa is None and fb is None:
+            self.labels[node] = None
+            return
+        if len(sa) < 2 or len(sb) < 2:
+            self.fail(
+                node, "a matrix product with a vector operand on a permuted stream cannot be followed; give a spec"
+            )
+        a_summed = fa is not None and fa.dim == len(sa) - 1
+        b_summed = fb is not None and fb.dim == len(sb) - 2
+        if a_summed or b_summed:
+            if not (a_summed and b_summed) or (fa.outer, fa.inner) != (fb.outer, fb.inner):
+                self.fail(
+                    node,
+                    "a matrix product sums over permuted units that the other operand does not share "
+                    "(a weight applied by hand?); use nn.Linear, or give a spec",
+                )
+            self.classes.union(fa.var, fb.var)  # q k^T: one permutation of a head's query/key features
+            self.labels[node] = None
+        elif fa is not None and fb is not None:
+            self.fail(node, "a matrix product of two permuted streams (an outer product) cannot be followed")
+        elif fa is not None and fa.dim == len(sa) - 2:
+            self.labels[node] = _Feature(fa.var, len(so) - 2, fa.outer, fa.inner)
+        elif fb is not None and fb.dim == len(sb) - 1:
+            self.labels[node] = _Feature(fb.var, len(so) - 1, fb.outer, fb.inner)  # weights @ values
+        else:
+            self.fail(node, "a batched matrix product over permuted units cannot be followed; give a spec")
+
+    def attention(self, node, q, k, v) -> None:
+        """``scaled_dot_product_attention(q, k, v)``: q and k's units are tied; the result has v's."""
+        fq, fk, fv = (f if self.permuted(f) else None for f in (self.feature(q), self.feature(k), self.feature(v)))
+        last = len(_shape(node)) - 1
+        if (fq is None) != (fk is None) or any(f is not None and f.dim != last for f in (fq, fk, fv)):
+            self.fail(node, "attention whose queries, keys or values hold their units on another axis; give a spec")
+        if fq is not None:
+            self.classes.union(fq.var, fk.var)
+        self.labels[node] = fv
 
     def concat(self, node, tensors: list, dim: int) -> None:
         rank = len(_shape(node))

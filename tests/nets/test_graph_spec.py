@@ -15,9 +15,9 @@ from bayesfuse.inference.spec import permute, random_permutations
 from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import far_from_identity_norms
-from tests.nets.user_nets import Attention, MyMLP, ResMLP, SkipCNN, TokenMixer
+from tests.nets.user_nets import Attention, MyMLP, ResMLP, SkipCNN, SplitAttention, TokenMixer
 
-NETS = [MyMLP, ResMLP, SkipCNN, TokenMixer]
+NETS = [MyMLP, ResMLP, SkipCNN, TokenMixer, SplitAttention]
 
 
 def _random(cls, seed: int) -> nn.Module:

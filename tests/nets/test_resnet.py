@@ -29,12 +29,7 @@ from tests.helpers import far_from_identity_norms
 NETS = {"resnet20": (resnet20, 0.5), "resnet18": (resnet18, 0.125)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _random(name: str, seed: int, width: float | None = None) -> nn.Module:

@@ -93,6 +93,16 @@ class Attention(nn.Module):
         return self.head(t.mean(dim=1))
 
 
+class SplitAttention(Attention):
+    """:class:`Attention` with its nn.MultiheadAttention split into heads (bayesfuse.nets.attention.split_heads)."""
+
+    def __init__(self, d: int = 16, k: int = 10) -> None:
+        super().__init__(d, k)
+        from bayesfuse.nets.attention import split_heads
+
+        self.attn = split_heads(self.attn)
+
+
 class NeedsArgs(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

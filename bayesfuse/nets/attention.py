@@ -1,0 +1,272 @@
+"""Multi-head attention written so that fusion can change its widths, and a vision transformer.
+
+In ``nn.MultiheadAttention`` one matrix holds the queries, keys and values of every head, each
+head ``embed_dim / num_heads`` wide: a head's width is tied to the stream it reads, so a network
+whose stream was fused to another width cannot be rebuilt into it. :class:`HeadAttention`
+computes the same function with one small module per head (:class:`Head`), each with its own
+query/key width and value width:
+
+.. math::
+
+    \\mathrm{attn}(x) = b_O + \\sum_{h=1}^{H} W_O^h\\, \\mathrm{softmax}\\!\\Big(
+        \\frac{(W_Q^h x + b_Q^h)(W_K^h x + b_K^h)^\\top}{\\sqrt{d}}\\Big) (W_V^h x + b_V^h)
+
+(Vaswani et al. 2017, eq. 1 and section 3.2.2, with the output projection split by head). Its
+symmetries are those the permutation spec records (Imfeld et al. 2024, section 4):
+
+* the features inside a head's query/key product: permuting the rows of ``W_Q^h`` and ``W_K^h``
+  alike leaves the scores unchanged (one permutation group per head, tied by the product);
+* the features inside a head's values: rows of ``W_V^h`` and columns of ``W_O^h`` (another group);
+* the heads themselves: the sum over ``h`` does not depend on their order.
+  :class:`Heads` marks a list of such exchangeable branches; the traced spec records them in
+  :attr:`~bayesfuse.inference.spec.PermutationSpec.heads`, and fusion aligns every client's heads
+  before matching their features (:mod:`bayesfuse.inference.heads`).
+
+``1/sqrt(d)`` is a constant of the module, fixed at construction from the clients' head width,
+not recomputed from a fused width: the fused function keeps the clients' scale.
+
+:func:`split_heads` turns every ``nn.MultiheadAttention`` of a model into a :class:`HeadAttention`
+with the same function, so a model written with PyTorch's module can be fused.
+:class:`VisionTransformer` is the reference transformer for 28x28 images (Dosovitskiy et al. 2021):
+patches of 7x7 pixels embedded by a strided convolution, learned position embeddings, pre-norm
+blocks, mean pooling over the tokens and a linear head.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bayesfuse.nets.images import image_shape
+
+__all__ = ["Head", "Heads", "HeadAttention", "split_heads", "TransformerBlock", "VisionTransformer", "vit"]
+
+
+class Heads(nn.ModuleList):
+    """Parallel branches whose outputs are summed: their order does not matter.
+
+    Every branch must have the same entries (names) as the others, each with its own hidden
+    groups; tracing records the list in the spec's ``heads`` so that fusion can align them.
+    """
+
+
+class Head(nn.Module):
+    """One attention head: query/key features ``qk_dim`` wide, value features ``v_dim`` wide.
+
+    Parameters
+    ----------
+    dim : int
+        Width of the stream it reads and writes.
+    qk_dim, v_dim : int
+        Width of its query/key product and of its values.
+    scale : float, optional
+        The scores' factor; ``1 / sqrt(qk_dim)`` by default (Vaswani et al. 2017, eq. 1).
+    """
+
+    def __init__(self, dim: int, qk_dim: int, v_dim: int, scale: float | None = None) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, qk_dim)
+        self.k = nn.Linear(dim, qk_dim)
+        self.v = nn.Linear(dim, v_dim)
+        self.o = nn.Linear(v_dim, dim, bias=False)
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(qk_dim)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=None) -> torch.Tensor:
+        scores = self.q(query) @ self.k(key).transpose(-2, -1) * self.scale
+        if mask is not None:
+            scores = scores + mask
+        return self.o(scores.softmax(dim=-1) @ self.v(value))
+
+
+class HeadAttention(nn.Module):
+    """Multi-head attention as a sum of :class:`Head` modules plus one output bias.
+
+    Parameters
+    ----------
+    dim : int
+        Width of the stream.
+    heads : int
+        Number of heads.
+    head_dim : int, optional
+        Each head's query/key and value width; ``dim // heads`` by default.
+    batch_first : bool
+        Inputs ``(batch, tokens, dim)`` (True) or ``(tokens, batch, dim)``, as ``nn.MultiheadAttention``.
+
+    ``forward(query, key=None, value=None, ...)`` takes ``nn.MultiheadAttention``'s arguments
+    (self-attention when ``key``/``value`` are omitted) and returns ``(output, None)`` like it with
+    ``need_weights=False``: a model that called PyTorch's module calls this one unchanged.
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int | None = None, *, batch_first: bool = True) -> None:
+        super().__init__()
+        if heads < 1 or dim < 1:
+            raise ValueError(f"attention needs dim >= 1 and heads >= 1, got dim={dim}, heads={heads}")
+        d = head_dim if head_dim is not None else dim // heads
+        if d < 1:
+            raise ValueError(f"{heads} heads over a stream of {dim}: give head_dim")
+        self.heads = Heads(Head(dim, d, d) for _ in range(heads))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.batch_first = batch_first
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask=None,
+        need_weights: bool = False,
+        attn_mask=None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ):
+        key = query if key is None else key
+        value = key if value is None else value
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        out = self.bias
+        for head in self.heads:
+            out = out + head(query, key, value, attn_mask)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, None
+
+
+def _from_multihead(mha: nn.MultiheadAttention) -> HeadAttention:
+    """The :class:`HeadAttention` that computes what ``mha`` computes (self- or cross-attention)."""
+    if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+        raise ValueError(
+            "split_heads converts nn.MultiheadAttention with kdim = vdim = embed_dim, no add_bias_kv "
+            "and no add_zero_attn"
+        )
+    dim, h = mha.embed_dim, mha.num_heads
+    d = dim // h
+    new = HeadAttention(dim, h, d, batch_first=mha.batch_first)
+    w = mha.in_proj_weight.detach()
+    b = mha.in_proj_bias.detach() if mha.in_proj_bias is not None else torch.zeros(3 * dim)
+    wo = mha.out_proj.weight.detach()
+    with torch.no_grad():
+        for i, head in enumerate(new.heads):
+            rows = slice(i * d, (i + 1) * d)
+            for part, layer in enumerate((head.q, head.k, head.v)):
+                layer.weight.copy_(w[part * dim :][rows])
+                layer.bias.copy_(b[part * dim :][rows])
+            head.o.weight.copy_(wo[:, rows])
+        new.bias.copy_(mha.out_proj.bias.detach() if mha.out_proj.bias is not None else torch.zeros(dim))
+    return new.to(w.dtype).train(mha.training)
+
+
+def split_heads(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose ``nn.MultiheadAttention`` modules are :class:`HeadAttention`.
+
+    The copy computes the same function (dropout on the attention weights aside: the heads have
+    none) and can be traced and fused; masks are passed on as additive score masks (a float
+    ``attn_mask``), key padding masks are not supported.
+
+    Examples
+    --------
+    >>> import torch
+    >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    >>> x = torch.randn(3, 5, 8)
+    >>> bool(torch.allclose(split_heads(mha)(x, x, x)[0], mha(x, x, x)[0], atol=1e-6))
+    True
+    """
+    if isinstance(model, nn.MultiheadAttention):
+        return _from_multihead(model)
+    new = copy.deepcopy(model)
+    for name, module in list(new.named_modules()):
+        if isinstance(module, nn.MultiheadAttention):
+            parent_name, _, child = name.rpartition(".")
+            setattr(new.get_submodule(parent_name) if parent_name else new, child, _from_multihead(module))
+    return new
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = HeadAttention(dim, heads, head_dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp)
+        self.fc2 = nn.Linear(mlp, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))[0]
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class VisionTransformer(nn.Module):
+    """A small vision transformer for flat 28x28 greyscale images (given as ``(N, 784)``).
+
+    Parameters
+    ----------
+    n_features : int
+        Pixels of a flat square image (784 for 28x28).
+    n_classes : int
+    dim : int
+        Width of the residual stream.
+    depth : int
+        Transformer blocks.
+    heads, head_dim : int
+        Heads per block and each head's width.
+    mlp : int
+        Hidden width of each block's MLP.
+    patch : int, optional
+        Side of the square patches; a quarter of the image's side by default (16 tokens: 7x7
+        pixels for 28x28 images, 2x2 for 8x8 digits).
+    """
+
+    def __init__(
+        self,
+        n_features: int = 784,
+        n_classes: int = 10,
+        *,
+        dim: int = 32,
+        depth: int = 2,
+        heads: int = 4,
+        head_dim: int = 8,
+        mlp: int = 64,
+        patch: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.shape = image_shape(n_features)
+        side = self.shape[1]
+        patch = patch if patch is not None else max(1, side // 4)
+        if side % patch:
+            raise ValueError(f"the image side {side} is not a multiple of the patch side {patch}")
+        self.embed = nn.Conv2d(1, dim, patch, stride=patch)
+        self.pos = nn.Parameter(torch.randn(1, (side // patch) ** 2, dim) * 0.02)
+        self.blocks = nn.Sequential(*(TransformerBlock(dim, heads, head_dim, mlp) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, n_classes)
+
+    def example_input(self) -> torch.Tensor:
+        return torch.zeros(2, self.shape[1] * self.shape[2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.reshape(-1, *self.shape)).flatten(2).transpose(1, 2) + self.pos
+        tokens = self.blocks(tokens)
+        return self.head(self.norm(tokens).mean(dim=1))
+
+
+def vit(
+    n_features: int = 784, n_classes: int = 10, width: float = 1.0, *, depth: int = 2, heads: int = 4
+) -> VisionTransformer:
+    """The reference vision transformer at ``width`` x (stream 32, heads of 8, MLP 64), ``depth``
+    blocks of ``heads`` heads."""
+    if not width > 0:
+        raise ValueError(f"the width multiplier must be positive, got {width}")
+    return VisionTransformer(
+        n_features,
+        n_classes,
+        dim=max(1, round(32 * width)),
+        depth=depth,
+        heads=heads,
+        head_dim=max(1, round(8 * width)),
+        mlp=max(1, round(64 * width)),
+    )

@@ -1,0 +1,248 @@
+"""Attention written head by head (bayesfuse.nets.attention), its traced spec, and every method on it.
+
+The spec is checked by what it promises: permuting every group (the residual stream, each
+head's query/key and value features, each MLP) and the heads of every block keeps the function
+(float32 round-off, 1e-4 on logits of order 1); fusing permuted copies gives the function back.
+The head alignment (bayesfuse.inference.heads) is checked against the permutations that made
+the copies, and its descriptors against random permutations of everything else.
+"""
+
+import json
+import warnings
+from copy import deepcopy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import bayesfuse
+from bayesfuse.checkpoints import save_state_dict
+from bayesfuse.cli import main
+from bayesfuse.inference.heads import align_heads, head_descriptors, rename_heads
+from bayesfuse.inference.result import ConvergenceWarning
+from bayesfuse.inference.spec import permute, random_permutations, spec_from_dict, spec_to_dict
+from bayesfuse.nets.arch import make_model
+from bayesfuse.nets.attention import HeadAttention, split_heads, vit
+from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
+from tests.nets.test_graph_spec import _random as _random_user
+from tests.nets.user_nets import Attention, SplitAttention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _random(seed: int, width: float = 0.5) -> nn.Module:
+    """A ViT (stream 16, 4 heads of 4, MLP 32) with random weights and position embeddings of order 1."""
+    torch.manual_seed(seed)
+    model = vit(width=width)
+    with torch.no_grad():
+        model.pos.normal_()
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.3)
+    return model.eval()
+
+
+def _numpy(model: nn.Module) -> dict:
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def _loaded(model: nn.Module, state) -> nn.Module:
+    copy = deepcopy(model)
+    copy.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()})
+    return copy.eval()
+
+
+def _permuted(model: nn.Module, seed: int) -> tuple[nn.Module, dict]:
+    """``model`` with every group and the heads of every block permuted at random, and the head orders."""
+    spec = spec_from_module(model)
+    rng = np.random.default_rng(seed)
+    state = permute(_numpy(model), spec, random_permutations(spec.sizes(_numpy(model)), rng))
+    orders = {heads: rng.permutation(len(heads)) for heads in spec.heads}
+    assert all((o != np.arange(len(o))).any() for o in orders.values())
+    return _loaded(model, rename_heads(state, spec, orders)), orders
+
+
+def _gap(a: nn.Module, b: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((a(x) - b(x)).abs().max())
+
+
+# --------------------------------------------------------------------------- the modules
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_split_heads_computes_what_multihead_attention_computes(batch_first):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(12, 3, batch_first=batch_first).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+        mha.out_proj.bias.normal_()
+    q, kv = torch.randn(4, 5, 12), torch.randn(4, 7, 12)  # cross-attention: 5 queries, 7 keys
+    if not batch_first:
+        q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+    split = split_heads(mha)
+    assert isinstance(split, HeadAttention) and len(split.heads) == 3
+    with torch.no_grad():
+        assert torch.allclose(split(q, kv, kv)[0], mha(q, kv, kv, need_weights=False)[0], atol=1e-5)
+    model = Attention()
+    converted = split_heads(model)
+    assert isinstance(model.attn, nn.MultiheadAttention)  # the caller's model is left as it was
+    assert _gap(model.eval(), converted.eval(), torch.randn(3, 64)) < 1e-5
+    with pytest.raises(ValueError, match="kdim = vdim = embed_dim"):
+        split_heads(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+
+
+def test_the_vit_and_its_sizes():
+    model = make_model("vit", 784, 10, width=1.0)
+    assert model(torch.zeros(3, 784)).shape == (3, 10)
+    assert model.pos.shape == (1, 16, 32) and model.embed.kernel_size == (7, 7)  # 16 patches of 7x7
+    assert len(model.blocks) == 2 and all(len(b.attn.heads) == 4 for b in model.blocks)
+    assert vit(64, 10)(torch.zeros(2, 64)).shape == (2, 10)  # 8x8 digits: patches of 2x2
+    with pytest.raises(ValueError, match="not a multiple of the patch side"):
+        from bayesfuse.nets.attention import VisionTransformer
+
+        VisionTransformer(784, patch=5)
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+def test_each_head_has_a_query_key_group_and_a_value_group():
+    model = _random(0)
+    spec = spec_from_module(model)
+    stream = spec.axes["embed.weight"][0].group
+    assert len(spec.heads) == 2 and all(len(h) == 4 for h in spec.heads)
+    seen = set()
+    for b in range(2):
+        for h in range(4):
+            p = f"blocks.{b}.attn.heads.{h}"
+            qk, v = spec.axes[f"{p}.q.weight"][0].group, spec.axes[f"{p}.v.weight"][0].group
+            assert spec.axes[f"{p}.k.weight"][0].group == qk  # tied by the product q k^T
+            assert spec.axes[f"{p}.o.weight"] == (spec.axes["embed.weight"][0], spec.axes[f"{p}.v.weight"][0])
+            assert spec.axes[f"{p}.q.weight"][1].group == stream and spec.head_groups(p) == [qk, v]
+            assert not {qk, v} & seen and qk != v
+            seen |= {qk, v}
+        assert spec.axes[f"blocks.{b}.ln1.weight"][0].group == stream
+    assert spec.axes["pos"][2].group == stream and spec.output == ("head.weight", "head.bias")
+    assert len(spec.groups) == 1 + 2 * (8 + 1)  # the stream; per block 4 x (qk, v) and the MLP
+    assert spec_from_dict(spec_to_dict(spec)) == spec
+
+
+def test_heads_that_are_not_exchangeable_are_refused():
+    spec = spec_to_dict(spec_from_module(_random(0)))
+    spec["heads"] = [["blocks.0.attn.heads.0", "blocks.0.fc1"]]
+    with pytest.raises(ValueError, match="must hold entries of the same names"):
+        spec_from_dict(spec)
+    spec["heads"] = [["blocks.0.attn.heads.0", "blocks.0.attn.heads.1"]]
+    spec["axes"]["blocks.0.attn.heads.1.o.weight"] = [spec["axes"]["blocks.0.attn.heads.1.o.weight"][0], None]
+    with pytest.raises(ValueError, match="is not permuted like"):
+        spec_from_dict(spec)
+
+
+def test_permuting_groups_and_heads_keeps_the_function():
+    model = _random(0)
+    x = torch.randn(8, 784)
+    copy, _ = _permuted(model, 1)
+    assert _gap(model, copy, x) < 1e-4
+    # not vacuous: one head's query rows permuted alone (not its keys') change the function
+    state = model.state_dict()
+    key = "blocks.0.attn.heads.1.q.weight"
+    assert _gap(model, _loaded(model, {**state, key: state[key].flip(0)}), x) > 1e-3
+
+
+def test_multihead_attention_is_refused_with_the_way_out():
+    with pytest.raises(UnsupportedLayerError, match=r"split_heads\(model\)") as err:
+        spec_from_module(Attention())
+    assert "\n" not in str(err.value)
+    spec = spec_from_module(split_heads(Attention()))
+    assert spec.heads == (("attn.heads.0", "attn.heads.1"),)
+
+
+# --------------------------------------------------------------------------- head alignment
+
+
+def test_descriptors_do_not_change_under_any_permutation_of_the_groups():
+    model = _random(0)
+    spec = spec_from_module(model)
+    state = _numpy(model)
+    moved = permute(state, spec, random_permutations(spec.sizes(state), np.random.default_rng(3)))
+    for heads in spec.heads:
+        for a, b in zip(head_descriptors(state, spec, heads), head_descriptors(moved, spec, heads)):
+            for x, y in zip(a, b):
+                assert np.allclose(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_alignment_undoes_the_head_permutations_of_copies():
+    model = _random(0)
+    spec = spec_from_module(model)
+    copies = [_permuted(model, s) for s in (1, 2, 3)]
+    orders = align_heads([_numpy(model)] + [_numpy(c) for c, _ in copies], spec)
+    for (_, made), found in zip(copies, orders[1:]):
+        for heads, order in made.items():
+            # the copy's position b holds original head order[b]; alignment must put it back at order[b]
+            assert np.array_equal(order[found[heads]], np.arange(len(heads)))
+
+
+# --------------------------------------------------------------------------- fusion
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+def test_permuted_copies_fuse_back_to_the_network(method):
+    model = _random(0)
+    x = torch.randn(8, 784)
+    fused = bayesfuse.fuse([model, _permuted(model, 1)[0], _permuted(model, 2)[0]], method)
+    assert _gap(model, fused.model, x) < 1e-4
+    assert fused.sizes == list(spec_from_module(model).sizes(model.state_dict()).values())
+    assert len(fused.hyper["head_orders"]) == 3 and set(fused.hyper["head_orders"][0]) == {
+        "blocks.0.attn.heads",
+        "blocks.1.attn.heads",
+    }
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot", "fedavg"])
+def test_client_order_does_not_matter(method):
+    models = [_random(s) for s in range(3)]  # three different networks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        a = bayesfuse.fuse(models, method)
+        b = bayesfuse.fuse(models[::-1], method)
+    assert a.sizes == b.sizes
+    assert _gap(a.model, b.model, torch.randn(8, 784)) == 0.0
+    if method != "fedavg":
+        assert a.hyper["head_orders"] == b.hyper["head_orders"][::-1]  # per client, in the caller's order
+
+
+def test_heads_fused_to_other_widths_still_run():
+    """Independent networks: PFNM grows each head's groups to widths of its own; the module takes them."""
+    models = [_random(s) for s in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fused = bayesfuse.fuse(models, "pfnm")
+    heads = fused.model.blocks[0].attn.heads
+    widths = [(h.q.out_features, h.v.out_features) for h in heads]
+    assert any(w != (4, 4) for w in widths)
+    assert all(h.scale == 0.5 for h in heads)  # the clients' 1/sqrt(4), not one of the fused width
+    assert torch.isfinite(fused.model(torch.randn(5, 784))).all()
+
+
+def test_a_users_attention_block_fuses_from_python_and_the_command_line(tmp_path, capsys):
+    models = [_random_user(SplitAttention, s) for s in range(3)]
+    paths = [str(save_state_dict(m.state_dict(), tmp_path / f"a{j}.pt")) for j, m in enumerate(models)]
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *paths, "--method", "pfnm", "--out", str(out)]) == 2  # names alone: refused
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model MODULE:NAME" in err, err
+    assert not out.exists()
+    assert (
+        main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:SplitAttention", "--out", str(out)])
+        == 0
+    )
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert report["architecture"]["source"] == "traced from tests.nets.user_nets.SplitAttention"
+    loaded = bayesfuse.load(out, like=SplitAttention())
+    python = bayesfuse.fuse(models, "pfnm").model
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        assert float((loaded(x) - python(x)).abs().max()) < 1e-4
