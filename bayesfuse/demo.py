@@ -73,11 +73,11 @@ class DemoConfig:
     #: hyper-parameters per fusion method (``{"nafi": {"kl_weight": 0.1}}``); see :func:`hyper_for_methods`
     hyper: dict = field(default_factory=dict)
     #: each client also summarises its data (:func:`bayesfuse.summarize`) and every method that reads
-    #: summaries gets three more rows: ``"METHOD 2 rounds"``, the data-free fusion and the second
-    #: round of :func:`bayesfuse.fuse` (the output layer refitted from the clients' fits),
-    #: ``"METHOD +summaries"`` fused with them in one shot and ``"METHOD +summaries 2 rounds"`` with
-    #: the second round too (MLPs without
-    #: position encodings; on ConvNets summaries were measured worse than the data-free default)
+    #: summaries gets more rows: ``"METHOD 2 rounds"``, the data-free fusion and the second round of
+    #: :func:`bayesfuse.fuse` (the output layer refitted from the clients' fits; every architecture
+    #: without position encodings), and for MLPs ``"METHOD +summaries"`` fused with them in one shot
+    #: and ``"METHOD +summaries 2 rounds"`` with the second round too (on ConvNets summaries were
+    #: measured worse than the data-free default)
     summaries: bool = True
 
     def __post_init__(self) -> None:
@@ -392,14 +392,15 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
                 hyper=fused.hyper,
             )
         )
-        if config.summaries and "network" in row.summaries and config.arch == "mlp" and config.pan is None:
-            if summaries is None:  # each client, on its own data, once
-                summaries = [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, partition)]
-            for label, rounds, given in (
-                ("2 rounds", 2, None),
-                ("+summaries", 1, summaries),
-                ("+summaries 2 rounds", 2, summaries),
-            ):
+        if config.summaries and "network" in row.summaries and config.pan is None:
+            variants: list[tuple[str, int, list | None]] = [("2 rounds", 2, None)]
+            if config.arch == "mlp":
+                if summaries is None:  # each client, on its own data, once
+                    summaries = [
+                        summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, partition)
+                    ]
+                variants += [("+summaries", 1, summaries), ("+summaries 2 rounds", 2, summaries)]
+            for label, rounds, given in variants:
                 data = {"data": (split.train, partition)} if rounds == 2 else {}
                 fused = fuse(models, row.name, summaries=given, rounds=rounds, seed=config.seed, **data, **hyper)
                 rows.append(

@@ -542,6 +542,10 @@ def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, sta
     if class_counts is not None:
         raise ValueError("method='fedma' takes the class counts from data; do not pass class_counts")
     methods.resolve("fedma", "network", hyper)  # unknown keys and bad values fail before any training
+    spec = spec_with_encodings(models[0], spec)
+    head_orders = None
+    if spec.heads:  # attention heads: aligned once, before the first group is matched
+        models, head_orders = _aligned_heads(models, spec)
     run = run_fedma(models, train, partition, retrain, method=None, spec=spec, seed=seed or 0, verbose=verbose, **hyper)
     r = run.result
     layers = [r.layers[g] for g in run.spec.groups]
@@ -556,8 +560,24 @@ def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, sta
             "rounds": run.rounds,
             "bytes_up": run.bytes_up,
             "bytes_down": run.bytes_down,
+            **({"head_orders": head_orders} if head_orders is not None else {}),
         },
         seconds=time.perf_counter() - start,
         groups=tuple(run.spec.groups),
         posteriors=[(layer.mean, layer.var) for layer in layers],
     )
+
+
+def _aligned_heads(models, spec: PermutationSpec) -> tuple[list[nn.Module], list[dict]]:
+    """Copies of ``models`` with their attention heads in the order that aligns them
+    (:func:`~bayesfuse.inference.heads.align_heads`), and each client's orders for the report."""
+    from bayesfuse.inference.heads import align_heads, rename_heads
+
+    states = [numpy_state(m) for m in models]
+    orders = align_heads(states, spec)
+    aligned = []
+    for m, sd, o in zip(models, states, orders):
+        renamed = rename_heads(sd, spec, o)
+        aligned.append(rebuild(m, {k: torch.as_tensor(v) for k, v in renamed.items()}))
+    report = [{heads[0].rpartition(".")[0]: [int(a) for a in o[heads]] for heads in spec.heads} for o in orders]
+    return aligned, report

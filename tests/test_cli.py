@@ -143,7 +143,10 @@ def test_console_entry_point_help():
     assert "--clients" in out and "--force" in out
 
 
-@pytest.mark.parametrize("arch, extra", [("cnn", ["--channels", "4,6"]), ("lstm", []), ("mlp", ["--hidden", "20,16"])])
+@pytest.mark.parametrize(
+    "arch, extra",
+    [("cnn", ["--channels", "4,6"]), ("lstm", []), ("mlp", ["--hidden", "20,16"]), ("vit", ["--width", "0.5"])],
+)
 def test_demo_deep_architectures_with_fedma(tmp_path, arch, extra):
     out = tmp_path / "o"
     argv = [
@@ -161,10 +164,12 @@ def test_demo_deep_architectures_with_fedma(tmp_path, arch, extra):
     assert main(argv) == 0
     with open(out / "results.csv") as fh:
         rows = {r["method"]: r for r in csv.DictReader(fh)}
-    groups = {"cnn": 3, "lstm": 1, "mlp": 2}[arch]
+    groups = {"cnn": 3, "lstm": 1, "mlp": 2, "vit": 19}[arch]  # vit: the stream, 2 x (4 x (qk, v) + MLP)
     assert int(rows["fedma"]["rounds"]) == groups + 1
     assert rows[f"fedavg x{groups + 1} rounds"]["rounds"] == str(groups + 1)
     assert rows["pfnm"]["rounds"] == "1" and rows["local (mean of 4)"]["rounds"] == "0"
+    assert rows["pfnm 2 rounds"]["rounds"] == "2"  # the output refit, on every architecture
+    assert ("pfnm +summaries" in rows) == (arch == "mlp")  # summaries: MLPs only
 
 
 def test_demo_with_position_aware_neurons(tmp_path):

@@ -246,3 +246,20 @@ def test_a_users_attention_block_fuses_from_python_and_the_command_line(tmp_path
     x = torch.randn(16, 64)
     with torch.no_grad():
         assert float((loaded(x) - python(x)).abs().max()) < 1e-4
+
+
+def test_fedma_starts_from_clients_whose_heads_are_aligned():
+    from bayesfuse.fusion import _aligned_heads
+
+    model = _random(0)
+    spec = spec_from_module(model)
+    copies = [_permuted(model, s)[0] for s in (1, 2)]
+    aligned, report = _aligned_heads([model, *copies], spec)
+    x = torch.randn(8, 784)
+    for before, after in zip([model, *copies], aligned):
+        assert _gap(before, after, x) < 1e-4  # moving whole heads keeps each client's function
+    reference = head_descriptors(_numpy(model), spec, spec.heads[0])
+    for after in aligned[1:]:
+        for a, b in zip(head_descriptors(_numpy(after), spec, spec.heads[0]), reference):
+            assert all(np.allclose(x, y, atol=1e-5) for x, y in zip(a, b))  # head h is the original's head h
+    assert report[0] == {"blocks.0.attn.heads": [0, 1, 2, 3], "blocks.1.attn.heads": [0, 1, 2, 3]}
