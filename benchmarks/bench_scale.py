@@ -1,9 +1,9 @@
 """Scale: KL-fusion for tens to a hundred clients, matching for a thousand, wide layers.
 
-Usage: python benchmarks/bench_scale.py [--parts kl match wide conv resnet18 device] [--kl-clients 5 20 50 100]
+Usage: python benchmarks/bench_scale.py [--parts kl match wide conv resnet18 vit device] [--kl-clients 5 20 50 100]
        [--match-clients 30 300 1000] [--device-clients 30 300] [--wide-backends numpy cuda-float32 ...]
        [--wide-tols default 1 ...] [--resnet18-widths 1] [--resnet18-backends numpy cuda-float32 ...]
-       [--data-path DIR] [--cache DIR]
+       [--vit-widths 8] [--data-path DIR] [--cache DIR]
 
 Every case runs in a fresh Python process, so ``peak`` is that case's own peak resident memory
 (inputs included; the inputs' size is printed beside it).
@@ -33,6 +33,10 @@ Every case runs in a fresh Python process, so ``peak`` is that case's own peak r
   arithmetic on a torch device too (``fuse(..., device=, dtype=)``). Goal: at most 2 minutes and 4 GB;
   ``found`` is the fused network's units against one client's, ``recovery`` the groups whose
   global width is the client's.
+* ``vit``: the same on 10 vision transformers (``bayesfuse.nets.vit``, stream 32 x W, 4 heads of
+  8 x W, MLP 64 x W, 2 blocks; ``--vit-widths``, 8 by default: 1.1M parameters each), every group
+  and the heads of every block permuted at random; the heads are aligned before matching
+  (``bayesfuse.inference.heads``); ``--resnet18-backends`` applies to it too.
 
 * ``device``: the ``match`` problem (J clients x 100 neurons, D = 794, every hyper-parameter
   "auto") with the neurons as NumPy arrays, as torch CPU tensors in float64 and float32, and as
@@ -234,10 +238,11 @@ def case_wide(cache: str, backend: str = "numpy", tol: str = "default", data_pat
 
 
 def _noisy_copies(model, spec, n: int, rng: np.random.Generator, noise) -> list:
-    """``n`` copies of ``model`` with every group of ``spec`` permuted at random and ``noise(v)``
-    (an array of ``v``'s shape) added to every floating entry ``v`` but scalars."""
+    """``n`` copies of ``model`` with every group of ``spec`` (and its heads, if it has any) permuted
+    at random and ``noise(v)`` (an array of ``v``'s shape) added to every floating entry ``v`` but scalars."""
     import torch
 
+    from bayesfuse.inference.heads import rename_heads
     from bayesfuse.inference.spec import permute, random_permutations
     from bayesfuse.nets.arch import rebuild
     from bayesfuse.nets.state import numpy_state
@@ -246,9 +251,8 @@ def _noisy_copies(model, spec, n: int, rng: np.random.Generator, noise) -> list:
     clients = []
     for _ in range(n):
         perms = random_permutations(spec.sizes(state), rng)
-        noisy = {
-            k: v + noise(v) if v.dtype.kind == "f" and v.ndim > 0 else v for k, v in permute(state, spec, perms).items()
-        }
+        moved = rename_heads(permute(state, spec, perms), spec, {h: rng.permutation(len(h)) for h in spec.heads})
+        noisy = {k: v + noise(v) if v.dtype.kind == "f" and v.ndim > 0 else v for k, v in moved.items()}
         clients.append(rebuild(model, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in noisy.items()}))
     return clients
 
@@ -285,21 +289,25 @@ def case_conv() -> dict:
     )
 
 
-def case_resnet18(width: float = 1.0, backend: str = "numpy") -> dict:
+def case_resnet18(width: float = 1.0, backend: str = "numpy", arch: str = "resnet18") -> dict:
     """``fuse(..., "pfnm")`` on ten ResNet-18 clients (:func:`bayesfuse.nets.resnet.resnet18`, 11.2M
-    parameters each at width 1): permuted copies of one random network, every entry plus noise of
-    a tenth of its own standard deviation. ``recovery``: the share of groups whose global width is
-    the network's (every client's units matched to their own)."""
+    parameters each at width 1; or ``arch="vit"``, :func:`bayesfuse.nets.attention.vit`): permuted
+    copies of one random network, every entry plus noise of a tenth of its own standard deviation.
+    ``recovery``: the share of groups whose global width is the network's (every client's units
+    matched to their own)."""
     import warnings
 
     import torch
 
     from bayesfuse import fuse
-    from bayesfuse.nets.resnet import resnet18
+    from bayesfuse.nets.arch import make_model
     from bayesfuse.nets.spec import spec_from_module
 
     torch.manual_seed(0)
-    model = resnet18(width=width).eval()
+    model = make_model(arch, 784, 10, width=width).eval()
+    if arch == "vit":
+        with torch.no_grad():
+            model.pos.normal_()  # position embeddings of order 1, not the initial 0.02
     spec = spec_from_module(model)
     rng = np.random.default_rng(0)
     clients = _noisy_copies(model, spec, 10, rng, lambda v: 0.1 * v.std() * rng.normal(size=v.shape))
@@ -315,7 +323,8 @@ def case_resnet18(width: float = 1.0, backend: str = "numpy") -> dict:
         seconds = time.perf_counter() - start
     recovered = sum(g == w for g, w in zip(res.sizes, widths))
     return dict(
-        problem=f"fuse 10 ResNet-18 x {width:g} ({n_params / 1e6:.1f}M parameters each, pfnm, {backend})",
+        problem=f"fuse 10 {'ViT' if arch == 'vit' else 'ResNet-18'} x {width:g} ({n_params / 1e6:.1f}M parameters "
+        f"each, pfnm, {backend})",
         seconds=seconds,
         peak_mb=_peak_mb(),
         inputs_mb=inputs_mb,
@@ -361,8 +370,16 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         nargs="+",
-        default=["kl", "match", "wide", "conv", "resnet18", "device"],
-        choices=["kl", "match", "wide", "conv", "resnet18", "device"],
+        default=["kl", "match", "wide", "conv", "resnet18", "vit", "device"],
+        choices=["kl", "match", "wide", "conv", "resnet18", "vit", "device"],
+    )
+    parser.add_argument(
+        "--vit-widths",
+        type=float,
+        nargs="+",
+        default=[8.0],
+        metavar="WIDTH",
+        help="width multipliers of the ViT case (default: 8, 1.1M parameters per client)",
     )
     parser.add_argument("--kl-clients", type=int, nargs="+", default=[5, 20, 50, 100])
     parser.add_argument("--match-clients", type=int, nargs="+", default=[30, 300, 1000])
@@ -413,6 +430,8 @@ def main() -> None:
             row = case_device(int(rest[0]), rest[1])
         elif kind == "resnet18":
             row = case_resnet18(float(rest[0]), *rest[1:2])
+        elif kind == "vit":
+            row = case_resnet18(float(rest[0]), rest[1], "vit")
         else:
             row = case_conv()
         print(json.dumps(row))
@@ -435,6 +454,8 @@ def main() -> None:
         plan.append(["conv"])
     if "resnet18" in args.parts:
         plan += [["resnet18", str(w), b] for w in args.resnet18_widths for b in args.resnet18_backends]
+    if "vit" in args.parts:
+        plan += [["vit", str(w), b] for w in args.vit_widths for b in args.resnet18_backends]
     if "device" in args.parts:
         plan += [["device", str(j), b] for j in args.device_clients for b in _device_backends()]
     rows = []

@@ -97,6 +97,7 @@ QUICK = {
         "kl",
         "match",
         "resnet18",
+        "vit",
         "device",
         "--kl-clients",
         "5",
@@ -106,6 +107,8 @@ QUICK = {
         "30",
         "--resnet18-widths",
         "0.25",
+        "--vit-widths",
+        "2",
     ],
     "bench_arviz.py": ["--repeats", "1"],
     # real data from `make data` (each says "skipped" without it)

@@ -263,3 +263,26 @@ def test_fedma_starts_from_clients_whose_heads_are_aligned():
         for a, b in zip(head_descriptors(_numpy(after), spec, spec.heads[0]), reference):
             assert all(np.allclose(x, y, atol=1e-5) for x, y in zip(a, b))  # head h is the original's head h
     assert report[0] == {"blocks.0.attn.heads": [0, 1, 2, 3], "blocks.1.attn.heads": [0, 1, 2, 3]}
+
+
+@pytest.mark.parametrize(
+    "device, dtype, tol",
+    [
+        ("cpu", "float64", 1e-4),
+        pytest.param(
+            "cuda",
+            "float32",
+            1e-3,
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+        ),
+    ],
+)
+def test_the_matching_on_a_torch_device_gives_the_same_network(device, dtype, tol):
+    """The heads are aligned on the host either way; the matching's arithmetic moves (float32 on a
+    GPU: logits agree to float32 round-off accumulated over the layers, hence 1e-3)."""
+    model = _random(0)
+    clients = [model, _permuted(model, 1)[0], _permuted(model, 2)[0]]
+    host = bayesfuse.fuse(clients, "pfnm")
+    moved = bayesfuse.fuse(clients, "pfnm", device=device, dtype=dtype)
+    assert moved.sizes == host.sizes
+    assert _gap(host.model, moved.model, torch.randn(8, 784)) < tol
