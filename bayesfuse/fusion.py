@@ -134,6 +134,7 @@ def fuse(
     second_round: str = "refit",
     output_prior_precision: float | None = None,
     example_input=None,
+    head: str | None = None,
     **hyper,
 ) -> FusionResult:
     """Fuse networks into one by matching their hidden units, layer by layer.
@@ -198,6 +199,13 @@ def fuse(
         (:func:`~bayesfuse.nets.graph_spec.spec_from_graph`) when its first layer is not
         ``nn.Linear`` (or set an ``example_input`` attribute on the module); the fused network
         is run on it once before it is returned.
+    head : {"shared", "clients"}, optional
+        For BNNs, the method's ``head`` (``"clients"``: a
+        :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). For point-estimate networks with the
+        refit round: ``"clients"`` keeps every client's refitted output layer (its reply) and
+        predicts with their class-share mixture (:class:`~bayesfuse.nets.heads.ClientHeads`),
+        instead of the product's probit (``"shared"``, default); ``ClientHeads.pool = "log"`` pools
+        them geometrically.
     rounds : {1, 2, 3}
         2: one more round after the one-shot fusion, simulated with ``data=(train, partition)``;
         no example leaves a client. ``hyper["second_round"]`` says what it did and what it cost.
@@ -258,6 +266,10 @@ def fuse(
     models, class_counts, summaries, data, hyper = to_canonical(order, models, class_counts, summaries, data, hyper)
     row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
     if row is not None and row.needs_data:
+        if head not in (None, "shared"):
+            raise ValueError(
+                f"head={head!r} is for the refit round of pfnm, nafi, ot and fedavg; {method} has one head"
+            )
         return to_callers(
             _fuse_fedma(
                 models,
@@ -284,6 +296,18 @@ def fuse(
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
+    if any(bnn):
+        if head is not None:  # a BNN's heads are the method's hyper-parameter (bayesfuse.core.fuse_states)
+            hyper["head"] = head
+        head = "shared"
+    else:  # networks: the refit round's heads
+        head = "shared" if head is None else head
+        refits = rounds == 2 and second_round == "refit" or rounds == 3
+        if head not in ("shared", "clients") or head == "clients" and not refits:
+            raise ValueError(
+                f"head={head!r}: point-estimate networks keep the clients' heads from the refit round, "
+                "head='clients' with rounds=2 (second_round='refit') or rounds=3"
+            )
     if second_round not in ("refit", "temperature", "batchnorm"):
         raise ValueError(f"second_round must be 'refit', 'temperature' or 'batchnorm', got {second_round!r}")
     if rounds > 1 and any(bnn):
@@ -319,10 +343,10 @@ def fuse(
         fused, model = _batchnorm_round(*candidates[0], data, states)
         if rounds == 3:
             fused, model = _refit_round(
-                fused, model, models, data, prior_precision=output_prior_precision, key="third_round"
+                fused, model, models, data, prior_precision=output_prior_precision, key="third_round", head=head
             )
     elif second_round == "refit":
-        fused, model = _refit_round(*candidates[0], models, data, prior_precision=output_prior_precision)
+        fused, model = _refit_round(*candidates[0], models, data, prior_precision=output_prior_precision, head=head)
     else:
         fused, model = _second_round(candidates, data, pools, like=models[0])
     result = FusionResult(
@@ -480,12 +504,21 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
 
 
 def _refit_round(
-    fused, model: nn.Module, models: Sequence[nn.Module], data, *, prior_precision=None, key: str = "second_round"
+    fused,
+    model: nn.Module,
+    models: Sequence[nn.Module],
+    data,
+    *,
+    prior_precision=None,
+    key: str = "second_round",
+    head: str = "shared",
 ):
     """The second round that refits the output layer, simulated: every client fits it on the fused
     network's features of its own data (:func:`bayesfuse.summaries.output_fit`); the server
     multiplies the fits (:func:`~bayesfuse.inference.output_fusion.output_posterior`) into a
-    :class:`~bayesfuse.nets.laplace.LastLayerLaplace` with the fused output layer's covariance."""
+    :class:`~bayesfuse.nets.laplace.LastLayerLaplace` with the fused output layer's covariance,
+    or with ``head="clients"`` keeps them as the heads of a :class:`~bayesfuse.nets.heads.ClientHeads`
+    (the fused network's own output layer still holds the product's mean)."""
     from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import output_fit
@@ -513,9 +546,17 @@ def _refit_round(
         layer.bias.copy_(torch.as_tensor(mean[-1], dtype=layer.bias.dtype))
     fused.state[output + ".weight"] = mean[:-1].T.astype(fused.state[output + ".weight"].dtype)
     fused.state[output + ".bias"] = mean[-1].astype(fused.state[output + ".bias"].dtype)
-    model = LastLayerLaplace(network, output, covariance=covariance).eval()
+    if head == "clients":
+        from bayesfuse.nets.heads import ClientHeads, class_shares
+
+        shares = class_shares(partition.counts)
+        weights = np.stack([f.weight for f in fits])  # (J, G+1, K), the bias as the last row
+        model = ClientHeads(network, output, weights[:, :-1].transpose(0, 2, 1), weights[:, -1], shares).eval()
+        fused.hyper["predictive"] = "class-share mixture of the clients' refitted output layers (ClientHeads)"
+    else:
+        model = LastLayerLaplace(network, output, covariance=covariance).eval()
+        fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
     n_weights = sum(np.size(v) for v in fused.state.values())
-    fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
     fused.hyper[key] = {
         "kind": "refit",
         "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",

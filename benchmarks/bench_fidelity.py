@@ -25,7 +25,10 @@ network (``shared``) or each from its own (``independent``), then one global mod
                  second round picks the output pool and a temperature by the clients' own NLL;
                  "2 rounds refit": the second round refits the output layer as the product of the
                  clients' Laplace fits on the fused features (bayesfuse.inference.output_fusion);
-                 "pfnm 2 rounds refit" does so after the data-free fusion, without summaries
+                 "pfnm 2 rounds refit" does so after the data-free fusion, without summaries;
+                 "pfnm 2 rounds client heads" keeps the clients' refitted output layers and
+                 predicts with their class-share mixture (bayesfuse.nets.heads.ClientHeads),
+                 "... log" with their geometric pool
 
 Nothing is chosen with test data; the full test split gives the metrics only: accuracy, NLL,
 ECE (15 bins), the global width (sum of hidden widths) and the seconds spent building the
@@ -85,7 +88,10 @@ SUMMARY_ROWS = {
     "pfnm +summaries 2 rounds temperature": ("pfnm", {"rounds": 2, "second_round": "temperature"}),
     "pfnm +summaries 2 rounds refit": ("pfnm", {"rounds": 2}),
     "pfnm 2 rounds refit": ("pfnm", {"rounds": 2, "summaries": False}),
+    "pfnm 2 rounds client heads": ("pfnm", {"rounds": 2, "summaries": False, "head": "clients"}),
 }
+#: Rows measured again from a row's fused model with its client heads pooled geometrically (ClientHeads.pool).
+LOG_POOL_ROWS = {"pfnm 2 rounds client heads": "pfnm 2 rounds client heads log"}
 HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
 
 
@@ -162,23 +168,26 @@ def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.n
             warnings.simplefilter("ignore", ConvergenceWarning)
             result = fuse(models, method, summaries=given, seed=seed, **options, **data)
         second = result.hyper.get("second_round", {})
-        rows.append(
-            make_row(
-                name,
-                test_metrics(result.model, split),
-                result.sizes,
-                result.seconds,
-                result.converged,
-                auroc=entropy_auroc(result.model, split, ood),
-                summary_kb=float(np.mean([s.nbytes for s in summaries]) / 1024),
-                model_kb=model_kb,
-                summary_seconds=summary_seconds,
-                temperature=second.get("temperature"),
-                prior_precision=second.get("prior_precision"),
-                output_pool=second.get("output_pool"),
-                round2_bytes_up=second.get("bytes_up"),
+        for label in (name, *([LOG_POOL_ROWS[name]] if name in LOG_POOL_ROWS else [])):
+            if label != name:
+                result.model.pool = "log"
+            rows.append(
+                make_row(
+                    label,
+                    test_metrics(result.model, split),
+                    result.sizes,
+                    result.seconds,
+                    result.converged,
+                    auroc=entropy_auroc(result.model, split, ood),
+                    summary_kb=float(np.mean([s.nbytes for s in summaries]) / 1024),
+                    model_kb=model_kb,
+                    summary_seconds=summary_seconds,
+                    temperature=second.get("temperature"),
+                    prior_precision=second.get("prior_precision"),
+                    output_pool=second.get("output_pool"),
+                    round2_bytes_up=second.get("bytes_up"),
+                )
             )
-        )
     return rows
 
 

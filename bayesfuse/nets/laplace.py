@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse.nets.heads import logits_and_features
+
 __all__ = ["LastLayerLaplace"]
 
 
@@ -97,14 +99,7 @@ class LastLayerLaplace(nn.Module):
         self.register_buffer("covariance", covariance)
 
     def _logits_and_variance(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seen = {}
-        layer = self.network.get_submodule(self.output)
-        hook = layer.register_forward_hook(lambda mod, inp, out: seen.__setitem__("features", inp[0]))
-        try:
-            logits = self.network(x)
-        finally:
-            hook.remove()
-        features = seen["features"]
+        logits, features = logits_and_features(self.network, self.output, x)
         if self.covariance is not None:
             tilde = torch.cat([features, torch.ones_like(features[:, :1])], 1).to(self.covariance.dtype)
             variance = torch.einsum("kgh,nh->nkg", self.covariance, tilde).mul(tilde[:, None, :]).sum(-1)
