@@ -51,7 +51,9 @@ from bayesfuse.integrations.flower import (  # noqa: E402
     state_to_record,
     summary_to_records,
 )
+from bayesfuse.integrations.flower.strategy import _fit_digest  # noqa: E402
 from bayesfuse.nets.arch import rebuild  # noqa: E402
+from bayesfuse.nets.heads import ClientHeads, class_shares  # noqa: E402
 from bayesfuse.nets.laplace import LastLayerLaplace  # noqa: E402
 from bayesfuse.nets.mlp import MLP  # noqa: E402
 from bayesfuse.nets.state import numpy_state as _np  # noqa: E402
@@ -674,6 +676,15 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
         atol=1e-5,
     )
     assert _accuracy(split, got) > 0.6
+    # the nodes' own fits as heads, mixed by their class shares (bayesfuse.fuse(..., head="clients"))
+    heads = strategy.client_heads(models[0])
+    assert isinstance(heads, ClientHeads) and heads.n_heads == 3 and heads.output == "layers.2"
+    order = sorted(range(3), key=lambda j: _fit_digest(direct[j]))  # the product's order of the fits
+    for h, j in enumerate(order):
+        np.testing.assert_allclose(heads.weight[h].numpy(), direct[j].weight[:-1].T, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(heads.bias[h].numpy(), direct[j].weight[-1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(heads.shares.numpy(), class_shares(np.asarray(part.counts)[order]))
+    assert strategy.client_heads(models[0], pool="log").pool == "log"
 
 
 def _nan_gram(content):
@@ -721,6 +732,8 @@ def test_refit_round_rejects_bad_output_fits_naming_the_node(clients, caplog):
     assert strategy.output_covariance is None and result.train_metrics_clientapp[2]["rejected-replies"] == 3
     with pytest.raises(ValueError, match="no refit round has run"):
         strategy.laplace(models[0])
+    with pytest.raises(ValueError, match="no refit round has run"):
+        strategy.client_heads(models[0])
 
 
 def test_output_fit_records_round_trip_and_refusals(clients):

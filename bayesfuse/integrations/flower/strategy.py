@@ -36,6 +36,7 @@ from bayesfuse.integrations.flower.records import (
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
 from bayesfuse.nets.arch import rebuild
+from bayesfuse.nets.heads import ClientHeads, class_shares
 from bayesfuse.nets.laplace import LastLayerLaplace
 from bayesfuse.nets.state import tensor_state
 from bayesfuse.summaries import (
@@ -275,6 +276,7 @@ class MatchedAveraging(_Fusion):
         self._refit_round: int | None = None  # the round start() makes the refit
         self._pending_refit: dict | None = None  # what configure_output_fit sent
         self._output_weights: list[np.ndarray] = []  # the clients' output weights in the last fusion round
+        self._class_counts: dict[int, np.ndarray | None] = {}  # each node's class counts in the last fusion round
         self._refitted: dict | None = None  # the refitted state and its output layer's name
 
     def summary(self) -> None:
@@ -399,6 +401,7 @@ class MatchedAveraging(_Fusion):
         if self.second_round is not None:
             output = _output_layer(good[0].state)
             self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
+            self._class_counts = {r.node: r.class_counts for r in good}  # for client_heads()
         metrics = MetricRecord(
             {
                 "num-examples": float(sum(r.num_examples for r in good)),
@@ -517,7 +520,7 @@ class MatchedAveraging(_Fusion):
         state, output, prior = pending["state"], pending["output"], pending["prior"]
         weight_key, bias_key = output + ".weight", output + ".bias"
         shape = (state[weight_key].shape[1] + 1, state[weight_key].shape[0])
-        fits, sizes = [], []
+        fits, sizes, nodes = [], [], []
         for msg in sorted(replies, key=lambda m: m.metadata.src_node_id):
             node = msg.metadata.src_node_id
             if msg.has_error():
@@ -543,6 +546,7 @@ class MatchedAveraging(_Fusion):
                 self._reject(node, str(err))
                 continue
             fits.append(fit)
+            nodes.append(node)
             sizes.append(int(sum(record[k].numpy().nbytes for k in record.keys())))
         log(INFO, "aggregate_train: Received %s output fits and %s failures", len(fits), len(self.failed))
         metrics = {
@@ -563,7 +567,8 @@ class MatchedAveraging(_Fusion):
                 len(self.rejected),
             )
             return None, MetricRecord(metrics)
-        fits.sort(key=_fit_digest)  # the product does not depend on the order the replies came in
+        by_digest = sorted(range(len(fits)), key=lambda i: _fit_digest(fits[i]))
+        fits, nodes = [fits[i] for i in by_digest], [nodes[i] for i in by_digest]  # the order replies came in is lost
         # fits made for every sampled node: a refused or lost one's share of the prior is put back
         mean, covariance, chosen = output_posterior(
             fits, prior, by_evidence=self.output_prior_precision is None, n_clients=len(pending["nodes"])
@@ -572,7 +577,7 @@ class MatchedAveraging(_Fusion):
         refitted[weight_key] = mean[:-1].T.astype(state[weight_key].dtype)
         refitted[bias_key] = mean[-1].astype(state[bias_key].dtype)
         self.output_covariance = covariance
-        self._refitted = {"state": refitted, "output": output}
+        self._refitted = {"state": refitted, "output": output, "fits": fits, "nodes": nodes}
         self.second_round_report = {
             "kind": "refit",
             "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
@@ -611,6 +616,49 @@ class MatchedAveraging(_Fusion):
             raise ValueError("no refit round has run: make the strategy with second_round='refit' and run it")
         network = rebuild(like, tensor_state(self._refitted["state"]))
         return LastLayerLaplace(network, self._refitted["output"], covariance=self.output_covariance).eval()
+
+    def client_heads(self, like: nn.Module, *, pool: str = "linear") -> ClientHeads:
+        """The refitted network predicting with the nodes' own output fits: a
+        :class:`~bayesfuse.nets.heads.ClientHeads` (the class-share mixture of the heads, or
+        their geometric pool with ``pool="log"``), as ``bayesfuse.fuse(..., head="clients")``.
+
+        Parameters
+        ----------
+        like : nn.Module
+            A network of the clients' architecture, rebuilt at the fused widths.
+        pool : {"linear", "log"}
+
+        Returns
+        -------
+        ClientHeads
+            One head per valid output fit; each node's class shares from the class counts its
+            reply to the fusion round reported (``class_counts_key``).
+
+        Raises
+        ------
+        ValueError
+            No refit round has run, or a node that sent a fit reported no class counts.
+        """
+        if self._refitted is None:
+            raise ValueError("no refit round has run: make the strategy with second_round='refit' and run it")
+        nodes, fits = self._refitted["nodes"], self._refitted["fits"]
+        counts = [self._class_counts.get(n) for n in nodes]
+        missing = [n for n, c in zip(nodes, counts) if c is None]
+        if missing:
+            raise ValueError(
+                f"node(s) {missing} reported no class counts ({self.class_counts_key!r} in their metrics): "
+                "the heads are mixed by each node's share of each class"
+            )
+        network = rebuild(like, tensor_state(self._refitted["state"]))
+        weights = np.stack([f.weight for f in fits])  # (J, G+1, K), the bias as the last row
+        return ClientHeads(
+            network,
+            self._refitted["output"],
+            weights[:, :-1].transpose(0, 2, 1),
+            weights[:, -1],
+            class_shares(np.stack(counts)),
+            pool=pool,
+        ).eval()
 
     def _summaries(self, good: list[_Reply]) -> tuple[list[ClientSummary] | None, list[_Reply]]:
         """The summaries to fuse with (None: data-free), and the replies left once a summary
