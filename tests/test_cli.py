@@ -143,10 +143,7 @@ def test_console_entry_point_help():
     assert "--clients" in out and "--force" in out
 
 
-@pytest.mark.parametrize(
-    "arch, extra",
-    [("cnn", ["--channels", "4,6"]), ("lstm", []), ("mlp", ["--hidden", "20,16"]), ("vit", ["--width", "0.5"])],
-)
+@pytest.mark.parametrize("arch, extra", [("cnn", ["--channels", "4,6"]), ("lstm", []), ("mlp", ["--hidden", "20,16"])])
 def test_demo_deep_architectures_with_fedma(tmp_path, arch, extra):
     out = tmp_path / "o"
     argv = [
@@ -164,12 +161,25 @@ def test_demo_deep_architectures_with_fedma(tmp_path, arch, extra):
     assert main(argv) == 0
     with open(out / "results.csv") as fh:
         rows = {r["method"]: r for r in csv.DictReader(fh)}
-    groups = {"cnn": 3, "lstm": 1, "mlp": 2, "vit": 19}[arch]  # vit: the stream, 2 x (4 x (qk, v) + MLP)
+    groups = {"cnn": 3, "lstm": 1, "mlp": 2}[arch]
     assert int(rows["fedma"]["rounds"]) == groups + 1
     assert rows[f"fedavg x{groups + 1} rounds"]["rounds"] == str(groups + 1)
     assert rows["pfnm"]["rounds"] == "1" and rows["local (mean of 4)"]["rounds"] == "0"
     assert rows["pfnm 2 rounds"]["rounds"] == "2"  # the output refit, on every architecture
     assert ("pfnm +summaries" in rows) == (arch == "mlp")  # summaries: MLPs only
+
+
+def test_demo_vit(tmp_path):
+    """The vision transformer in the demo: one-shot PFNM (heads aligned first) and the refit round."""
+    out = tmp_path / "o"
+    assert main([*SMALL, "--arch", "vit", "--width", "0.5", "--methods", "pfnm", "--out", str(out)]) == 0
+    with open(out / "results.csv") as fh:
+        rows = {r["method"]: r for r in csv.DictReader(fh)}
+    assert rows["pfnm"]["rounds"] == "1" and rows["pfnm 2 rounds"]["rounds"] == "2"
+    assert len(rows["pfnm"]["widths"].split("/")) == 19  # the stream, 2 blocks x (4 heads x (qk, v) + MLP)
+    report = json.loads((out / "results.json").read_text())
+    pfnm = next(r for r in report["summary"] if r["method"] == "pfnm")
+    assert len(pfnm["hyper"]["head_orders"]) == 4  # one per client
 
 
 def test_demo_with_position_aware_neurons(tmp_path):
