@@ -549,7 +549,11 @@ def _refit_round(
     if head == "clients":
         from bayesfuse.nets.heads import ClientHeads, class_shares
 
-        shares = class_shares(partition.counts)
+        K = network.get_submodule(output).out_features
+        counts = getattr(partition, "counts", None)
+        if counts is None:  # a plain list of index arrays
+            counts = np.stack([np.bincount(np.asarray(train.y)[idx], minlength=K) for idx in partition])
+        shares = class_shares(counts)
         weights = np.stack([f.weight for f in fits])  # (J, G+1, K), the bias as the last row
         model = ClientHeads(network, output, weights[:, :-1].transpose(0, 2, 1), weights[:, -1], shares).eval()
         fused.hyper["predictive"] = "class-share mixture of the clients' refitted output layers (ClientHeads)"
@@ -559,7 +563,8 @@ def _refit_round(
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper[key] = {
         "kind": "refit",
-        "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
+        "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)"
+        + ("; the fits themselves predict, as heads" if head == "clients" else ""),
         "prior_precision": float(chosen),
         "fit_prior_precision": float(prior_precision),
         "prior_precision_from": "evidence" if by_evidence else "given",

@@ -204,15 +204,9 @@ class PermutationSpec:
         return [k[len(prefix) + 1 :] for k in self.axes if k.startswith(prefix + ".")]
 
     def head_groups(self, prefix: str) -> list[str]:
-        """The hidden groups that only branch ``prefix``'s entries use, in order of first use."""
-        inside = [k for k in self.axes if k.startswith(prefix + ".")]
-        outside = {a.group for k, v in self.axes.items() if k not in inside for a in v if a is not None}
-        found: list[str] = []
-        for k in inside:
-            for a in self.axes[k]:
-                if a is not None and a.group not in outside and a.group not in found:
-                    found.append(a.group)
-        return found
+        """The hidden groups that only branch ``prefix``'s entries use, in order of first use over
+        its entries sorted by name (so that the branches of a set list theirs alike)."""
+        return _private_groups(self.axes, prefix)
 
     def members(self, group: str) -> list[tuple[str, int]]:
         """``(name, dim)`` of every axis permuted by ``group``."""
@@ -280,9 +274,24 @@ def _encodings(data, groups: Sequence[str]) -> dict:
     return out
 
 
+def _private_groups(axes: Mapping[str, tuple], prefix: str) -> list[str]:
+    """The groups that only the entries under ``prefix`` use, in order of first use over those
+    entries sorted by name."""
+    inside = sorted(k for k in axes if k.startswith(prefix + "."))
+    outside = {a.group for k, v in axes.items() if not k.startswith(prefix + ".") for a in v if a is not None}
+    found: list[str] = []
+    for k in inside:
+        for a in axes[k]:
+            if a is not None and a.group not in outside and a.group not in found:
+                found.append(a.group)
+    return found
+
+
 def _head_sets(data, axes: Mapping[str, tuple]) -> tuple:
     """``data`` as a tuple of tuples of prefixes, checked: the branches of a set hold entries of
-    the same names, whose axes are the same shared groups or groups of their own."""
+    the same names; where one branch's entry has a group of its own (used by no entry outside the
+    branch) every branch's has one, in one-to-one correspondence, with the same blocks; elsewhere
+    they have the same shared group or none."""
     if not isinstance(data, (list, tuple)) or not all(
         isinstance(s, (list, tuple)) and all(isinstance(p, str) for p in s) for s in data
     ):
@@ -298,27 +307,33 @@ def _head_sets(data, axes: Mapping[str, tuple]) -> tuple:
                     f"head {p!r} has entries {names[:4]}, head {heads[0]!r} has {entries[0][:4]}: the heads "
                     "of one set must hold entries of the same names"
                 )
-        own = [{a.group for n in names for a in axes[f"{p}.{n}"] if a is not None} for p, names in zip(heads, entries)]
-        private = [o - set().union(*(x for j, x in enumerate(own) if j != i)) for i, o in enumerate(own)]
+        private = [set(_private_groups(axes, p)) for p in heads]
         for i, p in enumerate(heads[1:], start=1):
+            pairs: dict[str, str] = {}
             for n in entries[0]:
                 for a, b in zip(axes[f"{heads[0]}.{n}"], axes[f"{p}.{n}"]):
                     if a is None and b is None:
                         continue
-                    if (
-                        a is None
-                        or b is None
-                        or not (
-                            a.group == b.group
-                            and a.group not in private[0]
-                            or a.group in private[0]
-                            and b.group in private[i]
-                        )
-                    ):
+                    own = a is not None and b is not None and a.group in private[0] and b.group in private[i]
+                    shared = (
+                        a is not None
+                        and b is not None
+                        and a.group == b.group
+                        and a.group not in private[0]
+                        and b.group not in private[i]
+                    )
+                    if not (own or shared) or (a.outer, a.inner) != (b.outer, b.inner):
                         raise ValueError(
                             f"entry {p}.{n} is not permuted like {heads[0]}.{n}: heads are exchangeable only "
-                            "when each has groups of its own and shares the others"
+                            "when each has groups of its own (used by no entry outside it) and shares the others"
                         )
+                    if own and pairs.setdefault(a.group, b.group) != b.group:
+                        raise ValueError(
+                            f"head {p!r} does not tie its groups as head {heads[0]!r} does ({n}: {a.group} goes "
+                            f"with {pairs[a.group]} and {b.group})"
+                        )
+            if len(set(pairs.values())) != len(pairs):
+                raise ValueError(f"head {p!r} ties groups that head {heads[0]!r} keeps apart")
     return sets
 
 
@@ -378,6 +393,7 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
     folds: dict = {}
     eps: dict = {}
     encodings: dict = {}
+    heads: list = []
     order: list[str] = []
     for part in parts:
         for k, v in part.axes.items():
@@ -393,8 +409,9 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
         folds.update(part.folds)
         eps.update(part.eps)
         encodings.update(part.encodings)
+        heads += part.heads
     return PermutationSpec(
-        axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output), eps, encodings
+        axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output), eps, encodings, tuple(heads)
     )
 
 

@@ -38,6 +38,7 @@ import copy
 import math
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -49,8 +50,14 @@ __all__ = ["Head", "Heads", "HeadAttention", "split_heads", "TransformerBlock", 
 class Heads(nn.ModuleList):
     """Parallel branches whose outputs are summed: their order does not matter.
 
+    The network's ``forward`` must use them so: every branch reads the same inputs, and their
+    outputs are added up. Tracing refuses a list whose branches read each other's outputs (applied
+    one after another, where order matters); that the outputs are summed it takes on trust.
+
     Every branch must have the same entries (names) as the others, each with its own hidden
-    groups; tracing records the list in the spec's ``heads`` so that fusion can align them.
+    groups, and agree in everything a state_dict does not hold (a :class:`Head`'s ``scale``):
+    fusion reorders branches by moving their entries. Tracing records the list in the spec's
+    ``heads`` so that fusion can align them.
     """
 
 
@@ -97,8 +104,12 @@ class HeadAttention(nn.Module):
         Inputs ``(batch, tokens, dim)`` (True) or ``(tokens, batch, dim)``, as ``nn.MultiheadAttention``.
 
     ``forward(query, key=None, value=None, ...)`` takes ``nn.MultiheadAttention``'s arguments
-    (self-attention when ``key``/``value`` are omitted) and returns ``(output, None)`` like it with
-    ``need_weights=False``: a model that called PyTorch's module calls this one unchanged.
+    (self-attention when ``key``/``value`` are omitted; unbatched ``(L, E)`` inputs too) and
+    returns ``(output, None)``: the output ``nn.MultiheadAttention`` gives, never the attention
+    weights. Masks mean what they mean there: a boolean ``attn_mask`` ``(L, S)`` or
+    ``key_padding_mask`` ``(N, S)`` blocks the positions that are True, a float one is added to
+    the scores, ``is_causal=True`` without a mask blocks the future; a 3-D per-head ``attn_mask``
+    is refused.
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int | None = None, *, batch_first: bool = True) -> None:
@@ -125,14 +136,48 @@ class HeadAttention(nn.Module):
     ):
         key = query if key is None else key
         value = key if value is None else value
-        if not self.batch_first:
+        # traced with torch.fx the input is a Proxy without a concrete shape: batched, as any example input
+        unbatched = not isinstance(query, torch.fx.Proxy) and query.dim() == 2
+        if unbatched:  # (L, E) whatever batch_first says, as nn.MultiheadAttention reads it
+            query, key, value = (t.unsqueeze(0) for t in (query, key, value))
+        elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        mask = _score_mask(attn_mask, key_padding_mask, is_causal, query, key)
         out = self.bias
         for head in self.heads:
-            out = out + head(query, key, value, attn_mask)
-        if not self.batch_first:
+            out = out + head(query, key, value, mask)
+        if unbatched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, None
+
+
+def _additive(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A mask as numbers to add to the scores: -inf where a boolean mask is True, a float one as it is."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(mask, float("-inf"))
+    return mask.to(like.dtype)
+
+
+def _score_mask(attn_mask, key_padding_mask, is_causal: bool, query: torch.Tensor, key: torch.Tensor):
+    """The masks of ``nn.MultiheadAttention`` as one additive mask of the scores ``(N, L, S)``, or None."""
+    mask = None
+    if attn_mask is None and is_causal:
+        L, S = query.shape[1], key.shape[1]
+        attn_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).triu(1)
+    if attn_mask is not None:
+        if attn_mask.dim() != 2:
+            raise ValueError(
+                "HeadAttention takes a 2-D attn_mask (L, S), the same for every head; got shape "
+                f"{tuple(attn_mask.shape)}"
+            )
+        mask = _additive(attn_mask, query)
+    if key_padding_mask is not None:
+        padding = _additive(key_padding_mask, query)
+        padding = padding.unsqueeze(-2) if padding.dim() == 2 else padding.unsqueeze(0).unsqueeze(0)  # (N, 1, S)
+        mask = padding if mask is None else mask + padding
+    return mask
 
 
 def _from_multihead(mha: nn.MultiheadAttention) -> HeadAttention:
@@ -156,15 +201,15 @@ def _from_multihead(mha: nn.MultiheadAttention) -> HeadAttention:
                 layer.bias.copy_(b[part * dim :][rows])
             head.o.weight.copy_(wo[:, rows])
         new.bias.copy_(mha.out_proj.bias.detach() if mha.out_proj.bias is not None else torch.zeros(dim))
-    return new.to(w.dtype).train(mha.training)
+    return new.to(device=w.device, dtype=w.dtype).train(mha.training)
 
 
 def split_heads(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose ``nn.MultiheadAttention`` modules are :class:`HeadAttention`.
 
     The copy computes the same function (dropout on the attention weights aside: the heads have
-    none) and can be traced and fused; masks are passed on as additive score masks (a float
-    ``attn_mask``), key padding masks are not supported.
+    none) and can be traced and fused; masks mean what they mean to ``nn.MultiheadAttention``
+    (:class:`HeadAttention`), but the attention weights are never returned.
 
     Examples
     --------

@@ -353,7 +353,48 @@ class _Walk:
         f = self.feature(out)
         if isinstance(f, _Feature):
             self.classes.union(f.var, _FIXED)  # the classes are never permuted
+        for heads in self.head_sets():
+            self.check_parallel(gm, heads)
         return self.spec(self.producer.get(out))
+
+    def head_sets(self) -> tuple:
+        """The module prefixes of every :class:`~bayesfuse.nets.attention.Heads` list (two branches or more)."""
+        from bayesfuse.nets.attention import Heads
+
+        return tuple(
+            tuple(f"{name}.{i}" for i in range(len(m)))
+            for name, m in self.model.named_modules()
+            if isinstance(m, Heads) and len(m) > 1
+        )
+
+    def check_parallel(self, gm: fx.GraphModule, heads: tuple) -> None:
+        """Refuse a Heads list whose branches are not parallel: no computation inside one branch may
+        depend on another branch's (a branch applied after another, whose order then matters)."""
+
+        def branch(node) -> int | None:
+            paths = list(node.meta.get("nn_module_stack", {}) or {})
+            if node.op in ("call_module", "get_attr"):
+                paths.append(str(node.target))
+            for i, p in enumerate(heads):
+                if any(q == p or q.startswith(p + ".") for q in paths):
+                    return i
+            return None
+
+        depends: dict = {}
+        for node in gm.graph.nodes:
+            inputs = [a for a in _flat(list(node.args) + list(node.kwargs.values())) if isinstance(a, fx.Node)]
+            seen = frozenset().union(*(depends.get(a, frozenset()) for a in inputs))
+            i = branch(node)
+            if i is not None:
+                others = seen - {i}
+                if others:
+                    self.fail(
+                        node,
+                        f"branch {heads[i]!r} of a Heads list reads the output of branch {heads[min(others)]!r}: "
+                        "heads must run in parallel on the same inputs (their outputs summed), or their order matters",
+                    )
+                seen = seen | {i}
+            depends[node] = seen
 
     def spec(self, output_layer: str | None) -> PermutationSpec:
         names: dict[int, str] = {}
@@ -381,14 +422,7 @@ class _Walk:
         )
         folds = {bn: after for bn, after in self.folds.items()}
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
-        from bayesfuse.nets.attention import Heads
-
-        heads = tuple(
-            tuple(f"{name}.{i}" for i in range(len(m)))
-            for name, m in self.model.named_modules()
-            if isinstance(m, Heads) and len(m) > 1
-        )
-        return PermutationSpec(axes, tuple(names.values()), folds, output, eps, heads=heads)
+        return PermutationSpec(axes, tuple(names.values()), folds, output, eps, heads=self.head_sets())
 
     # ----------------------------------------------------------------- modules
     def call_module(self, node, m: nn.Module) -> None:
@@ -525,12 +559,10 @@ class _Walk:
         elif fn in _MATMUL:
             self.matmul(node, args[0], args[1])
         elif fn is torch.nn.functional.scaled_dot_product_attention:
-            self.attention(
-                node,
-                args[0],
-                args[1] if len(args) > 1 else kwargs["key"],
-                args[2] if len(args) > 2 else kwargs["value"],
+            q, k, v = (
+                args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(("query", "key", "value"))
             )
+            self.attention(node, q, k, v, kwargs.get("scale"))
         elif fn in _POOL_FUNCTIONS:
             self.labels[node] = self.feature(args[0])
         elif fn in _BINARY:
@@ -631,13 +663,24 @@ class _Walk:
         else:
             self.fail(node, "a batched matrix product over permuted units cannot be followed; give a spec")
 
-    def attention(self, node, q, k, v) -> None:
-        """``scaled_dot_product_attention(q, k, v)``: q and k's units are tied; the result has v's."""
+    def attention(self, node, q, k, v, scale) -> None:
+        """``scaled_dot_product_attention(q, k, v)``: q and k's units are tied; the result has v's.
+
+        Its default scale is ``1 / sqrt`` of the queries' width, which fusion may change: with
+        permuted queries the scale must be given (``scale=``), a constant of the clients'."""
         fq, fk, fv = (f if self.permuted(f) else None for f in (self.feature(q), self.feature(k), self.feature(v)))
         last = len(_shape(node)) - 1
         if (fq is None) != (fk is None) or any(f is not None and f.dim != last for f in (fq, fk, fv)):
             self.fail(node, "attention whose queries, keys or values hold their units on another axis; give a spec")
         if fq is not None:
+            if (fq.outer, fq.inner) != (fk.outer, fk.inner):
+                self.fail(node, "queries and keys whose units lie in different blocks")
+            if scale is None:
+                self.fail(
+                    node,
+                    "scaled_dot_product_attention without scale= scales by the queries' width, which fusion "
+                    "changes: pass scale=1/sqrt(d) with the clients' d",
+                )
             self.classes.union(fq.var, fk.var)
         self.labels[node] = fv
 

@@ -48,6 +48,12 @@ def logits_and_features(network: nn.Module, output: str, x: torch.Tensor) -> tup
     return logits, seen["features"]
 
 
+def _check_pool(pool: str) -> str:
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    return pool
+
+
 def class_shares(class_counts: np.ndarray) -> np.ndarray:
     """(J, K) shares ``n_jk / sum_j n_jk`` of each class's examples; ``1 / J`` for a class no client saw."""
     counts = np.asarray(class_counts, dtype=np.float64)
@@ -85,8 +91,7 @@ class ClientHeads(nn.Module):
         layer = network.get_submodule(output)
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"the output layer {output!r} must be an nn.Linear, got {type(layer).__name__}")
-        if pool not in POOLS:
-            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        _check_pool(pool)
         dtype = torch.float64
         weight, bias, shares = (torch.as_tensor(np.array(a), dtype=dtype) for a in (weight, bias, shares))
         J = weight.shape[0] if weight.ndim == 3 else -1
@@ -102,10 +107,19 @@ class ClientHeads(nn.Module):
             raise ValueError("shares must be >= 0 and sum to 1 over the clients for every class")
         self.network = network
         self.output = output
-        self.pool = pool
+        self._pool = pool
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
         self.register_buffer("shares", shares)
+
+    @property
+    def pool(self) -> str:
+        """``"linear"`` (the mixture) or ``"log"`` (the geometric pool); may be set."""
+        return self._pool
+
+    @pool.setter
+    def pool(self, value: str) -> None:
+        self._pool = _check_pool(value)
 
     @property
     def n_heads(self) -> int:

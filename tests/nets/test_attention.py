@@ -286,3 +286,120 @@ def test_the_matching_on_a_torch_device_gives_the_same_network(device, dtype, to
     moved = bayesfuse.fuse(clients, "pfnm", device=device, dtype=dtype)
     assert moved.sizes == host.sizes
     assert _gap(host.model, moved.model, torch.randn(8, 784)) < tol
+
+
+def test_masks_mean_what_they_mean_to_multihead_attention():
+    torch.manual_seed(0)
+    for batch_first in (True, False):
+        mha = nn.MultiheadAttention(8, 2, batch_first=batch_first).eval()
+        split = split_heads(mha)
+        x = torch.randn(3, 5, 8) if batch_first else torch.randn(5, 3, 8)
+        causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+        padding = torch.zeros(3, 5, dtype=torch.bool)
+        padding[:, 3:] = True
+        cases = [
+            dict(attn_mask=causal),
+            dict(key_padding_mask=padding),
+            dict(attn_mask=causal, key_padding_mask=padding),
+            dict(attn_mask=torch.randn(5, 5)),  # a float mask is added to the scores
+        ]
+        with torch.no_grad():
+            for kw in cases:
+                gap = (mha(x, x, x, need_weights=False, **kw)[0] - split(x, x, x, **kw)[0]).abs().max()
+                assert gap < 1e-5, kw
+            causal_gap = (
+                mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0] - split(x, is_causal=True)[0]
+            )
+            assert causal_gap.abs().max() < 1e-5
+            single = torch.randn(5, 8)  # unbatched (L, E), whatever batch_first says
+            assert (mha(single, single, single)[0] - split(single)[0]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="2-D attn_mask"):
+        split(x, attn_mask=torch.zeros(6, 5, 5, dtype=torch.bool))
+
+
+def _heads_spec(**extra):
+    """Two heads of query/key group qkH and value group vH over a stream T, as a dict."""
+    axes = {}
+    for h in (0, 1):
+        axes[f"a.{h}.q.weight"] = [f"qk{h}", "T"]
+        axes[f"a.{h}.k.weight"] = [f"qk{h}", "T"]
+        axes[f"a.{h}.v.weight"] = [f"v{h}", "T"]
+        axes[f"a.{h}.o.weight"] = ["T", f"v{h}"]
+    axes["embed.weight"] = ["T", None]
+    axes.update(extra)
+    return {"axes": axes, "heads": [["a.0", "a.1"]]}
+
+
+def test_head_sets_are_checked_and_their_groups_paired_by_name():
+    spec = spec_from_dict(_heads_spec())
+    assert spec.head_groups("a.0") == ["qk0", "v0"] and spec.head_groups("a.1") == ["qk1", "v1"]
+    listed = _heads_spec()
+    listed["axes"] = dict(reversed(list(listed["axes"].items())))  # another order of the entries
+    spec = spec_from_dict(listed)
+    assert spec.head_groups("a.0") == ["qk0", "v0"] and spec.head_groups("a.1") == ["qk1", "v1"]
+    with pytest.raises(ValueError, match="is not permuted like"):  # head 0's values also read outside it
+        spec_from_dict(_heads_spec(**{"out.weight": [None, "v0"]}))
+    tied = _heads_spec()
+    tied["axes"]["a.1.k.weight"] = ["v1", "T"]  # head 1 ties its keys to its values, head 0 does not
+    with pytest.raises(ValueError, match="does not tie its groups as head"):
+        spec_from_dict(tied)
+    from bayesfuse.inference.spec import chain, dense
+
+    joined = chain(spec_from_dict(_heads_spec()), dense("fc", "T", None))
+    assert joined.heads == (("a.0", "a.1"),)
+
+
+class _SDPA(nn.Module):
+    """Two heads written with scaled_dot_product_attention, over a residual stream."""
+
+    def __init__(self, scale: float | None = 0.5) -> None:
+        super().__init__()
+        from bayesfuse.nets.attention import Heads
+
+        self.embed = nn.Linear(16, 8)
+        self.heads = Heads(
+            nn.ModuleDict(dict(q=nn.Linear(8, 4), k=nn.Linear(8, 4), v=nn.Linear(8, 4), o=nn.Linear(4, 8)))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(8, 10)
+        self.scale = scale
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = self.embed(x.view(-1, 4, 16))
+        out = t
+        for h in self.heads:  # in parallel: every head reads t, their outputs are summed
+            a = torch.nn.functional.scaled_dot_product_attention(h["q"](t), h["k"](t), h["v"](t), scale=self.scale)
+            out = out + h["o"](a)
+        return self.head(out.mean(dim=1))
+
+
+def test_scaled_dot_product_attention_needs_its_scale():
+    with pytest.raises(UnsupportedLayerError, match="pass scale="):
+        spec_from_module(_SDPA(scale=None))
+    torch.manual_seed(0)
+    model = _SDPA().eval()
+    spec = spec_from_module(model)
+    assert spec.axes["heads.0.q.weight"][0] == spec.axes["heads.0.k.weight"][0] and len(spec.heads) == 1
+    copy, _ = _permuted(model, 1)
+    fused = bayesfuse.fuse([model, copy], "pfnm")
+    assert _gap(model, fused.model, torch.randn(6, 64)) < 1e-4
+
+
+class _Sequential(_SDPA):
+    """The same heads applied one after another: not exchangeable."""
+
+    def forward(self, x):
+        t = self.embed(x.view(-1, 4, 16))
+        for h in self.heads:
+            a = torch.nn.functional.scaled_dot_product_attention(h["q"](t), h["k"](t), h["v"](t), scale=self.scale)
+            t = t + h["o"](a)
+        return self.head(t.mean(dim=1))
+
+
+def test_heads_applied_one_after_another_are_refused():
+    with pytest.raises(UnsupportedLayerError, match="heads must run in parallel") as err:
+        spec_from_module(_Sequential())
+    assert "'heads.1'" in str(err.value) and "'heads.0'" in str(err.value)

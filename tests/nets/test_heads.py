@@ -119,6 +119,20 @@ def test_the_refit_round_keeps_the_clients_fits_as_heads(federation):
     assert np.allclose(probs.sum(1), 1.0) and (probs.argmax(1) == split.test.y).mean() > 0.8
 
 
+def test_a_plain_list_partition_and_the_pool_setting(federation):
+    split, part, models = federation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        given = bayesfuse.fuse(models, "pfnm", rounds=2, data=(split.train, part), head="clients")
+        listed = bayesfuse.fuse(models, "pfnm", rounds=2, data=(split.train, list(part)), head="clients")
+    assert torch.equal(given.model.shares, listed.model.shares)  # class counts from the labels
+    assert np.array_equal(predict_proba(given.model, split.test.x), predict_proba(listed.model, split.test.x))
+    listed.model.pool = "log"
+    assert listed.model.pool == "log"
+    with pytest.raises(ValueError, match="pool must be one of"):
+        listed.model.pool = "max"
+
+
 def test_heads_need_the_refit_round(federation):
     split, part, models = federation
     with pytest.raises(ValueError, match="head='clients' with rounds=2"):
