@@ -235,7 +235,7 @@ def test_the_demo_runs_a_resnet(tmp_path, capsys):
     assert main(argv) == 0
     with open(out / "results.csv") as fh:
         rows = {r["method"]: r for r in csv.DictReader(fh)}
-    assert set(rows) == {"local (mean of 3)", "ensemble", "fedavg", "pfnm"}
+    assert set(rows) == {"local (mean of 3)", "ensemble", "fedavg", "pfnm", "pfnm 2 rounds"}  # and the output refit
     assert rows["fedavg"]["widths"] == "2/2/2/2/4/4/4/4/8/8/8/8"  # ResNet-20 x 0.125: 2, 4, 8 channels per stage
     assert "pfnm" in capsys.readouterr().out
 
