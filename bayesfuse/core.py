@@ -24,6 +24,7 @@ import numpy as np
 
 from bayesfuse import methods
 from bayesfuse._lazy import load
+from bayesfuse._runtime import progress
 from bayesfuse._text import warn_from_caller
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
@@ -129,7 +130,7 @@ def fuse_states(
     class_counts: np.ndarray | None = None,
     names: Sequence[str] | None = None,
     seed: int | None = 0,
-    verbose: bool = False,
+    verbose: bool | None = None,
     device=None,
     dtype: str = "float64",
     summaries: Sequence | None = None,
@@ -164,6 +165,8 @@ def fuse_states(
         How messages call the clients (file names); ``"client j"`` by default.
     seed : int, optional
         Seed of the matching.
+    verbose : bool, optional
+        Progress bars: None (default) where stderr is a terminal, True or False forces them.
     device : None, str or torch.device
         Where PFNM/NAFI on point-estimate networks run their cost products and posterior means
         (:func:`~bayesfuse.inference.layerwise.match_layerwise`): None (default), NumPy on the
@@ -201,6 +204,7 @@ def fuse_states(
         that cannot use one, or a device this machine lacks (before any work).
     """
     start = time.perf_counter()
+    verbose = progress(verbose)
     if len(states) == 0:
         raise ValueError("fuse needs at least one model")
     method = methods.canonical(method)

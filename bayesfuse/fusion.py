@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from bayesfuse import methods
+from bayesfuse._runtime import progress
 from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
@@ -125,7 +126,7 @@ def fuse(
     data: tuple | None = None,
     retrain=None,
     seed: int | None = 0,
-    verbose: bool = False,
+    verbose: bool | None = None,
     device=None,
     dtype: str = "float64",
     summaries: Sequence | None = None,
@@ -177,8 +178,9 @@ def fuse(
         :class:`~bayesfuse.train.TrainConfig`. ``kl_weight > 0`` matches with NAFI's penalty.
     seed : int, optional
         Seed of the matching.
-    verbose : bool
-        Progress bars.
+    verbose : bool, optional
+        Progress bars: None (default) shows them where stderr is a terminal and stays quiet in
+        logs, pipes and notebooks; True or False forces them on or off.
     device : None, str or torch.device
         Where ``"pfnm"``/``"nafi"`` on point-estimate networks compute their cost products and
         posterior means: None (default), NumPy on the host; a torch device (``"cpu"``,
@@ -255,6 +257,7 @@ def fuse(
         Once, naming the layers whose matching stopped at ``n_iter`` before it converged.
     """
     start = time.perf_counter()
+    verbose = progress(verbose)
     if len(models) == 0:
         raise ValueError("fuse needs at least one model")
     _check_modules(models)

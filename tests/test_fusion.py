@@ -1,4 +1,6 @@
 import copy
+import io
+import sys
 
 import numpy as np
 import pytest
@@ -429,3 +431,27 @@ def test_a_method_name_in_any_case_fuses_as_the_table_s_name():
     assert upper.method == lower.method == "nafi" and upper.hyper == lower.hyper
     x = torch.randn(4, 6)
     assert torch.equal(upper.model(x), lower.model(x))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bars_show_on_a_terminal_and_not_in_logs(monkeypatch):
+    """verbose=None (the default): bars where stderr is a terminal, nothing where it is a file or pipe."""
+    torch.manual_seed(0)
+    models = [MLP(6, [5], 3) for _ in range(2)]
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    fuse(models, "pfnm")
+    assert "empirical Bayes" in terminal.getvalue()  # tqdm's bar of the data-free matching's rounds
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    fuse(models, "pfnm")
+    fuse(models, "pfnm", verbose=False)
+    assert log.getvalue() == ""
+    quiet = _Terminal()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    fuse(models, "pfnm", verbose=False)
+    assert quiet.getvalue() == ""
