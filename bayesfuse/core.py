@@ -28,7 +28,7 @@ from bayesfuse._runtime import progress
 from bayesfuse._text import warn_from_caller
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
-from bayesfuse.inference.heads import align_heads, rename_heads, renamed_groups
+from bayesfuse.inference.heads import align_heads, orders_report, rename_heads, renamed_groups
 from bayesfuse.inference.layerwise import Basis, check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
@@ -347,18 +347,14 @@ def _heads_aligned(fuse_plain):
         orders = align_heads(checked, spec)
         aligned = [rename_heads(sd, spec, o) for sd, o in zip(checked, orders)]
         if options.get("summaries") is not None:
-            options["summaries"] = [
-                dataclasses.replace(
-                    s,
-                    precision=rename_heads(s.precision, spec, o),
-                    moments={renamed_groups(spec, o).get(g, g): v for g, v in s.moments.items()},
-                )
-                for s, o in zip(options["summaries"], orders)
-            ]
+            renamed = []
+            for s, o in zip(options["summaries"], orders):
+                groups = renamed_groups(spec, o)
+                moments = {groups.get(g, g): v for g, v in s.moments.items()}
+                renamed.append(dataclasses.replace(s, precision=rename_heads(s.precision, spec, o), moments=moments))
+            options["summaries"] = renamed
         fused = fuse_plain(aligned, names, method, settings, spec=spec, class_counts=class_counts, **options)
-        fused.hyper["head_orders"] = [
-            {heads[0].rpartition(".")[0]: [int(a) for a in o[heads]] for heads in spec.heads} for o in orders
-        ]
+        fused.hyper["head_orders"] = orders_report(spec, orders)
         return fused
 
     return fuse

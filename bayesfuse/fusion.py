@@ -550,15 +550,11 @@ def _refit_round(
     fused.state[output + ".weight"] = mean[:-1].T.astype(fused.state[output + ".weight"].dtype)
     fused.state[output + ".bias"] = mean[-1].astype(fused.state[output + ".bias"].dtype)
     if head == "clients":
-        from bayesfuse.nets.heads import ClientHeads, class_shares
+        from bayesfuse.nets.heads import ClientHeads
 
         K = network.get_submodule(output).out_features
-        counts = getattr(partition, "counts", None)
-        if counts is None:  # a plain list of index arrays
-            counts = np.stack([np.bincount(np.asarray(train.y)[idx], minlength=K) for idx in partition])
-        shares = class_shares(counts)
-        weights = np.stack([f.weight for f in fits])  # (J, G+1, K), the bias as the last row
-        model = ClientHeads(network, output, weights[:, :-1].transpose(0, 2, 1), weights[:, -1], shares).eval()
+        counts = np.stack([np.bincount(np.asarray(train.y)[idx], minlength=K) for idx in partition])
+        model = ClientHeads.from_fits(network, output, fits, counts)
         fused.hyper["predictive"] = "class-share mixture of the clients' refitted output layers (ClientHeads)"
     else:
         model = LastLayerLaplace(network, output, covariance=covariance).eval()
@@ -620,7 +616,7 @@ def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, sta
 def _aligned_heads(models, spec: PermutationSpec) -> tuple[list[nn.Module], list[dict]]:
     """Copies of ``models`` with their attention heads in the order that aligns them
     (:func:`~bayesfuse.inference.heads.align_heads`), and each client's orders for the report."""
-    from bayesfuse.inference.heads import align_heads, rename_heads
+    from bayesfuse.inference.heads import align_heads, orders_report, rename_heads
 
     states = [numpy_state(m) for m in models]
     orders = align_heads(states, spec)
@@ -628,5 +624,4 @@ def _aligned_heads(models, spec: PermutationSpec) -> tuple[list[nn.Module], list
     for m, sd, o in zip(models, states, orders):
         renamed = rename_heads(sd, spec, o)
         aligned.append(rebuild(m, {k: torch.as_tensor(v) for k, v in renamed.items()}))
-    report = [{heads[0].rpartition(".")[0]: [int(a) for a in o[heads]] for heads in spec.heads} for o in orders]
-    return aligned, report
+    return aligned, orders_report(spec, orders)

@@ -289,7 +289,13 @@ def case_conv() -> dict:
     )
 
 
-def case_resnet18(width: float = 1.0, backend: str = "numpy", arch: str = "resnet18") -> dict:
+#: Parts of the run, in order.
+PARTS = ("kl", "match", "wide", "conv", "resnet18", "vit", "device")
+#: The reference networks timed at full size: default width multiplier and what it gives.
+NETWORKS = {"resnet18": (1.0, "11.2M parameters per client"), "vit": (8.0, "1.1M parameters per client")}
+
+
+def case_network(width: float = 1.0, backend: str = "numpy", arch: str = "resnet18") -> dict:
     """``fuse(..., "pfnm")`` on ten ResNet-18 clients (:func:`bayesfuse.nets.resnet.resnet18`, 11.2M
     parameters each at width 1; or ``arch="vit"``, :func:`bayesfuse.nets.attention.vit`): permuted
     copies of one random network, every entry plus noise of a tenth of its own standard deviation.
@@ -370,28 +376,21 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         nargs="+",
-        default=["kl", "match", "wide", "conv", "resnet18", "vit", "device"],
-        choices=["kl", "match", "wide", "conv", "resnet18", "vit", "device"],
-    )
-    parser.add_argument(
-        "--vit-widths",
-        type=float,
-        nargs="+",
-        default=[8.0],
-        metavar="WIDTH",
-        help="width multipliers of the ViT case (default: 8, 1.1M parameters per client)",
+        default=list(PARTS),
+        choices=PARTS,
     )
     parser.add_argument("--kl-clients", type=int, nargs="+", default=[5, 20, 50, 100])
     parser.add_argument("--match-clients", type=int, nargs="+", default=[30, 300, 1000])
     parser.add_argument("--device-clients", type=int, nargs="+", default=[30, 300])
-    parser.add_argument(
-        "--resnet18-widths",
-        type=float,
-        nargs="+",
-        default=[1.0],
-        metavar="WIDTH",
-        help="width multipliers of the ResNet-18 case (default: 1, 11.2M parameters per client)",
-    )
+    for arch, (width, size) in NETWORKS.items():
+        parser.add_argument(
+            f"--{arch}-widths",
+            type=float,
+            nargs="+",
+            default=[width],
+            metavar="WIDTH",
+            help=f"width multipliers of the {arch} case (default: {width:g}, {size})",
+        )
     parser.add_argument(
         "--resnet18-backends",
         nargs="+",
@@ -428,10 +427,8 @@ def main() -> None:
             row = case_wide(rest[0], rest[1], rest[2], rest[3] if len(rest) > 3 else None)
         elif kind == "device":
             row = case_device(int(rest[0]), rest[1])
-        elif kind == "resnet18":
-            row = case_resnet18(float(rest[0]), *rest[1:2])
-        elif kind == "vit":
-            row = case_resnet18(float(rest[0]), rest[1], "vit")
+        elif kind in NETWORKS:
+            row = case_network(float(rest[0]), rest[1], kind)
         else:
             row = case_conv()
         print(json.dumps(row))
@@ -452,10 +449,10 @@ def main() -> None:
         ]
     if "conv" in args.parts:
         plan.append(["conv"])
-    if "resnet18" in args.parts:
-        plan += [["resnet18", str(w), b] for w in args.resnet18_widths for b in args.resnet18_backends]
-    if "vit" in args.parts:
-        plan += [["vit", str(w), b] for w in args.vit_widths for b in args.resnet18_backends]
+    for arch in NETWORKS:
+        if arch in args.parts:
+            widths = getattr(args, f"{arch}_widths")
+            plan += [[arch, str(w), b] for w in widths for b in args.resnet18_backends]
     if "device" in args.parts:
         plan += [["device", str(j), b] for j in args.device_clients for b in _device_backends()]
     rows = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,17 @@ DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
 ]
+
+
+def fused_both_ways(models, method: str):
+    """``bayesfuse.fuse`` of ``models`` in the order given and in reverse (ConvergenceWarnings
+    silenced): the two results of a client-order test."""
+    import bayesfuse
+    from bayesfuse.inference.result import ConvergenceWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return bayesfuse.fuse(models, method), bayesfuse.fuse(models[::-1], method)
 
 
 def randomise(model: nn.Module, seed: int) -> nn.Module:

@@ -33,7 +33,7 @@ from scipy.optimize import linear_sum_assignment
 
 from bayesfuse.inference.spec import Axis, PermutationSpec
 
-__all__ = ["head_descriptors", "align_heads", "rename_heads"]
+__all__ = ["head_descriptors", "align_heads", "rename_heads", "renamed_groups", "orders_report"]
 
 
 def _rows(a, d: int, axis: Axis) -> np.ndarray:
@@ -132,3 +132,8 @@ def renamed_groups(spec: PermutationSpec, orders: Mapping[tuple, np.ndarray]) ->
         for b, a in enumerate(order):
             out.update(zip(spec.head_groups(heads[a]), spec.head_groups(heads[b])))
     return out
+
+
+def orders_report(spec: PermutationSpec, orders: Sequence[Mapping[tuple, np.ndarray]]) -> list[dict[str, list[int]]]:
+    """Per client, each set's order as JSON-ready lists keyed by the set's module (``"blocks.0.attn.heads"``)."""
+    return [{heads[0].rpartition(".")[0]: [int(a) for a in o[heads]] for heads in spec.heads} for o in orders]

@@ -299,6 +299,7 @@ class _Walk:
         self.producer: dict = {}  # node -> name of the Linear/Conv module whose output it is
         self.folds: dict[str, str] = {}
         self.order: list[int] = []
+        self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
 
     # ----------------------------------------------------------------- helpers
     def fail(self, node, what: str) -> None:
@@ -353,7 +354,8 @@ class _Walk:
         f = self.feature(out)
         if isinstance(f, _Feature):
             self.classes.union(f.var, _FIXED)  # the classes are never permuted
-        for heads in self.head_sets():
+        self.heads = self.head_sets()
+        for heads in self.heads:
             self.check_parallel(gm, heads)
         return self.spec(self.producer.get(out))
 
@@ -422,7 +424,7 @@ class _Walk:
         )
         folds = {bn: after for bn, after in self.folds.items()}
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
-        return PermutationSpec(axes, tuple(names.values()), folds, output, eps, heads=self.head_sets())
+        return PermutationSpec(axes, tuple(names.values()), folds, output, eps, heads=self.heads)
 
     # ----------------------------------------------------------------- modules
     def call_module(self, node, m: nn.Module) -> None:

@@ -112,6 +112,16 @@ class ClientHeads(nn.Module):
         self.register_buffer("bias", bias)
         self.register_buffer("shares", shares)
 
+    @classmethod
+    def from_fits(cls, network: nn.Module, output: str, fits, class_counts, *, pool: str = "linear") -> "ClientHeads":
+        """The heads of the clients' refit replies (:class:`~bayesfuse.inference.output_fusion.OutputFit`,
+        weights ``(G+1, K)`` with the bias as the last row), mixed by the shares of ``class_counts``
+        (J, K), in the fits' order; in eval mode."""
+        weights = np.stack([f.weight for f in fits])
+        return cls(
+            network, output, weights[:, :-1].transpose(0, 2, 1), weights[:, -1], class_shares(class_counts), pool=pool
+        ).eval()
+
     @property
     def pool(self) -> str:
         """``"linear"`` (the mixture) or ``"log"`` (the geometric pool); may be set."""

@@ -36,7 +36,7 @@ from bayesfuse.integrations.flower.records import (
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
 from bayesfuse.nets.arch import rebuild
-from bayesfuse.nets.heads import ClientHeads, class_shares
+from bayesfuse.nets.heads import ClientHeads
 from bayesfuse.nets.laplace import LastLayerLaplace
 from bayesfuse.nets.state import tensor_state
 from bayesfuse.summaries import (
@@ -650,15 +650,7 @@ class MatchedAveraging(_Fusion):
                 "the heads are mixed by each node's share of each class"
             )
         network = rebuild(like, tensor_state(self._refitted["state"]))
-        weights = np.stack([f.weight for f in fits])  # (J, G+1, K), the bias as the last row
-        return ClientHeads(
-            network,
-            self._refitted["output"],
-            weights[:, :-1].transpose(0, 2, 1),
-            weights[:, -1],
-            class_shares(np.stack(counts)),
-            pool=pool,
-        ).eval()
+        return ClientHeads.from_fits(network, self._refitted["output"], fits, np.stack(counts), pool=pool)
 
     def _summaries(self, good: list[_Reply]) -> tuple[list[ClientSummary] | None, list[_Reply]]:
         """The summaries to fuse with (None: data-free), and the replies left once a summary
