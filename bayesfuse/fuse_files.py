@@ -203,6 +203,12 @@ def _network_spec(state_dicts, names, arch, spec, like=None):
 
         spec, source = spec_from_module(like), f"traced from {type(like).__module__}.{type(like).__qualname__}"
     if spec is None:
+        attention = next((k for k in state_dicts[0] if k.endswith("in_proj_weight")), None)
+        if attention is not None:
+            raise ValueError(
+                f"{names[0]}: entry {attention!r} is an nn.MultiheadAttention's, and entry names do not show "
+                "how the network uses it; give the network itself (--model MODULE:NAME, like=model in Python)"
+            )
         source = (
             "entry names, as a plain chain" + (" (--arch {})".format(arch) if arch != "auto" else "")
             if not any("weight_ih_l" in k for k in state_dicts[0])
@@ -238,6 +244,39 @@ def _check_like(like, fused_sd: Mapping) -> None:
             f"the fused state does not load into {type(like).__name__} ({str(err).strip().splitlines()[0]})"
         ) from None
     check_runs(model, example_input_for(like), what=f"the fused {type(like).__name__}")
+
+
+def _split_attention(like, state: Mapping, name: str) -> "OrderedDict[str, torch.Tensor]":
+    """A file of ``like``'s architecture with its ``nn.MultiheadAttention`` entries split into
+    heads (:func:`~bayesfuse.nets.attention.split_state_dict`), or one line naming the file."""
+    from bayesfuse.nets.attention import split_state_dict
+
+    try:
+        return split_state_dict(like, state)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+
+
+def _merged_attention(split_like, template, fused_sd: Mapping) -> tuple["OrderedDict[str, torch.Tensor]", str]:
+    """The fused state with ``nn.MultiheadAttention`` entries again where the fused heads allow
+    (:func:`~bayesfuse.nets.attention.merge_heads`: it then loads into the caller's network as it
+    is), else as :class:`~bayesfuse.nets.attention.HeadAttention`'s; and what the report says."""
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.attention import merge_heads
+
+    note = "nn.MultiheadAttention split into heads to be fused"
+    try:
+        merged = merge_heads(rebuild(split_like, fused_sd), template)
+    except ValueError as err:
+        return OrderedDict(fused_sd), (
+            f"{note}; written as HeadAttention, which computes the same function ({err}): load it with "
+            f"bayesfuse.load(path, like={type(template).__name__}(...))"
+        )
+    dtype = next(iter(fused_sd.values())).dtype
+    state = OrderedDict(
+        (k, t.detach().to(dtype) if t.is_floating_point() else t) for k, t in merged.state_dict().items()
+    )
+    return state, f"{note}, then merged back (the fused heads have its widths)"
 
 
 def _input_summaries(names: Sequence[str], mode: str, method: str, kind: str) -> tuple[list | None, dict]:
@@ -441,6 +480,12 @@ def fuse_files(
 
         fused_sd = bnn_from_state(fused.state).state_dict()
     else:
+        from bayesfuse.nets.attention import multihead_modules, split_heads
+
+        template = like  # the caller's network, nn.MultiheadAttention included
+        if like is not None and multihead_modules(like):  # fused as HeadAttention (split_heads)
+            state_dicts = [_split_attention(like, sd, n) for sd, n in zip(state_dicts, names)]
+            like = split_heads(like)
         spec, source = _network_spec(state_dicts, names, arch, given_spec, like)
         states = (
             state_dicts
@@ -465,6 +510,8 @@ def fuse_files(
         fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype)) for k in state_dicts[0])
         if like is not None:  # never a file that cannot be loaded into the user's network and run
             _check_like(like, fused_sd)
+        if template is not like:
+            fused_sd, fused.hyper["attention"] = _merged_attention(like, template, fused_sd)
     report = {
         "method": method,
         "architecture": None

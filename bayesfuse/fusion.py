@@ -40,6 +40,7 @@ from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
+from bayesfuse.nets.attention import merge_heads, multihead_modules, split_heads
 from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state
 
@@ -267,6 +268,9 @@ def fuse(
     check_device(device, dtype)  # machine lacks: refused before anything is trained or converted
     order = canonical_order(models)  # any order of the same models gives the same fusion (client_order)
     models, class_counts, summaries, data, hyper = to_canonical(order, models, class_counts, summaries, data, hyper)
+    template = models[0]  # the caller's architecture, nn.MultiheadAttention included
+    if any(multihead_modules(m) for m in models):  # fused as HeadAttention, whose heads can change width
+        models = [split_heads(m) for m in models]
     row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
     if row is not None and row.needs_data:
         if head not in (None, "shared"):
@@ -274,16 +278,19 @@ def fuse(
                 f"head={head!r} is for the refit round of pfnm, nafi, ot and fedavg; {method} has one head"
             )
         return to_callers(
-            _fuse_fedma(
-                models,
-                data,
-                retrain,
-                class_counts=class_counts,
-                spec=spec,
-                seed=seed,
-                verbose=verbose,
-                start=start,
-                **hyper,
+            _with_multihead(
+                _fuse_fedma(
+                    models,
+                    data,
+                    retrain,
+                    class_counts=class_counts,
+                    spec=spec,
+                    seed=seed,
+                    verbose=verbose,
+                    start=start,
+                    **hyper,
+                ),
+                template,
             ),
             order,
         )
@@ -362,7 +369,27 @@ def fuse(
         groups=fused.groups if not all(bnn) else (),
         posteriors=fused.posteriors,
     )
-    return to_callers(result, order)
+    return to_callers(_with_multihead(result, template), order)
+
+
+def _with_multihead(result: FusionResult, template: nn.Module) -> FusionResult:
+    """``result`` of networks whose ``nn.MultiheadAttention`` were split into heads to be fused
+    (:func:`~bayesfuse.nets.attention.split_heads`): its model with ``nn.MultiheadAttention``
+    again where the fused heads allow (:func:`~bayesfuse.nets.attention.merge_heads`), and
+    ``hyper["attention"]`` saying which."""
+    names = multihead_modules(template)
+    if not names:
+        return result
+    note = "nn.MultiheadAttention split into heads to be fused"
+    if type(result.model) is not type(template):
+        result.hyper["attention"] = f"{note}; kept as HeadAttention in {type(result.model).__name__}"
+        return result
+    try:
+        result.model = merge_heads(result.model, template)
+        result.hyper["attention"] = f"{note}, then merged back (the fused heads have its widths)"
+    except ValueError as err:
+        result.hyper["attention"] = f"{note}; kept as HeadAttention, which computes the same function ({err})"
+    return result
 
 
 #: Candidate temperatures of the second round: 2^(k/8) for k = -32..32, from 1/16 to 16, 1 among them.

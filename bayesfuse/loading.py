@@ -144,7 +144,29 @@ def _imported_network(network: str) -> nn.Module | None:
 
 
 def _like(like: nn.Module, state: dict, name: str) -> nn.Module:
-    """``like`` rebuilt at the file's widths: checked against its traced spec, loaded, run once."""
+    """``like`` rebuilt at the file's widths: checked against its traced spec, loaded, run once.
+
+    A network with ``nn.MultiheadAttention`` is loaded split into heads (its file holds either
+    form: :func:`~bayesfuse.nets.attention.split_state_dict`), then merged back where the heads'
+    widths allow (:func:`~bayesfuse.nets.attention.merge_heads`); else it stays
+    :class:`~bayesfuse.nets.attention.HeadAttention`, which computes the same function."""
+    from bayesfuse.nets.attention import merge_heads, multihead_modules, split_heads, split_state_dict
+
+    if not multihead_modules(like):
+        return _like_traced(like, state, name)
+    if any(k.endswith("in_proj_weight") for k in state):  # the nn.MultiheadAttention form
+        try:
+            state = split_state_dict(like, state)
+        except ValueError as err:
+            raise ValueError(f"{name}: its entries do not fit the template network ({err})") from None
+    model = _like_traced(split_heads(like), state, name)
+    try:
+        return merge_heads(model, like)
+    except ValueError:
+        return model
+
+
+def _like_traced(like: nn.Module, state: dict, name: str) -> nn.Module:
     from bayesfuse.nets.arch import check_runs, rebuild
     from bayesfuse.nets.graph_spec import example_input_for
     from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module

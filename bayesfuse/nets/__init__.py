@@ -14,6 +14,7 @@ _EXPORTS = {
     "resnet20": "bayesfuse.nets.resnet",
     "vit": "bayesfuse.nets.attention",
     "split_heads": "bayesfuse.nets.attention",
+    "merge_heads": "bayesfuse.nets.attention",
     "HeadAttention": "bayesfuse.nets.attention",
 }
 
@@ -25,6 +26,7 @@ __all__ = [
     "resnet20",
     "vit",
     "split_heads",
+    "merge_heads",
     "HeadAttention",
 ]
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
+from typing import Mapping
 
 import torch
 import torch.fx
@@ -44,7 +46,18 @@ from torch import nn
 
 from bayesfuse.nets.images import image_shape
 
-__all__ = ["Head", "Heads", "HeadAttention", "split_heads", "TransformerBlock", "VisionTransformer", "vit"]
+__all__ = [
+    "Head",
+    "Heads",
+    "HeadAttention",
+    "split_heads",
+    "multihead_modules",
+    "split_state_dict",
+    "merge_heads",
+    "TransformerBlock",
+    "VisionTransformer",
+    "vit",
+]
 
 
 class Heads(nn.ModuleList):
@@ -182,11 +195,7 @@ def _score_mask(attn_mask, key_padding_mask, is_causal: bool, query: torch.Tenso
 
 def _from_multihead(mha: nn.MultiheadAttention) -> HeadAttention:
     """The :class:`HeadAttention` that computes what ``mha`` computes (self- or cross-attention)."""
-    if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
-        raise ValueError(
-            "split_heads converts nn.MultiheadAttention with kdim = vdim = embed_dim, no add_bias_kv "
-            "and no add_zero_attn"
-        )
+    _check_splittable(mha)
     dim, h = mha.embed_dim, mha.num_heads
     d = dim // h
     new = HeadAttention(dim, h, d, batch_first=mha.batch_first)
@@ -227,6 +236,146 @@ def split_heads(model: nn.Module) -> nn.Module:
             parent_name, _, child = name.rpartition(".")
             setattr(new.get_submodule(parent_name) if parent_name else new, child, _from_multihead(module))
     return new
+
+
+def multihead_modules(model: nn.Module) -> list[str]:
+    """Names of the ``nn.MultiheadAttention`` modules of ``model`` (``""``: the model itself)."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.MultiheadAttention)]
+
+
+def split_state_dict(like: nn.Module, state: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    """A state_dict of ``like``'s architecture, at any widths, in the form of ``split_heads(like)``.
+
+    Each ``nn.MultiheadAttention`` of ``like`` (``H`` heads) has, in ``state``, a stream ``E``
+    wide: ``in_proj_weight`` (3E, E) holds the heads' query, key and value rows, ``E / H`` each,
+    and ``out_proj.weight`` (E, E) their output columns. They become the entries of ``H``
+    :class:`Head` modules and one output bias, with the values :func:`split_heads` copies (zero
+    biases where the module has none). Other entries are kept as they are.
+
+    Raises
+    ------
+    ValueError
+        Where an attention module's entries are missing, or ``E`` is not a multiple of ``H``.
+    """
+    names = multihead_modules(like)
+    modules = {name + "." if name else "": like.get_submodule(name) for name in names}
+    for mha in modules.values():
+        _check_splittable(mha)
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    done = set()
+    for key, value in state.items():
+        prefix = next((p for p in modules if key.startswith(p) and key[len(p) :] in _MHA_ENTRIES), None)
+        if prefix is None:
+            out[key] = value
+        elif prefix not in done:
+            done.add(prefix)
+            out.update(_split_entries(prefix, modules[prefix].num_heads, state))
+    missing = [p or "the model" for p in modules if p not in done]
+    if missing:
+        raise ValueError(f"the state_dict has no entries of the attention module {missing[0]!r}")
+    return out
+
+
+#: The entries of an nn.MultiheadAttention with kdim = vdim = embed_dim.
+_MHA_ENTRIES = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+
+
+def _check_splittable(mha: nn.MultiheadAttention) -> None:
+    if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+        raise ValueError(
+            "split_heads converts nn.MultiheadAttention with kdim = vdim = embed_dim, no add_bias_kv "
+            "and no add_zero_attn"
+        )
+
+
+def _split_entries(prefix: str, h: int, state: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    """One attention module's entries in ``state`` as :class:`HeadAttention`'s (in its order)."""
+    w = state.get(prefix + "in_proj_weight")
+    wo = state.get(prefix + "out_proj.weight")
+    if w is None or wo is None:
+        raise ValueError(f"the state_dict lacks {prefix}in_proj_weight or {prefix}out_proj.weight")
+    dim = w.shape[1]
+    if w.shape != (3 * dim, dim) or dim % h:
+        raise ValueError(
+            f"{prefix}in_proj_weight has shape {tuple(w.shape)}: an attention of {h} heads needs (3E, E), "
+            f"E a multiple of {h}"
+        )
+    d = dim // h
+    b = state.get(prefix + "in_proj_bias")
+    b = torch.zeros(3 * dim, dtype=w.dtype) if b is None else b
+    bo = state.get(prefix + "out_proj.bias")
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    out[prefix + "bias"] = torch.zeros(dim, dtype=w.dtype) if bo is None else bo.clone()
+    for i in range(h):
+        rows = slice(i * d, (i + 1) * d)
+        for part, name in enumerate("qkv"):
+            out[f"{prefix}heads.{i}.{name}.weight"] = w[part * dim :][rows].clone()
+            out[f"{prefix}heads.{i}.{name}.bias"] = b[part * dim :][rows].clone()
+        out[f"{prefix}heads.{i}.o.weight"] = wo[:, rows].clone()
+    return out
+
+
+def merge_heads(model: nn.Module, like: nn.Module) -> nn.Module:
+    """The inverse of :func:`split_heads`: a copy of ``model`` (``split_heads(like)``'s
+    architecture, any widths) with an ``nn.MultiheadAttention`` wherever ``like`` has one.
+
+    Possible where every head of such a module is as ``nn.MultiheadAttention`` makes them: query,
+    key and value ``E / H`` wide for a stream ``E`` wide, the scale ``1 / sqrt(E / H)``, and zero
+    biases where ``like``'s module has none. Fusion that keeps the widths (FedAvg, or matching that
+    finds the clients' units) gives such heads; fused heads of other widths stay
+    :class:`HeadAttention`, which computes the same function. The new modules take ``like``'s
+    settings (``batch_first``, ``dropout``, ``bias``).
+
+    Raises
+    ------
+    ValueError
+        Naming the first module and why it cannot be one ``nn.MultiheadAttention``.
+    """
+    new = copy.deepcopy(model)
+    for name in multihead_modules(like):
+        original = like.get_submodule(name)
+        attention = new.get_submodule(name) if name else new
+        if not isinstance(attention, HeadAttention):
+            raise ValueError(f"{name or 'the model'} is a {type(attention).__name__}, not a HeadAttention")
+        mha = _to_multihead(attention, original, name or "the model")
+        if not name:
+            return mha
+        parent_name, _, child = name.rpartition(".")
+        setattr(new.get_submodule(parent_name) if parent_name else new, child, mha)
+    return new
+
+
+def _to_multihead(attention: HeadAttention, original: nn.MultiheadAttention, name: str) -> nn.MultiheadAttention:
+    dim, h = attention.bias.shape[0], len(attention.heads)
+    d = dim // h
+    for i, head in enumerate(attention.heads):
+        widths = (head.q.out_features, head.k.out_features, head.v.out_features)
+        if dim % h or widths != (d, d, d):
+            raise ValueError(
+                f"{name}: head {i} has query/key/value widths {widths} over a stream of {dim}; "
+                f"nn.MultiheadAttention's {h} heads are {dim / h:g} wide each"
+            )
+        if head.scale != 1.0 / math.sqrt(d):
+            raise ValueError(
+                f"{name}: head {i} scales its scores by {head.scale:.6g}, the clients' 1/sqrt(width); "
+                f"nn.MultiheadAttention's heads {d} wide would use {1.0 / math.sqrt(d):.6g}"
+            )
+    bias = original.in_proj_bias is not None
+    params = [p for head in attention.heads for p in (head.q.bias, head.k.bias, head.v.bias)] + [attention.bias]
+    if not bias and any(bool(p.detach().ne(0).any()) for p in params):
+        raise ValueError(f"{name}: the fused biases are not zero and the network's attention has none (bias=False)")
+    w = attention.bias
+    mha = nn.MultiheadAttention(
+        dim, h, dropout=original.dropout, bias=bias, batch_first=original.batch_first, device=w.device, dtype=w.dtype
+    )
+    with torch.no_grad():
+        heads = list(attention.heads)
+        mha.in_proj_weight.copy_(torch.cat([getattr(x, p).weight for p in "qkv" for x in heads]))
+        mha.out_proj.weight.copy_(torch.cat([x.o.weight for x in heads], dim=1))
+        if bias:
+            mha.in_proj_bias.copy_(torch.cat([getattr(x, p).bias for p in "qkv" for x in heads]))
+            mha.out_proj.bias.copy_(attention.bias)
+    return mha.train(attention.training)
 
 
 class TransformerBlock(nn.Module):

@@ -28,7 +28,8 @@ Anything else that touches a permuted axis is refused with one line naming the n
 operation and what to do (:class:`~bayesfuse.nets.tracing.UnsupportedLayerError`). In
 particular ``nn.MultiheadAttention`` is refused: its heads' widths are ``embed_dim /
 num_heads``, tied to the stream, so a stream fused to another width cannot be rebuilt into one;
-:func:`bayesfuse.nets.attention.split_heads` rewrites it, same function, as one module per head.
+:func:`bayesfuse.nets.attention.split_heads` rewrites it, same function, as one module per head
+(:func:`bayesfuse.fuse` and ``bayesfuse fuse --model`` do so themselves before tracing).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from bayesfuse.inference.heads import align_heads, head_descriptors, rename_head
 from bayesfuse.inference.result import ConvergenceWarning
 from bayesfuse.inference.spec import permute, random_permutations, spec_from_dict, spec_to_dict
 from bayesfuse.nets.arch import make_model
-from bayesfuse.nets.attention import HeadAttention, split_heads, vit
+from bayesfuse.nets.attention import Head, HeadAttention, merge_heads, split_heads, split_state_dict, vit
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import fused_both_ways
 from tests.nets.test_graph_spec import _random as _random_user
@@ -401,3 +401,102 @@ def test_heads_applied_one_after_another_are_refused():
     with pytest.raises(UnsupportedLayerError, match="heads must run in parallel") as err:
         spec_from_module(_Sequential())
     assert "'heads.1'" in str(err.value) and "'heads.0'" in str(err.value)
+
+
+# --------------------------------------------------------------------------- nn.MultiheadAttention in a user's network
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_split_state_dict_is_the_state_of_split_heads_at_any_width(bias):
+    torch.manual_seed(0)
+    like = nn.Sequential(nn.MultiheadAttention(16, 2, bias=bias))  # the template: 16 wide
+    wider = nn.Sequential(nn.MultiheadAttention(24, 2, bias=bias))  # a file of another width
+    expected = split_heads(wider).state_dict()
+    got = split_state_dict(like, wider.state_dict())
+    assert list(got) == list(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    with pytest.raises(ValueError, match=r"E a multiple of 2"):
+        split_state_dict(like, nn.Sequential(nn.MultiheadAttention(9, 1)).state_dict())
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_merge_heads_undoes_split_heads(batch_first):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.MultiheadAttention(12, 3, batch_first=batch_first)).eval()
+    merged = merge_heads(split_heads(model), model)
+    assert isinstance(merged[1], nn.MultiheadAttention) and merged[1].batch_first == batch_first
+    state = model.state_dict()
+    assert list(merged.state_dict()) == list(state)
+    assert all(torch.equal(merged.state_dict()[k], state[k]) for k in state)
+
+
+def test_merge_heads_refuses_heads_multihead_attention_cannot_hold():
+    torch.manual_seed(0)
+    model = Attention()
+    split = split_heads(model)
+    wide = HeadAttention(16, 2, 8)
+    wide.heads[1] = Head(16, 8, 10, scale=wide.heads[0].scale)  # one head's values wider
+    split.attn = wide
+    with pytest.raises(ValueError, match=r"attn: head 1 has query/key/value widths \(8, 8, 10\)"):
+        merge_heads(split, model)
+    rescaled = split_heads(model)
+    rescaled.attn.heads[0].scale = 0.5
+    with pytest.raises(ValueError, match=r"head 0 scales its scores by 0.5"):
+        merge_heads(rescaled, model)
+    plain = nn.Sequential(nn.MultiheadAttention(8, 2, bias=False))
+    biased = split_heads(plain)
+    with torch.no_grad():
+        biased[0].bias.fill_(0.1)
+    with pytest.raises(ValueError, match=r"has none \(bias=False\)"):
+        merge_heads(biased, plain)
+
+
+def test_fuse_splits_multihead_attention_and_merges_it_back_where_it_can():
+    mha = [_random_user(Attention, s) for s in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fused = bayesfuse.fuse(mha, "pfnm")
+        # the same fusion of the split networks' states, in the order fuse took them
+        split = [split_heads(mha[j]) for j in fused.hyper["fused_order"]]
+        states = [{k: v.detach().double().numpy() for k, v in m.state_dict().items()} for m in split]
+        reference = bayesfuse.fuse_states(states, "pfnm", spec=spec_from_module(split[0])).state
+    assert isinstance(fused.model.attn, HeadAttention)  # fused heads of other widths
+    assert "kept as HeadAttention" in fused.hyper["attention"]
+    state = fused.model.state_dict()
+    assert set(state) == set(reference)
+    assert all(np.allclose(state[k].numpy(), reference[k], atol=1e-6) for k in reference)
+    averaged = bayesfuse.fuse(mha, "fedavg")
+    assert isinstance(averaged.model.attn, nn.MultiheadAttention)
+    assert "merged back" in averaged.hyper["attention"]
+    mean = {k: sum(m.state_dict()[k] for m in mha) / 3 for k in mha[0].state_dict()}
+    assert all(torch.allclose(averaged.model.state_dict()[k], mean[k], atol=1e-6) for k in mean)
+    assert all(isinstance(m.attn, nn.MultiheadAttention) for m in mha)  # the callers' models unchanged
+
+
+def test_files_of_a_multihead_attention_network_fuse_with_the_network_given(tmp_path, capsys):
+    models = [_random_user(Attention, s) for s in range(3)]
+    paths = [str(save_state_dict(m.state_dict(), tmp_path / f"a{j}.pt")) for j, m in enumerate(models)]
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *paths, "--method", "pfnm", "--out", str(out)]) == 2  # names alone: refused
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nn.MultiheadAttention" in err and "--model MODULE:NAME" in err, err
+    assert not out.exists()
+    model = "tests.nets.user_nets:Attention"
+    assert main(["fuse", *paths, "--method", "pfnm", "--model", model, "--out", str(out)]) == 0
+    assert "kept as HeadAttention" not in json.loads((tmp_path / "fused.pt.json").read_text())["hyper"]["attention"]
+    loaded = bayesfuse.load(out, like=Attention())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        python = bayesfuse.fuse(models, "pfnm").model
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        assert float((loaded(x) - python(x)).abs().max()) < 1e-4
+    # FedAvg keeps the widths: the file is the network's own state_dict, nn.MultiheadAttention's entries
+    avg = tmp_path / "avg.pt"
+    assert main(["fuse", *paths, "--method", "fedavg", "--model", model, "--out", str(avg)]) == 0
+    plain = Attention()
+    plain.load_state_dict(torch.load(avg, weights_only=True))
+    loaded = bayesfuse.load(avg, like=Attention())
+    assert isinstance(loaded.attn, nn.MultiheadAttention)
+    with torch.no_grad():
+        assert float((plain.eval()(x) - loaded(x)).abs().max()) == 0.0
