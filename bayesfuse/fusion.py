@@ -206,7 +206,8 @@ def fuse(
         For BNNs, the method's ``head`` (``"clients"``: a
         :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). For point-estimate networks with the
         refit round: ``"clients"`` keeps every client's refitted output layer (its reply) and
-        predicts with their class-share mixture (:class:`~bayesfuse.nets.heads.ClientHeads`),
+        predicts with their class-share mixture, each head its fit's Laplace posterior
+        (:class:`~bayesfuse.nets.heads.ClientHeads`; ``ClientHeads.predictive = "map"``: the fits' means),
         instead of the product's probit (``"shared"``, default); ``ClientHeads.pool = "log"`` pools
         them geometrically.
     rounds : {1, 2, 3}
@@ -581,8 +582,10 @@ def _refit_round(
 
         K = network.get_submodule(output).out_features
         counts = np.stack([np.bincount(np.asarray(train.y)[idx], minlength=K) for idx in partition])
-        model = ClientHeads.from_fits(network, output, fits, counts)
-        fused.hyper["predictive"] = "class-share mixture of the clients' refitted output layers (ClientHeads)"
+        model = ClientHeads.from_fits(network, output, fits, counts, prior_precision=prior_precision / len(partition))
+        fused.hyper["predictive"] = (
+            "class-share mixture of the clients' refitted output layers, each its fit's Laplace posterior (ClientHeads)"
+        )
     else:
         model = LastLayerLaplace(network, output, covariance=covariance).eval()
         fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"

@@ -26,9 +26,10 @@ network (``shared``) or each from its own (``independent``), then one global mod
                  "2 rounds refit": the second round refits the output layer as the product of the
                  clients' Laplace fits on the fused features (bayesfuse.inference.output_fusion);
                  "pfnm 2 rounds refit" does so after the data-free fusion, without summaries;
-                 "pfnm 2 rounds client heads" keeps the clients' refitted output layers and
-                 predicts with their class-share mixture (bayesfuse.nets.heads.ClientHeads),
-                 "... log" with their geometric pool
+                 "pfnm 2 rounds client heads" keeps the clients' refitted output layers, each
+                 its fit's Laplace posterior, and predicts with their class-share mixture
+                 (bayesfuse.nets.heads.ClientHeads), "... map" with the fits' means alone,
+                 "... log" with the geometric pool of the Laplace heads
 
 Nothing is chosen with test data; the full test split gives the metrics only: accuracy, NLL,
 ECE (15 bins), the global width (sum of hidden widths) and the seconds spent building the
@@ -90,8 +91,13 @@ SUMMARY_ROWS = {
     "pfnm 2 rounds refit": ("pfnm", {"rounds": 2, "summaries": False}),
     "pfnm 2 rounds client heads": ("pfnm", {"rounds": 2, "summaries": False, "head": "clients"}),
 }
-#: Rows measured again from a row's fused model with its client heads pooled geometrically (ClientHeads.pool).
-LOG_POOL_ROWS = {"pfnm 2 rounds client heads": "pfnm 2 rounds client heads log"}
+#: Rows measured again from a row's fused model with other settings of its ClientHeads (pool, predictive).
+HEAD_VARIANTS = {
+    "pfnm 2 rounds client heads": {
+        "pfnm 2 rounds client heads map": {"pool": "linear", "predictive": "map"},
+        "pfnm 2 rounds client heads log": {"pool": "log", "predictive": "laplace"},
+    }
+}
 HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
 
 
@@ -168,9 +174,10 @@ def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.n
             warnings.simplefilter("ignore", ConvergenceWarning)
             result = fuse(models, method, summaries=given, seed=seed, **options, **data)
         second = result.hyper.get("second_round", {})
-        for label in (name, *([LOG_POOL_ROWS[name]] if name in LOG_POOL_ROWS else [])):
-            if label != name:
-                result.model.pool = "log"
+        variants = HEAD_VARIANTS.get(name, {})
+        for label in (name, *variants):
+            for key, value in variants.get(label, {}).items():
+                setattr(result.model, key, value)
             rows.append(
                 make_row(
                     label,

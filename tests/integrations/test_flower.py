@@ -684,6 +684,10 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
         np.testing.assert_allclose(heads.weight[h].numpy(), direct[j].weight[:-1].T, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(heads.bias[h].numpy(), direct[j].weight[-1], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(heads.shares.numpy(), class_shares(np.asarray(part.counts)[order]))
+    # each head its fit's Laplace posterior, under the prior share the nodes fitted with
+    assert heads.predictive == "laplace" and heads.prior_precision == pytest.approx(prior / 3)
+    for h, j in enumerate(order):
+        assert float(heads.n[h]) == direct[j].n
     assert strategy.client_heads(models[0], pool="log").pool == "log"
 
 

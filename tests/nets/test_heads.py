@@ -13,7 +13,7 @@ from torch import nn
 import bayesfuse
 from bayesfuse.data import dirichlet_partition
 from bayesfuse.inference.result import ConvergenceWarning
-from bayesfuse.nets.heads import ClientHeads, class_shares
+from bayesfuse.nets.heads import ClientHeads, class_shares, logit_variances
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.summaries import output_features, output_fit
 from bayesfuse.train import TrainConfig, train_clients
@@ -117,6 +117,11 @@ def test_the_refit_round_keeps_the_clients_fits_as_heads(federation):
     )
     probs = predict_proba(model, split.test.x)
     assert np.allclose(probs.sum(1), 1.0) and (probs.argmax(1) == split.test.y).mean() > 0.8
+    # each head is its fit's Laplace posterior, with the prior share the fit was made with
+    assert model.predictive == "laplace" and model.prior_precision == pytest.approx(lam / 4, rel=1e-12)
+    assert torch.allclose(model.n, torch.as_tensor(np.asarray(part.counts)[order].sum(1), dtype=torch.float64))
+    model.predictive = "map"
+    assert not np.allclose(predict_proba(model, split.test.x), probs)
 
 
 def test_a_plain_list_partition_and_the_pool_setting(federation):
@@ -141,3 +146,94 @@ def test_heads_need_the_refit_round(federation):
         bayesfuse.fuse(models, "pfnm", rounds=2, second_round="temperature", data=(split.train, part), head="clients")
     with pytest.raises(ValueError, match="has one head"):
         bayesfuse.fuse(models, "fedma", data=(split.train, part), head="clients")
+
+
+# --------------------------------------------------------------------------- heads as Laplace posteriors
+
+
+def _laplace_factors(rng, J: int, K: int, G: int):
+    """Factors as a fit makes them: the Gram of features with a bias column, the mean softmax Hessian."""
+    grams, curvatures = [], []
+    for _ in range(J):
+        a = np.hstack([rng.normal(size=(30, G)), np.ones((30, 1))])
+        p = _softmax(rng.normal(size=(30, K)) * 2)
+        grams.append(a.T @ a / 30)
+        curvatures.append(np.diag(p.mean(0)) - p.T @ p / 30)
+    return dict(gram=np.stack(grams), curvature=np.stack(curvatures), n=rng.integers(5, 50, size=J).astype(float))
+
+
+def test_logit_variances_are_the_kfac_posteriors():
+    """Against the posterior written out: precision n A (x) S + lambda I over vec(W), W (G+1, K)."""
+    rng = np.random.default_rng(1)
+    K, G, lam = 3, 4, 0.7
+    f = _laplace_factors(rng, 1, K, G)
+    A, S, n = f["gram"][0], f["curvature"][0], f["n"][0]
+    cov_w = np.linalg.inv(n * np.kron(A, S) + lam * np.eye((G + 1) * K))  # row-major vec: index g K + k
+    x = np.hstack([rng.normal(size=(6, G)), np.ones((6, 1))])
+    c, V = np.linalg.eigh(S)
+    b, U = np.linalg.eigh(A)
+    got = logit_variances(*(torch.as_tensor(t) for t in (x, U, b, c)), n, lam).numpy()
+    for i, a in enumerate(x):
+        M = np.kron(a[None, :], np.eye(K))  # f = M vec(W)
+        rotated = V.T @ M @ cov_w @ M.T @ V
+        assert np.allclose(np.diag(rotated), got[i], rtol=1e-10)
+        assert np.allclose(rotated - np.diag(np.diag(rotated)), 0.0, atol=1e-10 * np.abs(rotated).max())
+
+
+def test_laplace_heads_predict_the_mixture_of_mean_softmaxes_over_their_draws():
+    rng = np.random.default_rng(2)
+    net = _network()
+    weight, bias, shares = _heads(rng)
+    J, K, G = weight.shape
+    factors = dict(_laplace_factors(rng, J, K, G), prior_precision=0.5)
+    model = ClientHeads(net, "2", weight, bias, shares, laplace=factors, samples=16).eval()
+    x = rng.normal(size=(7, 5)).astype(np.float32)
+    features = np.hstack([output_features(net, "2", x).astype(np.float64), np.ones((7, 1))])
+    expected = np.zeros((7, K))
+    for j in range(J):
+        W = np.vstack([weight[j].T, bias[j]])
+        cov_w = np.linalg.inv(
+            factors["n"][j] * np.kron(factors["gram"][j], factors["curvature"][j]) + 0.5 * np.eye(W.size)
+        )
+        c, V = np.linalg.eigh(factors["curvature"][j])
+        p = np.zeros((7, K))
+        for i, a in enumerate(features):
+            M = np.kron(a[None, :], np.eye(K))
+            sd = np.sqrt(np.clip(np.diag(V.T @ M @ cov_w @ M.T @ V), 0, None))
+            draws = model.draws[j].numpy() * sd  # the heads' fixed draws, in V's basis
+            p[i] = _softmax(a @ W + draws @ V.T).mean(0)
+        expected += shares[j] * p
+    expected /= expected.sum(1, keepdims=True)
+    assert np.allclose(predict_proba(model, x), expected, atol=1e-8)
+    # the same input gives the same prediction in any batch
+    assert np.allclose(predict_proba(model, x[:3]), predict_proba(model, x)[:3], atol=1e-12)
+    # a prior that pins the weights: the heads' means
+    pinned = ClientHeads(net, "2", weight, bias, shares, laplace=dict(factors, prior_precision=1e12)).eval()
+    plain = ClientHeads(net, "2", weight, bias, shares).eval()
+    assert plain.predictive == "map"
+    assert np.allclose(predict_proba(pinned, x), predict_proba(plain, x), atol=1e-5)
+
+
+def test_laplace_factors_are_checked():
+    rng = np.random.default_rng(3)
+    net = _network()
+    weight, bias, shares = _heads(rng)
+    J, K, G = weight.shape
+    good = dict(_laplace_factors(rng, J, K, G), prior_precision=1.0)
+    with pytest.raises(ValueError, match=r"missing \['prior_precision'\]"):
+        ClientHeads(net, "2", weight, bias, shares, laplace={k: v for k, v in good.items() if k != "prior_precision"})
+    with pytest.raises(ValueError, match="do not fit 3 heads"):
+        ClientHeads(net, "2", weight, bias, shares, laplace=dict(good, gram=good["gram"][:, :-1, :-1]))
+    with pytest.raises(ValueError, match="positive semi-definite"):
+        ClientHeads(net, "2", weight, bias, shares, laplace=dict(good, curvature=-good["curvature"] - np.eye(K)))
+    with pytest.raises(ValueError, match="n > 0"):
+        ClientHeads(net, "2", weight, bias, shares, laplace=dict(good, n=np.zeros(J)))
+    with pytest.raises(ValueError, match="prior precision > 0"):
+        ClientHeads(net, "2", weight, bias, shares, laplace=dict(good, prior_precision=0.0))
+    with pytest.raises(ValueError, match="samples must be"):
+        ClientHeads(net, "2", weight, bias, shares, laplace=good, samples=0)
+    plain = ClientHeads(net, "2", weight, bias, shares)
+    with pytest.raises(ValueError, match="no posteriors"):
+        plain.predictive = "laplace"
+    with pytest.raises(ValueError, match="predictive must be one of"):
+        plain.predictive = "probit"

@@ -577,7 +577,13 @@ class MatchedAveraging(_Fusion):
         refitted[weight_key] = mean[:-1].T.astype(state[weight_key].dtype)
         refitted[bias_key] = mean[-1].astype(state[bias_key].dtype)
         self.output_covariance = covariance
-        self._refitted = {"state": refitted, "output": output, "fits": fits, "nodes": nodes}
+        self._refitted = {
+            "state": refitted,
+            "output": output,
+            "fits": fits,
+            "nodes": nodes,
+            "fit_prior": prior / len(pending["nodes"]),  # the prior share each node fitted with
+        }
         self.second_round_report = {
             "kind": "refit",
             "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
@@ -620,7 +626,8 @@ class MatchedAveraging(_Fusion):
     def client_heads(self, like: nn.Module, *, pool: str = "linear") -> ClientHeads:
         """The refitted network predicting with the nodes' own output fits: a
         :class:`~bayesfuse.nets.heads.ClientHeads` (the class-share mixture of the heads, or
-        their geometric pool with ``pool="log"``), as ``bayesfuse.fuse(..., head="clients")``.
+        their geometric pool with ``pool="log"``), each head its fit's Laplace posterior, as
+        ``bayesfuse.fuse(..., head="clients")``.
 
         Parameters
         ----------
@@ -650,7 +657,14 @@ class MatchedAveraging(_Fusion):
                 "the heads are mixed by each node's share of each class"
             )
         network = rebuild(like, tensor_state(self._refitted["state"]))
-        return ClientHeads.from_fits(network, self._refitted["output"], fits, np.stack(counts), pool=pool)
+        return ClientHeads.from_fits(
+            network,
+            self._refitted["output"],
+            fits,
+            np.stack(counts),
+            pool=pool,
+            prior_precision=self._refitted["fit_prior"],
+        )
 
     def _summaries(self, good: list[_Reply]) -> tuple[list[ClientSummary] | None, list[_Reply]]:
         """The summaries to fuse with (None: data-free), and the replies left once a summary
