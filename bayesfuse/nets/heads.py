@@ -25,7 +25,7 @@ Kronecker factors of its Laplace precision (:mod:`bayesfuse.inference.output_fus
 
 .. math::
 
-    H_j = n_j \, \bar A_j \otimes \bar S_j + \lambda_j I ,
+    H_j = n_j \\, \\bar A_j \\otimes \\bar S_j + \\lambda_j I ,
 
 ``lambda_j = lambda / J`` the prior share the client fitted with. Given them (``laplace=``, which
 :func:`bayesfuse.fuse` with ``head="clients"`` passes), ``p_j(k | x)`` is head j's Laplace
@@ -35,7 +35,7 @@ Gaussian with mean ``W_hat_j^T a~`` and, in the eigenbases ``A_j = U diag(b) U^T
 
 .. math::
 
-    \mathrm{Cov}(f) = V \, \mathrm{diag}_k\Big(\sum_g \frac{(U^T \tilde a)_g^2}{n_j b_g c_k + \lambda_j}\Big) V^T ,
+    \\mathrm{Cov}(f) = V \\mathrm{diag}_k\\Big(\\sum_g \\frac{(U^T \\tilde a)_g^2}{n_j b_g c_k + \\lambda_j}\\Big) V^T
 
 and the expectation is a mean over ``samples`` fixed standard normal draws (the same for every
 input, so that a prediction does not depend on the batch it is in). Away from a client's data, in
