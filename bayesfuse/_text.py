@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import warnings
+from types import FrameType
 from typing import Iterable
 
 __all__ = ["plain_line", "did_you_mean", "warn_from_caller"]
@@ -51,7 +52,8 @@ def warn_from_caller(message: str, category: type[Warning] = UserWarning) -> Non
     """``warnings.warn`` pointing at the first caller outside the bayesfuse package (the user's
     line, however many of the package's functions lie between), so that the warning shows the
     line that asked for what it is about rather than a line of the package."""
-    frame, level = sys._getframe(0), 1
+    frame: FrameType | None = sys._getframe(0)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

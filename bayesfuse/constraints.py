@@ -19,7 +19,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 __all__ = [
     "Interval",
@@ -65,8 +65,8 @@ class Interval:
 
     def check(self, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            try:  # NumPy scalars
-                value = value.item()
+            try:  # NumPy scalars (a bool has no item(): refused below)
+                value = cast(Any, value).item()
             except AttributeError:
                 raise TypeError from None
         if self.type is int:
@@ -371,5 +371,5 @@ MATCHING: dict[str, Constraint] = {
     "kl_weight": KEYS["kl_weight"],
     "cost": KEYS["cost"],
     "n_iter": KEYS["n_iter"],
-    "tol": OrNone(KEYS["tol"]),
+    "tol": OrNone(cast(Interval, KEYS["tol"])),
 }

@@ -26,7 +26,7 @@ name. Parameters are declared as scikit-learn declares its estimators'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, cast
 
 from bayesfuse._text import did_you_mean
 from bayesfuse.assignments import parse_assignments as _parse_assignments
@@ -514,7 +514,8 @@ def check_execution(method: str, kind: str | None, device: Any) -> None:
     refuse."""
     m = METHODS.get(method)
     if device is not None and m is not None and (not m.device or kind not in (None, "network")):
-        what = f"method {method!r}" if not m.device else f"{method} on {_KIND_WORDS[kind]}"
+        # not None here: a device method is refused only for a kind other than None and "network"
+        what = f"method {method!r}" if not m.device else f"{method} on {_KIND_WORDS[cast(str, kind)]}"
         raise ValueError(
             f"device={str(device)!r}: {what} runs on the host only; a device runs the matching of "
             f"{' and '.join(DEVICE_METHODS)} on point-estimate networks (leave device unset)"

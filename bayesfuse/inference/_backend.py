@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from types import ModuleType
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -148,6 +149,7 @@ def ieee_float32() -> Iterator[None]:
     if before in (None, "highest"):
         yield
         return
+    assert torch is not None  # the setting was read from it
     torch.set_float32_matmul_precision("highest")
     try:
         yield
@@ -166,7 +168,7 @@ class Backend:
     """NumPy float64 on the host: :meth:`put` and :meth:`host` leave host arrays as they are."""
 
     name = "numpy"
-    xp = np
+    xp: ModuleType | _TorchNamespace = np
     is_torch = False
 
     def put(self, a) -> Any:

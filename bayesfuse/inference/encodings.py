@@ -116,7 +116,7 @@ def _targets(spec: PermutationSpec, group: str) -> tuple[str | None, str | None]
             )
         prefix = layers.pop()
     keys = [f"{prefix}.{p}" if prefix else p for p in ("weight", "bias")]
-    found = []
+    found: list[str | None] = []
     for k in keys:
         axes = spec.axes.get(k)
         if axes is None:
@@ -146,7 +146,9 @@ def _apply(state: State, spec: PermutationSpec, inverse: bool) -> dict:
     for g in encoded_groups(spec):
         enc = spec.encodings[g]
         weight, bias = _targets(spec, g)
-        n = np.shape(state[weight if weight is not None else bias])[0]
+        first = weight if weight is not None else bias
+        assert first is not None  # _targets refuses a group with neither
+        n = np.shape(state[first])[0]
         e = position_encoding(n, enc)
         if enc.mode == "mul":
             if inverse:
@@ -157,6 +159,7 @@ def _apply(state: State, spec: PermutationSpec, inverse: bool) -> dict:
                     a = np.asarray(state[k], dtype=np.float64)
                     out[k] = a * factor.reshape(-1, *([1] * (a.ndim - 1)))
         else:
+            assert bias is not None  # _targets refuses an additive encoding without one
             out[bias] = np.asarray(state[bias], dtype=np.float64) + (-e if inverse else e)
     return out
 

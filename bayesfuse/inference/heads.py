@@ -127,7 +127,7 @@ def rename_heads(state: Mapping[str, object], spec: PermutationSpec, orders: Map
 
 def renamed_groups(spec: PermutationSpec, orders: Mapping[tuple, np.ndarray]) -> dict[str, str]:
     """``old group -> new group`` for the groups the heads of ``orders`` carry with them."""
-    out = {}
+    out: dict[str, str] = {}
     for heads, order in orders.items():
         for b, a in enumerate(order):
             out.update(zip(spec.head_groups(heads[a]), spec.head_groups(heads[b])))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Sequence, cast
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -303,7 +303,8 @@ def greedy_assign(
             changed |= old is None or not np.array_equal(old, a)
         if not changed:
             break
-    used, flat = np.unique(np.concatenate(assignments), return_inverse=True)
+    # every client is placed in the first pass (sweeps >= 0)
+    used, flat = np.unique(np.concatenate(cast(list[np.ndarray], assignments)), return_inverse=True)
     bar = cols.terms[used[flat]]
     # KL(bar_g || q_l) row by row: A(eta_l) - A(eta_g) - <mu_g, eta_l> + <mu_g, eta_g>
     kl = terms.log_norm - bar.log_norm - np.einsum("np,np->n", bar.mu, terms.eta) + bar.self_dot
@@ -339,16 +340,17 @@ def greedy_start(
 def _check_variance_range(posteriors: Sequence[ExpFamily]) -> None:
     """Refuse diagonal Gaussians whose variances span more than :data:`MAX_VARIANCE_RATIO`,
     naming the client, component, coordinate and value of the one farthest from the median."""
-    if not all(isinstance(getattr(q, "var", None), np.ndarray) for q in posteriors):
+    variances = [v for v in (getattr(q, "var", None) for q in posteriors) if isinstance(v, np.ndarray)]
+    if len(variances) < len(posteriors):
         return  # other families carry no variance of their own to compare
-    logs = [np.log10(q.var) for q in posteriors]
+    logs = [np.log10(v) for v in variances]
     low, high = min(float(a.min()) for a in logs), max(float(a.max()) for a in logs)
     if high - low <= np.log10(MAX_VARIANCE_RATIO):
         return
     median = float(np.median(np.concatenate([a.ravel() for a in logs])))
     j = max(range(len(logs)), key=lambda i: float(np.abs(logs[i] - median).max()))
     comp, coord = np.unravel_index(int(np.abs(logs[j] - median).argmax()), logs[j].shape)
-    value = float(posteriors[j].var[comp, coord])
+    value = float(variances[j][comp, coord])
     side = "larger" if value > 10**median else "smaller"
     raise ValueError(
         f"client {j}'s variance {value:g} (component {comp}, coordinate {coord}) is "
@@ -512,6 +514,7 @@ def kl_fuse(
         if same:
             converged = True
             break
+    assert assignments is not None and scale is not None  # n_iter >= 1 (validated): the loop ran
     # The fused posterior: each global component the barycenter of the local components the
     # rounded assignments give it; components no rounded assignment uses are dropped.
     flat = np.concatenate(assignments)
@@ -564,6 +567,7 @@ def _homogeneous(posteriors, pooled, sizes, glob, n_iter, verbose, start) -> KLF
         if same:
             converged = True
             break
+    assert assignments is not None  # n_iter >= 1 (validated): the loop ran
     relaxed = [np.eye(L)[a] for a in assignments]
     return _warned(
         KLFusionResult(

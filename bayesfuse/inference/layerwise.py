@@ -272,7 +272,7 @@ def _group_axis(spec: PermutationSpec, name: str, group: str) -> tuple[int, Axis
     return next((d, a) for d, a in enumerate(spec.axes[name]) if a is not None and a.group == group)
 
 
-def unit_entries(spec: PermutationSpec, group: str, matched: Mapping[str, Basis], skip: set[str]) -> list[str]:
+def unit_entries(spec: PermutationSpec, group: str, matched: Mapping[str, object], skip: set[str]) -> list[str]:
     """Entries that describe ``group``'s units given the groups matched so far."""
     out = []
     for k in spec.axes:
@@ -455,8 +455,8 @@ def match_group(
             if j == 0:
                 layout.append((k, a.shape, d, axis, r.shape[1]))
                 # 1-D entries of hidden units are biases (batch norms are folded out beforehand)
-                mean = bias_prior_mean if (np.ndim(sd[k]) == 1 and k not in spec.output) else 0.0
-                prior_mean.append(np.full(r.shape[1], mean))
+                entry_mean = bias_prior_mean if (np.ndim(sd[k]) == 1 and k not in spec.output) else 0.0
+                prior_mean.append(np.full(r.shape[1], entry_mean))
         r = np.hstack(blocks)
         v = np.hstack(variances)
         unseen = np.isnan(r)
@@ -467,23 +467,22 @@ def match_group(
         rows.append(r)
         noise.append(v)
         missing.append(unseen[0] if len(r) else np.zeros(r.shape[1], dtype=bool))
-    noise = np.vstack(noise)
-    missing = np.vstack(missing)
-    match_noise = np.where(missing, np.inf, noise) if absent == "unobserved" else noise
+    noise_rows, unobserved = np.vstack(noise), np.vstack(missing)
+    match_noise = np.where(unobserved, np.inf, noise_rows) if absent == "unobserved" else noise_rows
     mu0 = np.hstack(prior_mean)
     D = mu0.shape[0]
     with np.errstate(divide="ignore"):
         precision = 1.0 / match_noise  # relative precisions w_jd (0: unobserved)
     units = rows if device is None else [to_device(r, device, dtype) for r in rows]
     if auto:
-        blocks = np.repeat(np.arange(len(layout)), [width for *_, width in layout])
+        entry_blocks = np.repeat(np.arange(len(layout)), [width for *_, width in layout])
         result = match_neurons(
             units,
             noise_var=noise_var,
             prior_var=prior_var,
             gamma0=gamma0,
             prior_mean=mu0,
-            blocks=blocks,
+            blocks=entry_blocks,
             relative_precision=precision,
             kl_weight=kl_weight / D,
             cost=cost,

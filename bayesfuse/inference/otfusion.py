@@ -244,8 +244,8 @@ def _aligned(
     """
     a = np.asarray(a, dtype=np.float64)
     for d, axis in enumerate(spec.axes[name]):
-        if axis is not None and axis.group != keep and axis.group in maps and maps[axis.group] is not None:
-            a = _apply(a, d, axis, maps[axis.group])
+        if axis is not None and axis.group != keep and axis.group in maps and (m := maps[axis.group]) is not None:
+            a = _apply(a, d, axis, m)
     return a
 
 
@@ -365,7 +365,7 @@ def ot_fuse_layerwise(
                 maps[j][group] = plan * G  # T diag(1/beta), beta = 1/G
             plans.append(plan)
             converged &= bool(ok)
-        aligned_rows = np.stack([r if maps[j][group] is None else maps[j][group].T @ r for j, r in enumerate(rows)])
+        aligned_rows = np.stack([r if (m := maps[j][group]) is None else m.T @ r for j, r in enumerate(rows)])
         mean = np.tensordot(omega, aligned_rows, axes=1)
         var = np.tensordot(omega, (aligned_rows - mean) ** 2, axes=1)
         layers[group] = OTLayer(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Sequence, cast
 
 import numpy as np
 
@@ -147,7 +147,7 @@ def _solve_cvxpy(costs: list[np.ndarray], reg: float) -> tuple[list[np.ndarray],
         if problem.status == cp.OPTIMAL:
             if failures:
                 warnings.warn(f"cvxpy fell back to {name} after: {'; '.join(failures)}", RuntimeWarning, stacklevel=4)
-            value = np.clip(P.value, 0.0, 1.0)
+            value = np.clip(cast(np.ndarray, P.value), 0.0, 1.0)  # set at an optimum
             starts = np.cumsum([0, *sizes])
             return [value[a:b] for a, b in zip(starts[:-1], starts[1:])], f"cvxpy:{name}"
         failures.append(f"{name}: status {problem.status}")

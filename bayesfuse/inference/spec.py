@@ -24,11 +24,14 @@ writes them back; its functions are importable from here too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from bayesfuse._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Axis",
@@ -180,12 +183,12 @@ class PermutationSpec:
         """The ``eps`` of batch norm ``name`` (PyTorch's default unless the spec says otherwise)."""
         return float(self.eps.get(name, BATCHNORM_EPS))
 
-    def output_layer(self, state: Mapping[str, object]) -> tuple[str, str]:
+    def output_layer(self, state: Mapping[str, Any]) -> tuple[str, str]:
         """The output layer's weight (2-D) and bias (1-D) entries of :attr:`output` in ``state``."""
-        found = [next((k for k in self.output if k in state and np.ndim(state[k]) == d), None) for d in (2, 1)]
-        if None in found:
+        weight, bias = [next((k for k in self.output if k in state and np.ndim(state[k]) == d), None) for d in (2, 1)]
+        if weight is None or bias is None:
             raise ValueError(f"the output entries {list(self.output)} hold no 2-D weight and 1-D bias")
-        return found[0], found[1]
+        return weight, bias
 
     def __post_init__(self) -> None:
         fixed = {k: tuple(as_axis(a) for a in v) for k, v in self.axes.items()}
@@ -339,7 +342,7 @@ def _head_sets(data, axes: Mapping[str, tuple]) -> tuple:
 
 def dense(name: str, in_group, out_group, *, bias: bool = True) -> PermutationSpec:
     """``nn.Linear``: ``weight`` is ``(out, in)``, ``bias`` is ``(out,)``."""
-    axes = {f"{name}.weight": (out_group, in_group)}
+    axes: dict[str, tuple] = {f"{name}.weight": (out_group, in_group)}
     if bias:
         axes[f"{name}.bias"] = (out_group,)
     return PermutationSpec(axes, ())
@@ -347,7 +350,7 @@ def dense(name: str, in_group, out_group, *, bias: bool = True) -> PermutationSp
 
 def conv(name: str, in_group, out_group, *, bias: bool = True, ndim: int = 2) -> PermutationSpec:
     """``nn.Conv{ndim}d``: ``weight`` is ``(C_out, C_in, *kernel)``; channels are the units."""
-    axes = {f"{name}.weight": (out_group, in_group, *([None] * ndim))}
+    axes: dict[str, tuple] = {f"{name}.weight": (out_group, in_group, *([None] * ndim))}
     if bias:
         axes[f"{name}.bias"] = (out_group,)
     return PermutationSpec(axes, ())
@@ -358,7 +361,7 @@ def batchnorm(name: str, group, *, after: str | None = None, eps: float = 1e-5) 
     ``eps`` is the layer's (folding divides by ``sqrt(running_var + eps)``)."""
     if not (0.0 < eps < 1.0):
         raise ValueError(f"batch norm {name!r}: eps must lie in (0, 1) to fold it, got {eps}")
-    axes = {f"{name}.{p}": (group,) for p in ("weight", "bias", "running_mean", "running_var")}
+    axes: dict[str, tuple] = {f"{name}.{p}": (group,) for p in ("weight", "bias", "running_mean", "running_var")}
     axes[f"{name}.num_batches_tracked"] = ()
     return PermutationSpec(
         axes, (), folds={name: after} if after else {}, eps={name: float(eps)} if eps != BATCHNORM_EPS else {}
@@ -438,6 +441,7 @@ def _take_any(a, dim: int, axis: Axis, index: np.ndarray):
     n = axis.size(a.shape[dim])
     shape = tuple(a.shape)
     blocks = a.reshape(*shape[:dim], axis.outer, n, axis.inner, *shape[dim + 1 :])
+    out: np.ndarray | torch.Tensor
     if isinstance(a, np.ndarray):
         out = np.take(blocks, index, axis=dim + 1)
     else:  # a torch tensor, so torch is loaded already
@@ -465,7 +469,7 @@ def to_global_basis(
     out_shape = list(blocks.shape)
     out_shape[dim + 1] = n_global
     out = np.full(out_shape, fill, dtype=np.float64)
-    index = [slice(None)] * out.ndim
+    index: list[slice | np.ndarray] = [slice(None)] * out.ndim
     index[dim + 1] = assignment
     out[tuple(index)] = blocks
     return out.reshape(*shape[:dim], axis.outer * n_global * axis.inner, *shape[dim + 1 :])

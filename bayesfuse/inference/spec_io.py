@@ -272,13 +272,13 @@ def spec_for_state_dict(
             raise ValueError(
                 f"{name}: an LSTM spec needs exactly one dense output layer after the LSTM, found {weights}"
             )
-        out = weights[0][: -len("weight")]
+        head = weights[0][: -len("weight")]
         top = "H" if n_layers == 1 else f"H_{n_layers - 1}"
         parts = [
             lstm(prefix, None, "H", num_layers=n_layers, bias=f"{prefix}.bias_ih_l0" in shapes),
-            dense(out.rstrip("."), top, None, bias=f"{out}bias" in shapes),
+            dense(head.rstrip("."), top, None, bias=f"{head}bias" in shapes),
         ]
-        spec = chain(*parts, output=tuple(k for k in (f"{out}weight", f"{out}bias") if k in shapes))
+        spec = chain(*parts, output=tuple(k for k in (f"{head}weight", f"{head}bias") if k in shapes))
         spec.check(state_dict, name)
         return spec
     layers: list[tuple[str, str]] = []  # (prefix, kind)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 import pyro
@@ -277,21 +277,21 @@ def simulate_federation(
                 prior_mean=prior_mean,
                 truncation=truncation,
             )
-            z = trace.nodes["z"]["value"]
+            z = cast(torch.Tensor, trace.nodes["z"]["value"])  # a sample site's value
             if (z.sum(1) > 0).all():
                 break
         else:
             raise RuntimeError(f"every draw in {max_tries} left a client without neurons; raise gamma0")
-    atoms = trace.nodes["atoms"]["value"].numpy()
+    atoms = cast(torch.Tensor, trace.nodes["atoms"]["value"]).numpy()
     used = torch.nonzero(z.sum(0) > 0)[:, 0].numpy()
     relabel = np.full(z.shape[1], -1)
     relabel[used] = np.arange(len(used))
     layers, assignments = [], []
     for j in range(n_clients):
         sel = torch.nonzero(z[j] > 0)[:, 0]
-        order = trace.nodes[f"order_{j}"]["value"]
+        order = cast(torch.Tensor, trace.nodes[f"order_{j}"]["value"])
         assignments.append(relabel[sel[order].numpy()])
-        layers.append(trace.nodes[f"neurons_{j}"]["value"].numpy())
+        layers.append(cast(torch.Tensor, trace.nodes[f"neurons_{j}"]["value"]).numpy())
     hyper = dict(
         gamma0=gamma0,
         prior_var=prior_var,

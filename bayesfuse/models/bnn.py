@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 import pyro
@@ -128,6 +128,13 @@ class HorseshoeBNN(nn.Module):
         The units of each hidden layer; ``depth`` is their number.
     """
 
+    prior_scales: torch.Tensor
+    # set by train_bnn
+    elbo_history: list[float]
+    epoch_seconds: list[float]
+    train_seconds: float
+    examples_per_second: float
+
     def __init__(
         self,
         in_features: int,
@@ -140,7 +147,7 @@ class HorseshoeBNN(nn.Module):
         prior: str = "horseshoe",
     ):
         super().__init__()
-        sizes = (hidden,) if np.ndim(hidden) == 0 else tuple(hidden)
+        sizes = (cast(int, hidden),) if np.ndim(hidden) == 0 else tuple(cast(tuple[int, ...], hidden))
         if len(sizes) == 0 or min(in_features, n_classes, *sizes) < 1:
             raise ValueError("in_features, n_classes and every hidden size must be positive")
         if prior not in PRIORS:
@@ -231,7 +238,7 @@ class HorseshoeBNN(nn.Module):
     # ------------------------------------------------------------------ Pyro model and guide
     def model(self, x: torch.Tensor, y: torch.Tensor | None = None, n_data: int | None = None):
         D, K = self.in_features, self.n_classes
-        f64 = dict(dtype=torch.float64)
+        f64: dict[str, Any] = dict(dtype=torch.float64)
         params, width = {}, D
         horseshoe = self.prior == "horseshoe"
         for layer, H in enumerate(self.hidden_sizes, 1):
@@ -412,6 +419,7 @@ def train_bnn(
         opt = torch.optim.Adam([p for p in bnn.parameters() if p.requires_grad], lr=config.lr, fused=True)
         gen = torch.Generator().manual_seed(config.seed)
         if local:
+            assert x_sq is not None  # computed for the local estimator
 
             def loss_fn(idx):
                 return negative_elbo(bnn, xt[idx], yt[idx], len(xt), gen, x_sq[idx])

@@ -113,7 +113,8 @@ def negative_elbo(
 
     b_g, s_w = bnn.global_scale, bnn.weight_scale
     horseshoe = bnn.prior == "horseshoe"
-    h, h_sq, kl = x, x_sq, 0.0
+    h, h_sq = x, x_sq
+    kl: float | torch.Tensor = 0.0
     for layer, H in enumerate(bnn.hidden_sizes, 1):
         n = layer_sites(layer)
         if horseshoe:  # unit scales s_k = tau * lambda_k, one draw per minibatch (log-normal guides)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -61,9 +61,15 @@ def is_head_state(state: Mapping[str, object]) -> bool:
 
 
 class _Heads(nn.Module):
+    loc_w: torch.Tensor
+    scale_w: torch.Tensor
+    loc_b: torch.Tensor
+    scale_b: torch.Tensor
+    shares: torch.Tensor
+
     def __init__(self, n_heads: int, n_classes: int, width: int):
         super().__init__()
-        f64 = dict(dtype=torch.float64)
+        f64: dict[str, Any] = dict(dtype=torch.float64)
         self.register_buffer("loc_w", torch.zeros(n_heads, n_classes, width, **f64))
         self.register_buffer("scale_w", torch.zeros(n_heads, n_classes, width, **f64))
         self.register_buffer("loc_b", torch.zeros(n_heads, n_classes, **f64))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 from scipy import sparse
@@ -188,7 +188,8 @@ def fit_local_lda(
             fit = _words_loglik(x, gamma, lam) if n_init > 1 else 0.0
         if fit > best_fit:
             best, best_fit = lam, fit
-    return Dirichlet(concentration=best)
+    # None only when no fit scored above -inf (NaN scores): Dirichlet refuses it
+    return Dirichlet(concentration=cast(np.ndarray, best))
 
 
 def _batch_vb(
@@ -286,19 +287,20 @@ def amps_fuse(posteriors: Sequence[Dirichlet], prior: float, *, n_sweeps: int = 
 
     for j in range(1, n_clients):
         sigma[j] = assign(j)
+    placed = cast(list[np.ndarray], sigma)  # every client placed: sigma itself, no None left
     objective, converged = [], False
     for _ in range(n_sweeps):
         changed = False
         for j in range(n_clients):
             new = assign(j)
-            changed |= not np.array_equal(new, sigma[j])
-            sigma[j] = new
-        merged = prior + sum(c[s] for c, s in zip(counts, sigma))
+            changed |= not np.array_equal(new, placed[j])
+            placed[j] = new
+        merged = cast(np.ndarray, prior + sum(c[s] for c, s in zip(counts, placed)))
         objective.append(float(_dirichlet_log_norm(merged).sum()))
         if not changed:
             converged = True
             break
-    assignments = [np.argsort(s) for s in sigma]  # local l -> global g
+    assignments = [np.argsort(s) for s in placed]  # local l -> global g
     return AMPSResult(Dirichlet(concentration=merged), assignments, objective, converged, time.perf_counter() - start)
 
 
@@ -443,7 +445,7 @@ def select_reg(
         total, words = 0.0, 0.0
         for obs, held in splits:
             n = float(held.sum())
-            total += completion_loglik(obs, held, res.components, alpha) * n
+            total += completion_loglik(obs, held, cast(Dirichlet, res.components), alpha) * n  # Dirichlets in, out
             words += n
         results.append(res)
         scores.append(total / words)
@@ -457,9 +459,9 @@ def select_reg(
 
 def top_words(topics: Dirichlet, vocabulary: Sequence[str], n: int = 8) -> list[list[str]]:
     """The ``n`` words of largest posterior mean in each topic."""
-    vocabulary = np.asarray(vocabulary)
+    words = np.asarray(vocabulary)
     order = np.argsort(-topics.concentration, axis=1, kind="stable")[:, :n]
-    return [vocabulary[o].tolist() for o in order]
+    return [words[o].tolist() for o in order]
 
 
 def topic_sources(

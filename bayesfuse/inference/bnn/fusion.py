@@ -51,7 +51,7 @@ layer goes through the same steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
@@ -226,7 +226,7 @@ def kl_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> tuple[
     """A layer's units KL-fused (:func:`~bayesfuse.inference.klfusion.kl_fuse`): the result, the
     fused units and what to record beside ``hyper`` (the solver used)."""
     result = kl_fuse(vectors, verbose=verbose, **hyper)
-    return result, result.components, {"solver": result.solver}
+    return result, cast(DiagNormal, result.components), {"solver": result.solver}  # the family of its inputs
 
 
 def matched_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> tuple[Any, DiagNormal, dict]:
@@ -266,8 +266,8 @@ def fuse_bnn_posteriors(
     ref = posts[0]
     J, K, depth = len(posts), ref.n_classes, len(ref.layers)
     layers, kept_all, units_all, fused_layers = [], [], [], []
-    below: list[np.ndarray | None] = [None] * J  # per client: the global unit of each kept unit below
-    kept_below: list[np.ndarray | None] = [None] * J
+    below: Sequence[np.ndarray | None] = [None] * J  # per client: the global unit of each kept unit below
+    kept_below: Sequence[np.ndarray | None] = [None] * J
     n_below = ref.in_features
     shares = output_shares(class_counts, J, K)  # (J, K) class shares of the outputs
     used = dict(hyper)
@@ -279,8 +279,9 @@ def fuse_bnn_posteriors(
             keep = keep_informative(incoming_information(layer.incoming), prune_kl)
             kept.append(np.flatnonzero(keep))
             layer = layer.units(keep)
-            if kept_below[j] is not None:  # the columns of the units kept below, then the bias
-                cols = np.append(kept_below[j], layer.incoming.loc.shape[1] - 1)
+            kept_j = kept_below[j]
+            if kept_j is not None:  # the columns of the units kept below, then the bias
+                cols = np.append(kept_j, layer.incoming.loc.shape[1] - 1)
                 layer = HiddenLayer(
                     incoming=_columns(layer.incoming, cols), log_lam=layer.log_lam, log_tau=layer.log_tau
                 )
@@ -315,9 +316,10 @@ def fuse_bnn_posteriors(
         log_tau = DiagNormal.concat([p.layers[index].log_tau for p in posts]).barycenter(np.ones(J))
         incoming = _columns(units, slice(0, n_in))
         if unit_form == "effective":
-            weights = members.copy()
-            weights[weights.sum(1) == 0] = 1.0  # a unit with no member (none in practice) takes the mean log-scale
-            fused = split_effective(incoming, DiagNormal.concat(scales).barycenter(weights), log_tau)
+            member_weights = members.copy()
+            # a unit with no member (none in practice) takes the mean log-scale
+            member_weights[member_weights.sum(1) == 0] = 1.0
+            fused = split_effective(incoming, DiagNormal.concat(scales).barycenter(member_weights), log_tau)
         else:
             fused = HiddenLayer(incoming=incoming, log_lam=_columns(units, slice(n_in, n_in + 1)), log_tau=log_tau)
         fused_layers.append(fused)
@@ -348,8 +350,8 @@ def fuse_bnn_posteriors(
     )
     outgoing = [p.out_weights[k] for p, k in zip(posts, kept_all[-1])]
     if unit_form == "raw":  # a fused unit computes s_g / s_jl times its member's output (s: median unit scale)
-        top = fused_layers[-1]
-        m_fused = top.log_tau.loc[0, 0] + top.log_lam.loc[:, 0]
+        top_layer = fused_layers[-1]
+        m_fused = top_layer.log_tau.loc[0, 0] + top_layer.log_lam.loc[:, 0]
         factors = [
             np.exp(p.layers[-1].log_tau.loc[0, 0] + p.layers[-1].log_lam.loc[k, 0] - m_fused[np.asarray(a)])
             for p, k, a in zip(posts, kept_all[-1], layers[-1].assignments)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -43,7 +43,7 @@ __all__ = ["BNNPosterior", "HiddenLayer", "DeepBNNPosterior"]
 BNN_MODULE = "bayesfuse.models.bnn"
 
 
-def _horseshoe_bnn() -> type:
+def _horseshoe_bnn() -> type[Any]:
     """The class :class:`~bayesfuse.models.bnn.HorseshoeBNN`, its module imported on first use."""
     return importlib.import_module(BNN_MODULE).HorseshoeBNN
 
@@ -53,16 +53,23 @@ _GLOBAL_FIELDS = {"b2": "out_bias", "log_tau": "log_tau"}
 assert set(_GLOBAL_FIELDS) == {s.name for s in GLOBAL_SITES}
 
 
+def _unit_axis(site: Site) -> int:
+    """The axis a hidden unit indexes in ``site``, one of :data:`UNIT_SITES` (each has one)."""
+    axis = site.unit_axis
+    assert axis is not None, f"site {site.name} is shared by all units"
+    return axis
+
+
 def _unit_width(site: Site, D: int, K: int) -> int:
     """Number of columns a hidden unit's slice of ``site`` takes in :attr:`BNNPosterior.units`."""
     shape = list(site.shape(1, D, K))
-    del shape[site.unit_axis]
+    del shape[_unit_axis(site)]
     return int(np.prod(shape, dtype=np.int64))
 
 
 def _pack(arrays: Mapping[str, np.ndarray], H: int) -> np.ndarray:
     """(H, D + 2 + K): per unit, its slices of the unit sites, unit axis first, flattened."""
-    return np.hstack([np.moveaxis(arrays[s.name], s.unit_axis, 0).reshape(H, -1) for s in UNIT_SITES])
+    return np.hstack([np.moveaxis(arrays[s.name], _unit_axis(s), 0).reshape(H, -1) for s in UNIT_SITES])
 
 
 def _as_numpy(value) -> np.ndarray:
@@ -171,23 +178,24 @@ class BNNPosterior:
         ``log_scale = log(var) / 2``; ``HorseshoeBNN.from_state_dict(p.to_state())`` rebuilds the guide.
         """
         H, D, K = self.hidden, self.in_features, self.n_classes
-        locs, variances = {}, {}
+        locs: dict[str, np.ndarray] = {}
+        variances: dict[str, np.ndarray] = {}
         for site, (_, columns) in zip(UNIT_SITES, self.unit_layout()):
             per_unit = list(site.shape(H, D, K))
-            del per_unit[site.unit_axis]
+            del per_unit[_unit_axis(site)]
             for out, a in ((locs, self.units.loc), (variances, self.units.var)):
-                out[site.name] = np.moveaxis(a[:, columns].reshape(H, *per_unit), 0, site.unit_axis)
+                out[site.name] = np.moveaxis(a[:, columns].reshape(H, *per_unit), 0, _unit_axis(site))
         for site in GLOBAL_SITES:
             family = getattr(self, _GLOBAL_FIELDS[site.name])
             locs[site.name] = family.loc[0].reshape(site.shape(H, D, K))
             variances[site.name] = family.var[0].reshape(site.shape(H, D, K))
         state = {"prior_scales": self.prior_spec.to_array()}
         for key in STATE_KEYS[1:]:
-            prefix, site = key.split(".")
+            prefix, name = key.split(".")
             if prefix == "loc":
-                state[key] = np.ascontiguousarray(locs[site], dtype=np.float64)
+                state[key] = np.ascontiguousarray(locs[name], dtype=np.float64)
             else:
-                state[key] = 0.5 * np.log(np.ascontiguousarray(variances[site], dtype=np.float64))
+                state[key] = 0.5 * np.log(np.ascontiguousarray(variances[name], dtype=np.float64))
         return state
 
     # ------------------------------------------------------------------ torch modules

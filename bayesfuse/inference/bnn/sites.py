@@ -180,6 +180,7 @@ def state_sizes(state: Mapping[str, object], name: str = "state_dict") -> tuple[
     depth = state_depth(state)
     if depth is None:
         state_dims(state, name)  # raises, naming the missing and unexpected keys
+    assert depth is not None  # state_dims raised otherwise
     return _checked_sizes(state, name, depth)
 
 

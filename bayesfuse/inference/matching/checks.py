@@ -17,7 +17,7 @@ def check_layers(layers: Sequence) -> list:
     if len(layers) == 0:
         raise ValueError("need at least one client's neurons")
     torch_inputs = backend_of(layers).is_torch
-    out = []
+    out: list = []
     for j, w in enumerate(layers):
         if torch_inputs:
             a = w.detach()
@@ -35,7 +35,7 @@ def check_layers(layers: Sequence) -> list:
     return out
 
 
-def positive(value, name: str, shape_ok: tuple[int, ...], allow_inf: bool = False) -> np.ndarray:
+def positive(value, name: str, shape_ok: tuple[tuple[int, ...], ...], allow_inf: bool = False) -> np.ndarray:
     a = positive_array(value, name, allow_inf=allow_inf)
     if a.ndim > 0 and a.shape not in shape_ok:
         raise ValueError(f"{name} must be a scalar or have shape {' or '.join(map(str, shape_ok))}, got {a.shape}")

@@ -90,6 +90,7 @@ def gain_terms_per_neuron(h, lam_d, v, p, with_kl: bool, max_elements: int = 1 <
         ratio = p[None] / lc
         log_ratio[s : s + step] = xp.log1p(ratio).sum(-1)
         if with_kl:
+            assert kl is not None  # made above with_kl
             sq = p[None] ** 2 / den * (v[None] - hc / lc) ** 2
             kl[s : s + step] = 0.5 * (ratio - xp.log1p(ratio) + sq).sum(-1)
     return delta, log_ratio, kl
@@ -201,7 +202,7 @@ def negative_pairs(
     hh: np.ndarray | None = None,
     vv: np.ndarray | None = None,
     v32: np.ndarray | None = None,
-):
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The pairs (atom i, neuron l) with ``R_il < 0`` under the ``"marginal"`` cost without KL
     (``R`` as in :func:`assign`: ``old_il - new_l``), found through a float32 product.
 

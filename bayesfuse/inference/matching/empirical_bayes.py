@@ -151,7 +151,7 @@ class AtomStatistics:
 
     weight: np.ndarray
     mean: np.ndarray
-    scatter: np.ndarray
+    scatter: np.ndarray | None  # None once spent (match_empirical_bayes frees it)
     counts: np.ndarray
     n_seen: np.ndarray
     n_clients: int
@@ -276,6 +276,7 @@ def em_update(
     mean, var = h / lam, 1.0 / lam
     out = BlockHyper(hyper.prior_var.copy(), hyper.noise_var.copy(), hyper.prior_mean.copy(), hyper.gamma0)
     if "noise_var" in fit:
+        assert stats.scatter is not None  # statistics not yet spent
         num = (stats.scatter + stats.weight * ((stats.mean - mean) ** 2 + var)).sum(0)
         nb, db = np.zeros(B), np.zeros(B)
         np.add.at(nb, blocks, num)
@@ -310,13 +311,15 @@ class _BlockSummary:
 
 
 def _summarise(stats: AtomStatistics, cols: np.ndarray) -> _BlockSummary:
+    assert stats.scatter is not None  # statistics not yet spent
     # summed in the order of the (K, |b|) copy that indexing makes (column by column)
     scatter = float(stats.scatter[:, cols].sum())
+    index: np.ndarray | slice = cols
     if len(cols) and cols[-1] - cols[0] + 1 == len(cols):  # consecutive coordinates: views, not (K, |b|) copies
-        cols = slice(int(cols[0]), int(cols[-1]) + 1)
-    W, c = stats.weight[:, cols], stats.mean[:, cols]
+        index = slice(int(cols[0]), int(cols[-1]) + 1)
+    W, c = stats.weight[:, index], stats.mean[:, index]
     seen = W > 0
-    n_within = float(stats.n_seen[cols].sum() - seen.sum())
+    n_within = float(stats.n_seen[index].sum() - seen.sum())
     if (W == W[:, :1]).all():  # one weight per atom in this block (every client sees all of it)
         rows = seen[:, 0]
         values, inverse = np.unique(W[rows, 0], return_inverse=True)
@@ -564,6 +567,7 @@ def match_empirical_bayes(
             sweeps += result.n_sweeps
             objective += result.objective
             stopped = result.hyper["stopped"]
+    assert result is not None  # the last round's matching, or the one after the rounds
     result.n_sweeps, result.objective, result.converged = sweeps, objective, result.converged or stopped
     result.hyper = dict(
         result.hyper,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from scipy import sparse
@@ -15,6 +15,9 @@ from bayesfuse._validation import finite_array
 from bayesfuse.constraints import GAMMA0, validate_params
 from bayesfuse.inference._backend import NUMPY, Backend, backend_of, ieee_float32, is_tensor, namespace, to_host
 from bayesfuse.inference.matching.checks import check_assignments, check_layers, client_variances, positive
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Groups:
@@ -46,12 +49,12 @@ class Groups:
         # Runs of consecutive coordinates in one group (blocks of a unit's weights): when there
         # are few, sums go run by run; else through a (D, B) indicator, dense for a few groups.
         starts = np.flatnonzero(np.diff(self.index) != 0) + 1
-        self._runs = None
+        self._runs: list[tuple[int, int, int]] | None = None
         if n_groups > 1 and len(starts) < 8:
             bounds = np.concatenate([[0], starts, [D]])
             self._runs = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), self.index[bounds[:-1]].tolist()))
-        self._onehot = None
-        self._index_on = None  # index as a tensor, for torch inputs
+        self._onehot: Any = None  # a dense or a scipy sparse (D, B) indicator
+        self._index_on: torch.Tensor | None = None  # index as a tensor, for torch inputs
         if n_groups > 1 and not self.identity and self._runs is None:
             if n_groups <= 64:
                 self._onehot = np.zeros((D, n_groups))
@@ -95,6 +98,7 @@ class Groups:
         return self.sum(x * x)
 
     def _by_runs(self, run_sum, x):
+        assert self._runs is not None  # called for coordinates in runs only
         out = x.new_zeros((x.shape[0], self.n)) if is_tensor(x) else np.zeros((x.shape[0], self.n))
         for start, end, group in self._runs:  # a few runs of coordinates
             out[:, group] += run_sum(start, end)

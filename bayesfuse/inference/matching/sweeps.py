@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from typing import cast
 
 import numpy as np
 from tqdm.auto import tqdm
 
 import bayesfuse.inference.matching.cost as costs
-from bayesfuse.inference._backend import NUMPY, Backend, backend_of
+from bayesfuse.inference._backend import NUMPY, Backend, TorchBackend, backend_of
 from bayesfuse.inference.matching.assignment import RECORDERS, assign, assign_negative
 from bayesfuse.inference.matching.checks import check_assignments
 from bayesfuse.inference.matching.cost import cost_blocks, negative_pairs
@@ -53,7 +54,7 @@ def blas_threads(limit: int | None, backend: Backend = NUMPY):
     controller = _blas_controller()
     if controller is not None:
         stack.enter_context(controller.limit(limits=limit, user_api="blas"))
-    if backend.is_torch and backend.device.type == "cpu":
+    if isinstance(backend, TorchBackend) and backend.device.type == "cpu":
         torch, before = backend.torch, backend.torch.get_num_threads()
         if limit < before:
             torch.set_num_threads(limit)
@@ -77,9 +78,10 @@ class NeuronCache:
         self.density = 0.0
 
     def v32(self, j: int, v: np.ndarray) -> np.ndarray:
-        if self._v32[j] is None:
-            self._v32[j] = v.astype(np.float32)
-        return self._v32[j]
+        cached = self._v32[j]
+        if cached is None:
+            cached = self._v32[j] = v.astype(np.float32)
+        return cached
 
     def vv(self, j: int, v, groups: Groups):
         if 8 * groups.n > len(groups.index):  # hardly smaller than the neurons: not kept
@@ -220,10 +222,11 @@ def match_fixed(
     assignments: list[np.ndarray | None] = [None] * J
     atoms = _AtomBuffer(D, groups, capacity=max(len(v) for v in layers) * 2, backend=backend)
     if init is not None:  # warm start: atoms from the given assignments, then refining sweeps
-        assignments = [np.asarray(a) for a in init] if checked else check_assignments(init, layers)
+        given = [np.asarray(a) for a in init] if checked else check_assignments(init, layers)
+        assignments = list(given)
         if init_atoms is None:
             atoms.reset(
-                *posterior_stats(layers, prec, assignments, int(max(a.max() for a in assignments)) + 1, prior, backend)
+                *posterior_stats(layers, prec, assignments, int(max(a.max() for a in given)) + 1, prior, backend)
             )
         else:  # lambda is constant on each coordinate group: keep one value per group
             h0, lam0, m0 = init_atoms
@@ -333,7 +336,7 @@ def match_fixed(
             if least_gain is not None and before is not None and objective[-1] - before < least_gain:
                 stopped = converged = True
                 break
-            state = partition_key(assignments)
+            state = partition_key(cast(list[np.ndarray], assignments))  # every client placed in the first sweep
             if state in seen:  # the sweeps came back to an earlier partition: more would repeat the cycle
                 cycle = sweep - seen[state]
                 converged = True
