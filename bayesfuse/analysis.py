@@ -271,7 +271,7 @@ def _select_weights(weights: Weights, names: Sequence[str], *, default_subset: b
         return np.arange(min(width, DEFAULT_WEIGHTS) if default_subset else width)
     if isinstance(weights, str) and weights == "all":
         return np.arange(width)
-    if isinstance(weights, (str, numbers.Integral)):
+    if isinstance(weights, (str, int, numbers.Integral)):
         wanted = [weights]
     else:
         wanted = weights.tolist() if isinstance(weights, np.ndarray) else list(weights)
@@ -337,7 +337,7 @@ def gaussian_to_arviz(
     seed: int = 0,
     var_name: str = "theta",
     unit_dim: str = "global_unit",
-    unit_ids: Sequence[int] | None = None,
+    unit_ids: Sequence[int] | np.ndarray | None = None,
     weight_names: Sequence[str] | None = None,
     constant_data: dict | None = None,
     extra_coords: dict | None = None,
@@ -870,6 +870,7 @@ def aligned_to_arviz(
     if has_heads(model.state_dict()):
         raise TypeError("a fusion with client heads has no one output layer to align; align head='shared'")
     index, fused_layer = select_layer(fused, layer)
+    assert index is not None  # a FusionResult has layers, so the layer has an index
     assignments = [np.asarray(a) for a in fused_layer.assignments]
     if len(bnns) != len(assignments):
         raise ValueError(f"the fusion has {len(assignments)} clients, got {len(bnns)} BNNs")
@@ -887,7 +888,7 @@ def aligned_to_arviz(
     columns = _select_weights(weights, entries, default_subset=units is None)
     if units is None and (len(chosen) < len(loc) or (weights is None and len(columns) < len(entries))):
         _note_default_subset(len(loc), len(chosen), len(entries), len(columns))
-    options = dict(weights=columns, num_draws=num_draws, chains=chains, seed=seed, weight_names=entries)
+    options: dict[str, Any] = dict(weights=columns, num_draws=num_draws, chains=chains, seed=seed, weight_names=entries)
     attrs = {"form": "effective", "layer": index + 1, "method": str(fused.method)}
     exports = {"fused": gaussian_to_arviz(loc, var, units=chosen, **options, attrs={**attrs, "model": "fused"})}
     for j, (post, name) in enumerate(zip(posts, names)):

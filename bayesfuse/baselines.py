@@ -8,7 +8,7 @@ It ignores the permutation invariance of hidden units, which is what matching me
 from __future__ import annotations
 
 import copy
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence, TypeGuard
 
 import numpy as np
 import torch
@@ -17,6 +17,9 @@ from torch import nn
 from bayesfuse._validation import normalised_weights
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
+
+if TYPE_CHECKING:
+    from bayesfuse.models.bnn import HorseshoeBNN
 
 __all__ = ["fedavg", "fedavg_state_dicts", "Ensemble", "evaluate_locals"]
 
@@ -112,6 +115,8 @@ class Ensemble(nn.Module):
         Seed of those draws (the same draws at every call, as ``member.predict(..., seed=seed)``).
     """
 
+    log_weights: torch.Tensor
+
     def __init__(
         self,
         models: Sequence[nn.Module],
@@ -177,7 +182,7 @@ def _in_dtype_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x if _is_bnn(model) else x.to(dtype)
 
 
-def _is_bnn(model: nn.Module) -> bool:
+def _is_bnn(model: nn.Module) -> TypeGuard[HorseshoeBNN]:
     """Whether ``model`` is a Bayesian network whose predictive is ``model.predict`` (it has no ``forward``)."""
     from bayesfuse.models.bnn import HorseshoeBNN
 

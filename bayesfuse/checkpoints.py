@@ -28,7 +28,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, cast
 
 import numpy as np
 import torch
@@ -246,7 +246,7 @@ def _pickled_class(raw: bytes) -> str | None:
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
             data = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-            strings = []
+            strings: list[str] = []
             for op, arg, _ in pickletools.genops(archive.read(data)):
                 if op.name in ("PROTO", "FRAME", "MEMOIZE") or "PUT" in op.name:
                     continue
@@ -255,7 +255,7 @@ def _pickled_class(raw: bytes) -> str | None:
                 elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
                     name = f"{strings[-2]}.{strings[-1]}"
                 elif "UNICODE" in op.name:
-                    strings.append(arg)
+                    strings.append(cast(str, arg))  # a UNICODE opcode reads a str
                     continue
                 else:
                     return None
@@ -360,7 +360,9 @@ def output_format(path: str | os.PathLike, fmt: str | None = None) -> str:
             f"give it a {' or '.join(s for s, f in FORMATS.items() if f == fmt)} name, or give "
             "fmt='pt' or 'safetensors' to match its suffix"
         )
-    return fmt or named
+    chosen = fmt or named
+    assert chosen is not None  # refused above when neither tells the format
+    return chosen
 
 
 def save_state_dict(

@@ -19,7 +19,7 @@ import os
 import sys
 import textwrap
 import warnings
-from typing import NoReturn, Sequence
+from typing import Literal, NoReturn, Sequence, cast
 
 from bayesfuse._text import plain_line
 
@@ -91,7 +91,7 @@ def _pan(text: str):
         mode, period, amplitude = parts[0], float(parts[1]), float(parts[2])
         if len(parts) != 3:
             raise IndexError
-        return PANConfig(mode, period, amplitude)
+        return PANConfig(cast(Literal["add", "mul"], mode), period, amplitude)  # PANConfig checks it
     except (IndexError, ValueError) as err:
         detail = f" ({err})" if isinstance(err, ValueError) and "float" not in str(err) else ""
         raise argparse.ArgumentTypeError(f"expected MODE,T,A such as mul,1,0.1, got {text!r}{detail}") from None
@@ -508,7 +508,7 @@ def _os_error_message(err: OSError) -> str:
     if err.strerror is None:  # raised with a message of its own
         return str(err)
     where = " -> ".join(os.fsdecode(f) for f in (err.filename, err.filename2) if f is not None)
-    hint = _OS_HINTS.get(err.errno)
+    hint = _OS_HINTS.get(err.errno) if err.errno is not None else None
     message = f"{where}: {err.strerror}" if where else err.strerror
     return f"{message} ({hint})" if hint else message
 

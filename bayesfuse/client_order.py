@@ -25,13 +25,16 @@ same model must predict the same with the same seed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from bayesfuse.checkpoints import tensors_sha256
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["canonical_order", "to_canonical", "to_callers", "PER_CLIENT_FIELDS"]
 
@@ -74,7 +77,7 @@ def _permuted_partition(partition, order: Sequence[int]):
         return partition
     if dataclasses.is_dataclass(partition) and hasattr(partition, "indices") and hasattr(partition, "counts"):
         return dataclasses.replace(
-            partition,
+            cast("DataclassInstance", partition),  # a Partition: a dataclass instance
             indices=tuple(partition.indices[j] for j in order),
             counts=np.asarray(partition.counts)[list(order)],
         )
@@ -106,7 +109,9 @@ def _layer_in_callers_order(layer, back):
     if not dataclasses.is_dataclass(layer):
         return layer
     names = {f.name for f in dataclasses.fields(layer)}
-    return dataclasses.replace(layer, **{k: back(getattr(layer, k)) for k in PER_CLIENT_FIELDS if k in names})
+    return dataclasses.replace(
+        cast("DataclassInstance", layer), **{k: back(getattr(layer, k)) for k in PER_CLIENT_FIELDS if k in names}
+    )
 
 
 def to_callers(result, order: Sequence[int]):

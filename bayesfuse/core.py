@@ -222,7 +222,7 @@ def fuse_states(
     names = list(names) if names is not None else [f"client {j}" for j in range(len(states))]
     if kind == "network":
         _check_batch_norms(states, names)
-    options = {}
+    options: dict[str, Any] = {}
     if output_pool not in ("precision", "counts"):
         raise ValueError(f"output_pool must be 'precision' or 'counts', got {output_pool!r}")
     if summaries is None and output_pool != "precision":

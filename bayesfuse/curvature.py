@@ -35,7 +35,7 @@ layer path, and both against BackPACK where it is installed.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 import torch
@@ -56,14 +56,17 @@ def _factor(logits: torch.Tensor) -> torch.Tensor:
 def _layer_square(module: nn.Module, a: torch.Tensor, g2: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     """Sum over the chunk of one class's squared per-example weight gradient of a Linear or Conv2d."""
     if isinstance(module, nn.Linear):  # grad_n = g_n a_n^T: its square is g_n^2 (a_n^2)^T
+        assert g2 is not None  # a Linear's outputs are 2-D here (3-D inputs are refused)
         return g2.T @ (a.double() ** 2)
     if isinstance(module, nn.modules.batchnorm._BatchNorm):  # eval mode: y = weight * x_hat + bias
+        assert module.running_mean is not None and module.running_var is not None  # _fast_layers: running stats
         shape = (1, -1) + (1,) * (a.dim() - 2)
         x_hat = (a.double() - module.running_mean.double().view(shape)) / (
             module.running_var.double().view(shape) + module.eps
         ).sqrt()
         per_example = (g.double() * x_hat).flatten(2).sum(2) if a.dim() > 2 else g.double() * x_hat
         return (per_example**2).sum(0)
+    assert isinstance(module, nn.Conv2d) and not isinstance(module.padding, str)  # as _fast_layers picks them
     cols = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
     per_example = torch.bmm(g.flatten(2), cols.transpose(1, 2))  # in the model's dtype, squared in float64
     return (per_example.double() ** 2).sum(0).reshape(module.weight.shape)
@@ -146,7 +149,7 @@ def _func_ggn(model, names, xb, total, buffers, params) -> None:
         def logits_of(p):
             return functional_call(model, ({**fixed, **p}, buffers), (xi.unsqueeze(0),)).squeeze(0)
 
-        f, pullback = vjp(logits_of, chosen)
+        f, pullback = cast(tuple[Any, Callable], vjp(logits_of, chosen))  # without has_aux: two values
         grads = vmap(pullback)(_factor(f))[0]
         return {k: (g.double() ** 2).sum(0) for k, g in grads.items()}
 

@@ -17,7 +17,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -401,7 +401,7 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
                     ]
                 variants += [("+summaries", 1, summaries), ("+summaries 2 rounds", 2, summaries)]
             for label, rounds, given in variants:
-                data = {"data": (split.train, partition)} if rounds == 2 else {}
+                data: dict[str, Any] = {"data": (split.train, partition)} if rounds == 2 else {}
                 fused = fuse(models, row.name, summaries=given, rounds=rounds, seed=config.seed, **data, **hyper)
                 rows.append(
                     _row(

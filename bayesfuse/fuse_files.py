@@ -21,7 +21,7 @@ import platform
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, TypedDict
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from bayesfuse.checkpoints import (
     state_dict_bytes,
     tensors_sha256,
 )
-from bayesfuse.core import fuse_states
+from bayesfuse.core import State, fuse_states
 from bayesfuse.fusion_record import fusion_bytes, fusion_path
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
@@ -58,7 +58,7 @@ def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
         t = sd[key]
         if t.ndim == 2:
             bias = key[: -len("weight")] + "bias" if key.endswith("weight") else None
-            if bias not in sd or sd[bias].shape != (t.shape[0],):
+            if bias is None or bias not in sd or sd[bias].shape != (t.shape[0],):
                 raise ValueError(
                     f"{name}: parameter {key!r} {tuple(t.shape)} has no matching bias, so the file is not a "
                     "plain MLP's; give the network itself (--model MODULE:NAME, like=model in Python)"
@@ -184,7 +184,9 @@ def _forward_order(checkpoint: Checkpoint, name: str, spec: PermutationSpec | No
     """
     sd = checkpoint.tensors
     if is_bnn_state(sd):
-        keys = list(state_keys(state_depth(sd)))
+        depth = state_depth(sd)
+        assert depth is not None  # is_bnn_state: the keys of some depth
+        keys = list(state_keys(depth))
     elif checkpoint.order_recorded:
         keys = entry_order(sd)
     elif spec is not None:
@@ -342,6 +344,16 @@ def _wrong_kind(method: str, kind: str) -> str:
     return f"method {method!r} is for point-estimate networks; use {', '.join(first)} or {last} for BNNs"
 
 
+class _FileRecord(TypedDict):
+    """One input file in the report's ``inputs``."""
+
+    path: str
+    sha256: str
+    tensors_sha256: str
+    order_recorded: bool
+    state_dict_key: str | None
+
+
 def fuse_files(
     paths: Sequence[str | Path],
     method: str,
@@ -419,11 +431,11 @@ def fuse_files(
     report_path = out.with_name(out.name + ".json")
     check_writable(out.parent)  # a read-only directory fails now, not after the fusion
     recover([out, report_path, posterior_path(out), fusion_path(out)])  # finish or undo a killed run's commit
-    for p in (out, report_path, posterior_path(out), fusion_path(out)):
-        if p.is_dir():
-            raise IsADirectoryError(f"{p} is a directory; give a file name for the fused model")
-        if p.exists() and not force:
-            raise FileExistsError(f"{p} exists; replace it with force=True")
+    for target in (out, report_path, posterior_path(out), fusion_path(out)):
+        if target.is_dir():
+            raise IsADirectoryError(f"{target} is a directory; give a file name for the fused model")
+        if target.exists() and not force:
+            raise FileExistsError(f"{target} exists; replace it with force=True")
     if any(Path(p).resolve() == out.resolve() for p in paths):
         raise ValueError(f"the output {out} is also an input")
 
@@ -436,7 +448,7 @@ def fuse_files(
     given_spec = _load_spec(spec_path) if spec_path is not None else None
     loaded = [read_checkpoint(p) for p in paths]
     forward = [_forward_order(c, str(p), given_spec) for c, p in zip(loaded, paths)]
-    files = [
+    files: list[_FileRecord] = [
         {
             "path": str(p),
             "sha256": c.sha256,
@@ -472,7 +484,9 @@ def fuse_files(
     if kind == "bnn":
         from bayesfuse.models.bnn import HorseshoeBNN
 
-        states = [HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)]
+        states: Sequence[State] = [
+            HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)
+        ]
         fused = fuse_states(
             states, method, names=names, seed=seed, device=device, dtype=dtype, class_counts=counts, **hyper
         )

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, cast
 
 import numpy as np
 import torch
@@ -561,8 +561,8 @@ def _refit_round(
     by_evidence = prior_precision is None
     if by_evidence:
         prior_precision = prior_precision_from_weights(
-            [m.get_submodule(output).weight.detach().cpu().numpy() for m in models],
-            fan_in=network.get_submodule(output).weight.shape[1],
+            [cast(nn.Linear, m.get_submodule(output)).weight.detach().cpu().numpy() for m in models],
+            fan_in=cast(nn.Linear, network.get_submodule(output)).weight.shape[1],
         )
     client_seconds = time.perf_counter()
     fits = [
@@ -571,7 +571,7 @@ def _refit_round(
     ]
     client_seconds = (time.perf_counter() - client_seconds) / len(partition)
     mean, covariance, chosen = output_posterior(fits, prior_precision, by_evidence=by_evidence)
-    layer = network.get_submodule(output)
+    layer = cast(nn.Linear, network.get_submodule(output))
     with torch.no_grad():
         layer.weight.copy_(torch.as_tensor(mean[:-1].T, dtype=layer.weight.dtype))
         layer.bias.copy_(torch.as_tensor(mean[-1], dtype=layer.bias.dtype))
@@ -580,7 +580,7 @@ def _refit_round(
     if head == "clients":
         from bayesfuse.nets.heads import ClientHeads
 
-        K = network.get_submodule(output).out_features
+        K = cast(nn.Linear, network.get_submodule(output)).out_features
         counts = np.stack([np.bincount(np.asarray(train.y)[idx], minlength=K) for idx in partition])
         model = ClientHeads.from_fits(network, output, fits, counts, prior_precision=prior_precision / len(partition))
         fused.hyper["predictive"] = (

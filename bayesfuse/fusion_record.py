@@ -35,7 +35,7 @@ class SavedLayer:
     :class:`~bayesfuse.inference.result.LayerResult`, with the layer's ``counts`` and ``hyper``)."""
 
     assignments: list
-    counts: np.ndarray
+    counts: np.ndarray | None  # None when the fusion recorded none
     objective: list
     converged: bool
     n_global: int

@@ -115,8 +115,9 @@ def load(
             model = _like(template, state, name)
     if posterior and posterior_path(path).is_file():
         model = _with_posterior(model, posterior_path(path), state, name)
-    model.fusion_report = load_report(path)
-    model.fusion = None
+    # plain attributes: torch's stub types a module's attributes as Tensor | Module
+    model.fusion_report = load_report(path)  # type: ignore[assignment]
+    model.fusion = None  # type: ignore[assignment]
     if posterior and fusion_path(path).is_file():
         from bayesfuse.fusion_record import read_fusion
 

@@ -6,7 +6,7 @@ All functions take ``probs`` of shape (n, K) whose rows are distributions and in
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, overload
 
 import numpy as np
 from scipy.stats import rankdata
@@ -31,6 +31,10 @@ __all__ = [
 PROB_FLOOR = 1e-12
 
 
+@overload
+def check_probs(probs: np.ndarray, y: None = None) -> tuple[np.ndarray, None]: ...
+@overload
+def check_probs(probs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 def check_probs(probs: np.ndarray, y: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     p = np.asarray(probs, dtype=np.float64)
     if p.ndim != 2 or p.shape[0] == 0:

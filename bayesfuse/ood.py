@@ -99,7 +99,7 @@ def report(
         )
     draws = {name: bootstrap_ood_auroc(h_in, h_out, n_boot=n_boot, seed=seed) for name, (h_in, h_out) in scores.items()}
     point = {name: ood_auroc(h_in, h_out) for name, (h_in, h_out) in scores.items()}
-    best = max(point, key=point.get)
+    best = max(point, key=point.__getitem__)
     q = [(1 - level) / 2, (1 + level) / 2]
     rows = {}
     for name, (h_in, h_out) in scores.items():
@@ -172,8 +172,9 @@ def plot_report(table, *, columns: int = 3, bins: int = 30):
         ax = fig.add_subplot(grid[i // columns, 1 + i % columns], sharex=first)
         first = first or ax
         h_in, h_out = scores[name]
-        ax.hist(h_in, bins=edges, density=True, alpha=0.6, label="in distribution")
-        ax.hist(h_out, bins=edges, density=True, alpha=0.6, label="out of distribution")
+        # matplotlib's stub takes no array for bins (a sequence, an int or a name); it reads one
+        ax.hist(h_in, bins=edges, density=True, alpha=0.6, label="in distribution")  # type: ignore[arg-type]
+        ax.hist(h_out, bins=edges, density=True, alpha=0.6, label="out of distribution")  # type: ignore[arg-type]
         ax.set_title(f"{name} (AUROC {table.loc[name, 'auroc']:.3f})", fontsize="medium")
         ax.set_xlabel("predictive entropy (nats)")
         if i % columns == 0:

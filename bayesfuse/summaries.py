@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, cast
 
 import numpy as np
 import torch
@@ -321,7 +321,7 @@ def output_fit(model: nn.Module, output: str, x, y, prior_precision: float, *, n
     matrices and a count, nothing per example."""
     from bayesfuse.inference.output_fusion import fit_output_layer
 
-    layer = model.get_submodule(output)
+    layer = cast(nn.Linear, model.get_submodule(output))
     return fit_output_layer(
         output_features(model, output, x),
         np.asarray(y).astype(np.int64),
@@ -473,7 +473,8 @@ def summary_from_arrays(
 ) -> ClientSummary:
     """The summary whose arrays :func:`summary_arrays` gave, with its metadata; refuses, naming
     ``name``, arrays without class counts."""
-    precision, moments = {}, {}
+    precision: dict[str, np.ndarray] = {}
+    moments: dict[str, dict[str, np.ndarray]] = {}
     for k, v in arrays.items():
         if k.startswith("precision/"):
             precision[k[len("precision/") :]] = np.asarray(v, dtype=np.float64)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Iterable, Sequence, cast
 
 import numpy as np
 import torch
@@ -167,7 +167,7 @@ def train_model(
     n_classes: int,
     config: TrainConfig | None = None,
     *,
-    frozen: Sequence[str] = (),
+    frozen: Iterable[str] = (),
     verbose: bool | None = None,
     name: str = "model",
 ) -> nn.Module:
@@ -179,15 +179,15 @@ def train_model(
     """
     config = config or TrainConfig()
     xt, yt = _as_tensors(x, y, n_classes)
-    frozen = set(frozen)
-    unknown = frozen - set(model.state_dict())
+    frozen_keys = set(frozen)
+    unknown = frozen_keys - set(model.state_dict())
     if unknown:
         raise ValueError(f"{name}: frozen entries {sorted(unknown)[:5]} are not in the network")
     eval_modules = []
     for pname, p in model.named_parameters():
-        p.requires_grad_(pname not in frozen)
+        p.requires_grad_(pname not in frozen_keys)
     for mname, m in model.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and f"{mname}.weight" in frozen:
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and f"{mname}.weight" in frozen_keys:
             eval_modules.append(m)
     with torch_threads(config.num_threads):
         gen = torch.Generator().manual_seed(config.seed)
@@ -197,7 +197,8 @@ def train_model(
                 bar.set_postfix(loss=f"{loss:.4f}")
                 bar.update()
 
-            model.loss_history = _fit(model, xt, yt, config, gen, on_epoch, name, eval_modules)
+            # a plain attribute: torch's stub types a module's attributes as Tensor | Module
+            model.loss_history = _fit(model, xt, yt, config, gen, on_epoch, name, eval_modules)  # type: ignore[assignment]
     for p in model.parameters():
         p.requires_grad_(True)
     return model
@@ -306,7 +307,7 @@ def train_clients(
             verbose=False,
             name=f"client {j}",
         )
-        model.train_seconds = time.perf_counter() - start
-        bar.set_postfix(client=j, loss=f"{model.loss_history[-1]:.3f}")
+        model.train_seconds = time.perf_counter() - start  # type: ignore[assignment]  # a plain attribute, as above
+        bar.set_postfix(client=j, loss=f"{cast(list[float], model.loss_history)[-1]:.3f}")
         models.append(model)
     return models

@@ -13,6 +13,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast, overload
 
 import numpy as np
 
@@ -131,6 +132,10 @@ class Standardizer:
         mean, std = x.mean(axis=0), x.std(axis=0)
         return cls(mean.astype(np.float32), np.where(std > 1e-8, std, 1.0).astype(np.float32))
 
+    @overload
+    def transform(self, data: Dataset) -> Dataset: ...
+    @overload
+    def transform(self, data: np.ndarray) -> np.ndarray: ...
     def transform(self, data: np.ndarray | Dataset) -> np.ndarray | Dataset:
         """Standardise an array or a :class:`Dataset` (returned as the same type)."""
         if isinstance(data, Dataset):
@@ -243,7 +248,7 @@ def load_idx(
     missing = [_IDX_STEMS[k] + "[.gz]" for k, p in paths.items() if p is None]
     if missing:
         raise FileNotFoundError(_missing_data_message(f"{name} IDX files {', '.join(missing)}", directory, hint))
-    arrays = {key: read_idx(p) for key, p in paths.items()}
+    arrays = {key: read_idx(cast(Path, p)) for key, p in paths.items()}  # none missing
     return _split_from_arrays(arrays, name=name, class_names=class_names)
 
 

@@ -45,7 +45,9 @@ class MotionSessions:
 
 
 def _read_ts(path) -> tuple[list[np.ndarray], list[str], tuple[str, ...]]:
-    series, labels, classes = [], [], ()
+    series: list[np.ndarray] = []
+    labels: list[str] = []
+    classes: tuple[str, ...] = ()
     in_data = False
     for line in open(path, encoding="utf-8"):
         line = line.strip()
@@ -64,7 +66,9 @@ def _read_ts(path) -> tuple[list[np.ndarray], list[str], tuple[str, ...]]:
 
 def load_basic_motions(directory: str | os.PathLike | None = None) -> MotionRecordings:
     """Read BasicMotions' TRAIN and TEST files (all 80 recordings, TRAIN first) from the data directory."""
-    series, labels, classes = [], [], ()
+    series: list[np.ndarray] = []
+    labels: list[str] = []
+    classes: tuple[str, ...] = ()
     for part in ("TRAIN", "TEST"):
         s, lab, classes = _read_ts(require(f"BasicMotions_{part}.ts", directory))
         series += s
@@ -103,8 +107,8 @@ def motion_sessions(
                 if not pools[c]:
                     pools[c] = list(rng.permutation(np.flatnonzero(data.labels == c)))
                 picks.append(pools[c].pop())
-        picks = rng.permutation(picks)
-        sequences.append(np.arcsinh(np.concatenate([data.series[i] for i in picks])))
-        activities.append(np.concatenate([np.full(data.series.shape[1], data.labels[i]) for i in picks]))
-        recordings.append(np.asarray(picks))
+        shuffled = rng.permutation(picks)
+        sequences.append(np.arcsinh(np.concatenate([data.series[i] for i in shuffled])))
+        activities.append(np.concatenate([np.full(data.series.shape[1], data.labels[i]) for i in shuffled]))
+        recordings.append(np.asarray(shuffled))
     return MotionSessions(sequences, activities, recordings, data.class_names)

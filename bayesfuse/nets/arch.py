@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -27,7 +27,8 @@ from bayesfuse.nets.resnet import resnet18, resnet20
 __all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "check_runs", "image_shape"]
 
 ARCHITECTURES = ("mlp", "cnn", "lstm", "resnet20", "resnet18", "vit")
-_WIDTHS = {"resnet20": resnet20, "resnet18": resnet18, "vit": vit}  # the reference nets scaled by ``width``
+# the reference nets scaled by ``width``
+_WIDTHS: dict[str, Callable[..., nn.Module]] = {"resnet20": resnet20, "resnet18": resnet18, "vit": vit}
 
 
 def make_cnn(
@@ -180,6 +181,7 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
         if name == "" or len(list(module.children())) > 0:
             continue
         prefix = f"{name}."
+        replacement: nn.Module
         if isinstance(module, PositionAware):
             if previous_width is None:
                 raise ValueError(f"position-aware layer {name!r} follows no weighted layer")
@@ -198,7 +200,11 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
             owner, _, leaf = name.rpartition(".")
             setattr(new.get_submodule(owner) if owner else new, leaf, nn.Parameter(torch.empty(shapes[name])))
     if isinstance(new, MLP) and new.pans is not None:
-        new.pans = nn.ModuleList(PositionAware(layer.out_features, new.pan) for layer in new.layers[:-1])
+        pan = new.pan
+        assert pan is not None  # an MLP has pans only with a PANConfig
+        new.pans = nn.ModuleList(
+            PositionAware(layer.out_features, pan) for layer in cast(Sequence[nn.Linear], new.layers[:-1])
+        )
     new.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
     return new
 

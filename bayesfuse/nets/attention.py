@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from typing import Mapping
+from typing import Iterable, Mapping, cast
 
 import torch
 import torch.fx
@@ -156,7 +156,7 @@ class HeadAttention(nn.Module):
         elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         mask = _score_mask(attn_mask, key_padding_mask, is_causal, query, key)
-        out = self.bias
+        out: torch.Tensor = self.bias
         for head in self.heads:
             out = out + head(query, key, value, mask)
         if unbatched:
@@ -203,7 +203,7 @@ def _from_multihead(mha: nn.MultiheadAttention) -> HeadAttention:
     b = mha.in_proj_bias.detach() if mha.in_proj_bias is not None else torch.zeros(3 * dim)
     wo = mha.out_proj.weight.detach()
     with torch.no_grad():
-        for i, head in enumerate(new.heads):
+        for i, head in enumerate(cast(Iterable[Head], new.heads)):
             rows = slice(i * d, (i + 1) * d)
             for part, layer in enumerate((head.q, head.k, head.v)):
                 layer.weight.copy_(w[part * dim :][rows])

@@ -38,6 +38,7 @@ import contextlib
 import io
 import operator
 from dataclasses import dataclass
+from typing import NoReturn, TypeGuard, cast
 
 import numpy as np
 import torch
@@ -288,6 +289,11 @@ def _shape(node) -> tuple | None:
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
 
 
+def _tensor_shape(node) -> tuple:
+    """The shape of a node whose value is one tensor: ShapeProp records one for each."""
+    return cast(tuple, _shape(node))
+
+
 class _Walk:
     """One pass over the graph in forward order, labelling activations with their permuted axis."""
 
@@ -303,7 +309,7 @@ class _Walk:
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
 
     # ----------------------------------------------------------------- helpers
-    def fail(self, node, what: str) -> None:
+    def fail(self, node, what: str) -> NoReturn:
         raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.op} {node.target!s} ({node.name}): {what}")
 
     def new(self) -> int:
@@ -319,7 +325,7 @@ class _Walk:
     def raw(self, node):
         return self.labels.get(node) if isinstance(node, fx.Node) else None
 
-    def permuted(self, f: _Feature | None) -> bool:
+    def permuted(self, f: _Feature | None) -> TypeGuard[_Feature]:
         return f is not None and self.classes.find(f.var) != _FIXED
 
     def set_axes(self, entry: str, dims: list) -> None:
@@ -432,16 +438,15 @@ class _Walk:
         name = node.target
         inp = node.args[0] if node.args else None
         f = self.feature(inp)
-        shape = _shape(inp)
         if isinstance(m, nn.Linear):
             f = f if self.permuted(f) else None
-            if f is not None and f.dim != len(shape) - 1:
+            if f is not None and f.dim != len(_tensor_shape(inp)) - 1:
                 self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
             out = self.layer_vars(name, f, node)
             self.set_axes(f"{name}.weight", [(out, 1, 1), self.in_axis(f)])
             if m.bias is not None:
                 self.set_axes(f"{name}.bias", [(out, 1, 1)])
-            self.labels[node] = _Feature(out, len(_shape(node)) - 1)
+            self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1)
             self.producer[node] = name
         elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
             f = f if self.permuted(f) else None
@@ -460,7 +465,7 @@ class _Walk:
         elif isinstance(m, nn.Embedding):
             out = self.layer_vars(name, None, node)
             self.set_axes(f"{name}.weight", [None, (out, 1, 1)])
-            self.labels[node] = _Feature(out, len(_shape(node)) - 1)
+            self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1)
         elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
             self.norm(node, m, f, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
             if m.num_batches_tracked is not None:
@@ -470,7 +475,7 @@ class _Walk:
         elif isinstance(m, nn.LayerNorm):
             if len(m.normalized_shape) != 1:
                 self.fail(node, "LayerNorm over more than the last axis is not supported")
-            self.norm(node, m, f, axis=len(shape) - 1, entries=("weight", "bias"))
+            self.norm(node, m, f, axis=len(_tensor_shape(inp)) - 1, entries=("weight", "bias"))
         elif isinstance(m, nn.GroupNorm):
             if m.num_groups not in (1, m.num_channels):
                 self.fail(
@@ -550,7 +555,10 @@ class _Walk:
             label = self.raw(args[0])
             if isinstance(label, _Feature):
                 label = _Feature(
-                    label.var, label.dim + len(_shape(node)) - len(_shape(args[0])), label.outer, label.inner
+                    label.var,
+                    label.dim + len(_tensor_shape(node)) - len(_tensor_shape(args[0])),
+                    label.outer,
+                    label.inner,
                 )
             self.labels[node] = label
         else:
@@ -592,19 +600,20 @@ class _Walk:
 
     def binary(self, node, a, b) -> None:
         for p, other in ((a, b), (b, a)):
-            if isinstance(self.raw(p), tuple) and self.feature(other) is not None:  # a parameter meets a stream
-                self.param_axis(self.raw(p)[1], node, self.feature(other), _shape(other))
+            g = self.feature(other)
+            if isinstance(self.raw(p), tuple) and g is not None:  # a parameter meets a stream
+                self.param_axis(self.raw(p)[1], node, g, _tensor_shape(other))
         fa, fb = self.feature(a), self.feature(b)
         for f, f_node, other in ((fa, a, b), (fb, b, a)):
             self.unknown_operand(node, f, f_node, other)
         if fa is not None and fb is not None:
-            sa, sb, so = _shape(a), _shape(b), _shape(node)
+            sa, sb, so = _tensor_shape(a), _tensor_shape(b), _tensor_shape(node)
             if len(so) - len(sa) + fa.dim != len(so) - len(sb) + fb.dim or (fa.outer, fa.inner) != (fb.outer, fb.inner):
                 self.fail(node, "the two operands' units lie on different axes")
             self.classes.union(fa.var, fb.var)
         f = fa or fb
         if f is not None:
-            shift = len(_shape(node)) - len(_shape(a if fa is not None else b))
+            shift = len(_tensor_shape(node)) - len(_tensor_shape(a if fa is not None else b))
             f = _Feature(f.var, f.dim + shift, f.outer, f.inner)
         self.labels[node] = f
 
@@ -612,8 +621,8 @@ class _Walk:
         """Refuse a tensor of unknown units that meets a permuted stream along its units' axis."""
         if not self.permuted(f) or not isinstance(other, fx.Node) or self.raw(other) is not None:
             return
-        shape, out = _shape(other), _shape(node)
-        dim = f.dim + len(out) - len(_shape(f_node))  # the units' axis in the result
+        shape, out = _shape(other), _tensor_shape(node)
+        dim = f.dim + len(out) - len(_tensor_shape(f_node))  # the units' axis in the result
         at = dim - (len(out) - len(shape)) if shape is not None else -1
         if shape is not None and 0 <= at < len(shape) and shape[at] != 1:
             self.fail(
@@ -630,7 +639,7 @@ class _Walk:
         dim = f.dim - (len(shape) - value.dim())
         if dim < 0 or value.shape[dim] == 1 and shape[f.dim] != 1:
             return  # broadcast along the units: a scalar per position, no permuted axis
-        dims = [None] * value.dim()
+        dims: list[tuple[int, int, int] | None] = [None] * value.dim()
         dims[dim] = (f.var, f.outer, f.inner)
         self.set_axes(target, dims)
 
@@ -638,10 +647,10 @@ class _Walk:
         """``a @ b``: units summed over in both operands are tied (and gone); units on an axis
         that is not summed over pass to the result."""
         fa, fb = (f if self.permuted(f) else None for f in (self.feature(a), self.feature(b)))
-        sa, sb, so = _shape(a), _shape(b), _shape(node)
         if fa is None and fb is None:
             self.labels[node] = None
             return
+        sa, sb, so = _tensor_shape(a), _tensor_shape(b), _tensor_shape(node)
         if len(sa) < 2 or len(sb) < 2:
             self.fail(
                 node, "a matrix product with a vector operand on a permuted stream cannot be followed; give a spec"
@@ -649,7 +658,7 @@ class _Walk:
         a_summed = fa is not None and fa.dim == len(sa) - 1
         b_summed = fb is not None and fb.dim == len(sb) - 2
         if a_summed or b_summed:
-            if not (a_summed and b_summed) or (fa.outer, fa.inner) != (fb.outer, fb.inner):
+            if not (a_summed and b_summed) or fa is None or fb is None or (fa.outer, fa.inner) != (fb.outer, fb.inner):
                 self.fail(
                     node,
                     "a matrix product sums over permuted units that the other operand does not share "
@@ -672,10 +681,11 @@ class _Walk:
         Its default scale is ``1 / sqrt`` of the queries' width, which fusion may change: with
         permuted queries the scale must be given (``scale=``), a constant of the clients'."""
         fq, fk, fv = (f if self.permuted(f) else None for f in (self.feature(q), self.feature(k), self.feature(v)))
-        last = len(_shape(node)) - 1
+        last = len(_tensor_shape(node)) - 1
         if (fq is None) != (fk is None) or any(f is not None and f.dim != last for f in (fq, fk, fv)):
             self.fail(node, "attention whose queries, keys or values hold their units on another axis; give a spec")
         if fq is not None:
+            assert fk is not None  # refused above unless both or neither are permuted
             if (fq.outer, fq.inner) != (fk.outer, fk.inner):
                 self.fail(node, "queries and keys whose units lie in different blocks")
             if scale is None:
@@ -688,7 +698,7 @@ class _Walk:
         self.labels[node] = fv
 
     def concat(self, node, tensors: list, dim: int) -> None:
-        rank = len(_shape(node))
+        rank = len(_tensor_shape(node))
         dim = dim % rank
         features = [self.raw(t) for t in tensors]
         streams = [f for f in features if isinstance(f, _Feature)]
@@ -708,7 +718,7 @@ class _Walk:
             if isinstance(g, _Feature):
                 self.classes.union(f.var, g.var)
             elif isinstance(g, tuple):  # a class token: its units are the stream's, on the same axis
-                self.param_axis(g[1], node, f, _shape(node))
+                self.param_axis(g[1], node, f, _tensor_shape(node))
         self.labels[node] = f
 
     def reduce(self, node, a, dims, keepdim: bool) -> None:
@@ -716,7 +726,7 @@ class _Walk:
         if not isinstance(f, _Feature):
             self.labels[node] = None
             return
-        rank = len(_shape(a))
+        rank = len(_tensor_shape(a))
         listed = dims if isinstance(dims, (list, tuple)) else [dims]
         dims = range(rank) if dims is None else [d % rank for d in listed]
         if f.dim in dims:  # a sum over units: the same whatever their order
@@ -731,7 +741,7 @@ class _Walk:
         if not isinstance(f, _Feature):
             self.labels[node] = None
             return
-        src, dst = _shape(a), _shape(node)
+        src, dst = _tensor_shape(a), _tensor_shape(node)
         size = src[f.dim]
         matches = [d for d, n in enumerate(dst) if n == size]
         if node.target in ("unsqueeze", "squeeze", torch.unsqueeze, torch.squeeze):
@@ -755,10 +765,11 @@ class _Walk:
         if not isinstance(f, _Feature):
             self.labels[node] = None
             return
-        src, dst = _shape(a), _shape(node)
+        dst = _shape(node)
         if dst is None:
             self.opaque(node, [a], "indexing")
             return
+        src = _tensor_shape(a)
         tail = len(src) - 1 - f.dim  # axes after the units'
         if (
             tail <= len(dst) - 1
@@ -779,7 +790,7 @@ class _Walk:
         if not isinstance(f, _Feature):
             self.labels[node] = None
             return
-        src, dst = _shape(a), _shape(node)
+        src, dst = _tensor_shape(a), _tensor_shape(node)
         n = src[f.dim] // (f.outer * f.inner)
         before = int(np.prod(src[: f.dim])) * f.outer  # numbers before the units' block, in flat order
         after = f.inner * int(np.prod(src[f.dim + 1 :]))

@@ -67,7 +67,7 @@ PREDICTIVES = ("laplace", "map")
 
 def logits_and_features(network: nn.Module, output: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``network(x)`` and the input of its layer ``output`` (the features it reads), in one pass."""
-    seen = {}
+    seen: dict[str, torch.Tensor] = {}
     layer = network.get_submodule(output)
     hook = layer.register_forward_hook(lambda mod, inp, out: seen.__setitem__("features", inp[0]))
     try:
@@ -128,6 +128,10 @@ class ClientHeads(nn.Module):
     ``forward`` returns the pooled predictive's log-probabilities, so that
     :func:`~bayesfuse.nets.predict.predict_proba` (a softmax) gives its probabilities.
     """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    shares: torch.Tensor
 
     def __init__(
         self,

@@ -53,6 +53,11 @@ class LastLayerLaplace(nn.Module):
     ``temperature`` buffer (1 unless a second round set it) divides the predictive logits.
     """
 
+    weight_var: torch.Tensor
+    bias_var: torch.Tensor
+    temperature: torch.Tensor
+    covariance: torch.Tensor | None
+
     def __init__(self, network: nn.Module, output: str, weight_var=None, bias_var=None, *, covariance=None) -> None:
         super().__init__()
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch import nn
@@ -58,11 +58,12 @@ class MLP(nn.Module):
     @property
     def widths(self) -> list[int]:
         """Layer widths from input to output."""
-        return [self.layers[0].in_features, *(layer.out_features for layer in self.layers)]
+        layers = cast(Sequence[nn.Linear], self.layers)
+        return [layers[0].in_features, *(layer.out_features for layer in layers)]
 
     def reset_parameters(self, weight_std: float = 0.01, bias: float = 0.1) -> None:
         with torch.no_grad():
-            for layer in self.layers:
+            for layer in cast(Sequence[nn.Linear], self.layers):
                 layer.weight.normal_(0.0, weight_std)
                 layer.bias.fill_(bias)
 

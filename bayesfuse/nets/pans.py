@@ -76,6 +76,8 @@ class PositionAware(nn.Module):
     encoding instead (:func:`bayesfuse.nets.tracing.spec_from_module`), for fusion to fold it in.
     """
 
+    encoding: torch.Tensor
+
     def __init__(self, n_units: int, config: PANConfig) -> None:
         super().__init__()
         self.config = config

@@ -194,7 +194,9 @@ def _bnn_entry_names(state: Mapping, width: int) -> list[str] | None:
     names = []
     for site in UNIT_SITES:
         shape = list(site.shape(1, D, K))
-        del shape[site.unit_axis]
+        axis = site.unit_axis
+        assert axis is not None  # every unit site has a unit axis
+        del shape[axis]
         n = int(np.prod(shape, dtype=np.int64))
         base = _BNN_ENTRY.get(site.name, site.name)
         names += [base] if n == 1 else [f"{base}_{i}" for i in range(n)]

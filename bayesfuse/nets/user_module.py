@@ -65,6 +65,7 @@ def _import(where: str):
         if not path.is_file():
             raise FileNotFoundError(f"no file {where}")
         spec = importlib.util.spec_from_file_location(f"_bayesfuse_model_{path.stem}", path)
+        assert spec is not None and spec.loader is not None  # a .py file: read by a source loader
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 from logging import ERROR, INFO, WARNING
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, MetricRecordValues, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
@@ -142,8 +142,9 @@ class FedMA(_Fusion):
         self._reset(spec)
 
     def _reset(self, spec: PermutationSpec | None) -> None:
-        if getattr(self, "_run", None) is not None:
-            self._run.stop()
+        run = getattr(self, "_run", None)
+        if run is not None:
+            run.stop()
         self._run = None
         self._spec = spec
         self._pending: tuple[list, set, str] | None = None
@@ -335,10 +336,15 @@ class FedMA(_Fusion):
                 len(self.rejected),
             )
             return None, None
+        assert spec is not None  # a network strategy's check gives the spec its replies share
         self._spec = spec
         self.nodes = [r.node for r in good]
         self._examples = {r.node: r.num_examples for r in good}
-        counts = np.stack([r.class_counts for r in good]) if all(r.class_counts is not None for r in good) else None
+        counts = (
+            np.stack(cast(list[np.ndarray], [r.class_counts for r in good]))
+            if all(r.class_counts is not None for r in good)
+            else None
+        )
         states, settings, seed = [r.state for r in good], dict(self.settings), self.seed
         self._run = _PausedRun(fedma_steps(states, spec, class_counts=counts, seed=seed, **settings))
         metrics = {
@@ -371,18 +377,18 @@ class FedMA(_Fusion):
             record = msg.content.array_records.get(self.arrayrecord_key)
             problem = f"no ArrayRecord under {self.arrayrecord_key!r}" if record is None else None
             state = None if record is None else record_to_state(record)
-            problem = problem or _mismatch(sent, state, node)
+            problem = problem or (None if state is None else _mismatch(sent, state, node))
             if problem:
                 self._reject(node, f"{problem}; dropped from FedMA")
                 updated.append(None)
                 continue
-            metrics = _metric_record(msg.content) or MetricRecord()
-            examples += float(metrics.get(self.weighted_by_key, self._examples.get(node, 1.0)))
+            reply_metrics = _metric_record(msg.content) or MetricRecord()
+            examples += float(cast(float, reply_metrics.get(self.weighted_by_key, self._examples.get(node, 1.0))))
             updated.append(state)
         n_failed, n_rejected = len(self.failed) - n_failed, len(self.rejected) - n_rejected
         log(INFO, "aggregate_train: Received %s results and %s failures", len(jobs) - n_failed - n_rejected, n_failed)
         self.dropped += [self.nodes[j] for (j, _), u in zip(jobs, updated) if u is None]
-        metrics = {
+        metrics: dict[str, MetricRecordValues] = {
             "num-examples": examples,
             "retrained-replies": len(jobs) - n_failed - n_rejected,
             "failed-replies": n_failed,
@@ -409,7 +415,8 @@ class FedMA(_Fusion):
         kind, value = step
         self._pending = None
         if kind == "jobs":
-            jobs, frozen = value
+            jobs, frozen = cast(tuple[list, set], value)
+            assert self._spec is not None  # set in round 1, with the run
             group = self._spec.groups[self._matched]
             self._matched += 1
             self._pending = (jobs, frozen, group)
@@ -418,9 +425,10 @@ class FedMA(_Fusion):
             return None, MetricRecord({**metrics, "matched-groups": self._matched, "global-size": width})
         self._run = None
         if kind == "error":
-            self.error = value
-            raise value
-        result: FedMAResult = value
+            error = cast(BaseException, value)
+            self.error = error
+            raise error
+        result = cast(FedMAResult, value)
         self.fedma_result = result
         self._final_round = server_round
         log(INFO, "\t└──> FedMA finished: global sizes %s, %d nodes dropped", result.sizes, len(self.dropped))

@@ -4,7 +4,7 @@ the refit round, and a metrics aggregation that sums class counts
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 import torch
@@ -117,9 +117,10 @@ def records_to_summary(arrays: ArrayRecord, meta: ConfigRecord | None, name: str
         )
     if meta.get("format") != SUMMARY_FORMAT:
         raise SummaryError(f"{name}: not a bayesfuse client summary (format {meta.get('format')!r})")
+    values: Mapping[str, Any] = meta  # any record values: int() and float() refuse the wrong ones
     try:
-        version, n_examples = int(meta["version"]), int(meta["n-examples"])
-        prior, fp = float(meta["prior-precision"]), str(meta["fingerprint"])
+        version, n_examples = int(values["version"]), int(values["n-examples"])
+        prior, fp = float(values["prior-precision"]), str(values["fingerprint"])
     except (KeyError, TypeError, ValueError):
         raise SummaryError(
             f"{name}: the summary's metadata is incomplete (needs version, n-examples, prior-precision, fingerprint)"
@@ -218,9 +219,10 @@ def records_to_output_fit(
         )
     if meta.get("format") != OUTPUT_FIT_FORMAT:
         raise ValueError(f"{name}: not a bayesfuse output fit (format {meta.get('format')!r})")
+    values: Mapping[str, Any] = meta  # any record values: int() and float() refuse the wrong ones
     try:
-        version, n = int(meta["version"]), int(meta["n-examples"])
-        prior, clients = float(meta["prior-precision"]), int(meta["n-clients"])
+        version, n = int(values["version"]), int(values["n-examples"])
+        prior, clients = float(values["prior-precision"]), int(values["n-clients"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(
             f"{name}: the output fit's metadata is incomplete (needs version, n-examples, prior-precision, n-clients)"
@@ -349,7 +351,7 @@ def metrics_aggregation(sum_keys: Sequence[str] = ("class-counts",)) -> MetricsA
 
     def aggregate(records: list[RecordDict], weighted_by_key: str) -> MetricRecord:
         metrics = [_metric_record(r) or MetricRecord() for r in records]
-        weights = np.array([float(m.get(weighted_by_key, 1.0)) for m in metrics])
+        weights = np.array([float(cast(float, m.get(weighted_by_key, 1.0))) for m in metrics])
         shares = weights / weights.sum() if weights.sum() > 0 else np.full(len(weights), 1.0 / max(len(weights), 1))
         out = MetricRecord()
         keys = list(dict.fromkeys(k for m in metrics for k in m.keys()))

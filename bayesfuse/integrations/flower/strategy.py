@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -16,7 +16,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from torch import nn
 
 from bayesfuse import methods
-from bayesfuse.core import fuse_states
+from bayesfuse.core import StateFusion, fuse_states
 from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
@@ -88,10 +88,13 @@ class _Fusion(FedAvg):
                 continue
             metrics = _metric_record(content) or MetricRecord()
             counts = metrics.get(self.class_counts_key)
-            summary = content.array_records.get(SUMMARY_KEY)
-            if summary is not None:
+            summary_arrays = content.array_records.get(SUMMARY_KEY)
+            summary = None
+            if summary_arrays is not None:
                 try:
-                    summary = records_to_summary(summary, content.config_records.get(SUMMARY_META_KEY), f"node {node}")
+                    summary = records_to_summary(
+                        summary_arrays, content.config_records.get(SUMMARY_META_KEY), f"node {node}"
+                    )
                 except SummaryError as err:
                     self._reject(node, str(err))
                     continue
@@ -99,7 +102,7 @@ class _Fusion(FedAvg):
                 _Reply(
                     node,
                     record_to_state(record),
-                    float(metrics.get(self.weighted_by_key, 1.0)),
+                    float(cast(float, metrics.get(self.weighted_by_key, 1.0))),
                     None if counts is None else np.asarray(counts, dtype=np.float64),
                     summary,
                 )
@@ -270,7 +273,7 @@ class MatchedAveraging(_Fusion):
         self.summaries = summaries
         self.second_round = second_round
         self.output_prior_precision = output_prior_precision
-        self.last_fusion = None
+        self.last_fusion: StateFusion | None = None
         self.output_covariance: np.ndarray | None = None
         self.second_round_report: dict | None = None
         self._refit_round: int | None = None  # the round start() makes the refit
@@ -384,7 +387,7 @@ class MatchedAveraging(_Fusion):
             return None, None
         counts = None
         if all(r.class_counts is not None for r in good):
-            counts = np.stack([r.class_counts for r in good])
+            counts = np.stack(cast(list[np.ndarray], [r.class_counts for r in good]))
         result = fuse_states(
             [r.state for r in good],
             self.method,
@@ -661,7 +664,7 @@ class MatchedAveraging(_Fusion):
             network,
             self._refitted["output"],
             fits,
-            np.stack(counts),
+            np.stack(cast(list[np.ndarray], counts)),
             pool=pool,
             prior_precision=self._refitted["fit_prior"],
         )
@@ -684,7 +687,7 @@ class MatchedAveraging(_Fusion):
             log(WARNING, "nodes %s sent no summary: this round is fused data-free", without)
         if not kept or without:
             return None, kept
-        return [r.summary for r in kept], kept
+        return cast(list[ClientSummary], [r.summary for r in kept]), kept
 
 
 def _digest(reply: _Reply) -> str:
