@@ -258,7 +258,7 @@ def split_state_dict(like: nn.Module, state: Mapping[str, torch.Tensor]) -> "Ord
         Where an attention module's entries are missing, or ``E`` is not a multiple of ``H``.
     """
     names = multihead_modules(like)
-    modules = {name + "." if name else "": like.get_submodule(name) for name in names}
+    modules = {name + "." if name else "": cast(nn.MultiheadAttention, like.get_submodule(name)) for name in names}
     for mha in modules.values():
         _check_splittable(mha)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -333,7 +333,7 @@ def merge_heads(model: nn.Module, like: nn.Module) -> nn.Module:
     """
     new = copy.deepcopy(model)
     for name in multihead_modules(like):
-        original = like.get_submodule(name)
+        original = cast(nn.MultiheadAttention, like.get_submodule(name))
         attention = new.get_submodule(name) if name else new
         if not isinstance(attention, HeadAttention):
             raise ValueError(f"{name or 'the model'} is a {type(attention).__name__}, not a HeadAttention")
@@ -346,9 +346,10 @@ def merge_heads(model: nn.Module, like: nn.Module) -> nn.Module:
 
 
 def _to_multihead(attention: HeadAttention, original: nn.MultiheadAttention, name: str) -> nn.MultiheadAttention:
-    dim, h = attention.bias.shape[0], len(attention.heads)
+    heads = cast(list[Head], list(attention.heads))
+    dim, h = attention.bias.shape[0], len(heads)
     d = dim // h
-    for i, head in enumerate(attention.heads):
+    for i, head in enumerate(heads):
         widths = (head.q.out_features, head.k.out_features, head.v.out_features)
         if dim % h or widths != (d, d, d):
             raise ValueError(
@@ -361,7 +362,7 @@ def _to_multihead(attention: HeadAttention, original: nn.MultiheadAttention, nam
                 f"nn.MultiheadAttention's heads {d} wide would use {1.0 / math.sqrt(d):.6g}"
             )
     bias = original.in_proj_bias is not None
-    params = [p for head in attention.heads for p in (head.q.bias, head.k.bias, head.v.bias)] + [attention.bias]
+    params = [p for head in heads for p in (head.q.bias, head.k.bias, head.v.bias)] + [attention.bias]
     if not bias and any(bool(p.detach().ne(0).any()) for p in params):
         raise ValueError(f"{name}: the fused biases are not zero and the network's attention has none (bias=False)")
     w = attention.bias
@@ -369,7 +370,6 @@ def _to_multihead(attention: HeadAttention, original: nn.MultiheadAttention, nam
         dim, h, dropout=original.dropout, bias=bias, batch_first=original.batch_first, device=w.device, dtype=w.dtype
     )
     with torch.no_grad():
-        heads = list(attention.heads)
         mha.in_proj_weight.copy_(torch.cat([getattr(x, p).weight for p in "qkv" for x in heads]))
         mha.out_proj.weight.copy_(torch.cat([x.o.weight for x in heads], dim=1))
         if bias:

@@ -132,6 +132,12 @@ class ClientHeads(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor
     shares: torch.Tensor
+    gram_vals: torch.Tensor  # with posteriors (laplace=) only, as the other buffers below
+    gram_vecs: torch.Tensor
+    curv_vals: torch.Tensor
+    curv_vecs: torch.Tensor
+    n: torch.Tensor
+    draws: torch.Tensor
 
     def __init__(
         self,
