@@ -37,7 +37,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from tqdm.auto import tqdm
 
-from bayesfuse.constraints import KEYS, NON_NEGATIVE, POSITIVE, Either, Options, validate_params
+from bayesfuse.constraints import KEYS, NON_NEGATIVE, POSITIVE, Either, Interval, Options, validate_params
 from bayesfuse.inference.expfam import ExpFamily, KLTerms, check_same_family, kl_matrix, kl_moments
 from bayesfuse.inference.relaxed import ADMMState, Solver, relaxed_objective, solve_relaxed
 from bayesfuse.inference.result import exporter, warn_not_converged
@@ -230,6 +230,7 @@ class _Columns:
             mine[cols] = theirs
 
 
+@validate_params(sweeps=Interval(int, 0, None, "left"))
 def greedy_assign(
     family: type[ExpFamily],
     event_shape: tuple[int, ...],

@@ -28,6 +28,7 @@ from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 from scipy.special import digamma, gammaln
 
+from bayesfuse.constraints import POSITIVE_INT, validate_params
 from bayesfuse.inference.expfam import Dirichlet
 from bayesfuse.inference.klfusion import KLFusionResult, kl_fuse
 
@@ -246,6 +247,7 @@ def _dirichlet_log_norm(alpha: np.ndarray) -> np.ndarray:
     return gammaln(alpha).sum(-1) - gammaln(alpha.sum(-1))
 
 
+@validate_params(n_sweeps=POSITIVE_INT)
 def amps_fuse(posteriors: Sequence[Dirichlet], prior: float, *, n_sweeps: int = 50) -> AMPSResult:
     """AMPS-style merge of topic posteriors (Campbell & How 2014), one global topic per local one.
 

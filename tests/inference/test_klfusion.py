@@ -348,3 +348,10 @@ def test_variances_beyond_it_are_refused_naming_client_component_and_value(value
     ):
         kl_fuse(clients)
     assert klfusion.MAX_VARIANCE_RATIO == 1e15
+
+
+def test_greedy_assign_refuses_a_negative_number_of_sweeps():
+    posteriors, _ = _clients(seed=0, n_true=3, sizes=(3, 3), noise=0.05, var_spread=0.3)
+    pooled = DiagNormal.concat(posteriors)
+    with pytest.raises(ValueError, match="sweeps must be"):
+        greedy_assign(DiagNormal, pooled.event_shape, pooled.kl_terms(), [3, 3], 0.1, 1.0, sweeps=-1)

@@ -190,3 +190,10 @@ def test_topics_table_names_words_and_sources():
     assert "apple pear" in lines[2] and "1: A" in lines[2]
     with pytest.raises(ValueError, match="equal numbers"):
         amps_fuse([q, q[:1]], prior=0.1)
+
+
+@pytest.mark.parametrize("n_sweeps", [0, -1])
+def test_amps_needs_a_sweep(n_sweeps):
+    posts = [Dirichlet(np.full((2, 3), 1.0 + j)) for j in range(2)]
+    with pytest.raises(ValueError, match="n_sweeps must be a positive integer"):
+        amps_fuse(posts, prior=0.5, n_sweeps=n_sweeps)
