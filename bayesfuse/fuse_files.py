@@ -498,6 +498,9 @@ def fuse_files(
 
         template = like  # the caller's network, nn.MultiheadAttention included
         if like is not None and multihead_modules(like):  # fused as HeadAttention (split_heads)
+            from bayesfuse.nets.graph_spec import check_example_runs
+
+            check_example_runs(like)  # the caller's network runs, before it is rewritten
             state_dicts = [_split_attention(like, sd, n) for sd, n in zip(state_dicts, names)]
             like = split_heads(like)
         spec, source = _network_spec(state_dicts, names, arch, given_spec, like)

@@ -41,6 +41,7 @@ from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import merge_heads, multihead_modules, split_heads
+from bayesfuse.nets.graph_spec import check_example_runs
 from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state
 
@@ -271,6 +272,7 @@ def fuse(
     models, class_counts, summaries, data, hyper = to_canonical(order, models, class_counts, summaries, data, hyper)
     template = models[0]  # the caller's architecture, nn.MultiheadAttention included
     if any(multihead_modules(m) for m in models):  # fused as HeadAttention, whose heads can change width
+        check_example_runs(template, example_input)  # the caller's network runs, before it is rewritten
         models = [split_heads(m) for m in models]
     row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
     if row is not None and row.needs_data:

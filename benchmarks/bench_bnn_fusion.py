@@ -1,8 +1,8 @@
 """Fusing horseshoe BNNs against the ensemble of their parts and a pooled BNN (KL-fusion section 5.4).
 
 Usage: python benchmarks/bench_bnn_fusion.py [--dataset digits|fashion-mnist] [--clients 5]
-       [--alpha 0.8] [--hidden 150 [H2 ...]] [--epochs N] [--seeds 0 1 2] [--regs 0.001 0.003 0.01 0.03 0.1]
-       [--samples S] [--cache DIR] [--out bench-results]
+       [--alpha 0.8] [--hidden 150 [H2 ...]] [--epochs N] [--train-size N] [--seeds 0 1 2]
+       [--regs 0.001 0.003 0.01 0.03 0.1] [--samples S] [--cache DIR] [--out bench-results]
        python benchmarks/bench_bnn_fusion.py --speed [--dataset fashion-mnist]
 
 Per seed: a validation set (10% of the training set) is held out, the rest is split over the
@@ -130,14 +130,16 @@ def run_seed(args, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(split.train))
     n_val = len(order) // 10
-    val, train = split.train.subset(order[:n_val]), split.train.subset(order[n_val:])
+    rest = order[n_val:] if args.train_size is None else order[n_val : n_val + args.train_size]
+    val, train = split.train.subset(order[:n_val]), split.train.subset(rest)
     fonts = load_font_digits(split.train.image_shape[0], seed=seed)
     x_ood = split.standardizer.transform(fonts.x)
     part = dirichlet_partition(train.y, args.clients, args.alpha, seed=seed)
     epochs = args.epochs or (200 if args.dataset == "digits" else 30)
     hidden = _hidden(args)
     shape = "x".join(map(str, args.hidden))
-    cache = Path(args.cache) / f"{args.dataset}_h{shape}_e{epochs}_s{seed}" if args.cache else None
+    size = "" if args.train_size is None else f"_n{args.train_size}"
+    cache = Path(args.cache) / f"{args.dataset}_h{shape}_e{epochs}{size}_s{seed}" if args.cache else None
     print(
         f"seed {seed}: {args.clients} clients (Dirichlet {args.alpha}), sizes {part.sizes.tolist()}, "
         f"{shape}-unit horseshoe BNNs, {epochs} epochs, validation {n_val}",
@@ -403,6 +405,12 @@ def main() -> None:
         help="units per hidden layer (two numbers: a BNN of two hidden layers)",
     )
     parser.add_argument("--epochs", type=int, default=None, help="default: 200 (digits), 30 (fashion-mnist)")
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=None,
+        help="split only this many training examples over the clients (small clients); default: all but the validation",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--regs",
@@ -539,8 +547,10 @@ def _sizes(sizes) -> str:
 
 
 def _tag(args) -> str:
-    """The output files' name: the data set, and the depth when there is more than one hidden layer."""
-    return args.dataset if len(args.hidden) == 1 else f"{args.dataset}_{len(args.hidden)}layers"
+    """The output files' name: the data set, the depth when there is more than one hidden layer, and
+    the training size when it is limited."""
+    tag = args.dataset if len(args.hidden) == 1 else f"{args.dataset}_{len(args.hidden)}layers"
+    return tag if args.train_size is None else f"{tag}_n{args.train_size}"
 
 
 if __name__ == "__main__":

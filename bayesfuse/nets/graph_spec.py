@@ -274,14 +274,33 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks itself
             ShapeProp(gm).propagate(x)
     except Exception as err:  # the user's forward failing on the example input
-        cause = err.__cause__ or err
-        raise ValueError(
-            f"{type(model).__name__}: the example input of shape {tuple(x.shape)} does not run through "
-            f"the network ({type(cause).__name__}: {str(cause).splitlines()[0]})"
-        ) from None
+        raise _not_running(model, x, err) from None
     finally:
         model.train(was_training)
     return _Walk(model).run(gm)
+
+
+def check_example_runs(model: nn.Module, example_input=None) -> None:
+    """Run ``model`` once (eval mode, no gradients) on its example input
+    (:func:`example_input_for`), refusing with the tracer's one line if it fails there."""
+    x = example_input_for(model, example_input)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as err:  # the user's forward failing on the example input
+        raise _not_running(model, x, err) from None
+    finally:
+        model.train(was_training)
+
+
+def _not_running(model: nn.Module, x: torch.Tensor, err: Exception) -> ValueError:
+    cause = err.__cause__ or err
+    return ValueError(
+        f"{type(model).__name__}: the example input of shape {tuple(x.shape)} does not run through "
+        f"the network ({type(cause).__name__}: {str(cause).splitlines()[0]})"
+    )
 
 
 def _shape(node) -> tuple | None:
