@@ -234,8 +234,8 @@ def _network_spec(state_dicts, names, arch, spec, like=None):
     return spec, source
 
 
-def _check_like(like, fused_sd: Mapping) -> None:
-    """Load the fused state into ``like``'s architecture at the fused widths and run it once."""
+def _check_like(like, fused_sd: Mapping) -> torch.nn.Module:
+    """Load the fused state into ``like``'s architecture at the fused widths and run it once; the model."""
     from bayesfuse.nets.arch import check_runs, rebuild
     from bayesfuse.nets.graph_spec import example_input_for
 
@@ -246,6 +246,7 @@ def _check_like(like, fused_sd: Mapping) -> None:
             f"the fused state does not load into {type(like).__name__} ({str(err).strip().splitlines()[0]})"
         ) from None
     check_runs(model, example_input_for(like), what=f"the fused {type(like).__name__}")
+    return model
 
 
 def _split_attention(like, state: Mapping, name: str) -> "OrderedDict[str, torch.Tensor]":
@@ -259,26 +260,23 @@ def _split_attention(like, state: Mapping, name: str) -> "OrderedDict[str, torch
         raise ValueError(f"{name}: {err}") from None
 
 
-def _merged_attention(split_like, template, fused_sd: Mapping) -> tuple["OrderedDict[str, torch.Tensor]", str]:
+def _merged_attention(fused_model, template, fused_sd: Mapping) -> tuple["OrderedDict[str, torch.Tensor]", str]:
     """The fused state with ``nn.MultiheadAttention`` entries again where the fused heads allow
-    (:func:`~bayesfuse.nets.attention.merge_heads`: it then loads into the caller's network as it
-    is), else as :class:`~bayesfuse.nets.attention.HeadAttention`'s; and what the report says."""
-    from bayesfuse.nets.arch import rebuild
-    from bayesfuse.nets.attention import merge_heads
+    (:func:`~bayesfuse.nets.attention.merged_where_possible`: it then loads into the caller's network
+    as it is), else as :class:`~bayesfuse.nets.attention.HeadAttention`'s; and what the report says."""
+    from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible
 
-    note = "nn.MultiheadAttention split into heads to be fused"
-    try:
-        merged = merge_heads(rebuild(split_like, fused_sd), template)
-    except ValueError as err:
+    merged, why = merged_where_possible(fused_model, template)
+    if why is not None:
         return OrderedDict(fused_sd), (
-            f"{note}; written as HeadAttention, which computes the same function ({err}): load it with "
+            f"{SPLIT_NOTE}; written as HeadAttention, which computes the same function ({why}): load it with "
             f"bayesfuse.load(path, like={type(template).__name__}(...))"
         )
     dtype = next(iter(fused_sd.values())).dtype
     state = OrderedDict(
         (k, t.detach().to(dtype) if t.is_floating_point() else t) for k, t in merged.state_dict().items()
     )
-    return state, f"{note}, then merged back (the fused heads have its widths)"
+    return state, f"{SPLIT_NOTE}, then merged back (the fused heads have its widths)"
 
 
 def _input_summaries(names: Sequence[str], mode: str, method: str, kind: str) -> tuple[list | None, dict]:
@@ -526,9 +524,9 @@ def fuse_files(
         )
         fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype)) for k in state_dicts[0])
         if like is not None:  # never a file that cannot be loaded into the user's network and run
-            _check_like(like, fused_sd)
-        if template is not like:
-            fused_sd, fused.hyper["attention"] = _merged_attention(like, template, fused_sd)
+            fused_model = _check_like(like, fused_sd)
+            if template is not like:
+                fused_sd, fused.hyper["attention"] = _merged_attention(fused_model, template, fused_sd)
     report = {
         "method": method,
         "architecture": None

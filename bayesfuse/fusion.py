@@ -40,7 +40,7 @@ from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
-from bayesfuse.nets.attention import merge_heads, multihead_modules, split_heads
+from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
 from bayesfuse.nets.graph_spec import check_example_runs
 from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state
@@ -380,18 +380,17 @@ def _with_multihead(result: FusionResult, template: nn.Module) -> FusionResult:
     (:func:`~bayesfuse.nets.attention.split_heads`): its model with ``nn.MultiheadAttention``
     again where the fused heads allow (:func:`~bayesfuse.nets.attention.merge_heads`), and
     ``hyper["attention"]`` saying which."""
-    names = multihead_modules(template)
-    if not names:
+    if not multihead_modules(template):
         return result
-    note = "nn.MultiheadAttention split into heads to be fused"
     if type(result.model) is not type(template):
-        result.hyper["attention"] = f"{note}; kept as HeadAttention in {type(result.model).__name__}"
+        result.hyper["attention"] = f"{SPLIT_NOTE}; kept as HeadAttention in {type(result.model).__name__}"
         return result
-    try:
-        result.model = merge_heads(result.model, template)
-        result.hyper["attention"] = f"{note}, then merged back (the fused heads have its widths)"
-    except ValueError as err:
-        result.hyper["attention"] = f"{note}; kept as HeadAttention, which computes the same function ({err})"
+    result.model, why = merged_where_possible(result.model, template)
+    result.hyper["attention"] = (
+        f"{SPLIT_NOTE}, then merged back (the fused heads have its widths)"
+        if why is None
+        else f"{SPLIT_NOTE}; kept as HeadAttention, which computes the same function ({why})"
+    )
     return result
 
 

@@ -151,7 +151,7 @@ def _like(like: nn.Module, state: dict, name: str) -> nn.Module:
     form: :func:`~bayesfuse.nets.attention.split_state_dict`), then merged back where the heads'
     widths allow (:func:`~bayesfuse.nets.attention.merge_heads`); else it stays
     :class:`~bayesfuse.nets.attention.HeadAttention`, which computes the same function."""
-    from bayesfuse.nets.attention import merge_heads, multihead_modules, split_heads, split_state_dict
+    from bayesfuse.nets.attention import merged_where_possible, multihead_modules, split_heads, split_state_dict
 
     if not multihead_modules(like):
         return _like_traced(like, state, name)
@@ -160,11 +160,7 @@ def _like(like: nn.Module, state: dict, name: str) -> nn.Module:
             state = split_state_dict(like, state)
         except ValueError as err:
             raise ValueError(f"{name}: its entries do not fit the template network ({err})") from None
-    model = _like_traced(split_heads(like), state, name)
-    try:
-        return merge_heads(model, like)
-    except ValueError:
-        return model
+    return merged_where_possible(_like_traced(split_heads(like), state, name), like)[0]
 
 
 def _like_traced(like: nn.Module, state: dict, name: str) -> nn.Module:

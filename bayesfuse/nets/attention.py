@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from typing import Iterable, Mapping, cast
+from typing import Mapping, cast
 
 import torch
 import torch.fx
@@ -54,6 +54,8 @@ __all__ = [
     "multihead_modules",
     "split_state_dict",
     "merge_heads",
+    "merged_where_possible",
+    "SPLIT_NOTE",
     "TransformerBlock",
     "VisionTransformer",
     "vit",
@@ -194,23 +196,13 @@ def _score_mask(attn_mask, key_padding_mask, is_causal: bool, query: torch.Tenso
 
 
 def _from_multihead(mha: nn.MultiheadAttention) -> HeadAttention:
-    """The :class:`HeadAttention` that computes what ``mha`` computes (self- or cross-attention)."""
+    """The :class:`HeadAttention` that computes what ``mha`` computes (self- or cross-attention):
+    its entries split by :func:`_split_entries`, in ``mha``'s dtype and device."""
     _check_splittable(mha)
-    dim, h = mha.embed_dim, mha.num_heads
-    d = dim // h
-    new = HeadAttention(dim, h, d, batch_first=mha.batch_first)
-    w = mha.in_proj_weight.detach()
-    b = mha.in_proj_bias.detach() if mha.in_proj_bias is not None else torch.zeros(3 * dim)
-    wo = mha.out_proj.weight.detach()
-    with torch.no_grad():
-        for i, head in enumerate(cast(Iterable[Head], new.heads)):
-            rows = slice(i * d, (i + 1) * d)
-            for part, layer in enumerate((head.q, head.k, head.v)):
-                layer.weight.copy_(w[part * dim :][rows])
-                layer.bias.copy_(b[part * dim :][rows])
-            head.o.weight.copy_(wo[:, rows])
-        new.bias.copy_(mha.out_proj.bias.detach() if mha.out_proj.bias is not None else torch.zeros(dim))
-    return new.to(device=w.device, dtype=w.dtype).train(mha.training)
+    w = mha.in_proj_weight
+    new = HeadAttention(mha.embed_dim, mha.num_heads, batch_first=mha.batch_first).to(device=w.device, dtype=w.dtype)
+    new.load_state_dict(_split_entries("", mha.num_heads, mha.state_dict()))
+    return new.train(mha.training)
 
 
 def split_heads(model: nn.Module) -> nn.Module:
@@ -302,10 +294,10 @@ def _split_entries(prefix: str, h: int, state: Mapping[str, torch.Tensor]) -> "O
         )
     d = dim // h
     b = state.get(prefix + "in_proj_bias")
-    b = torch.zeros(3 * dim, dtype=w.dtype) if b is None else b
+    b = torch.zeros(3 * dim, dtype=w.dtype, device=w.device) if b is None else b
     bo = state.get(prefix + "out_proj.bias")
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    out[prefix + "bias"] = torch.zeros(dim, dtype=w.dtype) if bo is None else bo.clone()
+    out[prefix + "bias"] = torch.zeros(dim, dtype=w.dtype, device=w.device) if bo is None else bo.clone()
     for i in range(h):
         rows = slice(i * d, (i + 1) * d)
         for part, name in enumerate("qkv"):
@@ -343,6 +335,18 @@ def merge_heads(model: nn.Module, like: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         setattr(new.get_submodule(parent_name) if parent_name else new, child, mha)
     return new
+
+
+#: How reports say that a network's ``nn.MultiheadAttention`` were fused as :class:`HeadAttention`.
+SPLIT_NOTE = "nn.MultiheadAttention split into heads to be fused"
+
+
+def merged_where_possible(model: nn.Module, like: nn.Module) -> tuple[nn.Module, str | None]:
+    """``(merge_heads(model, like), None)``, or ``(model, why)`` where :func:`merge_heads` refuses."""
+    try:
+        return merge_heads(model, like), None
+    except ValueError as err:
+        return model, str(err)
 
 
 def _to_multihead(attention: HeadAttention, original: nn.MultiheadAttention, name: str) -> nn.MultiheadAttention:

@@ -483,7 +483,8 @@ def test_files_of_a_multihead_attention_network_fuse_with_the_network_given(tmp_
     assert not out.exists()
     model = "tests.nets.user_nets:Attention"
     assert main(["fuse", *paths, "--method", "pfnm", "--model", model, "--out", str(out)]) == 0
-    assert "kept as HeadAttention" not in json.loads((tmp_path / "fused.pt.json").read_text())["hyper"]["attention"]
+    note = json.loads((tmp_path / "fused.pt.json").read_text())["hyper"]["attention"]
+    assert "written as HeadAttention" in note and "bayesfuse.load(path, like=Attention(...))" in note, note
     loaded = bayesfuse.load(out, like=Attention())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)

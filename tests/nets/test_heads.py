@@ -162,44 +162,53 @@ def _laplace_factors(rng, J: int, K: int, G: int):
     return dict(gram=np.stack(grams), curvature=np.stack(curvatures), n=rng.integers(5, 50, size=J).astype(float))
 
 
+def _laplace_heads(seed: int, prior_precision: float):
+    """A network, three heads on it and their Laplace factors."""
+    rng = np.random.default_rng(seed)
+    weight, bias, shares = _heads(rng)
+    J, K, G = weight.shape
+    return rng, _network(), weight, bias, shares, dict(_laplace_factors(rng, J, K, G), prior_precision=prior_precision)
+
+
+def _logit_covariance(A, S, n: float, lam: float, a: np.ndarray, V: np.ndarray) -> np.ndarray:
+    """``V^T Cov(f) V`` for features ``a`` (bias included), from the posterior written out: the
+    precision ``n A (x) S + lambda I`` over vec(W), W (G+1, K) in row-major order (index g K + k)."""
+    K = len(S)
+    cov_w = np.linalg.inv(n * np.kron(A, S) + lam * np.eye(len(A) * K))
+    M = np.kron(a[None, :], np.eye(K))  # f = M vec(W)
+    return V.T @ M @ cov_w @ M.T @ V
+
+
 def test_logit_variances_are_the_kfac_posteriors():
     """Against the posterior written out: precision n A (x) S + lambda I over vec(W), W (G+1, K)."""
     rng = np.random.default_rng(1)
     K, G, lam = 3, 4, 0.7
     f = _laplace_factors(rng, 1, K, G)
     A, S, n = f["gram"][0], f["curvature"][0], f["n"][0]
-    cov_w = np.linalg.inv(n * np.kron(A, S) + lam * np.eye((G + 1) * K))  # row-major vec: index g K + k
     x = np.hstack([rng.normal(size=(6, G)), np.ones((6, 1))])
     c, V = np.linalg.eigh(S)
     b, U = np.linalg.eigh(A)
     got = logit_variances(*(torch.as_tensor(t) for t in (x, U, b, c)), n, lam).numpy()
     for i, a in enumerate(x):
-        M = np.kron(a[None, :], np.eye(K))  # f = M vec(W)
-        rotated = V.T @ M @ cov_w @ M.T @ V
+        rotated = _logit_covariance(A, S, n, lam, a, V)
         assert np.allclose(np.diag(rotated), got[i], rtol=1e-10)
         assert np.allclose(rotated - np.diag(np.diag(rotated)), 0.0, atol=1e-10 * np.abs(rotated).max())
 
 
 def test_laplace_heads_predict_the_mixture_of_mean_softmaxes_over_their_draws():
-    rng = np.random.default_rng(2)
-    net = _network()
-    weight, bias, shares = _heads(rng)
-    J, K, G = weight.shape
-    factors = dict(_laplace_factors(rng, J, K, G), prior_precision=0.5)
+    rng, net, weight, bias, shares, factors = _laplace_heads(2, 0.5)
+    J, K, _ = weight.shape
     model = ClientHeads(net, "2", weight, bias, shares, laplace=factors, samples=16).eval()
     x = rng.normal(size=(7, 5)).astype(np.float32)
     features = np.hstack([output_features(net, "2", x).astype(np.float64), np.ones((7, 1))])
     expected = np.zeros((7, K))
     for j in range(J):
         W = np.vstack([weight[j].T, bias[j]])
-        cov_w = np.linalg.inv(
-            factors["n"][j] * np.kron(factors["gram"][j], factors["curvature"][j]) + 0.5 * np.eye(W.size)
-        )
-        c, V = np.linalg.eigh(factors["curvature"][j])
+        A, S, n = factors["gram"][j], factors["curvature"][j], factors["n"][j]
+        V = np.linalg.eigh(S)[1]
         p = np.zeros((7, K))
         for i, a in enumerate(features):
-            M = np.kron(a[None, :], np.eye(K))
-            sd = np.sqrt(np.clip(np.diag(V.T @ M @ cov_w @ M.T @ V), 0, None))
+            sd = np.sqrt(np.clip(np.diag(_logit_covariance(A, S, n, 0.5, a, V)), 0, None))
             draws = model.draws[j].numpy() * sd  # the heads' fixed draws, in V's basis
             p[i] = _softmax(a @ W + draws @ V.T).mean(0)
         expected += shares[j] * p
@@ -215,11 +224,8 @@ def test_laplace_heads_predict_the_mixture_of_mean_softmaxes_over_their_draws():
 
 
 def test_laplace_factors_are_checked():
-    rng = np.random.default_rng(3)
-    net = _network()
-    weight, bias, shares = _heads(rng)
-    J, K, G = weight.shape
-    good = dict(_laplace_factors(rng, J, K, G), prior_precision=1.0)
+    _, net, weight, bias, shares, good = _laplace_heads(3, 1.0)
+    J, K, _ = weight.shape
     with pytest.raises(ValueError, match=r"missing \['prior_precision'\]"):
         ClientHeads(net, "2", weight, bias, shares, laplace={k: v for k, v in good.items() if k != "prior_precision"})
     with pytest.raises(ValueError, match="do not fit 3 heads"):
