@@ -356,6 +356,7 @@ KEYS: dict[str, Constraint] = {
     "unit_form": Options(("effective", "raw")),
     "head": Options(("shared", "clients")),
     "prune_kl": Interval(float, 0.0, 1e300, "both", why="a threshold in nats"),
+    "prune_share": Interval(float, 0.0, 1.0, "left", why="a share of a layer's output"),
     "reg": POSITIVE,
     "anchor": Either((Interval(int, 0, None, "left"), Options(("widest", "median")))),
     "solver": Options(("auto", "cvxpy", "fast")),

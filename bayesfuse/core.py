@@ -511,7 +511,20 @@ def _fedavg_states(states, names, method, settings, *, spec, class_counts, **_) 
     )
 
 
-def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_counts, seed, verbose, **_) -> StateFusion:
+def _fuse_bnn_states(
+    states,
+    names,
+    method,
+    settings,
+    *,
+    fuse_units,
+    class_counts,
+    seed,
+    verbose,
+    summaries=None,
+    output_pool: str = "precision",
+    **_,
+) -> StateFusion:
     """Fuse horseshoe BNNs of any depth as mean-field posteriors, layer by layer
     (:func:`~bayesfuse.models.bnn_fusion.fuse_bnn_posteriors`: pruning, the scale-free unit form,
     the units of each layer fused by ``fuse_units``, class-share outputs). With ``head="clients"`` the state holds the
@@ -519,8 +532,13 @@ def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_count
 
     The ``assignments`` of each layer index each client's kept units; ``hyper["kept_units"]``
     lists which of its units those are (per client for one hidden layer; per layer, then per
-    client, for deeper networks).
+    client, for deeper networks). With ``summaries`` (:func:`bayesfuse.summarize` of each BNN on
+    its own data) the units are pruned by what they contribute on the clients' data
+    (``prune_share``) instead of by their information (``prune_kl``); ``hyper["pruning"]`` and
+    ``hyper["summaries"]`` say which.
     """
+    if summaries is not None and output_pool != "precision":
+        raise ValueError(f"output_pool={output_pool!r} is for point-estimate networks; BNNs pool their own outputs")
     posts = [DeepBNNPosterior.from_state(sd, n) for sd, n in zip(states, names)]
     ref = posts[0]
     for n, p in zip(names, posts):
@@ -531,16 +549,32 @@ def _fuse_bnn_states(states, names, method, settings, *, fuse_units, class_count
             )
     settings = dict(settings)
     head = settings.pop("head")
+    moments = None if summaries is None else [s.moments for s in summaries]
     fusion = fuse_bnn_posteriors(
-        posts, fuse_units, class_counts=class_counts, seed=seed, verbose=verbose, names=names, **settings
+        posts,
+        fuse_units,
+        class_counts=class_counts,
+        seed=seed,
+        verbose=verbose,
+        names=names,
+        moments=moments,
+        **settings,
     )
     hyper = dict(fusion.hyper)
     hyper.update(
         average_outputs=settings["average_outputs"],
         unit_form=settings["unit_form"],
         prune_kl=settings["prune_kl"],
+        prune_share=settings["prune_share"],
         head=head,
     )
+    if summaries is not None:
+        hyper["summaries"] = {
+            "used": True,
+            "pruning": "units' contributions on the clients' data (their unit moments)",
+            "examples": [s.n_examples for s in summaries],
+            "bytes": [s.nbytes for s in summaries],
+        }
     kept = [[k.tolist() for k in layer] for layer in fusion.kept]
     hyper["kept_units"] = kept[0] if len(kept) == 1 else kept
     depth = len(posts[0].layers)

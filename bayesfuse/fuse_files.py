@@ -479,15 +479,14 @@ def fuse_files(
     if kind not in row.kinds:
         raise ValueError(_wrong_kind(method, kind))
     client_summaries, summaries_report = _input_summaries(names, summaries, method, kind)
+    given = dict(names=names, seed=seed, device=device, dtype=dtype, class_counts=counts, summaries=client_summaries)
     if kind == "bnn":
         from bayesfuse.models.bnn import HorseshoeBNN
 
         states: Sequence[State] = [
             HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)
         ]
-        fused = fuse_states(
-            states, method, names=names, seed=seed, device=device, dtype=dtype, class_counts=counts, **hyper
-        )
+        fused = fuse_states(states, method, **given, **hyper)
         from bayesfuse.models.bnn_heads import bnn_from_state
 
         fused_sd = bnn_from_state(fused.state).state_dict()
@@ -510,18 +509,7 @@ def fuse_files(
                 for sd in state_dicts
             ]
         )
-        fused = fuse_states(
-            states,
-            method,
-            spec=spec,
-            names=names,
-            seed=seed,
-            device=device,
-            dtype=dtype,
-            class_counts=counts,
-            summaries=client_summaries,
-            **hyper,
-        )
+        fused = fuse_states(states, method, spec=spec, **given, **hyper)
         fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype)) for k in state_dicts[0])
         if like is not None:  # never a file that cannot be loaded into the user's network and run
             fused_model = _check_like(like, fused_sd)

@@ -237,7 +237,14 @@ PARAMS: dict[str, Param] = {
             "prune_kl",
             KEYS["prune_kl"],
             "BNNs: drop each client's units whose incoming weights hold fewer nats of information than this "
-            "(KL of their posterior to the prior): units the horseshoe switched off; 0 keeps all",
+            "(KL of their posterior to the prior): units the horseshoe switched off; 0 keeps all. Without "
+            "client summaries",
+        ),
+        Param(
+            "prune_share",
+            KEYS["prune_share"],
+            "BNNs with client summaries: drop each client's least-contributing units while together they put "
+            "at most this share of a layer's output into the layer above, on the client's data; 0 keeps all",
         ),
         Param(
             "reg",
@@ -266,7 +273,7 @@ _NETWORK = dict(cost="auto", n_iter=10, tol=0.1, direction="bottom-up", global_w
 _NAFI_KL = {"network": 1.0, "bnn": 0.01}
 # BNNs: pruned units in the effective form, outputs weighted by class shares (bayesfuse.core._fuse_bnn_states).
 # KL-fusion's reg: 0.01, not the paper's 0.1; see docs/decisions.md#bnn-kl-fusion-reg
-_BNN_UNITS = dict(average_outputs=True, unit_form="effective", prune_kl=1.0, head="shared")
+_BNN_UNITS = dict(average_outputs=True, unit_form="effective", prune_kl=1.0, prune_share=1e-3, head="shared")
 # matching's noise_var is an absolute variance, set for the guide's raw coordinates;
 # see docs/decisions.md#bnn-matching-raw-units
 _BNN_MATCHING_UNITS = dict(_BNN_UNITS, unit_form="raw")
@@ -293,7 +300,7 @@ METHODS: dict[str, Method] = {
             fusers=_MATCHING_FUSERS,
             device=True,
             featured=True,
-            summaries=("network",),
+            summaries=("network", "bnn"),
         ),
         Method(
             "nafi",
@@ -307,7 +314,7 @@ METHODS: dict[str, Method] = {
             fusers=_MATCHING_FUSERS,
             device=True,
             featured=True,
-            summaries=("network",),
+            summaries=("network", "bnn"),
         ),
         Method(
             "fedma",
@@ -342,6 +349,7 @@ METHODS: dict[str, Method] = {
             "KL-fusion of mean-field posteriors with the L2,2,1 regulariser (Claici et al. 2020, eq. 9)",
             {"bnn": dict(reg=0.01, solver="auto", n_iter=20, **_BNN_UNITS)},
             fusers={"bnn": _CORE + "_kl_bnn_states"},
+            summaries=("bnn",),
         ),
     )
 }

@@ -43,6 +43,7 @@ from torch import nn
 
 from bayesfuse._io import atomic_write_bytes
 from bayesfuse.curvature import diag_ggn
+from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes
 from bayesfuse.inference.spec import PermutationSpec
 
 __all__ = [
@@ -219,7 +220,11 @@ def summarize(
     Parameters
     ----------
     model : nn.Module
-        The client's trained classifier (logits out).
+        The client's trained classifier (logits out), or a
+        :class:`~bayesfuse.models.bnn.HorseshoeBNN`: its summary holds the moments of every
+        hidden unit at the guide's means (:meth:`~bayesfuse.models.bnn.HorseshoeBNN.unit_moments`)
+        and the class counts, and no precisions (the guide is the client's posterior already);
+        the fusion prunes its units by what they contribute on the client's data.
     x, y : arrays
         The client's inputs ``(N, ...)`` and labels ``(N,)``: its training data.
     spec : PermutationSpec, optional
@@ -235,6 +240,7 @@ def summarize(
     -------
     ClientSummary
     """
+    from bayesfuse.models.bnn import HorseshoeBNN
     from bayesfuse.nets.spec import spec_from_module
 
     start = time.perf_counter()
@@ -246,6 +252,21 @@ def summarize(
         raise ValueError(f"x has {len(x)} examples and y has {len(y)} labels")
     if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
+    if isinstance(model, HorseshoeBNN):  # its posterior is its own: moments and counts, no precisions
+        if spec is not None:
+            raise ValueError("spec= is for point-estimate networks; a BNN's units are its hidden layers")
+        n_classes = model.n_classes if n_classes is None else n_classes
+        if y.min() < 0 or y.max() >= n_classes:
+            raise ValueError(f"labels must lie in 0..{n_classes - 1}, got {y.min()}..{y.max()}")
+        return ClientSummary(
+            precision={},
+            prior_precision=float(prior_precision),
+            moments=model.unit_moments(x.numpy() if isinstance(x, torch.Tensor) else x, batch_size=batch_size),
+            class_counts=np.bincount(y.astype(np.int64), minlength=n_classes),
+            n_examples=int(len(y)),
+            fingerprint=fingerprint(model.state_dict()),
+            seconds=time.perf_counter() - start,
+        )
     spec = spec if spec is not None else spec_from_module(model)
     state = model.state_dict()
     if n_classes is None:
@@ -415,7 +436,9 @@ def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str
             f"{name}: the summary is of another network (its entries' names, shapes or values "
             "differ); compute it on this model with bayesfuse.summarize"
         )
-    for k, v in state.items():
+    if is_bnn_state(state):
+        _check_bnn_moments(summary, state, name)
+    for k, v in [] if is_bnn_state(state) else state.items():
         if not torch.is_tensor(v) and not isinstance(v, np.ndarray):
             continue
         floating = v.is_floating_point() if torch.is_tensor(v) else np.issubdtype(v.dtype, np.floating)
@@ -441,6 +464,23 @@ def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str
     if counts.ndim != 1 or (counts < 0).any() or counts.sum() != summary.n_examples:
         raise SummaryError(f"{name}: class counts must be non-negative and sum to n_examples={summary.n_examples}")
     return summary
+
+
+def _check_bnn_moments(summary: ClientSummary, state: Mapping[str, object], name: str) -> None:
+    """A BNN's summary has the moments of every hidden layer's units (:data:`STATS`, one per unit)."""
+    for layer, width in enumerate(state_sizes(state, name)[0], 1):
+        group = "units" if layer == 1 else f"units{layer}"
+        stats = summary.moments.get(group)
+        if stats is None or any(s not in stats for s in STATS):
+            raise SummaryError(
+                f"{name}: the summary has no moments {', '.join(STATS)} of hidden layer {layer} ({group!r}); "
+                "compute it with bayesfuse.summarize on the BNN"
+            )
+        for s in STATS:
+            if np.shape(stats[s]) != (width,):
+                raise SummaryError(
+                    f"{name}: moment {s} of {group!r} has shape {np.shape(stats[s])}, the layer has {width} units"
+                )
 
 
 def _is_buffer(key: str) -> bool:

@@ -1,7 +1,8 @@
 """``bayesfuse summarize MODEL --data DATA``: a client's summary of its own data, beside its model file.
 
 The client reads its model file as ``bayesfuse fuse`` and :func:`bayesfuse.load` do (a safe
-state_dict of a network bayesfuse recognises: MLP, ``make_cnn`` ConvNet, LSTMClassifier), and
+state_dict of a network bayesfuse recognises: MLP, ``make_cnn`` ConvNet, LSTMClassifier,
+HorseshoeBNN), and
 its data from a local ``.npz`` file holding ``x`` (inputs, one row per example; images are
 flattened) and ``y`` (integer labels). :func:`bayesfuse.summarize` makes one pass over it and
 the summary is written, atomically, beside the model (``model.pt`` ->
@@ -130,6 +131,7 @@ def summarize_file(
 
 def _client_model(path: Path, n_features: int):
     """The network in ``path``, as :func:`bayesfuse.load` rebuilds it (without any fused posterior)."""
+    from bayesfuse.models.bnn import HorseshoeBNN
     from bayesfuse.models.bnn_sites import has_heads, is_bnn_state
 
     try:
@@ -143,8 +145,8 @@ def _client_model(path: Path, n_features: int):
             "x, y), then bayesfuse.summaries.save_summary(summary, summary_path(MODEL))"
         ) from None
     state = model.state_dict()
-    if is_bnn_state(state) or has_heads(state):
+    if has_heads(state) or (is_bnn_state(state) and not isinstance(model, HorseshoeBNN)):
         raise ValueError(
-            f"{path} is a HorseshoeBNN: it carries its own posterior; summaries are for point-estimate networks"
+            f"{path} is a fused BNN with client heads, not a client's network: summarise the clients' own BNNs"
         )
     return model

@@ -236,3 +236,32 @@ def test_load_refuses_a_posterior_of_other_tensors(clients, tmp_path):
     posterior_path(out).write_bytes(b"junk")
     with pytest.raises(ValueError, match="not a readable safetensors posterior"):
         bayesfuse.load(out)
+
+
+def test_bnn_files_are_summarised_and_fused_pruning_by_function(tmp_path, capsys):
+    from bayesfuse.models.bnn import BNNConfig, train_bnn
+
+    data = load_digits(seed=0).standardize()
+    files = []
+    for j, idx in enumerate((np.arange(0, 250), np.arange(250, 500))):
+        bnn = train_bnn(data.train.x[idx], data.train.y[idx], 10, 20, BNNConfig(epochs=3, seed=j))
+        torch.save(bnn.state_dict(), tmp_path / f"b{j}.pt")
+        np.savez(tmp_path / f"b{j}.npz", x=data.train.x[idx], y=data.train.y[idx])
+        assert main(["summarize", str(tmp_path / f"b{j}.pt"), "--data", str(tmp_path / f"b{j}.npz")]) == 0
+        files.append(tmp_path / f"b{j}.pt")
+    assert "0.03x the model's" in capsys.readouterr().out  # 4 floats per unit against a 20-unit BNN
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, files), "--method", "kl", "--out", str(out)]) == 0
+    assert "(with their client summaries)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert report["summaries"]["used"] and report["hyper"]["pruning"].startswith("function")
+    states = [load_state_dict(n) for n in report["fused_order"]]
+    summaries = [load_summary(summary_path(n)) for n in report["fused_order"]]
+    fused = fuse_states(states, "kl", names=report["fused_order"], summaries=summaries)
+    assert report["hyper"]["kept_units"] == fused.hyper["kept_units"]
+    assert (
+        main(["fuse", *map(str, files), "--method", "kl", "--out", str(tmp_path / "free.pt"), "--summaries", "none"])
+        == 0
+    )
+    free = json.loads((tmp_path / "free.pt.json").read_text())
+    assert free["hyper"]["pruning"].startswith("information")

@@ -331,6 +331,40 @@ class HorseshoeBNN(nn.Module):
         """(n, K) predictive of the rows ``x`` over ``draws``: the mean softmax."""
         return torch.softmax(forward_logits(x, draws, self.depth), -1).mean(0)  # (S, n, K) -> (n, K)
 
+    @torch.no_grad()
+    def unit_moments(self, x, *, batch_size: int = 4096) -> dict[str, dict[str, np.ndarray]]:
+        """Mean and variance over the rows of ``x`` of every hidden unit's pre-activation
+        ``tau lambda_k (w~_k^T h + b~_k)`` and activation ``h_k = relu(.)``, at the guide's means.
+
+        Keyed by the hidden layers' groups (``"units"``, ``"units2"``, ...), each a dict of
+        ``pre_mean``, ``pre_var``, ``act_mean``, ``act_var`` arrays of shape (H_l,), float64: the
+        moments :func:`bayesfuse.summarize` sends for a BNN (aggregates over ``x``, nothing per row).
+        """
+        x = torch.as_tensor(np.asarray(x), dtype=torch.float64)
+        if x.ndim != 2 or x.shape[1] != self.in_features or len(x) == 0:
+            raise ValueError(f"x must be (n, {self.in_features}) with n > 0, got {tuple(x.shape)}")
+        means = {site: loc.detach().double() for site, loc in self.loc.items()}
+        sums = [[torch.zeros(h, dtype=torch.float64) for _ in range(4)] for h in self.hidden_sizes]
+        for start in range(0, len(x), batch_size):
+            h = x[start : start + batch_size]
+            for layer, acc in enumerate(sums, 1):
+                names = layer_sites(layer)
+                scale = torch.exp(means[names.log_tau] + means[names.log_lam])
+                pre = (h @ means[names.w].T + means[names.b]) * scale
+                h = torch.relu(pre)
+                for i, t in enumerate((pre, pre.square(), h, h.square())):
+                    acc[i] += t.sum(0)
+        out = {}
+        for layer, (s1, s2, a1, a2) in enumerate(sums, 1):
+            pre_mean, act_mean = (s1 / len(x)).numpy(), (a1 / len(x)).numpy()
+            out["units" if layer == 1 else f"units{layer}"] = {
+                "pre_mean": pre_mean,
+                "pre_var": np.maximum((s2 / len(x)).numpy() - pre_mean**2, 0.0),
+                "act_mean": act_mean,
+                "act_var": np.maximum((a2 / len(x)).numpy() - act_mean**2, 0.0),
+            }
+        return out
+
     def unit_scales(self, layer: int = 1) -> np.ndarray:
         """Posterior median of each unit's scale ``tau * lambda_k`` in hidden layer ``layer`` (log-normal:
         exp of the loc)."""

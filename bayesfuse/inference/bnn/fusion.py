@@ -3,11 +3,17 @@
 Each hidden layer is fused as in the one-hidden-layer case (:mod:`bayesfuse.inference.bnn.units`
 says why each step is there):
 
-1. **Pruning** (``prune_kl``): each client's units whose incoming weights hold less than
-   ``prune_kl`` nats of information (:func:`~bayesfuse.inference.bnn.units.incoming_information`,
-   read in the client's own basis) are dropped: the horseshoe has switched them off. Their
-   outputs are ``relu`` of a pre-activation times a scale near 0, so the layer above loses
-   their columns too.
+1. **Pruning**. With the clients' unit moments (``moments``, from their summaries,
+   :meth:`~bayesfuse.models.bnn.HorseshoeBNN.unit_moments`): each client's least-contributing
+   units, which together put at most ``prune_share`` of the layer's output into the layer
+   above on the client's own data, are dropped
+   (:func:`~bayesfuse.inference.bnn.units.keep_contributing`). The rule reads the function the
+   client's network computes, so a briefly trained guide keeps the units it uses and drops the
+   ones it does not, wherever its variances still are. Without moments (data-free): units whose
+   incoming weights hold less than ``prune_kl`` nats of information
+   (:func:`~bayesfuse.inference.bnn.units.incoming_information`, read in the client's own basis)
+   are dropped: the horseshoe has switched them off, in a converged guide. Either way the layer
+   above loses the dropped units' columns too.
 2. **The matched basis below** (layers 2 and up; the permutation spec of a deep network, as in
    PFNM's and FedMA's layer-wise matching): a unit's incoming weights are indexed by the
    client's kept units of the layer below; the global units those were matched to give them
@@ -58,7 +64,15 @@ import numpy as np
 from bayesfuse.constraints import KEYS, validate_params
 from bayesfuse.inference.bnn.posterior import DeepBNNPosterior, HiddenLayer
 from bayesfuse.inference.bnn.sites import HEAD_KEYS, check_same_prior
-from bayesfuse.inference.bnn.units import effective_layer, incoming_information, keep_informative, split_effective
+from bayesfuse.inference.bnn.units import (
+    DEFAULT_PRUNE_SHARE,
+    effective_layer,
+    incoming_information,
+    keep_contributing,
+    keep_informative,
+    split_effective,
+    unit_contributions,
+)
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import class_share_matrix
@@ -222,6 +236,12 @@ def _unread_inputs_off(units: DiagNormal, assignments, below, n_below: int) -> D
     return DiagNormal(loc=loc, var=var)
 
 
+def _outgoing(above: HiddenLayer, n_units: int) -> DiagNormal:
+    """Rows: a layer's units; columns: their effective weights into each unit of the layer ``above``."""
+    weights, _ = effective_layer(above)
+    return DiagNormal(loc=weights.loc[:, :n_units].T, var=weights.var[:, :n_units].T)
+
+
 def kl_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> tuple[Any, DiagNormal, dict]:
     """A layer's units KL-fused (:func:`~bayesfuse.inference.klfusion.kl_fuse`): the result, the
     fused units and what to record beside ``hyper`` (the solver used)."""
@@ -239,7 +259,7 @@ def matched_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> t
     return result, DiagNormal(loc=result.mean, var=result.var), {"seed": seed}
 
 
-@validate_params(unit_form=KEYS["unit_form"], prune_kl=KEYS["prune_kl"])
+@validate_params(unit_form=KEYS["unit_form"], prune_kl=KEYS["prune_kl"], prune_share=KEYS["prune_share"])
 def fuse_bnn_posteriors(
     posts: Sequence[DeepBNNPosterior],
     fuse_units: Callable,
@@ -247,6 +267,8 @@ def fuse_bnn_posteriors(
     average_outputs: bool = True,
     unit_form: str = "effective",
     prune_kl: float = 1.0,
+    prune_share: float = DEFAULT_PRUNE_SHARE,
+    moments: Sequence[dict] | None = None,
     class_counts=None,
     seed=0,
     verbose: bool = False,
@@ -261,7 +283,14 @@ def fuse_bnn_posteriors(
     horseshoe and the Gaussian, or other scales) are refused with a ``ValueError`` naming two of
     them (``names``, ``"client j"`` by default; :func:`~bayesfuse.inference.bnn.sites.check_same_prior`):
     the fused network has one prior. The fused posterior has theirs.
+
+    ``moments``, one per client (its summary's ``moments``: per hidden layer group ``"units"``,
+    ``"units2"``, ..., the mean and variance of each unit's activation on its own data), prunes
+    by what units contribute (``prune_share``) instead of by their information (``prune_kl``);
+    ``hyper["pruning"]`` says which rule ran.
     """
+    if moments is not None and len(moments) != len(posts):
+        raise ValueError(f"{len(moments)} clients' moments for {len(posts)} posteriors")
     prior = check_same_prior([p.prior_spec for p in posts], names)
     ref = posts[0]
     J, K, depth = len(posts), ref.n_classes, len(ref.layers)
@@ -271,12 +300,23 @@ def fuse_bnn_posteriors(
     n_below = ref.in_features
     shares = output_shares(class_counts, J, K)  # (J, K) class shares of the outputs
     used = dict(hyper)
+    used["pruning"] = (
+        f"information: units under prune_kl={prune_kl:g} nats dropped (no client moments)"
+        if moments is None
+        else f"function: the least-contributing units carrying at most prune_share={prune_share:g} of a layer's "
+        "output on the client's data dropped"
+    )
     for index in range(depth):
         top = index == depth - 1
         kept, vectors, scales = [], [], []
         for j, post in enumerate(posts):
             layer = post.layers[index]
-            keep = keep_informative(incoming_information(layer.incoming), prune_kl)
+            if moments is None:
+                keep = keep_informative(incoming_information(layer.incoming), prune_kl)
+            else:
+                stats = moments[j]["units" if index == 0 else f"units{index + 1}"]
+                above = post.out_weights if top else _outgoing(post.layers[index + 1], len(layer.incoming))
+                keep = keep_contributing(unit_contributions(stats["act_mean"], stats["act_var"], above), prune_share)
             kept.append(np.flatnonzero(keep))
             layer = layer.units(keep)
             kept_j = kept_below[j]

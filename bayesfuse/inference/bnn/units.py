@@ -53,11 +53,18 @@ __all__ = [
     "effective_layer",
     "split_effective",
     "DEFAULT_PRUNE_KL",
+    "DEFAULT_PRUNE_SHARE",
+    "unit_contributions",
+    "keep_contributing",
 ]
 
 #: Default of ``prune_kl``: units whose incoming weights hold less than this many nats of
 #: information (:func:`unit_information`) are dropped before fusion.
 DEFAULT_PRUNE_KL = 1.0
+#: Default of ``prune_share``: with the clients' unit moments, each client's least-contributing
+#: units are dropped while together they carry at most this share of the layer's output
+#: (:func:`keep_contributing`).
+DEFAULT_PRUNE_SHARE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,47 @@ def keep_informative(information: np.ndarray, min_kl: float = DEFAULT_PRUNE_KL) 
     keep = information >= min_kl
     if not keep.any():
         keep[np.argmax(information)] = True
+    return keep
+
+
+def unit_contributions(act_mean: np.ndarray, act_var: np.ndarray, outgoing: DiagNormal) -> np.ndarray:
+    """What each unit puts into the layer above, on a client's data: ``E_x[h_k^2] sum_i E_q[v_ik^2]``.
+
+    ``h_k`` is unit k's activation (its mean and variance over the client's inputs,
+    :meth:`~bayesfuse.models.bnn.HorseshoeBNN.unit_moments`), ``v_ik`` its weight into unit or
+    class ``i`` of the layer above (rows of ``outgoing`` are the units: for a hidden layer below
+    another, the columns of that layer's effective incoming weights ``tau lambda_i w~_ik``; for
+    the top hidden layer, the output weights), with ``E_q[v^2] = loc^2 + var`` under the guide.
+    It is the mean square over the data and the guide of unit k's term ``v_ik h_k`` summed over
+    ``i``: what dropping the unit takes out of the next pre-activations, whether or not the
+    guide has converged.
+    """
+    second = np.asarray(act_var, dtype=np.float64) + np.asarray(act_mean, dtype=np.float64) ** 2
+    weight = np.sum(outgoing.loc**2 + outgoing.var, axis=1)
+    if second.shape != weight.shape:
+        raise ValueError(f"moments of {second.shape[0]} units for {weight.shape[0]} units' outgoing weights")
+    return second * weight
+
+
+@validate_params(share=KEYS["prune_share"])
+def keep_contributing(contributions: np.ndarray, share: float = DEFAULT_PRUNE_SHARE) -> np.ndarray:
+    """Boolean mask keeping all units but the least-contributing ones that together carry at most
+    ``share`` of the layer's total :func:`unit_contributions`.
+
+    Units are dropped in increasing order of contribution while the running sum stays at or below
+    ``share * sum(contributions)``; by the triangle inequality the dropped units change the next
+    pre-activations by at most the sum of their root-mean-square terms. ``share=0`` keeps every
+    unit; at least one unit (the largest) is always kept.
+    """
+    c = np.asarray(contributions, dtype=np.float64)
+    keep = np.ones(len(c), dtype=bool)
+    if share == 0:
+        return keep
+    order = np.argsort(c, kind="stable")
+    dropped = np.cumsum(c[order]) <= share * c.sum()
+    keep[order[dropped]] = False
+    if not keep.any():
+        keep[np.argmax(c)] = True
     return keep
 
 
