@@ -19,9 +19,16 @@ import numpy as np
 from scipy.optimize import minimize_scalar
 from scipy.special import logsumexp, softmax
 
-from bayesfuse.metrics import PROB_FLOOR, check_probs
+from bayesfuse.metrics import (
+    PROB_FLOOR,
+    check_probs,
+    expected_calibration_error,
+    negative_log_likelihood,
+    ood_auroc,
+    predictive_entropy,
+)
 
-__all__ = ["tempered", "fit_temperature"]
+__all__ = ["tempered", "fit_temperature", "calibration_frontier", "auroc_at_ece", "FRONTIER_TEMPERATURES"]
 
 
 def _log_probs(probs: np.ndarray) -> np.ndarray:
@@ -64,3 +71,51 @@ def fit_temperature(probs: np.ndarray, y: np.ndarray, *, bounds: tuple[float, fl
 
     best = minimize_scalar(nll, bounds=(1.0 / high, 1.0 / low), method="bounded", options={"xatol": 1e-6})
     return float(1.0 / best.x)
+
+
+#: Temperatures of :func:`calibration_frontier` by default: 2^(k/8) for k = -32..16, from 1/16 to 4.
+FRONTIER_TEMPERATURES = 2.0 ** (np.arange(-32, 17) / 8.0)
+
+
+def calibration_frontier(
+    probs: np.ndarray, y: np.ndarray, probs_ood: np.ndarray, temperatures=FRONTIER_TEMPERATURES
+) -> dict[str, np.ndarray]:
+    """How calibration and out-of-distribution detection trade along one temperature.
+
+    For each ``T`` in ``temperatures``: the ECE and NLL of :func:`tempered` ``probs`` on labels
+    ``y``, and the AUROC of predictive entropy for telling ``probs_ood``'s inputs (tempered by the
+    same ``T``) from ``probs``'s (:func:`~bayesfuse.metrics.ood_auroc`); the accuracy does not
+    change. Flattening (``T > 1``) raises every entropy, and where in-distribution predictions are
+    confident it raises them less than the uncertain out-of-distribution ones, so an
+    under-confident predictive (an ensemble of clients that disagree) gains AUROC and loses
+    calibration. Comparing two predictives at the same ECE (:func:`auroc_at_ece`) separates what
+    each knows from how confident it is. The frontier is read on labelled data: a diagnostic,
+    not a way to choose ``T`` (:func:`fit_temperature` on held-out data does that).
+
+    Returns
+    -------
+    dict
+        ``temperature``, ``ece``, ``nll``, ``auroc``: arrays of ``len(temperatures)``.
+    """
+    p, y = check_probs(probs, y)
+    q, _ = check_probs(probs_ood)
+    if q.shape[1] != p.shape[1]:
+        raise ValueError(f"probs has {p.shape[1]} classes and probs_ood {q.shape[1]}")
+    ts = np.array([_check_temperature(t) for t in np.atleast_1d(temperatures)], dtype=np.float64)
+    out: dict[str, list[float]] = {"ece": [], "nll": [], "auroc": []}
+    for t in ts:
+        pt, qt = tempered(p, t), tempered(q, t)
+        out["ece"].append(expected_calibration_error(pt, y))
+        out["nll"].append(negative_log_likelihood(pt, y))
+        out["auroc"].append(ood_auroc(predictive_entropy(pt), predictive_entropy(qt)))
+    return {"temperature": ts, **{k: np.asarray(v) for k, v in out.items()}}
+
+
+def auroc_at_ece(frontier: dict[str, np.ndarray], max_ece: float = 0.03) -> tuple[float, float]:
+    """The highest AUROC of ``frontier`` (:func:`calibration_frontier`) among the temperatures
+    whose ECE is at most ``max_ece``, and that temperature; ``(nan, nan)`` where none is."""
+    ok = np.flatnonzero(np.asarray(frontier["ece"]) <= max_ece)
+    if len(ok) == 0:
+        return float("nan"), float("nan")
+    best = ok[np.argmax(np.asarray(frontier["auroc"])[ok])]
+    return float(frontier["auroc"][best]), float(frontier["temperature"][best])

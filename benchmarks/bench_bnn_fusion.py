@@ -25,6 +25,11 @@ images from font-rendered digits (out of distribution), and the hidden units of
   them, their softmaxes mixed by class shares; and the same heads pooled geometrically
   (``predict(x, pool="log")``: ``prod_j p_j(k | x)^(s_jk)``, normalised), next to the locals
   pooled the same way;
+* the fused BNN (KL-fusion, the same ``reg``), with and without client heads, whose units were
+  pruned by what they contribute on each client's own data (``+summaries``: each client sends
+  :func:`bayesfuse.summarize` of its BNN, its units' activation moments; ``prune_share``)
+  instead of by their information (the data-free rule, which reads how far each guide has
+  converged);
 * the fused BNNs without pruning and with the raw unit form (the two ablations of
   :func:`bayesfuse.core._fuse_bnn_states`);
 * the locals **side by side** in one network (KL-fusion with ``reg`` 1e-12, at which no unit
@@ -68,7 +73,7 @@ import torch
 from common import RESULTS, cached_models, json_default, write_bytes
 from scipy.special import softmax
 
-from bayesfuse import fuse
+from bayesfuse import fuse, summarize
 from bayesfuse.calibration import fit_temperature, tempered
 from bayesfuse.data import dirichlet_partition, load_dataset, load_font_digits
 from bayesfuse.demo import format_table
@@ -82,6 +87,9 @@ COLUMNS = ("model", "accuracy", "loglik", "elpd", "elpd_se", "ece", "auroc", "un
 SIDE_BY_SIDE = "locals side by side"
 HEADS = "fused (kl), client heads"
 HEADS_LOG = "fused (kl), client heads, log pool"
+#: The fused BNNs whose units were pruned by what they contribute on each client's data (its summary).
+SUMMARIES = "fused (kl) +summaries"
+HEADS_SUMMARIES = "fused (kl), client heads +summaries"
 SHARE_ENSEMBLE = "ensemble, class-share weights"
 SHARE_LOG_ENSEMBLE = "ensemble, class-share log pool"
 TEMPERED_ENSEMBLE = "ensemble, temperature on validation"
@@ -231,10 +239,14 @@ def run_seed(args, seed: int) -> dict:
             flush=True,
         )
     best = max(validation, key=lambda r: r["loglik"])["reg"]
+    # each client's summary of its own data: its units' moments (bayesfuse.summarize)
+    summaries = [summarize(bnn, train.x[idx], train.y[idx]) for bnn, idx in zip(bnns, part)]
     fused = {}
     for name, method, hyper in (
         ("fused (kl)", "kl", dict(reg=best)),
         (HEADS, "kl", dict(reg=best, head="clients")),
+        (SUMMARIES, "kl", dict(reg=best, summaries=summaries)),
+        (HEADS_SUMMARIES, "kl", dict(reg=best, head="clients", summaries=summaries)),
         ("fused (nafi)", "nafi", {}),
         ("kl, no pruning", "kl", dict(reg=best, prune_kl=0.0)),
         ("kl, raw units", "kl", dict(reg=best, unit_form="raw")),
@@ -246,6 +258,8 @@ def run_seed(args, seed: int) -> dict:
         rows.append(
             evaluate(name, res.model, sum(res.sizes), res.seconds, {"hyper": res.hyper, "layers": res.sizes})[0]
         )
+        if name in (SUMMARIES, HEADS_SUMMARIES):
+            rows[-1]["summary_bytes"] = float(np.mean([x.nbytes for x in summaries]))
         if name == HEADS:  # the same heads, pooled geometrically
             log_pool = [res.model.predict(x, args.samples, seed=seed, pool="log") for x in (split.test.x, x_ood)]
             rows.append(scored(HEADS_LOG, *log_pool, sum(res.sizes), res.seconds, {"layers": res.sizes}))
@@ -259,9 +273,15 @@ def run_seed(args, seed: int) -> dict:
             sum(sum(r.sizes) for r in pruned),
         )
     )
-    kept = fused["fused (kl)"].hyper["kept_units"]
-    kept = [len(k) for k in kept] if len(args.hidden) == 1 else [[len(k) for k in layer] for layer in kept]
+
+    def count(kept):
+        return [len(k) for k in kept] if len(args.hidden) == 1 else [[len(k) for k in layer] for layer in kept]
+
+    kept = count(fused["fused (kl)"].hyper["kept_units"])
+    kept_summaries = count(fused[SUMMARIES].hyper["kept_units"])
+    print(f"  units kept per client: {kept} (information, data-free), {kept_summaries} (function, summaries)")
     return {
+        "units_kept_summaries": kept_summaries,
         "seed": seed,
         "rows": rows,
         "validation": validation,
@@ -430,7 +450,10 @@ def main() -> None:
     start = time.perf_counter()
     runs = [run_seed(args, seed) for seed in args.seeds]
     for run in runs:
-        print(f"\nseed {run['seed']} (reg {run['reg']:g} by validation; units kept per client {run['units_kept']})")
+        print(
+            f"\nseed {run['seed']} (reg {run['reg']:g} by validation; units kept per client {run['units_kept']}, "
+            f"with summaries {run['units_kept_summaries']})"
+        )
         print(format_table(run["rows"], COLUMNS))
         print(_against(run["rows"]))
     rows = summary(runs)
@@ -448,7 +471,10 @@ def main() -> None:
         "config": vars(args),
         "summary": rows,
         "against_ensemble": against,
-        "seeds": [{k: r[k] for k in ("seed", "rows", "validation", "reg", "sizes", "units_kept")} for r in runs],
+        "seeds": [
+            {k: r[k] for k in ("seed", "rows", "validation", "reg", "sizes", "units_kept", "units_kept_summaries")}
+            for r in runs
+        ],
     }
     write_bytes(
         out / f"bnn_fusion_{_tag(args)}.json",

@@ -287,19 +287,32 @@ def chosen_hyper(result) -> list[dict]:
     return out
 
 
-def entropy_auroc(model, split, ood) -> float:
-    """AUROC of predictive entropy for telling ``ood`` inputs from ``split``'s test set (higher: better)."""
+#: The ECE at which :func:`ood_scores` compares predictives' OOD AUROC (the client-summary issue's bound).
+MATCHED_ECE = 0.03
+
+
+def ood_scores(model, split, ood) -> dict:
+    """``auroc``: AUROC of predictive entropy for telling ``ood`` inputs from ``split``'s test set
+    (higher: better); ``auroc_at_ece`` and ``t_at_ece``: the best AUROC over temperatures at which
+    the tempered predictive's test ECE is at most :data:`MATCHED_ECE`, and that temperature
+    (:func:`bayesfuse.calibration.calibration_frontier`: read on the test set, a diagnostic that
+    compares predictives at one calibration, never a choice of model)."""
+    from bayesfuse.calibration import auroc_at_ece, calibration_frontier
     from bayesfuse.metrics import ood_auroc, predictive_entropy
     from bayesfuse.nets.predict import predict_proba
 
-    return ood_auroc(
-        predictive_entropy(predict_proba(model, split.test.x)), predictive_entropy(predict_proba(model, ood))
-    )
+    p, q = predict_proba(model, split.test.x), predict_proba(model, ood)
+    at_ece, t = auroc_at_ece(calibration_frontier(p, split.test.y, q), MATCHED_ECE)
+    return {
+        "auroc": ood_auroc(predictive_entropy(p), predictive_entropy(q)),
+        "auroc_at_ece": at_ece,
+        "t_at_ece": t,
+    }
 
 
 def fused_row(name: str, models: list, part, split, method: str, seed: int | None = None, ood=None, **hyper) -> dict:
     """Fuse with ``fuse`` (ConvergenceWarnings become the row's ``converged``) and measure; with
-    out-of-distribution inputs ``ood``, the row's ``auroc`` too (:func:`entropy_auroc`)."""
+    out-of-distribution inputs ``ood``, the row's ``auroc`` too (:func:`ood_scores`)."""
     from bayesfuse.fusion import fuse
     from bayesfuse.inference.result import ConvergenceWarning
 
@@ -312,7 +325,7 @@ def fused_row(name: str, models: list, part, split, method: str, seed: int | Non
     if "noise_var" in hyper:
         extra["noise_var"] = float(hyper["noise_var"])
     if ood is not None:
-        extra["auroc"] = entropy_auroc(result.model, split, ood)
+        extra.update(ood_scores(result.model, split, ood))
     return make_row(
         name,
         test_metrics(result.model, split),

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from scipy.special import softmax
 
-from bayesfuse.calibration import fit_temperature, tempered
+from bayesfuse.calibration import auroc_at_ece, calibration_frontier, fit_temperature, tempered
 from bayesfuse.metrics import negative_log_likelihood
 
 
@@ -60,3 +60,38 @@ def test_bad_inputs_are_refused():
         fit_temperature(np.full((2, 2), 0.5), np.array([0, 1, 1]))
     with pytest.raises(ValueError, match="probability distributions"):
         tempered(np.array([[0.7, 0.7]]), 1.0)
+
+
+def _scores_at(probs, y, probs_ood, t):
+    """ECE, NLL and the entropy AUROC of one temperature, computed from their definitions."""
+    from bayesfuse.metrics import expected_calibration_error, ood_auroc, predictive_entropy
+
+    logits, logits_ood = np.log(probs) / t, np.log(probs_ood) / t
+    p, q = softmax(logits, axis=1), softmax(logits_ood, axis=1)
+    h_in, h_out = predictive_entropy(p), predictive_entropy(q)
+    # AUROC as the share of (in, out) pairs ordered right, ties half
+    pairs = (h_out[None, :] > h_in[:, None]).mean() + 0.5 * (h_out[None, :] == h_in[:, None]).mean()
+    assert ood_auroc(h_in, h_out) == pytest.approx(pairs, abs=1e-12)
+    return expected_calibration_error(p, y), negative_log_likelihood(p, y), pairs
+
+
+def test_calibration_frontier_scores_every_temperature_and_reads_the_best_auroc_under_an_ece():
+    rng = np.random.default_rng(3)
+    probs = softmax(3.0 * rng.normal(size=(300, 4)), axis=1)
+    y = _labels(probs, rng)
+    probs_ood = softmax(1.0 * rng.normal(size=(200, 4)), axis=1)
+    temperatures = [0.25, 0.5, 1.0, 2.0, 4.0]
+    frontier = calibration_frontier(probs, y, probs_ood, temperatures)
+    np.testing.assert_array_equal(frontier["temperature"], temperatures)
+    for i, t in enumerate(temperatures):
+        ece, nll, auroc = _scores_at(probs, y, probs_ood, t)
+        assert frontier["ece"][i] == pytest.approx(ece, abs=1e-12)
+        assert frontier["nll"][i] == pytest.approx(nll, abs=1e-12)
+        assert frontier["auroc"][i] == pytest.approx(auroc, abs=1e-12)
+    bound = float(np.sort(frontier["ece"])[2])  # three temperatures qualify
+    auroc, t = auroc_at_ece(frontier, bound)
+    ok = frontier["ece"] <= bound
+    assert auroc == frontier["auroc"][ok].max() and t in frontier["temperature"][ok]
+    assert np.isnan(auroc_at_ece(frontier, -1.0)).all()
+    with pytest.raises(ValueError, match="probs has 4 classes and probs_ood 3"):
+        calibration_frontier(probs, y, probs_ood[:, :3] / probs_ood[:, :3].sum(1, keepdims=True))
