@@ -20,7 +20,7 @@ compared with the true labels by the Rand index and the adjusted mutual informat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, cast
+from typing import Sequence
 
 import numpy as np
 
@@ -177,7 +177,11 @@ def fit_local_hmm(
         bound = float(model.monitor_.history[-1])
         if bound > best_bound:
             best, best_bound = model, bound
-    best = cast(VariationalGaussianHMM, best)  # None only when no bound is above -inf (NaN bounds)
+    if best is None:  # every fit's lower bound was NaN or -inf
+        raise FloatingPointError(
+            f"none of the {max(1, n_init)} HMM fits has a finite lower bound; check the series for NaN or "
+            "constant stretches"
+        )
     path = best.predict(x)
     share = np.bincount(path, minlength=n_states) / len(x)
     keep = np.flatnonzero(share >= min_share)

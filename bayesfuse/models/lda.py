@@ -189,8 +189,12 @@ def fit_local_lda(
             fit = _words_loglik(x, gamma, lam) if n_init > 1 else 0.0
         if fit > best_fit:
             best, best_fit = lam, fit
-    # None only when no fit scored above -inf (NaN scores): Dirichlet refuses it
-    return Dirichlet(concentration=cast(np.ndarray, best))
+    if best is None:  # every fit scored NaN or -inf
+        raise FloatingPointError(
+            f"none of the {max(1, n_init)} LDA fits has a finite score ({method}); check the counts for NaN, "
+            "negative or empty documents"
+        )
+    return Dirichlet(concentration=best)
 
 
 def _batch_vb(

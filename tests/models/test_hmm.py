@@ -79,3 +79,16 @@ def test_segmentation_scores_by_hand():
     # of the 6 pairs, (0,1) is together in both and (0,3), (1,3) apart in both; (0,2), (1,2), (2,3)
     # disagree: Rand index 3/6
     assert segmentation_scores([np.array([0, 0, 1, 1])], [np.array([0, 0, 0, 1])])["rand"] == pytest.approx(0.5)
+
+
+def test_fits_that_all_end_with_a_nan_bound_are_refused_in_one_line(monkeypatch):
+    import hmmlearn.vhmm
+
+    def fit(self, x):
+        self.monitor_ = type("Monitor", (), {"history": [float("nan")]})()
+        return self
+
+    monkeypatch.setattr(hmmlearn.vhmm.VariationalGaussianHMM, "fit", fit)
+    x = np.random.default_rng(0).normal(size=(40, 2))
+    with pytest.raises(FloatingPointError, match="none of the 2 HMM fits has a finite lower bound"):
+        fit_local_hmm(x, 3, n_init=2)

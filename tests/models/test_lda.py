@@ -197,3 +197,12 @@ def test_amps_needs_a_sweep(n_sweeps):
     posts = [Dirichlet(np.full((2, 3), 1.0 + j)) for j in range(2)]
     with pytest.raises(ValueError, match="n_sweeps must be a positive integer"):
         amps_fuse(posts, prior=0.5, n_sweeps=n_sweeps)
+
+
+def test_fits_that_all_score_nan_are_refused_in_one_line(monkeypatch):
+    import bayesfuse.models.lda as lda
+
+    monkeypatch.setattr(lda, "_words_loglik", lambda *a: float("nan"))
+    counts = np.random.default_rng(0).poisson(1.0, size=(20, 30))
+    with pytest.raises(FloatingPointError, match="none of the 3 LDA fits has a finite score"):
+        lda.fit_local_lda(counts, 2, n_init=3, method="numpy", max_iter=2)
