@@ -205,7 +205,11 @@ def fuse(
         is run on it once before it is returned.
     head : {"shared", "clients"}, optional
         For BNNs, the method's ``head`` (``"clients"``: a
-        :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). For point-estimate networks with the
+        :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). For point-estimate networks in one
+        shot (PFNM, NAFI): ``"clients"`` keeps every client's own output layer, each weight moved
+        to the global unit its hidden unit was matched to, and predicts with their class-share
+        mixture on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`, the heads'
+        means; nothing more is sent). With the
         refit round: ``"clients"`` keeps every client's refitted output layer (its reply) and
         predicts with their class-share mixture, each head its fit's Laplace posterior
         (:class:`~bayesfuse.nets.heads.ClientHeads`; ``ClientHeads.predictive = "map"``: the fits' means),
@@ -313,13 +317,18 @@ def fuse(
         if head is not None:  # a BNN's heads are the method's hyper-parameter (bayesfuse.core.fuse_states)
             hyper["head"] = head
         head = "shared"
-    else:  # networks: the refit round's heads
+    else:  # networks: the clients' own heads (one shot) or the refit round's
         head = "shared" if head is None else head
         refits = rounds == 2 and second_round == "refit" or rounds == 3
-        if head not in ("shared", "clients") or head == "clients" and not refits:
+        if head not in ("shared", "clients") or head == "clients" and not (refits or rounds == 1):
             raise ValueError(
-                f"head={head!r}: point-estimate networks keep the clients' heads from the refit round, "
-                "head='clients' with rounds=2 (second_round='refit') or rounds=3"
+                f"head={head!r}: point-estimate networks keep the clients' heads in one shot (rounds=1) or "
+                "from the refit round, head='clients' with rounds=2 (second_round='refit') or rounds=3"
+            )
+        if head == "clients" and rounds == 1 and method not in ONE_SHOT_HEADS:
+            raise ValueError(
+                f"head='clients' in one shot reads each client's output layer through the matching's "
+                f"assignments: method must be one of {', '.join(ONE_SHOT_HEADS)}, got {method!r}"
             )
     if second_round not in ("refit", "temperature", "batchnorm"):
         raise ValueError(f"second_round must be 'refit', 'temperature' or 'batchnorm', got {second_round!r}")
@@ -352,6 +361,11 @@ def fuse(
             _check_fused_runs(candidates[-1][1], models[0], example_input)
     if rounds == 1:
         fused, model = candidates[0]
+        if head == "clients":
+            counts = class_counts
+            if counts is None and summaries is not None:
+                counts = np.stack([np.asarray(s.class_counts) for s in summaries])
+            model = _own_heads(fused, model, states, counts)
     elif second_round == "batchnorm":
         fused, model = _batchnorm_round(*candidates[0], data, states)
         if rounds == 3:
@@ -533,6 +547,48 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
         "seconds": time.perf_counter() - start,
     }
     return fused, model
+
+
+#: The methods whose one-shot fusion can keep the clients' own output layers (``head="clients"``):
+#: those that assign every client's unit to one global unit.
+ONE_SHOT_HEADS = ("pfnm", "nafi")
+
+
+def _own_heads(fused, model: nn.Module, states, class_counts) -> nn.Module:
+    """The one-shot fusion ``fused`` (its ``model``) with every client's own output layer kept as a
+    head on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`, the fits' means).
+
+    Client j's output weight from its hidden unit ``l`` becomes its head's weight from the global
+    unit ``a_j(l)`` its unit was matched to (the assignments of the group the output layer reads),
+    0 from global units it has no unit in; its bias is its own. The heads are mixed by the clients'
+    class shares (uniform without class counts), as the BNN fusion's client heads are. Nothing
+    more is sent: the output layers are in the clients' weights.
+    """
+    from bayesfuse.nets.heads import ClientHeads, class_shares
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    network = model.network if isinstance(model, LastLayerLaplace) else model
+    weight_key, bias_key = fused.spec.output_layer(fused.state)
+    output = weight_key.rpartition(".")[0]
+    axis = fused.spec.axes[weight_key][1]
+    layer = network.get_submodule(output)
+    if axis is None or axis.outer * axis.inner != 1 or not isinstance(layer, nn.Linear):
+        raise ValueError(
+            f"head='clients' in one shot needs an output layer (nn.Linear) that reads one hidden group unit by "
+            f"unit; {output!r} reads {'inputs' if axis is None else f'{axis.group!r} with positions'}"
+        )
+    assignments = fused.layers[list(fused.groups).index(axis.group)].assignments
+    J, (K, G) = len(states), layer.weight.shape
+    weight = np.zeros((J, K, G))
+    for j, (state, a) in enumerate(zip(states, assignments)):
+        weight[j][:, np.asarray(a)] = np.asarray(state[weight_key], dtype=np.float64)
+    bias = np.stack([np.asarray(state[bias_key], dtype=np.float64) for state in states])
+    counts = np.ones((J, K)) if class_counts is None else np.asarray(class_counts)
+    fused.hyper["predictive"] = (
+        "class-share mixture of the clients' own output layers on the fused features (ClientHeads, one shot)"
+    )
+    fused.hyper["head"] = "clients"
+    return ClientHeads(network, output, weight, bias, class_shares(counts)).eval()
 
 
 def _refit_round(

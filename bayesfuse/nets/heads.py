@@ -1,5 +1,10 @@
 """A fused network with the clients' own output layers: one fused body, a class-share pool of heads.
 
+In one shot (:func:`bayesfuse.fuse` with ``head="clients"``, PFNM or NAFI) the heads are the
+clients' own output layers: client j's weight from its hidden unit ``l`` becomes the head's
+weight from the global unit its unit was matched to, 0 from the global units it has no unit in.
+Nothing more is sent than the weights.
+
 After the refit round (:func:`bayesfuse.fuse` with ``rounds=2``) every client has fitted the
 output layer on the fused network's features of its own data and sent the fit
 (:func:`bayesfuse.summaries.output_fit`). The server multiplies the fits into one output layer

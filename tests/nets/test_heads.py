@@ -138,14 +138,75 @@ def test_a_plain_list_partition_and_the_pool_setting(federation):
         listed.model.pool = "max"
 
 
-def test_heads_need_the_refit_round(federation):
+def test_heads_need_one_shot_matching_or_the_refit_round(federation):
     split, part, models = federation
-    with pytest.raises(ValueError, match="head='clients' with rounds=2"):
-        bayesfuse.fuse(models, "pfnm", head="clients")
     with pytest.raises(ValueError, match="head='clients' with rounds=2"):
         bayesfuse.fuse(models, "pfnm", rounds=2, second_round="temperature", data=(split.train, part), head="clients")
     with pytest.raises(ValueError, match="has one head"):
         bayesfuse.fuse(models, "fedma", data=(split.train, part), head="clients")
+    for method in ("ot", "fedavg"):
+        with pytest.raises(ValueError, match="method must be one of pfnm, nafi"):
+            bayesfuse.fuse(models, method, head="clients")
+
+
+# --------------------------------------------------------------------------- one shot: the clients' own heads
+
+
+def _one_shot(models, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return bayesfuse.fuse(models, "pfnm", head="clients", **kwargs)
+
+
+def test_one_shot_heads_are_the_clients_output_layers_moved_to_their_global_units(federation):
+    split, part, models = federation
+    res = _one_shot(models, class_counts=part.counts)
+    model = res.model
+    assert isinstance(model, ClientHeads) and model.predictive == "map" and model.n_heads == 4
+    assert "one shot" in res.hyper["predictive"]
+    body = model.network
+    x = torch.as_tensor(split.test.x[:50], dtype=torch.float32)
+    h = torch.relu(body.layers[0](x)).detach().double().numpy()  # the fused features
+    logs = []
+    for j, (m, a) in enumerate(zip(models, res.layers[0].assignments)):  # in the callers' order
+        w = m.layers[1].weight.detach().double().numpy()
+        b = m.layers[1].bias.detach().double().numpy()
+        z = sum(np.outer(h[:, g], w[:, l]) for l, g in enumerate(np.asarray(a))) + b  # unit l sits at global g
+        logs.append(np.log(_softmax(z)))
+    # the class-share mixture of those heads, in any client order
+    shares = class_shares(part.counts)
+    mixture = sum(shares[j] * np.exp(logs[j]) for j in range(4))
+    np.testing.assert_allclose(
+        predict_proba(model, split.test.x[:50]), mixture / mixture.sum(1, keepdims=True), rtol=1e-5, atol=1e-7
+    )
+    flipped = _one_shot(models[::-1], class_counts=part.counts[::-1])
+    np.testing.assert_array_equal(predict_proba(flipped.model, split.test.x), predict_proba(model, split.test.x))
+
+
+def test_permuted_copies_with_one_shot_heads_fuse_back_to_the_network(federation):
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.spec import spec_from_module
+    from bayesfuse.nets.state import numpy_state
+
+    _, _, models = federation
+    net = models[0]
+    spec = spec_from_module(net)
+    state = numpy_state(net.state_dict())
+    rng = np.random.default_rng(0)
+    copies = [
+        rebuild(
+            net,
+            {
+                k: torch.as_tensor(v)
+                for k, v in permute(state, spec, random_permutations(spec.sizes(state), rng)).items()
+            },
+        )
+        for _ in range(3)
+    ]
+    res = _one_shot(copies)
+    x = np.random.default_rng(1).normal(size=(40, net.layers[0].in_features))
+    np.testing.assert_allclose(predict_proba(res.model, x), predict_proba(net, x), atol=1e-5)
 
 
 # --------------------------------------------------------------------------- heads as Laplace posteriors
