@@ -26,6 +26,10 @@ network (``shared``) or each from its own (``independent``), then one global mod
                  "2 rounds refit": the second round refits the output layer as the product of the
                  clients' Laplace fits on the fused features (bayesfuse.inference.output_fusion);
                  "pfnm 2 rounds refit" does so after the data-free fusion, without summaries;
+                 "pfnm client heads" (one shot, data-free) and "pfnm +summaries client heads" keep
+                 every client's own output layer on the fused body, each weight moved to the global
+                 unit its hidden unit was matched to, and predict with their class-share mixture
+                 (``head="clients"``; "... log": their geometric pool);
                  "pfnm 2 rounds client heads" keeps the clients' refitted output layers, each
                  its fit's Laplace posterior, and predicts with their class-share mixture
                  (bayesfuse.nets.heads.ClientHeads), "... map" with the fits' means alone,
@@ -88,6 +92,8 @@ SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "auroc", "width", "seconds",
 #: ``"summaries": False``: the row fuses without them (the data-free fusion, then its second round).
 SUMMARY_ROWS = {
     "pfnm +summaries": ("pfnm", {}),
+    "pfnm client heads": ("pfnm", {"summaries": False, "head": "clients"}),
+    "pfnm +summaries client heads": ("pfnm", {"head": "clients"}),
     "pfnm +summaries counts": ("pfnm", {"output_pool": "counts"}),
     "nafi +summaries": ("nafi", {}),
     "pfnm +summaries 2 rounds temperature": ("pfnm", {"rounds": 2, "second_round": "temperature"}),
@@ -97,10 +103,12 @@ SUMMARY_ROWS = {
 }
 #: Rows measured again from a row's fused model with other settings of its ClientHeads (pool, predictive).
 HEAD_VARIANTS = {
+    "pfnm client heads": {"pfnm client heads log": {"pool": "log"}},
+    "pfnm +summaries client heads": {"pfnm +summaries client heads log": {"pool": "log"}},
     "pfnm 2 rounds client heads": {
         "pfnm 2 rounds client heads map": {"pool": "linear", "predictive": "map"},
         "pfnm 2 rounds client heads log": {"pool": "log", "predictive": "laplace"},
-    }
+    },
 }
 HAND_SET = dict(prior_var=10.0, gamma0=1.0, cost="pfnm")  # PFNM's setting; noise_var from --sweep
 
@@ -174,6 +182,8 @@ def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.n
         data = dict(data=(split.train, part)) if options.get("rounds") == 2 else {}
         options = dict(options)
         given = summaries if options.pop("summaries", True) else None
+        if given is None and not data:  # one shot without summaries: the class counts the clients send
+            options["class_counts"] = part.counts
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             result = fuse(models, method, summaries=given, seed=seed, **options, **data)
