@@ -208,8 +208,9 @@ def fuse(
         :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). For point-estimate networks in one
         shot (PFNM, NAFI): ``"clients"`` keeps every client's own output layer, each weight moved
         to the global unit its hidden unit was matched to, and predicts with their class-share
-        mixture on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`, the heads'
-        means; nothing more is sent). With the
+        mixture on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`; nothing
+        more is sent); with ``summaries`` each head is its client's diagonal Laplace posterior
+        (``model.pool = "log"`` for the geometric pool). With the
         refit round: ``"clients"`` keeps every client's refitted output layer (its reply) and
         predicts with their class-share mixture, each head its fit's Laplace posterior
         (:class:`~bayesfuse.nets.heads.ClientHeads`; ``ClientHeads.predictive = "map"``: the fits' means),
@@ -365,7 +366,7 @@ def fuse(
             counts = class_counts
             if counts is None and summaries is not None:
                 counts = np.stack([np.asarray(s.class_counts) for s in summaries])
-            model = _own_heads(fused, model, states, counts)
+            model = _own_heads(fused, model, states, counts, summaries)
     elif second_round == "batchnorm":
         fused, model = _batchnorm_round(*candidates[0], data, states)
         if rounds == 3:
@@ -554,15 +555,18 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
 ONE_SHOT_HEADS = ("pfnm", "nafi")
 
 
-def _own_heads(fused, model: nn.Module, states, class_counts) -> nn.Module:
+def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None) -> nn.Module:
     """The one-shot fusion ``fused`` (its ``model``) with every client's own output layer kept as a
-    head on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`, the fits' means).
+    head on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`).
 
     Client j's output weight from its hidden unit ``l`` becomes its head's weight from the global
     unit ``a_j(l)`` its unit was matched to (the assignments of the group the output layer reads),
     0 from global units it has no unit in; its bias is its own. The heads are mixed by the clients'
     class shares (uniform without class counts), as the BNN fusion's client heads are. Nothing
-    more is sent: the output layers are in the clients' weights.
+    more is sent: the output layers are in the clients' weights. With ``summaries`` each head is
+    its client's diagonal Laplace posterior (the summary's GGN diagonal of the output layer plus
+    the prior precision, Daxberger et al. 2021), moved to the global units the same way; a weight
+    from a global unit the client has no unit in has no variance. Without, the heads are points.
     """
     from bayesfuse.nets.heads import ClientHeads, class_shares
     from bayesfuse.nets.laplace import LastLayerLaplace
@@ -584,11 +588,19 @@ def _own_heads(fused, model: nn.Module, states, class_counts) -> nn.Module:
         weight[j][:, np.asarray(a)] = np.asarray(state[weight_key], dtype=np.float64)
     bias = np.stack([np.asarray(state[bias_key], dtype=np.float64) for state in states])
     counts = np.ones((J, K)) if class_counts is None else np.asarray(class_counts)
+    laplace = None
+    if summaries is not None:
+        precision = np.full((J, K, G + 1), np.inf)
+        for j, (s, a) in enumerate(zip(summaries, assignments)):
+            precision[j][:, np.asarray(a)] = np.asarray(s.precision[weight_key]) + s.prior_precision
+            precision[j][:, G] = np.asarray(s.precision[bias_key]) + s.prior_precision
+        laplace = {"precision": precision}
     fused.hyper["predictive"] = (
-        "class-share mixture of the clients' own output layers on the fused features (ClientHeads, one shot)"
+        "class-share mixture of the clients' own output layers on the fused features (ClientHeads, one shot"
+        + (", each its client's diagonal Laplace posterior)" if laplace is not None else ")")
     )
     fused.hyper["head"] = "clients"
-    return ClientHeads(network, output, weight, bias, class_shares(counts)).eval()
+    return ClientHeads(network, output, weight, bias, class_shares(counts), laplace=laplace).eval()
 
 
 def _refit_round(

@@ -123,10 +123,14 @@ class ClientHeads(nn.Module):
     pool : {"linear", "log"}
         The mixture of the heads' predictive distributions (default), or their geometric pool.
     laplace : dict, optional
-        Each head's Laplace posterior (module docstring): ``gram`` (J, G+1, G+1), the mean of
-        ``a~ a~^T`` over the client's examples; ``curvature`` (J, K, K), the mean softmax
-        Hessian at its fit; ``n`` (J,), its number of examples; ``prior_precision``, the
-        ``lambda_j`` it was fitted with (one number). Without it the heads are points.
+        Each head's Laplace posterior (module docstring), in one of two forms. Kronecker-factored
+        (the refit round's): ``gram`` (J, G+1, G+1), the mean of ``a~ a~^T`` over the client's
+        examples; ``curvature`` (J, K, K), the mean softmax Hessian at its fit; ``n`` (J,), its
+        number of examples; ``prior_precision``, the ``lambda_j`` it was fitted with (one
+        number). Diagonal (a client summary's): ``precision`` (J, K, G+1), each head weight's
+        posterior precision, the bias last; ``inf`` where the head has no weight (a global unit
+        the client has no unit in), so that it stays 0. Then ``Var(f_k) = sum_g a~_g^2 / P_kg``,
+        the classes independent. Without it the heads are points.
     samples : int
         Draws of each head's logits for its Laplace predictive.
 
@@ -137,7 +141,8 @@ class ClientHeads(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor
     shares: torch.Tensor
-    gram_vals: torch.Tensor  # with posteriors (laplace=) only, as the other buffers below
+    gram_vals: torch.Tensor  # with Kronecker-factored posteriors (laplace=) only, as the buffers below
+    inv_precision: torch.Tensor  # with diagonal posteriors only
     gram_vecs: torch.Tensor
     curv_vals: torch.Tensor
     curv_vecs: torch.Tensor
@@ -187,6 +192,23 @@ class ClientHeads(nn.Module):
 
     def _set_laplace(self, laplace: dict, samples: int) -> None:
         J, K, G = self.weight.shape
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+            raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
+        if "precision" in laplace:
+            extra = set(laplace) - {"precision"}
+            if extra:
+                raise ValueError(f"a diagonal laplace takes precision alone; also got {sorted(extra)}")
+            precision = torch.as_tensor(np.array(laplace["precision"], dtype=np.float64))
+            if precision.shape != (J, K, G + 1):
+                raise ValueError(
+                    f"laplace precision of shape {tuple(precision.shape)} does not fit {J} heads of {K} classes on "
+                    f"{G} features: need ({J}, {K}, {G + 1})"
+                )
+            if torch.isnan(precision).any() or (precision <= 0).any():
+                raise ValueError("the laplace precisions must be positive (inf for a weight a head does not have)")
+            self.register_buffer("inv_precision", 1.0 / precision)
+            self._register_draws(J, K, samples)
+            return
         missing = {"gram", "curvature", "n", "prior_precision"} - set(laplace)
         if missing:
             raise ValueError(f"laplace needs gram, curvature, n and prior_precision; missing {sorted(missing)}")
@@ -204,8 +226,6 @@ class ClientHeads(nn.Module):
             raise ValueError("the laplace factors must be finite and the prior precision > 0")
         if (n <= 0).any():
             raise ValueError("every head needs n > 0 examples")
-        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-            raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
         gram_vals, gram_vecs = torch.linalg.eigh(gram)
         curv_vals, curv_vecs = torch.linalg.eigh(curvature)
         if (gram_vals < -1e-8 * gram_vals.abs().amax(-1, keepdim=True)).any() or (
@@ -218,6 +238,10 @@ class ClientHeads(nn.Module):
         self.register_buffer("curv_vecs", curv_vecs)
         self.register_buffer("n", n)
         self.prior_precision = prior
+        self._register_draws(J, K, samples)
+
+    def _register_draws(self, J: int, K: int, samples: int) -> None:
+        """The fixed standard normal draws of every head's logits (the same for every input)."""
         generator = torch.Generator().manual_seed(0)
         self.register_buffer("draws", torch.randn(J, samples, K, generator=generator, dtype=torch.float64))
 
@@ -297,7 +321,14 @@ class ClientHeads(nn.Module):
             return torch.log_softmax(logits, -1)
         with_bias = torch.cat([features, features.new_ones(len(features), 1)], dim=1)
         out = []
+        diagonal = hasattr(self, "inv_precision")
         for j in range(self.n_heads):  # one head at a time: (samples, N, K) at most
+            if diagonal:  # independent classes: Var(f_k) = sum_g a~_g^2 / P_kg
+                var = with_bias.square() @ self.inv_precision[j].T
+                noise = self.draws[j][:, None, :] * var.sqrt()[None]
+                log_p = torch.log_softmax(logits[j][None] + noise, -1)
+                out.append(torch.logsumexp(log_p, 0) - math.log(len(noise)))
+                continue
             var = logit_variances(
                 with_bias,
                 self.gram_vecs[j],

@@ -304,3 +304,63 @@ def test_laplace_factors_are_checked():
         plain.predictive = "laplace"
     with pytest.raises(ValueError, match="predictive must be one of"):
         plain.predictive = "probit"
+
+
+# --------------------------------------------------------------------------- diagonal posteriors (one shot)
+
+
+def test_diagonal_laplace_heads_predict_the_mean_softmax_of_independent_logits():
+    rng = np.random.default_rng(4)
+    weight, bias, shares = _heads(rng)
+    J, K, G = weight.shape
+    precision = rng.uniform(0.5, 5.0, size=(J, K, G + 1))
+    precision[1, :, 2] = np.inf  # head 1 has no weight from feature 2
+    net = _network()
+    model = ClientHeads(net, "2", weight, bias, shares, laplace={"precision": precision}, samples=16).eval()
+    assert model.predictive == "laplace"
+    x = rng.normal(size=(7, 5))
+    with torch.no_grad():
+        a = torch.relu(net[0](torch.as_tensor(x, dtype=torch.float32))).double().numpy()
+    a1 = np.hstack([a, np.ones((7, 1))])
+    draws = model.draws.numpy()
+    mixture = 0.0
+    for j in range(J):
+        mean = a @ weight[j].T + bias[j]
+        sd = np.sqrt(np.einsum("ng,kg->nk", a1**2, 1.0 / precision[j]))  # Var f_k = sum_g a_g^2 / P_kg
+        p = np.mean([_softmax(mean + sd * e) for e in draws[j]], axis=0)
+        mixture = mixture + shares[j] * p
+    np.testing.assert_allclose(predict_proba(model, x), mixture / mixture.sum(1, keepdims=True), rtol=1e-9)
+    # precisions that pin every weight give the means
+    pinned = ClientHeads(net, "2", weight, bias, shares, laplace={"precision": np.full((J, K, G + 1), np.inf)})
+    means = ClientHeads(net, "2", weight, bias, shares)
+    np.testing.assert_allclose(predict_proba(pinned.eval(), x), predict_proba(means.eval(), x), rtol=1e-12)
+    for bad, message in (
+        ({"precision": precision[:, :, :-1]}, "does not fit 3 heads"),
+        ({"precision": -precision}, "must be positive"),
+        ({"precision": np.full_like(precision, np.nan)}, "must be positive"),
+        ({"precision": precision, "n": np.ones(J)}, "takes precision alone"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ClientHeads(net, "2", weight, bias, shares, laplace=bad)
+
+
+def test_one_shot_heads_with_summaries_are_the_clients_diagonal_laplace_posteriors(federation):
+    from bayesfuse import summarize
+
+    split, part, models = federation
+    summaries = [summarize(m, split.train.x[i], split.train.y[i]) for m, i in zip(models, part)]
+    res = _one_shot(models, summaries=summaries)
+    model = res.model
+    assert model.predictive == "laplace" and "diagonal Laplace" in res.hyper["predictive"]
+    inv = model.inv_precision.numpy()
+    G = inv.shape[2] - 1
+    for m, s, a in zip(models, summaries, res.layers[0].assignments):  # the callers' order
+        j = next(
+            i for i in range(4) if np.array_equal(model.bias[i].numpy(), m.layers[1].bias.detach().double().numpy())
+        )
+        expected = np.zeros_like(inv[j])  # no weight, no variance
+        expected[:, np.asarray(a)] = 1.0 / (s.precision["layers.1.weight"] + s.prior_precision)
+        expected[:, G] = 1.0 / (s.precision["layers.1.bias"] + s.prior_precision)
+        np.testing.assert_allclose(inv[j], expected, rtol=1e-12)
+    probs = predict_proba(model, split.test.x)
+    assert np.isfinite(probs).all() and np.allclose(probs.sum(1), 1)
