@@ -29,7 +29,8 @@ network (``shared``) or each from its own (``independent``), then one global mod
                  "pfnm client heads" (one shot, data-free) and "pfnm +summaries client heads" keep
                  every client's own output layer on the fused body, each weight moved to the global
                  unit its hidden unit was matched to, and predict with their class-share mixture
-                 (``head="clients"``; "... log": their geometric pool);
+                 (``head="clients"``; with summaries each head is its client's diagonal Laplace
+                 posterior, "... map" its mean alone; "... log": the geometric pool);
                  "pfnm 2 rounds client heads" keeps the clients' refitted output layers, each
                  its fit's Laplace posterior, and predicts with their class-share mixture
                  (bayesfuse.nets.heads.ClientHeads), "... map" with the fits' means alone,
@@ -104,7 +105,10 @@ SUMMARY_ROWS = {
 #: Rows measured again from a row's fused model with other settings of its ClientHeads (pool, predictive).
 HEAD_VARIANTS = {
     "pfnm client heads": {"pfnm client heads log": {"pool": "log"}},
-    "pfnm +summaries client heads": {"pfnm +summaries client heads log": {"pool": "log"}},
+    "pfnm +summaries client heads": {
+        "pfnm +summaries client heads log": {"pool": "log", "predictive": "laplace"},
+        "pfnm +summaries client heads map": {"pool": "linear", "predictive": "map"},
+    },
     "pfnm 2 rounds client heads": {
         "pfnm 2 rounds client heads map": {"pool": "linear", "predictive": "map"},
         "pfnm 2 rounds client heads log": {"pool": "log", "predictive": "laplace"},
