@@ -557,50 +557,19 @@ ONE_SHOT_HEADS = ("pfnm", "nafi")
 
 def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None) -> nn.Module:
     """The one-shot fusion ``fused`` (its ``model``) with every client's own output layer kept as a
-    head on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`).
-
-    Client j's output weight from its hidden unit ``l`` becomes its head's weight from the global
-    unit ``a_j(l)`` its unit was matched to (the assignments of the group the output layer reads),
-    0 from global units it has no unit in; its bias is its own. The heads are mixed by the clients'
-    class shares (uniform without class counts), as the BNN fusion's client heads are. Nothing
-    more is sent: the output layers are in the clients' weights. With ``summaries`` each head is
-    its client's diagonal Laplace posterior (the summary's GGN diagonal of the output layer plus
-    the prior precision, Daxberger et al. 2021), moved to the global units the same way; a weight
-    from a global unit the client has no unit in has no variance. Without, the heads are points.
-    """
-    from bayesfuse.nets.heads import ClientHeads, class_shares
+    head on the fused features (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`)."""
+    from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.nets.laplace import LastLayerLaplace
 
     network = model.network if isinstance(model, LastLayerLaplace) else model
-    weight_key, bias_key = fused.spec.output_layer(fused.state)
-    output = weight_key.rpartition(".")[0]
-    axis = fused.spec.axes[weight_key][1]
-    layer = network.get_submodule(output)
-    if axis is None or axis.outer * axis.inner != 1 or not isinstance(layer, nn.Linear):
-        raise ValueError(
-            f"head='clients' in one shot needs an output layer (nn.Linear) that reads one hidden group unit by "
-            f"unit; {output!r} reads {'inputs' if axis is None else f'{axis.group!r} with positions'}"
-        )
-    assignments = fused.layers[list(fused.groups).index(axis.group)].assignments
-    J, (K, G) = len(states), layer.weight.shape
-    weight = np.zeros((J, K, G))
-    for j, (state, a) in enumerate(zip(states, assignments)):
-        weight[j][:, np.asarray(a)] = np.asarray(state[weight_key], dtype=np.float64)
-    bias = np.stack([np.asarray(state[bias_key], dtype=np.float64) for state in states])
-    counts = np.ones((J, K)) if class_counts is None else np.asarray(class_counts)
-    laplace = None
-    if summaries is not None:
-        precision = np.full((J, K, G + 1), np.inf)
-        for j, (s, a) in enumerate(zip(summaries, assignments)):
-            precision[j][:, np.asarray(a)] = np.asarray(s.precision[weight_key]) + s.prior_precision
-            precision[j][:, G] = np.asarray(s.precision[bias_key]) + s.prior_precision
-        laplace = {"precision": precision}
+    assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
+    heads = ClientHeads.from_clients(network, fused.spec, states, assignments, class_counts, summaries)
     fused.hyper["predictive"] = (
         "class-share mixture of the clients' own output layers on the fused features (ClientHeads, one shot"
-        + (", each its client's diagonal Laplace posterior)" if laplace is not None else ")")
+        + (", each its client's diagonal Laplace posterior)" if summaries is not None else ")")
     )
     fused.hyper["head"] = "clients"
-    return ClientHeads(network, output, weight, bias, class_shares(counts), laplace=laplace).eval()
+    return heads
 
 
 def _refit_round(

@@ -284,6 +284,56 @@ class ClientHeads(nn.Module):
             samples=samples,
         ).eval()
 
+    @classmethod
+    def from_clients(
+        cls,
+        network: nn.Module,
+        spec,
+        states,
+        assignments,
+        class_counts=None,
+        summaries=None,
+        *,
+        pool: str = "linear",
+        samples: int = 64,
+    ) -> "ClientHeads":
+        """One shot: the clients' own output layers as heads on the fused ``network`` (module docstring).
+
+        Client j's output weight from its hidden unit ``l`` (its state_dict ``states[j]``) becomes
+        its head's weight from the global unit ``assignments[g][j][l]`` its unit was matched to,
+        ``g`` the group the output layer of ``spec`` reads, and 0 from the global units it has no
+        unit in; its bias is its own. The heads are mixed by the shares of ``class_counts`` (J, K)
+        (uniform without). With ``summaries`` (one :class:`~bayesfuse.summaries.ClientSummary` per
+        client) each head is its client's diagonal Laplace posterior, the summary's GGN diagonal
+        of the output layer plus its prior precision (Daxberger et al. 2021), moved the same way;
+        a weight the head does not have gets no variance. Without, the heads are points. In eval
+        mode.
+        """
+        weight_key, bias_key = spec.output_layer(states[0])
+        output = weight_key.rpartition(".")[0]
+        axis = spec.axes[weight_key][1]
+        layer = network.get_submodule(output)
+        if axis is None or axis.outer * axis.inner != 1 or not isinstance(layer, nn.Linear):
+            where = "inputs" if axis is None else f"group {axis.group!r} with positions"
+            raise ValueError(
+                f"the clients' own heads need an output layer (nn.Linear) that reads one hidden group unit by unit; "
+                f"{output!r} reads {where}"
+            )
+        J, (K, G) = len(states), layer.weight.shape
+        weight, precision = np.zeros((J, K, G)), np.full((J, K, G + 1), np.inf)
+        for j, (state, a) in enumerate(zip(states, assignments[axis.group])):
+            weight[j][:, np.asarray(a)] = np.asarray(state[weight_key], dtype=np.float64)
+            if summaries is not None:
+                s = summaries[j]
+                precision[j][:, np.asarray(a)] = np.asarray(s.precision[weight_key]) + s.prior_precision
+                precision[j][:, G] = np.asarray(s.precision[bias_key]) + s.prior_precision
+        bias = np.stack([np.asarray(state[bias_key], dtype=np.float64) for state in states])
+        counts = np.ones((J, K)) if class_counts is None else np.asarray(class_counts)
+        laplace = None if summaries is None else {"precision": precision}
+        return cls(
+            network, output, weight, bias, class_shares(counts), pool=pool, laplace=laplace, samples=samples
+        ).eval()
+
     @property
     def predictive(self) -> str:
         """``"laplace"`` (each head's Laplace predictive; the default where the heads have

@@ -56,6 +56,7 @@ from bayesfuse.nets.arch import rebuild  # noqa: E402
 from bayesfuse.nets.heads import ClientHeads, class_shares  # noqa: E402
 from bayesfuse.nets.laplace import LastLayerLaplace  # noqa: E402
 from bayesfuse.nets.mlp import MLP  # noqa: E402
+from bayesfuse.nets.predict import predict_proba  # noqa: E402
 from bayesfuse.nets.state import numpy_state as _np  # noqa: E402
 from bayesfuse.nets.state import tensor_state  # noqa: E402
 from bayesfuse.summaries import output_fit  # noqa: E402
@@ -273,9 +274,29 @@ def test_the_strategy_fuses_with_the_replies_summaries(clients, summaries):
     got = record_to_state(arrays)
     for k, v in expected.state.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
-    # without: the data-free fusion
-    _, plain = MatchedAveraging("pfnm", summaries="none").aggregate_train(1, replies)
+    # the nodes' own output layers as one-shot heads, each its summary's diagonal Laplace posterior,
+    # as bayesfuse.fuse(..., head="clients", summaries=...) builds them from the same fusion
+    heads = strategy.client_heads(models[0])
+    expected_heads = ClientHeads.from_clients(
+        rebuild(models[0], tensor_state(got)),
+        expected.spec,
+        [_np(models[j]) for j in order],
+        {g: layer.assignments for g, layer in zip(expected.groups, expected.layers)},
+        part.counts[order],
+        wire,
+    )
+    assert heads.predictive == "laplace" and heads.n_heads == 3
+    x = clients[0].test.x[:40]
+    np.testing.assert_allclose(predict_proba(heads, x), predict_proba(expected_heads, x), rtol=1e-4, atol=1e-6)
+    # without: the data-free fusion, and its heads are points
+    plain_strategy = MatchedAveraging("pfnm", summaries="none")
+    _, plain = plain_strategy.aggregate_train(1, replies)
     assert plain["summaries-used"] == 0 and plain["summary-bytes"] == 0
+    assert plain_strategy.client_heads(models[0]).predictive == "map"
+    with pytest.raises(ValueError, match="one-shot client heads need networks fused by pfnm or nafi"):
+        ot = MatchedAveraging("ot")
+        ot.aggregate_train(1, [_reply(10 + j, m.state_dict(), part.counts[j]) for j, m in enumerate(models)])
+        ot.client_heads(models[0])
 
 
 def test_the_strategy_rejects_a_bad_summary_naming_the_node(clients, summaries, caplog):

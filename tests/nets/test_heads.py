@@ -364,3 +364,15 @@ def test_one_shot_heads_with_summaries_are_the_clients_diagonal_laplace_posterio
         np.testing.assert_allclose(inv[j], expected, rtol=1e-12)
     probs = predict_proba(model, split.test.x)
     assert np.isfinite(probs).all() and np.allclose(probs.sum(1), 1)
+
+
+def test_one_shot_heads_need_an_output_layer_that_reads_units():
+    from bayesfuse.nets.arch import make_cnn
+    from bayesfuse.nets.spec import spec_from_module
+    from bayesfuse.nets.state import numpy_state
+
+    cnn = make_cnn(784, 10, channels=(4,), hidden=()).eval()  # the output layer reads channels x positions
+    spec = spec_from_module(cnn, torch.zeros(2, 784))
+    state = numpy_state(cnn.state_dict())
+    with pytest.raises(ValueError, match="reads one hidden group unit by unit.*with positions"):
+        ClientHeads.from_clients(cnn, spec, [state], {g: [np.arange(4)] for g in spec.groups})

@@ -281,6 +281,7 @@ class MatchedAveraging(_Fusion):
         self._output_weights: list[np.ndarray] = []  # the clients' output weights in the last fusion round
         self._class_counts: dict[int, np.ndarray | None] = {}  # each node's class counts in the last fusion round
         self._refitted: dict | None = None  # the refitted state and its output layer's name
+        self._one_shot: dict | None = None  # the last fusion's inputs, for its one-shot client heads
 
     def summary(self) -> None:
         """Log the strategy's settings (Flower's, then the fusion's)."""
@@ -401,6 +402,7 @@ class MatchedAveraging(_Fusion):
         fused, sizes = result.state, result.sizes
         objective = [float(layer.objective[-1]) for layer in result.layers]
         self.last_fusion = result
+        self._one_shot = {"states": [r.state for r in good], "counts": counts, "summaries": summaries}  # client_heads()
         if self.second_round is not None:
             output = _output_layer(good[0].state)
             self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
@@ -630,7 +632,11 @@ class MatchedAveraging(_Fusion):
         """The refitted network predicting with the nodes' own output fits: a
         :class:`~bayesfuse.nets.heads.ClientHeads` (the class-share mixture of the heads, or
         their geometric pool with ``pool="log"``), each head its fit's Laplace posterior, as
-        ``bayesfuse.fuse(..., head="clients")``.
+        ``bayesfuse.fuse(..., head="clients")``. Without a refit round (``second_round=None``),
+        the one-shot heads of the last fusion: each node's own output layer on the fused network
+        (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`), each its diagonal Laplace
+        posterior where the nodes sent summaries, mixed by their class counts (uniformly where a
+        node reported none).
 
         Parameters
         ----------
@@ -649,8 +655,13 @@ class MatchedAveraging(_Fusion):
         ValueError
             No refit round has run, or a node that sent a fit reported no class counts.
         """
+        if self._refitted is None and self.second_round is None and self._one_shot is not None:
+            return self._one_shot_heads(like, pool)
         if self._refitted is None:
-            raise ValueError("no refit round has run: make the strategy with second_round='refit' and run it")
+            raise ValueError(
+                "no refit round has run: make the strategy with second_round='refit' and run it, or with "
+                "second_round=None for the one-shot heads"
+            )
         nodes, fits = self._refitted["nodes"], self._refitted["fits"]
         counts = [self._class_counts.get(n) for n in nodes]
         missing = [n for n, c in zip(nodes, counts) if c is None]
@@ -667,6 +678,22 @@ class MatchedAveraging(_Fusion):
             np.stack(cast(list[np.ndarray], counts)),
             pool=pool,
             prior_precision=self._refitted["fit_prior"],
+        )
+
+    def _one_shot_heads(self, like: nn.Module, pool: str) -> ClientHeads:
+        """:meth:`client_heads` of the last one-shot fusion (PFNM, NAFI: one global unit per unit)."""
+        from bayesfuse.fusion import ONE_SHOT_HEADS
+
+        result, inputs = self.last_fusion, cast(dict, self._one_shot)
+        if result is None or self.method not in ONE_SHOT_HEADS or result.kind != "network":
+            raise ValueError(
+                f"one-shot client heads need networks fused by {' or '.join(ONE_SHOT_HEADS)} (one global unit per "
+                f"unit); this strategy fuses with {self.method!r}"
+            )
+        network = rebuild(like, tensor_state(result.state))
+        assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
+        return ClientHeads.from_clients(
+            network, result.spec, inputs["states"], assignments, inputs["counts"], inputs["summaries"], pool=pool
         )
 
     def _summaries(self, good: list[_Reply]) -> tuple[list[ClientSummary] | None, list[_Reply]]:
