@@ -29,6 +29,7 @@ BENCHMARKS = [
     "bench_klfusion.py",
     "bench_mixture_fusion.py",
     "bench_bnn_fusion.py",
+    "bench_bnn_pruning.py",
     "bench_baselines.py",
     "bench_deep.py",
     "bench_architectures.py",
@@ -61,6 +62,7 @@ QUICK = {
         "--out",
         "{out}",
     ],
+    "bench_bnn_pruning.py": ["--quick"],
     "bench_baselines.py": ["--dataset", "digits", "--seeds", "0", "--epochs", "3"],
     "bench_deep.py": [
         "--parts",
