@@ -24,7 +24,7 @@ def test_demo_writes_table_and_files(demo_run, capsys):
     with open(out / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
     # the second round, and each client summarising its data (DemoConfig.summaries)
-    with_summaries = ["2 rounds", "+summaries", "+summaries 2 rounds"]
+    with_summaries = ["2 rounds", "client heads", "+summaries", "+summaries 2 rounds", "+summaries client heads"]
     assert [r["method"] for r in rows] == [
         "local (mean of 4)",
         "ensemble",
@@ -80,9 +80,9 @@ def test_demo_over_seeds_reports_mean_and_sd_and_takes_hyper(tmp_path, capsys):
     assert hyper["nafi"]["kl_weight"] == 0.5 and hyper["pfnm"]["kl_weight"] == 0.0
     assert hyper["nafi"]["n_iter"] == hyper["pfnm"]["n_iter"] == 7
     with open(out / "results.csv") as fh:
-        # per seed: local, ensemble, fedavg, then pfnm and nafi each data-free, 2 rounds, +summaries,
-        # +summaries 2 rounds
-        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 11 + ["1"] * 11
+        # per seed: local, ensemble, fedavg, then pfnm and nafi each data-free, 2 rounds, client heads,
+        # +summaries, +summaries 2 rounds, +summaries client heads
+        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 15 + ["1"] * 15
 
 
 @pytest.mark.catalogue
@@ -167,6 +167,9 @@ def test_demo_deep_architectures_with_fedma(tmp_path, arch, extra):
     assert rows["pfnm"]["rounds"] == "1" and rows["local (mean of 4)"]["rounds"] == "0"
     assert rows["pfnm 2 rounds"]["rounds"] == "2"  # the output refit, on every architecture
     assert ("pfnm +summaries" in rows) == (arch == "mlp")  # summaries: MLPs only
+    assert ("pfnm client heads" in rows) == (arch in ("mlp", "cnn"))  # an output layer that reads units
+    if arch != "lstm":
+        assert rows["pfnm client heads"]["rounds"] == "1"
 
 
 def test_demo_vit(tmp_path):
