@@ -396,7 +396,8 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
             )
         )
         if config.summaries and "network" in row.summaries and config.pan is None:
-            heads = row.name in ONE_SHOT_HEADS and config.arch in ("mlp", "cnn")  # an output layer on units
+            # an output layer that reads hidden units
+            heads = row.name in ONE_SHOT_HEADS and config.arch in ("mlp", "cnn") and len(config.hidden) > 0
             variants: list[tuple[str, int, list | None, dict]] = [("2 rounds", 2, None, {})]
             if heads:
                 variants.append(("client heads", 1, None, {"head": "clients", "class_counts": partition.counts}))

@@ -210,7 +210,8 @@ def fuse(
         to the global unit its hidden unit was matched to, and predicts with their class-share
         mixture on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`; nothing
         more is sent); with ``summaries`` each head is its client's diagonal Laplace posterior
-        (``model.pool = "log"`` for the geometric pool). With the
+        (``model.pool = "log"`` for the geometric pool). The heads are in the canonical client
+        order (:mod:`bayesfuse.client_order`), which the mixture does not depend on. With the
         refit round: ``"clients"`` keeps every client's refitted output layer (its reply) and
         predicts with their class-share mixture, each head its fit's Laplace posterior
         (:class:`~bayesfuse.nets.heads.ClientHeads`; ``ClientHeads.predictive = "map"``: the fits' means),

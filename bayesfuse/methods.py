@@ -243,8 +243,9 @@ PARAMS: dict[str, Param] = {
         Param(
             "prune_share",
             KEYS["prune_share"],
-            "BNNs with client summaries: drop each client's least-contributing units while together they put "
-            "at most this share of a layer's output into the layer above, on the client's data; 0 keeps all",
+            "BNNs with client summaries: drop each client's least-contributing units while their mean-square "
+            "contributions to the layer above, on the client's data, sum to at most this share of the layer's; "
+            "0 keeps all",
         ),
         Param(
             "reg",

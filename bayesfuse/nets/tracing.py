@@ -91,6 +91,7 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
     current: Axis | None = None  # the group of the feature axis of the current activations
     last_layer = None
     counter = 0
+    previous = None  # the leaf before the current one
     for n, m in leaves:
         kind = type(m).__name__
         if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
@@ -109,6 +110,8 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
         elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
             if current is None or current.inner != 1:
                 raise UnsupportedLayerError(f"layer {n!r}: BatchNorm must follow a hidden Linear/Conv layer")
+            if previous != last_layer:  # after an activation: no fold into the layer before; the graph tells
+                return spec_from_graph(model, example_input)
             parts.append(batchnorm(n, current.group, after=last_layer, eps=float(m.eps)))
         elif kind == "Flatten":
             shape = shapes[n]
@@ -122,6 +125,7 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
         # pass-through modules keep `current`; PositionAware layers are not permutation-invariant
         # by design (that is what they are for) and have no state_dict entries: the spec records
         # their encodings instead (below).
+        previous = n
     spec = chain(
         *parts,
         output=tuple(k for k in (f"{weighted[-1]}.weight", f"{weighted[-1]}.bias") if k in dict(model.state_dict())),

@@ -293,6 +293,12 @@ def test_the_strategy_fuses_with_the_replies_summaries(clients, summaries):
     _, plain = plain_strategy.aggregate_train(1, replies)
     assert plain["summaries-used"] == 0 and plain["summary-bytes"] == 0
     assert plain_strategy.client_heads(models[0]).predictive == "map"
+    # replies without class counts: the heads take the summaries' counts, as the fusion does
+    uncounted = MatchedAveraging("pfnm")
+    uncounted.aggregate_train(
+        1, [_summary_reply(10 + j, m.state_dict(), s) for j, (m, s) in enumerate(zip(models, summaries))]
+    )
+    np.testing.assert_allclose(uncounted.client_heads(models[0]).shares.numpy(), class_shares(part.counts[order]))
     with pytest.raises(ValueError, match="one-shot client heads need networks fused by pfnm or nafi"):
         ot = MatchedAveraging("ot")
         ot.aggregate_train(1, [_reply(10 + j, m.state_dict(), part.counts[j]) for j, m in enumerate(models)])

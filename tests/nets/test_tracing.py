@@ -41,6 +41,37 @@ def test_cnn_with_batchnorm_permutation_invariance():
     assert spec.folds == {"2": "1", "6": "5"}
 
 
+def test_a_batchnorm_after_the_activation_is_not_folded_into_the_layer_before():
+    """BatchNorm after a ReLU is an affine map of the activations, not of the layer's outputs:
+    folding it backwards across the ReLU would change the function; it stays a norm on its group."""
+    model = randomise(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 3)), 3)
+    assert spec_from_module(model, torch.zeros(2, 6)).folds == {}
+    _check_invariance(model, torch.randn(20, 6))
+    # directly after its layer it is folded, as before
+    direct = randomise(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)), 3)
+    assert spec_from_module(direct, torch.zeros(2, 6)).folds == {"1": "0"}
+
+
+def test_a_batchnorm_after_the_activation_fuses_permuted_copies_back():
+    import warnings
+
+    from bayesfuse import fuse
+    from bayesfuse.nets.predict import predict_proba
+
+    model = randomise(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 3)), 4)
+    spec = spec_from_module(model, torch.zeros(2, 6))
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    rng = np.random.default_rng(0)
+    copies = [
+        rebuild(model, permute(state, spec, random_permutations(spec.sizes(state), rng))).eval() for _ in range(3)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = fuse(copies, "pfnm").model
+    x = np.random.default_rng(1).normal(size=(30, 6)).astype(np.float32)
+    np.testing.assert_allclose(predict_proba(fused, x), predict_proba(model, x), atol=1e-6)
+
+
 def test_lstm_permutation_invariance():
     model = randomise(LSTMClassifier(64, 10, hidden=11, num_layers=2), 2)
     sizes = _check_invariance(model, torch.randn(8, 64))

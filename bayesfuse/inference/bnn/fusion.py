@@ -7,7 +7,8 @@ says why each step is there):
    :meth:`~bayesfuse.models.bnn.HorseshoeBNN.unit_moments`): each client's least-contributing
    units, which together put at most ``prune_share`` of the layer's output into the layer
    above on the client's own data, are dropped
-   (:func:`~bayesfuse.inference.bnn.units.keep_contributing`). The rule reads the function the
+   (:func:`~bayesfuse.inference.bnn.units.keep_contributing`; the share is of the units'
+   mean-square contributions summed). The rule reads the function the
    client's network computes, so a briefly trained guide keeps the units it uses and drops the
    ones it does not, wherever its variances still are. Without moments (data-free): units whose
    incoming weights hold less than ``prune_kl`` nats of information
@@ -314,7 +315,10 @@ def fuse_bnn_posteriors(
             if moments is None:
                 keep = keep_informative(incoming_information(layer.incoming), prune_kl)
             else:
-                stats = moments[j]["units" if index == 0 else f"units{index + 1}"]
+                group = "units" if index == 0 else f"units{index + 1}"
+                if group not in moments[j]:
+                    raise ValueError(f"the moments of client {j} have no group {group!r} (hidden layer {index + 1})")
+                stats = moments[j][group]
                 above = post.out_weights if top else _outgoing(post.layers[index + 1], len(layer.incoming))
                 keep = keep_contributing(unit_contributions(stats["act_mean"], stats["act_var"], above), prune_share)
             kept.append(np.flatnonzero(keep))

@@ -110,16 +110,17 @@ def keep_informative(information: np.ndarray, min_kl: float = DEFAULT_PRUNE_KL) 
 
 
 def unit_contributions(act_mean: np.ndarray, act_var: np.ndarray, outgoing: DiagNormal) -> np.ndarray:
-    """What each unit puts into the layer above, on a client's data: ``E_x[h_k^2] sum_i E_q[v_ik^2]``.
+    """What each unit puts into the layer above, on a client's data: ``E_x[h_k^2] sum_i (loc_ik^2 + var_ik)``.
 
     ``h_k`` is unit k's activation (its mean and variance over the client's inputs,
     :meth:`~bayesfuse.models.bnn.HorseshoeBNN.unit_moments`), ``v_ik`` its weight into unit or
     class ``i`` of the layer above (rows of ``outgoing`` are the units: for a hidden layer below
     another, the columns of that layer's effective incoming weights ``tau lambda_i w~_ik``; for
-    the top hidden layer, the output weights), with ``E_q[v^2] = loc^2 + var`` under the guide.
-    It is the mean square over the data and the guide of unit k's term ``v_ik h_k`` summed over
-    ``i``: what dropping the unit takes out of the next pre-activations, whether or not the
-    guide has converged.
+    the top hidden layer, the output weights, as :func:`effective_layer` gives them: at the
+    median scale of the unit above), with ``loc^2 + var`` the second moment of a weight under the
+    guide. It is the mean square over the data and the weights of unit k's term ``v_ik h_k``
+    summed over ``i``: what dropping the unit alone takes out of the next pre-activations,
+    whether or not the guide has converged.
     """
     second = np.asarray(act_var, dtype=np.float64) + np.asarray(act_mean, dtype=np.float64) ** 2
     weight = np.sum(outgoing.loc**2 + outgoing.var, axis=1)
@@ -130,13 +131,16 @@ def unit_contributions(act_mean: np.ndarray, act_var: np.ndarray, outgoing: Diag
 
 @validate_params(share=KEYS["prune_share"])
 def keep_contributing(contributions: np.ndarray, share: float = DEFAULT_PRUNE_SHARE) -> np.ndarray:
-    """Boolean mask keeping all units but the least-contributing ones that together carry at most
-    ``share`` of the layer's total :func:`unit_contributions`.
+    """Boolean mask keeping all units but the least-contributing ones whose
+    :func:`unit_contributions` sum to at most ``share`` of the layer's total.
 
     Units are dropped in increasing order of contribution while the running sum stays at or below
-    ``share * sum(contributions)``; by the triangle inequality the dropped units change the next
-    pre-activations by at most the sum of their root-mean-square terms. ``share=0`` keeps every
-    unit; at least one unit (the largest) is always kept.
+    ``share * sum(contributions)``. The threshold is on the sum of the units' mean squares: the
+    terms of correlated units add up, so the next pre-activations can move by more (their root mean
+    square by at most the sum of the dropped units' root-mean-square terms, the triangle
+    inequality), and a dropped unit's mean ``v_ik E[h_k]`` goes with it.
+    ``benchmarks/bench_bnn_pruning.py`` measures what the predictions move. ``share=0`` keeps
+    every unit; at least one unit (the largest) is always kept.
     """
     c = np.asarray(contributions, dtype=np.float64)
     keep = np.ones(len(c), dtype=bool)

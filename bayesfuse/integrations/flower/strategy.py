@@ -402,7 +402,10 @@ class MatchedAveraging(_Fusion):
         fused, sizes = result.state, result.sizes
         objective = [float(layer.objective[-1]) for layer in result.layers]
         self.last_fusion = result
-        self._one_shot = {"states": [r.state for r in good], "counts": counts, "summaries": summaries}  # client_heads()
+        heads_counts = (
+            counts if counts is not None or summaries is None else np.stack([s.class_counts for s in summaries])
+        )
+        self._one_shot = {"states": [r.state for r in good], "counts": heads_counts, "summaries": summaries}
         if self.second_round is not None:
             output = _output_layer(good[0].state)
             self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
@@ -635,8 +638,8 @@ class MatchedAveraging(_Fusion):
         ``bayesfuse.fuse(..., head="clients")``. Without a refit round (``second_round=None``),
         the one-shot heads of the last fusion: each node's own output layer on the fused network
         (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`), each its diagonal Laplace
-        posterior where the nodes sent summaries, mixed by their class counts (uniformly where a
-        node reported none).
+        posterior where the nodes sent summaries, mixed by their class counts (the replies', else
+        their summaries'; uniformly when neither gives every node's, as ``fuse_states`` weights them).
 
         Parameters
         ----------
