@@ -27,6 +27,7 @@ from bayesfuse._lazy import load
 from bayesfuse._runtime import progress
 from bayesfuse._text import warn_from_caller
 from bayesfuse.inference._backend import check_device
+from bayesfuse.inference.bnn.sites import unit_group
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.heads import align_heads, orders_report, rename_heads, renamed_groups
 from bayesfuse.inference.layerwise import Basis, check_states, class_share_matrix, match_layerwise
@@ -578,7 +579,7 @@ def _fuse_bnn_states(
     kept = [[k.tolist() for k in layer] for layer in fusion.kept]
     hyper["kept_units"] = kept[0] if len(kept) == 1 else kept
     depth = len(posts[0].layers)
-    groups = tuple("units" if layer == 1 else f"units{layer}" for layer in range(1, depth + 1))
+    groups = tuple(unit_group(layer) for layer in range(1, depth + 1))
     state = fusion.posterior.to_state()
     if head == "clients":  # a HeadMixtureBNN's state_dict (bayesfuse.models.bnn_heads)
         state.update(fusion.heads)

@@ -364,10 +364,7 @@ def fuse(
     if rounds == 1:
         fused, model = candidates[0]
         if head == "clients":
-            counts = class_counts
-            if counts is None and summaries is not None:
-                counts = np.stack([np.asarray(s.class_counts) for s in summaries])
-            model = _own_heads(fused, model, states, counts, summaries)
+            model = _own_heads(fused, model, states, class_counts, summaries)
     elif second_round == "batchnorm":
         fused, model = _batchnorm_round(*candidates[0], data, states)
         if rounds == 3:

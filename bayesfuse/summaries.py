@@ -43,7 +43,7 @@ from torch import nn
 
 from bayesfuse._io import atomic_write_bytes
 from bayesfuse.curvature import diag_ggn
-from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes
+from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
 from bayesfuse.inference.spec import PermutationSpec
 
 __all__ = [
@@ -252,30 +252,29 @@ def summarize(
         raise ValueError(f"x has {len(x)} examples and y has {len(y)} labels")
     if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
-    if isinstance(model, HorseshoeBNN):  # its posterior is its own: moments and counts, no precisions
+    bnn = isinstance(model, HorseshoeBNN)  # its posterior is its own: moments and counts, no precisions
+    if bnn:
         if spec is not None:
             raise ValueError("spec= is for point-estimate networks; a BNN's units are its hidden layers")
-        n_classes = model.n_classes if n_classes is None else n_classes
-        if y.min() < 0 or y.max() >= n_classes:
-            raise ValueError(f"labels must lie in 0..{n_classes - 1}, got {y.min()}..{y.max()}")
-        return ClientSummary(
-            precision={},
-            prior_precision=float(prior_precision),
-            moments=model.unit_moments(x.numpy() if isinstance(x, torch.Tensor) else x, batch_size=batch_size),
-            class_counts=np.bincount(y.astype(np.int64), minlength=n_classes),
-            n_examples=int(len(y)),
-            fingerprint=fingerprint(model.state_dict()),
-            seconds=time.perf_counter() - start,
-        )
-    spec = spec if spec is not None else spec_from_module(model)
-    state = model.state_dict()
-    if n_classes is None:
-        out_key = next((k for k in spec.output if np.ndim(state[k]) == 1), spec.output[0] if spec.output else None)
-        n_classes = int(np.shape(state[out_key])[0]) if out_key is not None else int(y.max()) + 1
+        state = model.state_dict()
+        n_classes = cast(HorseshoeBNN, model).n_classes if n_classes is None else n_classes
+    else:
+        spec = spec if spec is not None else spec_from_module(model)
+        state = model.state_dict()
+        if n_classes is None:
+            out_key = next((k for k in spec.output if np.ndim(state[k]) == 1), spec.output[0] if spec.output else None)
+            n_classes = int(np.shape(state[out_key])[0]) if out_key is not None else int(y.max()) + 1
+    assert n_classes is not None  # given, the BNN's or the output layer's
     if y.min() < 0 or y.max() >= n_classes:
         raise ValueError(f"labels must lie in 0..{n_classes - 1}, got {y.min()}..{y.max()}")
-    precision = diag_ggn(model, x, batch_size=batch_size)
-    moments = unit_moments(model, x, spec, batch_size=batch_size)
+    if bnn:
+        precision: dict = {}
+        moments = cast(HorseshoeBNN, model).unit_moments(
+            x.numpy() if isinstance(x, torch.Tensor) else x, batch_size=batch_size
+        )
+    else:
+        precision = diag_ggn(model, x, batch_size=batch_size)
+        moments = unit_moments(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
     counts = np.bincount(y.astype(np.int64), minlength=n_classes)
     return ClientSummary(
         precision=precision,
@@ -469,7 +468,7 @@ def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str
 def _check_bnn_moments(summary: ClientSummary, state: Mapping[str, object], name: str) -> None:
     """A BNN's summary has the moments of every hidden layer's units (:data:`STATS`, one per unit)."""
     for layer, width in enumerate(state_sizes(state, name)[0], 1):
-        group = "units" if layer == 1 else f"units{layer}"
+        group = unit_group(layer)
         stats = summary.moments.get(group)
         if stats is None or any(s not in stats for s in STATS):
             raise SummaryError(

@@ -62,6 +62,7 @@ from bayesfuse.inference.bnn.sites import (
     layer_sites,
     read_prior,
     state_sizes,
+    unit_group,
 )
 from bayesfuse.models.bnn_elbo import negative_elbo
 
@@ -357,7 +358,7 @@ class HorseshoeBNN(nn.Module):
         out = {}
         for layer, (s1, s2, a1, a2) in enumerate(sums, 1):
             pre_mean, act_mean = (s1 / len(x)).numpy(), (a1 / len(x)).numpy()
-            out["units" if layer == 1 else f"units{layer}"] = {
+            out[unit_group(layer)] = {
                 "pre_mean": pre_mean,
                 "pre_var": np.maximum((s2 / len(x)).numpy() - pre_mean**2, 0.0),
                 "act_mean": act_mean,

@@ -303,7 +303,8 @@ class ClientHeads(nn.Module):
         its head's weight from the global unit ``assignments[g][j][l]`` its unit was matched to,
         ``g`` the group the output layer of ``spec`` reads, and 0 from the global units it has no
         unit in; its bias is its own. The heads are mixed by the shares of ``class_counts`` (J, K)
-        (uniform without). With ``summaries`` (one :class:`~bayesfuse.summaries.ClientSummary` per
+        (without: the summaries' counts, as :func:`bayesfuse.fuse_states` weights the fusion;
+        uniform without either). With ``summaries`` (one :class:`~bayesfuse.summaries.ClientSummary` per
         client) each head is its client's diagonal Laplace posterior, the summary's GGN diagonal
         of the output layer plus its prior precision (Daxberger et al. 2021), moved the same way;
         a weight the head does not have gets no variance. Without, the heads are points. In eval
@@ -328,6 +329,8 @@ class ClientHeads(nn.Module):
                 precision[j][:, np.asarray(a)] = np.asarray(s.precision[weight_key]) + s.prior_precision
                 precision[j][:, G] = np.asarray(s.precision[bias_key]) + s.prior_precision
         bias = np.stack([np.asarray(state[bias_key], dtype=np.float64) for state in states])
+        if class_counts is None and summaries is not None:
+            class_counts = np.stack([np.asarray(s.class_counts) for s in summaries])
         counts = np.ones((J, K)) if class_counts is None else np.asarray(class_counts)
         laplace = None if summaries is None else {"precision": precision}
         return cls(
@@ -376,21 +379,18 @@ class ClientHeads(nn.Module):
             if diagonal:  # independent classes: Var(f_k) = sum_g a~_g^2 / P_kg
                 var = with_bias.square() @ self.inv_precision[j].T
                 noise = self.draws[j][:, None, :] * var.sqrt()[None]
-                log_p = torch.log_softmax(logits[j][None] + noise, -1)
-                out.append(torch.logsumexp(log_p, 0) - math.log(len(noise)))
-                continue
-            var = logit_variances(
-                with_bias,
-                self.gram_vecs[j],
-                self.gram_vals[j],
-                self.curv_vals[j],
-                float(self.n[j]),
-                self.prior_precision,
-            )
-            noise = (self.draws[j][:, None, :] * var.sqrt()[None]) @ self.curv_vecs[j].T  # V (sqrt(d) * eps)
+            else:
+                noise = self._kfac_noise(j, with_bias)
             log_p = torch.log_softmax(logits[j][None] + noise, -1)
             out.append(torch.logsumexp(log_p, 0) - math.log(len(noise)))  # log mean_s softmax
         return torch.stack(out)
+
+    def _kfac_noise(self, j: int, with_bias: torch.Tensor) -> torch.Tensor:
+        """(samples, N, K): head ``j``'s drawn logit deviations under its Kronecker-factored posterior."""
+        var = logit_variances(
+            with_bias, self.gram_vecs[j], self.gram_vals[j], self.curv_vals[j], float(self.n[j]), self.prior_precision
+        )
+        return (self.draws[j][:, None, :] * var.sqrt()[None]) @ self.curv_vecs[j].T  # V (sqrt(d) * eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         log_p = self.head_log_probs(x)

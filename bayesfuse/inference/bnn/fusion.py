@@ -64,7 +64,7 @@ import numpy as np
 
 from bayesfuse.constraints import KEYS, validate_params
 from bayesfuse.inference.bnn.posterior import DeepBNNPosterior, HiddenLayer
-from bayesfuse.inference.bnn.sites import HEAD_KEYS, check_same_prior
+from bayesfuse.inference.bnn.sites import HEAD_KEYS, check_same_prior, unit_group
 from bayesfuse.inference.bnn.units import (
     DEFAULT_PRUNE_SHARE,
     effective_layer,
@@ -315,7 +315,7 @@ def fuse_bnn_posteriors(
             if moments is None:
                 keep = keep_informative(incoming_information(layer.incoming), prune_kl)
             else:
-                group = "units" if index == 0 else f"units{index + 1}"
+                group = unit_group(index + 1)
                 if group not in moments[j]:
                     raise ValueError(f"the moments of client {j} have no group {group!r} (hidden layer {index + 1})")
                 stats = moments[j][group]

@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 __all__ = [
+    "unit_group",
     "Site",
     "SITES",
     "UNIT_SITES",
@@ -122,6 +123,12 @@ class LayerSites:
     b: str
     log_lam: str
     log_tau: str
+
+
+def unit_group(layer: int) -> str:
+    """The name of hidden layer ``layer``'s units (1-based) as a group: ``"units"``, ``"units2"``...,
+    in fused results and in a BNN summary's moments."""
+    return "units" if layer == 1 else f"units{layer}"
 
 
 def layer_sites(layer: int) -> LayerSites:

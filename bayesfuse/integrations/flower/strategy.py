@@ -402,10 +402,7 @@ class MatchedAveraging(_Fusion):
         fused, sizes = result.state, result.sizes
         objective = [float(layer.objective[-1]) for layer in result.layers]
         self.last_fusion = result
-        heads_counts = (
-            counts if counts is not None or summaries is None else np.stack([s.class_counts for s in summaries])
-        )
-        self._one_shot = {"states": [r.state for r in good], "counts": heads_counts, "summaries": summaries}
+        self._one_shot = {"states": [r.state for r in good], "counts": counts, "summaries": summaries}  # client_heads()
         if self.second_round is not None:
             output = _output_layer(good[0].state)
             self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
