@@ -48,6 +48,9 @@ __all__ = [
     "posterior_path",
     "posterior_bytes",
     "read_posterior",
+    "heads_path",
+    "heads_bytes",
+    "read_heads",
 ]
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
@@ -473,3 +476,80 @@ def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str
             f"{path}: the posterior's entries {sorted(precision)} are not those of its output layer {output!r}"
         )
     return output, precision
+
+
+# --------------------------------------------------------------------------- the clients' own heads
+
+HEADS_FORMAT = "bayesfuse-client-heads"
+HEADS_VERSION = 1
+_HEAD_ARRAYS = ("weight", "bias", "shares")
+
+
+def heads_path(path: str | os.PathLike) -> Path:
+    """Where the clients' own heads of a fused model file lie: ``fused.pt`` -> ``fused.pt.heads.safetensors``."""
+    path = Path(path)
+    return path.with_name(path.name + ".heads.safetensors")
+
+
+def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
+    """The clients' own heads of a one-shot fusion as a safetensors file (float64).
+
+    ``heads`` is :func:`~bayesfuse.inference.client_heads.one_shot_heads`'s result; ``pool``
+    the pool :class:`~bayesfuse.nets.heads.ClientHeads` predicts with. A Kronecker-factored
+    posterior is stored compactly: each head's Gram at the columns it reads (``support``), as
+    ``laplace/gram/<j>``. The metadata binds the file to ``model_tensors`` (the fused model
+    file's tensors, :func:`tensors_sha256`), as the output-layer posterior's does.
+    """
+    from safetensors.numpy import save
+
+    tensors = {k: np.ascontiguousarray(heads[k], dtype=np.float64) for k in _HEAD_ARRAYS}
+    laplace = dict(heads.get("laplace") or {})
+    if "gram" in laplace:
+        gram, support = np.asarray(laplace.pop("gram")), np.asarray(laplace["support"], dtype=bool)
+        for j, (g, at) in enumerate(zip(gram, support)):
+            tensors[f"laplace/gram/{j}"] = np.ascontiguousarray(g[np.ix_(at, at)], dtype=np.float64)
+    for k, v in laplace.items():
+        tensors[f"laplace/{k}"] = np.ascontiguousarray(np.broadcast_to(v, np.shape(v)), dtype=np.float64)
+    meta = {
+        "format": HEADS_FORMAT,
+        "version": str(HEADS_VERSION),
+        "output": heads["output"],
+        "form": heads.get("form", "map"),
+        "pool": pool,
+        "model_tensors_sha256": tensors_sha256(model_tensors),
+    }
+    return save(tensors, metadata=meta)
+
+
+def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) -> tuple[dict, str]:
+    """The heads (as :func:`~bayesfuse.inference.client_heads.one_shot_heads` gives them) and
+    the pool in :func:`heads_bytes`'s file; refuses, with one line naming the file, another format
+    or version, a file written beside other tensors than ``model_tensors``, or missing arrays."""
+    meta, tensors = read_bound_file(
+        path,
+        fmt=HEADS_FORMAT,
+        version=HEADS_VERSION,
+        model_tensors=model_tensors,
+        model_name=model_name,
+        what="client heads",
+    )
+    missing = [k for k in _HEAD_ARRAYS if k not in tensors]
+    if missing or not meta.get("output") or meta.get("pool") is None:
+        raise ValueError(f"{path}: the client heads file is incomplete (missing {missing or 'its output or pool'})")
+    heads: dict = {k: tensors[k] for k in _HEAD_ARRAYS}
+    heads.update(output=meta["output"], form=meta.get("form", "map"))
+    laplace = {k[len("laplace/") :]: v for k, v in tensors.items() if k.startswith("laplace/") and "/gram/" not in k}
+    if "support" in laplace:
+        support = np.asarray(laplace["support"]) > 0.5
+        J, width = support.shape
+        gram = np.zeros((J, width, width))
+        for j, at in enumerate(support):
+            own = tensors.get(f"laplace/gram/{j}")
+            if own is None or own.shape != (at.sum(), at.sum()):
+                raise ValueError(f"{path}: head {j}'s Gram is missing or does not fit its support")
+            gram[j][np.ix_(at, at)] = own
+        laplace["gram"] = gram
+    if "prior_precision" in laplace and np.ndim(laplace["prior_precision"]) == 0:
+        laplace["prior_precision"] = float(laplace["prior_precision"])
+    heads["laplace"] = laplace or None
+    return heads, meta["pool"]

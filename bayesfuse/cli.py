@@ -264,6 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: use the client summaries; none: data-free",
     )
     fz.add_argument(
+        "--head",
+        choices=["shared", "clients"],
+        default="shared",
+        metavar="HEAD",
+        help="clients: each client's own output layer, pfnm/nafi",
+    )
+    fz.add_argument(
+        "--pool",
+        choices=["linear", "log"],
+        default=None,
+        metavar="POOL",
+        help="the clients' heads pooled: linear or log",
+    )
+    fz.add_argument(
         "--format",
         choices=["pt", "safetensors"],
         default=None,
@@ -274,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         metavar="REF",
-        help="your network, MODULE:NAME or FILE.py:NAME (called with no arguments): its architecture "
-        "is traced from it (residual nets included) and the fused model is run in it once",
+        help="your network, MODULE:NAME or FILE.py:NAME (no arguments): traced (residual nets "
+        "included), and the fused model run in it once",
     )
     fz.add_argument(
         "--arch",
@@ -444,9 +458,11 @@ def _run_fuse(args: argparse.Namespace) -> int:
             class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
             summaries=args.summaries,
             like=_user_model(args.model),
+            head=args.head,
+            pool=args.pool,
         )
     used = report["summaries"].get("used", False)
-    posterior = f" and {report['posterior']['file']}" if report["posterior"] else ""
+    posterior = "".join(f" and {report[k]['file']}" for k in ("posterior", "heads") if report[k])
     print(
         f"fused {len(args.models)} models with {args.method} "
         f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "

@@ -30,6 +30,8 @@ from bayesfuse import __version__, methods
 from bayesfuse._io import atomic_write_files, check_output_file, check_writable, jsonable, recover
 from bayesfuse.checkpoints import (
     Checkpoint,
+    heads_bytes,
+    heads_path,
     output_format,
     posterior_bytes,
     posterior_path,
@@ -334,6 +336,41 @@ def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | No
     }
 
 
+def _check_head(head: str, pool: str | None, method: str, hyper: dict) -> None:
+    """``head`` and ``pool`` are known, and ``head`` is not also given as a key."""
+    if head not in ("shared", "clients"):
+        raise ValueError(f"unknown head={head!r}; choose shared or clients")
+    if pool is not None and pool not in ("linear", "log"):
+        raise ValueError(f"unknown pool={pool!r}; choose linear or log")
+    if pool is not None and head != "clients":
+        raise ValueError("pool is how the clients' own heads are pooled: give it with head='clients'")
+    if "head" in hyper and head != "shared":
+        raise ValueError("head is given twice (as head= and as a hyper-parameter); give it once")
+
+
+def _client_heads(fused, states, counts, summaries, fused_sd: dict, out: Path, pool: str | None) -> tuple:
+    """The file of the clients' own heads of a one-shot fusion (:func:`~bayesfuse.checkpoints.heads_bytes`)
+    and its entry in the report."""
+    from bayesfuse.inference.client_heads import one_shot_heads
+
+    weight_key, _ = fused.spec.output_layer(fused.state)
+    width = int(np.shape(fused.state[weight_key])[1])
+    assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
+    heads = one_shot_heads(fused.spec, states, assignments, width, counts, summaries)
+    pool = pool or ("log" if summaries is not None else "linear")
+    path = heads_path(out)
+    return (path, heads_bytes(heads, pool=pool, model_tensors=fused_sd)), {
+        "file": str(path),
+        "output_layer": heads["output"],
+        "form": heads["form"],
+        "pool": pool,
+        "clients": len(states),
+        "stores": "each client's own output layer on the fused hidden units"
+        + (f" with its {heads['form']} Laplace posterior" if heads["form"] != "map" else "")
+        + "; bayesfuse.load returns a ClientHeads that predicts with them",
+    }
+
+
 def _wrong_kind(method: str, kind: str) -> str:
     """Why ``method`` cannot fuse checkpoints of ``kind``."""
     if kind == "network":
@@ -368,6 +405,8 @@ def fuse_files(
     class_counts: Mapping[str, Sequence[float]] | None = None,
     summaries: str = "auto",
     like=None,
+    head: str = "shared",
+    pool: str | None = None,
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
@@ -398,6 +437,15 @@ def fuse_files(
     (:func:`~bayesfuse.checkpoints.posterior_bytes`; the report's ``posterior``), and
     :func:`bayesfuse.load` returns the model with that posterior.
 
+    ``head="clients"`` (PFNM and NAFI on point-estimate networks, ``--head clients``) keeps every
+    client's own output layer as a head on the fused hidden units
+    (:func:`~bayesfuse.inference.client_heads.one_shot_heads`; each its client's Laplace posterior
+    with summaries) and writes them beside the model, ``out + '.heads.safetensors'``
+    (:func:`~bayesfuse.checkpoints.heads_bytes`; the report's ``heads``), with the ``pool`` they
+    predict with (``"log"`` with summaries, ``"linear"`` without, by default);
+    :func:`bayesfuse.load` returns a :class:`~bayesfuse.nets.heads.ClientHeads`. For BNNs,
+    ``head`` is the method's key of that name.
+
     ``like`` (an ``nn.Module`` of the files' architecture, any widths; ``--model`` on the command
     line) has its spec traced (:func:`~bayesfuse.nets.tracing.spec_from_module`, residual streams
     included) instead of read off the entry names, and the fused state is loaded into it and
@@ -417,6 +465,7 @@ def fuse_files(
     methods.check_execution(method, None, device)
     checked_device = check_device(device, dtype)  # before any file is read
     hyper = dict(hyper or {})
+    _check_head(head, pool, method, hyper)
     known = row.keys()
     unknown = set(hyper) - set(known)
     if unknown:
@@ -428,8 +477,9 @@ def fuse_files(
     out = Path(out)
     report_path = out.with_name(out.name + ".json")
     check_writable(out.parent)  # a read-only directory fails now, not after the fusion
-    recover([out, report_path, posterior_path(out), fusion_path(out)])  # finish or undo a killed run's commit
-    for target in (out, report_path, posterior_path(out), fusion_path(out)):
+    beside = [posterior_path(out), fusion_path(out), heads_path(out)]
+    recover([out, report_path, *beside])  # finish or undo a killed run's commit
+    for target in (out, report_path, *beside):
         if target.is_dir():
             raise IsADirectoryError(f"{target} is a directory; give a file name for the fused model")
         if target.exists() and not force:
@@ -478,6 +528,13 @@ def fuse_files(
     kind = "bnn" if all(is_bnn) else "network"
     if kind not in row.kinds:
         raise ValueError(_wrong_kind(method, kind))
+    if kind == "bnn" and head != "shared":
+        hyper["head"] = head  # a BNN's heads are its method's key
+    elif head == "clients" and method not in methods.ONE_SHOT_HEADS:
+        raise ValueError(
+            f"--head clients keeps each client's output layer through the matching's assignments: "
+            f"method must be one of {', '.join(methods.ONE_SHOT_HEADS)}, got {method!r}"
+        )
     client_summaries, summaries_report = _input_summaries(names, summaries, method, kind)
     given = dict(names=names, seed=seed, device=device, dtype=dtype, class_counts=counts, summaries=client_summaries)
     if kind == "bnn":
@@ -535,6 +592,7 @@ def fuse_files(
         "class_counts": None if counts is None else counts.tolist(),
         "summaries": jsonable({**fused.hyper.get("summaries", {}), **summaries_report}),
         "posterior": None,
+        "heads": None,
         "fusion_record": None,
         "global_sizes": [int(s) for s in fused.sizes],
         "converged": fused.converged,
@@ -557,6 +615,9 @@ def fuse_files(
         "seconds": time.perf_counter() - start,
     }
     posterior, report["posterior"] = _output_posterior(fused, fused_sd, out)
+    if kind == "network" and head == "clients":
+        heads_file, report["heads"] = _client_heads(fused, states, counts, client_summaries, fused_sd, out, pool)
+        posterior.append(heads_file)
     record = fusion_bytes(fused, model_tensors=fused_sd)
     if record is not None:
         posterior.append((fusion_path(out), record))
@@ -575,7 +636,11 @@ def fuse_files(
         ],
         overwrite=force,
     )
-    for stale, kept in ((posterior_path(out), report["posterior"]), (fusion_path(out), record)):
+    for stale, kept in (
+        (posterior_path(out), report["posterior"]),
+        (fusion_path(out), record),
+        (heads_path(out), report["heads"]),
+    ):
         if not kept and stale.exists():  # --force over a fusion that had one: not this model's
             stale.unlink()
     return report

@@ -138,6 +138,7 @@ def fuse(
     output_prior_precision: float | None = None,
     example_input=None,
     head: str | None = None,
+    pool: str | None = None,
     **hyper,
 ) -> FusionResult:
     """Fuse networks into one by matching their hidden units, layer by layer.
@@ -209,14 +210,18 @@ def fuse(
         shot (PFNM, NAFI): ``"clients"`` keeps every client's own output layer, each weight moved
         to the global unit its hidden unit was matched to, and predicts with their class-share
         mixture on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`; nothing
-        more is sent); with ``summaries`` each head is its client's diagonal Laplace posterior
-        (``model.pool = "log"`` for the geometric pool). The heads are in the canonical client
+        more is sent); with ``summaries`` each head is its client's Laplace posterior of its own
+        output layer, Kronecker-factored where the summaries carry the layer's factors
+        (:mod:`bayesfuse.inference.client_heads`). The heads are in the canonical client
         order (:mod:`bayesfuse.client_order`), which the mixture does not depend on. With the
         refit round: ``"clients"`` keeps every client's refitted output layer (its reply) and
         predicts with their class-share mixture, each head its fit's Laplace posterior
         (:class:`~bayesfuse.nets.heads.ClientHeads`; ``ClientHeads.predictive = "map"``: the fits' means),
-        instead of the product's probit (``"shared"``, default); ``ClientHeads.pool = "log"`` pools
-        them geometrically.
+        instead of the product's probit (``"shared"``, default).
+    pool : {"linear", "log"}, optional
+        With ``head="clients"``: how the heads are pooled, their class-share mixture
+        (``"linear"``) or geometric pool (``"log"``; ``ClientHeads.pool`` may be set later). By
+        default ``"log"`` for one-shot heads with summaries, ``"linear"`` otherwise.
     rounds : {1, 2, 3}
         2: one more round after the one-shot fusion, simulated with ``data=(train, partition)``;
         no example leaves a client. ``hyper["second_round"]`` says what it did and what it cost.
@@ -327,6 +332,8 @@ def fuse(
                 f"head={head!r}: point-estimate networks keep the clients' heads in one shot (rounds=1) or "
                 "from the refit round, head='clients' with rounds=2 (second_round='refit') or rounds=3"
             )
+        if pool is not None and (pool not in ("linear", "log") or head != "clients"):
+            raise ValueError(f"pool={pool!r}: the clients' heads are pooled 'linear' or 'log', with head='clients'")
         if head == "clients" and rounds == 1 and method not in ONE_SHOT_HEADS:
             raise ValueError(
                 f"head='clients' in one shot reads each client's output layer through the matching's "
@@ -343,7 +350,7 @@ def fuse(
         [output_pool] if rounds == 1 or summaries is None or second_round != "temperature" else ["precision", "counts"]
     )
     candidates = []
-    for pool in pools:
+    for logit_pool in pools:
         fused = fuse_states(
             states,
             method,
@@ -355,7 +362,7 @@ def fuse(
             device=device,
             dtype=dtype,
             summaries=summaries,
-            output_pool=pool,
+            output_pool=logit_pool,
             **hyper,
         )
         candidates.append((fused, _fused_model(models[0], fused, all(bnn))))
@@ -364,15 +371,24 @@ def fuse(
     if rounds == 1:
         fused, model = candidates[0]
         if head == "clients":
-            model = _own_heads(fused, model, states, class_counts, summaries)
+            model = _own_heads(fused, model, states, class_counts, summaries, pool)
     elif second_round == "batchnorm":
         fused, model = _batchnorm_round(*candidates[0], data, states)
         if rounds == 3:
             fused, model = _refit_round(
-                fused, model, models, data, prior_precision=output_prior_precision, key="third_round", head=head
+                fused,
+                model,
+                models,
+                data,
+                prior_precision=output_prior_precision,
+                key="third_round",
+                head=head,
+                pool=pool,
             )
     elif second_round == "refit":
-        fused, model = _refit_round(*candidates[0], models, data, prior_precision=output_prior_precision, head=head)
+        fused, model = _refit_round(
+            *candidates[0], models, data, prior_precision=output_prior_precision, head=head, pool=pool
+        )
     else:
         fused, model = _second_round(candidates, data, pools, like=models[0])
     result = FusionResult(
@@ -548,12 +564,10 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
     return fused, model
 
 
-#: The methods whose one-shot fusion can keep the clients' own output layers (``head="clients"``):
-#: those that assign every client's unit to one global unit.
-ONE_SHOT_HEADS = ("pfnm", "nafi")
+ONE_SHOT_HEADS = methods.ONE_SHOT_HEADS  # the table's (methods.Method.own_heads)
 
 
-def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None) -> nn.Module:
+def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, pool: str | None = None) -> nn.Module:
     """The one-shot fusion ``fused`` (its ``model``) with every client's own output layer kept as a
     head on the fused features (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`)."""
     from bayesfuse.nets.heads import ClientHeads
@@ -561,10 +575,12 @@ def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None) ->
 
     network = model.network if isinstance(model, LastLayerLaplace) else model
     assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
-    heads = ClientHeads.from_clients(network, fused.spec, states, assignments, class_counts, summaries)
+    pool = pool or ("log" if summaries is not None else "linear")
+    heads = ClientHeads.from_clients(network, fused.spec, states, assignments, class_counts, summaries, pool=pool)
+    form = {"kronecker": "Kronecker-factored", "diagonal": "diagonal"}.get(heads.form)
     fused.hyper["predictive"] = (
         "class-share mixture of the clients' own output layers on the fused features (ClientHeads, one shot"
-        + (", each its client's diagonal Laplace posterior)" if summaries is not None else ")")
+        + (f", each its client's {form} Laplace posterior)" if form else ")")
     )
     fused.hyper["head"] = "clients"
     return heads
@@ -579,6 +595,7 @@ def _refit_round(
     prior_precision=None,
     key: str = "second_round",
     head: str = "shared",
+    pool: str | None = None,
 ):
     """The second round that refits the output layer, simulated: every client fits it on the fused
     network's features of its own data (:func:`bayesfuse.summaries.output_fit`); the server
@@ -618,7 +635,9 @@ def _refit_round(
 
         K = cast(nn.Linear, network.get_submodule(output)).out_features
         counts = np.stack([np.bincount(np.asarray(train.y)[idx], minlength=K) for idx in partition])
-        model = ClientHeads.from_fits(network, output, fits, counts, prior_precision=prior_precision / len(partition))
+        model = ClientHeads.from_fits(
+            network, output, fits, counts, pool=pool or "linear", prior_precision=prior_precision / len(partition)
+        )
         fused.hyper["predictive"] = (
             "class-share mixture of the clients' refitted output layers, each its fit's Laplace posterior (ClientHeads)"
         )

@@ -17,6 +17,9 @@ A model fused with client summaries has its output layer's posterior beside it
 (``fused.pt.posterior.safetensors``, :func:`~bayesfuse.checkpoints.posterior_path`): :func:`load`
 then returns a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`, the network at its posterior
 mean with the Gaussian posterior of its output layer (``posterior=False``: the network alone).
+A model fused keeping the clients' own output layers (``bayesfuse fuse --head clients``) has
+them beside it (``fused.pt.heads.safetensors``, :func:`~bayesfuse.checkpoints.heads_path`):
+:func:`load` then returns a :class:`~bayesfuse.nets.heads.ClientHeads` that predicts with them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 from torch import nn
 
-from bayesfuse.checkpoints import posterior_path, read_checkpoint, read_posterior
+from bayesfuse.checkpoints import heads_path, posterior_path, read_checkpoint, read_heads, read_posterior
 from bayesfuse.fusion_record import fusion_path
 
 __all__ = ["load", "load_report"]
@@ -72,8 +75,9 @@ def load(
         round down give the same weights (28x28 through three poolings ends at 3x3, as 24x24
         does): give n_features for those (784).
     posterior : bool
-        Whether to read the posteriors beside the file when there are any: the output layer's
-        (``bayesfuse fuse`` writes it when it used client summaries) and the matched layers'.
+        Whether to read what ``bayesfuse fuse`` wrote beside the file when there is any: the
+        clients' own heads (``--head clients``), the output layer's posterior (written when it
+        used client summaries) and the matched layers' posteriors.
 
     Returns
     -------
@@ -83,8 +87,9 @@ def load(
         (``fused.pt.fusion.safetensors``, :mod:`bayesfuse.fusion_record`) as a
         :class:`~bayesfuse.fusion.FusionResult`, so that ``bayesfuse.to_arviz(model.fusion)``
         works as on a fresh result (None when there is none). A
-        :class:`~bayesfuse.nets.laplace.LastLayerLaplace` when the output layer's posterior is
-        beside the file.
+        :class:`~bayesfuse.nets.heads.ClientHeads` when the clients' heads are beside the file,
+        else a :class:`~bayesfuse.nets.laplace.LastLayerLaplace` when the output layer's
+        posterior is.
 
     Raises
     ------
@@ -113,7 +118,9 @@ def load(
                     f"e.g. bayesfuse.load({str(path)!r}, like={network.rpartition(':')[2]}())"
                 ) from None
             model = _like(template, state, name)
-    if posterior and posterior_path(path).is_file():
+    if posterior and heads_path(path).is_file():
+        model = _with_heads(model, heads_path(path), state, name)
+    elif posterior and posterior_path(path).is_file():
         model = _with_posterior(model, posterior_path(path), state, name)
     # plain attributes: torch's stub types a module's attributes as Tensor | Module
     model.fusion_report = load_report(path)  # type: ignore[assignment]
@@ -184,6 +191,17 @@ def _like_traced(like: nn.Module, state: dict, name: str) -> nn.Module:
         return model
     check_runs(model, x, what=f"{name} in {type(like).__name__}")
     return model
+
+
+def _with_heads(model: nn.Module, path: Path, state: dict, name: str) -> nn.Module:
+    """``model`` predicting with the clients' own heads in ``path`` (:func:`~bayesfuse.checkpoints.read_heads`)."""
+    from bayesfuse.nets.heads import ClientHeads
+
+    heads, pool = read_heads(path, state, name)
+    try:
+        return ClientHeads.from_arrays(model, heads, pool=pool)
+    except (AttributeError, ValueError) as err:
+        raise ValueError(f"{path}: does not fit {name}'s output layer {heads['output']!r} ({err})") from None
 
 
 def _with_posterior(model: nn.Module, path: Path, state: dict, name: str) -> nn.Module:

@@ -112,6 +112,10 @@ class Method:
     summaries : tuple of str
         The kinds of input for which it reads client summaries (:mod:`bayesfuse.summaries`):
         point-estimate networks fused as Laplace posteriors.
+    own_heads : bool
+        One shot, it assigns every client's hidden unit to one global unit, so that each
+        client's own output layer can be kept as a head on the fused network (``head="clients"``,
+        :mod:`bayesfuse.inference.client_heads`).
     """
 
     name: str
@@ -127,6 +131,7 @@ class Method:
     variants: Mapping[str, Variant] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     summaries: tuple[str, ...] = ()
+    own_heads: bool = False
 
     def __post_init__(self) -> None:
         expected = () if self.needs_data else self.kinds
@@ -302,6 +307,7 @@ METHODS: dict[str, Method] = {
             device=True,
             featured=True,
             summaries=("network", "bnn"),
+            own_heads=True,
         ),
         Method(
             "nafi",
@@ -316,6 +322,7 @@ METHODS: dict[str, Method] = {
             device=True,
             featured=True,
             summaries=("network", "bnn"),
+            own_heads=True,
         ),
         Method(
             "fedma",
@@ -513,6 +520,9 @@ def resolve(
 #: networks (``Method.device``). Where the arithmetic runs is an execution option, not a
 #: hyper-parameter: it is in no method's table and changes a result by round-off only.
 DEVICE_METHODS = tuple(m.name for m in METHODS.values() if m.device)
+#: The methods whose one-shot fusion of point-estimate networks can keep the clients' own output
+#: layers (``head="clients"``): those that assign every client's unit to one global unit.
+ONE_SHOT_HEADS = names("network", own_heads=True)
 
 
 def check_execution(method: str, kind: str | None, device: Any) -> None:

@@ -11,6 +11,13 @@ example:
 * ``moments``: per hidden unit (per channel for convolutions), the mean and variance of its
   pre-activation (the output of the layer that makes the unit) and of its activation (the input
   of the layer that reads it), as REPAIR (Jordan et al., ICLR 2023) measures them.
+* ``output_factors``: the Kronecker factors of the GGN of the client's own output layer (when
+  it is an ``nn.Linear`` reading one hidden group unit by unit, at most
+  :data:`MAX_FACTOR_WIDTH` features): ``gram``, the mean of ``a~ a~^T`` over the client's
+  examples (``a~`` the layer's input with a 1 appended for the bias), and ``curvature``, the mean
+  softmax Hessian ``diag(p) - p p^T`` (K-FAC, Martens & Grosse 2015; for the output layer, Ritter,
+  Botev & Barber 2018, eq. 7). With them the fused model keeps each client's output layer as a
+  Kronecker-factored Laplace posterior (:class:`~bayesfuse.nets.heads.ClientHeads`).
 * ``class_counts`` and ``n_examples``.
 
 What it reveals. Every number is a sum over the client's examples: the GGN diagonal
@@ -22,9 +29,11 @@ A client that may not share these should send weights alone (the data-free path)
 
 On disk a summary is a safetensors file beside the model (``model.pt`` ->
 ``model.summary.safetensors``, :func:`summary_path`): tensors ``precision/<entry>``,
-``moments/<group>/<stat>``, ``class_counts``; metadata ``format``, ``version``, ``n_examples``,
-``prior_precision`` and the model's ``fingerprint`` (a hash of its entries' names, shapes and
-values), so that a summary of another network is refused (:func:`check_summary`).
+``moments/<group>/<stat>``, ``output/gram``, ``output/curvature``, ``class_counts``; metadata
+``format``, ``version``, ``n_examples``, ``prior_precision`` and the model's ``fingerprint`` (a
+hash of its entries' names, shapes and values), so that a summary of another network is refused
+(:func:`check_summary`). Version 2 added the output factors; version 1 summaries are read too
+(without them).
 """
 
 from __future__ import annotations
@@ -61,18 +70,36 @@ __all__ = [
     "summary_from_arrays",
     "SUMMARY_FORMAT",
     "SUMMARY_VERSION",
+    "READ_VERSIONS",
+    "MAX_FACTOR_WIDTH",
+    "output_factors",
     "SummaryError",
     "STATS",
 ]
 
 SUMMARY_FORMAT = "bayesfuse-client-summary"
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2
+#: The summary versions this code reads (1: without ``output_factors``).
+READ_VERSIONS = (1, 2)
+#: The widest output-layer input (bias included) whose Kronecker factors a summary holds: the
+#: Gram is ``(G+1)^2`` numbers, small beside the layer's weights up to this width.
+MAX_FACTOR_WIDTH = 2048
 #: The moments kept per hidden unit.
 STATS = ("pre_mean", "pre_var", "act_mean", "act_var")
 
 
 class SummaryError(ValueError):
     """A summary this code cannot use: wrong shapes, NaN, negative precisions, another network, an unknown version."""
+
+
+def check_version(version: int, name: str) -> int:
+    """``version`` when this code reads it (:data:`READ_VERSIONS`); else one line naming ``name``."""
+    if version not in READ_VERSIONS:
+        raise SummaryError(
+            f"{name}: summary version {version} is not one this bayesfuse reads "
+            f"({', '.join(map(str, READ_VERSIONS))}); recompute it with bayesfuse.summarize"
+        )
+    return version
 
 
 def fingerprint(state: Mapping[str, object]) -> str:
@@ -104,6 +131,11 @@ class ClientSummary:
     fingerprint : str
         Of the model it summarises (:func:`fingerprint`).
     version : int
+    output_factors : dict, optional
+        ``gram`` (G+1, G+1) and ``curvature`` (K, K): the Kronecker factors of the output layer's
+        GGN per example (:func:`output_factors`); None where the output layer has none (it reads
+        the inputs, or positions, or more than :data:`MAX_FACTOR_WIDTH` features) and in
+        version 1 summaries.
     seconds : float
         Time it took to compute (not saved).
     """
@@ -115,6 +147,7 @@ class ClientSummary:
     n_examples: int
     fingerprint: str
     version: int = SUMMARY_VERSION
+    output_factors: dict | None = None
     seconds: float = field(default=0.0, compare=False)
 
     @property
@@ -122,6 +155,7 @@ class ClientSummary:
         """Bytes of the arrays (float32 on disk for precisions and moments)."""
         floats = sum(np.size(v) for v in self.precision.values())
         floats += sum(np.size(v) for stats in self.moments.values() for v in stats.values())
+        floats += sum(np.size(v) for v in (self.output_factors or {}).values())
         return 4 * floats + 8 * np.size(self.class_counts)
 
     def output_precision(self, spec: PermutationSpec) -> np.ndarray | None:
@@ -205,6 +239,52 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
     return out
 
 
+def output_factors(
+    model: nn.Module, x, spec: PermutationSpec, *, batch_size: int = 1024
+) -> dict[str, np.ndarray] | None:
+    """The Kronecker factors of the GGN of ``model``'s output layer over ``x`` (one pass).
+
+    ``gram = mean_n a~_n a~_n^T`` over the layer's inputs with a 1 appended (the bias's input)
+    and ``curvature = mean_n (diag(p_n) - p_n p_n^T)``, the softmax Hessian at the model's
+    probabilities: the GGN of the summed cross-entropy over the layer's weights is approximately
+    ``N gram (x) curvature`` (K-FAC; Ritter, Botev & Barber 2018, eq. 7, exact for one example).
+    None when the output layer is not an ``nn.Linear`` reading one hidden group unit by unit, or
+    reads more than :data:`MAX_FACTOR_WIDTH` features.
+    """
+    state = model.state_dict()
+    try:
+        weight_key, _ = spec.output_layer(state)
+    except ValueError:
+        return None
+    output = weight_key.rpartition(".")[0]
+    axes = spec.axes.get(weight_key, ())
+    axis = axes[1] if len(axes) > 1 else None
+    layer = dict(model.named_modules()).get(output)
+    if axis is None or axis.outer * axis.inner != 1 or not isinstance(layer, nn.Linear):
+        return None
+    if layer.in_features + 1 > MAX_FACTOR_WIDTH:
+        return None
+    from bayesfuse.nets.heads import logits_and_features
+
+    first = next(model.parameters())
+    x = torch.as_tensor(x if isinstance(x, torch.Tensor) else np.asarray(x), dtype=first.dtype)
+    g, k = layer.in_features + 1, layer.out_features
+    gram, curvature = torch.zeros(g, g, dtype=torch.float64), torch.zeros(k, k, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(x), batch_size):
+                logits, features = logits_and_features(model, output, x[start : start + batch_size])
+                a = torch.cat([features.double(), features.new_ones(len(features), 1, dtype=torch.float64)], 1)
+                p = torch.softmax(logits.double(), -1)
+                gram += a.T @ a
+                curvature += torch.diag(p.sum(0)) - p.T @ p
+    finally:
+        model.train(was_training)
+    return {"gram": (gram / len(x)).numpy(), "curvature": (curvature / len(x)).numpy()}
+
+
 def summarize(
     model: nn.Module,
     x,
@@ -267,6 +347,7 @@ def summarize(
     assert n_classes is not None  # given, the BNN's or the output layer's
     if y.min() < 0 or y.max() >= n_classes:
         raise ValueError(f"labels must lie in 0..{n_classes - 1}, got {y.min()}..{y.max()}")
+    factors = None
     if bnn:
         precision: dict = {}
         moments = cast(HorseshoeBNN, model).unit_moments(
@@ -275,6 +356,7 @@ def summarize(
     else:
         precision = diag_ggn(model, x, batch_size=batch_size)
         moments = unit_moments(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
+        factors = output_factors(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
     counts = np.bincount(y.astype(np.int64), minlength=n_classes)
     return ClientSummary(
         precision=precision,
@@ -283,6 +365,7 @@ def summarize(
         class_counts=counts,
         n_examples=int(len(y)),
         fingerprint=fingerprint(state),
+        output_factors=factors,
         seconds=time.perf_counter() - start,
     )
 
@@ -425,11 +508,7 @@ def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str
     """
     if not isinstance(summary, ClientSummary):
         raise SummaryError(f"{name}: expected a ClientSummary, got {type(summary).__name__}")
-    if summary.version != SUMMARY_VERSION:
-        raise SummaryError(
-            f"{name}: summary version {summary.version} is not one this bayesfuse reads "
-            f"({SUMMARY_VERSION}); recompute it with bayesfuse.summarize"
-        )
+    check_version(summary.version, name)
     if summary.fingerprint != fingerprint(state):
         raise SummaryError(
             f"{name}: the summary is of another network (its entries' names, shapes or values "
@@ -462,7 +541,27 @@ def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str
     counts = np.asarray(summary.class_counts)
     if counts.ndim != 1 or (counts < 0).any() or counts.sum() != summary.n_examples:
         raise SummaryError(f"{name}: class counts must be non-negative and sum to n_examples={summary.n_examples}")
+    if summary.output_factors is not None:
+        _check_factors(summary.output_factors, len(counts), state, name)
     return summary
+
+
+def _check_factors(factors: Mapping[str, object], n_classes: int, state: Mapping[str, object], name: str) -> None:
+    """The output factors are a finite symmetric ``gram`` (G+1, G+1) and ``curvature`` (K, K), with a
+    (K, G) weight in ``state``."""
+    if set(factors) != {"gram", "curvature"}:
+        raise SummaryError(f"{name}: output factors must be gram and curvature, got {sorted(factors)}")
+    gram, curvature = (np.asarray(factors[k], dtype=np.float64) for k in ("gram", "curvature"))
+    for what, a in (("gram", gram), ("curvature", curvature)):
+        if a.ndim != 2 or a.shape[0] != a.shape[1] or not np.isfinite(a).all():
+            raise SummaryError(f"{name}: the output {what} must be a finite square matrix, got shape {a.shape}")
+        if not np.allclose(a, a.T, rtol=1e-5, atol=1e-6 * max(np.abs(a).max(), 1e-30)):
+            raise SummaryError(f"{name}: the output {what} is not symmetric")
+    if curvature.shape[0] != n_classes:
+        raise SummaryError(f"{name}: the output curvature is {curvature.shape}, for {n_classes} classes")
+    wanted = (n_classes, gram.shape[0] - 1)
+    if not any(tuple(np.shape(cast(np.ndarray, v))) == wanted for v in state.values()):
+        raise SummaryError(f"{name}: the output gram {gram.shape} fits no {wanted} output weight of the network")
 
 
 def _check_bnn_moments(summary: ClientSummary, state: Mapping[str, object], name: str) -> None:
@@ -493,9 +592,10 @@ def _is_buffer(key: str) -> bool:
 
 def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
     """The summary's arrays under the names its file and its Flower record use: ``precision/<entry>``
-    and ``moments/<group>/<stat>`` (float32), ``class_counts`` (int64)."""
+    ``moments/<group>/<stat>`` and ``output/<factor>`` (float32), ``class_counts`` (int64)."""
     arrays = {f"precision/{k}": v for k, v in summary.precision.items()}
     arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
+    arrays.update({f"output/{k}": v for k, v in (summary.output_factors or {}).items()})
     out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
     out["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
     return out
@@ -514,12 +614,15 @@ def summary_from_arrays(
     ``name``, arrays without class counts."""
     precision: dict[str, np.ndarray] = {}
     moments: dict[str, dict[str, np.ndarray]] = {}
+    factors: dict[str, np.ndarray] = {}
     for k, v in arrays.items():
         if k.startswith("precision/"):
             precision[k[len("precision/") :]] = np.asarray(v, dtype=np.float64)
         elif k.startswith("moments/"):
             g, _, s = k[len("moments/") :].rpartition("/")
             moments.setdefault(g, {})[s] = np.asarray(v, dtype=np.float64)
+        elif k.startswith("output/"):
+            factors[k[len("output/") :]] = np.asarray(v, dtype=np.float64)
     if "class_counts" not in arrays:
         raise SummaryError(f"{name}: the summary has no class_counts")
     return ClientSummary(
@@ -530,6 +633,7 @@ def summary_from_arrays(
         n_examples=n_examples,
         fingerprint=fingerprint,
         version=version,
+        output_factors=factors or None,
     )
 
 
@@ -582,10 +686,7 @@ def load_summary(path: str | os.PathLike) -> ClientSummary:
         fp = meta["fingerprint"]
     except (KeyError, ValueError):
         raise SummaryError(f"{path.name}: summary metadata is incomplete") from None
-    if version != SUMMARY_VERSION:
-        raise SummaryError(
-            f"{path.name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION})"
-        )
+    check_version(version, path.name)
     return summary_from_arrays(
         tensors, path.name, version=version, n_examples=n_examples, prior_precision=prior, fingerprint=fp
     )

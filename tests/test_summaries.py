@@ -72,7 +72,33 @@ def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
     model, x, y = client
     s = summarize(model, x, y)
     weights = sum(p.numel() for p in model.parameters())
-    assert s.nbytes == 4 * weights + 4 * 4 * (5 + 4) + 8 * 3
+    factors = (4 + 1) ** 2 + 3**2  # the output layer's Gram (4 features and the bias) and curvature
+    assert s.nbytes == 4 * weights + 4 * 4 * (5 + 4) + 4 * factors + 8 * 3
+
+
+def test_output_factors_are_the_kfac_factors_and_exact_for_one_example(client):
+    model, x, y = client
+    s = summarize(model, x, y, batch_size=7)
+    with torch.no_grad():
+        a = torch.relu(model.layers[1](torch.relu(model.layers[0](torch.as_tensor(x))))).double()
+        p = torch.softmax(model(torch.as_tensor(x)).double(), -1).numpy()
+    a = np.hstack([a.numpy(), np.ones((len(x), 1))])
+    np.testing.assert_allclose(s.output_factors["gram"], a.T @ a / len(x), rtol=1e-6, atol=1e-9)
+    curvature = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
+    np.testing.assert_allclose(s.output_factors["curvature"], curvature, rtol=1e-6, atol=1e-9)
+    # one example: n A (x) S is the output layer's GGN itself, so its diagonal is the summary's precision
+    one = summarize(model, x[:1], y[:1])
+    kfac = np.kron(one.output_factors["gram"], one.output_factors["curvature"]).diagonal().reshape(5, 3)
+    np.testing.assert_allclose(kfac[:-1].T, one.precision["layers.2.weight"], rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(kfac[-1], one.precision["layers.2.bias"], rtol=1e-5, atol=1e-12)
+
+
+def test_output_factors_only_for_an_output_layer_that_reads_units():
+    x = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
+    dense = summarize(randomise(make_cnn(16, 3, channels=(2,), hidden=(4,)), 2), x, np.arange(8) % 3)
+    assert {k: np.shape(v) for k, v in dense.output_factors.items()} == {"gram": (5, 5), "curvature": (3, 3)}
+    positions = summarize(randomise(make_cnn(16, 3, channels=(2,), hidden=()), 2), x, np.arange(8) % 3)
+    assert positions.output_factors is None
 
 
 def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
@@ -85,7 +111,12 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
     assert back.fingerprint == s.fingerprint and back.n_examples == s.n_examples
     for k in s.precision:  # float32 on disk
         np.testing.assert_allclose(back.precision[k], s.precision[k], rtol=1e-6)
+    for k in s.output_factors:
+        np.testing.assert_allclose(back.output_factors[k], s.output_factors[k], rtol=1e-6, atol=1e-7)
     check_summary(back, model.state_dict(), "model.pt")
+    old = summary_path(tmp_path / "old.pt")  # version 1 summaries, without the factors, are still read
+    save_summary(dataclasses.replace(s, version=1, output_factors=None), old)
+    assert load_summary(old).version == 1 and load_summary(old).output_factors is None
     with pytest.raises(FileExistsError):
         save_summary(s, path)
     save_summary(s, path, overwrite=True)
@@ -115,6 +146,9 @@ def test_bad_summaries_are_refused_naming_the_client(client):
         "shape": dataclasses.replace(s, precision=shape),
         "version": dataclasses.replace(s, version=99),
         "another network": dataclasses.replace(s, fingerprint="0" * 16),
+        "not symmetric": dataclasses.replace(s, output_factors=dict(s.output_factors, gram=np.triu(np.ones((5, 5))))),
+        "fits no (3, 5)": dataclasses.replace(s, output_factors=dict(s.output_factors, gram=np.eye(6))),
+        "for 3 classes": dataclasses.replace(s, output_factors=dict(s.output_factors, curvature=np.eye(4))),
     }
     for what, bad in cases.items():
         with pytest.raises(SummaryError, match="alice") as err:

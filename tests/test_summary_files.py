@@ -11,12 +11,14 @@ import pytest
 import torch
 
 import bayesfuse
-from bayesfuse.checkpoints import load_state_dict, posterior_path
+from bayesfuse.checkpoints import heads_path, load_state_dict, posterior_path
 from bayesfuse.cli import main
 from bayesfuse.core import fuse_states
 from bayesfuse.data import dirichlet_partition, load_digits
 from bayesfuse.fuse_files import fuse_files
+from bayesfuse.nets.heads import ClientHeads
 from bayesfuse.nets.laplace import LastLayerLaplace
+from bayesfuse.nets.predict import predict_proba
 from bayesfuse.summaries import load_summary, summary_path
 from bayesfuse.train import TrainConfig, train_clients
 
@@ -200,6 +202,57 @@ def test_fuse_without_summaries_is_data_free_and_drops_a_stale_posterior(clients
     )
 
 
+def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp_path, capsys):
+    """`bayesfuse fuse --head clients` writes the heads beside the model; `bayesfuse.load` predicts
+    with them as `bayesfuse.fuse(..., head="clients")` does on the same models and summaries."""
+    models, _, split = clients
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, models[::-1]), "--method", "pfnm", "--out", str(out), "--head", "clients"]) == 0
+    assert f"and {heads_path(out)}" in capsys.readouterr().out
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert report["heads"]["file"] == str(heads_path(out)) and report["heads"]["form"] == "kronecker"
+    assert report["heads"]["pool"] == "log" and report["heads"]["clients"] == 3
+    loaded = bayesfuse.load(out)
+    assert isinstance(loaded, ClientHeads) and loaded.form == "kronecker" and loaded.pool == "log"
+    nets = [bayesfuse.load(m) for m in models]
+    summaries = [load_summary(summary_path(m)) for m in models]
+    direct = bayesfuse.fuse(nets, "pfnm", summaries=summaries, head="clients")
+    assert direct.model.pool == "log"
+    np.testing.assert_allclose(
+        predict_proba(loaded, split.test.x), predict_proba(direct.model, split.test.x), atol=1e-5
+    )
+    # data-free: the heads' means, mixed; and the linear pool on request
+    assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--head", "clients",
+                 "--summaries", "none", "--pool", "log", "--force"]) == 0  # fmt: skip
+    loaded = bayesfuse.load(out)
+    assert loaded.form == "map" and loaded.pool == "log" and not posterior_path(out).exists()
+    # a fusion without heads over it removes the stale heads file; posterior=False gives the network
+    assert type(bayesfuse.load(out, posterior=False)).__name__ == "MLP"
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--force"]) == 0
+    assert not heads_path(out).exists() and isinstance(bayesfuse.load(out), LastLayerLaplace)
+
+
+def test_fuse_refuses_heads_it_cannot_keep_and_heads_of_other_tensors(clients, tmp_path, capsys):
+    models, _, _ = clients
+    out = tmp_path / "fused.pt"
+    for extra, message in (
+        (["--method", "fedavg", "--head", "clients"], "method must be one of pfnm, nafi, got 'fedavg'"),
+        (["--method", "pfnm", "--pool", "log"], "give it with head='clients'"),
+    ):
+        assert main(["fuse", *map(str, models), "--out", str(out), *extra]) == 2
+        assert message in _error(capsys)
+        assert not out.exists() and not heads_path(out).exists()
+    fuse_files(models, "pfnm", out, head="clients")
+    other = tmp_path / "other.pt"
+    fuse_files(models, "pfnm", other, head="clients", seed=1, hyper={"noise_var": 3.0})
+    shutil.copy(heads_path(other), heads_path(out))
+    with pytest.raises(ValueError, match="written for other tensors than"):
+        bayesfuse.load(out)
+    heads_path(out).write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a readable safetensors heads"):
+        bayesfuse.load(out)
+
+
 def test_fuse_refuses_inputs_of_which_only_some_have_a_summary(clients, tmp_path, capsys):
     models, _, _ = clients
     summary_path(models[1]).unlink()
@@ -218,9 +271,9 @@ def test_fuse_refuses_a_summary_of_another_model_or_version(clients, tmp_path, c
     shutil.copy(summary_path(models[0]), summary_path(models[1]))
     assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
     assert f"{models[1]}: the summary is of another network" in _error(capsys)
-    summary_path(models[1]).write_bytes(saved.replace(b'"version":"1"', b'"version":"2"'))
+    summary_path(models[1]).write_bytes(saved.replace(b'"version":"2"', b'"version":"9"'))
     assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
-    assert f"{summary_path(models[1]).name}: summary version 2 is not one this bayesfuse reads" in _error(capsys)
+    assert f"{summary_path(models[1]).name}: summary version 9 is not one this bayesfuse reads" in _error(capsys)
     assert not out.exists() and not posterior_path(out).exists()
 
 

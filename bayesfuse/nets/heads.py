@@ -2,8 +2,10 @@
 
 In one shot (:func:`bayesfuse.fuse` with ``head="clients"``, PFNM or NAFI) the heads are the
 clients' own output layers: client j's weight from its hidden unit ``l`` becomes the head's
-weight from the global unit its unit was matched to, 0 from the global units it has no unit in.
-Nothing more is sent than the weights.
+weight from the global unit its unit was matched to, 0 from the global units it has no unit in
+(:mod:`bayesfuse.inference.client_heads`). Nothing more is sent than the weights; with client
+summaries, each head is its client's Laplace posterior of that layer, Kronecker-factored as
+below from the summary's factors, on the features of its matched units only.
 
 After the refit round (:func:`bayesfuse.fuse` with ``rounds=2``) every client has fitted the
 output layer on the fused network's features of its own data and sent the fit
@@ -62,6 +64,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse.inference.client_heads import class_shares, one_shot_heads
+
 __all__ = ["ClientHeads", "POOLS", "PREDICTIVES", "class_shares", "logits_and_features", "logit_variances"]
 
 #: How :class:`ClientHeads` pools its heads (module docstring).
@@ -95,13 +99,20 @@ def logit_variances(features: torch.Tensor, gram_vecs, gram_vals, curv_vals, n: 
     return rotated @ (1.0 / (n * gram_vals[:, None] * curv_vals[None, :] + prior))
 
 
-def class_shares(class_counts: np.ndarray) -> np.ndarray:
-    """(J, K) shares ``n_jk / sum_j n_jk`` of each class's examples; ``1 / J`` for a class no client saw."""
-    counts = np.asarray(class_counts, dtype=np.float64)
-    if counts.ndim != 2 or not np.isfinite(counts).all() or (counts < 0).any():
-        raise ValueError(f"class counts must be a (clients, classes) array of counts >= 0, got shape {counts.shape}")
-    total = counts.sum(0, keepdims=True)
-    return np.where(total > 0, counts / np.where(total > 0, total, 1.0), 1.0 / len(counts))
+def _supported_eigh(gram: torch.Tensor, support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues and eigenvectors of each head's Gram, decomposed on its support alone: outside
+    it the Gram is 0 and the eigenvectors are the unit vectors there (exact, and robust where a
+    one-shot head reads few of many fused units: a large matrix mostly of zeros has eigenvalue 0
+    many times over, which LAPACK's solver may fail to converge on)."""
+    J, size, _ = gram.shape
+    vals = torch.zeros(J, size, dtype=gram.dtype)
+    vecs = torch.eye(size, dtype=gram.dtype).repeat(J, 1, 1)
+    for j in range(J):
+        at = torch.nonzero(support[j]).flatten()
+        v, u = torch.linalg.eigh(gram[j][at][:, at])
+        vals[j, at] = v
+        vecs[j][at[:, None], at[None, :]] = u
+    return vals, vecs
 
 
 class ClientHeads(nn.Module):
@@ -124,13 +135,16 @@ class ClientHeads(nn.Module):
         The mixture of the heads' predictive distributions (default), or their geometric pool.
     laplace : dict, optional
         Each head's Laplace posterior (module docstring), in one of two forms. Kronecker-factored
-        (the refit round's): ``gram`` (J, G+1, G+1), the mean of ``a~ a~^T`` over the client's
-        examples; ``curvature`` (J, K, K), the mean softmax Hessian at its fit; ``n`` (J,), its
-        number of examples; ``prior_precision``, the ``lambda_j`` it was fitted with (one
-        number). Diagonal (a client summary's): ``precision`` (J, K, G+1), each head weight's
-        posterior precision, the bias last; ``inf`` where the head has no weight (a global unit
-        the client has no unit in), so that it stays 0. Then ``Var(f_k) = sum_g a~_g^2 / P_kg``,
-        the classes independent. Without it the heads are points.
+        (the refit round's, and the one-shot heads' with summaries): ``gram`` (J, G+1, G+1), the
+        mean of ``a~ a~^T`` over the client's examples; ``curvature`` (J, K, K), the mean softmax
+        Hessian at its fit; ``n`` (J,), its number of examples; ``prior_precision``, the
+        ``lambda_j`` it was fitted with (one number, or one per head); optionally ``support`` (J,
+        G+1), 1 where a head reads a feature and 0 where it does not (a one-shot head's weights from
+        global units its client has no unit in: 0, and no variance), all ones by default. Diagonal
+        (a version 1 client summary's): ``precision`` (J, K, G+1), each head weight's posterior
+        precision, the bias last; ``inf`` where the head has no weight (a global unit the client has
+        no unit in), so that it stays 0. Then ``Var(f_k) = sum_g a~_g^2 / P_kg``, the classes
+        independent. Without it the heads are points.
     samples : int
         Draws of each head's logits for its Laplace predictive.
 
@@ -144,6 +158,8 @@ class ClientHeads(nn.Module):
     gram_vals: torch.Tensor  # with Kronecker-factored posteriors (laplace=) only, as the buffers below
     inv_precision: torch.Tensor  # with diagonal posteriors only
     gram_vecs: torch.Tensor
+    support: torch.Tensor
+    prior: torch.Tensor
     curv_vals: torch.Tensor
     curv_vecs: torch.Tensor
     n: torch.Tensor
@@ -212,21 +228,39 @@ class ClientHeads(nn.Module):
         missing = {"gram", "curvature", "n", "prior_precision"} - set(laplace)
         if missing:
             raise ValueError(f"laplace needs gram, curvature, n and prior_precision; missing {sorted(missing)}")
+        extra = set(laplace) - {"gram", "curvature", "n", "prior_precision", "support"}
+        if extra:
+            raise ValueError(
+                f"a Kronecker laplace takes gram, curvature, n, prior_precision and support; got {sorted(extra)}"
+            )
         gram, curvature, n = (
             torch.as_tensor(np.array(laplace[k]), dtype=torch.float64) for k in ("gram", "curvature", "n")
         )
-        prior = float(laplace["prior_precision"])
+        prior = torch.as_tensor(np.array(laplace["prior_precision"], dtype=np.float64))
+        prior = prior.expand(J).clone() if prior.ndim == 0 else prior
+        support = torch.as_tensor(np.array(laplace.get("support", np.ones((J, G + 1))), dtype=np.float64))
         if gram.shape != (J, G + 1, G + 1) or curvature.shape != (J, K, K) or n.shape != (J,):
             raise ValueError(
                 f"laplace factors of shapes gram {tuple(gram.shape)}, curvature {tuple(curvature.shape)}, n "
                 f"{tuple(n.shape)} do not fit {J} heads of {K} classes on {G} features: need ({J}, {G + 1}, "
                 f"{G + 1}), ({J}, {K}, {K}) and ({J},)"
             )
-        if not all(torch.isfinite(a).all() for a in (gram, curvature, n)) or not (prior > 0 and math.isfinite(prior)):
+        if prior.shape != (J,) or support.shape != (J, G + 1):
+            raise ValueError(
+                f"laplace prior_precision of shape {tuple(prior.shape)} and support {tuple(support.shape)} do not "
+                f"fit {J} heads on {G} features: need one number or ({J},), and ({J}, {G + 1})"
+            )
+        if not all(torch.isfinite(a).all() for a in (gram, curvature, n)) or not bool(
+            (torch.isfinite(prior) & (prior > 0)).all()
+        ):
             raise ValueError("the laplace factors must be finite and the prior precision > 0")
+        if not bool(((support == 0) | (support == 1)).all()):
+            raise ValueError("the laplace support must hold 0 and 1 only")
         if (n <= 0).any():
             raise ValueError("every head needs n > 0 examples")
-        gram_vals, gram_vecs = torch.linalg.eigh(gram)
+        if bool(((gram != 0) & (support[:, :, None] * support[:, None, :] == 0)).any()):
+            raise ValueError("the laplace gram has entries outside its head's support")
+        gram_vals, gram_vecs = _supported_eigh(gram, support > 0)
         curv_vals, curv_vecs = torch.linalg.eigh(curvature)
         if (gram_vals < -1e-8 * gram_vals.abs().amax(-1, keepdim=True)).any() or (
             curv_vals < -1e-8 * curv_vals.abs().amax(-1, keepdim=True).clamp_min(1e-300)
@@ -237,7 +271,8 @@ class ClientHeads(nn.Module):
         self.register_buffer("curv_vals", curv_vals.clamp_min(0.0))
         self.register_buffer("curv_vecs", curv_vecs)
         self.register_buffer("n", n)
-        self.prior_precision = prior
+        self.register_buffer("prior", prior)
+        self.register_buffer("support", support)
         self._register_draws(J, K, samples)
 
     def _register_draws(self, J: int, K: int, samples: int) -> None:
@@ -305,36 +340,31 @@ class ClientHeads(nn.Module):
         unit in; its bias is its own. The heads are mixed by the shares of ``class_counts`` (J, K)
         (without: the summaries' counts, as :func:`bayesfuse.fuse_states` weights the fusion;
         uniform without either). With ``summaries`` (one :class:`~bayesfuse.summaries.ClientSummary` per
-        client) each head is its client's diagonal Laplace posterior, the summary's GGN diagonal
-        of the output layer plus its prior precision (Daxberger et al. 2021), moved the same way;
-        a weight the head does not have gets no variance. Without, the heads are points. In eval
-        mode.
+        client) each head is its client's Laplace posterior of its output layer (Daxberger et al. 2021):
+        Kronecker-factored where the summaries carry the layer's factors, else diagonal
+        (:mod:`bayesfuse.inference.client_heads`); a weight the head does not have gets no
+        variance. Without, the heads are points. In eval mode.
         """
-        weight_key, bias_key = spec.output_layer(states[0])
-        output = weight_key.rpartition(".")[0]
-        axis = spec.axes[weight_key][1]
-        layer = network.get_submodule(output)
-        if axis is None or axis.outer * axis.inner != 1 or not isinstance(layer, nn.Linear):
-            where = "inputs" if axis is None else f"group {axis.group!r} with positions"
-            raise ValueError(
-                f"the clients' own heads need an output layer (nn.Linear) that reads one hidden group unit by unit; "
-                f"{output!r} reads {where}"
-            )
-        J, (K, G) = len(states), layer.weight.shape
-        weight, precision = np.zeros((J, K, G)), np.full((J, K, G + 1), np.inf)
-        for j, (state, a) in enumerate(zip(states, assignments[axis.group])):
-            weight[j][:, np.asarray(a)] = np.asarray(state[weight_key], dtype=np.float64)
-            if summaries is not None:
-                s = summaries[j]
-                precision[j][:, np.asarray(a)] = np.asarray(s.precision[weight_key]) + s.prior_precision
-                precision[j][:, G] = np.asarray(s.precision[bias_key]) + s.prior_precision
-        bias = np.stack([np.asarray(state[bias_key], dtype=np.float64) for state in states])
-        if class_counts is None and summaries is not None:
-            class_counts = np.stack([np.asarray(s.class_counts) for s in summaries])
-        counts = np.ones((J, K)) if class_counts is None else np.asarray(class_counts)
-        laplace = None if summaries is None else {"precision": precision}
+        weight_key, _ = spec.output_layer(states[0])
+        layer = network.get_submodule(weight_key.rpartition(".")[0])
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(f"the clients' own heads need an nn.Linear output layer, got {type(layer).__name__}")
+        heads = one_shot_heads(spec, states, assignments, layer.in_features, class_counts, summaries)
+        return cls.from_arrays(network, heads, pool=pool, samples=samples)
+
+    @classmethod
+    def from_arrays(cls, network: nn.Module, heads: dict, *, pool: str = "linear", samples: int = 64) -> "ClientHeads":
+        """The heads :func:`~bayesfuse.inference.client_heads.one_shot_heads` computed (or a heads
+        file holds, :func:`~bayesfuse.checkpoints.read_heads`) on ``network``, in eval mode."""
         return cls(
-            network, output, weight, bias, class_shares(counts), pool=pool, laplace=laplace, samples=samples
+            network,
+            heads["output"],
+            heads["weight"],
+            heads["bias"],
+            heads["shares"],
+            pool=pool,
+            laplace=heads.get("laplace"),
+            samples=samples,
         ).eval()
 
     @property
@@ -350,6 +380,14 @@ class ClientHeads(nn.Module):
         if value == "laplace" and not hasattr(self, "draws"):
             raise ValueError("these heads have no posteriors (laplace=None): only predictive='map'")
         self._predictive = value
+
+    @property
+    def form(self) -> str:
+        """The heads' posteriors: ``"kronecker"``, ``"diagonal"`` or ``"map"`` (points)
+        (:data:`~bayesfuse.inference.client_heads.HEAD_FORMS`)."""
+        if hasattr(self, "inv_precision"):
+            return "diagonal"
+        return "kronecker" if hasattr(self, "gram_vals") else "map"
 
     @property
     def pool(self) -> str:
@@ -388,7 +426,12 @@ class ClientHeads(nn.Module):
     def _kfac_noise(self, j: int, with_bias: torch.Tensor) -> torch.Tensor:
         """(samples, N, K): head ``j``'s drawn logit deviations under its Kronecker-factored posterior."""
         var = logit_variances(
-            with_bias, self.gram_vecs[j], self.gram_vals[j], self.curv_vals[j], float(self.n[j]), self.prior_precision
+            with_bias * self.support[j],
+            self.gram_vecs[j],
+            self.gram_vals[j],
+            self.curv_vals[j],
+            float(self.n[j]),
+            float(self.prior[j]),
         )
         return (self.draws[j][:, None, :] * var.sqrt()[None]) @ self.curv_vecs[j].T  # V (sqrt(d) * eps)
 

@@ -274,7 +274,7 @@ def test_the_strategy_fuses_with_the_replies_summaries(clients, summaries):
     got = record_to_state(arrays)
     for k, v in expected.state.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
-    # the nodes' own output layers as one-shot heads, each its summary's diagonal Laplace posterior,
+    # the nodes' own output layers as one-shot heads, each its summary's Kronecker Laplace posterior,
     # as bayesfuse.fuse(..., head="clients", summaries=...) builds them from the same fusion
     heads = strategy.client_heads(models[0])
     expected_heads = ClientHeads.from_clients(
@@ -284,8 +284,9 @@ def test_the_strategy_fuses_with_the_replies_summaries(clients, summaries):
         {g: layer.assignments for g, layer in zip(expected.groups, expected.layers)},
         part.counts[order],
         wire,
+        pool="log",
     )
-    assert heads.predictive == "laplace" and heads.n_heads == 3
+    assert heads.predictive == "laplace" and heads.n_heads == 3 and heads.pool == "log" and heads.form == "kronecker"
     x = clients[0].test.x[:40]
     np.testing.assert_allclose(predict_proba(heads, x), predict_proba(expected_heads, x), rtol=1e-4, atol=1e-6)
     # without: the data-free fusion, and its heads are points
@@ -712,7 +713,7 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
         np.testing.assert_allclose(heads.bias[h].numpy(), direct[j].weight[-1], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(heads.shares.numpy(), class_shares(np.asarray(part.counts)[order]))
     # each head its fit's Laplace posterior, under the prior share the nodes fitted with
-    assert heads.predictive == "laplace" and heads.prior_precision == pytest.approx(prior / 3)
+    assert heads.predictive == "laplace" and np.allclose(heads.prior.numpy(), prior / 3)
     for h, j in enumerate(order):
         assert float(heads.n[h]) == direct[j].n
     assert strategy.client_heads(models[0], pool="log").pool == "log"

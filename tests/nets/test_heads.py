@@ -118,7 +118,9 @@ def test_the_refit_round_keeps_the_clients_fits_as_heads(federation):
     probs = predict_proba(model, split.test.x)
     assert np.allclose(probs.sum(1), 1.0) and (probs.argmax(1) == split.test.y).mean() > 0.8
     # each head is its fit's Laplace posterior, with the prior share the fit was made with
-    assert model.predictive == "laplace" and model.prior_precision == pytest.approx(lam / 4, rel=1e-12)
+    assert model.predictive == "laplace" and torch.allclose(
+        model.prior, torch.full((model.n_heads,), lam / 4, dtype=torch.float64)
+    )
     assert torch.allclose(model.n, torch.as_tensor(np.asarray(part.counts)[order].sum(1), dtype=torch.float64))
     model.predictive = "map"
     assert not np.allclose(predict_proba(model, split.test.x), probs)
@@ -345,13 +347,20 @@ def test_diagonal_laplace_heads_predict_the_mean_softmax_of_independent_logits()
 
 
 def test_one_shot_heads_with_summaries_are_the_clients_diagonal_laplace_posteriors(federation):
+    """Summaries without the output layer's Kronecker factors (version 1): diagonal posteriors."""
+    from dataclasses import replace
+
     from bayesfuse import summarize
 
     split, part, models = federation
-    summaries = [summarize(m, split.train.x[i], split.train.y[i]) for m, i in zip(models, part)]
+    summaries = [
+        replace(summarize(m, split.train.x[i], split.train.y[i]), output_factors=None, version=1)
+        for m, i in zip(models, part)
+    ]
     res = _one_shot(models, summaries=summaries)
     model = res.model
-    assert model.predictive == "laplace" and "diagonal Laplace" in res.hyper["predictive"]
+    assert model.predictive == "laplace" and model.form == "diagonal"
+    assert "diagonal Laplace" in res.hyper["predictive"]
     inv = model.inv_precision.numpy()
     G = inv.shape[2] - 1
     for m, s, a in zip(models, summaries, res.layers[0].assignments):  # the callers' order
@@ -376,3 +385,66 @@ def test_one_shot_heads_need_an_output_layer_that_reads_units():
     state = numpy_state(cnn.state_dict())
     with pytest.raises(ValueError, match="reads one hidden group unit by unit.*with positions"):
         ClientHeads.from_clients(cnn, spec, [state], {g: [np.arange(4)] for g in spec.groups})
+
+
+def test_one_shot_kronecker_heads_are_the_clients_kfac_posteriors_on_their_matched_units(federation):
+    """Each head's logit covariance on fused features equals the covariance under its client's own
+    Kronecker-factored Laplace posterior, ``(n A (x) S + delta I)^-1`` over its own output weights,
+    computed here with full matrices on the fused features at the client's matched columns: the
+    global units the client has no unit in add nothing."""
+    from bayesfuse import summarize
+    from bayesfuse.nets.heads import logit_variances, logits_and_features
+
+    split, part, models = federation
+    summaries = [summarize(m, split.train.x[i], split.train.y[i]) for m, i in zip(models, part)]
+    res = _one_shot(models, summaries=summaries)
+    model = res.model
+    assert model.form == "kronecker" and "Kronecker-factored Laplace" in res.hyper["predictive"]
+    x = torch.as_tensor(split.test.x[:7])
+    with torch.no_grad():
+        _, features = logits_and_features(model.network, model.output, x)
+    a_fused = torch.cat([features.double(), torch.ones(len(x), 1, dtype=torch.float64)], 1)
+    G = a_fused.shape[1] - 1
+    for m, s, a in zip(models, summaries, res.layers[0].assignments):
+        j = next(
+            i for i in range(4) if np.array_equal(model.bias[i].numpy(), m.layers[1].bias.detach().double().numpy())
+        )
+        gram, curv = s.output_factors["gram"], s.output_factors["curvature"]
+        K, H1 = len(curv), len(gram)
+        precision = s.n_examples * np.kron(gram, curv) + s.prior_precision * np.eye(H1 * K)  # index (g, k)
+        cov_w = np.linalg.inv(precision)
+        own = a_fused[:, np.append(np.asarray(a), G)].numpy()  # the client's features, bias last
+        var = logit_variances(
+            a_fused * model.support[j],
+            model.gram_vecs[j],
+            model.gram_vals[j],
+            model.curv_vals[j],
+            float(model.n[j]),
+            float(model.prior[j]),
+        ).numpy()
+        V = model.curv_vecs[j].numpy()
+        for n in range(len(x)):
+            design = np.kron(own[n][None, :], np.eye(K))  # f = (a~^T (x) I_K) vec(W)
+            cov_f = design @ cov_w @ design.T
+            np.testing.assert_allclose(V.T @ cov_f @ V, np.diag(var[n]), atol=1e-9 * np.abs(cov_f).max())
+    probs = predict_proba(model, split.test.x)
+    assert np.isfinite(probs).all() and np.allclose(probs.sum(1), 1)
+
+
+def test_kronecker_laplace_refuses_bad_priors_and_supports(federation):
+    split, part, models = federation
+    net = models[0]
+    J, K, G = 2, 10, net.layers[1].in_features
+    weight, bias, shares = np.zeros((J, K, G)), np.zeros((J, K)), np.full((J, K), 0.5)
+    good = dict(gram=np.tile(np.eye(G + 1), (J, 1, 1)), curvature=np.tile(np.eye(K), (J, 1, 1)), n=np.ones(J))
+    heads = ClientHeads(net, "layers.1", weight, bias, shares, laplace={**good, "prior_precision": [1.0, 2.0]})
+    assert heads.prior.tolist() == [1.0, 2.0] and heads.support.sum().item() == J * (G + 1)
+    for bad, message in (
+        ({"prior_precision": [1.0, 2.0, 3.0]}, "do not fit 2 heads"),
+        ({"prior_precision": [1.0, -1.0]}, "prior precision > 0"),
+        ({"prior_precision": 1.0, "support": np.full((J, G + 1), 0.5)}, "0 and 1 only"),
+        ({"prior_precision": 1.0, "support": np.ones((J, G))}, "do not fit 2 heads"),
+        ({"prior_precision": 1.0, "mask": np.ones((J, G + 1))}, "takes gram, curvature"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ClientHeads(net, "layers.1", weight, bias, shares, laplace={**good, **bad})

@@ -15,9 +15,9 @@ from bayesfuse.inference.output_fusion import OutputFit
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.summaries import (
     SUMMARY_FORMAT,
-    SUMMARY_VERSION,
     ClientSummary,
     SummaryError,
+    check_version,
     output_fit,
     summary_arrays,
     summary_from_arrays,
@@ -125,11 +125,7 @@ def records_to_summary(arrays: ArrayRecord, meta: ConfigRecord | None, name: str
         raise SummaryError(
             f"{name}: the summary's metadata is incomplete (needs version, n-examples, prior-precision, fingerprint)"
         ) from None
-    if version != SUMMARY_VERSION:
-        raise SummaryError(
-            f"{name}: summary version {version} is not one this bayesfuse reads ({SUMMARY_VERSION}); "
-            "recompute it with bayesfuse.summarize"
-        )
+    check_version(version, name)
     return summary_from_arrays(
         {key: arrays[key].numpy() for key in arrays.keys()},
         name,

@@ -628,21 +628,24 @@ class MatchedAveraging(_Fusion):
         network = rebuild(like, tensor_state(self._refitted["state"]))
         return LastLayerLaplace(network, self._refitted["output"], covariance=self.output_covariance).eval()
 
-    def client_heads(self, like: nn.Module, *, pool: str = "linear") -> ClientHeads:
+    def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
         """The refitted network predicting with the nodes' own output fits: a
-        :class:`~bayesfuse.nets.heads.ClientHeads` (the class-share mixture of the heads, or
-        their geometric pool with ``pool="log"``), each head its fit's Laplace posterior, as
-        ``bayesfuse.fuse(..., head="clients")``. Without a refit round (``second_round=None``),
-        the one-shot heads of the last fusion: each node's own output layer on the fused network
-        (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`), each its diagonal Laplace
-        posterior where the nodes sent summaries, mixed by their class counts (the replies', else
-        their summaries'; uniformly when neither gives every node's, as ``fuse_states`` weights them).
+        :class:`~bayesfuse.nets.heads.ClientHeads` (the class-share mixture of the heads, or their
+        geometric pool with ``pool="log"``), each head its fit's Laplace posterior, as
+        ``bayesfuse.fuse(..., head="clients")``. Without a refit round (``second_round=None``), the
+        one-shot heads of the last fusion: each node's own output layer on the fused network
+        (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`), each its Laplace posterior
+        (Kronecker-factored, :mod:`bayesfuse.inference.client_heads`) where the nodes sent
+        summaries, mixed by their class counts (the replies', else their summaries'; uniformly when
+        neither gives every node's, as ``fuse_states`` weights them).
 
         Parameters
         ----------
         like : nn.Module
             A network of the clients' architecture, rebuilt at the fused widths.
-        pool : {"linear", "log"}
+        pool : {"linear", "log"}, optional
+            The heads' mixture or geometric pool; by default ``"log"`` for one-shot heads with
+            summaries (as ``bayesfuse.fuse``), ``"linear"`` otherwise.
 
         Returns
         -------
@@ -657,6 +660,7 @@ class MatchedAveraging(_Fusion):
         """
         if self._refitted is None and self.second_round is None and self._one_shot is not None:
             return self._one_shot_heads(like, pool)
+        pool = pool or "linear"
         if self._refitted is None:
             raise ValueError(
                 "no refit round has run: make the strategy with second_round='refit' and run it, or with "
@@ -680,9 +684,9 @@ class MatchedAveraging(_Fusion):
             prior_precision=self._refitted["fit_prior"],
         )
 
-    def _one_shot_heads(self, like: nn.Module, pool: str) -> ClientHeads:
+    def _one_shot_heads(self, like: nn.Module, pool: str | None) -> ClientHeads:
         """:meth:`client_heads` of the last one-shot fusion (PFNM, NAFI: one global unit per unit)."""
-        from bayesfuse.fusion import ONE_SHOT_HEADS
+        from bayesfuse.methods import ONE_SHOT_HEADS
 
         result, inputs = self.last_fusion, cast(dict, self._one_shot)
         if result is None or self.method not in ONE_SHOT_HEADS or result.kind != "network":
@@ -692,6 +696,7 @@ class MatchedAveraging(_Fusion):
             )
         network = rebuild(like, tensor_state(result.state))
         assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
+        pool = pool or ("log" if inputs["summaries"] is not None else "linear")
         return ClientHeads.from_clients(
             network, result.spec, inputs["states"], assignments, inputs["counts"], inputs["summaries"], pool=pool
         )

@@ -1,0 +1,152 @@
+"""The clients' own output layers on a one-shot fusion's hidden units, as arrays.
+
+After PFNM or NAFI have matched the hidden units, every client's unit ``l`` of the group its
+output layer reads is one global unit ``a_j(l)`` (the assignments). Client j's output layer is
+then a head on the fused features: its weight from its unit ``l`` becomes the head's weight
+from global unit ``a_j(l)``, 0 from the global units it has no unit in, its bias its own.
+:class:`~bayesfuse.nets.heads.ClientHeads` predicts with these heads; this module computes them
+from the clients' state_dicts, so that ``fuse``, ``bayesfuse fuse`` (which writes them beside
+the fused model) and the Flower strategy share one rule.
+
+With client summaries each head is its client's Laplace posterior of its own output layer
+(Daxberger et al. 2021), moved the same way. Where every summary carries the Kronecker factors
+of that layer (:func:`bayesfuse.summaries.output_factors`), the posterior is Kronecker-factored
+(Ritter, Botev & Barber 2018):
+
+.. math::
+
+    H_j = n_j \\, A_j \\otimes S_j + \\delta_j I ,
+
+``A_j`` the client's mean ``a~ a~^T`` of its own features (bias last), ``S_j`` its mean softmax
+Hessian, ``n_j`` its examples and ``delta_j`` its summary's prior precision. ``A_j`` is placed at
+the rows and columns of the global units its units were matched to; the head's weights from the
+other global units are not parameters of the client's model (they are 0, with no variance), so
+its ``support`` (the columns it reads) masks them out of the variance: the variance of a head's
+logits on fused features ``a~`` is that of the client's posterior on ``a~`` restricted to its
+matched units. Otherwise (a version 1 summary) each weight's precision is the summary's GGN
+diagonal plus ``delta_j`` (``inf`` where the head has no weight), which adds the variances of
+the weights as if they were independent and makes heads reading many units too wide.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from bayesfuse.inference.spec import PermutationSpec
+
+__all__ = ["one_shot_heads", "class_shares", "HEAD_FORMS"]
+
+#: The posterior forms of one-shot heads: none (points), diagonal, Kronecker-factored.
+HEAD_FORMS = ("map", "diagonal", "kronecker")
+
+
+def class_shares(class_counts: np.ndarray) -> np.ndarray:
+    """(J, K) shares ``n_jk / sum_j n_jk`` of each class's examples; ``1 / J`` for a class no client saw."""
+    counts = np.asarray(class_counts, dtype=np.float64)
+    if counts.ndim != 2 or not np.isfinite(counts).all() or (counts < 0).any():
+        raise ValueError(f"class counts must be a (clients, classes) array of counts >= 0, got shape {counts.shape}")
+    total = counts.sum(0, keepdims=True)
+    return np.where(total > 0, counts / np.where(total > 0, total, 1.0), 1.0 / len(counts))
+
+
+def one_shot_heads(
+    spec: PermutationSpec,
+    states: Sequence[Mapping[str, Any]],
+    assignments: Mapping[str, Sequence],
+    width: int,
+    class_counts=None,
+    summaries=None,
+) -> dict[str, Any]:
+    """The clients' own output layers as heads on ``width`` fused features (module docstring).
+
+    Parameters
+    ----------
+    spec : PermutationSpec
+        The networks' spec; its output layer must read one hidden group unit by unit.
+    states : sequence of state_dicts
+        The clients' networks, in the order of ``assignments``.
+    assignments : mapping of group to sequence
+        Per group, each client's global unit of each of its units (a fusion's assignments).
+    width : int
+        G, the fused output layer's inputs (the global units of the group it reads).
+    class_counts : (J, K) array, optional
+        The heads' shares; without, the summaries' counts, without those uniform.
+    summaries : sequence of ClientSummary, optional
+        One per client: each head becomes its client's Laplace posterior.
+
+    Returns
+    -------
+    dict
+        ``output`` (the output layer's module name), ``weight`` (J, K, G), ``bias`` (J, K),
+        ``shares`` (J, K), ``form`` (:data:`HEAD_FORMS`) and ``laplace``: None, ``{"precision":
+        (J, K, G+1)}``, or ``{"gram": (J, G+1, G+1), "curvature": (J, K, K), "n": (J,),
+        "prior_precision": (J,), "support": (J, G+1)}`` (the arguments of
+        :class:`~bayesfuse.nets.heads.ClientHeads`).
+
+    Raises
+    ------
+    ValueError
+        The output layer reads the inputs or positions, or a summary's factors do not fit its
+        client's output layer.
+    """
+    weight_key, bias_key = spec.output_layer(states[0])
+    output = weight_key.rpartition(".")[0]
+    axes = spec.axes.get(weight_key, ())
+    axis = axes[1] if len(axes) > 1 else None
+    if axis is None or axis.outer * axis.inner != 1:
+        where = "inputs" if axis is None else f"group {axis.group!r} with positions"
+        raise ValueError(
+            f"the clients' own heads need an output layer that reads one hidden group unit by unit; "
+            f"{output!r} reads {where}"
+        )
+    J, G = len(states), int(width)
+    K = int(np.shape(states[0][bias_key])[0])
+    columns = [np.asarray(a, dtype=np.int64) for a in assignments[axis.group]]
+    if len(columns) != J or any(c.size and (c.min() < 0 or c.max() >= G) for c in columns):
+        raise ValueError(f"the assignments of {axis.group!r} do not fit {J} clients and {G} fused units")
+    weight = np.zeros((J, K, G))
+    for j, (state, c) in enumerate(zip(states, columns)):
+        weight[j][:, c] = np.asarray(state[weight_key], dtype=np.float64)
+    bias = np.stack([np.asarray(state[bias_key], dtype=np.float64) for state in states])
+    if class_counts is None and summaries is not None:
+        class_counts = np.stack([np.asarray(s.class_counts) for s in summaries])
+    shares = class_shares(np.ones((J, K)) if class_counts is None else np.asarray(class_counts))
+    form, laplace = "map", None
+    if summaries is not None:
+        if all(getattr(s, "output_factors", None) is not None for s in summaries):
+            form, laplace = "kronecker", _kronecker(summaries, columns, G, K)
+        else:
+            form, laplace = "diagonal", _diagonal(summaries, columns, weight_key, bias_key, G, K)
+    return dict(output=output, weight=weight, bias=bias, shares=shares, form=form, laplace=laplace)
+
+
+def _diagonal(summaries, columns, weight_key: str, bias_key: str, G: int, K: int) -> dict:
+    """Each head weight's precision, GGN diagonal plus prior, ``inf`` where the head has none."""
+    precision = np.full((len(summaries), K, G + 1), np.inf)
+    for j, (s, c) in enumerate(zip(summaries, columns)):
+        precision[j][:, c] = np.asarray(s.precision[weight_key]) + s.prior_precision
+        precision[j][:, G] = np.asarray(s.precision[bias_key]) + s.prior_precision
+    return {"precision": precision}
+
+
+def _kronecker(summaries, columns, G: int, K: int) -> dict:
+    """Each client's Kronecker factors placed at its matched columns (bias last), and its support."""
+    J = len(summaries)
+    gram, support = np.zeros((J, G + 1, G + 1)), np.zeros((J, G + 1))
+    curvature = np.zeros((J, K, K))
+    for j, (s, c) in enumerate(zip(summaries, columns)):
+        own = np.asarray(s.output_factors["gram"], dtype=np.float64)
+        if own.shape != (c.size + 1, c.size + 1) or np.shape(s.output_factors["curvature"]) != (K, K):
+            raise ValueError(
+                f"client {j}'s output factors (gram {own.shape}, curvature {np.shape(s.output_factors['curvature'])}) "
+                f"do not fit its output layer of {c.size} inputs and {K} classes"
+            )
+        at = np.append(c, G)
+        gram[j][np.ix_(at, at)] = own
+        support[j, at] = 1.0
+        curvature[j] = s.output_factors["curvature"]
+    n = np.array([s.n_examples for s in summaries], dtype=np.float64)
+    prior = np.array([s.prior_precision for s in summaries], dtype=np.float64)
+    return {"gram": gram, "curvature": curvature, "n": n, "prior_precision": prior, "support": support}
