@@ -265,10 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fz.add_argument(
         "--head",
-        choices=["shared", "clients"],
-        default="shared",
+        choices=["auto", "shared", "clients"],
+        default="auto",
         metavar="HEAD",
-        help="clients: each client's own output layer, pfnm/nafi",
+        help="auto, shared or clients (own output layers)",
     )
     fz.add_argument(
         "--pool",

@@ -76,11 +76,12 @@ class DemoConfig:
     #: summaries gets more rows: ``"METHOD 2 rounds"``, the data-free fusion and the second round of
     #: :func:`bayesfuse.fuse` (the output layer refitted from the clients' fits; every architecture
     #: without position encodings), and for MLPs ``"METHOD +summaries"`` fused with them in one shot
-    #: and ``"METHOD +summaries 2 rounds"`` with the second round too (on ConvNets summaries were
-    #: measured worse than the data-free default); for PFNM and NAFI on MLPs and ConvNets,
-    #: ``"METHOD client heads"`` (one shot: each client's own output layer on the fused body, their
-    #: class-share mixture) and, on MLPs, ``"METHOD +summaries client heads"`` (each head its
-    #: client's diagonal Laplace posterior)
+    #: (the default: for PFNM and NAFI each client's own output layer kept as its Kronecker Laplace
+    #: posterior, pooled geometrically) and ``"METHOD +summaries 2 rounds"`` with the second round
+    #: too (on ConvNets summaries were measured worse than the data-free default); for PFNM and NAFI
+    #: on MLPs and ConvNets, ``"METHOD client heads"`` (one shot, data-free: each client's own
+    #: output layer on the fused body, their class-share mixture) and, on MLPs,
+    #: ``"METHOD +summaries shared head"`` (one fused output layer with its Laplace posterior)
     summaries: bool = True
 
     def __post_init__(self) -> None:
@@ -408,7 +409,7 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
                     ]
                 variants += [("+summaries", 1, summaries, {}), ("+summaries 2 rounds", 2, summaries, {})]
                 if heads:
-                    variants.append(("+summaries client heads", 1, summaries, {"head": "clients"}))
+                    variants.append(("+summaries shared head", 1, summaries, {"head": "shared"}))
             for label, rounds, given, extra in variants:
                 data: dict[str, Any] = {"data": (split.train, partition)} if rounds == 2 else {}
                 fused = fuse(

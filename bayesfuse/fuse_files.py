@@ -42,6 +42,7 @@ from bayesfuse.checkpoints import (
 from bayesfuse.core import State, fuse_states
 from bayesfuse.fusion_record import fusion_bytes, fusion_path
 from bayesfuse.inference._backend import check_device
+from bayesfuse.inference.client_heads import heads_refused
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
 from bayesfuse.models.bnn_sites import is_bnn_state, state_depth, state_keys
 from bayesfuse.summaries import load_summary, summary_path
@@ -338,13 +339,13 @@ def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | No
 
 def _check_head(head: str, pool: str | None, method: str, hyper: dict) -> None:
     """``head`` and ``pool`` are known, and ``head`` is not also given as a key."""
-    if head not in ("shared", "clients"):
-        raise ValueError(f"unknown head={head!r}; choose shared or clients")
+    if head not in ("auto", "shared", "clients"):
+        raise ValueError(f"unknown head={head!r}; choose auto, shared or clients")
     if pool is not None and pool not in ("linear", "log"):
         raise ValueError(f"unknown pool={pool!r}; choose linear or log")
-    if pool is not None and head != "clients":
-        raise ValueError("pool is how the clients' own heads are pooled: give it with head='clients'")
-    if "head" in hyper and head != "shared":
+    if pool is not None and head == "shared":
+        raise ValueError("pool is how the clients' own heads are pooled: not with head='shared'")
+    if "head" in hyper and head not in ("auto", "shared"):
         raise ValueError("head is given twice (as head= and as a hyper-parameter); give it once")
 
 
@@ -405,7 +406,7 @@ def fuse_files(
     class_counts: Mapping[str, Sequence[float]] | None = None,
     summaries: str = "auto",
     like=None,
-    head: str = "shared",
+    head: str = "auto",
     pool: str | None = None,
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
@@ -437,8 +438,9 @@ def fuse_files(
     (:func:`~bayesfuse.checkpoints.posterior_bytes`; the report's ``posterior``), and
     :func:`bayesfuse.load` returns the model with that posterior.
 
-    ``head="clients"`` (PFNM and NAFI on point-estimate networks, ``--head clients``) keeps every
-    client's own output layer as a head on the fused hidden units
+    ``head="clients"`` (PFNM and NAFI on point-estimate networks, ``--head clients``; with
+    ``"auto"``, the default, when they fuse with summaries and the output layer reads hidden
+    units, else ``"shared"``) keeps every client's own output layer as a head on the fused hidden units
     (:func:`~bayesfuse.inference.client_heads.one_shot_heads`; each its client's Laplace posterior
     with summaries) and writes them beside the model, ``out + '.heads.safetensors'``
     (:func:`~bayesfuse.checkpoints.heads_bytes`; the report's ``heads``), with the ``pool`` they
@@ -528,7 +530,7 @@ def fuse_files(
     kind = "bnn" if all(is_bnn) else "network"
     if kind not in row.kinds:
         raise ValueError(_wrong_kind(method, kind))
-    if kind == "bnn" and head != "shared":
+    if kind == "bnn" and head not in ("auto", "shared"):
         hyper["head"] = head  # a BNN's heads are its method's key
     elif head == "clients" and method not in methods.ONE_SHOT_HEADS:
         raise ValueError(
@@ -615,6 +617,18 @@ def fuse_files(
         "seconds": time.perf_counter() - start,
     }
     posterior, report["posterior"] = _output_posterior(fused, fused_sd, out)
+    if kind == "network" and head == "auto":  # the clients' heads, by default with summaries (as bayesfuse.fuse)
+        refused = heads_refused(fused.spec, fused.state)
+        head = (
+            "clients" if client_summaries is not None and method in methods.ONE_SHOT_HEADS and not refused else "shared"
+        )
+        if refused and client_summaries is not None and method in methods.ONE_SHOT_HEADS:
+            report["hyper"]["head"] = f"shared ({refused})"
+        if head == "shared" and pool is not None:
+            raise ValueError(
+                "pool is how the clients' own heads are pooled; these networks are fused with the shared "
+                "head (give head='clients')"
+            )
     if kind == "network" and head == "clients":
         heads_file, report["heads"] = _client_heads(fused, states, counts, client_summaries, fused_sd, out, pool)
         posterior.append(heads_file)

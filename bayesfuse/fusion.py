@@ -38,6 +38,7 @@ from bayesfuse._runtime import progress
 from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
+from bayesfuse.inference.client_heads import heads_refused
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
@@ -194,9 +195,14 @@ def fuse(
     summaries : sequence of ClientSummary, optional
         One per model (:func:`bayesfuse.summarize`, computed by each client on its own data):
         PFNM and NAFI then fuse the networks as their Laplace posteriors
-        (:func:`bayesfuse.core.fuse_states`) and the fused model predicts with the posterior of
-        its output layer (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`);
-        ``hyper["summaries"]`` says what was used.
+        (:func:`bayesfuse.core.fuse_states`). In one shot the fused model then keeps every
+        client's own output layer as its Laplace posterior and pools them geometrically (``head``
+        is ``"clients"`` and ``pool`` ``"log"`` by default, a
+        :class:`~bayesfuse.nets.heads.ClientHeads`) where the output layer reads hidden units;
+        with ``head="shared"`` (and where it reads the inputs or positions, as
+        ``hyper["head"]`` then says) it predicts with the fused posterior of its output layer
+        (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`). ``hyper["summaries"]`` says what
+        was used.
     output_pool : {"precision", "counts"}
         With summaries: how the clients' logits are pooled (:func:`bayesfuse.core.fuse_states`).
     example_input : Tensor, optional
@@ -207,17 +213,17 @@ def fuse(
     head : {"shared", "clients"}, optional
         For BNNs, the method's ``head`` (``"clients"``: a
         :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). For point-estimate networks in one
-        shot (PFNM, NAFI): ``"clients"`` keeps every client's own output layer, each weight moved
-        to the global unit its hidden unit was matched to, and predicts with their class-share
-        mixture on the fused features (:class:`~bayesfuse.nets.heads.ClientHeads`; nothing
-        more is sent); with ``summaries`` each head is its client's Laplace posterior of its own
-        output layer, Kronecker-factored where the summaries carry the layer's factors
-        (:mod:`bayesfuse.inference.client_heads`). The heads are in the canonical client
-        order (:mod:`bayesfuse.client_order`), which the mixture does not depend on. With the
-        refit round: ``"clients"`` keeps every client's refitted output layer (its reply) and
-        predicts with their class-share mixture, each head its fit's Laplace posterior
-        (:class:`~bayesfuse.nets.heads.ClientHeads`; ``ClientHeads.predictive = "map"``: the fits' means),
-        instead of the product's probit (``"shared"``, default).
+        shot (PFNM, NAFI; the default with ``summaries``): ``"clients"`` keeps every client's own
+        output layer, each weight moved to the global unit its hidden unit was matched to, and
+        predicts with their class-share mixture on the fused features
+        (:class:`~bayesfuse.nets.heads.ClientHeads`; nothing more is sent); with ``summaries`` each
+        head is its client's Laplace posterior of its own output layer, Kronecker-factored where the
+        summaries carry the layer's factors (:mod:`bayesfuse.inference.client_heads`). The heads are
+        in the canonical client order (:mod:`bayesfuse.client_order`), which the mixture does not
+        depend on. With the refit round: ``"clients"`` keeps every client's refitted output layer
+        (its reply) and predicts with their class-share mixture, each head its fit's Laplace
+        posterior (:class:`~bayesfuse.nets.heads.ClientHeads`; ``ClientHeads.predictive = "map"``:
+        the fits' means), instead of the product's probit (``"shared"``, default).
     pool : {"linear", "log"}, optional
         With ``head="clients"``: how the heads are pooled, their class-share mixture
         (``"linear"``) or geometric pool (``"log"``; ``ClientHeads.pool`` may be set later). By
@@ -325,7 +331,9 @@ def fuse(
             hyper["head"] = head
         head = "shared"
     else:  # networks: the clients' own heads (one shot) or the refit round's
-        head = "shared" if head is None else head
+        # with summaries, one shot, the clients' own heads are the default where the method allows them
+        auto_heads = head is None and summaries is not None and rounds == 1 and method in ONE_SHOT_HEADS
+        head = ("clients" if auto_heads else "shared") if head is None else head
         refits = rounds == 2 and second_round == "refit" or rounds == 3
         if head not in ("shared", "clients") or head == "clients" and not (refits or rounds == 1):
             raise ValueError(
@@ -370,7 +378,10 @@ def fuse(
             _check_fused_runs(candidates[-1][1], models[0], example_input)
     if rounds == 1:
         fused, model = candidates[0]
-        if head == "clients":
+        refused = heads_refused(fused.spec, fused.state) if head == "clients" and auto_heads else None
+        if refused:  # the default, where the clients' heads cannot be kept: the shared head, and why
+            fused.hyper["head"] = f"shared ({refused})"
+        elif head == "clients":
             model = _own_heads(fused, model, states, class_counts, summaries, pool)
     elif second_round == "batchnorm":
         fused, model = _batchnorm_round(*candidates[0], data, states)

@@ -26,11 +26,15 @@ network (``shared``) or each from its own (``independent``), then one global mod
                  "2 rounds refit": the second round refits the output layer as the product of the
                  clients' Laplace fits on the fused features (bayesfuse.inference.output_fusion);
                  "pfnm 2 rounds refit" does so after the data-free fusion, without summaries;
-                 "pfnm client heads" (one shot, data-free) and "pfnm +summaries client heads" keep
-                 every client's own output layer on the fused body, each weight moved to the global
-                 unit its hidden unit was matched to, and predict with their class-share mixture
-                 (``head="clients"``; with summaries each head is its client's diagonal Laplace
-                 posterior, "... map" its mean alone; "... log": the geometric pool);
+                 "pfnm client heads" (one shot, data-free) and "pfnm +summaries" (the default with
+                 summaries) keep every client's own output layer on the fused body, each weight
+                 moved to the global unit its hidden unit was matched to, and predict with their
+                 class-share mixture ("pfnm client heads") or geometric pool ("... log"; the
+                 default with summaries, "... linear" the mixture); with summaries each head is its
+                 client's Kronecker-factored Laplace posterior ("... diagonal heads": the
+                 summaries' diagonal one, their output factors left out; "... map": the means
+                 alone); "pfnm +summaries shared head" fuses one output layer with its Laplace
+                 posterior (the default with summaries before the heads);
                  "pfnm 2 rounds client heads" keeps the clients' refitted output layers, each
                  its fit's Laplace posterior, and predicts with their class-share mixture
                  (bayesfuse.nets.heads.ClientHeads), "... map" with the fits' means alone,
@@ -51,6 +55,7 @@ after each federation) and ``fidelity.png`` (accuracy and NLL against global wid
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import sys
@@ -90,12 +95,14 @@ from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0, 10.0])
 SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "auroc", "width", "seconds", "converged")
 #: The rows with client summaries (bayesfuse.summarize): name -> fuse() options beyond the method.
-#: ``"summaries": False``: the row fuses without them (the data-free fusion, then its second round).
+#: ``"summaries": False``: the row fuses without them (the data-free fusion, then its second round);
+#: ``"factors": False``: with the summaries' output factors left out (diagonal heads).
 SUMMARY_ROWS = {
     "pfnm +summaries": ("pfnm", {}),
+    "pfnm +summaries shared head": ("pfnm", {"head": "shared"}),
+    "pfnm +summaries diagonal heads": ("pfnm", {"factors": False}),
     "pfnm client heads": ("pfnm", {"summaries": False, "head": "clients"}),
-    "pfnm +summaries client heads": ("pfnm", {"head": "clients"}),
-    "pfnm +summaries counts": ("pfnm", {"output_pool": "counts"}),
+    "pfnm +summaries counts": ("pfnm", {"output_pool": "counts", "head": "shared"}),
     "nafi +summaries": ("nafi", {}),
     "pfnm +summaries 2 rounds temperature": ("pfnm", {"rounds": 2, "second_round": "temperature"}),
     "pfnm +summaries 2 rounds refit": ("pfnm", {"rounds": 2}),
@@ -105,10 +112,11 @@ SUMMARY_ROWS = {
 #: Rows measured again from a row's fused model with other settings of its ClientHeads (pool, predictive).
 HEAD_VARIANTS = {
     "pfnm client heads": {"pfnm client heads log": {"pool": "log"}},
-    "pfnm +summaries client heads": {
-        "pfnm +summaries client heads log": {"pool": "log", "predictive": "laplace"},
-        "pfnm +summaries client heads map": {"pool": "linear", "predictive": "map"},
+    "pfnm +summaries": {
+        "pfnm +summaries linear": {"pool": "linear", "predictive": "laplace"},
+        "pfnm +summaries map": {"pool": "log", "predictive": "map"},
     },
+    "pfnm +summaries diagonal heads": {"pfnm +summaries diagonal heads linear": {"pool": "linear"}},
     "pfnm 2 rounds client heads": {
         "pfnm 2 rounds client heads map": {"pool": "linear", "predictive": "map"},
         "pfnm 2 rounds client heads log": {"pool": "log", "predictive": "laplace"},
@@ -186,6 +194,8 @@ def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.n
         data = dict(data=(split.train, part)) if options.get("rounds") == 2 else {}
         options = dict(options)
         given = summaries if options.pop("summaries", True) else None
+        if not options.pop("factors", True):
+            given = [dataclasses.replace(s, output_factors=None) for s in summaries]
         if given is None and not data:  # one shot without summaries: the class counts the clients send
             options["class_counts"] = part.counts
         with warnings.catch_warnings():

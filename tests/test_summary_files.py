@@ -153,7 +153,8 @@ def test_summarize_refuses_networks_it_cannot_rebuild_and_bad_options(clients, t
 def test_fuse_uses_the_summaries_and_writes_the_output_posterior(clients, tmp_path, capsys):
     models, _, split = clients
     out = tmp_path / "fused.pt"
-    assert main(["fuse", *map(str, models[::-1]), "--method", "pfnm", "--out", str(out)]) == 0
+    args = ["fuse", *map(str, models[::-1]), "--method", "pfnm", "--out", str(out), "--head", "shared"]
+    assert main(args) == 0
     assert "(with their client summaries)" in capsys.readouterr().out
     report = json.loads((tmp_path / "fused.pt.json").read_text())
     order = report["fused_order"]
@@ -203,11 +204,12 @@ def test_fuse_without_summaries_is_data_free_and_drops_a_stale_posterior(clients
 
 
 def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp_path, capsys):
-    """`bayesfuse fuse --head clients` writes the heads beside the model; `bayesfuse.load` predicts
-    with them as `bayesfuse.fuse(..., head="clients")` does on the same models and summaries."""
+    """With summaries `bayesfuse fuse` keeps the clients' heads by default and writes them beside the
+    model; `bayesfuse.load` predicts with them as `bayesfuse.fuse` does (its default too) on the
+    same models and summaries."""
     models, _, split = clients
     out = tmp_path / "fused.pt"
-    assert main(["fuse", *map(str, models[::-1]), "--method", "pfnm", "--out", str(out), "--head", "clients"]) == 0
+    assert main(["fuse", *map(str, models[::-1]), "--method", "pfnm", "--out", str(out)]) == 0
     assert f"and {heads_path(out)}" in capsys.readouterr().out
     report = json.loads((tmp_path / "fused.pt.json").read_text())
     assert report["heads"]["file"] == str(heads_path(out)) and report["heads"]["form"] == "kronecker"
@@ -216,8 +218,8 @@ def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp
     assert isinstance(loaded, ClientHeads) and loaded.form == "kronecker" and loaded.pool == "log"
     nets = [bayesfuse.load(m) for m in models]
     summaries = [load_summary(summary_path(m)) for m in models]
-    direct = bayesfuse.fuse(nets, "pfnm", summaries=summaries, head="clients")
-    assert direct.model.pool == "log"
+    direct = bayesfuse.fuse(nets, "pfnm", summaries=summaries)
+    assert isinstance(direct.model, ClientHeads) and direct.model.pool == "log" and direct.hyper["head"] == "clients"
     np.testing.assert_allclose(
         predict_proba(loaded, split.test.x), predict_proba(direct.model, split.test.x), atol=1e-5
     )
@@ -228,7 +230,7 @@ def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp
     assert loaded.form == "map" and loaded.pool == "log" and not posterior_path(out).exists()
     # a fusion without heads over it removes the stale heads file; posterior=False gives the network
     assert type(bayesfuse.load(out, posterior=False)).__name__ == "MLP"
-    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--force"]) == 0
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--head", "shared", "--force"]) == 0
     assert not heads_path(out).exists() and isinstance(bayesfuse.load(out), LastLayerLaplace)
 
 
@@ -237,14 +239,15 @@ def test_fuse_refuses_heads_it_cannot_keep_and_heads_of_other_tensors(clients, t
     out = tmp_path / "fused.pt"
     for extra, message in (
         (["--method", "fedavg", "--head", "clients"], "method must be one of pfnm, nafi, got 'fedavg'"),
-        (["--method", "pfnm", "--pool", "log"], "give it with head='clients'"),
+        (["--method", "pfnm", "--head", "shared", "--pool", "log"], "not with head='shared'"),
+        (["--method", "pfnm", "--summaries", "none", "--pool", "log"], "fused with the shared head"),
     ):
         assert main(["fuse", *map(str, models), "--out", str(out), *extra]) == 2
         assert message in _error(capsys)
         assert not out.exists() and not heads_path(out).exists()
-    fuse_files(models, "pfnm", out, head="clients")
+    fuse_files(models, "pfnm", out)
     other = tmp_path / "other.pt"
-    fuse_files(models, "pfnm", other, head="clients", seed=1, hyper={"noise_var": 3.0})
+    fuse_files(models, "pfnm", other, seed=1, hyper={"noise_var": 3.0})
     shutil.copy(heads_path(other), heads_path(out))
     with pytest.raises(ValueError, match="written for other tensors than"):
         bayesfuse.load(out)
@@ -280,9 +283,9 @@ def test_fuse_refuses_a_summary_of_another_model_or_version(clients, tmp_path, c
 def test_load_refuses_a_posterior_of_other_tensors(clients, tmp_path):
     models, _, _ = clients
     out = tmp_path / "fused.pt"
-    fuse_files(models, "pfnm", out)
+    fuse_files(models, "pfnm", out, head="shared")
     other = tmp_path / "other.pt"
-    fuse_files(models, "pfnm", other, seed=1, hyper={"noise_var": 3.0})
+    fuse_files(models, "pfnm", other, seed=1, hyper={"noise_var": 3.0}, head="shared")
     shutil.copy(posterior_path(other), posterior_path(out))
     with pytest.raises(ValueError, match="written for other tensors than"):
         bayesfuse.load(out)

@@ -36,7 +36,7 @@ import numpy as np
 
 from bayesfuse.inference.spec import PermutationSpec
 
-__all__ = ["one_shot_heads", "class_shares", "HEAD_FORMS"]
+__all__ = ["one_shot_heads", "class_shares", "heads_refused", "HEAD_FORMS"]
 
 #: The posterior forms of one-shot heads: none (points), diagonal, Kronecker-factored.
 HEAD_FORMS = ("map", "diagonal", "kronecker")
@@ -49,6 +49,24 @@ def class_shares(class_counts: np.ndarray) -> np.ndarray:
         raise ValueError(f"class counts must be a (clients, classes) array of counts >= 0, got shape {counts.shape}")
     total = counts.sum(0, keepdims=True)
     return np.where(total > 0, counts / np.where(total > 0, total, 1.0), 1.0 / len(counts))
+
+
+def heads_refused(spec: PermutationSpec | None, state: Mapping[str, Any]) -> str | None:
+    """Why the clients' own heads cannot be kept on networks of ``spec`` (``state`` one of them),
+    or None when they can: the output layer must read one hidden group unit by unit."""
+    if spec is None:
+        return "the clients' own heads need the networks' permutation spec"
+    weight_key, _ = spec.output_layer(state)
+    output = weight_key.rpartition(".")[0]
+    axes = spec.axes.get(weight_key, ())
+    axis = axes[1] if len(axes) > 1 else None
+    if axis is None or axis.outer * axis.inner != 1:
+        where = "inputs" if axis is None else f"group {axis.group!r} with positions"
+        return (
+            f"the clients' own heads need an output layer that reads one hidden group unit by unit; "
+            f"{output!r} reads {where}"
+        )
+    return None
 
 
 def one_shot_heads(
@@ -91,16 +109,13 @@ def one_shot_heads(
         The output layer reads the inputs or positions, or a summary's factors do not fit its
         client's output layer.
     """
+    refused = heads_refused(spec, states[0])
+    if refused:
+        raise ValueError(refused)
     weight_key, bias_key = spec.output_layer(states[0])
     output = weight_key.rpartition(".")[0]
-    axes = spec.axes.get(weight_key, ())
-    axis = axes[1] if len(axes) > 1 else None
-    if axis is None or axis.outer * axis.inner != 1:
-        where = "inputs" if axis is None else f"group {axis.group!r} with positions"
-        raise ValueError(
-            f"the clients' own heads need an output layer that reads one hidden group unit by unit; "
-            f"{output!r} reads {where}"
-        )
+    axis = spec.axes[weight_key][1]
+    assert axis is not None  # heads_refused
     J, G = len(states), int(width)
     K = int(np.shape(states[0][bias_key])[0])
     columns = [np.asarray(a, dtype=np.int64) for a in assignments[axis.group]]

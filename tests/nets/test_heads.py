@@ -448,3 +448,29 @@ def test_kronecker_laplace_refuses_bad_priors_and_supports(federation):
     ):
         with pytest.raises(ValueError, match=message):
             ClientHeads(net, "layers.1", weight, bias, shares, laplace={**good, **bad})
+
+
+def test_with_summaries_one_shot_keeps_the_clients_heads_where_the_output_layer_reads_units(federation):
+    """The default with summaries: the clients' heads (geometric pool); the shared head where the
+    output layer reads positions, and ``hyper["head"]`` says why."""
+    from bayesfuse import summarize
+    from bayesfuse.nets.arch import make_cnn
+    from bayesfuse.nets.laplace import LastLayerLaplace
+    from tests.helpers import randomise
+
+    split, part, models = federation
+    summaries = [summarize(m, split.train.x[i], split.train.y[i]) for m, i in zip(models, part)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        default = bayesfuse.fuse(models, "pfnm", summaries=summaries)
+        shared = bayesfuse.fuse(models, "pfnm", summaries=summaries, head="shared")
+    assert isinstance(default.model, ClientHeads) and default.model.pool == "log" and default.model.form == "kronecker"
+    assert isinstance(shared.model, LastLayerLaplace) and shared.hyper.get("head") is None
+    x = np.random.default_rng(0).normal(size=(12, 64)).astype(np.float32)
+    cnns = [randomise(make_cnn(64, 10, channels=(3,), hidden=()), j) for j in range(2)]
+    cnn_summaries = [summarize(m, x, np.arange(12) % 10) for m in cnns]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fused = bayesfuse.fuse(cnns, "pfnm", summaries=cnn_summaries)
+    assert not isinstance(fused.model, ClientHeads)
+    assert fused.hyper["head"].startswith("shared (the clients' own heads need an output layer that reads one")

@@ -52,7 +52,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 from scipy.optimize import minimize
@@ -164,6 +164,7 @@ def atom_statistics(
     shift: np.ndarray | None = None,
     *,
     max_elements: int = 1 << 22,
+    overwrite_shift: bool = False,
 ) -> AtomStatistics:
     """:class:`AtomStatistics` of the neurons given the assignments.
 
@@ -176,7 +177,9 @@ def atom_statistics(
 
     The sums run over blocks of coordinates of at most ``max_elements`` (K x block) numbers:
     besides the three (K, D) results only such blocks are held. Every coordinate's sums are
-    those of all coordinates at once (the same operations, clients in the same order).
+    those of all coordinates at once (the same operations, clients in the same order). With
+    ``overwrite_shift`` (a float64 (K, D) ``shift`` the caller no longer needs) the means are
+    written over ``shift``, block by block once its block is spent: one (K, D) array fewer.
     """
     J, D = len(layers), layers[0].shape[1]
     K = int(max(int(a.max()) for a in assignments)) + 1
@@ -187,7 +190,10 @@ def atom_statistics(
     counts = members.sum(axis=0).astype(np.int64)
     n_seen = (weights > 0).T @ sizes.astype(np.float64)
     plain = (weights == 1).all(axis=1)  # clients whose weights are all 1 need no product
-    mean, scatter = np.empty((K, D)), np.empty((K, D))
+    reuse = overwrite_shift and shift is not None and shift.dtype == np.float64 and shift.shape == (K, D)
+    reuse = reuse and shift is not None and shift.flags.writeable
+    mean = cast(np.ndarray, shift) if reuse else np.empty((K, D))
+    scatter = np.empty((K, D))
     step = max(1, max_elements // max(K, 1))
     for start in range(0, D, step):
         cols = slice(start, min(start + step, D))
@@ -312,11 +318,10 @@ class _BlockSummary:
 
 def _summarise(stats: AtomStatistics, cols: np.ndarray) -> _BlockSummary:
     assert stats.scatter is not None  # statistics not yet spent
-    # summed in the order of the (K, |b|) copy that indexing makes (column by column)
-    scatter = float(stats.scatter[:, cols].sum())
     index: np.ndarray | slice = cols
     if len(cols) and cols[-1] - cols[0] + 1 == len(cols):  # consecutive coordinates: views, not (K, |b|) copies
         index = slice(int(cols[0]), int(cols[-1]) + 1)
+    scatter = float(stats.scatter[:, index].sum())
     W, c = stats.weight[:, index], stats.mean[:, index]
     seen = W > 0
     n_within = float(stats.n_seen[index].sum() - seen.sum())
@@ -540,7 +545,7 @@ def match_empirical_bayes(
             # one pass over the neurons serves the M-step and the next sweep's start; of this sweep's
             # result, only the assignments and the posterior means (the statistics' shift) are used
             shift, result = backend.host(result.mean), None
-            stats = atom_statistics(host_layers, assignments, weights, shift=shift)
+            stats = atom_statistics(host_layers, assignments, weights, shift=shift, overwrite_shift=True)
             del shift
             hyper = maximise_hyper(stats, blocks, hyper, fit=auto)
             # the next sweep's start, written over the spent statistics; a list: match_fixed takes the
