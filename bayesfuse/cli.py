@@ -462,11 +462,11 @@ def _run_fuse(args: argparse.Namespace) -> int:
             pool=args.pool,
         )
     used = report["summaries"].get("used", False)
-    posterior = "".join(f" and {report[k]['file']}" for k in ("posterior", "heads") if report[k])
+    *written, last = [args.out, f"{args.out}.json", *(report[k]["file"] for k in ("posterior", "heads") if report[k])]
     print(
         f"fused {len(args.models)} models with {args.method} "
         f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "
-        f"wrote {args.out}, {args.out}.json{posterior} ({report['seconds']:.1f} s)"
+        f"wrote {', '.join(written)} and {last} ({report['seconds']:.1f} s)"
     )
     source = (report.get("architecture") or {}).get("source") or ""
     if source.startswith("entry names"):

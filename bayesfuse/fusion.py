@@ -58,10 +58,13 @@ class FusionResult:
     model : nn.Module
         The fused network (a :class:`~bayesfuse.models.bnn.HorseshoeBNN` for BNNs; with
         ``head="clients"`` a :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). Fused with
-        client summaries, a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`: the network at
-        its posterior mean (``model.network``) with the Gaussian posterior of its output layer,
-        whose ``forward`` gives the probit predictive's logits and ``predict(x, num_samples=...)``
-        the sampled one.
+        client summaries by PFNM or NAFI in one shot, by default a
+        :class:`~bayesfuse.nets.heads.ClientHeads` (the clients' own output layers as Laplace
+        posteriors on the fused network, ``model.network``); with ``head="shared"`` (or the
+        refit round) a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`: the network at its
+        posterior mean (``model.network``) with the Gaussian posterior of its output layer, whose
+        ``forward`` gives the probit predictive's logits and ``predict(x, num_samples=...)`` the
+        sampled one.
     layers : list of LayerResult
         One per matched hidden layer (:class:`~bayesfuse.inference.result.LayerResult`: a
         ``MatchResult``, or a ``KLFusionResult`` for KL-fused BNNs); ``assignments[j]`` is the
@@ -215,8 +218,8 @@ def fuse(
         :class:`~bayesfuse.models.bnn_heads.HeadMixtureBNN`). For point-estimate networks in one
         shot (PFNM, NAFI; the default with ``summaries``): ``"clients"`` keeps every client's own
         output layer, each weight moved to the global unit its hidden unit was matched to, and
-        predicts with their class-share mixture on the fused features
-        (:class:`~bayesfuse.nets.heads.ClientHeads`; nothing more is sent); with ``summaries`` each
+        predicts with their class-share pool on the fused features (``pool``;
+        :class:`~bayesfuse.nets.heads.ClientHeads`; nothing more is sent); with ``summaries`` each
         head is its client's Laplace posterior of its own output layer, Kronecker-factored where the
         summaries carry the layer's factors (:mod:`bayesfuse.inference.client_heads`). The heads are
         in the canonical client order (:mod:`bayesfuse.client_order`), which the mixture does not
@@ -379,6 +382,8 @@ def fuse(
     if rounds == 1:
         fused, model = candidates[0]
         refused = heads_refused(fused.spec, fused.state) if head == "clients" and auto_heads else None
+        if refused and pool is not None:
+            raise ValueError(f"pool={pool!r} is for the clients' own heads, and {refused}")
         if refused:  # the default, where the clients' heads cannot be kept: the shared head, and why
             fused.hyper["head"] = f"shared ({refused})"
         elif head == "clients":
@@ -589,11 +594,13 @@ def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, po
     pool = pool or ("log" if summaries is not None else "linear")
     heads = ClientHeads.from_clients(network, fused.spec, states, assignments, class_counts, summaries, pool=pool)
     form = {"kronecker": "Kronecker-factored", "diagonal": "diagonal"}.get(heads.form)
+    pooled = "geometric pool" if pool == "log" else "mixture"
     fused.hyper["predictive"] = (
-        "class-share mixture of the clients' own output layers on the fused features (ClientHeads, one shot"
+        f"class-share {pooled} of the clients' own output layers on the fused features (ClientHeads, one shot"
         + (f", each its client's {form} Laplace posterior)" if form else ")")
     )
     fused.hyper["head"] = "clients"
+    fused.hyper["pool"] = pool
     return heads
 
 

@@ -12,8 +12,8 @@ example:
   pre-activation (the output of the layer that makes the unit) and of its activation (the input
   of the layer that reads it), as REPAIR (Jordan et al., ICLR 2023) measures them.
 * ``output_factors``: the Kronecker factors of the GGN of the client's own output layer (when
-  it is an ``nn.Linear`` reading one hidden group unit by unit, at most
-  :data:`MAX_FACTOR_WIDTH` features): ``gram``, the mean of ``a~ a~^T`` over the client's
+  it is an ``nn.Linear`` reading one hidden group unit by unit, with its bias at most
+  :data:`MAX_FACTOR_WIDTH` inputs): ``gram``, the mean of ``a~ a~^T`` over the client's
   examples (``a~`` the layer's input with a 1 appended for the bias), and ``curvature``, the mean
   softmax Hessian ``diag(p) - p p^T`` (K-FAC, Martens & Grosse 2015; for the output layer, Ritter,
   Botev & Barber 2018, eq. 7). With them the fused model keeps each client's output layer as a
@@ -25,6 +25,9 @@ What it reveals. Every number is a sum over the client's examples: the GGN diago
 it, but it says more about the client's data than the weights do: where its inputs vary
 (the GGN of a first-layer weight grows with the squared input it multiplies), which classes it
 is unsure about (the output biases' GGN is ``sum_n p_nk (1 - p_nk)``), and its class counts.
+The output factors hold the second moments of its last hidden features, all their
+correlations: more than the per-unit moments, and with fewer examples than features (``n <=
+G``) close to the span of its examples' features.
 A client that may not share these should send weights alone (the data-free path).
 
 On disk a summary is a safetensors file beside the model (``model.pt`` ->
@@ -82,7 +85,8 @@ SUMMARY_VERSION = 2
 #: The summary versions this code reads (1: without ``output_factors``).
 READ_VERSIONS = (1, 2)
 #: The widest output-layer input (bias included) whose Kronecker factors a summary holds: the
-#: Gram is ``(G+1)^2`` numbers, small beside the layer's weights up to this width.
+#: Gram is ``(G+1)^2`` numbers, about the size of a hidden layer of this width's incoming
+#: weights from the usual inputs; wider layers are summarised without the factors.
 MAX_FACTOR_WIDTH = 2048
 #: The moments kept per hidden unit.
 STATS = ("pre_mean", "pre_var", "act_mean", "act_var")

@@ -23,9 +23,11 @@ the rows and columns of the global units its units were matched to; the head's w
 other global units are not parameters of the client's model (they are 0, with no variance), so
 its ``support`` (the columns it reads) masks them out of the variance: the variance of a head's
 logits on fused features ``a~`` is that of the client's posterior on ``a~`` restricted to its
-matched units. Otherwise (a version 1 summary) each weight's precision is the summary's GGN
-diagonal plus ``delta_j`` (``inf`` where the head has no weight), which adds the variances of
-the weights as if they were independent and makes heads reading many units too wide.
+matched units. Otherwise (a version 1 summary, or any client's summary without the factors: an
+output layer wider than :data:`~bayesfuse.summaries.MAX_FACTOR_WIDTH`) each weight's precision
+is the summary's GGN diagonal plus ``delta_j`` (``inf`` where the head has no weight), which
+adds the variances of the weights as if they were independent and makes heads reading many units
+too wide.
 """
 
 from __future__ import annotations

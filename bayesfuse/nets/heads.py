@@ -99,6 +99,11 @@ def logit_variances(features: torch.Tensor, gram_vecs, gram_vals, curv_vals, n: 
     return rotated @ (1.0 / (n * gram_vals[:, None] * curv_vals[None, :] + prior))
 
 
+#: How far below zero (relative to the largest) an eigenvalue of a Laplace factor may lie and still
+#: count as round-off: float32 factors carry relative errors near 1e-7 per entry.
+_PSD_TOL = 1e-5
+
+
 def _supported_eigh(gram: torch.Tensor, support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenvalues and eigenvectors of each head's Gram, decomposed on its support alone: outside
     it the Gram is 0 and the eigenvectors are the unit vectors there (exact, and robust where a
@@ -260,10 +265,13 @@ class ClientHeads(nn.Module):
             raise ValueError("every head needs n > 0 examples")
         if bool(((gram != 0) & (support[:, :, None] * support[:, None, :] == 0)).any()):
             raise ValueError("the laplace gram has entries outside its head's support")
-        gram_vals, gram_vecs = _supported_eigh(gram, support > 0)
-        curv_vals, curv_vecs = torch.linalg.eigh(curvature)
-        if (gram_vals < -1e-8 * gram_vals.abs().amax(-1, keepdim=True)).any() or (
-            curv_vals < -1e-8 * curv_vals.abs().amax(-1, keepdim=True).clamp_min(1e-300)
+        # symmetrised, and negative eigenvalues tolerated down to round-off: factors sent in float32
+        # (summaries, Flower records) move the softmax Hessian's exact zero eigenvalue by ~1e-8 of
+        # its largest, either way; what is left below zero is clamped to 0
+        gram_vals, gram_vecs = _supported_eigh((gram + gram.transpose(1, 2)) / 2, support > 0)
+        curv_vals, curv_vecs = torch.linalg.eigh((curvature + curvature.transpose(1, 2)) / 2)
+        if (gram_vals < -_PSD_TOL * gram_vals.abs().amax(-1, keepdim=True)).any() or (
+            curv_vals < -_PSD_TOL * curv_vals.abs().amax(-1, keepdim=True).clamp_min(1e-300)
         ).any():
             raise ValueError("the laplace factors gram and curvature must be positive semi-definite")
         self.register_buffer("gram_vals", gram_vals.clamp_min(0.0))

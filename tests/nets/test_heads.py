@@ -474,3 +474,27 @@ def test_with_summaries_one_shot_keeps_the_clients_heads_where_the_output_layer_
         fused = bayesfuse.fuse(cnns, "pfnm", summaries=cnn_summaries)
     assert not isinstance(fused.model, ClientHeads)
     assert fused.hyper["head"].startswith("shared (the clients' own heads need an output layer that reads one")
+
+
+def test_kronecker_heads_take_factors_sent_in_float32():
+    """Summaries carry their factors in float32 (files, Flower records): the softmax Hessian's exact
+    zero eigenvalue then lands a little below zero, which is round-off, not an indefinite factor."""
+    from bayesfuse.inference.client_heads import one_shot_heads
+    from bayesfuse.nets.mlp import MLP
+    from bayesfuse.nets.spec import spec_from_module
+    from bayesfuse.nets.state import numpy_state
+    from bayesfuse.summaries import summarize, summary_arrays, summary_from_arrays
+    from tests.helpers import randomise
+
+    gen = np.random.default_rng(0)
+    for seed in range(60):
+        model = randomise(MLP(6, [5], 4), seed)
+        x, y = gen.normal(size=(30, 6)).astype(np.float32), gen.integers(0, 4, size=30)
+        s = summarize(model, x, y)
+        sent = summary_from_arrays(
+            summary_arrays(s), "c", version=s.version, n_examples=s.n_examples, prior_precision=1.0, fingerprint=""
+        )
+        spec = spec_from_module(model)
+        heads = one_shot_heads(spec, [numpy_state(model.state_dict())], {"P1": [np.arange(5)]}, 5, summaries=[sent])
+        model_heads = ClientHeads.from_arrays(model, heads)
+        assert model_heads.form == "kronecker" and (model_heads.curv_vals >= 0).all()
