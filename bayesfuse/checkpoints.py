@@ -509,7 +509,7 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
         for j, (g, at) in enumerate(zip(gram, support)):
             tensors[f"laplace/gram/{j}"] = np.ascontiguousarray(g[np.ix_(at, at)], dtype=np.float64)
     for k, v in laplace.items():
-        tensors[f"laplace/{k}"] = np.ascontiguousarray(np.broadcast_to(v, np.shape(v)), dtype=np.float64)
+        tensors[f"laplace/{k}"] = np.ascontiguousarray(v, dtype=np.float64)
     meta = {
         "format": HEADS_FORMAT,
         "version": str(HEADS_VERSION),

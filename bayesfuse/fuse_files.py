@@ -42,7 +42,7 @@ from bayesfuse.checkpoints import (
 from bayesfuse.core import State, fuse_states
 from bayesfuse.fusion_record import fusion_bytes, fusion_path
 from bayesfuse.inference._backend import check_device
-from bayesfuse.inference.client_heads import heads_refused
+from bayesfuse.inference.client_heads import default_head, default_pool
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
 from bayesfuse.models.bnn_sites import is_bnn_state, state_depth, state_keys
 from bayesfuse.summaries import load_summary, summary_path
@@ -358,7 +358,7 @@ def _client_heads(fused, states, counts, summaries, fused_sd: dict, out: Path, p
     width = int(np.shape(fused.state[weight_key])[1])
     assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
     heads = one_shot_heads(fused.spec, states, assignments, width, counts, summaries)
-    pool = pool or ("log" if summaries is not None else "linear")
+    pool = pool or default_pool(summaries)
     path = heads_path(out)
     return (path, heads_bytes(heads, pool=pool, model_tensors=fused_sd)), {
         "file": str(path),
@@ -618,11 +618,8 @@ def fuse_files(
     }
     posterior, report["posterior"] = _output_posterior(fused, fused_sd, out)
     if kind == "network" and head == "auto":  # the clients' heads, by default with summaries (as bayesfuse.fuse)
-        refused = heads_refused(fused.spec, fused.state)
-        head = (
-            "clients" if client_summaries is not None and method in methods.ONE_SHOT_HEADS and not refused else "shared"
-        )
-        if refused and client_summaries is not None and method in methods.ONE_SHOT_HEADS:
+        head, refused = default_head(row.own_heads, client_summaries, fused.spec, fused.state)
+        if refused:
             report["hyper"]["head"] = f"shared ({refused})"
         if head == "shared" and pool is not None:
             raise ValueError(

@@ -38,7 +38,7 @@ from bayesfuse._runtime import progress
 from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
-from bayesfuse.inference.client_heads import heads_refused
+from bayesfuse.inference.client_heads import default_head, default_pool
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
@@ -329,6 +329,7 @@ def fuse(
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
+    auto_heads = False  # the clients' heads by default (networks, one shot, with summaries)
     if any(bnn):
         if head is not None:  # a BNN's heads are the method's hyper-parameter (bayesfuse.core.fuse_states)
             hyper["head"] = head
@@ -336,7 +337,7 @@ def fuse(
     else:  # networks: the clients' own heads (one shot) or the refit round's
         # with summaries, one shot, the clients' own heads are the default where the method allows them
         auto_heads = head is None and summaries is not None and rounds == 1 and method in ONE_SHOT_HEADS
-        head = ("clients" if auto_heads else "shared") if head is None else head
+        head = ("clients" if auto_heads else "shared") if head is None else head  # resolved once fused
         refits = rounds == 2 and second_round == "refit" or rounds == 3
         if head not in ("shared", "clients") or head == "clients" and not (refits or rounds == 1):
             raise ValueError(
@@ -381,7 +382,10 @@ def fuse(
             _check_fused_runs(candidates[-1][1], models[0], example_input)
     if rounds == 1:
         fused, model = candidates[0]
-        refused = heads_refused(fused.spec, fused.state) if head == "clients" and auto_heads else None
+        if auto_heads:
+            head, refused = default_head(True, summaries, fused.spec, fused.state)
+        else:
+            refused = None
         if refused and pool is not None:
             raise ValueError(f"pool={pool!r} is for the clients' own heads, and {refused}")
         if refused:  # the default, where the clients' heads cannot be kept: the shared head, and why
@@ -591,7 +595,7 @@ def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, po
 
     network = model.network if isinstance(model, LastLayerLaplace) else model
     assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
-    pool = pool or ("log" if summaries is not None else "linear")
+    pool = pool or default_pool(summaries)
     heads = ClientHeads.from_clients(network, fused.spec, states, assignments, class_counts, summaries, pool=pool)
     form = {"kronecker": "Kronecker-factored", "diagonal": "diagonal"}.get(heads.form)
     pooled = "geometric pool" if pool == "log" else "mixture"

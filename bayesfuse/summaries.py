@@ -56,6 +56,7 @@ from torch import nn
 from bayesfuse._io import atomic_write_bytes
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
+from bayesfuse.inference.client_heads import heads_refused
 from bayesfuse.inference.spec import PermutationSpec
 
 __all__ = [
@@ -261,10 +262,8 @@ def output_factors(
     except ValueError:
         return None
     output = weight_key.rpartition(".")[0]
-    axes = spec.axes.get(weight_key, ())
-    axis = axes[1] if len(axes) > 1 else None
     layer = dict(model.named_modules()).get(output)
-    if axis is None or axis.outer * axis.inner != 1 or not isinstance(layer, nn.Linear):
+    if heads_refused(spec, state) or not isinstance(layer, nn.Linear):
         return None
     if layer.in_features + 1 > MAX_FACTOR_WIDTH:
         return None

@@ -36,9 +36,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.spec import Axis, PermutationSpec
 
-__all__ = ["one_shot_heads", "class_shares", "heads_refused", "HEAD_FORMS"]
+__all__ = ["one_shot_heads", "class_shares", "heads_refused", "default_head", "default_pool", "HEAD_FORMS"]
 
 #: The posterior forms of one-shot heads: none (points), diagonal, Kronecker-factored.
 HEAD_FORMS = ("map", "diagonal", "kronecker")
@@ -53,22 +53,54 @@ def class_shares(class_counts: np.ndarray) -> np.ndarray:
     return np.where(total > 0, counts / np.where(total > 0, total, 1.0), 1.0 / len(counts))
 
 
+def _read_axis(spec: PermutationSpec, state: Mapping[str, Any]) -> tuple[str, str, Axis | None, str | None]:
+    """The output layer's weight and bias entries, the axis its weight reads, and why the
+    clients' own heads cannot be kept on it (None when they can: it reads one hidden group unit
+    by unit)."""
+    weight_key, bias_key = spec.output_layer(state)
+    axes = spec.axes.get(weight_key, ())
+    axis = axes[1] if len(axes) > 1 else None
+    if axis is not None and axis.outer * axis.inner == 1:
+        return weight_key, bias_key, axis, None
+    where = "inputs" if axis is None else f"group {axis.group!r} with positions"
+    output = weight_key.rpartition(".")[0]
+    return (
+        weight_key,
+        bias_key,
+        axis,
+        (
+            f"the clients' own heads need an output layer that reads one hidden group unit by unit; "
+            f"{output!r} reads {where}"
+        ),
+    )
+
+
 def heads_refused(spec: PermutationSpec | None, state: Mapping[str, Any]) -> str | None:
     """Why the clients' own heads cannot be kept on networks of ``spec`` (``state`` one of them),
     or None when they can: the output layer must read one hidden group unit by unit."""
     if spec is None:
         return "the clients' own heads need the networks' permutation spec"
-    weight_key, _ = spec.output_layer(state)
-    output = weight_key.rpartition(".")[0]
-    axes = spec.axes.get(weight_key, ())
-    axis = axes[1] if len(axes) > 1 else None
-    if axis is None or axis.outer * axis.inner != 1:
-        where = "inputs" if axis is None else f"group {axis.group!r} with positions"
-        return (
-            f"the clients' own heads need an output layer that reads one hidden group unit by unit; "
-            f"{output!r} reads {where}"
-        )
-    return None
+    return _read_axis(spec, state)[3]
+
+
+def default_head(keeps_heads: bool, summaries, spec: PermutationSpec | None, state) -> tuple[str, str | None]:
+    """The head a one-shot fusion keeps when none is asked for, and why not the clients' own.
+
+    With ``summaries``, by a method that keeps them (``keeps_heads``,
+    :attr:`bayesfuse.methods.Method.own_heads`), the clients' own heads (``"clients"``, None);
+    where the output layer does not allow them, ``("shared", why)``; otherwise ``("shared",
+    None)``: without summaries the shared head is the default.
+    """
+    if summaries is None or not keeps_heads:
+        return "shared", None
+    refused = heads_refused(spec, state)
+    return ("shared", refused) if refused else ("clients", None)
+
+
+def default_pool(summaries) -> str:
+    """How the clients' heads are pooled when no pool is asked for: geometrically (``"log"``)
+    with summaries, their mixture (``"linear"``) without."""
+    return "log" if summaries is not None else "linear"
 
 
 def one_shot_heads(
@@ -111,13 +143,11 @@ def one_shot_heads(
         The output layer reads the inputs or positions, or a summary's factors do not fit its
         client's output layer.
     """
-    refused = heads_refused(spec, states[0])
+    weight_key, bias_key, axis, refused = _read_axis(spec, states[0])
     if refused:
         raise ValueError(refused)
-    weight_key, bias_key = spec.output_layer(states[0])
+    assert axis is not None  # read, unit by unit
     output = weight_key.rpartition(".")[0]
-    axis = spec.axes[weight_key][1]
-    assert axis is not None  # heads_refused
     J, G = len(states), int(width)
     K = int(np.shape(states[0][bias_key])[0])
     columns = [np.asarray(a, dtype=np.int64) for a in assignments[axis.group]]

@@ -52,7 +52,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Sequence, cast
+from typing import Sequence
 
 import numpy as np
 from scipy.optimize import minimize
@@ -190,9 +190,8 @@ def atom_statistics(
     counts = members.sum(axis=0).astype(np.int64)
     n_seen = (weights > 0).T @ sizes.astype(np.float64)
     plain = (weights == 1).all(axis=1)  # clients whose weights are all 1 need no product
-    reuse = overwrite_shift and shift is not None and shift.dtype == np.float64 and shift.shape == (K, D)
-    reuse = reuse and shift is not None and shift.flags.writeable
-    mean = cast(np.ndarray, shift) if reuse else np.empty((K, D))
+    writable = shift is not None and shift.dtype == np.float64 and shift.shape == (K, D) and shift.flags.writeable
+    mean = shift if overwrite_shift and writable and shift is not None else np.empty((K, D))
     scatter = np.empty((K, D))
     step = max(1, max_elements // max(K, 1))
     for start in range(0, D, step):

@@ -17,6 +17,7 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import StateFusion, fuse_states
+from bayesfuse.inference.client_heads import default_pool
 from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
@@ -696,7 +697,7 @@ class MatchedAveraging(_Fusion):
             )
         network = rebuild(like, tensor_state(result.state))
         assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
-        pool = pool or ("log" if inputs["summaries"] is not None else "linear")
+        pool = pool or default_pool(inputs["summaries"])
         return ClientHeads.from_clients(
             network, result.spec, inputs["states"], assignments, inputs["counts"], inputs["summaries"], pool=pool
         )
