@@ -30,10 +30,11 @@ from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.bnn.sites import unit_group
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.heads import align_heads, orders_report, rename_heads, renamed_groups
-from bayesfuse.inference.layerwise import Basis, check_states, class_share_matrix, match_layerwise
+from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.inference.summary_fusion import laplace_fuse_entries, output_shares
+from bayesfuse.inference.walk import Basis
 from bayesfuse.models.bnn_fusion import fuse_bnn_posteriors, kl_units, matched_units
 from bayesfuse.models.bnn_posterior import DeepBNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state

@@ -22,7 +22,6 @@ import numpy as np
 from bayesfuse.constraints import MATCHING, validate_params
 from bayesfuse.inference.layerwise import (
     HIDDEN_BIAS_PRIOR_MEAN,
-    Basis,
     State,
     check_states,
     class_share_matrix,
@@ -39,6 +38,7 @@ from bayesfuse.inference.layerwise import (
 from bayesfuse.inference.matching import MatchResult
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.walk import Basis, GroupWalk
 
 __all__ = ["ClientUpdate", "FedMAResult", "FedMASteps", "fedma", "fedma_steps"]
 
@@ -156,12 +156,12 @@ def fedma_steps(
     shares = class_share_matrix(class_counts, J, n_classes)
     clients = list(range(J))  # original indices of the clients still taking part
     dropped: list[int] = []
-    matched: dict[str, Basis] = {}
+    walk: GroupWalk[Basis] = GroupWalk(spec)
     layers: dict[str, MatchResult] = {}
     frozen_values: dict[str, np.ndarray] = {}
     history: list[dict] = []
     bytes_up = bytes_down = 0
-    for i, group in enumerate(spec.groups):
+    for i, group in walk:
         t0 = time.perf_counter()
         # fold the batch norms of this group (their layer is being matched now)
         bns = {bn: layer for bn, layer in spec.folds.items() if spec.axes[f"{bn}.weight"][0].group == group}
@@ -169,7 +169,7 @@ def fedma_steps(
             sub = PermutationSpec(spec.axes, spec.groups, bns, spec.output, spec.eps)
             arrays = [fold_batchnorm(sd, sub) for sd in arrays]
         skip = folded_entries(spec) | set(frozen_values)
-        entries = unit_entries(spec, group, matched, skip)
+        entries = unit_entries(spec, group, walk.fused, skip)
         bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in entries)
         sub_spec = PermutationSpec(
             {k: spec.axes[k] for k in spec.axes if k not in skip or k in entries}, spec.groups, {}, spec.output
@@ -180,7 +180,7 @@ def fedma_steps(
                 arrays,
                 sub_spec,
                 group,
-                matched,
+                walk.fused,
                 class_shares=shares,
                 noise_var=noise_var,
                 prior_var=prior_var,
@@ -198,7 +198,8 @@ def fedma_steps(
             vals.pop(k, None)
         G = result.n_global
         # entries permuted twice by this group (LSTM hidden-to-hidden): averaged in the new basis
-        basis = dict(matched, **{group: Basis(result.assignments, G)})
+        walk.record(group, Basis(result.assignments, G))
+        basis = walk.fused
         twice = [
             k
             for k in spec.axes
@@ -247,7 +248,7 @@ def fedma_steps(
         if class_counts is not None and lost:
             shares = class_share_matrix(np.asarray(class_counts)[clients], len(clients), n_classes)
         J = len(clients)
-        matched = {g: Basis([np.arange(b.n_global)] * J, b.n_global) for g, b in basis.items()}
+        walk.rebase({g: Basis.identity(J, b.n_global) for g, b in basis.items()})
         history.append(dict(group=group, n_global=G, seconds=time.perf_counter() - t0, dropped=lost))
     # the output layer: class-proportion weighted average of the retrained clients' entries
     t0 = time.perf_counter()

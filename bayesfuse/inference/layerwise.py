@@ -2,7 +2,8 @@
 
 Every hidden permutation group of a :class:`~bayesfuse.inference.spec.PermutationSpec` (the
 neurons of a dense layer, the channels of a convolution, the hidden states of an LSTM) is
-matched with :func:`~bayesfuse.inference.matching.match_neurons`, one group at a time.
+matched with :func:`~bayesfuse.inference.matching.match_neurons`, one group at a time, in the
+layer-wise loop all layer-wise fusions share (:class:`~bayesfuse.inference.walk.GroupWalk`).
 
 Which numbers describe a unit. When group ``g`` is matched, a unit's vector gathers every
 state_dict entry that ``g`` permutes exactly once and whose other permuted axes belong to groups
@@ -48,6 +49,7 @@ from bayesfuse.inference._backend import check_device, to_device, to_host
 from bayesfuse.inference.matching import MatchResult, match_neurons
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import Axis, PermutationSpec, to_global_basis
+from bayesfuse.inference.walk import Basis, GroupWalk
 
 __all__ = [
     "LayerwiseResult",
@@ -74,14 +76,6 @@ State = Mapping[str, np.ndarray]
 HIDDEN_BIAS_PRIOR_MEAN = 0.1
 #: What a client that lacks a global unit says of it (:func:`match_layerwise`'s ``absent``).
 ABSENT = Options(("zero", "unobserved"))
-
-
-@dataclass
-class Basis:
-    """How the clients' units of one group map to its global units."""
-
-    assignments: list[np.ndarray]
-    n_global: int
 
 
 @dataclass
@@ -670,18 +664,17 @@ def match_layerwise(
         arrays = [fold_batchnorm(sd, spec, copy=False) for sd in arrays]
     n_classes = arrays[0][spec.output[0]].shape[0] if spec.output else 0
     shares = class_share_matrix(class_counts, len(arrays), n_classes)
-    order = tuple(spec.groups) if direction == "bottom-up" else tuple(reversed(spec.groups))
-    matched: dict[str, Basis] = {}
+    walk: GroupWalk[Basis] = GroupWalk(spec, direction)
     layers: dict[str, MatchResult] = {}
     values: dict[str, np.ndarray] = {}
     with warnings.catch_warnings():  # one warning for all groups, below
         warnings.simplefilter("ignore", ConvergenceWarning)
-        for i, group in enumerate(order):
+        for i, group in walk:
             result, vals = match_group(
                 arrays,
                 spec,
                 group,
-                matched,
+                walk.fused,
                 class_shares=shares,
                 noise_var=noise_var,
                 prior_var=prior_var,
@@ -698,13 +691,13 @@ def match_layerwise(
                 device=device,
                 dtype=dtype,
             )
-            matched[group] = Basis(result.assignments, result.n_global)
+            walk.record(group, Basis(result.assignments, result.n_global))
             layers[group] = result
             values.update(vals)
     warn_not_converged({g: layers[g] for g in spec.groups}, "the matching of hidden layers", stacklevel=4)
     values.update(
         global_entries(
-            arrays, spec, matched, set(values), class_shares=shares, noise_var=noise_var, prior_var=prior_var
+            arrays, spec, walk.fused, set(values), class_shares=shares, noise_var=noise_var, prior_var=prior_var
         )
     )
     if average_outputs:
@@ -712,7 +705,7 @@ def match_layerwise(
     return LayerwiseResult(
         state_dict={k: values[k] for k in spec.axes},
         layers=layers,
-        order=order,
+        order=walk.order,
         sizes={g: layers[g].n_global for g in spec.groups},
         hyper=dict(
             direction=direction,

@@ -90,6 +90,7 @@ from bayesfuse.inference.layerwise import (
 )
 from bayesfuse.inference.result import warn_not_converged
 from bayesfuse.inference.spec import Axis, PermutationSpec
+from bayesfuse.inference.walk import GroupWalk
 
 __all__ = ["OTLayer", "OTFusionResult", "ot_fuse_layerwise", "ot_plan", "choose_anchor"]
 
@@ -249,6 +250,11 @@ def _aligned(
     return a
 
 
+def _maps(walk: GroupWalk[list[np.ndarray | None]], j: int) -> dict[str, np.ndarray | None]:
+    """Client j's alignment map of every group aligned so far."""
+    return {g: maps[j] for g, maps in walk.fused.items()}
+
+
 def _describing(spec: PermutationSpec, group: str, aligned: Mapping[str, object]) -> list[tuple[str, int, Axis]]:
     """``(entry, dim, axis)`` of the entries that describe ``group``'s units in the cost.
 
@@ -342,30 +348,35 @@ def ot_fuse_layerwise(
     J = len(arrays)
     omega = normalised_weights(weights, J, what="client")
     a_idx = choose_anchor(arrays, spec, anchor)
-    maps: list[dict[str, np.ndarray | None]] = [{} for _ in range(J)]
+    # a group's basis: each client's map A_j = T_j diag(1/beta) onto the anchor's units (None: the anchor)
+    walk: GroupWalk[list[np.ndarray | None]] = GroupWalk(spec)
     layers: dict[str, OTLayer] = {}
-    for group in spec.groups:
+    for _, group in walk:
         t0 = time.perf_counter()
-        described = _describing(spec, group, maps[0])
+        described = _describing(spec, group, walk.fused)
         rows = []
         for j, sd in enumerate(arrays):
-            blocks = [_to_rows(_aligned(sd[k], spec, k, maps[j], keep=group), d, axis) for k, d, axis in described]
+            blocks = [
+                _to_rows(_aligned(sd[k], spec, k, _maps(walk, j), keep=group), d, axis) for k, d, axis in described
+            ]
             rows.append(np.hstack(blocks))
         target = rows[a_idx]
         G = target.shape[0]
+        maps: list[np.ndarray | None] = []
         plans, costs, converged = [], np.zeros(J), True
         for j, r in enumerate(rows):
             if j == a_idx:
                 plan, ok = np.eye(G) / G, True
-                maps[j][group] = None
+                maps.append(None)
             else:
                 cost = _sq_distances(r, target)
                 plan, ok = ot_plan(cost, reg=reg, n_iter=n_iter)
                 costs[j] = float((plan * cost).sum())
-                maps[j][group] = plan * G  # T diag(1/beta), beta = 1/G
+                maps.append(plan * G)  # T diag(1/beta), beta = 1/G
             plans.append(plan)
             converged &= bool(ok)
-        aligned_rows = np.stack([r if (m := maps[j][group]) is None else m.T @ r for j, r in enumerate(rows)])
+        walk.record(group, maps)
+        aligned_rows = np.stack([r if (m := maps[j]) is None else m.T @ r for j, r in enumerate(rows)])
         mean = np.tensordot(omega, aligned_rows, axes=1)
         var = np.tensordot(omega, (aligned_rows - mean) ** 2, axes=1)
         layers[group] = OTLayer(
@@ -390,7 +401,7 @@ def ot_fuse_layerwise(
         elif not np.issubdtype(np.asarray(ref).dtype, np.floating):
             state[k] = np.asarray(ref).copy()
         else:
-            state[k] = sum(w * _aligned(sd[k], spec, k, maps[j]) for j, (w, sd) in enumerate(zip(omega, arrays)))
+            state[k] = sum(w * _aligned(sd[k], spec, k, _maps(walk, j)) for j, (w, sd) in enumerate(zip(omega, arrays)))
     return OTFusionResult(
         state_dict=state,
         layers=layers,

@@ -387,7 +387,8 @@ def lstm(name: str, in_group, hidden_group: str, *, num_layers: int = 1, bias: b
             axes[f"{name}.bias_hh_l{k}"] = (gates,)
         groups.append(h)
         prev = h
-    return PermutationSpec(axes, tuple(groups))
+    below = as_axis(in_group)  # a permuted input (an embedding's units) is a group of this spec too
+    return PermutationSpec(axes, tuple(([below.group] if below is not None else []) + groups))
 
 
 def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: Sequence[str] = ()) -> PermutationSpec:

@@ -45,8 +45,9 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from bayesfuse.constraints import POSITIVE, validate_params
-from bayesfuse.inference.layerwise import Basis, fold_batchnorm, folded_entries, in_basis
+from bayesfuse.inference.layerwise import fold_batchnorm, folded_entries, in_basis
 from bayesfuse.inference.spec import PermutationSpec, to_global_basis
+from bayesfuse.inference.walk import Basis
 
 __all__ = [
     "output_shares",

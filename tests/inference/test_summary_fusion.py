@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bayesfuse.inference.layerwise import Basis
 from bayesfuse.inference.spec import chain, dense
 from bayesfuse.inference.summary_fusion import (
     best_candidate,
@@ -14,6 +13,7 @@ from bayesfuse.inference.summary_fusion import (
     laplace_precisions,
     output_shares,
 )
+from bayesfuse.inference.walk import Basis
 
 SPEC = chain(dense("l0", None, "P1"), dense("l1", "P1", None), output=("l1.weight", "l1.bias"))
 

@@ -15,16 +15,17 @@ says why each step is there):
    (:func:`~bayesfuse.inference.bnn.units.incoming_information`, read in the client's own basis)
    are dropped: the horseshoe has switched them off, in a converged guide. Either way the layer
    above loses the dropped units' columns too.
-2. **The matched basis below** (layers 2 and up; the permutation spec of a deep network, as in
-   PFNM's and FedMA's layer-wise matching): a unit's incoming weights are indexed by the
-   client's kept units of the layer below; the global units those were matched to give them
-   their columns in the fused layer below. A global unit below that none of the client's units
-   joined gets weight 0 (what the client's network computes: it has no such input), with the
-   mean variance of the unit's own incoming weights, so that the KL cost and barycenter treat
-   it as one more weight the client is about as sure of as of its others. After the fusion, a
-   fused unit's weight from a unit below that none of its members reads is 0 with a variance
-   of ~0 (``1e-12`` of the unit's mean incoming weight variance): what every member computes,
-   in every Monte Carlo draw.
+2. **The matched basis below** (layers 2 and up; the network's permutation spec,
+   :func:`~bayesfuse.inference.bnn.sites.bnn_spec`, walked bottom-up by the loop PFNM's, FedMA's
+   and OT's layer-wise fusions share, :class:`~bayesfuse.inference.walk.GroupWalk`): a unit's
+   incoming weights are indexed by the client's kept units of the layer below; the global units
+   those were matched to give them their columns in the fused layer below. A global unit below
+   that none of the client's units joined gets weight 0 (what the client's network computes: it
+   has no such input), with the mean variance of the unit's own incoming weights, so that the KL
+   cost and barycenter treat it as one more weight the client is about as sure of as of its
+   others. After the fusion, a fused unit's weight from a unit below that none of its members
+   reads is 0 with a variance of ~0 (``1e-12`` of the unit's mean incoming weight variance):
+   what every member computes, in every Monte Carlo draw.
 3. **Unit form** (``unit_form``): ``"effective"`` compares and averages units as their effective
    incoming weights ``tau_l lambda_{l,k} (w~_k, b~_k)`` at their median scale (invariant to how a
    client split the scale, :func:`~bayesfuse.inference.bnn.units.effective_layer`); the log-scale
@@ -64,7 +65,7 @@ import numpy as np
 
 from bayesfuse.constraints import KEYS, validate_params
 from bayesfuse.inference.bnn.posterior import DeepBNNPosterior, HiddenLayer
-from bayesfuse.inference.bnn.sites import HEAD_KEYS, check_same_prior, unit_group
+from bayesfuse.inference.bnn.sites import HEAD_KEYS, bnn_spec, check_same_prior
 from bayesfuse.inference.bnn.units import (
     DEFAULT_PRUNE_SHARE,
     effective_layer,
@@ -78,6 +79,7 @@ from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.layerwise import class_share_matrix
 from bayesfuse.inference.matching import match_neurons
+from bayesfuse.inference.walk import Basis, GroupWalk
 
 __all__ = [
     "BNNFusion",
@@ -153,6 +155,15 @@ class BNNFusion:
     units: list[tuple[np.ndarray, np.ndarray]]
     hyper: dict[str, Any] = field(default_factory=dict)
     heads: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class KeptBasis(Basis):
+    """A fused layer's :class:`~bayesfuse.inference.walk.Basis` over the clients' *kept* units, and
+    which units those are (``kept[j]``: indices of client j's units that pruning kept, in the
+    order of ``assignments[j]``)."""
+
+    kept: list[np.ndarray] = field(default_factory=list)
 
 
 def output_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
@@ -296,9 +307,7 @@ def fuse_bnn_posteriors(
     ref = posts[0]
     J, K, depth = len(posts), ref.n_classes, len(ref.layers)
     layers, kept_all, units_all, fused_layers = [], [], [], []
-    below: Sequence[np.ndarray | None] = [None] * J  # per client: the global unit of each kept unit below
-    kept_below: Sequence[np.ndarray | None] = [None] * J
-    n_below = ref.in_features
+    walk: GroupWalk[KeptBasis] = GroupWalk(bnn_spec(depth))
     shares = output_shares(class_counts, J, K)  # (J, K) class shares of the outputs
     used = dict(hyper)
     used["pruning"] = (
@@ -307,15 +316,18 @@ def fuse_bnn_posteriors(
         else f"function: the least-contributing units carrying at most prune_share={prune_share:g} of a layer's "
         "output on the client's data dropped"
     )
-    for index in range(depth):
+    for index, group in walk:
         top = index == depth - 1
+        # the layer below: how each client's kept units of it map to its fused units (none for the first)
+        below_group = next(iter(walk.reads(group)), None)
+        basis = walk.fused[below_group] if below_group is not None else None
+        n_below = ref.in_features if basis is None else basis.n_global
         kept, vectors, scales = [], [], []
         for j, post in enumerate(posts):
             layer = post.layers[index]
             if moments is None:
                 keep = keep_informative(incoming_information(layer.incoming), prune_kl)
             else:
-                group = unit_group(index + 1)
                 if group not in moments[j]:
                     raise ValueError(f"the moments of client {j} have no group {group!r} (hidden layer {index + 1})")
                 stats = moments[j][group]
@@ -323,24 +335,25 @@ def fuse_bnn_posteriors(
                 keep = keep_contributing(unit_contributions(stats["act_mean"], stats["act_var"], above), prune_share)
             kept.append(np.flatnonzero(keep))
             layer = layer.units(keep)
-            kept_j = kept_below[j]
-            if kept_j is not None:  # the columns of the units kept below, then the bias
-                cols = np.append(kept_j, layer.incoming.loc.shape[1] - 1)
+            below = None
+            if basis is not None:  # the columns of the units kept below, then the bias
+                cols = np.append(basis.kept[j], layer.incoming.loc.shape[1] - 1)
                 layer = HiddenLayer(
                     incoming=_columns(layer.incoming, cols), log_lam=layer.log_lam, log_tau=layer.log_tau
                 )
+                below = basis.assignments[j]
             if unit_form == "effective":
                 weights, log_scale = effective_layer(layer)
                 scales.append(log_scale)
-                parts = [_in_basis(weights, below[j], n_below)]
+                parts = [_in_basis(weights, below, n_below)]
             else:
-                parts = [_in_basis(layer.incoming, below[j], n_below), layer.log_lam]
+                parts = [_in_basis(layer.incoming, below, n_below), layer.log_lam]
             if top:
                 parts.append(post.out_weights[keep])
             vectors.append(DiagNormal(loc=np.hstack([p.loc for p in parts]), var=np.hstack([p.var for p in parts])))
         result, units, record = fuse_units(vectors, hyper, seed=seed, verbose=verbose)
-        if below[0] is not None:
-            units = _unread_inputs_off(units, result.assignments, below, n_below)
+        if basis is not None:
+            units = _unread_inputs_off(units, result.assignments, basis.assignments, n_below)
         used.update(record)
         G = len(units)
         members = membership(result.assignments, G)
@@ -371,7 +384,7 @@ def fuse_bnn_posteriors(
         kept_all.append(kept)
         parts = [fused.incoming, fused.log_lam] + ([_columns(units, slice(-K, None))] if top else [])
         units_all.append((np.hstack([p.loc for p in parts]), np.hstack([p.var for p in parts])))
-        below, kept_below, n_below = [np.asarray(a) for a in result.assignments], kept, G
+        walk.record(group, KeptBasis([np.asarray(a) for a in result.assignments], G, kept))
     top_units = units_all[-1]
     out_weights = _columns(DiagNormal(loc=top_units[0], var=top_units[1]), slice(-K, None))
     if average_outputs:

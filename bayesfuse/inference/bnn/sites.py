@@ -26,8 +26,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from bayesfuse.inference.spec import PermutationSpec
+
 __all__ = [
     "unit_group",
+    "bnn_spec",
     "Site",
     "SITES",
     "UNIT_SITES",
@@ -162,6 +165,45 @@ def state_keys(depth: int) -> tuple[str, ...]:
     """Keys of the state_dict of a network with ``depth`` hidden layers (:data:`STATE_KEYS` for 1)."""
     names = deep_site_shapes((1,) * int(depth), 1, 1)
     return ("prior_scales",) + tuple(f"{prefix}.{name}" for prefix in ("loc", "log_scale") for name in sorted(names))
+
+
+def bnn_spec(depth: int) -> PermutationSpec:
+    """The permutation spec of a HorseshoeBNN state_dict with ``depth`` hidden layers.
+
+    Hidden layer ``l`` is group :func:`unit_group(l) <unit_group>`. Its units index the first
+    axis of ``w<l>`` (whose second axis is the layer below's group, or the unpermuted inputs),
+    ``b<l>`` and ``log_lam<l>``, both for the guide's means (``loc.``) and log standard deviations
+    (``log_scale.``); ``log_tau<l>`` and ``prior_scales`` are shared by all units; the output
+    layer ``w<depth+1>`` reads the top group on its second axis. Permuting a posterior's units
+    by this spec (:func:`~bayesfuse.inference.spec.permute`) keeps the network's distribution
+    over functions, so BNN posteriors are walked layer by layer like any network
+    (:class:`~bayesfuse.inference.walk.GroupWalk`).
+
+    Examples
+    --------
+    >>> spec = bnn_spec(2)
+    >>> spec.groups
+    ('units', 'units2')
+    >>> spec.axes["loc.w2"]
+    (Axis(group='units2', outer=1, inner=1), Axis(group='units', outer=1, inner=1))
+    """
+    depth = int(depth)
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"a BNN has 1 to {MAX_DEPTH} hidden layers, got {depth}")
+    groups = [unit_group(layer) for layer in range(1, depth + 1)]
+    sites: dict[str, tuple] = {}
+    for layer, group in enumerate(groups, start=1):
+        names = layer_sites(layer)
+        sites[names.w] = (group, groups[layer - 2] if layer > 1 else None)
+        sites[names.b] = (group,)
+        sites[names.log_lam] = (group,)
+        sites[names.log_tau] = (None,)
+    sites[f"w{depth + 1}"] = (None, groups[-1])
+    sites[f"b{depth + 1}"] = (None,)
+    axes: dict[str, tuple] = {"prior_scales": (None,)}
+    for prefix in ("loc", "log_scale"):
+        axes.update({f"{prefix}.{name}": value for name, value in sorted(sites.items())})
+    return PermutationSpec(axes, tuple(groups), output=(f"loc.w{depth + 1}", f"loc.b{depth + 1}"))
 
 
 def state_depth(state: Mapping[str, object]) -> int | None:
