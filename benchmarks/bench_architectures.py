@@ -2,8 +2,8 @@
 
 Usage: python benchmarks/bench_architectures.py [--arch resnet20|vit] [--dataset fashion-mnist] [--clients 10]
        [--alpha 0.5] [--seeds 0 1 2] [--width W] [--train-size 4000] [--test-size 5000] [--epochs 5]
-       [--retrain-epochs 1] [--methods fedavg ot pfnm nafi fedma fedavg-rounds fedavg+bn ot+bn pfnm+bn
-       pfnm+bn+refit pfnm+refit] [--shared-init] [--data-path DIR] [--jobs N]
+       [--retrain-epochs 1] [--fedma-passes 1] [--methods fedavg ot pfnm nafi fedma fedavg-rounds fedavg+bn ot+bn
+       pfnm+bn pfnm+bn+refit pfnm+refit] [--shared-init] [--data-path DIR] [--jobs N]
 
 ``--arch vit``: the small vision transformer (``bayesfuse.nets.attention.vit``: 16 patches of 7x7
 pixels, a stream of 32 x ``--width``, 2 pre-norm blocks of 4 heads of 8 x ``--width`` and an MLP
@@ -32,7 +32,9 @@ client from its own initialisation unless ``--shared-init``. Then the global mod
   the fused network over its own data and the server sets the fused batch norms' statistics to
   their pool; ``pfnm+bn+refit`` then refits the output layer (``rounds=3``);
 * ``fedma``: FedMA (Wang et al. 2020), one round per stream and inner layer (12) plus one for the
-  output layer, ``--retrain-epochs`` of client training after each;
+  output layer, ``--retrain-epochs`` of client training after each; with ``--fedma-passes P > 1``,
+  FedMA with communication (section 2.3): P such passes, each client rebuilding its own widths
+  from the global model and training ``--retrain-epochs`` before the next (one more round each);
 * ``fedavg xR rounds``: FedAvg from one shared initialisation for as many rounds R as FedMA uses,
   ``--retrain-epochs`` each.
 
@@ -161,7 +163,9 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
         ),
         row("ensemble", evaluate(np.mean(probs, axis=0), y), size * len(models), 1, 0.0, 0.0),
     ]
-    n_rounds = len(spec_from_module(models[0]).groups) + 1  # FedMA: each group (stream, inner layer, head), then fc
+    # FedMA: each group (stream, inner layer, head), then fc; a later pass also sends the global model down
+    passes = args.fedma_passes
+    n_rounds = passes * (len(spec_from_module(models[0]).groups) + 1) + passes - 1
     for method in args.methods:
         cpu = cpu_seconds()
         with warnings.catch_warnings():
@@ -180,7 +184,7 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
             else:
                 base, *rounds_after = method.split("+")
                 if base == "fedma":
-                    data = {"data": (split.train, part), "retrain": retrain}
+                    data = {"data": (split.train, part), "retrain": retrain, "passes": passes}
                 elif rounds_after:  # the batch-norm round and/or the refit round, in that order
                     data = {
                         "class_counts": part.counts,
@@ -246,6 +250,13 @@ def main() -> None:
         "--retrain-epochs", type=int, default=1, help="epochs of client training per FedMA / FedAvg round (default: 1)"
     )
     parser.add_argument("--methods", nargs="+", default=None, choices=METHODS, help="default: the architecture's")
+    parser.add_argument(
+        "--fedma-passes",
+        type=int,
+        default=1,
+        help="FedMA's layer-wise passes (> 1: FedMA with communication, section 2.3); FedAvg then runs as many "
+        "rounds as all passes take (default: 1)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, in separate processes (default: 1)")
     parser.add_argument(
         "--shared-init",
