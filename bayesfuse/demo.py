@@ -75,13 +75,13 @@ class DemoConfig:
     #: each client also summarises its data (:func:`bayesfuse.summarize`) and every method that reads
     #: summaries gets more rows: ``"METHOD 2 rounds"``, the data-free fusion and the second round of
     #: :func:`bayesfuse.fuse` (the output layer refitted from the clients' fits; every architecture
-    #: without position encodings), and for MLPs ``"METHOD +summaries"`` fused with them in one shot
-    #: (the default: for PFNM and NAFI each client's own output layer kept as its Kronecker Laplace
-    #: posterior, pooled geometrically) and ``"METHOD +summaries 2 rounds"`` with the second round
-    #: too (on ConvNets summaries were measured worse than the data-free default); for PFNM and NAFI
-    #: on MLPs and ConvNets, ``"METHOD client heads"`` (one shot, data-free: each client's own
-    #: output layer on the fused body, their class-share mixture) and, on MLPs,
-    #: ``"METHOD +summaries shared head"`` (one fused output layer with its Laplace posterior)
+    #: without position encodings), and for MLPs and ConvNets ``"METHOD +summaries"`` fused with
+    #: them in one shot (the default: for PFNM and NAFI each client's own output layer kept as its
+    #: Kronecker Laplace posterior, pooled geometrically) and ``"METHOD +summaries 2 rounds"`` with
+    #: the second round too; for PFNM and NAFI on MLPs and ConvNets, ``"METHOD client heads"`` (one
+    #: shot, data-free: each client's own output layer on the fused body, their class-share
+    #: mixture) and ``"METHOD +summaries shared head"`` (one fused output layer with its Laplace
+    #: posterior)
     summaries: bool = True
 
     def __post_init__(self) -> None:
@@ -402,7 +402,7 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
             variants: list[tuple[str, int, list | None, dict]] = [("2 rounds", 2, None, {})]
             if heads:
                 variants.append(("client heads", 1, None, {"head": "clients", "class_counts": partition.counts}))
-            if config.arch == "mlp":
+            if config.arch in ("mlp", "cnn"):
                 if summaries is None:  # each client, on its own data, once
                     summaries = [
                         summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, partition)

@@ -166,7 +166,10 @@ def test_demo_deep_architectures_with_fedma(tmp_path, arch, extra):
     assert rows[f"fedavg x{groups + 1} rounds"]["rounds"] == str(groups + 1)
     assert rows["pfnm"]["rounds"] == "1" and rows["local (mean of 4)"]["rounds"] == "0"
     assert rows["pfnm 2 rounds"]["rounds"] == "2"  # the output refit, on every architecture
-    assert ("pfnm +summaries" in rows) == (arch == "mlp")  # summaries: MLPs only
+    assert ("pfnm +summaries" in rows) == (arch in ("mlp", "cnn"))  # summaries: MLPs and ConvNets
+    if arch == "cnn":  # the default with summaries keeps the clients' Kronecker heads on the conv body
+        summary = json.loads((out / "results.json").read_text())["summary"]
+        assert next(r for r in summary if r["method"] == "pfnm +summaries")["hyper"]["head"] == "clients"
     assert ("pfnm client heads" in rows) == (arch in ("mlp", "cnn"))  # an output layer that reads units
     if arch != "lstm":
         assert rows["pfnm client heads"]["rounds"] == "1"
