@@ -34,7 +34,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bayesfuse import plot  # noqa: E402
-from bayesfuse.analysis import _arviz, summary  # noqa: E402
+from bayesfuse.analysis import summary  # noqa: E402
 from bayesfuse.demo import format_table  # noqa: E402
 from bayesfuse.inference.matching import match_neurons  # noqa: E402
 from bayesfuse.models.bbp import simulate_federation  # noqa: E402
@@ -81,7 +81,9 @@ def main() -> None:
         help="also time the former default export (25 units x 794 weights, one chain; minutes)",
     )
     args = parser.parse_args()
-    az = _arviz()
+    with warnings.catch_warnings():  # ArviZ 0.2x announces its 1.x refactor on import
+        warnings.simplefilter("ignore", FutureWarning)
+        import arviz as az
     res = readme_matching()
     print(f"the README's matching: {res.n_global} global atoms x {res.mean.shape[1]} entries", flush=True)
     first_look(res, az, 1)  # warm-up: ArviZ's and matplotlib's first calls

@@ -19,7 +19,6 @@ from bayesfuse.analysis import (
     DEFAULT_DRAWS,
     DEFAULT_UNITS,
     DEFAULT_WEIGHTS,
-    _arviz,
     bnn_to_arviz,
     fusion_to_arviz,
     gaussian_to_arviz,
@@ -29,6 +28,7 @@ from bayesfuse.analysis import (
     summary,
     to_arviz,
 )
+from bayesfuse.analysis._common import _arviz
 from bayesfuse.inference.expfam import DiagNormal
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.matching import match_neurons
