@@ -29,6 +29,13 @@ from bayesfuse.nets.heads import logits_and_features
 __all__ = ["LastLayerLaplace"]
 
 
+def _copy(values, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor copy of ``values`` (a tensor or anything NumPy reads) in ``dtype``."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to(dtype).clone()
+    return torch.tensor(np.asarray(values), dtype=dtype)
+
+
 class LastLayerLaplace(nn.Module):
     """``network`` with a diagonal Gaussian posterior over its output layer.
 
@@ -83,8 +90,8 @@ class LastLayerLaplace(nn.Module):
             weight_var, bias_var = diagonal[:, :-1], diagonal[:, -1]
         elif weight_var is None or bias_var is None:
             raise ValueError("give weight_var and bias_var, or covariance")
-        weight_var = torch.as_tensor(np.array(weight_var), dtype=layer.weight.dtype)  # a copy: inputs may be read-only
-        bias_var = torch.as_tensor(np.array(bias_var), dtype=layer.weight.dtype)
+        weight_var = _copy(weight_var, layer.weight.dtype)  # a copy: inputs may be read-only
+        bias_var = _copy(bias_var, layer.weight.dtype)
         if weight_var.shape != layer.weight.shape or bias_var.shape != (layer.out_features,):
             raise ValueError(
                 f"variances of shapes {tuple(weight_var.shape)} and {tuple(bias_var.shape)} do not fit "
