@@ -180,6 +180,7 @@ def test_atom_statistics_are_the_weighted_moments():
     weights = rng.uniform(0.5, 2.0, size=(3, 4))
     weights[2, 1] = 0.0
     stats = atom_statistics(layers, assignments, weights, shift=rng.normal(size=(4, 4)))
+    scatter = np.zeros(4)
     for i in range(4):
         rows = [(layers[j][l], weights[j]) for j, a in enumerate(assignments) for l, k in enumerate(a) if k == i]
         v, w = np.array([r for r, _ in rows]), np.array([w for _, w in rows])
@@ -187,8 +188,9 @@ def test_atom_statistics_are_the_weighted_moments():
         mean = np.where(total > 0, (w * v).sum(0) / np.where(total > 0, total, 1), 0.0)
         np.testing.assert_allclose(stats.weight[i], total, rtol=1e-14)
         np.testing.assert_allclose(stats.mean[i], mean, rtol=1e-12, atol=1e-15)
-        np.testing.assert_allclose(stats.scatter[i], (w * (v - mean) ** 2).sum(0), rtol=1e-10, atol=1e-15)
+        scatter += (w * (v - mean) ** 2).sum(0)
         assert stats.counts[i] == len(rows)
+    np.testing.assert_allclose(stats.scatter, scatter, rtol=1e-10, atol=1e-15)  # summed over the atoms
     np.testing.assert_array_equal(stats.n_seen, ((weights > 0) * [[3], [2], [3]]).sum(0))
 
 

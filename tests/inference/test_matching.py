@@ -644,3 +644,8 @@ def test_blocked_posterior_moments_are_the_whole_division():
         mean, var = matching._posterior_moments(h, lam, groups, max_elements=max_elements)
         np.testing.assert_array_equal(mean, h / full)
         np.testing.assert_array_equal(var, 1.0 / full)
+        spent = h.copy()  # overwrite: the same means, written over h, and no other (G, D) array for them
+        mean, var = matching._posterior_moments(spent, lam, groups, max_elements=max_elements, overwrite=True)
+        assert mean is spent
+        np.testing.assert_array_equal(mean, h / full)
+        np.testing.assert_array_equal(var, 1.0 / full)

@@ -144,10 +144,11 @@ def initial_hyper(
 @dataclass
 class AtomStatistics:
     """What EM needs of the neurons given the assignments: per atom i and coordinate d,
-    ``weight_id = W_id = sum_{(j,l) -> i} w_jd``, ``mean_id = c_id = sum w_jd v_jld / W_id`` (0
-    where ``W_id = 0``) and ``scatter_id = Q_id = sum w_jd (v_jld - c_id)^2``, each (K, D);
-    ``counts`` (K,), the neurons of each atom; ``n_seen`` (D,), the number of observed neuron
-    coordinates ``#{(j, l): w_jd > 0}``; and the number of clients."""
+    ``weight_id = W_id = sum_{(j,l) -> i} w_jd`` and ``mean_id = c_id = sum w_jd v_jld / W_id`` (0
+    where ``W_id = 0``), each (K, D); ``scatter_d = sum_i Q_id`` (D,), the within-atom scatter
+    ``Q_id = sum w_jd (v_jld - c_id)^2`` summed over the atoms (all that the M-step reads of it:
+    one (K, D) array fewer); ``counts`` (K,), the neurons of each atom; ``n_seen`` (D,), the number
+    of observed neuron coordinates ``#{(j, l): w_jd > 0}``; and the number of clients."""
 
     weight: np.ndarray
     mean: np.ndarray
@@ -176,7 +177,7 @@ def atom_statistics(
     posterior standard deviation of ``c``. Without it a first pass computes ``c`` itself.
 
     The sums run over blocks of coordinates of at most ``max_elements`` (K x block) numbers:
-    besides the three (K, D) results only such blocks are held. Every coordinate's sums are
+    besides the two (K, D) results only such blocks are held. Every coordinate's sums are
     those of all coordinates at once (the same operations, clients in the same order). With
     ``overwrite_shift`` (a float64 (K, D) ``shift`` the caller no longer needs) the means are
     written over ``shift``, block by block once its block is spent: one (K, D) array fewer.
@@ -192,7 +193,7 @@ def atom_statistics(
     plain = (weights == 1).all(axis=1)  # clients whose weights are all 1 need no product
     writable = shift is not None and shift.dtype == np.float64 and shift.shape == (K, D) and shift.flags.writeable
     mean = shift if overwrite_shift and writable and shift is not None else np.empty((K, D))
-    scatter = np.empty((K, D))
+    scatter = np.empty(D)
     step = max(1, max_elements // max(K, 1))
     for start in range(0, D, step):
         cols = slice(start, min(start + step, D))
@@ -213,7 +214,7 @@ def atom_statistics(
             dev[a] += wd
             dev_sq[a] += wd * d
         mean_dev = np.divide(dev, W, out=np.zeros_like(dev), where=seen)
-        np.maximum(dev_sq - dev * mean_dev, 0.0, out=scatter[:, cols])
+        np.maximum(dev_sq - dev * mean_dev, 0.0, out=dev_sq).sum(axis=0, out=scatter[cols])
         block = np.add(r, mean_dev, out=mean[:, cols])
         block[~seen] = 0.0  # mean = where(seen, r + mean_dev, 0)
     return AtomStatistics(weight=weight, mean=mean, scatter=scatter, counts=counts, n_seen=n_seen, n_clients=J)
@@ -273,7 +274,7 @@ def em_update(
         \\sum_{(j,l) \\to i} w_{jd} [(v_{jld} - \\hat\\theta_{id})^2 + V_{id}]
             = Q_{id} + W_{id} [(c_{id} - \\hat\\theta_{id})^2 + V_{id}]
 
-    (``Q = stats.scatter``; the cross term vanishes as ``c`` is the weighted mean).
+    (``sum_i Q_id = stats.scatter``; the cross term vanishes as ``c`` is the weighted mean).
     """
     B = _n_blocks(blocks)
     K = stats.weight.shape[0]
@@ -282,7 +283,7 @@ def em_update(
     out = BlockHyper(hyper.prior_var.copy(), hyper.noise_var.copy(), hyper.prior_mean.copy(), hyper.gamma0)
     if "noise_var" in fit:
         assert stats.scatter is not None  # statistics not yet spent
-        num = (stats.scatter + stats.weight * ((stats.mean - mean) ** 2 + var)).sum(0)
+        num = stats.scatter + (stats.weight * ((stats.mean - mean) ** 2 + var)).sum(0)
         nb, db = np.zeros(B), np.zeros(B)
         np.add.at(nb, blocks, num)
         np.add.at(db, blocks, stats.n_seen)
@@ -320,7 +321,7 @@ def _summarise(stats: AtomStatistics, cols: np.ndarray) -> _BlockSummary:
     index: np.ndarray | slice = cols
     if len(cols) and cols[-1] - cols[0] + 1 == len(cols):  # consecutive coordinates: views, not (K, |b|) copies
         index = slice(int(cols[0]), int(cols[-1]) + 1)
-    scatter = float(stats.scatter[:, index].sum())
+    scatter = float(stats.scatter[index].sum())
     W, c = stats.weight[:, index], stats.mean[:, index]
     seen = W > 0
     n_within = float(stats.n_seen[index].sum() - seen.sum())

@@ -208,7 +208,15 @@ def posterior_stats(layers, prec, assignments, n_atoms, prior: Prior, backend: B
     return h, lam, m
 
 
-def posterior_moments(h, lam: np.ndarray, groups: Groups, backend: Backend = NUMPY, max_elements: int = 1 << 22):
+def posterior_moments(
+    h,
+    lam: np.ndarray,
+    groups: Groups,
+    backend: Backend = NUMPY,
+    max_elements: int = 1 << 22,
+    *,
+    overwrite: bool = False,
+):
     """The atoms' posterior means ``h / lambda`` and variances ``1 / lambda`` on every coordinate.
 
     Parameters
@@ -223,6 +231,9 @@ def posterior_moments(h, lam: np.ndarray, groups: Groups, backend: Backend = NUM
         NumPy: rows of atoms go through at most this many numbers at a time, so that besides
         the two (G, D) results no (G, D) array is made (``lambda`` on every coordinate, ``1 /
         lambda`` before its copy); each entry is the same division as over all rows at once.
+    overwrite : bool
+        NumPy: the means are written over ``h`` (which the caller no longer needs) and returned
+        as ``h`` itself, so that only the variances are a new (G, D) array; the values are the same.
 
     Returns
     -------
@@ -232,7 +243,8 @@ def posterior_moments(h, lam: np.ndarray, groups: Groups, backend: Backend = NUM
         lam_full = groups.expand(backend.put(lam))
         return h / lam_full, 1.0 / lam_full
     G, D = h.shape
-    mean, var = np.empty((G, D)), np.empty((G, D))
+    mean = h if overwrite and h.dtype == np.float64 and h.flags.writeable else np.empty((G, D))
+    var = np.empty((G, D))
     inverse = 1.0 / lam
     step = max(1, max_elements // max(D, 1))
     for start in range(0, G, step):

@@ -343,7 +343,8 @@ def match_fixed(
                 break
             seen[state] = sweep
     cache.density = density
-    mean, var = posterior_moments(atoms.h, atoms.lam, groups, backend)
+    # the atoms are spent: their natural parameters become the means (one (K, D) array fewer at the peak)
+    mean, var = posterior_moments(atoms.h, atoms.lam, groups, backend, overwrite=True)
     result = MatchResult(
         assignments=[np.asarray(a) for a in assignments],
         mean=mean,
