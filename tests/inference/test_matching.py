@@ -649,3 +649,32 @@ def test_blocked_posterior_moments_are_the_whole_division():
         assert mean is spent
         np.testing.assert_array_equal(mean, h / full)
         np.testing.assert_array_equal(var, 1.0 / full)
+
+
+def test_an_atom_buffer_adopts_the_callers_spent_means_and_grows_from_them():
+    # reset(adopt=True) keeps the caller's (G, D) array as the buffer (no second copy of the largest
+    # array of a wide layer's matching); the contents are those a copying reset gives, and growing
+    # afterwards keeps them.
+    from bayesfuse.inference.matching.sweeps import _AtomBuffer
+
+    rng = np.random.default_rng(41)
+    groups = matching._Groups(np.repeat([0, 1], [3, 4]), 2)
+    h, lam, m = rng.normal(size=(5, 7)), rng.uniform(1.0, 2.0, size=(5, 2)), np.arange(1, 6)
+    copied, adopted = _AtomBuffer(7, groups, capacity=2), _AtomBuffer(7, groups, capacity=2)
+    copied.reset(h.copy(), lam, m)
+    given = h.copy()
+    adopted.reset(given, lam, m, adopt=True)
+    assert adopted.h.base is given or adopted.h is given
+    for a in (copied, adopted):
+        np.testing.assert_array_equal(a.h, h)
+        np.testing.assert_array_equal(a.lam, lam)
+        np.testing.assert_array_equal(a.hh, copied.hh)
+    adopted._reserve(9)  # growing reallocates and keeps the rows
+    np.testing.assert_array_equal(adopted.h, h)
+    assert len(adopted._h) >= 9 and adopted.n == 5
+    frozen = h.copy()
+    frozen.flags.writeable = False  # not the caller's to give up: copied, not adopted
+    kept = _AtomBuffer(7, groups, capacity=2)
+    kept.reset(frozen, lam, m, adopt=True)
+    assert kept.h.base is not frozen and kept.h is not frozen
+    np.testing.assert_array_equal(kept.h, h)

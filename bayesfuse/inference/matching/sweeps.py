@@ -131,7 +131,9 @@ class _AtomBuffer:
 
     def _reserve(self, size: int) -> None:
         if size > len(self._m):
-            cap = max(2 * len(self._m), size)
+            # a quarter more: wide layers' (cap, D) buffers are hundreds of MB, and old and new are
+            # both held while the rows are copied
+            cap = max(len(self._m) + max(len(self._m) // 4, 16), size)
             for name in ("_h", "_lam", "_hh", "_m"):
                 old = getattr(self, name)
                 new = (
@@ -168,12 +170,24 @@ class _AtomBuffer:
         self.n = n_keep
         return remap
 
-    def reset(self, h, lam: np.ndarray, m: np.ndarray) -> None:
-        """Replace the contents by freshly computed statistics (``h`` on the host or in the backend)."""
-        self._reserve(len(m))
-        self.n = len(m)
-        self._h[: self.n], self._lam[: self.n], self._m[: self.n] = self.backend.put(h), lam, m
-        self._hh[: self.n] = self.backend.host(self.groups.sum_sq(self.h))
+    def reset(self, h, lam: np.ndarray, m: np.ndarray, *, adopt: bool = False) -> None:
+        """Replace the contents by freshly computed statistics (``h`` on the host or in the backend).
+
+        ``adopt``: ``h`` is the caller's to give up; a float64 NumPy array of the buffer's width
+        becomes the buffer itself instead of being copied into one (one (G, D) array fewer)."""
+        n = len(m)
+        if adopt and not self.backend.is_torch and isinstance(h, np.ndarray) and h.dtype == np.float64:
+            if h.shape == (n, self._h.shape[1]) and h.flags.writeable and h.flags.c_contiguous:
+                self._h = h
+                for name in ("_lam", "_hh", "_m"):  # the small arrays, at the same capacity
+                    old = getattr(self, name)
+                    setattr(self, name, np.zeros((n, *old.shape[1:]), dtype=old.dtype))
+        self._reserve(n)
+        self.n = n
+        if self._h is not h:
+            self._h[:n] = self.backend.put(h)
+        self._lam[:n], self._m[:n] = lam, m
+        self._hh[:n] = self.backend.host(self.groups.sum_sq(self.h))
 
 
 def match_fixed(
@@ -232,7 +246,7 @@ def match_fixed(
             h0, lam0, m0 = init_atoms
             if isinstance(init_atoms, list):  # the caller's (K, D) arrays go once the atoms hold them
                 init_atoms.clear()
-            atoms.reset(h0, lam0[:, groups.first], m0)
+            atoms.reset(h0, lam0[:, groups.first], m0, adopt=isinstance(init_atoms, list))
             del h0, lam0, m0
         if (atoms.m == 0).any():
             raise ValueError("init leaves some atom indices unused; number atoms 0..G-1")
