@@ -56,7 +56,7 @@ and ``inputs="all"`` for the whole posterior; the log-likelihood is always the w
 
 Everything is built with ``arviz.from_dict``, which exists in the 0.2x line
 (``InferenceData``, Python 3.11) and in 1.x (``DataTree``, newer Pythons); groups with
-different unit coordinates are built separately and joined (:func:`_combine`). Results are
+different unit coordinates are built separately and joined (``_common._combine``). Results are
 read through what they share (:func:`~bayesfuse.nets.unit_posteriors.layer_gaussians`), so this
 module imports no result class.
 """
@@ -71,6 +71,8 @@ from bayesfuse.analysis._common import (
     DEFAULT_WEIGHTS,
     SAMPLING_NOTE,  # noqa: F401 (module constants, read as bayesfuse.analysis.*)
     HeldOutDataWarning,
+    Units,  # noqa: F401 (the exports' type aliases, read as bayesfuse.analysis.*)
+    Weights,  # noqa: F401
 )
 from bayesfuse.analysis.bnn import BNN_SITE_DIMS, aligned_to_arviz, bnn_to_arviz  # noqa: F401
 from bayesfuse.analysis.compare import compare, compare_pointwise, log_predictive_density

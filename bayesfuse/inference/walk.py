@@ -12,7 +12,7 @@ follow. :class:`GroupWalk` is that loop and that record; what a *basis* is belon
 method: an assignment of units to global units (:class:`Basis`, the matchers, the BNNs) or a
 transport plan per client (OT).
 
-Pure Python: no arrays are touched here.
+No arithmetic on arrays here: the walk only holds what each method records.
 """
 
 from __future__ import annotations

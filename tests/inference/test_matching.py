@@ -672,6 +672,9 @@ def test_an_atom_buffer_adopts_the_callers_spent_means_and_grows_from_them():
     adopted._reserve(9)  # growing reallocates and keeps the rows
     np.testing.assert_array_equal(adopted.h, h)
     assert len(adopted._h) >= 9 and adopted.n == 5
+    adopted.tighten()  # exactly the live atoms again, the spare rows released
+    assert adopted.tight and len(adopted._h) == len(adopted._lam) == len(adopted._m) == 5
+    np.testing.assert_array_equal(adopted.h, h)
     frozen = h.copy()
     frozen.flags.writeable = False  # not the caller's to give up: copied, not adopted
     kept = _AtomBuffer(7, groups, capacity=2)

@@ -125,6 +125,20 @@ class _AtomBuffer:
     def m(self) -> np.ndarray:
         return self._m[: self.n]
 
+    @property
+    def tight(self) -> bool:
+        """Whether the memory behind ``h`` holds exactly the live atoms (no spare rows, no larger
+        array it is a view of): then ``h`` can be handed out without keeping more alive."""
+        h = self._h
+        owner = h.base if isinstance(h, np.ndarray) and h.base is not None else h
+        return isinstance(h, np.ndarray) and np.shape(owner)[:1] == (self.n,) and np.ndim(owner) == 2
+
+    def tighten(self) -> None:
+        """Hold ``h`` (NumPy) in an array of exactly the live atoms, releasing a larger buffer."""
+        if isinstance(self._h, np.ndarray) and not self.tight:
+            for name in ("_h", "_lam", "_hh", "_m"):  # one capacity for all four, as _reserve keeps it
+                setattr(self, name, getattr(self, name)[: self.n].copy())
+
     def refresh(self, rows: np.ndarray) -> None:
         """Recompute ``hh`` on ``rows`` after writing them in ``h``."""
         self._hh[rows] = self.backend.host(self.groups.sum_sq(self._h[rows]))
@@ -357,8 +371,10 @@ def match_fixed(
                 break
             seen[state] = sweep
     cache.density = density
-    # the atoms are spent: their natural parameters become the means (one (K, D) array fewer at the peak)
-    mean, var = posterior_moments(atoms.h, atoms.lam, groups, backend, overwrite=True)
+    # the atoms are spent: their natural parameters become the means (one (K, D) array fewer at the
+    # peak), in an array of exactly the live atoms so that the returned means keep no spare rows alive
+    atoms.tighten()
+    mean, var = posterior_moments(atoms.h, atoms.lam, groups, backend, overwrite=atoms.tight)
     result = MatchResult(
         assignments=[np.asarray(a) for a in assignments],
         mean=mean,
