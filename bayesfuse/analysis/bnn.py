@@ -3,7 +3,6 @@ data for LOO (:func:`bnn_to_arviz`)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
@@ -18,6 +17,7 @@ from bayesfuse.analysis._common import (
     _check_count,
     _describe_ids,
     _from_dict,
+    _log,
     _note_default_subset,
     _select_units,
     _select_weights,
@@ -29,9 +29,6 @@ from bayesfuse.analysis.layers import (
 from bayesfuse.nets.unit_posteriors import (
     select_layer,
 )
-
-_log = logging.getLogger("bayesfuse.analysis")
-
 
 # ------------------------------------------------------------------------------ BNNs aligned to the fused units
 

@@ -3,7 +3,6 @@ differences with standard errors."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping
 
 import numpy as np
@@ -12,9 +11,6 @@ from bayesfuse.analysis._common import (
     DEFAULT_DRAWS,
     _check_count,
 )
-
-_log = logging.getLogger("bayesfuse.analysis")
-
 
 # ------------------------------------------------------------------------------ held-out comparison
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from statistics import NormalDist
 from typing import Any, Mapping, Sequence
 
@@ -31,9 +30,6 @@ from bayesfuse.nets.unit_posteriors import (
     is_gaussian_export,
     layer_gaussians,
 )
-
-_log = logging.getLogger("bayesfuse.analysis")
-
 
 # ------------------------------------------------------------------------------ draws of Gaussians
 

@@ -356,10 +356,10 @@ def ot_fuse_layerwise(
         described = _describing(spec, group, walk.fused)
         rows = []
         for j, sd in enumerate(arrays):
-            blocks = [
-                _to_rows(_aligned(sd[k], spec, k, _maps(walk, j), keep=group), d, axis) for k, d, axis in described
-            ]
-            rows.append(np.hstack(blocks))
+            maps_j = _maps(walk, j)
+            rows.append(
+                np.hstack([_to_rows(_aligned(sd[k], spec, k, maps_j, keep=group), d, axis) for k, d, axis in described])
+            )
         target = rows[a_idx]
         G = target.shape[0]
         maps: list[np.ndarray | None] = []
@@ -393,6 +393,7 @@ def ot_fuse_layerwise(
     sizes = {g: layers[g].n_global for g in spec.groups}
     folded = folded_entries(spec)
     state = {}
+    client_maps = [_maps(walk, j) for j in range(J)]
     for k, axes in spec.axes.items():
         ref = arrays[a_idx][k]
         if k in folded:
@@ -401,7 +402,7 @@ def ot_fuse_layerwise(
         elif not np.issubdtype(np.asarray(ref).dtype, np.floating):
             state[k] = np.asarray(ref).copy()
         else:
-            state[k] = sum(w * _aligned(sd[k], spec, k, _maps(walk, j)) for j, (w, sd) in enumerate(zip(omega, arrays)))
+            state[k] = sum(w * _aligned(sd[k], spec, k, m) for w, sd, m in zip(omega, arrays, client_maps))
     return OTFusionResult(
         state_dict=state,
         layers=layers,

@@ -157,15 +157,6 @@ class BNNFusion:
     heads: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-@dataclass
-class KeptBasis(Basis):
-    """A fused layer's :class:`~bayesfuse.inference.walk.Basis` over the clients' *kept* units, and
-    which units those are (``kept[j]``: indices of client j's units that pruning kept, in the
-    order of ``assignments[j]``)."""
-
-    kept: list[np.ndarray] = field(default_factory=list)
-
-
 def output_shares(class_counts, n_clients: int, n_classes: int) -> np.ndarray:
     """(J, K) weights of each client's outgoing weights and output bias per class, summing to 1 per class.
 
@@ -306,8 +297,9 @@ def fuse_bnn_posteriors(
     prior = check_same_prior([p.prior_spec for p in posts], names)
     ref = posts[0]
     J, K, depth = len(posts), ref.n_classes, len(ref.layers)
-    layers, kept_all, units_all, fused_layers = [], [], [], []
-    walk: GroupWalk[KeptBasis] = GroupWalk(bnn_spec(depth))
+    layers, units_all, fused_layers = [], [], []
+    kept_all: list[list[np.ndarray]] = []  # per hidden layer, per client: the units pruning kept
+    walk: GroupWalk[Basis] = GroupWalk(bnn_spec(depth))
     shares = output_shares(class_counts, J, K)  # (J, K) class shares of the outputs
     used = dict(hyper)
     used["pruning"] = (
@@ -337,7 +329,7 @@ def fuse_bnn_posteriors(
             layer = layer.units(keep)
             below = None
             if basis is not None:  # the columns of the units kept below, then the bias
-                cols = np.append(basis.kept[j], layer.incoming.loc.shape[1] - 1)
+                cols = np.append(kept_all[-1][j], layer.incoming.loc.shape[1] - 1)  # kept below
                 layer = HiddenLayer(
                     incoming=_columns(layer.incoming, cols), log_lam=layer.log_lam, log_tau=layer.log_tau
                 )
@@ -384,7 +376,7 @@ def fuse_bnn_posteriors(
         kept_all.append(kept)
         parts = [fused.incoming, fused.log_lam] + ([_columns(units, slice(-K, None))] if top else [])
         units_all.append((np.hstack([p.loc for p in parts]), np.hstack([p.var for p in parts])))
-        walk.record(group, KeptBasis([np.asarray(a) for a in result.assignments], G, kept))
+        walk.record(group, Basis([np.asarray(a) for a in result.assignments], G))
     top_units = units_all[-1]
     out_weights = _columns(DiagNormal(loc=top_units[0], var=top_units[1]), slice(-K, None))
     if average_outputs:
