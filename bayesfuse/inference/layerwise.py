@@ -46,6 +46,7 @@ import numpy as np
 from bayesfuse._validation import finite_array
 from bayesfuse.constraints import KEYS, MATCHING, Options, validate_params
 from bayesfuse.inference._backend import check_device, to_device, to_host
+from bayesfuse.inference.lazy import GroupedColumns, LazyRows
 from bayesfuse.inference.matching import MatchResult, match_neurons
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import Axis, PermutationSpec, to_global_basis
@@ -315,13 +316,22 @@ def _from_rows(rows: np.ndarray, shape: tuple, d: int, axis: Axis) -> np.ndarray
     return out.reshape(*shape[:d], axis.outer * g * axis.inner, *shape[d + 1 :])
 
 
+def _narrowed(r: np.ndarray) -> np.ndarray:
+    """``r`` in float32 when that holds it exactly (a float32 network's weights, permuted and
+    padded with zeros), else as it is: the matching widens float32 neurons wherever it computes
+    (:func:`~bayesfuse.inference.matching.checks.widen`), so its numbers are the same, and a wide
+    layer's neurons take half the memory."""
+    r32 = r.astype(np.float32)
+    return r32 if np.array_equal(r32, r) else r
+
+
 def matched_average(
     rows: Sequence[np.ndarray],
     precision: np.ndarray,
     assignments: Sequence[np.ndarray],
     n_global: int,
     *,
-    max_elements: int = 1 << 22,
+    max_elements: int = 1 << 20,
 ) -> np.ndarray:
     """Prior-free global units: ``sum_{j->g} w_jd v_jld / sum_{j->g} w_jd`` (0 where none observes).
 
@@ -458,11 +468,13 @@ def match_group(
             if not (unseen == unseen[0]).all():
                 raise AssertionError("unobserved coordinates differ between units of one client")
             r = np.where(unseen, 0.0, r)
-        rows.append(r)
+        rows.append(_narrowed(r))
         noise.append(v)
-        missing.append(unseen[0] if len(r) else np.zeros(r.shape[1], dtype=bool))
+        missing.append(unseen[0].copy() if len(r) else np.zeros(r.shape[1], dtype=bool))  # not a view of (L, D)
+    del a, r, blocks, unseen  # the last client's float64 copies (a wide layer's: tens of MB each)
     noise_rows, unobserved = np.vstack(noise), np.vstack(missing)
     match_noise = np.where(unobserved, np.inf, noise_rows) if absent == "unobserved" else noise_rows
+    del noise, noise_rows, unobserved
     mu0 = np.hstack(prior_mean)
     D = mu0.shape[0]
     with np.errstate(divide="ignore"):
@@ -503,16 +515,91 @@ def match_group(
         )
     if device is not None:  # the posterior back on the host, as every result of this module
         result.mean, result.var = to_host(result.mean), to_host(result.var)
-    values, start = {}, 0
+    n_global = result.n_global
+    # NumPy, averages: the posterior means are read off the averages (below), so their (G, D) array
+    # goes before the averages are made, and only one (G, D) array is held after the matching
+    lazy_means = global_weights != "posterior" and isinstance(result.var, GroupedColumns)
+    if lazy_means:
+        result.mean = np.empty((0, D))  # the means' (G, D) array released; set again below
+        if auto:  # client precisions p_jd = w_jd / s_b(d)
+            blocks_d = entry_blocks
+            client_precision = precision / np.asarray(result.hyper["noise_var"])[blocks_d]
+            prior_var_d = np.asarray(result.hyper["prior_var"])[blocks_d]
+            prior_mean_d = np.asarray(result.hyper["prior_mean"])[blocks_d]
+        else:
+            client_precision = precision
+            prior_var_d, prior_mean_d = np.broadcast_to(np.asarray(prior_var, dtype=np.float64), (D,)), mu0
+    values, averages, start = {}, [], 0
     for k, shape, d, axis, width in layout:
         cols = slice(start, start + width)
         if global_weights == "posterior":
             mean = result.mean[:, cols]
         else:  # entry by entry: each is averaged straight into its own (G, width) array
-            mean = matched_average([r[:, cols] for r in rows], precision[:, cols], result.assignments, result.n_global)
+            mean = matched_average([r[:, cols] for r in rows], precision[:, cols], result.assignments, n_global)
+            averages.append(mean)
         values[k] = _from_rows(mean, shape, d, axis)
         start += width
+    if lazy_means:
+        data = data_precision(result.assignments, n_global, client_precision)
+        result.mean = posterior_from_average(averages, data, prior_mean_d, prior_var_d)
     return result, values
+
+
+def data_precision(assignments: Sequence[np.ndarray], n_global: int, precision: np.ndarray) -> GroupedColumns:
+    """``W_id = sum_{j -> i} p_jd``: the precision the clients' units give each atom's coordinates
+    (PFNM supplement eq. 2 without the prior), one column per distinct column of the clients'
+    precisions ``p`` (J, D) (a :class:`~bayesfuse.inference.lazy.GroupedColumns`, not (G, D))."""
+    members = np.zeros((n_global, len(assignments)))
+    for j, a in enumerate(assignments):
+        members[a, j] = 1.0
+    pattern, index = np.unique(precision, axis=1, return_inverse=True)
+    return GroupedColumns(members @ pattern, index.reshape(-1))
+
+
+class _MeansFromAverage:
+    """Rows of :func:`posterior_from_average` (a class, so that the means pickle)."""
+
+    def __init__(self, averages, data: GroupedColumns, prior_mean: np.ndarray, prior_var: np.ndarray):
+        self.averages, self.data = list(averages), data
+        self.prior_mean = np.asarray(prior_mean, dtype=np.float64)
+        self.prior_precision = 1.0 / np.asarray(prior_var, dtype=np.float64)
+
+    def __call__(self, index) -> np.ndarray:
+        a = np.hstack([x[index] for x in self.averages])
+        w = self.data[index]
+        share = w / (w + self.prior_precision)  # the data's share of the posterior precision
+        return self.prior_mean + (a - self.prior_mean) * share
+
+
+def posterior_from_average(
+    averages: Sequence[np.ndarray], data: GroupedColumns, prior_mean: np.ndarray, prior_var: np.ndarray
+) -> LazyRows:
+    r"""The atoms' posterior means, read off the matched averages when read (a :class:`LazyRows`).
+
+    With client precisions ``p_jd``, the posterior (PFNM supplement eq. 2) has ``lambda_id =
+    1 / s0_d + W_id`` and ``h_id = mu0_d / s0_d + sum_{j -> i} p_jd v_jd`` with ``W_id = sum_{j
+    -> i} p_jd`` (:func:`data_precision`), and the matched average (:func:`matched_average`) is
+    ``a_id = sum p_jd v_jd / W_id``. So
+
+    .. math:: \hat\theta_{id} = h_{id} / \lambda_{id}
+        = \mu_{0d} + (a_{id} - \mu_{0d}) \frac{W_{id}}{W_{id} + 1 / s_{0d}},
+
+    the prior mean where no client observes (``W = 0``). The share is computed as it stands, so
+    the means are accurate to rounding whichever of prior and data dominates; they equal ``h /
+    lambda`` up to rounding. The averages are the fused weights themselves, so the means cost no
+    (G, D) array of their own.
+
+    Parameters
+    ----------
+    averages : sequence of (G, width) arrays
+        The matched averages of each entry, in the order of the units' coordinates; read, never
+        copied: writing into them changes the means.
+    data : GroupedColumns (G, D)
+        ``W``, the clients' precision on each atom coordinate.
+    prior_mean, prior_var : (D,) arrays
+        The atoms' prior on every coordinate, as the matching used it.
+    """
+    return LazyRows(data.shape, _MeansFromAverage(averages, data, prior_mean, prior_var))
 
 
 def global_entries(

@@ -398,3 +398,76 @@ def test_float32_clients_fuse_as_their_float64_copies():
         for k in b.state_dict:
             assert a.state_dict[k].dtype == b.state_dict[k].dtype
             np.testing.assert_array_equal(a.state_dict[k], b.state_dict[k])
+
+
+def test_units_held_in_float32_fuse_as_units_held_in_float64(monkeypatch):
+    # match_group holds a client's units in float32 where that is exact (a float32 network's weights,
+    # permuted and padded with zeros: half a wide layer's memory); the matching widens them where
+    # it computes, so the fusion must be the one of float64 units, bit for bit. Batch-normed layers
+    # fold to float64 values that float32 does not hold: those stay float64.
+    from bayesfuse.inference import layerwise
+
+    held = []
+    narrowed = layerwise._narrowed
+    monkeypatch.setattr(layerwise, "_narrowed", lambda r: held.append(narrowed(r).dtype) or narrowed(r))
+    model = randomise(make_cnn(64, 5, channels=(6, 4), hidden=(7,)), 8)
+    x = torch.randn(16, 64)
+    copies = _shuffled_copies(model, x, 3)
+    states = [_np(m) for m in copies]
+    for sd in states:  # noisy copies, in float32
+        for k, v in sd.items():
+            if v.dtype.kind == "f" and v.ndim > 1:
+                v += np.random.default_rng(len(k)).normal(scale=0.05, size=v.shape).astype(np.float32)
+    spec = spec_from_module(model, x[:2])
+    for options in (dict(), dict(global_weights="posterior")):
+        held.clear()
+        narrow = match_layerwise(states, spec, **options)
+        assert np.float32 in held and np.float64 in held  # the dense layer narrowed, the folded convolutions not
+        monkeypatch.setattr(layerwise, "_narrowed", lambda r: r)
+        wide = match_layerwise(states, spec, **options)
+        monkeypatch.setattr(layerwise, "_narrowed", lambda r: held.append(narrowed(r).dtype) or narrowed(r))
+        assert narrow.sizes == wide.sizes
+        for k in wide.state_dict:
+            np.testing.assert_array_equal(narrow.state_dict[k], wide.state_dict[k])
+        for g in spec.groups:
+            np.testing.assert_array_equal(narrow.layers[g].mean, wide.layers[g].mean)
+            assert narrow.layers[g].objective == wide.layers[g].objective
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(class_counts="drawn"),
+        dict(absent="unobserved"),
+        dict(noise_var=0.05, prior_var=1.0, gamma0=1.0),
+        dict(noise_var=1e8, prior_var=1.0, gamma0=1.0),  # the prior dominates: the share must not cancel
+    ],
+    ids=lambda o: "-".join(o) or "auto",
+)
+def test_means_read_off_the_average_are_the_posterior_means(options):
+    # Fused by the matched average, a layer's posterior means are computed from that average when
+    # read (no (G, D) array of their own); they must be the matching's h / lambda, which the
+    # posterior mode returns, to rounding (1e-12: a formula that cancels where the prior dominates
+    # is off by 1e-8 in the last case).
+    from bayesfuse.inference.lazy import LazyRows
+
+    model = randomise(MLP(12, [9, 7], 4), 9)
+    x = torch.randn(16, 12)
+    states = [_np(m) for m in _shuffled_copies(model, x, 3)]
+    rng = np.random.default_rng(1)
+    for sd in states:
+        for v in sd.values():
+            v += rng.normal(scale=0.1, size=v.shape).astype(v.dtype)
+    options = dict(options)
+    if options.get("class_counts") == "drawn":
+        options["class_counts"] = rng.integers(0, 30, size=(3, 4))
+    spec = spec_from_module(model, x[:2])
+    lazy = match_layerwise(states, spec, global_weights="average", **options)
+    dense = match_layerwise(states, spec, global_weights="posterior", **options)
+    for g in spec.groups:
+        got, want = lazy.layers[g].mean, dense.layers[g].mean
+        assert isinstance(got, LazyRows) and isinstance(want, np.ndarray)
+        for a, b in zip(lazy.layers[g].assignments, dense.layers[g].assignments):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-15 * np.abs(want).max())

@@ -681,3 +681,118 @@ def test_an_atom_buffer_adopts_the_callers_spent_means_and_grows_from_them():
     kept.reset(frozen, lam, m, adopt=True)
     assert kept.h.base is not frozen and kept.h is not frozen
     np.testing.assert_array_equal(kept.h, h)
+
+
+FLOAT32_CASES = [
+    dict(),  # empirical Bayes, the marginal cost
+    dict(dim=9000),  # wider than NumPy's 8192-element buffers (einsum of float64 and float32 sums in them)
+    dict(blocks=np.repeat([0, 1], [14, 10])),
+    dict(relative_precision="drawn"),
+    dict(noise_var=0.02, prior_var=1.0, gamma0=1.0),  # the PFNM cost
+    dict(noise_var=0.02, prior_var=1.0, gamma0=1.0, cost="marginal"),
+    dict(noise_var=0.02, prior_var=1.0, gamma0=1.0, kl_weight=0.1),
+    dict(noise_var=0.02, prior_var=1.0, gamma0=1.0, cost="marginal", local_vars="drawn"),
+]
+
+
+@pytest.mark.parametrize("case", FLOAT32_CASES, ids=lambda c: "-".join(c) or "auto")
+def test_float32_neurons_match_exactly_as_their_float64_copies(case):
+    # Float32 neurons stay float32 inside the matching (half a wide layer's memory) and are widened
+    # wherever they enter arithmetic. Every float32 number is a float64 number, so the matching must
+    # be that of the float64 copies bit for bit: a computation left in float32 (a sum of squares,
+    # a product of two neuron arrays) would move the objective, which is compared exactly.
+    rng = np.random.default_rng(17)
+    case = dict(case)
+    dim = case.pop("dim", 24)
+    atoms = rng.normal(size=(20, dim))
+    layers = [
+        (atoms[rng.choice(20, 9, replace=False)] + 0.1 * rng.normal(size=(9, dim))).astype(np.float32) for _ in range(4)
+    ]
+    if case.get("relative_precision") == "drawn":
+        case["relative_precision"] = rng.uniform(0.5, 2.0, size=(4, 24))
+    if case.get("local_vars") == "drawn":
+        case["local_vars"] = [rng.uniform(0.001, 0.01, size=9) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        narrow = match_neurons(layers, seed=0, **case)
+        wide = match_neurons([v.astype(np.float64) for v in layers], seed=0, **case)
+    assert all(v.dtype == np.float32 for v in layers)  # the caller's arrays are not converted
+    for a, b in zip(narrow.assignments, wide.assignments):
+        np.testing.assert_array_equal(a, b)
+    assert narrow.objective == wide.objective
+    np.testing.assert_array_equal(narrow.mean, wide.mean)
+    np.testing.assert_array_equal(np.asarray(narrow.var), np.asarray(wide.var))
+    assert narrow.hyper.get("noise_var") == wide.hyper.get("noise_var")
+
+
+def test_float32_neurons_are_checked_like_any_others():
+    v = np.ones((3, 4), dtype=np.float32)
+    bad = v.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="client 1's neurons contains NaN"):
+        match_neurons([v, bad], noise_var=1.0, prior_var=1.0, gamma0=1.0)
+
+
+def test_an_atom_buffer_grows_and_shrinks_where_it_stands():
+    # Growing a wide layer's buffer by copying holds old and new at once (1.8x its memory at the
+    # peak); resized in place, the allocator moves its pages instead. The rows must survive either
+    # way, and a buffer that something else refers to must be copied, not resized under it.
+    from bayesfuse.inference.matching.sweeps import _AtomBuffer
+
+    rng = np.random.default_rng(5)
+    groups = matching._Groups(np.repeat([0, 1], [3, 4]), 2)
+    h, lam, m = rng.normal(size=(5, 7)), rng.uniform(1.0, 2.0, size=(5, 2)), np.arange(1, 6)
+    buffer = _AtomBuffer(7, groups, capacity=2)
+    buffer.reset(h, lam, m)
+    buffer._reserve(40)
+    assert len(buffer._h) == len(buffer._lam) == len(buffer._m) == 40 and buffer._h.flags.owndata
+    np.testing.assert_array_equal(buffer.h, h)
+    np.testing.assert_array_equal(buffer._h[5:], 0.0)  # new rows are zero, as a fresh buffer's
+    buffer.tighten()
+    assert buffer.tight and len(buffer._h) == 5
+    np.testing.assert_array_equal(buffer.h, h)
+    np.testing.assert_array_equal(buffer.lam, lam)
+    held = buffer._h  # a caller's name for the array: it must not be resized under it
+    buffer._reserve(50)
+    assert buffer._h is not held and len(held) == 5
+    np.testing.assert_array_equal(held, h)
+    np.testing.assert_array_equal(buffer.h, h)
+
+
+def test_the_float32_copy_for_the_screen_is_kept_only_for_small_clients():
+    from bayesfuse.inference.matching.sweeps import KEPT_FLOAT32, NeuronCache
+
+    cache = NeuronCache(3)
+    small, large = np.ones((4, 5)), np.ones((2, KEPT_FLOAT32 // 2 + 1))
+    assert cache.v32(0, small) is cache.v32(0, small) and cache.v32(0, small).dtype == np.float32
+    assert cache.v32(1, large) is not cache.v32(1, large)  # made at each visit
+    given = np.ones((4, 5), dtype=np.float32)
+    assert cache.v32(2, given) is given
+
+
+def test_a_matching_result_pickles():
+    import pickle
+
+    rng = np.random.default_rng(2)
+    res = match_neurons([rng.normal(size=(4, 6)) for _ in range(3)], noise_var=0.5, prior_var=1.0, gamma0=1.0)
+    back = pickle.loads(pickle.dumps(res))
+    np.testing.assert_array_equal(np.asarray(back.var), np.asarray(res.var))
+    np.testing.assert_array_equal(back.mean, res.mean)
+
+
+def test_the_screen_reads_float32_neurons_as_their_float64_copies(monkeypatch):
+    # The screen's exact values for its candidate pairs are dot products of float64 atoms with the
+    # neurons; NumPy sums a float64 x float32 einsum in 8192-element buffers, in another order than
+    # float64 x float64. The neurons are widened first, so wide layers' values are the same, bit for bit.
+    monkeypatch.setattr(matching, "SCREEN_DENSITY", 1.0)
+    rng = np.random.default_rng(4)
+    J, L, D = 3, 6, 9000
+    layers = [rng.normal(size=(L, D)).astype(np.float32) for _ in range(J)]
+    layers_c, prec, prior = _setup([v.astype(np.float64) for v in layers], 3.0, 1.0, 0.0, 2.0)
+    others = [None] + [np.arange(L) for _ in range(J - 1)]
+    h, lam, m = _posterior_stats(layers_c, prec, others, L, prior)
+    wide = _negative_pairs(layers_c[0], prec[0], h, lam, m, prior)
+    narrow = _negative_pairs(layers[0], prec[0], h, lam, m, prior, vv=prior.groups.sum_sq(layers_c[0]))
+    assert wide is not None and narrow is not None and len(wide[0]) > 2  # pairs whose values are computed
+    for a, b in zip(wide, narrow):
+        np.testing.assert_array_equal(a, b)

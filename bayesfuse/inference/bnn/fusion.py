@@ -259,7 +259,7 @@ def matched_units(vectors: list[DiagNormal], hyper: dict, *, seed, verbose) -> t
     result = match_neurons(
         [v.loc for v in vectors], local_vars=[v.var for v in vectors], seed=seed, verbose=verbose, **hyper
     )
-    return result, DiagNormal(loc=result.mean, var=result.var), {"seed": seed}
+    return result, DiagNormal(loc=np.asarray(result.mean), var=np.asarray(result.var)), {"seed": seed}
 
 
 @validate_params(unit_form=KEYS["unit_form"], prune_kl=KEYS["prune_kl"], prune_share=KEYS["prune_share"])

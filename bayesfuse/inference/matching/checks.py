@@ -12,8 +12,9 @@ from bayesfuse.inference._backend import backend_of, to_host
 
 
 def check_layers(layers: Sequence) -> list:
-    """The clients' neurons, checked: NumPy float64 arrays, or the torch tensors as given when all
-    are tensors of one device and dtype (:func:`~bayesfuse.inference._backend.backend_of`)."""
+    """The clients' neurons, checked: NumPy float64 arrays (float32 ones kept as they are, see
+    :func:`widen`), or the torch tensors as given when all are tensors of one device and dtype
+    (:func:`~bayesfuse.inference._backend.backend_of`)."""
     if len(layers) == 0:
         raise ValueError("need at least one client's neurons")
     torch_inputs = backend_of(layers).is_torch
@@ -22,6 +23,10 @@ def check_layers(layers: Sequence) -> list:
         if torch_inputs:
             a = w.detach()
             if not bool(a.isfinite().all()):
+                raise ValueError(f"client {j}'s neurons contains NaN or infinite values")
+        elif isinstance(w, np.ndarray) and w.dtype == np.float32:
+            a = w
+            if not np.isfinite(a).all():
                 raise ValueError(f"client {j}'s neurons contains NaN or infinite values")
         else:
             a = finite_array(w, f"client {j}'s neurons")
@@ -33,6 +38,18 @@ def check_layers(layers: Sequence) -> list:
             raise ValueError(f"client {j}'s neurons have dimension {a.shape[1]}, client 0's have {out[0].shape[1]}")
         out.append(a)
     return out
+
+
+def widen(v):
+    """Client neurons for arithmetic: a float32 NumPy array as a float64 copy, anything else as it is.
+
+    NumPy neurons given in float32 stay float32 in the matching (half the memory of a wide
+    layer's float64 copies): every float32 value is a float64 value, and every computation on
+    the neurons widens them first (here, or by NumPy's promotion in a product with a float64
+    operand), so the matching's numbers are those of the float64 copies, bit for bit."""
+    if isinstance(v, np.ndarray) and v.dtype == np.float32:
+        return v.astype(np.float64)
+    return v
 
 
 def positive(value, name: str, shape_ok: tuple[tuple[int, ...], ...], allow_inf: bool = False) -> np.ndarray:

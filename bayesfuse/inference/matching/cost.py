@@ -9,7 +9,8 @@ from typing import Literal
 import numpy as np
 
 from bayesfuse.constraints import KEYS, Options, validate_params
-from bayesfuse.inference._backend import backend_of, ieee_float32, namespace, to_host
+from bayesfuse.inference._backend import backend_of, ieee_float32, is_tensor, namespace, to_host
+from bayesfuse.inference.matching.checks import widen
 from bayesfuse.inference.matching.model import Groups, Prior
 
 Cost = Literal["pfnm", "marginal"]
@@ -56,7 +57,7 @@ def gain_terms(h, lam, v, p, groups: Groups, with_kl: bool, hh=None, vv=None):
     ap = a * pb
     hh = groups.sum_sq(h) if hh is None else hh
     vv = groups.sum_sq(v) if vv is None else vv  # (L, B)
-    delta = (h * groups.expand(2 * ap)) @ v.T
+    delta = _scaled_product(h, 2 * ap, groups, v)
     delta += (ap * pb) @ vv.T
     delta += (a * hh - hh / lam).sum(axis=1)[:, None]
     ratio = pb / lam
@@ -65,9 +66,23 @@ def gain_terms(h, lam, v, p, groups: Groups, with_kl: bool, hh=None, vv=None):
     if with_kl:
         b = ap * pb  # p^2 / (lambda + p)
         b_mu = b / lam  # sum_d b_d (v_d - mu_d)^2 = b.v^2 - 2 (b / lam) h.v + (b / lam^2) h.h
-        sq = b @ vv.T - 2 * (h * groups.expand(b_mu)) @ v.T + (b_mu / lam * hh).sum(axis=1)[:, None]
+        sq = b @ vv.T - 2 * _scaled_product(h, b_mu, groups, v) + (b_mu / lam * hh).sum(axis=1)[:, None]
         kl = 0.5 * ((ratio - xp.log1p(ratio)) @ sizes)[:, None] + 0.5 * sq
     return delta, log_ratio, kl
+
+
+def _scaled_product(h, scale, groups: Groups, v, max_elements: int = 1 << 22):
+    """``(h * groups.expand(scale)) @ v.T`` (G, L), over blocks of at most ``max_elements`` atom
+    coordinates: a wide layer's atoms are not copied whole (twice: the expanded scale and the
+    product) for one product."""
+    G, D = h.shape
+    if G * D <= max_elements:
+        return (h * groups.expand(scale)) @ v.T
+    step = max(1, max_elements // D)
+    out = v.new_empty((G, v.shape[0])) if is_tensor(v) else np.empty((G, v.shape[0]))
+    for s in range(0, G, step):
+        out[s : s + step] = (h[s : s + step] * groups.expand(scale[s : s + step])) @ v.T
+    return out
 
 
 def gain_terms_per_neuron(h, lam_d, v, p, with_kl: bool, max_elements: int = 1 << 22):
@@ -266,15 +281,13 @@ def negative_pairs(
     err = eps * x_norm.max() * v_norm + tiny  # (L,): bounds the float32 error of x_i . v_l for every i
     shift = err + (0.5 * pb[0] * vv[:, 0] if groups.n == 1 else 0.0)  # one group: kappa_i factors the VV term
     v32 = v.astype(np.float32) if v32 is None else v32
-    if groups.n == 1:
-        x32 = h.astype(np.float32)
-    else:  # x in float32, a block of atoms at a time: no (G, D) float64 array besides h
-        x32 = np.empty((G, D), dtype=np.float32)
-        step = max(1, (1 << 22) // max(D, 1))
-        for start in range(0, G, step):
-            x32[start : start + step] = x(slice(start, start + step))
-    bound = np.add(x32 @ v32.T, shift[None, :], dtype=np.float64)
-    del x32
+    # x . v in float32, a block of atoms at a time (about 8 MB of x): no (G, D) array besides h (any
+    # order of summation is within the bound above)
+    bound = np.empty((G, L))
+    step = max(1, (1 << 20) // max(D, 1))
+    for start in range(0, G, step):
+        rows = slice(start, start + step)
+        np.add(x(rows).astype(np.float32) @ v32.T, shift[None, :], out=bound[rows], dtype=np.float64)
     bound *= -kappa[:, None]
     bound += row[:, None]
     bound += col[None, :]
@@ -289,7 +302,10 @@ def negative_pairs(
     alone = (np.bincount(atoms, minlength=G)[atoms] == 1) & (np.bincount(neurons, minlength=L)[neurons] == 1)
     check = ~(alone & (upper < 0))
     ia, il = atoms[check], neurons[check]
-    dots = np.einsum("kd,kd->k", x(ia), v[il])
+    dots = np.empty(len(ia))
+    for start in range(0, len(ia), step):  # blocks of pairs: no (pairs, D) array of a wide layer
+        k = slice(start, start + step)
+        dots[k] = np.einsum("kd,kd->k", x(ia[k]), widen(v[il[k]]))  # float64 x float32 would sum in buffers
     R = upper
     R[check] = row[ia] + col[il] - 0.5 * np.einsum("kb,kb->k", (ap * pb)[ia], vv[il]) - kappa[ia] * dots
     keep = R < 0

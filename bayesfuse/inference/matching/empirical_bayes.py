@@ -60,7 +60,8 @@ from tqdm.auto import tqdm
 
 from bayesfuse._validation import finite_array, positive_array
 from bayesfuse.inference._backend import backend_of, to_host
-from bayesfuse.inference.matching.checks import check_layers, relative_weights
+from bayesfuse.inference.lazy import GroupedColumns
+from bayesfuse.inference.matching.checks import check_layers, relative_weights, widen
 from bayesfuse.inference.matching.model import neuron_squares
 from bayesfuse.inference.matching.result import MatchResult
 from bayesfuse.inference.matching.sweeps import NeuronCache, blas_threads, least_gain_for, match_fixed
@@ -132,7 +133,7 @@ def initial_hyper(
     centred = bool(np.any(prior_mean))
     num_d, den_d = np.zeros(blocks.shape), np.zeros(blocks.shape)
     for v, w in zip(layers, weights):
-        d = v - prior_mean if centred else v
+        d = v - prior_mean if centred else widen(v)
         num_d += w * np.einsum("ld,ld->d", d, d)
         den_d += (w > 0) * len(v)
     num, den = np.bincount(blocks, num_d, minlength=B), np.bincount(blocks, den_d, minlength=B)
@@ -144,13 +145,14 @@ def initial_hyper(
 @dataclass
 class AtomStatistics:
     """What EM needs of the neurons given the assignments: per atom i and coordinate d,
-    ``weight_id = W_id = sum_{(j,l) -> i} w_jd`` and ``mean_id = c_id = sum w_jd v_jld / W_id`` (0
-    where ``W_id = 0``), each (K, D); ``scatter_d = sum_i Q_id`` (D,), the within-atom scatter
+    ``weight_id = W_id = sum_{(j,l) -> i} w_jd`` (a :class:`~bayesfuse.inference.lazy.GroupedColumns`:
+    one column per distinct column of the clients' weights) and ``mean_id = c_id = sum w_jd
+    v_jld / W_id`` (0 where ``W_id = 0``), each (K, D); ``scatter_d = sum_i Q_id`` (D,), the within-atom scatter
     ``Q_id = sum w_jd (v_jld - c_id)^2`` summed over the atoms (all that the M-step reads of it:
     one (K, D) array fewer); ``counts`` (K,), the neurons of each atom; ``n_seen`` (D,), the number
     of observed neuron coordinates ``#{(j, l): w_jd > 0}``; and the number of clients."""
 
-    weight: np.ndarray
+    weight: GroupedColumns
     mean: np.ndarray
     scatter: np.ndarray | None  # None once spent (match_empirical_bayes frees it)
     counts: np.ndarray
@@ -164,7 +166,7 @@ def atom_statistics(
     weights: np.ndarray,
     shift: np.ndarray | None = None,
     *,
-    max_elements: int = 1 << 22,
+    max_elements: int = 1 << 20,
     overwrite_shift: bool = False,
 ) -> AtomStatistics:
     """:class:`AtomStatistics` of the neurons given the assignments.
@@ -177,7 +179,8 @@ def atom_statistics(
     posterior standard deviation of ``c``. Without it a first pass computes ``c`` itself.
 
     The sums run over blocks of coordinates of at most ``max_elements`` (K x block) numbers:
-    besides the two (K, D) results only such blocks are held. Every coordinate's sums are
+    besides the (K, D) means only such blocks are held (the weights are one column per distinct
+    column of ``weights``). Every coordinate's sums are
     those of all coordinates at once (the same operations, clients in the same order). With
     ``overwrite_shift`` (a float64 (K, D) ``shift`` the caller no longer needs) the means are
     written over ``shift``, block by block once its block is spent: one (K, D) array fewer.
@@ -187,7 +190,10 @@ def atom_statistics(
     sizes = np.array([len(a) for a in assignments])
     members = np.zeros((J, K))  # client j has a neuron on atom i (at most one: a is injective)
     members[np.repeat(np.arange(J), sizes), np.concatenate(assignments)] = 1.0
-    weight = members.T @ weights  # W_id = sum_j [j on i] w_jd
+    # W_id = sum_j [j on i] w_jd, one column per distinct column of the weights (a few: ones, and
+    # the class shares of the outgoing weights), not a (K, D) array
+    pattern, index = np.unique(weights, axis=1, return_inverse=True)
+    weight = GroupedColumns(members.T @ pattern, index.reshape(-1))
     counts = members.sum(axis=0).astype(np.int64)
     n_seen = (weights > 0).T @ sizes.astype(np.float64)
     plain = (weights == 1).all(axis=1)  # clients whose weights are all 1 need no product
@@ -239,21 +245,38 @@ def em_step(
 
 
 def atom_posterior(
-    stats: AtomStatistics, blocks: np.ndarray, hyper: BlockHyper, *, overwrite: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
+    stats: AtomStatistics,
+    blocks: np.ndarray,
+    hyper: BlockHyper,
+    *,
+    overwrite: bool = False,
+    max_elements: int = 1 << 20,
+) -> tuple[np.ndarray, GroupedColumns]:
     """Natural parameters ``(h, lambda)``, each (K, D), of the atoms' Gaussian posteriors under
     ``hyper`` (the E-step of :func:`em_update`; PFNM supplement eq. 2 with ``p_jd = w_jd / s_b``):
     ``lambda_id = 1/s_0b + W_id / s_b`` and ``h_id = mu_0b / s_0b + W_id c_id / s_b``.
 
-    ``overwrite``: ``h`` is written over ``stats.mean`` and ``lambda`` over ``stats.weight``
-    (the statistics are spent), so no (K, D) array is made; the values are the same."""
+    ``lambda`` is constant on the coordinates that share a block and a column of the weights, and
+    comes back as a :class:`~bayesfuse.inference.lazy.GroupedColumns` over them. ``overwrite``:
+    ``h`` is written over ``stats.mean`` (the statistics are spent), so no (K, D) array is made;
+    the values are the same. ``h`` is computed over blocks of at most ``max_elements`` numbers.
+    """
     s, s0, mu0 = hyper.noise_var[blocks], hyper.prior_var[blocks], hyper.prior_mean[blocks]
-    h = np.multiply(stats.weight, stats.mean, out=stats.mean if overwrite else None)
-    h /= s
-    h += mu0 / s0  # (W c / s) + mu0 / s0
-    lam = np.divide(stats.weight, s, out=stats.weight if overwrite else None)
-    lam += 1.0 / s0
-    return h, lam
+    W = stats.weight
+    h = stats.mean if overwrite else stats.mean.copy()
+    K, D = h.shape
+    step = max(1, max_elements // max(K, 1))
+    for start in range(0, D, step):
+        cols = slice(start, min(start + step, D))
+        block = h[:, cols]
+        np.multiply(W[:, cols], block, out=block)
+        block /= s[cols]
+        block += mu0[cols] / s0[cols]  # (W c / s) + mu0 / s0
+    # one column of lambda per (column of W, block) pair that occurs
+    _, first, pair = np.unique(W.index * (int(blocks.max()) + 1) + blocks, return_index=True, return_inverse=True)
+    lam = W.values[:, W.index[first]] / s[first]
+    lam += 1.0 / s0[first]
+    return h, GroupedColumns(lam, pair.reshape(-1))
 
 
 def em_update(
@@ -322,16 +345,20 @@ def _summarise(stats: AtomStatistics, cols: np.ndarray) -> _BlockSummary:
     if len(cols) and cols[-1] - cols[0] + 1 == len(cols):  # consecutive coordinates: views, not (K, |b|) copies
         index = slice(int(cols[0]), int(cols[-1]) + 1)
     scatter = float(stats.scatter[index].sum())
-    W, c = stats.weight[:, index], stats.mean[:, index]
-    seen = W > 0
-    n_within = float(stats.n_seen[index].sum() - seen.sum())
-    if (W == W[:, :1]).all():  # one weight per atom in this block (every client sees all of it)
-        rows = seen[:, 0]
-        values, inverse = np.unique(W[rows, 0], return_inverse=True)
-        n_u = np.bincount(inverse, minlength=len(values)) * float(W.shape[1])
+    c = stats.mean[:, index]
+    patterns = stats.weight.columns(index)
+    if len(patterns) == 1:  # one weight per atom in this block (every client sees all of it)
+        w = stats.weight.values[:, patterns[0]]
+        rows = w > 0
+        n_within = float(stats.n_seen[index].sum() - int(rows.sum()) * c.shape[1])
+        values, inverse = np.unique(w[rows], return_inverse=True)
+        n_u = np.bincount(inverse, minlength=len(values)) * float(c.shape[1])
         s1 = np.bincount(inverse, c.sum(axis=1)[rows], minlength=len(values))
         s2 = np.bincount(inverse, np.einsum("kd,kd->k", c, c)[rows], minlength=len(values))
     else:
+        W = stats.weight[:, index]
+        seen = W > 0
+        n_within = float(stats.n_seen[index].sum() - seen.sum())
         values, inverse = np.unique(W[seen], return_inverse=True)
         n_u = np.bincount(inverse, minlength=len(values)).astype(np.float64)
         s1 = np.bincount(inverse, c[seen], minlength=len(values))
@@ -490,7 +517,8 @@ def match_empirical_bayes(
         raise ValueError("'auto' hyper-parameters need local_vars=None (give numbers with local posterior variances)")
     layers = check_layers(layers)
     backend = backend_of(layers)
-    host_layers = [backend.host(v) for v in layers]  # the statistics run on the host
+    # the statistics run on the host (NumPy neurons as they are: float32 ones widen where used)
+    host_layers = [backend.host(v) for v in layers] if backend.is_torch else layers
     J, D = len(layers), layers[0].shape[1]
     blocks = np.zeros(D, dtype=np.int64) if blocks is None else to_host(blocks, None)
     if (

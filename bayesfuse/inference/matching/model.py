@@ -14,7 +14,8 @@ from scipy.special import gammaln
 from bayesfuse._validation import finite_array
 from bayesfuse.constraints import GAMMA0, validate_params
 from bayesfuse.inference._backend import NUMPY, Backend, backend_of, ieee_float32, is_tensor, namespace, to_host
-from bayesfuse.inference.matching.checks import check_assignments, check_layers, client_variances, positive
+from bayesfuse.inference.lazy import GroupedColumns
+from bayesfuse.inference.matching.checks import check_assignments, check_layers, client_variances, positive, widen
 
 if TYPE_CHECKING:
     import torch
@@ -192,17 +193,40 @@ def setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars=None, *, 
     return layers, prec, prior
 
 
-def posterior_stats(layers, prec, assignments, n_atoms, prior: Prior, backend: Backend = NUMPY):
+def add_scaled(h, rows, v, p, groups: Groups, sign: float = 1.0, *, base=None, max_elements: int = 1 << 20) -> None:
+    """``h[rows] += v * p`` (``sign = -1``: ``-=``), or with ``base``, ``h[rows] = base - v * p``, in
+    place, a block of rows at a time: client neurons ``v`` (L, D) times their precisions ``p`` (1 | L,
+    B) on every coordinate, without the (L, D) products of a wide layer held whole. Each entry is
+    the same operation as on all rows at once. ``rows`` are distinct atoms (L,)."""
+    L, D = v.shape
+    step = max(1, max_elements // max(D, 1))
+    for start in range(0, L, step):
+        r = slice(start, start + step)
+        term = v[r] * groups.expand(p if p.shape[0] == 1 else p[r])
+        if base is not None:
+            h[rows[r]] = base[r] - term
+        elif sign > 0:
+            h[rows[r]] += term
+        else:
+            h[rows[r]] -= term
+
+
+def posterior_stats(layers, prec, assignments, n_atoms, prior: Prior, backend: Backend = NUMPY, *, out=None):
     """Natural parameters h (G, D), lambda (G, B) and counts m of the atoms given assignments
-    (``h`` in ``backend``, the layers' backend; ``lambda`` and ``m`` on the host)."""
-    h = backend.put(np.tile(prior.h0, (n_atoms, 1)))
+    (``h`` in ``backend``, the layers' backend; ``lambda`` and ``m`` on the host); ``out``, a
+    (G, D) array of that backend that ``h`` is written into (its contents are not read)."""
+    if out is None:
+        h = backend.put(np.tile(prior.h0, (n_atoms, 1)))
+    else:
+        h = out
+        h[:] = backend.put(prior.h0)
     lam = np.tile(prior.lam0, (n_atoms, 1))
     m = np.zeros(n_atoms, dtype=np.int64)
     for j, a in enumerate(assignments):
         if a is None:
             continue
         # a is injective within a client, so fancy-index += is a correct scatter-add.
-        h[a] += layers[j] * prior.groups.expand(backend.put(prec[j]))
+        add_scaled(h, a, layers[j], backend.put(prec[j]), prior.groups)
         lam[a] += prec[j]
         m[a] += 1
     return h, lam, m
@@ -213,7 +237,7 @@ def posterior_moments(
     lam: np.ndarray,
     groups: Groups,
     backend: Backend = NUMPY,
-    max_elements: int = 1 << 22,
+    max_elements: int = 1 << 20,
     *,
     overwrite: bool = False,
 ):
@@ -229,8 +253,8 @@ def posterior_moments(
     backend : Backend
     max_elements : int
         NumPy: rows of atoms go through at most this many numbers at a time, so that besides
-        the two (G, D) results no (G, D) array is made (``lambda`` on every coordinate, ``1 /
-        lambda`` before its copy); each entry is the same division as over all rows at once.
+        the (G, D) means no (G, D) array is made (``lambda`` on every coordinate); each entry is
+        the same division as over all rows at once.
     overwrite : bool
         NumPy: the means are written over ``h`` (which the caller no longer needs) and returned
         as ``h`` itself, so that only the variances are a new (G, D) array; the values are the same.
@@ -238,20 +262,20 @@ def posterior_moments(
     Returns
     -------
     (mean, var) : two (G, D) arrays (tensors in ``backend`` for torch)
+        NumPy: ``var`` is a :class:`~bayesfuse.inference.lazy.GroupedColumns` holding the (G, B)
+        variances per group, which reads as the (G, D) array.
     """
     if backend.is_torch:
         lam_full = groups.expand(backend.put(lam))
         return h / lam_full, 1.0 / lam_full
     G, D = h.shape
     mean = h if overwrite and h.dtype == np.float64 and h.flags.writeable else np.empty((G, D))
-    var = np.empty((G, D))
-    inverse = 1.0 / lam
     step = max(1, max_elements // max(D, 1))
     for start in range(0, G, step):
         rows = slice(start, start + step)
         np.divide(h[rows], groups.expand(lam[rows]), out=mean[rows])
-        var[rows] = groups.expand(inverse[rows])
-    return mean, var
+    inverse = 1.0 / lam
+    return mean, GroupedColumns(inverse, groups.index, max_elements=max_elements)
 
 
 def log_ibp_structure(m: np.ndarray, n_clients: int, gamma0: float) -> float:
@@ -290,7 +314,8 @@ def data_constant(layers, prec, groups: Groups, squares: Sequence[np.ndarray] | 
     ``sum_l v_jld^2`` (D,) (:func:`neuron_squares`)."""
     total = 0.0
     for j, v in enumerate(layers):
-        p = np.broadcast_to(groups.expand(prec[j]), (prec[j].shape[0], v.shape[1]))  # (1 | L, D)
+        v = widen(v) if (p_rows := prec[j].shape[0]) > 1 else v  # one row: only neuron_squares reads v
+        p = np.broadcast_to(groups.expand(prec[j]), (p_rows, v.shape[1]))  # (1 | L, D)
         seen = p > 0  # a coordinate of precision 0 carries no information: no factor
         log_norm = np.sum(np.log(2 * np.pi / p[seen])) * (v.shape[0] if p.shape[0] == 1 else 1)
         if p.shape[0] == 1:
@@ -306,7 +331,7 @@ def data_constant(layers, prec, groups: Groups, squares: Sequence[np.ndarray] | 
 def neuron_squares(layers: Sequence) -> list[np.ndarray]:
     """``sum_l v_jld^2`` (D,) of each client, on the host: :func:`data_constant` of several
     matchings on the same neurons without a pass over them each time."""
-    return [to_host(namespace(v).einsum("ld,ld->d", v, v)) for v in layers]
+    return [to_host(namespace(w).einsum("ld,ld->d", w, w)) for w in map(widen, layers)]
 
 
 @validate_params(gamma0=GAMMA0)

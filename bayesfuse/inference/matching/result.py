@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from bayesfuse.inference._backend import is_tensor, to_host
+from bayesfuse.inference.lazy import LazyRows
 
 
 @dataclass
@@ -17,11 +18,18 @@ class MatchResult:
     ----------
     assignments : list of ndarray of int
         ``assignments[j][l]`` is the global atom of client j's neuron l (NumPy, on the host).
-    mean : ndarray or torch.Tensor (G, D)
+    mean : ndarray, LazyRows or torch.Tensor (G, D)
         Posterior mean of each global atom, ``h_i / lambda_i`` (supplement eq. 2). A torch
         tensor on the inputs' device, in their dtype, when the neurons were given as tensors.
-    var : ndarray or torch.Tensor (G, D)
-        Posterior variance of each entry, ``1 / lambda_i`` (a tensor as ``mean``).
+        A layer that :func:`~bayesfuse.inference.layerwise.match_group` fuses by the matched
+        average holds its means as a :class:`~bayesfuse.inference.lazy.LazyRows` read off that
+        average (:func:`~bayesfuse.inference.layerwise.posterior_from_average`).
+    var : GroupedColumns, ndarray or torch.Tensor (G, D)
+        Posterior variance of each entry, ``1 / lambda_i``: from NumPy neurons, a
+        :class:`~bayesfuse.inference.lazy.GroupedColumns` holding one value per atom and
+        coordinate group (it reads as the (G, D) array; ``np.asarray(var)`` makes it); a tensor
+        as ``mean``; an ndarray where a layer-wise matching brought a tensor result back to the
+        host.
     counts : ndarray (G,)
         ``m_i``: number of clients using atom i.
     objective : list of float
@@ -40,8 +48,8 @@ class MatchResult:
     """
 
     assignments: list[np.ndarray]
-    mean: np.ndarray
-    var: np.ndarray
+    mean: np.ndarray | LazyRows
+    var: np.ndarray | LazyRows
     counts: np.ndarray
     objective: list[float]
     converged: bool

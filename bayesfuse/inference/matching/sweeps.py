@@ -14,11 +14,12 @@ from tqdm.auto import tqdm
 import bayesfuse.inference.matching.cost as costs
 from bayesfuse.inference._backend import NUMPY, Backend, TorchBackend, backend_of
 from bayesfuse.inference.matching.assignment import RECORDERS, assign, assign_negative
-from bayesfuse.inference.matching.checks import check_assignments
+from bayesfuse.inference.matching.checks import check_assignments, widen
 from bayesfuse.inference.matching.cost import cost_blocks, negative_pairs
 from bayesfuse.inference.matching.model import (
     Groups,
     Prior,
+    add_scaled,
     atom_objective,
     data_constant,
     partition_key,
@@ -62,6 +63,10 @@ def blas_threads(limit: int | None, backend: Backend = NUMPY):
     return stack
 
 
+#: The most entries of one client's neurons whose float32 copy :class:`NeuronCache` keeps (16 MiB).
+KEPT_FLOAT32 = 1 << 22
+
+
 class NeuronCache:
     """Per-client quantities of the neurons that no hyper-parameter changes, each computed at
     the first visit and kept across sweeps and matchings (:func:`match_empirical_bayes`):
@@ -78,19 +83,27 @@ class NeuronCache:
         self.density = 0.0
 
     def v32(self, j: int, v: np.ndarray) -> np.ndarray:
+        """Client j's neurons in float32: ``v`` itself when it is float32; a copy kept across
+        visits when it has at most :data:`KEPT_FLOAT32` entries, else made at each visit (a wide
+        layer's copies would hold half the neurons' memory again, for a conversion that costs
+        about 1/G of the screen's product)."""
+        if v.dtype == np.float32:
+            return v
         cached = self._v32[j]
         if cached is None:
-            cached = self._v32[j] = v.astype(np.float32)
+            cached = v.astype(np.float32)
+            if v.size <= KEPT_FLOAT32:
+                self._v32[j] = cached
         return cached
 
     def vv(self, j: int, v, groups: Groups):
         if 8 * groups.n > len(groups.index):  # hardly smaller than the neurons: not kept
-            return groups.sum_sq(v)
+            return groups.sum_sq(widen(v))
         key = groups.index.tobytes()
         if key != self._grouping:
             self._vv, self._grouping = [None] * len(self._vv), key
         if self._vv[j] is None:
-            self._vv[j] = groups.sum_sq(v)
+            self._vv[j] = groups.sum_sq(widen(v))
         return self._vv[j]
 
 
@@ -137,18 +150,35 @@ class _AtomBuffer:
         """Hold ``h`` (NumPy) in an array of exactly the live atoms, releasing a larger buffer."""
         if isinstance(self._h, np.ndarray) and not self.tight:
             for name in ("_h", "_lam", "_hh", "_m"):  # one capacity for all four, as _reserve keeps it
-                setattr(self, name, getattr(self, name)[: self.n].copy())
+                if not _resized_in_place(self, name, self.n):
+                    setattr(self, name, getattr(self, name)[: self.n].copy())
 
     def refresh(self, rows: np.ndarray) -> None:
-        """Recompute ``hh`` on ``rows`` after writing them in ``h``."""
-        self._hh[rows] = self.backend.host(self.groups.sum_sq(self._h[rows]))
+        """Recompute ``hh`` on ``rows`` after writing them in ``h`` (a block of rows at a time)."""
+        step = max(1, (1 << 20) // max(self._h.shape[1], 1))
+        for start in range(0, len(rows), step):
+            block = rows[start : start + step]
+            self._hh[block] = self.backend.host(self.groups.sum_sq(self._h[block]))
 
     def _reserve(self, size: int) -> None:
         if size > len(self._m):
-            # a quarter more: wide layers' (cap, D) buffers are hundreds of MB, and old and new are
-            # both held while the rows are copied
+            # Resized where it stands, the allocator moves pages, not rows: grow by what is needed
+            # (and a few rows), so that the spare rows are no wide layer's hundreds of MB.
+            cap = max(len(self._m) + 16, size)
+            if _resized_in_place(self, "_h", cap):
+                for name in ("_lam", "_hh", "_m"):
+                    if not _resized_in_place(self, name, cap):
+                        old = getattr(self, name)
+                        new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+                        new[: self.n] = old[: self.n]
+                        setattr(self, name, new)
+                return
+            # Copied: old and new are both held while the rows are copied, so a quarter more, not
+            # double, and as few copies as growing by a quarter makes.
             cap = max(len(self._m) + max(len(self._m) // 4, 16), size)
             for name in ("_h", "_lam", "_hh", "_m"):
+                if _resized_in_place(self, name, cap):
+                    continue
                 old = getattr(self, name)
                 new = (
                     self.backend.zeros((cap, *old.shape[1:]))
@@ -179,10 +209,20 @@ class _AtomBuffer:
         remap = np.arange(self.n)
         remap[dead] = -1
         remap[movers] = holes
-        for arr in (self._h, self._lam, self._hh, self._m):
-            arr[holes] = arr[movers]
+        step = max(1, (1 << 20) // max(self._h.shape[1], 1))  # a wide layer's rows, a block at a time
+        for start in range(0, len(holes), step):
+            to, frm = holes[start : start + step], movers[start : start + step]
+            for arr in (self._h, self._lam, self._hh, self._m):
+                arr[to] = arr[frm]
         self.n = n_keep
         return remap
+
+    def recompute(self, layers, prec, assignments, prior: Prior) -> None:
+        """The live atoms' statistics recomputed from the assignments, written over ``h`` in place
+        (:func:`posterior_stats`: the same numbers, without a second (G, D) array)."""
+        h, lam, m = posterior_stats(layers, prec, assignments, self.n, prior, self.backend, out=self.h)
+        self._lam[: self.n], self._m[: self.n] = lam, m
+        self._hh[: self.n] = self.backend.host(self.groups.sum_sq(h))
 
     def reset(self, h, lam: np.ndarray, m: np.ndarray, *, adopt: bool = False) -> None:
         """Replace the contents by freshly computed statistics (``h`` on the host or in the backend).
@@ -202,6 +242,23 @@ class _AtomBuffer:
             self._h[:n] = self.backend.put(h)
         self._lam[:n], self._m[:n] = lam, m
         self._hh[:n] = self.backend.host(self.groups.sum_sq(self.h))
+
+
+def _resized_in_place(buffer: _AtomBuffer, name: str, rows: int) -> bool:
+    """Resize the NumPy array ``buffer.<name>`` to ``rows`` rows where it stands (new rows zero),
+    if it owns its memory and nothing else refers to it; whether it did. A large array's memory is
+    then grown or shrunk by the allocator (``mremap`` on Linux) instead of being copied into a new
+    one while the old is still held: a wide layer's (G, D) atoms are not held twice."""
+    a = getattr(buffer, name)
+    if not isinstance(a, np.ndarray) or a.base is not None or not a.flags.c_contiguous or not a.flags.owndata:
+        return False
+    shape = (rows, *a.shape[1:])
+    del a  # a name more would make the reference check refuse
+    try:
+        getattr(buffer, name).resize(shape, refcheck=True)
+    except ValueError:  # referred to elsewhere (a view, a caller's name): copy instead
+        return False
+    return True
 
 
 def match_fixed(
@@ -287,12 +344,13 @@ def match_fixed(
             for j in rng.permutation(J):
                 if not stale[j]:
                     continue
+                # float32 neurons stay so (the screen's products widen them), and are widened for the
+                # dense costs only: a wide layer's float64 copy is not held through the visit
                 v, p, p_on = layers[j], prec[j], prec_on[j]
-                vp = v * groups.expand(p_on)  # v / sigma_j^2, added to h
                 old = assignments[j]
                 if old is not None:  # take client j out, keeping its atoms' rows to put back unchanged
                     kept_h, kept_lam, kept_hh = atoms.h[old], atoms.lam[old], atoms.hh[old]
-                    atoms.h[old] = kept_h - vp
+                    add_scaled(atoms.h, old, layers[j], p_on, groups, -1.0, base=kept_h)
                     atoms.refresh(old)
                     atoms.lam[old] = kept_lam - p
                     atoms.m[old] -= 1
@@ -313,7 +371,7 @@ def match_fixed(
                     )
                 if pairs is None:
                     old_cost, new_cost, steps = cost_blocks(
-                        v,
+                        widen(v),
                         p_on,
                         atoms.h,
                         atoms.lam,
@@ -328,7 +386,7 @@ def match_fixed(
                     R = old_cost - new_cost[None, :] if RECORDERS else None  # before assign overwrites old_cost
                     a, n_pairs = assign(old_cost, new_cost, steps)
                     for record in RECORDERS:
-                        record(v, R, a.copy(), steps)
+                        record(widen(v), R, a.copy(), steps)
                 else:
                     a, n_pairs = assign_negative(*pairs, g, v.shape[0]), len(pairs[0])  # -1: a new atom
                 density = n_pairs / max(g * v.shape[0], 1)
@@ -343,18 +401,21 @@ def match_fixed(
                 if same and old_kept is old:  # the same atoms, not relabelled: their rows as they were
                     atoms.h[a], atoms.lam[a], atoms.hh[a] = kept_h, kept_lam, kept_hh
                 else:
-                    atoms.h[a] += vp
+                    add_scaled(atoms.h, a, layers[j], p_on, groups)  # v / sigma_j^2
                     atoms.refresh(a)
                     atoms.lam[a] += p
                 atoms.m[a] += 1
                 assignments[j] = a
+                del v  # a wide layer's rows: not held into the next client, or the recompute
+                if old is not None:
+                    del kept_h
             sweeps = sweep + 1
             # With no assignment changed and no atom relabelled, every client visited put back the rows
             # it took out as they were (kept_h, kept_lam, kept_hh): the atoms are, bit for bit, those
             # of the start of the sweep. Else recompute them from the assignments, which removes the
             # round-off accumulated by the updates.
             if not (exact and changed == 0 and not relabelled):
-                atoms.reset(*posterior_stats(layers, prec, assignments, atoms.n, prior, backend))
+                atoms.recompute(layers, prec, assignments, prior)
             objective.append(atom_objective(atoms.h, atoms.lam, atoms.m, prior, atoms.hh) + data_const)
             bar.set_postfix(atoms=atoms.n, objective=f"{objective[-1]:.1f}")
             if (sweep > 0 or init is not None) and changed == 0:
