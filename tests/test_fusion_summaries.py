@@ -152,3 +152,25 @@ def test_bad_summaries_are_refused_naming_the_client(federation):
         fuse_states(
             states, "pfnm", summaries=[summaries[0], summaries[0], summaries[2]], names=["a.pt", "b.pt", "c.pt"]
         )
+
+
+def test_a_wide_output_layer_is_refitted_by_conjugate_gradients(federation, monkeypatch):
+    # A fused layer too wide for the joint K-FAC precision is multiplied at the fits' prior by
+    # conjugate gradients, with per-class covariance blocks, and the report says so: before, a
+    # refit round on 600 fused units and 10 classes stopped with an error.
+    from bayesfuse.inference import output_fusion
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    split, part, models, _ = federation
+    joint = fuse(models, "pfnm", rounds=2, data=(split.train, part), output_prior_precision=3.0)
+    monkeypatch.setattr(output_fusion, "MAX_JOINT", 8)
+    wide = fuse(models, "pfnm", rounds=2, data=(split.train, part), output_prior_precision=3.0)
+    r2 = wide.hyper["second_round"]
+    assert "conjugate gradients" in r2["product"] and "joint" in joint.hyper["second_round"]["product"]
+    assert isinstance(wide.model, LastLayerLaplace)
+    layer, want = wide.model.network.layers[1], joint.model.network.layers[1]
+    np.testing.assert_allclose(layer.weight.detach().numpy(), want.weight.detach().numpy(), rtol=1e-5, atol=1e-7)
+    p = predict_proba(wide.model, split.test.x)
+    assert np.isfinite(p).all() and np.allclose(p.sum(1), 1.0, atol=1e-5)
+    evidence = fuse(models, "pfnm", rounds=2, data=(split.train, part))
+    assert evidence.hyper["second_round"]["prior_precision_from"].startswith("the fits'")

@@ -71,6 +71,15 @@ and the log evidence is, up to a constant,
 
 ``d = (G+1) K``: one eigendecomposition of ``L`` gives it for every ``lambda``
 (:func:`evidence_precision`). At ``lambda = lambda_0`` the product is the one above exactly.
+
+A wide fused layer (``d`` above :data:`MAX_JOINT`, e.g. 600 units and 10 classes) is not solved
+as one ``d x d`` matrix. Its mean is still exact: preconditioned conjugate gradients on ``P x =
+b``, with ``P`` applied through the Kronecker factors (``sum_j n_j A_j X S_j + lambda X`` for
+``X`` the (G+1, K) weights) and each class's diagonal block ``P_kk = sum_j n_j S_j[k, k] A_j +
+lambda I`` as the preconditioner. Its covariance per class is ``P_kk^{-1}``, the inverse of the
+precision's block, which leaves out what the other classes' weights add to a class's variance
+(the exact block of ``P^{-1}`` is wider); and ``lambda`` is ``lambda_0`` (no evidence search, whose
+eigendecomposition is the cost being avoided). :func:`solved_jointly` says which path a layer takes.
 """
 
 from __future__ import annotations
@@ -93,6 +102,7 @@ __all__ = [
     "evidence_precision",
     "output_posterior",
     "prior_precision_from_weights",
+    "solved_jointly",
 ]
 
 _PRECISION = Interval(float, 0.0, None, "neither")
@@ -237,7 +247,7 @@ def _quadratic_model(
     g, k = fits[0].weight.shape
     if g * k > MAX_JOINT:
         raise ValueError(
-            f"the output layer has {g * k} weights; its joint K-FAC precision is solved up to {MAX_JOINT} (MAX_JOINT)"
+            f"the output layer has {g * k} weights; its joint K-FAC precision is built up to {MAX_JOINT} (MAX_JOINT)"
         )
     share = prior_precision / (len(fits) if n_clients is None else n_clients)
     curvature = np.zeros((g * k, g * k))
@@ -247,6 +257,57 @@ def _quadratic_model(
         curvature += h
         target += h @ f.weight.ravel() + share * f.weight.ravel()
     return curvature, target
+
+
+def solved_jointly(shape: tuple[int, int]) -> bool:
+    """Whether an output layer of ``shape`` (G+1, K) is multiplied with its full ``d x d`` K-FAC
+    precision (``d <= MAX_JOINT``), or by conjugate gradients with per-class covariance blocks
+    (module docstring)."""
+    return shape[0] * shape[1] <= MAX_JOINT
+
+
+def _structured_product(
+    fits: Sequence[OutputFit], prior_precision: float, lam: float, n_clients: int | None = None, *, rtol: float = 1e-10
+) -> tuple[np.ndarray, np.ndarray]:
+    """The product for a wide layer (module docstring): the exact mean by preconditioned conjugate
+    gradients, each class's covariance ``P_kk^{-1}``. Same returns as :func:`_product`."""
+    g, k = fits[0].weight.shape
+    share = prior_precision / (len(fits) if n_clients is None else n_clients)
+    grams = [f.n * f.gram for f in fits]
+
+    def apply(x: np.ndarray) -> np.ndarray:  # P x, x (G+1, K): (A (x) S) vec(X) = vec(A X S)
+        out = lam * x
+        for a, f in zip(grams, fits):
+            out += a @ x @ f.curvature
+        return out
+
+    target = sum(a @ f.weight @ f.curvature + share * f.weight for a, f in zip(grams, fits))
+    factors = []
+    for c in range(k):
+        block = sum(f.curvature[c, c] * a for a, f in zip(grams, fits)) + lam * np.eye(g)
+        factors.append(np.linalg.cholesky(block))
+
+    def precondition(r: np.ndarray) -> np.ndarray:
+        return np.stack([cho_solve((factors[c], True), r[:, c]) for c in range(k)], axis=1)
+
+    x = precondition(target)
+    r = target - apply(x)
+    z = precondition(r)
+    p = z.copy()
+    rz = float(np.sum(r * z))
+    scale = float(np.linalg.norm(target)) or 1.0
+    for _ in range(10 * g * k):
+        if np.linalg.norm(r) <= rtol * scale:
+            break
+        q = apply(p)
+        alpha = rz / float(np.sum(p * q))
+        x += alpha * p
+        r -= alpha * q
+        z = precondition(r)
+        rz, rz_old = float(np.sum(r * z)), rz
+        p = z + (rz / rz_old) * p
+    covariance = np.stack([cho_solve((factors[c], True), np.eye(g)) for c in range(k)])
+    return x, 0.5 * (covariance + covariance.transpose(0, 2, 1))
 
 
 def _product(curvature: np.ndarray, target: np.ndarray, lam: float, shape: tuple[int, int]):
@@ -330,8 +391,10 @@ def fuse_output_fits(
     _check_fits(fits)
     if posterior_precision is not None and not (np.isfinite(posterior_precision) and posterior_precision > 0):
         raise ValueError(f"posterior_precision must be a positive number, got {posterior_precision!r}")
-    curvature, target = _quadratic_model(fits, prior_precision, n_clients)
     lam = prior_precision if posterior_precision is None else posterior_precision
+    if not solved_jointly(fits[0].weight.shape):
+        return _structured_product(fits, prior_precision, lam, n_clients)
+    curvature, target = _quadratic_model(fits, prior_precision, n_clients)
     return _product(curvature, target, lam, fits[0].weight.shape)
 
 
@@ -373,6 +436,8 @@ def output_posterior(
     """What the server makes of the refit round's replies: the product of the clients' posteriors
     at the prior precision the evidence chooses (:func:`evidence_precision`), or at ``lambda_0``
     (``by_evidence=False``, :func:`fuse_output_fits`), with the clients' quadratic models built once.
+    A layer too wide to be solved jointly (:func:`solved_jointly`) is multiplied at ``lambda_0`` by
+    conjugate gradients, with per-class covariance blocks (module docstring).
 
     Parameters
     ----------
@@ -392,6 +457,9 @@ def output_posterior(
         The ``lambda`` of the product.
     """
     _check_fits(fits)
+    if not solved_jointly(fits[0].weight.shape):  # a wide layer: lambda_0, by conjugate gradients
+        mean, covariance = _structured_product(fits, prior_precision, float(prior_precision), n_clients)
+        return mean, covariance, float(prior_precision)
     curvature, target = _quadratic_model(fits, prior_precision, n_clients)
     lam = _evidence_maximum(curvature, target, prior_precision, 1e4) if by_evidence else float(prior_precision)
     mean, covariance = _product(curvature, target, lam, fits[0].weight.shape)

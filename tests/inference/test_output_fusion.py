@@ -245,3 +245,38 @@ def test_bad_inputs_are_refused():
         fuse_output_fits([_random_fit(0), _random_fit(1, g=4)], 1.0)
     with pytest.raises(ValueError, match="at least one"):
         fuse_output_fits([], 1.0)
+
+
+def test_a_wide_layer_is_multiplied_by_conjugate_gradients(monkeypatch):
+    # Above MAX_JOINT the product is not built as one d x d matrix: its mean must still be the
+    # joint solve's (conjugate gradients to 1e-10), and each class's covariance the inverse of the
+    # precision's class block, which is never wider than the joint inverse's block (the other
+    # classes' coupling adds variance: P^{-1}_kk - (P_kk)^{-1} is positive semi-definite).
+    from bayesfuse.inference import output_fusion as of
+
+    rng = np.random.default_rng(7)
+    G, K, J = 6, 4, 3
+    fits = []
+    for _ in range(J):
+        a = rng.normal(size=(40, G))
+        p = np.exp(rng.normal(size=(40, K)))
+        p /= p.sum(1, keepdims=True)
+        feats = np.hstack([a, np.ones((40, 1))])
+        curvature = (np.einsum("nk,kl->nkl", p, np.eye(K)) - np.einsum("nk,nl->nkl", p, p)).mean(0)
+        fits.append(
+            of.OutputFit(weight=rng.normal(size=(G + 1, K)), gram=feats.T @ feats / 40, curvature=curvature, n=40)
+        )
+    joint_mean, joint_cov = of.fuse_output_fits(fits, 0.5)
+    curvature, target = of._quadratic_model(fits, 0.5)
+    precision = curvature + 0.5 * np.eye(len(target))
+    monkeypatch.setattr(of, "MAX_JOINT", 10)
+    assert not of.solved_jointly((G + 1, K))
+    mean, cov = of.fuse_output_fits(fits, 0.5)
+    np.testing.assert_allclose(mean, joint_mean, rtol=1e-8, atol=1e-10)
+    for c in range(K):
+        idx = np.arange(G + 1) * K + c  # class c's weights in weight.ravel() order
+        np.testing.assert_allclose(cov[c], np.linalg.inv(precision[np.ix_(idx, idx)]), rtol=1e-10, atol=1e-12)
+        assert np.linalg.eigvalsh(joint_cov[c] - cov[c]).min() > -1e-12
+    wide_mean, wide_cov, chosen = of.output_posterior(fits, 0.5)  # no evidence search: lambda_0
+    assert chosen == 0.5
+    np.testing.assert_allclose(wide_mean, joint_mean, rtol=1e-8, atol=1e-10)
