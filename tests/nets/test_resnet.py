@@ -284,7 +284,7 @@ def test_the_batchnorm_round_sets_the_pooled_statistics_of_the_fused_network(tra
                 [
                     np.mean(
                         [
-                            float(getattr(m.get_submodule(name), param)[l])
+                            float(getattr(m.get_submodule(name), param).detach()[l])
                             for m, a_j in zip(models, a)
                             for l in np.flatnonzero(a_j == g)
                         ]
