@@ -29,7 +29,15 @@ from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state, tensor_state
 from bayesfuse.train import TrainConfig, train_model
 
-__all__ = ["FedMARun", "run_fedma", "FedAvgRun", "run_fedavg"]
+__all__ = ["FedMARun", "run_fedma", "fedma_rounds", "FedAvgRun", "run_fedavg"]
+
+
+def fedma_rounds(spec: PermutationSpec, passes: int = 1) -> int:
+    """The communication rounds FedMA takes on networks of ``spec`` before it runs: one per
+    permuted group and one for the output layer in each pass (FedMA section 2.2), and one more
+    between passes, which sends the global model down (section 2.3). :attr:`FedMARun.rounds`
+    counts what a run took; this is what FedAvg must match to be compared at equal rounds."""
+    return passes * (len(spec.groups) + 1) + passes - 1
 
 
 def _client_data(train: Dataset, partition) -> list[np.ndarray]:

@@ -66,7 +66,7 @@ from common import mean_sd
 from bayesfuse import fuse
 from bayesfuse.data import DataSplit, dirichlet_partition, load_dataset
 from bayesfuse.demo import format_table
-from bayesfuse.federated import run_fedavg
+from bayesfuse.federated import fedma_rounds, run_fedavg
 from bayesfuse.inference.result import ConvergenceWarning
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
@@ -165,7 +165,7 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
     ]
     # FedMA: each group (stream, inner layer, head), then fc; a later pass also sends the global model down
     passes = args.fedma_passes
-    n_rounds = passes * (len(spec_from_module(models[0]).groups) + 1) + passes - 1
+    n_rounds = fedma_rounds(spec_from_module(models[0]), passes)
     for method in args.methods:
         cpu = cpu_seconds()
         with warnings.catch_warnings():
