@@ -625,7 +625,7 @@ def _refit_round(
     :class:`~bayesfuse.nets.laplace.LastLayerLaplace` with the fused output layer's covariance,
     or with ``head="clients"`` keeps them as the heads of a :class:`~bayesfuse.nets.heads.ClientHeads`
     (the fused network's own output layer still holds the product's mean)."""
-    from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, solved_jointly
+    from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, product_report
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import output_fit
 
@@ -646,7 +646,6 @@ def _refit_round(
     ]
     client_seconds = (time.perf_counter() - client_seconds) / len(partition)
     mean, covariance, chosen = output_posterior(fits, prior_precision, by_evidence=by_evidence)
-    joint = solved_jointly(mean.shape)
     layer = cast(nn.Linear, network.get_submodule(output))
     with torch.no_grad():
         layer.weight.copy_(torch.as_tensor(mean[:-1].T, dtype=layer.weight.dtype))
@@ -674,12 +673,7 @@ def _refit_round(
         + ("; the fits themselves predict, as heads" if head == "clients" else ""),
         "prior_precision": float(chosen),
         "fit_prior_precision": float(prior_precision),
-        "prior_precision_from": ("evidence" if by_evidence else "given")
-        if joint
-        else "the fits' (a wide layer: no evidence search)",
-        "product": "joint K-FAC precision"
-        if joint
-        else "conjugate gradients; per-class covariance blocks of the precision (a wide layer)",
+        **product_report(mean.shape, by_evidence),
         "bytes_up": int(fits[0].nbytes),
         "bytes_down": int(n_weights * 4),
         "client_seconds": client_seconds,

@@ -48,6 +48,7 @@ from bayesfuse.constraints import KEYS, MATCHING, Options, validate_params
 from bayesfuse.inference._backend import check_device, to_device, to_host
 from bayesfuse.inference.lazy import GroupedColumns, LazyRows
 from bayesfuse.inference.matching import MatchResult, match_neurons
+from bayesfuse.inference.matching.empirical_bayes import atom_weights
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import Axis, PermutationSpec, to_global_basis
 from bayesfuse.inference.walk import Basis, GroupWalk
@@ -540,20 +541,9 @@ def match_group(
         values[k] = _from_rows(mean, shape, d, axis)
         start += width
     if lazy_means:
-        data = data_precision(result.assignments, n_global, client_precision)
+        data = atom_weights(result.assignments, n_global, client_precision)
         result.mean = posterior_from_average(averages, data, prior_mean_d, prior_var_d)
     return result, values
-
-
-def data_precision(assignments: Sequence[np.ndarray], n_global: int, precision: np.ndarray) -> GroupedColumns:
-    """``W_id = sum_{j -> i} p_jd``: the precision the clients' units give each atom's coordinates
-    (PFNM supplement eq. 2 without the prior), one column per distinct column of the clients'
-    precisions ``p`` (J, D) (a :class:`~bayesfuse.inference.lazy.GroupedColumns`, not (G, D))."""
-    members = np.zeros((n_global, len(assignments)))
-    for j, a in enumerate(assignments):
-        members[a, j] = 1.0
-    pattern, index = np.unique(precision, axis=1, return_inverse=True)
-    return GroupedColumns(members @ pattern, index.reshape(-1))
 
 
 class _MeansFromAverage:
@@ -578,8 +568,8 @@ def posterior_from_average(
 
     With client precisions ``p_jd``, the posterior (PFNM supplement eq. 2) has ``lambda_id =
     1 / s0_d + W_id`` and ``h_id = mu0_d / s0_d + sum_{j -> i} p_jd v_jd`` with ``W_id = sum_{j
-    -> i} p_jd`` (:func:`data_precision`), and the matched average (:func:`matched_average`) is
-    ``a_id = sum p_jd v_jd / W_id``. So
+    -> i} p_jd`` (:func:`~bayesfuse.inference.matching.empirical_bayes.atom_weights`), and the
+    matched average (:func:`matched_average`) is ``a_id = sum p_jd v_jd / W_id``. So
 
     .. math:: \hat\theta_{id} = h_{id} / \lambda_{id}
         = \mu_{0d} + (a_{id} - \mu_{0d}) \frac{W_{id}}{W_{id} + 1 / s_{0d}},

@@ -66,7 +66,6 @@ class LazyRows(NDArrayOperatorsMixin):
     dtype = property(lambda self: np.dtype(np.float64), doc="float64")
     size = property(lambda self: self._shape[0] * self._shape[1], doc="n * D")
     nbytes = property(lambda self: 8 * self.size, doc="Bytes of the dense array.")
-    T = property(lambda self: np.asarray(self).T, doc="The dense array, transposed.")
 
     def __len__(self) -> int:
         return self._shape[0]

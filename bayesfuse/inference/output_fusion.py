@@ -103,6 +103,7 @@ __all__ = [
     "output_posterior",
     "prior_precision_from_weights",
     "solved_jointly",
+    "product_report",
 ]
 
 _PRECISION = Interval(float, 0.0, None, "neither")
@@ -237,19 +238,24 @@ def _check_fits(fits: Sequence[OutputFit]) -> None:
             raise ValueError(f"client {j}'s output fit has n = {f.n} examples")
 
 
+def _prior_share(fits: Sequence[OutputFit], prior_precision: float, n_clients: int | None) -> float:
+    """``lambda_0 / J``, each fit's share of the prior, ``J = n_clients`` (``len(fits)`` by default)."""
+    if n_clients is not None and (n_clients < len(fits) or isinstance(n_clients, bool)):
+        raise ValueError(f"n_clients must be at least the {len(fits)} fits, got {n_clients!r}")
+    return prior_precision / (len(fits) if n_clients is None else n_clients)
+
+
 def _quadratic_model(
     fits: Sequence[OutputFit], prior_precision: float, n_clients: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """``L = sum_j n_j A_j (x) S_j`` and ``b = sum_j (L_j + lambda_0 / J I) W_hat_j`` (module docstring),
     ``J = n_clients`` (the clients the fits were made for; ``len(fits)`` by default)."""
-    if n_clients is not None and (n_clients < len(fits) or isinstance(n_clients, bool)):
-        raise ValueError(f"n_clients must be at least the {len(fits)} fits, got {n_clients!r}")
+    share = _prior_share(fits, prior_precision, n_clients)
     g, k = fits[0].weight.shape
     if g * k > MAX_JOINT:
         raise ValueError(
             f"the output layer has {g * k} weights; its joint K-FAC precision is built up to {MAX_JOINT} (MAX_JOINT)"
         )
-    share = prior_precision / (len(fits) if n_clients is None else n_clients)
     curvature = np.zeros((g * k, g * k))
     target = np.zeros(g * k)
     for f in fits:
@@ -266,13 +272,24 @@ def solved_jointly(shape: tuple[int, int]) -> bool:
     return shape[0] * shape[1] <= MAX_JOINT
 
 
+def product_report(shape: tuple[int, int], by_evidence: bool) -> dict[str, str]:
+    """How :func:`output_posterior` multiplies an output layer of ``shape`` (G+1, K), for a round's
+    report: where the product's prior precision comes from, and which product runs."""
+    if solved_jointly(shape):
+        return {"prior_precision_from": "evidence" if by_evidence else "given", "product": "joint K-FAC precision"}
+    return {
+        "prior_precision_from": "the fits' (a wide layer: no evidence search)",
+        "product": "conjugate gradients; per-class covariance blocks of the precision (a wide layer)",
+    }
+
+
 def _structured_product(
     fits: Sequence[OutputFit], prior_precision: float, lam: float, n_clients: int | None = None, *, rtol: float = 1e-10
 ) -> tuple[np.ndarray, np.ndarray]:
     """The product for a wide layer (module docstring): the exact mean by preconditioned conjugate
     gradients, each class's covariance ``P_kk^{-1}``. Same returns as :func:`_product`."""
     g, k = fits[0].weight.shape
-    share = prior_precision / (len(fits) if n_clients is None else n_clients)
+    share = _prior_share(fits, prior_precision, n_clients)
     grams = [f.n * f.gram for f in fits]
 
     def apply(x: np.ndarray) -> np.ndarray:  # P x, x (G+1, K): (A (x) S) vec(X) = vec(A X S)

@@ -160,6 +160,18 @@ class AtomStatistics:
     n_clients: int
 
 
+def atom_weights(assignments: Sequence[np.ndarray], n_atoms: int, weights: np.ndarray) -> GroupedColumns:
+    """``W_id = sum_{(j, l) -> i} w_jd``: the total weight (precision) the clients' neurons give each
+    atom's coordinates (``assignments`` injective within a client), held as one column per
+    distinct column of ``weights`` (J, D) (a few: ones, and the class shares of the outgoing
+    weights), not as a (K, D) array."""
+    sizes = [len(a) for a in assignments]
+    members = np.zeros((len(assignments), n_atoms))  # client j has a neuron on atom i (at most one)
+    members[np.repeat(np.arange(len(assignments)), sizes), np.concatenate(assignments)] = 1.0
+    pattern, index = np.unique(weights, axis=1, return_inverse=True)
+    return GroupedColumns(members.T @ pattern, index.reshape(-1))
+
+
 def atom_statistics(
     layers: Sequence[np.ndarray],
     assignments: Sequence[np.ndarray],
@@ -188,13 +200,8 @@ def atom_statistics(
     J, D = len(layers), layers[0].shape[1]
     K = int(max(int(a.max()) for a in assignments)) + 1
     sizes = np.array([len(a) for a in assignments])
-    members = np.zeros((J, K))  # client j has a neuron on atom i (at most one: a is injective)
-    members[np.repeat(np.arange(J), sizes), np.concatenate(assignments)] = 1.0
-    # W_id = sum_j [j on i] w_jd, one column per distinct column of the weights (a few: ones, and
-    # the class shares of the outgoing weights), not a (K, D) array
-    pattern, index = np.unique(weights, axis=1, return_inverse=True)
-    weight = GroupedColumns(members.T @ pattern, index.reshape(-1))
-    counts = members.sum(axis=0).astype(np.int64)
+    weight = atom_weights(assignments, K, weights)
+    counts = np.bincount(np.concatenate(assignments), minlength=K).astype(np.int64)  # a is injective
     n_seen = (weights > 0).T @ sizes.astype(np.float64)
     plain = (weights == 1).all(axis=1)  # clients whose weights are all 1 need no product
     writable = shift is not None and shift.dtype == np.float64 and shift.shape == (K, D) and shift.flags.writeable

@@ -193,8 +193,8 @@ def setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars=None, *, 
     return layers, prec, prior
 
 
-def add_scaled(h, rows, v, p, groups: Groups, sign: float = 1.0, *, base=None, max_elements: int = 1 << 20) -> None:
-    """``h[rows] += v * p`` (``sign = -1``: ``-=``), or with ``base``, ``h[rows] = base - v * p``, in
+def add_scaled(h, rows, v, p, groups: Groups, *, base=None, max_elements: int = 1 << 20) -> None:
+    """``h[rows] += v * p``, or with ``base``, ``h[rows] = base - v * p``, in
     place, a block of rows at a time: client neurons ``v`` (L, D) times their precisions ``p`` (1 | L,
     B) on every coordinate, without the (L, D) products of a wide layer held whole. Each entry is
     the same operation as on all rows at once. ``rows`` are distinct atoms (L,)."""
@@ -205,10 +205,8 @@ def add_scaled(h, rows, v, p, groups: Groups, sign: float = 1.0, *, base=None, m
         term = v[r] * groups.expand(p if p.shape[0] == 1 else p[r])
         if base is not None:
             h[rows[r]] = base[r] - term
-        elif sign > 0:
-            h[rows[r]] += term
         else:
-            h[rows[r]] -= term
+            h[rows[r]] += term
 
 
 def posterior_stats(layers, prec, assignments, n_atoms, prior: Prior, backend: Backend = NUMPY, *, out=None):

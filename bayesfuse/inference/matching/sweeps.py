@@ -161,32 +161,27 @@ class _AtomBuffer:
             self._hh[block] = self.backend.host(self.groups.sum_sq(self._h[block]))
 
     def _reserve(self, size: int) -> None:
-        if size > len(self._m):
-            # Resized where it stands, the allocator moves pages, not rows: grow by what is needed
-            # (and a few rows), so that the spare rows are no wide layer's hundreds of MB.
-            cap = max(len(self._m) + 16, size)
-            if _resized_in_place(self, "_h", cap):
-                for name in ("_lam", "_hh", "_m"):
-                    if not _resized_in_place(self, name, cap):
-                        old = getattr(self, name)
-                        new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
-                        new[: self.n] = old[: self.n]
-                        setattr(self, name, new)
-                return
-            # Copied: old and new are both held while the rows are copied, so a quarter more, not
-            # double, and as few copies as growing by a quarter makes.
+        if size <= len(self._m):
+            return
+        # Resized where it stands, the allocator moves pages, not rows: grow by what is needed (and
+        # a few rows), so that the spare rows are no wide layer's hundreds of MB. Copied, old and
+        # new are both held while the rows are copied: a quarter more, not double, and as few
+        # copies as growing by a quarter makes. One capacity for all four arrays.
+        cap = max(len(self._m) + 16, size)
+        if not _resized_in_place(self, "_h", cap):
             cap = max(len(self._m) + max(len(self._m) // 4, 16), size)
-            for name in ("_h", "_lam", "_hh", "_m"):
-                if _resized_in_place(self, name, cap):
-                    continue
-                old = getattr(self, name)
-                new = (
-                    self.backend.zeros((cap, *old.shape[1:]))
-                    if name == "_h"
-                    else np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
-                )
-                new[: self.n] = old[: self.n]
-                setattr(self, name, new)
+            self._h = self._copied(self._h, cap, self.backend.zeros)
+        for name in ("_lam", "_hh", "_m"):
+            if not _resized_in_place(self, name, cap):
+                setattr(self, name, self._copied(getattr(self, name), cap))
+
+    def _copied(self, old, cap: int, zeros=None):
+        """``old``'s live rows in a new zero array of ``cap`` rows (``zeros(shape)``, or NumPy's in
+        ``old``'s dtype)."""
+        shape = (cap, *old.shape[1:])
+        new = zeros(shape) if zeros is not None else np.zeros(shape, dtype=old.dtype)
+        new[: self.n] = old[: self.n]
+        return new
 
     def grow(self, k: int, prior: Prior) -> None:
         """Append k atoms holding only the prior."""
@@ -350,7 +345,7 @@ def match_fixed(
                 old = assignments[j]
                 if old is not None:  # take client j out, keeping its atoms' rows to put back unchanged
                     kept_h, kept_lam, kept_hh = atoms.h[old], atoms.lam[old], atoms.hh[old]
-                    add_scaled(atoms.h, old, layers[j], p_on, groups, -1.0, base=kept_h)
+                    add_scaled(atoms.h, old, layers[j], p_on, groups, base=kept_h)
                     atoms.refresh(old)
                     atoms.lam[old] = kept_lam - p
                     atoms.m[old] -= 1

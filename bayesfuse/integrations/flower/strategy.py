@@ -18,7 +18,7 @@ from torch import nn
 from bayesfuse import methods
 from bayesfuse.core import StateFusion, fuse_states
 from bayesfuse.inference.client_heads import default_pool
-from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, solved_jointly
+from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, product_report
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
     OUTPUT_FIT,
@@ -595,9 +595,7 @@ class MatchedAveraging(_Fusion):
             "output_layer": "product of the clients' Laplace fits on the fused features (K-FAC)",
             "prior_precision": float(chosen),
             "fit_prior_precision": float(prior),
-            "prior_precision_from": ("given" if self.output_prior_precision is not None else "evidence")
-            if solved_jointly(mean.shape)
-            else "the fits' (a wide layer: no evidence search)",
+            **product_report(mean.shape, by_evidence=self.output_prior_precision is None),
             "bytes_up": metrics["bytes-up"],
             "bytes_down": pending["bytes_down"],
             "replies": len(fits),
