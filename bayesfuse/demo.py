@@ -77,11 +77,13 @@ class DemoConfig:
     #: :func:`bayesfuse.fuse` (the output layer refitted from the clients' fits; every architecture
     #: without position encodings), and for MLPs and ConvNets ``"METHOD +summaries"`` fused with
     #: them in one shot (the default: for PFNM and NAFI each client's own output layer kept as its
-    #: Kronecker Laplace posterior, pooled geometrically) and ``"METHOD +summaries 2 rounds"`` with
-    #: the second round too; for PFNM and NAFI on MLPs and ConvNets, ``"METHOD client heads"`` (one
-    #: shot, data-free: each client's own output layer on the fused body, their class-share
-    #: mixture) and ``"METHOD +summaries shared head"`` (one fused output layer with its Laplace
-    #: posterior)
+    #: Kronecker Laplace posterior, pooled geometrically), ``"METHOD +summaries 2 rounds"`` with
+    #: the second round too and ``"METHOD +summaries temperature"`` with the temperature round
+    #: instead (``second_round="temperature"``: the clients score the candidates, the shared head
+    #: and their own heads, at each temperature on their own data, the server keeps the best); for
+    #: PFNM and NAFI on MLPs and ConvNets, ``"METHOD client heads"`` (one shot, data-free: each
+    #: client's own output layer on the fused body, their class-share mixture) and ``"METHOD
+    #: +summaries shared head"`` (one fused output layer with its Laplace posterior)
     summaries: bool = True
 
     def __post_init__(self) -> None:
@@ -407,7 +409,11 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
                     summaries = [
                         summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, partition)
                     ]
-                variants += [("+summaries", 1, summaries, {}), ("+summaries 2 rounds", 2, summaries, {})]
+                variants += [
+                    ("+summaries", 1, summaries, {}),
+                    ("+summaries 2 rounds", 2, summaries, {}),
+                    ("+summaries temperature", 2, summaries, {"second_round": "temperature"}),
+                ]
                 if heads:
                     variants.append(("+summaries shared head", 1, summaries, {"head": "shared"}))
             for label, rounds, given, extra in variants:

@@ -26,7 +26,7 @@ from the method table, :mod:`bayesfuse.methods`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence, cast
 
 import numpy as np
@@ -226,7 +226,9 @@ def fuse(
         depend on. With the refit round: ``"clients"`` keeps every client's refitted output layer
         (its reply) and predicts with their class-share mixture, each head its fit's Laplace
         posterior (:class:`~bayesfuse.nets.heads.ClientHeads`; ``ClientHeads.predictive = "map"``:
-        the fits' means), instead of the product's probit (``"shared"``, default).
+        the fits' means), instead of the product's probit (``"shared"``, default). With the
+        temperature round and summaries (PFNM, NAFI): the clients' one-shot heads are among its
+        candidates by default, ``"clients"`` makes them the only one, ``"shared"`` leaves them out.
     pool : {"linear", "log"}, optional
         With ``head="clients"``: how the heads are pooled, their class-share mixture
         (``"linear"``) or geometric pool (``"log"``; ``ClientHeads.pool`` may be set later). By
@@ -247,11 +249,14 @@ def fuse(
         own output weights, scaled by the fused layer's fan-in over theirs, and the server takes
         the precision that maximises the evidence of their replies
         (:func:`~bayesfuse.inference.output_fusion.evidence_precision`). ``"temperature"``:
-        the server sends the candidate fused networks (with summaries, one per ``output_pool``),
-        each client returns its summed negative
+        the server sends the candidate fused networks (with summaries, the shared head by each
+        ``output_pool`` and, for PFNM and NAFI unless ``head="shared"``, the one-shot default:
+        the clients' own heads, :class:`~bayesfuse.nets.heads.ClientHeads`; with
+        ``head="clients"`` those alone), each client returns its summed negative
         log-likelihood under each at each candidate temperature
         (:func:`bayesfuse.summaries.temperature_nll`), and the server keeps the best pair
-        (:func:`~bayesfuse.inference.summary_fusion.best_candidate`). ``"batchnorm"``, for
+        (:func:`~bayesfuse.inference.summary_fusion.best_candidate`); ``hyper["second_round"]``
+        names it (``output_pool``: ``"precision"``, ``"counts"`` or ``"client heads"``). ``"batchnorm"``, for
         networks with batch norms: the server sends the fused network, each client returns the
         count, mean and mean square of every batch norm's input per channel over its own data
         (:func:`bayesfuse.summaries.batchnorm_moments`), and the server sets the batch norms'
@@ -329,6 +334,7 @@ def fuse(
     bnn = [_is_bnn(m) for m in models]
     if any(bnn) and not all(bnn):
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
+    explicit_head = head == "clients"
     auto_heads = False  # the clients' heads by default (networks, one shot, with summaries)
     if any(bnn):
         if head is not None:  # a BNN's heads are the method's hyper-parameter (bayesfuse.core.fuse_states)
@@ -337,16 +343,22 @@ def fuse(
     else:  # networks: the clients' own heads (one shot) or the refit round's
         # with summaries, one shot, the clients' own heads are the default where the method allows them
         auto_heads = head is None and summaries is not None and rounds == 1 and method in ONE_SHOT_HEADS
-        head = ("clients" if auto_heads else "shared") if head is None else head  # resolved once fused
         refits = rounds == 2 and second_round == "refit" or rounds == 3
-        if head not in ("shared", "clients") or head == "clients" and not (refits or rounds == 1):
+        tempers = rounds == 2 and second_round == "temperature" and summaries is not None
+        # with summaries the temperature round scores the one-shot heads too, where the method keeps them
+        heads_candidate = tempers and method in ONE_SHOT_HEADS and head in (None, "clients")
+        head = (
+            ("clients" if auto_heads or heads_candidate else "shared") if head is None else head
+        )  # resolved once fused
+        if head not in ("shared", "clients") or head == "clients" and not (refits or rounds == 1 or tempers):
             raise ValueError(
-                f"head={head!r}: point-estimate networks keep the clients' heads in one shot (rounds=1) or "
-                "from the refit round, head='clients' with rounds=2 (second_round='refit') or rounds=3"
+                f"head={head!r}: point-estimate networks keep the clients' heads in one shot (rounds=1), "
+                "from the refit round (rounds=2, second_round='refit'; or rounds=3), or, with summaries, "
+                "from the temperature round (rounds=2, second_round='temperature')"
             )
         if pool is not None and (pool not in ("linear", "log") or head != "clients"):
             raise ValueError(f"pool={pool!r}: the clients' heads are pooled 'linear' or 'log', with head='clients'")
-        if head == "clients" and rounds == 1 and method not in ONE_SHOT_HEADS:
+        if head == "clients" and (rounds == 1 or tempers) and method not in ONE_SHOT_HEADS:
             raise ValueError(
                 f"head='clients' in one shot reads each client's output layer through the matching's "
                 f"assignments: method must be one of {', '.join(ONE_SHOT_HEADS)}, got {method!r}"
@@ -410,7 +422,20 @@ def fuse(
             *candidates[0], models, data, prior_precision=output_prior_precision, head=head, pool=pool
         )
     else:
-        fused, model = _second_round(candidates, data, pools, like=models[0])
+        labels = list(pools)
+        if heads_candidate:  # the one-shot default, the clients' heads on the precision pool's body
+            fused, model = candidates[0]
+            _, refused = default_head(True, summaries, fused.spec, fused.state)
+            if refused and head == "clients" and explicit_head:
+                raise ValueError(f"head='clients': {refused}")
+            if not refused:
+                own = replace(fused, hyper=dict(fused.hyper))
+                heads = _own_heads(own, model, states, class_counts, summaries, pool)
+                if explicit_head:  # head="clients": the heads are the only candidate
+                    candidates, labels = [], []
+                candidates.append((own, heads))
+                labels.append("client heads")
+        fused, model = _second_round(candidates, data, labels, like=models[0])
     result = FusionResult(
         model=model,
         layers=fused.layers,
@@ -482,11 +507,14 @@ def _fused_model(like: nn.Module, fused, bnn: bool) -> nn.Module:
     return model
 
 
-def _second_round(candidates, data, pools, *, like: nn.Module):
+def _second_round(candidates, data, labels, *, like: nn.Module):
     """The second round, simulated: every client scores each candidate's predictive at each
     temperature on its own data; the server keeps the best pair (the temperature folded into the
-    output layer of a plain network, the ``temperature`` of a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`)."""
+    output layer of a plain network, the ``temperature`` of a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`
+    or of the clients' heads, :class:`~bayesfuse.nets.heads.ClientHeads`). ``labels`` name the
+    candidates in the report (their output pools, or ``"client heads"``)."""
     from bayesfuse.inference.summary_fusion import best_candidate, fold_temperature
+    from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import temperature_nll
 
@@ -501,22 +529,23 @@ def _second_round(candidates, data, pools, *, like: nn.Module):
     )
     choice, t = best_candidate(nll)
     temperature = float(TEMPERATURES[t])
+    # what the server sends: every candidate, its posterior's numbers (heads, variances) included
+    sent = sum(sum(v.numel() for v in m.state_dict().values()) for _, m in candidates)
     fused, model = candidates[choice]
-    if isinstance(model, LastLayerLaplace):
+    if isinstance(model, (LastLayerLaplace, ClientHeads)):
         model.temperature.fill_(temperature)
     else:
         fused.state = fold_temperature(fused.state, fused.spec, temperature)
         model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
-    n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper["second_round"] = {
         "kind": "temperature",
         "temperature": temperature,
-        "output_pool": pools[choice],
+        "output_pool": labels[choice],
         "candidates": int(nll[0].size),
         "at_edge": bool(temperature in (TEMPERATURES[0], TEMPERATURES[-1])),
-        "nll": {p: float(nll[:, c].sum(0).min()) for c, p in enumerate(pools)},
+        "nll": {p: float(nll[:, c].sum(0).min()) for c, p in enumerate(labels)},
         "bytes_up": int(nll.size * 8),
-        "bytes_down": int(len(nll) * len(candidates) * n_weights * 4),
+        "bytes_down": int(len(nll) * sent * 4),
         "seconds": time.perf_counter() - start,
     }
     return fused, model

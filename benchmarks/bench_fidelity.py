@@ -22,7 +22,9 @@ network (``shared``) or each from its own (``independent``), then one global mod
                  from the models alone (printed below each summary, for the first seed)
   pfnm s2=X      PFNM's hand-set setting: noise_var X, prior_var 10, gamma0 1, cost "pfnm"
   ... +summaries  with the clients' summaries (bayesfuse.summarize); "2 rounds temperature": the
-                 second round picks the output pool and a temperature by the clients' own NLL;
+                 second round picks a candidate (the shared head by either output pool, or the
+                 clients' heads of the one-shot default) and a temperature by the clients' own
+                 NLL ("... shared": the shared head's candidates alone);
                  "2 rounds refit": the second round refits the output layer as the product of the
                  clients' Laplace fits on the fused features (bayesfuse.inference.output_fusion);
                  "pfnm 2 rounds refit" does so after the data-free fusion, without summaries;
@@ -105,6 +107,10 @@ SUMMARY_ROWS = {
     "pfnm +summaries counts": ("pfnm", {"output_pool": "counts", "head": "shared"}),
     "nafi +summaries": ("nafi", {}),
     "pfnm +summaries 2 rounds temperature": ("pfnm", {"rounds": 2, "second_round": "temperature"}),
+    "pfnm +summaries 2 rounds temperature shared": (
+        "pfnm",
+        {"rounds": 2, "second_round": "temperature", "head": "shared"},
+    ),
     "pfnm +summaries 2 rounds refit": ("pfnm", {"rounds": 2}),
     "pfnm 2 rounds refit": ("pfnm", {"rounds": 2, "summaries": False}),
     "pfnm 2 rounds client heads": ("pfnm", {"rounds": 2, "summaries": False, "head": "clients"}),

@@ -24,7 +24,14 @@ def test_demo_writes_table_and_files(demo_run, capsys):
     with open(out / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
     # the second round, and each client summarising its data (DemoConfig.summaries)
-    with_summaries = ["2 rounds", "client heads", "+summaries", "+summaries 2 rounds", "+summaries shared head"]
+    with_summaries = [
+        "2 rounds",
+        "client heads",
+        "+summaries",
+        "+summaries 2 rounds",
+        "+summaries temperature",
+        "+summaries shared head",
+    ]
     assert [r["method"] for r in rows] == [
         "local (mean of 4)",
         "ensemble",
@@ -81,8 +88,8 @@ def test_demo_over_seeds_reports_mean_and_sd_and_takes_hyper(tmp_path, capsys):
     assert hyper["nafi"]["n_iter"] == hyper["pfnm"]["n_iter"] == 7
     with open(out / "results.csv") as fh:
         # per seed: local, ensemble, fedavg, then pfnm and nafi each data-free, 2 rounds, client heads,
-        # +summaries, +summaries 2 rounds, +summaries shared head
-        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 15 + ["1"] * 15
+        # +summaries, +summaries 2 rounds, +summaries temperature, +summaries shared head
+        assert [r["seed"] for r in csv.DictReader(fh)] == ["0"] * 17 + ["1"] * 17
 
 
 @pytest.mark.catalogue

@@ -68,13 +68,16 @@ def test_second_round_picks_a_temperature(federation):
     split, part, models, summaries = federation
     result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part), second_round="temperature")
     r2 = result.hyper["second_round"]
+    # three candidates: the shared head by either pool, and the clients' heads (the one-shot default)
     assert (
         r2["kind"] == "temperature"
         and 1 / 16 <= r2["temperature"] <= 16
-        and r2["output_pool"] in ("precision", "counts")
+        and r2["output_pool"] in ("precision", "counts", "client heads")
     )
-    assert r2["candidates"] == 2 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
-    assert result.hyper["summaries"]["output"] == f"log pool, shares by {r2['output_pool']}"
+    assert r2["candidates"] == 3 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
+    assert set(r2["nll"]) == {"precision", "counts", "client heads"}
+    body_pool = "precision" if r2["output_pool"] == "client heads" else r2["output_pool"]
+    assert result.hyper["summaries"]["output"] == f"log pool, shares by {body_pool}"
     one_shot = fuse(models, "pfnm", summaries=summaries)
 
     # the chosen pair minimises the clients' summed NLL on their own data, so the training NLL of the
@@ -91,6 +94,52 @@ def test_second_round_picks_a_temperature(federation):
         fuse(models, "pfnm", output_pool="counts")
     counts = fuse(models, "pfnm", summaries=summaries, output_pool="counts")
     assert counts.hyper["summaries"]["output"] == "log pool, shares by counts"
+
+
+def test_temperature_round_scores_the_clients_heads(federation):
+    from bayesfuse.nets.heads import ClientHeads
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    split, part, models, summaries = federation
+    data = (split.train, part)
+    heads = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
+    r2 = heads.hyper["second_round"]
+    assert isinstance(heads.model, ClientHeads) and r2["output_pool"] == "client heads" and r2["candidates"] == 65
+    assert heads.hyper["head"] == "clients" and float(heads.model.temperature) == r2["temperature"]
+    # the candidate is the one-shot default (the Kronecker heads' log pool) at the chosen temperature
+    one_shot = fuse(models, "pfnm", summaries=summaries)
+    x = torch.as_tensor(split.test.x[:64])
+    with torch.no_grad():
+        expected = torch.log_softmax(one_shot.model(x) / r2["temperature"], -1)
+        np.testing.assert_allclose(heads.model(x).numpy(), expected.numpy(), rtol=1e-10, atol=1e-10)
+    # the clients' summed NLL of it at that temperature is what they reported for it
+    nll = -sum(
+        np.log(predict_proba(heads.model, split.train.x[idx])[np.arange(len(idx)), split.train.y[idx]]).sum()
+        for idx in part
+    )
+    assert nll == pytest.approx(r2["nll"]["client heads"], rel=1e-6)
+    # client order does not matter (bayesfuse.client_order): the reversed federation, the same model
+    reverse = fuse(
+        models[::-1],
+        "pfnm",
+        summaries=summaries[::-1],
+        rounds=2,
+        data=(split.train, list(part)[::-1]),
+        second_round="temperature",
+        head="clients",
+    )
+    assert np.array_equal(predict_proba(reverse.model, split.test.x), predict_proba(heads.model, split.test.x))
+    shared = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature", head="shared")
+    r2 = shared.hyper["second_round"]
+    assert isinstance(shared.model, LastLayerLaplace) and r2["candidates"] == 2 * 65
+    assert set(r2["nll"]) == {"precision", "counts"}
+    # the default keeps the best of all three: its clients' NLL is the least of the two runs'
+    both = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature")
+    assert min(both.hyper["second_round"]["nll"].values()) == pytest.approx(
+        min(*r2["nll"].values(), heads.hyper["second_round"]["nll"]["client heads"])
+    )
+    with pytest.raises(ValueError, match="method must be one of pfnm, nafi"):
+        fuse(models, "ot", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
 
 
 def test_second_round_refits_the_output_layer(federation):

@@ -154,12 +154,16 @@ class ClientHeads(nn.Module):
         Draws of each head's logits for its Laplace predictive.
 
     ``forward`` returns the pooled predictive's log-probabilities, so that
-    :func:`~bayesfuse.nets.predict.predict_proba` (a softmax) gives its probabilities.
+    :func:`~bayesfuse.nets.predict.predict_proba` (a softmax) gives its probabilities. The
+    ``temperature`` buffer (1 unless the temperature round set it, :func:`bayesfuse.fuse` with
+    ``second_round="temperature"``) divides them before they are normalised:
+    ``p(y = k | x) = softmax(log pool(x) / T)_k``.
     """
 
     weight: torch.Tensor
     bias: torch.Tensor
     shares: torch.Tensor
+    temperature: torch.Tensor
     gram_vals: torch.Tensor  # with Kronecker-factored posteriors (laplace=) only, as the buffers below
     inv_precision: torch.Tensor  # with diagonal posteriors only
     gram_vecs: torch.Tensor
@@ -206,6 +210,7 @@ class ClientHeads(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
         self.register_buffer("shares", shares)
+        self.register_buffer("temperature", torch.ones((), dtype=dtype))
         self._predictive = "map"
         if laplace is not None:
             self._set_laplace(laplace, samples)
@@ -449,4 +454,4 @@ class ClientHeads(nn.Module):
             pooled = torch.logsumexp(log_p + torch.log(self.shares)[:, None, :], dim=0)  # log sum_j s_jk p_jk
         else:
             pooled = torch.einsum("jk,jnk->nk", self.shares, log_p)  # sum_j s_jk log p_jk
-        return torch.log_softmax(pooled, -1)
+        return torch.log_softmax(pooled / self.temperature, -1)

@@ -36,6 +36,16 @@ def _heads(rng, J: int = 3, K: int = 3, G: int = 4):
     return weight, bias, class_shares(counts)
 
 
+def _pooled_by_hand(net, weight, bias, shares, x, pool: str) -> np.ndarray:
+    """(N, K) unnormalised pool of the heads' softmaxes on ``net``'s features: the mixture's
+    ``sum_j s_jk p_jk`` or the geometric ``prod_j p_jk^s_jk``."""
+    features = net[1](net[0](x)).detach().double().numpy()
+    p = np.stack([_softmax(features @ w.T + b) for w, b in zip(weight, bias)])  # (J, N, K)
+    if pool == "linear":
+        return np.einsum("jk,jnk->nk", shares, p)
+    return np.exp(np.einsum("jk,jnk->nk", shares, np.log(p)))
+
+
 def test_one_head_is_its_own_softmax():
     net = _network()
     rng = np.random.default_rng(0)
@@ -54,12 +64,7 @@ def test_pools_by_hand(pool):
     rng = np.random.default_rng(1)
     weight, bias, shares = _heads(rng)
     x = torch.randn(6, 5)
-    features = net[1](net[0](x)).detach().double().numpy()
-    p = np.stack([_softmax(features @ w.T + b) for w, b in zip(weight, bias)])  # (J, N, K)
-    if pool == "linear":
-        pooled = np.einsum("jk,jnk->nk", shares, p)
-    else:
-        pooled = np.exp(np.einsum("jk,jnk->nk", shares, np.log(p)))
+    pooled = _pooled_by_hand(net, weight, bias, shares, x, pool)
     expected = pooled / pooled.sum(1, keepdims=True)
     got = predict_proba(ClientHeads(net, "2", weight, bias, shares, pool=pool), x)
     assert np.allclose(got, expected, rtol=1e-10, atol=1e-12)
@@ -140,9 +145,22 @@ def test_a_plain_list_partition_and_the_pool_setting(federation):
         listed.model.pool = "max"
 
 
+@pytest.mark.parametrize("pool", ["linear", "log"])
+def test_a_temperature_tempers_the_pool_by_hand(pool):
+    net = _network()
+    weight, bias, shares = _heads(np.random.default_rng(2))
+    x = torch.randn(6, 5)
+    tempered = _pooled_by_hand(net, weight, bias, shares, x, pool) ** (1 / 2.5)  # p(k | x) proportional to pool_k^(1/T)
+    model = ClientHeads(net, "2", weight, bias, shares, pool=pool)
+    model.temperature.fill_(2.5)
+    got = predict_proba(model, x)
+    assert np.allclose(got, tempered / tempered.sum(1, keepdims=True), rtol=1e-10, atol=1e-12)
+    assert float(model.state_dict()["temperature"]) == 2.5
+
+
 def test_heads_need_one_shot_matching_or_the_refit_round(federation):
     split, part, models = federation
-    with pytest.raises(ValueError, match="head='clients' with rounds=2"):
+    with pytest.raises(ValueError, match="with summaries, from the temperature round"):
         bayesfuse.fuse(models, "pfnm", rounds=2, second_round="temperature", data=(split.train, part), head="clients")
     with pytest.raises(ValueError, match="has one head"):
         bayesfuse.fuse(models, "fedma", data=(split.train, part), head="clients")
