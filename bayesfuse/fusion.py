@@ -250,9 +250,11 @@ def fuse(
         the precision that maximises the evidence of their replies
         (:func:`~bayesfuse.inference.output_fusion.evidence_precision`). ``"temperature"``:
         the server sends the candidate fused networks (with summaries, the shared head by each
-        ``output_pool`` and, for PFNM and NAFI unless ``head="shared"``, the one-shot default:
-        the clients' own heads, :class:`~bayesfuse.nets.heads.ClientHeads`; with
-        ``head="clients"`` those alone), each client returns its summed negative
+        ``output_pool`` and, for PFNM and NAFI where the output layer reads hidden units, unless
+        ``head="shared"``, the one-shot default: the clients' own heads,
+        :class:`~bayesfuse.nets.heads.ClientHeads`, on the body of ``output_pool``; with
+        ``head="clients"`` those alone: they carry every client's output layer and its Kronecker
+        factors to every client, as the one-shot default model does), each client returns its summed negative
         log-likelihood under each at each candidate temperature
         (:func:`bayesfuse.summaries.temperature_nll`), and the server keeps the best pair
         (:func:`~bayesfuse.inference.summary_fusion.best_candidate`); ``hyper["second_round"]``
@@ -303,7 +305,8 @@ def fuse(
     if row is not None and row.needs_data:
         if head not in (None, "shared"):
             raise ValueError(
-                f"head={head!r} is for the refit round of pfnm, nafi, ot and fedavg; {method} has one head"
+                f"head={head!r} is for one-shot pfnm and nafi, their temperature round, and the refit round of "
+                f"pfnm, nafi, ot and fedavg; {method} has one head"
             )
         return to_callers(
             _with_multihead(
@@ -336,6 +339,7 @@ def fuse(
         raise TypeError("cannot fuse Bayesian and point-estimate networks together")
     explicit_head = head == "clients"
     auto_heads = False  # the clients' heads by default (networks, one shot, with summaries)
+    tempers = heads_candidate = False  # the temperature round with summaries; its heads candidate
     if any(bnn):
         if head is not None:  # a BNN's heads are the method's hyper-parameter (bayesfuse.core.fuse_states)
             hyper["head"] = head
@@ -360,7 +364,8 @@ def fuse(
             raise ValueError(f"pool={pool!r}: the clients' heads are pooled 'linear' or 'log', with head='clients'")
         if head == "clients" and (rounds == 1 or tempers) and method not in ONE_SHOT_HEADS:
             raise ValueError(
-                f"head='clients' in one shot reads each client's output layer through the matching's "
+                f"head='clients' in one shot (and in the temperature round) reads each client's output layer "
+                "through the matching's "
                 f"assignments: method must be one of {', '.join(ONE_SHOT_HEADS)}, got {method!r}"
             )
     if second_round not in ("refit", "temperature", "batchnorm"):
@@ -370,9 +375,8 @@ def fuse(
     if not any(bnn) and (spec is None or row is None or row.aligns_units):
         spec = spec_with_encodings(models[0], spec, example_input)  # position encodings (PANs) are folded out
     states = [numpy_state(m) for m in models]
-    pools = (
-        [output_pool] if rounds == 1 or summaries is None or second_round != "temperature" else ["precision", "counts"]
-    )
+    # the temperature round with summaries scores both output pools (with head="clients": the heads alone)
+    pools = ["precision", "counts"] if tempers and not (heads_candidate and explicit_head) else [output_pool]
     candidates = []
     for logit_pool in pools:
         fused = fuse_states(
@@ -423,14 +427,19 @@ def fuse(
         )
     else:
         labels = list(pools)
-        if heads_candidate:  # the one-shot default, the clients' heads on the precision pool's body
-            fused, model = candidates[0]
-            _, refused = default_head(True, summaries, fused.spec, fused.state)
-            if refused and head == "clients" and explicit_head:
+        if heads_candidate:  # the one-shot default: the clients' heads on the body of output_pool
+            body, network = candidates[pools.index(output_pool)]
+            _, refused = default_head(True, summaries, body.spec, body.state)
+            if refused and explicit_head:
                 raise ValueError(f"head='clients': {refused}")
-            if not refused:
-                own = replace(fused, hyper=dict(fused.hyper))
-                heads = _own_heads(own, model, states, class_counts, summaries, pool)
+            if refused and pool is not None:
+                raise ValueError(f"pool={pool!r} is for the clients' own heads, and {refused}")
+            if refused:  # as in one shot: the shared head, and why
+                for shared, _ in candidates:
+                    shared.hyper["head"] = f"shared ({refused})"
+            else:
+                own = replace(body, hyper=dict(body.hyper))
+                heads = _own_heads(own, network, states, class_counts, summaries, pool)
                 if explicit_head:  # head="clients": the heads are the only candidate
                     candidates, labels = [], []
                 candidates.append((own, heads))
@@ -529,8 +538,7 @@ def _second_round(candidates, data, labels, *, like: nn.Module):
     )
     choice, t = best_candidate(nll)
     temperature = float(TEMPERATURES[t])
-    # what the server sends: every candidate, its posterior's numbers (heads, variances) included
-    sent = sum(sum(v.numel() for v in m.state_dict().values()) for _, m in candidates)
+    sent = _numbers_sent([m for _, m in candidates])
     fused, model = candidates[choice]
     if isinstance(model, (LastLayerLaplace, ClientHeads)):
         model.temperature.fill_(temperature)
@@ -549,6 +557,21 @@ def _second_round(candidates, data, labels, *, like: nn.Module):
         "seconds": time.perf_counter() - start,
     }
     return fused, model
+
+
+def _numbers_sent(models: Sequence[nn.Module]) -> int:
+    """How many numbers the server sends each client in the temperature round: every candidate's
+    tensors, its posterior's (variances, heads and their factors) included, a body two candidates
+    share once, and not the heads' fixed draws, which a client makes itself (the same seed)."""
+    seen: set[int] = set()
+    total = 0
+    for model in models:
+        for key, tensor in model.state_dict().items():
+            if key == "draws" or tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            total += tensor.numel()
+    return total
 
 
 def _batchnorm_round(fused, model: nn.Module, data, states):

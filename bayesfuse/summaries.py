@@ -28,6 +28,9 @@ is unsure about (the output biases' GGN is ``sum_n p_nk (1 - p_nk)``), and its c
 The output factors hold the second moments of its last hidden features, all their
 correlations: more than the per-unit moments, and with fewer examples than features (``n <=
 G``) close to the span of its examples' features.
+The one-shot default model (:class:`~bayesfuse.nets.heads.ClientHeads`) carries the output
+factors of every client to whoever receives it, and so does the temperature round's candidate of
+it, sent to every client (:func:`bayesfuse.fuse`, ``head="shared"`` leaves it out).
 A client that may not share these should send weights alone (the data-free path).
 
 On disk a summary is a safetensors file beside the model (``model.pt`` ->

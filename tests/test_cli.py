@@ -53,6 +53,8 @@ def test_demo_writes_table_and_files(demo_run, capsys):
     assert sum(map(sum, run["client_class_counts"])) == report["data"]["n_train"]
     pfnm = next(r for r in report["summary"] if r["method"] == "pfnm")
     assert pfnm["accuracy_sd"] == 0.0 and pfnm["hyper"]["noise_var"] == "auto" and "chosen" in pfnm["hyper"]
+    rounds = {r["method"]: r["hyper"].get("second_round", {}).get("kind") for r in report["summary"]}
+    assert rounds["pfnm +summaries temperature"] == "temperature" and rounds["pfnm +summaries 2 rounds"] == "refit"
     assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

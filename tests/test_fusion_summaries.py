@@ -134,12 +134,35 @@ def test_temperature_round_scores_the_clients_heads(federation):
     assert isinstance(shared.model, LastLayerLaplace) and r2["candidates"] == 2 * 65
     assert set(r2["nll"]) == {"precision", "counts"}
     # the default keeps the best of all three: its clients' NLL is the least of the two runs'
+    # the default scores all three, each as the runs above did, and keeps the least NLL's
     both = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature")
-    assert min(both.hyper["second_round"]["nll"].values()) == pytest.approx(
-        min(*r2["nll"].values(), heads.hyper["second_round"]["nll"]["client heads"])
-    )
+    nll = both.hyper["second_round"]["nll"]
+    assert nll == {**r2["nll"], "client heads": heads.hyper["second_round"]["nll"]["client heads"]}
+    assert both.hyper["second_round"]["output_pool"] == min(nll, key=nll.get)
+    assert isinstance(both.model, ClientHeads) == (min(nll, key=nll.get) == "client heads")
+    # what the server sends each client: every candidate's tensors, the heads' body (the precision
+    # candidate's network) once, and not the heads' fixed draws
+    J = len(models)
+    network = sum(t.numel() for t in heads.model.network.state_dict().values())
+    own = sum(t.numel() for k, t in heads.model.state_dict().items() if not k.startswith("network."))
+    draws = heads.model.draws.numel()
+    assert heads.hyper["second_round"]["bytes_down"] == J * 4 * (network + own - draws)
     with pytest.raises(ValueError, match="method must be one of pfnm, nafi"):
         fuse(models, "ot", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
+
+
+def test_a_shared_head_chosen_over_the_clients_heads_reports_itself(federation, monkeypatch):
+    import bayesfuse.inference.summary_fusion as summary_fusion
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    split, part, models, summaries = federation
+    # the clients' replies decide; here they are made to prefer the precision pool's shared head at T = 1
+    monkeypatch.setattr(summary_fusion, "best_candidate", lambda nll: (0, 32))
+    result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part), second_round="temperature")
+    r2 = result.hyper["second_round"]
+    assert r2["output_pool"] == "precision" and r2["temperature"] == 1.0
+    assert isinstance(result.model, LastLayerLaplace) and "LastLayerLaplace" in result.hyper["predictive"]
+    assert "head" not in result.hyper and "pool" not in result.hyper  # nothing of the heads' candidate
 
 
 def test_second_round_refits_the_output_layer(federation):

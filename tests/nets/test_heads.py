@@ -4,6 +4,7 @@ The body runs in float32 and the heads in float64 on its features, so a NumPy co
 the same features agrees to float64 round-off."""
 
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -492,6 +493,19 @@ def test_with_summaries_one_shot_keeps_the_clients_heads_where_the_output_layer_
         fused = bayesfuse.fuse(cnns, "pfnm", summaries=cnn_summaries)
     assert not isinstance(fused.model, ClientHeads)
     assert fused.hyper["head"].startswith("shared (the clients' own heads need an output layer that reads one")
+    # the temperature round, likewise: the shared head's candidates alone, and why; a pool or
+    # head="clients" asked for is refused, as in one shot
+    data = (SimpleNamespace(x=x, y=np.arange(12) % 10), [np.arange(6), np.arange(6, 12)])
+    tempered = dict(summaries=cnn_summaries, rounds=2, second_round="temperature", data=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fused = bayesfuse.fuse(cnns, "pfnm", **tempered)
+        assert set(fused.hyper["second_round"]["nll"]) == {"precision", "counts"}
+        assert fused.hyper["head"].startswith("shared (the clients' own heads need an output layer that reads one")
+        with pytest.raises(ValueError, match="pool='log' is for the clients' own heads, and"):
+            bayesfuse.fuse(cnns, "pfnm", pool="log", **tempered)
+        with pytest.raises(ValueError, match="head='clients': the clients' own heads need an output layer"):
+            bayesfuse.fuse(cnns, "pfnm", head="clients", **tempered)
 
 
 def test_kronecker_heads_take_factors_sent_in_float32():
