@@ -38,7 +38,7 @@ from bayesfuse._runtime import progress
 from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
-from bayesfuse.inference.client_heads import default_head, default_pool
+from bayesfuse.inference.client_heads import default_pool, heads_refused
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
@@ -398,15 +398,7 @@ def fuse(
             _check_fused_runs(candidates[-1][1], models[0], example_input)
     if rounds == 1:
         fused, model = candidates[0]
-        if auto_heads:
-            head, refused = default_head(True, summaries, fused.spec, fused.state)
-        else:
-            refused = None
-        if refused and pool is not None:
-            raise ValueError(f"pool={pool!r} is for the clients' own heads, and {refused}")
-        if refused:  # the default, where the clients' heads cannot be kept: the shared head, and why
-            fused.hyper["head"] = f"shared ({refused})"
-        elif head == "clients":
+        if not (auto_heads and _heads_refused([fused], pool)) and head == "clients":
             model = _own_heads(fused, model, states, class_counts, summaries, pool)
     elif second_round == "batchnorm":
         fused, model = _batchnorm_round(*candidates[0], data, states)
@@ -429,15 +421,9 @@ def fuse(
         labels = list(pools)
         if heads_candidate:  # the one-shot default: the clients' heads on the body of output_pool
             body, network = candidates[pools.index(output_pool)]
-            _, refused = default_head(True, summaries, body.spec, body.state)
-            if refused and explicit_head:
+            if explicit_head and (refused := heads_refused(body.spec, body.state)):
                 raise ValueError(f"head='clients': {refused}")
-            if refused and pool is not None:
-                raise ValueError(f"pool={pool!r} is for the clients' own heads, and {refused}")
-            if refused:  # as in one shot: the shared head, and why
-                for shared, _ in candidates:
-                    shared.hyper["head"] = f"shared ({refused})"
-            else:
+            if not _heads_refused([fused for fused, _ in candidates], pool):
                 own = replace(body, hyper=dict(body.hyper))
                 heads = _own_heads(own, network, states, class_counts, summaries, pool)
                 if explicit_head:  # head="clients": the heads are the only candidate
@@ -637,6 +623,18 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
 
 
 ONE_SHOT_HEADS = methods.ONE_SHOT_HEADS  # the table's (methods.Method.own_heads)
+
+
+def _heads_refused(candidates: Sequence, pool: str | None) -> str | None:
+    """Why the clients' heads cannot be kept on the fused networks ``candidates`` (one spec), or
+    None: where they cannot, each says so in ``hyper["head"]`` (the shared head, and why) and a
+    ``pool`` asked for is refused."""
+    refused = heads_refused(candidates[0].spec, candidates[0].state)
+    if refused and pool is not None:
+        raise ValueError(f"pool={pool!r} is for the clients' own heads, and {refused}")
+    for fused in candidates if refused else ():
+        fused.hyper["head"] = f"shared ({refused})"
+    return refused
 
 
 def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, pool: str | None = None) -> nn.Module:
