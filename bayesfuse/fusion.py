@@ -25,6 +25,7 @@ from the method table, :mod:`bayesfuse.methods`.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence, cast
@@ -252,13 +253,16 @@ def fuse(
         the server sends the candidate fused networks (with summaries, the shared head by each
         ``output_pool`` and, for PFNM and NAFI where the output layer reads hidden units, unless
         ``head="shared"``, the one-shot default: the clients' own heads,
-        :class:`~bayesfuse.nets.heads.ClientHeads`, on the body of ``output_pool``; with
-        ``head="clients"`` those alone: they carry every client's output layer and its Kronecker
-        factors to every client, as the one-shot default model does), each client returns its summed negative
+        :class:`~bayesfuse.nets.heads.ClientHeads`, on the body of ``output_pool``, and where the
+        heads are Kronecker-factored the same heads with each one's curvature scaled to the exact
+        GGN's trace, :func:`~bayesfuse.inference.client_heads.trace_ratios`, one number more per
+        client; with ``head="clients"`` those alone: they carry every client's output layer and its
+        Kronecker factors to every client, as the one-shot default model does), each client returns its summed negative
         log-likelihood under each at each candidate temperature
         (:func:`bayesfuse.summaries.temperature_nll`), and the server keeps the best pair
         (:func:`~bayesfuse.inference.summary_fusion.best_candidate`); ``hyper["second_round"]``
-        names it (``output_pool``: ``"precision"``, ``"counts"`` or ``"client heads"``). ``"batchnorm"``, for
+        names it (``output_pool``: ``"precision"``, ``"counts"``, ``"client heads"`` or ``"client
+        heads, trace-matched"``). ``"batchnorm"``, for
         networks with batch norms: the server sends the fused network, each client returns the
         count, mean and mean square of every batch norm's input per channel over its own data
         (:func:`bayesfuse.summaries.batchnorm_moments`), and the server sets the batch norms'
@@ -426,10 +430,16 @@ def fuse(
             if not _heads_refused([fused for fused, _ in candidates], pool):
                 own = replace(body, hyper=dict(body.hyper))
                 heads = _own_heads(own, network, states, class_counts, summaries, pool)
-                if explicit_head:  # head="clients": the heads are the only candidate
+                if explicit_head:  # head="clients": the heads are the only candidates
                     candidates, labels = [], []
                 candidates.append((own, heads))
                 labels.append("client heads")
+                if heads.form == "kronecker":  # and the same heads, each one's curvature at the exact trace
+                    matched = replace(body, hyper=dict(body.hyper))
+                    candidates.append(
+                        (matched, _own_heads(matched, network, states, class_counts, summaries, pool, True))
+                    )
+                    labels.append("client heads, trace-matched")
         fused, model = _second_round(candidates, data, labels, like=models[0])
     result = FusionResult(
         model=model,
@@ -507,7 +517,8 @@ def _second_round(candidates, data, labels, *, like: nn.Module):
     temperature on its own data; the server keeps the best pair (the temperature folded into the
     output layer of a plain network, the ``temperature`` of a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`
     or of the clients' heads, :class:`~bayesfuse.nets.heads.ClientHeads`). ``labels`` name the
-    candidates in the report (their output pools, or ``"client heads"``)."""
+    candidates in the report (their output pools, or ``"client heads"`` and ``"client heads,
+    trace-matched"``)."""
     from bayesfuse.inference.summary_fusion import best_candidate, fold_temperature
     from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.nets.laplace import LastLayerLaplace
@@ -547,15 +558,18 @@ def _second_round(candidates, data, labels, *, like: nn.Module):
 
 def _numbers_sent(models: Sequence[nn.Module]) -> int:
     """How many numbers the server sends each client in the temperature round: every candidate's
-    tensors, its posterior's (variances, heads and their factors) included, a body two candidates
-    share once, and not the heads' fixed draws, which a client makes itself (the same seed)."""
-    seen: set[int] = set()
+    tensors, its posterior's (variances, heads and their factors) included, an entry two
+    candidates share (the same name and values: a body, the heads' weights and factors) once, and
+    not the heads' fixed draws, which a client makes itself (the same seed)."""
+    seen: set[tuple] = set()
     total = 0
     for model in models:
         for key, tensor in model.state_dict().items():
-            if key == "draws" or tensor.data_ptr() in seen:
+            values = tensor.detach().cpu().contiguous()
+            same = (key, str(values.dtype), tuple(values.shape), hashlib.sha256(values.numpy().tobytes()).hexdigest())
+            if key == "draws" or same in seen:
                 continue
-            seen.add(tensor.data_ptr())
+            seen.add(same)
             total += tensor.numel()
     return total
 
@@ -637,21 +651,33 @@ def _heads_refused(candidates: Sequence, pool: str | None) -> str | None:
     return refused
 
 
-def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, pool: str | None = None) -> nn.Module:
+def _own_heads(
+    fused,
+    model: nn.Module,
+    states,
+    class_counts,
+    summaries=None,
+    pool: str | None = None,
+    trace_match: bool = False,
+) -> nn.Module:
     """The one-shot fusion ``fused`` (its ``model``) with every client's own output layer kept as a
-    head on the fused features (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`)."""
+    head on the fused features (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`), each
+    Kronecker-factored head's curvature at the exact trace with ``trace_match``."""
     from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.nets.laplace import LastLayerLaplace
 
     network = model.network if isinstance(model, LastLayerLaplace) else model
     assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
     pool = pool or default_pool(summaries)
-    heads = ClientHeads.from_clients(network, fused.spec, states, assignments, class_counts, summaries, pool=pool)
+    heads = ClientHeads.from_clients(
+        network, fused.spec, states, assignments, class_counts, summaries, pool=pool, trace_match=trace_match
+    )
     form = {"kronecker": "Kronecker-factored", "diagonal": "diagonal"}.get(heads.form)
+    matched = ", its curvature scaled to the exact GGN's trace" if trace_match and heads.form == "kronecker" else ""
     pooled = "geometric pool" if pool == "log" else "mixture"
     fused.hyper["predictive"] = (
         f"class-share {pooled} of the clients' own output layers on the fused features (ClientHeads, one shot"
-        + (f", each its client's {form} Laplace posterior)" if form else ")")
+        + (f", each its client's {form} Laplace posterior{matched})" if form else ")")
     )
     fused.hyper["head"] = "clients"
     fused.hyper["pool"] = pool

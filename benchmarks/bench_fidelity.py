@@ -23,8 +23,9 @@ network (``shared``) or each from its own (``independent``), then one global mod
   pfnm s2=X      PFNM's hand-set setting: noise_var X, prior_var 10, gamma0 1, cost "pfnm"
   ... +summaries  with the clients' summaries (bayesfuse.summarize); "2 rounds temperature": the
                  second round picks a candidate (the shared head by either output pool, or the
-                 clients' heads of the one-shot default) and a temperature by the clients' own
-                 NLL ("... shared": the shared head's candidates alone);
+                 clients' heads of the one-shot default, their Kronecker curvatures as sent or
+                 trace-matched) and a temperature by the clients' own NLL ("... shared": the
+                 shared head's candidates alone);
                  "2 rounds refit": the second round refits the output layer as the product of the
                  clients' Laplace fits on the fused features (bayesfuse.inference.output_fusion);
                  "pfnm 2 rounds refit" does so after the data-free fusion, without summaries;

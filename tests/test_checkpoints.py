@@ -308,3 +308,40 @@ def test_escape_codes_in_torch_s_message_are_dropped(tmp_path, monkeypatch):
         read_checkpoint(tmp_path / "m.pt")
     assert "failed: Weights only load failed: Unsupported global: GLOBAL)" in str(info.value)
     assert "\x1b" not in str(info.value)
+
+
+def test_a_heads_file_keeps_the_kronecker_posterior_and_its_scales(tmp_path):
+    """The heads file stores each Gram at its support only; everything, the trace-matched scales
+    included, comes back exactly (float64)."""
+    from bayesfuse.checkpoints import heads_bytes, read_heads
+
+    rng = np.random.default_rng(0)
+    J, K, G = 2, 3, 4
+    support = np.array([[1, 0, 1, 1, 1], [0, 1, 1, 0, 1]], dtype=float)
+    gram = np.zeros((J, G + 1, G + 1))
+    for j, at in enumerate(support > 0):
+        a = rng.normal(size=(at.sum(), at.sum()))
+        gram[j][np.ix_(at, at)] = a @ a.T
+    laplace = dict(
+        gram=gram,
+        curvature=np.tile(np.eye(K), (J, 1, 1)),
+        n=np.array([5.0, 7.0]),
+        prior_precision=np.array([1.0, 0.5]),
+        support=support,
+        scale=np.array([0.6, 1.3]),
+    )
+    heads = dict(
+        output="layers.1",
+        weight=rng.normal(size=(J, K, G)),
+        bias=rng.normal(size=(J, K)),
+        shares=np.full((J, K), 0.5),
+        form="kronecker",
+        laplace=laplace,
+    )
+    model = {"layers.1.weight": torch.zeros(K, G)}
+    path = tmp_path / "fused.pt.heads.safetensors"
+    path.write_bytes(heads_bytes(heads, pool="log", model_tensors=model))
+    back, pool = read_heads(path, model, "fused.pt")
+    assert pool == "log" and back["form"] == "kronecker" and set(back["laplace"]) == set(laplace)
+    for key, value in laplace.items():
+        np.testing.assert_array_equal(back["laplace"][key], value)

@@ -68,15 +68,13 @@ def test_second_round_picks_a_temperature(federation):
     split, part, models, summaries = federation
     result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part), second_round="temperature")
     r2 = result.hyper["second_round"]
-    # three candidates: the shared head by either pool, and the clients' heads (the one-shot default)
-    assert (
-        r2["kind"] == "temperature"
-        and 1 / 16 <= r2["temperature"] <= 16
-        and r2["output_pool"] in ("precision", "counts", "client heads")
-    )
-    assert r2["candidates"] == 3 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
-    assert set(r2["nll"]) == {"precision", "counts", "client heads"}
-    body_pool = "precision" if r2["output_pool"] == "client heads" else r2["output_pool"]
+    # four candidates: the shared head by either pool, and the clients' heads (the one-shot
+    # default) with their Kronecker curvatures as sent and trace-matched
+    labels = {"precision", "counts", "client heads", "client heads, trace-matched"}
+    assert r2["kind"] == "temperature" and 1 / 16 <= r2["temperature"] <= 16 and r2["output_pool"] in labels
+    assert r2["candidates"] == 4 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
+    assert set(r2["nll"]) == labels
+    body_pool = "precision" if r2["output_pool"].startswith("client heads") else r2["output_pool"]
     assert result.hyper["summaries"]["output"] == f"log pool, shares by {body_pool}"
     one_shot = fuse(models, "pfnm", summaries=summaries)
 
@@ -104,10 +102,16 @@ def test_temperature_round_scores_the_clients_heads(federation):
     data = (split.train, part)
     heads = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
     r2 = heads.hyper["second_round"]
-    assert isinstance(heads.model, ClientHeads) and r2["output_pool"] == "client heads" and r2["candidates"] == 65
+    assert isinstance(heads.model, ClientHeads) and r2["candidates"] == 2 * 65
+    assert set(r2["nll"]) == {"client heads", "client heads, trace-matched"}
+    assert r2["output_pool"] == min(r2["nll"], key=r2["nll"].get)
     assert heads.hyper["head"] == "clients" and float(heads.model.temperature) == r2["temperature"]
-    # the candidate is the one-shot default (the Kronecker heads' log pool) at the chosen temperature
+    # the chosen candidate is the one-shot default (the Kronecker heads' log pool), its curvature
+    # trace-matched or not, at the chosen temperature
     one_shot = fuse(models, "pfnm", summaries=summaries)
+    if r2["output_pool"] == "client heads, trace-matched":
+        one_shot.model.scale.copy_(heads.model.scale)
+    assert (heads.model.scale != 1).any() == (r2["output_pool"] == "client heads, trace-matched")
     x = torch.as_tensor(split.test.x[:64])
     with torch.no_grad():
         expected = torch.log_softmax(one_shot.model(x) / r2["temperature"], -1)
@@ -117,7 +121,7 @@ def test_temperature_round_scores_the_clients_heads(federation):
         np.log(predict_proba(heads.model, split.train.x[idx])[np.arange(len(idx)), split.train.y[idx]]).sum()
         for idx in part
     )
-    assert nll == pytest.approx(r2["nll"]["client heads"], rel=1e-6)
+    assert nll == pytest.approx(r2["nll"][r2["output_pool"]], rel=1e-6)
     # client order does not matter (bayesfuse.client_order): the reversed federation, the same model
     reverse = fuse(
         models[::-1],
@@ -133,36 +137,56 @@ def test_temperature_round_scores_the_clients_heads(federation):
     r2 = shared.hyper["second_round"]
     assert isinstance(shared.model, LastLayerLaplace) and r2["candidates"] == 2 * 65
     assert set(r2["nll"]) == {"precision", "counts"}
-    # the default keeps the best of all three: its clients' NLL is the least of the two runs'
-    # the default scores all three, each as the runs above did, and keeps the least NLL's
+    # the default scores all four, each as the runs above did, and keeps the least NLL's
     both = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature")
     nll = both.hyper["second_round"]["nll"]
-    assert nll == {**r2["nll"], "client heads": heads.hyper["second_round"]["nll"]["client heads"]}
+    assert nll == {**r2["nll"], **heads.hyper["second_round"]["nll"]}
     assert both.hyper["second_round"]["output_pool"] == min(nll, key=nll.get)
-    assert isinstance(both.model, ClientHeads) == (min(nll, key=nll.get) == "client heads")
+    assert isinstance(both.model, ClientHeads) == min(nll, key=nll.get).startswith("client heads")
     # what the server sends each client: every candidate's tensors, the heads' body (the precision
-    # candidate's network) once, and not the heads' fixed draws
+    # candidate's network) once, and not the heads' fixed draws; the trace-matched heads differ
+    # from the others by their J scales alone
     J = len(models)
     network = sum(t.numel() for t in heads.model.network.state_dict().values())
     own = sum(t.numel() for k, t in heads.model.state_dict().items() if not k.startswith("network."))
     draws = heads.model.draws.numel()
-    assert heads.hyper["second_round"]["bytes_down"] == J * 4 * (network + own - draws)
+    assert heads.hyper["second_round"]["bytes_down"] == J * 4 * (network + own - draws + J)
     with pytest.raises(ValueError, match="method must be one of pfnm, nafi"):
         fuse(models, "ot", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
 
 
-def test_a_shared_head_chosen_over_the_clients_heads_reports_itself(federation, monkeypatch):
+def _chosen(federation, monkeypatch, choice: int, temperature: int):
+    """The temperature round with the clients' replies made to prefer candidate ``choice`` (0
+    precision, 1 counts, 2 the clients' heads, 3 the same trace-matched) at grid index ``temperature``."""
     import bayesfuse.inference.summary_fusion as summary_fusion
-    from bayesfuse.nets.laplace import LastLayerLaplace
 
     split, part, models, summaries = federation
-    # the clients' replies decide; here they are made to prefer the precision pool's shared head at T = 1
-    monkeypatch.setattr(summary_fusion, "best_candidate", lambda nll: (0, 32))
-    result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part), second_round="temperature")
+    monkeypatch.setattr(summary_fusion, "best_candidate", lambda nll: (choice, temperature))
+    return fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part), second_round="temperature")
+
+
+def test_a_shared_head_chosen_over_the_clients_heads_reports_itself(federation, monkeypatch):
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    result = _chosen(federation, monkeypatch, 0, 32)
     r2 = result.hyper["second_round"]
     assert r2["output_pool"] == "precision" and r2["temperature"] == 1.0
     assert isinstance(result.model, LastLayerLaplace) and "LastLayerLaplace" in result.hyper["predictive"]
     assert "head" not in result.hyper and "pool" not in result.hyper  # nothing of the heads' candidate
+
+
+def test_the_trace_matched_heads_chosen_report_themselves(federation, monkeypatch):
+    from bayesfuse.inference.client_heads import trace_ratios
+    from bayesfuse.nets.heads import ClientHeads
+
+    result = _chosen(federation, monkeypatch, 3, 40)
+    r2 = result.hyper["second_round"]
+    assert r2["output_pool"] == "client heads, trace-matched" and r2["temperature"] == 2.0
+    assert isinstance(result.model, ClientHeads) and float(result.model.temperature) == 2.0
+    assert "scaled to the exact GGN's trace" in result.hyper["predictive"] and result.hyper["head"] == "clients"
+    # the scales are the summaries' ratios, in the fused (canonical) client order
+    ratios = trace_ratios(federation[3], "layers.1.weight", "layers.1.bias")
+    assert sorted(result.model.scale.tolist()) == pytest.approx(sorted(ratios), rel=1e-12)
 
 
 def test_second_round_refits_the_output_layer(federation):

@@ -145,7 +145,10 @@ class ClientHeads(nn.Module):
         Hessian at its fit; ``n`` (J,), its number of examples; ``prior_precision``, the
         ``lambda_j`` it was fitted with (one number, or one per head); optionally ``support`` (J,
         G+1), 1 where a head reads a feature and 0 where it does not (a one-shot head's weights from
-        global units its client has no unit in: 0, and no variance), all ones by default. Diagonal
+        global units its client has no unit in: 0, and no variance), all ones by default; optionally
+        ``scale`` (J,), > 0, each head's curvature multiplied by it, ``H_j = scale_j n_j A_j (x) S_j +
+        lambda_j I`` (the trace-matched heads, :func:`~bayesfuse.inference.client_heads.trace_ratios`),
+        all ones by default. Diagonal
         (a version 1 client summary's): ``precision`` (J, K, G+1), each head weight's posterior
         precision, the bias last; ``inf`` where the head has no weight (a global unit the client has
         no unit in), so that it stays 0. Then ``Var(f_k) = sum_g a~_g^2 / P_kg``, the classes
@@ -169,6 +172,7 @@ class ClientHeads(nn.Module):
     gram_vecs: torch.Tensor
     support: torch.Tensor
     prior: torch.Tensor
+    scale: torch.Tensor
     curv_vals: torch.Tensor
     curv_vecs: torch.Tensor
     n: torch.Tensor
@@ -238,10 +242,10 @@ class ClientHeads(nn.Module):
         missing = {"gram", "curvature", "n", "prior_precision"} - set(laplace)
         if missing:
             raise ValueError(f"laplace needs gram, curvature, n and prior_precision; missing {sorted(missing)}")
-        extra = set(laplace) - {"gram", "curvature", "n", "prior_precision", "support"}
+        extra = set(laplace) - {"gram", "curvature", "n", "prior_precision", "support", "scale"}
         if extra:
             raise ValueError(
-                f"a Kronecker laplace takes gram, curvature, n, prior_precision and support; got {sorted(extra)}"
+                f"a Kronecker laplace takes gram, curvature, n, prior_precision, support and scale; got {sorted(extra)}"
             )
         gram, curvature, n = (
             torch.as_tensor(np.array(laplace[k]), dtype=torch.float64) for k in ("gram", "curvature", "n")
@@ -249,6 +253,9 @@ class ClientHeads(nn.Module):
         prior = torch.as_tensor(np.array(laplace["prior_precision"], dtype=np.float64))
         prior = prior.expand(J).clone() if prior.ndim == 0 else prior
         support = torch.as_tensor(np.array(laplace.get("support", np.ones((J, G + 1))), dtype=np.float64))
+        scale = torch.as_tensor(np.array(laplace.get("scale", np.ones(J)), dtype=np.float64))
+        if scale.shape != (J,) or not bool((torch.isfinite(scale) & (scale > 0)).all()):
+            raise ValueError(f"laplace scale must be {J} finite numbers > 0, got shape {tuple(scale.shape)}")
         if gram.shape != (J, G + 1, G + 1) or curvature.shape != (J, K, K) or n.shape != (J,):
             raise ValueError(
                 f"laplace factors of shapes gram {tuple(gram.shape)}, curvature {tuple(curvature.shape)}, n "
@@ -285,6 +292,7 @@ class ClientHeads(nn.Module):
         self.register_buffer("curv_vecs", curv_vecs)
         self.register_buffer("n", n)
         self.register_buffer("prior", prior)
+        self.register_buffer("scale", scale)
         self.register_buffer("support", support)
         self._register_draws(J, K, samples)
 
@@ -344,6 +352,7 @@ class ClientHeads(nn.Module):
         *,
         pool: str = "linear",
         samples: int = 64,
+        trace_match: bool = False,
     ) -> "ClientHeads":
         """One shot: the clients' own output layers as heads on the fused ``network`` (module docstring).
 
@@ -356,13 +365,17 @@ class ClientHeads(nn.Module):
         client) each head is its client's Laplace posterior of its output layer (Daxberger et al. 2021):
         Kronecker-factored where the summaries carry the layer's factors, else diagonal
         (:mod:`bayesfuse.inference.client_heads`); a weight the head does not have gets no
-        variance. Without, the heads are points. In eval mode.
+        variance. Without, the heads are points. With ``trace_match`` each Kronecker-factored
+        head's curvature is scaled to the exact GGN's trace
+        (:func:`~bayesfuse.inference.client_heads.trace_ratios`). In eval mode.
         """
         weight_key, _ = spec.output_layer(states[0])
         layer = network.get_submodule(weight_key.rpartition(".")[0])
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"the clients' own heads need an nn.Linear output layer, got {type(layer).__name__}")
-        heads = one_shot_heads(spec, states, assignments, layer.in_features, class_counts, summaries)
+        heads = one_shot_heads(
+            spec, states, assignments, layer.in_features, class_counts, summaries, trace_match=trace_match
+        )
         return cls.from_arrays(network, heads, pool=pool, samples=samples)
 
     @classmethod
@@ -443,7 +456,7 @@ class ClientHeads(nn.Module):
             self.gram_vecs[j],
             self.gram_vals[j],
             self.curv_vals[j],
-            float(self.n[j]),
+            float(self.n[j] * self.scale[j]),
             float(self.prior[j]),
         )
         return (self.draws[j][:, None, :] * var.sqrt()[None]) @ self.curv_vecs[j].T  # V (sqrt(d) * eps)

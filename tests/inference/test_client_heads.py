@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from bayesfuse.inference.client_heads import class_shares, one_shot_heads
+from bayesfuse.inference.client_heads import class_shares, one_shot_heads, trace_ratios
 from bayesfuse.inference.spec import chain, dense
 
 
@@ -91,6 +91,29 @@ def test_without_factors_the_heads_are_diagonal_and_without_summaries_points():
     points = one_shot_heads(spec, states, assignments, 5, class_counts=np.ones((2, 4)))
     assert points["form"] == "map" and points["laplace"] is None
     np.testing.assert_allclose(points["shares"], 0.5)
+
+
+def test_trace_matched_heads_scale_each_curvature_to_the_summarys_ggn_trace():
+    spec, states, summaries = _clients()
+    assignments = {"P1": [np.array([4, 0, 2]), np.array([1, 4])]}
+    matched = one_shot_heads(spec, states, assignments, 5, summaries=summaries, trace_match=True)
+    plain = one_shot_heads(spec, states, assignments, 5, summaries=summaries)
+    assert "scale" not in plain["laplace"] and matched["form"] == "kronecker"
+    for j, s in enumerate(summaries):
+        exact = s.precision["layers.1.weight"].sum() + s.precision["layers.1.bias"].sum()
+        kfac = s.n_examples * np.trace(s.output_factors["gram"]) * np.trace(s.output_factors["curvature"])
+        assert matched["laplace"]["scale"][j] == pytest.approx(exact / kfac, rel=1e-12)
+    for key, value in plain["laplace"].items():  # nothing else moves
+        np.testing.assert_array_equal(matched["laplace"][key], value)
+    # a head whose curvature is 0 either way keeps its own; diagonal heads are left as they are
+    K = len(summaries[1].output_factors["curvature"])
+    summaries[1].output_factors = dict(summaries[1].output_factors, curvature=np.zeros((K, K)))
+    assert trace_ratios(summaries, "layers.1.weight", "layers.1.bias")[1] == 1.0
+    summaries[1].output_factors = None
+    diagonal = one_shot_heads(spec, states, assignments, 5, summaries=summaries, trace_match=True)
+    assert diagonal["form"] == "diagonal" and set(diagonal["laplace"]) == {"precision"}
+    with pytest.raises(ValueError, match="client 1's summary has no output factors"):
+        trace_ratios(summaries, "layers.1.weight", "layers.1.bias")
 
 
 def test_client_order_moves_the_heads_with_their_clients():

@@ -14,7 +14,7 @@ from torch import nn
 import bayesfuse
 from bayesfuse.data import dirichlet_partition
 from bayesfuse.inference.result import ConvergenceWarning
-from bayesfuse.nets.heads import ClientHeads, class_shares, logit_variances
+from bayesfuse.nets.heads import ClientHeads, class_shares, logit_variances, logits_and_features
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.summaries import output_features, output_fit
 from bayesfuse.train import TrainConfig, train_clients
@@ -448,6 +448,69 @@ def test_one_shot_kronecker_heads_are_the_clients_kfac_posteriors_on_their_match
             np.testing.assert_allclose(V.T @ cov_f @ V, np.diag(var[n]), atol=1e-9 * np.abs(cov_f).max())
     probs = predict_proba(model, split.test.x)
     assert np.isfinite(probs).all() and np.allclose(probs.sum(1), 1)
+
+
+def test_trace_matched_one_shot_heads_have_the_exact_ggn_trace(federation):
+    """Against the GGN written out from each client's own network: ``sum_n ||a~_n||^2 tr(S_n)``,
+    ``S_n = diag(p_n) - p_n p_n^T`` its softmax Hessian at example n and ``a~_n`` the features its
+    output layer reads, bias last. The summaries hold their factors in float32 (relative error
+    ~1e-7 per entry, summed over a few hundred examples): 1e-5 is ample and far below the scales'
+    spread from 1."""
+    from bayesfuse import summarize
+    from bayesfuse.nets.spec import spec_from_module
+
+    split, part, models = federation
+    summaries = [summarize(m, split.train.x[i], split.train.y[i]) for m, i in zip(models, part)]
+    matched = _one_shot(models, summaries=summaries)
+    assignments = {g: layer.assignments for g, layer in zip(matched.groups, matched.layers)}
+    heads = ClientHeads.from_clients(
+        matched.model.network,
+        spec_from_module(models[0]),
+        [{k: v.numpy() for k, v in m.state_dict().items()} for m in models],
+        assignments,
+        summaries=summaries,
+        pool="log",
+        trace_match=True,
+    )
+    for j, (m, idx) in enumerate(zip(models, part)):
+        logits, features = (
+            t.detach().double().numpy() for t in logits_and_features(m, "layers.1", torch.as_tensor(split.train.x[idx]))
+        )
+        p = _softmax(logits)
+        exact = float(((features**2).sum(1) + 1.0) @ (1.0 - (p**2).sum(1)))
+        factors = summaries[j].output_factors
+        kfac = len(idx) * np.trace(factors["gram"]) * np.trace(factors["curvature"])
+        assert float(heads.scale[j]) * kfac == pytest.approx(exact, rel=1e-5)
+    assert not np.allclose(heads.scale.numpy(), 1.0, atol=0.05)  # the correction is not a no-op here
+    # the scaled head is the Kronecker posterior of n scale A (x) S + delta I: the same as n scale given as n
+    folded = ClientHeads(
+        heads.network,
+        heads.output,
+        *(t.numpy() for t in (heads.weight, heads.bias, heads.shares)),
+        pool="log",
+        laplace=_laplace_of(heads, n=heads.n * heads.scale),
+    ).eval()
+    x = split.test.x[:50]
+    np.testing.assert_allclose(predict_proba(heads, x), predict_proba(folded, x), rtol=1e-12, atol=1e-12)
+    plain = _one_shot(models, summaries=summaries).model
+    assert np.abs(predict_proba(heads, x) - predict_proba(plain, x)).max() > 1e-4
+    for bad in (np.zeros(4), np.full(4, np.inf), np.ones(3)):
+        with pytest.raises(ValueError, match="laplace scale must be 4 finite numbers > 0"):
+            ClientHeads(
+                heads.network,
+                "layers.1",
+                *(t.numpy() for t in (heads.weight, heads.bias, heads.shares)),
+                laplace=_laplace_of(heads, scale=bad),
+            )
+
+
+def _laplace_of(heads: ClientHeads, **change) -> dict:
+    """The Kronecker ``laplace=`` argument that rebuilds ``heads`` (factors from their eigenbases), with ``change``."""
+    gram = heads.gram_vecs @ torch.diag_embed(heads.gram_vals) @ heads.gram_vecs.transpose(1, 2)
+    curvature = heads.curv_vecs @ torch.diag_embed(heads.curv_vals) @ heads.curv_vecs.transpose(1, 2)
+    laplace = dict(gram=gram * heads.support[:, :, None] * heads.support[:, None, :], curvature=curvature)
+    laplace.update(n=heads.n, prior_precision=heads.prior, support=heads.support)
+    return {k: np.asarray(v) for k, v in {**laplace, **change}.items()}
 
 
 def test_kronecker_laplace_refuses_bad_priors_and_supports(federation):
