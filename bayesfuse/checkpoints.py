@@ -28,7 +28,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, cast
+from typing import Any, Iterator, cast
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ __all__ = [
     "heads_path",
     "heads_bytes",
     "read_heads",
+    "heads_arrays",
+    "heads_from_arrays",
 ]
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
@@ -502,14 +504,7 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
     """
     from safetensors.numpy import save
 
-    tensors = {k: np.ascontiguousarray(heads[k], dtype=np.float64) for k in _HEAD_ARRAYS}
-    laplace = dict(heads.get("laplace") or {})
-    if "gram" in laplace:
-        gram, support = np.asarray(laplace.pop("gram")), np.asarray(laplace["support"], dtype=bool)
-        for j, (g, at) in enumerate(zip(gram, support)):
-            tensors[f"laplace/gram/{j}"] = np.ascontiguousarray(g[np.ix_(at, at)], dtype=np.float64)
-    for k, v in laplace.items():
-        tensors[f"laplace/{k}"] = np.ascontiguousarray(v, dtype=np.float64)
+    tensors = heads_arrays(heads)
     meta = {
         "format": HEADS_FORMAT,
         "version": str(HEADS_VERSION),
@@ -533,23 +528,54 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
         model_name=model_name,
         what="client heads",
     )
+    if not meta.get("output") or meta.get("pool") is None:
+        raise ValueError(f"{path}: the client heads file is incomplete (missing its output or pool)")
+    return heads_from_arrays(tensors, meta["output"], meta.get("form", "map"), str(path)), meta["pool"]
+
+
+def heads_arrays(heads: dict) -> dict[str, np.ndarray]:
+    """The arrays of :func:`~bayesfuse.inference.client_heads.one_shot_heads`'s heads, float64:
+    ``weight``, ``bias``, ``shares`` and each ``laplace/<key>``, a Kronecker-factored posterior's
+    Gram as each head's block at its support, ``laplace/gram/<j>`` (a heads file's layout, and the
+    temperature round's record of the heads in Flower)."""
+    tensors = {k: np.ascontiguousarray(heads[k], dtype=np.float64) for k in _HEAD_ARRAYS}
+    laplace = dict(heads.get("laplace") or {})
+    if "gram" in laplace:
+        gram, support = np.asarray(laplace.pop("gram")), np.asarray(laplace["support"], dtype=bool)
+        for j, (g, at) in enumerate(zip(gram, support)):
+            tensors[f"laplace/gram/{j}"] = np.ascontiguousarray(g[np.ix_(at, at)], dtype=np.float64)
+    for k, v in laplace.items():
+        tensors[f"laplace/{k}"] = np.ascontiguousarray(v, dtype=np.float64)
+    return tensors
+
+
+def heads_from_arrays(tensors: dict, output: str, form: str, name: str) -> dict:
+    """The heads in :func:`heads_arrays`'s ``tensors`` (their output layer ``output`` and
+    ``form``); refuses, with one line naming ``name``, missing arrays or a Gram that does not fit
+    its head's support."""
     missing = [k for k in _HEAD_ARRAYS if k not in tensors]
-    if missing or not meta.get("output") or meta.get("pool") is None:
-        raise ValueError(f"{path}: the client heads file is incomplete (missing {missing or 'its output or pool'})")
-    heads: dict = {k: tensors[k] for k in _HEAD_ARRAYS}
-    heads.update(output=meta["output"], form=meta.get("form", "map"))
-    laplace = {k[len("laplace/") :]: v for k, v in tensors.items() if k.startswith("laplace/") and "/gram/" not in k}
+    if missing:
+        raise ValueError(f"{name}: the client heads are incomplete (missing {missing})")
+    heads: dict = {k: np.asarray(tensors[k]) for k in _HEAD_ARRAYS}
+    heads.update(output=output, form=form)
+    laplace: dict[str, Any] = {
+        k[len("laplace/") :]: np.asarray(v)
+        for k, v in tensors.items()
+        if k.startswith("laplace/") and "/gram/" not in k
+    }
     if "support" in laplace:
         support = np.asarray(laplace["support"]) > 0.5
+        if support.ndim != 2:
+            raise ValueError(f"{name}: the heads' support must be (heads, features + 1), got {support.shape}")
         J, width = support.shape
         gram = np.zeros((J, width, width))
         for j, at in enumerate(support):
             own = tensors.get(f"laplace/gram/{j}")
-            if own is None or own.shape != (at.sum(), at.sum()):
-                raise ValueError(f"{path}: head {j}'s Gram is missing or does not fit its support")
+            if own is None or np.shape(own) != (at.sum(), at.sum()):
+                raise ValueError(f"{name}: head {j}'s Gram is missing or does not fit its support")
             gram[j][np.ix_(at, at)] = own
         laplace["gram"] = gram
     if "prior_precision" in laplace and np.ndim(laplace["prior_precision"]) == 0:
         laplace["prior_precision"] = float(laplace["prior_precision"])
     heads["laplace"] = laplace or None
-    return heads, meta["pool"]
+    return heads

@@ -32,13 +32,19 @@ from bayesfuse.inference.output_fusion import (  # noqa: E402
 )
 from bayesfuse.integrations import flower as integration  # noqa: E402
 from bayesfuse.integrations.flower import (  # noqa: E402
+    CLIENT_HEADS,
     FEDMA_LOCAL,
     FEDMA_ROUND,
+    HEADS_KEY,
     OUTPUT_FIT,
     OUTPUT_FIT_KEY,
     ROUND_KEY,
+    SHARED,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
+    TEMPERATURE,
+    TEMPERATURE_NLL_KEY,
+    TRACE_MATCHED,
     FedMA,
     MatchedAveraging,
     metrics_aggregation,
@@ -50,6 +56,7 @@ from bayesfuse.integrations.flower import (  # noqa: E402
     state_digest,
     state_to_record,
     summary_to_records,
+    temperature_reply,
 )
 from bayesfuse.integrations.flower.strategy import _fit_digest  # noqa: E402
 from bayesfuse.nets.arch import rebuild  # noqa: E402
@@ -807,10 +814,12 @@ def test_output_fit_records_round_trip_and_refusals(clients):
 
 
 def test_refit_settings_are_checked(clients):
-    with pytest.raises(ValueError, match="unknown second_round='temperature'"):
-        MatchedAveraging("pfnm", second_round="temperature")
-    with pytest.raises(ValueError, match="second_round='refit' refits point-estimate networks"):
+    with pytest.raises(ValueError, match="unknown second_round='probit'"):
+        MatchedAveraging("pfnm", second_round="probit")
+    with pytest.raises(ValueError, match="second_round='refit' is for point-estimate networks"):
         MatchedAveraging("kl", second_round="refit")
+    with pytest.raises(ValueError, match="second_round='temperature' is for point-estimate networks"):
+        MatchedAveraging("kl", second_round="temperature")
     with pytest.raises(ValueError, match="output_prior_precision must be a positive number"):
         MatchedAveraging("pfnm", second_round="refit", output_prior_precision=0.0)
     split, part, models = clients
@@ -819,6 +828,171 @@ def test_refit_settings_are_checked(clients):
             grid=RefitGrid(split, part, models), initial_arrays=_initial((20, 16)), num_rounds=1
         )
     assert MatchedAveraging("pfnm").second_round is None
+
+
+# --------------------------------------------------------------------------- the temperature round
+
+
+class TemperatureGrid(RefitGrid):
+    """:class:`RefitGrid` whose training replies carry each client's summary (when ``summaries``
+    are given) and whose temperature round is answered with :func:`temperature_reply`."""
+
+    def __init__(self, split, part, models, summaries=None, **kwargs):
+        super().__init__(split, part, models, **kwargs)
+        self.summaries = summaries
+
+    def _answer(self, msg):
+        config = msg.content["config"] if msg.metadata.message_type == "train" else {}
+        if config.get(ROUND_KEY) != TEMPERATURE:
+            reply = super()._answer(msg)
+            if self.summaries is not None and msg.metadata.message_type == "train":
+                summary = self.summaries[self.ids.index(msg.metadata.dst_node_id)]
+                reply.content[SUMMARY_KEY], reply.content[SUMMARY_META_KEY] = summary_to_records(summary)
+            return reply
+        node = msg.metadata.dst_node_id
+        p = self.ids.index(node)
+        fused = rebuild(self.models[p], tensor_state(record_to_state(msg.content["arrays"])))
+        x, y = self.split.train.x[self.part[p]], self.split.train.y[self.part[p]]
+        content = temperature_reply(fused, x, y, config, msg.content.array_records.get(HEADS_KEY))
+        if node in self.spoil:
+            self.spoil[node](content)
+        return Message(content, reply_to=msg)
+
+
+def _temperature_strategy(split, part, models, summaries=None, **grid_options):
+    grid = TemperatureGrid(split, part, models, summaries, ids=[7, 8, 9], **grid_options)
+    strategy = MatchedAveraging("pfnm", second_round="temperature", min_train_nodes=3, fraction_evaluate=0.0)
+    return grid, strategy, strategy.start(grid=grid, initial_arrays=_initial((20, 16)), num_rounds=2)
+
+
+def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clients, summaries):
+    from bayesfuse.fusion import TEMPERATURES
+    from bayesfuse.inference.client_heads import trace_ratios
+    from bayesfuse.summaries import temperature_nll
+
+    split, part, models = clients
+    grid, strategy, result = _temperature_strategy(split, part, models, summaries)
+    assert grid.types == ["train"] * 6
+    sent = record_to_state(grid.sent[3].content["arrays"])
+    for msg in grid.sent[3:]:
+        config = msg.content["config"]
+        assert config[ROUND_KEY] == TEMPERATURE and config["pool"] == "log" and config["heads-form"] == "kronecker"
+        assert list(config["candidates"]) == [SHARED, CLIENT_HEADS, TRACE_MATCHED]
+        assert list(config["temperatures"]) == [float(t) for t in TEMPERATURES]
+    # the candidates, made here without the round: the one-shot strategy's network and its heads
+    # (the heads' posteriors as is and trace-matched to the summaries' GGN diagonals)
+    one_shot = MatchedAveraging("pfnm", min_train_nodes=3, fraction_evaluate=0.0)
+    plain = one_shot.start(
+        grid=TemperatureGrid(split, part, models, summaries, ids=[7, 8, 9]),
+        initial_arrays=_initial((20, 16)),
+        num_rounds=1,
+    )
+    for k, v in record_to_state(plain.arrays).items():
+        np.testing.assert_array_equal(sent[k], v)
+    network = rebuild(models[0], tensor_state(sent)).eval()
+    heads = one_shot.client_heads(models[0])
+    matched = one_shot.client_heads(models[0])
+    by_bias = {tuple(np.round(m.layers[2].bias.detach().double().numpy(), 6)): j for j, m in enumerate(models)}
+    ratios = trace_ratios(summaries, "layers.2.weight", "layers.2.bias")
+    order = [by_bias[tuple(np.round(b, 6))] for b in heads.bias.numpy()]  # each head's client
+    matched.scale.copy_(torch.as_tensor(ratios[order]))
+    candidates = {SHARED: network, CLIENT_HEADS: heads, TRACE_MATCHED: matched}
+    direct = {
+        name: sum(temperature_nll(m, split.train.x[idx], split.train.y[idx], TEMPERATURES) for idx in part)
+        for name, m in candidates.items()
+    }
+    report = strategy.second_round_report
+    assert report is strategy.last_fusion.hyper["second_round"] and report["kind"] == "temperature"
+    # the nodes compute what is computed here, on the same arrays (float64 heads, float32 body)
+    assert report["nll"] == pytest.approx({n: v.min() for n, v in direct.items()}, rel=1e-9)
+    best = min(direct, key=lambda n: direct[n].min())
+    temperature = float(TEMPERATURES[direct[best].argmin()])
+    assert (report["candidate"], report["temperature"]) == (best, temperature)
+    metrics = result.train_metrics_clientapp[2]
+    assert metrics["temperature-replies"] == 3 and metrics["temperature"] == temperature
+    assert metrics["bytes-up"] == report["bytes_up"] == 3 * 65 * 8
+    heads_bytes = sum(v.numpy().nbytes for v in grid.sent[3].content[HEADS_KEY].values())
+    assert report["bytes_down"] == 4 * sum(v.size for v in sent.values()) + heads_bytes
+    # the model kept: the winner at its temperature
+    model = strategy.tempered(models[0])
+    x = torch.as_tensor(split.test.x[:60])
+    with torch.no_grad():
+        expected = torch.log_softmax(candidates[best](x).double() / temperature, -1)
+        np.testing.assert_allclose(torch.log_softmax(model(x).double(), -1).numpy(), expected.numpy(), atol=1e-5)
+    assert isinstance(model, ClientHeads) == (best != SHARED)
+    # the same heads candidate as bayesfuse.fuse's temperature round: its NLL to float32 round-off
+    # of the body the wire carries (the sum of ~1300 examples' log-probabilities)
+    simulated = fuse(
+        models, "pfnm", summaries=summaries, rounds=2, second_round="temperature", data=(split.train, part)
+    )
+    assert simulated.hyper["second_round"]["nll"]["client heads"] == pytest.approx(
+        report["nll"][CLIENT_HEADS], rel=1e-4
+    )
+
+
+def _nan_nll(content):
+    nll = content[TEMPERATURE_NLL_KEY]["nll"].numpy().copy()
+    nll[0, 0] = np.nan
+    content[TEMPERATURE_NLL_KEY]["nll"] = Array(nll)
+
+
+def _three_temperatures(content):
+    content[TEMPERATURE_NLL_KEY]["nll"] = Array(content[TEMPERATURE_NLL_KEY]["nll"].numpy()[:, :3].copy())
+
+
+def test_temperature_round_without_summaries_tempers_the_shared_head_and_rejects_bad_replies(clients, caplog):
+    from bayesfuse.fusion import TEMPERATURES
+    from bayesfuse.summaries import temperature_nll
+
+    split, part, models = clients
+    with caplog.at_level(logging.WARNING):
+        grid, strategy, result = _temperature_strategy(split, part, models, spoil={8: _nan_nll})
+    config = grid.sent[3].content["config"]
+    assert list(config["candidates"]) == [SHARED] and HEADS_KEY not in grid.sent[3].content
+    reasons = dict(strategy.rejected)
+    assert list(reasons) == [8] and "node 8: its reply to the temperature round needs" in reasons[8]
+    assert "bad values" in reasons[8] and "node 8: reply rejected" in caplog.text
+    # nodes 7 and 9 alone choose the temperature; it is folded into the output layer
+    sent = record_to_state(grid.sent[3].content["arrays"])
+    network = rebuild(models[0], tensor_state(sent)).eval()
+    kept = [idx for p, idx in enumerate(part) if p != 1]
+    nll = sum(temperature_nll(network, split.train.x[idx], split.train.y[idx], TEMPERATURES) for idx in kept)
+    temperature = float(TEMPERATURES[nll.argmin()])
+    assert strategy.second_round_report["temperature"] == temperature and temperature != 1.0
+    got = record_to_state(result.arrays)
+    np.testing.assert_allclose(got["layers.2.weight"], sent["layers.2.weight"] / temperature, rtol=1e-6)
+    np.testing.assert_allclose(got["layers.2.bias"], sent["layers.2.bias"] / temperature, rtol=1e-6)
+    np.testing.assert_array_equal(got["layers.0.weight"], sent["layers.0.weight"])
+    model = strategy.tempered(models[0])
+    assert not isinstance(model, ClientHeads)
+    np.testing.assert_array_equal(model.layers[2].weight.detach().numpy(), got["layers.2.weight"])
+    # every reply bad: the fused network stays, and there is no tempered model
+    grid, strategy, result = _temperature_strategy(
+        split, part, models, spoil={n: _three_temperatures for n in (7, 8, 9)}
+    )
+    assert (
+        result.train_metrics_clientapp[2]["rejected-replies"] == 3 and "got shape (1, 3)" in dict(strategy.rejected)[7]
+    )
+    for k, v in record_to_state(grid.sent[3].content["arrays"]).items():
+        np.testing.assert_array_equal(record_to_state(result.arrays)[k], v)
+    with pytest.raises(ValueError, match="no temperature round has run"):
+        strategy.tempered(models[0])
+
+
+def test_temperature_reply_refuses_what_it_cannot_score(clients):
+    split, part, models = clients
+    x, y = split.train.x[:5], split.train.y[:5]
+    with pytest.raises(ValueError, match="not a temperature round"):
+        temperature_reply(models[0], x, y, ConfigRecord({"lr": 0.1}))
+    with pytest.raises(ValueError, match="needs candidates, temperatures"):
+        temperature_reply(models[0], x, y, ConfigRecord({ROUND_KEY: TEMPERATURE}))
+    config = {ROUND_KEY: TEMPERATURE, "temperatures": [1.0, 2.0]}
+    with pytest.raises(ValueError, match="unknown ones: \\['probit'\\]"):
+        temperature_reply(models[0], x, y, ConfigRecord({**config, "candidates": ["probit"]}))
+    with pytest.raises(ValueError, match="the message has no 'client-heads'"):
+        temperature_reply(models[0], x, y, ConfigRecord({**config, "candidates": [SHARED, CLIENT_HEADS]}))
+    reply = temperature_reply(models[0], x, y, ConfigRecord({**config, "candidates": [SHARED]}))
+    assert reply[TEMPERATURE_NLL_KEY]["nll"].numpy().shape == (1, 2)
 
 
 # --------------------------------------------------------------------------- no private Flower modules

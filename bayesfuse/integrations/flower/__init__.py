@@ -24,7 +24,11 @@ networks as Laplace posteriors when every reply carries one (``summaries="auto"`
 output layer: each client answers the server's message (``"bayesfuse-round": "output_fit"`` in
 its config) with :func:`output_fit_reply`, its Laplace fit of that layer on the fused features of
 its own data, and the server multiplies the fits into the output layer and its covariance
-(:meth:`MatchedAveraging.laplace`).
+(:meth:`MatchedAveraging.laplace`). ``second_round="temperature"`` makes it the temperature
+round: the server sends the fused network and, after PFNM or NAFI with summaries, the clients'
+own heads on it; each client answers (``"bayesfuse-round": "temperature"``) with
+:func:`temperature_reply`, its summed NLL of each candidate at each temperature, and the server
+keeps the best pair (:meth:`MatchedAveraging.tempered`).
 
 Replies that carry an error or never come are skipped and reported (``failed-replies``);
 replies whose arrays do not fit the architecture are rejected with the node named
@@ -43,21 +47,30 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
 
 from bayesfuse.integrations.flower.fedma import FEDMA_LOCAL, FEDMA_ROUND, FedMA
 from bayesfuse.integrations.flower.records import (
+    CLIENT_HEADS,
+    HEADS_KEY,
     OUTPUT_FIT,
     OUTPUT_FIT_KEY,
     OUTPUT_FIT_META_KEY,
     ROUND_KEY,
+    SHARED,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
+    TEMPERATURE,
+    TEMPERATURE_NLL_KEY,
+    TRACE_MATCHED,
+    heads_to_record,
     metrics_aggregation,
     output_fit_reply,
     output_fit_to_records,
+    record_to_heads,
     record_to_state,
     records_to_output_fit,
     records_to_summary,
     state_digest,
     state_to_record,
     summary_to_records,
+    temperature_reply,
 )
 from bayesfuse.integrations.flower.strategy import MatchedAveraging
 
@@ -81,4 +94,13 @@ __all__ = [
     "OUTPUT_FIT_META_KEY",
     "ROUND_KEY",
     "OUTPUT_FIT",
+    "TEMPERATURE",
+    "HEADS_KEY",
+    "TEMPERATURE_NLL_KEY",
+    "SHARED",
+    "CLIENT_HEADS",
+    "TRACE_MATCHED",
+    "temperature_reply",
+    "heads_to_record",
+    "record_to_heads",
 ]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from bayesfuse.checkpoints import tensors_sha256
+from bayesfuse.checkpoints import heads_arrays, heads_from_arrays, tensors_sha256
 from bayesfuse.inference.output_fusion import OutputFit
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.summaries import (
@@ -37,6 +37,15 @@ OUTPUT_FIT_VERSION = 2  # 2: the Gram as its upper triangle
 #: value in the refit round (``MatchedAveraging(second_round="refit")``).
 ROUND_KEY = "bayesfuse-round"
 OUTPUT_FIT = "output_fit"
+#: The temperature round (``MatchedAveraging(second_round="temperature")``): its value of
+#: :data:`ROUND_KEY`, the key of the clients' heads the server sends beside the fused network
+#: (an ArrayRecord, :func:`heads_to_record`), and the key of a client's reply.
+TEMPERATURE = "temperature"
+HEADS_KEY = "client-heads"
+TEMPERATURE_NLL_KEY = "temperature-nll"
+#: The temperature round's candidates: the fused network as it is (its shared output layer), the
+#: clients' own heads on it, and the same heads each with its curvature trace-matched.
+SHARED, CLIENT_HEADS, TRACE_MATCHED = "shared", "client heads", "client heads, trace-matched"
 _FIT_ARRAYS = ("weight", "gram", "curvature")
 
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
@@ -387,3 +396,92 @@ def state_digest(state) -> str:
     str
     """
     return tensors_sha256({k: torch.as_tensor(np.ascontiguousarray(np.asarray(v))) for k, v in state.items()})
+
+
+def heads_to_record(heads: dict, trace_scale=None) -> ArrayRecord:
+    """The clients' one-shot heads (:func:`~bayesfuse.inference.client_heads.one_shot_heads`) as
+    an ArrayRecord, float64, in a heads file's layout (:func:`bayesfuse.checkpoints.heads_arrays`),
+    with ``trace-scale`` (J,) where the trace-matched heads are a candidate too."""
+    arrays = heads_arrays(heads)
+    if trace_scale is not None:
+        arrays["trace-scale"] = np.ascontiguousarray(trace_scale, dtype=np.float64)
+    return ArrayRecord(array_dict={k: Array(v) for k, v in arrays.items()})
+
+
+def record_to_heads(record: ArrayRecord, output: str, form: str, name: str = "client heads") -> tuple[dict, Any]:
+    """The heads in :func:`heads_to_record`'s record (on the output layer ``output``, of posterior
+    ``form``) and its ``trace-scale`` (None without); one line naming ``name`` if incomplete."""
+    arrays = {k: record[k].numpy() for k in record.keys()}
+    scale = arrays.pop("trace-scale", None)
+    return heads_from_arrays(arrays, output, form, name), scale
+
+
+def temperature_reply(model: torch.nn.Module, x, y, config: Mapping, heads: ArrayRecord | None = None) -> RecordDict:
+    """A client's reply to the temperature round of ``MatchedAveraging(second_round="temperature")``.
+
+    The server's training message carries the fused network's arrays, a ConfigRecord whose
+    :data:`ROUND_KEY` is :data:`TEMPERATURE` with the ``candidates`` (their names:
+    :data:`SHARED`, :data:`CLIENT_HEADS`, :data:`TRACE_MATCHED`) and ``temperatures`` to score,
+    and, where heads are among the candidates, the clients' heads under :data:`HEADS_KEY` with
+    their ``output-layer``, ``heads-form`` and ``pool``. The client scores each candidate's
+    predictive at each temperature on its own data (:func:`bayesfuse.summaries.temperature_nll`,
+    as ``bayesfuse.fuse(..., second_round="temperature")`` simulates it) and replies with the
+    (candidates, temperatures) sums: no row of its data.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The fused network the server sent, rebuilt as for :func:`output_fit_reply`.
+    x, y : arrays
+        The client's examples and their integer classes.
+    config : mapping
+        The message's ConfigRecord (``msg.content["config"]``).
+    heads : ArrayRecord, optional
+        The message's :data:`HEADS_KEY` record (``msg.content.array_records.get(HEADS_KEY)``).
+
+    Returns
+    -------
+    RecordDict
+        The sums under :data:`TEMPERATURE_NLL_KEY` (array ``nll``, float64) and a MetricRecord
+        ``metrics`` with ``num-examples``.
+    """
+    from bayesfuse.nets.heads import ClientHeads
+    from bayesfuse.summaries import temperature_nll
+
+    if config.get(ROUND_KEY) != TEMPERATURE:
+        raise ValueError(
+            f"not a temperature round: the config's {ROUND_KEY!r} is {config.get(ROUND_KEY)!r}, not {TEMPERATURE!r}"
+        )
+    values: Mapping[str, Any] = config
+    try:
+        names = [str(c) for c in values["candidates"]]
+        temperatures = np.asarray(values["temperatures"], dtype=np.float64)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("the temperature round's config is incomplete (needs candidates, temperatures)") from None
+    unknown = sorted(set(names) - {SHARED, CLIENT_HEADS, TRACE_MATCHED})
+    if unknown or not names:
+        raise ValueError(f"the temperature round names no candidates or unknown ones: {unknown or names}")
+    candidates: dict[str, torch.nn.Module] = {SHARED: model}
+    if set(names) - {SHARED}:
+        if heads is None:
+            raise ValueError(f"the temperature round scores the clients' heads, and the message has no {HEADS_KEY!r}")
+        try:
+            output, form, pool = str(values["output-layer"]), str(values["heads-form"]), str(values["pool"])
+        except KeyError:
+            raise ValueError(
+                "the temperature round's config is incomplete (needs output-layer, heads-form, pool)"
+            ) from None
+        arrays, scale = record_to_heads(heads, output, form)
+        candidates[CLIENT_HEADS] = ClientHeads.from_arrays(model, arrays, pool=pool)
+        if TRACE_MATCHED in names:
+            if scale is None or arrays["laplace"] is None or "gram" not in arrays["laplace"]:
+                raise ValueError("the trace-matched heads need Kronecker-factored heads and their trace-scale")
+            matched = dict(arrays, laplace={**arrays["laplace"], "scale": scale})
+            candidates[TRACE_MATCHED] = ClientHeads.from_arrays(model, matched, pool=pool)
+    nll = np.stack([temperature_nll(candidates[name], x, y, temperatures) for name in names])
+    return RecordDict(
+        {
+            TEMPERATURE_NLL_KEY: ArrayRecord(array_dict={"nll": Array(nll)}),
+            "metrics": MetricRecord({"num-examples": len(y)}),
+        }
+    )

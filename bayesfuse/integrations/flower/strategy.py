@@ -17,17 +17,25 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import StateFusion, fuse_states
-from bayesfuse.inference.client_heads import default_pool
+from bayesfuse.inference.client_heads import default_pool, heads_refused, one_shot_heads
 from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, product_report
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
+    CLIENT_HEADS,
+    HEADS_KEY,
     OUTPUT_FIT,
     OUTPUT_FIT_KEY,
     OUTPUT_FIT_META_KEY,
     ROUND_KEY,
+    SHARED,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
+    TEMPERATURE,
+    TEMPERATURE_NLL_KEY,
+    TRACE_MATCHED,
     _metric_record,
+    heads_to_record,
+    record_to_heads,
     record_to_state,
     records_to_output_fit,
     records_to_summary,
@@ -193,7 +201,7 @@ class MatchedAveraging(_Fusion):
         some replies carry one, the round is fused data-free and the nodes without are logged.
         ``"none"``: ignore them. The round's metrics say which (``summaries-used``,
         ``summary-bytes``).
-    second_round : {None, "refit"}
+    second_round : {None, "refit", "temperature"}
         ``"refit"``: the last round of :meth:`start` (``num_rounds >= 2``; ``num_rounds=2`` is the
         one-shot fusion and the refit) refits the fused network's output layer, as
         ``bayesfuse.fuse(..., rounds=2, second_round="refit")`` simulates it. The server sends the
@@ -206,7 +214,22 @@ class MatchedAveraging(_Fusion):
         is the round's ArrayRecord (so ``Result.arrays``), and keeps its covariance
         (:attr:`output_covariance`, :meth:`laplace`). A reply that is malformed, not finite or of
         another shape is rejected with its node named; with none left the fused network stays.
-        Point-estimate networks only. ``None`` (default): every round fuses.
+        ``"temperature"``: the last round of :meth:`start` chooses the fused model's predictive
+        and its temperature by the clients' own NLL, as ``bayesfuse.fuse(...,
+        second_round="temperature")`` simulates it. Its candidates are the fused network as it is
+        (:data:`~bayesfuse.integrations.flower.records.SHARED`) and, after PFNM or NAFI with every
+        node's summary, where the output layer reads hidden units, the nodes' own one-shot heads
+        on it (:meth:`client_heads`; ``CLIENT_HEADS``) and, where they are Kronecker-factored, the
+        same heads each with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``).
+        The server sends the fused network, the heads (ArrayRecord
+        :data:`~bayesfuse.integrations.flower.records.HEADS_KEY`) and a ConfigRecord with
+        ``"bayesfuse-round": "temperature"``, the ``candidates`` and the ``temperatures``; each
+        node answers with :func:`~bayesfuse.integrations.flower.records.temperature_reply`; the
+        server keeps the pair of least summed NLL. Where the shared head wins, the round's
+        ArrayRecord is the fused network with the temperature folded into its output layer;
+        where heads win, the fused network as it was, and :meth:`tempered` gives the model. A
+        reply of another shape or not finite is rejected with its node named; with none left the
+        fused network stays. Point-estimate networks only. ``None`` (default): every round fuses.
     output_prior_precision : float, optional
         The refit's prior precision ``lambda``, for the clients' fits and the product. None
         (default): the clients fit with ``1 / mean(w^2)`` of the output weights they sent in the
@@ -226,7 +249,10 @@ class MatchedAveraging(_Fusion):
         After a refit, per class the posterior covariance of the output layer's weights and bias.
     second_round_report : dict or None
         After a refit: ``kind``, ``prior_precision``, ``bytes_up`` (per client), ``bytes_down``
-        (per client), ``replies``, ``seconds``.
+        (per client), ``replies``, ``seconds``. After the temperature round: ``kind``,
+        ``candidate`` (the chosen one's name), ``temperature``, ``at_edge``, ``nll`` (each
+        candidate's least summed NLL), ``candidates`` (pairs scored), ``bytes_up``, ``bytes_down``,
+        ``replies``, ``seconds``.
     """
 
     def __init__(
@@ -258,11 +284,11 @@ class MatchedAveraging(_Fusion):
             )
         if summaries not in ("auto", "none"):
             raise ValueError(f"unknown summaries={summaries!r}; choose auto or none")
-        if second_round not in (None, "refit"):
-            raise ValueError(f"unknown second_round={second_round!r}; choose None or 'refit'")
+        if second_round not in (None, "refit", "temperature"):
+            raise ValueError(f"unknown second_round={second_round!r}; choose None, 'refit' or 'temperature'")
         if second_round is not None and self.kind == "bnn":
             raise ValueError(
-                "second_round='refit' refits point-estimate networks; fused BNNs carry their own posterior"
+                f"second_round={second_round!r} is for point-estimate networks; fused BNNs carry their own posterior"
             )
         if output_prior_precision is not None and not (
             np.isfinite(output_prior_precision) and output_prior_precision > 0
@@ -282,6 +308,8 @@ class MatchedAveraging(_Fusion):
         self._output_weights: list[np.ndarray] = []  # the clients' output weights in the last fusion round
         self._class_counts: dict[int, np.ndarray | None] = {}  # each node's class counts in the last fusion round
         self._refitted: dict | None = None  # the refitted state and its output layer's name
+        self._pending_temperature: dict | None = None  # what configure_temperature sent
+        self._tempered: dict | None = None  # the temperature round's choice
         self._one_shot: dict | None = None  # the last fusion's inputs, for its one-shot client heads
 
     def summary(self) -> None:
@@ -289,7 +317,8 @@ class MatchedAveraging(_Fusion):
         super().summary()
         log(INFO, "\t└──> bayesfuse %s fusion, hyper-parameters %s", self.method, self.hyper)
         if self.second_round is not None:
-            log(INFO, "\t└──> the last round refits the output layer (second_round=%r)", self.second_round)
+            what = "refits the output layer" if self.second_round == "refit" else "chooses a predictive and temperature"
+            log(INFO, "\t└──> the last round %s (second_round=%r)", what, self.second_round)
 
     def start(
         self,
@@ -350,9 +379,11 @@ class MatchedAveraging(_Fusion):
         -------
         list of Message
         """
+        if self.second_round == "temperature" and server_round == self._refit_round:
+            return self.configure_temperature(server_round, arrays, config, grid)
         if self.second_round is not None and server_round == self._refit_round:
             return self.configure_output_fit(server_round, arrays, config, grid)
-        self._pending_refit = None
+        self._pending_refit = self._pending_temperature = None
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
@@ -374,8 +405,11 @@ class MatchedAveraging(_Fusion):
         """
         if self._pending_refit is not None and self._pending_refit["round"] == server_round:
             return self.aggregate_output_fit(server_round, replies)
+        if self._pending_temperature is not None and self._pending_temperature["round"] == server_round:
+            return self.aggregate_temperature(server_round, replies)
         self.rejected, self.failed = [], []
         self.output_covariance, self.second_round_report, self._refitted = None, None, None
+        self._tempered = None
         spec, good = self._check(self._collect(replies), self.spec)
         summaries, good = self._summaries(good)
         if not good:
@@ -488,11 +522,13 @@ class MatchedAveraging(_Fusion):
             output,
             prior,
         )
+        return self._round_messages({self.arrayrecord_key: arrays}, round_config, nodes)
+
+    def _round_messages(self, content: dict, config: dict, nodes: list[int]) -> list[Message]:
+        """One training message per node of a bayesfuse round: ``content`` and the round's ``config``."""
         return [
             Message(
-                content=RecordDict(
-                    {self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(dict(round_config))}
-                ),
+                content=RecordDict({**content, self.configrecord_key: ConfigRecord(dict(config))}),
                 message_type="train",
                 dst_node_id=node,
             )
@@ -610,6 +646,227 @@ class MatchedAveraging(_Fusion):
         log(INFO, "\t└──> refitted output layer %r from %d output fits", output, len(fits))
         return state_to_record(refitted), MetricRecord(metrics)
 
+    # ------------------------------------------------------------------ the temperature round
+
+    def configure_temperature(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        """The temperature round's messages: the fused network ``arrays`` to each sampled node (as
+        FedAvg samples), the nodes' own heads on it where they are candidates (:data:`HEADS_KEY`),
+        and ``config`` with ``"bayesfuse-round": "temperature"``, the ``candidates``, the
+        ``temperatures`` and, with heads, their ``output-layer``, ``heads-form`` and ``pool``.
+        :meth:`aggregate_train` of the same round then reads the replies as NLL sums.
+
+        Parameters
+        ----------
+        server_round : int
+        arrays : ArrayRecord
+            The fused network.
+        config : ConfigRecord
+        grid : Grid
+
+        Returns
+        -------
+        list of Message
+        """
+        from bayesfuse.fusion import TEMPERATURES
+        from bayesfuse.methods import ONE_SHOT_HEADS
+
+        state = record_to_state(arrays)
+        if self.last_fusion is None or self._one_shot is None:
+            raise ValueError("the temperature round needs a fusion round before it (num_rounds >= 2)")
+        result, inputs = self.last_fusion, self._one_shot
+        names, heads, scale, round_config = [SHARED], None, None, {}
+        if (
+            inputs["summaries"] is not None
+            and self.method in ONE_SHOT_HEADS
+            and result.spec is not None
+            and not heads_refused(result.spec, state)
+        ):
+            assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
+            weight_key, _ = result.spec.output_layer(state)
+            width = int(np.shape(state[weight_key])[1])
+            heads = one_shot_heads(
+                result.spec,
+                inputs["states"],
+                assignments,
+                width,
+                inputs["counts"],
+                inputs["summaries"],
+                trace_match=True,
+            )
+            scale = (heads["laplace"] or {}).pop("scale", None)
+            names += [CLIENT_HEADS] + ([TRACE_MATCHED] if scale is not None else [])
+            round_config = {
+                "output-layer": heads["output"],
+                "heads-form": heads["form"],
+                "pool": default_pool(inputs["summaries"]),
+            }
+        sampled = list(super().configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
+        nodes = [m.metadata.dst_node_id for m in sampled]
+        heads_record = None if heads is None else heads_to_record(heads, scale)
+        sent = [arrays] + ([] if heads_record is None else [heads_record])
+        self._pending_temperature = {
+            "round": server_round,
+            "state": state,
+            "names": names,
+            "heads": heads_record,
+            "config": round_config,
+            "nodes": nodes,
+            "bytes_down": int(sum(record[k].numpy().nbytes for record in sent for k in record.keys())),
+        }
+        if not nodes:
+            return []
+        round_config = {
+            **dict(config),
+            "server-round": server_round,
+            ROUND_KEY: TEMPERATURE,
+            "candidates": names,
+            "temperatures": [float(t) for t in TEMPERATURES],
+            **round_config,
+        }
+        log(
+            INFO,
+            "configure_train: %d nodes score %d candidates (%s) at %d temperatures",
+            len(nodes),
+            len(names),
+            ", ".join(names),
+            len(TEMPERATURES),
+        )
+        content = {self.arrayrecord_key: arrays}
+        if heads_record is not None:
+            content[HEADS_KEY] = heads_record
+        return self._round_messages(content, round_config, nodes)
+
+    def aggregate_temperature(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The candidate and temperature of least summed NLL over the nodes' replies.
+
+        Parameters
+        ----------
+        server_round : int
+        replies : iterable of Message
+            Replies to :meth:`configure_temperature`'s messages
+            (:func:`~bayesfuse.integrations.flower.records.temperature_reply`).
+
+        Returns
+        -------
+        tuple of (ArrayRecord or None, MetricRecord or None)
+            The fused network, its output layer divided by the temperature where the shared head
+            won (``None`` when no valid reply came: the fused network stays), and ``num-examples``,
+            ``temperature-replies``, ``failed-replies``, ``rejected-replies``, ``temperature``,
+            ``candidate`` (its index in the round's ``candidates``), ``bytes-up`` and
+            ``bytes-down`` (per node).
+        """
+        from bayesfuse.fusion import TEMPERATURES
+        from bayesfuse.inference.summary_fusion import best_candidate, fold_temperature
+
+        pending, self._pending_temperature = self._pending_temperature, None
+        if pending is None:
+            raise ValueError("aggregate_temperature: no temperature round was configured (configure_temperature)")
+        start = time.perf_counter()
+        self.rejected, self.failed = [], []
+        shape = (len(pending["names"]), len(TEMPERATURES))
+        sums, examples = [], 0.0
+        for msg in sorted(replies, key=lambda m: m.metadata.src_node_id):
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                self.failed.append((node, str(msg.error.reason)))
+                log(WARNING, "node %d: reply skipped (%s)", node, msg.error.reason)
+                continue
+            record = msg.content.array_records.get(TEMPERATURE_NLL_KEY)
+            nll = None if record is None or "nll" not in record else record["nll"].numpy()
+            if nll is None or nll.shape != shape or not np.isfinite(nll).all() or (nll < 0).any():
+                found = "none" if nll is None else f"shape {nll.shape}" + ("" if nll.shape != shape else ", bad values")
+                self._reject(
+                    node,
+                    f"node {node}: its reply to the temperature round needs {TEMPERATURE_NLL_KEY!r} array 'nll' "
+                    f"of shape {shape}, finite and >= 0; got {found}",
+                )
+                continue
+            sums.append(nll.astype(np.float64))
+            metrics_in = _metric_record(msg.content)
+            count = metrics_in.get("num-examples", 0) if metrics_in is not None else 0
+            examples += float(count) if isinstance(count, (int, float)) else 0.0
+        log(INFO, "aggregate_train: Received %s temperature replies and %s failures", len(sums), len(self.failed))
+        metrics: dict = {
+            "num-examples": examples,
+            "temperature-replies": len(sums),
+            "failed-replies": len(self.failed),
+            "rejected-replies": len(self.rejected),
+            "bytes-up": int(np.prod(shape)) * 8,
+            "bytes-down": pending["bytes_down"],
+        }
+        if not sums:
+            log(
+                WARNING,
+                "round %d: no valid temperature reply (%d failed, %d rejected); the fused network stays",
+                server_round,
+                len(self.failed),
+                len(self.rejected),
+            )
+            return None, MetricRecord(metrics)
+        nll = np.stack(sums)
+        choice, t = best_candidate(nll)
+        temperature, name = float(TEMPERATURES[t]), pending["names"][choice]
+        state = pending["state"]
+        result = cast(StateFusion, self.last_fusion)
+        if name == SHARED:
+            spec = cast(PermutationSpec, result.spec)
+            folded = fold_temperature(state, spec, temperature)
+            state = {k: np.asarray(v).astype(np.asarray(pending["state"][k]).dtype) for k, v in folded.items()}
+            for key in spec.output:
+                if key in result.state:
+                    result.state[key] = np.asarray(folded[key]).copy()
+        self._tempered = {**pending, "state": state, "name": name, "temperature": temperature}
+        self.second_round_report = {
+            "kind": "temperature",
+            "candidate": name,
+            "temperature": temperature,
+            "at_edge": bool(temperature in (TEMPERATURES[0], TEMPERATURES[-1])),
+            "nll": {n: float(nll[:, c].sum(0).min()) for c, n in enumerate(pending["names"])},
+            "candidates": int(np.prod(shape)),
+            "bytes_up": metrics["bytes-up"],
+            "bytes_down": pending["bytes_down"],
+            "replies": len(sums),
+            "seconds": time.perf_counter() - start,
+        }
+        result.hyper["second_round"] = self.second_round_report
+        metrics.update(temperature=temperature, candidate=choice)
+        log(INFO, "\t└──> kept %s at temperature %.3g from %d replies", name, temperature, len(sums))
+        return state_to_record(state), MetricRecord(metrics)
+
+    def tempered(self, like: nn.Module) -> nn.Module:
+        """The temperature round's choice: the fused network with the temperature folded into its
+        output layer, or the nodes' heads on the fused network (:class:`~bayesfuse.nets.heads.ClientHeads`,
+        trace-matched where that candidate won) with their ``temperature`` set; in eval mode.
+
+        Parameters
+        ----------
+        like : nn.Module
+            A network of the clients' architecture, rebuilt at the fused widths.
+
+        Returns
+        -------
+        nn.Module
+        """
+        chosen = self._tempered
+        if chosen is None:
+            raise ValueError(
+                "no temperature round has run: make the strategy with second_round='temperature' and run it"
+            )
+        network = rebuild(like, tensor_state(chosen["state"])).eval()
+        if chosen["name"] == SHARED:
+            return network
+        config = chosen["config"]
+        heads, scale = record_to_heads(chosen["heads"], config["output-layer"], config["heads-form"])
+        if chosen["name"] == TRACE_MATCHED:
+            heads["laplace"] = {**heads["laplace"], "scale": scale}
+        model = ClientHeads.from_arrays(network, heads, pool=config["pool"])
+        model.temperature.fill_(chosen["temperature"])
+        return model
+
     def laplace(self, like: nn.Module) -> LastLayerLaplace:
         """The refitted network with its output layer's posterior: a
         :class:`~bayesfuse.nets.laplace.LastLayerLaplace` (probit predictive, per-class covariance).
@@ -633,8 +890,9 @@ class MatchedAveraging(_Fusion):
         """The refitted network predicting with the nodes' own output fits: a
         :class:`~bayesfuse.nets.heads.ClientHeads` (the class-share mixture of the heads, or their
         geometric pool with ``pool="log"``), each head its fit's Laplace posterior, as
-        ``bayesfuse.fuse(..., head="clients")``. Without a refit round (``second_round=None``), the
-        one-shot heads of the last fusion: each node's own output layer on the fused network
+        ``bayesfuse.fuse(..., head="clients")``. Without a refit round (``second_round=None`` or
+        ``"temperature"``), the one-shot heads of the last fusion (untempered: :meth:`tempered`
+        gives the temperature round's choice): each node's own output layer on the fused network
         (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`), each its Laplace posterior
         (Kronecker-factored, :mod:`bayesfuse.inference.client_heads`) where the nodes sent
         summaries, mixed by their class counts (the replies', else their summaries'; uniformly when
@@ -659,7 +917,7 @@ class MatchedAveraging(_Fusion):
         ValueError
             No refit round has run, or a node that sent a fit reported no class counts.
         """
-        if self._refitted is None and self.second_round is None and self._one_shot is not None:
+        if self._refitted is None and self.second_round != "refit" and self._one_shot is not None:
             return self._one_shot_heads(like, pool)
         pool = pool or "linear"
         if self._refitted is None:
