@@ -1,7 +1,7 @@
 """Run the app in-process on Flower's simulation engine (Ray), without a SuperLink.
 
 Usage: python simulate.py [--method pfnm|nafi|fedma] [--rounds 3] [--nodes 10] [--local-epochs 10]
-       [--second-round none|refit]
+       [--second-round none|refit|temperature] [--summaries]
 Prints the test accuracy of the global model after each round (and of FedAvg over as many
 rounds on the same clients) and the wall time. ``flwr run .`` runs the same app through a
 local SuperLink.
@@ -27,7 +27,14 @@ def main() -> None:
     parser.add_argument("--local-epochs", type=int, default=10)
     parser.add_argument("--round-epochs", type=int, default=5)
     parser.add_argument(
-        "--second-round", default="none", choices=["none", "refit"], help="PFNM/NAFI: refit: the last round refits"
+        "--second-round",
+        default="none",
+        choices=["none", "refit", "temperature"],
+        help="PFNM/NAFI: refit: the last round refits the output layer; temperature: it chooses the "
+        "predictive and its temperature by the nodes' own NLL",
+    )
+    parser.add_argument(
+        "--summaries", action="store_true", help="nodes send summaries of their own data (bayesfuse.summarize)"
     )
     args = parser.parse_args()
     # Ray's workers import the app too
@@ -45,6 +52,7 @@ def main() -> None:
         "local-epochs": args.local_epochs,
         "round-epochs": args.round_epochs,
         "second-round": args.second_round,
+        "summaries": args.summaries,
     }
     start = time.perf_counter()
     run_simulation(

@@ -1061,10 +1061,10 @@ def test_example_method_is_checked_in_one_line(example, caplog):
     assert server.RESULTS == {}
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        server.main(NoGrid(), {"method": "pfnm", "second-round": "temperature"})
+        server.main(NoGrid(), {"method": "pfnm", "second-round": "probit"})
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].startswith(
-        "unknown second-round 'temperature' in the run config: choose one of none, refit"
+        "unknown second-round 'probit' in the run config: choose one of none, refit, temperature"
     )
 
 

@@ -11,14 +11,17 @@ from flwr.clientapp import ClientApp
 
 from bayesfuse import summarize
 from bayesfuse.integrations.flower import (
+    HEADS_KEY,
     OUTPUT_FIT,
     ROUND_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
+    TEMPERATURE,
     output_fit_reply,
     record_to_state,
     state_to_record,
     summary_to_records,
+    temperature_reply,
 )
 from bayesfuse.metrics import evaluate as score
 from bayesfuse.nets.predict import predict_proba
@@ -62,14 +65,20 @@ def make_client_app(overrides: dict | None = None) -> ClientApp:
         """Matched averaging: round 1 trains the node's own network from its own initialisation
         (separately trained models); later rounds start from the server's fused model. In the
         refit round the node trains nothing: it fits the fused network's output layer on its own
-        data and returns the fit (aggregates only)."""
-        if msg.content["config"].get(ROUND_KEY) == OUTPUT_FIT:
+        data and returns the fit; in the temperature round it returns its summed NLL of each
+        candidate at each temperature (aggregates only, both)."""
+        round_kind = msg.content["config"].get(ROUND_KEY)
+        if round_kind in (OUTPUT_FIT, TEMPERATURE):
             run = settings(context, overrides)
             _, (x, y, _) = _node_data(context, run)
             fused = model_from_state(config(run), record_to_state(msg.content["arrays"]))
+            if round_kind == TEMPERATURE:
+                heads = msg.content.array_records.get(HEADS_KEY)
+                return Message(temperature_reply(fused, x, y, msg.content["config"], heads), reply_to=msg)
             return Message(output_fit_reply(fused, x, y, msg.content["config"]), reply_to=msg)
         later = "arrays" in msg.content.array_records and int(msg.content["config"].get("server-round", 1)) > 1
-        return own_or_global(msg, context, later, bool(settings(context, overrides).get("summaries", False)))
+        summary = bool(settings(context, overrides).get("summaries", False))
+        return own_or_global(msg, context, later, summary and bool(msg.content["config"].get("send-summary", True)))
 
     @app.train("local")
     def fedma_local(msg: Message, context: Context) -> Message:

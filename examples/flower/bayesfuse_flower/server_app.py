@@ -12,7 +12,7 @@ from logging import ERROR
 from pathlib import Path
 from typing import Callable
 
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Result
@@ -25,8 +25,13 @@ from bayesfuse_flower.task import _split, config, fresh_model, model_from_state,
 
 #: The values of the run config's ``method``.
 METHODS = ("pfnm", "nafi", "fedma")
-#: The values of the run config's ``second-round`` (PFNM/NAFI): none, or the last round refits the output layer.
-SECOND_ROUNDS = ("none", "refit")
+#: The values of the run config's ``second-round`` (PFNM/NAFI): none, or the last round refits the
+#: output layer, or chooses the predictive (with summaries: the nodes' own heads among the
+#: candidates) and its temperature by the nodes' own NLL.
+SECOND_ROUNDS = ("none", "refit", "temperature")
+
+#: The train config entry that, False, tells a node to send no summary (FedAvg's rounds).
+SEND_SUMMARY = "send-summary"
 
 RESULTS: dict = {}  # filled by main(); read by tests and printed at the end
 
@@ -196,11 +201,26 @@ def main(grid: Grid, run: dict) -> None:
                 test = _split(seed).test
                 m = evaluate(predict_proba(strategy.laplace(fresh_model(cfg, seed)), test.x), test.y)
                 RESULTS[method]["laplace"] = {"accuracy": float(m["accuracy"]), "nll": float(m["nll"])}
+            report = strategy.second_round_report or {}
+            if report.get("kind") == "temperature":  # the candidate kept, at its temperature
+                test = _split(seed).test
+                m = evaluate(predict_proba(strategy.tempered(fresh_model(cfg, seed)), test.x), test.y)
+                RESULTS[method]["tempered"] = {
+                    "candidate": report["candidate"],
+                    "temperature": report["temperature"],
+                    **{k: float(m[k]) for k in ("accuracy", "nll", "ece")},
+                }
     RESULTS["seconds"] = time.perf_counter() - start
     if bool(run.get("compare-fedavg", True)):
         # as many rounds, the same local training (clients' seeds are the same), averaged coordinate-wise
+        # FedAvg reads one ArrayRecord per reply: the nodes send it no summary
         baseline = fedavg_baseline(nodes).start(
-            grid=grid, initial_arrays=initial, num_rounds=rounds, timeout=timeout, evaluate_fn=evaluate_fn
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=rounds,
+            timeout=timeout,
+            evaluate_fn=evaluate_fn,
+            train_config=ConfigRecord({SEND_SUMMARY: False}),
         )
         RESULTS["fedavg"] = _report(baseline)
     print("bayesfuse results:", json.dumps(RESULTS, default=str))
