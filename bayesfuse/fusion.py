@@ -39,7 +39,7 @@ from bayesfuse._runtime import progress
 from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
-from bayesfuse.inference.client_heads import default_pool, heads_refused
+from bayesfuse.inference.client_heads import default_pool, heads_refused, trace_ratios
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
@@ -422,6 +422,8 @@ def fuse(
             *candidates[0], models, data, prior_precision=output_prior_precision, head=head, pool=pool
         )
     else:
+        from bayesfuse.nets.heads import ClientHeads
+
         labels = list(pools)
         if heads_candidate:  # the one-shot default: the clients' heads on the body of output_pool
             body, network = candidates[pools.index(output_pool)]
@@ -434,11 +436,12 @@ def fuse(
                     candidates, labels = [], []
                 candidates.append((own, heads))
                 labels.append("client heads")
-                if heads.form == "kronecker":  # and the same heads, each one's curvature at the exact trace
-                    matched = replace(body, hyper=dict(body.hyper))
-                    candidates.append(
-                        (matched, _own_heads(matched, network, states, class_counts, summaries, pool, True))
-                    )
+                if isinstance(heads, ClientHeads) and heads.form == "kronecker":
+                    # and the same heads, each one's curvature at the exact trace
+                    ratios = trace_ratios(summaries, *cast(PermutationSpec, body.spec).output_layer(states[0]))
+                    matched = replace(own, hyper=dict(own.hyper))
+                    matched.hyper["predictive"] = own.hyper["predictive"][:-1] + f", {TRACE_MATCHED})"
+                    candidates.append((matched, heads.with_scale(ratios)))
                     labels.append("client heads, trace-matched")
         fused, model = _second_round(candidates, data, labels, like=models[0])
     result = FusionResult(
@@ -651,33 +654,25 @@ def _heads_refused(candidates: Sequence, pool: str | None) -> str | None:
     return refused
 
 
-def _own_heads(
-    fused,
-    model: nn.Module,
-    states,
-    class_counts,
-    summaries=None,
-    pool: str | None = None,
-    trace_match: bool = False,
-) -> nn.Module:
+#: How the report names the trace-matched heads' posterior (:func:`~bayesfuse.inference.client_heads.trace_ratios`).
+TRACE_MATCHED = "its curvature scaled to the exact GGN's trace"
+
+
+def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, pool: str | None = None) -> nn.Module:
     """The one-shot fusion ``fused`` (its ``model``) with every client's own output layer kept as a
-    head on the fused features (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`), each
-    Kronecker-factored head's curvature at the exact trace with ``trace_match``."""
+    head on the fused features (:meth:`~bayesfuse.nets.heads.ClientHeads.from_clients`)."""
     from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.nets.laplace import LastLayerLaplace
 
     network = model.network if isinstance(model, LastLayerLaplace) else model
     assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
     pool = pool or default_pool(summaries)
-    heads = ClientHeads.from_clients(
-        network, fused.spec, states, assignments, class_counts, summaries, pool=pool, trace_match=trace_match
-    )
+    heads = ClientHeads.from_clients(network, fused.spec, states, assignments, class_counts, summaries, pool=pool)
     form = {"kronecker": "Kronecker-factored", "diagonal": "diagonal"}.get(heads.form)
-    matched = ", its curvature scaled to the exact GGN's trace" if trace_match and heads.form == "kronecker" else ""
     pooled = "geometric pool" if pool == "log" else "mixture"
     fused.hyper["predictive"] = (
         f"class-share {pooled} of the clients' own output layers on the fused features (ClientHeads, one shot"
-        + (f", each its client's {form} Laplace posterior{matched})" if form else ")")
+        + (f", each its client's {form} Laplace posterior)" if form else ")")
     )
     fused.hyper["head"] = "clients"
     fused.hyper["pool"] = pool

@@ -110,8 +110,8 @@ def test_temperature_round_scores_the_clients_heads(federation):
     # trace-matched or not, at the chosen temperature
     one_shot = fuse(models, "pfnm", summaries=summaries)
     if r2["output_pool"] == "client heads, trace-matched":
-        one_shot.model.scale.copy_(heads.model.scale)
-    assert (heads.model.scale != 1).any() == (r2["output_pool"] == "client heads, trace-matched")
+        one_shot.model.register_buffer("scale", heads.model.scale.clone())
+    assert hasattr(heads.model, "scale") == (r2["output_pool"] == "client heads, trace-matched")
     x = torch.as_tensor(split.test.x[:64])
     with torch.no_grad():
         expected = torch.log_softmax(one_shot.model(x) / r2["temperature"], -1)
@@ -184,9 +184,23 @@ def test_the_trace_matched_heads_chosen_report_themselves(federation, monkeypatc
     assert r2["output_pool"] == "client heads, trace-matched" and r2["temperature"] == 2.0
     assert isinstance(result.model, ClientHeads) and float(result.model.temperature) == 2.0
     assert "scaled to the exact GGN's trace" in result.hyper["predictive"] and result.hyper["head"] == "clients"
-    # the scales are the summaries' ratios, in the fused (canonical) client order
-    ratios = trace_ratios(federation[3], "layers.1.weight", "layers.1.bias")
-    assert sorted(result.model.scale.tolist()) == pytest.approx(sorted(ratios), rel=1e-12)
+    # each head's scale is its own client's ratio (heads are in the canonical client order: a head
+    # is its client's by its bias, the client's own output bias)
+    _, _, models, summaries = federation
+    ratios = trace_ratios(summaries, "layers.1.weight", "layers.1.bias")
+    for j, bias in enumerate(result.model.bias.numpy()):
+        client = next(i for i, m in enumerate(models) if np.allclose(m.layers[1].bias.detach().numpy(), bias))
+        assert float(result.model.scale[j]) == pytest.approx(ratios[client], rel=1e-12)
+
+
+def test_diagonal_heads_have_no_trace_matched_candidate(federation):
+    from dataclasses import replace as with_fields
+
+    split, part, models, summaries = federation
+    diagonal = [with_fields(s, output_factors=None) for s in summaries]
+    result = fuse(models, "pfnm", summaries=diagonal, rounds=2, data=(split.train, part), second_round="temperature")
+    r2 = result.hyper["second_round"]
+    assert r2["candidates"] == 3 * 65 and set(r2["nll"]) == {"precision", "counts", "client heads"}
 
 
 def test_second_round_refits_the_output_layer(federation):

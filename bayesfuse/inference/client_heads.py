@@ -235,8 +235,8 @@ def trace_ratios(summaries, weight_key: str, bias_key: str) -> np.ndarray:
     """(J,) ``c_j`` of the module docstring: the exact GGN's trace over the Kronecker factors'.
 
     The numerator is the sum of summary j's GGN diagonal of the output layer (``weight_key`` and
-    ``bias_key``), the denominator ``n_j tr(A_j) tr(S_j)`` of its output factors. A head whose
-    curvature is 0 either way (a client sure of every example) keeps ``c_j = 1``.
+    ``bias_key``), the denominator ``n_j tr(A_j) tr(S_j)`` of its output factors. A head where
+    either is 0 (a client sure of every example: both are) keeps ``c_j = 1``.
     """
     ratios = np.ones(len(summaries))
     for j, s in enumerate(summaries):

@@ -34,7 +34,9 @@ Kronecker factors of its Laplace precision (:mod:`bayesfuse.inference.output_fus
 
     H_j = n_j \\, \\bar A_j \\otimes \\bar S_j + \\lambda_j I ,
 
-``lambda_j = lambda / J`` the prior share the client fitted with. Given them (``laplace=``, which
+``lambda_j = lambda / J`` the prior share the client fitted with; with a ``scale`` the first term
+is multiplied by ``scale_j`` (the trace-matched heads,
+:func:`~bayesfuse.inference.client_heads.trace_ratios`). Given them (``laplace=``, which
 :func:`bayesfuse.fuse` with ``head="clients"`` passes), ``p_j(k | x)`` is head j's Laplace
 predictive, ``E[softmax(W^T a~)]`` under ``W ~ N(W_hat_j, H_j^{-1})``. The logits ``f = W^T a~`` are
 Gaussian with mean ``W_hat_j^T a~`` and, in the eigenbases ``A_j = U diag(b) U^T``,
@@ -58,6 +60,7 @@ posteriors ``J ((G + 1)^2 + K^2 + 1)``.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -253,9 +256,6 @@ class ClientHeads(nn.Module):
         prior = torch.as_tensor(np.array(laplace["prior_precision"], dtype=np.float64))
         prior = prior.expand(J).clone() if prior.ndim == 0 else prior
         support = torch.as_tensor(np.array(laplace.get("support", np.ones((J, G + 1))), dtype=np.float64))
-        scale = torch.as_tensor(np.array(laplace.get("scale", np.ones(J)), dtype=np.float64))
-        if scale.shape != (J,) or not bool((torch.isfinite(scale) & (scale > 0)).all()):
-            raise ValueError(f"laplace scale must be {J} finite numbers > 0, got shape {tuple(scale.shape)}")
         if gram.shape != (J, G + 1, G + 1) or curvature.shape != (J, K, K) or n.shape != (J,):
             raise ValueError(
                 f"laplace factors of shapes gram {tuple(gram.shape)}, curvature {tuple(curvature.shape)}, n "
@@ -292,9 +292,27 @@ class ClientHeads(nn.Module):
         self.register_buffer("curv_vecs", curv_vecs)
         self.register_buffer("n", n)
         self.register_buffer("prior", prior)
-        self.register_buffer("scale", scale)
+        if "scale" in laplace:
+            self._set_scale(laplace["scale"])
         self.register_buffer("support", support)
         self._register_draws(J, K, samples)
+
+    def _set_scale(self, scale) -> None:
+        J = self.n_heads
+        values = torch.as_tensor(np.array(scale, dtype=np.float64))
+        if values.shape != (J,) or not bool((torch.isfinite(values) & (values > 0)).all()):
+            raise ValueError(f"laplace scale must be {J} finite numbers > 0, got shape {tuple(values.shape)}")
+        self.register_buffer("scale", values)
+
+    def with_scale(self, scale) -> "ClientHeads":
+        """These Kronecker-factored heads, each one's curvature multiplied by ``scale`` (J,) > 0
+        (``laplace["scale"]``, e.g. :func:`~bayesfuse.inference.client_heads.trace_ratios`): a
+        copy on the same ``network`` object, every other tensor copied bit for bit."""
+        if self.form != "kronecker":
+            raise ValueError(f"a curvature scale is for Kronecker-factored heads; these are {self.form!r}")
+        twin = copy.deepcopy(self, memo={id(self.network): self.network})
+        twin._set_scale(scale)
+        return twin
 
     def _register_draws(self, J: int, K: int, samples: int) -> None:
         """The fixed standard normal draws of every head's logits (the same for every input)."""
@@ -456,7 +474,7 @@ class ClientHeads(nn.Module):
             self.gram_vecs[j],
             self.gram_vals[j],
             self.curv_vals[j],
-            float(self.n[j] * self.scale[j]),
+            float(self.n[j] * (self.scale[j] if hasattr(self, "scale") else 1.0)),
             float(self.prior[j]),
         )
         return (self.draws[j][:, None, :] * var.sqrt()[None]) @ self.curv_vecs[j].T  # V (sqrt(d) * eps)

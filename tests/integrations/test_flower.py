@@ -891,11 +891,10 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
         np.testing.assert_array_equal(sent[k], v)
     network = rebuild(models[0], tensor_state(sent)).eval()
     heads = one_shot.client_heads(models[0])
-    matched = one_shot.client_heads(models[0])
     by_bias = {tuple(np.round(m.layers[2].bias.detach().double().numpy(), 6)): j for j, m in enumerate(models)}
     ratios = trace_ratios(summaries, "layers.2.weight", "layers.2.bias")
     order = [by_bias[tuple(np.round(b, 6))] for b in heads.bias.numpy()]  # each head's client
-    matched.scale.copy_(torch.as_tensor(ratios[order]))
+    matched = heads.with_scale(ratios[order])
     candidates = {SHARED: network, CLIENT_HEADS: heads, TRACE_MATCHED: matched}
     direct = {
         name: sum(temperature_nll(m, split.train.x[idx], split.train.y[idx], TEMPERATURES) for idx in part)

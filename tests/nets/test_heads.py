@@ -453,9 +453,10 @@ def test_one_shot_kronecker_heads_are_the_clients_kfac_posteriors_on_their_match
 def test_trace_matched_one_shot_heads_have_the_exact_ggn_trace(federation):
     """Against the GGN written out from each client's own network: ``sum_n ||a~_n||^2 tr(S_n)``,
     ``S_n = diag(p_n) - p_n p_n^T`` its softmax Hessian at example n and ``a~_n`` the features its
-    output layer reads, bias last. The summaries hold their factors in float32 (relative error
-    ~1e-7 per entry, summed over a few hundred examples): 1e-5 is ample and far below the scales'
-    spread from 1."""
+    output layer reads, bias last; the Kronecker trace ``n tr(A) tr(S)`` from the head's own
+    buffers (its count and eigenvalues). Both sides come from float32 forward passes (relative
+    error ~1e-7 per term, summed over a few hundred examples): 1e-5 is ample and far below the
+    scales' spread from 1."""
     from bayesfuse import summarize
     from bayesfuse.nets.spec import spec_from_module
 
@@ -478,8 +479,8 @@ def test_trace_matched_one_shot_heads_have_the_exact_ggn_trace(federation):
         )
         p = _softmax(logits)
         exact = float(((features**2).sum(1) + 1.0) @ (1.0 - (p**2).sum(1)))
-        factors = summaries[j].output_factors
-        kfac = len(idx) * np.trace(factors["gram"]) * np.trace(factors["curvature"])
+        kfac = float(heads.n[j]) * float(heads.gram_vals[j].sum()) * float(heads.curv_vals[j].sum())
+        assert float(heads.n[j]) == len(idx)  # head j is client j: the states were given in that order
         assert float(heads.scale[j]) * kfac == pytest.approx(exact, rel=1e-5)
     assert not np.allclose(heads.scale.numpy(), 1.0, atol=0.05)  # the correction is not a no-op here
     # the scaled head is the Kronecker posterior of n scale A (x) S + delta I: the same as n scale given as n
@@ -493,7 +494,23 @@ def test_trace_matched_one_shot_heads_have_the_exact_ggn_trace(federation):
     x = split.test.x[:50]
     np.testing.assert_allclose(predict_proba(heads, x), predict_proba(folded, x), rtol=1e-12, atol=1e-12)
     plain = _one_shot(models, summaries=summaries).model
-    assert np.abs(predict_proba(heads, x) - predict_proba(plain, x)).max() > 1e-4
+    assert not hasattr(plain, "scale") and np.abs(predict_proba(heads, x) - predict_proba(plain, x)).max() > 1e-4
+    # with_scale: the same heads on the same network, the scale set, nothing else moved
+    scale = heads.scale.numpy()[_order(plain, heads)]
+    twin = plain.with_scale(scale)
+    assert twin.network is plain.network and not hasattr(plain, "scale")
+    built = ClientHeads(
+        plain.network,
+        plain.output,
+        *(t.numpy() for t in (plain.weight, plain.bias, plain.shares)),
+        pool="log",
+        laplace=_laplace_of(plain, scale=scale),
+    ).eval()
+    np.testing.assert_allclose(predict_proba(twin, x), predict_proba(built, x), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="Kronecker-factored heads; these are 'map'"):
+        ClientHeads(
+            plain.network, "layers.1", *(t.numpy() for t in (plain.weight, plain.bias, plain.shares))
+        ).with_scale(np.ones(4))
     for bad in (np.zeros(4), np.full(4, np.inf), np.ones(3)):
         with pytest.raises(ValueError, match="laplace scale must be 4 finite numbers > 0"):
             ClientHeads(
@@ -502,6 +519,11 @@ def test_trace_matched_one_shot_heads_have_the_exact_ggn_trace(federation):
                 *(t.numpy() for t in (heads.weight, heads.bias, heads.shares)),
                 laplace=_laplace_of(heads, scale=bad),
             )
+
+
+def _order(these: ClientHeads, those: ClientHeads) -> list[int]:
+    """For each of ``these`` heads, the index of the head of ``those`` with its bias (its client)."""
+    return [int(np.argmin(np.abs(those.bias.numpy() - b).sum(1))) for b in these.bias.numpy()]
 
 
 def _laplace_of(heads: ClientHeads, **change) -> dict:
