@@ -111,7 +111,9 @@ def load_font_digits(
         Image side: 8 matches ``load_digits``, 28 matches MNIST / Fashion-MNIST.
     fonts : sequence of str, optional
         Font file stems from ``matplotlib/mpl-data/fonts/ttf`` (see :func:`available_fonts`);
-        default: all of :data:`DEFAULT_FONTS` present.
+        default: all of :data:`DEFAULT_FONTS`, so that the set is the same on every machine
+        (matplotlib >= 3.11 bundles them all; with an older one, pass ``fonts=available_fonts()``
+        for the ones it has).
     n_per_font : int
         Jittered copies of each digit per font.
     max_shift : float, optional
@@ -134,13 +136,21 @@ def load_font_digits(
     lo, hi = scale_range
     if not 0.0 < lo <= hi <= 1.2:
         raise ValueError(f"scale_range must satisfy 0 < low <= high <= 1.2, got {scale_range}")
-    names = list(available_fonts() if fonts is None else fonts)
+    names = list(DEFAULT_FONTS if fonts is None else fonts)
     if not names:
         raise ValueError("no fonts to render digits with")
     font_dir = _font_dir()
     missing = [n for n in names if not (font_dir / f"{n}.ttf").is_file()]
     if missing:
-        raise FileNotFoundError(f"fonts {missing} not found in {font_dir}; available: {available_fonts()}")
+        import matplotlib
+
+        hint = (
+            f"matplotlib {matplotlib.__version__} lacks default fonts (matplotlib >= 3.11 bundles them all: "
+            "pip install -U matplotlib), or pass fonts=available_fonts() for a smaller set"
+            if fonts is None
+            else f"available: {available_fonts()}"
+        )
+        raise FileNotFoundError(f"fonts {missing} not found in {font_dir}; {hint}")
     max_shift = size / 14.0 if max_shift is None else float(max_shift)
     rng = np.random.default_rng(seed)
     images, labels = [], []

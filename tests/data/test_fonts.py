@@ -8,6 +8,18 @@ def test_all_default_fonts_ship_with_matplotlib():
     assert available_fonts() == list(DEFAULT_FONTS)
 
 
+def test_a_missing_default_font_is_named_not_skipped(monkeypatch, tmp_path):
+    """An older matplotlib lacks a default font: the OOD set would silently shrink (and every
+    AUROC on it move), so the loader refuses and says how to get the fonts."""
+    import bayesfuse.data.fonts as fonts
+
+    for name in DEFAULT_FONTS[:-1]:
+        (tmp_path / f"{name}.ttf").write_bytes(b"")
+    monkeypatch.setattr(fonts, "_font_dir", lambda: tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"\['cmti10'\] not found .*matplotlib >= 3\.11 bundles them all"):
+        load_font_digits(28)
+
+
 @pytest.mark.parametrize("size", [8, 28])
 def test_shape_range_and_classes(size):
     ds = load_font_digits(size, n_per_font=2)
