@@ -40,6 +40,7 @@ from bayesfuse.integrations.flower import (  # noqa: E402
     OUTPUT_FIT_KEY,
     ROUND_KEY,
     SHARED,
+    SHARED_POSTERIOR_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
     TEMPERATURE,
@@ -853,7 +854,7 @@ class TemperatureGrid(RefitGrid):
         p = self.ids.index(node)
         fused = rebuild(self.models[p], tensor_state(record_to_state(msg.content["arrays"])))
         x, y = self.split.train.x[self.part[p]], self.split.train.y[self.part[p]]
-        content = temperature_reply(fused, x, y, config, msg.content.array_records.get(HEADS_KEY))
+        content = temperature_reply(fused, x, y, config, msg.content.array_records)
         if node in self.spoil:
             self.spoil[node](content)
         return Message(content, reply_to=msg)
@@ -890,12 +891,15 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     for k, v in record_to_state(plain.arrays).items():
         np.testing.assert_array_equal(sent[k], v)
     network = rebuild(models[0], tensor_state(sent)).eval()
+    # the shared head as bayesfuse.fuse scores it: the output layer's Laplace, from the fusion's precisions
+    precision = one_shot.last_fusion.precision
+    shared = LastLayerLaplace(network, "layers.2", 1 / precision["layers.2.weight"], 1 / precision["layers.2.bias"])
     heads = one_shot.client_heads(models[0])
     by_bias = {tuple(np.round(m.layers[2].bias.detach().double().numpy(), 6)): j for j, m in enumerate(models)}
     ratios = trace_ratios(summaries, "layers.2.weight", "layers.2.bias")
     order = [by_bias[tuple(np.round(b, 6))] for b in heads.bias.numpy()]  # each head's client
     matched = heads.with_scale(ratios[order])
-    candidates = {SHARED: network, CLIENT_HEADS: heads, TRACE_MATCHED: matched}
+    candidates = {SHARED: shared.eval(), CLIENT_HEADS: heads, TRACE_MATCHED: matched}
     direct = {
         name: sum(temperature_nll(m, split.train.x[idx], split.train.y[idx], TEMPERATURES) for idx in part)
         for name, m in candidates.items()
@@ -910,8 +914,10 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     metrics = result.train_metrics_clientapp[2]
     assert metrics["temperature-replies"] == 3 and metrics["temperature"] == temperature
     assert metrics["bytes-up"] == report["bytes_up"] == 3 * 65 * 8
-    heads_bytes = sum(v.numpy().nbytes for v in grid.sent[3].content[HEADS_KEY].values())
-    assert report["bytes_down"] == 4 * sum(v.size for v in sent.values()) + heads_bytes
+    posterior_bytes = sum(  # float64 heads and variances, beside the float32 network
+        v.numpy().nbytes for key in (HEADS_KEY, SHARED_POSTERIOR_KEY) for v in grid.sent[3].content[key].values()
+    )
+    assert report["bytes_down"] == 4 * sum(v.size for v in sent.values()) + posterior_bytes
     # the model kept: the winner at its temperature
     model = strategy.tempered(models[0])
     x = torch.as_tensor(split.test.x[:60])
@@ -924,9 +930,10 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     simulated = fuse(
         models, "pfnm", summaries=summaries, rounds=2, second_round="temperature", data=(split.train, part)
     )
-    assert simulated.hyper["second_round"]["nll"]["client heads"] == pytest.approx(
-        report["nll"][CLIENT_HEADS], rel=1e-4
-    )
+    nll = simulated.hyper["second_round"]["nll"]
+    assert nll["client heads"] == pytest.approx(report["nll"][CLIENT_HEADS], rel=1e-4)
+    assert nll["client heads, trace-matched"] == pytest.approx(report["nll"][TRACE_MATCHED], rel=1e-4)
+    assert nll["precision"] == pytest.approx(report["nll"][SHARED], rel=1e-4)
 
 
 def _nan_nll(content):
@@ -988,8 +995,11 @@ def test_temperature_reply_refuses_what_it_cannot_score(clients):
     config = {ROUND_KEY: TEMPERATURE, "temperatures": [1.0, 2.0]}
     with pytest.raises(ValueError, match="unknown ones: \\['probit'\\]"):
         temperature_reply(models[0], x, y, ConfigRecord({**config, "candidates": ["probit"]}))
-    with pytest.raises(ValueError, match="the message has no 'client-heads'"):
+    with pytest.raises(ValueError, match="needs output-layer"):
         temperature_reply(models[0], x, y, ConfigRecord({**config, "candidates": [SHARED, CLIENT_HEADS]}))
+    config["output-layer"] = "layers.2"
+    with pytest.raises(ValueError, match="the message has no 'client-heads'"):
+        temperature_reply(models[0], x, y, ConfigRecord({**config, "candidates": [SHARED, CLIENT_HEADS]}), {})
     reply = temperature_reply(models[0], x, y, ConfigRecord({**config, "candidates": [SHARED]}))
     assert reply[TEMPERATURE_NLL_KEY]["nll"].numpy().shape == (1, 2)
 

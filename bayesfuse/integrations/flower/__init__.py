@@ -54,6 +54,7 @@ from bayesfuse.integrations.flower.records import (
     OUTPUT_FIT_META_KEY,
     ROUND_KEY,
     SHARED,
+    SHARED_POSTERIOR_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
     TEMPERATURE,
@@ -70,6 +71,7 @@ from bayesfuse.integrations.flower.records import (
     state_digest,
     state_to_record,
     summary_to_records,
+    temperature_candidates,
     temperature_reply,
 )
 from bayesfuse.integrations.flower.strategy import MatchedAveraging
@@ -101,6 +103,8 @@ __all__ = [
     "CLIENT_HEADS",
     "TRACE_MATCHED",
     "temperature_reply",
+    "temperature_candidates",
+    "SHARED_POSTERIOR_KEY",
     "heads_to_record",
     "record_to_heads",
 ]

@@ -42,6 +42,9 @@ OUTPUT_FIT = "output_fit"
 #: (an ArrayRecord, :func:`heads_to_record`), and the key of a client's reply.
 TEMPERATURE = "temperature"
 HEADS_KEY = "client-heads"
+#: The fused output layer's posterior variances the temperature round sends where the fusion had
+#: summaries (its shared candidate is then that layer's Laplace, as ``bayesfuse.fuse`` scores it).
+SHARED_POSTERIOR_KEY = "shared-posterior"
 TEMPERATURE_NLL_KEY = "temperature-nll"
 #: The temperature round's candidates: the fused network as it is (its shared output layer), the
 #: clients' own heads on it, and the same heads each with its curvature trace-matched.
@@ -416,17 +419,72 @@ def record_to_heads(record: ArrayRecord, output: str, form: str, name: str = "cl
     return heads_from_arrays(arrays, output, form, name), scale
 
 
-def temperature_reply(model: torch.nn.Module, x, y, config: Mapping, heads: ArrayRecord | None = None) -> RecordDict:
+def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Mapping | None = None) -> dict:
+    """The temperature round's candidates that ``config`` names, built on the fused network ``model``.
+
+    :data:`SHARED` is ``model`` itself, or, where the message carries the output layer's posterior
+    variances (:data:`SHARED_POSTERIOR_KEY`: ``weight_var``, ``bias_var``; the fusion with
+    summaries), its last-layer Laplace (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`, the
+    probit predictive, as ``bayesfuse.fuse`` scores it); :data:`CLIENT_HEADS` the clients' heads
+    of :data:`HEADS_KEY` on it (:class:`~bayesfuse.nets.heads.ClientHeads`); :data:`TRACE_MATCHED`
+    the same heads with their ``trace-scale``. ``records`` are the message's ArrayRecords
+    (``msg.content.array_records``). In the config's order; one line says what is missing.
+    """
+    from bayesfuse.nets.heads import ClientHeads
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    if config.get(ROUND_KEY) != TEMPERATURE:
+        raise ValueError(
+            f"not a temperature round: the config's {ROUND_KEY!r} is {config.get(ROUND_KEY)!r}, not {TEMPERATURE!r}"
+        )
+    values: Mapping[str, Any] = config
+    records = records or {}
+    try:
+        names = [str(c) for c in values["candidates"]]
+    except (KeyError, TypeError):
+        raise ValueError("the temperature round's config is incomplete (needs candidates, temperatures)") from None
+    unknown = sorted(set(names) - {SHARED, CLIENT_HEADS, TRACE_MATCHED})
+    if unknown or not names:
+        raise ValueError(f"the temperature round names no candidates or unknown ones: {unknown or names}")
+    needs = {SHARED_POSTERIOR_KEY: SHARED_POSTERIOR_KEY in records, HEADS_KEY: bool(set(names) - {SHARED})}
+    output = values.get("output-layer")
+    if any(needs.values()) and output is None:
+        raise ValueError("the temperature round's config is incomplete (needs output-layer)")
+    candidates: dict[str, torch.nn.Module] = {SHARED: model}
+    if needs[SHARED_POSTERIOR_KEY]:
+        shared = records[SHARED_POSTERIOR_KEY]
+        variances = [shared[k].numpy() for k in ("weight_var", "bias_var")]
+        candidates[SHARED] = LastLayerLaplace(model, str(output), *variances).eval()
+    if needs[HEADS_KEY]:
+        if HEADS_KEY not in records:
+            raise ValueError(f"the temperature round scores the clients' heads, and the message has no {HEADS_KEY!r}")
+        try:
+            form, pool = str(values["heads-form"]), str(values["pool"])
+        except KeyError:
+            raise ValueError("the temperature round's config is incomplete (needs heads-form, pool)") from None
+        arrays, scale = record_to_heads(records[HEADS_KEY], str(output), form)
+        heads = ClientHeads.from_arrays(model, arrays, pool=pool)
+        candidates[CLIENT_HEADS] = heads
+        if TRACE_MATCHED in names:
+            if scale is None or heads.form != "kronecker":
+                raise ValueError("the trace-matched heads need Kronecker-factored heads and their trace-scale")
+            candidates[TRACE_MATCHED] = heads.with_scale(scale)
+    return {name: candidates[name] for name in names}
+
+
+def temperature_reply(model: torch.nn.Module, x, y, config: Mapping, records: Mapping | None = None) -> RecordDict:
     """A client's reply to the temperature round of ``MatchedAveraging(second_round="temperature")``.
 
     The server's training message carries the fused network's arrays, a ConfigRecord whose
     :data:`ROUND_KEY` is :data:`TEMPERATURE` with the ``candidates`` (their names:
     :data:`SHARED`, :data:`CLIENT_HEADS`, :data:`TRACE_MATCHED`) and ``temperatures`` to score,
-    and, where heads are among the candidates, the clients' heads under :data:`HEADS_KEY` with
-    their ``output-layer``, ``heads-form`` and ``pool``. The client scores each candidate's
-    predictive at each temperature on its own data (:func:`bayesfuse.summaries.temperature_nll`,
-    as ``bayesfuse.fuse(..., second_round="temperature")`` simulates it) and replies with the
-    (candidates, temperatures) sums: no row of its data.
+    and what the candidates need beside the network (:func:`temperature_candidates`): the output
+    layer's posterior variances (:data:`SHARED_POSTERIOR_KEY`) and the clients' heads
+    (:data:`HEADS_KEY`), with the ``output-layer``, ``heads-form`` and ``pool``. The client scores
+    each candidate's predictive at each temperature on its own data
+    (:func:`bayesfuse.summaries.temperature_nll`, as ``bayesfuse.fuse(...,
+    second_round="temperature")`` simulates it) and replies with the (candidates, temperatures)
+    sums: no row of its data.
 
     Parameters
     ----------
@@ -436,8 +494,8 @@ def temperature_reply(model: torch.nn.Module, x, y, config: Mapping, heads: Arra
         The client's examples and their integer classes.
     config : mapping
         The message's ConfigRecord (``msg.content["config"]``).
-    heads : ArrayRecord, optional
-        The message's :data:`HEADS_KEY` record (``msg.content.array_records.get(HEADS_KEY)``).
+    records : mapping, optional
+        The message's ArrayRecords (``msg.content.array_records``).
 
     Returns
     -------
@@ -445,40 +503,14 @@ def temperature_reply(model: torch.nn.Module, x, y, config: Mapping, heads: Arra
         The sums under :data:`TEMPERATURE_NLL_KEY` (array ``nll``, float64) and a MetricRecord
         ``metrics`` with ``num-examples``.
     """
-    from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.summaries import temperature_nll
 
-    if config.get(ROUND_KEY) != TEMPERATURE:
-        raise ValueError(
-            f"not a temperature round: the config's {ROUND_KEY!r} is {config.get(ROUND_KEY)!r}, not {TEMPERATURE!r}"
-        )
-    values: Mapping[str, Any] = config
+    candidates = temperature_candidates(model, config, records)
     try:
-        names = [str(c) for c in values["candidates"]]
-        temperatures = np.asarray(values["temperatures"], dtype=np.float64)
+        temperatures = np.asarray(config["temperatures"], dtype=np.float64)
     except (KeyError, TypeError, ValueError):
         raise ValueError("the temperature round's config is incomplete (needs candidates, temperatures)") from None
-    unknown = sorted(set(names) - {SHARED, CLIENT_HEADS, TRACE_MATCHED})
-    if unknown or not names:
-        raise ValueError(f"the temperature round names no candidates or unknown ones: {unknown or names}")
-    candidates: dict[str, torch.nn.Module] = {SHARED: model}
-    if set(names) - {SHARED}:
-        if heads is None:
-            raise ValueError(f"the temperature round scores the clients' heads, and the message has no {HEADS_KEY!r}")
-        try:
-            output, form, pool = str(values["output-layer"]), str(values["heads-form"]), str(values["pool"])
-        except KeyError:
-            raise ValueError(
-                "the temperature round's config is incomplete (needs output-layer, heads-form, pool)"
-            ) from None
-        arrays, scale = record_to_heads(heads, output, form)
-        candidates[CLIENT_HEADS] = ClientHeads.from_arrays(model, arrays, pool=pool)
-        if TRACE_MATCHED in names:
-            if scale is None or arrays["laplace"] is None or "gram" not in arrays["laplace"]:
-                raise ValueError("the trace-matched heads need Kronecker-factored heads and their trace-scale")
-            matched = dict(arrays, laplace={**arrays["laplace"], "scale": scale})
-            candidates[TRACE_MATCHED] = ClientHeads.from_arrays(model, matched, pool=pool)
-    nll = np.stack([temperature_nll(candidates[name], x, y, temperatures) for name in names])
+    nll = np.stack([temperature_nll(m, x, y, temperatures) for m in candidates.values()])
     return RecordDict(
         {
             TEMPERATURE_NLL_KEY: ArrayRecord(array_dict={"nll": Array(nll)}),

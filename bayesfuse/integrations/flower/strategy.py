@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Callable, Iterable, cast
+from typing import Any, Callable, Iterable, cast
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
@@ -28,6 +28,7 @@ from bayesfuse.integrations.flower.records import (
     OUTPUT_FIT_META_KEY,
     ROUND_KEY,
     SHARED,
+    SHARED_POSTERIOR_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
     TEMPERATURE,
@@ -35,12 +36,12 @@ from bayesfuse.integrations.flower.records import (
     TRACE_MATCHED,
     _metric_record,
     heads_to_record,
-    record_to_heads,
     record_to_state,
     records_to_output_fit,
     records_to_summary,
     state_digest,
     state_to_record,
+    temperature_candidates,
 )
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
@@ -216,18 +217,21 @@ class MatchedAveraging(_Fusion):
         another shape is rejected with its node named; with none left the fused network stays.
         ``"temperature"``: the last round of :meth:`start` chooses the fused model's predictive
         and its temperature by the clients' own NLL, as ``bayesfuse.fuse(...,
-        second_round="temperature")`` simulates it. Its candidates are the fused network as it is
-        (:data:`~bayesfuse.integrations.flower.records.SHARED`) and, after PFNM or NAFI with every
-        node's summary, where the output layer reads hidden units, the nodes' own one-shot heads
-        on it (:meth:`client_heads`; ``CLIENT_HEADS``) and, where they are Kronecker-factored, the
-        same heads each with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``).
-        The server sends the fused network, the heads (ArrayRecord
-        :data:`~bayesfuse.integrations.flower.records.HEADS_KEY`) and a ConfigRecord with
-        ``"bayesfuse-round": "temperature"``, the ``candidates`` and the ``temperatures``; each
-        node answers with :func:`~bayesfuse.integrations.flower.records.temperature_reply`; the
-        server keeps the pair of least summed NLL. Where the shared head wins, the round's
-        ArrayRecord is the fused network with the temperature folded into its output layer;
-        where heads win, the fused network as it was, and :meth:`tempered` gives the model. A
+        second_round="temperature")`` simulates it. Its candidates
+        (:func:`~bayesfuse.integrations.flower.records.temperature_candidates`) are the fused
+        network's shared output layer (``SHARED``: with summaries its last-layer Laplace from the
+        fusion's precisions, sent as ArrayRecord ``SHARED_POSTERIOR_KEY``; without, the network as
+        it is) and, after PFNM or NAFI with every node's summary, where the output layer reads
+        hidden units, the nodes' own one-shot heads on it (:meth:`client_heads`; ``CLIENT_HEADS``,
+        ArrayRecord ``HEADS_KEY``) and, where they are Kronecker-factored, the same heads each
+        with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``): ``fuse``'s
+        candidates less the shared head fused by class counts. The server sends them with the
+        fused network and a ConfigRecord with ``"bayesfuse-round": "temperature"``, the
+        ``candidates`` and the ``temperatures``; each node answers with
+        :func:`~bayesfuse.integrations.flower.records.temperature_reply`; the server keeps the
+        pair of least summed NLL. Where a plain network wins, the round's ArrayRecord is the
+        fused network with the temperature folded into its output layer; otherwise the fused
+        network as it was, and :meth:`tempered` gives the model. A
         reply of another shape or not finite is rejected with its node named; with none left the
         fused network stays. Point-estimate networks only. ``None`` (default): every round fuses.
     output_prior_precision : float, optional
@@ -676,55 +680,60 @@ class MatchedAveraging(_Fusion):
         if self.last_fusion is None or self._one_shot is None:
             raise ValueError("the temperature round needs a fusion round before it (num_rounds >= 2)")
         result, inputs = self.last_fusion, self._one_shot
-        names, heads, scale, round_config = [SHARED], None, None, {}
+        names = [SHARED]
+        records: dict[str, ArrayRecord] = {}
+        round_config: dict[str, Any] = {}
+        spec = result.spec
+        if spec is not None and result.precision is not None:  # the shared head's Laplace, as fuse() scores it
+            weight_key, bias_key = spec.output_layer(state)
+            variances = {"weight_var": 1.0 / result.precision[weight_key], "bias_var": 1.0 / result.precision[bias_key]}
+            records[SHARED_POSTERIOR_KEY] = ArrayRecord(
+                array_dict={k: Array(np.ascontiguousarray(v, dtype=np.float64)) for k, v in variances.items()}
+            )
+            round_config["output-layer"] = weight_key.rpartition(".")[0]
         if (
             inputs["summaries"] is not None
             and self.method in ONE_SHOT_HEADS
-            and result.spec is not None
-            and not heads_refused(result.spec, state)
+            and spec is not None
+            and not heads_refused(spec, state)
         ):
             assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
-            weight_key, _ = result.spec.output_layer(state)
+            weight_key, _ = spec.output_layer(state)
             width = int(np.shape(state[weight_key])[1])
             heads = one_shot_heads(
-                result.spec,
-                inputs["states"],
-                assignments,
-                width,
-                inputs["counts"],
-                inputs["summaries"],
-                trace_match=True,
+                spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"], trace_match=True
             )
             scale = (heads["laplace"] or {}).pop("scale", None)
             names += [CLIENT_HEADS] + ([TRACE_MATCHED] if scale is not None else [])
-            round_config = {
-                "output-layer": heads["output"],
-                "heads-form": heads["form"],
-                "pool": default_pool(inputs["summaries"]),
-            }
+            records[HEADS_KEY] = heads_to_record(heads, scale)
+            round_config.update(
+                {
+                    "output-layer": heads["output"],
+                    "heads-form": heads["form"],
+                    "pool": default_pool(inputs["summaries"]),
+                }
+            )
         sampled = list(super().configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
         nodes = [m.metadata.dst_node_id for m in sampled]
-        heads_record = None if heads is None else heads_to_record(heads, scale)
-        sent = [arrays] + ([] if heads_record is None else [heads_record])
-        self._pending_temperature = {
-            "round": server_round,
-            "state": state,
-            "names": names,
-            "heads": heads_record,
-            "config": round_config,
-            "nodes": nodes,
-            "bytes_down": int(sum(record[k].numpy().nbytes for record in sent for k in record.keys())),
-        }
-        if not nodes:
-            return []
         round_config = {
-            **dict(config),
             "server-round": server_round,
             ROUND_KEY: TEMPERATURE,
             "candidates": names,
             "temperatures": [float(t) for t in TEMPERATURES],
             **round_config,
         }
+        sent = [arrays, *records.values()]
+        self._pending_temperature = {
+            "round": server_round,
+            "state": state,
+            "names": names,
+            "records": records,
+            "config": round_config,
+            "nodes": nodes,
+            "bytes_down": int(sum(record[k].numpy().nbytes for record in sent for k in record.keys())),
+        }
+        if not nodes:
+            return []
         log(
             INFO,
             "configure_train: %d nodes score %d candidates (%s) at %d temperatures",
@@ -733,10 +742,7 @@ class MatchedAveraging(_Fusion):
             ", ".join(names),
             len(TEMPERATURES),
         )
-        content = {self.arrayrecord_key: arrays}
-        if heads_record is not None:
-            content[HEADS_KEY] = heads_record
-        return self._round_messages(content, round_config, nodes)
+        return self._round_messages({self.arrayrecord_key: arrays, **records}, {**dict(config), **round_config}, nodes)
 
     def aggregate_temperature(
         self, server_round: int, replies: Iterable[Message]
@@ -812,7 +818,7 @@ class MatchedAveraging(_Fusion):
         temperature, name = float(TEMPERATURES[t]), pending["names"][choice]
         state = pending["state"]
         result = cast(StateFusion, self.last_fusion)
-        if name == SHARED:
+        if name == SHARED and SHARED_POSTERIOR_KEY not in pending["records"]:  # a plain network: fold T in
             spec = cast(PermutationSpec, result.spec)
             folded = fold_temperature(state, spec, temperature)
             state = {k: np.asarray(v).astype(np.asarray(pending["state"][k]).dtype) for k, v in folded.items()}
@@ -857,15 +863,10 @@ class MatchedAveraging(_Fusion):
                 "no temperature round has run: make the strategy with second_round='temperature' and run it"
             )
         network = rebuild(like, tensor_state(chosen["state"])).eval()
-        if chosen["name"] == SHARED:
-            return network
-        config = chosen["config"]
-        heads, scale = record_to_heads(chosen["heads"], config["output-layer"], config["heads-form"])
-        if chosen["name"] == TRACE_MATCHED:
-            heads["laplace"] = {**heads["laplace"], "scale": scale}
-        model = ClientHeads.from_arrays(network, heads, pool=config["pool"])
-        model.temperature.fill_(chosen["temperature"])
-        return model
+        model = temperature_candidates(network, chosen["config"], chosen["records"])[chosen["name"]]
+        if isinstance(model, (ClientHeads, LastLayerLaplace)):
+            model.temperature.fill_(chosen["temperature"])
+        return model  # a plain network has the temperature folded into its output layer
 
     def laplace(self, like: nn.Module) -> LastLayerLaplace:
         """The refitted network with its output layer's posterior: a

@@ -11,7 +11,6 @@ from flwr.clientapp import ClientApp
 
 from bayesfuse import summarize
 from bayesfuse.integrations.flower import (
-    HEADS_KEY,
     OUTPUT_FIT,
     ROUND_KEY,
     SUMMARY_KEY,
@@ -73,8 +72,8 @@ def make_client_app(overrides: dict | None = None) -> ClientApp:
             _, (x, y, _) = _node_data(context, run)
             fused = model_from_state(config(run), record_to_state(msg.content["arrays"]))
             if round_kind == TEMPERATURE:
-                heads = msg.content.array_records.get(HEADS_KEY)
-                return Message(temperature_reply(fused, x, y, msg.content["config"], heads), reply_to=msg)
+                reply = temperature_reply(fused, x, y, msg.content["config"], msg.content.array_records)
+                return Message(reply, reply_to=msg)
             return Message(output_fit_reply(fused, x, y, msg.content["config"]), reply_to=msg)
         later = "arrays" in msg.content.array_records and int(msg.content["config"].get("server-round", 1)) > 1
         summary = bool(settings(context, overrides).get("summaries", False))
