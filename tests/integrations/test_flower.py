@@ -936,6 +936,51 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     assert nll["precision"] == pytest.approx(report["nll"][SHARED], rel=1e-4)
 
 
+def test_a_shared_laplace_kept_by_the_round_is_tempered_not_folded(clients, summaries, monkeypatch):
+    import bayesfuse.inference.summary_fusion as summary_fusion
+
+    split, part, models = clients
+    # the nodes' replies decide; here they are made to prefer the shared head's Laplace at T = 2
+    monkeypatch.setattr(summary_fusion, "best_candidate", lambda nll: (0, 40))
+    grid, strategy, result = _temperature_strategy(split, part, models, summaries)
+    assert strategy.second_round_report["candidate"] == SHARED and SHARED_POSTERIOR_KEY in grid.sent[3].content
+    sent = record_to_state(grid.sent[3].content["arrays"])
+    for k, v in record_to_state(result.arrays).items():  # a probit predictive cannot take T into its weights
+        np.testing.assert_array_equal(v, sent[k])
+    model = strategy.tempered(models[0])
+    assert isinstance(model, LastLayerLaplace) and float(model.temperature) == 2.0
+    assert strategy.last_fusion.hyper["predictive"].startswith("shared at temperature 2")
+
+
+def test_temperature_round_state_does_not_outlive_its_run(clients, summaries, caplog):
+    """A second start whose fusion round gets no valid reply has no fusion to score: it warns and
+    ends with the fused network unchanged, and nothing of the first run is sent or kept."""
+
+    class Crashing(TemperatureGrid):
+        def _answer(self, msg):
+            if msg.metadata.message_type == "train" and ROUND_KEY not in msg.content["config"]:
+                return Message(Error(code=1, reason="client crashed"), reply_to=msg)
+            return super()._answer(msg)
+
+    split, part, models = clients
+    grid, strategy, _ = _temperature_strategy(split, part, models, summaries)
+    assert strategy.second_round_report is not None
+    crashing = Crashing(split, part, models, summaries, ids=[7, 8, 9])
+    with caplog.at_level(logging.WARNING):
+        result = strategy.start(grid=crashing, initial_arrays=_initial((20, 16)), num_rounds=2)
+    assert "no fusion round had valid replies; no temperature round" in caplog.text
+    assert crashing.types == ["train"] * 3  # round 2 sends nothing
+    assert strategy.last_fusion is None and strategy.second_round_report is None
+    for k, v in record_to_state(result.arrays).items():
+        np.testing.assert_array_equal(v, record_to_state(_initial((20, 16)))[k])
+    with pytest.raises(ValueError, match="no temperature round has chosen a model"):
+        strategy.tempered(models[0])
+
+
+def _complex_nll(content):
+    content[TEMPERATURE_NLL_KEY]["nll"] = Array(content[TEMPERATURE_NLL_KEY]["nll"].numpy().astype(np.complex128))
+
+
 def _nan_nll(content):
     nll = content[TEMPERATURE_NLL_KEY]["nll"].numpy().copy()
     nll[0, 0] = np.nan
@@ -952,16 +997,16 @@ def test_temperature_round_without_summaries_tempers_the_shared_head_and_rejects
 
     split, part, models = clients
     with caplog.at_level(logging.WARNING):
-        grid, strategy, result = _temperature_strategy(split, part, models, spoil={8: _nan_nll})
+        grid, strategy, result = _temperature_strategy(split, part, models, spoil={8: _nan_nll, 9: _complex_nll})
     config = grid.sent[3].content["config"]
     assert list(config["candidates"]) == [SHARED] and HEADS_KEY not in grid.sent[3].content
     reasons = dict(strategy.rejected)
-    assert list(reasons) == [8] and "node 8: its reply to the temperature round needs" in reasons[8]
-    assert "bad values" in reasons[8] and "node 8: reply rejected" in caplog.text
-    # nodes 7 and 9 alone choose the temperature; it is folded into the output layer
+    assert list(reasons) == [8, 9] and "node 8: its reply to the temperature round needs" in reasons[8]
+    assert "bad values" in reasons[8] and "bad values" in reasons[9] and "node 8: reply rejected" in caplog.text
+    # node 7 alone chooses the temperature; it is folded into the output layer
     sent = record_to_state(grid.sent[3].content["arrays"])
     network = rebuild(models[0], tensor_state(sent)).eval()
-    kept = [idx for p, idx in enumerate(part) if p != 1]
+    kept = [part[0]]
     nll = sum(temperature_nll(network, split.train.x[idx], split.train.y[idx], TEMPERATURES) for idx in kept)
     temperature = float(TEMPERATURES[nll.argmin()])
     assert strategy.second_round_report["temperature"] == temperature and temperature != 1.0
@@ -981,7 +1026,7 @@ def test_temperature_round_without_summaries_tempers_the_shared_head_and_rejects
     )
     for k, v in record_to_state(grid.sent[3].content["arrays"]).items():
         np.testing.assert_array_equal(record_to_state(result.arrays)[k], v)
-    with pytest.raises(ValueError, match="no temperature round has run"):
+    with pytest.raises(ValueError, match="no temperature round has chosen a model"):
         strategy.tempered(models[0])
 
 

@@ -334,13 +334,14 @@ class MatchedAveraging(_Fusion):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Flower's ``Strategy.start``; with ``second_round="refit"`` its last round is the refit.
+        """Flower's ``Strategy.start``; with ``second_round`` its last round is the refit or the
+        temperature round. What an earlier call fused is forgotten first.
 
         Parameters
         ----------
         grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
-            As ``flwr.serverapp.strategy.FedAvg.start``. With ``second_round="refit"``,
-            ``num_rounds`` counts the refit: ``num_rounds - 1`` fusion rounds, then the refit.
+            As ``flwr.serverapp.strategy.FedAvg.start``. With ``second_round``, ``num_rounds``
+            counts the second round: ``num_rounds - 1`` fusion rounds, then that round.
 
         Returns
         -------
@@ -350,9 +351,13 @@ class MatchedAveraging(_Fusion):
             if num_rounds < 2:
                 raise ValueError(
                     f"second_round={self.second_round!r} needs num_rounds >= 2 (the fusion rounds, then "
-                    f"the refit); got num_rounds={num_rounds}"
+                    f"the {self.second_round} round); got num_rounds={num_rounds}"
                 )
             self._refit_round = num_rounds
+        # a new run: nothing of an earlier one may pair with this run's arrays
+        self.last_fusion, self._one_shot, self._output_weights, self._class_counts = None, None, [], {}
+        self.output_covariance, self.second_round_report = None, None
+        self._refitted = self._tempered = self._pending_refit = self._pending_temperature = None
         try:
             return super().start(
                 grid=grid,
@@ -369,8 +374,9 @@ class MatchedAveraging(_Fusion):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """FedAvg's training messages; the refit round's (:meth:`configure_output_fit`) in the last
-        round of :meth:`start` with ``second_round="refit"``.
+        """FedAvg's training messages; in the last round of :meth:`start` with ``second_round``,
+        the refit round's (:meth:`configure_output_fit`) or the temperature round's
+        (:meth:`configure_temperature`).
 
         Parameters
         ----------
@@ -405,7 +411,8 @@ class MatchedAveraging(_Fusion):
         tuple of (ArrayRecord or None, MetricRecord or None)
             The fused arrays and ``num-examples``, ``global-sizes``, ``objective``, the
             counts of fused, failed and rejected replies, and ``summaries-used`` (1 or 0) and
-            ``summary-bytes``. In the refit round, :meth:`aggregate_output_fit`'s.
+            ``summary-bytes``. In the refit round, :meth:`aggregate_output_fit`'s; in the
+            temperature round, :meth:`aggregate_temperature`'s.
         """
         if self._pending_refit is not None and self._pending_refit["round"] == server_round:
             return self.aggregate_output_fit(server_round, replies)
@@ -678,7 +685,9 @@ class MatchedAveraging(_Fusion):
 
         state = record_to_state(arrays)
         if self.last_fusion is None or self._one_shot is None:
-            raise ValueError("the temperature round needs a fusion round before it (num_rounds >= 2)")
+            log(WARNING, "round %d: no fusion round had valid replies; no temperature round", server_round)
+            self._pending_temperature = None
+            return []
         result, inputs = self.last_fusion, self._one_shot
         names = [SHARED]
         records: dict[str, ArrayRecord] = {}
@@ -725,6 +734,7 @@ class MatchedAveraging(_Fusion):
         sent = [arrays, *records.values()]
         self._pending_temperature = {
             "round": server_round,
+            "fusion": result,
             "state": state,
             "names": names,
             "records": records,
@@ -759,7 +769,7 @@ class MatchedAveraging(_Fusion):
         Returns
         -------
         tuple of (ArrayRecord or None, MetricRecord or None)
-            The fused network, its output layer divided by the temperature where the shared head
+            The fused network, its output layer divided by the temperature where the plain network
             won (``None`` when no valid reply came: the fused network stays), and ``num-examples``,
             ``temperature-replies``, ``failed-replies``, ``rejected-replies``, ``temperature``,
             ``candidate`` (its index in the round's ``candidates``), ``bytes-up`` and
@@ -782,8 +792,12 @@ class MatchedAveraging(_Fusion):
                 log(WARNING, "node %d: reply skipped (%s)", node, msg.error.reason)
                 continue
             record = msg.content.array_records.get(TEMPERATURE_NLL_KEY)
-            nll = None if record is None or "nll" not in record else record["nll"].numpy()
-            if nll is None or nll.shape != shape or not np.isfinite(nll).all() or (nll < 0).any():
+            try:
+                nll = None if record is None or "nll" not in record else np.asarray(record["nll"].numpy())
+            except (TypeError, ValueError):  # an array that does not decode
+                nll = np.empty((0,), dtype=object)
+            numeric = nll is not None and nll.dtype.kind in "fiu"
+            if nll is None or nll.shape != shape or not numeric or not np.isfinite(nll).all() or (nll < 0).any():
                 found = "none" if nll is None else f"shape {nll.shape}" + ("" if nll.shape != shape else ", bad values")
                 self._reject(
                     node,
@@ -794,7 +808,8 @@ class MatchedAveraging(_Fusion):
             sums.append(nll.astype(np.float64))
             metrics_in = _metric_record(msg.content)
             count = metrics_in.get("num-examples", 0) if metrics_in is not None else 0
-            examples += float(count) if isinstance(count, (int, float)) else 0.0
+            if isinstance(count, (int, float)) and not isinstance(count, bool) and 0 <= count < np.inf:
+                examples += float(count)
         log(INFO, "aggregate_train: Received %s temperature replies and %s failures", len(sums), len(self.failed))
         metrics: dict = {
             "num-examples": examples,
@@ -817,14 +832,14 @@ class MatchedAveraging(_Fusion):
         choice, t = best_candidate(nll)
         temperature, name = float(TEMPERATURES[t]), pending["names"][choice]
         state = pending["state"]
-        result = cast(StateFusion, self.last_fusion)
+        result = cast(StateFusion, pending["fusion"])
         if name == SHARED and SHARED_POSTERIOR_KEY not in pending["records"]:  # a plain network: fold T in
             spec = cast(PermutationSpec, result.spec)
             folded = fold_temperature(state, spec, temperature)
             state = {k: np.asarray(v).astype(np.asarray(pending["state"][k]).dtype) for k, v in folded.items()}
-            for key in spec.output:
-                if key in result.state:
-                    result.state[key] = np.asarray(folded[key]).copy()
+            result.state = fold_temperature(result.state, spec, temperature)
+        else:
+            result.hyper["predictive"] = f"{name} at temperature {temperature:.4g} (MatchedAveraging.tempered)"
         self._tempered = {**pending, "state": state, "name": name, "temperature": temperature}
         self.second_round_report = {
             "kind": "temperature",
@@ -860,7 +875,8 @@ class MatchedAveraging(_Fusion):
         chosen = self._tempered
         if chosen is None:
             raise ValueError(
-                "no temperature round has run: make the strategy with second_round='temperature' and run it"
+                "no temperature round has chosen a model: make the strategy with second_round='temperature' "
+                "and run it (a round without valid replies chooses none)"
             )
         network = rebuild(like, tensor_state(chosen["state"])).eval()
         model = temperature_candidates(network, chosen["config"], chosen["records"])[chosen["name"]]
