@@ -468,11 +468,15 @@ class ClientHeads(nn.Module):
         return torch.stack(out)
 
     def _kfac_noise(self, j: int, with_bias: torch.Tensor) -> torch.Tensor:
-        """(samples, N, K): head ``j``'s drawn logit deviations under its Kronecker-factored posterior."""
+        """(samples, N, K): head ``j``'s drawn logit deviations under its Kronecker-factored posterior.
+
+        On the features the head reads alone: outside its support its eigenvectors are unit vectors
+        on features it masks to 0 (:func:`_supported_eigh`), which add nothing to the variances."""
+        at = torch.nonzero(self.support[j]).flatten()
         var = logit_variances(
-            with_bias * self.support[j],
-            self.gram_vecs[j],
-            self.gram_vals[j],
+            with_bias[:, at],
+            self.gram_vecs[j][at][:, at],
+            self.gram_vals[j][at],
             self.curv_vals[j],
             float(self.n[j] * (self.scale[j] if hasattr(self, "scale") else 1.0)),
             float(self.prior[j]),
