@@ -102,6 +102,9 @@ def logit_variances(features: torch.Tensor, gram_vecs, gram_vals, curv_vals, n: 
     return rotated @ (1.0 / (n * gram_vals[:, None] * curv_vals[None, :] + prior))
 
 
+#: Inputs a head's Monte Carlo predictive takes at a time (ClientHeads.head_log_probs).
+_ROWS = 1024
+
 #: How far below zero (relative to the largest) an eigenvalue of a Laplace factor may lie and still
 #: count as round-off: float32 factors carry relative errors near 1e-7 per entry.
 _PSD_TOL = 1e-5
@@ -455,17 +458,21 @@ class ClientHeads(nn.Module):
         if self.predictive == "map":
             return torch.log_softmax(logits, -1)
         with_bias = torch.cat([features, features.new_ones(len(features), 1)], dim=1)
-        out = []
+        out = torch.empty_like(logits)
         diagonal = hasattr(self, "inv_precision")
-        for j in range(self.n_heads):  # one head at a time: (samples, N, K) at most
-            if diagonal:  # independent classes: Var(f_k) = sum_g a~_g^2 / P_kg
-                var = with_bias.square() @ self.inv_precision[j].T
-                noise = self.draws[j][:, None, :] * var.sqrt()[None]
-            else:
-                noise = self._kfac_noise(j, with_bias)
-            log_p = torch.log_softmax(logits[j][None] + noise, -1)
-            out.append(torch.logsumexp(log_p, 0) - math.log(len(noise)))  # log mean_s softmax
-        return torch.stack(out)
+        # one head and _ROWS inputs at a time: (samples, _ROWS, K) arrays stay in cache; no input's
+        # result depends on the others' (to round-off: kernels group sums by the number of rows)
+        for start in range(0, len(features), _ROWS):
+            rows = slice(start, start + _ROWS)
+            for j in range(self.n_heads):
+                if diagonal:  # independent classes: Var(f_k) = sum_g a~_g^2 / P_kg
+                    var = with_bias[rows].square() @ self.inv_precision[j].T
+                    noise = self.draws[j][:, None, :] * var.sqrt()[None]
+                else:
+                    noise = self._kfac_noise(j, with_bias[rows])
+                log_p = torch.log_softmax(logits[j, rows][None] + noise, -1)
+                out[j, rows] = torch.logsumexp(log_p, 0) - math.log(len(noise))  # log mean_s softmax
+        return out
 
     def _kfac_noise(self, j: int, with_bias: torch.Tensor) -> torch.Tensor:
         """(samples, N, K): head ``j``'s drawn logit deviations under its Kronecker-factored posterior.

@@ -305,6 +305,24 @@ def test_laplace_heads_predict_the_mixture_of_mean_softmaxes_over_their_draws():
     assert np.allclose(predict_proba(pinned, x), predict_proba(plain, x), atol=1e-5)
 
 
+def test_the_predictive_taken_in_pieces_is_the_same(monkeypatch):
+    """ClientHeads takes inputs _ROWS at a time; no input's result depends on another's, so the
+    pieces change nothing but round-off (matrix kernels group the same sums differently by the
+    number of rows: a few units in the last place, Kronecker and diagonal heads)."""
+    import bayesfuse.nets.heads as heads_module
+
+    rng, net, weight, bias, shares, factors = _laplace_heads(5, 0.5)
+    J, K, G = weight.shape
+    diagonal = dict(precision=rng.uniform(0.5, 3.0, size=(J, K, G + 1)))
+    x = rng.normal(size=(10, 5)).astype(np.float32)
+    for laplace in (factors, diagonal):
+        model = ClientHeads(net, "2", weight, bias, shares, laplace=laplace, samples=8).eval()
+        whole = predict_proba(model, x)
+        monkeypatch.setattr(heads_module, "_ROWS", 3)
+        np.testing.assert_allclose(predict_proba(model, x), whole, rtol=1e-13, atol=1e-15)
+        monkeypatch.undo()
+
+
 def test_laplace_factors_are_checked():
     _, net, weight, bias, shares, good = _laplace_heads(3, 1.0)
     J, K, _ = weight.shape
