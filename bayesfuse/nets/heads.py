@@ -459,36 +459,36 @@ class ClientHeads(nn.Module):
             return torch.log_softmax(logits, -1)
         with_bias = torch.cat([features, features.new_ones(len(features), 1)], dim=1)
         out = torch.empty_like(logits)
-        diagonal = hasattr(self, "inv_precision")
-        # one head and _ROWS inputs at a time: (samples, _ROWS, K) arrays stay in cache; no input's
-        # result depends on the others' (to round-off: kernels group sums by the number of rows)
-        for start in range(0, len(features), _ROWS):
-            rows = slice(start, start + _ROWS)
-            for j in range(self.n_heads):
-                if diagonal:  # independent classes: Var(f_k) = sum_g a~_g^2 / P_kg
-                    var = with_bias[rows].square() @ self.inv_precision[j].T
-                    noise = self.draws[j][:, None, :] * var.sqrt()[None]
-                else:
-                    noise = self._kfac_noise(j, with_bias[rows])
+        samples = self.draws.shape[1]
+        for j in range(self.n_heads):
+            variances, basis = self._logit_variances(j)
+            # _ROWS inputs at a time: (samples, _ROWS, K) arrays stay in cache; no input's result
+            # depends on the others' (to round-off: kernels group sums by the number of rows)
+            for start in range(0, len(features), _ROWS):
+                rows = slice(start, start + _ROWS)
+                noise = self.draws[j][:, None, :] * variances(with_bias[rows]).sqrt()[None]
+                if basis is not None:
+                    noise = noise @ basis.T  # V (sqrt(d) * eps)
                 log_p = torch.log_softmax(logits[j, rows][None] + noise, -1)
-                out[j, rows] = torch.logsumexp(log_p, 0) - math.log(len(noise))  # log mean_s softmax
+                out[j, rows] = torch.logsumexp(log_p, 0) - math.log(samples)  # log mean_s softmax
         return out
 
-    def _kfac_noise(self, j: int, with_bias: torch.Tensor) -> torch.Tensor:
-        """(samples, N, K): head ``j``'s drawn logit deviations under its Kronecker-factored posterior.
+    def _logit_variances(self, j: int):
+        """Head ``j``'s logit variances as a function of features ``a~`` (N, G+1), and the basis its
+        draws are rotated by (None: the classes are independent).
 
-        On the features the head reads alone: outside its support its eigenvectors are unit vectors
-        on features it masks to 0 (:func:`_supported_eigh`), which add nothing to the variances."""
+        Diagonal: ``Var(f_k) = sum_g a~_g^2 / P_kg``. Kronecker: the variances in the eigenbasis
+        ``V`` of its curvature, on the features the head reads alone: outside its support its
+        eigenvectors are unit vectors on features it masks to 0 (:func:`_supported_eigh`), which
+        add nothing."""
+        if hasattr(self, "inv_precision"):
+            inv_precision = self.inv_precision[j].T
+            return (lambda a: a.square() @ inv_precision), None
         at = torch.nonzero(self.support[j]).flatten()
-        var = logit_variances(
-            with_bias[:, at],
-            self.gram_vecs[j][at][:, at],
-            self.gram_vals[j][at],
-            self.curv_vals[j],
-            float(self.n[j] * (self.scale[j] if hasattr(self, "scale") else 1.0)),
-            float(self.prior[j]),
-        )
-        return (self.draws[j][:, None, :] * var.sqrt()[None]) @ self.curv_vecs[j].T  # V (sqrt(d) * eps)
+        vecs, vals, curv = self.gram_vecs[j][at][:, at], self.gram_vals[j][at], self.curv_vals[j]
+        n = float(self.n[j] * (self.scale[j] if hasattr(self, "scale") else 1.0))
+        prior = float(self.prior[j])
+        return (lambda a: logit_variances(a[:, at], vecs, vals, curv, n, prior)), self.curv_vecs[j]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         log_p = self.head_log_probs(x)

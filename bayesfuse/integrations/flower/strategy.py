@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, Callable, Iterable, cast
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -17,7 +17,7 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import StateFusion, fuse_states
-from bayesfuse.inference.client_heads import default_pool, heads_refused, one_shot_heads
+from bayesfuse.inference.client_heads import default_pool, heads_refused, one_shot_heads, trace_ratios
 from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, product_report
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
@@ -80,17 +80,33 @@ class _Fusion(FedAvg):
         self.rejected: list[tuple[int, str]] = []
         self.failed: list[tuple[int, str]] = []
 
-    def _collect(self, replies: Iterable[Message]) -> list[_Reply]:
-        """The replies that carry arrays, in the order of their contents' hashes; failed ones go
-        to ``self.failed``, ones without arrays to ``self.rejected``."""
-        collected, n_failed = [], 0
+    def _answered(self, replies: Iterable[Message]) -> Iterator[tuple[int, Message]]:
+        """``(node, reply)`` for each reply without an error, by node id; the failed ones go to
+        ``self.failed``, logged."""
         for msg in sorted(replies, key=lambda m: m.metadata.src_node_id):
             node = msg.metadata.src_node_id
             if msg.has_error():
-                n_failed += 1
                 self.failed.append((node, str(msg.error.reason)))
                 log(WARNING, "node %d: reply skipped (%s)", node, msg.error.reason)
                 continue
+            yield node, msg
+
+    def _none_left(self, server_round: int, what: str) -> None:
+        """Log that a bayesfuse round got no valid ``what``, and that the fused network stays."""
+        log(
+            WARNING,
+            "round %d: no valid %s (%d failed, %d rejected); the fused network stays",
+            server_round,
+            what,
+            len(self.failed),
+            len(self.rejected),
+        )
+
+    def _collect(self, replies: Iterable[Message]) -> list[_Reply]:
+        """The replies that carry arrays, in the order of their contents' hashes; failed ones go
+        to ``self.failed``, ones without arrays to ``self.rejected``."""
+        collected, failed_before = [], len(self.failed)
+        for node, msg in self._answered(replies):
             content = msg.content
             record = content.array_records.get(self.arrayrecord_key)
             if record is None:
@@ -117,7 +133,12 @@ class _Fusion(FedAvg):
                     summary,
                 )
             )
-        log(INFO, "aggregate_train: Received %s results and %s failures", len(collected), n_failed)
+        log(
+            INFO,
+            "aggregate_train: Received %s results and %s failures",
+            len(collected),
+            len(self.failed) - failed_before,
+        )
         return sorted(collected, key=_digest)
 
     def _reject(self, node: int, reason: str) -> None:
@@ -574,12 +595,7 @@ class MatchedAveraging(_Fusion):
         weight_key, bias_key = output + ".weight", output + ".bias"
         shape = (state[weight_key].shape[1] + 1, state[weight_key].shape[0])
         fits, sizes, nodes = [], [], []
-        for msg in sorted(replies, key=lambda m: m.metadata.src_node_id):
-            node = msg.metadata.src_node_id
-            if msg.has_error():
-                self.failed.append((node, str(msg.error.reason)))
-                log(WARNING, "node %d: reply skipped (%s)", node, msg.error.reason)
-                continue
+        for node, msg in self._answered(replies):
             record = msg.content.array_records.get(OUTPUT_FIT_KEY)
             if record is None:
                 self._reject(
@@ -612,13 +628,7 @@ class MatchedAveraging(_Fusion):
             "bytes-down": pending["bytes_down"],
         }
         if not fits:
-            log(
-                WARNING,
-                "round %d: no valid output fit (%d failed, %d rejected); the fused network stays",
-                server_round,
-                len(self.failed),
-                len(self.rejected),
-            )
+            self._none_left(server_round, "output fit")
             return None, MetricRecord(metrics)
         by_digest = sorted(range(len(fits)), key=lambda i: _fit_digest(fits[i]))
         fits, nodes = [fits[i] for i in by_digest], [nodes[i] for i in by_digest]  # the order replies came in is lost
@@ -707,12 +717,10 @@ class MatchedAveraging(_Fusion):
             and not heads_refused(spec, state)
         ):
             assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
-            weight_key, _ = spec.output_layer(state)
-            width = int(np.shape(state[weight_key])[1])
-            heads = one_shot_heads(
-                spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"], trace_match=True
-            )
-            scale = (heads["laplace"] or {}).pop("scale", None)
+            keys = spec.output_layer(state)
+            width = int(np.shape(state[keys[0]])[1])
+            heads = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"])
+            scale = trace_ratios(inputs["summaries"], *keys) if heads["form"] == "kronecker" else None
             names += [CLIENT_HEADS] + ([TRACE_MATCHED] if scale is not None else [])
             records[HEADS_KEY] = heads_to_record(heads, scale)
             round_config.update(
@@ -785,12 +793,7 @@ class MatchedAveraging(_Fusion):
         self.rejected, self.failed = [], []
         shape = (len(pending["names"]), len(TEMPERATURES))
         sums, examples = [], 0.0
-        for msg in sorted(replies, key=lambda m: m.metadata.src_node_id):
-            node = msg.metadata.src_node_id
-            if msg.has_error():
-                self.failed.append((node, str(msg.error.reason)))
-                log(WARNING, "node %d: reply skipped (%s)", node, msg.error.reason)
-                continue
+        for node, msg in self._answered(replies):
             record = msg.content.array_records.get(TEMPERATURE_NLL_KEY)
             try:
                 nll = None if record is None or "nll" not in record else np.asarray(record["nll"].numpy())
@@ -820,13 +823,7 @@ class MatchedAveraging(_Fusion):
             "bytes-down": pending["bytes_down"],
         }
         if not sums:
-            log(
-                WARNING,
-                "round %d: no valid temperature reply (%d failed, %d rejected); the fused network stays",
-                server_round,
-                len(self.failed),
-                len(self.rejected),
-            )
+            self._none_left(server_round, "temperature reply")
             return None, MetricRecord(metrics)
         nll = np.stack(sums)
         choice, t = best_candidate(nll)
