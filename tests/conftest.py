@@ -7,6 +7,12 @@ from bayesfuse.data import load_digits
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # plots in tests never need a display
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One torch thread per test process (and for the commands the tests start): with pytest -n,
+    # the processes already fill the cores, and more threads only contend for them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="module")
 def digits():
