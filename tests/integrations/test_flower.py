@@ -33,6 +33,8 @@ from bayesfuse.inference.output_fusion import (  # noqa: E402
 from bayesfuse.integrations import flower as integration  # noqa: E402
 from bayesfuse.integrations.flower import (  # noqa: E402
     CLIENT_HEADS,
+    COUNTS_ARRAYS_KEY,
+    COUNTS_POSTERIOR_KEY,
     FEDMA_LOCAL,
     FEDMA_ROUND,
     HEADS_KEY,
@@ -40,6 +42,7 @@ from bayesfuse.integrations.flower import (  # noqa: E402
     OUTPUT_FIT_KEY,
     ROUND_KEY,
     SHARED,
+    SHARED_COUNTS,
     SHARED_POSTERIOR_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
@@ -57,6 +60,7 @@ from bayesfuse.integrations.flower import (  # noqa: E402
     state_digest,
     state_to_record,
     summary_to_records,
+    temperature_candidates,
     temperature_reply,
 )
 from bayesfuse.integrations.flower.strategy import _fit_digest  # noqa: E402
@@ -878,7 +882,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     for msg in grid.sent[3:]:
         config = msg.content["config"]
         assert config[ROUND_KEY] == TEMPERATURE and config["pool"] == "log" and config["heads-form"] == "kronecker"
-        assert list(config["candidates"]) == [SHARED, CLIENT_HEADS, TRACE_MATCHED]
+        assert list(config["candidates"]) == [SHARED, SHARED_COUNTS, CLIENT_HEADS, TRACE_MATCHED]
         assert list(config["temperatures"]) == [float(t) for t in TEMPERATURES]
     # the candidates, made here without the round: the one-shot strategy's network and its heads
     # (the heads' posteriors as is and trace-matched to the summaries' GGN diagonals)
@@ -899,23 +903,41 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     ratios = trace_ratios(summaries, "layers.2.weight", "layers.2.bias")
     order = [by_bias[tuple(np.round(b, 6))] for b in heads.bias.numpy()]  # each head's client
     matched = heads.with_scale(ratios[order])
-    candidates = {SHARED: shared.eval(), CLIENT_HEADS: heads, TRACE_MATCHED: matched}
+    # the fusion with the output layer pooled by class counts, made here from the clients' own
+    # states and summaries; the message carries its output layer and whatever else differs
+    counts_fusion = fuse_states(
+        [_np(m.state_dict()) for m in models], "pfnm", summaries=summaries, output_pool="counts", seed=strategy.seed
+    )
+    entries = record_to_state(grid.sent[3].content[COUNTS_ARRAYS_KEY])
+    assert {"layers.2.weight", "layers.2.bias"} <= set(entries)
+    assert all(not np.array_equal(entries[k], sent[k]) for k in set(entries) - {"layers.2.weight", "layers.2.bias"})
+    counts_precision = counts_fusion.precision
+    by_counts = LastLayerLaplace(
+        rebuild(models[0], tensor_state(counts_fusion.state)).float().eval(),
+        "layers.2",
+        1 / counts_precision["layers.2.weight"],
+        1 / counts_precision["layers.2.bias"],
+    ).eval()
+    candidates = {SHARED: shared.eval(), SHARED_COUNTS: by_counts, CLIENT_HEADS: heads, TRACE_MATCHED: matched}
     direct = {
         name: sum(temperature_nll(m, split.train.x[idx], split.train.y[idx], TEMPERATURES) for idx in part)
         for name, m in candidates.items()
     }
     report = strategy.second_round_report
     assert report is strategy.last_fusion.hyper["second_round"] and report["kind"] == "temperature"
-    # the nodes compute what is computed here, on the same arrays (float64 heads, float32 body)
-    assert report["nll"] == pytest.approx({n: v.min() for n, v in direct.items()}, rel=1e-9)
+    # the nodes compute what is computed here, on the same arrays (float64 heads and variances,
+    # float32 bodies) but the counts-pooled body, made here in float64: its NLL to float32 round-off
+    assert report["nll"] == pytest.approx({n: v.min() for n, v in direct.items()}, rel=1e-5)
     best = min(direct, key=lambda n: direct[n].min())
     temperature = float(TEMPERATURES[direct[best].argmin()])
     assert (report["candidate"], report["temperature"]) == (best, temperature)
     metrics = result.train_metrics_clientapp[2]
     assert metrics["temperature-replies"] == 3 and metrics["temperature"] == temperature
-    assert metrics["bytes-up"] == report["bytes_up"] == 3 * 65 * 8
+    assert metrics["bytes-up"] == report["bytes_up"] == 4 * 65 * 8
     posterior_bytes = sum(  # float64 heads and variances, beside the float32 network
-        v.numpy().nbytes for key in (HEADS_KEY, SHARED_POSTERIOR_KEY) for v in grid.sent[3].content[key].values()
+        v.numpy().nbytes
+        for key in (HEADS_KEY, SHARED_POSTERIOR_KEY, COUNTS_ARRAYS_KEY, COUNTS_POSTERIOR_KEY)
+        for v in grid.sent[3].content[key].values()
     )
     assert report["bytes_down"] == 4 * sum(v.size for v in sent.values()) + posterior_bytes
     # the model kept: the winner at its temperature
@@ -924,7 +946,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     with torch.no_grad():
         expected = torch.log_softmax(candidates[best](x).double() / temperature, -1)
         np.testing.assert_allclose(torch.log_softmax(model(x).double(), -1).numpy(), expected.numpy(), atol=1e-5)
-    assert isinstance(model, ClientHeads) == (best != SHARED)
+    assert isinstance(model, ClientHeads) == (best not in (SHARED, SHARED_COUNTS))
     # the same heads candidate as bayesfuse.fuse's temperature round: its NLL to float32 round-off
     # of the body the wire carries (the sum of ~1300 examples' log-probabilities)
     simulated = fuse(
@@ -934,6 +956,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     assert nll["client heads"] == pytest.approx(report["nll"][CLIENT_HEADS], rel=1e-4)
     assert nll["client heads, trace-matched"] == pytest.approx(report["nll"][TRACE_MATCHED], rel=1e-4)
     assert nll["precision"] == pytest.approx(report["nll"][SHARED], rel=1e-4)
+    assert nll["counts"] == pytest.approx(report["nll"][SHARED_COUNTS], rel=1e-4)
 
 
 def test_a_shared_laplace_kept_by_the_round_is_tempered_not_folded(clients, summaries, monkeypatch):
@@ -950,6 +973,48 @@ def test_a_shared_laplace_kept_by_the_round_is_tempered_not_folded(clients, summ
     model = strategy.tempered(models[0])
     assert isinstance(model, LastLayerLaplace) and float(model.temperature) == 2.0
     assert strategy.last_fusion.hyper["predictive"].startswith("shared at temperature 2")
+
+
+def test_the_counts_pooled_fusion_kept_by_the_round_becomes_the_result(clients, summaries, monkeypatch):
+    import bayesfuse.inference.summary_fusion as summary_fusion
+
+    split, part, models = clients
+    # the replies are made to prefer the fusion pooled by class counts at T = 2
+    monkeypatch.setattr(summary_fusion, "best_candidate", lambda nll: (1, 40))
+    grid, strategy, result = _temperature_strategy(split, part, models, summaries)
+    content = grid.sent[3].content
+    assert strategy.second_round_report["candidate"] == SHARED_COUNTS
+    # what the node scored, rebuilt from the message alone
+    network = rebuild(models[0], tensor_state(record_to_state(content["arrays"]))).eval()
+    scored = temperature_candidates(network, content["config"], content.array_records)[SHARED_COUNTS]
+    # the round's network is the counts-pooled fusion's (as the wire carries it), and so is last_fusion
+    got = record_to_state(result.arrays)
+    assert strategy.last_fusion.hyper["summaries"]["output"] == "log pool, shares by counts"
+    for k, v in strategy.last_fusion.state.items():
+        np.testing.assert_array_equal(got[k], np.asarray(v, dtype=np.float32))
+    for k, v in scored.network.state_dict().items():
+        np.testing.assert_array_equal(got[k], v.numpy())
+    model = strategy.tempered(models[0])
+    assert isinstance(model, LastLayerLaplace) and float(model.temperature) == 2.0
+    x = torch.as_tensor(split.test.x[:60])
+    with torch.no_grad():
+        expected = torch.log_softmax(scored(x).double() / 2.0, -1)
+        np.testing.assert_allclose(torch.log_softmax(model(x).double(), -1).numpy(), expected.numpy(), atol=1e-6)
+
+
+def test_temperature_candidates_refuse_a_counts_candidate_the_message_cannot_build(clients, summaries):
+    split, part, models = clients
+    grid, _, _ = _temperature_strategy(split, part, models, summaries)
+    content = grid.sent[3].content
+    network = rebuild(models[0], tensor_state(record_to_state(content["arrays"]))).eval()
+    config = {**dict(content["config"]), "candidates": [SHARED_COUNTS]}
+    records = dict(content.array_records)
+    without = {k: v for k, v in records.items() if k != COUNTS_POSTERIOR_KEY}
+    with pytest.raises(ValueError, match="scores 'shared, by counts', and the message has no"):
+        temperature_candidates(network, config, without)
+    stray = {**records, COUNTS_ARRAYS_KEY: state_to_record({"layers.9.weight": np.zeros(3)})}
+    with pytest.raises(ValueError, match="entries the fused network does not: \\['layers.9.weight'\\]"):
+        temperature_candidates(network, config, stray)
 
 
 def test_temperature_round_state_does_not_outlive_its_run(clients, summaries, caplog):
@@ -989,6 +1054,18 @@ def _nan_nll(content):
 
 def _three_temperatures(content):
     content[TEMPERATURE_NLL_KEY]["nll"] = Array(content[TEMPERATURE_NLL_KEY]["nll"].numpy()[:, :3].copy())
+
+
+def _float32_nll(content):
+    content[TEMPERATURE_NLL_KEY]["nll"] = Array(content[TEMPERATURE_NLL_KEY]["nll"].numpy().astype(np.float32))
+
+
+def test_temperature_round_counts_the_bytes_that_arrived(clients):
+    # float32 sums from every node: 4 bytes a number up, where float64 replies count 8
+    split, part, models = clients
+    grid, strategy, result = _temperature_strategy(split, part, models, spoil={n: _float32_nll for n in (7, 8, 9)})
+    assert strategy.rejected == [] and result.train_metrics_clientapp[2]["temperature-replies"] == 3
+    assert strategy.second_round_report["bytes_up"] == result.train_metrics_clientapp[2]["bytes-up"] == 65 * 4
 
 
 def test_temperature_round_without_summaries_tempers_the_shared_head_and_rejects_bad_replies(clients, caplog):

@@ -45,10 +45,17 @@ HEADS_KEY = "client-heads"
 #: The fused output layer's posterior variances the temperature round sends where the fusion had
 #: summaries (its shared candidate is then that layer's Laplace, as ``bayesfuse.fuse`` scores it).
 SHARED_POSTERIOR_KEY = "shared-posterior"
+#: Where the fusion had summaries, the same fusion with the output layer's shares by class counts
+#: (``output_pool="counts"``): the entries of its network that differ from the fused network sent
+#: (its output layer at least), and its output layer's posterior variances.
+COUNTS_ARRAYS_KEY = "shared-counts"
+COUNTS_POSTERIOR_KEY = "shared-counts-posterior"
 TEMPERATURE_NLL_KEY = "temperature-nll"
 #: The temperature round's candidates: the fused network as it is (its shared output layer), the
-#: clients' own heads on it, and the same heads each with its curvature trace-matched.
-SHARED, CLIENT_HEADS, TRACE_MATCHED = "shared", "client heads", "client heads, trace-matched"
+#: fusion with the output layer pooled by class counts, the clients' own heads on the fused
+#: network, and the same heads each with its curvature trace-matched.
+SHARED, SHARED_COUNTS = "shared", "shared, by counts"
+CLIENT_HEADS, TRACE_MATCHED = "client heads", "client heads, trace-matched"
 _FIT_ARRAYS = ("weight", "gram", "curvature")
 
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
@@ -425,9 +432,11 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
     :data:`SHARED` is ``model`` itself, or, where the message carries the output layer's posterior
     variances (:data:`SHARED_POSTERIOR_KEY`: ``weight_var``, ``bias_var``; the fusion with
     summaries), its last-layer Laplace (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`, the
-    probit predictive, as ``bayesfuse.fuse`` scores it); :data:`CLIENT_HEADS` the clients' heads
-    of :data:`HEADS_KEY` on it (:class:`~bayesfuse.nets.heads.ClientHeads`); :data:`TRACE_MATCHED`
-    the same heads with their ``trace-scale``. ``records`` are the message's ArrayRecords
+    probit predictive, as ``bayesfuse.fuse`` scores it); :data:`SHARED_COUNTS` the last-layer
+    Laplace of ``model`` with the entries of :data:`COUNTS_ARRAYS_KEY` and the variances of
+    :data:`COUNTS_POSTERIOR_KEY`; :data:`CLIENT_HEADS` the clients' heads of :data:`HEADS_KEY` on
+    ``model`` (:class:`~bayesfuse.nets.heads.ClientHeads`); :data:`TRACE_MATCHED` the same heads
+    with their ``trace-scale``. ``records`` are the message's ArrayRecords
     (``msg.content.array_records``). In the config's order; one line says what is missing.
     """
     from bayesfuse.nets.heads import ClientHeads
@@ -443,10 +452,14 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
         names = [str(c) for c in values["candidates"]]
     except (KeyError, TypeError):
         raise ValueError("the temperature round's config is incomplete (needs candidates, temperatures)") from None
-    unknown = sorted(set(names) - {SHARED, CLIENT_HEADS, TRACE_MATCHED})
+    unknown = sorted(set(names) - {SHARED, SHARED_COUNTS, CLIENT_HEADS, TRACE_MATCHED})
     if unknown or not names:
         raise ValueError(f"the temperature round names no candidates or unknown ones: {unknown or names}")
-    needs = {SHARED_POSTERIOR_KEY: SHARED_POSTERIOR_KEY in records, HEADS_KEY: bool(set(names) - {SHARED})}
+    needs = {
+        SHARED_POSTERIOR_KEY: SHARED_POSTERIOR_KEY in records,
+        COUNTS_ARRAYS_KEY: SHARED_COUNTS in names,
+        HEADS_KEY: bool(set(names) & {CLIENT_HEADS, TRACE_MATCHED}),
+    }
     output = values.get("output-layer")
     if any(needs.values()) and output is None:
         raise ValueError("the temperature round's config is incomplete (needs output-layer)")
@@ -455,6 +468,8 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
         shared = records[SHARED_POSTERIOR_KEY]
         variances = [shared[k].numpy() for k in ("weight_var", "bias_var")]
         candidates[SHARED] = LastLayerLaplace(model, str(output), *variances).eval()
+    if needs[COUNTS_ARRAYS_KEY]:
+        candidates[SHARED_COUNTS] = _counts_candidate(model, str(output), records)
     if needs[HEADS_KEY]:
         if HEADS_KEY not in records:
             raise ValueError(f"the temperature round scores the clients' heads, and the message has no {HEADS_KEY!r}")
@@ -472,15 +487,36 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
     return {name: candidates[name] for name in names}
 
 
+def _counts_candidate(model: torch.nn.Module, output: str, records: Mapping) -> torch.nn.Module:
+    """:data:`SHARED_COUNTS`: ``model`` with the entries the message carries for it, rebuilt at
+    their widths, as its last-layer Laplace."""
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    missing = [key for key in (COUNTS_ARRAYS_KEY, COUNTS_POSTERIOR_KEY) if key not in records]
+    if missing:
+        raise ValueError(f"the temperature round scores {SHARED_COUNTS!r}, and the message has no {missing}")
+    state = dict(model.state_dict())
+    entries = records[COUNTS_ARRAYS_KEY]
+    unknown = sorted(set(entries.keys()) - set(state))
+    if unknown:
+        raise ValueError(f"{COUNTS_ARRAYS_KEY!r} has entries the fused network does not: {unknown[:3]}")
+    state.update({k: torch.as_tensor(entries[k].numpy()) for k in entries.keys()})
+    variances = [records[COUNTS_POSTERIOR_KEY][k].numpy() for k in ("weight_var", "bias_var")]
+    return LastLayerLaplace(rebuild(model, state).eval(), output, *variances).eval()
+
+
 def temperature_reply(model: torch.nn.Module, x, y, config: Mapping, records: Mapping | None = None) -> RecordDict:
     """A client's reply to the temperature round of ``MatchedAveraging(second_round="temperature")``.
 
     The server's training message carries the fused network's arrays, a ConfigRecord whose
     :data:`ROUND_KEY` is :data:`TEMPERATURE` with the ``candidates`` (their names:
-    :data:`SHARED`, :data:`CLIENT_HEADS`, :data:`TRACE_MATCHED`) and ``temperatures`` to score,
-    and what the candidates need beside the network (:func:`temperature_candidates`): the output
-    layer's posterior variances (:data:`SHARED_POSTERIOR_KEY`) and the clients' heads
-    (:data:`HEADS_KEY`), with the ``output-layer``, ``heads-form`` and ``pool``. The client scores
+    :data:`SHARED`, :data:`SHARED_COUNTS`, :data:`CLIENT_HEADS`, :data:`TRACE_MATCHED`) and
+    ``temperatures`` to score, and what the candidates need beside the network
+    (:func:`temperature_candidates`): the output layer's posterior variances
+    (:data:`SHARED_POSTERIOR_KEY`), the counts-pooled fusion (:data:`COUNTS_ARRAYS_KEY`,
+    :data:`COUNTS_POSTERIOR_KEY`) and the clients' heads (:data:`HEADS_KEY`), with the
+    ``output-layer``, ``heads-form`` and ``pool``. The client scores
     each candidate's predictive at each temperature on its own data
     (:func:`bayesfuse.summaries.temperature_nll`, as ``bayesfuse.fuse(...,
     second_round="temperature")`` simulates it) and replies with the (candidates, temperatures)

@@ -22,12 +22,15 @@ from bayesfuse.inference.output_fusion import output_posterior, prior_precision_
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
     CLIENT_HEADS,
+    COUNTS_ARRAYS_KEY,
+    COUNTS_POSTERIOR_KEY,
     HEADS_KEY,
     OUTPUT_FIT,
     OUTPUT_FIT_KEY,
     OUTPUT_FIT_META_KEY,
     ROUND_KEY,
     SHARED,
+    SHARED_COUNTS,
     SHARED_POSTERIOR_KEY,
     SUMMARY_KEY,
     SUMMARY_META_KEY,
@@ -54,6 +57,14 @@ from bayesfuse.summaries import (
     SummaryError,
     check_summary,
 )
+
+
+def _posterior_record(fusion: StateFusion, weight_key: str, bias_key: str) -> ArrayRecord:
+    """A fusion's output layer's posterior variances (``weight_var``, ``bias_var``; float64), as
+    the temperature round sends them."""
+    precision = cast(dict, fusion.precision)
+    variances = {"weight_var": 1.0 / precision[weight_key], "bias_var": 1.0 / precision[bias_key]}
+    return ArrayRecord(array_dict={k: Array(np.ascontiguousarray(v, dtype=np.float64)) for k, v in variances.items()})
 
 
 @dataclass
@@ -245,14 +256,18 @@ class MatchedAveraging(_Fusion):
         it is) and, after PFNM or NAFI with every node's summary, where the output layer reads
         hidden units, the nodes' own one-shot heads on it (:meth:`client_heads`; ``CLIENT_HEADS``,
         ArrayRecord ``HEADS_KEY``) and, where they are Kronecker-factored, the same heads each
-        with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``): ``fuse``'s
-        candidates less the shared head fused by class counts. The server sends them with the
+        with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``); with summaries
+        also the fusion with the output layer pooled by class counts (``SHARED_COUNTS``, its
+        entries that differ and its output layer's variances as ArrayRecords
+        ``COUNTS_ARRAYS_KEY``, ``COUNTS_POSTERIOR_KEY``): ``fuse``'s candidates. A node rebuilds
+        them all from the message alone. The server sends them with the
         fused network and a ConfigRecord with ``"bayesfuse-round": "temperature"``, the
         ``candidates`` and the ``temperatures``; each node answers with
         :func:`~bayesfuse.integrations.flower.records.temperature_reply`; the server keeps the
         pair of least summed NLL. Where a plain network wins, the round's ArrayRecord is the
         fused network with the temperature folded into its output layer; otherwise the fused
-        network as it was, and :meth:`tempered` gives the model. A
+        network as it was (the counts-pooled one where that won, then also :attr:`last_fusion`),
+        and :meth:`tempered` gives the model. A
         reply of another shape or not finite is rejected with its node named; with none left the
         fused network stays. Point-estimate networks only. ``None`` (default): every round fuses.
     output_prior_precision : float, optional
@@ -469,7 +484,12 @@ class MatchedAveraging(_Fusion):
         fused, sizes = result.state, result.sizes
         objective = [float(layer.objective[-1]) for layer in result.layers]
         self.last_fusion = result
-        self._one_shot = {"states": [r.state for r in good], "counts": counts, "summaries": summaries}  # client_heads()
+        self._one_shot = {  # client_heads() and the temperature round's candidates
+            "states": [r.state for r in good],
+            "counts": counts,
+            "summaries": summaries,
+            "names": [f"node {r.node}" for r in good],
+        }
         if self.second_round is not None:
             output = _output_layer(good[0].state)
             self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
@@ -705,11 +725,13 @@ class MatchedAveraging(_Fusion):
         spec = result.spec
         if spec is not None and result.precision is not None:  # the shared head's Laplace, as fuse() scores it
             weight_key, bias_key = spec.output_layer(state)
-            variances = {"weight_var": 1.0 / result.precision[weight_key], "bias_var": 1.0 / result.precision[bias_key]}
-            records[SHARED_POSTERIOR_KEY] = ArrayRecord(
-                array_dict={k: Array(np.ascontiguousarray(v, dtype=np.float64)) for k, v in variances.items()}
-            )
+            records[SHARED_POSTERIOR_KEY] = _posterior_record(result, weight_key, bias_key)
             round_config["output-layer"] = weight_key.rpartition(".")[0]
+            if inputs["summaries"] is not None:  # the same fusion, the output layer pooled by class counts
+                counts = self._counts_fusion(state, spec)
+                names.append(SHARED_COUNTS)
+                records[COUNTS_ARRAYS_KEY] = counts["entries"]
+                records[COUNTS_POSTERIOR_KEY] = counts["posterior"]
         if (
             inputs["summaries"] is not None
             and self.method in ONE_SHOT_HEADS
@@ -732,6 +754,7 @@ class MatchedAveraging(_Fusion):
             )
         sampled = list(super().configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
         nodes = [m.metadata.dst_node_id for m in sampled]
+        alternative = counts["fusion"] if SHARED_COUNTS in names else None
         round_config = {
             "server-round": server_round,
             ROUND_KEY: TEMPERATURE,
@@ -744,6 +767,7 @@ class MatchedAveraging(_Fusion):
             "round": server_round,
             "fusion": result,
             "state": state,
+            "counts-fusion": alternative,
             "names": names,
             "records": records,
             "config": round_config,
@@ -757,10 +781,38 @@ class MatchedAveraging(_Fusion):
             "configure_train: %d nodes score %d candidates (%s) at %d temperatures",
             len(nodes),
             len(names),
-            ", ".join(names),
+            "; ".join(names),
             len(TEMPERATURES),
         )
         return self._round_messages({self.arrayrecord_key: arrays, **records}, {**dict(config), **round_config}, nodes)
+
+    def _counts_fusion(self, state: dict, spec: PermutationSpec) -> dict:
+        """The last fusion again with the output layer pooled by class counts (``output_pool=
+        "counts"``, ``fuse``'s other shared candidate), and what the nodes need of it: the entries
+        of its network that differ from ``state`` (the fused network sent; its output layer always)
+        and its output layer's posterior variances."""
+        inputs = cast(dict, self._one_shot)
+        fusion = fuse_states(
+            inputs["states"],
+            self.method,
+            spec=spec,
+            class_counts=inputs["counts"],
+            seed=self.seed,
+            names=inputs["names"],
+            summaries=inputs["summaries"],
+            **{**self.hyper, "output_pool": "counts"},
+        )
+        weight_key, bias_key = spec.output_layer(fusion.state)
+        sent = {k: np.asarray(v) for k, v in state.items()}
+        differs = {
+            k: v
+            for k, v in fusion.state.items()
+            if k in (weight_key, bias_key)
+            or np.shape(v) != sent[k].shape
+            or not np.array_equal(np.asarray(v).astype(sent[k].dtype), sent[k])
+        }
+        posterior = _posterior_record(fusion, weight_key, bias_key)
+        return {"fusion": fusion, "entries": state_to_record(differs), "posterior": posterior}
 
     def aggregate_temperature(
         self, server_round: int, replies: Iterable[Message]
@@ -793,6 +845,7 @@ class MatchedAveraging(_Fusion):
         self.rejected, self.failed = [], []
         shape = (len(pending["names"]), len(TEMPERATURES))
         sums, examples = [], 0.0
+        sizes: list[int] = []  # bytes of each valid reply
         for node, msg in self._answered(replies):
             record = msg.content.array_records.get(TEMPERATURE_NLL_KEY)
             try:
@@ -809,6 +862,8 @@ class MatchedAveraging(_Fusion):
                 )
                 continue
             sums.append(nll.astype(np.float64))
+            arrived = cast(ArrayRecord, record)
+            sizes.append(int(sum(arrived[k].numpy().nbytes for k in arrived.keys())))  # as it arrived
             metrics_in = _metric_record(msg.content)
             count = metrics_in.get("num-examples", 0) if metrics_in is not None else 0
             if isinstance(count, (int, float)) and not isinstance(count, bool) and 0 <= count < np.inf:
@@ -819,7 +874,7 @@ class MatchedAveraging(_Fusion):
             "temperature-replies": len(sums),
             "failed-replies": len(self.failed),
             "rejected-replies": len(self.rejected),
-            "bytes-up": int(np.prod(shape)) * 8,
+            "bytes-up": max(sizes, default=0),
             "bytes-down": pending["bytes_down"],
         }
         if not sums:
@@ -830,6 +885,9 @@ class MatchedAveraging(_Fusion):
         temperature, name = float(TEMPERATURES[t]), pending["names"][choice]
         state = pending["state"]
         result = cast(StateFusion, pending["fusion"])
+        if name == SHARED_COUNTS:  # the counts-pooled fusion becomes the round's network and fusion
+            result = self.last_fusion = cast(StateFusion, pending["counts-fusion"])
+            state = {k: np.asarray(v, dtype=np.asarray(pending["state"][k]).dtype) for k, v in result.state.items()}
         if name == SHARED and SHARED_POSTERIOR_KEY not in pending["records"]:  # a plain network: fold T in
             spec = cast(PermutationSpec, result.spec)
             folded = fold_temperature(state, spec, temperature)
@@ -857,8 +915,10 @@ class MatchedAveraging(_Fusion):
 
     def tempered(self, like: nn.Module) -> nn.Module:
         """The temperature round's choice: the fused network with the temperature folded into its
-        output layer, or the nodes' heads on the fused network (:class:`~bayesfuse.nets.heads.ClientHeads`,
-        trace-matched where that candidate won) with their ``temperature`` set; in eval mode.
+        output layer; or, with its ``temperature`` set, its output layer's Laplace
+        (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`; the counts-pooled fusion's where that
+        won) or the nodes' heads on it (:class:`~bayesfuse.nets.heads.ClientHeads`, trace-matched
+        where that candidate won); in eval mode.
 
         Parameters
         ----------
@@ -876,7 +936,8 @@ class MatchedAveraging(_Fusion):
                 "and run it (a round without valid replies chooses none)"
             )
         network = rebuild(like, tensor_state(chosen["state"])).eval()
-        model = temperature_candidates(network, chosen["config"], chosen["records"])[chosen["name"]]
+        config = {**chosen["config"], "candidates": [chosen["name"]]}  # the winner alone
+        model = temperature_candidates(network, config, chosen["records"])[chosen["name"]]
         if isinstance(model, (ClientHeads, LastLayerLaplace)):
             model.temperature.fill_(chosen["temperature"])
         return model  # a plain network has the temperature folded into its output layer
