@@ -456,7 +456,7 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
     if unknown or not names:
         raise ValueError(f"the temperature round names no candidates or unknown ones: {unknown or names}")
     needs = {
-        SHARED_POSTERIOR_KEY: SHARED_POSTERIOR_KEY in records,
+        SHARED_POSTERIOR_KEY: SHARED in names and SHARED_POSTERIOR_KEY in records,
         COUNTS_ARRAYS_KEY: SHARED_COUNTS in names,
         HEADS_KEY: bool(set(names) & {CLIENT_HEADS, TRACE_MATCHED}),
     }

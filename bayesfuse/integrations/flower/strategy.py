@@ -693,9 +693,12 @@ class MatchedAveraging(_Fusion):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> list[Message]:
         """The temperature round's messages: the fused network ``arrays`` to each sampled node (as
-        FedAvg samples), the nodes' own heads on it where they are candidates (:data:`HEADS_KEY`),
-        and ``config`` with ``"bayesfuse-round": "temperature"``, the ``candidates``, the
-        ``temperatures`` and, with heads, their ``output-layer``, ``heads-form`` and ``pool``.
+        FedAvg samples); with summaries its output layer's posterior variances
+        (:data:`SHARED_POSTERIOR_KEY`) and the fusion pooled by class counts
+        (:data:`COUNTS_ARRAYS_KEY`, :data:`COUNTS_POSTERIOR_KEY`); the nodes' own heads on it where
+        they are candidates (:data:`HEADS_KEY`); and ``config`` with ``"bayesfuse-round":
+        "temperature"``, the ``candidates``, the ``temperatures`` and the ``output-layer``, with
+        heads also their ``heads-form`` and ``pool``.
         :meth:`aggregate_train` of the same round then reads the replies as NLL sums.
 
         Parameters
@@ -830,10 +833,11 @@ class MatchedAveraging(_Fusion):
         -------
         tuple of (ArrayRecord or None, MetricRecord or None)
             The fused network, its output layer divided by the temperature where the plain network
-            won (``None`` when no valid reply came: the fused network stays), and ``num-examples``,
+            won, the counts-pooled fusion's network (perhaps of other widths) where that won
+            (``None`` when no valid reply came: the fused network stays), and ``num-examples``,
             ``temperature-replies``, ``failed-replies``, ``rejected-replies``, ``temperature``,
             ``candidate`` (its index in the round's ``candidates``), ``bytes-up`` and
-            ``bytes-down`` (per node).
+            ``bytes-down`` (per node), and ``global-sizes`` (the widths of the network returned).
         """
         from bayesfuse.fusion import TEMPERATURES
         from bayesfuse.inference.summary_fusion import best_candidate, fold_temperature
@@ -909,7 +913,7 @@ class MatchedAveraging(_Fusion):
             "seconds": time.perf_counter() - start,
         }
         result.hyper["second_round"] = self.second_round_report
-        metrics.update(temperature=temperature, candidate=choice)
+        metrics.update(temperature=temperature, candidate=choice, **{"global-sizes": [int(w) for w in result.sizes]})
         log(INFO, "\t└──> kept %s at temperature %.3g from %d replies", name, temperature, len(sums))
         return state_to_record(state), MetricRecord(metrics)
 
