@@ -256,13 +256,15 @@ def fuse(
         :class:`~bayesfuse.nets.heads.ClientHeads`, on the body of ``output_pool``, and where the
         heads are Kronecker-factored the same heads with each one's curvature scaled to the exact
         GGN's trace, :func:`~bayesfuse.inference.client_heads.trace_ratios`, one number more per
-        client; with ``head="clients"`` those alone: they carry every client's output layer and its
+        client, and, where every summary has the output layer's GGN eigenvalues (version 3), with
+        them (EKFAC, :func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`, (G+1) K numbers
+        more per client); with ``head="clients"`` those alone: they carry every client's output layer and its
         Kronecker factors to every client, as the one-shot default model does), each client returns its summed negative
         log-likelihood under each at each candidate temperature
         (:func:`bayesfuse.summaries.temperature_nll`), and the server keeps the best pair
         (:func:`~bayesfuse.inference.summary_fusion.best_candidate`); ``hyper["second_round"]``
-        names it (``output_pool``: ``"precision"``, ``"counts"``, ``"client heads"`` or ``"client
-        heads, trace-matched"``). ``"batchnorm"``, for
+        names it (``output_pool``: ``"precision"``, ``"counts"``, ``"client heads"``, ``"client
+        heads, trace-matched"`` or ``"client heads, EKFAC"``). ``"batchnorm"``, for
         networks with batch norms: the server sends the fused network, each client returns the
         count, mean and mean square of every batch norm's input per channel over its own data
         (:func:`bayesfuse.summaries.batchnorm_moments`), and the server sets the batch norms'
@@ -443,6 +445,13 @@ def fuse(
                     matched.hyper["predictive"] = own.hyper["predictive"][:-1] + f", {TRACE_MATCHED})"
                     candidates.append((matched, heads.with_scale(ratios)))
                     labels.append("client heads, trace-matched")
+                    # and, where the summaries measured them, with the exact GGN's eigenvalues
+                    eigenvalues = _ekfac_eigenvalues(own, int(heads.weight.shape[2]), states, summaries)
+                    if eigenvalues is not None:
+                        measured = replace(own, hyper=dict(own.hyper))
+                        measured.hyper["predictive"] = own.hyper["predictive"][:-1] + f", {EKFAC})"
+                        candidates.append((measured, heads.with_eigenvalues(eigenvalues)))
+                        labels.append("client heads, EKFAC")
         fused, model = _second_round(candidates, data, labels, like=models[0])
     result = FusionResult(
         model=model,
@@ -520,8 +529,8 @@ def _second_round(candidates, data, labels, *, like: nn.Module):
     temperature on its own data; the server keeps the best pair (the temperature folded into the
     output layer of a plain network, the ``temperature`` of a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`
     or of the clients' heads, :class:`~bayesfuse.nets.heads.ClientHeads`). ``labels`` name the
-    candidates in the report (their output pools, or ``"client heads"`` and ``"client heads,
-    trace-matched"``)."""
+    candidates in the report (their output pools, or ``"client heads"``, ``"client heads,
+    trace-matched"`` and ``"client heads, EKFAC"``)."""
     from bayesfuse.inference.summary_fusion import best_candidate, fold_temperature
     from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.nets.laplace import LastLayerLaplace
@@ -656,6 +665,17 @@ def _heads_refused(candidates: Sequence, pool: str | None) -> str | None:
 
 #: How the report names the trace-matched heads' posterior (:func:`~bayesfuse.inference.client_heads.trace_ratios`).
 TRACE_MATCHED = "its curvature scaled to the exact GGN's trace"
+#: ... and the EKFAC heads' (:func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`).
+EKFAC = "its curvature's eigenvalues the exact GGN's in the Kronecker eigenbasis (EKFAC)"
+
+
+def _ekfac_eigenvalues(fused, width: int, states, summaries):
+    """The EKFAC eigenvalues of the clients' heads on ``fused``'s ``width`` features, or None
+    where a summary has none (:func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`)."""
+    from bayesfuse.inference.client_heads import ekfac_eigenvalues
+
+    assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
+    return ekfac_eigenvalues(cast(PermutationSpec, fused.spec), states, assignments, width, summaries)
 
 
 def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, pool: str | None = None) -> nn.Module:

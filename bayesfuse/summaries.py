@@ -17,7 +17,11 @@ example:
   examples (``a~`` the layer's input with a 1 appended for the bias), and ``curvature``, the mean
   softmax Hessian ``diag(p) - p p^T`` (K-FAC, Martens & Grosse 2015; for the output layer, Ritter,
   Botev & Barber 2018, eq. 7). With them the fused model keeps each client's output layer as a
-  Kronecker-factored Laplace posterior (:class:`~bayesfuse.nets.heads.ClientHeads`).
+  Kronecker-factored Laplace posterior (:class:`~bayesfuse.nets.heads.ClientHeads`). Since
+  version 3 also ``eigenvalues`` (G+1, K): the exact GGN's second moments in the factors'
+  eigenbasis, ``sum_n (u_i^T a~_n)^2 v_k^T (diag(p_n) - p_n p_n^T) v_k`` for the eigenvectors
+  ``u_i`` of ``gram`` and ``v_k`` of ``curvature`` (EKFAC, George et al., NeurIPS 2018, eq. 9):
+  the eigenvalues K-FAC takes as ``N lambda_i(gram) lambda_k(curvature)``, measured instead.
 * ``class_counts`` and ``n_examples``.
 
 What it reveals. Every number is a sum over the client's examples: the GGN diagonal
@@ -35,11 +39,12 @@ A client that may not share these should send weights alone (the data-free path)
 
 On disk a summary is a safetensors file beside the model (``model.pt`` ->
 ``model.summary.safetensors``, :func:`summary_path`): tensors ``precision/<entry>``,
-``moments/<group>/<stat>``, ``output/gram``, ``output/curvature``, ``class_counts``; metadata
+``moments/<group>/<stat>``, ``output/gram``, ``output/curvature``, ``output/eigenvalues``,
+``class_counts``; metadata
 ``format``, ``version``, ``n_examples``, ``prior_precision`` and the model's ``fingerprint`` (a
 hash of its entries' names, shapes and values), so that a summary of another network is refused
-(:func:`check_summary`). Version 2 added the output factors; version 1 summaries are read too
-(without them).
+(:func:`check_summary`). Version 2 added the output factors, version 3 their eigenvalues;
+versions 1 and 2 are read too (without them).
 """
 
 from __future__ import annotations
@@ -85,9 +90,10 @@ __all__ = [
 ]
 
 SUMMARY_FORMAT = "bayesfuse-client-summary"
-SUMMARY_VERSION = 2
-#: The summary versions this code reads (1: without ``output_factors``).
-READ_VERSIONS = (1, 2)
+SUMMARY_VERSION = 3
+#: The summary versions this code reads (1: without ``output_factors``; 2: without their
+#: ``eigenvalues``).
+READ_VERSIONS = (1, 2, 3)
 #: The widest output-layer input (bias included) whose Kronecker factors a summary holds: the
 #: Gram is ``(G+1)^2`` numbers, about the size of a hidden layer of this width's incoming
 #: weights from the usual inputs; wider layers are summarised without the factors.
@@ -141,9 +147,9 @@ class ClientSummary:
     version : int
     output_factors : dict, optional
         ``gram`` (G+1, G+1) and ``curvature`` (K, K): the Kronecker factors of the output layer's
-        GGN per example (:func:`output_factors`); None where the output layer has none (it reads
-        the inputs, or positions, or more than :data:`MAX_FACTOR_WIDTH` features) and in
-        version 1 summaries.
+        GGN per example, and (version 3) ``eigenvalues`` (G+1, K), its GGN in their eigenbasis
+        (:func:`output_factors`); None where the output layer has none (it reads the inputs, or
+        positions, or more than :data:`MAX_FACTOR_WIDTH` features) and in version 1 summaries.
     seconds : float
         Time it took to compute (not saved).
     """
@@ -250,12 +256,18 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
 def output_factors(
     model: nn.Module, x, spec: PermutationSpec, *, batch_size: int = 1024
 ) -> dict[str, np.ndarray] | None:
-    """The Kronecker factors of the GGN of ``model``'s output layer over ``x`` (one pass).
+    """The Kronecker factors of the GGN of ``model``'s output layer over ``x``, and its
+    eigenvalues in their eigenbasis (two passes).
 
     ``gram = mean_n a~_n a~_n^T`` over the layer's inputs with a 1 appended (the bias's input)
     and ``curvature = mean_n (diag(p_n) - p_n p_n^T)``, the softmax Hessian at the model's
     probabilities: the GGN of the summed cross-entropy over the layer's weights is approximately
     ``N gram (x) curvature`` (K-FAC; Ritter, Botev & Barber 2018, eq. 7, exact for one example).
+    With ``gram = U diag(alpha) U^T`` and ``curvature = V diag(sigma) V^T``,
+    ``eigenvalues[i, k] = sum_n (u_i^T a~_n)^2 v_k^T (diag(p_n) - p_n p_n^T) v_k``, the diagonal
+    of the exact GGN in the basis ``u_i (x) v_k`` (EKFAC, George et al. 2018, eq. 9), where
+    K-FAC has ``N alpha_i sigma_k``: the same basis, and the exact trace. Its rows follow the
+    eigenvalues of ``gram`` in ascending order, as ``numpy.linalg.eigh`` returns them.
     None when the output layer is not an ``nn.Linear`` reading one hidden group unit by unit, or
     reads more than :data:`MAX_FACTOR_WIDTH` features.
     """
@@ -276,19 +288,31 @@ def output_factors(
     x = torch.as_tensor(x if isinstance(x, torch.Tensor) else np.asarray(x), dtype=first.dtype)
     g, k = layer.in_features + 1, layer.out_features
     gram, curvature = torch.zeros(g, g, dtype=torch.float64), torch.zeros(k, k, dtype=torch.float64)
+    eigenvalues = torch.zeros(g, k, dtype=torch.float64)
+
+    def batches():
+        for start in range(0, len(x), batch_size):
+            logits, features = logits_and_features(model, output, x[start : start + batch_size])
+            ones = features.new_ones(len(features), 1, dtype=torch.float64)
+            yield torch.cat([features.double(), ones], 1), torch.softmax(logits.double(), -1)
+
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, len(x), batch_size):
-                logits, features = logits_and_features(model, output, x[start : start + batch_size])
-                a = torch.cat([features.double(), features.new_ones(len(features), 1, dtype=torch.float64)], 1)
-                p = torch.softmax(logits.double(), -1)
+            for a, p in batches():
                 gram += a.T @ a
                 curvature += torch.diag(p.sum(0)) - p.T @ p
+            gram, curvature = gram / len(x), curvature / len(x)
+            U = torch.as_tensor(np.linalg.eigh(((gram + gram.T) / 2).numpy())[1])
+            V = torch.as_tensor(np.linalg.eigh(((curvature + curvature.T) / 2).numpy())[1])
+            for a, p in batches():
+                # v_k^T (diag(p) - p p^T) v_k = sum_c p_c v_ck^2 - (p . v_k)^2 >= 0 (clamped: round-off)
+                spread = (p @ V.square() - (p @ V).square()).clamp_min(0.0)
+                eigenvalues += (a @ U).square().T @ spread
     finally:
         model.train(was_training)
-    return {"gram": (gram / len(x)).numpy(), "curvature": (curvature / len(x)).numpy()}
+    return {"gram": gram.numpy(), "curvature": curvature.numpy(), "eigenvalues": eigenvalues.numpy()}
 
 
 def summarize(
@@ -555,8 +579,8 @@ def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str
 def _check_factors(factors: Mapping[str, object], n_classes: int, state: Mapping[str, object], name: str) -> None:
     """The output factors are a finite symmetric ``gram`` (G+1, G+1) and ``curvature`` (K, K), with a
     (K, G) weight in ``state``."""
-    if set(factors) != {"gram", "curvature"}:
-        raise SummaryError(f"{name}: output factors must be gram and curvature, got {sorted(factors)}")
+    if set(factors) - {"eigenvalues"} != {"gram", "curvature"}:
+        raise SummaryError(f"{name}: output factors must be gram, curvature (and eigenvalues), got {sorted(factors)}")
     gram, curvature = (np.asarray(factors[k], dtype=np.float64) for k in ("gram", "curvature"))
     for what, a in (("gram", gram), ("curvature", curvature)):
         if a.ndim != 2 or a.shape[0] != a.shape[1] or not np.isfinite(a).all():
@@ -568,6 +592,15 @@ def _check_factors(factors: Mapping[str, object], n_classes: int, state: Mapping
     wanted = (n_classes, gram.shape[0] - 1)
     if not any(tuple(np.shape(cast(np.ndarray, v))) == wanted for v in state.values()):
         raise SummaryError(f"{name}: the output gram {gram.shape} fits no {wanted} output weight of the network")
+    if "eigenvalues" in factors:
+        eigenvalues = np.asarray(factors["eigenvalues"], dtype=np.float64)
+        if eigenvalues.shape != (gram.shape[0], n_classes):
+            raise SummaryError(
+                f"{name}: the output eigenvalues are {eigenvalues.shape}, for a gram {gram.shape} and "
+                f"{n_classes} classes: need {(gram.shape[0], n_classes)}"
+            )
+        if not np.isfinite(eigenvalues).all() or (eigenvalues < 0).any():
+            raise SummaryError(f"{name}: the output eigenvalues must be finite and >= 0")
 
 
 def _check_bnn_moments(summary: ClientSummary, state: Mapping[str, object], name: str) -> None:

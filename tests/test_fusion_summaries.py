@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -68,11 +70,11 @@ def test_second_round_picks_a_temperature(federation):
     split, part, models, summaries = federation
     result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part), second_round="temperature")
     r2 = result.hyper["second_round"]
-    # four candidates: the shared head by either pool, and the clients' heads (the one-shot
-    # default) with their Kronecker curvatures as sent and trace-matched
-    labels = {"precision", "counts", "client heads", "client heads, trace-matched"}
+    # five candidates: the shared head by either pool, and the clients' heads (the one-shot
+    # default) with their Kronecker curvatures as sent, trace-matched and with the GGN's eigenvalues
+    labels = {"precision", "counts", "client heads", "client heads, trace-matched", "client heads, EKFAC"}
     assert r2["kind"] == "temperature" and 1 / 16 <= r2["temperature"] <= 16 and r2["output_pool"] in labels
-    assert r2["candidates"] == 4 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
+    assert r2["candidates"] == 5 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
     assert set(r2["nll"]) == labels
     body_pool = "precision" if r2["output_pool"].startswith("client heads") else r2["output_pool"]
     assert result.hyper["summaries"]["output"] == f"log pool, shares by {body_pool}"
@@ -102,16 +104,19 @@ def test_temperature_round_scores_the_clients_heads(federation):
     data = (split.train, part)
     heads = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
     r2 = heads.hyper["second_round"]
-    assert isinstance(heads.model, ClientHeads) and r2["candidates"] == 2 * 65
-    assert set(r2["nll"]) == {"client heads", "client heads, trace-matched"}
+    assert isinstance(heads.model, ClientHeads) and r2["candidates"] == 3 * 65
+    assert set(r2["nll"]) == {"client heads", "client heads, trace-matched", "client heads, EKFAC"}
     assert r2["output_pool"] == min(r2["nll"], key=r2["nll"].get)
     assert heads.hyper["head"] == "clients" and float(heads.model.temperature) == r2["temperature"]
     # the chosen candidate is the one-shot default (the Kronecker heads' log pool), its curvature
-    # trace-matched or not, at the chosen temperature
+    # trace-matched, with the GGN's eigenvalues or as sent, at the chosen temperature
     one_shot = fuse(models, "pfnm", summaries=summaries)
     if r2["output_pool"] == "client heads, trace-matched":
         one_shot.model.register_buffer("scale", heads.model.scale.clone())
+    if r2["output_pool"] == "client heads, EKFAC":
+        one_shot.model.register_buffer("eigenvalues", heads.model.eigenvalues.clone())
     assert hasattr(heads.model, "scale") == (r2["output_pool"] == "client heads, trace-matched")
+    assert hasattr(heads.model, "eigenvalues") == (r2["output_pool"] == "client heads, EKFAC")
     x = torch.as_tensor(split.test.x[:64])
     with torch.no_grad():
         expected = torch.log_softmax(one_shot.model(x) / r2["temperature"], -1)
@@ -137,7 +142,7 @@ def test_temperature_round_scores_the_clients_heads(federation):
     r2 = shared.hyper["second_round"]
     assert isinstance(shared.model, LastLayerLaplace) and r2["candidates"] == 2 * 65
     assert set(r2["nll"]) == {"precision", "counts"}
-    # the default scores all four, each as the runs above did, and keeps the least NLL's
+    # the default scores all five, each as the runs above did, and keeps the least NLL's
     both = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature")
     nll = both.hyper["second_round"]["nll"]
     assert nll == {**r2["nll"], **heads.hyper["second_round"]["nll"]}
@@ -145,19 +150,25 @@ def test_temperature_round_scores_the_clients_heads(federation):
     assert isinstance(both.model, ClientHeads) == min(nll, key=nll.get).startswith("client heads")
     # what the server sends each client: every candidate's tensors, the heads' body (the precision
     # candidate's network) once, and not the heads' fixed draws; the trace-matched heads differ
-    # from the others by their J scales alone
+    # from the others by their J scales alone, the EKFAC heads by their eigenvalues (J, G+1, K)
     J = len(models)
     network = sum(t.numel() for t in heads.model.network.state_dict().values())
-    own = sum(t.numel() for k, t in heads.model.state_dict().items() if not k.startswith("network."))
+    own = sum(
+        t.numel()
+        for k, t in heads.model.state_dict().items()
+        if not k.startswith("network.") and k not in ("eigenvalues", "scale")
+    )
     draws = heads.model.draws.numel()
-    assert heads.hyper["second_round"]["bytes_down"] == J * 4 * (network + own - draws + J)
+    eigenvalues = J * (heads.model.weight.shape[2] + 1) * heads.model.weight.shape[1]
+    assert heads.hyper["second_round"]["bytes_down"] == J * 4 * (network + own - draws + J + eigenvalues)
     with pytest.raises(ValueError, match="method must be one of pfnm, nafi"):
         fuse(models, "ot", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
 
 
 def _chosen(federation, monkeypatch, choice: int, temperature: int):
     """The temperature round with the clients' replies made to prefer candidate ``choice`` (0
-    precision, 1 counts, 2 the clients' heads, 3 the same trace-matched) at grid index ``temperature``."""
+    precision, 1 counts, 2 the clients' heads, 3 the same trace-matched, 4 EKFAC) at grid index
+    ``temperature``."""
     import bayesfuse.inference.summary_fusion as summary_fusion
 
     split, part, models, summaries = federation
@@ -191,6 +202,36 @@ def test_the_trace_matched_heads_chosen_report_themselves(federation, monkeypatc
     for j, bias in enumerate(result.model.bias.numpy()):
         client = next(i for i, m in enumerate(models) if np.allclose(m.layers[1].bias.detach().numpy(), bias))
         assert float(result.model.scale[j]) == pytest.approx(ratios[client], rel=1e-12)
+
+
+def test_the_ekfac_heads_chosen_report_themselves(federation, monkeypatch):
+    from bayesfuse.nets.heads import ClientHeads
+
+    result = _chosen(federation, monkeypatch, 4, 40)
+    r2 = result.hyper["second_round"]
+    assert r2["output_pool"] == "client heads, EKFAC" and r2["temperature"] == 2.0
+    assert isinstance(result.model, ClientHeads) and float(result.model.temperature) == 2.0
+    assert "(EKFAC)" in result.hyper["predictive"] and not hasattr(result.model, "scale")
+    # each head's eigenvalues are its own client's, summing to the exact GGN's trace (the sum of
+    # the client's GGN diagonal of the output layer): a head is its client's by its output bias
+    _, _, models, summaries = federation
+    for j, bias in enumerate(result.model.bias.numpy()):
+        client = next(i for i, m in enumerate(models) if np.allclose(m.layers[1].bias.detach().numpy(), bias))
+        s = summaries[client]
+        exact = s.precision["layers.1.weight"].sum() + s.precision["layers.1.bias"].sum()
+        assert float(result.model.eigenvalues[j].sum()) == pytest.approx(exact, rel=1e-5)
+    # version 2 summaries (no eigenvalues): the candidate is left out
+    split, part, models, summaries = federation
+    older = [
+        dataclasses.replace(s, version=2, output_factors={k: s.output_factors[k] for k in ("gram", "curvature")})
+        for s in summaries
+    ]
+    monkeypatch.undo()
+    kfac = fuse(models, "pfnm", summaries=older, rounds=2, data=(split.train, part), second_round="temperature")
+    assert (
+        "client heads, EKFAC" not in kfac.hyper["second_round"]["nll"]
+        and kfac.hyper["second_round"]["candidates"] == 4 * 65
+    )
 
 
 def test_diagonal_heads_have_no_trace_matched_candidate(federation):

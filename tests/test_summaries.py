@@ -72,7 +72,8 @@ def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
     model, x, y = client
     s = summarize(model, x, y)
     weights = sum(p.numel() for p in model.parameters())
-    factors = (4 + 1) ** 2 + 3**2  # the output layer's Gram (4 features and the bias) and curvature
+    # the output layer's Gram (4 features and the bias), curvature and GGN eigenvalues (5 x 3)
+    factors = (4 + 1) ** 2 + 3**2 + (4 + 1) * 3
     assert s.nbytes == 4 * weights + 4 * 4 * (5 + 4) + 4 * factors + 8 * 3
 
 
@@ -93,10 +94,44 @@ def test_output_factors_are_the_kfac_factors_and_exact_for_one_example(client):
     np.testing.assert_allclose(kfac[-1], one.precision["layers.2.bias"], rtol=1e-5, atol=1e-12)
 
 
+def test_output_eigenvalues_are_the_exact_ggn_in_the_kronecker_eigenbasis(client):
+    # the GGN of the output layer's [W | b] written out from torch.func's Jacobian of the logits,
+    # sum_n J_n^T (diag p_n - p_n p_n^T) J_n, read in the basis v_k u_i^T of the summary's factors
+    model, x, y = client
+    s = summarize(model, x, y, batch_size=7)
+    with torch.no_grad():
+        features = torch.relu(model.layers[1](torch.relu(model.layers[0](torch.as_tensor(x))))).double()
+    out = model.layers[2]
+    theta = torch.cat([out.weight, out.bias[:, None]], 1).detach().double()  # (K, G+1)
+
+    def logits(t, a):
+        return t[:, :-1] @ a + t[:, -1]
+
+    ggn = torch.zeros(theta.numel(), theta.numel(), dtype=torch.float64)
+    for a in features:
+        jac = torch.func.jacrev(logits)(theta, a).reshape(3, -1)  # (K, K (G+1))
+        p = torch.softmax(logits(theta, a), -1)
+        ggn += jac.T @ (torch.diag(p) - torch.outer(p, p)) @ jac
+    _, U = np.linalg.eigh(s.output_factors["gram"])
+    _, V = np.linalg.eigh(s.output_factors["curvature"])
+    expected = np.array(
+        [
+            [np.outer(V[:, k], U[:, i]).ravel() @ ggn.numpy() @ np.outer(V[:, k], U[:, i]).ravel() for k in range(3)]
+            for i in range(5)
+        ]
+    )
+    # (the summary reads the float32 network's logits: float32 round-off, relative 6e-8 each)
+    np.testing.assert_allclose(s.output_factors["eigenvalues"], expected, rtol=1e-6, atol=1e-12)
+    # the trace is the exact GGN's, the sum of the summary's (BackPACK-checked) GGN diagonal
+    exact = s.precision["layers.2.weight"].sum() + s.precision["layers.2.bias"].sum()
+    assert s.output_factors["eigenvalues"].sum() == pytest.approx(exact, rel=1e-5)
+
+
 def test_output_factors_only_for_an_output_layer_that_reads_units():
     x = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
     dense = summarize(randomise(make_cnn(16, 3, channels=(2,), hidden=(4,)), 2), x, np.arange(8) % 3)
-    assert {k: np.shape(v) for k, v in dense.output_factors.items()} == {"gram": (5, 5), "curvature": (3, 3)}
+    shapes = {k: np.shape(v) for k, v in dense.output_factors.items()}
+    assert shapes == {"gram": (5, 5), "curvature": (3, 3), "eigenvalues": (5, 3)}
     positions = summarize(randomise(make_cnn(16, 3, channels=(2,), hidden=()), 2), x, np.arange(8) % 3)
     assert positions.output_factors is None
 
@@ -117,6 +152,10 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
     old = summary_path(tmp_path / "old.pt")  # version 1 summaries, without the factors, are still read
     save_summary(dataclasses.replace(s, version=1, output_factors=None), old)
     assert load_summary(old).version == 1 and load_summary(old).output_factors is None
+    two = summary_path(tmp_path / "two.pt")  # version 2, the factors without their eigenvalues
+    kfac = {k: v for k, v in s.output_factors.items() if k != "eigenvalues"}
+    save_summary(dataclasses.replace(s, version=2, output_factors=kfac), two)
+    assert load_summary(two).version == 2 and set(load_summary(two).output_factors) == {"gram", "curvature"}
     with pytest.raises(FileExistsError):
         save_summary(s, path)
     save_summary(s, path, overwrite=True)

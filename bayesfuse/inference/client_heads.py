@@ -61,6 +61,7 @@ __all__ = [
     "default_head",
     "default_pool",
     "trace_ratios",
+    "ekfac_eigenvalues",
     "HEAD_FORMS",
 ]
 
@@ -136,6 +137,7 @@ def one_shot_heads(
     summaries=None,
     *,
     trace_match: bool = False,
+    ekfac: bool = False,
 ) -> dict[str, Any]:
     """The clients' own output layers as heads on ``width`` fused features (module docstring).
 
@@ -157,6 +159,10 @@ def one_shot_heads(
         With Kronecker factors: each head's curvature scaled so that its trace is the exact GGN's
         (module docstring, :func:`trace_ratios`), as ``laplace["scale"]``. Diagonal and point
         heads are left as they are.
+    ekfac : bool
+        With Kronecker factors: each head's curvature the exact GGN's eigenvalues in the
+        factors' eigenbasis (EKFAC, :func:`ekfac_eigenvalues`), as ``laplace["eigenvalues"]``;
+        every summary must carry them (version 3).
 
     Returns
     -------
@@ -164,8 +170,9 @@ def one_shot_heads(
         ``output`` (the output layer's module name), ``weight`` (J, K, G), ``bias`` (J, K),
         ``shares`` (J, K), ``form`` (:data:`HEAD_FORMS`) and ``laplace``: None, ``{"precision":
         (J, K, G+1)}``, or ``{"gram": (J, G+1, G+1), "curvature": (J, K, K), "n": (J,),
-        "prior_precision": (J,), "support": (J, G+1)}`` and, with ``trace_match``, ``"scale": (J,)``
-        (the arguments of :class:`~bayesfuse.nets.heads.ClientHeads`).
+        "prior_precision": (J,), "support": (J, G+1)}`` and, with ``trace_match``, ``"scale": (J,)``,
+        with ``ekfac``, ``"eigenvalues": (J, G+1, K)`` (the arguments of
+        :class:`~bayesfuse.nets.heads.ClientHeads`).
 
     Raises
     ------
@@ -196,6 +203,8 @@ def one_shot_heads(
             form, laplace = "kronecker", _kronecker(summaries, columns, G, K)
             if trace_match:
                 laplace["scale"] = trace_ratios(summaries, weight_key, bias_key)
+            if ekfac:
+                laplace["eigenvalues"] = _placed_eigenvalues(summaries, columns, G, K)
         else:
             form, laplace = "diagonal", _diagonal(summaries, columns, weight_key, bias_key, G, K)
     return dict(output=output, weight=weight, bias=bias, shares=shares, form=form, laplace=laplace)
@@ -229,6 +238,54 @@ def _kronecker(summaries, columns, G: int, K: int) -> dict:
     n = np.array([s.n_examples for s in summaries], dtype=np.float64)
     prior = np.array([s.prior_precision for s in summaries], dtype=np.float64)
     return {"gram": gram, "curvature": curvature, "n": n, "prior_precision": prior, "support": support}
+
+
+def ekfac_eigenvalues(
+    spec: PermutationSpec,
+    states: Sequence[Mapping[str, Any]],
+    assignments: Mapping[str, Sequence],
+    width: int,
+    summaries,
+) -> np.ndarray | None:
+    """(J, G+1, K): each head's EKFAC eigenvalues (George et al. 2018) on ``width`` fused features,
+    or None where a summary has none (versions 1 and 2, or no output factors).
+
+    Summary j's ``output_factors["eigenvalues"]`` are the exact GGN of its output layer in the
+    eigenbasis ``u_i (x) v_k`` of its factors (:func:`bayesfuse.summaries.output_factors`), rows
+    in the ascending order of ``gram``'s eigenvalues. :class:`~bayesfuse.nets.heads.ClientHeads`
+    decomposes each head's Gram on its support, and keeps its ``i``-th eigenpair at the ``i``-th
+    feature of the support; row ``i`` goes there. The head's posterior precision is then
+    ``sum_ik (eigenvalues_ik + delta) (u_i (x) v_k)(u_i (x) v_k)^T``, where K-FAC's is
+    ``n alpha_i sigma_k + delta``: the same eigenbasis, the exact GGN's diagonal in it, and so
+    its exact trace.
+    """
+    weight_key, _, axis, refused = _read_axis(spec, states[0])
+    if refused:
+        raise ValueError(refused)
+    assert axis is not None  # read, unit by unit
+    K = int(np.shape(states[0][weight_key])[0])
+    columns = [np.asarray(a, dtype=np.int64) for a in assignments[axis.group]]
+    return _placed_eigenvalues(summaries, columns, int(width), K, strict=False)
+
+
+def _placed_eigenvalues(summaries, columns, G: int, K: int, *, strict: bool = True) -> np.ndarray | None:
+    """:func:`ekfac_eigenvalues` from each client's columns; a summary without them raises
+    (``strict``) or gives None."""
+    placed = np.zeros((len(summaries), G + 1, K))
+    for j, (s, c) in enumerate(zip(summaries, columns)):
+        own = (getattr(s, "output_factors", None) or {}).get("eigenvalues")
+        if own is None:
+            if strict:
+                raise ValueError(f"client {j}'s summary has no output eigenvalues (EKFAC needs version 3)")
+            return None
+        own = np.asarray(own, dtype=np.float64)
+        if own.shape != (c.size + 1, K):
+            raise ValueError(
+                f"client {j}'s output eigenvalues {own.shape} do not fit its output layer of {c.size} inputs and "
+                f"{K} classes"
+            )
+        placed[j][np.sort(np.append(c, G))] = own
+    return placed
 
 
 def trace_ratios(summaries, weight_key: str, bias_key: str) -> np.ndarray:

@@ -154,7 +154,12 @@ class ClientHeads(nn.Module):
         global units its client has no unit in: 0, and no variance), all ones by default; optionally
         ``scale`` (J,), > 0, each head's curvature multiplied by it, ``H_j = scale_j n_j A_j (x) S_j +
         lambda_j I`` (the trace-matched heads, :func:`~bayesfuse.inference.client_heads.trace_ratios`),
-        all ones by default. Diagonal
+        all ones by default; optionally ``eigenvalues`` (J, G+1, K) >= 0, the curvature's
+        eigenvalues in the eigenbasis ``u_i (x) v_k`` of ``gram`` and ``curvature`` in place of
+        ``n_j alpha_i sigma_k`` (EKFAC: :func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`;
+        row ``i`` for the eigenpair of a head's Gram kept at its ``i``-th supported feature, 0 off
+        its support), ``H_j = sum_ik (scale_j eigenvalues_jik + lambda_j) (u_i (x) v_k)(u_i (x)
+        v_k)^T``. Diagonal
         (a version 1 client summary's): ``precision`` (J, K, G+1), each head weight's posterior
         precision, the bias last; ``inf`` where the head has no weight (a global unit the client has
         no unit in), so that it stays 0. Then ``Var(f_k) = sum_g a~_g^2 / P_kg``, the classes
@@ -179,6 +184,7 @@ class ClientHeads(nn.Module):
     support: torch.Tensor
     prior: torch.Tensor
     scale: torch.Tensor
+    eigenvalues: torch.Tensor  # EKFAC heads only
     curv_vals: torch.Tensor
     curv_vecs: torch.Tensor
     n: torch.Tensor
@@ -248,10 +254,11 @@ class ClientHeads(nn.Module):
         missing = {"gram", "curvature", "n", "prior_precision"} - set(laplace)
         if missing:
             raise ValueError(f"laplace needs gram, curvature, n and prior_precision; missing {sorted(missing)}")
-        extra = set(laplace) - {"gram", "curvature", "n", "prior_precision", "support", "scale"}
+        extra = set(laplace) - {"gram", "curvature", "n", "prior_precision", "support", "scale", "eigenvalues"}
         if extra:
             raise ValueError(
-                f"a Kronecker laplace takes gram, curvature, n, prior_precision, support and scale; got {sorted(extra)}"
+                "a Kronecker laplace takes gram, curvature, n, prior_precision, support, scale and eigenvalues; "
+                f"got {sorted(extra)}"
             )
         gram, curvature, n = (
             torch.as_tensor(np.array(laplace[k]), dtype=torch.float64) for k in ("gram", "curvature", "n")
@@ -298,6 +305,8 @@ class ClientHeads(nn.Module):
         if "scale" in laplace:
             self._set_scale(laplace["scale"])
         self.register_buffer("support", support)
+        if "eigenvalues" in laplace:
+            self._set_eigenvalues(laplace["eigenvalues"])
         self._register_draws(J, K, samples)
 
     def _set_scale(self, scale) -> None:
@@ -306,6 +315,28 @@ class ClientHeads(nn.Module):
         if values.shape != (J,) or not bool((torch.isfinite(values) & (values > 0)).all()):
             raise ValueError(f"laplace scale must be {J} finite numbers > 0, got shape {tuple(values.shape)}")
         self.register_buffer("scale", values)
+
+    def _set_eigenvalues(self, eigenvalues) -> None:
+        J, K, G = self.weight.shape
+        values = torch.as_tensor(np.array(eigenvalues, dtype=np.float64))
+        if values.shape != (J, G + 1, K):
+            raise ValueError(f"laplace eigenvalues of shape {tuple(values.shape)} do not fit: need {(J, G + 1, K)}")
+        if not bool((torch.isfinite(values) & (values >= 0)).all()):
+            raise ValueError("the laplace eigenvalues must be finite and >= 0")
+        if bool(((values != 0) & (self.support[:, :, None] == 0)).any()):
+            raise ValueError("the laplace eigenvalues have entries outside their head's support")
+        self.register_buffer("eigenvalues", values)
+
+    def with_eigenvalues(self, eigenvalues) -> "ClientHeads":
+        """These Kronecker-factored heads with the curvature's eigenvalues ``eigenvalues`` (J, G+1,
+        K) in their factors' eigenbasis (``laplace["eigenvalues"]``, EKFAC:
+        :func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`): a copy on the same
+        ``network`` object, every other tensor copied bit for bit."""
+        if self.form != "kronecker":
+            raise ValueError(f"curvature eigenvalues are for Kronecker-factored heads; these are {self.form!r}")
+        twin = copy.deepcopy(self, memo={id(self.network): self.network})
+        twin._set_eigenvalues(eigenvalues)
+        return twin
 
     def with_scale(self, scale) -> "ClientHeads":
         """These Kronecker-factored heads, each one's curvature multiplied by ``scale`` (J,) > 0
@@ -374,6 +405,7 @@ class ClientHeads(nn.Module):
         pool: str = "linear",
         samples: int = 64,
         trace_match: bool = False,
+        ekfac: bool = False,
     ) -> "ClientHeads":
         """One shot: the clients' own output layers as heads on the fused ``network`` (module docstring).
 
@@ -388,14 +420,16 @@ class ClientHeads(nn.Module):
         (:mod:`bayesfuse.inference.client_heads`); a weight the head does not have gets no
         variance. Without, the heads are points. With ``trace_match`` each Kronecker-factored
         head's curvature is scaled to the exact GGN's trace
-        (:func:`~bayesfuse.inference.client_heads.trace_ratios`). In eval mode.
+        (:func:`~bayesfuse.inference.client_heads.trace_ratios`); with ``ekfac`` its eigenvalues
+        are the exact GGN's in the factors' eigenbasis (version 3 summaries,
+        :func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`). In eval mode.
         """
         weight_key, _ = spec.output_layer(states[0])
         layer = network.get_submodule(weight_key.rpartition(".")[0])
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"the clients' own heads need an nn.Linear output layer, got {type(layer).__name__}")
         heads = one_shot_heads(
-            spec, states, assignments, layer.in_features, class_counts, summaries, trace_match=trace_match
+            spec, states, assignments, layer.in_features, class_counts, summaries, trace_match=trace_match, ekfac=ekfac
         )
         return cls.from_arrays(network, heads, pool=pool, samples=samples)
 
@@ -486,8 +520,12 @@ class ClientHeads(nn.Module):
             return (lambda a: a.square() @ inv_precision), None
         at = torch.nonzero(self.support[j]).flatten()
         vecs, vals, curv = self.gram_vecs[j][at][:, at], self.gram_vals[j][at], self.curv_vals[j]
-        n = float(self.n[j] * (self.scale[j] if hasattr(self, "scale") else 1.0))
+        scale = float(self.scale[j]) if hasattr(self, "scale") else 1.0
         prior = float(self.prior[j])
+        if hasattr(self, "eigenvalues"):  # EKFAC: the eigenvalues as measured
+            inverse = 1.0 / (scale * self.eigenvalues[j][at] + prior)
+            return (lambda a: ((a[:, at] @ vecs) ** 2) @ inverse), self.curv_vecs[j]
+        n = float(self.n[j]) * scale
         return (lambda a: logit_variances(a[:, at], vecs, vals, curv, n, prior)), self.curv_vecs[j]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

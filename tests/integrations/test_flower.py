@@ -35,6 +35,7 @@ from bayesfuse.integrations.flower import (  # noqa: E402
     CLIENT_HEADS,
     COUNTS_ARRAYS_KEY,
     COUNTS_POSTERIOR_KEY,
+    EKFAC_HEADS,
     FEDMA_LOCAL,
     FEDMA_ROUND,
     HEADS_KEY,
@@ -872,7 +873,7 @@ def _temperature_strategy(split, part, models, summaries=None, **grid_options):
 
 def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clients, summaries):
     from bayesfuse.fusion import TEMPERATURES
-    from bayesfuse.inference.client_heads import trace_ratios
+    from bayesfuse.inference.client_heads import ekfac_eigenvalues, trace_ratios
     from bayesfuse.summaries import temperature_nll
 
     split, part, models = clients
@@ -882,7 +883,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     for msg in grid.sent[3:]:
         config = msg.content["config"]
         assert config[ROUND_KEY] == TEMPERATURE and config["pool"] == "log" and config["heads-form"] == "kronecker"
-        assert list(config["candidates"]) == [SHARED, SHARED_COUNTS, CLIENT_HEADS, TRACE_MATCHED]
+        assert list(config["candidates"]) == [SHARED, SHARED_COUNTS, CLIENT_HEADS, TRACE_MATCHED, EKFAC_HEADS]
         assert list(config["temperatures"]) == [float(t) for t in TEMPERATURES]
     # the candidates, made here without the round: the one-shot strategy's network and its heads
     # (the heads' posteriors as is and trace-matched to the summaries' GGN diagonals)
@@ -903,6 +904,17 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     ratios = trace_ratios(summaries, "layers.2.weight", "layers.2.bias")
     order = [by_bias[tuple(np.round(b, 6))] for b in heads.bias.numpy()]  # each head's client
     matched = heads.with_scale(ratios[order])
+    # the EKFAC heads: the summaries' GGN eigenvalues placed at the heads' supports, made here from
+    # the one-shot fusion's assignments (the heads' client order)
+    fusion = one_shot.last_fusion
+    placed = ekfac_eigenvalues(
+        fusion.spec,
+        [_np(models[j].state_dict()) for j in order],
+        {g: layer.assignments for g, layer in zip(fusion.groups, fusion.layers)},
+        heads.weight.shape[2],
+        [summaries[j] for j in order],
+    )
+    measured = heads.with_eigenvalues(placed)
     # the fusion with the output layer pooled by class counts, made here from the clients' own
     # states and summaries; the message carries its output layer and whatever else differs
     counts_fusion = fuse_states(
@@ -918,7 +930,13 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
         1 / counts_precision["layers.2.weight"],
         1 / counts_precision["layers.2.bias"],
     ).eval()
-    candidates = {SHARED: shared.eval(), SHARED_COUNTS: by_counts, CLIENT_HEADS: heads, TRACE_MATCHED: matched}
+    candidates = {
+        SHARED: shared.eval(),
+        SHARED_COUNTS: by_counts,
+        CLIENT_HEADS: heads,
+        TRACE_MATCHED: matched,
+        EKFAC_HEADS: measured,
+    }
     direct = {
         name: sum(temperature_nll(m, split.train.x[idx], split.train.y[idx], TEMPERATURES) for idx in part)
         for name, m in candidates.items()
@@ -936,7 +954,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     assert (report["candidate"], report["temperature"]) == (best, temperature)
     metrics = result.train_metrics_clientapp[2]
     assert metrics["temperature-replies"] == 3 and metrics["temperature"] == temperature
-    assert metrics["bytes-up"] == report["bytes_up"] == 4 * 65 * 8
+    assert metrics["bytes-up"] == report["bytes_up"] == 5 * 65 * 8
     posterior_bytes = sum(  # float64 heads and variances, beside the float32 network
         v.numpy().nbytes
         for key in (HEADS_KEY, SHARED_POSTERIOR_KEY, COUNTS_ARRAYS_KEY, COUNTS_POSTERIOR_KEY)
@@ -960,6 +978,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     assert nll["client heads, trace-matched"] == pytest.approx(report["nll"][TRACE_MATCHED], rel=1e-4)
     assert nll["precision"] == pytest.approx(report["nll"][SHARED], rel=1e-4)
     assert nll["counts"] == pytest.approx(report["nll"][SHARED_COUNTS], rel=1e-4)
+    assert nll["client heads, EKFAC"] == pytest.approx(report["nll"][EKFAC_HEADS], rel=1e-4)
 
 
 def test_a_shared_laplace_kept_by_the_round_is_tempered_not_folded(clients, summaries, monkeypatch):

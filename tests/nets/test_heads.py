@@ -3,6 +3,7 @@
 The body runs in float32 and the heads in float64 on its features, so a NumPy computation from
 the same features agrees to float64 round-off."""
 
+import dataclasses
 import warnings
 from types import SimpleNamespace
 
@@ -466,6 +467,76 @@ def test_one_shot_kronecker_heads_are_the_clients_kfac_posteriors_on_their_match
             np.testing.assert_allclose(V.T @ cov_f @ V, np.diag(var[n]), atol=1e-9 * np.abs(cov_f).max())
     probs = predict_proba(model, split.test.x)
     assert np.isfinite(probs).all() and np.allclose(probs.sum(1), 1)
+
+
+def test_ekfac_one_shot_heads_are_the_clients_ekfac_posteriors_on_their_matched_units(federation):
+    """With ``ekfac`` each head's logit covariance on fused features equals the covariance under
+    its client's own EKFAC posterior, ``sum_ik (Lambda_ik + delta) (u_i (x) v_k)(u_i (x) v_k)^T``
+    over its own output weights, built here with full matrices from the client's own summary (its
+    own eigenbases, in its own unit order), where the head decomposes the Gram placed at the fused
+    units again: the eigenvalues must follow their eigenpairs there."""
+    from bayesfuse import summarize
+    from bayesfuse.inference.client_heads import ekfac_eigenvalues
+    from bayesfuse.nets.heads import logits_and_features
+    from bayesfuse.nets.spec import spec_from_module
+
+    split, part, models = federation
+    summaries = [summarize(m, split.train.x[i], split.train.y[i]) for m, i in zip(models, part)]
+    matched = _one_shot(models, summaries=summaries)
+    assignments = {g: layer.assignments for g, layer in zip(matched.groups, matched.layers)}
+    spec, states = spec_from_module(models[0]), [{k: v.numpy() for k, v in m.state_dict().items()} for m in models]
+    network = matched.model.network
+    heads = ClientHeads.from_clients(network, spec, states, assignments, summaries=summaries, pool="log", ekfac=True)
+    x = torch.as_tensor(split.test.x[:7])
+    with torch.no_grad():
+        _, features = logits_and_features(network, heads.output, x)
+    a_fused = torch.cat([features.double(), torch.ones(len(x), 1, dtype=torch.float64)], 1)
+    G = a_fused.shape[1] - 1
+    for j, (s, a) in enumerate(zip(summaries, matched.layers[0].assignments)):  # head j is client j
+        _, U = np.linalg.eigh(s.output_factors["gram"])
+        _, V = np.linalg.eigh(s.output_factors["curvature"])
+        K, H1 = V.shape[0], U.shape[0]
+        basis = np.kron(U, V)  # column i K + k: u_i (x) v_k, in the weights' (g, k) order
+        eigenvalues = s.output_factors["eigenvalues"].ravel() + s.prior_precision
+        cov_w = basis @ np.diag(1.0 / eigenvalues) @ basis.T
+        own = a_fused[:, np.append(np.asarray(a), G)].numpy()  # the client's features, bias last
+        variances, rotation = heads._logit_variances(j)
+        var, R = variances(a_fused).numpy(), rotation.numpy()
+        for n in range(len(x)):
+            design = np.kron(own[n][None, :], np.eye(K))
+            cov_f = design @ cov_w @ design.T
+            np.testing.assert_allclose(R.T @ cov_f @ R, np.diag(var[n]), atol=1e-9 * np.abs(cov_f).max())
+        assert H1 == len(a) + 1
+    # with_eigenvalues on the K-FAC heads gives the same heads; and they are not K-FAC's
+    plain = ClientHeads.from_clients(network, spec, states, assignments, summaries=summaries, pool="log")
+    width = network.layers[1].in_features
+    twin = plain.with_eigenvalues(ekfac_eigenvalues(spec, states, assignments, width, summaries))
+    assert twin.network is plain.network and not hasattr(plain, "eigenvalues")
+    xs = split.test.x[:50]
+    np.testing.assert_allclose(predict_proba(twin, xs), predict_proba(heads, xs), rtol=1e-12, atol=1e-12)
+    assert np.abs(predict_proba(heads, xs) - predict_proba(plain, xs)).max() > 1e-4
+    # refusals: eigenvalues that do not fit, are negative, or lie off a head's support
+    good = heads.eigenvalues.numpy()
+    off = good.copy()
+    off[0][heads.support[0].numpy() == 0] = 1.0
+    for bad, match in (
+        (good[:, :-1], "do not fit: need"),
+        (-good - 1.0, "finite and >= 0"),
+        (off, "outside their head's support"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plain.with_eigenvalues(bad)
+    point = ClientHeads(network, "layers.1", *(t.numpy() for t in (plain.weight, plain.bias, plain.shares)))
+    with pytest.raises(ValueError, match="Kronecker-factored heads; these are 'map'"):
+        point.with_eigenvalues(good)
+    # a version 2 summary (no eigenvalues): none for the heads, and EKFAC heads refused by name
+    old = [
+        dataclasses.replace(s, output_factors={k: s.output_factors[k] for k in ("gram", "curvature")})
+        for s in summaries
+    ]
+    assert ekfac_eigenvalues(spec, states, assignments, width, old) is None
+    with pytest.raises(ValueError, match="client 0's summary has no output eigenvalues"):
+        ClientHeads.from_clients(network, spec, states, assignments, summaries=old, ekfac=True)
 
 
 def test_trace_matched_one_shot_heads_have_the_exact_ggn_trace(federation):

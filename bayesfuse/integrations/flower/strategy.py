@@ -17,13 +17,20 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import StateFusion, fuse_states
-from bayesfuse.inference.client_heads import default_pool, heads_refused, one_shot_heads, trace_ratios
+from bayesfuse.inference.client_heads import (
+    default_pool,
+    ekfac_eigenvalues,
+    heads_refused,
+    one_shot_heads,
+    trace_ratios,
+)
 from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, product_report
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
     CLIENT_HEADS,
     COUNTS_ARRAYS_KEY,
     COUNTS_POSTERIOR_KEY,
+    EKFAC_HEADS,
     HEADS_KEY,
     OUTPUT_FIT,
     OUTPUT_FIT_KEY,
@@ -256,7 +263,9 @@ class MatchedAveraging(_Fusion):
         it is) and, after PFNM or NAFI with every node's summary, where the output layer reads
         hidden units, the nodes' own one-shot heads on it (:meth:`client_heads`; ``CLIENT_HEADS``,
         ArrayRecord ``HEADS_KEY``) and, where they are Kronecker-factored, the same heads each
-        with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``); with summaries
+        with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``) and, where every
+        summary has the output layer's GGN eigenvalues (version 3), with them (``EKFAC_HEADS``,
+        EKFAC); with summaries
         also the fusion with the output layer pooled by class counts (``SHARED_COUNTS``, its
         entries that differ and its output layer's variances as ArrayRecords
         ``COUNTS_ARRAYS_KEY``, ``COUNTS_POSTERIOR_KEY``): ``fuse``'s candidates. A node rebuilds
@@ -745,9 +754,14 @@ class MatchedAveraging(_Fusion):
             keys = spec.output_layer(state)
             width = int(np.shape(state[keys[0]])[1])
             heads = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"])
-            scale = trace_ratios(inputs["summaries"], *keys) if heads["form"] == "kronecker" else None
+            kronecker = heads["form"] == "kronecker"
+            scale = trace_ratios(inputs["summaries"], *keys) if kronecker else None
+            eigenvalues = None
+            if kronecker:
+                eigenvalues = ekfac_eigenvalues(spec, inputs["states"], assignments, width, inputs["summaries"])
             names += [CLIENT_HEADS] + ([TRACE_MATCHED] if scale is not None else [])
-            records[HEADS_KEY] = heads_to_record(heads, scale)
+            names += [EKFAC_HEADS] if eigenvalues is not None else []
+            records[HEADS_KEY] = heads_to_record(heads, scale, eigenvalues)
             round_config.update(
                 {
                     "output-layer": heads["output"],
