@@ -31,10 +31,13 @@ it, but it says more about the client's data than the weights do: where its inpu
 is unsure about (the output biases' GGN is ``sum_n p_nk (1 - p_nk)``), and its class counts.
 The output factors hold the second moments of its last hidden features, all their
 correlations: more than the per-unit moments, and with fewer examples than features (``n <=
-G``) close to the span of its examples' features.
+G``) close to the span of its examples' features; their eigenvalues say, for each direction of
+those features and of the classes, how much of the client's uncertainty lies there (sums over
+its examples, (G+1) K numbers).
 The one-shot default model (:class:`~bayesfuse.nets.heads.ClientHeads`) carries the output
-factors of every client to whoever receives it, and so does the temperature round's candidate of
-it, sent to every client (:func:`bayesfuse.fuse`, ``head="shared"`` leaves it out).
+factors of every client to whoever receives it, and so do the temperature round's candidates of
+it, sent to every client, the EKFAC candidate with every client's eigenvalues
+(:func:`bayesfuse.fuse`, ``head="shared"`` leaves them out).
 A client that may not share these should send weights alone (the data-free path).
 
 On disk a summary is a safetensors file beside the model (``model.pt`` ->
@@ -578,7 +581,7 @@ def check_summary(summary: ClientSummary, state: Mapping[str, object], name: str
 
 def _check_factors(factors: Mapping[str, object], n_classes: int, state: Mapping[str, object], name: str) -> None:
     """The output factors are a finite symmetric ``gram`` (G+1, G+1) and ``curvature`` (K, K), with a
-    (K, G) weight in ``state``."""
+    (K, G) weight in ``state``, and optionally finite ``eigenvalues`` >= 0 (G+1, K)."""
     if set(factors) - {"eigenvalues"} != {"gram", "curvature"}:
         raise SummaryError(f"{name}: output factors must be gram, curvature (and eigenvalues), got {sorted(factors)}")
     gram, curvature = (np.asarray(factors[k], dtype=np.float64) for k in ("gram", "curvature"))

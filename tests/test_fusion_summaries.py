@@ -212,12 +212,16 @@ def test_the_ekfac_heads_chosen_report_themselves(federation, monkeypatch):
     assert r2["output_pool"] == "client heads, EKFAC" and r2["temperature"] == 2.0
     assert isinstance(result.model, ClientHeads) and float(result.model.temperature) == 2.0
     assert "(EKFAC)" in result.hyper["predictive"] and not hasattr(result.model, "scale")
-    # each head's eigenvalues are its own client's, summing to the exact GGN's trace (the sum of
-    # the client's GGN diagonal of the output layer): a head is its client's by its output bias
+    # each head's eigenvalues are its own client's rows, in order, at its supported features (where
+    # it keeps its Gram's eigenpairs, ascending), summing to the exact GGN's trace (the client's GGN
+    # diagonal of the output layer): a head is its client's by its output bias
     _, _, models, summaries = federation
     for j, bias in enumerate(result.model.bias.numpy()):
         client = next(i for i, m in enumerate(models) if np.allclose(m.layers[1].bias.detach().numpy(), bias))
         s = summaries[client]
+        at = result.model.support[j].numpy() > 0
+        np.testing.assert_array_equal(result.model.eigenvalues[j].numpy()[at], s.output_factors["eigenvalues"])
+        assert not result.model.eigenvalues[j].numpy()[~at].any()
         exact = s.precision["layers.1.weight"].sum() + s.precision["layers.1.bias"].sum()
         assert float(result.model.eigenvalues[j].sum()) == pytest.approx(exact, rel=1e-5)
     # version 2 summaries (no eigenvalues): the candidate is left out

@@ -127,6 +127,20 @@ def test_output_eigenvalues_are_the_exact_ggn_in_the_kronecker_eigenbasis(client
     assert s.output_factors["eigenvalues"].sum() == pytest.approx(exact, rel=1e-5)
 
 
+def test_summaries_with_eigenvalues_that_do_not_fit_are_refused(client):
+    model, x, y = client
+    s = summarize(model, x, y)
+    factors = s.output_factors
+    for eigenvalues, match in (
+        (factors["eigenvalues"][:-1], r"output eigenvalues are \(4, 3\).*need \(5, 3\)"),
+        (-factors["eigenvalues"] - 1.0, "eigenvalues must be finite and >= 0"),
+        (np.full((5, 3), np.nan), "eigenvalues must be finite and >= 0"),
+    ):
+        bad = dataclasses.replace(s, output_factors={**factors, "eigenvalues": eigenvalues})
+        with pytest.raises(SummaryError, match=match):
+            check_summary(bad, model.state_dict(), "client 3")
+
+
 def test_output_factors_only_for_an_output_layer_that_reads_units():
     x = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
     dense = summarize(randomise(make_cnn(16, 3, channels=(2,), hidden=(4,)), 2), x, np.arange(8) % 3)

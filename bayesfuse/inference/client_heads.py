@@ -160,9 +160,10 @@ def one_shot_heads(
         (module docstring, :func:`trace_ratios`), as ``laplace["scale"]``. Diagonal and point
         heads are left as they are.
     ekfac : bool
-        With Kronecker factors: each head's curvature the exact GGN's eigenvalues in the
-        factors' eigenbasis (EKFAC, :func:`ekfac_eigenvalues`), as ``laplace["eigenvalues"]``;
-        every summary must carry them (version 3).
+        Each head's curvature the exact GGN's eigenvalues in its Kronecker factors' eigenbasis
+        (EKFAC, :func:`ekfac_eigenvalues`), as ``laplace["eigenvalues"]``; every summary must
+        carry the factors and their eigenvalues (version 3). Not with ``trace_match`` (EKFAC's
+        trace is the exact one already).
 
     Returns
     -------
@@ -187,9 +188,9 @@ def one_shot_heads(
     output = weight_key.rpartition(".")[0]
     J, G = len(states), int(width)
     K = int(np.shape(states[0][bias_key])[0])
-    columns = [np.asarray(a, dtype=np.int64) for a in assignments[axis.group]]
-    if len(columns) != J or any(c.size and (c.min() < 0 or c.max() >= G) for c in columns):
-        raise ValueError(f"the assignments of {axis.group!r} do not fit {J} clients and {G} fused units")
+    columns = _columns(assignments, axis.group, J, G)
+    if trace_match and ekfac:
+        raise ValueError("trace_match and ekfac both set the curvature's trace: choose one")
     weight = np.zeros((J, K, G))
     for j, (state, c) in enumerate(zip(states, columns)):
         weight[j][:, c] = np.asarray(state[weight_key], dtype=np.float64)
@@ -198,6 +199,8 @@ def one_shot_heads(
         class_counts = np.stack([np.asarray(s.class_counts) for s in summaries])
     shares = class_shares(np.ones((J, K)) if class_counts is None else np.asarray(class_counts))
     form, laplace = "map", None
+    if summaries is None and ekfac:
+        raise ValueError("ekfac needs the clients' summaries (version 3)")
     if summaries is not None:
         if all(getattr(s, "output_factors", None) is not None for s in summaries):
             form, laplace = "kronecker", _kronecker(summaries, columns, G, K)
@@ -205,6 +208,8 @@ def one_shot_heads(
                 laplace["scale"] = trace_ratios(summaries, weight_key, bias_key)
             if ekfac:
                 laplace["eigenvalues"] = _placed_eigenvalues(summaries, columns, G, K)
+        elif ekfac:
+            raise ValueError("ekfac needs every summary's output factors (Kronecker-factored heads)")
         else:
             form, laplace = "diagonal", _diagonal(summaries, columns, weight_key, bias_key, G, K)
     return dict(output=output, weight=weight, bias=bias, shares=shares, form=form, laplace=laplace)
@@ -264,8 +269,19 @@ def ekfac_eigenvalues(
         raise ValueError(refused)
     assert axis is not None  # read, unit by unit
     K = int(np.shape(states[0][weight_key])[0])
-    columns = [np.asarray(a, dtype=np.int64) for a in assignments[axis.group]]
+    if len(summaries) != len(states):
+        raise ValueError(f"{len(summaries)} summaries for {len(states)} clients")
+    columns = _columns(assignments, axis.group, len(states), int(width))
     return _placed_eigenvalues(summaries, columns, int(width), K, strict=False)
+
+
+def _columns(assignments: Mapping[str, Sequence], group: str, J: int, G: int) -> list[np.ndarray]:
+    """Each client's global unit of each of its units in ``group``; refuses assignments that do
+    not fit ``J`` clients and ``G`` fused units."""
+    columns = [np.asarray(a, dtype=np.int64) for a in assignments[group]]
+    if len(columns) != J or any(c.size and (c.min() < 0 or c.max() >= G) for c in columns):
+        raise ValueError(f"the assignments of {group!r} do not fit {J} clients and {G} fused units")
+    return columns
 
 
 def _placed_eigenvalues(summaries, columns, G: int, K: int, *, strict: bool = True) -> np.ndarray | None:

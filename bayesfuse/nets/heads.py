@@ -55,7 +55,7 @@ better than the ensemble of the clients' own networks (see the quality guide). `
 
 The heads cost the server nothing more: they are the replies of the refit round. They add
 ``J K (G + 1)`` numbers to the fused network (G the fused output layer's inputs), and with their
-posteriors ``J ((G + 1)^2 + K^2 + 1)``.
+posteriors ``J ((G + 1)^2 + K^2 + 1)``; EKFAC heads ``J (G + 1) K`` more.
 """
 
 from __future__ import annotations
@@ -306,6 +306,8 @@ class ClientHeads(nn.Module):
             self._set_scale(laplace["scale"])
         self.register_buffer("support", support)
         if "eigenvalues" in laplace:
+            if "scale" in laplace:
+                raise ValueError("a laplace takes a scale or eigenvalues, not both (EKFAC's trace is the exact one)")
             self._set_eigenvalues(laplace["eigenvalues"])
         self._register_draws(J, K, samples)
 
@@ -334,6 +336,8 @@ class ClientHeads(nn.Module):
         ``network`` object, every other tensor copied bit for bit."""
         if self.form != "kronecker":
             raise ValueError(f"curvature eigenvalues are for Kronecker-factored heads; these are {self.form!r}")
+        if hasattr(self, "scale"):
+            raise ValueError("these heads' curvature is scaled; EKFAC eigenvalues replace K-FAC's unscaled")
         twin = copy.deepcopy(self, memo={id(self.network): self.network})
         twin._set_eigenvalues(eigenvalues)
         return twin
@@ -344,6 +348,8 @@ class ClientHeads(nn.Module):
         copy on the same ``network`` object, every other tensor copied bit for bit."""
         if self.form != "kronecker":
             raise ValueError(f"a curvature scale is for Kronecker-factored heads; these are {self.form!r}")
+        if hasattr(self, "eigenvalues"):
+            raise ValueError("these heads have EKFAC eigenvalues, whose trace is the exact GGN's: no scale")
         twin = copy.deepcopy(self, memo={id(self.network): self.network})
         twin._set_scale(scale)
         return twin

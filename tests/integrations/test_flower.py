@@ -18,7 +18,7 @@ import torch
 
 flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'bayesfuse[flower]'")
 
-from flwr.app import Array, ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import Result  # noqa: E402
 
 from bayesfuse import fuse, fuse_states, summarize  # noqa: E402
@@ -1057,7 +1057,7 @@ def test_a_counts_pooled_fusion_of_other_widths_is_scored_and_kept(clients, summ
         assert torch.isfinite(model(torch.as_tensor(split.test.x[:5]))).all()
 
 
-def test_temperature_candidates_refuse_a_counts_candidate_the_message_cannot_build(clients, summaries):
+def test_temperature_candidates_refuse_candidates_the_message_cannot_build(clients, summaries):
     split, part, models = clients
     grid, _, _ = _temperature_strategy(split, part, models, summaries)
     content = grid.sent[3].content
@@ -1070,6 +1070,13 @@ def test_temperature_candidates_refuse_a_counts_candidate_the_message_cannot_bui
     stray = {**records, COUNTS_ARRAYS_KEY: state_to_record({"layers.9.weight": np.zeros(3)})}
     with pytest.raises(ValueError, match="entries the fused network does not: \\['layers.9.weight'\\]"):
         temperature_candidates(network, config, stray)
+    # the EKFAC heads without their eigenvalues in the heads record
+    heads = content[HEADS_KEY]
+    no_eigenvalues = ArrayRecord(array_dict={k: heads[k] for k in heads.keys() if k != "ekfac-eigenvalues"})
+    with pytest.raises(ValueError, match="the EKFAC heads need Kronecker-factored heads and their ekfac-eigenvalues"):
+        temperature_candidates(
+            network, {**dict(content["config"]), "candidates": [EKFAC_HEADS]}, {**records, HEADS_KEY: no_eigenvalues}
+        )
 
 
 def test_temperature_round_state_does_not_outlive_its_run(clients, summaries, caplog):

@@ -529,6 +529,23 @@ def test_ekfac_one_shot_heads_are_the_clients_ekfac_posteriors_on_their_matched_
     point = ClientHeads(network, "layers.1", *(t.numpy() for t in (plain.weight, plain.bias, plain.shares)))
     with pytest.raises(ValueError, match="Kronecker-factored heads; these are 'map'"):
         point.with_eigenvalues(good)
+    # EKFAC's trace is the exact one: no trace scale on top of it, whichever comes first
+    with pytest.raises(ValueError, match="trace_match and ekfac both"):
+        ClientHeads.from_clients(network, spec, states, assignments, summaries=summaries, trace_match=True, ekfac=True)
+    with pytest.raises(ValueError, match="EKFAC eigenvalues, whose trace is the exact GGN's: no scale"):
+        heads.with_scale(np.ones(4))
+    with pytest.raises(ValueError, match="curvature is scaled"):
+        plain.with_scale(np.full(4, 0.5)).with_eigenvalues(good)
+    with pytest.raises(ValueError, match="do not fit 4 clients"):  # a column off the fused units
+        bad_columns = {g: [np.asarray(a) + width for a in cols] for g, cols in assignments.items()}
+        ekfac_eigenvalues(spec, states, bad_columns, width, summaries)
+    with pytest.raises(ValueError, match="3 summaries for 4 clients"):
+        ekfac_eigenvalues(spec, states, assignments, width, summaries[:3])
+    with pytest.raises(ValueError, match="ekfac needs the clients' summaries"):
+        ClientHeads.from_clients(network, spec, states, assignments, ekfac=True)
+    diagonal = [dataclasses.replace(s, output_factors=None) for s in summaries]
+    with pytest.raises(ValueError, match="ekfac needs every summary's output factors"):
+        ClientHeads.from_clients(network, spec, states, assignments, summaries=diagonal, ekfac=True)
     # a version 2 summary (no eigenvalues): none for the heads, and EKFAC heads refused by name
     old = [
         dataclasses.replace(s, output_factors={k: s.output_factors[k] for k in ("gram", "curvature")})

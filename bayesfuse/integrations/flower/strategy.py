@@ -936,7 +936,7 @@ class MatchedAveraging(_Fusion):
         output layer; or, with its ``temperature`` set, its output layer's Laplace
         (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`; the counts-pooled fusion's where that
         won) or the nodes' heads on it (:class:`~bayesfuse.nets.heads.ClientHeads`, trace-matched
-        where that candidate won); in eval mode.
+        or with their EKFAC eigenvalues where that candidate won); in eval mode.
 
         Parameters
         ----------
