@@ -266,6 +266,12 @@ class HorseshoeBNN(nn.Module):
         params[f"b{out}"] = pyro.sample(
             f"b{out}", dist.Normal(torch.tensor(0.0, **f64), self.weight_scale).expand([K]).to_event(1)
         )
+        if params[f"w{out}"].numel() != K * width:  # a vectorised particle dimension: this model has none
+            raise ValueError(
+                f"HorseshoeBNN.model draws one network at a time; got output weights of shape "
+                f"{tuple(params[f'w{out}'].shape)} (vectorize_particles or a parallel Predictive?): use "
+                "Trace_ELBO(num_particles=..., vectorize_particles=False) or Predictive(..., parallel=False)"
+            )
         logits = forward_logits(x, params, self.depth)
         with pyro.plate("data", n_data or len(x), subsample=torch.arange(len(x))):
             pyro.sample("y", dist.Categorical(logits=logits), obs=y)

@@ -81,6 +81,23 @@ def test_estimates_the_same_elbo_as_pyro(hidden, prior):
     assert abs(pyro_draws.mean() - local_draws.mean()) < 4 * se
 
 
+def test_vectorised_particles_are_refused_not_wrong():
+    # the model draws one network at a time: with a particle dimension its logits were wrong
+    # (Trace_ELBO's vectorised ELBO came out twice the sequential one) or failed deep in a reshape
+    from pyro.infer import Predictive
+
+    bnn = _trained_looking_bnn((4, 5))
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randint(0, 3, (12,))
+    vectorised = Trace_ELBO(num_particles=4, vectorize_particles=True, max_plate_nesting=2)
+    with pytest.raises(ValueError, match="draws one network at a time.*vectorize_particles=False"):
+        vectorised.differentiable_loss(bnn.model, bnn.guide, x, y, 40)
+    with pytest.raises(ValueError, match="draws one network at a time.*parallel=False"):
+        Predictive(bnn.model, guide=bnn.guide, num_samples=5, parallel=True)(x)
+    # one draw at a time, as before
+    assert Predictive(bnn.model, guide=bnn.guide, num_samples=5)(x)["y"].shape == (5, 12)
+    assert torch.isfinite(Trace_ELBO(num_particles=4).differentiable_loss(bnn.model, bnn.guide, x, y, 40))
+
+
 @pytest.mark.parametrize("hidden", [4, (4, 2)])
 def test_estimator_has_the_parameters_dtype_and_gradients(hidden):
     bnn = HorseshoeBNN(3, hidden, 3)
