@@ -55,7 +55,7 @@ $(FLOWER_STAMP): $(DEV_STAMP)
 
 # ruff: lint, and the tree as `ruff format .` writes it (`ruff format --check` changes nothing).
 # pytest runs in TEST_WORKERS processes (pytest-xdist), one torch thread each (tests/conftest.py):
-# on 2 cores, 3.5 minutes against 6.7 serially.
+# on 2 cores, 3.5 minutes against 6.7 serially. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= auto
 test: $(DEV_STAMP) $(FLOWER_STAMP)
 	$(BIN)/lint-imports
