@@ -39,7 +39,7 @@ from bayesfuse._runtime import progress
 from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
-from bayesfuse.inference.client_heads import default_pool, heads_refused, trace_ratios
+from bayesfuse.inference.client_heads import default_pool, heads_refused, kronecker_variants
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
@@ -439,19 +439,21 @@ def fuse(
                 candidates.append((own, heads))
                 labels.append("client heads")
                 if isinstance(heads, ClientHeads) and heads.form == "kronecker":
-                    # and the same heads, each one's curvature at the exact trace
-                    ratios = trace_ratios(summaries, *cast(PermutationSpec, body.spec).output_layer(states[0]))
-                    matched = replace(own, hyper=dict(own.hyper))
-                    matched.hyper["predictive"] = own.hyper["predictive"][:-1] + f", {TRACE_MATCHED})"
-                    candidates.append((matched, heads.with_scale(ratios)))
-                    labels.append("client heads, trace-matched")
-                    # and, where the summaries measured them, with the exact GGN's eigenvalues
-                    eigenvalues = _ekfac_eigenvalues(own, int(heads.weight.shape[2]), states, summaries)
+                    # and the same heads, each one's curvature at the exact trace, and, where the
+                    # summaries measured them, with the exact GGN's eigenvalues
+                    assignments = {g: layer.assignments for g, layer in zip(own.groups, own.layers)}
+                    width = int(heads.weight.shape[2])
+                    ratios, eigenvalues = kronecker_variants(
+                        cast(PermutationSpec, own.spec), states, assignments, width, summaries
+                    )
+                    variants = [("client heads, trace-matched", TRACE_MATCHED, heads.with_scale(ratios))]
                     if eigenvalues is not None:
-                        measured = replace(own, hyper=dict(own.hyper))
-                        measured.hyper["predictive"] = own.hyper["predictive"][:-1] + f", {EKFAC})"
-                        candidates.append((measured, heads.with_eigenvalues(eigenvalues)))
-                        labels.append("client heads, EKFAC")
+                        variants.append(("client heads, EKFAC", EKFAC, heads.with_eigenvalues(eigenvalues)))
+                    for label, posterior, variant in variants:
+                        fused_variant = replace(own, hyper=dict(own.hyper))
+                        fused_variant.hyper["predictive"] = own.hyper["predictive"][:-1] + f", {posterior})"
+                        candidates.append((fused_variant, variant))
+                        labels.append(label)
         fused, model = _second_round(candidates, data, labels, like=models[0])
     result = FusionResult(
         model=model,
@@ -667,15 +669,6 @@ def _heads_refused(candidates: Sequence, pool: str | None) -> str | None:
 TRACE_MATCHED = "its curvature scaled to the exact GGN's trace"
 #: ... and the EKFAC heads' (:func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`).
 EKFAC = "its curvature's eigenvalues the exact GGN's in the Kronecker eigenbasis (EKFAC)"
-
-
-def _ekfac_eigenvalues(fused, width: int, states, summaries):
-    """The EKFAC eigenvalues of the clients' heads on ``fused``'s ``width`` features, or None
-    where a summary has none (:func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`)."""
-    from bayesfuse.inference.client_heads import ekfac_eigenvalues
-
-    assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
-    return ekfac_eigenvalues(cast(PermutationSpec, fused.spec), states, assignments, width, summaries)
 
 
 def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, pool: str | None = None) -> nn.Module:

@@ -62,6 +62,7 @@ __all__ = [
     "default_pool",
     "trace_ratios",
     "ekfac_eigenvalues",
+    "kronecker_variants",
     "HEAD_FORMS",
 ]
 
@@ -181,14 +182,10 @@ def one_shot_heads(
         The output layer reads the inputs or positions, or a summary's factors do not fit its
         client's output layer.
     """
-    weight_key, bias_key, axis, refused = _read_axis(spec, states[0])
-    if refused:
-        raise ValueError(refused)
-    assert axis is not None  # read, unit by unit
+    weight_key, bias_key, columns = _layout(spec, states, assignments, width)
     output = weight_key.rpartition(".")[0]
     J, G = len(states), int(width)
     K = int(np.shape(states[0][bias_key])[0])
-    columns = _columns(assignments, axis.group, J, G)
     if trace_match and ekfac:
         raise ValueError("trace_match and ekfac both set the curvature's trace: choose one")
     weight = np.zeros((J, K, G))
@@ -264,24 +261,43 @@ def ekfac_eigenvalues(
     ``n alpha_i sigma_k + delta``: the same eigenbasis, the exact GGN's diagonal in it, and so
     its exact trace.
     """
-    weight_key, _, axis, refused = _read_axis(spec, states[0])
-    if refused:
-        raise ValueError(refused)
-    assert axis is not None  # read, unit by unit
+    weight_key, _, columns = _layout(spec, states, assignments, width)
     K = int(np.shape(states[0][weight_key])[0])
     if len(summaries) != len(states):
         raise ValueError(f"{len(summaries)} summaries for {len(states)} clients")
-    columns = _columns(assignments, axis.group, len(states), int(width))
     return _placed_eigenvalues(summaries, columns, int(width), K, strict=False)
 
 
-def _columns(assignments: Mapping[str, Sequence], group: str, J: int, G: int) -> list[np.ndarray]:
-    """Each client's global unit of each of its units in ``group``; refuses assignments that do
-    not fit ``J`` clients and ``G`` fused units."""
-    columns = [np.asarray(a, dtype=np.int64) for a in assignments[group]]
+def kronecker_variants(
+    spec: PermutationSpec,
+    states: Sequence[Mapping[str, Any]],
+    assignments: Mapping[str, Sequence],
+    width: int,
+    summaries,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """What the temperature round's variants of Kronecker-factored heads need beside them: each
+    head's trace scale (:func:`trace_ratios`) and its EKFAC eigenvalues (:func:`ekfac_eigenvalues`;
+    None where a summary has none), for ``bayesfuse.fuse`` and the Flower strategy alike."""
+    weight_key, bias_key = spec.output_layer(states[0])
+    scale = trace_ratios(summaries, weight_key, bias_key)
+    return scale, ekfac_eigenvalues(spec, states, assignments, width, summaries)
+
+
+def _layout(
+    spec: PermutationSpec, states: Sequence[Mapping[str, Any]], assignments: Mapping[str, Sequence], width: int
+) -> tuple[str, str, list[np.ndarray]]:
+    """The output layer's weight and bias keys and each client's global unit of each of the units
+    it reads; refuses an output layer that does not read one hidden group unit by unit, and
+    assignments that do not fit the clients and ``width`` fused units."""
+    weight_key, bias_key, axis, refused = _read_axis(spec, states[0])
+    if refused:
+        raise ValueError(refused)
+    assert axis is not None  # read, unit by unit
+    J, G = len(states), int(width)
+    columns = [np.asarray(a, dtype=np.int64) for a in assignments[axis.group]]
     if len(columns) != J or any(c.size and (c.min() < 0 or c.max() >= G) for c in columns):
-        raise ValueError(f"the assignments of {group!r} do not fit {J} clients and {G} fused units")
-    return columns
+        raise ValueError(f"the assignments of {axis.group!r} do not fit {J} clients and {G} fused units")
+    return weight_key, bias_key, columns
 
 
 def _placed_eigenvalues(summaries, columns, G: int, K: int, *, strict: bool = True) -> np.ndarray | None:

@@ -306,12 +306,12 @@ class ClientHeads(nn.Module):
             self._set_scale(laplace["scale"])
         self.register_buffer("support", support)
         if "eigenvalues" in laplace:
-            if "scale" in laplace:
-                raise ValueError("a laplace takes a scale or eigenvalues, not both (EKFAC's trace is the exact one)")
             self._set_eigenvalues(laplace["eigenvalues"])
         self._register_draws(J, K, samples)
 
     def _set_scale(self, scale) -> None:
+        if hasattr(self, "eigenvalues"):
+            raise ValueError("these heads have EKFAC eigenvalues, whose trace is the exact GGN's: no scale")
         J = self.n_heads
         values = torch.as_tensor(np.array(scale, dtype=np.float64))
         if values.shape != (J,) or not bool((torch.isfinite(values) & (values > 0)).all()):
@@ -319,6 +319,8 @@ class ClientHeads(nn.Module):
         self.register_buffer("scale", values)
 
     def _set_eigenvalues(self, eigenvalues) -> None:
+        if hasattr(self, "scale"):
+            raise ValueError("these heads' curvature is scaled; EKFAC eigenvalues replace K-FAC's unscaled")
         J, K, G = self.weight.shape
         values = torch.as_tensor(np.array(eigenvalues, dtype=np.float64))
         if values.shape != (J, G + 1, K):
@@ -334,24 +336,21 @@ class ClientHeads(nn.Module):
         K) in their factors' eigenbasis (``laplace["eigenvalues"]``, EKFAC:
         :func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`): a copy on the same
         ``network`` object, every other tensor copied bit for bit."""
-        if self.form != "kronecker":
-            raise ValueError(f"curvature eigenvalues are for Kronecker-factored heads; these are {self.form!r}")
-        if hasattr(self, "scale"):
-            raise ValueError("these heads' curvature is scaled; EKFAC eigenvalues replace K-FAC's unscaled")
-        twin = copy.deepcopy(self, memo={id(self.network): self.network})
-        twin._set_eigenvalues(eigenvalues)
-        return twin
+        return self._twin("curvature eigenvalues are", ClientHeads._set_eigenvalues, eigenvalues)
 
     def with_scale(self, scale) -> "ClientHeads":
         """These Kronecker-factored heads, each one's curvature multiplied by ``scale`` (J,) > 0
         (``laplace["scale"]``, e.g. :func:`~bayesfuse.inference.client_heads.trace_ratios`): a
         copy on the same ``network`` object, every other tensor copied bit for bit."""
+        return self._twin("a curvature scale is", ClientHeads._set_scale, scale)
+
+    def _twin(self, what: str, setter, value) -> "ClientHeads":
+        """A copy of these Kronecker-factored heads on the same ``network``, ``setter(copy,
+        value)`` applied (``what`` names the value in the refusal of other heads)."""
         if self.form != "kronecker":
-            raise ValueError(f"a curvature scale is for Kronecker-factored heads; these are {self.form!r}")
-        if hasattr(self, "eigenvalues"):
-            raise ValueError("these heads have EKFAC eigenvalues, whose trace is the exact GGN's: no scale")
+            raise ValueError(f"{what} for Kronecker-factored heads; these are {self.form!r}")
         twin = copy.deepcopy(self, memo={id(self.network): self.network})
-        twin._set_scale(scale)
+        setter(twin, value)
         return twin
 
     def _register_draws(self, J: int, K: int, samples: int) -> None:

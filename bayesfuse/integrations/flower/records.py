@@ -449,7 +449,6 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
     order; one line says what is missing.
     """
     from bayesfuse.nets.heads import ClientHeads
-    from bayesfuse.nets.laplace import LastLayerLaplace
 
     if config.get(ROUND_KEY) != TEMPERATURE:
         raise ValueError(
@@ -474,9 +473,7 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
         raise ValueError("the temperature round's config is incomplete (needs output-layer)")
     candidates: dict[str, torch.nn.Module] = {SHARED: model}
     if needs[SHARED_POSTERIOR_KEY]:
-        shared = records[SHARED_POSTERIOR_KEY]
-        variances = [shared[k].numpy() for k in ("weight_var", "bias_var")]
-        candidates[SHARED] = LastLayerLaplace(model, str(output), *variances).eval()
+        candidates[SHARED] = _last_layer_laplace(model, str(output), records[SHARED_POSTERIOR_KEY])
     if needs[COUNTS_ARRAYS_KEY]:
         candidates[SHARED_COUNTS] = _counts_candidate(model, str(output), records)
     if needs[HEADS_KEY]:
@@ -504,7 +501,6 @@ def _counts_candidate(model: torch.nn.Module, output: str, records: Mapping) -> 
     """:data:`SHARED_COUNTS`: ``model`` with the entries the message carries for it, rebuilt at
     their widths, as its last-layer Laplace."""
     from bayesfuse.nets.arch import rebuild
-    from bayesfuse.nets.laplace import LastLayerLaplace
 
     missing = [key for key in (COUNTS_ARRAYS_KEY, COUNTS_POSTERIOR_KEY) if key not in records]
     if missing:
@@ -515,8 +511,16 @@ def _counts_candidate(model: torch.nn.Module, output: str, records: Mapping) -> 
     if unknown:
         raise ValueError(f"{COUNTS_ARRAYS_KEY!r} has entries the fused network does not: {unknown[:3]}")
     state.update({k: torch.as_tensor(entries[k].numpy()) for k in entries.keys()})
-    variances = [records[COUNTS_POSTERIOR_KEY][k].numpy() for k in ("weight_var", "bias_var")]
-    return LastLayerLaplace(rebuild(model, state).eval(), output, *variances).eval()
+    return _last_layer_laplace(rebuild(model, state).eval(), output, records[COUNTS_POSTERIOR_KEY])
+
+
+def _last_layer_laplace(network: torch.nn.Module, output: str, posterior) -> torch.nn.Module:
+    """``network``'s last-layer Laplace with the variances ``weight_var``, ``bias_var`` of the
+    record ``posterior`` (as the strategy sends them)."""
+    from bayesfuse.nets.laplace import LastLayerLaplace
+
+    variances = [posterior[k].numpy() for k in ("weight_var", "bias_var")]
+    return LastLayerLaplace(network, output, *variances).eval()
 
 
 def temperature_reply(model: torch.nn.Module, x, y, config: Mapping, records: Mapping | None = None) -> RecordDict:

@@ -17,13 +17,7 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.core import StateFusion, fuse_states
-from bayesfuse.inference.client_heads import (
-    default_pool,
-    ekfac_eigenvalues,
-    heads_refused,
-    one_shot_heads,
-    trace_ratios,
-)
+from bayesfuse.inference.client_heads import default_pool, heads_refused, kronecker_variants, one_shot_heads
 from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, product_report
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
@@ -751,14 +745,11 @@ class MatchedAveraging(_Fusion):
             and not heads_refused(spec, state)
         ):
             assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
-            keys = spec.output_layer(state)
-            width = int(np.shape(state[keys[0]])[1])
+            width = int(np.shape(state[spec.output_layer(state)[0]])[1])
             heads = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"])
-            kronecker = heads["form"] == "kronecker"
-            scale = trace_ratios(inputs["summaries"], *keys) if kronecker else None
-            eigenvalues = None
-            if kronecker:
-                eigenvalues = ekfac_eigenvalues(spec, inputs["states"], assignments, width, inputs["summaries"])
+            scale = eigenvalues = None
+            if heads["form"] == "kronecker":
+                scale, eigenvalues = kronecker_variants(spec, inputs["states"], assignments, width, inputs["summaries"])
             names += [CLIENT_HEADS] + ([TRACE_MATCHED] if scale is not None else [])
             names += [EKFAC_HEADS] if eigenvalues is not None else []
             records[HEADS_KEY] = heads_to_record(heads, scale, eigenvalues)
