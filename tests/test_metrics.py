@@ -30,7 +30,14 @@ def test_nll_by_hand():
 
 
 def test_nll_of_impossible_label_is_floored_not_infinite():
-    assert negative_log_likelihood(np.array([[1.0, 0.0]]), np.array([1])) == pytest.approx(-np.log(1e-12))
+    # a probability that underflowed to 0 costs -log of the smallest normal float64, 708.4 nats
+    assert negative_log_likelihood(np.array([[1.0, 0.0]]), np.array([1])) == pytest.approx(708.396, abs=1e-3)
+
+
+def test_nll_counts_every_representable_probability_in_full():
+    # a confident error at p = e^-100 costs 100 nats, not a capped 27.6
+    p = np.array([[1.0 - np.exp(-100.0), np.exp(-100.0)], [0.5, 0.5]])
+    assert negative_log_likelihood(p, np.array([1, 0])) == pytest.approx((100.0 + np.log(2)) / 2, rel=1e-12)
 
 
 def test_entropy_by_hand():
