@@ -183,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default: each client draws its own, as separately trained models do",
     )
     demo.add_argument(
+        "--holdout",
+        type=float,
+        default=0.1,
+        help="share of each client's examples it keeps back from training to score the temperature "
+        "round's candidates on (default: 0.1; 0: it scores them on its training examples)",
+    )
+    demo.add_argument(
         "--arch",
         default="mlp",
         choices=["mlp", "cnn", "lstm", "resnet20", "resnet18", "vit"],
@@ -377,6 +384,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         epochs=args.epochs,
         shared_init=args.shared_init,
+        holdout=args.holdout,
         data_path=args.data_path,
         arch=args.arch,
         channels=args.channels,

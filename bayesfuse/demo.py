@@ -26,7 +26,7 @@ from bayesfuse import methods
 from bayesfuse._io import atomic_write_bytes, atomic_write_text, check_output_dir, jsonable, prepare_output_dir
 from bayesfuse.baselines import Ensemble, evaluate_locals, fedavg
 from bayesfuse.data.datasets import DataSplit, load_dataset
-from bayesfuse.data.partition import Partition, dirichlet_partition
+from bayesfuse.data.partition import Partition, dirichlet_partition, holdout_partition
 from bayesfuse.federated import run_fedavg
 from bayesfuse.fusion import ONE_SHOT_HEADS, fuse
 from bayesfuse.metrics import evaluate
@@ -85,8 +85,15 @@ class DemoConfig:
     #: client's own output layer on the fused body, their class-share mixture) and ``"METHOD
     #: +summaries shared head"`` (one fused output layer with its Laplace posterior)
     summaries: bool = True
+    #: with summaries, on MLPs and ConvNets: the share of each client's examples it keeps back from
+    #: local training (:func:`bayesfuse.data.holdout_partition`), on which it scores the temperature
+    #: round's candidates (on its training examples its own head looks better than it is); 0: none
+    #: kept back, the round scores on the training examples
+    holdout: float = 0.1
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.holdout < 1.0:
+            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
         unknown = [m for m in self.methods if m not in DEMO_METHODS]
         if unknown:
             raise ValueError(f"unknown demo methods {unknown}; known: {', '.join(DEMO_METHODS)}")
@@ -118,13 +125,16 @@ class DemoConfig:
 
 @dataclass
 class SeedRun:
-    """One seed's run: its rows (one per method), local models' metrics, split and timing."""
+    """One seed's run: its rows (one per method), local models' metrics, split and timing.
+    ``partition`` holds the examples the clients trained on, ``held`` those they kept back for
+    the temperature round (None: none, :attr:`DemoConfig.holdout`)."""
 
     seed: int
     rows: list[dict]
     local_metrics: list[dict]
     partition: Partition
     train_seconds: float
+    held: Partition | None = None
 
 
 @dataclass
@@ -310,6 +320,9 @@ def run_demo(
 
 def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> SeedRun:
     partition = dirichlet_partition(split.train.y, config.n_clients, config.alpha, seed=config.seed)
+    held = None  # the examples each client keeps back for the temperature round (its candidates' scores)
+    if config.holdout and config.summaries and config.arch in ("mlp", "cnn") and config.pan is None:
+        partition, held = holdout_partition(partition, split.train.y, config.holdout, seed=config.seed)
     train_config = config.train_config()
 
     start = time.perf_counter()
@@ -417,7 +430,10 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
                 if heads:
                     variants.append(("+summaries shared head", 1, summaries, {"head": "shared"}))
             for label, rounds, given, extra in variants:
-                data: dict[str, Any] = {"data": (split.train, partition)} if rounds == 2 else {}
+                data: dict[str, Any] = {}
+                if rounds == 2:
+                    scored = held if held is not None and extra.get("second_round") == "temperature" else partition
+                    data["data"] = (split.train, scored)
                 fused = fuse(
                     models, row.name, summaries=given, rounds=rounds, seed=config.seed, **data, **extra, **hyper
                 )
@@ -432,7 +448,7 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
                         hyper=fused.hyper,
                     )
                 )
-    return SeedRun(config.seed, rows, local_metrics, partition, train_seconds)
+    return SeedRun(config.seed, rows, local_metrics, partition, train_seconds, held)
 
 
 def _summary(runs: Sequence[SeedRun]) -> list[dict]:
@@ -489,6 +505,7 @@ def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[
                 "results": run.rows,
                 "local_models": run.local_metrics,
                 "client_class_counts": run.partition.counts.tolist(),
+                "client_held_out_counts": None if run.held is None else run.held.counts.tolist(),
                 "train_seconds": run.train_seconds,
             }
             for run in result.runs

@@ -237,6 +237,10 @@ def fuse(
     rounds : {1, 2, 3}
         2: one more round after the one-shot fusion, simulated with ``data=(train, partition)``;
         no example leaves a client. ``hyper["second_round"]`` says what it did and what it cost.
+        For the temperature round, ``partition`` should hold examples each client kept back from
+        its local training (:func:`bayesfuse.data.holdout_partition`): on the examples it was
+        trained on, a client's own head looks better than it is, and the choice leans to
+        over-confident candidates.
         3 (with ``second_round="batchnorm"`` only): the batch-norm round, then the refit round
         (``hyper["third_round"]``).
     second_round : {"refit", "temperature", "batchnorm"}
@@ -258,13 +262,15 @@ def fuse(
         GGN's trace, :func:`~bayesfuse.inference.client_heads.trace_ratios`, one number more per
         client, and, where every summary has the output layer's GGN eigenvalues (version 3), with
         them (EKFAC, :func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`, (G+1) K numbers
-        more per client); with ``head="clients"`` those alone: they carry every client's output layer and its
-        Kronecker factors to every client, as the one-shot default model does), each client returns its summed negative
-        log-likelihood under each at each candidate temperature
+        more per client), and each its client's diagonal Laplace posterior from the summary's GGN
+        diagonal (K (G+1) numbers more per client); with ``head="clients"`` those alone: they
+        carry every client's output layer and its Kronecker factors to every client, as the
+        one-shot default model does), each client returns its summed negative log-likelihood
+        under each at each candidate temperature, on examples it kept back from training
         (:func:`bayesfuse.summaries.temperature_nll`), and the server keeps the best pair
         (:func:`~bayesfuse.inference.summary_fusion.best_candidate`); ``hyper["second_round"]``
         names it (``output_pool``: ``"precision"``, ``"counts"``, ``"client heads"``, ``"client
-        heads, trace-matched"`` or ``"client heads, EKFAC"``). ``"batchnorm"``, for
+        heads, trace-matched"``, ``"client heads, EKFAC"`` or ``"client heads, diagonal"``). ``"batchnorm"``, for
         networks with batch norms: the server sends the fused network, each client returns the
         count, mean and mean square of every batch norm's input per channel over its own data
         (:func:`bayesfuse.summaries.batchnorm_moments`), and the server sets the batch norms'
@@ -454,6 +460,11 @@ def fuse(
                         fused_variant.hyper["predictive"] = own.hyper["predictive"][:-1] + f", {posterior})"
                         candidates.append((fused_variant, variant))
                         labels.append(label)
+                    # and the summaries' diagonal posterior of each head (their GGN diagonal)
+                    diagonal = replace(own, hyper=dict(own.hyper))
+                    plain = [replace(s, output_factors=None) for s in summaries]
+                    candidates.append((diagonal, _own_heads(diagonal, network, states, class_counts, plain, pool)))
+                    labels.append("client heads, diagonal")
         fused, model = _second_round(candidates, data, labels, like=models[0])
     result = FusionResult(
         model=model,
@@ -532,7 +543,7 @@ def _second_round(candidates, data, labels, *, like: nn.Module):
     output layer of a plain network, the ``temperature`` of a :class:`~bayesfuse.nets.laplace.LastLayerLaplace`
     or of the clients' heads, :class:`~bayesfuse.nets.heads.ClientHeads`). ``labels`` name the
     candidates in the report (their output pools, or ``"client heads"``, ``"client heads,
-    trace-matched"`` and ``"client heads, EKFAC"``)."""
+    trace-matched"``, ``"client heads, EKFAC"`` and ``"client heads, diagonal"``)."""
     from bayesfuse.inference.summary_fusion import best_candidate, fold_temperature
     from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.nets.laplace import LastLayerLaplace

@@ -89,7 +89,7 @@ from bayesfuse import fuse, summarize
 from bayesfuse.baselines import Ensemble, evaluate_locals
 from bayesfuse.data import load_font_digits
 from bayesfuse.data.datasets import DataSplit, load_dataset
-from bayesfuse.data.partition import Partition, dirichlet_partition
+from bayesfuse.data.partition import Partition, dirichlet_partition, holdout_partition
 from bayesfuse.demo import format_table
 from bayesfuse.federated import run_fedavg
 from bayesfuse.inference.result import ConvergenceWarning
@@ -161,6 +161,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="noise_var values of the hand-set PFNM sweep (none: no sweep)",
     )
     parser.add_argument(
+        "--holdout",
+        type=float,
+        default=0.1,
+        help="share of each client's examples it keeps back from training, on which it scores the "
+        "temperature round's candidates (0: it scores them on its training examples)",
+    )
+    parser.add_argument(
         "--no-summaries", dest="summaries", action="store_false", help="leave out the rows that use client summaries"
     )
     parser.add_argument("--out", default=str(RESULTS))
@@ -190,15 +197,22 @@ def fedavg_rounds_row(split: DataSplit, part: Partition, hidden: tuple[int, ...]
     return make_row(f"fedavg x{rounds}", test_metrics(run.model, split), hidden, run.seconds, rounds=rounds)
 
 
-def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.ndarray) -> list[dict]:
-    """Each client summarises its own data (one pass); the rows of :data:`SUMMARY_ROWS` fuse with them."""
+def summary_rows(
+    models, part: Partition, held: Partition | None, split: DataSplit, seed: int, ood: np.ndarray
+) -> list[dict]:
+    """Each client summarises its own data (one pass); the rows of :data:`SUMMARY_ROWS` fuse with them.
+    The temperature rounds score on each client's held-out examples ``held`` (its training
+    examples ``part`` where none are held out); the refit rounds fit on ``part``."""
     start = time.perf_counter()
     summaries = [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, part)]
     summary_seconds = (time.perf_counter() - start) / len(models)
     model_kb = 4 * sum(p.numel() for p in models[0].parameters()) / 1024
     rows = []
     for name, (method, options) in SUMMARY_ROWS.items():
-        data = dict(data=(split.train, part)) if options.get("rounds") == 2 else {}
+        data = {}
+        if options.get("rounds") == 2:
+            scored = held if held is not None and options.get("second_round") == "temperature" else part
+            data = dict(data=(split.train, scored))
         options = dict(options)
         given = summaries if options.pop("summaries", True) else None
         if not options.pop("factors", True):
@@ -236,6 +250,7 @@ def summary_rows(models, part: Partition, split: DataSplit, seed: int, ood: np.n
 def federation_rows(
     split: DataSplit,
     part: Partition,
+    held: Partition | None,
     hidden: tuple[int, ...],
     init: str,
     seed: int,
@@ -272,7 +287,7 @@ def federation_rows(
         # with summaries, the data-free default's OOD AUROC too, for their rows to compare with
         rows.append(fused_row(method, models, part, split, method, seed=seed, ood=ood if args.summaries else None))
     if args.summaries:
-        rows += summary_rows(models, part, split, seed, ood)
+        rows += summary_rows(models, part, held, split, seed, ood)
     for noise_var in args.sweep:
         rows.append(
             fused_row(f"pfnm s2={noise_var:g}", models, part, split, "pfnm", seed=seed, noise_var=noise_var, **HAND_SET)
@@ -515,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     out = Path(args.out)
     json_path = out / "fidelity.json"
-    splits: dict[int, tuple[DataSplit, Partition]] = {}
+    splits: dict[int, tuple[DataSplit, Partition, Partition | None]] = {}
     fedavg_rounds: dict = {}
     rows: list[dict] = []
     federations: list[dict] = []
@@ -530,10 +545,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             for seed in args.seeds:
                 if seed not in splits:
                     split = load_dataset(args.dataset, seed=seed).standardize()
-                    splits[seed] = split, dirichlet_partition(split.train.y, args.clients, args.alpha, seed=seed)
-                split, part = splits[seed]
+                    part = dirichlet_partition(split.train.y, args.clients, args.alpha, seed=seed)
+                    held = None
+                    if args.holdout:  # every client keeps back a share of its examples for the second round
+                        part, held = holdout_partition(part, split.train.y, args.holdout, seed=seed)
+                    splits[seed] = split, part, held
+                split, part, held = splits[seed]
                 start = time.perf_counter()
-                fed_rows, train_seconds = federation_rows(split, part, hidden, init, seed, args, fedavg_rounds)
+                fed_rows, train_seconds = federation_rows(split, part, held, hidden, init, seed, args, fedavg_rounds)
                 tag = dict(dataset=args.dataset, depth=depth_name(hidden), init=init, seed=seed)
                 fed_rows = [{**tag, **r} for r in fed_rows]
                 block += fed_rows

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bayesfuse.cli import main
@@ -50,7 +51,11 @@ def test_demo_writes_table_and_files(demo_run, capsys):
     report = json.loads((out / "results.json").read_text())
     run = report["runs"][0]
     assert report["config"]["n_clients"] == 4 and len(run["local_models"]) == 4
-    assert sum(map(sum, run["client_class_counts"])) == report["data"]["n_train"]
+    # each client trained on all but the tenth it kept back for the temperature round
+    held = np.array(run["client_held_out_counts"]).sum(1)
+    trained = np.array(run["client_class_counts"]).sum(1)
+    assert trained.sum() + held.sum() == report["data"]["n_train"] and (held >= 1).all()
+    np.testing.assert_array_equal(held, np.maximum(np.rint(0.1 * (trained + held)), 1))
     pfnm = next(r for r in report["summary"] if r["method"] == "pfnm")
     assert pfnm["accuracy_sd"] == 0.0 and pfnm["hyper"]["noise_var"] == "auto" and "chosen" in pfnm["hyper"]
     rounds = {r["method"]: r["hyper"].get("second_round", {}).get("kind") for r in report["summary"]}
@@ -135,6 +140,7 @@ def test_demo_prints_the_table(tmp_path, capsys):
     "args, message",
     [
         (["--alpha", "0"], "alpha must be a positive"),
+        (["--holdout", "1"], "holdout must be in [0, 1), got 1.0"),
         (["--clients", "5000"], "more clients than examples"),
         (["--dataset", "fashion-mnist", "--data-path", "/nonexistent/fmnist"], "/nonexistent/fmnist"),
     ],

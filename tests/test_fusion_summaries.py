@@ -70,11 +70,19 @@ def test_second_round_picks_a_temperature(federation):
     split, part, models, summaries = federation
     result = fuse(models, "pfnm", summaries=summaries, rounds=2, data=(split.train, part), second_round="temperature")
     r2 = result.hyper["second_round"]
-    # five candidates: the shared head by either pool, and the clients' heads (the one-shot
-    # default) with their Kronecker curvatures as sent, trace-matched and with the GGN's eigenvalues
-    labels = {"precision", "counts", "client heads", "client heads, trace-matched", "client heads, EKFAC"}
+    # six candidates: the shared head by either pool, and the clients' heads (the one-shot default)
+    # with their Kronecker curvatures as sent, trace-matched and with the GGN's eigenvalues, and as
+    # the diagonal posteriors of their GGN diagonals
+    labels = {
+        "precision",
+        "counts",
+        "client heads",
+        "client heads, trace-matched",
+        "client heads, EKFAC",
+        "client heads, diagonal",
+    }
     assert r2["kind"] == "temperature" and 1 / 16 <= r2["temperature"] <= 16 and r2["output_pool"] in labels
-    assert r2["candidates"] == 5 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
+    assert r2["candidates"] == 6 * 65 and r2["bytes_up"] == 3 * r2["candidates"] * 8
     assert set(r2["nll"]) == labels
     body_pool = "precision" if r2["output_pool"].startswith("client heads") else r2["output_pool"]
     assert result.hyper["summaries"]["output"] == f"log pool, shares by {body_pool}"
@@ -104,13 +112,22 @@ def test_temperature_round_scores_the_clients_heads(federation):
     data = (split.train, part)
     heads = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
     r2 = heads.hyper["second_round"]
-    assert isinstance(heads.model, ClientHeads) and r2["candidates"] == 3 * 65
-    assert set(r2["nll"]) == {"client heads", "client heads, trace-matched", "client heads, EKFAC"}
+    assert isinstance(heads.model, ClientHeads) and r2["candidates"] == 4 * 65
+    assert set(r2["nll"]) == {
+        "client heads",
+        "client heads, trace-matched",
+        "client heads, EKFAC",
+        "client heads, diagonal",
+    }
     assert r2["output_pool"] == min(r2["nll"], key=r2["nll"].get)
     assert heads.hyper["head"] == "clients" and float(heads.model.temperature) == r2["temperature"]
     # the chosen candidate is the one-shot default (the Kronecker heads' log pool), its curvature
-    # trace-matched, with the GGN's eigenvalues or as sent, at the chosen temperature
-    one_shot = fuse(models, "pfnm", summaries=summaries)
+    # trace-matched, with the GGN's eigenvalues or as sent, or the one-shot heads of the summaries
+    # without their output factors (the diagonal posteriors), at the chosen temperature
+    diagonal = r2["output_pool"] == "client heads, diagonal"
+    plain = [dataclasses.replace(s, output_factors=None) for s in summaries]
+    one_shot = fuse(models, "pfnm", summaries=plain if diagonal else summaries)
+    assert (heads.model.form == "diagonal") == diagonal
     if r2["output_pool"] == "client heads, trace-matched":
         one_shot.model.register_buffer("scale", heads.model.scale.clone())
     if r2["output_pool"] == "client heads, EKFAC":
@@ -150,17 +167,16 @@ def test_temperature_round_scores_the_clients_heads(federation):
     assert isinstance(both.model, ClientHeads) == min(nll, key=nll.get).startswith("client heads")
     # what the server sends each client: every candidate's tensors, the heads' body (the precision
     # candidate's network) once, and not the heads' fixed draws; the trace-matched heads differ
-    # from the others by their J scales alone, the EKFAC heads by their eigenvalues (J, G+1, K)
+    # from the others by their J scales alone, the EKFAC heads by their eigenvalues (J, G+1, K), the
+    # diagonal heads by their inverse precisions (J, K, G+1)
+    kronecker = fuse(models, "pfnm", summaries=summaries).model
     J = len(models)
-    network = sum(t.numel() for t in heads.model.network.state_dict().values())
-    own = sum(
-        t.numel()
-        for k, t in heads.model.state_dict().items()
-        if not k.startswith("network.") and k not in ("eigenvalues", "scale")
-    )
-    draws = heads.model.draws.numel()
-    eigenvalues = J * (heads.model.weight.shape[2] + 1) * heads.model.weight.shape[1]
-    assert heads.hyper["second_round"]["bytes_down"] == J * 4 * (network + own - draws + J + eigenvalues)
+    network = sum(t.numel() for t in kronecker.network.state_dict().values())
+    own = sum(t.numel() for k, t in kronecker.state_dict().items() if not k.startswith("network."))
+    draws = kronecker.draws.numel()
+    eigenvalues = J * (kronecker.weight.shape[2] + 1) * kronecker.weight.shape[1]
+    expected = network + own - draws + J + 2 * eigenvalues
+    assert heads.hyper["second_round"]["bytes_down"] == J * 4 * expected
     with pytest.raises(ValueError, match="method must be one of pfnm, nafi"):
         fuse(models, "ot", summaries=summaries, rounds=2, data=data, second_round="temperature", head="clients")
 
@@ -234,7 +250,7 @@ def test_the_ekfac_heads_chosen_report_themselves(federation, monkeypatch):
     kfac = fuse(models, "pfnm", summaries=older, rounds=2, data=(split.train, part), second_round="temperature")
     assert (
         "client heads, EKFAC" not in kfac.hyper["second_round"]["nll"]
-        and kfac.hyper["second_round"]["candidates"] == 4 * 65
+        and kfac.hyper["second_round"]["candidates"] == 5 * 65
     )
 
 

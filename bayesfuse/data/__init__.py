@@ -14,7 +14,7 @@ from bayesfuse.data.datasets import (
 )
 from bayesfuse.data.fonts import DEFAULT_FONTS, available_fonts, load_font_digits
 from bayesfuse.data.idx import read_idx, write_idx
-from bayesfuse.data.partition import Partition, dirichlet_partition, homogeneous_partition
+from bayesfuse.data.partition import Partition, dirichlet_partition, holdout_partition, homogeneous_partition
 
 __all__ = [
     "FASHION_MNIST_CLASSES",
@@ -26,6 +26,7 @@ __all__ = [
     "Standardizer",
     "available_fonts",
     "dirichlet_partition",
+    "holdout_partition",
     "homogeneous_partition",
     "load_dataset",
     "load_digits",

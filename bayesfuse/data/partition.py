@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-__all__ = ["Partition", "dirichlet_partition", "homogeneous_partition"]
+__all__ = ["Partition", "dirichlet_partition", "holdout_partition", "homogeneous_partition"]
 
 
 @dataclass(frozen=True)
@@ -171,3 +171,48 @@ def dirichlet_partition(
         f"no Dirichlet(alpha={alpha}) draw in {max_tries} tries gave every one of {n_clients} "
         f"clients at least {min_size} examples; raise alpha, lower min_size or use fewer clients"
     )
+
+
+def holdout_partition(part: Partition, y: np.ndarray, fraction: float, *, seed: int = 0) -> tuple[Partition, Partition]:
+    """Keep back a share of every client's own examples, never to be trained on.
+
+    A client that will score candidate fusions on its data (the temperature round of
+    :func:`bayesfuse.fuse`) needs examples its local model was not fitted to: on its training
+    data its own head looks better than it is, and the choice favours over-confident candidates.
+    Each client's examples are shuffled (seeded per client) and ``round(fraction * n_j)`` of
+    them, at least one, are held out; at least one stays for training.
+
+    Parameters
+    ----------
+    part : Partition
+        The clients' examples, indices into ``y``.
+    y : ndarray of int, shape (n,)
+        The labels ``part`` indexes (for the class counts of both parts).
+    fraction : float
+        The share held out, in (0, 1).
+    seed : int
+        Seed; the same seed gives the same split.
+
+    Returns
+    -------
+    train, held : Partition
+        Disjoint; together they are ``part``.
+
+    Raises
+    ------
+    ValueError
+        If ``fraction`` is not in (0, 1), or a client has fewer than two examples.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"the held-out fraction must be in (0, 1), got {fraction}")
+    y = np.asarray(y)
+    n_classes = part.counts.shape[1]
+    train, held = [], []
+    for j, idx in enumerate(part):
+        if idx.size < 2:
+            raise ValueError(f"client {j} has {idx.size} example(s): nothing to hold out and train on")
+        m = min(max(int(round(fraction * idx.size)), 1), idx.size - 1)
+        shuffled = np.random.default_rng([seed, j]).permutation(idx)
+        held.append(shuffled[:m])
+        train.append(shuffled[m:])
+    return _make_partition(train, y, n_classes), _make_partition(held, y, n_classes)

@@ -1,7 +1,7 @@
 """Run the app in-process on Flower's simulation engine (Ray), without a SuperLink.
 
 Usage: python simulate.py [--method pfnm|nafi|fedma] [--rounds 3] [--nodes 10] [--local-epochs 10]
-       [--second-round none|refit|temperature] [--summaries]
+       [--second-round none|refit|temperature] [--holdout 0.1] [--summaries]
 Prints the test accuracy of the global model after each round (and of FedAvg over as many
 rounds on the same clients) and the wall time. ``flwr run .`` runs the same app through a
 local SuperLink.
@@ -34,6 +34,13 @@ def main() -> None:
         "predictive and its temperature by the nodes' own NLL",
     )
     parser.add_argument(
+        "--holdout",
+        type=float,
+        default=0.1,
+        help="with --second-round temperature: the share of its examples each node keeps back from "
+        "training and scores the candidates on (0: it scores them on its training examples)",
+    )
+    parser.add_argument(
         "--summaries", action="store_true", help="nodes send summaries of their own data (bayesfuse.summarize)"
     )
     args = parser.parse_args()
@@ -53,6 +60,7 @@ def main() -> None:
         "round-epochs": args.round_epochs,
         "second-round": args.second_round,
         "summaries": args.summaries,
+        "holdout": args.holdout,
     }
     start = time.perf_counter()
     run_simulation(

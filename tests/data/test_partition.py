@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bayesfuse.data import dirichlet_partition, homogeneous_partition
+from bayesfuse.data import dirichlet_partition, holdout_partition, homogeneous_partition
 
 
 def _assert_exact_cover(partition, n):
@@ -100,3 +100,37 @@ def test_summary_lists_clients():
     p = homogeneous_partition(np.repeat(np.arange(3), 4), 2)
     text = p.summary()
     assert text.splitlines()[0].startswith("client") and len(text.splitlines()) == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    labels=st.lists(st.integers(0, 4), min_size=20, max_size=200),
+    n_clients=st.integers(1, 6),
+    fraction=st.floats(0.01, 0.99),
+    seed=st.integers(0, 2**31),
+)
+def test_holdout_splits_every_client_in_two(labels, n_clients, fraction, seed):
+    y = np.array(labels)
+    part = dirichlet_partition(y, n_clients, 1.0, seed=seed, min_size=2)
+    train, held = holdout_partition(part, y, fraction, seed=seed)
+    for j, idx in enumerate(part):
+        assert np.intersect1d(train[j], held[j]).size == 0
+        np.testing.assert_array_equal(np.sort(np.concatenate([train[j], held[j]])), idx)
+        # round(fraction n), kept between 1 and n - 1
+        assert held[j].size == min(max(round(fraction * idx.size), 1), idx.size - 1)
+    np.testing.assert_array_equal(train.counts + held.counts, part.counts)
+    np.testing.assert_array_equal(held.counts[0], np.bincount(y[held[0]], minlength=part.counts.shape[1]))
+    again = holdout_partition(part, y, fraction, seed=seed)[1]
+    assert all(np.array_equal(a, b) for a, b in zip(again, held))
+
+
+def test_holdout_refuses_what_it_cannot_split():
+    y = np.array([0, 1, 0, 1, 1])
+    part = dirichlet_partition(y, 2, 1.0, seed=0, min_size=0)
+    with pytest.raises(ValueError, match="in \\(0, 1\\)"):
+        holdout_partition(part, y, 1.0)
+    with pytest.raises(ValueError, match="in \\(0, 1\\)"):
+        holdout_partition(part, y, 0.0)
+    tiny = homogeneous_partition(np.array([0, 1, 0]), 3)
+    with pytest.raises(ValueError, match="client 0 has 1 example"):
+        holdout_partition(tiny, np.array([0, 1, 0]), 0.5)

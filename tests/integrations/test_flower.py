@@ -35,6 +35,7 @@ from bayesfuse.integrations.flower import (  # noqa: E402
     CLIENT_HEADS,
     COUNTS_ARRAYS_KEY,
     COUNTS_POSTERIOR_KEY,
+    DIAGONAL_HEADS,
     EKFAC_HEADS,
     FEDMA_LOCAL,
     FEDMA_ROUND,
@@ -883,7 +884,14 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     for msg in grid.sent[3:]:
         config = msg.content["config"]
         assert config[ROUND_KEY] == TEMPERATURE and config["pool"] == "log" and config["heads-form"] == "kronecker"
-        assert list(config["candidates"]) == [SHARED, SHARED_COUNTS, CLIENT_HEADS, TRACE_MATCHED, EKFAC_HEADS]
+        assert list(config["candidates"]) == [
+            SHARED,
+            SHARED_COUNTS,
+            CLIENT_HEADS,
+            TRACE_MATCHED,
+            EKFAC_HEADS,
+            DIAGONAL_HEADS,
+        ]
         assert list(config["temperatures"]) == [float(t) for t in TEMPERATURES]
     # the candidates, made here without the round: the one-shot strategy's network and its heads
     # (the heads' posteriors as is and trace-matched to the summaries' GGN diagonals)
@@ -915,6 +923,18 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
         [summaries[j] for j in order],
     )
     measured = heads.with_eigenvalues(placed)
+    # the diagonal heads: the one-shot strategy's heads from the summaries without their output
+    # factors, which leaves each head the diagonal posterior of its GGN diagonal
+    diagonal = MatchedAveraging("pfnm", min_train_nodes=3, fraction_evaluate=0.0)
+    diagonal.start(
+        grid=TemperatureGrid(
+            split, part, models, [dataclasses.replace(s, output_factors=None) for s in summaries], ids=[7, 8, 9]
+        ),
+        initial_arrays=_initial((20, 16)),
+        num_rounds=1,
+    )
+    diagonal_heads = diagonal.client_heads(models[0])
+    assert diagonal_heads.form == "diagonal"
     # the fusion with the output layer pooled by class counts, made here from the clients' own
     # states and summaries; the message carries its output layer and whatever else differs
     counts_fusion = fuse_states(
@@ -936,6 +956,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
         CLIENT_HEADS: heads,
         TRACE_MATCHED: matched,
         EKFAC_HEADS: measured,
+        DIAGONAL_HEADS: diagonal_heads,
     }
     direct = {
         name: sum(temperature_nll(m, split.train.x[idx], split.train.y[idx], TEMPERATURES) for idx in part)
@@ -954,7 +975,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     assert (report["candidate"], report["temperature"]) == (best, temperature)
     metrics = result.train_metrics_clientapp[2]
     assert metrics["temperature-replies"] == 3 and metrics["temperature"] == temperature
-    assert metrics["bytes-up"] == report["bytes_up"] == 5 * 65 * 8
+    assert metrics["bytes-up"] == report["bytes_up"] == 6 * 65 * 8
     posterior_bytes = sum(  # float64 heads and variances, beside the float32 network
         v.numpy().nbytes
         for key in (HEADS_KEY, SHARED_POSTERIOR_KEY, COUNTS_ARRAYS_KEY, COUNTS_POSTERIOR_KEY)
@@ -979,6 +1000,7 @@ def test_temperature_round_keeps_the_candidate_and_temperature_of_least_nll(clie
     assert nll["precision"] == pytest.approx(report["nll"][SHARED], rel=1e-4)
     assert nll["counts"] == pytest.approx(report["nll"][SHARED_COUNTS], rel=1e-4)
     assert nll["client heads, EKFAC"] == pytest.approx(report["nll"][EKFAC_HEADS], rel=1e-4)
+    assert nll["client heads, diagonal"] == pytest.approx(report["nll"][DIAGONAL_HEADS], rel=1e-4)
 
 
 def test_a_shared_laplace_kept_by_the_round_is_tempered_not_folded(clients, summaries, monkeypatch):
@@ -1077,6 +1099,20 @@ def test_temperature_candidates_refuse_candidates_the_message_cannot_build(clien
         temperature_candidates(
             network, {**dict(content["config"]), "candidates": [EKFAC_HEADS]}, {**records, HEADS_KEY: no_eigenvalues}
         )
+    # the diagonal heads without their precisions
+    no_diagonal = ArrayRecord(array_dict={k: heads[k] for k in heads.keys() if k != "diagonal-precision"})
+    with pytest.raises(ValueError, match="the diagonal heads need their diagonal-precision"):
+        temperature_candidates(
+            network, {**dict(content["config"]), "candidates": [DIAGONAL_HEADS]}, {**records, HEADS_KEY: no_diagonal}
+        )
+    # a diagonal-precision beside the heads changes nothing for the heads as sent
+    as_sent = temperature_candidates(network, {**dict(content["config"]), "candidates": [CLIENT_HEADS]}, records)
+    plain = temperature_candidates(
+        network, {**dict(content["config"]), "candidates": [CLIENT_HEADS]}, {**records, HEADS_KEY: no_diagonal}
+    )
+    x = torch.as_tensor(split.test.x[:20])
+    with torch.no_grad():
+        torch.testing.assert_close(as_sent[CLIENT_HEADS](x), plain[CLIENT_HEADS](x), rtol=0, atol=0)
 
 
 def test_temperature_round_state_does_not_outlive_its_run(clients, summaries, caplog):

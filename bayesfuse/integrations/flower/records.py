@@ -59,6 +59,8 @@ CLIENT_HEADS, TRACE_MATCHED = "client heads", "client heads, trace-matched"
 #: ... and the same heads with the exact GGN's eigenvalues in their Kronecker eigenbasis, where
 #: every node's summary measured them (version 3).
 EKFAC_HEADS = "client heads, EKFAC"
+#: ... and the same heads, each its client's diagonal Laplace posterior (the summary's GGN diagonal).
+DIAGONAL_HEADS = "client heads, diagonal"
 _FIT_ARRAYS = ("weight", "gram", "curvature")
 
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
@@ -411,17 +413,21 @@ def state_digest(state) -> str:
     return tensors_sha256({k: torch.as_tensor(np.ascontiguousarray(np.asarray(v))) for k, v in state.items()})
 
 
-def heads_to_record(heads: dict, trace_scale=None, eigenvalues=None) -> ArrayRecord:
+def heads_to_record(heads: dict, trace_scale=None, eigenvalues=None, diagonal=None) -> ArrayRecord:
     """The clients' one-shot heads (:func:`~bayesfuse.inference.client_heads.one_shot_heads`) as
     an ArrayRecord, float64, in a heads file's layout (:func:`bayesfuse.checkpoints.heads_arrays`),
-    with ``trace-scale`` (J,) where the trace-matched heads are a candidate too, and
+    with ``trace-scale`` (J,) where the trace-matched heads are a candidate too,
     ``ekfac-eigenvalues`` (J, G+1, K) where the EKFAC heads are
-    (:func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`)."""
+    (:func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`), and ``diagonal-precision``
+    (J, K, G+1) where the diagonal heads are (the diagonal heads' ``laplace["precision"]``, the
+    same heads' weights)."""
     arrays = heads_arrays(heads)
     if trace_scale is not None:
         arrays["trace-scale"] = np.ascontiguousarray(trace_scale, dtype=np.float64)
     if eigenvalues is not None:
         arrays["ekfac-eigenvalues"] = np.ascontiguousarray(eigenvalues, dtype=np.float64)
+    if diagonal is not None:
+        arrays["diagonal-precision"] = np.ascontiguousarray(diagonal, dtype=np.float64)
     return ArrayRecord(array_dict={k: Array(v) for k, v in arrays.items()})
 
 
@@ -430,7 +436,8 @@ def record_to_heads(record: ArrayRecord, output: str, form: str, name: str = "cl
     ``form``) and its ``trace-scale`` (None without); one line naming ``name`` if incomplete."""
     arrays = {k: record[k].numpy() for k in record.keys()}
     scale = arrays.pop("trace-scale", None)
-    arrays.pop("ekfac-eigenvalues", None)  # the EKFAC candidate's, read by temperature_candidates
+    for variant in ("ekfac-eigenvalues", "diagonal-precision"):  # other candidates', read by temperature_candidates
+        arrays.pop(variant, None)
     return heads_from_arrays(arrays, output, form, name), scale
 
 
@@ -444,7 +451,8 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
     Laplace of ``model`` with the entries of :data:`COUNTS_ARRAYS_KEY` and the variances of
     :data:`COUNTS_POSTERIOR_KEY`; :data:`CLIENT_HEADS` the clients' heads of :data:`HEADS_KEY` on
     ``model`` (:class:`~bayesfuse.nets.heads.ClientHeads`); :data:`TRACE_MATCHED` the same heads
-    with their ``trace-scale``; :data:`EKFAC_HEADS` with their ``ekfac-eigenvalues``.
+    with their ``trace-scale``; :data:`EKFAC_HEADS` with their ``ekfac-eigenvalues``;
+    :data:`DIAGONAL_HEADS` the same weights, each head's posterior the ``diagonal-precision``.
     ``records`` are the message's ArrayRecords (``msg.content.array_records``). In the config's
     order; one line says what is missing.
     """
@@ -460,13 +468,13 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
         names = [str(c) for c in values["candidates"]]
     except (KeyError, TypeError):
         raise ValueError("the temperature round's config is incomplete (needs candidates, temperatures)") from None
-    unknown = sorted(set(names) - {SHARED, SHARED_COUNTS, CLIENT_HEADS, TRACE_MATCHED, EKFAC_HEADS})
+    unknown = sorted(set(names) - {SHARED, SHARED_COUNTS, CLIENT_HEADS, TRACE_MATCHED, EKFAC_HEADS, DIAGONAL_HEADS})
     if unknown or not names:
         raise ValueError(f"the temperature round names no candidates or unknown ones: {unknown or names}")
     needs = {
         SHARED_POSTERIOR_KEY: SHARED in names and SHARED_POSTERIOR_KEY in records,
         COUNTS_ARRAYS_KEY: SHARED_COUNTS in names,
-        HEADS_KEY: bool(set(names) & {CLIENT_HEADS, TRACE_MATCHED, EKFAC_HEADS}),
+        HEADS_KEY: bool(set(names) & {CLIENT_HEADS, TRACE_MATCHED, EKFAC_HEADS, DIAGONAL_HEADS}),
     }
     output = values.get("output-layer")
     if any(needs.values()) and output is None:
@@ -494,6 +502,13 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
             if "ekfac-eigenvalues" not in records[HEADS_KEY] or heads.form != "kronecker":
                 raise ValueError("the EKFAC heads need Kronecker-factored heads and their ekfac-eigenvalues")
             candidates[EKFAC_HEADS] = heads.with_eigenvalues(records[HEADS_KEY]["ekfac-eigenvalues"].numpy())
+        if DIAGONAL_HEADS in names:
+            if "diagonal-precision" not in records[HEADS_KEY]:
+                raise ValueError("the diagonal heads need their diagonal-precision")
+            diagonal = dict(
+                arrays, form="diagonal", laplace={"precision": records[HEADS_KEY]["diagonal-precision"].numpy()}
+            )
+            candidates[DIAGONAL_HEADS] = ClientHeads.from_arrays(model, diagonal, pool=pool)
     return {name: candidates[name] for name in names}
 
 
@@ -529,7 +544,7 @@ def temperature_reply(model: torch.nn.Module, x, y, config: Mapping, records: Ma
     The server's training message carries the fused network's arrays, a ConfigRecord whose
     :data:`ROUND_KEY` is :data:`TEMPERATURE` with the ``candidates`` (their names:
     :data:`SHARED`, :data:`SHARED_COUNTS`, :data:`CLIENT_HEADS`, :data:`TRACE_MATCHED`,
-    :data:`EKFAC_HEADS`) and
+    :data:`EKFAC_HEADS`, :data:`DIAGONAL_HEADS`) and
     ``temperatures`` to score, and what the candidates need beside the network
     (:func:`temperature_candidates`): the output layer's posterior variances
     (:data:`SHARED_POSTERIOR_KEY`), the counts-pooled fusion (:data:`COUNTS_ARRAYS_KEY`,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 from typing import Any, Callable, Iterable, Iterator, cast
 
@@ -24,6 +24,7 @@ from bayesfuse.integrations.flower.records import (
     CLIENT_HEADS,
     COUNTS_ARRAYS_KEY,
     COUNTS_POSTERIOR_KEY,
+    DIAGONAL_HEADS,
     EKFAC_HEADS,
     HEADS_KEY,
     OUTPUT_FIT,
@@ -259,7 +260,8 @@ class MatchedAveraging(_Fusion):
         ArrayRecord ``HEADS_KEY``) and, where they are Kronecker-factored, the same heads each
         with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``) and, where every
         summary has the output layer's GGN eigenvalues (version 3), with them (``EKFAC_HEADS``,
-        EKFAC); with summaries
+        EKFAC), and each its client's diagonal Laplace posterior (``DIAGONAL_HEADS``, the
+        summaries' GGN diagonal); with summaries
         also the fusion with the output layer pooled by class counts (``SHARED_COUNTS``, its
         entries that differ and its output layer's variances as ArrayRecords
         ``COUNTS_ARRAYS_KEY``, ``COUNTS_POSTERIOR_KEY``): ``fuse``'s candidates. A node rebuilds
@@ -747,12 +749,16 @@ class MatchedAveraging(_Fusion):
             assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
             width = int(np.shape(state[spec.output_layer(state)[0]])[1])
             heads = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"])
-            scale = eigenvalues = None
+            scale = eigenvalues = diagonal = None
             if heads["form"] == "kronecker":
                 scale, eigenvalues = kronecker_variants(spec, inputs["states"], assignments, width, inputs["summaries"])
+                plain = [replace(s, output_factors=None) for s in inputs["summaries"]]  # the GGN diagonal's heads
+                diagonal = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], plain)
+                diagonal = diagonal["laplace"]["precision"]
             names += [CLIENT_HEADS] + ([TRACE_MATCHED] if scale is not None else [])
             names += [EKFAC_HEADS] if eigenvalues is not None else []
-            records[HEADS_KEY] = heads_to_record(heads, scale, eigenvalues)
+            names += [DIAGONAL_HEADS] if diagonal is not None else []
+            records[HEADS_KEY] = heads_to_record(heads, scale, eigenvalues, diagonal)
             round_config.update(
                 {
                     "output-layer": heads["output"],

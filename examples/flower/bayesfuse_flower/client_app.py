@@ -27,9 +27,12 @@ from bayesfuse.nets.predict import predict_proba
 from bayesfuse_flower.task import config, fresh_model, load_data, model_from_state, settings, train
 
 
-def _node_data(context: Context, run: dict):
+def _node_data(context: Context, run: dict, held: bool = False):
+    """The node's partition and its examples: those it trains on, or (``held``) those it keeps
+    back from training for the temperature round, which scores candidates on them."""
     pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    return pid, load_data(pid, n, int(run["seed"]))
+    holdout = float(run["holdout"]) if run["second-round"] == "temperature" else 0.0
+    return pid, load_data(pid, n, int(run["seed"]), holdout, held)
 
 
 def _reply(msg: Message, model, x, y, with_summary: bool = False) -> Message:
@@ -69,7 +72,7 @@ def make_client_app(overrides: dict | None = None) -> ClientApp:
         round_kind = msg.content["config"].get(ROUND_KEY)
         if round_kind in (OUTPUT_FIT, TEMPERATURE):
             run = settings(context, overrides)
-            _, (x, y, _) = _node_data(context, run)
+            _, (x, y, _) = _node_data(context, run, held=round_kind == TEMPERATURE)
             fused = model_from_state(config(run), record_to_state(msg.content["arrays"]))
             if round_kind == TEMPERATURE:
                 reply = temperature_reply(fused, x, y, msg.content["config"], msg.content.array_records)

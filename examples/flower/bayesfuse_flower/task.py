@@ -11,7 +11,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from bayesfuse.data import dirichlet_partition, load_digits
+from bayesfuse.data import dirichlet_partition, holdout_partition, load_digits
 from bayesfuse.nets.arch import rebuild
 from bayesfuse.train import TrainConfig, new_model, train_model
 
@@ -30,6 +30,7 @@ DEFAULTS = {
     "compare-fedavg": True,
     "summaries": False,
     "second-round": "none",
+    "holdout": 0.1,
 }
 
 
@@ -42,10 +43,14 @@ def _split(seed: int):
     return load_digits(seed=seed).standardize()
 
 
-def load_data(partition_id: int, num_partitions: int, seed: int = 0):
-    """``(x, y)`` of this node's share of the digits training set, and the test set."""
+def load_data(partition_id: int, num_partitions: int, seed: int = 0, holdout: float = 0.0, held: bool = False):
+    """``(x, y)`` of this node's share of the digits training set, and the test set. With
+    ``holdout``, the node keeps back that share of its examples from training: ``held`` gives
+    them (the temperature round scores its candidates on them), else the rest."""
     split = _split(seed)
     part = dirichlet_partition(split.train.y, num_partitions, ALPHA, seed=seed)
+    if holdout:
+        part = holdout_partition(part, split.train.y, holdout, seed=seed)[1 if held else 0]
     idx = part[partition_id]
     return split.train.x[idx], split.train.y[idx], split.test
 
