@@ -80,7 +80,8 @@ class DemoConfig:
     #: Kronecker Laplace posterior, pooled geometrically), ``"METHOD +summaries 2 rounds"`` with
     #: the second round too and ``"METHOD +summaries temperature"`` with the temperature round
     #: instead (``second_round="temperature"``: the clients score the candidates, the shared head
-    #: and their own heads, at each temperature on their own data, the server keeps the best); for
+    #: and their own heads, at each temperature on the examples they kept back from training,
+    #: :attr:`holdout`, the server keeps the best); for
     #: PFNM and NAFI on MLPs and ConvNets, ``"METHOD client heads"`` (one shot, data-free: each
     #: client's own output layer on the fused body, their class-share mixture) and ``"METHOD
     #: +summaries shared head"`` (one fused output layer with its Laplace posterior)
@@ -318,10 +319,22 @@ def run_demo(
     return result
 
 
+def _tempers(config: DemoConfig) -> bool:
+    """Whether the run has temperature rows (``"METHOD +summaries temperature"``): summaries, an
+    MLP or ConvNet without position encodings, and a method that fuses networks with them."""
+    tabled = [m for m in config.methods if m in _TABLE_METHODS]
+    return (
+        config.summaries
+        and config.arch in ("mlp", "cnn")
+        and config.pan is None
+        and any("network" in methods.lookup(m)[0].summaries for m in tabled)
+    )
+
+
 def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> SeedRun:
     partition = dirichlet_partition(split.train.y, config.n_clients, config.alpha, seed=config.seed)
     held = None  # the examples each client keeps back for the temperature round (its candidates' scores)
-    if config.holdout and config.summaries and config.arch in ("mlp", "cnn") and config.pan is None:
+    if config.holdout and _tempers(config):
         partition, held = holdout_partition(partition, split.train.y, config.holdout, seed=config.seed)
     train_config = config.train_config()
 

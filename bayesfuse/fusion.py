@@ -264,9 +264,10 @@ def fuse(
         them (EKFAC, :func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`, (G+1) K numbers
         more per client), and each its client's diagonal Laplace posterior from the summary's GGN
         diagonal (K (G+1) numbers more per client); with ``head="clients"`` those alone: they
-        carry every client's output layer and its Kronecker factors to every client, as the
-        one-shot default model does), each client returns its summed negative log-likelihood
-        under each at each candidate temperature, on examples it kept back from training
+        carry every client's output layer, its Kronecker factors and its GGN diagonal to every
+        client, as the one-shot default model does the first two), each client returns its
+        summed negative log-likelihood under each at each candidate temperature, on examples it
+        kept back from training
         (:func:`bayesfuse.summaries.temperature_nll`), and the server keeps the best pair
         (:func:`~bayesfuse.inference.summary_fusion.best_candidate`); ``hyper["second_round"]``
         names it (``output_pool``: ``"precision"``, ``"counts"``, ``"client heads"``, ``"client

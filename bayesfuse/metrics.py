@@ -27,10 +27,11 @@ __all__ = [
 ]
 
 #: Probabilities are clipped below at this value inside the log of the NLL: the smallest normal
-#: float64, so only a probability that underflowed to 0 is clipped (it costs 708 nats instead of
-#: infinity) and every representable one counts in full. A larger floor (1e-12, 27.6 nats, is
-#: common) flatters exactly the predictives that are sometimes confidently wrong: a geometric
-#: pool of heads gives the true class log-probabilities of -100 and below on a few test inputs.
+#: float64, so only a probability below 2.2e-308 (one that underflowed to 0, or a subnormal) is
+#: clipped, and costs 708 nats instead of up to infinity; every larger one counts in full. A
+#: larger floor (1e-12, 27.6 nats, is common) flatters exactly the predictives that are sometimes
+#: confidently wrong: a geometric pool of heads gives the true class log-probabilities of -100
+#: and below on a few test inputs.
 PROB_FLOOR = float(np.finfo(np.float64).tiny)
 
 

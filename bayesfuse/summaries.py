@@ -36,7 +36,8 @@ those features and of the classes, how much of the client's uncertainty lies the
 its examples, (G+1) K numbers).
 The one-shot default model (:class:`~bayesfuse.nets.heads.ClientHeads`) carries the output
 factors of every client to whoever receives it, and so do the temperature round's candidates of
-it, sent to every client, the EKFAC candidate with every client's eigenvalues
+it, sent to every client, the EKFAC candidate with every client's eigenvalues and the diagonal
+candidate with every client's GGN diagonal of its output layer (K (G+1) numbers)
 (:func:`bayesfuse.fuse`, ``head="shared"`` leaves them out).
 A client that may not share these should send weights alone (the data-free path).
 

@@ -3,7 +3,8 @@
 Usage: python benchmarks/bench_calibration.py [--dataset fashion-mnist] [--depths 100 100,100]
        [--seeds 0 1 2] [--inits shared independent] [--epochs 10]
 
-Same federations as ``bench_fidelity.py`` (J = 10, Dirichlet(0.5)). PFNM and NAFI at their
+The federations of ``bench_fidelity.py`` (J = 10, Dirichlet(0.5)), each client trained on all
+its examples (``bench_fidelity.py --holdout 0``). PFNM and NAFI at their
 default (data-free) hyper-parameters, with every combination of
 
 * ``average_outputs``: outgoing weights of global unit g times m_g / J (the fused logits

@@ -3,7 +3,7 @@ of MLPs trained on a heterogeneous federation, at the library's default hyper-pa
 
 Usage: python benchmarks/bench_fidelity.py [--dataset fashion-mnist] [--clients 10] [--alpha 0.5]
        [--epochs 10] [--depths 100 100,100] [--seeds 0 1 2] [--inits shared independent]
-       [--sweep 0.3 1 3 10 30] [--out bench-results] [--quick]
+       [--sweep 0.3 1 3 10 30] [--holdout 0.1] [--out bench-results] [--quick]
 
 ``--quick`` is a smoke run: digits, seed 0, shared init, 3 epochs, sweep 1 10 (options given
 explicitly still win). For every depth (``100``: one hidden layer of 100 units, ``100,100``: two),
@@ -23,9 +23,11 @@ network (``shared``) or each from its own (``independent``), then one global mod
   pfnm s2=X      PFNM's hand-set setting: noise_var X, prior_var 10, gamma0 1, cost "pfnm"
   ... +summaries  with the clients' summaries (bayesfuse.summarize); "2 rounds temperature": the
                  second round picks a candidate (the shared head by either output pool, or the
-                 clients' heads of the one-shot default, their Kronecker curvatures as sent or
-                 trace-matched) and a temperature by the clients' own NLL ("... shared": the
-                 shared head's candidates alone);
+                 clients' heads of the one-shot default, their Kronecker curvatures as sent,
+                 trace-matched or with the GGN's eigenvalues, or their diagonal posteriors) and a
+                 temperature by the clients' NLL on the examples they kept back from training
+                 (``--holdout``, a tenth of each client's by default; every model of the run is
+                 trained on the rest) ("... shared": the shared head's candidates alone);
                  "2 rounds refit": the second round refits the output layer as the product of the
                  clients' Laplace fits on the fused features (bayesfuse.inference.output_fusion);
                  "pfnm 2 rounds refit" does so after the data-free fusion, without summaries;
@@ -547,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     split = load_dataset(args.dataset, seed=seed).standardize()
                     part = dirichlet_partition(split.train.y, args.clients, args.alpha, seed=seed)
                     held = None
-                    if args.holdout:  # every client keeps back a share of its examples for the second round
+                    if args.holdout and args.summaries:  # each client keeps back a share for the temperature round
                         part, held = holdout_partition(part, split.train.y, args.holdout, seed=seed)
                     splits[seed] = split, part, held
                 split, part, held = splits[seed]

@@ -388,3 +388,32 @@ def test_methods_given_in_any_case_and_checkpoint_dicts_are_fused(tmp_path, caps
     assert keys == {"a.pt": None, "b_ckpt.pt": "model_state_dict"}
     plain, from_dict = load_state_dict(tmp_path / "plain.pt"), load_state_dict(tmp_path / "dict.pt")
     assert all(torch.equal(plain[k], from_dict[k]) for k in plain)  # the same tensors, the same fusion
+
+
+def test_demo_scores_the_temperature_round_on_the_held_out_examples(monkeypatch):
+    """The temperature round reads the examples the clients kept back, the refit round those they
+    trained on; with ``holdout=0`` (or no temperature row) nothing is kept back."""
+    import bayesfuse.demo as demo
+
+    seen = []
+    real = demo.fuse
+
+    def recording(*args, **kwargs):
+        if "data" in kwargs:
+            seen.append((kwargs.get("second_round", "refit"), [np.asarray(i) for i in kwargs["data"][1]]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "fuse", recording)
+    config = demo.DemoConfig(n_clients=3, epochs=1, hidden=(12,), methods=("pfnm",))
+    run = demo.run_demo(config, verbose=False).runs[0]
+    assert run.held is not None and {kind for kind, _ in seen} == {"refit", "temperature"}
+    for kind, parts in seen:
+        want = run.held if kind == "temperature" else run.partition
+        assert all(np.array_equal(a, b) for a, b in zip(parts, want))
+    for trained, held in zip(run.partition, run.held):
+        assert not np.intersect1d(trained, held).size
+    seen.clear()
+    whole = demo.run_demo(demo.DemoConfig(n_clients=3, epochs=1, hidden=(12,), methods=("pfnm",), holdout=0.0))
+    assert whole.runs[0].held is None and {kind for kind, _ in seen} == {"refit", "temperature"}
+    assert all(np.array_equal(a, b) for _, parts in seen for a, b in zip(parts, whole.runs[0].partition))
+    assert demo.run_demo(demo.DemoConfig(n_clients=3, epochs=1, hidden=(12,), methods=("ot",))).runs[0].held is None

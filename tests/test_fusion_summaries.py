@@ -159,7 +159,7 @@ def test_temperature_round_scores_the_clients_heads(federation):
     r2 = shared.hyper["second_round"]
     assert isinstance(shared.model, LastLayerLaplace) and r2["candidates"] == 2 * 65
     assert set(r2["nll"]) == {"precision", "counts"}
-    # the default scores all five, each as the runs above did, and keeps the least NLL's
+    # the default scores all six, each as the runs above did, and keeps the least NLL's
     both = fuse(models, "pfnm", summaries=summaries, rounds=2, data=data, second_round="temperature")
     nll = both.hyper["second_round"]["nll"]
     assert nll == {**r2["nll"], **heads.hyper["second_round"]["nll"]}
@@ -183,7 +183,7 @@ def test_temperature_round_scores_the_clients_heads(federation):
 
 def _chosen(federation, monkeypatch, choice: int, temperature: int):
     """The temperature round with the clients' replies made to prefer candidate ``choice`` (0
-    precision, 1 counts, 2 the clients' heads, 3 the same trace-matched, 4 EKFAC) at grid index
+    precision, 1 counts, 2 the clients' heads, 3 the same trace-matched, 4 EKFAC, 5 diagonal) at grid index
     ``temperature``."""
     import bayesfuse.inference.summary_fusion as summary_fusion
 
@@ -200,6 +200,23 @@ def test_a_shared_head_chosen_over_the_clients_heads_reports_itself(federation, 
     assert r2["output_pool"] == "precision" and r2["temperature"] == 1.0
     assert isinstance(result.model, LastLayerLaplace) and "LastLayerLaplace" in result.hyper["predictive"]
     assert "head" not in result.hyper and "pool" not in result.hyper  # nothing of the heads' candidate
+
+
+def test_the_diagonal_heads_chosen_are_the_one_shot_heads_of_the_summaries_without_factors(federation, monkeypatch):
+    from bayesfuse.nets.heads import ClientHeads
+
+    split, part, models, summaries = federation
+    result = _chosen(federation, monkeypatch, 5, 40)
+    r2 = result.hyper["second_round"]
+    assert r2["output_pool"] == "client heads, diagonal" and r2["temperature"] == 2.0
+    assert isinstance(result.model, ClientHeads) and result.model.form == "diagonal"
+    assert "diagonal Laplace posterior" in result.hyper["predictive"] and result.hyper["head"] == "clients"
+    # the one-shot heads of the summaries without their output factors, at T = 2
+    plain = fuse(models, "pfnm", summaries=[dataclasses.replace(s, output_factors=None) for s in summaries])
+    x = torch.as_tensor(split.test.x[:64])
+    with torch.no_grad():
+        expected = torch.log_softmax(plain.model(x) / 2.0, -1)
+        np.testing.assert_allclose(result.model(x).numpy(), expected.numpy(), rtol=1e-10, atol=1e-10)
 
 
 def test_the_trace_matched_heads_chosen_report_themselves(federation, monkeypatch):

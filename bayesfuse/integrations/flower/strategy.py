@@ -932,8 +932,8 @@ class MatchedAveraging(_Fusion):
         """The temperature round's choice: the fused network with the temperature folded into its
         output layer; or, with its ``temperature`` set, its output layer's Laplace
         (:class:`~bayesfuse.nets.laplace.LastLayerLaplace`; the counts-pooled fusion's where that
-        won) or the nodes' heads on it (:class:`~bayesfuse.nets.heads.ClientHeads`, trace-matched
-        or with their EKFAC eigenvalues where that candidate won); in eval mode.
+        won) or the nodes' heads on it (:class:`~bayesfuse.nets.heads.ClientHeads`, trace-matched,
+        with their EKFAC eigenvalues or as diagonal posteriors where that candidate won); in eval mode.
 
         Parameters
         ----------
