@@ -1289,6 +1289,22 @@ def test_example_method_is_checked_in_one_line(example, caplog):
     )
 
 
+def test_example_nodes_keep_examples_back_for_the_temperature_round(example):
+    """With second-round "temperature" a node trains on all but ``holdout`` of its examples and
+    scores the round's candidates on the rest; other rounds train on all of them."""
+    from types import SimpleNamespace
+
+    client, _ = example
+    context = SimpleNamespace(node_config={"partition-id": 1, "num-partitions": 3})
+    base = {"seed": 0, "holdout": 0.1}
+    trained = client._node_data(context, {**base, "second-round": "temperature"})[1]
+    held = client._node_data(context, {**base, "second-round": "temperature"}, held=True)[1]
+    whole = client._node_data(context, {**base, "second-round": "refit"})[1]
+    assert len(held[1]) == round(0.1 * len(whole[1])) and len(trained[1]) + len(held[1]) == len(whole[1])
+    rows = lambda x: {r.tobytes() for r in np.asarray(x)}  # noqa: E731
+    assert rows(trained[0]) | rows(held[0]) == rows(whole[0]) and not rows(trained[0]) & rows(held[0])
+
+
 def test_example_fedavg_baseline_sums_class_counts(example):
     _, server = example
     records = [
