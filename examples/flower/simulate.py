@@ -31,7 +31,7 @@ def main() -> None:
         default="none",
         choices=["none", "refit", "temperature"],
         help="PFNM/NAFI: refit: the last round refits the output layer; temperature: it chooses the "
-        "predictive and its temperature by the nodes' own NLL",
+        "predictive and its temperature by the nodes' NLL on the examples they kept back (--holdout)",
     )
     parser.add_argument(
         "--holdout",

@@ -250,8 +250,9 @@ class MatchedAveraging(_Fusion):
         (:attr:`output_covariance`, :meth:`laplace`). A reply that is malformed, not finite or of
         another shape is rejected with its node named; with none left the fused network stays.
         ``"temperature"``: the last round of :meth:`start` chooses the fused model's predictive
-        and its temperature by the clients' own NLL, as ``bayesfuse.fuse(...,
-        second_round="temperature")`` simulates it. Its candidates
+        and its temperature by the clients' NLL on examples they kept back from their local
+        training (:func:`bayesfuse.data.holdout_partition`; the client app decides which), as
+        ``bayesfuse.fuse(..., second_round="temperature")`` simulates it. Its candidates
         (:func:`~bayesfuse.integrations.flower.records.temperature_candidates`) are the fused
         network's shared output layer (``SHARED``: with summaries its last-layer Laplace from the
         fusion's precisions, sent as ArrayRecord ``SHARED_POSTERIOR_KEY``; without, the network as

@@ -27,7 +27,7 @@ from bayesfuse_flower.task import _split, config, fresh_model, model_from_state,
 METHODS = ("pfnm", "nafi", "fedma")
 #: The values of the run config's ``second-round`` (PFNM/NAFI): none, or the last round refits the
 #: output layer, or chooses the predictive (with summaries: the nodes' own heads among the
-#: candidates) and its temperature by the nodes' own NLL.
+#: candidates) and its temperature by the nodes' NLL on examples they kept back from training.
 SECOND_ROUNDS = ("none", "refit", "temperature")
 
 #: The train config entry that, False, tells a node to send no summary (FedAvg's rounds).
