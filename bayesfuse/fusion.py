@@ -447,25 +447,37 @@ def fuse(
                 labels.append("client heads")
                 if isinstance(heads, ClientHeads) and heads.form == "kronecker":
                     # and the same heads, each one's curvature at the exact trace, and, where the
-                    # summaries measured them, with the exact GGN's eigenvalues
+                    # summaries measured them, with the exact GGN's eigenvalues, and each the
+                    # diagonal posterior of its summary's GGN diagonal
                     assignments = {g: layer.assignments for g, layer in zip(own.groups, own.layers)}
                     width = int(heads.weight.shape[2])
-                    ratios, eigenvalues = kronecker_variants(
+                    ratios, eigenvalues, diagonal = kronecker_variants(
                         cast(PermutationSpec, own.spec), states, assignments, width, summaries
                     )
-                    variants = [("client heads, trace-matched", TRACE_MATCHED, heads.with_scale(ratios))]
+                    kronecker = own.hyper["predictive"]
+                    variants = [
+                        (
+                            "client heads, trace-matched",
+                            heads.with_scale(ratios),
+                            kronecker[:-1] + f", {TRACE_MATCHED})",
+                        )
+                    ]
                     if eigenvalues is not None:
-                        variants.append(("client heads, EKFAC", EKFAC, heads.with_eigenvalues(eigenvalues)))
-                    for label, posterior, variant in variants:
+                        variants.append(
+                            ("client heads, EKFAC", heads.with_eigenvalues(eigenvalues), kronecker[:-1] + f", {EKFAC})")
+                        )
+                    variants.append(
+                        (
+                            "client heads, diagonal",
+                            heads.with_diagonal(diagonal),
+                            kronecker.replace("Kronecker-factored", "diagonal"),
+                        )
+                    )
+                    for label, variant, predictive in variants:
                         fused_variant = replace(own, hyper=dict(own.hyper))
-                        fused_variant.hyper["predictive"] = own.hyper["predictive"][:-1] + f", {posterior})"
+                        fused_variant.hyper["predictive"] = predictive
                         candidates.append((fused_variant, variant))
                         labels.append(label)
-                    # and the summaries' diagonal posterior of each head (their GGN diagonal)
-                    diagonal = replace(own, hyper=dict(own.hyper))
-                    plain = [replace(s, output_factors=None) for s in summaries]
-                    candidates.append((diagonal, _own_heads(diagonal, network, states, class_counts, plain, pool)))
-                    labels.append("client heads, diagonal")
         fused, model = _second_round(candidates, data, labels, like=models[0])
     result = FusionResult(
         model=model,

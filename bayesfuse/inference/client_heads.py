@@ -274,13 +274,20 @@ def kronecker_variants(
     assignments: Mapping[str, Sequence],
     width: int,
     summaries,
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """What the temperature round's variants of Kronecker-factored heads need beside them: each
-    head's trace scale (:func:`trace_ratios`) and its EKFAC eigenvalues (:func:`ekfac_eigenvalues`;
-    None where a summary has none), for ``bayesfuse.fuse`` and the Flower strategy alike."""
-    weight_key, bias_key = spec.output_layer(states[0])
+    head's trace scale (:func:`trace_ratios`), its EKFAC eigenvalues (:func:`ekfac_eigenvalues`;
+    None where a summary has none) and its diagonal posterior's precision (J, K, G+1), the
+    summary's GGN diagonal plus the prior (``inf`` where the head has no weight; the heads of
+    :func:`one_shot_heads` from summaries without output factors), for ``bayesfuse.fuse`` and the
+    Flower strategy alike."""
+    weight_key, bias_key, columns = _layout(spec, states, assignments, width)
+    if len(summaries) != len(states):
+        raise ValueError(f"{len(summaries)} summaries for {len(states)} clients")
+    G, K = int(width), int(np.shape(states[0][bias_key])[0])
     scale = trace_ratios(summaries, weight_key, bias_key)
-    return scale, ekfac_eigenvalues(spec, states, assignments, width, summaries)
+    eigenvalues = _placed_eigenvalues(summaries, columns, G, K, strict=False)
+    return scale, eigenvalues, _diagonal(summaries, columns, weight_key, bias_key, G, K)["precision"]
 
 
 def _layout(

@@ -344,6 +344,23 @@ class ClientHeads(nn.Module):
         copy on the same ``network`` object, every other tensor copied bit for bit."""
         return self._twin("a curvature scale is", ClientHeads._set_scale, scale)
 
+    def with_diagonal(self, precision) -> "ClientHeads":
+        """These heads' weights, biases, shares and pool on the same ``network`` object, each head
+        the diagonal Laplace posterior of ``precision`` (J, K, G+1; ``laplace["precision"]``,
+        ``inf`` where a head has no weight; e.g. the third value of
+        :func:`~bayesfuse.inference.client_heads.kronecker_variants`), at temperature 1, in eval mode."""
+        samples = int(self.draws.shape[1]) if hasattr(self, "draws") else 64
+        return ClientHeads(
+            self.network,
+            self.output,
+            self.weight.numpy(),
+            self.bias.numpy(),
+            self.shares.numpy(),
+            pool=self.pool,
+            laplace={"precision": precision},
+            samples=samples,
+        ).eval()
+
     def _twin(self, what: str, setter, value) -> "ClientHeads":
         """A copy of these Kronecker-factored heads on the same ``network``, ``setter(copy,
         value)`` applied (``what`` names the value in the refusal of other heads)."""

@@ -505,10 +505,7 @@ def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Map
         if DIAGONAL_HEADS in names:
             if "diagonal-precision" not in records[HEADS_KEY]:
                 raise ValueError("the diagonal heads need their diagonal-precision")
-            diagonal = dict(
-                arrays, form="diagonal", laplace={"precision": records[HEADS_KEY]["diagonal-precision"].numpy()}
-            )
-            candidates[DIAGONAL_HEADS] = ClientHeads.from_arrays(model, diagonal, pool=pool)
+            candidates[DIAGONAL_HEADS] = heads.with_diagonal(records[HEADS_KEY]["diagonal-precision"].numpy())
     return {name: candidates[name] for name in names}
 
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any, Callable, Iterable, Iterator, cast
 
@@ -752,10 +752,9 @@ class MatchedAveraging(_Fusion):
             heads = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"])
             scale = eigenvalues = diagonal = None
             if heads["form"] == "kronecker":
-                scale, eigenvalues = kronecker_variants(spec, inputs["states"], assignments, width, inputs["summaries"])
-                plain = [replace(s, output_factors=None) for s in inputs["summaries"]]  # the GGN diagonal's heads
-                diagonal = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], plain)
-                diagonal = diagonal["laplace"]["precision"]
+                scale, eigenvalues, diagonal = kronecker_variants(
+                    spec, inputs["states"], assignments, width, inputs["summaries"]
+                )
             names += [CLIENT_HEADS] + ([TRACE_MATCHED] if scale is not None else [])
             names += [EKFAC_HEADS] if eigenvalues is not None else []
             names += [DIAGONAL_HEADS] if diagonal is not None else []
