@@ -426,7 +426,13 @@ def posterior_bytes(precision: dict, *, output: str, model_tensors: dict) -> byt
 
 
 def read_bound_file(
-    path: str | os.PathLike, *, fmt: str, version: int, model_tensors: dict, model_name: str, what: str
+    path: str | os.PathLike,
+    *,
+    fmt: str,
+    version: int | tuple[int, ...],
+    model_tensors: dict,
+    model_name: str,
+    what: str,
 ) -> tuple[dict, dict]:
     """``(metadata, tensors)`` of a safetensors file bound to a model file's tensors (its metadata
     records ``format``, ``version`` and the model's :func:`tensors_sha256`): the output-layer
@@ -447,8 +453,12 @@ def read_bound_file(
         raise ValueError(f"{path}: not a readable safetensors {noun} ({_first_line(err)})") from None
     if meta.get("format") != fmt:
         raise ValueError(f"{path}: not a bayesfuse {what} (format {meta.get('format')!r})")
-    if meta.get("version") != str(version):
-        raise ValueError(f"{path}: {what} version {meta.get('version')!r} is not one this bayesfuse reads ({version})")
+    versions = (version,) if isinstance(version, int) else version
+    if meta.get("version") not in [str(v) for v in versions]:
+        raise ValueError(
+            f"{path}: {what} version {meta.get('version')!r} is not one this bayesfuse reads "
+            f"({', '.join(map(str, versions))})"
+        )
     if meta.get("model_tensors_sha256") != tensors_sha256(model_tensors):
         raise ValueError(
             f"{path}: this {what} was written for other tensors than {model_name}'s; fuse again, or "
@@ -483,7 +493,9 @@ def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str
 # --------------------------------------------------------------------------- the clients' own heads
 
 HEADS_FORMAT = "bayesfuse-client-heads"
-HEADS_VERSION = 1
+HEADS_VERSION = 2
+#: The heads files this code reads (1: without ``examples``, whose heads are not smoothed).
+HEADS_READ_VERSIONS = (1, 2)
 _HEAD_ARRAYS = ("weight", "bias", "shares")
 
 
@@ -523,7 +535,7 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
     meta, tensors = read_bound_file(
         path,
         fmt=HEADS_FORMAT,
-        version=HEADS_VERSION,
+        version=HEADS_READ_VERSIONS,
         model_tensors=model_tensors,
         model_name=model_name,
         what="client heads",
@@ -535,10 +547,12 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
 
 def heads_arrays(heads: dict) -> dict[str, np.ndarray]:
     """The arrays of :func:`~bayesfuse.inference.client_heads.one_shot_heads`'s heads, float64:
-    ``weight``, ``bias``, ``shares`` and each ``laplace/<key>``, a Kronecker-factored posterior's
-    Gram as each head's block at its support, ``laplace/gram/<j>`` (a heads file's layout, and the
-    temperature round's record of the heads in Flower)."""
+    ``weight``, ``bias``, ``shares``, ``examples`` (where known) and each ``laplace/<key>``, a
+    Kronecker-factored posterior's Gram as each head's block at its support, ``laplace/gram/<j>``
+    (a heads file's layout, and the temperature round's record of the heads in Flower)."""
     tensors = {k: np.ascontiguousarray(heads[k], dtype=np.float64) for k in _HEAD_ARRAYS}
+    if heads.get("examples") is not None:
+        tensors["examples"] = np.ascontiguousarray(heads["examples"], dtype=np.float64)
     laplace = dict(heads.get("laplace") or {})
     if "gram" in laplace:
         gram, support = np.asarray(laplace.pop("gram")), np.asarray(laplace["support"], dtype=bool)
@@ -557,7 +571,7 @@ def heads_from_arrays(tensors: dict, output: str, form: str, name: str) -> dict:
     if missing:
         raise ValueError(f"{name}: the client heads are incomplete (missing {missing})")
     heads: dict = {k: np.asarray(tensors[k]) for k in _HEAD_ARRAYS}
-    heads.update(output=output, form=form)
+    heads.update(output=output, form=form, examples=np.asarray(tensors["examples"]) if "examples" in tensors else None)
     laplace: dict[str, Any] = {
         k[len("laplace/") :]: np.asarray(v)
         for k, v in tensors.items()

@@ -38,7 +38,9 @@ network (``shared``) or each from its own (``independent``), then one global mod
                  default with summaries, "... linear" the mixture); with summaries each head is its
                  client's Kronecker-factored Laplace posterior ("... diagonal heads": the
                  summaries' diagonal one, their output factors left out; "... map": the means
-                 alone); "pfnm +summaries shared head" fuses one output layer with its Laplace
+                 alone); every head's predictive is smoothed by its client's examples
+                 (``ClientHeads.pseudo_count``, 1; "... unsmoothed": 0); "pfnm +summaries
+                 shared head" fuses one output layer with its Laplace
                  posterior (the default with summaries before the heads);
                  "pfnm 2 rounds client heads" keeps the clients' refitted output layers, each
                  its fit's Laplace posterior, and predicts with their class-share mixture
@@ -95,6 +97,7 @@ from bayesfuse.data.partition import Partition, dirichlet_partition, holdout_par
 from bayesfuse.demo import format_table
 from bayesfuse.federated import run_fedavg
 from bayesfuse.inference.result import ConvergenceWarning
+from bayesfuse.nets.heads import PSEUDO_COUNT
 from bayesfuse.train import TrainConfig, new_model, torch_threads, train_clients
 
 QUICK = dict(dataset="digits", seeds=[0], inits=["shared"], epochs=3, sweep=[1.0, 10.0])
@@ -122,10 +125,14 @@ SUMMARY_ROWS = {
 HEAD_VARIANTS = {
     "pfnm client heads": {"pfnm client heads log": {"pool": "log"}},
     "pfnm +summaries": {
-        "pfnm +summaries linear": {"pool": "linear", "predictive": "laplace"},
-        "pfnm +summaries map": {"pool": "log", "predictive": "map"},
+        "pfnm +summaries unsmoothed": {"pool": "log", "predictive": "laplace", "pseudo_count": 0.0},
+        "pfnm +summaries linear": {"pool": "linear", "predictive": "laplace", "pseudo_count": PSEUDO_COUNT},
+        "pfnm +summaries map": {"pool": "log", "predictive": "map", "pseudo_count": PSEUDO_COUNT},
     },
-    "pfnm +summaries diagonal heads": {"pfnm +summaries diagonal heads linear": {"pool": "linear"}},
+    "pfnm +summaries diagonal heads": {
+        "pfnm +summaries diagonal heads unsmoothed": {"pool": "log", "pseudo_count": 0.0},
+        "pfnm +summaries diagonal heads linear": {"pool": "linear", "pseudo_count": PSEUDO_COUNT},
+    },
     "pfnm 2 rounds client heads": {
         "pfnm 2 rounds client heads map": {"pool": "linear", "predictive": "map"},
         "pfnm 2 rounds client heads log": {"pool": "log", "predictive": "laplace"},

@@ -345,3 +345,29 @@ def test_a_heads_file_keeps_the_kronecker_posterior_and_its_scales(tmp_path):
     assert pool == "log" and back["form"] == "kronecker" and set(back["laplace"]) == set(laplace)
     for key, value in laplace.items():
         np.testing.assert_array_equal(back["laplace"][key], value)
+    assert back["examples"] is None  # no class counts: no smoothing
+    heads["examples"] = np.array([30.0, 12.0])
+    path.write_bytes(heads_bytes(heads, pool="log", model_tensors=model))
+    np.testing.assert_array_equal(read_heads(path, model, "fused.pt")[0]["examples"], [30.0, 12.0])
+
+
+def test_a_version_1_heads_file_is_read_without_smoothing(tmp_path):
+    """Heads files written before the examples were kept (version 1) still load; their heads know
+    no examples, so they predict unsmoothed, as they did. An unknown version is refused."""
+    from safetensors.numpy import save
+
+    from bayesfuse.checkpoints import HEADS_FORMAT, read_heads, tensors_sha256
+
+    K, G = 3, 4
+    model = {"layers.1.weight": torch.zeros(K, G)}
+    tensors = {"weight": np.ones((2, K, G)), "bias": np.zeros((2, K)), "shares": np.full((2, K), 0.5)}
+    for version, ok in (("1", True), ("3", False)):
+        meta = dict(format=HEADS_FORMAT, version=version, output="layers.1", form="map", pool="log")
+        meta["model_tensors_sha256"] = tensors_sha256(model)
+        path = tmp_path / f"v{version}.heads.safetensors"
+        path.write_bytes(save(tensors, metadata=meta))
+        if ok:
+            assert read_heads(path, model, "fused.pt")[0]["examples"] is None
+        else:
+            with pytest.raises(ValueError, match=r"version '3' is not one this bayesfuse reads \(1, 2\)"):
+                read_heads(path, model, "fused.pt")

@@ -173,7 +173,8 @@ def one_shot_heads(
         ``shares`` (J, K), ``form`` (:data:`HEAD_FORMS`) and ``laplace``: None, ``{"precision":
         (J, K, G+1)}``, or ``{"gram": (J, G+1, G+1), "curvature": (J, K, K), "n": (J,),
         "prior_precision": (J,), "support": (J, G+1)}`` and, with ``trace_match``, ``"scale": (J,)``,
-        with ``ekfac``, ``"eigenvalues": (J, G+1, K)`` (the arguments of
+        with ``ekfac``, ``"eigenvalues": (J, G+1, K)``; ``examples``, each client's class counts
+        summed (J,), which smooth its head's predictive, None without counts (the arguments of
         :class:`~bayesfuse.nets.heads.ClientHeads`).
 
     Raises
@@ -209,7 +210,8 @@ def one_shot_heads(
             raise ValueError("ekfac needs every summary's output factors (Kronecker-factored heads)")
         else:
             form, laplace = "diagonal", _diagonal(summaries, columns, weight_key, bias_key, G, K)
-    return dict(output=output, weight=weight, bias=bias, shares=shares, form=form, laplace=laplace)
+    examples = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
+    return dict(output=output, weight=weight, bias=bias, shares=shares, form=form, laplace=laplace, examples=examples)
 
 
 def _diagonal(summaries, columns, weight_key: str, bias_key: str, G: int, K: int) -> dict:

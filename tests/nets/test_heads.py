@@ -15,7 +15,7 @@ from torch import nn
 import bayesfuse
 from bayesfuse.data import dirichlet_partition
 from bayesfuse.inference.result import ConvergenceWarning
-from bayesfuse.nets.heads import ClientHeads, class_shares, logit_variances, logits_and_features
+from bayesfuse.nets.heads import PSEUDO_COUNT, ClientHeads, class_shares, logit_variances, logits_and_features
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.summaries import output_features, output_fit
 from bayesfuse.train import TrainConfig, train_clients
@@ -70,6 +70,70 @@ def test_pools_by_hand(pool):
     expected = pooled / pooled.sum(1, keepdims=True)
     got = predict_proba(ClientHeads(net, "2", weight, bias, shares, pool=pool), x)
     assert np.allclose(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_smoothing_is_the_dirichlet_posterior_mean_of_each_heads_predictive():
+    """Head j's predictive becomes ``(n_j p + c) / (n_j + K c)`` (the module docstring), against
+    the unsmoothed heads of the same weights; so no head puts less than ``c / (n_j + K c)`` on a
+    class, however confidently wrong its softmax, and the log pool's veto is bounded by that."""
+    net = _network()
+    rng = np.random.default_rng(3)
+    weight, bias, shares = _heads(rng)
+    weight[1] *= 200.0  # head 1 is sure of itself: its softmax reaches e^-100 and below
+    x = torch.randn(20, 5)
+    n = np.array([40.0, 9.0, 120.0])
+    plain = ClientHeads(net, "2", weight, bias, shares, pool="log")
+    with torch.no_grad():
+        raw = plain.head_log_probs(x).numpy()
+    assert raw.min() < -100.0
+    for c in (1.0, 0.25):
+        model = ClientHeads(net, "2", weight, bias, shares, pool="log", examples=n, pseudo_count=c)
+        with torch.no_grad():
+            got = model.head_log_probs(x).numpy()
+        expected = np.log((n[:, None, None] * np.exp(raw) + c) / (n[:, None, None] + 3 * c))
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+        floor = np.log(c / (n + 3 * c))
+        assert (got >= floor[:, None, None] - 1e-12).all()
+        # the geometric pool of the smoothed heads, by hand
+        pooled = np.exp(np.einsum("jk,jnk->nk", shares, expected))
+        np.testing.assert_allclose(predict_proba(model, x), pooled / pooled.sum(1, keepdims=True), rtol=1e-10)
+    # c = 0, or no examples: the heads as they are
+    off = ClientHeads(net, "2", weight, bias, shares, pool="log", examples=n, pseudo_count=0.0)
+    np.testing.assert_array_equal(predict_proba(off, x), predict_proba(plain, x))
+    model.pseudo_count = 0
+    np.testing.assert_array_equal(predict_proba(model, x), predict_proba(plain, x))
+    # a head with no examples knows nothing: uniform
+    empty = ClientHeads(net, "2", weight, bias, shares, examples=[0.0, 9.0, 120.0])
+    with torch.no_grad():
+        np.testing.assert_allclose(empty.head_log_probs(x)[0].numpy(), np.log(1 / 3), rtol=1e-12)
+    for bad in (-1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="pseudo_count must be a finite number >= 0"):
+            ClientHeads(net, "2", weight, bias, shares, pseudo_count=bad)
+    for examples in ([1.0, 2.0], [1.0, -2.0, 3.0], [1.0, np.inf, 3.0]):
+        with pytest.raises(ValueError, match="examples must be 3 finite numbers >= 0"):
+            ClientHeads(net, "2", weight, bias, shares, examples=examples)
+
+
+def test_the_heads_variants_keep_their_smoothing():
+    """with_diagonal, with_scale and with_eigenvalues keep the examples and the pseudo-count."""
+    net = _network()
+    rng = np.random.default_rng(4)
+    weight, bias, shares = _heads(rng)
+    J, K, G = weight.shape
+    a = rng.normal(size=(J, G + 1, G + 1))
+    laplace = dict(
+        gram=a @ a.transpose(0, 2, 1),
+        curvature=np.tile(np.eye(K) - 1 / K, (J, 1, 1)),
+        n=np.full(J, 10.0),
+        prior_precision=1.0,
+    )
+    model = ClientHeads(net, "2", weight, bias, shares, laplace=laplace, examples=[5.0, 6.0, 7.0], pseudo_count=0.5)
+    for twin in (
+        model.with_diagonal(np.full((J, K, G + 1), 3.0)),
+        model.with_scale(np.full(J, 2.0)),
+        model.with_eigenvalues(np.ones((J, G + 1, K))),
+    ):
+        assert twin.pseudo_count == 0.5 and twin.examples.tolist() == [5.0, 6.0, 7.0]
 
 
 def test_class_shares_and_refusals():
@@ -194,7 +258,10 @@ def test_one_shot_heads_are_the_clients_output_layers_moved_to_their_global_unit
         w = m.layers[1].weight.detach().double().numpy()
         b = m.layers[1].bias.detach().double().numpy()
         z = sum(np.outer(h[:, g], w[:, l]) for l, g in enumerate(np.asarray(a))) + b  # unit l sits at global g
-        logs.append(np.log(_softmax(z)))
+        # smoothed by the client's examples: (n_j p + c) / (n_j + K c), c = 1 (Laplace's rule)
+        n = part.counts[j].sum()
+        logs.append(np.log((n * _softmax(z) + 1.0) / (n + z.shape[1])))
+    assert model.pseudo_count == PSEUDO_COUNT == 1.0
     # the class-share mixture of those heads, in any client order
     shares = class_shares(part.counts)
     mixture = sum(shares[j] * np.exp(logs[j]) for j in range(4))
@@ -596,6 +663,7 @@ def test_trace_matched_one_shot_heads_have_the_exact_ggn_trace(federation):
         *(t.numpy() for t in (heads.weight, heads.bias, heads.shares)),
         pool="log",
         laplace=_laplace_of(heads, n=heads.n * heads.scale),
+        examples=heads.examples.numpy(),
     ).eval()
     x = split.test.x[:50]
     np.testing.assert_allclose(predict_proba(heads, x), predict_proba(folded, x), rtol=1e-12, atol=1e-12)
@@ -611,6 +679,7 @@ def test_trace_matched_one_shot_heads_have_the_exact_ggn_trace(federation):
         *(t.numpy() for t in (plain.weight, plain.bias, plain.shares)),
         pool="log",
         laplace=_laplace_of(plain, scale=scale),
+        examples=plain.examples.numpy(),
     ).eval()
     np.testing.assert_allclose(predict_proba(twin, x), predict_proba(built, x), rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="Kronecker-factored heads; these are 'map'"):
