@@ -368,6 +368,7 @@ def _client_heads(fused, states, counts, summaries, fused_sd: dict, out: Path, p
         "clients": len(states),
         "stores": "each client's own output layer on the fused hidden units"
         + (f" with its {heads['form']} Laplace posterior" if heads["form"] != "map" else "")
+        + (" and its number of examples, which smooths its predictive" if heads.get("examples") is not None else "")
         + "; bayesfuse.load returns a ClientHeads that predicts with them",
     }
 

@@ -709,7 +709,12 @@ def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, po
     pooled = "geometric pool" if pool == "log" else "mixture"
     fused.hyper["predictive"] = (
         f"class-share {pooled} of the clients' own output layers on the fused features (ClientHeads, one shot"
-        + (f", each its client's {form} Laplace posterior)" if form else ")")
+        + (f", each its client's {form} Laplace posterior" if form else "")
+        + (
+            f", smoothed by its client's examples, pseudo-count {heads.pseudo_count:g} per class)"
+            if hasattr(heads, "examples")
+            else ")"
+        )
     )
     fused.hyper["head"] = "clients"
     fused.hyper["pool"] = pool

@@ -223,6 +223,11 @@ def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp
     np.testing.assert_allclose(
         predict_proba(loaded, split.test.x), predict_proba(direct.model, split.test.x), atol=1e-5
     )
+    # each head smoothed by its client's examples, in the file as in fuse()
+    assert "smooths its predictive" in report["heads"]["stores"] and loaded.pseudo_count == 1.0
+    assert sorted(loaded.examples.tolist()) == sorted(direct.model.examples.tolist())
+    assert sorted(loaded.examples.tolist()) == sorted(float(s.n_examples) for s in summaries)
+    assert "smoothed by its client's examples" in direct.hyper["predictive"]
     # data-free: the heads' means, mixed; and the linear pool on request
     assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--head", "clients",
                  "--summaries", "none", "--pool", "log", "--force"]) == 0  # fmt: skip
