@@ -321,6 +321,11 @@ def fuse(
                 f"head={head!r} is for one-shot pfnm and nafi, their temperature round, and the refit round of "
                 f"pfnm, nafi, ot and fedavg; {method} has one head"
             )
+        if rounds != 1 or second_round != "refit":
+            raise ValueError(
+                f"method={method!r} runs its own rounds (one per layer, passes=P for more); rounds and "
+                "second_round are for the one-shot methods"
+            )
         return to_callers(
             _with_multihead(
                 _fuse_fedma(

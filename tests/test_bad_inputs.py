@@ -426,6 +426,16 @@ API_CASES = [
         "client [01] lacks entries",
     ),
     (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma"), ValueError, r"data=\(train, partition\)"),
+    (
+        lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma", rounds=2),
+        ValueError,
+        "method='fedma' runs its own rounds .*rounds and second_round are for the one-shot methods",
+    ),
+    (
+        lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma", second_round="temperature"),
+        ValueError,
+        "method='fedma' runs its own rounds",
+    ),
     (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "pfnm", direction="sideways"), ValueError, "direction"),
     (
         lambda: fuse([nn.Sequential(nn.Linear(4, 3, bias=False), nn.BatchNorm1d(3), nn.Linear(3, 2))] * 2),
