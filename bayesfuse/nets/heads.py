@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -213,6 +214,7 @@ class ClientHeads(nn.Module):
     shares: torch.Tensor
     temperature: torch.Tensor
     examples: torch.Tensor  # where the heads know their examples only
+    _pseudo_count: float
     gram_vals: torch.Tensor  # with Kronecker-factored posteriors (laplace=) only, as the buffers below
     inv_precision: torch.Tensor  # with diagonal posteriors only
     gram_vecs: torch.Tensor
@@ -267,10 +269,12 @@ class ClientHeads(nn.Module):
         self.pseudo_count = pseudo_count
         if examples is not None:
             counts = torch.as_tensor(np.array(examples, dtype=np.float64))
-            if counts.shape != (J,) or not bool((torch.isfinite(counts) & (counts >= 0)).all()):
+            if counts.shape != (J,):
                 raise ValueError(
-                    f"examples must be {J} finite numbers >= 0 (each head's examples), got shape {tuple(counts.shape)}"
+                    f"examples must be {J} numbers (each head's examples), got shape {tuple(counts.shape)}"
                 )
+            if not bool((torch.isfinite(counts) & (counts >= 0)).all()):
+                raise ValueError(f"each head's examples must be a finite number >= 0, got {counts.tolist()}")
             self.register_buffer("examples", counts)
         self._predictive = "map"
         if laplace is not None:
@@ -559,7 +563,11 @@ class ClientHeads(nn.Module):
 
     @pseudo_count.setter
     def pseudo_count(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        if (
+            isinstance(value, (bool, np.bool_))
+            or not isinstance(value, numbers.Real)
+            or not (math.isfinite(value) and value >= 0)
+        ):
             raise ValueError(f"pseudo_count must be a finite number >= 0, got {value!r}")
         self._pseudo_count = float(value)
 
@@ -578,7 +586,8 @@ class ClientHeads(nn.Module):
         if not hasattr(self, "examples") or self.pseudo_count == 0:
             return log_p
         K = log_p.shape[-1]
-        eps = (K * self.pseudo_count / (self.examples + K * self.pseudo_count))[:, None, None]  # in (0, 1]
+        # eps = K c / (n + K c), written so that no large c overflows; in (0, 1], 1 for a head of no examples
+        eps = (1.0 / (1.0 + self.examples / (K * self.pseudo_count)))[:, None, None]
         return torch.logaddexp(torch.log1p(-eps) + log_p, torch.log(eps / K))
 
     def _head_log_probs(self, x: torch.Tensor) -> torch.Tensor:

@@ -109,9 +109,17 @@ def test_smoothing_is_the_dirichlet_posterior_mean_of_each_heads_predictive():
     for bad in (-1.0, float("nan"), True, "1"):
         with pytest.raises(ValueError, match="pseudo_count must be a finite number >= 0"):
             ClientHeads(net, "2", weight, bias, shares, pseudo_count=bad)
-    for examples in ([1.0, 2.0], [1.0, -2.0, 3.0], [1.0, np.inf, 3.0]):
-        with pytest.raises(ValueError, match="examples must be 3 finite numbers >= 0"):
+    with pytest.raises(ValueError, match=r"examples must be 3 numbers \(each head's examples\), got shape \(2,\)"):
+        ClientHeads(net, "2", weight, bias, shares, examples=[1.0, 2.0])
+    for examples in ([1.0, -2.0, 3.0], [1.0, np.inf, 3.0]):
+        with pytest.raises(ValueError, match="each head's examples must be a finite number >= 0, got"):
             ClientHeads(net, "2", weight, bias, shares, examples=examples)
+    # NumPy numbers are numbers; a huge pseudo-count makes every head uniform, not NaN
+    model.pseudo_count = np.float32(0.5)
+    model.pseudo_count = np.int64(1)
+    model.pseudo_count = 1e308
+    with torch.no_grad():
+        np.testing.assert_allclose(model.head_log_probs(x).numpy(), np.log(1 / 3), rtol=1e-9)
 
 
 def test_the_heads_variants_keep_their_smoothing():
@@ -193,6 +201,17 @@ def test_the_refit_round_keeps_the_clients_fits_as_heads(federation):
         model.prior, torch.full((model.n_heads,), lam / 4, dtype=torch.float64)
     )
     assert torch.allclose(model.n, torch.as_tensor(np.asarray(part.counts)[order].sum(1), dtype=torch.float64))
+    # each head smoothed by its client's examples (the class counts of its reply, summed), in the fused order
+    examples = np.asarray(part.counts)[order].sum(1).astype(float)
+    np.testing.assert_array_equal(model.examples.numpy(), examples)
+    assert model.pseudo_count == 1.0 and "smoothed by its client's examples" in heads.hyper["predictive"]
+    with torch.no_grad():
+        smoothed = model.head_log_probs(torch.as_tensor(x, dtype=torch.float32)).numpy()
+        model.pseudo_count = 0
+        raw = model.head_log_probs(torch.as_tensor(x, dtype=torch.float32)).numpy()
+        model.pseudo_count = 1.0
+    n = examples[:, None, None]
+    np.testing.assert_allclose(np.exp(smoothed), (n * np.exp(raw) + 1) / (n + raw.shape[-1]), rtol=1e-12)
     model.predictive = "map"
     assert not np.allclose(predict_proba(model, split.test.x), probs)
 
