@@ -172,7 +172,9 @@ def fuse(
         ``class_counts``), ``"ot"`` (OT fusion, Singh & Jaggi 2020) or ``"kl"`` (KL-fusion, BNNs only).
     class_counts : (J, K) array, optional
         Examples of each class per client (``Partition.counts``); weights outgoing weights and
-        output biases by class shares as the PFNM reference does. Uniform when omitted.
+        output biases by class shares as the PFNM reference does. Uniform when omitted. Counts,
+        not shares: their totals smooth the clients' own heads (``head="clients"``,
+        :class:`~bayesfuse.nets.heads.ClientHeads`).
     spec : PermutationSpec, optional
         Which axes each hidden permutation acts on; derived from ``models[0]`` when omitted
         (:func:`~bayesfuse.nets.spec.spec_from_module`). For networks with position-aware
@@ -243,6 +245,10 @@ def fuse(
         over-confident candidates.
         3 (with ``second_round="batchnorm"`` only): the batch-norm round, then the refit round
         (``hyper["third_round"]``).
+        ``method="fedma"`` runs its own rounds; ``rounds=2`` then adds the refit round after them
+        (``second_round="refit"``): the clients fit the output layer on the FedMA network's
+        features and the server multiplies their Laplace fits in place of FedMA's class-share
+        average, and returns its ``LastLayerLaplace`` (``hyper["rounds"]`` counts it).
     second_round : {"refit", "temperature", "batchnorm"}
         What the second round does. ``"refit"`` (default): the server sends the fused network;
         each client fits its output layer on the fused features of its own data and returns the
@@ -321,28 +327,25 @@ def fuse(
                 f"head={head!r} is for one-shot pfnm and nafi, their temperature round, and the refit round of "
                 f"pfnm, nafi, ot and fedavg; {method} has one head"
             )
-        if rounds != 1 or second_round != "refit":
+        if rounds not in (1, 2) or isinstance(rounds, bool) or second_round != "refit":
             raise ValueError(
-                f"method={method!r} runs its own rounds (one per layer, passes=P for more); rounds and "
-                "second_round are for the one-shot methods"
+                f"method={method!r} runs its own rounds (one per layer, passes=P for more); rounds=2 adds one "
+                "more, the refit round of the output layer (second_round='refit'), and nothing else is offered"
             )
-        return to_callers(
-            _with_multihead(
-                _fuse_fedma(
-                    models,
-                    data,
-                    retrain,
-                    class_counts=class_counts,
-                    spec=spec,
-                    seed=seed,
-                    verbose=verbose,
-                    start=start,
-                    **hyper,
-                ),
-                template,
-            ),
-            order,
+        result = _fuse_fedma(
+            models,
+            data,
+            retrain,
+            class_counts=class_counts,
+            spec=spec,
+            seed=seed,
+            verbose=verbose,
+            start=start,
+            **hyper,
         )
+        if rounds == 2:
+            result = _fedma_refit(result, models, data, start)
+        return to_callers(_with_multihead(result, template), order)
     if rounds not in (1, 2, 3) or isinstance(rounds, bool):
         raise ValueError(f"rounds must be 1 (one shot), 2 or 3 (more rounds on the clients' data), got {rounds!r}")
     if rounds > 1 and data is None:
@@ -778,8 +781,10 @@ def _refit_round(
         model = ClientHeads.from_fits(
             network, output, fits, counts, pool=pool or "linear", prior_precision=prior_precision / len(partition)
         )
+        pooled = "geometric pool" if model.pool == "log" else "mixture"
         fused.hyper["predictive"] = (
-            "class-share mixture of the clients' refitted output layers, each its fit's Laplace posterior (ClientHeads)"
+            f"class-share {pooled} of the clients' refitted output layers, each its fit's Laplace posterior, "
+            f"smoothed by its client's examples, pseudo-count {model.pseudo_count:g} per class (ClientHeads)"
         )
     else:
         model = LastLayerLaplace(network, output, covariance=covariance).eval()
@@ -836,6 +841,24 @@ def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, sta
         groups=tuple(run.spec.groups),
         posteriors=[(layer.mean, layer.var) for layer in layers],
     )
+
+
+def _fedma_refit(result: FusionResult, models, data, start: float) -> FusionResult:
+    """FedMA's network with its output layer refitted in one more round (:func:`_refit_round`):
+    every client fits the output layer on the FedMA body's features of its own data, and the
+    server multiplies the fits in place of FedMA's class-share average (FedMA Alg. 1, last line)."""
+    from types import SimpleNamespace
+
+    from bayesfuse.nets.spec import spec_from_module
+
+    network = result.model
+    fused = SimpleNamespace(spec=spec_from_module(network), state=numpy_state(network), hyper=result.hyper)
+    _, model = _refit_round(fused, network, models, data)
+    report = result.hyper["second_round"]
+    result.hyper["rounds"] += 1
+    result.hyper["bytes_up"] += report["bytes_up"] * len(data[1])
+    result.hyper["bytes_down"] += report["bytes_down"] * len(data[1])
+    return replace(result, model=model, seconds=time.perf_counter() - start)
 
 
 def _aligned_heads(models, spec: PermutationSpec) -> tuple[list[nn.Module], list[dict]]:

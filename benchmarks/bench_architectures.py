@@ -3,14 +3,14 @@
 Usage: python benchmarks/bench_architectures.py [--arch resnet20|vit] [--dataset fashion-mnist] [--clients 10]
        [--alpha 0.5] [--seeds 0 1 2] [--width W] [--train-size 4000] [--test-size 5000] [--epochs 5]
        [--retrain-epochs 1] [--fedma-passes 1] [--methods fedavg ot pfnm nafi fedma fedavg-rounds fedavg+bn ot+bn
-       pfnm+bn pfnm+bn+refit pfnm+refit] [--shared-init] [--data-path DIR] [--jobs N]
+       pfnm+bn pfnm+bn+refit pfnm+refit fedma+refit] [--shared-init] [--data-path DIR] [--jobs N]
 
 ``--arch vit``: the small vision transformer (``bayesfuse.nets.attention.vit``: 16 patches of 7x7
 pixels, a stream of 32 x ``--width``, 2 pre-norm blocks of 4 heads of 8 x ``--width`` and an MLP
 of 64 x ``--width``, mean pooling; default width 1); its heads are aligned before matching
 (``bayesfuse.inference.heads``). It has no batch norms, so its methods are
-``fedavg ot pfnm nafi fedma fedavg-rounds pfnm+refit`` (``METHOD+refit``: the one-shot fusion,
-then the output refit round, ``fuse(..., rounds=2, data=...)``). ``--jobs N`` runs N seeds at
+``fedavg ot pfnm nafi fedma fedavg-rounds pfnm+refit fedma+refit`` (``METHOD+refit``: the
+fusion, then the output refit round, ``fuse(..., rounds=2, data=...)``). ``--jobs N`` runs N seeds at
 once in separate processes (one torch thread each), for machines with the cores.
 
 For each seed: ``--train-size`` training examples drawn at random (seeded) from the dataset's
@@ -35,6 +35,9 @@ client from its own initialisation unless ``--shared-init``. Then the global mod
   output layer, ``--retrain-epochs`` of client training after each; with ``--fedma-passes P > 1``,
   FedMA with communication (section 2.3): P such passes, each client rebuilding its own widths
   from the global model and training ``--retrain-epochs`` before the next (one more round each);
+* ``fedma+refit``: FedMA, then one more round that refits its output layer (``fuse(...,
+  "fedma", rounds=2)``: the product of the clients' Laplace fits on the FedMA body in place of
+  FedMA's class-share average);
 * ``fedavg xR rounds``: FedAvg from one shared initialisation for as many rounds R as FedMA uses,
   ``--retrain-epochs`` each.
 
@@ -85,11 +88,12 @@ METHODS = (
     "pfnm+bn",
     "pfnm+bn+refit",
     "pfnm+refit",
+    "fedma+refit",
 )
 #: What each architecture runs by default: the ViT has no batch norms for the ``+bn`` rounds.
 DEFAULT_METHODS = {
-    "resnet20": METHODS[:-1],
-    "vit": ("fedavg", "ot", "pfnm", "nafi", "fedma", "fedavg-rounds", "pfnm+refit"),
+    "resnet20": METHODS[:-2] + ("fedma+refit",),
+    "vit": ("fedavg", "ot", "pfnm", "nafi", "fedma", "fedavg-rounds", "pfnm+refit", "fedma+refit"),
 }
 DEFAULT_WIDTH = {"resnet20": 0.25, "vit": 1.0}
 #: Local epochs: the ViT (19,594 parameters) trains an epoch about ten times faster than ResNet-20 x
@@ -183,8 +187,9 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
                 model, seconds, rounds, name = run.model, run.seconds, n_rounds, f"fedavg x{n_rounds} rounds"
             else:
                 base, *rounds_after = method.split("+")
-                if base == "fedma":
+                if base == "fedma":  # "+refit": the refit round after FedMA's own (rounds=2)
                     data = {"data": (split.train, part), "retrain": retrain, "passes": passes}
+                    data["rounds"] = 2 if rounds_after == ["refit"] else 1
                 elif rounds_after:  # the batch-norm round and/or the refit round, in that order
                     data = {
                         "class_counts": part.counts,

@@ -427,9 +427,9 @@ API_CASES = [
     ),
     (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma"), ValueError, r"data=\(train, partition\)"),
     (
-        lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma", rounds=2),
+        lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma", rounds=3),
         ValueError,
-        "method='fedma' runs its own rounds .*rounds and second_round are for the one-shot methods",
+        r"method='fedma' runs its own rounds .*rounds=2 adds one more, the refit round",
     ),
     (
         lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma", second_round="temperature"),

@@ -117,6 +117,39 @@ def test_fuse_fedma_and_fedavg_methods(digits):
         fuse(models, "pfnm", data=(split.train, part))
 
 
+def test_fedma_then_the_refit_round_keeps_fedmas_body_and_refits_its_output_layer(digits):
+    """rounds=2 after FedMA: the body is FedMA's, bit for bit (FedMA is seeded); the output layer is
+    the product of the clients' Laplace fits on that body's features of their own data (written out
+    here from output_fit and output_posterior on the plain FedMA network), as the one-shot
+    methods' refit round does; one round more is counted."""
+    from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights
+    from bayesfuse.nets.laplace import LastLayerLaplace
+    from bayesfuse.summaries import output_fit
+
+    split, part = digits
+    cfg = CONFIGS["mlp"]
+    models = train_clients(split.train, part, cfg, verbose=False)
+    kwargs = dict(data=(split.train, part), retrain=replace(cfg, epochs=1), seed=0)
+    one = fuse(models, "fedma", **kwargs)
+    two = fuse(models, "fedma", rounds=2, **kwargs)
+    assert isinstance(two.model, LastLayerLaplace) and two.hyper["rounds"] == one.hyper["rounds"] + 1
+    assert two.hyper["second_round"]["kind"] == "refit" and two.hyper["bytes_up"] > one.hyper["bytes_up"]
+    output = "layers.2"
+    body, refitted = one.model.state_dict(), two.model.network.state_dict()
+    for k, v in body.items():
+        if not k.startswith(output):
+            torch.testing.assert_close(refitted[k], v, rtol=0, atol=0)
+    prior = prior_precision_from_weights(
+        [m.get_submodule(output).weight.detach().numpy() for m in models], fan_in=body[output + ".weight"].shape[1]
+    )
+    fits = [output_fit(one.model, output, split.train.x[i], split.train.y[i], prior, n_clients=len(part)) for i in part]
+    mean, _, _ = output_posterior(fits, prior, by_evidence=True)
+    np.testing.assert_allclose(refitted[output + ".weight"].numpy(), mean[:-1].T, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(body[output + ".weight"].numpy(), mean[:-1].T, atol=1e-3)  # not FedMA's average
+    with pytest.raises(ValueError, match="rounds=2 adds one more, the refit round"):
+        fuse(models, "fedma", rounds=2, second_round="temperature", **kwargs)
+
+
 def test_fedavg_rounds_improve_on_one_round(digits):
     split, part = digits
     cfg = replace(CONFIGS["mlp"], epochs=2)
