@@ -341,10 +341,9 @@ def fuse(
             seed=seed,
             verbose=verbose,
             start=start,
+            refit=rounds == 2,
             **hyper,
         )
-        if rounds == 2:
-            result = _fedma_refit(result, models, data, start)
         return to_callers(_with_multihead(result, template), order)
     if rounds not in (1, 2, 3) or isinstance(rounds, bool):
         raise ValueError(f"rounds must be 1 (one shot), 2 or 3 (more rounds on the clients' data), got {rounds!r}")
@@ -714,19 +713,27 @@ def _own_heads(fused, model: nn.Module, states, class_counts, summaries=None, po
     pool = pool or default_pool(summaries)
     heads = ClientHeads.from_clients(network, fused.spec, states, assignments, class_counts, summaries, pool=pool)
     form = {"kronecker": "Kronecker-factored", "diagonal": "diagonal"}.get(heads.form)
-    pooled = "geometric pool" if pool == "log" else "mixture"
     fused.hyper["predictive"] = (
-        f"class-share {pooled} of the clients' own output layers on the fused features (ClientHeads, one shot"
+        f"class-share {_pooled(heads)} of the clients' own output layers on the fused features (ClientHeads, one shot"
         + (f", each its client's {form} Laplace posterior" if form else "")
-        + (
-            f", smoothed by its client's examples, pseudo-count {heads.pseudo_count:g} per class)"
-            if hasattr(heads, "examples")
-            else ")"
-        )
+        + _smoothing(heads)
+        + ")"
     )
     fused.hyper["head"] = "clients"
     fused.hyper["pool"] = pool
     return heads
+
+
+def _pooled(heads) -> str:
+    """How :class:`~bayesfuse.nets.heads.ClientHeads` pool their heads, in words for a report."""
+    return "geometric pool" if heads.pool == "log" else "mixture"
+
+
+def _smoothing(heads) -> str:
+    """``", smoothed by ..."`` where the heads smooth their predictive by their examples, else ``""``."""
+    if not hasattr(heads, "examples") or heads.pseudo_count == 0:
+        return ""
+    return f", smoothed by its client's examples, pseudo-count {heads.pseudo_count:g} per class"
 
 
 def _refit_round(
@@ -781,10 +788,9 @@ def _refit_round(
         model = ClientHeads.from_fits(
             network, output, fits, counts, pool=pool or "linear", prior_precision=prior_precision / len(partition)
         )
-        pooled = "geometric pool" if model.pool == "log" else "mixture"
         fused.hyper["predictive"] = (
-            f"class-share {pooled} of the clients' refitted output layers, each its fit's Laplace posterior, "
-            f"smoothed by its client's examples, pseudo-count {model.pseudo_count:g} per class (ClientHeads)"
+            f"class-share {_pooled(model)} of the clients' refitted output layers, each its fit's Laplace "
+            f"posterior{_smoothing(model)} (ClientHeads)"
         )
     else:
         model = LastLayerLaplace(network, output, covariance=covariance).eval()
@@ -805,7 +811,14 @@ def _refit_round(
     return fused, model
 
 
-def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, start, **hyper) -> FusionResult:
+def _fuse_fedma(
+    models, data, retrain, *, class_counts, spec, seed, verbose, start, refit: bool = False, **hyper
+) -> FusionResult:
+    """FedMA on the clients' data; with ``refit``, one more round refits its output layer
+    (:func:`_refit_round`): every client fits it on the FedMA body's features of its own data and
+    the server multiplies the fits in place of FedMA's class-share average (FedMA Alg. 1, last line)."""
+    from types import SimpleNamespace
+
     from bayesfuse.federated import run_fedma
 
     if data is None:
@@ -824,41 +837,31 @@ def _fuse_fedma(models, data, retrain, *, class_counts, spec, seed, verbose, sta
     run = run_fedma(models, train, partition, retrain, method=None, spec=spec, seed=seed or 0, verbose=verbose, **hyper)
     r = run.result
     layers = [r.layers[g] for g in run.spec.groups]
+    hyper = {
+        **r.hyper,
+        "passes": len(run.passes),
+        "rounds": run.rounds,
+        "bytes_up": run.bytes_up,
+        "bytes_down": run.bytes_down,
+        **({"head_orders": head_orders} if head_orders is not None else {}),
+    }
+    model: nn.Module = run.model
+    if refit:  # the run's spec and state: the output layer is found without tracing the network again
+        fused = SimpleNamespace(spec=run.spec, state=dict(r.state_dict), hyper=hyper)
+        _, model = _refit_round(fused, run.model, models, data)
+        hyper["rounds"] += 1
+        hyper["bytes_up"] += hyper["second_round"]["bytes_up"] * len(partition)
+        hyper["bytes_down"] += hyper["second_round"]["bytes_down"] * len(partition)
     return FusionResult(
-        model=run.model,
+        model=model,
         layers=layers,
         sizes=run.sizes,
         method="fedma",
-        hyper={
-            **r.hyper,
-            "passes": len(run.passes),
-            "rounds": run.rounds,
-            "bytes_up": run.bytes_up,
-            "bytes_down": run.bytes_down,
-            **({"head_orders": head_orders} if head_orders is not None else {}),
-        },
+        hyper=hyper,
         seconds=time.perf_counter() - start,
         groups=tuple(run.spec.groups),
         posteriors=[(layer.mean, layer.var) for layer in layers],
     )
-
-
-def _fedma_refit(result: FusionResult, models, data, start: float) -> FusionResult:
-    """FedMA's network with its output layer refitted in one more round (:func:`_refit_round`):
-    every client fits the output layer on the FedMA body's features of its own data, and the
-    server multiplies the fits in place of FedMA's class-share average (FedMA Alg. 1, last line)."""
-    from types import SimpleNamespace
-
-    from bayesfuse.nets.spec import spec_from_module
-
-    network = result.model
-    fused = SimpleNamespace(spec=spec_from_module(network), state=numpy_state(network), hyper=result.hyper)
-    _, model = _refit_round(fused, network, models, data)
-    report = result.hyper["second_round"]
-    result.hyper["rounds"] += 1
-    result.hyper["bytes_up"] += report["bytes_up"] * len(data[1])
-    result.hyper["bytes_down"] += report["bytes_down"] * len(data[1])
-    return replace(result, model=model, seconds=time.perf_counter() - start)
 
 
 def _aligned_heads(models, spec: PermutationSpec) -> tuple[list[nn.Module], list[dict]]:
