@@ -248,7 +248,8 @@ def fuse(
         ``method="fedma"`` runs its own rounds; ``rounds=2`` then adds the refit round after them
         (``second_round="refit"``): the clients fit the output layer on the FedMA network's
         features and the server multiplies their Laplace fits in place of FedMA's class-share
-        average, and returns its ``LastLayerLaplace`` (``hyper["rounds"]`` counts it).
+        average, and returns its ``LastLayerLaplace`` (``hyper["rounds"]`` counts it), or with
+        ``head="clients"`` the clients' fits as heads.
     second_round : {"refit", "temperature", "batchnorm"}
         What the second round does. ``"refit"`` (default): the server sends the fused network;
         each client fits its output layer on the fused features of its own data and returns the
@@ -322,15 +323,15 @@ def fuse(
         models = [split_heads(m) for m in models]
     row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
     if row is not None and row.needs_data:
-        if head not in (None, "shared"):
-            raise ValueError(
-                f"head={head!r} is for one-shot pfnm and nafi, their temperature round, and the refit round of "
-                f"pfnm, nafi, ot and fedavg; {method} has one head"
-            )
         if rounds not in (1, 2) or isinstance(rounds, bool) or second_round != "refit":
             raise ValueError(
                 f"method={method!r} runs its own rounds (one per layer, passes=P for more); rounds=2 adds one "
                 "more, the refit round of the output layer (second_round='refit'), and nothing else is offered"
+            )
+        if head not in (None, "shared") and not (head == "clients" and rounds == 2):
+            raise ValueError(
+                f"head={head!r} is for one-shot pfnm and nafi, their temperature round, and the refit round of "
+                f"pfnm, nafi, ot, fedavg and fedma (rounds=2); {method} without it has one head"
             )
         result = _fuse_fedma(
             models,
@@ -342,6 +343,8 @@ def fuse(
             verbose=verbose,
             start=start,
             refit=rounds == 2,
+            head=head or "shared",
+            pool=pool,
             **hyper,
         )
         return to_callers(_with_multihead(result, template), order)
@@ -812,11 +815,24 @@ def _refit_round(
 
 
 def _fuse_fedma(
-    models, data, retrain, *, class_counts, spec, seed, verbose, start, refit: bool = False, **hyper
+    models,
+    data,
+    retrain,
+    *,
+    class_counts,
+    spec,
+    seed,
+    verbose,
+    start,
+    refit: bool = False,
+    head: str = "shared",
+    pool: str | None = None,
+    **hyper,
 ) -> FusionResult:
     """FedMA on the clients' data; with ``refit``, one more round refits its output layer
     (:func:`_refit_round`): every client fits it on the FedMA body's features of its own data and
-    the server multiplies the fits in place of FedMA's class-share average (FedMA Alg. 1, last line)."""
+    the server multiplies the fits in place of FedMA's class-share average (FedMA Alg. 1, last line);
+    ``head="clients"`` keeps the fits as heads."""
     from types import SimpleNamespace
 
     from bayesfuse.federated import run_fedma
@@ -848,7 +864,7 @@ def _fuse_fedma(
     model: nn.Module = run.model
     if refit:  # the run's spec and state: the output layer is found without tracing the network again
         fused = SimpleNamespace(spec=run.spec, state=dict(r.state_dict), hyper=hyper)
-        _, model = _refit_round(fused, run.model, models, data)
+        _, model = _refit_round(fused, run.model, models, data, head=head, pool=pool)
         hyper["rounds"] += 1
         hyper["bytes_up"] += hyper["second_round"]["bytes_up"] * len(partition)
         hyper["bytes_down"] += hyper["second_round"]["bytes_down"] * len(partition)

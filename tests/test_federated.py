@@ -123,6 +123,7 @@ def test_fedma_then_the_refit_round_keeps_fedmas_body_and_refits_its_output_laye
     here from output_fit and output_posterior on the plain FedMA network), as the one-shot
     methods' refit round does; one round more is counted."""
     from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights
+    from bayesfuse.nets.heads import ClientHeads
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import output_fit
 
@@ -148,6 +149,16 @@ def test_fedma_then_the_refit_round_keeps_fedmas_body_and_refits_its_output_laye
     assert not np.allclose(body[output + ".weight"].numpy(), mean[:-1].T, atol=1e-3)  # not FedMA's average
     with pytest.raises(ValueError, match="rounds=2 adds one more, the refit round"):
         fuse(models, "fedma", rounds=2, second_round="temperature", **kwargs)
+    # the fits themselves as heads: the same body and fits, one head per client (canonical order)
+    heads = fuse(models, "fedma", rounds=2, head="clients", pool="log", **kwargs)
+    assert isinstance(heads.model, ClientHeads) and heads.model.n_heads == len(part) and heads.model.pool == "log"
+    for k, v in body.items():
+        if not k.startswith(output):
+            torch.testing.assert_close(heads.model.network.state_dict()[k], v, rtol=0, atol=0)
+    got = sorted(tuple(np.round(heads.model.bias[h].numpy(), 4)) for h in range(len(part)))
+    assert got == sorted(tuple(np.round(f.weight[-1], 4)) for f in fits)
+    with pytest.raises(ValueError, match="fedma without it has one head"):
+        fuse(models, "fedma", head="clients", **kwargs)
 
 
 def test_fedavg_rounds_improve_on_one_round(digits):

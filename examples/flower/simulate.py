@@ -30,8 +30,8 @@ def main() -> None:
         "--second-round",
         default="none",
         choices=["none", "refit", "temperature"],
-        help="PFNM/NAFI: refit: the last round refits the output layer; temperature: it chooses the "
-        "predictive and its temperature by the nodes' NLL on the examples they kept back (--holdout)",
+        help="refit: the last round refits the output layer (PFNM, NAFI, FedMA); temperature (PFNM, NAFI): "
+        "it chooses the predictive and its temperature by the nodes' NLL on the examples they kept back (--holdout)",
     )
     parser.add_argument(
         "--holdout",

@@ -658,6 +658,26 @@ def _direct_fits(split, part, models, sent, prior):
     ]
 
 
+def _check_refitted(strategy, result, direct, prior, sent) -> dict:
+    """The refitted output layer of ``result`` is the product of the fits ``direct`` (computed
+    without Flower) at the precision the server chose by the evidence of the replies; the rest is
+    the network ``sent``, the output layer not. Returns the refitted state."""
+    direct = sorted(direct, key=_fit_digest)  # the server's order: the same sums in the same order
+    lam = strategy.second_round_report["prior_precision"]
+    assert lam == pytest.approx(evidence_precision(direct, prior), rel=1e-6)
+    mean, covariance = fuse_output_fits(direct, prior, posterior_precision=lam)
+    got = record_to_state(result.arrays)
+    # the same float64 arithmetic on the same float32 replies; the record holds float32 weights
+    np.testing.assert_allclose(got["layers.2.weight"], mean[:-1].T, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got["layers.2.bias"], mean[-1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(strategy.output_covariance, covariance, rtol=1e-9, atol=1e-12)
+    for k in sent:
+        if not k.startswith("layers.2."):
+            np.testing.assert_array_equal(got[k], sent[k])
+    assert not np.allclose(got["layers.2.weight"], sent["layers.2.weight"], atol=1e-3)  # not the plain average
+    return got
+
+
 def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
     split, part, models = clients
     grid = RefitGrid(split, part, models, ids=[7, 8, 9])
@@ -685,18 +705,8 @@ def test_refit_round_is_the_product_of_the_clients_output_fits(clients):
     # the refitted output layer is the product of the clients' fits computed directly (rounded to
     # float32 as the wire carries them) at the precision the server chose by the evidence of the replies
     direct = _direct_fits(split, part, models, sent, prior)
+    got = _check_refitted(strategy, result, direct, prior, sent)
     lam = strategy.second_round_report["prior_precision"]
-    assert lam == pytest.approx(evidence_precision(direct, prior), rel=1e-6)
-    mean, covariance = fuse_output_fits(direct, prior, posterior_precision=lam)
-    got = record_to_state(result.arrays)
-    # the same float64 arithmetic on the same float32 replies; the record holds float32 weights
-    np.testing.assert_allclose(got["layers.2.weight"], mean[:-1].T, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(got["layers.2.bias"], mean[-1], rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(strategy.output_covariance, covariance, rtol=1e-9, atol=1e-12)
-    for k in sent:
-        if not k.startswith("layers.2."):
-            np.testing.assert_array_equal(got[k], sent[k])
-    assert not np.allclose(got["layers.2.weight"], sent["layers.2.weight"], atol=1e-3)
     # what the round did and cost, in the round's metrics and in the fusion's hyper
     g1 = sent["layers.2.weight"].shape[1] + 1
     metrics = result.train_metrics_clientapp[2]
@@ -835,6 +845,78 @@ def test_refit_settings_are_checked(clients):
             grid=RefitGrid(split, part, models), initial_arrays=_initial((20, 16)), num_rounds=1
         )
     assert MatchedAveraging("pfnm").second_round is None
+
+
+def test_fedma_then_the_refit_round_is_the_product_of_the_nodes_fits_on_fedmas_network(clients):
+    """FedMA(second_round="refit"): FedMA's rounds, then one that sends FedMA's network and
+    multiplies the nodes' output fits on it, as MatchedAveraging's refit round does (the fits
+    computed here directly, at the prior of the local round's output weights); the body stays
+    FedMA's; evaluation follows FedMA's last round and the refit."""
+
+    class Recording(RefitGrid):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.replies = []
+
+        def _answer(self, msg):
+            reply = super()._answer(msg)
+            self.replies.append(reply)
+            return reply
+
+    split, part, models = clients
+    grid = Recording(split, part, models, hidden=(20, 16), ids=[7, 8, 9])
+    strategy = FedMA(second_round="refit", min_train_nodes=3, fraction_evaluate=1.0, min_evaluate_nodes=3)
+    assert strategy.num_rounds(_initial((20, 16))) == 4
+    evaluated = []
+
+    def evaluate_fn(server_round, arrays):
+        evaluated.append(server_round)
+        return MetricRecord({"accuracy": _accuracy(split, record_to_state(arrays))})
+
+    result = strategy.start(grid=grid, initial_arrays=_initial((20, 16)), evaluate_fn=evaluate_fn)
+    assert grid.types == [FEDMA_LOCAL] * 3 + [FEDMA_ROUND] * 6 + ["train"] * 3 + ["evaluate"] * 3
+    sent = record_to_state(grid.sent[9].content["arrays"])
+    for k, v in strategy.fedma_result.state_dict.items():  # the refit round is sent FedMA's network
+        np.testing.assert_allclose(sent[k], v, rtol=1e-6, atol=1e-6)
+    local = [record_to_state(r.content["arrays"])["layers.2.weight"] for r in grid.replies[:3]]
+    prior = prior_precision_from_weights(local, fan_in=sent["layers.2.weight"].shape[1])
+    for m in grid.sent[9:12]:
+        c = m.content["config"]
+        assert (c[ROUND_KEY], c["output-layer"], c["n-clients"], c["server-round"]) == (OUTPUT_FIT, "layers.2", 3, 4)
+        assert c["prior-precision"] == pytest.approx(prior, rel=1e-12)
+    _check_refitted(strategy, result, _direct_fits(split, part, models, sent, prior), prior, sent)
+    metrics = result.train_metrics_clientapp[4]
+    assert metrics["output-fit-replies"] == 3 and metrics["rejected-replies"] == 0
+    assert strategy.second_round_report["kind"] == "refit"
+    assert evaluated == [0, 3, 4] and set(result.evaluate_metrics_clientapp) == {4}
+    assert result.evaluate_metrics_serverapp[4]["accuracy"] > 0.6
+    laplace = strategy.laplace(models[0])
+    assert isinstance(laplace, LastLayerLaplace) and laplace.output == "layers.2"
+    heads = strategy.client_heads(models[0], pool="log")
+    assert isinstance(heads, ClientHeads) and heads.n_heads == 3 and heads.pool == "log"
+    np.testing.assert_allclose(heads.shares.numpy().sum(0), 1.0, rtol=1e-6)
+    # a second run starts afresh and ends with its own refit
+    first = strategy.second_round_report
+    strategy.start(
+        grid=Recording(split, part, models, hidden=(20, 16), ids=[7, 8, 9]), initial_arrays=_initial((20, 16))
+    )
+    assert strategy.second_round_report is not first and strategy.second_round_report["replies"] == 3
+
+
+def test_fedma_refit_settings_are_checked(clients):
+    split, part, models = clients
+    with pytest.raises(ValueError, match="unknown second_round='temperature' for FedMA"):
+        FedMA(second_round="temperature")
+    with pytest.raises(ValueError, match="output_prior_precision must be a positive number"):
+        FedMA(second_round="refit", output_prior_precision=-1.0)
+    with pytest.raises(ValueError, match="one per hidden group .*, then the refit round\\); got num_rounds=3"):
+        FedMA(second_round="refit").start(
+            grid=RefitGrid(split, part, models, hidden=(20, 16)), initial_arrays=_initial((20, 16)), num_rounds=3
+        )
+    with pytest.raises(ValueError, match="no refit round has run: .* after FedMA's own rounds"):
+        FedMA().client_heads(models[0])
+    with pytest.raises(ValueError, match="no refit round has run"):
+        FedMA(second_round="refit").laplace(models[0])
 
 
 # --------------------------------------------------------------------------- the temperature round
@@ -1287,6 +1369,11 @@ def test_example_method_is_checked_in_one_line(example, caplog):
     assert len(errors) == 1 and errors[0].startswith(
         "unknown second-round 'probit' in the run config: choose one of none, refit, temperature"
     )
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        server.main(NoGrid(), {"method": "fedma", "second-round": "temperature"})
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["second-round 'temperature' is for pfnm and nafi; fedma takes 'none' or 'refit'"]
 
 
 def test_example_nodes_keep_examples_back_for_the_temperature_round(example):
@@ -1392,6 +1479,7 @@ def test_simulation_three_nodes_fedma(example):
         "hidden": "32",
         "local-epochs": 3,
         "round-epochs": 2,
+        "second-round": "refit",
         "compare-fedavg": False,
         "timeout": 300,
     }
@@ -1402,5 +1490,7 @@ def test_simulation_three_nodes_fedma(example):
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
     )
     results = server_app.RESULTS["fedma"]
-    assert results.get("retrained-replies") == 3 and results["failed"] == [], results
-    assert sorted(results["accuracy-by-round"]) == [0, 2] and results["accuracy"] > 0.8, results
+    assert results.get("output-fit-replies") == 3 and results["failed"] == [], results  # the refit round's metrics
+    # evaluated before round 1, after FedMA's rounds and after the refit round
+    assert sorted(results["accuracy-by-round"]) == [0, 2, 3] and results["accuracy"] > 0.8, results
+    assert results["laplace"]["accuracy"] > 0.8, results

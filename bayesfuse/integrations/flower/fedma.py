@@ -11,12 +11,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, MetricRec
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
+from torch import nn
 
 from bayesfuse import methods
 from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
-from bayesfuse.integrations.flower.strategy import _Fusion
+from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound
+from bayesfuse.nets.heads import ClientHeads
 
 #: Message types of FedMA's rounds (``@app.train("local")`` / ``@app.train("fedma")`` on clients).
 FEDMA_LOCAL = "train.local"
@@ -63,58 +65,81 @@ class _PausedRun:
             self._steps.close()
 
 
-class FedMA(_Fusion):
+class FedMA(_RefitRound):
     """FedMA as a Flower strategy (Wang et al. 2020, Algorithm 1; NAFI Algorithm 2 with ``kl_weight``).
 
-    Rounds, ``1 + len(spec.groups)`` of them (:meth:`start` sets ``num_rounds``):
+        Rounds, ``1 + len(spec.groups)`` of them, one more with ``second_round="refit"``
+    (:meth:`start` sets ``num_rounds``):
 
-    1. ``train.local`` (:data:`FEDMA_LOCAL`): every sampled node trains its own network and
-       replies with its arrays and a MetricRecord holding ``num-examples`` and ``class-counts``.
-       The server matches the first hidden group (:func:`bayesfuse.inference.fedma.fedma`).
-    2. For each hidden group, ``train.fedma`` (:data:`FEDMA_ROUND`): each node receives its own
-       message, the global layers so far and its next layer mapped onto the global units, and a
-       ConfigRecord whose ``frozen`` is the JSON list of the entries to keep; it retrains the
-       rest and replies. The server matches the next group; after the last one, the output
-       layer is the class-count weighted average of the replies and the global network is the
-       round's ArrayRecord (so ``Result.arrays``).
+        1. ``train.local`` (:data:`FEDMA_LOCAL`): every sampled node trains its own network and
+           replies with its arrays and a MetricRecord holding ``num-examples`` and ``class-counts``.
+           The server matches the first hidden group (:func:`bayesfuse.inference.fedma.fedma`).
+        2. For each hidden group, ``train.fedma`` (:data:`FEDMA_ROUND`): each node receives its own
+           message, the global layers so far and its next layer mapped onto the global units, and a
+           ConfigRecord whose ``frozen`` is the JSON list of the entries to keep; it retrains the
+           rest and replies. The server matches the next group; after the last one, the output
+           layer is the class-count weighted average of the replies and the global network is the
+           round's ArrayRecord (so ``Result.arrays``).
+        3. With ``second_round="refit"``, the refit round (as :class:`MatchedAveraging`'s, and as
+           ``bayesfuse.fuse(models, "fedma", rounds=2, data=...)`` simulates it): the server sends the
+           global network in a ``train`` message whose ConfigRecord has ``"bayesfuse-round":
+           "output_fit"``; each node answers with
+           :func:`~bayesfuse.integrations.flower.records.output_fit_reply`, its Laplace fit of the
+           output layer on the FedMA body's features of its own data; the server multiplies the fits
+           into the output layer in place of FedMA's class-count average, and the refitted network is
+           the round's ArrayRecord. :meth:`laplace` gives it with the output layer's covariance,
+           :meth:`client_heads` with the nodes' own fits as heads. With no valid fit the FedMA network
+           stays.
 
-    Nodes whose replies fail, never come or do not fit the arrays they were sent are dropped
-    from the later rounds and reported (``failed``, ``rejected``, ``dropped``). The rounds
-    before the last have no global network: server-side evaluation (``evaluate_fn``) runs on
-    ``initial_arrays`` and after the last round, client-side evaluation after the last round.
+        Nodes whose replies fail, never come or do not fit the arrays they were sent are dropped
+        from the later rounds and reported (``failed``, ``rejected``, ``dropped``). The rounds
+        before the last have no global network: server-side evaluation (``evaluate_fn``) runs on
+        ``initial_arrays`` and after the last round, client-side evaluation after the last round.
 
-    Parameters
-    ----------
-    spec : PermutationSpec, optional
-        The clients' architecture; derived from ``initial_arrays`` in :meth:`start` when
-        omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
-    hyper : dict, optional
-        The ``"fedma"`` row of :mod:`bayesfuse.methods`: ``noise_var``, ``prior_var``,
-        ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``. Checked when the strategy is made;
-        ``passes`` must be 1.
-    class_counts_key : str
-        Key of a reply's per-class example counts in its MetricRecord (the output layer's weights).
-    seed : int
-        Matching seed. The first round's replies are put in the order of their contents'
-        hashes, so neither the arrival order nor the node ids change the result.
-    local_message_type, round_message_type : str
-        Message types of the first round and of the retraining rounds.
-    **kwargs
-        Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling of the first round and of the
-        evaluation, record keys).
+        Parameters
+        ----------
+        spec : PermutationSpec, optional
+            The clients' architecture; derived from ``initial_arrays`` in :meth:`start` when
+            omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
+        hyper : dict, optional
+            The ``"fedma"`` row of :mod:`bayesfuse.methods`: ``noise_var``, ``prior_var``,
+            ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``. Checked when the strategy is made;
+            ``passes`` must be 1.
+        class_counts_key : str
+            Key of a reply's per-class example counts in its MetricRecord (the output layer's weights).
+        second_round : {None, "refit"}
+            ``"refit"``: one more round after FedMA's own that refits the output layer (3. above).
+        output_prior_precision : float, optional
+            The refit's prior precision ``lambda``. None (default): the nodes fit with ``1 / mean(w^2)``
+            of the output weights they sent in the local round, times the global layer's fan-in over
+            theirs (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the
+            server takes the product's ``lambda`` that maximises the evidence of their replies.
+        seed : int
+            Matching seed. The first round's replies are put in the order of their contents'
+            hashes, so neither the arrival order nor the node ids change the result.
+        local_message_type, round_message_type : str
+            Message types of the first round and of the retraining rounds.
+        **kwargs
+            Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling of the first round and of the
+            evaluation, record keys).
 
-    Attributes
-    ----------
-    fedma_result : FedMAResult or None
-        The finished run's record (matchings, sizes, bytes, history); ``None`` before the end.
-    nodes : list of int
-        The nodes of the run, in the order FedMA indexes its clients.
-    failed, rejected : list of (int, str)
-        Replies skipped over the run, with the reason.
-    dropped : list of int
-        Nodes dropped from the later rounds.
-    error : Exception or None
-        What stopped the run early, if anything (every node lost, say).
+        Attributes
+        ----------
+        fedma_result : FedMAResult or None
+            The finished run's record (matchings, sizes, bytes, history); ``None`` before the end.
+        nodes : list of int
+            The nodes of the run, in the order FedMA indexes its clients.
+        failed, rejected : list of (int, str)
+            Replies skipped over the run, with the reason.
+        dropped : list of int
+            Nodes dropped from the later rounds.
+        error : Exception or None
+            What stopped the run early, if anything (every node lost, say).
+        output_covariance : ndarray (K, G+1, G+1) or None
+            After a refit, per class the posterior covariance of the output layer's weights and bias.
+        second_round_report : dict or None
+            After a refit: ``kind``, ``prior_precision``, ``bytes_up`` and ``bytes_down`` (per node),
+            ``replies``, ``seconds``.
     """
 
     def __init__(
@@ -124,6 +149,8 @@ class FedMA(_Fusion):
         hyper: dict | None = None,
         class_counts_key: str = "class-counts",
         seed: int = 0,
+        second_round: str | None = None,
+        output_prior_precision: float | None = None,
         local_message_type: str = FEDMA_LOCAL,
         round_message_type: str = FEDMA_ROUND,
         **kwargs,
@@ -131,7 +158,19 @@ class FedMA(_Fusion):
         settings = methods.resolve("fedma", "network", hyper)
         if settings.pop("passes") != 1:
             raise ValueError("the FedMA strategy runs one layer-wise pass; passes > 1 is not supported here")
-        super().__init__(spec=spec, class_counts_key=class_counts_key, seed=seed, **kwargs)
+        if second_round not in (None, "refit"):
+            raise ValueError(
+                f"unknown second_round={second_round!r} for FedMA; choose None or 'refit' (the "
+                "temperature round is MatchedAveraging's)"
+            )
+        super().__init__(
+            spec=spec,
+            class_counts_key=class_counts_key,
+            seed=seed,
+            output_prior_precision=output_prior_precision,
+            **kwargs,
+        )
+        self.second_round = second_round
         self.method = "fedma"
         self.hyper = dict(hyper or {})
         self.settings = settings
@@ -139,6 +178,7 @@ class FedMA(_Fusion):
         self.round_message_type = round_message_type
         self._run: _PausedRun | None = None
         self._arch = spec  # the architecture a run checks its first replies against
+        self._refit_round: int | None = None  # the round start() makes the refit
         self._reset(spec)
 
     def _reset(self, spec: PermutationSpec | None) -> None:
@@ -149,7 +189,8 @@ class FedMA(_Fusion):
         self._spec = spec
         self._pending: tuple[list, set, str] | None = None
         self._matched = 0
-        self._final_round: int | None = None
+        self._final_round: int | None = None  # the round FedMA's own rounds ended
+        self._forget_refit()
         self._examples: dict[int, float] = {}
         self.fedma_result: FedMAResult | None = None
         self.nodes: list[int] = []
@@ -158,7 +199,8 @@ class FedMA(_Fusion):
         self.error: BaseException | None = None
 
     def num_rounds(self, arrays: ArrayRecord) -> int:
-        """The rounds FedMA takes for the network ``arrays``: one local round, one per hidden group.
+        """The rounds FedMA takes for the network ``arrays``: one local round, one per hidden group,
+        and the refit round with ``second_round="refit"``.
 
         Parameters
         ----------
@@ -170,12 +212,14 @@ class FedMA(_Fusion):
         int
         """
         spec = self.spec or spec_for_state_dict(record_to_state(arrays), name="initial_arrays")
-        return 1 + len(spec.groups)
+        return 1 + len(spec.groups) + (self.second_round == "refit")
 
     def summary(self) -> None:
         """Log the strategy's settings (Flower's, then FedMA's)."""
         super().summary()
         log(INFO, "\t└──> FedMA: a local round, then a round per hidden group; hyper-parameters %s", self.settings)
+        if self.second_round == "refit":
+            log(INFO, "\t└──> then a round that refits the output layer (second_round='refit')")
 
     def start(
         self,
@@ -197,14 +241,15 @@ class FedMA(_Fusion):
             spec when the strategy has none). The clients train their own networks in round 1;
             it is not sent.
         num_rounds : int, optional
-            ``1 + len(spec.groups)``, the default; any other value is an error.
+            ``1 + len(spec.groups)`` (one more with ``second_round="refit"``), the default; any
+            other value is an error.
         timeout : float
             Seconds to wait for the replies of each round.
         train_config, evaluate_config : ConfigRecord, optional
             Sent to the nodes in every training / evaluation message.
         evaluate_fn : callable ``(server_round, arrays) -> MetricRecord or None``, optional
-            Server-side evaluation, called before round 1 (on ``initial_arrays``) and after the
-            last round (on the global network).
+            Server-side evaluation, called before round 1 (on ``initial_arrays``) and after
+            FedMA's last round (on the global network), and after the refit round.
 
         Returns
         -------
@@ -213,16 +258,18 @@ class FedMA(_Fusion):
             metrics, the last one ``global-sizes``, ``fedma-rounds``, ``bytes-up``/``bytes-down``.
         """
         spec = self.spec or spec_for_state_dict(record_to_state(initial_arrays), name="initial_arrays")
-        needed = 1 + len(spec.groups)
+        refit = self.second_round == "refit"
+        needed = 1 + len(spec.groups) + refit
         if num_rounds is None:
             num_rounds = needed
         elif num_rounds != needed:
             raise ValueError(
                 f"FedMA takes {needed} rounds for this network (a local round, then one per hidden "
-                f"group {list(spec.groups)}); got num_rounds={num_rounds}"
+                f"group {list(spec.groups)}{', then the refit round' if refit else ''}); got num_rounds={num_rounds}"
             )
         self._arch = spec
         self._reset(spec)
+        self._refit_round = needed if refit else None
         try:
             return super().start(
                 grid=grid,
@@ -236,6 +283,7 @@ class FedMA(_Fusion):
         finally:
             if self._run is not None:
                 self._run.stop()
+            self._refit_round = None
 
     def _on_global(
         self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]
@@ -243,11 +291,17 @@ class FedMA(_Fusion):
         """``evaluate_fn`` called on ``initial_arrays`` and on the global network, ``None`` in between."""
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-            if server_round == 0 or server_round == self._final_round:
+            if server_round == 0 or self._has_global(server_round):
                 return evaluate_fn(server_round, arrays)
             return None  # no global network between the first round and the last
 
         return evaluate
+
+    def _has_global(self, server_round: int) -> bool:
+        """Whether a global network exists after ``server_round``: FedMA's last round and the refit round."""
+        if self._final_round is None:
+            return False
+        return server_round == self._final_round or server_round == self._final_round + 1 == self._refit_round
 
     # ------------------------------------------------------------------ training rounds
 
@@ -255,7 +309,8 @@ class FedMA(_Fusion):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Round 1: a ``train.local`` message to each sampled node (the config only). Later
-        rounds: one ``train.fedma`` message per node still taking part, with its own arrays.
+        rounds: one ``train.fedma`` message per node still taking part, with its own arrays. The
+        refit round: :meth:`configure_output_fit`'s messages, the global network to each sampled node.
 
         Parameters
         ----------
@@ -269,6 +324,11 @@ class FedMA(_Fusion):
         -------
         list of Message
         """
+        if server_round == self._refit_round:
+            if self.fedma_result is None:
+                log(INFO, "configure_train: no refit round to run (FedMA did not finish)")
+                return []
+            return self.configure_output_fit(server_round, arrays, config, grid)
         if server_round == 1:
             sampled = list(super().configure_train(server_round, arrays, config, grid))  # samples and logs
             content = RecordDict({self.configrecord_key: ConfigRecord(dict(config))})
@@ -318,8 +378,11 @@ class FedMA(_Fusion):
         Returns
         -------
         tuple of (ArrayRecord or None, MetricRecord or None)
-            The global network in the last round, ``None`` before; the round's metrics.
+            The global network in FedMA's last round, ``None`` before; the round's metrics. In
+            the refit round, :meth:`aggregate_output_fit`'s.
         """
+        if self._pending_refit is not None and self._pending_refit["round"] == server_round:
+            return self.aggregate_output_fit(server_round, replies)
         if server_round == 1:
             return self._aggregate_local(list(replies))
         return self._aggregate_retrained(server_round, list(replies))
@@ -340,6 +403,9 @@ class FedMA(_Fusion):
         self._spec = spec
         self.nodes = [r.node for r in good]
         self._examples = {r.node: r.num_examples for r in good}
+        output = _output_layer(good[0].state)  # the refit round's prior precision and heads
+        self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
+        self._class_counts = {r.node: r.class_counts for r in good}
         counts = (
             np.stack(cast(list[np.ndarray], [r.class_counts for r in good]))
             if all(r.class_counts is not None for r in good)
@@ -443,12 +509,37 @@ class FedMA(_Fusion):
         )
         return state_to_record(result.state_dict), MetricRecord(metrics)
 
+    def client_heads(self, like: nn.Module, *, pool: str = "linear") -> ClientHeads:
+        """After the refit round, the refitted network predicting with the nodes' own output fits:
+        a :class:`~bayesfuse.nets.heads.ClientHeads` (each head its fit's Laplace posterior, mixed
+        by the nodes' class shares, or their geometric pool with ``pool="log"``), as
+        ``bayesfuse.fuse(models, "fedma", rounds=2, head="clients")`` would.
+
+        Parameters
+        ----------
+        like : nn.Module
+            A network of the clients' architecture, rebuilt at the global widths.
+        pool : {"linear", "log"}
+
+        Returns
+        -------
+        ClientHeads
+
+        Raises
+        ------
+        ValueError
+            No refit round has run, or a node that sent a fit reported no class counts in the
+            local round.
+        """
+        return self._refit_heads(like, pool, "after FedMA's own rounds")
+
     # ------------------------------------------------------------------ evaluation
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Federated evaluation of the global network, after the last round only.
+        """Federated evaluation of the global network, after the last round only (the refit
+        round's, with ``second_round="refit"``).
 
         Parameters
         ----------
@@ -461,7 +552,8 @@ class FedMA(_Fusion):
         -------
         list of Message
         """
-        if self.fedma_result is None or server_round != self._final_round:
+        last = self._refit_round if self._refit_round is not None else self._final_round
+        if self.fedma_result is None or server_round != last:
             return []
         return super().configure_evaluate(server_round, arrays, config, grid)
 

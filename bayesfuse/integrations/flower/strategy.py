@@ -1,5 +1,5 @@
-""":class:`MatchedAveraging`, and the reading of replies both strategies share
-(:mod:`bayesfuse.integrations.flower`)."""
+""":class:`MatchedAveraging`, and what both strategies share: the reading of replies and the
+refit round (:mod:`bayesfuse.integrations.flower`)."""
 
 from __future__ import annotations
 
@@ -204,316 +204,37 @@ class _Fusion(FedAvg):
         return specs[good[0].node][0], good
 
 
-class MatchedAveraging(_Fusion):
-    """FedAvg whose aggregation is bayesfuse's matched (or KL) fusion.
+class _RefitRound(_Fusion):
+    """The refit round both strategies end with when asked (``second_round="refit"``): the server
+    sends the global network, each node fits its output layer on the global features of its own
+    data (:func:`~bayesfuse.integrations.flower.records.output_fit_reply`), and the server
+    multiplies the fits (:func:`~bayesfuse.inference.output_fusion.output_posterior`).
 
-    Parameters
-    ----------
-    method : str
-        A one-shot method of :mod:`bayesfuse.methods` other than FedAvg (flwr's own strategy):
-        ``"pfnm"`` / ``"nafi"`` layer-wise matching, ``"ot"`` fusion, or ``"kl"`` (KL-fusion of
-        HorseshoeBNN state_dicts).
-    kind : {"network", "bnn"}, optional
-        What the clients send: point-estimate networks or HorseshoeBNN state_dicts. Default: the
-        first kind of input the method's row lists (networks for PFNM, NAFI and OT; BNNs for KL).
-    spec : PermutationSpec, optional
-        The clients' architecture; derived from the first reply's entries when omitted
-        (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
-    hyper : dict, optional
-        The method's hyper-parameters (:mod:`bayesfuse.methods`): ``noise_var``, ``prior_var``,
-        ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``, ``direction`` for PFNM/NAFI; ``reg``,
-        ``solver``, ``n_iter``, ``average_outputs`` for ``"kl"``. Checked when the strategy is made.
-    class_counts_key : str
-        Key of a reply's per-class example counts in its MetricRecord.
-    seed : int
-        Matching seed. Replies are put in the order of their contents' hashes first, so neither
-        the arrival order nor the node ids (drawn afresh in each simulation) change the result.
-    summaries : {"auto", "none"}
-        ``"auto"``: when the method reads client summaries (PFNM, NAFI on networks) and every
-        fused reply carries one (:func:`summary_to_records`), fuse the networks as Laplace
-        posteriors (:func:`bayesfuse.core.fuse_states` with ``summaries``); a reply whose
-        summary is malformed or of another network is rejected, naming its node; when only
-        some replies carry one, the round is fused data-free and the nodes without are logged.
-        ``"none"``: ignore them. The round's metrics say which (``summaries-used``,
-        ``summary-bytes``).
-    second_round : {None, "refit", "temperature"}
-        ``"refit"``: the last round of :meth:`start` (``num_rounds >= 2``; ``num_rounds=2`` is the
-        one-shot fusion and the refit) refits the fused network's output layer, as
-        ``bayesfuse.fuse(..., rounds=2, second_round="refit")`` simulates it. The server sends the
-        fused network in a training message whose ConfigRecord has ``"bayesfuse-round":
-        "output_fit"`` (:data:`~bayesfuse.integrations.flower.records.ROUND_KEY`), the
-        ``output-layer``, the ``prior-precision`` and ``n-clients``; each client answers with
-        :func:`~bayesfuse.integrations.flower.records.output_fit_reply`, its Laplace fit of that
-        layer on the fused features of its own data; the server multiplies the fits
-        (:func:`~bayesfuse.inference.output_fusion.output_posterior`) into the output layer, which
-        is the round's ArrayRecord (so ``Result.arrays``), and keeps its covariance
-        (:attr:`output_covariance`, :meth:`laplace`). A reply that is malformed, not finite or of
-        another shape is rejected with its node named; with none left the fused network stays.
-        ``"temperature"``: the last round of :meth:`start` chooses the fused model's predictive
-        and its temperature by the clients' NLL on examples they kept back from their local
-        training (:func:`bayesfuse.data.holdout_partition`; the client app decides which), as
-        ``bayesfuse.fuse(..., second_round="temperature")`` simulates it. Its candidates
-        (:func:`~bayesfuse.integrations.flower.records.temperature_candidates`) are the fused
-        network's shared output layer (``SHARED``: with summaries its last-layer Laplace from the
-        fusion's precisions, sent as ArrayRecord ``SHARED_POSTERIOR_KEY``; without, the network as
-        it is) and, after PFNM or NAFI with every node's summary, where the output layer reads
-        hidden units, the nodes' own one-shot heads on it (:meth:`client_heads`; ``CLIENT_HEADS``,
-        ArrayRecord ``HEADS_KEY``) and, where they are Kronecker-factored, the same heads each
-        with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``) and, where every
-        summary has the output layer's GGN eigenvalues (version 3), with them (``EKFAC_HEADS``,
-        EKFAC), and each its client's diagonal Laplace posterior (``DIAGONAL_HEADS``, the
-        summaries' GGN diagonal); with summaries
-        also the fusion with the output layer pooled by class counts (``SHARED_COUNTS``, its
-        entries that differ and its output layer's variances as ArrayRecords
-        ``COUNTS_ARRAYS_KEY``, ``COUNTS_POSTERIOR_KEY``): ``fuse``'s candidates. A node rebuilds
-        them all from the message alone. The server sends them with the
-        fused network and a ConfigRecord with ``"bayesfuse-round": "temperature"``, the
-        ``candidates`` and the ``temperatures``; each node answers with
-        :func:`~bayesfuse.integrations.flower.records.temperature_reply`; the server keeps the
-        pair of least summed NLL. Where a plain network wins, the round's ArrayRecord is the
-        fused network with the temperature folded into its output layer; otherwise the fused
-        network as it was (the counts-pooled one where that won, then also :attr:`last_fusion`),
-        and :meth:`tempered` gives the model. A
-        reply of another shape or not finite is rejected with its node named; with none left the
-        fused network stays. Point-estimate networks only. ``None`` (default): every round fuses.
-    output_prior_precision : float, optional
-        The refit's prior precision ``lambda``, for the clients' fits and the product. None
-        (default): the clients fit with ``1 / mean(w^2)`` of the output weights they sent in the
-        last fusion round, times the fused layer's fan-in over theirs
-        (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the server
-        takes the product's ``lambda`` that maximises the evidence of their replies
-        (:func:`~bayesfuse.inference.output_fusion.evidence_precision`).
-    **kwargs
-        Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
-
-    Attributes
-    ----------
-    last_fusion : FusionResult or None
-        The last fusion's result (:func:`bayesfuse.fuse_states`); after a refit its state has the
-        refitted output layer and ``hyper["second_round"]`` says what the round did and cost.
-    output_covariance : ndarray (K, G+1, G+1) or None
-        After a refit, per class the posterior covariance of the output layer's weights and bias.
-    second_round_report : dict or None
-        After a refit: ``kind``, ``prior_precision``, ``bytes_up`` (per client), ``bytes_down``
-        (per client), ``replies``, ``seconds``. After the temperature round: ``kind``,
-        ``candidate`` (the chosen one's name), ``temperature``, ``at_edge``, ``nll`` (each
-        candidate's least summed NLL), ``candidates`` (pairs scored), ``bytes_up``, ``bytes_down``,
-        ``replies``, ``seconds``.
+    A subclass calls :meth:`configure_output_fit` and :meth:`aggregate_output_fit` in the round it
+    makes the refit, and fills ``_output_weights`` (the nodes' output weights of an earlier round,
+    for the prior precision) and ``_class_counts`` (each node's, for :meth:`_refit_heads`).
     """
 
-    def __init__(
-        self,
-        method: str = "pfnm",
-        *,
-        kind: str | None = None,
-        spec: PermutationSpec | None = None,
-        hyper: dict | None = None,
-        class_counts_key: str = "class-counts",
-        seed: int = 0,
-        summaries: str = "auto",
-        second_round: str | None = None,
-        output_prior_precision: float | None = None,
-        **kwargs,
-    ) -> None:
-        choices = methods.names(needs_data=False, baseline=False)
-        if method not in choices:
-            raise ValueError(
-                f"unknown method {method!r}; choose one of {', '.join(choices)} (FedAvg is flwr's "
-                "own strategy; FedMA is the FedMA strategy)"
-            )
-        self.kind = kind if kind is not None else methods.METHODS[method].kinds[0]
-        methods.resolve(method, self.kind, hyper)  # a kind the method does not take, bad keys: refused here
-        if (hyper or {}).get("head", "shared") != "shared":
-            raise ValueError(
-                "head='clients' builds a fused model with one output layer per client, which the "
-                "clients' HorseshoeBNN cannot take; the strategy sends back the shared head"
-            )
-        if summaries not in ("auto", "none"):
-            raise ValueError(f"unknown summaries={summaries!r}; choose auto or none")
-        if second_round not in (None, "refit", "temperature"):
-            raise ValueError(f"unknown second_round={second_round!r}; choose None, 'refit' or 'temperature'")
-        if second_round is not None and self.kind == "bnn":
-            raise ValueError(
-                f"second_round={second_round!r} is for point-estimate networks; fused BNNs carry their own posterior"
-            )
+    def __init__(self, *, output_prior_precision: float | None = None, **kwargs) -> None:
         if output_prior_precision is not None and not (
             np.isfinite(output_prior_precision) and output_prior_precision > 0
         ):
             raise ValueError(f"output_prior_precision must be a positive number, got {output_prior_precision!r}")
-        super().__init__(spec=spec, class_counts_key=class_counts_key, seed=seed, **kwargs)
-        self.method = method
-        self.hyper = dict(hyper or {})
-        self.summaries = summaries
-        self.second_round = second_round
+        super().__init__(**kwargs)
         self.output_prior_precision = output_prior_precision
-        self.last_fusion: StateFusion | None = None
+        self._forget_refit()
+
+    def _forget_refit(self) -> None:
+        """Forget an earlier run's refit: nothing of it may pair with a new run's arrays."""
         self.output_covariance: np.ndarray | None = None
         self.second_round_report: dict | None = None
-        self._refit_round: int | None = None  # the round start() makes the refit
         self._pending_refit: dict | None = None  # what configure_output_fit sent
-        self._output_weights: list[np.ndarray] = []  # the clients' output weights in the last fusion round
-        self._class_counts: dict[int, np.ndarray | None] = {}  # each node's class counts in the last fusion round
-        self._refitted: dict | None = None  # the refitted state and its output layer's name
-        self._pending_temperature: dict | None = None  # what configure_temperature sent
-        self._tempered: dict | None = None  # the temperature round's choice
-        self._one_shot: dict | None = None  # the last fusion's inputs, for its one-shot client heads
+        self._output_weights: list[np.ndarray] = []  # the nodes' output weights of the round before
+        self._class_counts: dict[int, np.ndarray | None] = {}  # each node's class counts, for the heads
+        self._refitted: dict | None = None  # the refitted state, its output layer's name, the fits
 
-    def summary(self) -> None:
-        """Log the strategy's settings (Flower's, then the fusion's)."""
-        super().summary()
-        log(INFO, "\t└──> bayesfuse %s fusion, hyper-parameters %s", self.method, self.hyper)
-        if self.second_round is not None:
-            what = "refits the output layer" if self.second_round == "refit" else "chooses a predictive and temperature"
-            log(INFO, "\t└──> the last round %s (second_round=%r)", what, self.second_round)
-
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``Strategy.start``; with ``second_round`` its last round is the refit or the
-        temperature round. What an earlier call fused is forgotten first.
-
-        Parameters
-        ----------
-        grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
-            As ``flwr.serverapp.strategy.FedAvg.start``. With ``second_round``, ``num_rounds``
-            counts the second round: ``num_rounds - 1`` fusion rounds, then that round.
-
-        Returns
-        -------
-        Result
-        """
-        if self.second_round is not None:
-            if num_rounds < 2:
-                raise ValueError(
-                    f"second_round={self.second_round!r} needs num_rounds >= 2 (the fusion rounds, then "
-                    f"the {self.second_round} round); got num_rounds={num_rounds}"
-                )
-            self._refit_round = num_rounds
-        # a new run: nothing of an earlier one may pair with this run's arrays
-        self.last_fusion, self._one_shot, self._output_weights, self._class_counts = None, None, [], {}
-        self.output_covariance, self.second_round_report = None, None
-        self._refitted = self._tempered = self._pending_refit = self._pending_temperature = None
-        try:
-            return super().start(
-                grid=grid,
-                initial_arrays=initial_arrays,
-                num_rounds=num_rounds,
-                timeout=timeout,
-                train_config=train_config,
-                evaluate_config=evaluate_config,
-                evaluate_fn=evaluate_fn,
-            )
-        finally:
-            self._refit_round = None
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """FedAvg's training messages; in the last round of :meth:`start` with ``second_round``,
-        the refit round's (:meth:`configure_output_fit`) or the temperature round's
-        (:meth:`configure_temperature`).
-
-        Parameters
-        ----------
-        server_round : int
-        arrays : ArrayRecord
-        config : ConfigRecord
-        grid : Grid
-
-        Returns
-        -------
-        list of Message
-        """
-        if self.second_round == "temperature" and server_round == self._refit_round:
-            return self.configure_temperature(server_round, arrays, config, grid)
-        if self.second_round is not None and server_round == self._refit_round:
-            return self.configure_output_fit(server_round, arrays, config, grid)
-        self._pending_refit = self._pending_temperature = None
-        return super().configure_train(server_round, arrays, config, grid)
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Fuse the valid replies; ``(None, None)`` when none is left.
-
-        Parameters
-        ----------
-        server_round : int
-        replies : iterable of Message
-
-        Returns
-        -------
-        tuple of (ArrayRecord or None, MetricRecord or None)
-            The fused arrays and ``num-examples``, ``global-sizes``, ``objective``, the
-            counts of fused, failed and rejected replies, and ``summaries-used`` (1 or 0) and
-            ``summary-bytes``. In the refit round, :meth:`aggregate_output_fit`'s; in the
-            temperature round, :meth:`aggregate_temperature`'s.
-        """
-        if self._pending_refit is not None and self._pending_refit["round"] == server_round:
-            return self.aggregate_output_fit(server_round, replies)
-        if self._pending_temperature is not None and self._pending_temperature["round"] == server_round:
-            return self.aggregate_temperature(server_round, replies)
-        self.rejected, self.failed = [], []
-        self.output_covariance, self.second_round_report, self._refitted = None, None, None
-        self._tempered = None
-        spec, good = self._check(self._collect(replies), self.spec)
-        summaries, good = self._summaries(good)
-        if not good:
-            log(
-                WARNING,
-                "round %d: no valid replies to fuse (%d failed, %d rejected)",
-                server_round,
-                len(self.failed),
-                len(self.rejected),
-            )
-            return None, None
-        counts = None
-        if all(r.class_counts is not None for r in good):
-            counts = np.stack(cast(list[np.ndarray], [r.class_counts for r in good]))
-        result = fuse_states(
-            [r.state for r in good],
-            self.method,
-            spec=spec,
-            class_counts=counts,
-            seed=self.seed,
-            names=[f"node {r.node}" for r in good],
-            summaries=summaries,
-            **self.hyper,
-        )
-        fused, sizes = result.state, result.sizes
-        objective = [float(layer.objective[-1]) for layer in result.layers]
-        self.last_fusion = result
-        self._one_shot = {  # client_heads() and the temperature round's candidates
-            "states": [r.state for r in good],
-            "counts": counts,
-            "summaries": summaries,
-            "names": [f"node {r.node}" for r in good],
-        }
-        if self.second_round is not None:
-            output = _output_layer(good[0].state)
-            self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
-            self._class_counts = {r.node: r.class_counts for r in good}  # for client_heads()
-        metrics = MetricRecord(
-            {
-                "num-examples": float(sum(r.num_examples for r in good)),
-                "global-sizes": [int(s) for s in sizes],
-                "objective": objective,
-                "fused-replies": len(good),
-                "failed-replies": len(self.failed),
-                "rejected-replies": len(self.rejected),
-                "summaries-used": int(summaries is not None),
-                "summary-bytes": int(sum(s.nbytes for s in summaries or ())),
-            }
-        )
-        ref = good[0].state
-        return state_to_record({k: np.asarray(fused[k]).astype(ref[k].dtype) for k in ref}), metrics
+    def _after_refit(self, refitted: dict, keys: tuple[str, str]) -> None:
+        """What a subclass updates once the output layer ``keys`` is refitted (nothing here)."""
 
     # ------------------------------------------------------------------ the refit round
 
@@ -550,8 +271,8 @@ class MatchedAveraging(_Fusion):
             prior = prior_precision_from_weights(self._output_weights, fan_in=state[output + ".weight"].shape[1])
         else:
             raise ValueError(
-                "the refit round needs a fusion round before it (its clients' output weights give the "
-                "prior precision) or output_prior_precision"
+                "the refit round needs a round before it whose replies held the clients' output "
+                "weights (they give the prior precision), or output_prior_precision"
             )
         sampled = list(super().configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
         nodes = [m.metadata.dst_node_id for m in sampled]
@@ -684,14 +405,370 @@ class MatchedAveraging(_Fusion):
             "replies": len(fits),
             "seconds": time.perf_counter() - start,
         }
+        self._after_refit(refitted, (weight_key, bias_key))
+        log(INFO, "\t└──> refitted output layer %r from %d output fits", output, len(fits))
+        return state_to_record(refitted), MetricRecord(metrics)
+
+    def laplace(self, like: nn.Module) -> LastLayerLaplace:
+        """The refitted network with its output layer's posterior: a
+        :class:`~bayesfuse.nets.laplace.LastLayerLaplace` (probit predictive, per-class covariance).
+
+        Parameters
+        ----------
+        like : nn.Module
+            A network of the clients' architecture; rebuilt at the fused widths
+            (:func:`bayesfuse.nets.arch.rebuild`) and loaded with the refitted arrays.
+
+        Returns
+        -------
+        LastLayerLaplace
+        """
+        if self._refitted is None or self.output_covariance is None:
+            raise ValueError("no refit round has run: make the strategy with second_round='refit' and run it")
+        network = rebuild(like, tensor_state(self._refitted["state"]))
+        return LastLayerLaplace(network, self._refitted["output"], covariance=self.output_covariance).eval()
+
+    def _refit_heads(self, like: nn.Module, pool: str, otherwise: str) -> ClientHeads:
+        """The refitted network predicting with the nodes' own output fits
+        (:meth:`~bayesfuse.nets.heads.ClientHeads.from_fits`), mixed by their class counts;
+        ``otherwise`` ends the error raised when no refit round has run."""
+        if self._refitted is None:
+            raise ValueError(
+                f"no refit round has run: make the strategy with second_round='refit' and run it, {otherwise}"
+            )
+        nodes, fits = self._refitted["nodes"], self._refitted["fits"]
+        counts = [self._class_counts.get(n) for n in nodes]
+        missing = [n for n, c in zip(nodes, counts) if c is None]
+        if missing:
+            raise ValueError(
+                f"node(s) {missing} reported no class counts ({self.class_counts_key!r} in their metrics): "
+                "the heads are mixed by each node's share of each class"
+            )
+        network = rebuild(like, tensor_state(self._refitted["state"]))
+        return ClientHeads.from_fits(
+            network,
+            self._refitted["output"],
+            fits,
+            np.stack(cast(list[np.ndarray], counts)),
+            pool=pool,
+            prior_precision=self._refitted["fit_prior"],
+        )
+
+
+class MatchedAveraging(_RefitRound):
+    """FedAvg whose aggregation is bayesfuse's matched (or KL) fusion.
+
+    Parameters
+    ----------
+    method : str
+        A one-shot method of :mod:`bayesfuse.methods` other than FedAvg (flwr's own strategy):
+        ``"pfnm"`` / ``"nafi"`` layer-wise matching, ``"ot"`` fusion, or ``"kl"`` (KL-fusion of
+        HorseshoeBNN state_dicts).
+    kind : {"network", "bnn"}, optional
+        What the clients send: point-estimate networks or HorseshoeBNN state_dicts. Default: the
+        first kind of input the method's row lists (networks for PFNM, NAFI and OT; BNNs for KL).
+    spec : PermutationSpec, optional
+        The clients' architecture; derived from the first reply's entries when omitted
+        (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
+    hyper : dict, optional
+        The method's hyper-parameters (:mod:`bayesfuse.methods`): ``noise_var``, ``prior_var``,
+        ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``, ``direction`` for PFNM/NAFI; ``reg``,
+        ``solver``, ``n_iter``, ``average_outputs`` for ``"kl"``. Checked when the strategy is made.
+    class_counts_key : str
+        Key of a reply's per-class example counts in its MetricRecord.
+    seed : int
+        Matching seed. Replies are put in the order of their contents' hashes first, so neither
+        the arrival order nor the node ids (drawn afresh in each simulation) change the result.
+    summaries : {"auto", "none"}
+        ``"auto"``: when the method reads client summaries (PFNM, NAFI on networks) and every
+        fused reply carries one (:func:`summary_to_records`), fuse the networks as Laplace
+        posteriors (:func:`bayesfuse.core.fuse_states` with ``summaries``); a reply whose
+        summary is malformed or of another network is rejected, naming its node; when only
+        some replies carry one, the round is fused data-free and the nodes without are logged.
+        ``"none"``: ignore them. The round's metrics say which (``summaries-used``,
+        ``summary-bytes``).
+    second_round : {None, "refit", "temperature"}
+        ``"refit"``: the last round of :meth:`start` (``num_rounds >= 2``; ``num_rounds=2`` is the
+        one-shot fusion and the refit) refits the fused network's output layer, as
+        ``bayesfuse.fuse(..., rounds=2, second_round="refit")`` simulates it. The server sends the
+        fused network in a training message whose ConfigRecord has ``"bayesfuse-round":
+        "output_fit"`` (:data:`~bayesfuse.integrations.flower.records.ROUND_KEY`), the
+        ``output-layer``, the ``prior-precision`` and ``n-clients``; each client answers with
+        :func:`~bayesfuse.integrations.flower.records.output_fit_reply`, its Laplace fit of that
+        layer on the fused features of its own data; the server multiplies the fits
+        (:func:`~bayesfuse.inference.output_fusion.output_posterior`) into the output layer, which
+        is the round's ArrayRecord (so ``Result.arrays``), and keeps its covariance
+        (:attr:`output_covariance`, :meth:`laplace`). A reply that is malformed, not finite or of
+        another shape is rejected with its node named; with none left the fused network stays.
+        ``"temperature"``: the last round of :meth:`start` chooses the fused model's predictive
+        and its temperature by the clients' NLL on examples they kept back from their local
+        training (:func:`bayesfuse.data.holdout_partition`; the client app decides which), as
+        ``bayesfuse.fuse(..., second_round="temperature")`` simulates it. Its candidates
+        (:func:`~bayesfuse.integrations.flower.records.temperature_candidates`) are the fused
+        network's shared output layer (``SHARED``: with summaries its last-layer Laplace from the
+        fusion's precisions, sent as ArrayRecord ``SHARED_POSTERIOR_KEY``; without, the network as
+        it is) and, after PFNM or NAFI with every node's summary, where the output layer reads
+        hidden units, the nodes' own one-shot heads on it (:meth:`client_heads`; ``CLIENT_HEADS``,
+        ArrayRecord ``HEADS_KEY``) and, where they are Kronecker-factored, the same heads each
+        with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``) and, where every
+        summary has the output layer's GGN eigenvalues (version 3), with them (``EKFAC_HEADS``,
+        EKFAC), and each its client's diagonal Laplace posterior (``DIAGONAL_HEADS``, the
+        summaries' GGN diagonal); with summaries
+        also the fusion with the output layer pooled by class counts (``SHARED_COUNTS``, its
+        entries that differ and its output layer's variances as ArrayRecords
+        ``COUNTS_ARRAYS_KEY``, ``COUNTS_POSTERIOR_KEY``): ``fuse``'s candidates. A node rebuilds
+        them all from the message alone. The server sends them with the
+        fused network and a ConfigRecord with ``"bayesfuse-round": "temperature"``, the
+        ``candidates`` and the ``temperatures``; each node answers with
+        :func:`~bayesfuse.integrations.flower.records.temperature_reply`; the server keeps the
+        pair of least summed NLL. Where a plain network wins, the round's ArrayRecord is the
+        fused network with the temperature folded into its output layer; otherwise the fused
+        network as it was (the counts-pooled one where that won, then also :attr:`last_fusion`),
+        and :meth:`tempered` gives the model. A
+        reply of another shape or not finite is rejected with its node named; with none left the
+        fused network stays. Point-estimate networks only. ``None`` (default): every round fuses.
+    output_prior_precision : float, optional
+        The refit's prior precision ``lambda``, for the clients' fits and the product. None
+        (default): the clients fit with ``1 / mean(w^2)`` of the output weights they sent in the
+        last fusion round, times the fused layer's fan-in over theirs
+        (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the server
+        takes the product's ``lambda`` that maximises the evidence of their replies
+        (:func:`~bayesfuse.inference.output_fusion.evidence_precision`).
+    **kwargs
+        Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
+
+    Attributes
+    ----------
+    last_fusion : FusionResult or None
+        The last fusion's result (:func:`bayesfuse.fuse_states`); after a refit its state has the
+        refitted output layer and ``hyper["second_round"]`` says what the round did and cost.
+    output_covariance : ndarray (K, G+1, G+1) or None
+        After a refit, per class the posterior covariance of the output layer's weights and bias.
+    second_round_report : dict or None
+        After a refit: ``kind``, ``prior_precision``, ``bytes_up`` (per client), ``bytes_down``
+        (per client), ``replies``, ``seconds``. After the temperature round: ``kind``,
+        ``candidate`` (the chosen one's name), ``temperature``, ``at_edge``, ``nll`` (each
+        candidate's least summed NLL), ``candidates`` (pairs scored), ``bytes_up``, ``bytes_down``,
+        ``replies``, ``seconds``.
+    """
+
+    def __init__(
+        self,
+        method: str = "pfnm",
+        *,
+        kind: str | None = None,
+        spec: PermutationSpec | None = None,
+        hyper: dict | None = None,
+        class_counts_key: str = "class-counts",
+        seed: int = 0,
+        summaries: str = "auto",
+        second_round: str | None = None,
+        output_prior_precision: float | None = None,
+        **kwargs,
+    ) -> None:
+        choices = methods.names(needs_data=False, baseline=False)
+        if method not in choices:
+            raise ValueError(
+                f"unknown method {method!r}; choose one of {', '.join(choices)} (FedAvg is flwr's "
+                "own strategy; FedMA is the FedMA strategy)"
+            )
+        self.kind = kind if kind is not None else methods.METHODS[method].kinds[0]
+        methods.resolve(method, self.kind, hyper)  # a kind the method does not take, bad keys: refused here
+        if (hyper or {}).get("head", "shared") != "shared":
+            raise ValueError(
+                "head='clients' builds a fused model with one output layer per client, which the "
+                "clients' HorseshoeBNN cannot take; the strategy sends back the shared head"
+            )
+        if summaries not in ("auto", "none"):
+            raise ValueError(f"unknown summaries={summaries!r}; choose auto or none")
+        if second_round not in (None, "refit", "temperature"):
+            raise ValueError(f"unknown second_round={second_round!r}; choose None, 'refit' or 'temperature'")
+        if second_round is not None and self.kind == "bnn":
+            raise ValueError(
+                f"second_round={second_round!r} is for point-estimate networks; fused BNNs carry their own posterior"
+            )
+        super().__init__(
+            spec=spec,
+            class_counts_key=class_counts_key,
+            seed=seed,
+            output_prior_precision=output_prior_precision,
+            **kwargs,
+        )
+        self.method = method
+        self.hyper = dict(hyper or {})
+        self.summaries = summaries
+        self.second_round = second_round
+        self.last_fusion: StateFusion | None = None
+        self._refit_round: int | None = None  # the round start() makes the refit
+        self._pending_temperature: dict | None = None  # what configure_temperature sent
+        self._tempered: dict | None = None  # the temperature round's choice
+        self._one_shot: dict | None = None  # the last fusion's inputs, for its one-shot client heads
+
+    def summary(self) -> None:
+        """Log the strategy's settings (Flower's, then the fusion's)."""
+        super().summary()
+        log(INFO, "\t└──> bayesfuse %s fusion, hyper-parameters %s", self.method, self.hyper)
+        if self.second_round is not None:
+            what = "refits the output layer" if self.second_round == "refit" else "chooses a predictive and temperature"
+            log(INFO, "\t└──> the last round %s (second_round=%r)", what, self.second_round)
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``Strategy.start``; with ``second_round`` its last round is the refit or the
+        temperature round. What an earlier call fused is forgotten first.
+
+        Parameters
+        ----------
+        grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+            As ``flwr.serverapp.strategy.FedAvg.start``. With ``second_round``, ``num_rounds``
+            counts the second round: ``num_rounds - 1`` fusion rounds, then that round.
+
+        Returns
+        -------
+        Result
+        """
+        if self.second_round is not None:
+            if num_rounds < 2:
+                raise ValueError(
+                    f"second_round={self.second_round!r} needs num_rounds >= 2 (the fusion rounds, then "
+                    f"the {self.second_round} round); got num_rounds={num_rounds}"
+                )
+            self._refit_round = num_rounds
+        # a new run: nothing of an earlier one may pair with this run's arrays
+        self._forget_refit()
+        self.last_fusion, self._one_shot = None, None
+        self._tempered = self._pending_temperature = None
+        try:
+            return super().start(
+                grid=grid,
+                initial_arrays=initial_arrays,
+                num_rounds=num_rounds,
+                timeout=timeout,
+                train_config=train_config,
+                evaluate_config=evaluate_config,
+                evaluate_fn=evaluate_fn,
+            )
+        finally:
+            self._refit_round = None
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """FedAvg's training messages; in the last round of :meth:`start` with ``second_round``,
+        the refit round's (:meth:`configure_output_fit`) or the temperature round's
+        (:meth:`configure_temperature`).
+
+        Parameters
+        ----------
+        server_round : int
+        arrays : ArrayRecord
+        config : ConfigRecord
+        grid : Grid
+
+        Returns
+        -------
+        list of Message
+        """
+        if self.second_round == "temperature" and server_round == self._refit_round:
+            return self.configure_temperature(server_round, arrays, config, grid)
+        if self.second_round is not None and server_round == self._refit_round:
+            return self.configure_output_fit(server_round, arrays, config, grid)
+        self._pending_refit = self._pending_temperature = None
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Fuse the valid replies; ``(None, None)`` when none is left.
+
+        Parameters
+        ----------
+        server_round : int
+        replies : iterable of Message
+
+        Returns
+        -------
+        tuple of (ArrayRecord or None, MetricRecord or None)
+            The fused arrays and ``num-examples``, ``global-sizes``, ``objective``, the
+            counts of fused, failed and rejected replies, and ``summaries-used`` (1 or 0) and
+            ``summary-bytes``. In the refit round, :meth:`aggregate_output_fit`'s; in the
+            temperature round, :meth:`aggregate_temperature`'s.
+        """
+        if self._pending_refit is not None and self._pending_refit["round"] == server_round:
+            return self.aggregate_output_fit(server_round, replies)
+        if self._pending_temperature is not None and self._pending_temperature["round"] == server_round:
+            return self.aggregate_temperature(server_round, replies)
+        self.rejected, self.failed = [], []
+        self.output_covariance, self.second_round_report, self._refitted = None, None, None
+        self._tempered = None
+        spec, good = self._check(self._collect(replies), self.spec)
+        summaries, good = self._summaries(good)
+        if not good:
+            log(
+                WARNING,
+                "round %d: no valid replies to fuse (%d failed, %d rejected)",
+                server_round,
+                len(self.failed),
+                len(self.rejected),
+            )
+            return None, None
+        counts = None
+        if all(r.class_counts is not None for r in good):
+            counts = np.stack(cast(list[np.ndarray], [r.class_counts for r in good]))
+        result = fuse_states(
+            [r.state for r in good],
+            self.method,
+            spec=spec,
+            class_counts=counts,
+            seed=self.seed,
+            names=[f"node {r.node}" for r in good],
+            summaries=summaries,
+            **self.hyper,
+        )
+        fused, sizes = result.state, result.sizes
+        objective = [float(layer.objective[-1]) for layer in result.layers]
+        self.last_fusion = result
+        self._one_shot = {  # client_heads() and the temperature round's candidates
+            "states": [r.state for r in good],
+            "counts": counts,
+            "summaries": summaries,
+            "names": [f"node {r.node}" for r in good],
+        }
+        if self.second_round is not None:
+            output = _output_layer(good[0].state)
+            self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
+            self._class_counts = {r.node: r.class_counts for r in good}  # for client_heads()
+        metrics = MetricRecord(
+            {
+                "num-examples": float(sum(r.num_examples for r in good)),
+                "global-sizes": [int(s) for s in sizes],
+                "objective": objective,
+                "fused-replies": len(good),
+                "failed-replies": len(self.failed),
+                "rejected-replies": len(self.rejected),
+                "summaries-used": int(summaries is not None),
+                "summary-bytes": int(sum(s.nbytes for s in summaries or ())),
+            }
+        )
+        ref = good[0].state
+        return state_to_record({k: np.asarray(fused[k]).astype(ref[k].dtype) for k in ref}), metrics
+
+    def _after_refit(self, refitted: dict, keys: tuple[str, str]) -> None:
+        """The last fusion's result gets the refitted output layer and the round's report."""
         if self.last_fusion is not None:
-            for key in (weight_key, bias_key):
+            for key in keys:
                 if key in self.last_fusion.state:
                     self.last_fusion.state[key] = refitted[key].copy()
             self.last_fusion.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
             self.last_fusion.hyper["second_round"] = self.second_round_report
-        log(INFO, "\t└──> refitted output layer %r from %d output fits", output, len(fits))
-        return state_to_record(refitted), MetricRecord(metrics)
 
     # ------------------------------------------------------------------ the temperature round
 
@@ -957,25 +1034,6 @@ class MatchedAveraging(_Fusion):
             model.temperature.fill_(chosen["temperature"])
         return model  # a plain network has the temperature folded into its output layer
 
-    def laplace(self, like: nn.Module) -> LastLayerLaplace:
-        """The refitted network with its output layer's posterior: a
-        :class:`~bayesfuse.nets.laplace.LastLayerLaplace` (probit predictive, per-class covariance).
-
-        Parameters
-        ----------
-        like : nn.Module
-            A network of the clients' architecture; rebuilt at the fused widths
-            (:func:`bayesfuse.nets.arch.rebuild`) and loaded with the refitted arrays.
-
-        Returns
-        -------
-        LastLayerLaplace
-        """
-        if self._refitted is None or self.output_covariance is None:
-            raise ValueError("no refit round has run: make the strategy with second_round='refit' and run it")
-        network = rebuild(like, tensor_state(self._refitted["state"]))
-        return LastLayerLaplace(network, self._refitted["output"], covariance=self.output_covariance).eval()
-
     def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
         """The refitted network predicting with the nodes' own output fits: a
         :class:`~bayesfuse.nets.heads.ClientHeads` (the class-share mixture of the heads, or their
@@ -1009,29 +1067,7 @@ class MatchedAveraging(_Fusion):
         """
         if self._refitted is None and self.second_round != "refit" and self._one_shot is not None:
             return self._one_shot_heads(like, pool)
-        pool = pool or "linear"
-        if self._refitted is None:
-            raise ValueError(
-                "no refit round has run: make the strategy with second_round='refit' and run it, or with "
-                "second_round=None for the one-shot heads"
-            )
-        nodes, fits = self._refitted["nodes"], self._refitted["fits"]
-        counts = [self._class_counts.get(n) for n in nodes]
-        missing = [n for n, c in zip(nodes, counts) if c is None]
-        if missing:
-            raise ValueError(
-                f"node(s) {missing} reported no class counts ({self.class_counts_key!r} in their metrics): "
-                "the heads are mixed by each node's share of each class"
-            )
-        network = rebuild(like, tensor_state(self._refitted["state"]))
-        return ClientHeads.from_fits(
-            network,
-            self._refitted["output"],
-            fits,
-            np.stack(cast(list[np.ndarray], counts)),
-            pool=pool,
-            prior_precision=self._refitted["fit_prior"],
-        )
+        return self._refit_heads(like, pool or "linear", "or with second_round=None for the one-shot heads")
 
     def _one_shot_heads(self, like: nn.Module, pool: str | None) -> ClientHeads:
         """:meth:`client_heads` of the last one-shot fusion (PFNM, NAFI: one global unit per unit)."""

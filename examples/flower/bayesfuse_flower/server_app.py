@@ -25,9 +25,10 @@ from bayesfuse_flower.task import _split, config, fresh_model, model_from_state,
 
 #: The values of the run config's ``method``.
 METHODS = ("pfnm", "nafi", "fedma")
-#: The values of the run config's ``second-round`` (PFNM/NAFI): none, or the last round refits the
-#: output layer, or chooses the predictive (with summaries: the nodes' own heads among the
-#: candidates) and its temperature by the nodes' NLL on examples they kept back from training.
+#: The values of the run config's ``second-round``: none, or the last round refits the output layer
+#: (PFNM, NAFI and FedMA), or chooses the predictive (with summaries: the nodes' own heads among the
+#: candidates) and its temperature by the nodes' NLL on examples they kept back from training
+#: (PFNM, NAFI).
 SECOND_ROUNDS = ("none", "refit", "temperature")
 
 #: The train config entry that, False, tells a node to send no summary (FedAvg's rounds).
@@ -136,6 +137,13 @@ def _report(result: Result) -> dict:
     return out
 
 
+def _laplace_report(strategy: FedMA | MatchedAveraging, cfg, seed: int) -> dict:
+    """Test accuracy and NLL of the refitted network's probit predictive (its output layer's Laplace)."""
+    test = _split(seed).test
+    m = evaluate(predict_proba(strategy.laplace(fresh_model(cfg, seed)), test.x), test.y)
+    return {"accuracy": float(m["accuracy"]), "nll": float(m["nll"])}
+
+
 def main(grid: Grid, run: dict) -> None:
     """Run the configured method (and FedAvg for comparison) and report the test accuracy.
 
@@ -156,6 +164,8 @@ def main(grid: Grid, run: dict) -> None:
             f"unknown second-round {second!r} in the run config: choose one of {', '.join(SECOND_ROUNDS)} "
             f"(e.g. --run-config 'second-round=\"refit\"')"
         )
+    if error is None and second == "temperature" and methods.METHODS[method].needs_data:
+        error = f"second-round 'temperature' is for pfnm and nafi; {method} takes 'none' or 'refit'"
     if error:
         log(ERROR, error)
         return
@@ -167,7 +177,13 @@ def main(grid: Grid, run: dict) -> None:
     initial = state_to_record(fresh_model(cfg, seed).state_dict())
     start = time.perf_counter()
     if methods.METHODS[method].needs_data:  # FedMA: retrains the clients between layers
-        fedma = FedMA(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0, seed=seed)
+        fedma = FedMA(
+            min_train_nodes=nodes,
+            min_available_nodes=nodes,
+            fraction_evaluate=0.0,
+            seed=seed,
+            second_round="refit" if second == "refit" else None,
+        )
         result = fedma.start(grid=grid, initial_arrays=initial, timeout=timeout, evaluate_fn=evaluate_fn)
         rounds = fedma.num_rounds(initial)
         if fedma.fedma_result is None:
@@ -179,6 +195,8 @@ def main(grid: Grid, run: dict) -> None:
                 "failed": fedma.failed,
                 "rejected": fedma.rejected,
             }
+            if fedma.output_covariance is not None:  # the refit round ran: the probit predictive too
+                RESULTS[method]["laplace"] = _laplace_report(fedma, cfg, seed)
     else:
         # round 1 fuses separately trained networks; later rounds retrain the fused one and fuse again
         rounds = int(run.get("num-rounds", 3))
@@ -198,9 +216,7 @@ def main(grid: Grid, run: dict) -> None:
         else:
             RESULTS[method] = _report(result)
             if strategy.output_covariance is not None:  # the refit round ran: the probit predictive too
-                test = _split(seed).test
-                m = evaluate(predict_proba(strategy.laplace(fresh_model(cfg, seed)), test.x), test.y)
-                RESULTS[method]["laplace"] = {"accuracy": float(m["accuracy"]), "nll": float(m["nll"])}
+                RESULTS[method]["laplace"] = _laplace_report(strategy, cfg, seed)
             report = strategy.second_round_report or {}
             if report.get("kind") == "temperature":  # the candidate kept, at its temperature
                 test = _split(seed).test
