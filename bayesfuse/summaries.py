@@ -48,7 +48,8 @@ On disk a summary is a safetensors file beside the model (``model.pt`` ->
 ``format``, ``version``, ``n_examples``, ``prior_precision`` and the model's ``fingerprint`` (a
 hash of its entries' names, shapes and values), so that a summary of another network is refused
 (:func:`check_summary`). Version 2 added the output factors, version 3 their eigenvalues;
-versions 1 and 2 are read too (without them).
+version 4 stores the symmetric ``output/gram`` as its upper triangle, row by row ((G+1)(G+2)/2
+numbers instead of (G+1)^2; in memory it is the whole matrix). Versions 1-3 are read too.
 """
 
 from __future__ import annotations
@@ -94,10 +95,12 @@ __all__ = [
 ]
 
 SUMMARY_FORMAT = "bayesfuse-client-summary"
-SUMMARY_VERSION = 3
+SUMMARY_VERSION = 4
 #: The summary versions this code reads (1: without ``output_factors``; 2: without their
-#: ``eigenvalues``).
-READ_VERSIONS = (1, 2, 3)
+#: ``eigenvalues``; 3: the Gram whole, not its upper triangle).
+READ_VERSIONS = (1, 2, 3, 4)
+#: The first version that stores the output Gram as its upper triangle.
+PACKED_GRAM_VERSION = 4
 #: The widest output-layer input (bias included) whose Kronecker factors a summary holds: the
 #: Gram is ``(G+1)^2`` numbers, about the size of a hidden layer of this width's incoming
 #: weights from the usual inputs; wider layers are summarised without the factors.
@@ -170,11 +173,9 @@ class ClientSummary:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arrays (float32 on disk for precisions and moments)."""
-        floats = sum(np.size(v) for v in self.precision.values())
-        floats += sum(np.size(v) for stats in self.moments.values() for v in stats.values())
-        floats += sum(np.size(v) for v in (self.output_factors or {}).values())
-        return 4 * floats + 8 * np.size(self.class_counts)
+        """Bytes of the arrays as the file and the Flower record hold them (:func:`summary_arrays`:
+        float32, the output Gram as its upper triangle since version 4, int64 class counts)."""
+        return sum(a.nbytes for a in summary_arrays(self).values())
 
     def output_precision(self, spec: PermutationSpec) -> np.ndarray | None:
         """The GGN of the output biases, ``sum_n p_nk (1 - p_nk)`` per class; None without an output bias."""
@@ -635,10 +636,14 @@ def _is_buffer(key: str) -> bool:
 
 def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
     """The summary's arrays under the names its file and its Flower record use: ``precision/<entry>``
-    ``moments/<group>/<stat>`` and ``output/<factor>`` (float32), ``class_counts`` (int64)."""
+    ``moments/<group>/<stat>`` and ``output/<factor>`` (float32; since version 4 ``output/gram``
+    as its upper triangle, row by row), ``class_counts`` (int64)."""
     arrays = {f"precision/{k}": v for k, v in summary.precision.items()}
     arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
     arrays.update({f"output/{k}": v for k, v in (summary.output_factors or {}).items()})
+    if "output/gram" in arrays and summary.version >= PACKED_GRAM_VERSION:
+        gram = np.asarray(arrays["output/gram"])
+        arrays["output/gram"] = gram[np.triu_indices(len(gram))]
     out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
     out["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
     return out
@@ -668,6 +673,8 @@ def summary_from_arrays(
             factors[k[len("output/") :]] = np.asarray(v, dtype=np.float64)
     if "class_counts" not in arrays:
         raise SummaryError(f"{name}: the summary has no class_counts")
+    if "gram" in factors and version >= PACKED_GRAM_VERSION:
+        factors["gram"] = _unpacked(factors["gram"], name)
     return ClientSummary(
         precision=precision,
         prior_precision=prior_precision,
@@ -678,6 +685,21 @@ def summary_from_arrays(
         version=version,
         output_factors=factors or None,
     )
+
+
+def _unpacked(upper: np.ndarray, name: str) -> np.ndarray:
+    """The symmetric matrix whose upper triangle, row by row, is ``upper``; one line naming
+    ``name`` when ``upper`` is no upper triangle."""
+    m = len(upper) if upper.ndim == 1 else 0
+    g = int(round((np.sqrt(8 * m + 1) - 1) / 2))
+    if upper.ndim != 1 or g * (g + 1) // 2 != m or m == 0:
+        raise SummaryError(
+            f"{name}: the output gram of a version {PACKED_GRAM_VERSION}+ summary is the upper triangle of a "
+            f"symmetric matrix, a vector of g (g + 1) / 2 numbers; got shape {upper.shape}"
+        )
+    gram = np.zeros((g, g))
+    gram[np.triu_indices(g)] = upper
+    return gram + np.triu(gram, 1).T
 
 
 def summary_path(model_path: str | os.PathLike) -> Path:

@@ -72,8 +72,9 @@ def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
     model, x, y = client
     s = summarize(model, x, y)
     weights = sum(p.numel() for p in model.parameters())
-    # the output layer's Gram (4 features and the bias), curvature and GGN eigenvalues (5 x 3)
-    factors = (4 + 1) ** 2 + 3**2 + (4 + 1) * 3
+    # the output layer's Gram (4 features and the bias) as its upper triangle, curvature and GGN
+    # eigenvalues (5 x 3)
+    factors = (4 + 1) * (4 + 2) // 2 + 3**2 + (4 + 1) * 3
     assert s.nbytes == 4 * weights + 4 * 4 * (5 + 4) + 4 * factors + 8 * 3
 
 
@@ -170,6 +171,24 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
     kfac = {k: v for k, v in s.output_factors.items() if k != "eigenvalues"}
     save_summary(dataclasses.replace(s, version=2, output_factors=kfac), two)
     assert load_summary(two).version == 2 and set(load_summary(two).output_factors) == {"gram", "curvature"}
+    # version 4 holds the Gram's upper triangle, version 3 the whole: both read back to the same matrix
+    from safetensors.numpy import load_file
+
+    g = len(s.output_factors["gram"])
+    assert s.version == 4 and load_file(str(path))["output/gram"].shape == (g * (g + 1) // 2,)
+    three = summary_path(tmp_path / "three.pt")
+    save_summary(dataclasses.replace(s, version=3), three)
+    assert load_file(str(three))["output/gram"].shape == (g, g)
+    np.testing.assert_array_equal(load_summary(three).output_factors["gram"], back.output_factors["gram"])
+    assert (
+        load_summary(three).version == 3 and s.nbytes == dataclasses.replace(s, version=3).nbytes - 4 * g * (g - 1) // 2
+    )
+    # a version 4 file whose Gram is no upper triangle is refused, naming the file
+    odd = summary_path(tmp_path / "odd.pt")
+    save_summary(dataclasses.replace(s, version=3), odd)
+    odd.write_bytes(odd.read_bytes().replace(b'"version":"3"', b'"version":"4"'))
+    with pytest.raises(SummaryError, match=r"odd.summary.safetensors: the output gram .* got shape \(5, 5\)"):
+        load_summary(odd)
     with pytest.raises(FileExistsError):
         save_summary(s, path)
     save_summary(s, path, overwrite=True)

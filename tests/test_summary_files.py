@@ -19,7 +19,7 @@ from bayesfuse.fuse_files import fuse_files
 from bayesfuse.nets.heads import ClientHeads
 from bayesfuse.nets.laplace import LastLayerLaplace
 from bayesfuse.nets.predict import predict_proba
-from bayesfuse.summaries import load_summary, summary_path
+from bayesfuse.summaries import SUMMARY_VERSION, load_summary, summary_path
 from bayesfuse.train import TrainConfig, train_clients
 
 
@@ -279,7 +279,7 @@ def test_fuse_refuses_a_summary_of_another_model_or_version(clients, tmp_path, c
     shutil.copy(summary_path(models[0]), summary_path(models[1]))
     assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
     assert f"{models[1]}: the summary is of another network" in _error(capsys)
-    summary_path(models[1]).write_bytes(saved.replace(b'"version":"3"', b'"version":"9"'))
+    summary_path(models[1]).write_bytes(saved.replace(f'"version":"{SUMMARY_VERSION}"'.encode(), b'"version":"9"'))
     assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
     assert f"{summary_path(models[1]).name}: summary version 9 is not one this bayesfuse reads" in _error(capsys)
     assert not out.exists() and not posterior_path(out).exists()
