@@ -267,7 +267,7 @@ def fuse(
         :class:`~bayesfuse.nets.heads.ClientHeads`, on the body of ``output_pool``, and where the
         heads are Kronecker-factored the same heads with each one's curvature scaled to the exact
         GGN's trace, :func:`~bayesfuse.inference.client_heads.trace_ratios`, one number more per
-        client, and, where every summary has the output layer's GGN eigenvalues (version 3), with
+        client, and, where every summary has the output layer's GGN eigenvalues (version 3 or later), with
         them (EKFAC, :func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`, (G+1) K numbers
         more per client), and each its client's diagonal Laplace posterior from the summary's GGN
         diagonal (K (G+1) numbers more per client); with ``head="clients"`` those alone: they
@@ -313,6 +313,17 @@ def fuse(
     _check_modules(models)
     method = methods.canonical(method)
     methods.check_keys(method, hyper, caller=fuse)
+    if output_prior_precision is not None:
+        if isinstance(output_prior_precision, bool) or not (
+            isinstance(output_prior_precision, (int, float, np.number))
+            and np.isfinite(output_prior_precision)
+            and output_prior_precision > 0
+        ):
+            raise ValueError(f"output_prior_precision must be a positive number, got {output_prior_precision!r}")
+        if not (rounds == 2 and second_round == "refit" or rounds == 3):
+            raise ValueError(
+                "output_prior_precision is the refit round's prior: give rounds=2 (second_round='refit') or rounds=3"
+            )
     methods.check_execution(method, None, device)  # a method that cannot use a device, or a device this
     check_device(device, dtype)  # machine lacks: refused before anything is trained or converted
     order = canonical_order(models)  # any order of the same models gives the same fusion (client_order)
@@ -333,6 +344,8 @@ def fuse(
                 f"head={head!r} is for one-shot pfnm and nafi, their temperature round, and the refit round of "
                 f"pfnm, nafi, ot, fedavg and fedma (rounds=2); {method} without it has one head"
             )
+        if pool is not None and (pool not in ("linear", "log") or head != "clients"):
+            raise ValueError(f"pool={pool!r}: the clients' heads are pooled 'linear' or 'log', with head='clients'")
         result = _fuse_fedma(
             models,
             data,
@@ -345,6 +358,7 @@ def fuse(
             refit=rounds == 2,
             head=head or "shared",
             pool=pool,
+            output_prior_precision=output_prior_precision,
             **hyper,
         )
         return to_callers(_with_multihead(result, template), order)
@@ -827,6 +841,7 @@ def _fuse_fedma(
     refit: bool = False,
     head: str = "shared",
     pool: str | None = None,
+    output_prior_precision: float | None = None,
     **hyper,
 ) -> FusionResult:
     """FedMA on the clients' data; with ``refit``, one more round refits its output layer
@@ -864,7 +879,9 @@ def _fuse_fedma(
     model: nn.Module = run.model
     if refit:  # the run's spec and state: the output layer is found without tracing the network again
         fused = SimpleNamespace(spec=run.spec, state=dict(r.state_dict), hyper=hyper)
-        _, model = _refit_round(fused, run.model, models, data, head=head, pool=pool)
+        _, model = _refit_round(
+            fused, run.model, models, data, prior_precision=output_prior_precision, head=head, pool=pool
+        )
         hyper["rounds"] += 1
         hyper["bytes_up"] += hyper["second_round"]["bytes_up"] * len(partition)
         hyper["bytes_down"] += hyper["second_round"]["bytes_down"] * len(partition)

@@ -102,8 +102,9 @@ READ_VERSIONS = (1, 2, 3, 4)
 #: The first version that stores the output Gram as its upper triangle.
 PACKED_GRAM_VERSION = 4
 #: The widest output-layer input (bias included) whose Kronecker factors a summary holds: the
-#: Gram is ``(G+1)^2`` numbers, about the size of a hidden layer of this width's incoming
-#: weights from the usual inputs; wider layers are summarised without the factors.
+#: Gram is ``(G+1)(G+2)/2`` numbers stored (its upper triangle), about half the size of a hidden
+#: layer of this width's incoming weights from the usual inputs; wider layers are summarised
+#: without the factors.
 MAX_FACTOR_WIDTH = 2048
 #: The moments kept per hidden unit.
 STATS = ("pre_mean", "pre_var", "act_mean", "act_var")
@@ -175,7 +176,13 @@ class ClientSummary:
     def nbytes(self) -> int:
         """Bytes of the arrays as the file and the Flower record hold them (:func:`summary_arrays`:
         float32, the output Gram as its upper triangle since version 4, int64 class counts)."""
-        return sum(a.nbytes for a in summary_arrays(self).values())
+        floats = sum(np.size(v) for v in self.precision.values())
+        floats += sum(np.size(v) for stats in self.moments.values() for v in stats.values())
+        floats += sum(np.size(v) for v in (self.output_factors or {}).values())
+        if self.output_factors and "gram" in self.output_factors and self.version >= PACKED_GRAM_VERSION:
+            g = len(self.output_factors["gram"])
+            floats -= g * (g - 1) // 2  # the strict lower triangle is not stored
+        return 4 * floats + 8 * np.size(self.class_counts)
 
     def output_precision(self, spec: PermutationSpec) -> np.ndarray | None:
         """The GGN of the output biases, ``sum_n p_nk (1 - p_nk)`` per class; None without an output bias."""

@@ -122,8 +122,9 @@ def test_fedma_then_the_refit_round_keeps_fedmas_body_and_refits_its_output_laye
     the product of the clients' Laplace fits on that body's features of their own data (written out
     here from output_fit and output_posterior on the plain FedMA network), as the one-shot
     methods' refit round does; one round more is counted."""
+    from bayesfuse.client_order import canonical_order
     from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights
-    from bayesfuse.nets.heads import ClientHeads
+    from bayesfuse.nets.heads import ClientHeads, class_shares
     from bayesfuse.nets.laplace import LastLayerLaplace
     from bayesfuse.summaries import output_fit
 
@@ -155,10 +156,23 @@ def test_fedma_then_the_refit_round_keeps_fedmas_body_and_refits_its_output_laye
     for k, v in body.items():
         if not k.startswith(output):
             torch.testing.assert_close(heads.model.network.state_dict()[k], v, rtol=0, atol=0)
-    got = sorted(tuple(np.round(heads.model.bias[h].numpy(), 4)) for h in range(len(part)))
-    assert got == sorted(tuple(np.round(f.weight[-1], 4)) for f in fits)
+    order = canonical_order(models)  # the heads' order: the canonical order of the clients
+    for h, j in enumerate(order):
+        np.testing.assert_allclose(heads.model.bias[h].numpy(), fits[j].weight[-1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(heads.model.weight[h].numpy(), fits[j].weight[:-1].T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(heads.model.shares.numpy(), class_shares(np.asarray(part.counts)[order]), rtol=1e-6)
     with pytest.raises(ValueError, match="fedma without it has one head"):
         fuse(models, "fedma", head="clients", **kwargs)
+    with pytest.raises(ValueError, match="pool='log': the clients' heads are pooled"):
+        fuse(models, "fedma", rounds=2, pool="log", **kwargs)  # refused before any training
+    # a prior precision given is the one the clients fit with
+    given = fuse(models, "fedma", rounds=2, output_prior_precision=3.0, **kwargs)
+    assert given.hyper["second_round"]["fit_prior_precision"] == 3.0
+    assert given.hyper["second_round"]["prior_precision"] == 3.0
+    with pytest.raises(ValueError, match="output_prior_precision is the refit round's prior"):
+        fuse(models, "fedma", output_prior_precision=3.0, **kwargs)
+    with pytest.raises(ValueError, match="output_prior_precision must be a positive number"):
+        fuse(models, "fedma", rounds=2, output_prior_precision=-1.0, **kwargs)
 
 
 def test_fedavg_rounds_improve_on_one_round(digits):

@@ -20,6 +20,7 @@ from bayesfuse.summaries import (
     load_summary,
     save_summary,
     summarize,
+    summary_arrays,
     summary_path,
     temperature_nll,
 )
@@ -76,6 +77,9 @@ def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
     # eigenvalues (5 x 3)
     factors = (4 + 1) * (4 + 2) // 2 + 3**2 + (4 + 1) * 3
     assert s.nbytes == 4 * weights + 4 * 4 * (5 + 4) + 4 * factors + 8 * 3
+    for version in (3, 4):  # what the file and the Flower record hold
+        v = dataclasses.replace(s, version=version)
+        assert v.nbytes == sum(a.nbytes for a in summary_arrays(v).values())
 
 
 def test_output_factors_are_the_kfac_factors_and_exact_for_one_example(client):

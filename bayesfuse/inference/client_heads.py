@@ -163,7 +163,7 @@ def one_shot_heads(
     ekfac : bool
         Each head's curvature the exact GGN's eigenvalues in its Kronecker factors' eigenbasis
         (EKFAC, :func:`ekfac_eigenvalues`), as ``laplace["eigenvalues"]``; every summary must
-        carry the factors and their eigenvalues (version 3). Not with ``trace_match`` (EKFAC's
+        carry the factors and their eigenvalues (version 3 or later). Not with ``trace_match`` (EKFAC's
         trace is the exact one already).
 
     Returns
@@ -198,7 +198,7 @@ def one_shot_heads(
     shares = class_shares(np.ones((J, K)) if class_counts is None else np.asarray(class_counts))
     form, laplace = "map", None
     if summaries is None and ekfac:
-        raise ValueError("ekfac needs the clients' summaries (version 3)")
+        raise ValueError("ekfac needs the clients' summaries (version 3 or later)")
     if summaries is not None:
         if all(getattr(s, "output_factors", None) is not None for s in summaries):
             form, laplace = "kronecker", _kronecker(summaries, columns, G, K)

@@ -895,12 +895,43 @@ def test_fedma_then_the_refit_round_is_the_product_of_the_nodes_fits_on_fedmas_n
     heads = strategy.client_heads(models[0], pool="log")
     assert isinstance(heads, ClientHeads) and heads.n_heads == 3 and heads.pool == "log"
     np.testing.assert_allclose(heads.shares.numpy().sum(0), 1.0, rtol=1e-6)
-    # a second run starts afresh and ends with its own refit
-    first = strategy.second_round_report
-    strategy.start(
-        grid=Recording(split, part, models, hidden=(20, 16), ids=[7, 8, 9]), initial_arrays=_initial((20, 16))
+    # a second run starts afresh: nothing of the first's refit is left before its own refit round
+    seen = []
+
+    def before_refit(server_round, arrays):
+        if server_round == 3:  # FedMA's last round, before the refit round
+            seen.append((strategy.second_round_report, strategy.output_covariance))
+        return None
+
+    second = Recording(split, part, models, hidden=(20, 16), ids=[7, 8, 9])
+    strategy.start(grid=second, initial_arrays=_initial((20, 16)), evaluate_fn=before_refit)
+    assert seen == [(None, None)]
+    assert [m.metadata.message_type for m in second.sent].count("train") == 3
+    assert strategy.second_round_report["replies"] == 3
+
+
+def test_fedma_refit_round_goes_to_the_nodes_left_and_keeps_the_runs_skips(clients):
+    """A node that failed the local round or was dropped in FedMA's rounds gets no refit message;
+    ``failed`` still names both after the refit round, whose metrics count its own skips only."""
+    split, part, models = clients
+    grid = RefitGrid(
+        split,
+        list(part) + [part[0]],
+        [*models, models[0]],
+        hidden=(20, 16),
+        ids=[1, 2, 3, 4],
+        crash=[4],
+        dead=[1],
     )
-    assert strategy.second_round_report is not first and strategy.second_round_report["replies"] == 3
+    strategy = FedMA(second_round="refit", min_train_nodes=4, fraction_evaluate=0.0)
+    result = strategy.start(grid=grid, initial_arrays=_initial((20, 16)))
+    refit = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert sorted(m.metadata.dst_node_id for m in refit) == [2, 3]
+    assert all(m.content["config"]["n-clients"] == 2 for m in refit)
+    assert sorted(strategy.failed) == [(1, "no reply"), (4, "client crashed")] and strategy.dropped == [1]
+    metrics = result.train_metrics_clientapp[4]
+    assert metrics["output-fit-replies"] == 2 and metrics["failed-replies"] == 0 == metrics["rejected-replies"]
+    assert strategy.client_heads(models[0]).n_heads == 2
 
 
 def test_fedma_refit_settings_are_checked(clients):

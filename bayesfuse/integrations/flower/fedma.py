@@ -68,79 +68,81 @@ class _PausedRun:
 class FedMA(_RefitRound):
     """FedMA as a Flower strategy (Wang et al. 2020, Algorithm 1; NAFI Algorithm 2 with ``kl_weight``).
 
-        Rounds, ``1 + len(spec.groups)`` of them, one more with ``second_round="refit"``
+    Rounds, ``1 + len(spec.groups)`` of them, one more with ``second_round="refit"``
     (:meth:`start` sets ``num_rounds``):
 
-        1. ``train.local`` (:data:`FEDMA_LOCAL`): every sampled node trains its own network and
-           replies with its arrays and a MetricRecord holding ``num-examples`` and ``class-counts``.
-           The server matches the first hidden group (:func:`bayesfuse.inference.fedma.fedma`).
-        2. For each hidden group, ``train.fedma`` (:data:`FEDMA_ROUND`): each node receives its own
-           message, the global layers so far and its next layer mapped onto the global units, and a
-           ConfigRecord whose ``frozen`` is the JSON list of the entries to keep; it retrains the
-           rest and replies. The server matches the next group; after the last one, the output
-           layer is the class-count weighted average of the replies and the global network is the
-           round's ArrayRecord (so ``Result.arrays``).
-        3. With ``second_round="refit"``, the refit round (as :class:`MatchedAveraging`'s, and as
-           ``bayesfuse.fuse(models, "fedma", rounds=2, data=...)`` simulates it): the server sends the
-           global network in a ``train`` message whose ConfigRecord has ``"bayesfuse-round":
-           "output_fit"``; each node answers with
-           :func:`~bayesfuse.integrations.flower.records.output_fit_reply`, its Laplace fit of the
-           output layer on the FedMA body's features of its own data; the server multiplies the fits
-           into the output layer in place of FedMA's class-count average, and the refitted network is
-           the round's ArrayRecord. :meth:`laplace` gives it with the output layer's covariance,
-           :meth:`client_heads` with the nodes' own fits as heads. With no valid fit the FedMA network
-           stays.
+    1. ``train.local`` (:data:`FEDMA_LOCAL`): every sampled node trains its own network and
+       replies with its arrays and a MetricRecord holding ``num-examples`` and ``class-counts``.
+       The server matches the first hidden group (:func:`bayesfuse.inference.fedma.fedma`).
+    2. For each hidden group, ``train.fedma`` (:data:`FEDMA_ROUND`): each node receives its own
+       message, the global layers so far and its next layer mapped onto the global units, and a
+       ConfigRecord whose ``frozen`` is the JSON list of the entries to keep; it retrains the
+       rest and replies. The server matches the next group; after the last one, the output
+       layer is the class-count weighted average of the replies and the global network is the
+       round's ArrayRecord (so ``Result.arrays``).
+    3. With ``second_round="refit"``, the refit round (as :class:`MatchedAveraging`'s, and as
+       ``bayesfuse.fuse(models, "fedma", rounds=2, data=...)`` simulates it): the server sends the
+       global network to the nodes still in the run (none it dropped) in a ``train`` message
+       whose ConfigRecord has ``"bayesfuse-round": "output_fit"``; each node answers with
+       :func:`~bayesfuse.integrations.flower.records.output_fit_reply`, its Laplace fit of the
+       output layer on the FedMA body's features of its own data; the server multiplies the fits
+       into the output layer in place of FedMA's class-count average, and the refitted network is
+       the round's ArrayRecord. :meth:`laplace` gives it with the output layer's covariance,
+       :meth:`client_heads` with the nodes' own fits as heads. With no valid fit the FedMA network
+       stays.
 
-        Nodes whose replies fail, never come or do not fit the arrays they were sent are dropped
-        from the later rounds and reported (``failed``, ``rejected``, ``dropped``). The rounds
-        before the last have no global network: server-side evaluation (``evaluate_fn``) runs on
-        ``initial_arrays`` and after the last round, client-side evaluation after the last round.
+    Nodes whose replies fail, never come or do not fit the arrays they were sent are dropped
+    from the later rounds and reported (``failed``, ``rejected``, ``dropped``). The rounds
+    before the last have no global network: server-side evaluation (``evaluate_fn``) runs on
+    ``initial_arrays`` and after the last round, client-side evaluation after the last round.
 
-        Parameters
-        ----------
-        spec : PermutationSpec, optional
-            The clients' architecture; derived from ``initial_arrays`` in :meth:`start` when
-            omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
-        hyper : dict, optional
-            The ``"fedma"`` row of :mod:`bayesfuse.methods`: ``noise_var``, ``prior_var``,
-            ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``. Checked when the strategy is made;
-            ``passes`` must be 1.
-        class_counts_key : str
-            Key of a reply's per-class example counts in its MetricRecord (the output layer's weights).
-        second_round : {None, "refit"}
-            ``"refit"``: one more round after FedMA's own that refits the output layer (3. above).
-        output_prior_precision : float, optional
-            The refit's prior precision ``lambda``. None (default): the nodes fit with ``1 / mean(w^2)``
-            of the output weights they sent in the local round, times the global layer's fan-in over
-            theirs (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the
-            server takes the product's ``lambda`` that maximises the evidence of their replies.
-        seed : int
-            Matching seed. The first round's replies are put in the order of their contents'
-            hashes, so neither the arrival order nor the node ids change the result.
-        local_message_type, round_message_type : str
-            Message types of the first round and of the retraining rounds.
-        **kwargs
-            Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling of the first round and of the
-            evaluation, record keys).
+    Parameters
+    ----------
+    spec : PermutationSpec, optional
+        The clients' architecture; derived from ``initial_arrays`` in :meth:`start` when
+        omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
+    hyper : dict, optional
+        The ``"fedma"`` row of :mod:`bayesfuse.methods`: ``noise_var``, ``prior_var``,
+        ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``. Checked when the strategy is made;
+        ``passes`` must be 1.
+    class_counts_key : str
+        Key of a reply's per-class example counts in its MetricRecord (the output layer's weights).
+    second_round : {None, "refit"}
+        ``"refit"``: one more round after FedMA's own that refits the output layer (3. above).
+    output_prior_precision : float, optional
+        The refit's prior precision ``lambda``. None (default): the nodes fit with ``1 / mean(w^2)``
+        of the output weights they sent in the local round, times the global layer's fan-in over
+        theirs (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the
+        server takes the product's ``lambda`` that maximises the evidence of their replies.
+    seed : int
+        Matching seed. The first round's replies are put in the order of their contents'
+        hashes, so neither the arrival order nor the node ids change the result.
+    local_message_type, round_message_type : str
+        Message types of the first round and of the retraining rounds.
+    **kwargs
+        Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling of the first round and of the
+        evaluation, record keys).
 
-        Attributes
-        ----------
-        fedma_result : FedMAResult or None
-            The finished run's record (matchings, sizes, bytes, history); ``None`` before the end.
-        nodes : list of int
-            The nodes of the run, in the order FedMA indexes its clients.
-        failed, rejected : list of (int, str)
-            Replies skipped over the run, with the reason.
-        dropped : list of int
-            Nodes dropped from the later rounds.
-        error : Exception or None
-            What stopped the run early, if anything (every node lost, say).
-        output_covariance : ndarray (K, G+1, G+1) or None
-            After a refit, per class the posterior covariance of the output layer's weights and bias.
-        second_round_report : dict or None
-            After a refit: ``kind``, ``prior_precision``, ``bytes_up`` and ``bytes_down`` (per node),
-            ``replies``, ``seconds``.
+    Attributes
+    ----------
+    fedma_result : FedMAResult or None
+        The finished run's record (matchings, sizes, bytes, history); ``None`` before the end.
+    nodes : list of int
+        The nodes of the run, in the order FedMA indexes its clients.
+    failed, rejected : list of (int, str)
+        Replies skipped over the run, with the reason.
+    dropped : list of int
+        Nodes dropped from the later rounds.
+    error : Exception or None
+        What stopped the run early, if anything (every node lost, say).
+    output_covariance : ndarray (K, G+1, G+1) or None
+        After a refit, per class the posterior covariance of the output layer's weights and bias.
+    second_round_report : dict or None
+        After a refit: ``kind``, ``prior_precision``, ``bytes_up`` and ``bytes_down`` (per node),
+        ``replies``, ``seconds``.
     """
+
+    _keeps_skips = True  # failed and rejected cover the whole run, the refit round too
 
     def __init__(
         self,
@@ -328,7 +330,8 @@ class FedMA(_RefitRound):
             if self.fedma_result is None:
                 log(INFO, "configure_train: no refit round to run (FedMA did not finish)")
                 return []
-            return self.configure_output_fit(server_round, arrays, config, grid)
+            nodes = [n for n in self.nodes if n not in self.dropped]  # FedMA's own, none it dropped
+            return self.configure_output_fit(server_round, arrays, config, grid, nodes=nodes)
         if server_round == 1:
             sampled = list(super().configure_train(server_round, arrays, config, grid))  # samples and logs
             content = RecordDict({self.configrecord_key: ConfigRecord(dict(config))})
@@ -509,7 +512,7 @@ class FedMA(_RefitRound):
         )
         return state_to_record(result.state_dict), MetricRecord(metrics)
 
-    def client_heads(self, like: nn.Module, *, pool: str = "linear") -> ClientHeads:
+    def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
         """After the refit round, the refitted network predicting with the nodes' own output fits:
         a :class:`~bayesfuse.nets.heads.ClientHeads` (each head its fit's Laplace posterior, mixed
         by the nodes' class shares, or their geometric pool with ``pool="log"``), as
@@ -519,7 +522,8 @@ class FedMA(_RefitRound):
         ----------
         like : nn.Module
             A network of the clients' architecture, rebuilt at the global widths.
-        pool : {"linear", "log"}
+        pool : {"linear", "log"}, optional
+            The heads' mixture (default) or geometric pool.
 
         Returns
         -------
@@ -531,7 +535,7 @@ class FedMA(_RefitRound):
             No refit round has run, or a node that sent a fit reported no class counts in the
             local round.
         """
-        return self._refit_heads(like, pool, "after FedMA's own rounds")
+        return self._refit_heads(like, pool or "linear", "after FedMA's own rounds")
 
     # ------------------------------------------------------------------ evaluation
 

@@ -215,6 +215,9 @@ class _RefitRound(_Fusion):
     for the prior precision) and ``_class_counts`` (each node's, for :meth:`_refit_heads`).
     """
 
+    #: Whether ``failed`` and ``rejected`` cover the whole run (FedMA) rather than the last round.
+    _keeps_skips = False
+
     def __init__(self, *, output_prior_precision: float | None = None, **kwargs) -> None:
         if output_prior_precision is not None and not (
             np.isfinite(output_prior_precision) and output_prior_precision > 0
@@ -239,7 +242,12 @@ class _RefitRound(_Fusion):
     # ------------------------------------------------------------------ the refit round
 
     def configure_output_fit(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        grid: Grid,
+        nodes: list[int] | None = None,
     ) -> list[Message]:
         """The refit round's messages: the fused network ``arrays`` to each sampled node (as FedAvg
         samples), with ``config`` and ``"bayesfuse-round": "output_fit"``, ``output-layer``,
@@ -253,6 +261,8 @@ class _RefitRound(_Fusion):
             The fused network.
         config : ConfigRecord
         grid : Grid
+        nodes : list of int, optional
+            The nodes to send it to, instead of FedAvg's sample (FedMA: the nodes still in its run).
 
         Returns
         -------
@@ -274,8 +284,9 @@ class _RefitRound(_Fusion):
                 "the refit round needs a round before it whose replies held the clients' output "
                 "weights (they give the prior precision), or output_prior_precision"
             )
-        sampled = list(super().configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
-        nodes = [m.metadata.dst_node_id for m in sampled]
+        if nodes is None:
+            sampled = list(super().configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
+            nodes = [m.metadata.dst_node_id for m in sampled]
         self._pending_refit = {
             "round": server_round,
             "state": state,
@@ -337,7 +348,9 @@ class _RefitRound(_Fusion):
         if pending is None:
             raise ValueError("aggregate_output_fit: no refit round was configured (configure_output_fit)")
         start = time.perf_counter()
-        self.rejected, self.failed = [], []
+        if not self._keeps_skips:
+            self.rejected, self.failed = [], []
+        failed_before, rejected_before = len(self.failed), len(self.rejected)
         state, output, prior = pending["state"], pending["output"], pending["prior"]
         weight_key, bias_key = output + ".weight", output + ".bias"
         shape = (state[weight_key].shape[1] + 1, state[weight_key].shape[0])
@@ -364,12 +377,17 @@ class _RefitRound(_Fusion):
             fits.append(fit)
             nodes.append(node)
             sizes.append(int(sum(record[k].numpy().nbytes for k in record.keys())))
-        log(INFO, "aggregate_train: Received %s output fits and %s failures", len(fits), len(self.failed))
+        log(
+            INFO,
+            "aggregate_train: Received %s output fits and %s failures",
+            len(fits),
+            len(self.failed) - failed_before,
+        )
         metrics = {
             "num-examples": float(sum(f.n for f in fits)),
             "output-fit-replies": len(fits),
-            "failed-replies": len(self.failed),
-            "rejected-replies": len(self.rejected),
+            "failed-replies": len(self.failed) - failed_before,
+            "rejected-replies": len(self.rejected) - rejected_before,
             "prior-precision": float(prior),
             "bytes-up": max(sizes, default=0),
             "bytes-down": pending["bytes_down"],
@@ -511,7 +529,7 @@ class MatchedAveraging(_RefitRound):
         hidden units, the nodes' own one-shot heads on it (:meth:`client_heads`; ``CLIENT_HEADS``,
         ArrayRecord ``HEADS_KEY``) and, where they are Kronecker-factored, the same heads each
         with its curvature trace-matched to the exact GGN (``TRACE_MATCHED``) and, where every
-        summary has the output layer's GGN eigenvalues (version 3), with them (``EKFAC_HEADS``,
+        summary has the output layer's GGN eigenvalues (version 3 or later), with them (``EKFAC_HEADS``,
         EKFAC), and each its client's diagonal Laplace posterior (``DIAGONAL_HEADS``, the
         summaries' GGN diagonal); with summaries
         also the fusion with the output layer pooled by class counts (``SHARED_COUNTS``, its

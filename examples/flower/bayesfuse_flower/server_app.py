@@ -192,8 +192,12 @@ def main(grid: Grid, run: dict) -> None:
             RESULTS[method] = {
                 **_report(result),
                 "sizes": list(fedma.fedma_result.sizes.values()),
+                "fedma-rounds": fedma.fedma_result.rounds,
+                "fedma-bytes-up": fedma.fedma_result.bytes_up,
+                "fedma-bytes-down": fedma.fedma_result.bytes_down,
                 "failed": fedma.failed,
                 "rejected": fedma.rejected,
+                "dropped": fedma.dropped,
             }
             if fedma.output_covariance is not None:  # the refit round ran: the probit predictive too
                 RESULTS[method]["laplace"] = _laplace_report(fedma, cfg, seed)
