@@ -496,6 +496,8 @@ HEADS_FORMAT = "bayesfuse-client-heads"
 HEADS_VERSION = 2
 #: The heads files this code reads (1: without ``examples``, whose heads are not smoothed).
 HEADS_READ_VERSIONS = (1, 2)
+#: The pseudo-count a version-2 heads file without one was written with (the default then).
+_FILE_PSEUDO_COUNT = 1.0
 _HEAD_ARRAYS = ("weight", "bias", "shares")
 
 
@@ -512,9 +514,13 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
     the pool :class:`~bayesfuse.nets.heads.ClientHeads` predicts with. A Kronecker-factored
     posterior is stored compactly: each head's Gram at the columns it reads (``support``), as
     ``laplace/gram/<j>``. The metadata binds the file to ``model_tensors`` (the fused model
-    file's tensors, :func:`tensors_sha256`), as the output-layer posterior's does.
+    file's tensors, :func:`tensors_sha256`), as the output-layer posterior's does, and holds,
+    where the heads know their examples, the ``pseudo_count`` that smooths them
+    (``heads["pseudo_count"]``, else :data:`~bayesfuse.nets.heads.PSEUDO_COUNT`).
     """
     from safetensors.numpy import save
+
+    from bayesfuse.nets.heads import PSEUDO_COUNT
 
     tensors = heads_arrays(heads)
     meta = {
@@ -525,6 +531,9 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
         "pool": pool,
         "model_tensors_sha256": tensors_sha256(model_tensors),
     }
+    if heads.get("examples") is not None:
+        count = heads.get("pseudo_count")
+        meta["pseudo_count"] = repr(float(PSEUDO_COUNT if count is None else count))
     return save(tensors, metadata=meta)
 
 
@@ -542,7 +551,16 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
     )
     if not meta.get("output") or meta.get("pool") is None:
         raise ValueError(f"{path}: the client heads file is incomplete (missing its output or pool)")
-    return heads_from_arrays(tensors, meta["output"], meta.get("form", "map"), str(path)), meta["pool"]
+    heads = heads_from_arrays(tensors, meta["output"], meta.get("form", "map"), str(path))
+    if heads.get("examples") is not None:  # smoothed as written (files before it was recorded: 1)
+        try:
+            count = float(meta.get("pseudo_count", _FILE_PSEUDO_COUNT))
+        except ValueError:
+            count = float("nan")
+        if not (np.isfinite(count) and count >= 0):
+            raise ValueError(f"{path}: the heads' pseudo_count {meta.get('pseudo_count')!r} is not a number >= 0")
+        heads["pseudo_count"] = count
+    return heads, meta["pool"]
 
 
 def heads_arrays(heads: dict) -> dict[str, np.ndarray]:

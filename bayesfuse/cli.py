@@ -285,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the clients' heads pooled: linear or log",
     )
     fz.add_argument(
+        "--pseudo-count",
+        type=float,
+        default=None,
+        metavar="C",
+        help="examples per class smoothing each client head (1)",
+    )
+    fz.add_argument(
         "--format",
         choices=["pt", "safetensors"],
         default=None,
@@ -303,8 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "mlp", "cnn", "lstm"],
         metavar="ARCH",
-        help="auto, mlp, cnn or lstm: how to read the files' layers; mlp or cnn say the network is a "
-        "plain chain (default: auto)",
+        help="how to read the files' layers: auto (default), mlp, cnn (both: a plain chain) or lstm",
     )
     fz.add_argument(
         "--arch-spec", default=None, metavar="FILE", help="JSON permutation spec (bayesfuse.inference.spec)"
@@ -468,6 +474,7 @@ def _run_fuse(args: argparse.Namespace) -> int:
             like=_user_model(args.model),
             head=args.head,
             pool=args.pool,
+            pseudo_count=args.pseudo_count,
         )
     used = report["summaries"].get("used", False)
     *written, last = [args.out, f"{args.out}.json", *(report[k]["file"] for k in ("posterior", "heads") if report[k])]

@@ -337,27 +337,40 @@ def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | No
     }
 
 
-def _check_head(head: str, pool: str | None, method: str, hyper: dict) -> None:
-    """``head`` and ``pool`` are known, and ``head`` is not also given as a key."""
+def _check_head(head: str, pool: str | None, method: str, hyper: dict, pseudo_count: float | None = None) -> None:
+    """``head``, ``pool`` and ``pseudo_count`` are known, and ``head`` is not also given as a key."""
     if head not in ("auto", "shared", "clients"):
         raise ValueError(f"unknown head={head!r}; choose auto, shared or clients")
     if pool is not None and pool not in ("linear", "log"):
         raise ValueError(f"unknown pool={pool!r}; choose linear or log")
     if pool is not None and head == "shared":
         raise ValueError("pool is how the clients' own heads are pooled: not with head='shared'")
+    if pseudo_count is not None:
+        if isinstance(pseudo_count, bool) or not (
+            isinstance(pseudo_count, (int, float, np.number)) and np.isfinite(pseudo_count) and pseudo_count >= 0
+        ):
+            raise ValueError(f"pseudo_count must be a finite number >= 0, got {pseudo_count!r}")
+        if head == "shared":
+            raise ValueError("pseudo_count smooths the clients' own heads: not with head='shared'")
     if "head" in hyper and head not in ("auto", "shared"):
         raise ValueError("head is given twice (as head= and as a hyper-parameter); give it once")
 
 
-def _client_heads(fused, states, counts, summaries, fused_sd: dict, out: Path, pool: str | None) -> tuple:
+def _client_heads(
+    fused, states, counts, summaries, fused_sd: dict, out: Path, pool: str | None, pseudo_count: float | None
+) -> tuple:
     """The file of the clients' own heads of a one-shot fusion (:func:`~bayesfuse.checkpoints.heads_bytes`)
     and its entry in the report."""
     from bayesfuse.inference.client_heads import one_shot_heads
+    from bayesfuse.nets.heads import PSEUDO_COUNT
 
     weight_key, _ = fused.spec.output_layer(fused.state)
     width = int(np.shape(fused.state[weight_key])[1])
     assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
     heads = one_shot_heads(fused.spec, states, assignments, width, counts, summaries)
+    smoothed = heads.get("examples") is not None
+    if smoothed:
+        heads["pseudo_count"] = PSEUDO_COUNT if pseudo_count is None else float(pseudo_count)
     pool = pool or default_pool(summaries)
     path = heads_path(out)
     return (path, heads_bytes(heads, pool=pool, model_tensors=fused_sd)), {
@@ -365,6 +378,7 @@ def _client_heads(fused, states, counts, summaries, fused_sd: dict, out: Path, p
         "output_layer": heads["output"],
         "form": heads["form"],
         "pool": pool,
+        "pseudo_count": heads["pseudo_count"] if smoothed else None,
         "clients": len(states),
         "stores": "each client's own output layer on the fused hidden units"
         + (f" with its {heads['form']} Laplace posterior" if heads["form"] != "map" else "")
@@ -409,6 +423,7 @@ def fuse_files(
     like=None,
     head: str = "auto",
     pool: str | None = None,
+    pseudo_count: float | None = None,
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
@@ -445,7 +460,9 @@ def fuse_files(
     (:func:`~bayesfuse.inference.client_heads.one_shot_heads`; each its client's Laplace posterior
     with summaries) and writes them beside the model, ``out + '.heads.safetensors'``
     (:func:`~bayesfuse.checkpoints.heads_bytes`; the report's ``heads``), with the ``pool`` they
-    predict with (``"log"`` with summaries, ``"linear"`` without, by default);
+    predict with (``"log"`` with summaries, ``"linear"`` without, by default) and the
+    ``pseudo_count`` that smooths each head's predictive by its client's examples (default
+    :data:`~bayesfuse.nets.heads.PSEUDO_COUNT`; 0: unsmoothed);
     :func:`bayesfuse.load` returns a :class:`~bayesfuse.nets.heads.ClientHeads`. For BNNs,
     ``head`` is the method's key of that name.
 
@@ -468,7 +485,7 @@ def fuse_files(
     methods.check_execution(method, None, device)
     checked_device = check_device(device, dtype)  # before any file is read
     hyper = dict(hyper or {})
-    _check_head(head, pool, method, hyper)
+    _check_head(head, pool, method, hyper, pseudo_count)
     known = row.keys()
     unknown = set(hyper) - set(known)
     if unknown:
@@ -622,13 +639,17 @@ def fuse_files(
         head, refused = default_head(row.own_heads, client_summaries, fused.spec, fused.state)
         if refused:
             report["hyper"]["head"] = f"shared ({refused})"
-        if head == "shared" and pool is not None:
-            raise ValueError(
-                "pool is how the clients' own heads are pooled; these networks are fused with the shared "
-                "head (give head='clients')"
+        if head == "shared" and (pool is not None or pseudo_count is not None):
+            what = (
+                "pool is how the clients' own heads are pooled"
+                if pool is not None
+                else "pseudo_count smooths the clients' own heads"
             )
+            raise ValueError(f"{what}; these networks are fused with the shared head (give head='clients')")
     if kind == "network" and head == "clients":
-        heads_file, report["heads"] = _client_heads(fused, states, counts, client_summaries, fused_sd, out, pool)
+        heads_file, report["heads"] = _client_heads(
+            fused, states, counts, client_summaries, fused_sd, out, pool, pseudo_count
+        )
         posterior.append(heads_file)
     record = fusion_bytes(fused, model_tensors=fused_sd)
     if record is not None:

@@ -228,6 +228,30 @@ def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp
     assert sorted(loaded.examples.tolist()) == sorted(direct.model.examples.tolist())
     assert sorted(loaded.examples.tolist()) == sorted(float(s.n_examples) for s in summaries)
     assert "smoothed by its client's examples" in direct.hyper["predictive"]
+    assert report["heads"]["pseudo_count"] == 1.0
+    # another pseudo-count is written in the file and read back: the same predictive as fuse()'s at it
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--pseudo-count", "0.1",
+                 "--force"]) == 0  # fmt: skip
+    tenth = bayesfuse.load(out)
+    assert (
+        tenth.pseudo_count == 0.1
+        and json.loads((tmp_path / "fused.pt.json").read_text())["heads"]["pseudo_count"] == 0.1
+    )
+    direct.model.pseudo_count = 0.1
+    np.testing.assert_allclose(predict_proba(tenth, split.test.x), predict_proba(direct.model, split.test.x), atol=1e-5)
+    assert not np.allclose(predict_proba(tenth, split.test.x), predict_proba(loaded, split.test.x), atol=1e-5)
+    # a heads file written before the pseudo-count was recorded was smoothed with 1
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    with safe_open(str(heads_path(out)), framework="numpy") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(heads_path(out)))
+    save_file(tensors, str(heads_path(out)), metadata={k: v for k, v in meta.items() if k != "pseudo_count"})
+    assert bayesfuse.load(out).pseudo_count == 1.0
+    save_file(tensors, str(heads_path(out)), metadata={**meta, "pseudo_count": "-2"})
+    with pytest.raises(ValueError, match=r"heads.safetensors: the heads' pseudo_count '-2' is not a number >= 0"):
+        bayesfuse.load(out)
     # data-free: the heads' means, mixed; and the linear pool on request
     assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--head", "clients",
                  "--summaries", "none", "--pool", "log", "--force"]) == 0  # fmt: skip
@@ -246,6 +270,12 @@ def test_fuse_refuses_heads_it_cannot_keep_and_heads_of_other_tensors(clients, t
         (["--method", "fedavg", "--head", "clients"], "method must be one of pfnm, nafi, got 'fedavg'"),
         (["--method", "pfnm", "--head", "shared", "--pool", "log"], "not with head='shared'"),
         (["--method", "pfnm", "--summaries", "none", "--pool", "log"], "fused with the shared head"),
+        (
+            ["--method", "pfnm", "--head", "shared", "--pseudo-count", "1"],
+            "pseudo_count smooths the clients' own heads",
+        ),
+        (["--method", "pfnm", "--pseudo-count", "-1"], "pseudo_count must be a finite number >= 0, got -1.0"),
+        (["--method", "pfnm", "--summaries", "none", "--pseudo-count", "1"], "fused with the shared head"),
     ):
         assert main(["fuse", *map(str, models), "--out", str(out), *extra]) == 2
         assert message in _error(capsys)

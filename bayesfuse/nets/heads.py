@@ -511,8 +511,9 @@ class ClientHeads(nn.Module):
     @classmethod
     def from_arrays(cls, network: nn.Module, heads: dict, *, pool: str = "linear", samples: int = 64) -> "ClientHeads":
         """The heads :func:`~bayesfuse.inference.client_heads.one_shot_heads` computed (or a heads
-        file holds, :func:`~bayesfuse.checkpoints.read_heads`) on ``network``, in eval mode."""
-        return cls(
+        file holds, :func:`~bayesfuse.checkpoints.read_heads`) on ``network``, in eval mode; smoothed
+        with ``heads["pseudo_count"]`` where given."""
+        model = cls(
             network,
             heads["output"],
             heads["weight"],
@@ -523,6 +524,9 @@ class ClientHeads(nn.Module):
             samples=samples,
             examples=heads.get("examples"),
         ).eval()
+        if heads.get("pseudo_count") is not None:
+            model.pseudo_count = heads["pseudo_count"]
+        return model
 
     @property
     def predictive(self) -> str:
