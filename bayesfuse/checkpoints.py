@@ -520,7 +520,7 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
     """
     from safetensors.numpy import save
 
-    from bayesfuse.nets.heads import PSEUDO_COUNT
+    from bayesfuse.nets.heads import PSEUDO_COUNT, checked_pseudo_count
 
     tensors = heads_arrays(heads)
     meta = {
@@ -531,9 +531,11 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
         "pool": pool,
         "model_tensors_sha256": tensors_sha256(model_tensors),
     }
+    count = heads.get("pseudo_count")
     if heads.get("examples") is not None:
-        count = heads.get("pseudo_count")
-        meta["pseudo_count"] = repr(float(PSEUDO_COUNT if count is None else count))
+        meta["pseudo_count"] = repr(checked_pseudo_count(PSEUDO_COUNT if count is None else count))
+    elif count is not None:
+        raise ValueError("pseudo_count smooths each head by its client's examples; these heads have none")
     return save(tensors, metadata=meta)
 
 
@@ -558,7 +560,9 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
         except ValueError:
             count = float("nan")
         if not (np.isfinite(count) and count >= 0):
-            raise ValueError(f"{path}: the heads' pseudo_count {meta.get('pseudo_count')!r} is not a number >= 0")
+            raise ValueError(
+                f"{path}: the heads' pseudo_count {meta.get('pseudo_count')!r} is not a finite number >= 0"
+            )
         heads["pseudo_count"] = count
     return heads, meta["pool"]
 

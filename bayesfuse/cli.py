@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="C",
-        help="examples per class smoothing each client head (1)",
+        help="smoothing of the client heads (default: 1; 0: none)",
     )
     fz.add_argument(
         "--format",

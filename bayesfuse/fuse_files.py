@@ -346,10 +346,9 @@ def _check_head(head: str, pool: str | None, method: str, hyper: dict, pseudo_co
     if pool is not None and head == "shared":
         raise ValueError("pool is how the clients' own heads are pooled: not with head='shared'")
     if pseudo_count is not None:
-        if isinstance(pseudo_count, bool) or not (
-            isinstance(pseudo_count, (int, float, np.number)) and np.isfinite(pseudo_count) and pseudo_count >= 0
-        ):
-            raise ValueError(f"pseudo_count must be a finite number >= 0, got {pseudo_count!r}")
+        from bayesfuse.nets.heads import checked_pseudo_count
+
+        checked_pseudo_count(pseudo_count)
         if head == "shared":
             raise ValueError("pseudo_count smooths the clients' own heads: not with head='shared'")
     if "head" in hyper and head not in ("auto", "shared"):
@@ -369,6 +368,11 @@ def _client_heads(
     assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
     heads = one_shot_heads(fused.spec, states, assignments, width, counts, summaries)
     smoothed = heads.get("examples") is not None
+    if pseudo_count is not None and not smoothed:
+        raise ValueError(
+            "pseudo_count smooths each head by its client's examples; these heads know none "
+            "(give the clients' summaries or class counts)"
+        )
     if smoothed:
         heads["pseudo_count"] = PSEUDO_COUNT if pseudo_count is None else float(pseudo_count)
     pool = pool or default_pool(summaries)
@@ -382,7 +386,13 @@ def _client_heads(
         "clients": len(states),
         "stores": "each client's own output layer on the fused hidden units"
         + (f" with its {heads['form']} Laplace posterior" if heads["form"] != "map" else "")
-        + (" and its number of examples, which smooths its predictive" if heads.get("examples") is not None else "")
+        + (
+            " and its number of examples, which smooths its predictive"
+            if smoothed and heads["pseudo_count"] > 0
+            else " and its number of examples (pseudo-count 0: unsmoothed)"
+            if smoothed
+            else ""
+        )
         + "; bayesfuse.load returns a ClientHeads that predicts with them",
     }
 
@@ -548,6 +558,11 @@ def fuse_files(
     kind = "bnn" if all(is_bnn) else "network"
     if kind not in row.kinds:
         raise ValueError(_wrong_kind(method, kind))
+    if kind == "bnn" and (pool is not None or pseudo_count is not None):
+        raise ValueError(
+            f"{'pool' if pool is not None else 'pseudo_count'} is for the clients' own heads of point-estimate "
+            "networks; these are HorseshoeBNN checkpoints"
+        )
     if kind == "bnn" and head not in ("auto", "shared"):
         hyper["head"] = head  # a BNN's heads are its method's key
     elif head == "clients" and method not in methods.ONE_SHOT_HEADS:

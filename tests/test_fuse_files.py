@@ -83,6 +83,11 @@ def test_kl_fusion_of_bnn_checkpoints(bnn_files, tmp_path, split):
     assert out.read_bytes() == again.read_bytes()
     sd = load_state_dict(out)
     assert set(sd) >= {"loc.w1", "log_scale.w1"}
+    # the point-estimate heads' pool and smoothing are refused for BNNs, nothing written
+    for extra in (["--pool", "log"], ["--pseudo-count", "0.5"]):
+        other = tmp_path / "other.safetensors"
+        assert main(["fuse", *map(str, bnn_files), "--method", "kl", "--out", str(other), *extra]) == 2
+        assert not other.exists()
 
 
 def test_kl_fusion_of_two_layer_bnn_checkpoints(tmp_path, split):

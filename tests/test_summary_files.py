@@ -249,9 +249,19 @@ def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp
     tensors = load_file(str(heads_path(out)))
     save_file(tensors, str(heads_path(out)), metadata={k: v for k, v in meta.items() if k != "pseudo_count"})
     assert bayesfuse.load(out).pseudo_count == 1.0
-    save_file(tensors, str(heads_path(out)), metadata={**meta, "pseudo_count": "-2"})
-    with pytest.raises(ValueError, match=r"heads.safetensors: the heads' pseudo_count '-2' is not a number >= 0"):
-        bayesfuse.load(out)
+    from bayesfuse.checkpoints import read_heads
+
+    fused_state = bayesfuse.load(out, posterior=False).state_dict()
+    assert read_heads(heads_path(out), fused_state, "fused.pt")[0]["pseudo_count"] == 1.0  # the reader's, not a default
+    for bad in ("-2", "nan", ""):
+        save_file(tensors, str(heads_path(out)), metadata={**meta, "pseudo_count": bad})
+        with pytest.raises(ValueError, match=f"heads.safetensors: the heads' pseudo_count '{bad}' is not a finite"):
+            bayesfuse.load(out)
+    # 0: unsmoothed, and the report says so
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--pseudo-count", "0",
+                 "--force"]) == 0  # fmt: skip
+    zero = json.loads((tmp_path / "fused.pt.json").read_text())["heads"]
+    assert zero["pseudo_count"] == 0.0 and "unsmoothed" in zero["stores"] and bayesfuse.load(out).pseudo_count == 0
     # data-free: the heads' means, mixed; and the linear pool on request
     assert main(["fuse", *map(str, models), "--method", "nafi", "--out", str(out), "--head", "clients",
                  "--summaries", "none", "--pool", "log", "--force"]) == 0  # fmt: skip
@@ -276,6 +286,10 @@ def test_fuse_refuses_heads_it_cannot_keep_and_heads_of_other_tensors(clients, t
         ),
         (["--method", "pfnm", "--pseudo-count", "-1"], "pseudo_count must be a finite number >= 0, got -1.0"),
         (["--method", "pfnm", "--summaries", "none", "--pseudo-count", "1"], "fused with the shared head"),
+        (
+            ["--method", "pfnm", "--summaries", "none", "--head", "clients", "--pseudo-count", "1"],
+            "these heads know none (give the clients' summaries or class counts)",
+        ),
     ):
         assert main(["fuse", *map(str, models), "--out", str(out), *extra]) == 2
         assert message in _error(capsys)

@@ -92,6 +92,7 @@ __all__ = [
     "POOLS",
     "PREDICTIVES",
     "PSEUDO_COUNT",
+    "checked_pseudo_count",
     "class_shares",
     "logits_and_features",
     "logit_variances",
@@ -153,6 +154,23 @@ def _supported_eigh(gram: torch.Tensor, support: torch.Tensor) -> tuple[torch.Te
         vals[j, at] = v
         vecs[j][at[:, None], at[None, :]] = u
     return vals, vecs
+
+
+def checked_pseudo_count(value) -> float:
+    """``value`` as a pseudo-count (:attr:`ClientHeads.pseudo_count`): a real number, finite and
+    ``>= 0``, not a bool; else ``ValueError``."""
+    try:
+        ok = (
+            not isinstance(value, (bool, np.bool_))
+            and isinstance(value, numbers.Real)
+            and math.isfinite(float(value))
+            and float(value) >= 0
+        )
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise ValueError(f"pseudo_count must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 class ClientHeads(nn.Module):
@@ -567,13 +585,7 @@ class ClientHeads(nn.Module):
 
     @pseudo_count.setter
     def pseudo_count(self, value: float) -> None:
-        if (
-            isinstance(value, (bool, np.bool_))
-            or not isinstance(value, numbers.Real)
-            or not (math.isfinite(value) and value >= 0)
-        ):
-            raise ValueError(f"pseudo_count must be a finite number >= 0, got {value!r}")
-        self._pseudo_count = float(value)
+        self._pseudo_count = checked_pseudo_count(value)
 
     @property
     def n_heads(self) -> int:
