@@ -535,7 +535,10 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
     if heads.get("examples") is not None:
         meta["pseudo_count"] = repr(checked_pseudo_count(PSEUDO_COUNT if count is None else count))
     elif count is not None:
-        raise ValueError("pseudo_count smooths each head by its client's examples; these heads have none")
+        raise ValueError(
+            "pseudo_count smooths each head by its client's examples; these heads know none "
+            "(give the clients' summaries or class counts)"
+        )
     return save(tensors, metadata=meta)
 
 
@@ -555,15 +558,14 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
         raise ValueError(f"{path}: the client heads file is incomplete (missing its output or pool)")
     heads = heads_from_arrays(tensors, meta["output"], meta.get("form", "map"), str(path))
     if heads.get("examples") is not None:  # smoothed as written (files before it was recorded: 1)
+        from bayesfuse.nets.heads import checked_pseudo_count
+
         try:
-            count = float(meta.get("pseudo_count", _FILE_PSEUDO_COUNT))
+            heads["pseudo_count"] = checked_pseudo_count(float(meta.get("pseudo_count", _FILE_PSEUDO_COUNT)))
         except ValueError:
-            count = float("nan")
-        if not (np.isfinite(count) and count >= 0):
             raise ValueError(
                 f"{path}: the heads' pseudo_count {meta.get('pseudo_count')!r} is not a finite number >= 0"
-            )
-        heads["pseudo_count"] = count
+            ) from None
     return heads, meta["pool"]
 
 

@@ -368,12 +368,7 @@ def _client_heads(
     assignments = {g: layer.assignments for g, layer in zip(fused.groups, fused.layers)}
     heads = one_shot_heads(fused.spec, states, assignments, width, counts, summaries)
     smoothed = heads.get("examples") is not None
-    if pseudo_count is not None and not smoothed:
-        raise ValueError(
-            "pseudo_count smooths each head by its client's examples; these heads know none "
-            "(give the clients' summaries or class counts)"
-        )
-    if smoothed:
+    if smoothed or pseudo_count is not None:  # heads_bytes refuses a pseudo-count for heads of no examples
         heads["pseudo_count"] = PSEUDO_COUNT if pseudo_count is None else float(pseudo_count)
     pool = pool or default_pool(summaries)
     path = heads_path(out)

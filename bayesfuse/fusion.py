@@ -314,12 +314,9 @@ def fuse(
     method = methods.canonical(method)
     methods.check_keys(method, hyper, caller=fuse)
     if output_prior_precision is not None:
-        if isinstance(output_prior_precision, bool) or not (
-            isinstance(output_prior_precision, (int, float, np.number))
-            and np.isfinite(output_prior_precision)
-            and output_prior_precision > 0
-        ):
-            raise ValueError(f"output_prior_precision must be a positive number, got {output_prior_precision!r}")
+        from bayesfuse.inference.output_fusion import checked_prior_precision
+
+        checked_prior_precision(output_prior_precision)
         if not (rounds == 2 and second_round == "refit" or rounds == 3):
             raise ValueError(
                 "output_prior_precision is the refit round's prior: give rounds=2 (second_round='refit') or rounds=3"

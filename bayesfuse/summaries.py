@@ -70,6 +70,7 @@ from bayesfuse._io import atomic_write_bytes
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
 from bayesfuse.inference.client_heads import heads_refused
+from bayesfuse.inference.output_fusion import packed_upper, unpacked_upper
 from bayesfuse.inference.spec import PermutationSpec
 
 __all__ = [
@@ -649,8 +650,7 @@ def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
     arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
     arrays.update({f"output/{k}": v for k, v in (summary.output_factors or {}).items()})
     if "output/gram" in arrays and summary.version >= PACKED_GRAM_VERSION:
-        gram = np.asarray(arrays["output/gram"])
-        arrays["output/gram"] = gram[np.triu_indices(len(gram))]
+        arrays["output/gram"] = packed_upper(arrays["output/gram"])
     out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
     out["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
     return out
@@ -704,9 +704,7 @@ def _unpacked(upper: np.ndarray, name: str) -> np.ndarray:
             f"{name}: the output gram of a version {PACKED_GRAM_VERSION}+ summary is the upper triangle of a "
             f"symmetric matrix, a vector of g (g + 1) / 2 numbers; got shape {upper.shape}"
         )
-    gram = np.zeros((g, g))
-    gram[np.triu_indices(g)] = upper
-    return gram + np.triu(gram, 1).T
+    return unpacked_upper(upper, g)
 
 
 def summary_path(model_path: str | os.PathLike) -> Path:

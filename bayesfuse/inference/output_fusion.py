@@ -104,6 +104,9 @@ __all__ = [
     "prior_precision_from_weights",
     "solved_jointly",
     "product_report",
+    "checked_prior_precision",
+    "packed_upper",
+    "unpacked_upper",
 ]
 
 _PRECISION = Interval(float, 0.0, None, "neither")
@@ -139,6 +142,28 @@ class OutputFit:
         float32, the symmetric Gram as its upper triangle, and the count."""
         g = self.gram.shape[0]
         return 4 * (self.weight.size + g * (g + 1) // 2 + self.curvature.size) + 8
+
+
+def checked_prior_precision(value, name: str = "output_prior_precision") -> float:
+    """``value`` as a prior precision (a finite number > 0, not a bool); else ``ValueError`` naming ``name``."""
+    try:
+        return float(_PRECISION.check(value))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
+
+
+def packed_upper(matrix: np.ndarray) -> np.ndarray:
+    """The upper triangle of a symmetric ``(g, g)`` matrix, row by row: ``g (g + 1) / 2`` numbers,
+    as a Gram travels in a summary file or an output fit's reply."""
+    matrix = np.asarray(matrix)
+    return matrix[np.triu_indices(len(matrix))]
+
+
+def unpacked_upper(upper: np.ndarray, g: int) -> np.ndarray:
+    """The symmetric ``(g, g)`` matrix whose upper triangle, row by row, is ``upper`` (:func:`packed_upper`)."""
+    matrix = np.zeros((g, g))
+    matrix[np.triu_indices(g)] = upper
+    return matrix + np.triu(matrix, 1).T
 
 
 def _with_bias(features: np.ndarray) -> np.ndarray:

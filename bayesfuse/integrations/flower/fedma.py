@@ -142,8 +142,6 @@ class FedMA(_RefitRound):
         ``replies``, ``seconds``.
     """
 
-    _keeps_skips = True  # failed and rejected cover the whole run, the refit round too
-
     def __init__(
         self,
         *,

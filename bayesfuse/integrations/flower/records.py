@@ -11,7 +11,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from bayesfuse.checkpoints import heads_arrays, heads_from_arrays, tensors_sha256
-from bayesfuse.inference.output_fusion import OutputFit
+from bayesfuse.inference.output_fusion import OutputFit, packed_upper, unpacked_upper
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.summaries import (
     SUMMARY_FORMAT,
@@ -186,7 +186,7 @@ def output_fit_to_records(
     tuple of (ArrayRecord, ConfigRecord)
     """
     values = {name: getattr(fit, name) for name in _FIT_ARRAYS}
-    values["gram"] = values["gram"][np.triu_indices(len(values["gram"]))]
+    values["gram"] = packed_upper(values["gram"])
     arrays = {name: Array(np.ascontiguousarray(v, dtype=np.float32)) for name, v in values.items()}
     meta = ConfigRecord(
         {
@@ -271,9 +271,7 @@ def records_to_output_fit(
             f"{name}: the output fit's gram has shape {upper.shape}; the fused output layer needs its upper "
             f"triangle, ({g * (g + 1) // 2},)"
         )
-    values["gram"] = np.zeros((g, g))
-    values["gram"][np.triu_indices(g)] = upper
-    values["gram"] = values["gram"] + np.triu(values["gram"], 1).T
+    values["gram"] = unpacked_upper(upper, g)
     weight, gram, curvature = values["weight"], values["gram"], values["curvature"]
     for key, want in (("weight", (g, k)), ("gram", (g, g)), ("curvature", (k, k))):
         if values[key].shape != want:

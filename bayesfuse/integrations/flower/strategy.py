@@ -18,7 +18,12 @@ from torch import nn
 from bayesfuse import methods
 from bayesfuse.core import StateFusion, fuse_states
 from bayesfuse.inference.client_heads import default_pool, heads_refused, kronecker_variants, one_shot_heads
-from bayesfuse.inference.output_fusion import output_posterior, prior_precision_from_weights, product_report
+from bayesfuse.inference.output_fusion import (
+    checked_prior_precision,
+    output_posterior,
+    prior_precision_from_weights,
+    product_report,
+)
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import (
     CLIENT_HEADS,
@@ -215,14 +220,9 @@ class _RefitRound(_Fusion):
     for the prior precision) and ``_class_counts`` (each node's, for :meth:`_refit_heads`).
     """
 
-    #: Whether ``failed`` and ``rejected`` cover the whole run (FedMA) rather than the last round.
-    _keeps_skips = False
-
     def __init__(self, *, output_prior_precision: float | None = None, **kwargs) -> None:
-        if output_prior_precision is not None and not (
-            np.isfinite(output_prior_precision) and output_prior_precision > 0
-        ):
-            raise ValueError(f"output_prior_precision must be a positive number, got {output_prior_precision!r}")
+        if output_prior_precision is not None:
+            checked_prior_precision(output_prior_precision)
         super().__init__(**kwargs)
         self.output_prior_precision = output_prior_precision
         self._forget_refit()
@@ -348,9 +348,7 @@ class _RefitRound(_Fusion):
         if pending is None:
             raise ValueError("aggregate_output_fit: no refit round was configured (configure_output_fit)")
         start = time.perf_counter()
-        if not self._keeps_skips:
-            self.rejected, self.failed = [], []
-        failed_before, rejected_before = len(self.failed), len(self.rejected)
+        failed_before, rejected_before = len(self.failed), len(self.rejected)  # the strategy says what they cover
         state, output, prior = pending["state"], pending["output"], pending["prior"]
         weight_key, bias_key = output + ".weight", output + ".bias"
         shape = (state[weight_key].shape[1] + 1, state[weight_key].shape[0])
@@ -720,11 +718,11 @@ class MatchedAveraging(_RefitRound):
             ``summary-bytes``. In the refit round, :meth:`aggregate_output_fit`'s; in the
             temperature round, :meth:`aggregate_temperature`'s.
         """
+        self.rejected, self.failed = [], []  # this round's skips only
         if self._pending_refit is not None and self._pending_refit["round"] == server_round:
             return self.aggregate_output_fit(server_round, replies)
         if self._pending_temperature is not None and self._pending_temperature["round"] == server_round:
             return self.aggregate_temperature(server_round, replies)
-        self.rejected, self.failed = [], []
         self.output_covariance, self.second_round_report, self._refitted = None, None, None
         self._tempered = None
         spec, good = self._check(self._collect(replies), self.spec)
