@@ -49,7 +49,12 @@ On disk a summary is a safetensors file beside the model (``model.pt`` ->
 hash of its entries' names, shapes and values), so that a summary of another network is refused
 (:func:`check_summary`). Version 2 added the output factors, version 3 their eigenvalues;
 version 4 stores the symmetric ``output/gram`` as its upper triangle, row by row ((G+1)(G+2)/2
-numbers instead of (G+1)^2; in memory it is the whole matrix). Versions 1-3 are read too.
+numbers instead of (G+1)^2; in memory it is the whole matrix). Version 5 holds the precisions
+as bfloat16 (8 significant bits, a relative rounding error of at most 2^-8, stored as the upper
+16 bits of their float32, ``uint16``): they weight averages and set variances, where the third
+significant digit does not show, and the summary is then about 0.6x the weights of a 784-100-10
+network instead of 1.08x. :func:`summarize` rounds them so, so that a summary in memory is the
+summary its file and its Flower record hold. Versions 1-4 are read too.
 """
 
 from __future__ import annotations
@@ -96,12 +101,14 @@ __all__ = [
 ]
 
 SUMMARY_FORMAT = "bayesfuse-client-summary"
-SUMMARY_VERSION = 4
+SUMMARY_VERSION = 5
 #: The summary versions this code reads (1: without ``output_factors``; 2: without their
-#: ``eigenvalues``; 3: the Gram whole, not its upper triangle).
-READ_VERSIONS = (1, 2, 3, 4)
+#: ``eigenvalues``; 3: the Gram whole, not its upper triangle; 4: the precisions as float32).
+READ_VERSIONS = (1, 2, 3, 4, 5)
 #: The first version that stores the output Gram as its upper triangle.
 PACKED_GRAM_VERSION = 4
+#: The first version that stores the precisions as bfloat16 (:func:`bfloat16_bits`).
+BFLOAT16_VERSION = 5
 #: The widest output-layer input (bias included) whose Kronecker factors a summary holds: the
 #: Gram is ``(G+1)(G+2)/2`` numbers stored (its upper triangle), about half the size of a hidden
 #: layer of this width's incoming weights from the usual inputs; wider layers are summarised
@@ -109,6 +116,23 @@ PACKED_GRAM_VERSION = 4
 MAX_FACTOR_WIDTH = 2048
 #: The moments kept per hidden unit.
 STATS = ("pre_mean", "pre_var", "act_mean", "act_var")
+
+
+def bfloat16_bits(a) -> np.ndarray:
+    """The bfloat16 nearest each value of ``a`` (ties to even), as the upper 16 bits of its float32
+    (``uint16``): 8 significant bits, float32's range, a relative error of at most 2^-8."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    """The float32 values whose upper 16 bits are ``bits`` (:func:`bfloat16_bits`), exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def bfloat16_rounded(a) -> np.ndarray:
+    """``a`` rounded to the nearest bfloat16, as float64 (what a version 5 summary stores)."""
+    return from_bfloat16_bits(bfloat16_bits(a)).astype(np.float64)
 
 
 class SummaryError(ValueError):
@@ -144,7 +168,8 @@ class ClientSummary:
     Attributes
     ----------
     precision : dict of str to ndarray
-        GGN diagonal of every floating parameter, the parameter's shape, non-negative.
+        GGN diagonal of every floating parameter, the parameter's shape, non-negative; rounded to
+        bfloat16 by :func:`summarize` (since version 5, what the file holds).
     prior_precision : float
         ``delta``: the Laplace precision of weight ``i`` is ``precision[i] + delta``.
     moments : dict of str to dict of str to ndarray
@@ -176,14 +201,17 @@ class ClientSummary:
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays as the file and the Flower record hold them (:func:`summary_arrays`:
-        float32, the output Gram as its upper triangle since version 4, int64 class counts)."""
-        floats = sum(np.size(v) for v in self.precision.values())
+        float32, the output Gram as its upper triangle since version 4, the precisions as
+        bfloat16 since version 5, int64 class counts)."""
+        precisions = sum(np.size(v) for v in self.precision.values())
+        half = self.version >= BFLOAT16_VERSION
+        floats = 0 if half else precisions
         floats += sum(np.size(v) for stats in self.moments.values() for v in stats.values())
         floats += sum(np.size(v) for v in (self.output_factors or {}).values())
         if self.output_factors and "gram" in self.output_factors and self.version >= PACKED_GRAM_VERSION:
             g = len(self.output_factors["gram"])
             floats -= g * (g - 1) // 2  # the strict lower triangle is not stored
-        return 4 * floats + 8 * np.size(self.class_counts)
+        return 4 * floats + (2 * precisions if half else 0) + 8 * np.size(self.class_counts)
 
     def output_precision(self, spec: PermutationSpec) -> np.ndarray | None:
         """The GGN of the output biases, ``sum_n p_nk (1 - p_nk)`` per class; None without an output bias."""
@@ -397,7 +425,7 @@ def summarize(
             x.numpy() if isinstance(x, torch.Tensor) else x, batch_size=batch_size
         )
     else:
-        precision = diag_ggn(model, x, batch_size=batch_size)
+        precision = {k: bfloat16_rounded(v) for k, v in diag_ggn(model, x, batch_size=batch_size).items()}
         moments = unit_moments(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
         factors = output_factors(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
     counts = np.bincount(y.astype(np.int64), minlength=n_classes)
@@ -645,13 +673,16 @@ def _is_buffer(key: str) -> bool:
 def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
     """The summary's arrays under the names its file and its Flower record use: ``precision/<entry>``
     ``moments/<group>/<stat>`` and ``output/<factor>`` (float32; since version 4 ``output/gram``
-    as its upper triangle, row by row), ``class_counts`` (int64)."""
+    as its upper triangle, row by row; since version 5 ``precision/<entry>`` as bfloat16, the
+    ``uint16`` of :func:`bfloat16_bits`), ``class_counts`` (int64)."""
     arrays = {f"precision/{k}": v for k, v in summary.precision.items()}
     arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
     arrays.update({f"output/{k}": v for k, v in (summary.output_factors or {}).items()})
     if "output/gram" in arrays and summary.version >= PACKED_GRAM_VERSION:
         arrays["output/gram"] = packed_upper(arrays["output/gram"])
     out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
+    if summary.version >= BFLOAT16_VERSION:
+        out.update({f"precision/{k}": bfloat16_bits(v) for k, v in summary.precision.items()})
     out["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
     return out
 
@@ -671,7 +702,14 @@ def summary_from_arrays(
     moments: dict[str, dict[str, np.ndarray]] = {}
     factors: dict[str, np.ndarray] = {}
     for k, v in arrays.items():
-        if k.startswith("precision/"):
+        if k.startswith("precision/") and version >= BFLOAT16_VERSION:
+            if np.asarray(v).dtype != np.uint16:
+                raise SummaryError(
+                    f"{name}: {k} of a version {BFLOAT16_VERSION}+ summary must be bfloat16 bits (uint16), "
+                    f"got {np.asarray(v).dtype}"
+                )
+            precision[k[len("precision/") :]] = from_bfloat16_bits(v).astype(np.float64)
+        elif k.startswith("precision/"):
             precision[k[len("precision/") :]] = np.asarray(v, dtype=np.float64)
         elif k.startswith("moments/"):
             g, _, s = k[len("moments/") :].rpartition("/")

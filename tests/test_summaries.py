@@ -16,7 +16,9 @@ from bayesfuse.nets.mlp import MLP
 from bayesfuse.summaries import (
     ClientSummary,
     SummaryError,
+    bfloat16_bits,
     check_summary,
+    from_bfloat16_bits,
     load_summary,
     save_summary,
     summarize,
@@ -58,8 +60,23 @@ def test_precision_is_the_ggn_and_chunks_do_not_matter(client):
     s = summarize(model, x, y, batch_size=7)
     g = diag_ggn(model, x)
     assert s.precision.keys() == g.keys()
-    for k in g:  # float32 model: chunks sum in another order
-        np.testing.assert_allclose(s.precision[k], g[k], rtol=1e-5, atol=1e-10)
+    for k in g:
+        # bfloat16 keeps 8 significant bits: a relative error of at most 2^-8 (the float32 model's
+        # chunks summing in another order adds ~1e-7)
+        np.testing.assert_allclose(s.precision[k], g[k], rtol=2**-8 + 1e-6, atol=1e-30)
+        # and the values are bfloat16's: their upper 16 bits hold them exactly
+        np.testing.assert_array_equal(from_bfloat16_bits(bfloat16_bits(s.precision[k])), s.precision[k])
+
+
+def test_bfloat16_rounds_to_nearest_even_and_keeps_range():
+    a = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-7 - 2**-20, 3.0e38, 1e-30, 0.0, 65504.0 * 1e4], np.float32)
+    back = from_bfloat16_bits(bfloat16_bits(a))
+    # the halfway 1 + 2^-8 goes to the even 1, 1 + 3 * 2^-8 to the even 1 + 2^-6; just under 1 + 2^-7 rounds up to it
+    np.testing.assert_array_equal(back[:4], np.array([1.0, 1.0, 1 + 2**-6, 1 + 2**-7], np.float32))
+    assert np.isfinite(back).all() and back[5] > 0 and back[6] == 0
+    np.testing.assert_allclose(back, a, rtol=2**-8)
+    x = np.random.default_rng(0).lognormal(0, 8, size=10_000).astype(np.float32)
+    assert np.abs(from_bfloat16_bits(bfloat16_bits(x)) / x - 1).max() <= 2**-8
 
 
 def test_conv_moments_are_per_channel():
@@ -76,8 +93,10 @@ def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
     # the output layer's Gram (4 features and the bias) as its upper triangle, curvature and GGN
     # eigenvalues (5 x 3)
     factors = (4 + 1) * (4 + 2) // 2 + 3**2 + (4 + 1) * 3
-    assert s.nbytes == 4 * weights + 4 * 4 * (5 + 4) + 4 * factors + 8 * 3
-    for version in (3, 4):  # what the file and the Flower record hold
+    # the precisions as bfloat16 (version 5)
+    assert s.nbytes == 2 * weights + 4 * 4 * (5 + 4) + 4 * factors + 8 * 3
+    assert dataclasses.replace(s, version=4).nbytes == s.nbytes + 2 * weights
+    for version in (3, 4, 5):  # what the file and the Flower record hold
         v = dataclasses.replace(s, version=version)
         assert v.nbytes == sum(a.nbytes for a in summary_arrays(v).values())
 
@@ -92,11 +111,12 @@ def test_output_factors_are_the_kfac_factors_and_exact_for_one_example(client):
     np.testing.assert_allclose(s.output_factors["gram"], a.T @ a / len(x), rtol=1e-6, atol=1e-9)
     curvature = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
     np.testing.assert_allclose(s.output_factors["curvature"], curvature, rtol=1e-6, atol=1e-9)
-    # one example: n A (x) S is the output layer's GGN itself, so its diagonal is the summary's precision
+    # one example: n A (x) S is the output layer's GGN itself, so its diagonal is the summary's
+    # precision (to bfloat16's relative 2^-8)
     one = summarize(model, x[:1], y[:1])
     kfac = np.kron(one.output_factors["gram"], one.output_factors["curvature"]).diagonal().reshape(5, 3)
-    np.testing.assert_allclose(kfac[:-1].T, one.precision["layers.2.weight"], rtol=1e-5, atol=1e-12)
-    np.testing.assert_allclose(kfac[-1], one.precision["layers.2.bias"], rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(kfac[:-1].T, one.precision["layers.2.weight"], rtol=2**-8 + 1e-5, atol=1e-12)
+    np.testing.assert_allclose(kfac[-1], one.precision["layers.2.bias"], rtol=2**-8 + 1e-5, atol=1e-12)
 
 
 def test_output_eigenvalues_are_the_exact_ggn_in_the_kronecker_eigenbasis(client):
@@ -128,7 +148,9 @@ def test_output_eigenvalues_are_the_exact_ggn_in_the_kronecker_eigenbasis(client
     # (the summary reads the float32 network's logits: float32 round-off, relative 6e-8 each)
     np.testing.assert_allclose(s.output_factors["eigenvalues"], expected, rtol=1e-6, atol=1e-12)
     # the trace is the exact GGN's, the sum of the summary's (BackPACK-checked) GGN diagonal
-    exact = s.precision["layers.2.weight"].sum() + s.precision["layers.2.bias"].sum()
+    # (the GGN diagonal itself: the summary's is rounded to bfloat16)
+    ggn_diagonal = diag_ggn(model, x)
+    exact = ggn_diagonal["layers.2.weight"].sum() + ggn_diagonal["layers.2.bias"].sum()
     assert s.output_factors["eigenvalues"].sum() == pytest.approx(exact, rel=1e-5)
 
 
@@ -163,8 +185,8 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
     save_summary(s, path)
     back = load_summary(path)
     assert back.fingerprint == s.fingerprint and back.n_examples == s.n_examples
-    for k in s.precision:  # float32 on disk
-        np.testing.assert_allclose(back.precision[k], s.precision[k], rtol=1e-6)
+    for k in s.precision:  # bfloat16 on disk, as summarize rounded them: read back exactly
+        np.testing.assert_array_equal(back.precision[k], s.precision[k])
     for k in s.output_factors:
         np.testing.assert_allclose(back.output_factors[k], s.output_factors[k], rtol=1e-6, atol=1e-7)
     check_summary(back, model.state_dict(), "model.pt")
@@ -179,14 +201,30 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
     from safetensors.numpy import load_file
 
     g = len(s.output_factors["gram"])
-    assert s.version == 4 and load_file(str(path))["output/gram"].shape == (g * (g + 1) // 2,)
+    assert s.version == 5 and load_file(str(path))["output/gram"].shape == (g * (g + 1) // 2,)
     three = summary_path(tmp_path / "three.pt")
     save_summary(dataclasses.replace(s, version=3), three)
     assert load_file(str(three))["output/gram"].shape == (g, g)
     np.testing.assert_array_equal(load_summary(three).output_factors["gram"], back.output_factors["gram"])
+    four = dataclasses.replace(s, version=4)
     assert (
-        load_summary(three).version == 3 and s.nbytes == dataclasses.replace(s, version=3).nbytes - 4 * g * (g - 1) // 2
+        load_summary(three).version == 3
+        and four.nbytes == dataclasses.replace(s, version=3).nbytes - 4 * g * (g - 1) // 2
     )
+    # version 5 holds the precisions as bfloat16 bits, version 4 as float32: both read back to the same values
+    assert {str(v.dtype) for k, v in load_file(str(path)).items() if k.startswith("precision/")} == {"uint16"}
+    save_summary(four, summary_path(tmp_path / "four.pt"))
+    for k in s.precision:
+        assert load_file(str(summary_path(tmp_path / "four.pt")))[f"precision/{k}"].dtype == np.float32
+        np.testing.assert_array_equal(load_summary(summary_path(tmp_path / "four.pt")).precision[k], s.precision[k])
+    # a version 5 file whose precisions are float32 is refused, naming the file and the entry
+    wide = summary_path(tmp_path / "wide.pt")
+    save_summary(four, wide)
+    wide.write_bytes(wide.read_bytes().replace(b'"version":"4"', b'"version":"5"'))
+    with pytest.raises(
+        SummaryError, match=r"wide.summary.safetensors: precision/.* must be bfloat16 bits \(uint16\), got float32"
+    ):
+        load_summary(wide)
     # a version 4 file whose Gram is no upper triangle is refused, naming the file
     odd = summary_path(tmp_path / "odd.pt")
     save_summary(dataclasses.replace(s, version=3), odd)

@@ -332,18 +332,23 @@ def _placed_eigenvalues(summaries, columns, G: int, K: int, *, strict: bool = Tr
 def trace_ratios(summaries, weight_key: str, bias_key: str) -> np.ndarray:
     """(J,) ``c_j`` of the module docstring: the exact GGN's trace over the Kronecker factors'.
 
-    The numerator is the sum of summary j's GGN diagonal of the output layer (``weight_key`` and
-    ``bias_key``), the denominator ``n_j tr(A_j) tr(S_j)`` of its output factors. A head where
-    either is 0 (a client sure of every example: both are) keeps ``c_j = 1``.
+    The numerator is the exact GGN's trace: the sum of the output factors' ``eigenvalues`` where
+    the summary has them (version 3 or later, float32), else of summary j's GGN diagonal of the
+    output layer (``weight_key`` and ``bias_key``; bfloat16 since version 5); the denominator
+    ``n_j tr(A_j) tr(S_j)`` of its output factors. A head where either is 0 (a client sure of
+    every example: both are) keeps ``c_j = 1``.
     """
     ratios = np.ones(len(summaries))
     for j, s in enumerate(summaries):
         if getattr(s, "output_factors", None) is None:
             raise ValueError(f"client {j}'s summary has no output factors to match the trace of")
-        exact = float(
-            np.sum(s.precision[weight_key], dtype=np.float64) + np.sum(s.precision[bias_key], dtype=np.float64)
-        )
         factors = s.output_factors
+        if "eigenvalues" in factors:
+            exact = float(np.sum(factors["eigenvalues"], dtype=np.float64))
+        else:
+            exact = float(
+                np.sum(s.precision[weight_key], dtype=np.float64) + np.sum(s.precision[bias_key], dtype=np.float64)
+            )
         kfac = (
             float(s.n_examples)
             * float(np.trace(np.asarray(factors["gram"], dtype=np.float64)))

@@ -105,6 +105,15 @@ def test_trace_matched_heads_scale_each_curvature_to_the_summarys_ggn_trace():
         assert matched["laplace"]["scale"][j] == pytest.approx(exact / kfac, rel=1e-12)
     for key, value in plain["laplace"].items():  # nothing else moves
         np.testing.assert_array_equal(matched["laplace"][key], value)
+    # with the EKFAC eigenvalues (version 3+) the exact trace is their sum (float32), not the
+    # GGN diagonal's (bfloat16 since version 5)
+    s = summaries[0]
+    kfac = s.n_examples * np.trace(s.output_factors["gram"]) * np.trace(s.output_factors["curvature"])
+    g, k = len(s.output_factors["gram"]), len(s.output_factors["curvature"])
+    s.output_factors = dict(s.output_factors, eigenvalues=np.full((g, k), 0.25))
+    assert trace_ratios(summaries, "layers.1.weight", "layers.1.bias")[0] == pytest.approx(
+        0.25 * g * k / kfac, rel=1e-12
+    )
     # a head whose curvature is 0 either way keeps its own; diagonal heads are left as they are
     K = len(summaries[1].output_factors["curvature"])
     summaries[1].output_factors = dict(summaries[1].output_factors, curvature=np.zeros((K, K)))

@@ -102,7 +102,8 @@ def summary_to_records(summary: ClientSummary) -> tuple[ArrayRecord, ConfigRecor
     """A client summary as Flower records: its arrays and its metadata.
 
     The ArrayRecord holds ``precision/<entry>``, ``moments/<group>/<stat>`` and ``output/<factor>``
-    (float32; since version 4 ``output/gram`` as its upper triangle) and ``class_counts`` (int64),
+    (float32; since version 4 ``output/gram`` as its upper triangle; since version 5
+    ``precision/<entry>`` as bfloat16 bits, ``uint16``) and ``class_counts`` (int64),
     as the summary file does (:func:`bayesfuse.summaries.save_summary`);
     the ConfigRecord ``format``, ``version``, ``n-examples``, ``prior-precision`` and
     ``fingerprint``. Put them in a reply under :data:`SUMMARY_KEY` and :data:`SUMMARY_META_KEY`.
