@@ -344,13 +344,17 @@ def _check_head(head: str, pool: str | None, method: str, hyper: dict, pseudo_co
     if pool is not None and pool not in ("linear", "log"):
         raise ValueError(f"unknown pool={pool!r}; choose linear or log")
     if pool is not None and head == "shared":
-        raise ValueError("pool is how the clients' own heads are pooled: not with head='shared'")
+        raise ValueError(
+            "pool is how the clients' own heads are pooled: not with the shared head (--head shared, head='shared')"
+        )
     if pseudo_count is not None:
         from bayesfuse.nets.heads import checked_pseudo_count
 
         checked_pseudo_count(pseudo_count)
         if head == "shared":
-            raise ValueError("pseudo_count smooths the clients' own heads: not with head='shared'")
+            raise ValueError(
+                "pseudo_count smooths the clients' own heads: not with the shared head (--head shared, head='shared')"
+            )
     if "head" in hyper and head not in ("auto", "shared"):
         raise ValueError("head is given twice (as head= and as a hyper-parameter); give it once")
 
@@ -655,7 +659,13 @@ def fuse_files(
                 if pool is not None
                 else "pseudo_count smooths the clients' own heads"
             )
-            raise ValueError(f"{what}; these networks are fused with the shared head (give head='clients')")
+            if refused:
+                why = refused
+            elif not row.own_heads:
+                why = f"{method} keeps no client heads ({', '.join(methods.ONE_SHOT_HEADS)} do)"
+            else:
+                why = "without summaries the shared head is the default: ask for --head clients (head='clients')"
+            raise ValueError(f"{what}; these networks are fused with the shared head: {why}")
     if kind == "network" and head == "clients":
         heads_file, report["heads"] = _client_heads(
             fused, states, counts, client_summaries, fused_sd, out, pool, pseudo_count

@@ -278,14 +278,24 @@ def test_fuse_refuses_heads_it_cannot_keep_and_heads_of_other_tensors(clients, t
     out = tmp_path / "fused.pt"
     for extra, message in (
         (["--method", "fedavg", "--head", "clients"], "method must be one of pfnm, nafi, got 'fedavg'"),
-        (["--method", "pfnm", "--head", "shared", "--pool", "log"], "not with head='shared'"),
-        (["--method", "pfnm", "--summaries", "none", "--pool", "log"], "fused with the shared head"),
+        (["--method", "pfnm", "--head", "shared", "--pool", "log"], "not with the shared head (--head shared"),
+        (
+            ["--method", "pfnm", "--summaries", "none", "--pool", "log"],
+            "fused with the shared head: without summaries the shared head is the default: ask for --head clients",
+        ),
+        (
+            ["--method", "fedavg", "--pool", "log"],
+            "fused with the shared head: fedavg keeps no client heads (pfnm, nafi do)",
+        ),
         (
             ["--method", "pfnm", "--head", "shared", "--pseudo-count", "1"],
             "pseudo_count smooths the clients' own heads",
         ),
         (["--method", "pfnm", "--pseudo-count", "-1"], "pseudo_count must be a finite number >= 0, got -1.0"),
-        (["--method", "pfnm", "--summaries", "none", "--pseudo-count", "1"], "fused with the shared head"),
+        (
+            ["--method", "pfnm", "--summaries", "none", "--pseudo-count", "1"],
+            "pseudo_count smooths the clients' own heads; these networks are fused with the shared head: without",
+        ),
         (
             ["--method", "pfnm", "--summaries", "none", "--head", "clients", "--pseudo-count", "1"],
             "these heads know none (give the clients' summaries or class counts)",
