@@ -375,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="X",
         help="precision of the Gaussian prior on every weight, added to the GGN diagonal (default: 1)",
     )
+    sm.add_argument(
+        "--float32",
+        action="store_true",
+        help="keep the weights' precisions in float32 (a version 4 summary: twice their bytes) instead of bfloat16",
+    )
     sm.add_argument("--force", action="store_true", help="replace an existing summary file")
     return parser
 
@@ -558,7 +563,14 @@ def _error(command: str, message: str) -> int:
 def _run_summarize(args: argparse.Namespace) -> int:
     from bayesfuse.summary_files import summarize_file
 
-    done = summarize_file(args.model, args.data, out=args.out, prior_precision=args.prior_precision, force=args.force)
+    done = summarize_file(
+        args.model,
+        args.data,
+        out=args.out,
+        prior_precision=args.prior_precision,
+        force=args.force,
+        precisions="float32" if args.float32 else "bfloat16",
+    )
     print(
         f"wrote {done['path']}: {done['bytes']:,} bytes, {done['bytes'] / done['model_bytes']:.2f}x the model's "
         f"{done['model_bytes']:,}; {done['n_examples']} examples, {done['seconds']:.1f} s"

@@ -22,8 +22,8 @@ from bayesfuse._runtime import progress as _progress
 from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
 from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
-from bayesfuse.inference.fedma import FedMAResult, fedma
-from bayesfuse.inference.spec import PermutationSpec, permute
+from bayesfuse.inference.fedma import FedMAResult, fedma, restart_states
+from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import rebuild
 from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state, tensor_state
@@ -199,10 +199,9 @@ def _restart_clients(
         raise RuntimeError(f"clients {result.dropped} dropped out; FedMA with communication needs every client")
     sent = 0
     states = []
-    for j, model in enumerate(models):
-        keep = {g: result.layers[g].assignments[j] for g in spec.groups}
-        # global unit a_j[l] becomes local unit l (position encodings, if any, follow the units: eqs. F, U)
-        local = permute(fold_encodings(result.state_dict, spec), spec, keep)
+    # global unit a_j[l] becomes local unit l (position encodings, if any, follow the units: eqs. F, U)
+    cut = restart_states(result, spec, len(models), fold_encodings(result.state_dict, spec))
+    for (j, local), model in zip(cut, models):
         net = rebuild(model, tensor_state(unfold_encodings(local, spec)))
         sent += _state_bytes(net.state_dict())
         train_model(

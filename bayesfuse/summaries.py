@@ -365,6 +365,7 @@ def summarize(
     prior_precision: float = 1.0,
     n_classes: int | None = None,
     batch_size: int = 1024,
+    precisions: str = "bfloat16",
 ) -> ClientSummary:
     """The summary a client sends beside its weights, from one pass over its own data.
 
@@ -386,6 +387,10 @@ def summarize(
         weight (1 by default, the usual unit prior with a summed loss).
     n_classes : int, optional
         Length of ``class_counts``; the model's number of outputs by default.
+    precisions : {"bfloat16", "float32"}
+        How the weights' precisions are kept: rounded to bfloat16 (the default, a version 5
+        summary, half their bytes), or as float32 (a version 4 summary, read by older bayesfuse
+        too).
 
     Returns
     -------
@@ -403,6 +408,8 @@ def summarize(
         raise ValueError(f"x has {len(x)} examples and y has {len(y)} labels")
     if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
+    if precisions not in ("bfloat16", "float32"):
+        raise ValueError(f"precisions must be 'bfloat16' or 'float32', got {precisions!r}")
     bnn = isinstance(model, HorseshoeBNN)  # its posterior is its own: moments and counts, no precisions
     if bnn:
         if spec is not None:
@@ -425,7 +432,11 @@ def summarize(
             x.numpy() if isinstance(x, torch.Tensor) else x, batch_size=batch_size
         )
     else:
-        precision = {k: bfloat16_rounded(v) for k, v in diag_ggn(model, x, batch_size=batch_size).items()}
+        precision = diag_ggn(model, x, batch_size=batch_size)
+        if precisions == "bfloat16":
+            precision = {k: bfloat16_rounded(v) for k, v in precision.items()}
+        else:  # what a version 4 file holds
+            precision = {k: np.asarray(v, dtype=np.float32).astype(np.float64) for k, v in precision.items()}
         moments = unit_moments(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
         factors = output_factors(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
     counts = np.bincount(y.astype(np.int64), minlength=n_classes)
@@ -437,6 +448,7 @@ def summarize(
         n_examples=int(len(y)),
         fingerprint=fingerprint(state),
         output_factors=factors,
+        version=SUMMARY_VERSION if precisions == "bfloat16" else BFLOAT16_VERSION - 1,
         seconds=time.perf_counter() - start,
     )
 

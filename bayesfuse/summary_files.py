@@ -72,6 +72,7 @@ def summarize_file(
     out: str | os.PathLike | None = None,
     prior_precision: float = 1.0,
     force: bool = False,
+    precisions: str = "bfloat16",
 ) -> dict:
     """Summarise the model in ``model_path`` on the client's data ``data_path``; write the summary.
 
@@ -88,6 +89,9 @@ def summarize_file(
         ``delta`` of the Laplace approximation (:func:`bayesfuse.summarize`).
     force : bool
         Replace an existing summary file.
+    precisions : {"bfloat16", "float32"}
+        The weights' precisions in bfloat16 (a version 5 summary) or float32 (version 4)
+        (:func:`bayesfuse.summarize`).
 
     Returns
     -------
@@ -110,10 +114,12 @@ def summarize_file(
         raise FileExistsError(f"{out} exists; replace it with force=True")
     if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
+    if precisions not in ("bfloat16", "float32"):
+        raise ValueError(f"precisions must be 'bfloat16' or 'float32', got {precisions!r}")
     x, y = read_client_data(data_path)
     model = _client_model(model_path, x.shape[1])
     try:
-        summary = summarize(model, x, y, prior_precision=prior_precision)
+        summary = summarize(model, x, y, prior_precision=prior_precision, precisions=precisions)
     except RuntimeError as err:  # torch: the inputs do not fit the network
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(

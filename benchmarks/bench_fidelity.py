@@ -40,7 +40,9 @@ network (``shared``) or each from its own (``independent``), then one global mod
                  summaries' diagonal one, their output factors left out; "... map": the means
                  alone); every head's predictive is smoothed by its client's examples
                  (``ClientHeads.pseudo_count``, 1; "... unsmoothed": 0); "pfnm +summaries
-                 shared head" fuses one output layer with its Laplace
+                 float32": the default with version 4 summaries, the weights' precisions in
+                 float32 instead of bfloat16 (``summarize(..., precisions="float32")``);
+                 "pfnm +summaries shared head" fuses one output layer with its Laplace
                  posterior (the default with summaries before the heads);
                  "pfnm 2 rounds client heads" keeps the clients' refitted output layers, each
                  its fit's Laplace posterior, and predicts with their class-share mixture
@@ -107,6 +109,7 @@ SEED_COLUMNS = ("method", "accuracy", "nll", "ece", "auroc", "width", "seconds",
 #: ``"factors": False``: with the summaries' output factors left out (diagonal heads).
 SUMMARY_ROWS = {
     "pfnm +summaries": ("pfnm", {}),
+    "pfnm +summaries float32": ("pfnm", {"precisions": "float32"}),
     "pfnm +summaries shared head": ("pfnm", {"head": "shared"}),
     "pfnm +summaries diagonal heads": ("pfnm", {"factors": False}),
     "pfnm client heads": ("pfnm", {"summaries": False, "head": "clients"}),
@@ -224,6 +227,11 @@ def summary_rows(
             data = dict(data=(split.train, scored))
         options = dict(options)
         given = summaries if options.pop("summaries", True) else None
+        if options.pop("precisions", "bfloat16") == "float32":  # version 4: the precisions unrounded
+            given = [
+                summarize(m, split.train.x[idx], split.train.y[idx], precisions="float32")
+                for m, idx in zip(models, part)
+            ]
         if not options.pop("factors", True):
             given = [dataclasses.replace(s, output_factors=None) for s in summaries]
         if given is None and not data:  # one shot without summaries: the class counts the clients send
@@ -244,7 +252,7 @@ def summary_rows(
                     result.seconds,
                     result.converged,
                     **ood_scores(result.model, split, ood),
-                    summary_kb=float(np.mean([s.nbytes for s in summaries]) / 1024),
+                    summary_kb=float(np.mean([s.nbytes for s in given or summaries]) / 1024),
                     model_kb=model_kb,
                     summary_seconds=summary_seconds,
                     temperature=second.get("temperature"),

@@ -68,6 +68,17 @@ def test_precision_is_the_ggn_and_chunks_do_not_matter(client):
         np.testing.assert_array_equal(from_bfloat16_bits(bfloat16_bits(s.precision[k])), s.precision[k])
 
 
+def test_float32_precisions_are_the_ggn_in_a_version_4_summary(client):
+    model, x, y = client
+    s = summarize(model, x, y, precisions="float32")
+    g = diag_ggn(model, x)
+    assert s.version == 4 and s.nbytes == summarize(model, x, y).nbytes + 2 * sum(p.size for p in g.values())
+    for k in g:
+        np.testing.assert_array_equal(s.precision[k], g[k].astype(np.float32))
+    with pytest.raises(ValueError, match="precisions must be 'bfloat16' or 'float32', got 'float16'"):
+        summarize(model, x, y, precisions="float16")
+
+
 def test_bfloat16_rounds_to_nearest_even_and_keeps_range():
     a = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-7 - 2**-20, 3.0e38, 1e-30, 0.0, 65504.0 * 1e4], np.float32)
     back = from_bfloat16_bits(bfloat16_bits(a))

@@ -75,10 +75,20 @@ def test_summarize_writes_the_summary_beside_the_model_and_says_its_size(clients
     y = np.load(data[0])["y"]
     assert summary.n_examples == len(y) and summary.class_counts.tolist() == np.bincount(y, minlength=10).tolist()
     assert set(summary.precision) == set(load_state_dict(models[0]))
-    # as bayesfuse.summarize computes it on the loaded network (float32 on disk)
+    # as bayesfuse.summarize computes it on the loaded network (bfloat16 on disk, version 5)
     direct = bayesfuse.summarize(bayesfuse.load(models[0]), np.load(data[0])["x"], y)
+    assert summary.version == direct.version == 5
     for k, v in direct.precision.items():
-        np.testing.assert_allclose(summary.precision[k], v, rtol=1e-6)
+        np.testing.assert_array_equal(summary.precision[k], v)
+    # --float32: a version 4 file, the precisions as float32, each within bfloat16's 2^-8 of the above
+    assert main(["summarize", str(models[0]), "--data", str(data[0]), "--force", "--float32"]) == 0
+    wide = load_summary(summary_path(models[0]))
+    exact = bayesfuse.summarize(bayesfuse.load(models[0]), np.load(data[0])["x"], y, precisions="float32")
+    assert wide.version == exact.version == 4 and summary_path(models[0]).stat().st_size > size
+    for k, v in exact.precision.items():
+        np.testing.assert_array_equal(wide.precision[k], v)
+        np.testing.assert_allclose(summary.precision[k], v, rtol=2**-8, atol=0)
+    assert main(["summarize", str(models[0]), "--data", str(data[0]), "--force"]) == 0
 
 
 def test_summarize_keeps_an_existing_summary_unless_forced(clients, capsys):

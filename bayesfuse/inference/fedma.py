@@ -37,10 +37,10 @@ from bayesfuse.inference.layerwise import (
 )
 from bayesfuse.inference.matching import MatchResult
 from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
-from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.spec import PermutationSpec, permute
 from bayesfuse.inference.walk import Basis, GroupWalk
 
-__all__ = ["ClientUpdate", "FedMAResult", "FedMASteps", "fedma", "fedma_steps"]
+__all__ = ["ClientUpdate", "FedMAResult", "FedMASteps", "fedma", "fedma_steps", "restart_states"]
 
 
 @dataclass
@@ -288,3 +288,40 @@ def fedma_steps(
         seconds=time.perf_counter() - start,
         dropped=dropped,
     )
+
+
+def restart_states(
+    result: FedMAResult, spec: PermutationSpec, n_clients: int, state: State | None = None
+) -> list[tuple[int, dict]]:
+    """FedMA with communication (FedMA section 2.3): each client's network of its original widths,
+    cut out of the global one, to start the next layer-wise pass from.
+
+    For every client ``j`` a pass did not drop, global unit ``a_j[l]`` of each group becomes its
+    local unit ``l`` (``a_j`` its assignments in that group's matching), so that the global model
+    does not snowball from pass to pass.
+
+    Parameters
+    ----------
+    result : FedMAResult
+        The pass that ended.
+    spec : PermutationSpec
+    n_clients : int
+        The clients the pass started with (``result.dropped`` indexes them).
+    state : dict, optional
+        The global network in the basis ``spec`` permutes (``result.state_dict`` by default).
+
+    Returns
+    -------
+    list of (int, dict)
+        ``(j, state)`` for each client still in the run, in order.
+    """
+    state = result.state_dict if state is None else state
+    alive = list(range(n_clients))
+    position: dict[str, dict[int, int]] = {}
+    for entry in result.history:  # the groups in the order they were matched, then the output layer
+        if entry["group"] in result.layers:
+            position[entry["group"]] = {c: i for i, c in enumerate(alive)}  # index in that group's matching
+            alive = [c for c in alive if c not in entry.get("dropped", [])]
+    return [
+        (c, permute(state, spec, {g: result.layers[g].assignments[position[g][c]] for g in spec.groups})) for c in alive
+    ]

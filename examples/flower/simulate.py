@@ -1,6 +1,6 @@
 """Run the app in-process on Flower's simulation engine (Ray), without a SuperLink.
 
-Usage: python simulate.py [--method pfnm|nafi|fedma] [--rounds 3] [--nodes 10] [--local-epochs 10]
+Usage: python simulate.py [--method pfnm|nafi|fedma] [--rounds 3] [--nodes 10] [--local-epochs 10] [--fedma-passes 1]
        [--second-round none|refit|temperature] [--holdout 0.1] [--summaries]
 Prints the test accuracy of the global model after each round (and of FedAvg over as many
 rounds on the same clients) and the wall time. ``flwr run .`` runs the same app through a
@@ -26,6 +26,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--local-epochs", type=int, default=10)
     parser.add_argument("--round-epochs", type=int, default=5)
+    parser.add_argument(
+        "--fedma-passes",
+        type=int,
+        default=1,
+        help="FedMA's layer-wise passes (FedMA with communication when > 1: nodes restart from the global network)",
+    )
     parser.add_argument(
         "--second-round",
         default="none",
@@ -58,6 +64,7 @@ def main() -> None:
         "num-nodes": args.nodes,
         "local-epochs": args.local_epochs,
         "round-epochs": args.round_epochs,
+        "fedma-passes": args.fedma_passes,
         "second-round": args.second_round,
         "summaries": args.summaries,
         "holdout": args.holdout,

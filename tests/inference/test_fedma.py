@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bayesfuse.inference.fedma import fedma
+from bayesfuse.inference.fedma import fedma, restart_states
 from bayesfuse.inference.layerwise import scale_outputs
 from bayesfuse.inference.spec import Axis, PermutationSpec
 from bayesfuse.models.bbp import simulate_deep_federation
@@ -25,6 +25,31 @@ def test_fedma_drops_clients_that_fail_and_reports_them():
     assert res.state_dict["layers.2.weight"].shape == (3, res.sizes["P2"])
     with pytest.raises(RuntimeError, match="every client failed"):
         fedma(fed.states, spec, lambda jobs, frozen: [None] * len(jobs))
+
+
+def test_restart_states_cut_each_clients_units_out_of_the_global_network():
+    """FedMA with communication: client j's global units, by its assignments in each group's
+    matching (indexed among the clients alive at that matching), at its original widths; the
+    clients a pass dropped get none."""
+    fed = simulate_deep_federation(4, 12, 2, 3, gamma0=4.0, noise_var=0.01, seed=1)
+    spec = MLP(1, [1, 1], 1).permutation_spec()
+    calls = []
+
+    def update(jobs, frozen):  # client 1 fails after the first group: P2 matches clients 0, 2, 3
+        calls.append(len(calls))
+        return [None if (j == 1 and len(calls) == 1) else state for j, state in jobs]
+
+    res = fedma(fed.states, spec, update, class_counts=np.ones((4, 3)))
+    cut = restart_states(res, spec, 4)
+    assert [j for j, _ in cut] == [0, 2, 3]
+    g = res.state_dict
+    for (j, state), at_p2 in zip(cut, (0, 1, 2)):  # client j's index among P2's clients
+        a1, a2 = res.layers["P1"].assignments[j], res.layers["P2"].assignments[at_p2]
+        assert {k: v.shape for k, v in state.items()} == {k: np.shape(v) for k, v in fed.states[j].items()}
+        np.testing.assert_array_equal(state["layers.0.weight"], g["layers.0.weight"][a1])
+        np.testing.assert_array_equal(state["layers.1.weight"], g["layers.1.weight"][a2][:, a1])
+        np.testing.assert_array_equal(state["layers.2.weight"], g["layers.2.weight"][:, a2])
+        np.testing.assert_array_equal(state["layers.2.bias"], g["layers.2.bias"])
 
 
 def _retrained_outputs(n_classes, seed):

@@ -498,14 +498,25 @@ def test_fedma_round_messages_are_per_node(clients):
     assert not np.allclose(states[0]["layers.1.weight"], states[1]["layers.1.weight"])
 
 
-def test_fedma_strategy_equals_run_fedma(clients):
-    """The strategy over a grid and :func:`bayesfuse.federated.run_fedma` in process give the same network."""
+@pytest.mark.parametrize("passes", [1, 2])
+def test_fedma_strategy_equals_run_fedma(clients, passes):
+    """The strategy over a grid and :func:`bayesfuse.federated.run_fedma` in process give the same
+    network; with two passes (FedMA with communication) too, the restart round sending each node
+    its network cut out of the global one."""
     split, part, models = clients
     config = TrainConfig(hidden=(20, 16), epochs=1)
     order = _canonical(models)  # the strategy's client order; run_fedma takes its clients as given
     expected = run_fedma(
-        [models[j] for j in order], split.train, [part[j] for j in order], config, method="pfnm", seed=0, verbose=False
+        [models[j] for j in order],
+        split.train,
+        [part[j] for j in order],
+        config,
+        method="pfnm",
+        seed=0,
+        verbose=False,
+        passes=passes,
     )
+    restarts = []
 
     class Clients(FakeGrid):
         """Node 20 + j holds client j and retrains as run_fedma does."""
@@ -518,7 +529,11 @@ def test_fedma_strategy_equals_run_fedma(clients):
             else:
                 frozen = set(json.loads(msg.content["config"]["frozen"]))
                 net = rebuild(models[j], tensor_state(record_to_state(msg.content["arrays"])))
+                p = msg.content["config"]["fedma-pass"] - 1
                 seed = config.seed + 1000 * (len(frozen) + 1) + order.index(j)  # run_fedma's retraining seed
+                if not frozen:  # the restart round: run_fedma's seed for the start of pass p
+                    seed = config.seed + 100_000 * p + order.index(j)
+                    restarts.append((j, {k: v.detach().clone() for k, v in net.state_dict().items()}))
                 train_model(net, x, y, 10, replace(config, seed=seed), frozen=frozen, verbose=False)
             metrics = {"num-examples": len(y), "class-counts": np.bincount(y, minlength=10).tolist()}
             return Message(
@@ -526,10 +541,25 @@ def test_fedma_strategy_equals_run_fedma(clients):
                 reply_to=msg,
             )
 
-    strategy = FedMA(min_train_nodes=3, fraction_evaluate=0.0)
+    strategy = FedMA(hyper={"passes": passes}, min_train_nodes=3, fraction_evaluate=0.0)
     result = strategy.start(grid=Clients(split, part, ids=[20, 21, 22]), initial_arrays=_initial((20, 16)))
-    assert strategy.fedma_result.sizes == expected.result.sizes
-    assert len(result.train_metrics_clientapp) == 3 == expected.result.rounds
+    assert strategy.fedma_result.sizes == expected.result.sizes and len(strategy.fedma_passes) == passes
+    assert [p.sizes for p in strategy.fedma_passes] == [p.sizes for p in expected.passes]
+    assert len(result.train_metrics_clientapp) == 3 * passes  # per pass a local (restart) round and 2 groups
+    assert expected.result.rounds == 3 and result.train_metrics_clientapp[3 * passes]["fedma-pass"] == passes
+    assert len(restarts) == 3 * (passes - 1)
+    for j, state in restarts:  # each node restarts from its own units' global units, at its own widths
+        assert {k: tuple(v.shape) for k, v in state.items()} == {
+            k: tuple(v.shape) for k, v in models[j].state_dict().items()
+        }
+        first = strategy.fedma_passes[0]
+        a = first.layers["P1"].assignments[order.index(j)]
+        np.testing.assert_allclose(state["layers.0.weight"].numpy(), first.state_dict["layers.0.weight"][a], rtol=1e-6)
+    if passes > 1:  # the bytes of every pass and of the restart round (down: the cut networks; up: their replies)
+        cut = 3 * sum(4 * v.numel() for v in models[0].state_dict().values())
+        last = result.train_metrics_clientapp[3 * passes]
+        assert last["bytes-up"] == sum(p.bytes_up for p in strategy.fedma_passes) + cut
+        assert last["bytes-down"] == sum(p.bytes_down for p in strategy.fedma_passes) + cut
     got = record_to_state(result.arrays)
     assert list(got) == list(expected.result.state_dict)
     for k, v in expected.result.state_dict.items():
@@ -582,9 +612,29 @@ def test_fedma_ends_cleanly_when_every_node_is_lost(clients, caplog):
     assert set(result.train_metrics_clientapp) == {1, 2}
 
 
+def test_fedma_drops_a_node_between_passes(clients, caplog):
+    """A node that never answers the restart round is dropped: the second pass matches the others."""
+    split, part, _ = clients
+
+    class Grid(FakeGrid):
+        def _answer(self, msg):
+            config = msg.content.config_records.get("config")
+            if msg.metadata.dst_node_id == 2 and config is not None and config.get("fedma-pass") == 2:
+                return None
+            return super()._answer(msg)
+
+    strategy = FedMA(hyper={"passes": 2}, min_train_nodes=3, fraction_evaluate=0.0)
+    with caplog.at_level(logging.INFO):
+        result = strategy.start(grid=Grid(split, part, ids=[0, 1, 2]), initial_arrays=_initial())
+    assert strategy.dropped == [2] and strategy.failed == [(2, "no reply")] and sorted(strategy.nodes) == [0, 1]
+    assert len(strategy.fedma_passes) == 2 and strategy.fedma_result is strategy.fedma_passes[1]
+    assert result.train_metrics_clientapp[3]["retrained-replies"] == 2
+    assert "configure_train: 3 nodes train their networks cut out of the global one" in caplog.messages
+    assert _accuracy(split, record_to_state(result.arrays)) > 0.6
+
+
 def test_fedma_checks_its_settings(clients):
-    with pytest.raises(ValueError, match="passes > 1"):
-        FedMA(hyper={"passes": 2})
+    assert FedMA(hyper={"passes": 3}).num_rounds(_initial((20, 16))) == 9
     with pytest.raises(ValueError, match="unknown hyper-parameters"):
         FedMA(hyper={"reg": 1.0})
     split, part, _ = clients
@@ -1511,6 +1561,7 @@ def test_simulation_three_nodes_fedma(example):
         "local-epochs": 3,
         "round-epochs": 2,
         "second-round": "refit",
+        "fedma-passes": 2,
         "compare-fedavg": False,
         "timeout": 300,
     }
@@ -1522,6 +1573,8 @@ def test_simulation_three_nodes_fedma(example):
     )
     results = server_app.RESULTS["fedma"]
     assert results.get("output-fit-replies") == 3 and results["failed"] == [], results  # the refit round's metrics
-    # evaluated before round 1, after FedMA's rounds and after the refit round
-    assert sorted(results["accuracy-by-round"]) == [0, 2, 3] and results["accuracy"] > 0.8, results
+    # two passes of a local (restart) round and one hidden layer's round; evaluated before round 1,
+    # after FedMA's rounds and after the refit round
+    assert results["fedma-passes"] == 2 and results["fedma-rounds"] == 4, results
+    assert sorted(results["accuracy-by-round"]) == [0, 4, 5] and results["accuracy"] > 0.8, results
     assert results["laplace"]["accuracy"] > 0.8, results

@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import Result
 from torch import nn
 
 from bayesfuse import methods
-from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps
+from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
 from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound
@@ -68,7 +68,7 @@ class _PausedRun:
 class FedMA(_RefitRound):
     """FedMA as a Flower strategy (Wang et al. 2020, Algorithm 1; NAFI Algorithm 2 with ``kl_weight``).
 
-    Rounds, ``1 + len(spec.groups)`` of them, one more with ``second_round="refit"``
+    Rounds, ``passes * (1 + len(spec.groups))`` of them, one more with ``second_round="refit"``
     (:meth:`start` sets ``num_rounds``):
 
     1. ``train.local`` (:data:`FEDMA_LOCAL`): every sampled node trains its own network and
@@ -80,6 +80,13 @@ class FedMA(_RefitRound):
        rest and replies. The server matches the next group; after the last one, the output
        layer is the class-count weighted average of the replies and the global network is the
        round's ArrayRecord (so ``Result.arrays``).
+    2b. With ``passes > 1`` (FedMA with communication, FedMA section 2.3, as
+       ``bayesfuse.fuse(models, "fedma", passes=P, data=...)`` runs it): after a pass, each node
+       still in the run receives, in a ``train.fedma`` message whose ``frozen`` is empty, its
+       network of its original widths cut out of the global one (each of its units replaced by
+       the global unit it was matched to, :func:`~bayesfuse.inference.fedma.restart_states`),
+       trains it and replies; the next pass matches the replies as 1. matched the local networks.
+       Every ``train.fedma`` ConfigRecord says its pass in ``fedma-pass`` (1, 2, ...).
     3. With ``second_round="refit"``, the refit round (as :class:`MatchedAveraging`'s, and as
        ``bayesfuse.fuse(models, "fedma", rounds=2, data=...)`` simulates it): the server sends the
        global network to the nodes still in the run (none it dropped) in a ``train`` message
@@ -103,8 +110,8 @@ class FedMA(_RefitRound):
         omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
     hyper : dict, optional
         The ``"fedma"`` row of :mod:`bayesfuse.methods`: ``noise_var``, ``prior_var``,
-        ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``. Checked when the strategy is made;
-        ``passes`` must be 1.
+        ``gamma0``, ``kl_weight``, ``cost``, ``n_iter`` and ``passes`` (2b. above). Checked
+        when the strategy is made.
     class_counts_key : str
         Key of a reply's per-class example counts in its MetricRecord (the output layer's weights).
     second_round : {None, "refit"}
@@ -126,9 +133,12 @@ class FedMA(_RefitRound):
     Attributes
     ----------
     fedma_result : FedMAResult or None
-        The finished run's record (matchings, sizes, bytes, history); ``None`` before the end.
+        The finished run's record (matchings, sizes, bytes, history) (its last pass's);
+        ``None`` before the end.
+    fedma_passes : list of FedMAResult
+        Every pass that ended, in order.
     nodes : list of int
-        The nodes of the run, in the order FedMA indexes its clients.
+        The nodes of the current pass, in the order FedMA indexes its clients.
     failed, rejected : list of (int, str)
         Replies skipped over the run, with the reason.
     dropped : list of int
@@ -156,8 +166,7 @@ class FedMA(_RefitRound):
         **kwargs,
     ) -> None:
         settings = methods.resolve("fedma", "network", hyper)
-        if settings.pop("passes") != 1:
-            raise ValueError("the FedMA strategy runs one layer-wise pass; passes > 1 is not supported here")
+        self.passes = int(settings.pop("passes"))
         if second_round not in (None, "refit"):
             raise ValueError(
                 f"unknown second_round={second_round!r} for FedMA; choose None or 'refit' (the "
@@ -189,6 +198,10 @@ class FedMA(_RefitRound):
         self._spec = spec
         self._pending: tuple[list, set, str] | None = None
         self._matched = 0
+        self._pass = 0  # the pass under way (0-based)
+        self._restart = False  # whether the pending round is the restart between two passes
+        self._restart_bytes = [0, 0]  # the restart rounds' bytes down and up
+        self.fedma_passes: list[FedMAResult] = []
         self._final_round: int | None = None  # the round FedMA's own rounds ended
         self._forget_refit()
         self._examples: dict[int, float] = {}
@@ -199,8 +212,8 @@ class FedMA(_RefitRound):
         self.error: BaseException | None = None
 
     def num_rounds(self, arrays: ArrayRecord) -> int:
-        """The rounds FedMA takes for the network ``arrays``: one local round, one per hidden group,
-        and the refit round with ``second_round="refit"``.
+        """The rounds FedMA takes for the network ``arrays``: per pass one local (or restart)
+        round and one per hidden group, and the refit round with ``second_round="refit"``.
 
         Parameters
         ----------
@@ -212,12 +225,14 @@ class FedMA(_RefitRound):
         int
         """
         spec = self.spec or spec_for_state_dict(record_to_state(arrays), name="initial_arrays")
-        return 1 + len(spec.groups) + (self.second_round == "refit")
+        return self.passes * (1 + len(spec.groups)) + (self.second_round == "refit")
 
     def summary(self) -> None:
         """Log the strategy's settings (Flower's, then FedMA's)."""
         super().summary()
         log(INFO, "\t└──> FedMA: a local round, then a round per hidden group; hyper-parameters %s", self.settings)
+        if self.passes > 1:
+            log(INFO, "\t└──> %d passes: each after the first starts from the global network", self.passes)
         if self.second_round == "refit":
             log(INFO, "\t└──> then a round that refits the output layer (second_round='refit')")
 
@@ -241,8 +256,8 @@ class FedMA(_RefitRound):
             spec when the strategy has none). The clients train their own networks in round 1;
             it is not sent.
         num_rounds : int, optional
-            ``1 + len(spec.groups)`` (one more with ``second_round="refit"``), the default; any
-            other value is an error.
+            ``passes * (1 + len(spec.groups))`` (one more with ``second_round="refit"``), the
+            default; any other value is an error.
         timeout : float
             Seconds to wait for the replies of each round.
         train_config, evaluate_config : ConfigRecord, optional
@@ -259,13 +274,15 @@ class FedMA(_RefitRound):
         """
         spec = self.spec or spec_for_state_dict(record_to_state(initial_arrays), name="initial_arrays")
         refit = self.second_round == "refit"
-        needed = 1 + len(spec.groups) + refit
+        needed = self.passes * (1 + len(spec.groups)) + refit
         if num_rounds is None:
             num_rounds = needed
         elif num_rounds != needed:
+            passes = f", {self.passes} times" if self.passes > 1 else ""
             raise ValueError(
                 f"FedMA takes {needed} rounds for this network (a local round, then one per hidden "
-                f"group {list(spec.groups)}{', then the refit round' if refit else ''}); got num_rounds={num_rounds}"
+                f"group {list(spec.groups)}{passes}{', then the refit round' if refit else ''}); "
+                f"got num_rounds={num_rounds}"
             )
         self._arch = spec
         self._reset(spec)
@@ -346,15 +363,23 @@ class FedMA(_RefitRound):
             return []
         jobs, frozen, group = self._pending
         round_config = ConfigRecord(
-            {**dict(config), "server-round": server_round, "frozen": json.dumps(sorted(frozen))}
+            {
+                **dict(config),
+                "server-round": server_round,
+                "frozen": json.dumps(sorted(frozen)),
+                "fedma-pass": self._pass + 1,
+            }
         )
-        log(
-            INFO,
-            "configure_train: %d nodes retrain the layers above group %r (%d entries frozen)",
-            len(jobs),
-            group,
-            len(frozen),
-        )
+        if self._restart:
+            log(INFO, "configure_train: %d nodes train their networks cut out of the global one", len(jobs))
+        else:
+            log(
+                INFO,
+                "configure_train: %d nodes retrain the layers above group %r (%d entries frozen)",
+                len(jobs),
+                group,
+                len(frozen),
+            )
         return [
             Message(
                 content=RecordDict({self.arrayrecord_key: state_to_record(state), self.configrecord_key: round_config}),
@@ -425,7 +450,7 @@ class FedMA(_RefitRound):
     def _aggregate_retrained(
         self, server_round: int, replies: list[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if self._pending is None or self._run is None:
+        if self._pending is None or (self._run is None and not self._restart):
             log(WARNING, "aggregate_train: round %d has no FedMA step to take; replies ignored", server_round)
             return None, None
         jobs, _, _ = self._pending
@@ -461,9 +486,13 @@ class FedMA(_RefitRound):
             "failed-replies": n_failed,
             "rejected-replies": n_rejected,
         }
+        if self._restart:
+            self._restart_bytes[0] += sum(_nbytes(state) for _, state in jobs)
+            self._restart_bytes[1] += sum(_nbytes(u) for u in updated if u is not None)
         if all(u is None for u in updated):
-            self._run.stop()
-            self._run, self._pending = None, None
+            if self._run is not None:
+                self._run.stop()
+            self._run, self._pending, self._restart = None, None, False
             self.error = RuntimeError(f"every node was lost in round {server_round}")
             log(
                 ERROR,
@@ -473,7 +502,32 @@ class FedMA(_RefitRound):
                 n_rejected,
             )
             return None, MetricRecord(metrics)
+        if self._restart:
+            return self._next_pass(server_round, [(j, u) for (j, _), u in zip(jobs, updated) if u is not None], metrics)
+        assert self._run is not None  # checked above: only the restart round has no run
         return self._advance(server_round, self._run.resume(updated), metrics)
+
+    def _next_pass(
+        self, server_round: int, replies: list[tuple[int, dict]], metrics: dict
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Start the next pass on the restart round's networks (``(j, state)``, j indexing the
+        nodes of the pass before)."""
+        assert self._spec is not None  # set in round 1
+        self._restart, self._matched = False, 0
+        self.nodes = [self.nodes[j] for j, _ in replies]
+        counts = [self._class_counts.get(n) for n in self.nodes]
+        stacked = None if any(c is None for c in counts) else np.stack(cast(list[np.ndarray], counts))
+        self._run = _PausedRun(
+            fedma_steps(
+                [state for _, state in replies],
+                self._spec,
+                class_counts=stacked,
+                seed=self.seed + self._pass,
+                **self.settings,
+            )
+        )
+        metrics["fedma-pass"] = self._pass + 1
+        return self._advance(server_round, self._run.begin(), metrics)
 
     def _advance(
         self, server_round: int, step: tuple[str, object], metrics: dict
@@ -481,6 +535,7 @@ class FedMA(_RefitRound):
         """The round's outcome from FedMA's next step: the next jobs, the end, or an error."""
         kind, value = step
         self._pending = None
+        metrics.setdefault("fedma-pass", self._pass + 1)
         if kind == "jobs":
             jobs, frozen = cast(tuple[list, set], value)
             assert self._spec is not None  # set in round 1, with the run
@@ -496,6 +551,21 @@ class FedMA(_RefitRound):
             self.error = error
             raise error
         result = cast(FedMAResult, value)
+        self.fedma_passes.append(result)
+        if self._pass + 1 < self.passes:  # FedMA with communication: the next pass starts from the global network
+            assert self._spec is not None
+            self._pass += 1
+            self._restart = True
+            self._pending = (restart_states(result, self._spec, len(self.nodes)), set(), "restart")
+            log(
+                INFO,
+                "\t└──> FedMA pass %d finished: global sizes %s; pass %d starts from the global network",
+                self._pass,
+                result.sizes,
+                self._pass + 1,
+            )
+            metrics["global-sizes"] = [int(s) for s in result.sizes.values()]
+            return state_to_record(result.state_dict), MetricRecord(metrics)
         self.fedma_result = result
         self._final_round = server_round
         log(INFO, "\t└──> FedMA finished: global sizes %s, %d nodes dropped", result.sizes, len(self.dropped))
@@ -503,8 +573,8 @@ class FedMA(_RefitRound):
             {
                 "global-sizes": [int(s) for s in result.sizes.values()],
                 "fedma-rounds": result.rounds,
-                "bytes-up": result.bytes_up,
-                "bytes-down": result.bytes_down,
+                "bytes-up": sum(p.bytes_up for p in self.fedma_passes) + self._restart_bytes[1],
+                "bytes-down": sum(p.bytes_down for p in self.fedma_passes) + self._restart_bytes[0],
                 "dropped-nodes": len(self.dropped),
             }
         )
@@ -558,6 +628,11 @@ class FedMA(_RefitRound):
         if self.fedma_result is None or server_round != last:
             return []
         return super().configure_evaluate(server_round, arrays, config, grid)
+
+
+def _nbytes(state: dict) -> int:
+    """Bytes of a network's floating entries as float32 (as FedMA counts them)."""
+    return sum(4 * int(np.size(v)) for v in state.values() if np.issubdtype(np.asarray(v).dtype, np.floating))
 
 
 def _mismatch(sent: dict, state: dict, node: int) -> str | None:

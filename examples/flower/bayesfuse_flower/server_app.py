@@ -183,6 +183,7 @@ def main(grid: Grid, run: dict) -> None:
             fraction_evaluate=0.0,
             seed=seed,
             second_round="refit" if second == "refit" else None,
+            hyper={"passes": int(run.get("fedma-passes", 1))},
         )
         result = fedma.start(grid=grid, initial_arrays=initial, timeout=timeout, evaluate_fn=evaluate_fn)
         rounds = fedma.num_rounds(initial)
@@ -192,9 +193,10 @@ def main(grid: Grid, run: dict) -> None:
             RESULTS[method] = {
                 **_report(result),
                 "sizes": list(fedma.fedma_result.sizes.values()),
-                "fedma-rounds": fedma.fedma_result.rounds,
-                "fedma-bytes-up": fedma.fedma_result.bytes_up,
-                "fedma-bytes-down": fedma.fedma_result.bytes_down,
+                "fedma-passes": len(fedma.fedma_passes),
+                "fedma-rounds": fedma.num_rounds(initial) - (second == "refit"),
+                "fedma-bytes-up": result.train_metrics_clientapp[rounds - (second == "refit")]["bytes-up"],
+                "fedma-bytes-down": result.train_metrics_clientapp[rounds - (second == "refit")]["bytes-down"],
                 "failed": fedma.failed,
                 "rejected": fedma.rejected,
                 "dropped": fedma.dropped,
