@@ -555,11 +555,10 @@ def test_fedma_strategy_equals_run_fedma(clients, passes):
         first = strategy.fedma_passes[0]
         a = first.layers["P1"].assignments[order.index(j)]
         np.testing.assert_allclose(state["layers.0.weight"].numpy(), first.state_dict["layers.0.weight"][a], rtol=1e-6)
-    if passes > 1:  # the bytes of every pass and of the restart round (down: the cut networks; up: their replies)
-        cut = 3 * sum(4 * v.numel() for v in models[0].state_dict().values())
-        last = result.train_metrics_clientapp[3 * passes]
-        assert last["bytes-up"] == sum(p.bytes_up for p in strategy.fedma_passes) + cut
-        assert last["bytes-down"] == sum(p.bytes_down for p in strategy.fedma_passes) + cut
+    # every pass's bytes and the restart rounds' cut networks, as run_fedma counts them; every round
+    last = result.train_metrics_clientapp[3 * passes]
+    assert (last["bytes-up"], last["bytes-down"]) == (expected.bytes_up, expected.bytes_down)
+    assert last["fedma-rounds"] == 3 * passes
     got = record_to_state(result.arrays)
     assert list(got) == list(expected.result.state_dict)
     for k, v in expected.result.state_dict.items():
@@ -624,13 +623,41 @@ def test_fedma_drops_a_node_between_passes(clients, caplog):
             return super()._answer(msg)
 
     strategy = FedMA(hyper={"passes": 2}, min_train_nodes=3, fraction_evaluate=0.0)
+    evaluated = []
+
+    def evaluate_fn(server_round, arrays):
+        evaluated.append(server_round)
+        return MetricRecord({"accuracy": _accuracy(split, record_to_state(arrays))})
+
     with caplog.at_level(logging.INFO):
-        result = strategy.start(grid=Grid(split, part, ids=[0, 1, 2]), initial_arrays=_initial())
+        result = strategy.start(
+            grid=Grid(split, part, ids=[0, 1, 2]), initial_arrays=_initial(), evaluate_fn=evaluate_fn
+        )
     assert strategy.dropped == [2] and strategy.failed == [(2, "no reply")] and sorted(strategy.nodes) == [0, 1]
     assert len(strategy.fedma_passes) == 2 and strategy.fedma_result is strategy.fedma_passes[1]
     assert result.train_metrics_clientapp[3]["retrained-replies"] == 2
+    assert result.train_metrics_clientapp[3]["fedma-pass"] == 2
     assert "configure_train: 3 nodes train their networks cut out of the global one" in caplog.messages
     assert _accuracy(split, record_to_state(result.arrays)) > 0.6
+    # the round that ends each pass has a global network: it is evaluated, and is the round's arrays
+    assert evaluated == [0, 2, 4] and result.evaluate_metrics_serverapp[2]["accuracy"] > 0.6
+
+    # a second run on the same strategy starts afresh; every node lost in the restart round ends it
+    class Lost(FakeGrid):
+        def _answer(self, msg):
+            config = msg.content.config_records.get("config")
+            if config is not None and config.get("fedma-pass") == 2:
+                return None
+            return super()._answer(msg)
+
+    with caplog.at_level(logging.INFO):
+        again = strategy.start(
+            grid=Lost(split, part, ids=[0, 1, 2]), initial_arrays=_initial(), evaluate_fn=evaluate_fn
+        )
+    assert strategy.fedma_result is None and len(strategy.fedma_passes) == 1 and "round 3" in str(strategy.error)
+    assert sorted(strategy.dropped) == [0, 1, 2] and len(strategy.failed) == 3
+    assert again.train_metrics_clientapp[3]["fedma-pass"] == 2 and set(again.train_metrics_clientapp) == {1, 2, 3}
+    assert "configure_train: no FedMA round to run (the run has ended)" in caplog.messages
 
 
 def test_fedma_checks_its_settings(clients):
@@ -1574,7 +1601,7 @@ def test_simulation_three_nodes_fedma(example):
     results = server_app.RESULTS["fedma"]
     assert results.get("output-fit-replies") == 3 and results["failed"] == [], results  # the refit round's metrics
     # two passes of a local (restart) round and one hidden layer's round; evaluated before round 1,
-    # after FedMA's rounds and after the refit round
+    # after each pass and after the refit round
     assert results["fedma-passes"] == 2 and results["fedma-rounds"] == 4, results
-    assert sorted(results["accuracy-by-round"]) == [0, 4, 5] and results["accuracy"] > 0.8, results
+    assert sorted(results["accuracy-by-round"]) == [0, 2, 4, 5] and results["accuracy"] > 0.8, results
     assert results["laplace"]["accuracy"] > 0.8, results

@@ -99,9 +99,10 @@ class FedMA(_RefitRound):
        stays.
 
     Nodes whose replies fail, never come or do not fit the arrays they were sent are dropped
-    from the later rounds and reported (``failed``, ``rejected``, ``dropped``). The rounds
-    before the last have no global network: server-side evaluation (``evaluate_fn``) runs on
-    ``initial_arrays`` and after the last round, client-side evaluation after the last round.
+    from the later rounds and reported (``failed``, ``rejected``, ``dropped``). Only the round
+    that ends a pass has a global network (its ArrayRecord): server-side evaluation
+    (``evaluate_fn``) runs on ``initial_arrays``, after each pass and after the refit round,
+    client-side evaluation after the last round.
 
     Parameters
     ----------
@@ -200,7 +201,8 @@ class FedMA(_RefitRound):
         self._matched = 0
         self._pass = 0  # the pass under way (0-based)
         self._restart = False  # whether the pending round is the restart between two passes
-        self._restart_bytes = [0, 0]  # the restart rounds' bytes down and up
+        self._restart_bytes = 0  # the restart rounds' bytes down (their replies are the next pass's uploads)
+        self._pass_ends: list[int] = []  # the rounds that ended a pass
         self.fedma_passes: list[FedMAResult] = []
         self._final_round: int | None = None  # the round FedMA's own rounds ended
         self._forget_refit()
@@ -263,14 +265,18 @@ class FedMA(_RefitRound):
         train_config, evaluate_config : ConfigRecord, optional
             Sent to the nodes in every training / evaluation message.
         evaluate_fn : callable ``(server_round, arrays) -> MetricRecord or None``, optional
-            Server-side evaluation, called before round 1 (on ``initial_arrays``) and after
-            FedMA's last round (on the global network), and after the refit round.
+            Server-side evaluation, called before round 1 (on ``initial_arrays``), after each
+            pass of FedMA (on its global network), and after the refit round.
 
         Returns
         -------
         Result
             ``arrays`` is the global network; ``train_metrics_clientapp`` holds each round's
-            metrics, the last one ``global-sizes``, ``fedma-rounds``, ``bytes-up``/``bytes-down``.
+            metrics, FedMA's last one ``global-sizes``, ``fedma-rounds`` (the rounds of all its
+            passes, each restart round one: ``passes * (1 + len(spec.groups))``) and
+            ``bytes-up``/``bytes-down`` of them all (as :class:`~bayesfuse.federated.FedMARun`
+            counts them: the networks each pass matches, and those sent down, the restart
+            rounds' included).
         """
         spec = self.spec or spec_for_state_dict(record_to_state(initial_arrays), name="initial_arrays")
         refit = self.second_round == "refit"
@@ -305,20 +311,20 @@ class FedMA(_RefitRound):
     def _on_global(
         self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]
     ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
-        """``evaluate_fn`` called on ``initial_arrays`` and on the global network, ``None`` in between."""
+        """``evaluate_fn`` called on ``initial_arrays`` and on each global network, ``None`` in between."""
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0 or self._has_global(server_round):
                 return evaluate_fn(server_round, arrays)
-            return None  # no global network between the first round and the last
+            return None  # no global network within a pass
 
         return evaluate
 
     def _has_global(self, server_round: int) -> bool:
-        """Whether a global network exists after ``server_round``: FedMA's last round and the refit round."""
-        if self._final_round is None:
-            return False
-        return server_round == self._final_round or server_round == self._final_round + 1 == self._refit_round
+        """Whether a global network exists after ``server_round``: the rounds that end a pass, and the refit round."""
+        if server_round in self._pass_ends:
+            return True
+        return self._final_round is not None and server_round == self._final_round + 1 == self._refit_round
 
     # ------------------------------------------------------------------ training rounds
 
@@ -404,8 +410,8 @@ class FedMA(_RefitRound):
         Returns
         -------
         tuple of (ArrayRecord or None, MetricRecord or None)
-            The global network in FedMA's last round, ``None`` before; the round's metrics. In
-            the refit round, :meth:`aggregate_output_fit`'s.
+            The global network in the round that ends a pass, ``None`` in the others; the
+            round's metrics. In the refit round, :meth:`aggregate_output_fit`'s.
         """
         if self._pending_refit is not None and self._pending_refit["round"] == server_round:
             return self.aggregate_output_fit(server_round, replies)
@@ -485,10 +491,10 @@ class FedMA(_RefitRound):
             "retrained-replies": len(jobs) - n_failed - n_rejected,
             "failed-replies": n_failed,
             "rejected-replies": n_rejected,
+            "fedma-pass": self._pass + 1,
         }
         if self._restart:
-            self._restart_bytes[0] += sum(_nbytes(state) for _, state in jobs)
-            self._restart_bytes[1] += sum(_nbytes(u) for u in updated if u is not None)
+            self._restart_bytes += sum(_nbytes(state) for _, state in jobs)
         if all(u is None for u in updated):
             if self._run is not None:
                 self._run.stop()
@@ -552,6 +558,7 @@ class FedMA(_RefitRound):
             raise error
         result = cast(FedMAResult, value)
         self.fedma_passes.append(result)
+        self._pass_ends.append(server_round)
         if self._pass + 1 < self.passes:  # FedMA with communication: the next pass starts from the global network
             assert self._spec is not None
             self._pass += 1
@@ -572,9 +579,9 @@ class FedMA(_RefitRound):
         metrics.update(
             {
                 "global-sizes": [int(s) for s in result.sizes.values()],
-                "fedma-rounds": result.rounds,
-                "bytes-up": sum(p.bytes_up for p in self.fedma_passes) + self._restart_bytes[1],
-                "bytes-down": sum(p.bytes_down for p in self.fedma_passes) + self._restart_bytes[0],
+                "fedma-rounds": server_round,
+                "bytes-up": sum(p.bytes_up for p in self.fedma_passes),
+                "bytes-down": sum(p.bytes_down for p in self.fedma_passes) + self._restart_bytes,
                 "dropped-nodes": len(self.dropped),
             }
         )

@@ -190,13 +190,14 @@ def main(grid: Grid, run: dict) -> None:
         if fedma.fedma_result is None:
             RESULTS[method] = {"error": f"FedMA did not finish ({fedma.error or 'no node replied in time'})"}
         else:
+            last = next(m for m in result.train_metrics_clientapp.values() if "fedma-rounds" in m)  # FedMA's last round
             RESULTS[method] = {
                 **_report(result),
                 "sizes": list(fedma.fedma_result.sizes.values()),
                 "fedma-passes": len(fedma.fedma_passes),
-                "fedma-rounds": fedma.num_rounds(initial) - (second == "refit"),
-                "fedma-bytes-up": result.train_metrics_clientapp[rounds - (second == "refit")]["bytes-up"],
-                "fedma-bytes-down": result.train_metrics_clientapp[rounds - (second == "refit")]["bytes-down"],
+                "fedma-rounds": last["fedma-rounds"],
+                "fedma-bytes-up": last["bytes-up"],
+                "fedma-bytes-down": last["bytes-down"],
                 "failed": fedma.failed,
                 "rejected": fedma.rejected,
                 "dropped": fedma.dropped,
