@@ -345,7 +345,8 @@ def _check_head(head: str, pool: str | None, method: str, hyper: dict, pseudo_co
         raise ValueError(f"unknown pool={pool!r}; choose linear or log")
     if pool is not None and head == "shared":
         raise ValueError(
-            "pool is how the clients' own heads are pooled: not with the shared head (--head shared, head='shared')"
+            "pool (--pool) is how the clients' own heads are pooled: not with the shared head "
+            "(--head shared, head='shared')"
         )
     if pseudo_count is not None:
         from bayesfuse.nets.heads import checked_pseudo_count
@@ -353,7 +354,8 @@ def _check_head(head: str, pool: str | None, method: str, hyper: dict, pseudo_co
         checked_pseudo_count(pseudo_count)
         if head == "shared":
             raise ValueError(
-                "pseudo_count smooths the clients' own heads: not with the shared head (--head shared, head='shared')"
+                "pseudo_count (--pseudo-count) smooths the clients' own heads: not with the shared head "
+                "(--head shared, head='shared')"
             )
     if "head" in hyper and head not in ("auto", "shared"):
         raise ValueError("head is given twice (as head= and as a hyper-parameter); give it once")
@@ -655,16 +657,20 @@ def fuse_files(
             report["hyper"]["head"] = f"shared ({refused})"
         if head == "shared" and (pool is not None or pseudo_count is not None):
             what = (
-                "pool is how the clients' own heads are pooled"
+                "pool (--pool) is how the clients' own heads are pooled"
                 if pool is not None
-                else "pseudo_count smooths the clients' own heads"
+                else "pseudo_count (--pseudo-count) smooths the clients' own heads"
             )
             if refused:
                 why = refused
             elif not row.own_heads:
                 why = f"{method} keeps no client heads ({', '.join(methods.ONE_SHOT_HEADS)} do)"
             else:
-                why = "without summaries the shared head is the default: ask for --head clients (head='clients')"
+                why = "without summaries the shared head is the default: " + (
+                    "ask for --head clients (head='clients')"
+                    if pool is not None
+                    else "give the clients' summaries, or their class counts with --head clients (head='clients')"
+                )
             raise ValueError(f"{what}; these networks are fused with the shared head: {why}")
     if kind == "network" and head == "clients":
         heads_file, report["heads"] = _client_heads(

@@ -53,8 +53,9 @@ numbers instead of (G+1)^2; in memory it is the whole matrix). Version 5 holds t
 as bfloat16 (8 significant bits, a relative rounding error of at most 2^-8, stored as the upper
 16 bits of their float32, ``uint16``): they weight averages and set variances, where the third
 significant digit does not show, and the summary is then about 0.6x the weights of a 784-100-10
-network instead of 1.08x. :func:`summarize` rounds them so, so that a summary in memory is the
-summary its file and its Flower record hold. Versions 1-4 are read too.
+network instead of 1.08x. A :class:`ClientSummary` of version 5 rounds the precisions it is
+given, so that a summary in memory is the summary its file and its Flower record hold;
+``summarize(..., precisions="float32")`` makes a version 4 one. Versions 1-4 are read too.
 """
 
 from __future__ import annotations
@@ -119,10 +120,15 @@ STATS = ("pre_mean", "pre_var", "act_mean", "act_var")
 
 
 def bfloat16_bits(a) -> np.ndarray:
-    """The bfloat16 nearest each value of ``a`` (ties to even), as the upper 16 bits of its float32
-    (``uint16``): 8 significant bits, float32's range, a relative error of at most 2^-8."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    """The bfloat16 nearest each value of ``a`` as float32 (ties to even), as the upper 16 bits of
+    that float32 (``uint16``, ``a``'s shape), as ``torch.bfloat16`` rounds: 8 significant bits,
+    a relative error of at most 2^-8 from float32's normal range (1.2e-38 to 3.4e38; finite
+    values from 3.3961e38 up become inf, subnormals keep fewer bits). NaN stays NaN."""
+    f = np.asarray(a, dtype=np.float32)
+    bits = np.ascontiguousarray(f).reshape(-1).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet = (bits >> 16) | 0x40  # a NaN keeps its sign and (quietened) upper payload, never inf or 0
+    return np.where(np.isnan(f.reshape(-1)), quiet, rounded).astype(np.uint16).reshape(f.shape)
 
 
 def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
@@ -131,7 +137,8 @@ def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
 
 
 def bfloat16_rounded(a) -> np.ndarray:
-    """``a`` rounded to the nearest bfloat16, as float64 (what a version 5 summary stores)."""
+    """``a`` rounded to the nearest bfloat16 (:func:`bfloat16_bits`), as float64 (what a version
+    5 summary stores)."""
     return from_bfloat16_bits(bfloat16_bits(a)).astype(np.float64)
 
 
@@ -169,7 +176,7 @@ class ClientSummary:
     ----------
     precision : dict of str to ndarray
         GGN diagonal of every floating parameter, the parameter's shape, non-negative; rounded to
-        bfloat16 by :func:`summarize` (since version 5, what the file holds).
+        bfloat16 in a version 5 summary (what its file holds).
     prior_precision : float
         ``delta``: the Laplace precision of weight ``i`` is ``precision[i] + delta``.
     moments : dict of str to dict of str to ndarray
@@ -197,6 +204,11 @@ class ClientSummary:
     version: int = SUMMARY_VERSION
     output_factors: dict | None = None
     seconds: float = field(default=0.0, compare=False)
+
+    def __post_init__(self) -> None:
+        # a version 5 summary holds bfloat16 precisions, in memory as in its file (idempotent)
+        if self.version >= BFLOAT16_VERSION:
+            self.precision = {k: bfloat16_rounded(v) for k, v in self.precision.items()}
 
     @property
     def nbytes(self) -> int:
@@ -432,10 +444,8 @@ def summarize(
             x.numpy() if isinstance(x, torch.Tensor) else x, batch_size=batch_size
         )
     else:
-        precision = diag_ggn(model, x, batch_size=batch_size)
-        if precisions == "bfloat16":
-            precision = {k: bfloat16_rounded(v) for k, v in precision.items()}
-        else:  # what a version 4 file holds
+        precision = diag_ggn(model, x, batch_size=batch_size)  # rounded to bfloat16 by a version 5 ClientSummary
+        if precisions == "float32":  # what a version 4 file holds
             precision = {k: np.asarray(v, dtype=np.float32).astype(np.float64) for k, v in precision.items()}
         moments = unit_moments(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
         factors = output_factors(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
@@ -722,6 +732,10 @@ def summary_from_arrays(
                 )
             precision[k[len("precision/") :]] = from_bfloat16_bits(v).astype(np.float64)
         elif k.startswith("precision/"):
+            if not np.issubdtype(np.asarray(v).dtype, np.floating):
+                raise SummaryError(
+                    f"{name}: {k} of a version {version} summary must be floating point, got {np.asarray(v).dtype}"
+                )
             precision[k[len("precision/") :]] = np.asarray(v, dtype=np.float64)
         elif k.startswith("moments/"):
             g, _, s = k[len("moments/") :].rpartition("/")

@@ -17,6 +17,7 @@ from bayesfuse.summaries import (
     ClientSummary,
     SummaryError,
     bfloat16_bits,
+    bfloat16_rounded,
     check_summary,
     from_bfloat16_bits,
     load_summary,
@@ -79,15 +80,48 @@ def test_float32_precisions_are_the_ggn_in_a_version_4_summary(client):
         summarize(model, x, y, precisions="float16")
 
 
-def test_bfloat16_rounds_to_nearest_even_and_keeps_range():
-    a = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-7 - 2**-20, 3.0e38, 1e-30, 0.0, 65504.0 * 1e4], np.float32)
-    back = from_bfloat16_bits(bfloat16_bits(a))
-    # the halfway 1 + 2^-8 goes to the even 1, 1 + 3 * 2^-8 to the even 1 + 2^-6; just under 1 + 2^-7 rounds up to it
-    np.testing.assert_array_equal(back[:4], np.array([1.0, 1.0, 1 + 2**-6, 1 + 2**-7], np.float32))
-    assert np.isfinite(back).all() and back[5] > 0 and back[6] == 0
-    np.testing.assert_allclose(back, a, rtol=2**-8)
-    x = np.random.default_rng(0).lognormal(0, 8, size=10_000).astype(np.float32)
-    assert np.abs(from_bfloat16_bits(bfloat16_bits(x)) / x - 1).max() <= 2**-8
+def test_bfloat16_bits_round_as_torch_does_and_keep_nan_and_shape():
+    # every float32 bit pattern class: random patterns (normals, subnormals, inf, NaN payloads, both
+    # signs) against torch's own float32 -> bfloat16 conversion, bit for bit on non-NaN values
+    gen = np.random.default_rng(0)
+    bits = gen.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0, 0x80000000, 1, 0x007FFFFF, 0x3FFFFFFF, 0x3F808000, 0x3F818000, 0x7F7F7FFF,
+                        0x7F7F8000, 0x7F800000, 0xFF800000, 0x7F800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000],
+                       dtype=np.uint32)  # fmt: skip
+    f = np.concatenate([bits, special]).view(np.float32)
+    ours = bfloat16_bits(f)
+    theirs = torch.from_numpy(f.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(f)
+    np.testing.assert_array_equal(ours[~nan], theirs[~nan])
+    back = from_bfloat16_bits(ours)
+    assert np.isnan(back[nan]).all()  # a NaN is never inf or zero
+    # ties to even: 1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6; the relative error of normal values
+    np.testing.assert_array_equal(
+        from_bfloat16_bits(bfloat16_bits(np.array([1 + 2**-8, 1 + 3 * 2**-8], np.float32))), [1.0, 1 + 2**-6]
+    )
+    normal = np.isfinite(back) & (np.abs(f) >= np.finfo(np.float32).tiny)
+    assert np.abs(back[normal].astype(np.float64) / f[normal] - 1).max() <= 2**-8
+    # shapes, 0-d included
+    for shape in ((), (3,), (2, 3)):
+        a = np.full(shape, 1.5, np.float32)
+        assert bfloat16_bits(a).shape == shape and bfloat16_rounded(a).shape == shape
+
+
+def test_a_version_5_summary_rounds_what_it_is_given_and_keeps_scalars(client, tmp_path):
+    model, x, y = client
+    s = summarize(model, x, y, precisions="float32")
+    five = dataclasses.replace(s, version=5)  # built from unrounded precisions: rounded, as its file holds them
+    for k, v in s.precision.items():
+        np.testing.assert_array_equal(five.precision[k], bfloat16_rounded(v))
+    save_summary(five, tmp_path / "five.summary.safetensors")
+    back = load_summary(tmp_path / "five.summary.safetensors")
+    for k in s.precision:
+        np.testing.assert_array_equal(back.precision[k], five.precision[k])
+    # a scalar parameter's precision keeps its shape (0-d) in memory and through the file
+    scalar = dataclasses.replace(five, precision={"scale": np.float64(2.0)})
+    assert scalar.precision["scale"].shape == () and scalar.precision["scale"] == 2.0
+    save_summary(scalar, tmp_path / "scalar.summary.safetensors")
+    assert load_summary(tmp_path / "scalar.summary.safetensors").precision["scale"].shape == ()
 
 
 def test_conv_moments_are_per_channel():
@@ -236,6 +270,15 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
         SummaryError, match=r"wide.summary.safetensors: precision/.* must be bfloat16 bits \(uint16\), got float32"
     ):
         load_summary(wide)
+    # and a version 4 file whose precisions are bfloat16 bits is refused, not read as integers
+    narrow = summary_path(tmp_path / "narrow.pt")
+    save_summary(s, narrow)
+    narrow.write_bytes(narrow.read_bytes().replace(b'"version":"5"', b'"version":"4"'))
+    with pytest.raises(
+        SummaryError,
+        match=r"narrow.summary.safetensors: precision/.* version 4 summary must be floating point, got uint16",
+    ):
+        load_summary(narrow)
     # a version 4 file whose Gram is no upper triangle is refused, naming the file
     odd = summary_path(tmp_path / "odd.pt")
     save_summary(dataclasses.replace(s, version=3), odd)

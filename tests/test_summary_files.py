@@ -299,12 +299,13 @@ def test_fuse_refuses_heads_it_cannot_keep_and_heads_of_other_tensors(clients, t
         ),
         (
             ["--method", "pfnm", "--head", "shared", "--pseudo-count", "1"],
-            "pseudo_count smooths the clients' own heads",
+            "pseudo_count (--pseudo-count) smooths the clients' own heads: not with the shared head (--head shared",
         ),
         (["--method", "pfnm", "--pseudo-count", "-1"], "pseudo_count must be a finite number >= 0, got -1.0"),
         (
             ["--method", "pfnm", "--summaries", "none", "--pseudo-count", "1"],
-            "pseudo_count smooths the clients' own heads; these networks are fused with the shared head: without",
+            "these networks are fused with the shared head: without summaries the shared head is the default: give the "
+            "clients' summaries, or their class counts with --head clients",
         ),
         (
             ["--method", "pfnm", "--summaries", "none", "--head", "clients", "--pseudo-count", "1"],

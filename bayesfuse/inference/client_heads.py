@@ -32,8 +32,9 @@ too wide.
 K-FAC takes the mean of a Kronecker product over the examples for the product of the means, so
 its curvature's trace, ``n_j tr(A_j) tr(S_j) = (sum_n ||a~_n||^2) mean_n tr(S_n)``, differs from
 the exact GGN's, ``sum_n ||a~_n||^2 tr(S_n)`` (the sum of the summary's GGN diagonal of the
-layer), where a feature's size and the softmax's confidence go together. With ``trace_match``
-each head's curvature is scaled by their ratio,
+layer, or of its EKFAC eigenvalues where the summary has them), where a feature's size and the
+softmax's confidence go together. With ``trace_match`` each head's curvature is scaled by their
+ratio,
 
 .. math::
 
