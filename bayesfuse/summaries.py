@@ -108,7 +108,8 @@ SUMMARY_VERSION = 5
 READ_VERSIONS = (1, 2, 3, 4, 5)
 #: The first version that stores the output Gram as its upper triangle.
 PACKED_GRAM_VERSION = 4
-#: The first version that stores the precisions as bfloat16 (:func:`bfloat16_bits`).
+#: The first version that stores the precisions as bfloat16 (:func:`bfloat16_bits`);
+#: see docs/decisions.md#summary-bfloat16
 BFLOAT16_VERSION = 5
 #: The widest output-layer input (bias included) whose Kronecker factors a summary holds: the
 #: Gram is ``(G+1)(G+2)/2`` numbers stored (its upper triangle), about half the size of a hidden
