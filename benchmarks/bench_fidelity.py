@@ -218,7 +218,7 @@ def summary_rows(
     start = time.perf_counter()
     summaries = [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, part)]
     summary_seconds = (time.perf_counter() - start) / len(models)
-    model_kb = 4 * sum(p.numel() for p in models[0].parameters()) / 1024
+    model_kb = 4 * sum(p.numel() for p in models[0].parameters()) / 1000  # kB: 1000 bytes, as the docs quote sizes
     rows = []
     for name, (method, options) in SUMMARY_ROWS.items():
         data = {}
@@ -252,7 +252,7 @@ def summary_rows(
                     result.seconds,
                     result.converged,
                     **ood_scores(result.model, split, ood),
-                    summary_kb=float(np.mean([s.nbytes for s in given or summaries]) / 1024),
+                    summary_kb=float(np.mean([s.nbytes for s in given or summaries]) / 1000),
                     model_kb=model_kb,
                     summary_seconds=summary_seconds,
                     temperature=second.get("temperature"),
