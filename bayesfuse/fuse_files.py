@@ -572,6 +572,9 @@ def fuse_files(
             f"method must be one of {', '.join(methods.ONE_SHOT_HEADS)}, got {method!r}"
         )
     client_summaries, summaries_report = _input_summaries(names, summaries, method, kind)
+    shared = kind == "network" and head == "auto" and (client_summaries is None or not row.own_heads)
+    if shared and (pool is not None or pseudo_count is not None):  # known before fusing: say so now
+        raise ValueError(_shared_head_refusal(method, row.own_heads, pool, None))
     given = dict(names=names, seed=seed, device=device, dtype=dtype, class_counts=counts, summaries=client_summaries)
     if kind == "bnn":
         from bayesfuse.models.bnn import HorseshoeBNN
@@ -656,22 +659,7 @@ def fuse_files(
         if refused:
             report["hyper"]["head"] = f"shared ({refused})"
         if head == "shared" and (pool is not None or pseudo_count is not None):
-            what = (
-                "pool (--pool) is how the clients' own heads are pooled"
-                if pool is not None
-                else "pseudo_count (--pseudo-count) smooths the clients' own heads"
-            )
-            if refused:
-                why = refused
-            elif not row.own_heads:
-                why = f"{method} keeps no client heads ({', '.join(methods.ONE_SHOT_HEADS)} do)"
-            else:
-                why = "without summaries the shared head is the default: " + (
-                    "ask for --head clients (head='clients')"
-                    if pool is not None
-                    else "give the clients' summaries, or their class counts with --head clients (head='clients')"
-                )
-            raise ValueError(f"{what}; these networks are fused with the shared head: {why}")
+            raise ValueError(_shared_head_refusal(method, row.own_heads, pool, refused))
     if kind == "network" and head == "clients":
         heads_file, report["heads"] = _client_heads(
             fused, states, counts, client_summaries, fused_sd, out, pool, pseudo_count
@@ -703,3 +691,24 @@ def fuse_files(
         if not kept and stale.exists():  # --force over a fusion that had one: not this model's
             stale.unlink()
     return report
+
+
+def _shared_head_refusal(method: str, own_heads: bool, pool: str | None, refused: str | None) -> str:
+    """Why ``pool`` (else a pseudo-count) is refused where the fusion keeps the shared head: the
+    output layer allows no client heads (``refused``), the method keeps none, or no summaries."""
+    what = (
+        "pool (--pool) is how the clients' own heads are pooled"
+        if pool is not None
+        else "pseudo_count (--pseudo-count) smooths the clients' own heads"
+    )
+    if refused:
+        why = refused
+    elif not own_heads:
+        why = f"{method} keeps no client heads ({', '.join(methods.ONE_SHOT_HEADS)} do)"
+    else:
+        why = "without summaries the shared head is the default: " + (
+            "ask for --head clients (head='clients')"
+            if pool is not None
+            else "give the clients' summaries, or their class counts with --head clients (head='clients')"
+        )
+    return f"{what}; these networks are fused with the shared head: {why}"

@@ -283,6 +283,25 @@ def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp
     assert not heads_path(out).exists() and isinstance(bayesfuse.load(out), LastLayerLaplace)
 
 
+def test_a_pool_or_pseudo_count_for_the_shared_head_is_refused_before_fusing(clients, tmp_path, capsys, monkeypatch):
+    """Without summaries, or by a method that keeps no client heads, the shared head is known before
+    fusing: the refusal comes before any fusion runs."""
+    import bayesfuse.fuse_files as fuse_files_module
+
+    def no_fusion(*args, **kwargs):
+        raise AssertionError("fused before refusing")
+
+    monkeypatch.setattr(fuse_files_module, "fuse_states", no_fusion)
+    models, _, _ = clients
+    out = tmp_path / "fused.pt"
+    for extra in (
+        ["--method", "pfnm", "--summaries", "none", "--pool", "log"],
+        ["--method", "fedavg", "--pseudo-count", "0.5"],
+    ):
+        assert main(["fuse", *map(str, models), "--out", str(out), *extra]) == 2
+        assert "these networks are fused with the shared head" in _error(capsys) and not out.exists()
+
+
 def test_fuse_refuses_heads_it_cannot_keep_and_heads_of_other_tensors(clients, tmp_path, capsys):
     models, _, _ = clients
     out = tmp_path / "fused.pt"
