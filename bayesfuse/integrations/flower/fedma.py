@@ -122,6 +122,9 @@ class FedMA(_RefitRound):
         of the output weights they sent in the local round, times the global layer's fan-in over
         theirs (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the
         server takes the product's ``lambda`` that maximises the evidence of their replies.
+    pseudo_count : float, optional
+        The smoothing of :meth:`client_heads`' heads (:attr:`~bayesfuse.nets.heads.ClientHeads.pseudo_count`);
+        None (default): the heads' own, 1.
     seed : int
         Matching seed. The first round's replies are put in the order of their contents'
         hashes, so neither the arrival order nor the node ids change the result.

@@ -420,8 +420,11 @@ def heads_to_record(heads: dict, trace_scale=None, eigenvalues=None, diagonal=No
     ``ekfac-eigenvalues`` (J, G+1, K) where the EKFAC heads are
     (:func:`~bayesfuse.inference.client_heads.ekfac_eigenvalues`), and ``diagonal-precision``
     (J, K, G+1) where the diagonal heads are (the diagonal heads' ``laplace["precision"]``, the
-    same heads' weights)."""
+    same heads' weights), and ``pseudo-count`` (1,) where ``heads["pseudo_count"]`` is set (their
+    smoothing, :attr:`~bayesfuse.nets.heads.ClientHeads.pseudo_count`)."""
     arrays = heads_arrays(heads)
+    if heads.get("pseudo_count") is not None:
+        arrays["pseudo-count"] = np.array([float(heads["pseudo_count"])], dtype=np.float64)
     if trace_scale is not None:
         arrays["trace-scale"] = np.ascontiguousarray(trace_scale, dtype=np.float64)
     if eigenvalues is not None:
@@ -436,9 +439,20 @@ def record_to_heads(record: ArrayRecord, output: str, form: str, name: str = "cl
     ``form``) and its ``trace-scale`` (None without); one line naming ``name`` if incomplete."""
     arrays = {k: record[k].numpy() for k in record.keys()}
     scale = arrays.pop("trace-scale", None)
+    smoothing = arrays.pop("pseudo-count", None)
     for variant in ("ekfac-eigenvalues", "diagonal-precision"):  # other candidates', read by temperature_candidates
         arrays.pop(variant, None)
-    return heads_from_arrays(arrays, output, form, name), scale
+    heads = heads_from_arrays(arrays, output, form, name)
+    if smoothing is not None:
+        from bayesfuse.nets.heads import checked_pseudo_count
+
+        try:
+            heads["pseudo_count"] = checked_pseudo_count(
+                float(np.reshape(smoothing, -1)[0]) if np.size(smoothing) == 1 else smoothing
+            )
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+    return heads, scale
 
 
 def temperature_candidates(model: torch.nn.Module, config: Mapping, records: Mapping | None = None) -> dict:

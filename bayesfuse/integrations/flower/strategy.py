@@ -56,7 +56,7 @@ from bayesfuse.integrations.flower.records import (
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
 from bayesfuse.nets.arch import rebuild
-from bayesfuse.nets.heads import ClientHeads
+from bayesfuse.nets.heads import ClientHeads, checked_pseudo_count
 from bayesfuse.nets.laplace import LastLayerLaplace
 from bayesfuse.nets.state import tensor_state
 from bayesfuse.summaries import (
@@ -220,12 +220,22 @@ class _RefitRound(_Fusion):
     for the prior precision) and ``_class_counts`` (each node's, for :meth:`_refit_heads`).
     """
 
-    def __init__(self, *, output_prior_precision: float | None = None, **kwargs) -> None:
+    def __init__(
+        self, *, output_prior_precision: float | None = None, pseudo_count: float | None = None, **kwargs
+    ) -> None:
         if output_prior_precision is not None:
             checked_prior_precision(output_prior_precision)
+        # the clients' heads' smoothing (ClientHeads.pseudo_count); None: the heads' default
+        self.pseudo_count = None if pseudo_count is None else checked_pseudo_count(pseudo_count)
         super().__init__(**kwargs)
         self.output_prior_precision = output_prior_precision
         self._forget_refit()
+
+    def _smoothed(self, heads: ClientHeads) -> ClientHeads:
+        """``heads`` with the strategy's ``pseudo_count``, where one is set."""
+        if self.pseudo_count is not None:
+            heads.pseudo_count = self.pseudo_count
+        return heads
 
     def _forget_refit(self) -> None:
         """Forget an earlier run's refit: nothing of it may pair with a new run's arrays."""
@@ -461,13 +471,15 @@ class _RefitRound(_Fusion):
                 "the heads are mixed by each node's share of each class"
             )
         network = rebuild(like, tensor_state(self._refitted["state"]))
-        return ClientHeads.from_fits(
-            network,
-            self._refitted["output"],
-            fits,
-            np.stack(cast(list[np.ndarray], counts)),
-            pool=pool,
-            prior_precision=self._refitted["fit_prior"],
+        return self._smoothed(
+            ClientHeads.from_fits(
+                network,
+                self._refitted["output"],
+                fits,
+                np.stack(cast(list[np.ndarray], counts)),
+                pool=pool,
+                prior_precision=self._refitted["fit_prior"],
+            )
         )
 
 
@@ -550,6 +562,11 @@ class MatchedAveraging(_RefitRound):
         (:func:`~bayesfuse.inference.output_fusion.prior_precision_from_weights`), and the server
         takes the product's ``lambda`` that maximises the evidence of their replies
         (:func:`~bayesfuse.inference.output_fusion.evidence_precision`).
+    pseudo_count : float, optional
+        The clients' heads' smoothing (:attr:`~bayesfuse.nets.heads.ClientHeads.pseudo_count`,
+        as ``bayesfuse fuse --pseudo-count``): of :meth:`client_heads`, of the temperature
+        round's heads candidates (sent to the nodes with it, so they score what the server
+        predicts with) and of :meth:`tempered`. None (default): the heads' own, 1; 0 turns it off.
     **kwargs
         Passed to ``flwr.serverapp.strategy.FedAvg`` (sampling, record keys).
 
@@ -603,6 +620,8 @@ class MatchedAveraging(_RefitRound):
             raise ValueError(
                 f"second_round={second_round!r} is for point-estimate networks; fused BNNs carry their own posterior"
             )
+        if kwargs.get("pseudo_count") is not None and self.kind == "bnn":
+            raise ValueError("pseudo_count smooths the clients' own heads of point-estimate networks; these are BNNs")
         super().__init__(
             spec=spec,
             class_counts_key=class_counts_key,
@@ -843,6 +862,8 @@ class MatchedAveraging(_RefitRound):
             assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
             width = int(np.shape(state[spec.output_layer(state)[0]])[1])
             heads = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"])
+            if self.pseudo_count is not None:  # the nodes score the heads as the server will predict with them
+                heads["pseudo_count"] = self.pseudo_count
             scale = eigenvalues = diagonal = None
             if heads["form"] == "kronecker":
                 scale, eigenvalues, diagonal = kronecker_variants(
@@ -1098,8 +1119,10 @@ class MatchedAveraging(_RefitRound):
         network = rebuild(like, tensor_state(result.state))
         assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
         pool = pool or default_pool(inputs["summaries"])
-        return ClientHeads.from_clients(
-            network, result.spec, inputs["states"], assignments, inputs["counts"], inputs["summaries"], pool=pool
+        return self._smoothed(
+            ClientHeads.from_clients(
+                network, result.spec, inputs["states"], assignments, inputs["counts"], inputs["summaries"], pool=pool
+            )
         )
 
     def _summaries(self, good: list[_Reply]) -> tuple[list[ClientSummary] | None, list[_Reply]]:
