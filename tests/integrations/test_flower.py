@@ -1010,8 +1010,11 @@ def test_fedma_refit_round_goes_to_the_nodes_left_and_keeps_the_runs_skips(clien
     assert metrics["output-fit-replies"] == 2 and metrics["failed-replies"] == 0 == metrics["rejected-replies"]
     assert strategy.client_heads(models[0]).n_heads == 2
     assert strategy.client_heads(models[0]).pseudo_count == 1.0
-    strategy.pseudo_count = 0.5  # FedMA(pseudo_count=0.5): the refit's heads smoothed so
-    assert strategy.client_heads(models[0]).pseudo_count == 0.5
+    smoothed = FedMA(second_round="refit", pseudo_count=0.5, min_train_nodes=4, fraction_evaluate=0.0)
+    smoothed.start(grid=grid, initial_arrays=_initial((20, 16)))
+    assert smoothed.client_heads(models[0]).pseudo_count == 0.5  # the refit's heads smoothed so
+    with pytest.raises(ValueError, match="pseudo_count must be a finite number >= 0"):
+        FedMA(pseudo_count=-1)
 
 
 def test_fedma_refit_settings_are_checked(clients):
@@ -1272,12 +1275,14 @@ def test_a_counts_pooled_fusion_of_other_widths_is_scored_and_kept(clients, summ
         assert torch.isfinite(model(torch.as_tensor(split.test.x[:5]))).all()
 
 
-def test_the_strategies_pseudo_count_smooths_every_heads_they_give_and_send(clients, summaries):
+def test_the_strategies_pseudo_count_smooths_every_heads_they_give_and_send(clients, summaries, monkeypatch):
     """``pseudo_count`` reaches the heads of client_heads(), tempered() and the temperature round's
     candidates as the nodes build them from the message; refused where it means nothing."""
+    from bayesfuse.inference import summary_fusion
     from bayesfuse.integrations.flower.records import heads_to_record, record_to_heads
 
     split, part, models = clients
+    monkeypatch.setattr(summary_fusion, "best_candidate", lambda nll: (2, 40))  # the clients' heads as sent
     grid = TemperatureGrid(split, part, models, summaries, ids=[7, 8, 9])
     strategy = MatchedAveraging(
         "pfnm", second_round="temperature", pseudo_count=0.25, min_train_nodes=3, fraction_evaluate=0.0
@@ -1291,28 +1296,40 @@ def test_the_strategies_pseudo_count_smooths_every_heads_they_give_and_send(clie
     assert len(heads) == 4 and all(m.pseudo_count == 0.25 for m in heads)  # as sent, trace-matched, EKFAC, diagonal
     assert strategy.client_heads(models[0]).pseudo_count == 0.25
     kept = strategy.tempered(models[0])
-    assert not isinstance(kept, ClientHeads) or kept.pseudo_count == 0.25
-    # without it, the heads' own default, and no array in the record
-    plain = MatchedAveraging("pfnm", min_train_nodes=3, fraction_evaluate=0.0)
-    plain.start(
-        grid=TemperatureGrid(split, part, models, summaries, ids=[7, 8, 9]),
-        initial_arrays=_initial((20, 16)),
-        num_rounds=1,
-    )
+    assert isinstance(kept, ClientHeads) and kept.pseudo_count == 0.25
+    x = torch.as_tensor(split.test.x[:20])
+    with torch.no_grad():
+        smoothed = kept(x)
+        kept.pseudo_count = 1.0
+        assert not torch.allclose(smoothed, kept(x))  # the smoothing shows in what it predicts
+    # without it: no array in the record, the heads' own default
+    plain_grid, plain, _ = _temperature_strategy(split, part, models, summaries)
+    assert "pseudo-count" not in plain_grid.sent[3].content.array_records[HEADS_KEY]
     assert plain.client_heads(models[0]).pseudo_count == 1.0
-    # the record round trip; heads without a pseudo-count send none; a record whose pseudo-count is
-    # not one is refused, naming the node; the strategies refuse bad values
+    # the record round trip; a record whose pseudo-count is not one real number >= 0 is refused,
+    # naming the node; the strategies refuse bad values, set or given
     record = content.array_records[HEADS_KEY]
     parsed = record_to_heads(record, "layers.2", "kronecker", "node 7")[0]
     assert parsed["pseudo_count"] == 0.25
     assert "pseudo-count" not in heads_to_record({k: v for k, v in parsed.items() if k != "pseudo_count"})
-    record["pseudo-count"] = Array(np.array([-1.0]))
-    with pytest.raises(ValueError, match=r"^node 7: pseudo_count must be a finite number >= 0, got -1.0"):
-        record_to_heads(record, "layers.2", "kronecker", "node 7")
+    for bad, message in (
+        (np.array([-1.0]), "pseudo_count must be a finite number >= 0, got -1.0"),
+        (np.array([np.nan]), "pseudo_count must be a finite number >= 0"),
+        (np.array([0.5, 0.5]), r"must be one real number, shape \(1,\); got float64 of shape \(2,\)"),
+        (np.array([True]), r"must be one real number, shape \(1,\); got bool"),
+    ):
+        record["pseudo-count"] = Array(bad)
+        with pytest.raises(ValueError, match=rf"^node 7: .*{message}"):
+            record_to_heads(record, "layers.2", "kronecker", "node 7")
     with pytest.raises(ValueError, match="pseudo_count must be a finite number >= 0"):
         MatchedAveraging("pfnm", pseudo_count=-1)
+    with pytest.raises(ValueError, match="pseudo_count must be a finite number >= 0"):
+        strategy.pseudo_count = float("nan")
     with pytest.raises(ValueError, match="pseudo_count smooths the clients' own heads of point-estimate networks"):
         MatchedAveraging("kl", pseudo_count=1.0)
+    with pytest.raises(ValueError, match="pseudo_count smooths the clients' own heads, which ot keeps none of"):
+        MatchedAveraging("ot", pseudo_count=1.0)
+    MatchedAveraging("ot", pseudo_count=1.0, second_round="refit")  # the refit's heads
 
 
 def test_temperature_candidates_refuse_candidates_the_message_cannot_build(clients, summaries):

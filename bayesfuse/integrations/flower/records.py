@@ -436,7 +436,9 @@ def heads_to_record(heads: dict, trace_scale=None, eigenvalues=None, diagonal=No
 
 def record_to_heads(record: ArrayRecord, output: str, form: str, name: str = "client heads") -> tuple[dict, Any]:
     """The heads in :func:`heads_to_record`'s record (on the output layer ``output``, of posterior
-    ``form``) and its ``trace-scale`` (None without); one line naming ``name`` if incomplete."""
+    ``form``), with ``heads["pseudo_count"]`` where the record has a ``pseudo-count``, and its
+    ``trace-scale`` (None without); one line naming ``name`` if incomplete, or if the pseudo-count
+    is not one real number >= 0 of heads that know their examples."""
     arrays = {k: record[k].numpy() for k in record.keys()}
     scale = arrays.pop("trace-scale", None)
     smoothing = arrays.pop("pseudo-count", None)
@@ -446,11 +448,17 @@ def record_to_heads(record: ArrayRecord, output: str, form: str, name: str = "cl
     if smoothing is not None:
         from bayesfuse.nets.heads import checked_pseudo_count
 
-        try:
-            heads["pseudo_count"] = checked_pseudo_count(
-                float(np.reshape(smoothing, -1)[0]) if np.size(smoothing) == 1 else smoothing
+        smoothing = np.asarray(smoothing)
+        if smoothing.shape != (1,) or smoothing.dtype.kind not in "fiu":
+            raise ValueError(
+                f"{name}: the heads' pseudo-count must be one real number, shape (1,); got {smoothing.dtype} "
+                f"of shape {smoothing.shape}"
             )
-        except ValueError as err:
+        if heads.get("examples") is None:
+            raise ValueError(f"{name}: the heads' pseudo-count smooths heads by their examples; these heads know none")
+        try:
+            heads["pseudo_count"] = checked_pseudo_count(float(smoothing[0]))
+        except (TypeError, ValueError) as err:
             raise ValueError(f"{name}: {err}") from None
     return heads, scale
 

@@ -225,15 +225,30 @@ class _RefitRound(_Fusion):
     ) -> None:
         if output_prior_precision is not None:
             checked_prior_precision(output_prior_precision)
-        # the clients' heads' smoothing (ClientHeads.pseudo_count); None: the heads' default
-        self.pseudo_count = None if pseudo_count is None else checked_pseudo_count(pseudo_count)
+        self.pseudo_count = pseudo_count  # checked by the setter
         super().__init__(**kwargs)
         self.output_prior_precision = output_prior_precision
         self._forget_refit()
 
+    @property
+    def pseudo_count(self) -> float | None:
+        """The clients' heads' smoothing (:attr:`~bayesfuse.nets.heads.ClientHeads.pseudo_count`);
+        None: the heads' own default."""
+        return self._pseudo_count
+
+    @pseudo_count.setter
+    def pseudo_count(self, value: float | None) -> None:
+        self._pseudo_count = None if value is None else checked_pseudo_count(value)
+
     def _smoothed(self, heads: ClientHeads) -> ClientHeads:
-        """``heads`` with the strategy's ``pseudo_count``, where one is set."""
+        """``heads`` with the strategy's ``pseudo_count``, where one is set; refused for heads that
+        know no examples (nothing to smooth by)."""
         if self.pseudo_count is not None:
+            if not hasattr(heads, "examples"):
+                raise ValueError(
+                    "pseudo_count smooths each head by its client's examples; these heads know none "
+                    "(the nodes sent no summaries and not every one its class counts)"
+                )
             heads.pseudo_count = self.pseudo_count
         return heads
 
@@ -622,6 +637,11 @@ class MatchedAveraging(_RefitRound):
             )
         if kwargs.get("pseudo_count") is not None and self.kind == "bnn":
             raise ValueError("pseudo_count smooths the clients' own heads of point-estimate networks; these are BNNs")
+        if kwargs.get("pseudo_count") is not None and method not in methods.ONE_SHOT_HEADS and second_round != "refit":
+            raise ValueError(
+                f"pseudo_count smooths the clients' own heads, which {method} keeps none of "
+                f"({', '.join(methods.ONE_SHOT_HEADS)} do, and every method with second_round='refit')"
+            )
         super().__init__(
             spec=spec,
             class_counts_key=class_counts_key,
@@ -862,8 +882,8 @@ class MatchedAveraging(_RefitRound):
             assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
             width = int(np.shape(state[spec.output_layer(state)[0]])[1])
             heads = one_shot_heads(spec, inputs["states"], assignments, width, inputs["counts"], inputs["summaries"])
-            if self.pseudo_count is not None:  # the nodes score the heads as the server will predict with them
-                heads["pseudo_count"] = self.pseudo_count
+            if self.pseudo_count is not None and heads.get("examples") is not None:
+                heads["pseudo_count"] = self.pseudo_count  # the nodes score the heads the server predicts with
             scale = eigenvalues = diagonal = None
             if heads["form"] == "kronecker":
                 scale, eigenvalues, diagonal = kronecker_variants(
