@@ -22,7 +22,7 @@ from bayesfuse._runtime import progress as _progress
 from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
 from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
-from bayesfuse.inference.fedma import FedMAResult, fedma, restart_states
+from bayesfuse.inference.fedma import FedMAResult, fedma, restart_states, state_bytes
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import rebuild
 from bayesfuse.nets.spec import spec_with_encodings
@@ -48,10 +48,6 @@ def _client_data(train: Dataset, partition) -> list[np.ndarray]:
     if empty:
         raise ValueError(f"clients {empty} hold no examples")
     return parts
-
-
-def _state_bytes(state) -> int:
-    return int(sum(4 * v.numel() for v in state.values() if v.is_floating_point()))
 
 
 @dataclass
@@ -203,7 +199,7 @@ def _restart_clients(
     cut = restart_states(result, spec, len(models), fold_encodings(result.state_dict, spec))
     for (j, local), model in zip(cut, models):
         net = rebuild(model, tensor_state(unfold_encodings(local, spec)))
-        sent += _state_bytes(net.state_dict())
+        sent += state_bytes(net.state_dict())
         train_model(
             net,
             train.x[parts[j]],
@@ -256,8 +252,8 @@ def run_fedavg(
             train_model(net, train.x[idx], train.y[idx], train.n_classes, cfg, verbose=False, name=f"client {j}")
             states.append(net.state_dict())
             bar.update()
-        down += len(parts) * _state_bytes(global_state)
-        up += sum(_state_bytes(s) for s in states)
+        down += len(parts) * state_bytes(global_state)
+        up += sum(state_bytes(s) for s in states)
         global_state = fedavg_state_dicts(states, sizes)
     bar.close()
     model = rebuild(init, global_state).eval()

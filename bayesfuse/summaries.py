@@ -116,6 +116,8 @@ BFLOAT16_VERSION = 5
 #: layer of this width's incoming weights from the usual inputs; wider layers are summarised
 #: without the factors.
 MAX_FACTOR_WIDTH = 2048
+#: How :func:`summarize` keeps the weights' precisions (version 5, version 4).
+PRECISIONS = ("bfloat16", "float32")
 #: The moments kept per hidden unit.
 STATS = ("pre_mean", "pre_var", "act_mean", "act_var")
 
@@ -141,6 +143,13 @@ def bfloat16_rounded(a) -> np.ndarray:
     """``a`` rounded to the nearest bfloat16 (:func:`bfloat16_bits`), as float64 (what a version
     5 summary stores)."""
     return from_bfloat16_bits(bfloat16_bits(a)).astype(np.float64)
+
+
+def check_precisions(precisions: str) -> str:
+    """``precisions`` when it is one of :data:`PRECISIONS`; else one line naming them."""
+    if precisions not in PRECISIONS:
+        raise ValueError(f"precisions must be {' or '.join(map(repr, PRECISIONS))}, got {precisions!r}")
+    return precisions
 
 
 class SummaryError(ValueError):
@@ -421,8 +430,7 @@ def summarize(
         raise ValueError(f"x has {len(x)} examples and y has {len(y)} labels")
     if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
-    if precisions not in ("bfloat16", "float32"):
-        raise ValueError(f"precisions must be 'bfloat16' or 'float32', got {precisions!r}")
+    check_precisions(precisions)
     bnn = isinstance(model, HorseshoeBNN)  # its posterior is its own: moments and counts, no precisions
     if bnn:
         if spec is not None:
@@ -698,14 +706,14 @@ def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
     ``moments/<group>/<stat>`` and ``output/<factor>`` (float32; since version 4 ``output/gram``
     as its upper triangle, row by row; since version 5 ``precision/<entry>`` as bfloat16, the
     ``uint16`` of :func:`bfloat16_bits`), ``class_counts`` (int64)."""
-    arrays = {f"precision/{k}": v for k, v in summary.precision.items()}
+    half = summary.version >= BFLOAT16_VERSION
+    arrays = {} if half else {f"precision/{k}": v for k, v in summary.precision.items()}
     arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
     arrays.update({f"output/{k}": v for k, v in (summary.output_factors or {}).items()})
     if "output/gram" in arrays and summary.version >= PACKED_GRAM_VERSION:
         arrays["output/gram"] = packed_upper(arrays["output/gram"])
-    out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
-    if summary.version >= BFLOAT16_VERSION:
-        out.update({f"precision/{k}": bfloat16_bits(v) for k, v in summary.precision.items()})
+    out = {f"precision/{k}": bfloat16_bits(v) for k, v in summary.precision.items()} if half else {}
+    out.update({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()})
     out["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
     return out
 

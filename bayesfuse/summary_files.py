@@ -19,7 +19,7 @@ import numpy as np
 
 from bayesfuse._io import check_writable, recover
 from bayesfuse.loading import load
-from bayesfuse.summaries import save_summary, summarize, summary_path
+from bayesfuse.summaries import check_precisions, save_summary, summarize, summary_path
 
 __all__ = ["summarize_file", "read_client_data"]
 
@@ -114,8 +114,7 @@ def summarize_file(
         raise FileExistsError(f"{out} exists; replace it with force=True")
     if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
-    if precisions not in ("bfloat16", "float32"):
-        raise ValueError(f"precisions must be 'bfloat16' or 'float32', got {precisions!r}")
+    check_precisions(precisions)
     x, y = read_client_data(data_path)
     model = _client_model(model_path, x.shape[1])
     try:

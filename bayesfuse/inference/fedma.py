@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Sequence
+from typing import Callable, Generator, Mapping, Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import PermutationSpec, permute
 from bayesfuse.inference.walk import Basis, GroupWalk
 
-__all__ = ["ClientUpdate", "FedMAResult", "FedMASteps", "fedma", "fedma_steps", "restart_states"]
+__all__ = ["ClientUpdate", "FedMAResult", "FedMASteps", "fedma", "fedma_steps", "restart_states", "state_bytes"]
 
 
 @dataclass
@@ -325,3 +325,14 @@ def restart_states(
     return [
         (c, permute(state, spec, {g: result.layers[g].assignments[position[g][c]] for g in spec.groups})) for c in alive
     ]
+
+
+def state_bytes(state: Mapping[str, object]) -> int:
+    """Bytes of a network's floating entries sent as float32, as FedMA counts its communication
+    (NumPy arrays or torch tensors)."""
+    total = 0
+    for v in state.values():
+        a = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+        if np.issubdtype(a.dtype, np.floating):
+            total += 4 * int(a.size)
+    return total

@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import Result
 from torch import nn
 
 from bayesfuse import methods
-from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states
+from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states, state_bytes
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
 from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound
@@ -200,14 +200,12 @@ class FedMA(_RefitRound):
             run.stop()
         self._run = None
         self._spec = spec
-        self._pending: tuple[list, set, str] | None = None
+        self._pending: tuple[list, set, str | None] | None = None  # jobs, frozen, group (None: the restart)
         self._matched = 0
         self._pass = 0  # the pass under way (0-based)
-        self._restart = False  # whether the pending round is the restart between two passes
         self._restart_bytes = 0  # the restart rounds' bytes down (their replies are the next pass's uploads)
         self._pass_ends: list[int] = []  # the rounds that ended a pass
         self.fedma_passes: list[FedMAResult] = []
-        self._final_round: int | None = None  # the round FedMA's own rounds ended
         self._forget_refit()
         self._examples: dict[int, float] = {}
         self.fedma_result: FedMAResult | None = None
@@ -215,6 +213,16 @@ class FedMA(_RefitRound):
         self.failed, self.rejected = [], []
         self.dropped: list[int] = []
         self.error: BaseException | None = None
+
+    @property
+    def _restart(self) -> bool:
+        """Whether the pending round is the restart between two passes (its group is None)."""
+        return self._pending is not None and self._pending[2] is None
+
+    @property
+    def _final_round(self) -> int | None:
+        """The round FedMA's own rounds ended (its last pass's), None before."""
+        return self._pass_ends[-1] if self.fedma_result is not None else None
 
     def num_rounds(self, arrays: ArrayRecord) -> int:
         """The rounds FedMA takes for the network ``arrays``: per pass one local (or restart)
@@ -441,20 +449,14 @@ class FedMA(_RefitRound):
         output = _output_layer(good[0].state)  # the refit round's prior precision and heads
         self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
         self._class_counts = {r.node: r.class_counts for r in good}
-        counts = (
-            np.stack(cast(list[np.ndarray], [r.class_counts for r in good]))
-            if all(r.class_counts is not None for r in good)
-            else None
-        )
-        states, settings, seed = [r.state for r in good], dict(self.settings), self.seed
-        self._run = _PausedRun(fedma_steps(states, spec, class_counts=counts, seed=seed, **settings))
+        step = self._start_pass([r.state for r in good])
         metrics = {
             "num-examples": float(sum(self._examples.values())),
             "local-replies": len(good),
             "failed-replies": len(self.failed),
             "rejected-replies": len(self.rejected),
         }
-        return self._advance(1, self._run.begin(), metrics)
+        return self._advance(1, step, metrics)
 
     def _aggregate_retrained(
         self, server_round: int, replies: list[Message]
@@ -497,11 +499,11 @@ class FedMA(_RefitRound):
             "fedma-pass": self._pass + 1,
         }
         if self._restart:
-            self._restart_bytes += sum(_nbytes(state) for _, state in jobs)
+            self._restart_bytes += sum(state_bytes(state) for _, state in jobs)
         if all(u is None for u in updated):
             if self._run is not None:
                 self._run.stop()
-            self._run, self._pending, self._restart = None, None, False
+            self._run, self._pending = None, None
             self.error = RuntimeError(f"every node was lost in round {server_round}")
             log(
                 ERROR,
@@ -521,22 +523,20 @@ class FedMA(_RefitRound):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Start the next pass on the restart round's networks (``(j, state)``, j indexing the
         nodes of the pass before)."""
-        assert self._spec is not None  # set in round 1
-        self._restart, self._matched = False, 0
+        self._matched = 0
         self.nodes = [self.nodes[j] for j, _ in replies]
+        return self._advance(server_round, self._start_pass([state for _, state in replies]), metrics)
+
+    def _start_pass(self, states: list[dict]) -> tuple[str, object]:
+        """Start a new pass of FedMA (:func:`~bayesfuse.inference.fedma.fedma_steps`, seed ``seed +
+        pass``) over ``states``, the networks of ``nodes`` in order, weighted by their class
+        counts where every node reported them; its first step (:meth:`_PausedRun.begin`)."""
+        assert self._spec is not None  # set in round 1
         counts = [self._class_counts.get(n) for n in self.nodes]
         stacked = None if any(c is None for c in counts) else np.stack(cast(list[np.ndarray], counts))
-        self._run = _PausedRun(
-            fedma_steps(
-                [state for _, state in replies],
-                self._spec,
-                class_counts=stacked,
-                seed=self.seed + self._pass,
-                **self.settings,
-            )
-        )
-        metrics["fedma-pass"] = self._pass + 1
-        return self._advance(server_round, self._run.begin(), metrics)
+        steps = fedma_steps(states, self._spec, class_counts=stacked, seed=self.seed + self._pass, **self.settings)
+        self._run = _PausedRun(steps)
+        return self._run.begin()
 
     def _advance(
         self, server_round: int, step: tuple[str, object], metrics: dict
@@ -565,8 +565,7 @@ class FedMA(_RefitRound):
         if self._pass + 1 < self.passes:  # FedMA with communication: the next pass starts from the global network
             assert self._spec is not None
             self._pass += 1
-            self._restart = True
-            self._pending = (restart_states(result, self._spec, len(self.nodes)), set(), "restart")
+            self._pending = (restart_states(result, self._spec, len(self.nodes)), set(), None)  # the restart
             log(
                 INFO,
                 "\t└──> FedMA pass %d finished: global sizes %s; pass %d starts from the global network",
@@ -577,7 +576,6 @@ class FedMA(_RefitRound):
             metrics["global-sizes"] = [int(s) for s in result.sizes.values()]
             return state_to_record(result.state_dict), MetricRecord(metrics)
         self.fedma_result = result
-        self._final_round = server_round
         log(INFO, "\t└──> FedMA finished: global sizes %s, %d nodes dropped", result.sizes, len(self.dropped))
         metrics.update(
             {
@@ -638,11 +636,6 @@ class FedMA(_RefitRound):
         if self.fedma_result is None or server_round != last:
             return []
         return super().configure_evaluate(server_round, arrays, config, grid)
-
-
-def _nbytes(state: dict) -> int:
-    """Bytes of a network's floating entries as float32 (as FedMA counts them)."""
-    return sum(4 * int(np.size(v)) for v in state.values() if np.issubdtype(np.asarray(v).dtype, np.floating))
 
 
 def _mismatch(sent: dict, state: dict, node: int) -> str | None:
