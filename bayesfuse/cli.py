@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument(
         "--float32",
         action="store_true",
-        help="keep the weights' precisions in float32 (a version 4 summary: twice their bytes) instead of bfloat16",
+        help="keep the weights' precisions and the output Gram in float32 (a version 4 summary: twice their bytes), "
+        "not bfloat16",
     )
     sm.add_argument("--force", action="store_true", help="replace an existing summary file")
     return parser

@@ -55,7 +55,14 @@ as bfloat16 (8 significant bits, a relative rounding error of at most 2^-8, stor
 significant digit does not show, and the summary is then about 0.6x the weights of a 784-100-10
 network instead of 1.08x. A :class:`ClientSummary` of version 5 rounds the precisions it is
 given, so that a summary in memory is the summary its file and its Flower record hold;
-``summarize(..., precisions="float32")`` makes a version 4 one. Versions 1-4 are read too.
+``summarize(..., precisions="float32")`` makes a version 4 one. Version 6 holds the output
+Gram as its triangular factor ``R`` (``gram = R^T R``, :func:`gram_factor`), rounded to bfloat16,
+``output/gram_factor``, its upper triangle row by row, and the output eigenvalues as bfloat16:
+a Gram rounded entry by entry is no longer positive semi-definite, while ``R^T R`` is for any
+``R``; the Gram is then half its float32 bytes, and the summary of a network whose last hidden
+layer is wider than its input (digits' 64-100-10) no longer outgrows the network. The client
+takes the EKFAC eigenbasis of the rounded Gram (:func:`output_factors`), the one the server
+computes. See docs/decisions.md#summary-bfloat16. Versions 1-5 are read too.
 """
 
 from __future__ import annotations
@@ -102,15 +109,19 @@ __all__ = [
 ]
 
 SUMMARY_FORMAT = "bayesfuse-client-summary"
-SUMMARY_VERSION = 5
+SUMMARY_VERSION = 6
 #: The summary versions this code reads (1: without ``output_factors``; 2: without their
-#: ``eigenvalues``; 3: the Gram whole, not its upper triangle; 4: the precisions as float32).
-READ_VERSIONS = (1, 2, 3, 4, 5)
+#: ``eigenvalues``; 3: the Gram whole, not its upper triangle; 4: the precisions as float32;
+#: 5: the output Gram and eigenvalues as float32).
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: The first version that stores the output Gram as its upper triangle.
 PACKED_GRAM_VERSION = 4
 #: The first version that stores the precisions as bfloat16 (:func:`bfloat16_bits`);
 #: see docs/decisions.md#summary-bfloat16
 BFLOAT16_VERSION = 5
+#: The first version that stores the output Gram as its bfloat16 triangular factor
+#: (:func:`rounded_gram`) and the output eigenvalues as bfloat16.
+FACTOR_GRAM_VERSION = 6
 #: The widest output-layer input (bias included) whose Kronecker factors a summary holds: the
 #: Gram is ``(G+1)(G+2)/2`` numbers stored (its upper triangle), about half the size of a hidden
 #: layer of this width's incoming weights from the usual inputs; wider layers are summarised
@@ -143,6 +154,34 @@ def bfloat16_rounded(a) -> np.ndarray:
     """``a`` rounded to the nearest bfloat16 (:func:`bfloat16_bits`), as float64 (what a version
     5 summary stores)."""
     return from_bfloat16_bits(bfloat16_bits(a)).astype(np.float64)
+
+
+def gram_factor(gram) -> np.ndarray:
+    """The upper triangular ``R`` with ``R^T R = gram`` and ``diag(R) >= 0``, for a symmetric
+    positive semi-definite ``gram`` (its Cholesky factor where it is definite); a ``gram`` with an
+    eigenvalue under ``-1e-8`` times its largest (more than round-off) is refused (``ValueError``).
+
+    From ``gram = V diag(w) V^T`` (negative round-off eigenvalues taken as 0),
+    ``F = V diag(sqrt(w))`` and ``F^T = Q R``: ``F F^T = R^T Q^T Q R = R^T R``, which needs no
+    definiteness (a client with fewer examples than features has a singular Gram). The rows and
+    columns of ``gram`` that are exactly 0 (a unit that never fired) are exactly 0 in ``R``.
+    """
+    gram = np.asarray(gram, dtype=np.float64)
+    w, V = np.linalg.eigh((gram + gram.T) / 2)
+    if len(w) and w[0] < -1e-8 * max(abs(w[-1]), 1e-300):
+        raise ValueError(f"the Gram is not positive semi-definite (eigenvalue {w[0]:.3g}, largest {w[-1]:.3g})")
+    R: np.ndarray = np.asarray(np.linalg.qr((V * np.sqrt(np.clip(w, 0.0, None))).T, mode="r"))
+    R = np.triu(R * np.where(np.diag(R) < 0, -1.0, 1.0)[:, None])
+    R[:, np.diag(gram) == 0] = 0.0
+    return R
+
+
+def rounded_gram(gram) -> tuple[np.ndarray, np.ndarray]:
+    """``(R, R^T R)``: the triangular factor of ``gram`` (:func:`gram_factor`) rounded to
+    bfloat16 (:func:`bfloat16_rounded`), and the positive semi-definite Gram it gives (what a
+    version 6 summary holds); a relative error of about 2^-8 of the Gram's scale."""
+    R = bfloat16_rounded(gram_factor(gram))
+    return R, R.T @ R
 
 
 def check_precisions(precisions: str) -> str:
@@ -203,6 +242,9 @@ class ClientSummary:
         positions, or more than :data:`MAX_FACTOR_WIDTH` features) and in version 1 summaries.
     seconds : float
         Time it took to compute (not saved).
+    gram_factor : ndarray, optional
+        Version 6: the bfloat16 triangular factor ``R`` of the output Gram, ``gram = R^T R``
+        (:func:`rounded_gram`), as the file holds it; computed from ``gram`` when not given.
     """
 
     precision: dict
@@ -214,26 +256,58 @@ class ClientSummary:
     version: int = SUMMARY_VERSION
     output_factors: dict | None = None
     seconds: float = field(default=0.0, compare=False)
+    gram_factor: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # a version 5 summary holds bfloat16 precisions, in memory as in its file (idempotent)
         if self.version >= BFLOAT16_VERSION:
             self.precision = {k: bfloat16_rounded(v) for k, v in self.precision.items()}
+        factors = self.output_factors
+        if self.version < FACTOR_GRAM_VERSION or not factors or "gram" not in factors:
+            self.gram_factor = None
+            return
+        # version 6: the Gram its rounded factor gives, the eigenvalues bfloat16 (idempotent);
+        # left as they are where they are no finite square matrix, for check_summary to refuse
+        gram = np.asarray(factors["gram"], dtype=np.float64)
+        if not _is_symmetric(gram):
+            self.gram_factor = None
+            return
+        R = self.gram_factor
+        if R is None or np.shape(R) != gram.shape or not np.array_equal(np.asarray(R).T @ R, gram):
+            try:
+                R, gram = rounded_gram(gram)
+            except ValueError:  # not positive semi-definite: the heads refuse it
+                self.gram_factor = None
+                return
+        self.gram_factor = np.asarray(R, dtype=np.float64)
+        self.output_factors = {**factors, "gram": gram}
+        if "eigenvalues" in factors:
+            self.output_factors["eigenvalues"] = bfloat16_rounded(factors["eigenvalues"])
 
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays as the file and the Flower record hold them (:func:`summary_arrays`:
         float32, the output Gram as its upper triangle since version 4, the precisions as
-        bfloat16 since version 5, int64 class counts)."""
+        bfloat16 since version 5, the Gram's triangular factor and the output eigenvalues as
+        bfloat16 since version 6, int64 class counts)."""
         precisions = sum(np.size(v) for v in self.precision.values())
         half = self.version >= BFLOAT16_VERSION
         floats = 0 if half else precisions
         floats += sum(np.size(v) for stats in self.moments.values() for v in stats.values())
-        floats += sum(np.size(v) for v in (self.output_factors or {}).values())
-        if self.output_factors and "gram" in self.output_factors and self.version >= PACKED_GRAM_VERSION:
-            g = len(self.output_factors["gram"])
-            floats -= g * (g - 1) // 2  # the strict lower triangle is not stored
-        return 4 * floats + (2 * precisions if half else 0) + 8 * np.size(self.class_counts)
+        factors = self.output_factors or {}
+        halves = precisions if half else 0
+        if self.version >= FACTOR_GRAM_VERSION:  # the Gram's factor and the eigenvalues as bfloat16 too
+            halves += sum(np.size(factors[k]) for k in ("gram", "eigenvalues") if k in factors)
+            floats += sum(np.size(v) for k, v in factors.items() if k not in ("gram", "eigenvalues"))
+        else:
+            floats += sum(np.size(v) for v in factors.values())
+        if "gram" in factors and self.version >= PACKED_GRAM_VERSION:
+            g = len(factors["gram"])
+            lower = g * (g - 1) // 2  # the strict lower triangle is not stored
+            halves, floats = (
+                (halves - lower, floats) if self.version >= FACTOR_GRAM_VERSION else (halves, floats - lower)
+            )
+        return 4 * floats + 2 * halves + 8 * np.size(self.class_counts)
 
     def output_precision(self, spec: PermutationSpec) -> np.ndarray | None:
         """The GGN of the output biases, ``sum_n p_nk (1 - p_nk)`` per class; None without an output bias."""
@@ -317,7 +391,7 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
 
 
 def output_factors(
-    model: nn.Module, x, spec: PermutationSpec, *, batch_size: int = 1024
+    model: nn.Module, x, spec: PermutationSpec, *, batch_size: int = 1024, rounded: bool = False
 ) -> dict[str, np.ndarray] | None:
     """The Kronecker factors of the GGN of ``model``'s output layer over ``x``, and its
     eigenvalues in their eigenbasis (two passes).
@@ -331,6 +405,10 @@ def output_factors(
     of the exact GGN in the basis ``u_i (x) v_k`` (EKFAC, George et al. 2018, eq. 9), where
     K-FAC has ``N alpha_i sigma_k``: the same basis, and the exact trace. Its rows follow the
     eigenvalues of ``gram`` in ascending order, as ``numpy.linalg.eigh`` returns them.
+    With ``rounded`` (a version 6 summary) ``gram`` is the Gram its bfloat16 factor gives
+    (:func:`rounded_gram`), and the eigenvalues are in that Gram's eigenbasis, the one the
+    server computes from it (EKFAC's diagonal is exact in any basis's trace, so the pairing,
+    not the basis, is what must hold).
     None when the output layer is not an ``nn.Linear`` reading one hidden group unit by unit, or
     reads more than :data:`MAX_FACTOR_WIDTH` features.
     """
@@ -367,6 +445,8 @@ def output_factors(
                 gram += a.T @ a
                 curvature += torch.diag(p.sum(0)) - p.T @ p
             gram, curvature = gram / len(x), curvature / len(x)
+            if rounded:
+                gram = torch.as_tensor(rounded_gram(gram.numpy())[1])
             U = torch.as_tensor(np.linalg.eigh(((gram + gram.T) / 2).numpy())[1])
             V = torch.as_tensor(np.linalg.eigh(((curvature + curvature.T) / 2).numpy())[1])
             for a, p in batches():
@@ -410,9 +490,10 @@ def summarize(
     n_classes : int, optional
         Length of ``class_counts``; the model's number of outputs by default.
     precisions : {"bfloat16", "float32"}
-        How the weights' precisions are kept: rounded to bfloat16 (the default, a version 5
-        summary, half their bytes), or as float32 (a version 4 summary, read by older bayesfuse
-        too).
+        How the weights' precisions, the output Gram and its eigenvalues are kept: rounded to
+        bfloat16 (the default, a version 6 summary, half their bytes; the Gram through its
+        triangular factor, :func:`rounded_gram`), or as float32 (a version 4 summary, read by
+        older bayesfuse too).
 
     Returns
     -------
@@ -457,7 +538,9 @@ def summarize(
         if precisions == "float32":  # what a version 4 file holds
             precision = {k: np.asarray(v, dtype=np.float32).astype(np.float64) for k, v in precision.items()}
         moments = unit_moments(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
-        factors = output_factors(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
+        factors = output_factors(
+            model, x, cast(PermutationSpec, spec), batch_size=batch_size, rounded=precisions == "bfloat16"
+        )
     counts = np.bincount(y.astype(np.int64), minlength=n_classes)
     return ClientSummary(
         precision=precision,
@@ -657,7 +740,7 @@ def _check_factors(factors: Mapping[str, object], n_classes: int, state: Mapping
     for what, a in (("gram", gram), ("curvature", curvature)):
         if a.ndim != 2 or a.shape[0] != a.shape[1] or not np.isfinite(a).all():
             raise SummaryError(f"{name}: the output {what} must be a finite square matrix, got shape {a.shape}")
-        if not np.allclose(a, a.T, rtol=1e-5, atol=1e-6 * max(np.abs(a).max(), 1e-30)):
+        if not _is_symmetric(a):
             raise SummaryError(f"{name}: the output {what} is not symmetric")
     if curvature.shape[0] != n_classes:
         raise SummaryError(f"{name}: the output curvature is {curvature.shape}, for {n_classes} classes")
@@ -673,6 +756,13 @@ def _check_factors(factors: Mapping[str, object], n_classes: int, state: Mapping
             )
         if not np.isfinite(eigenvalues).all() or (eigenvalues < 0).any():
             raise SummaryError(f"{name}: the output eigenvalues must be finite and >= 0")
+
+
+def _is_symmetric(a: np.ndarray) -> bool:
+    """Whether ``a`` is a finite square matrix equal to its transpose up to float32 round-off."""
+    if a.ndim != 2 or a.shape[0] != a.shape[1] or not np.isfinite(a).all():
+        return False
+    return bool(np.allclose(a, a.T, rtol=1e-5, atol=1e-6 * max(np.abs(a).max(initial=0.0), 1e-30)))
 
 
 def _check_bnn_moments(summary: ClientSummary, state: Mapping[str, object], name: str) -> None:
@@ -705,14 +795,21 @@ def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
     """The summary's arrays under the names its file and its Flower record use: ``precision/<entry>``
     ``moments/<group>/<stat>`` and ``output/<factor>`` (float32; since version 4 ``output/gram``
     as its upper triangle, row by row; since version 5 ``precision/<entry>`` as bfloat16, the
-    ``uint16`` of :func:`bfloat16_bits`), ``class_counts`` (int64)."""
+    ``uint16`` of :func:`bfloat16_bits`; since version 6, in place of ``output/gram``,
+    ``output/gram_factor``, the upper triangle of its bfloat16 factor (:func:`rounded_gram`), and
+    ``output/eigenvalues`` as bfloat16), ``class_counts`` (int64)."""
     half = summary.version >= BFLOAT16_VERSION
     arrays = {} if half else {f"precision/{k}": v for k, v in summary.precision.items()}
     arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
     arrays.update({f"output/{k}": v for k, v in (summary.output_factors or {}).items()})
-    if "output/gram" in arrays and summary.version >= PACKED_GRAM_VERSION:
-        arrays["output/gram"] = packed_upper(arrays["output/gram"])
     out = {f"precision/{k}": bfloat16_bits(v) for k, v in summary.precision.items()} if half else {}
+    if summary.gram_factor is not None:  # version 6 (set by ClientSummary with the output Gram)
+        del arrays["output/gram"]
+        out["output/gram_factor"] = bfloat16_bits(packed_upper(summary.gram_factor))
+        if "output/eigenvalues" in arrays:
+            out["output/eigenvalues"] = bfloat16_bits(arrays.pop("output/eigenvalues"))
+    elif "output/gram" in arrays and summary.version >= PACKED_GRAM_VERSION:
+        arrays["output/gram"] = packed_upper(arrays["output/gram"])
     out.update({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()})
     out["class_counts"] = np.ascontiguousarray(summary.class_counts, dtype=np.int64)
     return out
@@ -749,11 +846,22 @@ def summary_from_arrays(
         elif k.startswith("moments/"):
             g, _, s = k[len("moments/") :].rpartition("/")
             moments.setdefault(g, {})[s] = np.asarray(v, dtype=np.float64)
+        elif k.startswith("output/") and version >= FACTOR_GRAM_VERSION and k in _HALF_FACTORS:
+            factors[k[len("output/") :]] = _from_half(v, k, name)
         elif k.startswith("output/"):
             factors[k[len("output/") :]] = np.asarray(v, dtype=np.float64)
     if "class_counts" not in arrays:
         raise SummaryError(f"{name}: the summary has no class_counts")
-    if "gram" in factors and version >= PACKED_GRAM_VERSION:
+    factor = None
+    if version >= FACTOR_GRAM_VERSION and factors:
+        if "gram" in factors or "gram_factor" not in factors:
+            raise SummaryError(
+                f"{name}: a version {FACTOR_GRAM_VERSION}+ summary holds its output Gram as output/gram_factor, "
+                f"got output/{', output/'.join(sorted(factors))}"
+            )
+        factor = np.triu(_unpacked(factors.pop("gram_factor"), name, "gram_factor"))
+        factors["gram"] = factor.T @ factor
+    elif "gram" in factors and version >= PACKED_GRAM_VERSION:
         factors["gram"] = _unpacked(factors["gram"], name)
     return ClientSummary(
         precision=precision,
@@ -764,18 +872,34 @@ def summary_from_arrays(
         fingerprint=fingerprint,
         version=version,
         output_factors=factors or None,
+        gram_factor=factor,
     )
 
 
-def _unpacked(upper: np.ndarray, name: str) -> np.ndarray:
+#: The output factors a version 6 summary holds as bfloat16 bits.
+_HALF_FACTORS = ("output/gram_factor", "output/eigenvalues")
+
+
+def _from_half(bits, key: str, name: str) -> np.ndarray:
+    """The float64 values of the bfloat16 ``bits`` of entry ``key``; one line naming ``name``
+    when they are not ``uint16``."""
+    if np.asarray(bits).dtype != np.uint16:
+        raise SummaryError(
+            f"{name}: {key} of a version {FACTOR_GRAM_VERSION}+ summary must be bfloat16 bits (uint16), "
+            f"got {np.asarray(bits).dtype}"
+        )
+    return from_bfloat16_bits(bits).astype(np.float64)
+
+
+def _unpacked(upper: np.ndarray, name: str, what: str = "gram") -> np.ndarray:
     """The symmetric matrix whose upper triangle, row by row, is ``upper``; one line naming
     ``name`` when ``upper`` is no upper triangle."""
     m = len(upper) if upper.ndim == 1 else 0
     g = int(round((np.sqrt(8 * m + 1) - 1) / 2))
     if upper.ndim != 1 or g * (g + 1) // 2 != m or m == 0:
         raise SummaryError(
-            f"{name}: the output gram of a version {PACKED_GRAM_VERSION}+ summary is the upper triangle of a "
-            f"symmetric matrix, a vector of g (g + 1) / 2 numbers; got shape {upper.shape}"
+            f"{name}: the output {what} of a version {PACKED_GRAM_VERSION}+ summary is the upper triangle of a "
+            f"matrix, a vector of g (g + 1) / 2 numbers; got shape {upper.shape}"
         )
     return unpacked_upper(upper, g)
 

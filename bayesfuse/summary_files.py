@@ -90,8 +90,8 @@ def summarize_file(
     force : bool
         Replace an existing summary file.
     precisions : {"bfloat16", "float32"}
-        The weights' precisions in bfloat16 (a version 5 summary) or float32 (version 4)
-        (:func:`bayesfuse.summarize`).
+        The weights' precisions, the output Gram and its eigenvalues in bfloat16 (a version 6
+        summary) or float32 (version 4) (:func:`bayesfuse.summarize`).
 
     Returns
     -------

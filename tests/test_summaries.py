@@ -20,10 +20,13 @@ from bayesfuse.summaries import (
     bfloat16_rounded,
     check_summary,
     from_bfloat16_bits,
+    gram_factor,
     load_summary,
+    rounded_gram,
     save_summary,
     summarize,
     summary_arrays,
+    summary_from_arrays,
     summary_path,
     temperature_nll,
 )
@@ -73,7 +76,7 @@ def test_float32_precisions_are_the_ggn_in_a_version_4_summary(client):
     model, x, y = client
     s = summarize(model, x, y, precisions="float32")
     g = diag_ggn(model, x)
-    assert s.version == 4 and s.nbytes == summarize(model, x, y).nbytes + 2 * sum(p.size for p in g.values())
+    assert s.version == 4 and s.nbytes == dataclasses.replace(s, version=5).nbytes + 2 * sum(p.size for p in g.values())
     for k in g:
         np.testing.assert_array_equal(s.precision[k], g[k].astype(np.float32))
     with pytest.raises(ValueError, match="precisions must be 'bfloat16' or 'float32', got 'float16'"):
@@ -137,18 +140,21 @@ def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
     weights = sum(p.numel() for p in model.parameters())
     # the output layer's Gram (4 features and the bias) as its upper triangle, curvature and GGN
     # eigenvalues (5 x 3)
-    factors = (4 + 1) * (4 + 2) // 2 + 3**2 + (4 + 1) * 3
-    # the precisions as bfloat16 (version 5)
-    assert s.nbytes == 2 * weights + 4 * 4 * (5 + 4) + 4 * factors + 8 * 3
-    assert dataclasses.replace(s, version=4).nbytes == s.nbytes + 2 * weights
-    for version in (3, 4, 5):  # what the file and the Flower record hold
+    gram, curvature, eigenvalues = (4 + 1) * (4 + 2) // 2, 3**2, (4 + 1) * 3
+    # the precisions, the Gram's triangular factor and the eigenvalues as bfloat16 (version 6)
+    assert s.version == 6
+    assert s.nbytes == 2 * weights + 4 * 4 * (5 + 4) + 2 * (gram + eigenvalues) + 4 * curvature + 8 * 3
+    five = dataclasses.replace(s, version=5)  # version 5: the Gram and eigenvalues as float32
+    assert five.nbytes == s.nbytes + 2 * (gram + eigenvalues)
+    assert dataclasses.replace(s, version=4).nbytes == five.nbytes + 2 * weights
+    for version in (3, 4, 5, 6):  # what the file and the Flower record hold
         v = dataclasses.replace(s, version=version)
         assert v.nbytes == sum(a.nbytes for a in summary_arrays(v).values())
 
 
 def test_output_factors_are_the_kfac_factors_and_exact_for_one_example(client):
     model, x, y = client
-    s = summarize(model, x, y, batch_size=7)
+    s = summarize(model, x, y, batch_size=7, precisions="float32")  # unrounded (version 4)
     with torch.no_grad():
         a = torch.relu(model.layers[1](torch.relu(model.layers[0](torch.as_tensor(x))))).double()
         p = torch.softmax(model(torch.as_tensor(x)).double(), -1).numpy()
@@ -157,18 +163,18 @@ def test_output_factors_are_the_kfac_factors_and_exact_for_one_example(client):
     curvature = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
     np.testing.assert_allclose(s.output_factors["curvature"], curvature, rtol=1e-6, atol=1e-9)
     # one example: n A (x) S is the output layer's GGN itself, so its diagonal is the summary's
-    # precision (to bfloat16's relative 2^-8)
-    one = summarize(model, x[:1], y[:1])
+    # precision (float32's)
+    one = summarize(model, x[:1], y[:1], precisions="float32")
     kfac = np.kron(one.output_factors["gram"], one.output_factors["curvature"]).diagonal().reshape(5, 3)
-    np.testing.assert_allclose(kfac[:-1].T, one.precision["layers.2.weight"], rtol=2**-8 + 1e-5, atol=1e-12)
-    np.testing.assert_allclose(kfac[-1], one.precision["layers.2.bias"], rtol=2**-8 + 1e-5, atol=1e-12)
+    np.testing.assert_allclose(kfac[:-1].T, one.precision["layers.2.weight"], rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(kfac[-1], one.precision["layers.2.bias"], rtol=1e-5, atol=1e-12)
 
 
 def test_output_eigenvalues_are_the_exact_ggn_in_the_kronecker_eigenbasis(client):
     # the GGN of the output layer's [W | b] written out from torch.func's Jacobian of the logits,
     # sum_n J_n^T (diag p_n - p_n p_n^T) J_n, read in the basis v_k u_i^T of the summary's factors
     model, x, y = client
-    s = summarize(model, x, y, batch_size=7)
+    s = summarize(model, x, y, batch_size=7, precisions="float32")  # unrounded (version 4)
     with torch.no_grad():
         features = torch.relu(model.layers[1](torch.relu(model.layers[0](torch.as_tensor(x))))).double()
     out = model.layers[2]
@@ -242,15 +248,34 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
     kfac = {k: v for k, v in s.output_factors.items() if k != "eigenvalues"}
     save_summary(dataclasses.replace(s, version=2, output_factors=kfac), two)
     assert load_summary(two).version == 2 and set(load_summary(two).output_factors) == {"gram", "curvature"}
-    # version 4 holds the Gram's upper triangle, version 3 the whole: both read back to the same matrix
+    # version 6 holds the upper triangle of the Gram's bfloat16 factor and the eigenvalues as
+    # bfloat16: read back exactly, the factor too (saved again, the same arrays)
     from safetensors.numpy import load_file
 
     g = len(s.output_factors["gram"])
-    assert s.version == 5 and load_file(str(path))["output/gram"].shape == (g * (g + 1) // 2,)
+    stored = load_file(str(path))
+    assert s.version == 6 and "output/gram" not in stored
+    assert stored["output/gram_factor"].dtype == stored["output/eigenvalues"].dtype == np.uint16
+    assert stored["output/gram_factor"].shape == (g * (g + 1) // 2,)
+    for k in ("gram", "eigenvalues"):
+        np.testing.assert_array_equal(back.output_factors[k], s.output_factors[k])
+    np.testing.assert_array_equal(back.gram_factor, s.gram_factor)
+    again = summary_path(tmp_path / "again.pt")
+    save_summary(back, again)
+    stored_again = load_file(str(again))
+    assert stored_again.keys() == stored.keys()
+    for k in stored:
+        np.testing.assert_array_equal(stored_again[k], stored[k])
+    # version 5 holds the Gram's upper triangle as float32, version 3 the whole: both read back to the same matrix
+    five = summary_path(tmp_path / "five.pt")
+    save_summary(dataclasses.replace(s, version=5), five)
+    assert load_file(str(five))["output/gram"].shape == (g * (g + 1) // 2,)
+    assert load_file(str(five))["output/gram"].dtype == np.float32
     three = summary_path(tmp_path / "three.pt")
     save_summary(dataclasses.replace(s, version=3), three)
     assert load_file(str(three))["output/gram"].shape == (g, g)
-    np.testing.assert_array_equal(load_summary(three).output_factors["gram"], back.output_factors["gram"])
+    np.testing.assert_array_equal(load_summary(three).output_factors["gram"], load_summary(five).output_factors["gram"])
+    np.testing.assert_allclose(load_summary(five).output_factors["gram"], s.output_factors["gram"], rtol=1e-6)
     four = dataclasses.replace(s, version=4)
     assert (
         load_summary(three).version == 3
@@ -273,7 +298,7 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
     # and a version 4 file whose precisions are bfloat16 bits is refused, not read as integers
     narrow = summary_path(tmp_path / "narrow.pt")
     save_summary(s, narrow)
-    narrow.write_bytes(narrow.read_bytes().replace(b'"version":"5"', b'"version":"4"'))
+    narrow.write_bytes(narrow.read_bytes().replace(b'"version":"6"', b'"version":"4"'))
     with pytest.raises(
         SummaryError,
         match=r"narrow.summary.safetensors: precision/.* version 4 summary must be floating point, got uint16",
@@ -285,9 +310,70 @@ def test_file_round_trip_and_no_silent_overwrite(client, tmp_path):
     odd.write_bytes(odd.read_bytes().replace(b'"version":"3"', b'"version":"4"'))
     with pytest.raises(SummaryError, match=r"odd.summary.safetensors: the output gram .* got shape \(5, 5\)"):
         load_summary(odd)
+    # a version 6 file whose output factors are float32 is refused, naming the file and the entry
+    relabelled = summary_path(tmp_path / "relabelled.pt")
+    relabelled.write_bytes(five.read_bytes().replace(b'"version":"5"', b'"version":"6"'))
+    with pytest.raises(SummaryError, match=r"relabelled.summary.safetensors: output/eigenvalues .* got float32"):
+        load_summary(relabelled)
+    arrays = summary_arrays(s)
+    arrays["output/gram"] = arrays.pop("output/gram_factor")
+    with pytest.raises(SummaryError, match="alice: a version 6\\+ summary holds its output Gram as output/gram_factor"):
+        summary_from_arrays(arrays, "alice", version=6, n_examples=s.n_examples, prior_precision=1.0, fingerprint="")
     with pytest.raises(FileExistsError):
         save_summary(s, path)
     save_summary(s, path, overwrite=True)
+
+
+def test_gram_factor_is_a_triangular_square_root_also_when_singular():
+    rng = np.random.default_rng(0)
+    for n in (50, 3):  # a definite Gram, and one of fewer examples than features (rank 3 of 6)
+        a = np.hstack([rng.normal(size=(n, 5)), np.ones((n, 1))])
+        a[:, 2] = 0.0  # a unit that never fired
+        gram = a.T @ a / n
+        R = gram_factor(gram)
+        assert np.array_equal(R, np.triu(R)) and (np.diag(R) >= 0).all()
+        np.testing.assert_allclose(R.T @ R, gram, rtol=0, atol=1e-12 * np.abs(gram).max())
+        assert not R[:, 2].any() and not (R.T @ R)[2].any()  # the dead unit's row and column stay exactly 0
+    # where the Gram is definite, its factor is its Cholesky factor (unique with a positive diagonal)
+    a = np.hstack([rng.normal(size=(50, 5)), np.ones((50, 1))])
+    np.testing.assert_allclose(gram_factor(a.T @ a), np.linalg.cholesky(a.T @ a).T, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="not positive semi-definite"):
+        gram_factor(np.diag([1.0, -1.0]))
+
+
+def test_the_rounded_gram_stays_positive_semi_definite_within_the_rounding_bound():
+    # 20 examples of 60 ReLU features: a singular Gram, which rounding entry by entry makes indefinite
+    rng = np.random.default_rng(1)
+    a = np.hstack([np.maximum(rng.normal(size=(20, 60)), 0), np.ones((20, 1))])
+    gram = a.T @ a / 20
+    assert np.linalg.eigvalsh(bfloat16_rounded(gram))[0] < -1e-3
+    R, rounded = rounded_gram(gram)
+    np.testing.assert_array_equal(R, bfloat16_rounded(R))
+    np.testing.assert_array_equal(rounded, R.T @ R)
+    assert np.linalg.eigvalsh(rounded)[0] >= -1e-12 * np.abs(gram).max()
+    # bfloat16 rounds each R_ki with a relative error of at most u = 2^-8, so entry ij of the Gram
+    # moves by at most (2u + u^2) sum_k |R_ki| |R_kj| <= (2u + u^2) sqrt(gram_ii gram_jj) (Cauchy-Schwarz)
+    u, d = 2.0**-8, np.sqrt(np.diag(gram))
+    assert (np.abs(rounded - gram) <= (2 * u + u * u) * np.outer(d, d) + 1e-12).all()
+
+
+def test_version_6_eigenvalues_are_the_ggn_in_the_rounded_grams_eigenbasis(client):
+    # the server takes the eigenvectors of the Gram it reads, the rounded one: the client's
+    # eigenvalues must be measured in that basis, sum_n (u_i^T a~_n)^2 v_k^T (diag p_n - p_n p_n^T) v_k
+    model, x, y = client
+    s = summarize(model, x, y)
+    with torch.no_grad():
+        a = torch.relu(model.layers[1](torch.relu(model.layers[0](torch.as_tensor(x))))).double().numpy()
+        p = torch.softmax(model(torch.as_tensor(x)).double(), -1).numpy()
+    a = np.hstack([a, np.ones((len(x), 1))])
+    _, U = np.linalg.eigh(s.output_factors["gram"])
+    _, V = np.linalg.eigh(s.output_factors["curvature"])
+    spread = p @ V**2 - (p @ V) ** 2
+    expected = ((a @ U) ** 2).T @ spread
+    # bfloat16's relative 2^-8, and the float32 network's round-off
+    np.testing.assert_allclose(s.output_factors["eigenvalues"], expected, rtol=2**-8 + 1e-6, atol=1e-12)
+    exact = summarize(model, x, y, precisions="float32").output_factors["eigenvalues"]
+    assert s.output_factors["eigenvalues"].sum() == pytest.approx(exact.sum(), rel=2**-8)  # the GGN's trace
 
 
 def test_unknown_files_are_refused(tmp_path):

@@ -77,7 +77,7 @@ def test_summarize_writes_the_summary_beside_the_model_and_says_its_size(clients
     assert set(summary.precision) == set(load_state_dict(models[0]))
     # as bayesfuse.summarize computes it on the loaded network (bfloat16 on disk, version 5)
     direct = bayesfuse.summarize(bayesfuse.load(models[0]), np.load(data[0])["x"], y)
-    assert summary.version == direct.version == 5
+    assert summary.version == direct.version == SUMMARY_VERSION
     for k, v in direct.precision.items():
         np.testing.assert_array_equal(summary.precision[k], v)
     # --float32: a version 4 file, the precisions as float32, each within bfloat16's 2^-8 of the above

@@ -334,8 +334,10 @@ def trace_ratios(summaries, weight_key: str, bias_key: str) -> np.ndarray:
     """(J,) ``c_j`` of the module docstring: the exact GGN's trace over the Kronecker factors'.
 
     The numerator is the exact GGN's trace: the sum of the output factors' ``eigenvalues`` where
-    the summary has them (version 3 or later, float32), else of summary j's GGN diagonal of the
-    output layer (``weight_key`` and ``bias_key``; bfloat16 since version 5); the denominator
+    the summary has them (version 3 or later; float32 up to version 5, bfloat16 since version 6:
+    non-negative terms each rounded by at most 2^-8, so the sum is within 2^-8 of the trace), else
+    of summary j's GGN diagonal of the output layer (``weight_key`` and ``bias_key``; bfloat16
+    since version 5); the denominator
     ``n_j tr(A_j) tr(S_j)`` of its output factors. A head where either is 0 (a client sure of
     every example: both are) keeps ``c_j = 1``.
     """

@@ -103,7 +103,9 @@ def summary_to_records(summary: ClientSummary) -> tuple[ArrayRecord, ConfigRecor
 
     The ArrayRecord holds ``precision/<entry>``, ``moments/<group>/<stat>`` and ``output/<factor>``
     (float32; since version 4 ``output/gram`` as its upper triangle; since version 5
-    ``precision/<entry>`` as bfloat16 bits, ``uint16``) and ``class_counts`` (int64),
+    ``precision/<entry>`` as bfloat16 bits, ``uint16``; since version 6 ``output/gram_factor``,
+    the upper triangle of the Gram's triangular factor, and ``output/eigenvalues`` as bfloat16
+    bits) and ``class_counts`` (int64),
     as the summary file does (:func:`bayesfuse.summaries.save_summary`);
     the ConfigRecord ``format``, ``version``, ``n-examples``, ``prior-precision`` and
     ``fingerprint``. Put them in a reply under :data:`SUMMARY_KEY` and :data:`SUMMARY_META_KEY`.
