@@ -431,6 +431,31 @@ class FakeGrid:
         return replies
 
 
+class _Retraining(FakeGrid):
+    """Node 20 + j holds ``models[j]``: it sends it in FedMA's local round and retrains what it is
+    sent after, with the seed ``seed_of(j, net, frozen, pass)``."""
+
+    def __init__(self, split, part, models, config, seed_of):
+        super().__init__(split, part, ids=[20 + j for j in range(len(part))])
+        self.models, self.config, self.seed_of = models, config, seed_of
+
+    def _answer(self, msg):
+        j = msg.metadata.dst_node_id - 20
+        x, y = self.split.train.x[self.part[j]], self.split.train.y[self.part[j]]
+        if msg.metadata.message_type == FEDMA_LOCAL:
+            net = self.models[j]
+        else:
+            frozen = set(json.loads(msg.content["config"]["frozen"]))
+            net = rebuild(self.models[j], tensor_state(record_to_state(msg.content["arrays"])))
+            seed = self.seed_of(j, net, frozen, msg.content["config"]["fedma-pass"] - 1)
+            train_model(net, x, y, 10, replace(self.config, seed=seed), frozen=frozen, verbose=False)
+        metrics = {"num-examples": len(y), "class-counts": np.bincount(y, minlength=10).tolist()}
+        return Message(
+            RecordDict({"arrays": state_to_record(net.state_dict()), "metrics": MetricRecord(metrics)}),
+            reply_to=msg,
+        )
+
+
 def _initial(hidden=(20,)):
     return state_to_record(MLP(64, list(hidden), 10).state_dict())
 
@@ -518,31 +543,14 @@ def test_fedma_strategy_equals_run_fedma(clients, passes):
     )
     restarts = []
 
-    class Clients(FakeGrid):
-        """Node 20 + j holds client j and retrains as run_fedma does."""
-
-        def _answer(self, msg):
-            j = msg.metadata.dst_node_id - 20
-            x, y = split.train.x[part[j]], split.train.y[part[j]]
-            if msg.metadata.message_type == FEDMA_LOCAL:
-                net = models[j]
-            else:
-                frozen = set(json.loads(msg.content["config"]["frozen"]))
-                net = rebuild(models[j], tensor_state(record_to_state(msg.content["arrays"])))
-                p = msg.content["config"]["fedma-pass"] - 1
-                seed = config.seed + 1000 * (len(frozen) + 1) + order.index(j)  # run_fedma's retraining seed
-                if not frozen:  # the restart round: run_fedma's seed for the start of pass p
-                    seed = config.seed + 100_000 * p + order.index(j)
-                    restarts.append((j, {k: v.detach().clone() for k, v in net.state_dict().items()}))
-                train_model(net, x, y, 10, replace(config, seed=seed), frozen=frozen, verbose=False)
-            metrics = {"num-examples": len(y), "class-counts": np.bincount(y, minlength=10).tolist()}
-            return Message(
-                RecordDict({"arrays": state_to_record(net.state_dict()), "metrics": MetricRecord(metrics)}),
-                reply_to=msg,
-            )
+    def seed_of(j, net, frozen, p):
+        if frozen:
+            return config.seed + 1000 * (len(frozen) + 1) + order.index(j)  # run_fedma's retraining seed
+        restarts.append((j, {k: v.detach().clone() for k, v in net.state_dict().items()}))
+        return config.seed + 100_000 * p + order.index(j)  # the restart round: run_fedma's for the start of pass p
 
     strategy = FedMA(hyper={"passes": passes}, min_train_nodes=3, fraction_evaluate=0.0)
-    result = strategy.start(grid=Clients(split, part, ids=[20, 21, 22]), initial_arrays=_initial((20, 16)))
+    result = strategy.start(grid=_Retraining(split, part, models, config, seed_of), initial_arrays=_initial((20, 16)))
     assert strategy.fedma_result.sizes == expected.result.sizes and len(strategy.fedma_passes) == passes
     assert [p.sizes for p in strategy.fedma_passes] == [p.sizes for p in expected.passes]
     assert len(result.train_metrics_clientapp) == 3 * passes  # per pass a local (restart) round and 2 groups
@@ -563,6 +571,43 @@ def test_fedma_strategy_equals_run_fedma(clients, passes):
     assert list(got) == list(expected.result.state_dict)
     for k, v in expected.result.state_dict.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_fedma_strategy_folds_position_encodings_as_run_fedma_does(passes):
+    """Position-aware clients computing one network's function with their units in other
+    positions, retrained with a vanishing learning rate: the strategy given the traced spec (with
+    its encodings) must match the plain units and send back position-aware networks, so that the
+    global one computes the same function (as run_fedma does: tests/test_fusion.py)."""
+    from bayesfuse.inference.encodings import fold_encodings, unfold_encodings
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.pans import PANConfig
+    from bayesfuse.nets.spec import spec_from_module
+
+    split = load_digits().standardize()
+    part = dirichlet_partition(split.train.y, 3, 0.5, seed=0)
+    torch.manual_seed(0)
+    model = MLP(64, [12, 10], 10, pan=PANConfig("mul", 1.0, 0.1))
+    spec = spec_from_module(model)
+    plain = fold_encodings(_np(model), spec)
+    rng = np.random.default_rng(0)
+    states = [unfold_encodings(permute(plain, spec, random_permutations(spec.sizes(plain), rng)), spec) for _ in part]
+    models = [rebuild(model, tensor_state(sd)).eval() for sd in states]
+    config = TrainConfig(hidden=(12, 10), epochs=1, lr=1e-12)
+    hyper = {"prior_var": 1e8, "noise_var": 1.0, "passes": passes}
+
+    x = torch.as_tensor(split.test.x[:100])
+    for given, keeps in ((spec, True), (None, False)):  # without the encodings, the function is lost
+        strategy = FedMA(spec=given, hyper=hyper, min_train_nodes=3, fraction_evaluate=0.0)
+        grid = _Retraining(split, part, models, config, lambda j, net, frozen, p: j)
+        result = strategy.start(grid=grid, initial_arrays=state_to_record(_np(model)))
+        assert strategy.fedma_result.sizes == {"P1": 12, "P2": 10}
+        fused = rebuild(model, tensor_state(record_to_state(result.arrays))).eval()
+        with torch.no_grad():
+            gap = (fused(x) - model(x)).abs().max().item()
+        # float32 networks whose logits are ~0.1: round-off ~1e-8 (run_fedma's too); the encodings
+        # (A = 0.1) left unfolded move them by ~3e-4
+        assert (gap < 1e-6) == keeps, (given is not None, gap)
 
 
 def test_fedma_drops_a_node_that_times_out_or_misbehaves(clients, caplog):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from logging import ERROR, INFO, WARNING
 from typing import Callable, Iterable, cast
 
@@ -14,6 +15,7 @@ from flwr.serverapp.strategy import Result
 from torch import nn
 
 from bayesfuse import methods
+from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states, state_bytes
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
@@ -98,6 +100,13 @@ class FedMA(_RefitRound):
        :meth:`client_heads` with the nodes' own fits as heads. With no valid fit the FedMA network
        stays.
 
+    Position-aware neurons: with a ``spec`` whose ``encodings`` are set
+    (:func:`bayesfuse.nets.spec.spec_from_module` traces them), the server matches plain units,
+    as ``bayesfuse.fuse(models, "fedma", ...)`` does: each reply's encodings are folded into its
+    weights at the widths it has (:func:`~bayesfuse.inference.encodings.fold_encodings`, eq. F),
+    and every network sent to a node, and the global one, is unfolded for the widths it has
+    (eq. U), each entry in the dtype of the reply it came from.
+
     Nodes whose replies fail, never come or do not fit the arrays they were sent are dropped
     from the later rounds and reported (``failed``, ``rejected``, ``dropped``). Only the round
     that ends a pass has a global network (its ArrayRecord): server-side evaluation
@@ -107,8 +116,10 @@ class FedMA(_RefitRound):
     Parameters
     ----------
     spec : PermutationSpec, optional
-        The clients' architecture; derived from ``initial_arrays`` in :meth:`start` when
-        omitted (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
+        The clients' architecture, with its position encodings if any; derived from
+        ``initial_arrays`` in :meth:`start` when omitted
+        (:func:`~bayesfuse.inference.spec.spec_for_state_dict`, which sees no encodings: give the
+        spec traced from the module for position-aware networks).
     hyper : dict, optional
         The ``"fedma"`` row of :mod:`bayesfuse.methods`: ``noise_var``, ``prior_var``,
         ``gamma0``, ``kl_weight``, ``cost``, ``n_iter`` and ``passes`` (2b. above). Checked
@@ -171,6 +182,8 @@ class FedMA(_RefitRound):
     ) -> None:
         settings = methods.resolve("fedma", "network", hyper)
         self.passes = int(settings.pop("passes"))
+        if spec is not None:
+            check_unfoldable(spec)
         if second_round not in (None, "refit"):
             raise ValueError(
                 f"unknown second_round={second_round!r} for FedMA; choose None or 'refit' (the "
@@ -399,7 +412,9 @@ class FedMA(_RefitRound):
             )
         return [
             Message(
-                content=RecordDict({self.arrayrecord_key: state_to_record(state), self.configrecord_key: round_config}),
+                content=RecordDict(
+                    {self.arrayrecord_key: state_to_record(self._encoded(state)), self.configrecord_key: round_config}
+                ),
                 message_type=self.round_message_type,
                 dst_node_id=self.nodes[j],
             )
@@ -449,7 +464,7 @@ class FedMA(_RefitRound):
         output = _output_layer(good[0].state)  # the refit round's prior precision and heads
         self._output_weights = [] if output is None else [r.state[output + ".weight"] for r in good]
         self._class_counts = {r.node: r.class_counts for r in good}
-        step = self._start_pass([r.state for r in good])
+        step = self._start_pass([self._plain(r.state) for r in good])
         metrics = {
             "num-examples": float(sum(self._examples.values())),
             "local-replies": len(good),
@@ -487,7 +502,7 @@ class FedMA(_RefitRound):
                 continue
             reply_metrics = _metric_record(msg.content) or MetricRecord()
             examples += float(cast(float, reply_metrics.get(self.weighted_by_key, self._examples.get(node, 1.0))))
-            updated.append(state)
+            updated.append(self._plain(cast(dict, state)))
         n_failed, n_rejected = len(self.failed) - n_failed, len(self.rejected) - n_rejected
         log(INFO, "aggregate_train: Received %s results and %s failures", len(jobs) - n_failed - n_rejected, n_failed)
         self.dropped += [self.nodes[j] for (j, _), u in zip(jobs, updated) if u is None]
@@ -529,7 +544,7 @@ class FedMA(_RefitRound):
 
     def _start_pass(self, states: list[dict]) -> tuple[str, object]:
         """Start a new pass of FedMA (:func:`~bayesfuse.inference.fedma.fedma_steps`, seed ``seed +
-        pass``) over ``states``, the networks of ``nodes`` in order, weighted by their class
+        pass``) over ``states``, the plain networks (:meth:`_plain`) of ``nodes`` in order, weighted by their class
         counts where every node reported them; its first step (:meth:`_PausedRun.begin`)."""
         assert self._spec is not None  # set in round 1
         counts = [self._class_counts.get(n) for n in self.nodes]
@@ -559,13 +574,15 @@ class FedMA(_RefitRound):
             error = cast(BaseException, value)
             self.error = error
             raise error
-        result = cast(FedMAResult, value)
+        plain = cast(FedMAResult, value)
+        assert self._spec is not None  # set in round 1, with the run
+        # the position-aware global network (eq. U), as run_fedma's result holds it
+        result = replace(plain, state_dict=self._encoded(plain.state_dict))
         self.fedma_passes.append(result)
         self._pass_ends.append(server_round)
         if self._pass + 1 < self.passes:  # FedMA with communication: the next pass starts from the global network
-            assert self._spec is not None
             self._pass += 1
-            self._pending = (restart_states(result, self._spec, len(self.nodes)), set(), None)  # the restart
+            self._pending = (restart_states(plain, self._spec, len(self.nodes)), set(), None)  # the restart
             log(
                 INFO,
                 "\t└──> FedMA pass %d finished: global sizes %s; pass %d starts from the global network",
@@ -587,6 +604,20 @@ class FedMA(_RefitRound):
             }
         )
         return state_to_record(result.state_dict), MetricRecord(metrics)
+
+    def _plain(self, state: dict) -> dict:
+        """A node's network with its position encodings folded in (eq. F), each entry in its dtype."""
+        assert self._spec is not None  # set in round 1
+        if not encoded_groups(self._spec):
+            return state
+        return _like(fold_encodings(state, self._spec), state)
+
+    def _encoded(self, state: dict) -> dict:
+        """A plain network as the position-aware one of its widths (eq. U), each entry in its dtype."""
+        assert self._spec is not None  # set in round 1
+        if not encoded_groups(self._spec):
+            return state
+        return _like(unfold_encodings(state, self._spec), state)
 
     def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
         """After the refit round, the refitted network predicting with the nodes' own output fits:
@@ -636,6 +667,11 @@ class FedMA(_RefitRound):
         if self.fedma_result is None or server_round != last:
             return []
         return super().configure_evaluate(server_round, arrays, config, grid)
+
+
+def _like(state: dict, dtypes: dict) -> dict:
+    """``state`` with each entry in the dtype of ``dtypes``' entry of its name."""
+    return {k: np.asarray(v, dtype=np.asarray(dtypes[k]).dtype) for k, v in state.items()}
 
 
 def _mismatch(sent: dict, state: dict, node: int) -> str | None:
