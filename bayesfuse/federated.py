@@ -34,10 +34,13 @@ __all__ = ["FedMARun", "run_fedma", "fedma_rounds", "FedAvgRun", "run_fedavg"]
 
 def fedma_rounds(spec: PermutationSpec, passes: int = 1) -> int:
     """The communication rounds FedMA takes on networks of ``spec`` before it runs: one per
-    permuted group and one for the output layer in each pass (FedMA section 2.2), and one more
-    between passes, which sends the global model down (section 2.3). :attr:`FedMARun.rounds`
-    counts what a run took; this is what FedAvg must match to be compared at equal rounds."""
-    return passes * (len(spec.groups) + 1) + passes - 1
+    permuted group and one for the output layer in each pass (FedMA section 2.2). A later pass
+    (section 2.3) starts with the round that sends each client its network cut out of the global
+    one and takes back what it trained, in place of the first pass's local training: that round
+    is the pass's first, as on Flower (:class:`~bayesfuse.integrations.flower.FedMA`).
+    :attr:`FedMARun.rounds` counts what a run took; this is what FedAvg must match to be
+    compared at equal rounds."""
+    return passes * (len(spec.groups) + 1)
 
 
 def _client_data(train: Dataset, partition) -> list[np.ndarray]:
@@ -75,8 +78,9 @@ class FedMARun:
 
     @property
     def rounds(self) -> int:
-        """Communication rounds of all passes (a later pass also sends the global model down)."""
-        return sum(p.rounds for p in self.passes) + (len(self.passes) - 1)
+        """Communication rounds of all passes (a later pass's first round sends the global model
+        down, cut to each client's widths, and takes back what the client trained: :func:`fedma_rounds`)."""
+        return sum(p.rounds for p in self.passes)
 
     @property
     def bytes_up(self) -> int:

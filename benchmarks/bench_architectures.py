@@ -34,7 +34,7 @@ client from its own initialisation unless ``--shared-init``. Then the global mod
 * ``fedma``: FedMA (Wang et al. 2020), one round per stream and inner layer (12) plus one for the
   output layer, ``--retrain-epochs`` of client training after each; with ``--fedma-passes P > 1``,
   FedMA with communication (section 2.3): P such passes, each client rebuilding its own widths
-  from the global model and training ``--retrain-epochs`` before the next (one more round each);
+  from the global model and training ``--retrain-epochs`` in the first round of the next;
 * ``fedma+refit``: FedMA, then one more round that refits its output layer (``fuse(...,
   "fedma", rounds=2)``: the product of the clients' Laplace fits on the FedMA body in place of
   FedMA's class-share average);
@@ -167,7 +167,7 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
         ),
         row("ensemble", evaluate(np.mean(probs, axis=0), y), size * len(models), 1, 0.0, 0.0),
     ]
-    # FedMA: each group (stream, inner layer, head), then fc; a later pass also sends the global model down
+    # FedMA: each group (stream, inner layer, head), then fc; a later pass's first round sends the global model down
     passes = args.fedma_passes
     n_rounds = fedma_rounds(spec_from_module(models[0]), passes)
     for method in args.methods:
