@@ -520,7 +520,7 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
     """
     from safetensors.numpy import save
 
-    from bayesfuse.nets.heads import PSEUDO_COUNT, checked_pseudo_count
+    from bayesfuse.nets.heads import PSEUDO_COUNT, checked_pseudo_count, unsmoothable
 
     tensors = heads_arrays(heads)
     meta = {
@@ -535,10 +535,7 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
     if heads.get("examples") is not None:
         meta["pseudo_count"] = repr(checked_pseudo_count(PSEUDO_COUNT if count is None else count))
     elif count is not None:
-        raise ValueError(
-            "pseudo_count smooths each head by its client's examples; these heads know none "
-            "(give the clients' summaries or class counts)"
-        )
+        raise unsmoothable("give the clients' summaries or class counts")
     return save(tensors, metadata=meta)
 
 

@@ -43,8 +43,8 @@ A client that may not share these should send weights alone (the data-free path)
 
 On disk a summary is a safetensors file beside the model (``model.pt`` ->
 ``model.summary.safetensors``, :func:`summary_path`): tensors ``precision/<entry>``,
-``moments/<group>/<stat>``, ``output/gram``, ``output/curvature``, ``output/eigenvalues``,
-``class_counts``; metadata
+``moments/<group>/<stat>``, ``output/gram`` (``output/gram_factor`` since version 6),
+``output/curvature``, ``output/eigenvalues``, ``class_counts``; metadata
 ``format``, ``version``, ``n_examples``, ``prior_precision`` and the model's ``fingerprint`` (a
 hash of its entries' names, shapes and values), so that a summary of another network is refused
 (:func:`check_summary`). Version 2 added the output factors, version 3 their eigenvalues;
@@ -104,6 +104,8 @@ __all__ = [
     "READ_VERSIONS",
     "MAX_FACTOR_WIDTH",
     "output_factors",
+    "gram_factor",
+    "rounded_gram",
     "SummaryError",
     "STATS",
 ]
@@ -127,7 +129,7 @@ FACTOR_GRAM_VERSION = 6
 #: layer of this width's incoming weights from the usual inputs; wider layers are summarised
 #: without the factors.
 MAX_FACTOR_WIDTH = 2048
-#: How :func:`summarize` keeps the weights' precisions (version 5, version 4).
+#: How :func:`summarize` keeps the weights' precisions and output factors (version 6, version 4).
 PRECISIONS = ("bfloat16", "float32")
 #: The moments kept per hidden unit.
 STATS = ("pre_mean", "pre_var", "act_mean", "act_var")
@@ -159,7 +161,8 @@ def bfloat16_rounded(a) -> np.ndarray:
 def gram_factor(gram) -> np.ndarray:
     """The upper triangular ``R`` with ``R^T R = gram`` and ``diag(R) >= 0``, for a symmetric
     positive semi-definite ``gram`` (its Cholesky factor where it is definite); a ``gram`` with an
-    eigenvalue under ``-1e-8`` times its largest (more than round-off) is refused (``ValueError``).
+    eigenvalue under ``-1e-6`` times its largest (more than float32 round-off) is refused
+    (``ValueError``).
 
     From ``gram = V diag(w) V^T`` (negative round-off eigenvalues taken as 0),
     ``F = V diag(sqrt(w))`` and ``F^T = Q R``: ``F F^T = R^T Q^T Q R = R^T R``, which needs no
@@ -168,7 +171,7 @@ def gram_factor(gram) -> np.ndarray:
     """
     gram = np.asarray(gram, dtype=np.float64)
     w, V = np.linalg.eigh((gram + gram.T) / 2)
-    if len(w) and w[0] < -1e-8 * max(abs(w[-1]), 1e-300):
+    if len(w) and w[0] < -1e-6 * max(abs(w[-1]), 1e-300):
         raise ValueError(f"the Gram is not positive semi-definite (eigenvalue {w[0]:.3g}, largest {w[-1]:.3g})")
     R: np.ndarray = np.asarray(np.linalg.qr((V * np.sqrt(np.clip(w, 0.0, None))).T, mode="r"))
     R = np.triu(R * np.where(np.diag(R) < 0, -1.0, 1.0)[:, None])
@@ -182,6 +185,15 @@ def rounded_gram(gram) -> tuple[np.ndarray, np.ndarray]:
     version 6 summary holds); a relative error of about 2^-8 of the Gram's scale."""
     R = bfloat16_rounded(gram_factor(gram))
     return R, R.T @ R
+
+
+def _is_factor(R, gram: np.ndarray) -> bool:
+    """Whether ``R`` is a bfloat16 upper triangular factor of ``gram``, ``R^T R == gram`` exactly
+    (what a version 6 summary holds)."""
+    if R is None or np.shape(R) != gram.shape:
+        return False
+    R = np.asarray(R, dtype=np.float64)
+    return bool(np.array_equal(R, np.triu(bfloat16_rounded(R))) and np.array_equal(R.T @ R, gram))
 
 
 def check_precisions(precisions: str) -> str:
@@ -225,7 +237,7 @@ class ClientSummary:
     ----------
     precision : dict of str to ndarray
         GGN diagonal of every floating parameter, the parameter's shape, non-negative; rounded to
-        bfloat16 in a version 5 summary (what its file holds).
+        bfloat16 in a version 5 or later summary (what its file holds).
     prior_precision : float
         ``delta``: the Laplace precision of weight ``i`` is ``precision[i] + delta``.
     moments : dict of str to dict of str to ndarray
@@ -273,10 +285,10 @@ class ClientSummary:
             self.gram_factor = None
             return
         R = self.gram_factor
-        if R is None or np.shape(R) != gram.shape or not np.array_equal(np.asarray(R).T @ R, gram):
+        if not _is_factor(R, gram):
             try:
                 R, gram = rounded_gram(gram)
-            except ValueError:  # not positive semi-definite: the heads refuse it
+            except ValueError:  # not positive semi-definite: the heads refuse it, summary_arrays too
                 self.gram_factor = None
                 return
         self.gram_factor = np.asarray(R, dtype=np.float64)
@@ -412,17 +424,25 @@ def output_factors(
     None when the output layer is not an ``nn.Linear`` reading one hidden group unit by unit, or
     reads more than :data:`MAX_FACTOR_WIDTH` features.
     """
+    return _output_factors(model, x, spec, batch_size=batch_size, rounded=rounded)[0]
+
+
+def _output_factors(
+    model: nn.Module, x, spec: PermutationSpec, *, batch_size: int = 1024, rounded: bool = False
+) -> tuple[dict[str, np.ndarray] | None, np.ndarray | None]:
+    """:func:`output_factors`, and with ``rounded`` the bfloat16 factor of its Gram
+    (:func:`rounded_gram`), else None."""
     state = model.state_dict()
     try:
         weight_key, _ = spec.output_layer(state)
     except ValueError:
-        return None
+        return None, None
     output = weight_key.rpartition(".")[0]
     layer = dict(model.named_modules()).get(output)
     if heads_refused(spec, state) or not isinstance(layer, nn.Linear):
-        return None
+        return None, None
     if layer.in_features + 1 > MAX_FACTOR_WIDTH:
-        return None
+        return None, None
     from bayesfuse.nets.heads import logits_and_features
 
     first = next(model.parameters())
@@ -445,8 +465,10 @@ def output_factors(
                 gram += a.T @ a
                 curvature += torch.diag(p.sum(0)) - p.T @ p
             gram, curvature = gram / len(x), curvature / len(x)
+            factor = None
             if rounded:
-                gram = torch.as_tensor(rounded_gram(gram.numpy())[1])
+                factor, rounded_numpy = rounded_gram(gram.numpy())
+                gram = torch.as_tensor(rounded_numpy)
             U = torch.as_tensor(np.linalg.eigh(((gram + gram.T) / 2).numpy())[1])
             V = torch.as_tensor(np.linalg.eigh(((curvature + curvature.T) / 2).numpy())[1])
             for a, p in batches():
@@ -455,7 +477,7 @@ def output_factors(
                 eigenvalues += (a @ U).square().T @ spread
     finally:
         model.train(was_training)
-    return {"gram": gram.numpy(), "curvature": curvature.numpy(), "eigenvalues": eigenvalues.numpy()}
+    return {"gram": gram.numpy(), "curvature": curvature.numpy(), "eigenvalues": eigenvalues.numpy()}, factor
 
 
 def summarize(
@@ -527,7 +549,7 @@ def summarize(
     assert n_classes is not None  # given, the BNN's or the output layer's
     if y.min() < 0 or y.max() >= n_classes:
         raise ValueError(f"labels must lie in 0..{n_classes - 1}, got {y.min()}..{y.max()}")
-    factors = None
+    factors = factor = None
     if bnn:
         precision: dict = {}
         moments = cast(HorseshoeBNN, model).unit_moments(
@@ -538,7 +560,7 @@ def summarize(
         if precisions == "float32":  # what a version 4 file holds
             precision = {k: np.asarray(v, dtype=np.float32).astype(np.float64) for k, v in precision.items()}
         moments = unit_moments(model, x, cast(PermutationSpec, spec), batch_size=batch_size)
-        factors = output_factors(
+        factors, factor = _output_factors(
             model, x, cast(PermutationSpec, spec), batch_size=batch_size, rounded=precisions == "bfloat16"
         )
     counts = np.bincount(y.astype(np.int64), minlength=n_classes)
@@ -552,6 +574,7 @@ def summarize(
         output_factors=factors,
         version=SUMMARY_VERSION if precisions == "bfloat16" else BFLOAT16_VERSION - 1,
         seconds=time.perf_counter() - start,
+        gram_factor=factor,  # the one the eigenvalues' basis came from, not a second factorisation
     )
 
 
@@ -803,9 +826,19 @@ def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
     arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
     arrays.update({f"output/{k}": v for k, v in (summary.output_factors or {}).items()})
     out = {f"precision/{k}": bfloat16_bits(v) for k, v in summary.precision.items()} if half else {}
-    if summary.gram_factor is not None:  # version 6 (set by ClientSummary with the output Gram)
-        del arrays["output/gram"]
-        out["output/gram_factor"] = bfloat16_bits(packed_upper(summary.gram_factor))
+    if "output/gram" in arrays and summary.version >= FACTOR_GRAM_VERSION:
+        gram = np.asarray(arrays.pop("output/gram"), dtype=np.float64)
+        R = summary.gram_factor
+        if not _is_factor(R, gram):  # output_factors changed after the summary was made
+            try:
+                R = rounded_gram(gram)[0]
+            except (ValueError, np.linalg.LinAlgError) as err:
+                raise SummaryError(
+                    f"a version {FACTOR_GRAM_VERSION} summary holds its output Gram as a triangular factor; "
+                    f"this Gram has none ({err})"
+                ) from None
+        assert R is not None  # _is_factor holds for it, or it was just computed
+        out["output/gram_factor"] = bfloat16_bits(packed_upper(R))
         if "output/eigenvalues" in arrays:
             out["output/eigenvalues"] = bfloat16_bits(arrays.pop("output/eigenvalues"))
     elif "output/gram" in arrays and summary.version >= PACKED_GRAM_VERSION:
@@ -898,8 +931,8 @@ def _unpacked(upper: np.ndarray, name: str, what: str = "gram") -> np.ndarray:
     g = int(round((np.sqrt(8 * m + 1) - 1) / 2))
     if upper.ndim != 1 or g * (g + 1) // 2 != m or m == 0:
         raise SummaryError(
-            f"{name}: the output {what} of a version {PACKED_GRAM_VERSION}+ summary is the upper triangle of a "
-            f"matrix, a vector of g (g + 1) / 2 numbers; got shape {upper.shape}"
+            f"{name}: the output {what} of a version {PACKED_GRAM_VERSION if what == 'gram' else FACTOR_GRAM_VERSION}+ "
+            f"summary is the upper triangle of a matrix, a vector of g (g + 1) / 2 numbers; got shape {upper.shape}"
         )
     return unpacked_upper(upper, g)
 

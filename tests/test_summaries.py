@@ -11,11 +11,14 @@ import torch
 from torch import nn
 
 from bayesfuse.curvature import diag_ggn
+from bayesfuse.inference.output_fusion import packed_upper
 from bayesfuse.nets.arch import make_cnn
 from bayesfuse.nets.mlp import MLP
+from bayesfuse.nets.spec import spec_from_module
 from bayesfuse.summaries import (
     ClientSummary,
     SummaryError,
+    _output_factors,
     bfloat16_bits,
     bfloat16_rounded,
     check_summary,
@@ -355,6 +358,48 @@ def test_the_rounded_gram_stays_positive_semi_definite_within_the_rounding_bound
     # moves by at most (2u + u^2) sum_k |R_ki| |R_kj| <= (2u + u^2) sqrt(gram_ii gram_jj) (Cauchy-Schwarz)
     u, d = 2.0**-8, np.sqrt(np.diag(gram))
     assert (np.abs(rounded - gram) <= (2 * u + u * u) * np.outer(d, d) + 1e-12).all()
+
+
+def test_a_version_6_summary_keeps_the_gram_its_eigenvalues_were_measured_in(client):
+    # three examples of four features: a singular Gram, whose factor a second factorisation
+    # would not reproduce; the summary holds the very Gram (and factor) the eigenbasis came from
+    model, x, y = client
+    spec = spec_from_module(model)
+    s = summarize(model, x[:3], y[:3])
+    factors, factor = _output_factors(model, x[:3], spec, rounded=True)
+    np.testing.assert_array_equal(s.output_factors["gram"], factors["gram"])
+    np.testing.assert_array_equal(s.gram_factor, factor)
+    # and that Gram is within the rounding bound of the features' own (float32 features: ~1e-7)
+    with torch.no_grad():
+        a = torch.relu(model.layers[1](torch.relu(model.layers[0](torch.as_tensor(x[:3]))))).double().numpy()
+    a = np.hstack([a, np.ones((3, 1))])
+    exact = a.T @ a / 3
+    u, d = 2.0**-8, np.sqrt(np.diag(exact))
+    assert (np.abs(s.output_factors["gram"] - exact) <= (2 * u + u * u) * np.outer(d, d) + 1e-6).all()
+
+
+def test_a_version_6_summary_writes_the_factor_of_the_gram_it_holds(client, tmp_path):
+    model, x, y = client
+    s = summarize(model, x, y)
+    # a factor given that is not bfloat16's is not kept: the summary rounds it as its file will
+    exact = np.linalg.cholesky(s.output_factors["gram"] + np.eye(5)).T
+    given = dataclasses.replace(s, output_factors={**s.output_factors, "gram": exact.T @ exact}, gram_factor=exact)
+    np.testing.assert_array_equal(given.gram_factor, bfloat16_rounded(given.gram_factor))
+    path = tmp_path / "given.summary.safetensors"
+    save_summary(given, path)
+    np.testing.assert_array_equal(load_summary(path).output_factors["gram"], given.output_factors["gram"])
+    # output factors changed after the summary was made: the file holds the factor of the new Gram
+    changed = copy.deepcopy(s)
+    changed.output_factors["gram"] = changed.output_factors["gram"] * 4.0
+    R = from_bfloat16_bits(summary_arrays(changed)["output/gram_factor"]).astype(np.float64)
+    np.testing.assert_allclose(R, 2.0 * packed_upper(s.gram_factor))  # a power of 2: rounded alike
+    changed.output_factors = None
+    assert not any(k.startswith("output/") for k in summary_arrays(changed))
+    # a Gram with no factor (not positive semi-definite) is refused, not written as float32
+    indefinite = dataclasses.replace(s, output_factors={**s.output_factors, "gram": -np.eye(5)})
+    assert indefinite.gram_factor is None
+    with pytest.raises(SummaryError, match="holds its output Gram as a triangular factor; this Gram has none"):
+        summary_arrays(indefinite)
 
 
 def test_version_6_eigenvalues_are_the_ggn_in_the_rounded_grams_eigenbasis(client):

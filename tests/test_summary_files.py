@@ -75,7 +75,7 @@ def test_summarize_writes_the_summary_beside_the_model_and_says_its_size(clients
     y = np.load(data[0])["y"]
     assert summary.n_examples == len(y) and summary.class_counts.tolist() == np.bincount(y, minlength=10).tolist()
     assert set(summary.precision) == set(load_state_dict(models[0]))
-    # as bayesfuse.summarize computes it on the loaded network (bfloat16 on disk, version 5)
+    # as bayesfuse.summarize computes it on the loaded network (bfloat16 on disk, version 6)
     direct = bayesfuse.summarize(bayesfuse.load(models[0]), np.load(data[0])["x"], y)
     assert summary.version == direct.version == SUMMARY_VERSION
     for k, v in direct.precision.items():

@@ -156,6 +156,15 @@ def _supported_eigh(gram: torch.Tensor, support: torch.Tensor) -> tuple[torch.Te
     return vals, vecs
 
 
+def unsmoothable(advice: str, name: str = "") -> ValueError:
+    """The error for a pseudo-count given to heads that know no examples (nothing to smooth them
+    by), naming ``name`` where given and ending with ``advice``, what would give them examples."""
+    where = f"{name}: " if name else ""
+    return ValueError(
+        f"{where}pseudo_count smooths each head by its client's examples; these heads know none ({advice})"
+    )
+
+
 def checked_pseudo_count(value) -> float:
     """``value`` as a pseudo-count (:attr:`ClientHeads.pseudo_count`): a real number, finite and
     ``>= 0``, not a bool; else ``ValueError``."""

@@ -105,8 +105,8 @@ def test_trace_matched_heads_scale_each_curvature_to_the_summarys_ggn_trace():
         assert matched["laplace"]["scale"][j] == pytest.approx(exact / kfac, rel=1e-12)
     for key, value in plain["laplace"].items():  # nothing else moves
         np.testing.assert_array_equal(matched["laplace"][key], value)
-    # with the EKFAC eigenvalues (version 3+) the exact trace is their sum (float32), not the
-    # GGN diagonal's (bfloat16 since version 5)
+    # with the EKFAC eigenvalues (version 3+) the exact trace is their sum (bfloat16 since version
+    # 6, float32 before), not the GGN diagonal's (bfloat16 since version 5)
     s = summaries[0]
     kfac = s.n_examples * np.trace(s.output_factors["gram"]) * np.trace(s.output_factors["curvature"])
     g, k = len(s.output_factors["gram"]), len(s.output_factors["curvature"])

@@ -1366,6 +1366,11 @@ def test_the_strategies_pseudo_count_smooths_every_heads_they_give_and_send(clie
         record["pseudo-count"] = Array(bad)
         with pytest.raises(ValueError, match=rf"^node 7: .*{message}"):
             record_to_heads(record, "layers.2", "kronecker", "node 7")
+    blind = heads_to_record({**{k: v for k, v in parsed.items() if k != "examples"}, "pseudo_count": 0.5})
+    with pytest.raises(
+        ValueError, match=r"^node 7: pseudo_count .* these heads know none \(the record has no examples"
+    ):
+        record_to_heads(blind, "layers.2", "kronecker", "node 7")
     with pytest.raises(ValueError, match="pseudo_count must be a finite number >= 0"):
         MatchedAveraging("pfnm", pseudo_count=-1)
     with pytest.raises(ValueError, match="pseudo_count must be a finite number >= 0"):

@@ -105,7 +105,7 @@ class FedMA(_RefitRound):
     as ``bayesfuse.fuse(models, "fedma", ...)`` does: each reply's encodings are folded into its
     weights at the widths it has (:func:`~bayesfuse.inference.encodings.fold_encodings`, eq. F),
     and every network sent to a node, and the global one, is unfolded for the widths it has
-    (eq. U), each entry in the dtype of the reply it came from.
+    (eq. U).
 
     Nodes whose replies fail, never come or do not fit the arrays they were sent are dropped
     from the later rounds and reported (``failed``, ``rejected``, ``dropped``). Only the round
@@ -606,18 +606,14 @@ class FedMA(_RefitRound):
         return state_to_record(result.state_dict), MetricRecord(metrics)
 
     def _plain(self, state: dict) -> dict:
-        """A node's network with its position encodings folded in (eq. F), each entry in its dtype."""
+        """A node's network with its position encodings folded in (eq. F; float64, as run_fedma's)."""
         assert self._spec is not None  # set in round 1
-        if not encoded_groups(self._spec):
-            return state
-        return _like(fold_encodings(state, self._spec), state)
+        return fold_encodings(state, self._spec) if encoded_groups(self._spec) else state
 
     def _encoded(self, state: dict) -> dict:
-        """A plain network as the position-aware one of its widths (eq. U), each entry in its dtype."""
+        """A plain network as the position-aware one of its widths (eq. U)."""
         assert self._spec is not None  # set in round 1
-        if not encoded_groups(self._spec):
-            return state
-        return _like(unfold_encodings(state, self._spec), state)
+        return unfold_encodings(state, self._spec) if encoded_groups(self._spec) else state
 
     def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
         """After the refit round, the refitted network predicting with the nodes' own output fits:
@@ -667,11 +663,6 @@ class FedMA(_RefitRound):
         if self.fedma_result is None or server_round != last:
             return []
         return super().configure_evaluate(server_round, arrays, config, grid)
-
-
-def _like(state: dict, dtypes: dict) -> dict:
-    """``state`` with each entry in the dtype of ``dtypes``' entry of its name."""
-    return {k: np.asarray(v, dtype=np.asarray(dtypes[k]).dtype) for k, v in state.items()}
 
 
 def _mismatch(sent: dict, state: dict, node: int) -> str | None:

@@ -448,7 +448,7 @@ def record_to_heads(record: ArrayRecord, output: str, form: str, name: str = "cl
         arrays.pop(variant, None)
     heads = heads_from_arrays(arrays, output, form, name)
     if smoothing is not None:
-        from bayesfuse.nets.heads import checked_pseudo_count
+        from bayesfuse.nets.heads import checked_pseudo_count, unsmoothable
 
         smoothing = np.asarray(smoothing)
         if smoothing.shape != (1,) or smoothing.dtype.kind not in "fiu":
@@ -457,7 +457,7 @@ def record_to_heads(record: ArrayRecord, output: str, form: str, name: str = "cl
                 f"of shape {smoothing.shape}"
             )
         if heads.get("examples") is None:
-            raise ValueError(f"{name}: the heads' pseudo-count smooths heads by their examples; these heads know none")
+            raise unsmoothable("the record has no examples of its heads", name)
         try:
             heads["pseudo_count"] = checked_pseudo_count(float(smoothing[0]))
         except (TypeError, ValueError) as err:

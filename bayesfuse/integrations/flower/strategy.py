@@ -56,7 +56,7 @@ from bayesfuse.integrations.flower.records import (
 from bayesfuse.models.bnn_posterior import BNNPosterior
 from bayesfuse.models.bnn_sites import is_bnn_state
 from bayesfuse.nets.arch import rebuild
-from bayesfuse.nets.heads import ClientHeads, checked_pseudo_count
+from bayesfuse.nets.heads import ClientHeads, checked_pseudo_count, unsmoothable
 from bayesfuse.nets.laplace import LastLayerLaplace
 from bayesfuse.nets.state import tensor_state
 from bayesfuse.summaries import (
@@ -245,10 +245,7 @@ class _RefitRound(_Fusion):
         know no examples (nothing to smooth by)."""
         if self.pseudo_count is not None:
             if not hasattr(heads, "examples"):
-                raise ValueError(
-                    "pseudo_count smooths each head by its client's examples; these heads know none "
-                    "(the nodes sent no summaries and not every one its class counts)"
-                )
+                raise unsmoothable("the nodes sent no summaries and not every one its class counts")
             heads.pseudo_count = self.pseudo_count
         return heads
 
