@@ -433,7 +433,8 @@ class FakeGrid:
 
 class _Retraining(FakeGrid):
     """Node 20 + j holds ``models[j]``: it sends it in FedMA's local round and retrains what it is
-    sent after, with the seed ``seed_of(j, net, frozen, pass)``."""
+    sent after, with the seed ``seed_of(j, net, frozen, pass)``; the refit round gets its output fit
+    of the network it was sent (:func:`output_fit_reply`)."""
 
     def __init__(self, split, part, models, config, seed_of):
         super().__init__(split, part, ids=[20 + j for j in range(len(part))])
@@ -442,6 +443,9 @@ class _Retraining(FakeGrid):
     def _answer(self, msg):
         j = msg.metadata.dst_node_id - 20
         x, y = self.split.train.x[self.part[j]], self.split.train.y[self.part[j]]
+        if msg.metadata.message_type == "train":  # the refit round
+            fused = rebuild(self.models[j], tensor_state(record_to_state(msg.content["arrays"])))
+            return Message(output_fit_reply(fused, x, y, msg.content["config"]), reply_to=msg)
         if msg.metadata.message_type == FEDMA_LOCAL:
             net = self.models[j]
         else:
@@ -608,6 +612,15 @@ def test_fedma_strategy_folds_position_encodings_as_run_fedma_does(passes):
         # float32 networks whose logits are ~0.1: round-off ~1e-8 (run_fedma's too); the encodings
         # (A = 0.1) left unfolded move them by ~3e-4
         assert (gap < 1e-6) == keeps, (given is not None, gap)
+    # the refit round is sent the position-aware global network, which computes the function
+    strategy = FedMA(spec=spec, hyper=hyper, second_round="refit", min_train_nodes=3, fraction_evaluate=0.0)
+    grid = _Retraining(split, part, models, config, lambda j, net, frozen, p: j)
+    strategy.start(grid=grid, initial_arrays=state_to_record(_np(model)))
+    refit = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert len(refit) == 3 and strategy.second_round_report["replies"] == 3
+    with torch.no_grad():
+        sent = rebuild(model, tensor_state(record_to_state(refit[0].content["arrays"]))).eval()
+        assert (sent(x) - model(x)).abs().max().item() < 1e-6
 
 
 def test_fedma_drops_a_node_that_times_out_or_misbehaves(clients, caplog):
