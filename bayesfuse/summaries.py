@@ -252,6 +252,9 @@ class ClientSummary:
         GGN per example, and (version 3) ``eigenvalues`` (G+1, K), its GGN in their eigenbasis
         (:func:`output_factors`); None where the output layer has none (it reads the inputs, or
         positions, or more than :data:`MAX_FACTOR_WIDTH` features) and in version 1 summaries.
+        A version 6 summary built by hand wants ``output_factors(..., rounded=True)``: its
+        eigenvalues are then measured in the eigenbasis of the Gram the summary holds (to
+        round-off where the Gram is singular; :func:`summarize` keeps the very factor).
     seconds : float
         Time it took to compute (not saved).
     gram_factor : ndarray, optional
