@@ -80,6 +80,9 @@ def test_summarize_writes_the_summary_beside_the_model_and_says_its_size(clients
     assert summary.version == direct.version == SUMMARY_VERSION
     for k, v in direct.precision.items():
         np.testing.assert_array_equal(summary.precision[k], v)
+    for k in ("gram", "eigenvalues"):  # bfloat16 (the Gram through its factor) on disk: read back exactly
+        np.testing.assert_array_equal(summary.output_factors[k], direct.output_factors[k])
+    np.testing.assert_array_equal(summary.gram_factor, direct.gram_factor)
     # --float32: a version 4 file, the precisions as float32, each within bfloat16's 2^-8 of the above
     assert main(["summarize", str(models[0]), "--data", str(data[0]), "--force", "--float32"]) == 0
     wide = load_summary(summary_path(models[0]))
