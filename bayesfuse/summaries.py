@@ -817,13 +817,14 @@ def _is_buffer(key: str) -> bool:
 # --------------------------------------------------------------------------- files
 
 
-def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
+def summary_arrays(summary: ClientSummary, name: str = "summary") -> dict[str, np.ndarray]:
     """The summary's arrays under the names its file and its Flower record use: ``precision/<entry>``
     ``moments/<group>/<stat>`` and ``output/<factor>`` (float32; since version 4 ``output/gram``
     as its upper triangle, row by row; since version 5 ``precision/<entry>`` as bfloat16, the
     ``uint16`` of :func:`bfloat16_bits`; since version 6, in place of ``output/gram``,
     ``output/gram_factor``, the upper triangle of its bfloat16 factor (:func:`rounded_gram`), and
-    ``output/eigenvalues`` as bfloat16), ``class_counts`` (int64)."""
+    ``output/eigenvalues`` as bfloat16), ``class_counts`` (int64). A version 6 summary whose
+    output Gram has no factor (not positive semi-definite) is refused in one line naming ``name``."""
     half = summary.version >= BFLOAT16_VERSION
     arrays = {} if half else {f"precision/{k}": v for k, v in summary.precision.items()}
     arrays.update({f"moments/{g}/{s}": v for g, stats in summary.moments.items() for s, v in stats.items()})
@@ -837,7 +838,7 @@ def summary_arrays(summary: ClientSummary) -> dict[str, np.ndarray]:
                 R = rounded_gram(gram)[0]
             except (ValueError, np.linalg.LinAlgError) as err:
                 raise SummaryError(
-                    f"a version {FACTOR_GRAM_VERSION} summary holds its output Gram as a triangular factor; "
+                    f"{name}: a version {FACTOR_GRAM_VERSION} summary holds its output Gram as a triangular factor; "
                     f"this Gram has none ({err})"
                 ) from None
         assert R is not None  # _is_factor holds for it, or it was just computed
@@ -953,7 +954,7 @@ def save_summary(summary: ClientSummary, path: str | os.PathLike, *, overwrite: 
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"a summary is a .safetensors file, got {path.name!r}")
-    tensors = summary_arrays(summary)
+    tensors = summary_arrays(summary, path.name)
     meta = {
         "format": SUMMARY_FORMAT,
         "version": str(summary.version),

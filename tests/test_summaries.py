@@ -398,8 +398,13 @@ def test_a_version_6_summary_writes_the_factor_of_the_gram_it_holds(client, tmp_
     # a Gram with no factor (not positive semi-definite) is refused, not written as float32
     indefinite = dataclasses.replace(s, output_factors={**s.output_factors, "gram": -np.eye(5)})
     assert indefinite.gram_factor is None
-    with pytest.raises(SummaryError, match="holds its output Gram as a triangular factor; this Gram has none"):
+    with pytest.raises(
+        SummaryError, match="summary: .* holds its output Gram as a triangular factor; this Gram has none"
+    ):
         summary_arrays(indefinite)
+    with pytest.raises(SummaryError, match="^bad.summary.safetensors: a version 6 summary"):
+        save_summary(indefinite, tmp_path / "bad.summary.safetensors")
+    assert not (tmp_path / "bad.summary.safetensors").exists()
 
 
 def test_version_6_eigenvalues_are_the_ggn_in_the_rounded_grams_eigenbasis(client):
