@@ -402,7 +402,7 @@ def test_a_version_6_summary_writes_the_factor_of_the_gram_it_holds(client, tmp_
         SummaryError, match="summary: .* holds its output Gram as a triangular factor; this Gram has none"
     ):
         summary_arrays(indefinite)
-    with pytest.raises(SummaryError, match="^bad.summary.safetensors: a version 6 summary"):
+    with pytest.raises(SummaryError, match=r"^bad\.summary\.safetensors: a version 6 summary"):
         save_summary(indefinite, tmp_path / "bad.summary.safetensors")
     assert not (tmp_path / "bad.summary.safetensors").exists()
 

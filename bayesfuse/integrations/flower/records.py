@@ -118,7 +118,7 @@ def summary_to_records(summary: ClientSummary) -> tuple[ArrayRecord, ConfigRecor
     -------
     tuple of (ArrayRecord, ConfigRecord)
     """
-    record = {k: Array(v) for k, v in summary_arrays(summary).items()}
+    record = {k: Array(v) for k, v in summary_arrays(summary, "summary record").items()}
     meta = ConfigRecord(
         {
             "format": SUMMARY_FORMAT,
