@@ -187,13 +187,15 @@ def rounded_gram(gram) -> tuple[np.ndarray, np.ndarray]:
     return R, R.T @ R
 
 
-def _is_factor(R, gram: np.ndarray) -> bool:
-    """Whether ``R`` is a bfloat16 upper triangular factor of ``gram``, ``R^T R == gram`` exactly
-    (what a version 6 summary holds)."""
-    if R is None or np.shape(R) != gram.shape:
-        return False
-    R = np.asarray(R, dtype=np.float64)
-    return bool(np.array_equal(R, np.triu(bfloat16_rounded(R))) and np.array_equal(R.T @ R, gram))
+def _held_factor(R, gram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(R, gram)`` where ``R`` is a bfloat16 upper triangular factor of ``gram`` (``R^T R ==
+    gram`` exactly: what a version 6 summary holds), else :func:`rounded_gram` of ``gram``
+    (``ValueError`` for a Gram with no factor)."""
+    if R is not None and np.shape(R) == gram.shape:
+        R = np.asarray(R, dtype=np.float64)
+        if np.array_equal(R, np.triu(bfloat16_rounded(R))) and np.array_equal(R.T @ R, gram):
+            return R, gram
+    return rounded_gram(gram)
 
 
 def check_precisions(precisions: str) -> str:
@@ -287,14 +289,11 @@ class ClientSummary:
         if not _is_symmetric(gram):
             self.gram_factor = None
             return
-        R = self.gram_factor
-        if not _is_factor(R, gram):
-            try:
-                R, gram = rounded_gram(gram)
-            except ValueError:  # not positive semi-definite: the heads refuse it, summary_arrays too
-                self.gram_factor = None
-                return
-        self.gram_factor = np.asarray(R, dtype=np.float64)
+        try:
+            self.gram_factor, gram = _held_factor(self.gram_factor, gram)
+        except ValueError:  # not positive semi-definite: the heads refuse it, summary_arrays too
+            self.gram_factor = None
+            return
         self.output_factors = {**factors, "gram": gram}
         if "eigenvalues" in factors:
             self.output_factors["eigenvalues"] = bfloat16_rounded(factors["eigenvalues"])
@@ -305,24 +304,21 @@ class ClientSummary:
         float32, the output Gram as its upper triangle since version 4, the precisions as
         bfloat16 since version 5, the Gram's triangular factor and the output eigenvalues as
         bfloat16 since version 6, int64 class counts)."""
-        precisions = sum(np.size(v) for v in self.precision.values())
-        half = self.version >= BFLOAT16_VERSION
-        floats = 0 if half else precisions
-        floats += sum(np.size(v) for stats in self.moments.values() for v in stats.values())
-        factors = self.output_factors or {}
-        halves = precisions if half else 0
-        if self.version >= FACTOR_GRAM_VERSION:  # the Gram's factor and the eigenvalues as bfloat16 too
-            halves += sum(np.size(factors[k]) for k in ("gram", "eigenvalues") if k in factors)
-            floats += sum(np.size(v) for k, v in factors.items() if k not in ("gram", "eigenvalues"))
-        else:
-            floats += sum(np.size(v) for v in factors.values())
-        if "gram" in factors and self.version >= PACKED_GRAM_VERSION:
-            g = len(factors["gram"])
-            lower = g * (g - 1) // 2  # the strict lower triangle is not stored
-            halves, floats = (
-                (halves - lower, floats) if self.version >= FACTOR_GRAM_VERSION else (halves, floats - lower)
-            )
-        return 4 * floats + 2 * halves + 8 * np.size(self.class_counts)
+
+        def stored(key: str, value) -> int:  # numbers stored: the Gram (or its factor) as its upper triangle
+            g = len(value) if key == "gram" and self.version >= PACKED_GRAM_VERSION else 0
+            return g * (g + 1) // 2 if g else int(np.size(value))
+
+        def width(half: bool) -> int:  # bytes per number: bfloat16 or float32
+            return 2 if half else 4
+
+        total = width(self.version >= BFLOAT16_VERSION) * sum(np.size(v) for v in self.precision.values())
+        total += 4 * sum(np.size(v) for stats in self.moments.values() for v in stats.values())
+        total += sum(
+            width(self.version >= FACTOR_GRAM_VERSION and k in ("gram", "eigenvalues")) * stored(k, v)
+            for k, v in (self.output_factors or {}).items()
+        )
+        return int(total + 8 * np.size(self.class_counts))
 
     def output_precision(self, spec: PermutationSpec) -> np.ndarray | None:
         """The GGN of the output biases, ``sum_n p_nk (1 - p_nk)`` per class; None without an output bias."""
@@ -832,16 +828,13 @@ def summary_arrays(summary: ClientSummary, name: str = "summary") -> dict[str, n
     out = {f"precision/{k}": bfloat16_bits(v) for k, v in summary.precision.items()} if half else {}
     if "output/gram" in arrays and summary.version >= FACTOR_GRAM_VERSION:
         gram = np.asarray(arrays.pop("output/gram"), dtype=np.float64)
-        R = summary.gram_factor
-        if not _is_factor(R, gram):  # output_factors changed after the summary was made
-            try:
-                R = rounded_gram(gram)[0]
-            except (ValueError, np.linalg.LinAlgError) as err:
-                raise SummaryError(
-                    f"{name}: a version {FACTOR_GRAM_VERSION} summary holds its output Gram as a triangular factor; "
-                    f"this Gram has none ({err})"
-                ) from None
-        assert R is not None  # _is_factor holds for it, or it was just computed
+        try:  # the held factor, or (output factors changed after the summary was made) the Gram's
+            R = _held_factor(summary.gram_factor, gram)[0]
+        except (ValueError, np.linalg.LinAlgError) as err:
+            raise SummaryError(
+                f"{name}: a version {FACTOR_GRAM_VERSION} summary holds its output Gram as a triangular factor; "
+                f"this Gram has none ({err})"
+            ) from None
         out["output/gram_factor"] = bfloat16_bits(packed_upper(R))
         if "output/eigenvalues" in arrays:
             out["output/eigenvalues"] = bfloat16_bits(arrays.pop("output/eigenvalues"))

@@ -15,7 +15,7 @@ from flwr.serverapp.strategy import Result
 from torch import nn
 
 from bayesfuse import methods
-from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
+from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
 from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states, state_bytes
 from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
@@ -606,14 +606,14 @@ class FedMA(_RefitRound):
         return state_to_record(result.state_dict), MetricRecord(metrics)
 
     def _plain(self, state: dict) -> dict:
-        """A node's network with its position encodings folded in (eq. F; float64, as run_fedma's)."""
+        """A node's network with its position encodings, if any, folded in (eq. F; float64, as run_fedma's)."""
         assert self._spec is not None  # set in round 1
-        return fold_encodings(state, self._spec) if encoded_groups(self._spec) else state
+        return fold_encodings(state, self._spec)
 
     def _encoded(self, state: dict) -> dict:
         """A plain network as the position-aware one of its widths (eq. U)."""
         assert self._spec is not None  # set in round 1
-        return unfold_encodings(state, self._spec) if encoded_groups(self._spec) else state
+        return unfold_encodings(state, self._spec)
 
     def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
         """After the refit round, the refitted network predicting with the nodes' own output fits:
