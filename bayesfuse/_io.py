@@ -176,7 +176,14 @@ def _check_targets(targets: Sequence[Path], overwrite: bool) -> None:
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process's umask, read where the system shows it (Linux: ``/proc/self/status``) rather
+    than set and restored, which would leave other threads creating files under umask 0 a moment."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0)  # pragma: no cover - systems without /proc
     os.umask(mask)
     return mask
 
@@ -303,23 +310,34 @@ def _fsync_dir(directory: Path) -> None:
 
 @dataclass(frozen=True)
 class _Entry:
-    """One file of a commit: staged ``tmp`` (inode ``inode``) goes to ``target``."""
+    """One file of a commit: staged ``tmp`` (inode ``inode``) goes to ``target``; or, without
+    ``tmp``, the file ``target`` (inode ``inode``) is removed."""
 
-    tmp: Path
+    tmp: Path | None
     target: Path
     inode: int
     overwrite: bool
     existed: bool
-    backup: Path | None  # a hard link to the replaced file, to undo an overwrite
+    backup: Path | None  # a hard link to the replaced (or removed) file, to undo the commit
 
     def placed(self) -> bool:
+        if self.tmp is None:
+            return _inode(self.target) != self.inode
         return _inode(self.target) == self.inode
 
     def staged(self) -> bool:
-        return _inode(self.tmp) == self.inode
+        return self.tmp is not None and _inode(self.tmp) == self.inode
 
     def placeable(self) -> bool:
+        if self.tmp is None:
+            return True
         return self.staged() and (self.overwrite or not _lexists(self.target))
+
+    def place(self) -> None:
+        if self.tmp is None:
+            self.target.unlink(missing_ok=True)
+        else:
+            _commit(self.tmp, self.target, self.overwrite)
 
 
 def _inode(path: Path) -> int | None:
@@ -366,6 +384,11 @@ def _new_entry(tmp: Path, target: Path, overwrite: bool) -> _Entry:
     return _Entry(tmp, target, tmp.stat().st_ino, overwrite, existed, _backup(target) if existed else None)
 
 
+def _removal(target: Path) -> _Entry:
+    """The entry that removes the existing file ``target``, with a hard link to put it back."""
+    return _Entry(None, target, os.lstat(target).st_ino, True, True, _backup(target))
+
+
 def _write_journal(journal: Path, entries: Sequence[_Entry]) -> None:
     """Record ``entries`` in ``journal``, atomically and synced."""
     base = journal.parent
@@ -406,7 +429,7 @@ def _read_journal(journal: Path) -> list[_Entry]:
             raise ValueError(f"unknown format {record.get('format')!r}")
         return [
             _Entry(
-                base / e["tmp"],
+                None if e["tmp"] is None else base / e["tmp"],
                 base / e["target"],
                 int(e["inode"]),
                 bool(e["overwrite"]),
@@ -459,7 +482,7 @@ def _roll_forward(entries: Sequence[_Entry]) -> None:
     """Place every entry not placed yet (all are placeable), then drop leftovers."""
     for e in entries:
         if not e.placed():
-            _commit(e.tmp, e.target, e.overwrite)
+            e.place()
     for e in entries:
         if e.staged():
             _discard(e.tmp)
@@ -537,12 +560,14 @@ def recover(paths: Iterable[str | os.PathLike]) -> None:
         _recover_locked([t for t in targets if t.parent in directories], held)
 
 
-def _commit_all(staged: Sequence[Path], targets: Sequence[Path], overwrite: bool) -> None:
-    """Journal, place and un-journal ``staged`` at ``targets`` (the caller holds the locks).
+def _commit_all(staged: Sequence[Path], targets: Sequence[Path], overwrite: bool, remove: Sequence[Path] = ()) -> None:
+    """Journal, place and un-journal ``staged`` at ``targets``, and remove the files ``remove``
+    that exist (the caller holds the locks).
 
     One file needs no journal: a rename or hard link is atomic by itself.
     """
-    if len(targets) == 1:
+    remove = [p for p in remove if _lexists(p)]
+    if len(targets) == 1 and not remove:
         _commit(staged[0], targets[0], overwrite)
         _fsync_dir(targets[0].parent)
         return
@@ -551,6 +576,8 @@ def _commit_all(staged: Sequence[Path], targets: Sequence[Path], overwrite: bool
     try:
         for tmp, p in zip(staged, targets):
             entries.append(_new_entry(tmp, p, overwrite))
+        for p in remove:
+            entries.append(_removal(p))
         _write_journal(journal, entries)
     except BaseException:
         for e in entries:
@@ -558,7 +585,7 @@ def _commit_all(staged: Sequence[Path], targets: Sequence[Path], overwrite: bool
         raise
     try:
         for e in entries:
-            _commit(e.tmp, e.target, e.overwrite)
+            e.place()
         _fsync_dirs(entries)
     except BaseException:
         with contextlib.suppress(OSError):  # what cannot be undone now, the next write undoes
@@ -571,7 +598,12 @@ def _commit_all(staged: Sequence[Path], targets: Sequence[Path], overwrite: bool
         _discard(e.backup)
 
 
-def atomic_write_files(files: Sequence[tuple[str | os.PathLike, bytes]], *, overwrite: bool = False) -> list[Path]:
+def atomic_write_files(
+    files: Sequence[tuple[str | os.PathLike, bytes]],
+    *,
+    overwrite: bool = False,
+    remove: Sequence[str | os.PathLike] = (),
+) -> list[Path]:
     """Write several files as one unit: all of them, or none.
 
     Every file is first written and synced to a temporary file beside its target, so a full disk
@@ -582,7 +614,9 @@ def atomic_write_files(files: Sequence[tuple[str | os.PathLike, bytes]], *, over
     this call already placed are removed again: never a file another process wrote. With
     ``overwrite``, a commit that fails half-way puts the replaced files back. A commit
     interrupted by a kill is finished or undone by the next call for these targets (see
-    :func:`recover`), which also removes dead writers' temporary files.
+    :func:`recover`), which also removes dead writers' temporary files. The files ``remove``
+    names that exist (another fusion's files that no longer belong beside the new ones) are
+    removed in the same commit: with the new files, or not at all.
 
     Raises
     ------
@@ -596,18 +630,21 @@ def atomic_write_files(files: Sequence[tuple[str | os.PathLike, bytes]], *, over
         Any other write error (a full disk, a file-size limit), naming the target.
     """
     targets = [Path(p) for p, _ in files]
+    removed = [Path(p) for p in remove]
     if not targets:
         return []
-    recover(targets)
+    if set(removed) & set(targets):
+        raise ValueError("a file cannot be both written and removed in one commit")
+    recover(targets + removed)
     _check_targets(targets, overwrite)
     created = _missing_dirs(p.parent for p in targets)
     staged: list[Path] = []
     try:
         for p, (_, data) in zip(targets, files):
             staged.append(_stage(p, data))
-        with _locked(_lock_set(p.parent for p in targets)) as held:
-            _recover_locked(targets, held)
-            _commit_all(staged, targets, overwrite)
+        with _locked(_lock_set(p.parent for p in targets + removed)) as held:
+            _recover_locked(targets + removed, held)
+            _commit_all(staged, targets, overwrite, removed)
     except BaseException:
         _remove_empty_dirs(created)
         raise

@@ -107,7 +107,8 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         Unknown suffix, empty, unreadable or truncated file, a payload ``weights_only``
         refuses (a whole pickled module is named as such, with the fix), something that is not
         a flat mapping of names to tensors nor a checkpoint dict holding one
-        (:data:`STATE_DICT_KEYS`; several are refused), or sparse tensors.
+        (:data:`STATE_DICT_KEYS`; several are refused), sparse or meta tensors, or a dtype
+        bayesfuse does not read (float8, complex).
     """
     path = Path(path)
     with _reading(path):
@@ -237,8 +238,8 @@ def _refused_pickle(path: Path, raw: bytes, err: Exception) -> str:
 def _torch_reason(err: Exception) -> str:
     """The gist of torch's error: its first sentence, and the line naming what it does not support."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if not lines:
-        return type(err).__name__
+    if not lines or isinstance(err, (KeyError, IndexError)):  # KeyError(101): the bare key says nothing
+        return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
     first = lines[0].split(". ")[0].rstrip(".")
     unsupported = next((line for line in lines[1:] if line.startswith("Unsupported")), None)
     return plain_line(f"{first}: {unsupported}" if unsupported else first)
@@ -315,14 +316,39 @@ def _recorded_order(raw: bytes, sd: dict) -> list[str] | None:
     return order
 
 
+#: The dtypes a checkpoint's entries may have: floating point ones fused, integer ones (counters
+#: such as batch norm's ``num_batches_tracked``) and booleans carried.
+_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+
+
 def _check_dense(path: Path, tensors: dict) -> None:
-    """Refuse sparse, quantized and other non-strided tensors, naming the entry."""
+    """Refuse sparse, quantized, meta and other tensors without their numbers, and dtypes outside
+    :data:`_DTYPES` (float8, complex), naming the entry."""
     for key, t in tensors.items():
         if t.layout != torch.strided or t.is_quantized:
             kind = "quantized" if t.is_quantized else f"sparse ({t.layout})"
             raise ValueError(
                 f"{path}: entry {key!r} is a {kind} tensor; save dense tensors "
                 "(tensor.to_dense(), or tensor.dequantize()) and try again"
+            )
+        if t.is_meta:
+            raise ValueError(f"{path}: entry {key!r} is a meta tensor, with a shape but no numbers; save the weights")
+        if t.dtype not in _DTYPES:
+            dtype = str(t.dtype).removeprefix("torch.")
+            raise ValueError(
+                f"{path}: entry {key!r} is {dtype}, which bayesfuse does not read; save it as float32 "
+                "(tensor.float()) and try again"
             )
 
 
@@ -383,7 +409,12 @@ def save_state_dict(
 def state_dict_bytes(state_dict: dict, fmt: str) -> bytes:
     """A state_dict serialised as ``fmt`` (``"pt"``: torch.save; ``"safetensors"``, entry order kept)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    if fmt == "safetensors":
+    if fmt == "safetensors":  # which stores no tensors that share memory (tied weights): a copy each
+        seen: set[int] = set()
+        for k, v in tensors.items():
+            if v.numel() and v.untyped_storage().data_ptr() in seen:
+                tensors[k] = v.clone()
+            seen.add(v.untyped_storage().data_ptr())
         from safetensors.torch import save
 
         return save(tensors, metadata={ORDER_KEY: json.dumps(list(tensors))})
@@ -588,6 +619,10 @@ def heads_from_arrays(tensors: dict, output: str, form: str, name: str) -> dict:
     """The heads in :func:`heads_arrays`'s ``tensors`` (their output layer ``output`` and
     ``form``); refuses, with one line naming ``name``, missing arrays or a Gram that does not fit
     its head's support."""
+    from bayesfuse.inference.client_heads import HEAD_FORMS
+
+    if form not in HEAD_FORMS:
+        raise ValueError(f"{name}: unknown form of the client heads {form!r}; expected one of {', '.join(HEAD_FORMS)}")
     missing = [k for k in _HEAD_ARRAYS if k not in tensors]
     if missing:
         raise ValueError(f"{name}: the client heads are incomplete (missing {missing})")

@@ -35,7 +35,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
@@ -483,7 +486,11 @@ def _run_fuse(args: argparse.Namespace) -> int:
             pseudo_count=args.pseudo_count,
         )
     used = report["summaries"].get("used", False)
-    *written, last = [args.out, f"{args.out}.json", *(report[k]["file"] for k in ("posterior", "heads") if report[k])]
+    *written, last = [
+        args.out,
+        f"{args.out}.json",
+        *(report[k]["file"] for k in ("posterior", "heads", "fusion_record") if report[k]),
+    ]
     print(
         f"fused {len(args.models)} models with {args.method} "
         f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "

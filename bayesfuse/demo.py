@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bayesfuse import methods
-from bayesfuse._io import atomic_write_bytes, atomic_write_text, check_output_dir, jsonable, prepare_output_dir
+from bayesfuse._io import atomic_write_files, check_output_dir, jsonable, prepare_output_dir
 from bayesfuse.baselines import Ensemble, evaluate_locals, fedavg
 from bayesfuse.data.datasets import DataSplit, load_dataset
 from bayesfuse.data.partition import Partition, dirichlet_partition, holdout_partition
@@ -500,7 +500,6 @@ def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[
         writer.writerows(
             {**row, "seed": run.seed, "widths": "/".join(map(str, row["widths"] or []))} for row in run.rows
         )
-    files = {"csv": atomic_write_text(out_dir / "results.csv", buf.getvalue(), overwrite=True)}
     report = {
         "config": asdict(result.config),
         "seeds": list(result.seeds),
@@ -528,9 +527,14 @@ def _write_outputs(result: DemoResult, out_dir: Path, split: DataSplit) -> dict[
         "versions": _versions(),
     }
     text = json.dumps(jsonable(report), indent=2, allow_nan=False) + "\n"
-    files["json"] = atomic_write_text(out_dir / "results.json", text, overwrite=True)
-    files["figure"] = atomic_write_bytes(out_dir / "summary.png", _figure_png(result, split), overwrite=True)
-    return files
+    outputs = {
+        "csv": (out_dir / "results.csv", buf.getvalue().encode("utf-8")),
+        "json": (out_dir / "results.json", text.encode("utf-8")),
+        "figure": (out_dir / "summary.png", _figure_png(result, split)),
+    }
+    # one run's three files: all written, or none (never a table of one run beside another's figure)
+    atomic_write_files(list(outputs.values()), overwrite=True)
+    return {key: path for key, (path, _) in outputs.items()}
 
 
 #: (column, axis label, whether smaller is better) of the figure's panels

@@ -15,13 +15,15 @@ result; the same tensors and seed give a bit-identical output.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import platform
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping, Sequence, TypedDict
+from typing import Iterator, Mapping, Sequence, TypedDict
 
 import numpy as np
 import torch
@@ -64,7 +66,7 @@ def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
             if bias is None or bias not in sd or sd[bias].shape != (t.shape[0],):
                 raise ValueError(
                     f"{name}: parameter {key!r} {tuple(t.shape)} has no matching bias, so the file is not a "
-                    "plain MLP's; give the network itself (--model MODULE:NAME, like=model in Python)"
+                    "plain MLP's; give the network itself (like=model)"
                 )
             pairs.append((key, bias))
         elif t.ndim not in (1,):
@@ -165,6 +167,10 @@ def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
             raise ValueError(f"class counts of {n}: expected a list of numbers per class, got {row!r}")
         if not all(math.isfinite(c) and c >= 0 for c in row):
             raise ValueError(f"class counts of {n} must be finite and non-negative, got {list(row)!r}")
+        with np.errstate(over="ignore"):
+            total = float(np.sum(np.asarray(row, dtype=np.float64)))
+        if not (math.isfinite(total) and total > 0):
+            raise ValueError(f"class counts of {n} must sum to a finite number above 0, got {list(row)!r}")
         rows.append([float(c) for c in row])
     unknown = sorted(str(keys[p]) for p in keys if p not in used)
     if unknown:
@@ -212,7 +218,7 @@ def _network_spec(state_dicts, names, arch, spec, like=None):
         if attention is not None:
             raise ValueError(
                 f"{names[0]}: entry {attention!r} is an nn.MultiheadAttention's, and entry names do not show "
-                "how the network uses it; give the network itself (--model MODULE:NAME, like=model in Python)"
+                "how the network uses it; give the network itself (like=model)"
             )
         source = (
             "entry names, as a plain chain" + (" (--arch {})".format(arch) if arch != "auto" else "")
@@ -313,6 +319,22 @@ def _input_summaries(names: Sequence[str], mode: str, method: str, kind: str) ->
         "files": [str(f) for f in files],
         "file_bytes": [f.stat().st_size for f in files],
     }
+
+
+@contextmanager
+def _naming_summary_files(names: Sequence[str], summaries_report: dict) -> Iterator[None]:
+    """Re-raise a refused summary (:class:`~bayesfuse.summaries.SummaryError`, which names its
+    client's model file) naming the summary file too, the one to fix or compute again."""
+    from bayesfuse.summaries import SummaryError
+
+    try:
+        yield
+    except SummaryError as err:
+        message = str(err)
+        for name, file in zip(names, summaries_report.get("files", ())):
+            if message.startswith(f"{name}: "):
+                raise SummaryError(f"{file} (the summary of {name}): {message[len(name) + 2 :]}") from None
+        raise
 
 
 def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | None]:
@@ -582,7 +604,8 @@ def fuse_files(
         states: Sequence[State] = [
             HorseshoeBNN.from_state_dict(sd, n).state_dict() for sd, n in zip(state_dicts, names)
         ]
-        fused = fuse_states(states, method, **given, **hyper)
+        with _naming_summary_files(names, summaries_report):
+            fused = fuse_states(states, method, **given, **hyper)
         from bayesfuse.models.bnn_heads import bnn_from_state
 
         fused_sd = bnn_from_state(fused.state).state_dict()
@@ -605,8 +628,17 @@ def fuse_files(
                 for sd in state_dicts
             ]
         )
-        fused = fuse_states(states, method, spec=spec, **given, **hyper)
-        fused_sd = OrderedDict((k, torch.as_tensor(fused.state[k]).to(state_dicts[0][k].dtype)) for k in state_dicts[0])
+        with _naming_summary_files(names, summaries_report):
+            fused = fuse_states(states, method, spec=spec, **given, **hyper)
+        fused_sd = OrderedDict(  # each entry in the widest dtype the clients give it, whatever their order
+            (
+                k,
+                torch.as_tensor(fused.state[k]).to(
+                    functools.reduce(torch.promote_types, (sd[k].dtype for sd in state_dicts))
+                ),
+            )
+            for k in state_dicts[0]
+        )
         if like is not None:  # never a file that cannot be loaded into the user's network and run
             fused_model = _check_like(like, fused_sd)
             if template is not like:
@@ -634,6 +666,7 @@ def fuse_files(
         "heads": None,
         "fusion_record": None,
         "global_sizes": [int(s) for s in fused.sizes],
+        "model_tensors_sha256": tensors_sha256(fused_sd),
         "converged": fused.converged,
         "layers": [
             {
@@ -674,6 +707,17 @@ def fuse_files(
             "posterior mean and variance, counts, assignments and objective; bayesfuse.load "
             "returns them as model.fusion",
         }
+    # --force over a fusion that had side files this one has not: not this model's, removed with
+    # the same commit
+    stale = [
+        path
+        for path, kept in (
+            (posterior_path(out), report["posterior"]),
+            (fusion_path(out), record),
+            (heads_path(out), report["heads"]),
+        )
+        if not kept
+    ]
     # the model, its report (and its posterior) are one unit: all written, or (without force) none
     atomic_write_files(
         [
@@ -682,14 +726,8 @@ def fuse_files(
             *posterior,
         ],
         overwrite=force,
+        remove=stale if force else (),
     )
-    for stale, kept in (
-        (posterior_path(out), report["posterior"]),
-        (fusion_path(out), record),
-        (heads_path(out), report["heads"]),
-    ):
-        if not kept and stale.exists():  # --force over a fusion that had one: not this model's
-            stale.unlink()
     return report
 
 

@@ -137,18 +137,34 @@ def read_fusion(path: str | os.PathLike, model, model_tensors: dict, model_name:
                 )
             )
             posteriors.append((tensors[f"layer{i}/mean"], tensors[f"layer{i}/var"]))
+            _check_layer(i, layers[-1], *posteriors[-1])
+        result = FusionResult(
+            model=model,
+            layers=layers,
+            sizes=[int(s) for s in record["sizes"]],
+            method=method or str(record["method"]),
+            hyper=dict(record["hyper"]),
+            seconds=0.0,
+            groups=tuple(str(g) for g in record["groups"]),
+            posteriors=posteriors,
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: a malformed fusion record ({type(err).__name__}: {err})") from None
-    return FusionResult(
-        model=model,
-        layers=layers,
-        sizes=list(record["sizes"]),
-        method=method or record["method"],
-        hyper=dict(record["hyper"]),
-        seconds=0.0,
-        groups=tuple(record["groups"]),
-        posteriors=posteriors,
-    )
+    return result
+
+
+def _check_layer(i: int, layer: SavedLayer, mean: np.ndarray, var: np.ndarray) -> None:
+    """Refuse (``ValueError``) a recorded layer whose arrays do not fit its ``n_global`` units."""
+    G = layer.n_global
+    if mean.ndim != 2 or mean.shape[0] != G or var.shape != mean.shape:
+        raise ValueError(f"layer {i}: mean {mean.shape} and var {var.shape} do not fit its {G} global units")
+    if not (np.isfinite(mean).all() and np.isfinite(var).all() and (var >= 0).all()):
+        raise ValueError(f"layer {i}: its posterior holds NaN, inf or negative variances")
+    if layer.counts is not None and np.shape(layer.counts) != (G,):
+        raise ValueError(f"layer {i}: counts {np.shape(layer.counts)} do not fit its {G} global units")
+    for j, a in enumerate(layer.assignments):
+        if a.ndim != 1 or (a.size and (a.min() < 0 or a.max() >= G)):
+            raise ValueError(f"layer {i}: client {j}'s assignment is not a list of its units' global units 0..{G - 1}")
 
 
 def _host(values):

@@ -28,25 +28,53 @@ import json
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 
 from torch import nn
 
-from bayesfuse.checkpoints import heads_path, posterior_path, read_checkpoint, read_heads, read_posterior
+from bayesfuse._io import recover
+from bayesfuse.checkpoints import (
+    heads_path,
+    posterior_path,
+    read_checkpoint,
+    read_heads,
+    read_posterior,
+    tensors_sha256,
+)
 from bayesfuse.fusion_record import fusion_path
 
 __all__ = ["load", "load_report"]
 
 
-def load_report(path: str | os.PathLike) -> dict | None:
-    """The JSON report ``bayesfuse fuse`` wrote beside ``path`` (``path + '.json'``), or None."""
+def load_report(path: str | os.PathLike, model_tensors: dict | None = None) -> dict | None:
+    """The JSON report ``bayesfuse fuse`` wrote beside ``path`` (``path + '.json'``), or None.
+
+    A file there that is no bayesfuse report (not JSON, or JSON without ``versions.bayesfuse``:
+    a user's own notes beside a checkpoint) is left alone with a warning, and None returned.
+    Given the model file's tensors, a report written for other tensors (its
+    ``model_tensors_sha256``, :func:`~bayesfuse.checkpoints.tensors_sha256`) is refused.
+    """
     report = Path(path).with_name(Path(path).name + ".json")
     if not report.is_file():
         return None
     try:
-        return json.loads(report.read_text(encoding="utf-8"))
+        record = json.loads(report.read_text(encoding="utf-8"))
+        ours = (
+            isinstance(record, dict) and isinstance(record.get("versions"), dict) and "bayesfuse" in record["versions"]
+        )
+        why = "" if ours else "it names no bayesfuse version"
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{report}: not a readable JSON report ({err})") from None
+        why = f"not JSON: {err}"
+    if why:
+        warnings.warn(f"{report}: not a bayesfuse fusion report ({why}); ignored", UserWarning, stacklevel=3)
+        return None
+    written_for = record.get("model_tensors_sha256")
+    if model_tensors is not None and written_for is not None and written_for != tensors_sha256(model_tensors):
+        raise ValueError(
+            f"{report}: this report was written for other tensors than {path}'s; fuse again, or remove the stale report"
+        )
+    return record
 
 
 def load(
@@ -100,15 +128,17 @@ def load(
         ``like`` was given, or a ConvNet's ``n_features`` does not fit its weights; or the
         posterior beside it is unreadable, of another version or written for other tensors.
     """
+    _finish_interrupted_write(path)
     state = read_checkpoint(path).tensors
     name = str(path)
+    report = load_report(path, state)
     if like is not None:
         model = _like(like, state, name)
     else:
         try:
             model = _recognised(state, name, n_features)
         except ValueError:
-            network = ((load_report(path) or {}).get("architecture") or {}).get("network")
+            network = _reported_network(report, path)
             if not network:
                 raise
             template = _imported_network(network)
@@ -123,7 +153,7 @@ def load(
     elif posterior and posterior_path(path).is_file():
         model = _with_posterior(model, posterior_path(path), state, name)
     # plain attributes: torch's stub types a module's attributes as Tensor | Module
-    model.fusion_report = load_report(path)  # type: ignore[assignment]
+    model.fusion_report = report  # type: ignore[assignment]
     model.fusion = None  # type: ignore[assignment]
     if posterior and fusion_path(path).is_file():
         from bayesfuse.fusion_record import read_fusion
@@ -132,9 +162,34 @@ def load(
     return model.eval()
 
 
+def _finish_interrupted_write(path: str | os.PathLike) -> None:
+    """Finish or undo a fusion's write that a kill interrupted (:func:`bayesfuse._io.recover`), so
+    that the model and the files beside it are read all from one fusion; waits for a writer that
+    is still at it."""
+    paths = [Path(path), Path(path).with_name(Path(path).name + ".json")]
+    paths += [heads_path(path), posterior_path(path), fusion_path(path)]
+    try:
+        recover(paths)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"{path}: a write of this model was interrupted and cannot be finished here ({err}); write it again"
+        ) from None
+
+
+def _reported_network(report: dict | None, path) -> str | None:
+    """The ``"module:Class"`` the report names (``architecture.network``), or None; a report whose
+    fields are not what ``bayesfuse fuse`` writes is refused in one line."""
+    architecture = (report or {}).get("architecture")
+    network = architecture.get("network") if isinstance(architecture, dict) else None
+    if (architecture is not None and not isinstance(architecture, dict)) or not isinstance(network, (str, type(None))):
+        raise ValueError(f"{path}.json: its architecture is not what bayesfuse fuse writes; remove or fix it")
+    return network
+
+
 def _imported_network(network: str) -> nn.Module | None:
     """The network ``"module:Class"`` the report names, built with no arguments, when its module is
-    imported already (a file names it, so nothing is imported on its say); None otherwise."""
+    imported already and the name is an ``nn.Module`` class (a file names it, so nothing is
+    imported, and nothing but a network's constructor called, on its say); None otherwise."""
     import sys
 
     module_name, _, qualname = network.partition(":")
@@ -142,7 +197,7 @@ def _imported_network(network: str) -> nn.Module | None:
     factory = module
     for part in qualname.split("."):
         factory = getattr(factory, part, None)
-    if module is None or not callable(factory):
+    if module is None or not (isinstance(factory, type) and issubclass(factory, nn.Module)):
         return None
     try:
         model = factory()
@@ -217,6 +272,18 @@ def _with_posterior(model: nn.Module, path: Path, state: dict, name: str) -> nn.
 
 
 def _recognised(state: dict, name: str, n_features: int | None) -> nn.Module:
+    """The known network whose entry names ``state`` has, built at its widths; a state_dict that
+    has those names but not their shapes or companions is refused in one line naming the file."""
+    try:
+        return _recognised_network(state, name, n_features)
+    except (KeyError, IndexError, ZeroDivisionError, RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"{name}: its entries fit no network bayesfuse builds ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else err!r}); give a network of the same architecture as like=model"
+        ) from None
+
+
+def _recognised_network(state: dict, name: str, n_features: int | None) -> nn.Module:
     from bayesfuse.models.bnn import HorseshoeBNN
     from bayesfuse.models.bnn_sites import has_heads
 

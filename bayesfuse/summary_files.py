@@ -59,6 +59,8 @@ def read_client_data(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
             f"data file {path}: x must hold one row of real inputs per label ({len(y)} labels), got "
             f"{x.dtype} of shape {x.shape}"
         )
+    if len(y) == 0:
+        raise ValueError(f"data file {path}: it holds no examples (x and y are empty)")
     x = x.reshape(len(x), -1).astype(np.float32)
     if not np.isfinite(x).all():
         raise ValueError(f"data file {path}: x has NaN or infinite values")
@@ -124,6 +126,10 @@ def summarize_file(
         raise ValueError(
             f"{model_path}: the network cannot run on the inputs x of shape {x.shape} of {data_path} ({first})"
         ) from None
+    except ValueError as err:  # the labels (or inputs) of the data file do not fit the network
+        if str(data_path) in str(err):
+            raise
+        raise ValueError(f"{model_path} on data file {data_path}: {err}") from None
     save_summary(summary, out, overwrite=force)
     return {
         "path": str(out),

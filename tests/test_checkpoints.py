@@ -167,6 +167,28 @@ def test_empty_file_directory_and_sparse_entries_are_named(tmp_path):
 
 
 @pytest.mark.catalogue
+def test_entries_without_numbers_or_of_unread_dtypes_are_named(tmp_path):
+    sd = _mlp([4, 3, 2])
+    torch.save({k: torch.empty(v.shape, device="meta") for k, v in sd.items()}, tmp_path / "meta.pt")
+    with pytest.raises(ValueError, match=r"meta\.pt: entry 'l0\.weight' is a meta tensor"):
+        read_checkpoint(tmp_path / "meta.pt")
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in sd.items()}, str(tmp_path / "f8.safetensors"))
+    with pytest.raises(ValueError, match=r"f8\.safetensors: entry 'l0\.(weight|bias)' is float8_e4m3fn.*float32"):
+        read_checkpoint(tmp_path / "f8.safetensors")
+    (tmp_path / "notes.pth").write_text("hello world")
+    with pytest.raises(ValueError, match=r"notes\.pth: .*KeyError: 101"):  # torch's KeyError(101), said as one
+        read_checkpoint(tmp_path / "notes.pth")
+
+
+@pytest.mark.catalogue
+def test_tied_weights_are_saved_as_safetensors(tmp_path):
+    weight = torch.randn(5, 3)
+    path = save_state_dict({"embed.weight": weight, "head.weight": weight}, tmp_path / "tied.safetensors")
+    back = read_checkpoint(path).tensors
+    assert torch.equal(back["embed.weight"], weight) and torch.equal(back["head.weight"], weight)
+
+
+@pytest.mark.catalogue
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads any file")
 def test_unreadable_file_is_named(tmp_path):
     path = save_state_dict(_mlp([4, 3, 2]), tmp_path / "locked.pt")
@@ -349,6 +371,13 @@ def test_a_heads_file_keeps_the_kronecker_posterior_and_its_scales(tmp_path):
     heads["examples"] = np.array([30.0, 12.0])
     path.write_bytes(heads_bytes(heads, pool="log", model_tensors=model))
     np.testing.assert_array_equal(read_heads(path, model, "fused.pt")[0]["examples"], [30.0, 12.0])
+
+
+def test_heads_of_an_unknown_form_are_refused():
+    from bayesfuse.checkpoints import heads_from_arrays
+
+    with pytest.raises(ValueError, match="h.safetensors: unknown form of the client heads 'bogus'"):
+        heads_from_arrays({}, "fc", "bogus", "h.safetensors")
 
 
 def test_a_version_1_heads_file_is_read_without_smoothing(tmp_path):

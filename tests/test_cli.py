@@ -129,6 +129,22 @@ def test_demo_refuses_non_empty_out_without_force(demo_run, capsys):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_a_demo_that_fails_writing_leaves_the_last_run_s_three_files(demo_run, capsys, monkeypatch):
+    # the table, the report and the figure of one run: never one run's table beside another's figure
+    import bayesfuse.demo as demo
+
+    out, _ = demo_run
+    before = {name: (out / name).read_bytes() for name in ("results.csv", "results.json", "summary.png")}
+
+    def no_figure(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(demo, "_figure_png", no_figure)
+    assert main([*SMALL, "--seed", "2", "--out", str(out), "--force"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
 def test_demo_prints_the_table(tmp_path, capsys):
     assert main([*SMALL, "--out", str(tmp_path / "o")]) == 0
     text = capsys.readouterr().out

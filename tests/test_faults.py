@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+import bayesfuse
 import bayesfuse._io as io_module
 from bayesfuse._io import JOURNAL_SUFFIX, atomic_write_files, recover
 from bayesfuse.checkpoints import save_state_dict
@@ -444,9 +445,8 @@ def test_recover_after_a_sigkill_removes_every_trace(tmp_path, stage):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.pt", "fused.pt.json"]
 
 
-def test_a_sigkill_of_bayesfuse_fuse_between_model_and_report(models, tmp_path, capsys):
-    # The bug: fused.pt without fused.pt.json for good, and every rerun refused. Now the rerun
-    # completes the killed run's commit (so both files come from it) and then refuses to replace them.
+def _fuse_killed_between_model_and_report(models, tmp_path) -> Path:
+    """``bayesfuse fuse`` to ``f.pt``, killed (SIGKILL) after placing the model, before its report."""
     out = tmp_path / "f.pt"
     script = (
         "import os, signal\nimport bayesfuse._io as io\nreal, calls = io._commit, []\n"
@@ -457,6 +457,13 @@ def test_a_sigkill_of_bayesfuse_fuse_between_model_and_report(models, tmp_path, 
     proc = _python(script, *_fuse_argv(models, out))
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert out.exists() and not (tmp_path / "f.pt.json").exists()  # what the kill left
+    return out
+
+
+def test_a_sigkill_of_bayesfuse_fuse_between_model_and_report(models, tmp_path, capsys):
+    # The bug: fused.pt without fused.pt.json for good, and every rerun refused. Now the rerun
+    # completes the killed run's commit (so both files come from it) and then refuses to replace them.
+    out = _fuse_killed_between_model_and_report(models, tmp_path)
     assert main(_fuse_argv(models, out)) == 2
     assert "exists" in _one_line(capsys.readouterr().err)
     reference = tmp_path / "ref" / "f.pt"
@@ -465,6 +472,63 @@ def test_a_sigkill_of_bayesfuse_fuse_between_model_and_report(models, tmp_path, 
     assert json.loads((tmp_path / "f.pt.json").read_text())["method"] == "pfnm"
     assert _leftovers(tmp_path) == []
     assert main(_fuse_argv(models, out, "--force")) == 0 and _leftovers(tmp_path) == []
+
+
+KILLED_REMOVAL = r"""
+import os, signal, sys
+from pathlib import Path
+import bayesfuse._io as io
+
+directory, stage = Path(sys.argv[1]), sys.argv[2]
+real = io._remove_journal if stage == "removed" else io._commit
+
+def hook(*args):
+    if stage == "removed" and (directory / "fused.pt.heads").exists():
+        raise AssertionError("the removal was not placed before the journal's removal")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+setattr(io, "_remove_journal" if stage == "removed" else "_commit", hook)
+io.atomic_write_files([(directory / "fused.pt", b"new"), (directory / "fused.pt.json", b"new report")],
+                      overwrite=True, remove=[directory / "fused.pt.heads"])
+"""
+
+
+@pytest.mark.parametrize("stage", ["journaled", "removed"])
+def test_a_sigkill_during_a_commit_that_removes_a_file_leaves_one_fusion(tmp_path, stage):
+    # --force over a fusion with a side file the new one has not: the side file goes with the new
+    # files, never before them nor left beside them
+    atomic_write_files(
+        [
+            (tmp_path / "fused.pt", b"old"),
+            (tmp_path / "fused.pt.json", b"old report"),
+            (tmp_path / "fused.pt.heads", b"h"),
+        ]
+    )
+    proc = _python(KILLED_REMOVAL, str(tmp_path), stage)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    recover([tmp_path / "fused.pt", tmp_path / "fused.pt.json", tmp_path / "fused.pt.heads"])
+    # the journal was on disk with every file staged: the commit is finished, removal included
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.pt", "fused.pt.json"]
+    assert (tmp_path / "fused.pt").read_bytes() == b"new" and (tmp_path / "fused.pt.json").read_bytes() == b"new report"
+
+
+class _Net(torch.nn.Module):
+    """The network of :func:`_mlp_sd`'s entries."""
+
+    def __init__(self, d: int = 64, h: int = 20, k: int = 10):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, h), torch.nn.Linear(h, k)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_load_finishes_a_fusion_write_a_kill_interrupted(models, tmp_path):
+    # a model read beside the report of the fusion that wrote it, never beside another's or none
+    out = _fuse_killed_between_model_and_report(models, tmp_path)
+    loaded = bayesfuse.load(out, like=_Net())
+    assert loaded.fusion_report is not None and loaded.fusion_report["method"] == "pfnm"
+    assert loaded.fusion is not None and _leftovers(tmp_path) == []
 
 
 CONCURRENT_WRITER = r"""

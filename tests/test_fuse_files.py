@@ -286,6 +286,8 @@ def test_class_counts_follow_their_files_into_the_fused_order(mlp_files, tmp_pat
         (lambda c: {k: [-1] + v[1:] for k, v in c.items()}, "finite and non-negative"),
         (lambda c: {k: ["a"] + v[1:] for k, v in c.items()}, "list of numbers"),
         (lambda c: {k: [True] + v[1:] for k, v in c.items()}, "list of numbers"),
+        (lambda c: {k: [1e308] * len(v) for k, v in c.items()}, "sum to a finite number above 0"),
+        (lambda c: {k: [0] * len(v) if i == 1 else v for i, (k, v) in enumerate(c.items())}, "sum to a finite number"),
     ],
 )
 def test_bad_class_counts_are_named_and_nothing_is_written(mlp_files, tmp_path, capsys, split, edit, message):
@@ -537,3 +539,25 @@ def test_a_method_that_does_not_take_the_files_kind_is_refused(mlp_files, bnn_fi
     with pytest.raises(ValueError, match=re.escape(message)):
         fuse_files(paths, method, tmp_path / "f.pt")
     assert not (tmp_path / "f.pt").exists()
+
+
+@pytest.mark.catalogue
+def test_the_fused_dtype_is_the_widest_input_s_whatever_the_order(mlp_files, tmp_path):
+    # a float16 client and float32 ones: float32, whichever file comes first in the fused order
+    half = tmp_path / "half.pt"
+    save_state_dict({k: v.half() for k, v in load_state_dict(mlp_files[0]).items()}, half)
+    for j, inputs in enumerate(([half, *mlp_files[1:]], [*mlp_files[1:], half])):
+        out = tmp_path / f"f{j}.pt"
+        fuse_files(inputs, "fedavg", out)
+        assert {t.dtype for t in load_state_dict(out).values()} == {torch.float32}
+
+
+@pytest.mark.catalogue
+def test_force_removes_the_old_fusion_s_side_files_with_its_commit(mlp_files, tmp_path, split):
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps(_counts_by_name(mlp_files, split)))
+    out = tmp_path / "f.pt"
+    argv = ["fuse", *map(str, mlp_files), "--method", "pfnm", "--out", str(out), "--class-counts", str(counts)]
+    assert main([*argv, "--head", "clients"]) == 0 and (tmp_path / "f.pt.heads.safetensors").exists()
+    assert main([*argv, "--head", "shared", "--force"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counts.json", "f.pt", "f.pt.fusion.safetensors", "f.pt.json"]

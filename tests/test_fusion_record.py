@@ -92,6 +92,35 @@ def test_a_record_beside_another_model_is_refused(tmp_path):
         bayesfuse.load(out)
 
 
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda record, tensors: record.pop("sizes"), "KeyError: 'sizes'"),
+        (lambda record, tensors: record.pop("groups"), "KeyError: 'groups'"),
+        (lambda record, tensors: tensors.update({"layer0/mean": np.full((3, 3), np.nan)}), r"mean \(3, 3\)"),
+        (lambda record, tensors: tensors.update({"layer0/var": -tensors["layer0/var"]}), "negative variances"),
+        (lambda record, tensors: tensors.update({"layer0/counts": np.ones(2)}), r"counts \(2,\)"),
+        (lambda record, tensors: tensors.update({"layer0/assignment1": np.array([10**6])}), "client 1's assignment"),
+    ],
+)
+def test_a_malformed_record_is_refused_in_one_line(tmp_path, edit, message):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    out = _fuse_files(tmp_path, _sequentials(), "--method", "pfnm")
+    path = fusion_path(out)
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    record = json.loads(meta["record"])
+    edit(record, tensors)
+    save_file(tensors, str(path), metadata={**meta, "record": json.dumps(record)})
+    with pytest.raises(ValueError, match=f"f.pt.fusion.safetensors: a malformed fusion record .*{message}"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            bayesfuse.load(out)
+
+
 def test_a_file_fused_from_the_users_network_loads_when_its_module_is_imported(tmp_path, monkeypatch):
     models = [_random(ResMLP, s) for s in range(2)]
     out = _fuse_files(tmp_path, models, "--method", "pfnm", "--model", "tests.nets.user_nets:ResMLP")

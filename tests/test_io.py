@@ -145,6 +145,52 @@ def test_a_commit_that_fails_half_way_puts_the_replaced_files_back(tmp_path, mon
 
 
 @pytest.mark.catalogue
+def test_files_removed_with_a_commit_go_with_it_or_come_back(tmp_path, monkeypatch):
+    import bayesfuse._io as io_module
+
+    def write_old():
+        atomic_write_files(
+            [
+                (tmp_path / "a.pt", b"old model"),
+                (tmp_path / "a.pt.json", b"old report"),
+                (tmp_path / "a.pt.heads", b"h"),
+            ],
+            overwrite=True,
+        )
+
+    write_old()
+    new = [(tmp_path / "a.pt", b"new model"), (tmp_path / "a.pt.json", b"new report")]
+    with pytest.raises(ValueError, match="both written and removed"):
+        atomic_write_files(new, overwrite=True, remove=[tmp_path / "a.pt"])
+    real, calls = io_module._fsync_dirs, []
+
+    def failing(entries):  # every file placed and the side file removed, then the commit fails
+        calls.append(1)
+        if len(calls) == 1:
+            assert not (tmp_path / "a.pt.heads").exists()
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(entries)
+
+    monkeypatch.setattr(io_module, "_fsync_dirs", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        atomic_write_files(new, overwrite=True, remove=[tmp_path / "a.pt.heads", tmp_path / "absent"])
+    assert [(tmp_path / n).read_bytes() for n in ("a.pt", "a.pt.json", "a.pt.heads")] == [
+        b"old model",
+        b"old report",
+        b"h",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "a.pt.heads", "a.pt.json"]
+    monkeypatch.setattr(io_module, "_fsync_dirs", real)
+    atomic_write_files(new, overwrite=True, remove=[tmp_path / "a.pt.heads", tmp_path / "absent"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "a.pt.json"]
+    assert (tmp_path / "a.pt").read_bytes() == b"new model"
+    atomic_write_files(
+        [(tmp_path / "b.pt", b"b")], remove=[tmp_path / "a.pt.json"], overwrite=True
+    )  # one file and a removal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "b.pt"]
+
+
+@pytest.mark.catalogue
 def test_a_write_error_names_the_target_and_removes_the_directories_it_created(tmp_path, monkeypatch):
     import bayesfuse._io as io_module
 

@@ -1,6 +1,7 @@
 """bayesfuse.load: fused checkpoints come back as working modules."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -178,7 +179,62 @@ def test_files_that_are_not_networks_are_named(tmp_path):
     path = save_state_dict(bad, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="bad.pt: not an MLP state_dict"):
         bayesfuse.load(path)
-    save_state_dict(MLP(4, [3], 2).state_dict(), tmp_path / "x.pt")
-    (tmp_path / "x.pt.json").write_text("{not json")
-    with pytest.raises(ValueError, match="x.pt.json: not a readable JSON report"):
-        bayesfuse.load(tmp_path / "x.pt")
+    state = MLP(4, [3], 2).state_dict()
+    for i, (key, value) in enumerate(state.items()):  # an MLP's entry names, not its companions or shapes
+        save_state_dict({k: v for k, v in state.items() if k != key}, tmp_path / f"part{i}.pt")
+        with pytest.raises(ValueError, match=f"part{i}.pt: "):
+            bayesfuse.load(tmp_path / f"part{i}.pt")
+    save_state_dict(
+        {"0.weight": torch.zeros(3, 4), "0.bias": torch.zeros(3), "2.bias": torch.zeros(2)}, tmp_path / "s.pt"
+    )
+    with pytest.raises(ValueError, match=r"s\.pt: .*KeyError: .*2\.weight"):
+        bayesfuse.load(tmp_path / "s.pt")
+    conv = {
+        "0.weight": torch.zeros(0, 1, 3, 3),
+        "0.bias": torch.zeros(0),
+        "3.weight": torch.zeros(2, 4),
+        "3.bias": torch.zeros(2),
+    }
+    save_state_dict(conv, tmp_path / "c.pt")
+    with pytest.raises(ValueError, match=r"c\.pt: .*ZeroDivisionError"):
+        bayesfuse.load(tmp_path / "c.pt")
+
+
+@pytest.mark.catalogue
+def test_a_json_file_that_is_no_report_is_left_alone(tmp_path, capsys):
+    # a user's own notes beside a checkpoint: warned about, never in the way
+    path = save_state_dict(MLP(4, [3], 2).state_dict(), tmp_path / "x.pt")
+    for notes in ("{not json", '{"trained": "2024"}', "[1, 2]"):
+        (tmp_path / "x.pt.json").write_text(notes)
+        with pytest.warns(UserWarning, match="x.pt.json: not a bayesfuse fusion report"):
+            assert bayesfuse.load(path).fusion_report is None
+
+
+@pytest.mark.catalogue
+def test_a_report_never_runs_code_and_malformed_ones_are_refused(tmp_path):
+    import os
+
+    state = {"enc.weight": torch.zeros(3, 4), "enc.bias": torch.zeros(3), "head.weight": torch.zeros(2, 3)}
+    path = save_state_dict(state, tmp_path / "m.pt")
+    report = tmp_path / "m.pt.json"
+    versions = {"versions": {"bayesfuse": "0"}}
+    for network in ("builtins:exit", "os:abort", "os:getpid", "builtins:input"):  # callables, but no networks
+        report.write_text(json.dumps({**versions, "architecture": {"network": network}}))
+        with pytest.raises(ValueError, match=f"fused from your network {network}: import it, or load with like="):
+            bayesfuse.load(path)
+    assert os.getpid() > 0  # still here
+    for architecture in ("mlp", {"network": 3}, [1]):
+        report.write_text(json.dumps({**versions, "architecture": architecture}))
+        with pytest.raises(ValueError, match=r"m\.pt\.json: its architecture is not what bayesfuse fuse writes"):
+            bayesfuse.load(path)
+
+
+@pytest.mark.catalogue
+def test_a_report_of_another_model_is_refused(tmp_path):
+    copies = _fuse_copies(tmp_path, MLP(4, [3], 2), method="fedavg", hyper=())
+    fused = tmp_path / "fused.pt"
+    assert bayesfuse.load(fused).fusion_report["method"] == "fedavg"
+    save_state_dict(MLP(4, [5], 2).state_dict(), fused, overwrite=True)  # replaced, its report left
+    with pytest.raises(ValueError, match=r"fused\.pt\.json: this report was written for other tensors"):
+        bayesfuse.load(fused)
+    assert copies

@@ -124,7 +124,11 @@ def test_summarize_writes_where_asked(clients, tmp_path):
         ),
         ({"x": np.zeros((3, 64)), "y": np.zeros(3)}, "y must be a 1-D array of integer labels, got float64"),
         ({"x": np.zeros((4, 64)), "y": np.zeros(3, int)}, "x must hold one row of real inputs per label (3 labels)"),
-        ({"x": np.zeros((3, 64)), "y": np.array([0, 1, 10])}, "labels must lie in 0..9, got 0..10"),
+        (
+            {"x": np.zeros((3, 64)), "y": np.array([0, 1, 10])},
+            "on data file {data}: labels must lie in 0..9, got 0..10",
+        ),
+        ({"x": np.zeros((0, 64)), "y": np.zeros(0, int)}, "data file {data}: it holds no examples"),
         (
             {"x": np.zeros((3, 50)), "y": np.zeros(3, int)},
             "cannot run on the inputs x of shape (3, 50) of {data} (mat1",
@@ -140,6 +144,15 @@ def test_summarize_refuses_bad_data_in_one_line(clients, tmp_path, capsys, array
     assert main(["summarize", str(models[0]), "--data", str(data), "--force"]) == 2
     assert message.format(data=data) in _error(capsys)
     assert summary_path(models[0]).read_bytes() == before
+
+
+def test_summarize_leaves_a_user_s_own_json_beside_the_model_alone(clients, capsys):
+    models, data, _ = clients
+    notes = models[0].with_name(models[0].name + ".json")
+    notes.write_text('{"trained": "2024", ')  # not even JSON
+    with pytest.warns(UserWarning, match="not a bayesfuse fusion report"):
+        assert main(["summarize", str(models[0]), "--data", str(data[0]), "--force"]) == 0
+    assert notes.read_text() == '{"trained": "2024", '
 
 
 def test_summarize_refuses_networks_it_cannot_rebuild_and_bad_options(clients, tmp_path, capsys):
@@ -223,7 +236,7 @@ def test_fuse_keeps_the_clients_heads_beside_the_model_as_fuse_does(clients, tmp
     models, _, split = clients
     out = tmp_path / "fused.pt"
     assert main(["fuse", *map(str, models[::-1]), "--method", "pfnm", "--out", str(out)]) == 0
-    assert f"and {heads_path(out)}" in capsys.readouterr().out
+    assert f", {heads_path(out)} and {out}.fusion.safetensors (" in capsys.readouterr().out
     report = json.loads((tmp_path / "fused.pt.json").read_text())
     assert report["heads"]["file"] == str(heads_path(out)) and report["heads"]["form"] == "kronecker"
     assert report["heads"]["pool"] == "log" and report["heads"]["clients"] == 3
@@ -365,7 +378,9 @@ def test_fuse_refuses_a_summary_of_another_model_or_version(clients, tmp_path, c
     saved = summary_path(models[1]).read_bytes()
     shutil.copy(summary_path(models[0]), summary_path(models[1]))
     assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
-    assert f"{models[1]}: the summary is of another network" in _error(capsys)
+    assert f"{summary_path(models[1])} (the summary of {models[1]}): the summary is of another network" in _error(
+        capsys
+    )
     summary_path(models[1]).write_bytes(saved.replace(f'"version":"{SUMMARY_VERSION}"'.encode(), b'"version":"9"'))
     assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 2
     assert f"{summary_path(models[1]).name}: summary version 9 is not one this bayesfuse reads" in _error(capsys)
