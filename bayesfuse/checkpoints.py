@@ -492,7 +492,7 @@ def read_bound_file(
         )
     if meta.get("model_tensors_sha256") != tensors_sha256(model_tensors):
         raise ValueError(
-            f"{path}: this {what} was written for other tensors than {model_name}'s; fuse again, or "
+            f"{path}: this {what} file was written for other tensors than {model_name}'s; fuse again, or "
             f"remove the stale {what} file"
         )
     return meta, tensors

@@ -13,6 +13,7 @@ imported, so a mistyped argument is answered at once (:func:`_checked_fuse`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import functools
 import os
@@ -442,6 +443,8 @@ def _checked_fuse(args: argparse.Namespace) -> dict:
     hyper = methods.parse_assignments(args.method, args.hyper)
     methods.check_one_shot(args.method)
     methods.check_execution(args.method, None, args.device)
+    if args.arch_spec is not None and args.arch != "auto":
+        raise ValueError(f"--arch-spec gives the architecture; --arch {args.arch} would be ignored: give one of them")
     if len(args.models) < 2:
         raise ValueError(
             f"one model file given ({args.models[0]}); fusion needs two or more (one model would come back as itself)"
@@ -461,9 +464,14 @@ def _user_model(ref: str | None):
 
 def _run_fuse(args: argparse.Namespace) -> int:
     hyper = _checked_fuse(args)  # before torch is imported: argument errors are answered at once
-    from bayesfuse.fuse_files import fuse_files, read_class_counts
+    from bayesfuse.checkpoints import heads_path, posterior_path
+    from bayesfuse.fuse_files import check_outputs_not_inputs, fuse_files, read_class_counts
+    from bayesfuse.fusion_record import fusion_path
     from bayesfuse.inference.result import ConvergenceWarning
 
+    if args.class_counts is not None:  # a file only the command line reads
+        outputs = [args.out, f"{args.out}.json", *(f(args.out) for f in (heads_path, posterior_path, fusion_path))]
+        check_outputs_not_inputs(outputs, [args.class_counts])
     with warnings.catch_warnings():  # the report records convergence; said once below
         warnings.simplefilter("ignore", ConvergenceWarning)
         report = fuse_files(
@@ -632,6 +640,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except (ValueError, TypeError, RuntimeError) as err:
         return _error(command, str(err))
+    except BrokenPipeError:  # the reader went away (bayesfuse methods | head): nothing more to say
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return EXIT_ERROR
     except OSError as err:
         return _error(command, _os_error_message(err))
     except MemoryError as err:

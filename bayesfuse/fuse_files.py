@@ -56,6 +56,15 @@ ARCHS = ("auto", "mlp", "cnn", "lstm")
 SUMMARY_MODES = ("auto", "none")
 
 
+def check_outputs_not_inputs(outputs: Sequence, inputs: Sequence) -> None:
+    """Refuse (``ValueError``) an output that is also one of the run's inputs (a model, a summary
+    beside one, an architecture spec, a class-counts file), whatever ``force`` says."""
+    read = {Path(p).resolve(): Path(p) for p in inputs if p is not None}
+    for output in outputs:
+        if Path(output).resolve() in read:
+            raise ValueError(f"the output {output} is also an input ({read[Path(output).resolve()]}); write elsewhere")
+
+
 def _linear_pairs(sd: dict, name: str) -> list[tuple[str, str]]:
     """(weight key, bias key) of each Linear layer, in the order of ``sd`` (forward order)."""
     pairs = []
@@ -167,6 +176,8 @@ def _counts_in_order(class_counts: Mapping, names: Sequence[str]) -> np.ndarray:
             raise ValueError(f"class counts of {n}: expected a list of numbers per class, got {row!r}")
         if not all(math.isfinite(c) and c >= 0 for c in row):
             raise ValueError(f"class counts of {n} must be finite and non-negative, got {list(row)!r}")
+        if not all(float(c).is_integer() for c in row):
+            raise ValueError(f"class counts of {n} must be whole numbers of examples, not shares: got {list(row)!r}")
         with np.errstate(over="ignore"):
             total = float(np.sum(np.asarray(row, dtype=np.float64)))
         if not (math.isfinite(total) and total > 0):
@@ -537,8 +548,7 @@ def fuse_files(
             raise IsADirectoryError(f"{target} is a directory; give a file name for the fused model")
         if target.exists() and not force:
             raise FileExistsError(f"{target} exists; replace it with force=True")
-    if any(Path(p).resolve() == out.resolve() for p in paths):
-        raise ValueError(f"the output {out} is also an input")
+    check_outputs_not_inputs([out, report_path, *beside], [*paths, *map(summary_path, paths), spec_path])
 
     seen: dict[Path, str] = {}
     for p in paths:
@@ -594,6 +604,14 @@ def fuse_files(
             f"method must be one of {', '.join(methods.ONE_SHOT_HEADS)}, got {method!r}"
         )
     client_summaries, summaries_report = _input_summaries(names, summaries, method, kind)
+    if counts is not None and client_summaries is not None:
+        for name, row, summary in zip(names, counts, client_summaries):
+            if not np.array_equal(row, np.asarray(summary.class_counts, dtype=np.float64)):
+                raise ValueError(
+                    f"class counts of {name}: {row.astype(int).tolist()} are not its summary's "
+                    f"{np.asarray(summary.class_counts).astype(int).tolist()}; give its counts, or leave them "
+                    "to the summaries"
+                )
     shared = kind == "network" and head == "auto" and (client_summaries is None or not row.own_heads)
     if shared and (pool is not None or pseudo_count is not None):  # known before fusing: say so now
         raise ValueError(_shared_head_refusal(method, row.own_heads, pool, None))

@@ -323,6 +323,7 @@ def fuse(
             )
     methods.check_execution(method, None, device)  # a method that cannot use a device, or a device this
     check_device(device, dtype)  # machine lacks: refused before anything is trained or converted
+    _check_data(data, len(models))
     order = canonical_order(models)  # any order of the same models gives the same fusion (client_order)
     models, class_counts, summaries, data, hyper = to_canonical(order, models, class_counts, summaries, data, hyper)
     template = models[0]  # the caller's architecture, nn.MultiheadAttention included
@@ -511,6 +512,21 @@ def fuse(
         posteriors=fused.posteriors,
     )
     return to_callers(_with_multihead(result, template), order)
+
+
+def _check_data(data, n_models: int) -> None:
+    """Refuse, in the caller's order of the clients, ``data`` that is not ``(train, partition)``
+    with one client of examples per model."""
+    if data is None:
+        return
+    if not (isinstance(data, tuple) and len(data) == 2):
+        raise ValueError(f"data must be (train, partition), got a {type(data).__name__}")
+    parts = [np.asarray(p) for p in data[1]]
+    if len(parts) != n_models:
+        raise ValueError(f"{n_models} models but {len(parts)} clients in the partition: give one client per model")
+    empty = [j for j, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"clients {empty} hold no examples (the models' order); each client needs its own data")
 
 
 def _with_multihead(result: FusionResult, template: nn.Module) -> FusionResult:

@@ -148,6 +148,8 @@ def load(
                     f"e.g. bayesfuse.load({str(path)!r}, like={network.rpartition(':')[2]}())"
                 ) from None
             model = _like(template, state, name)
+    if posterior:
+        _check_side_files(path, report)
     if posterior and heads_path(path).is_file():
         model = _with_heads(model, heads_path(path), state, name)
     elif posterior and posterior_path(path).is_file():
@@ -160,6 +162,21 @@ def load(
 
         model.fusion = read_fusion(fusion_path(path), model, state, name)
     return model.eval()
+
+
+def _check_side_files(path: str | os.PathLike, report: dict | None) -> None:
+    """Refuse a model whose report names files beside it that are gone: without them it would
+    predict otherwise (the network alone instead of the clients' heads) without a word."""
+    for key, side, what in (
+        ("heads", heads_path(path), "the clients' heads"),
+        ("posterior", posterior_path(path), "the output layer's posterior"),
+        ("fusion_record", fusion_path(path), "the matched layers' posteriors"),
+    ):
+        if isinstance((report or {}).get(key), dict) and not side.is_file():
+            raise ValueError(
+                f"{path}: its report names {what} beside it, {side.name}, which is not there: copy it "
+                "beside the model, or load the network alone with posterior=False"
+            )
 
 
 def _finish_interrupted_write(path: str | os.PathLike) -> None:

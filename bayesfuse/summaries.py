@@ -332,18 +332,30 @@ class ClientSummary:
 
 
 def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[str, str | None]]:
-    """Per group, the module that makes its units (axis 0 of its weight) and the first that reads them (axis 1)."""
+    """Per group, the module that makes its units (axis 0 of its weight) and the first other module
+    that reads them (axis 1).
+
+    A recurrent layer reads its own units (``weight_hh``); its output holds only its top layer's
+    units, so a group it makes has moments only where another module reads that output (the
+    top layer of an ``nn.LSTM``: its outputs at every step, and their reader's input)."""
     modules = dict(model.named_modules())
-    found: dict[str, list] = {g: [None, None] for g in spec.groups}
+    makers: dict[str, str] = {}
+    readers: dict[str, list[str]] = {g: [] for g in spec.groups}
     for key, axes in spec.axes.items():
         owner = key.rpartition(".")[0]
         if owner not in modules or len(axes) < 2:
             continue
-        for d, slot in ((0, 0), (1, 1)):
-            axis = axes[d]
-            if axis is not None and axis.group in found and found[axis.group][slot] is None:
-                found[axis.group][slot] = owner
-    return {g: (m, r) for g, (m, r) in found.items() if m is not None}
+        if axes[0] is not None and axes[0].group in readers:
+            makers.setdefault(axes[0].group, owner)
+        if axes[1] is not None and axes[1].group in readers:
+            readers[axes[1].group].append(owner)
+    found = {}
+    for g, maker in makers.items():
+        reader = next((r for r in readers[g] if r != maker), None)
+        if isinstance(modules[maker], nn.RNNBase) and reader is None:
+            continue  # a lower recurrent layer: not in its module's output
+        found[g] = (maker, reader)
+    return found
 
 
 def _channel_moments(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
@@ -368,6 +380,10 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
     def keep(group, stat):
         def hook(module, inputs, output):
             t = output if stat == "pre" else inputs[0]
+            if isinstance(t, tuple):  # a recurrent layer's (outputs, state)
+                t = t[0]
+            if isinstance(module, nn.RNNBase) and stat == "pre":  # (.., H) at every step: units last
+                t = t.reshape(-1, t.shape[-1])
             s1, s2, n = _channel_moments(t)
             acc = sums.setdefault((group, stat), [0.0, 0.0, 0])
             acc[0] = acc[0] + s1
@@ -528,8 +544,15 @@ def summarize(
     y = np.asarray(y)
     if len(x) == 0:
         raise ValueError("a summary needs at least one example")
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"y must be a 1-D array of integer labels, got {y.dtype} of shape {y.shape}")
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} examples and y has {len(y)} labels")
+    if not bool(torch.isfinite(torch.as_tensor(x)).all()):
+        raise ValueError("x has NaN or infinite values")
+    bad = [k for k, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"the network's {bad[0]!r} has NaN or infinite values; a summary of it would be too")
     if not (isinstance(prior_precision, (int, float)) and np.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
     check_precisions(precisions)

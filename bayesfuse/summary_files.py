@@ -36,7 +36,10 @@ def read_client_data(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist (a .npz with arrays x and y)")
     try:
-        with np.load(path, allow_pickle=False) as data:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # a .npy: one array, no labels
+            raise ValueError(f"it holds one array of shape {np.shape(loaded)}, not the arrays x and y")
+        with loaded as data:
             arrays = {k: data[k] for k in data.files}
     except (ValueError, OSError, EOFError) as err:
         if isinstance(err, PermissionError):

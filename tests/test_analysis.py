@@ -811,3 +811,10 @@ def test_aligned_exports_of_a_second_hidden_layer_use_the_global_basis_below(dig
             want = np.zeros(G1)
             want[below.assignments[j]] = eff[local, kept[0][j]]
             np.testing.assert_allclose(row, want, rtol=1e-10)
+
+
+def test_compare_takes_names_for_its_models():
+    from bayesfuse.analysis import compare
+
+    with pytest.raises(TypeError, match="compare takes a mapping of names to models.*got a list"):
+        compare([object(), object()], np.zeros((2, 3)), np.zeros(2, dtype=int))

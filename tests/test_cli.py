@@ -433,3 +433,21 @@ def test_demo_scores_the_temperature_round_on_the_held_out_examples(monkeypatch)
     assert whole.runs[0].held is None and {kind for kind, _ in seen} == {"refit", "temperature"}
     assert all(np.array_equal(a, b) for _, parts in seen for a, b in zip(parts, whole.runs[0].partition))
     assert demo.run_demo(demo.DemoConfig(n_clients=3, epochs=1, hidden=(12,), methods=("ot",))).runs[0].held is None
+
+
+def test_python_dash_m_bayesfuse_is_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "bayesfuse", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: bayesfuse")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    proc = subprocess.run(
+        f"{sys.executable} -m bayesfuse methods | head -c 10", shell=True, capture_output=True, text=True
+    )
+    assert proc.stdout == "fusion met" and "Broken pipe" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_architecture_spec_and_an_arch_are_not_both_taken(tmp_path, capsys):
+    argv = ["fuse", "a.pt", "b.pt", "--method", "pfnm", "--arch", "cnn", "--arch-spec", "s.json"]
+    assert main([*argv, "--out", str(tmp_path / "f.pt")]) == 2
+    assert "--arch-spec gives the architecture; --arch cnn would be ignored" in capsys.readouterr().err

@@ -287,6 +287,7 @@ def test_class_counts_follow_their_files_into_the_fused_order(mlp_files, tmp_pat
         (lambda c: {k: ["a"] + v[1:] for k, v in c.items()}, "list of numbers"),
         (lambda c: {k: [True] + v[1:] for k, v in c.items()}, "list of numbers"),
         (lambda c: {k: [1e308] * len(v) for k, v in c.items()}, "sum to a finite number above 0"),
+        (lambda c: {k: [0.1] * len(v) for k, v in c.items()}, "whole numbers of examples, not shares"),
         (lambda c: {k: [0] * len(v) if i == 1 else v for i, (k, v) in enumerate(c.items())}, "sum to a finite number"),
     ],
 )

@@ -455,3 +455,26 @@ def test_progress_bars_show_on_a_terminal_and_not_in_logs(monkeypatch):
     monkeypatch.setattr(sys, "stderr", quiet)
     fuse(models, "pfnm", verbose=False)
     assert quiet.getvalue() == ""
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize(
+    "method, options",
+    [("pfnm", {"rounds": 2}), ("pfnm", {"rounds": 2, "head": "clients"}), ("fedma", {})],
+)
+def test_data_of_another_federation_or_an_empty_client_is_refused(digits_federation, method, options):
+    split, part, models = digits_federation
+    more = dirichlet_partition(split.train.y, len(models) + 1, 0.5, seed=1)
+    with pytest.raises(ValueError, match=f"{len(models)} models but {len(models) + 1} clients in the partition"):
+        fuse(models, method, data=(split.train, more), **options)
+    for j in (0, 3):  # named in the caller's order, whatever order the fusion works in
+        indices = [np.array([], dtype=np.int64) if i == j else p for i, p in enumerate(part)]
+        with pytest.raises(ValueError, match=rf"clients \[{j}\] hold no examples"):
+            fuse(models, method, data=(split.train, indices), **options)
+
+
+def test_the_temperature_round_refuses_data_of_another_federation(digits_federation):
+    split, part, models = digits_federation
+    fewer = dirichlet_partition(split.train.y, len(models) - 1, 0.5, seed=1)
+    with pytest.raises(ValueError, match="clients in the partition"):
+        fuse(models, "pfnm", rounds=2, second_round="temperature", class_counts=part.counts, data=(split.train, fewer))

@@ -137,6 +137,35 @@ def test_conv_moments_are_per_channel():
     assert {k: len(v["pre_mean"]) for k, v in s.moments.items()} == {"P1": 2, "P2": 3, "P3": 4}
 
 
+def test_lstm_moments_are_over_every_step_and_its_activations_the_last_state():
+    from bayesfuse.nets.arch import LSTMClassifier
+
+    torch.manual_seed(0)
+    model = LSTMClassifier(16, 3, hidden=5).eval()
+    x = np.random.default_rng(4).normal(size=(8, 16)).astype(np.float32)
+    s = summarize(model, x, np.arange(8) % 3)
+    with torch.no_grad():
+        steps, (h, _) = model.lstm(torch.as_tensor(x).reshape(8, model.steps, model.step_features))
+    steps, last = steps.double().reshape(-1, 5).numpy(), h[-1].double().numpy()
+    np.testing.assert_allclose(s.moments["H"]["pre_mean"], steps.mean(0), atol=1e-12)
+    np.testing.assert_allclose(s.moments["H"]["pre_var"], steps.var(0), atol=1e-12)
+    np.testing.assert_allclose(s.moments["H"]["act_mean"], last.mean(0), atol=1e-12)
+    np.testing.assert_allclose(s.moments["H"]["act_var"], last.var(0), atol=1e-12)
+
+
+def test_bad_inputs_are_refused_in_one_line(client):
+    model, x, y = client[:3]
+    with pytest.raises(ValueError, match="y must be a 1-D array of integer labels"):
+        summarize(model, x, y[:, None])
+    with pytest.raises(ValueError, match="x has NaN or infinite values"):
+        summarize(model, np.where(np.arange(x.size).reshape(x.shape) == 5, np.nan, x), y)
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        next(broken.parameters())[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="has NaN or infinite values; a summary of it would be too"):
+        summarize(broken, x, y)
+
+
 def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
     model, x, y = client
     s = summarize(model, x, y)

@@ -4,6 +4,7 @@ output layer's posterior that `bayesfuse.load` reads back."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -144,6 +145,13 @@ def test_summarize_refuses_bad_data_in_one_line(clients, tmp_path, capsys, array
     assert main(["summarize", str(models[0]), "--data", str(data), "--force"]) == 2
     assert message.format(data=data) in _error(capsys)
     assert summary_path(models[0]).read_bytes() == before
+
+
+def test_summarize_refuses_a_npy_file_in_one_line(clients, tmp_path, capsys):
+    models, _, _ = clients
+    np.save(tmp_path / "plain.npy", np.zeros((3, 64)))
+    assert main(["summarize", str(models[0]), "--data", str(tmp_path / "plain.npy"), "--force"]) == 2
+    assert "plain.npy is not a NumPy .npz archive (it holds one array of shape (3, 64)" in _error(capsys)
 
 
 def test_summarize_leaves_a_user_s_own_json_beside_the_model_alone(clients, capsys):
@@ -428,3 +436,33 @@ def test_bnn_files_are_summarised_and_fused_pruning_by_function(tmp_path, capsys
     )
     free = json.loads((tmp_path / "free.pt.json").read_text())
     assert free["hyper"]["pruning"].startswith("information")
+
+
+def test_load_refuses_a_model_whose_side_files_are_gone(clients, tmp_path):
+    # a user who copies fused.pt and its report but not the heads: refused, not another predictor
+    models, _, _ = clients
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out)]) == 0
+    assert isinstance(bayesfuse.load(out), ClientHeads)
+    for side in (heads_path(out), posterior_path(out)):
+        side.rename(side.with_name(side.name + ".away"))
+        with pytest.raises(ValueError, match=f"its report names .* {side.name}, which is not there"):
+            bayesfuse.load(out)
+        assert type(bayesfuse.load(out, posterior=False)).__name__ == "MLP"
+        side.with_name(side.name + ".away").rename(side)
+
+
+def test_fuse_never_writes_over_what_it_reads(clients, tmp_path, capsys):
+    models, _, split = clients
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps({m.name: [1] * 10 for m in models}))
+    kept = {p: p.read_bytes() for p in (summary_path(models[0]), counts)}
+    for out, extra in ((summary_path(models[0]), []), (counts, ["--class-counts", str(counts), "--format", "pt"])):
+        argv = ["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--force", *extra]
+        assert main(argv) == 2
+        assert f"the output {out} is also an input" in _error(capsys)
+    assert {p: p.read_bytes() for p in kept} == kept
+    out = tmp_path / "fused.pt"  # counts that are not the summaries' own
+    assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--class-counts", str(counts)]) == 2
+    assert re.search(r"class counts of .*client\d\.pt: \[1(, 1){9}\] are not its summary's \[", _error(capsys))
+    assert not out.exists()

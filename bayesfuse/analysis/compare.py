@@ -167,6 +167,11 @@ def compare(models: Mapping[str, Any], x, y, *, num_samples: int = DEFAULT_DRAWS
     ValueError
         For no models, or labels or probabilities that do not fit (:func:`log_predictive_density`).
     """
+    if not isinstance(models, Mapping):
+        raise TypeError(
+            f"compare takes a mapping of names to models, e.g. {{'fused': result, 'ensemble': ensemble}}; got a "
+            f"{type(models).__name__}"
+        )
     lpd = {name: log_predictive_density(m, x, y, num_samples=num_samples, seed=seed) for name, m in models.items()}
     table = compare_pointwise(lpd)
     if not pairs:
