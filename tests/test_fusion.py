@@ -478,3 +478,15 @@ def test_the_temperature_round_refuses_data_of_another_federation(digits_federat
     fewer = dirichlet_partition(split.train.y, len(models) - 1, 0.5, seed=1)
     with pytest.raises(ValueError, match="clients in the partition"):
         fuse(models, "pfnm", rounds=2, second_round="temperature", class_counts=part.counts, data=(split.train, fewer))
+
+
+def test_a_stacked_lstm_that_cannot_keep_the_fused_widths_is_refused_in_one_line():
+    from bayesfuse.nets.arch import LSTMClassifier
+
+    models = []
+    for j in range(3):
+        torch.manual_seed(j)
+        models.append(LSTMClassifier(16, 3, hidden=5, num_layers=2).eval())
+    with pytest.raises(ValueError, match="'lstm' is an nn.LSTM of 2 layers, which keeps one width for all of them"):
+        fuse(models, "pfnm")
+    assert fuse(models, "fedavg").sizes == [5, 5]
