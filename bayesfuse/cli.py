@@ -113,7 +113,7 @@ EXIT_STATUS = (
 #: What ``bayesfuse fuse --help`` shows after its options.
 FUSE_EXAMPLES = """\
 examples:
-  bayesfuse fuse site_a.pt site_b.pt site_c.safetensors --method nafi --out fused.pt
+  bayesfuse fuse site_a.pt site_b.pt site_c.safetensors --method nafi --out f.pt
   bayesfuse fuse a.pt b.pt --method PFNM --hyper noise_var=1 n_iter=20 \\
       --class-counts counts.json --out fused.safetensors
   bayesfuse methods pfnm --kind network    # pfnm's keys for networks, defaults"""
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fuse model files (state_dicts) into one",
         usage="%(prog)s MODEL MODEL [MODEL ...] --method NAME --out FILE [options]",
         description="Fuse the state_dicts of MLPs, ConvNets, LSTMs or HorseshoeBNNs (.pt, .pth or\n"
-        ".safetensors, in any order) into FILE, and a report of every setting into FILE.json.",
+        ".safetensors, any order) into FILE, with a report of every setting in FILE.json.",
         epilog=_fuse_help_epilog(),
         formatter_class=functools.partial(argparse.RawDescriptionHelpFormatter, max_help_position=29),
     )
