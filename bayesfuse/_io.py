@@ -633,7 +633,7 @@ def atomic_write_files(
     removed = [Path(p) for p in remove]
     if not targets:
         return []
-    if set(removed) & set(targets):
+    if {os.path.realpath(p) for p in removed} & {os.path.realpath(p) for p in targets}:
         raise ValueError("a file cannot be both written and removed in one commit")
     recover(targets + removed)
     _check_targets(targets, overwrite)

@@ -605,10 +605,10 @@ def fuse_files(
         )
     client_summaries, summaries_report = _input_summaries(names, summaries, method, kind)
     if counts is not None and client_summaries is not None:
-        for name, row, summary in zip(names, counts, client_summaries):
-            if not np.array_equal(row, np.asarray(summary.class_counts, dtype=np.float64)):
+        for name, given_row, summary in zip(names, counts, client_summaries):
+            if not np.array_equal(given_row, np.asarray(summary.class_counts, dtype=np.float64)):
                 raise ValueError(
-                    f"class counts of {name}: {row.astype(int).tolist()} are not its summary's "
+                    f"class counts of {name}: {given_row.astype(int).tolist()} are not its summary's "
                     f"{np.asarray(summary.class_counts).astype(int).tolist()}; give its counts, or leave them "
                     "to the summaries"
                 )

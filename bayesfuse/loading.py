@@ -33,7 +33,7 @@ from pathlib import Path
 
 from torch import nn
 
-from bayesfuse._io import recover
+from bayesfuse._io import _journal_path, recover
 from bayesfuse.checkpoints import (
     heads_path,
     posterior_path,
@@ -47,13 +47,14 @@ from bayesfuse.fusion_record import fusion_path
 __all__ = ["load", "load_report"]
 
 
-def load_report(path: str | os.PathLike, model_tensors: dict | None = None) -> dict | None:
+def load_report(path: str | os.PathLike, model_tensors: dict | None = None, *, strict: bool = True) -> dict | None:
     """The JSON report ``bayesfuse fuse`` wrote beside ``path`` (``path + '.json'``), or None.
 
     A file there that is no bayesfuse report (not JSON, or JSON without ``versions.bayesfuse``:
     a user's own notes beside a checkpoint) is left alone with a warning, and None returned.
     Given the model file's tensors, a report written for other tensors (its
-    ``model_tensors_sha256``, :func:`~bayesfuse.checkpoints.tensors_sha256`) is refused.
+    ``model_tensors_sha256``, :func:`~bayesfuse.checkpoints.tensors_sha256`) is refused
+    (``strict=False``: warned about, and None returned).
     """
     report = Path(path).with_name(Path(path).name + ".json")
     if not report.is_file():
@@ -71,9 +72,11 @@ def load_report(path: str | os.PathLike, model_tensors: dict | None = None) -> d
         return None
     written_for = record.get("model_tensors_sha256")
     if model_tensors is not None and written_for is not None and written_for != tensors_sha256(model_tensors):
-        raise ValueError(
-            f"{report}: this report was written for other tensors than {path}'s; fuse again, or remove the stale report"
-        )
+        message = f"{report}: this report was written for other tensors than {path}'s"
+        if strict:
+            raise ValueError(f"{message}; fuse again, or remove the stale report (posterior=False loads the network)")
+        warnings.warn(f"{message}; ignored", UserWarning, stacklevel=3)
+        return None
     return record
 
 
@@ -131,7 +134,7 @@ def load(
     _finish_interrupted_write(path)
     state = read_checkpoint(path).tensors
     name = str(path)
-    report = load_report(path, state)
+    report = load_report(path, state, strict=posterior)
     if like is not None:
         model = _like(like, state, name)
     else:
@@ -183,6 +186,8 @@ def _finish_interrupted_write(path: str | os.PathLike) -> None:
     """Finish or undo a fusion's write that a kill interrupted (:func:`bayesfuse._io.recover`), so
     that the model and the files beside it are read all from one fusion; waits for a writer that
     is still at it."""
+    if not _journal_path(Path(path)).exists():  # no commit of this model was interrupted
+        return
     paths = [Path(path), Path(path).with_name(Path(path).name + ".json")]
     paths += [heads_path(path), posterior_path(path), fusion_path(path)]
     try:

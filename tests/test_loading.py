@@ -237,4 +237,6 @@ def test_a_report_of_another_model_is_refused(tmp_path):
     save_state_dict(MLP(4, [5], 2).state_dict(), fused, overwrite=True)  # replaced, its report left
     with pytest.raises(ValueError, match=r"fused\.pt\.json: this report was written for other tensors"):
         bayesfuse.load(fused)
+    with pytest.warns(UserWarning, match="written for other tensors"):  # the network alone needs no report
+        assert bayesfuse.load(fused, posterior=False).fusion_report is None
     assert copies

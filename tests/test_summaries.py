@@ -153,6 +153,31 @@ def test_lstm_moments_are_over_every_step_and_its_activations_the_last_state():
     np.testing.assert_allclose(s.moments["H"]["act_var"], last.var(0), atol=1e-12)
 
 
+def test_moments_of_units_one_lstm_makes_and_another_reads():
+    from bayesfuse.inference.spec import chain, dense, lstm
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.LSTM(4, 6, batch_first=True), nn.LSTM(6, 5, batch_first=True)
+            self.fc = nn.Linear(5, 3)
+
+        def forward(self, x):
+            out, _ = self.l2(self.l1(x.reshape(len(x), 4, 4))[0])
+            return self.fc(out[:, -1])
+
+    torch.manual_seed(0)
+    model = Two().eval()
+    spec = chain(lstm("l1", None, "A"), lstm("l2", "A", "B"), dense("fc", "B", None), output=("fc.weight", "fc.bias"))
+    x = np.random.default_rng(5).normal(size=(8, 16)).astype(np.float32)
+    s = summarize(model, x, np.arange(8) % 3, spec=spec)
+    with torch.no_grad():
+        a = model.l1(torch.as_tensor(x).reshape(8, 4, 4))[0].double().reshape(-1, 6).numpy()
+    for stat in ("pre", "act"):  # l1's outputs at every step, which l2 reads
+        np.testing.assert_allclose(s.moments["A"][f"{stat}_mean"], a.mean(0), atol=1e-12)
+    assert len(s.moments["B"]["act_mean"]) == 5
+
+
 def test_bad_inputs_are_refused_in_one_line(client):
     model, x, y = client[:3]
     with pytest.raises(ValueError, match="y must be a 1-D array of integer labels"):

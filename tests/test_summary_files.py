@@ -462,6 +462,10 @@ def test_fuse_never_writes_over_what_it_reads(clients, tmp_path, capsys):
         assert main(argv) == 2
         assert f"the output {out} is also an input" in _error(capsys)
     assert {p: p.read_bytes() for p in kept} == kept
+    own = tmp_path / "own.json"  # the summaries' own counts, with the default head: fused as without them
+    own.write_text(json.dumps({m.name: load_summary(summary_path(m)).class_counts.tolist() for m in models}))
+    argv = ["fuse", *map(str, models), "--method", "pfnm", "--class-counts", str(own), "--out", str(tmp_path / "o.pt")]
+    assert main(argv) == 0 and heads_path(tmp_path / "o.pt").exists()
     out = tmp_path / "fused.pt"  # counts that are not the summaries' own
     assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--class-counts", str(counts)]) == 2
     assert re.search(r"class counts of .*client\d\.pt: \[1(, 1){9}\] are not its summary's \[", _error(capsys))
