@@ -464,14 +464,12 @@ def _user_model(ref: str | None):
 
 def _run_fuse(args: argparse.Namespace) -> int:
     hyper = _checked_fuse(args)  # before torch is imported: argument errors are answered at once
-    from bayesfuse.checkpoints import heads_path, posterior_path
     from bayesfuse.fuse_files import check_outputs_not_inputs, fuse_files, read_class_counts
-    from bayesfuse.fusion_record import fusion_path
+    from bayesfuse.fusion_record import fusion_files
     from bayesfuse.inference.result import ConvergenceWarning
 
     if args.class_counts is not None:  # a file only the command line reads
-        outputs = [args.out, f"{args.out}.json", *(f(args.out) for f in (heads_path, posterior_path, fusion_path))]
-        check_outputs_not_inputs(outputs, [args.class_counts])
+        check_outputs_not_inputs(fusion_files(args.out), [args.class_counts])
     with warnings.catch_warnings():  # the report records convergence; said once below
         warnings.simplefilter("ignore", ConvergenceWarning)
         report = fuse_files(

@@ -42,7 +42,7 @@ from bayesfuse.checkpoints import (
     tensors_sha256,
 )
 from bayesfuse.core import State, fuse_states
-from bayesfuse.fusion_record import fusion_bytes, fusion_path
+from bayesfuse.fusion_record import fusion_bytes, fusion_files, fusion_path
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.client_heads import default_head, default_pool
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
@@ -541,14 +541,14 @@ def fuse_files(
     out = Path(out)
     report_path = out.with_name(out.name + ".json")
     check_writable(out.parent)  # a read-only directory fails now, not after the fusion
-    beside = [posterior_path(out), fusion_path(out), heads_path(out)]
-    recover([out, report_path, *beside])  # finish or undo a killed run's commit
-    for target in (out, report_path, *beside):
+    outputs = fusion_files(out)
+    recover(outputs)  # finish or undo a killed run's commit
+    for target in outputs:
         if target.is_dir():
             raise IsADirectoryError(f"{target} is a directory; give a file name for the fused model")
         if target.exists() and not force:
             raise FileExistsError(f"{target} exists; replace it with force=True")
-    check_outputs_not_inputs([out, report_path, *beside], [*paths, *map(summary_path, paths), spec_path])
+    check_outputs_not_inputs(outputs, [*paths, *map(summary_path, paths), spec_path])
 
     seen: dict[Path, str] = {}
     for p in paths:

@@ -21,9 +21,17 @@ from pathlib import Path
 import numpy as np
 
 from bayesfuse._io import jsonable
-from bayesfuse.checkpoints import read_bound_file, tensors_sha256
+from bayesfuse.checkpoints import heads_path, posterior_path, read_bound_file, tensors_sha256
 
-__all__ = ["fusion_path", "fusion_bytes", "read_fusion", "SavedLayer", "FUSION_FORMAT", "FUSION_VERSION"]
+__all__ = [
+    "fusion_path",
+    "fusion_files",
+    "fusion_bytes",
+    "read_fusion",
+    "SavedLayer",
+    "FUSION_FORMAT",
+    "FUSION_VERSION",
+]
 
 FUSION_FORMAT = "bayesfuse.fusion"
 FUSION_VERSION = 1
@@ -47,6 +55,14 @@ def fusion_path(path: str | os.PathLike) -> Path:
     """``fused.pt`` -> ``fused.pt.fusion.safetensors`` (beside it, named like its report)."""
     path = Path(path)
     return path.with_name(path.name + ".fusion.safetensors")
+
+
+def fusion_files(path: str | os.PathLike) -> list[Path]:
+    """Every file of one fused model ``path``: the model, its report ``path + '.json'``, and the
+    output layer's posterior, the fusion record and the clients' heads beside it (whichever the
+    fusion wrote)."""
+    path = Path(path)
+    return [path, path.with_name(path.name + ".json"), posterior_path(path), fusion_path(path), heads_path(path)]
 
 
 def fusion_bytes(fused, *, model_tensors: dict) -> bytes | None:

@@ -42,7 +42,7 @@ from bayesfuse.checkpoints import (
     read_posterior,
     tensors_sha256,
 )
-from bayesfuse.fusion_record import fusion_path
+from bayesfuse.fusion_record import fusion_files, fusion_path
 
 __all__ = ["load", "load_report"]
 
@@ -188,10 +188,8 @@ def _finish_interrupted_write(path: str | os.PathLike) -> None:
     is still at it."""
     if not _journal_path(Path(path)).exists():  # no commit of this model was interrupted
         return
-    paths = [Path(path), Path(path).with_name(Path(path).name + ".json")]
-    paths += [heads_path(path), posterior_path(path), fusion_path(path)]
     try:
-        recover(paths)
+        recover(fusion_files(path))
     except (OSError, ValueError, RuntimeError) as err:
         raise ValueError(
             f"{path}: a write of this model was interrupted and cannot be finished here ({err}); write it again"
