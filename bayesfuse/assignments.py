@@ -32,8 +32,7 @@ def parse_assignments(method, items: Iterable[str]) -> dict[str, Any]:
             raise ValueError(f"hyper-parameters are given as key=value, got {item!r}")
         if key not in known:
             raise ValueError(
-                f"unknown hyper-parameter {key!r} for {method.name}{did_you_mean(key, known)}; "
-                f"known: {', '.join(known) or 'none'}"
+                f"unknown hyper-parameter {key!r} for {method.name}{did_you_mean(key, known)}; known: {_known(method)}"
             )
         if key in out:
             raise ValueError(f"hyper-parameter {key} given twice")
@@ -44,6 +43,22 @@ def parse_assignments(method, items: Iterable[str]) -> dict[str, Any]:
             raise InvalidParameterError(message(f"hyper-parameter {key}", constraint, text, wrong_type=True)) from None
         out[key] = check(f"hyper-parameter {key}", constraint, value, shown=text)
     return out
+
+
+def _known(method) -> str:
+    """The method's keys, those every kind of input takes first, then each kind's own:
+    ``"noise_var, ..., head; for BNNs also kl_weight, prune_kl, prune_share"``."""
+    kinds = method.kinds
+    common = [k for k in method.keys() if all(k in method.defaults[kind] for kind in kinds)]
+    parts = [", ".join(common) or "none"]
+    for kind in kinds:
+        own = [k for k in method.keys(kind) if k not in common]
+        if own:
+            parts.append(f"for {_KIND_NAMES.get(kind, kind)} also {', '.join(own)}")
+    return "; ".join(parts)
+
+
+_KIND_NAMES = {"network": "networks", "bnn": "BNNs"}
 
 
 def _typed(constraint, text: str) -> Any:

@@ -121,6 +121,23 @@ def test_parse_assignments_types_values_from_the_table():
         methods.parse_assignments("pfnm", ["kl_weight=0.1"])
 
 
+def test_unknown_key_lists_the_keys_by_the_kind_of_input_that_takes_them():
+    """The command line parses ``--hyper`` before it reads the files, so the list names which
+    keys networks take and which BNNs alone (PFNM's pruning keys fuse no network)."""
+    with pytest.raises(ValueError) as caught:
+        methods.parse_assignments("pfnm", ["bogus=1"])
+    known = str(caught.value).split("known: ")[1]
+    common, networks, bnns = known.split("; ")
+    assert "noise_var" in common and "prune_kl" not in common and "tol" not in common
+    assert networks.startswith("for networks also ") and "tol" in networks and "prune_kl" not in networks
+    assert bnns.startswith("for BNNs also ") and "prune_kl" in bnns and "tol" not in bnns
+    for kind, words in (("network", networks), ("bnn", bnns)):  # together, exactly the kind's keys
+        listed = common.split(", ") + words.split(" also ")[1].split(", ")
+        assert sorted(listed) == sorted(methods.defaults("pfnm", kind))
+    with pytest.raises(ValueError, match=r"known: anchor, reg, n_iter$"):  # one kind: one list
+        methods.parse_assignments("ot", ["bogus=1"])
+
+
 def test_names_and_kinds():
     assert methods.names("bnn") == ("pfnm", "nafi", "kl")
     assert methods.names(needs_data=True) == ("fedma",)
