@@ -26,7 +26,10 @@ symmetries are those the permutation spec records (Imfeld et al. 2024, section 4
 not recomputed from a fused width: the fused function keeps the clients' scale.
 
 :func:`split_heads` turns every ``nn.MultiheadAttention`` of a model into a :class:`HeadAttention`
-with the same function, so a model written with PyTorch's module can be fused.
+with the same function, so a model written with PyTorch's module can be fused. It also gives every
+``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder`` the forward of their reference path
+(their fused fast path aside, which needs the packed ``nn.MultiheadAttention``), so that the
+blocks are traced through rather than refused; :func:`merge_heads` gives them back their own.
 :class:`VisionTransformer` is the reference transformer for 28x28 images (Dosovitskiy et al. 2021):
 patches of 7x7 pixels embedded by a strided convolution, learned position embeddings, pre-norm
 blocks, mean pooling over the tokens and a linear head.
@@ -127,6 +130,10 @@ class HeadAttention(nn.Module):
     is refused.
     """
 
+    #: No packed input projection: ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder`` read
+    #: this before their fused fast path and, finding None, call the module as any attention.
+    in_proj_bias = None
+
     def __init__(self, dim: int, heads: int, head_dim: int | None = None, *, batch_first: bool = True) -> None:
         super().__init__()
         if heads < 1 or dim < 1:
@@ -195,6 +202,44 @@ def _score_mask(attn_mask, key_padding_mask, is_causal: bool, query: torch.Tenso
     return mask
 
 
+class _TracedEncoderLayer(nn.TransformerEncoderLayer):
+    """``nn.TransformerEncoderLayer`` as its forward computes it off the fast path (PyTorch's
+    ``forward`` with ``why_not_sparsity_fast_path`` set), which ``torch.fx`` can trace: the same
+    modules and entries; masks go to the attention as they are (:class:`HeadAttention` reads
+    boolean and float masks as ``nn.MultiheadAttention`` does)."""
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal: bool = False):  # type: ignore[override]
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            return x + self._ff_block(self.norm2(x))
+        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+        return self.norm2(x + self._ff_block(x))
+
+
+class _TracedEncoder(nn.TransformerEncoder):
+    """``nn.TransformerEncoder`` off its nested-tensor fast path: its layers in turn, then its norm."""
+
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):  # type: ignore[override]
+        out = src
+        for layer in self.layers:
+            out = layer(out, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=bool(is_causal))
+        return out if self.norm is None else self.norm(out)
+
+
+#: PyTorch's transformer modules and the traceable forms :func:`split_heads` gives them.
+_TRACED = {nn.TransformerEncoderLayer: _TracedEncoderLayer, nn.TransformerEncoder: _TracedEncoder}
+
+
+def _swap_blocks(model: nn.Module, to_traced: bool) -> None:
+    """Give every PyTorch transformer module of ``model`` (in place) its traceable form
+    (``to_traced``), or back its own class. Only ``forward`` differs between the two."""
+    swaps = _TRACED if to_traced else {v: k for k, v in _TRACED.items()}
+    for module in model.modules():
+        if type(module) in swaps:
+            module.__class__ = swaps[type(module)]
+
+
 def _from_multihead(mha: nn.MultiheadAttention) -> HeadAttention:
     """The :class:`HeadAttention` that computes what ``mha`` computes (self- or cross-attention):
     its entries split by :func:`_split_entries`, in ``mha``'s dtype and device."""
@@ -227,6 +272,7 @@ def split_heads(model: nn.Module) -> nn.Module:
         if isinstance(module, nn.MultiheadAttention):
             parent_name, _, child = name.rpartition(".")
             setattr(new.get_submodule(parent_name) if parent_name else new, child, _from_multihead(module))
+    _swap_blocks(new, to_traced=True)
     return new
 
 
@@ -324,6 +370,7 @@ def merge_heads(model: nn.Module, like: nn.Module) -> nn.Module:
         Naming the first module and why it cannot be one ``nn.MultiheadAttention``.
     """
     new = copy.deepcopy(model)
+    _swap_blocks(new, to_traced=False)
     for name in multihead_modules(like):
         original = cast(nn.MultiheadAttention, like.get_submodule(name))
         attention = new.get_submodule(name) if name else new
@@ -345,7 +392,9 @@ def merged_where_possible(model: nn.Module, like: nn.Module) -> tuple[nn.Module,
     """``(merge_heads(model, like), None)``, or ``(model, why)`` where :func:`merge_heads` refuses."""
     try:
         return merge_heads(model, like), None
-    except ValueError as err:
+    except ValueError as err:  # HeadAttention stays, inside PyTorch's own transformer modules
+        model = copy.deepcopy(model)
+        _swap_blocks(model, to_traced=False)
         return model, str(err)
 
 

@@ -27,7 +27,7 @@ from bayesfuse.nets.attention import Head, HeadAttention, merge_heads, split_hea
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import fused_both_ways
 from tests.nets.test_graph_spec import _random as _random_user
-from tests.nets.user_nets import Attention, SplitAttention
+from tests.nets.user_nets import Attention, Encoder, PreNormEncoder, SplitAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -501,3 +501,96 @@ def test_files_of_a_multihead_attention_network_fuse_with_the_network_given(tmp_
     assert isinstance(loaded.attn, nn.MultiheadAttention)
     with torch.no_grad():
         assert float((plain.eval()(x) - loaded(x)).abs().max()) == 0.0
+
+
+# --------------------------------------------------------------------------- PyTorch's transformer modules
+
+
+def _user_permuted(model: nn.Module, seed: int) -> nn.Module:
+    """``model`` (the user's form, nn.MultiheadAttention inside) with every group permuted at random
+    and the heads of every layer in reverse order (two heads: a random order may keep them)."""
+    split = split_heads(model)
+    spec = spec_from_module(split)
+    state = permute(_numpy(split), spec, random_permutations(spec.sizes(_numpy(split)), np.random.default_rng(seed)))
+    state = rename_heads(state, spec, {heads: np.arange(len(heads))[::-1] for heads in spec.heads})
+    return merge_heads(_loaded(split, state), model).eval()
+
+
+@pytest.mark.parametrize("cls", [Encoder, PreNormEncoder])
+def test_pytorch_encoder_layers_are_traced_through_with_the_same_function(cls):
+    """nn.TransformerEncoderLayer's forward (and nn.TransformerEncoder's) cannot be traced: split_heads
+    gives them their reference path. The original runs its fused fast path in eval mode (post-norm),
+    the split copy the reference path: the same function to float32 round-off."""
+    model = _random_user(cls, 0)
+    split = split_heads(model)
+    x = torch.randn(8, 64)
+    assert _gap(model, split, x) < 1e-5
+    spec = spec_from_module(split)
+    assert len(spec.heads) == 2  # one set of heads per encoder layer
+    back = merge_heads(split, model)
+    assert type(back.encoder) is nn.TransformerEncoder
+    assert all(type(layer) is nn.TransformerEncoderLayer for layer in back.encoder.layers)
+    assert all(isinstance(layer.self_attn, nn.MultiheadAttention) for layer in back.encoder.layers)
+    assert _gap(model, back, x) == 0.0
+    assert type(model.encoder.layers[0]) is nn.TransformerEncoderLayer  # the caller's model unchanged
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+def test_permuted_copies_of_pytorch_encoder_layers_fuse_back(method):
+    model = _random_user(Encoder, 0)
+    copies = [model, _user_permuted(model, 1), _user_permuted(model, 2)]
+    x = torch.randn(8, 64)
+    for c in copies[1:]:  # the same function from entries that moved
+        assert _gap(model, c, x) < 1e-4
+        moved = [k for k, v in c.state_dict().items() if not torch.allclose(v, model.state_dict()[k])]
+        assert any("self_attn.in_proj_weight" in k for k in moved) and any("linear1" in k for k in moved)
+    fused = bayesfuse.fuse(copies, method)
+    assert _gap(model, fused.model, x) < 1e-4
+    layers = fused.model.encoder.layers
+    assert all(type(layer) is nn.TransformerEncoderLayer for layer in layers)
+    assert all(isinstance(layer.self_attn, nn.MultiheadAttention) for layer in layers)  # merged back
+    assert set(fused.model.state_dict()) == set(model.state_dict())
+
+
+def test_independent_pytorch_encoders_fuse_to_a_network_that_runs_and_trains():
+    models = [_random_user(Encoder, s) for s in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        a, b = fused_both_ways(models, "pfnm")
+    x = torch.randn(8, 64)
+    assert _gap(a.model, b.model, x) == 0.0
+    layer = a.model.encoder.layers[0]
+    assert type(layer) is nn.TransformerEncoderLayer and isinstance(layer.self_attn, HeadAttention)
+    assert "kept as HeadAttention" in a.hyper["attention"]
+    assert torch.isfinite(a.model(x)).all()
+    a.model.train()  # off the fast path too, and gradients reach every head
+    a.model(x).square().mean().backward()
+    assert layer.self_attn.heads[0].q.weight.grad is not None
+
+
+def test_files_of_pytorch_encoders_fuse_and_load_with_the_network_given(tmp_path, capsys):
+    models = [_random_user(Encoder, s) for s in range(3)]
+    paths = [str(save_state_dict(m.state_dict(), tmp_path / f"e{j}.pt")) for j, m in enumerate(models)]
+    out = tmp_path / "fused.pt"
+    assert (
+        main(["fuse", *paths, "--method", "fedavg", "--model", "tests.nets.user_nets:Encoder", "--out", str(out)]) == 0
+    )
+    loaded = bayesfuse.load(out, like=Encoder())
+    assert type(loaded.encoder.layers[1]) is nn.TransformerEncoderLayer
+    mean = {k: sum(m.state_dict()[k] for m in models) / 3 for k in models[0].state_dict()}
+    plain = Encoder()
+    plain.load_state_dict(mean)
+    x = torch.randn(8, 64)
+    assert _gap(plain.eval(), loaded, x) < 1e-6
+    matched = tmp_path / "matched.pt"  # fused heads of other widths: HeadAttention inside PyTorch's layers
+    assert (
+        main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:Encoder", "--out", str(matched)])
+        == 0
+    )
+    loaded = bayesfuse.load(matched, like=Encoder())
+    layer = loaded.encoder.layers[0]
+    assert type(layer) is nn.TransformerEncoderLayer and isinstance(layer.self_attn, HeadAttention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        python = bayesfuse.fuse(models, "pfnm").model
+    assert _gap(python, loaded, x) < 1e-4

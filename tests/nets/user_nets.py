@@ -103,6 +103,28 @@ class SplitAttention(Attention):
         self.attn = split_heads(self.attn)
 
 
+class Encoder(nn.Module):
+    """Two of PyTorch's own transformer encoder layers (nn.TransformerEncoder), as users write them."""
+
+    def __init__(self, d: int = 16, k: int = 10, norm_first: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 24, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(d), enable_nested_tensor=False)
+        self.head = nn.Linear(d, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x.view(-1, 4, 16))).mean(dim=1))
+
+
+class PreNormEncoder(Encoder):
+    def __init__(self, d: int = 16, k: int = 10) -> None:
+        super().__init__(d, k, norm_first=True)
+
+
 class NeedsArgs(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
