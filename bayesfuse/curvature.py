@@ -141,7 +141,8 @@ class _Unsupported(Exception):
 
 
 def _func_ggn(model, names, xb, total, buffers, params) -> None:
-    """Add one chunk's GGN diagonal of the parameters ``names`` by per-example VJPs (torch.func)."""
+    """Add one chunk's GGN diagonal of the parameters ``names`` by per-example VJPs (torch.func),
+    vmapped over the examples, or looped where an operation has no batching rule (``nn.GRU``)."""
     chosen = {k: params[k] for k in names}
     fixed = {k: v for k, v in params.items() if k not in chosen}
 
@@ -153,7 +154,11 @@ def _func_ggn(model, names, xb, total, buffers, params) -> None:
         grads = vmap(pullback)(_factor(f))[0]
         return {k: (g.double() ** 2).sum(0) for k, g in grads.items()}
 
-    squares = vmap(per_example)(xb)
+    try:
+        squares = vmap(per_example)(xb)
+    except RuntimeError:  # an operation vmap cannot batch (nn.GRU's): one example at a time
+        parts = [per_example(xi) for xi in xb]
+        squares = {k: torch.stack([part[k] for part in parts]) for k in names}
     for k in names:
         total[k] += squares[k].sum(0)
 

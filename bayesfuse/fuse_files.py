@@ -657,6 +657,9 @@ def fuse_files(
             )
             for k in state_dicts[0]
         )
+        from bayesfuse.nets.arch import check_recurrent_widths
+
+        check_recurrent_widths(fused_sd)  # never a stacked LSTM no module can hold, network given or not
         if like is not None:  # never a file that cannot be loaded into the user's network and run
             fused_model = _check_like(like, fused_sd)
             if template is not like:

@@ -382,8 +382,8 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
             t = output if stat == "pre" else inputs[0]
             if isinstance(t, tuple):  # a recurrent layer's (outputs, state)
                 t = t[0]
-            if isinstance(module, nn.RNNBase) or (t.dim() > 2 and isinstance(modules[where[group][0]], nn.RNNBase)):
-                # a recurrent layer's outputs, or another's read by one: (.., H) at every step, units last
+            if not isinstance(module, nn.modules.conv._ConvNd):
+                # a dense or recurrent layer's outputs or inputs: units last, at every step or token
                 t = t.reshape(-1, t.shape[-1])
             s1, s2, n = _channel_moments(t)
             acc = sums.setdefault((group, stat), [0.0, 0.0, 0])

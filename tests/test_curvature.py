@@ -88,6 +88,20 @@ def test_own_class_with_free_parameter():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-14, err_msg=k)
 
 
+@pytest.mark.parametrize("cls", ["MyGRU", "MyLSTM"])
+def test_recurrent_networks_against_full_jacobians(cls):
+    """A GRU has no vmap batching rule: its examples are taken one at a time, the same sums."""
+    from tests.nets import user_nets
+
+    torch.manual_seed(6)
+    model = getattr(user_nets, cls)(h=5).double().eval()
+    x = torch.randn(7, 64, dtype=torch.float64)
+    got = diag_ggn(model, x)
+    want = brute_force_ggn(model, x)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-14, err_msg=k)
+
+
 def test_backpack_agrees_on_a_sequential():
     backpack = pytest.importorskip("backpack")
     from backpack.extensions import DiagGGNExact

@@ -153,6 +153,23 @@ def test_lstm_moments_are_over_every_step_and_its_activations_the_last_state():
     np.testing.assert_allclose(s.moments["H"]["act_var"], last.var(0), atol=1e-12)
 
 
+def test_moments_of_dense_units_on_sequences_are_per_unit_over_every_step():
+    """A Linear applied to (N, T, D) tokens or steps (a transformer's, an embedding before a GRU)
+    has its units last: their moments are over examples and steps (they were per step before)."""
+    from bayesfuse.nets.tracing import spec_from_module
+    from tests.nets.user_nets import MyGRU
+
+    torch.manual_seed(0)
+    model = MyGRU().eval()
+    x = np.random.default_rng(6).normal(size=(9, 64)).astype(np.float32)
+    s = summarize(model, x, np.arange(9) % 10)
+    group = spec_from_module(model).axes["embed.weight"][0].group
+    with torch.no_grad():
+        pre = model.embed(torch.as_tensor(x).view(-1, 8, 8)).double().reshape(-1, 10)
+    np.testing.assert_allclose(s.moments[group]["pre_mean"], pre.mean(0).numpy(), atol=1e-12)
+    np.testing.assert_allclose(s.moments[group]["act_var"], pre.relu().var(0, unbiased=False).numpy(), atol=1e-12)
+
+
 def test_moments_of_units_one_lstm_makes_and_another_reads():
     from bayesfuse.inference.spec import chain, dense, lstm
 

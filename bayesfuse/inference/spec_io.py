@@ -266,11 +266,20 @@ def spec_for_state_dict(
             raise ValueError(f"{name}: no LSTM entries ('<name>.weight_ih_l0') found")
         prefix = lstm_keys[0].rsplit(".", 1)[0]
         n_layers = len(lstm_keys)
+        hh = shapes.get(f"{prefix}.weight_hh_l0", ())
+        if len(hh) != 2 or hh[0] != 4 * hh[1]:
+            raise ValueError(
+                f"{name}: {prefix!r} has recurrent weights of shape {hh}, not an LSTM's (4H, H) (a GRU's are "
+                "(3H, H)), and entry names do not show how the network uses it; give the network itself "
+                "(like=model)"
+            )
         rest = [k for k in keys if not k.startswith(prefix + ".")]
         weights = [k for k in rest if len(shapes[k]) == 2]
         if len(weights) != 1 or not weights[0].endswith("weight"):
             raise ValueError(
-                f"{name}: an LSTM spec needs exactly one dense output layer after the LSTM, found {weights}"
+                f"{name}: an LSTM read off entry names needs exactly one dense output layer after it (the LSTM "
+                f"classifier's), found {weights}; give the network itself (like=model) "
+                "to trace it"
             )
         head = weights[0][: -len("weight")]
         top = "H" if n_layers == 1 else f"H_{n_layers - 1}"

@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Callable, Mapping, Sequence, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,7 +26,16 @@ from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
 from bayesfuse.nets.resnet import resnet18, resnet20
 
-__all__ = ["ARCHITECTURES", "make_cnn", "LSTMClassifier", "make_model", "rebuild", "check_runs", "image_shape"]
+__all__ = [
+    "ARCHITECTURES",
+    "make_cnn",
+    "LSTMClassifier",
+    "make_model",
+    "rebuild",
+    "check_runs",
+    "check_recurrent_widths",
+    "image_shape",
+]
 
 ARCHITECTURES = ("mlp", "cnn", "lstm", "resnet20", "resnet18", "vit")
 # the reference nets scaled by ``width``
@@ -156,13 +167,40 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
     if isinstance(module, nn.Embedding):
         n, dim = shape("weight")
         return nn.Embedding(n, dim, padding_idx=module.padding_idx)
-    if isinstance(module, nn.LSTM):
+    if isinstance(module, (nn.LSTM, nn.GRU)):
         hidden = shape("weight_hh_l0")[1]
         inp = shape("weight_ih_l0")[1]
-        return nn.LSTM(inp, hidden, num_layers=module.num_layers, bias=module.bias, batch_first=module.batch_first)
+        return type(module)(
+            inp,
+            hidden,
+            num_layers=module.num_layers,
+            bias=module.bias,
+            batch_first=module.batch_first,
+            dropout=module.dropout,
+        )
     if isinstance(module, PositionAware):
         return module  # re-created from the next layer's width below
     return module
+
+
+def check_recurrent_widths(state: Mapping[str, torch.Tensor] | Mapping[str, np.ndarray]) -> None:
+    """Refuse, in one line, a state whose stacked ``nn.LSTM`` / ``nn.GRU`` layers have different
+    widths: the module keeps one hidden size for all its layers, and matching gives each layer's
+    units a permutation, and a width, of its own."""
+    widths: dict[str, dict[int, int]] = {}
+    for key, value in state.items():
+        found = re.fullmatch(r"(.*)\.weight_hh_l(\d+)", key)
+        if found:
+            widths.setdefault(found[1], {})[int(found[2])] = int(np.shape(value)[1])
+    for name, layers in widths.items():
+        if len(set(layers.values())) > 1:
+            kind = "LSTM" if 4 * layers[0] == np.shape(state[f"{name}.weight_hh_l0"])[0] else "GRU"
+            listed = ", ".join(str(layers[k]) for k in sorted(layers))
+            raise ValueError(
+                f"{name!r} is an nn.{kind} of {len(layers)} layers, which keeps one width for all of them, "
+                f"and this fusion gives each layer a width of its own ({listed}); fuse it with a method that "
+                "keeps the widths (fedavg, ot), or write its layers as one-layer modules"
+            )
 
 
 def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -174,6 +212,7 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
     reads a width of its own (``x.view(-1, self.width)``) still has the old one: run it once
     (:func:`check_runs`) before trusting it.
     """
+    check_recurrent_widths(state_dict)
     shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
     new = copy.deepcopy(model)
     previous_width = None

@@ -12,6 +12,9 @@ activation from the input to the output:
   et al. 2023, section 3 and appendix);
 * BatchNorm, LayerNorm, GroupNorm (one group, or one per channel) and parameters added to the
   stream (a position embedding, a class token) are permuted with the stream they act on;
+* an ``nn.LSTM`` / ``nn.GRU`` opens one permutation per layer, of the rows of each gate's block
+  (4 blocks, 3 for a GRU) and of the columns of its own hidden-to-hidden weights; its output
+  sequence has the top layer's units, its final state (one layer only) the same;
 * a matrix product ``a @ b`` that sums over the units of both operands (a head's queries
   against its keys) ties their permutations, and its result has no units; one that sums over
   another axis (attention weights times values) passes the units of the operand that has them
@@ -166,6 +169,29 @@ class _Feature:
     dim: int
     outer: int = 1
     inner: int = 1
+
+
+@dataclass(frozen=True)
+class _Recurrent:
+    """What an ``nn.LSTM`` / ``nn.GRU`` returns, ``(output, state)``: the output sequence's units
+    (the top layer's), and its final state's (``(h, c)`` for an LSTM, ``h`` for a GRU)."""
+
+    output: _Feature
+    state: object  # _Feature or _Unreadable, or _Parts of them (an LSTM's (h, c))
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A tuple of activations' labels (an LSTM's final ``(h, c)``), read by indexing."""
+
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """An activation whose units no one permutation describes: refused where it is read."""
+
+    why: str
 
 
 class _Classes:
@@ -339,6 +365,9 @@ class _Walk:
     def feature(self, node) -> _Feature | None:
         """The activation's units, or None (no units known, or a parameter)."""
         label = self.raw(node)
+        if isinstance(label, (_Unreadable, _Recurrent, _Parts)):  # read as one tensor: refused
+            why = label.why if isinstance(label, _Unreadable) else "a recurrent layer's (output, state) read whole"
+            raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.name}: {why}")
         return label if isinstance(label, _Feature) else None
 
     def raw(self, node):
@@ -507,6 +536,8 @@ class _Walk:
             self.labels[node] = f
         elif isinstance(m, nn.Flatten):
             self.reshape(node, inp)
+        elif isinstance(m, (nn.LSTM, nn.GRU)):
+            self.recurrent(node, m, f)
         elif isinstance(m, nn.MultiheadAttention):
             self.fail(
                 node,
@@ -521,9 +552,54 @@ class _Walk:
         else:
             self.fail(
                 node,
-                f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding, "
+                f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding, LSTM, GRU, "
                 "BatchNorm, LayerNorm, GroupNorm, activations, pooling, dropout, Flatten)",
             )
+
+    def recurrent(self, node, m: nn.LSTM | nn.GRU, f: _Feature | None) -> None:
+        """``nn.LSTM`` / ``nn.GRU``: layer k's units are one permutation of the rows of each gate's
+        block of ``weight_ih_lk``, ``weight_hh_lk`` and its biases (4 blocks, 3 for a GRU) and of
+        the columns of ``weight_hh_lk`` and of the next layer's ``weight_ih``: the gates of a unit
+        read only that unit's past state (``spec.lstm``, FedMA section 2.2)."""
+        kind = type(m).__name__
+        if m.bidirectional or (isinstance(m, nn.LSTM) and m.proj_size > 0):
+            self.fail(node, f"a bidirectional or projected {kind} is not supported; give a spec")
+        f = f if self.permuted(f) else None
+        if f is not None and (f.dim != len(_tensor_shape(node.args[0])) - 1 or (f.outer, f.inner) != (1, 1)):
+            self.fail(node, f"an {kind} must read the units on the last axis")
+        gates = 4 if isinstance(m, nn.LSTM) else 3
+        name, below, layers = node.target, f, []
+        if len(node.args) > 1 or node.kwargs:
+            self.fail(node, f"an {kind} given a first state is not supported; give a spec")
+        for k in range(m.num_layers):
+            key = f"{name}#{k}"  # one variable per layer, the same on every call of the module
+            if key not in self.module_vars:
+                self.module_vars[key] = (None, self.new())
+            h = self.module_vars[key][1]
+            if below is not None:
+                old_in = self.module_vars[key][0]
+                if old_in is not None:
+                    self.classes.union(old_in, below.var)
+                self.module_vars[key] = (below.var, h)
+            self.set_axes(f"{name}.weight_ih_l{k}", [(h, gates, 1), self.in_axis(below)])
+            self.set_axes(f"{name}.weight_hh_l{k}", [(h, gates, 1), (h, 1, 1)])
+            if m.bias:
+                self.set_axes(f"{name}.bias_ih_l{k}", [(h, gates, 1)])
+                self.set_axes(f"{name}.bias_hh_l{k}", [(h, gates, 1)])
+            layers.append(h)
+            below = _Feature(h, 0)
+        rank = len(_tensor_shape(node.args[0]))
+        output = _Feature(layers[-1], rank - 1)
+        state: object = (
+            _Feature(layers[0], rank - 1)  # (1, N, H) batched, (1, H) not: the units last, as the output's
+            if m.num_layers == 1
+            else _Unreadable(
+                f"the final state of the {m.num_layers}-layer {kind} {name!r} holds every layer's units, "
+                "each layer a permutation of its own: read the top layer's from the output sequence "
+                "(output[:, -1] with batch_first), or give a spec"
+            )
+        )
+        self.labels[node] = _Recurrent(output, _Parts((state, state)) if gates == 4 else state)
 
     def layer_vars(self, name: str, f: _Feature | None, node) -> int:
         """The output variable of module ``name`` (the same on every call of it)."""
@@ -780,6 +856,14 @@ class _Walk:
         self.labels[node] = _Feature(f.var, new, f.outer, f.inner)
 
     def getitem(self, node, a) -> None:
+        label = self.raw(a)
+        if isinstance(label, (_Recurrent, _Parts)):
+            index = node.args[1]
+            parts = (label.output, label.state) if isinstance(label, _Recurrent) else label.parts
+            if not isinstance(index, int) or not -len(parts) <= index < len(parts):
+                self.fail(node, "indexing a recurrent layer's (output, state) other than by 0 or 1")
+            self.labels[node] = parts[index]
+            return
         f = self.feature(a)
         if not isinstance(f, _Feature):
             self.labels[node] = None

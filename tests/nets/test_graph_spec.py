@@ -5,6 +5,8 @@ leaves its function unchanged (to float32 round-off, 1e-4 on logits of order 1),
 network with a permuted copy of itself gives back that function, for every matching method.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,9 +17,20 @@ from bayesfuse.inference.spec import permute, random_permutations
 from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import far_from_identity_norms
-from tests.nets.user_nets import Attention, MyMLP, ResMLP, SkipCNN, SplitAttention, TokenMixer
+from tests.nets.user_nets import (
+    Attention,
+    MyGRU,
+    MyLSTM,
+    MyMLP,
+    ResMLP,
+    SkipCNN,
+    SplitAttention,
+    StackedLSTM,
+    StackedStateLSTM,
+    TokenMixer,
+)
 
-NETS = [MyMLP, ResMLP, SkipCNN, TokenMixer, SplitAttention]
+NETS = [MyMLP, ResMLP, SkipCNN, TokenMixer, SplitAttention, MyLSTM, MyGRU, StackedLSTM]
 
 
 def _random(cls, seed: int) -> nn.Module:
@@ -78,7 +91,9 @@ def test_permuting_by_the_traced_spec_keeps_the_function(cls):
     # and the spec is not vacuous: permuting one group's rows alone changes the function
     spec = spec_from_module(model)
     state = model.state_dict()
-    first = next(k for k, v in spec.axes.items() if v and v[0] is not None and k.endswith("weight"))
+    first = next(
+        k for k, v in spec.axes.items() if v and v[0] is not None and k.rpartition(".")[2].startswith("weight")
+    )
     broken = type(model)()
     broken.load_state_dict({**state, first: state[first].flip(0)})
     assert _gap(model, broken.eval(), x) > 1e-3
@@ -102,12 +117,75 @@ def test_independent_residual_networks_fuse_into_one_that_runs():
     assert a.model(torch.randn(5, 64)).shape == (5, 10)
 
 
+class _Bidirectional(MyLSTM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 6, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(6, 10)  # h[-1]: the backward direction's last state
+
+
+def test_recurrent_layers_permute_each_gate_block_and_their_own_state():
+    spec = spec_from_graph(MyLSTM())
+    gates, state = spec.axes["rnn.weight_hh_l0"]
+    assert (gates.group, gates.outer, state.group, state.outer) == (state.group, 4, gates.group, 1)
+    assert spec.axes["rnn.weight_ih_l0"][1] is None  # the input is never permuted
+    assert spec.axes["head.weight"][1].group == gates.group
+    gru = spec_from_graph(MyGRU())
+    assert gru.axes["rnn.weight_ih_l0"][0].outer == 3
+    assert gru.axes["rnn.weight_ih_l0"][1].group == gru.axes["embed.weight"][0].group
+    stacked = spec_from_graph(StackedLSTM())
+    first, second = (stacked.axes[f"rnn.weight_hh_l{k}"][0].group for k in (0, 1))
+    assert first != second and stacked.axes["rnn.weight_ih_l1"][1].group == first
+    assert stacked.axes["head.weight"][1].group == second
+
+
+def test_independent_recurrent_networks_fuse_and_stacked_ones_say_why_not():
+    x = torch.randn(6, 64)
+    for cls in (MyLSTM, MyGRU):
+        models = [_random(cls, s) for s in range(3)]
+        fused = bayesfuse.fuse(models, "pfnm")
+        assert fused.sizes[-1] > 12 and fused.model(x).shape == (6, 10)
+        assert type(fused.model.rnn) is type(models[0].rnn)
+    stacked = [_random(StackedLSTM, s) for s in range(3)]
+    with pytest.raises(ValueError, match=r"'rnn' is an nn.LSTM of 2 layers, which keeps one width"):
+        bayesfuse.fuse(stacked, "pfnm")
+    averaged = bayesfuse.fuse(stacked, "fedavg").model
+    mean = {k: sum(m.state_dict()[k] for m in stacked) / 3 for k in stacked[0].state_dict()}
+    assert all(torch.allclose(averaged.state_dict()[k], v, atol=1e-6) for k, v in mean.items())
+
+
+def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_holds(tmp_path, capsys):
+    from bayesfuse.checkpoints import save_state_dict
+    from bayesfuse.cli import main
+
+    def files(cls, stem):
+        return [str(save_state_dict(_random(cls, s).state_dict(), tmp_path / f"{stem}{s}.pt")) for s in range(3)]
+
+    gru, stacked, out = files(MyGRU, "g"), files(StackedLSTM, "s"), tmp_path / "fused.pt"
+    for paths, model, message in (
+        (gru, [], r"'rnn' has recurrent weights of shape \(36, 12\), not an LSTM's .* \(--model MODULE:NAME\)"),
+        (stacked, [], r"'rnn' is an nn.LSTM of 2 layers, which keeps one width .* \(\d+, \d+\)"),
+        (stacked, ["--model", "tests.nets.user_nets:StackedLSTM"], r"'rnn' is an nn.LSTM of 2 layers"),
+    ):
+        assert main(["fuse", *paths, "--method", "pfnm", *model, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and re.search(message, err), err
+        assert not list(tmp_path.glob("fused*"))
+    assert main(["fuse", *gru, "--method", "pfnm", "--model", "tests.nets.user_nets:MyGRU", "--out", str(out)]) == 0
+    loaded = bayesfuse.load(out, like=MyGRU())
+    python = bayesfuse.fuse([_random(MyGRU, s) for s in range(3)], "pfnm").model
+    assert _gap(loaded, python, torch.randn(6, 64)) < 1e-5
+    assert main(["fuse", *stacked, "--method", "fedavg", "--out", str(tmp_path / "avg.pt")]) == 0
+
+
 @pytest.mark.parametrize(
     "model, message",
     [
         (Attention(), r"nn.MultiheadAttention's heads are embed_dim / num_heads wide"),
         (nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)), r"GroupNorm with 2 groups of 6 channels"),
         (nn.GRU(3, 4), r"bare GRU"),
+        (StackedStateLSTM(), r"final state of the 2-layer LSTM 'rnn' holds every layer's units"),
+        (_Bidirectional(), r"a bidirectional or projected LSTM is not supported"),
     ],
 )
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):

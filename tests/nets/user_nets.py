@@ -125,6 +125,63 @@ class PreNormEncoder(Encoder):
         super().__init__(d, k, norm_first=True)
 
 
+class MyLSTM(nn.Module):
+    """An LSTM over 8 steps of 8 features whose head reads its final hidden state."""
+
+    def __init__(self, h: int = 12, k: int = 10) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, h, batch_first=True)
+        self.head = nn.Linear(h, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        _, (h, _) = self.rnn(x.view(-1, 8, 8))
+        return self.head(h[-1])
+
+
+class MyGRU(nn.Module):
+    """Embedded steps into a sequence-first GRU; the head reads the last step of its output."""
+
+    def __init__(self, h: int = 12, k: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 10)
+        self.rnn = nn.GRU(10, h)
+        self.head = nn.Linear(h, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        steps = F.relu(self.embed(x.view(-1, 8, 8))).transpose(0, 1)
+        out, _ = self.rnn(steps)
+        return self.head(out[-1])
+
+
+class StackedLSTM(nn.Module):
+    """Two LSTM layers in one nn.LSTM (one width for both); the head reads the output's last step."""
+
+    def __init__(self, h: int = 12, k: int = 10) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, h, num_layers=2, batch_first=True)
+        self.head = nn.Linear(h, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        return self.head(self.rnn(x.view(-1, 8, 8))[0][:, -1])
+
+
+class StackedStateLSTM(StackedLSTM):
+    """:class:`StackedLSTM` whose head reads the final state, every layer's units in one tensor."""
+
+    def forward(self, x):
+        _, (h, _) = self.rnn(x.view(-1, 8, 8))
+        return self.head(h[-1])
+
+
 class NeedsArgs(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
