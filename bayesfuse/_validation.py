@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["finite_array", "positive_array", "normalised_weights"]
+__all__ = ["finite_array", "positive_array", "normalised_weights", "check_inputs", "check_num_samples"]
 
 
 def finite_array(x, name: str, *, allow_inf: bool = False) -> np.ndarray:
@@ -37,3 +37,22 @@ def normalised_weights(weights, n: int, *, what: str = "model") -> np.ndarray:
     if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"weights must be finite, non-negative and not all zero, got {w}")
     return w / w.sum()
+
+
+def check_inputs(x) -> None:
+    """Refuse inputs to predict on that are empty or hold NaN or infinite values (NumPy or
+    torch), naming the first such example: a prediction of NaN is never returned."""
+    n = x.shape[0] if hasattr(x, "shape") and len(x.shape) else 0
+    if n == 0:
+        raise ValueError("cannot predict on 0 examples")
+    finite = x.isfinite() if hasattr(x, "isfinite") else np.isfinite(np.asarray(x, dtype=np.float64))
+    if not bool(finite.all()):
+        rows = np.asarray(finite.reshape(n, -1).all(1) if hasattr(finite, "reshape") else finite)
+        raise ValueError(f"x has NaN or infinite values (example {int(np.argmin(rows))} of {n})")
+
+
+def check_num_samples(num_samples) -> int:
+    """``num_samples`` as a positive int (draws of a Monte Carlo predictive), or a one-line ValueError."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+    return int(num_samples)

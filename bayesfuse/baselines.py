@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesfuse._validation import normalised_weights
+from bayesfuse._validation import check_inputs, check_num_samples, normalised_weights
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
 
@@ -160,8 +160,9 @@ class Ensemble(nn.Module):
         of the inputs), networks in their own dtype. ``num_samples`` and ``seed`` default to the
         ensemble's."""
         x = torch.as_tensor(np.asarray(x, dtype=np.float64)) if not isinstance(x, torch.Tensor) else x.double()
-        if x.ndim == 0 or len(x) == 0:
-            raise ValueError("cannot predict on 0 examples")
+        check_inputs(x)
+        if num_samples is not None:
+            check_num_samples(num_samples)
         was_training = self.training
         self.eval()
         try:

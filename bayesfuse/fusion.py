@@ -26,6 +26,7 @@ from the method table, :mod:`bayesfuse.methods`.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence, cast
@@ -108,7 +109,11 @@ class FusionResult:
 
 
 def _check_modules(models: Sequence) -> None:
-    """Refuse state_dicts, pointing to :func:`~bayesfuse.core.fuse_states` (``TypeError``)."""
+    """Refuse state_dicts, pointing to :func:`~bayesfuse.core.fuse_states`, file paths, pointing to
+    :func:`bayesfuse.load` and :func:`~bayesfuse.fuse_files.fuse_files`, and anything else that is
+    not an ``nn.Module`` (``TypeError``)."""
+    if isinstance(models, (str, os.PathLike, nn.Module)) or not isinstance(models, Sequence):
+        raise TypeError(f"fuse takes a list of models, got a {type(models).__name__}")
     for j, model in enumerate(models):
         if isinstance(model, Mapping):
             raise TypeError(
@@ -116,6 +121,13 @@ def _check_modules(models: Sequence) -> None:
                 "with bayesfuse.fuse_states(states, method) (it returns the fused state_dict), or load "
                 "each into its network first (model.load_state_dict(state))"
             )
+        if isinstance(model, (str, os.PathLike)):
+            raise TypeError(
+                f"model {j} is a path ({str(model)!r}), not an nn.Module: load each with bayesfuse.load(path, "
+                "like=network), or fuse the files with bayesfuse.fuse_files.fuse_files(paths, method, out)"
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model {j} is not an nn.Module (a network or a HorseshoeBNN): got {type(model).__name__}")
 
 
 def _is_bnn(model) -> bool:
@@ -308,9 +320,9 @@ def fuse(
     """
     start = time.perf_counter()
     verbose = progress(verbose)
+    _check_modules(models)
     if len(models) == 0:
         raise ValueError("fuse needs at least one model")
-    _check_modules(models)
     method = methods.canonical(method)
     methods.check_keys(method, hyper, caller=fuse)
     if output_prior_precision is not None:

@@ -86,6 +86,11 @@ def report(
     """
     import pandas as pd
 
+    if not isinstance(models, Mapping):
+        raise TypeError(
+            f"report takes a mapping of names to models, e.g. {{'fused': result, 'ensemble': ensemble}}; got a "
+            f"{type(models).__name__}"
+        )
     if not models:
         raise ValueError("report needs at least one model")
     if not 0 < level < 1:
@@ -142,9 +147,12 @@ def plot_report(table, *, columns: int = 3, bins: int = 30):
     """
     import matplotlib.pyplot as plt
 
-    scores = table.attrs.get("entropy")
+    scores = getattr(table, "attrs", {}).get("entropy")
     if not scores:
-        raise ValueError("plot_report draws what report() returns: a table whose attrs hold the entropies")
+        raise ValueError(
+            "plot_report draws what report() returns: a table whose attrs hold the entropies; "
+            f"got a {type(table).__name__}"
+        )
     names = list(table.index)
     rows = -(-len(names) // columns)
     fig = plt.figure(figsize=(4.2 + 2.6 * min(columns, len(names)), max(3.6, 2.2 * rows)), layout="constrained")

@@ -489,7 +489,83 @@ API_CASES = [
         ValueError,
         r"client 0's variance 1e-20 \(component 0, coordinate 0\) is 1\.0e\+20 times smaller",
     ),
+    # not models: a path, a lone model, arrays where families are needed, a list where names are needed
+    (
+        lambda: fuse(["a.pt", "b.pt"]),
+        TypeError,
+        r"model 0 is a path \('a.pt'\), not an nn.Module: load each with bayesfuse.load",
+    ),
+    (lambda: fuse(MLP(4, [3], 2)), TypeError, "fuse takes a list of models, got a MLP"),
+    (
+        lambda: fuse([MLP(4, [3], 2), 3]),
+        TypeError,
+        r"model 1 is not an nn.Module \(a network or a HorseshoeBNN\): got int",
+    ),
+    (
+        lambda: kl_fuse([np.zeros((3, 4)), np.zeros((3, 4))], reg=0.1),
+        TypeError,
+        "item 0 is a ndarray, not a batch of exponential-family components",
+    ),
+    (lambda: _ood_report([MLP(4, [3], 2)]), TypeError, "report takes a mapping of names to models"),
+    (lambda: _plot_report({"a": 1}), ValueError, r"plot_report draws what report\(\) returns.*got a dict"),
+    # predictions: never NaN returned, never a torch error
+    (
+        lambda: _bnn().predict(_x(nan=True), num_samples=5),
+        ValueError,
+        r"x has NaN or infinite values \(example 1 of 3\)",
+    ),
+    (lambda: _bnn().predict(_x(), num_samples=0), ValueError, "num_samples must be a positive integer, got 0"),
+    (lambda: _bnn().predict(_x(), num_samples=-1), ValueError, "num_samples must be a positive integer, got -1"),
+    (lambda: _bnn().predict(_x()[:0], num_samples=5), ValueError, "cannot predict on 0 examples"),
+    (lambda: _predict_proba(MLP(4, [3], 2), _x(nan=True)), ValueError, r"x has NaN or infinite values \(example 1"),
+    (lambda: _predict_proba(_bnn(), _x()), TypeError, r"a HorseshoeBNN predicts by its Monte Carlo predictive"),
+    (lambda: _predict_proba("net", _x()), TypeError, "predict_proba needs a network"),
+    (lambda: _compare({"bnn": _bnn()}, _x(), np.zeros(2, dtype=int)), ValueError, "2 labels .* for 3 examples"),
+    (lambda: HorseshoeBNN(4, [3], 2, init_scale=-0.1), ValueError, "init_scale .* must be positive, got -0.1"),
+    (lambda: _train_bnn(n_classes=0), ValueError, "n_classes must be a positive integer, got 0"),
 ]
+
+
+def _x(nan: bool = False) -> np.ndarray:
+    x = np.arange(12, dtype=np.float64).reshape(3, 4) / 10
+    if nan:
+        x[1, 2] = np.nan
+    return x
+
+
+def _bnn() -> HorseshoeBNN:
+    torch.manual_seed(0)
+    return HorseshoeBNN(4, [3], 2)
+
+
+def _ood_report(models):
+    from bayesfuse.ood import report
+
+    return report(models, _x(), _x())
+
+
+def _plot_report(table):
+    from bayesfuse.ood import plot_report
+
+    return plot_report(table)
+
+
+def _predict_proba(model, x):
+    from bayesfuse.nets import predict_proba
+
+    return predict_proba(model, x)
+
+
+def _compare(models, x, y):
+    from bayesfuse.analysis import compare
+
+    return compare(models, x, y)
+
+
+def _train_bnn(n_classes: int):
+    from bayesfuse.models.bnn import train_bnn
+
+    return train_bnn(_x(), np.zeros(3, dtype=int), n_classes, hidden=3)
 
 
 @pytest.mark.parametrize("call, exc, message", API_CASES)

@@ -172,6 +172,11 @@ def compare(models: Mapping[str, Any], x, y, *, num_samples: int = DEFAULT_DRAWS
             f"compare takes a mapping of names to models, e.g. {{'fused': result, 'ensemble': ensemble}}; got a "
             f"{type(models).__name__}"
         )
+    n_labels, n_inputs = len(np.asarray(y).reshape(-1)), len(x)
+    if np.ndim(y) != 1 or n_labels != n_inputs:
+        raise ValueError(
+            f"y must hold one label per example: {n_labels} labels (shape {np.shape(y)}) for {n_inputs} examples"
+        )
     lpd = {name: log_predictive_density(m, x, y, num_samples=num_samples, seed=seed) for name, m in models.items()}
     table = compare_pointwise(lpd)
     if not pairs:

@@ -207,6 +207,12 @@ def kl_moments(a: KLTerms, b: KLTerms, *, block_bytes: int = 2**26) -> tuple[int
 def check_same_family(parts: Sequence[ExpFamily]) -> None:
     if len(parts) == 0:
         raise ValueError("need at least one batch of components")
+    for j, p in enumerate(parts):
+        if not isinstance(p, ExpFamily):
+            raise TypeError(
+                f"item {j} is a {type(p).__name__}, not a batch of exponential-family components: give each "
+                "client's as DiagNormal, FullNormal, Dirichlet, NormalWishart, ... (bayesfuse.inference.expfam)"
+            )
     kind, shape = type(parts[0]), parts[0].event_shape
     for j, p in enumerate(parts):
         if type(p) is not kind:

@@ -100,7 +100,8 @@ class KLFusionResult:
     def to_arviz(self, **options):
         """Independent draws of the fused components, their ``loc``/``scale``, the assignments and the
         solver as an ArviZ object; ``options`` (``units``, ``num_draws``, ``weight_names``, ``seed``)
-        as in :func:`bayesfuse.analysis.klfusion_to_arviz`."""
+        as in :func:`bayesfuse.analysis.klfusion_to_arviz`. Diagonal-Gaussian components only
+        (``DiagNormal``); other families are refused with a ``TypeError``."""
         return exporter("klfusion")(self, **options)
 
     @property

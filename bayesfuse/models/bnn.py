@@ -53,6 +53,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesfuse._runtime import progress, torch_threads
+from bayesfuse._validation import check_inputs, check_num_samples
 from bayesfuse.inference.bnn.sites import (
     DEFAULT_GLOBAL_SCALE,
     PRIORS,
@@ -153,6 +154,10 @@ class HorseshoeBNN(nn.Module):
             raise ValueError("in_features, n_classes and every hidden size must be positive")
         if prior not in PRIORS:
             raise ValueError(f"prior must be one of {', '.join(map(repr, PRIORS))}, got {prior!r}")
+        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(
+                f"init_scale (the guide's initial standard deviation) must be positive, got {init_scale!r}"
+            )
         spec = Prior(prior, DEFAULT_GLOBAL_SCALE[prior] if global_scale is None else global_scale, weight_scale)
         global_scale = spec.global_scale
         self.hidden_sizes = tuple(int(h) for h in sizes)
@@ -323,6 +328,8 @@ class HorseshoeBNN(nn.Module):
         x = torch.as_tensor(np.asarray(x), dtype=torch.float64)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be (n, {self.in_features}), got {tuple(x.shape)}")
+        check_inputs(x)
+        num_samples = check_num_samples(num_samples)
         draws = self._draws(num_samples, torch.Generator().manual_seed(seed))
         step = self._rows_per_chunk(batch_size)
         return torch.cat([predictive(x[i : i + step], draws) for i in range(0, len(x), step)]).numpy()
@@ -446,6 +453,8 @@ def train_bnn(
         raise ValueError(f"need x (n, d) with n > 0 and y (n,), got {x.shape} and {y.shape}")
     if not np.isfinite(x).all():
         raise ValueError("training inputs contain NaN or infinite values")
+    if isinstance(n_classes, bool) or not isinstance(n_classes, (int, np.integer)) or n_classes < 1:
+        raise ValueError(f"n_classes must be a positive integer, got {n_classes!r}")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= n_classes:
         raise ValueError(f"labels must be integers in 0..{n_classes - 1}")
     start = time.perf_counter()

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse._validation import check_inputs
 from bayesfuse.nets.heads import logits_and_features
 
 __all__ = ["LastLayerLaplace"]
@@ -132,6 +133,7 @@ class LastLayerLaplace(nn.Module):
         """Class probabilities: the probit predictive, or the mean over ``num_samples`` draws of the logits."""
         dtype = self.weight_var.dtype
         x = torch.as_tensor(np.asarray(x), dtype=dtype) if not isinstance(x, torch.Tensor) else x.to(dtype)
+        check_inputs(x)
         was_training = self.training
         self.eval()
         try:

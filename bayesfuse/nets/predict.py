@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse._validation import check_inputs
+
 __all__ = ["predict_proba", "predictive_proba"]
 
 
@@ -15,11 +17,21 @@ __all__ = ["predict_proba", "predictive_proba"]
 def predict_proba(model: nn.Module, x: np.ndarray | torch.Tensor, *, batch_size: int = 8192) -> np.ndarray:
     """Class probabilities ``softmax(model(x))`` as a float64 array of shape (n, n_classes).
 
-    ``model`` must return logits (or log-probabilities, which softmax leaves unchanged).
+    ``model`` must return logits (or log-probabilities, which softmax leaves unchanged); a fusion
+    result (what :func:`bayesfuse.fuse` returns) stands for its ``.model``. A Bayesian network
+    without a ``forward`` (a BNN) is refused, pointing to its Monte Carlo predictive.
     """
+    if not isinstance(model, nn.Module) and isinstance(getattr(model, "model", None), nn.Module):
+        model = model.model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"predict_proba needs a network (an nn.Module) or a fusion result, got {type(model).__name__}")
+    if type(model).forward is nn.Module.forward and callable(getattr(model, "predict", None)):
+        raise TypeError(
+            f"a {type(model).__name__} predicts by its Monte Carlo predictive, not one forward pass: use "
+            "model.predict(x, num_samples=...) or bayesfuse.nets.predictive_proba(model, x)"
+        )
     x = torch.as_tensor(np.asarray(x, dtype=np.float32)) if not isinstance(x, torch.Tensor) else x.float()
-    if len(x) == 0:
-        raise ValueError("cannot predict on 0 examples")
+    check_inputs(x)
     was_training = model.training
     model.eval()
     try:

@@ -323,6 +323,31 @@ def test_the_strategy_fuses_with_the_replies_summaries(clients, summaries):
         ot.client_heads(models[0])
 
 
+def test_replies_that_cannot_be_fused_are_rejected_naming_the_node_and_the_round_goes_on(clients, caplog):
+    _, part, models = clients
+    counts = [part.counts[j % 3] for j in range(6)]
+    states = [{k: v.clone() for k, v in models[j % 3].state_dict().items()} for j in range(6)]
+    states[0]["layers.0.weight"][0, 0] = float("nan")
+    replies = [
+        _reply(1, states[0], counts[0]),
+        _reply(2, states[1], counts[1][:7]),  # 7 class counts for 10 classes
+        _reply(3, states[2], [-1] + list(counts[2][1:])),
+        _reply(4, states[3], counts[3], n=-5),
+        _reply(5, states[4], counts[4]),
+        _reply(6, states[5], counts[5]),
+    ]
+    strategy = MatchedAveraging("pfnm")
+    with caplog.at_level(logging.WARNING):
+        arrays, metrics = strategy.aggregate_train(1, replies)
+    reasons = dict(strategy.rejected)
+    assert sorted(reasons) == [1, 2, 3, 4] and metrics["rejected-replies"] == 4 and metrics["fused-replies"] == 2
+    assert reasons[1] == "node 1: entry 'layers.0.weight' has NaN or infinite values"
+    assert reasons[2].startswith("node 2: class-counts must be 10 finite counts >= 0")
+    assert reasons[3].startswith("node 3: class-counts must be 10 finite counts >= 0")
+    assert reasons[4] == "node 4: num-examples must be a finite number > 0, got -5"
+    assert arrays is not None and "node 4: reply rejected" in caplog.text
+
+
 def test_the_strategy_rejects_a_bad_summary_naming_the_node(clients, summaries, caplog):
     _, part, models = clients
     bad_version = summary_to_records(summaries[2])

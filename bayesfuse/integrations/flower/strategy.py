@@ -159,6 +159,39 @@ class _Fusion(FedAvg):
         )
         return sorted(collected, key=_digest)
 
+    def _check_contents(self, r: _Reply, n_classes: int) -> None:
+        """Refuse, naming the node, a reply of the right architecture whose contents cannot be
+        fused: NaN or infinite weights, a weight (``num-examples``) that is not a positive number,
+        class counts that are not ``n_classes`` finite numbers >= 0 (0: any number) summing to
+        more than 0, a summary of another network."""
+        where = f"node {r.node}"
+        bad = next(
+            (
+                k
+                for k, v in r.state.items()
+                if np.issubdtype(np.asarray(v).dtype, np.floating) and not np.isfinite(v).all()
+            ),
+            None,
+        )
+        if bad is not None:
+            raise ValueError(f"{where}: entry {bad!r} has NaN or infinite values")
+        if not (np.isfinite(r.num_examples) and r.num_examples > 0):
+            raise ValueError(f"{where}: {self.weighted_by_key} must be a finite number > 0, got {r.num_examples:g}")
+        counts = r.class_counts
+        if counts is not None and (
+            counts.ndim != 1
+            or (n_classes and len(counts) != n_classes)
+            or not np.isfinite(counts).all()
+            or (counts < 0).any()
+            or counts.sum() <= 0
+        ):
+            raise ValueError(
+                f"{where}: {self.class_counts_key} must be {n_classes or 'one per class'} finite counts >= 0 "
+                f"summing to more than 0, got {np.array2string(counts, threshold=12)}"
+            )
+        if r.summary is not None:
+            check_summary(r.summary, r.state, where)
+
     def _reject(self, node: int, reason: str) -> None:
         self.rejected.append((node, reason))
         log(WARNING, "node %d: reply rejected: %s", node, reason)
@@ -176,7 +209,8 @@ class _Fusion(FedAvg):
                         raise ValueError(
                             f"node {r.node}: not a HorseshoeBNN state_dict (keys {sorted(r.state)[:4]}...)"
                         )
-                    BNNPosterior.from_state(r.state, f"node {r.node}")
+                    posterior = BNNPosterior.from_state(r.state, f"node {r.node}")
+                    self._check_contents(r, posterior.n_classes)
                     good.append(r)
                 except (ValueError, TypeError) as err:
                     self._reject(r.node, str(err))
@@ -199,6 +233,14 @@ class _Fusion(FedAvg):
             if r.node not in specs:
                 continue
             if specs[r.node][1] == common:
+                try:
+                    own = specs[r.node][0]
+                    self._check_contents(
+                        r, int(np.shape(r.state[own.output_layer(r.state)[0]])[0]) if own.output else 0
+                    )
+                except (ValueError, TypeError) as err:
+                    self._reject(r.node, str(err))
+                    continue
                 good.append(r)
             else:
                 self._reject(
