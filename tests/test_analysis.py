@@ -29,7 +29,7 @@ from bayesfuse.analysis import (
     to_arviz,
 )
 from bayesfuse.analysis._common import _arviz
-from bayesfuse.inference.expfam import DiagNormal
+from bayesfuse.inference.expfam import Beta, DiagNormal, Dirichlet, Gamma, NormalWishart
 from bayesfuse.inference.klfusion import kl_fuse
 from bayesfuse.inference.matching import match_neurons
 from bayesfuse.models.bbp import simulate_federation
@@ -303,6 +303,79 @@ def test_klfusion_round_trip_and_arviz_tools():
     assert len(summary) == res.n_components * 4
     assert "theta[0, dim_2]" in summary.index
     az.plot_forest(idata, var_names=["theta"], coords={"global_unit": [0], "weight": ["dim_0", "dim_1"]})
+
+
+def _dirichlet_fusion():
+    rng = np.random.default_rng(3)
+    alpha = rng.gamma(2.0, 1.0, size=(3, 5)) * 20
+    clients = [Dirichlet(alpha[rng.permutation(3)] * rng.uniform(0.9, 1.1, size=(3, 5))) for _ in range(3)]
+    return kl_fuse(clients, reg=0.1)
+
+
+def test_dirichlet_gamma_and_beta_components_are_drawn_from_their_own_family():
+    """A topic model's fused topics: draws on the simplex whose means are alpha / alpha_0 (within 5
+    Monte Carlo standard errors, sd sqrt(m (1 - m) / (alpha_0 + 1)) over 2 x 2000 draws); Gamma and
+    Beta coordinates likewise (sd sqrt(shape) / rate, sqrt(ab / (a + b + 1)) / (a + b))."""
+    res = _dirichlet_fusion()
+    words = ["w0", "w1", "w2", "w3", "w4"]
+    idata = res.to_arviz(units="all", weights="all", num_draws=2000, weight_names=words)
+    theta = np.asarray(idata.posterior["theta"])
+    assert theta.shape == (2, 2000, res.n_components, 5) and list(idata.posterior["weight"].values) == words
+    np.testing.assert_allclose(theta.sum(-1), 1.0, atol=1e-12)
+    alpha = res.components.concentration
+    mean = alpha / alpha.sum(1, keepdims=True)
+    se = np.sqrt(mean * (1 - mean) / (alpha.sum(1, keepdims=True) + 1)) / np.sqrt(4000)
+    assert (np.abs(theta.mean((0, 1)) - mean) < 5 * se).all()
+    np.testing.assert_array_equal(np.asarray(idata.constant_data["concentration"]), alpha)
+    assert len(idata.constant_data["assigned_global_unit"]) == 9
+    assert idata.posterior.attrs["hyper"].count("Dirichlet") == 1
+    one = res.to_arviz(units=[1], weights=["w3"], num_draws=2000, weight_names=words)  # the same stream
+    np.testing.assert_array_equal(np.asarray(one.posterior["theta"])[:, :, 0, 0], theta[:, :, 1, 3])
+    summary = _arviz().summary(res.to_arviz(num_draws=50), var_names=["theta"], kind="stats")
+    assert len(summary) == res.n_components * 5
+    rng = np.random.default_rng(4)
+    for family, params in (
+        (Gamma, dict(shape=np.full((2, 3), 4.0), rate=np.full((2, 3), 2.0))),
+        (Beta, dict(a=np.full((2, 3), 2.0), b=np.full((2, 3), 6.0))),
+    ):
+        fused = kl_fuse(
+            [family(**{k: v * rng.uniform(0.99, 1.01, v.shape) for k, v in params.items()}) for _ in range(2)]
+        )
+        draws = np.asarray(fused.to_arviz(num_draws=2000).posterior["theta"])
+        c = fused.components
+        if family is Gamma:
+            exact, sd = c.shape / c.rate, np.sqrt(c.shape) / c.rate
+        else:
+            exact, sd = c.a / (c.a + c.b), np.sqrt(c.a * c.b / (c.a + c.b + 1)) / (c.a + c.b)
+        assert (np.abs(draws.mean((0, 1)) - exact) < 5 * sd / np.sqrt(4000)).all(), family.__name__
+
+
+def test_normal_wishart_states_export_their_means_and_covariances():
+    """An HMM's fused states: E[mu] = mean, E[Lambda^-1] = scale^-1 / (dof - D - 1) (Bishop 2006,
+    B.80), within 5 Monte Carlo standard errors: Var(mu_d) = E[(kappa Lambda)^-1]_dd, and the
+    inverse Wishart's Var(Sigma_dd) = 2 E[Sigma_dd]^2 / (dof - D - 3)."""
+    rng = np.random.default_rng(5)
+    D, mean = 3, rng.normal(size=(2, 3)) * 3
+    scale = np.stack([np.eye(D) * 0.1, np.eye(D) * 0.05])
+    clients = [
+        NormalWishart(mean + 0.01 * rng.normal(size=mean.shape), np.full(2, 50.0), np.full(2, 30.0), scale)
+        for _ in range(3)
+    ]
+    res = kl_fuse(clients, reg=0.1)
+    idata = res.to_arviz(num_draws=2000)
+    mu, cov = np.asarray(idata.posterior["mu"]), np.asarray(idata.posterior["cov"])
+    assert mu.shape == (2, 2000, 2, 3) and cov.shape == (2, 2000, 2, 3, 3)
+    c = res.components
+    expected_cov = np.linalg.inv(c.scale) / (c.dof - D - 1)[:, None, None]
+    mu_se = np.sqrt(np.diagonal(expected_cov, axis1=1, axis2=2) / c.kappa[:, None] / 4000)
+    assert (np.abs(mu.mean((0, 1)) - c.mean) < 5 * mu_se).all()
+    diag = np.diagonal(expected_cov, axis1=1, axis2=2)
+    cov_se = diag * np.sqrt(2 / (c.dof - D - 3))[:, None] / np.sqrt(4000)
+    assert (np.abs(np.diagonal(cov.mean((0, 1)), axis1=-2, axis2=-1) - diag) < 5 * cov_se).all()
+    assert np.allclose(cov, np.swapaxes(cov, -1, -2)) and (np.linalg.eigvalsh(cov) > 0).all()
+    np.testing.assert_array_equal(np.asarray(idata.constant_data["dof"]), c.dof)
+    summary = _arviz().summary(idata, var_names=["mu"], kind="stats")
+    assert "mu[1, dim_2]" in summary.index
 
 
 def test_chains_of_independent_draws_have_defined_diagnostics():

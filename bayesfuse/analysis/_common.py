@@ -214,3 +214,19 @@ def _note_default_subset(n_units: int, drawn_units: int, width: int, drawn_weigh
         drawn_weights,
         width,
     )
+
+
+def _assignment_data(assignments: Sequence[np.ndarray], n_global: int) -> tuple[dict, dict, dict]:
+    client = np.concatenate([np.full(len(a), j) for j, a in enumerate(assignments)])
+    local = np.concatenate([np.arange(len(a)) for a in assignments])
+    glob = np.concatenate([np.asarray(a) for a in assignments])
+    counts = np.bincount(glob, minlength=n_global)
+    data = {"assigned_global_unit": glob, "client": client, "local_index": local, "counts": counts}
+    coords = {"local_unit": np.arange(len(glob))}
+    dims = {
+        "assigned_global_unit": ["local_unit"],
+        "client": ["local_unit"],
+        "local_index": ["local_unit"],
+        "counts": ["global_unit"],
+    }
+    return data, coords, dims

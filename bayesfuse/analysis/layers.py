@@ -15,6 +15,7 @@ from bayesfuse.analysis._common import (
     SAMPLING_NOTE,
     Units,
     Weights,
+    _assignment_data,
     _check_count,
     _combine,
     _describe_ids,
@@ -262,22 +263,6 @@ def summary(
 # ------------------------------------------------------------------------------ fused layers
 
 
-def _assignment_data(assignments: Sequence[np.ndarray], n_global: int) -> tuple[dict, dict, dict]:
-    client = np.concatenate([np.full(len(a), j) for j, a in enumerate(assignments)])
-    local = np.concatenate([np.arange(len(a)) for a in assignments])
-    glob = np.concatenate([np.asarray(a) for a in assignments])
-    counts = np.bincount(glob, minlength=n_global)
-    data = {"assigned_global_unit": glob, "client": client, "local_index": local, "counts": counts}
-    coords = {"local_unit": np.arange(len(glob))}
-    dims = {
-        "assigned_global_unit": ["local_unit"],
-        "client": ["local_unit"],
-        "local_index": ["local_unit"],
-        "counts": ["global_unit"],
-    }
-    return data, coords, dims
-
-
 def _layer_to_arviz(g: LayerGaussians, *, units: Units, weights: Weights, num_draws: int, chains: int, seed: int):
     """A layer's named Gaussians, its assignments, objective and settings -> ArviZ."""
     layer = g.layer
@@ -361,17 +346,33 @@ def klfusion_to_arviz(
     weight_names: Sequence[str] | None = None,
     seed: int = 0,
 ):
-    """:class:`~bayesfuse.inference.klfusion.KLFusionResult` -> ArviZ (diagonal-Gaussian components).
+    """:class:`~bayesfuse.inference.klfusion.KLFusionResult` -> ArviZ.
 
     Same layout and parameters as :func:`match_to_arviz`: ``constant_data.loc`` and ``scale``
     are the components' parameters per dimension, ``objective`` is per alternation step, and
     ``hyper`` records the solver, the cost scale and the initial number of components.
 
+    Dirichlet, Gamma, Beta and Normal-Wishart components (a topic model's topics, an HMM's
+    states) are exported by :func:`~bayesfuse.analysis.families.family_to_arviz`: draws of
+    their own family, and their parameters in ``constant_data``.
+
     Raises
     ------
     TypeError
-        For components that are not diagonal Gaussians (no ``loc`` and ``var`` of one shape).
+        For components of no family above.
     """
+    if type(result.components).__name__ in ("Dirichlet", "Gamma", "Beta", "NormalWishart"):
+        from bayesfuse.analysis.families import family_to_arviz
+
+        return family_to_arviz(
+            result,
+            units=units,
+            weights=weights,
+            num_draws=num_draws,
+            chains=chains,
+            weight_names=weight_names,
+            seed=seed,
+        )
     return _layer_to_arviz(
         layer_gaussians(result, weight_names=weight_names),
         units=units,

@@ -100,8 +100,9 @@ class KLFusionResult:
     def to_arviz(self, **options):
         """Independent draws of the fused components, their ``loc``/``scale``, the assignments and the
         solver as an ArviZ object; ``options`` (``units``, ``num_draws``, ``weight_names``, ``seed``)
-        as in :func:`bayesfuse.analysis.klfusion_to_arviz`. Diagonal-Gaussian components only
-        (``DiagNormal``); other families are refused with a ``TypeError``."""
+        as in :func:`bayesfuse.analysis.klfusion_to_arviz`. Components of another family than
+        diagonal Gaussians (a topic model's Dirichlets, an HMM's Normal-Wisharts) are drawn from
+        their own family (:func:`bayesfuse.analysis.families.family_to_arviz`)."""
         return exporter("klfusion")(self, **options)
 
     @property
