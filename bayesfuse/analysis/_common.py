@@ -230,3 +230,35 @@ def _assignment_data(assignments: Sequence[np.ndarray], n_global: int) -> tuple[
         "counts": ["global_unit"],
     }
     return data, coords, dims
+
+
+def _drawn(units: Units, weights: Weights, ids: np.ndarray, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the units and of the weights an export draws (:func:`_select_units`,
+    :func:`_select_weights`), with the logged line where the defaults leave some out."""
+    positions = _select_units(units, ids)
+    columns = _select_weights(weights, names, default_subset=units is None)
+    if units is None and (len(positions) < len(ids) or (weights is None and len(columns) < len(names))):
+        _note_default_subset(len(ids), len(positions), len(names), len(columns))
+    return positions, columns
+
+
+def _draw_attrs(
+    num_draws: int, chains: int, seed: int, ids: np.ndarray, positions: np.ndarray, width: int, columns: np.ndarray
+) -> dict:
+    """The ``posterior`` attributes of independent draws: how many, and of which units and weights."""
+    n = len(ids)
+    all_units = len(positions) == n and (positions == np.arange(n)).all()
+    all_weights = len(columns) == width and (columns == np.arange(width)).all()
+    return {
+        "sampling": "independent",
+        "sampling_note": SAMPLING_NOTE,
+        "num_draws": num_draws,
+        "chains": chains,
+        "seed": seed,
+        "n_units": n,
+        "n_drawn_units": len(positions),
+        "drawn_units": "all" if all_units else _describe_ids(ids[positions]),
+        "n_weights": width,
+        "n_drawn_weights": len(columns),
+        "drawn_weights": "all" if all_weights else _describe_ids(columns),
+    }

@@ -26,18 +26,15 @@ import numpy as np
 from bayesfuse.analysis._common import (
     DEFAULT_CHAINS,
     DEFAULT_DRAWS,
-    SAMPLING_NOTE,
     Units,
     Weights,
     _assignment_data,
     _check_count,
     _combine,
-    _describe_ids,
+    _draw_attrs,
+    _drawn,
     _from_dict,
     _layer_attrs,
-    _note_default_subset,
-    _select_units,
-    _select_weights,
 )
 
 __all__ = ["family_to_arviz"]
@@ -121,10 +118,7 @@ def family_to_arviz(
         names = [str(w) for w in weight_names]
         if len(names) != width or len(set(names)) != width:
             raise ValueError(f"weight_names must name the {width} coordinates once each, got {len(names)} names")
-    positions = _select_units(units, ids)
-    columns = _select_weights(weights, names, default_subset=units is None)
-    if units is None and (len(positions) < n_units or (weights is None and len(columns) < width)):
-        _note_default_subset(n_units, len(positions), width, len(columns))
+    positions, columns = _drawn(units, weights, ids, names)
     drawn_names = [names[d] for d in columns]
     dims = {"global_unit": ids[positions], "weight": drawn_names}
     if family == "NormalWishart":
@@ -163,23 +157,7 @@ def family_to_arviz(
             "family": getattr(comp, "name", family),
         },
     )
-    attrs.update(
-        {
-            "sampling": "independent",
-            "sampling_note": SAMPLING_NOTE,
-            "num_draws": num_draws,
-            "chains": chains,
-            "seed": seed,
-            "n_units": n_units,
-            "n_drawn_units": len(positions),
-            "drawn_units": "all" if len(positions) == n_units else _describe_ids(ids[positions]),
-            "n_weights": width,
-            "n_drawn_weights": len(columns),
-            "drawn_weights": "all"
-            if len(columns) == width and (columns == np.arange(width)).all()
-            else _describe_ids(columns),
-        }
-    )
+    attrs.update(_draw_attrs(num_draws, chains, seed, ids, positions, width, columns))
     post = _from_dict({"posterior": variables}, dims, var_dims, attrs={"posterior": attrs})
     data, coords, data_dims = _assignment_data(result.assignments, n_units)
     data.update(params)

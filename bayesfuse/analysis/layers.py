@@ -12,16 +12,15 @@ from bayesfuse.analysis._common import (
     DEFAULT_CHAINS,
     DEFAULT_DRAWS,
     DEFAULT_HDI_PROB,
-    SAMPLING_NOTE,
     Units,
     Weights,
     _assignment_data,
     _check_count,
     _combine,
-    _describe_ids,
+    _draw_attrs,
+    _drawn,
     _from_dict,
     _layer_attrs,
-    _note_default_subset,
     _select_units,
     _select_weights,
 )
@@ -129,27 +128,11 @@ def gaussian_to_arviz(
     if ids.shape != (G,):
         raise ValueError(f"unit_ids must give one id per unit ({G}), got shape {ids.shape}")
     names = [f"dim_{d}" for d in range(D)] if weight_names is None else check_names(weight_names, D)
-    positions = _select_units(units, ids)
-    columns = _select_weights(weights, names, default_subset=units is None)
-    if units is None and (len(positions) < G or (weights is None and len(columns) < D)):
-        _note_default_subset(G, len(positions), D, len(columns))
+    positions, columns = _drawn(units, weights, ids, names)
     scale = np.sqrt(var)
     draws = _unit_draws(mean, scale, positions, columns, chains, num_draws, seed)
     drawn, drawn_names = ids[positions], [names[d] for d in columns]
-    posterior_attrs = {
-        "sampling": "independent",
-        "sampling_note": SAMPLING_NOTE,
-        "num_draws": num_draws,
-        "chains": chains,
-        "seed": seed,
-        "n_units": G,
-        "n_drawn_units": len(positions),
-        "drawn_units": "all" if len(positions) == G and (positions == np.arange(G)).all() else _describe_ids(drawn),
-        "n_weights": D,
-        "n_drawn_weights": len(columns),
-        "drawn_weights": "all" if len(columns) == D and (columns == np.arange(D)).all() else _describe_ids(columns),
-        **(attrs or {}),
-    }
+    posterior_attrs = {**_draw_attrs(num_draws, chains, seed, ids, positions, D, columns), **(attrs or {})}
     post = _from_dict(
         {"posterior": {var_name: draws}},
         {unit_dim: drawn, "weight": drawn_names},
