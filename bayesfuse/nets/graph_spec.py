@@ -570,7 +570,11 @@ class _Walk:
         gates = 4 if isinstance(m, nn.LSTM) else 3
         name, below, layers = node.target, f, []
         if len(node.args) > 1 or node.kwargs:
-            self.fail(node, f"an {kind} given a first state is not supported; give a spec")
+            self.fail(
+                node,
+                f"an {kind} given a first state is not supported: its width is the clients', and fusion changes "
+                "it; call it without one (zeros are its default), or give a spec",
+            )
         for k in range(m.num_layers):
             key = f"{name}#{k}"  # one variable per layer, the same on every call of the module
             if key not in self.module_vars:

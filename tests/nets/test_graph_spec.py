@@ -124,6 +124,13 @@ class _Bidirectional(MyLSTM):
         self.head = nn.Linear(6, 10)  # h[-1]: the backward direction's last state
 
 
+class _GivenState(MyLSTM):
+    def forward(self, x):
+        h0 = torch.zeros(1, x.shape[0], 12)  # the tutorials' zeros, of the clients' width
+        _, (h, _) = self.rnn(x.view(-1, 8, 8), (h0, h0))
+        return self.head(h[-1])
+
+
 def test_recurrent_layers_permute_each_gate_block_and_their_own_state():
     spec = spec_from_graph(MyLSTM())
     gates, state = spec.axes["rnn.weight_hh_l0"]
@@ -186,6 +193,7 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (nn.GRU(3, 4), r"bare GRU"),
         (StackedStateLSTM(), r"final state of the 2-layer LSTM 'rnn' holds every layer's units"),
         (_Bidirectional(), r"a bidirectional or projected LSTM is not supported"),
+        (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
     ],
 )
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
