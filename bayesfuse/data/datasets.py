@@ -286,6 +286,8 @@ def load_fashion_mnist(directory: str | os.PathLike | None = None) -> DataSplit:
 def load_mnist(path: str | os.PathLike) -> DataSplit:
     """MNIST from a directory of IDX files or from an ``.npz`` with ``x_train, y_train, x_test, y_test``.
 
+    A ``path`` that is a file is read as an ``.npz`` whatever its suffix (a ValueError naming it if it is not one).
+
     bayesfuse never downloads data; point ``path`` at files you already have.
     """
     path = Path(path)
@@ -293,7 +295,7 @@ def load_mnist(path: str | os.PathLike) -> DataSplit:
         "bayesfuse does not download data: pass a directory with the four MNIST IDX files "
         "or an mnist.npz holding x_train, y_train, x_test, y_test."
     )
-    if path.suffix == ".npz":
+    if path.suffix == ".npz" or path.is_file():  # a file is read as an .npz whatever its name
         if not path.is_file():
             raise FileNotFoundError(_missing_data_message("MNIST .npz file", path, hint))
         return _split_from_arrays(_read_mnist_npz(path), name="mnist", class_names=_DIGIT_CLASSES)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bayesfuse.constraints import POSITIVE_INT, validate_params
 from bayesfuse.data.wheel_data import require
 
 __all__ = ["MotionRecordings", "MotionSessions", "load_basic_motions", "motion_sessions"]
@@ -45,11 +46,18 @@ class MotionSessions:
 
 
 def _read_ts(path) -> tuple[list[np.ndarray], list[str], tuple[str, ...]]:
+    """Recordings (T, D), labels and class names of a .ts file; a ValueError naming ``path`` if it is not one."""
     series: list[np.ndarray] = []
     labels: list[str] = []
     classes: tuple[str, ...] = ()
     in_data = False
-    for line in open(path, encoding="utf-8"):
+    bad = f"{path} is not a valid .ts file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{bad}: it is not UTF-8 text") from None
+    for number, line in enumerate(lines, 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -59,8 +67,21 @@ def _read_ts(path) -> tuple[list[np.ndarray], list[str], tuple[str, ...]]:
             in_data = line.lower() == "@data"
             continue
         *dims, label = line.split(":")
-        series.append(np.array([[float(v) for v in d.split(",")] for d in dims]).T)  # (T, D)
+        try:
+            rec = np.array([[float(v) for v in d.split(",")] for d in dims]).T  # (T, D)
+        except ValueError:
+            rec = np.empty(0)
+        if rec.ndim != 2 or rec.size == 0 or (series and rec.shape != series[0].shape):
+            raise ValueError(
+                f"{bad}: line {number} is not a recording of the first one's shape (comma-separated numbers "
+                "per dimension, ':' between dimensions, then ':label')"
+            )
+        if label not in classes:
+            raise ValueError(f"{bad}: line {number} has label {label!r}, not one of @classLabel {list(classes)}")
+        series.append(rec)
         labels.append(label)
+    if not series:
+        raise ValueError(f"{bad}: it has {'no recordings after @data' if in_data else 'no @data line'}")
     return series, labels, classes
 
 
@@ -70,13 +91,21 @@ def load_basic_motions(directory: str | os.PathLike | None = None) -> MotionReco
     labels: list[str] = []
     classes: tuple[str, ...] = ()
     for part in ("TRAIN", "TEST"):
-        s, lab, classes = _read_ts(require(f"BasicMotions_{part}.ts", directory))
+        path = require(f"BasicMotions_{part}.ts", directory)
+        s, lab, found = _read_ts(path)
+        if series and (found != classes or s[0].shape != series[0].shape):
+            raise ValueError(
+                f"{path} holds recordings of shape {s[0].shape} with classes {list(found)}, but "
+                f"BasicMotions_TRAIN.ts holds {series[0].shape} with {list(classes)}"
+            )
+        classes = found
         series += s
         labels += lab
     index = {c: i for i, c in enumerate(classes)}
     return MotionRecordings(np.stack(series), np.array([index[x] for x in labels]), classes)
 
 
+@validate_params(n_clients=POSITIVE_INT, recordings_per_activity=POSITIVE_INT)
 def motion_sessions(
     data: MotionRecordings | None = None,
     *,
@@ -93,6 +122,8 @@ def motion_sessions(
     statistics) that tames the running and badminton swings without losing their sign.
     """
     data = load_basic_motions() if data is None else data
+    if not isinstance(data, MotionRecordings):
+        raise TypeError(f"data must be MotionRecordings (load_basic_motions()) or None, got {type(data).__name__}")
     n_classes = len(data.class_names)
     if not 1 <= activities_per_client <= n_classes:
         raise ValueError(f"activities_per_client must lie in 1..{n_classes}, got {activities_per_client}")

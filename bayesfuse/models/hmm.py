@@ -24,6 +24,8 @@ from typing import Sequence
 
 import numpy as np
 
+from bayesfuse._validation import finite_array
+from bayesfuse.constraints import NON_NEGATIVE, POSITIVE_INT, Interval, check, validate_params
 from bayesfuse.inference.expfam import NormalWishart
 from bayesfuse.models.mixture import random_covariances
 
@@ -131,6 +133,7 @@ class LocalHMM:
     occupancy: np.ndarray
 
 
+@validate_params(n_states=POSITIVE_INT, stickiness=NON_NEGATIVE, n_iter=POSITIVE_INT)
 def fit_local_hmm(
     x: np.ndarray,
     n_states: int,
@@ -149,7 +152,9 @@ def fit_local_hmm(
     ``scale_posterior_ / nu``), so the :class:`NormalWishart` scale is ``W = scale_posterior_^{-1}``
     (Bishop 2006, eqs. 10.59-10.63). The transition prior is ``Dir(1 + stickiness e_k)`` on row k
     (the sticky HDP-HMM's ``kappa``, truncated to ``n_states``). States the Viterbi path uses for
-    less than ``min_share`` of the steps are dropped (the truncation's spares). ``n_init`` fits
+    less than ``min_share`` of the steps are dropped (the truncation's spares); ``min_share`` lies in
+    ``[0, 1 / n_states]``, so that the most used state, whose share is at least ``1 / n_states``, is
+    kept. ``stickiness`` is non-negative. ``n_init`` fits
     from seeds ``seed, seed + 1, ...`` keep the one of largest variational lower bound.
     """
     try:
@@ -158,9 +163,15 @@ def fit_local_hmm(
         raise ImportError(
             "fit_local_hmm needs hmmlearn: pip install 'bayesfuse[apps]' (or pip install hmmlearn)"
         ) from err
+    min_share = check(
+        "min_share",
+        Interval(float, 0.0, 1.0 / n_states, "both", why="1 / n_states: above it every state may fall short"),
+        min_share,
+    )
     x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 2 or len(x) < 2 * n_states:
-        raise ValueError(f"x must be (T, D) with T >= 2 * n_states, got shape {x.shape}")
+    if x.ndim != 2 or len(x) < 2 * n_states or x.shape[1] < 1:
+        raise ValueError(f"x must be (T, D) with T >= 2 * n_states and D >= 1, got shape {x.shape}")
+    x = finite_array(x, "x")
     prior = np.ones((n_states, n_states)) + stickiness * np.eye(n_states)
     best, best_bound = None, -np.inf
     for i in range(max(1, n_init)):
@@ -217,7 +228,23 @@ def spahm_fuse(posteriors: Sequence[NormalWishart], *, seed: int = 0, **match_op
 
 def relabel(labels: Sequence[np.ndarray], assignments: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Each client's decoded local states mapped to global states: ``assignments[j][labels[j]]``."""
-    return [np.asarray(a)[np.asarray(z)] for z, a in zip(labels, assignments)]
+    labels, assignments = list(labels), list(assignments)
+    if len(labels) != len(assignments):
+        raise ValueError(
+            f"{len(labels)} label sequences but {len(assignments)} assignments; need one of each per client"
+        )
+    out = []
+    for j, (z, a) in enumerate(zip(labels, assignments)):
+        z, a = np.asarray(z), np.asarray(a)
+        if z.size and not np.issubdtype(z.dtype, np.integer):
+            raise TypeError(f"labels[{j}] must be integers, got dtype {z.dtype}")
+        if z.size and (z.min() < 0 or z.max() >= len(a)):
+            raise ValueError(
+                f"labels[{j}] must lie in 0..{len(a) - 1} (the local states assignments[{j}] maps), "
+                f"got range {z.min()}..{z.max()}"
+            )
+        out.append(a[z])
+    return out
 
 
 def segmentation_scores(truth: Sequence[np.ndarray], labels: Sequence[np.ndarray]) -> dict[str, float]:
@@ -225,5 +252,15 @@ def segmentation_scores(truth: Sequence[np.ndarray], labels: Sequence[np.ndarray
     clients' steps together against the true labels, as the paper's Table 1."""
     from sklearn.metrics import adjusted_mutual_info_score, rand_score
 
+    truth, labels = list(truth), list(labels)
+    if len(truth) != len(labels):
+        raise ValueError(f"{len(truth)} true sequences but {len(labels)} label sequences; need one of each per client")
+    if not truth:
+        raise ValueError("truth and labels are empty; need at least one client's sequence")
+    for j, (a, b) in enumerate(zip(truth, labels)):
+        if np.shape(a) != np.shape(b):
+            raise ValueError(
+                f"truth[{j}] has shape {np.shape(a)} but labels[{j}] has {np.shape(b)}; need one label per step"
+            )
     t, z = np.concatenate(truth), np.concatenate(labels)
     return {"rand": float(rand_score(t, z)), "ami": float(adjusted_mutual_info_score(t, z))}

@@ -28,7 +28,7 @@ from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 from scipy.special import digamma, gammaln
 
-from bayesfuse.constraints import POSITIVE_INT, validate_params
+from bayesfuse.constraints import POSITIVE, POSITIVE_INT, OrNone, validate_params
 from bayesfuse.inference.expfam import Dirichlet
 from bayesfuse.inference.klfusion import KLFusionResult, kl_fuse
 
@@ -138,6 +138,31 @@ def simulate_lda_federation(
 # ----------------------------------------------------------------------- local inference
 
 
+def _count_matrix(counts, name: str) -> sparse.csr_matrix:
+    """``counts`` (documents by words, an array or a sparse matrix) as float64 CSR; a TypeError or a
+    ValueError naming ``name`` for another type, another number of dimensions, NaN, infinite or
+    negative counts."""
+    expected = f"{name} must be a (n_docs, n_words) array or sparse matrix of word counts"
+    if counts is None or isinstance(counts, (str, bytes)):
+        raise TypeError(f"{expected}, got {type(counts).__name__}")
+    if not sparse.issparse(counts):
+        try:
+            counts = np.asarray(counts, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"{expected}, got {type(counts).__name__} of non-numbers") from None
+    if counts.ndim != 2:
+        raise ValueError(f"{expected}, got shape {counts.shape}")
+    x = sparse.csr_matrix(counts, dtype=np.float64)
+    if not np.isfinite(x.data).all():
+        raise ValueError(f"{name} contains NaN or infinite values")
+    if x.data.size and x.data.min() < 0:
+        raise ValueError(f"{name} must be non-negative word counts, got a minimum of {x.data.min():g}")
+    return x
+
+
+@validate_params(
+    n_topics=POSITIVE_INT, doc_topic_prior=OrNone(POSITIVE), topic_word_prior=OrNone(POSITIVE), max_iter=POSITIVE_INT
+)
 def fit_local_lda(
     counts,
     n_topics: int,
@@ -163,7 +188,11 @@ def fit_local_lda(
     ``score``, an evidence lower bound, for "sklearn"; the log-likelihood of the words under the
     posterior means for "numpy").
     """
-    x = sparse.csr_matrix(counts, dtype=np.float64)
+    x = _count_matrix(counts, "counts")
+    if min(x.shape) == 0:
+        raise ValueError(f"counts must hold at least one document and one word, got shape {x.shape}")
+    if x.sum() <= 0:
+        raise ValueError(f"counts holds no words: all {x.shape[0]} documents are empty")
     alpha = 1.0 / n_topics if doc_topic_prior is None else float(doc_topic_prior)
     eta = 1.0 / n_topics if topic_word_prior is None else float(topic_word_prior)
     if method not in ("sklearn", "numpy"):
@@ -380,8 +409,10 @@ def fold_in(
     ``tol``; all documents at once, over the non-zero counts only. ``alpha`` defaults to 1 / K.
     Returns ``gamma``, shape (n_docs, K).
     """
-    x = sparse.coo_matrix(observed, dtype=np.float64)
-    k = len(topics)
+    x = _count_matrix(observed, "observed").tocoo()
+    k, n_words = topics.concentration.shape
+    if x.shape[1] != n_words:
+        raise ValueError(f"observed has {x.shape[1]} words (columns) but the topics have {n_words}")
     alpha = 1.0 / k if alpha is None else float(alpha)
     gamma = alpha + np.asarray(x.sum(1)).reshape(-1, 1) / k * np.ones((1, k))
     return _e_step(x, _exp_log_beta(topics.concentration), alpha, gamma, max_iter, tol)[0]
@@ -395,9 +426,18 @@ def completion_loglik(observed, held_out, topics: Dirichlet, alpha: float | None
     (posterior means). Returns ``sum_{d,w} n'_dw log p(w | d) / sum_{d,w} n'_dw`` in nats over
     the held-out counts ``n'``.
     """
-    gamma = fold_in(observed, topics, alpha, **fold_in_options)
+    obs, held = _count_matrix(observed, "observed"), _count_matrix(held_out, "held_out").tocoo()
+    if obs.shape != held.shape:
+        raise ValueError(
+            f"observed and held_out must have the same shape (documents by words), got {obs.shape} and {held.shape}"
+        )
+    if obs.shape[1] != topics.concentration.shape[1]:
+        raise ValueError(
+            f"observed and held_out have {obs.shape[1]} words (columns) but the topics have "
+            f"{topics.concentration.shape[1]}"
+        )
+    gamma = fold_in(obs, topics, alpha, **fold_in_options)
     theta = gamma / gamma.sum(1, keepdims=True)
-    held = sparse.coo_matrix(held_out, dtype=np.float64)
     if held.sum() <= 0:
         raise ValueError("no held-out words")
     beta = topic_means(topics)
@@ -443,7 +483,14 @@ def select_reg(
     log-likelihoods. The chosen ``reg`` maximises the total per word over all clients; ties go to
     the larger ``reg`` (fewer topics). No document leaves a client.
     """
-    regs = [float(r) for r in regs]
+    posteriors, validation, regs = list(posteriors), list(validation), [float(r) for r in regs]
+    if len(posteriors) != len(validation):
+        raise ValueError(
+            f"{len(posteriors)} posteriors but {len(validation)} validation sets; each client needs its own "
+            "validation documents"
+        )
+    if not regs:
+        raise ValueError("regs is empty; give at least one candidate reg")
     results, scores, sizes = [], [], []
     splits = [split_documents(v, share, seed=seed + j) for j, v in enumerate(validation)]
     for reg in regs:

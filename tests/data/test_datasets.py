@@ -123,3 +123,11 @@ def test_real_fashion_mnist():
     np.testing.assert_array_equal(split.train.class_counts(), np.full(10, 6000))
     np.testing.assert_array_equal(split.test.class_counts(), np.full(10, 1000))
     assert split.train.x.min() == 0.0 and split.train.x.max() == 1.0
+
+
+@pytest.mark.parametrize("content, problem", [(b"not an archive", "not a zip archive"), (b"", "the file is empty")])
+def test_load_mnist_names_a_file_that_is_no_npz(tmp_path, content, problem):
+    path = tmp_path / "bogus.pt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"bogus.pt is not a readable MNIST .npz \({problem}\)"):
+        load_mnist(path)

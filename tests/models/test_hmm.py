@@ -92,3 +92,47 @@ def test_fits_that_all_end_with_a_nan_bound_are_refused_in_one_line(monkeypatch)
     x = np.random.default_rng(0).normal(size=(40, 2))
     with pytest.raises(FloatingPointError, match="none of the 2 HMM fits has a finite lower bound"):
         fit_local_hmm(x, 3, n_init=2)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"min_share": 2.0}, r"min_share must be non-negative, at most 0.333333 \(1 / n_states"),
+        ({"min_share": 0.5}, "min_share must be non-negative, at most 0.333333"),
+        ({"min_share": -0.1}, "min_share must be non-negative"),
+        ({"n_states": 0}, "n_states must be a positive integer, got 0"),
+        ({"stickiness": -5.0}, "stickiness must be non-negative, got -5.0"),
+        ({"n_iter": 0}, "n_iter must be a positive integer, got 0"),
+    ],
+)
+def test_fit_local_hmm_refuses_bad_settings_in_one_line(options, match):
+    x = np.random.default_rng(0).normal(size=(40, 2))
+    options = {"n_states": 3, **options}
+    with pytest.raises(ValueError, match=match):
+        fit_local_hmm(x, **options)
+
+
+def test_fit_local_hmm_names_nan_in_x():
+    x = np.random.default_rng(0).normal(size=(40, 2))
+    x[3, 0] = np.nan
+    with pytest.raises(ValueError, match="x contains NaN or infinite values"):
+        fit_local_hmm(x, 3)
+    with pytest.raises(ValueError, match=r"x must be \(T, D\)"):
+        fit_local_hmm(np.zeros((40, 0)), 3)
+
+
+def test_relabel_and_scores_refuse_mismatched_inputs():
+    with pytest.raises(
+        ValueError, match=r"labels\[0\] must lie in 0..1 \(the local states assignments\[0\] maps\), got range 0..2"
+    ):
+        relabel([np.array([0, 1, 2])], [np.array([0, 1])])
+    with pytest.raises(ValueError, match=r"labels\[0\] must lie in 0..1 .*got range -1..1"):
+        relabel([np.array([-1, 1])], [np.array([0, 1])])
+    with pytest.raises(TypeError, match=r"labels\[0\] must be integers"):
+        relabel([np.array([0.0, 1.0])], [np.array([0, 1])])
+    with pytest.raises(ValueError, match="2 label sequences but 1 assignments"):
+        relabel([np.array([0]), np.array([0])], [np.array([0])])
+    with pytest.raises(ValueError, match=r"truth\[0\] has shape \(3,\) but labels\[0\] has \(2,\)"):
+        segmentation_scores([np.array([0, 0, 1])], [np.array([0, 1])])
+    with pytest.raises(ValueError, match="1 true sequences but 2 label sequences"):
+        segmentation_scores([np.array([0, 1])], [np.array([0, 1]), np.array([1])])

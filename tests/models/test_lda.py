@@ -206,3 +206,67 @@ def test_fits_that_all_score_nan_are_refused_in_one_line(monkeypatch):
     counts = np.random.default_rng(0).poisson(1.0, size=(20, 30))
     with pytest.raises(FloatingPointError, match="none of the 3 LDA fits has a finite score"):
         lda.fit_local_lda(counts, 2, n_init=3, method="numpy", max_iter=2)
+
+
+@pytest.mark.parametrize(
+    "counts, options, error, match",
+    [
+        (
+            np.array([[1.0, -3.0], [2.0, 0.0]]),
+            {},
+            ValueError,
+            "counts must be non-negative word counts, got a minimum of -3",
+        ),
+        (
+            np.zeros((0, 30)),
+            {},
+            ValueError,
+            r"counts must hold at least one document and one word, got shape \(0, 30\)",
+        ),
+        (np.zeros((4, 30)), {}, ValueError, "counts holds no words"),
+        (np.array([[1.0, np.nan]]), {}, ValueError, "counts contains NaN"),
+        (np.ones(5), {}, ValueError, r"counts must be a \(n_docs, n_words\) array .*got shape \(5,\)"),
+        (None, {}, TypeError, r"counts must be a \(n_docs, n_words\) array .*got NoneType"),
+        (np.ones((5, 4)), {"n_topics": 0}, ValueError, "n_topics must be a positive integer, got 0"),
+        (np.ones((5, 4)), {"n_topics": -2}, ValueError, "n_topics must be a positive integer, got -2"),
+        (
+            np.ones((5, 4)),
+            {"topic_word_prior": -1.0},
+            ValueError,
+            "topic_word_prior must be positive or None, got -1.0",
+        ),
+        (np.ones((5, 4)), {"doc_topic_prior": -1.0}, ValueError, "doc_topic_prior must be positive or None, got -1.0"),
+        (np.ones((5, 4)), {"max_iter": 0}, ValueError, "max_iter must be a positive integer, got 0"),
+    ],
+)
+@pytest.mark.parametrize("method", ["numpy", "sklearn"])
+def test_fit_local_lda_refuses_bad_input_in_one_line(counts, options, error, match, method):
+    options = {"n_topics": 2, **options}
+    with pytest.raises(error, match=match):
+        fit_local_lda(counts, method=method, **options)
+
+
+def test_fit_local_lda_takes_sparse_counts():
+    x = np.random.default_rng(0).poisson(1.0, size=(20, 10)).astype(float)
+    a = fit_local_lda(sparse.csr_matrix(x), 2, method="numpy", max_iter=3)
+    b = fit_local_lda(x, 2, method="numpy", max_iter=3)
+    np.testing.assert_allclose(a.concentration, b.concentration)
+
+
+def test_select_reg_needs_one_validation_set_per_posterior(federation):
+    fed, posts = federation
+    with pytest.raises(ValueError, match="4 posteriors but 1 validation sets"):
+        select_reg(posts, fed.clients[:1], [0.3])
+    with pytest.raises(ValueError, match="regs is empty"):
+        select_reg(posts, fed.clients, [])
+
+
+def test_completion_loglik_names_mismatched_shapes(federation):
+    fed, posts = federation
+    obs, held = split_documents(fed.clients[0][:40], 0.1, seed=1)
+    with pytest.raises(ValueError, match=r"observed and held_out have 20 words \(columns\) but the topics have 60"):
+        completion_loglik(obs[:, :20], held[:, :20], posts[0])
+    with pytest.raises(ValueError, match=r"observed and held_out must have the same shape .*\(10, 60\) and \(40, 60\)"):
+        completion_loglik(obs[:10], held, posts[0])
+    with pytest.raises(ValueError, match=r"observed has 20 words \(columns\) but the topics have 60"):
+        fold_in(obs[:, :20], posts[0])
