@@ -27,6 +27,7 @@ from bayesfuse._lazy import load
 from bayesfuse._runtime import progress
 from bayesfuse._text import warn_from_caller
 from bayesfuse.inference._backend import check_device
+from bayesfuse.inference.bias_free import biases_into_batchnorms, with_zero_biases
 from bayesfuse.inference.bnn.sites import unit_group
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.heads import align_heads, orders_report, rename_heads, renamed_groups
@@ -316,6 +317,19 @@ def _aligning(fuse_plain):
     @functools.wraps(fuse_plain)
     def fuse(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         spec = _network_spec(states, names, spec, class_counts)
+        given, keys = spec, list(states[0])
+        biased, spec, summaries, added = with_zero_biases(states, spec, options.get("summaries"))
+        if not added:  # as the caller gave them
+            return fused_aligned(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        options["summaries"] = summaries
+        fused = fused_aligned(biased, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        fused.state = biases_into_batchnorms(fused.state, added, keys)  # the clients' entries, exactly
+        if fused.precision is not None:
+            fused.precision = {k: v for k, v in fused.precision.items() if k in keys}
+        fused.spec = given
+        return fused
+
+    def fused_aligned(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         if spec.heads:
             return _heads_aligned(fuse_plain)(
                 states, names, method, settings, spec=spec, class_counts=class_counts, **options

@@ -21,6 +21,13 @@ from bayesfuse import methods
 from bayesfuse._runtime import progress as _progress
 from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
+from bayesfuse.inference.bias_free import (
+    Added,
+    add_zero_biases,
+    added_keys,
+    biases_into_batchnorms,
+    with_zero_biases,
+)
 from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
 from bayesfuse.inference.fedma import FedMAResult, fedma, restart_states, state_bytes
 from bayesfuse.inference.spec import PermutationSpec
@@ -154,9 +161,19 @@ def run_fedma(
         total=len(spec.groups) * len(models), desc="FedMA retraining", unit="client", disable=not _progress(verbose)
     )
 
+    keys = list(models[0].state_dict())
+    states = [fold_encodings(numpy_state(m), spec) for m in models]
+    # layers without a bias before a batch norm: the server folds through a zero bias, the
+    # clients' networks hold it in the batch norm (bayesfuse.inference.bias_free)
+    states, spec, _, added = with_zero_biases(states, spec)
+    virtual = added_keys(added)
+
+    def to_network(state: dict) -> dict:
+        return unfold_encodings(biases_into_batchnorms(state, added, keys) if added else state, spec)
+
     def retrain(j: int, state: dict, frozen: set) -> dict:
         # the server's plain units -> the client's position-aware network at the widths it gets, and back
-        net = rebuild(models[j], tensor_state(unfold_encodings(state, spec)))
+        net = rebuild(models[j], tensor_state(to_network(state)))
         cfg = replace(config, seed=config.seed + 1000 * (len(frozen) + 1) + j)
         train_model(
             net,
@@ -164,26 +181,25 @@ def run_fedma(
             train.y[parts[j]],
             train.n_classes,
             cfg,
-            frozen=frozen,
+            frozen=frozen - virtual,
             verbose=False,
             name=f"client {j}",
         )
         bar.update()
-        return fold_encodings(numpy_state(net), spec)
+        return add_zero_biases(fold_encodings(numpy_state(net), spec), added)
 
     def client_update(jobs: list, frozen: set) -> list:
         return [retrain(j, state, frozen) for j, state in jobs]
 
-    states = [fold_encodings(numpy_state(m), spec) for m in models]
     done: list[FedMAResult] = []
     broadcast = 0
     try:
         for p in range(int(passes)):
             if p > 0:
-                states, sent = _restart_clients(done[-1], spec, models, train, parts, config, p)
+                states, sent = _restart_clients(done[-1], spec, models, train, parts, config, p, added)
                 broadcast += sent
             server = fedma(states, spec, client_update, class_counts=counts, seed=seed + p, **settings)
-            done.append(replace(server, state_dict=unfold_encodings(server.state_dict, spec)))
+            done.append(replace(server, state_dict=to_network(server.state_dict)))
     finally:
         bar.close()
     result = done[-1]
@@ -192,17 +208,26 @@ def run_fedma(
 
 
 def _restart_clients(
-    result: FedMAResult, spec: PermutationSpec, models, train: Dataset, parts, config: TrainConfig, p: int
+    result: FedMAResult,
+    spec: PermutationSpec,
+    models,
+    train: Dataset,
+    parts,
+    config: TrainConfig,
+    p: int,
+    added: Sequence[Added] = (),
 ) -> tuple[list[dict], int]:
-    """Each client's network of its original widths cut out of the global one, trained anew."""
+    """Each client's network of its original widths cut out of the global one, trained anew
+    (``added``: the zero biases of layers without one, :mod:`bayesfuse.inference.bias_free`)."""
     if result.dropped:
         raise RuntimeError(f"clients {result.dropped} dropped out; FedMA with communication needs every client")
     sent = 0
     states = []
+    keys = list(models[0].state_dict())
     # global unit a_j[l] becomes local unit l (position encodings, if any, follow the units: eqs. F, U)
-    cut = restart_states(result, spec, len(models), fold_encodings(result.state_dict, spec))
+    cut = restart_states(result, spec, len(models), add_zero_biases(fold_encodings(result.state_dict, spec), added))
     for (j, local), model in zip(cut, models):
-        net = rebuild(model, tensor_state(unfold_encodings(local, spec)))
+        net = rebuild(model, tensor_state(unfold_encodings(biases_into_batchnorms(local, added, keys), spec)))
         sent += state_bytes(net.state_dict())
         train_model(
             net,
@@ -213,7 +238,7 @@ def _restart_clients(
             verbose=False,
             name=f"client {j}",
         )
-        states.append(fold_encodings(numpy_state(net), spec))
+        states.append(add_zero_biases(fold_encodings(numpy_state(net), spec), added))
     return states, sent
 
 

@@ -173,8 +173,9 @@ def train_model(
 ) -> nn.Module:
     """Train ``model`` in place with cross-entropy, keeping the state_dict entries ``frozen`` fixed.
 
-    Frozen parameters get ``requires_grad=False``; a batch norm whose weight is frozen stays in
-    eval mode so its running statistics do not move either (FedMA's frozen matched layers).
+    Frozen parameters get ``requires_grad=False``; a batch norm whose weight or running mean is
+    frozen stays in eval mode so its running statistics do not move either (FedMA's frozen
+    matched layers).
     ``config.hidden``/``arch`` are ignored: the network is given.
     """
     config = config or TrainConfig()
@@ -187,7 +188,10 @@ def train_model(
     for pname, p in model.named_parameters():
         p.requires_grad_(pname not in frozen_keys)
     for mname, m in model.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and f"{mname}.weight" in frozen_keys:
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and frozen_keys & {
+            f"{mname}.weight",
+            f"{mname}.running_mean",
+        }:
             eval_modules.append(m)
     with torch_threads(config.num_threads):
         gen = torch.Generator().manual_seed(config.seed)

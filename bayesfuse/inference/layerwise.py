@@ -206,7 +206,10 @@ def fold_batchnorm(state: State, spec: PermutationSpec, *, copy: bool = True) ->
                 out[k] = np.asarray(out[k], dtype=np.float64)
     for bn, layer in spec.folds.items():
         if f"{layer}.bias" not in out:
-            raise ValueError(f"cannot fold batch norm {bn!r}: layer {layer!r} has no bias")
+            raise ValueError(
+                f"cannot fold batch norm {bn!r}: layer {layer!r} has no bias (bayesfuse.fuse and fuse_states "
+                "fold through a zero one: bayesfuse.inference.bias_free.with_zero_biases)"
+            )
         eps = spec.batchnorm_eps(bn)
         if (out[f"{bn}.running_var"] < 0).any():
             raise ValueError(f"batch norm {bn!r} has a negative running_var")

@@ -147,8 +147,9 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
             new.bias = nn.Parameter(torch.empty(w[0]))
         return new
     if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        held = next(k for k in ("weight", "running_mean") if f"{prefix}{k}" in shapes)  # affine, or tracking
         return type(module)(
-            shape("weight")[0],
+            shape(held)[0],
             eps=module.eps,
             momentum=module.momentum,
             affine=module.affine,

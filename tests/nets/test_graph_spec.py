@@ -19,6 +19,8 @@ from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import far_from_identity_norms
 from tests.nets.user_nets import (
     Attention,
+    BiasFreeCNN,
+    BiasFreePlainNormCNN,
     MyGRU,
     MyLSTM,
     MyMLP,
@@ -30,7 +32,18 @@ from tests.nets.user_nets import (
     TokenMixer,
 )
 
-NETS = [MyMLP, ResMLP, SkipCNN, TokenMixer, SplitAttention, MyLSTM, MyGRU, StackedLSTM]
+NETS = [
+    MyMLP,
+    ResMLP,
+    SkipCNN,
+    TokenMixer,
+    SplitAttention,
+    MyLSTM,
+    MyGRU,
+    StackedLSTM,
+    BiasFreeCNN,
+    BiasFreePlainNormCNN,
+]
 
 
 def _random(cls, seed: int) -> nn.Module:

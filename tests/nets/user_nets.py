@@ -182,6 +182,31 @@ class StackedStateLSTM(StackedLSTM):
         return self.head(h[-1])
 
 
+class BiasFreeCNN(nn.Module):
+    """Convolutions without a bias, each followed by a batch norm, as ResNets and VGGs are written."""
+
+    def __init__(self, affine: bool = True) -> None:
+        super().__init__()
+        self.c1, self.bn1 = nn.Conv2d(1, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6, affine=affine)
+        self.c2, self.bn2 = nn.Conv2d(6, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8, affine=affine)
+        self.head = nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.c1(x.view(-1, 1, 8, 8))))
+        x = F.relu(self.bn2(self.c2(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class BiasFreePlainNormCNN(BiasFreeCNN):
+    """:class:`BiasFreeCNN` whose batch norms have no scale and shift (``affine=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__(affine=False)
+
+
 class NeedsArgs(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
