@@ -51,7 +51,9 @@ def far_from_identity_norms(model: nn.Module) -> nn.Module:
             if isinstance(m, nn.BatchNorm2d):
                 m.running_mean.uniform_(-1, 1)
                 m.running_var.uniform_(0.5, 2)
-            if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm)) and m.weight is not None:  # affine
+            if isinstance(m, nn.PReLU):  # a slope per channel, unlike each other
+                m.weight.uniform_(0.0, 0.5)
+            if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm, nn.InstanceNorm2d)) and m.weight is not None:  # affine
                 m.weight.uniform_(0.5, 2)
                 m.bias.uniform_(-1, 1)
     return model

@@ -71,6 +71,17 @@ _ELEMENTWISE_MODULES = (
     nn.Softplus,
     nn.Hardtanh,
     nn.ReLU6,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Softsign,
+    nn.SELU,
+    nn.CELU,
+    nn.LogSigmoid,
+    nn.Tanhshrink,
+    nn.Softshrink,
+    nn.Hardshrink,
+    nn.Threshold,
+    nn.AlphaDropout,
     nn.Dropout,
     nn.Dropout1d,
     nn.Dropout2d,
@@ -102,6 +113,15 @@ _ELEMENTWISE_FUNCTIONS = {
     torch.nn.functional.mish,
     torch.nn.functional.hardtanh,
     torch.nn.functional.relu6,
+    torch.nn.functional.hardswish,
+    torch.nn.functional.hardsigmoid,
+    torch.nn.functional.softsign,
+    torch.nn.functional.selu,
+    torch.nn.functional.celu,
+    torch.nn.functional.logsigmoid,
+    torch.nn.functional.dropout1d,
+    torch.nn.functional.dropout2d,
+    torch.square,
     operator.neg,
     torch.neg,
     torch.clone,
@@ -510,7 +530,7 @@ class _Walk:
                 self.set_axes(f"{name}.bias", [(out, 1, 1)])
             self.labels[node] = _Feature(out, 1)
             self.producer[node] = name
-        elif isinstance(m, nn.Embedding):
+        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             out = self.layer_vars(name, None, node)
             self.set_axes(f"{name}.weight", [None, (out, 1, 1)])
             self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1)
@@ -532,7 +552,13 @@ class _Walk:
                     "within groups; one group, or one per channel, is supported",
                 )
             self.norm(node, m, f, axis=1, entries=("weight", "bias"))
-        elif isinstance(m, _ELEMENTWISE_MODULES) or isinstance(m, _POOL_MODULES):
+        elif isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d)):  # per channel, over positions
+            self.norm(node, m, f, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
+            if getattr(m, "num_batches_tracked", None) is not None:
+                self.set_axes(f"{name}.num_batches_tracked", [])
+        elif isinstance(m, nn.PReLU) and m.num_parameters > 1:  # a slope per channel (axis 1)
+            self.norm(node, m, f, axis=1, entries=("weight",))
+        elif isinstance(m, _ELEMENTWISE_MODULES + (nn.PReLU,)) or isinstance(m, _POOL_MODULES):
             self.labels[node] = f
         elif isinstance(m, nn.Flatten):
             self.reshape(node, inp)
@@ -552,8 +578,8 @@ class _Walk:
         else:
             self.fail(
                 node,
-                f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding, LSTM, GRU, "
-                "BatchNorm, LayerNorm, GroupNorm, activations, pooling, dropout, Flatten)",
+                f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding(Bag), LSTM, GRU, "
+                "BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
             )
 
     def recurrent(self, node, m: nn.LSTM | nn.GRU, f: _Feature | None) -> None:

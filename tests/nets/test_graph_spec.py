@@ -19,6 +19,7 @@ from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import far_from_identity_norms
 from tests.nets.user_nets import (
     Attention,
+    BagOfWords,
     BiasFreeCNN,
     BiasFreePlainNormCNN,
     MyGRU,
@@ -26,6 +27,7 @@ from tests.nets.user_nets import (
     MyMLP,
     ResMLP,
     SkipCNN,
+    SlopesCNN,
     SplitAttention,
     StackedLSTM,
     StackedStateLSTM,
@@ -43,6 +45,7 @@ NETS = [
     StackedLSTM,
     BiasFreeCNN,
     BiasFreePlainNormCNN,
+    SlopesCNN,
 ]
 
 
@@ -172,6 +175,17 @@ def test_independent_recurrent_networks_fuse_and_stacked_ones_say_why_not():
     averaged = bayesfuse.fuse(stacked, "fedavg").model
     mean = {k: sum(m.state_dict()[k] for m in stacked) / 3 for k in stacked[0].state_dict()}
     assert all(torch.allclose(averaged.state_dict()[k], v, atol=1e-6) for k, v in mean.items())
+
+
+@pytest.mark.parametrize("method", ["pfnm", "ot"])
+def test_a_bag_of_words_model_fuses_back_from_a_permuted_copy(method):
+    model = _random(BagOfWords, 0)
+    spec = spec_from_module(model)
+    assert spec.axes["bag.weight"][1].group == spec.axes["fc.weight"][1].group  # the embedding's units
+    x = torch.randint(0, 40, (20, 12))
+    copy = _permuted(model, 3)
+    assert _gap(model, copy, x) < 1e-5
+    assert _gap(model, bayesfuse.fuse([model, copy], method).model, x) < 1e-5
 
 
 def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_holds(tmp_path, capsys):

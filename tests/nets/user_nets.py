@@ -207,6 +207,36 @@ class BiasFreePlainNormCNN(BiasFreeCNN):
         super().__init__(affine=False)
 
 
+class SlopesCNN(nn.Module):
+    """Instance norms and a PReLU slope per channel, between two convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.norm = nn.Conv2d(1, 6, 3, padding=1), nn.InstanceNorm2d(6, affine=True)
+        self.act, self.c2, self.head = nn.PReLU(6), nn.Conv2d(6, 8, 3, padding=1), nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        x = self.act(self.norm(self.c1(x.view(-1, 1, 8, 8))))
+        return self.head(F.hardswish(self.c2(x)).mean(dim=(2, 3)))
+
+
+class BagOfWords(nn.Module):
+    """Token ids (N, 12) averaged by an nn.EmbeddingBag, then an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.fc, self.head = nn.EmbeddingBag(40, 8, mode="mean"), nn.Linear(8, 16), nn.Linear(16, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 12, dtype=torch.long)
+
+    def forward(self, x):
+        return self.head(F.selu(self.fc(self.bag(x))))
+
+
 class NeedsArgs(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
