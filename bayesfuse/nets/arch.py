@@ -146,9 +146,11 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         if module.bias is not None:
             new.bias = nn.Parameter(torch.empty(w[0]))
         return new
-    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
-        held = next(k for k in ("weight", "running_mean") if f"{prefix}{k}" in shapes)  # affine, or tracking
-        return type(module)(
+    if isinstance(module, nn.modules.batchnorm._NormBase):  # batch and instance norms: per channel
+        held = next((k for k in ("weight", "running_mean") if f"{prefix}{k}" in shapes), None)  # affine, tracking
+        if held is None:  # nothing of its own: it normalises whatever width it is given
+            return module
+        return cast(Callable, type(module))(
             shape(held)[0],
             eps=module.eps,
             momentum=module.momentum,
@@ -171,17 +173,6 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
     if isinstance(module, nn.EmbeddingBag):
         n, dim = shape("weight")
         return nn.EmbeddingBag(n, dim, mode=module.mode, padding_idx=module.padding_idx)
-    if isinstance(module, (nn.InstanceNorm1d, nn.InstanceNorm2d)):
-        held = next((k for k in ("weight", "running_mean") if f"{prefix}{k}" in shapes), None)
-        if held is None:  # nothing of its own: it normalises whatever width it is given
-            return module
-        return type(module)(
-            shape(held)[0],
-            eps=module.eps,
-            momentum=module.momentum,
-            affine=module.affine,
-            track_running_stats=module.track_running_stats,
-        )
     if isinstance(module, nn.PReLU):
         return nn.PReLU(shape("weight")[0]) if module.num_parameters > 1 else module
     if isinstance(module, (nn.LSTM, nn.GRU)):
