@@ -438,11 +438,6 @@ API_CASES = [
     ),
     (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "pfnm", direction="sideways"), ValueError, "direction"),
     (
-        lambda: fuse([nn.Sequential(nn.Linear(4, 3, bias=False), nn.BatchNorm1d(3), nn.Linear(3, 2))] * 2),
-        ValueError,
-        "cannot fold batch norm '1': layer '0' has no bias",
-    ),
-    (
         lambda: fedma([MLP(4, [3], 2).state_dict()] * 2, MLP(4, [3], 2).permutation_spec(), lambda jobs, frozen: []),
         ValueError,
         "returned 0 states for 2 clients",

@@ -63,6 +63,28 @@ def test_a_network_without_conv_biases_keeps_its_entries_and_one_client_fuses_to
     assert _gap(model, fused.model, torch.randn(8, 64)) < 1e-5
 
 
+def test_a_dense_layer_without_a_bias_before_a_batch_norm_fuses_back_from_a_permuted_copy():
+    """It was refused ("cannot fold batch norm '1': layer '0' has no bias")."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 5, bias=False), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 2))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+        model[1].weight.uniform_(0.5, 2)
+        model[1].bias.uniform_(-1, 1)
+    model.eval()
+    order = torch.tensor([3, 0, 4, 1, 2])
+    copy = nn.Sequential(nn.Linear(4, 5, bias=False), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 2)).eval()
+    state = model.state_dict()
+    permuted = {k: (v[order] if k.startswith(("0.", "1.")) and v.dim() > 0 else v) for k, v in state.items()}
+    permuted["3.weight"] = state["3.weight"][:, order]
+    copy.load_state_dict(permuted)
+    x = torch.randn(8, 4)
+    assert _gap(model, copy, x) < 1e-5
+    fused = bayesfuse.fuse([model, copy], "pfnm")
+    assert _gap(model, fused.model, x) < 1e-5 and fused.model[0].bias is None
+
+
 @pytest.fixture(scope="module")
 def trained():
     split = load_digits().standardize()
