@@ -323,6 +323,13 @@ def fuse(
     _check_modules(models)
     if len(models) == 0:
         raise ValueError("fuse needs at least one model")
+    if class_counts is not None:
+        counts = np.asarray(class_counts, dtype=np.float64)
+        if np.isfinite(counts).all() and not np.array_equal(counts, np.round(counts)):
+            raise ValueError(
+                "class_counts must be whole numbers of examples per client and class, not shares or "
+                "weights (the heads are smoothed by them: shares would read as clients of one example)"
+            )
     method = methods.canonical(method)
     methods.check_keys(method, hyper, caller=fuse)
     if output_prior_precision is not None:

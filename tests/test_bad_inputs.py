@@ -517,6 +517,11 @@ API_CASES = [
     (lambda: _predict_proba("net", _x()), TypeError, "predict_proba needs a network"),
     (lambda: _compare({"bnn": _bnn()}, _x(), np.zeros(2, dtype=int)), ValueError, "2 labels .* for 3 examples"),
     (lambda: HorseshoeBNN(4, [3], 2, init_scale=-0.1), ValueError, "init_scale .* must be positive, got -0.1"),
+    (
+        lambda: fuse([MLP(4, [3], 2)] * 2, class_counts=np.full((2, 2), 0.25)),
+        ValueError,
+        "class_counts must be whole numbers of examples per client and class, not shares",
+    ),
     (lambda: _train_bnn(n_classes=0), ValueError, "n_classes must be a positive integer, got 0"),
 ]
 
@@ -581,3 +586,12 @@ def test_single_model_returns_itself_with_one_line_at_the_callers_line():
     with pytest.warns(UserWarning, match="only one model") as caught:
         fuse_states([numpy_state(model)], "pfnm")
     assert [w.filename for w in caught] == [__file__]
+
+
+def test_predicting_with_an_ensemble_leaves_its_members_modes_as_they_were():
+    from bayesfuse import Ensemble
+    from bayesfuse.nets import predict_proba
+
+    members = [MLP(4, [3], 2).eval(), MLP(4, [3], 2).train()]
+    predict_proba(Ensemble(members), _x())
+    assert [m.training for m in members] == [False, True]

@@ -32,12 +32,13 @@ def predict_proba(model: nn.Module, x: np.ndarray | torch.Tensor, *, batch_size:
         )
     x = torch.as_tensor(np.asarray(x, dtype=np.float32)) if not isinstance(x, torch.Tensor) else x.float()
     check_inputs(x)
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's own (an ensemble's members')
     model.eval()
     try:
         chunks = [torch.softmax(model(x[i : i + batch_size]).double(), dim=-1) for i in range(0, len(x), batch_size)]
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     return torch.cat(chunks).numpy()
 
 
