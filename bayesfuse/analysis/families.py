@@ -36,6 +36,7 @@ from bayesfuse.analysis._common import (
     _from_dict,
     _layer_attrs,
 )
+from bayesfuse.nets.unit_posteriors import check_names
 
 __all__ = ["family_to_arviz"]
 
@@ -112,12 +113,7 @@ def family_to_arviz(
     seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
     n_units, width = len(comp), int(comp.event_shape[0])
     ids = np.arange(n_units)
-    if weight_names is None:
-        names = [f"dim_{d}" for d in range(width)]
-    else:
-        names = [str(w) for w in weight_names]
-        if len(names) != width or len(set(names)) != width:
-            raise ValueError(f"weight_names must name the {width} coordinates once each, got {len(names)} names")
+    names = [f"dim_{d}" for d in range(width)] if weight_names is None else check_names(weight_names, width)
     positions, columns = _drawn(units, weights, ids, names)
     drawn_names = [names[d] for d in columns]
     dims = {"global_unit": ids[positions], "weight": drawn_names}

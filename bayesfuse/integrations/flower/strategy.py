@@ -163,7 +163,7 @@ class _Fusion(FedAvg):
         """Refuse, naming the node, a reply of the right architecture whose contents cannot be
         fused: NaN or infinite weights, a weight (``num-examples``) that is not a positive number,
         class counts that are not ``n_classes`` finite numbers >= 0 (0: any number) summing to
-        more than 0, a summary of another network."""
+        more than 0. (Summaries are checked where they are read, :meth:`_summaries`.)"""
         where = f"node {r.node}"
         bad = next(
             (
@@ -189,8 +189,6 @@ class _Fusion(FedAvg):
                 f"{where}: {self.class_counts_key} must be {n_classes or 'one per class'} finite counts >= 0 "
                 f"summing to more than 0, got {np.array2string(counts, threshold=12)}"
             )
-        if r.summary is not None:
-            check_summary(r.summary, r.state, where)
 
     def _reject(self, node: int, reason: str) -> None:
         self.rejected.append((node, reason))
