@@ -306,15 +306,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         metavar="REF",
-        help="your network, MODULE:NAME or FILE.py:NAME (no arguments): traced (residual nets "
-        "included), and the fused model run in it once",
+        help="your network, MODULE:NAME or FILE.py:NAME (no arguments): traced, the fused model run in it",
+    )
+    fz.add_argument(
+        "--input-shape",
+        default=None,
+        type=_input_shape,
+        metavar="D,...",
+        help="--model's input shape without batch: 1,28,28",
     )
     fz.add_argument(
         "--arch",
         default="auto",
         choices=["auto", "mlp", "cnn", "lstm"],
         metavar="ARCH",
-        help="how to read the files' layers: auto (default), mlp, cnn (both: a plain chain) or lstm",
+        help="layers: auto (default), mlp/cnn (a chain), lstm",
     )
     fz.add_argument(
         "--arch-spec", default=None, metavar="FILE", help="JSON permutation spec (bayesfuse.inference.spec)"
@@ -359,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the client's model file (.pt, .pth or .safetensors state_dict of "
         "an MLP, make_cnn ConvNet or LSTMClassifier)",
+    )
+    sm.add_argument(
+        "--model",
+        default=None,
+        metavar="REF",
+        dest="network",
+        help="your network, MODULE:NAME or FILE.py:NAME (no arguments), for a file whose entry names bayesfuse "
+        "cannot read: traced and run on the client's inputs",
     )
     sm.add_argument(
         "--data",
@@ -450,7 +464,20 @@ def _checked_fuse(args: argparse.Namespace) -> dict:
             f"one model file given ({args.models[0]}); fusion needs two or more (one model would come back as itself)"
         )
     check_output_file(args.out)
+    if args.input_shape is not None and args.model is None:
+        raise ValueError("--input-shape is the shape of --model's input: give --model too")
     return hyper
+
+
+def _input_shape(text: str) -> tuple[int, ...]:
+    """``--input-shape``: positive integers separated by commas."""
+    try:
+        shape = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas (1,28,28), got {text!r}")
+    return shape
 
 
 def _user_model(ref: str | None):
@@ -460,6 +487,13 @@ def _user_model(ref: str | None):
     from bayesfuse.nets.user_module import model_from_reference
 
     return model_from_reference(ref)
+
+
+def _zeros(shape: tuple[int, ...]):
+    """Two inputs of ``shape``, zeros: what ``--input-shape`` traces ``--model`` with."""
+    import torch
+
+    return torch.zeros((2, *shape))
 
 
 def _run_fuse(args: argparse.Namespace) -> int:
@@ -487,6 +521,7 @@ def _run_fuse(args: argparse.Namespace) -> int:
             class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
             summaries=args.summaries,
             like=_user_model(args.model),
+            example_input=None if args.input_shape is None else _zeros(args.input_shape),
             head=args.head,
             pool=args.pool,
             pseudo_count=args.pseudo_count,
@@ -535,6 +570,8 @@ _FLAGS = (
     ("device=", "--device "),
     ("dtype=", "--dtype "),
     ("summaries='none'", "--summaries none"),
+    ("example_input=...: a batch of your data", "--input-shape D,...: the shape of one input"),
+    ("example_input=...", "--input-shape D,..."),
 )
 
 
@@ -584,6 +621,7 @@ def _run_summarize(args: argparse.Namespace) -> int:
         prior_precision=args.prior_precision,
         force=args.force,
         precisions="float32" if args.float32 else "bfloat16",
+        like=_user_model(args.network),
     )
     print(
         f"wrote {done['path']}: {done['bytes']:,} bytes, {done['bytes'] / done['model_bytes']:.2f}x the model's "

@@ -33,7 +33,8 @@ from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold
 from bayesfuse.inference.heads import align_heads, orders_report, rename_heads, renamed_groups
 from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
-from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
+from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.spec_io import spec_for_state_dict_or_advice
 from bayesfuse.inference.summary_fusion import laplace_fuse_entries, output_shares
 from bayesfuse.inference.walk import Basis
 from bayesfuse.models.bnn_fusion import fuse_bnn_posteriors, kl_units, matched_units
@@ -300,7 +301,8 @@ def _checked_summaries(summaries, states, names, method, kind) -> list:
 def _network_spec(states, names, spec, class_counts) -> PermutationSpec:
     """The spec of point-estimate networks (derived from the first state_dict when not given), and
     the class counts checked against its output layer (every method's check)."""
-    spec = spec if spec is not None else spec_for_state_dict(states[0], "auto", names[0])
+    if spec is None:
+        spec = spec_for_state_dict_or_advice(states[0], names[0], like="spec=spec_from_module(model)")
     if not spec.groups:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
     if class_counts is not None and spec.output:

@@ -216,14 +216,17 @@ def _forward_order(checkpoint: Checkpoint, name: str, spec: PermutationSpec | No
     return OrderedDict((k, sd[k]) for k in keys)
 
 
-def _network_spec(state_dicts, names, arch, spec, like=None):
+def _network_spec(state_dicts, names, arch, spec, like=None, example_input=None):
     """The permutation spec of point-estimate files (``spec``, traced from the network ``like``, or
     read off the names), checked against every file, and where it came from (for the report)."""
     source = "spec file" if spec is not None else None
     if spec is None and like is not None:
         from bayesfuse.nets.tracing import spec_from_module
 
-        spec, source = spec_from_module(like), f"traced from {type(like).__module__}.{type(like).__qualname__}"
+        spec, source = (
+            spec_from_module(like, example_input),
+            f"traced from {type(like).__module__}.{type(like).__qualname__}",
+        )
     if spec is None:
         attention = next((k for k in state_dicts[0] if k.endswith("in_proj_weight")), None)
         if attention is not None:
@@ -254,7 +257,7 @@ def _network_spec(state_dicts, names, arch, spec, like=None):
     return spec, source
 
 
-def _check_like(like, fused_sd: Mapping) -> torch.nn.Module:
+def _check_like(like, fused_sd: Mapping, example_input=None) -> torch.nn.Module:
     """Load the fused state into ``like``'s architecture at the fused widths and run it once; the model."""
     from bayesfuse.nets.arch import check_runs, rebuild
     from bayesfuse.nets.graph_spec import example_input_for
@@ -265,7 +268,7 @@ def _check_like(like, fused_sd: Mapping) -> torch.nn.Module:
         raise ValueError(
             f"the fused state does not load into {type(like).__name__} ({str(err).strip().splitlines()[0]})"
         ) from None
-    check_runs(model, example_input_for(like), what=f"the fused {type(like).__name__}")
+    check_runs(model, example_input_for(like, example_input), what=f"the fused {type(like).__name__}")
     return model
 
 
@@ -468,6 +471,7 @@ def fuse_files(
     head: str = "auto",
     pool: str | None = None,
     pseudo_count: float | None = None,
+    example_input=None,
 ) -> dict:
     """Fuse checkpoint files; write the fused state_dict to ``out`` and a report to ``out + '.json'``.
 
@@ -517,6 +521,8 @@ def fuse_files(
     connection is possible they are refused
     (:class:`~bayesfuse.inference.spec_io.AmbiguousArchitectureError`) unless ``arch`` says
     ``"mlp"`` / ``"cnn"``. The report's ``architecture.source`` says where the spec came from.
+    ``example_input`` (a batch of inputs; ``--input-shape`` on the command line) traces and runs
+    ``like`` where its first layer does not tell the input's shape.
     """
     start = time.perf_counter()
     method = methods.canonical(method)  # any case; unknown names are refused naming the closest
@@ -526,6 +532,8 @@ def fuse_files(
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     if summaries not in SUMMARY_MODES:
         raise ValueError(f"unknown summaries={summaries!r}; choose one of {', '.join(SUMMARY_MODES)}")
+    if example_input is not None and like is None:
+        raise ValueError("example_input= traces and runs the network itself: give it too (like=model)")
     methods.check_execution(method, None, device)
     checked_device = check_device(device, dtype)  # before any file is read
     hyper = dict(hyper or {})
@@ -634,10 +642,14 @@ def fuse_files(
         if like is not None and multihead_modules(like):  # fused as HeadAttention (split_heads)
             from bayesfuse.nets.graph_spec import check_example_runs
 
-            check_example_runs(like)  # the caller's network runs, before it is rewritten
+            check_example_runs(like, example_input)  # the caller's network runs, before it is rewritten
             state_dicts = [_split_attention(like, sd, n) for sd, n in zip(state_dicts, names)]
             like = split_heads(like)
-        spec, source = _network_spec(state_dicts, names, arch, given_spec, like)
+        if like is not None and example_input is not None:
+            from bayesfuse.nets.graph_spec import check_example_runs
+
+            example_input = check_example_runs(like, example_input)  # a wrong shape, said now
+        spec, source = _network_spec(state_dicts, names, arch, given_spec, like, example_input)
         states = (
             state_dicts
             if not row.aligns_units
@@ -661,7 +673,7 @@ def fuse_files(
 
         check_recurrent_widths(fused_sd)  # never a stacked LSTM no module can hold, network given or not
         if like is not None:  # never a file that cannot be loaded into the user's network and run
-            fused_model = _check_like(like, fused_sd)
+            fused_model = _check_like(like, fused_sd, example_input)
             if template is not like:
                 fused_sd, fused.hyper["attention"] = _merged_attention(fused_model, template, fused_sd)
     report = {

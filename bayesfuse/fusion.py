@@ -376,6 +376,7 @@ def fuse(
             head=head or "shared",
             pool=pool,
             output_prior_precision=output_prior_precision,
+            example_input=example_input,
             **hyper,
         )
         return to_callers(_with_multihead(result, template), order)
@@ -874,6 +875,7 @@ def _fuse_fedma(
     head: str = "shared",
     pool: str | None = None,
     output_prior_precision: float | None = None,
+    example_input=None,
     **hyper,
 ) -> FusionResult:
     """FedMA on the clients' data; with ``refit``, one more round refits its output layer
@@ -893,7 +895,7 @@ def _fuse_fedma(
     if class_counts is not None:
         raise ValueError("method='fedma' takes the class counts from data; do not pass class_counts")
     methods.resolve("fedma", "network", hyper)  # unknown keys and bad values fail before any training
-    spec = spec_with_encodings(models[0], spec)
+    spec = spec_with_encodings(models[0], spec, example_input)
     head_orders = None
     if spec.heads:  # attention heads: aligned once, before the first group is matched
         models, head_orders = _aligned_heads(models, spec)
@@ -909,6 +911,7 @@ def _fuse_fedma(
         **({"head_orders": head_orders} if head_orders is not None else {}),
     }
     model: nn.Module = run.model
+    _check_fused_runs(model, models[0], example_input)
     if refit:  # the run's spec and state: the output layer is found without tracing the network again
         fused = SimpleNamespace(spec=run.spec, state=dict(r.state_dict), hyper=hyper)
         _, model = _refit_round(

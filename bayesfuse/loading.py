@@ -81,7 +81,12 @@ def load_report(path: str | os.PathLike, model_tensors: dict | None = None, *, s
 
 
 def load(
-    path: str | os.PathLike, *, like: nn.Module | None = None, n_features: int | None = None, posterior: bool = True
+    path: str | os.PathLike,
+    *,
+    like: nn.Module | None = None,
+    n_features: int | None = None,
+    posterior: bool = True,
+    example_input=None,
 ) -> nn.Module:
     """The network stored in a (fused) checkpoint file, in eval mode.
 
@@ -105,6 +110,12 @@ def load(
         pooling (8x8 digits through two poolings: 2x2 -> 8, n_features=64). Sides the poolings
         round down give the same weights (28x28 through three poolings ends at 3x3, as 24x24
         does): give n_features for those (784).
+    example_input : Tensor, optional
+        A batch of inputs to trace and run the template network on (``like``, or the one the
+        report names), where its first layer does not tell the input's shape (a convolution, a
+        recurrent layer, a dense layer applied to steps). Without one, the input is made from the
+        first layer (:func:`~bayesfuse.nets.graph_spec.example_input_for`); if the template
+        itself does not run on that, the error asks for one.
     posterior : bool
         Whether to read what ``bayesfuse fuse`` wrote beside the file when there is any: the
         clients' own heads (``--head clients``), the output layer's posterior (written when it
@@ -136,7 +147,7 @@ def load(
     name = str(path)
     report = load_report(path, state, strict=posterior)
     if like is not None:
-        model = _like(like, state, name)
+        model = _like(like, state, name, example_input)
     else:
         try:
             model = _recognised(state, name, n_features)
@@ -150,7 +161,7 @@ def load(
                     f"{name} was fused from your network {network}: import it, or load with like=, "
                     f"e.g. bayesfuse.load({str(path)!r}, like={network.rpartition(':')[2]}())"
                 ) from None
-            model = _like(template, state, name)
+            model = _like(template, state, name, example_input)
     if posterior:
         _check_side_files(path, report)
     if posterior and heads_path(path).is_file():
@@ -226,7 +237,7 @@ def _imported_network(network: str) -> nn.Module | None:
     return model if isinstance(model, nn.Module) else None
 
 
-def _like(like: nn.Module, state: dict, name: str) -> nn.Module:
+def _like(like: nn.Module, state: dict, name: str, example_input=None) -> nn.Module:
     """``like`` rebuilt at the file's widths: checked against its traced spec, loaded, run once.
 
     A network with ``nn.MultiheadAttention`` is loaded split into heads (its file holds either
@@ -236,22 +247,28 @@ def _like(like: nn.Module, state: dict, name: str) -> nn.Module:
     from bayesfuse.nets.attention import merged_where_possible, multihead_modules, split_heads, split_state_dict
 
     if not multihead_modules(like):
-        return _like_traced(like, state, name)
+        return _like_traced(like, state, name, example_input)
     if any(k.endswith("in_proj_weight") for k in state):  # the nn.MultiheadAttention form
         try:
             state = split_state_dict(like, state)
         except ValueError as err:
             raise ValueError(f"{name}: its entries do not fit the template network ({err})") from None
-    return merged_where_possible(_like_traced(split_heads(like), state, name), like)[0]
+    return merged_where_possible(_like_traced(split_heads(like), state, name, example_input), like)[0]
 
 
-def _like_traced(like: nn.Module, state: dict, name: str) -> nn.Module:
+def _like_traced(like: nn.Module, state: dict, name: str, example_input=None) -> nn.Module:
     from bayesfuse.nets.arch import check_runs, rebuild
-    from bayesfuse.nets.graph_spec import example_input_for
+    from bayesfuse.nets.graph_spec import check_example_runs, example_input_for
     from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 
     try:
-        spec = spec_from_module(like)
+        example_input_for(like, example_input)
+    except ValueError:
+        x = None  # no input to be had: the file's entries are all that is checked
+    else:  # the template runs on it (else one line asking for example_input=): a failure below is the file's
+        x = check_example_runs(like, example_input)
+    try:
+        spec = spec_from_module(like, x)
     except (UnsupportedLayerError, ValueError):
         spec = None  # a network no spec describes: loading and running it is the check
     try:
@@ -260,11 +277,8 @@ def _like_traced(like: nn.Module, state: dict, name: str) -> nn.Module:
         model = rebuild(like, state)
     except (RuntimeError, KeyError, ValueError) as err:
         raise ValueError(f"{name}: its entries do not fit the template network ({str(err).splitlines()[0]})") from None
-    try:
-        x = example_input_for(like)
-    except ValueError:
-        return model
-    check_runs(model, x, what=f"{name} in {type(like).__name__}")
+    if x is not None:
+        check_runs(model, x, what=f"{name} in {type(like).__name__}")
     return model
 
 

@@ -538,6 +538,7 @@ def summarize(
     ClientSummary
     """
     from bayesfuse.models.bnn import HorseshoeBNN
+    from bayesfuse.nets.attention import multihead_modules, split_heads
     from bayesfuse.nets.spec import spec_from_module
 
     start = time.perf_counter()
@@ -564,7 +565,11 @@ def summarize(
         state = model.state_dict()
         n_classes = cast(HorseshoeBNN, model).n_classes if n_classes is None else n_classes
     else:
-        spec = spec if spec is not None else spec_from_module(model)
+        if multihead_modules(model):  # fusion reads nn.MultiheadAttention as one module per head; so does this
+            model = split_heads(model)
+        # the client's own inputs trace its network: no guessed input shape (a convolution's, a sequence's)
+        example = x[:2] if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x[:2]))
+        spec = spec if spec is not None else spec_from_module(model, example)
         state = model.state_dict()
         if n_classes is None:
             out_key = next((k for k in spec.output if np.ndim(state[k]) == 1), spec.output[0] if spec.output else None)

@@ -78,6 +78,7 @@ def summarize_file(
     prior_precision: float = 1.0,
     force: bool = False,
     precisions: str = "bfloat16",
+    like=None,
 ) -> dict:
     """Summarise the model in ``model_path`` on the client's data ``data_path``; write the summary.
 
@@ -97,6 +98,10 @@ def summarize_file(
     precisions : {"bfloat16", "float32"}
         The weights' precisions, the output Gram and its eigenvalues in bfloat16 (a version 6
         summary) or float32 (version 4) (:func:`bayesfuse.summarize`).
+    like : nn.Module, optional
+        The client's network (any widths; ``--model`` on the command line), for a file whose
+        entry names bayesfuse cannot read (:func:`bayesfuse.load`'s ``like``): traced and run on
+        the client's own inputs.
 
     Returns
     -------
@@ -121,7 +126,7 @@ def summarize_file(
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
     check_precisions(precisions)
     x, y = read_client_data(data_path)
-    model = _client_model(model_path, x.shape[1])
+    model = _client_model(model_path, x, like)
     try:
         summary = summarize(model, x, y, prior_precision=prior_precision, precisions=precisions)
     except RuntimeError as err:  # torch: the inputs do not fit the network
@@ -143,20 +148,26 @@ def summarize_file(
     }
 
 
-def _client_model(path: Path, n_features: int):
-    """The network in ``path``, as :func:`bayesfuse.load` rebuilds it (without any fused posterior)."""
+def _client_model(path: Path, x: np.ndarray, like=None):
+    """The network in ``path``, as :func:`bayesfuse.load` rebuilds it (without any fused posterior);
+    into ``like`` when given, traced and run on the first rows of ``x``."""
+    import torch
+
     from bayesfuse.models.bnn import HorseshoeBNN
     from bayesfuse.models.bnn_sites import has_heads, is_bnn_state
 
+    if like is not None:
+        return load(path, like=like, posterior=False, example_input=torch.as_tensor(x[:2]))
     try:
-        model = load(path, n_features=n_features, posterior=False)
+        model = load(path, n_features=int(np.prod(x.shape[1:])), posterior=False)
     except ValueError as err:
         message = str(err)
         if "like=model" not in message:
             raise
         raise ValueError(
-            message.split("; give")[0] + "; summarise it in Python instead: bayesfuse.summarize(model, "
-            "x, y), then bayesfuse.summaries.save_summary(summary, summary_path(MODEL))"
+            message.split("; give")[0] + "; give your network with --model MODULE:NAME, or summarise it in "
+            "Python: bayesfuse.summarize(model, x, y), then bayesfuse.summaries.save_summary(summary, "
+            "summary_path(MODEL))"
         ) from None
     state = model.state_dict()
     if has_heads(state) or (is_bnn_state(state) and not isinstance(model, HorseshoeBNN)):

@@ -21,6 +21,7 @@ from bayesfuse.data.datasets import Dataset
 from bayesfuse.data.partition import Partition
 from bayesfuse.nets.arch import ARCHITECTURES, make_model
 from bayesfuse.nets.pans import PANConfig
+from bayesfuse.nets.state import floating_like
 
 __all__ = [
     "TrainConfig",
@@ -180,6 +181,9 @@ def train_model(
     """
     config = config or TrainConfig()
     xt, yt = _as_tensors(x, y, n_classes)
+    like = floating_like(model)
+    if like is not None:  # the network's own dtype (a float64 network trains on float64 inputs)
+        xt = xt.to(like.dtype)
     frozen_keys = set(frozen)
     unknown = frozen_keys - set(model.state_dict())
     if unknown:

@@ -65,6 +65,29 @@ def test_spec_is_derived_from_the_entries_when_not_given():
     assert chosen["noise_var"] == a.layers[0].hyper["noise_var"] and chosen["gamma0"] > 0
 
 
+def test_names_that_leave_a_skip_possible_are_refused_with_fuse_states_own_arguments():
+    """``fuse_states`` takes a spec, not ``arch=`` or ``like=``: its refusal says how to give one."""
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(0)
+    nets = [Wrapped() for _ in range(2)]
+    states = [numpy_state(m) for m in nets]
+    with pytest.raises(ValueError, match="skip connection possible") as err:
+        fuse_states(states, "pfnm")
+    message = str(err.value)
+    assert "spec=spec_for_state_dict(state, arch='mlp')" in message and "spec=spec_from_module(model)" in message
+    assert "like=" not in message
+    fused = fuse_states(states, "pfnm", spec=spec_from_module(nets[0]))  # what it advises works
+    assert fused.state["net.0.weight"].shape[1] == 8
+
+
 def test_bnn_states_fuse_to_a_bnn_state():
     bnns = _bnns()
     core = fuse_states([bnns[j].state_dict() for j in canonical_order(bnns)], "kl")  # fuse()'s order

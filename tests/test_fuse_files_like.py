@@ -135,3 +135,52 @@ def test_resnet_state_dicts_without_the_network_are_told_to_give_it(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "do not chain as a plain network" in err and "--model MODULE:NAME" in err, err
     assert not (tmp_path / "f.pt").exists()
+
+
+def test_a_network_that_does_not_tell_its_input_shape_takes_input_shape(tmp_path, capsys):
+    """StepGRU's first Linear reads steps of 8 features: an input made from its width (2, 8) does
+    not run. The command line asks for --input-shape; given it, the files fuse as in Python, and
+    ``load`` asks for ``example_input`` in turn."""
+    from tests.nets.user_nets import StepGRU
+
+    models, paths = _files(tmp_path, StepGRU)
+    out = tmp_path / "fused.pt"
+    ref = ["--model", "tests.nets.user_nets:StepGRU"]
+    assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--input-shape D,...: the shape of one input" in err, err
+    assert list(tmp_path.glob("fused*")) == []
+    assert main(["fuse", *paths, "--method", "pfnm", "--out", str(out), "--input-shape", "64"]) == 2
+    assert "--input-shape is the shape of --model's input: give --model too" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # argparse's usage error
+        main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out), "--input-shape", "8,x"])
+    assert stop.value.code == 2
+    assert "expected positive integers separated by commas" in capsys.readouterr().err
+    assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out), "--input-shape", "64"]) == 0
+    x = torch.randn(16, 64)
+    with pytest.raises(ValueError, match=r"give an example input \(example_input=\.\.\.: a batch of your data\)"):
+        bayesfuse.load(out, like=StepGRU())
+    loaded = bayesfuse.load(out, like=StepGRU(), example_input=x[:2])
+    python = bayesfuse.fuse(models, "pfnm", example_input=x[:2]).model
+    with torch.no_grad():
+        assert float((loaded(x) - python(x)).abs().max()) < 1e-4
+
+
+def test_summarize_takes_the_network_for_files_whose_names_it_cannot_read(tmp_path, capsys):
+    import numpy as np
+
+    from tests.nets.user_nets import StepGRU
+
+    _, paths = _files(tmp_path, StepGRU, n=2)
+    gen = np.random.default_rng(0)
+    data = tmp_path / "data.npz"
+    np.savez(data, x=gen.normal(size=(30, 64)).astype(np.float32), y=np.arange(30) % 10)
+    assert main(["summarize", paths[0], "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "give your network with --model MODULE:NAME" in err, err
+    for path in paths:
+        assert main(["summarize", path, "--data", str(data), "--model", "tests.nets.user_nets:StepGRU"]) == 0
+    out = tmp_path / "fused.pt"
+    ref = ["--model", "tests.nets.user_nets:StepGRU", "--input-shape", "64"]
+    assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out)]) == 0
+    assert json.loads((tmp_path / "fused.pt.json").read_text())["summaries"]["used"] is True

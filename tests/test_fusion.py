@@ -490,3 +490,77 @@ def test_a_stacked_lstm_that_cannot_keep_the_fused_widths_is_refused_in_one_line
     with pytest.raises(ValueError, match="'lstm' is an nn.LSTM of 2 layers, which keeps one width for all of them"):
         fuse(models, "pfnm")
     assert fuse(models, "fedavg").sizes == [5, 5]
+
+
+class _DoubleConvNet(torch.nn.Module):
+    """A user's class, made float64 with ``.double()``: conv, batch norm, dense layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 6, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(6)
+        self.fc = torch.nn.Linear(6 * 8 * 8, 12)
+        self.out = torch.nn.Linear(12, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x.view(-1, 1, 8, 8))))
+        return self.out(torch.relu(self.fc(h.flatten(1))))
+
+    def example_input(self):
+        return torch.zeros(2, 64)  # float32, as users write it: traced in the network's own dtype
+
+
+@pytest.mark.parametrize("method", ["pfnm", "ot", "fedavg"])
+def test_a_float64_network_fuses_in_float64(method):
+    """A float64 network (``model.double()``) is traced with float64 inputs and rebuilt in float64:
+    permuted copies fuse back to its function within float64 round-off, which a float32 rebuild
+    (relative error ~1e-7) could not meet."""
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.spec import spec_from_module
+
+    model = randomise(_DoubleConvNet().double(), seed=0)
+    spec = spec_from_module(model)
+    rng = np.random.default_rng(0)
+    state = numpy_state(model)
+    copies = [state] if method == "fedavg" else [permute(state, spec, random_permutations(spec.sizes(state), rng))] * 3
+    clients = [rebuild(model, {k: torch.as_tensor(v) for k, v in sd.items()}).eval() for sd in copies]
+    assert all(p.dtype == torch.float64 for c in clients for p in c.parameters())
+    res = fuse(clients, method, **_VAGUE.get(method, {}))
+    assert all(p.dtype == torch.float64 for p in res.model.parameters())
+    x = torch.randn(20, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(res.model(x), want, rtol=0, atol=1e-6 * want.abs().max().item())
+    p = predict_proba(res, x.numpy())  # NumPy inputs come in the network's dtype
+    np.testing.assert_allclose(p, torch.softmax(want, -1).numpy(), atol=1e-9)
+
+
+def test_fedma_trains_a_float64_network_in_float64(digits):
+    part = dirichlet_partition(digits.train.y, 2, 1.0, seed=0)
+    torch.manual_seed(0)
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)).double()
+        for _ in range(2)
+    ]
+    singles = [copy.deepcopy(m).float() for m in models]
+    res = fuse(models, "fedma", data=(digits.train, part), retrain=TrainConfig(epochs=1))
+    assert all(p.dtype == torch.float64 for p in res.model.parameters())
+    # the same run in float32 (same weights, same seeds) takes the same steps, up to float32 round-off
+    ref = fuse(singles, "fedma", data=(digits.train, part), retrain=TrainConfig(epochs=1))
+    assert res.sizes == ref.sizes
+    p64, p32 = predict_proba(res.model, digits.test.x), predict_proba(ref.model, digits.test.x)
+    assert np.abs(p64 - p32).max() < 1e-3
+
+
+def test_fedma_traces_with_the_example_input_it_is_given(digits):
+    from tests.nets.user_nets import FlatCNN
+
+    part = dirichlet_partition(digits.train.y, 2, 1.0, seed=0)
+    torch.manual_seed(0)
+    models = [FlatCNN().eval() for _ in range(2)]
+    data = (digits.train, part)
+    with pytest.raises(ValueError, match="give an example input"):
+        fuse(models, "fedma", data=data, retrain=TrainConfig(epochs=1))
+    res = fuse(models, "fedma", data=data, retrain=TrainConfig(epochs=1), example_input=torch.zeros(2, 64))
+    assert isinstance(res.model, FlatCNN) and res.model(torch.zeros(3, 64)).shape == (3, 10)

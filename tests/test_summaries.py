@@ -34,6 +34,7 @@ from bayesfuse.summaries import (
     temperature_nll,
 )
 from tests.helpers import randomise
+from tests.nets import user_nets
 
 
 @pytest.fixture
@@ -601,3 +602,21 @@ def test_batchnorm_moments_are_torchs_batch_statistics_and_leave_the_module_as_i
     assert batchnorm_moments(nn.Sequential(nn.Linear(5, 2)), x) == {}
     with pytest.raises(ValueError, match="at least 2 examples"):
         batchnorm_moments(model, x[:1])
+
+
+@pytest.mark.parametrize("cls", [user_nets.StepGRU, user_nets.FlatCNN, user_nets.StepEncoder])
+def test_the_clients_own_inputs_trace_a_network_that_does_not_say_its_input_shape(cls):
+    from bayesfuse import fuse
+
+    gen = np.random.default_rng(0)
+    x = gen.normal(size=(40, 64)).astype(np.float32)
+    y = np.arange(40) % 3
+    torch.manual_seed(0)
+    models = [randomise(cls(k=3), seed) for seed in range(2)]
+    # no input shape to be had from the network alone: asked for, not guessed from its first Linear
+    with pytest.raises(ValueError, match=r"give an example input \(example_input=\.\.\."):
+        spec_from_module(models[0])
+    summaries = [summarize(m, x, y) for m in models]
+    assert all(s.moments for s in summaries)
+    res = fuse(models, "pfnm", summaries=summaries, example_input=torch.as_tensor(x[:2]))
+    assert res.hyper["summaries"]["used"] is True  # the summaries are of the networks fuse fuses

@@ -19,6 +19,7 @@ from bayesfuse.inference.spec import Axis, PermutationSpec, as_axis, batchnorm, 
 
 __all__ = [
     "spec_for_state_dict",
+    "spec_for_state_dict_or_advice",
     "entry_order",
     "spec_to_dict",
     "spec_from_dict",
@@ -373,6 +374,28 @@ def spec_for_state_dict(
             f"arch='{kind}', else give the network itself (like=model)"
         )
     return spec
+
+
+def spec_for_state_dict_or_advice(state_dict: Mapping, name: str, *, like: str = "like=model") -> PermutationSpec:
+    """:func:`spec_for_state_dict` (``"auto"``) for a caller that takes a spec, not ``arch=``: its
+    refusals advise ``spec=spec_for_state_dict(state, arch=...)`` to confirm a plain chain, and
+    ``like`` (the caller's argument) to give the network itself.
+
+    Raises
+    ------
+    AmbiguousArchitectureError
+        The names leave a skip connection possible.
+    ValueError
+        The names cannot describe the network.
+    """
+    try:
+        return spec_for_state_dict(state_dict, name=name)
+    except ValueError as err:
+        message = re.sub(r"arch='(\w+)'", r"spec=spec_for_state_dict(state, arch='\1')", str(err))
+        message = message.replace("(like=model)", f"({like})")
+        raise (AmbiguousArchitectureError if isinstance(err, AmbiguousArchitectureError) else ValueError)(
+            message
+        ) from None
 
 
 def _layer(name: str) -> str:

@@ -25,6 +25,7 @@ from bayesfuse.nets.images import image_shape
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
 from bayesfuse.nets.resnet import resnet18, resnet20
+from bayesfuse.nets.state import floating_like
 
 __all__ = [
     "ARCHITECTURES",
@@ -239,13 +240,17 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
                 previous_width = shapes[f"{prefix}weight"][0]
         else:
             continue
+        ref = floating_like(module)
+        if ref is not None:  # the user's dtype and device (a float64 network stays float64)
+            replacement = replacement.to(device=ref.device, dtype=ref.dtype)
         parent_name, _, child = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
         setattr(parent, child, replacement)
     for name, value in list(new.named_parameters()):  # parameters held by the module itself (a class token)
         if name in shapes and tuple(value.shape) != shapes[name]:
             owner, _, leaf = name.rpartition(".")
-            setattr(new.get_submodule(owner) if owner else new, leaf, nn.Parameter(torch.empty(shapes[name])))
+            empty = torch.empty(shapes[name], dtype=value.dtype, device=value.device)
+            setattr(new.get_submodule(owner) if owner else new, leaf, nn.Parameter(empty))
     if isinstance(new, MLP) and new.pans is not None:
         pan = new.pan
         assert pan is not None  # an MLP has pans only with a PANConfig

@@ -48,6 +48,7 @@ import torch
 from torch import fx, nn
 
 from bayesfuse.inference.spec import Axis, PermutationSpec
+from bayesfuse.nets.state import floating_like
 
 __all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
 
@@ -248,7 +249,18 @@ class _Tracer(fx.Tracer):
 def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:
     """``example_input``, the module's own ``example_input`` (a tensor or a method returning one),
     or zeros for a network whose first layer is ``nn.Linear`` (or an ``nn.Sequential`` that starts
-    with ``nn.Unflatten``, or the LSTM classifier); else a ``ValueError`` saying what to give."""
+    with ``nn.Unflatten``, or the LSTM classifier); else a ``ValueError`` saying what to give.
+
+    A floating-point input comes in the dtype and on the device of the module's parameters (a
+    float64 network gets a float64 input); integer inputs (token ids) stay as they are."""
+    x = _example_input(model, example_input)
+    like = floating_like(model)
+    if like is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
+        x = x.to(dtype=like.dtype, device=like.device)
+    return x
+
+
+def _example_input(model: nn.Module, example_input=None) -> torch.Tensor:
     if example_input is not None:
         return example_input
     own = getattr(model, "example_input", None)
@@ -261,7 +273,11 @@ def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:
         (
             m
             for m in model.modules()
-            if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.Unflatten, nn.LSTM))
+            # the first layer that reads an input: only a Linear tells its shape (a recurrent
+            # layer's does not tell the steps, a convolution's not the size of its maps)
+            if isinstance(
+                m, (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag, nn.Unflatten, nn.RNNBase)
+            )
         ),
         None,
     )
@@ -320,15 +336,18 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks itself
             ShapeProp(gm).propagate(x)
     except Exception as err:  # the user's forward failing on the example input
-        raise _not_running(model, x, err) from None
+        raise _not_running(model, x, err, guessed=example_input is None) from None
     finally:
         model.train(was_training)
     return _Walk(model).run(gm)
 
 
-def check_example_runs(model: nn.Module, example_input=None) -> None:
+def check_example_runs(model: nn.Module, example_input=None) -> torch.Tensor:
     """Run ``model`` once (eval mode, no gradients) on its example input
-    (:func:`example_input_for`), refusing with the tracer's one line if it fails there."""
+    (:func:`example_input_for`), refusing with the tracer's one line if it fails there; the input.
+
+    A copy of ``model`` at other widths that fails on the returned input fails by its widths, not
+    by a wrong guess of the input's shape."""
     x = example_input_for(model, example_input)
     was_training = model.training
     model.eval()
@@ -336,16 +355,24 @@ def check_example_runs(model: nn.Module, example_input=None) -> None:
         with torch.no_grad():
             model(x)
     except Exception as err:  # the user's forward failing on the example input
-        raise _not_running(model, x, err) from None
+        raise _not_running(model, x, err, guessed=example_input is None) from None
     finally:
         model.train(was_training)
+    return x
 
 
-def _not_running(model: nn.Module, x: torch.Tensor, err: Exception) -> ValueError:
+def _not_running(model: nn.Module, x: torch.Tensor, err: Exception, *, guessed: bool = False) -> ValueError:
     cause = err.__cause__ or err
+    guess = guessed and getattr(model, "example_input", None) is None
     return ValueError(
         f"{type(model).__name__}: the example input of shape {tuple(x.shape)} does not run through "
         f"the network ({type(cause).__name__}: {str(cause).splitlines()[0]})"
+        + (
+            "; it was made from the width of the first nn.Linear, which may read steps or tokens: give an "
+            "example input (example_input=...: a batch of your data)"
+            if guess
+            else ""
+        )
     )
 
 

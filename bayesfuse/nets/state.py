@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["numpy_state", "tensor_state"]
+__all__ = ["numpy_state", "tensor_state", "floating_like"]
 
 
 def numpy_state(source) -> dict[str, np.ndarray]:
@@ -24,3 +24,8 @@ def tensor_state(state: Mapping) -> dict[str, torch.Tensor]:
         a = np.asarray(v)
         out[k] = torch.as_tensor(a, dtype=torch.float32) if np.issubdtype(a.dtype, np.floating) else torch.as_tensor(a)
     return out
+
+
+def floating_like(module: nn.Module) -> torch.Tensor | None:
+    """The module's first floating-point parameter or buffer (its dtype and device), or None."""
+    return next((t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)

@@ -154,14 +154,19 @@ def spec_with_encodings(model: nn.Module, spec: PermutationSpec | None = None, e
 
 
 def _example_input(leaves: list, example_input):
-    """``example_input``, or zeros for a network that starts with ``nn.Linear`` or ``nn.Unflatten``."""
+    """``example_input``, or zeros for a network that starts with ``nn.Linear`` or ``nn.Unflatten``,
+    in the dtype of the network's first floating-point leaf (a float64 network, float64 zeros)."""
+    like = next((t for _, m in leaves for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
+    dtype = like.dtype if like is not None else None
     if example_input is not None:
+        if dtype is not None and isinstance(example_input, torch.Tensor) and example_input.is_floating_point():
+            return example_input.to(dtype)
         return example_input
     first = leaves[0][1] if leaves else None
     if isinstance(first, nn.Linear):
-        return torch.zeros(2, first.in_features)
+        return torch.zeros(2, first.in_features, dtype=dtype)
     if isinstance(first, nn.Unflatten):
-        return torch.zeros(2, int(np.prod(first.unflattened_size)))
+        return torch.zeros(2, int(np.prod(first.unflattened_size)), dtype=dtype)
     raise ValueError("give example_input to trace a network that starts with neither nn.Linear nor nn.Unflatten")
 
 

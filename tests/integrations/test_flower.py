@@ -166,7 +166,91 @@ def test_failed_and_mismatched_replies_are_skipped_and_reported(clients, caplog)
     np.testing.assert_allclose(
         record_to_state(arrays)["layers.0.weight"], expected.state_dict["layers.0.weight"], rtol=1e-6, atol=1e-7
     )
-    assert strategy.aggregate_train(2, [_error(5)]) == (None, None)
+    nothing = {"fused-replies": 0, "failed-replies": 1, "rejected-replies": 0}
+    assert strategy.aggregate_train(2, [_error(5)]) == (None, MetricRecord(nothing))
+
+
+class _Wrapped(torch.nn.Module):
+    """A user's class around an ``nn.Sequential``, its hidden layer as wide as its input: from
+    the entry names (``net.0.weight``, ...) a skip connection is possible."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class _WrappedGrid:
+    """Node ``p`` trains a :class:`_Wrapped` on partition ``p`` from what it is sent."""
+
+    def __init__(self, split, part):
+        self.split, self.part, self.sent, self.states = split, part, [], {}
+
+    def get_node_ids(self):
+        return list(range(len(self.part)))
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            p = msg.metadata.dst_node_id
+            x, y = self.split.train.x[self.part[p]], self.split.train.y[self.part[p]]
+            model = _Wrapped()
+            if msg.metadata.message_type == "train":  # FedMA's rounds send no network in round 1
+                model.load_state_dict(tensor_state(record_to_state(msg.content["arrays"])))
+            torch.manual_seed(p)
+            train_model(model, x, y, 10, TrainConfig(epochs=2, seed=p), verbose=False)
+            self.states[p] = _np(model)
+            metrics = {"num-examples": len(y), "class-counts": np.bincount(y, minlength=10).tolist()}
+            replies.append(
+                Message(
+                    RecordDict({"arrays": state_to_record(model.state_dict()), "metrics": MetricRecord(metrics)}),
+                    reply_to=msg,
+                )
+            )
+        return replies
+
+
+@pytest.mark.parametrize("strategy_class", [MatchedAveraging, FedMA])
+def test_a_users_class_whose_names_leave_a_skip_possible_is_refused_before_any_round(clients, strategy_class):
+    split, part, _ = clients
+    grid = _WrappedGrid(split, part)
+    initial = state_to_record(_Wrapped().state_dict())
+    with pytest.raises(ValueError, match="skip connection possible") as err:
+        strategy_class(min_train_nodes=3, fraction_evaluate=0.0).start(grid=grid, initial_arrays=initial)
+    # the advice names what the strategy takes, not load's or the command line's arguments
+    assert "give the network itself (like=model)" in str(err.value)
+    assert "spec=spec_for_state_dict(state, arch='mlp')" in str(err.value)
+    assert grid.sent == []  # refused before a node trained
+
+
+def test_a_users_class_given_as_like_is_traced_and_fused(clients):
+    from bayesfuse.nets.tracing import spec_from_module
+
+    split, part, _ = clients
+    grid = _WrappedGrid(split, part)
+    strategy = MatchedAveraging("pfnm", like=_Wrapped(), min_train_nodes=3, fraction_evaluate=0.0)
+    result = strategy.start(grid=grid, initial_arrays=state_to_record(_Wrapped().state_dict()), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["fused-replies"] == 3
+    order = sorted(range(3), key=lambda p: state_digest(grid.states[p]))  # the strategy's canonical order
+    expected = fuse_states(
+        [grid.states[p] for p in order], "pfnm", spec=spec_from_module(_Wrapped()), class_counts=part.counts[order]
+    )
+    fused = record_to_state(result.arrays)
+    for k, v in expected.state.items():
+        np.testing.assert_allclose(fused[k], v, rtol=1e-5, atol=1e-6)  # float32 arrays of a float64 fusion
+    fedma = FedMA(like=_Wrapped(), min_train_nodes=3, fraction_evaluate=0.0)
+    assert fedma.num_rounds(state_to_record(_Wrapped().state_dict())) == 2
+    result = fedma.start(grid=_WrappedGrid(split, part), initial_arrays=state_to_record(_Wrapped().state_dict()))
+    assert fedma.fedma_result is not None and "net.0.weight" in record_to_state(result.arrays)
+    with pytest.raises(ValueError, match="spec= or like=, not both"):
+        MatchedAveraging("pfnm", like=_Wrapped(), spec=spec_from_module(_Wrapped()))
+    with pytest.raises(TypeError, match="like= takes the clients' network"):
+        MatchedAveraging("pfnm", like=_Wrapped().state_dict())
+    with pytest.raises(ValueError, match="KL-fusion reads HorseshoeBNN"):
+        MatchedAveraging("kl", like=_Wrapped())
 
 
 def test_kl_fusion_of_bnn_replies(clients):

@@ -241,3 +241,28 @@ class NeedsArgs(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.fc = nn.Linear(width, 2)
+
+
+class StepGRU(MyGRU):
+    """:class:`MyGRU` without an ``example_input``: its first Linear reads steps of 8 features,
+    so the width of that layer is not the input's (64)."""
+
+    example_input = None
+
+
+class FlatCNN(nn.Module):
+    """A CNN reading flat 8x8 images, a convolution first, no ``example_input``."""
+
+    def __init__(self, k: int = 10) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 8 * 8, k)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x.view(-1, 1, 8, 8))).flatten(1))
+
+
+class StepEncoder(Encoder):
+    """:class:`Encoder` without an ``example_input``."""
+
+    example_input = None

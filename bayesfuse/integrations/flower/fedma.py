@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from logging import ERROR, INFO, WARNING
-from typing import Callable, Iterable, cast
+from typing import Any, Callable, Iterable, cast
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, MetricRecordValues, RecordDict
@@ -17,9 +17,9 @@ from torch import nn
 from bayesfuse import methods
 from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
 from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states, state_bytes
-from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
+from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
-from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound
+from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound, strategy_spec
 from bayesfuse.nets.heads import ClientHeads
 
 #: Message types of FedMA's rounds (``@app.train("local")`` / ``@app.train("fedma")`` on clients).
@@ -119,7 +119,13 @@ class FedMA(_RefitRound):
         The clients' architecture, with its position encodings if any; derived from
         ``initial_arrays`` in :meth:`start` when omitted
         (:func:`~bayesfuse.inference.spec.spec_for_state_dict`, which sees no encodings: give the
-        spec traced from the module for position-aware networks).
+        spec traced from the module for position-aware networks). Names that leave a skip
+        connection possible are refused there, before any round.
+    like : torch.nn.Module, optional
+        The clients' network, instead of ``spec``: the spec is traced from it
+        (:func:`~bayesfuse.nets.tracing.spec_from_module`, position encodings included).
+    example_input : tensor, optional
+        An input batch for tracing ``like`` where its input shape cannot be inferred.
     hyper : dict, optional
         The ``"fedma"`` row of :mod:`bayesfuse.methods`: ``noise_var``, ``prior_var``,
         ``gamma0``, ``kl_weight``, ``cost``, ``n_iter`` and ``passes`` (2b. above). Checked
@@ -171,6 +177,8 @@ class FedMA(_RefitRound):
         self,
         *,
         spec: PermutationSpec | None = None,
+        like: nn.Module | None = None,
+        example_input: Any = None,
         hyper: dict | None = None,
         class_counts_key: str = "class-counts",
         seed: int = 0,
@@ -182,8 +190,6 @@ class FedMA(_RefitRound):
     ) -> None:
         settings = methods.resolve("fedma", "network", hyper)
         self.passes = int(settings.pop("passes"))
-        if spec is not None:
-            check_unfoldable(spec)
         if second_round not in (None, "refit"):
             raise ValueError(
                 f"unknown second_round={second_round!r} for FedMA; choose None or 'refit' (the "
@@ -191,11 +197,15 @@ class FedMA(_RefitRound):
             )
         super().__init__(
             spec=spec,
+            like=like,
+            example_input=example_input,
             class_counts_key=class_counts_key,
             seed=seed,
             output_prior_precision=output_prior_precision,
             **kwargs,
         )
+        if self.spec is not None:
+            check_unfoldable(self.spec)
         self.second_round = second_round
         self.method = "fedma"
         self.hyper = dict(hyper or {})
@@ -203,9 +213,9 @@ class FedMA(_RefitRound):
         self.local_message_type = local_message_type
         self.round_message_type = round_message_type
         self._run: _PausedRun | None = None
-        self._arch = spec  # the architecture a run checks its first replies against
+        self._arch = self.spec  # the architecture a run checks its first replies against
         self._refit_round: int | None = None  # the round start() makes the refit
-        self._reset(spec)
+        self._reset(self.spec)
 
     def _reset(self, spec: PermutationSpec | None) -> None:
         run = getattr(self, "_run", None)
@@ -250,7 +260,7 @@ class FedMA(_RefitRound):
         -------
         int
         """
-        spec = self.spec or spec_for_state_dict(record_to_state(arrays), name="initial_arrays")
+        spec = self.spec or strategy_spec(record_to_state(arrays), "initial_arrays")
         return self.passes * (1 + len(spec.groups)) + (self.second_round == "refit")
 
     def summary(self) -> None:
@@ -302,7 +312,7 @@ class FedMA(_RefitRound):
             counts them: the networks each pass matches, and those sent down, the restart
             rounds' included).
         """
-        spec = self.spec or spec_for_state_dict(record_to_state(initial_arrays), name="initial_arrays")
+        spec = self.spec or strategy_spec(record_to_state(initial_arrays), "initial_arrays")
         refit = self.second_round == "refit"
         needed = self.passes * (1 + len(spec.groups)) + refit
         if num_rounds is None:
@@ -456,7 +466,7 @@ class FedMA(_RefitRound):
                 len(self.failed),
                 len(self.rejected),
             )
-            return None, None
+            return None, self._nothing_fused()
         assert spec is not None  # a network strategy's check gives the spec its replies share
         self._spec = spec
         self.nodes = [r.node for r in good]

@@ -24,7 +24,8 @@ from bayesfuse.inference.output_fusion import (
     prior_precision_from_weights,
     product_report,
 )
-from bayesfuse.inference.spec import PermutationSpec, spec_for_state_dict
+from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.spec_io import spec_for_state_dict_or_advice as strategy_spec
 from bayesfuse.integrations.flower.records import (
     CLIENT_HEADS,
     COUNTS_ARRAYS_KEY,
@@ -59,6 +60,7 @@ from bayesfuse.nets.arch import rebuild
 from bayesfuse.nets.heads import ClientHeads, checked_pseudo_count, unsmoothable
 from bayesfuse.nets.laplace import LastLayerLaplace
 from bayesfuse.nets.state import tensor_state
+from bayesfuse.nets.tracing import spec_from_module
 from bayesfuse.summaries import (
     ClientSummary,
     SummaryError,
@@ -83,16 +85,36 @@ class _Reply:
     summary: ClientSummary | None = None
 
 
+def _chosen_spec(spec: PermutationSpec | None, like: nn.Module | None, example_input: Any) -> PermutationSpec | None:
+    """The strategy's spec: ``spec``, else traced from ``like`` (never both), else None."""
+    if like is None:
+        if example_input is not None:
+            raise ValueError("example_input= is for tracing like=model; give the network too, or leave it out")
+        return spec
+    if spec is not None:
+        raise ValueError("give the clients' architecture once: spec= or like=, not both")
+    if not isinstance(like, nn.Module):
+        raise TypeError(f"like= takes the clients' network (a torch.nn.Module), got {type(like).__name__}")
+    return spec_from_module(like, example_input)
+
+
 class _Fusion(FedAvg):
     """What both strategies share: reading, checking and ordering the clients' replies."""
 
     kind = "network"
 
     def __init__(
-        self, *, spec: PermutationSpec | None = None, class_counts_key: str = "class-counts", seed: int = 0, **kwargs
+        self,
+        *,
+        spec: PermutationSpec | None = None,
+        like: nn.Module | None = None,
+        example_input: Any = None,
+        class_counts_key: str = "class-counts",
+        seed: int = 0,
+        **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        self.spec = spec
+        self.spec = _chosen_spec(spec, like, example_input)
         self.class_counts_key = class_counts_key
         self.seed = seed
         self.rejected: list[tuple[int, str]] = []
@@ -190,6 +212,13 @@ class _Fusion(FedAvg):
                 f"summing to more than 0, got {np.array2string(counts, threshold=12)}"
             )
 
+    def _nothing_fused(self) -> MetricRecord:
+        """A round's metrics when no reply was fused: how many failed and were rejected (the
+        reasons are in ``failed`` and ``rejected``, and logged)."""
+        return MetricRecord(
+            {"fused-replies": 0, "failed-replies": len(self.failed), "rejected-replies": len(self.rejected)}
+        )
+
     def _reject(self, node: int, reason: str) -> None:
         self.rejected.append((node, reason))
         log(WARNING, "node %d: reply rejected: %s", node, reason)
@@ -216,7 +245,7 @@ class _Fusion(FedAvg):
         specs = {}
         for r in replies:
             try:
-                own = spec or spec_for_state_dict(r.state, name=f"node {r.node}")
+                own = spec or strategy_spec(r.state, f"node {r.node}")
                 own.check(r.state, f"node {r.node}")
                 specs[r.node] = (own, _signature(own, r.state))
             except (ValueError, TypeError) as err:
@@ -548,8 +577,16 @@ class MatchedAveraging(_RefitRound):
         What the clients send: point-estimate networks or HorseshoeBNN state_dicts. Default: the
         first kind of input the method's row lists (networks for PFNM, NAFI and OT; BNNs for KL).
     spec : PermutationSpec, optional
-        The clients' architecture; derived from the first reply's entries when omitted
-        (:func:`~bayesfuse.inference.spec.spec_for_state_dict`).
+        The clients' architecture; derived from the entries' names when omitted
+        (:func:`~bayesfuse.inference.spec.spec_for_state_dict`): :meth:`start` refuses, before
+        any round, ``initial_arrays`` whose names cannot describe the network or leave a skip
+        connection possible (a hidden layer as wide as the input, outside a top-level
+        ``nn.Sequential``), saying what to give instead.
+    like : torch.nn.Module, optional
+        The clients' network (any instance of their class), instead of ``spec``: the spec is
+        traced from it (:func:`~bayesfuse.nets.tracing.spec_from_module`), never guessed.
+    example_input : tensor, optional
+        An input batch for tracing ``like`` where its input shape cannot be inferred.
     hyper : dict, optional
         The method's hyper-parameters (:mod:`bayesfuse.methods`): ``noise_var``, ``prior_var``,
         ``gamma0``, ``kl_weight``, ``cost``, ``n_iter``, ``direction`` for PFNM/NAFI; ``reg``,
@@ -643,6 +680,8 @@ class MatchedAveraging(_RefitRound):
         *,
         kind: str | None = None,
         spec: PermutationSpec | None = None,
+        like: nn.Module | None = None,
+        example_input: Any = None,
         hyper: dict | None = None,
         class_counts_key: str = "class-counts",
         seed: int = 0,
@@ -679,8 +718,12 @@ class MatchedAveraging(_RefitRound):
                 f"pseudo_count smooths the clients' own heads, which {method} keeps none of "
                 f"({', '.join(methods.ONE_SHOT_HEADS)} do, and every method with second_round='refit')"
             )
+        if like is not None and self.kind == "bnn":
+            raise ValueError("like= traces a point-estimate network; KL-fusion reads HorseshoeBNN state_dicts")
         super().__init__(
             spec=spec,
+            like=like,
+            example_input=example_input,
             class_counts_key=class_counts_key,
             seed=seed,
             output_prior_precision=output_prior_precision,
@@ -734,6 +777,8 @@ class MatchedAveraging(_RefitRound):
                     f"the {self.second_round} round); got num_rounds={num_rounds}"
                 )
             self._refit_round = num_rounds
+        if self.spec is None and self.kind == "network":  # refused now, not in every node's reply
+            strategy_spec(record_to_state(initial_arrays), "initial_arrays")
         # a new run: nothing of an earlier one may pair with this run's arrays
         self._forget_refit()
         self.last_fusion, self._one_shot = None, None
@@ -811,7 +856,7 @@ class MatchedAveraging(_RefitRound):
                 len(self.failed),
                 len(self.rejected),
             )
-            return None, None
+            return None, self._nothing_fused()
         counts = None
         if all(r.class_counts is not None for r in good):
             counts = np.stack(cast(list[np.ndarray], [r.class_counts for r in good]))
