@@ -577,6 +577,13 @@ def fuse_files(
         }
         for p, c, sd in zip(paths, loaded, forward)
     ]
+    held: dict[str, str] = {}
+    for f in files:  # the same client under two names would count twice
+        first = held.setdefault(f["tensors_sha256"], f["path"])
+        if first != f["path"]:
+            raise ValueError(
+                f"{f['path']} holds the same tensors as {first} (the same client twice?): give each client's file once"
+            )
     order = sorted(range(len(paths)), key=lambda i: (files[i]["tensors_sha256"], files[i]["sha256"], str(paths[i])))
     state_dicts = [forward[i] for i in order]
     files = [files[i] for i in order]

@@ -25,6 +25,7 @@ from the method table, :mod:`bayesfuse.methods`.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import time
@@ -44,7 +45,7 @@ from bayesfuse.inference.client_heads import default_pool, heads_refused, kronec
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
-from bayesfuse.nets.graph_spec import check_example_runs
+from bayesfuse.nets.graph_spec import UnsupportedLayerError, check_example_runs
 from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state
 
@@ -428,7 +429,14 @@ def fuse(
     if rounds > 1 and any(bnn):
         raise ValueError(f"rounds={rounds} is for point-estimate networks; fused BNNs carry their own posterior")
     if not any(bnn) and (spec is None or row is None or row.aligns_units):
-        spec = spec_with_encodings(models[0], spec, example_input)  # position encodings (PANs) are folded out
+        try:
+            spec = spec_with_encodings(models[0], spec, example_input)  # position encodings (PANs) are folded out
+        except (UnsupportedLayerError, ValueError) as err:
+            # FedAvg needs no units: a network the tracer cannot follow is averaged as it is
+            as_is = row is not None and not row.aligns_units and spec is None and rounds == 1
+            if not as_is or head == "clients" or summaries is not None or template is not models[0]:
+                raise
+            return to_callers(_averaged_as_is(models, class_counts, method, str(err), start), order)
     states = [numpy_state(m) for m in models]
     # the temperature round with summaries scores both output pools (with head="clients": the heads alone)
     pools = ["precision", "counts"] if tempers and not (heads_candidate and explicit_head) else [output_pool]
@@ -592,6 +600,24 @@ def _check_fused_runs(model: nn.Module, like: nn.Module, example_input) -> None:
     except ValueError:  # no input to be had: the known architectures, rebuilt by rebuild(), run
         return
     check_runs(model, x)  # a stacked LSTM of layers fused to different widths is refused by rebuild
+
+
+def _averaged_as_is(models, class_counts, method: str, why: str, start: float) -> FusionResult:
+    """One-shot FedAvg of networks whose units cannot be traced: every entry averaged as it is
+    (:func:`~bayesfuse.baselines.fedavg`), weighted by the clients' examples when their class
+    counts are given; ``hyper["spec"]`` says why no spec was traced."""
+    from bayesfuse.baselines import fedavg_state_dicts
+
+    weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
+    model = copy.deepcopy(models[0])
+    model.load_state_dict(fedavg_state_dicts([m.state_dict() for m in models], weights))
+    hyper = {
+        "weights": "class_counts" if weights is not None else "uniform",
+        "spec": f"none, every entry averaged as it is (not traced: {why})",
+    }
+    return FusionResult(
+        model=model.eval(), layers=[], sizes=[], method=method, hyper=hyper, seconds=time.perf_counter() - start
+    )
 
 
 def _fused_model(like: nn.Module, fused, bnn: bool) -> nn.Module:

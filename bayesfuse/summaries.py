@@ -496,6 +496,22 @@ def _output_factors(
     return {"gram": gram.numpy(), "curvature": curvature.numpy(), "eigenvalues": eigenvalues.numpy()}, factor
 
 
+def _check_runs_on(model: nn.Module, example: torch.Tensor, shape: tuple) -> None:
+    """Refuse in one line inputs the network cannot run on (another width, say), before any pass."""
+    from bayesfuse.nets.graph_spec import example_input_for
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(example_input_for(model, example))
+    except Exception as err:  # whatever the user's forward raises on these inputs
+        cause = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"the network cannot run on x of shape {shape} ({type(err).__name__}: {cause})") from None
+    finally:
+        model.train(was_training)
+
+
 def summarize(
     model: nn.Module,
     x,
@@ -569,6 +585,7 @@ def summarize(
             model = split_heads(model)
         # the client's own inputs trace its network: no guessed input shape (a convolution's, a sequence's)
         example = x[:2] if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x[:2]))
+        _check_runs_on(model, example, tuple(x.shape))
         spec = spec if spec is not None else spec_from_module(model, example)
         state = model.state_dict()
         if n_classes is None:

@@ -129,7 +129,7 @@ def summarize_file(
     model = _client_model(model_path, x, like)
     try:
         summary = summarize(model, x, y, prior_precision=prior_precision, precisions=precisions)
-    except RuntimeError as err:  # torch: the inputs do not fit the network
+    except RuntimeError as err:  # torch, past the first batch summarize runs
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(
             f"{model_path}: the network cannot run on the inputs x of shape {x.shape} of {data_path} ({first})"

@@ -345,7 +345,8 @@ def test_class_counts_that_cannot_fit_the_models_are_refused(mlp_files, tmp_path
 def test_a_file_name_shared_by_two_inputs_must_be_keyed_by_path(mlp_files, tmp_path):
     twin = tmp_path / "twin" / mlp_files[0].name
     twin.parent.mkdir()
-    twin.write_bytes(mlp_files[1].read_bytes())
+    other = {k: v + 0.01 if v.is_floating_point() else v for k, v in load_state_dict(mlp_files[1]).items()}
+    save_state_dict(other, twin)  # another client's network under the first one's file name
     paths = [mlp_files[0], twin, mlp_files[2]]
     counts = {mlp_files[0].name: [1.0] * 10, mlp_files[2].name: [1.0] * 10}
     with pytest.raises(ValueError, match="names 2 inputs; key them by path"):
@@ -357,6 +358,12 @@ def test_a_file_name_shared_by_two_inputs_must_be_keyed_by_path(mlp_files, tmp_p
 def test_the_same_file_twice_is_refused(mlp_files, tmp_path):
     with pytest.raises(ValueError, match="is given twice"):
         fuse_files([mlp_files[0], mlp_files[1], mlp_files[0]], "pfnm", tmp_path / "f.pt")
+    # a copy under another name, or the same tensors in another format, is the same client
+    copy = tmp_path / "copy.safetensors"
+    save_state_dict(load_state_dict(mlp_files[1]), copy)
+    with pytest.raises(ValueError, match=r"holds the same tensors as .* \(the same client twice\?\)"):
+        fuse_files([mlp_files[0], mlp_files[1], copy], "fedavg", tmp_path / "f.pt")
+    assert not (tmp_path / "f.pt").exists()
 
 
 def _named_mlp(widths, seed):

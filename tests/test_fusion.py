@@ -10,6 +10,7 @@ from bayesfuse import fedavg, fuse
 from bayesfuse.data import dirichlet_partition
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets import MLP, predict_proba
+from bayesfuse.nets.graph_spec import UnsupportedLayerError
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.train import TrainConfig, train_clients
 from tests.helpers import DEVICES, mlp_from_neurons, one_hidden_layer, randomise
@@ -564,3 +565,56 @@ def test_fedma_traces_with_the_example_input_it_is_given(digits):
         fuse(models, "fedma", data=data, retrain=TrainConfig(epochs=1))
     res = fuse(models, "fedma", data=data, retrain=TrainConfig(epochs=1), example_input=torch.zeros(2, 64))
     assert isinstance(res.model, FlatCNN) and res.model(torch.zeros(3, 64)).shape == (3, 10)
+
+
+class _CatMLP(torch.nn.Module):
+    """Two branches concatenated along the units: no spec the tracer can follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.out = torch.nn.Linear(8, 5), torch.nn.Linear(8, 4), torch.nn.Linear(9, 3)
+
+    def forward(self, x):
+        return self.out(torch.cat([torch.relu(self.a(x)), torch.tanh(self.b(x))], dim=1))
+
+
+class _FunctionalMLP(torch.nn.Module):
+    """Weights applied with F.linear: the tracer sees no layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = torch.nn.Parameter(torch.randn(6, 8)), torch.nn.Parameter(torch.zeros(6))
+        self.w2, self.b2 = torch.nn.Parameter(torch.randn(3, 6)), torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        h = torch.relu(torch.nn.functional.linear(x, self.w1, self.b1))
+        return torch.nn.functional.linear(h, self.w2, self.b2)
+
+
+class _BiGRU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.fc = torch.nn.GRU(4, 5, batch_first=True, bidirectional=True), torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x.view(-1, 2, 4))[0][:, -1])
+
+
+@pytest.mark.parametrize("cls", [_CatMLP, _FunctionalMLP, _BiGRU])
+def test_fedavg_averages_networks_the_tracer_cannot_follow_as_they_are(cls):
+    torch.manual_seed(0)
+    models = [cls().eval() for _ in range(3)]
+    counts = np.array([[5, 0, 1], [2, 2, 2], [0, 1, 9]])
+    res = fuse(models, "fedavg", class_counts=counts)
+    expected = fedavg(models, weights=counts.sum(1))  # bayesfuse.fedavg: every entry, no spec
+    for k, v in expected.state_dict().items():
+        torch.testing.assert_close(res.model.state_dict()[k], v)
+    assert type(res.model) is cls and res.sizes == [] and res.hyper["spec"].startswith("none, every entry averaged")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(res.model(x), expected(x))
+    # matching needs the units: refused in one line, naming what the tracer could not follow
+    with pytest.raises(
+        (ValueError, UnsupportedLayerError), match="concatenating along|applies the network's own weight 'w1'|GRU"
+    ):
+        fuse(models, "pfnm", example_input=torch.zeros(2, 8))

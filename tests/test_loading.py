@@ -3,6 +3,7 @@
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -20,7 +21,17 @@ VAGUE = ["--hyper", "noise_var=1", "prior_var=1e8", "gamma0=1"]
 
 
 def _fuse_copies(tmp_path, model, method="pfnm", hyper=VAGUE, copies=3, suffix=".pt"):
-    files = [save_state_dict(model.state_dict(), tmp_path / f"client{j}{suffix}") for j in range(copies)]
+    """Fuse ``model`` and permuted copies of it (the same file twice is refused as the same client)."""
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.spec import spec_from_module
+
+    spec, state = spec_from_module(model), model.state_dict()
+    rng = np.random.default_rng(0)
+    states = [state] + [
+        {k: torch.as_tensor(v) for k, v in permute(state, spec, random_permutations(spec.sizes(state), rng)).items()}
+        for _ in range(copies - 1)
+    ]
+    files = [save_state_dict(sd, tmp_path / f"client{j}{suffix}") for j, sd in enumerate(states)]
     out = tmp_path / f"fused{suffix}"
     assert main(["fuse", *map(str, files), "--method", method, *hyper, "--out", str(out)]) == 0
     return out

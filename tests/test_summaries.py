@@ -207,6 +207,10 @@ def test_bad_inputs_are_refused_in_one_line(client):
         next(broken.parameters())[0, 0] = float("nan")
     with pytest.raises(ValueError, match="has NaN or infinite values; a summary of it would be too"):
         summarize(broken, x, y)
+    for spec in (None, spec_from_module(model)):  # traced or given, the inputs are run once first
+        with pytest.raises(ValueError, match=r"the network cannot run on x of shape \(50, 4\) \(RuntimeError: "):
+            summarize(model, x[:, :4], y, spec=spec)
+    assert model.training is False  # as it was
 
 
 def test_size_is_the_model_plus_a_few_numbers_per_unit(client):

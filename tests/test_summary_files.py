@@ -132,7 +132,7 @@ def test_summarize_writes_where_asked(clients, tmp_path):
         ({"x": np.zeros((0, 64)), "y": np.zeros(0, int)}, "data file {data}: it holds no examples"),
         (
             {"x": np.zeros((3, 50)), "y": np.zeros(3, int)},
-            "cannot run on the inputs x of shape (3, 50) of {data} (mat1",
+            "on data file {data}: the network cannot run on x of shape (3, 50) (RuntimeError: mat1",
         ),
     ],
 )

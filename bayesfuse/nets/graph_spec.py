@@ -748,6 +748,17 @@ class _Walk:
     def opaque(self, node, args, what: str) -> None:
         if any(self.permuted(self.feature(a)) for a in _flat(args)):
             self.fail(node, f"{what} on a permuted axis cannot be followed; give a spec")
+        weights = [
+            self.raw(a)[1]
+            for a in _flat(args)
+            if isinstance(self.raw(a), tuple) and _tensor_shape(a) is not None and len(_tensor_shape(a)) >= 2
+        ]
+        if weights:  # F.linear(x, self.W): a layer whose units the walk cannot see
+            self.fail(
+                node,
+                f"{what} applies the network's own weight {weights[0]!r}, whose units cannot be followed; write "
+                "the layer as a module (nn.Linear, nn.Conv2d, ...) or give a spec",
+            )
         self.labels[node] = None
 
     def binary(self, node, a, b) -> None:
