@@ -174,6 +174,7 @@ def run_fedma(
     def retrain(j: int, state: dict, frozen: set) -> dict:
         # the server's plain units -> the client's position-aware network at the widths it gets, and back
         net = rebuild(models[j], tensor_state(to_network(state)))
+        frozen = frozen - virtual  # the client's own entries (the server's zero biases are none of them)
         cfg = replace(config, seed=config.seed + 1000 * (len(frozen) + 1) + j)
         train_model(
             net,
@@ -181,7 +182,7 @@ def run_fedma(
             train.y[parts[j]],
             train.n_classes,
             cfg,
-            frozen=frozen - virtual,
+            frozen=frozen,
             verbose=False,
             name=f"client {j}",
         )

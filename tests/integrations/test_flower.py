@@ -686,6 +686,48 @@ def test_fedma_strategy_equals_run_fedma(clients, passes):
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls", ["BiasFreeCNN", "BiasFreePlainNormCNN"])
+def test_fedma_strategy_on_bias_free_convolutions_equals_run_fedma(clients, cls):
+    """Convolutions without a bias before a batch norm (as ResNets are written): the strategy
+    matches them through a zero bias as run_fedma does, and the nodes get their own entries."""
+    from bayesfuse.nets.tracing import spec_from_module
+    from tests.nets import user_nets
+
+    split, part, _ = clients
+    config = TrainConfig(epochs=1)
+    models = []
+    for j in range(3):
+        torch.manual_seed(j)
+        model = getattr(user_nets, cls)()
+        train_model(model, split.train.x[part[j]], split.train.y[part[j]], 10, replace(config, seed=j), verbose=False)
+        models.append(model.eval())
+    order = _canonical(models)
+    expected = run_fedma(
+        [models[j] for j in order], split.train, [part[j] for j in order], config, method="pfnm", seed=0, passes=2
+    )
+
+    def seed_of(j, net, frozen, p):
+        if frozen:
+            return config.seed + 1000 * (len(frozen) + 1) + order.index(j)
+        return config.seed + 100_000 * p + order.index(j)
+
+    grid = _Retraining(split, part, models, config, seed_of)
+    strategy = FedMA(like=models[0], hyper={"passes": 2}, min_train_nodes=3, fraction_evaluate=0.0)
+    result = strategy.start(grid=grid, initial_arrays=state_to_record(models[0].state_dict()))
+    assert strategy.error is None and strategy.fedma_result.sizes == expected.result.sizes
+    for msg in grid.sent[3:]:  # what the nodes got: their own entries, nothing frozen they do not hold
+        sent = record_to_state(msg.content["arrays"])
+        assert set(sent) == set(models[0].state_dict())
+        assert set(json.loads(msg.content["config"]["frozen"])) <= set(sent)
+    got = record_to_state(result.arrays)
+    assert list(got) == list(expected.result.state_dict) == list(models[0].state_dict())
+    for k, v in expected.result.state_dict.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
+    last = result.train_metrics_clientapp[max(result.train_metrics_clientapp)]
+    assert (last["bytes-up"], last["bytes-down"]) == (expected.bytes_up, expected.bytes_down)
+    assert spec_from_module(models[0]).folds  # the batch norms are folded: the case under test
+
+
 @pytest.mark.parametrize("passes", [1, 2])
 def test_fedma_strategy_folds_position_encodings_as_run_fedma_does(passes):
     """Position-aware clients computing one network's function with their units in other

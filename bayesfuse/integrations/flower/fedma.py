@@ -15,6 +15,14 @@ from flwr.serverapp.strategy import Result
 from torch import nn
 
 from bayesfuse import methods
+from bayesfuse.inference.bias_free import (
+    Added,
+    add_zero_biases,
+    added_keys,
+    biases_into_batchnorms,
+    missing_biases,
+    with_bias_axes,
+)
 from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
 from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states, state_bytes
 from bayesfuse.inference.spec import PermutationSpec
@@ -223,6 +231,10 @@ class FedMA(_RefitRound):
             run.stop()
         self._run = None
         self._spec = spec
+        # layers without a bias before a batch norm: the server matches them through a zero bias,
+        # the nodes' networks hold it in the batch norm (bayesfuse.inference.bias_free)
+        self._added: list[Added] = []
+        self._keys: list[str] = []  # the nodes' entries, in their order
         self._pending: tuple[list, set, str | None] | None = None  # jobs, frozen, group (None: the restart)
         self._matched = 0
         self._pass = 0  # the pass under way (0-based)
@@ -402,6 +414,7 @@ class FedMA(_RefitRound):
             )
             return []
         jobs, frozen, group = self._pending
+        frozen = frozen - added_keys(self._added)  # the server's zero biases: no entry of the nodes'
         round_config = ConfigRecord(
             {
                 **dict(config),
@@ -468,7 +481,9 @@ class FedMA(_RefitRound):
             )
             return None, self._nothing_fused()
         assert spec is not None  # a network strategy's check gives the spec its replies share
-        self._spec = spec
+        self._keys = list(good[0].state)
+        self._added = missing_biases(good[0].state, spec)
+        self._spec = with_bias_axes(spec, self._added) if self._added else spec
         self.nodes = [r.node for r in good]
         self._examples = {r.node: r.num_examples for r in good}
         output = _output_layer(good[0].state)  # the refit round's prior precision and heads
@@ -505,7 +520,7 @@ class FedMA(_RefitRound):
             record = msg.content.array_records.get(self.arrayrecord_key)
             problem = f"no ArrayRecord under {self.arrayrecord_key!r}" if record is None else None
             state = None if record is None else record_to_state(record)
-            problem = problem or (None if state is None else _mismatch(sent, state, node))
+            problem = problem or (None if state is None else _mismatch(self._encoded(sent), state, node))
             if problem:
                 self._reject(node, f"{problem}; dropped from FedMA")
                 updated.append(None)
@@ -524,7 +539,7 @@ class FedMA(_RefitRound):
             "fedma-pass": self._pass + 1,
         }
         if self._restart:
-            self._restart_bytes += sum(state_bytes(state) for _, state in jobs)
+            self._restart_bytes += sum(state_bytes(self._encoded(state)) for _, state in jobs)
         if all(u is None for u in updated):
             if self._run is not None:
                 self._run.stop()
@@ -616,13 +631,17 @@ class FedMA(_RefitRound):
         return state_to_record(result.state_dict), MetricRecord(metrics)
 
     def _plain(self, state: dict) -> dict:
-        """A node's network with its position encodings, if any, folded in (eq. F; float64, as run_fedma's)."""
+        """A node's network with its position encodings, if any, folded in (eq. F; float64, as
+        run_fedma's), and a zero bias on each layer without one before a batch norm."""
         assert self._spec is not None  # set in round 1
-        return fold_encodings(state, self._spec)
+        return add_zero_biases(fold_encodings(state, self._spec), self._added)
 
     def _encoded(self, state: dict) -> dict:
-        """A plain network as the position-aware one of its widths (eq. U)."""
+        """A plain network as the position-aware one of its widths (eq. U), with the nodes' own
+        entries (a zero-bias layer's bias moved into its batch norm)."""
         assert self._spec is not None  # set in round 1
+        if self._added:
+            state = biases_into_batchnorms(state, self._added, self._keys)
         return unfold_encodings(state, self._spec)
 
     def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
