@@ -33,7 +33,7 @@ from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold
 from bayesfuse.inference.heads import align_heads, orders_report, rename_heads, renamed_groups
 from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
 from bayesfuse.inference.otfusion import ot_fuse_layerwise
-from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.spec import PermutationSpec, tie_stacked_recurrent
 from bayesfuse.inference.spec_io import spec_for_state_dict_or_advice
 from bayesfuse.inference.summary_fusion import laplace_fuse_entries, output_shares
 from bayesfuse.inference.walk import Basis
@@ -319,6 +319,21 @@ def _aligning(fuse_plain):
     @functools.wraps(fuse_plain)
     def fuse(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         spec = _network_spec(states, names, spec, class_counts)
+        fused = fuse_untied(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        if methods.METHODS[method].keeps_widths:
+            return fused
+        # a stacked LSTM keeps one width for its layers: where matching gave them different
+        # widths, they are matched again as one group (one permutation for all its layers)
+        widths = dict(zip(fused.groups, fused.sizes))
+        _, stacked = tie_stacked_recurrent(spec, states[0])
+        uneven = {m for m, groups in stacked.items() if len({widths.get(g) for g in groups}) > 1}
+        if uneven:
+            tied, layers = tie_stacked_recurrent(spec, states[0], only=sorted(uneven))
+            fused = fuse_untied(states, names, method, settings, spec=tied, class_counts=class_counts, **options)
+            fused.hyper["tied_layers"] = layers
+        return fused
+
+    def fuse_untied(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         given, keys = spec, list(states[0])
         biased, spec, summaries, added = with_zero_biases(states, spec, options.get("summaries"))
         if not added:  # as the caller gave them

@@ -35,6 +35,7 @@ layer path, and both against BackPACK where it is installed.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterator, cast
 
 import numpy as np
@@ -155,7 +156,9 @@ def _func_ggn(model, names, xb, total, buffers, params) -> None:
         return {k: (g.double() ** 2).sum(0) for k, g in grads.items()}
 
     try:
-        squares = vmap(per_example)(xb)
+        with warnings.catch_warnings():  # an LSTM's layer has a slow batching rule: correct, said once per chunk
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            squares = vmap(per_example)(xb)
     except RuntimeError:  # an operation vmap cannot batch (nn.GRU's): one example at a time
         parts = [per_example(xi) for xi in xb]
         squares = {k: torch.stack([part[k] for part in parts]) for k in names}

@@ -30,7 +30,7 @@ from bayesfuse.inference.bias_free import (
 )
 from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
 from bayesfuse.inference.fedma import FedMAResult, fedma, restart_states, state_bytes
-from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.spec import PermutationSpec, tie_stacked_recurrent
 from bayesfuse.nets.arch import rebuild
 from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state, tensor_state
@@ -155,6 +155,7 @@ def run_fedma(
     if len(parts) != len(models):
         raise ValueError(f"{len(models)} models but {len(parts)} clients in the partition")
     spec = spec_with_encodings(models[0], spec)
+    spec, _ = tie_stacked_recurrent(spec, models[0].state_dict())  # a stacked LSTM keeps one width
     check_unfoldable(spec)
     counts = np.stack([np.bincount(train.y[p], minlength=train.n_classes) for p in parts])
     bar = tqdm(

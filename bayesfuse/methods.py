@@ -116,6 +116,10 @@ class Method:
         One shot, it assigns every client's hidden unit to one global unit, so that each
         client's own output layer can be kept as a head on the fused network (``head="clients"``,
         :mod:`bayesfuse.inference.client_heads`).
+    keeps_widths : bool
+        The fused network has the clients' widths (an anchor's, or the clients' own), not widths
+        the method chooses; else the layers of a stacked ``nn.LSTM`` / ``nn.GRU``, which keeps one
+        width, are matched as one group (:func:`~bayesfuse.inference.spec.tie_stacked_recurrent`).
     """
 
     name: str
@@ -132,6 +136,7 @@ class Method:
     aliases: Mapping[str, str] = field(default_factory=dict)
     summaries: tuple[str, ...] = ()
     own_heads: bool = False
+    keeps_widths: bool = False
 
     def __post_init__(self) -> None:
         expected = () if self.needs_data else self.kinds
@@ -343,6 +348,7 @@ METHODS: dict[str, Method] = {
             fusers={"network": _CORE + "_fedavg_states"},
             aligns_units=False,
             baseline=True,
+            keeps_widths=True,
         ),
         Method(
             "ot",
@@ -351,6 +357,7 @@ METHODS: dict[str, Method] = {
             {"network": dict(anchor="widest", reg=0.0, n_iter=1000)},
             constraints={"reg": NON_NEGATIVE},
             fusers={"network": _CORE + "_ot_states"},
+            keeps_widths=True,
         ),
         Method(
             "kl",

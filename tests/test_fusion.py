@@ -481,16 +481,51 @@ def test_the_temperature_round_refuses_data_of_another_federation(digits_federat
         fuse(models, "pfnm", rounds=2, second_round="temperature", class_counts=part.counts, data=(split.train, fewer))
 
 
-def test_a_stacked_lstm_that_cannot_keep_the_fused_widths_is_refused_in_one_line():
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_a_stacked_lstms_layers_are_matched_as_one_group_where_their_widths_differ(method):
+    """nn.LSTM keeps one width for its layers. Copies permuted layer by layer fuse back with a
+    permutation per layer (equal widths); independent networks, whose layers match to different
+    widths, are matched again with one permutation for all layers (one group), which fuses copies
+    permuted by that symmetry back to the network. FedAvg and OT keep the widths."""
+    from bayesfuse.core import fuse_states
+    from bayesfuse.inference.spec import permute, random_permutations, tie_stacked_recurrent
+    from bayesfuse.nets.arch import LSTMClassifier, rebuild
+    from bayesfuse.nets.spec import spec_from_module
+
+    model = randomise(LSTMClassifier(16, 3, hidden=5, num_layers=2), seed=0)
+    spec, state = spec_from_module(model), numpy_state(model)
+    x = torch.randn(20, 16)
+    rng = np.random.default_rng(0)
+
+    def copies(by):
+        perms = [random_permutations(by.sizes(state), rng) for _ in range(2)]
+        return [state] + [permute(state, by, p) for p in perms]
+
+    res = fuse([rebuild(model, {k: torch.as_tensor(v) for k, v in sd.items()}) for sd in copies(spec)], method)
+    assert res.sizes == [5, 5] and "tied_layers" not in res.hyper
+    with torch.no_grad():
+        torch.testing.assert_close(res.model(x), model(x), rtol=1e-5, atol=1e-5)
+    tied, layers = tie_stacked_recurrent(spec, state)
+    assert tied.groups == ("H",) and layers == {"lstm": ["H", "H_1"]}
+    one = fuse_states(copies(tied), method, spec=tied, **_VAGUE[method])  # the tied matching alone
+    with torch.no_grad():
+        back = rebuild(model, {k: torch.as_tensor(v) for k, v in one.state.items()}).eval()
+        torch.testing.assert_close(back(x), model(x), rtol=1e-5, atol=1e-5)
+    others = [randomise(LSTMClassifier(16, 3, hidden=5, num_layers=2), seed) for seed in (1, 2)]
+    assert fuse([model, *others], "fedavg").sizes == fuse([model, *others], "ot").sizes == [5, 5]
+    independent = fuse([model, *others], method)
+    assert independent.hyper["tied_layers"] == {"lstm": ["H", "H_1"]} and len(independent.sizes) == 1
+    assert independent.model.lstm.hidden_size == independent.sizes[0] and independent.model(x).shape == (20, 3)
+
+
+def test_fedma_on_a_stacked_lstm_matches_its_layers_as_one_group(digits):
     from bayesfuse.nets.arch import LSTMClassifier
 
-    models = []
-    for j in range(3):
-        torch.manual_seed(j)
-        models.append(LSTMClassifier(16, 3, hidden=5, num_layers=2).eval())
-    with pytest.raises(ValueError, match="'lstm' is an nn.LSTM of 2 layers, which keeps one width for all of them"):
-        fuse(models, "pfnm")
-    assert fuse(models, "fedavg").sizes == [5, 5]
+    part = dirichlet_partition(digits.train.y, 2, 1.0, seed=0)
+    torch.manual_seed(0)
+    models = [LSTMClassifier(64, 10, hidden=6, num_layers=2).eval() for _ in range(2)]
+    res = fuse(models, "fedma", data=(digits.train, part), retrain=TrainConfig(epochs=1))
+    assert len(res.sizes) == 1 and res.model.lstm.num_layers == 2 and res.hyper["rounds"] == 2
 
 
 class _DoubleConvNet(torch.nn.Module):

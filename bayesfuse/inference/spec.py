@@ -23,7 +23,8 @@ writes them back; its functions are importable from here too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -45,6 +46,7 @@ __all__ = [
     "permute",
     "to_global_basis",
     "random_permutations",
+    "tie_stacked_recurrent",
     "spec_for_state_dict",  # noqa: F822 (bayesfuse.inference.spec_io, below)
     "entry_order",  # noqa: F822 (bayesfuse.inference.spec_io, below)
     "spec_to_dict",  # noqa: F822 (bayesfuse.inference.spec_io, below)
@@ -474,6 +476,43 @@ def to_global_basis(
     index[dim + 1] = assignment
     out[tuple(index)] = blocks
     return out.reshape(*shape[:dim], axis.outer * n_global * axis.inner, *shape[dim + 1 :])
+
+
+def tie_stacked_recurrent(
+    spec: PermutationSpec, state_dict: Mapping[str, Any], *, only: Sequence[str] | None = None
+) -> tuple[PermutationSpec, dict]:
+    """``spec`` with the hidden groups of every stacked ``nn.LSTM`` / ``nn.GRU`` (of the modules
+    ``only``, when given) made one group, and ``{module: [its layers' groups]}`` for each module
+    tied (empty: ``spec`` unchanged).
+
+    A stacked recurrent module keeps one hidden size for all its layers, so a fusion that sets each
+    group's width (PFNM, NAFI, FedMA) must give its layers one width. Permuting every layer's
+    units by one permutation is still a symmetry of the network (the special case of a
+    permutation per layer where all are equal), so matching the layers as one group, each global
+    unit the concatenation of one unit of every layer, keeps the function of a permuted copy. It
+    aligns less than one permutation per layer would: a layer's unit ``i`` is matched together with
+    unit ``i`` of the others, whatever they compute.
+    """
+    layers: dict[str, dict[int, str]] = {}
+    for key in state_dict:
+        found = re.fullmatch(r"(.*)\.weight_hh_l(\d+)", key)
+        axes = spec.axes.get(key)
+        if found and axes is not None and len(axes) == 2 and axes[1] is not None:
+            layers.setdefault(found[1], {})[int(found[2])] = axes[1].group
+    rename: dict[str, str] = {}
+    tied: dict[str, list[str]] = {}
+    for module, groups in layers.items():
+        names = [groups[k] for k in sorted(groups)]
+        if len(set(names)) > 1 and (only is None or module in only):
+            tied[module] = names
+            rename.update({g: names[0] for g in names[1:]})
+    if not rename or any(g in spec.encodings for g in rename):  # position-aware LSTM units: not tied
+        return spec, {}
+    axes = {
+        k: tuple(None if a is None else replace(a, group=rename.get(a.group, a.group)) for a in v)
+        for k, v in spec.axes.items()
+    }
+    return replace(spec, axes=axes, groups=tuple(g for g in spec.groups if g not in rename)), tied
 
 
 def random_permutations(sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:

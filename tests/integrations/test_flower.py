@@ -686,10 +686,11 @@ def test_fedma_strategy_equals_run_fedma(clients, passes):
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cls", ["BiasFreeCNN", "BiasFreePlainNormCNN"])
-def test_fedma_strategy_on_bias_free_convolutions_equals_run_fedma(clients, cls):
+@pytest.mark.parametrize("cls", ["BiasFreeCNN", "BiasFreePlainNormCNN", "StackedLSTM"])
+def test_fedma_strategy_on_bias_free_convolutions_and_stacked_lstms_equals_run_fedma(clients, cls):
     """Convolutions without a bias before a batch norm (as ResNets are written): the strategy
-    matches them through a zero bias as run_fedma does, and the nodes get their own entries."""
+    matches them through a zero bias as run_fedma does, and the nodes get their own entries. A
+    stacked LSTM's layers: one group, as run_fedma matches them."""
     from bayesfuse.nets.tracing import spec_from_module
     from tests.nets import user_nets
 
@@ -725,7 +726,10 @@ def test_fedma_strategy_on_bias_free_convolutions_equals_run_fedma(clients, cls)
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
     last = result.train_metrics_clientapp[max(result.train_metrics_clientapp)]
     assert (last["bytes-up"], last["bytes-down"]) == (expected.bytes_up, expected.bytes_down)
-    assert spec_from_module(models[0]).folds  # the batch norms are folded: the case under test
+    if cls == "StackedLSTM":  # its two layers, one group: a local round and one matching round per pass
+        assert len(spec_from_module(models[0]).groups) == 2 and len(result.train_metrics_clientapp) == 4
+    else:
+        assert spec_from_module(models[0]).folds  # the batch norms are folded: the case under test
 
 
 @pytest.mark.parametrize("passes", [1, 2])

@@ -162,7 +162,7 @@ def test_recurrent_layers_permute_each_gate_block_and_their_own_state():
     assert stacked.axes["head.weight"][1].group == second
 
 
-def test_independent_recurrent_networks_fuse_and_stacked_ones_say_why_not():
+def test_independent_recurrent_networks_fuse_and_stacked_ones_as_one_group():
     x = torch.randn(6, 64)
     for cls in (MyLSTM, MyGRU):
         models = [_random(cls, s) for s in range(3)]
@@ -170,8 +170,8 @@ def test_independent_recurrent_networks_fuse_and_stacked_ones_say_why_not():
         assert fused.sizes[-1] > 12 and fused.model(x).shape == (6, 10)
         assert type(fused.model.rnn) is type(models[0].rnn)
     stacked = [_random(StackedLSTM, s) for s in range(3)]
-    with pytest.raises(ValueError, match=r"'rnn' is an nn.LSTM of 2 layers, which keeps one width"):
-        bayesfuse.fuse(stacked, "pfnm")
+    tied = bayesfuse.fuse(stacked, "pfnm")  # nn.LSTM keeps one width: its layers are one group
+    assert len(tied.sizes) == 1 and tied.model.rnn.hidden_size == tied.sizes[0] and tied.model(x).shape == (6, 10)
     averaged = bayesfuse.fuse(stacked, "fedavg").model
     mean = {k: sum(m.state_dict()[k] for m in stacked) / 3 for k in stacked[0].state_dict()}
     assert all(torch.allclose(averaged.state_dict()[k], v, atol=1e-6) for k, v in mean.items())
@@ -198,8 +198,6 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
     gru, stacked, out = files(MyGRU, "g"), files(StackedLSTM, "s"), tmp_path / "fused.pt"
     for paths, model, message in (
         (gru, [], r"'rnn' has recurrent weights of shape \(36, 12\), not an LSTM's .* \(--model MODULE:NAME\)"),
-        (stacked, [], r"'rnn' is an nn.LSTM of 2 layers, which keeps one width .* \(\d+, \d+\)"),
-        (stacked, ["--model", "tests.nets.user_nets:StackedLSTM"], r"'rnn' is an nn.LSTM of 2 layers"),
     ):
         assert main(["fuse", *paths, "--method", "pfnm", *model, "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip()
@@ -210,6 +208,13 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
     python = bayesfuse.fuse([_random(MyGRU, s) for s in range(3)], "pfnm").model
     assert _gap(loaded, python, torch.randn(6, 64)) < 1e-5
     assert main(["fuse", *stacked, "--method", "fedavg", "--out", str(tmp_path / "avg.pt")]) == 0
+    ref = ["--model", "tests.nets.user_nets:StackedLSTM"]
+    assert main(["fuse", *stacked, "--method", "pfnm", *ref, "--out", str(tmp_path / "tied.pt"), "--force"]) == 0
+    fused = bayesfuse.load(tmp_path / "tied.pt", like=StackedLSTM())
+    assert (
+        _gap(fused, bayesfuse.fuse([_random(StackedLSTM, s) for s in range(3)], "pfnm").model, torch.randn(6, 64))
+        < 1e-5
+    )
 
 
 @pytest.mark.parametrize(

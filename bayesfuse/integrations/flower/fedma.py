@@ -25,7 +25,7 @@ from bayesfuse.inference.bias_free import (
 )
 from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
 from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states, state_bytes
-from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.spec import PermutationSpec, tie_stacked_recurrent
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
 from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound, strategy_spec
 from bayesfuse.nets.heads import ClientHeads
@@ -272,7 +272,8 @@ class FedMA(_RefitRound):
         -------
         int
         """
-        spec = self.spec or strategy_spec(record_to_state(arrays), "initial_arrays")
+        state = record_to_state(arrays)
+        spec, _ = tie_stacked_recurrent(self.spec or strategy_spec(state, "initial_arrays"), state)
         return self.passes * (1 + len(spec.groups)) + (self.second_round == "refit")
 
     def summary(self) -> None:
@@ -324,7 +325,9 @@ class FedMA(_RefitRound):
             counts them: the networks each pass matches, and those sent down, the restart
             rounds' included).
         """
-        spec = self.spec or strategy_spec(record_to_state(initial_arrays), "initial_arrays")
+        state = record_to_state(initial_arrays)
+        # the layers of a stacked LSTM keep one width: matched as one group (tie_stacked_recurrent)
+        spec, _ = tie_stacked_recurrent(self.spec or strategy_spec(state, "initial_arrays"), state)
         refit = self.second_round == "refit"
         needed = self.passes * (1 + len(spec.groups)) + refit
         if num_rounds is None:
@@ -481,6 +484,7 @@ class FedMA(_RefitRound):
             )
             return None, self._nothing_fused()
         assert spec is not None  # a network strategy's check gives the spec its replies share
+        spec, _ = tie_stacked_recurrent(spec, good[0].state)  # as start() does, for calls without it
         self._keys = list(good[0].state)
         self._added = missing_biases(good[0].state, spec)
         self._spec = with_bias_axes(spec, self._added) if self._added else spec
