@@ -35,6 +35,13 @@ def plain_line(text: str) -> str:
     return " ".join(_ESCAPES.sub("", text).split())
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message, without terminal escape codes (torch colours some);
+    the error's type name when it has no message."""
+    lines = str(err).strip().splitlines()
+    return plain_line(lines[0]) if lines else type(err).__name__
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the choice closest to ``word`` (:func:`difflib.get_close_matches`),
     or ``""`` when none is close.

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from bayesfuse._io import atomic_write_bytes
-from bayesfuse._text import plain_line
+from bayesfuse._text import first_line, plain_line
 from bayesfuse.inference.spec import entry_order
 
 __all__ = [
@@ -271,12 +271,6 @@ def _pickled_class(raw: bytes) -> str | None:
     return None
 
 
-def _first_line(err: BaseException) -> str:
-    """The first line of an error's message, without terminal escape codes (torch colours some)."""
-    lines = str(err).strip().splitlines()
-    return plain_line(lines[0]) if lines else type(err).__name__
-
-
 def _read_safetensors(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.Tensor], bool]":
     """A safetensors file's tensors in recorded order (and ``True``), else in name order (and ``False``)."""
     from safetensors.torch import load
@@ -286,7 +280,7 @@ def _read_safetensors(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.T
     except MemoryError:
         raise
     except Exception as err:  # safetensors raises its own error types
-        raise ValueError(f"{path}: not a readable safetensors file ({_first_line(err)})") from None
+        raise ValueError(f"{path}: not a readable safetensors file ({first_line(err)})") from None
     if not sd:
         raise ValueError(f"{path}: the safetensors file holds no tensors")
     order = _recorded_order(raw, sd)
@@ -481,7 +475,7 @@ def read_bound_file(
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as err:  # safetensors raises its own error types
         noun = what.rpartition(" ")[2]  # "posterior", "record"
-        raise ValueError(f"{path}: not a readable safetensors {noun} ({_first_line(err)})") from None
+        raise ValueError(f"{path}: not a readable safetensors {noun} ({first_line(err)})") from None
     if meta.get("format") != fmt:
         raise ValueError(f"{path}: not a bayesfuse {what} (format {meta.get('format')!r})")
     versions = (version,) if isinstance(version, int) else version

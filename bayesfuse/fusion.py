@@ -25,7 +25,6 @@ from the method table, :mod:`bayesfuse.methods`.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 import time
@@ -606,11 +605,10 @@ def _averaged_as_is(models, class_counts, method: str, why: str, start: float) -
     """One-shot FedAvg of networks whose units cannot be traced: every entry averaged as it is
     (:func:`~bayesfuse.baselines.fedavg`), weighted by the clients' examples when their class
     counts are given; ``hyper["spec"]`` says why no spec was traced."""
-    from bayesfuse.baselines import fedavg_state_dicts
+    from bayesfuse.baselines import fedavg
 
     weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
-    model = copy.deepcopy(models[0])
-    model.load_state_dict(fedavg_state_dicts([m.state_dict() for m in models], weights))
+    model = fedavg(models, weights)
     hyper = {
         "weights": "class_counts" if weights is not None else "uniform",
         "spec": f"none, every entry averaged as it is (not traced: {why})",

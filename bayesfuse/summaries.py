@@ -80,6 +80,7 @@ import torch
 from torch import nn
 
 from bayesfuse._io import atomic_write_bytes
+from bayesfuse._text import first_line
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
 from bayesfuse.inference.client_heads import heads_refused
@@ -499,17 +500,11 @@ def _output_factors(
 def _check_runs_on(model: nn.Module, example: torch.Tensor, shape: tuple) -> None:
     """Refuse in one line inputs the network cannot run on (another width, say), before any pass."""
     from bayesfuse.nets.graph_spec import example_input_for
+    from bayesfuse.nets.state import forward_error
 
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(example_input_for(model, example))
-    except Exception as err:  # whatever the user's forward raises on these inputs
-        cause = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"the network cannot run on x of shape {shape} ({type(err).__name__}: {cause})") from None
-    finally:
-        model.train(was_training)
+    err = forward_error(model, example_input_for(model, example))
+    if err is not None:
+        raise ValueError(f"the network cannot run on x of shape {shape} ({type(err).__name__}: {first_line(err)})")
 
 
 def summarize(

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from bayesfuse._io import check_writable, recover
+from bayesfuse._text import first_line
 from bayesfuse.loading import load
 from bayesfuse.summaries import check_precisions, save_summary, summarize, summary_path
 
@@ -130,9 +131,9 @@ def summarize_file(
     try:
         summary = summarize(model, x, y, prior_precision=prior_precision, precisions=precisions)
     except RuntimeError as err:  # torch, past the first batch summarize runs
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(
-            f"{model_path}: the network cannot run on the inputs x of shape {x.shape} of {data_path} ({first})"
+            f"{model_path}: the network cannot run on the inputs x of shape {x.shape} of {data_path} "
+            f"({first_line(err)})"
         ) from None
     except ValueError as err:  # the labels (or inputs) of the data file do not fit the network
         if str(data_path) in str(err):

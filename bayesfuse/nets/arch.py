@@ -19,13 +19,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse._text import first_line
 from bayesfuse.inference.spec import PermutationSpec, chain, dense, lstm
 from bayesfuse.nets.attention import vit
 from bayesfuse.nets.images import image_shape
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
 from bayesfuse.nets.resnet import resnet18, resnet20
-from bayesfuse.nets.state import floating_like
+from bayesfuse.nets.state import floating_like, forward_error
 
 __all__ = [
     "ARCHITECTURES",
@@ -268,17 +269,10 @@ def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "th
     A rebuilt network can fail where its ``forward`` keeps a width of its own (``x.view(-1,
     self.width)``) or a module ties two widths that fusion set apart.
     """
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(example_input)
-    except Exception as err:  # whatever the user's forward raises
-        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    err = forward_error(model, example_input)
+    if err is not None:
         raise ValueError(
-            f"{what} does not run at its fused widths ({type(err).__name__}: {cause}); its forward may "
+            f"{what} does not run at its fused widths ({type(err).__name__}: {first_line(err)}); its forward may "
             "keep a width of its own (e.g. x.view(-1, self.width)): read widths off the layers, or "
             "give a spec that keeps that width"
-        ) from None
-    finally:
-        model.train(was_training)
+        )

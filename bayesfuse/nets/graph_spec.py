@@ -48,7 +48,7 @@ import torch
 from torch import fx, nn
 
 from bayesfuse.inference.spec import Axis, PermutationSpec
-from bayesfuse.nets.state import floating_like
+from bayesfuse.nets.state import floating_like, forward_error
 
 __all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
 
@@ -349,15 +349,9 @@ def check_example_runs(model: nn.Module, example_input=None) -> torch.Tensor:
     A copy of ``model`` at other widths that fails on the returned input fails by its widths, not
     by a wrong guess of the input's shape."""
     x = example_input_for(model, example_input)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(x)
-    except Exception as err:  # the user's forward failing on the example input
-        raise _not_running(model, x, err, guessed=example_input is None) from None
-    finally:
-        model.train(was_training)
+    err = forward_error(model, x)
+    if err is not None:  # the user's forward failing on the example input
+        raise _not_running(model, x, err, guessed=example_input is None)
     return x
 
 

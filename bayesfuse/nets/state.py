@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["numpy_state", "tensor_state", "floating_like"]
+__all__ = ["numpy_state", "tensor_state", "floating_like", "forward_error"]
 
 
 def numpy_state(source) -> dict[str, np.ndarray]:
@@ -29,3 +29,18 @@ def tensor_state(state: Mapping) -> dict[str, torch.Tensor]:
 def floating_like(module: nn.Module) -> torch.Tensor | None:
     """The module's first floating-point parameter or buffer (its dtype and device), or None."""
     return next((t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
+
+
+def forward_error(module: nn.Module, x) -> Exception | None:
+    """Run ``module`` once on ``x`` (eval mode, no gradients; its mode restored after): the
+    exception its forward raised, or None."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            module(x)
+    except Exception as err:  # whatever the user's forward raises
+        return err
+    finally:
+        module.train(was_training)
+    return None

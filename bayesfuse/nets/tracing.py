@@ -16,6 +16,7 @@ from torch import nn
 
 from bayesfuse.inference.spec import Axis, Encoding, PermutationSpec, batchnorm, chain, conv, dense
 from bayesfuse.nets.graph_spec import UnsupportedLayerError, spec_from_graph
+from bayesfuse.nets.state import floating_like
 
 __all__ = ["SUPPORTED", "UnsupportedLayerError", "spec_from_module", "spec_with_encodings"]
 
@@ -156,7 +157,7 @@ def spec_with_encodings(model: nn.Module, spec: PermutationSpec | None = None, e
 def _example_input(leaves: list, example_input):
     """``example_input``, or zeros for a network that starts with ``nn.Linear`` or ``nn.Unflatten``,
     in the dtype of the network's first floating-point leaf (a float64 network, float64 zeros)."""
-    like = next((t for _, m in leaves for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
+    like = next((t for _, m in leaves if (t := floating_like(m)) is not None), None)
     dtype = like.dtype if like is not None else None
     if example_input is not None:
         if dtype is not None and isinstance(example_input, torch.Tensor) and example_input.is_floating_point():
