@@ -175,6 +175,26 @@ _RESHAPE_METHODS = {"flatten", "view", "reshape"}
 _REDUCTIONS = {torch.mean, torch.sum, torch.amax}
 _REDUCTION_METHODS = {"mean", "sum", "amax"}
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm}
+#: Functions that apply a weight to their input: a trainable parameter given to one is a layer written by hand.
+_WEIGHT_FUNCTIONS = {
+    "linear",
+    "bilinear",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "embedding",
+    "embedding_bag",
+    "addmm",
+    "mm",
+    "einsum",
+    "baddbmm",
+    "addbmm",
+    "addmv",
+    "mv",
+}
 _MATMUL_METHODS = {"matmul", "bmm"}
 #: Normalisations along one axis: equivariant to any permutation of that axis, and of the others.
 _SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.log_softmax, torch.nn.functional.log_softmax}
@@ -742,12 +762,13 @@ class _Walk:
     def opaque(self, node, args, what: str) -> None:
         if any(self.permuted(self.feature(a)) for a in _flat(args)):
             self.fail(node, f"{what} on a permuted axis cannot be followed; give a spec")
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
         weights = [
             self.raw(a)[1]
             for a in _flat(args)
-            if isinstance(self.raw(a), tuple) and _tensor_shape(a) is not None and len(_tensor_shape(a)) >= 2
+            if what in _WEIGHT_FUNCTIONS and isinstance(self.raw(a), tuple) and self.raw(a)[1] in trainable
         ]
-        if weights:  # F.linear(x, self.W): a layer whose units the walk cannot see
+        if weights:  # F.linear(x, self.W): a layer whose units the walk cannot see; a fixed buffer or mask is fine
             self.fail(
                 node,
                 f"{what} applies the network's own weight {weights[0]!r}, whose units cannot be followed; write "

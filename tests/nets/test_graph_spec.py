@@ -22,6 +22,9 @@ from tests.nets.user_nets import (
     BagOfWords,
     BiasFreeCNN,
     BiasFreePlainNormCNN,
+    BlurredCNN,
+    CausalAttention,
+    CausalWhere,
     MyGRU,
     MyLSTM,
     MyMLP,
@@ -46,6 +49,9 @@ NETS = [
     BiasFreeCNN,
     BiasFreePlainNormCNN,
     SlopesCNN,
+    CausalAttention,  # a mask buffer is not a layer: traced, not refused
+    CausalWhere,
+    BlurredCNN,  # nor is a fixed filter applied with F.conv2d
 ]
 
 

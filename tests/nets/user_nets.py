@@ -223,6 +223,51 @@ class SlopesCNN(nn.Module):
         return self.head(F.hardswish(self.c2(x)).mean(dim=(2, 3)))
 
 
+class CausalAttention(nn.Module):
+    """Self-attention over 4 steps with a causal mask buffer, as GPT-style models write it: the mask
+    is a fixed tensor, not a layer (``masked_fill`` or ``torch.where``)."""
+
+    def __init__(self, where: bool = False) -> None:
+        super().__init__()
+        self.where = where
+        self.register_buffer("mask", torch.tril(torch.ones(1, 4, 4)).bool())
+        self.emb, self.q, self.k, self.v = nn.Linear(16, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = self.emb(x.view(-1, 4, 16))
+        s = self.q(t) @ self.k(t).transpose(1, 2) * 0.35
+        if self.where:
+            s = torch.where(self.mask, s, torch.full_like(s, -1e9))
+        else:
+            s = s.masked_fill(~self.mask[:, :4, :4], float("-inf"))
+        return self.head((s.softmax(-1) @ self.v(t)).mean(1))
+
+
+class CausalWhere(CausalAttention):
+    def __init__(self) -> None:
+        super().__init__(where=True)
+
+
+class BlurredCNN(nn.Module):
+    """A fixed smoothing filter (a buffer, applied with ``F.conv2d``) before a small CNN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("kernel", torch.full((1, 1, 3, 3), 1 / 9))
+        self.conv, self.head = nn.Conv2d(1, 6, 3, padding=1), nn.Linear(6 * 64, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        x = F.conv2d(x.view(-1, 1, 8, 8), self.kernel, padding=1)
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
 class BagOfWords(nn.Module):
     """Token ids (N, 12) averaged by an nn.EmbeddingBag, then an MLP."""
 
