@@ -37,6 +37,7 @@ from torch import nn
 
 from bayesfuse import methods
 from bayesfuse._runtime import progress
+from bayesfuse._text import first_line, warn_from_caller
 from bayesfuse.client_order import canonical_order, to_callers, to_canonical
 from bayesfuse.core import fuse_states
 from bayesfuse.inference._backend import check_device
@@ -46,7 +47,7 @@ from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
 from bayesfuse.nets.graph_spec import UnsupportedLayerError, check_example_runs
 from bayesfuse.nets.spec import spec_with_encodings
-from bayesfuse.nets.state import numpy_state
+from bayesfuse.nets.state import numpy_state, run_once
 
 __all__ = ["FusionResult", "fuse"]
 
@@ -431,11 +432,17 @@ def fuse(
         try:
             spec = spec_with_encodings(models[0], spec, example_input)  # position encodings (PANs) are folded out
         except (UnsupportedLayerError, ValueError) as err:
-            # FedAvg needs no units: a network the tracer cannot follow is averaged as it is
+            # FedAvg needs no units: a network the tracer cannot follow is averaged as it is; not a
+            # given example input that does not run (the user's error), nor anything but FedAvg
             as_is = row is not None and not row.aligns_units and spec is None and rounds == 1
-            if not as_is or head == "clients" or summaries is not None or template is not models[0]:
+            untraceable = isinstance(err, UnsupportedLayerError) or (
+                example_input is None
+                and getattr(models[0], "example_input", None) is None
+                and "give an example input" in str(err)
+            )
+            if not (as_is and untraceable) or head == "clients" or summaries is not None or template is not models[0]:
                 raise
-            return to_callers(_averaged_as_is(models, class_counts, method, str(err), start), order)
+            return to_callers(_averaged_as_is(models, class_counts, method, first_line(err), start), order)
     states = [numpy_state(m) for m in models]
     # the temperature round with summaries scores both output pools (with head="clients": the heads alone)
     pools = ["precision", "counts"] if tempers and not (heads_candidate and explicit_head) else [output_pool]
@@ -606,8 +613,15 @@ def _averaged_as_is(models, class_counts, method: str, why: str, start: float) -
     (:func:`~bayesfuse.baselines.fedavg`), weighted by the clients' examples when their class
     counts are given; ``hyper["spec"]`` says why no spec was traced."""
     from bayesfuse.baselines import fedavg
+    from bayesfuse.inference.layerwise import class_share_matrix
 
-    weights = None if class_counts is None else np.asarray(class_counts, dtype=np.float64).sum(1)
+    weights = None
+    if class_counts is not None:
+        counts = np.asarray(class_counts, dtype=np.float64)
+        classes = _output_width(models[0])
+        class_share_matrix(counts, len(models), classes if classes is not None else int(np.shape(counts)[-1]))
+        weights = counts.sum(1)
+    warn_from_caller(f"{method}: no units traced ({why}); every entry averaged as it is")
     model = fedavg(models, weights)
     hyper = {
         "weights": "class_counts" if weights is not None else "uniform",
@@ -616,6 +630,19 @@ def _averaged_as_is(models, class_counts, method: str, why: str, start: float) -
     return FusionResult(
         model=model.eval(), layers=[], sizes=[], method=method, hyper=hyper, seconds=time.perf_counter() - start
     )
+
+
+def _output_width(model: nn.Module) -> int | None:
+    """The width of ``model``'s output on its own or a guessed example input, or None where it
+    does not run on one (the class counts' width is then not checked)."""
+    from bayesfuse.nets.graph_spec import example_input_for
+
+    try:
+        x = example_input_for(model)
+    except ValueError:
+        return None
+    out, _ = run_once(model, x)
+    return int(out.shape[-1]) if isinstance(out, torch.Tensor) and out.dim() >= 1 else None
 
 
 def _fused_model(like: nn.Module, fused, bnn: bool) -> nn.Module:

@@ -640,7 +640,8 @@ def test_fedavg_averages_networks_the_tracer_cannot_follow_as_they_are(cls):
     torch.manual_seed(0)
     models = [cls().eval() for _ in range(3)]
     counts = np.array([[5, 0, 1], [2, 2, 2], [0, 1, 9]])
-    res = fuse(models, "fedavg", class_counts=counts)
+    with pytest.warns(UserWarning, match="fedavg: no units traced .*; every entry averaged as it is"):
+        res = fuse(models, "fedavg", class_counts=counts)
     expected = fedavg(models, weights=counts.sum(1))  # bayesfuse.fedavg: every entry, no spec
     for k, v in expected.state_dict().items():
         torch.testing.assert_close(res.model.state_dict()[k], v)
@@ -653,3 +654,16 @@ def test_fedavg_averages_networks_the_tracer_cannot_follow_as_they_are(cls):
         (ValueError, UnsupportedLayerError), match="concatenating along|applies the network's own weight 'w1'|GRU"
     ):
         fuse(models, "pfnm", example_input=torch.zeros(2, 8))
+    # the user's own mistakes are not averaged over: counts of other clients, or of another width
+    # (checked where the network runs on a guessed input, as _CatMLP's first nn.Linear allows)
+    if cls is _CatMLP:
+        with pytest.raises(ValueError, match="class counts give 4 counts per client; the models have 3 classes"):
+            fuse(models, "fedavg", class_counts=np.ones((3, 4)))
+    with pytest.raises(ValueError, match=r"class_counts must have one row per client, shape \(3, 3\)"):
+        fuse(models, "fedavg", class_counts=counts[:2])
+
+
+def test_fedavg_does_not_hide_an_example_input_that_does_not_run():
+    models = [_CatMLP().eval() for _ in range(2)]
+    with pytest.raises(ValueError, match=r"the example input of shape \(2, 5\) does not run through the network"):
+        fuse(models, "fedavg", example_input=torch.zeros(2, 5))

@@ -31,16 +31,20 @@ def floating_like(module: nn.Module) -> torch.Tensor | None:
     return next((t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
 
 
-def forward_error(module: nn.Module, x) -> Exception | None:
-    """Run ``module`` once on ``x`` (eval mode, no gradients; its mode restored after): the
-    exception its forward raised, or None."""
+def run_once(module: nn.Module, x) -> tuple[object, Exception | None]:
+    """Run ``module`` once on ``x`` (eval mode, no gradients; its mode restored after): its
+    output and None, or None and the exception its forward raised."""
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
-            module(x)
+            return module(x), None
     except Exception as err:  # whatever the user's forward raises
-        return err
+        return None, err
     finally:
         module.train(was_training)
-    return None
+
+
+def forward_error(module: nn.Module, x) -> Exception | None:
+    """The exception ``module``'s forward raises on ``x`` (:func:`run_once`), or None."""
+    return run_once(module, x)[1]
