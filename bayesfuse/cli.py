@@ -540,6 +540,8 @@ def _run_fuse(args: argparse.Namespace) -> int:
     source = (report.get("architecture") or {}).get("source") or ""
     if source.startswith("entry names"):
         print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)")
+    elif source.startswith("none"):
+        print(f"no units traced: {source.removeprefix('none, ')}")
     inner = [f"{f['path']}[{f['state_dict_key']!r}]" for f in report["inputs"] if f.get("state_dict_key")]
     if inner:
         print(

@@ -5,9 +5,9 @@ global components, OT's choice among equally wide anchors, the round-off of ever
 so fusing a permutation of the same list gives another, equally valid, fused model. The command
 line (:mod:`bayesfuse.fuse_files`) fuses files in a canonical order: sorted by the digest of their
 tensors (:func:`~bayesfuse.checkpoints.tensors_sha256`: each entry's name, dtype, shape and bytes).
-:func:`bayesfuse.fuse` uses the same rule on the modules' state_dicts (ties, i.e. identical
-networks, keep the caller's order), so that a list of modules and the files of their state_dicts
-are fused alike.
+:func:`bayesfuse.fuse` uses the same rule on the modules' state_dicts (warning of two clients
+with the same tensors, which the command line refuses), so that a list of modules and the files of
+their state_dicts are fused alike.
 
 Let ``order`` be that permutation: ``order[i]`` is the caller's index of the i-th client fused.
 Everything given per client (``class_counts`` rows, summaries, the clients' data, an ``anchor``
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse._text import warn_from_caller
 from bayesfuse.checkpoints import tensors_sha256
 
 if TYPE_CHECKING:
@@ -50,7 +51,10 @@ _PER_CLIENT_SUMMARY = ("prior_precision", "examples", "bytes")
 def canonical_order(models: Sequence[nn.Module]) -> list[int]:
     """The caller's indices of ``models`` in the order they are fused: sorted by the digest of
     each state_dict's tensors (:func:`~bayesfuse.checkpoints.tensors_sha256`, the command line's
-    rule), ties in the caller's order.
+    rule), ties in the caller's order. Two models with the same tensors are counted twice, with a
+    warning naming them (the command line refuses two files of the same tensors, which are almost
+    always one file given twice; in Python, identical copies are also how one checks that a
+    network fuses back to itself).
 
     >>> import torch
     >>> a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
@@ -58,6 +62,13 @@ def canonical_order(models: Sequence[nn.Module]) -> list[int]:
     True
     """
     digests = [tensors_sha256(m.state_dict()) for m in models]
+    first: dict[str, int] = {}
+    for j, d in enumerate(digests):  # the same client twice counts twice (the command line refuses it)
+        if first.setdefault(d, j) != j:
+            warn_from_caller(
+                f"client {j} holds the same tensors as client {first[d]} (the same client twice?): it is counted "
+                "twice; give each client once unless that is what you mean"
+            )
     return sorted(range(len(models)), key=lambda j: (digests[j], j))
 
 

@@ -511,13 +511,32 @@ def chosen_hyper(layer) -> dict:
 
 def _fedavg_states(states, names, method, settings, *, spec, class_counts, **_) -> StateFusion:
     """One-shot FedAvg: the clients' entries averaged as they are (identical widths, their dtype kept)."""
-    import torch  # FedAvg alone needs torch here (the baselines' averaging)
+    spec = _network_spec(states, names, spec, class_counts)
+    check_states(states, spec, names)  # architecture, NaN, integer or complex weights
+    return averaged_states(states, names, method, spec, class_counts)
+
+
+def unpermuted_spec(state: Mapping) -> PermutationSpec:
+    """A spec that permutes nothing: every entry of ``state`` averaged as it is (FedAvg of a
+    network whose units cannot be traced)."""
+    return PermutationSpec(axes={k: (None,) * np.ndim(v) for k, v in state.items()}, groups=())
+
+
+def averaged_states(states, names, method: str, spec: PermutationSpec, class_counts) -> StateFusion:
+    """FedAvg's average of every entry (:func:`~bayesfuse.baselines.fedavg_state_dicts`), weighted
+    by the clients' examples when ``class_counts`` are given; the same entries and shapes in every
+    state, or one line naming the client and the entry."""
+    import torch
 
     from bayesfuse.baselines import fedavg_state_dicts
 
-    spec = _network_spec(states, names, spec, class_counts)
-    check_states(states, spec, names)  # architecture, NaN, integer or complex weights
     for sd, n in zip(states[1:], names[1:]):
+        if set(sd) != set(states[0]):
+            extra = sorted(set(sd) ^ set(states[0]))[0]
+            raise ValueError(
+                f"{n}: entry {extra!r} is in {n if extra in sd else names[0]} only; fedavg needs the same "
+                "entries in every client"
+            )
         for k, t in sd.items():
             if tuple(t.shape) != tuple(states[0][k].shape):
                 raise ValueError(

@@ -30,6 +30,7 @@ import torch
 
 from bayesfuse import __version__, methods
 from bayesfuse._io import atomic_write_files, check_output_file, check_writable, jsonable, recover
+from bayesfuse._text import first_line
 from bayesfuse.checkpoints import (
     Checkpoint,
     heads_bytes,
@@ -41,7 +42,7 @@ from bayesfuse.checkpoints import (
     state_dict_bytes,
     tensors_sha256,
 )
-from bayesfuse.core import State, fuse_states
+from bayesfuse.core import State, averaged_states, fuse_states, unpermuted_spec
 from bayesfuse.fusion_record import fusion_bytes, fusion_files, fusion_path
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.client_heads import default_head, default_pool
@@ -257,8 +258,9 @@ def _network_spec(state_dicts, names, arch, spec, like=None, example_input=None)
     return spec, source
 
 
-def _check_like(like, fused_sd: Mapping, example_input=None) -> torch.nn.Module:
-    """Load the fused state into ``like``'s architecture at the fused widths and run it once; the model."""
+def _check_like(like, fused_sd: Mapping, example_input=None, *, run: bool = True) -> torch.nn.Module:
+    """Load the fused state into ``like``'s architecture at the fused widths and run it once
+    (without ``run``, only where an input can be had); the model."""
     from bayesfuse.nets.arch import check_runs, rebuild
     from bayesfuse.nets.graph_spec import example_input_for
 
@@ -268,7 +270,13 @@ def _check_like(like, fused_sd: Mapping, example_input=None) -> torch.nn.Module:
         raise ValueError(
             f"the fused state does not load into {type(like).__name__} ({str(err).strip().splitlines()[0]})"
         ) from None
-    check_runs(model, example_input_for(like, example_input), what=f"the fused {type(like).__name__}")
+    try:
+        x = example_input_for(like, example_input)
+    except ValueError:
+        if run:
+            raise
+        return model  # the clients' own widths, averaged: it runs where theirs do
+    check_runs(model, x, what=f"the fused {type(like).__name__}")
     return model
 
 
@@ -645,7 +653,7 @@ def fuse_files(
     else:
         from bayesfuse.nets.attention import multihead_modules, split_heads
 
-        template = like  # the caller's network, nn.MultiheadAttention included
+        template, as_given = like, state_dicts  # the caller's network, nn.MultiheadAttention included
         if like is not None and multihead_modules(like):  # fused as HeadAttention (split_heads)
             from bayesfuse.nets.graph_spec import check_example_runs
 
@@ -656,7 +664,20 @@ def fuse_files(
             from bayesfuse.nets.graph_spec import check_example_runs
 
             example_input = check_example_runs(like, example_input)  # a wrong shape, said now
-        spec, source = _network_spec(state_dicts, names, arch, given_spec, like, example_input)
+        from bayesfuse.nets.graph_spec import UnsupportedLayerError, untraceable
+
+        try:
+            spec, source = _network_spec(state_dicts, names, arch, given_spec, like, example_input)
+        except (UnsupportedLayerError, ValueError) as err:  # FedAvg needs no units: averaged as they are
+            if (
+                row.aligns_units
+                or given_spec is not None
+                or like is not None
+                and not untraceable(err, like, example_input)
+            ):
+                raise
+            state_dicts, like = as_given, template
+            spec, source = unpermuted_spec(state_dicts[0]), f"none, every entry averaged as it is ({first_line(err)})"
         states = (
             state_dicts
             if not row.aligns_units
@@ -665,8 +686,11 @@ def fuse_files(
                 for sd in state_dicts
             ]
         )
-        with _naming_summary_files(names, summaries_report):
-            fused = fuse_states(states, method, spec=spec, **given, **hyper)
+        if not spec.groups:
+            fused = averaged_states(states, names, method, spec, counts)
+        else:
+            with _naming_summary_files(names, summaries_report):
+                fused = fuse_states(states, method, spec=spec, **given, **hyper)
         fused_sd = OrderedDict(  # each entry in the widest dtype the clients give it, whatever their order
             (
                 k,
@@ -680,7 +704,7 @@ def fuse_files(
 
         check_recurrent_widths(fused_sd)  # never a stacked LSTM no module can hold, network given or not
         if like is not None:  # never a file that cannot be loaded into the user's network and run
-            fused_model = _check_like(like, fused_sd, example_input)
+            fused_model = _check_like(like, fused_sd, example_input, run=bool(spec.groups))
             if template is not like:
                 fused_sd, fused.hyper["attention"] = _merged_attention(fused_model, template, fused_sd)
     report = {

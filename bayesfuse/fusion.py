@@ -45,7 +45,7 @@ from bayesfuse.inference.client_heads import default_pool, heads_refused, kronec
 from bayesfuse.inference.spec import PermutationSpec
 from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
-from bayesfuse.nets.graph_spec import UnsupportedLayerError, check_example_runs
+from bayesfuse.nets.graph_spec import UnsupportedLayerError, check_example_runs, untraceable
 from bayesfuse.nets.spec import spec_with_encodings
 from bayesfuse.nets.state import numpy_state, run_once
 
@@ -435,12 +435,12 @@ def fuse(
             # FedAvg needs no units: a network the tracer cannot follow is averaged as it is; not a
             # given example input that does not run (the user's error), nor anything but FedAvg
             as_is = row is not None and not row.aligns_units and spec is None and rounds == 1
-            untraceable = isinstance(err, UnsupportedLayerError) or (
-                example_input is None
-                and getattr(models[0], "example_input", None) is None
-                and "give an example input" in str(err)
-            )
-            if not (as_is and untraceable) or head == "clients" or summaries is not None or template is not models[0]:
+            if (
+                not (as_is and untraceable(err, models[0], example_input))
+                or head == "clients"
+                or summaries is not None
+                or template is not models[0]
+            ):
                 raise
             return to_callers(_averaged_as_is(models, class_counts, method, first_line(err), start), order)
     states = [numpy_state(m) for m in models]

@@ -411,12 +411,12 @@ API_CASES = [
     (lambda: load_state_dict("/nonexistent/model.pt"), FileNotFoundError, "not found"),
     # deep networks
     (
-        lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.MultiheadAttention(6, 2))] * 2),
+        lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.MultiheadAttention(6, 2)) for _ in range(2)]),
         ValueError,
         r"example input of shape \(2, 4\) does not run through the network \(TypeError: .*missing 2 required",
     ),
     (
-        lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2))] * 2),
+        lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)) for _ in range(2)]),
         UnsupportedLayerError,
         r"call_module 1 \(_1\): GroupNorm with 2 groups of 6 channels mixes units",
     ),
@@ -425,18 +425,18 @@ API_CASES = [
         ValueError,
         "client [01] lacks entries",
     ),
-    (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma"), ValueError, r"data=\(train, partition\)"),
+    (lambda: fuse([MLP(4, [3, 3], 2) for _ in range(2)], "fedma"), ValueError, r"data=\(train, partition\)"),
     (
-        lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma", rounds=3),
+        lambda: fuse([MLP(4, [3, 3], 2) for _ in range(2)], "fedma", rounds=3),
         ValueError,
         r"method='fedma' runs its own rounds .*rounds=2 adds one more, the refit round",
     ),
     (
-        lambda: fuse([MLP(4, [3, 3], 2)] * 2, "fedma", second_round="temperature"),
+        lambda: fuse([MLP(4, [3, 3], 2) for _ in range(2)], "fedma", second_round="temperature"),
         ValueError,
         "method='fedma' runs its own rounds",
     ),
-    (lambda: fuse([MLP(4, [3, 3], 2)] * 2, "pfnm", direction="sideways"), ValueError, "direction"),
+    (lambda: fuse([MLP(4, [3, 3], 2) for _ in range(2)], "pfnm", direction="sideways"), ValueError, "direction"),
     (
         lambda: fedma([MLP(4, [3], 2).state_dict()] * 2, MLP(4, [3], 2).permutation_spec(), lambda jobs, frozen: []),
         ValueError,
@@ -451,12 +451,20 @@ API_CASES = [
         r"model 0 is a state_dict \(OrderedDict\), not an nn.Module: fuse state_dicts with bayesfuse.fuse_states",
     ),
     (
-        lambda: fuse([MLP(4, [3], 2)] * 2, class_count=np.ones((2, 2))),
+        lambda: fuse([MLP(4, [3], 2) for _ in range(2)], class_count=np.ones((2, 2))),
         ValueError,
         r"\['class_count'\] for method 'pfnm', and not arguments of fuse \(did you mean 'class_counts'\?\)",
     ),
-    (lambda: fuse([MLP(4, [3], 2)] * 2, "nafi", noise_vr=1.0), ValueError, r"\(did you mean 'noise_var'\?\)"),
-    (lambda: fuse([MLP(4, [3], 2)] * 2, "pfmn"), ValueError, r"unknown method 'pfmn'.*\(did you mean 'pfnm'\?\)"),
+    (
+        lambda: fuse([MLP(4, [3], 2) for _ in range(2)], "nafi", noise_vr=1.0),
+        ValueError,
+        r"\(did you mean 'noise_var'\?\)",
+    ),
+    (
+        lambda: fuse([MLP(4, [3], 2) for _ in range(2)], "pfmn"),
+        ValueError,
+        r"unknown method 'pfmn'.*\(did you mean 'pfnm'\?\)",
+    ),
     (
         lambda: fuse_states([MLP(4, [3], 2).state_dict()] * 2, seeed=1),
         ValueError,
@@ -518,7 +526,7 @@ API_CASES = [
     (lambda: _compare({"bnn": _bnn()}, _x(), np.zeros(2, dtype=int)), ValueError, "2 labels .* for 3 examples"),
     (lambda: HorseshoeBNN(4, [3], 2, init_scale=-0.1), ValueError, "init_scale .* must be positive, got -0.1"),
     (
-        lambda: fuse([MLP(4, [3], 2)] * 2, class_counts=np.full((2, 2), 0.25)),
+        lambda: fuse([MLP(4, [3], 2) for _ in range(2)], class_counts=np.full((2, 2), 0.25)),
         ValueError,
         "class_counts must be whole numbers of examples per client and class, not shares",
     ),

@@ -1,6 +1,7 @@
 """Files of a user's own networks: the architecture traced from the network (``like=``,
 ``bayesfuse fuse --model``), never a chain guessed where the names leave a skip possible."""
 
+import contextlib
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import bayesfuse
 from bayesfuse.checkpoints import save_state_dict
 from bayesfuse.cli import main
 from tests.nets.test_graph_spec import _random
-from tests.nets.user_nets import MyMLP, ResMLP, SkipCNN
+from tests.nets.user_nets import ConcatMLP, MyMLP, ResMLP, SkipCNN
 
 
 def _files(tmp_path, cls, n=3):
@@ -184,3 +185,27 @@ def test_summarize_takes_the_network_for_files_whose_names_it_cannot_read(tmp_pa
     ref = ["--model", "tests.nets.user_nets:StepGRU", "--input-shape", "64"]
     assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out)]) == 0
     assert json.loads((tmp_path / "fused.pt.json").read_text())["summaries"]["used"] is True
+
+
+@pytest.mark.parametrize("cls, model", [(ConcatMLP, True), (ConcatMLP, False), (ResMLP, False)])
+def test_fedavg_averages_files_whose_units_cannot_be_read_as_python_does(tmp_path, capsys, cls, model):
+    """FedAvg needs no units: files of a network that cannot be traced (or, without the network,
+    whose names do not show a chain) are averaged entry by entry, as ``bayesfuse.fuse`` averages
+    the modules; matching them is still refused."""
+    models, paths = _files(tmp_path, cls)
+    ref = ["--model", f"tests.nets.user_nets:{cls.__name__}"] if model else []
+    out = tmp_path / "avg.pt"
+    assert main(["fuse", *paths, "--method", "fedavg", *ref, "--out", str(out)]) == 0
+    assert "no units traced: every entry averaged as it is" in capsys.readouterr().out
+    report = json.loads((tmp_path / "avg.pt.json").read_text())
+    assert report["architecture"]["groups"] == [] and report["global_sizes"] == []
+    loaded = bayesfuse.load(out, like=cls()) if model else cls()
+    if not model:
+        loaded.load_state_dict(torch.load(out, weights_only=True))
+    with pytest.warns(UserWarning, match="no units traced") if cls is ConcatMLP else contextlib.nullcontext():
+        python = bayesfuse.fuse(models, "fedavg").model
+    for k, v in bayesfuse.fedavg(models).state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v)
+        torch.testing.assert_close(python.state_dict()[k], v)
+    assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(tmp_path / "m.pt")]) == 2
+    assert not list(tmp_path.glob("m.pt*"))

@@ -311,6 +311,18 @@ def _example_input(model: nn.Module, example_input=None) -> torch.Tensor:
     )
 
 
+def untraceable(err: Exception, model: nn.Module, example_input=None) -> bool:
+    """Whether ``err``, raised while tracing ``model``, says its units cannot be followed (or that
+    no input can be made for it without one given), rather than a user's mistake such as a given
+    example input that does not run: FedAvg then averages the network entry by entry."""
+    return isinstance(err, UnsupportedLayerError) or (
+        example_input is None
+        and getattr(model, "example_input", None) is None
+        and isinstance(err, ValueError)
+        and "give an example input" in str(err)
+    )
+
+
 def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     """The permutation spec of ``model``, traced from its ``forward`` with ``torch.fx``.
 

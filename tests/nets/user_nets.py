@@ -268,6 +268,17 @@ class BlurredCNN(nn.Module):
         return self.head(torch.relu(self.conv(x)).flatten(1))
 
 
+class ConcatMLP(nn.Module):
+    """Two branches concatenated along the units: no permutation of them can be traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(64, 12), nn.Linear(64, 8), nn.Linear(20, 10)
+
+    def forward(self, x):
+        return self.head(torch.cat([F.relu(self.a(x)), torch.tanh(self.b(x))], dim=1))
+
+
 class BagOfWords(nn.Module):
     """Token ids (N, 12) averaged by an nn.EmbeddingBag, then an MLP."""
 
