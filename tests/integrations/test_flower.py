@@ -226,6 +226,22 @@ def test_a_users_class_whose_names_leave_a_skip_possible_is_refused_before_any_r
     assert grid.sent == []  # refused before a node trained
 
 
+@pytest.mark.parametrize("strategy_class", [MatchedAveraging, FedMA])
+def test_initial_arrays_of_another_network_than_like_are_refused_before_any_round(clients, strategy_class):
+    split, part, _ = clients
+    grid = _WrappedGrid(split, part)
+    other = state_to_record(MLP(64, [32], 10).state_dict())  # not the network the strategy traced
+    strategy = strategy_class(like=_Wrapped(), second_round="refit", min_train_nodes=3, fraction_evaluate=0.0)
+    with pytest.raises(
+        ValueError, match=r"initial_arrays \(the network the strategy was given as spec= or like=\) lacks"
+    ):
+        strategy.start(grid=grid, initial_arrays=other, num_rounds=3 if strategy_class is MatchedAveraging else None)
+    assert grid.sent == [] and strategy._refit_round is None  # refused before a node trained; no round kept
+    if strategy_class is FedMA:
+        with pytest.raises(ValueError, match="initial_arrays"):
+            strategy.num_rounds(other)
+
+
 def test_a_users_class_given_as_like_is_traced_and_fused(clients):
     from bayesfuse.nets.tracing import spec_from_module
 

@@ -27,7 +27,7 @@ from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfo
 from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states, state_bytes
 from bayesfuse.inference.spec import PermutationSpec, tie_stacked_recurrent
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
-from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound, strategy_spec
+from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound, initial_spec
 from bayesfuse.nets.heads import ClientHeads
 
 #: Message types of FedMA's rounds (``@app.train("local")`` / ``@app.train("fedma")`` on clients).
@@ -273,7 +273,7 @@ class FedMA(_RefitRound):
         int
         """
         state = record_to_state(arrays)
-        spec, _ = tie_stacked_recurrent(self.spec or strategy_spec(state, "initial_arrays"), state)
+        spec, _ = tie_stacked_recurrent(initial_spec(self.spec, state), state)
         return self.passes * (1 + len(spec.groups)) + (self.second_round == "refit")
 
     def summary(self) -> None:
@@ -327,7 +327,7 @@ class FedMA(_RefitRound):
         """
         state = record_to_state(initial_arrays)
         # the layers of a stacked LSTM keep one width: matched as one group (tie_stacked_recurrent)
-        spec, _ = tie_stacked_recurrent(self.spec or strategy_spec(state, "initial_arrays"), state)
+        spec, _ = tie_stacked_recurrent(initial_spec(self.spec, state), state)
         refit = self.second_round == "refit"
         needed = self.passes * (1 + len(spec.groups)) + refit
         if num_rounds is None:

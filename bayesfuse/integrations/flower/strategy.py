@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, Callable, Iterable, Iterator, cast
+from typing import Any, Callable, Iterable, Iterator, Mapping, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -83,6 +83,16 @@ class _Reply:
     num_examples: float
     class_counts: np.ndarray | None
     summary: ClientSummary | None = None
+
+
+def initial_spec(spec: PermutationSpec | None, state: Mapping) -> PermutationSpec:
+    """The spec of the strategy's ``initial_arrays`` (``state``): the strategy's own, which they
+    must fit, or read off their names (refused where a skip connection is possible), in one line
+    naming ``initial_arrays``, before any node trains."""
+    if spec is None:
+        return strategy_spec(state, "initial_arrays")
+    spec.check(state, "initial_arrays (the network the strategy was given as spec= or like=)")
+    return spec
 
 
 def _chosen_spec(spec: PermutationSpec | None, like: nn.Module | None, example_input: Any) -> PermutationSpec | None:
@@ -770,15 +780,14 @@ class MatchedAveraging(_RefitRound):
         -------
         Result
         """
-        if self.second_round is not None:
-            if num_rounds < 2:
-                raise ValueError(
-                    f"second_round={self.second_round!r} needs num_rounds >= 2 (the fusion rounds, then "
-                    f"the {self.second_round} round); got num_rounds={num_rounds}"
-                )
-            self._refit_round = num_rounds
-        if self.spec is None and self.kind == "network":  # refused now, not in every node's reply
-            strategy_spec(record_to_state(initial_arrays), "initial_arrays")
+        if self.second_round is not None and num_rounds < 2:
+            raise ValueError(
+                f"second_round={self.second_round!r} needs num_rounds >= 2 (the fusion rounds, then "
+                f"the {self.second_round} round); got num_rounds={num_rounds}"
+            )
+        if self.kind == "network":  # refused now, not in every node's reply
+            initial_spec(self.spec, record_to_state(initial_arrays))
+        self._refit_round = num_rounds if self.second_round is not None else None  # checked: this run's
         # a new run: nothing of an earlier one may pair with this run's arrays
         self._forget_refit()
         self.last_fusion, self._one_shot = None, None
