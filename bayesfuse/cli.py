@@ -489,11 +489,17 @@ def _user_model(ref: str | None):
     return model_from_reference(ref)
 
 
-def _zeros(shape: tuple[int, ...]):
-    """Two inputs of ``shape``, zeros: what ``--input-shape`` traces ``--model`` with."""
+def _zeros(shape: tuple[int, ...], model=None):
+    """Two inputs of ``shape``, zeros: what ``--input-shape`` traces ``--model`` with; integer
+    zeros (token ids) where ``model`` runs on those and not on floating ones (an nn.Embedding first)."""
     import torch
 
-    return torch.zeros((2, *shape))
+    from bayesfuse.nets.state import forward_error
+
+    x = torch.zeros((2, *shape))
+    if model is not None and forward_error(model, x) is not None and forward_error(model, x.long()) is None:
+        return x.long()
+    return x
 
 
 def _run_fuse(args: argparse.Namespace) -> int:
@@ -520,8 +526,8 @@ def _run_fuse(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             class_counts=None if args.class_counts is None else read_class_counts(args.class_counts),
             summaries=args.summaries,
-            like=_user_model(args.model),
-            example_input=None if args.input_shape is None else _zeros(args.input_shape),
+            like=(like := _user_model(args.model)),
+            example_input=None if args.input_shape is None else _zeros(args.input_shape, like),
             head=args.head,
             pool=args.pool,
             pseudo_count=args.pseudo_count,

@@ -167,6 +167,22 @@ def test_a_network_that_does_not_tell_its_input_shape_takes_input_shape(tmp_path
         assert float((loaded(x) - python(x)).abs().max()) < 1e-4
 
 
+def test_input_shape_gives_token_ids_to_a_network_that_reads_them(tmp_path, capsys):
+    """An nn.EmbeddingBag first reads integer ids: --input-shape makes integer zeros for it."""
+    from tests.nets.user_nets import IdsBag
+
+    models, paths = _files(tmp_path, IdsBag)
+    out, ref = tmp_path / "fused.pt", ["--model", "tests.nets.user_nets:IdsBag"]
+    assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out), "--input-shape", "12"]) == 0, (
+        capsys.readouterr().err
+    )
+    ids = torch.randint(0, 40, (16, 12))
+    loaded = bayesfuse.load(out, like=IdsBag(), example_input=ids[:2])
+    python = bayesfuse.fuse(models, "pfnm", example_input=ids[:2]).model
+    with torch.no_grad():
+        assert float((loaded(ids) - python(ids)).abs().max()) < 1e-5
+
+
 def test_summarize_takes_the_network_for_files_whose_names_it_cannot_read(tmp_path, capsys):
     import numpy as np
 

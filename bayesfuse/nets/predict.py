@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from bayesfuse._validation import check_inputs
-from bayesfuse.nets.state import floating_like
+from bayesfuse.nets.state import model_input
 
 __all__ = ["predict_proba", "predictive_proba"]
 
@@ -31,9 +31,7 @@ def predict_proba(model: nn.Module, x: np.ndarray | torch.Tensor, *, batch_size:
             f"a {type(model).__name__} predicts by its Monte Carlo predictive, not one forward pass: use "
             "model.predict(x, num_samples=...) or bayesfuse.nets.predictive_proba(model, x)"
         )
-    like = floating_like(model)
-    dtype = like.dtype if like is not None else torch.float32  # the network's own (a float64 network's, float64)
-    x = torch.as_tensor(np.asarray(x), dtype=dtype) if not isinstance(x, torch.Tensor) else x.to(dtype)
+    x = model_input(x, model)  # floats in the network's own dtype (float64 for a float64 network); ids as they are
     check_inputs(x)
     modes = [(m, m.training) for m in model.modules()]  # each module's own (an ensemble's members')
     model.eval()

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["numpy_state", "tensor_state", "floating_like", "forward_error"]
+__all__ = ["numpy_state", "tensor_state", "floating_like", "model_input", "forward_error", "run_once"]
 
 
 def numpy_state(source) -> dict[str, np.ndarray]:
@@ -29,6 +29,17 @@ def tensor_state(state: Mapping) -> dict[str, torch.Tensor]:
 def floating_like(module: nn.Module) -> torch.Tensor | None:
     """The module's first floating-point parameter or buffer (its dtype and device), or None."""
     return next((t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
+
+
+def model_input(x, module: nn.Module) -> torch.Tensor:
+    """``x`` (NumPy or torch) as a tensor for ``module``: floating-point inputs in the module's
+    floating dtype (:func:`floating_like`; float32 without one), integer inputs (token ids) and
+    booleans as they are, since ids cast to a float type lose their value (float16 above 2048)."""
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if not t.is_floating_point():
+        return t
+    like = floating_like(module)
+    return t.to(like.dtype if like is not None else torch.float32)
 
 
 def run_once(module: nn.Module, x) -> tuple[object, Exception | None]:

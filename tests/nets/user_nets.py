@@ -293,6 +293,12 @@ class BagOfWords(nn.Module):
         return self.head(F.selu(self.fc(self.bag(x))))
 
 
+class IdsBag(BagOfWords):
+    """:class:`BagOfWords` without an ``example_input``: its input (token ids) cannot be guessed."""
+
+    example_input = None
+
+
 class NeedsArgs(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
