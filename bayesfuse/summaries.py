@@ -86,6 +86,7 @@ from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
 from bayesfuse.inference.client_heads import heads_refused
 from bayesfuse.inference.output_fusion import packed_upper, unpacked_upper
 from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.nets.state import as_array
 
 __all__ = [
     "ClientSummary",
@@ -224,7 +225,7 @@ def fingerprint(state: Mapping[str, object]) -> str:
     """A short hash of the entries' names, shapes and values (as float32): which network this is."""
     digest = hashlib.sha256()
     for k, v in state.items():
-        a = v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)
+        a = as_array(v) if torch.is_tensor(v) else np.asarray(v)
         if np.issubdtype(a.dtype, np.floating):
             a = a.astype(np.float32)
         digest.update(json.dumps([k, list(a.shape)]).encode())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from bayesfuse import fedavg, fuse
+from bayesfuse import fedavg, fuse, summarize
 from bayesfuse.data import dirichlet_partition
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets import MLP, predict_proba
@@ -570,6 +570,36 @@ def test_a_float64_network_fuses_in_float64(method):
         torch.testing.assert_close(res.model(x), want, rtol=0, atol=1e-6 * want.abs().max().item())
     p = predict_proba(res, x.numpy())  # NumPy inputs come in the network's dtype
     np.testing.assert_allclose(p, torch.softmax(want, -1).numpy(), atol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["pfnm", "fedavg"])
+def test_a_bfloat16_network_fuses_and_summarises_in_bfloat16(method):
+    """NumPy has no bfloat16: its entries are read as float32 (exact), fused, and written back in
+    bfloat16; permuted copies fuse back to the network's function, with and without summaries.
+    The fused weights are the network's own bfloat16 values, in another unit order: the logits
+    differ by the rounding of bfloat16 sums taken in another order, each hidden activation and
+    logit rounded once to 8 significant bits (relative 2^-8), hence 4 * 2^-8 of the largest logit."""
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.arch import rebuild
+    from bayesfuse.nets.spec import spec_from_module
+
+    model = randomise(MLP(64, [16], 3), seed=0).to(torch.bfloat16).eval()
+    spec, state = spec_from_module(model), numpy_state(model)
+    assert state["layers.0.weight"].dtype == np.float32
+    rng = np.random.default_rng(0)
+    copies = [permute(state, spec, random_permutations(spec.sizes(state), rng)) for _ in range(2)]
+    clients = [model] + [rebuild(model, {k: torch.as_tensor(v) for k, v in sd.items()}).eval() for sd in copies]
+    clients = clients[:1] if method == "fedavg" else clients  # FedAvg of permuted copies is another network
+    x, y = np.random.default_rng(1).normal(size=(30, 64)).astype(np.float32), np.arange(30) % 3
+    xt = torch.as_tensor(x, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(xt).float()
+    for summaries in (None, [summarize(c, x, y) for c in clients]) if method == "pfnm" else (None,):
+        res = fuse(clients, method, summaries=summaries, **_VAGUE.get(method, {}))
+        assert all(p.dtype == torch.bfloat16 for p in res.model.parameters())
+        net = res.model if summaries is None else res.model.network  # with summaries: under the clients' heads
+        with torch.no_grad():
+            torch.testing.assert_close(net(xt).float(), want, rtol=0, atol=4 * 2**-8 * want.abs().max().item())
 
 
 def test_fedma_trains_a_float64_network_in_float64(digits):

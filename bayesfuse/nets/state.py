@@ -8,13 +8,20 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["numpy_state", "tensor_state", "floating_like", "model_input", "forward_error", "run_once"]
+__all__ = ["as_array", "numpy_state", "tensor_state", "floating_like", "model_input", "forward_error", "run_once"]
+
+
+def as_array(t: torch.Tensor) -> np.ndarray:
+    """A tensor as a NumPy array on the CPU; bfloat16, which NumPy lacks, as float32 (exact)."""
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def numpy_state(source) -> dict[str, np.ndarray]:
-    """The state_dict of a module (or a mapping of tensors) as NumPy arrays, on the CPU."""
+    """The state_dict of a module (or a mapping of tensors) as NumPy arrays, on the CPU (bfloat16
+    entries as float32, :func:`as_array`)."""
     state = source.state_dict() if isinstance(source, nn.Module) else source
-    return {k: v.detach().cpu().numpy() for k, v in state.items()}
+    return {k: as_array(v) for k, v in state.items()}
 
 
 def tensor_state(state: Mapping) -> dict[str, torch.Tensor]:
