@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["finite_array", "positive_array", "normalised_weights", "check_inputs", "check_num_samples"]
+__all__ = ["finite_array", "positive_array", "normalised_weights", "check_inputs", "check_num_samples", "as_input"]
 
 
 def finite_array(x, name: str, *, allow_inf: bool = False) -> np.ndarray:
@@ -56,3 +56,13 @@ def check_num_samples(num_samples) -> int:
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
     return int(num_samples)
+
+
+def as_input(x, dtype, device=None):
+    """``x`` (NumPy or torch) as a tensor to feed a network: floating-point inputs in ``dtype``
+    (the network's), integer inputs (token ids) and booleans as they are, since ids cast to a
+    float type lose their value (float16 above 2048); on ``device`` when given."""
+    import torch
+
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)

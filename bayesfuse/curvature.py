@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
+from bayesfuse._validation import as_input
+
 __all__ = ["diag_ggn"]
 
 
@@ -197,7 +199,7 @@ def diag_ggn(model: nn.Module, x, *, batch_size: int = 1024) -> dict[str, np.nda
     if not params:
         raise ValueError("the model has no floating-point parameters")
     first = next(iter(params.values()))
-    x = torch.as_tensor(x if isinstance(x, torch.Tensor) else np.asarray(x), dtype=first.dtype, device=first.device)
+    x = as_input(x, first.dtype, first.device)  # token ids stay integers
     buffers = {k: b.detach() for k, b in model.named_buffers()}
     total = {k: torch.zeros_like(p, dtype=torch.float64) for k, p in params.items()}
     layers = _fast_layers(model)

@@ -162,6 +162,9 @@ def load(
                     f"e.g. bayesfuse.load({str(path)!r}, like={network.rpartition(':')[2]}())"
                 ) from None
             model = _like(template, state, name, example_input)
+        else:
+            if example_input is not None:  # given, it is checked: the network must run on it
+                _runs_on(model, example_input, name)
     if posterior:
         _check_side_files(path, report)
     if posterior and heads_path(path).is_file():
@@ -176,6 +179,16 @@ def load(
 
         model.fusion = read_fusion(fusion_path(path), model, state, name)
     return model.eval()
+
+
+def _runs_on(model: nn.Module, example_input, name: str) -> None:
+    """Refuse, naming the file, an ``example_input`` that the network loaded from it does not run on."""
+    from bayesfuse.nets.graph_spec import check_example_runs
+
+    try:
+        check_example_runs(model, example_input)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
 
 
 def _check_side_files(path: str | os.PathLike, report: dict | None) -> None:

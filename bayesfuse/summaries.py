@@ -81,6 +81,7 @@ from torch import nn
 
 from bayesfuse._io import atomic_write_bytes
 from bayesfuse._text import first_line
+from bayesfuse._validation import as_input
 from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
 from bayesfuse.inference.client_heads import heads_refused
@@ -401,7 +402,7 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
         if reader is not None:
             hooks.append(modules[reader].register_forward_hook(keep(g, "act")))
     first = next(model.parameters())
-    x = torch.as_tensor(x if isinstance(x, torch.Tensor) else np.asarray(x), dtype=first.dtype)
+    x = as_input(x, first.dtype)
     was_training = model.training
     model.eval()
     try:
@@ -464,7 +465,7 @@ def _output_factors(
     from bayesfuse.nets.heads import logits_and_features
 
     first = next(model.parameters())
-    x = torch.as_tensor(x if isinstance(x, torch.Tensor) else np.asarray(x), dtype=first.dtype)
+    x = as_input(x, first.dtype)
     g, k = layer.in_features + 1, layer.out_features
     gram, curvature = torch.zeros(g, g, dtype=torch.float64), torch.zeros(k, k, dtype=torch.float64)
     eigenvalues = torch.zeros(g, k, dtype=torch.float64)
@@ -636,7 +637,7 @@ def temperature_nll(model: nn.Module, x, y, temperatures, *, batch_size: int = 4
     try:
         with torch.no_grad():
             for start in range(0, len(y), batch_size):
-                xb = torch.as_tensor(np.asarray(x[start : start + batch_size]), dtype=first.dtype)
+                xb = as_input(x[start : start + batch_size], first.dtype)
                 logits = model(xb).double()
                 yb = torch.as_tensor(y[start : start + batch_size])
                 scaled = logits.unsqueeze(0) / torch.as_tensor(t).view(-1, 1, 1)
@@ -659,7 +660,7 @@ def output_features(model: nn.Module, output: str, x, *, batch_size: int = 4096)
     try:
         with torch.no_grad():
             for start in range(0, len(x), batch_size):
-                model(torch.as_tensor(np.asarray(x[start : start + batch_size]), dtype=first.dtype))
+                model(as_input(x[start : start + batch_size], first.dtype))
     finally:
         hook.remove()
         model.train(was_training)
@@ -734,7 +735,7 @@ def batchnorm_moments(model: nn.Module, x, *, batch_size: int = 256) -> dict[str
     try:
         with torch.no_grad():
             for rows in np.array_split(np.arange(len(x)), min(-(-len(x) // batch_size), len(x) // 2)):
-                model(torch.as_tensor(x[rows], dtype=first.dtype))
+                model(as_input(x[rows], first.dtype))
     finally:
         for h in hooks:
             h.remove()

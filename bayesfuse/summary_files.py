@@ -127,7 +127,7 @@ def summarize_file(
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
     check_precisions(precisions)
     x, y = read_client_data(data_path)
-    model = _client_model(model_path, x, like)
+    model = _client_model(model_path, x, like, data_path)
     try:
         summary = summarize(model, x, y, prior_precision=prior_precision, precisions=precisions)
     except RuntimeError as err:  # torch, past the first batch summarize runs
@@ -149,16 +149,17 @@ def summarize_file(
     }
 
 
-def _client_model(path: Path, x: np.ndarray, like=None):
+def _client_model(path: Path, x: np.ndarray, like=None, data_path: str | os.PathLike | None = None):
     """The network in ``path``, as :func:`bayesfuse.load` rebuilds it (without any fused posterior);
-    into ``like`` when given, traced and run on the first rows of ``x``."""
+    into ``like`` when given, traced and run on the first rows of ``x`` (of ``data_path``)."""
     import torch
 
-    from bayesfuse.models.bnn import HorseshoeBNN
-    from bayesfuse.models.bnn_sites import has_heads, is_bnn_state
-
     if like is not None:
-        return load(path, like=like, posterior=False, example_input=torch.as_tensor(x[:2]))
+        try:
+            model = load(path, like=like, posterior=False, example_input=torch.as_tensor(x[:2]))
+        except ValueError as err:  # the data file's inputs do not fit the network, most often
+            raise ValueError(f"{path} on data file {data_path}: {err}") from None
+        return _a_clients(model, path)
     try:
         model = load(path, n_features=int(np.prod(x.shape[1:])), posterior=False)
     except ValueError as err:
@@ -170,6 +171,14 @@ def _client_model(path: Path, x: np.ndarray, like=None):
             "Python: bayesfuse.summarize(model, x, y), then bayesfuse.summaries.save_summary(summary, "
             "summary_path(MODEL))"
         ) from None
+    return _a_clients(model, path)
+
+
+def _a_clients(model, path: Path):
+    """``model``, refused when it is a fused BNN with client heads rather than a client's network."""
+    from bayesfuse.models.bnn import HorseshoeBNN
+    from bayesfuse.models.bnn_sites import has_heads, is_bnn_state
+
     state = model.state_dict()
     if has_heads(state) or (is_bnn_state(state) and not isinstance(model, HorseshoeBNN)):
         raise ValueError(

@@ -251,3 +251,12 @@ def test_a_report_of_another_model_is_refused(tmp_path):
     with pytest.warns(UserWarning, match="written for other tensors"):  # the network alone needs no report
         assert bayesfuse.load(fused, posterior=False).fusion_report is None
     assert copies
+
+
+def test_an_example_input_given_for_a_network_load_recognises_is_run(tmp_path):
+    path = save_state_dict(MLP(64, [20], 10).state_dict(), tmp_path / "c0.pt")
+    assert isinstance(bayesfuse.load(path, example_input=torch.zeros(2, 64)), MLP)
+    with pytest.raises(ValueError, match=rf"{path}: MLP: the example input of shape \(2, 5\) does not run"):
+        bayesfuse.load(path, example_input=torch.zeros(2, 5))
+    with pytest.raises(TypeError, match="example_input must be a tensor .*, got str"):
+        bayesfuse.load(path, example_input="abc")

@@ -207,10 +207,11 @@ def test_bad_inputs_are_refused_in_one_line(client):
         next(broken.parameters())[0, 0] = float("nan")
     with pytest.raises(ValueError, match="has NaN or infinite values; a summary of it would be too"):
         summarize(broken, x, y)
+    model = copy.deepcopy(model).train()  # a network in training mode is left in it, refused or not
     for spec in (None, spec_from_module(model)):  # traced or given, the inputs are run once first
         with pytest.raises(ValueError, match=r"the network cannot run on x of shape \(50, 4\) \(RuntimeError: "):
             summarize(model, x[:, :4], y, spec=spec)
-    assert model.training is False  # as it was
+        assert model.training is True  # as it was
 
 
 def test_size_is_the_model_plus_a_few_numbers_per_unit(client):
@@ -624,3 +625,22 @@ def test_the_clients_own_inputs_trace_a_network_that_does_not_say_its_input_shap
     assert all(s.moments for s in summaries)
     res = fuse(models, "pfnm", summaries=summaries, example_input=torch.as_tensor(x[:2]))
     assert res.hyper["summaries"]["used"] is True  # the summaries are of the networks fuse fuses
+
+
+def test_a_network_of_token_ids_is_summarised_and_fused_on_its_ids():
+    """Ids stay integers through every pass of the summary (curvature, moments, output factors)
+    and through the fused posterior's predictive; a permuted copy fuses back to the network."""
+    import bayesfuse
+    from tests.nets.test_graph_spec import _permuted, _random
+
+    model = _random(user_nets.BagOfWords, 0)
+    rng = np.random.default_rng(0)
+    ids, y = rng.integers(0, 40, size=(60, 12)), np.arange(60) % 10
+    clients = [model, _permuted(model, 1)]
+    summaries = [summarize(m, ids, y) for m in clients]
+    assert summaries[0].class_counts.sum() == 60 and set(summaries[0].precision) == set(dict(model.named_parameters()))
+    fused = bayesfuse.fuse(clients, "pfnm", summaries=summaries, prior_var=1e8, noise_var=1.0)
+    p = bayesfuse.nets.predictive_proba(fused, ids)
+    assert p.shape == (60, 10) and np.allclose(p.sum(1), 1)
+    with torch.no_grad():
+        assert float((fused.model.network(torch.as_tensor(ids)) - model(torch.as_tensor(ids))).abs().max()) < 1e-4

@@ -470,3 +470,16 @@ def test_fuse_never_writes_over_what_it_reads(clients, tmp_path, capsys):
     assert main(["fuse", *map(str, models), "--method", "pfnm", "--out", str(out), "--class-counts", str(counts)]) == 2
     assert re.search(r"class counts of .*client\d\.pt: \[1(, 1){9}\] are not its summary's \[", _error(capsys))
     assert not out.exists()
+
+
+def test_summarize_with_the_network_names_the_data_file_its_inputs_do_not_fit(tmp_path, capsys):
+    from bayesfuse.checkpoints import save_state_dict
+    from tests.nets.user_nets import StepEncoder
+
+    path = save_state_dict(StepEncoder(k=3).state_dict(), tmp_path / "c0.pt")
+    data = tmp_path / "wide.npz"
+    np.savez(data, x=np.zeros((30, 60), dtype=np.float32), y=np.arange(30) % 3)  # 60 features, not 4 x 16
+    assert main(["summarize", str(path), "--data", str(data), "--model", "tests.nets.user_nets:StepEncoder"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{path} on data file {data}: " in err and "(2, 60)" in err, err
+    assert not summary_path(path).exists()

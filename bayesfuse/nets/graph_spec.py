@@ -274,8 +274,12 @@ def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:
     A floating-point input comes in the dtype and on the device of the module's parameters (a
     float64 network gets a float64 input); integer inputs (token ids) stay as they are."""
     x = _example_input(model, example_input)
+    if isinstance(x, np.ndarray):
+        x = torch.as_tensor(x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"example_input must be a tensor (a batch of inputs), got {type(x).__name__}")
     like = floating_like(model)
-    if like is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
+    if like is not None and x.is_floating_point():
         x = x.to(dtype=like.dtype, device=like.device)
     return x
 

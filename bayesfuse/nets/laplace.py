@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesfuse._validation import check_inputs
+from bayesfuse._validation import as_input, check_inputs
 from bayesfuse.nets.heads import logits_and_features
 
 __all__ = ["LastLayerLaplace"]
@@ -132,7 +132,7 @@ class LastLayerLaplace(nn.Module):
     def predict(self, x, *, num_samples: int | None = None, seed: int = 0) -> np.ndarray:
         """Class probabilities: the probit predictive, or the mean over ``num_samples`` draws of the logits."""
         dtype = self.weight_var.dtype
-        x = torch.as_tensor(np.asarray(x), dtype=dtype) if not isinstance(x, torch.Tensor) else x.to(dtype)
+        x = as_input(x, dtype)  # token ids stay integers
         check_inputs(x)
         was_training = self.training
         self.eval()

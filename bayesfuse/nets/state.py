@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse._validation import as_input
+
 __all__ = ["as_array", "numpy_state", "tensor_state", "floating_like", "model_input", "forward_error", "run_once"]
 
 
@@ -42,11 +44,8 @@ def model_input(x, module: nn.Module) -> torch.Tensor:
     """``x`` (NumPy or torch) as a tensor for ``module``: floating-point inputs in the module's
     floating dtype (:func:`floating_like`; float32 without one), integer inputs (token ids) and
     booleans as they are, since ids cast to a float type lose their value (float16 above 2048)."""
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-    if not t.is_floating_point():
-        return t
     like = floating_like(module)
-    return t.to(like.dtype if like is not None else torch.float32)
+    return as_input(x, like.dtype if like is not None else torch.float32)
 
 
 def run_once(module: nn.Module, x) -> tuple[object, Exception | None]:
