@@ -895,7 +895,11 @@ def _refit_round(
         )
     else:
         model = LastLayerLaplace(network, output, covariance=covariance).eval()
-        fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
+        fused.hyper["predictive"] = (
+            "probit of the centred logits, last-layer Laplace (LastLayerLaplace, joint covariance)"
+            if model.joint
+            else "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
+        )
     n_weights = sum(np.size(v) for v in fused.state.values())
     fused.hyper[key] = {
         "kind": "refit",

@@ -314,7 +314,10 @@ def test_second_round_refits_the_output_layer(federation):
     mean, cov = fuse_output_fits(fits, lam0, posterior_precision=lam)
     layer = result.model.network.layers[1]
     np.testing.assert_allclose(layer.weight.detach().numpy(), mean[:-1].T, rtol=1e-6, atol=1e-8)
-    np.testing.assert_allclose(result.model.covariance.numpy(), cov, rtol=1e-6, atol=1e-10)
+    joint = result.model.covariance.numpy()  # the whole of P^-1: its per-class blocks are fuse_output_fits'
+    assert joint.shape == (mean.shape[0], mean.shape[1], mean.shape[0], mean.shape[1])
+    blocks = np.stack([joint[:, c, :, c] for c in range(mean.shape[1])])
+    np.testing.assert_allclose(blocks, cov, rtol=1e-6, atol=1e-10)
     np.testing.assert_array_equal(
         result.model.network.layers[0].weight.detach().numpy(), one_shot.model.layers[0].weight.detach().numpy()
     )

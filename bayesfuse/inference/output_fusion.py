@@ -290,6 +290,15 @@ def _quadratic_model(
     return curvature, target
 
 
+def class_blocks(covariance: np.ndarray) -> np.ndarray:
+    """The per-class blocks (K, G+1, G+1) of a joint covariance (G+1, K, G+1, K) of the output
+    layer (:func:`output_posterior`'s); per-class blocks are returned as they are."""
+    covariance = np.asarray(covariance)
+    if covariance.ndim == 3:
+        return covariance
+    return np.stack([covariance[:, c, :, c] for c in range(covariance.shape[1])])
+
+
 def solved_jointly(shape: tuple[int, int]) -> bool:
     """Whether an output layer of ``shape`` (G+1, K) is multiplied with its full ``d x d`` K-FAC
     precision (``d <= MAX_JOINT``), or by conjugate gradients with per-class covariance blocks
@@ -352,15 +361,18 @@ def _structured_product(
     return x, 0.5 * (covariance + covariance.transpose(0, 2, 1))
 
 
-def _product(curvature: np.ndarray, target: np.ndarray, lam: float, shape: tuple[int, int]):
+def _product(curvature: np.ndarray, target: np.ndarray, lam: float, shape: tuple[int, int], *, joint: bool = False):
     """``m = (L + lambda I)^{-1} b`` as a (G+1, K) array and the per-class blocks of ``(L + lambda I)^{-1}``
-    (module docstring); ``curvature`` is overwritten."""
+    (module docstring), or with ``joint`` all of it as (G+1, K, G+1, K); ``curvature`` is overwritten."""
     g, k = shape
     precision = curvature
     precision[np.diag_indices_from(precision)] += lam
     chol = np.linalg.cholesky(precision)
     mean = cho_solve((chol, True), target).reshape(g, k)
-    cov = cho_solve((chol, True), np.eye(g * k)).reshape(g, k, g, k)
+    cov = cho_solve((chol, True), np.eye(g * k))
+    if joint:
+        return mean, 0.5 * (cov + cov.T).reshape(g, k, g, k)
+    cov = cov.reshape(g, k, g, k)
     covariance = np.stack([cov[:, c, :, c] for c in range(k)])
     return mean, 0.5 * (covariance + covariance.transpose(0, 2, 1))
 
@@ -479,7 +491,8 @@ def output_posterior(
     at the prior precision the evidence chooses (:func:`evidence_precision`), or at ``lambda_0``
     (``by_evidence=False``, :func:`fuse_output_fits`), with the clients' quadratic models built once.
     A layer too wide to be solved jointly (:func:`solved_jointly`) is multiplied at ``lambda_0`` by
-    conjugate gradients, with per-class covariance blocks (module docstring).
+    conjugate gradients, with per-class covariance blocks (module docstring); else the covariance
+    is the whole of ``P^{-1}``, which couples the classes.
 
     Parameters
     ----------
@@ -493,8 +506,10 @@ def output_posterior(
     Returns
     -------
     mean : ndarray (G+1, K)
-    covariance : ndarray (K, G+1, G+1)
-        As :func:`fuse_output_fits` returns them.
+        As :func:`fuse_output_fits` returns it.
+    covariance : ndarray (G+1, K, G+1, K) or (K, G+1, G+1)
+        ``P^{-1}`` with index ``(g, k)`` as the mean's, where the layer is solved jointly; the
+        per-class blocks of the wide layer's structured product otherwise.
     precision : float
         The ``lambda`` of the product.
     """
@@ -504,7 +519,7 @@ def output_posterior(
         return mean, covariance, float(prior_precision)
     curvature, target = _quadratic_model(fits, prior_precision, n_clients)
     lam = _evidence_maximum(curvature, target, prior_precision, 1e4) if by_evidence else float(prior_precision)
-    mean, covariance = _product(curvature, target, lam, fits[0].weight.shape)
+    mean, covariance = _product(curvature, target, lam, fits[0].weight.shape, joint=True)
     return mean, covariance, lam
 
 

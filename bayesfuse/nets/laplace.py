@@ -12,19 +12,35 @@ Gaussians ``W_kg ~ N(m_kg, v_kg)``, ``b_k ~ N(m_k, v_k)`` each logit is Gaussian
 
 and the predictive ``E[softmax(f)]`` is approximated by the probit rule
 ``softmax(f_bar_k / sqrt(1 + pi s_k^2 / 8))`` (MacKay 1992; the last-layer Laplace
-approximation of Kristiadi et al., ICML 2020, eq. 7, here with the diagonal posterior), or
-estimated by sampling the logits. The rest of the network stays at its posterior mean.
+approximation of Kristiadi et al., ICML 2020, eq. 7, here with the diagonal posterior).
+
+The refit round's posterior couples the classes: its covariance ``Sigma`` over all the layer's
+weights and biases (``(G+1) K`` of them) makes the logits jointly Gaussian with covariance
+``S(x) = (I_K (x) a~)^T Sigma (I_K (x) a~)``, ``a~ = [a(x); 1]``. Much of that variance lies along
+the all-ones direction of the logits, which the softmax ignores; the per-class rule above would
+read it as uncertainty. The softmax of ``f`` is that of the centred logits ``C f``,
+``C = I - 1 1^T / K``, so ``E[softmax(f)] = E[softmax(C f)]`` exactly, with
+``C f ~ N(C f_bar, C S C)``; the probit rule is applied to those,
+
+.. math::
+
+    p(x) \\approx \\mathrm{softmax}\\Big(\\frac{(C \\bar f)_k}{\\sqrt{1 + \\pi (C S C)_{kk} / 8}}\\Big).
+
+Either predictive can also be estimated by sampling: draws of the
+output layer's weights from their posterior (so the draws do not depend on the other inputs of
+a batch). The rest of the network stays at its posterior mean.
 """
 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from bayesfuse._validation import as_input, check_inputs
+from bayesfuse._validation import as_input, check_inputs, check_num_samples
 from bayesfuse.nets.heads import logits_and_features
 
 __all__ = ["LastLayerLaplace"]
@@ -38,7 +54,7 @@ def _copy(values, dtype: torch.dtype) -> torch.Tensor:
 
 
 class LastLayerLaplace(nn.Module):
-    """``network`` with a diagonal Gaussian posterior over its output layer.
+    """``network`` with a Gaussian posterior over its output layer.
 
     Parameters
     ----------
@@ -48,17 +64,19 @@ class LastLayerLaplace(nn.Module):
         Name of the output layer module (``"layers.1"``): a Linear whose input are the features.
     weight_var, bias_var : arrays
         Posterior variances of that layer's weight ``(K, G)`` and bias ``(K,)``.
-    covariance : array (K, G+1, G+1), optional
-        Instead of independent weights, per class ``k`` the covariance of its weights and bias
-        (the bias last), as the refit of the second round gives
-        (:func:`bayesfuse.inference.output_fusion.fuse_output_fits`):
-        ``s_k^2(x) = a~^T Sigma_k a~`` with ``a~ = [a(x); 1]``. ``weight_var`` and ``bias_var`` are
-        then its diagonal, and may be left ``None``.
+    covariance : array, optional
+        Instead of independent weights, either per class ``k`` the covariance ``(K, G+1, G+1)`` of
+        its weights and bias (the bias last): ``s_k^2(x) = a~^T Sigma_k a~`` with ``a~ = [a(x); 1]``;
+        or the joint covariance ``(G+1, K, G+1, K)`` of every weight and bias (index ``(g, k)``
+        as the ``(G+1, K)`` weights with the bias as the last row), as the refit of the second
+        round gives (:func:`bayesfuse.inference.output_fusion.output_posterior`): the probit
+        predictive is then taken on the centred logits (module docstring). ``weight_var`` and ``bias_var`` are
+        the covariance's diagonal, and may be left ``None``.
 
-    ``forward(x)`` returns the probit-scaled logits, so ``softmax(forward(x))`` (what
-    :func:`bayesfuse.nets.predict.predict_proba` computes) is the probit predictive;
-    :meth:`mean_logits` the logits at the mean; :meth:`predict` either predictive. A
-    ``temperature`` buffer (1 unless a second round set it) divides the predictive logits.
+    ``forward(x)`` returns logits whose softmax (what :func:`bayesfuse.nets.predict.predict_proba`
+    computes) is the probit predictive; :meth:`mean_logits` the logits at the mean;
+    :meth:`predict` either predictive. A ``temperature`` buffer (1 unless a second round set it)
+    divides the predictive logits.
     """
 
     weight_var: torch.Tensor
@@ -75,19 +93,21 @@ class LastLayerLaplace(nn.Module):
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"the output layer {output!r} must be an nn.Linear, got {type(layer).__name__}")
         if covariance is not None:
-            covariance = torch.as_tensor(np.asarray(covariance), dtype=layer.weight.dtype)
-            shape = (layer.out_features, layer.in_features + 1, layer.in_features + 1)
-            if covariance.shape != shape:
+            covariance = _copy(covariance, layer.weight.dtype)
+            g, k = layer.in_features + 1, layer.out_features
+            if covariance.shape not in ((k, g, g), (g, k, g, k)):
                 raise ValueError(
                     f"covariance of shape {tuple(covariance.shape)} does not fit the output layer "
-                    f"{tuple(layer.weight.shape)}: need {shape}"
+                    f"{tuple(layer.weight.shape)}: need {(k, g, g)} (per class) or {(g, k, g, k)} (joint)"
                 )
+            matrices = covariance if covariance.dim() == 3 else covariance.reshape(1, g * k, g * k)
             if (
-                not torch.isfinite(covariance).all()
-                or (torch.linalg.eigvalsh(covariance.double()) < -1e-9 * (1 + covariance.abs().amax())).any()
+                not torch.isfinite(matrices).all()
+                or (torch.linalg.eigvalsh(matrices.double()) < -1e-9 * (1 + matrices.abs().amax())).any()
             ):
                 raise ValueError("covariance must be finite and positive semi-definite")
-            diagonal = torch.diagonal(covariance, dim1=-2, dim2=-1)
+            diagonal = torch.diagonal(matrices, dim1=-2, dim2=-1)
+            diagonal = diagonal if covariance.dim() == 3 else diagonal.reshape(g, k).T  # (K, G+1)
             weight_var, bias_var = diagonal[:, :-1], diagonal[:, -1]
         elif weight_var is None or bias_var is None:
             raise ValueError("give weight_var and bias_var, or covariance")
@@ -111,40 +131,107 @@ class LastLayerLaplace(nn.Module):
         self.register_buffer("temperature", torch.ones((), dtype=layer.weight.dtype))
         self.register_buffer("covariance", covariance)
 
-    def _logits_and_variance(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def joint(self) -> bool:
+        """Whether the covariance couples the classes (the refit round's joint posterior)."""
+        return self.covariance is not None and self.covariance.dim() == 4
+
+    def _features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits at the mean and ``a~ = [a(x); 1]``, in the covariance's dtype."""
         logits, features = logits_and_features(self.network, self.output, x)
-        if self.covariance is not None:
-            tilde = torch.cat([features, torch.ones_like(features[:, :1])], 1).to(self.covariance.dtype)
-            variance = torch.einsum("kgh,nh->nkg", self.covariance, tilde).mul(tilde[:, None, :]).sum(-1)
-            return logits, variance.clamp_min(0).to(logits.dtype)
-        variance = (features**2) @ self.weight_var.T + self.bias_var
-        return logits, variance
+        return logits, torch.cat([features, torch.ones_like(features[:, :1])], 1).to(self.weight_var.dtype)
+
+    def _logits_and_variance(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits at the mean and each logit's variance ``s_k^2(x)`` (N, K)."""
+        if self.covariance is None:
+            logits, features = logits_and_features(self.network, self.output, x)
+            return logits, (features**2) @ self.weight_var.T + self.bias_var
+        if self.joint:
+            logits, covariance = self._logits_and_covariance(x)
+            return logits, torch.diagonal(covariance, dim1=-2, dim2=-1).to(logits.dtype)
+        logits, tilde = self._features(x)
+        variance = torch.einsum("kgh,nh->nkg", self.covariance, tilde).mul(tilde[:, None, :]).sum(-1)
+        return logits, variance.clamp_min(0).to(logits.dtype)
+
+    def _logits_and_covariance(self, x: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits at the mean and their joint covariance ``S(x)`` (N, K, K), by the joint covariance."""
+        assert self.covariance is not None
+        logits, tilde = self._features(x)
+        g, k = self.covariance.shape[:2]
+        flat = self.covariance.reshape(g, k * g * k)
+        parts = []
+        for start in range(0, len(tilde), chunk):  # (n, K, G+1, K) at a time
+            t = tilde[start : start + chunk]
+            half = (t @ flat).reshape(len(t), k, g, k)
+            parts.append(torch.einsum("nkhl,nh->nkl", half, t))
+        covariance = torch.cat(parts) if parts else tilde.new_zeros((0, k, k))
+        return logits, 0.5 * (covariance + covariance.transpose(1, 2))
 
     def mean_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the network at the posterior mean."""
         return self.network(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, variance = self._logits_and_variance(x)
-        return logits / torch.sqrt(1.0 + (math.pi / 8.0) * variance) / self.temperature
+        if not self.joint:
+            logits, variance = self._logits_and_variance(x)
+            return logits / torch.sqrt(1.0 + (math.pi / 8.0) * variance) / self.temperature
+        # the probit rule on the centred logits C f ~ N(C f_bar, C S C) (module docstring)
+        logits, s = self._logits_and_covariance(x)
+        k = s.shape[-1]
+        centre = torch.eye(k, dtype=s.dtype) - 1.0 / k
+        mean = logits.to(s.dtype) @ centre
+        variance = torch.diagonal(centre @ s @ centre, dim1=-2, dim2=-1).clamp_min(0)
+        return (mean / torch.sqrt(1.0 + (math.pi / 8.0) * variance) / self.temperature.to(s.dtype)).to(logits.dtype)
+
+    def _weight_draws(self, num_samples: int, seed: int) -> torch.Tensor:
+        """``num_samples`` draws (S, G+1, K) of the output layer's weights (the bias as the last row)."""
+        layer = cast(nn.Linear, self.network.get_submodule(self.output))
+        mean = torch.cat([layer.weight.T, layer.bias[None]]).detach().double()
+        g, k = mean.shape
+        gen = torch.Generator().manual_seed(seed)
+        if self.covariance is None:
+            spread = torch.cat([self.weight_var.T, self.bias_var[None]]).double().sqrt()
+            return mean + torch.randn((num_samples, g, k), generator=gen, dtype=torch.float64) * spread
+        if self.joint:
+            root = _root(self.covariance.reshape(g * k, g * k).double())
+            eps = torch.randn((num_samples, g * k), generator=gen, dtype=torch.float64)
+            return mean + (eps @ root.T).reshape(num_samples, g, k)
+        roots = _root(self.covariance.double())  # (K, G+1, G+1)
+        eps = torch.randn((num_samples, k, g), generator=gen, dtype=torch.float64)
+        return mean + torch.einsum("kgh,skh->sgk", roots, eps)
 
     @torch.no_grad()
-    def predict(self, x, *, num_samples: int | None = None, seed: int = 0) -> np.ndarray:
-        """Class probabilities: the probit predictive, or the mean over ``num_samples`` draws of the logits."""
+    def predict(self, x, *, num_samples: int | None = None, seed: int = 0, chunk: int = 1024) -> np.ndarray:
+        """Class probabilities: the probit predictive, or the mean over ``num_samples`` draws of the
+        output layer's weights from their posterior (the same draws for every input, whatever
+        the batch: an input's prediction does not depend on the others)."""
         dtype = self.weight_var.dtype
         x = as_input(x, dtype)  # token ids stay integers
         check_inputs(x)
+        if num_samples is not None:
+            num_samples = check_num_samples(num_samples)
         was_training = self.training
         self.eval()
         try:
             if num_samples is None:
                 return torch.softmax(self(x).double(), -1).numpy()
-            if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-                raise ValueError(f"num_samples must be a positive integer or None, got {num_samples!r}")
-            logits, variance = self._logits_and_variance(x)
-            gen = torch.Generator().manual_seed(seed)
-            eps = torch.randn((num_samples, *logits.shape), generator=gen, dtype=logits.dtype)
-            draws = (logits.double() + eps.double() * variance.double().sqrt()) / float(self.temperature)
-            return torch.softmax(draws, -1).mean(0).numpy()
+            draws = self._weight_draws(num_samples, seed)
+            _, tilde = self._features(x)
+            tilde, out = tilde.double(), []
+            for start in range(0, len(tilde), chunk):
+                f = torch.einsum("ng,sgk->snk", tilde[start : start + chunk], draws) / float(self.temperature)
+                out.append(torch.softmax(f, -1).mean(0))
+            return torch.cat(out).numpy()
         finally:
             self.train(was_training)
+
+
+def _root(covariance: torch.Tensor) -> torch.Tensor:
+    """A matrix root ``R`` with ``R R^T = covariance`` (batched): its Cholesky factor, or where the
+    covariance is only semi-definite (a direction of no variance), ``V diag(sqrt(lambda))`` of its
+    eigendecomposition, negative round-off clipped."""
+    root, info = torch.linalg.cholesky_ex(covariance)
+    if not bool(info.any()):
+        return root
+    values, vectors = torch.linalg.eigh(covariance)
+    return vectors * values.clamp_min(0).sqrt()[..., None, :]

@@ -10,6 +10,8 @@ from scipy.special import softmax
 from bayesfuse.constraints import InvalidParameterError
 from bayesfuse.inference.output_fusion import (
     OutputFit,
+    _quadratic_model,
+    class_blocks,
     evidence_precision,
     fit_output_layer,
     fuse_output_fits,
@@ -160,7 +162,12 @@ def test_output_posterior_is_the_product_at_the_evidences_precision():
         assert lam == want
         ref_mean, ref_cov = fuse_output_fits(fits, lam0, posterior_precision=want, n_clients=n_clients)
         np.testing.assert_array_equal(mean, ref_mean)
-        np.testing.assert_array_equal(cov, ref_cov)
+        np.testing.assert_allclose(class_blocks(cov), ref_cov, rtol=1e-12, atol=1e-15)
+        # the joint covariance is the whole inverse of the product's precision, cross-class blocks included
+        curvature, _ = _quadratic_model(fits, lam0, n_clients)
+        g, k = mean.shape
+        direct = np.linalg.inv(curvature + lam * np.eye(g * k)).reshape(g, k, g, k)
+        np.testing.assert_allclose(cov, direct, rtol=1e-8, atol=1e-12)
 
 
 def test_a_lost_clients_share_of_the_prior_is_put_back():

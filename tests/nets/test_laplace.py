@@ -98,3 +98,74 @@ def test_per_class_covariance_by_hand_and_its_diagonal():
         LastLayerLaplace(net, "layers.1", covariance=-cov)
     with pytest.raises(ValueError, match="or covariance"):
         LastLayerLaplace(net, "layers.1")
+
+
+def _joint(net, seed=0, scale=0.3):
+    g, k = net.layers[-1].in_features + 1, net.layers[-1].out_features
+    root = np.random.default_rng(seed).normal(size=(g * k, g * k)) * scale / np.sqrt(g * k)
+    return (root @ root.T).reshape(g, k, g, k)
+
+
+def test_joint_covariance_by_hand_centred_probit_and_its_sampled_predictive():
+    """S(x) = (I (x) a~)^T Sigma (I (x) a~) by hand; the probit of the centred logits by hand; and
+    the sampled predictive (weight draws) against draws of the logits from N(f_bar, S(x)) made
+    here: 200,000 draws each, so each probability's estimate has sd <= 0.5 / sqrt(2e5) ~ 0.0011,
+    and the two differ by at most 5 sd of their difference, 5 * sqrt(2) * 0.0011."""
+    net = network(k=3)
+    cov = _joint(net)
+    lla = LastLayerLaplace(net, "layers.1", covariance=cov).double()
+    assert lla.joint
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        feats = torch.relu(net.layers[0](x)).numpy()
+        logits = net(x).numpy()
+        mean, s = lla._logits_and_covariance(x)
+    tilde = np.hstack([feats, np.ones((5, 1))])
+    want = np.einsum("ng,gkhl,nh->nkl", tilde, cov, tilde)
+    np.testing.assert_allclose(s.numpy(), want, rtol=1e-10)
+    np.testing.assert_allclose(lla.weight_var.numpy(), np.einsum("gkgk->kg", cov)[:, :-1], rtol=1e-12)
+    centre = np.eye(3) - 1 / 3
+    sc = np.einsum("kl,nlm,mj->nkj", centre, want, centre)
+    z = (logits @ centre) / np.sqrt(1 + math.pi / 8 * np.einsum("nkk->nk", sc))
+    with torch.no_grad():
+        np.testing.assert_allclose(lla(x).numpy(), z, rtol=1e-10)
+    rng = np.random.default_rng(5)
+    direct = np.stack(
+        [
+            torch.softmax(torch.as_tensor(rng.multivariate_normal(f, sn, size=200_000)), -1).mean(0).numpy()
+            for f, sn in zip(logits, want)
+        ]
+    )
+    sampled = lla.predict(x, num_samples=200_000, seed=4)
+    np.testing.assert_allclose(sampled, direct, atol=5 * np.sqrt(2) * 0.5 / np.sqrt(200_000))
+
+
+def test_variance_along_the_all_ones_direction_changes_no_prediction():
+    """A common shift of every class's bias moves all logits together: the softmax ignores it,
+    so the probit of the centred logits and the sampled predictive are the network's softmax."""
+    net = network(k=3)
+    g = net.layers[-1].in_features + 1
+    shift = np.zeros((g, 3))
+    shift[-1] = 1.0  # the biases, all classes together
+    cov = 4.0 * np.einsum("gk,hl->gkhl", shift, shift)
+    lla = LastLayerLaplace(net, "layers.1", covariance=cov).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    want = torch.softmax(net(x), -1).detach().numpy()
+    np.testing.assert_allclose(lla.predict(x), want, rtol=1e-10)
+    np.testing.assert_allclose(lla.predict(x, num_samples=50, seed=1), want, rtol=1e-10)
+    per_class = LastLayerLaplace(net, "layers.1", covariance=np.stack([cov[:, c, :, c] for c in range(3)])).double()
+    assert np.abs(per_class.predict(x) - want).max() > 1e-2  # the per-class rule reads it as uncertainty
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_a_sampled_prediction_does_not_depend_on_the_rest_of_the_batch(joint):
+    net = network(k=3)
+    lla = (
+        LastLayerLaplace(net, "layers.1", covariance=_joint(net))
+        if joint
+        else LastLayerLaplace(net, "layers.1", np.full((3, 5), 0.3), np.full(3, 0.5))
+    ).double()
+    x = torch.randn(9, 4, dtype=torch.float64)
+    whole = lla.predict(x, num_samples=200, seed=2)
+    np.testing.assert_allclose(lla.predict(x[3:4], num_samples=200, seed=2), whole[3:4], rtol=1e-12)
+    np.testing.assert_allclose(lla.predict(x, num_samples=np.int64(200), seed=2), whole, rtol=0)

@@ -174,8 +174,10 @@ class FedMA(_RefitRound):
         Nodes dropped from the later rounds.
     error : Exception or None
         What stopped the run early, if anything (every node lost, say).
-    output_covariance : ndarray (K, G+1, G+1) or None
-        After a refit, per class the posterior covariance of the output layer's weights and bias.
+    output_covariance : ndarray (G+1, K, G+1, K), (K, G+1, G+1) or None
+        After a refit, the posterior covariance of the output layer's weights and bias (the bias
+        as the last row): joint, or per class for a layer too wide to solve jointly
+        (:func:`~bayesfuse.inference.output_fusion.output_posterior`).
     second_round_report : dict or None
         After a refit: ``kind``, ``prior_precision``, ``bytes_up`` and ``bytes_down`` (per node),
         ``replies``, ``seconds``.

@@ -528,7 +528,8 @@ class _RefitRound(_Fusion):
 
     def laplace(self, like: nn.Module) -> LastLayerLaplace:
         """The refitted network with its output layer's posterior: a
-        :class:`~bayesfuse.nets.laplace.LastLayerLaplace` (probit predictive, per-class covariance).
+        :class:`~bayesfuse.nets.laplace.LastLayerLaplace` (probit predictive; joint covariance, or per
+        class for a layer too wide to solve jointly).
 
         Parameters
         ----------
@@ -674,8 +675,10 @@ class MatchedAveraging(_RefitRound):
     last_fusion : FusionResult or None
         The last fusion's result (:func:`bayesfuse.fuse_states`); after a refit its state has the
         refitted output layer and ``hyper["second_round"]`` says what the round did and cost.
-    output_covariance : ndarray (K, G+1, G+1) or None
-        After a refit, per class the posterior covariance of the output layer's weights and bias.
+    output_covariance : ndarray (G+1, K, G+1, K), (K, G+1, G+1) or None
+        After a refit, the posterior covariance of the output layer's weights and bias (the bias
+        as the last row): joint, or per class for a layer too wide to solve jointly
+        (:func:`~bayesfuse.inference.output_fusion.output_posterior`).
     second_round_report : dict or None
         After a refit: ``kind``, ``prior_precision``, ``bytes_up`` (per client), ``bytes_down``
         (per client), ``replies``, ``seconds``. After the temperature round: ``kind``,
@@ -913,7 +916,11 @@ class MatchedAveraging(_RefitRound):
             for key in keys:
                 if key in self.last_fusion.state:
                     self.last_fusion.state[key] = refitted[key].copy()
-            self.last_fusion.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
+            self.last_fusion.hyper["predictive"] = (
+                "probit of the centred logits, last-layer Laplace (LastLayerLaplace, joint covariance)"
+                if self.output_covariance is not None and np.ndim(self.output_covariance) == 4
+                else "probit, last-layer Laplace (LastLayerLaplace, per-class covariance)"
+            )
             self.last_fusion.hyper["second_round"] = self.second_round_report
 
     # ------------------------------------------------------------------ the temperature round
