@@ -113,16 +113,32 @@ def input_kind(states: Sequence[State]) -> str:
     return "bnn" if flags and all(flags) else "network"
 
 
+#: The hyper-parameters one network is matched with when the rest are left to empirical Bayes: a
+#: vague prior, so that it comes back as itself.
+ONE_NETWORK = {"prior_var": 1e8, "noise_var": 1.0}
+
+
+def _one_network(settings: dict, given: Mapping) -> dict:
+    """One network, data-free: empirical Bayes cannot tell the prior's spread from the noise with
+    one client (it halved every weight and gave every hidden bias one value), so the choices
+    left to it are a vague prior (:data:`ONE_NETWORK`), under which the network comes back as
+    itself; what the caller gave is kept."""
+    out = dict(settings)
+    if all(settings.get(k) == "auto" and k not in given for k in ONE_NETWORK):
+        out.update(ONE_NETWORK)
+    return out
+
+
 def warn_single(n_models: int) -> None:
-    """The one line of fusing a single model: it comes back as itself, shrunk by the prior.
+    """The one line of fusing a single model: it comes back as itself (:func:`_one_network`).
 
     Passed through rather than refused, since a federated round can end with one valid reply
     (:mod:`bayesfuse.integrations`); the warning points at the caller's line, not the package's.
     """
     if n_models == 1:
         warn_from_caller(
-            "only one model: fusion returns it (its posterior, shrunk by the prior); give two or more "
-            "models to fuse them"
+            "only one model: fusion returns it (as it is, under a vague prior, unless its prior is given); give "
+            "two or more models to fuse them"
         )
 
 
@@ -237,6 +253,8 @@ def fuse_states(
         if class_counts is None:
             class_counts = np.stack([np.asarray(s.class_counts) for s in options["summaries"]])
     warn_single(len(states))
+    if len(states) == 1 and kind == "network" and summaries is None:
+        settings = _one_network(settings, hyper)
     fuse = load(methods.METHODS[method].fusers[kind])  # the table's routine for this kind of input
     fused = fuse(
         states,

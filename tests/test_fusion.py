@@ -75,11 +75,18 @@ def test_fused_weights_are_the_gaussian_posterior_mean():
     np.testing.assert_allclose(one_hidden_layer(res.model).out_bias, J * part.out_bias / (1 / 10 + J), rtol=1e-6)
 
 
-def test_single_model_fuses_to_itself():
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+def test_single_model_fuses_to_itself(method):
+    """At the defaults too: with one client, empirical Bayes cannot tell the prior from the noise
+    (it halved the weights), so the prior left to it is vague (ONE_NETWORK); a given one is kept."""
     model = _net(2)
-    res = fuse([model], "nafi", prior_var=1e6)
     x = torch.randn(20, 6)
-    torch.testing.assert_close(res.model(x), model(x), rtol=1e-4, atol=1e-4)
+    for hyper in ({}, {"prior_var": 1e6} if method != "ot" else {}):
+        res = fuse([model], method, **hyper)
+        torch.testing.assert_close(res.model(x), model(x), rtol=1e-4, atol=1e-4)
+    if method == "pfnm":  # a prior given is the caller's: the weights are shrunk by it
+        small = fuse([model], method, prior_var=0.01, noise_var=1.0).model
+        assert float((small(x) - model(x)).abs().max()) > 1e-2
 
 
 def test_class_counts_weight_the_outgoing_weights():
