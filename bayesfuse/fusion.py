@@ -152,11 +152,12 @@ def fuse(
     summaries: Sequence | None = None,
     output_pool: str = "precision",
     rounds: int = 1,
-    second_round: str = "refit",
+    second_round: str | None = None,
     output_prior_precision: float | None = None,
     example_input=None,
     head: str | None = None,
     pool: str | None = None,
+    pseudo_count: float | None = None,
     **hyper,
 ) -> FusionResult:
     """Fuse networks into one by matching their hidden units, layer by layer.
@@ -263,8 +264,9 @@ def fuse(
         features and the server multiplies their Laplace fits in place of FedMA's class-share
         average, and returns its ``LastLayerLaplace`` (``hyper["rounds"]`` counts it), or with
         ``head="clients"`` the clients' fits as heads.
-    second_round : {"refit", "temperature", "batchnorm"}
-        What the second round does. ``"refit"`` (default): the server sends the fused network;
+    second_round : {"refit", "temperature", "batchnorm"}, optional
+        What the second round does (with ``rounds=2`` or ``3``; refused with ``rounds=1``, where
+        there is none). ``"refit"`` (the default): the server sends the fused network;
         each client fits its output layer on the fused features of its own data and returns the
         fit and its K-FAC curvature (:func:`bayesfuse.summaries.output_fit`); the server
         multiplies the clients' Laplace posteriors into the output layer and its covariance
@@ -333,6 +335,12 @@ def fuse(
             )
     method = methods.canonical(method)
     methods.check_keys(method, hyper, caller=fuse)
+    if second_round is not None and rounds == 1:
+        raise ValueError(
+            f"second_round={second_round!r} is what a second round does: give rounds=2 (or rounds=3 with "
+            "second_round='batchnorm')"
+        )
+    second_round = second_round or "refit"
     if output_prior_precision is not None:
         from bayesfuse.inference.output_fusion import checked_prior_precision
 
@@ -340,6 +348,24 @@ def fuse(
         if not (rounds == 2 and second_round == "refit" or rounds == 3):
             raise ValueError(
                 "output_prior_precision is the refit round's prior: give rounds=2 (second_round='refit') or rounds=3"
+            )
+    row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
+    if retrain is not None and not (row is not None and row.needs_data):
+        using = " and ".join(f"method={n!r}" for n in methods.names(needs_data=True))
+        raise ValueError(f"retrain= is the local training of {using} between layers; method={method!r} trains nothing")
+    if pseudo_count is not None:
+        from bayesfuse.nets.heads import checked_pseudo_count
+
+        pseudo_count = checked_pseudo_count(pseudo_count)
+        if head == "shared" or rounds == 2 and second_round == "temperature":
+            raise ValueError(
+                "pseudo_count smooths the clients' own heads (head='clients', the default with summaries in one "
+                "shot, or the refit round's); "
+                + (
+                    "head='shared' keeps one output layer"
+                    if head == "shared"
+                    else "the temperature round chooses among heads at their smoothing: set model.pseudo_count after"
+                )
             )
     methods.check_execution(method, None, device)  # a method that cannot use a device, or a device this
     check_device(device, dtype)  # machine lacks: refused before anything is trained or converted
@@ -350,7 +376,6 @@ def fuse(
     if any(multihead_modules(m) for m in models):  # fused as HeadAttention, whose heads can change width
         check_example_runs(template, example_input)  # the caller's network runs, before it is rewritten
         models = [split_heads(m) for m in models]
-    row = methods.METHODS.get(method)  # an unknown method is fuse_states' to refuse
     if row is not None and row.needs_data:
         if rounds not in (1, 2) or isinstance(rounds, bool) or second_round != "refit":
             raise ValueError(
@@ -535,6 +560,8 @@ def fuse(
                         candidates.append((fused_variant, variant))
                         labels.append(label)
         fused, model = _second_round(candidates, data, labels, like=models[0])
+    if pseudo_count is not None:
+        _smoothed(model, fused.hyper, pseudo_count)
     result = FusionResult(
         model=model,
         layers=fused.layers,
@@ -546,6 +573,24 @@ def fuse(
         posteriors=fused.posteriors,
     )
     return to_callers(_with_multihead(result, template), order)
+
+
+def _smoothed(model: nn.Module, hyper: dict, pseudo_count: float) -> None:
+    """The clients' heads of ``model`` smoothed by ``pseudo_count``, and the report's predictive
+    saying so; refused in one line where the fusion kept one output layer."""
+    from bayesfuse.nets.heads import ClientHeads
+
+    if not isinstance(model, ClientHeads):
+        why = hyper.get("head", "one output layer")
+        raise ValueError(
+            f"pseudo_count smooths the clients' own heads; this fusion kept one shared output layer ({why}): "
+            "fuse with client summaries, or head='clients'"
+        )
+    before = _smoothing(model)
+    model.pseudo_count = pseudo_count
+    if "predictive" in hyper and before:
+        hyper["predictive"] = hyper["predictive"].replace(before, _smoothing(model))
+    hyper["pseudo_count"] = pseudo_count
 
 
 def _check_data(data, n_models: int) -> None:

@@ -432,9 +432,30 @@ API_CASES = [
         r"method='fedma' runs its own rounds .*rounds=2 adds one more, the refit round",
     ),
     (
-        lambda: fuse([MLP(4, [3, 3], 2) for _ in range(2)], "fedma", second_round="temperature"),
+        lambda: fuse([MLP(4, [3, 3], 2) for _ in range(2)], "fedma", rounds=2, second_round="temperature"),
         ValueError,
         "method='fedma' runs its own rounds",
+    ),
+    # what a call asks for is done or refused, never ignored
+    (
+        lambda: fuse([MLP(4, [3], 2) for _ in range(2)], "pfnm", second_round="temperature"),
+        ValueError,
+        r"second_round='temperature' is what a second round does: give rounds=2",
+    ),
+    (
+        lambda: fuse([MLP(4, [3], 2) for _ in range(2)], "pfnm", retrain=TrainConfig(epochs=1)),
+        ValueError,
+        r"retrain= is the local training of method='fedma' between layers; method='pfnm' trains nothing",
+    ),
+    (
+        lambda: fuse([MLP(4, [3], 2) for _ in range(2)], "pfnm", pseudo_count=1.0),
+        ValueError,
+        r"pseudo_count smooths the clients' own heads; this fusion kept one shared output layer",
+    ),
+    (
+        lambda: fuse([MLP(4, [3], 2) for _ in range(2)], "pfnm", pseudo_count=-1.0),
+        ValueError,
+        r"pseudo_count must be a finite number >= 0",
     ),
     (lambda: fuse([MLP(4, [3, 3], 2) for _ in range(2)], "pfnm", direction="sideways"), ValueError, "direction"),
     (

@@ -39,6 +39,20 @@ def test_summaries_are_used_and_reported(federation):
     assert np.isfinite(probs).all() and evaluate(probs, split.test.y)["accuracy"] > 0.5
 
 
+def test_pseudo_count_smooths_the_clients_heads_as_setting_it_after_does(federation):
+    from bayesfuse.nets.heads import ClientHeads
+    from bayesfuse.nets.predict import predictive_proba
+
+    split, part, models, summaries = federation
+    default = fuse(models, "pfnm", summaries=summaries)
+    plain = fuse(models, "pfnm", summaries=summaries, pseudo_count=0)
+    assert isinstance(plain.model, ClientHeads) and plain.model.pseudo_count == 0 == plain.hyper["pseudo_count"]
+    assert "smoothed" in default.hyper["predictive"] and "smoothed" not in plain.hyper["predictive"]
+    default.model.pseudo_count = 0
+    x = split.test.x[:50]
+    np.testing.assert_allclose(predictive_proba(plain, x), predictive_proba(default, x), rtol=1e-12)
+
+
 def test_one_client_fuses_to_itself(federation):
     split, part, models, summaries = federation
     with pytest.warns(UserWarning, match="only one model"):
