@@ -617,6 +617,11 @@ class ClientHeads(nn.Module):
 
     def _head_log_probs(self, x: torch.Tensor) -> torch.Tensor:
         _, features = logits_and_features(self.network, self.output, x)
+        if features.dim() != 2:
+            raise ValueError(
+                f"the output layer {self.output!r} reads features of shape {tuple(features.shape)}, not (n, G): "
+                "give x as a batch of inputs (n, ...)"
+            )
         features = features.to(self.weight.dtype)
         logits = torch.einsum("jkg,ng->jnk", self.weight, features) + self.bias[:, None, :]
         if self.predictive == "map":
@@ -657,6 +662,37 @@ class ClientHeads(nn.Module):
             return (lambda a: ((a[:, at] @ vecs) ** 2) @ inverse), self.curv_vecs[j]
         n = float(self.n[j]) * scale
         return (lambda a: logit_variances(a[:, at], vecs, vals, curv, n, prior)), self.curv_vecs[j]
+
+    @torch.no_grad()
+    def predict(self, x, *, num_samples: int | None = None, seed: int = 0) -> np.ndarray:
+        """Class probabilities (n, K) as float64.
+
+        With ``num_samples`` None, the heads' own fixed draws (:meth:`forward`, the same every
+        call); else each head's Laplace predictive is estimated by ``num_samples`` fresh standard
+        normal draws made from ``seed`` (the same for every input, whatever the batch). Heads
+        that predict by their means (``predictive="map"``) draw nothing.
+        """
+        from bayesfuse._validation import check_inputs, check_num_samples
+        from bayesfuse.nets.state import model_input
+
+        x = model_input(x, self.network)
+        check_inputs(x)
+        kept = getattr(self, "draws", None)
+        if num_samples is not None:
+            n = check_num_samples(num_samples)
+            if kept is not None:
+                generator = torch.Generator().manual_seed(int(seed))
+                self.draws = torch.randn(
+                    kept.shape[0], n, kept.shape[2], generator=generator, dtype=kept.dtype, device=kept.device
+                )
+        was_training = self.training
+        self.eval()
+        try:
+            return torch.softmax(self(x).double(), -1).cpu().numpy()
+        finally:
+            self.train(was_training)
+            if kept is not None:
+                self.draws = kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         log_p = self.head_log_probs(x)

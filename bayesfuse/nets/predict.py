@@ -46,7 +46,8 @@ def predict_proba(model: nn.Module, x: np.ndarray | torch.Tensor, *, batch_size:
 def predictive_proba(model, x: np.ndarray, *, num_samples: int = 100, seed: int = 0) -> np.ndarray:
     """The predictive probabilities (n, K) of any classifier: Bayesian ones by their Monte Carlo predictive.
 
-    A model with ``predict(x, num_samples=, seed=)`` (a BNN, a fused BNN with client heads, an
+    A model with ``predict(x, num_samples=, seed=)`` (a BNN, a fused BNN with client heads, the
+    clients' heads of a fused network (:class:`~bayesfuse.nets.heads.ClientHeads`), an
     :class:`~bayesfuse.baselines.Ensemble`, a last-layer Laplace network) gives
     ``model.predict(x, num_samples=num_samples, seed=seed)``; any other network
     ``softmax(model(x))`` (:func:`predict_proba`). A fusion result (what :func:`bayesfuse.fuse`

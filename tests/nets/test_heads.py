@@ -392,6 +392,29 @@ def test_laplace_heads_predict_the_mixture_of_mean_softmaxes_over_their_draws():
     assert np.allclose(predict_proba(pinned, x), predict_proba(plain, x), atol=1e-5)
 
 
+def test_predict_draws_afresh_from_num_samples_and_seed():
+    """predict(num_samples=, seed=) makes its own draws (the heads' fixed ones are those of seed 0),
+    the same for every input; more draws bring it to the predictive: with 20,000 draws per head
+    each probability's Monte Carlo sd is under 0.5 / sqrt(2e4) ~ 0.0035, and 64 draws' under
+    0.5 / 8 = 0.0625, so they differ by less than 5 sd of the larger."""
+    rng, net, weight, bias, shares, factors = _laplace_heads(2, 0.5)
+    model = ClientHeads(net, "2", weight, bias, shares, laplace=factors, samples=64).eval()
+    x = rng.normal(size=(7, 5)).astype(np.float32)
+    fixed = model.predict(x)
+    np.testing.assert_array_equal(fixed, predict_proba(model, x))
+    np.testing.assert_allclose(model.predict(x, num_samples=64, seed=0), fixed, rtol=1e-12)
+    other = model.predict(x, num_samples=64, seed=1)
+    assert np.abs(other - fixed).max() > 1e-4  # another seed, other draws
+    np.testing.assert_allclose(model.predict(x[2:3], num_samples=64, seed=1), other[2:3], rtol=1e-12)
+    many = model.predict(x, num_samples=np.int64(20_000), seed=3)
+    assert np.abs(many - fixed).max() < 5 * 0.0625
+    np.testing.assert_array_equal(model.predict(x), fixed)  # the heads' own draws are kept
+    with pytest.raises(ValueError, match="give x as a batch of inputs"):
+        model.predict(x[0])
+    with pytest.raises(ValueError, match="num_samples must be a positive integer"):
+        model.predict(x, num_samples=0)
+
+
 def test_the_predictive_taken_in_pieces_is_the_same(monkeypatch):
     """ClientHeads takes inputs _ROWS at a time; no input's result depends on another's, so the
     pieces change nothing but round-off (matrix kernels group the same sums differently by the
