@@ -606,6 +606,13 @@ def _check_data(data, n_models: int) -> None:
     empty = [j for j, p in enumerate(parts) if len(p) == 0]
     if empty:
         raise ValueError(f"clients {empty} hold no examples (the models' order); each client needs its own data")
+    n = len(data[0].y) if hasattr(data[0], "y") else None
+    for j, p in enumerate(parts):
+        if n is not None and (not np.issubdtype(p.dtype, np.integer) or p.min() < 0 or p.max() >= n):
+            raise ValueError(
+                f"client {j}'s examples are not indices into the {n} examples of data[0] (range "
+                f"{p.min()}..{p.max()}): the partition indexes the training set it was made from"
+            )
 
 
 def _with_multihead(result: FusionResult, template: nn.Module) -> FusionResult:

@@ -13,7 +13,7 @@ from torch import nn
 from bayesfuse import fuse, fuse_states
 from bayesfuse.checkpoints import load_state_dict, save_state_dict
 from bayesfuse.cli import main
-from bayesfuse.data import dirichlet_partition
+from bayesfuse.data import Dataset, dirichlet_partition
 from bayesfuse.inference.expfam import DiagNormal, Gamma
 from bayesfuse.inference.fedma import fedma
 from bayesfuse.inference.klfusion import kl_fuse
@@ -435,6 +435,16 @@ API_CASES = [
         lambda: fuse([MLP(4, [3, 3], 2) for _ in range(2)], "fedma", rounds=2, second_round="temperature"),
         ValueError,
         "method='fedma' runs its own rounds",
+    ),
+    (
+        lambda: fuse(
+            [MLP(4, [3], 2) for _ in range(2)],
+            "pfnm",
+            rounds=2,
+            data=(Dataset(np.zeros((5, 4), np.float32), np.arange(5) % 2, 2, "tiny"), [np.arange(3), np.arange(3, 9)]),
+        ),
+        ValueError,
+        r"client 1's examples are not indices into the 5 examples of data\[0\] \(range 3..8\)",
     ),
     # what a call asks for is done or refused, never ignored
     (
