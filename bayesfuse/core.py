@@ -468,6 +468,7 @@ def _match_states(
     )
     layers = [result.layers[g] for g in spec.groups]
     hyper = {**settings, "seed": seed}
+    posteriors = [(layer.mean, layer.var) for layer in layers]  # the matching's atoms (data-free)
     if summaries is not None:
         bases = {g: Basis(result.layers[g].assignments, result.layers[g].n_global) for g in spec.groups}
         values, precision = laplace_fuse_entries(
@@ -479,6 +480,9 @@ def _match_states(
             output_shares(h),
         )
         result.state_dict.update(values)
+        posteriors = [
+            _network_posterior(result.state_dict, precision, spec, g, layer) for g, layer in zip(spec.groups, layers)
+        ]
         hyper["summaries"] = {
             "used": True,
             "weights": "laplace precision (GGN diagonal + prior)",
@@ -495,13 +499,31 @@ def _match_states(
         layers=layers,
         sizes=[result.sizes[g] for g in spec.groups],
         groups=tuple(spec.groups),
-        posteriors=[(layer.mean, layer.var) for layer in layers],
+        posteriors=posteriors,
         method=method,
         kind="network",
         hyper=hyper,
         spec=spec,
         precision=precision if summaries is not None else None,
     )
+
+
+def _network_posterior(values: Mapping, precision: Mapping, spec: PermutationSpec, group: str, layer) -> tuple:
+    """With summaries the fused network is a posterior: each unit's entries at the values the network
+    holds (:func:`~bayesfuse.inference.summary_fusion.laplace_fuse_entries`), variance one over their
+    fused precision, laid out as the matching's atoms (``layer.hyper["blocks"]``); the matching's own
+    atom posterior where the network's entries do not lay out so (folded batch norms)."""
+    from bayesfuse.inference.layerwise import unit_rows
+
+    blocks = layer.hyper.get("blocks")
+    if not blocks or spec.folds or any(k not in precision for k in blocks):
+        return layer.mean, layer.var
+    mean = unit_rows(values, spec, group, blocks)
+    if mean.shape != np.shape(layer.mean):
+        return layer.mean, layer.var
+    with np.errstate(divide="ignore"):
+        var = 1.0 / unit_rows(precision, spec, group, blocks)
+    return mean, var
 
 
 def _output_precision(summary, spec, name) -> np.ndarray:

@@ -444,6 +444,35 @@ def test_deep_fusion_exports_each_layer():
         fusion_to_arviz(fuse(models, "fedavg"))
 
 
+def test_a_fusion_with_summaries_exports_the_posterior_the_network_is_the_mean_of(digits):
+    """With client summaries the fused network is a posterior: the export's loc is the network's
+    own weights (every entry of every unit), its scale one over their fused precision, and the
+    entries are named by the network's, whatever module holds the network (ClientHeads here)."""
+    from bayesfuse import fuse, summarize
+    from bayesfuse.data import dirichlet_partition
+    from bayesfuse.train import TrainConfig, train_clients
+
+    part = dirichlet_partition(digits.train.y, 3, 1.0, seed=0)
+    models = train_clients(digits.train, part, TrainConfig(hidden=(12,), epochs=3), verbose=False)
+    summaries = [summarize(m, digits.train.x[i], digits.train.y[i]) for m, i in zip(models, part)]
+    res = fuse(models, "pfnm", summaries=summaries)
+    idata = fusion_to_arviz(res, units="all", weights="all")
+    net = res.model.network
+    w, b, out = (net.layers[0].weight, net.layers[0].bias, net.layers[1].weight)
+    held = torch.cat([w, b[:, None], out.T], 1).detach().double().numpy()
+    np.testing.assert_allclose(idata.constant_data["loc"].values, held, rtol=1e-6, atol=1e-7)
+    names = [str(n) for n in idata.posterior["theta"].coords["weight"].values]
+    assert names[0] == "layers.0.weight[0]" and names[64] == "layers.0.bias" and names[-1] == "layers.1.weight[9]"
+    # the scale, from the core's fusion of the same states: one over the root of the fused precision
+    from bayesfuse.core import fuse_states
+    from bayesfuse.nets.state import numpy_state
+
+    fused = fuse_states([numpy_state(m) for m in models], "pfnm", summaries=summaries)
+    p = fused.precision
+    want = np.hstack([p["layers.0.weight"], p["layers.0.bias"][:, None], p["layers.1.weight"].T]) ** -0.5
+    np.testing.assert_allclose(fusion_to_arviz(fused, units="all", weights="all").constant_data["scale"].values, want)
+
+
 # ------------------------------------------------------------------------------ names and attrs
 
 

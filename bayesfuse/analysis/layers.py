@@ -383,10 +383,15 @@ def fusion_to_arviz(
     ``layer`` is an index into ``result.layers`` or a group name of ``result.groups``
     (``"P2"``: the second hidden layer of a deep MLP). The draws are of the layer's global units
     as ``result.posteriors`` gives them: for a fused BNN its guide's unit posterior (weights
-    ``in_0 ..``, ``bias``, ``log_scale``, ``out_0 ..``); for fused networks, the matching's atom
-    posterior (the numbers that described each unit, named by the network's entries when the
-    matching recorded them). ``posterior.attrs`` holds ``result.method``, ``result.hyper`` and the
-    layer's own ``hyper`` (``layer_hyper``). Other parameters as in :func:`match_to_arviz`.
+    ``in_0 ..``, ``bias``, ``log_scale``, ``out_0 ..``); for networks fused with client
+    summaries, the posterior the network is the mean of (its own weights, variance one over
+    their fused Laplace precision); for networks fused data-free, the matching's atom posterior
+    (the numbers that described each unit), which the network holds up to its output averaging
+    (the outgoing weights of a unit merged from ``m`` of ``J`` clients times ``m / J``) and, in
+    deeper networks, the members' plain average (``global_weights="average"``). Entries are
+    named by the network's (``layers.0.weight[3]``, ...) when the matching recorded them.
+    ``posterior.attrs`` holds ``result.method``, ``result.hyper`` and the layer's own ``hyper``
+    (``layer_hyper``). Other parameters as in :func:`match_to_arviz`.
 
     Raises
     ------

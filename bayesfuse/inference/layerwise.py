@@ -308,6 +308,12 @@ def _to_rows(a: np.ndarray, d: int, axis: Axis) -> np.ndarray:
     return np.moveaxis(blocks, d + 1, 0).reshape(n, -1)
 
 
+def unit_rows(state: Mapping[str, object], spec: PermutationSpec, group: str, entries: Sequence[str]) -> np.ndarray:
+    """(units, D): each unit of ``group`` as the vector of its ``entries`` in ``state`` (every axis
+    in the same basis), laid out as :func:`match_group` lays out an atom."""
+    return np.hstack([_to_rows(np.asarray(state[k], dtype=np.float64), *_group_axis(spec, k, group)) for k in entries])
+
+
 def _from_rows(rows: np.ndarray, shape: tuple, d: int, axis: Axis) -> np.ndarray:
     """Inverse of :func:`_to_rows` for ``G = len(rows)`` units; ``shape`` is the local entry shape with
     other axes global."""

@@ -264,8 +264,10 @@ def entry_names(
 
 
 def fused_state(result) -> Mapping | None:
-    """The fused network's state_dict: ``result.model``'s, or a StateFusion's ``state``."""
+    """The fused network's state_dict: ``result.model``'s (the network under a posterior's or the
+    clients' heads, ``model.network``), or a StateFusion's ``state``."""
     model = getattr(result, "model", None)
+    model = getattr(model, "network", model)
     if model is not None and hasattr(model, "state_dict"):
         return model.state_dict()
     state = getattr(result, "state", None)
