@@ -58,11 +58,15 @@ def check_num_samples(num_samples) -> int:
     return int(num_samples)
 
 
-def as_input(x, dtype, device=None):
-    """``x`` (NumPy or torch) as a tensor to feed a network: floating-point inputs in ``dtype``
-    (the network's), integer inputs (token ids) and booleans as they are, since ids cast to a
-    float type lose their value (float16 above 2048); on ``device`` when given."""
+def as_input(x, module, dtype, device=None):
+    """``x`` (NumPy or torch) as a tensor to feed ``module``: in ``dtype`` (the network's floating
+    type), on ``device`` when given; integer inputs stay integers only where the network reads
+    ids (it holds an ``nn.Embedding`` or ``nn.EmbeddingBag``), since ids cast to a float type
+    lose their value (float16 above 2048), while integer features (uint8 pixels) are numbers."""
     import torch
 
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-    return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    ids = not t.is_floating_point() and any(
+        isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) for m in module.modules()
+    )
+    return t.to(device=device, dtype=t.dtype if ids else dtype)

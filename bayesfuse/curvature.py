@@ -199,7 +199,7 @@ def diag_ggn(model: nn.Module, x, *, batch_size: int = 1024) -> dict[str, np.nda
     if not params:
         raise ValueError("the model has no floating-point parameters")
     first = next(iter(params.values()))
-    x = as_input(x, first.dtype, first.device)  # token ids stay integers
+    x = as_input(x, model, first.dtype, first.device)  # token ids stay integers
     buffers = {k: b.detach() for k, b in model.named_buffers()}
     total = {k: torch.zeros_like(p, dtype=torch.float64) for k, p in params.items()}
     layers = _fast_layers(model)

@@ -47,7 +47,7 @@ from bayesfuse.nets.arch import check_runs, rebuild
 from bayesfuse.nets.attention import SPLIT_NOTE, merged_where_possible, multihead_modules, split_heads
 from bayesfuse.nets.graph_spec import UnsupportedLayerError, check_example_runs, untraceable
 from bayesfuse.nets.spec import spec_with_encodings
-from bayesfuse.nets.state import numpy_state, run_once
+from bayesfuse.nets.state import as_array, numpy_state, run_once
 
 __all__ = ["FusionResult", "fuse"]
 
@@ -764,7 +764,7 @@ def _numbers_sent(models: Sequence[nn.Module]) -> int:
     for model in models:
         for key, tensor in model.state_dict().items():
             values = tensor.detach().cpu().contiguous()
-            same = (key, str(values.dtype), tuple(values.shape), hashlib.sha256(values.numpy().tobytes()).hexdigest())
+            same = (key, str(values.dtype), tuple(values.shape), hashlib.sha256(as_array(values).tobytes()).hexdigest())
             if key == "draws" or same in seen:
                 continue
             seen.add(same)
@@ -917,7 +917,7 @@ def _refit_round(
     by_evidence = prior_precision is None
     if by_evidence:
         prior_precision = prior_precision_from_weights(
-            [cast(nn.Linear, m.get_submodule(output)).weight.detach().cpu().numpy() for m in models],
+            [as_array(cast(nn.Linear, m.get_submodule(output)).weight) for m in models],
             fan_in=cast(nn.Linear, network.get_submodule(output)).weight.shape[1],
         )
     client_seconds = time.perf_counter()

@@ -87,7 +87,7 @@ from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
 from bayesfuse.inference.client_heads import heads_refused
 from bayesfuse.inference.output_fusion import packed_upper, unpacked_upper
 from bayesfuse.inference.spec import PermutationSpec
-from bayesfuse.nets.state import as_array
+from bayesfuse.nets.state import as_array, model_input
 
 __all__ = [
     "ClientSummary",
@@ -402,7 +402,7 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
         if reader is not None:
             hooks.append(modules[reader].register_forward_hook(keep(g, "act")))
     first = next(model.parameters())
-    x = as_input(x, first.dtype)
+    x = as_input(x, model, first.dtype)
     was_training = model.training
     model.eval()
     try:
@@ -465,7 +465,7 @@ def _output_factors(
     from bayesfuse.nets.heads import logits_and_features
 
     first = next(model.parameters())
-    x = as_input(x, first.dtype)
+    x = as_input(x, model, first.dtype)
     g, k = layer.in_features + 1, layer.out_features
     gram, curvature = torch.zeros(g, g, dtype=torch.float64), torch.zeros(k, k, dtype=torch.float64)
     eigenvalues = torch.zeros(g, k, dtype=torch.float64)
@@ -581,7 +581,7 @@ def summarize(
         if multihead_modules(model):  # fusion reads nn.MultiheadAttention as one module per head; so does this
             model = split_heads(model)
         # the client's own inputs trace its network: no guessed input shape (a convolution's, a sequence's)
-        example = x[:2] if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x[:2]))
+        example = model_input(x[:2], model)  # integer features as the network's floats; ids as ids
         _check_runs_on(model, example, tuple(x.shape))
         spec = spec if spec is not None else spec_from_module(model, example)
         state = model.state_dict()
@@ -637,7 +637,7 @@ def temperature_nll(model: nn.Module, x, y, temperatures, *, batch_size: int = 4
     try:
         with torch.no_grad():
             for start in range(0, len(y), batch_size):
-                xb = as_input(x[start : start + batch_size], first.dtype)
+                xb = as_input(x[start : start + batch_size], model, first.dtype)
                 logits = model(xb).double()
                 yb = torch.as_tensor(y[start : start + batch_size])
                 scaled = logits.unsqueeze(0) / torch.as_tensor(t).view(-1, 1, 1)
@@ -660,7 +660,7 @@ def output_features(model: nn.Module, output: str, x, *, batch_size: int = 4096)
     try:
         with torch.no_grad():
             for start in range(0, len(x), batch_size):
-                model(as_input(x[start : start + batch_size], first.dtype))
+                model(as_input(x[start : start + batch_size], model, first.dtype))
     finally:
         hook.remove()
         model.train(was_training)
@@ -735,7 +735,7 @@ def batchnorm_moments(model: nn.Module, x, *, batch_size: int = 256) -> dict[str
     try:
         with torch.no_grad():
             for rows in np.array_split(np.arange(len(x)), min(-(-len(x) // batch_size), len(x) // 2)):
-                model(as_input(x[rows], first.dtype))
+                model(as_input(x[rows], model, first.dtype))
     finally:
         for h in hooks:
             h.remove()

@@ -65,7 +65,8 @@ def read_client_data(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
         )
     if len(y) == 0:
         raise ValueError(f"data file {path}: it holds no examples (x and y are empty)")
-    x = x.reshape(len(x), -1).astype(np.float32)
+    x = x.reshape(len(x), -1)  # integers (token ids, pixels) as int64: summarize reads them as the network does
+    x = x.astype(np.int64) if np.issubdtype(x.dtype, np.integer) else x.astype(np.float32)
     if not np.isfinite(x).all():
         raise ValueError(f"data file {path}: x has NaN or infinite values")
     return x, y.astype(np.int64)
@@ -152,11 +153,11 @@ def summarize_file(
 def _client_model(path: Path, x: np.ndarray, like=None, data_path: str | os.PathLike | None = None):
     """The network in ``path``, as :func:`bayesfuse.load` rebuilds it (without any fused posterior);
     into ``like`` when given, traced and run on the first rows of ``x`` (of ``data_path``)."""
-    import torch
+    from bayesfuse.nets.state import model_input
 
     if like is not None:
         try:
-            model = load(path, like=like, posterior=False, example_input=torch.as_tensor(x[:2]))
+            model = load(path, like=like, posterior=False, example_input=model_input(x[:2], like))
         except ValueError as err:  # the data file's inputs do not fit the network, most often
             raise ValueError(f"{path} on data file {data_path}: {err}") from None
         return _a_clients(model, path)

@@ -1,6 +1,7 @@
 import copy
 import io
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -596,13 +597,16 @@ def test_a_bfloat16_network_fuses_and_summarises_in_bfloat16(method):
     rng = np.random.default_rng(0)
     copies = [permute(state, spec, random_permutations(spec.sizes(state), rng)) for _ in range(2)]
     clients = [model] + [rebuild(model, {k: torch.as_tensor(v) for k, v in sd.items()}).eval() for sd in copies]
-    clients = clients[:1] if method == "fedavg" else clients  # FedAvg of permuted copies is another network
+    if method == "fedavg":  # FedAvg of permuted copies is another network: two copies, averaged in bfloat16
+        clients = [model, rebuild(model, {k: torch.as_tensor(v) for k, v in state.items()}).eval()]
     x, y = np.random.default_rng(1).normal(size=(30, 64)).astype(np.float32), np.arange(30) % 3
     xt = torch.as_tensor(x, dtype=torch.bfloat16)
     with torch.no_grad():
         want = model(xt).float()
     for summaries in (None, [summarize(c, x, y) for c in clients]) if method == "pfnm" else (None,):
-        res = fuse(clients, method, summaries=summaries, **_VAGUE.get(method, {}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # FedAvg's two copies: the same client twice
+            res = fuse(clients, method, summaries=summaries, **_VAGUE.get(method, {}))
         assert all(p.dtype == torch.bfloat16 for p in res.model.parameters())
         net = res.model if summaries is None else res.model.network  # with summaries: under the clients' heads
         with torch.no_grad():

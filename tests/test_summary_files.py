@@ -483,3 +483,22 @@ def test_summarize_with_the_network_names_the_data_file_its_inputs_do_not_fit(tm
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{path} on data file {data}: " in err and "(2, 60)" in err, err
     assert not summary_path(path).exists()
+
+
+def test_summarize_reads_token_ids_as_ids_and_integer_pixels_as_numbers(tmp_path, capsys):
+    from bayesfuse.checkpoints import save_state_dict
+    from bayesfuse.nets.mlp import MLP
+    from tests.nets.user_nets import BagOfWords
+
+    rng = np.random.default_rng(0)
+    ids = tmp_path / "ids.npz"
+    np.savez(ids, x=rng.integers(0, 40, size=(30, 12)), y=np.arange(30) % 10)
+    bag = save_state_dict(BagOfWords().state_dict(), tmp_path / "bag.pt")
+    assert main(["summarize", str(bag), "--data", str(ids), "--model", "tests.nets.user_nets:BagOfWords"]) == 0, (
+        capsys.readouterr().err
+    )
+    pixels = tmp_path / "pixels.npz"
+    np.savez(pixels, x=rng.integers(0, 17, size=(30, 64), dtype=np.uint8), y=np.arange(30) % 10)
+    mlp = save_state_dict(MLP(64, [8], 10).state_dict(), tmp_path / "mlp.pt")
+    assert main(["summarize", str(mlp), "--data", str(pixels)]) == 0, capsys.readouterr().err
+    assert load_summary(summary_path(bag)).n_examples == load_summary(summary_path(mlp)).n_examples == 30

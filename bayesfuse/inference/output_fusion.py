@@ -33,7 +33,8 @@ A client's reply is ``W_hat_j`` (``(G+1) K`` numbers), ``A_j`` (``(G+1)^2``), ``
 and ``n_j``: aggregates of its data, no row of it. The classes a client never saw have
 ``p_nk ~ 0``, so its curvature there is its share of the prior alone and the other clients
 decide those weights. The posterior covariance ``P^{-1}`` gives the fused network's probit
-predictive (:class:`bayesfuse.nets.laplace.LastLayerLaplace`, per class).
+predictive (:class:`bayesfuse.nets.laplace.LastLayerLaplace`: all of it, the classes coupled,
+where the layer is solved jointly; each class's block for a wide layer, below).
 
 The prior precision ``lambda`` is, by default, estimated from the clients' own output layers
 without data: the maximum-likelihood precision of a zero-mean Gaussian for their weights,

@@ -175,26 +175,8 @@ _RESHAPE_METHODS = {"flatten", "view", "reshape"}
 _REDUCTIONS = {torch.mean, torch.sum, torch.amax}
 _REDUCTION_METHODS = {"mean", "sum", "amax"}
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm}
-#: Functions that apply a weight to their input: a trainable parameter given to one is a layer written by hand.
-_WEIGHT_FUNCTIONS = {
-    "linear",
-    "bilinear",
-    "conv1d",
-    "conv2d",
-    "conv3d",
-    "conv_transpose1d",
-    "conv_transpose2d",
-    "conv_transpose3d",
-    "embedding",
-    "embedding_bag",
-    "addmm",
-    "mm",
-    "einsum",
-    "baddbmm",
-    "addbmm",
-    "addmv",
-    "mv",
-}
+#: Functions that only mask or select by a tensor: a parameter given to one is not applied as a weight.
+_MASKING = {"masked_fill", "masked_fill_", "where"}
 _MATMUL_METHODS = {"matmul", "bmm"}
 #: Normalisations along one axis: equivariant to any permutation of that axis, and of the others.
 _SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.log_softmax, torch.nn.functional.log_softmax}
@@ -274,14 +256,15 @@ def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:
     A floating-point input comes in the dtype and on the device of the module's parameters (a
     float64 network gets a float64 input); integer inputs (token ids) stay as they are."""
     x = _example_input(model, example_input)
-    if isinstance(x, np.ndarray):
-        x = torch.as_tensor(x)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"example_input must be a tensor (a batch of inputs), got {type(x).__name__}")
     like = floating_like(model)
-    if like is not None and x.is_floating_point():
-        x = x.to(dtype=like.dtype, device=like.device)
-    return x
+
+    def cast(t):
+        t = torch.as_tensor(t) if isinstance(t, np.ndarray) else t
+        if like is not None and isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.to(dtype=like.dtype, device=like.device)
+        return t
+
+    return type(x)(cast(t) for t in x) if isinstance(x, (tuple, list)) else cast(x)  # a forward of several inputs
 
 
 def _example_input(model: nn.Module, example_input=None) -> torch.Tensor:
@@ -394,8 +377,9 @@ def check_example_runs(model: nn.Module, example_input=None) -> torch.Tensor:
 def _not_running(model: nn.Module, x: torch.Tensor, err: Exception, *, guessed: bool = False) -> ValueError:
     cause = err.__cause__ or err
     guess = guessed and getattr(model, "example_input", None) is None
+    what = f"of shape {tuple(x.shape)}" if hasattr(x, "shape") else f"of type {type(x).__name__}"
     return ValueError(
-        f"{type(model).__name__}: the example input of shape {tuple(x.shape)} does not run through "
+        f"{type(model).__name__}: the example input {what} does not run through "
         f"the network ({type(cause).__name__}: {str(cause).splitlines()[0]})"
         + (
             "; it was made from the width of the first nn.Linear, which may read steps or tokens: give an "
@@ -778,13 +762,18 @@ class _Walk:
     def opaque(self, node, args, what: str) -> None:
         if any(self.permuted(self.feature(a)) for a in _flat(args)):
             self.fail(node, f"{what} on a permuted axis cannot be followed; give a spec")
-        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        parameters = {name for name, _ in self.model.named_parameters()}
         weights = [
             self.raw(a)[1]
             for a in _flat(args)
-            if what in _WEIGHT_FUNCTIONS and isinstance(self.raw(a), tuple) and self.raw(a)[1] in trainable
+            if what not in _MASKING
+            and isinstance(self.raw(a), tuple)
+            and self.raw(a)[1] in parameters
+            and len(_tensor_shape(a) or ()) >= 2
         ]
-        if weights:  # F.linear(x, self.W): a layer whose units the walk cannot see; a fixed buffer or mask is fine
+        if (
+            weights
+        ):  # F.linear(x, self.W), tensordot...: a layer the walk cannot see; a buffer (a mask, a filter) is fine
             self.fail(
                 node,
                 f"{what} applies the network's own weight {weights[0]!r}, whose units cannot be followed; write "

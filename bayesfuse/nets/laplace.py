@@ -92,6 +92,7 @@ class LastLayerLaplace(nn.Module):
             layer = None
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"the output layer {output!r} must be an nn.Linear, got {type(layer).__name__}")
+        root = None
         if covariance is not None:
             covariance = _copy(covariance, layer.weight.dtype)
             g, k = layer.in_features + 1, layer.out_features
@@ -101,11 +102,16 @@ class LastLayerLaplace(nn.Module):
                     f"{tuple(layer.weight.shape)}: need {(k, g, g)} (per class) or {(g, k, g, k)} (joint)"
                 )
             matrices = covariance if covariance.dim() == 3 else covariance.reshape(1, g * k, g * k)
-            if (
-                not torch.isfinite(matrices).all()
-                or (torch.linalg.eigvalsh(matrices.double()) < -1e-9 * (1 + matrices.abs().amax())).any()
-            ):
+            # semi-definite to round-off: a Cholesky factor exists once 1e-9 (1 + max |entry|) is added to the
+            # diagonal (a factorisation, not an eigendecomposition: seconds less at d = MAX_JOINT)
+            if not torch.isfinite(matrices).all():
                 raise ValueError("covariance must be finite and positive semi-definite")
+            root, info = torch.linalg.cholesky_ex(matrices.double())  # kept for the sampled predictive
+            if bool(info.any()):
+                root = None
+                shifted = matrices.double() + 1e-9 * (1 + float(matrices.abs().amax())) * torch.eye(matrices.shape[-1])
+                if bool(torch.linalg.cholesky_ex(shifted)[1].any()):
+                    raise ValueError("covariance must be finite and positive semi-definite")
             diagonal = torch.diagonal(matrices, dim1=-2, dim2=-1)
             diagonal = diagonal if covariance.dim() == 3 else diagonal.reshape(g, k).T  # (K, G+1)
             weight_var, bias_var = diagonal[:, :-1], diagonal[:, -1]
@@ -130,6 +136,9 @@ class LastLayerLaplace(nn.Module):
         self.register_buffer("bias_var", bias_var)
         self.register_buffer("temperature", torch.ones((), dtype=layer.weight.dtype))
         self.register_buffer("covariance", covariance)
+        if covariance is not None and root is not None:
+            c = covariance
+            self._root_cache = ((c.data_ptr(), c._version, c.dtype, c.device), root if c.dim() == 3 else root[0])
 
     @property
     def joint(self) -> bool:
@@ -178,7 +187,7 @@ class LastLayerLaplace(nn.Module):
         # the probit rule on the centred logits C f ~ N(C f_bar, C S C) (module docstring)
         logits, s = self._logits_and_covariance(x)
         k = s.shape[-1]
-        centre = torch.eye(k, dtype=s.dtype) - 1.0 / k
+        centre = torch.eye(k, dtype=s.dtype, device=s.device) - 1.0 / k
         mean = logits.to(s.dtype) @ centre
         variance = torch.diagonal(centre @ s @ centre, dim1=-2, dim2=-1).clamp_min(0)
         return (mean / torch.sqrt(1.0 + (math.pi / 8.0) * variance) / self.temperature.to(s.dtype)).to(logits.dtype)
@@ -186,19 +195,31 @@ class LastLayerLaplace(nn.Module):
     def _weight_draws(self, num_samples: int, seed: int) -> torch.Tensor:
         """``num_samples`` draws (S, G+1, K) of the output layer's weights (the bias as the last row)."""
         layer = cast(nn.Linear, self.network.get_submodule(self.output))
-        mean = torch.cat([layer.weight.T, layer.bias[None]]).detach().double()
+        mean = torch.cat([layer.weight.T, layer.bias[None]]).detach().double().cpu()
         g, k = mean.shape
         gen = torch.Generator().manual_seed(seed)
         if self.covariance is None:
-            spread = torch.cat([self.weight_var.T, self.bias_var[None]]).double().sqrt()
+            spread = torch.cat([self.weight_var.T, self.bias_var[None]]).double().cpu().sqrt()
             return mean + torch.randn((num_samples, g, k), generator=gen, dtype=torch.float64) * spread
         if self.joint:
-            root = _root(self.covariance.reshape(g * k, g * k).double())
+            root = self._covariance_root()
             eps = torch.randn((num_samples, g * k), generator=gen, dtype=torch.float64)
             return mean + (eps @ root.T).reshape(num_samples, g, k)
-        roots = _root(self.covariance.double())  # (K, G+1, G+1)
+        roots = self._covariance_root()  # (K, G+1, G+1)
         eps = torch.randn((num_samples, k, g), generator=gen, dtype=torch.float64)
         return mean + torch.einsum("kgh,skh->sgk", roots, eps)
+
+    def _covariance_root(self) -> torch.Tensor:
+        """The covariance's root (:func:`_root`, float64 on the host), factorised once per covariance."""
+        assert self.covariance is not None
+        c = self.covariance
+        key = (c.data_ptr(), c._version, c.dtype, c.device)
+        cached = getattr(self, "_root_cache", None)
+        if cached is None or cached[0] != key:
+            matrix = c.double().cpu()
+            matrix = matrix if c.dim() == 3 else matrix.reshape(c.shape[0] * c.shape[1], -1)
+            self._root_cache = (key, _root(matrix))
+        return self._root_cache[1]
 
     @torch.no_grad()
     def predict(self, x, *, num_samples: int | None = None, seed: int = 0, chunk: int = 1024) -> np.ndarray:
@@ -206,7 +227,7 @@ class LastLayerLaplace(nn.Module):
         output layer's weights from their posterior (the same draws for every input, whatever
         the batch: an input's prediction does not depend on the others)."""
         dtype = self.weight_var.dtype
-        x = as_input(x, dtype)  # token ids stay integers
+        x = as_input(x, self.network, dtype)  # token ids stay integers
         check_inputs(x)
         if num_samples is not None:
             num_samples = check_num_samples(num_samples)
@@ -217,7 +238,7 @@ class LastLayerLaplace(nn.Module):
                 return torch.softmax(self(x).double(), -1).numpy()
             draws = self._weight_draws(num_samples, seed)
             _, tilde = self._features(x)
-            tilde, out = tilde.double(), []
+            tilde, out = tilde.double().cpu(), []
             for start in range(0, len(tilde), chunk):
                 f = torch.einsum("ng,sgk->snk", tilde[start : start + chunk], draws) / float(self.temperature)
                 out.append(torch.softmax(f, -1).mean(0))

@@ -41,11 +41,11 @@ def floating_like(module: nn.Module) -> torch.Tensor | None:
 
 
 def model_input(x, module: nn.Module) -> torch.Tensor:
-    """``x`` (NumPy or torch) as a tensor for ``module``: floating-point inputs in the module's
-    floating dtype (:func:`floating_like`; float32 without one), integer inputs (token ids) and
-    booleans as they are, since ids cast to a float type lose their value (float16 above 2048)."""
+    """``x`` (NumPy or torch) as a tensor for ``module``, in the module's floating dtype
+    (:func:`floating_like`; float32 without one); integers stay integers where the network reads
+    ids (:func:`~bayesfuse._validation.as_input`)."""
     like = floating_like(module)
-    return as_input(x, like.dtype if like is not None else torch.float32)
+    return as_input(x, module, like.dtype if like is not None else torch.float32)
 
 
 def run_once(module: nn.Module, x) -> tuple[object, Exception | None]:

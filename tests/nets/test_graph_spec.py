@@ -153,6 +153,24 @@ class _GivenState(MyLSTM):
         return self.head(h[-1])
 
 
+class _HandWritten(nn.Module):
+    """A hidden layer applied by hand: its units are the columns of a parameter the walk cannot see."""
+
+    def __init__(self, how: str = "tensordot", frozen: bool = False) -> None:
+        super().__init__()
+        self.how = how
+        shape = (4, 6) if how == "tensordot" else (6, 4)
+        self.W = nn.Parameter(torch.randn(*shape), requires_grad=not frozen)
+        self.head = nn.Linear(6, 2)
+
+    def example_input(self):
+        return torch.zeros(2, 4)
+
+    def forward(self, x):
+        h = torch.tensordot(x, self.W, dims=1) if self.how == "tensordot" else torch.nn.functional.linear(x, self.W)
+        return self.head(torch.relu(h))
+
+
 def test_recurrent_layers_permute_each_gate_block_and_their_own_state():
     spec = spec_from_graph(MyLSTM())
     gates, state = spec.axes["rnn.weight_hh_l0"]
@@ -232,6 +250,8 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (StackedStateLSTM(), r"final state of the 2-layer LSTM 'rnn' holds every layer's units"),
         (_Bidirectional(), r"a bidirectional or projected LSTM is not supported"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
+        (_HandWritten("tensordot"), r"tensordot applies the network's own weight 'W'"),
+        (_HandWritten("linear", frozen=True), r"linear applies the network's own weight 'W'"),  # frozen, still a layer
     ],
 )
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
@@ -271,3 +291,27 @@ def test_a_forward_that_keeps_its_own_width_is_refused_after_fusion():
     models = [Fixed().eval() for _ in range(3)]
     with pytest.raises(ValueError, match="does not run at its fused widths .*keep a width of its own"):
         bayesfuse.fuse(models, "pfnm")
+
+
+def test_a_network_of_two_inputs_is_traced_from_its_pair_of_example_inputs():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 3)
+
+        def example_input(self):
+            return (torch.zeros(2, 8), torch.zeros(2, 8))
+
+        def forward(self, xy):
+            x, y = xy
+            return self.head(torch.relu(self.a(x)) * torch.relu(self.b(y)))
+
+    model = _random(Pair, 0)
+    spec, state = spec_from_module(model), model.state_dict()
+    perms = random_permutations(spec.sizes(state), np.random.default_rng(1))
+    copy = Pair()
+    copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    fused = bayesfuse.fuse([model, copy.eval()], "pfnm", prior_var=1e8, noise_var=1.0).model
+    xy = (torch.randn(5, 8), torch.randn(5, 8))
+    with torch.no_grad():
+        assert float((fused(xy) - model(xy)).abs().max()) < 1e-4

@@ -26,5 +26,9 @@ def test_floating_inputs_come_in_the_networks_dtype():
     model = nn.Linear(3, 2).double()
     assert model_input(np.ones((2, 3), dtype=np.float32), model).dtype == torch.float64
     assert model_input(torch.ones(2, 3, dtype=torch.float64), nn.Linear(3, 2)).dtype == torch.float32
-    assert model_input(np.ones((2, 3), dtype=np.int32), model).dtype == torch.int32
+    # integer features (uint8 pixels) are numbers to a network without an embedding; ids to one with
+    assert model_input(np.ones((2, 3), dtype=np.uint8), model).dtype == torch.float64
+    assert model_input(np.ones((2, 3), dtype=np.int32), BagOfWords()).dtype == torch.int32
     assert model_input(torch.ones(2, 3), nn.ReLU()).dtype == torch.float32  # no parameters: float32
+    pixels = np.random.default_rng(0).integers(0, 17, size=(5, 3), dtype=np.uint8)
+    np.testing.assert_allclose(predict_proba(model, pixels), predict_proba(model, pixels.astype(np.float64)))
