@@ -467,7 +467,9 @@ def fuse(
                 or template is not models[0]
             ):
                 raise
-            return to_callers(_averaged_as_is(models, class_counts, method, first_line(err), start), order)
+            return to_callers(
+                _averaged_as_is(models, class_counts, method, first_line(err), start, example_input), order
+            )
     states = [numpy_state(m) for m in models]
     # the temperature round with summaries scores both output pools (with head="clients": the heads alone)
     pools = ["precision", "counts"] if tempers and not (heads_candidate and explicit_head) else [output_pool]
@@ -660,7 +662,7 @@ def _check_fused_runs(model: nn.Module, like: nn.Module, example_input) -> None:
     check_runs(model, x)  # a stacked LSTM of layers fused to different widths is refused by rebuild
 
 
-def _averaged_as_is(models, class_counts, method: str, why: str, start: float) -> FusionResult:
+def _averaged_as_is(models, class_counts, method: str, why: str, start: float, example_input=None) -> FusionResult:
     """One-shot FedAvg of networks whose units cannot be traced: every entry averaged as it is
     (:func:`~bayesfuse.baselines.fedavg`), weighted by the clients' examples when their class
     counts are given; ``hyper["spec"]`` says why no spec was traced."""
@@ -670,7 +672,7 @@ def _averaged_as_is(models, class_counts, method: str, why: str, start: float) -
     weights = None
     if class_counts is not None:
         counts = np.asarray(class_counts, dtype=np.float64)
-        classes = _output_width(models[0])
+        classes = _output_width(models[0], example_input)
         class_share_matrix(counts, len(models), classes if classes is not None else int(np.shape(counts)[-1]))
         weights = counts.sum(1)
     warn_from_caller(f"{method}: no units traced ({why}); every entry averaged as it is")
@@ -684,13 +686,13 @@ def _averaged_as_is(models, class_counts, method: str, why: str, start: float) -
     )
 
 
-def _output_width(model: nn.Module) -> int | None:
+def _output_width(model: nn.Module, example_input=None) -> int | None:
     """The width of ``model``'s output on its own or a guessed example input, or None where it
     does not run on one (the class counts' width is then not checked)."""
     from bayesfuse.nets.graph_spec import example_input_for
 
     try:
-        x = example_input_for(model)
+        x = example_input_for(model, example_input)
     except ValueError:
         return None
     out, _ = run_once(model, x)

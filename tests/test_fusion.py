@@ -696,10 +696,10 @@ def test_fedavg_averages_networks_the_tracer_cannot_follow_as_they_are(cls):
     ):
         fuse(models, "pfnm", example_input=torch.zeros(2, 8))
     # the user's own mistakes are not averaged over: counts of other clients, or of another width
-    # (checked where the network runs on a guessed input, as _CatMLP's first nn.Linear allows)
-    if cls is _CatMLP:
+    # (checked where the network runs on a guessed input, as _CatMLP's first nn.Linear allows, or a given one)
+    for given in [None] if cls is _CatMLP else [torch.zeros(2, 8)]:
         with pytest.raises(ValueError, match="class counts give 4 counts per client; the models have 3 classes"):
-            fuse(models, "fedavg", class_counts=np.ones((3, 4)))
+            fuse(models, "fedavg", class_counts=np.ones((3, 4)), example_input=given)
     with pytest.raises(ValueError, match=r"class_counts must have one row per client, shape \(3, 3\)"):
         fuse(models, "fedavg", class_counts=counts[:2])
 
