@@ -85,7 +85,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayesfuse._validation import check_inputs, check_num_samples
 from bayesfuse.inference.client_heads import class_shares, one_shot_heads
+from bayesfuse.nets.state import model_input
 
 __all__ = [
     "ClientHeads",
@@ -672,9 +674,6 @@ class ClientHeads(nn.Module):
         normal draws made from ``seed`` (the same for every input, whatever the batch). Heads
         that predict by their means (``predictive="map"``) draw nothing.
         """
-        from bayesfuse._validation import check_inputs, check_num_samples
-        from bayesfuse.nets.state import model_input
-
         x = model_input(x, self.network)
         check_inputs(x)
         kept = getattr(self, "draws", None)

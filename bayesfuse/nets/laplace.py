@@ -138,7 +138,7 @@ class LastLayerLaplace(nn.Module):
         self.register_buffer("covariance", covariance)
         if covariance is not None and root is not None:
             c = covariance
-            self._root_cache = ((c.data_ptr(), c._version, c.dtype, c.device), root if c.dim() == 3 else root[0])
+            self._root_cache = (_key(c), root if c.dim() == 3 else root[0])
 
     @property
     def joint(self) -> bool:
@@ -213,7 +213,7 @@ class LastLayerLaplace(nn.Module):
         """The covariance's root (:func:`_root`, float64 on the host), factorised once per covariance."""
         assert self.covariance is not None
         c = self.covariance
-        key = (c.data_ptr(), c._version, c.dtype, c.device)
+        key = _key(c)
         cached = getattr(self, "_root_cache", None)
         if cached is None or cached[0] != key:
             matrix = c.double().cpu()
@@ -245,6 +245,11 @@ class LastLayerLaplace(nn.Module):
             return torch.cat(out).numpy()
         finally:
             self.train(was_training)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's values for a cache: its storage, in-place version, dtype and device."""
+    return (t.data_ptr(), t._version, t.dtype, t.device)
 
 
 def _root(covariance: torch.Tensor) -> torch.Tensor:
