@@ -547,7 +547,7 @@ def _run_fuse(args: argparse.Namespace) -> int:
     if source.startswith("entry names"):
         print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)")
     elif source.startswith("none"):
-        print(f"no units traced: {source.removeprefix('none, ')}")
+        print(f"no units traced: {_in_cli_words(source.removeprefix('none, '))}")
     inner = [f"{f['path']}[{f['state_dict_key']!r}]" for f in report["inputs"] if f.get("state_dict_key")]
     if inner:
         print(

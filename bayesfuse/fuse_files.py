@@ -260,9 +260,10 @@ def _network_spec(state_dicts, names, arch, spec, like=None, example_input=None)
 
 def _check_like(like, fused_sd: Mapping, example_input=None, *, run: bool = True) -> torch.nn.Module:
     """Load the fused state into ``like``'s architecture at the fused widths and run it once
-    (without ``run``, only where an input can be had); the model."""
+    (without ``run``, only where an input can be had that runs through ``like`` itself: the
+    clients' widths, averaged, run where theirs do); the model."""
     from bayesfuse.nets.arch import check_runs, rebuild
-    from bayesfuse.nets.graph_spec import example_input_for
+    from bayesfuse.nets.graph_spec import check_example_runs, example_input_for
 
     try:
         model = rebuild(like, fused_sd)
@@ -271,7 +272,7 @@ def _check_like(like, fused_sd: Mapping, example_input=None, *, run: bool = True
             f"the fused state does not load into {type(like).__name__} ({str(err).strip().splitlines()[0]})"
         ) from None
     try:
-        x = example_input_for(like, example_input)
+        x = example_input_for(like, example_input) if run else check_example_runs(like, example_input)
     except ValueError:
         if run:
             raise
@@ -762,7 +763,11 @@ def fuse_files(
             fused, states, counts, client_summaries, fused_sd, out, pool, pseudo_count
         )
         posterior.append(heads_file)
-    record = fusion_bytes(fused, model_tensors=fused_sd)
+        report["hyper"].update(head="clients", pool=report["heads"]["pool"])
+        if report["heads"]["pseudo_count"] is not None:
+            report["hyper"]["pseudo_count"] = report["heads"]["pseudo_count"]
+    # the record's clients are the files in fused_order (a loaded fusion's hyper says so)
+    record = fusion_bytes(fused, model_tensors=fused_sd, hyper={**report["hyper"], "fused_order": names})
     if record is not None:
         posterior.append((fusion_path(out), record))
         report["fusion_record"] = {

@@ -65,7 +65,7 @@ def fusion_files(path: str | os.PathLike) -> list[Path]:
     return [path, path.with_name(path.name + ".json"), posterior_path(path), fusion_path(path), heads_path(path)]
 
 
-def fusion_bytes(fused, *, model_tensors: dict) -> bytes | None:
+def fusion_bytes(fused, *, model_tensors: dict, hyper: dict | None = None) -> bytes | None:
     """The matched layers of ``fused`` (a :class:`~bayesfuse.core.StateFusion`) as a safetensors
     file, or None when nothing was matched (FedAvg).
 
@@ -73,7 +73,10 @@ def fusion_bytes(fused, *, model_tensors: dict) -> bytes | None:
     ``layer{i}/assignment{j}`` (client j in the fused order: the report's ``fused_order``, the
     inputs' canonical order); metadata: ``format``, ``version``,
     ``model_tensors_sha256`` and ``record`` (JSON: method, hyper, groups, sizes, and per layer
-    ``converged``, ``n_global``, ``seconds``, ``hyper``).
+    ``converged``, ``n_global``, ``seconds``, ``hyper``). ``hyper`` (default ``fused.hyper``) is
+    what the record reports as the fusion's hyper-parameters: the command line gives its report's,
+    with ``fused_order`` (the files in the order the record lists the clients), the clients' heads'
+    ``head``, ``pool`` and ``pseudo_count`` where it kept them.
     """
     from safetensors.numpy import save
 
@@ -106,7 +109,7 @@ def fusion_bytes(fused, *, model_tensors: dict) -> bytes | None:
         )
     record = {
         "method": str(getattr(fused, "method", "")),
-        "hyper": jsonable(fused.hyper),
+        "hyper": jsonable(fused.hyper if hyper is None else hyper),
         "groups": list(getattr(fused, "groups", ())),
         "sizes": [int(s) for s in fused.sizes],
         "layers": described,

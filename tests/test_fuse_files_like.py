@@ -11,7 +11,7 @@ import bayesfuse
 from bayesfuse.checkpoints import save_state_dict
 from bayesfuse.cli import main
 from tests.nets.test_graph_spec import _random
-from tests.nets.user_nets import ConcatMLP, MyMLP, ResMLP, SkipCNN
+from tests.nets.user_nets import ConcatMLP, HandLinear, MyMLP, ResMLP, SkipCNN
 
 
 def _files(tmp_path, cls, n=3):
@@ -225,3 +225,24 @@ def test_fedavg_averages_files_whose_units_cannot_be_read_as_python_does(tmp_pat
         torch.testing.assert_close(python.state_dict()[k], v)
     assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(tmp_path / "m.pt")]) == 2
     assert not list(tmp_path.glob("m.pt*"))
+
+
+def test_fedavg_of_a_weight_applied_by_hand_averages_and_says_why_in_the_command_lines_words(tmp_path, capsys):
+    """A weight applied through a view (``self.w.T``) is a layer the walk cannot see: matching is
+    refused, FedAvg averages. Without ``--input-shape`` the input made from the head's width does
+    not run, which the note says in the command line's words; with it, the note names the weight."""
+    models, paths = _files(tmp_path, HandLinear, n=2)
+    ref = ["--model", "tests.nets.user_nets:HandLinear"]
+    for shape, why in (([], "give an example input (--input-shape D,...: the shape of one input)"),
+                       (["--input-shape", "5"], "linear applies the network's own weight 'w'")):  # fmt: skip
+        out = tmp_path / f"avg{len(shape)}.pt"
+        assert main(["fuse", *paths, "--method", "fedavg", *ref, *shape, "--out", str(out)]) == 0
+        note = capsys.readouterr().out
+        assert "no units traced: every entry averaged as it is" in note and why in note and "example_input=" not in note
+        for k, v in bayesfuse.fedavg(models).state_dict().items():
+            torch.testing.assert_close(
+                bayesfuse.load(out, like=HandLinear(), example_input=torch.zeros(2, 5)).state_dict()[k], v
+            )
+        assert main(["fuse", *paths, "--method", "pfnm", *ref, *shape, "--out", str(tmp_path / "m.pt")]) == 2
+        assert "applies the network's own weight 'w'" in capsys.readouterr().err or not shape
+        assert not list(tmp_path.glob("m.pt*"))

@@ -155,3 +155,25 @@ def test_fused_bnn_files_keep_their_layer_record(tmp_path):
     loaded = bayesfuse.load(out)
     assert loaded.fusion is not None and loaded.fusion.method == "kl"
     assert loaded.fusion.posteriors[0][0].shape[0] == loaded.fusion.sizes[0]
+
+
+def test_a_loaded_fusion_reports_its_clients_and_heads_as_the_report_does(tmp_path):
+    """The record's hyper is the report's: the files in the order its assignments list them
+    (``fused_order``), and the kept heads' ``head`` and ``pool``."""
+    models = _sequentials()
+    out = _fuse_files(tmp_path, models, "--method", "pfnm", "--head", "clients", "--pool", "log")
+    report = json.loads((tmp_path / "f.pt.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        loaded = bayesfuse.load(out)
+    hyper = loaded.fusion.hyper
+    assert hyper["fused_order"] == report["fused_order"] and len(set(hyper["fused_order"])) == 3
+    assert hyper["head"] == report["hyper"]["head"] == "clients"
+    assert hyper["pool"] == report["hyper"]["pool"] == loaded.pool == "log"
+    # client j of the record is the file fused_order[j]: its assignment is that file's own
+    fresh = bayesfuse.fuse(models, "pfnm")
+    files = [str(tmp_path / f"f_c{j}.pt") for j in range(3)]
+    for j, name in enumerate(hyper["fused_order"]):
+        np.testing.assert_array_equal(
+            loaded.fusion.layers[0].assignments[j], fresh.layers[0].assignments[files.index(name)]
+        )

@@ -177,6 +177,22 @@ _REDUCTION_METHODS = {"mean", "sum", "amax"}
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm}
 #: Functions that only mask or select by a tensor: a parameter given to one is not applied as a weight.
 _MASKING = {"masked_fill", "masked_fill_", "where"}
+#: Views and copies of a tensor that leave its values where they are: a parameter seen through them
+#: (``self.weight.T``, ``self.weight.t()``) is still that parameter (:meth:`_Walk.weight_of`).
+_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH"}
+_VIEW_METHODS = {
+    "t", "transpose", "permute", "contiguous", "view", "reshape", "flatten", "squeeze", "unsqueeze", "to",
+    "float", "double", "half", "bfloat16", "type_as", "clone", "detach",
+}  # fmt: skip
+_VIEW_FUNCTIONS = {
+    torch.t,
+    torch.transpose,
+    torch.permute,
+    torch.reshape,
+    torch.flatten,
+    torch.squeeze,
+    torch.unsqueeze,
+}
 _MATMUL_METHODS = {"matmul", "bmm"}
 #: Normalisations along one axis: equivariant to any permutation of that axis, and of the others.
 _SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.log_softmax, torch.nn.functional.log_softmax}
@@ -759,26 +775,47 @@ class _Walk:
         else:
             self.opaque(node, args, getattr(fn, "__name__", str(fn)))
 
-    def opaque(self, node, args, what: str) -> None:
-        if any(self.permuted(self.feature(a)) for a in _flat(args)):
-            self.fail(node, f"{what} on a permuted axis cannot be followed; give a spec")
-        parameters = {name for name, _ in self.model.named_parameters()}
-        weights = [
-            self.raw(a)[1]
-            for a in _flat(args)
-            if what not in _MASKING
-            and isinstance(self.raw(a), tuple)
-            and self.raw(a)[1] in parameters
-            and len(_tensor_shape(a) or ()) >= 2
-        ]
-        if (
-            weights
-        ):  # F.linear(x, self.W), tensordot...: a layer the walk cannot see; a buffer (a mask, a filter) is fine
+    def weight_of(self, node) -> str | None:
+        """The name of the network's parameter of rank 2 or more that ``node`` is, or a view of
+        (``self.weight``, ``self.weight.T``, ``self.weight.t().contiguous()``...), else None."""
+        while isinstance(node, fx.Node) and node.op != "get_attr":
+            view = (
+                node.op == "call_function"
+                and (
+                    node.target in _VIEW_FUNCTIONS
+                    or node.target is getattr
+                    and len(node.args) > 1
+                    and node.args[1] in _VIEW_ATTRIBUTES
+                )
+            ) or (node.op == "call_method" and node.target in _VIEW_METHODS)
+            if not view or not node.args:
+                return None
+            node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return None
+        parameters = dict(self.model.named_parameters())
+        target = str(node.target)
+        return target if target in parameters and parameters[target].dim() >= 2 else None
+
+    def applied_weight(self, node, operands, what: str) -> None:
+        """Refuse a parameter of rank 2+ among ``operands`` (``F.linear(x, self.W)``, ``x @
+        self.W.T``, tensordot...): a layer the walk cannot see. A buffer (a mask, a filter) is fine."""
+        weights = [w for w in map(self.weight_of, operands) if w is not None]
+        if weights:
             self.fail(
                 node,
                 f"{what} applies the network's own weight {weights[0]!r}, whose units cannot be followed; write "
                 "the layer as a module (nn.Linear, nn.Conv2d, ...) or give a spec",
             )
+
+    def opaque(self, node, args, what: str) -> None:
+        if any(self.permuted(self.feature(a)) for a in _flat(args)):
+            self.fail(node, f"{what} on a permuted axis cannot be followed; give a spec")
+        if what in _VIEW_METHODS and args and self.weight_of(args[0]) is not None:
+            self.labels[node] = None  # a view of a weight: refused where it is applied
+            return
+        if what not in _MASKING:
+            self.applied_weight(node, list(_flat(args)), what)
         self.labels[node] = None
 
     def binary(self, node, a, b) -> None:
@@ -829,6 +866,7 @@ class _Walk:
     def matmul(self, node, a, b) -> None:
         """``a @ b``: units summed over in both operands are tied (and gone); units on an axis
         that is not summed over pass to the result."""
+        self.applied_weight(node, [a, b], "a matrix product")
         fa, fb = (f if self.permuted(f) else None for f in (self.feature(a), self.feature(b)))
         if fa is None and fb is None:
             self.labels[node] = None

@@ -167,7 +167,16 @@ class _HandWritten(nn.Module):
         return torch.zeros(2, 4)
 
     def forward(self, x):
-        h = torch.tensordot(x, self.W, dims=1) if self.how == "tensordot" else torch.nn.functional.linear(x, self.W)
+        if self.how == "tensordot":
+            h = torch.tensordot(x, self.W, dims=1)
+        elif self.how == "linear":
+            h = torch.nn.functional.linear(x, self.W)
+        elif self.how == "linear of .T.T":  # a view of the weight is the weight
+            h = torch.nn.functional.linear(x, self.W.T.T)
+        elif self.how == "x @ W.T":  # the input is not permuted: nothing else would see the layer
+            h = x @ self.W.T
+        else:
+            h = torch.matmul(x, self.W.t().contiguous())
         return self.head(torch.relu(h))
 
 
@@ -252,6 +261,9 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
         (_HandWritten("tensordot"), r"tensordot applies the network's own weight 'W'"),
         (_HandWritten("linear", frozen=True), r"linear applies the network's own weight 'W'"),  # frozen, still a layer
+        (_HandWritten("linear of .T.T"), r"linear applies the network's own weight 'W'"),
+        (_HandWritten("x @ W.T"), r"a matrix product applies the network's own weight 'W'"),
+        (_HandWritten("matmul of W.t()"), r"a matrix product applies the network's own weight 'W'"),
     ],
 )
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):

@@ -328,3 +328,16 @@ class StepEncoder(Encoder):
     """:class:`Encoder` without an ``example_input``."""
 
     example_input = None
+
+
+class HandLinear(nn.Module):
+    """A hidden layer applied by hand through a view of its weight (``F.linear(x, self.w.T)``), so
+    that the first ``nn.Linear`` (the head) does not tell the input's width (5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 10))
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(nn.functional.linear(x, self.w.T)))
