@@ -110,14 +110,41 @@ PSEUDO_COUNT = 1.0
 
 
 def logits_and_features(network: nn.Module, output: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``network(x)`` and the input of its layer ``output`` (the features it reads), in one pass."""
+    """The logits of ``network``'s output layer ``output`` on ``x`` and the features that layer
+    reads, in one pass.
+
+    Everything that predicts from the output layer's posterior (its Laplace predictive, the
+    clients' heads, their curvature) takes the network's predictive to be the softmax of that
+    layer's logits. A ``forward`` may do to them only what leaves that softmax as it is (a
+    ``log_softmax``, a shift per input); one that does more (a scale, a bias, another layer) is
+    refused with ``ValueError``: a posterior of the layer would not be the network's."""
     seen: dict[str, torch.Tensor] = {}
     layer = network.get_submodule(output)
-    hook = layer.register_forward_hook(lambda mod, inp, out: seen.__setitem__("features", inp[0]))
+
+    def keep(mod, inp, out):
+        seen["features"], seen["logits"] = inp[0], out
+
+    hook = layer.register_forward_hook(keep)
     try:
-        logits = network(x)
+        returned = network(x)
     finally:
         hook.remove()
+    logits = seen["logits"]
+    if not isinstance(returned, torch.Tensor) or returned.shape != logits.shape:
+        shape = tuple(returned.shape) if isinstance(returned, torch.Tensor) else type(returned).__name__
+        raise ValueError(
+            f"{type(network).__name__} returns {shape} where its output layer {output!r} gives logits of shape "
+            f"{tuple(logits.shape)}: the output layer's posterior predicts from those logits; return them"
+        )
+    with torch.no_grad():
+        tol = 100 * torch.finfo(logits.dtype).eps if logits.is_floating_point() else 0.0
+        gap = (torch.softmax(returned.double(), -1) - torch.softmax(logits.double(), -1)).abs().amax()
+    if float(gap) > tol:
+        raise ValueError(
+            f"{type(network).__name__}'s forward changes the logits of its output layer {output!r} after it (their "
+            f"softmax moves by up to {float(gap):.2g}): the output layer's posterior predicts from that layer's "
+            "logits; return them as they are (a log_softmax is fine)"
+        )
     return logits, seen["features"]
 
 

@@ -169,3 +169,33 @@ def test_a_sampled_prediction_does_not_depend_on_the_rest_of_the_batch(joint):
     whole = lla.predict(x, num_samples=200, seed=2)
     np.testing.assert_allclose(lla.predict(x[3:4], num_samples=200, seed=2), whole[3:4], rtol=1e-12)
     np.testing.assert_allclose(lla.predict(x, num_samples=np.int64(200), seed=2), whole, rtol=0)
+
+
+class _After(torch.nn.Module):
+    """``network`` with ``how`` done to its output layer's logits."""
+
+    def __init__(self, network, how):
+        super().__init__()
+        self.layers, self.how = network.layers, how
+
+    def forward(self, x):
+        f = self.layers[1](torch.relu(self.layers[0](x)))
+        return torch.log_softmax(f, -1) if self.how == "log_softmax" else 2.0 * f
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_a_log_softmax_after_the_output_layer_predicts_as_the_logits_do_and_a_scale_is_refused(joint):
+    """The posterior is the output layer's: a forward that returns log_softmax of its logits (the
+    same softmax) predicts exactly as one returning the logits, probit and sampled; one that
+    scales them would be read wrongly by both, and is refused in one line."""
+    net = network()
+    cov = dict(covariance=_joint(net)) if joint else dict(weight_var=np.full((3, 5), 0.4), bias_var=np.full(3, 0.2))
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    plain = LastLayerLaplace(net, "layers.1", **cov)
+    logged = LastLayerLaplace(_After(net, "log_softmax"), "layers.1", **cov)
+    for kw in ({}, {"num_samples": 50}):
+        np.testing.assert_allclose(logged.predict(x, **kw), plain.predict(x, **kw), rtol=1e-12)
+    scaled = LastLayerLaplace(_After(net, "scale"), "layers.1", **cov)
+    for kw in ({}, {"num_samples": 50}):
+        with pytest.raises(ValueError, match=r"_After's forward changes the logits of its output layer 'layers.1'"):
+            scaled.predict(x, **kw)
