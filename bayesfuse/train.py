@@ -127,7 +127,13 @@ def _fit(
         total = 0.0
         for step, start in enumerate(range(0, n, config.batch_size)):
             batch = order[start : start + config.batch_size]
-            loss = loss_fn(model(x[batch]), y[batch])
+            logits = model(x[batch])
+            if not isinstance(logits, torch.Tensor):
+                raise ValueError(
+                    f"{name}: training reads the network's logits, and {type(model).__name__} returns a "
+                    f"{type(logits).__name__}: make its forward return the logits alone"
+                )
+            loss = loss_fn(logits, y[batch])
             if not torch.isfinite(loss):
                 raise TrainingDivergedError(
                     f"{name}: loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; "

@@ -11,7 +11,7 @@ import bayesfuse
 from bayesfuse.checkpoints import save_state_dict
 from bayesfuse.cli import main
 from tests.nets.test_graph_spec import _random
-from tests.nets.user_nets import ConcatMLP, HandLinear, MyMLP, ResMLP, SkipCNN
+from tests.nets.user_nets import ConcatMLP, HandLinear, MyMLP, ResMLP, SkipCNN, TwoOutputs
 
 
 def _files(tmp_path, cls, n=3):
@@ -246,3 +246,28 @@ def test_fedavg_of_a_weight_applied_by_hand_averages_and_says_why_in_the_command
         assert main(["fuse", *paths, "--method", "pfnm", *ref, *shape, "--out", str(tmp_path / "m.pt")]) == 2
         assert "applies the network's own weight 'w'" in capsys.readouterr().err or not shape
         assert not list(tmp_path.glob("m.pt*"))
+
+
+def test_files_of_a_network_with_two_outputs_fuse_to_its_classes_and_tied_weights_are_only_averaged(tmp_path, capsys):
+    """From files with ``--model``: a forward returning (logits, aux) fuses with its classes kept
+    (the fused file loads and returns 10 logits); a network whose output layer is tied to its
+    embedding is refused for matching (exit 2, nothing written) and averaged by FedAvg, the tie kept."""
+    from tests.nets.test_graph_spec import _Tied
+
+    _, paths = _files(tmp_path, TwoOutputs)
+    out = tmp_path / "two.pt"
+    assert (
+        main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:TwoOutputs", "--out", str(out)]) == 0
+    )
+    logits, aux = bayesfuse.load(out, like=TwoOutputs())(torch.randn(4, 64))
+    assert logits.shape == (4, 10) and aux.shape == (4, 3)
+    tied = [str(save_state_dict(_random(_Tied, s).state_dict(), tmp_path / f"tied{s}.pt")) for s in range(2)]
+    ref = ["--model", "tests.nets.test_graph_spec:_Tied"]
+    assert main(["fuse", *tied, "--method", "ot", *ref, "--out", str(tmp_path / "t.pt")]) == 2
+    assert "(tied weights)" in capsys.readouterr().err and not list(tmp_path.glob("t.pt*"))
+    assert main(["fuse", *tied, "--method", "fedavg", *ref, "--out", str(tmp_path / "t.pt")]) == 0
+    model = _Tied()
+    model.load_state_dict(torch.load(tmp_path / "t.pt", weights_only=True))
+    assert model.out.weight is model.emb.weight
+    expected = bayesfuse.fedavg([_random(_Tied, s) for s in range(2)]).state_dict()
+    torch.testing.assert_close(model.emb.weight, expected["emb.weight"])

@@ -78,3 +78,20 @@ def test_torch_threads_restores():
     with torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_a_network_returning_more_than_its_logits_is_refused_in_one_line():
+    """Training (FedMA's retraining, the demo's clients) reads the logits; a tuple is refused, naming it."""
+    from bayesfuse.train import _fit
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.fc(x), x
+
+    x, y = _blobs()
+    with pytest.raises(ValueError, match="client 2: training reads the network's logits, and Pair returns a tuple"):
+        _fit(Pair(), torch.as_tensor(x), torch.as_tensor(y), TrainConfig(epochs=1), torch.Generator(), name="client 2")

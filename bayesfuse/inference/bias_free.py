@@ -38,16 +38,19 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Added:
-    """The entries :func:`with_zero_biases` added for one fold: the layer's bias, and the batch
-    norm's weight and bias where it has no affine part."""
+    """The entries :func:`with_zero_biases` added for one fold: the layer's bias where it has none
+    (``bias``), and the batch norm's weight and bias where it has no affine part."""
 
     layer: str
     bn: str
     affine: bool
+    bias: bool = True
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return (f"{self.layer}.bias",) + (() if self.affine else (f"{self.bn}.weight", f"{self.bn}.bias"))
+        return ((f"{self.layer}.bias",) if self.bias else ()) + (
+            () if self.affine else (f"{self.bn}.weight", f"{self.bn}.bias")
+        )
 
 
 def _inserted(state: Mapping[str, Any], after: str, new: Mapping[str, Any]) -> dict:
@@ -63,11 +66,11 @@ def _inserted(state: Mapping[str, Any], after: str, new: Mapping[str, Any]) -> d
 
 
 def missing_biases(state: Mapping[str, Any], spec: PermutationSpec) -> list[Added]:
-    """The folds of ``spec`` whose layer has no bias in ``state``."""
+    """The folds of ``spec`` whose layer has no bias in ``state``, or whose batch norm no affine part."""
     return [
-        Added(layer, bn, f"{bn}.weight" in state)
+        Added(layer, bn, f"{bn}.weight" in state, f"{layer}.bias" not in state)
         for bn, layer in spec.folds.items()
-        if f"{layer}.weight" in state and f"{layer}.bias" not in state
+        if f"{layer}.weight" in state and (f"{layer}.bias" not in state or f"{bn}.weight" not in state)
     ]
 
 
@@ -88,8 +91,9 @@ def add_zero_biases(state: Mapping[str, Any], added: Sequence[Added], *, ggn: bo
         like = np.asarray(state[f"{a.layer}.weight"])
         n = int(like.shape[0])
         dtype = np.float64 if ggn else like.dtype
-        bias = np.full(n, np.inf if ggn else 0.0, dtype=dtype)
-        out = _inserted(out, f"{a.layer}.weight", {f"{a.layer}.bias": bias})
+        if a.bias:
+            bias = np.full(n, np.inf if ggn else 0.0, dtype=dtype)
+            out = _inserted(out, f"{a.layer}.weight", {f"{a.layer}.bias": bias})
         if not a.affine:
             gamma, beta = np.full(n, 0.0 if ggn else 1.0, dtype=dtype), np.zeros(n, dtype=dtype)
             out = _inserted(out, f"{a.bn}.running_var", {f"{a.bn}.weight": gamma, f"{a.bn}.bias": beta})
@@ -125,9 +129,10 @@ def biases_into_batchnorms(state: Mapping[str, Any], added: Sequence[Added], key
     the added entries removed, its entries in the order ``keys`` (the clients')."""
     out = dict(state)
     for a in added:
-        bias = np.asarray(out.pop(f"{a.layer}.bias"))
-        # BN(z + b) = gamma (z - (mu - b)) / sqrt(var + eps) + beta: exact whatever the batch norm holds
-        out[f"{a.bn}.running_mean"] = np.asarray(out[f"{a.bn}.running_mean"]) - bias
+        if a.bias:  # a layer's own bias stays where it is
+            bias = np.asarray(out.pop(f"{a.layer}.bias"))
+            # BN(z + b) = gamma (z - (mu - b)) / sqrt(var + eps) + beta: exact whatever the batch norm holds
+            out[f"{a.bn}.running_mean"] = np.asarray(out[f"{a.bn}.running_mean"]) - bias
         if not a.affine:
             out.pop(f"{a.bn}.weight")
             out.pop(f"{a.bn}.bias")

@@ -143,7 +143,9 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         w = shape("weight")
         new = copy.deepcopy(module)
-        new.in_channels, new.out_channels = w[1] * module.groups, w[0]
+        if module.groups != 1 and module.groups == module.in_channels == module.out_channels:  # depthwise
+            new.groups = w[0]
+        new.in_channels, new.out_channels = w[1] * new.groups, w[0]
         new.weight = nn.Parameter(torch.empty(w))
         if module.bias is not None:
             new.bias = nn.Parameter(torch.empty(w[0]))
@@ -244,6 +246,10 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
         ref = floating_like(module)
         if ref is not None:  # the user's dtype and device (a float64 network stays float64)
             replacement = replacement.to(device=ref.device, dtype=ref.dtype)
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+        for n, p in replacement.named_parameters():  # a frozen layer stays frozen, in its mode
+            p.requires_grad_(n not in frozen)
+        replacement.train(module.training)
         parent_name, _, child = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
         setattr(parent, child, replacement)
@@ -251,7 +257,7 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
         if name in shapes and tuple(value.shape) != shapes[name]:
             owner, _, leaf = name.rpartition(".")
             empty = torch.empty(shapes[name], dtype=value.dtype, device=value.device)
-            setattr(new.get_submodule(owner) if owner else new, leaf, nn.Parameter(empty))
+            setattr(new.get_submodule(owner) if owner else new, leaf, nn.Parameter(empty, value.requires_grad))
     if isinstance(new, MLP) and new.pans is not None:
         pan = new.pan
         assert pan is not None  # an MLP has pans only with a PANConfig

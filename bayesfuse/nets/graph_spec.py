@@ -48,7 +48,7 @@ import torch
 from torch import fx, nn
 
 from bayesfuse.inference.spec import Axis, PermutationSpec
-from bayesfuse.nets.state import floating_like, forward_error
+from bayesfuse.nets.state import floating_like, forward_arguments, forward_error
 
 __all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
 
@@ -354,6 +354,12 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
             "bayesfuse can trace, give the module a permutation_spec() method, or build a spec with "
             "bayesfuse.inference.spec.chain(dense(...), conv(...), ...)"
         )
+    tied = _tied_parameters(model)
+    if tied:
+        raise UnsupportedLayerError(
+            f"{type(model).__name__}: {tied[1]!r} is the same parameter as {tied[0]!r} (tied weights): fusion would "
+            "give each entry its own values and untie them; give a spec, or untie them"
+        )
     x = example_input_for(model, example_input)
     try:
         graph = _Tracer().trace(model)
@@ -369,7 +375,7 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     gm.eval()
     try:
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks itself
-            ShapeProp(gm).propagate(x)
+            ShapeProp(gm).propagate(*forward_arguments(model, x))  # a forward of several inputs, or of one tuple
     except Exception as err:  # the user's forward failing on the example input
         raise _not_running(model, x, err, guessed=example_input is None) from None
     finally:
@@ -426,6 +432,7 @@ class _Walk:
         self.axes: dict[str, list] = {}  # entry -> per-dimension (var, outer, inner) or None
         self.module_vars: dict[str, tuple] = {}
         self.producer: dict = {}  # node -> name of the Linear/Conv module whose output it is
+        self.var_producer: dict[int, str] = {}  # a Linear/Conv module's output variable -> its name
         self.folds: dict[str, str] = {}
         self.order: list[int] = []
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
@@ -483,13 +490,19 @@ class _Walk:
             elif node.op == "output":
                 output_node = node
         out = output_node.args[0] if output_node is not None else None
-        f = self.feature(out)
-        if isinstance(f, _Feature):
-            self.classes.union(f.var, _FIXED)  # the classes are never permuted
+        returned = list(_returned(out))  # a tensor, or a tuple / list / dict of them: the first are the logits
+        for node in returned:
+            f = self.feature(node)
+            if isinstance(f, _Feature):
+                self.classes.union(f.var, _FIXED)  # what the network returns is never permuted
+        first = returned[0] if returned else None
+        f = self.feature(first)
+        # the output layer: the one whose units the logits are, through what keeps them (log_softmax, a scale)
+        output_layer = self.producer.get(first) or (self.var_producer.get(f.var) if f is not None else None)
         self.heads = self.head_sets()
         for heads in self.heads:
             self.check_parallel(gm, heads)
-        return self.spec(self.producer.get(out))
+        return self.spec(output_layer)
 
     def head_sets(self) -> tuple:
         """The module prefixes of every :class:`~bayesfuse.nets.attention.Heads` list (two branches or more)."""
@@ -573,6 +586,7 @@ class _Walk:
                 self.set_axes(f"{name}.bias", [(out, 1, 1)])
             self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1)
             self.producer[node] = name
+            self.var_producer.setdefault(out, name)
         elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
             f = f if self.permuted(f) else None
             if f is not None and f.dim != 1:
@@ -587,6 +601,8 @@ class _Walk:
                 self.set_axes(f"{name}.bias", [(out, 1, 1)])
             self.labels[node] = _Feature(out, 1)
             self.producer[node] = name
+            if not depthwise:
+                self.var_producer.setdefault(out, name)
         elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             out = self.layer_vars(name, None, node)
             self.set_axes(f"{name}.weight", [None, (out, 1, 1)])
@@ -595,8 +611,12 @@ class _Walk:
             self.norm(node, m, f, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
             if m.num_batches_tracked is not None:
                 self.set_axes(f"{name}.num_batches_tracked", [])
-            if isinstance(inp, fx.Node) and inp in self.producer and len(inp.users) == 1:
-                self.folds[name] = self.producer[inp]
+            # folded into the layer before only with running statistics (without, it normalises by each
+            # batch's, in eval mode too: nothing to fold); one without a scale is given 1 and 0 to fold
+            # (bayesfuse.inference.bias_free)
+            if m.track_running_stats and isinstance(inp, fx.Node) and inp in self.producer:
+                if len(inp.users) == 1:
+                    self.folds[name] = self.producer[inp]
         elif isinstance(m, nn.LayerNorm):
             if len(m.normalized_shape) != 1:
                 self.fail(node, "LayerNorm over more than the last axis is not supported")
@@ -615,7 +635,9 @@ class _Walk:
                 self.set_axes(f"{name}.num_batches_tracked", [])
         elif isinstance(m, nn.PReLU) and m.num_parameters > 1:  # a slope per channel (axis 1)
             self.norm(node, m, f, axis=1, entries=("weight",))
-        elif isinstance(m, _ELEMENTWISE_MODULES + (nn.PReLU,)) or isinstance(m, _POOL_MODULES):
+        elif isinstance(m, _ELEMENTWISE_MODULES + (nn.PReLU, nn.Softmax, nn.LogSoftmax, nn.Softmin)) or isinstance(
+            m, _POOL_MODULES
+        ):
             self.labels[node] = f
         elif isinstance(m, nn.Flatten):
             self.reshape(node, inp)
@@ -735,6 +757,10 @@ class _Walk:
             self.labels[node] = None
         elif method in ("expand", "expand_as", "repeat"):  # a class token broadcast over the batch
             label = self.raw(args[0])
+            if isinstance(label, _Feature) and self.permuted(label):
+                src, dst = _tensor_shape(args[0]), _tensor_shape(node)
+                if dst[label.dim + len(dst) - len(src)] != src[label.dim]:
+                    self.fail(node, f"{method} along the units' axis copies each unit: cannot be followed; give a spec")
             if isinstance(label, _Feature):
                 label = _Feature(
                     label.var,
@@ -771,7 +797,7 @@ class _Walk:
         elif fn is operator.getitem:
             self.getitem(node, args[0])
         elif fn is getattr:
-            self.labels[node] = None
+            self.attribute(node, args[0], args[1])
         else:
             self.opaque(node, args, getattr(fn, "__name__", str(fn)))
 
@@ -981,6 +1007,22 @@ class _Walk:
             self.fail(node, "could not follow the units through this transpose")
         self.labels[node] = _Feature(f.var, new, f.outer, f.inner)
 
+    def attribute(self, node, a, name) -> None:
+        """``a.T``, ``a.mT`` (``.H``, ``.mH``): the units move with the axes; any other attribute
+        of a permuted activation that is a tensor is refused; ``a.shape``, ``a.dtype``... are no tensor."""
+        f = self.feature(a)
+        self.labels[node] = None
+        if f is None or _shape(node) is None:
+            return
+        rank = len(_tensor_shape(a))
+        if name in ("T", "H"):
+            self.labels[node] = _Feature(f.var, rank - 1 - f.dim, f.outer, f.inner)
+        elif name in ("mT", "mH"):
+            swap = {rank - 1: rank - 2, rank - 2: rank - 1}
+            self.labels[node] = _Feature(f.var, swap.get(f.dim, f.dim), f.outer, f.inner)
+        elif self.permuted(f):
+            self.fail(node, f"the attribute {name!r} of an activation with permuted units cannot be followed")
+
     def getitem(self, node, a) -> None:
         label = self.raw(a)
         if isinstance(label, (_Recurrent, _Parts)):
@@ -998,20 +1040,19 @@ class _Walk:
         if dst is None:
             self.opaque(node, [a], "indexing")
             return
-        src = _tensor_shape(a)
-        tail = len(src) - 1 - f.dim  # axes after the units'
-        if (
-            tail <= len(dst) - 1
-            and dst[len(dst) - 1 - tail] == src[f.dim]
-            and dst[len(dst) - tail :] == src[f.dim + 1 :]
-        ):
-            index = node.args[1]
-            index = index if isinstance(index, tuple) else (index,)
-            if Ellipsis not in index and len(index) > f.dim and index[f.dim] != slice(None):
-                self.fail(node, "indexing into the units' axis is not supported")
-            self.labels[node] = _Feature(f.var, len(dst) - 1 - tail, f.outer, f.inner)
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        where = _indexed_axis(index, len(_tensor_shape(a)), f.dim, len(dst))
+        if where is None or where == "into":
+            if self.permuted(f):
+                self.fail(
+                    node,
+                    "indexing into the units' axis is not supported"
+                    if where == "into"
+                    else "indexing that moves the units' axis is not supported",
+                )
+            self.labels[node] = None
             return
-        self.fail(node, "indexing that moves the units' axis is not supported")
+        self.labels[node] = _Feature(f.var, int(where), f.outer, f.inner)
 
     def reshape(self, node, a) -> None:
         """Follow the units through a reshape that keeps each unit's numbers in one axis."""
@@ -1035,6 +1076,52 @@ class _Walk:
                 "by hand, say); give a spec",
             )
         self.labels[node] = None
+
+
+def _tied_parameters(model: nn.Module) -> tuple[str, str] | None:
+    """The names of the first parameter ``model`` holds under two names (weights tied), or None."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            return first[id(p)], name
+        first[id(p)] = name
+    return None
+
+
+def _returned(out):
+    """The nodes a ``forward`` returns: ``out``, or those in a tuple, list or dict of them, in order."""
+    if isinstance(out, dict):
+        for value in out.values():
+            yield from _returned(value)
+    elif isinstance(out, (tuple, list)):
+        for value in out:
+            yield from _returned(value)
+    elif isinstance(out, fx.Node):
+        yield out
+
+
+def _indexed_axis(index: tuple, rank: int, dim: int, out_rank: int) -> int | str | None:
+    """Where axis ``dim`` of a tensor of ``rank`` axes lies in ``tensor[index]`` (of ``out_rank``
+    axes): its position; ``"into"`` where the index selects within it (anything but a full ``:``);
+    None where it cannot be told (tensor indices elsewhere, which may move the axes)."""
+    consuming = sum(1 for i in index if i is not None and i is not Ellipsis)
+    expanded: list = []
+    for i in index:
+        expanded.extend([slice(None)] * (rank - consuming) if i is Ellipsis else [i])
+    src = out = 0
+    for i in expanded:
+        if i is None:  # a new axis of size 1
+            out += 1
+            continue
+        if src == dim:
+            return out if i == slice(None) else "into"
+        if isinstance(i, slice):
+            out += 1
+        elif not isinstance(i, int) and (not isinstance(i, fx.Node) or _shape(i) is not None):
+            return None  # a tensor (or list) index: advanced indexing, which may move axes
+        src += 1
+    where = out + (dim - src)
+    return where if out + (rank - src) == out_rank else None
 
 
 def _flat(args):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Mapping
 
 import numpy as np
@@ -48,14 +49,30 @@ def model_input(x, module: nn.Module) -> torch.Tensor:
     return as_input(x, module, like.dtype if like is not None else torch.float32)
 
 
+def forward_arguments(module: nn.Module, x) -> tuple:
+    """The positional arguments that give ``module`` the input ``x``: the items of a tuple ``x``
+    where ``forward`` takes several inputs (``forward(self, a, b)``), else ``x`` alone (a
+    ``forward(self, pair)`` reads its tuple whole)."""
+    if not isinstance(x, tuple):
+        return (x,)
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return (x,)
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    several = len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    return x if several else (x,)
+
+
 def run_once(module: nn.Module, x) -> tuple[object, Exception | None]:
     """Run ``module`` once on ``x`` (eval mode, no gradients; its mode restored after): its
-    output and None, or None and the exception its forward raised."""
+    output and None, or None and the exception its forward raised. A tuple ``x`` is the inputs
+    of a ``forward`` of several (:func:`forward_arguments`)."""
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
-            return module(x), None
+            return module(*forward_arguments(module, x)), None
     except Exception as err:  # whatever the user's forward raises
         return None, err
     finally:

@@ -52,6 +52,16 @@ SUPPORTED = (
 ) + _PASSTHROUGH
 
 
+def _plain(m: nn.Module) -> bool:
+    """Whether a supported leaf is of the kind the chain reads: an ungrouped convolution, a batch
+    norm with a scale and running statistics (the chain folds it; the graph, any other)."""
+    if isinstance(m, nn.modules.conv._ConvNd):
+        return m.groups == 1
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return bool(m.affine and m.track_running_stats)
+    return True
+
+
 def spec_from_module(model, example_input=None) -> PermutationSpec:
     """Derive the permutation spec of a network.
 
@@ -82,8 +92,8 @@ def spec_from_module(model, example_input=None) -> PermutationSpec:
     if not isinstance(model, nn.Sequential):
         return spec_from_graph(model, example_input)
     leaves = [(n, m) for n, m in model.named_modules() if len(list(m.children())) == 0]
-    if any(type(m).__name__ not in SUPPORTED for _, m in leaves):
-        return spec_from_graph(model, example_input)  # layer norms, embeddings...: the graph tells
+    if any(type(m).__name__ not in SUPPORTED or not _plain(m) for _, m in leaves):
+        return spec_from_graph(model, example_input)  # layer norms, embeddings, grouped convs...: the graph tells
     shapes, calls = _trace(model, leaves, _example_input(leaves, example_input))
     weighted = [n for n, m in leaves if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]
     if not weighted:

@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import bayesfuse
@@ -20,14 +21,19 @@ from tests.helpers import far_from_identity_norms
 from tests.nets.user_nets import (
     Attention,
     BagOfWords,
+    BatchStatsMLP,
     BiasFreeCNN,
     BiasFreePlainNormCNN,
     BlurredCNN,
     CausalAttention,
     CausalWhere,
+    DepthwiseCNN,
+    LogSoftmaxMLP,
     MyGRU,
     MyLSTM,
     MyMLP,
+    PairInputs,
+    PlainNormMLP,
     ResMLP,
     SkipCNN,
     SlopesCNN,
@@ -35,6 +41,8 @@ from tests.nets.user_nets import (
     StackedLSTM,
     StackedStateLSTM,
     TokenMixer,
+    TransposedConv,
+    TwoOutputs,
 )
 
 NETS = [
@@ -52,6 +60,11 @@ NETS = [
     CausalAttention,  # a mask buffer is not a layer: traced, not refused
     CausalWhere,
     BlurredCNN,  # nor is a fixed filter applied with F.conv2d
+    LogSoftmaxMLP,  # what follows the output layer keeps its classes
+    TransposedConv,  # units moved by .mT
+    PlainNormMLP,  # a batch norm without scale, folded
+    BatchStatsMLP,  # one without running statistics, not folded
+    DepthwiseCNN,
 ]
 
 
@@ -180,6 +193,41 @@ class _HandWritten(nn.Module):
         return self.head(torch.relu(h))
 
 
+class _Indexed(MyMLP):
+    """The units reordered by an index buffer (``h[..., idx]``): not a permutation the walk follows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("idx", torch.arange(47, -1, -1))
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x))[..., self.idx])
+
+
+class _Repeated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 6), nn.Linear(12, 10)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).repeat(1, 2))
+
+
+class _Tied(nn.Module):
+    """An embedding tied to the output layer (``out.weight = emb.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.out = nn.Embedding(20, 12), nn.Linear(12, 12), nn.Linear(12, 20, bias=False)
+        self.out.weight = self.emb.weight
+
+    def example_input(self):
+        return torch.zeros(2, 5, dtype=torch.long)
+
+    def forward(self, t):
+        return self.out(torch.tanh(self.fc(self.emb(t).mean(1))))
+
+
 def test_recurrent_layers_permute_each_gate_block_and_their_own_state():
     spec = spec_from_graph(MyLSTM())
     gates, state = spec.axes["rnn.weight_hh_l0"]
@@ -264,6 +312,9 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_HandWritten("linear of .T.T"), r"linear applies the network's own weight 'W'"),
         (_HandWritten("x @ W.T"), r"a matrix product applies the network's own weight 'W'"),
         (_HandWritten("matmul of W.t()"), r"a matrix product applies the network's own weight 'W'"),
+        (_Indexed(), r"indexing into the units' axis is not supported"),
+        (_Repeated(), r"repeat along the units' axis copies each unit"),
+        (_Tied(), r"'out.weight' is the same parameter as 'emb.weight' \(tied weights\)"),
     ],
 )
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
@@ -327,3 +378,64 @@ def test_a_network_of_two_inputs_is_traced_from_its_pair_of_example_inputs():
     xy = (torch.randn(5, 8), torch.randn(5, 8))
     with torch.no_grad():
         assert float((fused(xy) - model(xy)).abs().max()) < 1e-4
+
+
+def test_the_output_layer_is_found_through_what_follows_it_and_fuses_as_without_it():
+    """A log_softmax after the output layer changes nothing of the fusion: the same output layer
+    (its m/J average), the same fused weights, and class counts are read."""
+    assert spec_from_graph(LogSoftmaxMLP()).output == ("fc2.weight", "fc2.bias")
+    plain, logged = [_random(MyMLP, s) for s in range(3)], [_random(LogSoftmaxMLP, s) for s in range(3)]
+    counts = np.random.default_rng(0).integers(1, 50, size=(3, 10))
+    for method in ("pfnm", "nafi"):
+        a, b = (bayesfuse.fuse(m, method, class_counts=counts).model.state_dict() for m in (plain, logged))
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_every_tensor_a_network_returns_keeps_its_classes(as_dict):
+    """A forward returning (logits, aux) or a dict of them: no output is permuted, the first is
+    the logits; independent clients fuse to the clients' number of classes, permuted copies back."""
+    TwoOutputs.as_dict = as_dict
+    try:
+        spec = spec_from_graph(TwoOutputs())
+        assert spec.output == ("fc2.weight", "fc2.bias") and spec.axes["aux.weight"][0] is None
+        x = torch.randn(20, 64)
+        model = _random(TwoOutputs, 0)
+        logits = (lambda m: m(x)["logits"]) if as_dict else (lambda m: m(x)[0])
+        for method in ("pfnm", "nafi", "ot"):
+            fused = bayesfuse.fuse([model, _permuted(model, 2)], method).model
+            with torch.no_grad():
+                assert float((logits(model) - logits(fused)).abs().max()) < 1e-4
+            independent = bayesfuse.fuse([_random(TwoOutputs, s) for s in range(3)], method).model
+            with torch.no_grad():
+                assert logits(independent).shape == (20, 10)
+    finally:
+        TwoOutputs.as_dict = False
+
+
+def test_a_forward_of_two_inputs_traces_and_fuses_back():
+    model = _random(PairInputs, 0)
+    x = (torch.randn(20, 32), torch.randn(20, 32))
+    assert spec_from_graph(model).groups == ("P1",)
+    for method in ("pfnm", "ot", "fedavg"):
+        fused = bayesfuse.fuse([model, _permuted(model, 3) if method != "fedavg" else model], method).model
+        with torch.no_grad():
+            assert float((model(*x) - fused(*x)).abs().max()) < 1e-4
+
+
+def test_independent_depthwise_networks_fuse_into_one_that_runs():
+    """The depthwise convolution is rebuilt with one group per channel at the fused width."""
+    for method in ("pfnm", "nafi"):
+        fused = bayesfuse.fuse([_random(DepthwiseCNN, s) for s in range(3)], method)
+        assert fused.model.dw.groups == fused.model.dw.out_channels == fused.sizes[0] > 8
+        assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+
+
+def test_a_frozen_layer_comes_back_frozen():
+    models = [_random(MyMLP, s) for s in range(2)]
+    for m in models:
+        m.fc1.requires_grad_(False)
+    for method in ("pfnm", "ot", "fedavg"):
+        fused = bayesfuse.fuse(models, method).model
+        assert not fused.fc1.weight.requires_grad and fused.fc2.weight.requires_grad

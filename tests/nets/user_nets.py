@@ -341,3 +341,93 @@ class HandLinear(nn.Module):
 
     def forward(self, x):
         return self.head(torch.tanh(nn.functional.linear(x, self.w.T)))
+
+
+class LogSoftmaxMLP(MyMLP):
+    """:class:`MyMLP` returning the log-probabilities of its output layer's logits."""
+
+    def forward(self, x):
+        return F.log_softmax(super().forward(x), dim=-1)
+
+
+class TransposedConv(nn.Module):
+    """A Linear on the features of 8 steps, then a Conv1d over the steps of its units, read
+    through ``.mT``: the units move from the last axis to axis 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 12)
+        self.conv = nn.Conv1d(12, 6, 3, padding=1)
+        self.head = nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x.view(-1, 8, 8)))
+        return self.head(torch.relu(self.conv(h.mT)).mean(-1))
+
+
+class PlainNormMLP(nn.Module):
+    """A biased Linear, then a batch norm without scale and shift (folded as weight 1, bias 0)."""
+
+    def __init__(self, **norm) -> None:
+        super().__init__()
+        self.fc, self.bn, self.head = nn.Linear(64, 32), nn.BatchNorm1d(32, affine=False, **norm), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.fc(x))))
+
+
+class BatchStatsMLP(PlainNormMLP):
+    """A batch norm that keeps no running statistics: it normalises by each batch's, in eval mode too."""
+
+    def __init__(self) -> None:
+        super().__init__(track_running_stats=False)
+
+
+class DepthwiseCNN(nn.Module):
+    """A depthwise convolution (one filter per channel) between two ordinary ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pw = nn.Conv2d(8, 6, 1)
+        self.head = nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = torch.relu(self.dw(torch.relu(self.c1(x.view(-1, 1, 8, 8)))))
+        return self.head(torch.relu(self.pw(h)).mean(dim=(2, 3)))
+
+
+class TwoOutputs(MyMLP):
+    """:class:`MyMLP` returning its logits and a second head's, as a tuple (``as_dict``: a dict)."""
+
+    as_dict = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(self.fc1.out_features, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        out = (self.fc2(h), self.aux(h))
+        return {"logits": out[0], "aux": out[1]} if self.as_dict else out
+
+
+class PairInputs(nn.Module):
+    """A ``forward`` of two inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(16, 10)
+
+    def example_input(self):
+        return (torch.zeros(2, 32), torch.zeros(2, 32))
+
+    def forward(self, x, y):
+        return self.head(torch.relu(self.a(x)) + torch.relu(self.b(y)))
