@@ -275,6 +275,9 @@ def _read_safetensors(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.T
     """A safetensors file's tensors in recorded order (and ``True``), else in name order (and ``False``)."""
     from safetensors.torch import load
 
+    side = _SIDE_FILES.get(str(_header_metadata(raw).get("format")))
+    if side is not None:
+        raise ValueError(f"{path} is {side}, not a model")
     try:
         sd = load(raw)
     except MemoryError:
@@ -286,6 +289,26 @@ def _read_safetensors(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.T
     order = _recorded_order(raw, sd)
     keys = order if order is not None else entry_order(sorted(sd))
     return OrderedDict((k, sd[k]) for k in keys), order is not None
+
+
+#: The files bayesfuse writes beside a model, by their metadata's ``format``: what to say when one
+#: is given where a model is read (``bayesfuse fuse *.safetensors`` picks them up).
+_SIDE_FILES = {
+    "bayesfuse-client-summary": "a client summary (bayesfuse summarize); bayesfuse fuse reads it from beside its model",
+    "bayesfuse-output-posterior": "a fused model's output-layer posterior; bayesfuse.load reads it beside the model",
+    "bayesfuse-client-heads": "a fused model's client heads; bayesfuse.load reads them beside the model",
+    "bayesfuse.fusion": "a fused model's fusion record; bayesfuse.load reads it beside the model",
+}
+
+
+def _header_metadata(raw: bytes) -> dict:
+    """The ``__metadata__`` of a safetensors header, or ``{}``."""
+    try:
+        (size,) = struct.unpack("<Q", raw[:8])
+        meta = json.loads(raw[8 : 8 + size]).get("__metadata__") or {}
+    except (struct.error, ValueError, TypeError, AttributeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _recorded_order(raw: bytes, sd: dict) -> list[str] | None:

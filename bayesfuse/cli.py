@@ -17,6 +17,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import sys
 import textwrap
 import warnings
@@ -218,8 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         type=_methods,
         default=methods.names("network", featured=True),
-        help="comma-separated methods after local/ensemble/fedavg, from pfnm, nafi, fedma, "
-        "fedma-nafi, fedavg-rounds (FedAvg with as many rounds as FedMA) (default: pfnm,nafi)",
+        help="comma-separated methods after local/ensemble/fedavg, from "
+        + ", ".join(methods.names("network", baseline=False, aliases=True))
+        + ", fedavg-rounds (FedAvg with as many rounds as FedMA) (default: "
+        + ",".join(methods.names("network", featured=True))
+        + ")",
     )
     demo.add_argument(
         "--retrain-epochs",
@@ -574,6 +578,8 @@ _FLAGS = (
     ("arch='cnn'", "--arch cnn"),
     ("arch='lstm'", "--arch lstm"),
     ("like=model", "--model MODULE:NAME"),
+    ("pass --model MODULE:NAME if", "give --model MODULE:NAME if"),
+    ("with bayesfuse.summarize", "with bayesfuse summarize MODEL --data DATA"),
     ("spec_path=", "--arch-spec "),
     ("device=", "--device "),
     ("dtype=", "--dtype "),
@@ -586,7 +592,7 @@ _FLAGS = (
 def _in_cli_words(message: str) -> str:
     for python, flag in _FLAGS:
         message = message.replace(python, flag)
-    return message
+    return re.sub(r"\bmethod='([\w-]+)'", r"--method \1", message)
 
 
 #: Hints for file-system errors whose strerror alone does not say what to do.
@@ -613,6 +619,22 @@ def _memory_error_message(err: MemoryError) -> str:
     return f"out of memory{detail}; the inputs are too large for this machine's memory"
 
 
+@contextlib.contextmanager
+def _warnings_as_notes(command: str):
+    """Warnings said as the errors are: one line on stderr, in the command line's words, without
+    Python's source line (``bayesfuse summarize: note: ...``)."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"bayesfuse {command}: note: {_in_cli_words(plain_line(str(message)))}", file=sys.stderr)
+
+    before = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = before
+
+
 def _error(command: str, message: str) -> int:
     message = _in_cli_words(plain_line(message))  # one line without escape codes, in the command line's words
     print(f"bayesfuse {command}: error: {message}", file=sys.stderr)
@@ -635,6 +657,8 @@ def _run_summarize(args: argparse.Namespace) -> int:
         f"wrote {done['path']}: {done['bytes']:,} bytes, {done['bytes'] / done['model_bytes']:.2f}x the model's "
         f"{done['model_bytes']:,}; {done['n_examples']} examples, {done['seconds']:.1f} s"
     )
+    if done["state_dict_key"]:
+        print(f"note: a checkpoint dict: summarised the state_dict in {args.model}[{done['state_dict_key']!r}]")
     return 0
 
 
@@ -678,7 +702,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extra:  # said by the subcommand, whose --help lists its options
             _Parser(prog=f"{parser.prog} {args.command}").error(f"unrecognized arguments: {' '.join(extra)}")
         command = args.command
-        return _run(args)
+        with _warnings_as_notes(command):
+            return _run(args)
     except KeyboardInterrupt:
         print(f"bayesfuse{'' if command == '?' else ' ' + command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -443,6 +443,8 @@ def _run_seed(config: DemoConfig, split: DataSplit, verbose: bool | None) -> See
                 if heads:
                     variants.append(("+summaries shared head", 1, summaries, {"head": "shared"}))
             for label, rounds, given, extra in variants:
+                if given is None:  # the one-shot row's first round: its class counts (summaries carry their own)
+                    extra = {"class_counts": partition.counts, **extra}
                 data: dict[str, Any] = {}
                 if rounds == 2:
                     scored = held if held is not None and extra.get("second_round") == "temperature" else partition
@@ -565,15 +567,17 @@ def _figure_png(result: DemoResult, split: DataSplit) -> bytes:
         means = np.array([r[column] for r in result.rows])
         sds = np.array([r[column + "_sd"] for r in result.rows])
         ax.barh(y, means, xerr=sds if n_seeds > 1 else None, color=colours, capsize=3)
+        right = means + (sds if n_seeds > 1 else 0)  # where each bar's label starts
         if column == "accuracy":  # each local model of each seed, on the "local" bar
             local = [m["accuracy"] for run in result.runs for m in run.local_metrics]
             ax.scatter(
                 local, np.full(len(local), y[0]) + np.linspace(-0.25, 0.25, len(local)), s=9, color="black", zorder=3
             )
+            right[0] = max(right[0], max(local, default=0.0))  # the label right of the dots, not under them
         ax.set_yticks(y, names if column in ("accuracy", "hidden") else [""] * len(names))
-        for yi, m, sd in zip(y, means, sds):
+        for yi, m, at in zip(y, means, right):
             text = f"{m:.3f}" if column in ("accuracy", "nll", "ece") else (f"{m:g}" if m == int(m) else f"{m:.1f}")
-            ax.text(m + (sd if n_seeds > 1 else 0), yi, " " + text, va="center", fontsize=8)
+            ax.text(at, yi, " " + text, va="center", fontsize=8)
         ax.set_xlabel(label + (" (lower is better)" if smaller and column in ("nll", "ece") else ""))
         ax.set_xlim(0, max(1e-9, float((means + sds).max())) * 1.25)
         ax.grid(axis="x", alpha=0.3)

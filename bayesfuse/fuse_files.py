@@ -764,6 +764,11 @@ def fuse_files(
         )
         posterior.append(heads_file)
         report["hyper"].update(head="clients", pool=report["heads"]["pool"])
+        if report["posterior"] is not None:  # load returns the heads; this is the shared layer's posterior
+            report["posterior"]["stores"] = (
+                "fused posterior precision of each entry of the shared output layer (variance = 1 / precision); "
+                "bayesfuse.load returns the clients' heads beside it (ClientHeads), not this layer"
+            )
         if report["heads"]["pseudo_count"] is not None:
             report["hyper"]["pseudo_count"] = report["heads"]["pseudo_count"]
     # the record's clients are the files in fused_order (a loaded fusion's hyper says so)

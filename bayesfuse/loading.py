@@ -43,6 +43,7 @@ from bayesfuse.checkpoints import (
     tensors_sha256,
 )
 from bayesfuse.fusion_record import fusion_files, fusion_path
+from bayesfuse.nets.user_module import FILE_MODULE_PREFIX
 
 __all__ = ["load", "load_report"]
 
@@ -157,9 +158,17 @@ def load(
                 raise
             template = _imported_network(network)
             if template is None:
+                module, _, cls = network.partition(":")
+                from_file = module.startswith(FILE_MODULE_PREFIX)  # --model FILE.py:NAME
+                shown = f"{module.removeprefix(FILE_MODULE_PREFIX)}.py:{cls}" if from_file else network
                 raise ValueError(
-                    f"{name} was fused from your network {network}: import it, or load with like=, "
-                    f"e.g. bayesfuse.load({str(path)!r}, like={network.rpartition(':')[2]}())"
+                    f"{name} was fused from your network {shown}: "
+                    + (
+                        f"import {cls} from that file and load with like="
+                        if from_file
+                        else "import it, or load with like="
+                    )
+                    + f", e.g. bayesfuse.load({str(path)!r}, like={cls.rpartition('.')[2]}())"
                 ) from None
             model = _like(template, state, name, example_input)
         else:
@@ -351,6 +360,14 @@ def _recognised_network(state: dict, name: str, n_features: int | None) -> nn.Mo
         return _linear_sequential(state, name)
     if "lstm.weight_ih_l0" in keys and "fc.weight" in keys:
         return _lstm(state, name)
+    if any(k.startswith("network.") for k in keys) and ({"shares", "weight_var", "temperature"} & keys):
+        kind = "ClientHeads" if "shares" in keys else "LastLayerLaplace"
+        raise ValueError(
+            f"{name} holds the state_dict of a {kind} (a fused network with its output posterior), which "
+            "bayesfuse.load does not rebuild: save the network alone (torch.save(result.model.network."
+            "state_dict(), path)) and load it with like=, or fuse the files with bayesfuse fuse, which "
+            "writes the posterior beside the model"
+        )
     if any(t.ndim == 4 for t in state.values()):
         return _cnn(state, name, n_features)
     raise ValueError(

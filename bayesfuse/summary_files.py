@@ -19,6 +19,7 @@ import numpy as np
 
 from bayesfuse._io import check_writable, recover
 from bayesfuse._text import first_line
+from bayesfuse.checkpoints import read_checkpoint
 from bayesfuse.loading import load
 from bayesfuse.summaries import check_precisions, save_summary, summarize, summary_path
 
@@ -45,7 +46,11 @@ def read_client_data(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     except (ValueError, OSError, EOFError) as err:
         if isinstance(err, PermissionError):
             raise PermissionError(f"data file {path}: permission denied") from None
-        raise ValueError(f"data file {path} is not a NumPy .npz archive ({err})") from None
+        why = "" if "allow_pickle" in str(err) else f" ({err})"  # numpy's guess that text is pickled misleads
+        raise ValueError(
+            f"data file {path} is not a NumPy .npz archive{why}: save the inputs as x and the labels as y with "
+            "numpy.savez(path, x=inputs, y=labels)"
+        ) from None
     if not isinstance(arrays, dict):
         raise ValueError(f"data file {path} holds one array, not a .npz archive with x and y")
     missing = [k for k in ("x", "y") if k not in arrays]
@@ -108,8 +113,10 @@ def summarize_file(
     Returns
     -------
     dict
-        ``path``, ``bytes`` (of the summary file), ``model_bytes`` (of the model file),
-        ``n_examples`` and ``seconds`` (all of it: reading, the pass, writing).
+        ``path``, ``bytes`` (of the summary file), ``model_bytes`` (of the model's tensors: not
+        an optimizer's state in the same checkpoint), ``state_dict_key`` (the entry of a
+        checkpoint dict the model was read from, None for a plain state_dict), ``n_examples``
+        and ``seconds`` (all of it: reading, the pass, writing).
     """
     start = time.perf_counter()
     model_path = Path(model_path)
@@ -144,7 +151,8 @@ def summarize_file(
     return {
         "path": str(out),
         "bytes": out.stat().st_size,
-        "model_bytes": model_path.stat().st_size,
+        "model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+        "state_dict_key": read_checkpoint(model_path).state_dict_key,
         "n_examples": summary.n_examples,
         "seconds": time.perf_counter() - start,
     }

@@ -352,6 +352,9 @@ def load_dataset(name: str, *, seed: int = 0, path: str | os.PathLike | None = N
         return load_fashion_mnist(path)
     if key == "mnist":
         if path is None:
-            raise ValueError("mnist needs a path to local IDX files or an .npz (nothing is downloaded)")
+            raise ValueError(
+                "mnist needs a path to local IDX files or an .npz (nothing is downloaded): give it with "
+                "--data-path on the command line, path= in Python"
+            )
         return load_mnist(path)
     raise ValueError(f"unknown dataset {name!r}; choose digits, fashion-mnist or mnist")

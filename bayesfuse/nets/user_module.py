@@ -59,12 +59,16 @@ def model_from_reference(ref: str) -> nn.Module:
     return model
 
 
+#: The name a ``--model FILE.py:NAME`` file is imported under (``_bayesfuse_model_FILE``).
+FILE_MODULE_PREFIX = "_bayesfuse_model_"
+
+
 def _import(where: str):
     path = Path(where)
     if where.endswith(".py"):
         if not path.is_file():
             raise FileNotFoundError(f"no file {where}")
-        spec = importlib.util.spec_from_file_location(f"_bayesfuse_model_{path.stem}", path)
+        spec = importlib.util.spec_from_file_location(f"{FILE_MODULE_PREFIX}{path.stem}", path)
         assert spec is not None and spec.loader is not None  # a .py file: read by a source loader
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
