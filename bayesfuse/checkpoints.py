@@ -369,12 +369,25 @@ def _check_dense(path: Path, tensors: dict) -> None:
             )
 
 
+class HashedState(OrderedDict):
+    """A state_dict whose :func:`tensors_sha256` is computed once: one read of a model file, whose
+    report and side files each check the digest (:func:`bayesfuse.load`). Its tensors must not
+    change while it is used."""
+
+    sha256: str | None = None
+
+
 def tensors_sha256(tensors: dict) -> str:
     """sha256 of a state_dict's tensors: each entry's name, dtype, shape and raw bytes, in order.
 
     It does not depend on the file format or the file's name (which ``torch.save`` stores), so
     the same tensors saved as ``.pt`` or ``.safetensors``, under any name, get the same digest.
+    A :class:`HashedState` is hashed once.
     """
+    if isinstance(tensors, HashedState):
+        if tensors.sha256 is None:
+            tensors.sha256 = tensors_sha256(dict(tensors))
+        return tensors.sha256
     h = hashlib.sha256()
     for key, t in tensors.items():
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()

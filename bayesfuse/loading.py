@@ -35,6 +35,7 @@ from torch import nn
 
 from bayesfuse._io import _journal_path, recover
 from bayesfuse.checkpoints import (
+    HashedState,
     heads_path,
     posterior_path,
     read_checkpoint,
@@ -144,7 +145,7 @@ def load(
         posterior beside it is unreadable, of another version or written for other tensors.
     """
     _finish_interrupted_write(path)
-    state = read_checkpoint(path).tensors
+    state = HashedState(read_checkpoint(path).tensors)  # the report and each side file check its digest: once
     name = str(path)
     report = load_report(path, state, strict=posterior)
     if like is not None:

@@ -400,3 +400,18 @@ def test_a_version_1_heads_file_is_read_without_smoothing(tmp_path):
         else:
             with pytest.raises(ValueError, match=r"version '3' is not one this bayesfuse reads \(1, 2\)"):
                 read_heads(path, model, "fused.pt")
+
+
+def test_a_hashed_state_is_digested_once_and_as_a_plain_one():
+    """``bayesfuse.load`` checks the digest of one file's tensors against its report and each
+    side file: a HashedState computes it once (the digest a plain dict of the same tensors has)."""
+    from unittest import mock
+
+    from bayesfuse import checkpoints
+
+    state = {"a.weight": torch.randn(3, 4), "a.bias": torch.zeros(3, dtype=torch.float64)}
+    plain = checkpoints.tensors_sha256(state)
+    hashed = checkpoints.HashedState(state)
+    with mock.patch.object(checkpoints.hashlib, "sha256", wraps=checkpoints.hashlib.sha256) as sha:
+        assert [checkpoints.tensors_sha256(hashed) for _ in range(4)] == [plain] * 4
+    assert sha.call_count == 1
