@@ -13,7 +13,9 @@ entries and loads into their network.
 
 With client summaries the zero bias is known exactly: its GGN diagonal is ``+inf``, so that the
 folded bias's precision is the batch norm's ``beta``'s (``1 / (c^2 / inf + 1 / pi_beta)``); an
-affine-free batch norm's ``gamma`` and ``beta`` get the prior's precision alone (a GGN of 0).
+affine-free batch norm's ``gamma`` and ``beta`` get the prior's precision alone (a GGN of 0),
+except after a layer with a bias of its own, where ``beta = 0`` is known exactly (a GGN of
+``+inf``) and the folded bias keeps the layer's, ``pi_b / c^2``.
 """
 
 from __future__ import annotations
@@ -95,7 +97,11 @@ def add_zero_biases(state: Mapping[str, Any], added: Sequence[Added], *, ggn: bo
             bias = np.full(n, np.inf if ggn else 0.0, dtype=dtype)
             out = _inserted(out, f"{a.layer}.weight", {f"{a.layer}.bias": bias})
         if not a.affine:
-            gamma, beta = np.full(n, 0.0 if ggn else 1.0, dtype=dtype), np.zeros(n, dtype=dtype)
+            # with summaries: after a layer of its own bias, beta's exact 0 (a GGN of inf) leaves the
+            # folded bias the layer's, pi_b / c^2; after a zero bias (itself inf), the prior alone
+            known = np.inf if ggn and not a.bias else 0.0
+            gamma = np.full(n, 0.0 if ggn else 1.0, dtype=dtype)
+            beta = np.full(n, known, dtype=dtype)
             out = _inserted(out, f"{a.bn}.running_var", {f"{a.bn}.weight": gamma, f"{a.bn}.bias": beta})
     return out
 

@@ -189,7 +189,11 @@ class PermutationSpec:
         """The output layer's weight (2-D) and bias (1-D) entries of :attr:`output` in ``state``."""
         weight, bias = [next((k for k in self.output if k in state and np.ndim(state[k]) == d), None) for d in (2, 1)]
         if weight is None or bias is None:
-            raise ValueError(f"the output entries {list(self.output)} hold no 2-D weight and 1-D bias")
+            shapes = {k: tuple(np.shape(state[k])) for k in self.output if k in state}
+            raise ValueError(
+                f"the output layer must be a Linear with a bias (a 2-D weight, a 1-D bias) for this; its entries "
+                f"are {shapes or list(self.output)} (a convolution, or no bias?)"
+            )
         return weight, bias
 
     def __post_init__(self) -> None:

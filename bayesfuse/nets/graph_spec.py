@@ -357,8 +357,9 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     tied = _tied_parameters(model)
     if tied:
         raise UnsupportedLayerError(
-            f"{type(model).__name__}: {tied[1]!r} is the same parameter as {tied[0]!r} (tied weights): fusion would "
-            "give each entry its own values and untie them; give a spec, or untie them"
+            f"{type(model).__name__}: {tied[1]!r} is the same parameter as {tied[0]!r} (weights tied, or one module "
+            "held under two names): fusion would give each entry its own values and untie them; give a spec, or "
+            "hold each weight once"
         )
     x = example_input_for(model, example_input)
     try:
@@ -1100,28 +1101,71 @@ def _returned(out):
         yield out
 
 
+def _index_kind(i) -> tuple[str, int]:
+    """What one element of an index does: ``("new", 0)`` (None), ``("slice", 1)``, ``("int", 1)``
+    (an int, or an int the graph computes), ``("tensor", n)`` (advanced indexing, consuming ``n``
+    axes: a boolean mask its rank, anything else one), ``("...", -1)``."""
+    if i is None:
+        return "new", 0
+    if i is Ellipsis:
+        return "...", -1
+    if isinstance(i, slice):
+        return "slice", 1
+    if isinstance(i, int) and not isinstance(i, bool):
+        return "int", 1
+    if isinstance(i, fx.Node):
+        meta = i.meta.get("tensor_meta")
+        if meta is None or not hasattr(meta, "shape"):
+            return "int", 1  # an int the graph computes (x.size(1) - 1)
+        return "tensor", len(meta.shape) if meta.dtype == torch.bool else 1
+    return "tensor", 1  # a list, a bool, a constant tensor
+
+
 def _indexed_axis(index: tuple, rank: int, dim: int, out_rank: int) -> int | str | None:
     """Where axis ``dim`` of a tensor of ``rank`` axes lies in ``tensor[index]`` (of ``out_rank``
     axes): its position; ``"into"`` where the index selects within it (anything but a full ``:``);
-    None where it cannot be told (tensor indices elsewhere, which may move the axes)."""
-    consuming = sum(1 for i in index if i is not None and i is not Ellipsis)
-    expanded: list = []
-    for i in index:
-        expanded.extend([slice(None)] * (rank - consuming) if i is Ellipsis else [i])
-    src = out = 0
-    for i in expanded:
-        if i is None:  # a new axis of size 1
-            out += 1
+    None where it cannot be told.
+
+    Basic indexing keeps the order of the axes it leaves. Tensor (advanced) indices give axes of
+    their broadcast shape, in place of the indexed ones where they are adjacent, else first
+    (PyTorch and NumPy); with an int among them, where they go is not told: None."""
+    items = [(i, *_index_kind(i)) for i in index]
+    if sum(kind == "..." for _, kind, _ in items) > 1:
+        return None
+    consumed = sum(n for _, kind, n in items if kind != "...")
+    if consumed > rank:
+        return None
+    whole = [(slice(None), "slice", 1)] * (rank - consumed)  # the axes the index does not name
+    if any(kind == "..." for _, kind, _ in items):
+        items = [e for item in items for e in (whole if item[1] == "..." else [item])]
+    else:
+        items += whole
+    src, basic, units, tensors = 0, 0, None, []
+    for at, (element, kind, n) in enumerate(items):
+        if kind == "new":
+            basic += 1
             continue
-        if src == dim:
-            return out if i == slice(None) else "into"
-        if isinstance(i, slice):
-            out += 1
-        elif not isinstance(i, int) and (not isinstance(i, fx.Node) or _shape(i) is not None):
-            return None  # a tensor (or list) index: advanced indexing, which may move axes
-        src += 1
-    where = out + (dim - src)
-    return where if out + (rank - src) == out_rank else None
+        if src <= dim < src + n:
+            if kind != "slice" or element != slice(None):
+                return "into"
+            units = (at, basic)
+        if kind == "slice":
+            basic += 1
+        elif kind == "tensor":
+            tensors.append(at)
+        src += n
+    if units is None:
+        return None
+    at, position = units
+    if not tensors:
+        return position if basic == out_rank else None
+    width = out_rank - basic  # the axes of the tensor indices' broadcast shape
+    first, last = tensors[0], tensors[-1]
+    if width < 0 or any(items[k][1] == "int" for k in range(first, last + 1)):
+        return None
+    if last - first + 1 == len(tensors):  # adjacent: their axes where they stand
+        return position + (width if at > last else 0)
+    return position + width  # apart: their axes first
 
 
 def _flat(args):

@@ -51,16 +51,19 @@ def model_input(x, module: nn.Module) -> torch.Tensor:
 
 def forward_arguments(module: nn.Module, x) -> tuple:
     """The positional arguments that give ``module`` the input ``x``: the items of a tuple ``x``
-    where ``forward`` takes several inputs (``forward(self, a, b)``), else ``x`` alone (a
-    ``forward(self, pair)`` reads its tuple whole)."""
+    where ``forward`` requires several inputs (``forward(self, a, b)``, or takes ``*inputs``),
+    else ``x`` alone (a ``forward(self, pair)`` or ``forward(self, pair, scale=1.0)`` reads its
+    tuple whole)."""
     if not isinstance(x, tuple):
         return (x,)
     try:
         parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
         return (x,)
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    several = len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    required = [
+        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    several = len(required) > 1 or (not required and any(p.kind is p.VAR_POSITIONAL for p in parameters))
     return x if several else (x,)
 
 

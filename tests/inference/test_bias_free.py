@@ -135,3 +135,29 @@ def test_files_of_networks_without_conv_biases_fuse_with_the_network_given(train
         warnings.simplefilter("ignore", ConvergenceWarning)
         python = bayesfuse.fuse(models, "pfnm").model
     assert _gap(loaded, python, torch.randn(8, 64)) < 1e-5
+
+
+def test_an_affine_free_batch_norm_after_a_biased_layer_folds_and_keeps_the_layers_bias_precision():
+    """Its beta is exactly 0: the folded bias's precision is the layer's own over c^2 (NAFI eq. 47
+    with 1 / pi_beta = 0), above the prior where the data say so, and the function is kept."""
+    from bayesfuse.inference.bias_free import add_zero_biases, missing_biases
+    from bayesfuse.inference.summary_fusion import laplace_precisions
+    from tests.nets.user_nets import PlainNormMLP
+
+    model = far_from_identity_norms(PlainNormMLP()).eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    spec = spec_from_module(model)
+    state = {k: v.double().numpy() for k, v in model.state_dict().items()}
+    added = missing_biases(state, spec)
+    assert [(a.layer, a.bn, a.affine, a.bias) for a in added] == [("fc", "bn", False, False)]
+    ggn = {k: np.full(np.shape(v), 5.0) for k, v in state.items() if not k.startswith("bn.")}
+    states, spec2, _, _ = with_zero_biases([state], spec)
+    pi = laplace_precisions(states[0], add_zero_biases(ggn, added, ggn=True), 1.0, spec2)
+    c2 = 1.0 / (state["bn.running_var"] + 1e-5)
+    np.testing.assert_allclose(pi["fc.bias"], 6.0 / c2)
+    back = biases_into_batchnorms(fold_batchnorm(states[0], spec2), added, list(state))
+    copy = PlainNormMLP()
+    copy.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in back.items()})
+    assert _gap(model, copy.eval(), torch.randn(8, 64)) < 1e-5

@@ -314,7 +314,7 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_HandWritten("matmul of W.t()"), r"a matrix product applies the network's own weight 'W'"),
         (_Indexed(), r"indexing into the units' axis is not supported"),
         (_Repeated(), r"repeat along the units' axis copies each unit"),
-        (_Tied(), r"'out.weight' is the same parameter as 'emb.weight' \(tied weights\)"),
+        (_Tied(), r"'out.weight' is the same parameter as 'emb.weight' \(weights tied"),
     ],
 )
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
@@ -439,3 +439,75 @@ def test_a_frozen_layer_comes_back_frozen():
     for method in ("pfnm", "ot", "fedavg"):
         fused = bayesfuse.fuse(models, method).model
         assert not fused.fc1.weight.requires_grad and fused.fc2.weight.requires_grad
+
+
+def test_where_indexing_puts_the_units_agrees_with_torch():
+    """``_indexed_axis`` against PyTorch itself, on every index of up to three elements built from
+    ints, slices, None, Ellipsis and list (advanced) indices, for the units on each axis of a 4-D
+    tensor: wherever it names an axis, the units are there (it may refuse, never misplace)."""
+    import itertools
+
+    from bayesfuse.nets.graph_spec import _indexed_axis
+
+    sizes, named = (2, 3, 4, 5), 0
+    elements = [0, -1, slice(None), slice(1, None), None, Ellipsis, [0, 1], [[0], [1]]]
+    for dim in range(4):
+        x = (torch.arange(sizes[dim]) + 1.0).view(*[-1 if d == dim else 1 for d in range(4)]).expand(sizes)
+        for length in (1, 2, 3):
+            for index in itertools.product(elements, repeat=length):
+                try:
+                    y = x[index]
+                except (IndexError, TypeError, RuntimeError):
+                    continue
+                got = _indexed_axis(tuple(index), 4, dim, y.dim())
+                if isinstance(got, int):
+                    named += 1
+                    units = y.movedim(got, 0).reshape(y.shape[got], -1)
+                    assert y.shape[got] == sizes[dim] and torch.equal(units[:, :1].flatten(), x.unique()), index
+                    assert bool((units == units[:, :1]).all()), index
+    assert named > 1000
+
+
+class _LastValid(nn.Module):
+    """An LSTM read at each sequence's last real step: ``out[arange(B), lengths - 1]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(8, 12, batch_first=True), nn.Linear(12, 10)
+        self.register_buffer("lengths", torch.tensor([8, 5]))
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.view(-1, 8, 8))
+        return self.head(out[torch.arange(2), self.lengths - 1])  # a batch of two
+
+
+class _PairWithScale(nn.Module):
+    """``forward(self, pair, scale=1.0)``: a tuple example input is the one pair, not two inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(32, 16), nn.Linear(16, 10)
+
+    def example_input(self):
+        return (torch.zeros(2, 32), torch.zeros(2, 32))
+
+    def forward(self, pair, scale=1.0):
+        return self.head(torch.relu(self.a(pair[0] + pair[1]))) * scale
+
+
+@pytest.mark.parametrize("cls", [_LastValid, _PairWithScale])
+def test_gathers_before_the_units_and_a_pair_with_options_trace_and_fuse_back(cls):
+    model = _random(cls, 0)
+    x = example_input_for(model)
+    x = (torch.randn(2, 32), torch.randn(2, 32)) if isinstance(x, tuple) else torch.randn(2, 64)
+
+    def run(m):
+        with torch.no_grad():
+            return m(x)
+
+    assert float((run(model) - run(_permuted(model, 1))).abs().max()) < 1e-4
+    fused = bayesfuse.fuse([model, _permuted(model, 2)], "pfnm").model
+    assert float((run(model) - run(fused)).abs().max()) < 1e-4

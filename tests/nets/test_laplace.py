@@ -199,3 +199,37 @@ def test_a_log_softmax_after_the_output_layer_predicts_as_the_logits_do_and_a_sc
     for kw in ({}, {"num_samples": 50}):
         with pytest.raises(ValueError, match=r"_After's forward changes the logits of its output layer 'layers.1'"):
             scaled.predict(x, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_logits_check_holds_in_low_precision_and_on_empty_batches(dtype):
+    """A scale of 1.1 after the output layer is refused in every dtype (bfloat16's rounding is a
+    shift's, 8 eps of the logits, not a softmax's); log_softmax passes with logits of order 30;
+    an empty batch predicts nothing; an output layer applied twice is refused as such."""
+    from bayesfuse.nets.heads import logits_and_features
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            self.fc1, self.fc2, self.how = torch.nn.Linear(4, 8), torch.nn.Linear(8, 5), how
+            with torch.no_grad():
+                self.fc2.weight.mul_(5.0)  # logits of order 30
+
+        def forward(self, x):
+            f = self.fc2(torch.relu(self.fc1(x)))
+            if self.how == "twice":
+                return (f + self.fc2(torch.relu(self.fc1(-x)))) / 2
+            return 1.1 * f if self.how == "scale" else torch.log_softmax(f, -1)
+
+    torch.manual_seed(0)
+    x = (10 * torch.randn(64, 4)).to(dtype)
+    for how, refused in (("scale", "changes the logits"), ("log_softmax", None), ("twice", "2 times per batch")):
+        net = Scaled(how).to(dtype)
+        if refused:
+            with pytest.raises(ValueError, match=refused):
+                logits_and_features(net, "fc2", x)
+        else:
+            logits, _ = logits_and_features(net, "fc2", x)
+            assert float(logits.abs().amax()) > 20
+    logits, features = logits_and_features(Scaled("scale").to(dtype), "fc2", x[:0])
+    assert logits.shape == (0, 5) and features.shape == (0, 8)
