@@ -98,6 +98,24 @@ _POOL_MODULES = (
     nn.AdaptiveMaxPool1d,
     nn.AdaptiveMaxPool2d,
 )
+#: Element-wise functions whose other arguments must be numbers (``clamp(h, 0, 6)``, ``h ** 2``):
+#: with a tensor among them (``clamp(h, min=self.floor)``) each unit would meet another's number.
+_SCALAR_ELEMENTWISE = {
+    torch.clamp, torch.clip, torch.pow, operator.pow, torch.sqrt, torch.rsqrt, torch.log, torch.log1p, torch.expm1,
+    torch.sin, torch.cos, torch.erf, torch.reciprocal, torch.nn.functional.hardshrink,
+    torch.nn.functional.softshrink, torch.nn.functional.tanhshrink, torch.nn.functional.threshold,
+}  # fmt: skip
+_SCALAR_ELEMENTWISE_METHODS = {
+    "clamp", "clip", "clamp_", "pow", "sqrt", "rsqrt", "log", "log1p", "expm1", "sin", "cos", "erf", "reciprocal",
+    "square",
+}  # fmt: skip
+#: Modules that act on the spatial axes of (N, C, ...) maps, the channels left as they are.
+_SPATIAL_MODULES = (
+    nn.Upsample,
+    nn.modules.padding._ConstantPadNd,
+    nn.modules.padding._ReflectionPadNd,
+    nn.modules.padding._ReplicationPadNd,
+)
 _ELEMENTWISE_FUNCTIONS = {
     torch.relu,
     torch.sigmoid,
@@ -640,6 +658,8 @@ class _Walk:
             m, _POOL_MODULES
         ):
             self.labels[node] = f
+        elif isinstance(m, _SPATIAL_MODULES):
+            self.spatial(node, f, m)
         elif isinstance(m, nn.Flatten):
             self.reshape(node, inp)
         elif isinstance(m, (nn.LSTM, nn.GRU)):
@@ -742,6 +762,8 @@ class _Walk:
         args = list(node.args)
         if method in _ELEMENTWISE_METHODS or method in _SOFTMAX_METHODS:
             self.labels[node] = self.feature(args[0])
+        elif method in _SCALAR_ELEMENTWISE_METHODS:
+            self.scalar_elementwise(node, args, node.kwargs)
         elif method in _MATMUL_METHODS:
             self.matmul(node, args[0], args[1])
         elif method in _BINARY_METHODS:
@@ -776,6 +798,8 @@ class _Walk:
     def call(self, node, fn, args: list, kwargs) -> None:
         if fn in _ELEMENTWISE_FUNCTIONS or fn in _SOFTMAX:
             self.labels[node] = self.feature(args[0])
+        elif fn in _SCALAR_ELEMENTWISE:
+            self.scalar_elementwise(node, args, kwargs)
         elif fn in _MATMUL:
             self.matmul(node, args[0], args[1])
         elif fn is torch.nn.functional.scaled_dot_product_attention:
@@ -1007,6 +1031,24 @@ class _Walk:
         if new not in matches:
             self.fail(node, "could not follow the units through this transpose")
         self.labels[node] = _Feature(f.var, new, f.outer, f.inner)
+
+    def spatial(self, node, f: _Feature | None, m: nn.Module) -> None:
+        """Padding and upsampling: they act on the axes after the channels (the last ``k`` for an
+        ``n``-d padding, every axis from 2 for upsampling); units on those are refused."""
+        rank = len(_tensor_shape(node.args[0]))
+        k = len(cast(tuple, m.padding)) // 2 if hasattr(m, "padding") else rank - 2
+        if self.permuted(f) and f.dim >= rank - k:
+            self.fail(node, f"{type(m).__name__} acts on the units' axis")
+        self.labels[node] = f
+
+    def scalar_elementwise(self, node, args: list, kwargs) -> None:
+        """An element-wise function of the activation and numbers only; else :meth:`opaque`."""
+        values = list(args) + list(kwargs.values())
+        tensors = [v for v in values if isinstance(v, fx.Node)]
+        if len(tensors) == 1 and all(v is None or isinstance(v, (int, float, fx.Node)) for v in values):
+            self.labels[node] = self.feature(tensors[0])  # h ** 2, 2 ** h, clamp(h, 0, 6)
+        else:
+            self.opaque(node, args + list(kwargs.values()), getattr(node.target, "__name__", str(node.target)))
 
     def attribute(self, node, a, name) -> None:
         """``a.T``, ``a.mT`` (``.H``, ``.mH``): the units move with the axes; any other attribute

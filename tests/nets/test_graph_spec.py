@@ -32,6 +32,7 @@ from tests.nets.user_nets import (
     MyGRU,
     MyLSTM,
     MyMLP,
+    PaddedCNN,
     PairInputs,
     PlainNormMLP,
     ResMLP,
@@ -65,6 +66,7 @@ NETS = [
     PlainNormMLP,  # a batch norm without scale, folded
     BatchStatsMLP,  # one without running statistics, not folded
     DepthwiseCNN,
+    PaddedCNN,  # element-wise functions of numbers, padding and upsampling of the maps
 ]
 
 

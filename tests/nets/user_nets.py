@@ -431,3 +431,23 @@ class PairInputs(nn.Module):
 
     def forward(self, x, y):
         return self.head(torch.relu(self.a(x)) + torch.relu(self.b(y)))
+
+
+class PaddedCNN(nn.Module):
+    """Element-wise functions of numbers (clamp, a power, sqrt, sin), padding and upsampling of the
+    maps between two convolutions: all leave the channels' order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(1, 6, 3), nn.Conv2d(6, 5, 3)
+        self.pad, self.up = nn.ZeroPad2d(1), nn.Upsample(scale_factor=2)
+        self.head = nn.Linear(5, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = torch.clamp(self.c1(x.view(-1, 1, 8, 8)), -1.0, 6.0) ** 2
+        h = torch.sqrt(h + 1) + torch.sin(h).clamp(min=0) + 2**-h
+        h = self.c2(self.up(self.pad(h)))
+        return self.head(F.relu(h).mean(dim=(2, 3)))
