@@ -870,13 +870,17 @@ class _Walk:
         self.labels[node] = None
 
     def binary(self, node, a, b) -> None:
+        followed = set()
         for p, other in ((a, b), (b, a)):
             g = self.feature(other)
             if isinstance(self.raw(p), tuple) and g is not None:  # a parameter meets a stream
                 self.param_axis(self.raw(p)[1], node, g, _tensor_shape(other))
+            elif g is not None and self.vector_view(p, g, _tensor_shape(other)):
+                followed.add(p)  # a layer scale shaped to the maps: gamma.view(1, -1, 1, 1) * x
         fa, fb = self.feature(a), self.feature(b)
         for f, f_node, other in ((fa, a, b), (fb, b, a)):
-            self.unknown_operand(node, f, f_node, other)
+            if other not in followed:
+                self.unknown_operand(node, f, f_node, other)
         if fa is not None and fb is not None:
             sa, sb, so = _tensor_shape(a), _tensor_shape(b), _tensor_shape(node)
             if len(so) - len(sa) + fa.dim != len(so) - len(sb) + fb.dim or (fa.outer, fa.inner) != (fb.outer, fb.inner):
@@ -887,6 +891,37 @@ class _Walk:
             shift = len(_tensor_shape(node)) - len(_tensor_shape(a if fa is not None else b))
             f = _Feature(f.var, f.dim + shift, f.outer, f.inner)
         self.labels[node] = f
+
+    def vector_view(self, p, g: _Feature, shape: tuple) -> bool:
+        """Whether ``p`` is a 1-D parameter or buffer shaped by views (``view``, ``reshape``,
+        ``unsqueeze``, ``[:, None, None]``) to hold its numbers on the axis of ``g``'s units in
+        a tensor of ``shape`` it broadcasts against; if so, that axis is the parameter's, permuted
+        with the units."""
+        node, base = p, None
+        while isinstance(node, fx.Node):
+            if node.op == "get_attr":
+                base = str(node.target)
+                break
+            reshaping = (node.op == "call_method" and node.target in ("view", "reshape", "unsqueeze")) or (
+                node.op == "call_function"
+                and node.target in (torch.reshape, torch.unsqueeze, operator.getitem)
+                and (node.target is not operator.getitem or _basic_index(node.args[1]))
+            )
+            if not reshaping or not node.args:
+                return False
+            node = node.args[0]
+        values = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        if base is None or base not in values or values[base].dim() != 1 or not isinstance(p, fx.Node):
+            return False
+        view = _shape(p)
+        if view is None:
+            return False
+        at = len(view) - (len(shape) - g.dim)  # the units' axis, aligned from the end
+        n = values[base].numel()
+        if not 0 <= at < len(view) or view[at] != n or int(np.prod(view)) != n:
+            return False
+        self.set_axes(base, [(g.var, g.outer, g.inner)])
+        return True
 
     def unknown_operand(self, node, f: _Feature | None, f_node, other) -> None:
         """Refuse a tensor of unknown units that meets a permuted stream along its units' axis."""
@@ -1129,6 +1164,12 @@ def _tied_parameters(model: nn.Module) -> tuple[str, str] | None:
             return first[id(p)], name
         first[id(p)] = name
     return None
+
+
+def _basic_index(index) -> bool:
+    """Whether an index holds only slices, None and Ellipsis (it reshapes; it selects nothing)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or i == slice(None) for i in items)
 
 
 def _returned(out):

@@ -28,6 +28,7 @@ from tests.nets.user_nets import (
     CausalAttention,
     CausalWhere,
     DepthwiseCNN,
+    LayerScaleCNN,
     LogSoftmaxMLP,
     MyGRU,
     MyLSTM,
@@ -67,6 +68,7 @@ NETS = [
     BatchStatsMLP,  # one without running statistics, not folded
     DepthwiseCNN,
     PaddedCNN,  # element-wise functions of numbers, padding and upsampling of the maps
+    LayerScaleCNN,  # a vector shaped to the maps follows the channels
 ]
 
 

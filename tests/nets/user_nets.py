@@ -451,3 +451,23 @@ class PaddedCNN(nn.Module):
         h = torch.sqrt(h + 1) + torch.sin(h).clamp(min=0) + 2**-h
         h = self.c2(self.up(self.pad(h)))
         return self.head(F.relu(h).mean(dim=(2, 3)))
+
+
+class LayerScaleCNN(nn.Module):
+    """A residual block whose branch is scaled per channel by a vector shaped to the maps, as
+    ConvNeXt writes it (``gamma.view(1, -1, 1, 1) * x``), and a bias shaped by indexing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.conv = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
+        self.gamma = nn.Parameter(torch.rand(6) + 0.5)
+        self.shift = nn.Parameter(torch.randn(6))
+        self.head = nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x.view(-1, 1, 8, 8)))
+        h = h + self.gamma.view(1, -1, 1, 1) * F.relu(self.conv(h)) + self.shift[:, None, None]
+        return self.head(h.mean(dim=(2, 3)))
