@@ -275,7 +275,8 @@ def _read_safetensors(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.T
     """A safetensors file's tensors in recorded order (and ``True``), else in name order (and ``False``)."""
     from safetensors.torch import load
 
-    side = _SIDE_FILES.get(str(_header_metadata(raw).get("format")))
+    meta = _header_metadata(raw)
+    side = _SIDE_FILES.get(str(meta.get("format")))
     if side is not None:
         raise ValueError(f"{path} is {side}, not a model")
     try:
@@ -286,7 +287,7 @@ def _read_safetensors(path: Path, raw: bytes) -> "tuple[OrderedDict[str, torch.T
         raise ValueError(f"{path}: not a readable safetensors file ({first_line(err)})") from None
     if not sd:
         raise ValueError(f"{path}: the safetensors file holds no tensors")
-    order = _recorded_order(raw, sd)
+    order = _recorded_order(meta, sd)
     keys = order if order is not None else entry_order(sorted(sd))
     return OrderedDict((k, sd[k]) for k in keys), order is not None
 
@@ -311,17 +312,16 @@ def _header_metadata(raw: bytes) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def _recorded_order(raw: bytes, sd: dict) -> list[str] | None:
-    """The entry order :func:`save_state_dict` keeps in a safetensors header, or ``None``.
+def _recorded_order(meta: dict, sd: dict) -> list[str] | None:
+    """The entry order :func:`save_state_dict` keeps in a safetensors header's metadata ``meta``
+    (:func:`_header_metadata`), or ``None``.
 
     Metadata that is missing, malformed or does not name exactly the file's entries is no
     order: the file is then treated as one that records none.
     """
     try:
-        (size,) = struct.unpack("<Q", raw[:8])
-        meta = json.loads(raw[8 : 8 + size]).get("__metadata__") or {}
-        order = json.loads(meta[ORDER_KEY]) if isinstance(meta, dict) and ORDER_KEY in meta else None
-    except (struct.error, ValueError, TypeError, AttributeError):
+        order = json.loads(meta[ORDER_KEY]) if ORDER_KEY in meta else None
+    except (ValueError, TypeError):
         return None
     if (
         not isinstance(order, list)

@@ -360,9 +360,10 @@ def _naming_summary_files(names: Sequence[str], summaries_report: dict) -> Itera
         raise
 
 
-def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | None]:
+def _output_posterior(fused, fused_sd: dict, out: Path, heads_kept: bool = False) -> tuple[list, dict | None]:
     """The file of the output layer's fused precisions (:func:`~bayesfuse.checkpoints.posterior_bytes`)
-    and its entry in the report; nothing without a fused precision."""
+    and its entry in the report, which says what :func:`bayesfuse.load` returns (the clients'
+    heads where ``heads_kept``); nothing without a fused precision."""
     if getattr(fused, "precision", None) is None:  # BNNs, and networks fused without summaries
         return [], None
     entries = [k for k in fused.spec.output if k in fused.precision]
@@ -377,8 +378,13 @@ def _output_posterior(fused, fused_sd: dict, out: Path) -> tuple[list, dict | No
         "file": str(path),
         "output_layer": output,
         "entries": entries,
-        "stores": "fused posterior precision of each output-layer entry (variance = 1 / "
-        "precision); bayesfuse.load returns a LastLayerLaplace with it",
+        "stores": (
+            "fused posterior precision of each entry of the shared output layer (variance = 1 / precision); "
+            "bayesfuse.load returns the clients' heads beside it (ClientHeads), not this layer"
+            if heads_kept
+            else "fused posterior precision of each output-layer entry (variance = 1 / "
+            "precision); bayesfuse.load returns a LastLayerLaplace with it"
+        ),
     }
 
 
@@ -751,24 +757,20 @@ def fuse_files(
         },
         "seconds": time.perf_counter() - start,
     }
-    posterior, report["posterior"] = _output_posterior(fused, fused_sd, out)
     if kind == "network" and head == "auto":  # the clients' heads, by default with summaries (as bayesfuse.fuse)
         head, refused = default_head(row.own_heads, client_summaries, fused.spec, fused.state)
         if refused:
             report["hyper"]["head"] = f"shared ({refused})"
         if head == "shared" and (pool is not None or pseudo_count is not None):
             raise ValueError(_shared_head_refusal(method, row.own_heads, pool, refused))
-    if kind == "network" and head == "clients":
+    heads_kept = kind == "network" and head == "clients"
+    posterior, report["posterior"] = _output_posterior(fused, fused_sd, out, heads_kept)
+    if heads_kept:
         heads_file, report["heads"] = _client_heads(
             fused, states, counts, client_summaries, fused_sd, out, pool, pseudo_count
         )
         posterior.append(heads_file)
         report["hyper"].update(head="clients", pool=report["heads"]["pool"])
-        if report["posterior"] is not None:  # load returns the heads; this is the shared layer's posterior
-            report["posterior"]["stores"] = (
-                "fused posterior precision of each entry of the shared output layer (variance = 1 / precision); "
-                "bayesfuse.load returns the clients' heads beside it (ClientHeads), not this layer"
-            )
         if report["heads"]["pseudo_count"] is not None:
             report["hyper"]["pseudo_count"] = report["heads"]["pseudo_count"]
     # the record's clients are the files in fused_order (a loaded fusion's hyper says so)

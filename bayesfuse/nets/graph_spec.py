@@ -455,6 +455,8 @@ class _Walk:
         self.folds: dict[str, str] = {}
         self.order: list[int] = []
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
+        self.parameters = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
 
     # ----------------------------------------------------------------- helpers
     def fail(self, node, what: str) -> NoReturn:
@@ -829,24 +831,9 @@ class _Walk:
     def weight_of(self, node) -> str | None:
         """The name of the network's parameter of rank 2 or more that ``node`` is, or a view of
         (``self.weight``, ``self.weight.T``, ``self.weight.t().contiguous()``...), else None."""
-        while isinstance(node, fx.Node) and node.op != "get_attr":
-            view = (
-                node.op == "call_function"
-                and (
-                    node.target in _VIEW_FUNCTIONS
-                    or node.target is getattr
-                    and len(node.args) > 1
-                    and node.args[1] in _VIEW_ATTRIBUTES
-                )
-            ) or (node.op == "call_method" and node.target in _VIEW_METHODS)
-            if not view or not node.args:
-                return None
-            node = node.args[0]
-        if not isinstance(node, fx.Node):
-            return None
-        parameters = dict(self.model.named_parameters())
-        target = str(node.target)
-        return target if target in parameters and parameters[target].dim() >= 2 else None
+        base = _view_base(node)
+        target = str(base.target) if base is not None else ""
+        return target if target in self.parameters and self.parameters[target].dim() >= 2 else None
 
     def applied_weight(self, node, operands, what: str) -> None:
         """Refuse a parameter of rank 2+ among ``operands`` (``F.linear(x, self.W)``, ``x @
@@ -897,21 +884,10 @@ class _Walk:
         ``unsqueeze``, ``[:, None, None]``) to hold its numbers on the axis of ``g``'s units in
         a tensor of ``shape`` it broadcasts against; if so, that axis is the parameter's, permuted
         with the units."""
-        node, base = p, None
-        while isinstance(node, fx.Node):
-            if node.op == "get_attr":
-                base = str(node.target)
-                break
-            reshaping = (node.op == "call_method" and node.target in ("view", "reshape", "unsqueeze")) or (
-                node.op == "call_function"
-                and node.target in (torch.reshape, torch.unsqueeze, operator.getitem)
-                and (node.target is not operator.getitem or _basic_index(node.args[1]))
-            )
-            if not reshaping or not node.args:
-                return False
-            node = node.args[0]
-        values = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        if base is None or base not in values or values[base].dim() != 1 or not isinstance(p, fx.Node):
+        node = _view_base(p)
+        base = str(node.target) if node is not None else ""
+        values = {**self.parameters, **self.buffers}
+        if base not in values or values[base].dim() != 1 or not isinstance(p, fx.Node):
             return False
         view = _shape(p)
         if view is None:
@@ -937,11 +913,7 @@ class _Walk:
 
     def param_axis(self, target: str, node, f: _Feature, shape: tuple) -> None:
         """A parameter combined with a stream (a position embedding): its matching axis is permuted too."""
-        value = (
-            self.model.get_parameter(target)
-            if target in dict(self.model.named_parameters())
-            else self.model.get_buffer(target)
-        )
+        value = self.parameters[target] if target in self.parameters else self.model.get_buffer(target)
         dim = f.dim - (len(shape) - value.dim())
         if dim < 0 or value.shape[dim] == 1 and shape[f.dim] != 1:
             return  # broadcast along the units: a scalar per position, no permuted axis
@@ -1164,6 +1136,31 @@ def _tied_parameters(model: nn.Module) -> tuple[str, str] | None:
             return first[id(p)], name
         first[id(p)] = name
     return None
+
+
+def _view_base(node) -> fx.Node | None:
+    """The ``get_attr`` node (a parameter or buffer) that ``node`` is, or a view of through ops that
+    leave its numbers as they are (``.T``, ``.t()``, ``view``, ``reshape``, ``unsqueeze``,
+    ``[:, None, None]``, ``contiguous``...), else None."""
+    while isinstance(node, fx.Node) and node.op != "get_attr":
+        view = (
+            node.op == "call_method"
+            and node.target in _VIEW_METHODS
+            or node.op == "call_function"
+            and (
+                node.target in _VIEW_FUNCTIONS
+                or node.target is getattr
+                and len(node.args) > 1
+                and node.args[1] in _VIEW_ATTRIBUTES
+                or node.target is operator.getitem
+                and len(node.args) > 1
+                and _basic_index(node.args[1])
+            )
+        )
+        if not view or not node.args:
+            return None
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) else None
 
 
 def _basic_index(index) -> bool:

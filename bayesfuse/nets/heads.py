@@ -118,16 +118,9 @@ def logits_and_features(network: nn.Module, output: str, x: torch.Tensor) -> tup
     layer's logits. A ``forward`` may do to them only what leaves that softmax as it is (a
     ``log_softmax``, a shift per input); one that does more (a scale, a bias, another layer) is
     refused with ``ValueError``: a posterior of the layer would not be the network's."""
-    seen: dict[str, torch.Tensor] = {}
     layer = network.get_submodule(output)
-
-    calls = []
-
-    def keep(mod, inp, out):
-        seen["features"], seen["logits"] = inp[0], out
-        calls.append(1)
-
-    hook = layer.register_forward_hook(keep)
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (features, logits) of each application
+    hook = layer.register_forward_hook(lambda mod, inp, out: calls.append((inp[0], out)))
     try:
         returned = network(x)
     finally:
@@ -137,7 +130,7 @@ def logits_and_features(network: nn.Module, output: str, x: torch.Tensor) -> tup
             f"{type(network).__name__} applies its output layer {output!r} {len(calls)} times per batch: the output "
             "layer's posterior predicts from one application of it"
         )
-    logits = seen["logits"]
+    features, logits = calls[0]
     if not isinstance(returned, torch.Tensor) or returned.shape != logits.shape:
         shape = tuple(returned.shape) if isinstance(returned, torch.Tensor) else type(returned).__name__
         raise ValueError(
@@ -158,7 +151,7 @@ def logits_and_features(network: nn.Module, output: str, x: torch.Tensor) -> tup
                 f"up to {float(spread.amax()):.2g} more for one class than another): the output layer's posterior "
                 "predicts from that layer's logits; return them as they are (a log_softmax is fine)"
             )
-    return logits, seen["features"]
+    return logits, features
 
 
 def _check_pool(pool: str) -> str:
