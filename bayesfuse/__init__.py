@@ -22,6 +22,7 @@ _EXPORTS = {
     "fuse": "bayesfuse.fusion",
     "fuse_states": "bayesfuse.core",
     "load": "bayesfuse.loading",
+    "save": "bayesfuse.saving",
     "match_neurons": "bayesfuse.inference.matching",
     "summarize": "bayesfuse.summaries",
     "train_clients": "bayesfuse.train",
@@ -42,6 +43,7 @@ __all__ = [
     "fuse_states",
     "load",
     "match_neurons",
+    "save",
     "summarize",
     "train_clients",
     "train_mlp",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (py.typed): the r
     from bayesfuse.inference.matching import match_neurons as match_neurons
     from bayesfuse.loading import load as load
     from bayesfuse.nets.mlp import MLP as MLP
+    from bayesfuse.saving import save as save
     from bayesfuse.summaries import ClientSummary as ClientSummary
     from bayesfuse.summaries import summarize as summarize
     from bayesfuse.train import TrainConfig as TrainConfig

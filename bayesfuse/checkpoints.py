@@ -53,6 +53,8 @@ __all__ = [
     "read_heads",
     "heads_arrays",
     "heads_from_arrays",
+    "module_posterior_bytes",
+    "module_heads_bytes",
 ]
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
@@ -457,6 +459,10 @@ def state_dict_bytes(state_dict: dict, fmt: str) -> bytes:
 
 POSTERIOR_FORMAT = "bayesfuse-output-posterior"
 POSTERIOR_VERSION = 1
+#: A saved :class:`~bayesfuse.nets.laplace.LastLayerLaplace`'s own tensors (:func:`module_posterior_bytes`).
+POSTERIOR_MODULE_VERSION = 2
+#: A saved :class:`~bayesfuse.nets.heads.ClientHeads`' heads, its own tensors (:func:`module_heads_bytes`).
+HEADS_MODULE_VERSION = 3
 
 
 def posterior_path(path: str | os.PathLike) -> Path:
@@ -528,8 +534,12 @@ def read_bound_file(
     return meta, tensors
 
 
-def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str) -> tuple[str, dict]:
-    """The output layer's module name and its entries' precisions, from :func:`posterior_bytes`'s file.
+def read_posterior(
+    path: str | os.PathLike, model_tensors: dict, model_name: str
+) -> tuple[str, dict, dict[str, np.ndarray] | None]:
+    """The output layer's module name and its entries' precisions, from :func:`posterior_bytes`'s
+    file; or, from :func:`module_posterior_bytes`'s, the name, an empty dict and the saved
+    :class:`~bayesfuse.nets.laplace.LastLayerLaplace`'s own tensors.
 
     Refuses, with one line naming the file, a file of another format or version, or one written
     beside other tensors than ``model_tensors`` (``model_name``'s).
@@ -537,18 +547,65 @@ def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str
     meta, tensors = read_bound_file(
         path,
         fmt=POSTERIOR_FORMAT,
-        version=POSTERIOR_VERSION,
+        version=(POSTERIOR_VERSION, POSTERIOR_MODULE_VERSION),
         model_tensors=model_tensors,
         model_name=model_name,
         what="output-layer posterior",
     )
+    if meta["version"] == str(POSTERIOR_MODULE_VERSION):
+        if not meta.get("output"):
+            raise ValueError(f"{path}: the output-layer posterior is incomplete (missing its output layer)")
+        return meta["output"], {}, tensors
     precision = {k[len("precision/") :]: v for k, v in tensors.items() if k.startswith("precision/")}
     output = meta.get("output", "")
     if not precision or not all(k.rpartition(".")[0] == output for k in precision):
         raise ValueError(
             f"{path}: the posterior's entries {sorted(precision)} are not those of its output layer {output!r}"
         )
-    return output, precision
+    return output, precision, None
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a wrapper module holds beside its ``network`` (its own buffers), in their dtypes."""
+    return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items() if not k.startswith("network.")}
+
+
+def module_posterior_bytes(laplace, *, model_tensors: dict) -> bytes:
+    """A :class:`~bayesfuse.nets.laplace.LastLayerLaplace`'s posterior as a safetensors file, exactly
+    (version 2 of :func:`posterior_bytes`'s format): its own tensors (``weight_var``,
+    ``bias_var``, ``temperature`` and, where it has one, ``covariance``) in their dtypes; the
+    metadata names the output layer and binds the file to ``model_tensors``
+    (:func:`bayesfuse.save`)."""
+    from safetensors.torch import save
+
+    meta = {
+        "format": POSTERIOR_FORMAT,
+        "version": str(POSTERIOR_MODULE_VERSION),
+        "output": laplace.output,
+        "model_tensors_sha256": tensors_sha256(model_tensors),
+    }
+    return save(_module_tensors(laplace), metadata=meta)
+
+
+def module_heads_bytes(heads, *, model_tensors: dict) -> bytes:
+    """A :class:`~bayesfuse.nets.heads.ClientHeads`' heads as a safetensors file, exactly (version
+    3 of :func:`heads_bytes`'s format): its own tensors (weights, shares, the eigenbases of its
+    posteriors, its draws, its temperature...) in their dtypes; the metadata holds its output layer,
+    pool, form, predictive and pseudo-count, and binds the file to ``model_tensors``
+    (:func:`bayesfuse.save`)."""
+    from safetensors.torch import save
+
+    meta = {
+        "format": HEADS_FORMAT,
+        "version": str(HEADS_MODULE_VERSION),
+        "output": heads.output,
+        "form": heads.form,
+        "pool": heads.pool,
+        "predictive": heads.predictive,
+        "pseudo_count": repr(float(heads.pseudo_count)),
+        "model_tensors_sha256": tensors_sha256(model_tensors),
+    }
+    return save(_module_tensors(heads), metadata=meta)
 
 
 # --------------------------------------------------------------------------- the clients' own heads
@@ -556,7 +613,7 @@ def read_posterior(path: str | os.PathLike, model_tensors: dict, model_name: str
 HEADS_FORMAT = "bayesfuse-client-heads"
 HEADS_VERSION = 2
 #: The heads files this code reads (1: without ``examples``, whose heads are not smoothed).
-HEADS_READ_VERSIONS = (1, 2)
+HEADS_READ_VERSIONS = (1, 2, HEADS_MODULE_VERSION)
 #: The pseudo-count a version-2 heads file without one was written with (the default then).
 _FILE_PSEUDO_COUNT = 1.0
 _HEAD_ARRAYS = ("weight", "bias", "shares")
@@ -602,8 +659,10 @@ def heads_bytes(heads: dict, *, pool: str, model_tensors: dict) -> bytes:
 
 def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) -> tuple[dict, str]:
     """The heads (as :func:`~bayesfuse.inference.client_heads.one_shot_heads` gives them) and
-    the pool in :func:`heads_bytes`'s file; refuses, with one line naming the file, another format
-    or version, a file written beside other tensors than ``model_tensors``, or missing arrays."""
+    the pool in :func:`heads_bytes`'s file; from :func:`module_heads_bytes`'s, the saved module's
+    own tensors as ``heads["buffers"]`` beside its ``output``, ``predictive`` and
+    ``pseudo_count``. Refuses, with one line naming the file, another format or version, a file
+    written beside other tensors than ``model_tensors``, or missing arrays."""
     meta, tensors = read_bound_file(
         path,
         fmt=HEADS_FORMAT,
@@ -614,6 +673,13 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
     )
     if not meta.get("output") or meta.get("pool") is None:
         raise ValueError(f"{path}: the client heads file is incomplete (missing its output or pool)")
+    if meta["version"] == str(HEADS_MODULE_VERSION):
+        try:
+            count = float(meta["pseudo_count"])
+        except (KeyError, ValueError):
+            raise ValueError(f"{path}: the client heads file is incomplete (no pseudo_count)") from None
+        saved = {"output": meta["output"], "predictive": meta.get("predictive"), "pseudo_count": count}
+        return {**saved, "buffers": tensors}, meta["pool"]
     heads = heads_from_arrays(tensors, meta["output"], meta.get("form", "map"), str(path))
     if heads.get("examples") is not None:  # smoothed as written (files before it was recorded: 1)
         from bayesfuse.nets.heads import checked_pseudo_count

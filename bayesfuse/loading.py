@@ -20,6 +20,9 @@ mean with the Gaussian posterior of its output layer (``posterior=False``: the n
 A model fused keeping the clients' own output layers (``bayesfuse fuse --head clients``) has
 them beside it (``fused.pt.heads.safetensors``, :func:`~bayesfuse.checkpoints.heads_path`):
 :func:`load` then returns a :class:`~bayesfuse.nets.heads.ClientHeads` that predicts with them.
+A fusion made in Python and written by :func:`bayesfuse.save` has the same
+files, its heads and posterior as the saved module's own tensors: it loads predicting exactly as
+it did.
 """
 
 from __future__ import annotations
@@ -311,6 +314,15 @@ def _with_heads(model: nn.Module, path: Path, state: dict, name: str) -> nn.Modu
 
     heads, pool = read_heads(path, state, name)
     try:
+        if "buffers" in heads:  # saved by bayesfuse.save: the module's own tensors
+            return ClientHeads.from_buffers(
+                model,
+                heads["output"],
+                heads["buffers"],
+                pool=pool,
+                pseudo_count=heads["pseudo_count"],
+                predictive=heads["predictive"],
+            )
         return ClientHeads.from_arrays(model, heads, pool=pool)
     except (AttributeError, ValueError) as err:
         raise ValueError(f"{path}: does not fit {name}'s output layer {heads['output']!r} ({err})") from None
@@ -320,8 +332,10 @@ def _with_posterior(model: nn.Module, path: Path, state: dict, name: str) -> nn.
     """``model`` with the output layer's posterior in ``path`` (:func:`~bayesfuse.checkpoints.read_posterior`)."""
     from bayesfuse.nets.laplace import LastLayerLaplace
 
-    output, precision = read_posterior(path, state, name)
+    output, precision, saved = read_posterior(path, state, name)
     try:
+        if saved is not None:  # saved by bayesfuse.save: the module's own tensors
+            return LastLayerLaplace.from_buffers(model, output, saved)
         weight, bias = (precision[f"{output}.{leaf}"] for leaf in ("weight", "bias"))
         return LastLayerLaplace(model, output, 1.0 / weight.astype("float64"), 1.0 / bias.astype("float64"))
     except (KeyError, ValueError) as err:
@@ -365,9 +379,8 @@ def _recognised_network(state: dict, name: str, n_features: int | None) -> nn.Mo
         kind = "ClientHeads" if "shares" in keys else "LastLayerLaplace"
         raise ValueError(
             f"{name} holds the state_dict of a {kind} (a fused network with its output posterior), which "
-            "bayesfuse.load does not rebuild: save the network alone (torch.save(result.model.network."
-            "state_dict(), path)) and load it with like=, or fuse the files with bayesfuse fuse, which "
-            "writes the posterior beside the model"
+            "bayesfuse.load does not rebuild: save the fusion with bayesfuse.save(result, path), which writes the "
+            "network and its posterior beside it as bayesfuse fuse does, and bayesfuse.load reads them back"
         )
     if any(t.ndim == 4 for t in state.values()):
         return _cnn(state, name, n_features)

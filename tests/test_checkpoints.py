@@ -390,7 +390,7 @@ def test_a_version_1_heads_file_is_read_without_smoothing(tmp_path):
     K, G = 3, 4
     model = {"layers.1.weight": torch.zeros(K, G)}
     tensors = {"weight": np.ones((2, K, G)), "bias": np.zeros((2, K)), "shares": np.full((2, K), 0.5)}
-    for version, ok in (("1", True), ("3", False)):
+    for version, ok in (("1", True), ("4", False)):
         meta = dict(format=HEADS_FORMAT, version=version, output="layers.1", form="map", pool="log")
         meta["model_tensors_sha256"] = tensors_sha256(model)
         path = tmp_path / f"v{version}.heads.safetensors"
@@ -398,7 +398,7 @@ def test_a_version_1_heads_file_is_read_without_smoothing(tmp_path):
         if ok:
             assert read_heads(path, model, "fused.pt")[0]["examples"] is None
         else:
-            with pytest.raises(ValueError, match=r"version '3' is not one this bayesfuse reads \(1, 2\)"):
+            with pytest.raises(ValueError, match=r"version '4' is not one this bayesfuse reads \(1, 2, 3\)"):
                 read_heads(path, model, "fused.pt")
 
 

@@ -10,21 +10,15 @@ import torch
 
 from bayesfuse import fuse, fuse_states, summarize
 from bayesfuse.curvature import diag_ggn
-from bayesfuse.data import dirichlet_partition, load_digits
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
 from bayesfuse.nets.state import numpy_state
 from bayesfuse.summaries import SummaryError
-from bayesfuse.train import TrainConfig, train_clients
 
 
 @pytest.fixture(scope="module")
-def federation():
-    split = load_digits().standardize()
-    part = dirichlet_partition(split.train.y, n_clients=3, alpha=0.5, seed=0)
-    models = train_clients(split.train, part, TrainConfig(hidden=(32,), epochs=5, seed=0))
-    summaries = [summarize(m, split.train.x[idx], split.train.y[idx]) for m, idx in zip(models, part)]
-    return split, part, models, summaries
+def federation(summarised_federation):
+    return summarised_federation
 
 
 def test_summaries_are_used_and_reported(federation):

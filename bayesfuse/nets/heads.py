@@ -410,7 +410,7 @@ class ClientHeads(nn.Module):
         self.register_buffer("gram_vals", gram_vals.clamp_min(0.0))
         self.register_buffer("gram_vecs", gram_vecs)
         self.register_buffer("curv_vals", curv_vals.clamp_min(0.0))
-        self.register_buffer("curv_vecs", curv_vecs)
+        self.register_buffer("curv_vecs", curv_vecs.contiguous())  # as a saved copy holds it: the same round-off
         self.register_buffer("n", n)
         self.register_buffer("prior", prior)
         if "scale" in laplace:
@@ -589,6 +589,78 @@ class ClientHeads(nn.Module):
         if heads.get("pseudo_count") is not None:
             model.pseudo_count = heads["pseudo_count"]
         return model
+
+    @classmethod
+    def from_buffers(
+        cls, network: nn.Module, output: str, buffers: dict, *, pool: str, pseudo_count: float, predictive: str
+    ) -> "ClientHeads":
+        """Heads saved as their own tensors (:func:`~bayesfuse.checkpoints.module_heads_bytes`,
+        :func:`bayesfuse.save`) back on ``network``, predicting exactly as the
+        saved ones did (the same eigenbases, draws and temperature); in eval mode. Tensors of
+        another shape, sign or kind than such heads hold are refused (``ValueError``)."""
+        b = {k: torch.as_tensor(np.asarray(v)) for k, v in buffers.items()}
+        missing = sorted({"weight", "bias", "shares", "temperature"} - set(b))
+        if missing:
+            raise ValueError(f"the saved heads are incomplete (missing {missing})")
+        examples = b.pop("examples", None)
+        model = cls(
+            network,
+            output,
+            *(b.pop(k).numpy() for k in ("weight", "bias", "shares")),
+            pool=pool,
+            examples=None if examples is None else examples.numpy(),
+            pseudo_count=pseudo_count,  # inert where the heads know no examples, as a fresh one's default
+        )
+        temperature = b.pop("temperature").double()
+        if temperature.shape != () or not (math.isfinite(float(temperature)) and float(temperature) > 0):
+            raise ValueError(f"the saved heads' temperature must be one number > 0, got {temperature.tolist()}")
+        model.temperature.copy_(temperature)
+        J, K, G = model.weight.shape
+        if "draws" in b:
+            shapes: dict[str, tuple[int, ...]] = {
+                "draws": (J, int(b["draws"].shape[1]) if b["draws"].dim() == 3 else -1, K)
+            }
+            if "inv_precision" in b:
+                shapes["inv_precision"] = (J, K, G + 1)
+            else:
+                shapes.update(
+                    gram_vals=(J, G + 1),
+                    gram_vecs=(J, G + 1, G + 1),
+                    curv_vals=(J, K),
+                    curv_vecs=(J, K, K),
+                    n=(J,),
+                    prior=(J,),
+                    support=(J, G + 1),
+                )
+                shapes.update({k: v for k, v in (("scale", (J,)), ("eigenvalues", (J, G + 1, K))) if k in b})
+            wrong = sorted(set(b) ^ set(shapes)) or [k for k, shape in shapes.items() if tuple(b[k].shape) != shape]
+            if wrong or shapes["draws"][1] < 1:
+                raise ValueError(
+                    f"the saved heads' posterior tensors {wrong or ['draws']} do not fit {J} heads of {K} classes"
+                )
+            if not all(bool(torch.isfinite(t).all()) for t in b.values()) or any(
+                bool((b[k] < 0).any()) for k in ("inv_precision", "gram_vals", "curv_vals", "eigenvalues") if k in b
+            ):
+                raise ValueError(
+                    "the saved heads' posterior tensors must be finite, their variances and eigenvalues >= 0"
+                )
+            if "n" in b and not (
+                bool(((b["n"] > 0) & (b["prior"] > 0)).all())
+                and bool(((b["support"] == 0) | (b["support"] == 1)).all())
+                and bool((b.get("scale", torch.ones(1)) > 0).all())
+                and not {"scale", "eigenvalues"} <= set(b)
+            ):
+                raise ValueError(
+                    "the saved heads need n > 0 examples, a prior precision > 0 and a scale > 0 each, a support "
+                    "of 0 and 1, and a scale or eigenvalues, not both"
+                )
+            for k, t in b.items():
+                model.register_buffer(k, t.to(torch.float64))
+            model._predictive = "laplace"
+        elif b:
+            raise ValueError(f"the saved heads hold unknown tensors {sorted(b)}")
+        model.predictive = predictive
+        return model.eval()
 
     @property
     def predictive(self) -> str:

@@ -140,6 +140,28 @@ class LastLayerLaplace(nn.Module):
             c = covariance
             self._root_cache = (_key(c), root if c.dim() == 3 else root[0])
 
+    @classmethod
+    def from_buffers(cls, network: nn.Module, output: str, buffers: dict) -> "LastLayerLaplace":
+        """A posterior saved as its own tensors (:func:`~bayesfuse.checkpoints.module_posterior_bytes`,
+        :func:`bayesfuse.save`) back on ``network``: the same variances,
+        covariance and temperature, so that it predicts exactly as the saved one did."""
+        b = {k: torch.as_tensor(np.asarray(v)) for k, v in buffers.items()}
+        extra = sorted(set(b) - {"weight_var", "bias_var", "temperature", "covariance"})
+        missing = sorted({"weight_var", "bias_var", "temperature"} - set(b))
+        if extra or missing:
+            raise ValueError(f"the saved posterior holds {sorted(b)}: missing {missing}, unknown {extra}")
+        model = cls(network, output, b["weight_var"], b["bias_var"], covariance=b.get("covariance"))
+        temperature = b["temperature"]
+        if temperature.shape != () or not (math.isfinite(float(temperature)) and float(temperature) > 0):
+            raise ValueError(f"the saved posterior's temperature must be one number > 0, got {temperature.tolist()}")
+        if "covariance" in b and not (
+            torch.equal(model.weight_var, b["weight_var"].to(model.weight_var.dtype))
+            and torch.equal(model.bias_var, b["bias_var"].to(model.bias_var.dtype))
+        ):
+            raise ValueError("the saved posterior's variances are not its covariance's diagonal")
+        model.temperature.copy_(temperature)
+        return model.eval()
+
     @property
     def joint(self) -> bool:
         """Whether the covariance couples the classes (the refit round's joint posterior)."""
