@@ -38,6 +38,7 @@ from torch import nn
 
 from bayesfuse._io import _journal_path, recover
 from bayesfuse.checkpoints import (
+    Checkpoint,
     HashedState,
     heads_path,
     posterior_path,
@@ -49,7 +50,7 @@ from bayesfuse.checkpoints import (
 from bayesfuse.fusion_record import fusion_files, fusion_path
 from bayesfuse.nets.user_module import FILE_MODULE_PREFIX
 
-__all__ = ["load", "load_report"]
+__all__ = ["load", "load_read", "load_report"]
 
 
 def load_report(path: str | os.PathLike, model_tensors: dict | None = None, *, strict: bool = True) -> dict | None:
@@ -147,8 +148,25 @@ def load(
         ``like`` was given, or a ConvNet's ``n_features`` does not fit its weights; or the
         posterior beside it is unreadable, of another version or written for other tensors.
     """
-    _finish_interrupted_write(path)
-    state = HashedState(read_checkpoint(path).tensors)  # the report and each side file check its digest: once
+    finish_interrupted_write(path)
+    return load_read(
+        read_checkpoint(path), path, like=like, n_features=n_features, posterior=posterior, example_input=example_input
+    )
+
+
+def load_read(
+    checkpoint: Checkpoint,
+    path: str | os.PathLike,
+    *,
+    like: nn.Module | None = None,
+    n_features: int | None = None,
+    posterior: bool = True,
+    example_input=None,
+) -> nn.Module:
+    """:func:`load` of the file ``path`` whose tensors were read already (``checkpoint``, by
+    :func:`~bayesfuse.checkpoints.read_checkpoint`): for a caller that needs the checkpoint too
+    (its ``state_dict_key``), so that the file is read once."""
+    state = HashedState(checkpoint.tensors)  # the report and each side file check its digest: once
     name = str(path)
     report = load_report(path, state, strict=posterior)
     if like is not None:
@@ -219,7 +237,7 @@ def _check_side_files(path: str | os.PathLike, report: dict | None) -> None:
             )
 
 
-def _finish_interrupted_write(path: str | os.PathLike) -> None:
+def finish_interrupted_write(path: str | os.PathLike) -> None:
     """Finish or undo a fusion's write that a kill interrupted (:func:`bayesfuse._io.recover`), so
     that the model and the files beside it are read all from one fusion; waits for a writer that
     is still at it."""

@@ -19,8 +19,8 @@ import numpy as np
 
 from bayesfuse._io import check_writable, recover
 from bayesfuse._text import first_line
-from bayesfuse.checkpoints import read_checkpoint
-from bayesfuse.loading import load
+from bayesfuse.checkpoints import Checkpoint, read_checkpoint
+from bayesfuse.loading import finish_interrupted_write, load_read
 from bayesfuse.summaries import check_precisions, save_summary, summarize, summary_path
 
 __all__ = ["summarize_file", "read_client_data"]
@@ -135,7 +135,9 @@ def summarize_file(
         raise ValueError(f"prior_precision must be a positive number, got {prior_precision!r}")
     check_precisions(precisions)
     x, y = read_client_data(data_path)
-    model = _client_model(model_path, x, like, data_path)
+    finish_interrupted_write(model_path)  # as bayesfuse.load does before it reads
+    checkpoint = read_checkpoint(model_path)  # once: the network and its state_dict_key
+    model = _client_model(checkpoint, model_path, x, like, data_path)
     try:
         summary = summarize(model, x, y, prior_precision=prior_precision, precisions=precisions)
     except RuntimeError as err:  # torch, past the first batch summarize runs
@@ -152,25 +154,28 @@ def summarize_file(
         "path": str(out),
         "bytes": out.stat().st_size,
         "model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
-        "state_dict_key": read_checkpoint(model_path).state_dict_key,
+        "state_dict_key": checkpoint.state_dict_key,
         "n_examples": summary.n_examples,
         "seconds": time.perf_counter() - start,
     }
 
 
-def _client_model(path: Path, x: np.ndarray, like=None, data_path: str | os.PathLike | None = None):
-    """The network in ``path``, as :func:`bayesfuse.load` rebuilds it (without any fused posterior);
-    into ``like`` when given, traced and run on the first rows of ``x`` (of ``data_path``)."""
+def _client_model(
+    checkpoint: Checkpoint, path: Path, x: np.ndarray, like=None, data_path: str | os.PathLike | None = None
+):
+    """The network in ``path`` (read as ``checkpoint``), as :func:`bayesfuse.load` rebuilds it
+    (without any fused posterior); into ``like`` when given, traced and run on the first rows of
+    ``x`` (of ``data_path``)."""
     from bayesfuse.nets.state import model_input
 
     if like is not None:
         try:
-            model = load(path, like=like, posterior=False, example_input=model_input(x[:2], like))
+            model = load_read(checkpoint, path, like=like, posterior=False, example_input=model_input(x[:2], like))
         except ValueError as err:  # the data file's inputs do not fit the network, most often
             raise ValueError(f"{path} on data file {data_path}: {err}") from None
         return _a_clients(model, path)
     try:
-        model = load(path, n_features=int(np.prod(x.shape[1:])), posterior=False)
+        model = load_read(checkpoint, path, n_features=int(np.prod(x.shape[1:])), posterior=False)
     except ValueError as err:
         message = str(err)
         if "like=model" not in message:

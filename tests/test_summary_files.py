@@ -107,6 +107,18 @@ def test_summarize_keeps_an_existing_summary_unless_forced(clients, capsys):
     assert load_summary(path).prior_precision == 3.0 and load_summary(path).n_examples == len(np.load(data[1])["y"])
 
 
+def test_summarize_reads_the_model_file_once(clients, tmp_path, monkeypatch):
+    from bayesfuse import checkpoints, loading, summary_files
+
+    models, data, _ = clients
+    read = []
+    original = checkpoints.read_checkpoint
+    for module in (checkpoints, loading, summary_files):  # wherever it is called from
+        monkeypatch.setattr(module, "read_checkpoint", lambda path: read.append(path) or original(path))
+    report = summary_files.summarize_file(models[0], data[0], out=tmp_path / "s.safetensors")
+    assert read == [models[0]] and report["state_dict_key"] is None
+
+
 def test_summarize_writes_where_asked(clients, tmp_path):
     models, data, _ = clients
     out = tmp_path / "elsewhere" / "s.safetensors"
