@@ -186,12 +186,25 @@ _BINARY = {
     torch.mul,
     operator.truediv,
     torch.div,
+    torch.maximum,
+    torch.minimum,
 }
-_BINARY_METHODS = {"add", "sub", "mul", "div", "add_", "mul_"}
+_BINARY_METHODS = {"add", "sub", "mul", "div", "add_", "mul_", "maximum", "minimum"}
 _RESHAPE_FUNCTIONS = {torch.flatten, torch.reshape}
 _RESHAPE_METHODS = {"flatten", "view", "reshape"}
-_REDUCTIONS = {torch.mean, torch.sum, torch.amax}
-_REDUCTION_METHODS = {"mean", "sum", "amax"}
+#: Symmetric functions of the numbers along the axes ``dim`` names (the second argument): the same
+#: whatever the order of those numbers, so a reduction over the units forgets them.
+_REDUCTIONS = {torch.mean, torch.sum, torch.amax, torch.amin, torch.logsumexp, torch.std, torch.var}
+_REDUCTION_METHODS = {"mean", "sum", "amax", "amin", "logsumexp", "std", "var"}
+#: Norms, reductions too, whose ``dim`` is their third argument (after the order of the norm).
+_NORMS = {torch.linalg.vector_norm, torch.norm}
+_NORM_METHODS = {"norm"}
+#: The largest (smallest) number along ``dim`` and where it lies, ``(values, indices)``; over every
+#: number without a ``dim``; of two tensors, element by element.
+_EXTREMA = {torch.max, torch.min}
+_EXTREMA_METHODS = {"max", "min"}
+_ARG_EXTREMA = {torch.argmax, torch.argmin}
+_ARG_EXTREMA_METHODS = {"argmax", "argmin"}
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm}
 #: Functions that only mask or select by a tensor: a parameter given to one is not applied as a weight.
 _MASKING = {"masked_fill", "masked_fill_", "where"}
@@ -213,7 +226,13 @@ _VIEW_FUNCTIONS = {
 }
 _MATMUL_METHODS = {"matmul", "bmm"}
 #: Normalisations along one axis: equivariant to any permutation of that axis, and of the others.
-_SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.log_softmax, torch.nn.functional.log_softmax}
+_SOFTMAX = {
+    torch.softmax,
+    torch.nn.functional.softmax,
+    torch.log_softmax,
+    torch.nn.functional.log_softmax,
+    torch.nn.functional.normalize,  # x / max(||x||_p, eps) along dim: the norm forgets the order
+}
 _SOFTMAX_METHODS = {"softmax", "log_softmax"}
 
 
@@ -434,6 +453,11 @@ def _not_running(model: nn.Module, x: torch.Tensor, err: Exception, *, guessed: 
 def _shape(node) -> tuple | None:
     meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _name(target) -> str:
+    """A node's function or method by its name (``argmax``, not ``<built-in method argmax ...>``)."""
+    return str(getattr(target, "__name__", target))
 
 
 def _tensor_shape(node) -> tuple:
@@ -776,6 +800,14 @@ class _Walk:
             self.reduce(
                 node, args[0], args[1] if len(args) > 1 else node.kwargs.get("dim"), node.kwargs.get("keepdim", False)
             )
+        elif method in _NORM_METHODS:
+            self.reduce(
+                node, args[0], args[2] if len(args) > 2 else node.kwargs.get("dim"), node.kwargs.get("keepdim", False)
+            )
+        elif method in _EXTREMA_METHODS:
+            self.extremum(node, args, node.kwargs)
+        elif method in _ARG_EXTREMA_METHODS:
+            self.arg_extremum(node, args, node.kwargs)
         elif method in ("transpose", "permute", "unsqueeze", "squeeze"):
             self.move(node, args[0])
         elif method in ("size", "dim"):
@@ -817,6 +849,12 @@ class _Walk:
             self.reshape(node, args[0])
         elif fn in _REDUCTIONS:
             self.reduce(node, args[0], args[1] if len(args) > 1 else kwargs.get("dim"), kwargs.get("keepdim", False))
+        elif fn in _NORMS:
+            self.reduce(node, args[0], args[2] if len(args) > 2 else kwargs.get("dim"), kwargs.get("keepdim", False))
+        elif fn in _EXTREMA:
+            self.extremum(node, args, kwargs)
+        elif fn in _ARG_EXTREMA:
+            self.arg_extremum(node, args, kwargs)
         elif fn in (torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze):
             self.move(node, args[0])
         elif fn is torch.cat:
@@ -1006,6 +1044,8 @@ class _Walk:
             self.labels[node] = None
             return
         rank = len(_tensor_shape(a))
+        out = _shape(node)  # a keepdim given by place (h.mean(1, True), h.std(1, True, True)) shows in the shape
+        keepdim = keepdim if out is None or dims is None else len(out) == rank
         listed = dims if isinstance(dims, (list, tuple)) else [dims]
         dims = range(rank) if dims is None else [d % rank for d in listed]
         if f.dim in dims:  # a sum over units: the same whatever their order
@@ -1014,6 +1054,38 @@ class _Walk:
         self.labels[node] = _Feature(
             f.var, f.dim if keepdim else f.dim - sum(d < f.dim for d in dims), f.outer, f.inner
         )
+
+    def extremum(self, node, args: list, kwargs) -> None:
+        """``max`` / ``min``: of two tensors element by element (as ``torch.maximum``); of every
+        number (no ``dim``); or along ``dim``, ``(values, indices)``, whose indices along the units'
+        axis name units: refused where they are read."""
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        if isinstance(other, fx.Node):
+            self.binary(node, args[0], other)
+            return
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        self.reduce(node, args[0], dim, keepdim)
+        if dim is None:
+            return
+        values = self.labels[node]
+        self.labels[node] = _Parts((values, self.indices(args[0], values, f"{_name(node.target)} over the units")))
+
+    def arg_extremum(self, node, args: list, kwargs) -> None:
+        """``argmax`` / ``argmin`` along ``dim`` (over every number without one): where the largest lies."""
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        self.reduce(node, args[0], dim, keepdim)
+        self.labels[node] = self.indices(args[0], self.labels[node], f"{_name(node.target)} over the units")
+
+    def indices(self, a, values, what: str):
+        """The label of the indices of a reduction of ``a`` whose values are labelled ``values``:
+        those of ``values`` where the units were kept; where a permuted axis of units was reduced,
+        the indices name units, and are refused where they are read."""
+        f = self.feature(a)
+        if values is None and self.permuted(f):
+            return _Unreadable(f"{what} names units by their place, which fusion changes: cannot be followed")
+        return values
 
     def move(self, node, a) -> None:
         f = self.feature(a)
@@ -1059,7 +1131,12 @@ class _Walk:
 
     def attribute(self, node, a, name) -> None:
         """``a.T``, ``a.mT`` (``.H``, ``.mH``): the units move with the axes; any other attribute
-        of a permuted activation that is a tensor is refused; ``a.shape``, ``a.dtype``... are no tensor."""
+        of a permuted activation that is a tensor is refused; ``a.shape``, ``a.dtype``... are no tensor;
+        ``.values`` and ``.indices`` of a ``max`` / ``min`` along a dim are its parts."""
+        parts = self.raw(a)
+        if isinstance(parts, _Parts) and name in ("values", "indices"):
+            self.labels[node] = parts.parts[name == "indices"]
+            return
         f = self.feature(a)
         self.labels[node] = None
         if f is None or _shape(node) is None:

@@ -19,6 +19,7 @@ from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import far_from_identity_norms
 from tests.nets.user_nets import (
+    ArgmaxUnits,
     Attention,
     BagOfWords,
     BatchStatsMLP,
@@ -36,6 +37,7 @@ from tests.nets.user_nets import (
     PaddedCNN,
     PairInputs,
     PlainNormMLP,
+    ReducedCNN,
     ResMLP,
     SkipCNN,
     SlopesCNN,
@@ -69,6 +71,7 @@ NETS = [
     DepthwiseCNN,
     PaddedCNN,  # element-wise functions of numbers, padding and upsampling of the maps
     LayerScaleCNN,  # a vector shaped to the maps follows the channels
+    ReducedCNN,  # normalize, maximum, max with indices, logsumexp, std, amin, norms
 ]
 
 
@@ -319,6 +322,7 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_Indexed(), r"indexing into the units' axis is not supported"),
         (_Repeated(), r"repeat along the units' axis copies each unit"),
         (_Tied(), r"'out.weight' is the same parameter as 'emb.weight' \(weights tied"),
+        (ArgmaxUnits(), r"argmax over the units names units by their place, which fusion changes"),
     ],
 )
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):

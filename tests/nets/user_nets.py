@@ -471,3 +471,39 @@ class LayerScaleCNN(nn.Module):
         h = F.relu(self.stem(x.view(-1, 1, 8, 8)))
         h = h + self.gamma.view(1, -1, 1, 1) * F.relu(self.conv(h)) + self.shift[:, None, None]
         return self.head(h.mean(dim=(2, 3)))
+
+
+class ReducedCNN(nn.Module):
+    """Reductions and normalisations that keep the channels' order: ``F.normalize`` over the
+    channels, the element-wise maximum of two streams (which ties their channels), the max along a
+    row with its indices, logsumexp, std, amin and a norm over the maps, sums kept by place
+    (``mean(1, True)``, before the channels), and the max over the channels (``h.max(1)[0]``),
+    which forgets them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
+        self.head, self.spatial = nn.Linear(6, 10), nn.Linear(64, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.normalize(torch.relu(self.c1(x.view(-1, 1, 8, 8))), dim=1)
+        g = torch.maximum(h, self.c2(h)) - h.mean(1, True)
+        rows = g.max(dim=3).values + g.max(3)[1].float() * 0.01  # (N, 6, 8): the largest of each row, and where
+        pooled = torch.logsumexp(rows, dim=2) + rows.std(2, True, False) + torch.amin(g, dim=(2, 3))
+        pooled = pooled + torch.linalg.vector_norm(g, 2, (2, 3)) + rows.mT.sum(1, True).squeeze(1)
+        return self.head(pooled) + self.spatial(g.max(1)[0].flatten(1))
+
+
+class ArgmaxUnits(nn.Module):
+    """Where the largest unit lies, read as a number: it names units by their place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(64, 12), nn.Linear(13, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return self.head(torch.cat([h, h.argmax(1, keepdim=True).float()], 1))
