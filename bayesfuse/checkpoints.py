@@ -553,8 +553,15 @@ def read_posterior(
         what="output-layer posterior",
     )
     if meta["version"] == str(POSTERIOR_MODULE_VERSION):
-        if not meta.get("output"):
-            raise ValueError(f"{path}: the output-layer posterior is incomplete (missing its output layer)")
+        kind = {"none": None, "per class": 3, "joint": 4}
+        if not meta.get("output") or meta.get("covariance") not in kind:
+            raise ValueError(f"{path}: the output-layer posterior is incomplete (missing its output layer or kind)")
+        rank = np.ndim(tensors["covariance"]) if "covariance" in tensors else None
+        if rank != kind[meta["covariance"]]:
+            raise ValueError(
+                f"{path}: the output-layer posterior was written with {meta['covariance']} covariance, and holds "
+                + ("none" if rank is None else f"one of rank {rank}")
+            )
         return meta["output"], {}, tensors
     precision = {k[len("precision/") :]: v for k, v in tensors.items() if k.startswith("precision/")}
     output = meta.get("output", "")
@@ -582,6 +589,7 @@ def module_posterior_bytes(laplace, *, model_tensors: dict) -> bytes:
         "format": POSTERIOR_FORMAT,
         "version": str(POSTERIOR_MODULE_VERSION),
         "output": laplace.output,
+        "covariance": "none" if laplace.covariance is None else ("joint" if laplace.joint else "per class"),
         "model_tensors_sha256": tensors_sha256(model_tensors),
     }
     return save(_module_tensors(laplace), metadata=meta)
@@ -603,6 +611,7 @@ def module_heads_bytes(heads, *, model_tensors: dict) -> bytes:
         "pool": heads.pool,
         "predictive": heads.predictive,
         "pseudo_count": repr(float(heads.pseudo_count)),
+        "smoothed": str(hasattr(heads, "examples")).lower(),  # whether the heads know their examples
         "model_tensors_sha256": tensors_sha256(model_tensors),
     }
     return save(_module_tensors(heads), metadata=meta)
@@ -678,8 +687,10 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
             count = float(meta["pseudo_count"])
         except (KeyError, ValueError):
             raise ValueError(f"{path}: the client heads file is incomplete (no pseudo_count)") from None
+        if meta.get("smoothed") != str("examples" in tensors).lower() or meta.get("form") is None:
+            raise ValueError(f"{path}: the client heads file does not hold what its metadata says (examples, form)")
         saved = {"output": meta["output"], "predictive": meta.get("predictive"), "pseudo_count": count}
-        return {**saved, "buffers": tensors}, meta["pool"]
+        return {**saved, "form": meta["form"], "buffers": tensors}, meta["pool"]
     heads = heads_from_arrays(tensors, meta["output"], meta.get("form", "map"), str(path))
     if heads.get("examples") is not None:  # smoothed as written (files before it was recorded: 1)
         from bayesfuse.nets.heads import checked_pseudo_count
@@ -722,6 +733,9 @@ def heads_from_arrays(tensors: dict, output: str, form: str, name: str) -> dict:
     missing = [k for k in _HEAD_ARRAYS if k not in tensors]
     if missing:
         raise ValueError(f"{name}: the client heads are incomplete (missing {missing})")
+    unknown = sorted(k for k in tensors if k not in (*_HEAD_ARRAYS, "examples") and not k.startswith("laplace/"))
+    if unknown:
+        raise ValueError(f"{name}: the client heads hold tensors of no heads file of their version: {unknown}")
     heads: dict = {k: np.asarray(tensors[k]) for k in _HEAD_ARRAYS}
     heads.update(output=output, form=form, examples=np.asarray(tensors["examples"]) if "examples" in tensors else None)
     laplace: dict[str, Any] = {

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from bayesfuse import __version__, methods
-from bayesfuse._io import atomic_write_files, check_output_file, check_writable, jsonable, recover
+from bayesfuse._io import atomic_write_files, jsonable
 from bayesfuse._text import first_line
 from bayesfuse.checkpoints import (
     Checkpoint,
@@ -43,7 +43,7 @@ from bayesfuse.checkpoints import (
     tensors_sha256,
 )
 from bayesfuse.core import State, averaged_states, fuse_states, unpermuted_spec
-from bayesfuse.fusion_record import fusion_bytes, fusion_files, fusion_path
+from bayesfuse.fusion_record import check_fusion_outputs, finite_json, fusion_bytes, fusion_path
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.client_heads import default_head, default_pool
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
@@ -559,18 +559,10 @@ def fuse_files(
         raise ValueError(f"unknown hyper-parameters {sorted(unknown)} for {method}; known: {sorted(known)}")
     if not paths:
         raise ValueError("no model files given")
-    check_output_file(out)
     fmt = output_format(out, fmt)
+    outputs = check_fusion_outputs(out, force=force)
     out = Path(out)
     report_path = out.with_name(out.name + ".json")
-    check_writable(out.parent)  # a read-only directory fails now, not after the fusion
-    outputs = fusion_files(out)
-    recover(outputs)  # finish or undo a killed run's commit
-    for target in outputs:
-        if target.is_dir():
-            raise IsADirectoryError(f"{target} is a directory; give a file name for the fused model")
-        if target.exists() and not force:
-            raise FileExistsError(f"{target} exists; replace it with force=True")
     check_outputs_not_inputs(outputs, [*paths, *map(summary_path, paths), spec_path])
 
     seen: dict[Path, str] = {}
@@ -724,8 +716,8 @@ def fuse_files(
             "spec_file": str(spec_path) if spec_path else None,
             "network": None if like is None else f"{type(like).__module__}:{type(like).__qualname__}",
         },
-        "hyper": jsonable(fused.hyper),
-        "hyper_given": jsonable(hyper),
+        "hyper": finite_json(fused.hyper),
+        "hyper_given": finite_json(hyper),
         "seed": seed,
         "device": None if checked_device is None else str(checked_device),
         "dtype": dtype,

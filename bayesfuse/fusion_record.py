@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bayesfuse._io import jsonable
+from bayesfuse._io import check_output_file, check_writable, jsonable, recover
 from bayesfuse.checkpoints import heads_path, posterior_path, read_bound_file, tensors_sha256
 
 __all__ = [
@@ -65,6 +65,37 @@ def fusion_files(path: str | os.PathLike) -> list[Path]:
     return [path, path.with_name(path.name + ".json"), posterior_path(path), fusion_path(path), heads_path(path)]
 
 
+def check_fusion_outputs(path: str | os.PathLike, *, force: bool) -> list[Path]:
+    """:func:`fusion_files` of ``path``, checked before anything is computed: a read-only
+    directory, a directory in a file's place, and (without ``force``) any file of a fusion there,
+    the side files of another fusion included, are refused; a killed writer's commit is finished
+    or undone first."""
+    check_output_file(path)
+    check_writable(Path(path).parent)  # a read-only directory fails now, not after the fusion
+    outputs = fusion_files(path)
+    recover(outputs)  # finish or undo a killed run's commit
+    for target in outputs:
+        if target.is_dir():
+            raise IsADirectoryError(f"{target} is a directory; give a file name for the fused model")
+        if target.exists() and not force:
+            raise FileExistsError(f"{target} exists; replace it with force=True")
+    return outputs
+
+
+def finite_json(value):
+    """:func:`~bayesfuse._io.jsonable` of ``value`` with every number that is not finite as the
+    string ``"inf"``, ``"-inf"`` or ``"nan"``: JSON has none (FedMA's noise variance of a constant
+    pixel is ``inf``)."""
+    value = jsonable(value)
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_json(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return str(value)
+    return value
+
+
 def fusion_bytes(fused, *, model_tensors: dict, hyper: dict | None = None) -> bytes | None:
     """The matched layers of ``fused`` (a :class:`~bayesfuse.core.StateFusion`) as a safetensors
     file, or None when nothing was matched (FedAvg).
@@ -104,12 +135,12 @@ def fusion_bytes(fused, *, model_tensors: dict, hyper: dict | None = None) -> by
                 "n_global": int(layer.n_global),
                 "seconds": float(getattr(layer, "seconds", 0.0) or 0.0),
                 "clients": len(layer.assignments),
-                "hyper": jsonable(getattr(layer, "hyper", None) or {}),
+                "hyper": finite_json(getattr(layer, "hyper", None) or {}),
             }
         )
     record = {
         "method": str(getattr(fused, "method", "")),
-        "hyper": jsonable(fused.hyper if hyper is None else hyper),
+        "hyper": finite_json(fused.hyper if hyper is None else hyper),
         "groups": list(getattr(fused, "groups", ())),
         "sizes": [int(s) for s in fused.sizes],
         "layers": described,

@@ -50,7 +50,7 @@ from bayesfuse.checkpoints import (
 from bayesfuse.fusion_record import fusion_files, fusion_path
 from bayesfuse.nets.user_module import FILE_MODULE_PREFIX
 
-__all__ = ["load", "load_read", "load_report"]
+__all__ = ["in_file_dtype", "load", "load_read", "load_report", "recognised"]
 
 
 def load_report(path: str | os.PathLike, model_tensors: dict | None = None, *, strict: bool = True) -> dict | None:
@@ -169,11 +169,25 @@ def load_read(
     state = HashedState(checkpoint.tensors)  # the report and each side file check its digest: once
     name = str(path)
     report = load_report(path, state, strict=posterior)
+    said = (report or {}).get("load")
+    saved: dict = said if isinstance(said, dict) else {}
+    if like is None and saved.get("like"):  # bayesfuse.save found the entries alone do not give the network back
+        cls = str(saved["like"]).rpartition(":")[2]
+        raise ValueError(
+            f"{name} was saved from a network {saved['like']} that its entries alone do not give back "
+            f"({saved.get('why')}): load it with like= a network built as the saved one was, e.g. "
+            f"bayesfuse.load({str(path)!r}, like={cls.rpartition('.')[2]}(...))"
+        )
+    if n_features is None and isinstance(saved.get("n_features"), int):
+        n_features = saved["n_features"]  # the input size the saved network ran on
     if like is not None:
         model = _like(like, state, name, example_input)
     else:
         try:
-            model = _recognised(state, name, n_features)
+            with warnings.catch_warnings():
+                if saved and not saved.get("like"):  # bayesfuse.save checked that it computes the saved function
+                    warnings.simplefilter("ignore")
+                model = recognised(state, name, n_features)
         except ValueError:
             network = _reported_network(report, path)
             if not network:
@@ -196,6 +210,7 @@ def load_read(
         else:
             if example_input is not None:  # given, it is checked: the network must run on it
                 _runs_on(model, example_input, name)
+    model = in_file_dtype(model, state)
     if posterior:
         _check_side_files(path, report)
     if posterior and heads_path(path).is_file():
@@ -210,6 +225,24 @@ def load_read(
 
         model.fusion = read_fusion(fusion_path(path), model, state, name)
     return model.eval()
+
+
+def in_file_dtype(model: nn.Module, state: dict) -> nn.Module:
+    """``model`` in the dtype of the file's floating-point tensors where they have one and the
+    network was built in another (a float64 fusion in a float32 session), its entries read again
+    at their precision."""
+    import torch
+
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    own = model.state_dict()
+    if len(dtypes) != 1 or {t.dtype for t in own.values() if t.is_floating_point()} <= dtypes:
+        return model
+    model = model.to(dtypes.pop())
+    with torch.no_grad():
+        for key, t in model.state_dict().items():
+            if key in state and state[key].shape == t.shape and t.is_floating_point():
+                t.copy_(state[key])
+    return model
 
 
 def _runs_on(model: nn.Module, example_input, name: str) -> None:
@@ -340,6 +373,7 @@ def _with_heads(model: nn.Module, path: Path, state: dict, name: str) -> nn.Modu
                 pool=pool,
                 pseudo_count=heads["pseudo_count"],
                 predictive=heads["predictive"],
+                form=heads["form"],
             )
         return ClientHeads.from_arrays(model, heads, pool=pool)
     except (AttributeError, ValueError) as err:
@@ -360,7 +394,7 @@ def _with_posterior(model: nn.Module, path: Path, state: dict, name: str) -> nn.
         raise ValueError(f"{path}: does not fit {name}'s output layer {output!r} ({err})") from None
 
 
-def _recognised(state: dict, name: str, n_features: int | None) -> nn.Module:
+def recognised(state: dict, name: str, n_features: int | None = None) -> nn.Module:
     """The known network whose entry names ``state`` has, built at its widths; a state_dict that
     has those names but not their shapes or companions is refused in one line naming the file."""
     try:

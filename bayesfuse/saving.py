@@ -19,7 +19,7 @@ import json
 import os
 import platform
 import sys
-import time
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import cast
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesfuse._io import atomic_write_files, jsonable
+from bayesfuse._io import atomic_write_files
 from bayesfuse.checkpoints import (
     HashedState,
     heads_path,
@@ -39,7 +39,8 @@ from bayesfuse.checkpoints import (
     state_dict_bytes,
     tensors_sha256,
 )
-from bayesfuse.fusion_record import fusion_bytes, fusion_path
+from bayesfuse.fusion_record import check_fusion_outputs, finite_json, fusion_bytes, fusion_path
+from bayesfuse.loading import in_file_dtype, recognised
 
 __all__ = ["save"]
 
@@ -54,14 +55,49 @@ def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     return model, None
 
 
-def _network_name(network: nn.Module) -> str | None:
-    """``"module:Class"`` of a network bayesfuse does not rebuild from entry names alone (the
-    report's ``architecture.network``, which :func:`bayesfuse.load` builds when it is imported)."""
+def _how_to_load(network: nn.Module, state: dict, name: str) -> dict:
+    """What :func:`bayesfuse.load` needs to give ``network`` back from its entries ``state``: the
+    report's ``load``. ``like`` names the network's class where the network load recognises from
+    the entries alone (:func:`~bayesfuse.loading.recognised`) is not this one, or does not compute
+    what it does on an example input (a class of your own; constructor options no entry holds,
+    as an activation, an image size or position-aware neurons), with ``why``; ``n_features`` is the
+    input size it ran on (a ConvNet's, which its entries leave open where poolings round down)."""
     from bayesfuse.models.bnn import HorseshoeBNN
+    from bayesfuse.nets.graph_spec import example_input_for
 
-    if isinstance(network, HorseshoeBNN):
-        return None
-    return f"{type(network).__module__}:{type(network).__qualname__}"
+    if isinstance(network, HorseshoeBNN):  # its state_dict is all of it, its posterior included
+        return {"like": None, "why": None, "n_features": None}
+    try:
+        x = example_input_for(network)
+    except ValueError:
+        x = None
+    n_features = int(np.prod(x.shape[1:])) if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+    why = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a chain of Linear layers read with ReLU: checked below
+            rebuilt = recognised(state, name, n_features)
+    except ValueError:
+        why = "bayesfuse rebuilds no such network from entry names"
+    else:
+        if type(rebuilt) is not type(network):
+            why = f"its entries read as a {type(rebuilt).__name__}"
+        elif x is None:
+            why = "no example input to check the network its entries give"
+        else:
+            rebuilt = in_file_dtype(rebuilt, state).eval()
+            was_training = network.training
+            try:
+                with torch.no_grad():
+                    same = torch.equal(rebuilt(x), network.eval()(x))
+            except RuntimeError:
+                same = False
+            finally:
+                network.train(was_training)
+            if not same:
+                why = "the network its entries give computes otherwise (an option no entry holds)"
+    cls = f"{type(network).__module__}:{type(network).__qualname__}"
+    return {"like": cls if why else None, "why": why, "n_features": n_features}
 
 
 def save(result, path: str | os.PathLike, *, force: bool = False) -> dict:
@@ -89,12 +125,13 @@ def save(result, path: str | os.PathLike, *, force: bool = False) -> dict:
             f"save takes what bayesfuse.fuse returned (a FusionResult), got a {type(result).__name__}; a network "
             "alone is saved with torch.save(model.state_dict(), path)"
         )
-    start = time.perf_counter()
     path = Path(path)
     fmt = output_format(path)
+    check_fusion_outputs(path, force=force)  # another fusion's side files there too
     network, wrapper = _parts(result.model)
     temperature = None if wrapper is None else float(cast(torch.Tensor, wrapper.temperature))
     state = HashedState((k, v.detach().cpu()) for k, v in network.state_dict().items())
+    loading = _how_to_load(network, state, str(path))
     files: list[tuple[Path, bytes]] = []
     heads = posterior = None
     if wrapper is not None and hasattr(wrapper, "shares"):  # ClientHeads
@@ -129,13 +166,14 @@ def save(result, path: str | os.PathLike, *, force: bool = False) -> dict:
             "groups": list(result.groups),
             "source": "saved from Python (bayesfuse.save)",
             "spec_file": None,
-            "network": _network_name(network),
+            "network": None,  # never built from the report: load's like= when loading["like"] says so
         },
-        "hyper": jsonable(result.hyper),
+        "load": loading,
+        "hyper": finite_json(result.hyper),
         "inputs": None if clients is None else [{"model": j} for j in range(clients)],
         "clients": "the models in the order fuse was given them (hyper's fused_order: the order they were fused)",
-        "fused_order": jsonable(result.hyper.get("fused_order")),
-        "summaries": jsonable(result.hyper.get("summaries") or {}),
+        "fused_order": finite_json(result.hyper.get("fused_order")),
+        "summaries": finite_json(result.hyper.get("summaries") or {}),
         "posterior": posterior,
         "heads": heads,
         "fusion_record": None
@@ -165,9 +203,7 @@ def save(result, path: str | os.PathLike, *, force: bool = False) -> dict:
             "python": platform.python_version(),
         },
         "seconds": float(result.seconds),
-        "seconds_saving": None,
     }
-    report["seconds_saving"] = time.perf_counter() - start
     stale = [side for side, kept in ((posterior_path(path), posterior), (heads_path(path), heads)) if not kept]
     if record is None:
         stale.append(fusion_path(path))

@@ -153,8 +153,10 @@ def test_a_python_fused_posterior_saved_whole_is_named_on_load(tmp_path):
     fused = bayesfuse.fuse(models, "pfnm", head="clients", class_counts=np.ones((2, 3)))
     path = tmp_path / "heads.pt"
     torch.save(fused.model.state_dict(), path)
-    with pytest.raises(ValueError, match="holds the state_dict of a ClientHeads .*result.model.network"):
+    with pytest.raises(ValueError, match=r"holds the state_dict of a ClientHeads .*bayesfuse.save\(result, path\)"):
         bayesfuse.load(path)
+    bayesfuse.save(fused, tmp_path / "saved.pt")  # as the error says: and it loads back
+    assert type(bayesfuse.load(tmp_path / "saved.pt")).__name__ == "ClientHeads"
 
 
 def test_command_line_errors_name_command_line_options(tmp_path, capsys):

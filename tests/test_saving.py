@@ -13,6 +13,7 @@ from torch import nn
 
 from bayesfuse import MLP, fuse, load, save
 from bayesfuse.checkpoints import heads_path, posterior_path
+from bayesfuse.data import dirichlet_partition, load_digits
 from bayesfuse.fusion_record import fusion_path
 from bayesfuse.nets.heads import ClientHeads
 from bayesfuse.nets.laplace import LastLayerLaplace
@@ -109,25 +110,81 @@ def test_the_shared_and_the_refitted_output_layers_come_back_exactly(federation,
     assert torch.equal(load(tmp_path / "refit.pt").temperature, refit.model.temperature)  # float32, as set
 
 
-def test_a_network_of_your_own_class_loads_like_it(tmp_path):
-    class Net(nn.Module):
-        def __init__(self, width: int = 16):
-            super().__init__()
-            self.inp, self.out = nn.Linear(8, width), nn.Linear(width, 3)
+class _Net(nn.Module):
+    """A class of a user's own, with an option no entry holds."""
 
-        def forward(self, x):
-            return self.out(torch.relu(self.inp(x)))
+    def __init__(self, width: int = 16, act: str = "relu"):
+        super().__init__()
+        self.inp, self.out, self.act = nn.Linear(8, width), nn.Linear(width, 3), getattr(torch, act)
+
+    def forward(self, x):
+        return self.out(self.act(self.inp(x)))
+
+
+def test_a_network_its_entries_do_not_give_back_loads_like_it_and_only_so(tmp_path):
+    from bayesfuse.nets.pans import PANConfig
+    from bayesfuse.train import TrainConfig, train_clients
 
     models = []
     for seed in range(3):
         torch.manual_seed(seed)
-        models.append(Net())
+        models.append(_Net(act="tanh"))
     result = fuse(models, "pfnm")
     report = save(result, tmp_path / "net.pt")
-    assert report["architecture"]["network"].endswith(":test_a_network_of_your_own_class_loads_like_it.<locals>.Net")
-    back = load(tmp_path / "net.pt", like=Net())
-    assert type(back) is Net and back.inp.out_features == result.sizes[0]
+    assert report["load"]["like"] == "tests.test_saving:_Net" and report["architecture"]["network"] is None
+    # never built from the report with its defaults (relu): refused, naming what to give
+    with pytest.raises(ValueError, match=r"saved from a network tests.test_saving:_Net .* like=_Net\(...\)"):
+        load(tmp_path / "net.pt")
+    back = load(tmp_path / "net.pt", like=_Net(act="tanh"))
+    assert type(back) is _Net and back.inp.out_features == result.sizes[0]
     _same_predictions(result.model, back, torch.randn(5, 8))
+    # bayesfuse's own MLP with position-aware neurons: no entry holds them, so an MLP read from the
+    # entries computes otherwise, and the file says so
+    split = load_digits().standardize()
+    part = dirichlet_partition(split.train.y, 2, 0.5, seed=0)
+    pans = train_clients(split.train, part, TrainConfig(hidden=(12,), epochs=1, pan=PANConfig()), verbose=False)
+    pan = fuse(pans, "pfnm")
+    assert save(pan, tmp_path / "pan.pt")["load"]["like"] == "bayesfuse.nets.mlp:MLP"
+    with pytest.raises(ValueError, match="its entries alone do not give back"):
+        load(tmp_path / "pan.pt")
+    _same_predictions(pan.model, load(tmp_path / "pan.pt", like=pans[0]), split.test.x)
+
+
+def test_a_convnet_comes_back_at_the_input_size_it_ran_on(tmp_path):
+    from bayesfuse.nets.arch import make_cnn
+
+    # 28x28 through three poolings ends at 3x3, as 24x24 does: the entries leave the size open
+    nets = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        nets.append(make_cnn(784, 10, channels=(3, 4, 5), hidden=(8,)).eval())
+    result = fuse(nets, "pfnm")
+    assert save(result, tmp_path / "cnn.pt")["load"] == {"like": None, "why": None, "n_features": 784}
+    _same_predictions(result.model, load(tmp_path / "cnn.pt"), torch.randn(3, 784))
+
+
+def test_a_float64_fusion_comes_back_in_float64(federation, tmp_path):
+    split, _, models, summaries = federation
+    doubles = [MLP(64, [32], 10).double() for _ in models]
+    for d, m in zip(doubles, models):
+        d.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    result = fuse(doubles, "pfnm", summaries=summaries, head="shared")
+    save(result, tmp_path / "f64.pt")
+    back = load(tmp_path / "f64.pt")
+    assert back.network.layers[0].weight.dtype == back.weight_var.dtype == torch.float64
+    x = torch.as_tensor(split.test.x, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(result.model.eval()(x), back(x))
+
+
+def test_a_fedma_fusion_saves_its_infinite_noise_variances_as_text(federation, tmp_path):
+    split, part, models, _ = federation
+    result = fuse(models, "fedma", data=(split.train, part))
+    assert np.isinf(np.asarray(result.layers[0].hyper["noise_var"], dtype=float)).any()  # constant pixels
+    save(result, tmp_path / "fedma.pt")
+    back = load(tmp_path / "fedma.pt")
+    assert "inf" in np.ravel(np.asarray(back.fusion.layers[0].hyper["noise_var"], dtype=object)).tolist()
+    _same_predictions(result.model, back, split.test.x)
 
 
 def test_fused_bnns_come_back_with_their_posterior(tmp_path):
@@ -156,9 +213,13 @@ def test_nothing_is_replaced_unless_forced_and_then_nothing_stale_is_left(federa
     save(heads, out)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     plain = fuse(models, "fedavg")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match="replace it with force=True"):
         save(plain, out)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # all or nothing
+    for own in (out, out.with_name("fused.pt.json"), fusion_path(out)):  # another fusion's heads alone
+        own.unlink()
+    with pytest.raises(FileExistsError, match=r"fused.pt.heads.safetensors exists"):
+        save(plain, out)
     save(plain, out, force=True)
     # FedAvg matches nothing and keeps no heads: their files of the fusion before are gone with it
     assert not heads_path(out).exists() and not fusion_path(out).exists() and not posterior_path(out).exists()
@@ -183,7 +244,32 @@ def test_a_saved_heads_file_that_does_not_fit_is_refused_naming_it(federation, t
         ({k: v for k, v in tensors.items() if k != "support"}, r"\['support'\] do not fit"),
         ({**tensors, "temperature": np.array(-1.0)}, "temperature must be one number > 0"),
         ({**tensors, "weight": tensors["weight"][:, :, 1:]}, "do not fit the output layer"),
+        ({**tensors, "gram_vecs": tensors["gram_vecs"] * 2}, "gram_vecs are not orthonormal"),
+        ({**tensors, "temperature": np.array(True)}, "temperature must be one number > 0"),
     ):
         save_file(broken, str(heads_path(out)), metadata=meta)
         with pytest.raises(ValueError, match=f"^{heads_path(out)}: does not fit .*{why}"):
             load(out)
+    no_examples = {k: v for k, v in tensors.items() if k != "examples"}
+    for broken, changed, why in (
+        (no_examples, {}, "does not hold what its metadata says"),  # the smoothing dropped
+        (tensors, {"version": "2"}, "tensors of no heads file of their version"),  # read as the old layout
+    ):
+        save_file(broken, str(heads_path(out)), metadata={**meta, **changed})
+        with pytest.raises(ValueError, match=why):
+            load(out)
+
+
+def test_a_saved_posterior_without_the_covariance_it_was_written_with_is_refused(federation, tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    split, part, models, _ = federation
+    out = tmp_path / "refit.pt"
+    save(fuse(models, "pfnm", rounds=2, data=(split.train, part)), out)
+    with safe_open(str(posterior_path(out)), "np") as f:
+        meta = f.metadata()
+    tensors = load_file(str(posterior_path(out)))
+    save_file({k: v for k, v in tensors.items() if k != "covariance"}, str(posterior_path(out)), metadata=meta)
+    with pytest.raises(ValueError, match="written with joint covariance, and holds none"):
+        load(out)

@@ -217,6 +217,20 @@ def checked_pseudo_count(value) -> float:
     return float(value)
 
 
+def _check_eigenbases(b: dict) -> None:
+    """Refuse saved Kronecker heads whose eigenbases are not orthonormal (to round-off), or whose
+    Gram's eigenvalues or EKFAC eigenvalues lie off their head's support: what
+    :class:`ClientHeads` computes from factors always satisfies these."""
+    for key in ("gram_vecs", "curv_vecs"):
+        vecs = b[key].double()
+        eye = torch.eye(vecs.shape[-1], dtype=torch.float64)
+        if not bool(((vecs.transpose(1, 2) @ vecs - eye).abs() <= 1e-8).all()):
+            raise ValueError(f"the saved heads' {key} are not orthonormal")
+    off = b["support"] == 0
+    if bool((b["gram_vals"][off] != 0).any()) or ("eigenvalues" in b and bool((b["eigenvalues"][off] != 0).any())):
+        raise ValueError("the saved heads' eigenvalues lie off their support")
+
+
 class ClientHeads(nn.Module):
     """The fused ``network`` whose output layer ``output`` is replaced, at prediction, by the class-share
     pool of the clients' heads (module docstring).
@@ -592,12 +606,21 @@ class ClientHeads(nn.Module):
 
     @classmethod
     def from_buffers(
-        cls, network: nn.Module, output: str, buffers: dict, *, pool: str, pseudo_count: float, predictive: str
+        cls,
+        network: nn.Module,
+        output: str,
+        buffers: dict,
+        *,
+        pool: str,
+        pseudo_count: float,
+        predictive: str,
+        form: str | None = None,
     ) -> "ClientHeads":
         """Heads saved as their own tensors (:func:`~bayesfuse.checkpoints.module_heads_bytes`,
         :func:`bayesfuse.save`) back on ``network``, predicting exactly as the
         saved ones did (the same eigenbases, draws and temperature); in eval mode. Tensors of
-        another shape, sign or kind than such heads hold are refused (``ValueError``)."""
+        another shape, sign or kind than such heads hold, or of another ``form`` than the file says,
+        are refused (``ValueError``)."""
         b = {k: torch.as_tensor(np.asarray(v)) for k, v in buffers.items()}
         missing = sorted({"weight", "bias", "shares", "temperature"} - set(b))
         if missing:
@@ -611,8 +634,12 @@ class ClientHeads(nn.Module):
             examples=None if examples is None else examples.numpy(),
             pseudo_count=pseudo_count,  # inert where the heads know no examples, as a fresh one's default
         )
-        temperature = b.pop("temperature").double()
-        if temperature.shape != () or not (math.isfinite(float(temperature)) and float(temperature) > 0):
+        temperature = b.pop("temperature")
+        if (
+            temperature.shape != ()
+            or not temperature.is_floating_point()
+            or not (math.isfinite(float(temperature)) and float(temperature) > 0)
+        ):
             raise ValueError(f"the saved heads' temperature must be one number > 0, got {temperature.tolist()}")
         model.temperature.copy_(temperature)
         J, K, G = model.weight.shape
@@ -654,11 +681,15 @@ class ClientHeads(nn.Module):
                     "the saved heads need n > 0 examples, a prior precision > 0 and a scale > 0 each, a support "
                     "of 0 and 1, and a scale or eigenvalues, not both"
                 )
+            if "n" in b:
+                _check_eigenbases(b)
             for k, t in b.items():
                 model.register_buffer(k, t.to(torch.float64))
             model._predictive = "laplace"
         elif b:
             raise ValueError(f"the saved heads hold unknown tensors {sorted(b)}")
+        if form is not None and model.form != form:
+            raise ValueError(f"the saved heads are {model.form!r}, not {form!r} as written")
         model.predictive = predictive
         return model.eval()
 

@@ -152,7 +152,11 @@ class LastLayerLaplace(nn.Module):
             raise ValueError(f"the saved posterior holds {sorted(b)}: missing {missing}, unknown {extra}")
         model = cls(network, output, b["weight_var"], b["bias_var"], covariance=b.get("covariance"))
         temperature = b["temperature"]
-        if temperature.shape != () or not (math.isfinite(float(temperature)) and float(temperature) > 0):
+        if (
+            temperature.shape != ()
+            or not temperature.is_floating_point()
+            or not (math.isfinite(float(temperature)) and float(temperature) > 0)
+        ):
             raise ValueError(f"the saved posterior's temperature must be one number > 0, got {temperature.tolist()}")
         if "covariance" in b and not (
             torch.equal(model.weight_var, b["weight_var"].to(model.weight_var.dtype))
