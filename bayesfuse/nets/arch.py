@@ -26,7 +26,7 @@ from bayesfuse.nets.images import image_shape
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
 from bayesfuse.nets.resnet import resnet18, resnet20
-from bayesfuse.nets.state import floating_like, forward_error
+from bayesfuse.nets.state import OutputLogitsError, floating_like, forward_error
 
 __all__ = [
     "ARCHITECTURES",
@@ -179,9 +179,10 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         return nn.EmbeddingBag(n, dim, mode=module.mode, padding_idx=module.padding_idx)
     if isinstance(module, nn.PReLU):
         return nn.PReLU(shape("weight")[0]) if module.num_parameters > 1 else module
-    if isinstance(module, (nn.LSTM, nn.GRU)):
+    if isinstance(module, (nn.LSTM, nn.GRU, nn.RNN)):
         hidden = shape("weight_hh_l0")[1]
         inp = shape("weight_ih_l0")[1]
+        options = {"nonlinearity": module.nonlinearity} if isinstance(module, nn.RNN) else {}
         return type(module)(
             inp,
             hidden,
@@ -189,6 +190,8 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
             bias=module.bias,
             batch_first=module.batch_first,
             dropout=module.dropout,
+            bidirectional=module.bidirectional,
+            **options,
         )
     if isinstance(module, PositionAware):
         return module  # re-created from the next layer's width below
@@ -206,7 +209,8 @@ def check_recurrent_widths(state: Mapping[str, torch.Tensor] | Mapping[str, np.n
             widths.setdefault(found[1], {})[int(found[2])] = int(np.shape(value)[1])
     for name, layers in widths.items():
         if len(set(layers.values())) > 1:
-            kind = "LSTM" if 4 * layers[0] == np.shape(state[f"{name}.weight_hh_l0"])[0] else "GRU"
+            blocks = np.shape(state[f"{name}.weight_hh_l0"])[0] // layers[0]
+            kind = {4: "LSTM", 3: "GRU"}.get(blocks, "RNN")
             listed = ", ".join(str(layers[k]) for k in sorted(layers))
             raise ValueError(
                 f"{name!r} is an nn.{kind} of {len(layers)} layers, which keeps one width for all of them, "
@@ -276,6 +280,8 @@ def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "th
     self.width)``) or a module ties two widths that fusion set apart.
     """
     err = forward_error(model, example_input)
+    if isinstance(err, OutputLogitsError):  # its own line: a forward the posterior cannot read, not a width
+        raise ValueError(f"{what}: {first_line(err)}")
     if err is not None:
         raise ValueError(
             f"{what} does not run at its fused widths ({type(err).__name__}: {first_line(err)}); its forward may "

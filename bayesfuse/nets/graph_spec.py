@@ -688,7 +688,7 @@ class _Walk:
             self.spatial(node, f, m)
         elif isinstance(m, nn.Flatten):
             self.reshape(node, inp)
-        elif isinstance(m, (nn.LSTM, nn.GRU)):
+        elif isinstance(m, (nn.LSTM, nn.GRU, nn.RNN)):
             self.recurrent(node, m, f)
         elif isinstance(m, nn.MultiheadAttention):
             self.fail(
@@ -704,22 +704,26 @@ class _Walk:
         else:
             self.fail(
                 node,
-                f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding(Bag), LSTM, GRU, "
+                f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding(Bag), LSTM, GRU, RNN, "
                 "BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
             )
 
-    def recurrent(self, node, m: nn.LSTM | nn.GRU, f: _Feature | None) -> None:
-        """``nn.LSTM`` / ``nn.GRU``: layer k's units are one permutation of the rows of each gate's
-        block of ``weight_ih_lk``, ``weight_hh_lk`` and its biases (4 blocks, 3 for a GRU) and of
-        the columns of ``weight_hh_lk`` and of the next layer's ``weight_ih``: the gates of a unit
-        read only that unit's past state (``spec.lstm``, FedMA section 2.2)."""
+    def recurrent(self, node, m: nn.LSTM | nn.GRU | nn.RNN, f: _Feature | None) -> None:
+        """``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``: layer k's units are one permutation of the rows of
+        each gate's block of ``weight_ih_lk``, ``weight_hh_lk`` and its biases (4 blocks, 3 for a
+        GRU, 1 for an RNN) and of the columns of ``weight_hh_lk`` and of the next layer's
+        ``weight_ih``: the gates of a unit read only that unit's past state (``spec.lstm``, FedMA
+        section 2.2). A bidirectional layer's two directions (``_reverse``) are permuted by that one
+        permutation, so that its output, the two directions' units side by side, holds each
+        permuted alike (two blocks): a global unit is a pair of a forward and a backward unit."""
         kind = type(m).__name__
-        if m.bidirectional or (isinstance(m, nn.LSTM) and m.proj_size > 0):
-            self.fail(node, f"a bidirectional or projected {kind} is not supported; give a spec")
+        if isinstance(m, nn.LSTM) and m.proj_size > 0:
+            self.fail(node, f"a projected {kind} (proj_size) is not supported; give a spec")
         f = f if self.permuted(f) else None
-        if f is not None and (f.dim != len(_tensor_shape(node.args[0])) - 1 or (f.outer, f.inner) != (1, 1)):
+        if f is not None and f.dim != len(_tensor_shape(node.args[0])) - 1:  # in blocks too (a bidirectional one's)
             self.fail(node, f"an {kind} must read the units on the last axis")
-        gates = 4 if isinstance(m, nn.LSTM) else 3
+        gates = 4 if isinstance(m, nn.LSTM) else 3 if isinstance(m, nn.GRU) else 1
+        directions = ("", "_reverse") if m.bidirectional else ("",)
         name, below, layers = node.target, f, []
         if len(node.args) > 1 or node.kwargs:
             self.fail(
@@ -737,15 +741,16 @@ class _Walk:
                 if old_in is not None:
                     self.classes.union(old_in, below.var)
                 self.module_vars[key] = (below.var, h)
-            self.set_axes(f"{name}.weight_ih_l{k}", [(h, gates, 1), self.in_axis(below)])
-            self.set_axes(f"{name}.weight_hh_l{k}", [(h, gates, 1), (h, 1, 1)])
-            if m.bias:
-                self.set_axes(f"{name}.bias_ih_l{k}", [(h, gates, 1)])
-                self.set_axes(f"{name}.bias_hh_l{k}", [(h, gates, 1)])
+            for d in directions:
+                self.set_axes(f"{name}.weight_ih_l{k}{d}", [(h, gates, 1), self.in_axis(below)])
+                self.set_axes(f"{name}.weight_hh_l{k}{d}", [(h, gates, 1), (h, 1, 1)])
+                if m.bias:
+                    self.set_axes(f"{name}.bias_ih_l{k}{d}", [(h, gates, 1)])
+                    self.set_axes(f"{name}.bias_hh_l{k}{d}", [(h, gates, 1)])
             layers.append(h)
-            below = _Feature(h, 0)
+            below = _Feature(h, 0, len(directions))  # the next layer reads both directions' units
         rank = len(_tensor_shape(node.args[0]))
-        output = _Feature(layers[-1], rank - 1)
+        output = _Feature(layers[-1], rank - 1, len(directions))
         state: object = (
             _Feature(layers[0], rank - 1)  # (1, N, H) batched, (1, H) not: the units last, as the output's
             if m.num_layers == 1

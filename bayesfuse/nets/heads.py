@@ -87,7 +87,7 @@ from torch import nn
 
 from bayesfuse._validation import check_inputs, check_num_samples
 from bayesfuse.inference.client_heads import class_shares, one_shot_heads
-from bayesfuse.nets.state import model_input
+from bayesfuse.nets.state import OutputLogitsError, model_input
 
 __all__ = [
     "ClientHeads",
@@ -146,7 +146,7 @@ def logits_and_features(network: nn.Module, output: str, x: torch.Tensor) -> tup
             allowed = 8 * eps * (r.abs() + f.abs()).amax(-1)  # the rounding of a shift in these dtypes
             excess = float((spread - allowed).amax())
         if excess > 0:
-            raise ValueError(
+            raise OutputLogitsError(
                 f"{type(network).__name__}'s forward changes the logits of its output layer {output!r} after it (by "
                 f"up to {float(spread.amax()):.2g} more for one class than another): the output layer's posterior "
                 "predicts from that layer's logits; return them as they are (a log_softmax is fine)"

@@ -82,6 +82,11 @@ def run_once(module: nn.Module, x) -> tuple[object, Exception | None]:
         module.train(was_training)
 
 
+class OutputLogitsError(ValueError):
+    """A ``forward`` that changes its output layer's logits after it (a scale, a second layer's
+    logits added): an output-layer posterior cannot predict through it. No width is at fault."""
+
+
 def forward_error(module: nn.Module, x) -> Exception | None:
     """The exception ``module``'s forward raises on ``x`` (:func:`run_once`), or None."""
     return run_once(module, x)[1]

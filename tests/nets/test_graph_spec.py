@@ -25,6 +25,7 @@ from tests.nets.user_nets import (
     BatchStatsMLP,
     BiasFreeCNN,
     BiasFreePlainNormCNN,
+    BiLSTM,
     BlurredCNN,
     CausalAttention,
     CausalWhere,
@@ -34,6 +35,7 @@ from tests.nets.user_nets import (
     MyGRU,
     MyLSTM,
     MyMLP,
+    MyRNN,
     PaddedCNN,
     PairInputs,
     PlainNormMLP,
@@ -72,6 +74,8 @@ NETS = [
     PaddedCNN,  # element-wise functions of numbers, padding and upsampling of the maps
     LayerScaleCNN,  # a vector shaped to the maps follows the channels
     ReducedCNN,  # normalize, maximum, max with indices, logsumexp, std, amin, norms
+    MyRNN,
+    BiLSTM,  # both directions' units, side by side
 ]
 
 
@@ -159,11 +163,11 @@ def test_independent_residual_networks_fuse_into_one_that_runs():
     assert a.model(torch.randn(5, 64)).shape == (5, 10)
 
 
-class _Bidirectional(MyLSTM):
+class _Projected(MyLSTM):
     def __init__(self) -> None:
         super().__init__()
-        self.rnn = nn.LSTM(8, 6, batch_first=True, bidirectional=True)
-        self.head = nn.Linear(6, 10)  # h[-1]: the backward direction's last state
+        self.rnn = nn.LSTM(8, 6, batch_first=True, proj_size=4)
+        self.head = nn.Linear(4, 10)
 
 
 class _GivenState(MyLSTM):
@@ -252,11 +256,12 @@ def test_recurrent_layers_permute_each_gate_block_and_their_own_state():
 
 def test_independent_recurrent_networks_fuse_and_stacked_ones_as_one_group():
     x = torch.randn(6, 64)
-    for cls in (MyLSTM, MyGRU):
+    for cls in (MyLSTM, MyGRU, MyRNN, BiLSTM):
         models = [_random(cls, s) for s in range(3)]
         fused = bayesfuse.fuse(models, "pfnm")
-        assert fused.sizes[-1] > 12 and fused.model(x).shape == (6, 10)
+        assert fused.sizes[-1] > models[0].rnn.hidden_size and fused.model(x).shape == (6, 10)
         assert type(fused.model.rnn) is type(models[0].rnn)
+        assert fused.model.rnn.bidirectional == models[0].rnn.bidirectional
     stacked = [_random(StackedLSTM, s) for s in range(3)]
     tied = bayesfuse.fuse(stacked, "pfnm")  # nn.LSTM keeps one width: its layers are one group
     assert len(tied.sizes) == 1 and tied.model.rnn.hidden_size == tied.sizes[0] and tied.model(x).shape == (6, 10)
@@ -312,7 +317,7 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)), r"GroupNorm with 2 groups of 6 channels"),
         (nn.GRU(3, 4), r"bare GRU"),
         (StackedStateLSTM(), r"final state of the 2-layer LSTM 'rnn' holds every layer's units"),
-        (_Bidirectional(), r"a bidirectional or projected LSTM is not supported"),
+        (_Projected(), r"a projected LSTM \(proj_size\) is not supported"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
         (_HandWritten("tensordot"), r"tensordot applies the network's own weight 'W'"),
         (_HandWritten("linear", frozen=True), r"linear applies the network's own weight 'W'"),  # frozen, still a layer
@@ -325,6 +330,7 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (ArgmaxUnits(), r"argmax over the units names units by their place, which fusion changes"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")  # torch's, on tracing
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
     with pytest.raises(UnsupportedLayerError, match=message) as err:
         spec_from_module(model)

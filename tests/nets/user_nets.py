@@ -507,3 +507,40 @@ class ArgmaxUnits(nn.Module):
     def forward(self, x):
         h = torch.relu(self.fc(x))
         return self.head(torch.cat([h, h.argmax(1, keepdim=True).float()], 1))
+
+
+class MyRNN(nn.Module):
+    """A two-layer Elman RNN (tanh) over embedded steps; the head reads the last step."""
+
+    def __init__(self, h: int = 12, k: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 10)
+        self.rnn = nn.RNN(10, h, num_layers=2, batch_first=True)
+        self.head = nn.Linear(h, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        out, _ = self.rnn(F.relu(self.embed(x.view(-1, 8, 8))))
+        return self.head(out[:, -1])
+
+
+class BiLSTM(nn.Module):
+    """A two-layer bidirectional LSTM, whose output holds both directions' units side by side, read
+    by the head (the mean over the steps) and by a one-layer bidirectional GRU, whose final state's
+    backward direction the head reads too."""
+
+    def __init__(self, h: int = 6, k: int = 10) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, h, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(2 * h, 5, batch_first=True, bidirectional=True)
+        self.head, self.back = nn.Linear(2 * h, k), nn.Linear(5, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.view(-1, 8, 8))
+        _, h = self.gru(out)
+        return self.head(out.mean(1)) + self.back(h[-1])
