@@ -600,8 +600,18 @@ def module_heads_bytes(heads, *, model_tensors: dict) -> bytes:
     3 of :func:`heads_bytes`'s format): its own tensors (weights, shares, the eigenbases of its
     posteriors, its draws, its temperature...) in their dtypes; the metadata holds its output layer,
     pool, form, predictive and pseudo-count, and binds the file to ``model_tensors``
-    (:func:`bayesfuse.save`)."""
+    (:func:`bayesfuse.save`). Each head's Gram eigenbasis is stored at the features it reads,
+    ``gram_vecs/<j>``: elsewhere it is the identity (:func:`~bayesfuse.nets.heads.ClientHeads`'
+    eigendecomposition on each head's support), which :func:`read_heads` puts back."""
     from safetensors.torch import save
+
+    tensors = _module_tensors(heads)
+    if "gram_vecs" in tensors:
+        vecs, support = tensors.pop("gram_vecs"), tensors["support"] > 0
+        for j, (v, at) in enumerate(zip(vecs, support)):
+            tensors[f"gram_vecs/{j}"] = v[at][:, at].contiguous()
+        if not torch.equal(_supported_basis(tensors, support, vecs.dtype), vecs):  # never, as ClientHeads makes them
+            raise ValueError("the heads' Gram eigenbases are not the identity off their support")
 
     meta = {
         "format": HEADS_FORMAT,
@@ -614,7 +624,22 @@ def module_heads_bytes(heads, *, model_tensors: dict) -> bytes:
         "smoothed": str(hasattr(heads, "examples")).lower(),  # whether the heads know their examples
         "model_tensors_sha256": tensors_sha256(model_tensors),
     }
-    return save(_module_tensors(heads), metadata=meta)
+    return save(tensors, metadata=meta)
+
+
+def _supported_basis(tensors: dict, support, dtype) -> torch.Tensor:
+    """Each head's Gram eigenbasis (J, G+1, G+1) from its blocks ``gram_vecs/<j>`` at its support,
+    the identity elsewhere (:func:`module_heads_bytes`)."""
+    support = torch.as_tensor(np.asarray(support)) > 0
+    J, size = support.shape
+    vecs = torch.eye(size, dtype=dtype).repeat(J, 1, 1)
+    for j, at in enumerate(support):
+        block = torch.as_tensor(np.asarray(tensors[f"gram_vecs/{j}"]))
+        idx = torch.nonzero(at).flatten()
+        if block.shape != (len(idx), len(idx)):
+            raise ValueError(f"head {j}'s Gram eigenbasis does not fit its support")
+        vecs[j][idx[:, None], idx[None, :]] = block.to(dtype)
+    return vecs
 
 
 # --------------------------------------------------------------------------- the clients' own heads
@@ -689,6 +714,15 @@ def read_heads(path: str | os.PathLike, model_tensors: dict, model_name: str) ->
             raise ValueError(f"{path}: the client heads file is incomplete (no pseudo_count)") from None
         if meta.get("smoothed") != str("examples" in tensors).lower() or meta.get("form") is None:
             raise ValueError(f"{path}: the client heads file does not hold what its metadata says (examples, form)")
+        blocks = sorted(k for k in tensors if k.startswith("gram_vecs/"))
+        if blocks:
+            if "support" not in tensors or len(blocks) != len(tensors["support"]):
+                raise ValueError(f"{path}: the client heads' Gram eigenbases do not fit their support")
+            try:
+                tensors["gram_vecs"] = _supported_basis(tensors, tensors["support"], torch.float64).numpy()
+            except (KeyError, ValueError) as err:
+                raise ValueError(f"{path}: {err}") from None
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("gram_vecs/")}
         saved = {"output": meta["output"], "predictive": meta.get("predictive"), "pseudo_count": count}
         return {**saved, "form": meta["form"], "buffers": tensors}, meta["pool"]
     heads = heads_from_arrays(tensors, meta["output"], meta.get("form", "map"), str(path))

@@ -241,10 +241,9 @@ def test_a_saved_heads_file_that_does_not_fit_is_refused_naming_it(federation, t
     for broken, why in (
         ({**tensors, "curv_vals": tensors["curv_vals"][:, :-1]}, r"\['curv_vals'\] do not fit 3 heads of 10 classes"),
         ({**tensors, "gram_vals": -tensors["gram_vals"] - 1}, "eigenvalues >= 0"),
-        ({k: v for k, v in tensors.items() if k != "support"}, r"\['support'\] do not fit"),
         ({**tensors, "temperature": np.array(-1.0)}, "temperature must be one number > 0"),
         ({**tensors, "weight": tensors["weight"][:, :, 1:]}, "do not fit the output layer"),
-        ({**tensors, "gram_vecs": tensors["gram_vecs"] * 2}, "gram_vecs are not orthonormal"),
+        ({**tensors, "gram_vecs/0": tensors["gram_vecs/0"] * 2}, "gram_vecs are not orthonormal"),
         ({**tensors, "temperature": np.array(True)}, "temperature must be one number > 0"),
     ):
         save_file(broken, str(heads_path(out)), metadata=meta)
@@ -252,6 +251,8 @@ def test_a_saved_heads_file_that_does_not_fit_is_refused_naming_it(federation, t
             load(out)
     no_examples = {k: v for k, v in tensors.items() if k != "examples"}
     for broken, changed, why in (
+        ({**tensors, "gram_vecs/1": tensors["gram_vecs/1"][1:]}, {}, "head 1's Gram eigenbasis does not fit"),
+        ({k: v for k, v in tensors.items() if k != "support"}, {}, "Gram eigenbases do not fit their support"),
         (no_examples, {}, "does not hold what its metadata says"),  # the smoothing dropped
         (tensors, {"version": "2"}, "tensors of no heads file of their version"),  # read as the old layout
     ):
