@@ -1029,7 +1029,8 @@ class _Walk:
             return
         f = streams[0]
         if dim == f.dim and any(self.permuted(s) for s in streams):
-            self.fail(node, "concatenating along the units' axis is not supported")
+            self.units_concat(node, tensors, features, f)
+            return
         for g, t in zip(features, tensors):
             if g is None and isinstance(t, fx.Node) and self.permuted(f):
                 self.fail(
@@ -1042,6 +1043,32 @@ class _Walk:
             elif isinstance(g, tuple):  # a class token: its units are the stream's, on the same axis
                 self.param_axis(g[1], node, f, _tensor_shape(node))
         self.labels[node] = f
+
+    def units_concat(self, node, tensors: list, features: list, f: _Feature) -> None:
+        """Streams side by side on their units' axis (``torch.cat([a, b], 1)``): one permutation
+        for all of them, each a block of the result, so a global unit is one unit of each (as the
+        layers of a stacked LSTM are matched); the layer reading the result reads the blocks.
+        Refused where an operand is no permuted stream on that axis (the input, a constant) or
+        the streams differ in width (one permutation cannot tie them)."""
+        widths = []
+        for g, t in zip(features, tensors):
+            if not (isinstance(g, _Feature) and self.permuted(g) and g.dim == f.dim and g.inner == f.inner):
+                what = t.name if isinstance(t, fx.Node) else repr(t)
+                self.fail(
+                    node,
+                    f"concatenating along the units' axis an operand ({what}) that is no stream of hidden units "
+                    "there: give a spec",
+                )
+            widths.append(_tensor_shape(t)[g.dim] // (g.outer * g.inner))
+        if len(set(widths)) > 1:
+            self.fail(
+                node,
+                f"concatenating along the units' axis streams of different widths {widths}: one permutation of "
+                "them all needs one width; give a spec",
+            )
+        for g in features:
+            self.classes.union(f.var, g.var)
+        self.labels[node] = _Feature(f.var, f.dim, sum(g.outer for g in features), f.inner)
 
     def reduce(self, node, a, dims, keepdim: bool) -> None:
         f = self.feature(a)

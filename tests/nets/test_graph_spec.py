@@ -27,6 +27,7 @@ from tests.nets.user_nets import (
     BiasFreePlainNormCNN,
     BiLSTM,
     BlurredCNN,
+    ConcatCNN,
     CausalAttention,
     CausalWhere,
     DepthwiseCNN,
@@ -76,6 +77,7 @@ NETS = [
     ReducedCNN,  # normalize, maximum, max with indices, logsumexp, std, amin, norms
     MyRNN,
     BiLSTM,  # both directions' units, side by side
+    ConcatCNN,  # streams of one width concatenated on their units
 ]
 
 
@@ -161,6 +163,18 @@ def test_independent_residual_networks_fuse_into_one_that_runs():
     assert a.model.norm.weight.shape == (a.sizes[0],)  # the LayerNorm was rebuilt at the stream's width
     assert a.model.blocks[1]["fc2"].weight.shape == (a.sizes[0], a.sizes[2])
     assert a.model(torch.randn(5, 64)).shape == (5, 10)
+
+
+class _ConcatInput(nn.Module):
+    """The input beside hidden units on one axis: the input's features are never permuted."""
+
+    def __init__(self, widths=(64, 12)) -> None:
+        super().__init__()
+        self.fc, self.other, self.head = nn.Linear(64, widths[1]), nn.Linear(64, widths[0]), nn.Linear(sum(widths), 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return self.head(torch.cat([x if self.other.out_features == 64 else self.other(x), h], 1))
 
 
 class _Projected(MyLSTM):
@@ -318,6 +332,8 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (nn.GRU(3, 4), r"bare GRU"),
         (StackedStateLSTM(), r"final state of the 2-layer LSTM 'rnn' holds every layer's units"),
         (_Projected(), r"a projected LSTM \(proj_size\) is not supported"),
+        (_ConcatInput(), r"concatenating along the units' axis an operand \(x\) that is no stream of hidden units"),
+        (_ConcatInput((5, 12)), r"concatenating along the units' axis streams of different widths \[5, 12\]"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
         (_HandWritten("tensordot"), r"tensordot applies the network's own weight 'W'"),
         (_HandWritten("linear", frozen=True), r"linear applies the network's own weight 'W'"),  # frozen, still a layer
@@ -444,6 +460,16 @@ def test_independent_depthwise_networks_fuse_into_one_that_runs():
         fused = bayesfuse.fuse([_random(DepthwiseCNN, s) for s in range(3)], method)
         assert fused.model.dw.groups == fused.model.dw.out_channels == fused.sizes[0] > 8
         assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+
+
+def test_independent_networks_concatenating_streams_fuse_them_at_one_width():
+    models = [_random(ConcatCNN, s) for s in range(3)]
+    spec = spec_from_module(models[0])
+    assert spec.axes["c1.weight"][0].group == spec.axes["c2.weight"][0].group  # tied by the concatenation
+    assert spec.axes["c3.weight"][1].outer == 2 and spec.axes["head.weight"][1].outer == 3
+    fused = bayesfuse.fuse(models, "pfnm")
+    assert fused.model.c1.out_channels == fused.model.c2.out_channels == fused.model.c3.in_channels // 2 > 6
+    assert fused.model(torch.randn(4, 64)).shape == (4, 10)
 
 
 def test_a_frozen_layer_comes_back_frozen():

@@ -544,3 +544,22 @@ class BiLSTM(nn.Module):
         out, _ = self.rnn(x.view(-1, 8, 8))
         _, h = self.gru(out)
         return self.head(out.mean(1)) + self.back(h[-1])
+
+
+class ConcatCNN(nn.Module):
+    """Streams of one width side by side on the channels (``torch.cat``), as a dense block or a
+    U-Net's skip: the two convolutions' channels are one permutation, read as two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.c3 = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1), nn.Conv2d(12, 5, 3)
+        self.a, self.b, self.head = nn.Linear(5, 7), nn.Linear(5, 7), nn.Linear(21, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = torch.relu(self.c1(x.view(-1, 1, 8, 8)))
+        h = self.c3(torch.cat([h, torch.relu(self.c2(h))], dim=1)).mean(dim=(2, 3))
+        a, b = torch.relu(self.a(h)), torch.tanh(self.b(h))
+        return self.head(torch.cat((a, b, a * b), -1))
