@@ -197,7 +197,7 @@ _RESHAPE_METHODS = {"flatten", "view", "reshape"}
 _REDUCTIONS = {torch.mean, torch.sum, torch.amax, torch.amin, torch.logsumexp, torch.std, torch.var}
 _REDUCTION_METHODS = {"mean", "sum", "amax", "amin", "logsumexp", "std", "var"}
 #: Norms, reductions too, whose ``dim`` is their third argument (after the order of the norm).
-_NORMS = {torch.linalg.vector_norm, torch.norm}
+_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm}
 _NORM_METHODS = {"norm"}
 #: The largest (smallest) number along ``dim`` and where it lies, ``(values, indices)``; over every
 #: number without a ``dim``; of two tensors, element by element.
@@ -495,7 +495,13 @@ class _Walk:
         """The activation's units, or None (no units known, or a parameter)."""
         label = self.raw(node)
         if isinstance(label, (_Unreadable, _Recurrent, _Parts)):  # read as one tensor: refused
-            why = label.why if isinstance(label, _Unreadable) else "a recurrent layer's (output, state) read whole"
+            why = (
+                label.why
+                if isinstance(label, _Unreadable)
+                else "a recurrent layer's (output, state) read whole"
+                if isinstance(label, _Recurrent)
+                else "a pair (max's (values, indices), an LSTM's (h, c)) read whole"
+            )
             raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.name}: {why}")
         return label if isinstance(label, _Feature) else None
 
@@ -524,8 +530,9 @@ class _Walk:
                 self.labels[node] = (
                     _Feature(_FIXED, len(shape) - 1 if shape and len(shape) == 2 else 1) if shape else None
                 )
-            elif node.op == "get_attr":
-                self.labels[node] = ("param", node.target)
+            elif node.op == "get_attr":  # the model's parameter or buffer; a constant fx made (torch.tensor(0.1)): none
+                known = node.target in self.parameters or node.target in self.buffers
+                self.labels[node] = ("param", node.target) if known else None
             elif node.op == "call_module":
                 self.call_module(node, gm.get_submodule(node.target))
             elif node.op == "call_function":
@@ -757,7 +764,12 @@ class _Walk:
             else _Unreadable(
                 f"the final state of the {m.num_layers}-layer {kind} {name!r} holds every layer's units, "
                 "each layer a permutation of its own: read the top layer's from the output sequence "
-                "(output[:, -1] with batch_first), or give a spec"
+                + (
+                    "(its last step holds the forward direction's final state, its first the backward one's)"
+                    if m.bidirectional
+                    else "(output[:, -1] with batch_first)"
+                )
+                + ", or give a spec"
             )
         )
         self.labels[node] = _Recurrent(output, _Parts((state, state)) if gates == 4 else state)
@@ -780,11 +792,11 @@ class _Walk:
         if not self.permuted(f):
             self.labels[node] = f
             return
-        if f.dim != axis or f.outer != 1 or f.inner != 1:
+        if f.dim != axis:
             self.fail(node, f"{type(m).__name__} must normalise the units' axis")
-        for p in entries:
+        for p in entries:  # one number per unit, in its blocks (a bidirectional layer's two directions)
             if getattr(m, p, None) is not None:
-                self.set_axes(f"{node.target}.{p}", [(f.var, 1, 1)])
+                self.set_axes(f"{node.target}.{p}", [(f.var, f.outer, f.inner)])
         self.labels[node] = f
 
     # ----------------------------------------------------------------- functions
@@ -832,9 +844,13 @@ class _Walk:
                 )
             self.labels[node] = label
         else:
-            self.opaque(node, args, str(method))
+            self.opaque(node, [*args, *node.kwargs.values()], str(method))
 
     def call(self, node, fn, args: list, kwargs) -> None:
+        if not args:  # the tensor given by keyword (torch.sum(input=h, dim=1)): read it first, as by place
+            key = next((k for k in ("input", "x", "A") if k in kwargs), None)
+            if key is not None:
+                args, kwargs = [kwargs[key]], {k: v for k, v in kwargs.items() if k != key}
         if fn in _ELEMENTWISE_FUNCTIONS or fn in _SOFTMAX:
             self.labels[node] = self.feature(args[0])
         elif fn in _SCALAR_ELEMENTWISE:
@@ -868,8 +884,8 @@ class _Walk:
             self.getitem(node, args[0])
         elif fn is getattr:
             self.attribute(node, args[0], args[1])
-        else:
-            self.opaque(node, args, getattr(fn, "__name__", str(fn)))
+        else:  # its keyword operands too (torch.roll(input=h, ...), torch.cumsum(h, dim=-1, out=...))
+            self.opaque(node, [*args, *kwargs.values()], getattr(fn, "__name__", str(fn)))
 
     def weight_of(self, node) -> str | None:
         """The name of the network's parameter of rank 2 or more that ``node`` is, or a view of
@@ -911,6 +927,10 @@ class _Walk:
         for f, f_node, other in ((fa, a, b), (fb, b, a)):
             if other not in followed:
                 self.unknown_operand(node, f, f_node, other)
+        for f, f_node, other, g in ((fa, a, b, fb), (fb, b, a, fa)):
+            if f is not None and g is not None and self.broadcast(f, f_node, other, g):
+                fa, fb = (None, fb) if f is fa else (fa, None)  # one number per position, the stream's
+                break
         if fa is not None and fb is not None:
             sa, sb, so = _tensor_shape(a), _tensor_shape(b), _tensor_shape(node)
             if len(so) - len(sa) + fa.dim != len(so) - len(sb) + fb.dim or (fa.outer, fa.inner) != (fb.outer, fb.inner):
@@ -921,6 +941,19 @@ class _Walk:
             shift = len(_tensor_shape(node)) - len(_tensor_shape(a if fa is not None else b))
             f = _Feature(f.var, f.dim + shift, f.outer, f.inner)
         self.labels[node] = f
+
+    def broadcast(self, f: _Feature, f_node, other, g: _Feature) -> bool:
+        """Whether ``f_node``'s axis of units ``f`` holds one number that broadcasts along the other
+        operand's units (attention pooling: ``softmax(Linear(H, 1)(out), 1) * out``); if so that
+        one unit is never permuted, and keeps its width of 1."""
+        if _tensor_shape(f_node)[f.dim] != 1 or f.outer * f.inner != 1:
+            return False
+        out_f = f.dim - len(_tensor_shape(f_node))
+        out_g = g.dim - len(_tensor_shape(other))
+        if out_f != out_g or _tensor_shape(other)[g.dim] == 1:  # not on the same axis, or both of one unit
+            return False
+        self.classes.union(f.var, _FIXED)
+        return True
 
     def vector_view(self, p, g: _Feature, shape: tuple) -> bool:
         """Whether ``p`` is a 1-D parameter or buffer shaped by views (``view``, ``reshape``,
@@ -1022,6 +1055,9 @@ class _Walk:
     def concat(self, node, tensors: list, dim: int) -> None:
         rank = len(_tensor_shape(node))
         dim = dim % rank
+        for t in tensors:  # indices naming units, an LSTM's (h, c)...: refused here, where they are read
+            if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts)):
+                self.feature(t)
         features = [self.raw(t) for t in tensors]
         streams = [f for f in features if isinstance(f, _Feature)]
         if not streams:
@@ -1076,6 +1112,12 @@ class _Walk:
             self.labels[node] = None
             return
         rank = len(_tensor_shape(a))
+        if isinstance(dims, bool):  # std(h, True): unbiased, over every number
+            dims = None
+        if any(isinstance(d, fx.Node) for d in (dims if isinstance(dims, (list, tuple)) else [dims])):
+            self.fail(
+                node, f"{_name(node.target)} along a dim computed in the forward cannot be read; give it as a number"
+            )
         out = _shape(node)  # a keepdim given by place (h.mean(1, True), h.std(1, True, True)) shows in the shape
         keepdim = keepdim if out is None or dims is None else len(out) == rank
         listed = dims if isinstance(dims, (list, tuple)) else [dims]
@@ -1092,9 +1134,13 @@ class _Walk:
         number (no ``dim``); or along ``dim``, ``(values, indices)``, whose indices along the units'
         axis name units: refused where they are read."""
         other = args[1] if len(args) > 1 else kwargs.get("other")
-        if isinstance(other, fx.Node):
+        if isinstance(other, fx.Node) and _shape(other) is not None:  # a tensor: element by element
             self.binary(node, args[0], other)
             return
+        if isinstance(other, fx.Node):
+            self.fail(
+                node, f"{_name(node.target)} along a dim computed in the forward cannot be read; give it as a number"
+            )
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         self.reduce(node, args[0], dim, keepdim)

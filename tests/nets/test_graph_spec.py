@@ -31,6 +31,7 @@ from tests.nets.user_nets import (
     CausalAttention,
     CausalWhere,
     DepthwiseCNN,
+    KeywordOps,
     LayerScaleCNN,
     LogSoftmaxMLP,
     MyGRU,
@@ -78,6 +79,7 @@ NETS = [
     MyRNN,
     BiLSTM,  # both directions' units, side by side
     ConcatCNN,  # streams of one width concatenated on their units
+    KeywordOps,  # operands by keyword, fx's constants, attention pooling over a bidirectional layer
 ]
 
 
@@ -175,6 +177,23 @@ class _ConcatInput(nn.Module):
     def forward(self, x):
         h = torch.relu(self.fc(x))
         return self.head(torch.cat([x if self.other.out_features == 64 else self.other(x), h], 1))
+
+
+class _Reads(nn.Module):
+    """What a forward reads of its units that names them by place or cannot be read: ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.fc, self.head = how, nn.Linear(64, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        if self.how == "indices concatenated":
+            r = h.max(1, keepdim=True)
+            return self.head(h) + torch.cat([r.values, r.indices.float()], 1).sum(1, keepdim=True)
+        if self.how == "a computed dim":
+            return self.head(h) + h.mean(h.dim() - 1, keepdim=True)
+        return self.head(torch.roll(input=h, shifts=1, dims=-1))  # an operand by keyword
 
 
 class _Projected(MyLSTM):
@@ -332,6 +351,9 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (nn.GRU(3, 4), r"bare GRU"),
         (StackedStateLSTM(), r"final state of the 2-layer LSTM 'rnn' holds every layer's units"),
         (_Projected(), r"a projected LSTM \(proj_size\) is not supported"),
+        (_Reads("indices concatenated"), r"max over the units names units by their place"),
+        (_Reads("a computed dim"), r"mean along a dim computed in the forward cannot be read; give it as a number"),
+        (_Reads("by keyword"), r"roll on a permuted axis cannot be followed"),
         (_ConcatInput(), r"concatenating along the units' axis an operand \(x\) that is no stream of hidden units"),
         (_ConcatInput((5, 12)), r"concatenating along the units' axis streams of different widths \[5, 12\]"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),

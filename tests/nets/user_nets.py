@@ -563,3 +563,26 @@ class ConcatCNN(nn.Module):
         h = self.c3(torch.cat([h, torch.relu(self.c2(h))], dim=1)).mean(dim=(2, 3))
         a, b = torch.relu(self.a(h)), torch.tanh(self.b(h))
         return self.head(torch.cat((a, b, a * b), -1))
+
+
+class KeywordOps(nn.Module):
+    """Operands given by keyword (``torch.sum(input=h, dim=1)``), constants fx makes
+    (``torch.tensor(0.1)``), a full std with ``unbiased`` by place, a layer norm over a
+    bidirectional layer's two blocks, and attention pooling: one weight per step,
+    ``softmax(Linear(2H, 1)(out), 1)``, broadcast along the units (that one unit never permuted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(8, 6, batch_first=True, bidirectional=True)
+        self.norm, self.att = nn.LayerNorm(12), nn.Linear(12, 1)
+        self.head = nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        out = self.norm(self.rnn(x.view(-1, 8, 8))[0])  # (N, 8, 12)
+        pooled = (torch.softmax(self.att(out), 1) * out).sum(1)
+        h = torch.maximum(pooled, torch.tensor(0.1)) + torch.tensor(0.5) + out.std(False)
+        h = F.normalize(input=h, dim=1) + torch.sum(input=out, dim=1) + torch.linalg.vector_norm(x=out, dim=1)
+        return self.head(h + torch.amin(input=out, dim=1))
