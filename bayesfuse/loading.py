@@ -228,14 +228,15 @@ def load_read(
 
 
 def in_file_dtype(model: nn.Module, state: dict) -> nn.Module:
-    """``model`` in the dtype of the file's floating-point tensors where they have one and the
-    network was built in another (a float64 fusion in a float32 session), its entries read again
-    at their precision."""
+    """``model`` in the dtype of the file's floating-point tensors where they have one, wider than
+    the one the network was built in (a float64 fusion in a float32 session), its entries read
+    again at their precision. A narrower one (bfloat16, float16) is read into the network's
+    dtype as it is, exactly, and runs on the inputs it ran on."""
     import torch
 
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    own = model.state_dict()
-    if len(dtypes) != 1 or {t.dtype for t in own.values() if t.is_floating_point()} <= dtypes:
+    built = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
+    if len(dtypes) != 1 or not built or all(torch.finfo(d).bits >= torch.finfo(next(iter(dtypes))).bits for d in built):
         return model
     model = model.to(dtypes.pop())
     with torch.no_grad():

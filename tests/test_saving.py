@@ -175,6 +175,11 @@ def test_a_float64_fusion_comes_back_in_float64(federation, tmp_path):
     x = torch.as_tensor(split.test.x, dtype=torch.float64)
     with torch.no_grad():
         assert torch.equal(result.model.eval()(x), back(x))
+    # a narrower file is read into float32 as it is (exactly), and runs on float32 inputs as before
+    torch.save({k: v.bfloat16() for k, v in models[0].state_dict().items()}, tmp_path / "bf16.pt")
+    narrow = load(tmp_path / "bf16.pt")
+    assert narrow.layers[0].weight.dtype == torch.float32
+    assert torch.equal(narrow.layers[0].weight, models[0].layers[0].weight.bfloat16().float())
 
 
 def test_a_fedma_fusion_saves_its_infinite_noise_variances_as_text(federation, tmp_path):
