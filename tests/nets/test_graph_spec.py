@@ -26,6 +26,7 @@ from tests.nets.user_nets import (
     BiasFreeCNN,
     BiasFreePlainNormCNN,
     BiLSTM,
+    BiStateLSTM,
     BlurredCNN,
     CausalAttention,
     CausalWhere,
@@ -80,6 +81,7 @@ NETS = [
     BiLSTM,  # both directions' units, side by side
     ConcatCNN,  # streams of one width concatenated on their units
     KeywordOps,  # operands by keyword, fx's constants, attention pooling over a bidirectional layer
+    BiStateLSTM,  # torch.cat([h_n[-2], h_n[-1]], 1)
 ]
 
 

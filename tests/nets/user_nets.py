@@ -586,3 +586,19 @@ class KeywordOps(nn.Module):
         h = torch.maximum(pooled, torch.tensor(0.1)) + torch.tensor(0.5) + out.std(False)
         h = F.normalize(input=h, dim=1) + torch.sum(input=out, dim=1) + torch.linalg.vector_norm(x=out, dim=1)
         return self.head(h + torch.amin(input=out, dim=1))
+
+
+class BiStateLSTM(nn.Module):
+    """A bidirectional LSTM's two final states side by side, as text classifiers read them:
+    ``torch.cat([h_n[-2], h_n[-1]], 1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(8, 6, batch_first=True, bidirectional=True), nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        _, (h, _) = self.rnn(x.view(-1, 8, 8))
+        return self.head(torch.cat([h[-2], h[-1]], 1))
