@@ -90,7 +90,7 @@ def _how_to_load(network: nn.Module, state: dict, name: str) -> dict:
             try:
                 with torch.no_grad():
                     same = torch.equal(rebuilt(x), network.eval()(x))
-            except RuntimeError:
+            except (RuntimeError, TypeError, ValueError):  # it does not run on the input, or returns no tensor
                 same = False
             finally:
                 network.train(was_training)
