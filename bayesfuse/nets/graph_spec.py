@@ -1247,6 +1247,11 @@ class _Walk:
             return
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         where = _indexed_axis(index, len(_tensor_shape(a)), f.dim, len(dst))
+        if where == "into" and self.permuted(f) and f.outer > 1 and f.inner == 1:
+            blocks = self.whole_blocks(index, f, _tensor_shape(a), len(dst))
+            if blocks is not None:
+                self.labels[node] = blocks
+                return
         if where is None or where == "into":
             if self.permuted(f):
                 self.fail(
@@ -1258,6 +1263,31 @@ class _Walk:
             self.labels[node] = None
             return
         self.labels[node] = _Feature(f.var, int(where), f.outer, f.inner)
+
+    def whole_blocks(self, index: tuple, f: _Feature, shape: tuple, out_rank: int) -> _Feature | None:
+        """``f``'s units where ``index`` slices whole blocks of them out of their axis (one
+        direction of a bidirectional layer's output, ``out[..., :H]``), else None: every block is
+        permuted alike, so the blocks kept are."""
+        at = _element_at(index, len(shape), f.dim)
+        if at is None:
+            return None
+        element = index[at]
+        if not (
+            isinstance(element, slice)
+            and all(
+                v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (element.start, element.stop)
+            )
+            and element.step in (None, 1)
+        ):
+            return None
+        size = shape[f.dim]
+        start, stop, _ = element.indices(size)
+        n = size // f.outer
+        if stop <= start or start % n or stop % n:
+            return None
+        whole = index[:at] + (slice(None),) + index[at + 1 :]
+        where = _indexed_axis(whole, len(shape), f.dim, out_rank)
+        return None if not isinstance(where, int) else _Feature(f.var, where, (stop - start) // n, 1)
 
     def reshape(self, node, a) -> None:
         """Follow the units through a reshape that keeps each unit's numbers in one axis."""
@@ -1354,6 +1384,20 @@ def _index_kind(i) -> tuple[str, int]:
             return "int", 1  # an int the graph computes (x.size(1) - 1)
         return "tensor", len(meta.shape) if meta.dtype == torch.bool else 1
     return "tensor", 1  # a list, a bool, a constant tensor
+
+
+def _element_at(index: tuple, rank: int, dim: int) -> int | None:
+    """The place in ``index`` of the element that indexes axis ``dim`` of a tensor of ``rank``
+    axes (None where an Ellipsis or tensor index leaves it unclear, or the index does not name it)."""
+    kinds = [_index_kind(i) for i in index]
+    if any(kind in ("...", "tensor") for kind, _ in kinds):
+        return None
+    src = 0
+    for at, (_, n) in enumerate(kinds):
+        if src <= dim < src + n:
+            return at
+        src += n
+    return None
 
 
 def _indexed_axis(index: tuple, rank: int, dim: int, out_rank: int) -> int | str | None:

@@ -25,6 +25,7 @@ from tests.nets.user_nets import (
     BatchStatsMLP,
     BiasFreeCNN,
     BiasFreePlainNormCNN,
+    BiEnds,
     BiLSTM,
     BiStateLSTM,
     BlurredCNN,
@@ -82,6 +83,7 @@ NETS = [
     ConcatCNN,  # streams of one width concatenated on their units
     KeywordOps,  # operands by keyword, fx's constants, attention pooling over a bidirectional layer
     BiStateLSTM,  # torch.cat([h_n[-2], h_n[-1]], 1)
+    BiEnds,  # one direction sliced out of the output: out[:, -1, :H]
 ]
 
 
@@ -196,6 +198,14 @@ class _Reads(nn.Module):
         if self.how == "a computed dim":
             return self.head(h) + h.mean(h.dim() - 1, keepdim=True)
         return self.head(torch.roll(input=h, shifts=1, dims=-1))  # an operand by keyword
+
+
+class _PartOfABlock(BiEnds):
+    """Units of one direction and some of the other's: no block whole."""
+
+    def forward(self, x):
+        out, _ = self.rnn(x.view(-1, 8, 8))
+        return self.head(torch.cat([out[:, -1, :8], out[:, 0, 8:]], 1))
 
 
 class _Projected(MyLSTM):
@@ -356,6 +366,7 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_Reads("indices concatenated"), r"max over the units names units by their place"),
         (_Reads("a computed dim"), r"mean along a dim computed in the forward cannot be read; give it as a number"),
         (_Reads("by keyword"), r"roll on a permuted axis cannot be followed"),
+        (_PartOfABlock(), r"indexing into the units' axis is not supported"),
         (_ConcatInput(), r"concatenating along the units' axis an operand \(x\) that is no stream of hidden units"),
         (_ConcatInput((5, 12)), r"concatenating along the units' axis streams of different widths \[5, 12\]"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),

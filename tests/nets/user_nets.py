@@ -602,3 +602,19 @@ class BiStateLSTM(nn.Module):
     def forward(self, x):
         _, (h, _) = self.rnn(x.view(-1, 8, 8))
         return self.head(torch.cat([h[-2], h[-1]], 1))
+
+
+class BiEnds(nn.Module):
+    """A bidirectional GRU read at its two ends: the forward direction's last step and the backward
+    direction's first, each one block of the output (``out[:, -1, :H]``, ``out[:, 0, H:]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.GRU(8, 6, batch_first=True, bidirectional=True), nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.view(-1, 8, 8))
+        return self.head(torch.cat([out[:, -1, :6], out[:, 0, 6:]], 1))
