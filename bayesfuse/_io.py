@@ -18,6 +18,8 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
+import numbers
 import os
 import re
 import secrets
@@ -26,7 +28,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
     "jsonable",
@@ -114,6 +116,29 @@ def jsonable(value):
     if hasattr(value, "tolist") and hasattr(value, "dtype"):  # NumPy arrays and scalars
         return value.tolist()
     return value
+
+
+def finite_json(value):
+    """``value`` as JSON in one pass, ready for ``json.dumps(..., allow_nan=False)``: mappings with
+    string keys, arrays, tuples and sets as lists, NumPy scalars as Python numbers, numbers that
+    are not finite as the strings ``"inf"``, ``"-inf"``, ``"nan"`` (FedMA's noise variance of a
+    constant pixel is ``inf``; JSON has none), paths as strings, anything else as its ``str``."""
+    if isinstance(value, Mapping):
+        return {str(k): finite_json(v) for k, v in value.items()}
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # NumPy arrays and scalars
+        return finite_json(value.tolist())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [finite_json(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
 
 
 def check_output_dir(path: str | os.PathLike, *, force: bool = False) -> Path:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from bayesfuse import __version__, methods
-from bayesfuse._io import atomic_write_files, jsonable
+from bayesfuse._io import atomic_write_files, finite_json, jsonable
 from bayesfuse._text import first_line
 from bayesfuse.checkpoints import (
     Checkpoint,
@@ -43,7 +43,7 @@ from bayesfuse.checkpoints import (
     tensors_sha256,
 )
 from bayesfuse.core import State, averaged_states, fuse_states, unpermuted_spec
-from bayesfuse.fusion_record import check_fusion_outputs, finite_json, fusion_bytes, fusion_path
+from bayesfuse.fusion_record import check_fusion_outputs, fusion_bytes, fusion_path
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.client_heads import default_head, default_pool
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bayesfuse._io import check_output_file, check_writable, jsonable, recover
+from bayesfuse._io import check_output_file, check_writable, finite_json, recover
 from bayesfuse.checkpoints import heads_path, posterior_path, read_bound_file, tensors_sha256
 
 __all__ = [
@@ -80,20 +80,6 @@ def check_fusion_outputs(path: str | os.PathLike, *, force: bool) -> list[Path]:
         if target.exists() and not force:
             raise FileExistsError(f"{target} exists; replace it with force=True")
     return outputs
-
-
-def finite_json(value):
-    """:func:`~bayesfuse._io.jsonable` of ``value`` with every number that is not finite as the
-    string ``"inf"``, ``"-inf"`` or ``"nan"``: JSON has none (FedMA's noise variance of a constant
-    pixel is ``inf``)."""
-    value = jsonable(value)
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [finite_json(v) for v in value]
-    if isinstance(value, float) and not np.isfinite(value):
-        return str(value)
-    return value
 
 
 def fusion_bytes(fused, *, model_tensors: dict, hyper: dict | None = None) -> bytes | None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesfuse._io import atomic_write_files
+from bayesfuse._io import atomic_write_files, finite_json
 from bayesfuse.checkpoints import (
     HashedState,
     heads_path,
@@ -39,7 +39,7 @@ from bayesfuse.checkpoints import (
     state_dict_bytes,
     tensors_sha256,
 )
-from bayesfuse.fusion_record import check_fusion_outputs, finite_json, fusion_bytes, fusion_path
+from bayesfuse.fusion_record import check_fusion_outputs, fusion_bytes, fusion_path
 from bayesfuse.loading import in_file_dtype, recognised
 
 __all__ = ["save"]

@@ -12,6 +12,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from bayesfuse._io import finite_json
+
 _log = logging.getLogger("bayesfuse.analysis")
 
 
@@ -88,30 +90,8 @@ def _combine(first, *others):
 # ------------------------------------------------------------------------------ attributes
 
 
-def _jsonable(value: Any) -> Any:
-    """``value`` as JSON-able Python: arrays and tuples as lists, NumPy scalars as Python ones,
-    non-finite floats as the strings ``"inf"``, ``"-inf"``, ``"nan"``, anything else as its
-    ``str``."""
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        value = float(value)
-        return value if math.isfinite(value) else str(value)
-    if value is None or isinstance(value, str):
-        return value
-    return str(value)
-
-
 def _to_json(value: Any) -> str:
-    return json.dumps(_jsonable(value), allow_nan=False)
+    return json.dumps(finite_json(value), allow_nan=False)
 
 
 def _layer_attrs(layer, *, method: str, hyper: Mapping | None, layer_hyper: Mapping | None = None) -> dict:
