@@ -87,7 +87,7 @@ from torch import nn
 
 from bayesfuse._validation import check_inputs, check_num_samples
 from bayesfuse.inference.client_heads import class_shares, one_shot_heads
-from bayesfuse.nets.state import OutputLogitsError, model_input
+from bayesfuse.nets.state import OutputLogitsError, model_input, saved_temperature
 
 __all__ = [
     "ClientHeads",
@@ -634,14 +634,7 @@ class ClientHeads(nn.Module):
             examples=None if examples is None else examples.numpy(),
             pseudo_count=pseudo_count,  # inert where the heads know no examples, as a fresh one's default
         )
-        temperature = b.pop("temperature")
-        if (
-            temperature.shape != ()
-            or not temperature.is_floating_point()
-            or not (math.isfinite(float(temperature)) and float(temperature) > 0)
-        ):
-            raise ValueError(f"the saved heads' temperature must be one number > 0, got {temperature.tolist()}")
-        model.temperature.copy_(temperature)
+        model.temperature.copy_(saved_temperature(b.pop("temperature"), "the saved heads"))
         J, K, G = model.weight.shape
         if "draws" in b:
             shapes: dict[str, tuple[int, ...]] = {

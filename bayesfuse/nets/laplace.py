@@ -42,6 +42,7 @@ from torch import nn
 
 from bayesfuse._validation import as_input, check_inputs, check_num_samples
 from bayesfuse.nets.heads import logits_and_features
+from bayesfuse.nets.state import saved_temperature
 
 __all__ = ["LastLayerLaplace"]
 
@@ -151,13 +152,7 @@ class LastLayerLaplace(nn.Module):
         if extra or missing:
             raise ValueError(f"the saved posterior holds {sorted(b)}: missing {missing}, unknown {extra}")
         model = cls(network, output, b["weight_var"], b["bias_var"], covariance=b.get("covariance"))
-        temperature = b["temperature"]
-        if (
-            temperature.shape != ()
-            or not temperature.is_floating_point()
-            or not (math.isfinite(float(temperature)) and float(temperature) > 0)
-        ):
-            raise ValueError(f"the saved posterior's temperature must be one number > 0, got {temperature.tolist()}")
+        temperature = saved_temperature(b["temperature"], "the saved posterior")
         if "covariance" in b and not (
             torch.equal(model.weight_var, b["weight_var"].to(model.weight_var.dtype))
             and torch.equal(model.bias_var, b["bias_var"].to(model.bias_var.dtype))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Mapping
 
 import numpy as np
@@ -80,6 +81,14 @@ def run_once(module: nn.Module, x) -> tuple[object, Exception | None]:
         return None, err
     finally:
         module.train(was_training)
+
+
+def saved_temperature(value: torch.Tensor, what: str) -> torch.Tensor:
+    """``value``, a saved module's ``temperature`` buffer (:func:`bayesfuse.save`), refused in one
+    line naming ``what`` unless it is one floating-point number, finite and > 0."""
+    if value.shape != () or not value.is_floating_point() or not (math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{what}: the temperature must be one number > 0, got {value.tolist()}")
+    return value
 
 
 class OutputLogitsError(ValueError):
