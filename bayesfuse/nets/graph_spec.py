@@ -814,13 +814,9 @@ class _Walk:
         elif method in _RESHAPE_METHODS:
             self.reshape(node, args[0])
         elif method in _REDUCTION_METHODS:
-            self.reduce(
-                node, args[0], args[1] if len(args) > 1 else node.kwargs.get("dim"), node.kwargs.get("keepdim", False)
-            )
+            self.reduce_along(node, args, node.kwargs, at=1)
         elif method in _NORM_METHODS:
-            self.reduce(
-                node, args[0], args[2] if len(args) > 2 else node.kwargs.get("dim"), node.kwargs.get("keepdim", False)
-            )
+            self.reduce_along(node, args, node.kwargs, at=2)
         elif method in _EXTREMA_METHODS:
             self.extremum(node, args, node.kwargs)
         elif method in _ARG_EXTREMA_METHODS:
@@ -869,9 +865,9 @@ class _Walk:
         elif fn in _RESHAPE_FUNCTIONS:
             self.reshape(node, args[0])
         elif fn in _REDUCTIONS:
-            self.reduce(node, args[0], args[1] if len(args) > 1 else kwargs.get("dim"), kwargs.get("keepdim", False))
+            self.reduce_along(node, args, kwargs, at=1)
         elif fn in _NORMS:
-            self.reduce(node, args[0], args[2] if len(args) > 2 else kwargs.get("dim"), kwargs.get("keepdim", False))
+            self.reduce_along(node, args, kwargs, at=2)
         elif fn in _EXTREMA:
             self.extremum(node, args, kwargs)
         elif fn in _ARG_EXTREMA:
@@ -1106,6 +1102,13 @@ class _Walk:
             self.classes.union(f.var, g.var)
         self.labels[node] = _Feature(f.var, f.dim, sum(g.outer for g in features), f.inner)
 
+    def reduce_along(self, node, args: list, kwargs, *, at: int):
+        """:meth:`reduce` of ``args[0]`` along the ``dim`` given at place ``at`` (1; a norm's, after
+        its order, 2) or by keyword, ``keepdim`` after it or by keyword; returns the ``dim``."""
+        dim = args[at] if len(args) > at else kwargs.get("dim")
+        self.reduce(node, args[0], dim, args[at + 1] if len(args) > at + 1 else kwargs.get("keepdim", False))
+        return dim
+
     def reduce(self, node, a, dims, keepdim: bool) -> None:
         f = self.feature(a)
         if not isinstance(f, _Feature):
@@ -1137,23 +1140,14 @@ class _Walk:
         if isinstance(other, fx.Node) and _shape(other) is not None:  # a tensor: element by element
             self.binary(node, args[0], other)
             return
-        if isinstance(other, fx.Node):
-            self.fail(
-                node, f"{_name(node.target)} along a dim computed in the forward cannot be read; give it as a number"
-            )
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        self.reduce(node, args[0], dim, keepdim)
-        if dim is None:
+        if self.reduce_along(node, args, kwargs, at=1) is None:  # over every number: a number
             return
         values = self.labels[node]
         self.labels[node] = _Parts((values, self.indices(args[0], values, f"{_name(node.target)} over the units")))
 
     def arg_extremum(self, node, args: list, kwargs) -> None:
         """``argmax`` / ``argmin`` along ``dim`` (over every number without one): where the largest lies."""
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        self.reduce(node, args[0], dim, keepdim)
+        self.reduce_along(node, args, kwargs, at=1)
         self.labels[node] = self.indices(args[0], self.labels[node], f"{_name(node.target)} over the units")
 
     def indices(self, a, values, what: str):
