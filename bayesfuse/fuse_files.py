@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from bayesfuse import __version__, methods
-from bayesfuse._io import atomic_write_files, finite_json, jsonable
+from bayesfuse._io import finite_json, jsonable
 from bayesfuse._text import first_line
 from bayesfuse.checkpoints import (
     Checkpoint,
@@ -43,7 +43,7 @@ from bayesfuse.checkpoints import (
     tensors_sha256,
 )
 from bayesfuse.core import State, averaged_states, fuse_states, unpermuted_spec
-from bayesfuse.fusion_record import check_fusion_outputs, fusion_bytes, fusion_path
+from bayesfuse.fusion_record import check_fusion_outputs, fusion_bytes, fusion_path, write_fusion_files
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.client_heads import default_head, default_pool
 from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
@@ -562,7 +562,6 @@ def fuse_files(
     fmt = output_format(out, fmt)
     outputs = check_fusion_outputs(out, force=force)
     out = Path(out)
-    report_path = out.with_name(out.name + ".json")
     check_outputs_not_inputs(outputs, [*paths, *map(summary_path, paths), spec_path])
 
     seen: dict[Path, str] = {}
@@ -775,27 +774,8 @@ def fuse_files(
             "posterior mean and variance, counts, assignments and objective; bayesfuse.load "
             "returns them as model.fusion",
         }
-    # --force over a fusion that had side files this one has not: not this model's, removed with
-    # the same commit
-    stale = [
-        path
-        for path, kept in (
-            (posterior_path(out), report["posterior"]),
-            (fusion_path(out), record),
-            (heads_path(out), report["heads"]),
-        )
-        if not kept
-    ]
-    # the model, its report (and its posterior) are one unit: all written, or (without force) none
-    atomic_write_files(
-        [
-            (out, state_dict_bytes(fused_sd, fmt)),
-            (report_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8")),
-            *posterior,
-        ],
-        overwrite=force,
-        remove=stale if force else (),
-    )
+    # the model, its report and its side files are one unit: all written, or (without force) none
+    write_fusion_files(out, state_dict_bytes(fused_sd, fmt), report, posterior, force=force)
     return report
 
 

@@ -17,10 +17,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
-from bayesfuse._io import check_output_file, check_writable, finite_json, recover
+from bayesfuse._io import atomic_write_files, check_output_file, check_writable, finite_json, recover
 from bayesfuse.checkpoints import heads_path, posterior_path, read_bound_file, tensors_sha256
 
 __all__ = [
@@ -80,6 +81,31 @@ def check_fusion_outputs(path: str | os.PathLike, *, force: bool) -> list[Path]:
         if target.exists() and not force:
             raise FileExistsError(f"{target} exists; replace it with force=True")
     return outputs
+
+
+def write_fusion_files(
+    path: str | os.PathLike, model: bytes, report: dict, sides: Sequence[tuple[Path, bytes]], *, force: bool
+) -> None:
+    """A fused model ``path``, its JSON ``report`` and its side files ``sides`` (the output
+    layer's posterior, the fusion record, the clients' heads) as one unit: all written, or
+    (without ``force``) none (:func:`~bayesfuse._io.atomic_write_files`). With ``force``, the side
+    files of a fusion there before that this one does not write (not this model's) are removed
+    in the same commit."""
+    path = Path(path)
+    written = {Path(side) for side, _ in sides}
+    stale = [side for side in fusion_files(path)[2:] if side not in written]
+    atomic_write_files(
+        [
+            (path, model),
+            (
+                path.with_name(path.name + ".json"),
+                (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8"),
+            ),
+            *sides,
+        ],
+        overwrite=force,
+        remove=stale if force else (),
+    )
 
 
 def fusion_bytes(fused, *, model_tensors: dict, hyper: dict | None = None) -> bytes | None:

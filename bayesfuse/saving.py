@@ -15,7 +15,6 @@ All the files are written as one unit, atomically; none replaces a file unless `
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesfuse._io import atomic_write_files, finite_json
+from bayesfuse._io import finite_json
 from bayesfuse.checkpoints import (
     HashedState,
     heads_path,
@@ -39,7 +38,7 @@ from bayesfuse.checkpoints import (
     state_dict_bytes,
     tensors_sha256,
 )
-from bayesfuse.fusion_record import check_fusion_outputs, fusion_bytes, fusion_path
+from bayesfuse.fusion_record import check_fusion_outputs, fusion_bytes, fusion_path, write_fusion_files
 from bayesfuse.loading import in_file_dtype, recognised
 
 __all__ = ["save"]
@@ -204,18 +203,7 @@ def save(result, path: str | os.PathLike, *, force: bool = False) -> dict:
         },
         "seconds": float(result.seconds),
     }
-    stale = [side for side, kept in ((posterior_path(path), posterior), (heads_path(path), heads)) if not kept]
-    if record is None:
-        stale.append(fusion_path(path))
-    atomic_write_files(
-        [
-            (path, state_dict_bytes(OrderedDict(state), fmt)),
-            (path.with_name(path.name + ".json"), (json.dumps(report, indent=2, allow_nan=False) + "\n").encode()),
-            *files,
-        ],
-        overwrite=force,
-        remove=stale if force else (),
-    )
+    write_fusion_files(path, state_dict_bytes(OrderedDict(state), fmt), report, files, force=force)
     return report
 
 
