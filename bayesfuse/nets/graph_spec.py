@@ -21,6 +21,10 @@ activation from the input to the output:
   through; ``scaled_dot_product_attention(q, k, v)`` does both; softmax passes units through;
 * the branches of a :class:`~bayesfuse.nets.attention.Heads` list (attention heads whose outputs
   are summed) are recorded as exchangeable in the spec's ``heads``;
+* ``chunk`` / ``split`` / ``glu`` of the units' axis into equal pieces (a gated unit's two
+  halves, ``u, g = h.chunk(2, -1)``) makes each piece a block of the layer's units: one
+  permutation for every piece, so a global unit is one unit of each (as :func:`torch.cat` of
+  equal widths ties them, the other way round);
 * element-wise functions, pooling, dropout, ``flatten`` / ``view`` / ``reshape`` (that keep each
   unit's numbers together, recorded as :class:`~bayesfuse.inference.spec.Axis` blocks),
   ``transpose`` and reductions over other axes pass the permutation through;
@@ -58,6 +62,7 @@ class UnsupportedLayerError(TypeError):
 
 
 _FIXED = 0  # the union-find class of axes no permutation moves (the input, the classes)
+_GONE = -1  # a module's variable whose units were cut into blocks after it was made (_Walk.refine)
 
 #: Leaf modules that act within each unit of the axis they are given.
 _ELEMENTWISE_MODULES = (
@@ -201,6 +206,17 @@ _NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm}
 _NORM_METHODS = {"norm"}
 #: The largest (smallest) number along ``dim`` and where it lies, ``(values, indices)``; over every
 #: number without a ``dim``; of two tensors, element by element.
+#: Functions and methods that cut one axis into pieces: ``(name of the count or sizes, of the
+#: dim, default dim)``, by keyword (the tensor first, by place).
+_PIECES = {
+    torch.chunk: ("chunks", "dim", 0), torch.split: ("split_size_or_sections", "dim", 0),
+    torch.tensor_split: ("indices_or_sections", "dim", 0), torch.nn.functional.glu: (None, "dim", -1),
+    torch.unbind: (None, "dim", 0),
+}  # fmt: skip
+_PIECES_METHODS = {
+    "chunk": ("chunks", "dim", 0), "split": ("split_size", "dim", 0), "tensor_split": ("indices_or_sections", "dim", 0),
+    "unbind": (None, "dim", 0),
+}  # fmt: skip
 _EXTREMA = {torch.max, torch.min}
 _EXTREMA_METHODS = {"max", "min"}
 _ARG_EXTREMA = {torch.argmax, torch.argmin}
@@ -478,6 +494,7 @@ class _Walk:
         self.var_producer: dict[int, str] = {}  # a Linear/Conv module's output variable -> its name
         self.folds: dict[str, str] = {}
         self.order: list[int] = []
+        self.gone: set[int] = set()  # classes re-described as blocks of a new one (refine)
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
@@ -599,7 +616,7 @@ class _Walk:
         names: dict[int, str] = {}
         for v in self.order:
             r = self.classes.find(v)
-            if r != _FIXED and r not in names:
+            if r != _FIXED and r not in names and r not in self.gone:
                 names[r] = f"P{len(names) + 1}"
         axes = {}
         for entry, dims in self.axes.items():
@@ -742,6 +759,8 @@ class _Walk:
             key = f"{name}#{k}"  # one variable per layer, the same on every call of the module
             if key not in self.module_vars:
                 self.module_vars[key] = (None, self.new())
+            if _GONE in self.module_vars[key]:
+                self.fail(node, f"{name} is called again after the units it reads or writes were cut into pieces")
             h = self.module_vars[key][1]
             if below is not None:
                 old_in = self.module_vars[key][0]
@@ -778,6 +797,8 @@ class _Walk:
         """The output variable of module ``name`` (the same on every call of it)."""
         if name in self.module_vars:
             old_in, out = self.module_vars[name]
+            if _GONE in (old_in, out):
+                self.fail(node, f"{name} is called again after the units it reads or writes were cut into pieces")
             if f is not None and old_in is not None:
                 self.classes.union(old_in, f.var)
             return out
@@ -823,6 +844,8 @@ class _Walk:
             self.arg_extremum(node, args, node.kwargs)
         elif method in ("transpose", "permute", "unsqueeze", "squeeze"):
             self.move(node, args[0])
+        elif method in _PIECES_METHODS:
+            self.pieces(node, args, node.kwargs, _PIECES_METHODS[method], str(method))
         elif method in ("size", "dim"):
             self.labels[node] = None
         elif method in ("expand", "expand_as", "repeat"):  # a class token broadcast over the batch
@@ -876,6 +899,8 @@ class _Walk:
             self.move(node, args[0])
         elif fn is torch.cat:
             self.concat(node, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+        elif fn in _PIECES:
+            self.pieces(node, args, kwargs, _PIECES[fn], _name(fn))
         elif fn is operator.getitem:
             self.getitem(node, args[0])
         elif fn is getattr:
@@ -929,6 +954,8 @@ class _Walk:
                 break
         if fa is not None and fb is not None:
             sa, sb, so = _tensor_shape(a), _tensor_shape(b), _tensor_shape(node)
+            if len(so) - len(sa) + fa.dim == len(so) - len(sb) + fb.dim and fa.inner == fb.inner:
+                fa, fb = self.same_blocks(fa, fb)
             if len(so) - len(sa) + fa.dim != len(so) - len(sb) + fb.dim or (fa.outer, fa.inner) != (fb.outer, fb.inner):
                 self.fail(node, "the two operands' units lie on different axes")
             self.classes.union(fa.var, fb.var)
@@ -937,6 +964,17 @@ class _Walk:
             shift = len(_tensor_shape(node)) - len(_tensor_shape(a if fa is not None else b))
             f = _Feature(f.var, f.dim + shift, f.outer, f.inner)
         self.labels[node] = f
+
+    def same_blocks(self, fa: _Feature, fb: _Feature) -> tuple[_Feature, _Feature]:
+        """``fa`` and ``fb`` in one block structure where one holds its units in ``m`` times the
+        other's blocks (a layer's output added to a stream cut into pieces before, :meth:`refine`):
+        the other's units are cut into ``m`` blocks too. Else they are returned as they are."""
+        lo, hi = sorted((fa, fb), key=lambda f: f.outer)
+        if lo.outer == hi.outer or hi.outer % lo.outer or self.classes.find(lo.var) == self.classes.find(hi.var):
+            return fa, fb
+        m = hi.outer // lo.outer
+        new = _Feature(self.refine(lo.var, m), lo.dim, hi.outer, lo.inner)
+        return (new, fb) if lo is fa else (fa, new)
 
     def broadcast(self, f: _Feature, f_node, other, g: _Feature) -> bool:
         """Whether ``f_node``'s axis of units ``f`` holds one number that broadcasts along the other
@@ -1102,6 +1140,95 @@ class _Walk:
             self.classes.union(f.var, g.var)
         self.labels[node] = _Feature(f.var, f.dim, sum(g.outer for g in features), f.inner)
 
+    def pieces(self, node, args: list, kwargs, signature: tuple, what: str) -> None:
+        """``chunk`` / ``split`` / ``tensor_split`` / ``unbind`` / ``glu`` of ``args[0]``.
+
+        Along another axis than the units' every piece keeps the units. Along the units' axis the
+        pieces must be equal (a gated unit's halves, a fused projection's queries, keys and
+        values): each is then a run of whole blocks of the layer's units, one permutation for all
+        (:meth:`refine` cuts the units into blocks where the pieces cut through them), so a
+        global unit is one unit of every piece, and the layers writing the axis are matched so.
+        ``glu`` multiplies its two halves unit by unit: its result is one piece. ``unbind`` of
+        the units' axis (every unit alone) is refused."""
+        count, dim_name, default = signature
+        at = 1 if count is None else 2
+        dim = args[at] if len(args) > at else kwargs.get(dim_name, default)
+        if isinstance(dim, fx.Node) or not isinstance(dim, int):
+            self.opaque(node, [*args, *kwargs.values()], f"{what} along a dim computed in the forward")
+            return
+        a = args[0]
+        label, src = self.raw(a), _shape(a)
+        f = label if isinstance(label, _Feature) else None
+        if src is None or f is None:
+            self.opaque(node, [*args, *kwargs.values()], what)
+            return
+        rank = len(src)
+        dim %= rank
+        meta = node.meta.get("tensor_meta")  # one TensorMetadata (itself a tuple) per piece; glu's, one tensor
+        if what == "glu":
+            shapes: list | None = [tuple(_tensor_shape(node))] * 2
+        else:
+            shapes = [tuple(m.shape) for m in meta] if isinstance(meta, (tuple, list)) else None
+        if shapes is None:
+            self.opaque(node, [*args, *kwargs.values()], what)
+            return
+        if what == "unbind":
+            if dim == f.dim and self.permuted(f):
+                self.fail(node, "unbind of the units' axis takes every unit alone: cannot be followed; give a spec")
+            piece: _Feature | None = None if dim == f.dim else _Feature(f.var, f.dim - (dim < f.dim), f.outer, f.inner)
+        elif dim != f.dim or not self.permuted(f):
+            piece = f
+        else:
+            piece = self.equal_pieces(node, f, [s[dim] for s in shapes])
+        if what == "glu":
+            self.labels[node] = piece
+        else:
+            self.labels[node] = _Parts((piece,) * len(shapes))
+
+    def equal_pieces(self, node, f: _Feature, lengths: list) -> _Feature:
+        """The units of each of ``len(lengths)`` equal pieces of ``f``'s axis."""
+        c, length = len(lengths), sum(lengths)
+        n = length // (f.outer * f.inner)
+        m = c // np.gcd(f.outer, c)  # blocks per unit run, so that every piece is whole blocks
+        if len(set(lengths)) > 1 or n % m:
+            self.fail(
+                node,
+                f"cutting the units' axis into pieces of widths {lengths}: each piece must hold whole units of "
+                "one permutation, so equal pieces of a whole number of them; give a spec",
+            )
+        var = self.refine(f.var, int(m)) if m > 1 else f.var
+        return _Feature(var, f.dim, f.outer * int(m) // c, f.inner)
+
+    def refine(self, var: int, m: int) -> int:
+        """Re-describe the units of ``var``'s class as ``m`` blocks of a new class: every axis and
+        activation recorded so far, ``outer x n x inner``, becomes ``(outer * m) x (n / m) x
+        inner`` (the same numbers in the same place, a unit's ``m`` numbers now one unit)."""
+        root, new = self.classes.find(var), self.new()
+
+        def cut(d):
+            return (new, d[1] * m, d[2]) if d is not None and self.classes.find(d[0]) == root else d
+
+        def relabel(label):
+            if isinstance(label, _Feature) and self.classes.find(label.var) == root:
+                return _Feature(new, label.dim, label.outer * m, label.inner)
+            if isinstance(label, _Parts):
+                return _Parts(tuple(relabel(p) for p in label.parts))
+            if isinstance(label, _Recurrent):
+                return _Recurrent(relabel(label.output), relabel(label.state))
+            return label
+
+        self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
+        self.labels = {node: relabel(label) for node, label in self.labels.items()}
+        self.module_vars = {
+            key: tuple(_GONE if v is not None and v != _GONE and self.classes.find(v) == root else v for v in vs)
+            for key, vs in self.module_vars.items()
+        }
+        for v, name in list(self.var_producer.items()):
+            if self.classes.find(v) == root:
+                self.var_producer.setdefault(new, name)
+        self.gone.add(root)
+        return new
+
     def reduce_along(self, node, args: list, kwargs, *, at: int):
         """:meth:`reduce` of ``args[0]`` along the ``dim`` given at place ``at`` (1; a norm's, after
         its order, 2) or by keyword, ``keepdim`` after it or by keyword; returns the ``dim``."""
@@ -1228,7 +1355,12 @@ class _Walk:
             index = node.args[1]
             parts = (label.output, label.state) if isinstance(label, _Recurrent) else label.parts
             if not isinstance(index, int) or not -len(parts) <= index < len(parts):
-                self.fail(node, "indexing a recurrent layer's (output, state) other than by 0 or 1")
+                self.fail(
+                    node,
+                    "indexing a recurrent layer's (output, state) other than by 0 or 1"
+                    if isinstance(label, _Recurrent)
+                    else f"indexing {len(parts)} pieces other than by a number from 0 to {len(parts) - 1}",
+                )
             self.labels[node] = parts[index]
             return
         f = self.feature(a)

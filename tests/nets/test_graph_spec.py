@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayesfuse
-from bayesfuse.inference.spec import permute, random_permutations
+from bayesfuse.inference.spec import Axis, permute, random_permutations
 from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import far_from_identity_norms
@@ -33,6 +33,8 @@ from tests.nets.user_nets import (
     CausalWhere,
     ConcatCNN,
     DepthwiseCNN,
+    GatedNet,
+    GatedStream,
     KeywordOps,
     LayerScaleCNN,
     LogSoftmaxMLP,
@@ -84,6 +86,8 @@ NETS = [
     KeywordOps,  # operands by keyword, fx's constants, attention pooling over a bidirectional layer
     BiStateLSTM,  # torch.cat([h_n[-2], h_n[-1]], 1)
     BiEnds,  # one direction sliced out of the output: out[:, -1, :H]
+    GatedNet,  # chunk, split and glu of the units into equal pieces
+    GatedStream,  # a stream cut into pieces, then written to; an LSTM's units in pairs
 ]
 
 
@@ -505,6 +509,76 @@ def test_independent_networks_concatenating_streams_fuse_them_at_one_width():
     fused = bayesfuse.fuse(models, "pfnm")
     assert fused.model.c1.out_channels == fused.model.c2.out_channels == fused.model.c3.in_channels // 2 > 6
     assert fused.model(torch.randn(4, 64)).shape == (4, 10)
+
+
+def test_independent_gated_networks_fuse_into_ones_that_run():
+    """A gated layer's pieces are blocks of its units: the fused layer writes equal pieces again."""
+    for cls in (GatedNet, GatedStream):
+        models = [_random(cls, s) for s in range(3)]
+        for method in ("pfnm", "nafi"):
+            fused = bayesfuse.fuse(models, method)
+            assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+    spec = spec_from_module(GatedNet())
+    assert spec.axes["conv.weight"][0].outer == 2 and spec.axes["fc1.weight"][1] == Axis("P1", 1, 16)
+    assert spec.axes["norm.weight"][0] == spec.axes["fc1.weight"][0] == Axis("P2", 2)  # normed whole, cut after
+    assert spec.axes["fc2.weight"][0] == Axis("P3", 3) and spec.axes["head.weight"][1] == Axis("P3")
+    fused = bayesfuse.fuse([_random(GatedNet, s) for s in range(3)], "pfnm")
+    assert fused.model.fc1.out_features == 2 * fused.model.fc2.in_features > 24
+    stream = spec_from_module(GatedStream())
+    assert stream.axes["rnn.weight_hh_l0"] == (Axis("P1", 8), Axis("P1", 2))  # the LSTM's units in pairs
+    assert stream.axes["up.weight"][0] == stream.axes["embed.weight"][0] == Axis("P2", 2)  # cut as the stream
+
+
+class _Pieces(nn.Module):
+    """Pieces of the units that cannot be followed, or a width the forward keeps: ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.fc, self.head = how, nn.Linear(64, 12), nn.Linear(4 if how == "a width kept" else 6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        if self.how == "unequal":
+            a, b = torch.split(h, [4, 8], 1)
+            return self.head(torch.cat([a, b[:, :2]], 1))
+        if self.how == "unbind":
+            return self.head(torch.stack(h.unbind(1)[:6], 1))
+        if self.how == "called again":
+            a, b = h.chunk(2, 1)
+            return self.head(a * b) + self.head(torch.relu(self.fc(x))[:, :6])
+        a, b, c = torch.split(h, 4, 1)
+        return self.head(a * b * c)
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("unequal", "pieces of widths [4, 8]"),
+        ("unbind", "unbind of the units' axis"),
+        ("called again", "fc is called again after the units it reads or writes were cut"),
+    ],
+)
+def test_pieces_that_cannot_be_followed_are_refused_in_one_line(how, says):
+    with pytest.raises(UnsupportedLayerError, match=re.escape(says)):
+        spec_from_module(_Pieces(how), torch.zeros(2, 64))
+
+
+def test_a_piece_width_the_forward_keeps_is_named_where_the_fused_network_runs():
+    """``torch.split(h, 4)`` fixes the pieces' width: a permuted copy fuses back, independent
+    networks fused to another width are refused where the fused network is run."""
+    torch.manual_seed(0)
+    model = _Pieces("a width kept").eval()
+    x = torch.randn(20, 64)
+    spec = spec_from_module(model, x[:2])
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    copy = _Pieces("a width kept")
+    perms = random_permutations(spec.sizes(state), np.random.default_rng(0))
+    assert (perms["P1"] != np.arange(4)).any()
+    copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    assert _gap(model, copy.eval(), x) < 1e-4 and _gap(model, bayesfuse.fuse([model, copy], "pfnm").model, x) < 1e-4
+    torch.manual_seed(1)
+    with pytest.raises(ValueError, match="does not run at its fused widths"):
+        bayesfuse.fuse([model, _Pieces("a width kept").eval()], "pfnm")
 
 
 def test_a_frozen_layer_comes_back_frozen():

@@ -618,3 +618,46 @@ class BiEnds(nn.Module):
     def forward(self, x):
         out, _ = self.rnn(x.view(-1, 8, 8))
         return self.head(torch.cat([out[:, -1, :6], out[:, 0, 6:]], 1))
+
+
+class GatedNet(nn.Module):
+    """Gated units, as users write them: ``F.glu`` over a convolution's channels, a layer norm
+    over a linear layer's whole output before ``chunk`` cuts it into halves multiplied unit by
+    unit (``u * gelu(g)``), and ``torch.split`` into three equal pieces that meet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc1, self.norm = nn.Conv2d(1, 8, 3, padding=1), nn.Linear(64, 24), nn.LayerNorm(24)
+        self.fc2, self.head = nn.Linear(12, 18), nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        c = F.max_pool2d(F.glu(self.conv(x.view(-1, 1, 8, 8)), dim=1), 2)  # (N, 4, 4, 4)
+        u, g = self.norm(self.fc1(c.flatten(1))).chunk(2, dim=-1)
+        h = self.fc2(u * F.gelu(g))
+        a, b, v = torch.split(h, h.shape[1] // 3, dim=1)  # a width read off the tensor: fused widths run
+        return self.head(torch.tanh(a) + torch.sigmoid(b) * v)
+
+
+class GatedStream(nn.Module):
+    """A residual stream cut into halves that gate each other, then written to by a layer whose
+    units are one plain run (``s + self.up(...)``): the layer's units are cut into the stream's
+    blocks. An LSTM's output cut into halves (its units in pairs, gates and all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.embed = nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 12)
+        self.up, self.head = nn.Linear(6, 12), nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.view(-1, 8, 8))
+        a, b = out[:, -1].chunk(2, 1)
+        s = self.embed(torch.cat([a * b, a], 1))
+        u, g = s.chunk(2, -1)
+        s = s + self.up(u * torch.sigmoid(g))
+        return self.head(torch.relu(s))
