@@ -25,6 +25,12 @@ activation from the input to the output:
   halves, ``u, g = h.chunk(2, -1)``) makes each piece a block of the layer's units: one
   permutation for every piece, so a global unit is one unit of each (as :func:`torch.cat` of
   equal widths ties them, the other way round);
+* a ``view`` / ``reshape`` that cuts the units' axis into heads (attention written by hand,
+  ``q.view(B, N, heads, C // heads)``) makes the units blocks, one per head, so one permutation
+  of the features within a head serves every head; a reshape whose target width is read off
+  another stream's width (``C``) ties that stream's units to its own, cut into as many blocks,
+  so the reshape runs at any fused width; a number computed from a permuted width that meets a
+  tensor (``/ k.size(-1) ** 0.5``) is refused, since fusion changes it;
 * element-wise functions, pooling, dropout, ``flatten`` / ``view`` / ``reshape`` (that keep each
   unit's numbers together, recorded as :class:`~bayesfuse.inference.spec.Axis` blocks),
   ``transpose`` and reductions over other axes pass the permutation through;
@@ -937,6 +943,15 @@ class _Walk:
         self.labels[node] = None
 
     def binary(self, node, a, b) -> None:
+        for p in (a, b):
+            read = next((x.name for x, axis in self.widths_read(p) if self.permuted_axis(x, axis)), None)
+            if read is not None:
+                self.fail(
+                    node,
+                    f"a number computed from the width of {read}'s units ({p.name}) meets a tensor: fusion changes "
+                    "that width, and with it the number (an attention scale 1/sqrt(d), say); write the clients' "
+                    "constant, or give a spec",
+                )
         followed = set()
         for p, other in ((a, b), (b, a)):
             g = self.feature(other)
@@ -1416,27 +1431,126 @@ class _Walk:
         return None if not isinstance(where, int) else _Feature(f.var, where, (stop - start) // n, 1)
 
     def reshape(self, node, a) -> None:
-        """Follow the units through a reshape that keeps each unit's numbers in one axis."""
+        """Follow the units through a reshape that keeps each unit's numbers in one axis, or that
+        cuts the units' axis into heads (:meth:`heads_split`)."""
         f = self.feature(a)
         if not isinstance(f, _Feature):
             self.labels[node] = None
             return
         src, dst = _tensor_shape(a), _tensor_shape(node)
+        placed = _placed(f, src, dst)
+        if placed is None and not self.permuted(f):
+            self.labels[node] = None
+            return
+        self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst)
+        shape_args = _target_shape(node)
+        if self.permuted(f) and shape_args is not None and len(shape_args) == len(dst):
+            for x, axis in self.widths_read(shape_args[self.labels[node].dim]):
+                self.tie_width(node, x, axis, node)
+
+    def heads_split(self, node, f: _Feature, src: tuple, dst: tuple) -> _Feature:
+        """A reshape that cuts the units' axis into axes of heads and features within a head
+        (``q.view(B, N, heads, C // heads)``, a fused projection's ``reshape(B, N, 3, heads, -1)``):
+        the units become blocks, one per head (:meth:`refine`), permuted alike, so one
+        permutation of the features within a head serves every head (a restriction of the
+        heads' symmetry that keeps their widths equal, as the reshape needs). The number of heads
+        must be written as a number; where the width within a head is read off another
+        stream's width (``C // heads``), that stream's units are cut into as many blocks and tied
+        to the heads' features, so that the widths the reshape reads agree at any fused width."""
         n = src[f.dim] // (f.outer * f.inner)
-        before = int(np.prod(src[: f.dim])) * f.outer  # numbers before the units' block, in flat order
-        after = f.inner * int(np.prod(src[f.dim + 1 :]))
-        for e in range(len(dst)):
-            lead, trail = int(np.prod(dst[:e])), int(np.prod(dst[e + 1 :]))
-            if before % lead == 0 and after % trail == 0 and dst[e] == (before // lead) * n * (after // trail):
-                self.labels[node] = _Feature(f.var, e, before // lead, after // trail)
-                return
-        if self.permuted(f):
+        shape_args = _target_shape(node)
+        prefix = int(np.prod(src[: f.dim]))
+        for m in (m for m in range(2, n + 1) if n % m == 0):
+            placed = _placed(_Feature(f.var, f.dim, f.outer * m, f.inner), src, dst)
+            if placed is None:
+                continue
+            k0 = next((k for k in range(len(dst) + 1) if int(np.prod(dst[:k])) == prefix), None)
+            if shape_args is None or len(shape_args) != len(dst) or k0 is None or k0 > placed.dim:
+                break
+            for k in range(k0, placed.dim):
+                if isinstance(shape_args[k], bool) or not isinstance(shape_args[k], int) or shape_args[k] < 1:
+                    self.fail(
+                        node,
+                        f"this reshape {src} -> {dst} cuts the units into heads whose number (axis {k}) is computed "
+                        "in the forward: write the number of heads as a number (and -1, or the width read off the "
+                        "tensor, for the features within a head), or give a spec",
+                    )
+            return _Feature(self.refine(f.var, m), placed.dim, placed.outer, placed.inner)
+        self.fail(
+            node,
+            f"this reshape {src} -> {dst} splits the units of one axis in a way that cannot be followed; give a spec",
+        )
+
+    def widths_read(self, a) -> list[tuple]:
+        """The ``(tensor, axis)`` pairs whose sizes the number ``a`` (no tensor) is computed from
+        (``x.shape[-1] // 4``, ``x.size(2)``)."""
+        if not isinstance(a, fx.Node) or "tensor_meta" in a.meta:
+            return []
+        if a.op == "call_method" and a.target == "size" and len(a.args) + len(a.kwargs) > 1:
+            axis = a.args[1] if len(a.args) > 1 else a.kwargs.get("dim")
+            return [(a.args[0], axis)] if isinstance(a.args[0], fx.Node) and isinstance(axis, int) else []
+        if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[0], fx.Node):
+            whole = a.args[0]  # x.shape[i], x.size()[i]
+            shape_of = (whole.op == "call_function" and whole.target is getattr and whole.args[1] == "shape") or (
+                whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1
+            )
+            if shape_of and isinstance(a.args[1], int) and isinstance(whole.args[0], fx.Node):
+                return [(whole.args[0], a.args[1])]
+        return [w for b in _flat(list(a.args) + list(a.kwargs.values())) for w in self.widths_read(b)]
+
+    def permuted_axis(self, x, axis: int) -> bool:
+        """Whether ``axis`` of ``x`` holds permuted units."""
+        g, shape = self.raw(x), _shape(x)
+        return isinstance(g, _Feature) and self.permuted(g) and shape is not None and g.dim == axis % len(shape)
+
+    def tie_width(self, node, x, axis: int, y) -> None:
+        """Tie the units of reshape ``y`` to those of ``x``'s ``axis``, whose width its target shape
+        is read off (``(attn @ v).reshape(B, N, C)`` with ``C`` the stream's): the one with more
+        units is cut into blocks of the other's number, and both are one permutation, so that
+        the widths the reshape reads agree at any fused width."""
+        if not self.permuted_axis(x, axis):
+            return
+        g, f = self.raw(x), self.raw(y)
+        if self.classes.find(g.var) == self.classes.find(f.var):
+            return
+        n_g = _tensor_shape(x)[g.dim] // (g.outer * g.inner)
+        n_f = _tensor_shape(y)[f.dim] // (f.outer * f.inner)
+        lo, hi = sorted(((n_g, g.var), (n_f, f.var)))
+        if hi[0] % lo[0]:
             self.fail(
                 node,
-                f"this reshape {src} -> {dst} splits the units of one axis (attention heads written "
-                "by hand, say); give a spec",
+                f"this reshape reads its width off {x.name}'s {n_g} units, which are no whole number of its {n_f}; "
+                "give a spec",
             )
-        self.labels[node] = None
+        var = self.refine(hi[1], hi[0] // lo[0]) if hi[0] > lo[0] else hi[1]
+        self.classes.union(var, lo[1])
+
+
+def _placed(f: _Feature, src: tuple, dst: tuple) -> _Feature | None:
+    """Where a reshape from ``src`` to ``dst`` puts the units of ``f``, each unit's numbers on one
+    axis (as blocks ``outer x n x inner``), or None."""
+    n = src[f.dim] // (f.outer * f.inner)
+    before = int(np.prod(src[: f.dim])) * f.outer  # numbers before the units' block, in flat order
+    after = f.inner * int(np.prod(src[f.dim + 1 :]))
+    for e in range(len(dst)):
+        lead, trail = int(np.prod(dst[:e])), int(np.prod(dst[e + 1 :]))
+        if before % lead == 0 and after % trail == 0 and dst[e] == (before // lead) * n * (after // trail):
+            return _Feature(f.var, e, before // lead, after // trail)
+    return None
+
+
+def _target_shape(node) -> list | None:
+    """The target shape a ``view`` / ``reshape`` was given, an entry per axis (a number, or the
+    node that computes it), or None (``flatten``, a shape taken whole from another tensor)."""
+    if node.op == "call_method" and node.target in ("view", "reshape"):
+        args = list(node.args[1:]) or [node.kwargs.get("shape")]
+    elif node.op == "call_function" and node.target is torch.reshape:
+        args = list(node.args[1:]) or [node.kwargs.get("shape")]
+    else:
+        return None
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        args = list(args[0])
+    return None if any(a is None or isinstance(a, fx.Node) and "tensor_meta" in a.meta for a in args) else args
 
 
 def _tied_parameters(model: nn.Module) -> tuple[str, str] | None:

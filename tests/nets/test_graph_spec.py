@@ -45,6 +45,7 @@ from tests.nets.user_nets import (
     PaddedCNN,
     PairInputs,
     PlainNormMLP,
+    QKVAttention,
     ReducedCNN,
     ResMLP,
     SkipCNN,
@@ -55,6 +56,7 @@ from tests.nets.user_nets import (
     TokenMixer,
     TransposedConv,
     TwoOutputs,
+    ViewHeadsAttention,
 )
 
 NETS = [
@@ -88,6 +90,8 @@ NETS = [
     BiEnds,  # one direction sliced out of the output: out[:, -1, :H]
     GatedNet,  # chunk, split and glu of the units into equal pieces
     GatedStream,  # a stream cut into pieces, then written to; an LSTM's units in pairs
+    QKVAttention,  # heads written by hand: reshape(B, N, 3, heads, -1), merged back at the stream's width
+    ViewHeadsAttention,  # q.view(B, N, heads, C // heads), C read off the stream
 ]
 
 
@@ -579,6 +583,54 @@ def test_a_piece_width_the_forward_keeps_is_named_where_the_fused_network_runs()
     torch.manual_seed(1)
     with pytest.raises(ValueError, match="does not run at its fused widths"):
         bayesfuse.fuse([model, _Pieces("a width kept").eval()], "pfnm")
+
+
+def test_heads_written_by_hand_are_blocks_of_one_permutation_tied_to_the_widths_read():
+    """Within-head features are one permutation for every head; where the forward reads a width
+    off the stream (``C // heads``, ``reshape(B, N, C)``), the stream is cut into as many blocks
+    and tied to them, so independent networks fuse into ones whose reshapes run."""
+    spec = spec_from_module(QKVAttention())
+    p = spec.axes["qkv.weight"][0].group
+    assert spec.axes["qkv.weight"][0] == Axis(p, 6) and spec.axes["proj.weight"][1] == Axis(p, 2)
+    assert spec.axes["embed.weight"][0] == spec.axes["norm.weight"][0] == Axis(p, 2)  # the stream, tied by C
+    assert spec.axes["up.weight"][0].outer == 2 and spec.axes["up.weight"][0].group != p
+    views = spec_from_module(ViewHeadsAttention())
+    assert {views.axes[f"{n}.weight"][0] for n in ("embed", "q", "k", "v", "o")} == {Axis("P1", 4)}
+    for cls in (QKVAttention, ViewHeadsAttention):
+        models = [_random(cls, s) for s in range(3)]
+        for method in ("pfnm", "nafi"):
+            fused = bayesfuse.fuse(models, method)
+            assert fused.sizes[0] > 8 and fused.model(torch.randn(5, 64)).shape == (5, 10)
+
+
+class _Heads(nn.Module):
+    """Heads written by hand whose widths fusion would change unseen: ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.qk, self.head = how, nn.Linear(16, 16), nn.Linear(4, 3)
+
+    def forward(self, x):
+        t = self.qk(x.view(-1, 4, 16))
+        if self.how == "a computed scale":
+            t = t.view(-1, 4, 2, 8).transpose(1, 2)  # (B, heads, N, 8)
+            a = (t @ t.transpose(-2, -1)) / t.shape[-1] ** 0.5
+        else:  # heads counted by the code from a width written as a number
+            t = t.view(t.shape[0], 4, -1, 8).transpose(1, 2)
+            a = t @ t.transpose(-2, -1)
+        return self.head(a.mean(dim=(1, 2)))
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("a computed scale", "a number computed from the width of"),
+        ("the heads counted", "cuts the units into heads whose number (axis 2) is computed"),
+    ],
+)
+def test_heads_whose_widths_fusion_would_change_unseen_are_refused_in_one_line(how, says):
+    with pytest.raises(UnsupportedLayerError, match=re.escape(says)):
+        spec_from_module(_Heads(how), torch.zeros(2, 64))
 
 
 def test_a_frozen_layer_comes_back_frozen():

@@ -661,3 +661,51 @@ class GatedStream(nn.Module):
         u, g = s.chunk(2, -1)
         s = s + self.up(u * torch.sigmoid(g))
         return self.head(torch.relu(s))
+
+
+class QKVAttention(nn.Module):
+    """Attention written by hand as vision transformers do: one projection for the queries, keys
+    and values, ``reshape(B, N, 3, heads, -1)``, heads merged back with the stream's width
+    (``reshape(B, N, C)``), a scale written as a number; a gated MLP after it."""
+
+    def __init__(self, d: int = 16, heads: int = 2, k: int = 10) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, (d // heads) ** -0.5
+        self.embed, self.norm = nn.Linear(16, d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down, self.head = nn.Linear(d, 2 * 24), nn.Linear(24, d), nn.Linear(d, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = self.embed(x.view(-1, 4, 16))
+        B, N, C = t.shape
+        qkv = self.qkv(self.norm(t)).reshape(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        a = ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
+        t = t + self.proj((a @ v).transpose(1, 2).reshape(B, N, C))
+        u, g = self.up(t).chunk(2, dim=-1)
+        return self.head((t + self.down(u * F.silu(g))).mean(dim=1))
+
+
+class ViewHeadsAttention(nn.Module):
+    """Attention written by hand as GPT-style code does: a query, key and value projection each
+    viewed into heads of ``C // heads`` features, ``C`` read off the stream
+    (``q.view(B, N, heads, C // heads)``), ``scaled_dot_product_attention`` with its scale given."""
+
+    def __init__(self, d: int = 16, heads: int = 4, k: int = 10) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed, self.q, self.k, self.v = nn.Linear(16, d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.o, self.head = nn.Linear(d, d), nn.Linear(d, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = self.embed(x.view(-1, 4, 16))
+        B, N, C = t.size()
+        q, k, v = (p(t).view(B, N, self.heads, C // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        o = F.scaled_dot_product_attention(q, k, v, scale=0.5).transpose(1, 2).contiguous().view(B, N, C)
+        return self.head(torch.relu(t + self.o(o))[:, 0])
