@@ -28,6 +28,7 @@ from bayesfuse.inference.layerwise import (
     fold_batchnorm,
     folded_entries,
     folded_eps,
+    folded_length,
     global_entries,
     group_seed,
     identity_bn,
@@ -217,7 +218,7 @@ def fedma_steps(
             )
         )
         for bn in bns:
-            for p, value in identity_bn(G, folded_eps(arrays[0], bn)).items():
+            for p, value in identity_bn(folded_length(spec, bn, G), folded_eps(arrays[0], bn)).items():
                 vals[f"{bn}.{p}"] = value
         frozen_values.update(vals)
         bytes_down += J * sum(4 * int(np.prod(v.shape)) for v in vals.values())

@@ -67,6 +67,7 @@ __all__ = [
     "class_share_matrix",
     "folded_entries",
     "folded_eps",
+    "folded_length",
     "group_seed",
     "identity_bn",
     "in_basis",
@@ -230,6 +231,13 @@ def identity_bn(n: int, eps: float) -> dict[str, np.ndarray]:
         "running_mean": np.zeros(n),
         "running_var": np.full(n, 1.0 - eps),
     }
+
+
+def folded_length(spec: PermutationSpec, bn: str, n_units: int) -> int:
+    """The length of folded batch norm ``bn``'s entries at ``n_units`` units of its group: its
+    axis's blocks around them (a grouped convolution's ``g``), ``outer x n x inner``."""
+    axis = spec.axes[f"{bn}.running_mean"][0]
+    return n_units if axis is None else axis.outer * n_units * axis.inner
 
 
 def folded_eps(state: State, bn: str) -> float:
@@ -626,7 +634,8 @@ def global_entries(
         first = np.asarray(states[0][k])
         if k in folded:
             bn, _, what = k.rpartition(".")
-            out[k] = identity_bn(matched[spec.axes[k][0].group].n_global, folded_eps(states[0], bn))[what]
+            n = folded_length(spec, bn, matched[spec.axes[k][0].group].n_global)
+            out[k] = identity_bn(n, folded_eps(states[0], bn))[what]
         elif not np.issubdtype(first.dtype, np.floating):
             out[k] = first.copy()
         elif k in spec.output and class_shares is not None and first.ndim == 1:

@@ -25,6 +25,8 @@ activation from the input to the output:
   halves, ``u, g = h.chunk(2, -1)``) makes each piece a block of the layer's units: one
   permutation for every piece, so a global unit is one unit of each (as :func:`torch.cat` of
   equal widths ties them, the other way round);
+* a convolution of ``g`` groups keeps them: one permutation within a group for every group,
+  the channels it reads cut into blocks the groups do not cross;
 * a ``view`` / ``reshape`` that cuts the units' axis into heads (attention written by hand,
   ``q.view(B, N, heads, C // heads)``) makes the units blocks, one per head, so one permutation
   of the features within a head serves every head; a reshape whose target width is read off
@@ -666,9 +668,10 @@ class _Walk:
             f = f if self.permuted(f) else None
             if f is not None and f.dim != 1:
                 self.fail(node, "a convolution must read channels on axis 1")
-            if m.groups != 1 and not (m.groups == m.in_channels == m.out_channels):
-                self.fail(node, f"grouped convolutions (groups={m.groups}) are supported only depthwise")
-            depthwise = m.groups != 1
+            depthwise = m.groups != 1 and m.groups == m.in_channels == m.out_channels
+            if m.groups != 1 and not depthwise:
+                self.grouped_conv(node, m, f)
+                return
             out = (f.var if f is not None else _FIXED) if depthwise else self.layer_vars(name, f, node)
             kernel = [None] * (m.weight.dim() - 2)
             self.set_axes(f"{name}.weight", [(out, 1, 1), None if depthwise else self.in_axis(f), *kernel])
@@ -737,6 +740,35 @@ class _Walk:
                 f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding(Bag), LSTM, GRU, RNN, "
                 "BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
             )
+
+    def grouped_conv(self, node, m: nn.Conv1d | nn.Conv2d, f: _Feature | None) -> None:
+        """A convolution of ``g`` groups (ResNeXt's): each group of output channels reads its own
+        group of input channels. One permutation of the channels within a group serves every
+        group, for the outputs (``g`` blocks of the rows) and for the inputs (the input's units cut
+        into blocks that the groups' boundaries do not cross, :meth:`refine`; a group's slice of
+        the weight's second axis holds its blocks), so the fused convolution keeps ``g`` groups
+        of equal widths."""
+        g, name = m.groups, node.target
+        in_axis = None
+        if f is not None:
+            n = m.in_channels // (f.outer * f.inner)
+            cut = g // int(np.gcd(f.outer, g))
+            if f.inner != 1 or n % cut:
+                self.fail(
+                    node,
+                    f"a convolution of {g} groups reads {m.in_channels} channels held as {f.outer} blocks of {n}: "
+                    "its groups cut through units; give a spec",
+                )
+            f = _Feature(self.refine(f.var, cut) if cut > 1 else f.var, f.dim, f.outer * cut)
+            in_axis = (f.var, f.outer // g, 1)
+        out = self.layer_vars(name, f, node)
+        kernel = [None] * (m.weight.dim() - 2)
+        self.set_axes(f"{name}.weight", [(out, g, 1), in_axis, *kernel])
+        if m.bias is not None:
+            self.set_axes(f"{name}.bias", [(out, g, 1)])
+        self.labels[node] = _Feature(out, 1, g)
+        self.producer[node] = name
+        self.var_producer.setdefault(out, name)
 
     def recurrent(self, node, m: nn.LSTM | nn.GRU | nn.RNN, f: _Feature | None) -> None:
         """``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``: layer k's units are one permutation of the rows of

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayesfuse
+from bayesfuse.data import Dataset
 from bayesfuse.inference.spec import Axis, permute, random_permutations
 from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
@@ -35,6 +36,7 @@ from tests.nets.user_nets import (
     DepthwiseCNN,
     GatedNet,
     GatedStream,
+    GroupedCNN,
     KeywordOps,
     LayerScaleCNN,
     LogSoftmaxMLP,
@@ -92,6 +94,7 @@ NETS = [
     GatedStream,  # a stream cut into pieces, then written to; an LSTM's units in pairs
     QKVAttention,  # heads written by hand: reshape(B, N, 3, heads, -1), merged back at the stream's width
     ViewHeadsAttention,  # q.view(B, N, heads, C // heads), C read off the stream
+    GroupedCNN,  # convolutions of 4 and 2 groups
 ]
 
 
@@ -503,6 +506,26 @@ def test_independent_depthwise_networks_fuse_into_one_that_runs():
         fused = bayesfuse.fuse([_random(DepthwiseCNN, s) for s in range(3)], method)
         assert fused.model.dw.groups == fused.model.dw.out_channels == fused.sizes[0] > 8
         assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+
+
+def test_grouped_convolutions_keep_their_groups_at_the_fused_widths():
+    """One permutation within a group for every group: the fused convolution has its groups,
+    equally wide; the channels it reads are cut into blocks the groups do not cross."""
+    spec = spec_from_module(GroupedCNN())
+    assert spec.axes["b.weight"][:2] == (Axis("P3", 4), Axis("P2", 1))
+    assert spec.axes["a.weight"][0] == spec.axes["bna.weight"][0] == Axis("P2", 4)  # cut for the groups
+    assert spec.axes["d.weight"][:2] == (Axis("P4", 2), Axis("P1", 1))  # two groups, one block of the stream each
+    for method in ("pfnm", "nafi"):
+        fused = bayesfuse.fuse([_random(GroupedCNN, s) for s in range(3)], method)
+        b = fused.model.b
+        assert b.groups == 4 and b.in_channels % 4 == 0 and b.out_channels == fused.sizes[2] * 4 > 12
+        assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+    torch.manual_seed(0)  # FedMA folds the batch norms of the grouped convolution at each width it retrains
+    train = Dataset(torch.randn(60, 64).numpy(), torch.randint(0, 10, (60,)).numpy(), 10)
+    models = [_random(GroupedCNN, s) for s in range(3)]
+    fused = bayesfuse.fuse(models, "fedma", data=(train, [np.arange(20 * j, 20 * j + 20) for j in range(3)]))
+    assert fused.model.b.groups == 4 and fused.model.bnb.running_mean.shape == (fused.model.b.out_channels,)
+    assert fused.model(torch.randn(5, 64)).shape == (5, 10)
 
 
 def test_independent_networks_concatenating_streams_fuse_them_at_one_width():

@@ -709,3 +709,26 @@ class ViewHeadsAttention(nn.Module):
         q, k, v = (p(t).view(B, N, self.heads, C // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
         o = F.scaled_dot_product_attention(q, k, v, scale=0.5).transpose(1, 2).contiguous().view(B, N, C)
         return self.head(torch.relu(t + self.o(o))[:, 0])
+
+
+class GroupedCNN(nn.Module):
+    """ResNeXt's bottleneck: a 1x1 convolution, a 3x3 one of 4 groups and a 1x1 one back into
+    the stream, with batch norms; then a convolution of 2 groups reading two copies of the
+    stream side by side (one block each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.a, self.bna = nn.Conv2d(8, 12, 1, bias=False), nn.BatchNorm2d(12)
+        self.b, self.bnb = nn.Conv2d(12, 12, 3, padding=1, groups=4, bias=False), nn.BatchNorm2d(12)
+        self.c, self.bnc = nn.Conv2d(12, 8, 1, bias=False), nn.BatchNorm2d(8)
+        self.d, self.head = nn.Conv2d(16, 6, 3, padding=1, groups=2), nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.relu(self.bn0(self.stem(x.view(-1, 1, 8, 8))))
+        y = F.relu(self.bnb(self.b(F.relu(self.bna(self.a(h))))))
+        h = F.relu(h + self.bnc(self.c(y)))
+        return self.head(self.d(torch.cat([h, 2 * h], 1)).mean(dim=(2, 3)))
