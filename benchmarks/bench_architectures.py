@@ -38,6 +38,11 @@ client from its own initialisation unless ``--shared-init``. Then the global mod
 * ``fedma+refit``: FedMA, then one more round that refits its output layer (``fuse(...,
   "fedma", rounds=2)``: the product of the clients' Laplace fits on the FedMA body in place of
   FedMA's class-share average);
+* ``pfnm+summaries``: one-shot PFNM with client summaries, the default path of ``fuse`` when
+  they are given: each client sends ``bayesfuse.summarize(model, x, y)`` of its own examples
+  (activation moments, the Laplace GGN diagonal, its output layer's Kronecker factors) and the
+  server fuses the networks as Laplace posteriors, keeping the clients' heads where the output
+  layer allows them (not run by default);
 * ``fedavg xR rounds``: FedAvg from one shared initialisation for as many rounds R as FedMA uses,
   ``--retrain-epochs`` each.
 
@@ -66,7 +71,7 @@ import numpy as np
 import torch
 from common import mean_sd
 
-from bayesfuse import fuse
+from bayesfuse import fuse, summarize
 from bayesfuse.data import DataSplit, dirichlet_partition, load_dataset
 from bayesfuse.demo import format_table
 from bayesfuse.federated import fedma_rounds, run_fedavg
@@ -89,6 +94,7 @@ METHODS = (
     "pfnm+bn+refit",
     "pfnm+refit",
     "fedma+refit",
+    "pfnm+summaries",
 )
 #: What each architecture runs by default: the ViT has no batch norms for the ``+bn`` rounds.
 DEFAULT_METHODS = {
@@ -187,7 +193,12 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
                 model, seconds, rounds, name = run.model, run.seconds, n_rounds, f"fedavg x{n_rounds} rounds"
             else:
                 base, *rounds_after = method.split("+")
-                if base == "fedma":  # "+refit": the refit round after FedMA's own (rounds=2)
+                if rounds_after == ["summaries"]:  # one shot, each client's summary of its own examples
+                    data = {
+                        "summaries": [summarize(m, split.train.x[i], split.train.y[i]) for m, i in zip(models, part)]
+                    }
+                    rounds_after = []
+                elif base == "fedma":  # "+refit": the refit round after FedMA's own (rounds=2)
                     data = {"data": (split.train, part), "retrain": retrain, "passes": passes}
                     data["rounds"] = 2 if rounds_after == ["refit"] else 1
                 elif rounds_after:  # the batch-norm round and/or the refit round, in that order

@@ -140,6 +140,9 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
     if isinstance(module, nn.Linear):
         out, inp = shape("weight")
         return nn.Linear(inp, out, bias=module.bias is not None)
+    if isinstance(module, nn.Bilinear):
+        out, in1, in2 = shape("weight")
+        return nn.Bilinear(in1, in2, out, bias=module.bias is not None)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         w = shape("weight")
         new = copy.deepcopy(module)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import operator
 from dataclasses import dataclass
 from typing import NoReturn, TypeGuard, cast
@@ -70,6 +71,10 @@ class UnsupportedLayerError(TypeError):
 
 
 _FIXED = 0  # the union-find class of axes no permutation moves (the input, the classes)
+_BUFFER_ALONG_UNITS = (
+    "buffer {!r} holds a number per hidden unit (a rotary table, a mask): fusion gives the units other widths "
+    "and cannot make such a buffer for them; make it a parameter, or give a spec"
+)
 _GONE = -1  # a module's variable whose units were cut into blocks after it was made (_Walk.refine)
 
 #: Leaf modules that act within each unit of the axis they are given.
@@ -525,7 +530,7 @@ class _Walk:
                 if isinstance(label, _Unreadable)
                 else "a recurrent layer's (output, state) read whole"
                 if isinstance(label, _Recurrent)
-                else "a pair (max's (values, indices), an LSTM's (h, c)) read whole"
+                else "pieces read whole (max's (values, indices), an LSTM's (h, c), a chunk's pieces)"
             )
             raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.name}: {why}")
         return label if isinstance(label, _Feature) else None
@@ -541,6 +546,11 @@ class _Walk:
             for old, new in zip(self.axes[entry], dims):
                 if (old is None) != (new is None):
                     raise UnsupportedLayerError(f"entry {entry!r} is used with different permuted axes")
+                if old is not None and tuple(old[1:]) != tuple(new[1:]):
+                    raise UnsupportedLayerError(
+                        f"entry {entry!r} is used with its units in different blocks ({old[1]} x n x {old[2]} and "
+                        f"{new[1]} x n x {new[2]}); give a spec"
+                    )
                 if old is not None:
                     self.classes.union(old[0], new[0])
             return
@@ -681,6 +691,10 @@ class _Walk:
             self.producer[node] = name
             if not depthwise:
                 self.var_producer.setdefault(out, name)
+        elif isinstance(m, nn.Bilinear):
+            self.bilinear(node, m)
+        elif isinstance(m, nn.GLU):
+            self.pieces(node, [inp, m.dim], {}, (None, "dim", -1), "glu")
         elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             out = self.layer_vars(name, None, node)
             self.set_axes(f"{name}.weight", [None, (out, 1, 1)])
@@ -737,9 +751,31 @@ class _Walk:
         else:
             self.fail(
                 node,
-                f"{type(m).__name__} is not supported (supported: Linear, Conv1d/2d, Embedding(Bag), LSTM, GRU, RNN, "
-                "BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
+                f"{type(m).__name__} is not supported (supported: Linear, Bilinear, Conv1d/2d, Embedding(Bag), LSTM, GRU, "
+                "RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
             )
+
+    def bilinear(self, node, m: nn.Bilinear) -> None:
+        """``nn.Bilinear``: ``y_k = x1^T W_k x2 + b_k``; its output units permute the rows of ``W``
+        and ``b``, the units of its two inputs (on their last axis) its second and third axes."""
+        operands = [*node.args, *node.kwargs.values()]
+        if len(operands) != 2:
+            self.fail(node, "a Bilinear layer is given two inputs")
+        features = []
+        for x in operands:
+            f = self.feature(x)
+            f = f if self.permuted(f) else None
+            if f is not None and f.dim != len(_tensor_shape(x)) - 1:
+                self.fail(node, "a Bilinear layer that reads units on an axis other than the last is not supported")
+            features.append(f)
+        name = node.target
+        out = self.layer_vars(name, features[0], node)
+        self.set_axes(f"{name}.weight", [(out, 1, 1), self.in_axis(features[0]), self.in_axis(features[1])])
+        if m.bias is not None:
+            self.set_axes(f"{name}.bias", [(out, 1, 1)])
+        self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1)
+        self.producer[node] = name
+        self.var_producer.setdefault(out, name)
 
     def grouped_conv(self, node, m: nn.Conv1d | nn.Conv2d, f: _Feature | None) -> None:
         """A convolution of ``g`` groups (ResNeXt's): each group of output channels reads its own
@@ -918,6 +954,7 @@ class _Walk:
             q, k, v = (
                 args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(("query", "key", "value"))
             )
+            self.width_scale(node, kwargs.get("scale"), "the attention's scale is")
             self.attention(node, q, k, v, kwargs.get("scale"))
         elif fn in _POOL_FUNCTIONS:
             self.labels[node] = self.feature(args[0])
@@ -974,16 +1011,23 @@ class _Walk:
             self.applied_weight(node, list(_flat(args)), what)
         self.labels[node] = None
 
+    def width_scale(self, node, value, what: str) -> None:
+        """Refuse ``value``, a root of a permuted width (``d ** -0.5``, ``math.sqrt(k.size(-1))``),
+        where it scales a tensor: fusion changes the width, and the scale with it. A width itself
+        (``h.sum(-1) / h.shape[-1]``, a mean written by hand) follows the units as ``mean`` does."""
+        read = next((x.name for x, axis in self.widths_read(value) if self.permuted_axis(x, axis)), None)
+        if read is not None and _rooted(value):
+            self.fail(
+                node,
+                f"{what} computed as a root of the width of {read}'s units ({value.name}): fusion changes that "
+                "width, and with it the scale (an attention scale 1/sqrt(d), say); write the clients' constant, "
+                "or give a spec",
+            )
+
     def binary(self, node, a, b) -> None:
-        for p in (a, b):
-            read = next((x.name for x, axis in self.widths_read(p) if self.permuted_axis(x, axis)), None)
-            if read is not None:
-                self.fail(
-                    node,
-                    f"a number computed from the width of {read}'s units ({p.name}) meets a tensor: fusion changes "
-                    "that width, and with it the number (an attention scale 1/sqrt(d), say); write the clients' "
-                    "constant, or give a spec",
-                )
+        if _shape(node) is not None:  # a tensor: numbers computed from widths that scale it
+            for p in (a, b):
+                self.width_scale(node, p, "a number that scales a tensor is")
         followed = set()
         for p, other in ((a, b), (b, a)):
             g = self.feature(other)
@@ -1017,6 +1061,8 @@ class _Walk:
         other's blocks (a layer's output added to a stream cut into pieces before, :meth:`refine`):
         the other's units are cut into ``m`` blocks too. Else they are returned as they are."""
         lo, hi = sorted((fa, fb), key=lambda f: f.outer)
+        if not (self.permuted(lo) and self.permuted(hi)):  # the input's features are never cut
+            return fa, fb
         if lo.outer == hi.outer or hi.outer % lo.outer or self.classes.find(lo.var) == self.classes.find(hi.var):
             return fa, fb
         m = hi.outer // lo.outer
@@ -1053,6 +1099,8 @@ class _Walk:
         n = values[base].numel()
         if not 0 <= at < len(view) or view[at] != n or int(np.prod(view)) != n:
             return False
+        if base not in self.parameters and self.permuted(g):
+            raise UnsupportedLayerError(f"{type(self.model).__name__}: {p.name}: " + _BUFFER_ALONG_UNITS.format(base))
         self.set_axes(base, [(g.var, g.outer, g.inner)])
         return True
 
@@ -1074,6 +1122,8 @@ class _Walk:
         dim = f.dim - (len(shape) - value.dim())
         if dim < 0 or value.shape[dim] == 1 and shape[f.dim] != 1:
             return  # broadcast along the units: a scalar per position, no permuted axis
+        if target not in self.parameters and self.permuted(f):
+            self.fail(node, _BUFFER_ALONG_UNITS.format(target))
         dims: list[tuple[int, int, int] | None] = [None] * value.dim()
         dims[dim] = (f.var, f.outer, f.inner)
         self.set_axes(target, dims)
@@ -1226,6 +1276,15 @@ class _Walk:
         elif dim != f.dim or not self.permuted(f):
             piece = f
         else:
+            sizes = args[1] if len(args) > 1 else kwargs.get(count)
+            literal = what in ("split", "tensor_split") and not (what == "tensor_split" and isinstance(sizes, int))
+            if literal and not any(self.permuted_axis(x, axis) for x, axis in self.widths_read(sizes)):
+                self.fail(
+                    node,
+                    f"{what} of the units' axis by widths written in the code ({sizes}): fusion changes the width, "
+                    "and the pieces would no longer be the units' (chunk(n) cuts into n pieces at any width, as "
+                    "does a width read off the tensor, h.shape[-1] // n); give a spec",
+                )
             piece = self.equal_pieces(node, f, [s[dim] for s in shapes])
         if what == "glu":
             self.labels[node] = piece
@@ -1250,7 +1309,10 @@ class _Walk:
         """Re-describe the units of ``var``'s class as ``m`` blocks of a new class: every axis and
         activation recorded so far, ``outer x n x inner``, becomes ``(outer * m) x (n / m) x
         inner`` (the same numbers in the same place, a unit's ``m`` numbers now one unit)."""
-        root, new = self.classes.find(var), self.new()
+        root = self.classes.find(var)
+        if root == _FIXED:  # the input's and the classes' axes are never permuted, so never cut
+            raise AssertionError("refine of the class that is never permuted")
+        new = self.new()
 
         def cut(d):
             return (new, d[1] * m, d[2]) if d is not None and self.classes.find(d[0]) == root else d
@@ -1491,13 +1553,19 @@ class _Walk:
         to the heads' features, so that the widths the reshape reads agree at any fused width."""
         n = src[f.dim] // (f.outer * f.inner)
         shape_args = _target_shape(node)
+        if shape_args is None:
+            self.fail(
+                node,
+                f"this reshape {src} -> {dst} splits the units of one axis with a target shape computed whole "
+                "(x.size()[:-1] + (heads, d), say): write it axis by axis (x.view(B, N, heads, -1)), or give a spec",
+            )
         prefix = int(np.prod(src[: f.dim]))
         for m in (m for m in range(2, n + 1) if n % m == 0):
             placed = _placed(_Feature(f.var, f.dim, f.outer * m, f.inner), src, dst)
             if placed is None:
                 continue
             k0 = next((k for k in range(len(dst) + 1) if int(np.prod(dst[:k])) == prefix), None)
-            if shape_args is None or len(shape_args) != len(dst) or k0 is None or k0 > placed.dim:
+            if len(shape_args) != len(dst) or k0 is None or k0 > placed.dim:
                 break
             for k in range(k0, placed.dim):
                 if isinstance(shape_args[k], bool) or not isinstance(shape_args[k], int) or shape_args[k] < 1:
@@ -1507,6 +1575,13 @@ class _Walk:
                         "in the forward: write the number of heads as a number (and -1, or the width read off the "
                         "tensor, for the features within a head), or give a spec",
                     )
+            width = shape_args[placed.dim]
+            if width != -1 and not any(self.permuted_axis(x, axis) for x, axis in self.widths_read(width)):
+                self.fail(
+                    node,
+                    f"this reshape {src} -> {dst} cuts the units into heads of a width ({dst[placed.dim]}) fixed by "
+                    "the code: fusion changes it; write -1 or read it off the tensor (C // heads), or give a spec",
+                )
             return _Feature(self.refine(f.var, m), placed.dim, placed.outer, placed.inner)
         self.fail(
             node,
@@ -1516,8 +1591,12 @@ class _Walk:
     def widths_read(self, a) -> list[tuple]:
         """The ``(tensor, axis)`` pairs whose sizes the number ``a`` (no tensor) is computed from
         (``x.shape[-1] // 4``, ``x.size(2)``)."""
-        if not isinstance(a, fx.Node) or "tensor_meta" in a.meta:
+        if not isinstance(a, fx.Node):
             return []
+        if "tensor_meta" in a.meta:  # a number made a tensor (torch.tensor(d).sqrt()): read through
+            meta = a.meta["tensor_meta"]
+            if not hasattr(meta, "shape") or tuple(meta.shape) != () or isinstance(self.raw(a), _Feature):
+                return []
         if a.op == "call_method" and a.target == "size" and len(a.args) + len(a.kwargs) > 1:
             axis = a.args[1] if len(a.args) > 1 else a.kwargs.get("dim")
             return [(a.args[0], axis)] if isinstance(a.args[0], fx.Node) and isinstance(axis, int) else []
@@ -1569,6 +1648,24 @@ def _placed(f: _Feature, src: tuple, dst: tuple) -> _Feature | None:
         if before % lead == 0 and after % trail == 0 and dst[e] == (before // lead) * n * (after // trail):
             return _Feature(f.var, e, before // lead, after // trail)
     return None
+
+
+_ROOTS = {operator.pow, torch.sqrt, torch.rsqrt, torch.pow, math.sqrt, math.pow, np.sqrt}
+_ROOT_METHODS = {"sqrt", "rsqrt", "pow", "__pow__", "__rpow__"}
+
+
+def _rooted(value) -> bool:
+    """Whether the number or 0-d tensor ``value`` is computed through a power or a square root."""
+    if not isinstance(value, fx.Node):
+        return False
+    if (value.op == "call_function" and value.target in _ROOTS) or (
+        value.op == "call_method" and value.target in _ROOT_METHODS
+    ):
+        return True
+    meta = value.meta.get("tensor_meta")
+    if meta is not None and not (hasattr(meta, "shape") and tuple(meta.shape) == ()):
+        return False
+    return any(_rooted(a) for a in _flat(list(value.args) + list(value.kwargs.values())))
 
 
 def _target_shape(node) -> list | None:

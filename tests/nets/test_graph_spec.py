@@ -27,6 +27,7 @@ from tests.nets.user_nets import (
     BiasFreeCNN,
     BiasFreePlainNormCNN,
     BiEnds,
+    BilinearNet,
     BiLSTM,
     BiStateLSTM,
     BlurredCNN,
@@ -95,6 +96,7 @@ NETS = [
     QKVAttention,  # heads written by hand: reshape(B, N, 3, heads, -1), merged back at the stream's width
     ViewHeadsAttention,  # q.view(B, N, heads, C // heads), C read off the stream
     GroupedCNN,  # convolutions of 4 and 2 groups
+    BilinearNet,  # nn.Bilinear of two branches, and of one stream with itself
 ]
 
 
@@ -528,6 +530,15 @@ def test_grouped_convolutions_keep_their_groups_at_the_fused_widths():
     assert fused.model(torch.randn(5, 64)).shape == (5, 10)
 
 
+def test_independent_bilinear_networks_fuse_into_one_that_runs():
+    spec = spec_from_module(BilinearNet())
+    assert spec.axes["pair.weight"] == (Axis("P3"), Axis("P1"), Axis("P2"))
+    assert spec.axes["self_pair.weight"] == (Axis("P4"), Axis("P3"), Axis("P3"))
+    fused = bayesfuse.fuse([_random(BilinearNet, s) for s in range(3)], "pfnm")
+    assert fused.model.pair.weight.shape == (fused.sizes[2], fused.sizes[0], fused.sizes[1])
+    assert fused.model(torch.randn(5, 64)).shape == (5, 10) and min(fused.sizes) > 5
+
+
 def test_independent_networks_concatenating_streams_fuse_them_at_one_width():
     models = [_random(ConcatCNN, s) for s in range(3)]
     spec = spec_from_module(models[0])
@@ -562,6 +573,7 @@ class _Pieces(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how, self.fc, self.head = how, nn.Linear(64, 12), nn.Linear(4 if how == "a width kept" else 6, 3)
+        self.wide = nn.Linear(64, 64)
 
     def forward(self, x):
         h = torch.relu(self.fc(x))
@@ -573,6 +585,12 @@ class _Pieces(nn.Module):
         if self.how == "called again":
             a, b = h.chunk(2, 1)
             return self.head(a * b) + self.head(torch.relu(self.fc(x))[:, :6])
+        if self.how == "a buffer along the units":
+            a, b = h.chunk(2, 1)
+            return self.head(a * b * self.mask)
+        if self.how == "the input cut":  # the input's features are never permuted, so never cut
+            a, b = torch.relu(self.wide(x)).chunk(2, 1)
+            return self.head((x + torch.cat([b, a], 1))[:, :6])
         a, b, c = torch.split(h, 4, 1)
         return self.head(a * b * c)
 
@@ -580,32 +598,38 @@ class _Pieces(nn.Module):
 @pytest.mark.parametrize(
     "how, says",
     [
-        ("unequal", "pieces of widths [4, 8]"),
+        ("unequal", "split of the units' axis by widths written in the code ([4, 8])"),
+        ("a width kept", "split of the units' axis by widths written in the code (4)"),
         ("unbind", "unbind of the units' axis"),
         ("called again", "fc is called again after the units it reads or writes were cut"),
+        ("a buffer along the units", "buffer 'mask' holds a number per hidden unit"),
+        ("the input cut", "the two operands' units lie on different axes"),
     ],
 )
 def test_pieces_that_cannot_be_followed_are_refused_in_one_line(how, says):
+    model = _Pieces(how)
+    model.register_buffer("mask", torch.ones(6))
     with pytest.raises(UnsupportedLayerError, match=re.escape(says)):
-        spec_from_module(_Pieces(how), torch.zeros(2, 64))
+        spec_from_module(model, torch.zeros(2, 64))
 
 
-def test_a_piece_width_the_forward_keeps_is_named_where_the_fused_network_runs():
-    """``torch.split(h, 4)`` fixes the pieces' width: a permuted copy fuses back, independent
-    networks fused to another width are refused where the fused network is run."""
+def test_a_mean_written_by_hand_divides_by_the_width_as_mean_does():
+    """``h.sum(-1) / h.shape[-1]``: a width itself (no root of it) follows the units."""
+
+    class HandMean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.head = nn.Linear(64, 16), nn.Linear(16, 10)
+
+        def forward(self, x):
+            h = torch.relu(self.fc(x))
+            return self.head(h) + h.sum(-1, keepdim=True) / h.shape[-1]
+
     torch.manual_seed(0)
-    model = _Pieces("a width kept").eval()
-    x = torch.randn(20, 64)
+    model, x = HandMean().eval(), torch.randn(20, 64)
     spec = spec_from_module(model, x[:2])
-    state = {k: v.numpy() for k, v in model.state_dict().items()}
-    copy = _Pieces("a width kept")
-    perms = random_permutations(spec.sizes(state), np.random.default_rng(0))
-    assert (perms["P1"] != np.arange(4)).any()
-    copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
-    assert _gap(model, copy.eval(), x) < 1e-4 and _gap(model, bayesfuse.fuse([model, copy], "pfnm").model, x) < 1e-4
-    torch.manual_seed(1)
-    with pytest.raises(ValueError, match="does not run at its fused widths"):
-        bayesfuse.fuse([model, _Pieces("a width kept").eval()], "pfnm")
+    assert spec.axes["fc.weight"][0] == Axis("P1")
+    assert bayesfuse.fuse([model, HandMean().eval()], "pfnm").model(x).shape == (20, 10)
 
 
 def test_heads_written_by_hand_are_blocks_of_one_permutation_tied_to_the_widths_read():
@@ -635,20 +659,28 @@ class _Heads(nn.Module):
 
     def forward(self, x):
         t = self.qk(x.view(-1, 4, 16))
-        if self.how == "a computed scale":
-            t = t.view(-1, 4, 2, 8).transpose(1, 2)  # (B, heads, N, 8)
-            a = (t @ t.transpose(-2, -1)) / t.shape[-1] ** 0.5
-        else:  # heads counted by the code from a width written as a number
+        if self.how == "the heads counted":  # by the code, from a width within a head written as a number
             t = t.view(t.shape[0], 4, -1, 8).transpose(1, 2)
-            a = t @ t.transpose(-2, -1)
-        return self.head(a.mean(dim=(1, 2)))
+            return self.head((t @ t.transpose(-2, -1)).mean(dim=(1, 2)))
+        if self.how == "a width within a head written":  # the tokens' axis would take what fusion adds
+            t = t.view(t.shape[0], -1, 2, 8).transpose(1, 2)
+            return self.head((t @ t.transpose(-2, -1)).mean(dim=(1, 2)))
+        t = t.view(-1, 4, 2, t.shape[-1] // 2).transpose(1, 2)  # (B, heads, N, 8)
+        if self.how == "a scale in sdpa":
+            return self.head(F.scaled_dot_product_attention(t, t, t, scale=t.size(-1) ** -0.5).mean(dim=(1, 3)))
+        d, logits = t.shape[-1], t @ t.transpose(-2, -1)
+        scale = d**0.5 if self.how == "a computed scale" else logits.new_tensor(d).sqrt()  # or made a tensor
+        return self.head((logits / scale).mean(dim=(1, 2)))
 
 
 @pytest.mark.parametrize(
     "how, says",
     [
-        ("a computed scale", "a number computed from the width of"),
+        ("a computed scale", "a number that scales a tensor is computed as a root of the width"),
+        ("a scale made a tensor", "a number that scales a tensor is computed as a root of the width"),
+        ("a scale in sdpa", "the attention's scale is computed as a root of the width"),
         ("the heads counted", "cuts the units into heads whose number (axis 2) is computed"),
+        ("a width within a head written", "cuts the units into heads of a width (8) fixed by the code"),
     ],
 )
 def test_heads_whose_widths_fusion_would_change_unseen_are_refused_in_one_line(how, says):

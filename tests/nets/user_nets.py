@@ -732,3 +732,17 @@ class GroupedCNN(nn.Module):
         y = F.relu(self.bnb(self.b(F.relu(self.bna(self.a(h))))))
         h = F.relu(h + self.bnc(self.c(y)))
         return self.head(self.d(torch.cat([h, 2 * h], 1)).mean(dim=(2, 3)))
+
+
+class BilinearNet(nn.Module):
+    """``nn.Bilinear`` of two branches' units, then of one stream with itself (both its input
+    axes permuted by one permutation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 8), nn.Linear(64, 6)
+        self.pair, self.self_pair, self.head = nn.Bilinear(8, 6, 7), nn.Bilinear(7, 7, 5, bias=False), nn.Linear(5, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.pair(torch.relu(self.a(x)), torch.relu(self.b(x))))
+        return self.head(torch.tanh(self.self_pair(h, h)))
