@@ -337,6 +337,8 @@ def _aligning(fuse_plain):
     @functools.wraps(fuse_plain)
     def fuse(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         spec = _network_spec(states, names, spec, class_counts)
+        if not methods.METHODS[method].keeps_widths:
+            spec.check_free_widths(method)  # a forward that fixes a width: only methods that keep widths
         fused = fuse_untied(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
         if methods.METHODS[method].keeps_widths:
             return fused

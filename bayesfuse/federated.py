@@ -155,6 +155,7 @@ def run_fedma(
     if len(parts) != len(models):
         raise ValueError(f"{len(models)} models but {len(parts)} clients in the partition")
     spec = spec_with_encodings(models[0], spec)
+    spec.check_free_widths("fedma")  # FedMA grows the widths a forward may fix
     spec, _ = tie_stacked_recurrent(spec, models[0].state_dict())  # a stacked LSTM keeps one width
     check_unfoldable(spec)
     counts = np.stack([np.bincount(train.y[p], minlength=train.n_classes) for p in parts])

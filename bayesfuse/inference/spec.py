@@ -171,6 +171,12 @@ class PermutationSpec:
         of its own; moving branch ``a``'s entries to branch ``b``'s names, for any permutation of
         the branches, keeps the function (:mod:`bayesfuse.inference.heads`). Empty for networks
         without attention.
+    fixed : dict
+        ``group -> why``: groups whose width the network's ``forward`` fixes (a split by a width
+        written in the code, heads of a width written so, a scale computed from the width, a
+        buffer with a number per unit). Permuting them keeps the function, so methods that keep
+        the widths (OT, FedAvg) fuse such a network; those that change widths refuse it
+        (:meth:`check_free_widths`).
     """
 
     axes: dict
@@ -180,6 +186,18 @@ class PermutationSpec:
     eps: dict = field(default_factory=dict)
     encodings: dict = field(default_factory=dict)
     heads: tuple = ()
+    fixed: dict = field(default_factory=dict)
+
+    def check_free_widths(self, method: str) -> None:
+        """Refuse, in one line, fusing with ``method`` (which changes widths) a network whose
+        ``forward`` fixes the width of a group (:attr:`fixed`)."""
+        if self.fixed:
+            group, why = next(iter(self.fixed.items()))
+            raise ValueError(
+                f"method={method!r} gives the units of {group} another width, and the network's forward fixes that "
+                f"width ({why}): fuse it with a method that keeps the widths (ot, fedavg), or make the forward "
+                "read the width off its tensors"
+            )
 
     def batchnorm_eps(self, name: str) -> float:
         """The ``eps`` of batch norm ``name`` (PyTorch's default unless the spec says otherwise)."""
@@ -207,6 +225,11 @@ class PermutationSpec:
         object.__setattr__(self, "groups", order)
         object.__setattr__(self, "encodings", _encodings(self.encodings, order))
         object.__setattr__(self, "heads", _head_sets(self.heads, fixed))
+        if not isinstance(self.fixed, Mapping) or not all(
+            isinstance(g, str) and g in order and isinstance(why, str) for g, why in self.fixed.items()
+        ):
+            raise ValueError(f"a spec's 'fixed' maps groups it lists to why their widths are fixed, got {self.fixed!r}")
+        object.__setattr__(self, "fixed", dict(self.fixed))
 
     def head_entries(self, prefix: str) -> list[str]:
         """The suffixes of the entries of branch ``prefix`` of a head set (``"q.weight"``, ...)."""

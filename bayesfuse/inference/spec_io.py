@@ -57,6 +57,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
         out["encodings"] = {g: e.to_dict() for g, e in spec.encodings.items()}
     if spec.heads:  # exchangeable attention heads
         out["heads"] = [list(h) for h in spec.heads]
+    if spec.fixed:  # groups whose width the forward fixes
+        out["fixed"] = dict(spec.fixed)
     return out
 
 
@@ -108,6 +110,7 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         {k: float(v) for k, v in eps.items()},
         data.get("encodings", {}),  # position encodings (Encoding), checked by the spec
         data.get("heads", ()),  # exchangeable heads, checked by the spec
+        data.get("fixed", {}),  # groups whose width the forward fixes, checked by the spec
     )
 
 

@@ -71,10 +71,7 @@ class UnsupportedLayerError(TypeError):
 
 
 _FIXED = 0  # the union-find class of axes no permutation moves (the input, the classes)
-_BUFFER_ALONG_UNITS = (
-    "buffer {!r} holds a number per hidden unit (a rotary table, a mask): fusion gives the units other widths "
-    "and cannot make such a buffer for them; make it a parameter, or give a spec"
-)
+_BUFFER_ALONG_UNITS = "buffer {!r} holds a number per unit (a rotary table, a mask), made for that width"
 _GONE = -1  # a module's variable whose units were cut into blocks after it was made (_Walk.refine)
 
 #: Leaf modules that act within each unit of the axis they are given.
@@ -508,6 +505,7 @@ class _Walk:
         self.folds: dict[str, str] = {}
         self.order: list[int] = []
         self.gone: set[int] = set()  # classes re-described as blocks of a new one (refine)
+        self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
@@ -656,7 +654,11 @@ class _Walk:
         )
         folds = {bn: after for bn, after in self.folds.items()}
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
-        return PermutationSpec(axes, tuple(names.values()), folds, output, eps, heads=self.heads)
+        fixed: dict[str, str] = {}
+        for v, why in self.fixed:
+            fixed.setdefault(names.get(self.classes.find(v), ""), why)
+        fixed.pop("", None)  # a class later tied to the input or the classes: never permuted
+        return PermutationSpec(axes, tuple(names.values()), folds, output, eps, heads=self.heads, fixed=fixed)
 
     # ----------------------------------------------------------------- modules
     def call_module(self, node, m: nn.Module) -> None:
@@ -751,8 +753,8 @@ class _Walk:
         else:
             self.fail(
                 node,
-                f"{type(m).__name__} is not supported (supported: Linear, Bilinear, Conv1d/2d, Embedding(Bag), LSTM, GRU, "
-                "RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
+                f"{type(m).__name__} is not supported (supported: Linear, Bilinear, Conv1d/2d, Embedding(Bag), LSTM, "
+                "GRU, RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
             )
 
     def bilinear(self, node, m: nn.Bilinear) -> None:
@@ -1015,14 +1017,11 @@ class _Walk:
         """Refuse ``value``, a root of a permuted width (``d ** -0.5``, ``math.sqrt(k.size(-1))``),
         where it scales a tensor: fusion changes the width, and the scale with it. A width itself
         (``h.sum(-1) / h.shape[-1]``, a mean written by hand) follows the units as ``mean`` does."""
-        read = next((x.name for x, axis in self.widths_read(value) if self.permuted_axis(x, axis)), None)
-        if read is not None and _rooted(value):
-            self.fail(
-                node,
-                f"{what} computed as a root of the width of {read}'s units ({value.name}): fusion changes that "
-                "width, and with it the scale (an attention scale 1/sqrt(d), say); write the clients' constant, "
-                "or give a spec",
-            )
+        if not _rooted(value):
+            return
+        for x, axis in self.widths_read(value):
+            if self.permuted_axis(x, axis):
+                self.mark_fixed(self.raw(x).var, f"{what} computed as a root of their width, {value.name}")
 
     def binary(self, node, a, b) -> None:
         if _shape(node) is not None:  # a tensor: numbers computed from widths that scale it
@@ -1100,7 +1099,7 @@ class _Walk:
         if not 0 <= at < len(view) or view[at] != n or int(np.prod(view)) != n:
             return False
         if base not in self.parameters and self.permuted(g):
-            raise UnsupportedLayerError(f"{type(self.model).__name__}: {p.name}: " + _BUFFER_ALONG_UNITS.format(base))
+            self.mark_fixed(g.var, _BUFFER_ALONG_UNITS.format(base))
         self.set_axes(base, [(g.var, g.outer, g.inner)])
         return True
 
@@ -1123,7 +1122,7 @@ class _Walk:
         if dim < 0 or value.shape[dim] == 1 and shape[f.dim] != 1:
             return  # broadcast along the units: a scalar per position, no permuted axis
         if target not in self.parameters and self.permuted(f):
-            self.fail(node, _BUFFER_ALONG_UNITS.format(target))
+            self.mark_fixed(f.var, _BUFFER_ALONG_UNITS.format(target))
         dims: list[tuple[int, int, int] | None] = [None] * value.dim()
         dims[dim] = (f.var, f.outer, f.inner)
         self.set_axes(target, dims)
@@ -1175,11 +1174,7 @@ class _Walk:
             if (fq.outer, fq.inner) != (fk.outer, fk.inner):
                 self.fail(node, "queries and keys whose units lie in different blocks")
             if scale is None:
-                self.fail(
-                    node,
-                    "scaled_dot_product_attention without scale= scales by the queries' width, which fusion "
-                    "changes: pass scale=1/sqrt(d) with the clients' d",
-                )
+                self.mark_fixed(fq.var, "scaled_dot_product_attention without scale= scales by the queries' width")
             self.classes.union(fq.var, fk.var)
         self.labels[node] = fv
 
@@ -1278,14 +1273,9 @@ class _Walk:
         else:
             sizes = args[1] if len(args) > 1 else kwargs.get(count)
             literal = what in ("split", "tensor_split") and not (what == "tensor_split" and isinstance(sizes, int))
-            if literal and not any(self.permuted_axis(x, axis) for x, axis in self.widths_read(sizes)):
-                self.fail(
-                    node,
-                    f"{what} of the units' axis by widths written in the code ({sizes}): fusion changes the width, "
-                    "and the pieces would no longer be the units' (chunk(n) cuts into n pieces at any width, as "
-                    "does a width read off the tensor, h.shape[-1] // n); give a spec",
-                )
             piece = self.equal_pieces(node, f, [s[dim] for s in shapes])
+            if literal and not any(self.permuted_axis(x, axis) for x, axis in self.widths_read(sizes)):
+                self.mark_fixed(piece.var, f"its forward cuts them by {what}({sizes}), widths written in the code")
         if what == "glu":
             self.labels[node] = piece
         else:
@@ -1328,6 +1318,7 @@ class _Walk:
 
         self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
         self.labels = {node: relabel(label) for node, label in self.labels.items()}
+        self.fixed = [(new if self.classes.find(v) == root else v, why) for v, why in self.fixed]
         self.module_vars = {
             key: tuple(_GONE if v is not None and v != _GONE and self.classes.find(v) == root else v for v in vs)
             for key, vs in self.module_vars.items()
@@ -1547,46 +1538,41 @@ class _Walk:
         (``q.view(B, N, heads, C // heads)``, a fused projection's ``reshape(B, N, 3, heads, -1)``):
         the units become blocks, one per head (:meth:`refine`), permuted alike, so one
         permutation of the features within a head serves every head (a restriction of the
-        heads' symmetry that keeps their widths equal, as the reshape needs). The number of heads
-        must be written as a number; where the width within a head is read off another
-        stream's width (``C // heads``), that stream's units are cut into as many blocks and tied
-        to the heads' features, so that the widths the reshape reads agree at any fused width."""
+        heads' symmetry that keeps their widths equal, as the reshape needs); where the width
+        within a head is read off another stream's width (``C // heads``), :meth:`reshape` ties
+        that stream to them. Where the number of heads is not written as a number, or the width
+        within a head is (``view(B, -1, heads, 8)``: the tokens' axis would take what fusion
+        adds), the forward fixes the width (:meth:`mark_fixed`)."""
         n = src[f.dim] // (f.outer * f.inner)
         shape_args = _target_shape(node)
-        if shape_args is None:
-            self.fail(
-                node,
-                f"this reshape {src} -> {dst} splits the units of one axis with a target shape computed whole "
-                "(x.size()[:-1] + (heads, d), say): write it axis by axis (x.view(B, N, heads, -1)), or give a spec",
-            )
+        if shape_args is not None and len(shape_args) != len(dst):
+            shape_args = None
         prefix = int(np.prod(src[: f.dim]))
         for m in (m for m in range(2, n + 1) if n % m == 0):
             placed = _placed(_Feature(f.var, f.dim, f.outer * m, f.inner), src, dst)
             if placed is None:
                 continue
             k0 = next((k for k in range(len(dst) + 1) if int(np.prod(dst[:k])) == prefix), None)
-            if len(shape_args) != len(dst) or k0 is None or k0 > placed.dim:
+            if k0 is None or k0 > placed.dim:
                 break
-            for k in range(k0, placed.dim):
-                if isinstance(shape_args[k], bool) or not isinstance(shape_args[k], int) or shape_args[k] < 1:
-                    self.fail(
-                        node,
-                        f"this reshape {src} -> {dst} cuts the units into heads whose number (axis {k}) is computed "
-                        "in the forward: write the number of heads as a number (and -1, or the width read off the "
-                        "tensor, for the features within a head), or give a spec",
-                    )
-            width = shape_args[placed.dim]
-            if width != -1 and not any(self.permuted_axis(x, axis) for x, axis in self.widths_read(width)):
-                self.fail(
-                    node,
-                    f"this reshape {src} -> {dst} cuts the units into heads of a width ({dst[placed.dim]}) fixed by "
-                    "the code: fusion changes it; write -1 or read it off the tensor (C // heads), or give a spec",
-                )
-            return _Feature(self.refine(f.var, m), placed.dim, placed.outer, placed.inner)
+            out = _Feature(self.refine(f.var, m), placed.dim, placed.outer, placed.inner)
+            if shape_args is None:
+                self.mark_fixed(out.var, "its forward cuts them into heads by a target shape computed whole")
+            elif any(isinstance(a, bool) or not isinstance(a, int) or a < 1 for a in shape_args[k0 : placed.dim]):
+                self.mark_fixed(out.var, "its forward counts its heads from a width within a head")
+            elif shape_args[placed.dim] != -1 and not any(
+                self.permuted_axis(x, axis) for x, axis in self.widths_read(shape_args[placed.dim])
+            ):
+                self.mark_fixed(out.var, f"its forward cuts them into heads of {dst[placed.dim]} written in the code")
+            return out
         self.fail(
             node,
             f"this reshape {src} -> {dst} splits the units of one axis in a way that cannot be followed; give a spec",
         )
+
+    def mark_fixed(self, var: int, why: str) -> None:
+        """Record that the forward fixes the width of ``var``'s units (:attr:`PermutationSpec.fixed`)."""
+        self.fixed.append((var, why))
 
     def widths_read(self, a) -> list[tuple]:
         """The ``(tensor, axis)`` pairs whose sizes the number ``a`` (no tensor) is computed from

@@ -147,3 +147,20 @@ def test_multiplicative_encodings_with_a_zero_cannot_be_unfolded():
     with pytest.raises(ValueError, match="vanishes"):
         unfold_encodings(state, big)
     check_unfoldable(replace(spec, encodings={"P": Encoding("add", 1.0, 5.0, after="a")}))  # add: any amplitude
+
+
+def test_spec_json_round_trip_keeps_the_widths_a_forward_fixes():
+    import dataclasses
+    import json
+
+    from bayesfuse.inference.spec import spec_from_dict, spec_to_dict
+
+    plain = chain(dense("a", None, "P"), dense("b", "P", None))
+    fixed = dataclasses.replace(plain, fixed={"P": "its forward cuts them by split(4)"})
+    assert "fixed" not in spec_to_dict(plain)
+    assert spec_from_dict(json.loads(json.dumps(spec_to_dict(fixed)))) == fixed
+    with pytest.raises(ValueError, match="'fixed' maps groups it lists"):
+        dataclasses.replace(plain, fixed={"Q": "why"})
+    with pytest.raises(ValueError, match="gives the units of P another width"):
+        fixed.check_free_widths("pfnm")
+    plain.check_free_widths("pfnm")  # nothing fixed: nothing refused

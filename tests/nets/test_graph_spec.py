@@ -598,19 +598,34 @@ class _Pieces(nn.Module):
 @pytest.mark.parametrize(
     "how, says",
     [
-        ("unequal", "split of the units' axis by widths written in the code ([4, 8])"),
-        ("a width kept", "split of the units' axis by widths written in the code (4)"),
+        ("unequal", "cutting the units' axis into pieces of widths [4, 8]"),
         ("unbind", "unbind of the units' axis"),
         ("called again", "fc is called again after the units it reads or writes were cut"),
-        ("a buffer along the units", "buffer 'mask' holds a number per hidden unit"),
         ("the input cut", "the two operands' units lie on different axes"),
     ],
 )
 def test_pieces_that_cannot_be_followed_are_refused_in_one_line(how, says):
-    model = _Pieces(how)
-    model.register_buffer("mask", torch.ones(6))
     with pytest.raises(UnsupportedLayerError, match=re.escape(says)):
-        spec_from_module(model, torch.zeros(2, 64))
+        spec_from_module(_Pieces(how), torch.zeros(2, 64))
+
+
+@pytest.mark.parametrize(
+    "how, why",
+    [
+        ("a width kept", "its forward cuts them by split(4), widths written in the code"),
+        ("a buffer along the units", "buffer 'mask' holds a number per unit"),
+    ],
+)
+def test_pieces_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, why):
+    torch.manual_seed(0)
+    models = [_Pieces(how).eval() for _ in range(2)]
+    for m in models:
+        m.register_buffer("mask", torch.rand(6))
+    spec = spec_from_module(models[0], torch.zeros(2, 64))
+    assert len(spec.fixed) == 1 and next(iter(spec.fixed.values())).startswith(why)
+    with pytest.raises(ValueError, match=re.escape(f"the network's forward fixes that width ({why}")):
+        bayesfuse.fuse(models, "nafi")
+    assert bayesfuse.fuse(models, "ot").model(torch.randn(5, 64)).shape == (5, 3)
 
 
 def test_a_mean_written_by_hand_divides_by_the_width_as_mean_does():
@@ -657,6 +672,9 @@ class _Heads(nn.Module):
         super().__init__()
         self.how, self.qk, self.head = how, nn.Linear(16, 16), nn.Linear(4, 3)
 
+    def example_input(self):
+        return torch.zeros(2, 64)
+
     def forward(self, x):
         t = self.qk(x.view(-1, 4, 16))
         if self.how == "the heads counted":  # by the code, from a width within a head written as a number
@@ -674,18 +692,34 @@ class _Heads(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "how, says",
+    "how, why",
     [
-        ("a computed scale", "a number that scales a tensor is computed as a root of the width"),
-        ("a scale made a tensor", "a number that scales a tensor is computed as a root of the width"),
-        ("a scale in sdpa", "the attention's scale is computed as a root of the width"),
-        ("the heads counted", "cuts the units into heads whose number (axis 2) is computed"),
-        ("a width within a head written", "cuts the units into heads of a width (8) fixed by the code"),
+        ("a computed scale", "a number that scales a tensor is computed as a root of their width"),
+        ("a scale made a tensor", "a number that scales a tensor is computed as a root of their width"),
+        ("a scale in sdpa", "the attention's scale is computed as a root of their width"),
+        ("the heads counted", "its forward counts its heads from a width within a head"),
+        ("a width within a head written", "its forward cuts them into heads of 8 written in the code"),
     ],
 )
-def test_heads_whose_widths_fusion_would_change_unseen_are_refused_in_one_line(how, says):
-    with pytest.raises(UnsupportedLayerError, match=re.escape(says)):
-        spec_from_module(_Heads(how), torch.zeros(2, 64))
+def test_heads_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, why):
+    """A permuted copy keeps the function; PFNM and FedMA, which change widths, refuse in one line
+    naming why; OT, which keeps them, fuses."""
+    torch.manual_seed(0)
+    models = [_Heads(how).eval() for _ in range(2)]
+    x = torch.randn(20, 64)
+    spec = spec_from_module(models[0], x[:2])
+    assert set(spec.fixed) == {"P1"} and spec.fixed["P1"].startswith(why)
+    state = {k: v.numpy() for k, v in models[0].state_dict().items()}
+    perms = random_permutations(spec.sizes(state), np.random.default_rng(0))
+    copy = _Heads(how)
+    copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    assert _gap(models[0], copy.eval(), x) < 1e-4
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"gives the units of P1 another width, and the network's forward fixes that width ({why}"),
+    ):
+        bayesfuse.fuse(models, "pfnm")
+    assert _gap(models[0], bayesfuse.fuse([models[0], copy], "ot").model, x) < 1e-4
 
 
 def test_a_frozen_layer_comes_back_frozen():
