@@ -72,7 +72,6 @@ class UnsupportedLayerError(TypeError):
 
 _FIXED = 0  # the union-find class of axes no permutation moves (the input, the classes)
 _BUFFER_ALONG_UNITS = "buffer {!r} holds a number per unit (a rotary table, a mask), made for that width"
-_GONE = -1  # a module's variable whose units were cut into blocks after it was made (_Walk.refine)
 
 #: Leaf modules that act within each unit of the axis they are given.
 _ELEMENTWISE_MODULES = (
@@ -504,7 +503,7 @@ class _Walk:
         self.var_producer: dict[int, str] = {}  # a Linear/Conv module's output variable -> its name
         self.folds: dict[str, str] = {}
         self.order: list[int] = []
-        self.gone: set[int] = set()  # classes re-described as blocks of a new one (refine)
+        self.cut: dict[int, tuple[int, int]] = {}  # a class re-described as blocks -> (the new one, blocks)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
@@ -632,7 +631,7 @@ class _Walk:
         names: dict[int, str] = {}
         for v in self.order:
             r = self.classes.find(v)
-            if r != _FIXED and r not in names and r not in self.gone:
+            if r != _FIXED and r not in names and r not in self.cut:
                 names[r] = f"P{len(names) + 1}"
         axes = {}
         for entry, dims in self.axes.items():
@@ -669,11 +668,11 @@ class _Walk:
             f = f if self.permuted(f) else None
             if f is not None and f.dim != len(_tensor_shape(inp)) - 1:
                 self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
-            out = self.layer_vars(name, f, node)
-            self.set_axes(f"{name}.weight", [(out, 1, 1), self.in_axis(f)])
+            out, cut = self.layer_vars(name, f, node)
+            self.set_axes(f"{name}.weight", [(out, cut, 1), self.in_axis(f)])
             if m.bias is not None:
-                self.set_axes(f"{name}.bias", [(out, 1, 1)])
-            self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1)
+                self.set_axes(f"{name}.bias", [(out, cut, 1)])
+            self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut)
             self.producer[node] = name
             self.var_producer.setdefault(out, name)
         elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
@@ -684,12 +683,14 @@ class _Walk:
             if m.groups != 1 and not depthwise:
                 self.grouped_conv(node, m, f)
                 return
-            out = (f.var if f is not None else _FIXED) if depthwise else self.layer_vars(name, f, node)
+            out, cut = (
+                ((f.var, f.outer) if f is not None else (_FIXED, 1)) if depthwise else self.layer_vars(name, f, node)
+            )
             kernel = [None] * (m.weight.dim() - 2)
-            self.set_axes(f"{name}.weight", [(out, 1, 1), None if depthwise else self.in_axis(f), *kernel])
+            self.set_axes(f"{name}.weight", [(out, cut, 1), None if depthwise else self.in_axis(f), *kernel])
             if m.bias is not None:
-                self.set_axes(f"{name}.bias", [(out, 1, 1)])
-            self.labels[node] = _Feature(out, 1)
+                self.set_axes(f"{name}.bias", [(out, cut, 1)])
+            self.labels[node] = _Feature(out, 1, cut)
             self.producer[node] = name
             if not depthwise:
                 self.var_producer.setdefault(out, name)
@@ -698,9 +699,9 @@ class _Walk:
         elif isinstance(m, nn.GLU):
             self.pieces(node, [inp, m.dim], {}, (None, "dim", -1), "glu")
         elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            out = self.layer_vars(name, None, node)
-            self.set_axes(f"{name}.weight", [None, (out, 1, 1)])
-            self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1)
+            out, cut = self.layer_vars(name, None, node)
+            self.set_axes(f"{name}.weight", [None, (out, cut, 1)])
+            self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut)
         elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
             self.norm(node, m, f, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
             if m.num_batches_tracked is not None:
@@ -771,11 +772,11 @@ class _Walk:
                 self.fail(node, "a Bilinear layer that reads units on an axis other than the last is not supported")
             features.append(f)
         name = node.target
-        out = self.layer_vars(name, features[0], node)
-        self.set_axes(f"{name}.weight", [(out, 1, 1), self.in_axis(features[0]), self.in_axis(features[1])])
+        out, cut = self.layer_vars(name, features[0], node)
+        self.set_axes(f"{name}.weight", [(out, cut, 1), self.in_axis(features[0]), self.in_axis(features[1])])
         if m.bias is not None:
-            self.set_axes(f"{name}.bias", [(out, 1, 1)])
-        self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1)
+            self.set_axes(f"{name}.bias", [(out, cut, 1)])
+        self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut)
         self.producer[node] = name
         self.var_producer.setdefault(out, name)
 
@@ -799,12 +800,12 @@ class _Walk:
                 )
             f = _Feature(self.refine(f.var, cut) if cut > 1 else f.var, f.dim, f.outer * cut)
             in_axis = (f.var, f.outer // g, 1)
-        out = self.layer_vars(name, f, node)
+        out, cut = self.layer_vars(name, f, node)
         kernel = [None] * (m.weight.dim() - 2)
-        self.set_axes(f"{name}.weight", [(out, g, 1), in_axis, *kernel])
+        self.set_axes(f"{name}.weight", [(out, g * cut, 1), in_axis, *kernel])
         if m.bias is not None:
-            self.set_axes(f"{name}.bias", [(out, g, 1)])
-        self.labels[node] = _Feature(out, 1, g)
+            self.set_axes(f"{name}.bias", [(out, g * cut, 1)])
+        self.labels[node] = _Feature(out, 1, g * cut)
         self.producer[node] = name
         self.var_producer.setdefault(out, name)
 
@@ -835,13 +836,13 @@ class _Walk:
             key = f"{name}#{k}"  # one variable per layer, the same on every call of the module
             if key not in self.module_vars:
                 self.module_vars[key] = (None, self.new())
-            if _GONE in self.module_vars[key]:
-                self.fail(node, f"{name} is called again after the units it reads or writes were cut into pieces")
-            h = self.module_vars[key][1]
+            h, cut = self.resolve(self.module_vars[key][1])
+            if cut > 1:
+                self.fail(node, f"{name} is called again after its units were cut into pieces; give a spec")
             if below is not None:
                 old_in = self.module_vars[key][0]
                 if old_in is not None:
-                    self.classes.union(old_in, below.var)
+                    self.classes.union(self.resolve(old_in)[0], below.var)
                 self.module_vars[key] = (below.var, h)
             for d in directions:
                 self.set_axes(f"{name}.weight_ih_l{k}{d}", [(h, gates, 1), self.in_axis(below)])
@@ -869,18 +870,25 @@ class _Walk:
         )
         self.labels[node] = _Recurrent(output, _Parts((state, state)) if gates == 4 else state)
 
-    def layer_vars(self, name: str, f: _Feature | None, node) -> int:
-        """The output variable of module ``name`` (the same on every call of it)."""
+    def layer_vars(self, name: str, f: _Feature | None, node) -> tuple[int, int]:
+        """The output variable of module ``name`` (the same on every call of it) and the blocks its
+        units were cut into since its first call (1 if none, :meth:`resolve`)."""
         if name in self.module_vars:
             old_in, out = self.module_vars[name]
-            if _GONE in (old_in, out):
-                self.fail(node, f"{name} is called again after the units it reads or writes were cut into pieces")
             if f is not None and old_in is not None:
-                self.classes.union(old_in, f.var)
-            return out
+                self.classes.union(self.resolve(old_in)[0], f.var)
+            return self.resolve(out)
         out = self.new()
         self.module_vars[name] = (f.var if f is not None else None, out)
-        return out
+        return out, 1
+
+    def resolve(self, var: int) -> tuple[int, int]:
+        """The class that ``var``'s units are now blocks of, and how many blocks (:meth:`refine`)."""
+        root, blocks = self.classes.find(var), 1
+        while root in self.cut:
+            new, m = self.cut[root]
+            root, blocks = self.classes.find(new), blocks * m
+        return root, blocks
 
     def in_axis(self, f: _Feature | None):
         return None if f is None else (f.var, f.outer, f.inner)
@@ -978,6 +986,8 @@ class _Walk:
             self.concat(node, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
         elif fn in _PIECES:
             self.pieces(node, args, kwargs, _PIECES[fn], _name(fn))
+        elif fn is torch.stack:
+            self.stack(node, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
         elif fn is operator.getitem:
             self.getitem(node, args[0])
         elif fn is getattr:
@@ -1206,6 +1216,29 @@ class _Walk:
                 self.param_axis(g[1], node, f, _tensor_shape(node))
         self.labels[node] = f
 
+    def stack(self, node, tensors: list, dim) -> None:
+        """``torch.stack(tensors, dim)``: a new axis, the operands' units on theirs (one
+        permutation for all, as ``a + b`` ties them), moved by one where the new axis is before."""
+        if not isinstance(dim, int):
+            self.opaque(node, tensors, "stack along a dim computed in the forward")
+            return
+        for t in tensors:  # pieces read whole, indices...: refused here, where they are read
+            if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts)):
+                self.feature(t)
+        features = [self.raw(t) if isinstance(self.raw(t), _Feature) else None for t in tensors]
+        permuted = [f for f in features if self.permuted(f)]
+        if not permuted:
+            self.labels[node] = None
+            return
+        f = permuted[0]
+        for g, t in zip(features, tensors):
+            if g is None or g.dim != f.dim or (g.outer, g.inner) != (f.outer, f.inner):
+                what = t.name if isinstance(t, fx.Node) else repr(t)
+                self.fail(node, f"stacking an operand ({what}) whose units are not the others' (their axis, blocks)")
+            self.classes.union(f.var, g.var)
+        dim %= len(_tensor_shape(node))
+        self.labels[node] = _Feature(f.var, f.dim + (dim <= f.dim), f.outer, f.inner)
+
     def units_concat(self, node, tensors: list, features: list, f: _Feature) -> None:
         """Streams side by side on their units' axis (``torch.cat([a, b], 1)``): one permutation
         for all of them, each a block of the result, so a global unit is one unit of each (as the
@@ -1319,14 +1352,10 @@ class _Walk:
         self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
         self.labels = {node: relabel(label) for node, label in self.labels.items()}
         self.fixed = [(new if self.classes.find(v) == root else v, why) for v, why in self.fixed]
-        self.module_vars = {
-            key: tuple(_GONE if v is not None and v != _GONE and self.classes.find(v) == root else v for v in vs)
-            for key, vs in self.module_vars.items()
-        }
+        self.cut[root] = (new, m)  # a module called again finds its units through this (resolve)
         for v, name in list(self.var_producer.items()):
             if self.classes.find(v) == root:
                 self.var_producer.setdefault(new, name)
-        self.gone.add(root)
         return new
 
     def reduce_along(self, node, args: list, kwargs, *, at: int):

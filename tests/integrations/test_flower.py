@@ -269,6 +269,18 @@ def test_a_users_class_given_as_like_is_traced_and_fused(clients):
     with pytest.raises(ValueError, match="KL-fusion reads HorseshoeBNN"):
         MatchedAveraging("kl", like=_Wrapped())
 
+    class Split(torch.nn.Module):  # split by a width written in the code: its forward fixes that width
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.head = torch.nn.Linear(64, 16), torch.nn.Linear(8, 10)
+
+        def forward(self, x):
+            a, b = self.fc(x).split(8, 1)
+            return self.head(a * b)
+
+    with pytest.raises(ValueError, match=r"method='fedma' gives the units of P1 another width.*split\(8\)"):
+        FedMA(like=Split(), min_train_nodes=3, fraction_evaluate=0.0)
+
 
 def test_kl_fusion_of_bnn_replies(clients):
     from bayesfuse.models.bnn import BNNConfig, train_bnn

@@ -51,6 +51,7 @@ from tests.nets.user_nets import (
     QKVAttention,
     ReducedCNN,
     ResMLP,
+    SharedBlocks,
     SkipCNN,
     SlopesCNN,
     SplitAttention,
@@ -97,6 +98,7 @@ NETS = [
     ViewHeadsAttention,  # q.view(B, N, heads, C // heads), C read off the stream
     GroupedCNN,  # convolutions of 4 and 2 groups
     BilinearNet,  # nn.Bilinear of two branches, and of one stream with itself
+    SharedBlocks,  # modules called again after their units were cut
 ]
 
 
@@ -573,7 +575,7 @@ class _Pieces(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how, self.fc, self.head = how, nn.Linear(64, 12), nn.Linear(4 if how == "a width kept" else 6, 3)
-        self.wide = nn.Linear(64, 64)
+        self.wide, self.rnn = nn.Linear(64, 64), nn.LSTM(6, 6, batch_first=True)
 
     def forward(self, x):
         h = torch.relu(self.fc(x))
@@ -582,9 +584,9 @@ class _Pieces(nn.Module):
             return self.head(torch.cat([a, b[:, :2]], 1))
         if self.how == "unbind":
             return self.head(torch.stack(h.unbind(1)[:6], 1))
-        if self.how == "called again":
-            a, b = h.chunk(2, 1)
-            return self.head(a * b) + self.head(torch.relu(self.fc(x))[:, :6])
+        if self.how == "an LSTM called again":
+            a, b = self.rnn(h.view(-1, 2, 6))[0][:, -1].chunk(2, 1)
+            return self.head(torch.cat([a * b, self.rnn(h.view(-1, 2, 6))[0][:, 0, :3]], 1))
         if self.how == "a buffer along the units":
             a, b = h.chunk(2, 1)
             return self.head(a * b * self.mask)
@@ -600,7 +602,7 @@ class _Pieces(nn.Module):
     [
         ("unequal", "cutting the units' axis into pieces of widths [4, 8]"),
         ("unbind", "unbind of the units' axis"),
-        ("called again", "fc is called again after the units it reads or writes were cut"),
+        ("an LSTM called again", "rnn is called again after its units were cut into pieces"),
         ("the input cut", "the two operands' units lie on different axes"),
     ],
 )
@@ -658,7 +660,7 @@ def test_heads_written_by_hand_are_blocks_of_one_permutation_tied_to_the_widths_
     assert spec.axes["up.weight"][0].outer == 2 and spec.axes["up.weight"][0].group != p
     views = spec_from_module(ViewHeadsAttention())
     assert {views.axes[f"{n}.weight"][0] for n in ("embed", "q", "k", "v", "o")} == {Axis("P1", 4)}
-    for cls in (QKVAttention, ViewHeadsAttention):
+    for cls in (QKVAttention, ViewHeadsAttention, SharedBlocks):  # the last calls its modules again after cuts
         models = [_random(cls, s) for s in range(3)]
         for method in ("pfnm", "nafi"):
             fused = bayesfuse.fuse(models, method)

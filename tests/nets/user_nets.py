@@ -746,3 +746,27 @@ class BilinearNet(nn.Module):
     def forward(self, x):
         h = torch.tanh(self.pair(torch.relu(self.a(x)), torch.relu(self.b(x))))
         return self.head(torch.tanh(self.self_pair(h, h)))
+
+
+class SharedBlocks(nn.Module):
+    """Modules called again after their units were cut: a siamese encoder whose first output is
+    cut into halves before its second call, and one attention block (heads written by hand)
+    applied twice in a loop, weights shared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.embed = nn.Linear(32, 16), nn.Linear(8, 16)
+        self.qkv, self.proj, self.head = nn.Linear(16, 48), nn.Linear(16, 16), nn.Linear(16, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        a, b = torch.relu(self.enc(x[:, :32])).chunk(2, 1)
+        c, d = torch.relu(self.enc(x[:, 32:])).chunk(2, 1)
+        t = self.embed(torch.stack([a * c, b * d], 1))  # (N, 2 tokens, 16)
+        B, N, C = t.shape
+        for _ in range(2):
+            q, k, v = self.qkv(t).reshape(B, N, 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            t = t + self.proj(((q @ k.transpose(-2, -1)) * 0.35).softmax(-1).matmul(v).transpose(1, 2).reshape(B, N, C))
+        return self.head(t.mean(1))
