@@ -683,14 +683,15 @@ class _Walk:
             if m.groups != 1 and not depthwise:
                 self.grouped_conv(node, m, f)
                 return
-            out, cut = (
-                ((f.var, f.outer) if f is not None else (_FIXED, 1)) if depthwise else self.layer_vars(name, f, node)
-            )
+            if depthwise:  # one filter per channel: the channels' units as they are, blocks and all
+                out, cut, inner = (f.var, f.outer, f.inner) if f is not None else (_FIXED, 1, 1)
+            else:
+                (out, cut), inner = self.layer_vars(name, f, node), 1
             kernel = [None] * (m.weight.dim() - 2)
-            self.set_axes(f"{name}.weight", [(out, cut, 1), None if depthwise else self.in_axis(f), *kernel])
+            self.set_axes(f"{name}.weight", [(out, cut, inner), None if depthwise else self.in_axis(f), *kernel])
             if m.bias is not None:
-                self.set_axes(f"{name}.bias", [(out, cut, 1)])
-            self.labels[node] = _Feature(out, 1, cut)
+                self.set_axes(f"{name}.bias", [(out, cut, inner)])
+            self.labels[node] = _Feature(out, 1, cut, inner)
             self.producer[node] = name
             if not depthwise:
                 self.var_producer.setdefault(out, name)
@@ -982,12 +983,18 @@ class _Walk:
             self.arg_extremum(node, args, kwargs)
         elif fn in (torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze):
             self.move(node, args[0])
+        elif fn is torch.cat and not isinstance(args[0] if args else kwargs.get("tensors"), (list, tuple)):
+            self.opaque(node, [*args, *kwargs.values()], "cat of what cannot be read as a list of tensors")
         elif fn is torch.cat:
-            self.concat(node, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            self.concat(
+                node, list(args[0] if args else kwargs["tensors"]), args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            )
         elif fn in _PIECES:
             self.pieces(node, args, kwargs, _PIECES[fn], _name(fn))
         elif fn is torch.stack:
-            self.stack(node, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            self.stack(
+                node, args[0] if args else kwargs.get("tensors"), args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            )
         elif fn is operator.getitem:
             self.getitem(node, args[0])
         elif fn is getattr:
@@ -1030,8 +1037,9 @@ class _Walk:
         if not _rooted(value):
             return
         for x, axis in self.widths_read(value):
-            if self.permuted_axis(x, axis):
-                self.mark_fixed(self.raw(x).var, f"{what} computed as a root of their width, {value.name}")
+            at = self.units_at(x, axis)
+            if at is not None:
+                self.mark_fixed(at[0], f"{what} computed as a root of their width, {value.name}")
 
     def binary(self, node, a, b) -> None:
         if _shape(node) is not None:  # a tensor: numbers computed from widths that scale it
@@ -1216,16 +1224,28 @@ class _Walk:
                 self.param_axis(g[1], node, f, _tensor_shape(node))
         self.labels[node] = f
 
-    def stack(self, node, tensors: list, dim) -> None:
+    def stack(self, node, tensors, dim) -> None:
         """``torch.stack(tensors, dim)``: a new axis, the operands' units on theirs (one
-        permutation for all, as ``a + b`` ties them), moved by one where the new axis is before."""
+        permutation for all, as ``a + b`` ties them), moved by one where the new axis is before.
+        ``tensors`` may be a list, or one node holding pieces (``torch.stack(h.chunk(2, -1), 1)``)."""
+        parts = self.raw(tensors) if isinstance(tensors, fx.Node) else None
+        if isinstance(parts, _Parts):
+            tensors, features = (
+                [tensors] * len(parts.parts),
+                [p if isinstance(p, _Feature) else None for p in parts.parts],
+            )
+        elif isinstance(tensors, (list, tuple)):
+            tensors = list(tensors)
+            for t in tensors:  # pieces read whole, indices...: refused here, where they are read
+                if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts)):
+                    self.feature(t)
+            features = [self.raw(t) if isinstance(self.raw(t), _Feature) else None for t in tensors]
+        else:
+            self.opaque(node, [tensors], "stack of what cannot be read as a list of tensors")
+            return
         if not isinstance(dim, int):
             self.opaque(node, tensors, "stack along a dim computed in the forward")
             return
-        for t in tensors:  # pieces read whole, indices...: refused here, where they are read
-            if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts)):
-                self.feature(t)
-        features = [self.raw(t) if isinstance(self.raw(t), _Feature) else None for t in tensors]
         permuted = [f for f in features if self.permuted(f)]
         if not permuted:
             self.labels[node] = None
@@ -1305,10 +1325,11 @@ class _Walk:
             piece = f
         else:
             sizes = args[1] if len(args) > 1 else kwargs.get(count)
-            literal = what in ("split", "tensor_split") and not (what == "tensor_split" and isinstance(sizes, int))
+            by_widths = what in ("split", "tensor_split") and not (what == "tensor_split" and isinstance(sizes, int))
             piece = self.equal_pieces(node, f, [s[dim] for s in shapes])
-            if literal and not any(self.permuted_axis(x, axis) for x, axis in self.widths_read(sizes)):
-                self.mark_fixed(piece.var, f"its forward cuts them by {what}({sizes}), widths written in the code")
+            listed = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
+            if by_widths and not all(self.scales(w) for w in listed):
+                self.mark_fixed(piece.var, f"its forward cuts them by {what}({sizes}), {_kept(listed)}")
         if what == "glu":
             self.labels[node] = piece
         else:
@@ -1527,22 +1548,24 @@ class _Walk:
         if at is None:
             return None
         element = index[at]
-        if not (
-            isinstance(element, slice)
-            and all(
-                v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (element.start, element.stop)
-            )
-            and element.step in (None, 1)
-        ):
+        if not isinstance(element, slice) or element.step not in (None, 1):
+            return None
+        bounds = [None if v is None else self.number(v) for v in (element.start, element.stop)]
+        if any(b is None and v is not None for b, v in zip(bounds, (element.start, element.stop))):
             return None
         size = shape[f.dim]
-        start, stop, _ = element.indices(size)
+        start, stop, _ = slice(*bounds).indices(size)
         n = size // f.outer
         if stop <= start or start % n or stop % n:
             return None
         whole = index[:at] + (slice(None),) + index[at + 1 :]
         where = _indexed_axis(whole, len(shape), f.dim, out_rank)
-        return None if not isinstance(where, int) else _Feature(f.var, where, (stop - start) // n, 1)
+        if not isinstance(where, int):
+            return None
+        if any(v is not None and v != 0 and not self.scales(v) for v in (element.start, element.stop)):
+            bounds = [v for v in (element.start, element.stop) if v is not None]
+            self.mark_fixed(f.var, f"its forward slices them at {element.start}:{element.stop}, {_kept(bounds)}")
+        return _Feature(f.var, where, (stop - start) // n, 1)
 
     def reshape(self, node, a) -> None:
         """Follow the units through a reshape that keeps each unit's numbers in one axis, or that
@@ -1589,10 +1612,9 @@ class _Walk:
                 self.mark_fixed(out.var, "its forward cuts them into heads by a target shape computed whole")
             elif any(isinstance(a, bool) or not isinstance(a, int) or a < 1 for a in shape_args[k0 : placed.dim]):
                 self.mark_fixed(out.var, "its forward counts its heads from a width within a head")
-            elif shape_args[placed.dim] != -1 and not any(
-                self.permuted_axis(x, axis) for x, axis in self.widths_read(shape_args[placed.dim])
-            ):
-                self.mark_fixed(out.var, f"its forward cuts them into heads of {dst[placed.dim]} written in the code")
+            elif shape_args[placed.dim] != -1 and not self.scales(shape_args[placed.dim]):
+                width = shape_args[placed.dim]
+                self.mark_fixed(out.var, f"its forward cuts them into heads of {dst[placed.dim]}, {_kept([width])}")
             return out
         self.fail(
             node,
@@ -1612,36 +1634,69 @@ class _Walk:
             meta = a.meta["tensor_meta"]
             if not hasattr(meta, "shape") or tuple(meta.shape) != () or isinstance(self.raw(a), _Feature):
                 return []
-        if a.op == "call_method" and a.target == "size" and len(a.args) + len(a.kwargs) > 1:
-            axis = a.args[1] if len(a.args) > 1 else a.kwargs.get("dim")
-            return [(a.args[0], axis)] if isinstance(a.args[0], fx.Node) and isinstance(axis, int) else []
-        if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[0], fx.Node):
-            whole = a.args[0]  # x.shape[i], x.size()[i]
-            shape_of = (whole.op == "call_function" and whole.target is getattr and whole.args[1] == "shape") or (
-                whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1
-            )
-            if shape_of and isinstance(a.args[1], int) and isinstance(whole.args[0], fx.Node):
-                return [(whole.args[0], a.args[1])]
+        read = _size_read(a)
+        if read is not None:
+            return [read]
         return [w for b in _flat(list(a.args) + list(a.kwargs.values())) for w in self.widths_read(b)]
 
     def permuted_axis(self, x, axis: int) -> bool:
-        """Whether ``axis`` of ``x`` holds permuted units."""
+        """Whether ``axis`` of ``x`` holds permuted units (an activation's, or a parameter's that
+        a layer traced before permutes: ``self.fc.weight.shape[0]``)."""
+        return self.units_at(x, axis) is not None
+
+    def units_at(self, x, axis: int) -> tuple[int, int, int] | None:
+        """``(var, outer, inner)`` of the permuted units on ``axis`` of ``x``, else None."""
         g, shape = self.raw(x), _shape(x)
-        return isinstance(g, _Feature) and self.permuted(g) and shape is not None and g.dim == axis % len(shape)
+        if shape is None or not isinstance(axis, int) or not -len(shape) <= axis < len(shape):
+            return None
+        if isinstance(g, tuple) and g[0] == "param" and g[1] in self.axes:
+            d = self.axes[g[1]][axis % len(shape)]
+            return None if d is None or self.classes.find(d[0]) == _FIXED else tuple(d)
+        if isinstance(g, _Feature) and self.permuted(g) and g.dim == axis % len(shape):
+            return g.var, g.outer, g.inner
+        return None
+
+    def number(self, a, scale: int = 1) -> int | None:
+        """The value of ``a``, a number written in the code or computed in the forward from
+        tensors' sizes, with every permuted width it reads multiplied by ``scale``; None where it
+        cannot be read."""
+        if isinstance(a, bool) or not isinstance(a, (int, fx.Node)):
+            return None
+        if isinstance(a, int):
+            return a
+        read = _size_read(a)
+        if read is not None:
+            x, axis = read
+            shape = _shape(x)
+            if shape is None or not -len(shape) <= axis < len(shape):
+                return None
+            return shape[axis] * (scale if self.permuted_axis(x, axis) else 1)
+        if a.op != "call_function" or a.target not in _ARITHMETIC or a.kwargs:
+            return None
+        values = [self.number(v, scale) for v in a.args]
+        return None if any(v is None for v in values) else int(a.target(*values))
+
+    def scales(self, a) -> bool:
+        """Whether the number ``a`` is a fixed multiple of the permuted widths it reads (``C //
+        heads``, ``h.shape[-1] // 3``), so that it follows them to any fused width; a number
+        written in the code, or ``C - 8``, does not."""
+        one = self.number(a)
+        return one is not None and one != 0 and all(self.number(a, k) == k * one for k in (2, 3))
 
     def tie_width(self, node, x, axis: int, y) -> None:
         """Tie the units of reshape ``y`` to those of ``x``'s ``axis``, whose width its target shape
         is read off (``(attn @ v).reshape(B, N, C)`` with ``C`` the stream's): the one with more
         units is cut into blocks of the other's number, and both are one permutation, so that
         the widths the reshape reads agree at any fused width."""
-        if not self.permuted_axis(x, axis):
+        at = self.units_at(x, axis)
+        if at is None:
             return
-        g, f = self.raw(x), self.raw(y)
-        if self.classes.find(g.var) == self.classes.find(f.var):
+        (g_var, g_outer, g_inner), f = at, self.raw(y)
+        if self.classes.find(g_var) == self.classes.find(f.var):
             return
-        n_g = _tensor_shape(x)[g.dim] // (g.outer * g.inner)
+        n_g = _tensor_shape(x)[axis] // (g_outer * g_inner)
         n_f = _tensor_shape(y)[f.dim] // (f.outer * f.inner)
-        lo, hi = sorted(((n_g, g.var), (n_f, f.var)))
+        lo, hi = sorted(((n_g, g_var), (n_f, f.var)))
         if hi[0] % lo[0]:
             self.fail(
                 node,
@@ -1681,6 +1736,33 @@ def _rooted(value) -> bool:
     if meta is not None and not (hasattr(meta, "shape") and tuple(meta.shape) == ()):
         return False
     return any(_rooted(a) for a in _flat(list(value.args) + list(value.kwargs.values())))
+
+
+def _kept(values: list) -> str:
+    """Why widths ``values`` fix the units' width: written in the code, or computed otherwise."""
+    written = all(isinstance(v, int) for v in values)
+    return "widths written in the code" if written else "widths that do not follow theirs"
+
+
+_ARITHMETIC = {operator.floordiv, operator.mul, operator.add, operator.sub, operator.neg}
+
+
+def _size_read(a) -> tuple | None:
+    """``(tensor, axis)`` where the node ``a`` reads a size (``x.shape[i]``, ``x.size()[i]``,
+    ``x.size(i)``), else None."""
+    if not isinstance(a, fx.Node):
+        return None
+    if a.op == "call_method" and a.target == "size" and len(a.args) + len(a.kwargs) > 1:
+        axis = a.args[1] if len(a.args) > 1 else a.kwargs.get("dim")
+        return (a.args[0], axis) if isinstance(a.args[0], fx.Node) and isinstance(axis, int) else None
+    if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[0], fx.Node):
+        whole = a.args[0]
+        shape_of = (whole.op == "call_function" and whole.target is getattr and whole.args[1] == "shape") or (
+            whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1
+        )
+        if shape_of and isinstance(a.args[1], int) and isinstance(whole.args[0], fx.Node):
+            return whole.args[0], a.args[1]
+    return None
 
 
 def _target_shape(node) -> list | None:

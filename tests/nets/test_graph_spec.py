@@ -590,6 +590,12 @@ class _Pieces(nn.Module):
         if self.how == "a buffer along the units":
             a, b = h.chunk(2, 1)
             return self.head(a * b * self.mask)
+        if self.how == "a split by C - 6":  # computed, but not in proportion to the width
+            a, b = h.split(h.shape[-1] - 6, 1)
+            return self.head(a * b)
+        if self.how == "a slice written":
+            a, b = h.chunk(2, 1)
+            return self.head(torch.cat([b, a], 1)[:, :6])
         if self.how == "the input cut":  # the input's features are never permuted, so never cut
             a, b = torch.relu(self.wide(x)).chunk(2, 1)
             return self.head((x + torch.cat([b, a], 1))[:, :6])
@@ -616,6 +622,8 @@ def test_pieces_that_cannot_be_followed_are_refused_in_one_line(how, says):
     [
         ("a width kept", "its forward cuts them by split(4), widths written in the code"),
         ("a buffer along the units", "buffer 'mask' holds a number per unit"),
+        ("a slice written", "its forward slices them at None:6, widths written in the code"),
+        ("a split by C - 6", "its forward cuts them by split(sub), widths that do not follow theirs"),
     ],
 )
 def test_pieces_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, why):
@@ -628,6 +636,38 @@ def test_pieces_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, wh
     with pytest.raises(ValueError, match=re.escape(f"the network's forward fixes that width ({why}")):
         bayesfuse.fuse(models, "nafi")
     assert bayesfuse.fuse(models, "ot").model(torch.randn(5, 64)).shape == (5, 3)
+
+
+class _Stacked(nn.Module):
+    """Streams stacked: pieces given by keyword, and two convolutions' channels interleaved
+    (``stack(..., 2).flatten(1, 2)``) read by a depthwise convolution, one filter per channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.c1, self.c2 = nn.Linear(64, 12), nn.Conv1d(4, 8, 3, padding=1), nn.Conv1d(8, 8, 3, padding=1)
+        self.dw, self.head, self.head2 = nn.Conv1d(16, 16, 3, padding=1, groups=16), nn.Linear(6, 10), nn.Linear(16, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        a, b = torch.relu(self.fc(x)).chunk(2, 1)
+        u = torch.stack(tensors=[a, b], dim=1).sum(1)
+        c = torch.relu(self.c1(x.view(-1, 4, 16)))
+        h = torch.stack([c, torch.relu(self.c2(c))], 2).flatten(1, 2)  # channel 2i, 2i+1: unit i of each
+        return self.head(u) + self.head2(self.dw(h).mean(-1))
+
+
+def test_stacked_streams_are_tied_and_a_depthwise_convolution_keeps_their_interleaving():
+    spec = spec_from_module(_Stacked())
+    assert spec.axes["dw.weight"][0] == Axis(spec.axes["c1.weight"][0].group, 1, 2)
+    torch.manual_seed(0)
+    model, x = far_from_identity_norms(_Stacked()).eval(), torch.randn(20, 64)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    copy = _Stacked()
+    perms = random_permutations(spec.sizes(state), np.random.default_rng(0))
+    copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    assert _gap(model, copy.eval(), x) < 1e-4 and _gap(model, bayesfuse.fuse([model, copy], "pfnm").model, x) < 1e-4
 
 
 def test_a_mean_written_by_hand_divides_by_the_width_as_mean_does():
@@ -700,7 +740,7 @@ class _Heads(nn.Module):
         ("a scale made a tensor", "a number that scales a tensor is computed as a root of their width"),
         ("a scale in sdpa", "the attention's scale is computed as a root of their width"),
         ("the heads counted", "its forward counts its heads from a width within a head"),
-        ("a width within a head written", "its forward cuts them into heads of 8 written in the code"),
+        ("a width within a head written", "its forward cuts them into heads of 8, widths written in the code"),
     ],
 )
 def test_heads_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, why):

@@ -617,7 +617,8 @@ class BiEnds(nn.Module):
 
     def forward(self, x):
         out, _ = self.rnn(x.view(-1, 8, 8))
-        return self.head(torch.cat([out[:, -1, :6], out[:, 0, 6:]], 1))
+        h = out.shape[-1] // 2  # a width read off the tensor follows the fused width (6 would fix it)
+        return self.head(torch.cat([out[:, -1, :h], out[:, 0, h:]], 1))
 
 
 class GatedNet(nn.Module):
