@@ -521,11 +521,12 @@ def tie_stacked_recurrent(
     unit ``i`` of the others, whatever they compute.
     """
     layers: dict[str, dict[int, str]] = {}
-    for key in state_dict:
-        found = re.fullmatch(r"(.*)\.weight_hh_l(\d+)", key)
+    for key in state_dict:  # the layers' outputs (a projected LSTM's projections), and a projected LSTM's cells
+        found = re.fullmatch(r"(.*)\.weight_h([hr])_l(\d+)", key)
         axes = spec.axes.get(key)
         if found and axes is not None and len(axes) == 2 and axes[1] is not None:
-            layers.setdefault(found[1], {})[int(found[2])] = axes[1].group
+            module = found[1] if found[2] == "h" else f"{found[1]} (cells)"
+            layers.setdefault(module, {})[int(found[3])] = axes[1].group
     rename: dict[str, str] = {}
     tied: dict[str, list[str]] = {}
     for module, groups in layers.items():

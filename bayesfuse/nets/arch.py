@@ -186,6 +186,9 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         hidden = shape("weight_hh_l0")[1]
         inp = shape("weight_ih_l0")[1]
         options = {"nonlinearity": module.nonlinearity} if isinstance(module, nn.RNN) else {}
+        if isinstance(module, nn.LSTM) and module.proj_size > 0:  # weight_hr (proj, hidden)
+            proj, hidden = shape("weight_hr_l0")
+            options = {"proj_size": proj}
         return type(module)(
             inp,
             hidden,
@@ -205,20 +208,22 @@ def check_recurrent_widths(state: Mapping[str, torch.Tensor] | Mapping[str, np.n
     """Refuse, in one line, a state whose stacked ``nn.LSTM`` / ``nn.GRU`` layers have different
     widths: the module keeps one hidden size for all its layers, and matching gives each layer's
     units a permutation, and a width, of its own."""
-    widths: dict[str, dict[int, int]] = {}
-    for key, value in state.items():
-        found = re.fullmatch(r"(.*)\.weight_hh_l(\d+)", key)
-        if found:
-            widths.setdefault(found[1], {})[int(found[2])] = int(np.shape(value)[1])
-    for name, layers in widths.items():
+    widths: dict[tuple[str, str], dict[int, int]] = {}
+    for key, value in state.items():  # the layers' outputs, and a projected LSTM's cells (weight_hr)
+        found = re.fullmatch(r"(.*)\.weight_h([hr])_l(\d+)", key)
+        if found and f"{found[1]}.weight_hh_l0" in state and f"{found[1]}.weight_ih_l0" in state:
+            widths.setdefault((found[1], found[2]), {})[int(found[3])] = int(np.shape(value)[1])
+    for (name, part), layers in widths.items():
         if len(set(layers.values())) > 1:
-            blocks = np.shape(state[f"{name}.weight_hh_l0"])[0] // layers[0]
+            cells = np.shape(state[f"{name}.weight_hr_l0"])[1] if f"{name}.weight_hr_l0" in state else layers[0]
+            blocks = np.shape(state[f"{name}.weight_hh_l0"])[0] // cells
             kind = {4: "LSTM", 3: "GRU"}.get(blocks, "RNN")
             listed = ", ".join(str(layers[k]) for k in sorted(layers))
+            what = "cells" if part == "r" else "projections" if f"{name}.weight_hr_l0" in state else "units"
             raise ValueError(
                 f"{name!r} is an nn.{kind} of {len(layers)} layers, which keeps one width for all of them, "
-                f"and this fusion gives each layer a width of its own ({listed}); fuse it with a method that "
-                "keeps the widths (fedavg, ot), or write its layers as one-layer modules"
+                f"and this fusion gives each layer's {what} a width of its own ({listed}); fuse it with a method "
+                "that keeps the widths (fedavg, ot), or write its layers as one-layer modules"
             )
 
 

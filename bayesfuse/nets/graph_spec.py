@@ -817,16 +817,18 @@ class _Walk:
         ``weight_ih``: the gates of a unit read only that unit's past state (``spec.lstm``, FedMA
         section 2.2). A bidirectional layer's two directions (``_reverse``) are permuted by that one
         permutation, so that its output, the two directions' units side by side, holds each
-        permuted alike (two blocks): a global unit is a pair of a forward and a backward unit."""
+        permuted alike (two blocks): a global unit is a pair of a forward and a backward unit. A
+        projected LSTM (``proj_size``) has a second permutation per layer, of its projection's
+        units: the rows of ``weight_hr_lk``, the columns of ``weight_hh_lk``, its output and its
+        final ``h``; its cells' units are the columns of ``weight_hr_lk`` and its final ``c``."""
         kind = type(m).__name__
-        if isinstance(m, nn.LSTM) and m.proj_size > 0:
-            self.fail(node, f"a projected {kind} (proj_size) is not supported; give a spec")
+        proj = m.proj_size if isinstance(m, nn.LSTM) else 0
         f = f if self.permuted(f) else None
         if f is not None and f.dim != len(_tensor_shape(node.args[0])) - 1:  # in blocks too (a bidirectional one's)
             self.fail(node, f"an {kind} must read the units on the last axis")
         gates = 4 if isinstance(m, nn.LSTM) else 3 if isinstance(m, nn.GRU) else 1
         directions = ("", "_reverse") if m.bidirectional else ("",)
-        name, below, layers = node.target, f, []
+        name, below, layers, cells = node.target, f, [], []
         if len(node.args) > 1 or node.kwargs:
             self.fail(
                 node,
@@ -845,14 +847,24 @@ class _Walk:
                 if old_in is not None:
                     self.classes.union(self.resolve(old_in)[0], below.var)
                 self.module_vars[key] = (below.var, h)
+            out = h
+            if proj:  # the projection's units: a permutation of their own, the same on every call
+                if f"{key}p" not in self.module_vars:
+                    self.module_vars[f"{key}p"] = (None, self.new())
+                out, cut = self.resolve(self.module_vars[f"{key}p"][1])
+                if cut > 1:
+                    self.fail(node, f"{name} is called again after its units were cut into pieces; give a spec")
             for d in directions:
                 self.set_axes(f"{name}.weight_ih_l{k}{d}", [(h, gates, 1), self.in_axis(below)])
-                self.set_axes(f"{name}.weight_hh_l{k}{d}", [(h, gates, 1), (h, 1, 1)])
+                self.set_axes(f"{name}.weight_hh_l{k}{d}", [(h, gates, 1), (out, 1, 1)])
                 if m.bias:
                     self.set_axes(f"{name}.bias_ih_l{k}{d}", [(h, gates, 1)])
                     self.set_axes(f"{name}.bias_hh_l{k}{d}", [(h, gates, 1)])
-            layers.append(h)
-            below = _Feature(h, 0, len(directions))  # the next layer reads both directions' units
+                if proj:
+                    self.set_axes(f"{name}.weight_hr_l{k}{d}", [(out, 1, 1), (h, 1, 1)])
+            layers.append(out)
+            cells.append(h)
+            below = _Feature(out, 0, len(directions))  # the next layer reads both directions' units
         rank = len(_tensor_shape(node.args[0]))
         output = _Feature(layers[-1], rank - 1, len(directions))
         state: object = (
@@ -869,7 +881,8 @@ class _Walk:
                 + ", or give a spec"
             )
         )
-        self.labels[node] = _Recurrent(output, _Parts((state, state)) if gates == 4 else state)
+        cell = _Feature(cells[0], rank - 1) if m.num_layers == 1 else state  # an LSTM's c: its cells' units
+        self.labels[node] = _Recurrent(output, _Parts((state, cell)) if gates == 4 else state)
 
     def layer_vars(self, name: str, f: _Feature | None, node) -> tuple[int, int]:
         """The output variable of module ``name`` (the same on every call of it) and the blocks its

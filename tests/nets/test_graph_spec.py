@@ -48,6 +48,7 @@ from tests.nets.user_nets import (
     PaddedCNN,
     PairInputs,
     PlainNormMLP,
+    ProjectedLSTM,
     QKVAttention,
     ReducedCNN,
     ResMLP,
@@ -99,6 +100,7 @@ NETS = [
     GroupedCNN,  # convolutions of 4 and 2 groups
     BilinearNet,  # nn.Bilinear of two branches, and of one stream with itself
     SharedBlocks,  # modules called again after their units were cut
+    ProjectedLSTM,  # proj_size: the projection's units a permutation of their own
 ]
 
 
@@ -221,13 +223,6 @@ class _PartOfABlock(BiEnds):
     def forward(self, x):
         out, _ = self.rnn(x.view(-1, 8, 8))
         return self.head(torch.cat([out[:, -1, :8], out[:, 0, 8:]], 1))
-
-
-class _Projected(MyLSTM):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(8, 6, batch_first=True, proj_size=4)
-        self.head = nn.Linear(4, 10)
 
 
 class _GivenState(MyLSTM):
@@ -377,7 +372,6 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)), r"GroupNorm with 2 groups of 6 channels"),
         (nn.GRU(3, 4), r"bare GRU"),
         (StackedStateLSTM(), r"final state of the 2-layer LSTM 'rnn' holds every layer's units"),
-        (_Projected(), r"a projected LSTM \(proj_size\) is not supported"),
         (_Reads("indices concatenated"), r"max over the units names units by their place"),
         (_Reads("a computed dim"), r"mean along a dim computed in the forward cannot be read; give it as a number"),
         (_Reads("by keyword"), r"roll on a permuted axis cannot be followed"),
@@ -530,6 +524,18 @@ def test_grouped_convolutions_keep_their_groups_at_the_fused_widths():
     fused = bayesfuse.fuse(models, "fedma", data=(train, [np.arange(20 * j, 20 * j + 20) for j in range(3)]))
     assert fused.model.b.groups == 4 and fused.model.bnb.running_mean.shape == (fused.model.b.out_channels,)
     assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+
+
+def test_independent_projected_lstms_fuse_into_one_that_runs():
+    """A stacked projected LSTM keeps one width for its cells and one for its projections."""
+    spec = spec_from_module(ProjectedLSTM())
+    p, h = spec.axes["one.weight_hr_l0"]
+    assert spec.axes["one.weight_hh_l0"] == (Axis(h.group, 4), p) and p.group != h.group
+    for method in ("pfnm", "nafi"):
+        fused = bayesfuse.fuse([_random(ProjectedLSTM, s) for s in range(3)], method)
+        two = fused.model.two
+        assert two.proj_size == two.weight_hr_l1_reverse.shape[0] and two.hidden_size == two.weight_hr_l1.shape[1]
+        assert fused.model(torch.randn(5, 64)).shape == (5, 10)
 
 
 def test_independent_bilinear_networks_fuse_into_one_that_runs():

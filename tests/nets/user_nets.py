@@ -771,3 +771,21 @@ class SharedBlocks(nn.Module):
             q, k, v = self.qkv(t).reshape(B, N, 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)
             t = t + self.proj(((q @ k.transpose(-2, -1)) * 0.35).softmax(-1).matmul(v).transpose(1, 2).reshape(B, N, C))
         return self.head(t.mean(1))
+
+
+class ProjectedLSTM(nn.Module):
+    """Projected LSTMs (``proj_size``): a one-layer one whose final ``h`` (the projection's units)
+    and ``c`` (the cells') two heads read, feeding a two-layer bidirectional one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one = nn.LSTM(8, 6, batch_first=True, proj_size=4)
+        self.two = nn.LSTM(4, 5, batch_first=True, proj_size=3, num_layers=2, bidirectional=True)
+        self.h, self.c, self.head = nn.Linear(4, 10), nn.Linear(6, 10), nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        out, (h, c) = self.one(x.view(-1, 8, 8))
+        return self.h(h[-1]) + self.c(c[-1]) + self.head(self.two(out)[0][:, -1])
