@@ -347,6 +347,8 @@ def _aligning(fuse_plain):
         widths = dict(zip(fused.groups, fused.sizes))
         _, stacked = tie_stacked_recurrent(spec, states[0])
         uneven = {m for m, groups in stacked.items() if len({widths.get(g) for g in groups}) > 1}
+        # a projected LSTM's cells and projections are tied together: tying one changes the other's matching
+        uneven = {m for m in stacked if m.removesuffix(" (cells)") in {u.removesuffix(" (cells)") for u in uneven}}
         if uneven:
             tied, layers = tie_stacked_recurrent(spec, states[0], only=sorted(uneven))
             fused = fuse_untied(states, names, method, settings, spec=tied, class_counts=class_counts, **options)

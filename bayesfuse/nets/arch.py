@@ -214,6 +214,12 @@ def check_recurrent_widths(state: Mapping[str, torch.Tensor] | Mapping[str, np.n
         if found and f"{found[1]}.weight_hh_l0" in state and f"{found[1]}.weight_ih_l0" in state:
             widths.setdefault((found[1], found[2]), {})[int(found[3])] = int(np.shape(value)[1])
     for (name, part), layers in widths.items():
+        if part == "r" and (name, "h") in widths and widths[(name, "h")][0] >= layers[0]:
+            raise ValueError(
+                f"{name!r} is a projected nn.LSTM, which needs fewer projections than cells, and this fusion gives "
+                f"it {widths[(name, 'h')][0]} projections and {layers[0]} cells; fuse it with a method that keeps "
+                "the widths (fedavg, ot)"
+            )
         if len(set(layers.values())) > 1:
             cells = np.shape(state[f"{name}.weight_hr_l0"])[1] if f"{name}.weight_hr_l0" in state else layers[0]
             blocks = np.shape(state[f"{name}.weight_hh_l0"])[0] // cells

@@ -538,6 +538,36 @@ def test_independent_projected_lstms_fuse_into_one_that_runs():
         assert fused.model(torch.randn(5, 64)).shape == (5, 10)
 
 
+class _OneProjected(nn.Module):
+    """A projected LSTM whose projections are 4 of its 6 cells; ``layers=2`` stacks two."""
+
+    def __init__(self, layers: int = 1) -> None:
+        super().__init__()
+        self.rnn, self.fc = nn.LSTM(8, 6, num_layers=layers, batch_first=True, proj_size=4), nn.Linear(4, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x.view(-1, 8, 8))[0][:, -1])
+
+
+def test_a_projected_lstm_fused_to_as_many_projections_as_cells_is_refused_in_one_line():
+    """nn.LSTM needs proj_size < hidden_size; matching sets the two widths apart (here 12 and 12)."""
+    models = [_random(_OneProjected, s) for s in range(3)]
+    with pytest.raises(ValueError, match=r"'rnn' is a projected nn.LSTM, which needs fewer projections than cells"):
+        bayesfuse.fuse(models, "pfnm")
+    assert bayesfuse.fuse(models, "ot").model(torch.randn(5, 64)).shape == (5, 10)
+
+
+def test_a_stacked_projected_lstm_ties_its_cells_and_projections_together():
+    """Where one part of a stacked projected LSTM comes out uneven, both are matched again as one
+    group each: tying the cells moves the projections' matching too."""
+    fused = bayesfuse.fuse([_random(lambda: _OneProjected(2), s) for s in range(3)], "pfnm")
+    assert set(fused.hyper["tied_layers"]) == {"rnn", "rnn (cells)"}
+    assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+
+
 def test_independent_bilinear_networks_fuse_into_one_that_runs():
     spec = spec_from_module(BilinearNet())
     assert spec.axes["pair.weight"] == (Axis("P3"), Axis("P1"), Axis("P2"))
