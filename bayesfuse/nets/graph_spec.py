@@ -31,8 +31,11 @@ activation from the input to the output:
   ``q.view(B, N, heads, C // heads)``) makes the units blocks, one per head, so one permutation
   of the features within a head serves every head; a reshape whose target width is read off
   another stream's width (``C``) ties that stream's units to its own, cut into as many blocks,
-  so the reshape runs at any fused width; a number computed from a permuted width that meets a
-  tensor (``/ k.size(-1) ** 0.5``) is refused, since fusion changes it;
+  so the reshape runs at any fused width;
+* where the forward fixes a width (a ``split`` or slice by widths written in the code, heads of
+  such a width, a scale computed as a root of a width, ``/ k.size(-1) ** 0.5``, a buffer with a
+  number per unit), the spec records the group (``spec.fixed``): methods that keep the widths
+  fuse the network, those that change them refuse it;
 * element-wise functions, pooling, dropout, ``flatten`` / ``view`` / ``reshape`` (that keep each
   unit's numbers together, recorded as :class:`~bayesfuse.inference.spec.Axis` blocks),
   ``transpose`` and reductions over other axes pass the permutation through;
@@ -213,8 +216,6 @@ _REDUCTION_METHODS = {"mean", "sum", "amax", "amin", "logsumexp", "std", "var"}
 #: Norms, reductions too, whose ``dim`` is their third argument (after the order of the norm).
 _NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm}
 _NORM_METHODS = {"norm"}
-#: The largest (smallest) number along ``dim`` and where it lies, ``(values, indices)``; over every
-#: number without a ``dim``; of two tensors, element by element.
 #: Functions and methods that cut one axis into pieces: ``(name of the count or sizes, of the
 #: dim, default dim)``, by keyword (the tensor first, by place).
 _PIECES = {
@@ -226,6 +227,8 @@ _PIECES_METHODS = {
     "chunk": ("chunks", "dim", 0), "split": ("split_size", "dim", 0), "tensor_split": ("indices_or_sections", "dim", 0),
     "unbind": (None, "dim", 0),
 }  # fmt: skip
+#: The largest (smallest) number along ``dim`` and where it lies, ``(values, indices)``; over every
+#: number without a ``dim``; of two tensors, element by element.
 _EXTREMA = {torch.max, torch.min}
 _EXTREMA_METHODS = {"max", "min"}
 _ARG_EXTREMA = {torch.argmax, torch.argmin}
@@ -669,12 +672,7 @@ class _Walk:
             if f is not None and f.dim != len(_tensor_shape(inp)) - 1:
                 self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
             out, cut = self.layer_vars(name, f, node)
-            self.set_axes(f"{name}.weight", [(out, cut, 1), self.in_axis(f)])
-            if m.bias is not None:
-                self.set_axes(f"{name}.bias", [(out, cut, 1)])
-            self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut)
-            self.producer[node] = name
-            self.var_producer.setdefault(out, name)
+            self.layer_output(node, m, (out, cut, 1), [self.in_axis(f)], len(_tensor_shape(node)) - 1)
         elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
             f = f if self.permuted(f) else None
             if f is not None and f.dim != 1:
@@ -684,17 +682,11 @@ class _Walk:
                 self.grouped_conv(node, m, f)
                 return
             if depthwise:  # one filter per channel: the channels' units as they are, blocks and all
-                out, cut, inner = (f.var, f.outer, f.inner) if f is not None else (_FIXED, 1, 1)
+                rows = (f.var, f.outer, f.inner) if f is not None else (_FIXED, 1, 1)
+                self.layer_output(node, m, rows, [None], 1, writes=False)
             else:
-                (out, cut), inner = self.layer_vars(name, f, node), 1
-            kernel = [None] * (m.weight.dim() - 2)
-            self.set_axes(f"{name}.weight", [(out, cut, inner), None if depthwise else self.in_axis(f), *kernel])
-            if m.bias is not None:
-                self.set_axes(f"{name}.bias", [(out, cut, inner)])
-            self.labels[node] = _Feature(out, 1, cut, inner)
-            self.producer[node] = name
-            if not depthwise:
-                self.var_producer.setdefault(out, name)
+                out, cut = self.layer_vars(name, f, node)
+                self.layer_output(node, m, (out, cut, 1), [self.in_axis(f)], 1)
         elif isinstance(m, nn.Bilinear):
             self.bilinear(node, m)
         elif isinstance(m, nn.GLU):
@@ -759,6 +751,30 @@ class _Walk:
                 "GRU, RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
             )
 
+    def layer_output(
+        self,
+        node,
+        m: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Bilinear,
+        rows: tuple,
+        inputs: list,
+        dim: int,
+        *,
+        writes: bool = True,
+    ) -> None:
+        """Module ``m``'s weight: its rows the units ``rows`` (``(var, outer, inner)``), then one
+        axis per input (``inputs``, their units or None), then its kernel's; its bias the rows';
+        its output those units on axis ``dim``. ``writes``: the units are the layer's own (not a
+        depthwise convolution's, which keeps its input's)."""
+        name = node.target
+        kernel = [None] * (m.weight.dim() - 1 - len(inputs))
+        self.set_axes(f"{name}.weight", [rows, *inputs, *kernel])
+        if m.bias is not None:
+            self.set_axes(f"{name}.bias", [rows])
+        self.labels[node] = _Feature(rows[0], dim, rows[1], rows[2])
+        self.producer[node] = name
+        if writes:
+            self.var_producer.setdefault(rows[0], name)
+
     def bilinear(self, node, m: nn.Bilinear) -> None:
         """``nn.Bilinear``: ``y_k = x1^T W_k x2 + b_k``; its output units permute the rows of ``W``
         and ``b``, the units of its two inputs (on their last axis) its second and third axes."""
@@ -772,14 +788,8 @@ class _Walk:
             if f is not None and f.dim != len(_tensor_shape(x)) - 1:
                 self.fail(node, "a Bilinear layer that reads units on an axis other than the last is not supported")
             features.append(f)
-        name = node.target
-        out, cut = self.layer_vars(name, features[0], node)
-        self.set_axes(f"{name}.weight", [(out, cut, 1), self.in_axis(features[0]), self.in_axis(features[1])])
-        if m.bias is not None:
-            self.set_axes(f"{name}.bias", [(out, cut, 1)])
-        self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut)
-        self.producer[node] = name
-        self.var_producer.setdefault(out, name)
+        out, cut = self.layer_vars(node.target, features[0], node)
+        self.layer_output(node, m, (out, cut, 1), [self.in_axis(g) for g in features], len(_tensor_shape(node)) - 1)
 
     def grouped_conv(self, node, m: nn.Conv1d | nn.Conv2d, f: _Feature | None) -> None:
         """A convolution of ``g`` groups (ResNeXt's): each group of output channels reads its own
@@ -802,13 +812,7 @@ class _Walk:
             f = _Feature(self.refine(f.var, cut) if cut > 1 else f.var, f.dim, f.outer * cut)
             in_axis = (f.var, f.outer // g, 1)
         out, cut = self.layer_vars(name, f, node)
-        kernel = [None] * (m.weight.dim() - 2)
-        self.set_axes(f"{name}.weight", [(out, g * cut, 1), in_axis, *kernel])
-        if m.bias is not None:
-            self.set_axes(f"{name}.bias", [(out, g * cut, 1)])
-        self.labels[node] = _Feature(out, 1, g * cut)
-        self.producer[node] = name
-        self.var_producer.setdefault(out, name)
+        self.layer_output(node, m, (out, g * cut, 1), [in_axis], 1)
 
     def recurrent(self, node, m: nn.LSTM | nn.GRU | nn.RNN, f: _Feature | None) -> None:
         """``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``: layer k's units are one permutation of the rows of
@@ -837,11 +841,7 @@ class _Walk:
             )
         for k in range(m.num_layers):
             key = f"{name}#{k}"  # one variable per layer, the same on every call of the module
-            if key not in self.module_vars:
-                self.module_vars[key] = (None, self.new())
-            h, cut = self.resolve(self.module_vars[key][1])
-            if cut > 1:
-                self.fail(node, f"{name} is called again after its units were cut into pieces; give a spec")
+            h = self.recurrent_var(node, key)
             if below is not None:
                 old_in = self.module_vars[key][0]
                 if old_in is not None:
@@ -849,11 +849,7 @@ class _Walk:
                 self.module_vars[key] = (below.var, h)
             out = h
             if proj:  # the projection's units: a permutation of their own, the same on every call
-                if f"{key}p" not in self.module_vars:
-                    self.module_vars[f"{key}p"] = (None, self.new())
-                out, cut = self.resolve(self.module_vars[f"{key}p"][1])
-                if cut > 1:
-                    self.fail(node, f"{name} is called again after its units were cut into pieces; give a spec")
+                out = self.recurrent_var(node, f"{key}p")
             for d in directions:
                 self.set_axes(f"{name}.weight_ih_l{k}{d}", [(h, gates, 1), self.in_axis(below)])
                 self.set_axes(f"{name}.weight_hh_l{k}{d}", [(h, gates, 1), (out, 1, 1)])
@@ -883,6 +879,16 @@ class _Walk:
         )
         cell = _Feature(cells[0], rank - 1) if m.num_layers == 1 else state  # an LSTM's c: its cells' units
         self.labels[node] = _Recurrent(output, _Parts((state, cell)) if gates == 4 else state)
+
+    def recurrent_var(self, node, key: str) -> int:
+        """The variable ``key`` of a recurrent layer (a layer's cells, ``name#k``; its projection's
+        units, ``name#kp``), the same on every call of the module; refused once cut into blocks."""
+        if key not in self.module_vars:
+            self.module_vars[key] = (None, self.new())
+        var, cut = self.resolve(self.module_vars[key][1])
+        if cut > 1:
+            self.fail(node, f"{node.target} is called again after its units were cut into pieces; give a spec")
+        return var
 
     def layer_vars(self, name: str, f: _Feature | None, node) -> tuple[int, int]:
         """The output variable of module ``name`` (the same on every call of it) and the blocks its
@@ -996,11 +1002,9 @@ class _Walk:
             self.arg_extremum(node, args, kwargs)
         elif fn in (torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze):
             self.move(node, args[0])
-        elif fn is torch.cat and not isinstance(args[0] if args else kwargs.get("tensors"), (list, tuple)):
-            self.opaque(node, [*args, *kwargs.values()], "cat of what cannot be read as a list of tensors")
         elif fn is torch.cat:
             self.concat(
-                node, list(args[0] if args else kwargs["tensors"]), args[1] if len(args) > 1 else kwargs.get("dim", 0)
+                node, args[0] if args else kwargs.get("tensors"), args[1] if len(args) > 1 else kwargs.get("dim", 0)
             )
         elif fn in _PIECES:
             self.pieces(node, args, kwargs, _PIECES[fn], _name(fn))
@@ -1044,9 +1048,10 @@ class _Walk:
         self.labels[node] = None
 
     def width_scale(self, node, value, what: str) -> None:
-        """Refuse ``value``, a root of a permuted width (``d ** -0.5``, ``math.sqrt(k.size(-1))``),
-        where it scales a tensor: fusion changes the width, and the scale with it. A width itself
-        (``h.sum(-1) / h.shape[-1]``, a mean written by hand) follows the units as ``mean`` does."""
+        """Mark fixed the widths that ``value``, a root of a permuted width (``d ** -0.5``,
+        ``math.sqrt(k.size(-1))``), is computed from where it scales a tensor: fusion would change
+        the scale with the width. A width itself (``h.sum(-1) / h.shape[-1]``, a mean written by
+        hand) follows the units as ``mean`` does."""
         if not _rooted(value):
             return
         for x, axis in self.widths_read(value):
@@ -1209,12 +1214,14 @@ class _Walk:
             self.classes.union(fq.var, fk.var)
         self.labels[node] = fv
 
-    def concat(self, node, tensors: list, dim: int) -> None:
+    def concat(self, node, tensors, dim: int) -> None:
+        if not isinstance(tensors, (list, tuple)):
+            self.opaque(node, [tensors], "cat of what cannot be read as a list of tensors")
+            return
+        tensors = list(tensors)
         rank = len(_tensor_shape(node))
         dim = dim % rank
-        for t in tensors:  # indices naming units, an LSTM's (h, c)...: refused here, where they are read
-            if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts)):
-                self.feature(t)
+        self.read_whole(tensors)
         features = [self.raw(t) for t in tensors]
         streams = [f for f in features if isinstance(f, _Feature)]
         if not streams:
@@ -1237,6 +1244,13 @@ class _Walk:
                 self.param_axis(g[1], node, f, _tensor_shape(node))
         self.labels[node] = f
 
+    def read_whole(self, tensors: list) -> None:
+        """Refuse, where they are read as tensors, operands that are none: indices naming units, an
+        LSTM's ``(h, c)``, a chunk's pieces."""
+        for t in tensors:
+            if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts)):
+                self.feature(t)
+
     def stack(self, node, tensors, dim) -> None:
         """``torch.stack(tensors, dim)``: a new axis, the operands' units on theirs (one
         permutation for all, as ``a + b`` ties them), moved by one where the new axis is before.
@@ -1249,9 +1263,7 @@ class _Walk:
             )
         elif isinstance(tensors, (list, tuple)):
             tensors = list(tensors)
-            for t in tensors:  # pieces read whole, indices...: refused here, where they are read
-                if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts)):
-                    self.feature(t)
+            self.read_whole(tensors)
             features = [self.raw(t) if isinstance(self.raw(t), _Feature) else None for t in tensors]
         else:
             self.opaque(node, [tensors], "stack of what cannot be read as a list of tensors")
@@ -1592,13 +1604,15 @@ class _Walk:
         if placed is None and not self.permuted(f):
             self.labels[node] = None
             return
-        self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst)
         shape_args = _target_shape(node)
-        if self.permuted(f) and shape_args is not None and len(shape_args) == len(dst):
+        if shape_args is not None and len(shape_args) != len(dst):
+            shape_args = None
+        self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst, shape_args)
+        if self.permuted(f) and shape_args is not None:
             for x, axis in self.widths_read(shape_args[self.labels[node].dim]):
                 self.tie_width(node, x, axis, node)
 
-    def heads_split(self, node, f: _Feature, src: tuple, dst: tuple) -> _Feature:
+    def heads_split(self, node, f: _Feature, src: tuple, dst: tuple, shape_args: list | None) -> _Feature:
         """A reshape that cuts the units' axis into axes of heads and features within a head
         (``q.view(B, N, heads, C // heads)``, a fused projection's ``reshape(B, N, 3, heads, -1)``):
         the units become blocks, one per head (:meth:`refine`), permuted alike, so one
@@ -1607,11 +1621,9 @@ class _Walk:
         within a head is read off another stream's width (``C // heads``), :meth:`reshape` ties
         that stream to them. Where the number of heads is not written as a number, or the width
         within a head is (``view(B, -1, heads, 8)``: the tokens' axis would take what fusion
-        adds), the forward fixes the width (:meth:`mark_fixed`)."""
+        adds), the forward fixes the width (:meth:`mark_fixed`). ``shape_args``: the reshape's
+        target shape, an entry per axis (:func:`_target_shape`), or None where it is computed whole."""
         n = src[f.dim] // (f.outer * f.inner)
-        shape_args = _target_shape(node)
-        if shape_args is not None and len(shape_args) != len(dst):
-            shape_args = None
         prefix = int(np.prod(src[: f.dim]))
         for m in (m for m in range(2, n + 1) if n % m == 0):
             placed = _placed(_Feature(f.var, f.dim, f.outer * m, f.inner), src, dst)
