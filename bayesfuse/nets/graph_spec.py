@@ -321,7 +321,12 @@ class _Classes:
 
 
 class _Tracer(fx.Tracer):
-    """fx's tracer, with every module of ``torch.nn`` (``nn.Sequential`` and ``nn.ModuleList`` aside) a leaf."""
+    """fx's tracer, with every module of ``torch.nn`` (``nn.Sequential`` and ``nn.ModuleList`` aside) a leaf.
+
+    Buffers are traced as nodes, as parameters are, so that a forward may index one by a size it
+    reads off its input (nanoGPT's causal mask ``self.bias[:, :, :T, :T]``)."""
+
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):

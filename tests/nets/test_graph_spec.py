@@ -45,6 +45,7 @@ from tests.nets.user_nets import (
     MyLSTM,
     MyMLP,
     MyRNN,
+    NanoGPT,
     PaddedCNN,
     PairInputs,
     PlainNormMLP,
@@ -879,3 +880,34 @@ def test_gathers_before_the_units_and_a_pair_with_options_trace_and_fuse_back(cl
     assert float((run(model) - run(_permuted(model, 1))).abs().max()) < 1e-4
     fused = bayesfuse.fuse([model, _permuted(model, 2)], "pfnm").model
     assert float((run(model) - run(fused)).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("split_by", ["n_embd", "C"])
+def test_a_nanogpt_block_traces_its_causal_mask_sliced_by_the_sequence_length(split_by):
+    """nanoGPT's attention: ``B, T, C = x.size()`` and the mask buffer ``self.bias[:, :, :T, :T]``
+    (a slice by a size read off the input, which fx traces only with buffers as nodes). Split by
+    ``n_embd``, a number, the width is fixed: OT and FedAvg fuse, PFNM refuses; split by ``C``,
+    read off the stream, every method fuses."""
+    models = [_random(lambda: NanoGPT(split_by), s) for s in range(3)]
+    x = torch.randint(0, 12, (8, 6))
+    spec = spec_from_module(models[0])
+    state = {k: v.detach().numpy() for k, v in models[0].state_dict().items()}
+    copy = NanoGPT(split_by)
+    copy.load_state_dict(
+        {
+            k: torch.as_tensor(v)
+            for k, v in permute(state, spec, random_permutations(spec.sizes(state), np.random.default_rng(0))).items()
+        }
+    )
+    copy.eval()
+    assert _gap(models[0], copy, x) < 1e-4 and _gap(models[0], bayesfuse.fuse([models[0], copy], "ot").model, x) < 1e-4
+    assert bayesfuse.fuse(models, "fedavg").model(x).shape == (8, 6, 12)
+    if split_by == "n_embd":
+        assert set(spec.fixed) == {spec.axes["c_attn.weight"][0].group}
+        with pytest.raises(ValueError, match=re.escape("its forward cuts them by split(16), widths written")):
+            bayesfuse.fuse(models, "pfnm")
+        return
+    assert not spec.fixed
+    assert _gap(models[0], bayesfuse.fuse([models[0], copy], "pfnm").model, x) < 1e-4
+    fused = bayesfuse.fuse(models, "pfnm")
+    assert fused.sizes[0] > 16 and fused.model(x).shape == (8, 6, 12)

@@ -789,3 +789,39 @@ class ProjectedLSTM(nn.Module):
     def forward(self, x):
         out, (h, c) = self.one(x.view(-1, 8, 8))
         return self.h(h[-1]) + self.c(c[-1]) + self.head(self.two(out)[0][:, -1])
+
+
+class NanoGPT(nn.Module):
+    """A nanoGPT-style language model: token and position embeddings, pre-norm blocks of causal
+    self-attention written by hand (``B, T, C = x.size()``, ``split``, heads viewed by ``C //
+    n_head``, the causal mask a buffer sliced by the sequence's length, ``self.bias[:, :, :T,
+    :T]``) and a GELU MLP, a final LayerNorm and a bias-free head. ``split`` by ``n_embd``, as
+    nanoGPT writes it, fixes the width; ``split_by="C"`` reads it off the stream instead."""
+
+    def __init__(self, split_by: str = "n_embd", vocab: int = 12, n_embd: int = 16, n_head: int = 2) -> None:
+        super().__init__()
+        self.split_by, self.n_embd, self.n_head = split_by, n_embd, n_head
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(6, n_embd)
+        self.ln_1, self.ln_2, self.ln_f = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.c_fc, self.mlp_proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.register_buffer("bias", torch.tril(torch.ones(6, 6)).view(1, 1, 6, 6))
+
+    def example_input(self):
+        return torch.zeros(2, 6, dtype=torch.long)
+
+    def attn(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd if self.split_by == "n_embd" else C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * 0.5
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")).softmax(-1)
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+
+    def forward(self, idx):
+        b, t = idx.size()
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+        return self.lm_head(self.ln_f(x))
