@@ -324,7 +324,7 @@ def _network_spec(states, names, spec, class_counts) -> PermutationSpec:
     if not spec.groups:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
     if class_counts is not None and spec.output:
-        class_share_matrix(class_counts, len(states), int(np.shape(states[0][spec.output[0]])[0]))
+        class_share_matrix(class_counts, len(states), int(np.shape(spec.split(states[0])[spec.output[0]])[0]))
     return spec
 
 
@@ -339,6 +339,21 @@ def _aligning(fuse_plain):
         spec = _network_spec(states, names, spec, class_counts)
         if not methods.METHODS[method].keeps_widths:
             spec.check_free_widths(method)  # a forward that fixes a width: only methods that keep widths
+        if spec.pieces:  # entries reading streams side by side: matched as their pieces, then put together
+            states = [spec.split(sd) for sd in states]
+            if options.get("summaries") is not None:
+                spec.output_layer(states[0])  # refused where the output layer reads streams side by side
+                options["summaries"] = [
+                    dataclasses.replace(s, precision=spec.split(s.precision)) for s in options["summaries"]
+                ]
+            fused = fuse_widths(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+            fused.state = spec.join(fused.state)
+            if fused.precision is not None:
+                fused.precision = spec.join(fused.precision)
+            return fused
+        return fuse_widths(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+
+    def fuse_widths(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         fused = fuse_untied(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
         if methods.METHODS[method].keeps_widths:
             return fused

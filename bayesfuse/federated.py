@@ -163,20 +163,21 @@ def run_fedma(
         total=len(spec.groups) * len(models), desc="FedMA retraining", unit="client", disable=not _progress(verbose)
     )
 
-    keys = list(models[0].state_dict())
-    states = [fold_encodings(numpy_state(m), spec) for m in models]
+    keys = list(spec.split(models[0].state_dict()))  # an entry reading streams side by side: its pieces
+    states = [fold_encodings(spec.split(numpy_state(m)), spec) for m in models]
     # layers without a bias before a batch norm: the server folds through a zero bias, the
     # clients' networks hold it in the batch norm (bayesfuse.inference.bias_free)
     states, spec, _, added = with_zero_biases(states, spec)
     virtual = added_keys(added)
 
     def to_network(state: dict) -> dict:
-        return unfold_encodings(biases_into_batchnorms(state, added, keys) if added else state, spec)
+        return spec.join(unfold_encodings(biases_into_batchnorms(state, added, keys) if added else state, spec))
 
     def retrain(j: int, state: dict, frozen: set) -> dict:
         # the server's plain units -> the client's position-aware network at the widths it gets, and back
         net = rebuild(models[j], tensor_state(to_network(state)))
-        frozen = frozen - virtual  # the client's own entries (the server's zero biases are none of them)
+        # the client's own entries (the server's zero biases are none of them), pieces frozen as their entry
+        frozen = {spec.whole(k) for k in frozen - virtual}
         cfg = replace(config, seed=config.seed + 1000 * (len(frozen) + 1) + j)
         train_model(
             net,
@@ -189,7 +190,7 @@ def run_fedma(
             name=f"client {j}",
         )
         bar.update()
-        return add_zero_biases(fold_encodings(numpy_state(net), spec), added)
+        return add_zero_biases(fold_encodings(spec.split(numpy_state(net)), spec), added)
 
     def client_update(jobs: list, frozen: set) -> list:
         return [retrain(j, state, frozen) for j, state in jobs]
@@ -226,11 +227,14 @@ def _restart_clients(
         raise RuntimeError(f"clients {result.dropped} dropped out; FedMA with communication needs every client")
     sent = 0
     states = []
-    keys = list(models[0].state_dict())
+    keys = list(spec.split(models[0].state_dict()))
     # global unit a_j[l] becomes local unit l (position encodings, if any, follow the units: eqs. F, U)
-    cut = restart_states(result, spec, len(models), add_zero_biases(fold_encodings(result.state_dict, spec), added))
+    fused = add_zero_biases(fold_encodings(spec.split(result.state_dict), spec), added)
+    cut = restart_states(result, spec, len(models), fused)
     for (j, local), model in zip(cut, models):
-        net = rebuild(model, tensor_state(unfold_encodings(biases_into_batchnorms(local, added, keys), spec)))
+        net = rebuild(
+            model, tensor_state(spec.join(unfold_encodings(biases_into_batchnorms(local, added, keys), spec)))
+        )
         sent += state_bytes(net.state_dict())
         train_model(
             net,
@@ -241,7 +245,7 @@ def _restart_clients(
             verbose=False,
             name=f"client {j}",
         )
-        states.append(add_zero_biases(fold_encodings(numpy_state(net), spec), added))
+        states.append(add_zero_biases(fold_encodings(spec.split(numpy_state(net)), spec), added))
     return states, sent
 
 

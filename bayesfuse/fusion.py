@@ -803,16 +803,25 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
                 key = f"{name}.{entry}"
                 fused.state[key] = value.astype(np.asarray(fused.state[key]).dtype)
 
+    spec = fused.spec
+    pieces, clients = spec.split(fused.state), [spec.split(sd) for sd in states]  # a norm of streams side by side
+
+    def members_mean(key: str, default: float) -> np.ndarray:
+        """The mean of the members of each fused channel of entry ``key``, piece by piece."""
+        out = []
+        for piece in spec.parts(key):
+            axis = spec.axes[piece][0]
+            group = axis.group if axis is not None else None  # a norm of the input's channels: no group
+            assignments = layers[group].assignments if group in layers else None
+            out.append(matched_mean([sd[piece] for sd in clients], assignments, len(pieces[piece]), default))
+        return np.concatenate(out)
+
     for name, norm in norms.items():  # the members' scale and shift, in the global basis
         if norm.affine:
-            group = fused.spec.axes[f"{name}.weight"][0].group
-            assignments = layers[group].assignments if group in layers else None
             write(
                 name,
                 {
-                    param: matched_mean(
-                        [sd[f"{name}.{param}"] for sd in states], assignments, norm.num_features, default
-                    )
+                    param: members_mean(f"{name}.{param}", default)
                     for param, default in (("weight", 1.0), ("bias", 0.0))
                 },
             )

@@ -586,8 +586,9 @@ def summarize(
         spec = spec if spec is not None else spec_from_module(model, example)
         state = model.state_dict()
         if n_classes is None:
-            out_key = next((k for k in spec.output if np.ndim(state[k]) == 1), spec.output[0] if spec.output else None)
-            n_classes = int(np.shape(state[out_key])[0]) if out_key is not None else int(y.max()) + 1
+            pieces = spec.split(state)  # an output layer reading streams side by side, as its pieces
+            out_key = next((k for k in spec.output if np.ndim(pieces[k]) == 1), spec.output[0] if spec.output else None)
+            n_classes = int(np.shape(pieces[out_key])[0]) if out_key is not None else int(y.max()) + 1
     assert n_classes is not None  # given, the BNN's or the output layer's
     if y.min() < 0 or y.max() >= n_classes:
         raise ValueError(f"labels must lie in 0..{n_classes - 1}, got {y.min()}..{y.max()}")

@@ -11,7 +11,7 @@ import bayesfuse
 from bayesfuse.checkpoints import save_state_dict
 from bayesfuse.cli import main
 from tests.nets.test_graph_spec import _random
-from tests.nets.user_nets import ConcatMLP, HandLinear, MyMLP, ResMLP, SkipCNN, TwoOutputs
+from tests.nets.user_nets import ArgmaxUnits, ConcatMLP, HandLinear, MyMLP, ResMLP, SkipCNN, TwoOutputs
 
 
 def _files(tmp_path, cls, n=3):
@@ -203,7 +203,7 @@ def test_summarize_takes_the_network_for_files_whose_names_it_cannot_read(tmp_pa
     assert json.loads((tmp_path / "fused.pt.json").read_text())["summaries"]["used"] is True
 
 
-@pytest.mark.parametrize("cls, model", [(ConcatMLP, True), (ConcatMLP, False), (ResMLP, False)])
+@pytest.mark.parametrize("cls, model", [(ArgmaxUnits, True), (ConcatMLP, False), (ResMLP, False)])
 def test_fedavg_averages_files_whose_units_cannot_be_read_as_python_does(tmp_path, capsys, cls, model):
     """FedAvg needs no units: files of a network that cannot be traced (or, without the network,
     whose names do not show a chain) are averaged entry by entry, as ``bayesfuse.fuse`` averages
@@ -218,12 +218,29 @@ def test_fedavg_averages_files_whose_units_cannot_be_read_as_python_does(tmp_pat
     loaded = bayesfuse.load(out, like=cls()) if model else cls()
     if not model:
         loaded.load_state_dict(torch.load(out, weights_only=True))
-    with pytest.warns(UserWarning, match="no units traced") if cls is ConcatMLP else contextlib.nullcontext():
+    with pytest.warns(UserWarning, match="no units traced") if cls is ArgmaxUnits else contextlib.nullcontext():
         python = bayesfuse.fuse(models, "fedavg").model
     for k, v in bayesfuse.fedavg(models).state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v)
         torch.testing.assert_close(python.state_dict()[k], v)
     assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(tmp_path / "m.pt")]) == 2
+    assert not list(tmp_path.glob("m.pt*"))
+
+
+def test_files_of_streams_side_by_side_fuse_with_the_module_given(tmp_path, capsys):
+    """Branches of different widths concatenated: with the module each keeps its permutation and
+    the fused file loads into the class at the fused widths; without the module, matching is
+    refused and nothing written."""
+    models, paths = _files(tmp_path, ConcatMLP)
+    out = tmp_path / "fused.pt"
+    assert (
+        main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:ConcatMLP", "--out", str(out)]) == 0
+    )
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert report["architecture"]["groups"] == ["P1", "P2"] and len(report["global_sizes"]) == 2
+    loaded = bayesfuse.load(out, like=ConcatMLP())
+    assert loaded.head.in_features == sum(report["global_sizes"]) and loaded(torch.randn(4, 64)).shape == (4, 10)
+    assert main(["fuse", *paths, "--method", "pfnm", "--out", str(tmp_path / "m.pt")]) == 2
     assert not list(tmp_path.glob("m.pt*"))
 
 

@@ -643,15 +643,15 @@ def test_fedma_traces_with_the_example_input_it_is_given(digits):
     assert isinstance(res.model, FlatCNN) and res.model(torch.zeros(3, 64)).shape == (3, 10)
 
 
-class _CatMLP(torch.nn.Module):
-    """Two branches concatenated along the units: no spec the tracer can follow."""
+class _ArgmaxMLP(torch.nn.Module):
+    """A branch's largest unit's place beside the other's units: no spec the tracer can follow."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.out = torch.nn.Linear(8, 5), torch.nn.Linear(8, 4), torch.nn.Linear(9, 3)
+        self.a, self.b, self.out = torch.nn.Linear(8, 5), torch.nn.Linear(8, 4), torch.nn.Linear(6, 3)
 
     def forward(self, x):
-        return self.out(torch.cat([torch.relu(self.a(x)), torch.tanh(self.b(x))], dim=1))
+        return self.out(torch.cat([torch.relu(self.a(x)), torch.tanh(self.b(x)).argmax(1, keepdim=True).float()], 1))
 
 
 class _FunctionalMLP(torch.nn.Module):
@@ -678,7 +678,7 @@ class _RolledLSTM(torch.nn.Module):
         return self.fc(torch.roll(self.rnn(x.view(-1, 2, 4))[0][:, -1], 1, -1))
 
 
-@pytest.mark.parametrize("cls", [_CatMLP, _FunctionalMLP, _RolledLSTM])
+@pytest.mark.parametrize("cls", [_ArgmaxMLP, _FunctionalMLP, _RolledLSTM])
 def test_fedavg_averages_networks_the_tracer_cannot_follow_as_they_are(cls):
     torch.manual_seed(0)
     models = [cls().eval() for _ in range(3)]
@@ -695,12 +695,12 @@ def test_fedavg_averages_networks_the_tracer_cannot_follow_as_they_are(cls):
     # matching needs the units: refused in one line, naming what the tracer could not follow
     with pytest.raises(
         (ValueError, UnsupportedLayerError),
-        match="concatenating along|applies the network's own weight 'w1'|roll on a permuted axis",
+        match="argmax over the units|applies the network's own weight 'w1'|roll on a permuted axis",
     ):
         fuse(models, "pfnm", example_input=torch.zeros(2, 8))
     # the user's own mistakes are not averaged over: counts of other clients, or of another width
-    # (checked where the network runs on a guessed input, as _CatMLP's first nn.Linear allows, or a given one)
-    for given in [None] if cls is _CatMLP else [torch.zeros(2, 8)]:
+    # (checked where the network runs on a guessed input, as _ArgmaxMLP's first nn.Linear allows, or a given one)
+    for given in [None] if cls is _ArgmaxMLP else [torch.zeros(2, 8)]:
         with pytest.raises(ValueError, match="class counts give 4 counts per client; the models have 3 classes"):
             fuse(models, "fedavg", class_counts=np.ones((3, 4)), example_input=given)
     with pytest.raises(ValueError, match=r"class_counts must have one row per client, shape \(3, 3\)"):
@@ -708,6 +708,6 @@ def test_fedavg_averages_networks_the_tracer_cannot_follow_as_they_are(cls):
 
 
 def test_fedavg_does_not_hide_an_example_input_that_does_not_run():
-    models = [_CatMLP().eval() for _ in range(2)]
+    models = [_ArgmaxMLP().eval() for _ in range(2)]
     with pytest.raises(ValueError, match=r"the example input of shape \(2, 5\) does not run through the network"):
         fuse(models, "fedavg", example_input=torch.zeros(2, 5))

@@ -47,6 +47,11 @@ class Added:
     bn: str
     affine: bool
     bias: bool = True
+    weight: str = ""  # the layer's weight entry (its last piece, where it reads streams side by side)
+
+    def __post_init__(self) -> None:
+        if not self.weight:
+            object.__setattr__(self, "weight", f"{self.layer}.weight")
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -70,9 +75,9 @@ def _inserted(state: Mapping[str, Any], after: str, new: Mapping[str, Any]) -> d
 def missing_biases(state: Mapping[str, Any], spec: PermutationSpec) -> list[Added]:
     """The folds of ``spec`` whose layer has no bias in ``state``, or whose batch norm no affine part."""
     return [
-        Added(layer, bn, f"{bn}.weight" in state, f"{layer}.bias" not in state)
+        Added(layer, bn, f"{bn}.weight" in state, f"{layer}.bias" not in state, spec.parts(f"{layer}.weight")[-1])
         for bn, layer in spec.folds.items()
-        if f"{layer}.weight" in state and (f"{layer}.bias" not in state or f"{bn}.weight" not in state)
+        if spec.parts(f"{layer}.weight")[-1] in state and (f"{layer}.bias" not in state or f"{bn}.weight" not in state)
     ]
 
 
@@ -80,7 +85,7 @@ def with_bias_axes(spec: PermutationSpec, added: Sequence[Added]) -> Permutation
     """``spec`` with the added entries permuted with their layer's units."""
     axes = dict(spec.axes)
     for a in added:
-        units = spec.axes[f"{a.layer}.weight"][0]
+        units = spec.axes[a.weight][0]
         axes.update({k: (units,) for k in a.keys})
     return dataclasses.replace(spec, axes=axes)
 
@@ -90,12 +95,12 @@ def add_zero_biases(state: Mapping[str, Any], added: Sequence[Added], *, ggn: bo
     bias 0; with ``ggn``, a summary's GGN diagonal of them (module docstring: ``inf``, ``0``)."""
     out = dict(state)
     for a in added:
-        like = np.asarray(state[f"{a.layer}.weight"])
+        like = np.asarray(state[a.weight])
         n = int(like.shape[0])
         dtype = np.float64 if ggn else like.dtype
         if a.bias:
             bias = np.full(n, np.inf if ggn else 0.0, dtype=dtype)
-            out = _inserted(out, f"{a.layer}.weight", {f"{a.layer}.bias": bias})
+            out = _inserted(out, a.weight, {f"{a.layer}.bias": bias})
         if not a.affine:
             # with summaries: after a layer of its own bias, beta's exact 0 (a GGN of inf) leaves the
             # folded bias the layer's, pi_b / c^2; after a zero bias (itself inf), the prior alone

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Generator, Mapping, Sequence
 
 import numpy as np
@@ -167,7 +167,7 @@ def fedma_steps(
         # fold the batch norms of this group (their layer is being matched now)
         bns = {bn: layer for bn, layer in spec.folds.items() if spec.axes[f"{bn}.weight"][0].group == group}
         if bns:
-            sub = PermutationSpec(spec.axes, spec.groups, bns, spec.output, spec.eps)
+            sub = replace(spec, folds=bns)
             arrays = [fold_batchnorm(sd, sub) for sd in arrays]
         skip = folded_entries(spec) | set(frozen_values)
         entries = unit_entries(spec, group, walk.fused, skip)

@@ -142,6 +142,7 @@ def check_states(
     names = names or [f"client {j}" for j in range(len(states))]
     out = []
     for name, sd in zip(names, states):
+        sd = spec.split(sd)  # entries reading streams side by side, as their pieces
         spec.check(sd, name)
         arrays = {}
         for k, v in sd.items():
@@ -200,7 +201,7 @@ def fold_batchnorm(state: State, spec: PermutationSpec, *, copy: bool = True) ->
         }
     else:
         out = {k: np.asarray(v) for k, v in state.items()}
-        written = {f"{layer}.{p}" for layer in spec.folds.values() for p in ("weight", "bias")}
+        written = {k for layer in spec.folds.values() for p in ("weight", "bias") for k in spec.parts(f"{layer}.{p}")}
         written |= folded_entries(spec)
         for k in written & out.keys():
             if np.issubdtype(out[k].dtype, np.floating):
@@ -215,8 +216,9 @@ def fold_batchnorm(state: State, spec: PermutationSpec, *, copy: bool = True) ->
         if (out[f"{bn}.running_var"] < 0).any():
             raise ValueError(f"batch norm {bn!r} has a negative running_var")
         scale = out[f"{bn}.weight"] / np.sqrt(out[f"{bn}.running_var"] + eps)
-        w = out[f"{layer}.weight"]
-        out[f"{layer}.weight"] = w * scale.reshape(-1, *([1] * (w.ndim - 1)))
+        for k in spec.parts(f"{layer}.weight"):  # a layer reading streams side by side: each piece
+            w = out[k]
+            out[k] = w * scale.reshape(-1, *([1] * (w.ndim - 1)))
         out[f"{layer}.bias"] = scale * (out[f"{layer}.bias"] - out[f"{bn}.running_mean"]) + out[f"{bn}.bias"]
         for p, value in identity_bn(len(scale), eps).items():
             out[f"{bn}.{p}"] = value

@@ -177,6 +177,16 @@ class PermutationSpec:
         buffer with a number per unit). Permuting them keeps the function, so methods that keep
         the widths (OT, FedAvg) fuse such a network; those that change widths refuse it
         (:meth:`check_free_widths`).
+    pieces : dict
+        ``entry -> (dim, ((piece, length), ...))``: entries one of whose axes holds, side by
+        side, the units of several groups or numbers no permutation moves (the layer reading
+        ``torch.cat([x, h1, h2], 1)`` of streams of different widths, DenseNet's and
+        Inception's concatenations). The spec describes such an entry by its pieces along
+        ``dim``, each an entry of :attr:`axes` named ``piece`` (``"fc.weight@0"``, ...) whose
+        axis ``dim`` is one group's or ``None``; ``length`` is an unpermuted piece's length
+        (``None`` for a group's, whose length is its units'). :meth:`split` cuts a state_dict's
+        entries into their pieces, which every matcher then reads as entries of their own, and
+        :meth:`join` puts fused pieces back side by side.
     """
 
     axes: dict
@@ -187,6 +197,84 @@ class PermutationSpec:
     encodings: dict = field(default_factory=dict)
     heads: tuple = ()
     fixed: dict = field(default_factory=dict)
+    pieces: dict = field(default_factory=dict)
+
+    def parts(self, entry: str) -> list[str]:
+        """The names :attr:`axes` describes ``entry`` by: its pieces (:attr:`pieces`), or itself."""
+        found = self.pieces.get(entry)
+        return [name for name, _ in found[1]] if found else [entry]
+
+    def whole(self, name: str) -> str:
+        """The entry that piece ``name`` is a piece of (:attr:`pieces`), or ``name`` itself."""
+        return next((k for k, (_, pieces) in self.pieces.items() if any(p == name for p, _ in pieces)), name)
+
+    def split(self, state_dict: Mapping[str, Any]) -> dict:
+        """``state_dict`` with every entry of :attr:`pieces` cut into its pieces along its
+        ``dim`` (views, of NumPy arrays or tensors alike); as it is where the spec has no pieces
+        or the entries are cut already. Raises ``ValueError`` naming an entry whose length is not
+        its pieces'."""
+        if not self.pieces or not any(k in state_dict for k in self.pieces):
+            return dict(state_dict)
+        sizes = self._whole_sizes(state_dict)
+        out: dict = {}
+        for k, value in state_dict.items():
+            if k not in self.pieces:
+                out[k] = value
+                continue
+            dim, pieces = self.pieces[k]
+            lengths = []
+            for name, length in pieces:
+                axis = self.axes[name][dim]
+                if axis is not None:
+                    if axis.group not in sizes:
+                        raise ValueError(f"the spec's group {axis.group} has no entry of its own to read its width off")
+                    length = axis.outer * sizes[axis.group] * axis.inner
+                lengths.append(int(length))
+            shape = tuple(np.shape(value))
+            if len(shape) <= dim or shape[dim] != sum(lengths):
+                raise ValueError(
+                    f"entry {k!r} of shape {shape} does not hold its pieces of lengths {lengths} along dimension {dim}"
+                )
+            start = 0
+            for (name, _), length in zip(pieces, lengths):
+                out[name] = value[(slice(None),) * dim + (slice(start, start + length),)]
+                start += length
+        return out
+
+    def join(self, state_dict: Mapping[str, Any]) -> dict:
+        """Inverse of :meth:`split`: every entry of :attr:`pieces` whose pieces ``state_dict``
+        holds (at any widths, a fused network's) put back together in the first piece's place."""
+        if not self.pieces:
+            return dict(state_dict)
+        whole = {name: k for k, (_, pieces) in self.pieces.items() for name, _ in pieces}
+        out: dict = {}
+        for k, value in state_dict.items():
+            entry = whole.get(k)
+            if entry is None:
+                out[k] = value
+            elif entry not in out:
+                dim, pieces = self.pieces[entry]
+                values = [state_dict[name] for name, _ in pieces]
+                if isinstance(values[0], np.ndarray):
+                    out[entry] = np.concatenate(values, axis=dim)
+                else:  # torch tensors, so torch is loaded already
+                    import torch
+
+                    out[entry] = torch.cat([torch.as_tensor(v) for v in values], dim)
+        return out
+
+    def _whole_sizes(self, state_dict: Mapping[str, Any]) -> dict[str, int]:
+        """Each group's size, read off the entries that are no piece."""
+        out: dict[str, int] = {}
+        inside = {name for _, pieces in self.pieces.values() for name, _ in pieces}
+        for k, v in self.axes.items():
+            if k in inside or k not in state_dict:
+                continue
+            shape = np.shape(state_dict[k])
+            for d, a in enumerate(v):
+                if a is not None and d < len(shape):
+                    out.setdefault(a.group, a.size(shape[d]))
+        return out
 
     def check_free_widths(self, method: str) -> None:
         """Refuse, in one line, fusing with ``method`` (which changes widths) a network whose
@@ -205,6 +293,13 @@ class PermutationSpec:
 
     def output_layer(self, state: Mapping[str, Any]) -> tuple[str, str]:
         """The output layer's weight (2-D) and bias (1-D) entries of :attr:`output` in ``state``."""
+        whole = [k for k, (_, pieces) in self.pieces.items() if any(name in self.output for name, _ in pieces)]
+        if whole:
+            raise ValueError(
+                f"the output layer's {whole[0]!r} reads streams concatenated on their units (held as pieces "
+                f"{self.parts(whole[0])}), which its posterior (client summaries, a second round) does not read: "
+                "fuse this network without them"
+            )
         weight, bias = [next((k for k in self.output if k in state and np.ndim(state[k]) == d), None) for d in (2, 1)]
         if weight is None or bias is None:
             shapes = {k: tuple(np.shape(state[k])) for k in self.output if k in state}
@@ -230,6 +325,7 @@ class PermutationSpec:
         ):
             raise ValueError(f"a spec's 'fixed' maps groups it lists to why their widths are fixed, got {self.fixed!r}")
         object.__setattr__(self, "fixed", dict(self.fixed))
+        object.__setattr__(self, "pieces", _pieces(self.pieces, fixed))
 
     def head_entries(self, prefix: str) -> list[str]:
         """The suffixes of the entries of branch ``prefix`` of a head set (``"q.weight"``, ...)."""
@@ -250,6 +346,7 @@ class PermutationSpec:
 
     def sizes(self, state_dict: Mapping[str, np.ndarray]) -> dict[str, int]:
         """Size of each group in ``state_dict``; checks the spec against it."""
+        state_dict = self.split(state_dict)
         self.check(state_dict)
         out: dict[str, int] = {}
         for k, v in self.axes.items():
@@ -261,6 +358,7 @@ class PermutationSpec:
 
     def check(self, state_dict: Mapping[str, np.ndarray], name: str = "state_dict") -> None:
         """Raise ``ValueError`` naming the entry when ``state_dict`` does not fit the spec."""
+        state_dict = self.split(state_dict)
         missing = [k for k in self.axes if k not in state_dict]
         if missing:
             raise ValueError(f"{name} lacks entries {missing[:5]} that the architecture spec describes")
@@ -285,6 +383,35 @@ class PermutationSpec:
                         f"{name}: group {a.group} has {n} units in {k!r} (shape {shape}) but {other_n} in {other!r}"
                     )
                 sizes.setdefault(a.group, (n, k))
+
+
+def _pieces(data, axes: Mapping[str, tuple]) -> dict:
+    """``data`` as ``{entry: (dim, ((piece, length), ...))}``, checked: every piece an entry of
+    ``axes`` with that dimension, permuted by a group (length None) or by none (a length >= 1)."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a spec's 'pieces' maps entries to (dim, pieces), got {data!r}")
+    out = {}
+    for entry, value in data.items():
+        try:
+            dim, pieces = value
+            pieces = tuple((str(name), None if length is None else int(length)) for name, length in pieces)
+            dim = int(dim)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"the pieces of {entry!r} are (dim, [(piece, length or null), ...]), got {value!r}"
+            ) from None
+        if entry in axes or len(pieces) < 2:
+            raise ValueError(f"entry {entry!r} is described by its pieces, at least two, and not as a whole")
+        for name, length in pieces:
+            if name not in axes or len(axes[name]) <= dim:
+                raise ValueError(f"piece {name!r} of {entry!r} is no entry of the spec with a dimension {dim}")
+            if (axes[name][dim] is None) != (length is not None) or (length is not None and length < 1):
+                raise ValueError(
+                    f"piece {name!r} of {entry!r}: a piece that no group permutes along {dim} has a length >= 1, "
+                    "one that a group permutes has none"
+                )
+        out[str(entry)] = (dim, pieces)
+    return out
 
 
 def _encodings(data, groups: Sequence[str]) -> dict:
@@ -456,6 +583,8 @@ def permute(state_dict: Mapping[str, np.ndarray], spec: PermutationSpec, perms: 
 
     Groups missing from ``perms`` stay as they are. Arrays keep their type (NumPy or torch).
     """
+    if spec.pieces:
+        return spec.join(permute(spec.split(state_dict), replace(spec, pieces={}), perms))
     out = {}
     for k, value in state_dict.items():
         a = value

@@ -37,7 +37,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
     """A JSON-ready description: ``{"axes": {name: [null | "P1" | {"group", "outer", "inner"}]}, ...}``.
 
     Position encodings, where the spec has any, are ``"encodings": {group: {"mode", "period",
-    "amplitude"[, "after"]}}`` (:class:`Encoding`); exchangeable heads ``"heads": [[prefix, ...], ...]``."""
+    "amplitude"[, "after"]}}`` (:class:`Encoding`); exchangeable heads ``"heads": [[prefix, ...], ...]``;
+    entries held in pieces ``"pieces": {entry: [dim, [[piece, length or null], ...]]}``."""
 
     def axis(a):
         if a is None:
@@ -59,6 +60,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
         out["heads"] = [list(h) for h in spec.heads]
     if spec.fixed:  # groups whose width the forward fixes
         out["fixed"] = dict(spec.fixed)
+    if spec.pieces:  # entries that hold several groups side by side, described by their pieces
+        out["pieces"] = {k: [dim, [list(p) for p in pieces]] for k, (dim, pieces) in spec.pieces.items()}
     return out
 
 
@@ -111,6 +114,7 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         data.get("encodings", {}),  # position encodings (Encoding), checked by the spec
         data.get("heads", ()),  # exchangeable heads, checked by the spec
         data.get("fixed", {}),  # groups whose width the forward fixes, checked by the spec
+        data.get("pieces", {}),  # entries described by their pieces, checked by the spec
     )
 
 

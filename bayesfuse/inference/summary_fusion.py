@@ -87,8 +87,9 @@ def laplace_precisions(state: State, ggn: State, prior_precision: float, spec: P
             np.asarray(state[f"{bn}.running_var"], dtype=np.float64) + spec.batchnorm_eps(bn)
         )
         c2 = c**2
-        w = pi[f"{layer}.weight"]
-        pi[f"{layer}.weight"] = w / c2.reshape(-1, *([1] * (w.ndim - 1)))
+        for k in spec.parts(f"{layer}.weight"):  # a layer reading streams side by side: each piece
+            w = pi[k]
+            pi[k] = w / c2.reshape(-1, *([1] * (w.ndim - 1)))
         pi[f"{layer}.bias"] = 1.0 / (c2 / pi[f"{layer}.bias"] + 1.0 / pi[f"{bn}.bias"])
         for p in ("weight", "bias"):
             pi.pop(f"{bn}.{p}", None)

@@ -25,6 +25,11 @@ activation from the input to the output:
   halves, ``u, g = h.chunk(2, -1)``) makes each piece a block of the layer's units: one
   permutation for every piece, so a global unit is one unit of each (as :func:`torch.cat` of
   equal widths ties them, the other way round);
+* ``torch.cat`` on the units' axis of streams of one width ties them, each a block of the
+  result; of streams of different widths, or of the input beside hidden units (DenseNet's
+  ``cat([x, f1, f2], 1)``, Inception's branches), each keeps its permutation, side by side,
+  and the entries that read them (a layer's weight, a norm's numbers per unit) are held in
+  pieces, one per stream (:attr:`~bayesfuse.inference.spec.PermutationSpec.pieces`);
 * a convolution of ``g`` groups keeps them: one permutation within a group for every group,
   the channels it reads cut into blocks the groups do not cross;
 * a ``view`` / ``reshape`` that cuts the units' axis into heads (attention written by hand,
@@ -292,6 +297,32 @@ class _Parts:
 
 
 @dataclass(frozen=True)
+class _Segments:
+    """Streams side by side on axis ``dim`` that no one permutation describes (``torch.cat`` of
+    streams of different widths, or of a stream and the input): ``parts`` in order, each
+    ``(feature, length)``, the feature a stream's permuted units or None for numbers no
+    permutation moves, ``length`` its numbers on the axis as traced."""
+
+    dim: int
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class _Cat:
+    """An entry's axis that holds ``parts`` side by side, ``(var, outer, inner, length)`` each
+    (``var`` None: numbers no permutation moves): the spec describes the entry by its pieces."""
+
+    parts: tuple
+
+
+#: What may read streams side by side (:class:`_Segments`), which the spec describes by pieces.
+_SEGMENTS_READERS = (
+    "layers (Linear, Conv without groups), BatchNorm, LayerNorm, GroupNorm, InstanceNorm, element-wise "
+    "functions, pooling, flatten, and concatenation"
+)
+
+
+@dataclass(frozen=True)
 class _Unreadable:
     """An activation whose units no one permutation describes: refused where it is read."""
 
@@ -529,6 +560,12 @@ class _Walk:
     def feature(self, node) -> _Feature | None:
         """The activation's units, or None (no units known, or a parameter)."""
         label = self.raw(node)
+        if isinstance(label, _Segments):
+            widths = [length for _, length in label.parts]
+            raise UnsupportedLayerError(
+                f"{type(self.model).__name__}: {node.name} holds streams concatenated on their units ({widths} "
+                f"wide), read where they cannot be followed: {_SEGMENTS_READERS} can read them"
+            )
         if isinstance(label, (_Unreadable, _Recurrent, _Parts)):  # read as one tensor: refused
             why = (
                 label.why
@@ -540,6 +577,15 @@ class _Walk:
             raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.name}: {why}")
         return label if isinstance(label, _Feature) else None
 
+    def through(self, node, *, channels: bool = False):
+        """The label of an element-wise function's (or, with ``channels``, a pooling's) result:
+        its operand's units, or its operand's streams side by side (:class:`_Segments`, which a
+        pooling keeps only on the channels' axis, 1, of maps)."""
+        label = self.raw(node)
+        if isinstance(label, _Segments) and (not channels or label.dim == 1 and len(_tensor_shape(node)) > 2):
+            return label
+        return self.feature(node)
+
     def raw(self, node):
         return self.labels.get(node) if isinstance(node, fx.Node) else None
 
@@ -549,6 +595,9 @@ class _Walk:
     def set_axes(self, entry: str, dims: list) -> None:
         if entry in self.axes:  # a module or parameter used twice: its axes are tied
             for old, new in zip(self.axes[entry], dims):
+                if isinstance(old, _Cat) or isinstance(new, _Cat):
+                    self.same_cat(entry, old, new)
+                    continue
                 if (old is None) != (new is None):
                     raise UnsupportedLayerError(f"entry {entry!r} is used with different permuted axes")
                 if old is not None and tuple(old[1:]) != tuple(new[1:]):
@@ -560,6 +609,19 @@ class _Walk:
                     self.classes.union(old[0], new[0])
             return
         self.axes[entry] = dims
+
+    def same_cat(self, entry: str, old, new) -> None:
+        """Tie the pieces of two uses of one entry's axis of streams side by side, or refuse."""
+        shape = [(p[0] is None, p[1:]) for p in old.parts] if isinstance(old, _Cat) else None
+        if (
+            not isinstance(old, _Cat)
+            or not isinstance(new, _Cat)
+            or shape != [(p[0] is None, p[1:]) for p in new.parts]
+        ):
+            raise UnsupportedLayerError(f"entry {entry!r} is used with different streams concatenated on its axis")
+        for a, b in zip(old.parts, new.parts):
+            if a[0] is not None:
+                self.classes.union(a[0], b[0])
 
     # ----------------------------------------------------------------- the walk
     def run(self, gm: fx.GraphModule) -> PermutationSpec:
@@ -584,11 +646,17 @@ class _Walk:
         out = output_node.args[0] if output_node is not None else None
         returned = list(_returned(out))  # a tensor, or a tuple / list / dict of them: the first are the logits
         for node in returned:
+            label = self.raw(node)
+            if isinstance(label, _Segments):  # streams returned side by side: none is permuted
+                for g, _ in label.parts:
+                    if g is not None:
+                        self.classes.union(g.var, _FIXED)
+                continue
             f = self.feature(node)
             if isinstance(f, _Feature):
                 self.classes.union(f.var, _FIXED)  # what the network returns is never permuted
         first = returned[0] if returned else None
-        f = self.feature(first)
+        f = None if isinstance(self.raw(first), _Segments) else self.feature(first)
         # the output layer: the one whose units the logits are, through what keeps them (log_softmax, a scale)
         output_layer = self.producer.get(first) or (self.var_producer.get(f.var) if f is not None else None)
         self.heads = self.head_sets()
@@ -641,23 +709,56 @@ class _Walk:
             r = self.classes.find(v)
             if r != _FIXED and r not in names and r not in self.cut:
                 names[r] = f"P{len(names) + 1}"
-        axes = {}
-        for entry, dims in self.axes.items():
-            axes[entry] = tuple(
+
+        def axis(d):
+            return (
                 None
                 if d is None or self.classes.find(d[0]) == _FIXED
                 else Axis(names[self.classes.find(d[0])], d[1], d[2])
-                for d in dims
             )
+
+        axes: dict = {}
+        pieces: dict = {}
         state = self.model.state_dict()
-        for entry, value in state.items():  # parameters the forward never permutes
-            if entry not in axes:
-                axes[entry] = (None,) * value.dim()
-        axes = {k: axes[k] for k in state}
+        for entry in state:
+            dims = self.axes.get(entry)
+            if dims is None:  # parameters the forward never permutes
+                axes[entry] = (None,) * state[entry].dim()
+                continue
+            cats = [d for d, a in enumerate(dims) if isinstance(a, _Cat)]
+            if not cats:
+                axes[entry] = tuple(axis(d) for d in dims)
+                continue
+            if len(cats) > 1:
+                raise UnsupportedLayerError(f"entry {entry!r} reads streams concatenated on more than one of its axes")
+            at = cats[0]
+            parts: list = []
+            for var, outer, inner, length in dims[cats[0]].parts:
+                a = None if var is None else axis((var, outer, inner))
+                if (
+                    parts and a is None and parts[-1][0] is None
+                ):  # numbers no permutation moves, side by side: one piece
+                    parts[-1] = (None, parts[-1][1] + length)
+                else:
+                    parts.append((a, None if a is not None else length))
+            if len(parts) == 1:  # every stream tied to the input or the classes: none permuted
+                axes[entry] = tuple(None if d == at else axis(a) for d, a in enumerate(dims))
+                continue
+            named = []
+            for i, (a, length) in enumerate(parts):
+                piece = f"{entry}@{i}"
+                axes[piece] = tuple(a if d == at else axis(b) for d, b in enumerate(dims))
+                named.append((piece, length))
+            pieces[entry] = (at, tuple(named))
         output = (
             ()
             if output_layer is None
-            else tuple(k for k in (f"{output_layer}.weight", f"{output_layer}.bias") if k in state)
+            else tuple(
+                p
+                for k in (f"{output_layer}.weight", f"{output_layer}.bias")
+                if k in state
+                for p in ([name for name, _ in pieces[k][1]] if k in pieces else [k])
+            )
         )
         folds = {bn: after for bn, after in self.folds.items()}
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
@@ -665,12 +766,17 @@ class _Walk:
         for v, why in self.fixed:
             fixed.setdefault(names.get(self.classes.find(v), ""), why)
         fixed.pop("", None)  # a class later tied to the input or the classes: never permuted
-        return PermutationSpec(axes, tuple(names.values()), folds, output, eps, heads=self.heads, fixed=fixed)
+        return PermutationSpec(
+            axes, tuple(names.values()), folds, output, eps, heads=self.heads, fixed=fixed, pieces=pieces
+        )
 
     # ----------------------------------------------------------------- modules
     def call_module(self, node, m: nn.Module) -> None:
         name = node.target
         inp = node.args[0] if node.args else None
+        if isinstance(self.raw(inp), _Segments) and len(node.args) == 1 and not node.kwargs:
+            self.segments_module(node, m, self.raw(inp))
+            return
         f = self.feature(inp)
         if isinstance(m, nn.Linear):
             f = f if self.permuted(f) else None
@@ -755,6 +861,57 @@ class _Walk:
                 f"{type(m).__name__} is not supported (supported: Linear, Bilinear, Conv1d/2d, Embedding(Bag), LSTM, "
                 "GRU, RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
             )
+
+    def segments_module(self, node, m: nn.Module, label: _Segments) -> None:
+        """Module ``m`` reading streams side by side (:class:`_Segments`): a layer's weight, or a
+        norm's numbers per unit, hold them on one axis, which the spec describes by pieces; pooling,
+        padding and element-wise modules pass them through; anything else is refused."""
+        rank = len(_tensor_shape(node.args[0]))
+        channels = label.dim == 1 and rank > 2  # pooling and padding act on the axes after the channels
+        if isinstance(m, nn.Linear) and label.dim == rank - 1:
+            out, cut = self.layer_vars(node.target, None, node)
+            self.layer_output(node, m, (out, cut, 1), [self.cat_axis(label)], len(_tensor_shape(node)) - 1)
+        elif isinstance(m, (nn.Conv1d, nn.Conv2d)) and m.groups == 1 and label.dim == 1:
+            out, cut = self.layer_vars(node.target, None, node)
+            self.layer_output(node, m, (out, cut, 1), [self.cat_axis(label)], 1)
+        elif (
+            isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.InstanceNorm1d, nn.InstanceNorm2d))
+            and label.dim == 1
+            or isinstance(m, nn.GroupNorm)
+            and m.num_groups in (1, m.num_channels)
+            and label.dim == 1
+            or isinstance(m, nn.LayerNorm)
+            and len(m.normalized_shape) == 1
+            and label.dim == rank - 1
+            or isinstance(m, nn.PReLU)
+            and label.dim == 1
+        ):
+            for p in ("weight", "bias", "running_mean", "running_var"):  # one number per unit: not folded
+                if getattr(m, p, None) is not None and not (isinstance(m, nn.PReLU) and m.num_parameters == 1):
+                    self.set_axes(f"{node.target}.{p}", [self.cat_axis(label)])
+            if getattr(m, "num_batches_tracked", None) is not None:
+                self.set_axes(f"{node.target}.num_batches_tracked", [])
+            self.labels[node] = label
+        elif (
+            isinstance(m, _ELEMENTWISE_MODULES + (nn.Softmax, nn.LogSoftmax, nn.Softmin))
+            or isinstance(m, _POOL_MODULES + _SPATIAL_MODULES)
+            and channels
+        ):
+            self.labels[node] = label
+        elif isinstance(m, nn.Flatten):
+            self.reshape(node, node.args[0])
+        else:
+            self.fail(
+                node,
+                f"{type(m).__name__} reads streams concatenated on their units (of widths "
+                f"{[length for _, length in label.parts]}): {_SEGMENTS_READERS} can read them",
+            )
+
+    def cat_axis(self, label: _Segments) -> _Cat:
+        """The axis of an entry that reads ``label``'s streams side by side."""
+        return _Cat(
+            tuple((None, 1, 1, length) if g is None else (g.var, g.outer, g.inner, length) for g, length in label.parts)
+        )
 
     def layer_output(
         self,
@@ -934,7 +1091,7 @@ class _Walk:
         method = node.target
         args = list(node.args)
         if method in _ELEMENTWISE_METHODS or method in _SOFTMAX_METHODS:
-            self.labels[node] = self.feature(args[0])
+            self.labels[node] = self.through(args[0])
         elif method in _SCALAR_ELEMENTWISE_METHODS:
             self.scalar_elementwise(node, args, node.kwargs)
         elif method in _MATMUL_METHODS:
@@ -959,6 +1116,8 @@ class _Walk:
             self.labels[node] = None
         elif method in ("expand", "expand_as", "repeat"):  # a class token broadcast over the batch
             label = self.raw(args[0])
+            if isinstance(label, _Segments):
+                self.feature(args[0])  # refused
             if isinstance(label, _Feature) and self.permuted(label):
                 src, dst = _tensor_shape(args[0]), _tensor_shape(node)
                 if dst[label.dim + len(dst) - len(src)] != src[label.dim]:
@@ -980,7 +1139,7 @@ class _Walk:
             if key is not None:
                 args, kwargs = [kwargs[key]], {k: v for k, v in kwargs.items() if k != key}
         if fn in _ELEMENTWISE_FUNCTIONS or fn in _SOFTMAX:
-            self.labels[node] = self.feature(args[0])
+            self.labels[node] = self.through(args[0])
         elif fn in _SCALAR_ELEMENTWISE:
             self.scalar_elementwise(node, args, kwargs)
         elif fn in _MATMUL:
@@ -992,7 +1151,7 @@ class _Walk:
             self.width_scale(node, kwargs.get("scale"), "the attention's scale is")
             self.attention(node, q, k, v, kwargs.get("scale"))
         elif fn in _POOL_FUNCTIONS:
-            self.labels[node] = self.feature(args[0])
+            self.labels[node] = self.through(args[0], channels=True)
         elif fn in _BINARY:
             self.binary(node, args[0], args[1])
         elif fn in _RESHAPE_FUNCTIONS:
@@ -1068,6 +1227,10 @@ class _Walk:
         if _shape(node) is not None:  # a tensor: numbers computed from widths that scale it
             for p in (a, b):
                 self.width_scale(node, p, "a number that scales a tensor is")
+        la, lb = self.raw(a), self.raw(b)
+        if isinstance(la, _Segments) or isinstance(lb, _Segments):
+            self.segments_binary(node, a, b)
+            return
         followed = set()
         for p, other in ((a, b), (b, a)):
             g = self.feature(other)
@@ -1095,6 +1258,32 @@ class _Walk:
             shift = len(_tensor_shape(node)) - len(_tensor_shape(a if fa is not None else b))
             f = _Feature(f.var, f.dim + shift, f.outer, f.inner)
         self.labels[node] = f
+
+    def segments_binary(self, node, a, b) -> None:
+        """``a`` op ``b`` where one holds streams side by side: with a number (``h * 0.5``), or with
+        the same streams laid alike (their pieces tied); else refused."""
+        la, lb = self.raw(a), self.raw(b)
+        if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+            self.labels[node] = la if isinstance(la, _Segments) else lb
+            return
+        same = (
+            isinstance(la, _Segments)
+            and isinstance(lb, _Segments)
+            and _tensor_shape(a) == _tensor_shape(b) == _tensor_shape(node)
+            and la.dim == lb.dim
+            and [(g is None, length, g and (g.outer, g.inner)) for g, length in la.parts]
+            == [(g is None, length, g and (g.outer, g.inner)) for g, length in lb.parts]
+        )
+        if not same:
+            self.fail(
+                node,
+                "an operation of streams concatenated on their units with a tensor that does not hold the same "
+                "streams side by side cannot be followed",
+            )
+        for (g, _), (h, _) in zip(la.parts, lb.parts):
+            if g is not None:
+                self.classes.union(g.var, h.var)
+        self.labels[node] = la
 
     def same_blocks(self, fa: _Feature, fb: _Feature) -> tuple[_Feature, _Feature]:
         """``fa`` and ``fb`` in one block structure where one holds its units in ``m`` times the
@@ -1226,6 +1415,9 @@ class _Walk:
         tensors = list(tensors)
         rank = len(_tensor_shape(node))
         dim = dim % rank
+        if any(isinstance(self.raw(t), _Segments) and self.raw(t).dim == dim for t in tensors):
+            self.side_by_side(node, tensors, dim)
+            return
         self.read_whole(tensors)
         features = [self.raw(t) for t in tensors]
         streams = [f for f in features if isinstance(f, _Feature)]
@@ -1253,7 +1445,7 @@ class _Walk:
         """Refuse, where they are read as tensors, operands that are none: indices naming units, an
         LSTM's ``(h, c)``, a chunk's pieces."""
         for t in tensors:
-            if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts)):
+            if isinstance(self.raw(t), (_Unreadable, _Recurrent, _Parts, _Segments)):
                 self.feature(t)
 
     def stack(self, node, tensors, dim) -> None:
@@ -1298,22 +1490,39 @@ class _Walk:
         widths = []
         for g, t in zip(features, tensors):
             if not (isinstance(g, _Feature) and self.permuted(g) and g.dim == f.dim and g.inner == f.inner):
-                what = t.name if isinstance(t, fx.Node) else repr(t)
-                self.fail(
-                    node,
-                    f"concatenating along the units' axis an operand ({what}) that is no stream of hidden units "
-                    "there: give a spec",
-                )
+                self.side_by_side(node, tensors, f.dim)
+                return
             widths.append(_tensor_shape(t)[g.dim] // (g.outer * g.inner))
         if len(set(widths)) > 1:
-            self.fail(
-                node,
-                f"concatenating along the units' axis streams of different widths {widths}: one permutation of "
-                "them all needs one width; give a spec",
-            )
+            self.side_by_side(node, tensors, f.dim)
+            return
         for g in features:
             self.classes.union(f.var, g.var)
         self.labels[node] = _Feature(f.var, f.dim, sum(g.outer for g in features), f.inner)
+
+    def side_by_side(self, node, tensors: list, dim: int) -> None:
+        """Streams concatenated on their units that one permutation cannot describe: of different
+        widths, or beside the input or numbers no permutation moves (DenseNet's ``cat([x, f(x)],
+        1)``, Inception's branches). Each keeps its own permutation and the result holds them side
+        by side (:class:`_Segments`); a layer reading it has a weight the spec describes by
+        pieces, one per stream (:attr:`~bayesfuse.inference.spec.PermutationSpec.pieces`)."""
+        parts: list = []
+        for t in tensors:
+            if not isinstance(t, fx.Node) or _shape(t) is None:
+                self.fail(node, f"concatenating on the units' axis {t!r}, which is no tensor of the graph")
+            g, length = self.raw(t), _tensor_shape(t)[dim]
+            if isinstance(g, _Segments):
+                parts.extend(g.parts)
+                continue
+            if isinstance(g, (_Unreadable, _Recurrent, _Parts)):
+                self.feature(t)  # refused
+            if isinstance(g, _Feature) and self.permuted(g):
+                if g.dim != dim:
+                    self.fail(node, f"concatenating on one axis an operand ({t.name}) whose units lie on another")
+                parts.append((g, length))
+            else:  # the input, a constant, a sum over units: numbers no permutation moves
+                parts.append((None, length))
+        self.labels[node] = _Segments(dim, tuple(parts))
 
     def pieces(self, node, args: list, kwargs, signature: tuple, what: str) -> None:
         """``chunk`` / ``split`` / ``tensor_split`` / ``unbind`` / ``glu`` of ``args[0]``.
@@ -1389,6 +1598,13 @@ class _Walk:
         new = self.new()
 
         def cut(d):
+            if isinstance(d, _Cat):
+                return _Cat(
+                    tuple(
+                        (new, p[1] * m, p[2], p[3]) if p[0] is not None and self.classes.find(p[0]) == root else p
+                        for p in d.parts
+                    )
+                )
             return (new, d[1] * m, d[2]) if d is not None and self.classes.find(d[0]) == root else d
 
         def relabel(label):
@@ -1398,6 +1614,8 @@ class _Walk:
                 return _Parts(tuple(relabel(p) for p in label.parts))
             if isinstance(label, _Recurrent):
                 return _Recurrent(relabel(label.output), relabel(label.state))
+            if isinstance(label, _Segments):
+                return _Segments(label.dim, tuple((relabel(g), length) for g, length in label.parts))
             return label
 
         self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
@@ -1504,7 +1722,7 @@ class _Walk:
         values = list(args) + list(kwargs.values())
         tensors = [v for v in values if isinstance(v, fx.Node)]
         if len(tensors) == 1 and all(v is None or isinstance(v, (int, float, fx.Node)) for v in values):
-            self.labels[node] = self.feature(tensors[0])  # h ** 2, 2 ** h, clamp(h, 0, 6)
+            self.labels[node] = self.through(tensors[0])  # h ** 2, 2 ** h, clamp(h, 0, 6)
         else:
             self.opaque(node, args + list(kwargs.values()), getattr(node.target, "__name__", str(node.target)))
 
@@ -1515,6 +1733,9 @@ class _Walk:
         parts = self.raw(a)
         if isinstance(parts, _Parts) and name in ("values", "indices"):
             self.labels[node] = parts.parts[name == "indices"]
+            return
+        if isinstance(parts, _Segments) and _shape(node) is None:  # x.shape, x.dtype: no tensor
+            self.labels[node] = None
             return
         f = self.feature(a)
         self.labels[node] = None
@@ -1600,6 +1821,9 @@ class _Walk:
     def reshape(self, node, a) -> None:
         """Follow the units through a reshape that keeps each unit's numbers in one axis, or that
         cuts the units' axis into heads (:meth:`heads_split`)."""
+        if isinstance(self.raw(a), _Segments):
+            self.segments_reshape(node, a, self.raw(a))
+            return
         f = self.feature(a)
         if not isinstance(f, _Feature):
             self.labels[node] = None
@@ -1616,6 +1840,28 @@ class _Walk:
         if self.permuted(f) and shape_args is not None:
             for x, axis in self.widths_read(shape_args[self.labels[node].dim]):
                 self.tie_width(node, x, axis, node)
+
+    def segments_reshape(self, node, a, label: _Segments) -> None:
+        """A reshape of streams side by side that keeps the axes up to theirs and flattens theirs
+        with the ones after (``torch.flatten(x, 1)`` of concatenated channels' maps, ``view(B,
+        -1)``): each stream's units become blocks of their positions' numbers. Anything else is
+        refused."""
+        src, dst = _tensor_shape(a), _tensor_shape(node)
+        d, k = label.dim, len(dst) - 1
+        if int(np.prod(src[:d])) != int(np.prod(dst[:k])) or dst[k] != int(np.prod(src[d:])):
+            self.fail(
+                node,
+                f"this reshape {tuple(src)} -> {tuple(dst)} of streams concatenated on their units cannot be followed "
+                "(flatten their axis with the ones after it)",
+            )
+        s = int(np.prod(src[d + 1 :]))
+        self.labels[node] = _Segments(
+            k,
+            tuple(
+                (None if g is None else _Feature(g.var, k, g.outer, g.inner * s), length * s)
+                for g, length in label.parts
+            ),
+        )
 
     def heads_split(self, node, f: _Feature, src: tuple, dst: tuple, shape_args: list | None) -> _Feature:
         """A reshape that cuts the units' axis into axes of heads and features within a head

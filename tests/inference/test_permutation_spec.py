@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bayesfuse.inference.spec import Axis, chain, dense, to_global_basis
+from bayesfuse.inference.spec import Axis, PermutationSpec, chain, dense, permute, to_global_basis
 
 
 def test_to_global_basis_places_units_and_marks_missing():
@@ -164,3 +164,44 @@ def test_spec_json_round_trip_keeps_the_widths_a_forward_fixes():
     with pytest.raises(ValueError, match="gives the units of P another width"):
         fixed.check_free_widths("pfnm")
     plain.check_free_widths("pfnm")  # nothing fixed: nothing refused
+
+
+def test_entries_in_pieces_split_join_permute_and_round_trip_through_json():
+    """An entry reading the input beside a group's units (``cat([x, h])``): split into its pieces
+    at any width, joined back exactly, permuted piece by piece, kept by the spec's JSON."""
+    import json
+
+    from bayesfuse.inference.spec import spec_from_dict, spec_to_dict
+
+    spec = PermutationSpec(
+        {"a.weight": ("P", None), "a.bias": ("P",), "b.weight@0": (None, None), "b.weight@1": (None, "P")},
+        ("P",),
+        output=("b.weight@0", "b.weight@1"),
+        pieces={"b.weight": (1, (("b.weight@0", 3), ("b.weight@1", None)))},
+    )
+    rng = np.random.default_rng(0)
+    for width in (4, 7):
+        state = {
+            "a.weight": rng.normal(size=(width, 3)),
+            "a.bias": rng.normal(size=width),
+            "b.weight": rng.normal(size=(2, 3 + width)),
+        }
+        pieces = spec.split(state)
+        assert list(pieces) == ["a.weight", "a.bias", "b.weight@0", "b.weight@1"] and spec.sizes(state) == {"P": width}
+        assert np.array_equal(pieces["b.weight@1"], state["b.weight"][:, 3:]) and spec.whole("b.weight@1") == "b.weight"
+        assert all(np.array_equal(spec.join(pieces)[k], state[k]) for k in state)
+        perm = rng.permutation(width)
+        moved = permute(state, spec, {"P": perm})
+        assert np.array_equal(
+            moved["b.weight"], np.hstack([state["b.weight"][:, :3], state["b.weight"][:, 3:][:, perm]])
+        )
+        assert np.array_equal(moved["a.weight"], state["a.weight"][perm])
+    assert spec_from_dict(json.loads(json.dumps(spec_to_dict(spec)))) == spec
+    with pytest.raises(ValueError, match="a piece that no group permutes along 1 has a length >= 1"):
+        PermutationSpec(spec.axes, ("P",), pieces={"b.weight": (1, (("b.weight@0", None), ("b.weight@1", None)))})
+    with pytest.raises(ValueError, match="'b.weight' is described by its pieces, at least two"):
+        PermutationSpec({**spec.axes, "b.weight": (None, None)}, ("P",), pieces=spec.pieces)
+    with pytest.raises(ValueError, match="the output layer's 'b.weight' reads streams concatenated on their units"):
+        spec.output_layer(
+            spec.split({"a.weight": np.zeros((4, 3)), "a.bias": np.zeros(4), "b.weight": np.zeros((2, 7))})
+        )

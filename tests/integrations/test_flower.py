@@ -281,6 +281,18 @@ def test_a_users_class_given_as_like_is_traced_and_fused(clients):
     with pytest.raises(ValueError, match=r"method='fedma' gives the units of P1 another width.*split\(8\)"):
         FedMA(like=Split(), min_train_nodes=3, fraction_evaluate=0.0)
 
+    class Beside(torch.nn.Module):  # the input beside hidden units: the head's weight is held in pieces
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.head = torch.nn.Linear(64, 16), torch.nn.Linear(80, 10)
+
+        def forward(self, x):
+            return self.head(torch.cat([x, torch.relu(self.fc(x))], 1))
+
+    with pytest.raises(ValueError, match="'head.weight' reads streams concatenated on their units of different widths"):
+        FedMA(like=Beside(), min_train_nodes=3, fraction_evaluate=0.0)
+    assert MatchedAveraging("pfnm", like=Beside()).spec.pieces  # one shot: fused piece by piece
+
 
 def test_kl_fusion_of_bnn_replies(clients):
     from bayesfuse.models.bnn import BNNConfig, train_bnn

@@ -20,6 +20,8 @@ from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import far_from_identity_norms
 from tests.nets.user_nets import (
+    DenseBlockCNN,
+    InceptionMLP,
     ArgmaxUnits,
     Attention,
     BagOfWords,
@@ -102,6 +104,8 @@ NETS = [
     BilinearNet,  # nn.Bilinear of two branches, and of one stream with itself
     SharedBlocks,  # modules called again after their units were cut
     ProjectedLSTM,  # proj_size: the projection's units a permutation of their own
+    DenseBlockCNN,  # streams of different widths concatenated, the input among them; norms over them
+    InceptionMLP,  # branches of different widths, flattened; the input beside hidden units
 ]
 
 
@@ -199,6 +203,24 @@ class _ConcatInput(nn.Module):
     def forward(self, x):
         h = torch.relu(self.fc(x))
         return self.head(torch.cat([x if self.other.out_features == 64 else self.other(x), h], 1))
+
+
+class _SideBySide(nn.Module):
+    """Streams concatenated on their units read where they cannot be followed: ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.fc, self.a, self.b = how, nn.Linear(64, 12), nn.Conv1d(1, 4, 1), nn.Conv1d(1, 6, 1)
+        self.head, self.conv = nn.Linear(76, 3), nn.Conv1d(10, 4, 1, groups=2)
+
+    def forward(self, x):
+        h = torch.cat([x, torch.relu(self.fc(x))], 1)
+        if self.how == "transposed":
+            return self.head(h.T.T)
+        if self.how == "added":
+            return self.head(h + torch.cat([torch.relu(self.fc(x)), x], 1))
+        t = x.view(-1, 1, 64)
+        return self.conv(torch.cat([self.a(t), self.b(t)], 1)).mean((1, 2), keepdim=True) + self.head(h)
 
 
 class _Reads(nn.Module):
@@ -377,8 +399,12 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_Reads("a computed dim"), r"mean along a dim computed in the forward cannot be read; give it as a number"),
         (_Reads("by keyword"), r"roll on a permuted axis cannot be followed"),
         (_PartOfABlock(), r"indexing into the units' axis is not supported"),
-        (_ConcatInput(), r"concatenating along the units' axis an operand \(x\) that is no stream of hidden units"),
-        (_ConcatInput((5, 12)), r"concatenating along the units' axis streams of different widths \[5, 12\]"),
+        (_SideBySide("transposed"), r"cat holds streams concatenated on their units \(\[64, 12\] wide\), read where"),
+        (
+            _SideBySide("added"),
+            r"\(add\): an operation of streams concatenated on their units with a tensor that does not",
+        ),
+        (_SideBySide("grouped"), r"Conv1d reads streams concatenated on their units \(of widths \[4, 6\]\)"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
         (_HandWritten("tensordot"), r"tensordot applies the network's own weight 'W'"),
         (_HandWritten("linear", frozen=True), r"linear applies the network's own weight 'W'"),  # frozen, still a layer
@@ -911,3 +937,59 @@ def test_a_nanogpt_block_traces_its_causal_mask_sliced_by_the_sequence_length(sp
     assert _gap(models[0], bayesfuse.fuse([models[0], copy], "pfnm").model, x) < 1e-4
     fused = bayesfuse.fuse(models, "pfnm")
     assert fused.sizes[0] > 16 and fused.model(x).shape == (8, 6, 12)
+
+
+def test_streams_of_different_widths_side_by_side_keep_a_permutation_each():
+    """``torch.cat`` of streams of different widths, or of the input beside hidden units: each
+    stream keeps its own permutation, and the layer reading them has a weight the spec holds in
+    pieces, one per stream (the input's numbers one unpermuted piece)."""
+    spec = spec_from_module(_ConcatInput((5, 12)))
+    assert spec.pieces == {"head.weight": (1, (("head.weight@0", None), ("head.weight@1", None)))}
+    assert spec.axes["head.weight@0"] == (None, Axis("P2")) and spec.axes["head.weight@1"] == (None, Axis("P1"))
+    spec = spec_from_module(_ConcatInput())
+    assert spec.pieces["head.weight"] == (1, (("head.weight@0", 64), ("head.weight@1", None)))
+    dense = spec_from_module(DenseBlockCNN())
+    assert [len(dense.parts(k)) for k in ("layers.1.conv1.weight", "norm.weight", "head.weight")] == [2, 3, 3]
+    assert dense.axes["norm.running_var@1"] == (dense.axes["layers.0.conv2.weight"][0],)  # a norm of pieces
+    assert dense.folds == {f"layers.{i}.norm2": f"layers.{i}.conv1" for i in range(2)}  # into a layer of pieces
+    inception = spec_from_module(InceptionMLP())
+    assert inception.axes["mix.weight@1"][1] == Axis(inception.axes["b2.weight"][0].group, 1, 8)  # flattened maps
+    with pytest.raises(ValueError, match=re.escape("does not hold its pieces of lengths [64, 5] along dimension 1")):
+        spec.split({**_ConcatInput((5, 12)).state_dict(), "fc.weight": torch.zeros(5, 64)})
+
+
+@pytest.mark.parametrize("cls", [DenseBlockCNN, InceptionMLP, _ConcatInput])
+def test_independent_networks_with_streams_side_by_side_fuse_with_every_method(cls):
+    """PFNM and NAFI grow each stream to its own width, and the pieces of the layers reading them
+    are put together at the fused widths; FedMA retrains them; OT and FedAvg keep the widths."""
+    models = [_random(cls, s) for s in range(3)]
+    x = torch.randn(20, 64)
+    for method in ("pfnm", "nafi", "ot", "fedavg"):
+        fused = bayesfuse.fuse(models, method)
+        assert fused.model(x).shape == models[0](x).shape
+        if method in ("pfnm", "nafi") and cls is DenseBlockCNN:  # the classifier reads 3 + both streams, grown
+            sizes = dict(zip(fused.groups, fused.sizes))
+            assert fused.model.head.in_features == 3 + sizes["P2"] + sizes["P4"] > 13
+    torch.manual_seed(0)
+    train = Dataset(torch.randn(60, 64).numpy(), torch.randint(0, 10, (60,)).numpy(), 10)
+    parts = [np.arange(20 * j, 20 * j + 20) for j in range(3)]
+    if cls is not _ConcatInput:
+        assert bayesfuse.fuse(models, "fedma", data=(train, parts)).model(x).shape == (20, 10)
+
+
+def test_streams_side_by_side_with_summaries_and_a_batchnorm_round():
+    """Summaries read each entry in pieces; an output layer reading streams side by side, whose
+    posterior they cannot give yet, is refused in one line before any matching; the batch-norm
+    round averages a norm of pieces piece by piece."""
+    torch.manual_seed(0)
+    x, y = torch.randn(60, 64), torch.randint(0, 10, (60,))
+    train = Dataset(x.numpy(), y.numpy(), 10)
+    models = [_random(InceptionMLP, s) for s in range(3)]
+    fused = bayesfuse.fuse(models, "pfnm", summaries=[bayesfuse.summarize(m, x, y) for m in models])
+    assert fused.hyper["summaries"]["used"] and fused.model(x).shape == (60, 10)
+    models = [_random(DenseBlockCNN, s) for s in range(3)]
+    with pytest.raises(ValueError, match=re.escape("the output layer's 'head.weight' reads streams concatenated")):
+        bayesfuse.fuse(models, "pfnm", summaries=[bayesfuse.summarize(m, x, y) for m in models])
+    parts = [np.arange(20 * j, 20 * j + 20) for j in range(3)]
+    fused = bayesfuse.fuse(models, "pfnm", rounds=2, second_round="batchnorm", data=(train, parts))
+    assert fused.model.norm.running_var.shape == (fused.model.head.in_features,)

@@ -825,3 +825,60 @@ class NanoGPT(nn.Module):
         x = x + self.attn(self.ln_1(x))
         x = x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
         return self.lm_head(self.ln_f(x))
+
+
+class DenseBlockCNN(nn.Module):
+    """A DenseNet block: each layer (batch norm, ReLU, a bias-free 1x1 then 3x3 convolution, the
+    first's batch norm folded into it) reads the input and every earlier layer's channels
+    concatenated, of different widths; a transition, global pooling and a classifier reading
+    the last concatenation."""
+
+    def __init__(self, growth: tuple = (6, 4)) -> None:
+        super().__init__()
+        layers, width = [], 3
+        for g in growth:
+            layers.append(
+                nn.ModuleDict(
+                    {
+                        "norm1": nn.BatchNorm2d(width),
+                        "conv1": nn.Conv2d(width, 8, 1, bias=False),
+                        "norm2": nn.BatchNorm2d(8),
+                        "conv2": nn.Conv2d(8, g, 3, padding=1, bias=False),
+                    }
+                )
+            )
+            width += g
+        self.layers = nn.ModuleList(layers)
+        self.norm, self.head = nn.BatchNorm2d(width), nn.Linear(width, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        features = [x.view(-1, 1, 8, 8).expand(-1, 3, -1, -1) * torch.tensor([1.0, 0.5, -1.0]).view(1, 3, 1, 1)]
+        for layer in self.layers:
+            h = torch.cat(features, 1)
+            h = layer["conv1"](F.relu(layer["norm1"](h)))
+            features.append(layer["conv2"](F.relu(layer["norm2"](h))))
+        h = F.adaptive_avg_pool2d(F.relu(self.norm(torch.cat(features, 1))), 1)
+        return self.head(torch.flatten(h, 1))
+
+
+class InceptionMLP(nn.Module):
+    """Inception-style branches of different widths concatenated and read by a layer, the input
+    concatenated beside hidden units, and a dense layer reading concatenated channels' maps
+    flattened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b1, self.b2, self.b3 = nn.Conv1d(1, 4, 1), nn.Conv1d(1, 6, 3, padding=1), nn.Conv1d(1, 2, 5, padding=2)
+        self.mix, self.fc, self.head = nn.Linear(12 * 8, 16), nn.Linear(64 + 16, 12), nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = x[:, :8].unsqueeze(1)
+        h = torch.cat([F.relu(self.b1(t)), F.relu(self.b2(t)), F.relu(self.b3(t))], 1)  # (N, 12, 8)
+        h = F.relu(self.mix(h.flatten(1)))
+        return self.head(F.relu(self.fc(torch.cat([x, h], 1))))

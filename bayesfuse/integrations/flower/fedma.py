@@ -217,6 +217,7 @@ class FedMA(_RefitRound):
         if self.spec is not None:
             check_unfoldable(self.spec)
             self.spec.check_free_widths("fedma")  # FedMA grows the widths a forward may fix
+            _check_whole(self.spec)
         self.second_round = second_round
         self.method = "fedma"
         self.hyper = dict(hyper or {})
@@ -487,6 +488,7 @@ class FedMA(_RefitRound):
             )
             return None, self._nothing_fused()
         assert spec is not None  # a network strategy's check gives the spec its replies share
+        _check_whole(spec)
         spec, _ = tie_stacked_recurrent(spec, good[0].state)  # as start() does, for calls without it
         self._keys = list(good[0].state)
         self._added = missing_biases(good[0].state, spec)
@@ -709,3 +711,15 @@ def _mismatch(sent: dict, state: dict, node: int) -> str | None:
         if np.shape(state[k]) != np.shape(v):
             return f"node {node}: {k!r} has shape {np.shape(state[k])}, it was sent with {np.shape(v)}"
     return None
+
+
+def _check_whole(spec: PermutationSpec) -> None:
+    """Refuse, in one line, a network with entries reading streams concatenated on their units
+    (:attr:`~bayesfuse.inference.spec.PermutationSpec.pieces`): this strategy hands the nodes
+    whole entries to retrain."""
+    if spec.pieces:
+        entry = next(iter(spec.pieces))
+        raise ValueError(
+            f"{entry!r} reads streams concatenated on their units of different widths, which FedMA over Flower does "
+            "not retrain yet: fuse it with MatchedAveraging (pfnm, nafi), or with bayesfuse.fuse(..., 'fedma', data=)"
+        )
