@@ -342,7 +342,6 @@ def _aligning(fuse_plain):
         if spec.pieces:  # entries reading streams side by side: matched as their pieces, then put together
             states = [spec.split(sd) for sd in states]
             if options.get("summaries") is not None:
-                spec.output_layer(states[0])  # refused where the output layer reads streams side by side
                 options["summaries"] = [
                     dataclasses.replace(s, precision=spec.split(s.precision)) for s in options["summaries"]
                 ]

@@ -53,7 +53,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from bayesfuse.inference.spec import Axis, PermutationSpec
+from bayesfuse.inference.spec import PermutationSpec
 
 __all__ = [
     "one_shot_heads",
@@ -80,21 +80,30 @@ def class_shares(class_counts: np.ndarray) -> np.ndarray:
     return np.where(total > 0, counts / np.where(total > 0, total, 1.0), 1.0 / len(counts))
 
 
-def _read_axis(spec: PermutationSpec, state: Mapping[str, Any]) -> tuple[str, str, Axis | None, str | None]:
-    """The output layer's weight and bias entries, the axis its weight reads, and why the
-    clients' own heads cannot be kept on it (None when they can: it reads one hidden group unit
-    by unit)."""
+def _read_axis(spec: PermutationSpec, state: Mapping[str, Any]) -> tuple[str, str, list, str | None]:
+    """The output layer's weight and bias entries, what its weight reads, side by side (one
+    ``(axis, length)`` per piece, :attr:`~bayesfuse.inference.spec.PermutationSpec.pieces`: a
+    hidden group's axis and None, or None and the length of numbers no permutation moves), and
+    why the clients' own heads cannot be kept on it (None when they can: it reads hidden groups
+    unit by unit, beside the inputs at most)."""
     weight_key, bias_key = spec.output_layer(state)
-    axes = spec.axes.get(weight_key, ())
-    axis = axes[1] if len(axes) > 1 else None
-    if axis is not None and axis.outer * axis.inner == 1:
-        return weight_key, bias_key, axis, None
-    where = "inputs" if axis is None else f"group {axis.group!r} with positions"
+    if weight_key in spec.pieces:
+        _, pieces = spec.pieces[weight_key]
+        reads = [(spec.axes[name][1], length) for name, length in pieces]
+    else:
+        axes = spec.axes.get(weight_key, ())
+        reads = [(axes[1] if len(axes) > 1 else None, None)]
+    groups = [a for a, _ in reads if a is not None]
+    if groups and all(a.outer * a.inner == 1 for a in groups):
+        return weight_key, bias_key, reads, None
+    where = (
+        "inputs" if not groups else f"group {next(a for a in groups if a.outer * a.inner > 1).group!r} with positions"
+    )
     output = weight_key.rpartition(".")[0]
     return (
         weight_key,
         bias_key,
-        axis,
+        reads,
         (
             f"the clients' own heads need an output layer that reads one hidden group unit by unit; "
             f"{output!r} reads {where}"
@@ -299,14 +308,33 @@ def _layout(
     """The output layer's weight and bias keys and each client's global unit of each of the units
     it reads; refuses an output layer that does not read one hidden group unit by unit, and
     assignments that do not fit the clients and ``width`` fused units."""
-    weight_key, bias_key, axis, refused = _read_axis(spec, states[0])
+    weight_key, bias_key, reads, refused = _read_axis(spec, states[0])
     if refused:
         raise ValueError(refused)
-    assert axis is not None  # read, unit by unit
     J, G = len(states), int(width)
-    columns = [np.asarray(a, dtype=np.int64) for a in assignments[axis.group]]
-    if len(columns) != J or any(c.size and (c.min() < 0 or c.max() >= G) for c in columns):
-        raise ValueError(f"the assignments of {axis.group!r} do not fit {J} clients and {G} fused units")
+    groups = [a.group for a, _ in reads if a is not None]
+    for g in groups:
+        if len(assignments[g]) != J or any(np.size(a) and np.min(a) < 0 for a in assignments[g]):
+            raise ValueError(f"the assignments of {g!r} do not fit {J} clients")
+    fixed = sum(length for a, length in reads if a is None)
+    # each group's fused width: the units its clients' units were matched to (every fused unit has a member)
+    widths = {g: max((int(np.max(a)) + 1 for a in assignments[g] if np.size(a)), default=0) for g in groups}
+    if len(groups) == 1:  # one group (beside the inputs): its width is what the fused layer reads beside them
+        widths[groups[0]] = G - fixed
+    if fixed + sum(widths.values()) != G or any(
+        np.size(a) and np.max(a) >= widths[g] for g in groups for a in assignments[g]
+    ):
+        raise ValueError(
+            f"the assignments of {', '.join(map(repr, groups))} do not fit {J} clients and {G} fused units"
+        )
+    columns = []
+    for j in range(J):  # client j's input l of the output layer -> the fused layer's input
+        parts, offset = [], 0
+        for a, length in reads:
+            own = np.arange(length) if a is None else np.asarray(assignments[a.group][j], dtype=np.int64)
+            parts.append(offset + own)
+            offset += length if a is None else widths[a.group]
+        columns.append(np.concatenate(parts).astype(np.int64))
     return weight_key, bias_key, columns
 
 

@@ -292,15 +292,14 @@ class PermutationSpec:
         return float(self.eps.get(name, BATCHNORM_EPS))
 
     def output_layer(self, state: Mapping[str, Any]) -> tuple[str, str]:
-        """The output layer's weight (2-D) and bias (1-D) entries of :attr:`output` in ``state``."""
-        whole = [k for k, (_, pieces) in self.pieces.items() if any(name in self.output for name, _ in pieces)]
-        if whole:
-            raise ValueError(
-                f"the output layer's {whole[0]!r} reads streams concatenated on their units (held as pieces "
-                f"{self.parts(whole[0])}), which its posterior (client summaries, a second round) does not read: "
-                "fuse this network without them"
-            )
-        weight, bias = [next((k for k in self.output if k in state and np.ndim(state[k]) == d), None) for d in (2, 1)]
+        """The output layer's weight (2-D) and bias (1-D) entries of :attr:`output` in ``state``,
+        whole (an output layer reading streams side by side, :attr:`pieces`, as one entry: a
+        state_dict cut into pieces is refused)."""
+        names = list(dict.fromkeys(self.whole(k) for k in self.output))
+        cut = [k for k in names if k in self.pieces and k not in state]
+        if cut:
+            raise ValueError(f"the output layer's {cut[0]!r} is read whole: join its pieces first (spec.join)")
+        weight, bias = [next((k for k in names if k in state and np.ndim(state[k]) == d), None) for d in (2, 1)]
         if weight is None or bias is None:
             shapes = {k: tuple(np.shape(state[k])) for k in self.output if k in state}
             raise ValueError(

@@ -169,6 +169,7 @@ def test_spec_json_round_trip_keeps_the_widths_a_forward_fixes():
 def test_entries_in_pieces_split_join_permute_and_round_trip_through_json():
     """An entry reading the input beside a group's units (``cat([x, h])``): split into its pieces
     at any width, joined back exactly, permuted piece by piece, kept by the spec's JSON."""
+    import dataclasses
     import json
 
     from bayesfuse.inference.spec import spec_from_dict, spec_to_dict
@@ -201,7 +202,8 @@ def test_entries_in_pieces_split_join_permute_and_round_trip_through_json():
         PermutationSpec(spec.axes, ("P",), pieces={"b.weight": (1, (("b.weight@0", None), ("b.weight@1", None)))})
     with pytest.raises(ValueError, match="'b.weight' is described by its pieces, at least two"):
         PermutationSpec({**spec.axes, "b.weight": (None, None)}, ("P",), pieces=spec.pieces)
-    with pytest.raises(ValueError, match="the output layer's 'b.weight' reads streams concatenated on their units"):
-        spec.output_layer(
-            spec.split({"a.weight": np.zeros((4, 3)), "a.bias": np.zeros(4), "b.weight": np.zeros((2, 7))})
-        )
+    whole = {"a.weight": np.zeros((4, 3)), "a.bias": np.zeros(4), "b.weight": np.zeros((2, 7)), "b.bias": np.zeros(2)}
+    spec = dataclasses.replace(spec, axes={**spec.axes, "b.bias": (None,)}, output=(*spec.output, "b.bias"))
+    assert spec.output_layer(whole) == ("b.weight", "b.bias")  # the output layer, read whole
+    with pytest.raises(ValueError, match=r"the output layer's 'b.weight' is read whole: join its pieces first"):
+        spec.output_layer(spec.split(whole))

@@ -20,8 +20,6 @@ from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
 from tests.helpers import far_from_identity_norms
 from tests.nets.user_nets import (
-    DenseBlockCNN,
-    InceptionMLP,
     ArgmaxUnits,
     Attention,
     BagOfWords,
@@ -36,10 +34,12 @@ from tests.nets.user_nets import (
     CausalAttention,
     CausalWhere,
     ConcatCNN,
+    DenseBlockCNN,
     DepthwiseCNN,
     GatedNet,
     GatedStream,
     GroupedCNN,
+    InceptionMLP,
     KeywordOps,
     LayerScaleCNN,
     LogSoftmaxMLP,
@@ -977,19 +977,25 @@ def test_independent_networks_with_streams_side_by_side_fuse_with_every_method(c
         assert bayesfuse.fuse(models, "fedma", data=(train, parts)).model(x).shape == (20, 10)
 
 
-def test_streams_side_by_side_with_summaries_and_a_batchnorm_round():
-    """Summaries read each entry in pieces; an output layer reading streams side by side, whose
-    posterior they cannot give yet, is refused in one line before any matching; the batch-norm
-    round averages a norm of pieces piece by piece."""
+@pytest.mark.parametrize("cls", [DenseBlockCNN, _ConcatInput])
+def test_an_output_layer_reading_streams_side_by_side_keeps_the_clients_heads(cls):
+    """The clients' own heads on an output layer that reads streams side by side (and the input):
+    each client's column moves to its stream's fused unit, piece by piece, so permuted copies fuse
+    back to the network's predictive; with summaries the heads are Laplace posteriors, and the
+    second rounds run."""
+    model, x = _random(cls, 0), torch.randn(40, 64)
+    copies = [_permuted(model, s) for s in range(3)]
+    fused = bayesfuse.fuse(copies, "pfnm", head="clients")
+    with torch.no_grad():
+        torch.testing.assert_close(fused.model(x).softmax(-1).float(), model(x).softmax(-1), atol=1e-5, rtol=0)
     torch.manual_seed(0)
-    x, y = torch.randn(60, 64), torch.randint(0, 10, (60,))
-    train = Dataset(x.numpy(), y.numpy(), 10)
-    models = [_random(InceptionMLP, s) for s in range(3)]
+    y = torch.randint(0, 3 if cls is _ConcatInput else 10, (60,))
+    x = torch.randn(60, 64)
+    models = [_random(cls, s) for s in range(3)]
     fused = bayesfuse.fuse(models, "pfnm", summaries=[bayesfuse.summarize(m, x, y) for m in models])
-    assert fused.hyper["summaries"]["used"] and fused.model(x).shape == (60, 10)
-    models = [_random(DenseBlockCNN, s) for s in range(3)]
-    with pytest.raises(ValueError, match=re.escape("the output layer's 'head.weight' reads streams concatenated")):
-        bayesfuse.fuse(models, "pfnm", summaries=[bayesfuse.summarize(m, x, y) for m in models])
-    parts = [np.arange(20 * j, 20 * j + 20) for j in range(3)]
-    fused = bayesfuse.fuse(models, "pfnm", rounds=2, second_round="batchnorm", data=(train, parts))
-    assert fused.model.norm.running_var.shape == (fused.model.head.in_features,)
+    assert fused.hyper["summaries"]["used"] and fused.model.n_heads == 3 and fused.model(x).shape == (60, y.max() + 1)
+    train, parts = Dataset(x.numpy(), y.numpy(), int(y.max()) + 1), [np.arange(20 * j, 20 * j + 20) for j in range(3)]
+    assert bayesfuse.fuse(models, "pfnm", rounds=2, data=(train, parts)).model(x).shape == (60, y.max() + 1)
+    if cls is DenseBlockCNN:  # the batch-norm round averages a norm of pieces piece by piece
+        fused = bayesfuse.fuse(models, "pfnm", rounds=2, second_round="batchnorm", data=(train, parts))
+        assert fused.model.norm.running_var.shape == (fused.model.head.in_features,)
