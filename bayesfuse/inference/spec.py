@@ -580,10 +580,11 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
 def permute(state_dict: Mapping[str, np.ndarray], spec: PermutationSpec, perms: Mapping[str, np.ndarray]) -> dict:
     """Reorder units: new unit ``i`` of group ``g`` is old unit ``perms[g][i]``.
 
-    Groups missing from ``perms`` stay as they are. Arrays keep their type (NumPy or torch).
+    Groups missing from ``perms`` stay as they are. Arrays keep their type (NumPy or torch), and
+    entries held in pieces (:attr:`PermutationSpec.pieces`) their form, whole or cut.
     """
-    if spec.pieces:
-        return spec.join(permute(spec.split(state_dict), replace(spec, pieces={}), perms))
+    if any(k in state_dict for k in spec.pieces):  # entries held whole: permuted piece by piece, kept whole
+        return spec.join(permute(spec.split(state_dict), spec, perms))
     out = {}
     for k, value in state_dict.items():
         a = value

@@ -281,7 +281,7 @@ def test_a_users_class_given_as_like_is_traced_and_fused(clients):
     with pytest.raises(ValueError, match=r"method='fedma' gives the units of P1 another width.*split\(8\)"):
         FedMA(like=Split(), min_train_nodes=3, fraction_evaluate=0.0)
 
-    class Beside(torch.nn.Module):  # the input beside hidden units: the head's weight is held in pieces
+    class Beside(torch.nn.Module):  # the input beside hidden units: the head's weight is matched in pieces
         def __init__(self) -> None:
             super().__init__()
             self.fc, self.head = torch.nn.Linear(64, 16), torch.nn.Linear(80, 10)
@@ -289,9 +289,19 @@ def test_a_users_class_given_as_like_is_traced_and_fused(clients):
         def forward(self, x):
             return self.head(torch.cat([x, torch.relu(self.fc(x))], 1))
 
-    with pytest.raises(ValueError, match="'head.weight' reads streams concatenated on their units of different widths"):
-        FedMA(like=Beside(), min_train_nodes=3, fraction_evaluate=0.0)
-    assert MatchedAveraging("pfnm", like=Beside()).spec.pieces  # one shot: fused piece by piece
+    assert FedMA(like=Beside(), min_train_nodes=3, fraction_evaluate=0.0).spec.pieces  # matched in pieces
+    nets = []
+    for j in range(3):
+        torch.manual_seed(j)
+        nets.append(Beside().eval())
+    arrays, _ = MatchedAveraging("pfnm", like=nets[0]).aggregate_train(
+        1, [_reply(j, n.state_dict()) for j, n in enumerate(nets)]
+    )
+    expected = fuse([nets[j] for j in _canonical(nets)], "pfnm", seed=0).model.state_dict()
+    got = record_to_state(arrays)
+    assert got["head.weight"].shape == tuple(expected["head.weight"].shape) and got["head.weight"].shape[1] > 80
+    for k, v in expected.items():
+        np.testing.assert_allclose(got[k], v.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_kl_fusion_of_bnn_replies(clients):
@@ -727,11 +737,13 @@ def test_fedma_strategy_equals_run_fedma(clients, passes):
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cls", ["BiasFreeCNN", "BiasFreePlainNormCNN", "StackedLSTM"])
+@pytest.mark.parametrize("cls", ["BiasFreeCNN", "BiasFreePlainNormCNN", "StackedLSTM", "DenseBlockCNN", "ConcatMLP"])
 def test_fedma_strategy_on_bias_free_convolutions_and_stacked_lstms_equals_run_fedma(clients, cls):
     """Convolutions without a bias before a batch norm (as ResNets are written): the strategy
     matches them through a zero bias as run_fedma does, and the nodes get their own entries. A
-    stacked LSTM's layers: one group, as run_fedma matches them."""
+    stacked LSTM's layers: one group, as run_fedma matches them. Streams side by side (a dense
+    block, branches of different widths): the entries reading them matched in pieces, the nodes
+    given them whole, frozen whole."""
     from bayesfuse.nets.tracing import spec_from_module
     from tests.nets import user_nets
 
@@ -769,7 +781,9 @@ def test_fedma_strategy_on_bias_free_convolutions_and_stacked_lstms_equals_run_f
     assert (last["bytes-up"], last["bytes-down"]) == (expected.bytes_up, expected.bytes_down)
     if cls == "StackedLSTM":  # its two layers, one group: a local round and one matching round per pass
         assert len(spec_from_module(models[0]).groups) == 2 and len(result.train_metrics_clientapp) == 4
-    else:
+    if cls in ("DenseBlockCNN", "ConcatMLP"):  # entries in pieces: the case under test
+        assert spec_from_module(models[0]).pieces
+    if cls not in ("StackedLSTM", "ConcatMLP"):
         assert spec_from_module(models[0]).folds  # the batch norms are folded: the case under test
 
 

@@ -217,7 +217,6 @@ class FedMA(_RefitRound):
         if self.spec is not None:
             check_unfoldable(self.spec)
             self.spec.check_free_widths("fedma")  # FedMA grows the widths a forward may fix
-            _check_whole(self.spec)
         self.second_round = second_round
         self.method = "fedma"
         self.hyper = dict(hyper or {})
@@ -421,7 +420,9 @@ class FedMA(_RefitRound):
             )
             return []
         jobs, frozen, group = self._pending
-        frozen = frozen - added_keys(self._added)  # the server's zero biases: no entry of the nodes'
+        assert self._spec is not None  # set in round 1
+        # the server's zero biases: no entry of the nodes'; pieces frozen as their entry
+        frozen = {self._spec.whole(k) for k in frozen - added_keys(self._added)}
         round_config = ConfigRecord(
             {
                 **dict(config),
@@ -488,10 +489,9 @@ class FedMA(_RefitRound):
             )
             return None, self._nothing_fused()
         assert spec is not None  # a network strategy's check gives the spec its replies share
-        _check_whole(spec)
         spec, _ = tie_stacked_recurrent(spec, good[0].state)  # as start() does, for calls without it
-        self._keys = list(good[0].state)
-        self._added = missing_biases(good[0].state, spec)
+        self._keys = list(spec.split(good[0].state))  # an entry reading streams side by side: its pieces
+        self._added = missing_biases(spec.split(good[0].state), spec)
         self._spec = with_bias_axes(spec, self._added) if self._added else spec
         self.nodes = [r.node for r in good]
         self._examples = {r.node: r.num_examples for r in good}
@@ -643,7 +643,7 @@ class FedMA(_RefitRound):
         """A node's network with its position encodings, if any, folded in (eq. F; float64, as
         run_fedma's), and a zero bias on each layer without one before a batch norm."""
         assert self._spec is not None  # set in round 1
-        return add_zero_biases(fold_encodings(state, self._spec), self._added)
+        return add_zero_biases(fold_encodings(self._spec.split(state), self._spec), self._added)
 
     def _encoded(self, state: dict) -> dict:
         """A plain network as the position-aware one of its widths (eq. U), with the nodes' own
@@ -651,7 +651,7 @@ class FedMA(_RefitRound):
         assert self._spec is not None  # set in round 1
         if self._added:
             state = biases_into_batchnorms(state, self._added, self._keys)
-        return unfold_encodings(state, self._spec)
+        return self._spec.join(unfold_encodings(state, self._spec))
 
     def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
         """After the refit round, the refitted network predicting with the nodes' own output fits:
@@ -711,15 +711,3 @@ def _mismatch(sent: dict, state: dict, node: int) -> str | None:
         if np.shape(state[k]) != np.shape(v):
             return f"node {node}: {k!r} has shape {np.shape(state[k])}, it was sent with {np.shape(v)}"
     return None
-
-
-def _check_whole(spec: PermutationSpec) -> None:
-    """Refuse, in one line, a network with entries reading streams concatenated on their units
-    (:attr:`~bayesfuse.inference.spec.PermutationSpec.pieces`): this strategy hands the nodes
-    whole entries to retrain."""
-    if spec.pieces:
-        entry = next(iter(spec.pieces))
-        raise ValueError(
-            f"{entry!r} reads streams concatenated on their units of different widths, which FedMA over Flower does "
-            "not retrain yet: fuse it with MatchedAveraging (pfnm, nafi), or with bayesfuse.fuse(..., 'fedma', data=)"
-        )

@@ -1285,6 +1285,7 @@ def _output_layer(state: dict) -> str | None:
 
 def _signature(spec: PermutationSpec, state: dict) -> tuple:
     """Entry names and their unpermuted dimensions: what must agree between clients."""
+    state = spec.split(state)  # an entry reading streams side by side: its pieces
     return tuple(
         (k, tuple(None if ax is not None else state[k].shape[d] for d, ax in enumerate(axes)))
         for k, axes in spec.axes.items()
