@@ -813,7 +813,15 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
             axis = spec.axes[piece][0]
             group = axis.group if axis is not None else None  # a norm of the input's channels: no group
             assignments = layers[group].assignments if group in layers else None
-            out.append(matched_mean([sd[piece] for sd in clients], assignments, len(pieces[piece]), default))
+            outer, inner = (axis.outer, axis.inner) if axis is not None else (1, 1)
+            # a group's units in blocks (streams of one width side by side): each block's members alike
+            values = [np.asarray(sd[piece], dtype=np.float64).reshape(outer, -1, inner) for sd in clients]
+            n = len(pieces[piece]) // (outer * inner)
+            means = [
+                [matched_mean([v[o, :, i] for v in values], assignments, n, default) for i in range(inner)]
+                for o in range(outer)
+            ]
+            out.append(np.asarray(means).transpose(0, 2, 1).reshape(-1))
         return np.concatenate(out)
 
     for name, norm in norms.items():  # the members' scale and shift, in the global basis

@@ -319,9 +319,9 @@ def _layout(
     fixed = sum(length for a, length in reads if a is None)
     # each group's fused width: the units its clients' units were matched to (every fused unit has a member)
     widths = {g: max((int(np.max(a)) + 1 for a in assignments[g] if np.size(a)), default=0) for g in groups}
-    if len(groups) == 1:  # one group (beside the inputs): its width is what the fused layer reads beside them
-        widths[groups[0]] = G - fixed
-    if fixed + sum(widths.values()) != G or any(
+    if len(set(groups)) == 1:  # one group (beside the inputs, read once or more): what the fused layer reads
+        widths[groups[0]] = (G - fixed) // len(groups)
+    if fixed + sum(widths[g] for g in groups) != G or any(
         np.size(a) and np.max(a) >= widths[g] for g in groups for a in assignments[g]
     ):
         raise ValueError(

@@ -93,6 +93,10 @@ def align_heads(
     """
     orders: list[dict] = [{} for _ in states]
     for heads in spec.heads:
+        if not spec.head_groups(heads[0]):  # heads the forward never calls: nothing to align, kept in place
+            for j in range(len(states)):
+                orders[j][heads] = np.arange(len(heads))
+            continue
         d = _padded([head_descriptors(sd, spec, heads) for sd in states])  # (J, H, L)
         template = d[0]
         perms = [np.arange(len(heads)) for _ in states]

@@ -264,15 +264,17 @@ class PermutationSpec:
         return out
 
     def _whole_sizes(self, state_dict: Mapping[str, Any]) -> dict[str, int]:
-        """Each group's size, read off the entries that are no piece."""
+        """Each group's size, read off the entries that are no piece, and off the axes of pieces
+        that are not cut (a layer reading streams side by side, its output's units: its rows)."""
         out: dict[str, int] = {}
-        inside = {name for _, pieces in self.pieces.values() for name, _ in pieces}
+        inside = {name: k for k, (_, pieces) in self.pieces.items() for name, _ in pieces}
         for k, v in self.axes.items():
-            if k in inside or k not in state_dict:
+            whole = inside.get(k)
+            if (k if whole is None else whole) not in state_dict:
                 continue
-            shape = np.shape(state_dict[k])
+            shape = np.shape(state_dict[k if whole is None else whole])
             for d, a in enumerate(v):
-                if a is not None and d < len(shape):
+                if a is not None and d < len(shape) and (whole is None or d != self.pieces[whole][0]):
                     out.setdefault(a.group, a.size(shape[d]))
         return out
 

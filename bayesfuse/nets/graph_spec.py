@@ -355,9 +355,12 @@ class _Tracer(fx.Tracer):
     """fx's tracer, with every module of ``torch.nn`` (``nn.Sequential`` and ``nn.ModuleList`` aside) a leaf.
 
     Buffers are traced as nodes, as parameters are, so that a forward may index one by a size it
-    reads off its input (nanoGPT's causal mask ``self.bias[:, :, :T, :T]``)."""
+    reads off its input (nanoGPT's causal mask ``self.bias[:, :, :T, :T]``); ``buffers_as_nodes=
+    False`` traces them as constants, for a forward that uses a buffer's value in Python."""
 
-    proxy_buffer_attributes = True
+    def __init__(self, *, buffers_as_nodes: bool = True) -> None:
+        super().__init__()
+        self.proxy_buffer_attributes = buffers_as_nodes
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
@@ -465,11 +468,14 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     x = example_input_for(model, example_input)
     try:
         graph = _Tracer().trace(model)
-    except Exception as err:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
-        raise UnsupportedLayerError(
-            f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward without "
-            "control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
-        ) from None
+    except Exception:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
+        try:  # a forward that uses a buffer's value in Python (if self.flag:, range(int(self.n))): as a constant
+            graph = _Tracer(buffers_as_nodes=False).trace(model)
+        except Exception as err:
+            raise UnsupportedLayerError(
+                f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward "
+                "without control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
+            ) from None
     gm = fx.GraphModule(model, graph)
     from torch.fx.passes.shape_prop import ShapeProp
 
@@ -524,6 +530,24 @@ def _name(target) -> str:
     return str(getattr(target, "__name__", target))
 
 
+def _moved(label: _Segments, dim: int) -> _Segments:
+    """Streams side by side, their axis now ``dim``."""
+    return _Segments(
+        dim, tuple((None if g is None else _Feature(g.var, dim, g.outer, g.inner), n) for g, n in label.parts)
+    )
+
+
+def _spatial_rank(m: nn.Module) -> int | None:
+    """How many trailing axes a padding module pads (None: every axis after the channels, as
+    upsampling scales)."""
+    return len(cast(tuple, m.padding)) // 2 if hasattr(m, "padding") else None
+
+
+def _pool_rank(name: str) -> int:
+    """How many trailing axes a pooling of this name pools (``max_pool1d``: 1, ``AvgPool2d``: 2)."""
+    return next((k for k in (1, 2, 3) if name.lower().endswith(f"{k}d")), 2)
+
+
 def _tensor_shape(node) -> tuple:
     """The shape of a node whose value is one tensor: ShapeProp records one for each."""
     return cast(tuple, _shape(node))
@@ -547,6 +571,7 @@ class _Walk:
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
+        self.state_keys = set(model.state_dict())
 
     # ----------------------------------------------------------------- helpers
     def fail(self, node, what: str) -> NoReturn:
@@ -577,12 +602,11 @@ class _Walk:
             raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.name}: {why}")
         return label if isinstance(label, _Feature) else None
 
-    def through(self, node, *, channels: bool = False):
-        """The label of an element-wise function's (or, with ``channels``, a pooling's) result:
-        its operand's units, or its operand's streams side by side (:class:`_Segments`, which a
-        pooling keeps only on the channels' axis, 1, of maps)."""
+    def through(self, node):
+        """The label of an element-wise function's result: its operand's units, or its operand's
+        streams side by side (:class:`_Segments`)."""
         label = self.raw(node)
-        if isinstance(label, _Segments) and (not channels or label.dim == 1 and len(_tensor_shape(node)) > 2):
+        if isinstance(label, _Segments):
             return label
         return self.feature(node)
 
@@ -834,12 +858,12 @@ class _Walk:
                 self.set_axes(f"{name}.num_batches_tracked", [])
         elif isinstance(m, nn.PReLU) and m.num_parameters > 1:  # a slope per channel (axis 1)
             self.norm(node, m, f, axis=1, entries=("weight",))
-        elif isinstance(m, _ELEMENTWISE_MODULES + (nn.PReLU, nn.Softmax, nn.LogSoftmax, nn.Softmin)) or isinstance(
-            m, _POOL_MODULES
-        ):
+        elif isinstance(m, _ELEMENTWISE_MODULES + (nn.PReLU, nn.Softmax, nn.LogSoftmax, nn.Softmin)):
             self.labels[node] = f
+        elif isinstance(m, _POOL_MODULES):
+            self.pooled(node, inp, _pool_rank(type(m).__name__))
         elif isinstance(m, _SPATIAL_MODULES):
-            self.spatial(node, f, m)
+            self.spatial(node, inp, _spatial_rank(m), type(m).__name__)
         elif isinstance(m, nn.Flatten):
             self.reshape(node, inp)
         elif isinstance(m, (nn.LSTM, nn.GRU, nn.RNN)):
@@ -862,12 +886,20 @@ class _Walk:
                 "GRU, RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
             )
 
+    def pooled(self, node, a, k: int) -> None:
+        """A ``k``-d pooling of ``a``: it pools the last ``k`` axes (of a batch of maps, or of one
+        map without its batch), so units on one of them are refused."""
+        label, rank = self.raw(a), len(_tensor_shape(a))
+        units = label if isinstance(label, _Segments) else self.feature(a)
+        if (isinstance(units, _Segments) or self.permuted(units)) and units.dim >= rank - k:
+            self.fail(node, f"a {k}-d pooling of a tensor of rank {rank} pools its axis {units.dim}, the units'")
+        self.labels[node] = units
+
     def segments_module(self, node, m: nn.Module, label: _Segments) -> None:
         """Module ``m`` reading streams side by side (:class:`_Segments`): a layer's weight, or a
         norm's numbers per unit, hold them on one axis, which the spec describes by pieces; pooling,
         padding and element-wise modules pass them through; anything else is refused."""
         rank = len(_tensor_shape(node.args[0]))
-        channels = label.dim == 1 and rank > 2  # pooling and padding act on the axes after the channels
         if isinstance(m, nn.Linear) and label.dim == rank - 1:
             out, cut = self.layer_vars(node.target, None, node)
             self.layer_output(node, m, (out, cut, 1), [self.cat_axis(label)], len(_tensor_shape(node)) - 1)
@@ -892,12 +924,12 @@ class _Walk:
             if getattr(m, "num_batches_tracked", None) is not None:
                 self.set_axes(f"{node.target}.num_batches_tracked", [])
             self.labels[node] = label
-        elif (
-            isinstance(m, _ELEMENTWISE_MODULES + (nn.Softmax, nn.LogSoftmax, nn.Softmin))
-            or isinstance(m, _POOL_MODULES + _SPATIAL_MODULES)
-            and channels
-        ):
+        elif isinstance(m, _ELEMENTWISE_MODULES + (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
             self.labels[node] = label
+        elif isinstance(m, _POOL_MODULES):
+            self.pooled(node, node.args[0], _pool_rank(type(m).__name__))
+        elif isinstance(m, _SPATIAL_MODULES):
+            self.spatial(node, node.args[0], _spatial_rank(m), type(m).__name__)
         elif isinstance(m, nn.Flatten):
             self.reshape(node, node.args[0])
         else:
@@ -1150,8 +1182,14 @@ class _Walk:
             )
             self.width_scale(node, kwargs.get("scale"), "the attention's scale is")
             self.attention(node, q, k, v, kwargs.get("scale"))
+        elif fn is torch.nn.functional.pad and isinstance(
+            args[1] if len(args) > 1 else kwargs.get("pad"), (list, tuple)
+        ):
+            self.spatial(node, args[0], len(args[1] if len(args) > 1 else kwargs["pad"]) // 2, "pad")
+        elif fn is torch.nn.functional.interpolate:  # the axes after the channels
+            self.spatial(node, args[0], None, "interpolate")
         elif fn in _POOL_FUNCTIONS:
-            self.labels[node] = self.through(args[0], channels=True)
+            self.pooled(node, args[0], _pool_rank(_name(fn)))
         elif fn in _BINARY:
             self.binary(node, args[0], args[1])
         elif fn in _RESHAPE_FUNCTIONS:
@@ -1166,7 +1204,7 @@ class _Walk:
             self.arg_extremum(node, args, kwargs)
         elif fn in (torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze):
             self.move(node, args[0])
-        elif fn is torch.cat:
+        elif fn in (torch.cat, torch.concat, torch.concatenate):
             self.concat(
                 node, args[0] if args else kwargs.get("tensors"), args[1] if len(args) > 1 else kwargs.get("dim", 0)
             )
@@ -1329,7 +1367,7 @@ class _Walk:
         if not 0 <= at < len(view) or view[at] != n or int(np.prod(view)) != n:
             return False
         if base not in self.parameters and self.permuted(g):
-            self.mark_fixed(g.var, _BUFFER_ALONG_UNITS.format(base))
+            self.buffer_along(g.var, base)
         self.set_axes(base, [(g.var, g.outer, g.inner)])
         return True
 
@@ -1345,6 +1383,15 @@ class _Walk:
                 node, f"an operand ({other.name}) whose units cannot be followed meets a permuted stream; give a spec"
             )
 
+    def buffer_along(self, var: int, name: str) -> None:
+        """Buffer ``name`` holds a number per unit of ``var``: their width is fixed; and where the
+        state_dict does not hold it (``persistent=False``), no permutation can move it with the
+        units, so they are not permuted at all."""
+        if name in self.state_keys:
+            self.mark_fixed(var, _BUFFER_ALONG_UNITS.format(name))
+        else:
+            self.classes.union(var, _FIXED)
+
     def param_axis(self, target: str, node, f: _Feature, shape: tuple) -> None:
         """A parameter combined with a stream (a position embedding): its matching axis is permuted too."""
         value = self.parameters[target] if target in self.parameters else self.model.get_buffer(target)
@@ -1352,7 +1399,7 @@ class _Walk:
         if dim < 0 or value.shape[dim] == 1 and shape[f.dim] != 1:
             return  # broadcast along the units: a scalar per position, no permuted axis
         if target not in self.parameters and self.permuted(f):
-            self.mark_fixed(f.var, _BUFFER_ALONG_UNITS.format(target))
+            self.buffer_along(f.var, target)
         dims: list[tuple[int, int, int] | None] = [None] * value.dim()
         dims[dim] = (f.var, f.outer, f.inner)
         self.set_axes(target, dims)
@@ -1511,7 +1558,11 @@ class _Walk:
             if not isinstance(t, fx.Node) or _shape(t) is None:
                 self.fail(node, f"concatenating on the units' axis {t!r}, which is no tensor of the graph")
             g, length = self.raw(t), _tensor_shape(t)[dim]
+            if length == 0:  # nothing on the axis (x[:, :0]): no piece
+                continue
             if isinstance(g, _Segments):
+                if g.dim != dim:
+                    self.fail(node, f"concatenating on one axis streams side by side ({t.name}) on another")
                 parts.extend(g.parts)
                 continue
             if isinstance(g, (_Unreadable, _Recurrent, _Parts)):
@@ -1635,7 +1686,8 @@ class _Walk:
         return dim
 
     def reduce(self, node, a, dims, keepdim: bool) -> None:
-        f = self.feature(a)
+        label = self.raw(a)
+        f = _Feature(_FIXED, label.dim) if isinstance(label, _Segments) else self.feature(a)
         if not isinstance(f, _Feature):
             self.labels[node] = None
             return
@@ -1653,8 +1705,9 @@ class _Walk:
         if f.dim in dims:  # a sum over units: the same whatever their order
             self.labels[node] = None
             return
-        self.labels[node] = _Feature(
-            f.var, f.dim if keepdim else f.dim - sum(d < f.dim for d in dims), f.outer, f.inner
+        new = f.dim if keepdim else f.dim - sum(d < f.dim for d in dims)
+        self.labels[node] = (
+            _moved(label, new) if isinstance(label, _Segments) else _Feature(f.var, new, f.outer, f.inner)
         )
 
     def extremum(self, node, args: list, kwargs) -> None:
@@ -1685,7 +1738,8 @@ class _Walk:
         return values
 
     def move(self, node, a) -> None:
-        f = self.feature(a)
+        label = self.raw(a)
+        f = _Feature(_FIXED, label.dim) if isinstance(label, _Segments) else self.feature(a)
         if not isinstance(f, _Feature):
             self.labels[node] = None
             return
@@ -1706,15 +1760,17 @@ class _Walk:
             new = order.index(f.dim)
         if new not in matches:
             self.fail(node, "could not follow the units through this transpose")
-        self.labels[node] = _Feature(f.var, new, f.outer, f.inner)
+        self.labels[node] = (
+            _moved(label, new) if isinstance(label, _Segments) else _Feature(f.var, new, f.outer, f.inner)
+        )
 
-    def spatial(self, node, f: _Feature | None, m: nn.Module) -> None:
-        """Padding and upsampling: they act on the axes after the channels (the last ``k`` for an
-        ``n``-d padding, every axis from 2 for upsampling); units on those are refused."""
-        rank = len(_tensor_shape(node.args[0]))
-        k = len(cast(tuple, m.padding)) // 2 if hasattr(m, "padding") else rank - 2
-        if self.permuted(f) and f.dim >= rank - k:
-            self.fail(node, f"{type(m).__name__} acts on the units' axis")
+    def spatial(self, node, a, k: int | None, what: str) -> None:
+        """Padding and upsampling of ``a``: they act on the axes after the channels (the last
+        ``k``; every axis from 2 where ``k`` is None, as upsampling); units on those are refused."""
+        label, rank = self.raw(a), len(_tensor_shape(a))
+        f = label if isinstance(label, _Segments) else self.feature(a)
+        if (isinstance(f, _Segments) or self.permuted(f)) and f.dim >= rank - (rank - 2 if k is None else k):
+            self.fail(node, f"{what} acts on the units' axis")
         self.labels[node] = f
 
     def scalar_elementwise(self, node, args: list, kwargs) -> None:
@@ -1842,25 +1898,28 @@ class _Walk:
                 self.tie_width(node, x, axis, node)
 
     def segments_reshape(self, node, a, label: _Segments) -> None:
-        """A reshape of streams side by side that keeps the axes up to theirs and flattens theirs
-        with the ones after (``torch.flatten(x, 1)`` of concatenated channels' maps, ``view(B,
-        -1)``): each stream's units become blocks of their positions' numbers. Anything else is
-        refused."""
+        """A reshape of streams side by side that keeps their axis, with the axes before it merged
+        or split, or flattens it with axes after it (``torch.flatten(x, 1)`` of concatenated
+        channels' maps, ``view(B, -1)``, ``unsqueeze``): each stream's units become blocks of their
+        numbers. Anything else is refused."""
         src, dst = _tensor_shape(a), _tensor_shape(node)
-        d, k = label.dim, len(dst) - 1
-        if int(np.prod(src[:d])) != int(np.prod(dst[:k])) or dst[k] != int(np.prod(src[d:])):
-            self.fail(
-                node,
-                f"this reshape {tuple(src)} -> {tuple(dst)} of streams concatenated on their units cannot be followed "
-                "(flatten their axis with the ones after it)",
-            )
-        s = int(np.prod(src[d + 1 :]))
-        self.labels[node] = _Segments(
-            k,
-            tuple(
-                (None if g is None else _Feature(g.var, k, g.outer, g.inner * s), length * s)
-                for g, length in label.parts
-            ),
+        d = label.dim
+        for k in (k for k in range(len(dst)) if int(np.prod(dst[:k])) == int(np.prod(src[:d]))):
+            for j in range(d + 1, len(src) + 1):
+                s = int(np.prod(src[d + 1 : j]))
+                if dst[k] == src[d] * s and int(np.prod(dst[k + 1 :])) == int(np.prod(src[j:])):
+                    self.labels[node] = _Segments(
+                        k,
+                        tuple(
+                            (None if g is None else _Feature(g.var, k, g.outer, g.inner * s), length * s)
+                            for g, length in label.parts
+                        ),
+                    )
+                    return
+        self.fail(
+            node,
+            f"this reshape {tuple(src)} -> {tuple(dst)} of streams concatenated on their units cannot be followed "
+            "(keep their axis, or flatten it with the ones after it)",
         )
 
     def heads_split(self, node, f: _Feature, src: tuple, dst: tuple, shape_args: list | None) -> _Feature:

@@ -34,6 +34,7 @@ from tests.nets.user_nets import (
     CausalAttention,
     CausalWhere,
     ConcatCNN,
+    DenseBasic,
     DenseBlockCNN,
     DepthwiseCNN,
     GatedNet,
@@ -61,9 +62,11 @@ from tests.nets.user_nets import (
     SplitAttention,
     StackedLSTM,
     StackedStateLSTM,
+    TokenConcat,
     TokenMixer,
     TransposedConv,
     TwoOutputs,
+    UNetLike,
     ViewHeadsAttention,
 )
 
@@ -106,6 +109,9 @@ NETS = [
     ProjectedLSTM,  # proj_size: the projection's units a permutation of their own
     DenseBlockCNN,  # streams of different widths concatenated, the input among them; norms over them
     InceptionMLP,  # branches of different widths, flattened; the input beside hidden units
+    DenseBasic,  # a layer's output only concatenated: its width read off its rows
+    TokenConcat,  # tokens' features side by side, transposed, padded, averaged; an empty part
+    UNetLike,  # F.interpolate, F.pad by sizes read off the maps, a skip of another width concatenated
 ]
 
 
@@ -219,7 +225,15 @@ class _SideBySide(nn.Module):
             return self.head(h.T.T)
         if self.how == "added":
             return self.head(h + torch.cat([torch.relu(self.fc(x)), x], 1))
+        if self.how == "padded":  # F.pad of the last axis of (B, C): the units'
+            return self.head(F.pad(h, (1, 1))[:, 1:-1])
+        if self.how == "pooled alone":  # (B, C) read by a 1-d pooling as one map of C channels... of length C
+            return self.head(torch.cat([x, F.max_pool1d(torch.relu(self.fc(x)), 3, 1, 1)], 1))
         t = x.view(-1, 1, 64)
+        if self.how == "pooled":  # (B, C, L) read by a 2-d pooling as one map without its batch
+            return F.max_pool2d(torch.cat([self.a(t), self.b(t)], 1), 3, 1, 1).mean((1, 2), keepdim=True)
+        if self.how == "other axes":  # streams side by side on axis 1, then concatenated on axis 2
+            return torch.cat([torch.cat([self.a(t), self.b(t)], 1), t.expand(-1, 10, -1)], 2).mean((1, 2))
         return self.conv(torch.cat([self.a(t), self.b(t)], 1)).mean((1, 2), keepdim=True) + self.head(h)
 
 
@@ -404,6 +418,10 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
             _SideBySide("added"),
             r"\(add\): an operation of streams concatenated on their units with a tensor that does not",
         ),
+        (_SideBySide("pooled"), r"a 2-d pooling of a tensor of rank 3 pools its axis 1, the units'"),
+        (_SideBySide("pooled alone"), r"a 1-d pooling of a tensor of rank 2 pools its axis 1, the units'"),
+        (_SideBySide("other axes"), r"cat_1 holds streams concatenated on their units \(\[4, 6\] wide\), read where"),
+        (_SideBySide("padded"), r"pad acts on the units' axis"),
         (_SideBySide("grouped"), r"Conv1d reads streams concatenated on their units \(of widths \[4, 6\]\)"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
         (_HandWritten("tensordot"), r"tensordot applies the network's own weight 'W'"),
@@ -999,3 +1017,36 @@ def test_an_output_layer_reading_streams_side_by_side_keeps_the_clients_heads(cl
     if cls is DenseBlockCNN:  # the batch-norm round averages a norm of pieces piece by piece
         fused = bayesfuse.fuse(models, "pfnm", rounds=2, second_round="batchnorm", data=(train, parts))
         assert fused.model.norm.running_var.shape == (fused.model.head.in_features,)
+
+
+def test_buffers_read_in_python_trace_as_constants_and_unsaved_ones_along_the_units_fix_them():
+    """A buffer whose value the forward uses in Python (``if self.flag:``) traces as a constant;
+    a buffer with a number per unit that the state_dict does not hold (``persistent=False``)
+    cannot be moved with the units, so they are not permuted at all; an unused
+    ``nn.MultiheadAttention`` is left alone."""
+
+    class Flags(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(64, 8), nn.Linear(8, 6), nn.Linear(6, 10)
+            self.mha = nn.MultiheadAttention(8, 2)
+            self.register_buffer("use_relu", torch.tensor(True))
+            self.register_buffer("scale", torch.rand(8) + 0.5, persistent=False)
+            self.register_buffer("steps", torch.tensor(2))
+
+        def forward(self, x):
+            h = self.a(x)
+            for _ in range(int(self.steps)):
+                h = F.relu(h) if self.use_relu else h
+            return self.head(torch.relu(self.b(h * self.scale)))
+
+    torch.manual_seed(0)
+    models, x = [Flags().eval() for _ in range(2)], torch.randn(20, 64)
+    spec = spec_from_module(models[0])
+    assert spec.axes["a.weight"] == (None, None) and spec.axes["b.weight"] == (Axis("P1"), None)  # a's stay in place
+    state = {k: v.numpy() for k, v in models[0].state_dict().items()}
+    models[1].load_state_dict(
+        {k: torch.as_tensor(v) for k, v in permute(state, spec, {"P1": np.arange(6)[::-1]}).items()}
+    )
+    models[1].scale = models[0].scale.clone()  # the one buffer the state_dict does not hold
+    assert _gap(models[0], models[1], x) < 1e-5 and _gap(models[0], bayesfuse.fuse(models, "ot").model, x) < 1e-5

@@ -882,3 +882,66 @@ class InceptionMLP(nn.Module):
         h = torch.cat([F.relu(self.b1(t)), F.relu(self.b2(t)), F.relu(self.b3(t))], 1)  # (N, 12, 8)
         h = F.relu(self.mix(h.flatten(1)))
         return self.head(F.relu(self.fc(torch.cat([x, h], 1))))
+
+
+class DenseBasic(nn.Module):
+    """DenseNet's basic layers: bias-free 3x3 convolutions after a batch norm and ReLU, each output
+    only concatenated (its width read off no whole entry), global pooling as a mean over the maps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0 = nn.Conv2d(1, 5, 3, padding=1)
+        self.bn1, self.c1 = nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3, padding=1, bias=False)
+        self.bn2, self.c2 = nn.BatchNorm2d(9), nn.Conv2d(9, 3, 3, padding=1, bias=False)
+        self.bn, self.head = nn.BatchNorm2d(12), nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = self.c0(x.view(-1, 1, 8, 8))
+        h = torch.cat([h, self.c1(F.relu(self.bn1(h)))], 1)
+        h = torch.cat([h, self.c2(F.relu(self.bn2(h)))], 1)
+        return self.head(F.relu(self.bn(h)).mean((2, 3)))
+
+
+class TokenConcat(nn.Module):
+    """Tokens' features of different widths concatenated on the last axis, (B, T, C): a LayerNorm,
+    a transpose to channels and back, padding of the tokens, a mean over the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 6), nn.Linear(16, 4)
+        self.norm, self.fc, self.head = nn.LayerNorm(26), nn.Linear(26, 12), nn.Linear(12, 10)
+        self.pad = nn.ConstantPad1d((1, 1), 0.0)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = x.view(-1, 4, 16)
+        h = self.norm(torch.concat([F.gelu(self.a(t)), t, torch.tanh(self.b(t)), t[..., :0]], -1))
+        h = self.pad(h.transpose(1, 2)).transpose(1, 2)  # (B, 6, 26): a zero token each side
+        return self.head(F.relu(self.fc(h)).mean(1))
+
+
+class UNetLike(nn.Module):
+    """A U-Net step: an encoder's maps, pooled and convolved, upsampled (``F.interpolate``), padded
+    to the skip's size (``F.pad`` by sizes read off the maps) and concatenated with the skip, of
+    another width, then a convolution, a batch norm and a mean over the maps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.down = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 10, 3, padding=1)
+        self.up, self.bn, self.head = nn.Conv2d(16, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        skip = F.relu(self.enc(x.view(-1, 1, 8, 8)[:, :, :7, :7]))  # 7x7: pooling and upsampling give 6x6
+        low = F.relu(self.down(F.max_pool2d(skip, 2)))
+        up = F.interpolate(low, scale_factor=2.0, mode="nearest")
+        dy, dx = skip.size(2) - up.size(2), skip.size(3) - up.size(3)
+        up = F.pad(up, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
+        return self.head(F.relu(self.bn(self.up(torch.cat([skip, up], 1)))).mean((2, 3)))
