@@ -1529,22 +1529,20 @@ class _Walk:
         self.labels[node] = _Feature(f.var, f.dim + (dim <= f.dim), f.outer, f.inner)
 
     def units_concat(self, node, tensors: list, features: list, f: _Feature) -> None:
-        """Streams side by side on their units' axis (``torch.cat([a, b], 1)``): one permutation
-        for all of them, each a block of the result, so a global unit is one unit of each (as the
-        layers of a stacked LSTM are matched); the layer reading the result reads the blocks.
-        Refused where an operand is no permuted stream on that axis (the input, a constant) or
-        the streams differ in width (one permutation cannot tie them)."""
-        widths = []
-        for g, t in zip(features, tensors):
-            if not (isinstance(g, _Feature) and self.permuted(g) and g.dim == f.dim and g.inner == f.inner):
+        """Streams side by side on their units' axis (``torch.cat([a, b], 1)``). Where they are one
+        permutation's units already (``cat([a, b, a * b])``, a layer's pieces put back), each is a
+        block of the result; otherwise each keeps its own permutation, side by side
+        (:meth:`side_by_side`): streams of one width are not tied, as their units need not match."""
+        for g in features:
+            if not (
+                isinstance(g, _Feature)
+                and self.permuted(g)
+                and g.dim == f.dim
+                and g.inner == f.inner
+                and self.classes.find(g.var) == self.classes.find(f.var)
+            ):
                 self.side_by_side(node, tensors, f.dim)
                 return
-            widths.append(_tensor_shape(t)[g.dim] // (g.outer * g.inner))
-        if len(set(widths)) > 1:
-            self.side_by_side(node, tensors, f.dim)
-            return
-        for g in features:
-            self.classes.union(f.var, g.var)
         self.labels[node] = _Feature(f.var, f.dim, sum(g.outer for g in features), f.inner)
 
     def side_by_side(self, node, tensors: list, dim: int) -> None:

@@ -622,13 +622,17 @@ def test_independent_bilinear_networks_fuse_into_one_that_runs():
     assert fused.model(torch.randn(5, 64)).shape == (5, 10) and min(fused.sizes) > 5
 
 
-def test_independent_networks_concatenating_streams_fuse_them_at_one_width():
+def test_independent_networks_concatenating_streams_of_one_width_keep_a_permutation_each():
+    """Two convolutions' channels side by side, of one width: not tied (their units need not
+    match), each grown to its own fused width; streams of one permutation already (``a``, ``b``
+    tied by ``a * b``) are blocks of the layer reading them."""
     models = [_random(ConcatCNN, s) for s in range(3)]
     spec = spec_from_module(models[0])
-    assert spec.axes["c1.weight"][0].group == spec.axes["c2.weight"][0].group  # tied by the concatenation
-    assert spec.axes["c3.weight"][1].outer == 2 and spec.axes["head.weight"][1].outer == 3
+    c1, c2 = spec.axes["c1.weight"][0].group, spec.axes["c2.weight"][0].group
+    assert c1 != c2 and [spec.axes[k][1].group for k in spec.parts("c3.weight")] == [c1, c2]
+    assert spec.axes["head.weight"][1].outer == 3 and "head.weight" not in spec.pieces
     fused = bayesfuse.fuse(models, "pfnm")
-    assert fused.model.c1.out_channels == fused.model.c2.out_channels == fused.model.c3.in_channels // 2 > 6
+    assert fused.model.c3.in_channels == fused.model.c1.out_channels + fused.model.c2.out_channels > 12
     assert fused.model(torch.randn(4, 64)).shape == (4, 10)
 
 

@@ -548,7 +548,8 @@ class BiLSTM(nn.Module):
 
 class ConcatCNN(nn.Module):
     """Streams of one width side by side on the channels (``torch.cat``), as a dense block or a
-    U-Net's skip: the two convolutions' channels are one permutation, read as two blocks."""
+    U-Net's skip: each convolution's channels a permutation of their own, read as two pieces; and
+    streams tied by a product, side by side as three blocks of one permutation."""
 
     def __init__(self) -> None:
         super().__init__()
