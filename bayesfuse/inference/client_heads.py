@@ -94,11 +94,9 @@ def _read_axis(spec: PermutationSpec, state: Mapping[str, Any]) -> tuple[str, st
         axes = spec.axes.get(weight_key, ())
         reads = [(axes[1] if len(axes) > 1 else None, None)]
     groups = [a for a, _ in reads if a is not None]
-    if groups and all(a.outer * a.inner == 1 for a in groups):
+    if groups and all(a.inner == 1 for a in groups):  # a group read unit by unit, once or more side by side
         return weight_key, bias_key, reads, None
-    where = (
-        "inputs" if not groups else f"group {next(a for a in groups if a.outer * a.inner > 1).group!r} with positions"
-    )
+    where = "inputs" if not groups else f"group {next(a for a in groups if a.inner > 1).group!r} with positions"
     output = weight_key.rpartition(".")[0]
     return (
         weight_key,
@@ -312,7 +310,7 @@ def _layout(
     if refused:
         raise ValueError(refused)
     J, G = len(states), int(width)
-    groups = [a.group for a, _ in reads if a is not None]
+    groups = [a.group for a, _ in reads if a is not None for _ in range(a.outer)]  # each block of a group read
     for g in groups:
         if len(assignments[g]) != J or any(np.size(a) and np.min(a) < 0 for a in assignments[g]):
             raise ValueError(f"the assignments of {g!r} do not fit {J} clients")
@@ -331,9 +329,13 @@ def _layout(
     for j in range(J):  # client j's input l of the output layer -> the fused layer's input
         parts, offset = [], 0
         for a, length in reads:
-            own = np.arange(length) if a is None else np.asarray(assignments[a.group][j], dtype=np.int64)
-            parts.append(offset + own)
-            offset += length if a is None else widths[a.group]
+            if a is None:
+                parts.append(offset + np.arange(length))
+                offset += length
+                continue
+            for _ in range(a.outer):  # a group read in blocks (tied streams side by side): each block alike
+                parts.append(offset + np.asarray(assignments[a.group][j], dtype=np.int64))
+                offset += widths[a.group]
         columns.append(np.concatenate(parts).astype(np.int64))
     return weight_key, bias_key, columns
 

@@ -1730,8 +1730,8 @@ class _Walk:
         """The label of the indices of a reduction of ``a`` whose values are labelled ``values``:
         those of ``values`` where the units were kept; where a permuted axis of units was reduced,
         the indices name units, and are refused where they are read."""
-        f = self.feature(a)
-        if values is None and self.permuted(f):
+        label = self.raw(a)
+        if values is None and (isinstance(label, _Segments) or self.permuted(self.feature(a))):
             return _Unreadable(f"{what} names units by their place, which fusion changes: cannot be followed")
         return values
 
@@ -1788,8 +1788,11 @@ class _Walk:
         if isinstance(parts, _Parts) and name in ("values", "indices"):
             self.labels[node] = parts.parts[name == "indices"]
             return
-        if isinstance(parts, _Segments) and _shape(node) is None:  # x.shape, x.dtype: no tensor
-            self.labels[node] = None
+        if isinstance(parts, _Segments) and (_shape(node) is None or name in ("T", "H", "mT", "mH")):
+            rank = len(_tensor_shape(a))  # x.shape, x.dtype: no tensor; x.T, x.mT: their axis moves
+            swap = {rank - 1: rank - 2, rank - 2: rank - 1} if name in ("mT", "mH") else {}
+            moved = rank - 1 - parts.dim if name in ("T", "H") else swap.get(parts.dim, parts.dim)
+            self.labels[node] = None if _shape(node) is None else _moved(parts, moved)
             return
         f = self.feature(a)
         self.labels[node] = None

@@ -1054,3 +1054,30 @@ def test_buffers_read_in_python_trace_as_constants_and_unsaved_ones_along_the_un
     )
     models[1].scale = models[0].scale.clone()  # the one buffer the state_dict does not hold
     assert _gap(models[0], models[1], x) < 1e-5 and _gap(models[0], bayesfuse.fuse(models, "ot").model, x) < 1e-5
+
+
+class _Twice(nn.Module):
+    """A stream read twice side by side (one permutation, two blocks) by the output layer, beside
+    channels of two widths reduced by ``max(dim).values`` and read through ``.mT``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.a, self.b = nn.Linear(64, 12), nn.Conv1d(1, 3, 3, padding=1), nn.Conv1d(1, 5, 3, padding=1)
+        self.mix, self.head = nn.Linear(8, 4), nn.Linear(24 + 8 + 4, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        c = torch.cat([self.a(x.view(-1, 1, 64)), self.b(x.view(-1, 1, 64))], 1)  # (B, 8, 64)
+        m = torch.relu(self.mix(c.mT)).mean(1)  # (B, 4)
+        return self.head(torch.cat([torch.cat([h, h], 1), c.max(dim=2).values, m], 1))
+
+
+def test_an_output_layer_reading_a_stream_twice_keeps_the_clients_heads():
+    model, x = _random(_Twice, 0), torch.randn(40, 64)
+    spec = spec_from_module(model)
+    assert [spec.axes[k][1] for k in spec.parts("head.weight")][0] == Axis(spec.axes["fc.weight"][0].group, 2)
+    copies = [_permuted(model, s) for s in range(3)]
+    assert _gap(model, copies[1], x) < 1e-4
+    fused = bayesfuse.fuse(copies, "pfnm", head="clients")
+    with torch.no_grad():
+        torch.testing.assert_close(fused.model(x).softmax(-1).float(), model(x).softmax(-1), atol=1e-5, rtol=0)
