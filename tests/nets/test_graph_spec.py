@@ -221,8 +221,8 @@ class _SideBySide(nn.Module):
 
     def forward(self, x):
         h = torch.cat([x, torch.relu(self.fc(x))], 1)
-        if self.how == "transposed":
-            return self.head(h.T.T)
+        if self.how == "rolled":
+            return self.head(torch.roll(h, 1, 1))
         if self.how == "added":
             return self.head(h + torch.cat([torch.relu(self.fc(x)), x], 1))
         if self.how == "padded":  # F.pad of the last axis of (B, C): the units'
@@ -413,7 +413,7 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_Reads("a computed dim"), r"mean along a dim computed in the forward cannot be read; give it as a number"),
         (_Reads("by keyword"), r"roll on a permuted axis cannot be followed"),
         (_PartOfABlock(), r"indexing into the units' axis is not supported"),
-        (_SideBySide("transposed"), r"cat holds streams concatenated on their units \(\[64, 12\] wide\), read where"),
+        (_SideBySide("rolled"), r"cat holds streams concatenated on their units \(\[64, 12\] wide\), read where"),
         (
             _SideBySide("added"),
             r"\(add\): an operation of streams concatenated on their units with a tensor that does not",
