@@ -814,7 +814,7 @@ def _batchnorm_round(fused, model: nn.Module, data, states):
             group = axis.group if axis is not None else None  # a norm of the input's channels: no group
             assignments = layers[group].assignments if group in layers else None
             outer, inner = (axis.outer, axis.inner) if axis is not None else (1, 1)
-            # a group's units in blocks (streams of one width side by side): each block's members alike
+            # a group's units in blocks (a stream read twice side by side, cut into heads): each block alike
             values = [np.asarray(sd[piece], dtype=np.float64).reshape(outer, -1, inner) for sd in clients]
             n = len(pieces[piece]) // (outer * inner)
             means = [

@@ -23,13 +23,13 @@ activation from the input to the output:
   are summed) are recorded as exchangeable in the spec's ``heads``;
 * ``chunk`` / ``split`` / ``glu`` of the units' axis into equal pieces (a gated unit's two
   halves, ``u, g = h.chunk(2, -1)``) makes each piece a block of the layer's units: one
-  permutation for every piece, so a global unit is one unit of each (as :func:`torch.cat` of
-  equal widths ties them, the other way round);
-* ``torch.cat`` on the units' axis of streams of one width ties them, each a block of the
-  result; of streams of different widths, or of the input beside hidden units (DenseNet's
-  ``cat([x, f1, f2], 1)``, Inception's branches), each keeps its permutation, side by side,
-  and the entries that read them (a layer's weight, a norm's numbers per unit) are held in
-  pieces, one per stream (:attr:`~bayesfuse.inference.spec.PermutationSpec.pieces`);
+  permutation for every piece, so a global unit is one unit of each;
+* ``torch.cat`` on the units' axis (DenseNet's ``cat([x, f1, f2], 1)``, Inception's branches, a
+  U-Net's skip, the input beside hidden units): each stream keeps its permutation, side by
+  side, and the entries that read them (a layer's weight, a norm's numbers per unit) are held
+  in pieces, one per stream (:attr:`~bayesfuse.inference.spec.PermutationSpec.pieces`);
+  streams of one permutation already (``cat([a, b, a * b])`` with ``a * b`` tying ``a`` and
+  ``b``) are blocks of it;
 * a convolution of ``g`` groups keeps them: one permutation within a group for every group,
   the channels it reads cut into blocks the groups do not cross;
 * a ``view`` / ``reshape`` that cuts the units' axis into heads (attention written by hand,
