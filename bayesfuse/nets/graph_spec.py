@@ -1035,30 +1035,32 @@ class _Walk:
             )
         for k in range(m.num_layers):
             key = f"{name}#{k}"  # one variable per layer, the same on every call of the module
-            h = self.recurrent_var(node, key)
+            # a module called again after its units were cut into blocks (a chunk of its output
+            # tied, :meth:`refine`): its gates' rows and its state's columns are read in those blocks
+            h, hb = self.recurrent_var(node, key)
             if below is not None:
                 old_in = self.module_vars[key][0]
                 if old_in is not None:
                     self.classes.union(self.resolve(old_in)[0], below.var)
                 self.module_vars[key] = (below.var, h)
-            out = h
+            out, ob = h, hb
             if proj:  # the projection's units: a permutation of their own, the same on every call
-                out = self.recurrent_var(node, f"{key}p")
+                out, ob = self.recurrent_var(node, f"{key}p")
             for d in directions:
-                self.set_axes(f"{name}.weight_ih_l{k}{d}", [(h, gates, 1), self.in_axis(below)])
-                self.set_axes(f"{name}.weight_hh_l{k}{d}", [(h, gates, 1), (out, 1, 1)])
+                self.set_axes(f"{name}.weight_ih_l{k}{d}", [(h, gates * hb, 1), self.in_axis(below)])
+                self.set_axes(f"{name}.weight_hh_l{k}{d}", [(h, gates * hb, 1), (out, ob, 1)])
                 if m.bias:
-                    self.set_axes(f"{name}.bias_ih_l{k}{d}", [(h, gates, 1)])
-                    self.set_axes(f"{name}.bias_hh_l{k}{d}", [(h, gates, 1)])
+                    self.set_axes(f"{name}.bias_ih_l{k}{d}", [(h, gates * hb, 1)])
+                    self.set_axes(f"{name}.bias_hh_l{k}{d}", [(h, gates * hb, 1)])
                 if proj:
-                    self.set_axes(f"{name}.weight_hr_l{k}{d}", [(out, 1, 1), (h, 1, 1)])
-            layers.append(out)
-            cells.append(h)
-            below = _Feature(out, 0, len(directions))  # the next layer reads both directions' units
+                    self.set_axes(f"{name}.weight_hr_l{k}{d}", [(out, ob, 1), (h, hb, 1)])
+            layers.append((out, ob))
+            cells.append((h, hb))
+            below = _Feature(out, 0, len(directions) * ob)  # the next layer reads both directions' units
         rank = len(_tensor_shape(node.args[0]))
-        output = _Feature(layers[-1], rank - 1, len(directions))
+        output = _Feature(layers[-1][0], rank - 1, len(directions) * layers[-1][1])
         state: object = (
-            _Feature(layers[0], rank - 1)  # (1, N, H) batched, (1, H) not: the units last, as the output's
+            _Feature(layers[0][0], rank - 1, layers[0][1])  # (1, N, H) batched, (1, H) not: the units last
             if m.num_layers == 1
             else _Unreadable(
                 f"the final state of the {m.num_layers}-layer {kind} {name!r} holds every layer's units, "
@@ -1071,18 +1073,16 @@ class _Walk:
                 + ", or give a spec"
             )
         )
-        cell = _Feature(cells[0], rank - 1) if m.num_layers == 1 else state  # an LSTM's c: its cells' units
+        cell = _Feature(cells[0][0], rank - 1, cells[0][1]) if m.num_layers == 1 else state  # an LSTM's c: its cells
         self.labels[node] = _Recurrent(output, _Parts((state, cell)) if gates == 4 else state)
 
-    def recurrent_var(self, node, key: str) -> int:
+    def recurrent_var(self, node, key: str) -> tuple[int, int]:
         """The variable ``key`` of a recurrent layer (a layer's cells, ``name#k``; its projection's
-        units, ``name#kp``), the same on every call of the module; refused once cut into blocks."""
+        units, ``name#kp``), the same on every call of the module, and the blocks its units were cut
+        into since its first call (1 if none, :meth:`resolve`)."""
         if key not in self.module_vars:
             self.module_vars[key] = (None, self.new())
-        var, cut = self.resolve(self.module_vars[key][1])
-        if cut > 1:
-            self.fail(node, f"{node.target} is called again after its units were cut into pieces; give a spec")
-        return var
+        return self.resolve(self.module_vars[key][1])
 
     def layer_vars(self, name: str, f: _Feature | None, node) -> tuple[int, int]:
         """The output variable of module ``name`` (the same on every call of it) and the blocks its

@@ -669,9 +669,6 @@ class _Pieces(nn.Module):
             return self.head(torch.cat([a, b[:, :2]], 1))
         if self.how == "unbind":
             return self.head(torch.stack(h.unbind(1)[:6], 1))
-        if self.how == "an LSTM called again":
-            a, b = self.rnn(h.view(-1, 2, 6))[0][:, -1].chunk(2, 1)
-            return self.head(torch.cat([a * b, self.rnn(h.view(-1, 2, 6))[0][:, 0, :3]], 1))
         if self.how == "a buffer along the units":
             a, b = h.chunk(2, 1)
             return self.head(a * b * self.mask)
@@ -693,7 +690,6 @@ class _Pieces(nn.Module):
     [
         ("unequal", "cutting the units' axis into pieces of widths [4, 8]"),
         ("unbind", "unbind of the units' axis"),
-        ("an LSTM called again", "rnn is called again after its units were cut into pieces"),
         ("the input cut", "the two operands' units lie on different axes"),
     ],
 )
@@ -1081,3 +1077,41 @@ def test_an_output_layer_reading_a_stream_twice_keeps_the_clients_heads():
     fused = bayesfuse.fuse(copies, "pfnm", head="clients")
     with torch.no_grad():
         torch.testing.assert_close(fused.model(x).softmax(-1).float(), model(x).softmax(-1), atol=1e-5, rtol=0)
+
+
+class _SiameseLSTM(nn.Module):
+    """A (bidirectional) LSTM whose output is cut into halves multiplied together, then called
+    again on another input: its second call finds its units in blocks."""
+
+    def __init__(self, bidirectional: bool = False) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 6, batch_first=True, bidirectional=bidirectional)
+        self.pieces, self.head = 2 * (1 + bidirectional), nn.Linear(3 + 6 * (1 + bidirectional), 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        pieces = self.rnn(x[:, :32].reshape(-1, 4, 8))[0][:, -1].chunk(self.pieces, 1)  # halves of each direction
+        product = pieces[0]
+        for i in range(1, self.pieces):
+            product = product * pieces[i]
+        again = self.rnn(x[:, 32:].reshape(-1, 4, 8))[0][:, -1]
+        return self.head(torch.cat([product, again], 1))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_an_lstm_called_again_after_its_units_were_cut_reads_them_in_blocks(bidirectional):
+    model, x = _random(lambda: _SiameseLSTM(bidirectional), 0), torch.randn(20, 64)
+    spec = spec_from_module(model)
+    gates = spec.axes["rnn.weight_hh_l0"][0]
+    assert (gates.outer, spec.axes["rnn.weight_hh_l0"][1].outer) == (8, 2)  # 4 gates x 2 blocks; 2 blocks
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    copy = _SiameseLSTM(bidirectional)
+    perms = random_permutations(spec.sizes(state), np.random.default_rng(0))
+    copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    assert _gap(model, copy.eval(), x) < 1e-4
+    for method in ("pfnm", "nafi", "ot"):
+        assert _gap(model, bayesfuse.fuse([model, copy], method).model, x) < 1e-4
+    fused = bayesfuse.fuse([_random(lambda: _SiameseLSTM(bidirectional), s) for s in range(3)], "pfnm")
+    assert fused.model.rnn.hidden_size % 2 == 0 and fused.model(x).shape == (20, 10)
