@@ -345,12 +345,11 @@ def _aligning(fuse_plain):
                 options["summaries"] = [
                     dataclasses.replace(s, precision=spec.split(s.precision)) for s in options["summaries"]
                 ]
-            fused = fuse_widths(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        fused = fuse_widths(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        if spec.pieces:
             fused.state = spec.join(fused.state)
-            if fused.precision is not None:
-                fused.precision = spec.join(fused.precision)
-            return fused
-        return fuse_widths(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+            fused.precision = None if fused.precision is None else spec.join(fused.precision)
+        return fused
 
     def fuse_widths(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         fused = fuse_untied(states, names, method, settings, spec=spec, class_counts=class_counts, **options)

@@ -46,12 +46,8 @@ class Added:
     layer: str
     bn: str
     affine: bool
-    bias: bool = True
-    weight: str = ""  # the layer's weight entry (its last piece, where it reads streams side by side)
-
-    def __post_init__(self) -> None:
-        if not self.weight:
-            object.__setattr__(self, "weight", f"{self.layer}.weight")
+    bias: bool
+    weight: str  # the layer's weight entry (its last piece, where it reads streams side by side)
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -198,6 +198,7 @@ class PermutationSpec:
     heads: tuple = ()
     fixed: dict = field(default_factory=dict)
     pieces: dict = field(default_factory=dict)
+    _owners: dict = field(init=False, repr=False, compare=False)  # piece -> the entry it is a piece of
 
     def parts(self, entry: str) -> list[str]:
         """The names :attr:`axes` describes ``entry`` by: its pieces (:attr:`pieces`), or itself."""
@@ -206,7 +207,7 @@ class PermutationSpec:
 
     def whole(self, name: str) -> str:
         """The entry that piece ``name`` is a piece of (:attr:`pieces`), or ``name`` itself."""
-        return next((k for k, (_, pieces) in self.pieces.items() if any(p == name for p, _ in pieces)), name)
+        return self._owners.get(name, name)
 
     def split(self, state_dict: Mapping[str, Any]) -> dict:
         """``state_dict`` with every entry of :attr:`pieces` cut into its pieces along its
@@ -246,10 +247,9 @@ class PermutationSpec:
         holds (at any widths, a fused network's) put back together in the first piece's place."""
         if not self.pieces:
             return dict(state_dict)
-        whole = {name: k for k, (_, pieces) in self.pieces.items() for name, _ in pieces}
         out: dict = {}
         for k, value in state_dict.items():
-            entry = whole.get(k)
+            entry = self._owners.get(k)
             if entry is None:
                 out[k] = value
             elif entry not in out:
@@ -267,9 +267,8 @@ class PermutationSpec:
         """Each group's size, read off the entries that are no piece, and off the axes of pieces
         that are not cut (a layer reading streams side by side, its output's units: its rows)."""
         out: dict[str, int] = {}
-        inside = {name: k for k, (_, pieces) in self.pieces.items() for name, _ in pieces}
         for k, v in self.axes.items():
-            whole = inside.get(k)
+            whole = self._owners.get(k)
             if (k if whole is None else whole) not in state_dict:
                 continue
             shape = np.shape(state_dict[k if whole is None else whole])
@@ -327,6 +326,7 @@ class PermutationSpec:
             raise ValueError(f"a spec's 'fixed' maps groups it lists to why their widths are fixed, got {self.fixed!r}")
         object.__setattr__(self, "fixed", dict(self.fixed))
         object.__setattr__(self, "pieces", _pieces(self.pieces, fixed))
+        object.__setattr__(self, "_owners", {name: k for k, (_, pieces) in self.pieces.items() for name, _ in pieces})
 
     def head_entries(self, prefix: str) -> list[str]:
         """The suffixes of the entries of branch ``prefix`` of a head set (``"q.weight"``, ...)."""
@@ -348,7 +348,7 @@ class PermutationSpec:
     def sizes(self, state_dict: Mapping[str, np.ndarray]) -> dict[str, int]:
         """Size of each group in ``state_dict``; checks the spec against it."""
         state_dict = self.split(state_dict)
-        self.check(state_dict)
+        self._check(state_dict, "state_dict")
         out: dict[str, int] = {}
         for k, v in self.axes.items():
             shape = np.shape(state_dict[k])
@@ -359,7 +359,10 @@ class PermutationSpec:
 
     def check(self, state_dict: Mapping[str, np.ndarray], name: str = "state_dict") -> None:
         """Raise ``ValueError`` naming the entry when ``state_dict`` does not fit the spec."""
-        state_dict = self.split(state_dict)
+        self._check(self.split(state_dict), name)
+
+    def _check(self, state_dict: Mapping[str, np.ndarray], name: str) -> None:
+        """:meth:`check` of a state_dict cut into the spec's pieces."""
         missing = [k for k in self.axes if k not in state_dict]
         if missing:
             raise ValueError(f"{name} lacks entries {missing[:5]} that the architecture spec describes")

@@ -320,6 +320,14 @@ _SEGMENTS_READERS = (
     "layers (Linear, Conv without groups), BatchNorm, LayerNorm, GroupNorm, InstanceNorm, element-wise "
     "functions, pooling, flatten, and concatenation"
 )
+#: The modules among them (a convolution with groups aside).
+_SEGMENTS_MODULES = (
+    (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
+    + (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.PReLU, nn.Flatten, nn.Softmax, nn.LogSoftmax, nn.Softmin)
+    + _ELEMENTWISE_MODULES
+    + _POOL_MODULES
+    + _SPATIAL_MODULES
+)
 
 
 @dataclass(frozen=True)
@@ -530,10 +538,14 @@ def _name(target) -> str:
     return str(getattr(target, "__name__", target))
 
 
-def _moved(label: _Segments, dim: int) -> _Segments:
-    """Streams side by side, their axis now ``dim``."""
+def _moved(label: _Segments, dim: int, scale: int = 1) -> _Segments:
+    """Streams side by side, their axis now ``dim``, each unit's numbers ``scale`` times as many
+    (the axes after it flattened into it)."""
     return _Segments(
-        dim, tuple((None if g is None else _Feature(g.var, dim, g.outer, g.inner), n) for g, n in label.parts)
+        dim,
+        tuple(
+            (None if g is None else _Feature(g.var, dim, g.outer, g.inner * scale), n * scale) for g, n in label.parts
+        ),
     )
 
 
@@ -615,6 +627,10 @@ class _Walk:
 
     def permuted(self, f: _Feature | None) -> TypeGuard[_Feature]:
         return f is not None and self.classes.find(f.var) != _FIXED
+
+    def has_units(self, f) -> TypeGuard[_Feature | _Segments]:
+        """Whether ``f`` holds permuted units: a permuted stream's, or streams side by side."""
+        return isinstance(f, _Segments) or isinstance(f, _Feature) and self.permuted(f)
 
     def set_axes(self, entry: str, dims: list) -> None:
         if entry in self.axes:  # a module or parameter used twice: its axes are tied
@@ -759,9 +775,7 @@ class _Walk:
             parts: list = []
             for var, outer, inner, length in dims[cats[0]].parts:
                 a = None if var is None else axis((var, outer, inner))
-                if (
-                    parts and a is None and parts[-1][0] is None
-                ):  # numbers no permutation moves, side by side: one piece
+                if parts and a is None and parts[-1][0] is None:  # unpermuted numbers side by side: one piece
                     parts[-1] = (None, parts[-1][1] + length)
                 else:
                     parts.append((a, None if a is not None else length))
@@ -798,19 +812,25 @@ class _Walk:
     def call_module(self, node, m: nn.Module) -> None:
         name = node.target
         inp = node.args[0] if node.args else None
-        if isinstance(self.raw(inp), _Segments) and len(node.args) == 1 and not node.kwargs:
-            self.segments_module(node, m, self.raw(inp))
-            return
-        f = self.feature(inp)
+        label = self.raw(inp)
+        segments = isinstance(label, _Segments)  # streams side by side: read as pieces (in_axis), or refused
+        if segments and (not isinstance(m, _SEGMENTS_MODULES) or getattr(m, "groups", 1) != 1):
+            self.fail(
+                node,
+                f"{type(m).__name__} reads streams concatenated on their units (of widths "
+                f"{[length for _, length in label.parts]}): {_SEGMENTS_READERS} can read them",
+            )
+        f = None if segments else self.feature(inp)
+        units = label if segments else f  # what the module reads: a stream's units, or streams side by side
         if isinstance(m, nn.Linear):
-            f = f if self.permuted(f) else None
-            if f is not None and f.dim != len(_tensor_shape(inp)) - 1:
+            f, units = (f, units) if self.has_units(units) else (None, None)
+            if units is not None and units.dim != len(_tensor_shape(inp)) - 1:
                 self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
             out, cut = self.layer_vars(name, f, node)
-            self.layer_output(node, m, (out, cut, 1), [self.in_axis(f)], len(_tensor_shape(node)) - 1)
+            self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], len(_tensor_shape(node)) - 1)
         elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
-            f = f if self.permuted(f) else None
-            if f is not None and f.dim != 1:
+            f, units = (f, units) if self.has_units(units) else (None, None)
+            if units is not None and units.dim != 1:
                 self.fail(node, "a convolution must read channels on axis 1")
             depthwise = m.groups != 1 and m.groups == m.in_channels == m.out_channels
             if m.groups != 1 and not depthwise:
@@ -821,7 +841,7 @@ class _Walk:
                 self.layer_output(node, m, rows, [None], 1, writes=False)
             else:
                 out, cut = self.layer_vars(name, f, node)
-                self.layer_output(node, m, (out, cut, 1), [self.in_axis(f)], 1)
+                self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], 1)
         elif isinstance(m, nn.Bilinear):
             self.bilinear(node, m)
         elif isinstance(m, nn.GLU):
@@ -831,7 +851,7 @@ class _Walk:
             self.set_axes(f"{name}.weight", [None, (out, cut, 1)])
             self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut)
         elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
-            self.norm(node, m, f, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
+            self.norm(node, m, units, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
             if m.num_batches_tracked is not None:
                 self.set_axes(f"{name}.num_batches_tracked", [])
             # folded into the layer before only with running statistics (without, it normalises by each
@@ -843,7 +863,7 @@ class _Walk:
         elif isinstance(m, nn.LayerNorm):
             if len(m.normalized_shape) != 1:
                 self.fail(node, "LayerNorm over more than the last axis is not supported")
-            self.norm(node, m, f, axis=len(_tensor_shape(inp)) - 1, entries=("weight", "bias"))
+            self.norm(node, m, units, axis=len(_tensor_shape(inp)) - 1, entries=("weight", "bias"))
         elif isinstance(m, nn.GroupNorm):
             if m.num_groups not in (1, m.num_channels):
                 self.fail(
@@ -851,15 +871,15 @@ class _Walk:
                     f"GroupNorm with {m.num_groups} groups of {m.num_channels} channels mixes units "
                     "within groups; one group, or one per channel, is supported",
                 )
-            self.norm(node, m, f, axis=1, entries=("weight", "bias"))
+            self.norm(node, m, units, axis=1, entries=("weight", "bias"))
         elif isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d)):  # per channel, over positions
-            self.norm(node, m, f, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
+            self.norm(node, m, units, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
             if getattr(m, "num_batches_tracked", None) is not None:
                 self.set_axes(f"{name}.num_batches_tracked", [])
         elif isinstance(m, nn.PReLU) and m.num_parameters > 1:  # a slope per channel (axis 1)
-            self.norm(node, m, f, axis=1, entries=("weight",))
+            self.norm(node, m, units, axis=1, entries=("weight",))
         elif isinstance(m, _ELEMENTWISE_MODULES + (nn.PReLU, nn.Softmax, nn.LogSoftmax, nn.Softmin)):
-            self.labels[node] = f
+            self.labels[node] = units
         elif isinstance(m, _POOL_MODULES):
             self.pooled(node, inp, _pool_rank(type(m).__name__))
         elif isinstance(m, _SPATIAL_MODULES):
@@ -889,61 +909,10 @@ class _Walk:
     def pooled(self, node, a, k: int) -> None:
         """A ``k``-d pooling of ``a``: it pools the last ``k`` axes (of a batch of maps, or of one
         map without its batch), so units on one of them are refused."""
-        label, rank = self.raw(a), len(_tensor_shape(a))
-        units = label if isinstance(label, _Segments) else self.feature(a)
-        if (isinstance(units, _Segments) or self.permuted(units)) and units.dim >= rank - k:
+        units, rank = self.through(a), len(_tensor_shape(a))
+        if self.has_units(units) and units.dim >= rank - k:
             self.fail(node, f"a {k}-d pooling of a tensor of rank {rank} pools its axis {units.dim}, the units'")
         self.labels[node] = units
-
-    def segments_module(self, node, m: nn.Module, label: _Segments) -> None:
-        """Module ``m`` reading streams side by side (:class:`_Segments`): a layer's weight, or a
-        norm's numbers per unit, hold them on one axis, which the spec describes by pieces; pooling,
-        padding and element-wise modules pass them through; anything else is refused."""
-        rank = len(_tensor_shape(node.args[0]))
-        if isinstance(m, nn.Linear) and label.dim == rank - 1:
-            out, cut = self.layer_vars(node.target, None, node)
-            self.layer_output(node, m, (out, cut, 1), [self.cat_axis(label)], len(_tensor_shape(node)) - 1)
-        elif isinstance(m, (nn.Conv1d, nn.Conv2d)) and m.groups == 1 and label.dim == 1:
-            out, cut = self.layer_vars(node.target, None, node)
-            self.layer_output(node, m, (out, cut, 1), [self.cat_axis(label)], 1)
-        elif (
-            isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.InstanceNorm1d, nn.InstanceNorm2d))
-            and label.dim == 1
-            or isinstance(m, nn.GroupNorm)
-            and m.num_groups in (1, m.num_channels)
-            and label.dim == 1
-            or isinstance(m, nn.LayerNorm)
-            and len(m.normalized_shape) == 1
-            and label.dim == rank - 1
-            or isinstance(m, nn.PReLU)
-            and label.dim == 1
-        ):
-            for p in ("weight", "bias", "running_mean", "running_var"):  # one number per unit: not folded
-                if getattr(m, p, None) is not None and not (isinstance(m, nn.PReLU) and m.num_parameters == 1):
-                    self.set_axes(f"{node.target}.{p}", [self.cat_axis(label)])
-            if getattr(m, "num_batches_tracked", None) is not None:
-                self.set_axes(f"{node.target}.num_batches_tracked", [])
-            self.labels[node] = label
-        elif isinstance(m, _ELEMENTWISE_MODULES + (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
-            self.labels[node] = label
-        elif isinstance(m, _POOL_MODULES):
-            self.pooled(node, node.args[0], _pool_rank(type(m).__name__))
-        elif isinstance(m, _SPATIAL_MODULES):
-            self.spatial(node, node.args[0], _spatial_rank(m), type(m).__name__)
-        elif isinstance(m, nn.Flatten):
-            self.reshape(node, node.args[0])
-        else:
-            self.fail(
-                node,
-                f"{type(m).__name__} reads streams concatenated on their units (of widths "
-                f"{[length for _, length in label.parts]}): {_SEGMENTS_READERS} can read them",
-            )
-
-    def cat_axis(self, label: _Segments) -> _Cat:
-        """The axis of an entry that reads ``label``'s streams side by side."""
-        return _Cat(
-            tuple((None, 1, 1, length) if g is None else (g.var, g.outer, g.inner, length) for g, length in label.parts)
-        )
 
     def layer_output(
         self,
@@ -1104,18 +1073,22 @@ class _Walk:
             root, blocks = self.classes.find(new), blocks * m
         return root, blocks
 
-    def in_axis(self, f: _Feature | None):
+    def in_axis(self, f: _Feature | _Segments | None):
+        """The axis of an entry that reads ``f``'s units: one class's, or streams side by side,
+        the spec's pieces (:class:`_Cat`)."""
+        if isinstance(f, _Segments):
+            return _Cat(tuple((None, 1, 1, n) if g is None else (g.var, g.outer, g.inner, n) for g, n in f.parts))
         return None if f is None else (f.var, f.outer, f.inner)
 
-    def norm(self, node, m: nn.Module, f: _Feature | None, *, axis: int, entries: tuple) -> None:
-        if not self.permuted(f):
+    def norm(self, node, m: nn.Module, f: _Feature | _Segments | None, *, axis: int, entries: tuple) -> None:
+        if not self.has_units(f):
             self.labels[node] = f
             return
         if f.dim != axis:
             self.fail(node, f"{type(m).__name__} must normalise the units' axis")
         for p in entries:  # one number per unit, in its blocks (a bidirectional layer's two directions)
             if getattr(m, p, None) is not None:
-                self.set_axes(f"{node.target}.{p}", [(f.var, f.outer, f.inner)])
+                self.set_axes(f"{node.target}.{p}", [self.in_axis(f)])
         self.labels[node] = f
 
     # ----------------------------------------------------------------- functions
@@ -1730,8 +1703,7 @@ class _Walk:
         """The label of the indices of a reduction of ``a`` whose values are labelled ``values``:
         those of ``values`` where the units were kept; where a permuted axis of units was reduced,
         the indices name units, and are refused where they are read."""
-        label = self.raw(a)
-        if values is None and (isinstance(label, _Segments) or self.permuted(self.feature(a))):
+        if values is None and self.has_units(self.through(a)):
             return _Unreadable(f"{what} names units by their place, which fusion changes: cannot be followed")
         return values
 
@@ -1765,9 +1737,8 @@ class _Walk:
     def spatial(self, node, a, k: int | None, what: str) -> None:
         """Padding and upsampling of ``a``: they act on the axes after the channels (the last
         ``k``; every axis from 2 where ``k`` is None, as upsampling); units on those are refused."""
-        label, rank = self.raw(a), len(_tensor_shape(a))
-        f = label if isinstance(label, _Segments) else self.feature(a)
-        if (isinstance(f, _Segments) or self.permuted(f)) and f.dim >= rank - (rank - 2 if k is None else k):
+        f, rank = self.through(a), len(_tensor_shape(a))
+        if self.has_units(f) and f.dim >= rank - (rank - 2 if k is None else k):
             self.fail(node, f"{what} acts on the units' axis")
         self.labels[node] = f
 
@@ -1909,13 +1880,7 @@ class _Walk:
             for j in range(d + 1, len(src) + 1):
                 s = int(np.prod(src[d + 1 : j]))
                 if dst[k] == src[d] * s and int(np.prod(dst[k + 1 :])) == int(np.prod(src[j:])):
-                    self.labels[node] = _Segments(
-                        k,
-                        tuple(
-                            (None if g is None else _Feature(g.var, k, g.outer, g.inner * s), length * s)
-                            for g, length in label.parts
-                        ),
-                    )
+                    self.labels[node] = _moved(label, k, s)
                     return
         self.fail(
             node,

@@ -490,8 +490,9 @@ class FedMA(_RefitRound):
             return None, self._nothing_fused()
         assert spec is not None  # a network strategy's check gives the spec its replies share
         spec, _ = tie_stacked_recurrent(spec, good[0].state)  # as start() does, for calls without it
-        self._keys = list(spec.split(good[0].state))  # an entry reading streams side by side: its pieces
-        self._added = missing_biases(spec.split(good[0].state), spec)
+        first = spec.split(good[0].state)  # an entry reading streams side by side: its pieces
+        self._keys = list(first)
+        self._added = missing_biases(first, spec)
         self._spec = with_bias_axes(spec, self._added) if self._added else spec
         self.nodes = [r.node for r in good]
         self._examples = {r.node: r.num_examples for r in good}
