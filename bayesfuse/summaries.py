@@ -86,7 +86,7 @@ from bayesfuse.curvature import diag_ggn
 from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
 from bayesfuse.inference.client_heads import heads_refused
 from bayesfuse.inference.output_fusion import packed_upper, unpacked_upper
-from bayesfuse.inference.spec import PermutationSpec
+from bayesfuse.inference.spec import Axis, PermutationSpec
 from bayesfuse.nets.state import as_array, model_input
 
 __all__ = [
@@ -334,27 +334,56 @@ class ClientSummary:
 # --------------------------------------------------------------------------- computing
 
 
-def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[str, str | None]]:
-    """Per group, the module that makes its units (axis 0 of its weight) and the first other module
-    that reads them (axis 1).
+@dataclass(frozen=True)
+class _Read:
+    """Where a module reads a group's units among its input's features: ``length = outer x n x
+    inner`` of them from ``start`` (a layer reading streams side by side reads one piece of them;
+    a dense layer after ``Flatten``, each channel's maps as a block of ``inner``)."""
+
+    module: str
+    start: int
+    length: int
+    axis: Axis
+
+    def units(self, features: torch.Tensor) -> torch.Tensor:
+        """(M, n): the group's units of (N, F) ``features``, over examples and blocks."""
+        a = self.axis
+        n = self.length // (a.outer * a.inner)
+        mine = features[:, self.start : self.start + self.length].reshape(-1, a.outer, n, a.inner)
+        return mine.transpose(2, 3).reshape(-1, n)
+
+
+def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[str, _Read | None]]:
+    """Per group, the module that makes its units (axis 0 of its weight; a transposed
+    convolution's axis 1) and the first other module that reads them (the other of the two),
+    and where among its input's features it reads them.
 
     A recurrent layer reads its own units (``weight_hh``); its output holds only its top layer's
     units, so a group it makes has moments only where another module reads that output (the
     top layer of an ``nn.LSTM``: its outputs at every step, and their reader's input)."""
     modules = dict(model.named_modules())
+    state = model.state_dict()
+    offsets = spec.piece_offsets(state)
     makers: dict[str, str] = {}
-    readers: dict[str, list[str]] = {g: [] for g in spec.groups}
+    readers: dict[str, list[_Read]] = {g: [] for g in spec.groups}
     for key, axes in spec.axes.items():
-        owner = key.rpartition(".")[0]
+        whole = spec.whole(key)
+        owner = whole.rpartition(".")[0]
         if owner not in modules or len(axes) < 2:
             continue
-        if axes[0] is not None and axes[0].group in readers:
-            makers.setdefault(axes[0].group, owner)
-        if axes[1] is not None and axes[1].group in readers:
-            readers[axes[1].group].append(owner)
+        rows = spec.rows_dim(key)
+        made, read = axes[rows], axes[1 - rows]
+        if made is not None and made.group in readers:
+            makers.setdefault(made.group, owner)
+        if read is None or read.group not in readers:
+            continue
+        if whole == key:
+            readers[read.group].append(_Read(owner, 0, int(state[key].shape[1 - rows]), read))
+        elif spec.pieces[whole][0] == 1 - rows:  # one piece of the streams side by side it reads
+            readers[read.group].append(_Read(owner, *offsets[key], read))
     found = {}
     for g, maker in makers.items():
-        reader = next((r for r in readers[g] if r != maker), None)
+        reader = next((r for r in readers[g] if r.module != maker), None)
         if isinstance(modules[maker], nn.RNNBase) and reader is None:
             continue  # a lower recurrent layer: not in its module's output
         found[g] = (maker, reader)
@@ -362,33 +391,35 @@ def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[s
 
 
 def _channel_moments(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
-    """Sum and sum of squares over examples (and positions, for (N, C, ...) maps) per channel."""
+    """Sum and sum of squares of each column of (M, units) values, and M."""
     t = t.detach().double()
-    flat = t.transpose(0, 1).reshape(t.shape[1], -1) if t.dim() > 2 else t.T
-    return flat.sum(1).numpy(), (flat**2).sum(1).numpy(), flat.shape[1]
+    return t.sum(0).numpy(), (t**2).sum(0).numpy(), t.shape[0]
 
 
 def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int = 1024) -> dict[str, dict]:
     """Mean and variance of each hidden unit's pre-activation and activation over ``x``.
 
     The pre-activation of group ``g`` is the output of the module that makes it (the owner of a
-    weight whose axis 0 is ``g``), its activation the input of the first module that reads it
-    (axis 1): for an MLP, ``layers.i`` output and ``relu`` of it. Convolutions: per channel,
-    over examples and positions.
+    weight whose rows are ``g``'s units), its activation the input of the first module that reads
+    it, where it reads them (:func:`_group_modules`): for an MLP, ``layers.i`` output and ``relu``
+    of it. Convolutions: per channel, over examples and positions; a dense layer after
+    ``Flatten``: per channel, over its maps; a layer reading streams side by side: the group's
+    stream alone.
     """
     where = _group_modules(model, spec)
     modules = dict(model.named_modules())
     sums: dict[tuple, list] = {}
 
-    def keep(group, stat):
+    def keep(group, stat, read: _Read | None = None):
         def hook(module, inputs, output):
             t = output if stat == "pre" else inputs[0]
             if isinstance(t, tuple):  # a recurrent layer's (outputs, state)
                 t = t[0]
-            if not isinstance(module, nn.modules.conv._ConvNd):
-                # a dense or recurrent layer's outputs or inputs: units last, at every step or token
-                t = t.reshape(-1, t.shape[-1])
-            s1, s2, n = _channel_moments(t)
+            if isinstance(module, nn.modules.conv._ConvNd) and t.dim() > 2:  # maps: channels on axis 1
+                t = t.movedim(1, -1)
+            # features last, at every position, step or token
+            t = t.reshape(-1, t.shape[-1])
+            s1, s2, n = _channel_moments(t if read is None else read.units(t))
             acc = sums.setdefault((group, stat), [0.0, 0.0, 0])
             acc[0] = acc[0] + s1
             acc[1] = acc[1] + s2
@@ -400,7 +431,7 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
     for g, (maker, reader) in where.items():
         hooks.append(modules[maker].register_forward_hook(keep(g, "pre")))
         if reader is not None:
-            hooks.append(modules[reader].register_forward_hook(keep(g, "act")))
+            hooks.append(modules[reader.module].register_forward_hook(keep(g, "act", reader)))
     first = next(model.parameters())
     x = as_input(x, model, first.dtype)
     was_training = model.training
@@ -722,7 +753,8 @@ def batchnorm_moments(model: nn.Module, x, *, batch_size: int = 256) -> dict[str
 
     def keep(name):
         def hook(module, inputs):
-            s1, s2, n = _channel_moments(inputs[0])
+            t = inputs[0]  # (N, C) or (N, C, ...) maps: channels on axis 1
+            s1, s2, n = _channel_moments(t.movedim(1, -1).reshape(-1, t.shape[1]))
             acc = sums[name]
             acc[0], acc[1], acc[2] = acc[0] + s1, acc[1] + s2, acc[2] + n
 

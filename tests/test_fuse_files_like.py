@@ -11,7 +11,17 @@ import bayesfuse
 from bayesfuse.checkpoints import save_state_dict
 from bayesfuse.cli import main
 from tests.nets.test_graph_spec import _random
-from tests.nets.user_nets import ArgmaxUnits, ConcatMLP, HandLinear, MyMLP, ResMLP, SkipCNN, TwoOutputs
+from tests.nets.user_nets import (
+    ArgmaxUnits,
+    ConcatMLP,
+    HandLinear,
+    MyMLP,
+    ResMLP,
+    SkipCNN,
+    TwoOutputs,
+    UpConv1d,
+    UpConvUNet,
+)
 
 
 def _files(tmp_path, cls, n=3):
@@ -242,6 +252,30 @@ def test_files_of_streams_side_by_side_fuse_with_the_module_given(tmp_path, caps
     assert loaded.head.in_features == sum(report["global_sizes"]) and loaded(torch.randn(4, 64)).shape == (4, 10)
     assert main(["fuse", *paths, "--method", "pfnm", "--out", str(tmp_path / "m.pt")]) == 2
     assert not list(tmp_path.glob("m.pt*"))
+
+
+@pytest.mark.parametrize("cls", [UpConvUNet, UpConv1d])
+def test_files_of_transposed_convolutions_fuse_with_the_module_given(tmp_path, capsys, cls):
+    """A transposed convolution's weight holds its units on axis 1, which entry names cannot
+    show: without the module the files are refused in one line that asks for it, and nothing is
+    written; with it, the fused file loads into the class at the fused widths and computes what
+    the same fusion in Python computes."""
+    models, paths = _files(tmp_path, cls)
+    assert main(["fuse", *paths, "--method", "pfnm", "--out", str(tmp_path / "m.pt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model MODULE:NAME" in err, err
+    assert not list(tmp_path.glob("m.pt*"))
+    out = tmp_path / "fused.pt"
+    ref = f"tests.nets.user_nets:{cls.__name__}"
+    assert main(["fuse", *paths, "--method", "pfnm", "--model", ref, "--out", str(out)]) == 0
+    loaded = bayesfuse.load(out, like=cls())
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    up = loaded.up if cls is UpConvUNet else loaded.up2
+    assert up.out_channels in report["global_sizes"] and up.weight.shape[1] == up.out_channels
+    python = bayesfuse.fuse(models, "pfnm").model
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        assert float((loaded(x) - python(x)).abs().max()) < 1e-4
 
 
 def test_fedavg_of_a_weight_applied_by_hand_averages_and_says_why_in_the_command_lines_words(tmp_path, capsys):

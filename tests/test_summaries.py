@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bayesfuse.curvature import diag_ggn
@@ -132,10 +133,75 @@ def test_a_version_5_summary_rounds_what_it_is_given_and_keeps_scalars(client, t
 
 
 def test_conv_moments_are_per_channel():
+    """Per channel, over examples and positions, before and after: the activation of the last
+    convolution's channels is read where the dense layer after ``Flatten`` reads it, each
+    channel's pooled maps one block of its input (it was per input feature)."""
     model = randomise(make_cnn(16, 3, channels=(2, 3), hidden=(4,)), 2)
     x = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
     s = summarize(model, x, np.arange(8) % 3)
     assert {k: len(v["pre_mean"]) for k, v in s.moments.items()} == {"P1": 2, "P2": 3, "P3": 4}
+    assert {k: len(v["act_mean"]) for k, v in s.moments.items()} == {"P1": 2, "P2": 3, "P3": 4}
+    dense = next(m for m in model if isinstance(m, nn.Linear))
+    seen = []
+    hook = dense.register_forward_hook(lambda m, i, o: seen.append(i[0].detach().double()))
+    with torch.no_grad():
+        model(torch.as_tensor(x))
+    hook.remove()
+    maps = seen[0].reshape(8, 3, -1)  # (N, channels, positions): flattened channel by channel
+    np.testing.assert_allclose(s.moments["P2"]["act_mean"], maps.mean((0, 2)).numpy(), atol=1e-12)
+    np.testing.assert_allclose(
+        s.moments["P2"]["act_var"], maps.transpose(1, 2).reshape(-1, 3).var(0, unbiased=False).numpy(), atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("name", ["DenseBlockCNN", "UpConvUNet"])
+def test_moments_of_streams_side_by_side_and_of_transposed_convolutions(name):
+    """A group read among streams concatenated on their units has the moments of its own stream
+    (its piece of the reader's input), at its own width; a transposed convolution makes the units
+    of its weight's axis 1, so its output holds them."""
+    torch.manual_seed(0)
+    model = randomise(getattr(user_nets, name)(), 1)
+    spec = spec_from_module(model)
+    x = np.random.default_rng(7).normal(size=(12, 64)).astype(np.float32)
+    s = summarize(model, x, np.arange(12) % 10)
+    state = model.state_dict()
+    for group, m in s.moments.items():
+        width = spec.sizes(state)[group]
+        assert all(v.shape == (width,) for v in m.values()), (group, {k: v.shape for k, v in m.items()})
+    seen = {}
+    hooks = [
+        model.get_submodule(n).register_forward_hook(lambda mod, i, o, n=n: seen.update({n: (i[0], o)}))
+        for n in {"DenseBlockCNN": ("head", "layers.1.conv2"), "UpConvUNet": ("dec",)}[name]
+    ]
+    with torch.no_grad():
+        model(torch.as_tensor(x))
+    for h in hooks:
+        h.remove()
+    if name == "DenseBlockCNN":  # the head reads [input mean (3), P2 (6), P4 (4)]: P4's are the last four
+        group = spec.axes["layers.1.conv2.weight"][0].group
+        act = seen["head"][0].double()[:, -4:]
+        pre = seen["layers.1.conv2"][1].double().movedim(1, -1).reshape(-1, 4)
+    else:  # dec reads [skip (6), up (7)]: up's units are its last seven channels
+        group = spec.axes["up.weight"][1].group
+        act = seen["dec"][0].double().movedim(1, -1).reshape(-1, 13)[:, 6:]
+        with torch.no_grad():
+            pre = (
+                model.up(
+                    F.relu(
+                        model.bn1(
+                            model.mid(
+                                F.max_pool2d(F.relu(model.bn0(model.enc(torch.as_tensor(x).view(-1, 1, 8, 8)))), 2)
+                            )
+                        )
+                    )
+                )
+                .double()
+                .movedim(1, -1)
+                .reshape(-1, 7)
+            )
+    np.testing.assert_allclose(s.moments[group]["act_mean"], act.mean(0).numpy(), atol=1e-12)
+    np.testing.assert_allclose(s.moments[group]["act_var"], act.var(0, unbiased=False).numpy(), atol=1e-12)
+    np.testing.assert_allclose(s.moments[group]["pre_mean"], pre.mean(0).numpy(), atol=1e-12)
 
 
 def test_lstm_moments_are_over_every_step_and_its_activations_the_last_state():

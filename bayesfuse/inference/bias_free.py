@@ -48,6 +48,7 @@ class Added:
     affine: bool
     bias: bool
     weight: str  # the layer's weight entry (its last piece, where it reads streams side by side)
+    rows: int = 0  # the weight's axis of the layer's units (1: a transposed convolution)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -71,7 +72,14 @@ def _inserted(state: Mapping[str, Any], after: str, new: Mapping[str, Any]) -> d
 def missing_biases(state: Mapping[str, Any], spec: PermutationSpec) -> list[Added]:
     """The folds of ``spec`` whose layer has no bias in ``state``, or whose batch norm no affine part."""
     return [
-        Added(layer, bn, f"{bn}.weight" in state, f"{layer}.bias" not in state, spec.parts(f"{layer}.weight")[-1])
+        Added(
+            layer,
+            bn,
+            f"{bn}.weight" in state,
+            f"{layer}.bias" not in state,
+            spec.parts(f"{layer}.weight")[-1],
+            spec.rows_dim(f"{layer}.weight"),
+        )
         for bn, layer in spec.folds.items()
         if spec.parts(f"{layer}.weight")[-1] in state and (f"{layer}.bias" not in state or f"{bn}.weight" not in state)
     ]
@@ -81,7 +89,7 @@ def with_bias_axes(spec: PermutationSpec, added: Sequence[Added]) -> Permutation
     """``spec`` with the added entries permuted with their layer's units."""
     axes = dict(spec.axes)
     for a in added:
-        units = spec.axes[a.weight][0]
+        units = spec.axes[a.weight][a.rows]
         axes.update({k: (units,) for k in a.keys})
     return dataclasses.replace(spec, axes=axes)
 
@@ -92,7 +100,7 @@ def add_zero_biases(state: Mapping[str, Any], added: Sequence[Added], *, ggn: bo
     out = dict(state)
     for a in added:
         like = np.asarray(state[a.weight])
-        n = int(like.shape[0])
+        n = int(like.shape[a.rows])
         dtype = np.float64 if ggn else like.dtype
         if a.bias:
             bias = np.full(n, np.inf if ggn else 0.0, dtype=dtype)

@@ -217,12 +217,17 @@ def fold_batchnorm(state: State, spec: PermutationSpec, *, copy: bool = True) ->
             raise ValueError(f"batch norm {bn!r} has a negative running_var")
         scale = out[f"{bn}.weight"] / np.sqrt(out[f"{bn}.running_var"] + eps)
         for k in spec.parts(f"{layer}.weight"):  # a layer reading streams side by side: each piece
-            w = out[k]
-            out[k] = w * scale.reshape(-1, *([1] * (w.ndim - 1)))
+            out[k] = out[k] * along(scale, out[k].ndim, spec.rows_dim(k))
         out[f"{layer}.bias"] = scale * (out[f"{layer}.bias"] - out[f"{bn}.running_mean"]) + out[f"{bn}.bias"]
         for p, value in identity_bn(len(scale), eps).items():
             out[f"{bn}.{p}"] = value
     return out
+
+
+def along(v: np.ndarray, ndim: int, dim: int) -> np.ndarray:
+    """``v`` shaped to broadcast along axis ``dim`` of an array of ``ndim`` axes (a layer's rows:
+    axis 0, or a transposed convolution's axis 1)."""
+    return v.reshape((1,) * dim + (-1,) + (1,) * (ndim - dim - 1))
 
 
 def identity_bn(n: int, eps: float) -> dict[str, np.ndarray]:

@@ -187,6 +187,10 @@ class PermutationSpec:
         (``None`` for a group's, whose length is its units'). :meth:`split` cuts a state_dict's
         entries into their pieces, which every matcher then reads as entries of their own, and
         :meth:`join` puts fused pieces back side by side.
+    transposed : tuple of str
+        The weights of transposed convolutions (``nn.ConvTranspose1d/2d``, ``(C_in, C_out,
+        *kernel)``): their units, the channels they write, are on axis 1, and the channels they
+        read on axis 0 (:meth:`rows_dim`). Every other weight has its units on axis 0.
     """
 
     axes: dict
@@ -198,12 +202,18 @@ class PermutationSpec:
     heads: tuple = ()
     fixed: dict = field(default_factory=dict)
     pieces: dict = field(default_factory=dict)
+    transposed: tuple = ()
     _owners: dict = field(init=False, repr=False, compare=False)  # piece -> the entry it is a piece of
 
     def parts(self, entry: str) -> list[str]:
         """The names :attr:`axes` describes ``entry`` by: its pieces (:attr:`pieces`), or itself."""
         found = self.pieces.get(entry)
         return [name for name, _ in found[1]] if found else [entry]
+
+    def rows_dim(self, entry: str) -> int:
+        """The axis of ``entry`` (or of a piece of it) that holds the units it writes: 1 for a
+        transposed convolution's weight (:attr:`transposed`), 0 for every other entry."""
+        return 1 if self.whole(entry) in self.transposed else 0
 
     def whole(self, name: str) -> str:
         """The entry that piece ``name`` is a piece of (:attr:`pieces`), or ``name`` itself."""
@@ -222,25 +232,39 @@ class PermutationSpec:
             if k not in self.pieces:
                 out[k] = value
                 continue
-            dim, pieces = self.pieces[k]
-            lengths = []
-            for name, length in pieces:
-                axis = self.axes[name][dim]
-                if axis is not None:
-                    if axis.group not in sizes:
-                        raise ValueError(f"the spec's group {axis.group} has no entry of its own to read its width off")
-                    length = axis.outer * sizes[axis.group] * axis.inner
-                lengths.append(int(length))
-            shape = tuple(np.shape(value))
-            if len(shape) <= dim or shape[dim] != sum(lengths):
-                raise ValueError(
-                    f"entry {k!r} of shape {shape} does not hold its pieces of lengths {lengths} along dimension {dim}"
-                )
-            start = 0
-            for (name, _), length in zip(pieces, lengths):
+            dim = self.pieces[k][0]
+            for name, (start, length) in self._offsets(k, np.shape(value), sizes).items():
                 out[name] = value[(slice(None),) * dim + (slice(start, start + length),)]
-                start += length
         return out
+
+    def piece_offsets(self, state_dict: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+        """``piece -> (start, length)``: where each piece of :attr:`pieces` lies along its
+        entry's ``dim`` in ``state_dict`` (whole entries, at any widths)."""
+        sizes = self._whole_sizes(state_dict)
+        out: dict[str, tuple[int, int]] = {}
+        for k in self.pieces:
+            if k in state_dict:
+                out.update(self._offsets(k, np.shape(state_dict[k]), sizes))
+        return out
+
+    def _offsets(self, entry: str, shape: tuple, sizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+        """:meth:`piece_offsets` of one entry of shape ``shape``, given the groups' ``sizes``."""
+        dim, pieces = self.pieces[entry]
+        lengths = []
+        for name, length in pieces:
+            axis = self.axes[name][dim]
+            if axis is not None:
+                if axis.group not in sizes:
+                    raise ValueError(f"the spec's group {axis.group} has no entry of its own to read its width off")
+                length = axis.outer * sizes[axis.group] * axis.inner
+            lengths.append(int(length))
+        shape = tuple(shape)
+        if len(shape) <= dim or shape[dim] != sum(lengths):
+            raise ValueError(
+                f"entry {entry!r} of shape {shape} does not hold its pieces of lengths {lengths} along dimension {dim}"
+            )
+        starts = np.cumsum([0, *lengths[:-1]])
+        return {name: (int(s), n) for (name, _), s, n in zip(pieces, starts, lengths)}
 
     def join(self, state_dict: Mapping[str, Any]) -> dict:
         """Inverse of :meth:`split`: every entry of :attr:`pieces` whose pieces ``state_dict``
@@ -327,6 +351,7 @@ class PermutationSpec:
         object.__setattr__(self, "fixed", dict(self.fixed))
         object.__setattr__(self, "pieces", _pieces(self.pieces, fixed))
         object.__setattr__(self, "_owners", {name: k for k, (_, pieces) in self.pieces.items() for name, _ in pieces})
+        object.__setattr__(self, "transposed", _transposed(self.transposed, fixed, self.pieces))
 
     def head_entries(self, prefix: str) -> list[str]:
         """The suffixes of the entries of branch ``prefix`` of a head set (``"q.weight"``, ...)."""
@@ -416,6 +441,20 @@ def _pieces(data, axes: Mapping[str, tuple]) -> dict:
                 )
         out[str(entry)] = (dim, pieces)
     return out
+
+
+def _transposed(data, axes: Mapping[str, tuple], pieces: Mapping[str, tuple]) -> tuple:
+    """``data`` as a tuple of weights, checked: each an entry of ``axes`` (or held in
+    ``pieces``) of at least 2 dimensions."""
+    if isinstance(data, str) or not isinstance(data, (list, tuple)) or not all(isinstance(k, str) for k in data):
+        raise ValueError(f"a spec's 'transposed' lists the weights of transposed convolutions, got {data!r}")
+    for k in data:
+        described = axes.get(k) if k in axes else axes.get(pieces[k][1][0][0]) if k in pieces else None
+        if described is None or len(described) < 2:
+            raise ValueError(
+                f"a spec's 'transposed' names {k!r}, which is no weight of 2 or more dimensions it describes"
+            )
+    return tuple(dict.fromkeys(data))
 
 
 def _encodings(data, groups: Sequence[str]) -> dict:
@@ -508,12 +547,16 @@ def dense(name: str, in_group, out_group, *, bias: bool = True) -> PermutationSp
     return PermutationSpec(axes, ())
 
 
-def conv(name: str, in_group, out_group, *, bias: bool = True, ndim: int = 2) -> PermutationSpec:
-    """``nn.Conv{ndim}d``: ``weight`` is ``(C_out, C_in, *kernel)``; channels are the units."""
-    axes: dict[str, tuple] = {f"{name}.weight": (out_group, in_group, *([None] * ndim))}
+def conv(
+    name: str, in_group, out_group, *, bias: bool = True, ndim: int = 2, transposed: bool = False
+) -> PermutationSpec:
+    """``nn.Conv{ndim}d``: ``weight`` is ``(C_out, C_in, *kernel)``; channels are the units.
+    ``transposed``: ``nn.ConvTranspose{ndim}d``, whose ``weight`` is ``(C_in, C_out, *kernel)``."""
+    channels = (in_group, out_group) if transposed else (out_group, in_group)
+    axes: dict[str, tuple] = {f"{name}.weight": (*channels, *([None] * ndim))}
     if bias:
         axes[f"{name}.bias"] = (out_group,)
-    return PermutationSpec(axes, ())
+    return PermutationSpec(axes, (), transposed=(f"{name}.weight",) if transposed else ())
 
 
 def batchnorm(name: str, group, *, after: str | None = None, eps: float = 1e-5) -> PermutationSpec:
@@ -558,6 +601,7 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
     eps: dict = {}
     encodings: dict = {}
     heads: list = []
+    transposed: list = []
     order: list[str] = []
     for part in parts:
         for k, v in part.axes.items():
@@ -574,8 +618,16 @@ def chain(*parts: PermutationSpec, groups: Sequence[str] | None = None, output: 
         eps.update(part.eps)
         encodings.update(part.encodings)
         heads += part.heads
+        transposed += part.transposed
     return PermutationSpec(
-        axes, tuple(groups) if groups is not None else tuple(order), folds, tuple(output), eps, encodings, tuple(heads)
+        axes,
+        tuple(groups) if groups is not None else tuple(order),
+        folds,
+        tuple(output),
+        eps,
+        encodings,
+        tuple(heads),
+        transposed=tuple(transposed),
     )
 
 

@@ -38,7 +38,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
 
     Position encodings, where the spec has any, are ``"encodings": {group: {"mode", "period",
     "amplitude"[, "after"]}}`` (:class:`Encoding`); exchangeable heads ``"heads": [[prefix, ...], ...]``;
-    entries held in pieces ``"pieces": {entry: [dim, [[piece, length or null], ...]]}``."""
+    entries held in pieces ``"pieces": {entry: [dim, [[piece, length or null], ...]]}``; the
+    weights of transposed convolutions ``"transposed": [weight, ...]``."""
 
     def axis(a):
         if a is None:
@@ -62,6 +63,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
         out["fixed"] = dict(spec.fixed)
     if spec.pieces:  # entries that hold several groups side by side, described by their pieces
         out["pieces"] = {k: [dim, [list(p) for p in pieces]] for k, (dim, pieces) in spec.pieces.items()}
+    if spec.transposed:  # transposed convolutions: their units on axis 1
+        out["transposed"] = list(spec.transposed)
     return out
 
 
@@ -115,6 +118,7 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         data.get("heads", ()),  # exchangeable heads, checked by the spec
         data.get("fixed", {}),  # groups whose width the forward fixes, checked by the spec
         data.get("pieces", {}),  # entries described by their pieces, checked by the spec
+        data.get("transposed", ()),  # transposed convolutions' weights, checked by the spec
     )
 
 
@@ -345,7 +349,9 @@ def spec_for_state_dict(
                 if rest or inner == 0:
                     raise ValueError(
                         f"{name}: dense layer {p!r} takes {shapes[w][1]} inputs, not a multiple of the "
-                        f"{channels} channels before it"
+                        f"{channels} channels before it, so its layers do not chain as a plain network (a "
+                        "transposed convolution, say), and a state_dict cannot show how they connect; give the "
+                        "network itself (like=model) or a spec"
                     )
                 inp = Axis(current.group, inner=inner)
             parts.append(dense(p, inp, out, bias=has_bias))

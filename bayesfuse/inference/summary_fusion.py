@@ -45,7 +45,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from bayesfuse.constraints import POSITIVE, validate_params
-from bayesfuse.inference.layerwise import fold_batchnorm, folded_entries, in_basis
+from bayesfuse.inference.layerwise import along, fold_batchnorm, folded_entries, in_basis
 from bayesfuse.inference.spec import PermutationSpec, to_global_basis
 from bayesfuse.inference.walk import Basis
 
@@ -88,8 +88,7 @@ def laplace_precisions(state: State, ggn: State, prior_precision: float, spec: P
         )
         c2 = c**2
         for k in spec.parts(f"{layer}.weight"):  # a layer reading streams side by side: each piece
-            w = pi[k]
-            pi[k] = w / c2.reshape(-1, *([1] * (w.ndim - 1)))
+            pi[k] = pi[k] / along(c2, pi[k].ndim, spec.rows_dim(k))
         pi[f"{layer}.bias"] = 1.0 / (c2 / pi[f"{layer}.bias"] + 1.0 / pi[f"{bn}.bias"])
         for p in ("weight", "bias"):
             pi.pop(f"{bn}.{p}", None)
@@ -97,14 +96,15 @@ def laplace_precisions(state: State, ggn: State, prior_precision: float, spec: P
 
 
 def _rows_present(shape: tuple, spec: PermutationSpec, name: str, j: int, bases: Mapping[str, Basis]) -> np.ndarray:
-    """1 where client j has the unit an entry's axis 0 belongs to (0 elsewhere), in the global basis."""
-    axes = spec.axes[name]
+    """1 where client j has the unit an entry's rows belong to (axis 0, a transposed
+    convolution's axis 1; 0 elsewhere), in the global basis."""
+    axes, rows = spec.axes[name], spec.rows_dim(name)
     ones = np.ones(shape)
     for d, axis in enumerate(axes):
         if axis is None or axis.group not in bases:
             continue
         basis = bases[axis.group]
-        ones = to_global_basis(ones, d, axis, basis.assignments[j], basis.n_global, fill=0.0 if d == 0 else 1.0)
+        ones = to_global_basis(ones, d, axis, basis.assignments[j], basis.n_global, fill=0.0 if d == rows else 1.0)
     return ones
 
 

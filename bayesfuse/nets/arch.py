@@ -153,6 +153,14 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         if module.bias is not None:
             new.bias = nn.Parameter(torch.empty(w[0]))
         return new
+    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d)):  # weight (C_in, C_out / groups, *kernel)
+        w = shape("weight")
+        up = copy.deepcopy(module)
+        up.in_channels, up.out_channels = w[0], w[1] * up.groups
+        up.weight = nn.Parameter(torch.empty(w))
+        if module.bias is not None:
+            up.bias = nn.Parameter(torch.empty(up.out_channels))
+        return up
     if isinstance(module, nn.modules.batchnorm._NormBase):  # batch and instance norms: per channel
         held = next((k for k in ("weight", "running_mean") if f"{prefix}{k}" in shapes), None)  # affine, tracking
         if held is None:  # nothing of its own: it normalises whatever width it is given
@@ -259,6 +267,8 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
             replacement = _resized(module, prefix, shapes)
             if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
                 previous_width = shapes[f"{prefix}weight"][0]
+            elif isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d)):
+                previous_width = shapes[f"{prefix}weight"][1]
         else:
             continue
         ref = floating_like(module)

@@ -322,8 +322,18 @@ _SEGMENTS_READERS = (
 )
 #: The modules among them (a convolution with groups aside).
 _SEGMENTS_MODULES = (
-    (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
-    + (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.PReLU, nn.Flatten, nn.Softmax, nn.LogSoftmax, nn.Softmin)
+    (nn.Linear, nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.BatchNorm1d, nn.BatchNorm2d)
+    + (
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.InstanceNorm1d,
+        nn.InstanceNorm2d,
+        nn.PReLU,
+        nn.Flatten,
+        nn.Softmax,
+        nn.LogSoftmax,
+        nn.Softmin,
+    )
     + _ELEMENTWISE_MODULES
     + _POOL_MODULES
     + _SPATIAL_MODULES
@@ -577,6 +587,7 @@ class _Walk:
         self.producer: dict = {}  # node -> name of the Linear/Conv module whose output it is
         self.var_producer: dict[int, str] = {}  # a Linear/Conv module's output variable -> its name
         self.folds: dict[str, str] = {}
+        self.transposed: list[str] = []  # the weights of transposed convolutions: their units on axis 1
         self.order: list[int] = []
         self.cut: dict[int, tuple[int, int]] = {}  # a class re-described as blocks -> (the new one, blocks)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
@@ -699,6 +710,11 @@ class _Walk:
         f = None if isinstance(self.raw(first), _Segments) else self.feature(first)
         # the output layer: the one whose units the logits are, through what keeps them (log_softmax, a scale)
         output_layer = self.producer.get(first) or (self.var_producer.get(f.var) if f is not None else None)
+        if output_layer is not None and f"{output_layer}.weight" in self.transposed:
+            raise UnsupportedLayerError(
+                f"the output layer {output_layer!r} is a transposed convolution, whose classes are its weight's "
+                "axis 1: end the network with a Linear or Conv layer (a 1x1 convolution), or give a spec"
+            )
         self.heads = self.head_sets()
         for heads in self.heads:
             self.check_parallel(gm, heads)
@@ -805,7 +821,15 @@ class _Walk:
             fixed.setdefault(names.get(self.classes.find(v), ""), why)
         fixed.pop("", None)  # a class later tied to the input or the classes: never permuted
         return PermutationSpec(
-            axes, tuple(names.values()), folds, output, eps, heads=self.heads, fixed=fixed, pieces=pieces
+            axes,
+            tuple(names.values()),
+            folds,
+            output,
+            eps,
+            heads=self.heads,
+            fixed=fixed,
+            pieces=pieces,
+            transposed=tuple(self.transposed),
         )
 
     # ----------------------------------------------------------------- modules
@@ -842,6 +866,16 @@ class _Walk:
             else:
                 out, cut = self.layer_vars(name, f, node)
                 self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], 1)
+        elif isinstance(m, (nn.ConvTranspose1d, nn.ConvTranspose2d)):
+            f, units = (f, units) if self.has_units(units) else (None, None)
+            if units is not None and units.dim != 1:
+                self.fail(node, "a transposed convolution must read channels on axis 1")
+            if m.groups != 1:
+                self.fail(node, f"a transposed convolution of {m.groups} groups is not supported; give a spec")
+            if len(node.args) > 1 or node.kwargs:
+                self.fail(node, "a transposed convolution given an output_size is not supported; give a spec")
+            out, cut = self.layer_vars(name, f, node)
+            self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], 1, transposed=True)
         elif isinstance(m, nn.Bilinear):
             self.bilinear(node, m)
         elif isinstance(m, nn.GLU):
@@ -902,8 +936,9 @@ class _Walk:
         else:
             self.fail(
                 node,
-                f"{type(m).__name__} is not supported (supported: Linear, Bilinear, Conv1d/2d, Embedding(Bag), LSTM, "
-                "GRU, RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, pooling, dropout, Flatten)",
+                f"{type(m).__name__} is not supported (supported: Linear, Bilinear, Conv1d/2d, ConvTranspose1d/2d, "
+                "Embedding(Bag), LSTM, GRU, RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, "
+                "pooling, dropout, Flatten)",
             )
 
     def pooled(self, node, a, k: int) -> None:
@@ -917,20 +952,25 @@ class _Walk:
     def layer_output(
         self,
         node,
-        m: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Bilinear,
+        m: nn.Linear | nn.Conv1d | nn.Conv2d | nn.ConvTranspose1d | nn.ConvTranspose2d | nn.Bilinear,
         rows: tuple,
         inputs: list,
         dim: int,
         *,
         writes: bool = True,
+        transposed: bool = False,
     ) -> None:
         """Module ``m``'s weight: its rows the units ``rows`` (``(var, outer, inner)``), then one
         axis per input (``inputs``, their units or None), then its kernel's; its bias the rows';
         its output those units on axis ``dim``. ``writes``: the units are the layer's own (not a
-        depthwise convolution's, which keeps its input's)."""
+        depthwise convolution's, which keeps its input's). ``transposed``: a transposed
+        convolution, whose weight holds its input's channels first and its rows second."""
         name = node.target
         kernel = [None] * (m.weight.dim() - 1 - len(inputs))
-        self.set_axes(f"{name}.weight", [rows, *inputs, *kernel])
+        channels = [*inputs, rows] if transposed else [rows, *inputs]
+        self.set_axes(f"{name}.weight", [*channels, *kernel])
+        if transposed and f"{name}.weight" not in self.transposed:
+            self.transposed.append(f"{name}.weight")
         if m.bias is not None:
             self.set_axes(f"{name}.bias", [rows])
         self.labels[node] = _Feature(rows[0], dim, rows[1], rows[2])

@@ -207,3 +207,46 @@ def test_entries_in_pieces_split_join_permute_and_round_trip_through_json():
     assert spec.output_layer(whole) == ("b.weight", "b.bias")  # the output layer, read whole
     with pytest.raises(ValueError, match=r"the output layer's 'b.weight' is read whole: join its pieces first"):
         spec.output_layer(spec.split(whole))
+
+
+def test_transposed_convolutions_have_their_units_on_axis_1_and_round_trip_through_json():
+    """``conv(..., transposed=True)``: the weight ``(C_in, C_out, k)`` holds the layer's units on
+    axis 1 (:meth:`rows_dim`); a batch norm after it folds along that axis, and the spec's JSON
+    keeps it. A weight the spec does not describe cannot be named transposed."""
+    import dataclasses
+    import json
+
+    from bayesfuse.inference.layerwise import fold_batchnorm
+    from bayesfuse.inference.spec import batchnorm, conv, spec_from_dict, spec_to_dict
+
+    spec = chain(
+        conv("a", None, "P", ndim=1),
+        conv("up", "P", "Q", ndim=1, transposed=True),
+        batchnorm("bn", "Q", after="up"),
+        conv("out", "Q", None, ndim=1),
+        output=("out.weight", "out.bias"),
+    )
+    assert spec.transposed == ("up.weight",) and spec.axes["up.weight"] == (Axis("P"), Axis("Q"), None)
+    assert (spec.rows_dim("up.weight"), spec.rows_dim("up.bias"), spec.rows_dim("a.weight")) == (1, 0, 0)
+    assert spec_from_dict(json.loads(json.dumps(spec_to_dict(spec)))) == spec
+    assert "transposed" not in spec_to_dict(dataclasses.replace(spec, transposed=()))
+    rng = np.random.default_rng(0)
+    state = {
+        "a.weight": rng.normal(size=(4, 2, 3)),
+        "a.bias": rng.normal(size=4),
+        "up.weight": rng.normal(size=(4, 5, 2)),
+        "up.bias": rng.normal(size=5),
+        "bn.weight": rng.normal(size=5),
+        "bn.bias": rng.normal(size=5),
+        "bn.running_mean": rng.normal(size=5),
+        "bn.running_var": rng.uniform(0.5, 2.0, size=5),
+        "bn.num_batches_tracked": np.array(3),
+        "out.weight": rng.normal(size=(3, 5, 1)),
+        "out.bias": rng.normal(size=3),
+    }
+    folded = fold_batchnorm(state, spec)
+    scale = state["bn.weight"] / np.sqrt(state["bn.running_var"] + 1e-5)
+    np.testing.assert_allclose(folded["up.weight"], state["up.weight"] * scale[None, :, None])
+    for bad in (["nope.weight"], ["up.bias"], "up.weight"):
+        with pytest.raises(ValueError, match="'transposed'"):
+            dataclasses.replace(spec, transposed=bad)

@@ -737,13 +737,16 @@ def test_fedma_strategy_equals_run_fedma(clients, passes):
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cls", ["BiasFreeCNN", "BiasFreePlainNormCNN", "StackedLSTM", "DenseBlockCNN", "ConcatMLP"])
+@pytest.mark.parametrize(
+    "cls", ["BiasFreeCNN", "BiasFreePlainNormCNN", "StackedLSTM", "DenseBlockCNN", "ConcatMLP", "UpConvUNet"]
+)
 def test_fedma_strategy_on_bias_free_convolutions_and_stacked_lstms_equals_run_fedma(clients, cls):
     """Convolutions without a bias before a batch norm (as ResNets are written): the strategy
     matches them through a zero bias as run_fedma does, and the nodes get their own entries. A
     stacked LSTM's layers: one group, as run_fedma matches them. Streams side by side (a dense
     block, branches of different widths): the entries reading them matched in pieces, the nodes
-    given them whole, frozen whole."""
+    given them whole, frozen whole. Transposed convolutions, one without a bias before a batch
+    norm: their units on the weight's axis 1."""
     from bayesfuse.nets.tracing import spec_from_module
     from tests.nets import user_nets
 

@@ -67,6 +67,8 @@ from tests.nets.user_nets import (
     TransposedConv,
     TwoOutputs,
     UNetLike,
+    UpConv1d,
+    UpConvUNet,
     ViewHeadsAttention,
 )
 
@@ -112,6 +114,8 @@ NETS = [
     DenseBasic,  # a layer's output only concatenated: its width read off its rows
     TokenConcat,  # tokens' features side by side, transposed, padded, averaged; an empty part
     UNetLike,  # F.interpolate, F.pad by sizes read off the maps, a skip of another width concatenated
+    UpConvUNet,  # transposed convolutions: their units on the weight's axis 1; one reads streams side by side
+    UpConv1d,  # a transposed convolution reading the input
 ]
 
 
@@ -976,10 +980,11 @@ def test_streams_of_different_widths_side_by_side_keep_a_permutation_each():
         spec.split({**_ConcatInput((5, 12)).state_dict(), "fc.weight": torch.zeros(5, 64)})
 
 
-@pytest.mark.parametrize("cls", [DenseBlockCNN, InceptionMLP, _ConcatInput])
+@pytest.mark.parametrize("cls", [DenseBlockCNN, InceptionMLP, _ConcatInput, UpConvUNet, UpConv1d])
 def test_independent_networks_with_streams_side_by_side_fuse_with_every_method(cls):
     """PFNM and NAFI grow each stream to its own width, and the pieces of the layers reading them
-    are put together at the fused widths; FedMA retrains them; OT and FedAvg keep the widths."""
+    are put together at the fused widths; FedMA retrains them; OT and FedAvg keep the widths.
+    Transposed convolutions (their units on the weight's axis 1) grow alike."""
     models = [_random(cls, s) for s in range(3)]
     x = torch.randn(20, 64)
     for method in ("pfnm", "nafi", "ot", "fedavg"):
@@ -988,6 +993,10 @@ def test_independent_networks_with_streams_side_by_side_fuse_with_every_method(c
         if method in ("pfnm", "nafi") and cls is DenseBlockCNN:  # the classifier reads 3 + both streams, grown
             sizes = dict(zip(fused.groups, fused.sizes))
             assert fused.model.head.in_features == 3 + sizes["P2"] + sizes["P4"] > 13
+        if method in ("pfnm", "nafi") and cls is UpConvUNet:  # rebuilt at the fused widths: in, out, in pieces
+            up, dec = fused.model.up, fused.model.dec
+            assert up.weight.shape[:2] == (fused.model.mid.out_channels, up.out_channels) and up.out_channels > 7
+            assert dec.in_channels == fused.model.enc.out_channels + up.out_channels
     torch.manual_seed(0)
     train = Dataset(torch.randn(60, 64).numpy(), torch.randint(0, 10, (60,)).numpy(), 10)
     parts = [np.arange(20 * j, 20 * j + 20) for j in range(3)]
@@ -995,7 +1004,7 @@ def test_independent_networks_with_streams_side_by_side_fuse_with_every_method(c
         assert bayesfuse.fuse(models, "fedma", data=(train, parts)).model(x).shape == (20, 10)
 
 
-@pytest.mark.parametrize("cls", [DenseBlockCNN, _ConcatInput])
+@pytest.mark.parametrize("cls", [DenseBlockCNN, _ConcatInput, UpConvUNet])
 def test_an_output_layer_reading_streams_side_by_side_keeps_the_clients_heads(cls):
     """The clients' own heads on an output layer that reads streams side by side (and the input):
     each client's column moves to its stream's fused unit, piece by piece, so permuted copies fuse
@@ -1017,6 +1026,9 @@ def test_an_output_layer_reading_streams_side_by_side_keeps_the_clients_heads(cl
     if cls is DenseBlockCNN:  # the batch-norm round averages a norm of pieces piece by piece
         fused = bayesfuse.fuse(models, "pfnm", rounds=2, second_round="batchnorm", data=(train, parts))
         assert fused.model.norm.running_var.shape == (fused.model.head.in_features,)
+    if cls is UpConvUNet:  # a batch norm after a transposed convolution: its channels on the weight's axis 1
+        fused = bayesfuse.fuse(models, "pfnm", rounds=2, second_round="batchnorm", data=(train, parts))
+        assert fused.model.bn2.running_var.shape == (fused.model.up.out_channels,)
 
 
 def test_buffers_read_in_python_trace_as_constants_and_unsaved_ones_along_the_units_fix_them():

@@ -946,3 +946,46 @@ class UNetLike(nn.Module):
         dy, dx = skip.size(2) - up.size(2), skip.size(3) - up.size(3)
         up = F.pad(up, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
         return self.head(F.relu(self.bn(self.up(torch.cat([skip, up], 1)))).mean((2, 3)))
+
+
+class UpConvUNet(nn.Module):
+    """A U-Net written with transposed convolutions: an encoder (conv, batch norm, pooling), a
+    bottleneck without bias, upsampled by ``nn.ConvTranspose2d`` (stride 2, no bias, then a batch
+    norm folded through it), concatenated with the skip, read by a second transposed convolution
+    (stride 1, with bias) and a 1x1 convolution, then a mean over the maps and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.bn0 = nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.mid, self.bn1 = nn.Conv2d(6, 10, 3, padding=1, bias=False), nn.BatchNorm2d(10)
+        self.up, self.bn2 = nn.ConvTranspose2d(10, 7, 2, stride=2, bias=False), nn.BatchNorm2d(7)
+        self.dec = nn.ConvTranspose2d(13, 9, 3, padding=1)
+        self.mix, self.head = nn.Conv2d(9, 5, 1), nn.Linear(5, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        skip = F.relu(self.bn0(self.enc(x.view(-1, 1, 8, 8))))
+        low = F.relu(self.bn1(self.mid(F.max_pool2d(skip, 2))))
+        up = F.relu(self.bn2(self.up(low)))
+        h = F.relu(self.dec(torch.cat([skip, up], 1)))
+        return self.head(F.relu(self.mix(h)).mean((2, 3)))
+
+
+class UpConv1d(nn.Module):
+    """Signals upsampled by ``nn.ConvTranspose1d``: one reading the input (its channels never
+    permuted), then one reading hidden channels, a batch norm, and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1 = nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1)
+        self.up2, self.bn = nn.ConvTranspose1d(6, 8, 4, stride=2, padding=1), nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = torch.tanh(self.up1(x.view(-1, 4, 16)))
+        return self.head(F.relu(self.bn(self.up2(h))).amax(2))
