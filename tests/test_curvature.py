@@ -88,6 +88,21 @@ def test_own_class_with_free_parameter():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-14, err_msg=k)
 
 
+@pytest.mark.parametrize("cls", ["UpConvUNet", "UpConv1d", "VolumeCNN"])
+def test_transposed_and_3d_convolutions_against_full_jacobians(cls):
+    """Transposed convolutions and 3-d layers take the general per-example path: the same sums."""
+    from tests.nets import user_nets
+
+    torch.manual_seed(7)
+    model = randomise(getattr(user_nets, cls)(), 2).double().eval()
+    x = torch.randn(5, 64, dtype=torch.float64)
+    got = diag_ggn(model, x, batch_size=3)
+    want = brute_force_ggn(model, x)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-14, err_msg=k)
+
+
 @pytest.mark.parametrize("cls", ["MyGRU", "MyLSTM"])
 def test_recurrent_networks_against_full_jacobians(cls):
     """A GRU has no vmap batching rule: its examples are taken one at a time, the same sums."""

@@ -21,6 +21,7 @@ from tests.nets.user_nets import (
     TwoOutputs,
     UpConv1d,
     UpConvUNet,
+    VolumeCNN,
 )
 
 
@@ -254,7 +255,7 @@ def test_files_of_streams_side_by_side_fuse_with_the_module_given(tmp_path, caps
     assert not list(tmp_path.glob("m.pt*"))
 
 
-@pytest.mark.parametrize("cls", [UpConvUNet, UpConv1d])
+@pytest.mark.parametrize("cls", [UpConvUNet, UpConv1d, VolumeCNN])
 def test_files_of_transposed_convolutions_fuse_with_the_module_given(tmp_path, capsys, cls):
     """A transposed convolution's weight holds its units on axis 1, which entry names cannot
     show: without the module the files are refused in one line that asks for it, and nothing is
@@ -270,7 +271,7 @@ def test_files_of_transposed_convolutions_fuse_with_the_module_given(tmp_path, c
     assert main(["fuse", *paths, "--method", "pfnm", "--model", ref, "--out", str(out)]) == 0
     loaded = bayesfuse.load(out, like=cls())
     report = json.loads((tmp_path / "fused.pt.json").read_text())
-    up = loaded.up if cls is UpConvUNet else loaded.up2
+    up = loaded.up2 if cls is UpConv1d else loaded.up
     assert up.out_channels in report["global_sizes"] and up.weight.shape[1] == up.out_channels
     python = bayesfuse.fuse(models, "pfnm").model
     x = torch.randn(16, 64)

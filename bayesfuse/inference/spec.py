@@ -188,7 +188,7 @@ class PermutationSpec:
         entries into their pieces, which every matcher then reads as entries of their own, and
         :meth:`join` puts fused pieces back side by side.
     transposed : tuple of str
-        The weights of transposed convolutions (``nn.ConvTranspose1d/2d``, ``(C_in, C_out,
+        The weights of transposed convolutions (``nn.ConvTranspose1d/2d/3d``, ``(C_in, C_out,
         *kernel)``): their units, the channels they write, are on axis 1, and the channels they
         read on axis 0 (:meth:`rows_dim`). Every other weight has its units on axis 0.
     """

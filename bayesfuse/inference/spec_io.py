@@ -311,6 +311,11 @@ def spec_for_state_dict(
             layers.append((k[: -len("weight")].rstrip("."), "dense" if len(s) == 2 else "conv"))
         elif k.endswith("running_mean"):
             layers.append((k[: -len("running_mean")].rstrip("."), "bn"))
+        elif k.endswith("weight") and len(s) > 4:
+            raise ValueError(
+                f"{name}: entry {k!r} {s} is a 3-d convolution's weight, which a chain read off entry names "
+                "does not cover; give the network itself (like=model) or a spec"
+            )
         elif k.endswith(("bias", "weight", "running_var", "num_batches_tracked")):
             pass
         else:

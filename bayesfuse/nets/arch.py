@@ -143,7 +143,7 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
     if isinstance(module, nn.Bilinear):
         out, in1, in2 = shape("weight")
         return nn.Bilinear(in1, in2, out, bias=module.bias is not None)
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         w = shape("weight")
         new = copy.deepcopy(module)
         if module.groups != 1 and module.groups == module.in_channels == module.out_channels:  # depthwise
@@ -153,7 +153,9 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         if module.bias is not None:
             new.bias = nn.Parameter(torch.empty(w[0]))
         return new
-    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d)):  # weight (C_in, C_out / groups, *kernel)
+    if isinstance(
+        module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+    ):  # weight (C_in, C_out / groups, *kernel)
         w = shape("weight")
         up = copy.deepcopy(module)
         up.in_channels, up.out_channels = w[0], w[1] * up.groups
@@ -265,9 +267,9 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
             replacement = PositionAware(previous_width, module.config)
         elif any(k.startswith(prefix) for k in shapes):
             replacement = _resized(module, prefix, shapes)
-            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
                 previous_width = shapes[f"{prefix}weight"][0]
-            elif isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d)):
+            elif isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
                 previous_width = shapes[f"{prefix}weight"][1]
         else:
             continue

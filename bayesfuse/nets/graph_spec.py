@@ -108,8 +108,11 @@ _ELEMENTWISE_MODULES = (
     nn.Dropout,
     nn.Dropout1d,
     nn.Dropout2d,
+    nn.Dropout3d,
     nn.Identity,
 )
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _POOL_MODULES = (
     nn.MaxPool1d,
     nn.MaxPool2d,
@@ -119,6 +122,10 @@ _POOL_MODULES = (
     nn.AdaptiveAvgPool2d,
     nn.AdaptiveMaxPool1d,
     nn.AdaptiveMaxPool2d,
+    nn.MaxPool3d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool3d,
 )
 #: Element-wise functions whose other arguments must be numbers (``clamp(h, 0, 6)``, ``h ** 2``):
 #: with a tensor among them (``clamp(h, min=self.floor)``) each unit would meet another's number.
@@ -194,7 +201,12 @@ _POOL_FUNCTIONS = {
     torch.nn.functional.avg_pool2d,
     torch.nn.functional.adaptive_avg_pool1d,
     torch.nn.functional.adaptive_avg_pool2d,
+    torch.nn.functional.adaptive_max_pool1d,
     torch.nn.functional.adaptive_max_pool2d,
+    torch.nn.functional.max_pool3d,
+    torch.nn.functional.avg_pool3d,
+    torch.nn.functional.adaptive_avg_pool3d,
+    torch.nn.functional.adaptive_max_pool3d,
 }
 _BINARY = {
     operator.add,
@@ -322,12 +334,18 @@ _SEGMENTS_READERS = (
 )
 #: The modules among them (a convolution with groups aside).
 _SEGMENTS_MODULES = (
-    (nn.Linear, nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.BatchNorm1d, nn.BatchNorm2d)
+    _CONVS
+    + _TRANSPOSED_CONVS
     + (
+        nn.Linear,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
         nn.LayerNorm,
         nn.GroupNorm,
         nn.InstanceNorm1d,
         nn.InstanceNorm2d,
+        nn.InstanceNorm3d,
         nn.PReLU,
         nn.Flatten,
         nn.Softmax,
@@ -852,7 +870,7 @@ class _Walk:
                 self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
             out, cut = self.layer_vars(name, f, node)
             self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], len(_tensor_shape(node)) - 1)
-        elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
+        elif isinstance(m, _CONVS):
             f, units = (f, units) if self.has_units(units) else (None, None)
             if units is not None and units.dim != 1:
                 self.fail(node, "a convolution must read channels on axis 1")
@@ -866,7 +884,7 @@ class _Walk:
             else:
                 out, cut = self.layer_vars(name, f, node)
                 self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], 1)
-        elif isinstance(m, (nn.ConvTranspose1d, nn.ConvTranspose2d)):
+        elif isinstance(m, _TRANSPOSED_CONVS):
             f, units = (f, units) if self.has_units(units) else (None, None)
             if units is not None and units.dim != 1:
                 self.fail(node, "a transposed convolution must read channels on axis 1")
@@ -884,7 +902,7 @@ class _Walk:
             out, cut = self.layer_vars(name, None, node)
             self.set_axes(f"{name}.weight", [None, (out, cut, 1)])
             self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut)
-        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
             self.norm(node, m, units, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
             if m.num_batches_tracked is not None:
                 self.set_axes(f"{name}.num_batches_tracked", [])
@@ -906,7 +924,7 @@ class _Walk:
                     "within groups; one group, or one per channel, is supported",
                 )
             self.norm(node, m, units, axis=1, entries=("weight", "bias"))
-        elif isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d)):  # per channel, over positions
+        elif isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):  # per channel, over positions
             self.norm(node, m, units, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
             if getattr(m, "num_batches_tracked", None) is not None:
                 self.set_axes(f"{name}.num_batches_tracked", [])
@@ -936,9 +954,9 @@ class _Walk:
         else:
             self.fail(
                 node,
-                f"{type(m).__name__} is not supported (supported: Linear, Bilinear, Conv1d/2d, ConvTranspose1d/2d, "
-                "Embedding(Bag), LSTM, GRU, RNN, BatchNorm, LayerNorm, GroupNorm, InstanceNorm, activations, "
-                "pooling, dropout, Flatten)",
+                f"{type(m).__name__} is not supported (supported: Linear, Bilinear, Conv1d/2d/3d, "
+                "ConvTranspose1d/2d/3d, Embedding(Bag), LSTM, GRU, RNN, BatchNorm, LayerNorm, GroupNorm, "
+                "InstanceNorm, activations, pooling, dropout, Flatten)",
             )
 
     def pooled(self, node, a, k: int) -> None:
@@ -952,7 +970,7 @@ class _Walk:
     def layer_output(
         self,
         node,
-        m: nn.Linear | nn.Conv1d | nn.Conv2d | nn.ConvTranspose1d | nn.ConvTranspose2d | nn.Bilinear,
+        m: nn.Linear | nn.Bilinear | nn.modules.conv._ConvNd,
         rows: tuple,
         inputs: list,
         dim: int,
@@ -994,7 +1012,7 @@ class _Walk:
         out, cut = self.layer_vars(node.target, features[0], node)
         self.layer_output(node, m, (out, cut, 1), [self.in_axis(g) for g in features], len(_tensor_shape(node)) - 1)
 
-    def grouped_conv(self, node, m: nn.Conv1d | nn.Conv2d, f: _Feature | None) -> None:
+    def grouped_conv(self, node, m: nn.modules.conv._ConvNd, f: _Feature | None) -> None:
         """A convolution of ``g`` groups (ResNeXt's): each group of output channels reads its own
         group of input channels. One permutation of the channels within a group serves every
         group, for the outputs (``g`` blocks of the rows) and for the inputs (the input's units cut

@@ -70,6 +70,7 @@ from tests.nets.user_nets import (
     UpConv1d,
     UpConvUNet,
     ViewHeadsAttention,
+    VolumeCNN,
 )
 
 NETS = [
@@ -116,6 +117,7 @@ NETS = [
     UNetLike,  # F.interpolate, F.pad by sizes read off the maps, a skip of another width concatenated
     UpConvUNet,  # transposed convolutions: their units on the weight's axis 1; one reads streams side by side
     UpConv1d,  # a transposed convolution reading the input
+    VolumeCNN,  # 3-d convolutions, transposed too, batch and instance norms, pooling, padding, dropout
 ]
 
 
@@ -980,7 +982,7 @@ def test_streams_of_different_widths_side_by_side_keep_a_permutation_each():
         spec.split({**_ConcatInput((5, 12)).state_dict(), "fc.weight": torch.zeros(5, 64)})
 
 
-@pytest.mark.parametrize("cls", [DenseBlockCNN, InceptionMLP, _ConcatInput, UpConvUNet, UpConv1d])
+@pytest.mark.parametrize("cls", [DenseBlockCNN, InceptionMLP, _ConcatInput, UpConvUNet, UpConv1d, VolumeCNN])
 def test_independent_networks_with_streams_side_by_side_fuse_with_every_method(cls):
     """PFNM and NAFI grow each stream to its own width, and the pieces of the layers reading them
     are put together at the fused widths; FedMA retrains them; OT and FedAvg keep the widths.

@@ -989,3 +989,26 @@ class UpConv1d(nn.Module):
     def forward(self, x):
         h = torch.tanh(self.up1(x.view(-1, 4, 16)))
         return self.head(F.relu(self.bn(self.up2(h))).amax(2))
+
+
+class VolumeCNN(nn.Module):
+    """A 3-D network for volumes (a scan's voxels; here 4x4x4): convolutions with batch norms, one
+    without a bias, pooling, dropout, a transposed convolution and an instance norm, padding, and
+    global pooling before a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv3d(1, 6, 3, padding=1), nn.BatchNorm3d(6)
+        self.conv2, self.bn2 = nn.Conv3d(6, 8, 3, padding=1, bias=False), nn.BatchNorm3d(8)
+        self.up, self.norm = nn.ConvTranspose3d(8, 5, 2, stride=2), nn.InstanceNorm3d(5, affine=True)
+        self.pool, self.drop, self.pad = nn.MaxPool3d(2), nn.Dropout3d(0.1), nn.ConstantPad3d(1, 0.0)
+        self.gap, self.head = nn.AdaptiveAvgPool3d(1), nn.Linear(5, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = self.pool(F.relu(self.bn1(self.conv1(x.view(-1, 1, 4, 4, 4)))))
+        h = self.drop(F.relu(self.bn2(self.conv2(self.pad(h)))))
+        h = F.relu(self.norm(self.up(F.avg_pool3d(h, 3, 1))))
+        return self.head(self.gap(h).flatten(1))
