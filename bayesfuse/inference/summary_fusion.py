@@ -193,11 +193,12 @@ def matched_filters(spec: PermutationSpec) -> set[str]:
     """
     out = set()
     for k, axes in spec.axes.items():
-        if not k.endswith(".weight") or len(axes) < 2 or axes[0] is None or axes[1] is None:
+        whole = spec.whole(k)  # a piece of a layer's weight reading streams side by side: as the weight
+        if not whole.endswith(".weight") or len(axes) < 2 or axes[0] is None or axes[1] is None:
             continue
         if len(axes) > 2 or axes[1].inner > 1:  # a convolution, or a dense layer reading channels' maps
-            out.add(k)
-            layer = k[: -len(".weight")]
+            out.update(spec.parts(whole))  # every piece of its filters, the input's too: one pattern each
+            layer = whole[: -len(".weight")]
             out.update(e for e in spec.axes if e == f"{layer}.bias")
     return out
 

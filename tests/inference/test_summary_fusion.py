@@ -193,6 +193,17 @@ def test_layers_reading_matched_channel_maps_keep_the_matching():
         output=("out.weight", "out.bias"),
     )
     assert matched_filters(spec) == {"c2.weight", "c2.bias", "d1.weight", "d1.bias"}
+    # a convolution reading streams side by side (a DenseNet block's, a U-Net's skip) reads matched
+    # channels piece by piece: every piece (the input's beside them too: a filter is one pattern),
+    # and its bias, is left to the matching too (they were fused by precision, coordinate by coordinate)
+    from bayesfuse.nets.tracing import spec_from_module
+    from tests.nets.user_nets import DenseBlockCNN, UpConvUNet
+
+    dense_block = spec_from_module(DenseBlockCNN())
+    assert {"layers.1.conv1.weight@0", "layers.1.conv1.weight@1"} <= matched_filters(dense_block)
+    unet = spec_from_module(UpConvUNet())
+    assert {"dec.weight@0", "dec.weight@1", "dec.bias", "up.weight", "mid.weight"} <= matched_filters(unet)
+    assert "enc.weight" not in matched_filters(unet)  # the first convolution reads the inputs
     rng = np.random.default_rng(0)
     shapes = {
         "c1.weight": (2, 1, 3, 3),
