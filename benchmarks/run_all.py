@@ -33,6 +33,7 @@ BENCHMARKS = [
     "bench_baselines.py",
     "bench_deep.py",
     "bench_architectures.py",
+    "bench_user_nets.py",
     "bench_fedma_sizes.py",
     "bench_fidelity.py",
     "bench_calibration.py",
@@ -80,6 +81,7 @@ QUICK = {
         "1",
     ],
     "bench_architectures.py": ["--dataset", "digits", "--seeds", "0", "--epochs", "2", "--train-size", "0"],
+    "bench_user_nets.py": ["--seeds", "0", "--epochs", "2"],
     "bench_fedma_sizes.py": ["--dataset", "digits", "--noise-vars", "1", "3"],
     "bench_fidelity.py": ["--quick", "--out", "{out}"],
     "bench_calibration.py": [
