@@ -24,7 +24,10 @@ one backward pass per class. For ``nn.Linear`` and ``nn.Conv2d`` layers the per-
 gradient is an outer product of the layer's input and the gradient at its output (for a
 convolution, summed over positions of the unfolded input), so their diagonal is a product of
 squares, as BackPACK computes it (Dangel et al., ICLR 2020), without per-example gradients of
-the whole network. Every other parameter (batch norms, LSTMs, position encodings, a user's own
+the whole network; other convolutions (1-d, 3-d, transposed, grouped) differentiate the layer
+alone, per example, from its input and the gradient at its output. A layer called more than
+once (weights shared) sums its calls' gradients, which one call's input and output do not give;
+it takes the general path. Every other parameter (batch norms, LSTMs, position encodings, a user's own
 ``nn.Parameter``) is handled by ``torch.func`` (``vmap`` over examples of ``vjp``), which is
 slower but works on any module whose ``forward`` it can trace. Modules with a ``forward``
 method and functional calls (``torch.relu``) are fine, where BackPACK's second-order
@@ -69,20 +72,33 @@ def _layer_square(module: nn.Module, a: torch.Tensor, g2: torch.Tensor | None, g
         ).sqrt()
         per_example = (g.double() * x_hat).flatten(2).sum(2) if a.dim() > 2 else g.double() * x_hat
         return (per_example**2).sum(0)
-    assert isinstance(module, nn.Conv2d) and not isinstance(module.padding, str)  # as _fast_layers picks them
-    cols = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
-    per_example = torch.bmm(g.flatten(2), cols.transpose(1, 2))  # in the model's dtype, squared in float64
-    return (per_example.double() ** 2).sum(0).reshape(module.weight.shape)
+    assert isinstance(module, nn.modules.conv._ConvNd)  # as _fast_layers picks them
+    if _unfolds(module):
+        cols = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+        per_example = torch.bmm(g.flatten(2), cols.transpose(1, 2))  # in the model's dtype, squared in float64
+        return (per_example.double() ** 2).sum(0).reshape(module.weight.shape)
+    weight = module.weight.detach()
+
+    def one(x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:  # the layer alone: its weight's gradient
+        _, pullback = vjp(lambda w: functional_call(module, {"weight": w}, (x.unsqueeze(0),)), weight)
+        return pullback(gy.unsqueeze(0))[0]
+
+    return (vmap(one)(a, g).double() ** 2).sum(0)
+
+
+def _unfolds(m: nn.Module) -> bool:
+    """Whether ``m`` is an ungrouped, zero-padded ``nn.Conv2d``, whose per-example gradients
+    ``F.unfold`` gives as one product; other convolutions (1-d, 3-d, transposed, grouped) take
+    theirs from the layer alone (``torch.func``)."""
+    return isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
 
 
 def _fast_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The Linear layers, the ungrouped zero-padded Conv2d layers and the affine batch norms with
-    running statistics (used in eval mode)."""
+    """The Linear layers, the convolutions and the affine batch norms with running statistics
+    (used in eval mode)."""
     found = {}
     for name, m in model.named_modules():
-        conv = (
-            isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
-        )
+        conv = isinstance(m, nn.modules.conv._ConvNd)
         norm = (
             isinstance(m, nn.modules.batchnorm._BatchNorm)
             and m.affine
@@ -97,10 +113,13 @@ def _fast_layers(model: nn.Module) -> dict[str, nn.Module]:
 def _layer_ggn(model, layers, xb, total, seen) -> None:
     """Add one chunk's GGN diagonal of the layers' weights and biases to ``total``."""
     record: dict[str, tuple] = {}
-    hooks = [
-        m.register_forward_hook(lambda mod, inp, out, n=n: record.__setitem__(n, (inp[0].detach(), out)))
-        for n, m in layers.items()
-    ]
+    calls: dict[str, int] = {}
+
+    def keep(n: str, inp, out) -> None:
+        record[n] = (inp[0].detach(), out)
+        calls[n] = calls.get(n, 0) + 1
+
+    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: keep(n, inp, out)) for n, m in layers.items()]
     try:
         with torch.enable_grad():
             logits = model(xb)
@@ -109,8 +128,10 @@ def _layer_ggn(model, layers, xb, total, seen) -> None:
             h.remove()
     used = [n for n in layers if n in record and record[n][1].requires_grad]
 
-    def unusable(n: str) -> bool:  # not on the path to the logits, or a Linear on 3-D inputs
-        return n not in used or (isinstance(layers[n], nn.Linear) and record[n][0].dim() != 2)
+    def unusable(n: str) -> bool:
+        # not on the path to the logits, a Linear on 3-D inputs, or a layer called more than once
+        # (a siamese encoder's, a block shared in a loop: its gradient sums over its calls)
+        return n not in used or (isinstance(layers[n], nn.Linear) and record[n][0].dim() != 2) or calls[n] > 1
 
     bad = sorted(n for n in record if unusable(n))
     if bad:

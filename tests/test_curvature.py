@@ -88,6 +88,34 @@ def test_own_class_with_free_parameter():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-14, err_msg=k)
 
 
+class _CalledTwice(nn.Module):
+    """A Linear and a Conv1d each called twice, weights shared: their gradients sum over calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c, self.out = nn.Linear(6, 6), nn.Conv1d(2, 2, 3, padding=1), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(torch.tanh(self.a(x))))
+        return self.out(self.c(self.c(h.view(-1, 2, 3))).flatten(1))
+
+
+@pytest.mark.parametrize("cls", ["SharedBlocks", "_CalledTwice"])
+def test_layers_called_more_than_once_against_full_jacobians(cls):
+    """A layer called more than once (a siamese encoder, a block shared in a loop) has the GGN of
+    all its calls; the layer path, which reads one call's input and output, leaves it to the
+    general path (it kept the last call's alone)."""
+    from tests.nets import user_nets
+
+    torch.manual_seed(8)
+    model = (_CalledTwice() if cls == "_CalledTwice" else getattr(user_nets, cls)()).double().eval()
+    x = torch.randn(6, 6 if cls == "_CalledTwice" else 64, dtype=torch.float64)
+    got = diag_ggn(model, x, batch_size=4)
+    want = brute_force_ggn(model, x)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-14, err_msg=k)
+
+
 @pytest.mark.parametrize("cls", ["UpConvUNet", "UpConv1d", "VolumeCNN"])
 def test_transposed_and_3d_convolutions_against_full_jacobians(cls):
     """Transposed convolutions and 3-d layers take the general per-example path: the same sums."""
