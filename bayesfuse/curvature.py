@@ -74,14 +74,16 @@ def _layer_square(module: nn.Module, a: torch.Tensor, g2: torch.Tensor | None, g
         return (per_example**2).sum(0)
     assert isinstance(module, nn.modules.conv._ConvNd)  # as _fast_layers picks them
     if _unfolds(module):
-        cols = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+        conv = cast(nn.Conv2d, module)
+        padding = cast(tuple[int, int], conv.padding)  # not "same" / "valid": _unfolds
+        cols = F.unfold(a, conv.kernel_size, dilation=conv.dilation, padding=padding, stride=conv.stride)
         per_example = torch.bmm(g.flatten(2), cols.transpose(1, 2))  # in the model's dtype, squared in float64
         return (per_example.double() ** 2).sum(0).reshape(module.weight.shape)
     weight = module.weight.detach()
 
     def one(x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:  # the layer alone: its weight's gradient
-        _, pullback = vjp(lambda w: functional_call(module, {"weight": w}, (x.unsqueeze(0),)), weight)
-        return pullback(gy.unsqueeze(0))[0]
+        pullback = cast(tuple[Any, Callable], vjp(lambda w: functional_call(module, {"weight": w}, (x[None],)), weight))
+        return pullback[1](gy.unsqueeze(0))[0]
 
     return (vmap(one)(a, g).double() ** 2).sum(0)
 
