@@ -353,10 +353,11 @@ class _Read:
         return mine.transpose(2, 3).reshape(-1, n)
 
 
-def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[str, _Read | None]]:
+def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[_Read, _Read | None]]:
     """Per group, the module that makes its units (axis 0 of its weight; a transposed
-    convolution's axis 1) and the first other module that reads them (the other of the two),
-    and where among its input's features it reads them.
+    convolution's axis 1) and where among its output's features they lie (in blocks, for a
+    convolution of groups), and the first other module that reads them (the other axis of the
+    two) and where among its input's features it reads them.
 
     A recurrent layer reads its own units (``weight_hh``); its output holds only its top layer's
     units, so a group it makes has moments only where another module reads that output (the
@@ -364,7 +365,7 @@ def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[s
     modules = dict(model.named_modules())
     state = model.state_dict()
     offsets = spec.piece_offsets(state)
-    makers: dict[str, str] = {}
+    makers: dict[str, _Read] = {}
     readers: dict[str, list[_Read]] = {g: [] for g in spec.groups}
     for key, axes in spec.axes.items():
         whole = spec.whole(key)
@@ -373,8 +374,8 @@ def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[s
             continue
         rows = spec.rows_dim(key)
         made, read = axes[rows], axes[1 - rows]
-        if made is not None and made.group in readers:
-            makers.setdefault(made.group, owner)
+        if made is not None and made.group in readers and made.group not in makers:
+            makers[made.group] = _Read(owner, 0, int(state[whole].shape[rows]), made)
         if read is None or read.group not in readers:
             continue
         if whole == key:
@@ -383,8 +384,8 @@ def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[s
             readers[read.group].append(_Read(owner, *offsets[key], read))
     found = {}
     for g, maker in makers.items():
-        reader = next((r for r in readers[g] if r.module != maker), None)
-        if isinstance(modules[maker], nn.RNNBase) and reader is None:
+        reader = next((r for r in readers[g] if r.module != maker.module), None)
+        if isinstance(modules[maker.module], nn.RNNBase) and reader is None:
             continue  # a lower recurrent layer: not in its module's output
         found[g] = (maker, reader)
     return found
@@ -429,7 +430,17 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
 
     hooks = []
     for g, (maker, reader) in where.items():
-        hooks.append(modules[maker].register_forward_hook(keep(g, "pre")))
+        layer = modules[maker.module]
+        laid_out: _Read | None = maker
+        if isinstance(layer, nn.RNNBase):  # its rows hold its gates; its output each direction's units
+            directions = 2 if layer.bidirectional else 1
+            width = getattr(layer, "proj_size", 0) or layer.hidden_size
+            laid_out = _Read(maker.module, 0, directions * width, Axis(g, outer=directions))
+            projections = {a[0].group for k, a in spec.axes.items() if k.startswith(f"{maker.module}.weight_hr_l")}
+            if width != layer.hidden_size and g not in projections:  # a projected LSTM's cells: not in its output
+                laid_out = None
+        if laid_out is not None:
+            hooks.append(modules[maker.module].register_forward_hook(keep(g, "pre", laid_out)))
         if reader is not None:
             hooks.append(modules[reader.module].register_forward_hook(keep(g, "act", reader)))
     first = next(model.parameters())

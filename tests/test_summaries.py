@@ -33,6 +33,7 @@ from bayesfuse.summaries import (
     summary_from_arrays,
     summary_path,
     temperature_nll,
+    unit_moments,
 )
 from tests.helpers import randomise
 from tests.nets import user_nets
@@ -152,6 +153,24 @@ def test_conv_moments_are_per_channel():
     np.testing.assert_allclose(
         s.moments["P2"]["act_var"], maps.transpose(1, 2).reshape(-1, 3).var(0, unbiased=False).numpy(), atol=1e-12
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["GroupedCNN", "DepthwiseCNN", "BiLSTM", "ProjectedLSTM", "StackedLSTM", "UpConvUNet", "InceptionMLP"]
+)
+def test_every_moment_has_its_groups_width(name):
+    """Each unit's moments, one number per unit of its group: a convolution of groups makes its
+    units in blocks (one per group), a bidirectional LSTM's output holds both directions' (it
+    gave one number per channel or feature); a projected LSTM's cells are not in its output (no
+    pre-activation moments for them)."""
+    torch.manual_seed(0)
+    model = getattr(user_nets, name)().eval()
+    spec = spec_from_module(model)
+    sizes = spec.sizes(model.state_dict())
+    moments = unit_moments(model, np.random.default_rng(2).normal(size=(16, 64)).astype(np.float32), spec)
+    assert moments
+    for group, stats in moments.items():
+        assert stats and {k: v.shape for k, v in stats.items()} == {k: (sizes[group],) for k in stats}, group
 
 
 @pytest.mark.parametrize("name", ["DenseBlockCNN", "UpConvUNet"])

@@ -260,14 +260,15 @@ def _describing(spec: PermutationSpec, group: str, aligned: Mapping[str, object]
     """``(entry, dim, axis)`` of the entries that describe ``group``'s units in the cost.
 
     Those :func:`unit_entries` gives (the group once, other groups aligned), restricted to
-    those with the group on their first axis (incoming weights, biases); all of them when
-    none has (a spec whose units are only described by outgoing weights).
+    those with the group on their rows' axis (incoming weights, biases: axis 0, a transposed
+    convolution's axis 1, ``spec.rows_dim``); all of them when none has (a spec whose units are
+    only described by outgoing weights).
     """
     entries = unit_entries(spec, group, aligned, folded_entries(spec))
     if not entries:
         raise ValueError(f"no parameter describes the units of group {group!r}")
     located = [(k, *_group_axis(spec, k, group)) for k in entries]
-    incoming = [e for e in located if e[1] == 0]
+    incoming = [e for e in located if e[1] == spec.rows_dim(e[0])]
     return incoming or located
 
 

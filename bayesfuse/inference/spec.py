@@ -448,7 +448,10 @@ def _transposed(data, axes: Mapping[str, tuple], pieces: Mapping[str, tuple]) ->
     ``pieces``) of at least 2 dimensions."""
     if isinstance(data, str) or not isinstance(data, (list, tuple)) or not all(isinstance(k, str) for k in data):
         raise ValueError(f"a spec's 'transposed' lists the weights of transposed convolutions, got {data!r}")
+    named = {name for _, parts in pieces.values() for name, _ in parts}
     for k in data:
+        if k in named:
+            raise ValueError(f"a spec's 'transposed' names the piece {k!r}: name the weight it is a piece of")
         described = axes.get(k) if k in axes else axes.get(pieces[k][1][0][0]) if k in pieces else None
         if described is None or len(described) < 2:
             raise ValueError(

@@ -948,7 +948,11 @@ class _Walk:
                 "bayesfuse.nets.attention.split_heads(model), the same function with one module per head",
             )
         elif type(m).__name__ == "PositionAware":
-            self.fail(node, "position-aware layers are traced only in nn.Sequential networks and bayesfuse's MLP")
+            self.fail(
+                node,
+                "position-aware layers are traced only in bayesfuse's MLP and in nn.Sequential networks of "
+                "Linear, Conv1d/2d, BatchNorm, activation, pooling and Flatten layers",
+            )
         elif not any(True for _ in m.parameters(recurse=False)) and not self.permuted(f):
             self.labels[node] = None
         else:

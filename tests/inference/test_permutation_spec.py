@@ -250,3 +250,9 @@ def test_transposed_convolutions_have_their_units_on_axis_1_and_round_trip_throu
     for bad in (["nope.weight"], ["up.bias"], "up.weight"):
         with pytest.raises(ValueError, match="'transposed'"):
             dataclasses.replace(spec, transposed=bad)
+    axes = {k: v for k, v in spec.axes.items() if k != "up.weight"}  # it reads P beside 2 input channels
+    axes.update({"up.weight@0": spec.axes["up.weight"], "up.weight@1": (None, Axis("Q"), None)})
+    cut = dataclasses.replace(spec, axes=axes, pieces={"up.weight": (0, (("up.weight@0", None), ("up.weight@1", 2)))})
+    assert cut.rows_dim("up.weight@0") == 1  # a piece of a transposed weight: as the weight
+    with pytest.raises(ValueError, match="names the piece 'up.weight@0'"):
+        dataclasses.replace(cut, transposed=("up.weight@0",))

@@ -982,6 +982,36 @@ def test_streams_of_different_widths_side_by_side_keep_a_permutation_each():
         spec.split({**_ConcatInput((5, 12)).state_dict(), "fc.weight": torch.zeros(5, 64)})
 
 
+class _BiasFreeUp(nn.Module):
+    """A transposed convolution without bias before a batch norm at its initial values: the folded
+    biases are all alike, so only the weights (on their axis 1) tell its units apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1, bias=False)
+        self.bn, self.head = nn.BatchNorm1d(6), nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        return self.head(F.relu(self.bn(self.up(x.view(-1, 4, 16)))).mean(2))
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+def test_a_transposed_convolution_is_matched_by_its_weights(method):
+    """OT described a group's units by the entries with the group on axis 0 alone: a transposed
+    convolution's weight (its units on axis 1) was left out, and it matched by the biases."""
+    torch.manual_seed(0)
+    model = _BiasFreeUp().eval()
+    spec = spec_from_module(model)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    copy = _BiasFreeUp().eval()
+    perms = random_permutations(spec.sizes(state), np.random.default_rng(1))
+    copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    assert _gap(model, bayesfuse.fuse([model, copy], method).model.eval(), torch.randn(20, 64)) < 1e-4
+
+
 @pytest.mark.parametrize("cls", [DenseBlockCNN, InceptionMLP, _ConcatInput, UpConvUNet, UpConv1d, VolumeCNN])
 def test_independent_networks_with_streams_side_by_side_fuse_with_every_method(cls):
     """PFNM and NAFI grow each stream to its own width, and the pieces of the layers reading them
