@@ -516,6 +516,21 @@ def test_weight_coordinates_name_the_entries():
         [f"layers.1.weight[{i}]" for i in range(G1)] + ["layers.1.bias"] + [f"layers.2.weight[{k}]" for k in range(3)]
     )
     assert p2.attrs["weight_names"] == "blocks" and p2.attrs["layer"] == "P2"
+    # entries the fused state_dict does not hold as such: the pieces of a layer reading streams
+    # side by side, a zero bias added to fold a batch norm through (they were named dim_0, ...)
+    from tests.nets.user_nets import UpConvUNet
+
+    torch.manual_seed(0)
+    unet = fuse([UpConvUNet().eval() for _ in range(2)], "pfnm")
+    sizes = dict(zip(unet.groups, unet.sizes))
+    dec = list(fusion_to_arviz(unet, layer="P4", weights="all").posterior["weight"].values)
+    assert dec == (
+        [f"dec.weight@0[{i}]" for i in range(sizes["P1"] * 9)]
+        + [f"dec.weight@1[{i}]" for i in range(sizes["P3"] * 9)]
+        + ["dec.bias"]
+    )
+    mid = list(fusion_to_arviz(unet, layer="P2", weights="all").posterior["weight"].values)
+    assert mid[-1] == "mid.bias" and mid[0] == "mid.weight[0]"
 
     # fused BNNs: incoming weights, bias, log scale, outgoing weights
     torch.manual_seed(0)

@@ -523,6 +523,7 @@ def match_group(
             verbose=verbose,
         )
         result.hyper["blocks"] = [k for k, *_ in layout]
+        result.hyper["block_widths"] = [int(width) for *_, width in layout]  # numbers per unit of each
     else:
         uniform = (match_noise == match_noise[0, 0]).all()
         result = match_neurons(

@@ -255,7 +255,12 @@ def entry_names(
         names = _bnn_entry_names(state, width)
         if names is not None:
             return names, "bnn"
-    blocks = (getattr(layer, "hyper", None) or {}).get("blocks")
+    hyper = getattr(layer, "hyper", None) or {}
+    blocks, widths = hyper.get("blocks"), hyper.get("block_widths")
+    if blocks is not None and widths is not None and len(widths) == len(blocks) and sum(widths) == width:
+        # each block's numbers per unit as the matching laid them out: entries the fused state_dict
+        # holds otherwise (a piece of a weight reading streams side by side, a bias added to fold through)
+        return [str(k) if n == 1 else f"{k}[{i}]" for k, n in zip(blocks, widths) for i in range(n)], "blocks"
     if blocks is not None:
         names = _block_entry_names(blocks, width, n_units, state)
         if names is not None:
