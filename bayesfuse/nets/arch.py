@@ -183,7 +183,8 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         )
     if isinstance(module, nn.GroupNorm):
         channels = shape("weight")[0]
-        return nn.GroupNorm(1 if module.num_groups == 1 else channels, channels, eps=module.eps, affine=module.affine)
+        groups = channels if module.num_groups == module.num_channels else module.num_groups  # per channel, or g
+        return nn.GroupNorm(groups, channels, eps=module.eps, affine=module.affine)
     if isinstance(module, nn.Embedding):
         n, dim = shape("weight")
         return nn.Embedding(n, dim, padding_idx=module.padding_idx)

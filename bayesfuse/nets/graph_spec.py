@@ -10,8 +10,9 @@ activation from the input to the output:
   permutations of ``a`` and ``b`` into one: every layer that writes into one residual stream
   shares one permutation, as git-re-basin's ``PermutationSpec`` of a ResNet does (Ainsworth
   et al. 2023, section 3 and appendix);
-* BatchNorm, LayerNorm, GroupNorm (one group, or one per channel) and parameters added to the
-  stream (a position embedding, a class token) are permuted with the stream they act on;
+* BatchNorm, LayerNorm, GroupNorm and parameters added to the stream (a position embedding, a
+  class token) are permuted with the stream they act on; a GroupNorm of ``g`` groups cuts the
+  channels into blocks the groups do not cross, one permutation within a group for every group;
 * an ``nn.LSTM`` / ``nn.GRU`` opens one permutation per layer, of the rows of each gate's block
   (4 blocks, 3 for a GRU) and of the columns of its own hidden-to-hidden weights; its output
   sequence has the top layer's units, its final state (one layer only) the same;
@@ -917,12 +918,8 @@ class _Walk:
                 self.fail(node, "LayerNorm over more than the last axis is not supported")
             self.norm(node, m, units, axis=len(_tensor_shape(inp)) - 1, entries=("weight", "bias"))
         elif isinstance(m, nn.GroupNorm):
-            if m.num_groups not in (1, m.num_channels):
-                self.fail(
-                    node,
-                    f"GroupNorm with {m.num_groups} groups of {m.num_channels} channels mixes units "
-                    "within groups; one group, or one per channel, is supported",
-                )
+            if m.num_groups not in (1, m.num_channels) and self.has_units(units):
+                units = self.grouped_units(node, units, m.num_groups, f"GroupNorm with {m.num_groups} groups")
             self.norm(node, m, units, axis=1, entries=("weight", "bias"))
         elif isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):  # per channel, over positions
             self.norm(node, m, units, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
@@ -1015,6 +1012,23 @@ class _Walk:
             features.append(f)
         out, cut = self.layer_vars(node.target, features[0], node)
         self.layer_output(node, m, (out, cut, 1), [self.in_axis(g) for g in features], len(_tensor_shape(node)) - 1)
+
+    def grouped_units(self, node, units, g: int, what: str) -> _Feature:
+        """``units`` (channels on axis 1) cut into blocks that ``g`` equal groups of channels do not
+        cross (:meth:`refine`): one permutation of the channels within a group serves every group,
+        so that each group keeps its channels and the groups stay equally wide at any width (a
+        GroupNorm of ``g`` groups normalises each group's channels together)."""
+        if isinstance(units, _Segments):
+            self.fail(node, f"a {what} of streams concatenated on their units is not supported; give a spec")
+        n = _tensor_shape(node.args[0])[1] // (units.outer * units.inner)
+        cut = g // int(np.gcd(units.outer, g))
+        if units.dim != 1 or units.inner != 1 or n % cut:
+            self.fail(
+                node,
+                f"a {what} of {n * units.outer * units.inner} channels held as {units.outer} blocks of {n}: its "
+                "groups cut through units; give a spec",
+            )
+        return _Feature(self.refine(units.var, cut) if cut > 1 else units.var, 1, units.outer * cut)
 
     def grouped_conv(self, node, m: nn.modules.conv._ConvNd, f: _Feature | None) -> None:
         """A convolution of ``g`` groups (ResNeXt's): each group of output channels reads its own

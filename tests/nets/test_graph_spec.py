@@ -40,6 +40,7 @@ from tests.nets.user_nets import (
     GatedNet,
     GatedStream,
     GroupedCNN,
+    GroupNormCNN,
     InceptionMLP,
     KeywordOps,
     LayerScaleCNN,
@@ -118,6 +119,7 @@ NETS = [
     UpConvUNet,  # transposed convolutions: their units on the weight's axis 1; one reads streams side by side
     UpConv1d,  # a transposed convolution reading the input
     VolumeCNN,  # 3-d convolutions, transposed too, batch and instance norms, pooling, padding, dropout
+    GroupNormCNN,  # group norms of several groups: one permutation within a group serves every group
 ]
 
 
@@ -412,7 +414,6 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
     "model, message",
     [
         (Attention(), r"nn.MultiheadAttention's heads are embed_dim / num_heads wide"),
-        (nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)), r"GroupNorm with 2 groups of 6 channels"),
         (nn.GRU(3, 4), r"bare GRU"),
         (StackedStateLSTM(), r"final state of the 2-layer LSTM 'rnn' holds every layer's units"),
         (_Reads("indices concatenated"), r"max over the units names units by their place"),
@@ -998,6 +999,23 @@ class _BiasFreeUp(nn.Module):
         return self.head(F.relu(self.bn(self.up(x.view(-1, 4, 16)))).mean(2))
 
 
+def test_group_norms_of_several_groups_keep_each_groups_channels():
+    """A GroupNorm of g groups normalises each group's channels together: the channels are one
+    permutation within a group for every group (g blocks), so that independent clients fuse into
+    groups of equal widths, rebuilt with g groups; a Sequential's too (it was refused)."""
+    spec = spec_from_module(GroupNormCNN())
+    assert spec.axes["gn1.weight"][0].outer == 4 and spec.axes["conv1.weight"][0].outer == 4
+    # the residual add ties conv2's channels (3 groups) to gn3's (2 groups): 6 blocks, lcm(3, 2)
+    assert spec.axes["gn2.weight"][0].outer == 6 and spec.axes["conv3.weight"][0].outer == 6
+    assert spec.axes["gn4.weight"][0].outer == 2 and spec.axes["gn0.weight"] == (None,)  # the input's: fixed
+    models = [_random(GroupNormCNN, s) for s in range(3)]
+    fused = bayesfuse.fuse(models, "pfnm").model
+    assert (fused.gn1.num_groups, fused.gn2.num_groups, fused.gn4.num_groups) == (4, 3, 2)
+    assert fused.gn1.num_channels > 8 and fused.gn1.num_channels % 4 == 0 and fused(torch.randn(5, 64)).shape == (5, 10)
+    seq = nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.ReLU(), nn.Linear(6, 2))
+    assert spec_from_module(seq, torch.zeros(2, 4)).axes["1.weight"][0].outer == 2
+
+
 @pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
 def test_a_transposed_convolution_is_matched_by_its_weights(method):
     """OT described a group's units by the entries with the group on axis 0 alone: a transposed
@@ -1012,7 +1030,9 @@ def test_a_transposed_convolution_is_matched_by_its_weights(method):
     assert _gap(model, bayesfuse.fuse([model, copy], method).model.eval(), torch.randn(20, 64)) < 1e-4
 
 
-@pytest.mark.parametrize("cls", [DenseBlockCNN, InceptionMLP, _ConcatInput, UpConvUNet, UpConv1d, VolumeCNN])
+@pytest.mark.parametrize(
+    "cls", [DenseBlockCNN, InceptionMLP, _ConcatInput, UpConvUNet, UpConv1d, VolumeCNN, GroupNormCNN]
+)
 def test_independent_networks_with_streams_side_by_side_fuse_with_every_method(cls):
     """PFNM and NAFI grow each stream to its own width, and the pieces of the layers reading them
     are put together at the fused widths; FedMA retrains them; OT and FedAvg keep the widths.

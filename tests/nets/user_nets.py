@@ -1012,3 +1012,26 @@ class VolumeCNN(nn.Module):
         h = self.drop(F.relu(self.bn2(self.conv2(self.pad(h)))))
         h = F.relu(self.norm(self.up(F.avg_pool3d(h, 3, 1))))
         return self.head(self.gap(h).flatten(1))
+
+
+class GroupNormCNN(nn.Module):
+    """Group norms of several groups (as U-Nets and diffusion models write them), after a
+    convolution and after the input's channels, one after a residual add, and one in a dense
+    layer's (N, C) output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.gn1 = nn.Conv2d(2, 8, 3, padding=1), nn.GroupNorm(4, 8)
+        self.conv2, self.gn2 = nn.Conv2d(8, 12, 3, padding=1), nn.GroupNorm(3, 12)
+        self.conv3, self.gn3 = nn.Conv2d(12, 12, 3, padding=1), nn.GroupNorm(2, 12, affine=False)
+        self.gn0, self.fc, self.gn4 = nn.GroupNorm(2, 2), nn.Linear(12, 6), nn.GroupNorm(2, 6)
+        self.head = nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.silu(self.gn1(self.conv1(self.gn0(x.view(-1, 2, 4, 8)))))
+        h = F.silu(self.gn2(self.conv2(h)))
+        h = self.gn3(h + self.conv3(h)).mean((2, 3))
+        return self.head(F.relu(self.gn4(self.fc(h))))
