@@ -1,14 +1,16 @@
 """Networks written as users write them: every method on a U-Net with transposed convolutions or a
 DenseNet block, classes with a ``forward`` of their own, traced with ``torch.fx``.
 
-Usage: python benchmarks/bench_user_nets.py [--net unet|dense] [--dataset digits] [--clients 5]
+Usage: python benchmarks/bench_user_nets.py [--net unet|unet-gn|dense] [--dataset digits] [--clients 5]
        [--alpha 0.5] [--seeds 0 1 2] [--epochs 20] [--methods fedavg ot pfnm nafi pfnm+bn
        pfnm+bn+refit fedma pfnm+summaries] [--data-path DIR]
 
 ``--net unet`` (:class:`UNet`): an encoder (conv-BN-ReLU), max pooling, a bottleneck convolution
 without bias and its batch norm, upsampled by ``nn.ConvTranspose2d`` (stride 2, no bias, a batch
 norm after it), concatenated with the encoder's maps (16 + 16 channels), a decoder convolution with
-its batch norm, global mean pooling and a dense classifier. ``--net dense`` (:class:`DenseBlock`): a
+its batch norm, global mean pooling and a dense classifier; ``--net unet-gn`` the same with group
+norms of 4 groups in place of its batch norms (:class:`GroupNormUNet`; no batch-norm round for
+it). ``--net dense`` (:class:`DenseBlock`): a
 stem convolution of 8 channels, a dense block of three BN-ReLU-conv3x3 layers growing by 8, 12 and
 8, each reading the concatenation of everything before it, a batch norm, global pooling and a
 classifier reading the last concatenation (pre-activation batch norms: not foldable).
@@ -18,7 +20,7 @@ class shares; each client trains its own network from its own initialisation for
 (the library's defaults: AMSGrad, learning rate 0.01, minibatches of 32, one torch thread). Global
 models, the methods of ``benchmarks/bench_architectures.py``: the clients' mean and their ensemble,
 one-shot FedAvg, OT, PFNM and NAFI; ``pfnm+bn`` the batch-norm round after PFNM, ``pfnm+bn+refit``
-the refit round after it (3 rounds), ``fedma`` FedMA with the library's retraining per round
+the refit round after it (3 rounds), ``pfnm+refit`` the refit round alone, ``fedma`` FedMA with the library's retraining per round
 (``TrainConfig()``: 10 epochs),
 ``pfnm+summaries`` one-shot PFNM with client summaries. Columns: test accuracy, NLL, ECE (mean +- sd
 over the seeds), parameters, rounds, seconds to fuse and CPU seconds. Nothing is chosen on test data.
@@ -43,7 +45,7 @@ from bayesfuse.inference.result import ConvergenceWarning
 from bayesfuse.metrics import evaluate
 from bayesfuse.train import TrainConfig, train_model
 
-METHODS = ("fedavg", "ot", "pfnm", "nafi", "pfnm+bn", "pfnm+bn+refit", "fedma", "pfnm+summaries")
+METHODS = ("fedavg", "ot", "pfnm", "nafi", "pfnm+bn", "pfnm+bn+refit", "pfnm+refit", "fedma", "pfnm+summaries")
 
 
 class UNet(nn.Module):
@@ -69,6 +71,15 @@ class UNet(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
+class GroupNormUNet(UNet):
+    """:class:`UNet` with group norms of 4 groups in place of its batch norms (as diffusion models'
+    U-Nets are written): statistics of each example's own maps, none to re-estimate."""
+
+    def __init__(self, side: int = 8, n_classes: int = 10) -> None:
+        super().__init__(side, n_classes)
+        self.bn0, self.bn1, self.bn2, self.bn3 = (nn.GroupNorm(4, c) for c in (16, 32, 16, 24))
+
+
 class DenseBlock(nn.Module):
     """A DenseNet block of pre-activation layers, on square images of ``side`` pixels."""
 
@@ -92,8 +103,12 @@ class DenseBlock(nn.Module):
         return self.head(F.relu(self.norm(torch.cat(features, 1))).mean((2, 3)))
 
 
-NETS = {"unet": UNet, "dense": DenseBlock}
-NAMES = {"unet": "U-Net (transposed convolutions)", "dense": "DenseNet block"}
+NETS = {"unet": UNet, "unet-gn": GroupNormUNet, "dense": DenseBlock}
+NAMES = {
+    "unet": "U-Net (transposed convolutions)",
+    "unet-gn": "U-Net (transposed convolutions, group norms)",
+    "dense": "DenseNet block",
+}
 
 
 def run_seed(args, seed: int) -> tuple[list[dict], str]:
@@ -129,9 +144,9 @@ def run_seed(args, seed: int) -> tuple[list[dict], str]:
             }
         elif base == "fedma":  # the library's retraining between layers (TrainConfig(): 10 epochs)
             hyper = {"data": (split.train, part)}
-        elif after:  # the batch-norm round, then the refit round
+        elif after:  # the batch-norm round (then the refit round), or the refit round
             hyper = {"class_counts": part.counts, "data": (split.train, part), "rounds": 1 + len(after)}
-            hyper["second_round"] = "batchnorm"
+            hyper["second_round"] = "batchnorm" if after[0] == "bn" else "refit"
         else:
             hyper = {"class_counts": part.counts} if base in ("pfnm", "nafi") else {}
         with warnings.catch_warnings():
@@ -160,8 +175,15 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=20, help="local training epochs (default: 20)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument(
+        "--methods", nargs="+", default=None, choices=METHODS, help="default: every method the network has"
+    )
     args = parser.parse_args()
+    no_batch_norms = args.net == "unet-gn"
+    if args.methods is None:  # the refit round after the batch-norm round, or alone where there is none
+        args.methods = [m for m in METHODS if ("+bn" not in m if no_batch_norms else m != "pfnm+refit")]
+    if no_batch_norms and any("+bn" in m for m in args.methods):
+        parser.error(f"--net {args.net} has no batch norms: drop the +bn methods")
     torch.set_num_threads(1)
     start, cpu = time.perf_counter(), cpu_seconds()
     setting = f"J={args.clients}, Dirichlet({args.alpha}), {NAMES[args.net]}, {args.epochs} local epochs"
