@@ -619,6 +619,22 @@ class _Walk:
     def fail(self, node, what: str) -> NoReturn:
         raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.op} {node.target!s} ({node.name}): {what}")
 
+    def stored(self, node, m: nn.Module, entries) -> None:
+        """Refuse a module whose parameter ``entries`` (``"weight"``, ...) the state_dict does not
+        hold: computed from other tensors (``weight_norm``, ``spectral_norm``, a parametrization),
+        which a permutation of the units would have to move in their own way."""
+        missing = [
+            p for p in entries if getattr(m, p, None) is not None and f"{node.target}.{p}" not in self.state_keys
+        ]
+        if missing:
+            self.fail(
+                node,
+                f"its {missing[0]} is computed from other tensors (weight_norm, spectral_norm or another "
+                "parametrization), which the state_dict holds instead and a permutation of its units does not "
+                "move as it moves a weight; remove it before fusing (torch.nn.utils.parametrize."
+                "remove_parametrizations, or the old API's torch.nn.utils.remove_weight_norm), or give a spec",
+            )
+
     def new(self) -> int:
         v = self.classes.new()
         self.order.append(v)
@@ -900,6 +916,7 @@ class _Walk:
         elif isinstance(m, nn.GLU):
             self.pieces(node, [inp, m.dim], {}, (None, "dim", -1), "glu")
         elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            self.stored(node, m, ("weight",))
             out, cut = self.layer_vars(name, None, node)
             self.set_axes(f"{name}.weight", [None, (out, cut, 1)])
             self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut)
@@ -985,6 +1002,7 @@ class _Walk:
         depthwise convolution's, which keeps its input's). ``transposed``: a transposed
         convolution, whose weight holds its input's channels first and its rows second."""
         name = node.target
+        self.stored(node, m, ("weight", "bias"))
         kernel = [None] * (m.weight.dim() - 1 - len(inputs))
         channels = [*inputs, rows] if transposed else [rows, *inputs]
         self.set_axes(f"{name}.weight", [*channels, *kernel])
@@ -1162,6 +1180,7 @@ class _Walk:
             return
         if f.dim != axis:
             self.fail(node, f"{type(m).__name__} must normalise the units' axis")
+        self.stored(node, m, entries)
         for p in entries:  # one number per unit, in its blocks (a bidirectional layer's two directions)
             if getattr(m, p, None) is not None:
                 self.set_axes(f"{node.target}.{p}", [self.in_axis(f)])

@@ -54,7 +54,10 @@ SUPPORTED = (
 
 def _plain(m: nn.Module) -> bool:
     """Whether a supported leaf is of the kind the chain reads: an ungrouped convolution, a batch
-    norm with a scale and running statistics (the chain folds it; the graph, any other)."""
+    norm with a scale and running statistics (the chain folds it; the graph, any other), a layer
+    whose weight the state_dict holds (the graph refuses one computed by weight_norm's hooks)."""
+    if getattr(m, "weight", None) is not None and "weight" not in m.state_dict():
+        return False
     if isinstance(m, nn.modules.conv._ConvNd):
         return m.groups == 1
     if isinstance(m, nn.modules.batchnorm._BatchNorm):

@@ -449,6 +449,31 @@ def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
     assert "\n" not in str(err.value)
 
 
+def _normed(kind: str) -> nn.Module:
+    """An MLP whose first layer's weight is computed from other tensors the state_dict holds."""
+    from torch.nn.utils import parametrizations, spectral_norm, weight_norm
+
+    first = nn.Linear(64, 16)
+    wrap = {"weight_norm": parametrizations.weight_norm, "old weight_norm": weight_norm}
+    wrap |= {"spectral_norm": parametrizations.spectral_norm, "old spectral_norm": spectral_norm}
+    return nn.Sequential(wrap[kind](first), nn.ReLU(), nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "old weight_norm", "spectral_norm", "old spectral_norm"])
+def test_a_weight_computed_from_other_tensors_is_refused_and_fedavg_averages_it(kind):
+    """weight_norm / spectral_norm (either API) store other tensors than the weight (g and v, the
+    weight before normalising): the spec left them unpermuted while it permuted the bias, so a
+    permuted copy fused 0.94 off, silently. Refused in one line; FedAvg averages entry by entry."""
+    with pytest.raises(UnsupportedLayerError, match="its weight is computed from other tensors") as err:
+        spec_from_module(_normed(kind))
+    assert "\n" not in str(err.value)
+    torch.manual_seed(0)
+    models = [_normed(kind).eval() for _ in range(2)]
+    with pytest.raises(UnsupportedLayerError, match="its weight is computed from other tensors"):
+        bayesfuse.fuse(models, "pfnm")
+    assert bayesfuse.fuse(models, "fedavg").model(torch.randn(3, 64)).shape == (3, 10)
+
+
 def test_untraceable_forward_and_missing_input_are_named():
     class Branchy(nn.Module):
         def __init__(self):
