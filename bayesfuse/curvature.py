@@ -116,12 +116,19 @@ def _layer_ggn(model, layers, xb, total, seen) -> None:
     """Add one chunk's GGN diagonal of the layers' weights and biases to ``total``."""
     record: dict[str, tuple] = {}
     calls: dict[str, int] = {}
+    odd: set[str] = set()  # called with keyword arguments, or without its input as a positional one
 
-    def keep(n: str, inp, out) -> None:
-        record[n] = (inp[0].detach(), out)
+    def keep(n: str, inp, kwargs, out) -> None:
+        if kwargs or not inp or not isinstance(out, torch.Tensor):
+            odd.add(n)
+        else:  # the versions of its input and output: an in-place operation after it (ReLU(inplace=True)) moves them
+            record[n] = (inp[0].detach(), out, out._version, inp[0]._version)
         calls[n] = calls.get(n, 0) + 1
 
-    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: keep(n, inp, out)) for n, m in layers.items()]
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, kwargs, out, n=n: keep(n, inp, kwargs, out), with_kwargs=True)
+        for n, m in layers.items()
+    ]
     try:
         with torch.enable_grad():
             logits = model(xb)
@@ -131,13 +138,26 @@ def _layer_ggn(model, layers, xb, total, seen) -> None:
     used = [n for n in layers if n in record and record[n][1].requires_grad]
 
     def unusable(n: str) -> bool:
-        # not on the path to the logits, a Linear on 3-D inputs, or a layer called more than once
-        # (a siamese encoder's, a block shared in a loop: its gradient sums over its calls)
-        return n not in used or (isinstance(layers[n], nn.Linear) and record[n][0].dim() != 2) or calls[n] > 1
+        # not on the path to the logits, a Linear on 3-D inputs, a layer called more than once (a
+        # siamese encoder's, a block shared in a loop: its gradient sums over its calls) or with
+        # keyword arguments (output_size=), its output changed in place after it (the gradient at
+        # it would be taken after the change), or a weight the model does not hold as a parameter
+        # (computed by weight_norm or a parametrization)
+        return (
+            n not in used
+            or n in odd
+            or calls[n] > 1
+            or (isinstance(layers[n], nn.Linear) and record[n][0].dim() != 2)
+            or record[n][1]._version != record[n][2]
+            or record[n][0]._version != record[n][3]
+            or any(getattr(layers[n], p, None) is not None and _key(n, p) not in total for p in ("weight", "bias"))
+        )
 
-    bad = sorted(n for n in record if unusable(n))
+    bad = sorted(n for n in set(record) | odd if unusable(n))
     if bad:
         raise _Unsupported(bad)
+    if not used:  # no layer the layer path can take: all to the general path
+        return
     q = _factor(logits)
     outs = [record[n][1] for n in used]
     for c in range(q.shape[1]):

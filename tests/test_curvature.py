@@ -34,6 +34,15 @@ def brute_force_ggn(model: nn.Module, x: torch.Tensor) -> dict[str, np.ndarray]:
     return dict(zip(names, (t.numpy() for t in total)))
 
 
+def assert_exact(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
+    """``diag_ggn`` equals the full Jacobians' GGN diagonal to float64 round-off, entry by entry."""
+    got = diag_ggn(model, x, batch_size=batch_size)
+    want = brute_force_ggn(model, x)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-14, err_msg=k)
+
+
 def test_linear_softmax_closed_form():
     # logits W x + b: diag GGN of W[k, d] is sum_n p_nk (1 - p_nk) x_nd^2, of b[k] sum_n p_nk (1 - p_nk)
     torch.manual_seed(0)
@@ -100,6 +109,62 @@ class _CalledTwice(nn.Module):
         return self.out(self.c(self.c(h.view(-1, 2, 3))).flatten(1))
 
 
+class _Keywords(nn.Module):
+    """Layers called with keyword arguments: ``conv(input=...)``, ``up(h, output_size=[16])``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.up = nn.Conv1d(4, 6, 3, padding=1), nn.ConvTranspose1d(6, 3, 3, stride=2, padding=1)
+        self.out = nn.Linear(48, 3)
+
+    def forward(self, x):
+        return self.out(self.up(torch.tanh(self.a(input=x.view(-1, 4, 8))), output_size=[16]).flatten(1))
+
+
+def _odd_layer(kind: str) -> nn.Module:
+    from torch.nn.utils import parametrizations
+
+    if kind == "keywords":
+        return _Keywords()
+    if kind == "weight_norm":
+        conv: nn.Module = parametrizations.weight_norm(nn.Conv1d(4, 3, 3))
+        return nn.Sequential(nn.Unflatten(1, (4, 8)), conv, nn.Tanh(), nn.Flatten(), nn.Linear(18, 3))
+    if kind == "linear, ReLU(inplace)":
+        return nn.Sequential(nn.Linear(32, 6), nn.ReLU(inplace=True), nn.Linear(6, 3))
+    if kind == "batch norm, ReLU(inplace)":
+        return nn.Sequential(nn.Linear(32, 6), nn.BatchNorm1d(6), nn.ReLU(inplace=True), nn.Linear(6, 3))
+    shape, conv = ((4, 8), nn.Conv1d(4, 3, 3)) if kind == "conv1d, ReLU(inplace)" else ((2, 4, 4), nn.Conv2d(2, 3, 3))
+    return nn.Sequential(
+        nn.Unflatten(1, shape), conv, nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(18 - 6 * (len(shape) - 2), 3)
+    )
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "conv1d, ReLU(inplace)",
+        "conv2d, ReLU(inplace)",
+        "linear, ReLU(inplace)",
+        "batch norm, ReLU(inplace)",
+        "keywords",
+        "weight_norm",
+    ],
+)
+def test_layers_the_layer_path_cannot_read_take_the_general_one(kind):
+    """The layer path reads a layer's input and the gradient at its output: an in-place operation
+    after it (ReLU(inplace=True), as torchvision writes it) made that the gradient after the
+    operation (0.4-0.8 off); a call with keyword arguments gave it no input (an IndexError), or
+    none of them (output_size=); a weight computed by a parametrization is no parameter of the
+    model's. Each goes to the general path, exact."""
+    torch.manual_seed(9)
+    model = _odd_layer(kind).double().eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    assert_exact(model, torch.randn(6, 32, dtype=torch.float64), batch_size=4)
+
+
 @pytest.mark.parametrize("cls", ["SharedBlocks", "_CalledTwice"])
 def test_layers_called_more_than_once_against_full_jacobians(cls):
     """A layer called more than once (a siamese encoder, a block shared in a loop) has the GGN of
@@ -109,26 +174,18 @@ def test_layers_called_more_than_once_against_full_jacobians(cls):
 
     torch.manual_seed(8)
     model = (_CalledTwice() if cls == "_CalledTwice" else getattr(user_nets, cls)()).double().eval()
-    x = torch.randn(6, 6 if cls == "_CalledTwice" else 64, dtype=torch.float64)
-    got = diag_ggn(model, x, batch_size=4)
-    want = brute_force_ggn(model, x)
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-14, err_msg=k)
+    assert_exact(model, torch.randn(6, 6 if cls == "_CalledTwice" else 64, dtype=torch.float64), batch_size=4)
 
 
 @pytest.mark.parametrize("cls", ["UpConvUNet", "UpConv1d", "VolumeCNN"])
 def test_transposed_and_3d_convolutions_against_full_jacobians(cls):
-    """Transposed convolutions and 3-d layers take the general per-example path: the same sums."""
+    """Transposed convolutions and 3-d layers take the layer path, each example's gradient from
+    the layer alone: the same sums."""
     from tests.nets import user_nets
 
     torch.manual_seed(7)
     model = randomise(getattr(user_nets, cls)(), 2).double().eval()
-    x = torch.randn(5, 64, dtype=torch.float64)
-    got = diag_ggn(model, x, batch_size=3)
-    want = brute_force_ggn(model, x)
-    assert got.keys() == want.keys()
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-14, err_msg=k)
+    assert_exact(model, torch.randn(5, 64, dtype=torch.float64), batch_size=3)
 
 
 @pytest.mark.parametrize("cls", ["MyGRU", "MyLSTM"])

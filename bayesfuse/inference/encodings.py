@@ -107,11 +107,7 @@ def _targets(spec: PermutationSpec, group: str) -> tuple[str | None, str | None]
         layers = {
             k[: -len("weight")].rstrip(".")
             for k, v in spec.axes.items()
-            if k.endswith("weight")
-            and k not in bns
-            and v
-            and (a := v[spec.rows_dim(k)]) is not None
-            and a.group == group
+            if k.endswith("weight") and k not in bns and v and v[0] is not None and v[0].group == group
         }
         if len(layers) != 1:
             raise ValueError(
@@ -126,10 +122,10 @@ def _targets(spec: PermutationSpec, group: str) -> tuple[str | None, str | None]
         if axes is None:
             found.append(None)
             continue
-        a = axes[spec.rows_dim(k)] if axes else None
+        a = axes[0] if axes else None
         if a is None or a.group != group or a.outer != 1 or a.inner != 1:
             raise ValueError(
-                f"the encoding of group {group!r} acts on {prefix!r}, but the rows' axis of {k!r} "
+                f"the encoding of group {group!r} acts on {prefix!r}, but the first axis of {k!r} "
                 f"is {a!r}, not the group's units"
             )
         found.append(k)

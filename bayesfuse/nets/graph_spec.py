@@ -489,6 +489,18 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     UnsupportedLayerError
         One line naming the node and operation that cannot be followed.
     """
+    from torch.nn.utils import parametrize
+
+    computed = next((n for n, m in model.named_modules() if parametrize.is_parametrized(m)), None)
+    if computed is not None:  # the stored tensors are the parametrization's, not the parameter the units move
+        owner = model.get_submodule(computed)
+        what = next(iter(cast(nn.ModuleDict, owner.parametrizations)))
+        raise UnsupportedLayerError(
+            f"{type(model).__name__}: {computed + '.' if computed else ''}{what} is computed from other tensors "
+            "(weight_norm, spectral_norm or another parametrization), which the state_dict holds instead and a "
+            "permutation of the units does not move as it moves a parameter; remove it before fusing "
+            "(torch.nn.utils.parametrize.remove_parametrizations), or give a spec"
+        )
     if type(model).__module__.startswith("torch.nn") and not isinstance(model, nn.Sequential):
         raise UnsupportedLayerError(
             f"cannot derive a permutation spec for a bare {type(model).__name__}: wrap it in a module whose forward "
@@ -1083,6 +1095,7 @@ class _Walk:
         units: the rows of ``weight_hr_lk``, the columns of ``weight_hh_lk``, its output and its
         final ``h``; its cells' units are the columns of ``weight_hr_lk`` and its final ``c``."""
         kind = type(m).__name__
+        self.stored(node, m, tuple(m._flat_weights_names))
         proj = m.proj_size if isinstance(m, nn.LSTM) else 0
         f = f if self.permuted(f) else None
         if f is not None and f.dim != len(_tensor_shape(node.args[0])) - 1:  # in blocks too (a bidirectional one's)

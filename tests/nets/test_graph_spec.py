@@ -449,29 +449,73 @@ def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
     assert "\n" not in str(err.value)
 
 
+class _NormedLSTM(nn.Module):
+    """An LSTM whose hidden-to-hidden weight is computed by weight_norm (``old``: the hooks' API)."""
+
+    def __init__(self, old: bool = False) -> None:
+        from torch.nn.utils import parametrizations, weight_norm
+
+        super().__init__()
+        wrap = weight_norm if old else parametrizations.weight_norm
+        self.rnn, self.head = wrap(nn.LSTM(8, 6, batch_first=True), name="weight_hh_l0"), nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        return self.head(self.rnn(x.view(-1, 8, 8))[0][:, -1])
+
+
 def _normed(kind: str) -> nn.Module:
     """An MLP whose first layer's weight is computed from other tensors the state_dict holds."""
     from torch.nn.utils import parametrizations, spectral_norm, weight_norm
 
+    if kind.startswith("lstm"):
+        return _NormedLSTM(old="old" in kind)
     first = nn.Linear(64, 16)
     wrap = {"weight_norm": parametrizations.weight_norm, "old weight_norm": weight_norm}
     wrap |= {"spectral_norm": parametrizations.spectral_norm, "old spectral_norm": spectral_norm}
     return nn.Sequential(wrap[kind](first), nn.ReLU(), nn.Linear(16, 10))
 
 
-@pytest.mark.parametrize("kind", ["weight_norm", "old weight_norm", "spectral_norm", "old spectral_norm"])
+@pytest.mark.parametrize(
+    "kind", ["weight_norm", "old weight_norm", "spectral_norm", "old spectral_norm", "lstm weight_norm", "lstm old"]
+)
 def test_a_weight_computed_from_other_tensors_is_refused_and_fedavg_averages_it(kind):
     """weight_norm / spectral_norm (either API) store other tensors than the weight (g and v, the
     weight before normalising): the spec left them unpermuted while it permuted the bias, so a
     permuted copy fused 0.94 off, silently. Refused in one line; FedAvg averages entry by entry."""
-    with pytest.raises(UnsupportedLayerError, match="its weight is computed from other tensors") as err:
+    with pytest.raises(UnsupportedLayerError, match="is computed from other tensors") as err:
         spec_from_module(_normed(kind))
     assert "\n" not in str(err.value)
     torch.manual_seed(0)
     models = [_normed(kind).eval() for _ in range(2)]
-    with pytest.raises(UnsupportedLayerError, match="its weight is computed from other tensors"):
+    with pytest.raises(UnsupportedLayerError, match="is computed from other tensors"):
         bayesfuse.fuse(models, "pfnm")
     assert bayesfuse.fuse(models, "fedavg").model(torch.randn(3, 64)).shape == (3, 10)
+    if kind == "lstm weight_norm":  # parametrizations of one's own, of a layer's bias and of the network's
+        from torch.nn.utils import parametrize
+
+        class Scale(nn.Module):
+            def forward(self, p):
+                return p * 2.0
+
+        class WithPos(MyMLP):
+            def __init__(self) -> None:
+                super().__init__()
+                self.pos = nn.Parameter(torch.zeros(64))
+
+            def forward(self, x):
+                return super().forward(x + self.pos)
+
+        own = MyMLP()
+        parametrize.register_parametrization(own.fc1, "bias", Scale())
+        with pytest.raises(UnsupportedLayerError, match=r"fc1\.bias is computed from other tensors"):
+            spec_from_module(own)
+        network = WithPos()
+        parametrize.register_parametrization(network, "pos", Scale())  # its class is now torch's: not "bare"
+        with pytest.raises(UnsupportedLayerError, match=r": pos is computed from other tensors"):
+            spec_from_module(network)
 
 
 def test_untraceable_forward_and_missing_input_are_named():
