@@ -20,10 +20,10 @@ class shares; each client trains its own network from its own initialisation for
 (the library's defaults: AMSGrad, learning rate 0.01, minibatches of 32, one torch thread). Global
 models, the methods of ``benchmarks/bench_architectures.py``: the clients' mean and their ensemble,
 one-shot FedAvg, OT, PFNM and NAFI; ``pfnm+bn`` the batch-norm round after PFNM, ``pfnm+bn+refit``
-the refit round after it (3 rounds), ``pfnm+refit`` the refit round alone, ``fedma`` FedMA with the library's retraining per round
-(``TrainConfig()``: 10 epochs),
-``pfnm+summaries`` one-shot PFNM with client summaries. Columns: test accuracy, NLL, ECE (mean +- sd
-over the seeds), parameters, rounds, seconds to fuse and CPU seconds. Nothing is chosen on test data.
+the refit round after it (3 rounds), ``pfnm+refit`` the refit round alone, ``fedma`` FedMA with
+the library's retraining per round (``TrainConfig()``: 10 epochs), ``pfnm+summaries`` one-shot
+PFNM with client summaries. Columns: test accuracy, NLL, ECE (mean +- sd over the seeds),
+parameters, rounds, seconds to fuse and CPU seconds. Nothing is chosen on test data.
 """
 
 from __future__ import annotations
