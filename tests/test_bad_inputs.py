@@ -416,9 +416,12 @@ API_CASES = [
         r"example input of shape \(2, 4\) does not run through the network \(TypeError: .*missing 2 required",
     ),
     (
-        lambda: fuse([nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 2)) for _ in range(2)]),
+        lambda: fuse(
+            [nn.Sequential(nn.Conv2d(1, 8, 3), nn.PixelShuffle(2), nn.Flatten()) for _ in range(2)],
+            example_input=torch.zeros(2, 1, 4, 4),
+        ),
         UnsupportedLayerError,
-        r"call_module 1 \(_1\): GroupNorm with 2 groups of 6 channels mixes units",
+        r"call_module 1 \(_1\): PixelShuffle is not supported",
     ),
     (
         lambda: fuse([make_cnn(64, 3, channels=(2,), hidden=(4,)), MLP(64, [4], 3)]),

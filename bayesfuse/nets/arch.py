@@ -181,6 +181,8 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
             elementwise_affine=module.elementwise_affine,
             bias=module.bias is not None,
         )
+    if type(module).__name__ == "RMSNorm" and isinstance(module, nn.Module):  # torch >= 2.4
+        return type(module)(shape("weight"), eps=getattr(module, "eps", None), elementwise_affine=True)
     if isinstance(module, nn.GroupNorm):
         channels = shape("weight")[0]
         groups = channels if module.num_groups == module.num_channels else module.num_groups  # per channel, or g

@@ -113,6 +113,8 @@ _ELEMENTWISE_MODULES = (
     nn.Identity,
 )
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: nn.RMSNorm (torch >= 2.4): a LayerNorm without the mean, one scale per unit.
+_RMS_NORMS: tuple[type[nn.Module], ...] = tuple(getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n))
 _TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _POOL_MODULES = (
     nn.MaxPool1d,
@@ -343,6 +345,7 @@ _SEGMENTS_MODULES = (
         nn.BatchNorm2d,
         nn.BatchNorm3d,
         nn.LayerNorm,
+        *_RMS_NORMS,
         nn.GroupNorm,
         nn.InstanceNorm1d,
         nn.InstanceNorm2d,
@@ -942,9 +945,18 @@ class _Walk:
             if m.track_running_stats and isinstance(inp, fx.Node) and inp in self.producer:
                 if len(inp.users) == 1:
                     self.folds[name] = self.producer[inp]
-        elif isinstance(m, nn.LayerNorm):
-            if len(m.normalized_shape) != 1:
-                self.fail(node, "LayerNorm over more than the last axis is not supported")
+        elif isinstance(m, (nn.LayerNorm, *_RMS_NORMS)):
+            kind = type(m).__name__
+            if len(cast(tuple, m.normalized_shape)) != 1:
+                self.fail(node, f"{kind} over more than the last axis is not supported")
+            if getattr(m, "weight", None) is None and self.has_units(units):  # its width is only normalized_shape
+                if not isinstance(units, _Feature):
+                    self.fail(node, f"a {kind} without affine parameters over streams side by side; give a spec")
+                self.mark_fixed(
+                    units.var,
+                    f"{kind} {name!r} has no affine parameters, so nothing gives its normalized_shape at another "
+                    "width; build it with elementwise_affine=True",
+                )
             self.norm(node, m, units, axis=len(_tensor_shape(inp)) - 1, entries=("weight", "bias"))
         elif isinstance(m, nn.GroupNorm):
             if m.num_groups not in (1, m.num_channels) and self.has_units(units):

@@ -44,6 +44,7 @@ from tests.nets.user_nets import (
     InceptionMLP,
     KeywordOps,
     LayerScaleCNN,
+    LlamaMLP,
     LogSoftmaxMLP,
     MyGRU,
     MyLSTM,
@@ -120,6 +121,7 @@ NETS = [
     UpConv1d,  # a transposed convolution reading the input
     VolumeCNN,  # 3-d convolutions, transposed too, batch and instance norms, pooling, padding, dropout
     GroupNormCNN,  # group norms of several groups: one permutation within a group serves every group
+    LlamaMLP,  # RMSNorm pre-norms and SwiGLU feed-forwards on a residual stream
 ]
 
 
@@ -1066,6 +1068,33 @@ class _BiasFreeUp(nn.Module):
 
     def forward(self, x):
         return self.head(F.relu(self.bn(self.up(x.view(-1, 4, 16)))).mean(2))
+
+
+def test_a_norm_without_affine_parameters_fixes_its_width():
+    """A LayerNorm or RMSNorm without affine parameters holds its width in ``normalized_shape``
+    alone, which no entry gives at another width: the rebuilt network failed to run after PFNM
+    (with a message about the forward's own widths); the spec now says so, PFNM refuses in one
+    line naming it, and OT keeps the widths. With affine parameters (an RMSNorm's scale) it is
+    rebuilt at the fused width."""
+
+    class Plain(nn.Module):
+        def __init__(self, rms: bool = False) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 16), nn.Linear(16, 10)
+            self.ln = nn.RMSNorm(16, elementwise_affine=False) if rms else nn.LayerNorm(16, elementwise_affine=False)
+
+        def forward(self, x):
+            return self.b(F.relu(self.ln(self.a(x))))
+
+    for rms in (False, True):
+        torch.manual_seed(0)
+        models = [Plain(rms).eval() for _ in range(3)]
+        kind = "RMSNorm" if rms else "LayerNorm"
+        with pytest.raises(ValueError, match=f"{kind} 'ln' has no affine parameters"):
+            bayesfuse.fuse(models, "pfnm")
+        assert bayesfuse.fuse(models, "ot").model(torch.randn(2, 64)).shape == (2, 10)
+    fused = bayesfuse.fuse([_random(LlamaMLP, s) for s in range(3)], "pfnm").model
+    assert fused.norm.weight.shape == (fused.stem.out_features,) and fused.stem.out_features > 24
 
 
 def test_group_norms_of_several_groups_keep_each_groups_channels():

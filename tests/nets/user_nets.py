@@ -1035,3 +1035,26 @@ class GroupNormCNN(nn.Module):
         h = F.silu(self.gn2(self.conv2(h)))
         h = self.gn3(h + self.conv3(h)).mean((2, 3))
         return self.head(F.relu(self.gn4(self.fc(h))))
+
+
+class LlamaMLP(nn.Module):
+    """A residual stream with RMSNorm pre-norms and SwiGLU feed-forwards (``w2(silu(w1 x) * w3 x)``),
+    as Llama-style transformers write their MLP blocks."""
+
+    def __init__(self, d: int = 64, w: int = 24, h: int = 32, blocks: int = 2) -> None:
+        super().__init__()
+        self.stem, self.norm, self.head = nn.Linear(d, w), nn.RMSNorm(w), nn.Linear(w, 10)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                dict(norm=nn.RMSNorm(w), w1=nn.Linear(w, h, bias=False), w3=nn.Linear(w, h, bias=False))
+                | dict(w2=nn.Linear(h, w, bias=False))
+            )
+            for _ in range(blocks)
+        )
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            t = b["norm"](x)
+            x = x + b["w2"](F.silu(b["w1"](t)) * b["w3"](t))
+        return self.head(self.norm(x))
