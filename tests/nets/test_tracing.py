@@ -96,8 +96,8 @@ def test_unsupported_layer_is_named():
     model = nn.Sequential(nn.Linear(4, 5), nn.ZeroPad1d(1), nn.Linear(7, 2))  # padding adds units
     with pytest.raises(UnsupportedLayerError, match=r"1 \(_1\): ZeroPad1d acts on the units' axis"):
         spec_from_module(model)
-    model = nn.Sequential(nn.Linear(4, 5), nn.RMSNorm(5), nn.Linear(5, 2))
-    with pytest.raises(UnsupportedLayerError, match=r"1 \(_1\): RMSNorm is not supported \(supported: Linear"):
+    model = nn.Sequential(nn.Linear(4, 5), nn.RReLU(), nn.Linear(5, 2))
+    with pytest.raises(UnsupportedLayerError, match=r"1 \(_1\): RReLU is not supported \(supported: Linear"):
         spec_from_module(model)
     with pytest.raises(UnsupportedLayerError, match="permutation_spec"):
         spec_from_module(nn.GRU(3, 4))
