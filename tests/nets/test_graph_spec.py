@@ -62,6 +62,7 @@ from tests.nets.user_nets import (
     SkipCNN,
     SlopesCNN,
     SplitAttention,
+    SqueezeExcite,
     StackedLSTM,
     StackedStateLSTM,
     TokenConcat,
@@ -122,6 +123,7 @@ NETS = [
     VolumeCNN,  # 3-d convolutions, transposed too, batch and instance norms, pooling, padding, dropout
     GroupNormCNN,  # group norms of several groups: one permutation within a group serves every group
     LlamaMLP,  # RMSNorm pre-norms and SwiGLU feed-forwards on a residual stream
+    SqueezeExcite,  # channel gates computed from the pooled maps
 ]
 
 

@@ -1058,3 +1058,21 @@ class LlamaMLP(nn.Module):
             t = b["norm"](x)
             x = x + b["w2"](F.silu(b["w1"](t)) * b["w3"](t))
         return self.head(self.norm(x))
+
+
+class SqueezeExcite(nn.Module):
+    """Channel gates (squeeze-and-excitation): each channel scaled by a gate computed from the
+    pooled maps, ``x * sigmoid(fc2(relu(fc1(mean(x)))))[:, :, None, None]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc1, self.fc2, self.head = nn.Linear(8, 2), nn.Linear(2, 8), nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x.view(-1, 1, 8, 8))))
+        gate = torch.sigmoid(self.fc2(F.relu(self.fc1(h.mean((2, 3))))))
+        return self.head((h * gate[:, :, None, None]).mean((2, 3)))
