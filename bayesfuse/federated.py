@@ -23,13 +23,11 @@ from bayesfuse.baselines import fedavg_state_dicts
 from bayesfuse.data.datasets import Dataset
 from bayesfuse.inference.bias_free import (
     Added,
-    add_zero_biases,
     added_keys,
-    biases_into_batchnorms,
     with_zero_biases,
 )
-from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
-from bayesfuse.inference.fedma import FedMAResult, fedma, restart_states, state_bytes
+from bayesfuse.inference.encodings import check_unfoldable, fold_encodings
+from bayesfuse.inference.fedma import FedMAResult, fedma, matched_form, network_form, restart_states, state_bytes
 from bayesfuse.inference.spec import PermutationSpec, tie_stacked_recurrent
 from bayesfuse.nets.arch import rebuild
 from bayesfuse.nets.spec import spec_with_encodings
@@ -171,7 +169,7 @@ def run_fedma(
     virtual = added_keys(added)
 
     def to_network(state: dict) -> dict:
-        return spec.join(unfold_encodings(biases_into_batchnorms(state, added, keys) if added else state, spec))
+        return network_form(state, spec, added, keys)
 
     def retrain(j: int, state: dict, frozen: set) -> dict:
         # the server's plain units -> the client's position-aware network at the widths it gets, and back
@@ -190,7 +188,7 @@ def run_fedma(
             name=f"client {j}",
         )
         bar.update()
-        return add_zero_biases(fold_encodings(spec.split(numpy_state(net)), spec), added)
+        return matched_form(numpy_state(net), spec, added)
 
     def client_update(jobs: list, frozen: set) -> list:
         return [retrain(j, state, frozen) for j, state in jobs]
@@ -229,12 +227,9 @@ def _restart_clients(
     states = []
     keys = list(spec.split(models[0].state_dict()))
     # global unit a_j[l] becomes local unit l (position encodings, if any, follow the units: eqs. F, U)
-    fused = add_zero_biases(fold_encodings(spec.split(result.state_dict), spec), added)
-    cut = restart_states(result, spec, len(models), fused)
+    cut = restart_states(result, spec, len(models), matched_form(result.state_dict, spec, added))
     for (j, local), model in zip(cut, models):
-        net = rebuild(
-            model, tensor_state(spec.join(unfold_encodings(biases_into_batchnorms(local, added, keys), spec)))
-        )
+        net = rebuild(model, tensor_state(network_form(local, spec, added, keys)))
         sent += state_bytes(net.state_dict())
         train_model(
             net,
@@ -245,7 +240,7 @@ def _restart_clients(
             verbose=False,
             name=f"client {j}",
         )
-        states.append(add_zero_biases(fold_encodings(spec.split(numpy_state(net)), spec), added))
+        states.append(matched_form(numpy_state(net), spec, added))
     return states, sent
 
 

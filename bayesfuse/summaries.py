@@ -353,15 +353,17 @@ class _Read:
         return mine.transpose(2, 3).reshape(-1, n)
 
 
-def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[_Read, _Read | None]]:
+def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[_Read | None, _Read | None]]:
     """Per group, the module that makes its units (axis 0 of its weight; a transposed
     convolution's axis 1) and where among its output's features they lie (in blocks, for a
-    convolution of groups), and the first other module that reads them (the other axis of the
-    two) and where among its input's features it reads them.
+    convolution of groups; each direction's, for a recurrent layer), and the first other module
+    that reads them (the other axis of the two) and where among its input's features it reads
+    them; None where a module's output or input does not hold them.
 
     A recurrent layer reads its own units (``weight_hh``); its output holds only its top layer's
     units, so a group it makes has moments only where another module reads that output (the
-    top layer of an ``nn.LSTM``: its outputs at every step, and their reader's input)."""
+    top layer of an ``nn.LSTM``: its outputs at every step, and their reader's input), and a
+    projected LSTM's output holds its projections, not its cells."""
     modules = dict(model.named_modules())
     state = model.state_dict()
     offsets = spec.piece_offsets(state)
@@ -382,13 +384,30 @@ def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[_
             readers[read.group].append(_Read(owner, 0, int(state[key].shape[1 - rows]), read))
         elif spec.pieces[whole][0] == 1 - rows:  # one piece of the streams side by side it reads
             readers[read.group].append(_Read(owner, *offsets[key], read))
-    found = {}
+    found: dict[str, tuple[_Read | None, _Read | None]] = {}
     for g, maker in makers.items():
         reader = next((r for r in readers[g] if r.module != maker.module), None)
-        if isinstance(modules[maker.module], nn.RNNBase) and reader is None:
-            continue  # a lower recurrent layer: not in its module's output
-        found[g] = (maker, reader)
+        layer = modules[maker.module]
+        if isinstance(layer, nn.RNNBase):  # its rows hold its gates; its output each direction's units
+            if reader is None:
+                continue  # a lower recurrent layer: not in its module's output
+            directions = 2 if layer.bidirectional else 1
+            width = getattr(layer, "proj_size", 0) or layer.hidden_size
+            projections = {a[0].group for k, a in spec.axes.items() if k.startswith(f"{maker.module}.weight_hr_l")}
+            cells = width != layer.hidden_size and g not in projections  # a projected LSTM's: not in its output
+            found[g] = (
+                None if cells else _Read(maker.module, 0, directions * width, Axis(g, outer=directions)),
+                reader,
+            )
+        else:
+            found[g] = (maker, reader)
     return found
+
+
+def _features(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """(M, F): ``t``'s features on ``axis`` (a map's channels, 1; a dense or recurrent layer's
+    units, -1) as columns, over examples, positions, steps and tokens."""
+    return t.movedim(axis, -1).reshape(-1, t.shape[axis])
 
 
 def _channel_moments(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
@@ -416,10 +435,7 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
             t = output if stat == "pre" else inputs[0]
             if isinstance(t, tuple):  # a recurrent layer's (outputs, state)
                 t = t[0]
-            if isinstance(module, nn.modules.conv._ConvNd) and t.dim() > 2:  # maps: channels on axis 1
-                t = t.movedim(1, -1)
-            # features last, at every position, step or token
-            t = t.reshape(-1, t.shape[-1])
+            t = _features(t, 1 if isinstance(module, nn.modules.conv._ConvNd) and t.dim() > 2 else -1)
             s1, s2, n = _channel_moments(t if read is None else read.units(t))
             acc = sums.setdefault((group, stat), [0.0, 0.0, 0])
             acc[0] = acc[0] + s1
@@ -430,17 +446,8 @@ def unit_moments(model: nn.Module, x, spec: PermutationSpec, *, batch_size: int 
 
     hooks = []
     for g, (maker, reader) in where.items():
-        layer = modules[maker.module]
-        laid_out: _Read | None = maker
-        if isinstance(layer, nn.RNNBase):  # its rows hold its gates; its output each direction's units
-            directions = 2 if layer.bidirectional else 1
-            width = getattr(layer, "proj_size", 0) or layer.hidden_size
-            laid_out = _Read(maker.module, 0, directions * width, Axis(g, outer=directions))
-            projections = {a[0].group for k, a in spec.axes.items() if k.startswith(f"{maker.module}.weight_hr_l")}
-            if width != layer.hidden_size and g not in projections:  # a projected LSTM's cells: not in its output
-                laid_out = None
-        if laid_out is not None:
-            hooks.append(modules[maker.module].register_forward_hook(keep(g, "pre", laid_out)))
+        if maker is not None:
+            hooks.append(modules[maker.module].register_forward_hook(keep(g, "pre", maker)))
         if reader is not None:
             hooks.append(modules[reader.module].register_forward_hook(keep(g, "act", reader)))
     first = next(model.parameters())
@@ -764,8 +771,7 @@ def batchnorm_moments(model: nn.Module, x, *, batch_size: int = 256) -> dict[str
 
     def keep(name):
         def hook(module, inputs):
-            t = inputs[0]  # (N, C) or (N, C, ...) maps: channels on axis 1
-            s1, s2, n = _channel_moments(t.movedim(1, -1).reshape(-1, t.shape[1]))
+            s1, s2, n = _channel_moments(_features(inputs[0], 1))  # (N, C) or (N, C, ...) maps
             acc = sums[name]
             acc[0], acc[1], acc[2] = acc[0] + s1, acc[1] + s2, acc[2] + n
 

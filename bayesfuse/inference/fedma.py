@@ -20,6 +20,8 @@ from typing import Callable, Generator, Mapping, Sequence
 import numpy as np
 
 from bayesfuse.constraints import MATCHING, validate_params
+from bayesfuse.inference.bias_free import Added, add_zero_biases, biases_into_batchnorms
+from bayesfuse.inference.encodings import fold_encodings, unfold_encodings
 from bayesfuse.inference.layerwise import (
     HIDDEN_BIAS_PRIOR_MEAN,
     State,
@@ -41,7 +43,17 @@ from bayesfuse.inference.result import ConvergenceWarning, warn_not_converged
 from bayesfuse.inference.spec import PermutationSpec, permute
 from bayesfuse.inference.walk import Basis, GroupWalk
 
-__all__ = ["ClientUpdate", "FedMAResult", "FedMASteps", "fedma", "fedma_steps", "restart_states", "state_bytes"]
+__all__ = [
+    "ClientUpdate",
+    "FedMAResult",
+    "FedMASteps",
+    "fedma",
+    "fedma_steps",
+    "restart_states",
+    "state_bytes",
+    "matched_form",
+    "network_form",
+]
 
 
 @dataclass
@@ -326,6 +338,25 @@ def restart_states(
     return [
         (c, permute(state, spec, {g: result.layers[g].assignments[position[g][c]] for g in spec.groups})) for c in alive
     ]
+
+
+def matched_form(state: Mapping[str, np.ndarray], spec: PermutationSpec, added: Sequence[Added]) -> dict:
+    """A client's network as FedMA matches it: entries reading streams side by side as their
+    pieces (``spec.split``), position encodings folded into the weights (eq. F,
+    :func:`~bayesfuse.inference.encodings.fold_encodings`), and the zero biases ``added`` of
+    layers without one before a batch norm (:mod:`bayesfuse.inference.bias_free`)."""
+    return add_zero_biases(fold_encodings(spec.split(state), spec), added)
+
+
+def network_form(
+    state: Mapping[str, np.ndarray], spec: PermutationSpec, added: Sequence[Added], keys: Sequence[str]
+) -> dict:
+    """Inverse of :func:`matched_form` at any widths: the added biases moved into their batch
+    norms (the entries in the clients' order ``keys``, cut into pieces), the encodings unfolded
+    (eq. U), the pieces put back together."""
+    if added:
+        state = biases_into_batchnorms(state, added, keys)
+    return spec.join(unfold_encodings(state, spec))
 
 
 def state_bytes(state: Mapping[str, object]) -> int:

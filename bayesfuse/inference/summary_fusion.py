@@ -198,8 +198,8 @@ def matched_filters(spec: PermutationSpec) -> set[str]:
             continue
         if len(axes) > 2 or axes[1].inner > 1:  # a convolution, or a dense layer reading channels' maps
             out.update(spec.parts(whole))  # every piece of its filters, the input's too: one pattern each
-            layer = whole[: -len(".weight")]
-            out.update(e for e in spec.axes if e == f"{layer}.bias")
+            bias = f"{whole[: -len('.weight')]}.bias"
+            out.update([bias] if bias in spec.axes else [])
     return out
 
 

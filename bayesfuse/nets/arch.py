@@ -26,7 +26,7 @@ from bayesfuse.nets.images import image_shape
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
 from bayesfuse.nets.resnet import resnet18, resnet20
-from bayesfuse.nets.state import OutputLogitsError, floating_like, forward_error
+from bayesfuse.nets.state import RMS_NORMS, OutputLogitsError, floating_like, forward_error
 
 __all__ = [
     "ARCHITECTURES",
@@ -143,7 +143,15 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
     if isinstance(module, nn.Bilinear):
         out, in1, in2 = shape("weight")
         return nn.Bilinear(in1, in2, out, bias=module.bias is not None)
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):  # weight (C_in, C_out / groups, *kernel)
+        w = shape("weight")
+        up = copy.deepcopy(module)
+        up.in_channels, up.out_channels = w[0], w[1] * up.groups
+        up.weight = nn.Parameter(torch.empty(w))
+        if module.bias is not None:
+            up.bias = nn.Parameter(torch.empty(up.out_channels))
+        return up
+    if isinstance(module, nn.modules.conv._ConvNd):
         w = shape("weight")
         new = copy.deepcopy(module)
         if module.groups != 1 and module.groups == module.in_channels == module.out_channels:  # depthwise
@@ -153,16 +161,6 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         if module.bias is not None:
             new.bias = nn.Parameter(torch.empty(w[0]))
         return new
-    if isinstance(
-        module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-    ):  # weight (C_in, C_out / groups, *kernel)
-        w = shape("weight")
-        up = copy.deepcopy(module)
-        up.in_channels, up.out_channels = w[0], w[1] * up.groups
-        up.weight = nn.Parameter(torch.empty(w))
-        if module.bias is not None:
-            up.bias = nn.Parameter(torch.empty(up.out_channels))
-        return up
     if isinstance(module, nn.modules.batchnorm._NormBase):  # batch and instance norms: per channel
         held = next((k for k in ("weight", "running_mean") if f"{prefix}{k}" in shapes), None)  # affine, tracking
         if held is None:  # nothing of its own: it normalises whatever width it is given
@@ -181,7 +179,7 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
             elementwise_affine=module.elementwise_affine,
             bias=module.bias is not None,
         )
-    if type(module).__name__ == "RMSNorm" and isinstance(module, nn.Module):  # torch >= 2.4
+    if isinstance(module, RMS_NORMS):  # with its scale: without, it has no entries and is kept as it is
         return type(module)(shape("weight"), eps=getattr(module, "eps", None), elementwise_affine=True)
     if isinstance(module, nn.GroupNorm):
         channels = shape("weight")[0]
@@ -270,10 +268,8 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
             replacement = PositionAware(previous_width, module.config)
         elif any(k.startswith(prefix) for k in shapes):
             replacement = _resized(module, prefix, shapes)
-            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-                previous_width = shapes[f"{prefix}weight"][0]
-            elif isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
-                previous_width = shapes[f"{prefix}weight"][1]
+            if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):  # a transposed one's units: axis 1
+                previous_width = shapes[f"{prefix}weight"][int(isinstance(module, nn.modules.conv._ConvTransposeNd))]
         else:
             continue
         ref = floating_like(module)

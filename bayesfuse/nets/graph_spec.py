@@ -70,7 +70,7 @@ import torch
 from torch import fx, nn
 
 from bayesfuse.inference.spec import Axis, PermutationSpec
-from bayesfuse.nets.state import floating_like, forward_arguments, forward_error
+from bayesfuse.nets.state import RMS_NORMS, floating_like, forward_arguments, forward_error
 
 __all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
 
@@ -113,8 +113,6 @@ _ELEMENTWISE_MODULES = (
     nn.Identity,
 )
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: nn.RMSNorm (torch >= 2.4): a LayerNorm without the mean, one scale per unit.
-_RMS_NORMS: tuple[type[nn.Module], ...] = tuple(getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n))
 _TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _POOL_MODULES = (
     nn.MaxPool1d,
@@ -345,7 +343,7 @@ _SEGMENTS_MODULES = (
         nn.BatchNorm2d,
         nn.BatchNorm3d,
         nn.LayerNorm,
-        *_RMS_NORMS,
+        *RMS_NORMS,
         nn.GroupNorm,
         nn.InstanceNorm1d,
         nn.InstanceNorm2d,
@@ -945,7 +943,7 @@ class _Walk:
             if m.track_running_stats and isinstance(inp, fx.Node) and inp in self.producer:
                 if len(inp.users) == 1:
                     self.folds[name] = self.producer[inp]
-        elif isinstance(m, (nn.LayerNorm, *_RMS_NORMS)):
+        elif isinstance(m, (nn.LayerNorm, *RMS_NORMS)):
             kind = type(m).__name__
             if len(cast(tuple, m.normalized_shape)) != 1:
                 self.fail(node, f"{kind} over more than the last axis is not supported")
@@ -1082,15 +1080,7 @@ class _Walk:
         g, name = m.groups, node.target
         in_axis = None
         if f is not None:
-            n = m.in_channels // (f.outer * f.inner)
-            cut = g // int(np.gcd(f.outer, g))
-            if f.inner != 1 or n % cut:
-                self.fail(
-                    node,
-                    f"a convolution of {g} groups reads {m.in_channels} channels held as {f.outer} blocks of {n}: "
-                    "its groups cut through units; give a spec",
-                )
-            f = _Feature(self.refine(f.var, cut) if cut > 1 else f.var, f.dim, f.outer * cut)
+            f = self.grouped_units(node, f, g, f"convolution of {g} groups")
             in_axis = (f.var, f.outer // g, 1)
         out, cut = self.layer_vars(name, f, node)
         self.layer_output(node, m, (out, g * cut, 1), [in_axis], 1)

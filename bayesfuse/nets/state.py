@@ -14,6 +14,9 @@ from bayesfuse._validation import as_input
 
 __all__ = ["as_array", "numpy_state", "tensor_state", "floating_like", "model_input", "forward_error", "run_once"]
 
+#: ``nn.RMSNorm`` (torch >= 2.4; none before): a LayerNorm without the mean, one scale per unit.
+RMS_NORMS: tuple[type[nn.Module], ...] = tuple(getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n))
+
 
 def as_array(t: torch.Tensor) -> np.ndarray:
     """A tensor as a NumPy array on the CPU; bfloat16, which NumPy lacks, as float32 (exact)."""

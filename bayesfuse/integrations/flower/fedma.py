@@ -17,14 +17,20 @@ from torch import nn
 from bayesfuse import methods
 from bayesfuse.inference.bias_free import (
     Added,
-    add_zero_biases,
     added_keys,
-    biases_into_batchnorms,
     missing_biases,
     with_bias_axes,
 )
-from bayesfuse.inference.encodings import check_unfoldable, fold_encodings, unfold_encodings
-from bayesfuse.inference.fedma import FedMAResult, FedMASteps, fedma_steps, restart_states, state_bytes
+from bayesfuse.inference.encodings import check_unfoldable
+from bayesfuse.inference.fedma import (
+    FedMAResult,
+    FedMASteps,
+    fedma_steps,
+    matched_form,
+    network_form,
+    restart_states,
+    state_bytes,
+)
 from bayesfuse.inference.spec import PermutationSpec, tie_stacked_recurrent
 from bayesfuse.integrations.flower.records import _metric_record, record_to_state, state_to_record
 from bayesfuse.integrations.flower.strategy import _output_layer, _RefitRound, initial_spec
@@ -644,15 +650,13 @@ class FedMA(_RefitRound):
         """A node's network with its position encodings, if any, folded in (eq. F; float64, as
         run_fedma's), and a zero bias on each layer without one before a batch norm."""
         assert self._spec is not None  # set in round 1
-        return add_zero_biases(fold_encodings(self._spec.split(state), self._spec), self._added)
+        return matched_form(state, self._spec, self._added)
 
     def _encoded(self, state: dict) -> dict:
         """A plain network as the position-aware one of its widths (eq. U), with the nodes' own
         entries (a zero-bias layer's bias moved into its batch norm)."""
         assert self._spec is not None  # set in round 1
-        if self._added:
-            state = biases_into_batchnorms(state, self._added, self._keys)
-        return self._spec.join(unfold_encodings(state, self._spec))
+        return network_form(state, self._spec, self._added, self._keys)
 
     def client_heads(self, like: nn.Module, *, pool: str | None = None) -> ClientHeads:
         """After the refit round, the refitted network predicting with the nodes' own output fits:
