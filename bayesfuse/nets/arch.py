@@ -172,19 +172,26 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
             affine=module.affine,
             track_running_stats=module.track_running_stats,
         )
-    if isinstance(module, nn.LayerNorm):
-        return nn.LayerNorm(
-            shape("weight") if module.elementwise_affine else module.normalized_shape,
-            eps=module.eps,
-            elementwise_affine=module.elementwise_affine,
-            bias=module.bias is not None,
-        )
+    if isinstance(module, nn.LayerNorm):  # a copy: a class of one's own (ConvNeXt's LayerNorm2d) keeps its forward
+        norm = copy.deepcopy(module)
+        if module.elementwise_affine:
+            norm.normalized_shape = shape("weight")
+            norm.weight = nn.Parameter(torch.empty(norm.normalized_shape))
+            if module.bias is not None:
+                norm.bias = nn.Parameter(torch.empty(norm.normalized_shape))
+        return norm
     if isinstance(module, RMS_NORMS):  # with its scale: without, it has no entries and is kept as it is
         return type(module)(shape("weight"), eps=getattr(module, "eps", None), elementwise_affine=True)
-    if isinstance(module, nn.GroupNorm):
-        channels = shape("weight")[0]
-        groups = channels if module.num_groups == module.num_channels else module.num_groups  # per channel, or g
-        return nn.GroupNorm(groups, channels, eps=module.eps, affine=module.affine)
+    if isinstance(module, nn.GroupNorm):  # a copy: a class of one's own keeps its forward
+        grouped = copy.deepcopy(module)
+        channels = int(shape("weight")[0])
+        grouped.num_channels = channels
+        if module.num_groups == module.num_channels:  # one group per channel; else its g groups
+            grouped.num_groups = channels
+        if module.affine:
+            grouped.weight = nn.Parameter(torch.empty(channels))
+            grouped.bias = nn.Parameter(torch.empty(channels))
+        return grouped
     if isinstance(module, nn.Embedding):
         n, dim = shape("weight")
         return nn.Embedding(n, dim, padding_idx=module.padding_idx)

@@ -254,6 +254,17 @@ _ARG_EXTREMA_METHODS = {"argmax", "argmin"}
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm}
 #: Functions that only mask or select by a tensor: a parameter given to one is not applied as a weight.
 _MASKING = {"masked_fill", "masked_fill_", "where"}
+#: Functional norms as a module of one's own calls them (ConvNeXt's ``LayerNorm2d``: the channels
+#: moved last, ``F.layer_norm``, moved back), over the last axis or a group norm's channels:
+#: their arguments by name.
+_FUNCTIONAL_NORMS: dict = {torch.nn.functional.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps")}
+if hasattr(torch.nn.functional, "rms_norm"):  # torch >= 2.4
+    _FUNCTIONAL_NORMS[torch.nn.functional.rms_norm] = ("input", "normalized_shape", "weight", "eps")
+_FUNCTIONAL_NORMS[torch.nn.functional.group_norm] = ("input", "num_groups", "weight", "bias", "eps")
+#: Functions of other libraries that fx keeps whole (``torch.fx.wrap``) and that leave every unit
+#: where it is, by qualified name: torchvision's stochastic depth (EfficientNet, ConvNeXt) drops
+#: whole examples, or none in eval mode.
+_KEEPING_UNITS = {"torchvision.ops.stochastic_depth.stochastic_depth"}
 #: Views and copies of a tensor that leave its values where they are: a parameter seen through them
 #: (``self.weight.T``, ``self.weight.t()``) is still that parameter (:meth:`_Walk.weight_of`).
 _VIEW_ATTRIBUTES = {"T", "mT", "H", "mH"}
@@ -568,6 +579,11 @@ def _not_running(model: nn.Module, x: torch.Tensor, err: Exception, *, guessed: 
             else ""
         )
     )
+
+
+def _qualified(fn) -> str:
+    """``module.name`` of a function (``torchvision.ops.stochastic_depth.stochastic_depth``)."""
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}"
 
 
 def _shape(node) -> tuple | None:
@@ -1201,6 +1217,79 @@ class _Walk:
                 self.set_axes(f"{node.target}.{p}", [self.in_axis(f)])
         self.labels[node] = f
 
+    def functional_norm(self, node, fn, args: list, kwargs) -> None:
+        """``F.layer_norm(x, normalized_shape, weight, bias)`` (``F.rms_norm``), or
+        ``F.group_norm(x, num_groups, weight, bias)``, as a module of one's own calls it
+        (ConvNeXt's ``LayerNorm2d``: the channels moved last, normalised, moved back): its
+        ``weight`` and ``bias`` are the network's parameters, one number per unit of ``x``'s last
+        axis (the channels, axis 1, for a group norm, whose groups cut them as
+        :meth:`grouped_units` says). A width the forward gives must follow the fused width: read
+        off the input (``x.shape[-1:]``) or the module's own (``normalized_shape``, a per-channel
+        group norm's ``num_groups``), which the rebuilt module holds at the fused width; a number
+        written in the forward fixes the units' width (:attr:`PermutationSpec.fixed`)."""
+        what = _name(fn)
+        bound = {**dict(zip(_FUNCTIONAL_NORMS[fn], args)), **kwargs}
+        x = bound.get("input")
+        label = self.raw(x)
+        f = label if isinstance(label, _Segments) else self.feature(x)
+        if not self.has_units(f):
+            self.labels[node] = f
+            return
+        grouped = fn is torch.nn.functional.group_norm
+        if f.dim != (1 if grouped else len(_tensor_shape(x)) - 1):
+            self.fail(node, f"{what} must normalise the units' axis, " + ("axis 1" if grouped else "the last"))
+        if grouped:
+            groups, channels = bound.get("num_groups"), _tensor_shape(x)[1]
+            if not isinstance(groups, int):
+                self.fail(node, f"{what} given a number of groups computed in the forward; give a spec")
+            if 1 < groups < channels:
+                f = self.grouped_units(node, f, groups, f"{what} of {groups} groups")
+        owners = []
+        for key in ("weight", "bias"):
+            p = bound.get(key)
+            if p is None:
+                continue
+            base = _view_base(p)
+            target = str(base.target) if base is not None else ""
+            if target not in self.parameters or self.parameters[target].dim() != 1:
+                self.fail(node, f"{what} given a {key} that is no parameter of the network of one number per unit")
+            if target not in self.state_keys:
+                self.fail(node, f"{what}'s {key} {target!r} is computed from other tensors (a parametrization)")
+            self.set_axes(target, [self.in_axis(f)])
+            owners.append(self.model.get_submodule(target.rpartition(".")[0]))
+        if grouped:  # one group per channel: its number is the width
+            width, where = groups, "in the module's num_groups"
+            kept = groups != channels or any(getattr(m, "num_groups", None) == groups for m in owners)
+        else:
+            width, kept, where = self.norm_width(x, f, bound.get("normalized_shape"), owners, what, node)
+        if not kept:
+            if not isinstance(f, _Feature):
+                self.fail(node, f"{what} of streams side by side given its width as a number; give a spec")
+            self.mark_fixed(
+                f.var,
+                f"{what} is given their width as {width!r} in the forward, which fusion does not change; keep it "
+                + where,
+            )
+        self.labels[node] = f
+
+    def norm_width(self, x, f, shape, owners: list, what: str, node) -> tuple:
+        """``(width, whether it follows the units, where it should be kept)`` for the
+        ``normalized_shape`` given to a functional layer norm of ``x``'s units ``f``."""
+        src = _last_size_of(shape)  # x.shape[-1:]: the width read off a tensor
+        widths = shape if isinstance(shape, (tuple, list)) else [src] if src is not None else None
+        if widths is None or len(widths) != 1:
+            self.fail(node, f"{what} over more than the last axis, or over a shape computed in the forward")
+        width = widths[0]
+        if src is not None:  # read off a tensor: it follows the units if that tensor's last axis holds them
+            at = self.units_at(src, len(_tensor_shape(src)) - 1)
+            kept = src is x or (
+                at is not None and isinstance(f, _Feature) and self.classes.find(at[0]) == self.classes.find(f.var)
+            )
+        else:  # a number computed from the widths, or the module's own, which the rebuild resizes
+            kept = isinstance(width, fx.Node) and self.scales(width)
+            kept = kept or any(tuple(getattr(m, "normalized_shape", ()) or ()) == (width,) for m in owners)
+        return width, kept, "off the input (x.shape[-1:]) or in the module's normalized_shape"
+
     # ----------------------------------------------------------------- functions
     def call_method(self, node) -> None:
         method = node.target
@@ -1253,8 +1342,10 @@ class _Walk:
             key = next((k for k in ("input", "x", "A") if k in kwargs), None)
             if key is not None:
                 args, kwargs = [kwargs[key]], {k: v for k, v in kwargs.items() if k != key}
-        if fn in _ELEMENTWISE_FUNCTIONS or fn in _SOFTMAX:
+        if fn in _ELEMENTWISE_FUNCTIONS or fn in _SOFTMAX or _qualified(fn) in _KEEPING_UNITS:
             self.labels[node] = self.through(args[0])
+        elif fn in _FUNCTIONAL_NORMS:
+            self.functional_norm(node, fn, args, kwargs)
         elif fn in _SCALAR_ELEMENTWISE:
             self.scalar_elementwise(node, args, kwargs)
         elif fn in _MATMUL:
@@ -1975,6 +2066,10 @@ class _Walk:
         if shape_args is not None and len(shape_args) != len(dst):
             shape_args = None
         self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst, shape_args)
+        if self.permuted(f) and shape_args is not None and placed is not None:
+            width = shape_args[placed.dim]  # torchvision's ViT: x.reshape(n, self.hidden_dim, n_h * n_w)
+            if isinstance(width, int) and not isinstance(width, bool) and width != -1:
+                self.mark_fixed(placed.var, f"its forward reshapes their axis to {width} numbers, {_kept([width])}")
         if self.permuted(f) and shape_args is not None:
             for x, axis in self.widths_read(shape_args[self.labels[node].dim]):
                 self.tie_width(node, x, axis, node)
@@ -2174,6 +2269,19 @@ def _size_read(a) -> tuple | None:
         if shape_of and isinstance(a.args[1], int) and isinstance(whole.args[0], fx.Node):
             return whole.args[0], a.args[1]
     return None
+
+
+def _last_size_of(a) -> fx.Node | None:
+    """The tensor whose last size the node ``a`` is (``x.shape[-1:]``, ``x.size()[-1:]``), else None."""
+    if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is operator.getitem):
+        return None
+    whole, index = a.args[0], a.args[1]
+    if index != slice(-1, None, None) or not isinstance(whole, fx.Node) or not whole.args:
+        return None
+    shape_of = (whole.op == "call_function" and whole.target is getattr and whole.args[1] == "shape") or (
+        whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1
+    )
+    return whole.args[0] if shape_of and isinstance(whole.args[0], fx.Node) else None
 
 
 def _target_shape(node) -> list | None:

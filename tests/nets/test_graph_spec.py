@@ -5,6 +5,7 @@ leaves its function unchanged (to float32 round-off, 1e-4 on logits of order 1),
 network with a permuted copy of itself gives back that function, for every matching method.
 """
 
+import dataclasses
 import re
 
 import numpy as np
@@ -34,6 +35,7 @@ from tests.nets.user_nets import (
     CausalAttention,
     CausalWhere,
     ConcatCNN,
+    ConvNeXtLike,
     DenseBasic,
     DenseBlockCNN,
     DepthwiseCNN,
@@ -41,8 +43,10 @@ from tests.nets.user_nets import (
     GatedStream,
     GroupedCNN,
     GroupNormCNN,
+    GroupNormSiLU,
     InceptionMLP,
     KeywordOps,
+    LayerNorm2d,
     LayerScaleCNN,
     LlamaMLP,
     LogSoftmaxMLP,
@@ -51,6 +55,7 @@ from tests.nets.user_nets import (
     MyMLP,
     MyRNN,
     NanoGPT,
+    OwnGroupNormCNN,
     PaddedCNN,
     PairInputs,
     PlainNormMLP,
@@ -124,6 +129,8 @@ NETS = [
     GroupNormCNN,  # group norms of several groups: one permutation within a group serves every group
     LlamaMLP,  # RMSNorm pre-norms and SwiGLU feed-forwards on a residual stream
     SqueezeExcite,  # channel gates computed from the pooled maps
+    ConvNeXtLike,  # F.layer_norm in a LayerNorm subclass of one's own, a layer scale of shape (C, 1, 1)
+    OwnGroupNormCNN,  # F.group_norm in a GroupNorm subclass, of 4 groups and of one per channel
 ]
 
 
@@ -540,6 +547,11 @@ def test_untraceable_forward_and_missing_input_are_named():
 
 
 def test_a_forward_that_keeps_its_own_width_is_refused_after_fusion():
+    """``reshape(-1, self.width)``, a width written in the forward (torchvision's ViT writes
+    ``x.reshape(n, self.hidden_dim, n_h * n_w)``): the trace marks the width fixed, so PFNM refuses
+    before fusing and OT fuses. A spec that does not say so (given by hand) fuses, and the fused
+    network, which cannot run, is refused before it is returned."""
+
     class Fixed(nn.Module):
         def __init__(self):
             super().__init__()
@@ -551,8 +563,12 @@ def test_a_forward_that_keeps_its_own_width_is_refused_after_fusion():
 
     torch.manual_seed(0)
     models = [Fixed().eval() for _ in range(3)]
-    with pytest.raises(ValueError, match="does not run at its fused widths .*keep a width of its own"):
+    with pytest.raises(ValueError, match="its forward reshapes their axis to 6 numbers, widths written in the code"):
         bayesfuse.fuse(models, "pfnm")
+    assert bayesfuse.fuse(models, "ot").model(torch.randn(3, 8)).shape == (3, 2)
+    unsaid = dataclasses.replace(spec_from_module(models[0]), fixed={})
+    with pytest.raises(ValueError, match="does not run at its fused widths .*keep a width of its own"):
+        bayesfuse.fuse(models, "pfnm", spec=unsaid)
 
 
 def test_a_network_of_two_inputs_is_traced_from_its_pair_of_example_inputs():
@@ -1097,6 +1113,51 @@ def test_a_norm_without_affine_parameters_fixes_its_width():
         assert bayesfuse.fuse(models, "ot").model(torch.randn(2, 64)).shape == (2, 10)
     fused = bayesfuse.fuse([_random(LlamaMLP, s) for s in range(3)], "pfnm").model
     assert fused.norm.weight.shape == (fused.stem.out_features,) and fused.stem.out_features > 24
+
+
+def test_functional_layer_norms_of_a_class_of_ones_own_follow_the_units():
+    """``F.layer_norm`` as ConvNeXt's ``LayerNorm2d`` calls it (a subclass of ``nn.LayerNorm``
+    with its own forward, channels moved last): its weight and bias follow the channels, and the
+    rebuilt norm is still the user's class at the fused width. A width written as a number in the
+    forward fixes the units: OT fuses, PFNM refuses in one line."""
+    spec = spec_from_module(ConvNeXtLike())
+    stream = spec.axes["stem.weight"][0].group
+    assert spec.axes["stem_norm.weight"] == (Axis(stream),) and spec.axes["down_norm.bias"] == (Axis(stream),)
+    assert spec.axes["layer_scale"][0] == Axis(stream) and spec.axes["head_scale"][0].group != stream
+    assert not spec.fixed
+    models = [_random(ConvNeXtLike, s) for s in range(3)]
+    fused = bayesfuse.fuse(models, "pfnm")
+    width = fused.model.stem.out_channels
+    assert (
+        width > 8 and type(fused.model.stem_norm) is LayerNorm2d and fused.model.stem_norm.normalized_shape == (width,)
+    )
+    assert fused.model(torch.randn(4, 64)).shape == (4, 10)
+    spec = spec_from_module(OwnGroupNormCNN())
+    assert spec.axes["gn1.weight"][0].outer == 4 and spec.axes["gn2.bias"][0] == Axis(
+        spec.axes["conv2.weight"][0].group
+    )
+    fused = bayesfuse.fuse([_random(OwnGroupNormCNN, s) for s in range(3)], "pfnm").model
+    assert type(fused.gn1) is GroupNormSiLU and (fused.gn1.num_groups, fused.gn2.num_groups) == (
+        4,
+        fused.conv2.out_channels,
+    )
+    assert fused.gn1.num_channels == fused.conv1.out_channels > 8 and fused(torch.randn(4, 64)).shape == (4, 10)
+
+    class Literal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 16), nn.Linear(16, 10)
+            self.scale, self.shift = nn.Parameter(torch.rand(16) + 0.5), nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return self.b(F.relu(F.layer_norm(self.a(x), (16,), self.scale, self.shift)))
+
+    torch.manual_seed(0)
+    models = [Literal().eval() for _ in range(3)]
+    with pytest.raises(ValueError, match=re.escape("layer_norm is given their width as 16 in the forward")):
+        bayesfuse.fuse(models, "pfnm")
+    model = models[0]
+    assert _gap(model, bayesfuse.fuse([model, _permuted(model, 1)], "ot").model, torch.randn(5, 64)) < 1e-4
 
 
 def test_group_norms_of_several_groups_keep_each_groups_channels():

@@ -1076,3 +1076,65 @@ class SqueezeExcite(nn.Module):
         h = F.relu(self.bn(self.conv(x.view(-1, 1, 8, 8))))
         gate = torch.sigmoid(self.fc2(F.relu(self.fc1(h.mean((2, 3))))))
         return self.head((h * gate[:, :, None, None]).mean((2, 3)))
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """A layer norm over the channels of (N, C, H, W) maps, as ConvNeXt writes it: a subclass of
+    ``nn.LayerNorm`` whose forward moves the channels last and calls ``F.layer_norm``."""
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
+
+
+class ConvNeXtLike(nn.Module):
+    """A ConvNeXt stage: a stem with a :class:`LayerNorm2d`, a block (depthwise convolution,
+    channels-last LayerNorm, an inverted bottleneck of Linear layers, a layer scale of shape
+    ``(C, 1, 1)``, a residual add), a downsampling LayerNorm2d and strided convolution, and a
+    pooled head with a layer norm given its width off the input (``F.layer_norm(x, x.shape[-1:])``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.stem_norm = nn.Conv2d(1, 8, 2, stride=2), LayerNorm2d(8, eps=1e-6)
+        self.dw, self.norm = nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.LayerNorm(8)
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.layer_scale = nn.Parameter(torch.rand(8, 1, 1) + 0.5)
+        self.down_norm, self.reduce = LayerNorm2d(8), nn.Conv2d(8, 12, 2, stride=2)
+        self.head_scale, self.head_shift = nn.Parameter(torch.rand(12) + 0.5), nn.Parameter(torch.randn(12))
+        self.head = nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = self.stem_norm(self.stem(x.view(-1, 1, 8, 8)))
+        branch = self.norm(self.dw(h).permute(0, 2, 3, 1))
+        branch = self.down(F.gelu(self.up(branch))).permute(0, 3, 1, 2)
+        h = h + self.layer_scale * branch
+        h = self.reduce(self.down_norm(h)).mean((2, 3))
+        return self.head(F.layer_norm(h, h.shape[-1:], self.head_scale, self.head_shift))
+
+
+class GroupNormSiLU(nn.GroupNorm):
+    """A group norm with its activation, a class of one's own calling ``F.group_norm`` (as
+    timm's and diffusion models' norm layers do)."""
+
+    def forward(self, x):
+        return F.silu(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))
+
+
+class OwnGroupNormCNN(nn.Module):
+    """:class:`GroupNormSiLU` of 4 groups after a convolution, and of one group per channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.gn1 = nn.Conv2d(1, 8, 3, padding=1), GroupNormSiLU(4, 8)
+        self.conv2, self.gn2 = nn.Conv2d(8, 6, 3, padding=1), GroupNormSiLU(6, 6)
+        self.head = nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = self.gn2(self.conv2(self.gn1(self.conv1(x.view(-1, 1, 8, 8)))))
+        return self.head(h.mean((2, 3)))
