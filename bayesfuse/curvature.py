@@ -97,9 +97,13 @@ def _unfolds(m: nn.Module) -> bool:
 
 def _fast_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The Linear layers, the convolutions and the affine batch norms with running statistics
-    (used in eval mode)."""
+    (used in eval mode), with torch's own forward: a class of one's own may do more in its own
+    (timm's ``BatchNormAct2d`` applies its activation, a ``Conv2dSame`` pads first), which the
+    layer's formulas do not know."""
     found = {}
     for name, m in model.named_modules():
+        if not getattr(type(m).forward, "__module__", "").startswith("torch.nn"):
+            continue
         conv = isinstance(m, nn.modules.conv._ConvNd)
         norm = (
             isinstance(m, nn.modules.batchnorm._BatchNorm)

@@ -188,6 +188,21 @@ def test_transposed_and_3d_convolutions_against_full_jacobians(cls):
     assert_exact(model, torch.randn(5, 64, dtype=torch.float64), batch_size=3)
 
 
+def test_layers_of_classes_of_ones_own_against_full_jacobians():
+    """Layers whose class overrides torch's forward (timm's ``BatchNormAct2d`` applies its
+    activation after the batch norm) take the general path: the layer path's formula for a batch
+    norm would read the gradient after the activation as the one at the norm's output."""
+    from tests.nets.user_nets import TimmStyleCNN
+
+    torch.manual_seed(6)
+    model = randomise(TimmStyleCNN(), 3).double().eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    assert_exact(model, torch.randn(5, 64, dtype=torch.float64), batch_size=3)
+
+
 @pytest.mark.parametrize("cls", ["MyGRU", "MyLSTM"])
 def test_recurrent_networks_against_full_jacobians(cls):
     """A GRU has no vmap batching rule: its examples are taken one at a time, the same sums."""

@@ -131,15 +131,33 @@ def make_model(
     raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
 
 
+#: The layers :func:`_resized` re-creates at new widths, copies of a class of one's own included.
+_RESIZED = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.Embedding,
+    nn.EmbeddingBag,
+)
+
+
 def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.Module:
     """A module of ``module``'s type and settings with the parameter shapes in ``shapes``."""
 
     def shape(name):
         return tuple(shapes[f"{prefix}{name}"])
 
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear):  # a copy: a class of one's own (timm's Linear) keeps its forward
         out, inp = shape("weight")
-        return nn.Linear(inp, out, bias=module.bias is not None)
+        linear = copy.deepcopy(module)
+        linear.in_features, linear.out_features = inp, out
+        linear.weight = nn.Parameter(torch.empty(out, inp))
+        if module.bias is not None:
+            linear.bias = nn.Parameter(torch.empty(out))
+        return linear
     if isinstance(module, nn.Bilinear):
         out, in1, in2 = shape("weight")
         return nn.Bilinear(in1, in2, out, bias=module.bias is not None)
@@ -165,20 +183,22 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         held = next((k for k in ("weight", "running_mean") if f"{prefix}{k}" in shapes), None)  # affine, tracking
         if held is None:  # nothing of its own: it normalises whatever width it is given
             return module
-        return cast(Callable, type(module))(
-            shape(held)[0],
-            eps=module.eps,
-            momentum=module.momentum,
-            affine=module.affine,
-            track_running_stats=module.track_running_stats,
-        )
+        n = int(shape(held)[0])  # a copy: a class of one's own (timm's BatchNormAct2d) keeps its forward
+        stats = copy.deepcopy(module)
+        stats.num_features = n
+        if module.affine:
+            stats.weight, stats.bias = nn.Parameter(torch.empty(n)), nn.Parameter(torch.empty(n))
+        if module.running_mean is not None:
+            stats.running_mean, stats.running_var = torch.zeros(n), torch.ones(n)
+        return stats
     if isinstance(module, nn.LayerNorm):  # a copy: a class of one's own (ConvNeXt's LayerNorm2d) keeps its forward
         norm = copy.deepcopy(module)
         if module.elementwise_affine:
-            norm.normalized_shape = shape("weight")
-            norm.weight = nn.Parameter(torch.empty(norm.normalized_shape))
+            width = tuple(int(n) for n in shape("weight"))
+            norm.normalized_shape = width
+            norm.weight = nn.Parameter(torch.empty(width))
             if module.bias is not None:
-                norm.bias = nn.Parameter(torch.empty(norm.normalized_shape))
+                norm.bias = nn.Parameter(torch.empty(width))
         return norm
     if isinstance(module, RMS_NORMS):  # with its scale: without, it has no entries and is kept as it is
         return type(module)(shape("weight"), eps=getattr(module, "eps", None), elementwise_affine=True)
@@ -265,8 +285,8 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
     new = copy.deepcopy(model)
     previous_width = None
     for name, module in list(new.named_modules()):
-        if name == "" or len(list(module.children())) > 0:
-            continue
+        if name == "" or len(list(module.children())) > 0 and not isinstance(module, _RESIZED):
+            continue  # a container; a layer of one's own holding modules (timm's BatchNormAct2d its activation) is not
         prefix = f"{name}."
         replacement: nn.Module
         if isinstance(module, PositionAware):

@@ -261,6 +261,9 @@ _FUNCTIONAL_NORMS: dict = {torch.nn.functional.layer_norm: ("input", "normalized
 if hasattr(torch.nn.functional, "rms_norm"):  # torch >= 2.4
     _FUNCTIONAL_NORMS[torch.nn.functional.rms_norm] = ("input", "normalized_shape", "weight", "eps")
 _FUNCTIONAL_NORMS[torch.nn.functional.group_norm] = ("input", "num_groups", "weight", "bias", "eps")
+_FUNCTIONAL_NORMS[torch.nn.functional.batch_norm] = (
+    "input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"
+)  # fmt: skip
 #: Functions of other libraries that fx keeps whole (``torch.fx.wrap``) and that leave every unit
 #: where it is, by qualified name: torchvision's stochastic depth (EfficientNet, ConvNeXt) drops
 #: whole examples, or none in eval mode.
@@ -648,13 +651,12 @@ class _Walk:
     def fail(self, node, what: str) -> NoReturn:
         raise UnsupportedLayerError(f"{type(self.model).__name__}: {node.op} {node.target!s} ({node.name}): {what}")
 
-    def stored(self, node, m: nn.Module, entries) -> None:
+    def stored(self, node, m: nn.Module, entries, *, name: str | None = None) -> None:
         """Refuse a module whose parameter ``entries`` (``"weight"``, ...) the state_dict does not
         hold: computed from other tensors (``weight_norm``, ``spectral_norm``, a parametrization),
         which a permutation of the units would have to move in their own way."""
-        missing = [
-            p for p in entries if getattr(m, p, None) is not None and f"{node.target}.{p}" not in self.state_keys
-        ]
+        prefix = node.target if name is None else name
+        missing = [p for p in entries if getattr(m, p, None) is not None and f"{prefix}.{p}" not in self.state_keys]
         if missing:
             self.fail(
                 node,
@@ -911,11 +913,7 @@ class _Walk:
         f = None if segments else self.feature(inp)
         units = label if segments else f  # what the module reads: a stream's units, or streams side by side
         if isinstance(m, nn.Linear):
-            f, units = (f, units) if self.has_units(units) else (None, None)
-            if units is not None and units.dim != len(_tensor_shape(inp)) - 1:
-                self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
-            out, cut = self.layer_vars(name, f, node)
-            self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], len(_tensor_shape(node)) - 1)
+            self.dense(node, name, m, inp, f, units)
         elif isinstance(m, _CONVS):
             f, units = (f, units) if self.has_units(units) else (None, None)
             if units is not None and units.dim != 1:
@@ -1023,6 +1021,36 @@ class _Walk:
             self.fail(node, f"a {k}-d pooling of a tensor of rank {rank} pools its axis {units.dim}, the units'")
         self.labels[node] = units
 
+    def dense(self, node, name: str, m: nn.Linear, inp, f, units) -> None:
+        """Linear layer ``name`` (module ``m``) applied to ``inp``, whose units are ``f`` (or
+        streams side by side, ``units``)."""
+        f, units = (f, units) if self.has_units(units) else (None, None)
+        if units is not None and units.dim != len(_tensor_shape(inp)) - 1:
+            self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
+        out, cut = self.layer_vars(name, f, node)
+        self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], len(_tensor_shape(node)) - 1, name=name)
+
+    def own_linear(self, node, args: list, kwargs) -> bool:
+        """``F.linear(x, self.weight, self.bias)`` in the forward of a subclass of ``nn.Linear``
+        (timm's ``Linear``): traced as that layer, and True; else False (a weight applied by hand)."""
+        bound = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
+        w, b = bound.get("weight"), bound.get("bias")
+        if not (isinstance(w, fx.Node) and w.op == "get_attr" and str(w.target).endswith(".weight")):
+            return False
+        name = str(w.target).rpartition(".")[0]
+        m = self.model.get_submodule(name)
+        bias_ok = (b is None and m.bias is None) or (
+            isinstance(b, fx.Node) and b.op == "get_attr" and b.target == f"{name}.bias" and m.bias is not None
+        )
+        if not isinstance(m, nn.Linear) or not bias_ok:
+            return False
+        x = bound.get("input")
+        label = self.raw(x)
+        segments = isinstance(label, _Segments)
+        f = None if segments else self.feature(x)
+        self.dense(node, name, m, x, f, label if segments else f)
+        return True
+
     def layer_output(
         self,
         node,
@@ -1033,14 +1061,16 @@ class _Walk:
         *,
         writes: bool = True,
         transposed: bool = False,
+        name: str | None = None,
     ) -> None:
         """Module ``m``'s weight: its rows the units ``rows`` (``(var, outer, inner)``), then one
         axis per input (``inputs``, their units or None), then its kernel's; its bias the rows';
         its output those units on axis ``dim``. ``writes``: the units are the layer's own (not a
         depthwise convolution's, which keeps its input's). ``transposed``: a transposed
-        convolution, whose weight holds its input's channels first and its rows second."""
-        name = node.target
-        self.stored(node, m, ("weight", "bias"))
+        convolution, whose weight holds its input's channels first and its rows second. ``name``:
+        the layer's, where ``node`` calls no module (``F.linear`` in a subclass's forward)."""
+        name = node.target if name is None else name
+        self.stored(node, m, ("weight", "bias"), name=name)
         kernel = [None] * (m.weight.dim() - 1 - len(inputs))
         channels = [*inputs, rows] if transposed else [rows, *inputs]
         self.set_axes(f"{name}.weight", [*channels, *kernel])
@@ -1218,12 +1248,16 @@ class _Walk:
         self.labels[node] = f
 
     def functional_norm(self, node, fn, args: list, kwargs) -> None:
-        """``F.layer_norm(x, normalized_shape, weight, bias)`` (``F.rms_norm``), or
-        ``F.group_norm(x, num_groups, weight, bias)``, as a module of one's own calls it
-        (ConvNeXt's ``LayerNorm2d``: the channels moved last, normalised, moved back): its
-        ``weight`` and ``bias`` are the network's parameters, one number per unit of ``x``'s last
-        axis (the channels, axis 1, for a group norm, whose groups cut them as
-        :meth:`grouped_units` says). A width the forward gives must follow the fused width: read
+        """``F.layer_norm(x, normalized_shape, weight, bias)`` (``F.rms_norm``),
+        ``F.group_norm(x, num_groups, weight, bias)`` or ``F.batch_norm(x, running_mean,
+        running_var, weight, bias)``, as a module of one's own calls it (ConvNeXt's
+        ``LayerNorm2d``: the channels moved last, normalised, moved back; timm's ``BatchNormAct2d``:
+        a batch norm and its activation): its ``weight`` and ``bias`` are the network's parameters,
+        and a batch norm's running statistics its buffers, one number per unit of ``x``'s last
+        axis (the channels, axis 1, for a group or batch norm; a group norm's groups cut them as
+        :meth:`grouped_units` says). A batch norm is folded into the layer before it, as the
+        module is, where its four entries are one module's ``weight``, ``bias``, ``running_mean``
+        and ``running_var`` with its ``eps``. A width the forward gives must follow the fused width: read
         off the input (``x.shape[-1:]``) or the module's own (``normalized_shape``, a per-channel
         group norm's ``num_groups``), which the rebuilt module holds at the fused width; a number
         written in the forward fixes the units' width (:attr:`PermutationSpec.fixed`)."""
@@ -1235,28 +1269,34 @@ class _Walk:
         if not self.has_units(f):
             self.labels[node] = f
             return
-        grouped = fn is torch.nn.functional.group_norm
-        if f.dim != (1 if grouped else len(_tensor_shape(x)) - 1):
-            self.fail(node, f"{what} must normalise the units' axis, " + ("axis 1" if grouped else "the last"))
+        grouped, batch = fn is torch.nn.functional.group_norm, fn is torch.nn.functional.batch_norm
+        if f.dim != (1 if grouped or batch else len(_tensor_shape(x)) - 1):
+            self.fail(node, f"{what} must normalise the units' axis, " + ("axis 1" if grouped or batch else "the last"))
         if grouped:
             groups, channels = bound.get("num_groups"), _tensor_shape(x)[1]
             if not isinstance(groups, int):
                 self.fail(node, f"{what} given a number of groups computed in the forward; give a spec")
             if 1 < groups < channels:
                 f = self.grouped_units(node, f, groups, f"{what} of {groups} groups")
-        owners = []
-        for key in ("weight", "bias"):
+        owners, entries = [], {}
+        for key in ("weight", "bias", *(("running_mean", "running_var") if batch else ())):
             p = bound.get(key)
             if p is None:
                 continue
             base = _view_base(p)
             target = str(base.target) if base is not None else ""
-            if target not in self.parameters or self.parameters[target].dim() != 1:
-                self.fail(node, f"{what} given a {key} that is no parameter of the network of one number per unit")
+            values = self.buffers if key.startswith("running") else self.parameters
+            if target not in values or values[target].dim() != 1:
+                self.fail(node, f"{what} given a {key} that is not the network's own, one number per unit")
             if target not in self.state_keys:
                 self.fail(node, f"{what}'s {key} {target!r} is computed from other tensors (a parametrization)")
             self.set_axes(target, [self.in_axis(f)])
+            entries[key] = target
             owners.append(self.model.get_submodule(target.rpartition(".")[0]))
+        if batch:
+            self.functional_fold(node, bound, entries)
+            self.labels[node] = f
+            return
         if grouped:  # one group per channel: its number is the width
             width, where = groups, "in the module's num_groups"
             kept = groups != channels or any(getattr(m, "num_groups", None) == groups for m in owners)
@@ -1271,6 +1311,25 @@ class _Walk:
                 + where,
             )
         self.labels[node] = f
+
+    def functional_fold(self, node, bound: dict, entries: dict) -> None:
+        """Fold ``F.batch_norm`` into the layer before it (:attr:`PermutationSpec.folds`), as a
+        batch-norm module is, where its running statistics (and scale and shift, if any) are one
+        module's entries of the module's names and ``eps``, and its input is that layer's output
+        read by nothing else."""
+        mean, var = entries.get("running_mean"), entries.get("running_var")
+        if mean is None or var is None:
+            return  # batch statistics, in eval mode too: nothing to fold
+        bn = mean.rpartition(".")[0]
+        owner = self.model.get_submodule(bn)
+        named = all(target == f"{bn}.{key}" for key, target in entries.items())
+        eps = bound.get("eps", 1e-5)
+        if named and isinstance(eps, float) and eps == getattr(owner, "eps", None):
+            if f"{bn}.num_batches_tracked" in self.state_keys:
+                self.set_axes(f"{bn}.num_batches_tracked", [])
+            inp = bound.get("input")
+            if isinstance(inp, fx.Node) and inp in self.producer and len(inp.users) == 1:
+                self.folds[bn] = self.producer[inp]
 
     def norm_width(self, x, f, shape, owners: list, what: str, node) -> tuple:
         """``(width, whether it follows the units, where it should be kept)`` for the
@@ -1346,6 +1405,8 @@ class _Walk:
             self.labels[node] = self.through(args[0])
         elif fn in _FUNCTIONAL_NORMS:
             self.functional_norm(node, fn, args, kwargs)
+        elif fn is torch.nn.functional.linear and self.own_linear(node, args, kwargs):
+            pass
         elif fn in _SCALAR_ELEMENTWISE:
             self.scalar_elementwise(node, args, kwargs)
         elif fn in _MATMUL:

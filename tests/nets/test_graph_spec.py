@@ -24,6 +24,7 @@ from tests.nets.user_nets import (
     ArgmaxUnits,
     Attention,
     BagOfWords,
+    BatchNormAct2d,
     BatchStatsMLP,
     BiasFreeCNN,
     BiasFreePlainNormCNN,
@@ -56,6 +57,7 @@ from tests.nets.user_nets import (
     MyRNN,
     NanoGPT,
     OwnGroupNormCNN,
+    OwnLinear,
     PaddedCNN,
     PairInputs,
     PlainNormMLP,
@@ -70,6 +72,7 @@ from tests.nets.user_nets import (
     SqueezeExcite,
     StackedLSTM,
     StackedStateLSTM,
+    TimmStyleCNN,
     TokenConcat,
     TokenMixer,
     TransposedConv,
@@ -131,6 +134,7 @@ NETS = [
     SqueezeExcite,  # channel gates computed from the pooled maps
     ConvNeXtLike,  # F.layer_norm in a LayerNorm subclass of one's own, a layer scale of shape (C, 1, 1)
     OwnGroupNormCNN,  # F.group_norm in a GroupNorm subclass, of 4 groups and of one per channel
+    TimmStyleCNN,  # F.batch_norm with its activation in a BatchNorm2d subclass, F.linear in a Linear one
 ]
 
 
@@ -1142,6 +1146,17 @@ def test_functional_layer_norms_of_a_class_of_ones_own_follow_the_units():
         fused.conv2.out_channels,
     )
     assert fused.gn1.num_channels == fused.conv1.out_channels > 8 and fused(torch.randn(4, 64)).shape == (4, 10)
+
+    # timm's way: F.batch_norm and its activation in a BatchNorm2d subclass, folded into the
+    # convolution before it; F.linear in a Linear subclass; both rebuilt as the user's classes
+    spec = spec_from_module(TimmStyleCNN())
+    assert spec.folds == {"bn1": "conv1", "bn2": "dw", "bn3": "pw"}
+    assert spec.axes["bn2.running_var"] == (Axis(spec.axes["conv1.weight"][0].group),)
+    assert spec.axes["head.weight"][1] == Axis(spec.axes["pw.weight"][0].group) and spec.output[0] == "head.weight"
+    fused = bayesfuse.fuse([_random(TimmStyleCNN, s) for s in range(3)], "pfnm").model
+    assert type(fused.bn1) is BatchNormAct2d and isinstance(fused.bn1.act, nn.SiLU) and type(fused.head) is OwnLinear
+    assert fused.bn1.running_mean.shape == (fused.conv1.out_channels,) and fused.conv1.out_channels > 8
+    assert fused(torch.randn(4, 64)).shape == (4, 10)
 
     class Literal(nn.Module):
         def __init__(self) -> None:

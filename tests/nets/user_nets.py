@@ -1138,3 +1138,42 @@ class OwnGroupNormCNN(nn.Module):
     def forward(self, x):
         h = self.gn2(self.conv2(self.gn1(self.conv1(x.view(-1, 1, 8, 8)))))
         return self.head(h.mean((2, 3)))
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """A batch norm and its activation in one class of one's own, calling ``F.batch_norm``, as
+    timm writes its ``BatchNormAct2d`` (the activation a child module)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.1, self.eps)
+        return self.act(x)
+
+
+class OwnLinear(nn.Linear):
+    """``nn.Linear`` whose forward calls ``F.linear`` itself, as timm's ``Linear`` does."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class TimmStyleCNN(nn.Module):
+    """Convolutions without biases, each followed by a :class:`BatchNormAct2d` (folded into it),
+    a depthwise one among them, and an :class:`OwnLinear` head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(1, 8, 3, padding=1, bias=False), BatchNormAct2d(8)
+        self.dw, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), BatchNormAct2d(8)
+        self.pw, self.bn3 = nn.Conv2d(8, 6, 1, bias=False), BatchNormAct2d(6)
+        self.head = OwnLinear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = self.bn2(self.dw(self.bn1(self.conv1(x.view(-1, 1, 8, 8)))))
+        return self.head(self.bn3(self.pw(h)).mean((2, 3)))
