@@ -158,3 +158,50 @@ def mlp_from_neurons(neurons: np.ndarray, out_bias: np.ndarray, in_features: int
         model.layers[1].weight.copy_(torch.from_numpy(neurons[:, in_features + 1 :].T.copy()))
         model.layers[1].bias.copy_(torch.from_numpy(np.asarray(out_bias, dtype=np.float64)))
     return model
+
+
+def library_randomised(model: nn.Module) -> nn.Module:
+    """A network of a model library (torchvision, timm) in eval mode, with every vector parameter
+    (norms' scales and shifts, layer scales, which torchvision starts at 1e-6) and batch-norm
+    statistics drawn away from 1 and 0, in place, so that permuting them wrongly shows."""
+    with torch.no_grad():
+        for key, b in model.named_buffers():
+            if key.endswith("running_mean"):
+                b.normal_(0, 0.1)
+            elif key.endswith("running_var"):
+                b.uniform_(0.5, 1.5)
+        for key, p in model.named_parameters():
+            scale = p.dim() == 1 and key.endswith("weight") or "gamma" in key or "layer_scale" in key
+            if scale:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() == 1:
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def assert_library_network_fuses(make, x: torch.Tensor) -> None:
+    """``make(seed)``'s network: a permuted copy (every group of its traced spec) computes its
+    function and fuses back to it by PFNM and OT (max abs logit difference under 1e-4, float32
+    round-off on logits of order 1); three independent ones fuse by PFNM into a network that
+    runs, of the same module classes."""
+    import copy
+
+    import bayesfuse
+    from bayesfuse.inference.spec import permute, random_permutations
+    from bayesfuse.nets.graph_spec import spec_from_graph
+
+    model = make(0)
+    spec = spec_from_graph(model, x[:1])
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    permuted = copy.deepcopy(model)
+    perms = random_permutations(spec.sizes(state), np.random.default_rng(1))
+    permuted.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    with torch.no_grad():
+        reference = model(x)
+        assert float((permuted(x) - reference).abs().max()) < 1e-4
+        for method in ("pfnm", "ot"):
+            fused = bayesfuse.fuse([model, permuted], method, example_input=x[:1]).model
+            assert float((fused(x) - reference).abs().max()) < 1e-4, method
+        fused = bayesfuse.fuse([make(s) for s in (1, 2, 3)], "pfnm", example_input=x[:1]).model
+        assert fused(x).shape == reference.shape
+        assert {type(m) for m in fused.modules()} == {type(m) for m in model.modules()}
