@@ -162,8 +162,9 @@ def mlp_from_neurons(neurons: np.ndarray, out_bias: np.ndarray, in_features: int
 
 def library_randomised(model: nn.Module) -> nn.Module:
     """A network of a model library (torchvision, timm) in eval mode, with every vector parameter
-    (norms' scales and shifts, layer scales, which torchvision starts at 1e-6) and batch-norm
-    statistics drawn away from 1 and 0, in place, so that permuting them wrongly shows."""
+    (norms' scales and shifts, layer scales, which torchvision starts at 1e-6, ConvNeXt-V2's
+    response norms shaped ``(1, 1, 1, C)``, which start at 0) and batch-norm statistics drawn away
+    from 1 and 0, in place, so that permuting them wrongly shows."""
     with torch.no_grad():
         for key, b in model.named_buffers():
             if key.endswith("running_mean"):
@@ -171,10 +172,10 @@ def library_randomised(model: nn.Module) -> nn.Module:
             elif key.endswith("running_var"):
                 b.uniform_(0.5, 1.5)
         for key, p in model.named_parameters():
-            scale = p.dim() == 1 and key.endswith("weight") or "gamma" in key or "layer_scale" in key
-            if scale:
+            vector = p.dim() >= 1 and p.numel() == max(p.shape)
+            if vector and key.endswith("weight") or "gamma" in key or "layer_scale" in key:
                 p.uniform_(0.5, 1.5)
-            elif p.dim() == 1:
+            elif vector:
                 p.normal_(0, 0.1)
     return model.eval()
 

@@ -1030,6 +1030,22 @@ class _Walk:
         out, cut = self.layer_vars(name, f, node)
         self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], len(_tensor_shape(node)) - 1, name=name)
 
+    def rolled_elsewhere(self, node, args: list, kwargs) -> bool:
+        """``torch.roll`` along axes other than the units' (Swin's shifted windows, ``dims=(1, 2)``
+        of channels-last maps): the units pass, and True; else False (refused as opaque)."""
+        bound = {**dict(zip(("input", "shifts", "dims"), args)), **kwargs}
+        x, dims = bound.get("input"), bound.get("dims")
+        dims = [dims] if isinstance(dims, int) else dims
+        if not isinstance(x, fx.Node) or not isinstance(dims, (list, tuple)) or not dims:
+            return False
+        if not all(isinstance(d, int) for d in dims) or isinstance(self.raw(x), _Segments):
+            return False
+        f, rank = self.feature(x), len(_tensor_shape(x))
+        if self.permuted(f) and f.dim in {d % rank for d in dims}:
+            return False
+        self.labels[node] = f
+        return True
+
     def own_linear(self, node, args: list, kwargs) -> bool:
         """``F.linear(x, self.weight, self.bias)`` in the forward of a subclass of ``nn.Linear``
         (timm's ``Linear``): traced as that layer, and True; else False (a weight applied by hand)."""
@@ -1407,6 +1423,11 @@ class _Walk:
             self.functional_norm(node, fn, args, kwargs)
         elif fn is torch.nn.functional.linear and self.own_linear(node, args, kwargs):
             pass
+        elif fn is torch.roll and self.rolled_elsewhere(node, args, kwargs):
+            pass
+        elif fn is torch.addcmul and len(args) == 3 and not kwargs:  # a + b * c (timm's Affine, GRN)
+            self.binary(node, args[1], args[2])
+            self.binary(node, args[0], node)
         elif fn in _SCALAR_ELEMENTWISE:
             self.scalar_elementwise(node, args, kwargs)
         elif fn in _MATMUL:
@@ -1420,7 +1441,8 @@ class _Walk:
         elif fn is torch.nn.functional.pad and isinstance(
             args[1] if len(args) > 1 else kwargs.get("pad"), (list, tuple)
         ):
-            self.spatial(node, args[0], len(args[1] if len(args) > 1 else kwargs["pad"]) // 2, "pad")
+            pad = args[1] if len(args) > 1 else kwargs["pad"]
+            self.spatial(node, args[0], len(pad) // 2, "pad", pad=pad)
         elif fn is torch.nn.functional.interpolate:  # the axes after the channels
             self.spatial(node, args[0], None, "interpolate")
         elif fn in _POOL_FUNCTIONS:
@@ -1996,12 +2018,16 @@ class _Walk:
             _moved(label, new) if isinstance(label, _Segments) else _Feature(f.var, new, f.outer, f.inner)
         )
 
-    def spatial(self, node, a, k: int | None, what: str) -> None:
+    def spatial(self, node, a, k: int | None, what: str, *, pad=None) -> None:
         """Padding and upsampling of ``a``: they act on the axes after the channels (the last
-        ``k``; every axis from 2 where ``k`` is None, as upsampling); units on those are refused."""
+        ``k``; every axis from 2 where ``k`` is None, as upsampling); units on those are refused,
+        unless ``F.pad``'s ``pad`` gives their axis nothing (Swin's ``F.pad(x, (0, 0, 0, r, 0, b))``
+        of channels-last windows)."""
         f, rank = self.through(a), len(_tensor_shape(a))
         if self.has_units(f) and f.dim >= rank - (rank - 2 if k is None else k):
-            self.fail(node, f"{what} acts on the units' axis")
+            back = rank - 1 - f.dim  # the units' axis, counted from the last, as pad's pairs are
+            if pad is None or any(not isinstance(p, int) or p != 0 for p in pad[2 * back : 2 * back + 2]):
+                self.fail(node, f"{what} acts on the units' axis")
         self.labels[node] = f
 
     def scalar_elementwise(self, node, args: list, kwargs) -> None:

@@ -66,6 +66,7 @@ from tests.nets.user_nets import (
     ReducedCNN,
     ResMLP,
     SharedBlocks,
+    ShiftedWindows,
     SkipCNN,
     SlopesCNN,
     SplitAttention,
@@ -135,6 +136,7 @@ NETS = [
     ConvNeXtLike,  # F.layer_norm in a LayerNorm subclass of one's own, a layer scale of shape (C, 1, 1)
     OwnGroupNormCNN,  # F.group_norm in a GroupNorm subclass, of 4 groups and of one per channel
     TimmStyleCNN,  # F.batch_norm with its activation in a BatchNorm2d subclass, F.linear in a Linear one
+    ShiftedWindows,  # F.pad and torch.roll along the positions of channels-last maps, torch.addcmul
 ]
 
 

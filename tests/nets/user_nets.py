@@ -1177,3 +1177,24 @@ class TimmStyleCNN(nn.Module):
     def forward(self, x):
         h = self.bn2(self.dw(self.bn1(self.conv1(x.view(-1, 1, 8, 8)))))
         return self.head(self.bn3(self.pw(h)).mean((2, 3)))
+
+
+class ShiftedWindows(nn.Module):
+    """Channels-last maps as Swin moves them: padded along the positions with nothing on the
+    channels (``F.pad(x, (0, 0, 0, 1, 0, 1))``), rolled along the positions (``dims=(1, 2)``), an
+    affine ``torch.addcmul(beta, alpha, x)`` (timm's ``Affine``, ConvNeXt-V2's response norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.mix = nn.Linear(1, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.alpha, self.beta = nn.Parameter(torch.rand(8) + 0.5), nn.Parameter(torch.randn(8))
+        self.head = nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = self.embed(x.view(-1, 8, 8, 1))  # (B, H, W, C)
+        h = torch.roll(F.pad(self.norm(h), (0, 0, 0, 1, 0, 1)), shifts=(-1, -1), dims=(1, 2))
+        h = h + torch.addcmul(self.beta, self.alpha, F.gelu(self.mix(h)))
+        return self.head(h.mean((1, 2)))
