@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 
@@ -180,23 +181,31 @@ def library_randomised(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
+def permuted_copy(model: nn.Module, spec, *, seed: int) -> nn.Module:
+    """A copy of ``model`` with every group of ``spec`` permuted at random (``seed``), loaded with
+    the state_dict's own metadata (torchvision's MNASNet reads its version from it)."""
+    from bayesfuse.inference.spec import permute, random_permutations
+
+    state = model.state_dict()
+    values = {k: v.detach().numpy() for k, v in state.items()}
+    perms = random_permutations(spec.sizes(values), np.random.default_rng(seed))
+    for k, v in permute(values, spec, perms).items():
+        state[k] = torch.as_tensor(v)
+    copy_ = copy.deepcopy(model)
+    copy_.load_state_dict(state)
+    return copy_
+
+
 def assert_library_network_fuses(make, x: torch.Tensor) -> None:
     """``make(seed)``'s network: a permuted copy (every group of its traced spec) computes its
     function and fuses back to it by PFNM and OT (max abs logit difference under 1e-4, float32
     round-off on logits of order 1); three independent ones fuse by PFNM into a network that
     runs, of the same module classes."""
-    import copy
-
     import bayesfuse
-    from bayesfuse.inference.spec import permute, random_permutations
     from bayesfuse.nets.graph_spec import spec_from_graph
 
     model = make(0)
-    spec = spec_from_graph(model, x[:1])
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    permuted = copy.deepcopy(model)
-    perms = random_permutations(spec.sizes(state), np.random.default_rng(1))
-    permuted.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
+    permuted = permuted_copy(model, spec_from_graph(model, x[:1]), seed=1)
     with torch.no_grad():
         reference = model(x)
         assert float((permuted(x) - reference).abs().max()) < 1e-4

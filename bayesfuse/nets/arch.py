@@ -191,17 +191,15 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         if module.running_mean is not None:
             stats.running_mean, stats.running_var = torch.zeros(n), torch.ones(n)
         return stats
-    if isinstance(module, nn.LayerNorm):  # a copy: a class of one's own (ConvNeXt's LayerNorm2d) keeps its forward
-        norm = copy.deepcopy(module)
-        if module.elementwise_affine:
+    if isinstance(module, (nn.LayerNorm, *RMS_NORMS)):  # a copy: a class of one's own (LayerNorm2d) keeps its forward
+        norm = cast(nn.LayerNorm, copy.deepcopy(module))  # an RMSNorm has the same attributes
+        if getattr(module, "weight", None) is not None:
             width = tuple(int(n) for n in shape("weight"))
             norm.normalized_shape = width
             norm.weight = nn.Parameter(torch.empty(width))
-            if module.bias is not None:
+            if getattr(module, "bias", None) is not None:
                 norm.bias = nn.Parameter(torch.empty(width))
         return norm
-    if isinstance(module, RMS_NORMS):  # with its scale: without, it has no entries and is kept as it is
-        return type(module)(shape("weight"), eps=getattr(module, "eps", None), elementwise_affine=True)
     if isinstance(module, nn.GroupNorm):  # a copy: a class of one's own keeps its forward
         grouped = copy.deepcopy(module)
         channels = int(shape("weight")[0])

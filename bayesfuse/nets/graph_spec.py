@@ -417,7 +417,10 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             return False
-        return type(m).__module__.startswith("torch.nn") or type(m).__name__ == "PositionAware"
+        if type(m).__module__.startswith("torch.nn") or type(m).__name__ == "PositionAware":
+            return True
+        # a class of one's own that keeps torch's forward (class MyNorm(nn.BatchNorm2d): pass): torch's layer
+        return getattr(type(m).forward, "__module__", "").startswith("torch.nn") and type(m).__mro__[1] is not nn.Module
 
 
 def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:
@@ -530,6 +533,8 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
             "hold each weight once"
         )
     x = example_input_for(model, example_input)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()  # the function that is fused: a forward's self.training (timm's F.batch_norm) read as in eval mode
     try:
         graph = _Tracer().trace(model)
     except Exception:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
@@ -540,10 +545,12 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
                 f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward "
                 "without control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
             ) from None
+    finally:
+        for m, training in modes.items():
+            m.training = training
     gm = fx.GraphModule(model, graph)
     from torch.fx.passes.shape_prop import ShapeProp
 
-    was_training = model.training
     gm.eval()
     try:
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks itself
@@ -551,7 +558,8 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     except Exception as err:  # the user's forward failing on the example input
         raise _not_running(model, x, err, guessed=example_input is None) from None
     finally:
-        model.train(was_training)
+        for m, training in modes.items():
+            m.training = training
     return _Walk(model).run(gm)
 
 
@@ -973,6 +981,17 @@ class _Walk:
         elif isinstance(m, nn.GroupNorm):
             if m.num_groups not in (1, m.num_channels) and self.has_units(units):
                 units = self.grouped_units(node, units, m.num_groups, f"GroupNorm with {m.num_groups} groups")
+            if (
+                m.num_groups == m.num_channels > 1
+                and not m.affine
+                and isinstance(units, _Feature)
+                and self.permuted(units)
+            ):
+                self.mark_fixed(  # one group per channel, and no entry that gives the rebuild another width
+                    units.var,
+                    f"GroupNorm {name!r} of one group per channel has no affine parameters, so nothing gives its "
+                    "num_groups at another width; build it with affine=True",
+                )
             self.norm(node, m, units, axis=1, entries=("weight", "bias"))
         elif isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):  # per channel, over positions
             self.norm(node, m, units, axis=1, entries=("weight", "bias", "running_mean", "running_var"))
@@ -1324,7 +1343,10 @@ class _Walk:
             self.mark_fixed(
                 f.var,
                 f"{what} is given their width as {width!r} in the forward, which fusion does not change; keep it "
-                + where,
+                + where
+                if owners
+                else f"{what} has no weight or bias, so nothing gives its width ({width!r}) at another width; "
+                "build it with affine parameters",
             )
         self.labels[node] = f
 
@@ -1334,13 +1356,15 @@ class _Walk:
         module's entries of the module's names and ``eps``, and its input is that layer's output
         read by nothing else."""
         mean, var = entries.get("running_mean"), entries.get("running_var")
-        if mean is None or var is None:
-            return  # batch statistics, in eval mode too: nothing to fold
+        if mean is None or var is None or bound.get("training", False) is not False:
+            return  # batch statistics (training=True normalises by them in eval mode too): nothing to fold
         bn = mean.rpartition(".")[0]
         owner = self.model.get_submodule(bn)
         named = all(target == f"{bn}.{key}" for key, target in entries.items())
+        # every scale and shift the module holds applied here (one used after an activation is not the norm's)
+        whole = all(getattr(owner, k, None) is None or k in entries for k in ("weight", "bias"))
         eps = bound.get("eps", 1e-5)
-        if named and isinstance(eps, float) and eps == getattr(owner, "eps", None):
+        if named and whole and isinstance(eps, float) and eps == getattr(owner, "eps", None):
             if f"{bn}.num_batches_tracked" in self.state_keys:
                 self.set_axes(f"{bn}.num_batches_tracked", [])
             inp = bound.get("input")
@@ -2153,10 +2177,6 @@ class _Walk:
         if shape_args is not None and len(shape_args) != len(dst):
             shape_args = None
         self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst, shape_args)
-        if self.permuted(f) and shape_args is not None and placed is not None:
-            width = shape_args[placed.dim]  # torchvision's ViT: x.reshape(n, self.hidden_dim, n_h * n_w)
-            if isinstance(width, int) and not isinstance(width, bool) and width != -1:
-                self.mark_fixed(placed.var, f"its forward reshapes their axis to {width} numbers, {_kept([width])}")
         if self.permuted(f) and shape_args is not None:
             for x, axis in self.widths_read(shape_args[self.labels[node].dim]):
                 self.tie_width(node, x, axis, node)

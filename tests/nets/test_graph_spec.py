@@ -5,7 +5,6 @@ leaves its function unchanged (to float32 round-off, 1e-4 on logits of order 1),
 network with a permuted copy of itself gives back that function, for every matching method.
 """
 
-import dataclasses
 import re
 
 import numpy as np
@@ -19,7 +18,7 @@ from bayesfuse.data import Dataset
 from bayesfuse.inference.spec import Axis, permute, random_permutations
 from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
-from tests.helpers import far_from_identity_norms
+from tests.helpers import far_from_identity_norms, library_randomised
 from tests.nets.user_nets import (
     ArgmaxUnits,
     Attention,
@@ -553,10 +552,11 @@ def test_untraceable_forward_and_missing_input_are_named():
 
 
 def test_a_forward_that_keeps_its_own_width_is_refused_after_fusion():
-    """``reshape(-1, self.width)``, a width written in the forward (torchvision's ViT writes
-    ``x.reshape(n, self.hidden_dim, n_h * n_w)``): the trace marks the width fixed, so PFNM refuses
-    before fusing and OT fuses. A spec that does not say so (given by hand) fuses, and the fused
-    network, which cannot run, is refused before it is returned."""
+    """``reshape(-1, self.width)``, a width of the forward's own (torchvision's ViT writes
+    ``x.reshape(n, self.hidden_dim, n_h * n_w)``): a number in the trace, which cannot tell it from
+    a layer's width that the rebuild changes (``view(-1, self.fc.in_features)``, below). The fused
+    network, which cannot run, is refused before it is returned; OT, which keeps the widths,
+    fuses."""
 
     class Fixed(nn.Module):
         def __init__(self):
@@ -569,12 +569,18 @@ def test_a_forward_that_keeps_its_own_width_is_refused_after_fusion():
 
     torch.manual_seed(0)
     models = [Fixed().eval() for _ in range(3)]
-    with pytest.raises(ValueError, match="its forward reshapes their axis to 6 numbers, widths written in the code"):
+    with pytest.raises(ValueError, match="does not run at its fused widths .*keep a width of its own"):
         bayesfuse.fuse(models, "pfnm")
     assert bayesfuse.fuse(models, "ot").model(torch.randn(3, 8)).shape == (3, 2)
-    unsaid = dataclasses.replace(spec_from_module(models[0]), fixed={})
-    with pytest.raises(ValueError, match="does not run at its fused widths .*keep a width of its own"):
-        bayesfuse.fuse(models, "pfnm", spec=unsaid)
+
+    class LayersWidth(Fixed):
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.fc2.in_features))
+
+    torch.manual_seed(0)
+    models = [LayersWidth().eval() for _ in range(3)]
+    assert _gap(models[0], bayesfuse.fuse([models[0], _permuted(models[0], 1)], "pfnm").model, torch.randn(5, 8)) < 1e-5
+    assert bayesfuse.fuse(models, "pfnm").model(torch.randn(3, 8)).shape == (3, 2)
 
 
 def test_a_network_of_two_inputs_is_traced_from_its_pair_of_example_inputs():
@@ -1151,8 +1157,9 @@ def test_functional_layer_norms_of_a_class_of_ones_own_follow_the_units():
 
     # timm's way: F.batch_norm and its activation in a BatchNorm2d subclass, folded into the
     # convolution before it; F.linear in a Linear subclass; both rebuilt as the user's classes
-    spec = spec_from_module(TimmStyleCNN())
-    assert spec.folds == {"bn1": "conv1", "bn2": "dw", "bn3": "pw"}
+    training = TimmStyleCNN()  # its forward passes self.training: traced as in eval mode, the modes kept
+    spec = spec_from_module(training)
+    assert spec.folds == {"bn1": "conv1", "bn2": "dw", "bn3": "pw"} and training.training and training.bn1.training
     assert spec.axes["bn2.running_var"] == (Axis(spec.axes["conv1.weight"][0].group),)
     assert spec.axes["head.weight"][1] == Axis(spec.axes["pw.weight"][0].group) and spec.output[0] == "head.weight"
     fused = bayesfuse.fuse([_random(TimmStyleCNN, s) for s in range(3)], "pfnm").model
@@ -1357,3 +1364,110 @@ def test_an_lstm_called_again_after_its_units_were_cut_reads_them_in_blocks(bidi
         assert _gap(model, bayesfuse.fuse([model, copy], method).model, x) < 1e-4
     fused = bayesfuse.fuse([_random(lambda: _SiameseLSTM(bidirectional), s) for s in range(3)], "pfnm")
     assert fused.model.rnn.hidden_size % 2 == 0 and fused.model(x).shape == (20, 10)
+
+
+class _AlwaysBatchStats(nn.BatchNorm2d):
+    """``F.batch_norm`` with ``training=True``: batch statistics in eval mode too, nothing to fold."""
+
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, 0.1, self.eps)
+
+
+class _ShiftAfterAct(nn.BatchNorm2d):
+    """Its shift applied after an activation: not the norm's, so not folded with it."""
+
+    def forward(self, x):
+        y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, None, False, 0.1, self.eps)
+        return F.relu(y) + self.bias[:, None, None]
+
+
+class _NoShift(nn.BatchNorm2d):
+    """A shift it holds and never applies."""
+
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, None, False, 0.1, self.eps)
+
+
+class _KeptForward(nn.BatchNorm2d):
+    """A class of one's own that keeps torch's forward: torch's batch norm, folded."""
+
+
+class _OwnRMS(nn.RMSNorm):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim, eps=1e-6)
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+def _norm_cnn(norm) -> type:
+    class NormCNN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn, self.head = nn.Conv2d(1, 8, 3, padding=1), norm(8), nn.Linear(8, 10)
+
+        def example_input(self):
+            return torch.zeros(2, 64)
+
+        def forward(self, x):
+            return self.head(F.relu(self.bn(self.conv(x.view(-1, 1, 8, 8)))).mean((2, 3)))
+
+    return NormCNN
+
+
+class _RMSNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(64, 16), _OwnRMS(16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.b(F.relu(self.norm(self.a(x))))
+
+
+@pytest.mark.parametrize(
+    ("cls", "folded"),
+    [
+        (_norm_cnn(_AlwaysBatchStats), False),
+        (_norm_cnn(_ShiftAfterAct), False),
+        (_norm_cnn(_NoShift), False),
+        (_norm_cnn(_KeptForward), True),
+        (_RMSNet, False),
+    ],
+)
+@pytest.mark.parametrize("method", ["pfnm", "ot"])
+def test_norms_of_ones_own_fold_only_when_they_are_a_batch_norm(cls, folded, method):
+    """A functional batch norm is folded into the layer before it only where it normalises by its
+    running statistics and applies every scale and shift its module holds (a shift applied after
+    the activation, or never, is not the norm's; each had been folded, 0.06-0.08 off, or crashed);
+    a class that keeps torch's forward is torch's layer; an RMSNorm of one's own is rebuilt as a
+    copy (its ``__init__`` took no ``eps``)."""
+    torch.manual_seed(0)
+    model = library_randomised(cls())
+    assert bool(spec_from_module(model).folds) == folded
+    x = torch.randn(12, 64)
+    assert _gap(model, bayesfuse.fuse([model, _permuted(model, 1)], method).model, x) < 1e-4
+    torch.manual_seed(1)
+    assert bayesfuse.fuse([library_randomised(cls()) for _ in range(3)], method).model(x).shape == (12, 10)
+
+
+def test_norms_without_affine_parameters_of_one_group_per_channel_keep_their_width():
+    """A group norm of one group per channel without affine parameters has nothing that gives its
+    ``num_groups`` at another width (torch's GroupNorm: PFNM built a network that could not run;
+    one of one's own calling ``F.group_norm``): the width is fixed, PFNM refuses in one line that
+    says why, OT fuses."""
+
+    class OwnGroupNorm(nn.GroupNorm):
+        def forward(self, x):
+            return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    for norm, message in (
+        (lambda n: nn.GroupNorm(n, n, affine=False), "GroupNorm 'bn' of one group per channel has no affine"),
+        (lambda n: OwnGroupNorm(n, n, affine=False), "group_norm has no weight or bias, so nothing gives its width"),
+    ):
+        torch.manual_seed(0)
+        models = [_norm_cnn(norm)().eval() for _ in range(3)]
+        with pytest.raises(ValueError, match=message):
+            bayesfuse.fuse(models, "pfnm")
+        assert (
+            _gap(models[0], bayesfuse.fuse([models[0], _permuted(models[0], 1)], "ot").model, torch.randn(5, 64)) < 1e-4
+        )
