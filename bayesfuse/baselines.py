@@ -17,6 +17,7 @@ from torch import nn
 from bayesfuse._validation import check_inputs, check_num_samples, normalised_weights
 from bayesfuse.metrics import evaluate
 from bayesfuse.nets.predict import predict_proba
+from bayesfuse.nets.state import load_state
 
 if TYPE_CHECKING:
     from bayesfuse.models.bnn import HorseshoeBNN
@@ -80,9 +81,7 @@ def fedavg(models: Sequence[nn.Module], weights: Sequence[float] | np.ndarray | 
     if len(models) == 0:
         raise ValueError("fedavg needs at least one model")
     avg = fedavg_state_dicts([m.state_dict() for m in models], weights)
-    fused = copy.deepcopy(models[0])
-    fused.load_state_dict(avg)
-    return fused
+    return load_state(copy.deepcopy(models[0]), avg)
 
 
 class Ensemble(nn.Module):

@@ -34,6 +34,7 @@ BENCHMARKS = [
     "bench_deep.py",
     "bench_architectures.py",
     "bench_user_nets.py",
+    "bench_model_zoo.py",
     "bench_fedma_sizes.py",
     "bench_fidelity.py",
     "bench_calibration.py",
@@ -82,6 +83,8 @@ QUICK = {
     ],
     "bench_architectures.py": ["--dataset", "digits", "--seeds", "0", "--epochs", "2", "--train-size", "0"],
     "bench_user_nets.py": ["--seeds", "0", "--epochs", "2"],
+    # torchvision's and timm's networks (each library says "skipped" where it is not installed)
+    "bench_model_zoo.py": ["--models", "resnet18", "convnext_tiny", "lcnet_050", "--out", "{out}/model_zoo.md"],
     "bench_fedma_sizes.py": ["--dataset", "digits", "--noise-vars", "1", "3"],
     "bench_fidelity.py": ["--quick", "--out", "{out}"],
     "bench_calibration.py": [

@@ -26,7 +26,7 @@ from bayesfuse.nets.images import image_shape
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
 from bayesfuse.nets.resnet import resnet18, resnet20
-from bayesfuse.nets.state import RMS_NORMS, OutputLogitsError, floating_like, forward_error
+from bayesfuse.nets.state import RMS_NORMS, OutputLogitsError, floating_like, forward_error, load_state
 
 __all__ = [
     "ARCHITECTURES",
@@ -318,8 +318,7 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
         new.pans = nn.ModuleList(
             PositionAware(layer.out_features, pan) for layer in cast(Sequence[nn.Linear], new.layers[:-1])
         )
-    new.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
-    return new
+    return load_state(new, state_dict)
 
 
 def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "the fused network") -> None:

@@ -12,10 +12,32 @@ from torch import nn
 
 from bayesfuse._validation import as_input
 
-__all__ = ["as_array", "numpy_state", "tensor_state", "floating_like", "model_input", "forward_error", "run_once"]
+__all__ = [
+    "as_array",
+    "numpy_state",
+    "tensor_state",
+    "floating_like",
+    "model_input",
+    "forward_error",
+    "run_once",
+    "load_state",
+]
 
 #: ``nn.RMSNorm`` (torch >= 2.4; none before): a LayerNorm without the mean, one scale per unit.
 RMS_NORMS: tuple[type[nn.Module], ...] = tuple(getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n))
+
+
+def load_state(model: nn.Module, state: Mapping) -> nn.Module:
+    """``model.load_state_dict(state)`` with the versions the model's own state_dict records (its
+    ``_metadata``): a module that reads its version while loading (torchvision's MNASNet) refuses a
+    plain dict. Returns ``model``."""
+    own = model.state_dict()
+    loaded = type(own)((k, torch.as_tensor(v)) for k, v in state.items())
+    metadata = getattr(own, "_metadata", None)
+    if metadata is not None:
+        loaded._metadata = metadata  # type: ignore[attr-defined]
+    model.load_state_dict(loaded)
+    return model
 
 
 def as_array(t: torch.Tensor) -> np.ndarray:

@@ -18,7 +18,7 @@ from bayesfuse.data import Dataset
 from bayesfuse.inference.spec import Axis, permute, random_permutations
 from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
-from tests.helpers import far_from_identity_norms, library_randomised
+from tests.helpers import far_from_identity_norms, library_randomised, permuted_copy
 from tests.nets.user_nets import (
     ArgmaxUnits,
     Attention,
@@ -1471,3 +1471,33 @@ def test_norms_without_affine_parameters_of_one_group_per_channel_keep_their_wid
         assert (
             _gap(models[0], bayesfuse.fuse([models[0], _permuted(models[0], 1)], "ot").model, torch.randn(5, 64)) < 1e-4
         )
+
+
+class _Versioned(nn.Module):
+    """A module that reads its version from the state_dict's metadata while loading, as
+    torchvision's MNASNet does, and refuses a state_dict without one."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(64, 12), nn.Linear(12, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(x)))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        if local_metadata.get("version") != 2:
+            raise ValueError(f"version should be set to 2 instead of {local_metadata.get('version')}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["pfnm", "ot", "fedavg"])
+def test_a_module_that_reads_its_version_while_loading_is_rebuilt(method):
+    """The fused network is loaded with the versions its own state_dict records (a plain dict has
+    none, and torchvision's MNASNet refused to load one: every method failed)."""
+    model = _random(_Versioned, 0)
+    fused = bayesfuse.fuse([model, permuted_copy(model, spec_from_module(model), seed=1)], method).model
+    assert type(fused) is _Versioned and fused(torch.randn(3, 64)).shape == (3, 10)
+    if method != "fedavg":
+        assert _gap(model, fused, torch.randn(5, 64)) < 1e-5
