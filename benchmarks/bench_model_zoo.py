@@ -12,7 +12,8 @@ statistic drawn away from 1 and 0, ``tests.helpers.library_randomised``): the pe
 traced from its module at the model's own input size (``spec_from_graph``), its groups and the
 groups whose width its forward fixes (``spec.fixed``), or the first line of the refusal; then,
 for models of at most ``--max-params`` parameters, a copy with every group permuted at random
-fused with the original by PFNM (``--size`` pixels square where the model takes any size): the
+fused with the original by PFNM (by OT where the forward fixes a width; ``--size`` pixels square
+where the model takes any size): the
 largest absolute difference of the fused network's logits from the original's on 4 random
 images, beside the largest logit (float32 round-off is about 1e-7 of it per layer, more through
 deep stacks of batch norms), and the seconds it took.
@@ -95,11 +96,16 @@ def check(name: str, build, library: str, fixed: int | None, size: int, max_para
     if params > max_params:
         return row
     permuted = permuted_copy(model, spec, seed=1)
+    method = "ot" if spec.fixed else "pfnm"  # a width its forward fixes: the method that keeps widths
     with torch.no_grad():
         reference = model(x)
         start = time.perf_counter()
-        fused = bayesfuse.fuse([model, permuted], "pfnm", example_input=x[:1]).model
-        row["fuse_s"] = time.perf_counter() - start
+        try:
+            fused = bayesfuse.fuse([model, permuted], method, example_input=x[:1]).model
+        except Exception as err:  # a refusal after tracing, reported in its first line
+            row["why"] = f"{method}: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            return row
+        row["method"], row["fuse_s"] = method, time.perf_counter() - start
         row["gap"] = float((fused(x) - reference).abs().max())
         row["scale"] = float(reference.abs().max())
     return row
@@ -107,15 +113,15 @@ def check(name: str, build, library: str, fixed: int | None, size: int, max_para
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| library | model | parameters | traced | groups (fixed) | PFNM of a permuted copy: max logit gap (largest logit) "
-        "| seconds |",
+        "| library | model | parameters | traced | groups (fixed) | a permuted copy fused back: method, max logit gap "
+        "(largest logit) | seconds |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["traced"] == "no":
             lines.append(f"| {r['library']} | {r['model']} | {r['parameters'] / 1e6:.1f}M | no: {r['why']} | | | |")
             continue
-        gap = f"{r['gap']:.1e} ({r['scale']:.2g})" if "gap" in r else "-"
+        gap = f"{r['method']}, {r['gap']:.1e} ({r['scale']:.2g})" if "gap" in r else r.get("why", "-")
         seconds = f"{r['fuse_s']:.1f}" if "fuse_s" in r else "-"
         lines.append(
             f"| {r['library']} | {r['model']} | {r['parameters'] / 1e6:.1f}M | yes | {r['groups']} ({r['fixed']}) | "

@@ -138,6 +138,7 @@ _RESIZED = (
     nn.modules.conv._ConvNd,
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
+    *RMS_NORMS,
     nn.GroupNorm,
     nn.Embedding,
     nn.EmbeddingBag,

@@ -59,9 +59,11 @@ num_heads``, tied to the stream, so a stream fused to another width cannot be re
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import math
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import NoReturn, TypeGuard, cast
 
@@ -419,8 +421,56 @@ class _Tracer(fx.Tracer):
             return False
         if type(m).__module__.startswith("torch.nn") or type(m).__name__ == "PositionAware":
             return True
-        # a class of one's own that keeps torch's forward (class MyNorm(nn.BatchNorm2d): pass): torch's layer
-        return getattr(type(m).forward, "__module__", "").startswith("torch.nn") and type(m).__mro__[1] is not nn.Module
+        return _renamed_torch_layer(m)
+
+
+def _restore_modes(model: nn.Module, modes: dict) -> None:
+    """Every module of ``model`` back in its mode of ``modes``: ``model.train(mode)`` first (a
+    ``train`` of one's own runs again, undoing what ``eval()`` did), then each module's own flag."""
+    model.train(modes[model])
+    for m, training in modes.items():
+        m.training = training
+
+
+def _warn_unread(model: nn.Module, gm: fx.GraphModule) -> None:
+    """Warn of parameters the eval-mode forward never reads (a branch run only in training, as an
+    auxiliary classifier): no unit of theirs is followed, so fusion leaves them unaligned."""
+    read: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            read.add(str(node.target))
+        elif node.op == "call_module":
+            read.update(f"{node.target}.{k}" for k, _ in gm.get_submodule(str(node.target)).named_parameters())
+    unread = [k for k, _ in model.named_parameters() if k not in read]
+    if unread:
+        listed = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
+        warnings.warn(
+            f"{type(model).__name__}: {listed} are not read by its forward in eval mode (a layer it does not use, "
+            "a branch that does not run, or an auxiliary classifier read only in training): their units are not "
+            "followed, so fusion leaves them unaligned; remove them before fusing, or give a spec",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _renamed_torch_layer(m: nn.Module) -> bool:
+    """Whether ``m`` is a torch layer under a class name of one's own (``class MyNorm(nn.BatchNorm2d):
+    pass``): it derives from a torch layer, its own classes define no method but ``__init__``,
+    it holds no function of its own (``self.forward = ...``) and it has no hooks; traced as that
+    torch layer then (the control flow inside torch's forward is not the user's)."""
+    mro = type(m).__mro__
+    own = [c for c in mro if not c.__module__.startswith("torch.") and c is not object]
+    if not own or not any(c.__module__.startswith("torch.nn") and c is not nn.Module for c in mro):
+        return False  # torch's own class, or a module of one's own on nn.Module
+    methods = any(
+        inspect.isfunction(v) or isinstance(v, (staticmethod, classmethod, property))
+        for c in own
+        for k, v in vars(c).items()
+        if k != "__init__"
+    )
+    hooks = any(getattr(m, h, None) for h in ("_forward_hooks", "_forward_pre_hooks"))
+    functions = any(callable(v) and not isinstance(v, nn.Module) for v in vars(m).values())
+    return not (methods or hooks or functions)
 
 
 def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:
@@ -546,8 +596,7 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
                 "without control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
             ) from None
     finally:
-        for m, training in modes.items():
-            m.training = training
+        _restore_modes(model, modes)
     gm = fx.GraphModule(model, graph)
     from torch.fx.passes.shape_prop import ShapeProp
 
@@ -558,9 +607,16 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     except Exception as err:  # the user's forward failing on the example input
         raise _not_running(model, x, err, guessed=example_input is None) from None
     finally:
-        for m, training in modes.items():
-            m.training = training
-    return _Walk(model).run(gm)
+        _restore_modes(model, modes)
+    spec = _Walk(model).run(gm)
+    try:  # every axis the walk described holds whole units of its group, at the network's own widths
+        spec.sizes({k: v.detach() for k, v in model.state_dict().items()})
+    except ValueError as err:
+        raise UnsupportedLayerError(
+            f"{type(model).__name__}: its units cannot be followed through the whole network ({err}); give a spec"
+        ) from None
+    _warn_unread(model, gm)
+    return spec
 
 
 def check_example_runs(model: nn.Module, example_input=None) -> torch.Tensor:
@@ -646,6 +702,7 @@ class _Walk:
         self.producer: dict = {}  # node -> name of the Linear/Conv module whose output it is
         self.var_producer: dict[int, str] = {}  # a Linear/Conv module's output variable -> its name
         self.folds: dict[str, str] = {}
+        self.normed: set[str] = set()  # batch norms applied so far: one applied twice is folded into neither layer
         self.transposed: list[str] = []  # the weights of transposed convolutions: their units on axis 1
         self.order: list[int] = []
         self.cut: dict[int, tuple[int, int]] = {}  # a class re-described as blocks -> (the new one, blocks)
@@ -962,9 +1019,7 @@ class _Walk:
             # folded into the layer before only with running statistics (without, it normalises by each
             # batch's, in eval mode too: nothing to fold); one without a scale is given 1 and 0 to fold
             # (bayesfuse.inference.bias_free)
-            if m.track_running_stats and isinstance(inp, fx.Node) and inp in self.producer:
-                if len(inp.users) == 1:
-                    self.folds[name] = self.producer[inp]
+            self.fold(name, inp, m.track_running_stats)
         elif isinstance(m, (nn.LayerNorm, *RMS_NORMS)):
             kind = type(m).__name__
             if len(cast(tuple, m.normalized_shape)) != 1:
@@ -1367,9 +1422,24 @@ class _Walk:
         if named and whole and isinstance(eps, float) and eps == getattr(owner, "eps", None):
             if f"{bn}.num_batches_tracked" in self.state_keys:
                 self.set_axes(f"{bn}.num_batches_tracked", [])
-            inp = bound.get("input")
-            if isinstance(inp, fx.Node) and inp in self.producer and len(inp.users) == 1:
-                self.folds[bn] = self.producer[inp]
+            # its entries read by this call alone (not scaled again after it, nor applied twice)
+            alone = all(
+                n.target not in entries.values() or list(n.users) == [node]
+                for n in node.graph.nodes
+                if n.op == "get_attr"
+            )
+            self.fold(bn, bound.get("input"), alone)
+
+    def fold(self, bn: str, inp, foldable: bool) -> None:
+        """Fold batch norm ``bn`` into the layer whose output ``inp`` is (:attr:`PermutationSpec.folds`)
+        where ``foldable`` and nothing else reads that output; a batch norm applied more than once
+        (after two layers) is folded into none."""
+        if bn in self.normed:
+            self.folds.pop(bn, None)
+            return
+        self.normed.add(bn)
+        if foldable and isinstance(inp, fx.Node) and inp in self.producer and len(inp.users) == 1:
+            self.folds[bn] = self.producer[inp]
 
     def norm_width(self, x, f, shape, owners: list, what: str, node) -> tuple:
         """``(width, whether it follows the units, where it should be kept)`` for the

@@ -1501,3 +1501,141 @@ def test_a_module_that_reads_its_version_while_loading_is_rebuilt(method):
     assert type(fused) is _Versioned and fused(torch.randn(3, 64)).shape == (3, 10)
     if method != "fedavg":
         assert _gap(model, fused, torch.randn(5, 64)) < 1e-5
+
+
+class _GainConv(nn.Conv2d):
+    """Keeps torch's forward, but its ``_conv_forward`` scales the filters by a gain of its own."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.rand(self.out_channels, 1, 1, 1) + 0.5)
+
+    def _conv_forward(self, x, w, b):
+        return super()._conv_forward(x, w * self.gain, b)
+
+
+class _HookedLinear(nn.Linear):
+    """Keeps torch's forward, with a pre-hook scaling its inputs by a buffer."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("mask", torch.rand(self.in_features) + 0.5)
+        self.register_forward_pre_hook(lambda mod, inp: (inp[0] * mod.mask,))
+
+
+def test_only_a_torch_layer_renamed_is_traced_as_the_torch_layer():
+    """``class MyNorm(nn.BatchNorm2d): pass`` is torch's batch norm (folded); a subclass that changes
+    anything (a method, a hook, a forward set on the instance) is traced through, here to a
+    refusal: as torch's layer, a gain of its own went unpermuted (a permuted copy 0.02 off)."""
+    from bayesfuse.nets.graph_spec import _renamed_torch_layer
+
+    assert _renamed_torch_layer(_KeptForward(4)) and not _renamed_torch_layer(_GainConv(1, 4, 3))
+    assert not _renamed_torch_layer(_HookedLinear(4, 3)) and not _renamed_torch_layer(nn.Module())
+    assert not _renamed_torch_layer(LayerNorm2d(4)) and not _renamed_torch_layer(nn.Sequential())
+    with pytest.raises(UnsupportedLayerError, match="conv2d on a permuted axis cannot be followed"):
+        spec_from_module(_GainNet())
+
+
+class _GainNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.conv, self.head = nn.Conv2d(1, 8, 3, padding=1), _GainConv(8, 8, 3, padding=1), nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        return self.head(F.relu(self.conv(F.relu(self.stem(x.view(-1, 1, 8, 8))))).mean((2, 3)))
+
+
+class _NormReadTwice(nn.BatchNorm2d):
+    """``F.batch_norm``, then its scale applied once more: its entries are read outside the norm."""
+
+    def forward(self, x):
+        y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.1, self.eps)
+        return y * self.weight[:, None, None]
+
+
+class _OneNormTwoConvs(nn.Module):
+    """One batch-norm module applied after two convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.bn, self.head = nn.BatchNorm2d(8), nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.a(x.view(-1, 1, 8, 8))))
+        return self.head(F.relu(self.bn(self.b(h))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("cls", [_norm_cnn(_NormReadTwice), _OneNormTwoConvs])
+def test_a_batch_norm_read_more_than_once_is_folded_into_no_layer(cls):
+    """Folding sets a batch norm to the identity: where its entries are read elsewhere too (its
+    scale applied again; one module after two layers), it had been folded all the same and a
+    permuted copy fused back 0.2-0.5 off. It is folded into none now."""
+    torch.manual_seed(0)
+    model = library_randomised(cls())
+    assert spec_from_module(model).folds == {}
+    x = torch.randn(12, 64)
+    for method in ("pfnm", "ot"):
+        assert _gap(model, bayesfuse.fuse([model, _permuted(model, 1)], method).model, x) < 1e-4
+
+
+class _RMSWithAct(nn.RMSNorm):
+    """An RMSNorm holding its activation as a child module."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.act(super().forward(x))
+
+
+class _FrozenInEval(nn.Module):
+    """A ``train`` of its own that freezes a layer in eval mode and thaws it in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(64, 16), _RMSWithAct(16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x)))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for p in self.fc1.parameters():
+            p.requires_grad_(mode)
+        return self
+
+
+class _AuxHead(nn.Module):
+    """An auxiliary classifier read only in training (GoogLeNet's, Inception's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.aux = nn.Linear(64, 12), nn.Linear(12, 10), nn.Linear(12, 10)
+
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        return (self.b(h), self.aux(h)) if self.training else self.b(h)
+
+
+def test_tracing_in_eval_mode_gives_back_the_models_modes_and_says_what_it_does_not_read():
+    """The trace reads the network as it predicts (eval mode) and gives every module its mode back
+    through the model's own ``train`` (which had been left undone: a layer frozen in eval mode
+    stayed frozen); an RMSNorm holding a child module is rebuilt at the fused width; parameters
+    the eval-mode forward never reads (an auxiliary head) are named in a warning, since fusion
+    leaves them unaligned."""
+    torch.manual_seed(0)
+    models = [_FrozenInEval().train() for _ in range(2)]
+    fused = bayesfuse.fuse(models, "pfnm").model
+    assert all(m.training and m.fc1.weight.requires_grad for m in models)
+    assert fused.norm.normalized_shape == (fused.fc1.out_features,) and fused(torch.randn(3, 64)).shape == (3, 10)
+    with pytest.warns(UserWarning, match=r"aux.weight, aux.bias are not read by its forward in eval mode"):
+        spec = spec_from_module(_AuxHead().train())
+    assert spec.axes["aux.weight"] == (None, None)
