@@ -1097,10 +1097,20 @@ class _Walk:
 
     def dense(self, node, name: str, m: nn.Linear, inp, f, units) -> None:
         """Linear layer ``name`` (module ``m``) applied to ``inp``, whose units are ``f`` (or
-        streams side by side, ``units``)."""
+        streams side by side, ``units``). One that acts across another axis than the units'
+        (MLP-Mixer's and ResMLP's token mixing, ``fc(x.transpose(1, 2))``) reads and writes numbers
+        no permutation moves, so its units are kept in place, never matched (its weight's axes
+        unpermuted), and the units pass through on their axis."""
         f, units = (f, units) if self.has_units(units) else (None, None)
         if units is not None and units.dim != len(_tensor_shape(inp)) - 1:
-            self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
+            if not isinstance(units, _Feature) or name in self.module_vars:
+                self.fail(node, "a Linear layer that acts on an axis other than the units' is not supported")
+            self.stored(node, m, ("weight", "bias"), name=name)
+            self.set_axes(f"{name}.weight", [None, None])
+            if m.bias is not None:
+                self.set_axes(f"{name}.bias", [None])
+            self.labels[node] = units
+            return
         out, cut = self.layer_vars(name, f, node)
         self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], len(_tensor_shape(node)) - 1, name=name)
 

@@ -50,6 +50,7 @@ from tests.nets.user_nets import (
     LayerScaleCNN,
     LlamaMLP,
     LogSoftmaxMLP,
+    MixerBlock,
     MyGRU,
     MyLSTM,
     MyMLP,
@@ -136,6 +137,7 @@ NETS = [
     OwnGroupNormCNN,  # F.group_norm in a GroupNorm subclass, of 4 groups and of one per channel
     TimmStyleCNN,  # F.batch_norm with its activation in a BatchNorm2d subclass, F.linear in a Linear one
     ShiftedWindows,  # F.pad and torch.roll along the positions of channels-last maps, torch.addcmul
+    MixerBlock,  # a Linear across the tokens, its units kept in place
 ]
 
 

@@ -4,7 +4,7 @@ installed (it is no dependency of bayesfuse; skipped without it).
 timm writes its layers as classes of its own: ``BatchNormAct2d`` (``F.batch_norm`` and an
 activation), ``Linear`` (``F.linear``), ``LayerNorm2d`` (``F.layer_norm`` of the channels moved
 last); Swin rolls and pads its channels-last windows along the positions; ConvNeXt-V2's
-response norm is ``torch.addcmul``. Small models of six families fuse back from permuted copies and fuse independent
+response norm is ``torch.addcmul``; MLP-Mixer and ResMLP mix tokens by Linear layers across them. Small models of six families fuse back from permuted copies and fuse independent
 clients into networks of timm's classes (:func:`tests.helpers.assert_library_network_fuses`).
 """
 
@@ -34,5 +34,19 @@ def test_timm_networks_fuse_back_and_fuse(name, options):
     def make(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         return library_randomised(timm.create_model(name, pretrained=False, num_classes=10, **options))
+
+    assert_library_network_fuses(make, torch.randn(4, 3, 32, 32))
+
+
+@pytest.mark.parametrize("kind", ["mixer", "resmlp"])
+def test_timm_token_mixing_networks_fuse_back_and_fuse(kind):
+    from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
+
+    layers = {"block_layer": ResBlock, "norm_layer": Affine, "mlp_ratio": 4} if kind == "resmlp" else {}
+
+    def make(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = MlpMixer(num_classes=10, img_size=32, patch_size=8, num_blocks=2, embed_dim=16, **layers)
+        return library_randomised(model)
 
     assert_library_network_fuses(make, torch.randn(4, 3, 32, 32))

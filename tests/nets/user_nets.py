@@ -1198,3 +1198,25 @@ class ShiftedWindows(nn.Module):
         h = torch.roll(F.pad(self.norm(h), (0, 0, 0, 1, 0, 1)), shifts=(-1, -1), dims=(1, 2))
         h = h + torch.addcmul(self.beta, self.alpha, F.gelu(self.mix(h)))
         return self.head(h.mean((1, 2)))
+
+
+class MixerBlock(nn.Module):
+    """An MLP-Mixer block: 8 tokens of 8 features embedded to 12 channels, a token-mixing MLP
+    across the tokens (``fc(x.transpose(1, 2))``, its units kept in place) and a channel MLP, each
+    added to the stream, a pooled head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm1, self.norm2 = nn.Linear(8, 12), nn.LayerNorm(12), nn.LayerNorm(12)
+        self.tok1, self.tok2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.ch1, self.ch2, self.head = nn.Linear(12, 24), nn.Linear(24, 12), nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = self.embed(x.view(-1, 8, 8))
+        mixed = self.tok2(F.gelu(self.tok1(self.norm1(h).transpose(1, 2))))
+        h = h + mixed.transpose(1, 2)
+        h = h + self.ch2(F.gelu(self.ch1(self.norm2(h))))
+        return self.head(h.mean(1))
