@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         metavar="REF",
-        help="your network, MODULE:NAME or FILE.py:NAME (no arguments): traced, the fused model run in it",
+        help="your network, MODULE:NAME or FILE.py:NAME, literal arguments in parentheses if it needs any "
+        "(torchvision.models:resnet18(num_classes=10)): traced, the fused model run in it",
     )
     fz.add_argument(
         "--input-shape",
@@ -375,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="REF",
         dest="network",
-        help="your network, MODULE:NAME or FILE.py:NAME (no arguments), for a file whose entry names bayesfuse "
+        help="your network, MODULE:NAME or FILE.py:NAME (literal arguments in parentheses if any), for a file whose "
+        "entry names bayesfuse "
         "cannot read: traced and run on the client's inputs",
     )
     sm.add_argument(

@@ -118,6 +118,30 @@ def test_bad_model_references_get_one_line(tmp_path, capsys, ref, message):
     assert not (tmp_path / "f.pt").exists()
 
 
+def test_model_references_take_literal_arguments(tmp_path, capsys):
+    """``--model MODULE:NAME(ARGS)`` builds the network with literal arguments
+    (``torchvision.models:resnet18(num_classes=10)``): read by ``ast.literal_eval``, never run."""
+
+    models = [_random(lambda: ResMLP(blocks=3), seed) for seed in range(2)]
+    paths = [str(save_state_dict(m.state_dict(), tmp_path / f"deep{j}.pt")) for j, m in enumerate(models)]
+    out = tmp_path / "f.pt"
+    ref = "tests.nets.user_nets:ResMLP(64, blocks=3)"
+    assert main(["fuse", *paths, "--method", "pfnm", "--model", ref, "--out", str(out)]) == 0
+    fused = bayesfuse.load(out, like=ResMLP(blocks=3))
+    assert fused(torch.randn(4, 64)).shape == (4, 10)
+    capsys.readouterr()
+    for bad, message in (
+        ("tests.nets.user_nets:ResMLP(blocks=len('abc'))", "its arguments must be Python literals"),
+        ("tests.nets.user_nets:ResMLP(**{'blocks': 3})", "its arguments must be Python literals"),
+        ("tests.nets.user_nets:ResMLP(blocks=3", "expected MODULE:NAME or FILE.py:NAME, with literal arguments"),
+        ("tests.nets.user_nets:ResMLP(depth=3)", r"ResMLP\(depth=3\) failed \(TypeError"),
+    ):
+        assert main(["fuse", *paths, "--method", "pfnm", "--model", bad, "--out", str(tmp_path / "g.pt")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and __import__("re").search(message, err), err
+    assert not (tmp_path / "g.pt").exists()
+
+
 def test_model_from_a_file_path(tmp_path):
     source = tmp_path / "mynets.py"
     source.write_text("from tests.nets.user_nets import ResMLP\n\ndef build():\n    return ResMLP()\n")

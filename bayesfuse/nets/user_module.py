@@ -1,4 +1,5 @@
-"""A user's network named on the command line: ``package.module:Class`` or ``path/to/file.py:Class``.
+"""A user's network named on the command line: ``package.module:Class`` or ``path/to/file.py:Class``,
+called with no arguments or with literal ones (``torchvision.models:resnet18(num_classes=10)``).
 
 ``bayesfuse fuse --model REF`` traces the architecture from the network itself instead of
 reading a chain off the files' entry names (:func:`bayesfuse.fuse_files.fuse_files`, ``like``).
@@ -6,6 +7,7 @@ reading a chain off the files' entry names (:func:`bayesfuse.fuse_files.fuse_fil
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import sys
@@ -13,29 +15,39 @@ from pathlib import Path
 
 from torch import nn
 
+from bayesfuse._text import first_line
+
 __all__ = ["model_from_reference"]
 
 
 def model_from_reference(ref: str) -> nn.Module:
-    """The network ``ref`` names, built by calling it with no arguments.
+    """The network ``ref`` names, built by calling it with no arguments, or with the literal
+    arguments ``ref`` gives.
 
     Parameters
     ----------
     ref : str
         ``module:attribute`` (``mypackage.nets:ResNet``, imported as Python imports it, the
         current directory first) or ``file.py:attribute``; the attribute is a class or function
-        that returns an ``nn.Module`` of the files' architecture when called with no arguments
-        (any widths: they are read off the files).
+        that returns an ``nn.Module`` of the files' architecture (any widths: they are read off
+        the files). Arguments may follow it in parentheses, Python literals only, read with
+        :func:`ast.literal_eval` and never run: ``torchvision.models:resnet18(num_classes=10)``,
+        ``timm:create_model('convnext_atto', num_classes=10)``.
 
     Raises
     ------
     ValueError
-        One line: the reference is malformed, the module cannot be imported, the attribute is
-        missing, its call fails, or it returns no ``nn.Module``.
+        One line: the reference is malformed, an argument is no literal, the module cannot be
+        imported, the attribute is missing, its call fails, or it returns no ``nn.Module``.
     """
-    where, sep, attribute = ref.rpartition(":")
-    if not sep or not where or not attribute.isidentifier():
-        raise ValueError(f"--model {ref!r}: expected MODULE:NAME or FILE.py:NAME, e.g. mynets:ResNet or nets.py:ResNet")
+    head, paren, call = ref.partition("(")
+    where, sep, attribute = head.rpartition(":")
+    if not sep or not where or not attribute.isidentifier() or (paren and not call.endswith(")")):
+        raise ValueError(
+            f"--model {ref!r}: expected MODULE:NAME or FILE.py:NAME, with literal arguments if any, e.g. "
+            "mynets:ResNet, nets.py:ResNet or torchvision.models:resnet18(num_classes=10)"
+        )
+    args, kwargs = _literal_arguments(ref, attribute + paren + call) if paren else ((), {})
     try:
         module = _import(where)
     except Exception as err:  # the user's module failing to import, whatever it raises
@@ -47,16 +59,35 @@ def model_from_reference(ref: str) -> nn.Module:
     if factory is None or not callable(factory):
         raise ValueError(f"--model {ref!r}: {where} has no class or function {attribute!r}")
     try:
-        model = factory()
+        model = factory(*args, **kwargs)
     except Exception as err:  # a constructor that needs arguments, say
         raise ValueError(
-            f"--model {ref!r}: {attribute}() failed ({type(err).__name__}: "
+            f"--model {ref!r}: {attribute}({paren and call[:-1]}) failed ({type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); name a class or "
-            "function that builds the network with no arguments"
+            "function that builds the network, with its arguments in parentheses if it needs any"
         ) from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {ref!r}: {attribute}() returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _literal_arguments(ref: str, call: str) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of ``call`` (``name(1, width=0.5)``), literals only."""
+    try:
+        node = ast.parse(call, mode="eval").body
+        if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
+            raise ValueError("not a call")
+        if any(k.arg is None for k in node.keywords):
+            raise ValueError("no **arguments")
+        return (
+            tuple(ast.literal_eval(a) for a in node.args),
+            {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None},
+        )
+    except (SyntaxError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"--model {ref!r}: its arguments must be Python literals (numbers, strings, tuples, lists, dicts, "
+            f"True/False/None), by place or by name ({first_line(err)})"
+        ) from None
 
 
 #: The name a ``--model FILE.py:NAME`` file is imported under (``_bayesfuse_model_FILE``).
