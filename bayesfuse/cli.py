@@ -310,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         metavar="REF",
-        help="your network, MODULE:NAME or FILE.py:NAME, literal arguments in parentheses if it needs any "
-        "(torchvision.models:resnet18(num_classes=10)): traced, the fused model run in it",
+        help="your network, MODULE:NAME or FILE.py:NAME (literal arguments in parentheses if any): traced, the "
+        "fused model run in it",
     )
     fz.add_argument(
         "--input-shape",

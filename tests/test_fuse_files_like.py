@@ -120,7 +120,8 @@ def test_bad_model_references_get_one_line(tmp_path, capsys, ref, message):
 
 def test_model_references_take_literal_arguments(tmp_path, capsys):
     """``--model MODULE:NAME(ARGS)`` builds the network with literal arguments
-    (``torchvision.models:resnet18(num_classes=10)``): read by ``ast.literal_eval``, never run."""
+    (``torchvision.models:resnet18(num_classes=10)``), read by ``ast.literal_eval``: no expression
+    in them is evaluated, and one call of the name, nothing after it, is made."""
 
     models = [_random(lambda: ResMLP(blocks=3), seed) for seed in range(2)]
     paths = [str(save_state_dict(m.state_dict(), tmp_path / f"deep{j}.pt")) for j, m in enumerate(models)]
@@ -134,16 +135,23 @@ def test_model_references_take_literal_arguments(tmp_path, capsys):
         ("tests.nets.user_nets:ResMLP(blocks=len('abc'))", "its arguments must be Python literals"),
         ("tests.nets.user_nets:ResMLP(**{'blocks': 3})", "its arguments must be Python literals"),
         ("tests.nets.user_nets:ResMLP(blocks=3", "expected MODULE:NAME or FILE.py:NAME, with literal arguments"),
+        ("tests.nets.user_nets:ResMLP(64)(blocks=3)", r"one call of the name"),
+        ("tests.nets.user_nets:ResMLP(blocks=3, blocks=2)", r"an argument given twice"),
         ("tests.nets.user_nets:ResMLP(depth=3)", r"ResMLP\(depth=3\) failed \(TypeError"),
     ):
         assert main(["fuse", *paths, "--method", "pfnm", "--model", bad, "--out", str(tmp_path / "g.pt")]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and __import__("re").search(message, err), err
     assert not (tmp_path / "g.pt").exists()
+    from bayesfuse.nets.user_module import model_from_reference
+
+    with pytest.raises(ValueError) as err:  # arguments over two lines: the message still one
+        model_from_reference("tests.nets.user_nets:ResMLP(depth=\n 3)")
+    assert "\n" not in str(err.value) and "ResMLP(depth= 3) failed" in str(err.value)
 
 
 def test_model_from_a_file_path(tmp_path):
-    source = tmp_path / "mynets.py"
+    source = tmp_path / "my nets (1).py"  # a path may hold parentheses (a browser's second download)
     source.write_text("from tests.nets.user_nets import ResMLP\n\ndef build():\n    return ResMLP()\n")
     _, paths = _files(tmp_path, ResMLP, 2)
     assert (

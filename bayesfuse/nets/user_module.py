@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -31,8 +32,10 @@ def model_from_reference(ref: str) -> nn.Module:
         current directory first) or ``file.py:attribute``; the attribute is a class or function
         that returns an ``nn.Module`` of the files' architecture (any widths: they are read off
         the files). Arguments may follow it in parentheses, Python literals only, read with
-        :func:`ast.literal_eval` and never run: ``torchvision.models:resnet18(num_classes=10)``,
-        ``timm:create_model('convnext_atto', num_classes=10)``.
+        :func:`ast.literal_eval` (no expression in them is evaluated):
+        ``torchvision.models:resnet18(num_classes=10)``, ``timm:create_model('convnext_atto',
+        num_classes=10)``. The callable named is imported and called with them, so a reference
+        is code to trust as the command line it is given on.
 
     Raises
     ------
@@ -40,14 +43,14 @@ def model_from_reference(ref: str) -> nn.Module:
         One line: the reference is malformed, an argument is no literal, the module cannot be
         imported, the attribute is missing, its call fails, or it returns no ``nn.Module``.
     """
-    head, paren, call = ref.partition("(")
-    where, sep, attribute = head.rpartition(":")
-    if not sep or not where or not attribute.isidentifier() or (paren and not call.endswith(")")):
+    found = _REFERENCE.fullmatch(ref)
+    if found is None:
         raise ValueError(
             f"--model {ref!r}: expected MODULE:NAME or FILE.py:NAME, with literal arguments if any, e.g. "
             "mynets:ResNet, nets.py:ResNet or torchvision.models:resnet18(num_classes=10)"
         )
-    args, kwargs = _literal_arguments(ref, attribute + paren + call) if paren else ((), {})
+    where, attribute, call = found["where"], found["name"], found["call"]
+    args, kwargs = _literal_arguments(ref, attribute + call) if call else ((), {})
     try:
         module = _import(where)
     except Exception as err:  # the user's module failing to import, whatever it raises
@@ -62,7 +65,7 @@ def model_from_reference(ref: str) -> nn.Module:
         model = factory(*args, **kwargs)
     except Exception as err:  # a constructor that needs arguments, say
         raise ValueError(
-            f"--model {ref!r}: {attribute}({paren and call[:-1]}) failed ({type(err).__name__}: "
+            f"--model {ref!r}: {attribute}{' '.join((call or '()').split())} failed ({type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); name a class or "
             "function that builds the network, with its arguments in parentheses if it needs any"
         ) from None
@@ -75,10 +78,13 @@ def _literal_arguments(ref: str, call: str) -> tuple[tuple, dict]:
     """The positional and keyword arguments of ``call`` (``name(1, width=0.5)``), literals only."""
     try:
         node = ast.parse(call, mode="eval").body
-        if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
-            raise ValueError("not a call")
-        if any(k.arg is None for k in node.keywords):
-            raise ValueError("no **arguments")
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):  # one call: f(1)(2) is two
+            raise ValueError("one call of the name, f(...)")
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+            raise ValueError("no *arguments or **arguments")
+        names = [k.arg for k in node.keywords]
+        if len(set(names)) != len(names):
+            raise ValueError("an argument given twice")
         return (
             tuple(ast.literal_eval(a) for a in node.args),
             {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None},
@@ -89,6 +95,10 @@ def _literal_arguments(ref: str, call: str) -> tuple[tuple, dict]:
             f"True/False/None), by place or by name ({first_line(err)})"
         ) from None
 
+
+#: ``WHERE:NAME`` or ``WHERE:NAME(ARGS)``: the name is the last identifier after a colon that
+#: ends the reference or opens its arguments (a path may hold parentheses: ``nets (1).py:build``).
+_REFERENCE = re.compile(r"(?P<where>.+):(?P<name>[A-Za-z_]\w*)(?P<call>\(.*\))?", re.DOTALL)
 
 #: The name a ``--model FILE.py:NAME`` file is imported under (``_bayesfuse_model_FILE``).
 FILE_MODULE_PREFIX = "_bayesfuse_model_"
