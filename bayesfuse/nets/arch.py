@@ -173,8 +173,8 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
     if isinstance(module, nn.modules.conv._ConvNd):
         w = shape("weight")
         new = copy.deepcopy(module)
-        if module.groups != 1 and module.groups == module.in_channels == module.out_channels:  # depthwise
-            new.groups = w[0]
+        if module.groups != 1 and module.groups == module.in_channels:  # depthwise, k filters per channel
+            new.groups = w[0] // (module.out_channels // module.in_channels)
         new.in_channels, new.out_channels = w[1] * new.groups, w[0]
         new.weight = nn.Parameter(torch.empty(w))
         if module.bias is not None:

@@ -983,12 +983,14 @@ class _Walk:
             f, units = (f, units) if self.has_units(units) else (None, None)
             if units is not None and units.dim != 1:
                 self.fail(node, "a convolution must read channels on axis 1")
-            depthwise = m.groups != 1 and m.groups == m.in_channels == m.out_channels
+            # one group per input channel: depthwise, k filters per channel (a channel multiplier)
+            depthwise = m.groups != 1 and m.groups == m.in_channels and m.out_channels % m.in_channels == 0
             if m.groups != 1 and not depthwise:
                 self.grouped_conv(node, m, f)
                 return
-            if depthwise:  # one filter per channel: the channels' units as they are, blocks and all
-                rows = (f.var, f.outer, f.inner) if f is not None else (_FIXED, 1, 1)
+            if depthwise:  # the channels' units as they are, blocks and all; channel c's k filters together
+                k = m.out_channels // m.in_channels
+                rows = (f.var, f.outer, f.inner * k) if f is not None else (_FIXED, 1, 1)
                 self.layer_output(node, m, rows, [None], 1, writes=False)
             else:
                 out, cut = self.layer_vars(name, f, node)

@@ -39,6 +39,7 @@ from tests.nets.user_nets import (
     DenseBasic,
     DenseBlockCNN,
     DepthwiseCNN,
+    DepthwiseMultiplierCNN,
     GatedNet,
     GatedStream,
     GroupedCNN,
@@ -138,6 +139,7 @@ NETS = [
     TimmStyleCNN,  # F.batch_norm with its activation in a BatchNorm2d subclass, F.linear in a Linear one
     ShiftedWindows,  # F.pad and torch.roll along the positions of channels-last maps, torch.addcmul
     MixerBlock,  # a Linear across the tokens, its units kept in place
+    DepthwiseMultiplierCNN,  # two depthwise filters per channel
 ]
 
 
@@ -1641,3 +1643,15 @@ def test_tracing_in_eval_mode_gives_back_the_models_modes_and_says_what_it_does_
     with pytest.warns(UserWarning, match=r"aux.weight, aux.bias are not read by its forward in eval mode"):
         spec = spec_from_module(_AuxHead().train())
     assert spec.axes["aux.weight"] == (None, None)
+
+
+def test_a_depthwise_convolution_with_a_channel_multiplier_keeps_the_streams_permutation():
+    """``Conv2d(C, k C, groups=C)``: channel c's k filters follow channel c (its rows the stream's
+    units, k numbers each). It was read as a convolution of C groups, which cut the stream into C
+    blocks of one unit: no permutation left, independent clients averaged unit by unit."""
+    spec = spec_from_module(DepthwiseMultiplierCNN())
+    assert spec.axes["dw.weight"][0] == Axis(spec.axes["stem.weight"][0].group, 1, 2)
+    fused = bayesfuse.fuse([_random(DepthwiseMultiplierCNN, s) for s in range(3)], "pfnm").model
+    width = fused.stem.out_channels
+    assert width > 6 and (fused.dw.groups, fused.dw.out_channels) == (width, 2 * width)
+    assert fused(torch.randn(3, 64)).shape == (3, 10)

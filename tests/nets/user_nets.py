@@ -1220,3 +1220,22 @@ class MixerBlock(nn.Module):
         h = h + mixed.transpose(1, 2)
         h = h + self.ch2(F.gelu(self.ch1(self.norm2(h))))
         return self.head(h.mean(1))
+
+
+class DepthwiseMultiplierCNN(nn.Module):
+    """A depthwise convolution with two filters per channel (``Conv2d(6, 12, 3, groups=6)``) on a
+    residual stream: channel c's two filters follow channel c."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.conv = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
+        self.dw, self.pw = nn.Conv2d(6, 12, 3, padding=1, groups=6), nn.Conv2d(12, 8, 1)
+        self.head = nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x.view(-1, 1, 8, 8)))
+        h = h + F.relu(self.conv(h))
+        return self.head(F.relu(self.pw(F.relu(self.dw(h)))).mean((2, 3)))
