@@ -1036,7 +1036,9 @@ class _Walk:
                 )
             self.norm(node, m, units, axis=len(_tensor_shape(inp)) - 1, entries=("weight", "bias"))
         elif isinstance(m, nn.GroupNorm):
-            if m.num_groups not in (1, m.num_channels) and self.has_units(units):
+            if m.num_groups not in (1, m.num_channels) and isinstance(units, _Segments):
+                units = self.grouped_segments(node, inp, units, m.num_groups, f"GroupNorm {name!r}")
+            elif m.num_groups not in (1, m.num_channels) and self.has_units(units):
                 units = self.grouped_units(node, units, m.num_groups, f"GroupNorm with {m.num_groups} groups")
             if (
                 m.num_groups == m.num_channels > 1
@@ -1217,6 +1219,28 @@ class _Walk:
                 "groups cut through units; give a spec",
             )
         return _Feature(self.refine(units.var, cut) if cut > 1 else units.var, 1, units.outer * cut)
+
+    def grouped_segments(self, node, inp, seg: _Segments, g: int, what: str) -> _Segments:
+        """Streams side by side read by ``g`` equal groups of channels (a diffusion U-Net's
+        GroupNorm right after a skip's concatenation): each stream holds whole groups, its units
+        cut into blocks the groups do not cross (:meth:`grouped_units`), and its width fixed
+        (:attr:`PermutationSpec.fixed`): streams fused apart would not keep the groups equal."""
+        size = sum(length for _, length in seg.parts) // g
+        for part, length in seg.parts:
+            if length % size:
+                self.fail(node, f"a {what} of {g} groups of {size} channels cuts through a stream of {length}")
+            if not (isinstance(part, _Feature) and self.permuted(part)):
+                continue
+            k = length // size  # the groups this stream holds
+            cut = k // int(np.gcd(part.outer, k))
+            n = length // (part.outer * part.inner)
+            if part.inner != 1 or n % cut:
+                self.fail(node, f"a {what} of {g} groups cuts through the units of a stream of {length}; give a spec")
+            var = self.refine(part.var, cut) if cut > 1 else part.var
+            self.mark_fixed(var, f"{what} normalises groups across streams side by side, which fusion keeps equal")
+        label = self.raw(inp)  # relabelled by refine
+        assert isinstance(label, _Segments)
+        return label
 
     def grouped_conv(self, node, m: nn.modules.conv._ConvNd, f: _Feature | None) -> None:
         """A convolution of ``g`` groups (ResNeXt's): each group of output channels reads its own

@@ -45,6 +45,7 @@ from tests.nets.user_nets import (
     GroupedCNN,
     GroupNormCNN,
     GroupNormSiLU,
+    GroupNormSkip,
     InceptionMLP,
     KeywordOps,
     LayerNorm2d,
@@ -1655,3 +1656,20 @@ def test_a_depthwise_convolution_with_a_channel_multiplier_keeps_the_streams_per
     width = fused.stem.out_channels
     assert width > 6 and (fused.dw.groups, fused.dw.out_channels) == (width, 2 * width)
     assert fused(torch.randn(3, 64)).shape == (3, 10)
+
+
+def test_a_group_norm_right_after_a_concatenation_keeps_each_streams_groups():
+    """A GroupNorm of g groups right after streams side by side (a diffusion U-Net's skip): each
+    stream holds whole groups, its units cut into blocks the groups do not cross, and its width
+    fixed (streams fused apart would not keep the groups equal): OT and FedAvg fuse it, PFNM
+    refuses in one line. It was refused by every method."""
+    spec = spec_from_module(GroupNormSkip())
+    assert spec.axes["enc.weight"][0].outer == 2 and spec.axes["mid.weight"][0].outer == 1  # 2 groups, 1 group
+    assert len(spec.fixed) == 2 and all("GroupNorm 'gn'" in why for why in spec.fixed.values())
+    model, x = _random(GroupNormSkip, 0), torch.randn(6, 64)
+    assert _gap(model, _permuted(model, 1), x) < 1e-4
+    assert _gap(model, bayesfuse.fuse([model, _permuted(model, 2)], "ot").model, x) < 1e-4
+    models = [_random(GroupNormSkip, s) for s in range(3)]
+    assert bayesfuse.fuse(models, "fedavg").model(x).shape == (6, 10)
+    with pytest.raises(ValueError, match="GroupNorm 'gn' normalises groups across streams side by side"):
+        bayesfuse.fuse(models, "pfnm")

@@ -1239,3 +1239,21 @@ class DepthwiseMultiplierCNN(nn.Module):
         h = F.relu(self.stem(x.view(-1, 1, 8, 8)))
         h = h + F.relu(self.conv(h))
         return self.head(F.relu(self.pw(F.relu(self.dw(h)))).mean((2, 3)))
+
+
+class GroupNormSkip(nn.Module):
+    """A diffusion U-Net's step: a skip's channels (8) concatenated with the upsampled ones (4),
+    then a GroupNorm of 3 groups of 4 channels right after the concatenation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mid = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1)
+        self.gn, self.dec, self.head = nn.GroupNorm(3, 12), nn.Conv2d(12, 6, 3, padding=1), nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        skip = F.silu(self.enc(x.view(-1, 1, 8, 8)))
+        h = F.silu(self.gn(torch.cat([skip, F.silu(self.mid(skip))], 1)))
+        return self.head(F.silu(self.dec(h)).mean((2, 3)))
