@@ -706,6 +706,7 @@ class _Walk:
         self.transposed: list[str] = []  # the weights of transposed convolutions: their units on axis 1
         self.order: list[int] = []
         self.cut: dict[int, tuple[int, int]] = {}  # a class re-described as blocks -> (the new one, blocks)
+        self.coarse: set[int] = set()  # classes re-described as runs of units (coarsen)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
@@ -894,7 +895,7 @@ class _Walk:
         names: dict[int, str] = {}
         for v in self.order:
             r = self.classes.find(v)
-            if r != _FIXED and r not in names and r not in self.cut:
+            if r != _FIXED and r not in names and r not in self.cut and r not in self.coarse:
                 names[r] = f"P{len(names) + 1}"
 
         def axis(d):
@@ -1210,15 +1211,18 @@ class _Walk:
         GroupNorm of ``g`` groups normalises each group's channels together)."""
         if isinstance(units, _Segments):
             self.fail(node, f"a {what} of streams concatenated on their units is not supported; give a spec")
-        n = _tensor_shape(node.args[0])[1] // (units.outer * units.inner)
+        channels = _tensor_shape(node.args[0])[1]
+        n = channels // (units.outer * units.inner)
         cut = g // int(np.gcd(units.outer, g))
-        if units.dim != 1 or units.inner != 1 or n % cut:
+        # a unit of several channels (a depthwise convolution's k filters) must lie in one group
+        if units.dim != 1 or (channels // g) % units.inner or n % cut:
             self.fail(
                 node,
-                f"a {what} of {n * units.outer * units.inner} channels held as {units.outer} blocks of {n}: its "
+                f"a {what} of {channels} channels held as {units.outer} blocks of {n} units of {units.inner}: its "
                 "groups cut through units; give a spec",
             )
-        return _Feature(self.refine(units.var, cut) if cut > 1 else units.var, 1, units.outer * cut)
+        var = self.refine(units.var, cut) if cut > 1 else units.var
+        return _Feature(var, 1, units.outer * cut, units.inner)
 
     def grouped_segments(self, node, inp, seg: _Segments, g: int, what: str) -> _Segments:
         """Streams side by side read by ``g`` equal groups of channels (a diffusion U-Net's
@@ -1226,19 +1230,24 @@ class _Walk:
         cut into blocks the groups do not cross (:meth:`grouped_units`), and its width fixed
         (:attr:`PermutationSpec.fixed`): streams fused apart would not keep the groups equal."""
         size = sum(length for _, length in seg.parts) // g
-        for part, length in seg.parts:
+        done: set[int] = set()
+        for i, (_, length) in enumerate(seg.parts):
             if length % size:
                 self.fail(node, f"a {what} of {g} groups of {size} channels cuts through a stream of {length}")
-            if not (isinstance(part, _Feature) and self.permuted(part)):
-                continue
+            label = self.raw(inp)  # as relabelled by the refinements before
+            assert isinstance(label, _Segments)
+            part = label.parts[i][0]
+            if not (isinstance(part, _Feature) and self.permuted(part)) or self.classes.find(part.var) in done:
+                continue  # a stream concatenated twice: cut once
             k = length // size  # the groups this stream holds
             cut = k // int(np.gcd(part.outer, k))
             n = length // (part.outer * part.inner)
-            if part.inner != 1 or n % cut:
+            if size % part.inner or n % cut:
                 self.fail(node, f"a {what} of {g} groups cuts through the units of a stream of {length}; give a spec")
             var = self.refine(part.var, cut) if cut > 1 else part.var
+            done.add(self.classes.find(var))
             self.mark_fixed(var, f"{what} normalises groups across streams side by side, which fusion keeps equal")
-        label = self.raw(inp)  # relabelled by refine
+        label = self.raw(inp)
         assert isinstance(label, _Segments)
         return label
 
@@ -1253,7 +1262,7 @@ class _Walk:
         in_axis = None
         if f is not None:
             f = self.grouped_units(node, f, g, f"convolution of {g} groups")
-            in_axis = (f.var, f.outer // g, 1)
+            in_axis = (f.var, f.outer // g, f.inner)
         out, cut = self.layer_vars(name, f, node)
         self.layer_output(node, m, (out, g * cut, 1), [in_axis], 1)
 
@@ -1352,6 +1361,11 @@ class _Walk:
         while root in self.cut:
             new, m = self.cut[root]
             root, blocks = self.classes.find(new), blocks * m
+        if root in self.coarse:
+            raise UnsupportedLayerError(
+                f"{type(self.model).__name__}: a layer called again after its units were taken in runs (beside a "
+                "depthwise convolution's filters); give a spec"
+            )
         return root, blocks
 
     def in_axis(self, f: _Feature | _Segments | None):
@@ -1675,6 +1689,8 @@ class _Walk:
             sa, sb, so = _tensor_shape(a), _tensor_shape(b), _tensor_shape(node)
             if len(so) - len(sa) + fa.dim == len(so) - len(sb) + fb.dim and fa.inner == fb.inner:
                 fa, fb = self.same_blocks(fa, fb)
+            elif len(so) - len(sa) + fa.dim == len(so) - len(sb) + fb.dim and fa.outer == fb.outer:
+                fa, fb = self.same_runs(fa, sa, fb, sb)
             if len(so) - len(sa) + fa.dim != len(so) - len(sb) + fb.dim or (fa.outer, fa.inner) != (fb.outer, fb.inner):
                 self.fail(node, "the two operands' units lie on different axes")
             self.classes.union(fa.var, fb.var)
@@ -1709,6 +1725,19 @@ class _Walk:
             if g is not None:
                 self.classes.union(g.var, h.var)
         self.labels[node] = la
+
+    def same_runs(self, fa: _Feature, sa: tuple, fb: _Feature, sb: tuple) -> tuple[_Feature, _Feature]:
+        """``fa`` and ``fb`` in one layout where one's units are runs of ``k`` of the other's numbers
+        (a depthwise convolution's ``k`` filters per channel added to a layer's output): the other's
+        units taken ``k`` at a time (:meth:`coarsen`). Else they are returned as they are."""
+        (lo, s_lo), (hi, _) = sorted(((fa, sa), (fb, sb)), key=lambda p: p[0].inner)
+        if not self.permuted(lo) or hi.inner % lo.inner:
+            return fa, fb
+        k = hi.inner // lo.inner
+        if (s_lo[lo.dim] // (lo.outer * lo.inner)) % k:
+            return fa, fb
+        new = _Feature(self.coarsen(lo.var, k), lo.dim, lo.outer, hi.inner)
+        return (new, fb) if lo is fa else (fa, new)
 
     def same_blocks(self, fa: _Feature, fb: _Feature) -> tuple[_Feature, _Feature]:
         """``fa`` and ``fb`` in one block structure where one holds its units in ``m`` times the
@@ -2024,28 +2053,45 @@ class _Walk:
         var = self.refine(f.var, int(m)) if m > 1 else f.var
         return _Feature(var, f.dim, f.outer * int(m) // c, f.inner)
 
+    def coarsen(self, var: int, k: int) -> int:
+        """Re-describe the units of ``var``'s class as runs of ``k`` consecutive units of a new
+        class: every axis and activation recorded so far, ``outer x n x inner``, becomes ``outer x
+        (n / k) x (inner * k)`` (the same numbers in the same place, ``k`` units now one): a
+        restriction that moves them together (the converse of :meth:`refine`)."""
+        root, new = self.redescribe(var, 1, k, "coarsen")
+        self.coarse.add(root)  # a module called again cannot find its units (resolve refuses)
+        return new
+
     def refine(self, var: int, m: int) -> int:
         """Re-describe the units of ``var``'s class as ``m`` blocks of a new class: every axis and
         activation recorded so far, ``outer x n x inner``, becomes ``(outer * m) x (n / m) x
         inner`` (the same numbers in the same place, a unit's ``m`` numbers now one unit)."""
+        root, new = self.redescribe(var, m, 1, "refine")
+        self.cut[root] = (new, m)  # a module called again finds its units through this (resolve)
+        return new
+
+    def redescribe(self, var: int, m: int, k: int, what: str) -> tuple[int, int]:
+        """``(root, new)``: every axis and activation of ``var``'s class (``root``), ``outer x n x
+        inner``, re-described as a new class's, ``(outer * m) x (n / (m k)) x (inner * k)``
+        (:meth:`refine`, :meth:`coarsen`)."""
         root = self.classes.find(var)
         if root == _FIXED:  # the input's and the classes' axes are never permuted, so never cut
-            raise AssertionError("refine of the class that is never permuted")
+            raise AssertionError(f"{what} of the class that is never permuted")
         new = self.new()
 
         def cut(d):
             if isinstance(d, _Cat):
                 return _Cat(
                     tuple(
-                        (new, p[1] * m, p[2], p[3]) if p[0] is not None and self.classes.find(p[0]) == root else p
+                        (new, p[1] * m, p[2] * k, p[3]) if p[0] is not None and self.classes.find(p[0]) == root else p
                         for p in d.parts
                     )
                 )
-            return (new, d[1] * m, d[2]) if d is not None and self.classes.find(d[0]) == root else d
+            return (new, d[1] * m, d[2] * k) if d is not None and self.classes.find(d[0]) == root else d
 
         def relabel(label):
             if isinstance(label, _Feature) and self.classes.find(label.var) == root:
-                return _Feature(new, label.dim, label.outer * m, label.inner)
+                return _Feature(new, label.dim, label.outer * m, label.inner * k)
             if isinstance(label, _Parts):
                 return _Parts(tuple(relabel(p) for p in label.parts))
             if isinstance(label, _Recurrent):
@@ -2057,11 +2103,10 @@ class _Walk:
         self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
         self.labels = {node: relabel(label) for node, label in self.labels.items()}
         self.fixed = [(new if self.classes.find(v) == root else v, why) for v, why in self.fixed]
-        self.cut[root] = (new, m)  # a module called again finds its units through this (resolve)
         for v, name in list(self.var_producer.items()):
             if self.classes.find(v) == root:
                 self.var_producer.setdefault(new, name)
-        return new
+        return root, new
 
     def reduce_along(self, node, args: list, kwargs, *, at: int):
         """:meth:`reduce` of ``args[0]`` along the ``dim`` given at place ``at`` (1; a norm's, after

@@ -1673,3 +1673,73 @@ def test_a_group_norm_right_after_a_concatenation_keeps_each_streams_groups():
     assert bayesfuse.fuse(models, "fedavg").model(x).shape == (6, 10)
     with pytest.raises(ValueError, match="GroupNorm 'gn' normalises groups across streams side by side"):
         bayesfuse.fuse(models, "pfnm")
+
+
+class _DepthwiseThen(nn.Module):
+    """A depthwise convolution of two filters per channel, then a GroupNorm of 3 or 2 groups, a
+    convolution of 3 groups, or an add of a layer's output (its units taken in pairs)."""
+
+    def __init__(self, then: str = "gn") -> None:
+        super().__init__()
+        self.then = then
+        self.stem, self.dw = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 12, 3, padding=1, groups=6)
+        if then == "grouped":
+            self.grouped = nn.Conv2d(12, 6, 1, groups=3)
+        elif then == "add":
+            self.side = nn.Conv2d(6, 12, 1)
+        else:
+            self.gn = nn.GroupNorm(3 if then == "gn" else 2, 12)
+        self.pw, self.head = nn.Conv2d(6 if then == "grouped" else 12, 5, 1), nn.Linear(5, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x.view(-1, 1, 8, 8)))
+        d = self.dw(h)
+        d = self.grouped(d) if self.then == "grouped" else d + self.side(h) if self.then == "add" else self.gn(d)
+        return self.head(F.relu(self.pw(F.relu(d))).mean((2, 3)))
+
+
+class _CatTwice(nn.Module):
+    """A stream concatenated twice beside another, then a GroupNorm of 5 groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mid = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1)
+        self.gn, self.dec, self.head = nn.GroupNorm(5, 20), nn.Conv2d(20, 6, 3, padding=1), nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        a = F.silu(self.enc(x.view(-1, 1, 8, 8)))
+        return self.head(F.silu(self.dec(F.silu(self.gn(torch.cat([a, F.silu(self.mid(a)), a], 1))))).mean((2, 3)))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _DepthwiseThen("gn"),
+        lambda: _DepthwiseThen("gn2"),
+        lambda: _DepthwiseThen("grouped"),
+        lambda: _DepthwiseThen("add"),
+        _CatTwice,
+    ],
+)
+def test_units_of_several_channels_meet_groups_and_other_layers(make):
+    """A depthwise convolution's k filters per channel are one unit of k numbers: a GroupNorm or a
+    grouped convolution after it keeps whole units in a group, and a layer's output added to it
+    is taken k units at a time (they had been refused, after tracing them at first as a grouped
+    convolution); a stream concatenated twice before a GroupNorm is cut once (twice, it left a
+    group with no entry: OT failed, FedAvg crashed)."""
+    torch.manual_seed(0)
+    model, x = make().eval(), torch.randn(6, 64)
+    assert _gap(model, permuted_copy(model, spec_from_module(model), seed=1), x) < 1e-4
+    for method in ("ot", "pfnm") if make is not _CatTwice else ("ot",):
+        copy_ = permuted_copy(model, spec_from_module(model), seed=2)
+        assert _gap(model, bayesfuse.fuse([model, copy_], method).model, x) < 1e-4
+    torch.manual_seed(1)
+    clients = [make().eval() for _ in range(3)]
+    for method in ("ot", "fedavg", "pfnm") if make is not _CatTwice else ("ot", "fedavg"):
+        assert bayesfuse.fuse(clients, method).model(x).shape == (6, 10)
