@@ -1416,7 +1416,9 @@ class _Walk:
             groups, channels = bound.get("num_groups"), _tensor_shape(x)[1]
             if not isinstance(groups, int):
                 self.fail(node, f"{what} given a number of groups computed in the forward; give a spec")
-            if 1 < groups < channels:
+            if 1 < groups < channels and isinstance(f, _Segments):  # right after a concatenation
+                f = self.grouped_segments(node, x, f, groups, what)
+            elif 1 < groups < channels:
                 f = self.grouped_units(node, f, groups, f"{what} of {groups} groups")
         owners, entries = [], {}
         for key in ("weight", "bias", *(("running_mean", "running_var") if batch else ())):

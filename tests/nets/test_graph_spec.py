@@ -1662,7 +1662,8 @@ def test_a_group_norm_right_after_a_concatenation_keeps_each_streams_groups():
     """A GroupNorm of g groups right after streams side by side (a diffusion U-Net's skip): each
     stream holds whole groups, its units cut into blocks the groups do not cross, and its width
     fixed (streams fused apart would not keep the groups equal): OT and FedAvg fuse it, PFNM
-    refuses in one line. It was refused by every method."""
+    refuses in one line. It was refused by every method; a norm class of one's own calling
+    ``F.group_norm`` is read the same way."""
     spec = spec_from_module(GroupNormSkip())
     assert spec.axes["enc.weight"][0].outer == 2 and spec.axes["mid.weight"][0].outer == 1  # 2 groups, 1 group
     assert len(spec.fixed) == 2 and all("GroupNorm 'gn'" in why for why in spec.fixed.values())
@@ -1673,6 +1674,16 @@ def test_a_group_norm_right_after_a_concatenation_keeps_each_streams_groups():
     assert bayesfuse.fuse(models, "fedavg").model(x).shape == (6, 10)
     with pytest.raises(ValueError, match="GroupNorm 'gn' normalises groups across streams side by side"):
         bayesfuse.fuse(models, "pfnm")
+
+    class OwnNormSkip(GroupNormSkip):  # the same, its norm a class of one's own calling F.group_norm
+        def __init__(self) -> None:
+            super().__init__()
+            self.gn = GroupNormSiLU(3, 12)
+
+    spec = spec_from_module(OwnNormSkip())
+    assert spec.axes["enc.weight"][0].outer == 2 and any("group_norm" in why for why in spec.fixed.values())
+    model = _random(OwnNormSkip, 0)
+    assert _gap(model, bayesfuse.fuse([model, _permuted(model, 2)], "ot").model, x) < 1e-4
 
 
 class _DepthwiseThen(nn.Module):
