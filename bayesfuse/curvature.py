@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
+from bayesfuse._layers import torch_layer
 from bayesfuse._validation import as_input
 
 __all__ = ["diag_ggn"]
@@ -97,12 +98,12 @@ def _unfolds(m: nn.Module) -> bool:
 
 def _fast_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The Linear layers, the convolutions and the affine batch norms with running statistics
-    (used in eval mode), with torch's own forward: a class of one's own may do more in its own
-    (timm's ``BatchNormAct2d`` applies its activation, a ``Conv2dSame`` pads first), which the
-    layer's formulas do not know."""
+    (used in eval mode) that compute as torch's do (:func:`~bayesfuse._layers.torch_layer`): a
+    class of one's own may do more in a method of its own (timm's ``BatchNormAct2d`` applies its
+    activation, a ``_conv_forward`` that scales the filters), which the layer's formulas do not know."""
     found = {}
     for name, m in model.named_modules():
-        if not getattr(type(m).forward, "__module__", "").startswith("torch.nn"):
+        if not torch_layer(m):
             continue
         conv = isinstance(m, nn.modules.conv._ConvNd)
         norm = (

@@ -34,6 +34,14 @@ def brute_force_ggn(model: nn.Module, x: torch.Tensor) -> dict[str, np.ndarray]:
     return dict(zip(names, (t.numpy() for t in total)))
 
 
+def _running_statistics(model: nn.Module) -> None:
+    """Every batch norm's running statistics drawn away from 0 and 1, in place (torch's generator)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+
+
 def assert_exact(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
     """``diag_ggn`` equals the full Jacobians' GGN diagonal to float64 round-off, entry by entry."""
     got = diag_ggn(model, x, batch_size=batch_size)
@@ -158,10 +166,7 @@ def test_layers_the_layer_path_cannot_read_take_the_general_one(kind):
     model's. Each goes to the general path, exact."""
     torch.manual_seed(9)
     model = _odd_layer(kind).double().eval()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm1d):
-            m.running_mean.normal_()
-            m.running_var.uniform_(0.5, 2.0)
+    _running_statistics(model)
     assert_exact(model, torch.randn(6, 32, dtype=torch.float64), batch_size=4)
 
 
@@ -188,18 +193,18 @@ def test_transposed_and_3d_convolutions_against_full_jacobians(cls):
     assert_exact(model, torch.randn(5, 64, dtype=torch.float64), batch_size=3)
 
 
-def test_layers_of_classes_of_ones_own_against_full_jacobians():
-    """Layers whose class overrides torch's forward (timm's ``BatchNormAct2d`` applies its
-    activation after the batch norm) take the general path: the layer path's formula for a batch
-    norm would read the gradient after the activation as the one at the norm's output."""
-    from tests.nets.user_nets import TimmStyleCNN
+@pytest.mark.parametrize("cls", ["TimmStyleCNN", "_GainNet"])
+def test_layers_of_classes_of_ones_own_against_full_jacobians(cls):
+    """Layers whose class changes what torch's layer computes take the general path: timm's
+    ``BatchNormAct2d`` applies its activation after the batch norm (the layer path's formula would
+    read the gradient after it as the one at the norm's output), and a convolution whose
+    ``_conv_forward`` scales its filters by a gain keeps torch's ``forward`` (the layer path read
+    it as a plain convolution: every entry of its weight off)."""
+    from tests.nets import test_graph_spec, user_nets
 
     torch.manual_seed(6)
-    model = randomise(TimmStyleCNN(), 3).double().eval()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.normal_()
-            m.running_var.uniform_(0.5, 2.0)
+    model = randomise((getattr(user_nets, cls, None) or getattr(test_graph_spec, cls))(), 3).double().eval()
+    _running_statistics(model)
     assert_exact(model, torch.randn(5, 64, dtype=torch.float64), batch_size=3)
 
 

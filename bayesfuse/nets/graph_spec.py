@@ -59,7 +59,6 @@ num_heads``, tied to the stream, so a stream fused to another width cannot be re
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import math
 import operator
@@ -71,6 +70,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
+from bayesfuse._layers import torch_layer
 from bayesfuse.inference.spec import Axis, PermutationSpec
 from bayesfuse.nets.state import RMS_NORMS, floating_like, forward_arguments, forward_error
 
@@ -419,9 +419,8 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             return False
-        if type(m).__module__.startswith("torch.nn") or type(m).__name__ == "PositionAware":
-            return True
-        return _renamed_torch_layer(m)
+        # torch's own layers, and one renamed (the control flow inside torch's forward is not the user's)
+        return torch_layer(m) or type(m).__name__ == "PositionAware"
 
 
 def _restore_modes(model: nn.Module, modes: dict) -> None:
@@ -451,26 +450,6 @@ def _warn_unread(model: nn.Module, gm: fx.GraphModule) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-
-def _renamed_torch_layer(m: nn.Module) -> bool:
-    """Whether ``m`` is a torch layer under a class name of one's own (``class MyNorm(nn.BatchNorm2d):
-    pass``): it derives from a torch layer, its own classes define no method but ``__init__``,
-    it holds no function of its own (``self.forward = ...``) and it has no hooks; traced as that
-    torch layer then (the control flow inside torch's forward is not the user's)."""
-    mro = type(m).__mro__
-    own = [c for c in mro if not c.__module__.startswith("torch.") and c is not object]
-    if not own or not any(c.__module__.startswith("torch.nn") and c is not nn.Module for c in mro):
-        return False  # torch's own class, or a module of one's own on nn.Module
-    methods = any(
-        inspect.isfunction(v) or isinstance(v, (staticmethod, classmethod, property))
-        for c in own
-        for k, v in vars(c).items()
-        if k != "__init__"
-    )
-    hooks = any(getattr(m, h, None) for h in ("_forward_hooks", "_forward_pre_hooks"))
-    functions = any(callable(v) and not isinstance(v, nn.Module) for v in vars(m).values())
-    return not (methods or hooks or functions)
 
 
 def example_input_for(model: nn.Module, example_input=None) -> torch.Tensor:

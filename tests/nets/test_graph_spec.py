@@ -1532,7 +1532,7 @@ def test_only_a_torch_layer_renamed_is_traced_as_the_torch_layer():
     """``class MyNorm(nn.BatchNorm2d): pass`` is torch's batch norm (folded); a subclass that changes
     anything (a method, a hook, a forward set on the instance) is traced through, here to a
     refusal: as torch's layer, a gain of its own went unpermuted (a permuted copy 0.02 off)."""
-    from bayesfuse.nets.graph_spec import _renamed_torch_layer
+    from bayesfuse._layers import renamed_torch_layer as _renamed_torch_layer
 
     assert _renamed_torch_layer(_KeptForward(4)) and not _renamed_torch_layer(_GainConv(1, 4, 3))
     assert not _renamed_torch_layer(_HookedLinear(4, 3)) and not _renamed_torch_layer(nn.Module())
