@@ -145,72 +145,64 @@ _RESIZED = (
 )
 
 
+def _at_widths(
+    module: nn.Module, attributes: Mapping, parameters: Mapping, buffers: Mapping | None = None
+) -> nn.Module:
+    """``module`` itself, a layer of the rebuilt copy (of the user's class, which keeps its forward:
+    timm's ``Linear``, ConvNeXt's ``LayerNorm2d``), with ``attributes`` set and each of
+    ``parameters`` it holds made anew at its shape (``buffers``: given values); the values are
+    loaded after."""
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    for name, size in parameters.items():
+        if getattr(module, name, None) is not None:
+            setattr(module, name, nn.Parameter(torch.empty(size)))
+    for name, value in (buffers or {}).items():
+        if getattr(module, name, None) is not None:
+            setattr(module, name, value)
+    return module
+
+
 def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.Module:
-    """A module of ``module``'s type and settings with the parameter shapes in ``shapes``."""
+    """A module of ``module``'s type and settings with the parameter shapes in ``shapes``: the
+    layers of :data:`_RESIZED` changed in place (:func:`_at_widths`), others made anew."""
 
     def shape(name):
         return tuple(shapes[f"{prefix}{name}"])
 
-    if isinstance(module, nn.Linear):  # a copy: a class of one's own (timm's Linear) keeps its forward
+    if isinstance(module, nn.Linear):
         out, inp = shape("weight")
-        linear = copy.deepcopy(module)
-        linear.in_features, linear.out_features = inp, out
-        linear.weight = nn.Parameter(torch.empty(out, inp))
-        if module.bias is not None:
-            linear.bias = nn.Parameter(torch.empty(out))
-        return linear
+        return _at_widths(module, {"in_features": inp, "out_features": out}, {"weight": (out, inp), "bias": (out,)})
     if isinstance(module, nn.Bilinear):
         out, in1, in2 = shape("weight")
         return nn.Bilinear(in1, in2, out, bias=module.bias is not None)
     if isinstance(module, nn.modules.conv._ConvTransposeNd):  # weight (C_in, C_out / groups, *kernel)
         w = shape("weight")
-        up = copy.deepcopy(module)
-        up.in_channels, up.out_channels = w[0], w[1] * up.groups
-        up.weight = nn.Parameter(torch.empty(w))
-        if module.bias is not None:
-            up.bias = nn.Parameter(torch.empty(up.out_channels))
-        return up
+        out = w[1] * module.groups
+        return _at_widths(module, {"in_channels": w[0], "out_channels": out}, {"weight": w, "bias": (out,)})
     if isinstance(module, nn.modules.conv._ConvNd):
         w = shape("weight")
-        new = copy.deepcopy(module)
-        if module.groups != 1 and module.groups == module.in_channels:  # depthwise, k filters per channel
-            new.groups = w[0] // (module.out_channels // module.in_channels)
-        new.in_channels, new.out_channels = w[1] * new.groups, w[0]
-        new.weight = nn.Parameter(torch.empty(w))
-        if module.bias is not None:
-            new.bias = nn.Parameter(torch.empty(w[0]))
-        return new
+        groups = module.groups
+        if groups != 1 and groups == module.in_channels:  # depthwise, k filters per channel
+            groups = w[0] // (module.out_channels // module.in_channels)
+        widths = {"groups": groups, "in_channels": w[1] * groups, "out_channels": w[0]}
+        return _at_widths(module, widths, {"weight": w, "bias": (w[0],)})
     if isinstance(module, nn.modules.batchnorm._NormBase):  # batch and instance norms: per channel
         held = next((k for k in ("weight", "running_mean") if f"{prefix}{k}" in shapes), None)  # affine, tracking
         if held is None:  # nothing of its own: it normalises whatever width it is given
             return module
-        n = int(shape(held)[0])  # a copy: a class of one's own (timm's BatchNormAct2d) keeps its forward
-        stats = copy.deepcopy(module)
-        stats.num_features = n
-        if module.affine:
-            stats.weight, stats.bias = nn.Parameter(torch.empty(n)), nn.Parameter(torch.empty(n))
-        if module.running_mean is not None:
-            stats.running_mean, stats.running_var = torch.zeros(n), torch.ones(n)
-        return stats
-    if isinstance(module, (nn.LayerNorm, *RMS_NORMS)):  # a copy: a class of one's own (LayerNorm2d) keeps its forward
-        norm = cast(nn.LayerNorm, copy.deepcopy(module))  # an RMSNorm has the same attributes
-        if getattr(module, "weight", None) is not None:
-            width = tuple(int(n) for n in shape("weight"))
-            norm.normalized_shape = width
-            norm.weight = nn.Parameter(torch.empty(width))
-            if getattr(module, "bias", None) is not None:
-                norm.bias = nn.Parameter(torch.empty(width))
-        return norm
-    if isinstance(module, nn.GroupNorm):  # a copy: a class of one's own keeps its forward
-        grouped = copy.deepcopy(module)
+        n = int(shape(held)[0])
+        stats = {"running_mean": torch.zeros(n), "running_var": torch.ones(n)}
+        return _at_widths(module, {"num_features": n}, {"weight": (n,), "bias": (n,)}, stats)
+    if isinstance(module, (nn.LayerNorm, *RMS_NORMS)):  # an RMSNorm has a LayerNorm's attributes, no bias
+        width = tuple(int(n) for n in shape("weight"))  # with its scale: resized only where it has entries
+        return _at_widths(module, {"normalized_shape": width}, {"weight": width, "bias": width})
+    if isinstance(module, nn.GroupNorm):
         channels = int(shape("weight")[0])
-        grouped.num_channels = channels
-        if module.num_groups == module.num_channels:  # one group per channel; else its g groups
-            grouped.num_groups = channels
-        if module.affine:
-            grouped.weight = nn.Parameter(torch.empty(channels))
-            grouped.bias = nn.Parameter(torch.empty(channels))
-        return grouped
+        groups = channels if module.num_groups == module.num_channels else module.num_groups  # per channel, or g
+        return _at_widths(
+            module, {"num_channels": channels, "num_groups": groups}, {"weight": (channels,), "bias": (channels,)}
+        )
     if isinstance(module, nn.Embedding):
         n, dim = shape("weight")
         return nn.Embedding(n, dim, padding_idx=module.padding_idx)
@@ -288,6 +280,8 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
             continue  # a container; a layer of one's own holding modules (timm's BatchNormAct2d its activation) is not
         prefix = f"{name}."
         replacement: nn.Module
+        ref = floating_like(module)  # read before _resized changes the layer in place
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         if isinstance(module, PositionAware):
             if previous_width is None:
                 raise ValueError(f"position-aware layer {name!r} follows no weighted layer")
@@ -298,10 +292,8 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
                 previous_width = shapes[f"{prefix}weight"][int(isinstance(module, nn.modules.conv._ConvTransposeNd))]
         else:
             continue
-        ref = floating_like(module)
         if ref is not None:  # the user's dtype and device (a float64 network stays float64)
             replacement = replacement.to(device=ref.device, dtype=ref.dtype)
-        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         for n, p in replacement.named_parameters():  # a frozen layer stays frozen, in its mode
             p.requires_grad_(n not in frozen)
         replacement.train(module.training)
