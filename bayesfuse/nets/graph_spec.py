@@ -2501,26 +2501,26 @@ def _size_read(a) -> tuple | None:
         axis = a.args[1] if len(a.args) > 1 else a.kwargs.get("dim")
         return (a.args[0], axis) if isinstance(a.args[0], fx.Node) and isinstance(axis, int) else None
     if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[0], fx.Node):
-        whole = a.args[0]
-        shape_of = (whole.op == "call_function" and whole.target is getattr and whole.args[1] == "shape") or (
-            whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1
-        )
-        if shape_of and isinstance(a.args[1], int) and isinstance(whole.args[0], fx.Node):
-            return whole.args[0], a.args[1]
+        source = _shape_source(a.args[0])
+        if source is not None and isinstance(a.args[1], int):
+            return source, a.args[1]
     return None
+
+
+def _shape_source(whole) -> fx.Node | None:
+    """The tensor whose whole shape the node ``whole`` is (``x.shape``, ``x.size()``), else None."""
+    shape_of = isinstance(whole, fx.Node) and (
+        (whole.op == "call_function" and whole.target is getattr and whole.args[1] == "shape")
+        or (whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1)
+    )
+    return whole.args[0] if shape_of and isinstance(whole.args[0], fx.Node) else None
 
 
 def _last_size_of(a) -> fx.Node | None:
     """The tensor whose last size the node ``a`` is (``x.shape[-1:]``, ``x.size()[-1:]``), else None."""
     if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is operator.getitem):
         return None
-    whole, index = a.args[0], a.args[1]
-    if index != slice(-1, None, None) or not isinstance(whole, fx.Node) or not whole.args:
-        return None
-    shape_of = (whole.op == "call_function" and whole.target is getattr and whole.args[1] == "shape") or (
-        whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1
-    )
-    return whole.args[0] if shape_of and isinstance(whole.args[0], fx.Node) else None
+    return _shape_source(a.args[0]) if a.args[1] == slice(-1, None, None) else None
 
 
 def _target_shape(node) -> list | None:
