@@ -173,7 +173,7 @@ def run_fedma(
 
     def retrain(j: int, state: dict, frozen: set) -> dict:
         # the server's plain units -> the client's position-aware network at the widths it gets, and back
-        net = rebuild(models[j], tensor_state(to_network(state)))
+        net = rebuild(models[j], tensor_state(to_network(state)), spec)
         # the client's own entries (the server's zero biases are none of them), pieces frozen as their entry
         frozen = {spec.whole(k) for k in frozen - virtual}
         cfg = replace(config, seed=config.seed + 1000 * (len(frozen) + 1) + j)
@@ -205,7 +205,7 @@ def run_fedma(
     finally:
         bar.close()
     result = done[-1]
-    model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in result.state_dict.items()}).eval()
+    model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in result.state_dict.items()}, spec).eval()
     return FedMARun(model=model, result=result, spec=spec, passes=done, _broadcast_bytes=broadcast)
 
 
@@ -229,7 +229,7 @@ def _restart_clients(
     # global unit a_j[l] becomes local unit l (position encodings, if any, follow the units: eqs. F, U)
     cut = restart_states(result, spec, len(models), matched_form(result.state_dict, spec, added))
     for (j, local), model in zip(cut, models):
-        net = rebuild(model, tensor_state(network_form(local, spec, added, keys)))
+        net = rebuild(model, tensor_state(network_form(local, spec, added, keys)), spec)
         sent += state_bytes(net.state_dict())
         train_model(
             net,

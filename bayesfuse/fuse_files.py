@@ -258,15 +258,18 @@ def _network_spec(state_dicts, names, arch, spec, like=None, example_input=None)
     return spec, source
 
 
-def _check_like(like, fused_sd: Mapping, example_input=None, *, run: bool = True) -> torch.nn.Module:
-    """Load the fused state into ``like``'s architecture at the fused widths and run it once
+def _check_like(
+    like, fused_sd: Mapping, example_input=None, *, run: bool = True, spec: PermutationSpec | None = None
+) -> torch.nn.Module:
+    """Load the fused state into ``like``'s architecture at the fused widths (the numbers its
+    modules hold as widths, ``spec.widths``, set to theirs) and run it once
     (without ``run``, only where an input can be had that runs through ``like`` itself: the
     clients' widths, averaged, run where theirs do); the model."""
     from bayesfuse.nets.arch import check_runs, rebuild
     from bayesfuse.nets.graph_spec import check_example_runs, example_input_for
 
     try:
-        model = rebuild(like, fused_sd)
+        model = rebuild(like, fused_sd, spec)
     except (RuntimeError, KeyError, ValueError) as err:
         raise ValueError(
             f"the fused state does not load into {type(like).__name__} ({str(err).strip().splitlines()[0]})"
@@ -702,7 +705,7 @@ def fuse_files(
 
         check_recurrent_widths(fused_sd)  # never a stacked LSTM no module can hold, network given or not
         if like is not None:  # never a file that cannot be loaded into the user's network and run
-            fused_model = _check_like(like, fused_sd, example_input, run=bool(spec.groups))
+            fused_model = _check_like(like, fused_sd, example_input, run=bool(spec.groups), spec=spec)
             if template is not like:
                 fused_sd, fused.hyper["attention"] = _merged_attention(fused_model, template, fused_sd)
     report = {

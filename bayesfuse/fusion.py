@@ -705,7 +705,7 @@ def _fused_model(like: nn.Module, fused, bnn: bool) -> nn.Module:
         from bayesfuse.models.bnn_heads import bnn_from_state
 
         return bnn_from_state(fused.state)
-    model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
+    model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}, fused.spec).eval()
     if fused.precision is not None:
         model = _last_layer_posterior(model, fused)
         fused.hyper["predictive"] = "probit, last-layer Laplace (LastLayerLaplace)"
@@ -741,7 +741,7 @@ def _second_round(candidates, data, labels, *, like: nn.Module):
         model.temperature.fill_(temperature)
     else:
         fused.state = fold_temperature(fused.state, fused.spec, temperature)
-        model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}).eval()
+        model = rebuild(like, {k: torch.as_tensor(v) for k, v in fused.state.items()}, fused.spec).eval()
     fused.hyper["second_round"] = {
         "kind": "temperature",
         "temperature": temperature,

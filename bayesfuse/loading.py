@@ -352,7 +352,7 @@ def _like_traced(like: nn.Module, state: dict, name: str, example_input=None) ->
     try:
         if spec is not None:
             spec.check(state, name)
-        model = rebuild(like, state)
+        model = rebuild(like, state, spec)
     except (RuntimeError, KeyError, ValueError) as err:
         raise ValueError(f"{name}: its entries do not fit the template network ({str(err).splitlines()[0]})") from None
     if x is not None:

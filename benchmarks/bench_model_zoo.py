@@ -17,6 +17,12 @@ where the model takes any size): the
 largest absolute difference of the fused network's logits from the original's on 4 random
 images, beside the largest logit (float32 round-off is about 1e-7 of it per layer, more through
 deep stacks of batch norms), and the seconds it took.
+
+A model with ``nn.MultiheadAttention`` (torchvision's ViT) is traced as ``bayesfuse.fuse``
+fuses it, split into one module per head (``split_heads``). A timm name ending in ``+eager``
+builds the model with every attention module's fused kernel off (``fused_attn = False``): its
+heads then follow the width each module holds (``self.head_dim``) and PFNM fuses it, where
+``F.scaled_dot_product_attention``'s default scale, read off the fused width, fixes the widths.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from common import write_text
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers, from a checkout
 
 import bayesfuse  # noqa: E402
+from bayesfuse.nets.attention import multihead_modules, split_heads  # noqa: E402
 from bayesfuse.nets.graph_spec import spec_from_graph  # noqa: E402
 from tests.helpers import library_randomised, permuted_copy  # noqa: E402
 
@@ -46,7 +53,7 @@ TIMM = (
     "selecsls42b hgnet_tiny efficientnet_b0 tinynet_a mobilenetv3_small_100 mobilenetv4_conv_small lcnet_050 "
     "ghostnet_100 rexnet_100 repvit_m1 fastvit_t8 xception41 densenet121 dpn68 tresnet_m nfnet_l0 convnext_atto "
     "convnextv2_atto poolformer_s12 convmixer_768_32 inception_next_tiny focalnet_tiny_srf edgenext_xx_small "
-    "vit_tiny_patch16_224 deit_tiny_patch16_224 pit_ti_224 cait_xxs24_224 beit_base_patch16_224 "
+    "vit_tiny_patch16_224 vit_tiny_patch16_224+eager deit_tiny_patch16_224 deit_tiny_patch16_224+eager pit_ti_224 cait_xxs24_224 beit_base_patch16_224 "
     "eva02_tiny_patch14_224 swin_tiny_patch4_window7_224 twins_pcpvt_small visformer_tiny levit_128s "
     "efficientformer_l1 mixer_s16_224 resmlp_12_224 gcvit_xxtiny coat_tiny mobilevit_xxs efficientvit_b0 "
     "crossvit_tiny_240 nest_tiny vgg11"
@@ -66,7 +73,12 @@ def _builders(library: str):
     import timm
 
     def build(n):
-        return timm.create_model(n, pretrained=False, num_classes=10)
+        name, _, variant = n.partition("+")
+        model = timm.create_model(name, pretrained=False, num_classes=10)
+        for m in model.modules():
+            if variant == "eager" and hasattr(m, "fused_attn"):
+                m.fused_attn = False
+        return model
 
     return {n: (lambda n=n: build(n), None) for n in TIMM}
 
@@ -82,6 +94,8 @@ def _input_size(model, library: str, fixed: int | None, size: int) -> int:
 def check(name: str, build, library: str, fixed: int | None, size: int, max_params: float) -> dict:
     torch.manual_seed(0)
     model = library_randomised(build())
+    if multihead_modules(model):  # as bayesfuse.fuse fuses it: one module per head
+        model = split_heads(model)
     params = sum(p.numel() for p in model.parameters())
     side = _input_size(model, library, fixed, size)
     x = torch.randn(4, 3, side, side)

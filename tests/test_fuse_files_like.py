@@ -16,6 +16,7 @@ from tests.nets.user_nets import (
     ConcatMLP,
     HandLinear,
     MyMLP,
+    PatchTokens,
     ResMLP,
     SkipCNN,
     TwoOutputs,
@@ -160,6 +161,19 @@ def test_model_from_a_file_path(tmp_path):
         )
         == 0
     )
+
+
+def test_a_width_the_network_holds_follows_the_fused_file(tmp_path):
+    """``--model`` of a network whose forward reshapes by ``self.hidden_dim``: the fused file
+    loads into it at the fused width, the attribute set to it, in the CLI's check and in
+    ``bayesfuse.load``."""
+    models, paths = _files(tmp_path, PatchTokens, 3)
+    out = tmp_path / "fused.pt"
+    ref = "tests.nets.user_nets:PatchTokens"
+    assert main(["fuse", *paths, "--method", "pfnm", "--model", ref, "--out", str(out)]) == 0
+    fused = bayesfuse.load(out, like=PatchTokens())
+    assert fused.hidden_dim == fused.patch.out_channels > 12
+    assert fused(torch.randn(4, 64)).shape == (4, 10)
 
 
 def test_load_checks_the_file_against_the_network(tmp_path):

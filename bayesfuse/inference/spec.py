@@ -191,6 +191,14 @@ class PermutationSpec:
         The weights of transposed convolutions (``nn.ConvTranspose1d/2d/3d``, ``(C_in, C_out,
         *kernel)``): their units, the channels they write, are on axis 1, and the channels they
         read on axis 0 (:meth:`rows_dim`). Every other weight has its units on axis 0.
+    widths : dict
+        ``"module.attribute" -> Axis``: numbers a module holds that its ``forward`` reads as the
+        length of an axis of units (torchvision's ViT reshapes by ``self.hidden_dim``, attention
+        written by hand cuts heads of ``self.head_dim``): the attribute is ``axis.outer * n *
+        axis.inner`` for the group's size ``n``, and a network rebuilt at other widths gets it at
+        theirs (:meth:`held_widths`, :func:`bayesfuse.nets.arch.rebuild`), so that methods that
+        change widths can fuse it. The attribute path is the module's name, a dot, the
+        attribute's (``"attention.head_dim"``; ``"hidden_dim"`` for the network's own).
     """
 
     axes: dict
@@ -203,6 +211,7 @@ class PermutationSpec:
     fixed: dict = field(default_factory=dict)
     pieces: dict = field(default_factory=dict)
     transposed: tuple = ()
+    widths: dict = field(default_factory=dict)
     _owners: dict = field(init=False, repr=False, compare=False)  # piece -> the entry it is a piece of
 
     def parts(self, entry: str) -> list[str]:
@@ -352,6 +361,14 @@ class PermutationSpec:
         object.__setattr__(self, "pieces", _pieces(self.pieces, fixed))
         object.__setattr__(self, "_owners", {name: k for k, (_, pieces) in self.pieces.items() for name, _ in pieces})
         object.__setattr__(self, "transposed", _transposed(self.transposed, fixed, self.pieces))
+        object.__setattr__(self, "widths", _widths(self.widths, order))
+
+    def held_widths(self, state_dict: Mapping[str, Any]) -> dict[str, int]:
+        """``"module.attribute" -> value`` of :attr:`widths` at the widths of ``state_dict``."""
+        if not self.widths:
+            return {}
+        sizes = self.sizes(state_dict)
+        return {path: a.outer * sizes[a.group] * a.inner for path, a in self.widths.items()}
 
     def head_entries(self, prefix: str) -> list[str]:
         """The suffixes of the entries of branch ``prefix`` of a head set (``"q.weight"``, ...)."""
@@ -458,6 +475,27 @@ def _transposed(data, axes: Mapping[str, tuple], pieces: Mapping[str, tuple]) ->
                 f"a spec's 'transposed' names {k!r}, which is no weight of 2 or more dimensions it describes"
             )
     return tuple(dict.fromkeys(data))
+
+
+def _widths(data, groups: Sequence[str]) -> dict:
+    """``"module.attribute" -> Axis`` (:attr:`PermutationSpec.widths`) from Axes or their
+    dict form (``{"group": ..., "outer": ..., "inner": ...}`` or a group name), for known groups."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a spec's 'widths' maps module attributes to the axes whose length they hold, got {data!r}")
+    out = {}
+    for path, a in data.items():
+        if isinstance(a, Mapping):
+            try:
+                a = Axis(str(a["group"]), int(a.get("outer", 1)), int(a.get("inner", 1)))
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"a spec's width {path!r} is no axis ({err}): {a!r}") from None
+        a = as_axis(a) if isinstance(a, (str, Axis)) else a
+        if not isinstance(path, str) or not path or path.startswith(".") or not isinstance(a, Axis):
+            raise ValueError(f"a spec's 'widths' maps module attributes to axes, got {path!r}: {a!r}")
+        if a.group not in groups:
+            raise ValueError(f"the width {path!r} is given for group {a.group!r}, which is not among the groups")
+        out[path] = a
+    return out
 
 
 def _encodings(data, groups: Sequence[str]) -> dict:

@@ -39,7 +39,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
     Position encodings, where the spec has any, are ``"encodings": {group: {"mode", "period",
     "amplitude"[, "after"]}}`` (:class:`Encoding`); exchangeable heads ``"heads": [[prefix, ...], ...]``;
     entries held in pieces ``"pieces": {entry: [dim, [[piece, length or null], ...]]}``; the
-    weights of transposed convolutions ``"transposed": [weight, ...]``."""
+    weights of transposed convolutions ``"transposed": [weight, ...]``; numbers modules hold
+    that their forward reads as widths ``"widths": {"module.attribute": axis}``."""
 
     def axis(a):
         if a is None:
@@ -65,6 +66,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
         out["pieces"] = {k: [dim, [list(p) for p in pieces]] for k, (dim, pieces) in spec.pieces.items()}
     if spec.transposed:  # transposed convolutions: their units on axis 1
         out["transposed"] = list(spec.transposed)
+    if spec.widths:  # numbers modules hold that their forward reads as widths
+        out["widths"] = {k: axis(a) for k, a in spec.widths.items()}
     return out
 
 
@@ -119,6 +122,7 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         data.get("fixed", {}),  # groups whose width the forward fixes, checked by the spec
         data.get("pieces", {}),  # entries described by their pieces, checked by the spec
         data.get("transposed", ()),  # transposed convolutions' weights, checked by the spec
+        data.get("widths", {}),  # numbers modules hold that their forward reads as widths, checked by the spec
     )
 
 

@@ -262,13 +262,15 @@ def check_recurrent_widths(state: Mapping[str, torch.Tensor] | Mapping[str, np.n
             )
 
 
-def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor], spec: PermutationSpec | None = None) -> nn.Module:
     """A copy of ``model`` whose layers have ``state_dict``'s shapes, loaded with it.
 
     Linear, Conv, BatchNorm, LayerNorm, GroupNorm, Embedding and LSTM layers are re-created at
     the new widths, and parameters a module holds itself (a class token) at their new shapes;
-    position-aware layers get the encoding of their new width. A network whose ``forward``
-    reads a width of its own (``x.view(-1, self.width)``) still has the old one: run it once
+    position-aware layers get the encoding of their new width. The numbers modules hold that
+    ``spec`` (``model``'s traced spec) records as widths (``self.hidden_dim``,
+    :attr:`~bayesfuse.inference.spec.PermutationSpec.widths`) are set to the new ones. A
+    network whose ``forward`` reads another width of its own still has the old one: run it once
     (:func:`check_runs`) before trusting it.
     """
     check_recurrent_widths(state_dict)
@@ -311,6 +313,10 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
         new.pans = nn.ModuleList(
             PositionAware(layer.out_features, pan) for layer in cast(Sequence[nn.Linear], new.layers[:-1])
         )
+    if spec is not None:
+        for path, width in spec.held_widths(state_dict).items():
+            owner, _, attr = path.rpartition(".")
+            setattr(new.get_submodule(owner) if owner else new, attr, width)
     return load_state(new, state_dict)
 
 

@@ -42,6 +42,10 @@ activation from the input to the output:
   such a width, a scale computed as a root of a width, ``/ k.size(-1) ** 0.5``, a buffer with a
   number per unit), the spec records the group (``spec.fixed``): methods that keep the widths
   fuse the network, those that change them refuse it;
+* a number a module holds (an ``int`` attribute of a module of one's own: ``self.hidden_dim``,
+  ``self.head_dim``) that a reshape reads as the length of the units' axis, or as the width
+  within a head, follows the units: the spec records it (``spec.widths``) and a network rebuilt
+  at other widths gets it at theirs;
 * element-wise functions, pooling, dropout, ``flatten`` / ``view`` / ``reshape`` (that keep each
   unit's numbers together, recorded as :class:`~bayesfuse.inference.spec.Axis` blocks),
   ``transpose`` and reductions over other axes pass the permutation through;
@@ -423,6 +427,42 @@ class _Tracer(fx.Tracer):
         return torch_layer(m) or type(m).__name__ == "PositionAware"
 
 
+class _HeldWidth(int):
+    """An ``int`` attribute of a module while its forward is traced, that knows its path
+    (``"attention.head_dim"``): fx keeps the object in the nodes it is an argument of, so a
+    reshape can tell a width the module holds from a number written in the code."""
+
+    path: str
+
+    def __new__(cls, value: int, path: str) -> _HeldWidth:
+        out = super().__new__(cls, value)
+        out.path = path
+        return out
+
+    def __reduce__(self):  # a copy made while tracing is a plain int
+        return int, (int(self),)
+
+
+@contextlib.contextmanager
+def _widths_held(model: nn.Module):
+    """While tracing, every ``int`` attribute (2 or more, not private) of ``model``'s modules of
+    one's own (not torch's) is a :class:`_HeldWidth`; each is given back as it was."""
+    held = []
+    for name, m in model.named_modules():
+        if type(m).__module__.split(".")[0] == "torch":
+            continue
+        for attr, value in list(vars(m).items()):
+            if type(value) is int and value >= 2 and not attr.startswith("_"):
+                setattr(m, attr, _HeldWidth(value, f"{name}.{attr}" if name else attr))
+                held.append((m, attr, value))
+    try:
+        yield
+    finally:
+        for m, attr, value in held:
+            if isinstance(vars(m).get(attr), _HeldWidth):
+                setattr(m, attr, value)
+
+
 def _restore_modes(model: nn.Module, modes: dict) -> None:
     """Every module of ``model`` back in its mode of ``modes``: ``model.train(mode)`` first (a
     ``train`` of one's own runs again, undoing what ``eval()`` did), then each module's own flag."""
@@ -565,10 +605,12 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     modes = {m: m.training for m in model.modules()}
     model.eval()  # the function that is fused: a forward's self.training (timm's F.batch_norm) read as in eval mode
     try:
-        graph = _Tracer().trace(model)
+        with _widths_held(model):
+            graph = _Tracer().trace(model)
     except Exception:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
         try:  # a forward that uses a buffer's value in Python (if self.flag:, range(int(self.n))): as a constant
-            graph = _Tracer(buffers_as_nodes=False).trace(model)
+            with _widths_held(model):
+                graph = _Tracer(buffers_as_nodes=False).trace(model)
         except Exception as err:
             raise UnsupportedLayerError(
                 f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward "
@@ -687,6 +729,8 @@ class _Walk:
         self.cut: dict[int, tuple[int, int]] = {}  # a class re-described as blocks -> (the new one, blocks)
         self.coarse: set[int] = set()  # classes re-described as runs of units (coarsen)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
+        # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
+        self.held: list[tuple[str, int, int, int]] = []
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
@@ -927,10 +971,22 @@ class _Walk:
         )
         folds = {bn: after for bn, after in self.folds.items()}
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
+        widths: dict[str, Axis] = {}
+        first: dict[str, int] = {}
+        for path, v, outer, inner in self.held:
+            group = names.get(self.classes.find(v))
+            if group is None:  # tied to the input or the classes later: never permuted, the number stays
+                continue
+            held = Axis(group, outer, inner)
+            if widths.setdefault(path, held) != held:  # read as two widths, which fusion would set apart
+                why = f"its forward reads {path} as the width of two axes of units"
+                self.fixed += [(first[path], why), (v, why)]
+            first.setdefault(path, v)
         fixed: dict[str, str] = {}
         for v, why in self.fixed:
             fixed.setdefault(names.get(self.classes.find(v), ""), why)
         fixed.pop("", None)  # a class later tied to the input or the classes: never permuted
+        widths = {path: a for path, a in widths.items() if a.group not in fixed}
         return PermutationSpec(
             axes,
             tuple(names.values()),
@@ -941,6 +997,7 @@ class _Walk:
             fixed=fixed,
             pieces=pieces,
             transposed=tuple(self.transposed),
+            widths=widths,
         )
 
     # ----------------------------------------------------------------- modules
@@ -2084,6 +2141,10 @@ class _Walk:
         self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
         self.labels = {node: relabel(label) for node, label in self.labels.items()}
         self.fixed = [(new if self.classes.find(v) == root else v, why) for v, why in self.fixed]
+        self.held = [
+            (path, new, outer * m, inner * k) if self.classes.find(v) == root else (path, v, outer, inner)
+            for path, v, outer, inner in self.held
+        ]
         for v, name in list(self.var_producer.items()):
             if self.classes.find(v) == root:
                 self.var_producer.setdefault(new, name)
@@ -2308,9 +2369,12 @@ class _Walk:
         shape_args = _target_shape(node)
         if shape_args is not None and len(shape_args) != len(dst):
             shape_args = None
-        self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst, shape_args)
+        out = self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst, shape_args)
         if self.permuted(f) and shape_args is not None:
-            for x, axis in self.widths_read(shape_args[self.labels[node].dim]):
+            width = shape_args[out.dim]
+            if isinstance(width, _HeldWidth):  # self.hidden_dim: the rebuild sets it to the fused width
+                self.held.append((width.path, out.var, out.outer, out.inner))
+            for x, axis in self.widths_read(width):
                 self.tie_width(node, x, axis, node)
 
     def segments_reshape(self, node, a, label: _Segments) -> None:
@@ -2357,7 +2421,11 @@ class _Walk:
                 self.mark_fixed(out.var, "its forward cuts them into heads by a target shape computed whole")
             elif any(isinstance(a, bool) or not isinstance(a, int) or a < 1 for a in shape_args[k0 : placed.dim]):
                 self.mark_fixed(out.var, "its forward counts its heads from a width within a head")
-            elif shape_args[placed.dim] != -1 and not self.scales(shape_args[placed.dim]):
+            elif (
+                shape_args[placed.dim] != -1
+                and not isinstance(shape_args[placed.dim], _HeldWidth)  # self.head_dim: reshape() records it
+                and not self.scales(shape_args[placed.dim])
+            ):
                 width = shape_args[placed.dim]
                 self.mark_fixed(out.var, f"its forward cuts them into heads of {dst[placed.dim]}, {_kept([width])}")
             return out

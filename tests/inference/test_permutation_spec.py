@@ -166,6 +166,26 @@ def test_spec_json_round_trip_keeps_the_widths_a_forward_fixes():
     plain.check_free_widths("pfnm")  # nothing fixed: nothing refused
 
 
+def test_spec_json_round_trip_keeps_the_widths_modules_hold():
+    import dataclasses
+    import json
+
+    from bayesfuse.inference.spec import spec_from_dict, spec_to_dict
+
+    plain = chain(dense("a", None, "P"), dense("b", "P", None))
+    held = dataclasses.replace(plain, widths={"width": "P", "attn.dims": Axis("P", outer=3)})
+    assert held.widths == {"width": Axis("P"), "attn.dims": Axis("P", outer=3)}
+    assert "widths" not in spec_to_dict(plain)
+    assert spec_from_dict(json.loads(json.dumps(spec_to_dict(held)))) == held
+    # at the state's widths: P has 5 units in a's rows
+    state = {"a.weight": np.zeros((5, 2)), "a.bias": np.zeros(5), "b.weight": np.zeros((1, 5)), "b.bias": np.zeros(1)}
+    assert held.held_widths(state) == {"width": 5, "attn.dims": 15}
+    with pytest.raises(ValueError, match="group 'Q', which is not among the groups"):
+        dataclasses.replace(plain, widths={"width": "Q"})
+    with pytest.raises(ValueError, match="maps module attributes to axes"):
+        dataclasses.replace(plain, widths={"": "P"})
+
+
 def test_entries_in_pieces_split_join_permute_and_round_trip_through_json():
     """An entry reading the input beside a group's units (``cat([x, h])``): split into its pieces
     at any width, joined back exactly, permuted piece by piece, kept by the spec's JSON."""

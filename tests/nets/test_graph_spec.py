@@ -556,36 +556,145 @@ def test_untraceable_forward_and_missing_input_are_named():
         example_input_for(conv_first)
 
 
-def test_a_forward_that_keeps_its_own_width_is_refused_after_fusion():
-    """``reshape(-1, self.width)``, a width of the forward's own (torchvision's ViT writes
-    ``x.reshape(n, self.hidden_dim, n_h * n_w)``): a number in the trace, which cannot tell it from
-    a layer's width that the rebuild changes (``view(-1, self.fc.in_features)``, below). The fused
-    network, which cannot run, is refused before it is returned; OT, which keeps the widths,
-    fuses."""
+class _HeldWidth(nn.Module):
+    """Reshapes by a width it holds, ``self.width`` (torchvision's ViT: ``x.reshape(n,
+    self.hidden_dim, n_h * n_w)``)."""
 
-    class Fixed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(8, 6), nn.Linear(6, 2)
-            self.width = 6
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 6), nn.Linear(6, 2)
+        self.width = 6
 
-        def forward(self, x):
-            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.width))
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.width))
+
+
+def _padded(state: dict, rows: dict, cols: dict, extra: int) -> dict:
+    """``state`` with ``extra`` dead units: zero rows appended to ``rows``' entries along the
+    given axis, zero columns to ``cols``' (where they are read): the same function."""
+    out = dict(state)
+    for k, axis in {**rows, **cols}.items():
+        v = state[k]
+        shape = list(v.shape)
+        shape[axis] = extra
+        out[k] = torch.cat([v, v.new_zeros(shape)], axis)
+    return out
+
+
+def test_a_width_a_module_holds_follows_the_fusion():
+    """A module's ``int`` attribute that a reshape reads as the units' width (``self.width``)
+    is recorded in the spec and set to the fused width by the rebuild: PFNM fuses such networks.
+    A network given dead units (zero rows in, zero columns out) computes the same function when
+    rebuilt at its new width. A width written in the code (``reshape(-1, 6)``) is refused
+    after fusion; OT, which keeps the widths, fuses it."""
+    from bayesfuse.nets.arch import rebuild
 
     torch.manual_seed(0)
-    models = [Fixed().eval() for _ in range(3)]
+    models = [_HeldWidth().eval() for _ in range(3)]
+    spec = spec_from_graph(models[0], torch.randn(2, 8))
+    assert spec.widths == {"width": Axis("P1")} and not spec.fixed
+    assert type(models[0].width) is int and models[0].width == 6  # the user's attribute given back as it was
+    x = torch.randn(5, 8)
+    assert _gap(models[0], bayesfuse.fuse([models[0], _permuted(models[0], 1)], "pfnm").model, x) < 1e-5
+    fused = bayesfuse.fuse(models, "pfnm").model
+    assert fused.width == fused.fc1.out_features > 6 and fused(x).shape == (5, 2)
+    assert models[0].width == 6  # the rebuild set its own copy's
+
+    state = _padded(models[0].state_dict(), {"fc1.weight": 0, "fc1.bias": 0}, {"fc2.weight": 1}, extra=3)
+    wider = rebuild(models[0], state, spec)
+    assert wider.width == 9
+    assert _gap(models[0], wider, x) == 0.0
+    with pytest.raises(RuntimeError):  # without the spec the rebuild keeps the old number
+        rebuild(models[0], state)(x)
+
+    class Written(_HeldWidth):
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, 6))
+
+    torch.manual_seed(0)
+    models = [Written().eval() for _ in range(3)]
+    assert spec_from_graph(models[0], x).widths == {}
     with pytest.raises(ValueError, match="does not run at its fused widths .*keep a width of its own"):
         bayesfuse.fuse(models, "pfnm")
     assert bayesfuse.fuse(models, "ot").model(torch.randn(3, 8)).shape == (3, 2)
 
-    class LayersWidth(Fixed):
+    class LayersWidth(_HeldWidth):
         def forward(self, x):
             return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.fc2.in_features))
 
     torch.manual_seed(0)
     models = [LayersWidth().eval() for _ in range(3)]
-    assert _gap(models[0], bayesfuse.fuse([models[0], _permuted(models[0], 1)], "pfnm").model, torch.randn(5, 8)) < 1e-5
+    assert _gap(models[0], bayesfuse.fuse([models[0], _permuted(models[0], 1)], "pfnm").model, x) < 1e-5
     assert bayesfuse.fuse(models, "pfnm").model(torch.randn(3, 8)).shape == (3, 2)
+
+
+def test_a_width_a_module_holds_for_two_streams_fixes_them():
+    """One attribute read as the width of two streams that fusion sets apart: their widths are
+    fixed (PFNM refuses in one line), never one of them given the other's."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(12, 2)
+            self.width = 6
+
+        def forward(self, x):
+            h = torch.relu(self.a(x)).reshape(-1, self.width)
+            g = torch.relu(self.b(x)).reshape(-1, self.width)
+            return self.out(torch.cat([h, g], 1))
+
+    torch.manual_seed(0)
+    models = [Twice().eval() for _ in range(2)]
+    spec = spec_from_graph(models[0], torch.randn(2, 4))
+    assert spec.widths == {} and "reads width as the width of two axes of units" in next(iter(spec.fixed.values()))
+    with pytest.raises(ValueError, match="reads width as the width of two axes"):
+        bayesfuse.fuse(models, "pfnm")
+
+
+class _HeadDim(nn.Module):
+    """Attention written as timm's ``Attention`` without its fused kernel: heads cut by a width
+    the module holds, ``self.head_dim``, and a scale fixed at construction."""
+
+    def __init__(self, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.qkv, self.proj, self.head = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.Linear(dim, 3)
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = ((q @ k.transpose(-2, -1)) * self.scale).softmax(-1)
+        return self.head(self.proj((attn @ v).transpose(1, 2).reshape(B, N, -1)).mean(1))
+
+
+def test_heads_of_a_width_a_module_holds_follow_the_fusion():
+    """``reshape(B, N, 3, self.num_heads, self.head_dim)``: the width within a head follows the
+    features within a head (every head permuted alike), so PFNM fuses; padded with dead features
+    in every head (zero query, key and value rows, zero columns of the output projection) the
+    network computes the same function at its new head width."""
+    from bayesfuse.nets.arch import rebuild
+
+    torch.manual_seed(0)
+    models = [library_randomised(_HeadDim()).eval() for _ in range(2)]
+    x = torch.randn(3, 5, 16)
+    spec = spec_from_graph(models[0], x[:1])
+    assert list(spec.widths) == ["head_dim"] and not spec.fixed
+    back = bayesfuse.fuse([models[0], permuted_copy(models[0], spec, seed=1)], "pfnm", example_input=x[:1]).model
+    assert _gap(models[0], back, x) < 1e-5
+    fused = bayesfuse.fuse(models, "pfnm", example_input=x[:1]).model
+    assert fused.head_dim > 4 and fused(x).shape == (3, 3)
+
+    state = dict(models[0].state_dict())
+    w, b = state["qkv.weight"].reshape(3, 4, 4, 16), state["qkv.bias"].reshape(3, 4, 4)
+    state["qkv.weight"] = torch.cat([w, w.new_zeros(3, 4, 2, 16)], 2).reshape(-1, 16)
+    state["qkv.bias"] = torch.cat([b, b.new_zeros(3, 4, 2)], 2).reshape(-1)
+    p = state["proj.weight"].reshape(16, 4, 4)
+    state["proj.weight"] = torch.cat([p, p.new_zeros(16, 4, 2)], 2).reshape(16, -1)
+    wider = rebuild(models[0], state, spec)
+    assert wider.head_dim == 6
+    assert _gap(models[0], wider, x) < 1e-6
 
 
 def test_a_network_of_two_inputs_is_traced_from_its_pair_of_example_inputs():

@@ -6,6 +6,10 @@ activation), ``Linear`` (``F.linear``), ``LayerNorm2d`` (``F.layer_norm`` of the
 last); Swin rolls and pads its channels-last windows along the positions; ConvNeXt-V2's
 response norm is ``torch.addcmul``; MLP-Mixer and ResMLP mix tokens by Linear layers across them. Small models of six families fuse back from permuted copies and fuse independent
 clients into networks of timm's classes (:func:`tests.helpers.assert_library_network_fuses`).
+So does a small ViT whose attention runs without its fused kernel (``fused_attn=False``): it cuts
+heads of the width each ``Attention`` holds, ``self.head_dim``, which the rebuild sets to the
+fused width, and keeps the clients' scale. With the kernel, ``F.scaled_dot_product_attention``
+scales by the fused width, so the widths are fixed: PFNM refuses, OT fuses.
 """
 
 import pytest
@@ -36,6 +40,33 @@ def test_timm_networks_fuse_back_and_fuse(name, options):
         return library_randomised(timm.create_model(name, pretrained=False, num_classes=10, **options))
 
     assert_library_network_fuses(make, torch.randn(4, 3, 32, 32))
+
+
+def _small_vit(seed: int, fused_attn: bool) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8, depth=2, embed_dim=24
+    )
+    for block in model.blocks:
+        block.attn.fused_attn = fused_attn
+    return library_randomised(model)
+
+
+def test_timm_vit_fuses_with_heads_of_the_width_its_attention_holds():
+    import bayesfuse
+    from bayesfuse.nets.graph_spec import spec_from_graph
+
+    x = torch.randn(4, 3, 32, 32)
+    assert_library_network_fuses(lambda seed: _small_vit(seed, fused_attn=False), x)
+    spec = spec_from_graph(_small_vit(0, fused_attn=False), x[:1])
+    assert {p.rpartition(".")[2] for p in spec.widths} == {"head_dim", "attn_dim"} and not spec.fixed
+    fused = bayesfuse.fuse([_small_vit(s, fused_attn=False) for s in (1, 2)], "pfnm", example_input=x[:1]).model
+    attn = fused.blocks[0].attn
+    assert attn.head_dim * attn.num_heads == attn.attn_dim == attn.qkv.out_features // 3 > 24
+    kernel = [_small_vit(s, fused_attn=True) for s in (1, 2)]
+    with pytest.raises(ValueError, match="scaled_dot_product_attention without scale="):
+        bayesfuse.fuse(kernel, "pfnm", example_input=x[:1])
+    assert bayesfuse.fuse(kernel, "ot", example_input=x[:1]).model(x).shape == (4, 10)
 
 
 @pytest.mark.parametrize("kind", ["mixer", "resmlp"])

@@ -5,6 +5,9 @@ Small configurations of ConvNeXt (``LayerNorm2d``: ``F.layer_norm`` in a subclas
 ``nn.LayerNorm``; layer scales; stochastic depth), EfficientNet (squeeze-and-excitation gates,
 stochastic depth) and MobileNetV3 (depthwise convolutions, hard-swish gates) fuse back from
 permuted copies and fuse independent clients (:func:`tests.helpers.assert_library_network_fuses`).
+So does a small ViT, its ``nn.MultiheadAttention`` split into heads
+(:func:`bayesfuse.nets.attention.split_heads`): its forward reshapes the patches by the width
+it holds, ``self.hidden_dim``, which the rebuild sets to the fused width.
 """
 
 import pytest
@@ -32,7 +35,18 @@ def _mobilenet():
     return models.mobilenet_v3_small(num_classes=10, width_mult=0.25)
 
 
-@pytest.mark.parametrize("build", [_convnext, _efficientnet, _mobilenet])
+def _vit():
+    from torchvision.models import VisionTransformer
+
+    from bayesfuse.nets.attention import split_heads
+
+    vit = VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=10
+    )
+    return split_heads(vit)
+
+
+@pytest.mark.parametrize("build", [_convnext, _efficientnet, _mobilenet, _vit])
 def test_torchvision_networks_fuse_back_and_fuse(build):
     def make(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

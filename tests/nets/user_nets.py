@@ -1257,3 +1257,27 @@ class GroupNormSkip(nn.Module):
         skip = F.silu(self.enc(x.view(-1, 1, 8, 8)))
         h = F.silu(self.gn(torch.cat([skip, F.silu(self.mid(skip))], 1)))
         return self.head(F.silu(self.dec(h)).mean((2, 3)))
+
+
+class PatchTokens(nn.Module):
+    """A vision transformer's patch embedding as torchvision writes it: the patches' channels
+    reshaped by the width the network holds, ``self.hidden_dim``, then a token MLP."""
+
+    def __init__(self, hidden_dim: int = 12) -> None:
+        super().__init__()
+        self.hidden_dim = hidden_dim
+        self.patch = nn.Conv2d(1, hidden_dim, 4, stride=4)
+        self.norm, self.mlp, self.head = (
+            nn.LayerNorm(hidden_dim),
+            nn.Linear(hidden_dim, hidden_dim),
+            nn.Linear(hidden_dim, 10),
+        )
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = self.patch(x.view(n, 1, 8, 8)).reshape(n, self.hidden_dim, -1).permute(0, 2, 1)
+        h = h + F.gelu(self.mlp(self.norm(h)))
+        return self.head(h.mean(1))
