@@ -430,23 +430,50 @@ class _Tracer(fx.Tracer):
 class _HeldWidth(int):
     """An ``int`` attribute of a module while its forward is traced, that knows its path
     (``"attention.head_dim"``): fx keeps the object in the nodes it is an argument of, so a
-    reshape can tell a width the module holds from a number written in the code."""
+    reshape can tell a width the module holds from a number written in the code. Where the
+    forward computes with it in Python instead (``math.sqrt(self.head_dim)``, ``self.dim // 2``,
+    ``if self.dim > 64:``, ``range(self.dim)``), the trace holds only the result, a number that
+    a rebuild at another width would not change: it is marked :attr:`computed`."""
 
     path: str
+    computed: bool
 
     def __new__(cls, value: int, path: str) -> _HeldWidth:
         out = super().__new__(cls, value)
-        out.path = path
+        out.path, out.computed = path, False
         return out
 
     def __reduce__(self):  # a copy made while tracing is a plain int
         return int, (int(self),)
 
+    __hash__ = int.__hash__
+
+
+def _computing(name: str):
+    """``int``'s method ``name``, marking the :class:`_HeldWidth` it is called on as computed with."""
+    method = getattr(int, name)
+
+    def computed(self, *args):
+        self.computed = True
+        return method(self, *args)
+
+    computed.__name__ = name
+    return computed
+
+
+for _op in (
+    "add sub mul truediv floordiv mod pow divmod lshift rshift and or xor "
+    "radd rsub rmul rtruediv rfloordiv rmod rpow rdivmod rlshift rrshift rand ror rxor "
+    "neg pos abs invert float index round trunc floor ceil lt le gt ge eq ne bool"
+).split():
+    setattr(_HeldWidth, f"__{_op}__", _computing(f"__{_op}__"))
+
 
 @contextlib.contextmanager
-def _widths_held(model: nn.Module):
+def _widths_held(model: nn.Module, computed: set[str]):
     """While tracing, every ``int`` attribute (2 or more, not private) of ``model``'s modules of
-    one's own (not torch's) is a :class:`_HeldWidth`; each is given back as it was."""
+    one's own (not torch's) is a :class:`_HeldWidth`; each is given back as it was, and the paths
+    of those the forward computed with are added to ``computed``."""
     held = []
     for name, m in model.named_modules():
         if type(m).__module__.split(".")[0] == "torch":
@@ -457,6 +484,7 @@ def _widths_held(model: nn.Module):
                 held.append((m, attr, value))
     try:
         yield
+        computed.update(w.path for m, attr, _ in held if isinstance(w := vars(m).get(attr), _HeldWidth) and w.computed)
     finally:
         for m, attr, value in held:
             if isinstance(vars(m).get(attr), _HeldWidth):
@@ -603,13 +631,14 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
         )
     x = example_input_for(model, example_input)
     modes = {m: m.training for m in model.modules()}
+    computes_with: set[str] = set()  # the paths of int attributes the forward computes with (_HeldWidth)
     model.eval()  # the function that is fused: a forward's self.training (timm's F.batch_norm) read as in eval mode
     try:
-        with _widths_held(model):
+        with _widths_held(model, computes_with):
             graph = _Tracer().trace(model)
     except Exception:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
         try:  # a forward that uses a buffer's value in Python (if self.flag:, range(int(self.n))): as a constant
-            with _widths_held(model):
+            with _widths_held(model, computes_with):
                 graph = _Tracer(buffers_as_nodes=False).trace(model)
         except Exception as err:
             raise UnsupportedLayerError(
@@ -629,7 +658,9 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
         raise _not_running(model, x, err, guessed=example_input is None) from None
     finally:
         _restore_modes(model, modes)
-    spec = _Walk(model).run(gm)
+    walk = _Walk(model)
+    walk.computed = computes_with
+    spec = walk.run(gm)
     try:  # every axis the walk described holds whole units of its group, at the network's own widths
         spec.sizes({k: v.detach() for k, v in model.state_dict().items()})
     except ValueError as err:
@@ -731,6 +762,7 @@ class _Walk:
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
         self.held: list[tuple[str, int, int, int]] = []
+        self.computed: set[str] = set()  # those of them the forward also computes with in Python
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
@@ -978,6 +1010,15 @@ class _Walk:
             if group is None:  # tied to the input or the classes later: never permuted, the number stays
                 continue
             held = Axis(group, outer, inner)
+            if path in self.computed:  # a scale or a count made of it would follow it to the fused width
+                self.fixed.append(
+                    (
+                        v,
+                        f"its forward reads {path} as their width and also computes with it, which a rebuild at "
+                        "another width would change (a scale of it, say)",
+                    )
+                )
+                continue
             if widths.setdefault(path, held) != held:  # read as two widths, which fusion would set apart
                 why = f"its forward reads {path} as the width of two axes of units"
                 self.fixed += [(first[path], why), (v, why)]

@@ -697,6 +697,32 @@ def test_heads_of_a_width_a_module_holds_follow_the_fusion():
     assert _gap(models[0], wider, x) < 1e-6
 
 
+def test_a_width_the_forward_also_computes_with_is_fixed():
+    """``math.sqrt(self.head_dim)`` (Hugging Face's eager attention): the trace holds the
+    scale as a number, which setting ``head_dim`` to a fused width would change. The width is
+    fixed: PFNM refuses in one line, OT fuses; the attribute is given back as a plain int."""
+    import math
+
+    class Scaled(_HeadDim):
+        def forward(self, x):
+            B, N, C = x.shape
+            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            attn = ((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)).softmax(-1)
+            return self.head(self.proj((attn @ v).transpose(1, 2).reshape(B, N, -1)).mean(1))
+
+    torch.manual_seed(0)
+    models = [library_randomised(Scaled()).eval() for _ in range(2)]
+    x = torch.randn(3, 5, 16)
+    spec = spec_from_graph(models[0], x[:1])
+    assert spec.widths == {} and "reads head_dim as their width and also computes with it" in str(spec.fixed)
+    assert type(models[0].head_dim) is int
+    with pytest.raises(ValueError, match="also computes with it"):
+        bayesfuse.fuse(models, "pfnm", example_input=x[:1])
+    back = bayesfuse.fuse([models[0], permuted_copy(models[0], spec, seed=1)], "ot", example_input=x[:1]).model
+    assert _gap(models[0], back, x) < 1e-5
+
+
 def test_a_network_of_two_inputs_is_traced_from_its_pair_of_example_inputs():
     class Pair(nn.Module):
         def __init__(self):
