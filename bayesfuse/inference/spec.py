@@ -767,7 +767,9 @@ def tie_stacked_recurrent(
         k: tuple(None if a is None else replace(a, group=rename.get(a.group, a.group)) for a in v)
         for k, v in spec.axes.items()
     }
-    return replace(spec, axes=axes, groups=tuple(g for g in spec.groups if g not in rename)), tied
+    widths = {path: replace(a, group=rename.get(a.group, a.group)) for path, a in spec.widths.items()}
+    groups = tuple(g for g in spec.groups if g not in rename)
+    return replace(spec, axes=axes, groups=groups, widths=widths), tied
 
 
 def random_permutations(sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:

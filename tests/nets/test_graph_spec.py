@@ -853,6 +853,29 @@ def test_a_projected_lstm_fused_to_as_many_projections_as_cells_is_refused_in_on
     assert bayesfuse.fuse(models, "ot").model(torch.randn(5, 64)).shape == (5, 10)
 
 
+def test_a_width_held_for_a_stacked_lstm_follows_its_tied_layers():
+    """A stacked LSTM's layers are matched as one group when they come out of different widths
+    (the spec's groups renamed): the width the network holds for its output follows the group."""
+
+    class HeldLSTM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head, self.hidden = nn.LSTM(8, 12, num_layers=2, batch_first=True), nn.Linear(12, 3), 12
+
+        def example_input(self):
+            return torch.zeros(2, 40)
+
+        def forward(self, x):
+            out, _ = self.rnn(x.view(x.shape[0], 5, 8))
+            return self.head(out.reshape(x.shape[0], 5, self.hidden)[:, -1])
+
+    models = [_random(HeldLSTM, s) for s in range(3)]
+    assert list(spec_from_graph(models[0]).widths) == ["hidden"]
+    fused = bayesfuse.fuse(models, "pfnm")
+    assert "rnn" in fused.hyper.get("tied_layers", {})
+    assert fused.model.hidden == fused.model.rnn.hidden_size and fused.model(torch.randn(4, 40)).shape == (4, 3)
+
+
 def test_a_stacked_projected_lstm_ties_its_cells_and_projections_together():
     """Where one part of a stacked projected LSTM comes out uneven, both are matched again as one
     group each: tying the cells moves the projections' matching too."""
