@@ -768,8 +768,8 @@ def tie_stacked_recurrent(
         for k, v in spec.axes.items()
     }
     widths = {path: replace(a, group=rename.get(a.group, a.group)) for path, a in spec.widths.items()}
-    groups = tuple(g for g in spec.groups if g not in rename)
-    return replace(spec, axes=axes, groups=groups, widths=widths), tied
+    kept = tuple(g for g in spec.groups if g not in rename)
+    return replace(spec, axes=axes, groups=kept, widths=widths), tied
 
 
 def random_permutations(sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
