@@ -490,8 +490,12 @@ def _widths(data, groups: Sequence[str]) -> dict:
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"a spec's width {path!r} is no axis ({err}): {a!r}") from None
         a = as_axis(a) if isinstance(a, (str, Axis)) else a
-        if not isinstance(path, str) or not path or path.startswith(".") or not isinstance(a, Axis):
-            raise ValueError(f"a spec's 'widths' maps module attributes to axes, got {path!r}: {a!r}")
+        parts = path.split(".") if isinstance(path, str) else [""]
+        named = parts[-1].isidentifier() and all(p.isidentifier() or p.isdigit() for p in parts[:-1])
+        if not named or not isinstance(a, Axis):
+            raise ValueError(
+                f"a spec's 'widths' maps module attributes (\"module.attribute\") to axes, got {path!r}: {a!r}"
+            )
         if a.group not in groups:
             raise ValueError(f"the width {path!r} is given for group {a.group!r}, which is not among the groups")
         out[path] = a

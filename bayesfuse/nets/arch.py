@@ -316,7 +316,13 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor], spec: Perm
     if spec is not None:
         for path, width in spec.held_widths(state_dict).items():
             owner, _, attr = path.rpartition(".")
-            setattr(new.get_submodule(owner) if owner else new, attr, width)
+            try:
+                module = new.get_submodule(owner) if owner else new
+            except AttributeError:
+                module = None
+            if module is None or type(getattr(module, attr, None)) is not int:
+                raise ValueError(f"the spec's width {path!r} is no int attribute of {type(model).__name__}'s modules")
+            setattr(module, attr, width)
     return load_state(new, state_dict)
 
 

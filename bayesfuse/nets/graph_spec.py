@@ -67,6 +67,7 @@ import io
 import math
 import operator
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import NoReturn, TypeGuard, cast
 
@@ -474,21 +475,24 @@ def _widths_held(model: nn.Module, computed: set[str]):
     """While tracing, every ``int`` attribute (2 or more, not private) of ``model``'s modules of
     one's own (not torch's) is a :class:`_HeldWidth`; each is given back as it was, and the paths
     of those the forward computed with are added to ``computed``."""
-    held = []
-    for name, m in model.named_modules():
-        if type(m).__module__.split(".")[0] == "torch":
-            continue
-        for attr, value in list(vars(m).items()):
-            if type(value) is int and value >= 2 and not attr.startswith("_"):
-                setattr(m, attr, _HeldWidth(value, f"{name}.{attr}" if name else attr))
-                held.append((m, attr, value))
+    made: list[_HeldWidth] = []
     try:
+        for name, m in model.named_modules():
+            if type(m).__module__.split(".")[0] == "torch":
+                continue
+            values = vars(m)  # written in place: a __setattr__ of one's own is not run (nor given a chance to refuse)
+            for attr, value in list(values.items()):
+                if type(value) is int and value >= 2 and not attr.startswith("_"):
+                    values[attr] = _HeldWidth(value, f"{name}.{attr}" if name else attr)
+                    made.append(values[attr])
         yield
-        computed.update(w.path for m, attr, _ in held if isinstance(w := vars(m).get(attr), _HeldWidth) and w.computed)
-    finally:
-        for m, attr, value in held:
-            if isinstance(vars(m).get(attr), _HeldWidth):
-                setattr(m, attr, value)
+        computed.update(w.path for w in made if w.computed)
+    finally:  # every one given back as an int, copies the forward kept (self.cols = self.width) too
+        for m in model.modules():
+            values = vars(m)
+            for attr, value in list(values.items()):
+                if isinstance(value, _HeldWidth):
+                    values[attr] = int(value)
 
 
 def _restore_modes(model: nn.Module, modes: dict) -> None:
@@ -660,6 +664,7 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
         _restore_modes(model, modes)
     walk = _Walk(model)
     walk.computed = computes_with
+    walk.uses = Counter(w.path for node in graph.nodes for w in _held_in((node.args, node.kwargs)))
     spec = walk.run(gm)
     try:  # every axis the walk described holds whole units of its group, at the network's own widths
         spec.sizes({k: v.detach() for k, v in model.state_dict().items()})
@@ -763,6 +768,7 @@ class _Walk:
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
         self.held: list[tuple[str, int, int, int]] = []
         self.computed: set[str] = set()  # those of them the forward also computes with in Python
+        self.uses: Counter = Counter()  # how often each is an argument of the graph's nodes
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
@@ -1005,19 +1011,23 @@ class _Walk:
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
         widths: dict[str, Axis] = {}
         first: dict[str, int] = {}
+        bound = Counter(path for path, *_ in self.held)
+        # read where no permutation reaches (an axis tied later to the input or the classes): the number stays
+        kept = {path for path, v, *_ in self.held if names.get(self.classes.find(v)) is None}
         for path, v, outer, inner in self.held:
             group = names.get(self.classes.find(v))
-            if group is None:  # tied to the input or the classes later: never permuted, the number stays
+            if group is None:
                 continue
             held = Axis(group, outer, inner)
-            if path in self.computed:  # a scale or a count made of it would follow it to the fused width
-                self.fixed.append(
-                    (
-                        v,
-                        f"its forward reads {path} as their width and also computes with it, which a rebuild at "
-                        "another width would change (a scale of it, say)",
-                    )
+            # computed with in Python (a scale of it), or an argument of operations other than the
+            # reshapes that read it as a width (h / self.width): those would follow it to the fused width
+            if path in self.computed or self.uses[path] > bound[path] or path in kept:
+                what = (
+                    "as the width of an axis no permutation reaches too"
+                    if path in kept
+                    else "and also computes with it, which a rebuild at another width would change (a scale of it, say)"
                 )
+                self.fixed.append((v, f"its forward reads {path} as their width {what}"))
                 continue
             if widths.setdefault(path, held) != held:  # read as two widths, which fusion would set apart
                 why = f"its forward reads {path} as the width of two axes of units"
@@ -2778,6 +2788,21 @@ def _indexed_axis(index: tuple, rank: int, dim: int, out_rank: int) -> int | str
     if last - first + 1 == len(tensors):  # adjacent: their axes where they stand
         return position + (width if at > last else 0)
     return position + width  # apart: their axes first
+
+
+def _held_in(a):
+    """The :class:`_HeldWidth` objects in a node's arguments ``a``, through tuples, lists,
+    dicts and slices."""
+    if isinstance(a, _HeldWidth):
+        yield a
+    elif isinstance(a, (list, tuple)):
+        for b in a:
+            yield from _held_in(b)
+    elif isinstance(a, dict):
+        for b in a.values():
+            yield from _held_in(b)
+    elif isinstance(a, slice):
+        yield from _held_in((a.start, a.stop, a.step))
 
 
 def _flat(args):

@@ -403,6 +403,20 @@ def test_a_summary_travels_as_an_array_record_and_a_config_record(summaries):
         assert set(back.moments[g]) == set(stats)
 
 
+def test_the_strategys_networks_hold_the_fused_widths():
+    """A network whose forward reshapes by the width it holds (``self.hidden_dim``): the
+    strategy's one-shot heads rebuild it at the fused width with its spec, and it runs."""
+    from tests.nets.test_graph_spec import _random
+    from tests.nets.user_nets import PatchTokens
+
+    models = [_random(PatchTokens, s) for s in range(3)]
+    strategy = MatchedAveraging("pfnm", like=PatchTokens())
+    arrays, _ = strategy.aggregate_train(1, [_reply(10 + j, m.state_dict(), [5] * 10) for j, m in enumerate(models)])
+    heads = strategy.client_heads(PatchTokens())
+    assert heads.network.hidden_dim == heads.network.patch.out_channels > 12
+    assert heads(torch.randn(4, 64)).shape == (4, 10)
+
+
 def test_the_strategy_fuses_with_the_replies_summaries(clients, summaries):
     _, part, models = clients
     replies = [

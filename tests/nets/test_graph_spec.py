@@ -606,6 +606,11 @@ def test_a_width_a_module_holds_follows_the_fusion():
     assert _gap(models[0], wider, x) == 0.0
     with pytest.raises(RuntimeError):  # without the spec the rebuild keeps the old number
         rebuild(models[0], state)(x)
+    import dataclasses
+
+    for wrong in ("fc1.width", "nosuch.width", "fc1"):  # a spec (file) naming no int attribute: one line
+        with pytest.raises(ValueError, match=f"the spec's width '{wrong}' is no int attribute"):
+            rebuild(models[0], state, dataclasses.replace(spec, widths={wrong: "P1"}))
 
     class Written(_HeldWidth):
         def forward(self, x):
@@ -851,6 +856,59 @@ def test_a_projected_lstm_fused_to_as_many_projections_as_cells_is_refused_in_on
     with pytest.raises(ValueError, match=r"'rnn' is a projected nn.LSTM, which needs fewer projections than cells"):
         bayesfuse.fuse(models, "pfnm")
     assert bayesfuse.fuse(models, "ot").model(torch.randn(5, 64)).shape == (5, 10)
+
+
+def test_a_held_width_read_otherwise_or_where_no_permutation_reaches_is_fixed():
+    """``h.reshape(-1, self.width) / self.width``: the graph divides by the attribute, which a
+    rebuild at the fused width would change. ``s.reshape(-1, self.width)`` of units later tied
+    to the classes: that axis keeps its width while the other would follow. Both fix the width."""
+
+    class Divided(_HeldWidth):
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.width) / self.width)
+
+    class ClassesToo(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.out, self.width = nn.Linear(8, 6), nn.Linear(8, 6), nn.Linear(6, 6), 6
+
+        def forward(self, x):
+            s = self.fc1(x)
+            h = torch.relu(self.fc2(x)).reshape(-1, self.width)
+            return self.out(h) + s.reshape(-1, self.width).softmax(-1).reshape(s.shape)
+
+    for cls, why in ((Divided, "also computes with it"), (ClassesToo, "no permutation reaches")):
+        torch.manual_seed(0)
+        models = [cls().eval() for _ in range(2)]
+        spec = spec_from_graph(models[0], torch.randn(2, 8))
+        assert spec.widths == {} and why in str(spec.fixed), cls
+        with pytest.raises(ValueError, match=why):
+            bayesfuse.fuse(models, "pfnm")
+
+
+def test_tracing_gives_a_modules_numbers_back_as_they_were():
+    """The numbers a module holds are stood in for while tracing: a ``__setattr__`` of one's own
+    that refuses new values is never run, and a copy the forward keeps (``self.cols =
+    self.width``) comes back an ``int``, as the attribute does."""
+
+    class Frozen(_HeldWidth):
+        def __setattr__(self, name, value):
+            if getattr(self, "_frozen", False) and type(value) is not bool and isinstance(value, int):
+                raise AttributeError(f"{name} is read-only")
+            super().__setattr__(name, value)
+
+    class Copying(_HeldWidth):
+        def forward(self, x):
+            self.cols = self.width
+            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.cols))
+
+    frozen = Frozen().eval()
+    frozen._frozen = True
+    assert spec_from_graph(frozen, torch.randn(2, 8)).widths == {"width": Axis("P1")}
+    assert type(vars(frozen)["width"]) is int
+    copying = Copying().eval()
+    assert spec_from_graph(copying, torch.randn(2, 8)).widths == {"width": Axis("P1")}
+    assert type(copying.width) is int and type(copying.cols) is int
 
 
 def test_a_width_held_for_a_stacked_lstm_follows_its_tied_layers():

@@ -305,7 +305,9 @@ def output_fit_reply(model: torch.nn.Module, x, y, config: Mapping) -> RecordDic
     model : nn.Module
         The network the server sent: the client's own network rebuilt with the message's arrays,
         e.g. ``bayesfuse.nets.arch.rebuild(model, tensor_state(record_to_state(msg.content["arrays"])))``
-        (the fused network may be wider than the client's).
+        (the fused network may be wider than the client's; a network whose forward reads a width
+        it holds, ``self.hidden_dim``, is rebuilt with its spec too:
+        ``rebuild(model, state, bayesfuse.nets.tracing.spec_from_module(model))``).
     x, y : arrays
         The client's examples and their integer classes.
     config : mapping

@@ -543,7 +543,7 @@ class _RefitRound(_Fusion):
         """
         if self._refitted is None or self.output_covariance is None:
             raise ValueError("no refit round has run: make the strategy with second_round='refit' and run it")
-        network = rebuild(like, tensor_state(self._refitted["state"]))
+        network = rebuild(like, tensor_state(self._refitted["state"]), self.spec)
         return LastLayerLaplace(network, self._refitted["output"], covariance=self.output_covariance).eval()
 
     def _refit_heads(self, like: nn.Module, pool: str, otherwise: str) -> ClientHeads:
@@ -562,7 +562,7 @@ class _RefitRound(_Fusion):
                 f"node(s) {missing} reported no class counts ({self.class_counts_key!r} in their metrics): "
                 "the heads are mixed by each node's share of each class"
             )
-        network = rebuild(like, tensor_state(self._refitted["state"]))
+        network = rebuild(like, tensor_state(self._refitted["state"]), self.spec)
         return self._smoothed(
             ClientHeads.from_fits(
                 network,
@@ -1182,7 +1182,7 @@ class MatchedAveraging(_RefitRound):
                 "no temperature round has chosen a model: make the strategy with second_round='temperature' "
                 "and run it (a round without valid replies chooses none)"
             )
-        network = rebuild(like, tensor_state(chosen["state"])).eval()
+        network = rebuild(like, tensor_state(chosen["state"]), self.spec).eval()
         config = {**chosen["config"], "candidates": [chosen["name"]]}  # the winner alone
         model = temperature_candidates(network, config, chosen["records"])[chosen["name"]]
         if isinstance(model, (ClientHeads, LastLayerLaplace)):
@@ -1234,7 +1234,7 @@ class MatchedAveraging(_RefitRound):
                 f"one-shot client heads need networks fused by {' or '.join(ONE_SHOT_HEADS)} (one global unit per "
                 f"unit); this strategy fuses with {self.method!r}"
             )
-        network = rebuild(like, tensor_state(result.state))
+        network = rebuild(like, tensor_state(result.state), self.spec)
         assignments = {g: layer.assignments for g, layer in zip(result.groups, result.layers)}
         pool = pool or default_pool(inputs["summaries"])
         return self._smoothed(
