@@ -331,7 +331,9 @@ def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "th
     line if it fails, so that no network is handed over that cannot run.
 
     A rebuilt network can fail where its ``forward`` keeps a width of its own (``x.view(-1,
-    self.width)``) or a module ties two widths that fusion set apart.
+    64)``; one a module holds follows where the spec records it,
+    :attr:`~bayesfuse.inference.spec.PermutationSpec.widths`) or a module ties two widths that
+    fusion set apart.
     """
     err = forward_error(model, example_input)
     if isinstance(err, OutputLogitsError):  # its own line: a forward the posterior cannot read, not a width
@@ -339,6 +341,6 @@ def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "th
     if err is not None:
         raise ValueError(
             f"{what} does not run at its fused widths ({type(err).__name__}: {first_line(err)}); its forward may "
-            "keep a width of its own (e.g. x.view(-1, self.width)): read widths off the layers, or "
-            "give a spec that keeps that width"
+            "keep a width of its own (e.g. x.view(-1, 64), or a number a hand-written spec does not list in its "
+            "'widths'): read widths off the layers, or give a spec that keeps that width"
         )
