@@ -37,6 +37,7 @@ from pathlib import Path
 from torch import nn
 
 from bayesfuse._io import _journal_path, recover
+from bayesfuse._text import warn_from_caller
 from bayesfuse.checkpoints import (
     Checkpoint,
     HashedState,
@@ -180,8 +181,10 @@ def load_read(
         )
     if n_features is None and isinstance(saved.get("n_features"), int):
         n_features = saved["n_features"]  # the input size the saved network ran on
+    # what bayesfuse fuse --model traced and ran the network on (--input-shape), for the network given
+    given_input = example_input if example_input is not None else _reported_input(report, name)
     if like is not None:
-        model = _like(like, state, name, example_input)
+        model = _like(like, state, name, given_input)
     else:
         try:
             with warnings.catch_warnings():
@@ -206,7 +209,7 @@ def load_read(
                     )
                     + f", e.g. bayesfuse.load({str(path)!r}, like={cls.rpartition('.')[2]}())"
                 ) from None
-            model = _like(template, state, name, example_input)
+            model = _like(template, state, name, given_input)
         else:
             if example_input is not None:  # given, it is checked: the network must run on it
                 _runs_on(model, example_input, name)
@@ -285,6 +288,25 @@ def finish_interrupted_write(path: str | os.PathLike) -> None:
         ) from None
 
 
+def _reported_input(report: dict | None, name: str):
+    """Two zero inputs of the shape and dtype ``bayesfuse fuse --model`` recorded
+    (``architecture.input_shape``, ``input_dtype``), or None where it recorded none."""
+    architecture = (report or {}).get("architecture")
+    if not isinstance(architecture, dict) or architecture.get("input_shape") is None:
+        return None
+    import torch
+
+    shape = architecture["input_shape"]
+    dtype = getattr(torch, str(architecture.get("input_dtype", "float32")), None)
+    if (
+        not isinstance(shape, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+        or not isinstance(dtype, torch.dtype)
+    ):
+        raise ValueError(f"{name}.json: its input shape is not what bayesfuse fuse writes; remove or fix it")
+    return torch.zeros((2, *shape), dtype=dtype)
+
+
 def _reported_network(report: dict | None, path) -> str | None:
     """The ``"module:Class"`` the report names (``architecture.network``), or None; a report whose
     fields are not what ``bayesfuse fuse`` writes is refused in one line."""
@@ -357,6 +379,11 @@ def _like_traced(like: nn.Module, state: dict, name: str, example_input=None) ->
         raise ValueError(f"{name}: its entries do not fit the template network ({str(err).splitlines()[0]})") from None
     if x is not None:
         check_runs(model, x, what=f"{name} in {type(like).__name__}")
+    else:
+        warn_from_caller(
+            f"{name} was loaded into {type(like).__name__} without running it: its first layer does not tell the "
+            "input's shape and the file records none; give example_input= (a batch of your data) to check it"
+        )
     return model
 
 

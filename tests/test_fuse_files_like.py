@@ -17,6 +17,7 @@ from tests.nets.user_nets import (
     HandLinear,
     MyMLP,
     PatchTokens,
+    PatchTokensUnguessed,
     ResMLP,
     SkipCNN,
     TwoOutputs,
@@ -176,6 +177,28 @@ def test_a_width_the_network_holds_follows_the_fused_file(tmp_path):
     assert fused(torch.randn(4, 64)).shape == (4, 10)
 
 
+def test_load_runs_the_network_on_the_input_the_file_records(tmp_path):
+    """``--input-shape`` is recorded in the report, and ``bayesfuse.load`` traces and runs the
+    network it is given on it (the width it holds set to the fused one); a file that records no
+    input loads with a warning that the network was not run."""
+    _, paths = _files(tmp_path, PatchTokensUnguessed, 3)
+    out = tmp_path / "fused.pt"
+    ref = ["--model", "tests.nets.user_nets:PatchTokensUnguessed", "--input-shape", "64"]
+    assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert report["architecture"]["input_shape"] == [64] and report["architecture"]["input_dtype"] == "float32"
+    fused = bayesfuse.load(out, like=PatchTokensUnguessed())
+    assert fused.hidden_dim == fused.patch.out_channels > 12 and fused(torch.randn(3, 64)).shape == (3, 10)
+    del report["architecture"]["input_shape"]
+    (tmp_path / "fused.pt.json").write_text(json.dumps(report))
+    with pytest.warns(UserWarning, match="without running it"):
+        bayesfuse.load(out, like=PatchTokensUnguessed())
+    report["architecture"]["input_shape"] = [64, -1]
+    (tmp_path / "fused.pt.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="its input shape is not what bayesfuse fuse writes"):
+        bayesfuse.load(out, like=PatchTokensUnguessed())
+
+
 def test_load_checks_the_file_against_the_network(tmp_path):
     _, paths = _files(tmp_path, ResMLP, 2)
     out = tmp_path / "fused.pt"
@@ -198,7 +221,8 @@ def test_resnet_state_dicts_without_the_network_are_told_to_give_it(tmp_path, ca
 def test_a_network_that_does_not_tell_its_input_shape_takes_input_shape(tmp_path, capsys):
     """StepGRU's first Linear reads steps of 8 features: an input made from its width (2, 8) does
     not run. The command line asks for --input-shape; given it, the files fuse as in Python, and
-    ``load`` asks for ``example_input`` in turn."""
+    ``load`` runs the network on the shape the file records, or, where it records none, asks for
+    ``example_input`` in turn."""
     from tests.nets.user_nets import StepGRU
 
     models, paths = _files(tmp_path, StepGRU)
@@ -216,12 +240,16 @@ def test_a_network_that_does_not_tell_its_input_shape_takes_input_shape(tmp_path
     assert "expected positive integers separated by commas" in capsys.readouterr().err
     assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out), "--input-shape", "64"]) == 0
     x = torch.randn(16, 64)
+    python = bayesfuse.fuse(models, "pfnm", example_input=x[:2]).model
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert report["architecture"]["input_shape"] == [64]
+    for loaded in (bayesfuse.load(out, like=StepGRU()), bayesfuse.load(out, like=StepGRU(), example_input=x[:2])):
+        with torch.no_grad():
+            assert float((loaded(x) - python(x)).abs().max()) < 1e-4
+    del report["architecture"]["input_shape"]  # a file that records no input
+    (tmp_path / "fused.pt.json").write_text(json.dumps(report))
     with pytest.raises(ValueError, match=r"give an example input \(example_input=\.\.\.: a batch of your data\)"):
         bayesfuse.load(out, like=StepGRU())
-    loaded = bayesfuse.load(out, like=StepGRU(), example_input=x[:2])
-    python = bayesfuse.fuse(models, "pfnm", example_input=x[:2]).model
-    with torch.no_grad():
-        assert float((loaded(x) - python(x)).abs().max()) < 1e-4
 
 
 def test_input_shape_gives_token_ids_to_a_network_that_reads_them(tmp_path, capsys):

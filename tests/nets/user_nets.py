@@ -1281,3 +1281,10 @@ class PatchTokens(nn.Module):
         h = self.patch(x.view(n, 1, 8, 8)).reshape(n, self.hidden_dim, -1).permute(0, 2, 1)
         h = h + F.gelu(self.mlp(self.norm(h)))
         return self.head(h.mean(1))
+
+
+class PatchTokensUnguessed(PatchTokens):
+    """:class:`PatchTokens` that does not say its input: its first layer, a convolution of images
+    its forward makes from rows of 64, does not tell it either."""
+
+    example_input = None
