@@ -793,3 +793,38 @@ def heads_from_arrays(tensors: dict, output: str, form: str, name: str) -> dict:
         laplace["prior_precision"] = float(laplace["prior_precision"])
     heads["laplace"] = laplace or None
     return heads
+
+
+# --------------------------------------------------------------------------- the input a report records
+
+
+def input_record(example_input) -> dict:
+    """``{"input_shape": [...], "input_dtype": "float32"}`` of one example input tensor (one
+    input without its batch axis), or ``{}``."""
+    import torch
+
+    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
+        return {}
+    return {
+        "input_shape": list(example_input.shape[1:]),
+        "input_dtype": str(example_input.dtype).removeprefix("torch."),
+    }
+
+
+def reported_input(report: dict | None, name: str):
+    """Two zero inputs of the shape and dtype ``bayesfuse fuse --model`` recorded
+    (``architecture.input_shape``, ``input_dtype``), or None where it recorded none."""
+    architecture = (report or {}).get("architecture")
+    if not isinstance(architecture, dict) or architecture.get("input_shape") is None:
+        return None
+    import torch
+
+    shape = architecture["input_shape"]
+    dtype = getattr(torch, str(architecture.get("input_dtype", "float32")), None)
+    if (
+        not isinstance(shape, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+        or not isinstance(dtype, torch.dtype)
+    ):
+        raise ValueError(f"{name}.json: its input shape is not what bayesfuse fuse writes; remove or fix it")
+    return torch.zeros((2, *shape), dtype=dtype)

@@ -35,6 +35,7 @@ from bayesfuse.checkpoints import (
     Checkpoint,
     heads_bytes,
     heads_path,
+    input_record,
     output_format,
     posterior_bytes,
     posterior_path,
@@ -256,19 +257,6 @@ def _network_spec(state_dicts, names, arch, spec, like=None, example_input=None)
     if not spec.groups:
         raise ValueError(f"{names[0]}: the network has no hidden layer to match")
     return spec, source
-
-
-def _input_record(example_input) -> dict:
-    """``{"input_shape": [...], "input_dtype": "float32"}`` of one example input tensor (one
-    input without its batch axis), or ``{}``."""
-    import torch
-
-    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
-        return {}
-    return {
-        "input_shape": list(example_input.shape[1:]),
-        "input_dtype": str(example_input.dtype).removeprefix("torch."),
-    }
 
 
 def _check_like(
@@ -731,7 +719,7 @@ def fuse_files(
             "spec_file": str(spec_path) if spec_path else None,
             "network": None if like is None else f"{type(like).__module__}:{type(like).__qualname__}",
             # what the network was traced and run on (--input-shape), for bayesfuse.load to run it on again
-            **_input_record(example_input if like is not None else None),
+            **input_record(example_input if like is not None else None),
         },
         "hyper": finite_json(fused.hyper),
         "hyper_given": finite_json(hyper),

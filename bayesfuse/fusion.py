@@ -29,7 +29,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence, cast
+from typing import Any, Mapping, Sequence, cast
 
 import numpy as np
 import torch
@@ -82,6 +82,9 @@ class FusionResult:
         The permutation group of each entry of ``layers`` (see :mod:`bayesfuse.inference.spec`).
     posteriors : list of (mean, var)
         Each matched layer's global units as independent Gaussians (G, D).
+    example_input : Tensor or None
+        The input ``fuse`` was given to trace and run the networks on (its first two rows), which
+        :func:`bayesfuse.save` records for :func:`bayesfuse.load` to run the network on again.
     """
 
     model: nn.Module
@@ -92,6 +95,7 @@ class FusionResult:
     seconds: float = 0.0
     groups: tuple = ()
     posteriors: list = field(default_factory=list)
+    example_input: Any = field(default=None, repr=False, compare=False)
 
     @property
     def converged(self) -> bool:
@@ -573,8 +577,14 @@ def fuse(
         seconds=time.perf_counter() - start,
         groups=fused.groups if not all(bnn) else (),
         posteriors=fused.posteriors,
+        example_input=_kept_input(example_input),
     )
     return to_callers(_with_multihead(result, template), order)
+
+
+def _kept_input(example_input):
+    """The first two rows of a tensor ``example_input``, detached, on the CPU; else None."""
+    return example_input[:2].detach().cpu() if isinstance(example_input, torch.Tensor) else None
 
 
 def _smoothed(model: nn.Module, hyper: dict, pseudo_count: float) -> None:
@@ -1055,6 +1065,7 @@ def _fuse_fedma(
         seconds=time.perf_counter() - start,
         groups=tuple(run.spec.groups),
         posteriors=[(layer.mean, layer.var) for layer in layers],
+        example_input=_kept_input(example_input),
     )
 
 

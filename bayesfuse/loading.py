@@ -46,6 +46,7 @@ from bayesfuse.checkpoints import (
     read_checkpoint,
     read_heads,
     read_posterior,
+    reported_input,
     tensors_sha256,
 )
 from bayesfuse.fusion_record import fusion_files, fusion_path
@@ -182,7 +183,7 @@ def load_read(
     if n_features is None and isinstance(saved.get("n_features"), int):
         n_features = saved["n_features"]  # the input size the saved network ran on
     # what bayesfuse fuse --model traced and ran the network on (--input-shape), for the network given
-    given_input = example_input if example_input is not None else _reported_input(report, name)
+    given_input = example_input if example_input is not None else reported_input(report, name)
     if like is not None:
         model = _like(like, state, name, given_input)
     else:
@@ -286,25 +287,6 @@ def finish_interrupted_write(path: str | os.PathLike) -> None:
         raise ValueError(
             f"{path}: a write of this model was interrupted and cannot be finished here ({err}); write it again"
         ) from None
-
-
-def _reported_input(report: dict | None, name: str):
-    """Two zero inputs of the shape and dtype ``bayesfuse fuse --model`` recorded
-    (``architecture.input_shape``, ``input_dtype``), or None where it recorded none."""
-    architecture = (report or {}).get("architecture")
-    if not isinstance(architecture, dict) or architecture.get("input_shape") is None:
-        return None
-    import torch
-
-    shape = architecture["input_shape"]
-    dtype = getattr(torch, str(architecture.get("input_dtype", "float32")), None)
-    if (
-        not isinstance(shape, list)
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
-        or not isinstance(dtype, torch.dtype)
-    ):
-        raise ValueError(f"{name}.json: its input shape is not what bayesfuse fuse writes; remove or fix it")
-    return torch.zeros((2, *shape), dtype=dtype)
 
 
 def _reported_network(report: dict | None, path) -> str | None:

@@ -31,6 +31,7 @@ from bayesfuse._io import finite_json
 from bayesfuse.checkpoints import (
     HashedState,
     heads_path,
+    input_record,
     module_heads_bytes,
     module_posterior_bytes,
     output_format,
@@ -166,6 +167,7 @@ def save(result, path: str | os.PathLike, *, force: bool = False) -> dict:
             "source": "saved from Python (bayesfuse.save)",
             "spec_file": None,
             "network": None,  # never built from the report: load's like= when loading["like"] says so
+            **input_record(getattr(result, "example_input", None)),  # fuse's example_input: load runs on it
         },
         "load": loading,
         "hyper": finite_json(result.hyper),

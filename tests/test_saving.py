@@ -150,6 +150,23 @@ def test_a_network_its_entries_do_not_give_back_loads_like_it_and_only_so(tmp_pa
     _same_predictions(pan.model, load(tmp_path / "pan.pt", like=pans[0]), split.test.x)
 
 
+def test_a_network_holding_its_width_comes_back_run_on_the_input_fuse_was_given(tmp_path):
+    """A conv-first network that does not say its input and reshapes by the width it holds
+    (``self.hidden_dim``): ``save`` records the shape of ``fuse``'s ``example_input``, and ``load``
+    traces and runs the network on it, the width set to the fused one."""
+    from tests.nets.test_graph_spec import _random
+    from tests.nets.user_nets import PatchTokensUnguessed
+
+    x = torch.randn(4, 64)
+    result = fuse([_random(PatchTokensUnguessed, s) for s in range(3)], "pfnm", example_input=x[:2])
+    report = save(result, tmp_path / "fused.pt")
+    assert report["architecture"]["input_shape"] == [64]
+    loaded = load(tmp_path / "fused.pt", like=PatchTokensUnguessed())
+    assert loaded.hidden_dim == result.model.hidden_dim > 12
+    with torch.no_grad():
+        assert torch.equal(loaded(x), result.model(x))
+
+
 def test_a_convnet_comes_back_at_the_input_size_it_ran_on(tmp_path):
     from bayesfuse.nets.arch import make_cnn
 
