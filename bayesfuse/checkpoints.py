@@ -821,10 +821,12 @@ def reported_input(report: dict | None, name: str):
 
     shape = architecture["input_shape"]
     dtype = getattr(torch, str(architecture.get("input_dtype", "float32")), None)
+    plain = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
     if (
         not isinstance(shape, list)
         or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
         or not isinstance(dtype, torch.dtype)
+        or not (dtype.is_floating_point and not dtype.is_complex or dtype in plain)
     ):
         raise ValueError(f"{name}.json: its input shape is not what bayesfuse fuse writes; remove or fix it")
     return torch.zeros((2, *shape), dtype=dtype)

@@ -108,9 +108,12 @@ def load(
         entries of their own). A file fused with ``bayesfuse fuse --model MODULE:NAME`` loads
         without it when ``MODULE`` is imported already (nothing is imported because a file says
         so). The file's entries are checked against its traced spec
-        (:func:`~bayesfuse.nets.tracing.spec_from_module`) and the rebuilt network is run once
-        on an example input (:func:`~bayesfuse.nets.graph_spec.example_input_for`) before it
-        is returned.
+        (:func:`~bayesfuse.nets.tracing.spec_from_module`), the numbers its modules hold as
+        widths set to the file's, and the rebuilt network is run once on an example input before
+        it is returned: ``example_input``, else the input the file's report records (``bayesfuse
+        fuse --input-shape``, or ``fuse``'s ``example_input`` for :func:`bayesfuse.save`), else
+        one made from its first layer (:func:`~bayesfuse.nets.graph_spec.example_input_for`);
+        where none can be had, it is returned unrun, with a warning.
     n_features : int, optional
         Input size of a ConvNet from :func:`~bayesfuse.nets.arch.make_cnn` (channels x side x
         side). By default the input channels are the first convolution's and the side is the
@@ -183,9 +186,12 @@ def load_read(
     if n_features is None and isinstance(saved.get("n_features"), int):
         n_features = saved["n_features"]  # the input size the saved network ran on
     # what bayesfuse fuse --model traced and ran the network on (--input-shape), for the network given
-    given_input = example_input if example_input is not None else reported_input(report, name)
+
+    def given_input():  # read only where a network is given or named: a file load recognises never needs it
+        return example_input if example_input is not None else reported_input(report, name)
+
     if like is not None:
-        model = _like(like, state, name, given_input)
+        model = _like(like, state, name, given_input())
     else:
         try:
             with warnings.catch_warnings():
@@ -210,7 +216,7 @@ def load_read(
                     )
                     + f", e.g. bayesfuse.load({str(path)!r}, like={cls.rpartition('.')[2]}())"
                 ) from None
-            model = _like(template, state, name, given_input)
+            model = _like(template, state, name, given_input())
         else:
             if example_input is not None:  # given, it is checked: the network must run on it
                 _runs_on(model, example_input, name)
@@ -363,8 +369,9 @@ def _like_traced(like: nn.Module, state: dict, name: str, example_input=None) ->
         check_runs(model, x, what=f"{name} in {type(like).__name__}")
     else:
         warn_from_caller(
-            f"{name} was loaded into {type(like).__name__} without running it: its first layer does not tell the "
-            "input's shape and the file records none; give example_input= (a batch of your data) to check it"
+            f"{name} was loaded into {type(like).__name__} without running it, nor setting the widths its modules "
+            "hold (self.hidden_dim): its first layer does not tell the input's shape and the file records none; "
+            "give example_input= (a batch of your data)"
         )
     return model
 

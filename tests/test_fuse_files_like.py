@@ -197,6 +197,25 @@ def test_load_runs_the_network_on_the_input_the_file_records(tmp_path):
     (tmp_path / "fused.pt.json").write_text(json.dumps(report))
     with pytest.raises(ValueError, match="its input shape is not what bayesfuse fuse writes"):
         bayesfuse.load(out, like=PatchTokensUnguessed())
+    report["architecture"].update(input_shape=[64], input_dtype="qint8")
+    (tmp_path / "fused.pt.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="its input shape is not what bayesfuse fuse writes"):
+        bayesfuse.load(out, like=PatchTokensUnguessed())
+
+
+def test_an_input_record_is_read_only_where_a_network_is_run_on_it(tmp_path):
+    """A file load recognises from its entries (an MLP) loads whatever its report's input record
+    says: the record is read only for a network given or named."""
+    from bayesfuse import MLP
+
+    torch.manual_seed(0)
+    paths = [str(save_state_dict(MLP(64, (16,), 10).state_dict(), tmp_path / f"m{j}.pt")) for j in range(2)]
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *paths, "--method", "pfnm", "--arch", "mlp", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    report["architecture"]["input_shape"] = ["4"]
+    (tmp_path / "fused.pt.json").write_text(json.dumps(report))
+    assert bayesfuse.load(out)(torch.randn(2, 64)).shape == (2, 10)
 
 
 def test_load_checks_the_file_against_the_network(tmp_path):

@@ -491,7 +491,7 @@ def _widths(data, groups: Sequence[str]) -> dict:
                 raise ValueError(f"a spec's width {path!r} is no axis ({err}): {a!r}") from None
         a = as_axis(a) if isinstance(a, (str, Axis)) else a
         parts = path.split(".") if isinstance(path, str) else [""]
-        named = parts[-1].isidentifier() and all(p.isidentifier() or p.isdigit() for p in parts[:-1])
+        named = parts[-1].isidentifier() and all(parts[:-1])  # a module's name: any key (an nn.ModuleDict's)
         if not named or not isinstance(a, Axis):
             raise ValueError(
                 f"a spec's 'widths' maps module attributes (\"module.attribute\") to axes, got {path!r}: {a!r}"

@@ -182,10 +182,11 @@ def test_spec_json_round_trip_keeps_the_widths_modules_hold():
     assert held.held_widths(state) == {"width": 5, "attn.dims": 15}
     with pytest.raises(ValueError, match="group 'Q', which is not among the groups"):
         dataclasses.replace(plain, widths={"width": "Q"})
-    for bad in ("", "a.", "a..b", "3", "a.3", "_w.x y"):
+    for bad in ("", "a.", "a..b", ".a", "3", "a.3", "_w.x y"):
         with pytest.raises(ValueError, match="maps module attributes"):
             dataclasses.replace(plain, widths={bad: "P"})
-    assert list(dataclasses.replace(plain, widths={"blocks.0.attn.head_dim": "P"}).widths) == ["blocks.0.attn.head_dim"]
+    for good in ("blocks.0.attn.head_dim", "blocks.block-1.width"):  # an nn.ModuleDict's key is any name
+        assert list(dataclasses.replace(plain, widths={good: "P"}).widths) == [good]
 
 
 def test_entries_in_pieces_split_join_permute_and_round_trip_through_json():

@@ -306,8 +306,9 @@ def output_fit_reply(model: torch.nn.Module, x, y, config: Mapping) -> RecordDic
         The network the server sent: the client's own network rebuilt with the message's arrays,
         e.g. ``bayesfuse.nets.arch.rebuild(model, tensor_state(record_to_state(msg.content["arrays"])))``
         (the fused network may be wider than the client's; a network whose forward reads a width
-        it holds, ``self.hidden_dim``, is rebuilt with its spec too:
-        ``rebuild(model, state, bayesfuse.nets.tracing.spec_from_module(model))``).
+        it holds, ``self.width``, is rebuilt with its spec too:
+        ``rebuild(model, state, bayesfuse.nets.tracing.spec_from_module(model, x[:2]))``, with
+        ``nn.MultiheadAttention`` split into heads first: ``split_heads(model)``).
     x, y : arrays
         The client's examples and their integer classes.
     config : mapping
