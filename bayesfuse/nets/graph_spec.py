@@ -438,10 +438,11 @@ class _HeldWidth(int):
 
     path: str
     computed: bool
+    original: int  # the attribute's own value (a retrace stands in another: _retraced_differs)
 
-    def __new__(cls, value: int, path: str) -> _HeldWidth:
+    def __new__(cls, value: int, path: str, original: int | None = None) -> _HeldWidth:
         out = super().__new__(cls, value)
-        out.path, out.computed = path, False
+        out.path, out.computed, out.original = path, False, value if original is None else original
         return out
 
     def __reduce__(self):  # a copy made while tracing is a plain int
@@ -465,16 +466,17 @@ def _computing(name: str):
 for _op in (
     "add sub mul truediv floordiv mod pow divmod lshift rshift and or xor "
     "radd rsub rmul rtruediv rfloordiv rmod rpow rdivmod rlshift rrshift rand ror rxor "
-    "neg pos abs invert float index round trunc floor ceil lt le gt ge eq ne bool"
+    "neg pos abs invert int float index round trunc floor ceil lt le gt ge eq ne bool"
 ).split():
     setattr(_HeldWidth, f"__{_op}__", _computing(f"__{_op}__"))
 
 
 @contextlib.contextmanager
-def _widths_held(model: nn.Module, computed: set[str]):
+def _widths_held(model: nn.Module, computed: set[str], shifted: frozenset = frozenset()):
     """While tracing, every ``int`` attribute (2 or more, not private) of ``model``'s modules of
-    one's own (not torch's) is a :class:`_HeldWidth`; each is given back as it was, and the paths
-    of those the forward computed with are added to ``computed``."""
+    one's own (not torch's) is a :class:`_HeldWidth` (one larger for the paths ``shifted``); each
+    is given back as it was, and the paths of those the forward computed with are added to
+    ``computed``."""
     made: list[_HeldWidth] = []
     try:
         for name, m in model.named_modules():
@@ -483,16 +485,92 @@ def _widths_held(model: nn.Module, computed: set[str]):
             values = vars(m)  # written in place: a __setattr__ of one's own is not run (nor given a chance to refuse)
             for attr, value in list(values.items()):
                 if type(value) is int and value >= 2 and not attr.startswith("_"):
-                    values[attr] = _HeldWidth(value, f"{name}.{attr}" if name else attr)
+                    path = f"{name}.{attr}" if name else attr
+                    values[attr] = _HeldWidth(value + (path in shifted), path, value)
                     made.append(values[attr])
         yield
         computed.update(w.path for w in made if w.computed)
-    finally:  # every one given back as an int, copies the forward kept (self.cols = self.width) too
+    finally:  # every one given back as it was, copies the forward kept (self.cols = self.width) too
         for m in model.modules():
             values = vars(m)
             for attr, value in list(values.items()):
                 if isinstance(value, _HeldWidth):
-                    values[attr] = int(value)
+                    values[attr] = value.original
+
+
+def _checked_widths(model: nn.Module, graph: fx.Graph, spec: PermutationSpec, buffers_as_nodes: bool):
+    """``spec`` with the widths its forward computes with otherwise than as their width fixed:
+    where the model traced again with them one larger gives a graph that differs anywhere but
+    in those numbers (``np.sqrt(self.head_dim)``, ``torch.full((), self.dim)``, a loop over it:
+    reads no int operation sees), each is tried alone and those that change it are fixed."""
+    from dataclasses import replace
+
+    def differs(paths) -> bool:
+        return _retraced_differs(model, graph, frozenset(paths), buffers_as_nodes)
+
+    if not differs(spec.widths):
+        return spec
+    changed = [p for p in spec.widths if differs([p])] or list(spec.widths)
+    fixed = dict(spec.fixed)
+    for path in changed:
+        fixed.setdefault(
+            spec.widths[path].group,
+            f"its forward reads {path} as their width and also computes with it (the graph changes with it "
+            "elsewhere), which a rebuild at another width would change",
+        )
+    return replace(spec, fixed=fixed, widths={p: a for p, a in spec.widths.items() if a.group not in fixed})
+
+
+def _retraced_differs(model: nn.Module, graph: fx.Graph, shifted: frozenset, buffers_as_nodes: bool) -> bool:
+    """Whether ``model`` traced with the held widths ``shifted`` one larger gives another graph
+    than ``graph`` (the numbers shifted aside); the constants the retrace leaves are removed."""
+    before = set(vars(model))
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with _widths_held(model, set(), shifted):
+            other = _Tracer(buffers_as_nodes=buffers_as_nodes).trace(model)
+    except Exception:  # a forward that cannot run with the other number: it reads it otherwise
+        return True
+    finally:
+        _restore_modes(model, modes)
+    try:
+        nodes, others = list(graph.nodes), list(other.nodes)
+        if len(nodes) != len(others):
+            return True
+        for a, b in zip(nodes, others):
+            if (a.op, a.name) != (b.op, b.name):
+                return True
+            if a.op == "get_attr" and not (
+                a.target in dict(model.named_parameters()) or a.target in dict(model.named_buffers())
+            ):
+                if not _same(getattr(model, a.target, None), getattr(model, b.target, None)):
+                    return True  # a constant the forward made (torch.full((), self.dim))
+            elif not (a.target == b.target and _same(a.args, b.args) and _same(a.kwargs, b.kwargs)):
+                return True
+        return False
+    finally:
+        for name in set(vars(model)) - before:
+            delattr(model, name)
+
+
+def _same(a, b) -> bool:
+    """Whether two node arguments are the same, a held width standing for itself at any value."""
+    if isinstance(a, _HeldWidth):
+        return isinstance(b, _HeldWidth) and a.path == b.path
+    if isinstance(a, fx.Node):
+        return isinstance(b, fx.Node) and a.name == b.name
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, slice):
+        return isinstance(b, slice) and _same((a.start, a.stop, a.step), (b.start, b.stop, b.step))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return type(a) is type(b) and a == b
 
 
 def _restore_modes(model: nn.Module, modes: dict) -> None:
@@ -637,10 +715,12 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     modes = {m: m.training for m in model.modules()}
     computes_with: set[str] = set()  # the paths of int attributes the forward computes with (_HeldWidth)
     model.eval()  # the function that is fused: a forward's self.training (timm's F.batch_norm) read as in eval mode
+    buffers_as_nodes = True
     try:
         with _widths_held(model, computes_with):
             graph = _Tracer().trace(model)
     except Exception:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
+        buffers_as_nodes = False
         try:  # a forward that uses a buffer's value in Python (if self.flag:, range(int(self.n))): as a constant
             with _widths_held(model, computes_with):
                 graph = _Tracer(buffers_as_nodes=False).trace(model)
@@ -666,6 +746,8 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     walk.computed = computes_with
     walk.uses = Counter(w.path for node in graph.nodes for w in _held_in((node.args, node.kwargs)))
     spec = walk.run(gm)
+    if spec.widths:
+        spec = _checked_widths(model, graph, spec, buffers_as_nodes)
     try:  # every axis the walk described holds whole units of its group, at the network's own widths
         spec.sizes({k: v.detach() for k, v in model.state_dict().items()})
     except ValueError as err:

@@ -877,7 +877,29 @@ def test_a_held_width_read_otherwise_or_where_no_permutation_reaches_is_fixed():
             h = torch.relu(self.fc2(x)).reshape(-1, self.width)
             return self.out(h) + s.reshape(-1, self.width).softmax(-1).reshape(s.shape)
 
-    for cls, why in ((Divided, "also computes with it"), (ClassesToo, "no permutation reaches")):
+    class IntOf(_HeldWidth):
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.width) / int(self.width))
+
+    class TensorOf(_HeldWidth):  # read in C, by no int operation: the graph traced at width + 1 differs
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.width) * torch.full((), self.width).rsqrt())
+
+    class Looped(_HeldWidth):  # a loop over it: more nodes at width + 1
+        def forward(self, x):
+            h = torch.relu(self.fc1(x)).reshape(-1, self.width)
+            for _ in range(self.width // 3):
+                h = h * 0.9
+            return self.fc2(h)
+
+    cases = [
+        (Divided, "also computes with it"),
+        (ClassesToo, "no permutation reaches"),
+        (IntOf, "also computes with it"),
+        (TensorOf, "the graph changes with it elsewhere"),
+        (Looped, "also computes with it"),
+    ]
+    for cls, why in cases:
         torch.manual_seed(0)
         models = [cls().eval() for _ in range(2)]
         spec = spec_from_graph(models[0], torch.randn(2, 8))
