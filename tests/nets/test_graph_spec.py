@@ -702,6 +702,33 @@ def test_heads_of_a_width_a_module_holds_follow_the_fusion():
     assert _gap(models[0], wider, x) < 1e-6
 
 
+def test_a_bias_per_head_given_to_attention_keeps_the_heads_in_their_order():
+    """``scaled_dot_product_attention(q, k, v, attn_mask=bias)`` with a bias per head made by a
+    layer of one unit per head (timm's relative position MLP): the heads keep their order, so
+    that layer's units are not permuted, and a permuted copy computes the same function."""
+
+    class MaskBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.proj, self.head = nn.Linear(16, 48), nn.Linear(16, 16), nn.Linear(16, 3)
+            self.rel = nn.Linear(2, 4)  # one bias per head from each pair's offset
+            self.register_buffer("offsets", torch.randn(25, 2))
+
+        def forward(self, x):
+            B, N, C = x.shape
+            q, k, v = self.qkv(x).reshape(B, N, 3, 4, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            bias = self.rel(self.offsets).permute(1, 0).reshape(1, 4, N, N)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.5)
+            return self.head(self.proj(out.transpose(1, 2).reshape(B, N, C)).mean(1))
+
+    torch.manual_seed(0)
+    model = library_randomised(MaskBias()).eval()
+    x = torch.randn(3, 5, 16)
+    spec = spec_from_graph(model, x[:1])
+    assert all(a is None for a in spec.axes["rel.weight"]), spec.axes["rel.weight"]
+    assert _gap(model, permuted_copy(model, spec, seed=1), x) < 1e-5
+
+
 def test_a_width_the_forward_also_computes_with_is_fixed():
     """``math.sqrt(self.head_dim)`` (Hugging Face's eager attention): the trace holds the
     scale as a number, which setting ``head_dim`` to a fused width would change. The width is
