@@ -16,7 +16,9 @@ fused with the original by PFNM (by OT where the forward fixes a width; ``--size
 where the model takes any size): the
 largest absolute difference of the fused network's logits from the original's on 4 random
 images, beside the largest logit (float32 round-off is about 1e-7 of it per layer, more through
-deep stacks of batch norms), and the seconds it took.
+deep stacks of batch norms), and the seconds it took; and the permuted copy's own largest
+difference from the original, which shows that the spec describes a symmetry of the network
+(matching undoes any permutation, so fusing back alone would pass a wrong spec too).
 
 A model with ``nn.MultiheadAttention`` (torchvision's ViT) is traced as ``bayesfuse.fuse``
 fuses it, split into one module per head (``split_heads``). A timm name ending in ``+eager``
@@ -114,6 +116,9 @@ def check(name: str, build, library: str, fixed: int | None, size: int, max_para
     method = "ot" if spec.fixed else "pfnm"  # a width its forward fixes: the method that keeps widths
     with torch.no_grad():
         reference = model(x)
+        # the spec's symmetry itself: a copy permuted by it computes the same function (else fusing it
+        # back proves nothing: matching undoes any permutation, right or wrong)
+        row["permuted_gap"] = float((permuted(x) - reference).abs().max())
         start = time.perf_counter()
         try:
             fused = bayesfuse.fuse([model, permuted], method, example_input=x[:1]).model
@@ -137,6 +142,8 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['library']} | {r['model']} | {r['parameters'] / 1e6:.1f}M | no: {r['why']} | | | |")
             continue
         gap = f"{r['method']}, {r['gap']:.1e} ({r['scale']:.2g})" if "gap" in r else r.get("why", "-")
+        if "permuted_gap" in r:  # the permuted copy's own difference from the network
+            gap += f"; permuted copy {r['permuted_gap']:.1e}"
         seconds = f"{r['fuse_s']:.1f}" if "fuse_s" in r else "-"
         lines.append(
             f"| {r['library']} | {r['model']} | {r['parameters'] / 1e6:.1f}M | yes | {r['groups']} ({r['fixed']}) | "

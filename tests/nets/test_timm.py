@@ -69,6 +69,29 @@ def test_timm_vit_fuses_with_heads_of_the_width_its_attention_holds():
     assert bayesfuse.fuse(kernel, "ot", example_input=x[:1]).model(x).shape == (4, 10)
 
 
+def test_timm_vit_with_relative_positions_keeps_its_heads_bias_in_order():
+    """timm's relative-position ViT gives attention a bias per head (``attn_mask=``) from an MLP
+    of one output unit per head: those units keep the heads' order, so a copy permuted by the
+    traced spec computes the same function, and OT fuses it back (its kernel's default scale fixes
+    the widths, as for the ViT above)."""
+    import bayesfuse
+    from bayesfuse.nets.graph_spec import spec_from_graph
+    from tests.helpers import permuted_copy
+
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_relpos_small_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8, depth=2
+    )
+    model = library_randomised(model).eval()
+    x = torch.randn(4, 3, 32, 32)
+    permuted = permuted_copy(model, spec_from_graph(model, x[:1]), seed=1)
+    with torch.no_grad():
+        reference = model(x)
+        assert float((permuted(x) - reference).abs().max()) < 1e-4
+        fused = bayesfuse.fuse([model, permuted], "ot", example_input=x[:1]).model
+        assert float((fused(x) - reference).abs().max()) < 1e-4
+
+
 @pytest.mark.parametrize("kind", ["mixer", "resmlp"])
 def test_timm_token_mixing_networks_fuse_back_and_fuse(kind):
     from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
