@@ -498,7 +498,7 @@ def _widths_held(model: nn.Module, computed: set[str], shifted: frozenset = froz
                     values[attr] = value.original
 
 
-def _checked_widths(model: nn.Module, graph: fx.Graph, spec: PermutationSpec, buffers_as_nodes: bool):
+def _checked_widths(model: nn.Module, gm: fx.GraphModule, spec: PermutationSpec, buffers_as_nodes: bool):
     """``spec`` with the widths its forward computes with otherwise than as their width fixed:
     where the model traced again with them one larger gives a graph that differs anywhere but
     in those numbers (``np.sqrt(self.head_dim)``, ``torch.full((), self.dim)``, a loop over it:
@@ -506,7 +506,7 @@ def _checked_widths(model: nn.Module, graph: fx.Graph, spec: PermutationSpec, bu
     from dataclasses import replace
 
     def differs(paths) -> bool:
-        return _retraced_differs(model, graph, frozenset(paths), buffers_as_nodes)
+        return _retraced_differs(model, gm, frozenset(paths), buffers_as_nodes)
 
     if not differs(spec.widths):
         return spec
@@ -521,9 +521,10 @@ def _checked_widths(model: nn.Module, graph: fx.Graph, spec: PermutationSpec, bu
     return replace(spec, fixed=fixed, widths={p: a for p, a in spec.widths.items() if a.group not in fixed})
 
 
-def _retraced_differs(model: nn.Module, graph: fx.Graph, shifted: frozenset, buffers_as_nodes: bool) -> bool:
+def _retraced_differs(model: nn.Module, gm: fx.GraphModule, shifted: frozenset, buffers_as_nodes: bool) -> bool:
     """Whether ``model`` traced with the held widths ``shifted`` one larger gives another graph
-    than ``graph`` (the numbers shifted aside); the constants the retrace leaves are removed."""
+    than ``gm``'s (the numbers shifted aside; its constants are ``gm``'s); the constants the
+    retrace leaves on ``model`` are removed."""
     before = set(vars(model))
     modes = {m: m.training for m in model.modules()}
     model.eval()
@@ -535,16 +536,15 @@ def _retraced_differs(model: nn.Module, graph: fx.Graph, shifted: frozenset, buf
     finally:
         _restore_modes(model, modes)
     try:
-        nodes, others = list(graph.nodes), list(other.nodes)
+        nodes, others = list(gm.graph.nodes), list(other.nodes)
         if len(nodes) != len(others):
             return True
+        stored = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
         for a, b in zip(nodes, others):
             if (a.op, a.name) != (b.op, b.name):
                 return True
-            if a.op == "get_attr" and not (
-                a.target in dict(model.named_parameters()) or a.target in dict(model.named_buffers())
-            ):
-                if not _same(getattr(model, a.target, None), getattr(model, b.target, None)):
+            if a.op == "get_attr" and a.target not in stored:
+                if not _same(getattr(gm, a.target, None), getattr(model, b.target, None)):
                     return True  # a constant the forward made (torch.full((), self.dim))
             elif not (a.target == b.target and _same(a.args, b.args) and _same(a.kwargs, b.kwargs)):
                 return True
@@ -716,6 +716,7 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     computes_with: set[str] = set()  # the paths of int attributes the forward computes with (_HeldWidth)
     model.eval()  # the function that is fused: a forward's self.training (timm's F.batch_norm) read as in eval mode
     buffers_as_nodes = True
+    own = set(vars(model))  # fx keeps the constants a forward makes (torch.tensor(0.5)) on the model: taken back below
     try:
         with _widths_held(model, computes_with):
             graph = _Tracer().trace(model)
@@ -731,7 +732,9 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
             ) from None
     finally:
         _restore_modes(model, modes)
-    gm = fx.GraphModule(model, graph)
+    gm = fx.GraphModule(model, graph)  # holds the constants now
+    for name in set(vars(model)) - own:
+        delattr(model, name)
     from torch.fx.passes.shape_prop import ShapeProp
 
     gm.eval()
@@ -747,7 +750,7 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
     walk.uses = Counter(w.path for node in graph.nodes for w in _held_in((node.args, node.kwargs)))
     spec = walk.run(gm)
     if spec.widths:
-        spec = _checked_widths(model, graph, spec, buffers_as_nodes)
+        spec = _checked_widths(model, gm, spec, buffers_as_nodes)
     try:  # every axis the walk described holds whole units of its group, at the network's own widths
         spec.sizes({k: v.detach() for k, v in model.state_dict().items()})
     except ValueError as err:

@@ -947,9 +947,22 @@ def test_tracing_gives_a_modules_numbers_back_as_they_were():
             super().__setattr__(name, value)
 
     class Copying(_HeldWidth):
+        def __init__(self):
+            super().__init__()
+            self.cols = 1  # one the forward writes over: given back as it was, an int
+
         def forward(self, x):
             self.cols = self.width
             return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.cols))
+
+    class Constant(_HeldWidth):  # a constant the forward makes: fx keeps it, and tracing leaves none on the model
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)).reshape(-1, self.width) * torch.tensor(0.5))
+
+    constant = Constant().eval()
+    own = set(vars(constant))
+    assert spec_from_graph(constant, torch.randn(2, 8)).widths == {"width": Axis("P1")}
+    assert set(vars(constant)) == own
 
     frozen = Frozen().eval()
     frozen._frozen = True
@@ -957,7 +970,7 @@ def test_tracing_gives_a_modules_numbers_back_as_they_were():
     assert type(vars(frozen)["width"]) is int
     copying = Copying().eval()
     assert spec_from_graph(copying, torch.randn(2, 8)).widths == {"width": Axis("P1")}
-    assert type(copying.width) is int and type(copying.cols) is int
+    assert type(copying.width) is int and type(copying.cols) is int and copying.cols in (1, 6)
 
 
 def test_a_width_held_for_a_stacked_lstm_follows_its_tied_layers():
