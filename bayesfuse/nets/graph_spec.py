@@ -1758,9 +1758,8 @@ class _Walk:
             self.attention(node, q, k, v, kwargs.get("scale"))
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             f = self.feature(mask) if isinstance(mask, fx.Node) else None
-            if self.permuted(
-                f
-            ):  # a bias per head and position pair (timm's relative positions): heads keep their order
+            # a bias per head and position pair (timm's relative positions): the heads keep their order
+            if self.permuted(f):
                 self.classes.union(f.var, _FIXED)
         elif fn is torch.nn.functional.pad and isinstance(
             args[1] if len(args) > 1 else kwargs.get("pad"), (list, tuple)
