@@ -2560,7 +2560,14 @@ class _Walk:
             out = _Feature(self.refine(f.var, m), placed.dim, placed.outer, placed.inner)
             if shape_args is None:
                 self.mark_fixed(out.var, "its forward cuts them into heads by a target shape computed whole")
-            elif any(isinstance(a, bool) or not isinstance(a, int) or a < 1 for a in shape_args[k0 : placed.dim]):
+            elif any(
+                isinstance(a, bool) or not isinstance(a, int) or a < 1 for a in shape_args[k0 : placed.dim]
+            ) and not (
+                # view(B, N, -1, self.head_dim): the heads counted from a width within a head the module holds,
+                # which the rebuild sets to the fused one, so that the count stays
+                isinstance(shape_args[placed.dim], _HeldWidth)
+                and [a for a in shape_args[k0 : placed.dim] if type(a) is not int or a < 1] == [-1]
+            ):
                 self.mark_fixed(out.var, "its forward counts its heads from a width within a head")
             elif (
                 shape_args[placed.dim] != -1

@@ -729,6 +729,54 @@ def test_a_bias_per_head_given_to_attention_keeps_the_heads_in_their_order():
     assert _gap(model, permuted_copy(model, spec, seed=1), x) < 1e-5
 
 
+def test_heads_counted_from_a_width_within_a_head_the_module_holds_follow_the_fusion():
+    """``view(B, N, -1, self.head_dim)``: the number of heads counted from the width within a
+    head, which the module holds and the rebuild sets to the fused one, so the count stays. A
+    width written as a number there (``view(B, N, -1, 4)``) still fixes the width."""
+    from bayesfuse.nets.arch import rebuild
+
+    class Counted(_HeadDim):
+        def forward(self, x):
+            B, N, C = x.shape
+            q, k, v = self.qkv(x).chunk(3, -1)
+            q, k, v = (
+                q.view(B, N, -1, self.head_dim).transpose(1, 2),
+                k.view(B, N, -1, self.head_dim).transpose(1, 2),
+                v.view(B, N, -1, self.head_dim).transpose(1, 2),
+            )
+            attn = ((q @ k.transpose(-2, -1)) * self.scale).softmax(-1)
+            return self.head(self.proj((attn @ v).transpose(1, 2).reshape(B, N, -1)).mean(1))
+
+    class Written(_HeadDim):
+        def forward(self, x):
+            B, N, C = x.shape
+            q, k, v = self.qkv(x).chunk(3, -1)
+            q, k, v = (
+                q.view(B, N, -1, 4).transpose(1, 2),
+                k.view(B, N, -1, 4).transpose(1, 2),
+                v.view(B, N, -1, 4).transpose(1, 2),
+            )
+            attn = ((q @ k.transpose(-2, -1)) * self.scale).softmax(-1)
+            return self.head(self.proj((attn @ v).transpose(1, 2).reshape(B, N, -1)).mean(1))
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16)
+    model = library_randomised(Counted()).eval()
+    spec = spec_from_graph(model, x[:1])
+    assert list(spec.widths) == ["head_dim"] and not spec.fixed
+    back = bayesfuse.fuse([model, permuted_copy(model, spec, seed=1)], "pfnm", example_input=x[:1]).model
+    assert _gap(model, back, x) < 1e-5
+    state = dict(model.state_dict())  # 2 dead features in every head: the same function at head_dim 6
+    w, b = state["qkv.weight"].reshape(3, 4, 4, 16), state["qkv.bias"].reshape(3, 4, 4)
+    state["qkv.weight"] = torch.cat([w, w.new_zeros(3, 4, 2, 16)], 2).reshape(-1, 16)
+    state["qkv.bias"] = torch.cat([b, b.new_zeros(3, 4, 2)], 2).reshape(-1)
+    p = state["proj.weight"].reshape(16, 4, 4)
+    state["proj.weight"] = torch.cat([p, p.new_zeros(16, 4, 2)], 2).reshape(16, -1)
+    wider = rebuild(model, state, spec)
+    assert wider.head_dim == 6 and _gap(model, wider, x) < 1e-6
+    assert "counts its heads from a width within a head" in str(spec_from_graph(Written().eval(), x[:1]).fixed)
+
+
 def test_a_width_the_forward_also_computes_with_is_fixed():
     """``math.sqrt(self.head_dim)`` (Hugging Face's eager attention): the trace holds the
     scale as a number, which setting ``head_dim`` to a fused width would change. The width is
