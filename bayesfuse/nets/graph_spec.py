@@ -439,15 +439,32 @@ class _HeldWidth(int):
     path: str
     computed: bool
     original: int  # the attribute's own value (a retrace stands in another: _retraced_differs)
+    factor: int  # this number is the attribute times factor (self.channels * 7 * 7: 49)
+    root: _HeldWidth  # the attribute's own stand-in, which a multiple marks computed with
 
-    def __new__(cls, value: int, path: str, original: int | None = None) -> _HeldWidth:
+    def __new__(
+        cls, value: int, path: str, original: int | None = None, factor: int = 1, root: _HeldWidth | None = None
+    ) -> _HeldWidth:
         out = super().__new__(cls, value)
         out.path, out.computed, out.original = path, False, value if original is None else original
+        out.factor, out.root = factor, out if root is None else root
         return out
 
     def __reduce__(self):  # a copy made while tracing is a plain int
         return int, (int(self),)
 
+    def __mul__(self, k):
+        """A multiple by a number written in the code (``self.channels * 7 * 7``, a flattened
+        width) is still this width, ``factor`` times; anything else computes with it."""
+        if type(k) is not int or k < 1:
+            self.root.computed = True
+            if isinstance(k, _HeldWidth):  # self.h * self.w: both computed with
+                k.root.computed = True
+            return int.__mul__(self, k) if isinstance(k, int) else int.__int__(self) * k
+        # int's own methods: int(self) would count as computing with it
+        return _HeldWidth(int.__mul__(self, k), self.path, self.original * k, self.factor * k, self.root)
+
+    __rmul__ = __mul__
     __hash__ = int.__hash__
 
 
@@ -456,7 +473,7 @@ def _computing(name: str):
     method = getattr(int, name)
 
     def computed(self, *args):
-        self.computed = True
+        self.root.computed = True
         return method(self, *args)
 
     computed.__name__ = name
@@ -464,8 +481,8 @@ def _computing(name: str):
 
 
 for _op in (
-    "add sub mul truediv floordiv mod pow divmod lshift rshift and or xor "
-    "radd rsub rmul rtruediv rfloordiv rmod rpow rdivmod rlshift rrshift rand ror rxor "
+    "add sub truediv floordiv mod pow divmod lshift rshift and or xor "
+    "radd rsub rtruediv rfloordiv rmod rpow rdivmod rlshift rrshift rand ror rxor "
     "neg pos abs invert int float index round trunc floor ceil lt le gt ge eq ne bool"
 ).split():
     setattr(_HeldWidth, f"__{_op}__", _computing(f"__{_op}__"))
@@ -557,7 +574,7 @@ def _retraced_differs(model: nn.Module, gm: fx.GraphModule, shifted: frozenset, 
 def _same(a, b) -> bool:
     """Whether two node arguments are the same, a held width standing for itself at any value."""
     if isinstance(a, _HeldWidth):
-        return isinstance(b, _HeldWidth) and a.path == b.path
+        return isinstance(b, _HeldWidth) and (a.path, a.factor) == (b.path, b.factor)
     if isinstance(a, fx.Node):
         return isinstance(b, fx.Node) and a.name == b.name
     if isinstance(a, (list, tuple)):
@@ -851,7 +868,7 @@ class _Walk:
         self.coarse: set[int] = set()  # classes re-described as runs of units (coarsen)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
-        self.held: list[tuple[str, int, int, int]] = []
+        self.held: list[tuple[str, int, int, int, int]] = []  # and the multiple of it read (factor)
         self.computed: set[str] = set()  # those of them the forward also computes with in Python
         self.uses: Counter = Counter()  # how often each is an argument of the graph's nodes
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
@@ -1099,11 +1116,10 @@ class _Walk:
         bound = Counter(path for path, *_ in self.held)
         # read where no permutation reaches (an axis tied later to the input or the classes): the number stays
         kept = {path for path, v, *_ in self.held if names.get(self.classes.find(v)) is None}
-        for path, v, outer, inner in self.held:
+        for path, v, outer, inner, factor in self.held:
             group = names.get(self.classes.find(v))
             if group is None:
                 continue
-            held = Axis(group, outer, inner)
             # computed with in Python (a scale of it), or an argument of operations other than the
             # reshapes that read it as a width (h / self.width): those would follow it to the fused width
             if path in self.computed or self.uses[path] > bound[path] or path in kept:
@@ -1114,6 +1130,15 @@ class _Walk:
                 )
                 self.fixed.append((v, f"its forward reads {path} as their width {what}"))
                 continue
+            # the axis is factor times the attribute: outer x n x inner, a factor of it in whole blocks
+            if inner % factor == 0:
+                outer, inner = outer, inner // factor
+            elif outer % factor == 0:
+                outer, inner = outer // factor, inner
+            else:
+                self.fixed.append((v, f"its forward reads {factor} x {path} as their width, not whole blocks of it"))
+                continue
+            held = Axis(group, outer, inner)
             if widths.setdefault(path, held) != held:  # read as two widths, which fusion would set apart
                 why = f"its forward reads {path} as the width of two axes of units"
                 self.fixed += [(first[path], why), (v, why)]
@@ -2283,8 +2308,10 @@ class _Walk:
         self.labels = {node: relabel(label) for node, label in self.labels.items()}
         self.fixed = [(new if self.classes.find(v) == root else v, why) for v, why in self.fixed]
         self.held = [
-            (path, new, outer * m, inner * k) if self.classes.find(v) == root else (path, v, outer, inner)
-            for path, v, outer, inner in self.held
+            (path, new, outer * m, inner * k, factor)
+            if self.classes.find(v) == root
+            else (path, v, outer, inner, factor)
+            for path, v, outer, inner, factor in self.held
         ]
         for v, name in list(self.var_producer.items()):
             if self.classes.find(v) == root:
@@ -2514,7 +2541,7 @@ class _Walk:
         if self.permuted(f) and shape_args is not None:
             width = shape_args[out.dim]
             if isinstance(width, _HeldWidth):  # self.hidden_dim: the rebuild sets it to the fused width
-                self.held.append((width.path, out.var, out.outer, out.inner))
+                self.held.append((width.path, out.var, out.outer, out.inner, width.factor))
             for x, axis in self.widths_read(width):
                 self.tie_width(node, x, axis, node)
 

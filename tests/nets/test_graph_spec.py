@@ -933,6 +933,47 @@ def test_a_projected_lstm_fused_to_as_many_projections_as_cells_is_refused_in_on
     assert bayesfuse.fuse(models, "ot").model(torch.randn(5, 64)).shape == (5, 10)
 
 
+def test_a_multiple_of_a_held_width_follows_a_flattened_axis():
+    """``x.view(-1, self.channels * 4 * 4)``: a ConvNet flattening its maps by the channels it
+    holds times the maps' size written in the code. The multiple is the attribute's, so the
+    channels follow the fusion; dead channels (zero filters in, zero columns out) keep the
+    function at the new width. A product of two held numbers computes with both: fixed."""
+    from bayesfuse.nets.arch import rebuild
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.channels, self.side = 6, 4
+            self.conv, self.fc = nn.Conv2d(1, 6, 3, padding=1), nn.Linear(6 * 16, 3)
+
+        def example_input(self):
+            return torch.zeros(2, 1, 8, 8)
+
+        def forward(self, x):
+            h = F.max_pool2d(torch.relu(self.conv(x)), 2)
+            return self.fc(h.view(-1, self.channels * 4 * 4))
+
+    class Product(Flat):
+        def forward(self, x):
+            h = F.max_pool2d(torch.relu(self.conv(x)), 2)
+            return self.fc(h.view(-1, self.channels * self.side * self.side))
+
+    torch.manual_seed(0)
+    model, x = Flat().eval(), torch.randn(3, 1, 8, 8)
+    spec = spec_from_graph(model)
+    assert spec.widths == {"channels": Axis("P1")} and not spec.fixed
+    assert _gap(model, bayesfuse.fuse([model, permuted_copy(model, spec, seed=1)], "pfnm").model, x) < 1e-5
+    fused = bayesfuse.fuse([Flat().eval() for _ in range(3)], "pfnm").model
+    assert fused.channels == fused.conv.out_channels > 6 and fused(x).shape == (3, 3)
+    state = dict(model.state_dict())
+    state["conv.weight"] = torch.cat([state["conv.weight"], torch.zeros(2, 1, 3, 3)])
+    state["conv.bias"] = torch.cat([state["conv.bias"], torch.zeros(2)])
+    state["fc.weight"] = torch.cat([state["fc.weight"], torch.zeros(3, 32)], 1)  # channel-major: 2 x 16 more
+    wider = rebuild(model, state, spec)
+    assert wider.channels == 8 and _gap(model, wider, x) == 0.0
+    assert "also computes with it" in str(spec_from_graph(Product().eval()).fixed)
+
+
 def test_a_held_width_read_otherwise_or_where_no_permutation_reaches_is_fixed():
     """``h.reshape(-1, self.width) / self.width``: the graph divides by the attribute, which a
     rebuild at the fused width would change. ``s.reshape(-1, self.width)`` of units later tied
