@@ -801,8 +801,6 @@ def heads_from_arrays(tensors: dict, output: str, form: str, name: str) -> dict:
 def input_record(example_input) -> dict:
     """``{"input_shape": [...], "input_dtype": "float32"}`` of one example input tensor (one
     input without its batch axis), or ``{}``."""
-    import torch
-
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         return {}
     return {
@@ -817,8 +815,6 @@ def reported_input(report: dict | None, name: str):
     architecture = (report or {}).get("architecture")
     if not isinstance(architecture, dict) or architecture.get("input_shape") is None:
         return None
-    import torch
-
     shape = architecture["input_shape"]
     dtype = getattr(torch, str(architecture.get("input_dtype", "float32")), None)
     plain = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)

@@ -185,9 +185,11 @@ def load_read(
         )
     if n_features is None and isinstance(saved.get("n_features"), int):
         n_features = saved["n_features"]  # the input size the saved network ran on
-    # what bayesfuse fuse --model traced and ran the network on (--input-shape), for the network given
 
-    def given_input():  # read only where a network is given or named: a file load recognises never needs it
+    def given_input():
+        """``example_input``, else what ``bayesfuse fuse --model`` traced and ran the network on
+        (``--input-shape``): read only where a network is given or named, which a file load
+        recognises never needs."""
         return example_input if example_input is not None else reported_input(report, name)
 
     if like is not None:

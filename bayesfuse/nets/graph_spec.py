@@ -69,7 +69,7 @@ import operator
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import NoReturn, TypeGuard, cast
+from typing import Iterable, NoReturn, TypeGuard, cast
 
 import numpy as np
 import torch
@@ -538,21 +538,32 @@ def _checked_widths(model: nn.Module, gm: fx.GraphModule, spec: PermutationSpec,
     return replace(spec, fixed=fixed, widths={p: a for p, a in spec.widths.items() if a.group not in fixed})
 
 
-def _retraced_differs(model: nn.Module, gm: fx.GraphModule, shifted: frozenset, buffers_as_nodes: bool) -> bool:
-    """Whether ``model`` traced with the held widths ``shifted`` one larger gives another graph
-    than ``gm``'s (the numbers shifted aside; its constants are ``gm``'s); the constants the
-    retrace leaves on ``model`` are removed."""
-    before = set(vars(model))
+@contextlib.contextmanager
+def _as_traced(model: nn.Module):
+    """``model`` in eval mode, the function that is fused (a forward's ``self.training``, as timm's
+    ``F.batch_norm`` reads it), and afterwards as it was: every module's mode given back
+    (:func:`_restore_modes`), and the attributes tracing left on it taken away (the constants fx
+    keeps for a forward that makes one, ``torch.tensor(0.5)``; what a forward sets while traced)."""
     modes = {m: m.training for m in model.modules()}
+    own = set(vars(model))
     model.eval()
     try:
-        with _widths_held(model, set(), shifted):
-            other = _Tracer(buffers_as_nodes=buffers_as_nodes).trace(model)
-    except Exception:  # a forward that cannot run with the other number: it reads it otherwise
-        return True
+        yield
     finally:
         _restore_modes(model, modes)
-    try:
+        for name in set(vars(model)) - own:
+            delattr(model, name)
+
+
+def _retraced_differs(model: nn.Module, gm: fx.GraphModule, shifted: frozenset, buffers_as_nodes: bool) -> bool:
+    """Whether ``model`` traced with the held widths ``shifted`` one larger gives another graph
+    than ``gm``'s (the numbers shifted aside; its constants are ``gm``'s)."""
+    with _as_traced(model):
+        try:
+            with _widths_held(model, set(), shifted):
+                other = _Tracer(buffers_as_nodes=buffers_as_nodes).trace(model)
+        except Exception:  # a forward that cannot run with the other number: it reads it otherwise
+            return True
         nodes, others = list(gm.graph.nodes), list(other.nodes)
         if len(nodes) != len(others):
             return True
@@ -560,15 +571,12 @@ def _retraced_differs(model: nn.Module, gm: fx.GraphModule, shifted: frozenset, 
         for a, b in zip(nodes, others):
             if (a.op, a.name) != (b.op, b.name):
                 return True
-            if a.op == "get_attr" and a.target not in stored:
+            if a.op == "get_attr" and a.target not in stored:  # the retrace's constants: on the model, until taken
                 if not _same(getattr(gm, a.target, None), getattr(model, b.target, None)):
                     return True  # a constant the forward made (torch.full((), self.dim))
             elif not (a.target == b.target and _same(a.args, b.args) and _same(a.kwargs, b.kwargs)):
                 return True
         return False
-    finally:
-        for name in set(vars(model)) - before:
-            delattr(model, name)
 
 
 def _same(a, b) -> bool:
@@ -729,43 +737,33 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
             "hold each weight once"
         )
     x = example_input_for(model, example_input)
-    modes = {m: m.training for m in model.modules()}
     computes_with: set[str] = set()  # the paths of int attributes the forward computes with (_HeldWidth)
-    model.eval()  # the function that is fused: a forward's self.training (timm's F.batch_norm) read as in eval mode
     buffers_as_nodes = True
-    own = set(vars(model))  # fx keeps the constants a forward makes (torch.tensor(0.5)) on the model: taken back below
-    try:
-        with _widths_held(model, computes_with):
-            graph = _Tracer().trace(model)
-    except Exception:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
-        buffers_as_nodes = False
-        try:  # a forward that uses a buffer's value in Python (if self.flag:, range(int(self.n))): as a constant
+    with _as_traced(model):
+        try:
             with _widths_held(model, computes_with):
-                graph = _Tracer(buffers_as_nodes=False).trace(model)
-        except Exception as err:
-            raise UnsupportedLayerError(
-                f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward "
-                "without control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
-            ) from None
-    finally:
-        _restore_modes(model, modes)
-    gm = fx.GraphModule(model, graph)  # holds the constants now
-    for name in set(vars(model)) - own:
-        delattr(model, name)
-    from torch.fx.passes.shape_prop import ShapeProp
+                graph = _Tracer().trace(model)
+        except Exception:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
+            buffers_as_nodes = False
+            try:  # a forward that uses a buffer's value in Python (if self.flag:, range(int(self.n))): as a constant
+                with _widths_held(model, computes_with):
+                    graph = _Tracer(buffers_as_nodes=False).trace(model)
+            except Exception as err:
+                raise UnsupportedLayerError(
+                    f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward "
+                    "without control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
+                ) from None
+        gm = fx.GraphModule(model, graph)  # holds the constants fx left on the model, which _as_traced takes back
+        from torch.fx.passes.shape_prop import ShapeProp
 
-    gm.eval()
-    try:
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks itself
-            ShapeProp(gm).propagate(*forward_arguments(model, x))  # a forward of several inputs, or of one tuple
-    except Exception as err:  # the user's forward failing on the example input
-        raise _not_running(model, x, err, guessed=example_input is None) from None
-    finally:
-        _restore_modes(model, modes)
-    walk = _Walk(model)
-    walk.computed = computes_with
-    walk.uses = Counter(w.path for node in graph.nodes for w in _held_in((node.args, node.kwargs)))
-    spec = walk.run(gm)
+        gm.eval()
+        try:
+            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks itself
+                ShapeProp(gm).propagate(*forward_arguments(model, x))  # a forward of several inputs, or of one tuple
+        except Exception as err:  # the user's forward failing on the example input
+            raise _not_running(model, x, err, guessed=example_input is None) from None
+    uses = Counter(w.path for node in graph.nodes for w in _held_in((node.args, node.kwargs)))
+    spec = _Walk(model, computed=computes_with, uses=uses).run(gm)
     if spec.widths:
         spec = _checked_widths(model, gm, spec, buffers_as_nodes)
     try:  # every axis the walk described holds whole units of its group, at the network's own widths
@@ -852,7 +850,7 @@ def _tensor_shape(node) -> tuple:
 class _Walk:
     """One pass over the graph in forward order, labelling activations with their permuted axis."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, computed: Iterable[str] = (), uses: Counter | None = None) -> None:
         self.model = model
         self.classes = _Classes()
         self.labels: dict = {}  # node -> _Feature (permuted or fixed) | None (no feature axis known)
@@ -869,8 +867,8 @@ class _Walk:
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
         self.held: list[tuple[str, int, int, int, int]] = []  # and the multiple of it read (factor)
-        self.computed: set[str] = set()  # those of them the forward also computes with in Python
-        self.uses: Counter = Counter()  # how often each is an argument of the graph's nodes
+        self.computed = set(computed)  # those of them the forward also computes with in Python
+        self.uses = uses if uses is not None else Counter()  # how often each is an argument of the graph's nodes
         self.heads: tuple = ()  # the Heads lists' branch prefixes (head_sets), found once per walk
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
