@@ -292,6 +292,17 @@ _VIEW_FUNCTIONS = {
     torch.unsqueeze,
 }
 _MATMUL_METHODS = {"matmul", "bmm"}
+_MOVE_METHODS = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "unsqueeze", "squeeze"}
+_MOVES = {
+    torch.transpose,
+    torch.swapaxes,
+    torch.swapdims,
+    torch.permute,
+    torch.movedim,
+    torch.moveaxis,
+    torch.unsqueeze,
+    torch.squeeze,
+}
 #: Normalisations along one axis: equivariant to any permutation of that axis, and of the others.
 _SOFTMAX = {
     torch.softmax,
@@ -845,6 +856,58 @@ def _pool_rank(name: str) -> int:
 def _tensor_shape(node) -> tuple:
     """The shape of a node whose value is one tensor: ShapeProp records one for each."""
     return cast(tuple, _shape(node))
+
+
+def _axes_order(name: str, args: list, kwargs: dict, rank: int) -> list[int]:
+    """Where each axis of the result of ``transpose`` / ``swapaxes`` / ``swapdims`` (two axes),
+    ``permute`` (every axis) or ``movedim`` / ``moveaxis`` (axes to places) comes from."""
+    if name in ("transpose", "swapaxes", "swapdims"):
+        pair = args[:2] if len(args) >= 2 else [kwargs["dim0"], kwargs["dim1"]]
+        d0, d1 = (int(d) % rank for d in pair)
+        order = list(range(rank))
+        order[d0], order[d1] = d1, d0
+        return order
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args or kwargs["dims"]
+        return [int(d) % rank for d in dims]
+    source = args[0] if args else kwargs["source"]
+    destination = args[1] if len(args) > 1 else kwargs["destination"]
+    source, destination = ([s] if isinstance(s, int) else list(s) for s in (source, destination))
+    placed = dict(zip((int(d) % rank for d in destination), (int(s) % rank for s in source)))
+    rest = iter(d for d in range(rank) if d not in placed.values())
+    return [placed[d] if d in placed else next(rest) for d in range(rank)]
+
+
+def _einsum_subscripts(equation: str, ranks: list[int]) -> tuple[list[list[str]], list[str]]:
+    """Each operand's letters, one per axis, and the result's, of an einsum ``equation`` on
+    operands of ``ranks``; the axes an ellipsis stands for get names of their own (``"...0"``,
+    counted from the right, so that broadcast axes share one), and an equation without ``->``
+    keeps, in alphabetical order, the letters that occur once (torch's rule)."""
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise ValueError(f"{len(terms)} operands written, {len(ranks)} given")
+
+    def letters(term: str, rank: int | None) -> list[str]:
+        head, dots, tail = term.partition("...")
+        if not all(c.isalpha() for c in head + tail):
+            raise ValueError(f"cannot read {term!r}")
+        if not dots:
+            return list(head)
+        extra = (rank if rank is not None else len(head) + len(tail) + broadcast) - len(head) - len(tail)
+        if extra < 0:
+            raise ValueError(f"{term!r} names more axes than its operand has")
+        return [*head, *(f"...{i}" for i in reversed(range(extra))), *tail]
+
+    broadcast = max((r - len(t.replace("...", "")) for t, r in zip(terms, ranks) if "..." in t), default=0)
+    subscripts = [letters(t, r) for t, r in zip(terms, ranks)]
+    if any(len(s) != r for s, r in zip(subscripts, ranks)):
+        raise ValueError("an operand has another number of axes than its letters")
+    if arrow:
+        return subscripts, letters(rhs, None)
+    counts = Counter(c for s in subscripts for c in s if not c.startswith("..."))
+    dots = [f"...{i}" for i in reversed(range(broadcast))] if "..." in lhs else []
+    return subscripts, [*dots, *sorted(c for c, n in counts.items() if n == 1)]
 
 
 class _Walk:
@@ -1728,7 +1791,7 @@ class _Walk:
             self.extremum(node, args, node.kwargs)
         elif method in _ARG_EXTREMA_METHODS:
             self.arg_extremum(node, args, node.kwargs)
-        elif method in ("transpose", "permute", "unsqueeze", "squeeze"):
+        elif method in _MOVE_METHODS:
             self.move(node, args[0])
         elif method in _PIECES_METHODS:
             self.pieces(node, args, node.kwargs, _PIECES_METHODS[method], str(method))
@@ -1773,6 +1836,8 @@ class _Walk:
             self.scalar_elementwise(node, args, kwargs)
         elif fn in _MATMUL:
             self.matmul(node, args[0], args[1])
+        elif fn is torch.einsum:
+            self.einsum(node, args)
         elif fn is torch.nn.functional.scaled_dot_product_attention:
             q, k, v = (
                 args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(("query", "key", "value"))
@@ -1805,7 +1870,7 @@ class _Walk:
             self.extremum(node, args, kwargs)
         elif fn in _ARG_EXTREMA:
             self.arg_extremum(node, args, kwargs)
-        elif fn in (torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze):
+        elif fn in _MOVES:
             self.move(node, args[0])
         elif fn in (torch.cat, torch.concat, torch.concatenate):
             self.concat(
@@ -2054,6 +2119,51 @@ class _Walk:
             self.labels[node] = _Feature(fb.var, len(so) - 1, fb.outer, fb.inner)  # weights @ values
         else:
             self.fail(node, "a batched matrix product over permuted units cannot be followed; give a spec")
+
+    def einsum(self, node, args: list) -> None:
+        """``torch.einsum(equation, *operands)``, read letter by letter: a permuted axis whose letter
+        the result keeps passes to it there; one summed over (in no place of the result) must be
+        permuted, alike, in every operand that holds it, and is tied there (``"bhid,bhjd->bhij"``:
+        one permutation of a head's query/key features), as in :meth:`matmul`."""
+        operands = list(args[1][0] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+        if not isinstance(args[0], str) or not all(isinstance(x, fx.Node) for x in operands):
+            self.opaque(node, args, "einsum (with its operands given by sublists)")
+            return
+        self.applied_weight(node, operands, "einsum")
+        ranks = [len(_tensor_shape(x)) for x in operands]
+        try:
+            subscripts, result = _einsum_subscripts(args[0], ranks)
+        except ValueError as why:
+            self.fail(node, f"einsum {args[0]!r}: {why}")
+        letters: dict[str, _Feature] = {}  # the permuted letters, each with its units
+        for x, subs in zip(operands, subscripts):
+            f = self.feature(x)
+            if not self.permuted(f):
+                continue
+            letter = subs[f.dim]
+            if subs.count(letter) > 1:
+                self.fail(node, f"einsum {args[0]!r} takes a diagonal along permuted units; give a spec")
+            seen = letters.setdefault(letter, f)
+            if (seen.outer, seen.inner) != (f.outer, f.inner):
+                self.fail(node, f"einsum {args[0]!r} meets units that lie in different blocks; give a spec")
+            self.classes.union(seen.var, f.var)
+        for x, subs in zip(operands, subscripts):  # every operand holding a permuted letter holds its units
+            f, shape = self.feature(x), _tensor_shape(x)
+            for at, letter in enumerate(subs):
+                if letter in letters and shape[at] != 1 and not (self.permuted(f) and f.dim == at):
+                    self.fail(
+                        node,
+                        f"einsum {args[0]!r}: an operand ({x.name}) whose units cannot be followed meets "
+                        "permuted units; give a spec",
+                    )
+        kept = [letter for letter in letters if letter in result]
+        if len(kept) > 1:
+            self.fail(node, f"einsum {args[0]!r} of two permuted streams (an outer product) cannot be followed")
+        if kept:
+            f = letters[kept[0]]
+            self.labels[node] = _Feature(f.var, result.index(kept[0]), f.outer, f.inner)
+        else:
+            self.labels[node] = None  # summed over units: the same whatever their order
 
     def attention(self, node, q, k, v, scale) -> None:
         """``scaled_dot_product_attention(q, k, v)``: q and k's units are tied; the result has v's.
@@ -2386,15 +2496,10 @@ class _Walk:
         if node.target in ("unsqueeze", "squeeze", torch.unsqueeze, torch.squeeze):
             self.reshape(node, a)
             return
-        args = list(node.args[1:])
-        if node.target in ("transpose", torch.transpose):
-            d0, d1 = (int(d) % len(src) for d in args[:2])
-            new = d1 if f.dim == d0 else d0 if f.dim == d1 else f.dim
-        else:
-            order = [
-                int(d) % len(src) for d in (args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args)
-            ]
-            new = order.index(f.dim)
+        try:
+            new = _axes_order(_name(node.target), list(node.args[1:]), node.kwargs, len(src)).index(f.dim)
+        except (TypeError, ValueError, KeyError):  # axes computed in the forward, or given another way
+            new = -1
         if new not in matches:
             self.fail(node, "could not follow the units through this transpose")
         self.labels[node] = (

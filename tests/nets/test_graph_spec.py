@@ -40,6 +40,7 @@ from tests.nets.user_nets import (
     DenseBlockCNN,
     DepthwiseCNN,
     DepthwiseMultiplierCNN,
+    EinsumAttention,
     GatedNet,
     GatedStream,
     GroupedCNN,
@@ -141,6 +142,7 @@ NETS = [
     ShiftedWindows,  # F.pad and torch.roll along the positions of channels-last maps, torch.addcmul
     MixerBlock,  # a Linear across the tokens, its units kept in place
     DepthwiseMultiplierCNN,  # two depthwise filters per channel
+    EinsumAttention,  # einsum for scores, values, a gate (an ellipsis) and a number (implicit output)
 ]
 
 
@@ -1323,6 +1325,88 @@ def test_heads_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, why
     ):
         bayesfuse.fuse(models, "pfnm")
     assert _gap(models[0], bayesfuse.fuse([models[0], copy], "ot").model, x) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "equation, shapes",
+    [
+        ("bhid,bhjd->bhij", [(2, 3, 4, 5), (2, 3, 6, 5)]),
+        ("bhij, bhjd -> bhid", [(2, 3, 4, 6), (2, 3, 6, 5)]),
+        ("...d,...d->...d", [(2, 4, 5), (4, 5)]),  # ellipses of different lengths, broadcast
+        ("...ij,...jk", [(2, 3, 4), (4, 5)]),  # implicit: the ellipsis first, then i k
+        ("bnd,bnd", [(2, 3, 4), (2, 3, 4)]),  # implicit: a number
+        ("ij,jk", [(3, 4), (4, 5)]),
+        ("bI,bJ->bJI", [(2, 3), (2, 4)]),  # capitals are letters too
+        ("...,...->...", [(2, 3), (1, 3)]),
+    ],
+)
+def test_einsum_subscripts_agree_with_torch(equation, shapes):
+    """``_einsum_subscripts`` names every axis; the result's letters, read at the operands' sizes,
+    give the shape torch's einsum returns (an axis of size 1 broadcast)."""
+    from bayesfuse.nets.graph_spec import _einsum_subscripts
+
+    subscripts, result = _einsum_subscripts(equation, [len(s) for s in shapes])
+    sizes: dict[str, int] = {}
+    for subs, shape in zip(subscripts, shapes):
+        assert len(subs) == len(shape)
+        for letter, n in zip(subs, shape):
+            sizes[letter] = max(sizes.get(letter, 1), n)
+    out = torch.einsum(equation, *(torch.randn(s) for s in shapes))
+    assert tuple(sizes[letter] for letter in result) == tuple(out.shape)
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("transpose", [0, 2]),
+        ("swapaxes", [-1, 1]),
+        ("swapdims", [3, 3]),
+        ("permute", [[3, 1, 0, 2]]),
+        ("permute", [3, 1, 0, 2]),
+        ("movedim", [0, -1]),
+        ("movedim", [[0, 1], [3, 0]]),
+        ("moveaxis", [(1,), (2,)]),
+    ],
+)
+def test_where_moving_axes_puts_them_agrees_with_torch(name, args):
+    from bayesfuse.nets.graph_spec import _axes_order
+
+    x = torch.randn(2, 3, 4, 5)
+    order = _axes_order(name, args, {}, x.dim())
+    assert torch.equal(x.permute(order), getattr(x, name)(*args))
+
+
+class _Einsum(nn.Module):
+    """An einsum that no permutation of the units can pass: ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.fc, self.other = how, nn.Linear(64, 6), nn.Linear(64, 5)
+        self.w, self.head = nn.Parameter(torch.randn(4, 6)), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.how == "outer":  # two streams' units on two axes of the result
+            return self.head(torch.einsum("bi,bj->bij", h, self.other(x)).sum(2))
+        if self.how == "diagonal":
+            return self.head(torch.einsum("bii->bi", h.unsqueeze(1).expand(-1, 6, -1)))
+        if self.how == "weight":  # a layer applied by hand
+            return self.head(torch.einsum("bd,ed->be", h, self.w).repeat(1, 2)[:, :6])
+        return self.head(torch.einsum("bd,bd->bd", h, x[:, :6]))  # the input's features met with units
+
+
+@pytest.mark.parametrize(
+    "how, why",
+    [
+        ("outer", "einsum 'bi,bj->bij' of two permuted streams (an outer product) cannot be followed"),
+        ("diagonal", "einsum 'bii->bi' takes a diagonal along permuted units"),
+        ("weight", "einsum applies the network's own weight 'w'"),
+        ("unknown", "einsum 'bd,bd->bd': an operand (getitem) whose units cannot be followed meets permuted units"),
+    ],
+)
+def test_an_einsum_that_cannot_be_followed_is_refused_in_one_line(how, why):
+    with pytest.raises(UnsupportedLayerError, match=re.escape(why)):
+        spec_from_graph(_Einsum(how), torch.zeros(2, 64))
 
 
 def test_a_frozen_layer_comes_back_frozen():

@@ -7,7 +7,8 @@ stochastic depth) and MobileNetV3 (depthwise convolutions, hard-swish gates) fus
 permuted copies and fuse independent clients (:func:`tests.helpers.assert_library_network_fuses`).
 So does a small ViT, its ``nn.MultiheadAttention`` split into heads
 (:func:`bayesfuse.nets.attention.split_heads`): its forward reshapes the patches by the width
-it holds, ``self.hidden_dim``, which the rebuild sets to the fused width.
+it holds, ``self.hidden_dim``, which the rebuild sets to the fused width. And a small MaxViT,
+whose attention moves its axes by ``swapaxes`` and scores and weighs by ``torch.einsum``.
 """
 
 import pytest
@@ -46,7 +47,22 @@ def _vit():
     return split_heads(vit)
 
 
-@pytest.mark.parametrize("build", [_convnext, _efficientnet, _mobilenet, _vit])
+def _maxvit():
+    from torchvision.models.maxvit import MaxVit
+
+    return MaxVit(
+        input_size=(32, 32),
+        stem_channels=8,
+        partition_size=2,
+        block_channels=[16, 32],
+        block_layers=[1, 1],
+        head_dim=8,
+        stochastic_depth_prob=0.1,
+        num_classes=10,
+    )
+
+
+@pytest.mark.parametrize("build", [_convnext, _efficientnet, _mobilenet, _vit, _maxvit])
 def test_torchvision_networks_fuse_back_and_fuse(build):
     def make(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

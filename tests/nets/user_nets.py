@@ -1288,3 +1288,30 @@ class PatchTokensUnguessed(PatchTokens):
     its forward makes from rows of 64, does not tell it either."""
 
     example_input = None
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with ``torch.einsum``, as research code often is: queries, keys and values
+    viewed into heads of the width the module holds (``self.head_dim``), scores
+    ``einsum("bhid,bhjd->bhij")``, values ``einsum("bhij,bhjd->bhid")``; a gate by an ellipsis
+    equation and a squared norm by an implicit one; axes moved by ``movedim`` and ``swapaxes``."""
+
+    def __init__(self, d: int = 16, heads: int = 2, k: int = 10) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, d // heads
+        self.embed, self.qkv, self.out = nn.Linear(16, d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.gate, self.head = nn.Linear(d, d), nn.Linear(d, k)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = self.embed(x.view(-1, 4, 16))
+        B, N, _ = t.shape
+        q, k, v = self.qkv(t).view(B, N, 3, self.heads, self.head_dim).movedim(2, 0).swapaxes(2, 3).unbind(0)
+        a = (torch.einsum("bhid,bhjd->bhij", q, k) * 0.3).softmax(-1)
+        o = torch.einsum("bhij,bhjd->bhid", a, v).swapdims(1, 2).flatten(2)
+        t = t + self.out(o)
+        t = torch.einsum("...d,...d->...d", t, torch.sigmoid(self.gate(t)))
+        energy = torch.einsum("bnd,bnd", t, t)  # a number: summed over every axis
+        return self.head(t.mean(1)) + 0 * energy
