@@ -1797,6 +1797,10 @@ class _Walk:
             self.pieces(node, args, node.kwargs, _PIECES_METHODS[method], str(method))
         elif method in ("size", "dim"):
             self.labels[node] = None
+        elif method == "repeat_interleave":
+            self.repeat_interleave(node, args, node.kwargs)
+        elif method in ("reshape_as", "view_as") and isinstance(args[1], fx.Node):
+            self.reshape_as(node, args[0], args[1])
         elif method in ("expand", "expand_as", "repeat"):  # a class token broadcast over the batch
             label = self.raw(args[0])
             if isinstance(label, _Segments):
@@ -1838,6 +1842,8 @@ class _Walk:
             self.matmul(node, args[0], args[1])
         elif fn is torch.einsum:
             self.einsum(node, args)
+        elif fn is torch.repeat_interleave:
+            self.repeat_interleave(node, args, kwargs)
         elif fn is torch.nn.functional.scaled_dot_product_attention:
             q, k, v = (
                 args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(("query", "key", "value"))
@@ -2165,6 +2171,17 @@ class _Walk:
         else:
             self.labels[node] = None  # summed over units: the same whatever their order
 
+    def repeat_interleave(self, node, args: list, kwargs) -> None:
+        """``x.repeat_interleave(repeats, dim)`` along another axis than the units' (a global query
+        repeated for every window of a batch): the units stay where they are; along theirs, or
+        over every number (no ``dim``), each unit's numbers are copied and the units cannot be followed."""
+        dim = args[2] if len(args) > 2 else kwargs.get("dim")
+        label = self.raw(args[0])
+        if isinstance(dim, int) and isinstance(label, _Feature) and dim % len(_tensor_shape(args[0])) != label.dim:
+            self.labels[node] = label
+            return
+        self.opaque(node, [*args, *kwargs.values()], "repeat_interleave")
+
     def attention(self, node, q, k, v, scale) -> None:
         """``scaled_dot_product_attention(q, k, v)``: q and k's units are tied; the result has v's.
 
@@ -2390,6 +2407,10 @@ class _Walk:
         if root == _FIXED:  # the input's and the classes' axes are never permuted, so never cut
             raise AssertionError(f"{what} of the class that is never permuted")
         new = self.new()
+        # named where the units first appeared, not where they were cut: the groups keep their
+        # forward order, in which layer-wise matching reads them (a layer made before the cut
+        # that reads them, a squeeze-and-excitation's, is matched after them)
+        self.order.insert(next(i for i, v in enumerate(self.order) if self.classes.find(v) == root), self.order.pop())
 
         def cut(d):
             if isinstance(d, _Cat):
@@ -2647,6 +2668,19 @@ class _Walk:
                 self.held.append((width.path, out.var, out.outer, out.inner, width.factor))
             for x, axis in self.widths_read(width):
                 self.tie_width(node, x, axis, node)
+
+    def reshape_as(self, node, a, other) -> None:
+        """``a.reshape_as(other)``: a reshape whose target width is ``other``'s, tied to the units
+        ``other`` holds on that axis (as :meth:`tie_width` ties a width read off a tensor); where
+        ``other`` holds none there, the width is the clients' and stays."""
+        self.reshape(node, a)
+        out = self.labels.get(node)
+        if not isinstance(out, _Feature) or not self.permuted(out):
+            return
+        if self.units_at(other, out.dim) is None:
+            self.mark_fixed(out.var, f"its forward reshapes them as {other.name}, which holds no units on their axis")
+        else:
+            self.tie_width(node, other, out.dim, node)
 
     def segments_reshape(self, node, a, label: _Segments) -> None:
         """A reshape of streams side by side that keeps their axis, with the axes before it merged

@@ -43,6 +43,7 @@ from tests.nets.user_nets import (
     EinsumAttention,
     GatedNet,
     GatedStream,
+    GateThenHeads,
     GroupedCNN,
     GroupNormCNN,
     GroupNormSiLU,
@@ -143,6 +144,7 @@ NETS = [
     MixerBlock,  # a Linear across the tokens, its units kept in place
     DepthwiseMultiplierCNN,  # two depthwise filters per channel
     EinsumAttention,  # einsum for scores, values, a gate (an ellipsis) and a number (implicit output)
+    GateThenHeads,  # a stream's group made anew (cut into heads) after a layer reading it
 ]
 
 
@@ -1407,6 +1409,34 @@ class _Einsum(nn.Module):
 def test_an_einsum_that_cannot_be_followed_is_refused_in_one_line(how, why):
     with pytest.raises(UnsupportedLayerError, match=re.escape(why)):
         spec_from_graph(_Einsum(how), torch.zeros(2, 64))
+
+
+class _RepeatedUnits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(64, 4), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.fc(x).repeat_interleave(2, dim=1))
+
+
+class _ReshapedAsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(64, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.fc(x).view(x.shape[0], 2, -1).reshape_as(x[:, :8]))
+
+
+def test_reshaped_as_a_tensor_without_units_fixes_their_width():
+    spec = spec_from_graph(_ReshapedAsInput(), torch.zeros(2, 64))
+    assert spec.fixed == {"P1": "its forward reshapes them as getitem_1, which holds no units on their axis"}
+
+
+def test_repeating_each_unit_is_refused_in_one_line():
+    with pytest.raises(UnsupportedLayerError, match="repeat_interleave on a permuted axis cannot be followed"):
+        spec_from_graph(_RepeatedUnits(), torch.zeros(2, 64))
 
 
 def test_a_frozen_layer_comes_back_frozen():

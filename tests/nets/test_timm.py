@@ -4,7 +4,9 @@ installed (it is no dependency of bayesfuse; skipped without it).
 timm writes its layers as classes of its own: ``BatchNormAct2d`` (``F.batch_norm`` and an
 activation), ``Linear`` (``F.linear``), ``LayerNorm2d`` (``F.layer_norm`` of the channels moved
 last); Swin rolls and pads its channels-last windows along the positions; ConvNeXt-V2's
-response norm is ``torch.addcmul``; MLP-Mixer and ResMLP mix tokens by Linear layers across them. Small models of six families fuse back from permuted copies and fuse independent
+response norm is ``torch.addcmul``; MLP-Mixer and ResMLP mix tokens by Linear layers across them; GCViT repeats a global query for every window
+(``repeat_interleave`` along the batch) and cuts its channels into heads after bias-free
+squeeze-and-excitation layers have read them. Small models of six families fuse back from permuted copies and fuse independent
 clients into networks of timm's classes (:func:`tests.helpers.assert_library_network_fuses`).
 So does a small ViT whose attention runs without its fused kernel (``fused_attn=False``): it cuts
 heads of the width each ``Attention`` holds, ``self.head_dim``, which the rebuild sets to the
@@ -104,3 +106,16 @@ def test_timm_token_mixing_networks_fuse_back_and_fuse(kind):
         return library_randomised(model)
 
     assert_library_network_fuses(make, torch.randn(4, 3, 32, 32))
+
+
+def test_a_small_gcvit_fuses_back_and_fuses():
+    from timm.models.gcvit import GlobalContextVit
+
+    def make(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        net = GlobalContextVit(
+            num_classes=10, img_size=64, window_ratio=(16, 16), embed_dim=16, depths=(1, 1), num_heads=(2, 4)
+        )
+        return library_randomised(net)
+
+    assert_library_network_fuses(make, torch.randn(4, 3, 64, 64))

@@ -1315,3 +1315,22 @@ class EinsumAttention(nn.Module):
         t = torch.einsum("...d,...d->...d", t, torch.sigmoid(self.gate(t)))
         energy = torch.einsum("bnd,bnd", t, t)  # a number: summed over every axis
         return self.head(t.mean(1)) + 0 * energy
+
+
+class GateThenHeads(nn.Module):
+    """A stream gated by a bias-free squeeze-and-excitation MLP, then cut into two heads (``view(B, 2, -1)``)
+    for attention across them: the heads' cut makes the stream's group anew after the gate's
+    hidden group, which reads it, was made (as in timm's GCViT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.se1, self.se2 = nn.Linear(64, 8), nn.Linear(8, 3, bias=False), nn.Linear(3, 8, bias=False)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h * torch.sigmoid(self.se2(torch.relu(self.se1(h))))
+        t = h.view(h.shape[0], 2, -1)
+        t = t + t.mean(1, keepdim=True).repeat_interleave(2, dim=1)  # the heads' mean, repeated per head
+        h = h + ((t @ t.transpose(1, 2)).softmax(-1) @ t).reshape_as(h)
+        return self.head(h)
