@@ -269,6 +269,11 @@ def fuse_states(
         dtype=dtype,
         **options,
     )
+    tied = fused.spec.tied if isinstance(fused.spec, PermutationSpec) else {}
+    if tied:  # one tensor under two names, fused as two entries: the alias takes its entry's value
+        fused.state = fused.spec.retie(fused.state)
+        fused.precision = None if fused.precision is None else fused.spec.retie(fused.precision)
+        fused.hyper["tied"] = dict(tied)
     fused.seconds = time.perf_counter() - start
     return fused
 

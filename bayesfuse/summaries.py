@@ -87,7 +87,7 @@ from bayesfuse.inference.bnn.sites import is_bnn_state, state_sizes, unit_group
 from bayesfuse.inference.client_heads import heads_refused
 from bayesfuse.inference.output_fusion import packed_upper, unpacked_upper
 from bayesfuse.inference.spec import Axis, PermutationSpec
-from bayesfuse.nets.state import as_array, model_input
+from bayesfuse.nets.state import as_array, model_input, tied_entries
 
 __all__ = [
     "ClientSummary",
@@ -649,6 +649,9 @@ def summarize(
         )
     else:
         precision = diag_ggn(model, x, batch_size=batch_size)  # rounded to bfloat16 by a version 5 ClientSummary
+        for names in tied_entries(model):  # one tensor under several names: its precision under each
+            held = next((n for n in names if n in precision), None)
+            precision.update({n: precision[held] for n in names if held is not None})
         if precisions == "float32":  # what a version 4 file holds
             precision = {k: np.asarray(v, dtype=np.float32).astype(np.float64) for k, v in precision.items()}
         moments = unit_moments(model, x, cast(PermutationSpec, spec), batch_size=batch_size)

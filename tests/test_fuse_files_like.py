@@ -20,6 +20,7 @@ from tests.nets.user_nets import (
     PatchTokensUnguessed,
     ResMLP,
     SkipCNN,
+    TiedGPT,
     TwoOutputs,
     UpConv1d,
     UpConvUNet,
@@ -175,6 +176,22 @@ def test_a_width_the_network_holds_follows_the_fused_file(tmp_path):
     fused = bayesfuse.load(out, like=PatchTokens())
     assert fused.hidden_dim == fused.patch.out_channels > 12
     assert fused(torch.randn(4, 64)).shape == (4, 10)
+
+
+def test_weights_tied_are_one_tensor_in_the_fused_file(tmp_path):
+    """``--model`` of a language model whose embedding is its output layer's weight: the fused
+    file holds the one fused tensor under both names (each fused as an entry, then tied), the
+    report says so, and ``bayesfuse.load`` gives back a network that holds it once."""
+    _, paths = _files(tmp_path, TiedGPT, 3)
+    out = tmp_path / "fused.pt"
+    assert main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:TiedGPT", "--out", str(out)]) == 0
+    state = torch.load(out, weights_only=True)
+    assert state["wte.weight"].shape[1] > 16 and torch.equal(state["wte.weight"], state["lm_head.weight"])
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert report["hyper"]["tied"] == {"wte.weight": "lm_head.weight"}
+    fused = bayesfuse.load(out, like=TiedGPT())
+    assert fused.wte.weight is fused.lm_head.weight
+    assert fused(torch.randint(0, 12, (4, 6))).shape == (4, 6, 12)
 
 
 def test_load_runs_the_network_on_the_input_the_file_records(tmp_path):
@@ -393,10 +410,10 @@ def test_fedavg_of_a_weight_applied_by_hand_averages_and_says_why_in_the_command
         assert not list(tmp_path.glob("m.pt*"))
 
 
-def test_files_of_a_network_with_two_outputs_fuse_to_its_classes_and_tied_weights_are_only_averaged(tmp_path, capsys):
+def test_files_of_a_network_with_two_outputs_fuse_to_its_classes_and_tied_weights_stay_tied(tmp_path):
     """From files with ``--model``: a forward returning (logits, aux) fuses with its classes kept
     (the fused file loads and returns 10 logits); a network whose output layer is tied to its
-    embedding is refused for matching (exit 2, nothing written) and averaged by FedAvg, the tie kept."""
+    embedding fuses by OT and FedAvg, the tie kept."""
     from tests.nets.test_graph_spec import _Tied
 
     _, paths = _files(tmp_path, TwoOutputs)
@@ -408,8 +425,9 @@ def test_files_of_a_network_with_two_outputs_fuse_to_its_classes_and_tied_weight
     assert logits.shape == (4, 10) and aux.shape == (4, 3)
     tied = [str(save_state_dict(_random(_Tied, s).state_dict(), tmp_path / f"tied{s}.pt")) for s in range(2)]
     ref = ["--model", "tests.nets.test_graph_spec:_Tied"]
-    assert main(["fuse", *tied, "--method", "ot", *ref, "--out", str(tmp_path / "t.pt")]) == 2
-    assert "(weights tied" in capsys.readouterr().err and not list(tmp_path.glob("t.pt*"))
+    assert main(["fuse", *tied, "--method", "ot", *ref, "--out", str(tmp_path / "ot.pt")]) == 0
+    state = torch.load(tmp_path / "ot.pt", weights_only=True)
+    assert torch.equal(state["emb.weight"], state["out.weight"])
     assert main(["fuse", *tied, "--method", "fedavg", *ref, "--out", str(tmp_path / "t.pt")]) == 0
     model = _Tied()
     model.load_state_dict(torch.load(tmp_path / "t.pt", weights_only=True))

@@ -199,6 +199,12 @@ class PermutationSpec:
         theirs (:meth:`held_widths`, :func:`bayesfuse.nets.arch.rebuild`), so that methods that
         change widths can fuse it. The attribute path is the module's name, a dot, the
         attribute's (``"attention.head_dim"``; ``"hidden_dim"`` for the network's own).
+    tied : dict
+        ``alias -> entry``: state_dict entries that are one tensor under two names (an embedding
+        tied to the output layer, ``lm_head.weight = wte.weight``; one module held under two
+        names). Both have the same axes; every method fuses them as it fuses any entry, then the
+        fused ``alias`` is the fused ``entry`` (:meth:`retie`), so that the fused network ties
+        them as the clients did. ``entry`` is the output layer's where one of them is.
     """
 
     axes: dict
@@ -212,6 +218,7 @@ class PermutationSpec:
     pieces: dict = field(default_factory=dict)
     transposed: tuple = ()
     widths: dict = field(default_factory=dict)
+    tied: dict = field(default_factory=dict)
     _owners: dict = field(init=False, repr=False, compare=False)  # piece -> the entry it is a piece of
 
     def parts(self, entry: str) -> list[str]:
@@ -362,6 +369,16 @@ class PermutationSpec:
         object.__setattr__(self, "_owners", {name: k for k, (_, pieces) in self.pieces.items() for name, _ in pieces})
         object.__setattr__(self, "transposed", _transposed(self.transposed, fixed, self.pieces))
         object.__setattr__(self, "widths", _widths(self.widths, order))
+        object.__setattr__(self, "tied", _tied(self.tied, fixed))
+
+    def retie(self, state: Mapping[str, Any]) -> dict:
+        """``state`` with each alias of :attr:`tied` set to its entry's value (a fused state, whose
+        entries were fused one by one); as it is where it holds neither."""
+        out = dict(state)
+        for alias, entry in self.tied.items():
+            if entry in out:
+                out[alias] = out[entry]
+        return out
 
     def held_widths(self, state_dict: Mapping[str, Any]) -> dict[str, int]:
         """``"module.attribute" -> value`` of :attr:`widths` at the widths of ``state_dict``."""
@@ -475,6 +492,28 @@ def _transposed(data, axes: Mapping[str, tuple], pieces: Mapping[str, tuple]) ->
                 f"a spec's 'transposed' names {k!r}, which is no weight of 2 or more dimensions it describes"
             )
     return tuple(dict.fromkeys(data))
+
+
+def _tied(data, axes: Mapping[str, tuple]) -> dict:
+    """``alias -> entry`` (:attr:`PermutationSpec.tied`): both entries of :attr:`axes`, with the
+    same axes, the entry no alias itself."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a spec's 'tied' maps entries to the entries they are one tensor with, got {data!r}")
+    out = {}
+    for alias, entry in data.items():
+        if not isinstance(alias, str) or not isinstance(entry, str) or alias == entry:
+            raise ValueError(f"a spec's 'tied' maps an entry to another entry's name, got {alias!r}: {entry!r}")
+        if alias not in axes or entry not in axes:
+            raise ValueError(f"a spec ties {alias!r} to {entry!r}, and its axes do not describe both")
+        if axes[alias] != axes[entry]:
+            raise ValueError(
+                f"a spec ties {alias!r} to {entry!r}, one tensor, but gives them different axes "
+                f"({axes[alias]} and {axes[entry]})"
+            )
+        if entry in data:
+            raise ValueError(f"a spec ties {alias!r} to {entry!r}, which is tied to another entry itself")
+        out[alias] = entry
+    return out
 
 
 def _widths(data, groups: Sequence[str]) -> dict:

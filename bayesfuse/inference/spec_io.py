@@ -40,7 +40,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
     "amplitude"[, "after"]}}`` (:class:`Encoding`); exchangeable heads ``"heads": [[prefix, ...], ...]``;
     entries held in pieces ``"pieces": {entry: [dim, [[piece, length or null], ...]]}``; the
     weights of transposed convolutions ``"transposed": [weight, ...]``; numbers modules hold
-    that their forward reads as widths ``"widths": {"module.attribute": axis}``."""
+    that their forward reads as widths ``"widths": {"module.attribute": axis}``; entries that are
+    one tensor under two names ``"tied": {alias: entry}``."""
 
     def axis(a):
         if a is None:
@@ -68,6 +69,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
         out["transposed"] = list(spec.transposed)
     if spec.widths:  # numbers modules hold that their forward reads as widths
         out["widths"] = {k: axis(a) for k, a in spec.widths.items()}
+    if spec.tied:  # entries that are one tensor under two names
+        out["tied"] = dict(spec.tied)
     return out
 
 
@@ -123,6 +126,7 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         data.get("pieces", {}),  # entries described by their pieces, checked by the spec
         data.get("transposed", ()),  # transposed convolutions' weights, checked by the spec
         data.get("widths", {}),  # numbers modules hold that their forward reads as widths, checked by the spec
+        data.get("tied", {}),  # entries that are one tensor under two names, checked by the spec
     )
 
 

@@ -26,7 +26,14 @@ from bayesfuse.nets.images import image_shape
 from bayesfuse.nets.mlp import MLP
 from bayesfuse.nets.pans import PANConfig, PositionAware
 from bayesfuse.nets.resnet import resnet18, resnet20
-from bayesfuse.nets.state import RMS_NORMS, OutputLogitsError, floating_like, forward_error, load_state
+from bayesfuse.nets.state import (
+    RMS_NORMS,
+    OutputLogitsError,
+    floating_like,
+    forward_error,
+    load_state,
+    tied_entries,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -276,6 +283,9 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor], spec: Perm
     check_recurrent_widths(state_dict)
     shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
     new = copy.deepcopy(model)
+    paths: dict[int, list[str]] = {}  # a module held under several names is replaced under each
+    for name, module in new.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(name)
     previous_width = None
     for name, module in list(new.named_modules()):
         if name == "" or len(list(module.children())) > 0 and not isinstance(module, _RESIZED):
@@ -299,9 +309,9 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor], spec: Perm
         for n, p in replacement.named_parameters():  # a frozen layer stays frozen, in its mode
             p.requires_grad_(n not in frozen)
         replacement.train(module.training)
-        parent_name, _, child = name.rpartition(".")
-        parent = new.get_submodule(parent_name) if parent_name else new
-        setattr(parent, child, replacement)
+        for path in paths[id(module)]:
+            parent_name, _, child = path.rpartition(".")
+            setattr(new.get_submodule(parent_name) if parent_name else new, child, replacement)
     for name, value in list(new.named_parameters()):  # parameters held by the module itself (a class token)
         if name in shapes and tuple(value.shape) != shapes[name]:
             owner, _, leaf = name.rpartition(".")
@@ -323,7 +333,25 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor], spec: Perm
             if module is None or type(getattr(module, attr, None)) is not int:
                 raise ValueError(f"the spec's width {path!r} is no int attribute of {type(model).__name__}'s modules")
             setattr(module, attr, width)
-    return load_state(new, state_dict)
+    new = load_state(new, state_dict)
+    _retie(new, tied_entries(model), spec)
+    return new
+
+
+def _retie(model: nn.Module, tied: list[list[str]], spec: PermutationSpec | None) -> None:
+    """Hold each parameter of ``tied`` (names of one tensor in the network rebuilt from) once
+    again: layers re-created at new widths hold their own, so each alias gets its entry's (the
+    spec's :attr:`~bayesfuse.inference.spec.PermutationSpec.tied` entry, else the first name)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for names in tied:
+        if not all(n in params for n in names):
+            continue  # buffers held twice: a module held twice is one module again
+        aliases = spec.tied if spec is not None else {}
+        entry = next((n for n in names if n not in aliases), names[0])
+        for n in names:
+            if n != entry and params[n] is not params[entry]:
+                owner, _, leaf = n.rpartition(".")
+                setattr(model.get_submodule(owner) if owner else model, leaf, params[entry])
 
 
 def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "the fused network") -> None:

@@ -77,7 +77,7 @@ from torch import fx, nn
 
 from bayesfuse._layers import torch_layer
 from bayesfuse.inference.spec import Axis, PermutationSpec
-from bayesfuse.nets.state import RMS_NORMS, floating_like, forward_arguments, forward_error
+from bayesfuse.nets.state import RMS_NORMS, floating_like, forward_arguments, forward_error, tied_entries
 
 __all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
 
@@ -740,13 +740,6 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
             "bayesfuse can trace, give the module a permutation_spec() method, or build a spec with "
             "bayesfuse.inference.spec.chain(dense(...), conv(...), ...)"
         )
-    tied = _tied_parameters(model)
-    if tied:
-        raise UnsupportedLayerError(
-            f"{type(model).__name__}: {tied[1]!r} is the same parameter as {tied[0]!r} (weights tied, or one module "
-            "held under two names): fusion would give each entry its own values and untie them; give a spec, or "
-            "hold each weight once"
-        )
     x = example_input_for(model, example_input)
     computes_with: set[str] = set()  # the paths of int attributes the forward computes with (_HeldWidth)
     buffers_as_nodes = True
@@ -936,6 +929,7 @@ class _Walk:
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
         self.state_keys = set(model.state_dict())
+        self.tied = tied_entries(model)  # names of one tensor (a weight tied to another layer's, a module held twice)
 
     # ----------------------------------------------------------------- helpers
     def fail(self, node, what: str) -> NoReturn:
@@ -1074,7 +1068,41 @@ class _Walk:
         self.heads = self.head_sets()
         for heads in self.heads:
             self.check_parallel(gm, heads)
+        for names in self.tied:
+            self.tie_entries(names)
         return self.spec(output_layer)
+
+    def tie_entries(self, names: list[str]) -> None:
+        """Entries that are one tensor (``names``) get one description: the units on an axis of
+        any of them are the units on that axis of all (an embedding's columns and the output
+        layer's tied to it: one residual stream); an axis where one holds none, or the classes,
+        is not permuted in any."""
+        described = [self.axes[n] for n in names if n in self.axes]
+        if not described:
+            return
+        if any(isinstance(d, _Cat) for dims in described for d in dims):
+            raise UnsupportedLayerError(
+                f"{type(self.model).__name__}: {names[0]!r} is one tensor with {names[1]!r} and reads streams "
+                "concatenated on their units: give a spec, or hold the weight once"
+            )
+        merged = []
+        for dims in zip(*described):
+            permuted = [d for d in dims if d is not None and self.classes.find(d[0]) != _FIXED]
+            if len(permuted) < len(dims):  # not permuted where one of them is not
+                for d in permuted:
+                    self.classes.union(d[0], _FIXED)
+                merged.append(next((d for d in dims if d is not None), None))
+                continue
+            if len({tuple(d[1:]) for d in permuted}) > 1:
+                raise UnsupportedLayerError(
+                    f"{type(self.model).__name__}: {names[0]!r} is one tensor with {names[1]!r}, read with its units "
+                    "in different blocks; give a spec"
+                )
+            for d in permuted[1:]:
+                self.classes.union(permuted[0][0], d[0])
+            merged.append(permuted[0])
+        for n in names:
+            self.axes[n] = list(merged)
 
     def head_sets(self) -> tuple:
         """The module prefixes of every :class:`~bayesfuse.nets.attention.Heads` list (two branches or more)."""
@@ -1209,6 +1237,11 @@ class _Walk:
             fixed.setdefault(names.get(self.classes.find(v), ""), why)
         fixed.pop("", None)  # a class later tied to the input or the classes: never permuted
         widths = {path: a for path, a in widths.items() if a.group not in fixed}
+        tied = {}
+        for together in self.tied:  # each alias to the output layer's entry where one of them is, else the first
+            stored = [n for n in together if n in state]
+            entry = next((n for n in stored if n in output), stored[0] if stored else "")
+            tied.update({n: entry for n in stored if n != entry})
         return PermutationSpec(
             axes,
             tuple(names.values()),
@@ -1220,6 +1253,7 @@ class _Walk:
             pieces=pieces,
             transposed=tuple(self.transposed),
             widths=widths,
+            tied=tied,
         )
 
     # ----------------------------------------------------------------- modules
@@ -2915,16 +2949,6 @@ def _target_shape(node) -> list | None:
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
         args = list(args[0])
     return None if any(a is None or isinstance(a, fx.Node) and "tensor_meta" in a.meta for a in args) else args
-
-
-def _tied_parameters(model: nn.Module) -> tuple[str, str] | None:
-    """The names of the first parameter ``model`` holds under two names (weights tied), or None."""
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            return first[id(p)], name
-        first[id(p)] = name
-    return None
 
 
 def _view_base(node) -> fx.Node | None:

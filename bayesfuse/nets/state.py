@@ -40,6 +40,17 @@ def load_state(model: nn.Module, state: Mapping) -> nn.Module:
     return model
 
 
+def tied_entries(model: nn.Module) -> list[list[str]]:
+    """The names under which ``model``'s state_dict holds one tensor more than once, a list per
+    tensor in the order :meth:`~torch.nn.Module.named_parameters` meets them: a weight tied to
+    another layer's (``lm_head.weight = wte.weight``), a module held under two names."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if t is not None:
+            names.setdefault(id(t), []).append(name)
+    return [n for n in names.values() if len(n) > 1]
+
+
 def as_array(t: torch.Tensor) -> np.ndarray:
     """A tensor as a NumPy array on the CPU; bfloat16, which NumPy lacks, as float32 (exact)."""
     t = t.detach().cpu()

@@ -189,6 +189,31 @@ def test_spec_json_round_trip_keeps_the_widths_modules_hold():
         assert list(dataclasses.replace(plain, widths={good: "P"}).widths) == [good]
 
 
+def test_spec_json_round_trip_keeps_entries_tied_and_checks_them():
+    import dataclasses
+    import json
+
+    from bayesfuse.inference.spec import spec_from_dict, spec_to_dict
+
+    plain = chain(dense("a", None, "P"), dense("b", "P", "Q"), dense("c", "Q", None))
+    axes = {**plain.axes, "a2.weight": plain.axes["a.weight"]}
+    tied = PermutationSpec(axes, plain.groups, output=plain.output, tied={"a2.weight": "a.weight"})
+    assert "tied" not in spec_to_dict(plain)
+    assert spec_from_dict(json.loads(json.dumps(spec_to_dict(tied)))) == tied
+    fused = {"a.weight": np.ones((3, 2)), "a2.weight": np.zeros((3, 2)), "b.bias": np.zeros(4)}
+    retied = tied.retie(fused)
+    assert retied["a2.weight"] is fused["a.weight"] and retied["b.bias"] is fused["b.bias"]
+    assert list(tied.retie({"b.bias": fused["b.bias"]})) == ["b.bias"]  # neither held: as it is
+    for bad, why in [
+        ({"a.weight": "a.weight"}, "maps an entry to another entry's name"),
+        ({"a3.weight": "a.weight"}, "its axes do not describe both"),
+        ({"b.weight": "a.weight"}, "but gives them different axes"),
+        ({"a2.weight": "a.weight", "a.weight": "a2.weight"}, "which is tied to another entry itself"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            dataclasses.replace(tied, tied=bad)
+
+
 def test_entries_in_pieces_split_join_permute_and_round_trip_through_json():
     """An entry reading the input beside a group's units (``cat([x, h])``): split into its pieces
     at any width, joined back exactly, permuted piece by piece, kept by the spec's JSON."""

@@ -70,6 +70,7 @@ from tests.nets.user_nets import (
     ReducedCNN,
     ResMLP,
     SharedBlocks,
+    SharedModule,
     ShiftedWindows,
     SkipCNN,
     SlopesCNN,
@@ -77,6 +78,7 @@ from tests.nets.user_nets import (
     SqueezeExcite,
     StackedLSTM,
     StackedStateLSTM,
+    TiedGPT,
     TimmStyleCNN,
     TokenConcat,
     TokenMixer,
@@ -145,6 +147,7 @@ NETS = [
     DepthwiseMultiplierCNN,  # two depthwise filters per channel
     EinsumAttention,  # einsum for scores, values, a gate (an ellipsis) and a number (implicit output)
     GateThenHeads,  # a stream's group made anew (cut into heads) after a layer reading it
+    SharedModule,  # one module held under two names
 ]
 
 
@@ -463,7 +466,6 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_HandWritten("matmul of W.t()"), r"a matrix product applies the network's own weight 'W'"),
         (_Indexed(), r"indexing into the units' axis is not supported"),
         (_Repeated(), r"repeat along the units' axis copies each unit"),
-        (_Tied(), r"'out.weight' is the same parameter as 'emb.weight' \(weights tied"),
         (ArgmaxUnits(), r"argmax over the units names units by their place, which fusion changes"),
     ],
 )
@@ -1549,6 +1551,49 @@ def test_a_nanogpt_block_traces_its_causal_mask_sliced_by_the_sequence_length(sp
     assert _gap(models[0], bayesfuse.fuse([models[0], copy], "pfnm").model, x) < 1e-4
     fused = bayesfuse.fuse(models, "pfnm")
     assert fused.sizes[0] > 16 and fused.model(x).shape == (8, 6, 12)
+
+
+def test_weights_tied_fuse_as_one_tensor():
+    """An embedding tied to the output layer (``wte.weight = lm_head.weight``) is one tensor: the
+    spec gives both names one description and ties the alias to the output layer's entry; a
+    permuted copy computes the function and fuses back by every method; independent networks
+    fuse into one that holds the tensor once, as the clients did."""
+    spec = spec_from_module(TiedGPT())
+    assert spec.tied == {"wte.weight": "lm_head.weight"}
+    assert spec.axes["wte.weight"] == spec.axes["lm_head.weight"] == (None, spec.axes["ln_f.weight"][0])
+    models = [_random(TiedGPT, s) for s in range(3)]
+    x = torch.randint(0, 12, (8, 6))
+    state = {k: v.detach().numpy() for k, v in models[0].state_dict().items()}
+    copy = TiedGPT()
+    copy.load_state_dict(
+        {
+            k: torch.as_tensor(v)
+            for k, v in permute(state, spec, random_permutations(spec.sizes(state), np.random.default_rng(0))).items()
+        }
+    )
+    copy.eval()
+    assert _gap(models[0], copy, x) < 1e-4
+    for method in ("pfnm", "nafi", "ot"):
+        assert _gap(models[0], bayesfuse.fuse([models[0], copy], method).model, x) < 1e-4, method
+    for method in ("pfnm", "nafi", "ot", "fedavg"):
+        fused = bayesfuse.fuse(models, method)
+        assert fused.model.wte.weight is fused.model.lm_head.weight, method
+        assert fused.model(x).shape == (8, 6, 12) and fused.hyper["tied"] == {"wte.weight": "lm_head.weight"}
+        written = fused.model.state_dict()  # what a file of it holds: the one tensor under both names
+        assert torch.equal(written["wte.weight"], written["lm_head.weight"])
+
+
+def test_a_module_held_under_two_names_stays_one_module():
+    models = [_random(SharedModule, s) for s in range(3)]
+    spec = spec_from_module(models[0])
+    assert spec.tied == {"block.mix.weight": "mix.weight", "block.mix.bias": "mix.bias"}
+    x = torch.randn(20, 64)
+    for method in ("pfnm", "ot"):
+        fused = bayesfuse.fuse(models, method).model
+        assert fused.block["mix"] is fused.mix and fused(x).shape == (20, 10)
+    train = Dataset(x.repeat(3, 1).numpy(), torch.randint(0, 10, (60,)).numpy(), 10)
+    fused = bayesfuse.fuse(models, "fedma", data=(train, [np.arange(20 * j, 20 * j + 20) for j in range(3)]))
+    assert fused.model.block["mix"] is fused.model.mix and fused.model(x).shape == (20, 10)
 
 
 def test_streams_of_different_widths_side_by_side_keep_a_permutation_each():

@@ -1334,3 +1334,28 @@ class GateThenHeads(nn.Module):
         t = t + t.mean(1, keepdim=True).repeat_interleave(2, dim=1)  # the heads' mean, repeated per head
         h = h + ((t @ t.transpose(1, 2)).softmax(-1) @ t).reshape_as(h)
         return self.head(h)
+
+
+class TiedGPT(NanoGPT):
+    """:class:`NanoGPT` whose token embedding is its output layer's weight, as nanoGPT ties them
+    (``self.transformer.wte.weight = self.lm_head.weight``): one tensor under two names."""
+
+    def __init__(self) -> None:
+        super().__init__(split_by="C")
+        self.wte.weight = self.lm_head.weight
+
+
+class SharedModule(nn.Module):
+    """One module held under two names, called twice (as timm's CoaT holds its convolutional
+    position encodings in a stage and in its first block): its entries appear twice in the
+    state_dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.mix, self.head = nn.Linear(64, 12), nn.Linear(12, 12), nn.Linear(12, 10)
+        self.block = nn.ModuleDict({"mix": self.mix, "out": nn.Linear(12, 12)})
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        h = h + torch.tanh(self.block["out"](torch.tanh(self.block["mix"](h))))
+        return self.head(h + torch.tanh(self.mix(h)))
