@@ -29,6 +29,7 @@ from bayesfuse._text import warn_from_caller
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.bias_free import biases_into_batchnorms, with_zero_biases
 from bayesfuse.inference.bnn.sites import unit_group
+from bayesfuse.inference.dead_cells import pad_projected_cells
 from bayesfuse.inference.encodings import check_unfoldable, encoded_groups, fold_encodings, unfold_encodings
 from bayesfuse.inference.heads import align_heads, orders_report, rename_heads, renamed_groups
 from bayesfuse.inference.layerwise import check_states, class_share_matrix, match_layerwise
@@ -274,8 +275,26 @@ def fuse_states(
         fused.state = fused.spec.retie(fused.state)
         fused.precision = None if fused.precision is None else fused.spec.retie(fused.precision)
         fused.hyper["tied"] = dict(tied)
+    if kind == "network":
+        _dead_cells(fused)
     fused.seconds = time.perf_counter() - start
     return fused
+
+
+def _dead_cells(fused: StateFusion) -> None:
+    """Give a projected LSTM fused to as many projections as cells, or more, the dead cells that
+    ``nn.LSTM`` needs (:func:`~bayesfuse.inference.dead_cells.pad_projected_cells`): the same
+    function; the cells' group's size and ``hyper["dead_cells"]`` say so."""
+    fused.state, padded = pad_projected_cells(fused.state)
+    if not padded:
+        return
+    if fused.precision is not None:
+        fused.precision, _ = pad_projected_cells(fused.precision)
+    for module, (_, wide) in padded.items():
+        axis = fused.spec.axes.get(f"{module}.weight_hr_l0", (None, None))[1] if fused.spec is not None else None
+        if axis is not None and axis.group in fused.groups:
+            fused.sizes[fused.groups.index(axis.group)] = wide
+    fused.hyper["dead_cells"] = {module: list(widths) for module, widths in padded.items()}
 
 
 def _check_batch_norms(states: Sequence[State], names: Sequence[str]) -> None:
