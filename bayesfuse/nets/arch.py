@@ -185,8 +185,10 @@ def _resized(module: nn.Module, prefix: str, shapes: Mapping[str, tuple]) -> nn.
         return nn.Bilinear(in1, in2, out, bias=module.bias is not None)
     if isinstance(module, nn.modules.conv._ConvTransposeNd):  # weight (C_in, C_out / groups, *kernel)
         w = shape("weight")
-        out = w[1] * module.groups
-        return _at_widths(module, {"in_channels": w[0], "out_channels": out}, {"weight": w, "bias": (out,)})
+        groups = w[0] if module.groups != 1 and module.groups == module.in_channels else module.groups  # depthwise
+        out = w[1] * groups
+        widths = {"groups": groups, "in_channels": w[0], "out_channels": out}
+        return _at_widths(module, widths, {"weight": w, "bias": (out,)})
     if isinstance(module, nn.modules.conv._ConvNd):
         w = shape("weight")
         groups = module.groups

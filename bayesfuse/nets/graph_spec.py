@@ -1292,10 +1292,11 @@ class _Walk:
             f, units = (f, units) if self.has_units(units) else (None, None)
             if units is not None and units.dim != 1:
                 self.fail(node, "a transposed convolution must read channels on axis 1")
-            if m.groups != 1:
-                self.fail(node, f"a transposed convolution of {m.groups} groups is not supported; give a spec")
             if len(node.args) > 1 or node.kwargs:
                 self.fail(node, "a transposed convolution given an output_size is not supported; give a spec")
+            if m.groups != 1:
+                self.grouped_transposed(node, m, f)
+                return
             out, cut = self.layer_vars(name, f, node)
             self.layer_output(node, m, (out, cut, 1), [self.in_axis(units)], 1, transposed=True)
         elif isinstance(m, nn.Bilinear):
@@ -1557,6 +1558,38 @@ class _Walk:
             in_axis = (f.var, f.outer // g, f.inner)
         out, cut = self.layer_vars(name, f, node)
         self.layer_output(node, m, (out, g * cut, 1), [in_axis], 1)
+
+    def grouped_transposed(self, node, m: nn.modules.conv._ConvTransposeNd, f: _Feature | None) -> None:
+        """A transposed convolution of ``g`` groups, weight ``(C_in, C_out / g, *kernel)``: output
+        channel ``c * C_out / g + j`` of group ``c`` reads that group's input channels through
+        ``weight[:, j]``. As for a convolution of groups (:meth:`grouped_conv`), one permutation
+        within a group serves every group: the weight's axis 1 holds it once, the bias and the
+        output ``g`` times, and the input's units are cut into blocks the groups do not cross,
+        all of them on the weight's axis 0. Depthwise (a group per input channel, ``k`` filters
+        each), the output's units are the input's, ``k`` numbers each. A batch norm after it is
+        not folded into it (its filters are not the rows of one axis)."""
+        g, name = m.groups, node.target
+        self.stored(node, m, ("weight", "bias"))
+        kernel = [None] * (m.weight.dim() - 2)
+        if g == m.in_channels:  # depthwise: channel c's k filters together
+            k = m.out_channels // m.in_channels
+            rows = (f.var, f.outer, f.inner * k) if f is not None else (_FIXED, 1, 1)
+            inputs = None if f is None else (f.var, f.outer, f.inner)
+            self.set_axes(f"{name}.weight", [inputs, None, *kernel])
+        else:
+            inputs = None
+            if f is not None:
+                f = self.grouped_units(node, f, g, f"transposed convolution of {g} groups")
+                inputs = (f.var, f.outer, f.inner)
+            out, cut = self.layer_vars(name, f, node)
+            rows = (out, g * cut, 1)
+            self.set_axes(f"{name}.weight", [inputs, (out, cut, 1), *kernel])
+            self.var_producer.setdefault(out, name)
+        if f"{name}.weight" not in self.transposed:
+            self.transposed.append(f"{name}.weight")
+        if m.bias is not None:
+            self.set_axes(f"{name}.bias", [rows])
+        self.labels[node] = _Feature(rows[0], 1, rows[1], rows[2])
 
     def recurrent(self, node, m: nn.LSTM | nn.GRU | nn.RNN, f: _Feature | None) -> None:
         """``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``: layer k's units are one permutation of the rows of

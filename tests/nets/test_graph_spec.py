@@ -45,6 +45,7 @@ from tests.nets.user_nets import (
     GatedStream,
     GateThenHeads,
     GroupedCNN,
+    GroupedUpConv,
     GroupNormCNN,
     GroupNormSiLU,
     GroupNormSkip,
@@ -148,6 +149,7 @@ NETS = [
     EinsumAttention,  # einsum for scores, values, a gate (an ellipsis) and a number (implicit output)
     GateThenHeads,  # a stream's group made anew (cut into heads) after a layer reading it
     SharedModule,  # one module held under two names
+    GroupedUpConv,  # transposed convolutions of 4 groups and depthwise
 ]
 
 
@@ -903,6 +905,24 @@ def test_grouped_convolutions_keep_their_groups_at_the_fused_widths():
     fused = bayesfuse.fuse(models, "fedma", data=(train, [np.arange(20 * j, 20 * j + 20) for j in range(3)]))
     assert fused.model.b.groups == 4 and fused.model.bnb.running_mean.shape == (fused.model.b.out_channels,)
     assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+
+
+def test_transposed_convolutions_keep_their_groups_at_the_fused_widths():
+    """A transposed convolution of 4 groups: one permutation within a group on its weight's axis
+    1, four blocks of it on the bias and the output; its input cut into blocks the groups do not
+    cross. A depthwise one keeps its input's units, two filters each."""
+    spec = spec_from_module(GroupedUpConv())
+    out, enc = spec.axes["up.weight"][1], spec.axes["enc.weight"][0]
+    assert out.outer == 1 and spec.axes["up.bias"][0] == spec.axes["bn.weight"][0] == Axis(out.group, 4)
+    assert spec.axes["up.weight"][0] == enc == Axis(enc.group, 4) and "bn" not in spec.folds
+    assert spec.axes["depth.weight"][:2] == (Axis(out.group, 4), None)
+    assert spec.axes["depth.bias"][0] == spec.axes["mix.weight"][1] == Axis(out.group, 4, 2)
+    for method in ("pfnm", "nafi"):
+        fused = bayesfuse.fuse([_random(GroupedUpConv, s) for s in range(3)], method)
+        up, depth = fused.model.up, fused.model.depth
+        assert up.groups == 4 and up.out_channels == 4 * fused.sizes[1] > 12 and up.in_channels % 4 == 0
+        assert depth.groups == depth.in_channels == up.out_channels and depth.out_channels == 2 * up.out_channels
+        assert fused.model(torch.randn(5, 64)).shape == (5, 10)
 
 
 def test_independent_projected_lstms_fuse_into_one_that_runs():

@@ -1359,3 +1359,23 @@ class SharedModule(nn.Module):
         h = torch.relu(self.fc(x))
         h = h + torch.tanh(self.block["out"](torch.tanh(self.block["mix"](h))))
         return self.head(h + torch.tanh(self.mix(h)))
+
+
+class GroupedUpConv(nn.Module):
+    """Transposed convolutions of groups: one of 4 groups (stride 2, a batch norm after it, not
+    folded) and a depthwise one of two filters per channel, then a 1x1 convolution and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(1, 8, 3, padding=1)
+        self.up, self.bn = nn.ConvTranspose2d(8, 12, 2, stride=2, groups=4), nn.BatchNorm2d(12)
+        self.depth = nn.ConvTranspose2d(12, 24, 3, padding=1, groups=12)
+        self.mix, self.head = nn.Conv2d(24, 6, 1), nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = F.relu(self.enc(x.view(-1, 1, 8, 8)))
+        h = F.relu(self.depth(F.relu(self.bn(self.up(h)))))
+        return self.head(F.relu(self.mix(h)).sum((2, 3)))
