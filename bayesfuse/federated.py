@@ -201,7 +201,8 @@ def run_fedma(
                 states, sent = _restart_clients(done[-1], spec, models, train, parts, config, p, added)
                 broadcast += sent
             server = fedma(states, spec, client_update, class_counts=counts, seed=seed + p, **settings)
-            done.append(replace(server, state_dict=to_network(server.state_dict)))
+            # one tensor under two names (spec.tied), fused as two entries: the alias takes its entry's value
+            done.append(replace(server, state_dict=spec.retie(to_network(server.state_dict))))
     finally:
         bar.close()
     result = done[-1]

@@ -375,7 +375,10 @@ def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[_
         if owner not in modules or len(axes) < 2:
             continue
         rows = spec.rows_dim(key)
+        if isinstance(modules[owner], (nn.Embedding, nn.EmbeddingBag)):  # ids in; the units it makes: its columns
+            rows = 1
         made, read = axes[rows], axes[1 - rows]
+        read = None if isinstance(modules[owner], (nn.Embedding, nn.EmbeddingBag)) else read
         if made is not None and made.group in readers and made.group not in makers:
             makers[made.group] = _Read(owner, 0, int(state[whole].shape[rows]), made)
         if read is None or read.group not in readers:

@@ -256,6 +256,41 @@ def test_moments_of_dense_units_on_sequences_are_per_unit_over_every_step():
     np.testing.assert_allclose(s.moments[group]["act_var"], pre.relu().var(0, unbiased=False).numpy(), atol=1e-12)
 
 
+def test_moments_of_an_embeddings_units_are_those_of_its_vectors():
+    """An embedding makes the units its weight's columns hold (it reads ids, not features): their
+    moments are over the vectors it gives every token. Its output layer tied to it (the same
+    tensor) has the precision under both names."""
+    from bayesfuse.nets.tracing import spec_from_module
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.fc, self.head = nn.Embedding(6, 8), nn.Linear(8, 10), nn.Linear(10, 6)
+
+        def forward(self, t):
+            return self.head(torch.tanh(self.fc(self.emb(t).mean(1))))
+
+    class TiedTokens(Tokens):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc2 = nn.Linear(10, 8)
+            self.head = nn.Linear(8, 6)
+            self.head.weight = self.emb.weight
+
+        def forward(self, t):
+            return self.head(self.fc2(torch.tanh(self.fc(self.emb(t).mean(1)))))
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 6, (20, 3))
+    for model in (Tokens().eval(), TiedTokens().eval()):
+        s = summarize(model, ids.numpy(), np.arange(20) % 6)
+        group = spec_from_module(model, ids[:2]).axes["emb.weight"][1].group
+        with torch.no_grad():
+            vectors = model.emb(ids).double().reshape(-1, 8)
+        np.testing.assert_allclose(s.moments[group]["pre_mean"], vectors.mean(0).numpy(), atol=1e-12)
+    np.testing.assert_array_equal(s.precision["emb.weight"], s.precision["head.weight"])
+
+
 def test_moments_of_units_one_lstm_makes_and_another_reads():
     from bayesfuse.inference.spec import chain, dense, lstm
 

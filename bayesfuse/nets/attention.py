@@ -268,12 +268,19 @@ def split_heads(model: nn.Module) -> nn.Module:
     if isinstance(model, nn.MultiheadAttention):
         return _from_multihead(model)
     new = copy.deepcopy(model)
-    for name, module in list(new.named_modules()):
-        if isinstance(module, nn.MultiheadAttention):
-            parent_name, _, child = name.rpartition(".")
-            setattr(new.get_submodule(parent_name) if parent_name else new, child, _from_multihead(module))
+    for module in [m for m in new.modules() if isinstance(m, nn.MultiheadAttention)]:
+        _set_everywhere(new, module, _from_multihead(module))
     _swap_blocks(new, to_traced=True)
     return new
+
+
+def _set_everywhere(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` in ``root`` under every name ``old`` has there: a module held under two names
+    stays one module."""
+    for name, module in list(root.named_modules(remove_duplicate=False)):
+        if module is old and name:
+            parent_name, _, child = name.rpartition(".")
+            setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
 
 
 def multihead_modules(model: nn.Module) -> list[str]:
@@ -379,8 +386,7 @@ def merge_heads(model: nn.Module, like: nn.Module) -> nn.Module:
         mha = _to_multihead(attention, original, name or "the model")
         if not name:
             return mha
-        parent_name, _, child = name.rpartition(".")
-        setattr(new.get_submodule(parent_name) if parent_name else new, child, mha)
+        _set_everywhere(new, attention, mha)
     return new
 
 

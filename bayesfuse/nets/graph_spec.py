@@ -855,7 +855,8 @@ def _axes_order(name: str, args: list, kwargs: dict, rank: int) -> list[int]:
     """Where each axis of the result of ``transpose`` / ``swapaxes`` / ``swapdims`` (two axes),
     ``permute`` (every axis) or ``movedim`` / ``moveaxis`` (axes to places) comes from."""
     if name in ("transpose", "swapaxes", "swapdims"):
-        pair = args[:2] if len(args) >= 2 else [kwargs["dim0"], kwargs["dim1"]]
+        keys = ("axis0", "axis1") if "axis0" in kwargs or "axis1" in kwargs else ("dim0", "dim1")
+        pair = [*args[:2], *(kwargs[k] for k in keys[len(args[:2]) :])]
         d0, d1 = (int(d) % rank for d in pair)
         order = list(range(rank))
         order[d0], order[d1] = d1, d0
@@ -930,6 +931,17 @@ class _Walk:
         self.buffers = dict(model.named_buffers())
         self.state_keys = set(model.state_dict())
         self.tied = tied_entries(model)  # names of one tensor (a weight tied to another layer's, a module held twice)
+        buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        for together in self.tied:
+            kinds = {n in buffers for n in together}
+            if len(kinds) > 1:
+                raise UnsupportedLayerError(
+                    f"{type(model).__name__}: {together[0]!r} is a parameter also held as a buffer "
+                    f"({', '.join(repr(n) for n in together[1:])}): give a spec, or hold it once"
+                )
+        self.layer_calls: Counter = (
+            Counter()
+        )  # how often each Linear/Conv is applied: one applied twice folds no batch norm
 
     # ----------------------------------------------------------------- helpers
     def fail(self, node, what: str) -> NoReturn:
@@ -1198,7 +1210,15 @@ class _Walk:
                 for p in ([name for name, _ in pieces[k][1]] if k in pieces else [k])
             )
         )
-        folds = {bn: after for bn, after in self.folds.items()}
+        # a batch norm folds into the layer before only where that layer's weights are used there
+        # alone: a layer applied twice, or whose entries or the batch norm's are one tensor with
+        # another's (tied), would take the fold elsewhere too
+        shared = {n for together in self.tied for n in together}
+        folds = {
+            bn: after
+            for bn, after in self.folds.items()
+            if self.layer_calls[after] == 1 and not any(k.startswith((f"{bn}.", f"{after}.")) for k in shared)
+        }
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
         widths: dict[str, Axis] = {}
         first: dict[str, int] = {}
@@ -1469,6 +1489,7 @@ class _Walk:
         the layer's, where ``node`` calls no module (``F.linear`` in a subclass's forward)."""
         name = node.target if name is None else name
         self.stored(node, m, ("weight", "bias"), name=name)
+        self.layer_calls[name] += 1
         kernel = [None] * (m.weight.dim() - 1 - len(inputs))
         channels = [*inputs, rows] if transposed else [rows, *inputs]
         self.set_axes(f"{name}.weight", [*channels, *kernel])
@@ -2222,6 +2243,10 @@ class _Walk:
             self.classes.union(seen.var, f.var)
         for x, subs in zip(operands, subscripts):  # every operand holding a permuted letter holds its units
             f, shape = self.feature(x), _tensor_shape(x)
+            raw = self.raw(x)
+            if isinstance(raw, tuple) and raw[0] == "param":  # a number per unit (a layer scale): permuted with them
+                self.einsum_parameter(raw[1], subs, shape, letters)
+                continue
             for at, letter in enumerate(subs):
                 if letter in letters and shape[at] != 1 and not (self.permuted(f) and f.dim == at):
                     self.fail(
@@ -2237,6 +2262,20 @@ class _Walk:
             self.labels[node] = _Feature(f.var, result.index(kept[0]), f.outer, f.inner)
         else:
             self.labels[node] = None  # summed over units: the same whatever their order
+
+    def einsum_parameter(self, target: str, subs: list[str], shape: tuple, letters: dict) -> None:
+        """A parameter (or buffer) operand of an einsum, ``"btd,d->btd"``'s ``d``: its axes whose
+        letters are permuted units hold numbers per unit, moved with them (as :meth:`param_axis`
+        moves a parameter combined with a stream); a buffer's fix their width."""
+        dims: list[tuple[int, int, int] | None] = [None] * len(subs)
+        for at, letter in enumerate(subs):
+            if letter in letters and shape[at] != 1:
+                g = letters[letter]
+                dims[at] = (g.var, g.outer, g.inner)
+                if target not in self.parameters:
+                    self.buffer_along(g.var, target)
+        if any(d is not None for d in dims):
+            self.set_axes(target, dims)
 
     def repeat_interleave(self, node, args: list, kwargs) -> None:
         """``x.repeat_interleave(repeats, dim)`` along another axis than the units' (a global query

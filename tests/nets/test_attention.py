@@ -438,6 +438,16 @@ def test_merge_heads_undoes_split_heads(batch_first):
     assert all(torch.equal(merged.state_dict()[k], state[k]) for k in state)
 
 
+def test_an_attention_held_under_two_names_is_split_and_merged_as_one_module():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.MultiheadAttention(8, 2, batch_first=True)})
+    model["b"] = model["a"]
+    split = split_heads(model)
+    assert isinstance(split["a"], HeadAttention) and split["a"] is split["b"]
+    merged = merge_heads(split, model)
+    assert isinstance(merged["a"], nn.MultiheadAttention) and merged["a"] is merged["b"]
+
+
 def test_merge_heads_refuses_heads_multihead_attention_cannot_hold():
     torch.manual_seed(0)
     model = Attention()

@@ -41,6 +41,7 @@ from tests.nets.user_nets import (
     DepthwiseCNN,
     DepthwiseMultiplierCNN,
     EinsumAttention,
+    EinsumScale,
     GatedNet,
     GatedStream,
     GateThenHeads,
@@ -79,6 +80,7 @@ from tests.nets.user_nets import (
     SqueezeExcite,
     StackedLSTM,
     StackedStateLSTM,
+    TiedFoldCNN,
     TiedGPT,
     TimmStyleCNN,
     TokenConcat,
@@ -150,6 +152,8 @@ NETS = [
     GateThenHeads,  # a stream's group made anew (cut into heads) after a layer reading it
     SharedModule,  # one module held under two names
     GroupedUpConv,  # transposed convolutions of 4 groups and depthwise
+    TiedFoldCNN,  # no batch norm folded into a weight used elsewhere (tied, or a layer applied twice)
+    EinsumScale,  # a layer scale by einsum with a parameter vector; swapaxes by keyword
 ]
 
 
@@ -1613,6 +1617,28 @@ def test_weights_tied_fuse_as_one_tensor():
         assert fused.model(x).shape == (8, 6, 12) and fused.hyper["tied"] == {"wte.weight": "lm_head.weight"}
         written = fused.model.state_dict()  # what a file of it holds: the one tensor under both names
         assert torch.equal(written["wte.weight"], written["lm_head.weight"])
+
+
+def test_no_batch_norm_folds_into_a_weight_used_elsewhere_too():
+    """Folding a batch norm into a layer rewrites that layer's weight; where the weight is used
+    elsewhere too (tied to another layer's, or the layer applied twice) the fold would reach the
+    other use: such batch norms are kept. (Permuted copies fuse back: NETS above.)"""
+    spec = spec_from_module(TiedFoldCNN())
+    assert spec.folds == {} and spec.tied == {"c2.weight": "c1.weight"}
+
+
+def test_a_parameter_held_as_a_buffer_too_is_refused_in_one_line():
+    class ParamBuffer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.head = nn.Linear(64, 6), nn.Linear(6, 3)
+            self.register_buffer("copy", self.fc.weight)
+
+        def forward(self, x):
+            return self.head(self.fc(x))
+
+    with pytest.raises(UnsupportedLayerError, match=r"'fc.weight' is a parameter also held as a buffer \('copy'\)"):
+        spec_from_graph(ParamBuffer(), torch.zeros(2, 64))
 
 
 def test_a_module_held_under_two_names_stays_one_module():

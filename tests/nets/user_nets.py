@@ -1379,3 +1379,47 @@ class GroupedUpConv(nn.Module):
         h = F.relu(self.enc(x.view(-1, 1, 8, 8)))
         h = F.relu(self.depth(F.relu(self.bn(self.up(h)))))
         return self.head(F.relu(self.mix(h)).sum((2, 3)))
+
+
+class TiedFoldCNN(nn.Module):
+    """A bias-free convolution followed by a batch norm whose weight a second convolution, without
+    one, shares (``c2.weight = c1.weight``); and a convolution applied twice, a batch norm after
+    its first call only: no batch norm folds into a weight used elsewhere too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0 = nn.Conv2d(1, 6, 3, padding=1)
+        self.c1, self.bn1 = nn.Conv2d(6, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+        self.c2 = nn.Conv2d(6, 6, 3, padding=1)
+        self.c2.weight = self.c1.weight
+        self.twice, self.bn2 = nn.Conv2d(6, 6, 1), nn.BatchNorm2d(6)
+        self.head = nn.Linear(6, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = torch.relu(self.c0(x.view(-1, 1, 8, 8)))
+        h = torch.relu(self.c2(torch.relu(self.bn1(self.c1(h)))))
+        h = torch.relu(self.twice(torch.relu(self.bn2(self.twice(h)))))
+        return self.head(h.sum((2, 3)))
+
+
+class EinsumScale(nn.Module):
+    """A layer scale and a per-unit gate applied by ``torch.einsum`` with vectors of parameters
+    (``"bnd,d->bnd"``), and axes swapped by keyword (``torch.swapaxes(h, axis0=1, axis1=2)``,
+    ``h.transpose(1, dim1=2)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.mix, self.head = nn.Linear(16, 12), nn.Linear(4, 4), nn.Linear(12, 10)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 12))  # not all alike: permuting them shows
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x.view(-1, 4, 16)))
+        h = h + torch.einsum("bnd,d->bnd", h, self.gamma)
+        h = self.mix(torch.swapaxes(h, axis0=1, axis1=2)).transpose(1, dim1=2)
+        return self.head(h.mean(1))
