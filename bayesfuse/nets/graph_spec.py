@@ -2768,6 +2768,9 @@ class _Walk:
         if shape_args is not None and len(shape_args) != len(dst):
             shape_args = None
         out = self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst, shape_args)
+        other = _whole_shape_of(node)
+        if other is not None:  # x.view(y.shape): the width is y's
+            self.width_as(node, other)
         if self.permuted(f) and shape_args is not None:
             width = shape_args[out.dim]
             if isinstance(width, _HeldWidth):  # self.hidden_dim: the rebuild sets it to the fused width
@@ -2780,7 +2783,18 @@ class _Walk:
         ``other`` holds on that axis (as :meth:`tie_width` ties a width read off a tensor); where
         ``other`` holds none there, the width is the clients' and stays."""
         self.reshape(node, a)
+        self.width_as(node, other)
+
+    def width_as(self, node, other) -> None:
+        """The units of reshape ``node``, whose target shape is ``other``'s whole, at ``other``'s
+        width: tied to the units ``other`` holds on that axis; where it holds none, fixed. Units
+        ``other`` holds on an axis where ``node`` has none (numbers of the input reshaped to their
+        width) keep their width too."""
         out = self.labels.get(node)
+        for axis in range(len(_tensor_shape(other))):
+            at = self.units_at(other, axis)
+            if at is not None and not (isinstance(out, _Feature) and self.permuted(out) and out.dim == axis):
+                self.mark_fixed(at[0], f"its forward reshapes {node.args[0].name} to their width, as {other.name}")
         if not isinstance(out, _Feature) or not self.permuted(out):
             return
         if self.units_at(other, out.dim) is None:
@@ -3000,6 +3014,15 @@ def _shape_source(whole) -> fx.Node | None:
         or (whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1)
     )
     return whole.args[0] if shape_of and isinstance(whole.args[0], fx.Node) else None
+
+
+def _whole_shape_of(node) -> fx.Node | None:
+    """The tensor whose whole shape a ``view`` / ``reshape`` is given (``x.view(y.shape)``,
+    ``torch.reshape(x, y.size())``), else None."""
+    if node.op == "call_method" and node.target in ("view", "reshape") or node.target is torch.reshape:
+        args = list(node.args[1:]) or [node.kwargs.get("shape")]
+        return _shape_source(args[0]) if len(args) == 1 else None
+    return None
 
 
 def _last_size_of(a) -> fx.Node | None:

@@ -71,6 +71,7 @@ from tests.nets.user_nets import (
     QKVAttention,
     ReducedCNN,
     ResMLP,
+    ShapeOfAttention,
     SharedBlocks,
     SharedModule,
     ShiftedWindows,
@@ -154,6 +155,7 @@ NETS = [
     GroupedUpConv,  # transposed convolutions of 4 groups and depthwise
     TiedFoldCNN,  # no batch norm folded into a weight used elsewhere (tied, or a layer applied twice)
     EinsumScale,  # a layer scale by einsum with a parameter vector; swapaxes by keyword
+    ShapeOfAttention,  # heads merged back by reshape(t.shape)
 ]
 
 
@@ -1470,6 +1472,26 @@ class _ReshapedAsInput(nn.Module):
 def test_reshaped_as_a_tensor_without_units_fixes_their_width():
     spec = spec_from_graph(_ReshapedAsInput(), torch.zeros(2, 64))
     assert spec.fixed == {"P1": "its forward reshapes them as getitem_1, which holds no units on their axis"}
+
+
+class _InputAsUnits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head, self.other = nn.Linear(64, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.head(h) + self.other(x[:, :8].reshape_as(h) + x[:, 8:16].view(h.shape))
+
+
+def test_numbers_without_units_reshaped_to_their_width_fix_it():
+    """The input's numbers reshaped to the units' whole shape (``reshape_as(h)``, ``view(h.shape)``):
+    a fused width would not fit them, so it stays; independent networks whose heads are merged
+    by ``reshape(t.shape)`` fuse into one that runs, the heads' width tied to the stream's."""
+    spec = spec_from_graph(_InputAsUnits(), torch.zeros(2, 64))
+    assert spec.fixed == {"P1": "its forward reshapes getitem to their width, as fc"}  # the first of the two
+    fused = bayesfuse.fuse([_random(ShapeOfAttention, s) for s in range(3)], "pfnm")
+    assert fused.sizes[0] > 8 and fused.model(torch.randn(5, 64)).shape == (5, 10)
 
 
 def test_repeating_each_unit_is_refused_in_one_line():

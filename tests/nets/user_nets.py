@@ -686,9 +686,14 @@ class QKVAttention(nn.Module):
         qkv = self.qkv(self.norm(t)).reshape(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         a = ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
-        t = t + self.proj((a @ v).transpose(1, 2).reshape(B, N, C))
+        t = t + self.proj(self.merged((a @ v).transpose(1, 2), t))
         u, g = self.up(t).chunk(2, dim=-1)
         return self.head((t + self.down(u * F.silu(g))).mean(dim=1))
+
+    def merged(self, heads, t):
+        """(B, N, heads, width) back to the stream's (B, N, C), ``C`` read off the stream."""
+        B, N, C = t.shape
+        return heads.reshape(B, N, C)
 
 
 class ViewHeadsAttention(nn.Module):
@@ -1423,3 +1428,11 @@ class EinsumScale(nn.Module):
         h = h + torch.einsum("bnd,d->bnd", h, self.gamma)
         h = self.mix(torch.swapaxes(h, axis0=1, axis1=2)).transpose(1, dim1=2)
         return self.head(h.mean(1))
+
+
+class ShapeOfAttention(QKVAttention):
+    """:class:`QKVAttention` merging its heads back by the stream's whole shape,
+    ``reshape(t.shape)``: the heads' width is tied to the stream's by that shape alone."""
+
+    def merged(self, heads, t):
+        return heads.reshape(t.shape)
