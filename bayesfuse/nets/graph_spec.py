@@ -2467,8 +2467,12 @@ class _Walk:
             by_widths = what in ("split", "tensor_split") and not (what == "tensor_split" and isinstance(sizes, int))
             piece = self.equal_pieces(node, f, [s[dim] for s in shapes])
             listed = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
-            if by_widths and not all(self.scales(w) for w in listed):
+            if by_widths and not all(self.scales(w) or isinstance(w, _HeldWidth) for w in listed):
                 self.mark_fixed(piece.var, f"its forward cuts them by {what}({sizes}), {_kept(listed)}")
+            elif by_widths:  # split(self.n_embd): a piece's width the module holds, set to the fused one
+                for w in listed:
+                    if isinstance(w, _HeldWidth):
+                        self.held.append((w.path, piece.var, piece.outer, piece.inner, w.factor))
         if what == "glu":
             self.labels[node] = piece
         else:

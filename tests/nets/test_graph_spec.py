@@ -1584,8 +1584,8 @@ def test_gathers_before_the_units_and_a_pair_with_options_trace_and_fuse_back(cl
 def test_a_nanogpt_block_traces_its_causal_mask_sliced_by_the_sequence_length(split_by):
     """nanoGPT's attention: ``B, T, C = x.size()`` and the mask buffer ``self.bias[:, :, :T, :T]``
     (a slice by a size read off the input, which fx traces only with buffers as nodes). Split by
-    ``n_embd``, a number, the width is fixed: OT and FedAvg fuse, PFNM refuses; split by ``C``,
-    read off the stream, every method fuses."""
+    ``self.n_embd``, a width the module holds (set to the fused one), or by ``C``, read off the
+    stream, every method fuses."""
     models = [_random(lambda: NanoGPT(split_by), s) for s in range(3)]
     x = torch.randint(0, 12, (8, 6))
     spec = spec_from_module(models[0])
@@ -1600,15 +1600,27 @@ def test_a_nanogpt_block_traces_its_causal_mask_sliced_by_the_sequence_length(sp
     copy.eval()
     assert _gap(models[0], copy, x) < 1e-4 and _gap(models[0], bayesfuse.fuse([models[0], copy], "ot").model, x) < 1e-4
     assert bayesfuse.fuse(models, "fedavg").model(x).shape == (8, 6, 12)
-    if split_by == "n_embd":
-        assert set(spec.fixed) == {spec.axes["c_attn.weight"][0].group}
-        with pytest.raises(ValueError, match=re.escape("its forward cuts them by split(16), widths written")):
-            bayesfuse.fuse(models, "pfnm")
-        return
     assert not spec.fixed
+    assert spec.widths == ({"n_embd": spec.axes["ln_f.weight"][0]} if split_by == "n_embd" else {})  # the stream
     assert _gap(models[0], bayesfuse.fuse([models[0], copy], "pfnm").model, x) < 1e-4
     fused = bayesfuse.fuse(models, "pfnm")
     assert fused.sizes[0] > 16 and fused.model(x).shape == (8, 6, 12)
+    assert split_by == "C" or fused.model.n_embd == fused.model.ln_f.weight.shape[0] > 16
+
+
+class _SplitWritten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(64, 8), nn.Linear(4, 3)
+
+    def forward(self, x):
+        a, b = self.fc(x).split(4, dim=1)
+        return self.head(a * b)
+
+
+def test_a_split_by_a_width_written_in_the_code_fixes_it():
+    spec = spec_from_graph(_SplitWritten(), torch.zeros(2, 64))
+    assert spec.fixed == {"P1": "its forward cuts them by split(4), widths written in the code"}
 
 
 def test_weights_tied_fuse_as_one_tensor():
