@@ -256,6 +256,19 @@ def test_moments_of_dense_units_on_sequences_are_per_unit_over_every_step():
     np.testing.assert_allclose(s.moments[group]["act_var"], pre.relu().var(0, unbiased=False).numpy(), atol=1e-12)
 
 
+def test_moments_of_units_split_into_pieces_of_different_widths_are_each_pieces():
+    """``qkv(t).split([dk, dk, dv], -1)``: each piece is a group, made by a run of the
+    projection's rows; its moments are those of that run of its output."""
+    torch.manual_seed(0)
+    model = user_nets.UnequalSplit().eval()
+    x = torch.randn(20, 64)
+    s = summarize(model, x.numpy(), np.arange(20) % 10)
+    with torch.no_grad():
+        out = model.qkv(model.embed(x.view(-1, 4, 16))).double().reshape(-1, 14)
+    np.testing.assert_allclose(s.moments["P2"]["pre_mean"], out[:, :4].mean(0).numpy(), atol=1e-12)
+    np.testing.assert_allclose(s.moments["P3"]["pre_mean"], out[:, 8:].mean(0).numpy(), atol=1e-12)
+
+
 def test_moments_of_an_embeddings_units_are_those_of_its_vectors():
     """An embedding makes the units its weight's columns hold (it reads ids, not features): their
     moments are over the vectors it gives every token. Its output layer tied to it (the same

@@ -315,6 +315,28 @@ class PermutationSpec:
             for d, a in enumerate(v):
                 if a is not None and d < len(shape) and (whole is None or d != self.pieces[whole][0]):
                     out.setdefault(a.group, a.size(shape[d]))
+        # a group read only where it is a piece (units split into pieces of different widths, the
+        # queries and keys of qkv.split([dk, dk, dv])): its width is what the entry's length leaves
+        # once its other pieces' are known
+        found = True
+        while found:
+            found = False
+            for entry, (dim, pieces) in self.pieces.items():
+                if entry not in state_dict or len(np.shape(state_dict[entry])) <= dim:
+                    continue
+                left, unknown = int(np.shape(state_dict[entry])[dim]), dict[str, int]()
+                for name, length in pieces:
+                    a = self.axes[name][dim]
+                    if a is None:
+                        left -= int(length)
+                    elif a.group in out:
+                        left -= a.outer * out[a.group] * a.inner
+                    else:
+                        unknown[a.group] = unknown.get(a.group, 0) + a.outer * a.inner
+                if len(unknown) == 1:
+                    ((group, per),) = unknown.items()
+                    if left > 0 and left % per == 0:
+                        out[group], found = left // per, True
         return out
 
     def check_free_widths(self, method: str) -> None:

@@ -921,6 +921,7 @@ class _Walk:
         self.order: list[int] = []
         self.cut: dict[int, tuple[int, int]] = {}  # a class re-described as blocks -> (the new one, blocks)
         self.coarse: set[int] = set()  # classes re-described as runs of units (coarsen)
+        self.segmented: set[int] = set()  # classes re-described as runs of new classes (split unequally)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
         self.held: list[tuple[str, int, int, int, int]] = []  # and the multiple of it read (factor)
@@ -1159,7 +1160,13 @@ class _Walk:
         names: dict[int, str] = {}
         for v in self.order:
             r = self.classes.find(v)
-            if r != _FIXED and r not in names and r not in self.cut and r not in self.coarse:
+            if (
+                r != _FIXED
+                and r not in names
+                and r not in self.cut
+                and r not in self.coarse
+                and r not in self.segmented
+            ):
                 names[r] = f"P{len(names) + 1}"
 
         def axis(d):
@@ -1217,7 +1224,9 @@ class _Walk:
         folds = {
             bn: after
             for bn, after in self.folds.items()
-            if self.layer_calls[after] == 1 and not any(k.startswith((f"{bn}.", f"{after}.")) for k in shared)
+            if self.layer_calls[after] == 1
+            and not any(k.startswith((f"{bn}.", f"{after}.")) for k in shared)
+            and f"{bn}.running_mean" not in pieces  # units split into pieces after it: rows held in pieces
         }
         eps = {bn: float(m.eps) for bn, m in self.model.named_modules() if bn in folds and float(m.eps) != 1e-5}
         widths: dict[str, Axis] = {}
@@ -1707,6 +1716,11 @@ class _Walk:
         while root in self.cut:
             new, m = self.cut[root]
             root, blocks = self.classes.find(new), blocks * m
+        if root in self.segmented:
+            raise UnsupportedLayerError(
+                f"{type(self.model).__name__}: a layer called again after its units were split into pieces of "
+                "different widths; give a spec"
+            )
         if root in self.coarse:
             raise UnsupportedLayerError(
                 f"{type(self.model).__name__}: a layer called again after its units were taken in runs (beside a "
@@ -2465,7 +2479,11 @@ class _Walk:
         else:
             sizes = args[1] if len(args) > 1 else kwargs.get(count)
             by_widths = what in ("split", "tensor_split") and not (what == "tensor_split" and isinstance(sizes, int))
-            piece = self.equal_pieces(node, f, [s[dim] for s in shapes])
+            lengths = [s[dim] for s in shapes]
+            if what == "split" and len(set(lengths)) > 1:
+                self.unequal_split(node, f, lengths, sizes)
+                return
+            piece = self.equal_pieces(node, f, lengths)
             listed = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
             if by_widths and not all(self.scales(w) or isinstance(w, _HeldWidth) for w in listed):
                 self.mark_fixed(piece.var, f"its forward cuts them by {what}({sizes}), {_kept(listed)}")
@@ -2477,6 +2495,118 @@ class _Walk:
             self.labels[node] = piece
         else:
             self.labels[node] = _Parts((piece,) * len(shapes))
+
+    def unequal_split(self, node, f: _Feature, lengths: list, sizes) -> None:
+        """``split`` of the units' axis into pieces of different widths (``q, k, v =
+        qkv.split([dk, dk, dv], -1)``): each piece is a group of its own, and every axis that held
+        the units holds the pieces side by side (:meth:`segment`: the layer making them is
+        described by its rows' pieces, as a layer reading streams side by side is by its
+        columns'). A piece's width given as a number the module holds (``self.dk``) follows the
+        fusion; one read off a tensor's units is theirs; one written in the code is fixed."""
+        if (f.outer, f.inner) != (1, 1) or not self.plain(f.var):
+            self.fail(
+                node,
+                f"cutting the units' axis into pieces of widths {lengths}: pieces of different widths are "
+                "followed only where no reshape cuts the units into blocks (heads); give a spec",
+            )
+        news = self.segment(node, f.var, lengths)
+        listed = list(sizes) if isinstance(sizes, (list, tuple)) else []
+        for v, w in zip(news, listed + [None] * (len(news) - len(listed))):
+            if isinstance(w, _HeldWidth):  # self.dk: the rebuild sets it to the piece's fused width
+                self.held.append((w.path, v, 1, 1, w.factor))
+                continue
+            read = _size_read(w)
+            at = self.units_at(*read) if read is not None else None
+            if at is not None and at[1:] == (1, 1):  # x.shape[-1]: the width of x's units
+                self.classes.union(v, at[0])
+            else:
+                self.mark_fixed(v, f"its forward cuts them into pieces of widths {lengths}, {_kept([w])}")
+        self.labels[node] = _Parts(tuple(_Feature(v, f.dim) for v in news))
+
+    def plain(self, var: int) -> bool:
+        """Whether every recorded axis and activation of ``var``'s class holds its units one number
+        each (no blocks: ``outer = inner = 1``)."""
+        root = self.classes.find(var)
+
+        def ok(d) -> bool:
+            if isinstance(d, _Cat):
+                return all(p[0] is None or self.classes.find(p[0]) != root or p[1:3] == (1, 1) for p in d.parts)
+            return d is None or self.classes.find(d[0]) != root or tuple(d[1:]) == (1, 1)
+
+        def plain_label(label) -> bool:
+            if isinstance(label, _Feature):
+                return self.classes.find(label.var) != root or (label.outer, label.inner) == (1, 1)
+            if isinstance(label, _Parts):
+                return all(plain_label(p) for p in label.parts)
+            if isinstance(label, _Recurrent):
+                return plain_label(label.output) and plain_label(label.state)
+            if isinstance(label, _Segments):
+                return all(plain_label(g) for g, _ in label.parts)
+            return True
+
+        return all(ok(d) for dims in self.axes.values() for d in dims) and all(
+            plain_label(label) for label in self.labels.values()
+        )
+
+    def segment(self, node, var: int, lengths: list) -> list[int]:
+        """Re-describe ``var``'s class as runs of new classes, ``lengths`` units each: every axis
+        that held its units holds the new classes' side by side (:class:`_Cat`, the spec's pieces),
+        every activation their streams side by side (:class:`_Segments`). Returns the new classes."""
+        root = self.classes.find(var)
+        if any(self.classes.find(p[1]) == root for p in self.held):
+            self.fail(node, "units whose width a module holds, split into pieces of different widths; give a spec")
+        news = [self.new() for _ in lengths]
+        del self.order[-len(news) :]  # named where the units first appeared, as refine's
+        at = next(i for i, v in enumerate(self.order) if self.classes.find(v) == root)
+        self.order[at:at] = news
+        parts = tuple((v, 1, 1, n) for v, n in zip(news, lengths))
+
+        def mine(v) -> bool:
+            return v is not None and self.classes.find(v) == root
+
+        def cut(d):
+            if isinstance(d, _Cat):
+                return _Cat(tuple(q for p in d.parts for q in (parts if mine(p[0]) else (p,))))
+            return _Cat(parts) if d is not None and mine(d[0]) else d
+
+        def relabel(label):
+            if isinstance(label, _Feature) and mine(label.var):
+                return _Segments(label.dim, tuple((_Feature(v, label.dim), n) for v, n in zip(news, lengths)))
+            if isinstance(label, _Parts):
+                return _Parts(tuple(relabel(p) for p in label.parts))
+            if isinstance(label, _Recurrent):
+                return _Recurrent(relabel(label.output), relabel(label.state))
+            if isinstance(label, _Segments):
+                return _Segments(
+                    label.dim,
+                    tuple(
+                        q
+                        for g, n in label.parts
+                        for q in (
+                            tuple((_Feature(v, label.dim), k) for v, k in zip(news, lengths))
+                            if isinstance(g, _Feature) and mine(g.var)
+                            else ((g, n),)
+                        )
+                    ),
+                )
+            return label
+
+        self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
+        both = next((e for e, dims in self.axes.items() if sum(isinstance(d, _Cat) for d in dims) > 1), None)
+        if both is not None:
+            self.fail(
+                node,
+                f"units split into pieces of different widths that {both!r} also reads: an entry holds pieces on "
+                "two of its axes; give a spec",
+            )
+        self.labels = {n: relabel(label) for n, label in self.labels.items()}
+        self.fixed = [(w, why) for v, why in self.fixed for w in (news if mine(v) else [v])]
+        for v, name in list(self.var_producer.items()):
+            if mine(v):
+                for w in news:
+                    self.var_producer.setdefault(w, name)
+        self.segmented.add(root)
+        return news
 
     def equal_pieces(self, node, f: _Feature, lengths: list) -> _Feature:
         """The units of each of ``len(lengths)`` equal pieces of ``f``'s axis."""

@@ -88,6 +88,7 @@ from tests.nets.user_nets import (
     TokenMixer,
     TransposedConv,
     TwoOutputs,
+    UnequalSplit,
     UNetLike,
     UpConv1d,
     UpConvUNet,
@@ -156,6 +157,7 @@ NETS = [
     TiedFoldCNN,  # no batch norm folded into a weight used elsewhere (tied, or a layer applied twice)
     EinsumScale,  # a layer scale by einsum with a parameter vector; swapaxes by keyword
     ShapeOfAttention,  # heads merged back by reshape(t.shape)
+    UnequalSplit,  # units split into pieces of different widths, each a group of its own
 ]
 
 
@@ -1616,6 +1618,28 @@ class _SplitWritten(nn.Module):
     def forward(self, x):
         a, b = self.fc(x).split(4, dim=1)
         return self.head(a * b)
+
+
+def test_pieces_of_different_widths_are_groups_of_their_own():
+    """``qkv.split([self.dk, self.dk, self.dv], -1)``: the projection's rows are held in pieces,
+    one group per piece (the queries' and keys' one, tied by ``q @ k^T``), each held width set to
+    its piece's fused width; a piece read off the stream is the stream's; one written in the code
+    is fixed. (Permuted copies fuse back: NETS above.)"""
+    spec = spec_from_module(UnequalSplit())
+    qk, v, stream = spec.axes["qkv.weight@0"][0], spec.axes["qkv.weight@2"][0], spec.axes["embed.weight"][0]
+    assert spec.axes["qkv.weight@1"][0] == qk and len({qk, v, stream}) == 3 and not spec.fixed
+    assert spec.axes["gate.weight@0"][0] == stream and spec.widths == {
+        "dk": qk,
+        "dv": v,
+        "dg": spec.axes["mix.weight"][1],
+    }
+    assert spec.sizes(UnequalSplit().state_dict()) == {"P1": 8, "P2": 4, "P3": 6, "P4": 4}
+    fused = bayesfuse.fuse([_random(UnequalSplit, s) for s in range(3)], "pfnm")
+    m = fused.model
+    assert (m.dk, m.dv, m.dg) == ((m.qkv.out_features - m.out.in_features) // 2, m.out.in_features, m.mix.in_features)
+    assert m.qkv.out_features == 2 * m.dk + m.dv > 14 and m(torch.randn(5, 64)).shape == (5, 10)
+    written = spec_from_module(UnequalSplit(written=True))
+    assert written.fixed == {"P4": "its forward cuts them into pieces of widths [8, 4], widths written in the code"}
 
 
 def test_a_split_by_a_width_written_in_the_code_fixes_it():

@@ -1436,3 +1436,27 @@ class ShapeOfAttention(QKVAttention):
 
     def merged(self, heads, t):
         return heads.reshape(t.shape)
+
+
+class UnequalSplit(nn.Module):
+    """Queries and keys narrower than values, split from one projection by widths the module holds
+    (``qkv(t).split([self.dk, self.dk, self.dv], -1)``), and a gated unit cut by the stream's width
+    read off it and one the module holds (``split([t.shape[-1], self.dg], -1)``; ``written=True``
+    writes the second as a number, which fixes that piece's width)."""
+
+    def __init__(self, written: bool = False) -> None:
+        super().__init__()
+        self.dk, self.dv, self.dg, self.written = 4, 6, 4, written
+        self.embed, self.qkv = nn.Linear(16, 8), nn.Linear(8, 14)
+        self.out, self.gate = nn.Linear(6, 8), nn.Linear(8, 12)
+        self.mix, self.head = nn.Linear(4, 8), nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = self.embed(x.view(-1, 4, 16))
+        q, k, v = self.qkv(t).split([self.dk, self.dk, self.dv], -1)
+        t = t + self.out(((q @ k.transpose(1, 2)) * 0.5).softmax(-1) @ v)
+        a, g = self.gate(t).split([t.shape[-1], 4 if self.written else self.dg], -1)
+        return self.head(torch.relu(t + a * torch.sigmoid(self.mix(g))).mean(1))
