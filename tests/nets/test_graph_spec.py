@@ -1190,8 +1190,8 @@ class _Pieces(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.fc(x))
-        if self.how == "unequal":
-            a, b = torch.split(h, [4, 8], 1)
+        if self.how == "unequal":  # units cut into two heads, then into pieces of different widths
+            a, b = torch.split(h.view(h.shape[0], 2, -1).flatten(1), [4, 8], 1)
             return self.head(torch.cat([a, b[:, :2]], 1))
         if self.how == "unbind":
             return self.head(torch.stack(h.unbind(1)[:6], 1))
