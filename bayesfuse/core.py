@@ -257,6 +257,15 @@ def fuse_states(
     if len(states) == 1 and kind == "network" and summaries is None:
         settings = _one_network(settings, hyper)
     fuse = load(methods.METHODS[method].fusers[kind])  # the table's routine for this kind of input
+    tied = spec if spec is not None and spec.tied else None
+    keys = list(states[0])  # the clients' entries, in their order
+    if tied is not None:  # one tensor under two names: matched once, under its entry's name
+        states, spec = [{k: v for k, v in sd.items() if k not in tied.tied} for sd in states], tied.untied()
+        if "summaries" in options:
+            options["summaries"] = [
+                dataclasses.replace(s, precision={k: v for k, v in s.precision.items() if k not in tied.tied})
+                for s in options["summaries"]
+            ]
     fused = fuse(
         states,
         names,
@@ -270,28 +279,45 @@ def fuse_states(
         dtype=dtype,
         **options,
     )
-    tied = fused.spec.tied if isinstance(fused.spec, PermutationSpec) else {}
-    if tied:  # one tensor under two names, fused as two entries: the alias takes its entry's value
-        fused.state = fused.spec.retie(fused.state)
-        fused.precision = None if fused.precision is None else fused.spec.retie(fused.precision)
-        fused.hyper["tied"] = dict(tied)
+    if tied is not None:  # the alias back, in its place, with its entry's value
+        fused.state = _in_order(tied.retie(fused.state), keys)
+        fused.precision = None if fused.precision is None else _in_order(tied.retie(fused.precision), keys)
+        fused.spec = tied
+        fused.hyper["tied"] = dict(tied.tied)
     if kind == "network":
         _dead_cells(fused)
     fused.seconds = time.perf_counter() - start
     return fused
 
 
+def _in_order(state: dict, order: list) -> dict:
+    """``state`` with the entries ``order`` names first, in its order, then the rest."""
+    return {**{k: state[k] for k in order if k in state}, **{k: v for k, v in state.items() if k not in order}}
+
+
 def _dead_cells(fused: StateFusion) -> None:
     """Give a projected LSTM fused to as many projections as cells, or more, the dead cells that
     ``nn.LSTM`` needs (:func:`~bayesfuse.inference.dead_cells.pad_projected_cells`): the same
-    function; the cells' group's size and ``hyper["dead_cells"]`` say so."""
-    fused.state, padded = pad_projected_cells(fused.state)
+    function; the cells' group's size and ``hyper["dead_cells"]`` say so. Only where nothing but
+    the LSTM reads its cells (its final ``c`` read elsewhere would hold the dead cells too): there
+    the rebuild refuses the widths in one line, as before."""
+    spec = fused.spec
+    if spec is None:
+        return
+    inside = []
+    for key, axes in spec.axes.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight_hr_l0" and axes[1] is not None:
+            readers = {k for k, v in spec.axes.items() if any(a is not None and a.group == axes[1].group for a in v)}
+            if all(k.startswith(f"{module}.") for k in readers):
+                inside.append(module)
+    fused.state, padded = pad_projected_cells(fused.state, only=inside)
     if not padded:
         return
     if fused.precision is not None:
-        fused.precision, _ = pad_projected_cells(fused.precision)
+        fused.precision, _ = pad_projected_cells(fused.precision, only=inside)
     for module, (_, wide) in padded.items():
-        axis = fused.spec.axes.get(f"{module}.weight_hr_l0", (None, None))[1] if fused.spec is not None else None
+        axis = spec.axes[f"{module}.weight_hr_l0"][1]
         if axis is not None and axis.group in fused.groups:
             fused.sizes[fused.groups.index(axis.group)] = wide
     fused.hyper["dead_cells"] = {module: list(widths) for module, widths in padded.items()}

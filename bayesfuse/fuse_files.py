@@ -720,6 +720,8 @@ def fuse_files(
             "network": None if like is None else f"{type(like).__module__}:{type(like).__qualname__}",
             # what the network was traced and run on (--input-shape), for bayesfuse.load to run it on again
             **input_record(example_input if like is not None else None),
+            # numbers the network's modules hold that follow the fused widths (self.hidden_dim), at them
+            **({"widths": spec.held_widths(fused_sd)} if spec.widths else {}),
         },
         "hyper": finite_json(fused.hyper),
         "hyper_given": finite_json(hyper),

@@ -380,8 +380,12 @@ def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[_
         made, read = axes[rows], axes[1 - rows]
         read = None if isinstance(modules[owner], (nn.Embedding, nn.EmbeddingBag)) else read
         if made is not None and made.group in readers and made.group not in makers:
+            groups = getattr(modules[owner], "groups", 1) if rows == 1 else 1
             if whole != key and spec.pieces[whole][0] == rows:  # one piece of the units it makes (split after)
                 makers[made.group] = _Read(owner, *offsets[key], made)
+            elif groups > 1:  # a transposed convolution of groups: its output holds them once per group
+                axis = Axis(made.group, made.outer * groups, made.inner)
+                makers[made.group] = _Read(owner, 0, int(state[whole].shape[rows]) * groups, axis)
             else:
                 makers[made.group] = _Read(owner, 0, int(state[whole].shape[rows]), made)
         if read is None or read.group not in readers:

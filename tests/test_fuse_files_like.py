@@ -175,6 +175,8 @@ def test_a_width_the_network_holds_follows_the_fused_file(tmp_path):
     assert main(["fuse", *paths, "--method", "pfnm", "--model", ref, "--out", str(out)]) == 0
     fused = bayesfuse.load(out, like=PatchTokens())
     assert fused.hidden_dim == fused.patch.out_channels > 12
+    report = json.loads((tmp_path / "fused.pt.json").read_text())
+    assert report["architecture"]["widths"] == {"hidden_dim": fused.hidden_dim}  # what the report says it set
     assert fused(torch.randn(4, 64)).shape == (4, 10)
 
 

@@ -256,6 +256,19 @@ def test_moments_of_dense_units_on_sequences_are_per_unit_over_every_step():
     np.testing.assert_allclose(s.moments[group]["act_var"], pre.relu().var(0, unbiased=False).numpy(), atol=1e-12)
 
 
+def test_moments_of_a_grouped_transposed_convolutions_units_pool_every_group():
+    """A transposed convolution of 4 groups makes 3 units, each once per group (channels ``4 x
+    3``): a unit's moments are over its channel in every group."""
+    torch.manual_seed(0)
+    model = randomise(user_nets.GroupedUpConv(), 0)
+    x = torch.randn(20, 64)
+    s = summarize(model, x.numpy(), np.arange(20) % 10)
+    group = spec_from_module(model).axes["up.weight"][1].group
+    with torch.no_grad():
+        out = model.up(torch.relu(model.enc(x.view(-1, 1, 8, 8)))).double().movedim(1, -1).reshape(-1, 3)
+    np.testing.assert_allclose(s.moments[group]["pre_mean"], out.mean(0).numpy(), atol=1e-12)
+
+
 def test_moments_of_units_split_into_pieces_of_different_widths_are_each_pieces():
     """``qkv(t).split([dk, dk, dv], -1)``: each piece is a group, made by a run of the
     projection's rows; its moments are those of that run of its output."""

@@ -12,7 +12,7 @@ projection reads nothing from it: the network computes the same function, exactl
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import numpy as np
 
@@ -23,7 +23,7 @@ _GATED = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
 def pad_projected_cells(
-    state: Mapping[str, Any], cells: Mapping[str, int] | None = None
+    state: Mapping[str, Any], cells: Mapping[str, int] | None = None, *, only: Collection[str] | None = None
 ) -> tuple[dict, dict[str, tuple[int, int]]]:
     """``state`` with every projected LSTM whose projections are at least its cells given dead
     cells up to one more than its projections, and ``{module: (cells before, cells after)}``.
@@ -36,6 +36,9 @@ def pad_projected_cells(
     cells : mapping of str to int, optional
         The cells each module named gets instead (at least those it has): dead cells added to
         any projected LSTM.
+    only : collection of str, optional
+        The modules that may be padded (default: every one). A network that reads an LSTM's
+        cells elsewhere (its final ``c``) must not be: other layers would read the dead cells.
 
     Returns
     -------
@@ -45,7 +48,7 @@ def pad_projected_cells(
     modules: dict[str, tuple[int, int]] = {}
     for key, value in state.items():
         found = _PROJECTION.fullmatch(key)
-        if found:
+        if found and (only is None or found[1] in only):
             proj, have = np.shape(value)
             wide = int(cells[found[1]]) if cells is not None and found[1] in cells else int(proj) + 1
             if wide > have:

@@ -381,7 +381,9 @@ class PermutationSpec:
             raise ValueError(f"groups {sorted(unknown)} are used by parameters but not listed in groups")
         object.__setattr__(self, "groups", order)
         object.__setattr__(self, "encodings", _encodings(self.encodings, order))
-        object.__setattr__(self, "heads", _head_sets(self.heads, fixed))
+        aliases = self.tied if isinstance(self.tied, Mapping) else {}
+        # an alias of a head's entries (an attention module held under two names) is no head's own
+        object.__setattr__(self, "heads", _head_sets(self.heads, {k: v for k, v in fixed.items() if k not in aliases}))
         if not isinstance(self.fixed, Mapping) or not all(
             isinstance(g, str) and g in order and isinstance(why, str) for g, why in self.fixed.items()
         ):
@@ -392,6 +394,13 @@ class PermutationSpec:
         object.__setattr__(self, "transposed", _transposed(self.transposed, fixed, self.pieces))
         object.__setattr__(self, "widths", _widths(self.widths, order))
         object.__setattr__(self, "tied", _tied(self.tied, fixed))
+
+    def untied(self) -> PermutationSpec:
+        """This spec without the aliases of :attr:`tied`: what matching reads, each tensor once."""
+        if not self.tied:
+            return self
+        axes = {k: v for k, v in self.axes.items() if k not in self.tied}
+        return replace(self, axes=axes, output=tuple(k for k in self.output if k not in self.tied), tied={})
 
     def retie(self, state: Mapping[str, Any]) -> dict:
         """``state`` with each alias of :attr:`tied` set to its entry's value (a fused state, whose
@@ -416,7 +425,7 @@ class PermutationSpec:
     def head_groups(self, prefix: str) -> list[str]:
         """The hidden groups that only branch ``prefix``'s entries use, in order of first use over
         its entries sorted by name (so that the branches of a set list theirs alike)."""
-        return _private_groups(self.axes, prefix)
+        return _private_groups({k: v for k, v in self.axes.items() if k not in self.tied}, prefix)
 
     def members(self, group: str) -> list[tuple[str, int]]:
         """``(name, dim)`` of every axis permuted by ``group``."""

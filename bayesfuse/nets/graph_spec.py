@@ -2237,12 +2237,15 @@ class _Walk:
         if not isinstance(args[0], str) or not all(isinstance(x, fx.Node) for x in operands):
             self.opaque(node, args, "einsum (with its operands given by sublists)")
             return
-        self.applied_weight(node, operands, "einsum")
         ranks = [len(_tensor_shape(x)) for x in operands]
         try:
             subscripts, result = _einsum_subscripts(args[0], ranks)
         except ValueError as why:
             self.fail(node, f"einsum {args[0]!r}: {why}")
+        # a weight summed over is a layer applied by hand; one whose every axis the result keeps
+        # scales the numbers one by one (a position's scale, "bnd,nd->bnd")
+        summed = [x for x, subs in zip(operands, subscripts) if any(c not in result for c in subs)]
+        self.applied_weight(node, summed, "einsum")
         letters: dict[str, _Feature] = {}  # the permuted letters, each with its units
         for x, subs in zip(operands, subscripts):
             f = self.feature(x)
@@ -2885,7 +2888,15 @@ class _Walk:
 
     def reshape(self, node, a) -> None:
         """Follow the units through a reshape that keeps each unit's numbers in one axis, or that
-        cuts the units' axis into heads (:meth:`heads_split`)."""
+        cuts the units' axis into heads (:meth:`heads_split`); one to another tensor's whole shape
+        (``x.view(y.shape)``) takes its width from that tensor's units (:meth:`width_as`)."""
+        self.reshape_units(node, a)
+        other = _whole_shape_of(node)
+        if other is not None:
+            self.width_as(node, other)
+
+    def reshape_units(self, node, a) -> None:
+        """:meth:`reshape`'s labelling of the result."""
         if isinstance(self.raw(a), _Segments):
             self.segments_reshape(node, a, self.raw(a))
             return
@@ -2902,9 +2913,6 @@ class _Walk:
         if shape_args is not None and len(shape_args) != len(dst):
             shape_args = None
         out = self.labels[node] = placed if placed is not None else self.heads_split(node, f, src, dst, shape_args)
-        other = _whole_shape_of(node)
-        if other is not None:  # x.view(y.shape): the width is y's
-            self.width_as(node, other)
         if self.permuted(f) and shape_args is not None:
             width = shape_args[out.dim]
             if isinstance(width, _HeldWidth):  # self.hidden_dim: the rebuild sets it to the fused width

@@ -448,6 +448,46 @@ def test_an_attention_held_under_two_names_is_split_and_merged_as_one_module():
     assert isinstance(merged["a"], nn.MultiheadAttention) and merged["a"] is merged["b"]
 
 
+class _AttentionHeldTwice(nn.Module):
+    """An attention module held under two names and called under one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Linear(16, 8), nn.Linear(8, 3)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.blocks = nn.ModuleDict({"one": self.att})
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        h = self.emb(x.view(-1, 4, 16))
+        return self.head((h + self.att(h, h, h, need_weights=False)[0]).mean(1))
+
+
+def test_an_attention_held_under_two_names_fuses_as_one_module():
+    """Its heads' entries under the second name are aliases (spec.tied), no head's own: every
+    method fuses it, a permuted copy back to the network."""
+    models = [_random_user(_AttentionHeldTwice, s) for s in range(3)]
+    x = torch.randn(5, 64)
+    for method in ("pfnm", "ot", "fedavg"):
+        fused = bayesfuse.fuse(models, method).model
+        assert fused.att is fused.blocks["one"] and fused(x).shape == (5, 3)
+    split = split_heads(models[0])
+    spec = spec_from_module(split)
+    state = {k: v.detach().numpy() for k, v in split.state_dict().items()}
+    copy = deepcopy(split)
+    copy.load_state_dict(
+        {
+            k: torch.as_tensor(v)
+            for k, v in permute(state, spec, random_permutations(spec.sizes(state), np.random.default_rng(0))).items()
+        }
+    )
+    with torch.no_grad():
+        assert float((copy(x) - models[0](x)).abs().max()) < 1e-5
+        assert float((bayesfuse.fuse([models[0], copy], "pfnm").model(x) - models[0](x)).abs().max()) < 1e-5
+
+
 def test_merge_heads_refuses_heads_multihead_attention_cannot_hold():
     torch.manual_seed(0)
     model = Attention()

@@ -979,6 +979,28 @@ def test_a_projected_lstm_fused_to_as_many_projections_as_cells_gets_dead_cells(
     assert "dead_cells" not in bayesfuse.fuse(models, "ot").hyper
 
 
+class _ReadsCells(_OneProjected):
+    """A projected LSTM, 5 cells and 4 projections, whose final cells ``c`` a layer reads: dead
+    cells would reach it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.c = nn.LSTM(8, 5, batch_first=True, proj_size=4), nn.Linear(5, 10)
+
+    def forward(self, x):
+        out, (h, c) = self.rnn(x.view(-1, 8, 8))
+        return self.fc(out[:, -1]) + self.c(c[-1])
+
+
+def test_no_dead_cells_where_a_layer_reads_the_cells():
+    """Nothing but the LSTM may read the cells that get dead ones: where another layer reads its
+    final ``c``, the fusion that leaves no more cells than projections is refused in one line."""
+    models = [_random(_ReadsCells, s) for s in range(3)]
+    with pytest.raises(ValueError, match=r"'rnn' is a projected nn.LSTM, which needs fewer projections than cells"):
+        bayesfuse.fuse(models, "pfnm")
+    assert bayesfuse.fuse(models, "ot").model(torch.randn(5, 64)).shape == (5, 10)
+
+
 def test_a_multiple_of_a_held_width_follows_a_flattened_axis():
     """``x.view(-1, self.channels * 4 * 4)``: a ConvNet flattening its maps by the channels it
     holds times the maps' size written in the code. The multiple is the attribute's, so the
@@ -1477,13 +1499,16 @@ def test_reshaped_as_a_tensor_without_units_fixes_their_width():
 
 
 class _InputAsUnits(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, how: str = "reshape_as") -> None:
         super().__init__()
         self.fc, self.head, self.other = nn.Linear(64, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.how = how
 
     def forward(self, x):
         h = self.fc(x)
-        return self.head(h) + self.other(x[:, :8].reshape_as(h) + x[:, 8:16].view(h.shape))
+        if self.how == "view":
+            return self.head(h) + self.other(x[:, 8:16].view(h.shape))
+        return self.head(h) + self.other(x[:, :8].reshape_as(h))
 
 
 def test_numbers_without_units_reshaped_to_their_width_fix_it():
@@ -1491,7 +1516,9 @@ def test_numbers_without_units_reshaped_to_their_width_fix_it():
     a fused width would not fit them, so it stays; independent networks whose heads are merged
     by ``reshape(t.shape)`` fuse into one that runs, the heads' width tied to the stream's."""
     spec = spec_from_graph(_InputAsUnits(), torch.zeros(2, 64))
-    assert spec.fixed == {"P1": "its forward reshapes getitem to their width, as fc"}  # the first of the two
+    assert spec.fixed == {"P1": "its forward reshapes getitem to their width, as fc"}
+    viewed = spec_from_graph(_InputAsUnits("view"), torch.zeros(2, 64))
+    assert viewed.fixed == {"P1": "its forward reshapes getitem to their width, as fc"}
     fused = bayesfuse.fuse([_random(ShapeOfAttention, s) for s in range(3)], "pfnm")
     assert fused.sizes[0] > 8 and fused.model(torch.randn(5, 64)).shape == (5, 10)
 

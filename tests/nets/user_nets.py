@@ -1411,21 +1411,22 @@ class TiedFoldCNN(nn.Module):
 
 
 class EinsumScale(nn.Module):
-    """A layer scale and a per-unit gate applied by ``torch.einsum`` with vectors of parameters
-    (``"bnd,d->bnd"``), and axes swapped by keyword (``torch.swapaxes(h, axis0=1, axis1=2)``,
+    """A layer scale applied by ``torch.einsum`` with a vector of parameters (``"bnd,d->bnd"``)
+    and a scale per position and unit (``"bnd,nd->bnd"``), and axes swapped by keyword (``torch.swapaxes(h, axis0=1, axis1=2)``,
     ``h.transpose(1, dim1=2)``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc, self.mix, self.head = nn.Linear(16, 12), nn.Linear(4, 4), nn.Linear(12, 10)
         self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 12))  # not all alike: permuting them shows
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 48).view(4, 12))  # one per position and unit
 
     def example_input(self):
         return torch.zeros(2, 64)
 
     def forward(self, x):
         h = torch.relu(self.fc(x.view(-1, 4, 16)))
-        h = h + torch.einsum("bnd,d->bnd", h, self.gamma)
+        h = h + torch.einsum("bnd,d->bnd", h, self.gamma) + torch.einsum("bnd,nd->bnd", h, self.scale)
         h = self.mix(torch.swapaxes(h, axis0=1, axis1=2)).transpose(1, dim1=2)
         return self.head(h.mean(1))
 
