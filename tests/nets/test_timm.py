@@ -119,3 +119,17 @@ def test_a_small_gcvit_fuses_back_and_fuses():
         return library_randomised(net)
 
     assert_library_network_fuses(make, torch.randn(4, 3, 64, 64))
+
+
+def test_a_small_res2net_fuses_back_and_fuses():
+    """Res2Net splits its channels into scales by the width each block holds (``torch.split(out,
+    self.width, 1)``): the rebuild sets it to the fused width, so PFNM fuses it (it was fixed)."""
+    from timm.models.res2net import Bottle2neck
+    from timm.models.resnet import ResNet
+
+    def make(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        net = ResNet(block=Bottle2neck, layers=[1, 1, 1, 1], num_classes=10, base_width=8, block_args={"scale": 4})
+        return library_randomised(net)
+
+    assert_library_network_fuses(make, torch.randn(4, 3, 32, 32))
