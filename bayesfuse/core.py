@@ -279,13 +279,13 @@ def fuse_states(
         dtype=dtype,
         **options,
     )
-    if tied is not None:  # the alias back, in its place, with its entry's value
-        fused.state = _in_order(tied.retie(fused.state), keys)
-        fused.precision = None if fused.precision is None else _in_order(tied.retie(fused.precision), keys)
-        fused.spec = tied
-        fused.hyper["tied"] = dict(tied.tied)
     if kind == "network":
-        _dead_cells(fused)
+        _dead_cells(fused)  # before the aliases are back: a module held twice is padded once, then retied
+    if tied is not None:  # the alias back, in its place, with its entry's value
+        fused.spec = (fused.spec or tied.untied()).with_ties(tied.tied)  # the method's spec (groups it tied)
+        fused.state = _in_order(fused.spec.retie(fused.state), keys)
+        fused.precision = None if fused.precision is None else _in_order(fused.spec.retie(fused.precision), keys)
+        fused.hyper["tied"] = dict(tied.tied)
     fused.seconds = time.perf_counter() - start
     return fused
 

@@ -38,6 +38,7 @@ layer path, and both against BackPACK where it is installed.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any, Callable, Iterator, cast
 
@@ -243,6 +244,9 @@ def diag_ggn(model: nn.Module, x, *, batch_size: int = 1024) -> dict[str, np.nda
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    held = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
+    if len(set(held)) < len(held):  # a tensor under two names: torch.func would leave its wrapper in the model
+        model = copy.deepcopy(model)
     params = {k: p.detach() for k, p in model.named_parameters() if p.is_floating_point()}
     if not params:
         raise ValueError("the model has no floating-point parameters")

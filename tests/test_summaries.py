@@ -269,6 +269,23 @@ def test_moments_of_a_grouped_transposed_convolutions_units_pool_every_group():
     np.testing.assert_allclose(s.moments[group]["pre_mean"], out.mean(0).numpy(), atol=1e-12)
 
 
+def test_a_summary_leaves_a_network_holding_a_module_twice_as_it_was():
+    """torch.func's calls would leave their wrappers in a module held under two names: the GGN
+    runs on a copy, the network stays a network (copied, fused with its summary)."""
+    import bayesfuse
+
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        models.append(user_nets.SharedModule().eval())
+    x = torch.randn(20, 64)
+    summaries = [summarize(m, x.numpy(), np.arange(20) % 10) for m in models]
+    assert all(type(m.mix.weight) is nn.Parameter and m.block["mix"] is m.mix for m in models)
+    copy.deepcopy(models[0])
+    fused = bayesfuse.fuse(models, "pfnm", summaries=summaries)
+    assert fused.model(x).shape == (20, 10)
+
+
 def test_moments_of_units_split_into_pieces_of_different_widths_are_each_pieces():
     """``qkv(t).split([dk, dk, dv], -1)``: each piece is a group, made by a run of the
     projection's rows; its moments are those of that run of its output."""

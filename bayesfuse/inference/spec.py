@@ -402,6 +402,12 @@ class PermutationSpec:
         axes = {k: v for k, v in self.axes.items() if k not in self.tied}
         return replace(self, axes=axes, output=tuple(k for k in self.output if k not in self.tied), tied={})
 
+    def with_ties(self, tied: Mapping[str, str]) -> PermutationSpec:
+        """This spec with ``tied``'s aliases (``alias -> entry``) described as their entries:
+        the inverse of :meth:`untied`, on a spec a method may have changed (groups it tied)."""
+        axes = {**self.axes, **{alias: self.axes[entry] for alias, entry in tied.items()}}
+        return replace(self, axes=axes, tied=dict(tied))
+
     def retie(self, state: Mapping[str, Any]) -> dict:
         """``state`` with each alias of :attr:`tied` set to its entry's value (a fused state, whose
         entries were fused one by one); as it is where it holds neither."""

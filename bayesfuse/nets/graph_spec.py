@@ -2956,12 +2956,28 @@ class _Walk:
                 s = int(np.prod(src[d + 1 : j]))
                 if dst[k] == src[d] * s and int(np.prod(dst[k + 1 :])) == int(np.prod(src[j:])):
                     self.labels[node] = _moved(label, k, s)
+                    self.segments_width(node, label, k)
                     return
         self.fail(
             node,
             f"this reshape {tuple(src)} -> {tuple(dst)} of streams concatenated on their units cannot be followed "
             "(keep their axis, or flatten it with the ones after it)",
         )
+
+    def segments_width(self, node, label: _Segments, k: int) -> None:
+        """Fix the streams side by side of ``label`` where a reshape gives their axis (``k`` in the
+        result) a width as a number, written in the code or held by a module (``reshape(-1,
+        self.hidden)``): one number is the sum of their widths, which fusion changes one by one."""
+        shape_args = _target_shape(node)
+        if shape_args is None or len(shape_args) != len(_tensor_shape(node)):
+            return
+        w = shape_args[k]
+        if (type(w) is int and w == -1) or (isinstance(w, fx.Node) and self.scales(w)):
+            return
+        how = "a number it holds" if isinstance(w, _HeldWidth) else "a number written in the code"
+        for g, _ in label.parts:
+            if isinstance(g, _Feature) and self.permuted(g):
+                self.mark_fixed(g.var, f"its forward reshapes them, beside other streams, to a width given by {how}")
 
     def heads_split(self, node, f: _Feature, src: tuple, dst: tuple, shape_args: list | None) -> _Feature:
         """A reshape that cuts the units' axis into axes of heads and features within a head
@@ -3038,6 +3054,11 @@ class _Walk:
             return None
         if isinstance(g, tuple) and g[0] == "param" and g[1] in self.axes:
             d = self.axes[g[1]][axis % len(shape)]
+            if isinstance(d, _Cat):  # a weight whose axis holds streams, or pieces, side by side
+                raise UnsupportedLayerError(
+                    f"{type(self.model).__name__}: a width read off {g[1]!r}, whose axis {axis} holds several groups' "
+                    "units side by side, cannot be followed; give a spec"
+                )
             return None if d is None or self.classes.find(d[0]) == _FIXED else tuple(d)
         if isinstance(g, _Feature) and self.permuted(g) and g.dim == axis % len(shape):
             return g.var, g.outer, g.inner

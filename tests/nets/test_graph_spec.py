@@ -979,6 +979,19 @@ def test_a_projected_lstm_fused_to_as_many_projections_as_cells_gets_dead_cells(
     assert "dead_cells" not in bayesfuse.fuse(models, "ot").hyper
 
 
+class _ProjectedHeldTwice(_OneProjected):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alias = nn.ModuleDict({"rnn": self.rnn})
+
+
+def test_dead_cells_reach_a_projected_lstm_held_under_two_names():
+    """Padded once, under its entry's names, then retied: both names hold the padded tensors."""
+    fused = bayesfuse.fuse([_random(_ProjectedHeldTwice, s) for s in (6, 7, 8)], "nafi")
+    assert fused.hyper["dead_cells"] == {"rnn": [12, 13]} and fused.model.rnn is fused.model.alias["rnn"]
+    assert fused.model(torch.randn(5, 64)).shape == (5, 10)
+
+
 class _ReadsCells(_OneProjected):
     """A projected LSTM, 5 cells and 4 projections, whose final cells ``c`` a layer reads: dead
     cells would reach it."""
@@ -1669,6 +1682,36 @@ def test_pieces_of_different_widths_are_groups_of_their_own():
     assert written.fixed == {"P4": "its forward cuts them into pieces of widths [8, 4], widths written in the code"}
 
 
+class _AfterSplit(nn.Module):
+    """Units split into pieces of different widths, then read whole again: reshaped by a width
+    (``how``: the module's ``self.hidden``, or written), or a width read off the layer that makes
+    them, whose rows are held in pieces (``"scale"``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.da, self.db, self.hidden, self.how = 4, 6, 10, how
+        self.fc, self.fa, self.whole, self.head = nn.Linear(16, 10), nn.Linear(4, 8), nn.Linear(10, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x.view(-1, 4, 16)))
+        a, b = h.split([self.da, self.db], -1)
+        if self.how == "scale":
+            return self.head(self.fa(a).mean(1) * self.fc.weight.shape[0] ** -0.5)
+        y = h.reshape(-1, self.hidden if self.how == "held" else 10)
+        return self.head(self.fa(a).mean(1) + self.whole(y).view(-1, 4, 8).mean(1))
+
+
+def test_pieces_read_whole_by_a_width_given_as_a_number_are_fixed():
+    """One number is the sum of the pieces' widths, which fusion changes one by one: each piece's
+    width is fixed (PFNM refuses in one line); read off the weight in pieces, refused."""
+    for how, given in (("held", "a number it holds"), ("written", "a number written in the code")):
+        spec = spec_from_graph(_AfterSplit(how), torch.zeros(2, 64))
+        why = f"its forward reshapes them, beside other streams, to a width given by {given}"
+        assert set(spec.fixed) == {"P1", "P2"} and set(spec.fixed.values()) == {why}  # the two pieces
+    with pytest.raises(UnsupportedLayerError, match="a width read off 'fc.weight', whose axis 0 holds several groups'"):
+        spec_from_graph(_AfterSplit("scale"), torch.zeros(2, 64))
+
+
 def test_a_split_by_a_width_written_in_the_code_fixes_it():
     spec = spec_from_graph(_SplitWritten(), torch.zeros(2, 64))
     assert spec.fixed == {"P1": "its forward cuts them by split(4), widths written in the code"}
@@ -1724,6 +1767,29 @@ def test_a_parameter_held_as_a_buffer_too_is_refused_in_one_line():
 
     with pytest.raises(UnsupportedLayerError, match=r"'fc.weight' is a parameter also held as a buffer \('copy'\)"):
         spec_from_graph(ParamBuffer(), torch.zeros(2, 64))
+
+
+class _StackedHeldTwice(nn.Module):
+    """A stacked LSTM whose output layer is held under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(8, 12, num_layers=2, batch_first=True), nn.Linear(12, 10)
+        self.more = nn.ModuleDict({"head": self.head})
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        return self.head(self.rnn(x.view(-1, 8, 8))[0][:, -1])
+
+
+def test_aliases_come_back_on_the_spec_the_method_returns():
+    """Matching ties a stacked LSTM's layers into one group and returns that spec: the aliases
+    come back on it, so the clients' heads read the groups it has."""
+    fused = bayesfuse.fuse([_random(_StackedHeldTwice, s) for s in range(3)], "pfnm", head="clients")
+    assert fused.hyper["tied"] == {"more.head.weight": "head.weight", "more.head.bias": "head.bias"}
+    assert fused.model(torch.randn(5, 64)).shape == (5, 10)
 
 
 def test_a_module_held_under_two_names_stays_one_module():
