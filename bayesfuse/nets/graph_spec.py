@@ -1148,6 +1148,14 @@ class _Walk:
             if i is not None:
                 others = seen - {i}
                 if others:
+                    calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+                    if any(c > 1 for t, c in calls.items() if str(t).startswith(heads[i] + ".")):
+                        self.fail(
+                            node,
+                            f"the attention whose heads are {heads[0]!r}, ... is applied more than once (called twice, "
+                            "or held under two names and called under each): its heads are matched once, for one "
+                            "call; use one attention module per call, or give a spec",
+                        )
                     self.fail(
                         node,
                         f"branch {heads[i]!r} of a Heads list reads the output of branch {heads[min(others)]!r}: "
@@ -2510,7 +2518,8 @@ class _Walk:
             self.fail(
                 node,
                 f"cutting the units' axis into pieces of widths {lengths}: pieces of different widths are "
-                "followed only where no reshape cuts the units into blocks (heads); give a spec",
+                "followed only where the units are one number each everywhere, not blocks (heads, a group norm's "
+                "groups, a recurrent layer's gates or directions); give a spec",
             )
         news = self.segment(node, f.var, lengths)
         listed = list(sizes) if isinstance(sizes, (list, tuple)) else []

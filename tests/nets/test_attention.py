@@ -488,6 +488,20 @@ def test_an_attention_held_under_two_names_fuses_as_one_module():
         assert float((bayesfuse.fuse([models[0], copy], "pfnm").model(x) - models[0](x)).abs().max()) < 1e-5
 
 
+class _AttentionAppliedTwice(_AttentionHeldTwice):
+    def forward(self, x):
+        h = self.emb(x.view(-1, 4, 16))
+        h = h + self.att(h, h, h, need_weights=False)[0]
+        return self.head((h + self.blocks["one"](h, h, h, need_weights=False)[0]).mean(1))
+
+
+def test_an_attention_applied_twice_is_refused_saying_so():
+    with pytest.raises(
+        UnsupportedLayerError, match=r"the attention whose heads are 'att.heads.0', ... is applied more"
+    ):
+        bayesfuse.fuse([_random_user(_AttentionAppliedTwice, s) for s in range(2)], "pfnm")
+
+
 def test_merge_heads_refuses_heads_multihead_attention_cannot_hold():
     torch.manual_seed(0)
     model = Attention()
