@@ -1863,8 +1863,13 @@ class _Walk:
 
     def norm_width(self, x, f, shape, owners: list, what: str, node) -> tuple:
         """``(width, whether it follows the units, where it should be kept)`` for the
-        ``normalized_shape`` given to a functional layer norm of ``x``'s units ``f``."""
+        ``normalized_shape`` given to a functional layer norm of ``x``'s units ``f``: read off a
+        tensor's last axis (``x.shape[-1:]``) or a vector's shape (``self.weight.shape``), the
+        width follows where that axis holds the units."""
         src = _last_size_of(shape)  # x.shape[-1:]: the width read off a tensor
+        whole = _shape_source(shape)  # self.weight.shape (nanoGPT's LayerNorm): a vector's whole shape, its width
+        if src is None and whole is not None and len(_shape(whole) or ()) == 1:
+            src = whole
         widths = shape if isinstance(shape, (tuple, list)) else [src] if src is not None else None
         if widths is None or len(widths) != 1:
             self.fail(node, f"{what} over more than the last axis, or over a shape computed in the forward")

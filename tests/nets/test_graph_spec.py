@@ -92,6 +92,7 @@ from tests.nets.user_nets import (
     UNetLike,
     UpConv1d,
     UpConvUNet,
+    VectorNormMLP,
     ViewHeadsAttention,
     VolumeCNN,
 )
@@ -158,6 +159,7 @@ NETS = [
     EinsumScale,  # a layer scale by einsum with a parameter vector; swapaxes by keyword
     ShapeOfAttention,  # heads merged back by reshape(t.shape)
     UnequalSplit,  # units split into pieces of different widths, each a group of its own
+    VectorNormMLP,  # F.layer_norm(x, self.weight.shape, ...), nanoGPT's LayerNorm
 ]
 
 
@@ -1710,6 +1712,16 @@ def test_pieces_read_whole_by_a_width_given_as_a_number_are_fixed():
         assert set(spec.fixed) == {"P1", "P2"} and set(spec.fixed.values()) == {why}  # the two pieces
     with pytest.raises(UnsupportedLayerError, match="a width read off 'fc.weight', whose axis 0 holds several groups'"):
         spec_from_graph(_AfterSplit("scale"), torch.zeros(2, 64))
+
+
+def test_a_norm_reading_its_width_off_its_weight_follows_the_fusion():
+    """nanoGPT's LayerNorm reads its width off its own weight (``self.weight.shape``): it follows
+    the units, and independent networks fuse into one that runs at the fused width."""
+    spec = spec_from_module(VectorNormMLP())
+    assert not spec.fixed and spec.axes["ln2.weight"] == spec.axes["fc.bias"]
+    fused = bayesfuse.fuse([_random(VectorNormMLP, s) for s in range(3)], "pfnm")
+    assert fused.model.ln2.weight.shape == (fused.sizes[0],) and fused.sizes[0] > 12
+    assert fused.model(torch.randn(5, 64)).shape == (5, 10)
 
 
 def test_a_split_by_a_width_written_in_the_code_fixes_it():

@@ -1461,3 +1461,30 @@ class UnequalSplit(nn.Module):
         t = t + self.out(((q @ k.transpose(1, 2)) * 0.5).softmax(-1) @ v)
         a, g = self.gate(t).split([t.shape[-1], 4 if self.written else self.dg], -1)
         return self.head(torch.relu(t + a * torch.sigmoid(self.mix(g))).mean(1))
+
+
+class VectorNorm(nn.Module):
+    """nanoGPT's LayerNorm: ``F.layer_norm(x, self.weight.shape, self.weight, self.bias)``, its
+    width read off its own weight's shape; the bias optional."""
+
+    def __init__(self, ndim: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class VectorNormMLP(nn.Module):
+    """A residual MLP normalised by :class:`VectorNorm`, with and without its bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.ln1, self.mlp = nn.Linear(64, 12), VectorNorm(12, True), nn.Linear(12, 12)
+        self.ln2, self.head = VectorNorm(12, False), nn.Linear(12, 10)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = h + torch.relu(self.mlp(self.ln1(h)))
+        return self.head(self.ln2(h))
