@@ -374,11 +374,9 @@ def _group_modules(model: nn.Module, spec: PermutationSpec) -> dict[str, tuple[_
         owner = whole.rpartition(".")[0]
         if owner not in modules or len(axes) < 2:
             continue
-        rows = spec.rows_dim(key)
-        if isinstance(modules[owner], (nn.Embedding, nn.EmbeddingBag)):  # ids in; the units it makes: its columns
-            rows = 1
-        made, read = axes[rows], axes[1 - rows]
-        read = None if isinstance(modules[owner], (nn.Embedding, nn.EmbeddingBag)) else read
+        embedding = isinstance(modules[owner], (nn.Embedding, nn.EmbeddingBag))  # ids in; it makes its columns
+        rows = 1 if embedding else spec.rows_dim(key)
+        made, read = axes[rows], None if embedding else axes[1 - rows]
         if made is not None and made.group in readers and made.group not in makers:
             groups = getattr(modules[owner], "groups", 1) if rows == 1 else 1
             if whole != key and spec.pieces[whole][0] == rows:  # one piece of the units it makes (split after)

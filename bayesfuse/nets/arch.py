@@ -32,6 +32,7 @@ from bayesfuse.nets.state import (
     floating_like,
     forward_error,
     load_state,
+    set_at,
     tied_entries,
 )
 
@@ -312,13 +313,11 @@ def rebuild(model: nn.Module, state_dict: Mapping[str, torch.Tensor], spec: Perm
             p.requires_grad_(n not in frozen)
         replacement.train(module.training)
         for path in paths[id(module)]:
-            parent_name, _, child = path.rpartition(".")
-            setattr(new.get_submodule(parent_name) if parent_name else new, child, replacement)
+            set_at(new, path, replacement)
     for name, value in list(new.named_parameters()):  # parameters held by the module itself (a class token)
         if name in shapes and tuple(value.shape) != shapes[name]:
-            owner, _, leaf = name.rpartition(".")
             empty = torch.empty(shapes[name], dtype=value.dtype, device=value.device)
-            setattr(new.get_submodule(owner) if owner else new, leaf, nn.Parameter(empty, value.requires_grad))
+            set_at(new, name, nn.Parameter(empty, value.requires_grad))
     if isinstance(new, MLP) and new.pans is not None:
         pan = new.pan
         assert pan is not None  # an MLP has pans only with a PANConfig
@@ -352,8 +351,7 @@ def _retie(model: nn.Module, tied: list[list[str]], spec: PermutationSpec | None
         entry = next((n for n in names if n not in aliases), names[0])
         for n in names:
             if n != entry and params[n] is not params[entry]:
-                owner, _, leaf = n.rpartition(".")
-                setattr(model.get_submodule(owner) if owner else model, leaf, params[entry])
+                set_at(model, n, params[entry])
 
 
 def check_runs(model: nn.Module, example_input: torch.Tensor, *, what: str = "the fused network") -> None:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesfuse.nets.images import image_shape
+from bayesfuse.nets.state import set_at
 
 __all__ = [
     "Head",
@@ -279,8 +280,7 @@ def _set_everywhere(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
     stays one module."""
     for name, module in list(root.named_modules(remove_duplicate=False)):
         if module is old and name:
-            parent_name, _, child = name.rpartition(".")
-            setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+            set_at(root, name, new)
 
 
 def multihead_modules(model: nn.Module) -> list[str]:

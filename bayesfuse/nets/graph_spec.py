@@ -2573,42 +2573,13 @@ class _Walk:
         if any(self.classes.find(p[1]) == root for p in self.held):
             self.fail(node, "units whose width a module holds, split into pieces of different widths; give a spec")
         news = [self.new() for _ in lengths]
-        del self.order[-len(news) :]  # named where the units first appeared, as refine's
-        at = next(i for i, v in enumerate(self.order) if self.classes.find(v) == root)
-        self.order[at:at] = news
-        parts = tuple((v, 1, 1, n) for v, n in zip(news, lengths))
-
-        def mine(v) -> bool:
-            return v is not None and self.classes.find(v) == root
-
-        def cut(d):
-            if isinstance(d, _Cat):
-                return _Cat(tuple(q for p in d.parts for q in (parts if mine(p[0]) else (p,))))
-            return _Cat(parts) if d is not None and mine(d[0]) else d
-
-        def relabel(label):
-            if isinstance(label, _Feature) and mine(label.var):
-                return _Segments(label.dim, tuple((_Feature(v, label.dim), n) for v, n in zip(news, lengths)))
-            if isinstance(label, _Parts):
-                return _Parts(tuple(relabel(p) for p in label.parts))
-            if isinstance(label, _Recurrent):
-                return _Recurrent(relabel(label.output), relabel(label.state))
-            if isinstance(label, _Segments):
-                return _Segments(
-                    label.dim,
-                    tuple(
-                        q
-                        for g, n in label.parts
-                        for q in (
-                            tuple((_Feature(v, label.dim), k) for v, k in zip(news, lengths))
-                            if isinstance(g, _Feature) and mine(g.var)
-                            else ((g, n),)
-                        )
-                    ),
-                )
-            return label
-
-        self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
+        parts = tuple((v, 1, 1, n) for v, n in zip(news, lengths))  # the units are one number each (plain)
+        self.rewrite(
+            root,
+            news,
+            lambda outer, inner: parts,
+            lambda f: _Segments(f.dim, tuple((_Feature(v, f.dim), n) for v, n in zip(news, lengths))),
+        )
         both = next((e for e, dims in self.axes.items() if sum(isinstance(d, _Cat) for d in dims) > 1), None)
         if both is not None:
             self.fail(
@@ -2616,14 +2587,65 @@ class _Walk:
                 f"units split into pieces of different widths that {both!r} also reads: an entry holds pieces on "
                 "two of its axes; give a spec",
             )
-        self.labels = {n: relabel(label) for n, label in self.labels.items()}
+        self.segmented.add(root)
+        return news
+
+    def rewrite(self, root: int, news: list[int], parts_of, label_of) -> None:
+        """Re-describe class ``root`` by the classes ``news``, just made (:meth:`redescribe`,
+        :meth:`segment`), named where its units first appeared, not where they were re-described:
+        the groups keep their forward order, in which layer-wise matching reads them (a layer made
+        before a cut that reads them, a squeeze-and-excitation's, is matched after them). Every
+        axis of ``root`` becomes ``parts_of(outer, inner)``, ``((var, outer, inner, length or None),
+        ...)``: one axis where that is one part of the axis's own length, else the parts side by
+        side (:class:`_Cat`); every activation's units ``label_of(feature)``, spliced into the
+        streams side by side it was one of; its fixed groups and producers are the new classes'."""
+        del self.order[-len(news) :]
+        at = next(i for i, v in enumerate(self.order) if self.classes.find(v) == root)
+        self.order[at:at] = news
+
+        def mine(v) -> bool:
+            return v is not None and self.classes.find(v) == root
+
+        def cut(d):
+            if isinstance(d, _Cat):
+                return _Cat(
+                    tuple(
+                        q
+                        for p in d.parts
+                        for q in (
+                            tuple((v, o, i, p[3] if n is None else n) for v, o, i, n in parts_of(p[1], p[2]))
+                            if mine(p[0])
+                            else (p,)
+                        )
+                    )
+                )
+            if d is None or not mine(d[0]):
+                return d
+            parts = parts_of(d[1], d[2])
+            return tuple(parts[0][:3]) if len(parts) == 1 and parts[0][3] is None else _Cat(tuple(parts))
+
+        def relabel(label):
+            if isinstance(label, _Feature):
+                return label_of(label) if mine(label.var) else label
+            if isinstance(label, _Parts):
+                return _Parts(tuple(relabel(p) for p in label.parts))
+            if isinstance(label, _Recurrent):
+                return _Recurrent(relabel(label.output), relabel(label.state))
+            if isinstance(label, _Segments):
+                spliced: list = []
+                for g, n in label.parts:
+                    h = relabel(g)
+                    spliced.extend(h.parts if isinstance(h, _Segments) else [(h, n)])
+                return _Segments(label.dim, tuple(spliced))
+            return label
+
+        self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
+        self.labels = {node: relabel(label) for node, label in self.labels.items()}
         self.fixed = [(w, why) for v, why in self.fixed for w in (news if mine(v) else [v])]
         for v, name in list(self.var_producer.items()):
             if mine(v):
                 for w in news:
                     self.var_producer.setdefault(w, name)
-        self.segmented.add(root)
-        return news
 
     def equal_pieces(self, node, f: _Feature, lengths: list) -> _Feature:
         """The units of each of ``len(lengths)`` equal pieces of ``f``'s axis."""
@@ -2664,44 +2686,18 @@ class _Walk:
         if root == _FIXED:  # the input's and the classes' axes are never permuted, so never cut
             raise AssertionError(f"{what} of the class that is never permuted")
         new = self.new()
-        # named where the units first appeared, not where they were cut: the groups keep their
-        # forward order, in which layer-wise matching reads them (a layer made before the cut
-        # that reads them, a squeeze-and-excitation's, is matched after them)
-        self.order.insert(next(i for i, v in enumerate(self.order) if self.classes.find(v) == root), self.order.pop())
-
-        def cut(d):
-            if isinstance(d, _Cat):
-                return _Cat(
-                    tuple(
-                        (new, p[1] * m, p[2] * k, p[3]) if p[0] is not None and self.classes.find(p[0]) == root else p
-                        for p in d.parts
-                    )
-                )
-            return (new, d[1] * m, d[2] * k) if d is not None and self.classes.find(d[0]) == root else d
-
-        def relabel(label):
-            if isinstance(label, _Feature) and self.classes.find(label.var) == root:
-                return _Feature(new, label.dim, label.outer * m, label.inner * k)
-            if isinstance(label, _Parts):
-                return _Parts(tuple(relabel(p) for p in label.parts))
-            if isinstance(label, _Recurrent):
-                return _Recurrent(relabel(label.output), relabel(label.state))
-            if isinstance(label, _Segments):
-                return _Segments(label.dim, tuple((relabel(g), length) for g, length in label.parts))
-            return label
-
-        self.axes = {entry: [cut(d) for d in dims] for entry, dims in self.axes.items()}
-        self.labels = {node: relabel(label) for node, label in self.labels.items()}
-        self.fixed = [(new if self.classes.find(v) == root else v, why) for v, why in self.fixed]
+        self.rewrite(
+            root,
+            [new],
+            lambda outer, inner: ((new, outer * m, inner * k, None),),
+            lambda f: _Feature(new, f.dim, f.outer * m, f.inner * k),
+        )
         self.held = [
             (path, new, outer * m, inner * k, factor)
             if self.classes.find(v) == root
             else (path, v, outer, inner, factor)
             for path, v, outer, inner, factor in self.held
         ]
-        for v, name in list(self.var_producer.items()):
-            if self.classes.find(v) == root:
-                self.var_producer.setdefault(new, name)
         return root, new
 
     def reduce_along(self, node, args: list, kwargs, *, at: int):
@@ -3193,13 +3189,19 @@ def _shape_source(whole) -> fx.Node | None:
     return whole.args[0] if shape_of and isinstance(whole.args[0], fx.Node) else None
 
 
+def _shape_arguments(node) -> list | None:
+    """What a ``view`` / ``reshape`` is given after its tensor (its sizes, or one shape), else None."""
+    reshape = node.op == "call_method" and node.target in ("view", "reshape")
+    if not (reshape or node.op == "call_function" and node.target is torch.reshape):
+        return None
+    return list(node.args[1:]) or [node.kwargs.get("shape")]
+
+
 def _whole_shape_of(node) -> fx.Node | None:
     """The tensor whose whole shape a ``view`` / ``reshape`` is given (``x.view(y.shape)``,
     ``torch.reshape(x, y.size())``), else None."""
-    if node.op == "call_method" and node.target in ("view", "reshape") or node.target is torch.reshape:
-        args = list(node.args[1:]) or [node.kwargs.get("shape")]
-        return _shape_source(args[0]) if len(args) == 1 else None
-    return None
+    args = _shape_arguments(node)
+    return _shape_source(args[0]) if args is not None and len(args) == 1 else None
 
 
 def _last_size_of(a) -> fx.Node | None:
@@ -3212,11 +3214,8 @@ def _last_size_of(a) -> fx.Node | None:
 def _target_shape(node) -> list | None:
     """The target shape a ``view`` / ``reshape`` was given, an entry per axis (a number, or the
     node that computes it), or None (``flatten``, a shape taken whole from another tensor)."""
-    if node.op == "call_method" and node.target in ("view", "reshape"):
-        args = list(node.args[1:]) or [node.kwargs.get("shape")]
-    elif node.op == "call_function" and node.target is torch.reshape:
-        args = list(node.args[1:]) or [node.kwargs.get("shape")]
-    else:
+    args = _shape_arguments(node)
+    if args is None:
         return None
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
         args = list(args[0])

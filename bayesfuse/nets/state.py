@@ -21,6 +21,8 @@ __all__ = [
     "forward_error",
     "run_once",
     "load_state",
+    "set_at",
+    "tied_entries",
 ]
 
 #: ``nn.RMSNorm`` (torch >= 2.4; none before): a LayerNorm without the mean, one scale per unit.
@@ -38,6 +40,12 @@ def load_state(model: nn.Module, state: Mapping) -> nn.Module:
         loaded._metadata = metadata  # type: ignore[attr-defined]
     model.load_state_dict(loaded)
     return model
+
+
+def set_at(root: nn.Module, path: str, value) -> None:
+    """Set what ``root`` holds at the dotted ``path`` (``"blocks.0.attn"``, ``"head.weight"``) to ``value``."""
+    owner, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(owner) if owner else root, leaf, value)
 
 
 def tied_entries(model: nn.Module) -> list[list[str]]:
