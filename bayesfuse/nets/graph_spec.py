@@ -42,6 +42,9 @@ activation from the input to the output:
   such a width, a scale computed as a root of a width, ``/ k.size(-1) ** 0.5``, a buffer with a
   number per unit), the spec records the group (``spec.fixed``): methods that keep the widths
   fuse the network, those that change them refuse it;
+* a branch, ``assert`` or ``int()`` on a number read off tensors' sizes is taken at the example
+  input (:mod:`bayesfuse.nets.decisions`); one that reads the units' width fixes it, one on a
+  tensor's values is refused; functions a library wrapped for fx are traced through;
 * a number a module holds (an ``int`` attribute of a module of one's own: ``self.hidden_dim``,
   ``self.head_dim``) that a reshape reads as the length of the units' axis, or as the width
   within a head, follows the units: the spec records it (``spec.widths``) and a network rebuilt
@@ -77,6 +80,7 @@ from torch import fx, nn
 
 from bayesfuse._layers import torch_layer
 from bayesfuse.inference.spec import Axis, PermutationSpec
+from bayesfuse.nets.decisions import Decider, NumberProxy, decided
 from bayesfuse.nets.state import RMS_NORMS, floating_like, forward_arguments, forward_error, tied_entries
 
 __all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
@@ -274,6 +278,8 @@ _FUNCTIONAL_NORMS[torch.nn.functional.batch_norm] = (
 #: Functions of other libraries that fx keeps whole (``torch.fx.wrap``) and that leave every unit
 #: where it is, by qualified name: torchvision's stochastic depth (EfficientNet, ConvNeXt) drops
 #: whole examples, or none in eval mode.
+#: Methods that make a tensor of the given shape, reading only the dtype and device of theirs.
+_NEW_TENSOR_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
 _KEEPING_UNITS = {"torchvision.ops.stochastic_depth.stochastic_depth"}
 #: Views and copies of a tensor that leave its values where they are: a parameter seen through them
 #: (``self.weight.T``, ``self.weight.t()``) is still that parameter (:meth:`_Walk.weight_of`).
@@ -426,17 +432,79 @@ class _Tracer(fx.Tracer):
 
     Buffers are traced as nodes, as parameters are, so that a forward may index one by a size it
     reads off its input (nanoGPT's causal mask ``self.bias[:, :, :T, :T]``); ``buffers_as_nodes=
-    False`` traces them as constants, for a forward that uses a buffer's value in Python."""
+    False`` traces them as constants, for a forward that uses a buffer's value in Python.
 
-    def __init__(self, *, buffers_as_nodes: bool = True) -> None:
+    Given the forward's ``example`` arguments, a condition or ``int()`` on a number computed from
+    sizes alone is taken at its example value (:mod:`bayesfuse.nets.decisions`), and
+    ``decisions`` lists those values in order; a retrace given them as ``replay`` takes the same
+    branches."""
+
+    def __init__(
+        self,
+        *,
+        buffers_as_nodes: bool = True,
+        example: tuple | None = None,
+        replay: list | None = None,
+        through: bool = False,
+    ) -> None:
         super().__init__()
         self.proxy_buffer_attributes = buffers_as_nodes
+        self.example, self.replay, self.through = example, replay, through
+        self.decisions: list = []
+
+    def again(self) -> _Tracer:
+        """A tracer that traces as this one did, down the branches it took."""
+        return _Tracer(buffers_as_nodes=self.proxy_buffer_attributes, replay=self.decisions, through=self.through)
+
+    def trace(self, root, concrete_args=None):  # type: ignore[override]
+        self.decider = Decider(root, self.example, self.replay)
+        self.decisions = self.decider.made
+        with _library_functions_traced() if self.through else contextlib.nullcontext():
+            return super().trace(root, concrete_args)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return NumberProxy(node, self)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return bool(self.decide(obj, "a condition"))
+
+    def decide(self, obj: fx.Proxy, what: str):
+        """The example value of the traced number ``obj``, kept in the graph as a :func:`decided` node."""
+        value = self.decider.value(obj.node, what)
+        self.create_node("call_function", decided, (obj.node,), {})
+        return value
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             return False
         # torch's own layers, and one renamed (the control flow inside torch's forward is not the user's)
         return torch_layer(m) or type(m).__name__ == "PositionAware"
+
+
+@contextlib.contextmanager
+def _library_functions_traced():
+    """While tracing, the functions a model library wrapped with ``torch.fx.wrap`` (torchvision's
+    ``shifted_window_attention``, wrapped for its control flow on sizes, which the tracer now
+    decides) are traced through, not recorded as calls; torch's own, and those the walk reads
+    whole, stay wrapped."""
+    from torch.fx import _symbolic_trace
+
+    table = getattr(_symbolic_trace, "_wrapped_fns_to_patch", None)
+    if not isinstance(table, dict):
+        yield
+        return
+    through = {
+        key: frame
+        for key, frame in table.items()
+        if not str(frame.get("__name__", "torch")).split(".")[0] == "torch"
+        and f"{frame.get('__name__')}.{key[1]}" not in _KEEPING_UNITS
+    }
+    for key in through:
+        del table[key]
+    try:
+        yield
+    finally:
+        table.update(through)
 
 
 class _HeldWidth(int):
@@ -526,7 +594,7 @@ def _widths_held(model: nn.Module, computed: set[str], shifted: frozenset = froz
                     values[attr] = value.original
 
 
-def _checked_widths(model: nn.Module, gm: fx.GraphModule, spec: PermutationSpec, buffers_as_nodes: bool):
+def _checked_widths(model: nn.Module, gm: fx.GraphModule, spec: PermutationSpec, tracer: _Tracer) -> PermutationSpec:
     """``spec`` with the widths its forward computes with otherwise than as their width fixed:
     where the model traced again with them one larger gives a graph that differs anywhere but
     in those numbers (``np.sqrt(self.head_dim)``, ``torch.full((), self.dim)``, a loop over it:
@@ -534,7 +602,7 @@ def _checked_widths(model: nn.Module, gm: fx.GraphModule, spec: PermutationSpec,
     from dataclasses import replace
 
     def differs(paths) -> bool:
-        return _retraced_differs(model, gm, frozenset(paths), buffers_as_nodes)
+        return _retraced_differs(model, gm, frozenset(paths), tracer)
 
     if not differs(spec.widths):
         return spec
@@ -566,13 +634,14 @@ def _as_traced(model: nn.Module):
             delattr(model, name)
 
 
-def _retraced_differs(model: nn.Module, gm: fx.GraphModule, shifted: frozenset, buffers_as_nodes: bool) -> bool:
+def _retraced_differs(model: nn.Module, gm: fx.GraphModule, shifted: frozenset, tracer: _Tracer) -> bool:
     """Whether ``model`` traced with the held widths ``shifted`` one larger gives another graph
-    than ``gm``'s (the numbers shifted aside; its constants are ``gm``'s)."""
+    than ``gm``'s (the numbers shifted aside; its constants are ``gm``'s), traced as ``tracer``
+    traced it, down the branches it took."""
     with _as_traced(model):
         try:
             with _widths_held(model, set(), shifted):
-                other = _Tracer(buffers_as_nodes=buffers_as_nodes).trace(model)
+                other = tracer.again().trace(model)
         except Exception:  # a forward that cannot run with the other number: it reads it otherwise
             return True
         nodes, others = list(gm.graph.nodes), list(other.nodes)
@@ -742,34 +811,22 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
         )
     x = example_input_for(model, example_input)
     computes_with: set[str] = set()  # the paths of int attributes the forward computes with (_HeldWidth)
-    buffers_as_nodes = True
+    arguments = forward_arguments(model, x)
     with _as_traced(model):
-        try:
-            with _widths_held(model, computes_with):
-                graph = _Tracer().trace(model)
-        except Exception:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
-            buffers_as_nodes = False
-            try:  # a forward that uses a buffer's value in Python (if self.flag:, range(int(self.n))): as a constant
-                with _widths_held(model, computes_with):
-                    graph = _Tracer(buffers_as_nodes=False).trace(model)
-            except Exception as err:
-                raise UnsupportedLayerError(
-                    f"cannot trace {type(model).__name__} with torch.fx ({str(err).splitlines()[0]}); write forward "
-                    "without control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
-                ) from None
+        graph, tracer = _traced(model, arguments, computes_with)
         gm = fx.GraphModule(model, graph)  # holds the constants fx left on the model, which _as_traced takes back
         from torch.fx.passes.shape_prop import ShapeProp
 
         gm.eval()
         try:
             with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks itself
-                ShapeProp(gm).propagate(*forward_arguments(model, x))  # a forward of several inputs, or of one tuple
+                ShapeProp(gm).propagate(*arguments)  # a forward of several inputs, or of one tuple
         except Exception as err:  # the user's forward failing on the example input
             raise _not_running(model, x, err, guessed=example_input is None) from None
     uses = Counter(w.path for node in graph.nodes for w in _held_in((node.args, node.kwargs)))
     spec = _Walk(model, computed=computes_with, uses=uses).run(gm)
     if spec.widths:
-        spec = _checked_widths(model, gm, spec, buffers_as_nodes)
+        spec = _checked_widths(model, gm, spec, tracer)
     try:  # every axis the walk described holds whole units of its group, at the network's own widths
         spec.sizes({k: v.detach() for k, v in model.state_dict().items()})
     except ValueError as err:
@@ -778,6 +835,27 @@ def spec_from_graph(model: nn.Module, example_input=None) -> PermutationSpec:
         ) from None
     _warn_unread(model, gm)
     return spec
+
+
+def _traced(model: nn.Module, arguments: tuple, computes_with: set[str]) -> tuple[fx.Graph, _Tracer]:
+    """``model``'s graph and the tracer that made it, by the first way that traces: buffers as
+    nodes, else as constants (a forward that uses a buffer's value in Python: ``if self.flag:``,
+    ``range(int(self.n))``); each through the functions a library wrapped with ``torch.fx.wrap``,
+    else with them as calls (one with control flow on values)."""
+    first: Exception | None = None
+    for buffers_as_nodes, through in ((True, True), (True, False), (False, True), (False, False)):
+        tracer = _Tracer(buffers_as_nodes=buffers_as_nodes, example=arguments, through=through)
+        try:
+            with _widths_held(model, computes_with):
+                return tracer.trace(model), tracer
+        except Exception as err:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
+            first = first or err
+            computes_with.clear()  # a failed trace's reads do not count
+    assert first is not None
+    raise UnsupportedLayerError(
+        f"cannot trace {type(model).__name__} with torch.fx ({str(first).splitlines()[0]}); write forward "
+        "without control flow on tensor values, or give a spec (bayesfuse.inference.spec.chain(...))"
+    ) from None
 
 
 def check_example_runs(model: nn.Module, example_input=None) -> torch.Tensor:
@@ -1912,6 +1990,8 @@ class _Walk:
             self.pieces(node, args, node.kwargs, _PIECES_METHODS[method], str(method))
         elif method in ("size", "dim"):
             self.labels[node] = None
+        elif method in _NEW_TENSOR_METHODS:  # x.new_zeros(shape): x gives its dtype and device alone
+            self.opaque(node, args[1:] + list(node.kwargs.values()), str(method))
         elif method == "repeat_interleave":
             self.repeat_interleave(node, args, node.kwargs)
         elif method in ("reshape_as", "view_as") and isinstance(args[1], fx.Node):
@@ -1940,7 +2020,9 @@ class _Walk:
             key = next((k for k in ("input", "x", "A") if k in kwargs), None)
             if key is not None:
                 args, kwargs = [kwargs[key]], {k: v for k, v in kwargs.items() if k != key}
-        if fn in _ELEMENTWISE_FUNCTIONS or fn in _SOFTMAX or _qualified(fn) in _KEEPING_UNITS:
+        if fn is decided:
+            self.decision(node, args[0])
+        elif fn in _ELEMENTWISE_FUNCTIONS or fn in _SOFTMAX or _qualified(fn) in _KEEPING_UNITS:
             self.labels[node] = self.through(args[0])
         elif fn in _FUNCTIONAL_NORMS:
             self.functional_norm(node, fn, args, kwargs)
@@ -2049,6 +2131,35 @@ class _Walk:
             at = self.units_at(x, axis)
             if at is not None:
                 self.mark_fixed(at[0], f"{what} computed as a root of their width, {value.name}")
+
+    def decision(self, node, value) -> None:
+        """A number the trace took at its example value (a branch's condition, ``int(n)``;
+        :func:`~bayesfuse.nets.decisions.decided`): the widths of the units it reads are fixed,
+        since at another width the forward could take another branch."""
+        stack, seen = [value], set()
+        while stack:
+            a = stack.pop()
+            if not isinstance(a, fx.Node) or a in seen:
+                continue
+            seen.add(a)
+            read, whole = _size_read(a), _shape_source(a)
+            if whole is None and a.op == "call_method" and a.target in ("numel", "nelement"):
+                whole = cast(fx.Node, a.args[0])
+            if read is not None:
+                axes = [read]
+            elif whole is not None:
+                axes = [(whole, i) for i in range(len(_shape(whole) or ()))]
+            else:
+                stack.extend(a.all_input_nodes)
+                continue
+            for x, axis in axes:
+                at = self.units_at(x, axis)
+                if at is not None:
+                    self.mark_fixed(
+                        at[0],
+                        f"the forward branches on (or takes int() of) a number read off their width ({value.name})",
+                    )
+        self.labels[node] = None
 
     def binary(self, node, a, b) -> None:
         if _shape(node) is not None:  # a tensor: numbers computed from widths that scale it

@@ -69,3 +69,36 @@ def test_torchvision_networks_fuse_back_and_fuse(build):
         return library_randomised(build())
 
     assert_library_network_fuses(make, torch.randn(6, 3, 32, 32))
+
+
+def _swin(seed: int) -> torch.nn.Module:
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(seed)
+    swin = SwinTransformer([4, 4], 16, [2, 2], [2, 2], [2, 2], stochastic_depth_prob=0.1, num_classes=10)
+    return library_randomised(swin)
+
+
+def test_torchvision_swin_traces_through_its_wrapped_attention():
+    """torchvision wraps Swin's ``shifted_window_attention`` for fx (``torch.fx.wrap``), since it
+    pads and shifts by sizes it branches on, and builds its mask by item assignment: the tracer
+    goes through it, taking those branches at the example input. Its queries are scaled by
+    ``(C // num_heads) ** -0.5``, a root of the fused width, so the heads' widths are fixed:
+    OT fuses a permuted copy back, PFNM refuses in one line."""
+    import bayesfuse
+    from bayesfuse.nets.graph_spec import spec_from_graph
+    from tests.helpers import permuted_copy
+
+    x = torch.randn(3, 3, 32, 32)
+    model = _swin(0)
+    spec = spec_from_graph(model, x[:1])
+    assert spec.fixed and all("root of their width" in why for why in spec.fixed.values())
+    permuted = permuted_copy(model, spec, seed=1)
+    with torch.no_grad():
+        reference = model(x)
+        assert float((permuted(x) - reference).abs().max()) < 1e-4
+        fused = bayesfuse.fuse([model, permuted], "ot", example_input=x[:1]).model
+        assert float((fused(x) - reference).abs().max()) < 1e-4
+        assert bayesfuse.fuse([_swin(s) for s in (1, 2)], "ot", example_input=x[:1]).model(x).shape == (3, 10)
+    with pytest.raises(ValueError, match="root of their width"):
+        bayesfuse.fuse([_swin(s) for s in (1, 2)], "pfnm", example_input=x[:1])

@@ -1,0 +1,206 @@
+"""Control flow on sizes, decided at the example input while a forward is traced
+(bayesfuse.nets.decisions, through bayesfuse.nets.graph_spec).
+
+A branch, ``assert`` or ``int()`` on a number read off tensors' sizes is taken at the example
+input; the spec then describes the network down that branch, which each test checks by what a
+spec promises: a copy permuted by it computes the same function, and fusing it back gives the
+function again (max abs logit difference under 1e-4: float32 round-off on logits of order 1).
+A branch that reads the units' width fixes it; one that reads a tensor's values is refused.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import fx, nn
+
+import bayesfuse
+from bayesfuse.nets.decisions import Decider, decided, reads_sizes_only
+from bayesfuse.nets.graph_spec import spec_from_graph
+from bayesfuse.nets.tracing import UnsupportedLayerError
+from tests.helpers import far_from_identity_norms, permuted_copy
+from tests.nets.user_nets import NanoGPT
+
+
+class AssertingGPT(NanoGPT):
+    """nanoGPT's forward as written: ``assert t <= self.config.block_size`` before the embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__(split_by="C")
+        self.block_size = 6
+
+    def forward(self, idx):
+        b, t = idx.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}, block size is only {self.block_size}"
+        return super().forward(idx)
+
+
+class TokenGrid(nn.Module):
+    """Tokens folded back into a square grid by ``int(math.sqrt(T))`` (timm's Nest), a branch on
+    the batch and one on the grid's side; a width the module holds cuts the heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix = nn.Linear(4, 12), nn.Conv2d(12, 12, 3, padding=1)
+        self.qkv, self.head = nn.Linear(12, 36), nn.Linear(12, 10)
+        self.width = 12
+
+    def example_input(self):
+        return torch.zeros(2, 16, 4)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        side = int(math.sqrt(T))
+        h = self.embed(x)
+        if side > 2:  # a branch on the positions: taken at the example, the units are not read
+            h = h.transpose(1, 2).reshape(B, -1, side, side)
+            h = self.mix(torch.relu(h)).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(h).view(B, T, 3, self.width).unbind(2)
+        h = h + ((q @ k.transpose(1, 2)) * 0.3).softmax(-1) @ v
+        return self.head(h.mean(1))
+
+
+class WidthBranch(nn.Module):
+    """A branch on the hidden layer's own width: at another width the forward would take the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 6), nn.Linear(6, 3)
+
+    def example_input(self):
+        return torch.zeros(2, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        if h.shape[-1] % 2 == 0:
+            h = h * 2
+        return self.head(h)
+
+
+class ValueBranch(WidthBranch):
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:
+            h = -h
+        return self.head(h)
+
+
+class MaskBuilt(nn.Module):
+    """A mask built by item assignment (``mask[a:b, c:d] = k``, as torchvision's Swin builds its
+    shifted windows' mask) and added to attention scores; sizes read off the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.head = nn.Linear(4, 24), nn.Linear(8, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 6, 4)
+
+    def forward(self, x):
+        T = x.shape[1]
+        mask = x.new_zeros((T, T))
+        half = T // 2
+        if half > 0:
+            mask[:half, half:] = -1e4
+            mask[half:, :half] = -1e4
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.head((((q @ k.transpose(1, 2)) * 0.3 + mask).softmax(-1) @ v).mean(1))
+
+
+def _model(cls, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return far_from_identity_norms(cls()).eval()
+
+
+def _fuses_back(model: nn.Module, x: torch.Tensor, method: str) -> float:
+    spec = spec_from_graph(model)
+    permuted = permuted_copy(model, spec, seed=1).eval()
+    with torch.no_grad():
+        assert float((permuted(x) - model(x)).abs().max()) < 1e-4  # the spec is a symmetry of the network
+        fused = bayesfuse.fuse([model, permuted], method).model
+        return float((fused(x) - model(x)).abs().max())
+
+
+def test_nanogpt_asserting_its_sequence_length_fuses_by_every_method():
+    """nanoGPT's ``assert t <= block_size`` reads the sequence's length, not the units: the trace
+    takes it at the example, and every method fuses the network, PFNM at a wider stream."""
+    model = _model(AssertingGPT, 0)
+    x = torch.randint(0, 12, (8, 6))
+    assert not spec_from_graph(model).fixed
+    for method in ("pfnm", "ot"):
+        assert _fuses_back(model, x, method) < 1e-4, method
+    fused = bayesfuse.fuse([_model(AssertingGPT, s) for s in (1, 2, 3)], "pfnm")
+    assert fused.sizes[0] > 16 and fused.model(x).shape == (8, 6, 12)
+
+
+def test_int_of_a_size_and_a_branch_on_positions_are_taken_at_the_example():
+    model = _model(TokenGrid, 0)
+    x = torch.randn(5, 16, 4)
+    spec = spec_from_graph(model)
+    assert not spec.fixed and set(spec.widths) == {"width"}  # the held width still follows (a retrace replays)
+    assert _fuses_back(model, x, "pfnm") < 1e-4
+    fused = bayesfuse.fuse([_model(TokenGrid, s) for s in (1, 2, 3)], "pfnm").model
+    assert fused.width == fused.head.in_features > 12 and fused(x).shape == (5, 10)
+
+
+def test_a_branch_on_the_units_width_fixes_it():
+    model = _model(WidthBranch, 0)
+    spec = spec_from_graph(model)
+    assert "branches on" in spec.fixed["P1"]
+    x = torch.randn(5, 8)
+    assert _fuses_back(model, x, "ot") < 1e-4
+    with pytest.raises(ValueError, match="branches on"):
+        bayesfuse.fuse([_model(WidthBranch, s) for s in (1, 2)], "pfnm")
+
+
+def test_a_branch_on_a_tensors_values_is_refused_in_one_line():
+    with pytest.raises(UnsupportedLayerError, match=r"a condition reads the values of fc") as err:
+        spec_from_graph(_model(ValueBranch, 0))
+    assert "\n" not in str(err.value)
+
+
+def test_a_mask_built_by_item_assignment_traces():
+    model = _model(MaskBuilt, 0)
+    x = torch.randn(3, 6, 4)
+    assert _fuses_back(model, x, "pfnm") < 1e-4
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h[:, 0] = 0.0  # one unit silenced by its place
+        return self.head(h)
+
+
+def test_item_assignment_into_the_units_is_refused():
+    with pytest.raises(UnsupportedLayerError, match="setitem on a permuted axis"):
+        spec_from_graph(_Masked(), torch.zeros(2, 8))
+
+
+def _graph(fn) -> fx.Graph:
+    return fx.symbolic_trace(fn).graph
+
+
+def test_the_decider_computes_sizes_and_refuses_values():
+    """Unit level: a number computed from sizes gets its example value; one computed from a
+    tensor's values names that tensor; a replay gives the recorded values back in order."""
+
+    def f(x):
+        return x.shape[1] * 2 + x.sum()
+
+    graph = _graph(f)
+    nodes = {n.name: n for n in graph.nodes}
+    decider = Decider(nn.Module(), example=(torch.ones(3, 5),))
+    assert decider.value(nodes["mul"], "a condition") == 10 and decider.made == [10]
+    assert reads_sizes_only(nodes["mul"], decider.values) is None
+    with pytest.raises(fx.proxy.TraceError, match="reads the values of x"):
+        decider.value(nodes["add"], "a condition")
+    again = Decider(nn.Module(), replay=[10])
+    assert again.value(nodes["add"], "a condition") == 10
+    with pytest.raises(fx.proxy.TraceError, match="did not meet"):
+        again.value(nodes["add"], "a condition")
+    assert decided(3) is None
