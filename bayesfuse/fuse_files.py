@@ -47,7 +47,7 @@ from bayesfuse.core import State, averaged_states, fuse_states, unpermuted_spec
 from bayesfuse.fusion_record import check_fusion_outputs, fusion_bytes, fusion_path, write_fusion_files
 from bayesfuse.inference._backend import check_device
 from bayesfuse.inference.client_heads import default_head, default_pool
-from bayesfuse.inference.spec import PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
+from bayesfuse.inference.spec import Axis, PermutationSpec, entry_order, spec_for_state_dict, spec_from_dict
 from bayesfuse.models.bnn_sites import is_bnn_state, state_depth, state_keys
 from bayesfuse.summaries import load_summary, summary_path
 
@@ -222,6 +222,9 @@ def _network_spec(state_dicts, names, arch, spec, like=None, example_input=None)
     """The permutation spec of point-estimate files (``spec``, traced from the network ``like``, or
     read off the names), checked against every file, and where it came from (for the report)."""
     source = "spec file" if spec is not None else None
+    if spec is not None and like is not None and not spec.widths:
+        spec, held = _traced_widths(spec, like, example_input)
+        source = f"spec file, the widths the network holds ({', '.join(held)}) traced from it" if held else source
     if spec is None and like is not None:
         from bayesfuse.nets.tracing import spec_from_module
 
@@ -257,6 +260,35 @@ def _network_spec(state_dicts, names, arch, spec, like=None, example_input=None)
     if not spec.groups:
         raise ValueError(f"{names[0]}: the network has no hidden layer to match")
     return spec, source
+
+
+def _traced_widths(spec: PermutationSpec, like, example_input=None) -> tuple[PermutationSpec, list[str]]:
+    """``spec`` (a file's, listing no ``widths``) with the numbers ``like``'s modules hold as
+    widths (``self.hidden_dim``) traced from it, each on the file's group of an entry axis the
+    traced spec gives it; and their paths. Nothing where ``like`` does not trace, or where an
+    axis of the file's spec does not hold the traced one's units alike (the run check refuses)."""
+    from dataclasses import replace
+
+    from bayesfuse.nets.graph_spec import UnsupportedLayerError
+    from bayesfuse.nets.tracing import spec_from_module
+
+    try:
+        traced = spec_from_module(like, example_input)
+    except (UnsupportedLayerError, ValueError):  # a file is given because the network does not trace
+        return spec, []
+    widths = {}
+    for path, held in traced.widths.items():
+        mapped = {
+            Axis(mine.group, held.outer, held.inner)
+            for key, axes in traced.axes.items()
+            for dim, theirs in enumerate(axes)
+            if theirs is not None and theirs.group == held.group and key in spec.axes and dim < len(spec.axes[key])
+            for mine in [spec.axes[key][dim]]
+            if mine is not None and (mine.outer, mine.inner) == (theirs.outer, theirs.inner)
+        }
+        if len(mapped) == 1:
+            widths[path] = mapped.pop()
+    return (replace(spec, widths=widths), list(widths)) if widths else (spec, [])
 
 
 def _check_like(

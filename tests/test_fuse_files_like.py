@@ -180,6 +180,27 @@ def test_a_width_the_network_holds_follows_the_fused_file(tmp_path):
     assert fused(torch.randn(4, 64)).shape == (4, 10)
 
 
+def test_a_spec_file_without_widths_takes_the_widths_the_network_holds(tmp_path):
+    """``--arch-spec`` beside ``--model``: a spec file that lists no ``widths`` gets the numbers
+    the network holds as widths from its trace, on the file's own group names (the file names its
+    group "stream", the trace "P1"); the fused file loads and runs."""
+    from bayesfuse.inference.spec_io import spec_to_dict
+    from bayesfuse.nets.graph_spec import spec_from_graph
+
+    models, paths = _files(tmp_path, PatchTokens, 3)
+    data = json.loads(json.dumps(spec_to_dict(spec_from_graph(models[0]))).replace('"P1"', '"stream"'))
+    assert data.pop("widths") == {"hidden_dim": "stream"}
+    (tmp_path / "s.json").write_text(json.dumps(data))
+    out = tmp_path / "fused.pt"
+    ref = ["--model", "tests.nets.user_nets:PatchTokens", "--arch-spec", str(tmp_path / "s.json")]
+    assert main(["fuse", *paths, "--method", "pfnm", *ref, "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "fused.pt.json").read_text())["architecture"]
+    assert report["source"] == "spec file, the widths the network holds (hidden_dim) traced from it"
+    fused = bayesfuse.load(out, like=PatchTokens())
+    assert fused.hidden_dim == fused.patch.out_channels == report["widths"]["hidden_dim"] > 12
+    assert fused(torch.randn(4, 64)).shape == (4, 10)
+
+
 def test_weights_tied_are_one_tensor_in_the_fused_file(tmp_path):
     """``--model`` of a language model whose embedding is its output layer's weight: the fused
     file holds the one fused tensor under both names (each fused as an entry, then tied), the
