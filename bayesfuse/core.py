@@ -387,8 +387,7 @@ def _aligning(fuse_plain):
     @functools.wraps(fuse_plain)
     def fuse(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         spec = _network_spec(states, names, spec, class_counts)
-        if not methods.METHODS[method].keeps_widths:
-            spec.check_free_widths(method)  # a forward that fixes a width: only methods that keep widths
+        held = {} if methods.METHODS[method].keeps_widths else spec.sizes(states[0])
         if spec.pieces:  # entries reading streams side by side: matched as their pieces, then put together
             states = [spec.split(sd) for sd in states]
             if options.get("summaries") is not None:
@@ -396,6 +395,16 @@ def _aligning(fuse_plain):
                     dataclasses.replace(s, precision=spec.split(s.precision)) for s in options["summaries"]
                 ]
         fused = fuse_widths(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
+        if held and spec.fixed:  # groups whose width the forward fixes: matched at it (layerwise.match_group)
+            sizes = dict(zip(fused.groups, fused.sizes))
+            moved = {g: (held[g], sizes.get(g)) for g in spec.fixed if sizes.get(g) != held[g]}
+            if moved:
+                g, (was, now) = next(iter(moved.items()))
+                raise ValueError(
+                    f"method={method!r} gave the units of {g} {now} units instead of {was}, and the network's forward "
+                    f"fixes that width ({spec.fixed[g]}): fuse it with a method that keeps the widths (ot, fedavg)"
+                )
+            fused.hyper["fixed"] = dict(spec.fixed)
         if spec.pieces:
             fused.state = spec.join(fused.state)
             fused.precision = None if fused.precision is None else spec.join(fused.precision)

@@ -12,8 +12,8 @@ statistic drawn away from 1 and 0, ``tests.helpers.library_randomised``): the pe
 traced from its module at the model's own input size (``spec_from_graph``), its groups and the
 groups whose width its forward fixes (``spec.fixed``), or the first line of the refusal; then,
 for models of at most ``--max-params`` parameters, a copy with every group permuted at random
-fused with the original by PFNM (by OT where the forward fixes a width; ``--size`` pixels square
-where the model takes any size): the
+fused with the original by PFNM (which matches the groups whose width the forward fixes at that
+width; ``--size`` pixels square where the model takes any size): the
 largest absolute difference of the fused network's logits from the original's on 4 random
 images, beside the largest logit (float32 round-off is about 1e-7 of it per layer, more through
 deep stacks of batch norms), and the seconds it took; and the permuted copy's own largest
@@ -23,8 +23,8 @@ difference from the original, which shows that the spec describes a symmetry of 
 A model with ``nn.MultiheadAttention`` (torchvision's ViT) is traced as ``bayesfuse.fuse``
 fuses it, split into one module per head (``split_heads``). A timm name ending in ``+eager``
 builds the model with every attention module's fused kernel off (``fused_attn = False``): its
-heads then follow the width each module holds (``self.head_dim``) and PFNM fuses it, where
-``F.scaled_dot_product_attention``'s default scale, read off the fused width, fixes the widths.
+heads then follow the width each module holds (``self.head_dim``) and PFNM grows them, where
+``F.scaled_dot_product_attention``'s default scale, read off the fused width, fixes them.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def check(name: str, build, library: str, fixed: int | None, size: int, max_para
     if params > max_params:
         return row
     permuted = permuted_copy(model, spec, seed=1)
-    method = "ot" if spec.fixed else "pfnm"  # a width its forward fixes: the method that keeps widths
+    method = "pfnm"  # groups whose width the forward fixes are matched at it
     with torch.no_grad():
         reference = model(x)
         # the spec's symmetry itself: a copy permuted by it computes the same function (else fusing it

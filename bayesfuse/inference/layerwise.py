@@ -456,6 +456,11 @@ def match_group(
     (:func:`~bayesfuse.inference.matching.match_neurons`); the matching's ``mean`` and ``var``
     come back as NumPy float64 arrays either way.
 
+    A group whose width the network's forward fixes (``spec.fixed``: heads of a width written in
+    the code, a scale computed from the width) is matched at that width: its global units are
+    as many as each client's, every client's units assigned to them one to one by the same
+    posterior (``capacity``, :func:`~bayesfuse.inference.matching.match_neurons`).
+
     Returns the matching and the global value of every entry that described the units (its
     other axes in their global bases).
     """
@@ -505,6 +510,7 @@ def match_group(
     with np.errstate(divide="ignore"):
         precision = 1.0 / match_noise  # relative precisions w_jd (0: unobserved)
     units = rows if device is None else [to_device(r, device, dtype) for r in rows]
+    capacity = _fixed_width(spec, group, [len(r) for r in rows])
     if auto:
         entry_blocks = np.repeat(np.arange(len(layout)), [width for *_, width in layout])
         result = match_neurons(
@@ -521,6 +527,7 @@ def match_group(
             tol=tol,
             seed=seed,
             verbose=verbose,
+            capacity=capacity,
         )
         result.hyper["blocks"] = [k for k, *_ in layout]
         result.hyper["block_widths"] = [int(width) for *_, width in layout]  # numbers per unit of each
@@ -538,6 +545,7 @@ def match_group(
             tol=tol,
             seed=seed,
             verbose=verbose,
+            capacity=capacity,
         )
     if device is not None:  # the posterior back on the host, as every result of this module
         result.mean, result.var = to_host(result.mean), to_host(result.var)
@@ -584,6 +592,19 @@ class _MeansFromAverage:
         w = self.data[index]
         share = w / (w + self.prior_precision)  # the data's share of the posterior precision
         return self.prior_mean + (a - self.prior_mean) * share
+
+
+def _fixed_width(spec: PermutationSpec, group: str, widths: list[int]) -> int | None:
+    """The width group ``group`` is matched at where the network's forward fixes it (the clients'
+    one; they must agree), else None."""
+    if group not in spec.fixed:
+        return None
+    if len(set(widths)) > 1:
+        raise ValueError(
+            f"group {group!r} has {sorted(set(widths))} units in different clients, but the network's forward fixes "
+            f"its width ({spec.fixed[group]}): fuse clients of one width"
+        )
+    return widths[0]
 
 
 def posterior_from_average(

@@ -41,20 +41,107 @@ def size_read(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is getattr and node.args[1] in _SIZE_ATTRIBUTES
 
 
+#: Operations whose result's shape is computed from their operands' values (``x[x > 0]``,
+#: ``nonzero``), and those that turn values into numbers (``t.item()``).
+_VALUES_SHAPED = frozenset(
+    {
+        "nonzero",
+        "argwhere",
+        "unique",
+        "unique_consecutive",
+        "masked_select",
+        "item",
+        "tolist",
+        "bincount",
+        "where",
+    }
+)
+
+
+def _holds(value: Any, kind) -> bool:
+    """Whether ``value`` is, or holds (a tuple given as one input, an index), a ``kind(v)``."""
+    found: list[bool] = []
+
+    def look(v):
+        found.append(bool(kind(v)))
+        return v
+
+    fx.node.map_aggregate(value, look)
+    return any(found)
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or holds one (a tuple given as one input)."""
+    return _holds(value, lambda v: isinstance(v, torch.Tensor))
+
+
+def _in_place_users(n: fx.Node) -> list[fx.Node]:
+    """The nodes that write into ``n``'s tensor (``t.add_(...)``, ``t[i] = v``)."""
+    return [
+        u
+        for u in n.users
+        if u.args
+        and u.args[0] is n
+        and (
+            (u.op == "call_method" and str(u.target).endswith("_") and not str(u.target).startswith("_"))
+            or (u.op == "call_function" and u.target in (operator.setitem, operator.iadd, operator.imul))
+        )
+    ]
+
+
+def _values_shaped(n: fx.Node, values: dict[fx.Node, Any]) -> bool:
+    """Whether ``n`` computes a shape, or a number, from a tensor's values."""
+    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if n.op in ("call_method", "call_function") and name in _VALUES_SHAPED:
+        return name != "where" or len(n.args) + len(n.kwargs) == 1  # torch.where(cond): nonzero
+    if n.op in ("call_method", "call_function") and name == "repeat_interleave":  # repeats given as a tensor
+        repeats = n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
+        return isinstance(values.get(repeats) if isinstance(repeats, fx.Node) else repeats, torch.Tensor)
+    if n.op == "call_function" and n.target is operator.getitem and len(n.args) > 1:  # a mask: x[x > 0]
+        return _holds(
+            fx.node.map_arg(n.args[1], lambda a: values.get(a)),
+            lambda v: isinstance(v, torch.Tensor) and v.dtype == torch.bool,
+        )
+    return False
+
+
 def reads_sizes_only(node: fx.Node, values: dict[fx.Node, Any]) -> fx.Node | None:
     """The first node whose tensor values reach the number ``node`` (a layer's output, an input,
-    a parameter), where ``values`` holds what each evaluated node is; None where only sizes do."""
-    stack, seen = [node], set()
+    a parameter, a shape computed from values such as ``x[x > 0]``'s), where ``values`` holds what
+    each evaluated node is; None where only sizes do. A size read (``x.shape``) reads no values,
+    unless ``x``'s shape was itself computed from some (``nonzero``, masks, ``item``)."""
+    stack, seen, shaped = [node], set(), set[fx.Node]()
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
         if size_read(n):
+            culprit = _shape_from_values(n, values, shaped)
+            if culprit is not None:
+                return culprit
             continue
-        if n.op == "call_module" or (n.op in ("placeholder", "get_attr") and isinstance(values.get(n), torch.Tensor)):
+        if n.op == "call_module" or (n.op in ("placeholder", "get_attr") and _holds_tensor(values.get(n))):
             return n
-        stack.extend(a for a in n.all_input_nodes)
+        if _values_shaped(n, values):
+            return n
+        stack.extend(n.all_input_nodes)
+        stack.extend(_in_place_users(n))  # a tensor written into after it was made
+    return None
+
+
+def _shape_from_values(node: fx.Node, values: dict[fx.Node, Any], seen: set) -> fx.Node | None:
+    """The node, among those ``node`` (a size read) depends on, that computes a shape or a
+    number from values (:func:`_values_shaped`), else None."""
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _values_shaped(n, values):
+            return n
+        stack.extend(n.all_input_nodes)
     return None
 
 
@@ -93,6 +180,7 @@ class Decider:
                 f"{what} reads the values of {values_of.name} (not only sizes): the branch would hold for the "
                 "example input alone"
             )
+        _mark_held(node, self.values)
         value = self.values[node]
         if isinstance(value, torch.Tensor):  # a 0-d tensor computed from sizes (torch.tensor(n).sqrt())
             value = value.item()
@@ -100,23 +188,19 @@ class Decider:
         return value
 
     def _evaluate(self, node: fx.Node) -> None:
-        """Compute ``node`` and every node it needs that is not computed yet, in graph order."""
-        needed, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n not in needed and n not in self.values:
-                needed.add(n)
-                stack.extend(n.all_input_nodes)
+        """Compute every node of the graph up to ``node`` not computed yet, in order (the forward
+        so far, writes into tensors included)."""
         placeholders = 0
         with torch.no_grad(), _untraced():
             for n in node.graph.nodes:
                 if n.op == "placeholder":
                     placeholders += 1
-                if n not in needed:
-                    continue
-                args = fx.node.map_aggregate(fx.node.map_arg(n.args, self.values.__getitem__), _plain)
-                kwargs = fx.node.map_aggregate(fx.node.map_arg(n.kwargs, self.values.__getitem__), _plain)
-                self.values[n] = self._run(n, args, kwargs, placeholders - 1)
+                if n not in self.values:
+                    args = _plain(fx.node.map_arg(n.args, self.values.__getitem__))
+                    kwargs = _plain(fx.node.map_arg(n.kwargs, self.values.__getitem__))
+                    self.values[n] = self._run(n, args, kwargs, placeholders - 1)
+                if n is node:
+                    break
 
     def _run(self, n: fx.Node, args, kwargs, index: int) -> Any:
         assert self.example is not None
@@ -144,13 +228,46 @@ def _untraced():
     return revert() if revert is not None else contextlib.nullcontext()
 
 
+def _held(value: Any) -> bool:
+    """Whether ``value`` is a number a module holds (``bayesfuse.nets.graph_spec``'s held widths)."""
+    return isinstance(value, int) and hasattr(getattr(value, "root", None), "computed")
+
+
 def _plain(value: Any) -> Any:
-    """A number a module holds (``bayesfuse.nets.graph_spec``'s held widths) as the plain ``int``
-    it is, marked as computed with: a decision read it."""
-    root = getattr(value, "root", None)
-    if isinstance(value, int) and root is not None and hasattr(root, "computed"):
-        root.computed = True
+    """``value`` (an argument, or a tuple, list, dict or slice of them) with every number a module
+    holds as the plain ``int`` it is (``int``'s own method: the held width's would mark it as computed
+    with); a ``torch.Size`` as it is."""
+    if _held(value):
         return int.__int__(value)
+    if isinstance(value, torch.Size):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_plain(v) for v in value]
+        if hasattr(value, "_fields"):  # a named tuple
+            return type(value)(*items)
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_plain(value.start), _plain(value.stop), _plain(value.step))
+    return value
+
+
+def _mark_held(node: fx.Node, values: dict[fx.Node, Any]) -> None:
+    """Mark as computed with the numbers a module holds that the number ``node`` is computed
+    from (``x.shape[-1] < self.size``): not those that only shaped a tensor it reads the size of."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or size_read(n) or isinstance(values.get(n), torch.Tensor) and values[n].dim() > 0:
+            continue
+        seen.add(n)
+        fx.node.map_aggregate((n.args, n.kwargs), lambda a: _computed(a) if _held(a) else a)
+        stack.extend(n.all_input_nodes)
+
+
+def _computed(value: Any) -> Any:
+    value.root.computed = True
     return value
 
 

@@ -1001,6 +1001,7 @@ class _Walk:
         self.coarse: set[int] = set()  # classes re-described as runs of units (coarsen)
         self.segmented: set[int] = set()  # classes re-described as runs of new classes (split unequally)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
+        self.decisions: list = []  # the numbers the trace decided on (decisions.decided), read after the walk
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
         self.held: list[tuple[str, int, int, int, int]] = []  # and the multiple of it read (factor)
         self.computed = set(computed)  # those of them the forward also computes with in Python
@@ -1135,6 +1136,8 @@ class _Walk:
                 self.call_method(node)
             elif node.op == "output":
                 output_node = node
+        for value in self.decisions:
+            self.decided(value)
         out = output_node.args[0] if output_node is not None else None
         returned = list(_returned(out))  # a tensor, or a tuple / list / dict of them: the first are the logits
         for node in returned:
@@ -2134,8 +2137,16 @@ class _Walk:
 
     def decision(self, node, value) -> None:
         """A number the trace took at its example value (a branch's condition, ``int(n)``;
-        :func:`~bayesfuse.nets.decisions.decided`): the widths of the units it reads are fixed,
-        since at another width the forward could take another branch."""
+        :func:`~bayesfuse.nets.decisions.decided`): read once the whole graph is walked
+        (:meth:`decided`), when every parameter whose width it may read has its units."""
+        self.decisions.append(value)
+        self.labels[node] = None
+
+    def decided(self, value) -> None:
+        """Fix the widths of the units the decided number ``value`` reads (:meth:`decision`):
+        at another width the forward could take another branch. Only the number's own chain is
+        read, up to the sizes it reads: a tensor's dtype or rank, or the widths that shaped a
+        tensor whose other size it reads, are none of its."""
         stack, seen = [value], set()
         while stack:
             a = stack.pop()
@@ -2144,13 +2155,15 @@ class _Walk:
             seen.add(a)
             read, whole = _size_read(a), _shape_source(a)
             if whole is None and a.op == "call_method" and a.target in ("numel", "nelement"):
-                whole = cast(fx.Node, a.args[0])
+                of = a.args[0]
+                whole = _shape_source(of) or of if isinstance(of, fx.Node) else None  # x.numel(), x.shape.numel()
             if read is not None:
                 axes = [read]
             elif whole is not None:
                 axes = [(whole, i) for i in range(len(_shape(whole) or ()))]
             else:
-                stack.extend(a.all_input_nodes)
+                if len(_shape(a) or ()) == 0:  # a number, or a 0-d tensor made of one: read on
+                    stack.extend(a.all_input_nodes)
                 continue
             for x, axis in axes:
                 at = self.units_at(x, axis)
@@ -2159,7 +2172,6 @@ class _Walk:
                         at[0],
                         f"the forward branches on (or takes int() of) a number read off their width ({value.name})",
                     )
-        self.labels[node] = None
 
     def binary(self, node, a, b) -> None:
         if _shape(node) is not None:  # a tensor: numbers computed from widths that scale it

@@ -138,6 +138,28 @@ def test_two_clients_global_optimum_by_brute_force():
     assert res.objective[-1] == pytest.approx(best, rel=1e-12)
 
 
+@pytest.mark.parametrize("cost", ["marginal", "pfnm"])
+def test_capped_two_clients_is_the_best_one_to_one_matching_by_brute_force(cost):
+    """With ``capacity`` the clients' width, two clients of 4 units fill 4 atoms one to one (a
+    width the network's forward fixes), though the free matching opens more atoms; with the
+    marginal cost the result is the best of the 4! pairings under the collapsed log posterior
+    (J = 2, so the pairings are every structure there is)."""
+    rng = np.random.default_rng(5)
+    atoms = rng.normal(size=(6, 3))
+    layers = [atoms[[0, 1, 2, 3]] + 0.3 * rng.normal(size=(4, 3)), atoms[[2, 4, 5, 0]] + 0.3 * rng.normal(size=(4, 3))]
+    hyper = dict(noise_var=0.1, prior_var=1.0, gamma0=1.0)
+    pairings = [[np.arange(4), np.array(p)] for p in itertools.permutations(range(4))]
+    best = max(pairings, key=lambda a: log_marginal_posterior(layers, a, **hyper))
+    res = match_neurons(layers, cost=cost, seed=0, capacity=4, **hyper)
+    assert res.n_global == 4 and res.hyper["capacity"] == 4 and match_neurons(layers, seed=0, **hyper).n_global > 4
+    assert [sorted(a) for a in res.assignments] == [[0, 1, 2, 3]] * 2
+    if cost == "marginal":  # coordinate ascent on that posterior; the PFNM cost optimises another criterion
+        pairs = {(int(x), int(y)) for x, y in zip(np.argsort(res.assignments[0]), np.argsort(res.assignments[1]))}
+        assert pairs == set(zip(best[0].tolist(), best[1].tolist()))
+    auto = match_neurons(layers, seed=0, capacity=4)  # empirical Bayes holds the cap through its rounds
+    assert auto.n_global == 4
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_result_is_coordinatewise_optimal(seed):
     rng = np.random.default_rng(seed)

@@ -376,14 +376,19 @@ class _SDPA(nn.Module):
 
 def test_scaled_dot_product_attention_needs_its_scale():
     """Without ``scale=`` it scales by the queries' width: the spec says the forward fixes that
-    width, so methods that change widths refuse it and OT, which keeps them, fuses it."""
+    width: PFNM matches the queries' units at that width (the other groups grow) and OT, which keeps
+    every width, fuses it."""
     unscaled = [_SDPA(scale=None).eval() for _ in range(2)]
     spec = spec_from_module(unscaled[0])
     queries = {spec.axes[f"{h}.q.weight"][0].group for h in spec.heads[0]}
     assert set(spec.fixed) == queries and len(queries) == 2
     assert set(spec.fixed.values()) == {"scaled_dot_product_attention without scale= scales by the queries' width"}
-    with pytest.raises(ValueError, match="fixes that width .scaled_dot_product_attention without scale="):
-        bayesfuse.fuse(unscaled, "pfnm")
+    fused = bayesfuse.fuse(unscaled, "pfnm")
+    sizes = dict(zip(fused.groups, fused.sizes))
+    assert fused.hyper["fixed"] == spec.fixed and all(
+        sizes[g] == unscaled[0].heads[0]["q"].out_features for g in queries
+    )
+    assert fused.model(torch.randn(6, 64)).shape == (6, 10)
     assert bayesfuse.fuse(unscaled, "ot").model(torch.randn(6, 64)).shape == (6, 10)
     torch.manual_seed(0)
     model = _SDPA().eval()

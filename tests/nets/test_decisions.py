@@ -144,13 +144,15 @@ def test_int_of_a_size_and_a_branch_on_positions_are_taken_at_the_example():
 
 
 def test_a_branch_on_the_units_width_fixes_it():
+    """PFNM then matches the units at that width, one to one, as OT keeps it."""
     model = _model(WidthBranch, 0)
     spec = spec_from_graph(model)
     assert "branches on" in spec.fixed["P1"]
     x = torch.randn(5, 8)
-    assert _fuses_back(model, x, "ot") < 1e-4
-    with pytest.raises(ValueError, match="branches on"):
-        bayesfuse.fuse([_model(WidthBranch, s) for s in (1, 2)], "pfnm")
+    for method in ("pfnm", "ot"):
+        assert _fuses_back(model, x, method) < 1e-4, method
+    fused = bayesfuse.fuse([_model(WidthBranch, s) for s in (1, 2, 3)], "pfnm")
+    assert fused.sizes == [6] and "branches on" in fused.hyper["fixed"]["P1"]
 
 
 def test_a_branch_on_a_tensors_values_is_refused_in_one_line():
@@ -204,3 +206,105 @@ def test_the_decider_computes_sizes_and_refuses_values():
     with pytest.raises(fx.proxy.TraceError, match="did not meet"):
         again.value(nodes["add"], "a condition")
     assert decided(3) is None
+
+
+#: _Net's layer of the branch not taken is not read: the tracer warns so
+_UNREAD = pytest.mark.filterwarnings("ignore:_Net. other.weight, other.bias are not read")
+
+
+class _Net(nn.Module):
+    """A two-layer network whose forward each case below writes."""
+
+    def __init__(self, forward) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.other = nn.Linear(8, 6), nn.Linear(6, 3), nn.Linear(8, 3)
+        self.heads, self.hd = 2, 3
+        self.body = forward
+
+    def forward(self, x):
+        return self.body(self, x)
+
+
+def _masked_count(s, x):  # x[x > 0]'s size is computed from x's values
+    h = torch.relu(s.fc1(x))
+    return s.fc2(h) if x[x > 0].numel() > 16 else s.other(x)
+
+
+def _written_into(s, x):  # t's values are written by add_ with data after it was made
+    t = torch.zeros(x.shape[0])
+    t.add_(x.sum())
+    return s.fc2(torch.relu(s.fc1(x))) if t.max() > 5 else s.other(x)
+
+
+def _written_with_sizes(s, x):  # t's values are written by add_ with a size: the branch holds for any input
+    t = torch.zeros(x.shape[0])
+    t.add_(10)
+    return s.fc2(torch.relu(s.fc1(x))) if t.max() > 5 else s.other(x)
+
+
+def _weight_read_first(s, x):  # a width read off a parameter before its layer runs
+    if s.fc1.weight.shape[0] % 2 == 0:
+        x = x * 2
+    return s.fc2(torch.relu(s.fc1(x)))
+
+
+def _dtype_checked(s, x):  # a tensor's dtype and rank are not its width
+    h = torch.relu(s.fc1(x)).view(-1, s.heads, s.hd)
+    if h.dtype == torch.float16 or h.dim() != 3:
+        h = h.float()
+    return s.fc2(h.flatten(1))
+
+
+def _batch_asserted(s, x):  # the batch asserted after a reshape by held widths: the widths still follow
+    q = torch.relu(s.fc1(x)).view(x.shape[0], s.heads, s.hd)
+    assert q.shape[0] == x.shape[0]
+    return s.fc2(q.softmax(-1).reshape(x.shape[0], -1))
+
+
+def _numel_of_shape(s, x):
+    h = torch.relu(s.fc1(x))
+    return s.fc2(h * 2 if h.shape.numel() % 2 == 0 else h)
+
+
+@pytest.mark.parametrize("body", [_masked_count, _written_into])
+def test_a_branch_on_sizes_computed_from_values_is_refused(body):
+    """A size computed from values (a mask's count), or a tensor written with data after it was
+    made, is a branch on values: refused, not taken at the example."""
+    with pytest.raises(UnsupportedLayerError, match="reads the values of"):
+        spec_from_graph(_Net(body), torch.randn(4, 8))
+
+
+def test_one_input_given_as_a_tuple_is_read_as_values():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 3), nn.Linear(8, 3)
+
+        def forward(self, pair):
+            return self.a(pair[0]) if pair[1].sum() > 0 else self.b(pair[0])
+
+    with pytest.raises(UnsupportedLayerError, match="reads the values of pair"):
+        spec_from_graph(Pair(), (torch.randn(2, 8), torch.randn(2, 8)))
+
+
+@_UNREAD
+def test_writes_into_a_tensor_are_made_before_a_branch_reads_it():
+    """``t.add_(10)`` is made before ``t.max() > 5`` is computed: the trace takes the branch the
+    forward takes (fc1, fc2), not the one of zeros (other)."""
+    spec = spec_from_graph(_Net(_written_with_sizes), torch.randn(4, 8))
+    assert spec.groups == ("P1",) and spec.axes["fc1.weight"][0].group == "P1"  # fc1 read: its branch taken
+
+
+@pytest.mark.parametrize(
+    ("body", "fixed", "widths"),
+    [
+        (_weight_read_first, {"P1"}, set()),  # read before fc1 runs: fixed as after it
+        (_numel_of_shape, {"P1"}, set()),  # h.shape.numel(): the units' width among its factors
+        (_dtype_checked, set(), {"hd"}),  # dtype and rank: nothing fixed, hd follows
+        (_batch_asserted, set(), {"hd"}),  # the batch: nothing fixed, hd follows
+    ],
+)
+@_UNREAD
+def test_a_decision_fixes_the_widths_its_number_reads_and_only_those(body, fixed, widths):
+    spec = spec_from_graph(_Net(body), torch.randn(4, 8))
+    assert set(spec.fixed) == fixed and set(spec.widths) == widths

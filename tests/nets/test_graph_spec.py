@@ -182,6 +182,13 @@ def _permuted(model: nn.Module, seed: int) -> nn.Module:
     return copy.eval()
 
 
+def _kept_fixed(fused, spec, model: nn.Module) -> bool:
+    """Whether a fusion by a method that changes widths (PFNM, NAFI) matched the groups whose width
+    ``model``'s forward fixes at that width, and says so (``hyper["fixed"]``)."""
+    sizes, clients = dict(zip(fused.groups, fused.sizes)), spec.sizes(model.state_dict())
+    return fused.hyper["fixed"] == spec.fixed and all(sizes[g] == clients[g] for g in spec.fixed)
+
+
 def _gap(a: nn.Module, b: nn.Module, x: torch.Tensor) -> float:
     with torch.no_grad():
         return float((a(x) - b(x)).abs().max())
@@ -653,7 +660,7 @@ def test_a_width_a_module_holds_follows_the_fusion():
 
 def test_a_width_a_module_holds_for_two_streams_fixes_them():
     """One attribute read as the width of two streams that fusion sets apart: their widths are
-    fixed (PFNM refuses in one line), never one of them given the other's."""
+    fixed (PFNM matches them at it), never one of them given the other's."""
 
     class Twice(nn.Module):
         def __init__(self):
@@ -670,8 +677,8 @@ def test_a_width_a_module_holds_for_two_streams_fixes_them():
     models = [Twice().eval() for _ in range(2)]
     spec = spec_from_graph(models[0], torch.randn(2, 4))
     assert spec.widths == {} and "reads width as the width of two axes of units" in next(iter(spec.fixed.values()))
-    with pytest.raises(ValueError, match="reads width as the width of two axes"):
-        bayesfuse.fuse(models, "pfnm")
+    fused = bayesfuse.fuse(models, "pfnm")
+    assert _kept_fixed(fused, spec, models[0]) and fused.model(torch.randn(3, 4)).shape == (3, 2)
 
 
 class _HeadDim(nn.Module):
@@ -798,7 +805,7 @@ def test_heads_counted_from_a_width_within_a_head_the_module_holds_follow_the_fu
 def test_a_width_the_forward_also_computes_with_is_fixed():
     """``math.sqrt(self.head_dim)`` (Hugging Face's eager attention): the trace holds the
     scale as a number, which setting ``head_dim`` to a fused width would change. The width is
-    fixed: PFNM refuses in one line, OT fuses; the attribute is given back as a plain int."""
+    fixed: PFNM matches it at that width, as OT does; the attribute is given back as a plain int."""
     import math
 
     class Scaled(_HeadDim):
@@ -815,10 +822,10 @@ def test_a_width_the_forward_also_computes_with_is_fixed():
     spec = spec_from_graph(models[0], x[:1])
     assert spec.widths == {} and "reads head_dim as their width and also computes with it" in str(spec.fixed)
     assert type(models[0].head_dim) is int
-    with pytest.raises(ValueError, match="also computes with it"):
-        bayesfuse.fuse(models, "pfnm", example_input=x[:1])
-    back = bayesfuse.fuse([models[0], permuted_copy(models[0], spec, seed=1)], "ot", example_input=x[:1]).model
-    assert _gap(models[0], back, x) < 1e-5
+    assert _kept_fixed(bayesfuse.fuse(models, "pfnm", example_input=x[:1]), spec, models[0])
+    for method in ("pfnm", "ot"):
+        back = bayesfuse.fuse([models[0], permuted_copy(models[0], spec, seed=1)], method, example_input=x[:1]).model
+        assert _gap(models[0], back, x) < 1e-5, method
 
 
 def test_a_network_of_two_inputs_is_traced_from_its_pair_of_example_inputs():
@@ -1103,8 +1110,7 @@ def test_a_held_width_read_otherwise_or_where_no_permutation_reaches_is_fixed():
         models = [cls().eval() for _ in range(2)]
         spec = spec_from_graph(models[0], torch.randn(2, 8))
         assert spec.widths == {} and why in str(spec.fixed), cls
-        with pytest.raises(ValueError, match=why):
-            bayesfuse.fuse(models, "pfnm")
+        assert _kept_fixed(bayesfuse.fuse(models, "pfnm"), spec, models[0]), cls
 
 
 def test_tracing_gives_a_modules_numbers_back_as_they_were():
@@ -1277,8 +1283,11 @@ def test_pieces_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, wh
         m.register_buffer("mask", torch.rand(6))
     spec = spec_from_module(models[0], torch.zeros(2, 64))
     assert len(spec.fixed) == 1 and next(iter(spec.fixed.values())).startswith(why)
-    with pytest.raises(ValueError, match=re.escape(f"the network's forward fixes that width ({why}")):
-        bayesfuse.fuse(models, "nafi")
+    (group,) = spec.fixed
+    fused = bayesfuse.fuse(models, "nafi")  # the fixed group matched at its width, one to one
+    assert fused.hyper["fixed"] == spec.fixed
+    assert dict(zip(fused.groups, fused.sizes))[group] == spec.sizes(models[0].state_dict())[group]
+    assert fused.model(torch.randn(5, 64)).shape == (5, 3)
     assert bayesfuse.fuse(models, "ot").model(torch.randn(5, 64)).shape == (5, 3)
 
 
@@ -1388,8 +1397,8 @@ class _Heads(nn.Module):
     ],
 )
 def test_heads_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, why):
-    """A permuted copy keeps the function; PFNM and FedMA, which change widths, refuse in one line
-    naming why; OT, which keeps them, fuses."""
+    """A permuted copy keeps the function; PFNM matches the fixed group at its width (its units
+    one to one) and fuses the copy back; OT, which keeps every width, fuses it back too."""
     torch.manual_seed(0)
     models = [_Heads(how).eval() for _ in range(2)]
     x = torch.randn(20, 64)
@@ -1400,11 +1409,9 @@ def test_heads_whose_widths_the_forward_fixes_fuse_only_at_their_widths(how, why
     copy = _Heads(how)
     copy.load_state_dict({k: torch.as_tensor(v) for k, v in permute(state, spec, perms).items()})
     assert _gap(models[0], copy.eval(), x) < 1e-4
-    with pytest.raises(
-        ValueError,
-        match=re.escape(f"gives the units of P1 another width, and the network's forward fixes that width ({why}"),
-    ):
-        bayesfuse.fuse(models, "pfnm")
+    fused = bayesfuse.fuse(models, "pfnm")
+    assert fused.hyper["fixed"] == spec.fixed and dict(zip(fused.groups, fused.sizes))["P1"] == spec.sizes(state)["P1"]
+    assert _gap(models[0], bayesfuse.fuse([models[0], copy], "pfnm").model, x) < 1e-4
     assert _gap(models[0], bayesfuse.fuse([models[0], copy], "ot").model, x) < 1e-4
 
 
@@ -1705,7 +1712,7 @@ class _AfterSplit(nn.Module):
 
 def test_pieces_read_whole_by_a_width_given_as_a_number_are_fixed():
     """One number is the sum of the pieces' widths, which fusion changes one by one: each piece's
-    width is fixed (PFNM refuses in one line); read off the weight in pieces, refused."""
+    width is fixed (PFNM matches them at it); read off the weight in pieces, refused."""
     for how, given in (("held", "a number it holds"), ("written", "a number written in the code")):
         spec = spec_from_graph(_AfterSplit(how), torch.zeros(2, 64))
         why = f"its forward reshapes them, beside other streams, to a width given by {given}"
@@ -1855,8 +1862,8 @@ class _BiasFreeUp(nn.Module):
 def test_a_norm_without_affine_parameters_fixes_its_width():
     """A LayerNorm or RMSNorm without affine parameters holds its width in ``normalized_shape``
     alone, which no entry gives at another width: the rebuilt network failed to run after PFNM
-    (with a message about the forward's own widths); the spec now says so, PFNM refuses in one
-    line naming it, and OT keeps the widths. With affine parameters (an RMSNorm's scale) it is
+    (with a message about the forward's own widths); the spec now says so, and PFNM matches its
+    units at that width, as OT keeps the widths. With affine parameters (an RMSNorm's scale) it is
     rebuilt at the fused width."""
 
     class Plain(nn.Module):
@@ -1872,8 +1879,10 @@ def test_a_norm_without_affine_parameters_fixes_its_width():
         torch.manual_seed(0)
         models = [Plain(rms).eval() for _ in range(3)]
         kind = "RMSNorm" if rms else "LayerNorm"
-        with pytest.raises(ValueError, match=f"{kind} 'ln' has no affine parameters"):
-            bayesfuse.fuse(models, "pfnm")
+        spec = spec_from_graph(models[0], torch.zeros(2, 64))
+        assert f"{kind} 'ln' has no affine parameters" in spec.fixed["P1"]
+        fused = bayesfuse.fuse(models, "pfnm")
+        assert _kept_fixed(fused, spec, models[0]) and fused.model(torch.randn(2, 64)).shape == (2, 10)
         assert bayesfuse.fuse(models, "ot").model(torch.randn(2, 64)).shape == (2, 10)
     fused = bayesfuse.fuse([_random(LlamaMLP, s) for s in range(3)], "pfnm").model
     assert fused.norm.weight.shape == (fused.stem.out_features,) and fused.stem.out_features > 24
@@ -1883,7 +1892,7 @@ def test_functional_layer_norms_of_a_class_of_ones_own_follow_the_units():
     """``F.layer_norm`` as ConvNeXt's ``LayerNorm2d`` calls it (a subclass of ``nn.LayerNorm``
     with its own forward, channels moved last): its weight and bias follow the channels, and the
     rebuilt norm is still the user's class at the fused width. A width written as a number in the
-    forward fixes the units: OT fuses, PFNM refuses in one line."""
+    forward fixes the units' width: OT fuses, and PFNM matches them at it."""
     spec = spec_from_module(ConvNeXtLike())
     stream = spec.axes["stem.weight"][0].group
     assert spec.axes["stem_norm.weight"] == (Axis(stream),) and spec.axes["down_norm.bias"] == (Axis(stream),)
@@ -1930,8 +1939,9 @@ def test_functional_layer_norms_of_a_class_of_ones_own_follow_the_units():
 
     torch.manual_seed(0)
     models = [Literal().eval() for _ in range(3)]
-    with pytest.raises(ValueError, match=re.escape("layer_norm is given their width as 16 in the forward")):
-        bayesfuse.fuse(models, "pfnm")
+    spec = spec_from_module(models[0])
+    assert "layer_norm is given their width as 16 in the forward" in spec.fixed["P1"]
+    assert _kept_fixed(bayesfuse.fuse(models, "pfnm"), spec, models[0])  # matched at 16
     model = models[0]
     assert _gap(model, bayesfuse.fuse([model, _permuted(model, 1)], "ot").model, torch.randn(5, 64)) < 1e-4
 
@@ -2205,8 +2215,8 @@ def test_norms_of_ones_own_fold_only_when_they_are_a_batch_norm(cls, folded, met
 def test_norms_without_affine_parameters_of_one_group_per_channel_keep_their_width():
     """A group norm of one group per channel without affine parameters has nothing that gives its
     ``num_groups`` at another width (torch's GroupNorm: PFNM built a network that could not run;
-    one of one's own calling ``F.group_norm``): the width is fixed, PFNM refuses in one line that
-    says why, OT fuses."""
+    one of one's own calling ``F.group_norm``): the width is fixed, and says why; PFNM matches the
+    channels at it, as OT keeps every width."""
 
     class OwnGroupNorm(nn.GroupNorm):
         def forward(self, x):
@@ -2218,8 +2228,10 @@ def test_norms_without_affine_parameters_of_one_group_per_channel_keep_their_wid
     ):
         torch.manual_seed(0)
         models = [_norm_cnn(norm)().eval() for _ in range(3)]
-        with pytest.raises(ValueError, match=message):
-            bayesfuse.fuse(models, "pfnm")
+        spec = spec_from_graph(models[0], torch.zeros(2, 64))
+        assert any(message in why for why in spec.fixed.values())
+        fused = bayesfuse.fuse(models, "pfnm")
+        assert _kept_fixed(fused, spec, models[0]) and fused.model(torch.randn(5, 64)).shape == (5, 10)
         assert (
             _gap(models[0], bayesfuse.fuse([models[0], _permuted(models[0], 1)], "ot").model, torch.randn(5, 64)) < 1e-4
         )
@@ -2409,8 +2421,8 @@ def test_a_group_norm_right_after_a_concatenation_keeps_each_streams_groups():
     """A GroupNorm of g groups right after streams side by side (a diffusion U-Net's skip): each
     stream holds whole groups, its units cut into blocks the groups do not cross, and its width
     fixed (streams fused apart would not keep the groups equal): OT and FedAvg fuse it, PFNM
-    refuses in one line. It was refused by every method; a norm class of one's own calling
-    ``F.group_norm`` is read the same way."""
+    matches those streams at their widths. It was refused by every method; a norm class of one's
+    own calling ``F.group_norm`` is read the same way."""
     spec = spec_from_module(GroupNormSkip())
     assert spec.axes["enc.weight"][0].outer == 2 and spec.axes["mid.weight"][0].outer == 1  # 2 groups, 1 group
     assert len(spec.fixed) == 2 and all("GroupNorm 'gn'" in why for why in spec.fixed.values())
@@ -2419,8 +2431,9 @@ def test_a_group_norm_right_after_a_concatenation_keeps_each_streams_groups():
     assert _gap(model, bayesfuse.fuse([model, _permuted(model, 2)], "ot").model, x) < 1e-4
     models = [_random(GroupNormSkip, s) for s in range(3)]
     assert bayesfuse.fuse(models, "fedavg").model(x).shape == (6, 10)
-    with pytest.raises(ValueError, match="GroupNorm 'gn' normalises groups across streams side by side"):
-        bayesfuse.fuse(models, "pfnm")
+    fused = bayesfuse.fuse(models, "pfnm")
+    assert _kept_fixed(fused, spec, models[0]) and fused.model(x).shape == (6, 10)
+    assert "GroupNorm 'gn' normalises groups across streams side by side" in next(iter(fused.hyper["fixed"].values()))
 
     class OwnNormSkip(GroupNormSkip):  # the same, its norm a class of one's own calling F.group_norm
         def __init__(self) -> None:

@@ -11,7 +11,8 @@ clients into networks of timm's classes (:func:`tests.helpers.assert_library_net
 So does a small ViT whose attention runs without its fused kernel (``fused_attn=False``): it cuts
 heads of the width each ``Attention`` holds, ``self.head_dim``, which the rebuild sets to the
 fused width, and keeps the clients' scale. With the kernel, ``F.scaled_dot_product_attention``
-scales by the fused width, so the widths are fixed: PFNM refuses, OT fuses.
+scales by the fused width, so the heads' widths are fixed: PFNM matches them at it and grows the
+stream, OT keeps every width.
 """
 
 import pytest
@@ -66,8 +67,14 @@ def test_timm_vit_fuses_with_heads_of_the_width_its_attention_holds():
     attn = fused.blocks[0].attn
     assert attn.head_dim * attn.num_heads == attn.attn_dim == attn.qkv.out_features // 3 > 24
     kernel = [_small_vit(s, fused_attn=True) for s in (1, 2)]
-    with pytest.raises(ValueError, match="scaled_dot_product_attention without scale="):
-        bayesfuse.fuse(kernel, "pfnm", example_input=x[:1])
+    spec = spec_from_graph(kernel[0], x[:1])
+    assert spec.fixed and set(spec.fixed.values()) == {
+        "scaled_dot_product_attention without scale= scales by the queries' width"
+    }
+    fused = bayesfuse.fuse(kernel, "pfnm", example_input=x[:1])  # the heads at their width, the stream grown
+    attn = fused.model.blocks[0].attn
+    assert attn.head_dim == 8 and attn.qkv.out_features == 3 * 24 and fused.model.blocks[0].mlp.fc1.out_features > 96
+    assert fused.model(x).shape == (4, 10)
     assert bayesfuse.fuse(kernel, "ot", example_input=x[:1]).model(x).shape == (4, 10)
 
 

@@ -131,3 +131,24 @@ def assign_negative(
         took = Z[r, c] < 0
         out[rest_neurons[c[took]]] = rest_atoms[r[took]]
     return out
+
+
+def assign_capped(old: np.ndarray, new: np.ndarray, steps: np.ndarray | None, room: int) -> tuple[np.ndarray, int]:
+    """:func:`assign` with at most ``room`` new atoms: the optimal assignment of the L neurons to
+    the G atoms of ``old`` (G, L) and ``room`` new ones (the k-th at ``new_l + steps_k``, or
+    ``new_l``), by the Hungarian method on the whole (L, G + room) matrix. It is the assignment
+    of the same posterior with the number of atoms held at ``G + room`` (a group whose width the
+    network's forward fixes; every client then fills the atoms one to one). ``-1`` marks a new
+    atom; also returns the number of pairs (atom, neuron), all of them."""
+    G, L = old.shape
+    room = min(max(int(room), 0), L)
+    if G + room < L:
+        raise ValueError(f"{L} units cannot take {G} atoms and {room} new ones one to one")
+    C = np.empty((L, G + room))
+    C[:, :G] = (old - new[None, :]).T
+    C[:, G:] = 0.0 if steps is None else steps[None, :room]
+    r, c = linear_sum_assignment(C)
+    out = np.full(L, -1, dtype=np.int64)
+    took = c < G
+    out[r[took]] = c[took]
+    return out, G * L

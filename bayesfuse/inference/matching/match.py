@@ -35,6 +35,7 @@ def match_neurons(
     rounds: int = 100,
     init: Sequence[np.ndarray] | None = None,
     verbose: bool = False,
+    capacity: int | None = None,
 ) -> MatchResult:
     """MAP matching of J clients' neurons to global atoms (PFNM; NAFI with ``kl_weight > 0``).
 
@@ -105,6 +106,12 @@ def match_neurons(
         Order of the clients in each sweep; the same seed gives the same result.
     verbose : bool
         Progress bar over sweeps.
+    capacity : int, optional
+        At most this many atoms: each client's neurons are assigned to the atoms and to as many
+        new ones as there is room for (the same posterior, with the number of atoms held; the
+        Hungarian method on the whole matrix, never the float32 screen). For a group whose
+        width the network's forward fixes, ``capacity`` is that width: every client of that
+        width fills the atoms one to one.
 
     Returns
     -------
@@ -176,6 +183,7 @@ def match_neurons(
                 verbose=False,
                 start=start,
                 checked=True,
+                capacity=capacity,
             ),
             verbose=verbose,
             start=start,
@@ -203,4 +211,5 @@ def match_neurons(
         init=init,
         verbose=verbose,
         start=start,
+        capacity=capacity,
     )

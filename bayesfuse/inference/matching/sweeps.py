@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 import bayesfuse.inference.matching.cost as costs
 from bayesfuse.inference._backend import NUMPY, Backend, TorchBackend, backend_of
-from bayesfuse.inference.matching.assignment import RECORDERS, assign, assign_negative
+from bayesfuse.inference.matching.assignment import RECORDERS, assign, assign_capped, assign_negative
 from bayesfuse.inference.matching.checks import check_assignments, widen
 from bayesfuse.inference.matching.cost import cost_blocks, negative_pairs
 from bayesfuse.inference.matching.model import (
@@ -277,6 +277,7 @@ def match_fixed(
     squares=None,
     cache: NeuronCache | None = None,
     baseline: float | None = None,
+    capacity: int | None = None,
 ) -> MatchResult:
     """:func:`match_neurons` with numeric hyper-parameters.
 
@@ -288,6 +289,7 @@ def match_fixed(
     once the atoms are built (the caller then holds no (G, D) array through the sweeps); ``squares``,
     :func:`neuron_squares` of the layers; ``cache``, a :class:`NeuronCache` of the layers;
     ``baseline``, the objective before the first sweep (``tol`` then applies to that sweep too).
+    ``capacity``: at most that many atoms (:func:`assign_capped`).
     """
     layers, prec, prior = setup(layers, noise_var, prior_var, prior_mean, gamma0, local_vars, checked=checked)
     backend = backend_of(layers)
@@ -360,7 +362,9 @@ def match_fixed(
                                 assignments[k] = remap[assignments[k]]
                 g = atoms.n
                 pairs = None
-                if screen and density <= costs.SCREEN_DENSITY:  # a float32 product finds the few candidate pairs
+                if (
+                    capacity is None and screen and density <= costs.SCREEN_DENSITY
+                ):  # a float32 product finds the few candidate pairs
                     pairs = negative_pairs(
                         v, p, atoms.h, atoms.lam, atoms.m, prior, atoms.hh, cache.vv(j, v, groups), cache.v32(j, v)
                     )
@@ -379,7 +383,11 @@ def match_fixed(
                     )
                     old_cost, new_cost = backend.host(old_cost), backend.host(new_cost)
                     R = old_cost - new_cost[None, :] if RECORDERS else None  # before assign overwrites old_cost
-                    a, n_pairs = assign(old_cost, new_cost, steps)
+                    a, n_pairs = (
+                        assign(old_cost, new_cost, steps)
+                        if capacity is None
+                        else assign_capped(old_cost, new_cost, steps, capacity - g)
+                    )
                     for record in RECORDERS:
                         record(widen(v), R, a.copy(), steps)
                 else:
@@ -452,6 +460,7 @@ def match_fixed(
             cycle=cycle,
             tol=tol,
             stopped=stopped,
+            **({"capacity": int(capacity)} if capacity is not None else {}),
         ),
         seconds=time.perf_counter() - start,
     )
