@@ -544,9 +544,11 @@ def _run_fuse(args: argparse.Namespace) -> int:
         f"{args.out}.json",
         *(report[k]["file"] for k in ("posterior", "heads", "fusion_record") if report[k]),
     ]
+    held = (report.get("hyper") or {}).get("fixed") or {}
     print(
         f"fused {len(args.models)} models with {args.method} "
-        f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}; "
+        f"({'with their client summaries' if used else 'data-free'}): global sizes {report['global_sizes']}"
+        f"{' (' + ', '.join(held) + ' held at the widths the forward fixes)' if held else ''}; "
         f"wrote {', '.join(written)} and {last} ({report['seconds']:.1f} s)"
     )
     source = (report.get("architecture") or {}).get("source") or ""

@@ -307,7 +307,7 @@ def _dead_cells(fused: StateFusion) -> None:
     inside = []
     for key, axes in spec.axes.items():
         module, _, leaf = key.rpartition(".")
-        if leaf == "weight_hr_l0" and axes[1] is not None:
+        if leaf == "weight_hr_l0" and axes[1] is not None and axes[1].group not in spec.fixed:  # a width kept: none
             readers = {k for k, v in spec.axes.items() if any(a is not None and a.group == axes[1].group for a in v)}
             if all(k.startswith(f"{module}.") for k in readers):
                 inside.append(module)
@@ -387,7 +387,6 @@ def _aligning(fuse_plain):
     @functools.wraps(fuse_plain)
     def fuse(states, names, method, settings, *, spec, class_counts, **options) -> StateFusion:
         spec = _network_spec(states, names, spec, class_counts)
-        held = {} if methods.METHODS[method].keeps_widths else spec.sizes(states[0])
         if spec.pieces:  # entries reading streams side by side: matched as their pieces, then put together
             states = [spec.split(sd) for sd in states]
             if options.get("summaries") is not None:
@@ -395,9 +394,12 @@ def _aligning(fuse_plain):
                     dataclasses.replace(s, precision=spec.split(s.precision)) for s in options["summaries"]
                 ]
         fused = fuse_widths(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
-        if held and spec.fixed:  # groups whose width the forward fixes: matched at it (layerwise.match_group)
-            sizes = dict(zip(fused.groups, fused.sizes))
-            moved = {g: (held[g], sizes.get(g)) for g in spec.fixed if sizes.get(g) != held[g]}
+        if spec.fixed and not methods.METHODS[method].keeps_widths:  # matched at it (layerwise.match_group)
+            held, sizes = spec.sizes(states[0]), dict(zip(fused.groups, fused.sizes))  # the states, checked by now
+            tied = {g: names[0] for names in fused.hyper.get("tied_layers", {}).values() for g in names[1:]}
+            moved = {
+                g: (held[g], sizes.get(tied.get(g, g))) for g in spec.fixed if sizes.get(tied.get(g, g)) != held[g]
+            }
             if moved:
                 g, (was, now) = next(iter(moved.items()))
                 raise ValueError(

@@ -153,9 +153,10 @@ def run_fedma(
     if len(parts) != len(models):
         raise ValueError(f"{len(models)} models but {len(parts)} clients in the partition")
     spec = spec_with_encodings(models[0], spec)
-    spec.check_free_widths("fedma")  # FedMA grows the widths a forward may fix
+    # groups whose width the forward fixes are matched at it (layerwise.match_group)
     spec, _ = tie_stacked_recurrent(spec, models[0].state_dict())  # a stacked LSTM keeps one width
     check_unfoldable(spec)
+    widths = spec.sizes(numpy_state(models[0])) if spec.fixed else {}  # the fixed ones' widths, kept
     counts = np.stack([np.bincount(train.y[p], minlength=train.n_classes) for p in parts])
     bar = tqdm(
         total=len(spec.groups) * len(models), desc="FedMA retraining", unit="client", disable=not _progress(verbose)
@@ -206,6 +207,12 @@ def run_fedma(
     finally:
         bar.close()
     result = done[-1]
+    for group in spec.fixed:  # matched at the width the forward fixes (layerwise.match_group)
+        if result.sizes.get(group) != widths[group]:
+            raise ValueError(
+                f"FedMA gave the units of {group} {result.sizes.get(group)} units instead of {widths[group]}, and the "
+                f"network's forward fixes that width ({spec.fixed[group]}): fuse it with a method that keeps the widths"
+            )
     model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in result.state_dict.items()}, spec).eval()
     return FedMARun(model=model, result=result, spec=spec, passes=done, _broadcast_bytes=broadcast)
 

@@ -189,3 +189,48 @@ def test_a_device_is_refused_by_methods_and_inputs_that_run_on_the_host():
             rf"posteriors\) {host_only}",
         ):
             fuse_states(bnn_states, method, device="cpu")
+
+
+def test_a_bad_client_is_named_by_pfnm_as_by_the_methods_that_keep_widths():
+    """The check of the clients' widths held by their forward comes after the states are checked
+    with their names: a file's extra entry is refused naming the file, by every method."""
+    from bayesfuse.inference.spec import spec_for_state_dict
+
+    rng = np.random.default_rng(0)
+
+    def client(h):
+        return {
+            "fc1.weight": rng.normal(size=(h, 5)),
+            "fc1.bias": rng.normal(size=h),
+            "fc2.weight": rng.normal(size=(3, h)),
+            "fc2.bias": rng.normal(size=3),
+        }
+
+    a, b = client(6), client(7)
+    spec = spec_for_state_dict(a)
+    for method in ("pfnm", "ot", "fedavg"):
+        with pytest.raises(ValueError, match=r"^site_a\.pt has entries \['extra'\]"):
+            fuse_states([{**a, "extra": np.zeros(2)}, b], method, spec=spec, names=["site_a.pt", "site_b.pt"])
+
+
+def test_a_stacked_lstms_fixed_layer_holds_the_width_of_the_layers_tied():
+    """A two-layer LSTM's layers are one group when matching gives them different widths
+    (``tie_stacked_recurrent``); a width its forward fixes on the upper layer (a functional layer
+    norm of a written width) is then the tied group's, matched at 8."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = torch.nn.LSTM(4, 8, num_layers=2, batch_first=True), torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            o, _ = self.rnn(x)
+            return self.fc(torch.nn.functional.layer_norm(o[:, -1], (8,)))
+
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(Net().eval())
+    x = torch.zeros(2, 5, 4)
+    fused = fuse(models, "pfnm", example_input=x)
+    assert fused.sizes == [8] and fused.hyper["fixed"] and fused.model(x).shape == (2, 3)

@@ -222,3 +222,35 @@ def test_fedma_with_communication_restarts_clients_at_their_own_widths(digits):
     assert acc > local + 0.1, (acc, local)
     with pytest.raises(ValueError, match="passes"):
         run_fedma(models, split.train, part, cfg, passes=0)
+
+
+class _SplitGate(torch.nn.Module):
+    """A gated layer cut by a width written in the code (``split(8, 1)``): its forward fixes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.mid, self.head = torch.nn.Linear(64, 16), torch.nn.Linear(8, 24), torch.nn.Linear(24, 10)
+
+    def forward(self, x):
+        a, b = self.fc(x).split(8, 1)
+        return self.head(torch.relu(self.mid(torch.tanh(a) * torch.sigmoid(b))))
+
+
+def test_fedma_matches_a_width_the_forward_fixes_at_that_width(digits):
+    """FedMA matched every group at a width of its choosing, so it refused a network whose forward
+    fixes one; it now matches that group at the clients' width (one to one, as PFNM does), and the
+    network it builds runs and beats its clients."""
+    split, part = digits
+    cfg = TrainConfig(epochs=5)
+    models = []
+    for j, p in enumerate(part):
+        torch.manual_seed(j)
+        models.append(_SplitGate())
+        train_model(models[-1], split.train.x[p], split.train.y[p], split.train.n_classes, cfg, verbose=False)
+    spec = spec_from_module(models[0])
+    assert set(spec.fixed) == {"P1"}
+    run = run_fedma(models, split.train, part, replace(cfg, epochs=2), verbose=False)
+    assert run.result.sizes["P1"] == 8 and run.model.fc.out_features == 16
+    acc = accuracy(predict_proba(run.model, split.test.x), split.test.y)
+    local = np.mean([accuracy(predict_proba(m.eval(), split.test.x), split.test.y) for m in models])
+    assert acc > local + 0.1, (acc, local)  # as for the networks above: clearly above the average client

@@ -22,6 +22,7 @@ from tests.nets.user_nets import (
     SkipCNN,
     TiedGPT,
     TwoOutputs,
+    UnequalSplit,
     UpConv1d,
     UpConvUNet,
     VolumeCNN,
@@ -457,3 +458,18 @@ def test_files_of_a_network_with_two_outputs_fuse_to_its_classes_and_tied_weight
     assert model.out.weight is model.emb.weight
     expected = bayesfuse.fedavg([_random(_Tied, s) for s in range(2)]).state_dict()
     torch.testing.assert_close(model.emb.weight, expected["emb.weight"])
+
+
+def test_the_command_line_says_which_groups_it_held_at_the_widths_the_forward_fixes(tmp_path, capsys):
+    """A gate cut by a width written in the code (``UnequalSplit(written=True)``): PFNM matches that
+    piece at its width, and the command's line and its report say so."""
+    models = [_random(lambda: UnequalSplit(written=True), seed) for seed in range(3)]
+    paths = [str(save_state_dict(m.state_dict(), tmp_path / f"u{j}.pt")) for j, m in enumerate(models)]
+    out = tmp_path / "f.pt"
+    ref = "tests.nets.user_nets:UnequalSplit(written=True)"
+    assert main(["fuse", *paths, "--method", "pfnm", "--model", ref, "--out", str(out)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    held = json.loads((tmp_path / "f.pt.json").read_text())["hyper"]["fixed"]
+    assert held and f"({', '.join(held)} held at the widths the forward fixes)" in line
+    fused = bayesfuse.load(out, like=UnequalSplit(written=True))
+    assert fused.mix.in_features == 4 and fused(torch.randn(4, 64)).shape == (4, 10)

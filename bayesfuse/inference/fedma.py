@@ -184,8 +184,12 @@ def fedma_steps(
         skip = folded_entries(spec) | set(frozen_values)
         entries = unit_entries(spec, group, walk.fused, skip)
         bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in entries)
-        sub_spec = PermutationSpec(
-            {k: spec.axes[k] for k in spec.axes if k not in skip or k in entries}, spec.groups, {}, spec.output
+        sub_spec = PermutationSpec(  # the groups whose width the forward fixes: matched at it
+            {k: spec.axes[k] for k in spec.axes if k not in skip or k in entries},
+            spec.groups,
+            {},
+            spec.output,
+            fixed=dict(spec.fixed),
         )
         with warnings.catch_warnings():  # one warning for all groups, at the end
             warnings.simplefilter("ignore", ConvergenceWarning)

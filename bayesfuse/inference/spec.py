@@ -849,7 +849,10 @@ def tie_stacked_recurrent(
     }
     widths = {path: replace(a, group=rename.get(a.group, a.group)) for path, a in spec.widths.items()}
     kept = tuple(g for g in spec.groups if g not in rename)
-    return replace(spec, axes=axes, groups=kept, widths=widths), tied
+    fixed: dict[str, str] = {}  # a layer's fixed width is the tied group's
+    for g, why in spec.fixed.items():
+        fixed.setdefault(rename.get(g, g), why)
+    return replace(spec, axes=axes, groups=kept, widths=widths, fixed=fixed), tied
 
 
 def random_permutations(sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -818,3 +818,12 @@ def test_the_screen_reads_float32_neurons_as_their_float64_copies(monkeypatch):
     assert wide is not None and narrow is not None and len(wide[0]) > 2  # pairs whose values are computed
     for a, b in zip(wide, narrow):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_capacity_below_a_client_or_its_warm_start_is_refused_up_front():
+    rng = np.random.default_rng(0)
+    layers = [rng.normal(size=(4, 3)) for _ in range(3)]
+    with pytest.raises(ValueError, match="capacity=3 is below the widest client's 4 neurons"):
+        match_neurons(layers, capacity=3, noise_var=0.1, prior_var=1.0, gamma0=1.0)
+    with pytest.raises(ValueError, match="init has 12 atoms, more than capacity=4"):
+        match_neurons(layers, capacity=4, init=[np.arange(4) + 4 * j for j in range(3)], noise_var=0.1, prior_var=1.0)

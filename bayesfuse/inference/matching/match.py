@@ -156,6 +156,8 @@ def match_neurons(
       the atom's mean; it discourages poor matches and so grows the global model slightly.
     """
     start = time.perf_counter()
+    if capacity is not None:
+        _check_capacity(capacity, layers, init)
     auto = tuple(
         k for k, v in (("noise_var", noise_var), ("prior_var", prior_var), ("gamma0", gamma0)) if isinstance(v, str)
     )
@@ -213,3 +215,15 @@ def match_neurons(
         start=start,
         capacity=capacity,
     )
+
+
+def _check_capacity(capacity: int, layers: Sequence, init: Sequence | None) -> None:
+    """Refuse, up front, a ``capacity`` that a client's neurons or the warm start ``init`` exceed."""
+    widest = max((len(v) for v in layers), default=0)
+    if int(capacity) < widest:
+        raise ValueError(
+            f"capacity={capacity} is below the widest client's {widest} neurons: each needs an atom of its own"
+        )
+    atoms = max((int(np.max(a)) + 1 for a in init if len(a)), default=0) if init is not None else 0
+    if atoms > int(capacity):
+        raise ValueError(f"init has {atoms} atoms, more than capacity={capacity}")

@@ -222,7 +222,6 @@ class FedMA(_RefitRound):
         )
         if self.spec is not None:
             check_unfoldable(self.spec)
-            self.spec.check_free_widths("fedma")  # FedMA grows the widths a forward may fix
         self.second_round = second_round
         self.method = "fedma"
         self.hyper = dict(hyper or {})
