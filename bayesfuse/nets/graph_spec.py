@@ -451,16 +451,21 @@ class _Tracer(fx.Tracer):
         self.proxy_buffer_attributes = buffers_as_nodes
         self.example, self.replay, self.through = example, replay, through
         self.decisions: list = []
+        self.defaults: dict = {}  # the forward's arguments the example leaves at their defaults
 
     def again(self) -> _Tracer:
         """A tracer that traces as this one did, down the branches it took."""
-        return _Tracer(buffers_as_nodes=self.proxy_buffer_attributes, replay=self.decisions, through=self.through)
+        again = _Tracer(buffers_as_nodes=self.proxy_buffer_attributes, replay=self.decisions, through=self.through)
+        again.defaults = self.defaults
+        return again
 
     def trace(self, root, concrete_args=None):  # type: ignore[override]
         self.decider = Decider(root, self.example, self.replay)
         self.decisions = self.decider.made
+        if self.example is not None:
+            self.defaults = _left_at_defaults(root, len(self.example))
         with _library_functions_traced() if self.through else contextlib.nullcontext():
-            return super().trace(root, concrete_args)
+            return super().trace(root, concrete_args if concrete_args is not None else self.defaults or None)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return NumberProxy(node, self)
@@ -479,6 +484,24 @@ class _Tracer(fx.Tracer):
             return False
         # torch's own layers, and one renamed (the control flow inside torch's forward is not the user's)
         return torch_layer(m) or type(m).__name__ == "PositionAware"
+
+
+def _left_at_defaults(model: nn.Module, given: int) -> dict:
+    """The arguments of ``model.forward`` after the ``given`` first that have defaults, at them:
+    traced as those values (nanoGPT's ``targets=None``, whose ``if targets is not None:`` a traced
+    argument would always take), as the fused network is called."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {
+        p.name: p.default
+        for p in [p for p in parameters if p.kind in positional][given:]
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 @contextlib.contextmanager

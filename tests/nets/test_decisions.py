@@ -19,7 +19,7 @@ from bayesfuse.nets.decisions import Decider, decided, reads_sizes_only
 from bayesfuse.nets.graph_spec import spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError
 from tests.helpers import far_from_identity_norms, permuted_copy
-from tests.nets.user_nets import NanoGPT
+from tests.nets.user_nets import NanoGPT, WrittenGPT
 
 
 class AssertingGPT(NanoGPT):
@@ -308,3 +308,25 @@ def test_writes_into_a_tensor_are_made_before_a_branch_reads_it():
 def test_a_decision_fixes_the_widths_its_number_reads_and_only_those(body, fixed, widths):
     spec = spec_from_graph(_Net(body), torch.randn(4, 8))
     assert set(spec.fixed) == fixed and set(spec.widths) == widths
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_nanogpt_as_written_fuses_by_pfnm(flash):
+    """nanoGPT's model as written: its ``assert``, ``targets=None`` traced at its default (``if
+    targets is not None:`` takes the branch the fused network is called on), ``(logits, loss)``
+    returned, and its attention's scale a root of the heads' width (the kernel's default, or
+    ``1.0 / math.sqrt(k.size(-1))``), which fixes the stream: PFNM holds it at 16 and grows the MLPs,
+    the embedding stays tied to the output layer, and a permuted copy fuses back."""
+    x = torch.randint(0, 12, (4, 8))
+    model = _model(lambda: WrittenGPT(flash), 0)
+    spec = spec_from_graph(model)
+    assert set(spec.fixed) == {"P1"} and spec.tied == {"transformer.wte.weight": "lm_head.weight"}
+    permuted = permuted_copy(model, spec, seed=1).eval()
+    with torch.no_grad():
+        assert float((permuted(x)[0] - model(x)[0]).abs().max()) < 1e-4
+        for method in ("pfnm", "ot"):
+            assert float((bayesfuse.fuse([model, permuted], method).model(x)[0] - model(x)[0]).abs().max()) < 1e-4
+        fused = bayesfuse.fuse([_model(lambda: WrittenGPT(flash), s) for s in (1, 2, 3)], "pfnm")
+        net = fused.model
+        assert net.transformer.ln_f.weight.shape == (16,) and net.transformer.h[0].mlp.c_fc.out_features > 64
+        assert net.transformer.wte.weight is net.lm_head.weight and net(x)[0].shape == (4, 1, 12)

@@ -1,6 +1,8 @@
 """Networks written as users write them (classes with a forward method), for the tracing tests
 and for ``bayesfuse fuse --model tests.nets.user_nets:NAME``."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -1488,3 +1490,115 @@ class VectorNormMLP(nn.Module):
         h = self.fc(x)
         h = h + torch.relu(self.mlp(self.ln1(h)))
         return self.head(self.ln2(h))
+
+
+class _BiasedLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm: ``F.layer_norm`` with an optional bias, its width read off its weight."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class _CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head, block_size, flash):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(0.0), nn.Dropout(0.0)
+        self.n_head, self.n_embd, self.dropout, self.flash = n_head, n_embd, 0.0, flash
+        if not flash:
+            self.register_buffer(
+                "bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
+            )
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if self.flash:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+            )
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class _GPTMLP(nn.Module):
+    def __init__(self, n_embd):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj, self.dropout = (
+            nn.Linear(n_embd, 4 * n_embd),
+            nn.GELU(),
+            nn.Linear(4 * n_embd, n_embd),
+            nn.Dropout(0.0),
+        )
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class _GPTBlock(nn.Module):
+    def __init__(self, n_embd, n_head, block_size, flash):
+        super().__init__()
+        self.ln_1, self.attn = _BiasedLayerNorm(n_embd, True), _CausalSelfAttention(n_embd, n_head, block_size, flash)
+        self.ln_2, self.mlp = _BiasedLayerNorm(n_embd, True), _GPTMLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class WrittenGPT(nn.Module):
+    """A GPT as nanoGPT writes it, whole: ``assert t <= self.block_size``, ``forward(idx,
+    targets=None)`` returning ``(logits, loss)`` with ``if targets is not None:``, attention by
+    ``F.scaled_dot_product_attention(..., is_causal=True)`` (``flash``) or by hand with
+    ``1.0 / math.sqrt(k.size(-1))`` and a causal mask buffer, heads cut by ``C // self.n_head``,
+    its LayerNorm's width read off its weight, and the token embedding tied to the output layer."""
+
+    def __init__(self, flash=True, vocab_size=12, block_size=8, n_layer=2, n_head=2, n_embd=16):
+        super().__init__()
+        self.block_size = block_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab_size, n_embd),
+                wpe=nn.Embedding(block_size, n_embd),
+                drop=nn.Dropout(0.0),
+                h=nn.ModuleList([_GPTBlock(n_embd, n_head, block_size, flash) for _ in range(n_layer)]),
+                ln_f=_BiasedLayerNorm(n_embd, True),
+            )
+        )
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def example_input(self):
+        return torch.zeros(2, 8, dtype=torch.long)
+
+    def forward(self, idx, targets=None):
+        device = idx.device
+        b, t = idx.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}, block size is only {self.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
