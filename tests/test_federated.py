@@ -254,3 +254,28 @@ def test_fedma_matches_a_width_the_forward_fixes_at_that_width(digits):
     acc = accuracy(predict_proba(run.model, split.test.x), split.test.y)
     local = np.mean([accuracy(predict_proba(m.eval(), split.test.x), split.test.y) for m in models])
     assert acc > local + 0.1, (acc, local)  # as for the networks above: clearly above the average client
+
+
+def test_fedma_matches_a_tensor_held_under_two_names_once(digits, monkeypatch):
+    """A module held under two names (``SharedModule``: ``mix`` and ``block.mix``): its bias
+    describes the units once in FedMA's matching (before, under both names, counted twice), and
+    the network FedMA builds holds it once, with one value."""
+    from bayesfuse.inference import fedma as fedma_steps
+    from tests.nets.user_nets import SharedModule
+
+    split, part = digits
+    cfg = TrainConfig(epochs=5)
+    models = []
+    for j, p in enumerate(part):
+        torch.manual_seed(j)
+        models.append(SharedModule())
+        train_model(models[-1], split.train.x[p], split.train.y[p], split.train.n_classes, cfg, verbose=False)
+    described = []
+    entries = fedma_steps.unit_entries
+    monkeypatch.setattr(fedma_steps, "unit_entries", lambda *args: described.append(entries(*args)) or described[-1])
+    run = run_fedma(models, split.train, part, replace(cfg, epochs=2), verbose=False)
+    assert described and all("block.mix.bias" not in e for e in described) and "mix.bias" in described[0]
+    assert run.model.mix is run.model.block["mix"]
+    acc = accuracy(predict_proba(run.model, split.test.x), split.test.y)
+    local = np.mean([accuracy(predict_proba(m.eval(), split.test.x), split.test.y) for m in models])
+    assert acc > local + 0.1, (acc, local)  # as for the networks above: clearly above the average client

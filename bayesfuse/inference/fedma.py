@@ -181,7 +181,8 @@ def fedma_steps(
         if bns:
             sub = replace(spec, folds=bns)
             arrays = [fold_batchnorm(sd, sub) for sd in arrays]
-        skip = folded_entries(spec) | set(frozen_values)
+        # an alias of a tensor held twice (spec.tied) is matched once, as its entry: it takes its value below
+        skip = folded_entries(spec) | set(frozen_values) | set(spec.tied)
         entries = unit_entries(spec, group, walk.fused, skip)
         bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in entries)
         sub_spec = PermutationSpec(  # the groups whose width the forward fixes: matched at it
@@ -236,8 +237,9 @@ def fedma_steps(
         for bn in bns:
             for p, value in identity_bn(folded_length(spec, bn, G), folded_eps(arrays[0], bn)).items():
                 vals[f"{bn}.{p}"] = value
-        frozen_values.update(vals)
         bytes_down += J * sum(4 * int(np.prod(v.shape)) for v in vals.values())
+        vals.update({alias: vals[entry] for alias, entry in spec.tied.items() if entry in vals})  # one tensor
+        frozen_values.update(vals)
         # clients: global entries so far, next layers mapped onto the global units, retrain the rest
         jobs = []
         for j, sd in enumerate(arrays):
