@@ -187,6 +187,26 @@ class Decider:
         self.made.append(value)
         return value
 
+    def is_tensor(self, node: fx.Node) -> bool:
+        """Whether ``node`` is a tensor at the example, recorded (a retrace replays it)."""
+        return bool(self._recorded(node, lambda v: isinstance(v, torch.Tensor), "an iteration"))
+
+    def attribute(self, node: fx.Node, name: str) -> Any:
+        """``name`` (a dtype, a device: no width) of the tensor ``node`` at the example, recorded."""
+        return self._recorded(node, lambda v: getattr(v, name), f"its {name}")
+
+    def _recorded(self, node: fx.Node, read, what: str) -> Any:
+        if self.replay is not None:
+            if len(self.made) >= len(self.replay):
+                raise fx.proxy.TraceError(f"{what} that the first trace did not meet")
+            self.made.append(self.replay[len(self.made)])
+            return self.made[-1]
+        if self.example is None:
+            raise fx.proxy.TraceError(f"{what} of a traced value, which has none")
+        self._evaluate(node)
+        self.made.append(read(self.values[node]))
+        return self.made[-1]
+
     def _evaluate(self, node: fx.Node) -> None:
         """Compute every node of the graph up to ``node`` not computed yet, in order (the forward
         so far, writes into tensors included)."""
@@ -275,6 +295,25 @@ class NumberProxy(fx.Proxy):
     """fx's proxy, whose ``int()`` and ``float()`` its tracer decides (:meth:`Decider.value`), and
     which records an assignment to its items (``mask[h0:h1, w0:w1] = count``, torchvision's Swin) as
     an ``operator.setitem`` node."""
+
+    def __getattr__(self, name: str):
+        """A tensor's ``dtype`` and ``device`` at the example input (``torch.finfo(x.dtype)``,
+        ``torch.autocast(x.device.type)`` need them as values; fusion changes neither)."""
+        if name in ("dtype", "device") and getattr(self.tracer, "decider", None) is not None:
+            try:
+                return self.tracer.attribute(self, name)  # type: ignore[attr-defined]
+            except fx.proxy.TraceError:
+                pass
+        return super().__getattr__(name)
+
+    def __len__(self) -> int:
+        """``len()`` of a tensor (its first size) or of a tuple of sizes, decided."""
+        tracer = self.tracer
+        if getattr(tracer, "decider", None) is None:
+            return super().__len__()
+        if tracer.decider.is_tensor(self.node):  # type: ignore[attr-defined]
+            return int(tracer.decide(self.size(0), "len() of a traced tensor"))  # type: ignore[attr-defined]
+        return len(tracer.decide(self, "len() of a traced value"))  # type: ignore[attr-defined]
 
     def __setitem__(self, key, value) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})

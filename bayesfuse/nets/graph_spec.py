@@ -473,6 +473,20 @@ class _Tracer(fx.Tracer):
     def to_bool(self, obj: fx.Proxy) -> bool:
         return bool(self.decide(obj, "a condition"))
 
+    def iter(self, obj: fx.Proxy):
+        """Iteration over a traced value fx cannot unpack: a tensor's rows (as many as its first
+        size, decided), or a tuple of sizes (``for d in x.shape[2:]``), decided whole."""
+        if self.example is None and self.replay is None:
+            return super().iter(obj)
+        if self.decider.is_tensor(obj.node):
+            rows = int(self.decide(obj.size(0), "the rows iterated over"))
+            return (obj[i] for i in range(rows))  # type: ignore[index]
+        return iter(self.decide(obj, "an iteration"))
+
+    def attribute(self, obj: fx.Proxy, name: str):
+        """A tensor's ``dtype`` or ``device`` at the example (``torch.finfo(x.dtype)``): no width."""
+        return self.decider.attribute(obj.node, name)
+
     def decide(self, obj: fx.Proxy, what: str):
         """The example value of the traced number ``obj``, kept in the graph as a :func:`decided` node."""
         value = self.decider.value(obj.node, what)
@@ -2180,8 +2194,12 @@ class _Walk:
             if whole is None and a.op == "call_method" and a.target in ("numel", "nelement"):
                 of = a.args[0]
                 whole = _shape_source(of) or of if isinstance(of, fx.Node) else None  # x.numel(), x.shape.numel()
+            sliced = a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[1], slice)
+            of = _shape_source(a.args[0]) if sliced else None
             if read is not None:
                 axes = [read]
+            elif of is not None:  # x.shape[:-1]: the axes the slice takes
+                axes = [(of, i) for i in range(len(_shape(of) or ()))[cast(slice, a.args[1])]]
             elif whole is not None:
                 axes = [(whole, i) for i in range(len(_shape(whole) or ()))]
             else:

@@ -330,3 +330,27 @@ def test_nanogpt_as_written_fuses_by_pfnm(flash):
         net = fused.model
         assert net.transformer.ln_f.weight.shape == (16,) and net.transformer.h[0].mlp.c_fc.out_features > 64
         assert net.transformer.wte.weight is net.lm_head.weight and net(x)[0].shape == (4, 1, 12)
+
+
+def _sizes_iterated(s, x):  # HF's way: a mask's minimum by the input's dtype, sizes iterated and counted
+    h = torch.relu(s.fc1(x))
+    low = torch.finfo(h.dtype).min
+    n = 1
+    for d in h.shape[:-1]:
+        n = n * d
+    rows = [r for r in h.view(n, -1)]  # iterating over a tensor: its rows
+    if len(h) != len(rows):
+        h = h.clamp(min=low)
+    return s.fc2(torch.stack(rows)).view(*h.shape[:-1], -1)
+
+
+@_UNREAD
+def test_dtypes_iteration_and_len_are_taken_at_the_example():
+    """``torch.finfo(x.dtype)``, ``for d in x.shape[:-1]``, iterating over a tensor's rows and
+    ``len(x)`` (as Hugging Face's models write their masks and shapes) are read at the example: a
+    dtype has no width, and the sizes read are the batch's; the units still follow."""
+    model = _model(lambda: _Net(_sizes_iterated), 0)
+    x = torch.randn(4, 8)
+    spec = spec_from_graph(model, x[:2])
+    assert spec.groups == ("P1",) and not spec.fixed
+    assert _fuses_back(model, x[:2], "pfnm") < 1e-4
