@@ -1604,6 +1604,30 @@ class _Walk:
         self.dense(node, name, m, x, f, label if segments else f)
         return True
 
+    def addmm_layer(self, node, args: list, kwargs) -> bool:
+        """``torch.addmm(self.bias, x, self.weight)`` in a module whose weight is stored inputs
+        first (Hugging Face's ``Conv1D``: weight ``(in, out)``, GPT-2's layers): traced as a linear
+        layer whose units are its weight's axis 1, and True; else False (a weight applied by hand)."""
+        bound = {**dict(zip(("input", "mat1", "mat2"), args)), **kwargs}
+        b, x, w = bound.get("input"), bound.get("mat1"), bound.get("mat2")
+        if bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1:
+            return False
+        if not (isinstance(w, fx.Node) and w.op == "get_attr" and str(w.target).endswith(".weight")):
+            return False
+        name = str(w.target).rpartition(".")[0]
+        m = self.model.get_submodule(name)
+        held = dict(m.named_parameters(recurse=False))
+        if set(held) != {"weight", "bias"} or held["weight"].dim() != 2 or next(m.children(), None) is not None:
+            return False
+        if not (isinstance(b, fx.Node) and b.op == "get_attr" and b.target == f"{name}.bias"):
+            return False
+        f = self.feature(x)
+        if f is not None and f.dim != 1:
+            return False
+        out, cut = self.layer_vars(name, f, node)
+        self.layer_output(node, m, (out, cut, 1), [self.in_axis(f)], 1, transposed=True, name=name)  # type: ignore[arg-type]
+        return True
+
     def layer_output(
         self,
         node,
@@ -2067,6 +2091,8 @@ class _Walk:
         elif fn in _FUNCTIONAL_NORMS:
             self.functional_norm(node, fn, args, kwargs)
         elif fn is torch.nn.functional.linear and self.own_linear(node, args, kwargs):
+            pass
+        elif fn is torch.addmm and self.addmm_layer(node, args, kwargs):
             pass
         elif fn is torch.roll and self.rolled_elsewhere(node, args, kwargs):
             pass
@@ -3381,9 +3407,32 @@ def _target_shape(node) -> list | None:
     args = _shape_arguments(node)
     if args is None:
         return None
+    if len(args) == 1 and isinstance(args[0], fx.Node):  # x.size()[:-1] + (self.nf,): Hugging Face's Conv1D
+        args = _added_shape(args[0]) or args
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
         args = list(args[0])
     return None if any(a is None or isinstance(a, fx.Node) and "tensor_meta" in a.meta for a in args) else args
+
+
+def _added_shape(node: fx.Node) -> list | None:
+    """The entries of a shape put together as ``x.size()[:-1] + (width,)``: the sizes the slice
+    takes (numbers of the traced shape) and the tuple's, else None."""
+    if not (node.op == "call_function" and node.target is operator.add and len(node.args) == 2):
+        return None
+    entries: list = []
+    for part in node.args:
+        if isinstance(part, (tuple, list)):
+            entries.extend(part)
+            continue
+        if not (isinstance(part, fx.Node) and part.op == "call_function" and part.target is operator.getitem):
+            return None
+        whole, taken = part.args[0], part.args[1]
+        source = _shape_source(whole) if isinstance(taken, slice) else None
+        shape = _shape(source) if source is not None else None
+        if shape is None:
+            return None
+        entries.extend(shape[cast(slice, taken)])
+    return entries
 
 
 def _view_base(node) -> fx.Node | None:

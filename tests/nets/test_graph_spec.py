@@ -51,6 +51,7 @@ from tests.nets.user_nets import (
     GroupNormSiLU,
     GroupNormSkip,
     InceptionMLP,
+    InputsFirstMLP,
     KeywordOps,
     LayerNorm2d,
     LayerScaleCNN,
@@ -2510,3 +2511,20 @@ def test_units_of_several_channels_meet_groups_and_other_layers(make):
     clients = [make().eval() for _ in range(3)]
     for method in ("ot", "fedavg", "pfnm") if make is not _CatTwice else ("ot", "fedavg"):
         assert bayesfuse.fuse(clients, method).model(x).shape == (6, 10)
+
+
+def test_a_weight_stored_inputs_first_and_applied_by_addmm_is_a_layer():
+    """Hugging Face's ``Conv1D`` (GPT-2's layers): weight ``(in, out)``, ``torch.addmm(bias, x,
+    weight)``, the output viewed by the width the module holds (``self.nf``). Its units are its
+    weight's axis 1; a permuted copy computes the same function and fuses back by PFNM and OT,
+    and three fuse by PFNM into a network whose ``nf`` follow the fused widths."""
+    spec = spec_from_module(InputsFirstMLP())
+    assert spec.rows_dim("c_fc.weight") == 1 and spec.axes["c_fc.weight"][1] == spec.axes["c_fc.bias"][0]
+    assert {"c_fc.nf", "c_proj.nf", "embed.nf"} == set(spec.widths) and not spec.fixed
+    model, x = _random(InputsFirstMLP, 0), torch.randn(5, 64)
+    assert _gap(model, _permuted(model, 1), x) < 1e-4
+    for method in ("pfnm", "ot"):
+        assert _gap(model, bayesfuse.fuse([model, _permuted(model, 2)], method).model, x) < 1e-4, method
+    fused = bayesfuse.fuse([_random(InputsFirstMLP, s) for s in range(3)], "pfnm").model
+    assert fused.c_fc.nf == fused.c_fc.weight.shape[1] > 24 and fused.embed.nf == fused.norm.weight.shape[0] > 12
+    assert fused(x).shape == (5, 10)

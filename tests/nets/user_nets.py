@@ -1602,3 +1602,35 @@ class WrittenGPT(nn.Module):
             logits = self.lm_head(x[:, [-1], :])
             loss = None
         return logits, loss
+
+
+class InputsFirstLinear(nn.Module):
+    """A linear layer whose weight is stored inputs first, ``(nx, nf)``, and applied by
+    ``torch.addmm`` (Hugging Face's ``Conv1D``, GPT-2's layers)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class InputsFirstMLP(nn.Module):
+    """A residual token MLP of :class:`InputsFirstLinear` layers, as GPT-2 writes its blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm = InputsFirstLinear(12, 16), nn.LayerNorm(12)
+        self.c_fc, self.c_proj, self.head = InputsFirstLinear(24, 12), InputsFirstLinear(12, 24), nn.Linear(12, 10)
+
+    def example_input(self):
+        return torch.zeros(2, 64)
+
+    def forward(self, x):
+        t = self.embed(x.view(-1, 4, 16))
+        t = t + self.c_proj(F.gelu(self.c_fc(self.norm(t))))
+        return self.head(t.mean(1))
