@@ -271,7 +271,7 @@ def fedma_steps(
         history.append(dict(group=group, n_global=G, seconds=time.perf_counter() - t0, dropped=lost))
     # the output layer: class-proportion weighted average of the retrained clients' entries
     t0 = time.perf_counter()
-    rest = [k for k in spec.axes if k not in frozen_values]
+    rest = [k for k in spec.axes if k not in frozen_values and k not in spec.tied]  # an alias: its entry's, below
     bytes_up += sum(4 * int(np.prod(sd[k].shape)) for sd in arrays for k in rest)
     weights = shares if class_counts is not None else np.full((J, n_classes), 1.0 / J)
     final = dict(frozen_values)
@@ -285,6 +285,7 @@ def fedma_steps(
         else:
             final[k] = stacked.mean(0)
     bytes_down += J * sum(4 * int(np.prod(final[k].shape)) for k in rest)
+    final = spec.retie(final)  # an alias of the output layer's weight (a tied embedding): one value
     history.append(dict(group="output", n_global=n_classes, seconds=time.perf_counter() - t0))
     warn_not_converged(layers, "FedMA's matching", stacklevel=3)
     return FedMAResult(

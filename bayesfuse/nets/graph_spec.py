@@ -511,10 +511,10 @@ def _left_at_defaults(model: nn.Module, given: int) -> dict:
     except (TypeError, ValueError):
         return {}
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return {
+    return {  # plain values only: fx unpacks a tuple or list given so into placeholders of its own
         p.name: p.default
         for p in [p for p in parameters if p.kind in positional][given:]
-        if p.default is not inspect.Parameter.empty
+        if p.default is None or type(p.default) in (bool, int, float, str)
     }
 
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 import bayesfuse
@@ -354,3 +355,26 @@ def test_dtypes_iteration_and_len_are_taken_at_the_example():
     spec = spec_from_graph(model, x[:2])
     assert spec.groups == ("P1",) and not spec.fixed
     assert _fuses_back(model, x[:2], "pfnm") < 1e-4
+
+
+class _PooledTo(nn.Module):
+    """A forward with a tuple default (``out_size=(1, 1)``), which fx would unpack into placeholders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 6, 3), nn.Linear(6, 3)
+
+    def example_input(self):
+        return torch.zeros(1, 3, 8, 8)
+
+    def forward(self, x, out_size=(1, 1), scale=1.0):
+        return self.fc(F.adaptive_avg_pool2d(torch.relu(self.conv(x)), out_size).flatten(1)) * scale
+
+
+def test_only_plain_defaults_are_traced_at_their_value():
+    """A plain default (``scale=1.0``) is traced at its value; a tuple default stays an argument,
+    as before (fx cannot take it as a constant): the network traces and fuses back."""
+    model = _model(_PooledTo, 0)
+    x = torch.randn(2, 3, 8, 8)
+    assert spec_from_graph(model).groups == ("P1",)
+    assert _fuses_back(model, x, "pfnm") < 1e-4
