@@ -395,17 +395,9 @@ def _aligning(fuse_plain):
                 ]
         fused = fuse_widths(states, names, method, settings, spec=spec, class_counts=class_counts, **options)
         if spec.fixed and not methods.METHODS[method].keeps_widths:  # matched at it (layerwise.match_group)
-            held, sizes = spec.sizes(states[0]), dict(zip(fused.groups, fused.sizes))  # the states, checked by now
             tied = {g: names[0] for names in fused.hyper.get("tied_layers", {}).values() for g in names[1:]}
-            moved = {
-                g: (held[g], sizes.get(tied.get(g, g))) for g in spec.fixed if sizes.get(tied.get(g, g)) != held[g]
-            }
-            if moved:
-                g, (was, now) = next(iter(moved.items()))
-                raise ValueError(
-                    f"method={method!r} gave the units of {g} {now} units instead of {was}, and the network's forward "
-                    f"fixes that width ({spec.fixed[g]}): fuse it with a method that keeps the widths (ot, fedavg)"
-                )
+            # the clients' widths read off their states, checked by now
+            spec.check_fixed_kept(method, spec.sizes(states[0]), dict(zip(fused.groups, fused.sizes)), tied)
             fused.hyper["fixed"] = dict(spec.fixed)
         if spec.pieces:
             fused.state = spec.join(fused.state)

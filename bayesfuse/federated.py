@@ -207,12 +207,7 @@ def run_fedma(
     finally:
         bar.close()
     result = done[-1]
-    for group in spec.fixed:  # matched at the width the forward fixes (layerwise.match_group)
-        if result.sizes.get(group) != widths[group]:
-            raise ValueError(
-                f"FedMA gave the units of {group} {result.sizes.get(group)} units instead of {widths[group]}, and the "
-                f"network's forward fixes that width ({spec.fixed[group]}): fuse it with a method that keeps the widths"
-            )
+    spec.check_fixed_kept("fedma", widths, result.sizes)  # matched at the width the forward fixes (match_group)
     model = rebuild(models[0], {k: torch.as_tensor(v) for k, v in result.state_dict.items()}, spec).eval()
     return FedMARun(model=model, result=result, spec=spec, passes=done, _broadcast_bytes=broadcast)
 

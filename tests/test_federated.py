@@ -224,6 +224,22 @@ def test_fedma_with_communication_restarts_clients_at_their_own_widths(digits):
         run_fedma(models, split.train, part, cfg, passes=0)
 
 
+def _trained_clients(cls, split, part, cfg) -> list:
+    """One network of class ``cls`` per client, seeded by its index, trained on its own part."""
+    models = []
+    for j, p in enumerate(part):
+        torch.manual_seed(j)
+        models.append(cls())
+        train_model(models[-1], split.train.x[p], split.train.y[p], split.train.n_classes, cfg, verbose=False)
+    return models
+
+
+def _accuracy_and_clients(model, models, split) -> tuple[float, float]:
+    """The test accuracy of ``model`` and the mean of its clients'."""
+    local = np.mean([accuracy(predict_proba(m.eval(), split.test.x), split.test.y) for m in models])
+    return accuracy(predict_proba(model, split.test.x), split.test.y), float(local)
+
+
 class _SplitGate(torch.nn.Module):
     """A gated layer cut by a width written in the code (``split(8, 1)``): its forward fixes it."""
 
@@ -242,17 +258,12 @@ def test_fedma_matches_a_width_the_forward_fixes_at_that_width(digits):
     network it builds runs and beats its clients."""
     split, part = digits
     cfg = TrainConfig(epochs=5)
-    models = []
-    for j, p in enumerate(part):
-        torch.manual_seed(j)
-        models.append(_SplitGate())
-        train_model(models[-1], split.train.x[p], split.train.y[p], split.train.n_classes, cfg, verbose=False)
+    models = _trained_clients(_SplitGate, split, part, cfg)
     spec = spec_from_module(models[0])
     assert set(spec.fixed) == {"P1"}
     run = run_fedma(models, split.train, part, replace(cfg, epochs=2), verbose=False)
     assert run.result.sizes["P1"] == 8 and run.model.fc.out_features == 16
-    acc = accuracy(predict_proba(run.model, split.test.x), split.test.y)
-    local = np.mean([accuracy(predict_proba(m.eval(), split.test.x), split.test.y) for m in models])
+    acc, local = _accuracy_and_clients(run.model, models, split)
     assert acc > local + 0.1, (acc, local)  # as for the networks above: clearly above the average client
 
 
@@ -265,17 +276,12 @@ def test_fedma_matches_a_tensor_held_under_two_names_once(digits, monkeypatch):
 
     split, part = digits
     cfg = TrainConfig(epochs=5)
-    models = []
-    for j, p in enumerate(part):
-        torch.manual_seed(j)
-        models.append(SharedModule())
-        train_model(models[-1], split.train.x[p], split.train.y[p], split.train.n_classes, cfg, verbose=False)
+    models = _trained_clients(SharedModule, split, part, cfg)
     described = []
     entries = fedma_steps.unit_entries
     monkeypatch.setattr(fedma_steps, "unit_entries", lambda *args: described.append(entries(*args)) or described[-1])
     run = run_fedma(models, split.train, part, replace(cfg, epochs=2), verbose=False)
     assert described and all("block.mix.bias" not in e for e in described) and "mix.bias" in described[0]
     assert run.model.mix is run.model.block["mix"]
-    acc = accuracy(predict_proba(run.model, split.test.x), split.test.y)
-    local = np.mean([accuracy(predict_proba(m.eval(), split.test.x), split.test.y) for m in models])
+    acc, local = _accuracy_and_clients(run.model, models, split)
     assert acc > local + 0.1, (acc, local)  # as for the networks above: clearly above the average client

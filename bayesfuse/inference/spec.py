@@ -339,6 +339,20 @@ class PermutationSpec:
                         out[group], found = left // per, True
         return out
 
+    def check_fixed_kept(self, method: str, clients: Mapping[str, int], fused: Mapping[str, int], renamed=None) -> None:
+        """Refuse, in one line, a fusion by ``method`` that gave a group whose width the forward
+        fixes (:attr:`fixed`) another width than the clients' (``clients``, ``fused``: sizes per
+        group; ``renamed``: the group each fixed one was fused as, where layers were tied)."""
+        renamed = renamed or {}
+        for group in self.fixed:
+            now = fused.get(renamed.get(group, group))
+            if now != clients[group]:
+                raise ValueError(
+                    f"method={method!r} gave the units of {group} {now} units instead of {clients[group]}, and the "
+                    f"network's forward fixes that width ({self.fixed[group]}): fuse it with a method that keeps the "
+                    "widths (ot, fedavg)"
+                )
+
     def check_free_widths(self, method: str) -> None:
         """Refuse, in one line, fusing with ``method`` (which changes widths) a network whose
         ``forward`` fixes the width of a group (:attr:`fixed`)."""

@@ -166,26 +166,21 @@ class Decider:
 
     def value(self, node: fx.Node, what: str) -> Any:
         """The example value of ``node``, a number computed from sizes (``what`` says why it is needed)."""
-        if self.replay is not None:
-            if len(self.made) >= len(self.replay):
-                raise fx.proxy.TraceError(f"{what} that the first trace did not meet")
-            self.made.append(self.replay[len(self.made)])
-            return self.made[-1]
-        if self.example is None:
-            raise fx.proxy.TraceError("symbolically traced variables cannot be used as inputs to control flow")
-        self._evaluate(node)
-        values_of = reads_sizes_only(node, self.values)
-        if values_of is not None:
-            raise fx.proxy.TraceError(
-                f"{what} reads the values of {values_of.name} (not only sizes): the branch would hold for the "
-                "example input alone"
-            )
-        _mark_held(node, self.values)
-        value = self.values[node]
-        if isinstance(value, torch.Tensor):  # a 0-d tensor computed from sizes (torch.tensor(n).sqrt())
-            value = value.item()
-        self.made.append(value)
-        return value
+
+        def read(value: Any) -> Any:
+            values_of = reads_sizes_only(node, self.values)
+            if values_of is not None:
+                raise fx.proxy.TraceError(
+                    f"{what} reads the values of {values_of.name} (not only sizes): the branch would hold for the "
+                    "example input alone"
+                )
+            _mark_held(node, self.values)
+            # a 0-d tensor computed from sizes (torch.tensor(n).sqrt()): its number
+            return value.item() if isinstance(value, torch.Tensor) else value
+
+        return self._recorded(
+            node, read, what, missing="symbolically traced variables cannot be used as inputs to control flow"
+        )
 
     def is_tensor(self, node: fx.Node) -> bool:
         """Whether ``node`` is a tensor at the example, recorded (a retrace replays it)."""
@@ -195,14 +190,16 @@ class Decider:
         """``name`` (a dtype, a device: no width) of the tensor ``node`` at the example, recorded."""
         return self._recorded(node, lambda v: getattr(v, name), f"its {name}")
 
-    def _recorded(self, node: fx.Node, read, what: str) -> Any:
+    def _recorded(self, node: fx.Node, read, what: str, *, missing: str | None = None) -> Any:
+        """``read`` of ``node``'s example value, recorded in :attr:`made`; in a retrace, the value
+        the first trace recorded at this place instead. ``missing``: the refusal without an example."""
         if self.replay is not None:
             if len(self.made) >= len(self.replay):
                 raise fx.proxy.TraceError(f"{what} that the first trace did not meet")
             self.made.append(self.replay[len(self.made)])
             return self.made[-1]
         if self.example is None:
-            raise fx.proxy.TraceError(f"{what} of a traced value, which has none")
+            raise fx.proxy.TraceError(missing or f"{what} of a traced value, which has none")
         self._evaluate(node)
         self.made.append(read(self.values[node]))
         return self.made[-1]

@@ -2210,35 +2210,12 @@ class _Walk:
         at another width the forward could take another branch. Only the number's own chain is
         read, up to the sizes it reads: a tensor's dtype or rank, or the widths that shaped a
         tensor whose other size it reads, are none of its."""
-        stack, seen = [value], set()
-        while stack:
-            a = stack.pop()
-            if not isinstance(a, fx.Node) or a in seen:
-                continue
-            seen.add(a)
-            read, whole = _size_read(a), _shape_source(a)
-            if whole is None and a.op == "call_method" and a.target in ("numel", "nelement"):
-                of = a.args[0]
-                whole = _shape_source(of) or of if isinstance(of, fx.Node) else None  # x.numel(), x.shape.numel()
-            sliced = a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[1], slice)
-            of = _shape_source(a.args[0]) if sliced else None
-            if read is not None:
-                axes = [read]
-            elif of is not None:  # x.shape[:-1]: the axes the slice takes
-                axes = [(of, i) for i in range(len(_shape(of) or ()))[cast(slice, a.args[1])]]
-            elif whole is not None:
-                axes = [(whole, i) for i in range(len(_shape(whole) or ()))]
-            else:
-                if len(_shape(a) or ()) == 0:  # a number, or a 0-d tensor made of one: read on
-                    stack.extend(a.all_input_nodes)
-                continue
-            for x, axis in axes:
-                at = self.units_at(x, axis)
-                if at is not None:
-                    self.mark_fixed(
-                        at[0],
-                        f"the forward branches on (or takes int() of) a number read off their width ({value.name})",
-                    )
+        for x, axis in dict.fromkeys(self.widths_read(value, whole=True)):
+            at = self.units_at(x, axis)
+            if at is not None:
+                self.mark_fixed(
+                    at[0], f"the forward branches on (or takes int() of) a number read off their width ({value.name})"
+                )
 
     def binary(self, node, a, b) -> None:
         if _shape(node) is not None:  # a tensor: numbers computed from widths that scale it
@@ -3228,9 +3205,10 @@ class _Walk:
         """Record that the forward fixes the width of ``var``'s units (:attr:`PermutationSpec.fixed`)."""
         self.fixed.append((var, why))
 
-    def widths_read(self, a) -> list[tuple]:
+    def widths_read(self, a, *, whole: bool = False) -> list[tuple]:
         """The ``(tensor, axis)`` pairs whose sizes the number ``a`` (no tensor) is computed from
-        (``x.shape[-1] // 4``, ``x.size(2)``)."""
+        (``x.shape[-1] // 4``, ``x.size(2)``); with ``whole``, also the axes of shapes read whole
+        or sliced (``x.shape``, ``x.numel()``, ``x.shape[:-1]``: :func:`_shape_axes_read`)."""
         if not isinstance(a, fx.Node):
             return []
         if "tensor_meta" in a.meta:  # a number made a tensor (torch.tensor(d).sqrt()): read through
@@ -3240,7 +3218,10 @@ class _Walk:
         read = _size_read(a)
         if read is not None:
             return [read]
-        return [w for b in _flat(list(a.args) + list(a.kwargs.values())) for w in self.widths_read(b)]
+        axes = _shape_axes_read(a) if whole else None
+        if axes is not None:
+            return axes
+        return [w for b in _flat(list(a.args) + list(a.kwargs.values())) for w in self.widths_read(b, whole=whole)]
 
     def permuted_axis(self, x, axis: int) -> bool:
         """Whether ``axis`` of ``x`` holds permuted units (an activation's, or a parameter's that
@@ -3368,6 +3349,21 @@ def _size_read(a) -> tuple | None:
         if source is not None and isinstance(a.args[1], int):
             return source, a.args[1]
     return None
+
+
+def _shape_axes_read(a: fx.Node) -> list[tuple] | None:
+    """``(tensor, axis)`` of every axis a node reads of a shape taken whole (``x.shape``,
+    ``x.size()``, ``x.numel()``, ``x.shape.numel()``) or sliced (``x.shape[:-1]``: the axes the
+    slice keeps), else None."""
+    of: object = None
+    if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[1], slice):
+        of = _shape_source(a.args[0])
+        if of is not None:
+            return [(of, i) for i in range(len(_shape(of) or ()))[a.args[1]]]
+    of = _shape_source(a)
+    if of is None and a.op == "call_method" and a.target in ("numel", "nelement") and isinstance(a.args[0], fx.Node):
+        of = _shape_source(a.args[0]) or a.args[0]
+    return None if of is None else [(of, i) for i in range(len(_shape(of) or ()))]
 
 
 def _shape_source(whole) -> fx.Node | None:

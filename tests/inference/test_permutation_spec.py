@@ -164,6 +164,10 @@ def test_spec_json_round_trip_keeps_the_widths_a_forward_fixes():
     with pytest.raises(ValueError, match="gives the units of P another width"):
         fixed.check_free_widths("pfnm")
     plain.check_free_widths("pfnm")  # nothing fixed: nothing refused
+    fixed.check_fixed_kept("pfnm", {"P": 8}, {"P": 8})  # held at its width
+    fixed.check_fixed_kept("pfnm", {"P": 8}, {"Q": 8}, {"P": "Q"})  # fused as the group it was tied into
+    with pytest.raises(ValueError, match=r"method='fedma' gave the units of P 9 units instead of 8"):
+        fixed.check_fixed_kept("fedma", {"P": 8}, {"P": 9})
 
 
 def test_spec_json_round_trip_keeps_the_widths_modules_hold():

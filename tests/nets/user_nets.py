@@ -1492,18 +1492,6 @@ class VectorNormMLP(nn.Module):
         return self.head(self.ln2(h))
 
 
-class _BiasedLayerNorm(nn.Module):
-    """nanoGPT's LayerNorm: ``F.layer_norm`` with an optional bias, its width read off its weight."""
-
-    def __init__(self, ndim, bias):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-
-    def forward(self, input):
-        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
 class _CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head, block_size, flash):
         super().__init__()
@@ -1553,8 +1541,8 @@ class _GPTMLP(nn.Module):
 class _GPTBlock(nn.Module):
     def __init__(self, n_embd, n_head, block_size, flash):
         super().__init__()
-        self.ln_1, self.attn = _BiasedLayerNorm(n_embd, True), _CausalSelfAttention(n_embd, n_head, block_size, flash)
-        self.ln_2, self.mlp = _BiasedLayerNorm(n_embd, True), _GPTMLP(n_embd)
+        self.ln_1, self.attn = VectorNorm(n_embd, True), _CausalSelfAttention(n_embd, n_head, block_size, flash)
+        self.ln_2, self.mlp = VectorNorm(n_embd, True), _GPTMLP(n_embd)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -1577,7 +1565,7 @@ class WrittenGPT(nn.Module):
                 wpe=nn.Embedding(block_size, n_embd),
                 drop=nn.Dropout(0.0),
                 h=nn.ModuleList([_GPTBlock(n_embd, n_head, block_size, flash) for _ in range(n_layer)]),
-                ln_f=_BiasedLayerNorm(n_embd, True),
+                ln_f=VectorNorm(n_embd, True),
             )
         )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
