@@ -551,6 +551,9 @@ def _run_fuse(args: argparse.Namespace) -> int:
         f"{' (' + ', '.join(held) + ' held at the widths the forward fixes)' if held else ''}; "
         f"wrote {', '.join(written)} and {last} ({report['seconds']:.1f} s)"
     )
+    in_place = (report.get("hyper") or {}).get("in_place") or {}
+    if in_place:
+        print(f"kept in place (numbers along their units that no permutation moves): {'; '.join(in_place)}")
     source = (report.get("architecture") or {}).get("source") or ""
     if source.startswith("entry names"):
         print(f"architecture read from the files' {source} (give --model MODULE:NAME to trace it from the network)")

@@ -399,6 +399,8 @@ def _aligning(fuse_plain):
             # the clients' widths read off their states, checked by now
             spec.check_fixed_kept(method, spec.sizes(states[0]), dict(zip(fused.groups, fused.sizes)), tied)
             fused.hyper["fixed"] = dict(spec.fixed)
+        if spec.in_place:
+            fused.hyper["in_place"] = dict(spec.in_place)
         if spec.pieces:
             fused.state = spec.join(fused.state)
             fused.precision = None if fused.precision is None else spec.join(fused.precision)

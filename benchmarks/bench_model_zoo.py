@@ -10,7 +10,9 @@ matches your torch) to run this; a library that does not import is reported and 
 For each model (``num_classes=10``, random weights; every vector parameter and batch-norm
 statistic drawn away from 1 and 0, ``tests.helpers.library_randomised``): the permutation spec
 traced from its module at the model's own input size (``spec_from_graph``), its groups and the
-groups whose width its forward fixes (``spec.fixed``), or the first line of the refusal; then,
+groups whose width its forward fixes (``spec.fixed``) and the layers whose units it holds in
+place (``spec.in_place``: they meet numbers along them that no permutation moves), or the first
+line of the refusal; then,
 for models of at most ``--max-params`` parameters, a copy with every group permuted at random
 fused with the original by PFNM (which matches the groups whose width the forward fixes at that
 width; ``--size`` pixels square where the model takes any size): the
@@ -106,7 +108,13 @@ def check(name: str, build, library: str, fixed: int | None, size: int, max_para
     try:
         start = time.perf_counter()
         spec = spec_from_graph(model, x[:1])
-        row.update(traced="yes", groups=len(spec.groups), fixed=len(spec.fixed), trace_s=time.perf_counter() - start)
+        row.update(
+            traced="yes",
+            groups=len(spec.groups),
+            fixed=len(spec.fixed),
+            in_place=len(spec.in_place),
+            trace_s=time.perf_counter() - start,
+        )
     except Exception as err:  # a refusal, reported in its first line
         row.update(traced="no", why=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
         return row
@@ -133,7 +141,7 @@ def check(name: str, build, library: str, fixed: int | None, size: int, max_para
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| library | model | parameters | traced | groups (fixed) | a permuted copy fused back: method, max logit gap "
+        "| library | model | parameters | traced | groups (fixed; layers in place) | a permuted copy fused back: method, max logit gap "
         "(largest logit) | seconds |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -146,7 +154,7 @@ def table(rows: list[dict]) -> str:
             gap += f"; permuted copy {r['permuted_gap']:.1e}"
         seconds = f"{r['fuse_s']:.1f}" if "fuse_s" in r else "-"
         lines.append(
-            f"| {r['library']} | {r['model']} | {r['parameters'] / 1e6:.1f}M | yes | {r['groups']} ({r['fixed']}) | "
+            f"| {r['library']} | {r['model']} | {r['parameters'] / 1e6:.1f}M | yes | {r['groups']} ({r['fixed']}; {r['in_place']}) | "
             f"{gap} | {seconds} |"
         )
     return "\n".join(lines) + "\n"

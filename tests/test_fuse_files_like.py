@@ -473,3 +473,20 @@ def test_the_command_line_says_which_groups_it_held_at_the_widths_the_forward_fi
     assert held and f"({', '.join(held)} held at the widths the forward fixes)" in line
     fused = bayesfuse.load(out, like=UnequalSplit(written=True))
     assert fused.mix.in_features == 4 and fused(torch.randn(4, 64)).shape == (4, 10)
+
+
+def test_the_command_line_says_which_units_it_kept_in_place(tmp_path, capsys):
+    """A rotary language model's queries and keys meet ``cos`` and ``sin`` along their units: the
+    command fuses the rest and names, on a line and in its report, the layers it kept in place."""
+    from tests.nets.user_nets import RotaryLM
+
+    paths = [str(save_state_dict(_random(RotaryLM, s).state_dict(), tmp_path / f"r{s}.pt")) for s in range(2)]
+    out = tmp_path / "f.pt"
+    assert (
+        main(["fuse", *paths, "--method", "pfnm", "--model", "tests.nets.user_nets:RotaryLM", "--out", str(out)]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    kept = json.loads((tmp_path / "f.pt.json").read_text())["hyper"]["in_place"]
+    assert set(kept) == {f"layers.{i}.attn.{p}_proj" for i in (0, 1) for p in "qk"}
+    assert f"kept in place (numbers along their units that no permutation moves): {'; '.join(kept)}" in lines
+    assert bayesfuse.load(out, like=RotaryLM())(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 12)

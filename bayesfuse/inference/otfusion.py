@@ -262,13 +262,25 @@ def _describing(spec: PermutationSpec, group: str, aligned: Mapping[str, object]
     Those :func:`unit_entries` gives (the group once, other groups aligned), restricted to
     those with the group on their rows' axis (incoming weights, biases: axis 0, a transposed
     convolution's axis 1, ``spec.rows_dim``); all of them when none has (a spec whose units are
-    only described by outgoing weights).
+    only described by outgoing weights). Where those are vectors alone (a residual stream that
+    only norms write on their rows: a language model's, whose embedding writes it), the tables
+    whose every other axis no permutation moves (the embeddings, ``(tokens, units)``; not the
+    output layer) describe the units too: else the norms' weights alone, all 1 at initialisation,
+    would decide the plan.
     """
     entries = unit_entries(spec, group, aligned, folded_entries(spec))
     if not entries:
         raise ValueError(f"no parameter describes the units of group {group!r}")
     located = [(k, *_group_axis(spec, k, group)) for k in entries]
     incoming = [e for e in located if e[1] == spec.rows_dim(e[0])]
+    if incoming and all(len(spec.axes[k]) == 1 for k, _, _ in incoming):
+        incoming += [
+            e
+            for e in located
+            if e not in incoming
+            and spec.whole(e[0]) not in spec.output
+            and all(a is None for d, a in enumerate(spec.axes[e[0]]) if d != e[1])
+        ]
     return incoming or located
 
 

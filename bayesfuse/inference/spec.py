@@ -205,6 +205,13 @@ class PermutationSpec:
         names). Both have the same axes; every method fuses them as it fuses any entry, then the
         fused ``alias`` is the fused ``entry`` (:meth:`retie`), so that the fused network ties
         them as the clients did. ``entry`` is the output layer's where one of them is.
+    in_place : dict
+        ``modules -> why``: units that the ``forward`` combines with numbers along them which no
+        permutation moves (a rotary position embedding multiplies the queries and keys by
+        ``cos`` and ``sin`` tables along their features; a position encoding computed in the
+        forward). No group holds them: their axes are ``None``, so every method keeps their order
+        and width and fuses them in place, as it fuses the classes of the output layer. The
+        record says where and why, for reports.
     """
 
     axes: dict
@@ -219,6 +226,7 @@ class PermutationSpec:
     transposed: tuple = ()
     widths: dict = field(default_factory=dict)
     tied: dict = field(default_factory=dict)
+    in_place: dict = field(default_factory=dict)
     _owners: dict = field(init=False, repr=False, compare=False)  # piece -> the entry it is a piece of
 
     def parts(self, entry: str) -> list[str]:
@@ -408,6 +416,13 @@ class PermutationSpec:
         object.__setattr__(self, "transposed", _transposed(self.transposed, fixed, self.pieces))
         object.__setattr__(self, "widths", _widths(self.widths, order))
         object.__setattr__(self, "tied", _tied(self.tied, fixed))
+        if not isinstance(self.in_place, Mapping) or not all(
+            isinstance(k, str) and isinstance(why, str) for k, why in self.in_place.items()
+        ):
+            raise ValueError(
+                f"a spec's 'in_place' maps module names to why their units stay in place, got {self.in_place!r}"
+            )
+        object.__setattr__(self, "in_place", dict(self.in_place))
 
     def untied(self) -> PermutationSpec:
         """This spec without the aliases of :attr:`tied`: what matching reads, each tensor once."""

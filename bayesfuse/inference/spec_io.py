@@ -41,7 +41,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
     entries held in pieces ``"pieces": {entry: [dim, [[piece, length or null], ...]]}``; the
     weights of transposed convolutions ``"transposed": [weight, ...]``; numbers modules hold
     that their forward reads as widths ``"widths": {"module.attribute": axis}``; entries that are
-    one tensor under two names ``"tied": {alias: entry}``."""
+    one tensor under two names ``"tied": {alias: entry}``; units no permutation moves ``"in_place":
+    {modules: why}``."""
 
     def axis(a):
         if a is None:
@@ -71,6 +72,8 @@ def spec_to_dict(spec: PermutationSpec) -> dict:
         out["widths"] = {k: axis(a) for k, a in spec.widths.items()}
     if spec.tied:  # entries that are one tensor under two names
         out["tied"] = dict(spec.tied)
+    if spec.in_place:  # units no permutation moves, and why
+        out["in_place"] = dict(spec.in_place)
     return out
 
 
@@ -127,6 +130,7 @@ def spec_from_dict(data: Mapping) -> PermutationSpec:
         data.get("transposed", ()),  # transposed convolutions' weights, checked by the spec
         data.get("widths", {}),  # numbers modules hold that their forward reads as widths, checked by the spec
         data.get("tied", {}),  # entries that are one tensor under two names, checked by the spec
+        data.get("in_place", {}),  # units no permutation moves, and why, checked by the spec
     )
 
 

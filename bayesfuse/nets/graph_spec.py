@@ -961,6 +961,14 @@ def _pool_rank(name: str) -> int:
     return next((k for k in (1, 2, 3) if name.lower().endswith(f"{k}d")), 2)
 
 
+def _adds_nothing(t, dim: int) -> bool:
+    """Whether ``torch.cat`` leaves operand ``t`` out: no numbers along ``dim``, or the empty
+    1-D tensor torch skips whatever the others' rank (a key/value cache before its first step,
+    ``torch.cat([torch.tensor([]), k], -2)``)."""
+    shape = _shape(t)
+    return shape is not None and (shape == (0,) or (dim < len(shape) and shape[dim] == 0))
+
+
 def _tensor_shape(node) -> tuple:
     """The shape of a node whose value is one tensor: ShapeProp records one for each."""
     return cast(tuple, _shape(node))
@@ -1038,6 +1046,7 @@ class _Walk:
         self.coarse: set[int] = set()  # classes re-described as runs of units (coarsen)
         self.segmented: set[int] = set()  # classes re-described as runs of new classes (split unequally)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
+        self.in_place: dict[str, str] = {}  # modules whose units meet numbers along them no permutation moves: why
         self.decisions: list = []  # the numbers the trace decided on (decisions.decided), read after the walk
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
         self.held: list[tuple[str, int, int, int, int]] = []  # and the multiple of it read (factor)
@@ -1409,6 +1418,7 @@ class _Walk:
             transposed=tuple(self.transposed),
             widths=widths,
             tied=tied,
+            in_place=self.in_place,
         )
 
     # ----------------------------------------------------------------- modules
@@ -2349,10 +2359,25 @@ class _Walk:
         shape, out = _shape(other), _tensor_shape(node)
         dim = f.dim + len(out) - len(_tensor_shape(f_node))  # the units' axis in the result
         at = dim - (len(out) - len(shape)) if shape is not None else -1
-        if shape is not None and 0 <= at < len(shape) and shape[at] != 1:
-            self.fail(
-                node, f"an operand ({other.name}) whose units cannot be followed meets a permuted stream; give a spec"
+        if shape is not None and 0 <= at < len(shape) and shape[at] != 1:  # held in place: no permutation moves it
+            where = ", ".join(self.producers_of(f.var)) or f"the units of {f_node.name}"
+            self.in_place.setdefault(
+                where, f"{_name(node.target)} with {other.name}, numbers along their units that no permutation moves"
             )
+            self.classes.union(f.var, _FIXED)
+
+    def producers_of(self, var: int) -> list[str]:
+        """The Linear/Conv modules whose output units are ``var``'s class, or blocks of it (:attr:`cut`)."""
+        root, found = self.classes.find(var), []
+        for v, name in self.var_producer.items():
+            while True:
+                if self.classes.find(v) == root:
+                    found.append(name)
+                    break
+                if v not in self.cut:
+                    break
+                v = self.cut[v][0]
+        return list(dict.fromkeys(found))
 
     def buffer_along(self, var: int, name: str) -> None:
         """Buffer ``name`` holds a number per unit of ``var``: their width is fixed; and where the
@@ -2507,9 +2532,9 @@ class _Walk:
         if not isinstance(tensors, (list, tuple)):
             self.opaque(node, [tensors], "cat of what cannot be read as a list of tensors")
             return
-        tensors = list(tensors)
         rank = len(_tensor_shape(node))
         dim = dim % rank
+        tensors = [t for t in tensors if not _adds_nothing(t, dim)]
         if any(isinstance(self.raw(t), _Segments) and self.raw(t).dim == dim for t in tensors):
             self.side_by_side(node, tensors, dim)
             return

@@ -310,3 +310,22 @@ def test_importing_the_module_loads_no_torch():
     code = "import bayesfuse.inference.otfusion, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"]
+
+
+def test_a_stream_only_norms_write_is_aligned_by_its_embedding():
+    """A language model's residual stream is written on its rows by norm weights alone, all 1 at
+    initialisation: the embedding table (tokens x units), whose token axis no permutation moves,
+    describes its units too, so a permuted copy fuses back (the norms alone tie every plan)."""
+    import bayesfuse
+    from bayesfuse.nets.graph_spec import spec_from_graph
+    from tests.helpers import permuted_copy
+    from tests.nets.user_nets import RotaryLM
+
+    torch.manual_seed(0)
+    model = RotaryLM().eval()
+    assert all(float(p.min()) == 1.0 for p in model.parameters() if p.dim() == 1)  # the norms at 1
+    permuted = permuted_copy(model, spec_from_graph(model), seed=1)
+    x = torch.randint(0, 12, (3, 8))
+    with torch.no_grad():
+        fused = bayesfuse.fuse([model, permuted], "ot").model
+        assert float((fused(x) - model(x)).abs().max()) < 1e-4

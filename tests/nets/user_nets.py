@@ -1622,3 +1622,85 @@ class InputsFirstMLP(nn.Module):
         t = self.embed(x.view(-1, 4, 16))
         t = t + self.c_proj(F.gelu(self.c_fc(self.norm(t))))
         return self.head(t.mean(1))
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _RotaryAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = n_head, n_embd // n_head
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(n_embd, n_embd, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(n_embd, n_embd, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.past_keys = torch.tensor([])  # a key cache before its first step, as Hugging Face's caches start
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        q = q * cos + _rotate_half(q) * sin
+        k = torch.cat([self.past_keys, k * cos + _rotate_half(k) * sin], dim=-2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(n_embd, hidden, bias=False), nn.Linear(n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryLM(nn.Module):
+    """A language model as Llama writes it: RMS norms, a SwiGLU MLP, and attention whose queries
+    and keys are turned by a rotary position embedding (``q * cos + rotate_half(q) * sin``, the
+    tables computed in the forward from a non-persistent buffer of frequencies), their keys put
+    after an empty cache (``torch.cat([torch.tensor([]), k], -2)``)."""
+
+    def __init__(self, vocab_size=12, n_layer=2, n_head=2, n_embd=16, hidden=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, n_embd)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                dict(
+                    ln_1=_RMSNorm(n_embd),
+                    attn=_RotaryAttention(n_embd, n_head),
+                    ln_2=_RMSNorm(n_embd),
+                    mlp=_SwiGLU(n_embd, hidden),
+                )
+            )
+            for _ in range(n_layer)
+        )
+        self.norm = _RMSNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def example_input(self):
+        return torch.zeros(2, 8, dtype=torch.long)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = x + layer["attn"](layer["ln_1"](x))
+            x = x + layer["mlp"](layer["ln_2"](x))
+        return self.lm_head(self.norm(x))
