@@ -141,8 +141,8 @@ def check(name: str, build, library: str, fixed: int | None, size: int, max_para
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| library | model | parameters | traced | groups (fixed; layers in place) | a permuted copy fused back: method, max logit gap "
-        "(largest logit) | seconds |",
+        "| library | model | parameters | traced | groups (fixed; layers in place) "
+        "| a permuted copy fused back: method, max logit gap (largest logit) | seconds |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -154,8 +154,8 @@ def table(rows: list[dict]) -> str:
             gap += f"; permuted copy {r['permuted_gap']:.1e}"
         seconds = f"{r['fuse_s']:.1f}" if "fuse_s" in r else "-"
         lines.append(
-            f"| {r['library']} | {r['model']} | {r['parameters'] / 1e6:.1f}M | yes | {r['groups']} ({r['fixed']}; {r['in_place']}) | "
-            f"{gap} | {seconds} |"
+            f"| {r['library']} | {r['model']} | {r['parameters'] / 1e6:.1f}M | yes "
+            f"| {r['groups']} ({r['fixed']}; {r['in_place']}) | {gap} | {seconds} |"
         )
     return "\n".join(lines) + "\n"
 
