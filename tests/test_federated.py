@@ -263,6 +263,7 @@ def test_fedma_matches_a_width_the_forward_fixes_at_that_width(digits):
     assert set(spec.fixed) == {"P1"}
     run = run_fedma(models, split.train, part, replace(cfg, epochs=2), verbose=False)
     assert run.result.sizes["P1"] == 8 and run.model.fc.out_features == 16
+    assert run.result.hyper["fixed"] == spec.fixed  # and says so, as PFNM's result does
     acc, local = _accuracy_and_clients(run.model, models, split)
     assert acc > local + 0.1, (acc, local)  # as for the networks above: clearly above the average client
 

@@ -414,13 +414,13 @@ def test_files_of_transposed_convolutions_fuse_with_the_module_given(tmp_path, c
 
 
 def test_fedavg_of_a_weight_applied_by_hand_averages_and_says_why_in_the_command_lines_words(tmp_path, capsys):
-    """A weight applied through a view (``self.w.T``) is a layer the walk cannot see: matching is
+    """A weight applied by ``torch.tensordot`` is a layer the walk cannot see: matching is
     refused, FedAvg averages. Without ``--input-shape`` the input made from the head's width does
     not run, which the note says in the command line's words; with it, the note names the weight."""
     models, paths = _files(tmp_path, HandLinear, n=2)
     ref = ["--model", "tests.nets.user_nets:HandLinear"]
     for shape, why in (([], "give an example input (--input-shape D,...: the shape of one input)"),
-                       (["--input-shape", "5"], "linear applies the network's own weight 'w'")):  # fmt: skip
+                       (["--input-shape", "5"], "tensordot applies the network's own weight 'w'")):  # fmt: skip
         out = tmp_path / f"avg{len(shape)}.pt"
         assert main(["fuse", *paths, "--method", "fedavg", *ref, *shape, "--out", str(out)]) == 0
         note = capsys.readouterr().out

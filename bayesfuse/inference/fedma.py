@@ -304,6 +304,8 @@ def fedma_steps(
             cost=cost,
             n_iter=n_iter,
             seed=seed,
+            **({"fixed": dict(spec.fixed)} if spec.fixed else {}),
+            **({"in_place": dict(spec.in_place)} if spec.in_place else {}),
         ),
         seconds=time.perf_counter() - start,
         dropped=dropped,

@@ -264,9 +264,10 @@ def _describing(spec: PermutationSpec, group: str, aligned: Mapping[str, object]
     convolution's axis 1, ``spec.rows_dim``); all of them when none has (a spec whose units are
     only described by outgoing weights). Where those are vectors alone (a residual stream that
     only norms write on their rows: a language model's, whose embedding writes it), the tables
-    whose every other axis no permutation moves (the embeddings, ``(tokens, units)``; not the
-    output layer) describe the units too: else the norms' weights alone, all 1 at initialisation,
-    would decide the plan.
+    whose every other axis no permutation moves (the embeddings, ``(tokens, units)``, and layers
+    that read the units into units held in place; not the output layer, whole or in pieces)
+    describe the units too: else the norms' weights alone, all 1 at initialisation, would decide
+    the plan.
     """
     entries = unit_entries(spec, group, aligned, folded_entries(spec))
     if not entries:
@@ -278,7 +279,7 @@ def _describing(spec: PermutationSpec, group: str, aligned: Mapping[str, object]
             e
             for e in located
             if e not in incoming
-            and spec.whole(e[0]) not in spec.output
+            and e[0] not in spec.output
             and all(a is None for d, a in enumerate(spec.axes[e[0]]) if d != e[1])
         ]
     return incoming or located

@@ -80,7 +80,7 @@ from torch import fx, nn
 
 from bayesfuse._layers import torch_layer
 from bayesfuse.inference.spec import Axis, PermutationSpec
-from bayesfuse.nets.decisions import Decider, NumberProxy, decided
+from bayesfuse.nets.decisions import Decider, NumberProxy, decided, size_read
 from bayesfuse.nets.state import RMS_NORMS, floating_like, forward_arguments, forward_error, tied_entries
 
 __all__ = ["spec_from_graph", "example_input_for", "UnsupportedLayerError"]
@@ -280,6 +280,8 @@ _FUNCTIONAL_NORMS[torch.nn.functional.batch_norm] = (
 #: whole examples, or none in eval mode.
 #: Methods that make a tensor of the given shape, reading only the dtype and device of theirs.
 _NEW_TENSOR_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+#: Functions that read only their first operand's shape, dtype and device.
+_LIKE_FUNCTIONS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
 _KEEPING_UNITS = {"torchvision.ops.stochastic_depth.stochastic_depth"}
 #: Views and copies of a tensor that leave its values where they are: a parameter seen through them
 #: (``self.weight.T``, ``self.weight.t()``) is still that parameter (:meth:`_Walk.weight_of`).
@@ -406,14 +408,31 @@ class _Unreadable:
 
 
 class _Classes:
-    """Union-find over permutation variables; class ``_FIXED`` is 'not permuted'."""
+    """Union-find over permutation variables; class ``_FIXED`` is 'not permuted'.
+
+    ``ties`` is a second union-find over the same variables that records every tie but those to
+    ``_FIXED`` itself, and re-descriptions (:meth:`tie`): the classes as they would be had no
+    class been held, which names the entries a class held in place reaches (:attr:`_Walk.pins`)."""
 
     def __init__(self) -> None:
         self.parent = [_FIXED]
+        self.ties = [_FIXED]
 
     def new(self) -> int:
         self.parent.append(len(self.parent))
+        self.ties.append(len(self.ties))
         return len(self.parent) - 1
+
+    def tie(self, a: int, b: int) -> None:
+        """Record in :attr:`ties` alone that ``a`` and ``b`` hold the same units."""
+        a, b = self.tied_root(a), self.tied_root(b)
+        if a != b:
+            self.ties[max(a, b)] = min(a, b)
+
+    def tied_root(self, v: int) -> int:
+        while self.ties[v] != v:
+            v = self.ties[v]
+        return v
 
     def find(self, v: int) -> int:
         while self.parent[v] != v:
@@ -422,6 +441,8 @@ class _Classes:
         return v
 
     def union(self, a: int, b: int) -> None:
+        if _FIXED not in (a, b):
+            self.tie(a, b)
         a, b = self.find(a), self.find(b)
         if a != b:  # the smaller root wins, so _FIXED stays its class's root
             self.parent[max(a, b)] = min(a, b)
@@ -1046,7 +1067,8 @@ class _Walk:
         self.coarse: set[int] = set()  # classes re-described as runs of units (coarsen)
         self.segmented: set[int] = set()  # classes re-described as runs of new classes (split unequally)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
-        self.in_place: dict[str, str] = {}  # modules whose units meet numbers along them no permutation moves: why
+        self.pins: list[tuple[int, str]] = []  # classes held in place: they met numbers no permutation moves (why)
+        self.hand: set[str] = set()  # 2-D parameters applied by hand as linear layers (hand_layer)
         self.decisions: list = []  # the numbers the trace decided on (decisions.decided), read after the walk
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
         self.held: list[tuple[str, int, int, int, int]] = []  # and the multiple of it read (factor)
@@ -1200,6 +1222,12 @@ class _Walk:
         f = None if isinstance(self.raw(first), _Segments) else self.feature(first)
         # the output layer: the one whose units the logits are, through what keeps them (log_softmax, a scale)
         output_layer = self.producer.get(first) or (self.var_producer.get(f.var) if f is not None else None)
+        if output_layer in self.hand and output_layer in self.transposed:
+            raise UnsupportedLayerError(
+                f"the output layer {output_layer!r} is a weight applied as it is stored, (features, classes), whose "
+                "classes are its axis 1: apply it transposed (x @ self.w.T, F.linear(x, self.w)), write it as "
+                "nn.Linear, or give a spec"
+            )
         if output_layer is not None and f"{output_layer}.weight" in self.transposed:
             raise UnsupportedLayerError(
                 f"the output layer {output_layer!r} is a transposed convolution, whose classes are its weight's "
@@ -1345,6 +1373,8 @@ class _Walk:
         output = (
             ()
             if output_layer is None
+            else self.hand_output(output_layer, state)
+            if output_layer in self.hand
             else tuple(
                 p
                 for k in (f"{output_layer}.weight", f"{output_layer}.bias")
@@ -1418,7 +1448,7 @@ class _Walk:
             transposed=tuple(self.transposed),
             widths=widths,
             tied=tied,
-            in_place=self.in_place,
+            in_place=self.held_in_place(),
         )
 
     # ----------------------------------------------------------------- modules
@@ -2100,7 +2130,9 @@ class _Walk:
             self.labels[node] = self.through(args[0])
         elif fn in _FUNCTIONAL_NORMS:
             self.functional_norm(node, fn, args, kwargs)
-        elif fn is torch.nn.functional.linear and self.own_linear(node, args, kwargs):
+        elif fn is torch.nn.functional.linear and (
+            self.own_linear(node, args, kwargs) or self.hand_linear(node, args, kwargs)
+        ):
             pass
         elif fn is torch.addmm and self.addmm_layer(node, args, kwargs):
             pass
@@ -2359,25 +2391,35 @@ class _Walk:
         shape, out = _shape(other), _tensor_shape(node)
         dim = f.dim + len(out) - len(_tensor_shape(f_node))  # the units' axis in the result
         at = dim - (len(out) - len(shape)) if shape is not None else -1
-        if shape is not None and 0 <= at < len(shape) and shape[at] != 1:  # held in place: no permutation moves it
-            where = ", ".join(self.producers_of(f.var)) or f"the units of {f_node.name}"
-            self.in_place.setdefault(
-                where, f"{_name(node.target)} with {other.name}, numbers along their units that no permutation moves"
+        if shape is None or not 0 <= at < len(shape) or shape[at] == 1:
+            return
+        state = _state_read(other, set(self.parameters) | self.state_keys)
+        if state is not None:  # computed from an entry that permutations move: its order is unknown
+            self.fail(
+                node,
+                f"an operand ({other.name}) whose units cannot be followed, computed from {state!r}, meets a "
+                "permuted stream; give a spec",
             )
-            self.classes.union(f.var, _FIXED)
+        # numbers no permutation moves (a rotary table computed from sizes): the units are held in place
+        self.pins.append(
+            (f.var, f"{_name(node.target)} with {other.name}, numbers along their units that no permutation moves")
+        )
+        self.classes.union(f.var, _FIXED)
 
-    def producers_of(self, var: int) -> list[str]:
-        """The Linear/Conv modules whose output units are ``var``'s class, or blocks of it (:attr:`cut`)."""
-        root, found = self.classes.find(var), []
-        for v, name in self.var_producer.items():
-            while True:
-                if self.classes.find(v) == root:
-                    found.append(name)
-                    break
-                if v not in self.cut:
-                    break
-                v = self.cut[v][0]
-        return list(dict.fromkeys(found))
+    def held_in_place(self) -> dict[str, str]:
+        """The layers (or parameters) whose units the walk held in place (:attr:`pins`), each with
+        why: every entry with an axis that the pinned class reached through ties, now not permuted."""
+        held: dict[str, str] = {}
+        for var, why in self.pins:
+            root = self.classes.tied_root(var)
+            for entry, dims in self.axes.items():
+                if any(
+                    isinstance(d, tuple) and self.classes.tied_root(d[0]) == root and self.classes.find(d[0]) == _FIXED
+                    for d in dims
+                ):
+                    layer, _, last = entry.rpartition(".")
+                    held.setdefault(layer if layer and last in ("weight", "bias") else entry, why)
+        return held
 
     def buffer_along(self, var: int, name: str) -> None:
         """Buffer ``name`` holds a number per unit of ``var``: their width is fixed; and where the
@@ -2400,9 +2442,64 @@ class _Walk:
         dims[dim] = (f.var, f.outer, f.inner)
         self.set_axes(target, dims)
 
+    def hand_output(self, weight: str, state) -> tuple[str, ...]:
+        """The output layer written by hand: its weight, then the vectors added to its units (its bias)."""
+        var = self.axes[weight][0][0]
+        added = [
+            k
+            for k, dims in self.axes.items()
+            if k != weight and k in state and len(dims) == 1 and isinstance(dims[0], tuple) and dims[0][0] == var
+        ]
+        return (weight, *added)
+
+    def hand_linear(self, node, args: list, kwargs) -> bool:
+        """``F.linear(x, self.w, self.b)`` with ``w`` a 2-D parameter of the network held by no
+        ``nn.Linear`` of its own: a layer written by hand (:meth:`hand_layer`), and True; else False."""
+        bound = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
+        x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+        if b is not None and (self.weight_of(b) is not None or not isinstance(self.raw(b), tuple)):
+            return False  # a bias computed in the forward
+        if not self.hand_layer(node, x, w, transposed_operand=True):
+            return False
+        if b is not None:
+            self.param_axis(self.raw(b)[1], node, self.labels[node], _tensor_shape(node))
+        return True
+
+    def hand_layer(self, node, x, w, *, transposed_operand: bool = False) -> bool:
+        """``x @ w`` (``x @ self.w``, ``x @ self.w.T``; ``F.linear(x, self.w)``, whose operand is
+        ``w`` transposed: ``transposed_operand``) with ``w`` a 2-D parameter of the network, viewed
+        as it is stored or transposed, summed over ``x``'s last axis where ``x``'s units are, or
+        over an axis without units: a linear layer written by hand, whose units are ``w``'s
+        other axis, and True (the stored weight's axis 1 where it is applied as it is stored,
+        ``(in, out)``: :attr:`PermutationSpec.transposed`). Else False (a weight applied across
+        tokens, reshaped, or a parameter of another rank), and the caller refuses it."""
+        name = self.weight_of(w)
+        swapped = _transposes(w)
+        if name is None or self.parameters[name].dim() != 2 or swapped is None or not isinstance(x, fx.Node):
+            return False
+        label, shape = self.raw(x), _tensor_shape(x)
+        if isinstance(label, _Segments) or len(shape) < 1:
+            return False
+        f = self.feature(x)
+        if self.permuted(f) and f.dim != len(shape) - 1:
+            return False
+        stored_in_out = swapped == transposed_operand  # (in, out) as stored: the units on axis 1
+        out, cut = self.layer_vars(name, f if self.permuted(f) else None, node)
+        rows, inputs = (out, cut, 1), self.in_axis(f if self.permuted(f) else None)
+        self.set_axes(name, [inputs, rows] if stored_in_out else [rows, inputs])
+        if stored_in_out and name not in self.transposed:
+            self.transposed.append(name)
+        self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut, 1)
+        self.var_producer.setdefault(out, name)
+        self.hand.add(name)
+        return True
+
     def matmul(self, node, a, b) -> None:
         """``a @ b``: units summed over in both operands are tied (and gone); units on an axis
-        that is not summed over pass to the result."""
+        that is not summed over pass to the result. ``x @ self.w`` is a layer written by hand
+        (:meth:`hand_layer`)."""
+        if self.weight_of(b) is not None and self.weight_of(a) is None and self.hand_layer(node, a, b):
+            return
         self.applied_weight(node, [a, b], "a matrix product")
         fa, fb = (f if self.permuted(f) else None for f in (self.feature(a), self.feature(b)))
         if fa is None and fb is None:
@@ -2878,6 +2975,7 @@ class _Walk:
         if root == _FIXED:  # the input's and the classes' axes are never permuted, so never cut
             raise AssertionError(f"{what} of the class that is never permuted")
         new = self.new()
+        self.classes.tie(root, new)
         self.rewrite(
             root,
             [new],
@@ -3454,6 +3552,52 @@ def _added_shape(node: fx.Node) -> list | None:
             return None
         entries.extend(shape[cast(slice, taken)])
     return entries
+
+
+def _state_read(node: fx.Node, entries: set[str]) -> str | None:
+    """The first of ``entries`` (parameters, state_dict buffers) whose values ``node``'s value is
+    computed from, through the graph, else None. Sizes, dtypes and devices read off a tensor
+    (``x.shape``, ``x.dtype``; ``torch.zeros_like(x)``, ``x.new_zeros(n)``) read none of its values."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or size_read(n):
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and str(n.target) in entries:
+            return str(n.target)
+        if n.op == "call_method" and n.target in _NEW_TENSOR_METHODS or n.target in _LIKE_FUNCTIONS:
+            stack.extend(a for a in n.all_input_nodes if a is not n.args[0])  # the tensor gives its dtype alone
+            continue
+        stack.extend(n.all_input_nodes)
+    return None
+
+
+def _swap_of_two(name: str, dims: list | tuple) -> bool:
+    """Whether ``transpose(*dims)`` (two axes) or ``permute(*dims)`` (an order) swaps a matrix's two axes."""
+    if len(dims) != 2 or not all(isinstance(d, int) for d in dims):
+        return False
+    a, b = (d % 2 for d in dims)
+    return (a, b) == (1, 0) if name == "permute" else a != b
+
+
+def _transposes(node) -> bool | None:
+    """Whether ``node`` is a 2-D ``get_attr`` transposed (``.T``, ``.t()``, ``.mT``,
+    ``transpose(0, 1)``, ``permute(1, 0)``), an odd number of times, through ops that keep its
+    numbers (``contiguous``, ``to``, ``detach``...); None where another view (a reshape) is on the way."""
+    swaps = 0
+    while isinstance(node, fx.Node) and node.op != "get_attr":
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
+        rest: list = list(node.args[1:])
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+        if node.op == "call_function" and node.target is getattr and rest and rest[0] in ("T", "mT"):
+            swaps += 1
+        elif name == "t" or name in ("transpose", "swapaxes", "swapdims", "permute") and _swap_of_two(name, dims):
+            swaps += 1
+        elif name not in ("contiguous", "to", "float", "double", "half", "bfloat16", "type_as", "clone", "detach"):
+            return None
+        node = node.args[0] if node.args else None
+    return swaps % 2 == 1 if isinstance(node, fx.Node) else None
 
 
 def _view_base(node) -> fx.Node | None:

@@ -480,10 +480,6 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_SideBySide("grouped"), r"Conv1d reads streams concatenated on their units \(of widths \[4, 6\]\)"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
         (_HandWritten("tensordot"), r"tensordot applies the network's own weight 'W'"),
-        (_HandWritten("linear", frozen=True), r"linear applies the network's own weight 'W'"),  # frozen, still a layer
-        (_HandWritten("linear of .T.T"), r"linear applies the network's own weight 'W'"),
-        (_HandWritten("x @ W.T"), r"a matrix product applies the network's own weight 'W'"),
-        (_HandWritten("matmul of W.t()"), r"a matrix product applies the network's own weight 'W'"),
         (_Indexed(), r"indexing into the units' axis is not supported"),
         (_Repeated(), r"repeat along the units' axis copies each unit"),
         (ArgmaxUnits(), r"argmax over the units names units by their place, which fusion changes"),
@@ -494,6 +490,23 @@ def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
     with pytest.raises(UnsupportedLayerError, match=message) as err:
         spec_from_module(model)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "how, frozen", [("linear", True), ("linear of .T.T", False), ("x @ W.T", False), ("matmul of W.t()", False)]
+)
+def test_a_weight_applied_by_hand_through_its_transposes_is_a_layer(how, frozen):
+    """``F.linear(x, self.W)`` (frozen too: still a layer), through ``.T.T``, ``x @ self.W.T`` and
+    ``torch.matmul(x, self.W.t().contiguous())``: ``W``'s rows are the hidden units, read by the head."""
+    torch.manual_seed(0)
+    model = _HandWritten(how, frozen=frozen).eval()
+    spec = spec_from_module(model)
+    assert spec.axes["W"][0] is not None and spec.axes["W"][1] is None and "W" not in spec.transposed
+    assert spec.axes["head.weight"][1].group == spec.axes["W"][0].group
+    permuted, x = permuted_copy(model, spec, seed=1), torch.randn(5, 4)
+    assert _gap(permuted, model, x) < 1e-5
+    for method in ("pfnm", "ot"):
+        assert _gap(bayesfuse.fuse([model, permuted], method).model, model, x) < 1e-4, method
 
 
 class _NormedLSTM(nn.Module):

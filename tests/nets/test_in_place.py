@@ -5,6 +5,7 @@ every method fuses them in place; the values, the stream and the MLPs are matche
 
 import json
 
+import pytest
 import torch
 
 import bayesfuse
@@ -57,3 +58,88 @@ def test_a_rotary_language_model_fuses_back_and_fuses():
         assert attention.q_proj.out_features == attention.k_proj.out_features == 16
         assert net.norm.weight.shape[0] > 16 and net.layers[0]["mlp"].gate_proj.out_features > 32
         assert net(x).shape == (3, 8, 12)
+
+
+def test_weights_applied_by_hand_are_layers():
+    """``x @ self.w1 + self.b1`` (stored inputs first: its units on axis 1), ``F.linear(h, self.w2,
+    self.b2)`` and ``h @ self.w3.T + self.b3`` (the output layer) are linear layers: a permuted copy
+    fuses back by every method, and three independent networks fuse by PFNM to wider ones that run."""
+    from tests.nets.user_nets import HandMLP
+
+    def model(seed: int) -> HandMLP:
+        torch.manual_seed(seed)
+        return HandMLP().eval()
+
+    net = model(0)
+    spec = spec_from_graph(net)
+    assert spec.axes["w1"][1] is not None and spec.axes["w1"][0] is None and "w1" in spec.transposed
+    assert spec.axes["w2"][0] is not None and spec.axes["w2"][0].group == spec.axes["b2"][0].group
+    assert spec.output == ("w3", "b3") and spec.axes["w3"][0] is None
+    x = torch.randn(6, 8)
+    permuted = permuted_copy(net, spec, seed=1)
+    with torch.no_grad():
+        assert float((permuted(x) - net(x)).abs().max()) < 1e-5
+        for method in ("pfnm", "nafi", "ot", "fedavg"):
+            if method == "fedavg":
+                assert float((bayesfuse.fuse([net, net], method).model(x) - net(x)).abs().max()) < 1e-6
+                continue
+            assert float((bayesfuse.fuse([net, permuted], method).model(x) - net(x)).abs().max()) < 1e-4, method
+        fused = bayesfuse.fuse([model(s) for s in (1, 2, 3)], "pfnm")
+        assert fused.model.w1.shape[1] > 16 and fused.model.w2.shape == (fused.sizes[1], fused.sizes[0])
+        assert fused.model(x).shape == (6, 3)
+
+
+def test_an_output_weight_applied_as_stored_is_refused_in_one_line():
+    from bayesfuse.nets.graph_spec import UnsupportedLayerError
+    from tests.nets.user_nets import HandMLP
+
+    with pytest.raises(UnsupportedLayerError, match=r"output layer 'w3' is a weight applied as it is stored"):
+        spec_from_graph(HandMLP(last_as_stored=True))
+
+
+class _SinusoidalLM(torch.nn.Module):
+    """A sinusoidal position encoding computed in the forward, added to the embedded tokens: the
+    stream is held in place, the MLP that writes into it too; the MLP's hidden units are matched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(12, 16), torch.nn.Linear(16, 12)
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1] * 16.0).view(-1, 16)
+        x = self.emb(idx) + torch.sin(pos / 7.0)
+        return self.head(x + self.fc2(torch.relu(self.fc1(x))))
+
+
+class _GainOfAParameter(torch.nn.Module):
+    """``h * self.g.exp()`` where ``g`` also scales another stream's units: the operand's order is
+    the parameter's, which a permutation moves, so nothing may be held in place on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f1, self.f2, self.out = torch.nn.Linear(4, 8), torch.nn.Linear(4, 8), torch.nn.Linear(16, 3)
+        self.g = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        return self.out(torch.cat([torch.relu(self.f1(x)) * self.g, torch.relu(self.f2(x)) * self.g.exp()], -1))
+
+
+def test_a_position_encoding_computed_in_the_forward_holds_the_stream_and_names_every_layer_on_it():
+    torch.manual_seed(0)
+    model = _SinusoidalLM().eval()
+    spec = spec_from_graph(model, torch.zeros(2, 5, dtype=torch.long))
+    assert set(spec.in_place) == {"emb", "fc2"} and spec.groups == ("P1",)  # the MLP's hidden units
+    x = torch.randint(0, 12, (3, 5))
+    permuted = permuted_copy(model, spec, seed=1)
+    with torch.no_grad():
+        assert float((permuted(x) - model(x)).abs().max()) < 1e-5
+        fused = bayesfuse.fuse([model, permuted], "pfnm", example_input=x[:1]).model
+        assert float((fused(x) - model(x)).abs().max()) < 1e-4
+
+
+def test_an_operand_computed_from_a_parameter_is_not_taken_for_numbers_no_permutation_moves():
+    from bayesfuse.nets.graph_spec import UnsupportedLayerError
+
+    with pytest.raises(UnsupportedLayerError, match=r"an operand \(exp\) .* computed from 'g', meets a permuted"):
+        spec_from_graph(_GainOfAParameter())

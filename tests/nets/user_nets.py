@@ -333,8 +333,9 @@ class StepEncoder(Encoder):
 
 
 class HandLinear(nn.Module):
-    """A hidden layer applied by hand through a view of its weight (``F.linear(x, self.w.T)``), so
-    that the first ``nn.Linear`` (the head) does not tell the input's width (5)."""
+    """A hidden layer applied by hand by ``torch.tensordot(x, self.w, dims=1)``, which the walk
+    does not read as a layer, so that the first ``nn.Linear`` (the head) does not tell the input's
+    width (5)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -342,7 +343,7 @@ class HandLinear(nn.Module):
         self.head = nn.Linear(10, 3)
 
     def forward(self, x):
-        return self.head(torch.tanh(nn.functional.linear(x, self.w.T)))
+        return self.head(torch.tanh(torch.tensordot(x, self.w, dims=1)))
 
 
 class LogSoftmaxMLP(MyMLP):
@@ -1704,3 +1705,26 @@ class RotaryLM(nn.Module):
             x = x + layer["attn"](layer["ln_1"](x))
             x = x + layer["mlp"](layer["ln_2"](x))
         return self.lm_head(self.norm(x))
+
+
+class HandMLP(nn.Module):
+    """An MLP whose layers are parameters applied by hand, as research code writes them: ``x @
+    self.w1 + self.b1`` (stored inputs first), ``F.linear(h, self.w2, self.b2)`` and ``h @
+    self.w3.T + self.b3`` (stored outputs first). ``last_as_stored``: the output weight stored
+    ``(features, classes)`` and applied as it is, ``h @ self.w3``."""
+
+    def __init__(self, d_in=8, hidden=16, classes=3, last_as_stored=False):
+        super().__init__()
+        self.last_as_stored = last_as_stored
+        self.w1, self.b1 = nn.Parameter(torch.randn(d_in, hidden) * 0.5), nn.Parameter(torch.randn(hidden) * 0.1)
+        self.w2, self.b2 = nn.Parameter(torch.randn(hidden, hidden) * 0.3), nn.Parameter(torch.randn(hidden) * 0.1)
+        shape = (hidden, classes) if last_as_stored else (classes, hidden)
+        self.w3, self.b3 = nn.Parameter(torch.randn(*shape) * 0.3), nn.Parameter(torch.randn(classes) * 0.1)
+
+    def example_input(self):
+        return torch.zeros(2, self.w1.shape[0])
+
+    def forward(self, x):
+        h = torch.relu(x @ self.w1 + self.b1)
+        h = torch.tanh(F.linear(h, self.w2, self.b2))
+        return (h @ self.w3 if self.last_as_stored else h @ self.w3.T) + self.b3
