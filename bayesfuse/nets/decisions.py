@@ -301,7 +301,7 @@ class NumberProxy(fx.Proxy):
                 return self.tracer.attribute(self, name)  # type: ignore[attr-defined]
             except fx.proxy.TraceError:
                 pass
-        return super().__getattr__(name)
+        return _NumberAttribute(self, name)
 
     def __len__(self) -> int:
         """``len()`` of a tensor (its first size) or of a tuple of sizes, decided."""
@@ -320,3 +320,9 @@ class NumberProxy(fx.Proxy):
 
     def __float__(self) -> float:
         return float(self.tracer.decide(self, "float() of a traced number"))  # type: ignore[attr-defined]
+
+
+class _NumberAttribute(fx.proxy.Attribute, NumberProxy):
+    """An attribute of a traced value (``x.shape``, ``h.T``), made a node where it is used, as fx's
+    are, whose ``len()``, ``int()``, ``dtype`` and items are decided as :class:`NumberProxy`'s
+    (``len(x.shape)``, ``h.T.dtype``)."""

@@ -234,8 +234,17 @@ _BINARY = {
     torch.div,
     torch.maximum,
     torch.minimum,
-}
-_BINARY_METHODS = {"add", "sub", "mul", "div", "add_", "mul_", "maximum", "minimum"}
+    # comparisons: a mask with the operands' units, element by element
+    operator.gt, operator.ge, operator.lt, operator.le, operator.eq, operator.ne,
+    torch.gt, torch.ge, torch.lt, torch.le, torch.eq, torch.ne,
+}  # fmt: skip
+_BINARY_METHODS = {
+    "add", "sub", "mul", "div", "add_", "mul_", "maximum", "minimum", "gt", "ge", "lt", "le", "eq", "ne",
+}  # fmt: skip
+#: Element-wise selections among their tensor operands by a mask (``where(mask, h, 0)``,
+#: ``h.masked_fill(mask, 0)``): the mask's, the operands' and the result's units are one.
+_SELECT = {torch.where}
+_SELECT_METHODS = {"masked_fill", "masked_fill_", "where"}
 _RESHAPE_FUNCTIONS = {torch.flatten, torch.reshape}
 _RESHAPE_METHODS = {"flatten", "view", "reshape"}
 #: Symmetric functions of the numbers along the axes ``dim`` names (the second argument): the same
@@ -282,6 +291,8 @@ _FUNCTIONAL_NORMS[torch.nn.functional.batch_norm] = (
 _NEW_TENSOR_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
 #: Functions that read only their first operand's shape, dtype and device.
 _LIKE_FUNCTIONS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
+#: Tensors shaped like their operand, of numbers alike on every unit: they keep its units (any order is theirs).
+_SHAPED_LIKE = _LIKE_FUNCTIONS | {torch.rand_like, torch.randn_like}
 _KEEPING_UNITS = {"torchvision.ops.stochastic_depth.stochastic_depth"}
 #: Views and copies of a tensor that leave its values where they are: a parameter seen through them
 #: (``self.weight.T``, ``self.weight.t()``) is still that parameter (:meth:`_Walk.weight_of`).
@@ -2074,6 +2085,8 @@ class _Walk:
             self.labels[node] = self.through(args[0])
         elif method in _SCALAR_ELEMENTWISE_METHODS:
             self.scalar_elementwise(node, args, node.kwargs)
+        elif method in _SELECT_METHODS and len(args) + len(node.kwargs) >= 2:
+            self.elementwise_tensors(node, args + list(node.kwargs.values()))
         elif method in _MATMUL_METHODS:
             self.matmul(node, args[0], args[1])
         elif method in _BINARY_METHODS:
@@ -2143,6 +2156,10 @@ class _Walk:
             self.binary(node, args[0], node)
         elif fn in _SCALAR_ELEMENTWISE:
             self.scalar_elementwise(node, args, kwargs)
+        elif fn in _SHAPED_LIKE:
+            self.labels[node] = self.through(args[0])
+        elif fn in _SELECT and len(args) + len(kwargs) == 3:
+            self.elementwise_tensors(node, list(args) + list(kwargs.values()))
         elif fn in _MATMUL:
             self.matmul(node, args[0], args[1])
         elif fn is torch.einsum:
@@ -3083,13 +3100,28 @@ class _Walk:
         self.labels[node] = f
 
     def scalar_elementwise(self, node, args: list, kwargs) -> None:
-        """An element-wise function of the activation and numbers only; else :meth:`opaque`."""
+        """An element-wise function of the activation and numbers (``h ** 2``, ``clamp(h, 0, 6)``), or
+        of tensors too (``clamp(h, max=m)``, :meth:`elementwise_tensors`); else :meth:`opaque`."""
         values = list(args) + list(kwargs.values())
         tensors = [v for v in values if isinstance(v, fx.Node)]
         if len(tensors) == 1 and all(v is None or isinstance(v, (int, float, fx.Node)) for v in values):
             self.labels[node] = self.through(tensors[0])  # h ** 2, 2 ** h, clamp(h, 0, 6)
+        elif tensors and all(v is None or isinstance(v, (int, float, fx.Node)) for v in values):
+            self.elementwise_tensors(node, values)
         else:
             self.opaque(node, args + list(kwargs.values()), getattr(node.target, "__name__", str(node.target)))
+
+    def elementwise_tensors(self, node, values: list) -> None:
+        """An element-wise function of several tensors, broadcast (``where(mask, a, b)``,
+        ``clamp(h, min=lo, max=hi)``): their units are tied as a sum's (:meth:`binary`), one after
+        another into the result."""
+        tensors = [v for v in values if isinstance(v, fx.Node)]
+        if len(tensors) == 1:
+            self.labels[node] = self.through(tensors[0])
+            return
+        self.binary(node, tensors[0], tensors[1])
+        for t in tensors[2:]:
+            self.binary(node, node, t)
 
     def attribute(self, node, a, name) -> None:
         """``a.T``, ``a.mT`` (``.H``, ``.mH``): the units move with the axes; any other attribute

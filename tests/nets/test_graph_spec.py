@@ -2541,3 +2541,57 @@ def test_a_weight_stored_inputs_first_and_applied_by_addmm_is_a_layer():
     fused = bayesfuse.fuse([_random(InputsFirstMLP, s) for s in range(3)], "pfnm").model
     assert fused.c_fc.nf == fused.c_fc.weight.shape[1] > 24 and fused.embed.nf == fused.norm.weight.shape[0] > 12
     assert fused(x).shape == (5, 10)
+
+
+class _Idiom(nn.Module):
+    """Two hidden layers between which each case below writes its forward's idiom."""
+
+    def __init__(self, idiom) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.idiom = idiom
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.out(torch.relu(self.fc2(self.idiom(self, h))))
+
+
+def _rank_checked(s, h):
+    return h.mean(1) if len(h.shape) == 3 else h.to(h.T.dtype)
+
+
+_IDIOMS = {
+    "len(x.shape), h.T.dtype": _rank_checked,
+    "where(h > 1, h, zeros_like(h))": lambda s, h: torch.where(h > 1, h, torch.zeros_like(h)),
+    "masked_fill(h > bias, 0)": lambda s, h: h.masked_fill(h > s.fc1.bias, 0.0),
+    "clamp(h, max=a tensor)": lambda s, h: torch.clamp(h, max=h.amax(-1, keepdim=True) * 0.5),
+    "h * (h > 0) with the mask's count": lambda s, h: h * (h > 0) * (h > 0).sum(-1, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("name", list(_IDIOMS))
+def test_masks_comparisons_and_sizes_keep_the_units(name):
+    """Comparisons are masks with their operands' units, ``where`` / ``masked_fill`` / ``clamp``
+    with tensors tie their operands' units as a sum does, ``zeros_like(h)`` keeps ``h``'s, and
+    ``len(x.shape)`` or ``h.T.dtype`` are read at the example: a permuted copy computes the
+    function and fuses back."""
+    torch.manual_seed(0)
+    model = _Idiom(_IDIOMS[name]).eval()
+    spec = spec_from_graph(model, torch.zeros(2, 8))
+    assert len(spec.groups) == 2
+    x = torch.randn(5, 8) * 2
+    permuted = permuted_copy(model, spec, seed=1)
+    assert _gap(permuted, model, x) < 1e-5
+    assert _gap(bayesfuse.fuse([model, permuted], "pfnm").model, model, x) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "idiom, message",
+    [
+        (lambda s, h: h + h[h > 0.5].sum(), "indexing into the units' axis"),  # a mask that selects numbers
+        (lambda s, h: h + torch.where(h > 0.5)[1].sum(), "where on a permuted axis"),  # the indices of a mask
+    ],
+)
+def test_a_mask_that_selects_or_counts_positions_of_units_is_refused(idiom, message):
+    with pytest.raises(UnsupportedLayerError, match=message):
+        spec_from_graph(_Idiom(idiom), torch.zeros(2, 8))
