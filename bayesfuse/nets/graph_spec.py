@@ -1148,9 +1148,10 @@ class _Walk:
 
     def through(self, node):
         """The label of an element-wise function's result: its operand's units, or its operand's
-        streams side by side (:class:`_Segments`)."""
+        streams side by side (:class:`_Segments`), or the parameter it is a function of alone,
+        number by number (``self.g.exp()``: read with the parameter's axes where it meets a stream)."""
         label = self.raw(node)
-        if isinstance(label, _Segments):
+        if isinstance(label, (_Segments, tuple)):
             return label
         return self.feature(node)
 
@@ -2312,6 +2313,9 @@ class _Walk:
         if f is not None:
             shift = len(_tensor_shape(node)) - len(_tensor_shape(a if fa is not None else b))
             f = _Feature(f.var, f.dim + shift, f.outer, f.inner)
+        if f is None and (_param_alone(la, b) or _param_alone(lb, a)):  # 1 + self.weight: the parameter's numbers
+            self.labels[node] = la if isinstance(la, tuple) else lb
+            return
         self.labels[node] = f
 
     def segments_binary(self, node, a, b) -> None:
@@ -3584,6 +3588,12 @@ def _added_shape(node: fx.Node) -> list | None:
             return None
         entries.extend(shape[cast(slice, taken)])
     return entries
+
+
+def _param_alone(label, other) -> bool:
+    """Whether an operation of an operand labelled ``label`` with ``other`` is a function of a
+    parameter alone, number by number: ``label`` a parameter's, ``other`` a plain number."""
+    return isinstance(label, tuple) and isinstance(other, (int, float, bool))
 
 
 def _state_read(node: fx.Node, entries: set[str]) -> str | None:

@@ -113,16 +113,21 @@ class _SinusoidalLM(torch.nn.Module):
 
 
 class _GainOfAParameter(torch.nn.Module):
-    """``h * self.g.exp()`` where ``g`` also scales another stream's units: the operand's order is
-    the parameter's, which a permutation moves, so nothing may be held in place on it."""
+    """``h * self.g.exp()`` where ``g`` also scales another stream's units, and a norm that scales
+    by ``1 + self.n`` (Gemma's): functions of a parameter alone, number by number, read with the
+    parameter's axes (both streams one permutation, ``g``'s); ``h * self.f1.weight[:, 0]`` (a
+    column of a weight, in the order of that weight's units) is refused, never held in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, column: bool = False) -> None:
         super().__init__()
         self.f1, self.f2, self.out = torch.nn.Linear(4, 8), torch.nn.Linear(4, 8), torch.nn.Linear(16, 3)
-        self.g = torch.nn.Parameter(torch.rand(8) + 0.5)
+        self.g, self.n = torch.nn.Parameter(torch.rand(8) + 0.5), torch.nn.Parameter(torch.rand(8) - 0.5)
+        self.column = column
 
     def forward(self, x):
-        return self.out(torch.cat([torch.relu(self.f1(x)) * self.g, torch.relu(self.f2(x)) * self.g.exp()], -1))
+        a = torch.relu(self.f1(x)) * self.g
+        b = torch.relu(self.f2(x)) * (self.f1.weight[:, 0] if self.column else self.g.exp())
+        return self.out(torch.cat([a, b * (1.0 + self.n)], -1))
 
 
 def test_a_position_encoding_computed_in_the_forward_holds_the_stream_and_names_every_layer_on_it():
@@ -138,8 +143,17 @@ def test_a_position_encoding_computed_in_the_forward_holds_the_stream_and_names_
         assert float((fused(x) - model(x)).abs().max()) < 1e-4
 
 
-def test_an_operand_computed_from_a_parameter_is_not_taken_for_numbers_no_permutation_moves():
+def test_functions_of_a_parameter_alone_follow_it_and_other_operands_computed_from_one_are_refused():
+    torch.manual_seed(0)
+    model = _GainOfAParameter().eval()
+    spec = spec_from_graph(model)
+    assert not spec.in_place and spec.axes["f2.weight"][0] == spec.axes["f1.weight"][0] == spec.axes["n"][0]
+    x = torch.randn(5, 4)
+    permuted = permuted_copy(model, spec, seed=1)
+    with torch.no_grad():
+        assert float((permuted(x) - model(x)).abs().max()) < 1e-5
+        assert float((bayesfuse.fuse([model, permuted], "pfnm").model(x) - model(x)).abs().max()) < 1e-4
     from bayesfuse.nets.graph_spec import UnsupportedLayerError
 
-    with pytest.raises(UnsupportedLayerError, match=r"an operand \(exp\) .* computed from 'g', meets a permuted"):
-        spec_from_graph(_GainOfAParameter())
+    with pytest.raises(UnsupportedLayerError, match=r"an operand \(getitem\) .* computed from 'f1.weight', meets"):
+        spec_from_graph(_GainOfAParameter(column=True))

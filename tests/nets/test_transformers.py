@@ -7,7 +7,7 @@ over and count sizes, and branch on them; the tracer takes those at the example 
 (``F.scaled_dot_product_attention`` at its default scale, which fixes the heads' widths) fuses
 back from a permuted copy by PFNM and OT, and three independent ones fuse by PFNM, the heads held
 at their width, the stream and the feed-forward layers grown. So do GPT-2 (a classifier and a
-language model) and Llama, whose rotary queries and keys stay in place
+language model), and Llama, Gemma and Qwen2, whose rotary queries and keys stay in place
 (:attr:`~bayesfuse.inference.spec.PermutationSpec.in_place`).
 """
 
@@ -94,8 +94,27 @@ def _llama(seed: int, kv_heads: int = 2) -> torch.nn.Module:
     return far_from_identity_norms(_Classifier(transformers.LlamaForCausalLM(config))).eval()
 
 
+def _rotary(kind: str):
+    """A Gemma (its norms scale by ``1 + self.weight``) or Qwen2 (biases on its queries, keys and
+    values) language model, one key/value head for two query heads."""
+
+    def make(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        sizes = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+        sizes.update(intermediate_size=64, vocab_size=50, max_position_embeddings=16)
+        if kind == "gemma":
+            model = transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=16, **sizes))
+        else:
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes))
+        return far_from_identity_norms(_Classifier(model)).eval()
+
+    return make
+
+
 @pytest.mark.parametrize(
-    "make", [_gpt2, lambda s: _gpt2(s, "lm"), _llama, lambda s: _llama(s, 1)], ids=["gpt2", "gpt2-lm", "llama", "gqa"]
+    "make",
+    [_gpt2, lambda s: _gpt2(s, "lm"), _llama, lambda s: _llama(s, 1), _rotary("gemma"), _rotary("qwen2")],
+    ids=["gpt2", "gpt2-lm", "llama", "gqa", "gemma", "qwen2"],
 )
 def test_decoders_fuse_back_and_fuse(make):
     """GPT-2 (its key/value cache starts as an empty tensor it concatenates to, its layers
@@ -103,7 +122,7 @@ def test_decoders_fuse_back_and_fuse(make):
     key/value head for two query heads too) fuse back from permuted copies by PFNM and OT, and
     three independent ones fuse by PFNM with the stream and the MLPs grown."""
     spec, fused = _fuses_back_and_fuses(make, torch.randint(1, 50, (3, 8)))
-    rotary = "Llama" in type(make(0).model).__name__
+    rotary = "GPT2" not in type(make(0).model).__name__
     assert bool(spec.in_place) == rotary and all(k.endswith(("q_proj", "k_proj")) for k in spec.in_place)
     sizes = dict(zip(fused.groups, fused.sizes))
     assert sizes[fused.groups[0]] > 32 and max(sizes.values()) > 64
