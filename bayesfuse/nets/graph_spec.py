@@ -2504,15 +2504,45 @@ class _Walk:
         f = self.feature(x)
         if self.permuted(f) and f.dim != len(shape) - 1:
             return False
-        stored_in_out = swapped == transposed_operand  # (in, out) as stored: the units on axis 1
+        # (in, out) as stored where it is applied as stored: its units on axis 1
+        self.hand_weight(node, name, f, swapped == transposed_operand, len(_tensor_shape(node)) - 1)
+        return True
+
+    def hand_weight(self, node, name: str, f: _Feature | None, units_second: bool, dim: int) -> None:
+        """Parameter ``name`` applied by hand as a layer reading ``f``'s units (or none): its units
+        (new, :meth:`layer_vars`) on its axis 1 where ``units_second`` (listed in
+        :attr:`transposed`), else on axis 0; ``node``'s units those, on its axis ``dim``."""
         out, cut = self.layer_vars(name, f if self.permuted(f) else None, node)
         rows, inputs = (out, cut, 1), self.in_axis(f if self.permuted(f) else None)
-        self.set_axes(name, [inputs, rows] if stored_in_out else [rows, inputs])
-        if stored_in_out and name not in self.transposed:
+        self.set_axes(name, [inputs, rows] if units_second else [rows, inputs])
+        if units_second and name not in self.transposed:
             self.transposed.append(name)
-        self.labels[node] = _Feature(out, len(_tensor_shape(node)) - 1, cut, 1)
+        self.labels[node] = _Feature(out, dim, cut, 1)
         self.var_producer.setdefault(out, name)
         self.hand.add(name)
+
+    def einsum_layer(self, node, operands: list, subscripts: list, result: list) -> bool:
+        """``torch.einsum("bi,oi->bo", x, self.w)`` (two operands, one a 2-D parameter of the
+        network, or its transpose): a layer written by hand (:meth:`hand_weight`) where one of the
+        weight's letters is summed with ``x``'s units' (or an axis of ``x`` without units) and the
+        other is the result's alone, every other letter of ``x`` kept; and True. Else False."""
+        at = [i for i, x in enumerate(operands) if self.weight_of(x) is not None]
+        if len(operands) != 2 or len(at) != 1:
+            return False
+        w, x = operands[at[0]], operands[1 - at[0]]
+        ws, xs, name, swapped = subscripts[at[0]], subscripts[1 - at[0]], self.weight_of(w), _transposes(w)
+        if name is None or self.parameters[name].dim() != 2 or swapped is None or len(set(ws)) != 2:
+            return False
+        summed, kept = [c for c in ws if c not in result], [c for c in ws if c in result]
+        if len(summed) != 1 or len(kept) != 1 or xs.count(summed[0]) != 1 or kept[0] in xs:
+            return False
+        if any(c not in result for c in xs if c != summed[0]) or isinstance(self.raw(x), _Segments):
+            return False
+        f = self.feature(x)
+        if self.permuted(f) and xs[f.dim] != summed[0]:
+            return False
+        stored = ws[::-1] if swapped else ws  # the letters of the weight's axes as it is stored
+        self.hand_weight(node, name, f, stored.index(kept[0]) == 1, result.index(kept[0]))
         return True
 
     def matmul(self, node, a, b) -> None:
@@ -2567,6 +2597,8 @@ class _Walk:
             self.fail(node, f"einsum {args[0]!r}: {why}")
         # a weight summed over is a layer applied by hand; one whose every axis the result keeps
         # scales the numbers one by one (a position's scale, "bnd,nd->bnd")
+        if self.einsum_layer(node, operands, subscripts, result):
+            return
         summed = [x for x, subs in zip(operands, subscripts) if any(c not in result for c in subs)]
         self.applied_weight(node, summed, "einsum")
         letters: dict[str, _Feature] = {}  # the permuted letters, each with its units

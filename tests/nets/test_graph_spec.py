@@ -347,6 +347,10 @@ class _HandWritten(nn.Module):
             h = torch.nn.functional.linear(x, self.W.T.T)
         elif self.how == "x @ W.T":  # the input is not permuted: nothing else would see the layer
             h = x @ self.W.T
+        elif self.how == "einsum":
+            h = torch.einsum("bi,oi->bo", x, self.W)
+        elif self.how == "einsum of W.T":
+            h = torch.einsum("io,bi->bo", self.W.T, x)
         else:
             h = torch.matmul(x, self.W.t().contiguous())
         return self.head(torch.relu(h))
@@ -493,11 +497,14 @@ def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
 
 
 @pytest.mark.parametrize(
-    "how, frozen", [("linear", True), ("linear of .T.T", False), ("x @ W.T", False), ("matmul of W.t()", False)]
+    "how, frozen",
+    [("linear", True), ("linear of .T.T", False), ("x @ W.T", False), ("matmul of W.t()", False)]
+    + [("einsum", False), ("einsum of W.T", False)],
 )
 def test_a_weight_applied_by_hand_through_its_transposes_is_a_layer(how, frozen):
-    """``F.linear(x, self.W)`` (frozen too: still a layer), through ``.T.T``, ``x @ self.W.T`` and
-    ``torch.matmul(x, self.W.t().contiguous())``: ``W``'s rows are the hidden units, read by the head."""
+    """``F.linear(x, self.W)`` (frozen too: still a layer), through ``.T.T``, ``x @ self.W.T``,
+    ``torch.matmul(x, self.W.t().contiguous())``, ``torch.einsum("bi,oi->bo", x, self.W)`` and
+    ``torch.einsum("io,bi->bo", self.W.T, x)``: ``W``'s rows are the hidden units, read by the head."""
     torch.manual_seed(0)
     model = _HandWritten(how, frozen=frozen).eval()
     spec = spec_from_module(model)
@@ -1492,8 +1499,8 @@ class _Einsum(nn.Module):
             return self.head(torch.einsum("bi,bj->bij", h, self.other(x)).sum(2))
         if self.how == "diagonal":
             return self.head(torch.einsum("bii->bi", h.unsqueeze(1).expand(-1, 6, -1)))
-        if self.how == "weight":  # a layer applied by hand
-            return self.head(torch.einsum("bd,ed->be", h, self.w).repeat(1, 2)[:, :6])
+        if self.how == "weight":  # a weight applied by hand with another operand: no layer
+            return self.head(torch.einsum("bd,ed,e->be", h, self.w, x[:, :4].mean(0)).repeat(1, 2)[:, :6])
         return self.head(torch.einsum("bd,bd->bd", h, x[:, :6]))  # the input's features met with units
 
 
