@@ -1079,6 +1079,7 @@ class _Walk:
         self.segmented: set[int] = set()  # classes re-described as runs of new classes (split unequally)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         self.pins: list[tuple[int, str]] = []  # classes held in place: they met numbers no permutation moves (why)
+        self.pin_reads: list[tuple] = []  # (node, operand, the entries it is computed from) of each pin
         self.hand: set[str] = set()  # 2-D parameters applied by hand as linear layers (hand_layer)
         self.decisions: list = []  # the numbers the trace decided on (decisions.decided), read after the walk
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
@@ -1218,6 +1219,7 @@ class _Walk:
                 output_node = node
         for value in self.decisions:
             self.decided(value)
+        self.check_pins()
         out = output_node.args[0] if output_node is not None else None
         returned = list(_returned(out))  # a tensor, or a tuple / list / dict of them: the first are the logits
         for node in returned:
@@ -2414,18 +2416,27 @@ class _Walk:
         at = dim - (len(out) - len(shape)) if shape is not None else -1
         if shape is None or not 0 <= at < len(shape) or shape[at] == 1:
             return
-        state = _state_read(other, set(self.parameters) | self.state_keys)
-        if state is not None:  # computed from an entry that permutations move: its order is unknown
-            self.fail(
-                node,
-                f"an operand ({other.name}) whose units cannot be followed, computed from {state!r}, meets a "
-                "permuted stream; give a spec",
-            )
-        # numbers no permutation moves (a rotary table computed from sizes): the units are held in place
-        self.pins.append(
-            (f.var, f"{_name(node.target)} with {other.name}, numbers along their units that no permutation moves")
-        )
+        # numbers no permutation moves (a rotary table computed from sizes): the units are held in
+        # place; where they are computed from entries, only if no permutation moves those either
+        # (checked once the walk has given every entry its axes: :meth:`check_pins`)
+        read = _state_read(other, set(self.parameters) | self.state_keys, lambda n: isinstance(self.raw(n), _Feature))
+        why = f"{_name(node.target)} with {other.name}, numbers along their units that no permutation moves"
+        self.pins.append((f.var, why))
+        self.pin_reads.append((node, other, read))
         self.classes.union(f.var, _FIXED)
+
+    def check_pins(self) -> None:
+        """Refuse an operand that held units in place (:meth:`unknown_operand`) but is computed
+        from an entry a permutation moves: its numbers would move with that entry, not stay."""
+        for node, other, read in self.pin_reads:
+            for entry in read:
+                dims = self.axes.get(entry, ())
+                if any(isinstance(d, tuple) and self.classes.find(d[0]) != _FIXED for d in dims):
+                    self.fail(
+                        node,
+                        f"an operand ({other.name}) whose units cannot be followed, computed from {entry!r}, "
+                        "meets a permuted stream; give a spec",
+                    )
 
     def held_in_place(self) -> dict[str, str]:
         """The layers (or parameters) whose units the walk held in place (:attr:`pins`), each with
@@ -3628,23 +3639,25 @@ def _param_alone(label, other) -> bool:
     return isinstance(label, tuple) and isinstance(other, (int, float, bool))
 
 
-def _state_read(node: fx.Node, entries: set[str]) -> str | None:
-    """The first of ``entries`` (parameters, state_dict buffers) whose values ``node``'s value is
-    computed from, through the graph, else None. Sizes, dtypes and devices read off a tensor
-    (``x.shape``, ``x.dtype``; ``torch.zeros_like(x)``, ``x.new_zeros(n)``) read none of its values."""
-    seen, stack = set(), [node]
+def _state_read(node: fx.Node, entries: set[str], followed) -> list[str]:
+    """Those of ``entries`` (parameters, state_dict buffers) whose values ``node``'s value is
+    computed from, through the graph, but through activations the walk follows (``followed(n)``:
+    their units move as the spec says, and a function of them that lost them summed them over).
+    Sizes, dtypes and devices read off a tensor (``x.shape``, ``x.dtype``; ``torch.zeros_like(x)``,
+    ``x.new_zeros(n)``) read none of its values."""
+    seen, stack, read = set(), [node], []
     while stack:
         n = stack.pop()
-        if n in seen or size_read(n):
+        if n in seen or size_read(n) or (n is not node and followed(n)):
             continue
         seen.add(n)
         if n.op == "get_attr" and str(n.target) in entries:
-            return str(n.target)
+            read.append(str(n.target))
         if n.op == "call_method" and n.target in _NEW_TENSOR_METHODS or n.target in _LIKE_FUNCTIONS:
             stack.extend(a for a in n.all_input_nodes if a is not n.args[0])  # the tensor gives its dtype alone
             continue
         stack.extend(n.all_input_nodes)
-    return None
+    return read
 
 
 def _swap_of_two(name: str, dims: list | tuple) -> bool:
