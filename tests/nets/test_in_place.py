@@ -157,3 +157,25 @@ def test_functions_of_a_parameter_alone_follow_it_and_other_operands_computed_fr
 
     with pytest.raises(UnsupportedLayerError, match=r"an operand \(getitem\) .* computed from 'f1.weight', meets"):
         spec_from_graph(_GainOfAParameter(column=True))
+
+
+class _FlippedGainFirst(torch.nn.Module):
+    """``self.g.flip(0)`` meets one stream before ``g`` itself scales another: the flipped gain's
+    order is ``g``'s, which the later use permutes, so the first use may not hold its stream in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f1, self.f2, self.out = torch.nn.Linear(4, 8), torch.nn.Linear(4, 8), torch.nn.Linear(16, 3)
+        self.g = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        b = torch.relu(self.f2(x)) * self.g.flip(0)
+        a = torch.relu(self.f1(x)) * self.g
+        return self.out(torch.cat([a, b], -1))
+
+
+def test_a_hold_in_place_is_checked_against_the_entries_permuted_later():
+    from bayesfuse.nets.graph_spec import UnsupportedLayerError
+
+    with pytest.raises(UnsupportedLayerError, match=r"an operand \(flip\) .* computed from 'g', meets a permuted"):
+        spec_from_graph(_FlippedGainFirst())
