@@ -1079,7 +1079,6 @@ class _Walk:
         self.segmented: set[int] = set()  # classes re-described as runs of new classes (split unequally)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         self.pins: list[tuple[int, str]] = []  # classes held in place: they met numbers no permutation moves (why)
-        self.pin_reads: list[tuple] = []  # (node, operand, the entries it is computed from) of each pin
         self.hand: set[str] = set()  # 2-D parameters applied by hand as linear layers (hand_layer)
         self.decisions: list = []  # the numbers the trace decided on (decisions.decided), read after the walk
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
@@ -1219,7 +1218,7 @@ class _Walk:
                 output_node = node
         for value in self.decisions:
             self.decided(value)
-        self.check_pins()
+        self.check_unmoved(gm.graph)
         out = output_node.args[0] if output_node is not None else None
         returned = list(_returned(out))  # a tensor, or a tuple / list / dict of them: the first are the logits
         for node in returned:
@@ -2405,6 +2404,9 @@ class _Walk:
         if base not in self.parameters and self.permuted(g):
             self.buffer_along(g.var, base)
         self.set_axes(base, [(g.var, g.outer, g.inner)])
+        while p is not node:  # the views: the parameter's numbers, followed (check_unmoved)
+            self.labels[p] = ("param", base)
+            p = p.args[0]
         return True
 
     def unknown_operand(self, node, f: _Feature | None, f_node, other) -> None:
@@ -2419,24 +2421,34 @@ class _Walk:
         # numbers no permutation moves (a rotary table computed from sizes): the units are held in
         # place; where they are computed from entries, only if no permutation moves those either
         # (checked once the walk has given every entry its axes: :meth:`check_pins`)
-        read = _state_read(other, set(self.parameters) | self.state_keys, lambda n: isinstance(self.raw(n), _Feature))
         why = f"{_name(node.target)} with {other.name}, numbers along their units that no permutation moves"
         self.pins.append((f.var, why))
-        self.pin_reads.append((node, other, read))
         self.classes.union(f.var, _FIXED)
 
-    def check_pins(self) -> None:
-        """Refuse an operand that held units in place (:meth:`unknown_operand`) but is computed
-        from an entry a permutation moves: its numbers would move with that entry, not stay."""
-        for node, other, read in self.pin_reads:
-            for entry in read:
-                dims = self.axes.get(entry, ())
-                if any(isinstance(d, tuple) and self.classes.find(d[0]) != _FIXED for d in dims):
-                    self.fail(
-                        node,
-                        f"an operand ({other.name}) whose units cannot be followed, computed from {entry!r}, "
-                        "meets a permuted stream; give a spec",
-                    )
+    def check_unmoved(self, graph: fx.Graph) -> None:
+        """Refuse a followed activation (one whose units the walk knows, a layer's output, what the
+        network returns) computed from numbers whose units it does not know, where those are
+        computed from an entry that a permutation moves: read as numbers no permutation moves,
+        they move with it (``relu(fc(E[ids])) @ E.T``: ``E[ids]`` read as the input; ``h *
+        self.g.flip(0)`` with ``g`` permuted with other units; ``x @ self.w.abs().T`` beside
+        ``x @ self.w.T``). Checked once the walk has given every entry its axes."""
+        entries, known = set(self.parameters) | self.state_keys, {}
+        for node in graph.nodes:
+            if not (isinstance(self.raw(node), (_Feature, _Segments)) or node.op in ("call_module", "output")):
+                continue
+            for operand in node.all_input_nodes:
+                if self.raw(operand) is not None or size_read(operand):
+                    continue
+                if operand not in known:
+                    known[operand] = _state_read(operand, entries, lambda n: isinstance(self.raw(n), _Feature))
+                for entry in known[operand]:
+                    dims = self.axes.get(entry, ())
+                    if any(isinstance(d, tuple) and self.classes.find(d[0]) != _FIXED for d in dims):
+                        self.fail(
+                            node,
+                            f"an operand ({operand.name}) whose units cannot be followed, computed from {entry!r}, "
+                            "which a permutation moves, is read as numbers no permutation moves; give a spec",
+                        )
 
     def held_in_place(self) -> dict[str, str]:
         """The layers (or parameters) whose units the walk held in place (:attr:`pins`), each with
@@ -2445,7 +2457,7 @@ class _Walk:
         for var, why in self.pins:
             root = self.classes.tied_root(var)
             for entry, dims in self.axes.items():
-                if any(
+                if entry in self.state_keys and any(
                     isinstance(d, tuple) and self.classes.tied_root(d[0]) == root and self.classes.find(d[0]) == _FIXED
                     for d in dims
                 ):
@@ -2460,6 +2472,8 @@ class _Walk:
         if name in self.state_keys:
             self.mark_fixed(var, _BUFFER_ALONG_UNITS.format(name))
         else:
+            if self.permuted(_Feature(var, 0)):
+                self.pins.append((var, f"buffer {name}, which the state_dict does not hold, holds a number per unit"))
             self.classes.union(var, _FIXED)
 
     def param_axis(self, target: str, node, f: _Feature, shape: tuple) -> None:
@@ -2510,19 +2524,27 @@ class _Walk:
         if name is None or self.parameters[name].dim() != 2 or swapped is None or not isinstance(x, fx.Node):
             return False
         label, shape = self.raw(x), _tensor_shape(x)
-        if isinstance(label, _Segments) or len(shape) < 1:
+        if isinstance(label, (_Segments, tuple)) or len(shape) < 1:  # streams side by side; a parameter
             return False
         f = self.feature(x)
         if self.permuted(f) and f.dim != len(shape) - 1:
             return False
         # (in, out) as stored where it is applied as stored: its units on axis 1
-        self.hand_weight(node, name, f, swapped == transposed_operand, len(_tensor_shape(node)) - 1)
+        self.hand_weight(node, w, name, f, swapped == transposed_operand, len(_tensor_shape(node)) - 1)
         return True
 
-    def hand_weight(self, node, name: str, f: _Feature | None, units_second: bool, dim: int) -> None:
-        """Parameter ``name`` applied by hand as a layer reading ``f``'s units (or none): its units
-        (new, :meth:`layer_vars`) on its axis 1 where ``units_second`` (listed in
-        :attr:`transposed`), else on axis 0; ``node``'s units those, on its axis ``dim``."""
+    def hand_weight(self, node, w, name: str, f: _Feature | None, units_second: bool, dim: int) -> None:
+        """Parameter ``name`` (``w``: it, or a transpose of it) applied by hand as a layer reading
+        ``f``'s units (or none): its units (new, :meth:`layer_vars`) on its axis 1 where
+        ``units_second`` (listed in :attr:`transposed`), else on axis 0; ``node``'s units those, on
+        its axis ``dim``. A module's weight so applied is a call of that module too: no batch norm
+        after it is folded into it (:attr:`layer_calls`)."""
+        while isinstance(w, fx.Node) and w.op != "get_attr":  # the weight's views: the weight, described
+            self.labels[w] = ("param", name)
+            w = w.args[0]
+        module, _, last = name.rpartition(".")
+        if last == "weight":
+            self.layer_calls[module] += 1
         out, cut = self.layer_vars(name, f if self.permuted(f) else None, node)
         rows, inputs = (out, cut, 1), self.in_axis(f if self.permuted(f) else None)
         self.set_axes(name, [inputs, rows] if units_second else [rows, inputs])
@@ -2553,7 +2575,7 @@ class _Walk:
         if self.permuted(f) and xs[f.dim] != summed[0]:
             return False
         stored = ws[::-1] if swapped else ws  # the letters of the weight's axes as it is stored
-        self.hand_weight(node, name, f, stored.index(kept[0]) == 1, result.index(kept[0]))
+        self.hand_weight(node, w, name, f, stored.index(kept[0]) == 1, result.index(kept[0]))
         return True
 
     def matmul(self, node, a, b) -> None:

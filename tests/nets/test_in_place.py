@@ -155,7 +155,9 @@ def test_functions_of_a_parameter_alone_follow_it_and_other_operands_computed_fr
         assert float((bayesfuse.fuse([model, permuted], "pfnm").model(x) - model(x)).abs().max()) < 1e-4
     from bayesfuse.nets.graph_spec import UnsupportedLayerError
 
-    with pytest.raises(UnsupportedLayerError, match=r"an operand \(getitem\) .* computed from 'f1.weight', meets"):
+    with pytest.raises(
+        UnsupportedLayerError, match=r"an operand \(getitem\) .* computed from 'f1.weight', which a permutation moves"
+    ):
         spec_from_graph(_GainOfAParameter(column=True))
 
 
@@ -177,5 +179,87 @@ class _FlippedGainFirst(torch.nn.Module):
 def test_a_hold_in_place_is_checked_against_the_entries_permuted_later():
     from bayesfuse.nets.graph_spec import UnsupportedLayerError
 
-    with pytest.raises(UnsupportedLayerError, match=r"an operand \(flip\) .* computed from 'g', meets a permuted"):
+    with pytest.raises(
+        UnsupportedLayerError, match=r"an operand \(flip\) .* computed from 'g', which a permutation moves"
+    ):
         spec_from_graph(_FlippedGainFirst())
+
+
+class _ReadUnmoved(torch.nn.Module):
+    """Numbers computed from an entry a permutation moves, read as if none moved them: a gain
+    vector applied as a layer's input (``g @ w``), a weight read again through a function of it
+    (``x @ w.abs().T`` beside ``x @ w.T``), an embedding written by hand (``E[ids]``) whose table
+    is also the output layer (``@ E.T``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.fc, self.out, self.out2 = (
+            how,
+            torch.nn.Linear(8, 16),
+            torch.nn.Linear(16, 3),
+            torch.nn.Linear(16, 3),
+        )
+        self.g, self.w = torch.nn.Parameter(torch.rand(16) + 0.5), torch.nn.Parameter(torch.randn(16, 8))
+        self.v = torch.nn.Parameter(torch.randn(16, 16))
+        self.E = torch.nn.Parameter(torch.randn(20, 16))
+
+    def forward(self, x):
+        if self.how == "gain as input":
+            return self.out(torch.relu(self.fc(x)) * self.g + self.g @ self.v)
+        if self.how == "weight read again":
+            return self.out(torch.relu(x @ self.w.T)) + self.out2(x @ self.w.abs().T)
+        return torch.relu(self.fc(self.E[x.long().clamp(0, 19)][:, 0, :8])) @ self.E.T
+
+
+@pytest.mark.parametrize(
+    "how, operand, entry",
+    [("gain as input", "", "v"), ("weight read again", "matmul_1", "w"), ("tied by hand", "getitem_1", "E")],
+)
+def test_numbers_computed_from_a_moved_entry_are_not_read_as_unmoved(how, operand, entry):
+    from bayesfuse.nets.graph_spec import UnsupportedLayerError
+
+    message = rf"an operand \({operand}\) .* computed from '{entry}', which a permutation moves, is read as numbers"
+    if not operand:  # a parameter, no stream, applied a weight: no layer
+        message = rf"a matrix product applies the network's own weight '{entry}'"
+    with pytest.raises(UnsupportedLayerError, match=message):
+        spec_from_graph(_ReadUnmoved(how), torch.zeros(2, 8))
+
+
+class _FoldAndHand(torch.nn.Module):
+    """A layer called as a module, its batch norm after it, and its weight applied by hand too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))) + torch.relu(x @ self.fc.weight.T))
+
+
+def test_a_weight_applied_by_hand_is_a_call_of_its_module_and_takes_no_fold():
+    from tests.helpers import far_from_identity_norms
+
+    torch.manual_seed(0)
+    model = far_from_identity_norms(_FoldAndHand()).eval()
+    spec = spec_from_graph(model)
+    assert spec.folds == {}  # the batch norm would be folded into a weight the hand use reads unfolded
+    x = torch.randn(6, 8)
+    permuted = permuted_copy(model, spec, seed=1)
+    with torch.no_grad():
+        for method in ("pfnm", "ot", "nafi"):
+            assert float((bayesfuse.fuse([model, permuted], method).model(x) - model(x)).abs().max()) < 1e-4, method
+
+
+class _UnstoredBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+        self.register_buffer("nb", torch.rand(16), persistent=False)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x)) * self.nb.exp())
+
+
+def test_units_held_by_a_buffer_the_state_dict_does_not_hold_are_named_in_place():
+    spec = spec_from_graph(_UnstoredBuffer())
+    assert spec.groups == () and set(spec.in_place) == {"fc"} and "buffer nb" in spec.in_place["fc"]
