@@ -1079,6 +1079,8 @@ class _Walk:
         self.segmented: set[int] = set()  # classes re-described as runs of new classes (split unequally)
         self.fixed: list[tuple[int, str]] = []  # variables whose width the forward fixes, and why
         self.pins: list[tuple[int, str]] = []  # classes held in place: they met numbers no permutation moves (why)
+        # (node, operand): a parameter (or a view or function of it) that node reads as described by the spec
+        self.consumed: set[tuple] = set()
         self.hand: set[str] = set()  # 2-D parameters applied by hand as linear layers (hand_layer)
         self.decisions: list = []  # the numbers the trace decided on (decisions.decided), read after the walk
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
@@ -1218,7 +1220,6 @@ class _Walk:
                 output_node = node
         for value in self.decisions:
             self.decided(value)
-        self.check_unmoved(gm.graph)
         out = output_node.args[0] if output_node is not None else None
         returned = list(_returned(out))  # a tensor, or a tuple / list / dict of them: the first are the logits
         for node in returned:
@@ -1251,6 +1252,7 @@ class _Walk:
             self.check_parallel(gm, heads)
         for names in self.tied:
             self.tie_entries(names)
+        self.check_unmoved(gm.graph)
         return self.spec(output_layer)
 
     def tie_entries(self, names: list[str]) -> None:
@@ -1655,6 +1657,7 @@ class _Walk:
         segments = isinstance(label, _Segments)
         f = None if segments else self.feature(x)
         self.dense(node, name, m, x, f, label if segments else f)
+        self.consume_parameters(node)
         return True
 
     def addmm_layer(self, node, args: list, kwargs) -> bool:
@@ -1679,6 +1682,7 @@ class _Walk:
             return False
         out, cut = self.layer_vars(name, f, node)
         self.layer_output(node, m, (out, cut, 1), [self.in_axis(f)], 1, transposed=True, name=name)  # type: ignore[arg-type]
+        self.consume_parameters(node)
         return True
 
     def layer_output(
@@ -1964,6 +1968,7 @@ class _Walk:
         off the input (``x.shape[-1:]``) or the module's own (``normalized_shape``, a per-channel
         group norm's ``num_groups``), which the rebuilt module holds at the fused width; a number
         written in the forward fixes the units' width (:attr:`PermutationSpec.fixed`)."""
+        self.consume_parameters(node)  # its weight, bias and statistics, described below
         what = _name(fn)
         bound = {**dict(zip(_FUNCTIONAL_NORMS[fn], args)), **kwargs}
         x = bound.get("input")
@@ -2291,8 +2296,10 @@ class _Walk:
             g = self.feature(other)
             if isinstance(self.raw(p), tuple) and g is not None:  # a parameter meets a stream
                 self.param_axis(self.raw(p)[1], node, g, _tensor_shape(other))
+                self.consumed.add((node, p))
             elif g is not None and self.vector_view(p, g, _tensor_shape(other)):
                 followed.add(p)  # a layer scale shaped to the maps: gamma.view(1, -1, 1, 1) * x
+                self.consumed.add((node, p))
         fa, fb = self.feature(a), self.feature(b)
         for f, f_node, other in ((fa, a, b), (fb, b, a)):
             if other not in followed:
@@ -2404,9 +2411,6 @@ class _Walk:
         if base not in self.parameters and self.permuted(g):
             self.buffer_along(g.var, base)
         self.set_axes(base, [(g.var, g.outer, g.inner)])
-        while p is not node:  # the views: the parameter's numbers, followed (check_unmoved)
-            self.labels[p] = ("param", base)
-            p = p.args[0]
         return True
 
     def unknown_operand(self, node, f: _Feature | None, f_node, other) -> None:
@@ -2425,30 +2429,51 @@ class _Walk:
         self.pins.append((f.var, why))
         self.classes.union(f.var, _FIXED)
 
+    def consume_parameters(self, node) -> None:
+        """Record that ``node`` reads its parameter operands (and views of them) as the spec
+        describes them: a functional layer's or norm's own weights."""
+        for operand in node.all_input_nodes:
+            base = _view_base(operand)
+            if base is not None and base.op == "get_attr":
+                self.consumed.add((node, operand))
+
+    def moved(self, entry: str) -> bool:
+        """Whether a permutation moves ``entry`` (or a tensor it is tied to) along some axis."""
+        names = next((together for together in self.tied if entry in together), [entry])
+        for name in names:
+            for d in self.axes.get(name, ()):
+                parts = d.parts if isinstance(d, _Cat) else (d,)
+                if any(isinstance(p, tuple) and p[0] is not None and self.classes.find(p[0]) != _FIXED for p in parts):
+                    return True
+        return False
+
     def check_unmoved(self, graph: fx.Graph) -> None:
         """Refuse a followed activation (one whose units the walk knows, a layer's output, what the
-        network returns) computed from numbers whose units it does not know, where those are
-        computed from an entry that a permutation moves: read as numbers no permutation moves,
-        they move with it (``relu(fc(E[ids])) @ E.T``: ``E[ids]`` read as the input; ``h *
-        self.g.flip(0)`` with ``g`` permuted with other units; ``x @ self.w.abs().T`` beside
-        ``x @ self.w.T``). Checked once the walk has given every entry its axes."""
+        network returns) computed from numbers it reads as moved by no permutation, where those
+        are computed from an entry that a permutation moves: they move with it (``relu(fc(E[ids]))
+        @ E.T``: ``E[ids]`` read as the input; ``h * self.g.flip(0)`` with ``g`` permuted with other
+        units; ``x @ self.w.abs().T`` beside ``x @ self.w.T``; ``fc(self.p)`` with ``p`` added to a
+        stream). A parameter read as the spec describes it (:attr:`consumed`) is not such a read,
+        nor a reduction of one over all its numbers (``self.w.norm()``). Checked once the walk is
+        done, the returned units fixed and tied entries described alike."""
         entries, known = set(self.parameters) | self.state_keys, {}
         for node in graph.nodes:
             if not (isinstance(self.raw(node), (_Feature, _Segments)) or node.op in ("call_module", "output")):
                 continue
             for operand in node.all_input_nodes:
-                if self.raw(operand) is not None or size_read(operand):
+                if (node, operand) in self.consumed or isinstance(self.raw(operand), (_Feature, _Segments)):
+                    continue
+                if size_read(operand):
                     continue
                 if operand not in known:
                     known[operand] = _state_read(operand, entries, lambda n: isinstance(self.raw(n), _Feature))
-                for entry in known[operand]:
-                    dims = self.axes.get(entry, ())
-                    if any(isinstance(d, tuple) and self.classes.find(d[0]) != _FIXED for d in dims):
-                        self.fail(
-                            node,
-                            f"an operand ({operand.name}) whose units cannot be followed, computed from {entry!r}, "
-                            "which a permutation moves, is read as numbers no permutation moves; give a spec",
-                        )
+                moved = next((e for e in known[operand] if self.moved(e)), None)
+                if moved is not None:
+                    self.fail(
+                        node,
+                        f"an operand ({operand.name}) whose units cannot be followed, computed from {moved!r}, "
+                        "which a permutation moves, is read as numbers no permutation moves; give a spec",
+                    )
 
     def held_in_place(self) -> dict[str, str]:
         """The layers (or parameters) whose units the walk held in place (:attr:`pins`), each with
@@ -2509,6 +2534,7 @@ class _Walk:
             return False
         if b is not None:
             self.param_axis(self.raw(b)[1], node, self.labels[node], _tensor_shape(node))
+            self.consumed.add((node, b))
         return True
 
     def hand_layer(self, node, x, w, *, transposed_operand: bool = False) -> bool:
@@ -2539,9 +2565,7 @@ class _Walk:
         ``units_second`` (listed in :attr:`transposed`), else on axis 0; ``node``'s units those, on
         its axis ``dim``. A module's weight so applied is a call of that module too: no batch norm
         after it is folded into it (:attr:`layer_calls`)."""
-        while isinstance(w, fx.Node) and w.op != "get_attr":  # the weight's views: the weight, described
-            self.labels[w] = ("param", name)
-            w = w.args[0]
+        self.consumed.add((node, w))  # the weight (or its transpose), described
         module, _, last = name.rpartition(".")
         if last == "weight":
             self.layer_calls[module] += 1
@@ -2651,6 +2675,7 @@ class _Walk:
             raw = self.raw(x)
             if isinstance(raw, tuple) and raw[0] == "param":  # a number per unit (a layer scale): permuted with them
                 self.einsum_parameter(raw[1], subs, shape, letters)
+                self.consumed.add((node, x))
                 continue
             for at, letter in enumerate(subs):
                 if letter in letters and shape[at] != 1 and not (self.permuted(f) and f.dim == at):
@@ -2742,6 +2767,7 @@ class _Walk:
                 self.classes.union(f.var, g.var)
             elif isinstance(g, tuple):  # a class token: its units are the stream's, on the same axis
                 self.param_axis(g[1], node, f, _tensor_shape(node))
+                self.consumed.add((node, t))
         self.labels[node] = f
 
     def read_whole(self, tensors: list) -> None:
@@ -3661,6 +3687,21 @@ def _param_alone(label, other) -> bool:
     return isinstance(label, tuple) and isinstance(other, (int, float, bool))
 
 
+def _reduces_whole(node: fx.Node) -> bool:
+    """Whether ``node`` reduces its operand over every number by a symmetric function (``w.norm()``,
+    ``w.pow(2).sum()``, ``b.mean()``: no ``dim``), which no order of those numbers changes."""
+    name = node.target if node.op == "call_method" else node.target if node.op == "call_function" else None
+    symmetric = name in _REDUCTIONS or name in _NORMS or name in _REDUCTION_METHODS or name in _NORM_METHODS
+    if not symmetric:
+        return False
+    dims = node.kwargs.get("dim", node.args[2] if name in _NORMS and len(node.args) > 2 else None)
+    if dims is None and not (name in _NORMS or name in _NORM_METHODS) and len(node.args) > 1:
+        dims = node.args[1]
+    elif dims is None and (name in _NORMS or name in _NORM_METHODS) and len(node.args) > 2:
+        dims = node.args[2]
+    return dims is None and not node.kwargs.get("keepdim", False)
+
+
 def _state_read(node: fx.Node, entries: set[str], followed) -> list[str]:
     """Those of ``entries`` (parameters, state_dict buffers) whose values ``node``'s value is
     computed from, through the graph, but through activations the walk follows (``followed(n)``:
@@ -3673,6 +3714,8 @@ def _state_read(node: fx.Node, entries: set[str], followed) -> list[str]:
         if n in seen or size_read(n) or (n is not node and followed(n)):
             continue
         seen.add(n)
+        if _reduces_whole(n):  # the same whatever the order of the numbers it reads
+            continue
         if n.op == "get_attr" and str(n.target) in entries:
             read.append(str(n.target))
         if n.op == "call_method" and n.target in _NEW_TENSOR_METHODS or n.target in _LIKE_FUNCTIONS:

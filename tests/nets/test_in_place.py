@@ -263,3 +263,72 @@ class _UnstoredBuffer(torch.nn.Module):
 def test_units_held_by_a_buffer_the_state_dict_does_not_hold_are_named_in_place():
     spec = spec_from_graph(_UnstoredBuffer())
     assert spec.groups == () and set(spec.in_place) == {"fc"} and "buffer nb" in spec.in_place["fc"]
+
+
+class _Checked(torch.nn.Module):
+    """Cases of :meth:`~bayesfuse.nets.graph_spec._Walk.check_unmoved`: ``how`` names one."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.how = how
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc0, self.fc1, self.fc2, self.fc3 = nn.Linear(6, 8), nn.Linear(6, 8), nn.Linear(8, 5), nn.Linear(8, 5)
+        self.g, self.p, self.ln = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8)), nn.LayerNorm(8)
+        self.wide, self.w, self.fc4 = nn.Linear(12, 5), nn.Parameter(torch.randn(8, 6)), nn.Linear(6, 4)
+        nn.init.normal_(self.ln.weight)
+        self.alias = self.ln.weight  # one tensor under two names
+
+    def forward(self, x):
+        how = self.how
+        if how == "a layer scale's view used twice":
+            g = self.g.view(1, -1, 1, 1)
+            return self.fc2(torch.relu(self.c2(torch.relu(self.c1(x) * g)) * g).mean((2, 3)))
+        if how == "divided by a weight's norm":
+            return self.fc2(torch.relu(self.fc1(x) / self.fc1.weight.norm()))
+        if how == "a penalty returned beside the logits":
+            return self.fc2(torch.relu(self.fc1(x))), self.fc1.weight.pow(2).sum()
+        if how == "a flipped alias":
+            return self.fc2(torch.relu(self.ln(self.fc1(x)))) + self.fc3(torch.relu(self.fc0(x)) * self.alias.flip(0))
+        if how == "a parameter's function read by a layer":
+            return self.fc2(torch.relu(self.fc0(x) + self.p)) + self.fc3(self.p.exp()[None])
+        if how == "a parameter concatenated":
+            return self.wide(torch.cat([torch.relu(self.fc0(x) + self.p), self.p[:4].expand(x.shape[0], -1)], 1))
+        if how == "a weight's view read by a layer":
+            wt = self.w.T
+            return self.fc2(torch.relu(x @ wt)) + self.fc3(wt).sum(0)
+        h = torch.cat([torch.relu(self.fc1(x)), torch.relu(self.fc4(x))], 1)  # a weight in pieces
+        return self.wide(h) + self.fc2(self.wide.weight.abs().sum(0)[None, :8])
+
+
+@pytest.mark.parametrize(
+    "how, entry",
+    [
+        ("a layer scale's view used twice", None),
+        ("divided by a weight's norm", None),  # the same whatever the order of its numbers
+        ("a penalty returned beside the logits", None),
+        ("a flipped alias", "alias"),
+        ("a parameter's function read by a layer", "p"),
+        ("a parameter concatenated", "p"),
+        ("a weight's view read by a layer", "w"),
+        ("a weight held in pieces", "wide.weight"),
+    ],
+)
+def test_numbers_read_as_unmoved_are_checked_against_every_entry_they_read(how, entry):
+    from bayesfuse.nets.graph_spec import UnsupportedLayerError
+
+    torch.manual_seed(0)
+    model = _Checked(how).eval()
+    x = torch.randn(4, 3, 6, 6) if "scale" in how else torch.randn(4, 6)
+    if entry is not None:
+        with pytest.raises(UnsupportedLayerError, match=rf"computed from '{entry}', which a permutation moves"):
+            spec_from_graph(model, x[:1])
+        return
+    spec = spec_from_graph(model, x[:1])
+    permuted = permuted_copy(model, spec, seed=1)
+    with torch.no_grad():
+        ours, theirs = permuted(x), model(x)
+        if isinstance(ours, tuple):  # the logits, and a penalty: the same number
+            (ours, penalty), (theirs, expected) = ours, theirs
+            assert torch.allclose(penalty, expected)
+        assert float((ours - theirs).abs().max()) < 1e-5
