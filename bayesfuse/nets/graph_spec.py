@@ -1174,10 +1174,14 @@ class _Walk:
                     self.same_cat(entry, old, new)
                     continue
                 if (old is None) != (new is None):
-                    raise UnsupportedLayerError(f"entry {entry!r} is used with different permuted axes")
+                    raise UnsupportedLayerError(
+                        f"{type(self.model).__name__}: entry {entry!r} is used with different permuted axes (a "
+                        "parameter read both with and without units, or along another axis); give a spec"
+                    )
                 if old is not None and tuple(old[1:]) != tuple(new[1:]):
                     raise UnsupportedLayerError(
-                        f"entry {entry!r} is used with its units in different blocks ({old[1]} x n x {old[2]} and "
+                        f"{type(self.model).__name__}: entry {entry!r} is used with its units in different blocks "
+                        f"({old[1]} x n x {old[2]} and "
                         f"{new[1]} x n x {new[2]}); give a spec"
                     )
                 if old is not None:
