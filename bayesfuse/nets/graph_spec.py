@@ -1081,6 +1081,7 @@ class _Walk:
         self.pins: list[tuple[int, str]] = []  # classes held in place: they met numbers no permutation moves (why)
         # (node, operand): a parameter (or a view or function of it) that node reads as described by the spec
         self.consumed: set[tuple] = set()
+        self.bias_pieces: list[tuple] = []  # (node, weight, [(vector, start, length)]): biases put together
         self.hand: set[str] = set()  # 2-D parameters applied by hand as linear layers (hand_layer)
         self.decisions: list = []  # the numbers the trace decided on (decisions.decided), read after the walk
         # numbers modules hold that a reshape reads as an axis of units: (attribute path, var, outer, inner)
@@ -1224,6 +1225,7 @@ class _Walk:
                 output_node = node
         for value in self.decisions:
             self.decided(value)
+        self.describe_bias_pieces()
         out = output_node.args[0] if output_node is not None else None
         returned = list(_returned(out))  # a tensor, or a tuple / list / dict of them: the first are the logits
         for node in returned:
@@ -1654,6 +1656,10 @@ class _Walk:
         bias_ok = (b is None and m.bias is None) or (
             isinstance(b, fx.Node) and b.op == "get_attr" and b.target == f"{name}.bias" and m.bias is not None
         )
+        pieces = None  # a bias put together in the forward: torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        if isinstance(m, nn.Linear) and not bias_ok and m.bias is None:
+            pieces = self.concatenated_vectors(b, m.out_features)
+            bias_ok = pieces is not None
         if not isinstance(m, nn.Linear) or not bias_ok:
             return False
         x = bound.get("input")
@@ -1662,7 +1668,50 @@ class _Walk:
         f = None if segments else self.feature(x)
         self.dense(node, name, m, x, f, label if segments else f)
         self.consume_parameters(node)
+        if pieces is not None:
+            self.consumed.add((node, b))
+            self.bias_pieces.append((node, f"{name}.weight", pieces))
         return True
+
+    def concatenated_vectors(self, b, rows: int) -> list[tuple[str, int, int]] | None:
+        """``(entry, start, length)`` of each vector (a parameter or buffer) that ``torch.cat`` of
+        them along their one axis, ``b``, holds, where they are ``rows`` numbers in all; else None."""
+        if not (isinstance(b, fx.Node) and b.op == "call_function" and b.target is torch.cat and b.args):
+            return None
+        dim = b.args[1] if len(b.args) > 1 else b.kwargs.get("dim", 0)
+        parts, values = b.args[0], {**self.parameters, **self.buffers}
+        if dim not in (0, -1) or not isinstance(parts, (list, tuple)):
+            return None
+        pieces, start = [], 0
+        for t in parts:
+            if not (isinstance(t, fx.Node) and t.op == "get_attr" and values.get(str(t.target)) is not None):
+                return None
+            value = values[str(t.target)]
+            if value.dim() != 1:
+                return None
+            pieces.append((str(t.target), start, value.numel()))
+            start += value.numel()
+        return pieces if start == rows else None
+
+    def describe_bias_pieces(self) -> None:
+        """Give each vector of a bias put together in the forward (:meth:`concatenated_vectors`)
+        the units of the rows it is added to: whole blocks of the layer's rows, permuted alike
+        (``q_bias`` the queries' third of a ``qkv`` layer cut into three); a buffer's fix them, or
+        hold them in place where the state_dict does not hold it (:meth:`buffer_along`)."""
+        for node, weight, pieces in self.bias_pieces:
+            rows = self.axes[weight][0]
+            if rows is None or isinstance(rows, _Cat):
+                for entry, _, _ in pieces:
+                    self.set_axes(entry, [None if rows is None else rows])
+                continue
+            var, outer, inner = rows
+            block = sum(length for _, _, length in pieces) // outer
+            for entry, start, length in pieces:
+                if start % block or length % block:
+                    self.fail(node, f"its bias puts {entry!r} beside other vectors across blocks of its units")
+                self.set_axes(entry, [(var, length // block, inner)])
+                if entry not in self.parameters and self.permuted(_Feature(var, 0)):
+                    self.buffer_along(var, entry)
 
     def addmm_layer(self, node, args: list, kwargs) -> bool:
         """``torch.addmm(self.bias, x, self.weight)`` in a module whose weight is stored inputs

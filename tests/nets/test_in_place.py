@@ -332,3 +332,50 @@ def test_numbers_read_as_unmoved_are_checked_against_every_entry_they_read(how, 
             (ours, penalty), (theirs, expected) = ours, theirs
             assert torch.allclose(penalty, expected)
         assert float((ours - theirs).abs().max()) < 1e-5
+
+
+class _QkvBias(torch.nn.Module):
+    """Attention whose ``qkv`` layer takes a bias put together in the forward, as BEiT and EVA
+    write it: ``F.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))``,
+    ``k_bias`` a buffer of zeros (``stored``: in the state_dict, else not)."""
+
+    def __init__(self, stored: bool) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem, self.qkv, self.proj, self.head = (
+            nn.Linear(6, 8),
+            nn.Linear(8, 24, bias=False),
+            nn.Linear(8, 8),
+            nn.Linear(8, 3),
+        )
+        self.q_bias, self.v_bias = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+        self.register_buffer("k_bias", torch.zeros(8), persistent=stored)
+
+    def forward(self, x):
+        h = self.stem(x)
+        qkv = torch.nn.functional.linear(h, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+        q, k, v = qkv.reshape(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1) @ v
+        return self.head((h + self.proj(a.transpose(1, 2).reshape(x.shape[0], x.shape[1], 8))).mean(1))
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_bias_put_together_in_the_forward_is_read_piece_by_piece(stored):
+    """Each vector of the bias is a third of the ``qkv`` layer's rows, permuted with them; a zeros
+    buffer the state_dict holds fixes their width, one it does not holds them in place."""
+    torch.manual_seed(0)
+    model = _QkvBias(stored).eval()
+    spec = spec_from_graph(model, torch.zeros(2, 5, 6))
+    rows = spec.axes["qkv.weight"][0]
+    if stored:
+        assert rows is not None and spec.axes["q_bias"][0] == spec.axes["v_bias"][0] == spec.axes["k_bias"][0]
+        assert rows.outer == 3 * spec.axes["q_bias"][0].outer and rows.group in spec.fixed
+    else:
+        assert rows is None and spec.axes["q_bias"] == (None,) and "qkv" in spec.in_place
+    x = torch.randn(4, 5, 6)
+    permuted = permuted_copy(model, spec, seed=1)
+    with torch.no_grad():
+        assert float((permuted(x) - model(x)).abs().max()) < 1e-5
+        for method in ("pfnm", "ot"):
+            fused = bayesfuse.fuse([model, permuted], method, example_input=x[:1]).model
+            assert float((fused(x) - model(x)).abs().max()) < 1e-4, method
