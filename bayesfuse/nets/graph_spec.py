@@ -1671,6 +1671,10 @@ class _Walk:
         if pieces is not None:
             self.consumed.add((node, b))
             self.bias_pieces.append((node, f"{name}.weight", pieces))
+            rows = self.axes[f"{name}.weight"][0]
+            unstored = [e for e, _, _ in pieces if e not in self.parameters and e not in self.state_keys]
+            if unstored and isinstance(rows, tuple):  # every piece is whole blocks of one permutation: held now
+                self.buffer_along(rows[0], unstored[0])
         return True
 
     def concatenated_vectors(self, b, rows: int) -> list[tuple[str, int, int]] | None:
@@ -1700,9 +1704,9 @@ class _Walk:
         hold them in place where the state_dict does not hold it (:meth:`buffer_along`)."""
         for node, weight, pieces in self.bias_pieces:
             rows = self.axes[weight][0]
-            if rows is None or isinstance(rows, _Cat):
-                for entry, _, _ in pieces:
-                    self.set_axes(entry, [None if rows is None else rows])
+            if rows is None or isinstance(rows, _Cat) or not self.permuted(_Feature(rows[0], 0)):
+                for entry, _, _ in pieces:  # rows no permutation moves (held in place): nor the vectors
+                    self.set_axes(entry, [None])
                 continue
             var, outer, inner = rows
             block = sum(length for _, _, length in pieces) // outer
@@ -3375,6 +3379,21 @@ class _Walk:
         if other is not None:
             self.width_as(node, other)
 
+    def unmoved_reshaped(self, node, src: tuple) -> None:
+        """Fix the widths a reshape of numbers no permutation moves (units held in place) reads off
+        permuted units for its target (EVA's attention, ``x.reshape(B, N, C)`` with ``C`` the
+        stream's width): the numbers keep their count, so the stream may not grow away from it."""
+        shape_args = _target_shape(node)
+        if shape_args is None or int(np.prod(src)) == 0:
+            return
+        for value in shape_args:
+            for x, axis in self.widths_read(value):
+                at = self.units_at(x, axis)
+                if at is not None:
+                    self.mark_fixed(
+                        at[0], f"its forward reshapes numbers no permutation moves to their width, {node.name}"
+                    )
+
     def reshape_units(self, node, a) -> None:
         """:meth:`reshape`'s labelling of the result."""
         if isinstance(self.raw(a), _Segments):
@@ -3383,11 +3402,13 @@ class _Walk:
         f = self.feature(a)
         if not isinstance(f, _Feature):
             self.labels[node] = None
+            self.unmoved_reshaped(node, _tensor_shape(a))
             return
         src, dst = _tensor_shape(a), _tensor_shape(node)
         placed = _placed(f, src, dst)
         if placed is None and not self.permuted(f):
             self.labels[node] = None
+            self.unmoved_reshaped(node, src)
             return
         shape_args = _target_shape(node)
         if shape_args is not None and len(shape_args) != len(dst):

@@ -353,10 +353,11 @@ class _QkvBias(torch.nn.Module):
 
     def forward(self, x):
         h = self.stem(x)
+        b, n, c = h.shape  # the attention's output reshaped to the stream's width, as EVA does
         qkv = torch.nn.functional.linear(h, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
-        q, k, v = qkv.reshape(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = qkv.reshape(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
         a = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1) @ v
-        return self.head((h + self.proj(a.transpose(1, 2).reshape(x.shape[0], x.shape[1], 8))).mean(1))
+        return self.head((h + self.proj(a.transpose(1, 2).reshape(b, n, c))).mean(1))
 
 
 @pytest.mark.parametrize("stored", [True, False])
@@ -370,8 +371,9 @@ def test_a_bias_put_together_in_the_forward_is_read_piece_by_piece(stored):
     if stored:
         assert rows is not None and spec.axes["q_bias"][0] == spec.axes["v_bias"][0] == spec.axes["k_bias"][0]
         assert rows.outer == 3 * spec.axes["q_bias"][0].outer and rows.group in spec.fixed
-    else:
+    else:  # the attention's output, held in place, is reshaped to the stream's width: that width is fixed
         assert rows is None and spec.axes["q_bias"] == (None,) and "qkv" in spec.in_place
+        assert spec.axes["stem.weight"][0].group in spec.fixed
     x = torch.randn(4, 5, 6)
     permuted = permuted_copy(model, spec, seed=1)
     with torch.no_grad():
@@ -379,3 +381,8 @@ def test_a_bias_put_together_in_the_forward_is_read_piece_by_piece(stored):
         for method in ("pfnm", "ot"):
             fused = bayesfuse.fuse([model, permuted], method, example_input=x[:1]).model
             assert float((fused(x) - model(x)).abs().max()) < 1e-4, method
+        clients = []
+        for seed in (1, 2, 3):
+            torch.manual_seed(seed)
+            clients.append(_QkvBias(stored).eval())
+        assert bayesfuse.fuse(clients, "pfnm", example_input=x[:1]).model(x).shape == (4, 3)  # runs

@@ -35,6 +35,9 @@ SMALL_SWIN = {"img_size": 32, "window_size": 4, "embed_dim": 16, "depths": (1, 1
         ("convnext_atto", {}),
         ("convnextv2_atto", {}),
         ("swin_tiny_patch4_window7_224", SMALL_SWIN),
+        # the qkv layer's bias put together in the forward; the attention held in place
+        ("eva02_tiny_patch14_224", {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2}),
+        ("beit_base_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2}),
     ],
 )
 def test_timm_networks_fuse_back_and_fuse(name, options):
