@@ -1704,7 +1704,7 @@ class _Walk:
         hold them in place where the state_dict does not hold it (:meth:`buffer_along`)."""
         for node, weight, pieces in self.bias_pieces:
             rows = self.axes[weight][0]
-            if rows is None or isinstance(rows, _Cat) or not self.permuted(_Feature(rows[0], 0)):
+            if rows is None or self.classes.find(rows[0]) == _FIXED:
                 for entry, _, _ in pieces:  # rows no permutation moves (held in place): nor the vectors
                     self.set_axes(entry, [None])
                 continue
@@ -1714,7 +1714,7 @@ class _Walk:
                 if start % block or length % block:
                     self.fail(node, f"its bias puts {entry!r} beside other vectors across blocks of its units")
                 self.set_axes(entry, [(var, length // block, inner)])
-                if entry not in self.parameters and self.permuted(_Feature(var, 0)):
+                if entry not in self.parameters:  # a stored one: an unstored one held the rows (own_linear)
                     self.buffer_along(var, entry)
 
     def addmm_layer(self, node, args: list, kwargs) -> bool:
@@ -2471,7 +2471,8 @@ class _Walk:
         return True
 
     def unknown_operand(self, node, f: _Feature | None, f_node, other) -> None:
-        """Refuse a tensor of unknown units that meets a permuted stream along its units' axis."""
+        """Hold in place a permuted stream that meets a tensor of unknown units along its units'
+        axis (:meth:`hold_in_place`)."""
         if not self.permuted(f) or not isinstance(other, fx.Node) or self.raw(other) is not None:
             return
         shape, out = _shape(other), _tensor_shape(node)
@@ -2481,10 +2482,16 @@ class _Walk:
             return
         # numbers no permutation moves (a rotary table computed from sizes): the units are held in
         # place; where they are computed from entries, only if no permutation moves those either
-        # (checked once the walk has given every entry its axes: :meth:`check_pins`)
-        why = f"{_name(node.target)} with {other.name}, numbers along their units that no permutation moves"
-        self.pins.append((f.var, why))
-        self.classes.union(f.var, _FIXED)
+        # (checked once the walk has given every entry its axes: :meth:`check_unmoved`)
+        self.hold_in_place(
+            f.var, f"{_name(node.target)} with {other.name}, numbers along their units that no permutation moves"
+        )
+
+    def hold_in_place(self, var: int, why: str) -> None:
+        """No permutation moves ``var``'s units (:attr:`PermutationSpec.in_place`, named by :meth:`held_in_place`)."""
+        if self.classes.find(var) != _FIXED:
+            self.pins.append((var, why))
+        self.classes.union(var, _FIXED)
 
     def consume_parameters(self, node) -> None:
         """Record that ``node`` reads its parameter operands (and views of them) as the spec
@@ -2554,9 +2561,7 @@ class _Walk:
         if name in self.state_keys:
             self.mark_fixed(var, _BUFFER_ALONG_UNITS.format(name))
         else:
-            if self.permuted(_Feature(var, 0)):
-                self.pins.append((var, f"buffer {name}, which the state_dict does not hold, holds a number per unit"))
-            self.classes.union(var, _FIXED)
+            self.hold_in_place(var, f"buffer {name}, which the state_dict does not hold, holds a number per unit")
 
     def param_axis(self, target: str, node, f: _Feature, shape: tuple) -> None:
         """A parameter combined with a stream (a position embedding): its matching axis is permuted too."""
@@ -3256,17 +3261,15 @@ class _Walk:
         of tensors too (``clamp(h, max=m)``, :meth:`elementwise_tensors`); else :meth:`opaque`."""
         values = list(args) + list(kwargs.values())
         tensors = [v for v in values if isinstance(v, fx.Node)]
-        if len(tensors) == 1 and all(v is None or isinstance(v, (int, float, fx.Node)) for v in values):
-            self.labels[node] = self.through(tensors[0])  # h ** 2, 2 ** h, clamp(h, 0, 6)
-        elif tensors and all(v is None or isinstance(v, (int, float, fx.Node)) for v in values):
-            self.elementwise_tensors(node, values)
+        if tensors and all(v is None or isinstance(v, (int, float, fx.Node)) for v in values):
+            self.elementwise_tensors(node, values)  # h ** 2, 2 ** h, clamp(h, 0, 6), clamp(h, max=m)
         else:
             self.opaque(node, args + list(kwargs.values()), getattr(node.target, "__name__", str(node.target)))
 
     def elementwise_tensors(self, node, values: list) -> None:
-        """An element-wise function of several tensors, broadcast (``where(mask, a, b)``,
-        ``clamp(h, min=lo, max=hi)``): their units are tied as a sum's (:meth:`binary`), one after
-        another into the result."""
+        """An element-wise function of tensors (and numbers), broadcast: one tensor's units pass
+        (``h ** 2``); several tensors' (``where(mask, a, b)``, ``clamp(h, min=lo, max=hi)``) are
+        tied as a sum's (:meth:`binary`), one after another into the result."""
         tensors = [v for v in values if isinstance(v, fx.Node)]
         if len(tensors) == 1:
             self.labels[node] = self.through(tensors[0])
@@ -3764,15 +3767,13 @@ def _param_alone(label, other) -> bool:
 def _reduces_whole(node: fx.Node) -> bool:
     """Whether ``node`` reduces its operand over every number by a symmetric function (``w.norm()``,
     ``w.pow(2).sum()``, ``b.mean()``: no ``dim``), which no order of those numbers changes."""
-    name = node.target if node.op == "call_method" else node.target if node.op == "call_function" else None
-    symmetric = name in _REDUCTIONS or name in _NORMS or name in _REDUCTION_METHODS or name in _NORM_METHODS
-    if not symmetric:
+    if node.op not in ("call_method", "call_function"):
         return False
-    dims = node.kwargs.get("dim", node.args[2] if name in _NORMS and len(node.args) > 2 else None)
-    if dims is None and not (name in _NORMS or name in _NORM_METHODS) and len(node.args) > 1:
-        dims = node.args[1]
-    elif dims is None and (name in _NORMS or name in _NORM_METHODS) and len(node.args) > 2:
-        dims = node.args[2]
+    norm = node.target in _NORMS or node.target in _NORM_METHODS
+    if not (norm or node.target in _REDUCTIONS or node.target in _REDUCTION_METHODS):
+        return False
+    at = 2 if norm else 1  # the dim's place, after the operand (and a norm's order), as reduce_along reads it
+    dims = node.kwargs.get("dim", node.args[at] if len(node.args) > at else None)
     return dims is None and not node.kwargs.get("keepdim", False)
 
 

@@ -30,17 +30,20 @@ class _Classifier(torch.nn.Module):
         return self.model(input_ids=ids).logits
 
 
+#: The sizes of every small model below: 2 layers, a stream of 32, 2 heads, MLPs of 64.
+_SIZES = dict(
+    num_hidden_layers=2,
+    hidden_size=32,
+    num_attention_heads=2,
+    intermediate_size=64,
+    vocab_size=50,
+    max_position_embeddings=16,
+)
+
+
 def _bert(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=50,
-        max_position_embeddings=16,
-        num_labels=3,
-    )
+    config = transformers.BertConfig(num_labels=3, **_SIZES)
     return far_from_identity_norms(_Classifier(transformers.BertForSequenceClassification(config))).eval()
 
 
@@ -82,15 +85,7 @@ def _gpt2(seed: int, head: str = "classifier") -> torch.nn.Module:
 
 def _llama(seed: int, kv_heads: int = 2) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=kv_heads,
-        intermediate_size=64,
-        vocab_size=50,
-        max_position_embeddings=16,
-    )
+    config = transformers.LlamaConfig(num_key_value_heads=kv_heads, **_SIZES)
     return far_from_identity_norms(_Classifier(transformers.LlamaForCausalLM(config))).eval()
 
 
@@ -100,8 +95,7 @@ def _rotary(kind: str):
 
     def make(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
-        sizes = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
-        sizes.update(intermediate_size=64, vocab_size=50, max_position_embeddings=16)
+        sizes = dict(_SIZES, num_key_value_heads=1)
         if kind == "gemma":
             model = transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=16, **sizes))
         else:
