@@ -3321,6 +3321,7 @@ class _Walk:
             return
         f = self.feature(a)
         if not isinstance(f, _Feature):
+            self.index_read(node)
             self.labels[node] = None
             return
         dst = _shape(node)
@@ -3345,6 +3346,18 @@ class _Walk:
             self.labels[node] = None
             return
         self.labels[node] = _Feature(f.var, int(where), f.outer, f.inner)
+
+    def index_read(self, node) -> None:
+        """Refuse the tensors that index numbers without units (a parameter, an input) where they
+        name units by their place or run along permuted units: ``self.E[h.argmax(-1)]`` picks rows of
+        ``E`` by where the largest unit lies, which fusion moves."""
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        for element in index:
+            if not isinstance(element, fx.Node):
+                continue
+            f = self.feature(element)  # refuses indices that name units (argmax over them)
+            if isinstance(f, _Feature) and self.permuted(f):
+                self.fail(node, "indexing by a tensor along permuted units is not supported")
 
     def whole_blocks(self, index: tuple, f: _Feature, shape: tuple, out_rank: int) -> _Feature | None:
         """``f``'s units where ``index`` slices whole blocks of them out of their axis (one

@@ -367,6 +367,22 @@ class _Indexed(MyMLP):
         return self.fc2(F.relu(self.fc1(x))[..., self.idx])
 
 
+class _RowsPicked(nn.Module):
+    """Rows of a table picked by the units (``self.E[h.argmax(-1)]``, ``self.E[torch.where(h > 0, 1, 0)]``):
+    the picks follow the units' places, which fusion moves."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc, self.E, self.head = nn.Linear(64, 12), nn.Parameter(torch.randn(12, 5)), nn.Linear(5, 10)
+
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        if self.how == "argmax":
+            return self.head(self.E[h.argmax(-1)])
+        return self.head(self.E[torch.where(h > 0, 1, 0)].mean(1))
+
+
 class _Repeated(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -487,6 +503,8 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_Indexed(), r"indexing into the units' axis is not supported"),
         (_Repeated(), r"repeat along the units' axis copies each unit"),
         (ArgmaxUnits(), r"argmax over the units names units by their place, which fusion changes"),
+        (_RowsPicked("argmax"), r"argmax over the units names units by their place, which fusion changes"),
+        (_RowsPicked("along"), r"indexing by a tensor along permuted units is not supported"),
     ],
 )
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")  # torch's, on tracing
