@@ -267,8 +267,12 @@ _PIECES_METHODS = {
 }  # fmt: skip
 #: The largest (smallest) number along ``dim`` and where it lies, ``(values, indices)``; over every
 #: number without a ``dim``; of two tensors, element by element.
-_EXTREMA = {torch.max, torch.min}
-_EXTREMA_METHODS = {"max", "min"}
+_EXTREMA = {torch.max, torch.min, torch.median, torch.nanmedian}
+_EXTREMA_METHODS = {"max", "min", "median", "nanmedian"}
+#: Order statistics along ``dim``, ``(values, indices)``: name -> (place of ``dim``, its default,
+#: whether the axis stays: ``topk`` and ``sort`` keep it, ``kthvalue`` and ``mode`` reduce it).
+_ORDERED = {"topk": (2, -1, True), "sort": (1, -1, True), "kthvalue": (2, -1, False), "mode": (1, -1, False)}
+_ORDERED_FUNCTIONS = {torch.topk: "topk", torch.sort: "sort", torch.kthvalue: "kthvalue", torch.mode: "mode"}
 _ARG_EXTREMA = {torch.argmax, torch.argmin}
 _ARG_EXTREMA_METHODS = {"argmax", "argmin"}
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm}
@@ -2165,6 +2169,8 @@ class _Walk:
             self.extremum(node, args, node.kwargs)
         elif method in _ARG_EXTREMA_METHODS:
             self.arg_extremum(node, args, node.kwargs)
+        elif method in _ORDERED:
+            self.ordered(node, args, node.kwargs, str(method))
         elif method in _MOVE_METHODS:
             self.move(node, args[0])
         elif method in _PIECES_METHODS:
@@ -2262,6 +2268,8 @@ class _Walk:
             self.extremum(node, args, kwargs)
         elif fn in _ARG_EXTREMA:
             self.arg_extremum(node, args, kwargs)
+        elif fn in _ORDERED_FUNCTIONS:
+            self.ordered(node, args, kwargs, _ORDERED_FUNCTIONS[fn])
         elif fn in _MOVES:
             self.move(node, args[0])
         elif fn in (torch.cat, torch.concat, torch.concatenate):
@@ -3213,6 +3221,32 @@ class _Walk:
         """``argmax`` / ``argmin`` along ``dim`` (over every number without one): where the largest lies."""
         self.reduce_along(node, args, kwargs, at=1)
         self.labels[node] = self.indices(args[0], self.labels[node], f"{_name(node.target)} over the units")
+
+    def ordered(self, node, args: list, kwargs, name: str) -> None:
+        """``topk`` and ``sort`` (the axis kept), ``kthvalue`` and ``mode`` (the axis reduced) along
+        ``dim``: ``(values, indices)``. Along the units' axis the values do not depend on the units'
+        order (ordered by size, as a max is) and have no units, and the indices name units: refused
+        where they are read (as are ``topk(..., sorted=False)``'s values, in no set order). Along
+        another axis both keep the units."""
+        at, default, keeps = _ORDERED[name]
+        dim = args[at] if len(args) > at else kwargs.get("dim", default)
+        a = args[0]
+        if not keeps:
+            keepdim = args[at + 1] if len(args) > at + 1 else kwargs.get("keepdim", False)
+            self.reduce(node, a, dim, keepdim)
+        else:
+            f = self.feature(a)
+            if isinstance(dim, fx.Node):
+                self.fail(node, f"{name} along a dim computed in the forward cannot be read; give it as a number")
+            along = isinstance(f, _Feature) and f.dim == dim % len(_tensor_shape(a))
+            self.labels[node] = None if along else f
+            unsorted = name == "topk" and not (args[4] if len(args) > 4 else kwargs.get("sorted", True))
+            if along and unsorted and self.has_units(f):
+                values = _Unreadable("topk over the units, unsorted, gives them in no set order: cannot be followed")
+                self.labels[node] = _Parts((values, values))
+                return
+        values = self.labels[node]
+        self.labels[node] = _Parts((values, self.indices(a, values, f"{name} over the units")))
 
     def indices(self, a, values, what: str):
         """The label of the indices of a reduction of ``a`` whose values are labelled ``values``:

@@ -383,6 +383,57 @@ class _RowsPicked(nn.Module):
         return self.head(self.E[torch.where(h > 0, 1, 0)].mean(1))
 
 
+class _Ordered(nn.Module):
+    """Order statistics of the units (``topk``, ``sort``, ``kthvalue``, ``median``, ``mode``), the
+    same whatever their order; ``topk`` along another axis keeps them; ``topk`` unsorted and the
+    indices of ``topk`` over the units follow their places."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(64, 12)
+        if how == "topk over time":
+            self.mix = nn.Linear(12, 12)
+        self.head = nn.Linear(12 if how in ("kthvalue", "median", "mode", "topk over time") else 3, 10)
+
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        if self.how == "topk":
+            return self.head(h.topk(3, dim=-1)[0])
+        if self.how == "torch.topk values":
+            return self.head(torch.topk(h, 3).values)
+        if self.how == "sort":
+            return self.head(h.sort(dim=1, descending=True).values[:, :3])
+        if self.how == "kthvalue":
+            return self.head(h * h.kthvalue(2, dim=1, keepdim=True).values)
+        if self.how == "median":
+            return self.head(h - h.median(1, keepdim=True)[0])
+        if self.how == "mode":
+            return self.head(h + torch.mode(h, 1)[0][:, None])
+        if self.how == "topk over time":  # units on the last axis, the top 2 of 5 steps of each
+            steps = self.mix(h)[:, None, :] * torch.linspace(-1.0, 1.0, 5)[None, :, None]
+            return self.head(steps.topk(2, dim=1).values.sum(1))
+        if self.how == "unsorted":
+            return self.head(h.topk(3, dim=-1, sorted=False)[0])
+        return self.head(h.topk(3, dim=-1)[1].float())  # "indices"
+
+
+@pytest.mark.parametrize("how", ["topk", "torch.topk values", "sort", "kthvalue", "median", "mode", "topk over time"])
+def test_order_statistics_of_the_units_do_not_depend_on_their_order(how):
+    """The largest units, the units sorted, the k-th, the median and the mode are the same whatever
+    the units' order: a permuted copy computes the same function, and fuses back to it."""
+    torch.manual_seed(0)
+    model = _Ordered(how).eval()
+    spec = spec_from_module(model)
+    assert spec.axes["fc.weight"][0] is not None
+    if how == "topk over time":
+        assert spec.axes["mix.weight"][0] is not None
+    permuted, x = permuted_copy(model, spec, seed=1), torch.randn(7, 64)
+    assert not torch.equal(permuted.fc.weight, model.fc.weight)
+    assert _gap(permuted, model, x) < 1e-5
+    assert _gap(bayesfuse.fuse([model, permuted], "pfnm").model, model, x) < 1e-4
+
+
 class _Repeated(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -505,6 +556,8 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (ArgmaxUnits(), r"argmax over the units names units by their place, which fusion changes"),
         (_RowsPicked("argmax"), r"argmax over the units names units by their place, which fusion changes"),
         (_RowsPicked("along"), r"indexing by a tensor along permuted units is not supported"),
+        (_Ordered("unsorted"), r"topk over the units, unsorted, gives them in no set order"),
+        (_Ordered("indices"), r"topk over the units names units by their place, which fusion changes"),
     ],
 )
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")  # torch's, on tracing
