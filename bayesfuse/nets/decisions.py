@@ -186,6 +186,15 @@ class Decider:
         """Whether ``node`` is a tensor at the example, recorded (a retrace replays it)."""
         return bool(self._recorded(node, lambda v: isinstance(v, torch.Tensor), "an iteration"))
 
+    def tensors_in(self, node: fx.Node) -> int | None:
+        """How many tensors ``node`` is at the example where it is a tuple of tensors (``max``'s and
+        ``topk``'s ``(values, indices)``), else None; recorded (a retrace replays it)."""
+
+        def count(v: Any) -> int | None:
+            return len(v) if isinstance(v, tuple) and v and all(isinstance(t, torch.Tensor) for t in v) else None
+
+        return self._recorded(node, count, "an iteration")
+
     def attribute(self, node: fx.Node, name: str) -> Any:
         """``name`` (a dtype, a device: no width) of the tensor ``node`` at the example, recorded."""
         return self._recorded(node, lambda v: getattr(v, name), f"its {name}")
@@ -304,12 +313,16 @@ class NumberProxy(fx.Proxy):
         return _NumberAttribute(self, name)
 
     def __len__(self) -> int:
-        """``len()`` of a tensor (its first size) or of a tuple of sizes, decided."""
+        """``len()`` of a tensor (its first size), of a tuple of tensors (``topk``'s ``(values,
+        indices)``, unpacked as ``f(*h.topk(3))``) or of a tuple of sizes, decided."""
         tracer = self.tracer
         if getattr(tracer, "decider", None) is None:
             return super().__len__()
         if tracer.decider.is_tensor(self.node):  # type: ignore[attr-defined]
             return int(tracer.decide(self.size(0), "len() of a traced tensor"))  # type: ignore[attr-defined]
+        count = tracer.decider.tensors_in(self.node)  # type: ignore[attr-defined]
+        if count is not None:
+            return count
         return len(tracer.decide(self, "len() of a traced value"))  # type: ignore[attr-defined]
 
     def __setitem__(self, key, value) -> None:

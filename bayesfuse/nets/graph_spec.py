@@ -511,12 +511,16 @@ class _Tracer(fx.Tracer):
 
     def iter(self, obj: fx.Proxy):
         """Iteration over a traced value fx cannot unpack: a tensor's rows (as many as its first
-        size, decided), or a tuple of sizes (``for d in x.shape[2:]``), decided whole."""
+        size, decided), a tuple of tensors' pieces (``f(*h.topk(3))``), or a tuple of sizes (``for d
+        in x.shape[2:]``), decided whole."""
         if self.example is None and self.replay is None:
             return super().iter(obj)
         if self.decider.is_tensor(obj.node):
             rows = int(self.decide(obj.size(0), "the rows iterated over"))
             return (obj[i] for i in range(rows))  # type: ignore[index]
+        count = self.decider.tensors_in(obj.node)
+        if count is not None:
+            return (obj[i] for i in range(count))  # type: ignore[index]
         return iter(self.decide(obj, "an iteration"))
 
     def attribute(self, obj: fx.Proxy, name: str):
@@ -3235,16 +3239,25 @@ class _Walk:
             keepdim = args[at + 1] if len(args) > at + 1 else kwargs.get("keepdim", False)
             self.reduce(node, a, dim, keepdim)
         else:
-            f = self.feature(a)
+            label = self.raw(a)
+            f = label if isinstance(label, _Segments) else self.feature(a)  # streams side by side: as one
             if isinstance(dim, fx.Node):
                 self.fail(node, f"{name} along a dim computed in the forward cannot be read; give it as a number")
-            along = isinstance(f, _Feature) and f.dim == dim % len(_tensor_shape(a))
+            along = f is not None and f.dim == dim % len(_tensor_shape(a))
             self.labels[node] = None if along else f
+            streams = [g for g, _ in f.parts] if isinstance(f, _Segments) else [f]
+            permuted = [g.var for g in streams if isinstance(g, _Feature) and self.permuted(g)]
             unsorted = name == "topk" and not (args[4] if len(args) > 4 else kwargs.get("sorted", True))
-            if along and unsorted and self.has_units(f):
+            if along and unsorted and permuted:
                 values = _Unreadable("topk over the units, unsorted, gives them in no set order: cannot be followed")
                 self.labels[node] = _Parts((values, values))
                 return
+            # the values keep as many numbers as there are units (sort; topk of k read off their
+            # width): a layer reading them reads the units' width, which fusion may not change
+            k = args[1] if len(args) > 1 else kwargs.get("k")
+            if along and (name == "sort" or self.widths_read(k, whole=True)):
+                for var in permuted:
+                    self.mark_fixed(var, f"its forward orders them by {name} and keeps as many numbers as units")
         values = self.labels[node]
         self.labels[node] = _Parts((values, self.indices(a, values, f"{name} over the units")))
 
@@ -3353,9 +3366,13 @@ class _Walk:
                 )
             self.labels[node] = parts[index]
             return
+        self.index_labels(node, a)
+        self.index_read(node)
+
+    def index_labels(self, node, a) -> None:
+        """:meth:`getitem`'s labelling of ``a[index]`` where ``a`` is one tensor."""
         f = self.feature(a)
         if not isinstance(f, _Feature):
-            self.index_read(node)
             self.labels[node] = None
             return
         dst = _shape(node)
@@ -3382,12 +3399,11 @@ class _Walk:
         self.labels[node] = _Feature(f.var, int(where), f.outer, f.inner)
 
     def index_read(self, node) -> None:
-        """Refuse the tensors that index numbers without units (a parameter, an input) where they
-        name units by their place or run along permuted units: ``self.E[h.argmax(-1)]`` picks rows of
-        ``E`` by where the largest unit lies, which fusion moves."""
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        for element in index:
-            if not isinstance(element, fx.Node):
+        """Refuse the tensors that index (in a tuple or a list of them too) where they name units by
+        their place or run along permuted units: ``self.E[h.argmax(-1)]`` picks rows of ``E`` by where
+        the largest unit lies, and ``x[:, h.argmax(-1)]`` numbers of the input, which fusion moves."""
+        for element in _flat([node.args[1]]):
+            if not isinstance(element, fx.Node) or self.raw(element) is None:
                 continue
             f = self.feature(element)  # refuses indices that name units (argmax over them)
             if isinstance(f, _Feature) and self.permuted(f):

@@ -18,7 +18,7 @@ from bayesfuse.data import Dataset
 from bayesfuse.inference.spec import Axis, permute, random_permutations
 from bayesfuse.nets.graph_spec import example_input_for, spec_from_graph
 from bayesfuse.nets.tracing import UnsupportedLayerError, spec_from_module
-from tests.helpers import far_from_identity_norms, library_randomised, permuted_copy
+from tests.helpers import far_from_identity_norms, library_randomised, permuted_copy, randomise
 from tests.nets.user_nets import (
     ArgmaxUnits,
     Attention,
@@ -374,12 +374,21 @@ class _RowsPicked(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
-        self.fc, self.E, self.head = nn.Linear(64, 12), nn.Parameter(torch.randn(12, 5)), nn.Linear(5, 10)
+        self.fc, self.E = nn.Linear(64, 12), nn.Parameter(torch.randn(12, 5))
+        if how == "other":
+            self.other = nn.Linear(64, 12)
+        self.head = nn.Linear({"input": 1, "other": 2}.get(how, 5), 10)
 
     def forward(self, x):
         h = F.relu(self.fc(x))
         if self.how == "argmax":
             return self.head(self.E[h.argmax(-1)])
+        if self.how == "in a list":
+            return self.head(self.E[[h.argmax(-1)]])
+        if self.how == "input":  # the input's numbers, picked by the units
+            return self.head(x[torch.arange(x.shape[0]), h.argmax(-1)][:, None])
+        if self.how == "other":  # units of another stream, picked by these
+            return self.head(F.relu(self.other(x))[:, h.topk(2).indices[0]])
         return self.head(self.E[torch.where(h > 0, 1, 0)].mean(1))
 
 
@@ -394,7 +403,9 @@ class _Ordered(nn.Module):
         self.fc = nn.Linear(64, 12)
         if how == "topk over time":
             self.mix = nn.Linear(12, 12)
-        self.head = nn.Linear(12 if how in ("kthvalue", "median", "mode", "topk over time") else 3, 10)
+        if how == "side by side":
+            self.side = nn.Linear(64, 6)
+        self.head = nn.Linear(12 if how in ("kthvalue", "median", "mode", "topk over time", "sort whole") else 3, 10)
 
     def forward(self, x):
         h = F.relu(self.fc(x))
@@ -413,12 +424,21 @@ class _Ordered(nn.Module):
         if self.how == "topk over time":  # units on the last axis, the top 2 of 5 steps of each
             steps = self.mix(h)[:, None, :] * torch.linspace(-1.0, 1.0, 5)[None, :, None]
             return self.head(steps.topk(2, dim=1).values.sum(1))
+        if self.how == "sort whole":  # as many numbers as units: their width
+            return self.head(h.sort(-1).values)
+        if self.how == "unpacked":
+            return self.head((lambda values, indices: values)(*h.topk(3)))
+        if self.how == "side by side":  # streams side by side on their units, ordered together
+            return self.head(torch.cat([h, F.relu(self.side(x))], 1).topk(3, 1).values)
         if self.how == "unsorted":
             return self.head(h.topk(3, dim=-1, sorted=False)[0])
         return self.head(h.topk(3, dim=-1)[1].float())  # "indices"
 
 
-@pytest.mark.parametrize("how", ["topk", "torch.topk values", "sort", "kthvalue", "median", "mode", "topk over time"])
+@pytest.mark.parametrize(
+    "how",
+    ["topk", "torch.topk values", "sort", "kthvalue", "median", "mode", "topk over time", "unpacked", "side by side"],
+)
 def test_order_statistics_of_the_units_do_not_depend_on_their_order(how):
     """The largest units, the units sorted, the k-th, the median and the mode are the same whatever
     the units' order: a permuted copy computes the same function, and fuses back to it."""
@@ -432,6 +452,18 @@ def test_order_statistics_of_the_units_do_not_depend_on_their_order(how):
     assert not torch.equal(permuted.fc.weight, model.fc.weight)
     assert _gap(permuted, model, x) < 1e-5
     assert _gap(bayesfuse.fuse([model, permuted], "pfnm").model, model, x) < 1e-4
+    assert bool(spec.fixed) == (how == "sort")  # sort keeps as many numbers as units; a k written in the code does not
+
+
+def test_the_units_sorted_whole_fix_their_width():
+    """``self.head(h.sort(-1).values)`` reads as many numbers as there are units: their width is
+    fixed (``spec.fixed``), so clients fuse at it and the fused network runs."""
+    torch.manual_seed(0)
+    spec = spec_from_module(_Ordered("sort whole"))
+    assert spec.axes["fc.weight"][0].group in spec.fixed
+    clients, x = [randomise(_Ordered("sort whole"), seed) for seed in range(3)], torch.randn(7, 64)
+    fused = bayesfuse.fuse(clients, "pfnm").model
+    assert fused.fc.out_features == 12 and fused(x).shape == (7, 10)
 
 
 class _Repeated(nn.Module):
@@ -556,6 +588,9 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (ArgmaxUnits(), r"argmax over the units names units by their place, which fusion changes"),
         (_RowsPicked("argmax"), r"argmax over the units names units by their place, which fusion changes"),
         (_RowsPicked("along"), r"indexing by a tensor along permuted units is not supported"),
+        (_RowsPicked("in a list"), r"argmax over the units names units by their place, which fusion changes"),
+        (_RowsPicked("input"), r"argmax over the units names units by their place, which fusion changes"),
+        (_RowsPicked("other"), r"topk over the units names units by their place, which fusion changes"),
         (_Ordered("unsorted"), r"topk over the units, unsorted, gives them in no set order"),
         (_Ordered("indices"), r"topk over the units names units by their place, which fusion changes"),
     ],
