@@ -596,6 +596,7 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
     ],
 )
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")  # torch's, on tracing
+@pytest.mark.filterwarnings("ignore:Using a non-tuple sequence for multidimensional indexing")  # torch's: E[[idx]]
 def test_what_cannot_be_followed_is_refused_in_one_line(model, message):
     with pytest.raises(UnsupportedLayerError, match=message) as err:
         spec_from_module(model)
