@@ -206,6 +206,9 @@ _ELEMENTWISE_METHODS = {
     "sigmoid_",
     "tanh_",
 }
+#: Convolutions as functions: ``F.conv2d(x, filt, groups=C)`` with one filter for every channel
+#: (a blur before a strided step, timm's ``BlurPool2d``) acts on each channel alike.
+_CONV_FUNCTIONS = {torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d}
 _POOL_FUNCTIONS = {
     torch.nn.functional.max_pool1d,
     torch.nn.functional.max_pool2d,
@@ -1617,6 +1620,41 @@ class _Walk:
             self.fail(node, f"a {k}-d pooling of a tensor of rank {rank} pools its axis {units.dim}, the units'")
         self.labels[node] = units
 
+    def channelwise_filter(self, node, args: list, kwargs) -> bool:
+        """``F.conv2d(x, filt, groups=C)`` (1-d and 3-d too) with one and the same filter for every
+        channel of ``x``: a buffer of equal rows, or one row expanded (timm's ``BlurPool2d``, a
+        binomial blur before a strided step). It filters each channel alike, so, as a pooling, it
+        is the same whatever the channels' order and they pass through; returns False (not
+        handled) otherwise. Where the filter's rows or the groups are not read off the channels'
+        width (a buffer of one row per channel, ``groups=self.channels``), the width is fixed."""
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        given = {**dict(zip(names, args)), **kwargs}
+        x, w = given.get("input"), given.get("weight")
+        if given.get("bias") is not None or not isinstance(x, fx.Node) or not isinstance(w, fx.Node):
+            return False
+        units = self.through(x)
+        if not isinstance(units, _Feature) or not self.permuted(units) or units.dim != 1:
+            return False
+        expanded = w.op == "call_method" and w.target == "expand" and isinstance(w.args[0], fx.Node)
+        base = w.args[0] if expanded else w
+        if not isinstance(base, fx.Node) or base.op != "get_attr" or base.target not in self.buffers:
+            return False
+        value, shape, channels = self.buffers[str(base.target)], _tensor_shape(w), _tensor_shape(x)[1]
+        rows_alike = value.shape[0] == 1 if expanded else bool(torch.equal(value, value[:1].expand_as(value)))
+        groups = given.get("groups", 1)
+        if not rows_alike or self.number(groups) != channels or shape[0] != channels or shape[1] != 1:
+            return False
+
+        def follows(size) -> bool:  # read off the channels' width
+            return any(self.units_at(t, axis) is not None for t, axis in self.widths_read(size))
+
+        sizes = list(w.args[1:]) if expanded else []
+        size = (sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else sizes or [None])[0]
+        if not (expanded and follows(size) and follows(groups)):
+            self.mark_fixed(units.var, f"{node.name} filters them by {base.target}, one row per channel")
+        self.labels[node] = units
+        return True
+
     def dense(self, node, name: str, m: nn.Linear, inp, f, units) -> None:
         """Linear layer ``name`` (module ``m``) applied to ``inp``, whose units are ``f`` (or
         streams side by side, ``units``). One that acts across another axis than the units'
@@ -2258,6 +2296,8 @@ class _Walk:
             self.spatial(node, args[0], len(pad) // 2, "pad", pad=pad)
         elif fn is torch.nn.functional.interpolate:  # the axes after the channels
             self.spatial(node, args[0], None, "interpolate")
+        elif fn in _CONV_FUNCTIONS and self.channelwise_filter(node, args, kwargs):
+            pass
         elif fn in _POOL_FUNCTIONS:
             self.pooled(node, args[0], _pool_rank(_name(fn)))
         elif fn in _BINARY:

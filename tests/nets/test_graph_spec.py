@@ -466,6 +466,73 @@ def test_the_units_sorted_whole_fix_their_width():
     assert fused.fc.out_features == 12 and fused(x).shape == (7, 10)
 
 
+class _Blur(nn.Module):
+    """A binomial blur before a strided step, as timm's ``BlurPool2d``: one filter for every channel,
+    a buffer of one row per channel (``channels`` given; stored or not) or one row expanded to the
+    channels read off the input."""
+
+    def __init__(self, channels: int | None, *, persistent: bool = False) -> None:
+        super().__init__()
+        self.channels = channels
+        k = torch.tensor([1.0, 2.0, 1.0])
+        filt = (k[:, None] * k[None, :] / 16)[None, None].repeat(channels or 1, 1, 1, 1)
+        self.register_buffer("filt", filt, persistent=persistent)
+
+    def forward(self, x):
+        x = F.pad(x, [1, 1, 1, 1], mode="reflect")
+        if self.channels is None:
+            c = x.shape[1]
+            return F.conv2d(x, self.filt.expand(c, 1, 3, 3), stride=2, groups=c)
+        return F.conv2d(x, self.filt, stride=2, groups=self.channels)
+
+
+class _Blurred(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.blur = _Blur(None if how == "expanded" else 8, persistent=how == "stored")
+        self.conv2, self.head = nn.Conv2d(8, 6, 3, padding=1), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.blur(F.relu(self.bn(self.conv(x))))
+        return self.head(F.relu(self.conv2(h)).mean((2, 3)))
+
+
+def _blur_kept(model: _Blurred) -> _Blurred:
+    """``model`` with its blur's filter as built (randomise draws every float entry, a stored filter too)."""
+    with torch.no_grad():
+        model.blur.filt.copy_(_Blur(model.blur.channels).filt)
+    return model
+
+
+@pytest.mark.parametrize("how", ["expanded", "held", "stored"])
+def test_one_filter_for_every_channel_passes_the_channels(how):
+    """``F.conv2d(x, filt, groups=C)`` with one filter for every channel (timm's TResNet) filters each
+    channel alike: the channels pass, and a permuted copy fuses back. Where the filter holds a row
+    per channel (a buffer made at the width, ``groups=self.channels``), the width is fixed, and
+    three clients fuse at it; one row expanded to the input's channels follows the fusion."""
+    x = torch.randn(4, 1, 8, 8)
+    model = _blur_kept(randomise(_Blurred(how), 0))
+    spec = spec_from_graph(model, x)
+    group = spec.axes["conv.weight"][0].group
+    assert spec.axes["conv2.weight"][1].group == group and (group in spec.fixed) == (how != "expanded")
+    permuted = permuted_copy(model, spec, seed=1)
+    assert not torch.equal(permuted.conv.weight, model.conv.weight)
+    assert _gap(permuted, model, x) < 1e-5
+    assert _gap(bayesfuse.fuse([model, permuted], "pfnm", example_input=x).model, model, x) < 1e-4
+    clients = [_blur_kept(randomise(_Blurred(how), seed)) for seed in range(3)]
+    fused = bayesfuse.fuse(clients, "pfnm", example_input=x)
+    assert (fused.model.conv.out_channels == 8) == (how != "expanded")
+    assert fused.model(x).shape == (4, 3)
+
+
+def test_a_filter_per_channel_that_differs_is_refused():
+    """A stored filter whose rows differ filters each channel its own way: refused, not read as a blur."""
+    model = randomise(_Blurred("stored"), 0)  # the filter's rows drawn apart
+    with pytest.raises(UnsupportedLayerError, match=r"conv2d on a permuted axis cannot be followed"):
+        spec_from_graph(model, torch.randn(4, 1, 8, 8))
+
+
 class _Repeated(nn.Module):
     def __init__(self) -> None:
         super().__init__()
