@@ -366,12 +366,19 @@ def _checked_summaries(summaries, states, names, method, kind) -> list:
 # device and dtype (those it has no use for in **_), and returns a StateFusion.
 
 
-def _network_spec(states, names, spec, class_counts) -> PermutationSpec:
+def _network_spec(states, names, spec, class_counts, *, matched: bool = True) -> PermutationSpec:
     """The spec of point-estimate networks (derived from the first state_dict when not given), and
-    the class counts checked against its output layer (every method's check)."""
+    the class counts checked against its output layer (every method's check); ``matched``: the
+    method matches units, so the spec must have some (FedAvg averages entries as they are)."""
     if spec is None:
         spec = spec_for_state_dict_or_advice(states[0], names[0], like="spec=spec_from_module(model)")
-    if not spec.groups:
+    if not spec.groups and spec.in_place and matched:
+        entry, why = next(iter(spec.in_place.items()))
+        raise ValueError(
+            f"every hidden unit of the networks is held in place ({entry}: {why}; spec.in_place names all "
+            f"{len(spec.in_place)}), so there is nothing to match: fuse them with 'fedavg', which averages them in place"
+        )
+    if not spec.groups and matched:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
     if class_counts is not None and spec.output:
         class_share_matrix(class_counts, len(states), int(np.shape(spec.split(states[0])[spec.output[0]])[0]))
@@ -623,7 +630,7 @@ def chosen_hyper(layer) -> dict:
 
 def _fedavg_states(states, names, method, settings, *, spec, class_counts, **_) -> StateFusion:
     """One-shot FedAvg: the clients' entries averaged as they are (identical widths, their dtype kept)."""
-    spec = _network_spec(states, names, spec, class_counts)
+    spec = _network_spec(states, names, spec, class_counts, matched=False)
     check_states(states, spec, names)  # architecture, NaN, integer or complex weights
     return averaged_states(states, names, method, spec, class_counts)
 

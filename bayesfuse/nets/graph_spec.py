@@ -3426,14 +3426,11 @@ class _Walk:
             if blocks is not None:
                 self.labels[node] = blocks
                 return
+        if where == "into" and self.permuted(f):  # units picked by their places: none may move
+            self.hold_in_place(f.var, f"its forward indexes into them, {node.name}")
         if where is None or where == "into":
             if self.permuted(f):
-                self.fail(
-                    node,
-                    "indexing into the units' axis is not supported"
-                    if where == "into"
-                    else "indexing that moves the units' axis is not supported",
-                )
+                self.fail(node, "indexing that moves the units' axis is not supported")
             self.labels[node] = None
             return
         self.labels[node] = _Feature(f.var, int(where), f.outer, f.inner)

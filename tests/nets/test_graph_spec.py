@@ -310,14 +310,6 @@ class _Reads(nn.Module):
         return self.head(torch.roll(input=h, shifts=1, dims=-1))  # an operand by keyword
 
 
-class _PartOfABlock(BiEnds):
-    """Units of one direction and some of the other's: no block whole."""
-
-    def forward(self, x):
-        out, _ = self.rnn(x.view(-1, 8, 8))
-        return self.head(torch.cat([out[:, -1, :8], out[:, 0, 8:]], 1))
-
-
 class _GivenState(MyLSTM):
     def forward(self, x):
         h0 = torch.zeros(1, x.shape[0], 12)  # the tutorials' zeros, of the clients' width
@@ -354,17 +346,6 @@ class _HandWritten(nn.Module):
         else:
             h = torch.matmul(x, self.W.t().contiguous())
         return self.head(torch.relu(h))
-
-
-class _Indexed(MyMLP):
-    """The units reordered by an index buffer (``h[..., idx]``): not a permutation the walk follows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("idx", torch.arange(47, -1, -1))
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x))[..., self.idx])
 
 
 class _RowsPicked(nn.Module):
@@ -637,7 +618,6 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_Reads("indices concatenated"), r"max over the units names units by their place"),
         (_Reads("a computed dim"), r"mean along a dim computed in the forward cannot be read; give it as a number"),
         (_Reads("by keyword"), r"roll on a permuted axis cannot be followed"),
-        (_PartOfABlock(), r"indexing into the units' axis is not supported"),
         (_SideBySide("rolled"), r"cat holds streams concatenated on their units \(\[64, 12\] wide\), read where"),
         (
             _SideBySide("added"),
@@ -650,7 +630,6 @@ def test_recurrent_files_fuse_with_the_network_and_never_into_a_file_no_module_h
         (_SideBySide("grouped"), r"Conv1d reads streams concatenated on their units \(of widths \[4, 6\]\)"),
         (_GivenState(), r"an LSTM given a first state is not supported: .* call it without one"),
         (_HandWritten("tensordot"), r"tensordot applies the network's own weight 'W'"),
-        (_Indexed(), r"indexing into the units' axis is not supported"),
         (_Repeated(), r"repeat along the units' axis copies each unit"),
         (ArgmaxUnits(), r"argmax over the units names units by their place, which fusion changes"),
         (_RowsPicked("argmax"), r"argmax over the units names units by their place, which fusion changes"),
@@ -2766,13 +2745,20 @@ def test_masks_comparisons_and_sizes_keep_the_units(name):
     assert _gap(bayesfuse.fuse([model, permuted], "pfnm").model, model, x) < 1e-4
 
 
-@pytest.mark.parametrize(
-    "idiom, message",
-    [
-        (lambda s, h: h + h[h > 0.5].sum(), "indexing into the units' axis"),  # a mask that selects numbers
-        (lambda s, h: h + torch.where(h > 0.5)[1].sum(), "where on a permuted axis"),  # the indices of a mask
-    ],
-)
-def test_a_mask_that_selects_or_counts_positions_of_units_is_refused(idiom, message):
-    with pytest.raises(UnsupportedLayerError, match=message):
-        spec_from_graph(_Idiom(idiom), torch.zeros(2, 8))
+def test_a_mask_that_counts_positions_of_units_is_refused():
+    with pytest.raises(UnsupportedLayerError, match="where on a permuted axis"):  # the indices of a mask
+        spec_from_graph(_Idiom(lambda s, h: h + torch.where(h > 0.5)[1].sum()), torch.zeros(2, 8))
+
+
+def test_a_mask_that_selects_numbers_of_units_holds_them_in_place():
+    """``h[h > 0.5]`` picks numbers by the units' places: those units stay in place, and the
+    network still fuses back."""
+    torch.manual_seed(0)
+    model = _Idiom(lambda s, h: h + h[h > 0.5].sum()).eval()
+    spec = spec_from_graph(model, torch.zeros(2, 8))
+    assert "fc1" in spec.in_place and "its forward indexes into them" in spec.in_place["fc1"]
+    assert spec.axes["fc1.weight"][0] is None and spec.axes["fc2.weight"][0] is not None
+    x = torch.randn(5, 8)
+    permuted = permuted_copy(model, spec, seed=1)
+    assert _gap(permuted, model, x) < 1e-5
+    assert _gap(bayesfuse.fuse([model, permuted], "pfnm").model, model, x) < 1e-4

@@ -7,12 +7,14 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import bayesfuse
 from bayesfuse.inference.spec_io import spec_from_dict, spec_to_dict
 from bayesfuse.nets.graph_spec import spec_from_graph
-from tests.helpers import permuted_copy
-from tests.nets.user_nets import RotaryLM
+from tests.helpers import permuted_copy, randomise
+from tests.nets.user_nets import BiEnds, RotaryLM
 
 
 def _model(seed: int) -> RotaryLM:
@@ -386,3 +388,67 @@ def test_a_bias_put_together_in_the_forward_is_read_piece_by_piece(stored):
             torch.manual_seed(seed)
             clients.append(_QkvBias(stored).eval())
         assert bayesfuse.fuse(clients, "pfnm", example_input=x[:1]).model(x).shape == (4, 3)  # runs
+
+
+class _Picked(nn.Module):
+    """A hidden layer's units picked by their places: reordered by an index buffer (``h[..., idx]``),
+    one of them read as a gate (FocalNet's ``gates[:, l:l + 1]``), or a slice of them added to the
+    rest (ReXNet adds its shortcut to its first channels)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc1, self.fc2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.register_buffer("idx", torch.arange(15, -1, -1))
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        if self.how == "reversed":
+            h = h[..., self.idx]
+        elif self.how == "a gate":
+            h = h * torch.sigmoid(h[:, 2:3])
+        else:  # "a slice added"
+            h = h + torch.cat([h[:, 8:], h[:, :8]], 1)
+        return self.out(F.relu(self.fc2(h)))
+
+
+@pytest.mark.parametrize("how", ["reversed", "a gate", "a slice added"])
+def test_units_picked_by_their_places_stay_in_place_and_the_rest_is_matched(how):
+    """Units the forward picks by their places keep them (``spec.in_place`` names the layer and why),
+    the next layer is matched as before, a permuted copy fuses back by every method, and three
+    clients fuse by PFNM with the held layer at its width and the next one grown."""
+    model, x = randomise(_Picked(how), 0), torch.randn(5, 8)
+    spec = spec_from_graph(model, torch.zeros(2, 8))
+    assert "its forward indexes into them" in spec.in_place["fc1"]
+    assert spec.axes["fc1.weight"][0] is None and spec.axes["fc2.weight"][0] is not None
+    permuted = permuted_copy(model, spec, seed=1)
+    assert not torch.equal(permuted.fc2.weight, model.fc2.weight)
+    with torch.no_grad():
+        reference = model(x)
+        assert float((permuted(x) - reference).abs().max()) < 1e-5
+        for method in ("pfnm", "nafi", "ot"):
+            assert float((bayesfuse.fuse([model, permuted], method).model(x) - reference).abs().max()) < 1e-4, method
+        fused = bayesfuse.fuse([randomise(_Picked(how), seed) for seed in (1, 2, 3)], "pfnm").model
+        assert fused.fc1.out_features == 16 and fused.fc2.out_features > 16 and fused(x).shape == (5, 3)
+
+
+class _PartOfABlock(BiEnds):
+    """Units of one direction and some of the other's: no block whole, so the GRU's units are
+    picked by their places, and it is the network's one hidden layer."""
+
+    def forward(self, x):
+        out, _ = self.rnn(x.view(-1, 8, 8))
+        return self.head(torch.cat([out[:, -1, :8], out[:, 0, 8:]], 1))
+
+
+def test_networks_whose_every_unit_stays_in_place_are_averaged_not_matched():
+    model = randomise(_PartOfABlock(), 0)
+    assert set(spec_from_graph(model).in_place) >= {"rnn.weight_ih_l0", "rnn.weight_hh_l0"}
+    with pytest.raises(
+        ValueError, match=r"every hidden unit of the networks is held in place .* fuse them with 'fedavg'"
+    ):
+        bayesfuse.fuse([model, randomise(_PartOfABlock(), 1)], "pfnm")
+    other = randomise(_PartOfABlock(), 1)
+    averaged = bayesfuse.fuse([model, other], "fedavg").model
+    for name, p in averaged.named_parameters():
+        assert torch.allclose(p, (model.get_parameter(name) + other.get_parameter(name)) / 2, atol=1e-6), name
