@@ -68,6 +68,7 @@ __all__ = [
     "folded_entries",
     "folded_eps",
     "folded_length",
+    "folded_units",
     "group_seed",
     "identity_bn",
     "in_basis",
@@ -245,6 +246,16 @@ def folded_length(spec: PermutationSpec, bn: str, n_units: int) -> int:
     axis's blocks around them (a grouped convolution's ``g``), ``outer x n x inner``."""
     axis = spec.axes[f"{bn}.running_mean"][0]
     return n_units if axis is None else axis.outer * n_units * axis.inner
+
+
+def folded_units(spec: PermutationSpec, entry: str, n_global: Mapping[str, int], value) -> int:
+    """The length of folded batch-norm entry ``entry`` (of value ``value``) in the fused network:
+    its group's ``n_global`` units in its axis's blocks (:func:`folded_length`), or, for a norm of
+    units held in place (no group's), its own length."""
+    axis = spec.axes[entry][0] if spec.axes[entry] else None
+    if axis is None:
+        return int(np.shape(value)[0])
+    return folded_length(spec, entry.rpartition(".")[0], n_global[axis.group])
 
 
 def folded_eps(state: State, bn: str) -> float:
@@ -657,14 +668,14 @@ def global_entries(
     """
     out = {}
     folded = folded_entries(spec)
+    n_global = {g: basis.n_global for g, basis in matched.items()}
     for k in spec.axes:
         if k in done:
             continue
         first = np.asarray(states[0][k])
         if k in folded:
             bn, _, what = k.rpartition(".")
-            n = folded_length(spec, bn, matched[spec.axes[k][0].group].n_global)
-            out[k] = identity_bn(n, folded_eps(states[0], bn))[what]
+            out[k] = identity_bn(folded_units(spec, k, n_global, first), folded_eps(states[0], bn))[what]
         elif not np.issubdtype(first.dtype, np.floating):
             out[k] = first.copy()
         elif k in spec.output and class_shares is not None and first.ndim == 1:

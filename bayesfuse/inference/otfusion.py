@@ -85,7 +85,7 @@ from bayesfuse.inference.layerwise import (
     fold_batchnorm,
     folded_entries,
     folded_eps,
-    folded_length,
+    folded_units,
     identity_bn,
     unit_entries,
 )
@@ -413,8 +413,7 @@ def ot_fuse_layerwise(
         ref = arrays[a_idx][k]
         if k in folded:
             bn, _, what = k.rpartition(".")
-            n = folded_length(spec, bn, sizes[axes[0].group])
-            state[k] = identity_bn(n, folded_eps(arrays[a_idx], bn))[what]
+            state[k] = identity_bn(folded_units(spec, k, sizes, ref), folded_eps(arrays[a_idx], bn))[what]
         elif not np.issubdtype(np.asarray(ref).dtype, np.floating):
             state[k] = np.asarray(ref).copy()
         else:

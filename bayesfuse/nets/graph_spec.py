@@ -1645,11 +1645,17 @@ class _Walk:
         if not rows_alike or self.number(groups) != channels or shape[0] != channels or shape[1] != 1:
             return False
 
-        def follows(size) -> bool:  # read off the channels' width
-            return any(self.units_at(t, axis) is not None for t, axis in self.widths_read(size))
+        def read(size) -> list:  # the permuted widths it is read off
+            return [a for a in (self.units_at(t, axis) for t, axis in self.widths_read(size)) if a is not None]
+
+        def follows(size) -> bool:  # read off these channels' width
+            return any(self.classes.find(a[0]) == self.classes.find(units.var) for a in read(size))
 
         sizes = list(w.args[1:]) if expanded else []
         size = (sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else sizes or [None])[0]
+        for a in read(size) + read(groups):  # another group's width sizes this filter: it may not change
+            if self.classes.find(a[0]) != self.classes.find(units.var):
+                self.mark_fixed(a[0], f"{node.name} sizes a filter of other channels by their width")
         if not (expanded and follows(size) and follows(groups)):
             self.mark_fixed(units.var, f"{node.name} filters them by {base.target}, one row per channel")
         self.labels[node] = units
@@ -2593,14 +2599,27 @@ class _Walk:
 
     def held_in_place(self) -> dict[str, str]:
         """The layers (or parameters) whose units the walk held in place (:attr:`pins`), each with
-        why: every entry with an axis that the pinned class reached through ties, now not permuted."""
+        why: every entry with an axis that the pinned class reached through ties, now not permuted,
+        where that axis is its units' (its rows; a transposed weight's columns) or it has no
+        permuted axis at all (a table along the held units): a layer that reads held units and
+        writes units of its own, which are matched, is not one, whenever the walk met the hold."""
         held: dict[str, str] = {}
+
+        def permuted(d) -> bool:
+            return isinstance(d, tuple) and d[0] is not None and self.classes.find(d[0]) != _FIXED
+
         for var, why in self.pins:
             root = self.classes.tied_root(var)
-            for entry, dims in self.axes.items():
-                if entry in self.state_keys and any(
+
+            def pinned(d) -> bool:
+                return (
                     isinstance(d, tuple) and self.classes.tied_root(d[0]) == root and self.classes.find(d[0]) == _FIXED
-                    for d in dims
+                )
+
+            for entry, dims in self.axes.items():
+                rows = dims[1 if entry in self.transposed else 0] if dims else None
+                if entry in self.state_keys and (
+                    pinned(rows) or (any(map(pinned, dims)) and not any(map(permuted, dims)))
                 ):
                     layer, _, last = entry.rpartition(".")
                     held.setdefault(layer if layer and last in ("weight", "bias") else entry, why)

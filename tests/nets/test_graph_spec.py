@@ -507,6 +507,29 @@ def test_one_filter_for_every_channel_passes_the_channels(how):
     assert fused.model(x).shape == (4, 3)
 
 
+class _BlurSizedByAnother(nn.Module):
+    """A blur of one group's channels whose filter is expanded to another group's width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(1, 8, 3, padding=1), nn.Linear(16, 3)
+        self.register_buffer("filt", torch.full((1, 1, 3, 3), 1 / 9), persistent=False)
+
+    def forward(self, x):
+        h, g = F.relu(self.a(x)), F.relu(self.b(x))
+        c = g.shape[1]
+        h = F.conv2d(h, self.filt.expand(c, 1, 3, 3), groups=c)
+        return self.head(torch.cat([h.mean((2, 3)), g.mean((2, 3))], 1))
+
+
+def test_a_filter_sized_by_another_groups_width_fixes_both():
+    x = torch.randn(4, 1, 8, 8)
+    spec = spec_from_graph(_BlurSizedByAnother(), x[:1])
+    assert {spec.axes["a.weight"][0].group, spec.axes["b.weight"][0].group} == set(spec.fixed)
+    fused = bayesfuse.fuse([randomise(_BlurSizedByAnother(), seed) for seed in (1, 2, 3)], "pfnm", example_input=x[:1])
+    assert fused.sizes == [8, 8] and fused.model(x).shape == (4, 3)
+
+
 def test_a_filter_per_channel_that_differs_is_refused():
     """A stored filter whose rows differ filters each channel its own way: refused, not read as a blur."""
     model = randomise(_Blurred("stored"), 0)  # the filter's rows drawn apart

@@ -452,3 +452,61 @@ def test_networks_whose_every_unit_stays_in_place_are_averaged_not_matched():
     averaged = bayesfuse.fuse([model, other], "fedavg").model
     for name, p in averaged.named_parameters():
         assert torch.allclose(p, (model.get_parameter(name) + other.get_parameter(name)) / 2, atol=1e-6), name
+
+
+class _HeldNormed(nn.Module):
+    """A convolution and its batch norm whose channels the forward picks by their places (one as a
+    gate), before a convolution that is matched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.c1(x)))
+        return self.fc(F.relu(self.c2(h * h[:, :1])).mean((2, 3)))
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+def test_a_batch_norm_of_channels_held_in_place_is_folded_at_their_width(method):
+    x = torch.randn(4, 3, 8, 8)
+    model = randomise(_HeldNormed(), 0)
+    spec = spec_from_graph(model, x[:1])
+    assert {"c1", "bn"} <= set(spec.in_place) and spec.axes["c2.weight"][0] is not None
+    permuted = permuted_copy(model, spec, seed=1)
+    with torch.no_grad():
+        reference = model(x)
+        assert (
+            float((bayesfuse.fuse([model, permuted], method, example_input=x[:1]).model(x) - reference).abs().max())
+            < 1e-4
+        )
+        fused = bayesfuse.fuse([randomise(_HeldNormed(), s) for s in (1, 2, 3)], method, example_input=x[:1]).model
+        assert fused.c1.out_channels == 8 and fused(x).shape == (4, 3)
+
+
+class _GateReadLate(nn.Module):
+    """One unit of ``fc1`` read as a gate, before or after ``fc2`` reads all of them."""
+
+    def __init__(self, late: bool) -> None:
+        super().__init__()
+        self.late = late
+        self.fc1, self.fc2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        if self.late:
+            y = F.relu(self.fc2(h))
+            gate = h[:, 0:1]
+        else:
+            gate = h[:, 0:1]
+            y = F.relu(self.fc2(h))
+        return self.out(y * gate)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_in_place_names_the_layers_whose_units_are_held_whatever_the_order(late):
+    """``fc2`` reads the held units of ``fc1`` but its own are matched: it is not named, whether the
+    walk met it before the hold or after."""
+    spec = spec_from_graph(_GateReadLate(late), torch.zeros(1, 8))
+    assert set(spec.in_place) == {"fc1"} and spec.axes["fc2.weight"][0] is not None
