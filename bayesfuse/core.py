@@ -376,7 +376,8 @@ def _network_spec(states, names, spec, class_counts, *, matched: bool = True) ->
         entry, why = next(iter(spec.in_place.items()))
         raise ValueError(
             f"every hidden unit of the networks is held in place ({entry}: {why}; spec.in_place names all "
-            f"{len(spec.in_place)}), so there is nothing to match: fuse them with 'fedavg', which averages them in place"
+            f"{len(spec.in_place)}), so there is nothing to match: fuse them with 'fedavg', which averages them "
+            "in place"
         )
     if not spec.groups and matched:
         raise ValueError("the networks have no hidden units to match (no hidden layer)")

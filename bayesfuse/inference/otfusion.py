@@ -409,7 +409,7 @@ def ot_fuse_layerwise(
     folded = folded_entries(spec)
     state = {}
     client_maps = [_maps(walk, j) for j in range(J)]
-    for k, axes in spec.axes.items():
+    for k in spec.axes:
         ref = arrays[a_idx][k]
         if k in folded:
             bn, _, what = k.rpartition(".")

@@ -2611,7 +2611,7 @@ class _Walk:
         for var, why in self.pins:
             root = self.classes.tied_root(var)
 
-            def pinned(d) -> bool:
+            def pinned(d, root=root) -> bool:
                 return (
                     isinstance(d, tuple) and self.classes.tied_root(d[0]) == root and self.classes.find(d[0]) == _FIXED
                 )
