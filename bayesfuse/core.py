@@ -372,14 +372,14 @@ def _network_spec(states, names, spec, class_counts, *, matched: bool = True) ->
     method matches units, so the spec must have some (FedAvg averages entries as they are)."""
     if spec is None:
         spec = spec_for_state_dict_or_advice(states[0], names[0], like="spec=spec_from_module(model)")
-    if not spec.groups and spec.in_place and matched:
-        entry, why = next(iter(spec.in_place.items()))
-        raise ValueError(
-            f"every hidden unit of the networks is held in place ({entry}: {why}; spec.in_place names all "
-            f"{len(spec.in_place)}), so there is nothing to match: fuse them with 'fedavg', which averages them "
-            "in place"
-        )
-    if not spec.groups and matched:
+    if matched and not spec.groups:
+        if spec.in_place:
+            entry, why = next(iter(spec.in_place.items()))
+            raise ValueError(
+                f"every hidden unit of the networks is held in place ({entry}: {why}; spec.in_place names all "
+                f"{len(spec.in_place)}), so there is nothing to match: fuse them with 'fedavg', which averages them "
+                "in place"
+            )
         raise ValueError("the networks have no hidden units to match (no hidden layer)")
     if class_counts is not None and spec.output:
         class_share_matrix(class_counts, len(states), int(np.shape(spec.split(states[0])[spec.output[0]])[0]))

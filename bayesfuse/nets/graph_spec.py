@@ -1645,17 +1645,14 @@ class _Walk:
         if not rows_alike or self.number(groups) != channels or shape[0] != channels or shape[1] != 1:
             return False
 
-        def read(size) -> list:  # the permuted widths it is read off
-            return [a for a in (self.units_at(t, axis) for t, axis in self.widths_read(size)) if a is not None]
-
         def follows(size) -> bool:  # read off these channels' width
-            return any(self.classes.find(a[0]) == self.classes.find(units.var) for a in read(size))
+            return any(self.classes.find(v) == self.classes.find(units.var) for v in self.units_read(size))
 
         sizes = list(w.args[1:]) if expanded else []
         size = (sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else sizes or [None])[0]
-        for a in read(size) + read(groups):  # another group's width sizes this filter: it may not change
-            if self.classes.find(a[0]) != self.classes.find(units.var):
-                self.mark_fixed(a[0], f"{node.name} sizes a filter of other channels by their width")
+        for v in self.units_read(size) + self.units_read(groups):  # another group's width sizes it: kept
+            if self.classes.find(v) != self.classes.find(units.var):
+                self.mark_fixed(v, f"{node.name} sizes a filter of other channels by their width")
         if not (expanded and follows(size) and follows(groups)):
             self.mark_fixed(units.var, f"{node.name} filters them by {base.target}, one row per channel")
         self.labels[node] = units
@@ -2372,12 +2369,8 @@ class _Walk:
         ``math.sqrt(k.size(-1))``), is computed from where it scales a tensor: fusion would change
         the scale with the width. A width itself (``h.sum(-1) / h.shape[-1]``, a mean written by
         hand) follows the units as ``mean`` does."""
-        if not _rooted(value):
-            return
-        for x, axis in self.widths_read(value):
-            at = self.units_at(x, axis)
-            if at is not None:
-                self.mark_fixed(at[0], f"{what} computed as a root of their width, {value.name}")
+        if _rooted(value):
+            self.fix_widths_read(value, f"{what} computed as a root of their width, {value.name}")
 
     def decision(self, node, value) -> None:
         """A number the trace took at its example value (a branch's condition, ``int(n)``;
@@ -2391,12 +2384,8 @@ class _Walk:
         at another width the forward could take another branch. Only the number's own chain is
         read, up to the sizes it reads: a tensor's dtype or rank, or the widths that shaped a
         tensor whose other size it reads, are none of its."""
-        for x, axis in dict.fromkeys(self.widths_read(value, whole=True)):
-            at = self.units_at(x, axis)
-            if at is not None:
-                self.mark_fixed(
-                    at[0], f"the forward branches on (or takes int() of) a number read off their width ({value.name})"
-                )
+        why = f"the forward branches on (or takes int() of) a number read off their width ({value.name})"
+        self.fix_widths_read(value, why, whole=True)
 
     def binary(self, node, a, b) -> None:
         if _shape(node) is not None:  # a tensor: numbers computed from widths that scale it
@@ -2559,15 +2548,15 @@ class _Walk:
             if base is not None and base.op == "get_attr":
                 self.consumed.add((node, operand))
 
+    def axis_permuted(self, d) -> bool:
+        """Whether a permutation moves a recorded axis ``d`` (a piece of it, for :class:`_Cat`)."""
+        parts = d.parts if isinstance(d, _Cat) else (d,)
+        return any(isinstance(p, tuple) and p[0] is not None and self.classes.find(p[0]) != _FIXED for p in parts)
+
     def moved(self, entry: str) -> bool:
         """Whether a permutation moves ``entry`` (or a tensor it is tied to) along some axis."""
         names = next((together for together in self.tied if entry in together), [entry])
-        for name in names:
-            for d in self.axes.get(name, ()):
-                parts = d.parts if isinstance(d, _Cat) else (d,)
-                if any(isinstance(p, tuple) and p[0] is not None and self.classes.find(p[0]) != _FIXED for p in parts):
-                    return True
-        return False
+        return any(self.axis_permuted(d) for name in names for d in self.axes.get(name, ()))
 
     def check_unmoved(self, graph: fx.Graph) -> None:
         """Refuse a followed activation (one whose units the walk knows, a layer's output, what the
@@ -2604,10 +2593,6 @@ class _Walk:
         permuted axis at all (a table along the held units): a layer that reads held units and
         writes units of its own, which are matched, is not one, whenever the walk met the hold."""
         held: dict[str, str] = {}
-
-        def permuted(d) -> bool:
-            return isinstance(d, tuple) and d[0] is not None and self.classes.find(d[0]) != _FIXED
-
         for var, why in self.pins:
             root = self.classes.tied_root(var)
 
@@ -2619,7 +2604,7 @@ class _Walk:
             for entry, dims in self.axes.items():
                 rows = dims[1 if entry in self.transposed else 0] if dims else None
                 if entry in self.state_keys and (
-                    pinned(rows) or (any(map(pinned, dims)) and not any(map(permuted, dims)))
+                    pinned(rows) or (any(map(pinned, dims)) and not any(map(self.axis_permuted, dims)))
                 ):
                     layer, _, last = entry.rpartition(".")
                     held.setdefault(layer if layer and last in ("weight", "bias") else entry, why)
@@ -3447,9 +3432,9 @@ class _Walk:
                 return
         if where == "into" and self.permuted(f):  # units picked by their places: none may move
             self.hold_in_place(f.var, f"its forward indexes into them, {node.name}")
+        elif where is None and self.permuted(f):
+            self.fail(node, "indexing that moves the units' axis is not supported")
         if where is None or where == "into":
-            if self.permuted(f):
-                self.fail(node, "indexing that moves the units' axis is not supported")
             self.labels[node] = None
             return
         self.labels[node] = _Feature(f.var, int(where), f.outer, f.inner)
@@ -3509,12 +3494,9 @@ class _Walk:
         if shape_args is None or int(np.prod(src)) == 0:
             return
         for value in shape_args:
-            for x, axis in self.widths_read(value):
-                at = self.units_at(x, axis)
-                if at is not None:
-                    self.mark_fixed(
-                        at[0], f"its forward reshapes numbers no permutation moves to their width, {node.name}"
-                    )
+            self.fix_widths_read(
+                value, f"its forward reshapes numbers no permutation moves to their width, {node.name}"
+            )
 
     def reshape_units(self, node, a) -> None:
         """:meth:`reshape`'s labelling of the result."""
@@ -3650,6 +3632,17 @@ class _Walk:
     def mark_fixed(self, var: int, why: str) -> None:
         """Record that the forward fixes the width of ``var``'s units (:attr:`PermutationSpec.fixed`)."""
         self.fixed.append((var, why))
+
+    def units_read(self, a, *, whole: bool = False) -> list[int]:
+        """The variables of the permuted units whose widths the number ``a`` is computed from
+        (:meth:`widths_read`, :meth:`units_at`), each once."""
+        at = (self.units_at(x, axis) for x, axis in dict.fromkeys(self.widths_read(a, whole=whole)))
+        return list(dict.fromkeys(u[0] for u in at if u is not None))
+
+    def fix_widths_read(self, a, why: str, *, whole: bool = False) -> None:
+        """Fix the width of every permuted units the number ``a`` is computed from (:meth:`units_read`)."""
+        for var in self.units_read(a, whole=whole):
+            self.mark_fixed(var, why)
 
     def widths_read(self, a, *, whole: bool = False) -> list[tuple]:
         """The ``(tensor, axis)`` pairs whose sizes the number ``a`` (no tensor) is computed from
